@@ -1,0 +1,1 @@
+//! The engine: turns step plans into forward passes and sampled tokens.

@@ -1,0 +1,1 @@
+//! Chat templates rendered with minijinja (OWNED BY THE TOKENIZER HELPER).

@@ -1,0 +1,4 @@
+//! On-disk model formats.
+
+pub mod gguf;
+pub mod safetensors;

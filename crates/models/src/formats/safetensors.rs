@@ -1,0 +1,1 @@
+//! Hugging Face safetensors directories (OWNED BY THE HF HELPER).

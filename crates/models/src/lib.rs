@@ -1,0 +1,6 @@
+//! Model files, configs, tokenizers, chat templates and the architectures.
+
+pub mod chat_template;
+pub mod config;
+pub mod formats;
+pub mod tokenizer;

@@ -1,0 +1,1 @@
+//! Tokenizers from GGUF metadata or tokenizer.json (OWNED BY THE TOKENIZER HELPER).

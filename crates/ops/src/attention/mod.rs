@@ -1,0 +1,1 @@
+//! Attention over the paged KV cache (OWNED BY THE KV HELPER).

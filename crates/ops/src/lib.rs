@@ -1,0 +1,5 @@
+//! pagoda's ops. One module per op: the contract (shapes, dtypes, what is written in place)
+//! in its doc comment, the CPU reference beside it.
+
+pub mod attention;
+pub mod sampling;

@@ -1,0 +1,1 @@
+//! Token sampling (OWNED BY THE SAMPLING HELPER).

@@ -4,3 +4,4 @@ pub mod chat_template;
 pub mod config;
 pub mod formats;
 pub mod tokenizer;
+pub mod weights;

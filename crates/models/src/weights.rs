@@ -1,0 +1,55 @@
+//! The seam between model files and architectures.
+//!
+//! Every loader (GGUF, safetensors) exposes its tensors under the **canonical names**, which are
+//! GGUF's (`token_embd.weight`, `blk.{i}.attn_q.weight`, `output_norm.weight`, ...), with shapes
+//! in row-major order (outermost first: a weight applied as `y = W x` is `[out, in]`).
+
+use std::borrow::Cow;
+
+use pagoda_tensor::GgmlType;
+
+/// A tensor's bytes and how to read them.
+#[derive(Debug, Clone)]
+pub struct RawTensor<'a> {
+    pub ty: GgmlType,
+    /// Row-major shape, outermost first (`[out_features, in_features]` for a linear weight).
+    pub shape: Vec<usize>,
+    /// The stored bytes: borrowed from a memory map, or owned when the loader had to convert.
+    pub data: Cow<'a, [u8]>,
+}
+
+/// Where an architecture gets its weights from.
+pub trait TensorSource: Send + Sync {
+    /// The tensor stored under a canonical name, if present.
+    fn tensor(&self, name: &str) -> Option<RawTensor<'_>>;
+    /// Every canonical tensor name, for diagnostics.
+    fn tensor_names(&self) -> Vec<String>;
+}
+
+/// Canonical GGUF names of a decoder layer's tensors.
+pub mod names {
+    pub const TOKEN_EMBEDDING: &str = "token_embd.weight";
+    pub const OUTPUT_NORM: &str = "output_norm.weight";
+    pub const OUTPUT: &str = "output.weight";
+
+    /// `blk.{layer}.{suffix}`, e.g. `layer(3, "attn_q.weight")`.
+    pub fn layer(layer: usize, suffix: &str) -> String {
+        format!("blk.{layer}.{suffix}")
+    }
+
+    /// Per-layer suffixes: norms, projections, optional biases and q/k norms.
+    pub const ATTN_NORM: &str = "attn_norm.weight";
+    pub const ATTN_Q: &str = "attn_q.weight";
+    pub const ATTN_K: &str = "attn_k.weight";
+    pub const ATTN_V: &str = "attn_v.weight";
+    pub const ATTN_Q_BIAS: &str = "attn_q.bias";
+    pub const ATTN_K_BIAS: &str = "attn_k.bias";
+    pub const ATTN_V_BIAS: &str = "attn_v.bias";
+    pub const ATTN_Q_NORM: &str = "attn_q_norm.weight";
+    pub const ATTN_K_NORM: &str = "attn_k_norm.weight";
+    pub const ATTN_OUTPUT: &str = "attn_output.weight";
+    pub const FFN_NORM: &str = "ffn_norm.weight";
+    pub const FFN_GATE: &str = "ffn_gate.weight";
+    pub const FFN_UP: &str = "ffn_up.weight";
+    pub const FFN_DOWN: &str = "ffn_down.weight";
+}

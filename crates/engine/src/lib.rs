@@ -1,1 +1,12 @@
-//! The engine: turns step plans into forward passes and sampled tokens.
+//! The engine: admits requests, plans each step (prefill chunks and decode tokens under a token
+//! budget), runs one batched forward over the CSR page table, samples, and reports tokens.
+//!
+//! This is the foundation's runner for the CLI. The server's scheduler (continuous batching with
+//! preemption and prefix caching) builds on the same pieces: `pagoda_kv` for pages and the
+//! page table, [`pagoda_models::llama::Model::forward`] for the step.
+
+mod engine;
+mod load;
+
+pub use engine::{Engine, EngineConfig, EngineCounters, EngineError, FinishReason, RequestId, StepEvent};
+pub use load::{load_model, LoadOptions, LoadedModel, ModelSource};

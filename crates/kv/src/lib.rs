@@ -1,3 +1,16 @@
 //! Paged KV-cache bookkeeping: pure logic over integers, no tensors, no device.
 //!
-//! OWNED BY THE KV HELPER.
+//! - [`BlockPool`]: the pages, a free list and per-page refcounts.
+//! - [`BlockTable`]: one sequence's pages and token counters; hands out [`Slot`]s for new
+//!   tokens, forks and shares prefixes by refcount, copy-on-write for a shared partial page.
+//! - [`PageTable`]: the batch's CSR view (`indices`, `indptr`, `last_page_len`,
+//!   `first_page_offset`, plus `seq_lens`/`rope_offsets`) that attention reads, with a
+//!   validator for every invariant.
+
+pub mod block_table;
+pub mod page_table;
+pub mod pool;
+
+pub use block_table::{AppendError, BlockTable, BlockTableError, PageCopy, Slot};
+pub use page_table::{PageTable, PageTableError, PageTableRequest};
+pub use pool::{BlockPool, PageId, PoolError, DEFAULT_PAGE_SIZE};

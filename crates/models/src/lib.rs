@@ -3,5 +3,9 @@
 pub mod chat_template;
 pub mod config;
 pub mod formats;
+pub mod gguf_model;
+pub mod hf;
+pub mod llama;
 pub mod tokenizer;
 pub mod weights;
+

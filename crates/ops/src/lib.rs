@@ -1,5 +1,10 @@
 //! pagoda's ops. One module per op: the contract (shapes, dtypes, what is written in place)
 //! in its doc comment, the CPU reference beside it.
 
+pub mod activation;
 pub mod attention;
+pub mod linear;
+pub mod norm;
+pub mod rope;
 pub mod sampling;
+pub mod simd;

@@ -1,1 +1,378 @@
-//! Hugging Face safetensors directories (OWNED BY THE HF HELPER).
+//! Hugging Face safetensors checkpoints: one `model.safetensors`, or the shards listed by
+//! `model.safetensors.index.json`, memory-mapped and exposed under the canonical (GGUF)
+//! tensor names of [`crate::weights`].
+//!
+//! HF stores a linear weight as `[out_features, in_features]`, row-major, which is already the
+//! canonical convention, so shapes and bytes are passed through untouched. HF llama-family q/k
+//! rows are in rotate-half order, so a model loaded from here uses `RopeStyle::Halves`.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use pagoda_tensor::GgmlType;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::weights::{names, RawTensor, TensorSource};
+
+/// File name of a single-file checkpoint inside a model directory.
+pub const SINGLE_FILE_NAME: &str = "model.safetensors";
+/// File name of the shard index (`{"weight_map": {tensor name: shard file}}`).
+pub const INDEX_FILE_NAME: &str = "model.safetensors.index.json";
+
+/// Why a safetensors checkpoint could not be loaded. The message always names the file.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {kind}")]
+pub struct SafetensorsError {
+    /// The file (or directory) the problem is in.
+    pub path: PathBuf,
+    /// What is wrong, naming the tensor or field where there is one.
+    pub kind: String,
+}
+
+impl SafetensorsError {
+    fn new(path: &Path, kind: impl Into<String>) -> SafetensorsError {
+        SafetensorsError {
+            path: path.to_path_buf(),
+            kind: kind.into(),
+        }
+    }
+}
+
+/// One memory-mapped `.safetensors` file.
+struct Shard {
+    path: PathBuf,
+    mmap: Mmap,
+}
+
+/// Where one canonical tensor lives.
+#[derive(Debug, Clone)]
+struct TensorEntry {
+    hf_name: String,
+    shard: usize,
+    ty: GgmlType,
+    shape: Vec<usize>,
+    /// Byte range inside the shard's memory map (header already skipped).
+    start: usize,
+    end: usize,
+}
+
+/// A loaded safetensors checkpoint (one file or all shards), memory-mapped.
+///
+/// Only tensors whose HF name has a canonical equivalent ([`canonical_name`]) are served;
+/// the others (e.g. `rotary_emb.inv_freq` buffers of old checkpoints) are listed by
+/// [`SafetensorsWeights::unmapped_names`]. Every served tensor is F32, F16 or BF16 (checked
+/// at open). The bytes handed out are little-endian and borrowed from the map; they are
+/// aligned only as far as the file aligns them (the reference writer pads the header to 8
+/// bytes), so readers must not assume element alignment.
+pub struct SafetensorsWeights {
+    shards: Vec<Shard>,
+    tensors: BTreeMap<String, TensorEntry>,
+    unmapped: Vec<String>,
+}
+
+impl std::fmt::Debug for SafetensorsWeights {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SafetensorsWeights")
+            .field("shards", &self.shard_paths())
+            .field("num_tensors", &self.tensors.len())
+            .field("unmapped", &self.unmapped)
+            .finish()
+    }
+}
+
+impl SafetensorsWeights {
+    /// Loads the checkpoint of a HF model directory: `model.safetensors` if present
+    /// (as transformers does), else `model.safetensors.index.json` and its shards.
+    pub fn open_dir(dir: impl AsRef<Path>) -> Result<SafetensorsWeights, SafetensorsError> {
+        let dir = dir.as_ref();
+        let single = dir.join(SINGLE_FILE_NAME);
+        let index = dir.join(INDEX_FILE_NAME);
+        if single.is_file() {
+            SafetensorsWeights::open_file(&single)
+        } else if index.is_file() {
+            SafetensorsWeights::open_index(&index)
+        } else {
+            Err(SafetensorsError::new(
+                dir,
+                format!(
+                    "no weights found: neither {SINGLE_FILE_NAME} nor {INDEX_FILE_NAME} exists"
+                ),
+            ))
+        }
+    }
+
+    /// Loads a single `.safetensors` file.
+    pub fn open_file(path: impl AsRef<Path>) -> Result<SafetensorsWeights, SafetensorsError> {
+        let mut weights = SafetensorsWeights {
+            shards: Vec::new(),
+            tensors: BTreeMap::new(),
+            unmapped: Vec::new(),
+        };
+        weights.add_shard(path.as_ref(), None)?;
+        Ok(weights)
+    }
+
+    /// Loads a sharded checkpoint from its index file. Shard paths in `weight_map` are
+    /// relative to the index's directory; each must exist and must hold the tensors the
+    /// index assigns to it.
+    pub fn open_index(
+        index_path: impl AsRef<Path>,
+    ) -> Result<SafetensorsWeights, SafetensorsError> {
+        let index_path = index_path.as_ref();
+        let text = std::fs::read_to_string(index_path)
+            .map_err(|error| SafetensorsError::new(index_path, format!("cannot read: {error}")))?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|error| {
+            SafetensorsError::new(index_path, format!("malformed JSON: {error}"))
+        })?;
+        let weight_map = json
+            .get("weight_map")
+            .and_then(|value| value.as_object())
+            .ok_or_else(|| {
+                SafetensorsError::new(index_path, "field `weight_map` is missing or not an object")
+            })?;
+        let mut by_shard: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (tensor_name, shard) in weight_map {
+            let shard = shard.as_str().ok_or_else(|| {
+                SafetensorsError::new(
+                    index_path,
+                    format!("`weight_map.{tensor_name}` must be a file name string"),
+                )
+            })?;
+            if shard.contains("..") || Path::new(shard).is_absolute() {
+                return Err(SafetensorsError::new(
+                    index_path,
+                    format!("shard file name `{shard}` must be relative to the index's directory"),
+                ));
+            }
+            by_shard
+                .entry(shard.to_string())
+                .or_default()
+                .insert(tensor_name.clone());
+        }
+        if by_shard.is_empty() {
+            return Err(SafetensorsError::new(
+                index_path,
+                "`weight_map` lists no tensors",
+            ));
+        }
+        let dir = index_path.parent().unwrap_or(Path::new("."));
+        let mut weights = SafetensorsWeights {
+            shards: Vec::new(),
+            tensors: BTreeMap::new(),
+            unmapped: Vec::new(),
+        };
+        for (shard, listed) in &by_shard {
+            let shard_path = dir.join(shard);
+            if !shard_path.is_file() {
+                return Err(SafetensorsError::new(
+                    index_path,
+                    format!(
+                        "shard file {} listed in `weight_map` does not exist",
+                        shard_path.display()
+                    ),
+                ));
+            }
+            weights.add_shard(&shard_path, Some(listed))?;
+        }
+        Ok(weights)
+    }
+
+    /// Maps one file and registers its tensors. With `listed`, every listed name must be
+    /// in the file (tensors the index does not list are still loaded).
+    fn add_shard(
+        &mut self,
+        path: &Path,
+        listed: Option<&BTreeSet<String>>,
+    ) -> Result<(), SafetensorsError> {
+        let file = File::open(path)
+            .map_err(|error| SafetensorsError::new(path, format!("cannot open: {error}")))?;
+        // SAFETY: the map is read-only and lives as long as `self`; like every mmap-based
+        // loader we assume the checkpoint is not truncated or rewritten while it is open.
+        let mmap = unsafe { Mmap::map(&file) }
+            .map_err(|error| SafetensorsError::new(path, format!("cannot memory-map: {error}")))?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&mmap).map_err(|error| {
+            SafetensorsError::new(path, format!("invalid safetensors file: {error}"))
+        })?;
+        let data_start = 8 + header_len;
+        let shard_index = self.shards.len();
+        let infos = metadata.tensors();
+        if let Some(listed) = listed {
+            if let Some(missing) = listed.iter().find(|name| !infos.contains_key(*name)) {
+                return Err(SafetensorsError::new(
+                    path,
+                    format!("tensor `{missing}` is assigned to this shard by the index but is not in it"),
+                ));
+            }
+        }
+        let mut hf_names: Vec<&String> = infos.keys().collect();
+        hf_names.sort();
+        for hf_name in hf_names {
+            let info = infos[hf_name];
+            let Some(canonical) = canonical_name(hf_name) else {
+                self.unmapped.push(hf_name.clone());
+                continue;
+            };
+            let ty = ggml_type(info.dtype).ok_or_else(|| {
+                SafetensorsError::new(
+                    path,
+                    format!(
+                        "tensor `{hf_name}` has dtype {}; supported dtypes are F32, F16 and BF16",
+                        info.dtype
+                    ),
+                )
+            })?;
+            let (start, end) = info.data_offsets;
+            let entry = TensorEntry {
+                hf_name: hf_name.clone(),
+                shard: shard_index,
+                ty,
+                shape: info.shape.clone(),
+                start: data_start + start,
+                end: data_start + end,
+            };
+            if let Some(previous) = self.tensors.insert(canonical.clone(), entry) {
+                return Err(SafetensorsError::new(
+                    path,
+                    format!(
+                        "tensor `{hf_name}` (canonical `{canonical}`) is also stored in {}",
+                        self.shards[previous.shard].path.display()
+                    ),
+                ));
+            }
+        }
+        self.shards.push(Shard {
+            path: path.to_path_buf(),
+            mmap,
+        });
+        Ok(())
+    }
+
+    /// The HF name a canonical tensor was stored under.
+    pub fn hf_name(&self, canonical: &str) -> Option<&str> {
+        self.tensors
+            .get(canonical)
+            .map(|entry| entry.hf_name.as_str())
+    }
+
+    /// HF tensor names with no canonical equivalent; they are not served.
+    pub fn unmapped_names(&self) -> &[String] {
+        &self.unmapped
+    }
+
+    /// The memory-mapped files, in load order.
+    pub fn shard_paths(&self) -> Vec<&Path> {
+        self.shards
+            .iter()
+            .map(|shard| shard.path.as_path())
+            .collect()
+    }
+
+    /// Number of served (canonical) tensors.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Whether no tensor is served.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+}
+
+impl TensorSource for SafetensorsWeights {
+    fn tensor(&self, name: &str) -> Option<RawTensor<'_>> {
+        let entry = self.tensors.get(name)?;
+        // In bounds: the safetensors crate checked every offset against the buffer length.
+        let data = &self.shards[entry.shard].mmap[entry.start..entry.end];
+        Some(RawTensor {
+            ty: entry.ty,
+            shape: entry.shape.clone(),
+            data: Cow::Borrowed(data),
+        })
+    }
+
+    fn tensor_names(&self) -> Vec<String> {
+        self.tensors.keys().cloned().collect()
+    }
+}
+
+/// The storage type of a safetensors dtype, for the dtypes pagoda reads (F32, F16, BF16).
+pub fn ggml_type(dtype: Dtype) -> Option<GgmlType> {
+    match dtype {
+        Dtype::F32 => Some(GgmlType::F32),
+        Dtype::F16 => Some(GgmlType::F16),
+        Dtype::BF16 => Some(GgmlType::BF16),
+        _ => None,
+    }
+}
+
+/// The canonical (GGUF) name of a HF llama/mistral/qwen2/qwen3 tensor name, or `None` for a
+/// name pagoda does not use. E.g. `model.layers.3.self_attn.q_proj.weight` ->
+/// `blk.3.attn_q.weight`.
+pub fn canonical_name(hf_name: &str) -> Option<String> {
+    match hf_name {
+        "model.embed_tokens.weight" => return Some(names::TOKEN_EMBEDDING.to_string()),
+        "model.norm.weight" => return Some(names::OUTPUT_NORM.to_string()),
+        "lm_head.weight" => return Some(names::OUTPUT.to_string()),
+        _ => {}
+    }
+    let rest = hf_name.strip_prefix("model.layers.")?;
+    let (layer_text, suffix) = rest.split_once('.')?;
+    let layer: usize = layer_text.parse().ok()?;
+    // Reject spellings such as `01` or `+1` that would alias another layer.
+    if layer.to_string() != layer_text {
+        return None;
+    }
+    let canonical_suffix = match suffix {
+        "input_layernorm.weight" => names::ATTN_NORM,
+        "self_attn.q_proj.weight" => names::ATTN_Q,
+        "self_attn.k_proj.weight" => names::ATTN_K,
+        "self_attn.v_proj.weight" => names::ATTN_V,
+        "self_attn.o_proj.weight" => names::ATTN_OUTPUT,
+        "self_attn.q_proj.bias" => names::ATTN_Q_BIAS,
+        "self_attn.k_proj.bias" => names::ATTN_K_BIAS,
+        "self_attn.v_proj.bias" => names::ATTN_V_BIAS,
+        "self_attn.o_proj.bias" => "attn_output.bias",
+        "self_attn.q_norm.weight" => names::ATTN_Q_NORM,
+        "self_attn.k_norm.weight" => names::ATTN_K_NORM,
+        "post_attention_layernorm.weight" => names::FFN_NORM,
+        "mlp.gate_proj.weight" => names::FFN_GATE,
+        "mlp.up_proj.weight" => names::FFN_UP,
+        "mlp.down_proj.weight" => names::FFN_DOWN,
+        _ => return None,
+    };
+    Some(names::layer(layer, canonical_suffix))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_every_layer_suffix() {
+        assert_eq!(
+            canonical_name("model.layers.12.mlp.down_proj.weight").as_deref(),
+            Some("blk.12.ffn_down.weight")
+        );
+        assert_eq!(
+            canonical_name("model.layers.0.self_attn.k_norm.weight").as_deref(),
+            Some("blk.0.attn_k_norm.weight")
+        );
+        assert_eq!(
+            canonical_name("model.layers.1.self_attn.v_proj.bias").as_deref(),
+            Some("blk.1.attn_v.bias")
+        );
+        assert_eq!(
+            canonical_name("lm_head.weight").as_deref(),
+            Some("output.weight")
+        );
+        assert_eq!(canonical_name("model.layers.01.mlp.up_proj.weight"), None);
+        assert_eq!(
+            canonical_name("model.layers.0.self_attn.rotary_emb.inv_freq"),
+            None
+        );
+        assert_eq!(canonical_name("model.layers.x.mlp.up_proj.weight"), None);
+    }
+}

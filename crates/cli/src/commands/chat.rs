@@ -1,0 +1,106 @@
+//! `pagoda chat`: an interactive conversation that keeps its history.
+
+use std::io::{BufRead, IsTerminal, Write};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use pagoda_models::chat_template::ChatMessage;
+
+use crate::commands::generate::stream_completion;
+use crate::common::{self, ModelArgs, SamplingArgs};
+
+/// Flags of `pagoda chat`.
+#[derive(Args, Debug)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// System message.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Tokens to generate at most per reply.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 512)]
+    pub max_tokens: usize,
+}
+
+/// Runs `pagoda chat`. Lines typed are user messages; `/reset` clears the history, `/exit` or
+/// end of input quits.
+pub fn run(args: ChatArgs) -> Result<()> {
+    let params = args.sampling.params()?;
+    let loaded = common::load(&args.model)?;
+    let ctx = common::context_size(&args.model, &loaded)?;
+    let template = loaded.chat_template;
+    let tokenizer = loaded.tokenizer;
+    let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
+    let interactive = std::io::stdin().is_terminal();
+    let system: Vec<ChatMessage> = args.system.iter().map(|s| ChatMessage::new("system", s)).collect();
+    let mut history = system.clone();
+    if interactive {
+        eprintln!("pagoda chat: type a message; /reset clears the history, /exit or Ctrl-D quits.");
+    }
+    let stdin = std::io::stdin();
+    let mut lines = stdin.lock().lines();
+    loop {
+        if interactive {
+            eprint!("> ");
+            std::io::stderr().flush()?;
+        }
+        let Some(line) = lines.next() else { break };
+        let line = line.context("reading standard input")?;
+        let message = line.trim();
+        match message {
+            "" => continue,
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                history = system.clone();
+                eprintln!("(history cleared)");
+                continue;
+            }
+            _ => {}
+        }
+        history.push(ChatMessage::new("user", message));
+        let prompt = template.render(&history, true).map_err(|e| anyhow::anyhow!("chat template: {e}"))?;
+        let prompt_ids = tokenizer.encode(&prompt, true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        if prompt_ids.len() + 1 > ctx {
+            eprintln!("the conversation ({} tokens) no longer fits the context of {ctx}; /reset to start over", prompt_ids.len());
+            history.pop();
+            continue;
+        }
+        let max_tokens = args.max_tokens.min(ctx - prompt_ids.len());
+        let mut reply = Vec::new();
+        let mut tee = Tee { sink: std::io::stdout(), copy: &mut reply };
+        let stats = stream_completion(
+            &mut engine,
+            &tokenizer,
+            prompt_ids,
+            params.clone(),
+            max_tokens,
+            tokenizer.end_of_generation_ids(),
+            &mut tee,
+        )?;
+        println!();
+        if interactive {
+            stats.report();
+        }
+        history.push(ChatMessage::new("assistant", String::from_utf8_lossy(&reply).trim()));
+    }
+    Ok(())
+}
+
+/// Writes to `sink` and keeps a copy.
+struct Tee<'a, W: Write> {
+    sink: W,
+    copy: &'a mut Vec<u8>,
+}
+
+impl<W: Write> Write for Tee<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.copy.extend_from_slice(buf);
+        self.sink.write_all(buf)?;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.sink.flush()
+    }
+}

@@ -1,0 +1,156 @@
+//! `pagoda generate`: one prompt in, streamed text out.
+
+use std::io::{IsTerminal, Read, Write};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use pagoda_engine::Engine;
+use pagoda_models::chat_template::ChatMessage;
+use pagoda_models::tokenizer::Tokenizer;
+use pagoda_ops::sampling::SamplingParams;
+
+use crate::common::{self, ModelArgs, SamplingArgs};
+
+/// Flags of `pagoda generate`.
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// The prompt. Without it, the prompt is read from standard input.
+    #[arg(short = 'p', long)]
+    pub prompt: Option<String>,
+    /// Tokens to generate at most.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Treat the prompt as a user message and apply the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message for --chat.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Keep generating past end-of-generation tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+/// Runs `pagoda generate`.
+pub fn run(args: GenerateArgs) -> Result<()> {
+    if args.max_tokens == 0 {
+        bail!("-n must be at least 1");
+    }
+    let params = args.sampling.params()?;
+    let prompt = match &args.prompt {
+        Some(p) => p.clone(),
+        None => read_stdin_prompt()?,
+    };
+    let loaded = common::load(&args.model)?;
+    let ctx = common::context_size(&args.model, &loaded)?;
+    let text = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(ChatMessage::new("system", system));
+        }
+        messages.push(ChatMessage::new("user", &prompt));
+        loaded.chat_template.render(&messages, true).map_err(|e| anyhow::anyhow!("chat template: {e}"))?
+    } else {
+        prompt
+    };
+    let tokenizer = loaded.tokenizer;
+    let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
+    let prompt_ids = tokenizer.encode(&text, true).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+    let stop = if args.ignore_eos { Vec::new() } else { tokenizer.end_of_generation_ids() };
+    let stats = stream_completion(&mut engine, &tokenizer, prompt_ids, params, args.max_tokens, stop, &mut std::io::stdout())?;
+    eprintln!();
+    stats.report();
+    Ok(())
+}
+
+fn read_stdin_prompt() -> Result<String> {
+    let stdin = std::io::stdin();
+    if stdin.is_terminal() {
+        bail!("no prompt: pass -p PROMPT or pipe the prompt on standard input");
+    }
+    let mut prompt = String::new();
+    stdin.lock().read_to_string(&mut prompt).context("reading the prompt from standard input")?;
+    if prompt.is_empty() {
+        bail!("the prompt read from standard input is empty");
+    }
+    Ok(prompt)
+}
+
+/// Timings of one completion.
+pub struct CompletionStats {
+    pub prompt_tokens: usize,
+    pub prompt_seconds: f64,
+    pub generated_tokens: usize,
+    pub decode_seconds: f64,
+}
+
+impl CompletionStats {
+    /// Prints prompt and decode throughput to stderr.
+    pub fn report(&self) {
+        let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+        // The first generated token is produced by the prefill step; decode covers the rest.
+        let decode_tokens = self.generated_tokens.saturating_sub(1);
+        eprintln!(
+            "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s",
+            self.prompt_tokens,
+            rate(self.prompt_tokens, self.prompt_seconds),
+            decode_tokens,
+            rate(decode_tokens, self.decode_seconds)
+        );
+    }
+}
+
+/// Runs one request to completion, writing text to `out` as it is produced.
+pub fn stream_completion(
+    engine: &mut Engine,
+    tokenizer: &Tokenizer,
+    prompt_ids: Vec<u32>,
+    params: SamplingParams,
+    max_tokens: usize,
+    stop: Vec<u32>,
+    out: &mut dyn Write,
+) -> Result<CompletionStats> {
+    let prompt_tokens = prompt_ids.len();
+    let request = engine.add_request(prompt_ids, params, max_tokens, stop.clone(), false)?;
+    if let Some(seed) = engine.seed_of(request) {
+        tracing::info!("sampling seed: {seed}");
+    }
+    let mut decoder = tokenizer.stream_decoder();
+    let started = Instant::now();
+    let mut first_token_at = None;
+    let mut generated_tokens = 0usize;
+    'outer: loop {
+        let events = engine.step()?;
+        for event in events {
+            if first_token_at.is_none() {
+                first_token_at = Some(Instant::now());
+            }
+            generated_tokens += 1;
+            // End-of-generation tokens are not printed.
+            if !stop.contains(&event.token) {
+                out.write_all(decoder.push(event.token).as_bytes())?;
+                out.flush()?;
+            }
+            if event.finished.is_some() {
+                break 'outer;
+            }
+        }
+        if engine.num_running() == 0 {
+            break;
+        }
+    }
+    out.write_all(decoder.finish().as_bytes())?;
+    out.flush()?;
+    let first = first_token_at.unwrap_or_else(Instant::now);
+    Ok(CompletionStats {
+        prompt_tokens,
+        prompt_seconds: (first - started).as_secs_f64(),
+        generated_tokens,
+        decode_seconds: first.elapsed().as_secs_f64(),
+    })
+}

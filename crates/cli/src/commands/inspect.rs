@@ -1,0 +1,123 @@
+//! `pagoda inspect`: what a model file holds and what it needs.
+
+use std::collections::BTreeMap;
+
+use anyhow::Result;
+use clap::Args;
+use pagoda_engine::ModelSource;
+use pagoda_models::formats::gguf::{GgufFile, MetadataValue};
+use pagoda_models::gguf_model::config_from_gguf;
+use pagoda_models::hf::HfModelDir;
+
+use crate::common;
+
+/// Flags of `pagoda inspect`.
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// Model: a .gguf file or a Hugging Face directory (default: the embedded model).
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<std::path::PathBuf>,
+    /// Context size to compute the KV-cache memory for.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    pub ctx_size: usize,
+    /// List every tensor.
+    #[arg(long)]
+    pub tensors: bool,
+}
+
+/// Runs `pagoda inspect`.
+pub fn run(args: InspectArgs) -> Result<()> {
+    let source = common::resolve_model(&args.model)?;
+    println!("model: {}", source.path().display());
+    let (config, tensors) = match &source {
+        ModelSource::Gguf(path) => {
+            let file = GgufFile::open(path)?;
+            println!("format: GGUF v{} (alignment {})", file.version, file.alignment);
+            println!("metadata:");
+            for (key, value) in &file.metadata {
+                println!("  {key} = {}", summarize(value));
+            }
+            let config = config_from_gguf(&file).map_err(anyhow::Error::msg)?;
+            let tensors: Vec<(String, String, Vec<usize>, usize)> = file
+                .tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.ty.name(), t.dims.iter().rev().map(|&d| d as usize).collect(), t.n_bytes as usize))
+                .collect();
+            (config, tensors)
+        }
+        ModelSource::HfDir(dir) => {
+            let hf = HfModelDir::open(dir)?;
+            println!("format: Hugging Face directory");
+            let mut tensors = Vec::new();
+            for name in pagoda_models::weights::TensorSource::tensor_names(&hf.weights) {
+                if let Some(t) = pagoda_models::weights::TensorSource::tensor(&hf.weights, &name) {
+                    tensors.push((name, t.ty.name(), t.shape.clone(), t.data.len()));
+                }
+            }
+            (hf.config, tensors)
+        }
+    };
+    println!("architecture: {:?}", config.architecture);
+    println!(
+        "shape: {} layers, hidden {}, {} heads / {} KV heads x {}, FFN {}, vocab {}, context {}",
+        config.num_layers,
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+        config.max_position_embeddings
+    );
+    let mut by_type: BTreeMap<String, (usize, usize)> = BTreeMap::new();
+    let mut parameters = 0usize;
+    let mut bytes = 0usize;
+    for (_, ty, shape, n_bytes) in &tensors {
+        let entry = by_type.entry(ty.clone()).or_default();
+        entry.0 += 1;
+        entry.1 += n_bytes;
+        parameters += shape.iter().product::<usize>();
+        bytes += n_bytes;
+    }
+    println!("tensors: {} ({})", tensors.len(), by_type.iter().map(|(t, (n, _))| format!("{n} {t}")).collect::<Vec<_>>().join(", "));
+    println!("parameters: {} ({:.1} M)", parameters, parameters as f64 / 1e6);
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    println!("weights: {:.1} MiB as stored, {:.1} MiB in exact (f32) mode", mib(bytes), mib(parameters * 4));
+    let kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4;
+    println!(
+        "KV cache (f32): {} bytes per token, {:.1} MiB for a context of {}",
+        kv_per_token,
+        mib(kv_per_token * args.ctx_size),
+        args.ctx_size
+    );
+    println!("memory for context {}: {:.1} MiB (weights as stored + KV)", args.ctx_size, mib(bytes + kv_per_token * args.ctx_size));
+    if args.tensors {
+        for (name, ty, shape, n_bytes) in &tensors {
+            println!("  {name:40} {ty:6} {shape:?} {n_bytes} bytes");
+        }
+    }
+    Ok(())
+}
+
+fn summarize(value: &MetadataValue) -> String {
+    match value {
+        MetadataValue::String(s) if s.len() > 120 => format!("{:?}... ({} chars)", s.chars().take(100).collect::<String>(), s.chars().count()),
+        MetadataValue::String(s) => format!("{s:?}"),
+        MetadataValue::Array(items) if items.len() > 8 => {
+            let head: Vec<String> = items.iter().take(4).map(summarize).collect();
+            format!("[{}, ...] ({} items)", head.join(", "), items.len())
+        }
+        MetadataValue::Array(items) => format!("[{}]", items.iter().map(summarize).collect::<Vec<_>>().join(", ")),
+        MetadataValue::U8(v) => v.to_string(),
+        MetadataValue::I8(v) => v.to_string(),
+        MetadataValue::U16(v) => v.to_string(),
+        MetadataValue::I16(v) => v.to_string(),
+        MetadataValue::U32(v) => v.to_string(),
+        MetadataValue::I32(v) => v.to_string(),
+        MetadataValue::U64(v) => v.to_string(),
+        MetadataValue::I64(v) => v.to_string(),
+        MetadataValue::F32(v) => v.to_string(),
+        MetadataValue::F64(v) => v.to_string(),
+        MetadataValue::Bool(v) => v.to_string(),
+    }
+}

@@ -1,0 +1,6 @@
+//! One module per subcommand.
+
+pub mod bench;
+pub mod chat;
+pub mod generate;
+pub mod inspect;

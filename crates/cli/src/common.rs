@@ -1,0 +1,207 @@
+//! Flags and helpers shared by the subcommands: model resolution and loading, sampling flags,
+//! engine sizing.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, LoadedModel, ModelSource};
+use pagoda_models::llama::{Model, WeightPrecision};
+use pagoda_ops::attention::AttentionPath;
+use pagoda_ops::sampling::SamplingParams;
+
+/// File name of the default model under `models/`.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Flags that choose and size the model.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Model: a .gguf file or a Hugging Face directory. Default: the embedded SmolLM2-135M-Instruct
+    /// (models/SmolLM2-135M-Instruct.Q4_1.gguf; `scripts/fetch-model.sh` fetches it), or $PAGODA_MODEL.
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<PathBuf>,
+    /// Exact mode: weights dequantized to f32, f32 activations and KV (for parity checks).
+    #[arg(long)]
+    pub exact: bool,
+    /// Context size in tokens (prompt + generated). Default: the model's, at most 4096.
+    #[arg(short = 'c', long = "ctx-size")]
+    pub ctx_size: Option<usize>,
+    /// Worker threads. Default: all cores.
+    #[arg(short = 't', long = "threads")]
+    pub threads: Option<usize>,
+    /// Tokens per KV-cache page.
+    #[arg(long, default_value_t = 16)]
+    pub page_size: usize,
+    /// CPU attention path: `split-kv` (the default, the CPU twin of the GPU kernel) or `gather`
+    /// (gather-then-attend reference). Also $PAGODA_ATTENTION.
+    #[arg(long)]
+    pub attention: Option<String>,
+}
+
+/// Sampling flags (llama.cpp spellings).
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
+    /// Temperature; 0 = greedy.
+    #[arg(long = "temp", default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Keep the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches p (1 = off).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than min_p times the most likely (0 = off).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Repetition penalty (1 = off).
+    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// OpenAI-style frequency penalty.
+    #[arg(long, default_value_t = 0.0)]
+    pub frequency_penalty: f32,
+    /// OpenAI-style presence penalty.
+    #[arg(long, default_value_t = 0.0)]
+    pub presence_penalty: f32,
+    /// Random seed (default: random, printed with -v).
+    #[arg(short = 's', long)]
+    pub seed: Option<u64>,
+}
+
+impl SamplingArgs {
+    /// The validated sampling parameters.
+    pub fn params(&self) -> Result<SamplingParams> {
+        let params = SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            seed: self.seed,
+            ..SamplingParams::default()
+        };
+        if let Err(message) = params.validate() {
+            bail!("invalid sampling flags: {message}");
+        }
+        Ok(params)
+    }
+}
+
+/// Sets up logging to stderr (INFO by default so one-time path lines show with -v only).
+pub fn init_logging(verbose: u8) {
+    let default = match verbose {
+        0 => "warn",
+        1 => "info",
+        2 => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+}
+
+/// The model to use: the flag, $PAGODA_MODEL, or the default model under `models/`.
+pub fn resolve_model(arg: &Option<PathBuf>) -> Result<ModelSource> {
+    if let Some(path) = arg {
+        return ModelSource::from_path(path).map_err(anyhow::Error::msg);
+    }
+    if let Some(path) = std::env::var_os("PAGODA_MODEL") {
+        return ModelSource::from_path(Path::new(&path)).map_err(anyhow::Error::msg).context("$PAGODA_MODEL");
+    }
+    let mut candidates = vec![PathBuf::from("models").join(DEFAULT_MODEL_FILE)];
+    if let Ok(exe) = std::env::current_exe() {
+        // target/{debug,release}/pagoda -> <repo>/models
+        for ancestor in exe.ancestors().skip(1).take(4) {
+            candidates.push(ancestor.join("models").join(DEFAULT_MODEL_FILE));
+        }
+    }
+    match candidates.iter().find(|p| p.is_file()) {
+        Some(path) => Ok(ModelSource::Gguf(path.clone())),
+        None => bail!(
+            "no model given and the default model ({DEFAULT_MODEL_FILE}) is not under ./models; \
+             run `scripts/fetch-model.sh` to fetch it, or pass -m MODEL"
+        ),
+    }
+}
+
+/// Applies the thread-count flag to the global pool.
+pub fn configure_threads(threads: Option<usize>) -> Result<()> {
+    if let Some(n) = threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring the thread pool")?;
+    }
+    Ok(())
+}
+
+/// The attention path from the flag or $PAGODA_ATTENTION.
+pub fn attention_path(arg: &Option<String>) -> Result<AttentionPath> {
+    let from_env = std::env::var("PAGODA_ATTENTION").ok();
+    let choice = arg.clone().or(from_env);
+    match choice.as_deref() {
+        None | Some("split-kv") | Some("split_kv") | Some("auto") => Ok(AttentionPath::SplitKv),
+        Some("gather") => Ok(AttentionPath::Gather),
+        Some(other) => bail!("unknown attention path `{other}` (use split-kv or gather)"),
+    }
+}
+
+/// Loads the model with a progress bar on stderr (hidden when stderr is not a terminal).
+pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
+    configure_threads(args.threads)?;
+    let source = resolve_model(&args.model)?;
+    let started = Instant::now();
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("loading {msg} [{bar:30}] {pos}/{len} layers")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(source.path().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+    let precision = if args.exact { WeightPrecision::F32 } else { WeightPrecision::AsStored };
+    let loaded = load_model(&source, LoadOptions { precision }, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })
+    .map_err(anyhow::Error::msg)?;
+    bar.finish_and_clear();
+    tracing::info!(
+        "loaded {} in {:.2}s ({} weights, {:.1} MiB)",
+        source.path().display(),
+        started.elapsed().as_secs_f64(),
+        if args.exact { "f32" } else { "as stored" },
+        loaded.model.weight_bytes() as f64 / (1 << 20) as f64
+    );
+    Ok(loaded)
+}
+
+/// The context size to use: the flag (bounded by the model) or min(model, 4096).
+pub fn context_size(args: &ModelArgs, loaded: &LoadedModel) -> Result<usize> {
+    let model_max = loaded.model.config().max_position_embeddings;
+    match args.ctx_size {
+        Some(0) => bail!("--ctx-size must be positive"),
+        Some(n) if n > model_max => bail!("--ctx-size {n} exceeds the model's context length {model_max}"),
+        Some(n) => Ok(n),
+        None => Ok(model_max.min(4096)),
+    }
+}
+
+/// Builds an engine for `parallel` concurrent sequences of up to `ctx` tokens each.
+pub fn engine(model: Model, args: &ModelArgs, ctx: usize, parallel: usize) -> Result<Engine> {
+    if args.page_size == 0 || args.page_size > 1024 {
+        bail!("--page-size must be between 1 and 1024");
+    }
+    let pages_per_sequence = ctx.div_ceil(args.page_size);
+    let config = EngineConfig {
+        page_size: args.page_size,
+        num_pages: pages_per_sequence * parallel.max(1),
+        max_batch_tokens: 512,
+        max_context: ctx,
+        attention_path: attention_path(&args.attention)?,
+    };
+    tracing::info!("attention path: {}", config.attention_path.name());
+    Engine::new(model, config).map_err(anyhow::Error::msg)
+}

@@ -1,0 +1,364 @@
+//! The llama family forward pass (Llama 2/3, SmolLM2, Mistral) and its Qwen2 (q/k/v bias) and
+//! Qwen3 (per-head q/k RMSNorm) variants, on the CPU, over the paged KV cache.
+//!
+//! One call runs a ragged batch: several requests, each contributing one or more new tokens
+//! (prefill chunks and decode tokens alike), all through the same CSR page table.
+
+use pagoda_kv::{PageTable, Slot};
+use pagoda_ops::activation::{add_bias, add_in_place, silu_mul};
+use pagoda_ops::attention::{
+    self, plan_decode, AttentionError, AttentionPath, DecodePlan, DecodePlanConfig, KvLayout, PagedKv, QueryBatch,
+};
+use pagoda_ops::linear::Weight;
+use pagoda_ops::norm::{rms_norm, rms_norm_in_place};
+use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
+use pagoda_tensor::GgmlType;
+
+use crate::config::{Architecture, ModelConfig, RopeStyle};
+use crate::weights::{names, RawTensor, TensorSource};
+
+/// How weights are held in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightPrecision {
+    /// As stored in the file (quantized blocks stay quantized; decoded row by row).
+    AsStored,
+    /// Every weight dequantized to f32 at load (the `--exact` parity mode).
+    F32,
+}
+
+/// The weights of one decoder layer.
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
+    q_bias: Option<Vec<f32>>,
+    k_bias: Option<Vec<f32>>,
+    v_bias: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    ffn_norm: Vec<f32>,
+    w_gate: Weight,
+    w_up: Weight,
+    w_down: Weight,
+}
+
+/// A loaded model, ready to run forward passes.
+pub struct Model {
+    config: ModelConfig,
+    embedding: Weight,
+    layers: Vec<Layer>,
+    output_norm: Vec<f32>,
+    /// `None` when the LM head is tied to the embedding.
+    lm_head: Option<Weight>,
+    rope: Rope,
+}
+
+/// Why a model could not be built from its tensors.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct LoadError(pub String);
+
+/// The per-layer K/V storage: for each layer, a K pool and a V pool laid out
+/// `[num_pages, page_size, num_kv_heads, head_dim]` f32.
+pub struct KvCache {
+    pub layout: KvLayout,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl KvCache {
+    /// Zero-filled pools for `num_layers` layers.
+    pub fn new(num_layers: usize, layout: KvLayout) -> KvCache {
+        let elements = layout.pool_len();
+        KvCache {
+            layout,
+            k: (0..num_layers).map(|_| vec![0f32; elements]).collect(),
+            v: (0..num_layers).map(|_| vec![0f32; elements]).collect(),
+        }
+    }
+
+    /// Bytes held by the pools.
+    pub fn size_bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * self.layout.pool_len() * 4
+    }
+}
+
+/// One ragged batch of new tokens.
+///
+/// Request `r` contributes tokens `qo_indptr[r]..qo_indptr[r+1]`; their K/V go to `slots` (physical
+/// token index `page * page_size + offset`), and `page_table` row `r` covers every visible token
+/// of the request *including* these new ones.
+pub struct ForwardBatch<'a> {
+    /// `[num_tokens]` token ids.
+    pub tokens: &'a [u32],
+    /// `[num_tokens]` absolute positions.
+    pub positions: &'a [u32],
+    /// `[num_tokens]` KV slots.
+    pub slots: &'a [Slot],
+    /// `[num_requests + 1]` token ranges per request.
+    pub qo_indptr: &'a [u32],
+    /// The CSR page table of the requests.
+    pub page_table: &'a PageTable,
+    /// Indices (into `tokens`) whose logits are returned, in order.
+    pub logits_for: &'a [usize],
+}
+
+impl Model {
+    /// Builds the model from canonical tensors. Validates every shape against `config`.
+    pub fn load(config: ModelConfig, source: &dyn TensorSource, precision: WeightPrecision) -> Result<Model, LoadError> {
+        Model::load_with_progress(config, source, precision, &mut |_, _| {})
+    }
+
+    /// [`Model::load`], calling `progress(layers_done, num_layers + 1)` as it goes.
+    pub fn load_with_progress(
+        config: ModelConfig,
+        source: &dyn TensorSource,
+        precision: WeightPrecision,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Model, LoadError> {
+        config.validate().map_err(LoadError)?;
+        let c = &config;
+        let q_dim = c.num_attention_heads * c.head_dim;
+        let kv_dim = c.num_kv_heads * c.head_dim;
+        let matrix = |name: &str, rows: usize, cols: usize| load_matrix(source, name, rows, cols, precision);
+        let vector = |name: &str, len: usize| load_vector(source, name, len);
+        let optional_vector = |name: &str, len: usize| -> Result<Option<Vec<f32>>, LoadError> {
+            if source.tensor(name).is_some() {
+                vector(name, len).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for i in 0..c.num_layers {
+            let n = |suffix: &str| names::layer(i, suffix);
+            let layer = Layer {
+                attn_norm: vector(&n(names::ATTN_NORM), c.hidden_size)?,
+                wq: matrix(&n(names::ATTN_Q), q_dim, c.hidden_size)?,
+                wk: matrix(&n(names::ATTN_K), kv_dim, c.hidden_size)?,
+                wv: matrix(&n(names::ATTN_V), kv_dim, c.hidden_size)?,
+                wo: matrix(&n(names::ATTN_OUTPUT), c.hidden_size, q_dim)?,
+                q_bias: optional_vector(&n(names::ATTN_Q_BIAS), q_dim)?,
+                k_bias: optional_vector(&n(names::ATTN_K_BIAS), kv_dim)?,
+                v_bias: optional_vector(&n(names::ATTN_V_BIAS), kv_dim)?,
+                q_norm: optional_vector(&n(names::ATTN_Q_NORM), c.head_dim)?,
+                k_norm: optional_vector(&n(names::ATTN_K_NORM), c.head_dim)?,
+                ffn_norm: vector(&n(names::FFN_NORM), c.hidden_size)?,
+                w_gate: matrix(&n(names::FFN_GATE), c.intermediate_size, c.hidden_size)?,
+                w_up: matrix(&n(names::FFN_UP), c.intermediate_size, c.hidden_size)?,
+                w_down: matrix(&n(names::FFN_DOWN), c.hidden_size, c.intermediate_size)?,
+            };
+            if c.architecture == Architecture::Qwen3 && (layer.q_norm.is_none() || layer.k_norm.is_none()) {
+                return Err(LoadError(format!("qwen3 layer {i} lacks attn_q_norm/attn_k_norm")));
+            }
+            layers.push(layer);
+            progress(i + 1, c.num_layers + 1);
+        }
+        // The embedding is gathered row by row; keep it as stored unless exact mode asks for f32.
+        let embedding = matrix(names::TOKEN_EMBEDDING, c.vocab_size, c.hidden_size)?;
+        let lm_head = if c.tie_word_embeddings && source.tensor(names::OUTPUT).is_none() {
+            None
+        } else {
+            Some(matrix(names::OUTPUT, c.vocab_size, c.hidden_size)?)
+        };
+        let frequency_factors = match source.tensor("rope_freqs.weight") {
+            Some(_) => Some(load_vector(source, "rope_freqs.weight", c.rope_dim / 2)?),
+            None => c.rope_scaling.map(|s| {
+                Llama3Scaling {
+                    factor: s.factor,
+                    low_freq_factor: s.low_freq_factor,
+                    high_freq_factor: s.high_freq_factor,
+                    original_max_position_embeddings: s.original_max_position_embeddings,
+                }
+                .frequency_factors(c.rope_theta, c.rope_dim)
+            }),
+        };
+        let pairing = match c.rope_style {
+            RopeStyle::Interleaved => RopePairing::Interleaved,
+            RopeStyle::Halves => RopePairing::Halves,
+        };
+        let rope = Rope::new(c.rope_theta, c.rope_dim, frequency_factors.as_deref(), pairing);
+        progress(c.num_layers + 1, c.num_layers + 1);
+        Ok(Model {
+            output_norm: vector(names::OUTPUT_NORM, c.hidden_size)?,
+            config,
+            embedding,
+            layers,
+            lm_head,
+            rope,
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Bytes held by the weights.
+    pub fn weight_bytes(&self) -> usize {
+        let layer_bytes: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|w| w.size_bytes()).sum::<usize>()
+            })
+            .sum();
+        layer_bytes + self.embedding.size_bytes() + self.lm_head.as_ref().map_or(0, |w| w.size_bytes())
+    }
+
+    /// The KV layout this model needs for a pool of `num_pages` pages.
+    pub fn kv_layout(&self, num_pages: usize, page_size: usize) -> KvLayout {
+        KvLayout { num_pages, page_size, num_kv_heads: self.config.num_kv_heads, head_dim: self.config.head_dim }
+    }
+
+    /// Runs the batch: writes each new token's K/V into `kv` and returns the logits of the
+    /// tokens listed in `batch.logits_for`, `[logits_for.len(), vocab_size]`.
+    ///
+    /// `path` is the preferred attention path; split-KV serves decode-only batches (one new
+    /// token per request), so a batch with a prefill chunk runs the gather path. The path that
+    /// ran is returned.
+    pub fn forward(&self, batch: &ForwardBatch<'_>, kv: &mut KvCache, path: AttentionPath) -> Result<ForwardOutput, ForwardError> {
+        let c = &self.config;
+        let decode_only = batch.qo_indptr.windows(2).all(|w| w[1] - w[0] == 1);
+        let (path, plan): (AttentionPath, Option<DecodePlan>) = match path {
+            AttentionPath::SplitKv if decode_only => {
+                let target = rayon::current_num_threads() * 4;
+                let config = DecodePlanConfig::new(c.num_kv_heads, target);
+                (AttentionPath::SplitKv, Some(plan_decode(&batch.page_table.page_counts(), &config)?))
+            }
+            _ => (AttentionPath::Gather, None),
+        };
+        let num_tokens = batch.tokens.len();
+        let (hidden, q_dim, kv_dim) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+
+        if batch.positions.len() != num_tokens || batch.slots.len() != num_tokens {
+            return Err(ForwardError::Batch("tokens, positions and slots differ in length".into()));
+        }
+        if let Some(&token) = batch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(ForwardError::Batch(format!("token {token} is outside the vocabulary ({})", c.vocab_size)));
+        }
+        if let Some(&t) = batch.logits_for.iter().find(|&&t| t >= num_tokens) {
+            return Err(ForwardError::Batch(format!("logits requested for token {t} of {num_tokens}")));
+        }
+        let mut x = vec![0f32; num_tokens * hidden];
+        for (t, &token) in batch.tokens.iter().enumerate() {
+            self.embedding.dequantize_row(token as usize, &mut x[t * hidden..(t + 1) * hidden]);
+        }
+        let mut normed = vec![0f32; num_tokens * hidden];
+        let mut q = vec![0f32; num_tokens * q_dim];
+        let mut k = vec![0f32; num_tokens * kv_dim];
+        let mut v = vec![0f32; num_tokens * kv_dim];
+        let mut attn_out = vec![0f32; num_tokens * q_dim];
+        let mut proj = vec![0f32; num_tokens * hidden];
+        let mut gate = vec![0f32; num_tokens * c.intermediate_size];
+        let mut up = vec![0f32; num_tokens * c.intermediate_size];
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+
+        for (layer_index, layer) in self.layers.iter().enumerate() {
+            rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
+            layer.wq.matmul(&normed, num_tokens, &mut q);
+            layer.wk.matmul(&normed, num_tokens, &mut k);
+            layer.wv.matmul(&normed, num_tokens, &mut v);
+            if let Some(b) = &layer.q_bias {
+                add_bias(&mut q, b);
+            }
+            if let Some(b) = &layer.k_bias {
+                add_bias(&mut k, b);
+            }
+            if let Some(b) = &layer.v_bias {
+                add_bias(&mut v, b);
+            }
+            if let Some(w) = &layer.q_norm {
+                rms_norm_in_place(&mut q, w, c.rms_norm_eps);
+            }
+            if let Some(w) = &layer.k_norm {
+                rms_norm_in_place(&mut k, w, c.rms_norm_eps);
+            }
+            self.rope.apply(&mut q, batch.positions, c.num_attention_heads, c.head_dim);
+            self.rope.apply(&mut k, batch.positions, c.num_kv_heads, c.head_dim);
+
+            let (k_pool, v_pool) = (&mut kv.k[layer_index], &mut kv.v[layer_index]);
+            attention::append_kv(k_pool, v_pool, &kv.layout, batch.slots, &k, &v)?;
+            let paged = PagedKv { k_pool, v_pool, layout: kv.layout, page_table: batch.page_table };
+            let queries = QueryBatch { q: &q, qo_indptr: batch.qo_indptr, num_q_heads: c.num_attention_heads };
+            attention::paged_attention(path, &paged, &queries, scale, plan.as_ref(), &mut attn_out)?;
+            layer.wo.matmul(&attn_out, num_tokens, &mut proj);
+            add_in_place(&mut x, &proj);
+
+            rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
+            layer.w_gate.matmul(&normed, num_tokens, &mut gate);
+            layer.w_up.matmul(&normed, num_tokens, &mut up);
+            let gate_in = gate.clone();
+            silu_mul(&gate_in, &up, &mut gate);
+            layer.w_down.matmul(&gate, num_tokens, &mut proj);
+            add_in_place(&mut x, &proj);
+        }
+
+        // Only the requested rows go through the final norm and the LM head.
+        let mut selected = Vec::with_capacity(batch.logits_for.len() * hidden);
+        for &t in batch.logits_for {
+            selected.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+        }
+        let mut final_normed = vec![0f32; selected.len()];
+        rms_norm(&selected, &self.output_norm, c.rms_norm_eps, &mut final_normed);
+        let mut logits = vec![0f32; batch.logits_for.len() * c.vocab_size];
+        let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
+        head.matmul(&final_normed, batch.logits_for.len(), &mut logits);
+        Ok(ForwardOutput { logits, attention_path: path })
+    }
+}
+
+/// What a forward pass returns.
+pub struct ForwardOutput {
+    /// `[logits_for.len(), vocab_size]`.
+    pub logits: Vec<f32>,
+    /// The attention path that ran.
+    pub attention_path: AttentionPath,
+}
+
+/// A forward pass rejected its inputs (a bug in the caller's batch, reported, not panicked).
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("attention: {0}")]
+    Attention(#[from] AttentionError),
+    #[error("batch: {0}")]
+    Batch(String),
+}
+
+fn fetch<'a>(source: &'a dyn TensorSource, name: &str) -> Result<RawTensor<'a>, LoadError> {
+    source.tensor(name).ok_or_else(|| LoadError(format!("tensor {name} is missing from the model file")))
+}
+
+fn load_matrix(
+    source: &dyn TensorSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    precision: WeightPrecision,
+) -> Result<Weight, LoadError> {
+    let raw = fetch(source, name)?;
+    if raw.shape != [rows, cols] {
+        return Err(LoadError(format!("tensor {name} has shape {:?}, expected [{rows}, {cols}]", raw.shape)));
+    }
+    let weight = Weight::new(raw.ty, rows, cols, raw.data.into_owned()).map_err(|e| LoadError(format!("tensor {name}: {e}")))?;
+    Ok(match precision {
+        WeightPrecision::AsStored => weight,
+        WeightPrecision::F32 => weight.to_f32(),
+    })
+}
+
+fn load_vector(source: &dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
+    let raw = fetch(source, name)?;
+    if raw.shape.iter().product::<usize>() != len {
+        return Err(LoadError(format!("tensor {name} has shape {:?}, expected [{len}]", raw.shape)));
+    }
+    let mut out = vec![0f32; len];
+    if !matches!(raw.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+        return Err(LoadError(format!("tensor {name} has type {}, expected a float type", raw.ty)));
+    }
+    pagoda_tensor::quant::dequantize(raw.ty, &raw.data, &mut out).map_err(|e| LoadError(format!("tensor {name}: {e}")))?;
+    Ok(out)
+}

@@ -1,0 +1,248 @@
+//! Byte-level BPE (GGUF `tokenizer.ggml.model == "gpt2"`) on the `tokenizers` crate.
+//!
+//! The pre-tokenizer follows llama.cpp (`llama-vocab.cpp`, `llm_tokenizer_bpe`): each
+//! `tokenizer.ggml.pre` name selects a list of regexes applied one after the other; every
+//! regex splits each current piece into its matches and the text between them (both kept).
+//! That is exactly a `tokenizers` `Sequence` of `Split(regex, Isolated)`, followed by the
+//! GPT-2 byte-to-unicode map (`ByteLevel` without its own regex). Merges are ranked by
+//! their order; llama3-style vocabularies look a whole piece up first (`ignore_merges`).
+
+use std::collections::HashMap;
+
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::Split;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use super::{TokenKind, TokenizerError};
+
+/// The GPT-2 split: contractions, letters, numbers, other symbols, whitespace.
+const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+
+/// Llama 3's split (case-insensitive contractions spelled out, numbers in runs of 1-3).
+const LLAMA3_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// Qwen2's split (like Llama 3, but every number character alone).
+const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The `tokenizer.ggml.pre` values this module understands, grouped by the regex family
+/// llama.cpp gives them.
+pub const SUPPORTED_PRE_TOKENIZERS: &[&str] = &[
+    "default",
+    "gpt2",
+    "gpt-2",
+    "phi-2",
+    "mpt",
+    "olmo",
+    "jais",
+    "smollm",
+    "starcoder",
+    "refact",
+    "command-r",
+    "codeshell",
+    "exaone",
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "pixtral",
+    "dbrx",
+    "smaug-bpe",
+    "qwen2",
+    "deepseek-r1-qwen",
+    "stablelm2",
+    "megrez",
+];
+
+/// The regex list and `ignore_merges` flag llama.cpp uses for pre-tokenizer `pre`.
+pub(crate) fn pre_tokenizer_regexes(
+    pre: &str,
+) -> Result<(Vec<&'static str>, bool), TokenizerError> {
+    Ok(match pre {
+        "default" | "" => (
+            vec![
+                r"[\p{P}\$\+<=>\^~\|]+",
+                GPT2_REGEX,
+                r"\p{N}+",
+                r"[0-9][0-9][0-9]",
+            ],
+            false,
+        ),
+        "gpt2" | "gpt-2" | "phi-2" | "mpt" | "olmo" | "jais" => (vec![GPT2_REGEX], false),
+        // Every number character is isolated before the GPT-2 split, so " 12345" becomes
+        // " ", "1", "2", "3", "4", "5".
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" => {
+            (vec![r"\p{N}", GPT2_REGEX], false)
+        }
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => (vec![LLAMA3_REGEX], true),
+        "dbrx" | "smaug-bpe" => (vec![LLAMA3_REGEX], false),
+        "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" => (vec![QWEN2_REGEX], false),
+        other => {
+            return Err(TokenizerError::Unsupported(format!(
+                "pre-tokenizer `tokenizer.ggml.pre` = {other:?}; supported: {}",
+                SUPPORTED_PRE_TOKENIZERS.join(", ")
+            )))
+        }
+    })
+}
+
+/// Whether llama.cpp adds BOS by default for this pre-tokenizer (before
+/// `tokenizer.ggml.add_bos_token` overrides it).
+pub(crate) fn default_add_bos(pre: &str) -> bool {
+    matches!(
+        pre,
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral"
+    )
+}
+
+/// The GPT-2 byte -> printable character table (`bytes_to_unicode`).
+pub(crate) fn byte_to_char_table() -> [char; 256] {
+    let mut table = ['\0'; 256];
+    let mut next_extra = 256u32;
+    for byte in 0..=255u8 {
+        let printable = matches!(byte, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        table[byte as usize] = if printable {
+            char::from(byte)
+        } else {
+            let c = char::from_u32(next_extra).expect("256..324 are valid chars");
+            next_extra += 1;
+            c
+        };
+    }
+    table
+}
+
+/// Undoes the GPT-2 byte map: `"Ġthe"` -> `b" the"`. Characters outside the map (some
+/// converted vocabularies hold raw text) keep their UTF-8 bytes.
+pub(crate) fn byte_level_decode(text: &str) -> Vec<u8> {
+    thread_local! {
+        static CHAR_TO_BYTE: HashMap<char, u8> = byte_to_char_table()
+            .iter()
+            .enumerate()
+            .map(|(byte, &c)| (c, byte as u8))
+            .collect();
+    }
+    CHAR_TO_BYTE.with(|map| {
+        let mut bytes = Vec::with_capacity(text.len());
+        for c in text.chars() {
+            match map.get(&c) {
+                Some(&byte) => bytes.push(byte),
+                None => {
+                    let mut buffer = [0u8; 4];
+                    bytes.extend_from_slice(c.encode_utf8(&mut buffer).as_bytes());
+                }
+            }
+        }
+        bytes
+    })
+}
+
+/// Splits a GGUF merge line `"Ġ t"` into its two parts, at the first space after the first
+/// character (as llama.cpp does).
+fn split_merge(line: &str, index: usize) -> Result<(String, String), TokenizerError> {
+    let first_len = line.chars().next().map(char::len_utf8).unwrap_or(0);
+    let position = line[first_len..]
+        .find(' ')
+        .map(|p| p + first_len)
+        .ok_or_else(|| {
+            TokenizerError::Metadata(format!(
+                "`tokenizer.ggml.merges[{index}]` = {line:?} has no space separating two tokens"
+            ))
+        })?;
+    Ok((line[..position].to_owned(), line[position + 1..].to_owned()))
+}
+
+/// Builds the byte-level BPE tokenizer: vocabulary `tokens` (index = id), ranked `merges`,
+/// pre-tokenizer `pre`, and every control / user-defined token registered as an added token
+/// so that it is matched literally in text.
+pub(crate) fn build(
+    tokens: &[String],
+    kinds: &[TokenKind],
+    merges: &[String],
+    pre: &str,
+) -> Result<tokenizers::Tokenizer, TokenizerError> {
+    let (regexes, ignore_merges) = pre_tokenizer_regexes(pre)?;
+
+    let mut vocab = tokenizers::models::bpe::Vocab::default();
+    vocab.reserve(tokens.len());
+    for (id, text) in tokens.iter().enumerate() {
+        vocab.insert(text.clone(), id as u32);
+    }
+    let merges = merges
+        .iter()
+        .enumerate()
+        .map(|(index, line)| split_merge(line, index))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let model = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(ignore_merges)
+        .build()
+        .map_err(|e| TokenizerError::Metadata(format!("BPE vocabulary/merges: {e}")))?;
+
+    let mut pre_tokenizers: Vec<PreTokenizerWrapper> = Vec::with_capacity(regexes.len() + 1);
+    for regex in regexes {
+        let split = Split::new(
+            tokenizers::pre_tokenizers::split::SplitPattern::Regex(regex.to_owned()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| TokenizerError::Backend(format!("pre-tokenizer regex {regex:?}: {e}")))?;
+        pre_tokenizers.push(split.into());
+    }
+    pre_tokenizers.push(ByteLevel::new(false, false, false).into());
+
+    let mut tokenizer = tokenizers::Tokenizer::new(model);
+    tokenizer.with_pre_tokenizer(Some(Sequence::new(pre_tokenizers)));
+    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+
+    let added: Vec<AddedToken> = tokens
+        .iter()
+        .zip(kinds)
+        .filter(|(text, kind)| kind.is_special() && !text.is_empty())
+        .map(|(text, kind)| {
+            AddedToken::from(text.clone(), *kind == TokenKind::Control).normalized(false)
+        })
+        .collect();
+    tokenizer
+        .add_special_tokens(added)
+        .map_err(|e| TokenizerError::Backend(format!("adding special tokens: {e}")))?;
+    Ok(tokenizer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_map_round_trips_every_byte() {
+        let table = byte_to_char_table();
+        assert_eq!(table[b' ' as usize], '\u{120}'); // Ġ
+        assert_eq!(table[b'\n' as usize], '\u{10A}'); // Ċ
+        let text: String = table.iter().collect();
+        let bytes = byte_level_decode(&text);
+        assert_eq!(bytes, (0..=255u8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn unknown_pre_tokenizer_lists_supported_ones() {
+        let error = pre_tokenizer_regexes("nonsense").unwrap_err().to_string();
+        assert!(
+            error.contains("nonsense") && error.contains("smollm"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn merge_lines_split_after_first_char() {
+        assert_eq!(split_merge("Ġ t", 0).unwrap(), ("Ġ".into(), "t".into()));
+        assert_eq!(split_merge("  x", 0).unwrap(), (" ".into(), "x".into()));
+        assert!(split_merge("abc", 3)
+            .unwrap_err()
+            .to_string()
+            .contains("merges[3]"));
+    }
+}

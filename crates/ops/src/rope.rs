@@ -1,0 +1,139 @@
+//! Rotary position embedding (RoPE), with optional per-frequency scaling factors
+//! (Llama 3's `rope_freqs`).
+//!
+//! Frequency `i` (of `rope_dim / 2`) is `theta_i = base^(-2i / rope_dim) / factor_i`; a token at
+//! position `p` rotates its pair `i` by the angle `p * theta_i`. Which two dims form pair `i`
+//! depends on [`RopePairing`].
+
+/// Which dimensions of a head are rotated together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopePairing {
+    /// `(2i, 2i + 1)`: GGUF llama-family weights.
+    Interleaved,
+    /// `(i, i + rope_dim / 2)`: GPT-NeoX / HF rotate-half, Qwen.
+    Halves,
+}
+
+/// Precomputed inverse frequencies for one model.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inverse_frequencies: Vec<f32>,
+    pairing: RopePairing,
+}
+
+/// Llama 3 frequency scaling parameters (see `rope_type: "llama3"` in HF configs).
+#[derive(Debug, Clone, Copy)]
+pub struct Llama3Scaling {
+    pub factor: f32,
+    pub low_freq_factor: f32,
+    pub high_freq_factor: f32,
+    pub original_max_position_embeddings: u32,
+}
+
+impl Llama3Scaling {
+    /// The divisor applied to each base frequency (what llama.cpp stores as `rope_freqs`).
+    pub fn frequency_factors(&self, base: f32, rope_dim: usize) -> Vec<f32> {
+        let low_wavelen = self.original_max_position_embeddings as f64 / self.low_freq_factor as f64;
+        let high_wavelen = self.original_max_position_embeddings as f64 / self.high_freq_factor as f64;
+        (0..rope_dim / 2)
+            .map(|i| {
+                let frequency = (base as f64).powf(-((2 * i) as f64) / rope_dim as f64);
+                let wavelen = 2.0 * std::f64::consts::PI / frequency;
+                if wavelen < high_wavelen {
+                    1.0
+                } else if wavelen > low_wavelen {
+                    self.factor
+                } else {
+                    let smooth = (self.original_max_position_embeddings as f64 / wavelen - self.low_freq_factor as f64)
+                        / (self.high_freq_factor as f64 - self.low_freq_factor as f64);
+                    // new_freq = (1 - smooth) * freq / factor + smooth * freq
+                    let scaled = (1.0 - smooth) / self.factor as f64 + smooth;
+                    (1.0 / scaled) as f32
+                }
+            })
+            .collect()
+    }
+}
+
+impl Rope {
+    /// Frequencies for `rope_dim` rotated dims with base `theta`, each divided by its factor.
+    pub fn new(theta: f32, rope_dim: usize, frequency_factors: Option<&[f32]>, pairing: RopePairing) -> Rope {
+        let inverse_frequencies = (0..rope_dim / 2)
+            .map(|i| {
+                let base = (theta as f64).powf(-((2 * i) as f64) / rope_dim as f64);
+                let factor = frequency_factors.map_or(1.0, |f| f[i] as f64);
+                (base / factor) as f32
+            })
+            .collect();
+        Rope { inverse_frequencies, pairing }
+    }
+
+    /// Rotates `x` (`[num_tokens, num_heads, head_dim]`) in place; token `t` is at
+    /// `positions[t]`. Only the first `rope_dim` dims of each head rotate.
+    pub fn apply(&self, x: &mut [f32], positions: &[u32], num_heads: usize, head_dim: usize) {
+        let half = self.inverse_frequencies.len();
+        assert_eq!(x.len(), positions.len() * num_heads * head_dim, "rope: x is not [tokens, heads, head_dim]");
+        let mut cos_sin = vec![(0f32, 0f32); half];
+        for (t, &position) in positions.iter().enumerate() {
+            for (i, cs) in cos_sin.iter_mut().enumerate() {
+                let angle = position as f32 * self.inverse_frequencies[i];
+                *cs = (angle.cos(), angle.sin());
+            }
+            for head in x[t * num_heads * head_dim..(t + 1) * num_heads * head_dim].chunks_exact_mut(head_dim) {
+                for (i, &(cos, sin)) in cos_sin.iter().enumerate() {
+                    let (a, b) = match self.pairing {
+                        RopePairing::Interleaved => (2 * i, 2 * i + 1),
+                        RopePairing::Halves => (i, i + half),
+                    };
+                    let (x0, x1) = (head[a], head[b]);
+                    head[a] = x0 * cos - x1 * sin;
+                    head[b] = x0 * sin + x1 * cos;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interleaved_and_halves_agree_after_permutation() {
+        // Rotating a head with Halves pairing equals rotating the interleaved permutation of
+        // it with Interleaved pairing (this is why GGUF permutes llama q/k rows).
+        let head_dim = 8;
+        let x: Vec<f32> = (0..head_dim).map(|i| i as f32 * 0.3 - 1.0).collect();
+        let permute = |v: &[f32]| -> Vec<f32> { (0..head_dim / 2).flat_map(|i| [v[i], v[i + head_dim / 2]]).collect() };
+        let mut halves = x.clone();
+        Rope::new(10000.0, head_dim, None, RopePairing::Halves).apply(&mut halves, &[5], 1, head_dim);
+        let mut interleaved = permute(&x);
+        Rope::new(10000.0, head_dim, None, RopePairing::Interleaved).apply(&mut interleaved, &[5], 1, head_dim);
+        for (a, b) in permute(&halves).iter().zip(&interleaved) {
+            assert!((a - b).abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn position_zero_is_identity_and_norm_is_preserved() {
+        let x: Vec<f32> = (0..16).map(|i| (i as f32).sin()).collect();
+        let rope = Rope::new(500000.0, 16, None, RopePairing::Halves);
+        let mut y = x.clone();
+        rope.apply(&mut y, &[0], 1, 16);
+        assert_eq!(x, y);
+        rope.apply(&mut y, &[1234], 1, 16);
+        let norm = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+        assert!((norm(&x) - norm(&y)).abs() < 1e-4);
+    }
+
+    #[test]
+    fn llama3_factors_match_the_published_rule() {
+        // Llama 3.1: factor 8, low 1, high 4, original 8192, base 500000, dim 128.
+        let scaling = Llama3Scaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 };
+        let factors = scaling.frequency_factors(500000.0, 128);
+        assert_eq!(factors[0], 1.0); // high frequencies untouched
+        assert_eq!(factors[63], 8.0); // lowest frequencies divided by the factor
+        assert!(factors.iter().all(|f| (1.0..=8.0).contains(f)));
+        assert!(factors.windows(2).all(|w| w[0] <= w[1]));
+    }
+}

@@ -26,13 +26,13 @@ pub struct ModelArgs {
     #[arg(long)]
     pub exact: bool,
     /// Context size in tokens (prompt + generated). Default: the model's, at most 4096.
-    #[arg(short = 'c', long = "ctx-size")]
+    #[arg(short = 'c', long = "ctx-size", allow_negative_numbers = true)]
     pub ctx_size: Option<usize>,
     /// Worker threads. Default: all cores.
-    #[arg(short = 't', long = "threads")]
+    #[arg(short = 't', long = "threads", allow_negative_numbers = true)]
     pub threads: Option<usize>,
     /// Tokens per KV-cache page.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
     pub page_size: usize,
     /// CPU attention path: `split-kv` (the default, the CPU twin of the GPU kernel) or `gather`
     /// (gather-then-attend reference). Also $PAGODA_ATTENTION.
@@ -44,25 +44,25 @@ pub struct ModelArgs {
 #[derive(Args, Debug, Clone)]
 pub struct SamplingArgs {
     /// Temperature; 0 = greedy.
-    #[arg(long = "temp", default_value_t = 0.8)]
+    #[arg(long = "temp", default_value_t = 0.8, allow_negative_numbers = true)]
     pub temperature: f32,
     /// Keep the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = 40, allow_negative_numbers = true)]
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches p (1 = off).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
     pub top_p: f32,
     /// Drop tokens less likely than min_p times the most likely (0 = off).
-    #[arg(long, default_value_t = 0.05)]
+    #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Repetition penalty (1 = off).
-    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    #[arg(long = "repeat-penalty", default_value_t = 1.0, allow_negative_numbers = true)]
     pub repeat_penalty: f32,
     /// OpenAI-style frequency penalty.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
     /// OpenAI-style presence penalty.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub presence_penalty: f32,
     /// Random seed (default: random, printed with -v).
     #[arg(short = 's', long)]
@@ -106,10 +106,10 @@ pub fn init_logging(verbose: u8) {
 /// The model to use: the flag, $PAGODA_MODEL, or the default model under `models/`.
 pub fn resolve_model(arg: &Option<PathBuf>) -> Result<ModelSource> {
     if let Some(path) = arg {
-        return ModelSource::from_path(path).map_err(anyhow::Error::msg);
+        return model_source(path);
     }
     if let Some(path) = std::env::var_os("PAGODA_MODEL") {
-        return ModelSource::from_path(Path::new(&path)).map_err(anyhow::Error::msg).context("$PAGODA_MODEL");
+        return model_source(Path::new(&path)).context("$PAGODA_MODEL");
     }
     let mut candidates = vec![PathBuf::from("models").join(DEFAULT_MODEL_FILE)];
     if let Ok(exe) = std::env::current_exe() {
@@ -125,6 +125,27 @@ pub fn resolve_model(arg: &Option<PathBuf>) -> Result<ModelSource> {
              run `scripts/fetch-model.sh` to fetch it, or pass -m MODEL"
         ),
     }
+}
+
+/// The model source for an explicit path, with a hint when the path is a directory that is not
+/// a Hugging Face model or a file that belongs inside one.
+fn model_source(path: &Path) -> Result<ModelSource> {
+    if path.is_dir() && !path.join("config.json").is_file() {
+        bail!(
+            "{} is a directory but not a Hugging Face model directory (it has no config.json); \
+             pass a .gguf file or a directory holding config.json, tokenizer.json and *.safetensors",
+            path.display()
+        );
+    }
+    let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let belongs_in_hf_dir = file_name.ends_with(".safetensors")
+        || file_name.ends_with(".safetensors.index.json")
+        || matches!(file_name.as_str(), "config.json" | "tokenizer.json" | "tokenizer_config.json");
+    if path.is_file() && belongs_in_hf_dir {
+        let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        bail!("{} is part of a Hugging Face model directory; pass the directory instead: -m {}", path.display(), parent.display());
+    }
+    ModelSource::from_path(path).map_err(anyhow::Error::msg)
 }
 
 /// Applies the thread-count flag to the global pool.
@@ -180,10 +201,16 @@ pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
 
 /// The context size to use: the flag (bounded by the model) or min(model, 4096).
 pub fn context_size(args: &ModelArgs, loaded: &LoadedModel) -> Result<usize> {
-    let model_max = loaded.model.config().max_position_embeddings;
-    match args.ctx_size {
-        Some(0) => bail!("--ctx-size must be positive"),
-        Some(n) if n > model_max => bail!("--ctx-size {n} exceeds the model's context length {model_max}"),
+    checked_context_size(args.ctx_size, loaded.model.config().max_position_embeddings)
+}
+
+/// Context size: `requested` if given (at least 1 and at most `model_max`), else min(model_max, 4096).
+pub fn checked_context_size(requested: Option<usize>, model_max: usize) -> Result<usize> {
+    match requested {
+        Some(0) => bail!("--ctx-size must be at least 1 (omit it to use min(model context, 4096) = {})", model_max.min(4096)),
+        Some(n) if n > model_max => {
+            bail!("--ctx-size {n} exceeds the model's context length {model_max}; pass -c {model_max} or less")
+        }
         Some(n) => Ok(n),
         None => Ok(model_max.min(4096)),
     }

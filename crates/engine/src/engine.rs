@@ -52,11 +52,19 @@ pub enum EngineError {
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("prompt of {prompt} tokens plus {max_new_tokens} new tokens exceeds the context size {context}; shorten the prompt, lower -n, or raise -c")]
-    ContextOverflow { prompt: usize, max_new_tokens: usize, context: usize },
+    ContextOverflow {
+        prompt: usize,
+        max_new_tokens: usize,
+        context: usize,
+    },
     #[error("token id {token} is outside the vocabulary (size {vocab_size})")]
     TokenOutOfRange { token: u32, vocab_size: usize },
     #[error("the KV cache is full: {needed} pages needed, {free} free of {total}; raise the KV pool size")]
-    OutOfPages { needed: usize, free: usize, total: usize },
+    OutOfPages {
+        needed: usize,
+        free: usize,
+        total: usize,
+    },
     #[error("invalid sampling parameters: {0}")]
     Sampling(String),
     #[error("internal error (please report): {0}")]
@@ -81,11 +89,17 @@ impl EngineCounters {
         static LOGGED_GATHER: std::sync::Once = std::sync::Once::new();
         match path {
             AttentionPath::SplitKv => {
-                LOGGED_SPLIT_KV.call_once(|| tracing::info!("attention path taken: split_kv (CPU split-KV decode + LSE merge)"));
+                LOGGED_SPLIT_KV.call_once(|| {
+                    tracing::info!(
+                        "attention path taken: split_kv (CPU split-KV decode + LSE merge)"
+                    )
+                });
                 self.steps_split_kv += 1;
             }
             AttentionPath::Gather => {
-                LOGGED_GATHER.call_once(|| tracing::info!("attention path taken: gather (gather-then-attend)"));
+                LOGGED_GATHER.call_once(|| {
+                    tracing::info!("attention path taken: gather (gather-then-attend)")
+                });
                 self.steps_gather += 1;
             }
         }
@@ -122,8 +136,19 @@ impl Engine {
     /// An engine with a zeroed KV pool sized by `config`.
     pub fn new(model: Model, config: EngineConfig) -> Result<Engine, String> {
         let pool = BlockPool::new(config.num_pages, config.page_size).map_err(|e| e.to_string())?;
-        let kv = KvCache::new(model.config().num_layers, model.kv_layout(config.num_pages, config.page_size));
-        Ok(Engine { model, config, kv, pool, running: VecDeque::new(), next_id: 0, counters: EngineCounters::default() })
+        let kv = KvCache::new(
+            model.config().num_layers,
+            model.kv_layout(config.num_pages, config.page_size),
+        );
+        Ok(Engine {
+            model,
+            config,
+            kv,
+            pool,
+            running: VecDeque::new(),
+            next_id: 0,
+            counters: EngineCounters::default(),
+        })
     }
 
     /// The model.
@@ -207,7 +232,10 @@ impl Engine {
 
     /// The seed a request's sampler uses (reported so runs can be replayed).
     pub fn seed_of(&self, id: RequestId) -> Option<u64> {
-        self.running.iter().find(|r| r.id == id).map(|r| r.sampler.seed())
+        self.running
+            .iter()
+            .find(|r| r.id == id)
+            .map(|r| r.sampler.seed())
     }
 
     /// Runs one step: every running request contributes its next prefill chunk or its decode
@@ -268,8 +296,12 @@ impl Engine {
                 samples.push(index);
             }
         }
-        let tables: Vec<&BlockTable> = plan.iter().map(|&(index, _)| &self.running[index].block_table).collect();
-        let page_table = PageTable::from_block_tables(&tables, &self.pool).map_err(|e| EngineError::Internal(e.to_string()))?;
+        let tables: Vec<&BlockTable> = plan
+            .iter()
+            .map(|&(index, _)| &self.running[index].block_table)
+            .collect();
+        let page_table = PageTable::from_block_tables(&tables, &self.pool)
+            .map_err(|e| EngineError::Internal(e.to_string()))?;
 
         let batch = ForwardBatch {
             tokens: &tokens,
@@ -295,12 +327,16 @@ impl Engine {
             let row_logits = &logits[row * vocab_size..(row + 1) * vocab_size];
             let generated = &request.tokens[request.prompt_len..];
             let token = request.sampler.sample(row_logits, generated);
-            let logprobs = request.want_logprobs.then(|| pagoda_ops::sampling::log_softmax(row_logits));
+            let logprobs = request
+                .want_logprobs
+                .then(|| pagoda_ops::sampling::log_softmax(row_logits));
             request.tokens.push(token);
             let num_generated = request.tokens.len() - request.prompt_len;
             let finished = if request.stop_tokens.contains(&token) {
                 Some(FinishReason::Stop)
-            } else if num_generated >= request.max_new_tokens || request.tokens.len() >= self.config.max_context {
+            } else if num_generated >= request.max_new_tokens
+                || request.tokens.len() >= self.config.max_context
+            {
                 Some(FinishReason::Length)
             } else {
                 None
@@ -308,7 +344,12 @@ impl Engine {
             if finished.is_some() {
                 finished_ids.push(request.id);
             }
-            events.push(StepEvent { request: request.id, token, logprobs, finished });
+            events.push(StepEvent {
+                request: request.id,
+                token,
+                logprobs,
+                finished,
+            });
         }
         for id in finished_ids {
             self.cancel(id);
@@ -320,5 +361,7 @@ impl Engine {
 /// Pages a block table must add to hold `new_tokens` more tokens.
 fn pages_needed(table: &BlockTable, new_tokens: usize, page_size: usize) -> usize {
     let total = table.num_tokens() + new_tokens;
-    total.div_ceil(page_size).saturating_sub(table.pages().len())
+    total
+        .div_ceil(page_size)
+        .saturating_sub(table.pages().len())
 }

@@ -8,5 +8,7 @@
 mod engine;
 mod load;
 
-pub use engine::{Engine, EngineConfig, EngineCounters, EngineError, FinishReason, RequestId, StepEvent};
+pub use engine::{
+    Engine, EngineConfig, EngineCounters, EngineError, FinishReason, RequestId, StepEvent,
+};
 pub use load::{load_model, LoadOptions, LoadedModel, ModelSource};

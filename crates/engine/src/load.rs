@@ -70,7 +70,8 @@ pub fn load_model(
         ModelSource::Gguf(path) => {
             let file = GgufFile::open(path).map_err(|e| e.to_string())?;
             let config = config_from_gguf(&file)?;
-            let tokenizer = Tokenizer::from_gguf(&file).map_err(|e| format!("{}: {e}", path.display()))?;
+            let tokenizer =
+                Tokenizer::from_gguf(&file).map_err(|e| format!("{}: {e}", path.display()))?;
             let model = load_weights(config, &file, options, progress, path)?;
             (model, tokenizer, GenerationDefaults::default())
         }
@@ -79,7 +80,8 @@ pub fn load_model(
             if hf.tokenizer_path.is_none() {
                 return Err(format!("{}: tokenizer.json is missing", dir.display()));
             }
-            let tokenizer = Tokenizer::from_hf_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            let tokenizer =
+                Tokenizer::from_hf_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
             let model = load_weights(hf.config.clone(), &hf.weights, options, progress, dir)?;
             (model, tokenizer, hf.generation)
         }
@@ -96,12 +98,20 @@ pub fn load_model(
     let eos = tokenizer.eos_token();
     let (chat_template, chat_template_from_model) = match tokenizer.chat_template() {
         Some(source_text) => (
-            ChatTemplate::new(source_text, bos.as_deref(), eos.as_deref()).map_err(|e| format!("the model's chat template: {e}"))?,
+            ChatTemplate::new(source_text, bos.as_deref(), eos.as_deref())
+                .map_err(|e| format!("the model's chat template: {e}"))?,
             true,
         ),
         None => (ChatTemplate::chatml(), false),
     };
-    Ok(LoadedModel { model, tokenizer, chat_template, chat_template_from_model, generation, source: source.clone() })
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template,
+        chat_template_from_model,
+        generation,
+        source: source.clone(),
+    })
 }
 
 fn load_weights(
@@ -111,5 +121,6 @@ fn load_weights(
     progress: &mut dyn FnMut(usize, usize),
     path: &Path,
 ) -> Result<Model, String> {
-    Model::load_with_progress(config, tensors, options.precision, progress).map_err(|e| format!("{}: {e}", path.display()))
+    Model::load_with_progress(config, tensors, options.precision, progress)
+        .map_err(|e| format!("{}: {e}", path.display()))
 }

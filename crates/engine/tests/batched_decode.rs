@@ -9,14 +9,35 @@ use pagoda_models::llama::WeightPrecision;
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::SamplingParams;
 
-fn engine(path: AttentionPath, num_pages: usize, max_batch_tokens: usize) -> Option<(Engine, pagoda_models::tokenizer::Tokenizer)> {
-    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+fn engine(
+    path: AttentionPath,
+    num_pages: usize,
+    max_batch_tokens: usize,
+) -> Option<(Engine, pagoda_models::tokenizer::Tokenizer)> {
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     if !model.is_file() {
-        eprintln!("skipping: {} is missing (run scripts/fetch-model.sh)", model.display());
+        eprintln!(
+            "skipping: {} is missing (run scripts/fetch-model.sh)",
+            model.display()
+        );
         return None;
     }
-    let loaded = load_model(&ModelSource::Gguf(model), LoadOptions { precision: WeightPrecision::AsStored }, &mut |_, _| {}).unwrap();
-    let config = EngineConfig { page_size: 16, num_pages, max_batch_tokens, max_context: 1024, attention_path: path };
+    let loaded = load_model(
+        &ModelSource::Gguf(model),
+        LoadOptions {
+            precision: WeightPrecision::AsStored,
+        },
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let config = EngineConfig {
+        page_size: 16,
+        num_pages,
+        max_batch_tokens,
+        max_context: 1024,
+        attention_path: path,
+    };
     Some((Engine::new(loaded.model, config).unwrap(), loaded.tokenizer))
 }
 
@@ -28,7 +49,12 @@ const PROMPTS: [&str; 4] = [
 ];
 
 /// Runs every prompt to completion, `concurrent` at a time; returns (tokens, logprobs) per prompt.
-fn run(engine: &mut Engine, prompts: &[Vec<u32>], concurrent: usize, max_new_tokens: usize) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
+fn run(
+    engine: &mut Engine,
+    prompts: &[Vec<u32>],
+    concurrent: usize,
+    max_new_tokens: usize,
+) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
     let mut results: Vec<(Vec<u32>, Vec<Vec<f32>>)> = vec![(Vec::new(), Vec::new()); prompts.len()];
     let mut ids = Vec::new();
     let mut next = 0;
@@ -36,7 +62,15 @@ fn run(engine: &mut Engine, prompts: &[Vec<u32>], concurrent: usize, max_new_tok
         while next < prompts.len() && engine.num_running() < concurrent {
             // Different lengths per request so they join and finish at different steps.
             let n = max_new_tokens + next * 3;
-            let id = engine.add_request(prompts[next].clone(), SamplingParams::greedy(), n, Vec::new(), true).unwrap();
+            let id = engine
+                .add_request(
+                    prompts[next].clone(),
+                    SamplingParams::greedy(),
+                    n,
+                    Vec::new(),
+                    true,
+                )
+                .unwrap();
             ids.push((id, next));
             next += 1;
         }
@@ -50,13 +84,21 @@ fn run(engine: &mut Engine, prompts: &[Vec<u32>], concurrent: usize, max_new_tok
 }
 
 fn check(path: AttentionPath) {
-    let Some((mut engine, tokenizer)) = engine(path, 256, 512) else { return };
-    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| tokenizer.encode(p, true).unwrap()).collect();
+    let Some((mut engine, tokenizer)) = engine(path, 256, 512) else {
+        return;
+    };
+    let prompts: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| tokenizer.encode(p, true).unwrap())
+        .collect();
     let alone = run(&mut engine, &prompts, 1, 12);
     let batched = run(&mut engine, &prompts, 4, 12);
     let mut worst = 0f32;
     for (i, ((ids_a, lp_a), (ids_b, lp_b))) in alone.iter().zip(&batched).enumerate() {
-        assert_eq!(ids_a, ids_b, "prompt {i}: batched greedy ids differ from running alone ({path:?})");
+        assert_eq!(
+            ids_a, ids_b,
+            "prompt {i}: batched greedy ids differ from running alone ({path:?})"
+        );
         for (a, b) in lp_a.iter().zip(lp_b) {
             for (x, y) in a.iter().zip(b) {
                 worst = worst.max((x - y).abs());
@@ -64,8 +106,15 @@ fn check(path: AttentionPath) {
         }
     }
     eprintln!("{path:?}: worst logprob difference batched vs alone {worst:.2e}");
-    assert!(worst < 1e-3, "batched logprobs differ from single by {worst}");
-    assert_eq!(engine.pages_used(), 0, "finished requests must return every page");
+    assert!(
+        worst < 1e-3,
+        "batched logprobs differ from single by {worst}"
+    );
+    assert_eq!(
+        engine.pages_used(),
+        0,
+        "finished requests must return every page"
+    );
 }
 
 #[test]
@@ -82,24 +131,64 @@ fn batched_decode_equals_single_on_gather() {
 fn chunked_prefill_equals_whole_prefill() {
     // A token budget of 5 forces long prompts through several prefill chunks mixed with the
     // other requests' decode tokens.
-    let Some((mut chunked, tokenizer)) = engine(AttentionPath::SplitKv, 256, 5) else { return };
-    let Some((mut whole, _)) = engine(AttentionPath::SplitKv, 256, 512) else { return };
-    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| tokenizer.encode(p, true).unwrap()).collect();
+    let Some((mut chunked, tokenizer)) = engine(AttentionPath::SplitKv, 256, 5) else {
+        return;
+    };
+    let Some((mut whole, _)) = engine(AttentionPath::SplitKv, 256, 512) else {
+        return;
+    };
+    let prompts: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| tokenizer.encode(p, true).unwrap())
+        .collect();
     let a = run(&mut chunked, &prompts, 4, 6);
     let b = run(&mut whole, &prompts, 4, 6);
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert_eq!(x.0, y.0, "prompt {i}: chunked prefill changed the greedy ids");
+        assert_eq!(
+            x.0, y.0,
+            "prompt {i}: chunked prefill changed the greedy ids"
+        );
     }
 }
 
 #[test]
 fn bad_requests_are_refused_clearly() {
-    let Some((mut engine, _)) = engine(AttentionPath::SplitKv, 8, 512) else { return };
-    assert!(engine.add_request(Vec::new(), SamplingParams::greedy(), 4, Vec::new(), false).unwrap_err().to_string().contains("empty"));
-    let err = engine.add_request(vec![1; 1000], SamplingParams::greedy(), 100, Vec::new(), false).unwrap_err();
-    assert!(err.to_string().contains("1000") && err.to_string().contains("1024"), "{err}");
-    let err = engine.add_request(vec![999_999], SamplingParams::greedy(), 4, Vec::new(), false).unwrap_err();
+    let Some((mut engine, _)) = engine(AttentionPath::SplitKv, 8, 512) else {
+        return;
+    };
+    assert!(engine
+        .add_request(Vec::new(), SamplingParams::greedy(), 4, Vec::new(), false)
+        .unwrap_err()
+        .to_string()
+        .contains("empty"));
+    let err = engine
+        .add_request(
+            vec![1; 1000],
+            SamplingParams::greedy(),
+            100,
+            Vec::new(),
+            false,
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("1000") && err.to_string().contains("1024"),
+        "{err}"
+    );
+    let err = engine
+        .add_request(
+            vec![999_999],
+            SamplingParams::greedy(),
+            4,
+            Vec::new(),
+            false,
+        )
+        .unwrap_err();
     assert!(err.to_string().contains("999999"), "{err}");
-    let bad = SamplingParams { temperature: -1.0, ..SamplingParams::default() };
-    assert!(engine.add_request(vec![1, 2], bad, 4, Vec::new(), false).is_err());
+    let bad = SamplingParams {
+        temperature: -1.0,
+        ..SamplingParams::default()
+    };
+    assert!(engine
+        .add_request(vec![1, 2], bad, 4, Vec::new(), false)
+        .is_err());
 }

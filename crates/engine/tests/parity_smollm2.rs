@@ -21,27 +21,45 @@ use pagoda_ops::sampling::{log_softmax, SamplingParams};
 use serde_json::Value;
 
 fn model_path() -> Option<PathBuf> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     if path.is_file() {
         Some(path)
     } else {
-        eprintln!("skipping: {} is missing (run scripts/fetch-model.sh)", path.display());
+        eprintln!(
+            "skipping: {} is missing (run scripts/fetch-model.sh)",
+            path.display()
+        );
         None
     }
 }
 
 fn reference(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/smollm2").join(name);
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data/smollm2")
+        .join(name);
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap()
 }
 
 fn ids(value: &Value) -> Vec<u32> {
-    value.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
+    value
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
 }
 
 fn load(precision: WeightPrecision) -> Option<LoadedModel> {
     let path = model_path()?;
-    Some(load_model(&ModelSource::Gguf(path), LoadOptions { precision }, &mut |_, _| {}).unwrap())
+    Some(
+        load_model(
+            &ModelSource::Gguf(path),
+            LoadOptions { precision },
+            &mut |_, _| {},
+        )
+        .unwrap(),
+    )
 }
 
 /// Runs `tokens` through the model in one prefill and returns the log-softmax at every position.
@@ -52,7 +70,10 @@ fn teacher_forced_logprobs(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
     let mut table = BlockTable::new();
     let slots = table.append_slots(&mut pool, tokens.len()).unwrap();
     let page_table = PageTable::from_block_tables(&[&table], &pool).unwrap();
-    let mut kv = KvCache::new(model.config().num_layers, model.kv_layout(num_pages, page_size));
+    let mut kv = KvCache::new(
+        model.config().num_layers,
+        model.kv_layout(num_pages, page_size),
+    );
     let positions: Vec<u32> = (0..tokens.len() as u32).collect();
     let logits_for: Vec<usize> = (0..tokens.len()).collect();
     let batch = ForwardBatch {
@@ -63,14 +84,24 @@ fn teacher_forced_logprobs(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
         page_table: &page_table,
         logits_for: &logits_for,
     };
-    let output = model.forward(&batch, &mut kv, AttentionPath::Gather).unwrap();
+    let output = model
+        .forward(&batch, &mut kv, AttentionPath::Gather)
+        .unwrap();
     let vocab = model.config().vocab_size;
     output.logits.chunks(vocab).map(log_softmax).collect()
 }
 
 /// Greedy generation through the engine (prefill, then split-KV batched decode).
 fn greedy(engine: &mut Engine, prompt: &[u32], max_new_tokens: usize, stop: &[u32]) -> Vec<u32> {
-    engine.add_request(prompt.to_vec(), SamplingParams::greedy(), max_new_tokens, stop.to_vec(), false).unwrap();
+    engine
+        .add_request(
+            prompt.to_vec(),
+            SamplingParams::greedy(),
+            max_new_tokens,
+            stop.to_vec(),
+            false,
+        )
+        .unwrap();
     let mut out = Vec::new();
     while engine.num_running() > 0 {
         for event in engine.step().unwrap() {
@@ -82,13 +113,21 @@ fn greedy(engine: &mut Engine, prompt: &[u32], max_new_tokens: usize, stop: &[u3
 
 fn engine_for(loaded: LoadedModel, path: AttentionPath) -> (Engine, Vec<u32>) {
     let stop = loaded.tokenizer.end_of_generation_ids();
-    let config = EngineConfig { page_size: 16, num_pages: 128, max_batch_tokens: 512, max_context: 2048, attention_path: path };
+    let config = EngineConfig {
+        page_size: 16,
+        num_pages: 128,
+        max_batch_tokens: 512,
+        max_context: 2048,
+        attention_path: path,
+    };
     (Engine::new(loaded.model, config).unwrap(), stop)
 }
 
 #[test]
 fn exact_mode_matches_transformers_f32_top20_and_greedy_ids() {
-    let Some(loaded) = load(WeightPrecision::F32) else { return };
+    let Some(loaded) = load(WeightPrecision::F32) else {
+        return;
+    };
     let reference = reference("logits_transformers_f32.json");
     let model = &loaded.model;
     let mut worst = 0f32;
@@ -103,7 +142,11 @@ fn exact_mode_matches_transformers_f32_top20_and_greedy_ids() {
             let expected = entry["logprob"].as_f64().unwrap() as f32;
             let diff = (last[id] - expected).abs();
             worst = worst.max(diff);
-            assert!(diff < 1e-3, "{name}: token {id} logprob {} vs transformers {expected}", last[id]);
+            assert!(
+                diff < 1e-3,
+                "{name}: token {id} logprob {} vs transformers {expected}",
+                last[id]
+            );
         }
         prompts.push((name.to_string(), prompt_ids, ids(&prompt["greedy_ids"])));
     }
@@ -112,30 +155,54 @@ fn exact_mode_matches_transformers_f32_top20_and_greedy_ids() {
     let (mut engine, stop) = engine_for(loaded, AttentionPath::SplitKv);
     for (name, prompt_ids, expected) in prompts {
         let got = greedy(&mut engine, &prompt_ids, expected.len(), &stop);
-        assert_eq!(got, expected, "{name}: greedy ids differ from transformers f32");
+        assert_eq!(
+            got, expected,
+            "{name}: greedy ids differ from transformers f32"
+        );
     }
-    assert!(engine.counters().steps_split_kv > 0, "the split-KV decode path never ran");
+    assert!(
+        engine.counters().steps_split_kv > 0,
+        "the split-KV decode path never ran"
+    );
 }
 
 #[test]
 fn exact_mode_greedy_matches_llama_cpp_on_f32_weights() {
-    let Some(loaded) = load(WeightPrecision::F32) else { return };
+    let Some(loaded) = load(WeightPrecision::F32) else {
+        return;
+    };
     let reference = reference("greedy_llamacpp_f32dequant.json");
     let (mut engine, stop) = engine_for(loaded, AttentionPath::Gather);
     for prompt in reference["prompts"].as_array().unwrap() {
         let name = prompt["name"].as_str().unwrap();
         let expected = ids(&prompt["generated_ids"]);
-        let got = greedy(&mut engine, &ids(&prompt["prompt_ids"]), expected.len(), &stop);
-        assert_eq!(got, expected, "{name}: greedy ids differ from llama.cpp on F32 weights");
+        let got = greedy(
+            &mut engine,
+            &ids(&prompt["prompt_ids"]),
+            expected.len(),
+            &stop,
+        );
+        assert_eq!(
+            got, expected,
+            "{name}: greedy ids differ from llama.cpp on F32 weights"
+        );
     }
     assert!(engine.counters().steps_split_kv == 0 && engine.counters().steps_gather > 0);
 }
 
+/// llama.cpp's own Q4_1 path quantizes activations to Q8_1 and keeps an f16 KV cache, which
+/// moves it 0.05-0.55 logprob away from exact math on this model; pagoda's default mode decodes
+/// the same quantized weights exactly (f32 activations), so it lands within 1e-3 of the exact
+/// references and within llama.cpp's own error of llama.cpp. The bounds below: the token
+/// llama.cpp chose at every matched prefix within 0.4 (measured worst 0.28), every top-5 entry
+/// within 0.6 (measured worst 0.56), and a mean difference under 0.15 (measured 0.09).
 #[test]
 fn quantized_mode_logprobs_within_tolerance_of_llama_cpp() {
-    let Some(loaded) = load(WeightPrecision::AsStored) else { return };
+    let Some(loaded) = load(WeightPrecision::AsStored) else {
+        return;
+    };
     let reference = reference("greedy_llamacpp.json");
-    let mut worst = 0f32;
+    let (mut worst_chosen, mut worst_any, mut sum, mut count) = (0f32, 0f32, 0f64, 0usize);
     for prompt in reference["prompts"].as_array().unwrap() {
         let name = prompt["name"].as_str().unwrap();
         let prompt_ids = ids(&prompt["prompt_ids"]);
@@ -143,17 +210,34 @@ fn quantized_mode_logprobs_within_tolerance_of_llama_cpp() {
         let mut tokens = prompt_ids.clone();
         tokens.extend_from_slice(&generated);
         let logprobs = teacher_forced_logprobs(&loaded.model, &tokens);
-        for (step, position) in prompt["per_position_top5"].as_array().unwrap().iter().enumerate() {
+        for (step, position) in prompt["per_position_top5"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .enumerate()
+        {
             // Position `step` is predicted from the prompt plus the first `step` generated tokens.
             let row = &logprobs[prompt_ids.len() - 1 + step];
-            for entry in position["top5"].as_array().unwrap() {
+            for (rank, entry) in position["top5"].as_array().unwrap().iter().enumerate() {
                 let id = entry["id"].as_u64().unwrap() as usize;
                 let expected = entry["logprob"].as_f64().unwrap() as f32;
                 let diff = (row[id] - expected).abs();
-                worst = worst.max(diff);
-                if diff >= 0.2 { eprintln!("{name} step {step}: token {id} logprob {} vs llama.cpp {expected}", row[id]); }
+                let context = format!(
+                    "{name} step {step} rank {rank}: token {id} logprob {} vs llama.cpp {expected}",
+                    row[id]
+                );
+                if rank == 0 {
+                    worst_chosen = worst_chosen.max(diff);
+                    assert!(diff < 0.4, "{context}");
+                }
+                worst_any = worst_any.max(diff);
+                assert!(diff < 0.6, "{context}");
+                sum += diff as f64;
+                count += 1;
             }
         }
     }
-    eprintln!("quantized mode vs llama.cpp Q4_1: worst top-5 logprob difference {worst:.3}");
+    let mean = sum / count as f64;
+    eprintln!("quantized mode vs llama.cpp Q4_1: chosen-token worst {worst_chosen:.3}, top-5 worst {worst_any:.3}, mean {mean:.3} over {count}");
+    assert!(mean < 0.15, "mean top-5 logprob difference {mean}");
 }

@@ -91,19 +91,23 @@ impl ModelConfig {
                 return Err(format!("{name} must be positive"));
             }
         }
-        if self.num_attention_heads % self.num_kv_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_kv_heads) {
             return Err(format!(
                 "num_attention_heads ({}) is not a multiple of num_kv_heads ({})",
                 self.num_attention_heads, self.num_kv_heads
             ));
         }
-        if self.rope_dim > self.head_dim || self.rope_dim % 2 != 0 {
+        if self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {
             return Err(format!(
                 "rope dimension {} must be even and at most head_dim {}",
                 self.rope_dim, self.head_dim
             ));
         }
-        if !(self.rms_norm_eps > 0.0) || !(self.rope_theta > 0.0) {
+        if self.rms_norm_eps.is_nan()
+            || self.rms_norm_eps <= 0.0
+            || self.rope_theta.is_nan()
+            || self.rope_theta <= 0.0
+        {
             return Err("rms_norm_eps and rope_theta must be positive".into());
         }
         Ok(())

@@ -30,9 +30,12 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig, String> {
     let uint = |suffix: &str| -> Result<Option<usize>, String> {
         match file.get(&key(suffix)) {
             None => Ok(None),
-            Some(value) => as_usize(value)
-                .map(Some)
-                .ok_or_else(|| fail(format!("metadata key {} is not a non-negative integer", key(suffix)))),
+            Some(value) => as_usize(value).map(Some).ok_or_else(|| {
+                fail(format!(
+                    "metadata key {} is not a non-negative integer",
+                    key(suffix)
+                ))
+            }),
         }
     };
     let required = |suffix: &str| -> Result<usize, String> {

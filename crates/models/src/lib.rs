@@ -8,4 +8,3 @@ pub mod hf;
 pub mod llama;
 pub mod tokenizer;
 pub mod weights;
-

@@ -7,7 +7,8 @@
 use pagoda_kv::{PageTable, Slot};
 use pagoda_ops::activation::{add_bias, add_in_place, silu_mul};
 use pagoda_ops::attention::{
-    self, plan_decode, AttentionError, AttentionPath, DecodePlan, DecodePlanConfig, KvLayout, PagedKv, QueryBatch,
+    self, plan_decode, AttentionError, AttentionPath, DecodePlan, DecodePlanConfig, KvLayout,
+    PagedKv, QueryBatch,
 };
 use pagoda_ops::linear::Weight;
 use pagoda_ops::norm::{rms_norm, rms_norm_in_place};
@@ -107,7 +108,11 @@ pub struct ForwardBatch<'a> {
 
 impl Model {
     /// Builds the model from canonical tensors. Validates every shape against `config`.
-    pub fn load(config: ModelConfig, source: &dyn TensorSource, precision: WeightPrecision) -> Result<Model, LoadError> {
+    pub fn load(
+        config: ModelConfig,
+        source: &dyn TensorSource,
+        precision: WeightPrecision,
+    ) -> Result<Model, LoadError> {
         Model::load_with_progress(config, source, precision, &mut |_, _| {})
     }
 
@@ -122,7 +127,8 @@ impl Model {
         let c = &config;
         let q_dim = c.num_attention_heads * c.head_dim;
         let kv_dim = c.num_kv_heads * c.head_dim;
-        let matrix = |name: &str, rows: usize, cols: usize| load_matrix(source, name, rows, cols, precision);
+        let matrix =
+            |name: &str, rows: usize, cols: usize| load_matrix(source, name, rows, cols, precision);
         let vector = |name: &str, len: usize| load_vector(source, name, len);
         let optional_vector = |name: &str, len: usize| -> Result<Option<Vec<f32>>, LoadError> {
             if source.tensor(name).is_some() {
@@ -151,8 +157,12 @@ impl Model {
                 w_up: matrix(&n(names::FFN_UP), c.intermediate_size, c.hidden_size)?,
                 w_down: matrix(&n(names::FFN_DOWN), c.hidden_size, c.intermediate_size)?,
             };
-            if c.architecture == Architecture::Qwen3 && (layer.q_norm.is_none() || layer.k_norm.is_none()) {
-                return Err(LoadError(format!("qwen3 layer {i} lacks attn_q_norm/attn_k_norm")));
+            if c.architecture == Architecture::Qwen3
+                && (layer.q_norm.is_none() || layer.k_norm.is_none())
+            {
+                return Err(LoadError(format!(
+                    "qwen3 layer {i} lacks attn_q_norm/attn_k_norm"
+                )));
             }
             layers.push(layer);
             progress(i + 1, c.num_layers + 1);
@@ -180,7 +190,12 @@ impl Model {
             RopeStyle::Interleaved => RopePairing::Interleaved,
             RopeStyle::Halves => RopePairing::Halves,
         };
-        let rope = Rope::new(c.rope_theta, c.rope_dim, frequency_factors.as_deref(), pairing);
+        let rope = Rope::new(
+            c.rope_theta,
+            c.rope_dim,
+            frequency_factors.as_deref(),
+            pairing,
+        );
         progress(c.num_layers + 1, c.num_layers + 1);
         Ok(Model {
             output_norm: vector(names::OUTPUT_NORM, c.hidden_size)?,
@@ -203,15 +218,25 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].iter().map(|w| w.size_bytes()).sum::<usize>()
+                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                    .iter()
+                    .map(|w| w.size_bytes())
+                    .sum::<usize>()
             })
             .sum();
-        layer_bytes + self.embedding.size_bytes() + self.lm_head.as_ref().map_or(0, |w| w.size_bytes())
+        layer_bytes
+            + self.embedding.size_bytes()
+            + self.lm_head.as_ref().map_or(0, |w| w.size_bytes())
     }
 
     /// The KV layout this model needs for a pool of `num_pages` pages.
     pub fn kv_layout(&self, num_pages: usize, page_size: usize) -> KvLayout {
-        KvLayout { num_pages, page_size, num_kv_heads: self.config.num_kv_heads, head_dim: self.config.head_dim }
+        KvLayout {
+            num_pages,
+            page_size,
+            num_kv_heads: self.config.num_kv_heads,
+            head_dim: self.config.head_dim,
+        }
     }
 
     /// Runs the batch: writes each new token's K/V into `kv` and returns the logits of the
@@ -220,32 +245,52 @@ impl Model {
     /// `path` is the preferred attention path; split-KV serves decode-only batches (one new
     /// token per request), so a batch with a prefill chunk runs the gather path. The path that
     /// ran is returned.
-    pub fn forward(&self, batch: &ForwardBatch<'_>, kv: &mut KvCache, path: AttentionPath) -> Result<ForwardOutput, ForwardError> {
+    pub fn forward(
+        &self,
+        batch: &ForwardBatch<'_>,
+        kv: &mut KvCache,
+        path: AttentionPath,
+    ) -> Result<ForwardOutput, ForwardError> {
         let c = &self.config;
         let decode_only = batch.qo_indptr.windows(2).all(|w| w[1] - w[0] == 1);
         let (path, plan): (AttentionPath, Option<DecodePlan>) = match path {
             AttentionPath::SplitKv if decode_only => {
                 let target = rayon::current_num_threads() * 4;
                 let config = DecodePlanConfig::new(c.num_kv_heads, target);
-                (AttentionPath::SplitKv, Some(plan_decode(&batch.page_table.page_counts(), &config)?))
+                (
+                    AttentionPath::SplitKv,
+                    Some(plan_decode(&batch.page_table.page_counts(), &config)?),
+                )
             }
             _ => (AttentionPath::Gather, None),
         };
         let num_tokens = batch.tokens.len();
-        let (hidden, q_dim, kv_dim) = (c.hidden_size, c.num_attention_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let (hidden, q_dim, kv_dim) = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+        );
 
         if batch.positions.len() != num_tokens || batch.slots.len() != num_tokens {
-            return Err(ForwardError::Batch("tokens, positions and slots differ in length".into()));
+            return Err(ForwardError::Batch(
+                "tokens, positions and slots differ in length".into(),
+            ));
         }
         if let Some(&token) = batch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(ForwardError::Batch(format!("token {token} is outside the vocabulary ({})", c.vocab_size)));
+            return Err(ForwardError::Batch(format!(
+                "token {token} is outside the vocabulary ({})",
+                c.vocab_size
+            )));
         }
         if let Some(&t) = batch.logits_for.iter().find(|&&t| t >= num_tokens) {
-            return Err(ForwardError::Batch(format!("logits requested for token {t} of {num_tokens}")));
+            return Err(ForwardError::Batch(format!(
+                "logits requested for token {t} of {num_tokens}"
+            )));
         }
         let mut x = vec![0f32; num_tokens * hidden];
         for (t, &token) in batch.tokens.iter().enumerate() {
-            self.embedding.dequantize_row(token as usize, &mut x[t * hidden..(t + 1) * hidden]);
+            self.embedding
+                .dequantize_row(token as usize, &mut x[t * hidden..(t + 1) * hidden]);
         }
         let mut normed = vec![0f32; num_tokens * hidden];
         let mut q = vec![0f32; num_tokens * q_dim];
@@ -277,14 +322,32 @@ impl Model {
             if let Some(w) = &layer.k_norm {
                 rms_norm_in_place(&mut k, w, c.rms_norm_eps);
             }
-            self.rope.apply(&mut q, batch.positions, c.num_attention_heads, c.head_dim);
-            self.rope.apply(&mut k, batch.positions, c.num_kv_heads, c.head_dim);
+            self.rope
+                .apply(&mut q, batch.positions, c.num_attention_heads, c.head_dim);
+            self.rope
+                .apply(&mut k, batch.positions, c.num_kv_heads, c.head_dim);
 
             let (k_pool, v_pool) = (&mut kv.k[layer_index], &mut kv.v[layer_index]);
             attention::append_kv(k_pool, v_pool, &kv.layout, batch.slots, &k, &v)?;
-            let paged = PagedKv { k_pool, v_pool, layout: kv.layout, page_table: batch.page_table };
-            let queries = QueryBatch { q: &q, qo_indptr: batch.qo_indptr, num_q_heads: c.num_attention_heads };
-            attention::paged_attention(path, &paged, &queries, scale, plan.as_ref(), &mut attn_out)?;
+            let paged = PagedKv {
+                k_pool,
+                v_pool,
+                layout: kv.layout,
+                page_table: batch.page_table,
+            };
+            let queries = QueryBatch {
+                q: &q,
+                qo_indptr: batch.qo_indptr,
+                num_q_heads: c.num_attention_heads,
+            };
+            attention::paged_attention(
+                path,
+                &paged,
+                &queries,
+                scale,
+                plan.as_ref(),
+                &mut attn_out,
+            )?;
             layer.wo.matmul(&attn_out, num_tokens, &mut proj);
             add_in_place(&mut x, &proj);
 
@@ -303,11 +366,19 @@ impl Model {
             selected.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
         }
         let mut final_normed = vec![0f32; selected.len()];
-        rms_norm(&selected, &self.output_norm, c.rms_norm_eps, &mut final_normed);
+        rms_norm(
+            &selected,
+            &self.output_norm,
+            c.rms_norm_eps,
+            &mut final_normed,
+        );
         let mut logits = vec![0f32; batch.logits_for.len() * c.vocab_size];
         let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
         head.matmul(&final_normed, batch.logits_for.len(), &mut logits);
-        Ok(ForwardOutput { logits, attention_path: path })
+        Ok(ForwardOutput {
+            logits,
+            attention_path: path,
+        })
     }
 }
 
@@ -329,7 +400,9 @@ pub enum ForwardError {
 }
 
 fn fetch<'a>(source: &'a dyn TensorSource, name: &str) -> Result<RawTensor<'a>, LoadError> {
-    source.tensor(name).ok_or_else(|| LoadError(format!("tensor {name} is missing from the model file")))
+    source
+        .tensor(name)
+        .ok_or_else(|| LoadError(format!("tensor {name} is missing from the model file")))
 }
 
 fn load_matrix(
@@ -341,9 +414,13 @@ fn load_matrix(
 ) -> Result<Weight, LoadError> {
     let raw = fetch(source, name)?;
     if raw.shape != [rows, cols] {
-        return Err(LoadError(format!("tensor {name} has shape {:?}, expected [{rows}, {cols}]", raw.shape)));
+        return Err(LoadError(format!(
+            "tensor {name} has shape {:?}, expected [{rows}, {cols}]",
+            raw.shape
+        )));
     }
-    let weight = Weight::new(raw.ty, rows, cols, raw.data.into_owned()).map_err(|e| LoadError(format!("tensor {name}: {e}")))?;
+    let weight = Weight::new(raw.ty, rows, cols, raw.data.into_owned())
+        .map_err(|e| LoadError(format!("tensor {name}: {e}")))?;
     Ok(match precision {
         WeightPrecision::AsStored => weight,
         WeightPrecision::F32 => weight.to_f32(),
@@ -353,12 +430,19 @@ fn load_matrix(
 fn load_vector(source: &dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
     let raw = fetch(source, name)?;
     if raw.shape.iter().product::<usize>() != len {
-        return Err(LoadError(format!("tensor {name} has shape {:?}, expected [{len}]", raw.shape)));
+        return Err(LoadError(format!(
+            "tensor {name} has shape {:?}, expected [{len}]",
+            raw.shape
+        )));
     }
     let mut out = vec![0f32; len];
     if !matches!(raw.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
-        return Err(LoadError(format!("tensor {name} has type {}, expected a float type", raw.ty)));
+        return Err(LoadError(format!(
+            "tensor {name} has type {}, expected a float type",
+            raw.ty
+        )));
     }
-    pagoda_tensor::quant::dequantize(raw.ty, &raw.data, &mut out).map_err(|e| LoadError(format!("tensor {name}: {e}")))?;
+    pagoda_tensor::quant::dequantize(raw.ty, &raw.data, &mut out)
+        .map_err(|e| LoadError(format!("tensor {name}: {e}")))?;
     Ok(out)
 }

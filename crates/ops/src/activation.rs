@@ -2,7 +2,10 @@
 
 /// `out[i] = silu(gate[i]) * up[i]`, `silu(x) = x / (1 + e^-x)`.
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    assert!(gate.len() == up.len() && up.len() == out.len(), "silu_mul: length mismatch");
+    assert!(
+        gate.len() == up.len() && up.len() == out.len(),
+        "silu_mul: length mismatch"
+    );
     for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
         *o = g / (1.0 + (-g).exp()) * u;
     }
@@ -33,7 +36,11 @@ mod tests {
         let up = [3.0f32, 2.0, 1.0];
         let mut out = [0f32; 3];
         silu_mul(&gate, &up, &mut out);
-        let expected = [0.0, 2.0 / (1.0 + (-1.0f32).exp()), -2.0 / (1.0 + 2.0f32.exp())];
+        let expected = [
+            0.0,
+            2.0 / (1.0 + (-1.0f32).exp()),
+            -2.0 / (1.0 + 2.0f32.exp()),
+        ];
         for (a, b) in out.iter().zip(expected) {
             assert!((a - b).abs() < 1e-6);
         }

@@ -46,7 +46,12 @@ pub enum WeightError {
 
 impl Weight {
     /// Wraps stored rows. Fails when the type cannot be decoded or the byte count is wrong.
-    pub fn new(ty: GgmlType, out_features: usize, in_features: usize, data: Vec<u8>) -> Result<Weight, WeightError> {
+    pub fn new(
+        ty: GgmlType,
+        out_features: usize,
+        in_features: usize,
+        data: Vec<u8>,
+    ) -> Result<Weight, WeightError> {
         if !ty.is_dequantizable() {
             return Err(UnsupportedType { ty }.into());
         }
@@ -55,23 +60,40 @@ impl Weight {
             rows: out_features,
             cols: in_features,
             got: data.len(),
-            expected: ty.bytes_for(in_features).unwrap_or(0).saturating_mul(out_features),
+            expected: ty
+                .bytes_for(in_features)
+                .unwrap_or(0)
+                .saturating_mul(out_features),
         };
         let row_bytes = ty.bytes_for(in_features).ok_or_else(size_error)?;
         if row_bytes.checked_mul(out_features) != Some(data.len()) {
             return Err(size_error());
         }
         let storage = if ty == GgmlType::F32 {
-            Storage::F32(data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+            Storage::F32(
+                data.chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect(),
+            )
         } else {
             Storage::Blocks(data)
         };
-        Ok(Weight { ty, out_features, in_features, storage, row_bytes })
+        Ok(Weight {
+            ty,
+            out_features,
+            in_features,
+            storage,
+            row_bytes,
+        })
     }
 
     /// An f32 weight from values laid out `[out_features, in_features]`.
     pub fn from_f32(out_features: usize, in_features: usize, values: &[f32]) -> Weight {
-        assert_eq!(values.len(), out_features * in_features, "weight shape mismatch");
+        assert_eq!(
+            values.len(),
+            out_features * in_features,
+            "weight shape mismatch"
+        );
         Weight {
             ty: GgmlType::F32,
             out_features,
@@ -114,7 +136,9 @@ impl Weight {
     /// Decodes one row into `out` (`in_features` values).
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         match &self.storage {
-            Storage::F32(values) => out.copy_from_slice(&values[row * self.in_features..(row + 1) * self.in_features]),
+            Storage::F32(values) => {
+                out.copy_from_slice(&values[row * self.in_features..(row + 1) * self.in_features])
+            }
             Storage::Blocks(bytes) => {
                 let bytes = &bytes[row * self.row_bytes..(row + 1) * self.row_bytes];
                 quant::dequantize(self.ty, bytes, out).expect("type checked at construction")
@@ -122,12 +146,49 @@ impl Weight {
         }
     }
 
+    /// The dot product of row `row` with `x` (`in_features` values), without decoding the row
+    /// into memory first.
+    #[inline]
+    pub fn dot_row(&self, row: usize, x: &[f32]) -> f32 {
+        match &self.storage {
+            Storage::F32(values) => dot_f32(
+                &values[row * self.in_features..(row + 1) * self.in_features],
+                x,
+            ),
+            Storage::Blocks(bytes) => {
+                let bytes = &bytes[row * self.row_bytes..(row + 1) * self.row_bytes];
+                crate::simd::quantized_dot(self.ty, bytes, x)
+            }
+        }
+    }
+
     /// `y[t, :] = W x[t, :]` for every token `t`. See the module docs for the layout.
     pub fn matmul(&self, x: &[f32], num_tokens: usize, y: &mut [f32]) {
         let (n, k) = (self.out_features, self.in_features);
-        assert_eq!(x.len(), num_tokens * k, "x must be [num_tokens, in_features]");
-        assert_eq!(y.len(), num_tokens * n, "y must be [num_tokens, out_features]");
+        assert_eq!(
+            x.len(),
+            num_tokens * k,
+            "x must be [num_tokens, in_features]"
+        );
+        assert_eq!(
+            y.len(),
+            num_tokens * n,
+            "y must be [num_tokens, out_features]"
+        );
         if num_tokens == 0 {
+            return;
+        }
+        if num_tokens == 1 {
+            // Decode: one fused decode-and-dot pass per row, written in place.
+            let rows_per_task = (n / (rayon::current_num_threads() * 16)).clamp(16, 1024);
+            y.par_chunks_mut(rows_per_task)
+                .enumerate()
+                .for_each(|(task, out)| {
+                    let row_start = task * rows_per_task;
+                    for (i, value) in out.iter_mut().enumerate() {
+                        *value = self.dot_row(row_start + i, x);
+                    }
+                });
             return;
         }
         // Rows per task: enough work per task to hide scheduling, enough tasks to balance.
@@ -145,7 +206,11 @@ impl Weight {
             .map(|row_start| {
                 let row_end = (row_start + rows_per_task).min(n);
                 let mut local = vec![0f32; (row_end - row_start) * num_tokens];
-                let mut decoded = if f32_rows.is_some() { Vec::new() } else { vec![0f32; k] };
+                let mut decoded = if f32_rows.is_some() {
+                    Vec::new()
+                } else {
+                    vec![0f32; k]
+                };
                 for row in row_start..row_end {
                     let w: &[f32] = match f32_rows {
                         Some(values) => &values[row * k..(row + 1) * k],
@@ -155,7 +220,8 @@ impl Weight {
                         }
                     };
                     for t in 0..num_tokens {
-                        local[(row - row_start) * num_tokens + t] = dot_f32(w, &x[t * k..(t + 1) * k]);
+                        local[(row - row_start) * num_tokens + t] =
+                            dot_f32(w, &x[t * k..(t + 1) * k]);
                     }
                 }
                 (row_start, local)

@@ -43,7 +43,16 @@ mod tests {
         rms_norm(&x, &w, 0.0, &mut out);
         let r1 = (30.0f64 / 4.0).sqrt() as f32;
         let r2 = (8.0f64 / 4.0).sqrt() as f32;
-        let expected = [1.0 / r1, 1.0 / r1, 6.0 / r1, 4.0 / r1, -2.0 / r2, 0.0, 0.0, 2.0 / r2];
+        let expected = [
+            1.0 / r1,
+            1.0 / r1,
+            6.0 / r1,
+            4.0 / r1,
+            -2.0 / r2,
+            0.0,
+            0.0,
+            2.0 / r2,
+        ];
         for (a, b) in out.iter().zip(expected) {
             assert!((a - b).abs() < 1e-6, "{a} vs {b}");
         }

@@ -33,8 +33,10 @@ pub struct Llama3Scaling {
 impl Llama3Scaling {
     /// The divisor applied to each base frequency (what llama.cpp stores as `rope_freqs`).
     pub fn frequency_factors(&self, base: f32, rope_dim: usize) -> Vec<f32> {
-        let low_wavelen = self.original_max_position_embeddings as f64 / self.low_freq_factor as f64;
-        let high_wavelen = self.original_max_position_embeddings as f64 / self.high_freq_factor as f64;
+        let low_wavelen =
+            self.original_max_position_embeddings as f64 / self.low_freq_factor as f64;
+        let high_wavelen =
+            self.original_max_position_embeddings as f64 / self.high_freq_factor as f64;
         (0..rope_dim / 2)
             .map(|i| {
                 let frequency = (base as f64).powf(-((2 * i) as f64) / rope_dim as f64);
@@ -44,7 +46,8 @@ impl Llama3Scaling {
                 } else if wavelen > low_wavelen {
                     self.factor
                 } else {
-                    let smooth = (self.original_max_position_embeddings as f64 / wavelen - self.low_freq_factor as f64)
+                    let smooth = (self.original_max_position_embeddings as f64 / wavelen
+                        - self.low_freq_factor as f64)
                         / (self.high_freq_factor as f64 - self.low_freq_factor as f64);
                     // new_freq = (1 - smooth) * freq / factor + smooth * freq
                     let scaled = (1.0 - smooth) / self.factor as f64 + smooth;
@@ -57,7 +60,12 @@ impl Llama3Scaling {
 
 impl Rope {
     /// Frequencies for `rope_dim` rotated dims with base `theta`, each divided by its factor.
-    pub fn new(theta: f32, rope_dim: usize, frequency_factors: Option<&[f32]>, pairing: RopePairing) -> Rope {
+    pub fn new(
+        theta: f32,
+        rope_dim: usize,
+        frequency_factors: Option<&[f32]>,
+        pairing: RopePairing,
+    ) -> Rope {
         let inverse_frequencies = (0..rope_dim / 2)
             .map(|i| {
                 let base = (theta as f64).powf(-((2 * i) as f64) / rope_dim as f64);
@@ -65,21 +73,30 @@ impl Rope {
                 (base / factor) as f32
             })
             .collect();
-        Rope { inverse_frequencies, pairing }
+        Rope {
+            inverse_frequencies,
+            pairing,
+        }
     }
 
     /// Rotates `x` (`[num_tokens, num_heads, head_dim]`) in place; token `t` is at
     /// `positions[t]`. Only the first `rope_dim` dims of each head rotate.
     pub fn apply(&self, x: &mut [f32], positions: &[u32], num_heads: usize, head_dim: usize) {
         let half = self.inverse_frequencies.len();
-        assert_eq!(x.len(), positions.len() * num_heads * head_dim, "rope: x is not [tokens, heads, head_dim]");
+        assert_eq!(
+            x.len(),
+            positions.len() * num_heads * head_dim,
+            "rope: x is not [tokens, heads, head_dim]"
+        );
         let mut cos_sin = vec![(0f32, 0f32); half];
         for (t, &position) in positions.iter().enumerate() {
             for (i, cs) in cos_sin.iter_mut().enumerate() {
                 let angle = position as f32 * self.inverse_frequencies[i];
                 *cs = (angle.cos(), angle.sin());
             }
-            for head in x[t * num_heads * head_dim..(t + 1) * num_heads * head_dim].chunks_exact_mut(head_dim) {
+            for head in x[t * num_heads * head_dim..(t + 1) * num_heads * head_dim]
+                .chunks_exact_mut(head_dim)
+            {
                 for (i, &(cos, sin)) in cos_sin.iter().enumerate() {
                     let (a, b) = match self.pairing {
                         RopePairing::Interleaved => (2 * i, 2 * i + 1),
@@ -104,11 +121,25 @@ mod tests {
         // it with Interleaved pairing (this is why GGUF permutes llama q/k rows).
         let head_dim = 8;
         let x: Vec<f32> = (0..head_dim).map(|i| i as f32 * 0.3 - 1.0).collect();
-        let permute = |v: &[f32]| -> Vec<f32> { (0..head_dim / 2).flat_map(|i| [v[i], v[i + head_dim / 2]]).collect() };
+        let permute = |v: &[f32]| -> Vec<f32> {
+            (0..head_dim / 2)
+                .flat_map(|i| [v[i], v[i + head_dim / 2]])
+                .collect()
+        };
         let mut halves = x.clone();
-        Rope::new(10000.0, head_dim, None, RopePairing::Halves).apply(&mut halves, &[5], 1, head_dim);
+        Rope::new(10000.0, head_dim, None, RopePairing::Halves).apply(
+            &mut halves,
+            &[5],
+            1,
+            head_dim,
+        );
         let mut interleaved = permute(&x);
-        Rope::new(10000.0, head_dim, None, RopePairing::Interleaved).apply(&mut interleaved, &[5], 1, head_dim);
+        Rope::new(10000.0, head_dim, None, RopePairing::Interleaved).apply(
+            &mut interleaved,
+            &[5],
+            1,
+            head_dim,
+        );
         for (a, b) in permute(&halves).iter().zip(&interleaved) {
             assert!((a - b).abs() < 1e-6);
         }
@@ -129,7 +160,12 @@ mod tests {
     #[test]
     fn llama3_factors_match_the_published_rule() {
         // Llama 3.1: factor 8, low 1, high 4, original 8192, base 500000, dim 128.
-        let scaling = Llama3Scaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 8192 };
+        let scaling = Llama3Scaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        };
         let factors = scaling.frequency_factors(500000.0, 128);
         assert_eq!(factors[0], 1.0); // high frequencies untouched
         assert_eq!(factors[63], 8.0); // lowest frequencies divided by the factor

@@ -37,7 +37,11 @@ pub fn dot_f32_portable(a: &[f32], b: &[f32]) -> f32 {
 fn has_avx2_fma() -> bool {
     use std::sync::OnceLock;
     static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -55,9 +59,21 @@ unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
     unsafe {
         while i + 32 <= n {
             acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
-            acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
-            acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 16)), _mm256_loadu_ps(pb.add(i + 16)), acc2);
-            acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 24)), _mm256_loadu_ps(pb.add(i + 24)), acc3);
+            acc1 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i + 8)),
+                _mm256_loadu_ps(pb.add(i + 8)),
+                acc1,
+            );
+            acc2 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i + 16)),
+                _mm256_loadu_ps(pb.add(i + 16)),
+                acc2,
+            );
+            acc3 = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(i + 24)),
+                _mm256_loadu_ps(pb.add(i + 24)),
+                acc3,
+            );
             i += 32;
         }
         while i + 8 <= n {
@@ -75,6 +91,26 @@ unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
         i += 1;
     }
     sum
+}
+
+/// `dot(decode(row), x)` for one stored row of a GGML block type, compiled with AVX2+FMA where
+/// the CPU has them (the block decoders in `pagoda_tensor::quant::dot_row` inline into it).
+#[inline]
+pub fn quantized_dot(ty: pagoda_tensor::GgmlType, row: &[u8], x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_avx2_fma() {
+            // SAFETY: the CPU supports AVX2 and FMA (checked above).
+            return unsafe { quantized_dot_avx2(ty, row, x) };
+        }
+    }
+    pagoda_tensor::quant::dot_row(ty, row, x)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantized_dot_avx2(ty: pagoda_tensor::GgmlType, row: &[u8], x: &[f32]) -> f32 {
+    pagoda_tensor::quant::dot_row(ty, row, x)
 }
 
 /// `y[i] += a * x[i]`.
@@ -96,7 +132,10 @@ mod tests {
             let b: Vec<f32> = (0..n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.5).collect();
             let reference: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             assert!((dot_f32(&a, &b) as f64 - reference).abs() < 1e-4, "n={n}");
-            assert!((dot_f32_portable(&a, &b) as f64 - reference).abs() < 1e-4, "n={n}");
+            assert!(
+                (dot_f32_portable(&a, &b) as f64 - reference).abs() < 1e-4,
+                "n={n}"
+            );
         }
     }
 }

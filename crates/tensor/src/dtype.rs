@@ -133,7 +133,7 @@ impl GgmlType {
     /// the type is unknown, or the size overflows.
     pub fn bytes_for(self, n: usize) -> Option<usize> {
         let block = self.block_size()?;
-        if n % block != 0 {
+        if !n.is_multiple_of(block) {
             return None;
         }
         (n / block).checked_mul(self.type_size()?)
@@ -142,7 +142,10 @@ impl GgmlType {
     /// Whether [`crate::quant::dequantize`] can decode this type.
     pub fn is_dequantizable(self) -> bool {
         use GgmlType::*;
-        matches!(self, F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q4K | Q5K | Q6K)
+        matches!(
+            self,
+            F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q4K | Q5K | Q6K
+        )
     }
 
     /// Whether the type is a block-quantized format.

@@ -62,11 +62,32 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.repetitions == 0 || args.batch == 0 {
         bail!("--repetitions and --batch must be at least 1");
     }
+    if args.prompt_lengths.iter().all(|&l| l == 0) && args.decode_tokens == 0 {
+        bail!("nothing to measure: give a prompt length (-p 128) or tokens to decode (-n 128)");
+    }
     let load_before = load_average();
     let loaded = common::load(&args.model)?;
     let vocab = loaded.model.config().vocab_size;
     let longest_prompt = args.prompt_lengths.iter().copied().max().unwrap_or(0);
-    let ctx = (longest_prompt.max(1) + args.decode_tokens + 1).max(16);
+    let needed = longest_prompt.max(1) + args.decode_tokens + 1;
+    let model_max = loaded.model.config().max_position_embeddings;
+    if needed > model_max {
+        bail!(
+            "the longest test needs a context of {needed} tokens (prompt {longest_prompt} + {} decoded + 1), \
+             more than the model's {model_max}; lower -p or -n",
+            args.decode_tokens
+        );
+    }
+    let ctx = match args.model.ctx_size {
+        Some(requested) => {
+            let ctx = common::checked_context_size(Some(requested), model_max)?;
+            if ctx < needed {
+                bail!("--ctx-size {ctx} is too small for the longest test, which needs {needed} tokens; raise -c or lower -p/-n");
+            }
+            ctx
+        }
+        None => needed.max(16).min(model_max),
+    };
     let model_path = loaded.source.path().display().to_string();
     let mut engine = common::engine(loaded.model, &args.model, ctx, args.batch)?;
     let mut results = Vec::new();

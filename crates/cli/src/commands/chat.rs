@@ -2,7 +2,7 @@
 
 use std::io::{BufRead, IsTerminal, Write};
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use pagoda_models::chat_template::ChatMessage;
 
@@ -20,13 +20,16 @@ pub struct ChatArgs {
     #[arg(long)]
     pub system: Option<String>,
     /// Tokens to generate at most per reply.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 512)]
+    #[arg(short = 'n', long = "n-predict", default_value_t = 512, allow_negative_numbers = true)]
     pub max_tokens: usize,
 }
 
 /// Runs `pagoda chat`. Lines typed are user messages; `/reset` clears the history, `/exit` or
 /// end of input quits.
 pub fn run(args: ChatArgs) -> Result<()> {
+    if args.max_tokens == 0 {
+        bail!("-n must be at least 1");
+    }
     let params = args.sampling.params()?;
     let loaded = common::load(&args.model)?;
     let ctx = common::context_size(&args.model, &loaded)?;
@@ -63,7 +66,15 @@ pub fn run(args: ChatArgs) -> Result<()> {
         let prompt = template.render(&history, true).map_err(|e| anyhow::anyhow!("chat template: {e}"))?;
         let prompt_ids = tokenizer.encode(&prompt, true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
         if prompt_ids.len() + 1 > ctx {
-            eprintln!("the conversation ({} tokens) no longer fits the context of {ctx}; /reset to start over", prompt_ids.len());
+            let what = if history.len() <= system.len() + 1 { "this message" } else { "the conversation with this message" };
+            let message = format!(
+                "{what} is {} tokens, which leaves no room for a reply in the context of {ctx} tokens",
+                prompt_ids.len()
+            );
+            if !interactive {
+                bail!("{message}; shorten the input or raise -c");
+            }
+            eprintln!("{message}; /reset to start over, or restart with a larger -c");
             history.pop();
             continue;
         }
@@ -74,7 +85,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             &mut engine,
             &tokenizer,
             prompt_ids,
-            params.clone(),
+            params,
             max_tokens,
             tokenizer.end_of_generation_ids(),
             &mut tee,

@@ -22,14 +22,15 @@ pub struct GenerateArgs {
     /// The prompt. Without it, the prompt is read from standard input.
     #[arg(short = 'p', long)]
     pub prompt: Option<String>,
-    /// Tokens to generate at most.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 256)]
-    pub max_tokens: usize,
+    /// Tokens to generate at most. Default: 256, lowered to what the context leaves after the
+    /// prompt.
+    #[arg(short = 'n', long = "n-predict", allow_negative_numbers = true)]
+    pub max_tokens: Option<usize>,
     /// Treat the prompt as a user message and apply the model's chat template.
     #[arg(long)]
     pub chat: bool,
     /// System message for --chat.
-    #[arg(long)]
+    #[arg(long, requires = "chat")]
     pub system: Option<String>,
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
@@ -38,7 +39,7 @@ pub struct GenerateArgs {
 
 /// Runs `pagoda generate`.
 pub fn run(args: GenerateArgs) -> Result<()> {
-    if args.max_tokens == 0 {
+    if args.max_tokens == Some(0) {
         bail!("-n must be at least 1");
     }
     let params = args.sampling.params()?;
@@ -61,11 +62,37 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let tokenizer = loaded.tokenizer;
     let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
     let prompt_ids = tokenizer.encode(&text, true).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+    let max_tokens = new_token_budget(prompt_ids.len(), args.max_tokens, ctx, engine.model().config().max_position_embeddings)?;
     let stop = if args.ignore_eos { Vec::new() } else { tokenizer.end_of_generation_ids() };
-    let stats = stream_completion(&mut engine, &tokenizer, prompt_ids, params, args.max_tokens, stop, &mut std::io::stdout())?;
+    let stats = stream_completion(&mut engine, &tokenizer, prompt_ids, params, max_tokens, stop, &mut std::io::stdout())?;
     eprintln!();
     stats.report();
     Ok(())
+}
+
+/// Default number of tokens to generate when -n is not given.
+const DEFAULT_MAX_TOKENS: usize = 256;
+
+/// Tokens to generate for a prompt of `prompt_tokens` in a context of `ctx` (the model allows
+/// `model_max`): `requested` if it fits, else an error saying what to change; without
+/// `requested`, the default lowered to what the context leaves.
+fn new_token_budget(prompt_tokens: usize, requested: Option<usize>, ctx: usize, model_max: usize) -> Result<usize> {
+    if prompt_tokens == 0 {
+        bail!("the prompt is empty (it encodes to no tokens); pass a non-empty -p PROMPT or pipe one on standard input");
+    }
+    let raise = if ctx < model_max { format!(", or raise -c (this model allows up to {model_max})") } else { String::new() };
+    if prompt_tokens >= ctx {
+        bail!("the prompt is {prompt_tokens} tokens, which leaves no room in the context of {ctx} tokens; shorten the prompt{raise}");
+    }
+    let room = ctx - prompt_tokens;
+    match requested {
+        Some(n) if n > room => bail!(
+            "the prompt ({prompt_tokens} tokens) plus -n {n} exceeds the context of {ctx} tokens; \
+             lower -n to {room} or less, shorten the prompt{raise}"
+        ),
+        Some(n) => Ok(n),
+        None => Ok(DEFAULT_MAX_TOKENS.min(room)),
+    }
 }
 
 fn read_stdin_prompt() -> Result<String> {
@@ -75,8 +102,15 @@ fn read_stdin_prompt() -> Result<String> {
     }
     let mut prompt = String::new();
     stdin.lock().read_to_string(&mut prompt).context("reading the prompt from standard input")?;
+    // `echo "..." | pagoda generate` ends the prompt with a newline the user did not mean.
+    if prompt.ends_with('\n') {
+        prompt.pop();
+        if prompt.ends_with('\r') {
+            prompt.pop();
+        }
+    }
     if prompt.is_empty() {
-        bail!("the prompt read from standard input is empty");
+        bail!("the prompt read from standard input is empty; pipe a non-empty prompt or pass -p PROMPT");
     }
     Ok(prompt)
 }

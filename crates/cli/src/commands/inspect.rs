@@ -17,9 +17,9 @@ pub struct InspectArgs {
     /// Model: a .gguf file or a Hugging Face directory (default: the embedded model).
     #[arg(short = 'm', long = "model")]
     pub model: Option<std::path::PathBuf>,
-    /// Context size to compute the KV-cache memory for.
-    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
-    pub ctx_size: usize,
+    /// Context size to compute the KV-cache memory for. Default: the model's, at most 4096.
+    #[arg(short = 'c', long = "ctx-size", allow_negative_numbers = true)]
+    pub ctx_size: Option<usize>,
     /// List every tensor.
     #[arg(long)]
     pub tensors: bool,
@@ -57,6 +57,7 @@ pub fn run(args: InspectArgs) -> Result<()> {
             (hf.config, tensors)
         }
     };
+    let ctx = common::checked_context_size(args.ctx_size, config.max_position_embeddings)?;
     println!("architecture: {:?}", config.architecture);
     println!(
         "shape: {} layers, hidden {}, {} heads / {} KV heads x {}, FFN {}, vocab {}, context {}",
@@ -80,23 +81,32 @@ pub fn run(args: InspectArgs) -> Result<()> {
         bytes += n_bytes;
     }
     println!("tensors: {} ({})", tensors.len(), by_type.iter().map(|(t, (n, _))| format!("{n} {t}")).collect::<Vec<_>>().join(", "));
-    println!("parameters: {} ({:.1} M)", parameters, parameters as f64 / 1e6);
+    println!("parameters: {} ({})", parameters, human_count(parameters));
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     println!("weights: {:.1} MiB as stored, {:.1} MiB in exact (f32) mode", mib(bytes), mib(parameters * 4));
     let kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4;
-    println!(
-        "KV cache (f32): {} bytes per token, {:.1} MiB for a context of {}",
-        kv_per_token,
-        mib(kv_per_token * args.ctx_size),
-        args.ctx_size
-    );
-    println!("memory for context {}: {:.1} MiB (weights as stored + KV)", args.ctx_size, mib(bytes + kv_per_token * args.ctx_size));
+    println!("KV cache (f32): {} bytes per token, {:.1} MiB for a context of {}", kv_per_token, mib(kv_per_token * ctx), ctx);
+    println!("memory for context {}: {:.1} MiB (weights as stored + KV)", ctx, mib(bytes + kv_per_token * ctx));
     if args.tensors {
         for (name, ty, shape, n_bytes) in &tensors {
             println!("  {name:40} {ty:6} {shape:?} {n_bytes} bytes");
         }
     }
     Ok(())
+}
+
+/// `count` with a K/M/B suffix (e.g. "134.5 M", "41.2 K").
+fn human_count(count: usize) -> String {
+    let value = count as f64;
+    if value >= 1e9 {
+        format!("{:.2} B", value / 1e9)
+    } else if value >= 1e6 {
+        format!("{:.1} M", value / 1e6)
+    } else if value >= 1e3 {
+        format!("{:.1} K", value / 1e3)
+    } else {
+        count.to_string()
+    }
 }
 
 fn summarize(value: &MetadataValue) -> String {

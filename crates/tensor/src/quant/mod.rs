@@ -50,10 +50,9 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), Unsup
 
 /// Dot product of one stored row with `x`: `sum_i dequantize(row)[i] * x[i]`.
 ///
-/// No heap allocation: Q8_0/Q4_0/Q4_1 decode each block in registers and multiply it
-/// straight into 16 accumulator lanes; the K-quants decode one block at a time into a stack
-/// buffer and accumulate in 8 lanes. Each value is decoded exactly as [`dequantize`] does,
-/// so the result equals the dot product of the dequantized row up to float summation order
+/// No heap allocation: each block is decoded in registers and multiplied straight into
+/// 16 or 32 accumulator lanes (see the `dot` submodule). Each value is decoded exactly as
+/// [`dequantize`] does, so the result equals the dot product of the dequantized row up to float summation order
 /// (it is not bit-identical to a sequential sum). This is the CPU matmul's inner loop.
 ///
 /// Panics if `ty` is not [`GgmlType::is_dequantizable`] or `row.len() !=
@@ -70,9 +69,9 @@ pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
         GgmlType::Q8_0 => dot::q8_0(row, x),
         GgmlType::Q4_0 => dot::q4_0(row, x),
         GgmlType::Q4_1 => dot::q4_1(row, x),
-        GgmlType::Q4K => dot_blocks(row, x, blocks::q4_k),
-        GgmlType::Q5K => dot_blocks(row, x, blocks::q5_k),
-        GgmlType::Q6K => dot_blocks(row, x, blocks::q6_k),
+        GgmlType::Q4K => dot::q4_k(row, x),
+        GgmlType::Q5K => dot::q5_k(row, x),
+        GgmlType::Q6K => dot::q6_k(row, x),
         _ => unreachable!("is_dequantizable() admitted {ty}"),
     }
 }
@@ -105,27 +104,10 @@ fn decode_blocks<const BYTES: usize, const VALUES: usize>(
     }
 }
 
-const LANES: usize = 8;
+const LANES: usize = 16;
 
-#[inline(always)]
-fn dot_blocks<const BYTES: usize, const VALUES: usize>(
-    row: &[u8],
-    x: &[f32],
-    decode: impl Fn(&[u8; BYTES], &mut [f32; VALUES]),
-) -> f32 {
-    let mut lanes = [0f32; LANES];
-    let mut buffer = [0f32; VALUES];
-    for (block, xs) in row.chunks_exact(BYTES).zip(x.chunks_exact(VALUES)) {
-        decode(block.try_into().unwrap(), &mut buffer);
-        for (w, v) in buffer.chunks_exact(LANES).zip(xs.chunks_exact(LANES)) {
-            for lane in 0..LANES {
-                lanes[lane] += w[lane] * v[lane];
-            }
-        }
-    }
-    lanes.iter().sum()
-}
-
+/// Dot product for the one-value-per-element formats: 16 values decoded per step into
+/// registers, 16 accumulator lanes, and a scalar tail.
 #[inline(always)]
 fn dot_plain<const BYTES: usize>(
     row: &[u8],
@@ -135,14 +117,16 @@ fn dot_plain<const BYTES: usize>(
     let mut lanes = [0f32; LANES];
     let mut row_chunks = row.chunks_exact(BYTES * LANES);
     let mut x_chunks = x.chunks_exact(LANES);
-    for (bytes, v) in (&mut row_chunks).zip(&mut x_chunks) {
-        for lane in 0..LANES {
-            let value = decode(
+    for (bytes, xs) in (&mut row_chunks).zip(&mut x_chunks) {
+        let values: [f32; LANES] = std::array::from_fn(|lane| {
+            decode(
                 bytes[lane * BYTES..lane * BYTES + BYTES]
                     .try_into()
                     .unwrap(),
-            );
-            lanes[lane] += value * v[lane];
+            )
+        });
+        for lane in 0..LANES {
+            lanes[lane] += values[lane] * xs[lane];
         }
     }
     let mut tail = 0f32;

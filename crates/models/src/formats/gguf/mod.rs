@@ -86,12 +86,15 @@ pub struct GgufFile {
     pub version: u32,
     /// Metadata in file order is not needed; sorted by key.
     pub metadata: BTreeMap<String, MetadataValue>,
-    /// Tensor infos in file order.
+    /// Tensor infos in file order. Treat as read-only: [`GgufFile::tensor`] looks names up
+    /// in an index built at open, and [`GgufFile::tensor_data`] trusts the validated ranges.
     pub tensors: Vec<TensorInfo>,
     /// Alignment of the tensor data (from `general.alignment`, default 32).
     pub alignment: u64,
     /// Absolute file offset of the tensor-data section (a multiple of `alignment`).
     pub data_offset: u64,
+    /// Tensor name -> index into `tensors`.
+    tensor_index: std::collections::HashMap<String, usize>,
     backing: Backing,
 }
 
@@ -151,6 +154,7 @@ impl GgufFile {
             version: header.version,
             metadata: header.metadata,
             tensors: header.tensors,
+            tensor_index: header.tensor_index,
             alignment: header.alignment,
             data_offset: header.data_offset,
             backing,
@@ -185,7 +189,9 @@ impl GgufFile {
 
     /// Looks up a tensor by name.
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
-        self.tensors.iter().find(|t| t.name == name)
+        self.tensor_index
+            .get(name)
+            .map(|&index| &self.tensors[index])
     }
 
     /// The bytes of the tensor called `name`, or an error naming the file and tensor.

@@ -6,7 +6,7 @@
 //! file's own size. Errors are plain strings saying what is wrong and where; the caller
 //! prefixes the file path.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 
 use pagoda_tensor::GgmlType;
 
@@ -24,6 +24,8 @@ pub(super) struct Header {
     pub version: u32,
     pub metadata: BTreeMap<String, MetadataValue>,
     pub tensors: Vec<TensorInfo>,
+    /// Tensor name -> index into `tensors`.
+    pub tensor_index: HashMap<String, usize>,
     pub alignment: u64,
     /// Absolute file offset where the tensor-data section starts.
     pub data_offset: u64,
@@ -79,15 +81,20 @@ impl<'a> Cursor<'a> {
     /// Rejects counts the rest of the file cannot possibly hold, so callers may reserve.
     fn count(&mut self, min_item_bytes: usize, what: &str) -> ParseResult<usize> {
         let at = self.position;
-        let count = self.u64()?;
+        let count = self.u64().map_err(|e| format!("reading {what}: {e}"))?;
         let fits = usize::try_from(count)
             .ok()
             .and_then(|c| c.checked_mul(min_item_bytes))
             .is_some_and(|bytes| bytes <= self.remaining());
         if !fits {
+            let need = if min_item_bytes == 1 {
+                format!("needs {count} bytes")
+            } else {
+                format!("needs at least {min_item_bytes} bytes each")
+            };
             return Err(format!(
-                "{what} {count} (at byte {at}) is impossible: each takes at least \
-                 {min_item_bytes} bytes and only {} bytes remain",
+                "{what} {count} (at byte {at}) cannot fit: {need} and only {} bytes remain \
+                 (truncated or corrupt file)",
                 self.remaining()
             ));
         }
@@ -319,11 +326,11 @@ pub(super) fn parse(bytes: &[u8]) -> ParseResult<Header> {
     let alignment = alignment_from(&metadata)?;
 
     let mut tensors = Vec::with_capacity(tensor_count);
-    let mut names = HashSet::with_capacity(tensor_count);
+    let mut tensor_index = HashMap::with_capacity(tensor_count);
     for index in 0..tensor_count {
         let info =
             read_tensor_info(&mut cursor).map_err(|e| format!("tensor info {index}: {e}"))?;
-        if !names.insert(info.name.clone()) {
+        if tensor_index.insert(info.name.clone(), index).is_some() {
             return Err(format!(
                 "tensor name `{}` appears more than once",
                 info.name
@@ -386,6 +393,7 @@ pub(super) fn parse(bytes: &[u8]) -> ParseResult<Header> {
         version,
         metadata,
         tensors,
+        tensor_index,
         alignment,
         data_offset,
     })

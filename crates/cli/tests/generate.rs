@@ -1,0 +1,168 @@
+//! End-to-end tests of `pagoda generate`: greedy output against llama.cpp's recorded reference
+//! continuation, all modes and prompt sources, seeded sampling, tiny models.
+
+mod support;
+
+use support::{default_model, pagoda, pagoda_in, throughput_line, tiny_model};
+
+const PROMPT: &str = "The capital of France is";
+
+/// llama.cpp's greedy continuation of [`PROMPT`] on the default model's weights dequantized to
+/// f32 (f32 KV, exact math): ids [7042, 30, 198, 198, 504, 2988, 314, 42, 216, 34, 32, 33, 40,
+/// 29, 32, 33, 29, 34, 34, 216, 33, 34, 42, 33, 34, 42, 37, 35, 30] then end-of-text (id 2).
+/// Recorded in the project's llama.cpp reference `greedy_llamacpp_f32dequant.json` (prompt
+/// `plain_en`).
+const GREEDY_FULL: &str = " Paris.\n\nThe answer is: 2018-01-22 12:12:53.";
+
+/// The text of the first 12 of those ids.
+const GREEDY_12: &str = " Paris.\n\nThe answer is: 201";
+
+/// The chat question of the reference (`chat` prompt, default system message from the template).
+const CHAT_QUESTION: &str = "What is the capital of France? Answer in one sentence.";
+
+/// Both llama.cpp references (Q4_1 and f32-dequantized) answer [`CHAT_QUESTION`] greedily with
+/// ids [504, 3575, 282, 4649, 314, 7042, 30] then `<|im_end|>` (id 2).
+const CHAT_ANSWER: &str = "The capital of France is Paris.";
+
+fn greedy_12(extra: &[&str]) -> Option<()> {
+    let model = default_model()?;
+    let model = model.to_str().unwrap();
+    let mut args = vec!["generate", "-m", model, "--temp", "0", "-n", "12", "-p", PROMPT];
+    args.extend_from_slice(extra);
+    let out = pagoda(&args, None);
+    out.assert_success();
+    assert_eq!(out.stdout_text(), GREEDY_12, "mode {extra:?}");
+    let (prompt_tokens, prompt_rate, decode_tokens, decode_rate) = throughput_line(&out.stderr);
+    assert_eq!(prompt_tokens, 5, "the reference prompt is 5 tokens");
+    assert_eq!(decode_tokens, 11, "12 generated = 1 from prefill + 11 decoded");
+    assert!(prompt_rate > 0.0 && decode_rate > 0.0, "{}", out.stderr);
+    Some(())
+}
+
+#[test]
+fn greedy_default_mode_matches_reference() {
+    greedy_12(&[]);
+}
+
+#[test]
+fn greedy_gather_attention_matches_reference() {
+    greedy_12(&["--attention", "gather"]);
+}
+
+#[test]
+fn greedy_exact_mode_matches_full_reference_and_stops_at_eos() {
+    let Some(model) = default_model() else { return };
+    let out = pagoda(&["generate", "-m", model.to_str().unwrap(), "--exact", "--temp", "0", "-n", "64", "-p", PROMPT], None);
+    out.assert_success();
+    assert_eq!(out.stdout_text(), GREEDY_FULL);
+    // 29 text tokens + end-of-text: the first comes from prefill, 29 from decode steps.
+    let (_, _, decode_tokens, _) = throughput_line(&out.stderr);
+    assert_eq!(decode_tokens, 29, "should stop at end-of-text, not run to -n 64");
+}
+
+#[test]
+fn default_model_is_used_without_m() {
+    if default_model().is_none() {
+        return;
+    }
+    // From the repository root, `models/<default>` is found without -m.
+    let out = pagoda(&["generate", "--temp", "0", "-n", "12", "-p", PROMPT], None);
+    out.assert_success();
+    assert_eq!(out.stdout_text(), GREEDY_12);
+    // From elsewhere, it is found next to the binary (target/<profile>/../../models).
+    let elsewhere = std::env::temp_dir();
+    let out = pagoda_in(&elsewhere, &["generate", "--temp", "0", "-n", "2", "-p", PROMPT], None);
+    out.assert_success();
+    assert_eq!(out.stdout_text(), " Paris.");
+}
+
+#[test]
+fn prompt_from_stdin() {
+    let Some(model) = default_model() else { return };
+    let model = model.to_str().unwrap();
+    let out = pagoda(&["generate", "-m", model, "--temp", "0", "-n", "12"], Some(PROMPT));
+    out.assert_success();
+    assert_eq!(out.stdout_text(), GREEDY_12);
+    // `echo PROMPT | pagoda generate`: the trailing newline is not part of the prompt.
+    let out = pagoda(&["generate", "-m", model, "--temp", "0", "-n", "12"], Some(&format!("{PROMPT}\n")));
+    out.assert_success();
+    assert_eq!(out.stdout_text(), GREEDY_12);
+    assert_eq!(throughput_line(&out.stderr).0, 5);
+}
+
+#[test]
+fn chat_flag_answers_and_stops_at_end_of_turn() {
+    let Some(model) = default_model() else { return };
+    let out = pagoda(&["generate", "-m", model.to_str().unwrap(), "--chat", "--temp", "0", "-n", "64", "-p", CHAT_QUESTION], None);
+    out.assert_success();
+    let text = out.stdout_text();
+    assert!(text.contains("Paris"), "{text:?}");
+    assert!(!text.contains("<|im_end|>") && !text.contains("<|im_start|>"), "special tokens printed: {text:?}");
+    assert_eq!(text, CHAT_ANSWER);
+    let (prompt_tokens, _, decode_tokens, _) = throughput_line(&out.stderr);
+    // The reference chat prompt is 42 tokens (default system message + question).
+    assert_eq!(prompt_tokens, 42);
+    assert_eq!(decode_tokens, 7, "7 text tokens + <|im_end|>, then stop");
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let Some(model) = default_model() else { return };
+    let model = model.to_str().unwrap();
+    let sample = |seed: &str| {
+        let out = pagoda(&["generate", "-m", model, "--temp", "1", "-s", seed, "-n", "16", "-p", "Once upon a time"], None);
+        out.assert_success();
+        out.stdout
+    };
+    let first = sample("42");
+    assert!(!first.is_empty());
+    assert_eq!(first, sample("42"), "the same seed must give the same text");
+    // 16 tokens at temperature 1 with top-k 40: two seeds agreeing on all of them is very unlikely;
+    // three more seeds make a false failure practically impossible.
+    let others: Vec<Vec<u8>> = ["7", "1234", "99"].iter().map(|s| sample(s)).collect();
+    assert!(others.iter().any(|o| *o != first), "four seeds gave the same text: {:?}", String::from_utf8_lossy(&first));
+}
+
+#[test]
+fn hf_directory_model_runs() {
+    let dir = tiny_model("tiny-llama");
+    let out = pagoda(&["generate", "-m", dir.to_str().unwrap(), "-n", "8", "-s", "1", "-p", "hello"], None);
+    out.assert_success();
+    assert!(!out.stdout.is_empty());
+    throughput_line(&out.stderr);
+}
+
+#[test]
+fn tiny_qwen2_greedy_token_matches_numpy_oracle() {
+    // The fixture's float64 numpy forward gives the logits at every position of "Hello, "; the
+    // greedy next token is their argmax at the last position, and the byte-level vocabulary
+    // (token id == byte) makes that token's text a single byte.
+    let dir = tiny_model("tiny-qwen2");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let tokens: Vec<u8> = expected["tokens"][0].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u8).collect();
+    let prompt = String::from_utf8(tokens).unwrap();
+    assert_eq!(prompt, "Hello, ");
+    let last = expected["logits"][0].as_array().unwrap().last().unwrap().as_array().unwrap();
+    let logits: Vec<f64> = last.iter().map(|v| v.as_f64().unwrap()).collect();
+    let argmax = (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap();
+    assert!(argmax < 128 && (argmax as u8).is_ascii_graphic(), "the oracle token {argmax} should be printable ASCII");
+    for extra in [&[][..], &["--exact"][..]] {
+        let mut args = vec!["generate", "-m", dir.to_str().unwrap(), "--temp", "0", "-n", "1", "-p", &prompt];
+        args.extend_from_slice(extra);
+        let out = pagoda(&args, None);
+        out.assert_success();
+        assert_eq!(out.stdout, vec![argmax as u8], "{extra:?}");
+    }
+}
+
+#[test]
+fn tiny_gguf_and_qwen3_chat_run() {
+    let gguf = tiny_model("tiny-llama-f32.gguf");
+    pagoda(&["generate", "-m", gguf.to_str().unwrap(), "-n", "4", "--temp", "0", "-p", "hi"], None).assert_success();
+    let qwen3 = tiny_model("tiny-qwen3");
+    let out = pagoda(&["generate", "-m", qwen3.to_str().unwrap(), "--chat", "--system", "be brief", "-n", "4", "-p", "hi"], None);
+    out.assert_success();
+    // The tiny template is `role: content\n` ... `assistant: `.
+    assert_eq!(throughput_line(&out.stderr).0, "system: be brief\nuser: hi\nassistant: ".len());
+}

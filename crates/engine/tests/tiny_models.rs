@@ -1,0 +1,191 @@
+//! The forward pass of every architecture against an independent float64 numpy forward
+//! (`scripts/fixtures/tiny_models.py`) on tiny random models: llama with llama3 RoPE scaling
+//! (HF layout in bf16, and the same weights as a llama.cpp-layout GGUF with permuted q/k rows
+//! and `rope_freqs`), Qwen2 with q/k/v biases and tied embeddings, Qwen3 with q/k norms and a
+//! head_dim that differs from hidden/heads. Logits at every position, prefill in one pass and
+//! token by token (split-KV decode), must agree with the oracle.
+
+use std::path::PathBuf;
+
+use pagoda_engine::{load_model, LoadOptions, ModelSource};
+use pagoda_kv::{BlockPool, BlockTable, PageTable};
+use pagoda_models::llama::{ForwardBatch, KvCache, Model, WeightPrecision};
+use pagoda_ops::attention::AttentionPath;
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/tests/data/tiny")
+        .join(name)
+}
+
+fn expected(dir: &str) -> (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>) {
+    let json: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(dir).join("expected.json")).unwrap())
+            .unwrap();
+    let tokens = json["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            s.as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect();
+    let logits = json["logits"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            s.as_array()
+                .unwrap()
+                .iter()
+                .map(|p| {
+                    p.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.as_f64().unwrap() as f32)
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    (tokens, logits)
+}
+
+/// Logits at every position: either one prefill of the whole sequence, or one token per step.
+fn logits(
+    model: &Model,
+    tokens: &[u32],
+    one_at_a_time: bool,
+    path: AttentionPath,
+) -> Vec<Vec<f32>> {
+    let page_size = 4; // small pages so even these short sequences span several
+    let num_pages = tokens.len().div_ceil(page_size) + 2;
+    let mut pool = BlockPool::new(num_pages, page_size).unwrap();
+    // Burn a page so physical pages are not in sequence order.
+    let _burned = pool.allocate().unwrap();
+    let mut table = BlockTable::new();
+    let mut kv = KvCache::new(
+        model.config().num_layers,
+        model.kv_layout(num_pages, page_size),
+    );
+    let vocab = model.config().vocab_size;
+    let chunk_len = if one_at_a_time { 1 } else { tokens.len() };
+    let chunks: Vec<std::ops::Range<usize>> = (0..tokens.len())
+        .step_by(chunk_len)
+        .map(|i| i..(i + chunk_len).min(tokens.len()))
+        .collect();
+    let mut out = Vec::new();
+    for chunk in chunks {
+        let slots = table.append_slots(&mut pool, chunk.len()).unwrap();
+        let page_table = PageTable::from_block_tables(&[&table], &pool).unwrap();
+        let positions: Vec<u32> = chunk.clone().map(|p| p as u32).collect();
+        let logits_for: Vec<usize> = (0..chunk.len()).collect();
+        let batch = ForwardBatch {
+            tokens: &tokens[chunk.clone()],
+            positions: &positions,
+            slots: &slots,
+            qo_indptr: &[0, chunk.len() as u32],
+            page_table: &page_table,
+            logits_for: &logits_for,
+        };
+        let output = model.forward(&batch, &mut kv, path).unwrap();
+        if one_at_a_time {
+            assert_eq!(output.attention_path, path);
+        }
+        out.extend(output.logits.chunks(vocab).map(|r| r.to_vec()));
+    }
+    out
+}
+
+fn check(source: ModelSource, oracle_dir: &str, tolerance: f32) {
+    let loaded = load_model(
+        &source,
+        LoadOptions {
+            precision: WeightPrecision::AsStored,
+        },
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let (sequences, expected) = expected(oracle_dir);
+    let mut worst = 0f32;
+    for (tokens, expected) in sequences.iter().zip(&expected) {
+        for (one_at_a_time, path) in [
+            (false, AttentionPath::Gather),
+            (true, AttentionPath::SplitKv),
+            (true, AttentionPath::Gather),
+        ] {
+            let got = logits(&loaded.model, tokens, one_at_a_time, path);
+            assert_eq!(got.len(), expected.len());
+            for (position, (g, e)) in got.iter().zip(expected).enumerate() {
+                for (token, (a, b)) in g.iter().zip(e).enumerate() {
+                    let diff = (a - b).abs();
+                    worst = worst.max(diff);
+                    assert!(
+                        diff < tolerance,
+                        "{}: position {position} token {token}: {a} vs oracle {b} (one_at_a_time {one_at_a_time}, {path:?})",
+                        source.path().display()
+                    );
+                }
+            }
+        }
+    }
+    eprintln!(
+        "{}: worst logit difference {worst:.2e}",
+        source.path().display()
+    );
+}
+
+#[test]
+fn tiny_llama_hf_bf16_with_llama3_scaling_matches_oracle() {
+    check(
+        ModelSource::HfDir(fixture("tiny-llama")),
+        "tiny-llama",
+        1e-4,
+    );
+}
+
+#[test]
+fn tiny_llama_sharded_matches_oracle() {
+    // The sharded copy has no tokenizer; load its weights with the unsharded tokenizer.
+    let hf = pagoda_models::hf::HfModelDir::open(fixture("tiny-llama-sharded")).unwrap();
+    let model = Model::load(hf.config.clone(), &hf.weights, WeightPrecision::AsStored).unwrap();
+    let (sequences, expected) = expected("tiny-llama");
+    let got = logits(&model, &sequences[1], false, AttentionPath::Gather);
+    for (g, e) in got.iter().zip(&expected[1]) {
+        for (a, b) in g.iter().zip(e) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn tiny_llama_gguf_llama_cpp_layout_matches_oracle() {
+    check(
+        ModelSource::Gguf(fixture("tiny-llama-f32.gguf")),
+        "tiny-llama",
+        1e-4,
+    );
+}
+
+#[test]
+fn tiny_qwen2_biases_and_tied_embeddings_match_oracle() {
+    check(
+        ModelSource::HfDir(fixture("tiny-qwen2")),
+        "tiny-qwen2",
+        1e-4,
+    );
+}
+
+#[test]
+fn tiny_qwen3_qk_norm_matches_oracle() {
+    check(
+        ModelSource::HfDir(fixture("tiny-qwen3")),
+        "tiny-qwen3",
+        1e-4,
+    );
+}

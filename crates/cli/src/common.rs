@@ -1,6 +1,7 @@
 //! Flags and helpers shared by the subcommands: model resolution and loading, sampling flags,
 //! engine sizing.
 
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -56,7 +57,11 @@ pub struct SamplingArgs {
     #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
     pub min_p: f32,
     /// Repetition penalty (1 = off).
-    #[arg(long = "repeat-penalty", default_value_t = 1.0, allow_negative_numbers = true)]
+    #[arg(
+        long = "repeat-penalty",
+        default_value_t = 1.0,
+        allow_negative_numbers = true
+    )]
     pub repeat_penalty: f32,
     /// OpenAI-style frequency penalty.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
@@ -100,7 +105,12 @@ pub fn init_logging(verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .try_init();
 }
 
 /// The model to use: the flag, $PAGODA_MODEL, or the default model under `models/`.
@@ -137,13 +147,26 @@ fn model_source(path: &Path) -> Result<ModelSource> {
             path.display()
         );
     }
-    let file_name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let file_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let belongs_in_hf_dir = file_name.ends_with(".safetensors")
         || file_name.ends_with(".safetensors.index.json")
-        || matches!(file_name.as_str(), "config.json" | "tokenizer.json" | "tokenizer_config.json");
+        || matches!(
+            file_name.as_str(),
+            "config.json" | "tokenizer.json" | "tokenizer_config.json"
+        );
     if path.is_file() && belongs_in_hf_dir {
-        let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        bail!("{} is part of a Hugging Face model directory; pass the directory instead: -m {}", path.display(), parent.display());
+        let parent = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        bail!(
+            "{} is part of a Hugging Face model directory; pass the directory instead: -m {}",
+            path.display(),
+            parent.display()
+        );
     }
     ModelSource::from_path(path).map_err(anyhow::Error::msg)
 }
@@ -154,7 +177,10 @@ pub fn configure_threads(threads: Option<usize>) -> Result<()> {
         if n == 0 {
             bail!("--threads must be at least 1");
         }
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("configuring the thread pool")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("configuring the thread pool")?;
     }
     Ok(())
 }
@@ -181,8 +207,18 @@ pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
             .expect("static template")
             .progress_chars("=> "),
     );
-    bar.set_message(source.path().file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
-    let precision = if args.exact { WeightPrecision::F32 } else { WeightPrecision::AsStored };
+    bar.set_message(
+        source
+            .path()
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+    );
+    let precision = if args.exact {
+        WeightPrecision::F32
+    } else {
+        WeightPrecision::AsStored
+    };
     let loaded = load_model(&source, LoadOptions { precision }, &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
@@ -207,7 +243,10 @@ pub fn context_size(args: &ModelArgs, loaded: &LoadedModel) -> Result<usize> {
 /// Context size: `requested` if given (at least 1 and at most `model_max`), else min(model_max, 4096).
 pub fn checked_context_size(requested: Option<usize>, model_max: usize) -> Result<usize> {
     match requested {
-        Some(0) => bail!("--ctx-size must be at least 1 (omit it to use min(model context, 4096) = {})", model_max.min(4096)),
+        Some(0) => bail!(
+            "--ctx-size must be at least 1 (omit it to use min(model context, 4096) = {})",
+            model_max.min(4096)
+        ),
         Some(n) if n > model_max => {
             bail!("--ctx-size {n} exceeds the model's context length {model_max}; pass -c {model_max} or less")
         }

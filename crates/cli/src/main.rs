@@ -39,9 +39,11 @@ fn main() {
     };
     if let Err(error) = result {
         // The reader of stdout went away (`pagoda generate ... | head`): stop quietly.
-        let broken_pipe = error
-            .chain()
-            .any(|cause| cause.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe));
+        let broken_pipe = error.chain().any(|cause| {
+            cause
+                .downcast_ref::<std::io::Error>()
+                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+        });
         if broken_pipe {
             std::process::exit(0);
         }

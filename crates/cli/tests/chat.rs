@@ -11,7 +11,10 @@ const SECOND: &str = "And of Germany?";
 fn piped_chat_answers_every_line_and_keeps_history() {
     let Some(model) = default_model() else { return };
     let model = model.to_str().unwrap();
-    let out = pagoda(&["chat", "-m", model, "--temp", "0", "-n", "40"], Some(&format!("{FIRST}\n{SECOND}\n")));
+    let out = pagoda(
+        &["chat", "-m", model, "--temp", "0", "-n", "40"],
+        Some(&format!("{FIRST}\n{SECOND}\n")),
+    );
     out.assert_success();
     let text = out.stdout_text();
     let replies: Vec<&str> = text.lines().collect();
@@ -19,25 +22,42 @@ fn piped_chat_answers_every_line_and_keeps_history() {
     // The first turn matches the llama.cpp reference answer (both Q4_1 and f32-dequantized).
     assert_eq!(replies[0], "The capital of France is Paris.");
     // "And of Germany?" only makes sense with the first turn in the history.
-    assert!(replies[1].contains("Berlin"), "second reply should use the history: {text:?}");
+    assert!(
+        replies[1].contains("Berlin"),
+        "second reply should use the history: {text:?}"
+    );
     assert!(!text.contains("<|im_end|>"), "{text:?}");
 
     // Oracle for "history is kept": after /reset the same second line, without the first turn,
     // gets a different answer (the model does not know what "And of" refers to).
-    let out = pagoda(&["chat", "-m", model, "--temp", "0", "-n", "40"], Some(&format!("{FIRST}\n/reset\n{SECOND}\n")));
+    let out = pagoda(
+        &["chat", "-m", model, "--temp", "0", "-n", "40"],
+        Some(&format!("{FIRST}\n/reset\n{SECOND}\n")),
+    );
     out.assert_success();
     let text = out.stdout_text();
     let replies: Vec<&str> = text.lines().collect();
     assert_eq!(replies.len(), 2, "{text:?}");
     assert_eq!(replies[0], "The capital of France is Paris.");
-    assert!(!replies[1].contains("Berlin"), "after /reset the first turn must be forgotten: {text:?}");
+    assert!(
+        !replies[1].contains("Berlin"),
+        "after /reset the first turn must be forgotten: {text:?}"
+    );
     assert!(out.stderr.contains("history cleared"), "{}", out.stderr);
 }
 
 #[test]
 fn piped_chat_exit_command_and_blank_lines() {
     let dir = tiny_model("tiny-qwen2");
-    let args = ["chat", "-m", dir.to_str().unwrap(), "-n", "3", "--temp", "0"];
+    let args = [
+        "chat",
+        "-m",
+        dir.to_str().unwrap(),
+        "-n",
+        "3",
+        "--temp",
+        "0",
+    ];
     // Blank lines are skipped and /exit stops before the third message, so the transcript is
     // that of the two messages alone.
     let with_extras = pagoda(&args, Some("a\n\n   \nb\n/exit\nc\n"));
@@ -46,7 +66,10 @@ fn piped_chat_exit_command_and_blank_lines() {
     plain.assert_success();
     assert_eq!(with_extras.stdout, plain.stdout);
     let one = pagoda(&args, Some("a\n"));
-    assert!(one.stdout.len() < plain.stdout.len(), "two messages should give two replies");
+    assert!(
+        one.stdout.len() < plain.stdout.len(),
+        "two messages should give two replies"
+    );
 }
 
 #[test]
@@ -60,7 +83,10 @@ fn chat_with_empty_input_exits_cleanly() {
 #[test]
 fn piped_chat_message_too_long_for_context_is_an_error() {
     let dir = tiny_model("tiny-qwen2");
-    let out = pagoda(&["chat", "-m", dir.to_str().unwrap(), "-c", "16"], Some("this line is much longer than sixteen bytes\n"));
+    let out = pagoda(
+        &["chat", "-m", dir.to_str().unwrap(), "-c", "16"],
+        Some("this line is much longer than sixteen bytes\n"),
+    );
     let error = out.assert_clean_error();
     assert!(error.contains("context") && error.contains("-c"), "{error}");
 }

@@ -27,14 +27,19 @@ const CHAT_ANSWER: &str = "The capital of France is Paris.";
 fn greedy_12(extra: &[&str]) -> Option<()> {
     let model = default_model()?;
     let model = model.to_str().unwrap();
-    let mut args = vec!["generate", "-m", model, "--temp", "0", "-n", "12", "-p", PROMPT];
+    let mut args = vec![
+        "generate", "-m", model, "--temp", "0", "-n", "12", "-p", PROMPT,
+    ];
     args.extend_from_slice(extra);
     let out = pagoda(&args, None);
     out.assert_success();
     assert_eq!(out.stdout_text(), GREEDY_12, "mode {extra:?}");
     let (prompt_tokens, prompt_rate, decode_tokens, decode_rate) = throughput_line(&out.stderr);
     assert_eq!(prompt_tokens, 5, "the reference prompt is 5 tokens");
-    assert_eq!(decode_tokens, 11, "12 generated = 1 from prefill + 11 decoded");
+    assert_eq!(
+        decode_tokens, 11,
+        "12 generated = 1 from prefill + 11 decoded"
+    );
     assert!(prompt_rate > 0.0 && decode_rate > 0.0, "{}", out.stderr);
     Some(())
 }
@@ -50,14 +55,40 @@ fn greedy_gather_attention_matches_reference() {
 }
 
 #[test]
+fn greedy_output_independent_of_page_size_and_threads() {
+    // One-token pages (every position its own page), 7-token pages (pages split mid-sequence),
+    // one page larger than the context, and a single thread must all give the same tokens.
+    greedy_12(&["--page-size", "1", "-t", "1"]);
+    greedy_12(&["--page-size", "7", "--attention", "gather"]);
+    greedy_12(&["--page-size", "1024", "-c", "64"]);
+}
+
+#[test]
 fn greedy_exact_mode_matches_full_reference_and_stops_at_eos() {
     let Some(model) = default_model() else { return };
-    let out = pagoda(&["generate", "-m", model.to_str().unwrap(), "--exact", "--temp", "0", "-n", "64", "-p", PROMPT], None);
+    let out = pagoda(
+        &[
+            "generate",
+            "-m",
+            model.to_str().unwrap(),
+            "--exact",
+            "--temp",
+            "0",
+            "-n",
+            "64",
+            "-p",
+            PROMPT,
+        ],
+        None,
+    );
     out.assert_success();
     assert_eq!(out.stdout_text(), GREEDY_FULL);
     // 29 text tokens + end-of-text: the first comes from prefill, 29 from decode steps.
     let (_, _, decode_tokens, _) = throughput_line(&out.stderr);
-    assert_eq!(decode_tokens, 29, "should stop at end-of-text, not run to -n 64");
+    assert_eq!(
+        decode_tokens, 29,
+        "should stop at end-of-text, not run to -n 64"
+    );
 }
 
 #[test]
@@ -69,9 +100,19 @@ fn default_model_is_used_without_m() {
     let out = pagoda(&["generate", "--temp", "0", "-n", "12", "-p", PROMPT], None);
     out.assert_success();
     assert_eq!(out.stdout_text(), GREEDY_12);
-    // From elsewhere, it is found next to the binary (target/<profile>/../../models).
+    // From elsewhere, it is found next to the binary (target/<profile>/../../models), when the
+    // build directory is the repository's own.
+    let binary = std::fs::canonicalize(env!("CARGO_BIN_EXE_pagoda")).unwrap();
+    if !binary.starts_with(std::fs::canonicalize(support::repo_root()).unwrap()) {
+        eprintln!("skipping the run from another directory: the binary is outside the repository");
+        return;
+    }
     let elsewhere = std::env::temp_dir();
-    let out = pagoda_in(&elsewhere, &["generate", "--temp", "0", "-n", "2", "-p", PROMPT], None);
+    let out = pagoda_in(
+        &elsewhere,
+        &["generate", "--temp", "0", "-n", "2", "-p", PROMPT],
+        None,
+    );
     out.assert_success();
     assert_eq!(out.stdout_text(), " Paris.");
 }
@@ -80,11 +121,17 @@ fn default_model_is_used_without_m() {
 fn prompt_from_stdin() {
     let Some(model) = default_model() else { return };
     let model = model.to_str().unwrap();
-    let out = pagoda(&["generate", "-m", model, "--temp", "0", "-n", "12"], Some(PROMPT));
+    let out = pagoda(
+        &["generate", "-m", model, "--temp", "0", "-n", "12"],
+        Some(PROMPT),
+    );
     out.assert_success();
     assert_eq!(out.stdout_text(), GREEDY_12);
     // `echo PROMPT | pagoda generate`: the trailing newline is not part of the prompt.
-    let out = pagoda(&["generate", "-m", model, "--temp", "0", "-n", "12"], Some(&format!("{PROMPT}\n")));
+    let out = pagoda(
+        &["generate", "-m", model, "--temp", "0", "-n", "12"],
+        Some(&format!("{PROMPT}\n")),
+    );
     out.assert_success();
     assert_eq!(out.stdout_text(), GREEDY_12);
     assert_eq!(throughput_line(&out.stderr).0, 5);
@@ -93,11 +140,28 @@ fn prompt_from_stdin() {
 #[test]
 fn chat_flag_answers_and_stops_at_end_of_turn() {
     let Some(model) = default_model() else { return };
-    let out = pagoda(&["generate", "-m", model.to_str().unwrap(), "--chat", "--temp", "0", "-n", "64", "-p", CHAT_QUESTION], None);
+    let out = pagoda(
+        &[
+            "generate",
+            "-m",
+            model.to_str().unwrap(),
+            "--chat",
+            "--temp",
+            "0",
+            "-n",
+            "64",
+            "-p",
+            CHAT_QUESTION,
+        ],
+        None,
+    );
     out.assert_success();
     let text = out.stdout_text();
     assert!(text.contains("Paris"), "{text:?}");
-    assert!(!text.contains("<|im_end|>") && !text.contains("<|im_start|>"), "special tokens printed: {text:?}");
+    assert!(
+        !text.contains("<|im_end|>") && !text.contains("<|im_start|>"),
+        "special tokens printed: {text:?}"
+    );
     assert_eq!(text, CHAT_ANSWER);
     let (prompt_tokens, _, decode_tokens, _) = throughput_line(&out.stderr);
     // The reference chat prompt is 42 tokens (default system message + question).
@@ -110,7 +174,22 @@ fn seeded_sampling_is_reproducible() {
     let Some(model) = default_model() else { return };
     let model = model.to_str().unwrap();
     let sample = |seed: &str| {
-        let out = pagoda(&["generate", "-m", model, "--temp", "1", "-s", seed, "-n", "16", "-p", "Once upon a time"], None);
+        let out = pagoda(
+            &[
+                "generate",
+                "-m",
+                model,
+                "--temp",
+                "1",
+                "-s",
+                seed,
+                "-n",
+                "16",
+                "-p",
+                "Once upon a time",
+            ],
+            None,
+        );
         out.assert_success();
         out.stdout
     };
@@ -120,13 +199,30 @@ fn seeded_sampling_is_reproducible() {
     // 16 tokens at temperature 1 with top-k 40: two seeds agreeing on all of them is very unlikely;
     // three more seeds make a false failure practically impossible.
     let others: Vec<Vec<u8>> = ["7", "1234", "99"].iter().map(|s| sample(s)).collect();
-    assert!(others.iter().any(|o| *o != first), "four seeds gave the same text: {:?}", String::from_utf8_lossy(&first));
+    assert!(
+        others.iter().any(|o| *o != first),
+        "four seeds gave the same text: {:?}",
+        String::from_utf8_lossy(&first)
+    );
 }
 
 #[test]
 fn hf_directory_model_runs() {
     let dir = tiny_model("tiny-llama");
-    let out = pagoda(&["generate", "-m", dir.to_str().unwrap(), "-n", "8", "-s", "1", "-p", "hello"], None);
+    let out = pagoda(
+        &[
+            "generate",
+            "-m",
+            dir.to_str().unwrap(),
+            "-n",
+            "8",
+            "-s",
+            "1",
+            "-p",
+            "hello",
+        ],
+        None,
+    );
     out.assert_success();
     assert!(!out.stdout.is_empty());
     throughput_line(&out.stderr);
@@ -140,15 +236,41 @@ fn tiny_qwen2_greedy_token_matches_numpy_oracle() {
     let dir = tiny_model("tiny-qwen2");
     let expected: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
-    let tokens: Vec<u8> = expected["tokens"][0].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u8).collect();
+    let tokens: Vec<u8> = expected["tokens"][0]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u8)
+        .collect();
     let prompt = String::from_utf8(tokens).unwrap();
     assert_eq!(prompt, "Hello, ");
-    let last = expected["logits"][0].as_array().unwrap().last().unwrap().as_array().unwrap();
+    let last = expected["logits"][0]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .as_array()
+        .unwrap();
     let logits: Vec<f64> = last.iter().map(|v| v.as_f64().unwrap()).collect();
-    let argmax = (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap();
-    assert!(argmax < 128 && (argmax as u8).is_ascii_graphic(), "the oracle token {argmax} should be printable ASCII");
+    let argmax = (0..logits.len())
+        .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
+        .unwrap();
+    assert!(
+        argmax < 128 && (argmax as u8).is_ascii_graphic(),
+        "the oracle token {argmax} should be printable ASCII"
+    );
     for extra in [&[][..], &["--exact"][..]] {
-        let mut args = vec!["generate", "-m", dir.to_str().unwrap(), "--temp", "0", "-n", "1", "-p", &prompt];
+        let mut args = vec![
+            "generate",
+            "-m",
+            dir.to_str().unwrap(),
+            "--temp",
+            "0",
+            "-n",
+            "1",
+            "-p",
+            &prompt,
+        ];
         args.extend_from_slice(extra);
         let out = pagoda(&args, None);
         out.assert_success();
@@ -159,10 +281,126 @@ fn tiny_qwen2_greedy_token_matches_numpy_oracle() {
 #[test]
 fn tiny_gguf_and_qwen3_chat_run() {
     let gguf = tiny_model("tiny-llama-f32.gguf");
-    pagoda(&["generate", "-m", gguf.to_str().unwrap(), "-n", "4", "--temp", "0", "-p", "hi"], None).assert_success();
+    pagoda(
+        &[
+            "generate",
+            "-m",
+            gguf.to_str().unwrap(),
+            "-n",
+            "4",
+            "--temp",
+            "0",
+            "-p",
+            "hi",
+        ],
+        None,
+    )
+    .assert_success();
     let qwen3 = tiny_model("tiny-qwen3");
-    let out = pagoda(&["generate", "-m", qwen3.to_str().unwrap(), "--chat", "--system", "be brief", "-n", "4", "-p", "hi"], None);
+    let out = pagoda(
+        &[
+            "generate",
+            "-m",
+            qwen3.to_str().unwrap(),
+            "--chat",
+            "--system",
+            "be brief",
+            "-n",
+            "4",
+            "-p",
+            "hi",
+        ],
+        None,
+    );
     out.assert_success();
     // The tiny template is `role: content\n` ... `assistant: `.
-    assert_eq!(throughput_line(&out.stderr).0, "system: be brief\nuser: hi\nassistant: ".len());
+    assert_eq!(
+        throughput_line(&out.stderr).0,
+        "system: be brief\nuser: hi\nassistant: ".len()
+    );
+    // --system implies --chat.
+    let out = pagoda(
+        &[
+            "generate",
+            "-m",
+            qwen3.to_str().unwrap(),
+            "--system",
+            "be brief",
+            "-n",
+            "4",
+            "-p",
+            "hi",
+        ],
+        None,
+    );
+    out.assert_success();
+    assert_eq!(
+        throughput_line(&out.stderr).0,
+        "system: be brief\nuser: hi\nassistant: ".len()
+    );
+}
+
+#[test]
+fn verbose_logs_are_plain_text_when_piped() {
+    let gguf = tiny_model("tiny-llama-f32.gguf");
+    let out = pagoda(
+        &[
+            "generate",
+            "-v",
+            "-m",
+            gguf.to_str().unwrap(),
+            "-n",
+            "2",
+            "-s",
+            "3",
+            "-p",
+            "hi",
+        ],
+        None,
+    );
+    out.assert_success();
+    assert!(out.stderr.contains("sampling seed: 3"), "{}", out.stderr);
+    assert!(
+        !out.stderr.contains('\u{1b}'),
+        "ANSI escapes in piped logs: {:?}",
+        out.stderr
+    );
+}
+
+#[test]
+fn closed_stdout_stops_quietly() {
+    // `pagoda generate ... | head -c 1`: the reader goes away; no `error: Broken pipe`.
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let gguf = tiny_model("tiny-llama-f32.gguf");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pagoda"))
+        .args([
+            "generate",
+            "-m",
+            gguf.to_str().unwrap(),
+            "--ignore-eos",
+            "-n",
+            "200",
+            "-p",
+            "hi",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert!(
+        !stderr.contains("error") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+    assert_eq!(status.code(), Some(0), "{stderr}");
 }

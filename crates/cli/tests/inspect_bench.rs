@@ -26,25 +26,69 @@ fn inspect_default_model() {
         line_after(&text, "shape: "),
         "30 layers, hidden 576, 9 heads / 3 KV heads x 64, FFN 1536, vocab 49152, context 8192"
     );
-    assert_eq!(line_after(&text, "tensors: "), "272 (61 F32, 210 Q4_1, 1 Q8_0)");
-    assert!(line_after(&text, "parameters: ").starts_with("134515008 "), "{text}");
-    assert!(text.contains("  general.architecture = \"llama\""), "{text}");
+    assert_eq!(
+        line_after(&text, "tensors: "),
+        "272 (61 F32, 210 Q4_1, 1 Q8_0)"
+    );
+    assert!(
+        line_after(&text, "parameters: ").starts_with("134515008 "),
+        "{text}"
+    );
+    assert!(
+        text.contains("  general.architecture = \"llama\""),
+        "{text}"
+    );
     // KV per token: 2 (K and V) x 30 layers x 3 KV heads x 64 x 4 bytes = 46080.
-    assert!(line_after(&text, "KV cache (f32): ").starts_with("46080 bytes per token"), "{text}");
-    assert!(text.contains("for a context of 4096"), "default context min(8192, 4096)");
-    assert!(text.lines().any(|l| l.starts_with("memory for context 4096: ")), "{text}");
-    assert!(!text.contains("token_embd.weight"), "tensors are listed only with --tensors");
+    assert!(
+        line_after(&text, "KV cache (f32): ").starts_with("46080 bytes per token"),
+        "{text}"
+    );
+    assert!(
+        text.contains("for a context of 4096"),
+        "default context min(8192, 4096)"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("memory for context 4096: ")),
+        "{text}"
+    );
+    assert!(
+        !text.contains("token_embd.weight"),
+        "tensors are listed only with --tensors"
+    );
 
-    let out = pagoda(&["inspect", "-m", model.to_str().unwrap(), "--tensors", "-c", "512"], None);
+    let out = pagoda(
+        &[
+            "inspect",
+            "-m",
+            model.to_str().unwrap(),
+            "--tensors",
+            "-c",
+            "512",
+        ],
+        None,
+    );
     out.assert_success();
     let text = out.stdout_text();
     assert!(text.contains("for a context of 512"));
-    let listed: Vec<&str> = text.lines().filter(|l| l.starts_with("  ") && l.ends_with(" bytes")).collect();
+    let listed: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("  ") && l.ends_with(" bytes"))
+        .collect();
     assert_eq!(listed.len(), 272, "{text}");
-    let embedding = listed.iter().find(|l| l.trim_start().starts_with("token_embd.weight ")).expect("token_embd listed");
+    let embedding = listed
+        .iter()
+        .find(|l| l.trim_start().starts_with("token_embd.weight "))
+        .expect("token_embd listed");
     // Q8_0 [49152, 576]: 34 bytes per 32 values.
-    assert!(embedding.contains("Q8_0") && embedding.contains("[49152, 576]"), "{embedding}");
-    assert!(embedding.ends_with(&format!(" {} bytes", 49152 * 576 / 32 * 34)), "{embedding}");
+    assert!(
+        embedding.contains("Q8_0") && embedding.contains("[49152, 576]"),
+        "{embedding}"
+    );
+    assert!(
+        embedding.ends_with(&format!(" {} bytes", 49152 * 576 / 32 * 34)),
+        "{embedding}"
+    );
 }
 
 #[test]
@@ -56,40 +100,79 @@ fn inspect_tiny_gguf_and_hf_directory() {
     let layer = 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64 + 2 * 64;
     let hf_parameters = 2 * 256 * 64 + 64 + 2 * layer;
     for (name, format, tensors, parameters) in [
-        ("tiny-llama-f32.gguf", "GGUF v3", "22 (22 F32)", hf_parameters + 8),
-        ("tiny-llama", "Hugging Face directory", "21 (21 BF16)", hf_parameters),
+        (
+            "tiny-llama-f32.gguf",
+            "GGUF v3",
+            "22 (22 F32)",
+            hf_parameters + 8,
+        ),
+        (
+            "tiny-llama",
+            "Hugging Face directory",
+            "21 (21 BF16)",
+            hf_parameters,
+        ),
     ] {
         let path = tiny_model(name);
-        let out = pagoda(&["inspect", "-m", path.to_str().unwrap(), "--tensors"], None);
+        let out = pagoda(
+            &["inspect", "-m", path.to_str().unwrap(), "--tensors"],
+            None,
+        );
         out.assert_success();
         let text = out.stdout_text();
         assert!(line_after(&text, "format: ").starts_with(format), "{text}");
         assert_eq!(line_after(&text, "architecture: "), "Llama");
-        assert_eq!(line_after(&text, "shape: "), "2 layers, hidden 64, 4 heads / 2 KV heads x 16, FFN 128, vocab 256, context 256");
+        assert_eq!(
+            line_after(&text, "shape: "),
+            "2 layers, hidden 64, 4 heads / 2 KV heads x 16, FFN 128, vocab 256, context 256"
+        );
         assert_eq!(line_after(&text, "tensors: "), tensors);
-        assert_eq!(line_after(&text, "parameters: "), format!("{parameters} ({:.1} K)", parameters as f64 / 1e3));
+        assert_eq!(
+            line_after(&text, "parameters: "),
+            format!("{parameters} ({:.1} K)", parameters as f64 / 1e3)
+        );
         // The default context is the model's own (256), not more.
         assert!(text.contains("for a context of 256"), "{text}");
-        assert!(text.lines().any(|l| l.trim_start().starts_with("blk.1.ffn_down.weight ")), "{text}");
+        assert!(
+            text.lines()
+                .any(|l| l.trim_start().starts_with("blk.1.ffn_down.weight ")),
+            "{text}"
+        );
     }
-    let out = pagoda(&["inspect", "-m", tiny_model("tiny-qwen3").to_str().unwrap()], None);
+    let out = pagoda(
+        &["inspect", "-m", tiny_model("tiny-qwen3").to_str().unwrap()],
+        None,
+    );
     out.assert_success();
     assert_eq!(line_after(&out.stdout_text(), "architecture: "), "Qwen3");
 }
 
 /// Parses the JSON report and checks its tests: name -> all rates positive and finite.
 fn check_json_report(stdout: &str, expected_tests: &[&str], repetitions: usize, batch: u64) {
-    let report: serde_json::Value = serde_json::from_str(stdout).unwrap_or_else(|e| panic!("bad JSON ({e}):\n{stdout}"));
+    let report: serde_json::Value =
+        serde_json::from_str(stdout).unwrap_or_else(|e| panic!("bad JSON ({e}):\n{stdout}"));
     assert_eq!(report["batch"].as_u64(), Some(batch));
     assert!(report["threads"].as_u64().unwrap() >= 1);
     let results = report["results"].as_array().expect("results array");
-    let names: Vec<&str> = results.iter().map(|r| r["test"].as_str().unwrap()).collect();
+    let names: Vec<&str> = results
+        .iter()
+        .map(|r| r["test"].as_str().unwrap())
+        .collect();
     assert_eq!(names, expected_tests);
     for result in results {
-        let rates: Vec<f64> = result["tokens_per_second"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
+        let rates: Vec<f64> = result["tokens_per_second"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
         assert_eq!(rates.len(), repetitions);
         assert!(rates.iter().all(|r| r.is_finite() && *r > 0.0), "{result}");
-        let (min, median, max) = (result["min"].as_f64().unwrap(), result["median"].as_f64().unwrap(), result["max"].as_f64().unwrap());
+        let (min, median, max) = (
+            result["min"].as_f64().unwrap(),
+            result["median"].as_f64().unwrap(),
+            result["max"].as_f64().unwrap(),
+        );
         assert!(min > 0.0 && min <= median && median <= max, "{result}");
         assert_eq!(min, rates.iter().copied().fold(f64::INFINITY, f64::min));
         assert_eq!(max, rates.iter().copied().fold(0.0, f64::max));
@@ -100,22 +183,42 @@ fn check_json_report(stdout: &str, expected_tests: &[&str], repetitions: usize, 
 fn bench_table_and_json() {
     let Some(model) = default_model() else { return };
     let model = model.to_str().unwrap();
-    let out = pagoda(&["bench", "-m", model, "-p", "16", "-n", "4", "-r", "2"], None);
+    let out = pagoda(
+        &["bench", "-m", model, "-p", "16", "-n", "4", "-r", "2"],
+        None,
+    );
     out.assert_success();
     let text = out.stdout_text();
     for test in ["pp16", "tg4"] {
-        let row = text.lines().find(|l| l.starts_with(&format!("| {test} |"))).unwrap_or_else(|| panic!("no {test} row:\n{text}"));
-        let cells: Vec<&str> = row.split('|').map(str::trim).filter(|c| !c.is_empty()).collect();
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&format!("| {test} |")))
+            .unwrap_or_else(|| panic!("no {test} row:\n{text}"));
+        let cells: Vec<&str> = row
+            .split('|')
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .collect();
         let median: f64 = cells[1].parse().unwrap();
         assert!(median > 0.0, "{row}");
         assert_eq!(cells[4].split_whitespace().count(), 2, "two runs: {row}");
     }
 
-    let out = pagoda(&["bench", "-m", model, "-p", "16", "-n", "4", "-r", "2", "--json"], None);
+    let out = pagoda(
+        &[
+            "bench", "-m", model, "-p", "16", "-n", "4", "-r", "2", "--json",
+        ],
+        None,
+    );
     out.assert_success();
     check_json_report(&out.stdout_text(), &["pp16", "tg4"], 2, 1);
 
-    let out = pagoda(&["bench", "-m", model, "-p", "16", "-n", "4", "-r", "1", "-b", "2", "--json"], None);
+    let out = pagoda(
+        &[
+            "bench", "-m", model, "-p", "16", "-n", "4", "-r", "1", "-b", "2", "--json",
+        ],
+        None,
+    );
     out.assert_success();
     check_json_report(&out.stdout_text(), &["pp16", "tg4 x2"], 1, 2);
 }
@@ -123,7 +226,21 @@ fn bench_table_and_json() {
 #[test]
 fn bench_tiny_model_several_prompt_lengths() {
     let dir = tiny_model("tiny-qwen2");
-    let out = pagoda(&["bench", "-m", dir.to_str().unwrap(), "-p", "8,32", "-n", "0", "-r", "3", "--json"], None);
+    let out = pagoda(
+        &[
+            "bench",
+            "-m",
+            dir.to_str().unwrap(),
+            "-p",
+            "8,32",
+            "-n",
+            "0",
+            "-r",
+            "3",
+            "--json",
+        ],
+        None,
+    );
     out.assert_success();
     check_json_report(&out.stdout_text(), &["pp8", "pp32"], 3, 1);
 }

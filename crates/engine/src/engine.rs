@@ -311,9 +311,10 @@ impl Engine {
             page_table: &page_table,
             logits_for: &logits_for,
         };
-        let output = self
-            .model
-            .forward(&batch, &mut self.kv, self.config.attention_path)
+        // Run the whole forward on a pool worker: the ops' parallel loops then start from inside
+        // the pool instead of handing every one of them across threads.
+        let (model, kv, path) = (&self.model, &mut self.kv, self.config.attention_path);
+        let output = rayon::scope(|_| model.forward(&batch, kv, path))
             .map_err(|e| EngineError::Internal(e.to_string()))?;
         self.counters.record(output.attention_path, tokens.len());
         let logits = output.logits;

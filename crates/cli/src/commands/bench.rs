@@ -20,7 +20,12 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Prompt lengths to measure prefill at (comma-separated; 0 skips prefill).
-    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "128,512")]
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        value_delimiter = ',',
+        default_value = "128,512"
+    )]
     pub prompt_lengths: Vec<usize>,
     /// Tokens to decode per run (0 skips decode).
     #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
@@ -108,15 +113,29 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let mut rates = Vec::new();
         for _ in 0..args.repetitions {
             run_index += 1;
-            let seconds = timed_decode(&mut engine, vocab, args.batch, args.decode_tokens, run_index)?;
+            let seconds = timed_decode(
+                &mut engine,
+                vocab,
+                args.batch,
+                args.decode_tokens,
+                run_index,
+            )?;
             rates.push((args.batch * args.decode_tokens) as f64 / seconds);
         }
-        let name = if args.batch == 1 { format!("tg{}", args.decode_tokens) } else { format!("tg{} x{}", args.decode_tokens, args.batch) };
+        let name = if args.batch == 1 {
+            format!("tg{}", args.decode_tokens)
+        } else {
+            format!("tg{} x{}", args.decode_tokens, args.batch)
+        };
         results.push(summarize(name, rates));
     }
     let report = Report {
         model: model_path,
-        precision: if args.model.exact { "exact (f32)" } else { "as stored" },
+        precision: if args.model.exact {
+            "exact (f32)"
+        } else {
+            "as stored"
+        },
         threads: rayon::current_num_threads(),
         attention_path: engine.config().attention_path.name().to_string(),
         batch: args.batch,
@@ -135,13 +154,28 @@ fn print_report(report: &Report, json: bool) -> Result<()> {
     println!("model: {}", report.model);
     println!(
         "weights: {} | threads: {} | attention: {} | load before: {} | load after: {}",
-        report.precision, report.threads, report.attention_path, report.load_before, report.load_after
+        report.precision,
+        report.threads,
+        report.attention_path,
+        report.load_before,
+        report.load_after
     );
     println!("| test | tok/s (median) | min | max | runs |");
     println!("| --- | ---: | ---: | ---: | --- |");
     for r in &report.results {
-        let runs: Vec<String> = r.tokens_per_second.iter().map(|v| format!("{v:.1}")).collect();
-        println!("| {} | {:.1} | {:.1} | {:.1} | {} |", r.test, r.median, r.min, r.max, runs.join(" "));
+        let runs: Vec<String> = r
+            .tokens_per_second
+            .iter()
+            .map(|v| format!("{v:.1}"))
+            .collect();
+        println!(
+            "| {} | {:.1} | {:.1} | {:.1} | {} |",
+            r.test,
+            r.median,
+            r.min,
+            r.max,
+            runs.join(" ")
+        );
     }
     Ok(())
 }
@@ -154,12 +188,24 @@ fn summarize(test: String, mut rates: Vec<f64>) -> TestResult {
     } else {
         (rates[rates.len() / 2 - 1] + rates[rates.len() / 2]) / 2.0
     };
-    TestResult { test, median, min: rates[0], max: rates[rates.len() - 1], tokens_per_second }
+    TestResult {
+        test,
+        median,
+        min: rates[0],
+        max: rates[rates.len() - 1],
+        tokens_per_second,
+    }
 }
 
 /// Seconds to prefill `prompt` (until its first token is sampled).
 fn timed_prefill(engine: &mut Engine, prompt: &[u32]) -> Result<f64> {
-    engine.add_request(prompt.to_vec(), SamplingParams::greedy(), 1, Vec::new(), false)?;
+    engine.add_request(
+        prompt.to_vec(),
+        SamplingParams::greedy(),
+        1,
+        Vec::new(),
+        false,
+    )?;
     let started = Instant::now();
     while engine.num_running() > 0 {
         engine.step()?;
@@ -169,10 +215,22 @@ fn timed_prefill(engine: &mut Engine, prompt: &[u32]) -> Result<f64> {
 
 /// Seconds for `batch` sequences to decode `tokens` tokens each after a one-token prompt
 /// (the prefill step is excluded).
-fn timed_decode(engine: &mut Engine, vocab: usize, batch: usize, tokens: usize, run: u64) -> Result<f64> {
+fn timed_decode(
+    engine: &mut Engine,
+    vocab: usize,
+    batch: usize,
+    tokens: usize,
+    run: u64,
+) -> Result<f64> {
     for b in 0..batch {
         let prompt = random_prompt(vocab, 1, run * 1000 + b as u64);
-        engine.add_request(prompt, SamplingParams::greedy(), tokens + 1, Vec::new(), false)?;
+        engine.add_request(
+            prompt,
+            SamplingParams::greedy(),
+            tokens + 1,
+            Vec::new(),
+            false,
+        )?;
     }
     engine.step()?; // prefill (one token each) + first sampled token
     let started = Instant::now();

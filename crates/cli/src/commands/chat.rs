@@ -20,7 +20,12 @@ pub struct ChatArgs {
     #[arg(long)]
     pub system: Option<String>,
     /// Tokens to generate at most per reply.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 512, allow_negative_numbers = true)]
+    #[arg(
+        short = 'n',
+        long = "n-predict",
+        default_value_t = 512,
+        allow_negative_numbers = true
+    )]
     pub max_tokens: usize,
 }
 
@@ -37,7 +42,11 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let tokenizer = loaded.tokenizer;
     let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
     let interactive = std::io::stdin().is_terminal();
-    let system: Vec<ChatMessage> = args.system.iter().map(|s| ChatMessage::new("system", s)).collect();
+    let system: Vec<ChatMessage> = args
+        .system
+        .iter()
+        .map(|s| ChatMessage::new("system", s))
+        .collect();
     let mut history = system.clone();
     if interactive {
         eprintln!("pagoda chat: type a message; /reset clears the history, /exit or Ctrl-D quits.");
@@ -63,10 +72,18 @@ pub fn run(args: ChatArgs) -> Result<()> {
             _ => {}
         }
         history.push(ChatMessage::new("user", message));
-        let prompt = template.render(&history, true).map_err(|e| anyhow::anyhow!("chat template: {e}"))?;
-        let prompt_ids = tokenizer.encode(&prompt, true).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        let prompt = template
+            .render(&history, true)
+            .map_err(|e| anyhow::anyhow!("chat template: {e}"))?;
+        let prompt_ids = tokenizer
+            .encode(&prompt, true)
+            .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
         if prompt_ids.len() + 1 > ctx {
-            let what = if history.len() <= system.len() + 1 { "this message" } else { "the conversation with this message" };
+            let what = if history.len() <= system.len() + 1 {
+                "this message"
+            } else {
+                "the conversation with this message"
+            };
             let message = format!(
                 "{what} is {} tokens, which leaves no room for a reply in the context of {ctx} tokens",
                 prompt_ids.len()
@@ -80,7 +97,10 @@ pub fn run(args: ChatArgs) -> Result<()> {
         }
         let max_tokens = args.max_tokens.min(ctx - prompt_ids.len());
         let mut reply = Vec::new();
-        let mut tee = Tee { sink: std::io::stdout(), copy: &mut reply };
+        let mut tee = Tee {
+            sink: std::io::stdout(),
+            copy: &mut reply,
+        };
         let stats = stream_completion(
             &mut engine,
             &tokenizer,
@@ -94,7 +114,10 @@ pub fn run(args: ChatArgs) -> Result<()> {
         if interactive {
             stats.report();
         }
-        history.push(ChatMessage::new("assistant", String::from_utf8_lossy(&reply).trim()));
+        history.push(ChatMessage::new(
+            "assistant",
+            String::from_utf8_lossy(&reply).trim(),
+        ));
     }
     Ok(())
 }

@@ -29,8 +29,8 @@ pub struct GenerateArgs {
     /// Treat the prompt as a user message and apply the model's chat template.
     #[arg(long)]
     pub chat: bool,
-    /// System message for --chat.
-    #[arg(long, requires = "chat")]
+    /// System message; implies --chat.
+    #[arg(long)]
     pub system: Option<String>,
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
@@ -49,22 +49,44 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     };
     let loaded = common::load(&args.model)?;
     let ctx = common::context_size(&args.model, &loaded)?;
-    let text = if args.chat {
+    let text = if args.chat || args.system.is_some() {
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
             messages.push(ChatMessage::new("system", system));
         }
         messages.push(ChatMessage::new("user", &prompt));
-        loaded.chat_template.render(&messages, true).map_err(|e| anyhow::anyhow!("chat template: {e}"))?
+        loaded
+            .chat_template
+            .render(&messages, true)
+            .map_err(|e| anyhow::anyhow!("chat template: {e}"))?
     } else {
         prompt
     };
     let tokenizer = loaded.tokenizer;
     let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
-    let prompt_ids = tokenizer.encode(&text, true).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
-    let max_tokens = new_token_budget(prompt_ids.len(), args.max_tokens, ctx, engine.model().config().max_position_embeddings)?;
-    let stop = if args.ignore_eos { Vec::new() } else { tokenizer.end_of_generation_ids() };
-    let stats = stream_completion(&mut engine, &tokenizer, prompt_ids, params, max_tokens, stop, &mut std::io::stdout())?;
+    let prompt_ids = tokenizer
+        .encode(&text, true)
+        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+    let max_tokens = new_token_budget(
+        prompt_ids.len(),
+        args.max_tokens,
+        ctx,
+        engine.model().config().max_position_embeddings,
+    )?;
+    let stop = if args.ignore_eos {
+        Vec::new()
+    } else {
+        tokenizer.end_of_generation_ids()
+    };
+    let stats = stream_completion(
+        &mut engine,
+        &tokenizer,
+        prompt_ids,
+        params,
+        max_tokens,
+        stop,
+        &mut std::io::stdout(),
+    )?;
     eprintln!();
     stats.report();
     Ok(())
@@ -76,11 +98,20 @@ const DEFAULT_MAX_TOKENS: usize = 256;
 /// Tokens to generate for a prompt of `prompt_tokens` in a context of `ctx` (the model allows
 /// `model_max`): `requested` if it fits, else an error saying what to change; without
 /// `requested`, the default lowered to what the context leaves.
-fn new_token_budget(prompt_tokens: usize, requested: Option<usize>, ctx: usize, model_max: usize) -> Result<usize> {
+fn new_token_budget(
+    prompt_tokens: usize,
+    requested: Option<usize>,
+    ctx: usize,
+    model_max: usize,
+) -> Result<usize> {
     if prompt_tokens == 0 {
         bail!("the prompt is empty (it encodes to no tokens); pass a non-empty -p PROMPT or pipe one on standard input");
     }
-    let raise = if ctx < model_max { format!(", or raise -c (this model allows up to {model_max})") } else { String::new() };
+    let raise = if ctx < model_max {
+        format!(", or raise -c (this model allows up to {model_max})")
+    } else {
+        String::new()
+    };
     if prompt_tokens >= ctx {
         bail!("the prompt is {prompt_tokens} tokens, which leaves no room in the context of {ctx} tokens; shorten the prompt{raise}");
     }
@@ -101,7 +132,10 @@ fn read_stdin_prompt() -> Result<String> {
         bail!("no prompt: pass -p PROMPT or pipe the prompt on standard input");
     }
     let mut prompt = String::new();
-    stdin.lock().read_to_string(&mut prompt).context("reading the prompt from standard input")?;
+    stdin
+        .lock()
+        .read_to_string(&mut prompt)
+        .context("reading the prompt from standard input")?;
     // `echo "..." | pagoda generate` ends the prompt with a newline the user did not mean.
     if prompt.ends_with('\n') {
         prompt.pop();

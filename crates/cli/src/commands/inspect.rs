@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
 use pagoda_engine::ModelSource;
 use pagoda_models::formats::gguf::{GgufFile, MetadataValue};
@@ -27,27 +27,49 @@ pub struct InspectArgs {
 
 /// Runs `pagoda inspect`.
 pub fn run(args: InspectArgs) -> Result<()> {
+    if args.ctx_size == Some(0) {
+        bail!("--ctx-size must be at least 1 (omit it to use the model's context, at most 4096)");
+    }
     let source = common::resolve_model(&args.model)?;
-    println!("model: {}", source.path().display());
+    // The report is printed only once complete, so a bad file gives an error, not half a report.
+    let mut report = String::new();
+    macro_rules! say {
+        ($($arg:tt)*) => {{
+            report.push_str(&format!($($arg)*));
+            report.push('\n');
+        }};
+    }
+    say!("model: {}", source.path().display());
     let (config, tensors) = match &source {
         ModelSource::Gguf(path) => {
             let file = GgufFile::open(path)?;
-            println!("format: GGUF v{} (alignment {})", file.version, file.alignment);
-            println!("metadata:");
+            say!(
+                "format: GGUF v{} (alignment {})",
+                file.version,
+                file.alignment
+            );
+            say!("metadata:");
             for (key, value) in &file.metadata {
-                println!("  {key} = {}", summarize(value));
+                say!("  {key} = {}", summarize(value));
             }
             let config = config_from_gguf(&file).map_err(anyhow::Error::msg)?;
             let tensors: Vec<(String, String, Vec<usize>, usize)> = file
                 .tensors
                 .iter()
-                .map(|t| (t.name.clone(), t.ty.name(), t.dims.iter().rev().map(|&d| d as usize).collect(), t.n_bytes as usize))
+                .map(|t| {
+                    (
+                        t.name.clone(),
+                        t.ty.name(),
+                        t.dims.iter().rev().map(|&d| d as usize).collect(),
+                        t.n_bytes as usize,
+                    )
+                })
                 .collect();
             (config, tensors)
         }
         ModelSource::HfDir(dir) => {
             let hf = HfModelDir::open(dir)?;
-            println!("format: Hugging Face directory");
+            say!("format: Hugging Face directory");
             let mut tensors = Vec::new();
             for name in pagoda_models::weights::TensorSource::tensor_names(&hf.weights) {
                 if let Some(t) = pagoda_models::weights::TensorSource::tensor(&hf.weights, &name) {
@@ -58,8 +80,8 @@ pub fn run(args: InspectArgs) -> Result<()> {
         }
     };
     let ctx = common::checked_context_size(args.ctx_size, config.max_position_embeddings)?;
-    println!("architecture: {:?}", config.architecture);
-    println!(
+    say!("architecture: {:?}", config.architecture);
+    say!(
         "shape: {} layers, hidden {}, {} heads / {} KV heads x {}, FFN {}, vocab {}, context {}",
         config.num_layers,
         config.hidden_size,
@@ -80,18 +102,40 @@ pub fn run(args: InspectArgs) -> Result<()> {
         parameters += shape.iter().product::<usize>();
         bytes += n_bytes;
     }
-    println!("tensors: {} ({})", tensors.len(), by_type.iter().map(|(t, (n, _))| format!("{n} {t}")).collect::<Vec<_>>().join(", "));
-    println!("parameters: {} ({})", parameters, human_count(parameters));
+    say!(
+        "tensors: {} ({})",
+        tensors.len(),
+        by_type
+            .iter()
+            .map(|(t, (n, _))| format!("{n} {t}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    say!("parameters: {} ({})", parameters, human_count(parameters));
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
-    println!("weights: {:.1} MiB as stored, {:.1} MiB in exact (f32) mode", mib(bytes), mib(parameters * 4));
+    say!(
+        "weights: {:.1} MiB as stored, {:.1} MiB in exact (f32) mode",
+        mib(bytes),
+        mib(parameters * 4)
+    );
     let kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4;
-    println!("KV cache (f32): {} bytes per token, {:.1} MiB for a context of {}", kv_per_token, mib(kv_per_token * ctx), ctx);
-    println!("memory for context {}: {:.1} MiB (weights as stored + KV)", ctx, mib(bytes + kv_per_token * ctx));
+    say!(
+        "KV cache (f32): {} bytes per token, {:.1} MiB for a context of {}",
+        kv_per_token,
+        mib(kv_per_token * ctx),
+        ctx
+    );
+    say!(
+        "memory for context {}: {:.1} MiB (weights as stored + KV)",
+        ctx,
+        mib(bytes + kv_per_token * ctx)
+    );
     if args.tensors {
         for (name, ty, shape, n_bytes) in &tensors {
-            println!("  {name:40} {ty:6} {shape:?} {n_bytes} bytes");
+            say!("  {name:40} {ty:6} {shape:?} {n_bytes} bytes");
         }
     }
+    print!("{report}");
     Ok(())
 }
 
@@ -111,13 +155,20 @@ fn human_count(count: usize) -> String {
 
 fn summarize(value: &MetadataValue) -> String {
     match value {
-        MetadataValue::String(s) if s.len() > 120 => format!("{:?}... ({} chars)", s.chars().take(100).collect::<String>(), s.chars().count()),
+        MetadataValue::String(s) if s.len() > 120 => format!(
+            "{:?}... ({} chars)",
+            s.chars().take(100).collect::<String>(),
+            s.chars().count()
+        ),
         MetadataValue::String(s) => format!("{s:?}"),
         MetadataValue::Array(items) if items.len() > 8 => {
             let head: Vec<String> = items.iter().take(4).map(summarize).collect();
             format!("[{}, ...] ({} items)", head.join(", "), items.len())
         }
-        MetadataValue::Array(items) => format!("[{}]", items.iter().map(summarize).collect::<Vec<_>>().join(", ")),
+        MetadataValue::Array(items) => format!(
+            "[{}]",
+            items.iter().map(summarize).collect::<Vec<_>>().join(", ")
+        ),
         MetadataValue::U8(v) => v.to_string(),
         MetadataValue::I8(v) => v.to_string(),
         MetadataValue::U16(v) => v.to_string(),

@@ -29,21 +29,62 @@ impl RunOutput {
 
     /// Panics with both streams unless the run exited 0.
     pub fn assert_success(&self) -> &Self {
-        assert_eq!(self.code, Some(0), "pagoda failed\nstdout: {}\nstderr: {}", self.stdout_text(), self.stderr);
-        assert!(!self.stderr.contains("panicked"), "pagoda panicked: {}", self.stderr);
+        assert_eq!(
+            self.code,
+            Some(0),
+            "pagoda failed\nstdout: {}\nstderr: {}",
+            self.stdout_text(),
+            self.stderr
+        );
+        assert!(
+            !self.stderr.contains("panicked"),
+            "pagoda panicked: {}",
+            self.stderr
+        );
         self
     }
 
     /// Asserts a clean failure: exit code not 0, no panic, stderr is one `error: ...` line
     /// (clap's usage errors add a usage block after it). Returns the error line.
     pub fn assert_clean_error(&self) -> String {
-        assert_ne!(self.code, Some(0), "expected a failure\nstdout: {}\nstderr: {}", self.stdout_text(), self.stderr);
-        assert!(self.code.is_some(), "killed by a signal (crash?)\nstderr: {}", self.stderr);
-        assert!(!self.stderr.contains("panicked"), "pagoda panicked: {}", self.stderr);
-        assert!(!self.stderr.contains("RUST_BACKTRACE"), "pagoda panicked: {}", self.stderr);
-        let error_lines: Vec<&str> = self.stderr.lines().filter(|l| l.starts_with("error: ")).collect();
-        assert_eq!(error_lines.len(), 1, "expected exactly one `error: ` line, stderr was:\n{}", self.stderr);
-        assert!(self.stdout.is_empty(), "nothing should reach stdout on an error, got {:?}", self.stdout_text());
+        assert_ne!(
+            self.code,
+            Some(0),
+            "expected a failure\nstdout: {}\nstderr: {}",
+            self.stdout_text(),
+            self.stderr
+        );
+        assert!(
+            self.code.is_some(),
+            "killed by a signal (crash?)\nstderr: {}",
+            self.stderr
+        );
+        assert!(
+            !self.stderr.contains("panicked"),
+            "pagoda panicked: {}",
+            self.stderr
+        );
+        assert!(
+            !self.stderr.contains("RUST_BACKTRACE"),
+            "pagoda panicked: {}",
+            self.stderr
+        );
+        let error_lines: Vec<&str> = self
+            .stderr
+            .lines()
+            .filter(|l| l.starts_with("error: "))
+            .collect();
+        assert_eq!(
+            error_lines.len(),
+            1,
+            "expected exactly one `error: ` line, stderr was:\n{}",
+            self.stderr
+        );
+        assert!(
+            self.stdout.is_empty(),
+            "nothing should reach stdout on an error, got {:?}",
+            self.stdout_text()
+        );
         error_lines[0].to_string()
     }
 }
@@ -59,15 +100,24 @@ pub fn default_model() -> Option<PathBuf> {
     if path.is_file() {
         Some(path)
     } else {
-        eprintln!("skipping: {} is missing (run scripts/fetch-model.sh)", path.display());
+        eprintln!(
+            "skipping: {} is missing (run scripts/fetch-model.sh)",
+            path.display()
+        );
         None
     }
 }
 
 /// A tiny test model of the models crate (`tiny-llama`, `tiny-qwen2`, `tiny-llama-f32.gguf` ...).
 pub fn tiny_model(name: &str) -> PathBuf {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../models/tests/data/tiny").join(name);
-    assert!(path.exists(), "tiny test model {} is missing", path.display());
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../models/tests/data/tiny")
+        .join(name);
+    assert!(
+        path.exists(),
+        "tiny test model {} is missing",
+        path.display()
+    );
     path
 }
 
@@ -86,7 +136,11 @@ pub fn pagoda_in(cwd: &Path, args: &[&str], stdin: Option<&str>) -> RunOutput {
         .env_remove("PAGODA_ATTENTION")
         .env_remove("RUST_LOG")
         .env("RUST_BACKTRACE", "0")
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -143,8 +197,16 @@ pub fn throughput_line(stderr: &str) -> (usize, f64, usize, f64) {
     let numbers: Vec<f64> = line
         .split(|c: char| !(c.is_ascii_digit() || c == '.'))
         .filter(|s| !s.is_empty() && s.chars().any(|c| c.is_ascii_digit()))
-        .map(|s| s.parse().unwrap_or_else(|_| panic!("bad number {s:?} in {line:?}")))
+        .map(|s| {
+            s.parse()
+                .unwrap_or_else(|_| panic!("bad number {s:?} in {line:?}"))
+        })
         .collect();
     assert_eq!(numbers.len(), 4, "unexpected throughput line {line:?}");
-    (numbers[0] as usize, numbers[1], numbers[2] as usize, numbers[3])
+    (
+        numbers[0] as usize,
+        numbers[1],
+        numbers[2] as usize,
+        numbers[3],
+    )
 }

@@ -27,7 +27,7 @@ fn lanes_sum(lanes: &[f32; HALF]) -> f32 {
 }
 
 /// `row` holds whole Q8_0 blocks for `x.len()` values (checked by the caller).
-#[inline]
+#[inline(always)]
 pub fn q8_0(row: &[u8], x: &[f32]) -> f32 {
     let mut lanes = [0f32; HALF];
     for (block, xs) in row.chunks_exact(Q8_0_BYTES).zip(x.chunks_exact(QK)) {
@@ -44,7 +44,7 @@ pub fn q8_0(row: &[u8], x: &[f32]) -> f32 {
 }
 
 /// `row` holds whole Q4_0 blocks for `x.len()` values (checked by the caller).
-#[inline]
+#[inline(always)]
 pub fn q4_0(row: &[u8], x: &[f32]) -> f32 {
     let mut lanes = [0f32; HALF];
     for (block, xs) in row.chunks_exact(Q4_0_BYTES).zip(x.chunks_exact(QK)) {
@@ -62,7 +62,7 @@ pub fn q4_0(row: &[u8], x: &[f32]) -> f32 {
 }
 
 /// `row` holds whole Q4_1 blocks for `x.len()` values (checked by the caller).
-#[inline]
+#[inline(always)]
 pub fn q4_1(row: &[u8], x: &[f32]) -> f32 {
     let mut lanes = [0f32; HALF];
     for (block, xs) in row.chunks_exact(Q4_1_BYTES).zip(x.chunks_exact(QK)) {
@@ -99,7 +99,7 @@ fn k_chunk(
 }
 
 /// `row` holds whole Q4_K super-blocks for `x.len()` values (checked by the caller).
-#[inline]
+#[inline(always)]
 pub fn q4_k(row: &[u8], x: &[f32]) -> f32 {
     let mut lanes = [0f32; 32];
     for (block, xs) in row.chunks_exact(Q4_K_BYTES).zip(x.chunks_exact(QK_K)) {
@@ -130,7 +130,7 @@ pub fn q4_k(row: &[u8], x: &[f32]) -> f32 {
 }
 
 /// `row` holds whole Q5_K super-blocks for `x.len()` values (checked by the caller).
-#[inline]
+#[inline(always)]
 pub fn q5_k(row: &[u8], x: &[f32]) -> f32 {
     let mut lanes = [0f32; 32];
     for (block, xs) in row.chunks_exact(Q5_K_BYTES).zip(x.chunks_exact(QK_K)) {
@@ -165,7 +165,7 @@ pub fn q5_k(row: &[u8], x: &[f32]) -> f32 {
 }
 
 /// `row` holds whole Q6_K super-blocks for `x.len()` values (checked by the caller).
-#[inline]
+#[inline(always)]
 pub fn q6_k(row: &[u8], x: &[f32]) -> f32 {
     let mut lanes = [0f32; 32];
     for (block, xs) in row.chunks_exact(Q6_K_BYTES).zip(x.chunks_exact(QK_K)) {

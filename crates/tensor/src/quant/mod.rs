@@ -58,7 +58,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), Unsup
 /// Panics if `ty` is not [`GgmlType::is_dequantizable`] or `row.len() !=
 /// ty.bytes_for(x.len())`: weight types and shapes are validated once at load time, so
 /// either is a caller bug.
-#[inline]
+#[inline(always)]
 pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
     assert!(ty.is_dequantizable(), "dot_row: {}", UnsupportedType { ty });
     check_lengths(ty, row.len(), x.len());

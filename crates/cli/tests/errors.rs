@@ -1,0 +1,248 @@
+//! Bad input: every case must end with one `error: ...` line on stderr saying what is wrong and
+//! what to do, and a non-zero exit code; never a panic or a hang.
+
+mod support;
+
+use std::path::PathBuf;
+
+use support::{default_model, pagoda, tiny_model};
+
+/// A fresh scratch directory under the system temp dir.
+fn scratch_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("pagoda-cli-errors-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs `pagoda args` (stdin closed) and returns its error line, checking it holds every needle.
+fn error_of(args: &[&str], needles: &[&str]) -> String {
+    let out = pagoda(args, None);
+    let error = out.assert_clean_error();
+    for needle in needles {
+        assert!(
+            error.contains(needle),
+            "pagoda {args:?}: error {error:?} should mention {needle:?}"
+        );
+    }
+    error
+}
+
+#[test]
+fn bad_model_paths() {
+    let dir = scratch_dir("paths");
+    let missing = dir.join("missing.gguf");
+    error_of(
+        &["generate", "-m", missing.to_str().unwrap(), "-p", "hi"],
+        &["does not exist", "pass a .gguf file"],
+    );
+    error_of(
+        &["inspect", "-m", missing.to_str().unwrap()],
+        &["does not exist"],
+    );
+
+    // A directory that is not a model.
+    let not_a_model = dir.join("not-a-model");
+    std::fs::create_dir_all(&not_a_model).unwrap();
+    std::fs::write(not_a_model.join("notes.txt"), "hello").unwrap();
+    error_of(
+        &["generate", "-m", not_a_model.to_str().unwrap(), "-p", "hi"],
+        &["not a Hugging Face model directory", "config.json"],
+    );
+
+    // Garbage, empty and truncated GGUF files.
+    let garbage = dir.join("garbage.gguf");
+    std::fs::write(&garbage, b"this is not a model file at all\n").unwrap();
+    error_of(
+        &["generate", "-m", garbage.to_str().unwrap(), "-p", "hi"],
+        &["not a GGUF file"],
+    );
+    error_of(
+        &["inspect", "-m", garbage.to_str().unwrap()],
+        &["not a GGUF file"],
+    );
+    let empty = dir.join("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
+    error_of(
+        &["generate", "-m", empty.to_str().unwrap(), "-p", "hi"],
+        &["too short"],
+    );
+    let tiny_gguf = std::fs::read(tiny_model("tiny-llama-f32.gguf")).unwrap();
+    for keep in [6, 100, tiny_gguf.len() / 2, tiny_gguf.len() - 1] {
+        let truncated = dir.join(format!("truncated-{keep}.gguf"));
+        std::fs::write(&truncated, &tiny_gguf[..keep]).unwrap();
+        let error = error_of(
+            &["generate", "-m", truncated.to_str().unwrap(), "-p", "hi"],
+            &[],
+        );
+        assert!(
+            error.contains("truncated") || error.contains("too short"),
+            "{keep} bytes: {error}"
+        );
+        error_of(&["inspect", "-m", truncated.to_str().unwrap()], &[]);
+    }
+
+    // A file from inside a Hugging Face directory: point at the directory instead.
+    let hf = tiny_model("tiny-llama");
+    error_of(
+        &[
+            "generate",
+            "-m",
+            hf.join("model.safetensors").to_str().unwrap(),
+            "-p",
+            "hi",
+        ],
+        &["pass the directory"],
+    );
+    // An HF directory without a tokenizer.
+    error_of(
+        &[
+            "generate",
+            "-m",
+            tiny_model("tiny-llama-sharded").to_str().unwrap(),
+            "-p",
+            "hi",
+        ],
+        &["tokenizer.json"],
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_generation_flags() {
+    let model = tiny_model("tiny-qwen2");
+    let m = model.to_str().unwrap();
+    let cases: &[(&[&str], &[&str])] = &[
+        (&["-n", "0"], &["-n must be at least 1"]),
+        (&["--temp", "-1"], &["temperature", "-1"]),
+        (&["--temp", "nan"], &["temperature"]),
+        (&["--top-p", "0"], &["top_p", "(0, 1]"]),
+        (&["--top-p", "2"], &["top_p", "(0, 1]"]),
+        (&["--min-p", "1.5"], &["min_p"]),
+        (&["--repeat-penalty", "0"], &["repetition_penalty"]),
+        (&["-c", "0"], &["--ctx-size must be at least 1"]),
+        (
+            &["-c", "100000"],
+            &["exceeds the model's context length 128", "-c 128"],
+        ),
+        (
+            &["--page-size", "0"],
+            &["--page-size must be between 1 and 1024"],
+        ),
+        (&["--threads", "0"], &["--threads must be at least 1"]),
+        (&["--attention", "bogus"], &["bogus", "split-kv or gather"]),
+        (&["-n", "-3"], &["-3", "n-predict"]),
+        (&["--bogus-flag"], &["--bogus-flag"]),
+    ];
+    for (flags, needles) in cases {
+        let mut args = vec!["generate", "-m", m, "-p", "hi"];
+        args.extend_from_slice(flags);
+        error_of(&args, needles);
+    }
+}
+
+#[test]
+fn bad_prompts() {
+    let model = tiny_model("tiny-qwen2");
+    let m = model.to_str().unwrap();
+    // Empty prompt: on the command line, on stdin, or only a newline on stdin.
+    error_of(
+        &["generate", "-m", m, "-p", ""],
+        &["prompt is empty", "-p PROMPT"],
+    );
+    for stdin in ["", "\n"] {
+        let out = pagoda(&["generate", "-m", m], Some(stdin));
+        let error = out.assert_clean_error();
+        assert!(
+            error.contains("empty") && error.contains("-p PROMPT"),
+            "{stdin:?}: {error}"
+        );
+    }
+    // A prompt that does not fit the context (byte-level tokenizer: 1 token per byte).
+    let long_prompt = "a long prompt that cannot fit in eight tokens";
+    error_of(
+        &["generate", "-m", m, "-c", "8", "-p", long_prompt],
+        &[
+            "45 tokens",
+            "context of 8",
+            "shorten the prompt",
+            "raise -c",
+        ],
+    );
+    // A prompt that fits only without the explicit -n.
+    error_of(
+        &["generate", "-m", m, "-c", "8", "-n", "20", "-p", "hi"],
+        &["-n 20", "lower -n to 6"],
+    );
+    let out = pagoda(
+        &["generate", "-m", m, "-c", "8", "--ignore-eos", "-p", "hi"],
+        None,
+    );
+    out.assert_success();
+    assert_eq!(
+        support::throughput_line(&out.stderr).2,
+        5,
+        "without -n: the 6 tokens the context leaves"
+    );
+}
+
+#[test]
+fn bad_prompt_on_default_model() {
+    let Some(model) = default_model() else { return };
+    let long_prompt =
+        "The capital of France is Paris, and the capital of Germany is Berlin. ".repeat(3);
+    error_of(
+        &[
+            "generate",
+            "-m",
+            model.to_str().unwrap(),
+            "-c",
+            "8",
+            "-p",
+            &long_prompt,
+        ],
+        &["context of 8", "shorten the prompt"],
+    );
+    error_of(
+        &[
+            "generate",
+            "-m",
+            model.to_str().unwrap(),
+            "-c",
+            "9000",
+            "-p",
+            "hi",
+        ],
+        &["8192"],
+    );
+}
+
+#[test]
+fn bad_chat_inspect_and_bench_flags() {
+    let model = tiny_model("tiny-qwen2");
+    let m = model.to_str().unwrap();
+    let out = pagoda(&["chat", "-m", m, "-n", "0"], Some("hi\n"));
+    assert!(out.assert_clean_error().contains("-n must be at least 1"));
+    let out = pagoda(&["chat", "-m", m, "--top-p", "2"], Some("hi\n"));
+    assert!(out.assert_clean_error().contains("top_p"));
+    error_of(
+        &["inspect", "-m", m, "-c", "0"],
+        &["--ctx-size must be at least 1"],
+    );
+    error_of(&["bench", "-m", m, "-r", "0"], &["--repetitions"]);
+    error_of(&["bench", "-m", m, "-b", "0"], &["--batch"]);
+    error_of(
+        &["bench", "-m", m, "-p", "0", "-n", "0"],
+        &["nothing to measure"],
+    );
+    // tiny-qwen2's context is 128 tokens.
+    error_of(
+        &["bench", "-m", m, "-p", "200", "-n", "4"],
+        &["needs a context of 205", "128", "lower -p or -n"],
+    );
+    error_of(
+        &["bench", "-m", m, "-p", "16", "-n", "4", "-c", "8"],
+        &["too small", "21"],
+    );
+    error_of(&["bench", "-m", m, "-p", "abc"], &["abc"]);
+}

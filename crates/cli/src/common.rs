@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, LoadedModel, ModelSource};
+use pagoda_models::hf::GenerationDefaults;
 use pagoda_models::llama::{Model, WeightPrecision};
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::SamplingParams;
@@ -41,28 +42,25 @@ pub struct ModelArgs {
     pub attention: Option<String>,
 }
 
-/// Sampling flags (llama.cpp spellings).
+/// Sampling flags (llama.cpp spellings). A flag that is not given takes the model's
+/// `generation_config.json` value when it has one, else the built-in default shown.
 #[derive(Args, Debug, Clone)]
 pub struct SamplingArgs {
-    /// Temperature; 0 = greedy.
-    #[arg(long = "temp", default_value_t = 0.8, allow_negative_numbers = true)]
-    pub temperature: f32,
-    /// Keep the k most likely tokens (0 = off).
-    #[arg(long, default_value_t = 40, allow_negative_numbers = true)]
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches p (1 = off).
-    #[arg(long, default_value_t = 0.95, allow_negative_numbers = true)]
-    pub top_p: f32,
-    /// Drop tokens less likely than min_p times the most likely (0 = off).
-    #[arg(long, default_value_t = 0.05, allow_negative_numbers = true)]
-    pub min_p: f32,
-    /// Repetition penalty (1 = off).
-    #[arg(
-        long = "repeat-penalty",
-        default_value_t = 1.0,
-        allow_negative_numbers = true
-    )]
-    pub repeat_penalty: f32,
+    /// Temperature; 0 = greedy [default: 0.8].
+    #[arg(long = "temp", allow_negative_numbers = true)]
+    pub temperature: Option<f32>,
+    /// Keep the k most likely tokens (0 = off) [default: 40].
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of tokens whose probability reaches p (1 = off) [default: 0.95].
+    #[arg(long, allow_negative_numbers = true)]
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than min_p times the most likely (0 = off) [default: 0.05].
+    #[arg(long, allow_negative_numbers = true)]
+    pub min_p: Option<f32>,
+    /// Repetition penalty (1 = off) [default: 1].
+    #[arg(long = "repeat-penalty", allow_negative_numbers = true)]
+    pub repeat_penalty: Option<f32>,
     /// OpenAI-style frequency penalty.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
@@ -75,24 +73,57 @@ pub struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    /// The validated sampling parameters.
+    /// The validated sampling parameters with the built-in defaults (checked before loading
+    /// a model, so bad flags fail fast).
     pub fn params(&self) -> Result<SamplingParams> {
+        self.resolve(&GenerationDefaults::default())
+    }
+
+    /// The validated sampling parameters: flags first, then the model's generation defaults
+    /// (`do_sample: false` means greedy), then the built-in defaults.
+    pub fn resolve(&self, model: &GenerationDefaults) -> Result<SamplingParams> {
+        let builtin = SamplingParams::default();
+        let model_temperature = match model.do_sample {
+            Some(false) => Some(0.0),
+            _ => model.temperature,
+        };
         let params = SamplingParams {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repetition_penalty: self.repeat_penalty,
+            temperature: self
+                .temperature
+                .or(model_temperature)
+                .unwrap_or(builtin.temperature),
+            top_k: self.top_k.or(model.top_k).unwrap_or(builtin.top_k),
+            top_p: self.top_p.or(model.top_p).unwrap_or(builtin.top_p),
+            min_p: self.min_p.or(model.min_p).unwrap_or(builtin.min_p),
+            repetition_penalty: self
+                .repeat_penalty
+                .or(model.repetition_penalty)
+                .unwrap_or(builtin.repetition_penalty),
             frequency_penalty: self.frequency_penalty,
             presence_penalty: self.presence_penalty,
             seed: self.seed,
-            ..SamplingParams::default()
+            ..builtin
         };
         if let Err(message) = params.validate() {
             bail!("invalid sampling flags: {message}");
         }
         Ok(params)
     }
+}
+
+/// The tokens that end generation: the tokenizer's end-of-generation set plus any
+/// `eos_token_id` the model's generation config names.
+pub fn stop_tokens(
+    loaded_tokenizer: &pagoda_models::tokenizer::Tokenizer,
+    model: &GenerationDefaults,
+) -> Vec<u32> {
+    let mut stop = loaded_tokenizer.end_of_generation_ids();
+    for &id in &model.eos_token_ids {
+        if !stop.contains(&id) {
+            stop.push(id);
+        }
+    }
+    stop
 }
 
 /// Sets up logging to stderr (INFO by default so one-time path lines show with -v only).
@@ -270,4 +301,79 @@ pub fn engine(model: Model, args: &ModelArgs, ctx: usize, parallel: usize) -> Re
     };
     tracing::info!("attention path: {}", config.attention_path.name());
     Engine::new(model, config).map_err(anyhow::Error::msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn no_flags() -> SamplingArgs {
+        SamplingArgs {
+            temperature: None,
+            top_k: None,
+            top_p: None,
+            min_p: None,
+            repeat_penalty: None,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            seed: None,
+        }
+    }
+
+    #[test]
+    fn flags_override_model_defaults_which_override_builtins() {
+        let model = GenerationDefaults {
+            temperature: Some(0.6),
+            top_p: Some(0.9),
+            repetition_penalty: Some(1.05),
+            ..GenerationDefaults::default()
+        };
+        let from_model = no_flags().resolve(&model).unwrap();
+        assert_eq!(
+            (
+                from_model.temperature,
+                from_model.top_p,
+                from_model.repetition_penalty
+            ),
+            (0.6, 0.9, 1.05)
+        );
+        assert_eq!(from_model.top_k, SamplingParams::default().top_k);
+        let flags = SamplingArgs {
+            temperature: Some(0.0),
+            top_p: Some(0.5),
+            ..no_flags()
+        };
+        let from_flags = flags.resolve(&model).unwrap();
+        assert_eq!((from_flags.temperature, from_flags.top_p), (0.0, 0.5));
+        let builtin = no_flags().params().unwrap();
+        assert_eq!(builtin.temperature, SamplingParams::default().temperature);
+    }
+
+    #[test]
+    fn do_sample_false_means_greedy_unless_a_temperature_flag_is_given() {
+        let model = GenerationDefaults {
+            do_sample: Some(false),
+            temperature: Some(0.7),
+            ..GenerationDefaults::default()
+        };
+        assert_eq!(no_flags().resolve(&model).unwrap().temperature, 0.0);
+        let flags = SamplingArgs {
+            temperature: Some(1.0),
+            ..no_flags()
+        };
+        assert_eq!(flags.resolve(&model).unwrap().temperature, 1.0);
+    }
+
+    #[test]
+    fn invalid_model_defaults_are_reported() {
+        let model = GenerationDefaults {
+            top_p: Some(1.5),
+            ..GenerationDefaults::default()
+        };
+        assert!(no_flags()
+            .resolve(&model)
+            .unwrap_err()
+            .to_string()
+            .contains("top_p"));
+    }
 }

@@ -51,7 +51,9 @@ pub struct StepEvent {
 pub enum EngineError {
     #[error("the prompt is empty")]
     EmptyPrompt,
-    #[error("prompt of {prompt} tokens plus {max_new_tokens} new tokens exceeds the context size {context}; shorten the prompt, lower -n, or raise -c")]
+    #[error("max_new_tokens must be at least 1")]
+    NoNewTokens,
+    #[error("a prompt of {prompt} tokens plus {max_new_tokens} new tokens exceeds the context size of {context} tokens; shorten the prompt, ask for fewer tokens, or raise the context size")]
     ContextOverflow {
         prompt: usize,
         max_new_tokens: usize,
@@ -193,6 +195,9 @@ impl Engine {
     ) -> Result<RequestId, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
+        }
+        if max_new_tokens == 0 {
+            return Err(EngineError::NoNewTokens);
         }
         let vocab_size = self.model.config().vocab_size;
         if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab_size) {

@@ -35,10 +35,12 @@ pub fn run(args: ChatArgs) -> Result<()> {
     if args.max_tokens == 0 {
         bail!("-n must be at least 1");
     }
-    let params = args.sampling.params()?;
+    args.sampling.params()?; // fail fast on bad flags, before loading
     let loaded = common::load(&args.model)?;
     let ctx = common::context_size(&args.model, &loaded)?;
     let template = loaded.chat_template;
+    let params = args.sampling.resolve(&loaded.generation)?;
+    let stop_tokens = common::stop_tokens(&loaded.tokenizer, &loaded.generation);
     let tokenizer = loaded.tokenizer;
     let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
     let interactive = std::io::stdin().is_terminal();
@@ -107,7 +109,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             prompt_ids,
             params,
             max_tokens,
-            tokenizer.end_of_generation_ids(),
+            stop_tokens.clone(),
             &mut tee,
         )?;
         println!();

@@ -42,7 +42,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     if args.max_tokens == Some(0) {
         bail!("-n must be at least 1");
     }
-    let params = args.sampling.params()?;
+    args.sampling.params()?; // fail fast on bad flags, before loading
     let prompt = match &args.prompt {
         Some(p) => p.clone(),
         None => read_stdin_prompt()?,
@@ -62,6 +62,8 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         prompt
     };
+    let params = args.sampling.resolve(&loaded.generation)?;
+    let stop_tokens = common::stop_tokens(&loaded.tokenizer, &loaded.generation);
     let tokenizer = loaded.tokenizer;
     let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
     let prompt_ids = tokenizer
@@ -76,7 +78,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let stop = if args.ignore_eos {
         Vec::new()
     } else {
-        tokenizer.end_of_generation_ids()
+        stop_tokens.clone()
     };
     let stats = stream_completion(
         &mut engine,
@@ -87,7 +89,12 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         stop,
         &mut std::io::stdout(),
     )?;
-    eprintln!();
+    // End the line on a terminal; piped output stays exactly the generated text.
+    if std::io::stdout().is_terminal() {
+        println!();
+    } else {
+        eprintln!();
+    }
     stats.report();
     Ok(())
 }

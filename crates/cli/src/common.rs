@@ -10,7 +10,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, LoadedModel, ModelSource};
 use pagoda_models::hf::GenerationDefaults;
-use pagoda_models::llama::{Model, WeightPrecision};
+use pagoda_models::llama::{AttentionPolicy, Model, WeightPrecision};
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::SamplingParams;
 
@@ -36,8 +36,9 @@ pub struct ModelArgs {
     /// Tokens per KV-cache page.
     #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
     pub page_size: usize,
-    /// CPU attention path: `split-kv` (the default, the CPU twin of the GPU kernel) or `gather`
-    /// (gather-then-attend reference). Also $PAGODA_ATTENTION.
+    /// CPU attention for decode steps: `auto` (the default: split-KV when the plan splits a
+    /// request's context over several chunks, gather otherwise), `split-kv` (the CPU twin of the
+    /// GPU kernel) or `gather` (the gather-then-attend reference). Also $PAGODA_ATTENTION.
     #[arg(long)]
     pub attention: Option<String>,
 }
@@ -216,14 +217,23 @@ pub fn configure_threads(threads: Option<usize>) -> Result<()> {
     Ok(())
 }
 
-/// The attention path from the flag or $PAGODA_ATTENTION.
-pub fn attention_path(arg: &Option<String>) -> Result<AttentionPath> {
+/// The attention policy from the flag or $PAGODA_ATTENTION (the flag wins).
+pub fn attention_policy(arg: &Option<String>) -> Result<AttentionPolicy> {
     let from_env = std::env::var("PAGODA_ATTENTION").ok();
     let choice = arg.clone().or(from_env);
     match choice.as_deref() {
-        None | Some("split-kv") | Some("split_kv") | Some("auto") => Ok(AttentionPath::SplitKv),
-        Some("gather") => Ok(AttentionPath::Gather),
-        Some(other) => bail!("unknown attention path `{other}` (use split-kv or gather)"),
+        None | Some("auto") => Ok(AttentionPolicy::Auto),
+        Some("split-kv") | Some("split_kv") => Ok(AttentionPolicy::Force(AttentionPath::SplitKv)),
+        Some("gather") => Ok(AttentionPolicy::Force(AttentionPath::Gather)),
+        Some(other) => bail!("unknown attention path `{other}` (use auto, split-kv or gather)"),
+    }
+}
+
+/// The name of a policy for logs and reports.
+pub fn policy_name(policy: AttentionPolicy) -> &'static str {
+    match policy {
+        AttentionPolicy::Auto => "auto",
+        AttentionPolicy::Force(path) => path.name(),
     }
 }
 
@@ -297,9 +307,9 @@ pub fn engine(model: Model, args: &ModelArgs, ctx: usize, parallel: usize) -> Re
         num_pages: pages_per_sequence * parallel.max(1),
         max_batch_tokens: 512,
         max_context: ctx,
-        attention_path: attention_path(&args.attention)?,
+        attention: attention_policy(&args.attention)?,
     };
-    tracing::info!("attention path: {}", config.attention_path.name());
+    tracing::info!("attention policy: {}", policy_name(config.attention));
     Engine::new(model, config).map_err(anyhow::Error::msg)
 }
 

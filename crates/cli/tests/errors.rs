@@ -238,7 +238,7 @@ fn bad_chat_inspect_and_bench_flags() {
     // tiny-qwen2's context is 128 tokens.
     error_of(
         &["bench", "-m", m, "-p", "200", "-n", "4"],
-        &["needs a context of 205", "128", "lower -p or -n"],
+        &["needs a context of 205", "128", "lower -p, -d or -n"],
     );
     error_of(
         &["bench", "-m", m, "-p", "16", "-n", "4", "-c", "8"],

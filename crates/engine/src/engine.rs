@@ -3,7 +3,7 @@
 use std::collections::VecDeque;
 
 use pagoda_kv::{BlockPool, BlockTable, PageTable};
-use pagoda_models::llama::{ForwardBatch, KvCache, Model};
+use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::{Sampler, SamplingParams};
 
@@ -21,8 +21,8 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     /// Longest sequence (prompt + generated) a request may reach.
     pub max_context: usize,
-    /// Which CPU attention runs.
-    pub attention_path: AttentionPath,
+    /// How each step picks its CPU attention path.
+    pub attention: AttentionPolicy,
 }
 
 /// Why a request ended.
@@ -318,7 +318,7 @@ impl Engine {
         };
         // Run the whole forward on a pool worker: the ops' parallel loops then start from inside
         // the pool instead of handing every one of them across threads.
-        let (model, kv, path) = (&self.model, &mut self.kv, self.config.attention_path);
+        let (model, kv, path) = (&self.model, &mut self.kv, self.config.attention);
         let output = rayon::scope(|_| model.forward(&batch, kv, path))
             .map_err(|e| EngineError::Internal(e.to_string()))?;
         self.counters.record(output.attention_path, tokens.len());

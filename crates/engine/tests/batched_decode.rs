@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, ModelSource};
-use pagoda_models::llama::WeightPrecision;
+use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::SamplingParams;
 
@@ -36,7 +36,7 @@ fn engine(
         num_pages,
         max_batch_tokens,
         max_context: 1024,
-        attention_path: path,
+        attention: AttentionPolicy::Force(path),
     };
     Some((Engine::new(loaded.model, config).unwrap(), loaded.tokenizer))
 }

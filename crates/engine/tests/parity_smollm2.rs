@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, LoadedModel, ModelSource};
 use pagoda_kv::{BlockPool, BlockTable, PageTable};
-use pagoda_models::llama::{ForwardBatch, KvCache, Model, WeightPrecision};
+use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::{log_softmax, SamplingParams};
 use serde_json::Value;
@@ -85,7 +85,11 @@ fn teacher_forced_logprobs(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
         logits_for: &logits_for,
     };
     let output = model
-        .forward(&batch, &mut kv, AttentionPath::Gather)
+        .forward(
+            &batch,
+            &mut kv,
+            AttentionPolicy::Force(AttentionPath::Gather),
+        )
         .unwrap();
     let vocab = model.config().vocab_size;
     output.logits.chunks(vocab).map(log_softmax).collect()
@@ -118,7 +122,7 @@ fn engine_for(loaded: LoadedModel, path: AttentionPath) -> (Engine, Vec<u32>) {
         num_pages: 128,
         max_batch_tokens: 512,
         max_context: 2048,
-        attention_path: path,
+        attention: AttentionPolicy::Force(path),
     };
     (Engine::new(loaded.model, config).unwrap(), stop)
 }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use pagoda_engine::{load_model, LoadOptions, ModelSource};
 use pagoda_kv::{BlockPool, BlockTable, PageTable};
-use pagoda_models::llama::{ForwardBatch, KvCache, Model, WeightPrecision};
+use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
 use pagoda_ops::attention::AttentionPath;
 use serde_json::Value;
 
@@ -93,7 +93,9 @@ fn logits(
             page_table: &page_table,
             logits_for: &logits_for,
         };
-        let output = model.forward(&batch, &mut kv, path).unwrap();
+        let output = model
+            .forward(&batch, &mut kv, AttentionPolicy::Force(path))
+            .unwrap();
         if one_at_a_time {
             assert_eq!(output.attention_path, path);
         }

@@ -5,7 +5,7 @@
 //! (prefill chunks and decode tokens alike), all through the same CSR page table.
 
 use pagoda_kv::{PageTable, Slot};
-use pagoda_ops::activation::{add_bias, add_in_place, silu_mul};
+use pagoda_ops::activation::{add_bias, add_in_place, silu_mul_in_place};
 use pagoda_ops::attention::{
     self, plan_decode, AttentionError, AttentionPath, DecodePlan, DecodePlanConfig, KvLayout,
     PagedKv, QueryBatch,
@@ -242,35 +242,22 @@ impl Model {
     /// Runs the batch: writes each new token's K/V into `kv` and returns the logits of the
     /// tokens listed in `batch.logits_for`, `[logits_for.len(), vocab_size]`.
     ///
-    /// `path` is the preferred attention path; split-KV serves decode-only batches (one new
-    /// token per request), so a batch with a prefill chunk runs the gather path. The path that
-    /// ran is returned.
+    /// `policy` picks the attention path (see [`AttentionPolicy`]); the path that ran is
+    /// returned.
     pub fn forward(
         &self,
         batch: &ForwardBatch<'_>,
         kv: &mut KvCache,
-        path: AttentionPath,
+        policy: AttentionPolicy,
     ) -> Result<ForwardOutput, ForwardError> {
         let c = &self.config;
-        let decode_only = batch.qo_indptr.windows(2).all(|w| w[1] - w[0] == 1);
-        let (path, plan): (AttentionPath, Option<DecodePlan>) = match path {
-            AttentionPath::SplitKv if decode_only => {
-                let target = rayon::current_num_threads() * 4;
-                let config = DecodePlanConfig::new(c.num_kv_heads, target);
-                (
-                    AttentionPath::SplitKv,
-                    Some(plan_decode(&batch.page_table.page_counts(), &config)?),
-                )
-            }
-            _ => (AttentionPath::Gather, None),
-        };
+        let (path, plan) = self.choose_attention(batch, policy)?;
         let num_tokens = batch.tokens.len();
         let (hidden, q_dim, kv_dim) = (
             c.hidden_size,
             c.num_attention_heads * c.head_dim,
             c.num_kv_heads * c.head_dim,
         );
-
         if batch.positions.len() != num_tokens || batch.slots.len() != num_tokens {
             return Err(ForwardError::Batch(
                 "tokens, positions and slots differ in length".into(),
@@ -354,8 +341,7 @@ impl Model {
             rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
             layer.w_gate.matmul(&normed, num_tokens, &mut gate);
             layer.w_up.matmul(&normed, num_tokens, &mut up);
-            let gate_in = gate.clone();
-            silu_mul(&gate_in, &up, &mut gate);
+            silu_mul_in_place(&mut gate, &up);
             layer.w_down.matmul(&gate, num_tokens, &mut proj);
             add_in_place(&mut x, &proj);
         }
@@ -379,6 +365,43 @@ impl Model {
             logits,
             attention_path: path,
         })
+    }
+}
+
+/// How a forward pass picks its attention path.
+///
+/// Split-KV serves decode-only batches (one new token per request); a batch with a prefill
+/// chunk always runs gather.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionPolicy {
+    /// Split-KV when the decode plan actually splits some request's KV into several chunks
+    /// (long contexts, few sequences); gather otherwise. Chosen by measurement on the 2-core
+    /// machines (`docs/benchmark_results/foundation-cpu-2026-11-29.md`): split-KV won at batch
+    /// 1 from 512 tokens of context up, gather won when every request fit one chunk.
+    Auto,
+    /// Use this path wherever it can serve the batch.
+    Force(AttentionPath),
+}
+
+impl Model {
+    /// The attention path for this batch and, for split-KV, its plan (made once per step and
+    /// reused by every layer).
+    fn choose_attention(
+        &self,
+        batch: &ForwardBatch<'_>,
+        policy: AttentionPolicy,
+    ) -> Result<(AttentionPath, Option<DecodePlan>), ForwardError> {
+        let decode_only = batch.qo_indptr.windows(2).all(|w| w[1] - w[0] == 1);
+        if !decode_only || policy == AttentionPolicy::Force(AttentionPath::Gather) {
+            return Ok((AttentionPath::Gather, None));
+        }
+        let target = rayon::current_num_threads() * 4;
+        let config = DecodePlanConfig::new(self.config.num_kv_heads, target);
+        let plan = plan_decode(&batch.page_table.page_counts(), &config)?;
+        if policy == AttentionPolicy::Auto && !plan.needs_merge {
+            return Ok((AttentionPath::Gather, None));
+        }
+        Ok((AttentionPath::SplitKv, Some(plan)))
     }
 }
 

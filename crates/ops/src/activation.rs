@@ -11,6 +11,14 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `gate[i] = silu(gate[i]) * up[i]`, in place.
+pub fn silu_mul_in_place(gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "silu_mul: length mismatch");
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
 /// `x[i] += y[i]` (the residual add).
 pub fn add_in_place(x: &mut [f32], y: &[f32]) {
     assert_eq!(x.len(), y.len(), "add: length mismatch");
@@ -44,5 +52,8 @@ mod tests {
         for (a, b) in out.iter().zip(expected) {
             assert!((a - b).abs() < 1e-6);
         }
+        let mut in_place = gate;
+        silu_mul_in_place(&mut in_place, &up);
+        assert_eq!(in_place, out);
     }
 }

@@ -9,7 +9,7 @@
 use pagoda_tensor::{quant, GgmlType, UnsupportedType};
 use rayon::prelude::*;
 
-use crate::simd::dot_f32;
+use crate::simd::{dot_2x4, dot_f32};
 
 /// A weight matrix `[out_features, in_features]` in its storage format.
 #[derive(Debug, Clone)]
@@ -191,37 +191,43 @@ impl Weight {
                 });
             return;
         }
-        // Rows per task: enough work per task to hide scheduling, enough tasks to balance.
-        let rows_per_task = (n / (rayon::current_num_threads() * 8)).clamp(8, 256);
-        let f32_rows = match &self.storage {
-            Storage::F32(values) => Some(values.as_slice()),
-            Storage::Blocks(_) => None,
-        };
-        // Each task computes a block of output features for all tokens into a local buffer;
-        // the buffers are then scattered into y (token-major).
+        // Prefill: each task decodes a block of rows once into a local buffer and multiplies it
+        // with every token, two rows by four tokens at a time (see `dot_2x4`). The block is
+        // small enough to stay in L2 while the activations stream past it.
+        let rows_per_task = (n / (rayon::current_num_threads() * 8)).clamp(2, 16) & !1;
         let blocks: Vec<(usize, Vec<f32>)> = (0..n)
             .step_by(rows_per_task)
             .collect::<Vec<_>>()
             .into_par_iter()
             .map(|row_start| {
                 let row_end = (row_start + rows_per_task).min(n);
-                let mut local = vec![0f32; (row_end - row_start) * num_tokens];
-                let mut decoded = if f32_rows.is_some() {
-                    Vec::new()
-                } else {
-                    vec![0f32; k]
-                };
-                for row in row_start..row_end {
-                    let w: &[f32] = match f32_rows {
-                        Some(values) => &values[row * k..(row + 1) * k],
-                        None => {
-                            self.dequantize_row(row, &mut decoded);
-                            &decoded
+                let rows = row_end - row_start;
+                let mut decoded = vec![0f32; rows * k];
+                for (r, out) in decoded.chunks_exact_mut(k).enumerate() {
+                    self.dequantize_row(row_start + r, out);
+                }
+                let w = |r: usize| &decoded[r * k..(r + 1) * k];
+                let xt = |t: usize| &x[t * k..(t + 1) * k];
+                let mut local = vec![0f32; rows * num_tokens];
+                let full_tokens = num_tokens / 4 * 4;
+                for r in (0..rows).step_by(2) {
+                    // An odd last row is paired with itself; its duplicate result is dropped.
+                    let r1 = (r + 1).min(rows - 1);
+                    for t in (0..full_tokens).step_by(4) {
+                        let block =
+                            dot_2x4([w(r), w(r1)], [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)]);
+                        local[r * num_tokens + t..r * num_tokens + t + 4]
+                            .copy_from_slice(&block[0]);
+                        if r1 != r {
+                            local[r1 * num_tokens + t..r1 * num_tokens + t + 4]
+                                .copy_from_slice(&block[1]);
                         }
-                    };
-                    for t in 0..num_tokens {
-                        local[(row - row_start) * num_tokens + t] =
-                            dot_f32(w, &x[t * k..(t + 1) * k]);
+                    }
+                    for t in full_tokens..num_tokens {
+                        local[r * num_tokens + t] = dot_f32(w(r), xt(t));
+                        if r1 != r {
+                            local[r1 * num_tokens + t] = dot_f32(w(r1), xt(t));
+                        }
                     }
                 }
                 (row_start, local)

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use pagoda_engine::Engine;
+use pagoda_engine::{Engine, EngineCounters};
 use pagoda_ops::sampling::SamplingParams;
 use serde::Serialize;
 
@@ -30,6 +30,10 @@ pub struct BenchArgs {
     /// Tokens to decode per run (0 skips decode).
     #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
     pub decode_tokens: usize,
+    /// Tokens already in each sequence's KV cache when the decode test starts (its context
+    /// depth; the prefill that puts them there is not timed).
+    #[arg(short = 'd', long = "n-depth", default_value_t = 0)]
+    pub depth: usize,
     /// Sequences decoding together (batched decode over the CSR page table).
     #[arg(short = 'b', long = "batch", default_value_t = 1)]
     pub batch: usize,
@@ -48,6 +52,10 @@ struct TestResult {
     median: f64,
     min: f64,
     max: f64,
+    /// Timed forward steps whose attention ran split-KV / gather (from the engine's counters:
+    /// the proof of which path was measured).
+    steps_split_kv: u64,
+    steps_gather: u64,
 }
 
 #[derive(Serialize)]
@@ -55,7 +63,7 @@ struct Report {
     model: String,
     precision: &'static str,
     threads: usize,
-    attention_path: String,
+    attention: String,
     batch: usize,
     load_before: String,
     load_after: String,
@@ -74,12 +82,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let loaded = common::load(&args.model)?;
     let vocab = loaded.model.config().vocab_size;
     let longest_prompt = args.prompt_lengths.iter().copied().max().unwrap_or(0);
-    let needed = longest_prompt.max(1) + args.decode_tokens + 1;
+    let needed = longest_prompt.max(args.depth + 1) + args.decode_tokens + 1;
     let model_max = loaded.model.config().max_position_embeddings;
     if needed > model_max {
         bail!(
             "the longest test needs a context of {needed} tokens (prompt {longest_prompt} + {} decoded + 1), \
-             more than the model's {model_max}; lower -p or -n",
+             more than the model's {model_max}; lower -p, -d or -n",
             args.decode_tokens
         );
     }
@@ -102,32 +110,39 @@ pub fn run(args: BenchArgs) -> Result<()> {
     timed_prefill(&mut engine, &random_prompt(vocab, 8, u64::MAX))?;
     for &length in args.prompt_lengths.iter().filter(|&&l| l > 0) {
         let mut rates = Vec::new();
+        let before = engine.counters().clone();
         for _ in 0..args.repetitions {
             run_index += 1;
             let seconds = timed_prefill(&mut engine, &random_prompt(vocab, length, run_index))?;
             rates.push(length as f64 / seconds);
         }
-        results.push(summarize(format!("pp{length}"), rates));
+        let steps = steps_since(&engine, &before);
+        results.push(summarize(format!("pp{length}"), rates, steps));
     }
     if args.decode_tokens > 0 {
         let mut rates = Vec::new();
+        let mut steps = (0, 0);
         for _ in 0..args.repetitions {
             run_index += 1;
-            let seconds = timed_decode(
+            let (tokens, seconds, (split_kv, gather)) = timed_decode(
                 &mut engine,
                 vocab,
                 args.batch,
+                args.depth,
                 args.decode_tokens,
                 run_index,
             )?;
-            rates.push((args.batch * args.decode_tokens) as f64 / seconds);
+            rates.push(tokens as f64 / seconds);
+            steps = (steps.0 + split_kv, steps.1 + gather);
         }
-        let name = if args.batch == 1 {
-            format!("tg{}", args.decode_tokens)
-        } else {
-            format!("tg{} x{}", args.decode_tokens, args.batch)
-        };
-        results.push(summarize(name, rates));
+        let mut name = format!("tg{}", args.decode_tokens);
+        if args.depth > 0 {
+            name += &format!(" @ d{}", args.depth);
+        }
+        if args.batch > 1 {
+            name += &format!(" x{}", args.batch);
+        }
+        results.push(summarize(name, rates, steps));
     }
     let report = Report {
         model: model_path,
@@ -137,7 +152,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "as stored"
         },
         threads: rayon::current_num_threads(),
-        attention_path: engine.config().attention_path.name().to_string(),
+        attention: common::policy_name(engine.config().attention).to_string(),
         batch: args.batch,
         load_before,
         load_after: load_average(),
@@ -154,14 +169,10 @@ fn print_report(report: &Report, json: bool) -> Result<()> {
     println!("model: {}", report.model);
     println!(
         "weights: {} | threads: {} | attention: {} | load before: {} | load after: {}",
-        report.precision,
-        report.threads,
-        report.attention_path,
-        report.load_before,
-        report.load_after
+        report.precision, report.threads, report.attention, report.load_before, report.load_after
     );
-    println!("| test | tok/s (median) | min | max | runs |");
-    println!("| --- | ---: | ---: | ---: | --- |");
+    println!("| test | tok/s (median) | min | max | runs | steps split-kv/gather |");
+    println!("| --- | ---: | ---: | ---: | --- | --- |");
     for r in &report.results {
         let runs: Vec<String> = r
             .tokens_per_second
@@ -169,18 +180,33 @@ fn print_report(report: &Report, json: bool) -> Result<()> {
             .map(|v| format!("{v:.1}"))
             .collect();
         println!(
-            "| {} | {:.1} | {:.1} | {:.1} | {} |",
+            "| {} | {:.1} | {:.1} | {:.1} | {} | {}/{} |",
             r.test,
             r.median,
             r.min,
             r.max,
-            runs.join(" ")
+            runs.join(" "),
+            r.steps_split_kv,
+            r.steps_gather
         );
     }
     Ok(())
 }
 
-fn summarize(test: String, mut rates: Vec<f64>) -> TestResult {
+/// Forward steps run per attention path since `before`: (split-KV, gather).
+fn steps_since(engine: &Engine, before: &EngineCounters) -> (u64, u64) {
+    let now = engine.counters();
+    (
+        now.steps_split_kv - before.steps_split_kv,
+        now.steps_gather - before.steps_gather,
+    )
+}
+
+fn summarize(
+    test: String,
+    mut rates: Vec<f64>,
+    (steps_split_kv, steps_gather): (u64, u64),
+) -> TestResult {
     let tokens_per_second = rates.clone();
     rates.sort_by(|a, b| a.total_cmp(b));
     let median = if rates.len() % 2 == 1 {
@@ -194,6 +220,8 @@ fn summarize(test: String, mut rates: Vec<f64>) -> TestResult {
         min: rates[0],
         max: rates[rates.len() - 1],
         tokens_per_second,
+        steps_split_kv,
+        steps_gather,
     }
 }
 
@@ -213,17 +241,19 @@ fn timed_prefill(engine: &mut Engine, prompt: &[u32]) -> Result<f64> {
     Ok(started.elapsed().as_secs_f64())
 }
 
-/// Seconds for `batch` sequences to decode `tokens` tokens each after a one-token prompt
-/// (the prefill step is excluded).
+/// Decode throughput of `batch` sequences with `depth` tokens of context each: returns the
+/// tokens sampled and the seconds taken once every sequence has finished its prefill (the
+/// prefill steps are not timed).
 fn timed_decode(
     engine: &mut Engine,
     vocab: usize,
     batch: usize,
+    depth: usize,
     tokens: usize,
     run: u64,
-) -> Result<f64> {
+) -> Result<(usize, f64, (u64, u64))> {
     for b in 0..batch {
-        let prompt = random_prompt(vocab, 1, run * 1000 + b as u64);
+        let prompt = random_prompt(vocab, depth + 1, run * 1000 + b as u64);
         engine.add_request(
             prompt,
             SamplingParams::greedy(),
@@ -232,12 +262,21 @@ fn timed_decode(
             false,
         )?;
     }
-    engine.step()?; // prefill (one token each) + first sampled token
-    let started = Instant::now();
-    while engine.num_running() > 0 {
-        engine.step()?;
+    // Prefill until every sequence has sampled its first token.
+    let mut started_sequences = std::collections::HashSet::new();
+    while started_sequences.len() < batch && engine.num_running() > 0 {
+        for event in engine.step()? {
+            started_sequences.insert(event.request);
+        }
     }
-    Ok(started.elapsed().as_secs_f64())
+    let before = engine.counters().clone();
+    let started = Instant::now();
+    let mut sampled = 0;
+    while engine.num_running() > 0 {
+        sampled += engine.step()?.len();
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    Ok((sampled, seconds, steps_since(engine, &before)))
 }
 
 /// Deterministic pseudo-random ordinary token ids (ids below 256 are avoided: they hold the

@@ -11,6 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, LoadedModel, ModelSource};
 use pagoda_models::hf::GenerationDefaults;
 use pagoda_models::llama::{AttentionPolicy, Model, WeightPrecision};
+use pagoda_models::tokenizer::Tokenizer;
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::SamplingParams;
 
@@ -110,6 +111,19 @@ impl SamplingArgs {
         }
         Ok(params)
     }
+}
+
+/// Tokenizes a prompt. BOS is added when the model asks for it, except when a chat template
+/// already wrote the BOS token at the start of the text (Llama 3 style templates do), which
+/// would otherwise give two.
+pub fn encode_prompt(tokenizer: &Tokenizer, text: &str, templated: bool) -> Result<Vec<u32>> {
+    let template_wrote_bos = templated
+        && tokenizer
+            .bos_token()
+            .is_some_and(|bos| !bos.is_empty() && text.starts_with(&bos));
+    tokenizer
+        .encode(text, !template_wrote_bos)
+        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))
 }
 
 /// The tokens that end generation: the tokenizer's end-of-generation set plus any
@@ -385,5 +399,33 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("top_p"));
+    }
+}
+
+#[cfg(test)]
+mod prompt_tests {
+    use super::*;
+
+    #[test]
+    fn a_template_that_writes_bos_does_not_get_a_second_one() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../models/tests/data/tokenizer/tiny_byte_level_bpe");
+        let tokenizer = Tokenizer::from_hf_dir(&dir).unwrap();
+        let bos = tokenizer.bos_id().unwrap();
+        assert!(tokenizer.add_bos());
+        // Plain prompts get the model's BOS.
+        let plain = encode_prompt(&tokenizer, "hi", false).unwrap();
+        assert_eq!(plain[0], bos);
+        // A rendered template that starts with the BOS text keeps exactly one.
+        let templated = encode_prompt(&tokenizer, "<s>[user] hi</s>", true).unwrap();
+        assert_eq!(
+            templated.iter().filter(|&&t| t == bos).count(),
+            1,
+            "{templated:?}"
+        );
+        assert_eq!(templated[0], bos);
+        // A template without BOS text still gets the model's BOS.
+        let without = encode_prompt(&tokenizer, "[user] hi", true).unwrap();
+        assert_eq!(without[0], bos);
     }
 }

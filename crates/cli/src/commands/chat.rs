@@ -77,9 +77,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         let prompt = template
             .render(&history, true)
             .map_err(|e| anyhow::anyhow!("chat template: {e}"))?;
-        let prompt_ids = tokenizer
-            .encode(&prompt, true)
-            .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+        let prompt_ids = common::encode_prompt(&tokenizer, &prompt, true)?;
         if prompt_ids.len() + 1 > ctx {
             let what = if history.len() <= system.len() + 1 {
                 "this message"

@@ -66,9 +66,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let stop_tokens = common::stop_tokens(&loaded.tokenizer, &loaded.generation);
     let tokenizer = loaded.tokenizer;
     let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
-    let prompt_ids = tokenizer
-        .encode(&text, true)
-        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+    let prompt_ids = common::encode_prompt(&tokenizer, &text, args.chat)?;
     let max_tokens = new_token_budget(
         prompt_ids.len(),
         args.max_tokens,

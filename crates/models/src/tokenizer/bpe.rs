@@ -155,9 +155,53 @@ fn split_merge(line: &str, index: usize) -> Result<(String, String), TokenizerEr
     Ok((line[..position].to_owned(), line[position + 1..].to_owned()))
 }
 
+/// The pre-tokenizer [`build`] installs: one `Split(regex, Isolated)` per regex, then the
+/// GPT-2 byte map (`ByteLevel` without its own regex).
+fn byte_level_pre_tokenizer(regexes: &[&str]) -> Result<Sequence, TokenizerError> {
+    let mut pre_tokenizers: Vec<PreTokenizerWrapper> = Vec::with_capacity(regexes.len() + 1);
+    for &regex in regexes {
+        let split = Split::new(
+            tokenizers::pre_tokenizers::split::SplitPattern::Regex(regex.to_owned()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| TokenizerError::Backend(format!("pre-tokenizer regex {regex:?}: {e}")))?;
+        pre_tokenizers.push(split.into());
+    }
+    pre_tokenizers.push(ByteLevel::new(false, false, false).into());
+    Ok(Sequence::new(pre_tokenizers))
+}
+
+/// Diagnostic / test entry point: the pieces the byte-level BPE pre-tokenizer for
+/// `tokenizer.ggml.pre` = `pre` cuts `text` into, before any merge, as plain text (the
+/// GPT-2 byte map undone). The pieces concatenate back to `text`; empty text has none.
+///
+/// Runs exactly the pre-tokenizer that a GGUF `gpt2` vocabulary with this `pre` gets.
+/// Errors: [`TokenizerError::Unsupported`] for a `pre` outside
+/// [`SUPPORTED_PRE_TOKENIZERS`], [`TokenizerError::Backend`] if the regex engine fails.
+pub fn pre_tokenize(pre: &str, text: &str) -> Result<Vec<String>, TokenizerError> {
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+
+    let (regexes, _) = pre_tokenizer_regexes(pre)?;
+    let pre_tokenizer = byte_level_pre_tokenizer(&regexes)?;
+    let mut pieces = PreTokenizedString::from(text);
+    pre_tokenizer
+        .pre_tokenize(&mut pieces)
+        .map_err(|e| TokenizerError::Backend(format!("pre-tokenizing {text:?}: {e}")))?;
+    pieces
+        .get_splits(OffsetReferential::Original, OffsetType::Byte)
+        .into_iter()
+        .map(|(mapped, _, _)| {
+            String::from_utf8(byte_level_decode(mapped)).map_err(|e| {
+                TokenizerError::Backend(format!("pre-token {mapped:?} is not UTF-8: {e}"))
+            })
+        })
+        .collect()
+}
+
 /// Builds the byte-level BPE tokenizer: vocabulary `tokens` (index = id), ranked `merges`,
-/// pre-tokenizer `pre`, and every control / user-defined token registered as an added token
-/// so that it is matched literally in text.
+/// pre-tokenizer `pre`, and every control / user-defined / unknown token registered as an
+/// added token so that it is matched literally in text (as llama.cpp does).
 pub(crate) fn build(
     tokens: &[String],
     kinds: &[TokenKind],
@@ -183,28 +227,16 @@ pub(crate) fn build(
         .build()
         .map_err(|e| TokenizerError::Metadata(format!("BPE vocabulary/merges: {e}")))?;
 
-    let mut pre_tokenizers: Vec<PreTokenizerWrapper> = Vec::with_capacity(regexes.len() + 1);
-    for regex in regexes {
-        let split = Split::new(
-            tokenizers::pre_tokenizers::split::SplitPattern::Regex(regex.to_owned()),
-            SplitDelimiterBehavior::Isolated,
-            false,
-        )
-        .map_err(|e| TokenizerError::Backend(format!("pre-tokenizer regex {regex:?}: {e}")))?;
-        pre_tokenizers.push(split.into());
-    }
-    pre_tokenizers.push(ByteLevel::new(false, false, false).into());
-
     let mut tokenizer = tokenizers::Tokenizer::new(model);
-    tokenizer.with_pre_tokenizer(Some(Sequence::new(pre_tokenizers)));
+    tokenizer.with_pre_tokenizer(Some(byte_level_pre_tokenizer(&regexes)?));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
 
     let added: Vec<AddedToken> = tokens
         .iter()
         .zip(kinds)
-        .filter(|(text, kind)| kind.is_special() && !text.is_empty())
+        .filter(|(text, kind)| kind.is_matched_in_text() && !text.is_empty())
         .map(|(text, kind)| {
-            AddedToken::from(text.clone(), *kind == TokenKind::Control).normalized(false)
+            AddedToken::from(text.clone(), *kind != TokenKind::UserDefined).normalized(false)
         })
         .collect();
     tokenizer

@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use crate::formats::gguf::GgufFile;
 
-pub use bpe::SUPPORTED_PRE_TOKENIZERS;
+pub use bpe::{pre_tokenize, SUPPORTED_PRE_TOKENIZERS};
 pub use stream::StreamDecoder;
 
 /// Why a tokenizer could not be built or could not encode. The message names the metadata
@@ -79,9 +79,20 @@ impl TokenKind {
         }
     }
 
-    /// Control and user-defined tokens are matched literally in input text.
+    /// Control and user-defined tokens: the added tokens that are matched literally in
+    /// input text (the unknown token's text is matched too, see `is_matched_in_text`).
     pub fn is_special(self) -> bool {
         matches!(self, TokenKind::Control | TokenKind::UserDefined)
+    }
+
+    /// Whether this token's text written in the input becomes its id: control,
+    /// user-defined and unknown tokens, as llama.cpp's `tokenizer_st_partition` does with
+    /// `parse_special = true` (its special-token cache holds all three kinds).
+    pub(crate) fn is_matched_in_text(self) -> bool {
+        matches!(
+            self,
+            TokenKind::Control | TokenKind::UserDefined | TokenKind::Unknown
+        )
     }
 }
 

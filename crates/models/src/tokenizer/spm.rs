@@ -1,7 +1,8 @@
 //! SentencePiece vocabularies (GGUF `tokenizer.ggml.model == "llama"`), tokenized the way
 //! llama.cpp's `llm_tokenizer_spm` does:
 //!
-//! 1. special (control / user-defined) token texts are cut out of the text, longest first;
+//! 1. special (control / user-defined / unknown) token texts are cut out of the text,
+//!    longest first;
 //! 2. each remaining raw fragment gets a leading space when `add_space_prefix` is set and it
 //!    starts the text or follows a special token; spaces become `▁`;
 //! 3. the fragment is split into UTF-8 characters, and repeatedly the adjacent pair whose
@@ -124,7 +125,7 @@ impl SpmModel {
                     byte_to_id[byte as usize] = Some(id);
                 }
             }
-            if kind.is_special() && !text.is_empty() {
+            if kind.is_matched_in_text() && !text.is_empty() {
                 specials.push((text.clone(), id));
             }
         }

@@ -251,16 +251,22 @@ impl Engine {
         // Plan: which requests run how many tokens.
         let mut budget = self.config.max_batch_tokens.max(1);
         let mut plan: Vec<(usize, usize)> = Vec::new(); // (index into running, new tokens)
+        let page_size = self.pool.page_size();
+        let mut free_pages = self.pool.num_free();
         for (index, request) in self.running.iter_mut().enumerate() {
             if budget == 0 {
                 break;
             }
             let pending = request.tokens.len() - request.num_computed;
-            let take = pending.min(budget);
-            let needed_pages = pages_needed(&request.block_table, take, self.pool.page_size());
-            if needed_pages > self.pool.num_free() {
+            // As many pending tokens as the budget and the still-unclaimed pages allow (a
+            // prefill chunk may shrink; a request that cannot take one token waits).
+            let table = &request.block_table;
+            let room = (table.pages().len() + free_pages) * page_size - table.num_tokens();
+            let take = pending.min(budget).min(room);
+            if take == 0 {
                 continue;
             }
+            free_pages -= pages_needed(table, take, page_size);
             budget -= take;
             plan.push((index, take));
         }
@@ -288,7 +294,9 @@ impl Engine {
             let new_slots = request
                 .block_table
                 .append_slots(&mut self.pool, take)
-                .expect("pages were checked free during planning");
+                .map_err(|e| {
+                    EngineError::Internal(format!("pages planned but not granted: {e}"))
+                })?;
             for (offset, slot) in new_slots.into_iter().enumerate() {
                 tokens.push(request.tokens[start + offset]);
                 positions.push((start + offset) as u32);

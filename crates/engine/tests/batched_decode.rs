@@ -192,3 +192,28 @@ fn bad_requests_are_refused_clearly() {
         .add_request(vec![1, 2], bad, 4, Vec::new(), false)
         .is_err());
 }
+
+#[test]
+fn requests_wait_for_pages_instead_of_failing_when_the_pool_is_tight() {
+    // 3 pages of 16 tokens: two 16-token prompts fill two pages, and both need a new page at
+    // their first decode token. Only one can have it; the other waits until the first
+    // finishes and frees its pages, then completes with the same tokens as when run alone.
+    let Some((mut tight, tokenizer)) = engine(AttentionPath::Gather, 3, 512) else {
+        return;
+    };
+    let Some((mut roomy, _)) = engine(AttentionPath::Gather, 64, 512) else {
+        return;
+    };
+    let text =
+        "The history of the printing press is often told as the story of a single inventor, \
+                but the movable type had a long history before Gutenberg.";
+    let base = tokenizer.encode(text, true).unwrap();
+    assert!(base.len() >= 17);
+    let prompts: Vec<Vec<u32>> = (0..2).map(|i| base[i..i + 16].to_vec()).collect();
+    let alone = run(&mut roomy, &prompts, 1, 8);
+    let squeezed = run(&mut tight, &prompts, 2, 8);
+    for (i, (a, b)) in alone.iter().zip(&squeezed).enumerate() {
+        assert_eq!(a.0, b.0, "prompt {i}: tokens differ when waiting for pages");
+    }
+    assert_eq!(tight.pages_used(), 0);
+}

@@ -70,6 +70,30 @@ pub fn run(args: InspectArgs) -> Result<()> {
         ModelSource::HfDir(dir) => {
             let hf = HfModelDir::open(dir)?;
             say!("format: Hugging Face directory");
+            say!("weights: {} file(s)", hf.weights.shard_paths().len());
+            let g = &hf.generation;
+            say!(
+                "generation defaults: temperature {}, top_k {}, top_p {}, min_p {}, repetition_penalty {}, eos {:?}",
+                shown(g.temperature),
+                shown(g.top_k),
+                shown(g.top_p),
+                shown(g.min_p),
+                shown(g.repetition_penalty),
+                g.eos_token_ids
+            );
+            say!(
+                "tokenizer.json: {}, tokenizer_config.json: {}",
+                if hf.tokenizer_path.is_some() {
+                    "present"
+                } else {
+                    "missing"
+                },
+                if hf.tokenizer_config_path.is_some() {
+                    "present"
+                } else {
+                    "missing"
+                }
+            );
             let mut tensors = Vec::new();
             for name in pagoda_models::weights::TensorSource::tensor_names(&hf.weights) {
                 if let Some(t) = pagoda_models::weights::TensorSource::tensor(&hf.weights, &name) {
@@ -81,6 +105,21 @@ pub fn run(args: InspectArgs) -> Result<()> {
     };
     let ctx = common::checked_context_size(args.ctx_size, config.max_position_embeddings)?;
     say!("architecture: {:?}", config.architecture);
+    say!(
+        "rope: theta {}, {} of {} dims, {:?} pairing{}; tied embeddings: {}",
+        config.rope_theta,
+        config.rope_dim,
+        config.head_dim,
+        config.rope_style,
+        match config.rope_scaling {
+            Some(s) => format!(
+                ", llama3 scaling (factor {}, low {}, high {}, original context {})",
+                s.factor, s.low_freq_factor, s.high_freq_factor, s.original_max_position_embeddings
+            ),
+            None => String::new(),
+        },
+        config.tie_word_embeddings
+    );
     say!(
         "shape: {} layers, hidden {}, {} heads / {} KV heads x {}, FFN {}, vocab {}, context {}",
         config.num_layers,
@@ -181,4 +220,9 @@ fn summarize(value: &MetadataValue) -> String {
         MetadataValue::F64(v) => v.to_string(),
         MetadataValue::Bool(v) => v.to_string(),
     }
+}
+
+/// An optional setting for display: its value, or `-` when unset.
+fn shown<T: std::fmt::Display>(value: Option<T>) -> String {
+    value.map_or_else(|| "-".to_string(), |v| v.to_string())
 }

@@ -113,17 +113,14 @@ impl SamplingArgs {
     }
 }
 
-/// Tokenizes a prompt. BOS is added when the model asks for it, except when a chat template
-/// already wrote the BOS token at the start of the text (Llama 3 style templates do), which
-/// would otherwise give two.
+/// Tokenizes a prompt; a chat-templated one through [`Tokenizer::encode_chat`].
 pub fn encode_prompt(tokenizer: &Tokenizer, text: &str, templated: bool) -> Result<Vec<u32>> {
-    let template_wrote_bos = templated
-        && tokenizer
-            .bos_token()
-            .is_some_and(|bos| !bos.is_empty() && text.starts_with(&bos));
-    tokenizer
-        .encode(text, !template_wrote_bos)
-        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))
+    let ids = if templated {
+        tokenizer.encode_chat(text)
+    } else {
+        tokenizer.encode(text, true)
+    };
+    ids.map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))
 }
 
 /// The tokens that end generation: the tokenizer's end-of-generation set plus any

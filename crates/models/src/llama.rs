@@ -7,8 +7,8 @@
 use pagoda_kv::{PageTable, Slot};
 use pagoda_ops::activation::{add_bias, add_in_place, silu_mul_in_place};
 use pagoda_ops::attention::{
-    self, plan_decode, AttentionError, AttentionPath, DecodePlan, DecodePlanConfig, KvLayout,
-    PagedKv, QueryBatch,
+    self, plan_decode, AttentionError, AttentionPath, DecodePlan, DecodePlanConfig,
+    DecodeWorkspace, KvLayout, PagedKv, QueryBatch,
 };
 use pagoda_ops::linear::Weight;
 use pagoda_ops::norm::{rms_norm, rms_norm_in_place};
@@ -288,6 +288,10 @@ impl Model {
         let mut gate = vec![0f32; num_tokens * c.intermediate_size];
         let mut up = vec![0f32; num_tokens * c.intermediate_size];
         let scale = 1.0 / (c.head_dim as f32).sqrt();
+        let mut decode_workspace = match &plan {
+            Some(plan) => DecodeWorkspace::for_plan(plan, c.num_attention_heads, c.head_dim),
+            None => DecodeWorkspace::default(),
+        };
 
         for (layer_index, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
@@ -327,14 +331,19 @@ impl Model {
                 qo_indptr: batch.qo_indptr,
                 num_q_heads: c.num_attention_heads,
             };
-            attention::paged_attention(
-                path,
-                &paged,
-                &queries,
-                scale,
-                plan.as_ref(),
-                &mut attn_out,
-            )?;
+            match &plan {
+                // Split-KV: the plan and its workspace are shared by every layer of the step.
+                Some(plan) => attention::split_kv_decode_into(
+                    &paged,
+                    &q,
+                    c.num_attention_heads,
+                    plan,
+                    scale,
+                    &mut decode_workspace,
+                    &mut attn_out,
+                )?,
+                None => attention::gather_attention(&paged, &queries, scale, &mut attn_out)?,
+            }
             layer.wo.matmul(&attn_out, num_tokens, &mut proj);
             add_in_place(&mut x, &proj);
 

@@ -300,6 +300,16 @@ impl Tokenizer {
         }
     }
 
+    /// Encodes a prompt rendered by a chat template. BOS is added as [`Self::encode`] would,
+    /// except when the template already wrote the BOS text at the start (Llama 3 style
+    /// templates do), which would otherwise give two.
+    pub fn encode_chat(&self, rendered: &str) -> Result<Vec<u32>, TokenizerError> {
+        let template_wrote_bos = self
+            .bos_token()
+            .is_some_and(|bos| !bos.is_empty() && rendered.starts_with(&bos));
+        self.encode(rendered, !template_wrote_bos)
+    }
+
     /// Decodes ids to text: the concatenated [`Self::token_bytes`], invalid UTF-8 replaced
     /// by U+FFFD. Special tokens are rendered as their text. For SentencePiece vocabularies
     /// with `add_space_prefix`, the leading space of the first token is dropped (as

@@ -17,6 +17,8 @@ pub struct DecodeWorkspace {
     pub partial_v: Vec<f32>,
     /// Partial log-sum-exp in log2 units, `[num_chunks, num_q_heads]`.
     pub lse: Vec<f32>,
+    /// The merged log-sum-exp, `[B, num_q_heads]` (scratch of [`split_kv_decode_into`]).
+    pub merged_lse: Vec<f32>,
 }
 
 impl DecodeWorkspace {
@@ -26,7 +28,18 @@ impl DecodeWorkspace {
         Self {
             partial_v: vec![0.0; partial_len],
             lse: vec![0.0; lse_len],
+            merged_lse: vec![0.0; plan.num_requests() * num_q_heads],
         }
+    }
+
+    /// Resizes the buffers for `plan` (reusing their allocations), so one workspace can serve
+    /// every layer of a step and every step of a run.
+    pub fn fit(&mut self, plan: &DecodePlan, num_q_heads: usize, head_dim: usize) {
+        let (partial_len, lse_len) = plan.workspace_len(num_q_heads, head_dim);
+        self.partial_v.resize(partial_len, 0.0);
+        self.lse.resize(lse_len, 0.0);
+        self.merged_lse
+            .resize(plan.num_requests() * num_q_heads, 0.0);
     }
 }
 
@@ -198,6 +211,21 @@ pub fn split_kv_decode(
     scale: f32,
     out: &mut [f32],
 ) -> Result<(), AttentionError> {
+    let mut workspace = DecodeWorkspace::for_plan(plan, num_q_heads, kv.layout.head_dim);
+    split_kv_decode_into(kv, q, num_q_heads, plan, scale, &mut workspace, out)
+}
+
+/// [`split_kv_decode`] with caller-owned scratch: `workspace` is fitted to `plan` (its
+/// allocations are reused), so a forward pass allocates nothing per layer.
+pub fn split_kv_decode_into(
+    kv: &PagedKv<'_>,
+    q: &[f32],
+    num_q_heads: usize,
+    plan: &DecodePlan,
+    scale: f32,
+    workspace: &mut DecodeWorkspace,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
     validate::geometry(&kv.layout, num_q_heads)?;
     let head_dim = kv.layout.head_dim;
     let num_requests = kv.page_table.num_requests();
@@ -206,11 +234,11 @@ pub fn split_kv_decode(
         num_requests * num_q_heads * head_dim,
         out.len(),
     )?;
+    workspace.fit(plan, num_q_heads, head_dim);
     if !plan.needs_merge {
-        let mut lse = vec![0.0; plan.num_chunks() * num_q_heads];
-        return decode_partial(kv, q, num_q_heads, plan, scale, out, &mut lse);
+        // One chunk per request: the partial pass writes the output rows directly.
+        return decode_partial(kv, q, num_q_heads, plan, scale, out, &mut workspace.lse);
     }
-    let mut workspace = DecodeWorkspace::for_plan(plan, num_q_heads, head_dim);
     decode_partial(
         kv,
         q,
@@ -220,7 +248,6 @@ pub fn split_kv_decode(
         &mut workspace.partial_v,
         &mut workspace.lse,
     )?;
-    let mut lse_out = vec![0.0; num_requests * num_q_heads];
     merge_states_into(
         &workspace.partial_v,
         &workspace.lse,
@@ -228,6 +255,6 @@ pub fn split_kv_decode(
         num_q_heads,
         head_dim,
         out,
-        &mut lse_out,
+        &mut workspace.merged_lse,
     )
 }

@@ -31,7 +31,7 @@ mod plan;
 mod validate;
 
 pub use append::append_kv;
-pub use decode::{decode_partial, split_kv_decode, DecodeWorkspace};
+pub use decode::{decode_partial, split_kv_decode, split_kv_decode_into, DecodeWorkspace};
 pub use gather::gather_attention;
 pub use merge::{merge_states, merge_states_into, MergedStates};
 pub use plan::{plan_decode, DecodePlan, DecodePlanConfig, MAX_CHUNKS};

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test of the workspace. Fetches the default model first (idempotent) so the parity
 # tests against llama.cpp's reference outputs run; they skip with a message if it is missing.
+# Then: the live-server tests with the official `openai` client, and the NVRTC compile check of
+# every CUDA kernel specialisation (no GPU needed). GPU tests print SKIP here; they run on the
+# GPU machine (see docs/architecture.md, "Tests").
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -9,4 +12,12 @@ if ! bash scripts/fetch-model.sh; then
 fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# The CUDA backend's real code (cudarc, loaded at run time) must lint clean too.
+cargo clippy --workspace --all-targets --features pagoda-cli/cuda,pagoda-cuda/cuda,pagoda-models/cuda -- -D warnings
 cargo test --workspace --all-targets
+if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+  PAGODA_BIN=target/debug/pagoda bash scripts/test-server.sh
+else
+  echo "warning: no default model; skipping the live-server tests" >&2
+fi
+bash scripts/nvrtc-check.sh

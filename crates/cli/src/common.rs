@@ -8,12 +8,15 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, LoadedModel, ModelSource};
+use pagoda_engine::{
+    load_model, Backend, Device, Engine, EngineConfig, LoadOptions, LoadedModel, ModelSource,
+};
 use pagoda_models::hf::GenerationDefaults;
-use pagoda_models::llama::{AttentionPolicy, Model, WeightPrecision};
+use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
+use pagoda_models::llama_cuda::GpuDType;
 use pagoda_models::tokenizer::Tokenizer;
 use pagoda_ops::attention::AttentionPath;
-use pagoda_ops::sampling::SamplingParams;
+use pagoda_ops::sampling::{SamplerKind, SamplingParams};
 
 /// File name of the default model under `models/`.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
@@ -37,11 +40,64 @@ pub struct ModelArgs {
     /// Tokens per KV-cache page.
     #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
     pub page_size: usize,
-    /// CPU attention for decode steps: `auto` (the default: split-KV when the plan splits a
-    /// request's context over several chunks, gather otherwise), `split-kv` (the CPU twin of the
-    /// GPU kernel) or `gather` (the gather-then-attend reference). Also $PAGODA_ATTENTION.
+    /// CPU attention, chosen per query row (so a request's numbers never depend on its batch):
+    /// `auto` (the default: split-KV for rows that see at least 512 tokens, gather below),
+    /// `split-kv` (every row; the CPU twin of the GPU kernel) or `gather` (the
+    /// gather-then-attend reference). Also $PAGODA_ATTENTION.
     #[arg(long)]
     pub attention: Option<String>,
+    /// Where to run: `auto` (a CUDA GPU when this build has CUDA and one is usable, else the
+    /// CPU, saying why in one line), `cpu` or `cuda`.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Weight and activation dtype on the GPU: `bf16` or `f32` (the CPU parity mode's twin).
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Token sampler: `fused` (sort-free: Gumbel-max and rejection filters) or `reference`
+    /// (the sort-based oracle). Default: $PAGODA_SAMPLER, else fused.
+    #[arg(long)]
+    pub sampler: Option<String>,
+}
+
+/// The device the flags ask for, resolved: `auto` probes for a usable GPU.
+pub fn resolve_device(args: &ModelArgs) -> Result<Device> {
+    let dtype = match args.dtype.as_str() {
+        "bf16" => GpuDType::Bf16,
+        "f32" => GpuDType::F32,
+        other => bail!("unknown --dtype `{other}` (use bf16 or f32)"),
+    };
+    match args.device.as_str() {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" | "gpu" => match pagoda_cuda::available() {
+            Ok(info) => {
+                tracing::info!("device: {info}");
+                Ok(Device::Cuda { dtype })
+            }
+            Err(error) => bail!("--device cuda: {error}"),
+        },
+        "auto" => match pagoda_cuda::available() {
+            Ok(info) => {
+                eprintln!("device: {info}");
+                Ok(Device::Cuda { dtype })
+            }
+            Err(pagoda_cuda::CudaError::NotCompiled) => Ok(Device::Cpu),
+            Err(error) => {
+                eprintln!("device: no usable CUDA GPU ({error}); running on the CPU");
+                Ok(Device::Cpu)
+            }
+        },
+        other => bail!("unknown --device `{other}` (use auto, cpu or cuda)"),
+    }
+}
+
+/// The sampler from the flag or $PAGODA_SAMPLER (the flag wins); fused when neither.
+pub fn sampler_kind(args: &ModelArgs) -> Result<SamplerKind> {
+    match &args.sampler {
+        Some(flag) => flag
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--sampler: {e}")),
+        None => SamplerKind::from_env().map_err(anyhow::Error::msg),
+    }
 }
 
 /// Sampling flags (llama.cpp spellings). A flag that is not given takes the model's
@@ -271,15 +327,21 @@ pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
     } else {
         WeightPrecision::AsStored
     };
-    let loaded = load_model(&source, LoadOptions { precision }, &mut |done, total| {
+    let device = resolve_device(args)?;
+    if args.exact && device != Device::Cpu {
+        bail!("--exact is the CPU parity mode; on the GPU use --dtype f32 (or --device cpu)");
+    }
+    let options = LoadOptions { precision, device };
+    let loaded = load_model(&source, options, &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     })
     .map_err(anyhow::Error::msg)?;
     bar.finish_and_clear();
     tracing::info!(
-        "loaded {} in {:.2}s ({} weights, {:.1} MiB)",
+        "loaded {} on {} in {:.2}s ({} weights, {:.1} MiB)",
         source.path().display(),
+        loaded.model.device_name(),
         started.elapsed().as_secs_f64(),
         if args.exact { "f32" } else { "as stored" },
         loaded.model.weight_bytes() as f64 / (1 << 20) as f64
@@ -308,7 +370,7 @@ pub fn checked_context_size(requested: Option<usize>, model_max: usize) -> Resul
 }
 
 /// Builds an engine for `parallel` concurrent sequences of up to `ctx` tokens each.
-pub fn engine(model: Model, args: &ModelArgs, ctx: usize, parallel: usize) -> Result<Engine> {
+pub fn engine(model: Backend, args: &ModelArgs, ctx: usize, parallel: usize) -> Result<Engine> {
     if args.page_size == 0 || args.page_size > 1024 {
         bail!("--page-size must be between 1 and 1024");
     }
@@ -319,8 +381,13 @@ pub fn engine(model: Model, args: &ModelArgs, ctx: usize, parallel: usize) -> Re
         max_batch_tokens: 512,
         max_context: ctx,
         attention: attention_policy(&args.attention)?,
+        sampler: sampler_kind(args)?,
     };
-    tracing::info!("attention policy: {}", policy_name(config.attention));
+    tracing::info!(
+        "attention policy: {}, sampler: {}",
+        policy_name(config.attention),
+        config.sampler
+    );
     Engine::new(model, config).map_err(anyhow::Error::msg)
 }
 

@@ -26,6 +26,8 @@ enum Command {
     Inspect(commands::inspect::InspectArgs),
     /// Measure prefill and decode throughput (repeated runs, median and spread).
     Bench(commands::bench::BenchArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(commands::serve::ServeArgs),
 }
 
 fn main() {
@@ -36,6 +38,7 @@ fn main() {
         Command::Chat(args) => commands::chat::run(args),
         Command::Inspect(args) => commands::inspect::run(args),
         Command::Bench(args) => commands::bench::run(args),
+        Command::Serve(args) => commands::serve::run(args),
     };
     if let Err(error) = result {
         // The reader of stdout went away (`pagoda generate ... | head`): stop quietly.

@@ -1,11 +1,17 @@
 //! Requests, steps and the batched forward.
 
-use std::collections::VecDeque;
+use std::collections::HashMap;
 
-use pagoda_kv::{BlockPool, BlockTable, PageTable};
-use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
+use pagoda_models::config::ModelConfig;
+use pagoda_models::llama::{AttentionPolicy, ForwardBatch};
 use pagoda_ops::attention::AttentionPath;
-use pagoda_ops::sampling::{Sampler, SamplingParams};
+use pagoda_ops::sampling::{AnySampler, SamplerKind, SamplingParams};
+
+use crate::backend::{Backend, Runner};
+use pagoda_scheduler::{
+    Request as SchedulerRequest, SampledToken, Scheduler, SchedulerConfig, SchedulerError,
+    SchedulerStats,
+};
 
 /// Identifies a request inside one engine.
 pub type RequestId = u64;
@@ -23,6 +29,8 @@ pub struct EngineConfig {
     pub max_context: usize,
     /// How each step picks its CPU attention path.
     pub attention: AttentionPolicy,
+    /// Which sampler draws the tokens (the fused sort-free one or the sort-based reference).
+    pub sampler: SamplerKind,
 }
 
 /// Why a request ended.
@@ -83,6 +91,16 @@ pub struct EngineCounters {
     pub steps_gather: u64,
     /// Tokens run through the model.
     pub tokens_forwarded: u64,
+    /// Prompt (and recompute) tokens served from the prefix cache instead of computed.
+    pub prefix_hit_tokens: u64,
+    /// Requests preempted by recompute because the KV pool ran out of pages.
+    pub preemptions: u64,
+    /// Forward passes that ran on the CUDA backend (baseline paged attention kernels).
+    pub steps_cuda: u64,
+    /// Per-request attention work on the CPU: requests with at least one split-KV row, and
+    /// requests served by gather only (summed over steps).
+    pub requests_split_kv: u64,
+    pub requests_gather: u64,
 }
 
 impl EngineCounters {
@@ -109,53 +127,90 @@ impl EngineCounters {
     }
 }
 
-struct Request {
-    id: RequestId,
-    /// Prompt followed by generated tokens.
-    tokens: Vec<u32>,
-    prompt_len: usize,
-    /// Tokens whose K/V are in the cache.
-    num_computed: usize,
-    max_new_tokens: usize,
+/// What the engine keeps per request beside the scheduler's tokens and pages: the sampler
+/// (whose state survives preemption, so recomputed requests draw the same stream), stop
+/// tokens and the generated tokens (the penalty history).
+struct RequestState {
+    generated: Vec<u32>,
     stop_tokens: Vec<u32>,
-    sampler: Sampler,
-    block_table: BlockTable,
+    sampler: AnySampler,
     want_logprobs: bool,
 }
 
-/// A CPU inference engine over one model.
+/// A CPU inference engine over one model: a [`Scheduler`] (continuous batching, chunked
+/// prefill, preemption by recompute, prefix caching) driving one batched forward per step.
 pub struct Engine {
-    model: Model,
+    runner: Runner,
     config: EngineConfig,
-    kv: KvCache,
-    pool: BlockPool,
-    running: VecDeque<Request>,
+    scheduler: Scheduler,
+    requests: HashMap<RequestId, RequestState>,
     next_id: RequestId,
     counters: EngineCounters,
 }
 
+/// Whether `PAGODA_PREFIX_CACHING` leaves prefix caching on (anything but `0`, `off`, `false`).
+fn prefix_caching_from_env() -> bool {
+    match std::env::var("PAGODA_PREFIX_CACHING") {
+        Ok(value) => !matches!(
+            value.trim().to_ascii_lowercase().as_str(),
+            "0" | "off" | "false"
+        ),
+        Err(_) => true,
+    }
+}
+
 impl Engine {
-    /// An engine with a zeroed KV pool sized by `config`.
-    pub fn new(model: Model, config: EngineConfig) -> Result<Engine, String> {
-        let pool = BlockPool::new(config.num_pages, config.page_size).map_err(|e| e.to_string())?;
-        let kv = KvCache::new(
-            model.config().num_layers,
-            model.kv_layout(config.num_pages, config.page_size),
-        );
+    /// An engine with a zeroed KV pool sized by `config`. Prefix caching is on unless the
+    /// environment variable `PAGODA_PREFIX_CACHING` is `0`, `off` or `false`.
+    pub fn new(model: impl Into<Backend>, config: EngineConfig) -> Result<Engine, String> {
+        Self::with_prefix_caching(model, config, prefix_caching_from_env())
+    }
+
+    /// An engine with prefix caching forced on or off.
+    pub fn with_prefix_caching(
+        model: impl Into<Backend>,
+        config: EngineConfig,
+        prefix_caching: bool,
+    ) -> Result<Engine, String> {
+        let scheduler_config = SchedulerConfig {
+            prefix_caching,
+            ..SchedulerConfig::new(config.page_size, config.num_pages, config.max_batch_tokens)
+        };
+        let max_requests = scheduler_config.max_running;
+        let scheduler = Scheduler::new(scheduler_config).map_err(|e| e.to_string())?;
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        LOGGED.call_once(|| {
+            tracing::info!(
+                "prefix caching: {}",
+                if prefix_caching { "on" } else { "off" }
+            )
+        });
+        let runner = Runner::new(
+            model.into(),
+            config.num_pages,
+            config.page_size,
+            config.max_batch_tokens,
+            max_requests,
+            config.max_context,
+        )?;
         Ok(Engine {
-            model,
+            runner,
             config,
-            kv,
-            pool,
-            running: VecDeque::new(),
+            scheduler,
+            requests: HashMap::new(),
             next_id: 0,
             counters: EngineCounters::default(),
         })
     }
 
-    /// The model.
-    pub fn model(&self) -> &Model {
-        &self.model
+    /// The model's configuration.
+    pub fn model_config(&self) -> &ModelConfig {
+        self.runner.config()
+    }
+
+    /// Whether the model runs on a CUDA GPU.
+    pub fn is_cuda(&self) -> bool {
+        self.runner.is_cuda()
     }
 
     /// The engine's configuration.
@@ -163,9 +218,14 @@ impl Engine {
         &self.config
     }
 
+    /// Whether prefix caching is on.
+    pub fn prefix_caching(&self) -> bool {
+        self.scheduler.config().prefix_caching
+    }
+
     /// Bytes held by the KV pools.
     pub fn kv_bytes(&self) -> usize {
-        self.kv.size_bytes()
+        self.runner.kv_bytes()
     }
 
     /// What has run so far.
@@ -173,14 +233,36 @@ impl Engine {
         &self.counters
     }
 
-    /// Pages in use.
-    pub fn pages_used(&self) -> usize {
-        self.pool.num_used()
+    /// The scheduler's gauges and counters (pages free/used/cached/evictable, queue length,
+    /// running count, prefix-hit tokens, preemptions).
+    pub fn scheduler_stats(&self) -> SchedulerStats {
+        self.scheduler.stats()
     }
 
-    /// Requests not yet finished.
+    /// Pages held by requests (cached pages no request holds are not counted: they are
+    /// reclaimed on demand).
+    pub fn pages_used(&self) -> usize {
+        self.scheduler.stats().pages_used
+    }
+
+    /// Pages on the free list.
+    pub fn pages_free(&self) -> usize {
+        self.scheduler.stats().pages_free
+    }
+
+    /// Pages registered in the prefix cache (shared with requests or evictable).
+    pub fn pages_cached(&self) -> usize {
+        self.scheduler.stats().pages_cached
+    }
+
+    /// Requests not yet finished (waiting or running).
     pub fn num_running(&self) -> usize {
-        self.running.len()
+        self.scheduler.num_unfinished()
+    }
+
+    /// Requests waiting for admission (new or preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.scheduler.stats().num_waiting
     }
 
     /// Admits a request. `stop_tokens` end generation (the end-of-generation ids of the
@@ -199,7 +281,7 @@ impl Engine {
         if max_new_tokens == 0 {
             return Err(EngineError::NoNewTokens);
         }
-        let vocab_size = self.model.config().vocab_size;
+        let vocab_size = self.runner.config().vocab_size;
         if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab_size) {
             return Err(EngineError::TokenOutOfRange { token, vocab_size });
         }
@@ -210,172 +292,154 @@ impl Engine {
                 context: self.config.max_context,
             });
         }
-        let sampler = Sampler::new(params).map_err(EngineError::Sampling)?;
+        let sampler =
+            AnySampler::new(params, self.config.sampler).map_err(EngineError::Sampling)?;
         let id = self.next_id;
-        self.next_id += 1;
-        self.running.push_back(Request {
+        let request = SchedulerRequest {
             id,
-            prompt_len: prompt.len(),
-            tokens: prompt,
-            num_computed: 0,
+            prompt,
             max_new_tokens,
-            stop_tokens,
-            sampler,
-            block_table: BlockTable::new(),
-            want_logprobs,
-        });
+        };
+        self.scheduler.add(request).map_err(|error| match error {
+            SchedulerError::TooLargeForPool { needed, total, .. } => EngineError::OutOfPages {
+                needed,
+                free: self.scheduler.stats().pages_free,
+                total,
+            },
+            other => EngineError::Internal(other.to_string()),
+        })?;
+        self.next_id += 1;
+        self.requests.insert(
+            id,
+            RequestState {
+                generated: Vec::new(),
+                stop_tokens,
+                sampler,
+                want_logprobs,
+            },
+        );
         Ok(id)
     }
 
-    /// Ends a request early and frees its pages. Unknown ids are ignored.
+    /// Ends a request early and frees its pages now. Unknown ids are ignored.
     pub fn cancel(&mut self, id: RequestId) {
-        if let Some(index) = self.running.iter().position(|r| r.id == id) {
-            let mut request = self.running.remove(index).expect("index from position");
-            let _ = request.block_table.release(&mut self.pool);
-        }
+        // Abort only fails on a pool bookkeeping bug; the request is gone either way.
+        let _ = self.scheduler.abort(id);
+        self.requests.remove(&id);
     }
 
     /// The seed a request's sampler uses (reported so runs can be replayed).
     pub fn seed_of(&self, id: RequestId) -> Option<u64> {
-        self.running
-            .iter()
-            .find(|r| r.id == id)
-            .map(|r| r.sampler.seed())
+        self.requests.get(&id).map(|r| r.sampler.seed())
     }
 
-    /// Runs one step: every running request contributes its next prefill chunk or its decode
-    /// token, within the token budget, in one batched forward. Returns one event per request
-    /// that sampled a token this step (a request still prefilling a long prompt samples
-    /// nothing until its last chunk).
+    /// Runs one step: the scheduler's plan (every running decode, prefill chunks, newly
+    /// admitted requests, under the token budget; preempting the youngest request when pages
+    /// run out) in one batched forward. Returns one event per request that sampled a token
+    /// this step (a request still prefilling a long prompt samples nothing until its last
+    /// chunk; a preempted request samples nothing until it is recomputed).
     pub fn step(&mut self) -> Result<Vec<StepEvent>, EngineError> {
-        // Plan: which requests run how many tokens.
-        let mut budget = self.config.max_batch_tokens.max(1);
-        let mut plan: Vec<(usize, usize)> = Vec::new(); // (index into running, new tokens)
-        let page_size = self.pool.page_size();
-        let mut free_pages = self.pool.num_free();
-        for (index, request) in self.running.iter_mut().enumerate() {
-            if budget == 0 {
-                break;
-            }
-            let pending = request.tokens.len() - request.num_computed;
-            // As many pending tokens as the budget and the still-unclaimed pages allow (a
-            // prefill chunk may shrink; a request that cannot take one token waits).
-            let table = &request.block_table;
-            let room = (table.pages().len() + free_pages) * page_size - table.num_tokens();
-            let take = pending.min(budget).min(room);
-            if take == 0 {
-                continue;
-            }
-            free_pages -= pages_needed(table, take, page_size);
-            budget -= take;
-            plan.push((index, take));
-        }
+        let internal = |e: SchedulerError| EngineError::Internal(e.to_string());
+        let plan = self.scheduler.schedule().map_err(internal)?;
         if plan.is_empty() {
-            if self.running.is_empty() {
+            self.scheduler.postprocess(&[]).map_err(internal)?;
+            if self.scheduler.num_unfinished() == 0 {
                 return Ok(Vec::new());
             }
+            let stats = self.scheduler.stats();
             return Err(EngineError::OutOfPages {
-                needed: pages_needed(&self.running[0].block_table, 1, self.pool.page_size()),
-                free: self.pool.num_free(),
-                total: self.pool.num_pages(),
+                needed: 1,
+                free: stats.pages_free,
+                total: stats.pages_total,
             });
         }
-
-        // Host inputs: tokens, positions, slots, ragged ranges, the page table.
-        let mut tokens = Vec::new();
-        let mut positions = Vec::new();
-        let mut slots = Vec::new();
-        let mut qo_indptr = vec![0u32];
-        let mut logits_for = Vec::new();
-        let mut samples = Vec::new(); // (index into running) for each logits row
-        for &(index, take) in &plan {
-            let request = &mut self.running[index];
-            let start = request.num_computed;
-            let new_slots = request
-                .block_table
-                .append_slots(&mut self.pool, take)
-                .map_err(|e| {
-                    EngineError::Internal(format!("pages planned but not granted: {e}"))
-                })?;
-            for (offset, slot) in new_slots.into_iter().enumerate() {
-                tokens.push(request.tokens[start + offset]);
-                positions.push((start + offset) as u32);
-                slots.push(slot);
+        let tokens = plan.flat_tokens();
+        let positions = plan.flat_positions();
+        let slots = plan.flat_slots();
+        let qo_indptr = plan.qo_indptr();
+        let logits_for = plan.logits_for();
+        let output = plan
+            .page_table()
+            .map_err(|e| e.to_string())
+            .and_then(|page_table| {
+                let batch = ForwardBatch {
+                    tokens: &tokens,
+                    positions: &positions,
+                    slots: &slots,
+                    qo_indptr: &qo_indptr,
+                    page_table: &page_table,
+                    logits_for: &logits_for,
+                };
+                self.runner.forward(&batch, self.config.attention)
+            });
+        let output = match output {
+            Ok(output) => output,
+            Err(error) => {
+                // The plan's KV is not written: drop its requests so nothing reads it.
+                for sequence in &plan.sequences {
+                    self.cancel(sequence.id);
+                }
+                self.scheduler.postprocess(&[]).map_err(internal)?;
+                return Err(EngineError::Internal(error));
             }
-            request.num_computed += take;
-            qo_indptr.push(tokens.len() as u32);
-            if request.num_computed == request.tokens.len() {
-                logits_for.push(tokens.len() - 1);
-                samples.push(index);
+        };
+        self.counters.requests_split_kv += output.split_kv_requests as u64;
+        self.counters.requests_gather += output.gather_requests as u64;
+        match output.attention_path {
+            Some(path) => self.counters.record(path, tokens.len()),
+            None => {
+                self.counters.steps_cuda += 1;
+                self.counters.tokens_forwarded += tokens.len() as u64;
             }
         }
-        let tables: Vec<&BlockTable> = plan
-            .iter()
-            .map(|&(index, _)| &self.running[index].block_table)
-            .collect();
-        let page_table = PageTable::from_block_tables(&tables, &self.pool)
-            .map_err(|e| EngineError::Internal(e.to_string()))?;
-
-        let batch = ForwardBatch {
-            tokens: &tokens,
-            positions: &positions,
-            slots: &slots,
-            qo_indptr: &qo_indptr,
-            page_table: &page_table,
-            logits_for: &logits_for,
-        };
-        // Run the whole forward on a pool worker: the ops' parallel loops then start from inside
-        // the pool instead of handing every one of them across threads.
-        let (model, kv, path) = (&self.model, &mut self.kv, self.config.attention);
-        let output = rayon::scope(|_| model.forward(&batch, kv, path))
-            .map_err(|e| EngineError::Internal(e.to_string()))?;
-        self.counters.record(output.attention_path, tokens.len());
         let logits = output.logits;
 
-        // Sample and finish.
-        let vocab_size = self.model.config().vocab_size;
-        let mut events = Vec::with_capacity(samples.len());
-        let mut finished_ids = Vec::new();
-        for (row, &index) in samples.iter().enumerate() {
-            let request = &mut self.running[index];
+        // Sample, then let the scheduler append and finish.
+        let vocab_size = self.runner.config().vocab_size;
+        let mut sampled = Vec::with_capacity(logits_for.len());
+        let mut logprobs = Vec::with_capacity(logits_for.len());
+        for (row, id) in plan.sampling_ids().into_iter().enumerate() {
+            let state = self
+                .requests
+                .get_mut(&id)
+                .ok_or_else(|| EngineError::Internal(format!("request {id} has no state")))?;
             let row_logits = &logits[row * vocab_size..(row + 1) * vocab_size];
-            let generated = &request.tokens[request.prompt_len..];
-            let token = request.sampler.sample(row_logits, generated);
-            let logprobs = request
-                .want_logprobs
-                .then(|| pagoda_ops::sampling::log_softmax(row_logits));
-            request.tokens.push(token);
-            let num_generated = request.tokens.len() - request.prompt_len;
-            let finished = if request.stop_tokens.contains(&token) {
-                Some(FinishReason::Stop)
-            } else if num_generated >= request.max_new_tokens
-                || request.tokens.len() >= self.config.max_context
-            {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
+            let token = state.sampler.sample(row_logits, &state.generated);
+            logprobs.push(
+                state
+                    .want_logprobs
+                    .then(|| pagoda_ops::sampling::log_softmax(row_logits)),
+            );
+            state.generated.push(token);
+            sampled.push(SampledToken {
+                id,
+                token,
+                stop: state.stop_tokens.contains(&token),
+            });
+        }
+        let finished = self.scheduler.postprocess(&sampled).map_err(internal)?;
+        let mut events = Vec::with_capacity(sampled.len());
+        for (sample, logprobs) in sampled.into_iter().zip(logprobs) {
+            let finished = finished
+                .iter()
+                .find(|f| f.id == sample.id)
+                .map(|f| match f.reason {
+                    pagoda_scheduler::FinishReason::Stop => FinishReason::Stop,
+                    pagoda_scheduler::FinishReason::Length => FinishReason::Length,
+                });
             if finished.is_some() {
-                finished_ids.push(request.id);
+                self.requests.remove(&sample.id);
             }
             events.push(StepEvent {
-                request: request.id,
-                token,
+                request: sample.id,
+                token: sample.token,
                 logprobs,
                 finished,
             });
         }
-        for id in finished_ids {
-            self.cancel(id);
-        }
+        let stats = self.scheduler.stats();
+        self.counters.prefix_hit_tokens = stats.prefix_hit_tokens;
+        self.counters.preemptions = stats.preemptions;
         Ok(events)
     }
-}
-
-/// Pages a block table must add to hold `new_tokens` more tokens.
-fn pages_needed(table: &BlockTable, new_tokens: usize, page_size: usize) -> usize {
-    let total = table.num_tokens() + new_tokens;
-    total
-        .div_ceil(page_size)
-        .saturating_sub(table.pages().len())
 }

@@ -5,10 +5,14 @@
 //! preemption and prefix caching) builds on the same pieces: `pagoda_kv` for pages and the
 //! page table, [`pagoda_models::llama::Model::forward`] for the step.
 
+mod backend;
 mod engine;
 mod load;
 
+pub use backend::Backend;
 pub use engine::{
     Engine, EngineConfig, EngineCounters, EngineError, FinishReason, RequestId, StepEvent,
 };
-pub use load::{load_model, LoadOptions, LoadedModel, ModelSource};
+pub use load::{
+    load_backend, load_model, load_random, Device, LoadOptions, LoadedModel, ModelSource,
+};

@@ -2,6 +2,9 @@
 //! its tokenizer, chat template and generation defaults.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use pagoda_cuda::Gpu;
 
 use pagoda_models::chat_template::ChatTemplate;
 use pagoda_models::config::ModelConfig;
@@ -9,7 +12,11 @@ use pagoda_models::formats::gguf::GgufFile;
 use pagoda_models::gguf_model::config_from_gguf;
 use pagoda_models::hf::{GenerationDefaults, HfModelDir};
 use pagoda_models::llama::{Model, WeightPrecision};
+use pagoda_models::llama_cuda::{CudaModel, GpuDType};
+use pagoda_models::random::{random_config, RandomWeights};
 use pagoda_models::tokenizer::Tokenizer;
+
+use crate::backend::Backend;
 
 /// Where a model comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,15 +50,39 @@ impl ModelSource {
     }
 }
 
+/// Where to load a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Device {
+    /// The CPU (weights as `precision` says).
+    #[default]
+    Cpu,
+    /// CUDA device 0, weights and activations in `dtype`.
+    Cuda { dtype: GpuDType },
+}
+
 /// How to load.
 #[derive(Debug, Clone, Copy)]
 pub struct LoadOptions {
+    /// CPU weight precision (ignored on the GPU, whose dtype is in `device`).
     pub precision: WeightPrecision,
+    /// Where the model runs.
+    pub device: Device,
+}
+
+impl LoadOptions {
+    /// CPU loading with `precision`.
+    pub fn cpu(precision: WeightPrecision) -> Self {
+        LoadOptions {
+            precision,
+            device: Device::Cpu,
+        }
+    }
 }
 
 /// Everything needed to run a model.
 pub struct LoadedModel {
-    pub model: Model,
+    /// The model on its device.
+    pub model: Backend,
     pub tokenizer: Tokenizer,
     pub chat_template: ChatTemplate,
     /// Whether `chat_template` came from the model (false: the ChatML fallback).
@@ -120,7 +151,46 @@ fn load_weights(
     options: LoadOptions,
     progress: &mut dyn FnMut(usize, usize),
     path: &Path,
-) -> Result<Model, String> {
-    Model::load_with_progress(config, tensors, options.precision, progress)
-        .map_err(|e| format!("{}: {e}", path.display()))
+) -> Result<Backend, String> {
+    load_backend(config, tensors, options, progress).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Loads weights from any tensor source (a model file, or [`RandomWeights`]) onto the device
+/// `options` names.
+pub fn load_backend(
+    config: ModelConfig,
+    tensors: &dyn pagoda_models::weights::TensorSource,
+    options: LoadOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Backend, String> {
+    match options.device {
+        Device::Cpu => Model::load_with_progress(config, tensors, options.precision, progress)
+            .map(Backend::Cpu)
+            .map_err(|e| e.to_string()),
+        Device::Cuda { dtype } => {
+            let gpu = Gpu::new(0).map_err(|e| format!("CUDA: {e}"))?;
+            CudaModel::load(config, tensors, Arc::new(gpu), dtype, progress)
+                .map(Backend::from)
+                .map_err(|e| e.to_string())
+        }
+    }
+}
+
+/// A model of a built-in architecture (`llama-3.1-8b`, ...) or a `config.json`, with random
+/// weights: for benchmarks of shapes whose weights are not on the machine (no tokenizer).
+pub fn load_random(
+    spec: &str,
+    seed: u64,
+    options: LoadOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Backend, String> {
+    let config = random_config(spec)?;
+    // The CPU keeps every weight in f32; the GPU converts one tensor at a time.
+    let limit = match options.device {
+        Device::Cpu => 16usize << 30,
+        Device::Cuda { .. } => usize::MAX,
+    };
+    let weights = RandomWeights::new(&config, seed, limit)?;
+    load_backend(config, &weights, options, progress)
+        .map_err(|e| format!("random weights for {spec}: {e}"))
 }

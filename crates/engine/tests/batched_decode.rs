@@ -25,9 +25,7 @@ fn engine(
     }
     let loaded = load_model(
         &ModelSource::Gguf(model),
-        LoadOptions {
-            precision: WeightPrecision::AsStored,
-        },
+        LoadOptions::cpu(WeightPrecision::AsStored),
         &mut |_, _| {},
     )
     .unwrap();
@@ -37,6 +35,7 @@ fn engine(
         max_batch_tokens,
         max_context: 1024,
         attention: AttentionPolicy::Force(path),
+        sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
     };
     Some((Engine::new(loaded.model, config).unwrap(), loaded.tokenizer))
 }

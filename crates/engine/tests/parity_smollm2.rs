@@ -55,7 +55,7 @@ fn load(precision: WeightPrecision) -> Option<LoadedModel> {
     Some(
         load_model(
             &ModelSource::Gguf(path),
-            LoadOptions { precision },
+            LoadOptions::cpu(precision),
             &mut |_, _| {},
         )
         .unwrap(),
@@ -123,6 +123,7 @@ fn engine_for(loaded: LoadedModel, path: AttentionPath) -> (Engine, Vec<u32>) {
         max_batch_tokens: 512,
         max_context: 2048,
         attention: AttentionPolicy::Force(path),
+        sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
     };
     (Engine::new(loaded.model, config).unwrap(), stop)
 }
@@ -133,7 +134,7 @@ fn exact_mode_matches_transformers_f32_top20_and_greedy_ids() {
         return;
     };
     let reference = reference("logits_transformers_f32.json");
-    let model = &loaded.model;
+    let model = loaded.model.as_cpu().unwrap();
     let mut worst = 0f32;
     let mut prompts = Vec::new();
     for prompt in reference["prompts"].as_array().unwrap() {
@@ -213,7 +214,7 @@ fn quantized_mode_logprobs_within_tolerance_of_llama_cpp() {
         let generated = ids(&prompt["generated_ids"]);
         let mut tokens = prompt_ids.clone();
         tokens.extend_from_slice(&generated);
-        let logprobs = teacher_forced_logprobs(&loaded.model, &tokens);
+        let logprobs = teacher_forced_logprobs(loaded.model.as_cpu().unwrap(), &tokens);
         for (step, position) in prompt["per_position_top5"]
             .as_array()
             .unwrap()

@@ -107,9 +107,7 @@ fn logits(
 fn check(source: ModelSource, oracle_dir: &str, tolerance: f32) {
     let loaded = load_model(
         &source,
-        LoadOptions {
-            precision: WeightPrecision::AsStored,
-        },
+        LoadOptions::cpu(WeightPrecision::AsStored),
         &mut |_, _| {},
     )
     .unwrap();
@@ -121,7 +119,7 @@ fn check(source: ModelSource, oracle_dir: &str, tolerance: f32) {
             (true, AttentionPath::SplitKv),
             (true, AttentionPath::Gather),
         ] {
-            let got = logits(&loaded.model, tokens, one_at_a_time, path);
+            let got = logits(loaded.model.as_cpu().unwrap(), tokens, one_at_a_time, path);
             assert_eq!(got.len(), expected.len());
             for (position, (g, e)) in got.iter().zip(expected).enumerate() {
                 for (token, (a, b)) in g.iter().zip(e).enumerate() {

@@ -100,6 +100,29 @@ impl BlockTable {
         Self::default()
     }
 
+    /// A table over pages whose references the caller already holds (e.g. a prefix-cache hit
+    /// acquired for this sequence): `num_tokens` tokens, `logical_start` 0. The table takes
+    /// over those references (its `release` drops them). Errors when `pages` is not exactly
+    /// `ceil(num_tokens / page_size)` pages.
+    pub fn from_owned_pages(
+        pages: Vec<PageId>,
+        num_tokens: usize,
+        page_size: usize,
+    ) -> Result<BlockTable, BlockTableError> {
+        if page_size == 0 || pages.len() != num_tokens.div_ceil(page_size) {
+            return Err(BlockTableError::PastEnd {
+                what: "token count for the given pages",
+                value: num_tokens,
+                num_tokens: pages.len() * page_size,
+            });
+        }
+        Ok(BlockTable {
+            pages,
+            num_tokens,
+            logical_start: 0,
+        })
+    }
+
     /// The pages in token order.
     pub fn pages(&self) -> &[PageId] {
         &self.pages

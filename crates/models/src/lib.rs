@@ -6,5 +6,7 @@ pub mod formats;
 pub mod gguf_model;
 pub mod hf;
 pub mod llama;
+pub mod llama_cuda;
+pub mod random;
 pub mod tokenizer;
 pub mod weights;

@@ -7,8 +7,8 @@
 use pagoda_kv::{PageTable, Slot};
 use pagoda_ops::activation::{add_bias, add_in_place, silu_mul_in_place};
 use pagoda_ops::attention::{
-    self, plan_decode, AttentionError, AttentionPath, DecodePlan, DecodePlanConfig,
-    DecodeWorkspace, KvLayout, PagedKv, QueryBatch,
+    self, plan_step, AttentionError, AttentionPath, KvLayout, PagedKv, QueryBatch, SplitKvChunking,
+    StepAttentionConfig, StepAttentionPlan, StepWorkspace,
 };
 use pagoda_ops::linear::Weight;
 use pagoda_ops::norm::{rms_norm, rms_norm_in_place};
@@ -174,28 +174,7 @@ impl Model {
         } else {
             Some(matrix(names::OUTPUT, c.vocab_size, c.hidden_size)?)
         };
-        let frequency_factors = match source.tensor("rope_freqs.weight") {
-            Some(_) => Some(load_vector(source, "rope_freqs.weight", c.rope_dim / 2)?),
-            None => c.rope_scaling.map(|s| {
-                Llama3Scaling {
-                    factor: s.factor,
-                    low_freq_factor: s.low_freq_factor,
-                    high_freq_factor: s.high_freq_factor,
-                    original_max_position_embeddings: s.original_max_position_embeddings,
-                }
-                .frequency_factors(c.rope_theta, c.rope_dim)
-            }),
-        };
-        let pairing = match c.rope_style {
-            RopeStyle::Interleaved => RopePairing::Interleaved,
-            RopeStyle::Halves => RopePairing::Halves,
-        };
-        let rope = Rope::new(
-            c.rope_theta,
-            c.rope_dim,
-            frequency_factors.as_deref(),
-            pairing,
-        );
+        let rope = rope_for(c, source)?;
         progress(c.num_layers + 1, c.num_layers + 1);
         Ok(Model {
             output_norm: vector(names::OUTPUT_NORM, c.hidden_size)?,
@@ -251,7 +230,7 @@ impl Model {
         policy: AttentionPolicy,
     ) -> Result<ForwardOutput, ForwardError> {
         let c = &self.config;
-        let (path, plan) = self.choose_attention(batch, policy)?;
+        let plan = self.choose_attention(batch, kv, policy)?;
         let num_tokens = batch.tokens.len();
         let (hidden, q_dim, kv_dim) = (
             c.hidden_size,
@@ -288,10 +267,9 @@ impl Model {
         let mut gate = vec![0f32; num_tokens * c.intermediate_size];
         let mut up = vec![0f32; num_tokens * c.intermediate_size];
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        let mut decode_workspace = match &plan {
-            Some(plan) => DecodeWorkspace::for_plan(plan, c.num_attention_heads, c.head_dim),
-            None => DecodeWorkspace::default(),
-        };
+        // The step's routing and its scratch serve every layer.
+        let mut attention_workspace = StepWorkspace::default();
+        attention_workspace.fit(&plan, c.num_attention_heads, c.head_dim);
 
         for (layer_index, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
@@ -331,19 +309,14 @@ impl Model {
                 qo_indptr: batch.qo_indptr,
                 num_q_heads: c.num_attention_heads,
             };
-            match &plan {
-                // Split-KV: the plan and its workspace are shared by every layer of the step.
-                Some(plan) => attention::split_kv_decode_into(
-                    &paged,
-                    &q,
-                    c.num_attention_heads,
-                    plan,
-                    scale,
-                    &mut decode_workspace,
-                    &mut attn_out,
-                )?,
-                None => attention::gather_attention(&paged, &queries, scale, &mut attn_out)?,
-            }
+            attention::step_attention(
+                &paged,
+                &queries,
+                &plan,
+                scale,
+                &mut attention_workspace,
+                &mut attn_out,
+            )?;
             layer.wo.matmul(&attn_out, num_tokens, &mut proj);
             add_in_place(&mut x, &proj);
 
@@ -372,45 +345,80 @@ impl Model {
         head.matmul(&final_normed, batch.logits_for.len(), &mut logits);
         Ok(ForwardOutput {
             logits,
-            attention_path: path,
+            attention_path: plan.path(),
+            split_kv_requests: plan.split_kv_requests(),
+            gather_requests: plan.gather_requests(),
         })
     }
 }
 
-/// How a forward pass picks its attention path.
+/// Auto's threshold: a query row that sees at least this many tokens runs split-KV, a
+/// shorter one gather. Measured on the 2-core machines (foundation bench, batch 1): split-KV
+/// wins from a few hundred tokens of context (1.07x at 512, 1.15x at 2048, 1.4x at 4096).
+pub const AUTO_MIN_SPLIT_KV_TOKENS: usize = 512;
+
+/// How a forward pass picks the attention path of each query row.
 ///
-/// Split-KV serves decode-only batches (one new token per request); a batch with a prefill
-/// chunk always runs gather.
+/// BATCH-INVARIANT: the path and the split-KV chunking of a row depend only on that row's own
+/// visible length (and on fixed configuration: the model's KV heads and the rayon thread
+/// count, which do not change within a process), never on the other requests of the step or
+/// on whether they prefill or decode. A request's logits are therefore bit-identical alone
+/// or batched, and a token gets the same K/V whether it was computed in a prefill chunk, a
+/// one-token chunk, a recompute after preemption or a decode step (the linear layers must
+/// keep rows independent too). A step may mix gather rows and split-KV rows; each row is
+/// computed by exactly one of them. See `pagoda_ops::attention::plan_step`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionPolicy {
-    /// Split-KV when the decode plan actually splits some request's KV into several chunks
-    /// (long contexts, few sequences); gather otherwise. Chosen by measurement on the 2-core
-    /// machines (`docs/benchmark_results/foundation-cpu-2026-11-29.md`): split-KV won at batch
-    /// 1 from 512 tokens of context up, gather won when every request fit one chunk.
+    /// Split-KV for rows that see at least [`AUTO_MIN_SPLIT_KV_TOKENS`] tokens (long
+    /// contexts, where spreading one row's KV over the cores pays), gather for shorter rows.
     Auto,
-    /// Use this path wherever it can serve the batch.
+    /// Every row on this path: `Force(Gather)` never splits; `Force(SplitKv)` runs every row
+    /// (prefill rows included, short ones as a single chunk) through split-KV.
     Force(AttentionPath),
 }
 
+impl AttentionPolicy {
+    /// The smallest visible length routed to split-KV (`usize::MAX`: none).
+    pub fn min_split_kv_tokens(self) -> usize {
+        match self {
+            AttentionPolicy::Auto => AUTO_MIN_SPLIT_KV_TOKENS,
+            AttentionPolicy::Force(AttentionPath::SplitKv) => 0,
+            AttentionPolicy::Force(AttentionPath::Gather) => usize::MAX,
+        }
+    }
+}
+
 impl Model {
-    /// The attention path for this batch and, for split-KV, its plan (made once per step and
-    /// reused by every layer).
+    /// The step's attention routing (made once per step, reused by every layer). A split-KV
+    /// row is cut into `ceil(4 * threads / num_kv_heads)` balanced chunks of its own pages.
     fn choose_attention(
         &self,
         batch: &ForwardBatch<'_>,
+        kv: &KvCache,
         policy: AttentionPolicy,
-    ) -> Result<(AttentionPath, Option<DecodePlan>), ForwardError> {
-        let decode_only = batch.qo_indptr.windows(2).all(|w| w[1] - w[0] == 1);
-        if !decode_only || policy == AttentionPolicy::Force(AttentionPath::Gather) {
-            return Ok((AttentionPath::Gather, None));
-        }
-        let target = rayon::current_num_threads() * 4;
-        let config = DecodePlanConfig::new(self.config.num_kv_heads, target);
-        let plan = plan_decode(&batch.page_table.page_counts(), &config)?;
-        if policy == AttentionPolicy::Auto && !plan.needs_merge {
-            return Ok((AttentionPath::Gather, None));
-        }
-        Ok((AttentionPath::SplitKv, Some(plan)))
+    ) -> Result<StepAttentionPlan, ForwardError> {
+        let (Some(k_pool), Some(v_pool)) = (kv.k.first(), kv.v.first()) else {
+            return Err(ForwardError::Batch("the KV cache has no layers".into()));
+        };
+        let paged = PagedKv {
+            k_pool,
+            v_pool,
+            layout: kv.layout,
+            page_table: batch.page_table,
+        };
+        let config = StepAttentionConfig {
+            chunking: SplitKvChunking::new(
+                self.config.num_kv_heads,
+                rayon::current_num_threads() * 4,
+            ),
+            min_split_kv_tokens: policy.min_split_kv_tokens(),
+        };
+        Ok(plan_step(
+            &paged,
+            batch.qo_indptr,
+            self.config.num_attention_heads,
+            &config,
+        )?)
     }
 }
 
@@ -418,8 +426,14 @@ impl Model {
 pub struct ForwardOutput {
     /// `[logits_for.len(), vocab_size]`.
     pub logits: Vec<f32>,
-    /// The attention path that ran.
+    /// [`AttentionPath::SplitKv`] when any query row of the step ran split-KV, else
+    /// [`AttentionPath::Gather`].
     pub attention_path: AttentionPath,
+    /// Requests of the step with at least one query row served by split-KV.
+    pub split_kv_requests: usize,
+    /// Requests of the step served by gather only; `split_kv_requests + gather_requests` is
+    /// the batch size.
+    pub gather_requests: usize,
 }
 
 /// A forward pass rejected its inputs (a bug in the caller's batch, reported, not panicked).
@@ -429,6 +443,33 @@ pub enum ForwardError {
     Attention(#[from] AttentionError),
     #[error("batch: {0}")]
     Batch(String),
+}
+
+/// The rotary embedding of `config`: llama3 scaling from the config, or the per-pair factors
+/// of GGUF's `rope_freqs.weight` when the file has them.
+pub(crate) fn rope_for(c: &ModelConfig, source: &dyn TensorSource) -> Result<Rope, LoadError> {
+    let frequency_factors = match source.tensor("rope_freqs.weight") {
+        Some(_) => Some(load_vector(source, "rope_freqs.weight", c.rope_dim / 2)?),
+        None => c.rope_scaling.map(|s| {
+            Llama3Scaling {
+                factor: s.factor,
+                low_freq_factor: s.low_freq_factor,
+                high_freq_factor: s.high_freq_factor,
+                original_max_position_embeddings: s.original_max_position_embeddings,
+            }
+            .frequency_factors(c.rope_theta, c.rope_dim)
+        }),
+    };
+    let pairing = match c.rope_style {
+        RopeStyle::Interleaved => RopePairing::Interleaved,
+        RopeStyle::Halves => RopePairing::Halves,
+    };
+    Ok(Rope::new(
+        c.rope_theta,
+        c.rope_dim,
+        frequency_factors.as_deref(),
+        pairing,
+    ))
 }
 
 fn fetch<'a>(source: &'a dyn TensorSource, name: &str) -> Result<RawTensor<'a>, LoadError> {

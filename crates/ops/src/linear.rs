@@ -5,11 +5,37 @@
 //! in_features]` (one stored row per output feature), `y` is `[num_tokens, out_features]`
 //! and is overwritten. Work is split over output rows with rayon; each worker decodes a
 //! weight row at most once per call, so prefill (many tokens) amortises the decode.
+//!
+//! Which kernels run is chosen once per process ([`CpuKernels::selected`],
+//! `PAGODA_CPU_KERNELS`): with an integer set (`auto`, `vnni`, `avx2`, `scalar`), Q4_0,
+//! Q4_1, Q8_0, Q4_K and Q5_K weights are repacked when the [`Weight`] is built
+//! ([`pagoda_tensor::quant::repack`]) and each matmul quantizes its input rows once to Q8
+//! ([`int_matmul`]); with `f32` (and for F32/F16/BF16/Q6_K weights) blocks are decoded to
+//! f32 (in L1-sized chunks for one token, whole rows per task for many) and multiplied with
+//! f32 activations.
+//!
+//! Batch invariance: row `t` of `y` is bit-identical whatever `num_tokens` is and whatever the
+//! other rows of `x` hold. With f32 activations every element follows the one recipe of
+//! [`crate::simd::f32_tile`] in every tile shape; with Q8 activations each token is quantized
+//! on its own and every integer tile runs the same per-(row, token) chain (see
+//! [`crate::simd::int_dot`]).
 
+pub mod int_matmul;
+pub mod kernels;
+
+pub use kernels::CpuKernels;
+
+use pagoda_tensor::quant::q8::Q8Rows;
+use pagoda_tensor::quant::repack::{repack, RepackedRows};
 use pagoda_tensor::{quant, GgmlType, UnsupportedType};
 use rayon::prelude::*;
 
-use crate::simd::{dot_2x4, dot_f32};
+use crate::simd::f32_tile::{quantized_tile, tile};
+use crate::simd::int_dot::IntIsa;
+
+/// Rows per decode step (one token): each weight row is an independent accumulator chain, so
+/// several rows keep the FMA units busy.
+const DECODE_ROWS: usize = 2;
 
 /// A weight matrix `[out_features, in_features]` in its storage format.
 #[derive(Debug, Clone)]
@@ -22,11 +48,13 @@ pub struct Weight {
 }
 
 /// The rows as stored: f32 values are kept typed (aligned, no reinterpretation); every other
-/// format keeps its raw blocks, `out_features * row_bytes` bytes.
+/// format keeps its raw blocks, `out_features * row_bytes` bytes, or is repacked for the
+/// integer kernels of one instruction set.
 #[derive(Debug, Clone)]
 enum Storage {
     F32(Vec<f32>),
     Blocks(Vec<u8>),
+    Repacked(RepackedRows, IntIsa),
 }
 
 /// Why a weight could not be built.
@@ -45,12 +73,26 @@ pub enum WeightError {
 }
 
 impl Weight {
-    /// Wraps stored rows. Fails when the type cannot be decoded or the byte count is wrong.
+    /// Wraps stored rows for the process-wide kernel set ([`CpuKernels::selected`]). Fails
+    /// when the type cannot be decoded or the byte count is wrong.
     pub fn new(
         ty: GgmlType,
         out_features: usize,
         in_features: usize,
         data: Vec<u8>,
+    ) -> Result<Weight, WeightError> {
+        Weight::with_kernels(ty, out_features, in_features, data, CpuKernels::selected())
+    }
+
+    /// Wraps stored rows for `kernels`: with an integer set the rows are repacked now (the
+    /// raw blocks are dropped) when the type has a repacked form; otherwise they are kept as
+    /// stored. Fails when the type cannot be decoded or the byte count is wrong.
+    pub fn with_kernels(
+        ty: GgmlType,
+        out_features: usize,
+        in_features: usize,
+        data: Vec<u8>,
+        kernels: CpuKernels,
     ) -> Result<Weight, WeightError> {
         if !ty.is_dequantizable() {
             return Err(UnsupportedType { ty }.into());
@@ -76,7 +118,13 @@ impl Weight {
                     .collect(),
             )
         } else {
-            Storage::Blocks(data)
+            match kernels.int_isa() {
+                Some(isa) => match repack(ty, out_features, in_features, &data) {
+                    Some(rows) => Storage::Repacked(rows, isa),
+                    None => Storage::Blocks(data),
+                },
+                None => Storage::Blocks(data),
+            }
         };
         Ok(Weight {
             ty,
@@ -128,9 +176,20 @@ impl Weight {
     pub fn in_features(&self) -> usize {
         self.in_features
     }
-    /// Bytes held.
+    /// Bytes held (the repacked layout when the weight was repacked).
     pub fn size_bytes(&self) -> usize {
-        self.row_bytes * self.out_features
+        match &self.storage {
+            Storage::Repacked(rows, _) => rows.size_bytes(),
+            _ => self.row_bytes * self.out_features,
+        }
+    }
+
+    /// The integer instruction set this weight's matmul uses, `None` for f32 activations.
+    pub fn int_isa(&self) -> Option<IntIsa> {
+        match &self.storage {
+            Storage::Repacked(_, isa) => Some(*isa),
+            _ => None,
+        }
     }
 
     /// Decodes one row into `out` (`in_features` values).
@@ -143,22 +202,50 @@ impl Weight {
                 let bytes = &bytes[row * self.row_bytes..(row + 1) * self.row_bytes];
                 quant::dequantize(self.ty, bytes, out).expect("type checked at construction")
             }
+            Storage::Repacked(rows, _) => rows.dequantize_row(row, out),
         }
     }
 
-    /// The dot product of row `row` with `x` (`in_features` values), without decoding the row
-    /// into memory first.
+    /// The dot product of row `row` with `x` (`in_features` values) in f32, bit-identical to
+    /// element `row` of [`Weight::matmul`] for any token count when the weight takes f32
+    /// activations ([`Weight::int_isa`] is `None`); a repacked row is decoded into a
+    /// temporary and dotted by the same recipe (the integer matmul quantizes `x` instead).
     #[inline]
     pub fn dot_row(&self, row: usize, x: &[f32]) -> f32 {
+        let k = self.in_features;
         match &self.storage {
-            Storage::F32(values) => dot_f32(
-                &values[row * self.in_features..(row + 1) * self.in_features],
+            Storage::F32(values) => tile([&values[row * k..(row + 1) * k]], [x])[0][0],
+            Storage::Blocks(bytes) => quantized_tile(
+                self.ty,
+                [&bytes[row * self.row_bytes..(row + 1) * self.row_bytes]],
                 x,
-            ),
-            Storage::Blocks(bytes) => {
-                let bytes = &bytes[row * self.row_bytes..(row + 1) * self.row_bytes];
-                crate::simd::quantized_dot(self.ty, bytes, x)
+            )[0],
+            Storage::Repacked(rows, _) => {
+                let mut values = vec![0f32; k];
+                rows.dequantize_row(row, &mut values);
+                tile([&values[..]], [x])[0][0]
             }
+        }
+    }
+
+    /// `DECODE_ROWS` consecutive rows from `row_start` dotted with `x` (see [`Weight::dot_row`]).
+    #[inline]
+    fn dot_rows(&self, row_start: usize, x: &[f32]) -> [f32; DECODE_ROWS] {
+        let k = self.in_features;
+        match &self.storage {
+            Storage::F32(values) => {
+                let w: [&[f32]; DECODE_ROWS] =
+                    std::array::from_fn(|r| &values[(row_start + r) * k..(row_start + r + 1) * k]);
+                tile(w, [x]).map(|dots| dots[0])
+            }
+            Storage::Blocks(bytes) => {
+                let row_bytes = self.row_bytes;
+                let w: [&[u8]; DECODE_ROWS] = std::array::from_fn(|r| {
+                    &bytes[(row_start + r) * row_bytes..(row_start + r + 1) * row_bytes]
+                });
+                quantized_tile(self.ty, w, x)
+            }
+            Storage::Repacked(..) => std::array::from_fn(|r| self.dot_row(row_start + r, x)),
         }
     }
 
@@ -178,22 +265,38 @@ impl Weight {
         if num_tokens == 0 {
             return;
         }
+        if let Storage::Repacked(rows, isa) = &self.storage {
+            let mut activations = Q8Rows::default();
+            int_matmul::quantize_activations(*isa, x, k, &mut activations);
+            int_matmul::matmul(*isa, rows, &activations, y);
+            return;
+        }
         if num_tokens == 1 {
-            // Decode: one fused decode-and-dot pass per row, written in place.
-            let rows_per_task = (n / (rayon::current_num_threads() * 16)).clamp(16, 1024);
+            // Decode: rows are streamed DECODE_ROWS at a time past the one activation row,
+            // decoded block by block in registers and L1 (see `f32_tile::quantized_tile`).
+            let rows_per_task = (n / (rayon::current_num_threads() * 16))
+                .clamp(16, 1024)
+                .next_multiple_of(DECODE_ROWS);
             y.par_chunks_mut(rows_per_task)
                 .enumerate()
                 .for_each(|(task, out)| {
                     let row_start = task * rows_per_task;
-                    for (i, value) in out.iter_mut().enumerate() {
-                        *value = self.dot_row(row_start + i, x);
+                    let done = out.len() / DECODE_ROWS * DECODE_ROWS;
+                    let mut groups = out.chunks_exact_mut(DECODE_ROWS);
+                    for (group, values) in (&mut groups).enumerate() {
+                        values.copy_from_slice(&self.dot_rows(row_start + group * DECODE_ROWS, x));
+                    }
+                    for (i, value) in groups.into_remainder().iter_mut().enumerate() {
+                        *value = self.dot_row(row_start + done + i, x);
                     }
                 });
             return;
         }
-        // Prefill: each task decodes a block of rows once into a local buffer and multiplies it
-        // with every token, two rows by four tokens at a time (see `dot_2x4`). The block is
-        // small enough to stay in L2 while the activations stream past it.
+        // Prefill: each task decodes a block of rows once into a local buffer (f32 rows are
+        // used in place) and multiplies it with every token, two rows by four tokens at a
+        // time. The block is small enough to stay in L2 while the activations stream past it.
+        // Every element follows the one recipe of `f32_tile`, so the tiling does not change
+        // any bit (see the module docs).
         let rows_per_task = (n / (rayon::current_num_threads() * 8)).clamp(2, 16) & !1;
         let blocks: Vec<(usize, Vec<f32>)> = (0..n)
             .step_by(rows_per_task)
@@ -202,32 +305,47 @@ impl Weight {
             .map(|row_start| {
                 let row_end = (row_start + rows_per_task).min(n);
                 let rows = row_end - row_start;
-                let mut decoded = vec![0f32; rows * k];
-                for (r, out) in decoded.chunks_exact_mut(k).enumerate() {
-                    self.dequantize_row(row_start + r, out);
-                }
-                let w = |r: usize| &decoded[r * k..(r + 1) * k];
+                let decoded = match &self.storage {
+                    Storage::F32(_) => Vec::new(),
+                    _ => {
+                        let mut decoded = vec![0f32; rows * k];
+                        for (r, out) in decoded.chunks_exact_mut(k).enumerate() {
+                            self.dequantize_row(row_start + r, out);
+                        }
+                        decoded
+                    }
+                };
+                let w = |r: usize| match &self.storage {
+                    Storage::F32(values) => &values[(row_start + r) * k..(row_start + r + 1) * k],
+                    _ => &decoded[r * k..(r + 1) * k],
+                };
                 let xt = |t: usize| &x[t * k..(t + 1) * k];
                 let mut local = vec![0f32; rows * num_tokens];
                 let full_tokens = num_tokens / 4 * 4;
-                for r in (0..rows).step_by(2) {
-                    // An odd last row is paired with itself; its duplicate result is dropped.
-                    let r1 = (r + 1).min(rows - 1);
+                let full_rows = rows / 2 * 2;
+                for r in (0..full_rows).step_by(2) {
                     for t in (0..full_tokens).step_by(4) {
                         let block =
-                            dot_2x4([w(r), w(r1)], [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)]);
-                        local[r * num_tokens + t..r * num_tokens + t + 4]
-                            .copy_from_slice(&block[0]);
-                        if r1 != r {
-                            local[r1 * num_tokens + t..r1 * num_tokens + t + 4]
-                                .copy_from_slice(&block[1]);
+                            tile([w(r), w(r + 1)], [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)]);
+                        for (i, values) in block.iter().enumerate() {
+                            local[(r + i) * num_tokens + t..(r + i) * num_tokens + t + 4]
+                                .copy_from_slice(values);
                         }
                     }
                     for t in full_tokens..num_tokens {
-                        local[r * num_tokens + t] = dot_f32(w(r), xt(t));
-                        if r1 != r {
-                            local[r1 * num_tokens + t] = dot_f32(w(r1), xt(t));
-                        }
+                        let block = tile([w(r), w(r + 1)], [xt(t)]);
+                        local[r * num_tokens + t] = block[0][0];
+                        local[(r + 1) * num_tokens + t] = block[1][0];
+                    }
+                }
+                for r in full_rows..rows {
+                    for t in (0..full_tokens).step_by(4) {
+                        let block = tile([w(r)], [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)]);
+                        local[r * num_tokens + t..r * num_tokens + t + 4]
+                            .copy_from_slice(&block[0]);
+                    }
+                    for t in full_tokens..num_tokens {
+                        local[r * num_tokens + t] = tile([w(r)], [xt(t)])[0][0];
                     }
                 }
                 (row_start, local)

@@ -79,6 +79,12 @@ impl Rope {
         }
     }
 
+    /// `1 / (theta^(2i / rope_dim) * factor_i)` for each rotated pair `i` (what a GPU kernel
+    /// needs to rotate exactly like [`apply`](Self::apply)).
+    pub fn inverse_frequencies(&self) -> &[f32] {
+        &self.inverse_frequencies
+    }
+
     /// Rotates `x` (`[num_tokens, num_heads, head_dim]`) in place; token `t` is at
     /// `positions[t]`. Only the first `rope_dim` dims of each head rotate.
     pub fn apply(&self, x: &mut [f32], positions: &[u32], num_heads: usize, head_dim: usize) {

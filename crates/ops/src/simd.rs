@@ -2,6 +2,11 @@
 //!
 //! The deep SIMD work (quantized dot products, repacked layouts, AMX) belongs to the CPU-speed
 //! issue; these keep the foundation reasonably fast on any x86-64 and portable elsewhere.
+//! [`f32_tile`] holds the batch-invariant f32 tiles of the linear layers, [`int_dot`] the
+//! integer tiles for repacked weights and Q8 activations.
+
+pub mod f32_tile;
+pub mod int_dot;
 
 /// `sum_i a[i] * b[i]` over equal-length slices.
 #[inline]
@@ -93,84 +98,6 @@ unsafe fn dot_f32_avx2(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-/// `dot(decode(row), x)` for one stored row of a GGML block type, compiled with AVX2+FMA where
-/// the CPU has them (the block decoders in `pagoda_tensor::quant::dot_row` inline into it).
-#[inline]
-pub fn quantized_dot(ty: pagoda_tensor::GgmlType, row: &[u8], x: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has_avx2_fma() {
-            // SAFETY: the CPU supports AVX2 and FMA (checked above).
-            return unsafe { quantized_dot_avx2(ty, row, x) };
-        }
-    }
-    pagoda_tensor::quant::dot_row(ty, row, x)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantized_dot_avx2(ty: pagoda_tensor::GgmlType, row: &[u8], x: &[f32]) -> f32 {
-    pagoda_tensor::quant::dot_row(ty, row, x)
-}
-
-/// The 2x4 block of dot products `out[r][t] = dot(weights[r], activations[t])` over rows of
-/// equal length: each weight load feeds four FMAs and each activation load two, which is what
-/// keeps prefill (many tokens per weight row) compute-bound instead of load-bound.
-#[inline]
-pub fn dot_2x4(weights: [&[f32]; 2], activations: [&[f32]; 4]) -> [[f32; 4]; 2] {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has_avx2_fma() {
-            // SAFETY: the CPU supports AVX2 and FMA (checked above).
-            return unsafe { dot_2x4_avx2(weights, activations) };
-        }
-    }
-    let mut out = [[0f32; 4]; 2];
-    for (r, w) in weights.iter().enumerate() {
-        for (t, x) in activations.iter().enumerate() {
-            out[r][t] = dot_f32_portable(w, x);
-        }
-    }
-    out
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_2x4_avx2(weights: [&[f32]; 2], activations: [&[f32]; 4]) -> [[f32; 4]; 2] {
-    use std::arch::x86_64::*;
-    let k = weights[0].len();
-    debug_assert!(weights.iter().all(|w| w.len() == k) && activations.iter().all(|x| x.len() == k));
-    let mut acc = [[_mm256_setzero_ps(); 4]; 2];
-    let mut i = 0;
-    // SAFETY: every load reads 8 floats at offsets i..i+8 <= k of slices of length k.
-    unsafe {
-        while i + 8 <= k {
-            let w0 = _mm256_loadu_ps(weights[0].as_ptr().add(i));
-            let w1 = _mm256_loadu_ps(weights[1].as_ptr().add(i));
-            for t in 0..4 {
-                let x = _mm256_loadu_ps(activations[t].as_ptr().add(i));
-                acc[0][t] = _mm256_fmadd_ps(w0, x, acc[0][t]);
-                acc[1][t] = _mm256_fmadd_ps(w1, x, acc[1][t]);
-            }
-            i += 8;
-        }
-    }
-    let mut out = [[0f32; 4]; 2];
-    for r in 0..2 {
-        for t in 0..4 {
-            let mut lanes = [0f32; 8];
-            // SAFETY: lanes has room for 8 floats.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][t]) };
-            let mut sum: f32 = lanes.iter().sum();
-            for j in i..k {
-                sum += weights[r][j] * activations[t][j];
-            }
-            out[r][t] = sum;
-        }
-    }
-    out
-}
-
 /// `y[i] += a * x[i]`.
 #[inline]
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
@@ -182,33 +109,6 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn dot_2x4_matches_single_dots() {
-        for k in [1usize, 7, 8, 9, 64, 100] {
-            let row = |seed: usize| -> Vec<f32> {
-                (0..k)
-                    .map(|i| ((i * 7 + seed * 13) % 17) as f32 * 0.125 - 1.0)
-                    .collect()
-            };
-            let w = [row(1), row(2)];
-            let x = [row(3), row(4), row(5), row(6)];
-            let out = dot_2x4([&w[0], &w[1]], [&x[0], &x[1], &x[2], &x[3]]);
-            for r in 0..2 {
-                for t in 0..4 {
-                    let reference: f64 = w[r]
-                        .iter()
-                        .zip(&x[t])
-                        .map(|(a, b)| *a as f64 * *b as f64)
-                        .sum();
-                    assert!(
-                        (out[r][t] as f64 - reference).abs() < 1e-4,
-                        "k={k} r={r} t={t}"
-                    );
-                }
-            }
-        }
-    }
 
     #[test]
     fn dot_matches_f64_reference_for_all_lengths() {

@@ -8,15 +8,20 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use pagoda_engine::{Engine, EngineCounters};
+use pagoda_engine::{load_random, Engine, EngineCounters, LoadOptions};
+use pagoda_models::llama::WeightPrecision;
 use pagoda_ops::sampling::SamplingParams;
 use serde::Serialize;
 
 use crate::common::{self, ModelArgs};
 
-/// Flags of `pagoda bench`.
+/// Flags of `pagoda bench`: the model benchmark, or one of the benchmark subcommands.
 #[derive(Args, Debug)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct BenchArgs {
+    /// Another benchmark instead of the model's prefill and decode.
+    #[command(subcommand)]
+    pub kind: Option<BenchKind>,
     #[command(flatten)]
     pub model: ModelArgs,
     /// Prompt lengths to measure prefill at (comma-separated; 0 skips prefill).
@@ -32,17 +37,40 @@ pub struct BenchArgs {
     pub decode_tokens: usize,
     /// Tokens already in each sequence's KV cache when the decode test starts (its context
     /// depth; the prefill that puts them there is not timed).
-    #[arg(short = 'd', long = "n-depth", default_value_t = 0)]
-    pub depth: usize,
+    #[arg(
+        short = 'd',
+        long = "n-depth",
+        value_delimiter = ',',
+        default_value = "0"
+    )]
+    pub depth: Vec<usize>,
     /// Sequences decoding together (batched decode over the CSR page table).
-    #[arg(short = 'b', long = "batch", default_value_t = 1)]
-    pub batch: usize,
+    #[arg(
+        short = 'b',
+        long = "batch",
+        value_delimiter = ',',
+        default_value = "1"
+    )]
+    pub batch: Vec<usize>,
     /// Repetitions of every test.
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub repetitions: usize,
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Benchmark random weights of a built-in architecture (llama-3.1-8b, qwen2.5-7b,
+    /// smollm2-135m) or of a config.json instead of a model file (no tokenizer needed).
+    #[arg(long, value_name = "ARCH|CONFIG")]
+    pub random_weights: Option<String>,
+}
+
+/// The benchmark subcommands of `pagoda bench`.
+#[derive(clap::Subcommand, Debug)]
+pub enum BenchKind {
+    /// Drive a running OpenAI-compatible server with concurrent streaming clients.
+    Serve(super::bench_serve::BenchServeArgs),
+    /// Time the fused sort-free samplers against the sort-based reference.
+    Sampling(super::bench_sampling::BenchSamplingArgs),
 }
 
 #[derive(Serialize)]
@@ -61,6 +89,7 @@ struct TestResult {
 #[derive(Serialize)]
 struct Report {
     model: String,
+    device: String,
     precision: &'static str,
     threads: usize,
     attention: String,
@@ -72,18 +101,48 @@ struct Report {
 
 /// Runs `pagoda bench`.
 pub fn run(args: BenchArgs) -> Result<()> {
-    if args.repetitions == 0 || args.batch == 0 {
+    match args.kind {
+        Some(BenchKind::Serve(serve_args)) => return super::bench_serve::run(serve_args),
+        Some(BenchKind::Sampling(sampling_args)) => {
+            return super::bench_sampling::run(sampling_args)
+        }
+        None => {}
+    }
+    let max_batch = args.batch.iter().copied().max().unwrap_or(1);
+    let max_depth = args.depth.iter().copied().max().unwrap_or(0);
+    if args.repetitions == 0 || args.batch.contains(&0) {
         bail!("--repetitions and --batch must be at least 1");
     }
     if args.prompt_lengths.iter().all(|&l| l == 0) && args.decode_tokens == 0 {
         bail!("nothing to measure: give a prompt length (-p 128) or tokens to decode (-n 128)");
     }
     let load_before = load_average();
-    let loaded = common::load(&args.model)?;
-    let vocab = loaded.model.config().vocab_size;
+    let (backend, model_path) = match &args.random_weights {
+        Some(spec) => {
+            common::configure_threads(args.model.threads)?;
+            let device = common::resolve_device(&args.model)?;
+            let precision = WeightPrecision::F32;
+            let started = std::time::Instant::now();
+            let backend = load_random(spec, 1, LoadOptions { precision, device }, &mut |_, _| {})
+                .map_err(anyhow::Error::msg)?;
+            eprintln!(
+                "random weights for {spec} on {} in {:.1}s",
+                backend.device_name(),
+                started.elapsed().as_secs_f64()
+            );
+            (backend, format!("random weights: {spec}"))
+        }
+        None => {
+            let loaded = common::load(&args.model)?;
+            let path = loaded.source.path().display().to_string();
+            (loaded.model, path)
+        }
+    };
+    let device = backend.device_name();
+    let vocab = backend.config().vocab_size;
     let longest_prompt = args.prompt_lengths.iter().copied().max().unwrap_or(0);
-    let needed = longest_prompt.max(args.depth + 1) + args.decode_tokens + 1;
-    let model_max = loaded.model.config().max_position_embeddings;
+    let needed = longest_prompt.max(max_depth + 1) + args.decode_tokens + 1;
+    let model_max = backend.config().max_position_embeddings;
     if needed > model_max {
         bail!(
             "the longest test needs a context of {needed} tokens (prompt {longest_prompt} + {} decoded + 1), \
@@ -101,8 +160,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         None => needed.max(16).min(model_max),
     };
-    let model_path = loaded.source.path().display().to_string();
-    let mut engine = common::engine(loaded.model, &args.model, ctx, args.batch)?;
+    let mut engine = common::engine(backend, &args.model, ctx, max_batch)?;
     let mut results = Vec::new();
     let mut run_index = 0u64;
 
@@ -119,7 +177,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let steps = steps_since(&engine, &before);
         results.push(summarize(format!("pp{length}"), rates, steps));
     }
-    if args.decode_tokens > 0 {
+    let decode_tests: Vec<(usize, usize)> = if args.decode_tokens > 0 {
+        args.depth
+            .iter()
+            .flat_map(|&depth| args.batch.iter().map(move |&batch| (depth, batch)))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    for (depth, batch) in decode_tests {
         let mut rates = Vec::new();
         let mut steps = (0, 0);
         for _ in 0..args.repetitions {
@@ -127,8 +193,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             let (tokens, seconds, (split_kv, gather)) = timed_decode(
                 &mut engine,
                 vocab,
-                args.batch,
-                args.depth,
+                batch,
+                depth,
                 args.decode_tokens,
                 run_index,
             )?;
@@ -136,16 +202,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
             steps = (steps.0 + split_kv, steps.1 + gather);
         }
         let mut name = format!("tg{}", args.decode_tokens);
-        if args.depth > 0 {
-            name += &format!(" @ d{}", args.depth);
+        if depth > 0 {
+            name += &format!(" @ d{depth}");
         }
-        if args.batch > 1 {
-            name += &format!(" x{}", args.batch);
+        if batch > 1 {
+            name += &format!(" x{batch}");
         }
         results.push(summarize(name, rates, steps));
     }
     let report = Report {
         model: model_path,
+        device,
         precision: if args.model.exact {
             "exact (f32)"
         } else {
@@ -153,7 +220,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         },
         threads: rayon::current_num_threads(),
         attention: common::policy_name(engine.config().attention).to_string(),
-        batch: args.batch,
+        batch: max_batch,
         load_before,
         load_after: load_average(),
         results,
@@ -166,7 +233,7 @@ fn print_report(report: &Report, json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(report)?);
         return Ok(());
     }
-    println!("model: {}", report.model);
+    println!("model: {} | device: {}", report.model, report.device);
     println!(
         "weights: {} | threads: {} | attention: {} | load before: {} | load after: {}",
         report.precision, report.threads, report.attention, report.load_before, report.load_after
@@ -294,7 +361,7 @@ fn random_prompt(vocab: usize, length: usize, seed: u64) -> Vec<u32> {
         .collect()
 }
 
-fn load_average() -> String {
+pub(crate) fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "unknown".into())

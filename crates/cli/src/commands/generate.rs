@@ -71,7 +71,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         prompt_ids.len(),
         args.max_tokens,
         ctx,
-        engine.model().config().max_position_embeddings,
+        engine.model_config().max_position_embeddings,
     )?;
     let stop = if args.ignore_eos {
         Vec::new()

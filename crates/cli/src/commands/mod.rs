@@ -1,6 +1,9 @@
 //! One module per subcommand.
 
 pub mod bench;
+pub mod bench_sampling;
+pub mod bench_serve;
 pub mod chat;
 pub mod generate;
 pub mod inspect;
+pub mod serve;

@@ -91,21 +91,48 @@ pub fn decode_partial(
             let q_first = (request * num_q_heads + kv_head * n_rep) * head_dim;
             let q_group = &q[q_first..q_first + n_rep * head_dim];
             let tile = plan.kv_tile_indices[chunk] as usize;
+            let seq_len = kv.page_table.seq_lens[request] as usize;
+            let tokens = tile_tokens(kv, request, seq_len, plan.pages_per_chunk, tile);
             chunk_attention(
-                kv, plan, request, tile, kv_head, scale, q_group, v_group, lse_group,
+                kv, request, tokens, kv_head, scale, q_group, v_group, lse_group,
             );
         });
     Ok(())
 }
 
-/// One work item: the online softmax of `n_rep` query heads (`q_group [n_rep, head_dim]`)
-/// over tile `tile` of `request`, for KV head `kv_head`. Writes `v_group [n_rep, head_dim]`
-/// and `lse_group [n_rep]`.
-fn chunk_attention(
+/// Visible-token range `[begin, end)` of tile `tile` when a row that sees `seq_len` visible
+/// tokens of `request` is cut into chunks of `pages_per_chunk` pages: page bounds minus the
+/// first page's invisible rows, clamped to `seq_len`.
+pub(crate) fn tile_tokens(
     kv: &PagedKv<'_>,
-    plan: &DecodePlan,
     request: usize,
+    seq_len: usize,
+    pages_per_chunk: usize,
     tile: usize,
+) -> std::ops::Range<usize> {
+    let first_page_offset = kv.page_table.first_page_offset[request] as usize;
+    let chunk_tokens = pages_per_chunk.saturating_mul(kv.layout.page_size);
+    let begin = tile
+        .saturating_mul(chunk_tokens)
+        .saturating_sub(first_page_offset)
+        .min(seq_len);
+    let end = (tile + 1)
+        .saturating_mul(chunk_tokens)
+        .saturating_sub(first_page_offset)
+        .min(seq_len);
+    begin..end
+}
+
+/// One work item: the online softmax of `n_rep` query heads (`q_group [n_rep, head_dim]`)
+/// over visible tokens `tokens` of `request`, for KV head `kv_head`. Writes
+/// `v_group [n_rep, head_dim]` (normalized) and `lse_group [n_rep]` (log2; `-inf` and zeros
+/// when the range is empty). Depends only on its arguments and the cache, so a row's partials
+/// are the same whatever else runs in the step.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn chunk_attention(
+    kv: &PagedKv<'_>,
+    request: usize,
+    tokens: std::ops::Range<usize>,
     kv_head: usize,
     scale: f32,
     q_group: &[f32],
@@ -116,20 +143,10 @@ fn chunk_attention(
     let table = kv.page_table;
     let (page_size, head_dim) = (layout.page_size, layout.head_dim);
     let n_rep = lse_group.len();
-    let seq_len = table.seq_lens[request] as usize;
     let first_page_offset = table.first_page_offset[request] as usize;
     let request_pages =
         &table.indices[table.indptr[request] as usize..table.indptr[request + 1] as usize];
-    // Token bounds from page bounds, minus the first page's invisible rows, clamped.
-    let chunk_tokens = plan.pages_per_chunk.saturating_mul(page_size);
-    let token_begin = tile
-        .saturating_mul(chunk_tokens)
-        .saturating_sub(first_page_offset)
-        .min(seq_len);
-    let token_end = (tile + 1)
-        .saturating_mul(chunk_tokens)
-        .saturating_sub(first_page_offset)
-        .min(seq_len);
+    let (token_begin, token_end) = (tokens.start, tokens.end);
     let scale_log2 = scale * LOG2_E;
 
     let mut running_max = vec![f32::NEG_INFINITY; n_rep];

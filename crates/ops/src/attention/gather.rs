@@ -49,18 +49,18 @@ pub fn gather_attention(
         .for_each(|(request, out_request)| {
             let first_row = queries.qo_indptr[request] as usize * query_row;
             let q_request = &queries.q[first_row..first_row + out_request.len()];
-            attend_request(kv, request, n_rep, scale, q_request, out_request);
+            let seq_len = table.seq_lens[request] as usize;
+            attend_rows(kv, request, seq_len, n_rep, scale, q_request, out_request);
         });
     Ok(())
 }
 
-/// Gathers request `request`'s visible K and V into `[seq_len, num_kv_heads, head_dim]`
-/// buffers (visible token order).
-fn gather_request(kv: &PagedKv<'_>, request: usize) -> (Vec<f32>, Vec<f32>) {
+/// Gathers the first `seq_len` visible K and V rows of request `request` into
+/// `[seq_len, num_kv_heads, head_dim]` buffers (visible token order).
+fn gather_request(kv: &PagedKv<'_>, request: usize, seq_len: usize) -> (Vec<f32>, Vec<f32>) {
     let layout = &kv.layout;
     let table = kv.page_table;
     let stride = layout.token_stride();
-    let seq_len = table.seq_lens[request] as usize;
     let first_page = table.indptr[request] as usize;
     let first_page_offset = table.first_page_offset[request] as usize;
     let mut keys = Vec::with_capacity(seq_len * stride);
@@ -75,10 +75,15 @@ fn gather_request(kv: &PagedKv<'_>, request: usize) -> (Vec<f32>, Vec<f32>) {
     (keys, values)
 }
 
-/// Attention for one request: `q_request`/`out_request` are `[q_len, num_q_heads, head_dim]`.
-fn attend_request(
+/// Attention for `q_len` consecutive query rows of one request, the last of which sees
+/// `seq_len` visible tokens (row `j` sees `seq_len - q_len + j + 1`): `q_request` and
+/// `out_request` are `[q_len, num_q_heads, head_dim]`. A row's result depends only on its own
+/// query, its visible length and the cache, never on the other rows, so the batch-invariant
+/// step (`super::step`) may call it on any prefix of a request's rows.
+pub(crate) fn attend_rows(
     kv: &PagedKv<'_>,
     request: usize,
+    seq_len: usize,
     n_rep: usize,
     scale: f32,
     q_request: &[f32],
@@ -91,8 +96,7 @@ fn attend_request(
         return;
     }
     let q_len = out_request.len() / query_row;
-    let seq_len = kv.page_table.seq_lens[request] as usize;
-    let (keys, values) = gather_request(kv, request);
+    let (keys, values) = gather_request(kv, request, seq_len);
     let stride = kv.layout.token_stride();
     let scale_log2 = scale * LOG2_E;
     out_request

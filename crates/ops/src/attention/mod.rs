@@ -12,7 +12,14 @@
 //!   host plan), [`decode_partial`] (normalized partial outputs plus base-2 LSE per
 //!   (chunk, head)), [`merge_states`] (generic, associative LSE merge), and
 //!   [`split_kv_decode`] which runs the three.
-//! - [`paged_attention`]: one entry that runs the [`AttentionPath`] the engine picked.
+//! - [`paged_attention`]: one entry that runs one [`AttentionPath`] for the whole batch.
+//! - Batch-invariant steps, what the model runs: [`plan_step`] routes every query row to
+//!   gather or split-KV by its OWN visible length and chunks each split-KV row by its own
+//!   page count ([`SplitKvChunking`]), so a request's outputs are bit-identical whatever
+//!   other requests (prefilling or decoding) share the step; [`step_attention`] runs the
+//!   routed step with a reusable [`StepWorkspace`]. The batch-wide [`plan_decode`] picks one
+//!   chunk size for the whole batch and is therefore NOT batch-invariant; it stays for the
+//!   GPU twin and the kernel tests.
 //!
 //! Causality: queries are the newest tokens of their request, already appended. Request
 //! `r` has `q_len = qo_indptr[r + 1] - qo_indptr[r]` queries and `seq_len = seq_lens[r]`
@@ -28,6 +35,7 @@ mod decode;
 mod gather;
 mod merge;
 mod plan;
+mod step;
 mod validate;
 
 pub use append::append_kv;
@@ -35,6 +43,10 @@ pub use decode::{decode_partial, split_kv_decode, split_kv_decode_into, DecodeWo
 pub use gather::gather_attention;
 pub use merge::{merge_states, merge_states_into, MergedStates};
 pub use plan::{plan_decode, DecodePlan, DecodePlanConfig, MAX_CHUNKS};
+pub use step::{
+    plan_step, step_attention, SplitKvChunking, StepAttentionConfig, StepAttentionPlan,
+    StepWorkspace,
+};
 
 use pagoda_kv::{PageTable, PageTableError};
 

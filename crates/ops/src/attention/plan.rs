@@ -5,6 +5,12 @@
 //! item is one `(chunk, kv_head)` pair. The chunk size is the largest one whose work-item
 //! count still reaches the target parallelism (fewest chunks among those that saturate the
 //! machine = least merge work).
+//!
+//! NOT batch-invariant: the chunk size is chosen from the whole batch's page counts, so a
+//! request's split (and hence its floating-point summation order) changes with its
+//! neighbours. The model runs [`plan_step`](super::plan_step) instead, which chunks every row
+//! by its own page count ([`SplitKvChunking`](super::SplitKvChunking)); this plan remains for
+//! the GPU flash-decoding twin and the kernel tests.
 
 use super::AttentionError;
 

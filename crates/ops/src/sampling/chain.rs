@@ -60,6 +60,27 @@ impl SamplingChain {
         &self.penalized_logits
     }
 
+    /// Stage 1 only: sanitises (NaN -> `-inf`, `+inf` -> `f32::MAX`) and penalises one row into
+    /// the chain's buffer and returns it (length = `logits.len()`). [`run`](Self::run) starts
+    /// with exactly this call, so every sampler that calls it sees the same `z` as the chain.
+    pub fn prepare_logits(
+        &mut self,
+        logits: &[f32],
+        history: &[u32],
+        params: &SamplingParams,
+    ) -> &[f32] {
+        self.penalized_logits.clear();
+        self.penalized_logits
+            .extend(logits.iter().map(|&logit| sanitize_logit(logit)));
+        apply_penalties_with_scratch(
+            &mut self.penalized_logits,
+            history,
+            params,
+            &mut self.penalty_window,
+        );
+        &self.penalized_logits
+    }
+
     /// Runs stages 1-4 of the chain documented in [`crate::sampling`] on one row.
     ///
     /// `logits`: one row, length = vocabulary size. `history`: the sequence's tokens so far,
@@ -73,15 +94,7 @@ impl SamplingChain {
         params: &SamplingParams,
     ) -> ChainOutcome<'a> {
         // Stage 1: sanitise, then penalise the raw logits.
-        self.penalized_logits.clear();
-        self.penalized_logits
-            .extend(logits.iter().map(|&logit| sanitize_logit(logit)));
-        apply_penalties_with_scratch(
-            &mut self.penalized_logits,
-            history,
-            params,
-            &mut self.penalty_window,
-        );
+        self.prepare_logits(logits, history, params);
         let z = &self.penalized_logits;
 
         // Stage 2: greedy consumes no randomness.

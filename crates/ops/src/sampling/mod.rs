@@ -32,16 +32,37 @@
 //! [`effective_distribution`] returns the exact vector stage 5 draws from. All arithmetic
 //! after the penalties (which are f32, as in llama.cpp) is f64.
 //!
+//! # The fused sampler (sorting-free)
+//!
+//! [`FusedSampler`] samples from exactly the same [`effective_distribution`] with a different
+//! random stream: stage 1 is the chain's own [`SamplingChain::prepare_logits`]; greedy as
+//! above; with no filter active, Gumbel-max ([`gumbel_argmax`]); with any filter, dual-pivot
+//! rejection (the `rejection` module documents the threshold tests, including top-k + top-p
+//! renormalised over the top-k set exactly as in stage 3, and the counted fallback to the
+//! chain). Randomness is Philox-4x32-10 keyed by the request seed, counter
+//! `(index, step, purpose)` ([`philox`]), so each token is a pure function of
+//! `(seed, step, logits, history, params)`. [`SamplerKind`] / [`AnySampler`] choose between the
+//! two samplers (`PAGODA_SAMPLER=fused|reference`); [`sampling_counters`] reports which path
+//! ran.
+//!
 //! Not in the chain yet: token bias, DRY, XTC (the API layer can fold a token bias into the
 //! logits before calling).
 
 mod chain;
+mod fused;
+mod gumbel;
 mod logprobs;
 mod params;
 mod penalties;
+pub mod philox;
 mod reference;
+mod rejection;
 
 pub use chain::{argmax, effective_distribution, Categorical, ChainOutcome, SamplingChain};
+pub use fused::{
+    sampling_counters, AnySampler, FusedSampler, SamplerKind, SamplingCounters, SAMPLER_ENV_VAR,
+};
+pub use gumbel::{gumbel_argmax, gumbel_noise};
 pub use logprobs::{log_softmax, top_logprobs};
 pub use params::{
     SamplingParams, DEFAULT_PENALTY_LAST_N, MAX_ABS_ADDITIVE_PENALTY, MAX_REPETITION_PENALTY,
@@ -49,3 +70,4 @@ pub use params::{
 };
 pub use penalties::apply_penalties;
 pub use reference::{inverse_cdf, uniform_f64, Sampler};
+pub use rejection::DEFAULT_MAX_REJECTION_ROUNDS;

@@ -6,6 +6,8 @@
 
 pub mod blocks;
 mod dot;
+pub mod q8;
+pub mod repack;
 
 use crate::{GgmlType, UnsupportedType};
 
@@ -16,6 +18,7 @@ use crate::{GgmlType, UnsupportedType};
 /// looking at the lengths. `src` must hold exactly `ty.bytes_for(out.len())` bytes (callers
 /// validate; this panics on a length mismatch because that is a bug in the caller, never
 /// bad input).
+#[inline]
 pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), UnsupportedType> {
     if !ty.is_dequantizable() {
         return Err(UnsupportedType { ty });

@@ -1,0 +1,86 @@
+//! pagoda's CUDA backend: everything that talks to the driver, LLM-agnostic.
+//!
+//! - [`available`] checks that `libcuda`, `libnvrtc` and `libcublasLt` can be opened
+//!   *before* anything touches CUDA (cudarc panics on a missing library), then reports the
+//!   device ([`DeviceInfo`]); `--device auto` falls back to the CPU on its error.
+//! - [`Gpu`]: a context with its own created stream (graph capture needs a non-default
+//!   stream), device and pinned buffers, events, occupancy queries, the kernel registry, the
+//!   cuBLASLt GEMM ([`Gpu::gemm`]) with plans cached per shape, and CUDA-graph capture
+//!   ([`Gpu::begin_capture`], [`GraphCache`]).
+//! - The kernel registry: CUDA C++ sources in `kernels/*.cu` are embedded, specialised by
+//!   `-D` defines derived from a [`KernelKey`] (see [`key`]), compiled by NVRTC for the
+//!   device's architecture (`compute_90a` on Hopper) and memoised in memory and on disk
+//!   ([`kernel_cache_dir`]).
+//! - [`ops`]: the model's kernels with validating launchers, in bf16 and f32.
+//!
+//! Built without the `cuda` feature, the same API exists but every constructor returns
+//! [`CudaError::NotCompiled`]; the gate is this module boundary (`real` or `stub`).
+
+mod error;
+pub mod key;
+mod memory;
+pub mod ops;
+
+#[cfg(feature = "cuda")]
+mod real;
+#[cfg(feature = "cuda")]
+use real as backend;
+
+#[cfg(not(feature = "cuda"))]
+mod stub;
+#[cfg(not(feature = "cuda"))]
+use stub as backend;
+
+pub use backend::{
+    available, compile_for_arch, nvrtc_version, CapturedGraph, DeviceBuffer, Element, GemmPlanKey,
+    Gpu, GpuEvent, GraphCache, PinnedBuffer,
+};
+pub use error::CudaError;
+pub use key::{
+    cuda_include_dirs, kernel_cache_dir, Arch, DType, KernelKey, KernelSource, KernelSpec,
+};
+pub use memory::{
+    ptr, view, view_mut, DeviceRead, DeviceView, DeviceViewMut, DeviceWrite, KernelArg, LaunchDims,
+};
+
+/// What [`available`] found: the device pagoda would run on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// Marketing name (`NVIDIA H200`).
+    pub name: String,
+    /// Compute capability `(major, minor)`.
+    pub compute_capability: (u32, u32),
+    /// Streaming multiprocessors.
+    pub sm_count: u32,
+    /// L2 cache bytes.
+    pub l2_cache_bytes: u64,
+    /// Total device memory bytes.
+    pub total_memory_bytes: u64,
+    /// Free device memory bytes when queried.
+    pub free_memory_bytes: u64,
+    /// The architecture kernels are compiled for.
+    pub arch: Arch,
+    /// NVRTC `(major, minor)`.
+    pub nvrtc_version: (i32, i32),
+}
+
+impl std::fmt::Display for DeviceInfo {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            formatter,
+            "cuda:{} {} (sm_{}{}, {} SMs, {} MiB L2, {:.1} GiB, kernels {} via NVRTC {}.{})",
+            self.ordinal,
+            self.name,
+            self.compute_capability.0,
+            self.compute_capability.1,
+            self.sm_count,
+            self.l2_cache_bytes >> 20,
+            self.total_memory_bytes as f64 / (1u64 << 30) as f64,
+            self.arch.0,
+            self.nvrtc_version.0,
+            self.nvrtc_version.1
+        )
+    }
+}

@@ -1,0 +1,111 @@
+//! The model's kernels: one `specialize_*` function per entry point (the only place where
+//! runtime values become template constants) and a validating launcher per op.
+//!
+//! Activation dtypes: f32 and bf16 ([`FLOAT_DTYPES`]); math is f32 inside every kernel.
+//! [`all_specializations`] lists every specialisation the launchers can request; CI
+//! compiles all of them through NVRTC for `compute_90a` and `compute_80`.
+
+mod attention;
+mod dequant;
+mod elementwise;
+mod embedding;
+mod norm;
+mod rope;
+
+pub use attention::{
+    decode_attention_gathered, prefill_attention, specialize_attention, AttentionEntry,
+    DevicePageTable, PoolLayout, SUPPORTED_HEAD_DIMS,
+};
+pub use dequant::{dequantize, specialize_dequantize, QuantFormat};
+pub use elementwise::{
+    add_in_place, argmax_rows, silu_mul, specialize_elementwise, ElementwiseEntry,
+};
+pub use embedding::{embedding_gather, specialize_embedding};
+pub use norm::{add_rms_norm, rms_norm, specialize_norm, NormEntry};
+pub use rope::{kv_append, rope, specialize_kv_append, specialize_rope, RopeStyle};
+
+use crate::error::CudaError;
+use crate::key::{DType, KernelSource, KernelSpec};
+
+/// Activation/weight dtypes the kernels are instantiated for.
+pub const FLOAT_DTYPES: [DType; 2] = [DType::F32, DType::BF16];
+
+pub(crate) static EMBEDDING: KernelSource = KernelSource {
+    name: "embedding.cu",
+    code: include_str!("../../kernels/embedding.cu"),
+};
+pub(crate) static RMS_NORM: KernelSource = KernelSource {
+    name: "rms_norm.cu",
+    code: include_str!("../../kernels/rms_norm.cu"),
+};
+pub(crate) static ROPE: KernelSource = KernelSource {
+    name: "rope.cu",
+    code: include_str!("../../kernels/rope.cu"),
+};
+pub(crate) static KV_APPEND: KernelSource = KernelSource {
+    name: "kv_append.cu",
+    code: include_str!("../../kernels/kv_append.cu"),
+};
+pub(crate) static ATTENTION: KernelSource = KernelSource {
+    name: "attention.cu",
+    code: include_str!("../../kernels/attention.cu"),
+};
+pub(crate) static ELEMENTWISE: KernelSource = KernelSource {
+    name: "elementwise.cu",
+    code: include_str!("../../kernels/elementwise.cu"),
+};
+pub(crate) static DEQUANT: KernelSource = KernelSource {
+    name: "dequant.cu",
+    code: include_str!("../../kernels/dequant.cu"),
+};
+
+/// `dtype` is one of [`FLOAT_DTYPES`], or an error naming `what`.
+pub(crate) fn check_float(what: &str, dtype: DType) -> Result<(), CudaError> {
+    if FLOAT_DTYPES.contains(&dtype) {
+        Ok(())
+    } else {
+        Err(CudaError::invalid(format!(
+            "{what}: dtype {dtype} is not supported (f32, bf16)"
+        )))
+    }
+}
+
+/// Every kernel specialisation the launchers of this module can request.
+pub fn all_specializations() -> Vec<KernelSpec> {
+    let mut specs = Vec::new();
+    let mut push =
+        |spec: Result<KernelSpec, CudaError>| specs.push(spec.expect("catalogue entry is valid"));
+    for &dtype in &FLOAT_DTYPES {
+        for &table in &FLOAT_DTYPES {
+            push(specialize_embedding(table, dtype));
+        }
+        for &x_dtype in &FLOAT_DTYPES {
+            push(specialize_norm(NormEntry::RmsNorm, dtype, x_dtype));
+        }
+        push(specialize_norm(NormEntry::AddRmsNorm, dtype, dtype));
+        for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
+            push(specialize_rope(dtype, style));
+        }
+        push(specialize_kv_append(dtype));
+        for &head_dim in &SUPPORTED_HEAD_DIMS {
+            for entry in [
+                AttentionEntry::Prefill,
+                AttentionEntry::PagedGather,
+                AttentionEntry::DecodeGathered,
+            ] {
+                push(specialize_attention(entry, dtype, head_dim));
+            }
+        }
+        for entry in [ElementwiseEntry::SiluMul, ElementwiseEntry::AddInPlace] {
+            push(specialize_elementwise(entry, dtype));
+        }
+        for format in QuantFormat::ALL {
+            push(specialize_dequantize(format, dtype));
+        }
+    }
+    push(specialize_elementwise(
+        ElementwiseEntry::ArgmaxRows,
+        DType::F32,
+    ));
+    specs
+}

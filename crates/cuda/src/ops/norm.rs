@@ -1,0 +1,104 @@
+//! RMSNorm and the fused residual add + RMSNorm.
+
+use super::{check_float, RMS_NORM};
+use crate::error::{check_len, to_u32, CudaError};
+use crate::key::{DType, KernelSpec};
+use crate::memory::{ptr, DeviceRead, DeviceWrite, KernelArg, LaunchDims};
+use crate::{Element, Gpu};
+
+/// The entry points of `rms_norm.cu`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NormEntry {
+    /// `rms_norm`.
+    RmsNorm,
+    /// `add_rms_norm` (residual add fused).
+    AddRmsNorm,
+}
+
+/// The specialisation of `entry` for weight/output dtype `dtype` and input dtype `x_dtype`
+/// (`add_rms_norm` needs `x_dtype == dtype`).
+pub fn specialize_norm(
+    entry: NormEntry,
+    dtype: DType,
+    x_dtype: DType,
+) -> Result<KernelSpec, CudaError> {
+    check_float("rms_norm", dtype)?;
+    check_float("rms_norm input", x_dtype)?;
+    if entry == NormEntry::AddRmsNorm && x_dtype != dtype {
+        return Err(CudaError::invalid(
+            "add_rms_norm takes one dtype for residual, x and out",
+        ));
+    }
+    Ok(KernelSpec {
+        source: &RMS_NORM,
+        entry: match entry {
+            NormEntry::RmsNorm => "rms_norm",
+            NormEntry::AddRmsNorm => "add_rms_norm",
+        },
+        params: vec![],
+        dtypes: vec![("T", dtype), ("X_T", x_dtype)],
+    })
+}
+
+const BLOCK: u32 = 256;
+
+fn rows_of(what: &str, len: usize, dim: usize) -> Result<u32, CudaError> {
+    if dim == 0 || len % dim != 0 {
+        return Err(CudaError::invalid(format!(
+            "{what} has {len} elements, not a whole number of rows of weight length {dim}"
+        )));
+    }
+    to_u32("rows", len / dim)
+}
+
+/// `out = x / sqrt(mean(x^2) + eps) * weight` per row; `x` and `out` are `[rows, dim]`,
+/// `weight` `[dim]` (`dim = weight.len()`). `out` is fully overwritten. `x` may have another
+/// dtype than `weight` and `out` (an f32 residual stream normalised into bf16).
+pub fn rms_norm<TX: Element, T: Element>(
+    gpu: &Gpu,
+    x: &impl DeviceRead<TX>,
+    weight: &impl DeviceRead<T>,
+    out: &mut impl DeviceWrite<T>,
+    eps: f32,
+) -> Result<(), CudaError> {
+    let spec = specialize_norm(NormEntry::RmsNorm, T::DTYPE, TX::DTYPE)?;
+    let dim = weight.len();
+    let rows = rows_of("rms_norm x", x.len(), dim)?;
+    check_len("rms_norm out [rows, dim]", x.len(), out.len())?;
+    let args = [
+        ptr(x),
+        ptr(weight),
+        ptr(out),
+        KernelArg::U32(to_u32("dim", dim)?),
+        KernelArg::F32(eps),
+    ];
+    // SAFETY: arguments match `rms_norm`; lengths validated.
+    unsafe { gpu.launch(&spec, LaunchDims::new((rows, 1), BLOCK), &args) }
+}
+
+/// Fused residual add + RMSNorm: `residual += x` (in place, rounded to `T`), then
+/// `out = rms_norm(residual)`. All of `residual`, `x`, `out` are `[rows, dim]`.
+pub fn add_rms_norm<T: Element>(
+    gpu: &Gpu,
+    residual: &mut impl DeviceWrite<T>,
+    x: &impl DeviceRead<T>,
+    weight: &impl DeviceRead<T>,
+    out: &mut impl DeviceWrite<T>,
+    eps: f32,
+) -> Result<(), CudaError> {
+    let spec = specialize_norm(NormEntry::AddRmsNorm, T::DTYPE, T::DTYPE)?;
+    let dim = weight.len();
+    let rows = rows_of("add_rms_norm residual", residual.len(), dim)?;
+    check_len("add_rms_norm x [rows, dim]", residual.len(), x.len())?;
+    check_len("add_rms_norm out [rows, dim]", residual.len(), out.len())?;
+    let args = [
+        ptr(residual),
+        ptr(x),
+        ptr(weight),
+        ptr(out),
+        KernelArg::U32(to_u32("dim", dim)?),
+        KernelArg::F32(eps),
+    ];
+    // SAFETY: arguments match `add_rms_norm`; lengths validated.
+    unsafe { gpu.launch(&spec, LaunchDims::new((rows, 1), BLOCK), &args) }
+}

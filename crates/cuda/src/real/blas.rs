@@ -1,0 +1,271 @@
+//! cuBLASLt GEMM for the model's linear layers, with one plan (descriptors + heuristic
+//! algorithm) cached per shape.
+//!
+//! Row-major `out[m, n] = activations[m, k] · weights[n, k]^T (+ beta · out)` is computed
+//! as the column-major "TN" product `D[n, m] = op_T(W)[n, k] · X[k, m]`, f32 accumulation.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use cudarc::driver::{CudaSlice, DevicePtr};
+
+use super::{driver_error, Element, Gpu};
+use crate::error::check_len;
+use crate::key::DType;
+use crate::memory::{DeviceRead, DeviceWrite};
+use crate::CudaError;
+
+/// Identifies a cached GEMM plan: the shape, the dtypes and whether `beta != 0`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmPlanKey {
+    /// Rows of activations and output.
+    pub m: usize,
+    /// Rows of weights = columns of output.
+    pub n: usize,
+    /// Shared inner dimension.
+    pub k: usize,
+    /// Dtype of activations and weights.
+    pub input: DType,
+    /// Dtype of the output.
+    pub output: DType,
+    /// `beta != 0`: the output is read and accumulated into.
+    pub accumulate: bool,
+}
+
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    weights_layout: sys::cublasLtMatrixLayout_t,
+    activations_layout: sys::cublasLtMatrixLayout_t,
+    out_layout: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+pub(crate) struct Blas {
+    handle: sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+    workspace_ptr: u64,
+    plans: HashMap<GemmPlanKey, Plan>,
+}
+
+// SAFETY: the handle and descriptors are only used under the Gpu's mutex.
+unsafe impl Send for Blas {}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        for plan in self.plans.values() {
+            // SAFETY: created by us, destroyed once.
+            unsafe {
+                let _ = lt::destroy_matrix_layout(plan.weights_layout);
+                let _ = lt::destroy_matrix_layout(plan.activations_layout);
+                let _ = lt::destroy_matrix_layout(plan.out_layout);
+                let _ = lt::destroy_matmul_desc(plan.desc);
+            }
+        }
+        // SAFETY: created by us, destroyed once.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+        let _ = &self.workspace;
+    }
+}
+
+fn blas_error(context: &str) -> impl FnOnce(lt::CublasError) -> CudaError + '_ {
+    move |error| CudaError::Blas {
+        context: context.to_string(),
+        message: format!("{error:?}"),
+    }
+}
+
+fn data_type(dtype: DType) -> Result<sys::cudaDataType, CudaError> {
+    match dtype {
+        DType::F32 => Ok(sys::cudaDataType::CUDA_R_32F),
+        DType::BF16 => Ok(sys::cudaDataType::CUDA_R_16BF),
+        DType::F16 => Ok(sys::cudaDataType::CUDA_R_16F),
+        other => Err(CudaError::invalid(format!(
+            "gemm does not support dtype {other}"
+        ))),
+    }
+}
+
+impl Blas {
+    fn new(gpu: &Gpu) -> Result<Blas, CudaError> {
+        let handle = lt::create_handle().map_err(blas_error("cublasLtCreate"))?;
+        let size = if gpu.info().compute_capability.0 >= 9 {
+            32 << 20
+        } else {
+            4 << 20
+        };
+        // SAFETY: scratch memory, never read by the host.
+        let workspace = unsafe { gpu.stream.alloc::<u8>(size) }
+            .map_err(driver_error("allocating the cuBLASLt workspace"))?;
+        let workspace_ptr = workspace.device_ptr(&gpu.stream).0;
+        Ok(Blas {
+            handle,
+            workspace,
+            workspace_ptr,
+            plans: HashMap::new(),
+        })
+    }
+
+    fn plan(&mut self, key: GemmPlanKey) -> Result<&Plan, CudaError> {
+        if !self.plans.contains_key(&key) {
+            let plan = self.create_plan(key)?;
+            self.plans.insert(key, plan);
+        }
+        Ok(&self.plans[&key])
+    }
+
+    fn create_plan(&self, key: GemmPlanKey) -> Result<Plan, CudaError> {
+        let input = data_type(key.input)?;
+        let output = data_type(key.output)?;
+        let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
+        let desc = lt::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType::CUDA_R_32F,
+        )
+        .map_err(blas_error("cublasLtMatmulDescCreate"))?;
+        let transpose: i32 = 1;
+        // SAFETY: desc is live; the attribute is an i32 (cublasOperation_t).
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &transpose as *const i32 as *const c_void,
+                std::mem::size_of::<i32>(),
+            )
+        }
+        .map_err(blas_error("CUBLASLT_MATMUL_DESC_TRANSA"))?;
+        let weights_layout = lt::create_matrix_layout(input, k, n, k as i64)
+            .map_err(blas_error("weights layout"))?;
+        let activations_layout = lt::create_matrix_layout(input, k, m, k as i64)
+            .map_err(blas_error("activations layout"))?;
+        let out_layout = lt::create_matrix_layout(output, n, m, n as i64)
+            .map_err(blas_error("output layout"))?;
+        let preference =
+            lt::create_matmul_pref().map_err(blas_error("cublasLtMatmulPreferenceCreate"))?;
+        let workspace_size = self.workspace.len();
+        // SAFETY: live preference; the attribute is a usize.
+        let result = unsafe {
+            lt::set_matmul_pref_attribute(
+                preference,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &workspace_size as *const usize as *const c_void,
+                std::mem::size_of::<usize>(),
+            )
+            .map_err(blas_error("CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES"))
+            .and_then(|()| {
+                lt::get_matmul_algo_heuristic(
+                    self.handle,
+                    desc,
+                    weights_layout,
+                    activations_layout,
+                    out_layout,
+                    out_layout,
+                    preference,
+                )
+                .map_err(blas_error(
+                    "cublasLtMatmulAlgoGetHeuristic (no algorithm for this shape/dtype)",
+                ))
+            })
+        };
+        // SAFETY: created above.
+        let _ = unsafe { lt::destroy_matmul_pref(preference) };
+        let heuristic = result?;
+        Ok(Plan {
+            desc,
+            weights_layout,
+            activations_layout,
+            out_layout,
+            algo: heuristic.algo,
+        })
+    }
+}
+
+impl Gpu {
+    /// `out[m, n] = activations[m, k] · weights[n, k]^T + beta · out`, all row-major, f32
+    /// accumulation (cuBLASLt, `CUBLAS_COMPUTE_32F`, no TF32). Supported dtypes
+    /// (input -> output): bf16 -> bf16, bf16 -> f32, f16 -> f16, f32 -> f32. The plan is
+    /// created on the first call per [`GemmPlanKey`] and reused; the call is graph-capturable
+    /// once the plan exists. Lengths must be exactly `m*k`, `n*k` and `m*n`.
+    pub fn gemm<TIn: Element, TOut: Element>(
+        &self,
+        activations: &impl DeviceRead<TIn>,
+        weights: &impl DeviceRead<TIn>,
+        out: &mut impl DeviceWrite<TOut>,
+        (m, n, k): (usize, usize, usize),
+        beta: f32,
+    ) -> Result<(), CudaError> {
+        let combination = (TIn::DTYPE, TOut::DTYPE);
+        if !matches!(
+            combination,
+            (DType::BF16, DType::BF16)
+                | (DType::BF16, DType::F32)
+                | (DType::F16, DType::F16)
+                | (DType::F32, DType::F32)
+        ) {
+            return Err(CudaError::invalid(format!(
+                "gemm {} -> {} is not supported (bf16->bf16, bf16->f32, f16->f16, f32->f32)",
+                combination.0, combination.1
+            )));
+        }
+        if m == 0 || n == 0 || k == 0 {
+            return Err(CudaError::invalid(format!(
+                "gemm needs m, n, k >= 1, got {m}, {n}, {k}"
+            )));
+        }
+        check_len("gemm activations [m, k]", m * k, activations.len())?;
+        check_len("gemm weights [n, k]", n * k, weights.len())?;
+        check_len("gemm out [m, n]", m * n, out.len())?;
+        let key = GemmPlanKey {
+            m,
+            n,
+            k,
+            input: TIn::DTYPE,
+            output: TOut::DTYPE,
+            accumulate: beta != 0.0,
+        };
+        let mut guard = self
+            .blas
+            .lock()
+            .map_err(|_| CudaError::invalid("cuBLASLt lock poisoned"))?;
+        if guard.is_none() {
+            *guard = Some(Blas::new(self)?);
+        }
+        let blas = guard.as_mut().expect("initialised above");
+        let (handle, workspace_ptr, workspace_size) =
+            (blas.handle, blas.workspace_ptr, blas.workspace.len());
+        let plan = blas.plan(key)?;
+        let alpha = 1.0f32;
+        // SAFETY: lengths checked; the plan matches these dtypes and shapes.
+        unsafe {
+            lt::matmul(
+                handle,
+                plan.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                weights.device_ptr() as *const c_void,
+                plan.weights_layout,
+                activations.device_ptr() as *const c_void,
+                plan.activations_layout,
+                out.device_ptr() as *const c_void,
+                plan.out_layout,
+                out.device_ptr() as *mut c_void,
+                plan.out_layout,
+                &plan.algo,
+                workspace_ptr as *mut c_void,
+                workspace_size,
+                self.stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+        .map_err(blas_error("cublasLtMatmul"))
+    }
+
+    /// Number of cached GEMM plans.
+    pub fn gemm_plans(&self) -> usize {
+        self.blas
+            .lock()
+            .ok()
+            .and_then(|guard| guard.as_ref().map(|blas| blas.plans.len()))
+            .unwrap_or(0)
+    }
+}

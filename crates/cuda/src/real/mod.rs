@@ -1,0 +1,257 @@
+//! The real backend on cudarc (dynamic loading). See the crate docs.
+
+mod blas;
+mod buffer;
+mod graph;
+mod nvrtc;
+mod registry;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
+
+use crate::key::{Arch, KernelSpec};
+use crate::memory::{KernelArg, LaunchDims};
+use crate::{CudaError, DeviceInfo};
+
+pub use blas::GemmPlanKey;
+pub use buffer::{DeviceBuffer, Element, PinnedBuffer};
+pub use graph::{CapturedGraph, GraphCache};
+pub use nvrtc::{compile_for_arch, nvrtc_version};
+
+pub(crate) fn driver_error(context: impl Into<String>) -> impl FnOnce(DriverError) -> CudaError {
+    let context = context.into();
+    move |error| CudaError::Driver {
+        context,
+        message: format!("{error:?}"),
+    }
+}
+
+/// Checks one library with cudarc's own candidate names, so the check matches what cudarc
+/// will later open.
+fn check_library(library: &'static str, present: bool) -> Result<(), CudaError> {
+    if present {
+        return Ok(());
+    }
+    let mut tried = cudarc::get_lib_name_candidates(library);
+    tried.dedup();
+    Err(CudaError::LibraryMissing {
+        library,
+        tried: tried.join(", "),
+    })
+}
+
+/// Checks that libcuda, libnvrtc and libcublasLt can be opened, without calling into any
+/// of them.
+pub(crate) fn check_libraries() -> Result<(), CudaError> {
+    // SAFETY: these only try `dlopen` on candidate names; no CUDA function is called.
+    unsafe {
+        check_library("cuda", cudarc::driver::sys::is_culib_present())?;
+        check_library("nvrtc", cudarc::nvrtc::sys::is_culib_present())?;
+        check_library("cublasLt", cudarc::cublaslt::sys::is_culib_present())?;
+    }
+    Ok(())
+}
+
+/// Checks the libraries (before touching CUDA), creates a context on device 0 and reports
+/// it. Errors name the missing library or the failing driver call; `--device auto` prints
+/// the error as its one-line reason to fall back to the CPU.
+pub fn available() -> Result<DeviceInfo, CudaError> {
+    check_libraries()?;
+    let count = CudaContext::device_count().map_err(driver_error("cuDeviceGetCount"))?;
+    if count < 1 {
+        return Err(CudaError::Driver {
+            context: "cuDeviceGetCount".into(),
+            message: "no CUDA device".into(),
+        });
+    }
+    let context = CudaContext::new(0).map_err(driver_error("creating a context on device 0"))?;
+    device_info(&context)
+}
+
+fn device_info(context: &Arc<CudaContext>) -> Result<DeviceInfo, CudaError> {
+    let attribute = |attribute: CUdevice_attribute| {
+        context
+            .attribute(attribute)
+            .map_err(driver_error(format!("cuDeviceGetAttribute({attribute:?})")))
+    };
+    let (major, minor) = context
+        .compute_capability()
+        .map_err(driver_error("compute capability"))?;
+    let (free, total) = context
+        .mem_get_info()
+        .map_err(driver_error("cuMemGetInfo"))?;
+    let (major, minor) = (major as u32, minor as u32);
+    Ok(DeviceInfo {
+        ordinal: context.ordinal(),
+        name: context.name().map_err(driver_error("cuDeviceGetName"))?,
+        compute_capability: (major, minor),
+        sm_count: attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+        l2_cache_bytes: attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as u64,
+        total_memory_bytes: total as u64,
+        free_memory_bytes: free as u64,
+        arch: Arch::for_compute_capability(major, minor),
+        nvrtc_version: nvrtc_version()?,
+    })
+}
+
+/// A CUDA context on one device with its own (created, non-default) stream; all work of
+/// this `Gpu` is ordered on that stream. Holds the kernel registry and the GEMM plans.
+/// Event tracking of cudarc is disabled: ordering is the single stream's.
+pub struct Gpu {
+    pub(crate) context: Arc<CudaContext>,
+    pub(crate) stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    pub(crate) registry: registry::Registry,
+    pub(crate) blas: Mutex<Option<blas::Blas>>,
+    pub(crate) capturing: Mutex<bool>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter
+            .debug_struct("Gpu")
+            .field("info", &self.info)
+            .finish()
+    }
+}
+
+impl Gpu {
+    /// Opens device `ordinal`: checks the libraries, creates the context and a stream.
+    pub fn new(ordinal: usize) -> Result<Gpu, CudaError> {
+        check_libraries()?;
+        let context = CudaContext::new(ordinal).map_err(driver_error(format!(
+            "creating a context on device {ordinal}"
+        )))?;
+        // SAFETY: every buffer of this crate is used on the Gpu's single stream, so cudarc's
+        // cross-stream events are not needed (and they would break graph capture).
+        unsafe { context.disable_event_tracking() };
+        let stream = context
+            .new_stream()
+            .map_err(driver_error("cuStreamCreate"))?;
+        let info = device_info(&context)?;
+        let registry = registry::Registry::new(info.arch.clone(), info.nvrtc_version);
+        Ok(Gpu {
+            context,
+            stream,
+            info,
+            registry,
+            blas: Mutex::new(None),
+            capturing: Mutex::new(false),
+        })
+    }
+
+    /// The device this context runs on.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// Waits until all work queued on the stream has finished.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream
+            .synchronize()
+            .map_err(driver_error("cuStreamSynchronize"))
+    }
+
+    /// Records an event on the stream (timing enabled).
+    pub fn record_event(&self) -> Result<GpuEvent, CudaError> {
+        let event = self
+            .context
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver_error("cuEventCreate"))?;
+        event
+            .record(&self.stream)
+            .map_err(driver_error("cuEventRecord"))?;
+        Ok(GpuEvent { event })
+    }
+
+    /// Launches `spec` (compiled on first use) with `args`, which must match the entry
+    /// point's parameter list exactly (count, order and types).
+    ///
+    /// # Safety
+    /// The arguments are passed unchecked to the kernel; pointers must be valid device
+    /// memory of the sizes the kernel reads and writes.
+    pub unsafe fn launch(
+        &self,
+        spec: &KernelSpec,
+        dims: LaunchDims,
+        args: &[KernelArg],
+    ) -> Result<(), CudaError> {
+        if dims.grid.0 == 0 || dims.grid.1 == 0 || dims.grid.2 == 0 {
+            return Ok(());
+        }
+        let function = self.registry.function(&self.context, spec)?;
+        let mut storage: Vec<u64> = args.iter().map(|arg| arg.bits()).collect();
+        let mut pointers: Vec<*mut std::ffi::c_void> = storage
+            .iter_mut()
+            .map(|slot| slot as *mut u64 as *mut std::ffi::c_void)
+            .collect();
+        // SAFETY: the caller guarantees the arguments match the kernel.
+        unsafe {
+            cudarc::driver::result::launch_kernel(
+                function.cu_function(),
+                dims.grid,
+                dims.block,
+                dims.shared_mem_bytes,
+                self.stream.cu_stream(),
+                &mut pointers,
+            )
+        }
+        .map_err(driver_error(format!("launching {}", spec.entry)))
+    }
+
+    /// Compiles (or fetches from the caches) and loads `spec` without launching it.
+    pub fn prepare(&self, spec: &KernelSpec) -> Result<(), CudaError> {
+        self.registry.function(&self.context, spec).map(|_| ())
+    }
+
+    /// Kernels compiled or loaded into this context so far (the in-memory registry size).
+    pub fn loaded_kernels(&self) -> usize {
+        self.registry.len()
+    }
+
+    /// Occupancy: resident blocks per SM of `spec` at `block_threads` threads and
+    /// `dynamic_shared_bytes` of dynamic shared memory.
+    pub fn max_active_blocks_per_sm(
+        &self,
+        spec: &KernelSpec,
+        block_threads: u32,
+        dynamic_shared_bytes: usize,
+    ) -> Result<u32, CudaError> {
+        let function = self.registry.function(&self.context, spec)?;
+        function
+            .occupancy_max_active_blocks_per_multiprocessor(
+                block_threads,
+                dynamic_shared_bytes,
+                None,
+            )
+            .map_err(driver_error("cuOccupancyMaxActiveBlocksPerMultiprocessor"))
+    }
+}
+
+/// A recorded point on the stream, for timing.
+pub struct GpuEvent {
+    event: CudaEvent,
+}
+
+impl GpuEvent {
+    /// Waits until the work before the event has finished.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.event
+            .synchronize()
+            .map_err(driver_error("cuEventSynchronize"))
+    }
+
+    /// Milliseconds from `self` to the later event `end` (both must have completed;
+    /// synchronize `end` first).
+    pub fn elapsed_ms(&self, end: &GpuEvent) -> Result<f32, CudaError> {
+        self.event
+            .elapsed_ms(&end.event)
+            .map_err(driver_error("cuEventElapsedTime"))
+    }
+}
+
+/// In-memory map from key to loaded function, shared helper type.
+pub(crate) type FunctionMap = HashMap<crate::key::KernelKey, cudarc::driver::CudaFunction>;

@@ -1,0 +1,69 @@
+//! CI check (no GPU): every kernel specialisation the launchers can request compiles
+//! through NVRTC for `compute_90a` and `compute_80`.
+//!
+//! Runs when libnvrtc can be opened (e.g. `scripts/nvrtc-check.sh`, which installs the
+//! PyPI wheel and sets `LD_LIBRARY_PATH`); otherwise prints SKIP, unless
+//! `PAGODA_NVRTC_CHECK=1`, which makes a missing NVRTC a failure.
+
+#![cfg(feature = "cuda")]
+
+use pagoda_cuda::ops::all_specializations;
+use pagoda_cuda::{compile_for_arch, nvrtc_version, Arch};
+
+#[test]
+fn every_specialization_compiles_for_sm90a_and_sm80() {
+    let required = std::env::var("PAGODA_NVRTC_CHECK").is_ok_and(|value| value == "1");
+    let version = match nvrtc_version() {
+        Ok(version) => version,
+        Err(error) if !required => {
+            println!("SKIP nvrtc check: {error}");
+            return;
+        }
+        Err(error) => panic!("PAGODA_NVRTC_CHECK=1 but NVRTC is unavailable: {error}"),
+    };
+    let specs = all_specializations();
+    let mut failures = Vec::new();
+    let mut compiled = 0;
+    for arch in [Arch("compute_90a".into()), Arch("compute_80".into())] {
+        for spec in &specs {
+            match compile_for_arch(spec, &arch) {
+                Ok((ptx, key)) => {
+                    assert!(
+                        ptx.contains(spec.entry),
+                        "{}: entry missing from PTX",
+                        key.canonical()
+                    );
+                    compiled += 1;
+                }
+                Err(error) => failures.push(format!("{}: {error}", arch.0)),
+            }
+        }
+    }
+    println!(
+        "nvrtc {}.{}: compiled {compiled} of {} specialisations ({} per arch)",
+        version.0,
+        version.1,
+        2 * specs.len(),
+        specs.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn keys_of_the_catalogue_are_distinct() {
+    let specs = all_specializations();
+    let arch = Arch("compute_90a".into());
+    let mut names: Vec<String> = specs
+        .iter()
+        .map(|spec| pagoda_cuda::KernelKey::new(spec, &arch, (13, 0)).canonical())
+        .collect();
+    let total = names.len();
+    names.sort();
+    names.dedup();
+    assert_eq!(names.len(), total, "two catalogue entries share a key");
+}

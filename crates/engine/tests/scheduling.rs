@@ -1,0 +1,217 @@
+//! The engine on the scheduler: prefix caching does not change what the model computes (same
+//! greedy tokens and logprobs with caching on and off) and reports its hits; preemption by
+//! recompute under a tight pool reproduces exactly the tokens of an unpressured run, also for
+//! seeded random sampling (the sampler state survives preemption).
+
+use std::path::PathBuf;
+
+use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, ModelSource};
+use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
+use pagoda_models::tokenizer::Tokenizer;
+use pagoda_ops::attention::AttentionPath;
+use pagoda_ops::sampling::SamplingParams;
+
+fn engine(
+    path: AttentionPath,
+    num_pages: usize,
+    max_batch_tokens: usize,
+    prefix_caching: bool,
+) -> Option<(Engine, Tokenizer)> {
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.is_file() {
+        eprintln!("skipping: {} is missing", model.display());
+        return None;
+    }
+    let loaded = load_model(
+        &ModelSource::Gguf(model),
+        LoadOptions::cpu(WeightPrecision::AsStored),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let config = EngineConfig {
+        page_size: 16,
+        num_pages,
+        max_batch_tokens,
+        max_context: 1024,
+        attention: AttentionPolicy::Force(path),
+        sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
+    };
+    let engine = Engine::with_prefix_caching(loaded.model, config, prefix_caching).unwrap();
+    Some((engine, loaded.tokenizer))
+}
+
+/// Runs all prompts concurrently to completion; returns (tokens, logprobs) per prompt.
+fn run_all(
+    engine: &mut Engine,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    max_new_tokens: usize,
+) -> Vec<(Vec<u32>, Vec<Vec<f32>>)> {
+    let ids: Vec<u64> = prompts
+        .iter()
+        .map(|prompt| {
+            engine
+                .add_request(prompt.clone(), *params, max_new_tokens, Vec::new(), true)
+                .unwrap()
+        })
+        .collect();
+    let mut results = vec![(Vec::new(), Vec::new()); prompts.len()];
+    let mut steps = 0;
+    while engine.num_running() > 0 {
+        for event in engine.step().unwrap() {
+            let index = ids.iter().position(|&id| id == event.request).unwrap();
+            results[index].0.push(event.token);
+            results[index].1.push(event.logprobs.unwrap());
+        }
+        steps += 1;
+        assert!(steps < 2000, "no progress");
+    }
+    results
+}
+
+const SYSTEM: &str = "You are a careful assistant. Answer briefly and precisely, cite facts, \
+    and never invent numbers. The user is a student of European history who asks about ";
+
+fn shared_prefix_prompts(tokenizer: &Tokenizer) -> Vec<Vec<u32>> {
+    [
+        "the printing press.",
+        "the Hanseatic League and its trade.",
+        "Charlemagne.",
+    ]
+    .iter()
+    .map(|topic| tokenizer.encode(&format!("{SYSTEM}{topic}"), true).unwrap())
+    .collect()
+}
+
+fn worst_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn prefix_caching_on_and_off_give_the_same_tokens_and_report_hits() {
+    let Some((mut cached, tokenizer)) = engine(AttentionPath::SplitKv, 128, 512, true) else {
+        return;
+    };
+    let Some((mut uncached, _)) = engine(AttentionPath::SplitKv, 128, 512, false) else {
+        return;
+    };
+    let prompts = shared_prefix_prompts(&tokenizer);
+    assert!(
+        prompts[0].len() > 32,
+        "the shared prefix must span full pages"
+    );
+    let greedy = SamplingParams::greedy();
+    // Warm the cache with the first prompt alone, then run all: the others hit its pages.
+    let warm_on = run_all(&mut cached, &prompts[..1], &greedy, 4);
+    let warm_off = run_all(&mut uncached, &prompts[..1], &greedy, 4);
+    assert_eq!(warm_on, warm_off);
+    let on = run_all(&mut cached, &prompts, &greedy, 8);
+    let off = run_all(&mut uncached, &prompts, &greedy, 8);
+    let mut worst = 0f32;
+    for (i, (a, b)) in on.iter().zip(&off).enumerate() {
+        assert_eq!(
+            a.0, b.0,
+            "prompt {i}: prefix caching changed the greedy tokens"
+        );
+        worst = worst.max(worst_difference(&a.1, &b.1));
+    }
+    eprintln!("worst logprob difference cached vs uncached: {worst:.2e}");
+    assert!(worst < 1e-3, "logprobs differ by {worst}");
+    assert!(
+        cached.counters().prefix_hit_tokens >= 2 * 32,
+        "{:?}",
+        cached.counters()
+    );
+    assert_eq!(uncached.counters().prefix_hit_tokens, 0);
+    assert_eq!(uncached.pages_cached(), 0);
+    assert!(cached.pages_cached() > 0);
+    assert_eq!(cached.pages_used(), 0, "finished requests hold no pages");
+    assert_eq!(
+        cached.pages_free() + cached.scheduler_stats().pages_evictable,
+        128
+    );
+}
+
+#[test]
+fn a_repeated_long_prompt_reports_its_full_pages_as_hits() {
+    let Some((mut engine, tokenizer)) = engine(AttentionPath::SplitKv, 64, 512, true) else {
+        return;
+    };
+    let prompt = tokenizer
+        .encode(
+            &format!("{SYSTEM}the long history of movable type in Asia."),
+            true,
+        )
+        .unwrap();
+    let first = run_all(
+        &mut engine,
+        std::slice::from_ref(&prompt),
+        &SamplingParams::greedy(),
+        3,
+    );
+    assert_eq!(engine.counters().prefix_hit_tokens, 0);
+    let second = run_all(
+        &mut engine,
+        std::slice::from_ref(&prompt),
+        &SamplingParams::greedy(),
+        3,
+    );
+    assert_eq!(first[0].0, second[0].0);
+    // Every full page except one holding the last prompt token is shared.
+    let expected = (prompt.len() - 1) / 16 * 16;
+    assert_eq!(engine.counters().prefix_hit_tokens, expected as u64);
+}
+
+fn check_preemption(path: AttentionPath) {
+    // 4 pages of 16 tokens for three 16-token prompts generating 12 tokens each: all three
+    // are admitted with one full page each, then all need a second page at their first decode
+    // while one is free, so the youngest are preempted and recomputed. Seeded random sampling checks the sampler state survives preemption.
+    let Some((mut tight, tokenizer)) = engine(path, 4, 512, true) else {
+        return;
+    };
+    let Some((mut roomy, _)) = engine(path, 64, 512, false) else {
+        return;
+    };
+    let text = "The history of the printing press is often told as the story of a single \
+                inventor, but the movable type had a long history before Gutenberg in Korea.";
+    let base = tokenizer.encode(text, true).unwrap();
+    assert!(base.len() >= 24);
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| base[i..i + 16].to_vec()).collect();
+    let params = SamplingParams {
+        temperature: 0.9,
+        seed: Some(7),
+        ..SamplingParams::default()
+    };
+    let squeezed = run_all(&mut tight, &prompts, &params, 12);
+    let alone = run_all(&mut roomy, &prompts, &params, 12);
+    assert!(
+        tight.counters().preemptions > 0,
+        "the test must force preemption: {:?}",
+        tight.scheduler_stats()
+    );
+    for (i, (a, b)) in alone.iter().zip(&squeezed).enumerate() {
+        let worst = worst_difference(&a.1, &b.1);
+        eprintln!("{path:?} prompt {i}: worst logprob difference {worst:.2e}");
+        assert_eq!(
+            a.0, b.0,
+            "prompt {i}: preemption changed the tokens ({path:?})"
+        );
+        assert!(worst < 1e-3, "{worst}");
+    }
+    assert_eq!(tight.pages_used(), 0);
+    assert_eq!(tight.num_waiting(), 0);
+}
+
+#[test]
+fn preempted_requests_produce_the_tokens_of_an_unpressured_run_on_gather() {
+    check_preemption(AttentionPath::Gather);
+}
+
+#[test]
+fn preempted_requests_produce_the_tokens_of_an_unpressured_run_on_split_kv() {
+    check_preemption(AttentionPath::SplitKv);
+}

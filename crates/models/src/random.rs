@@ -1,0 +1,303 @@
+//! Random weights of a real architecture's shapes, for benchmarks of models whose weights
+//! cannot be had on the machine (throughput does not depend on the weight values).
+//!
+//! [`preset`] names the built-in configurations (`llama-3.1-8b`, `qwen2.5-7b`,
+//! `smollm2-135m`); [`random_config`] also accepts the path of a Hugging Face `config.json`.
+//! [`RandomWeights`] is a [`TensorSource`] with every tensor the llama-family loader asks for,
+//! filled deterministically from a seed, in f32, one tensor at a time as the loader asks.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::path::Path;
+
+use pagoda_tensor::GgmlType;
+use rayon::prelude::*;
+
+use crate::config::{Architecture, Llama3RopeScaling, ModelConfig, RopeStyle};
+use crate::hf::config_from_hf_json;
+use crate::weights::{names, RawTensor, TensorSource};
+
+/// Names accepted by [`preset`], for error messages and `--help`.
+pub const PRESET_NAMES: &[&str] = &["llama-3.1-8b", "qwen2.5-7b", "smollm2-135m"];
+
+/// The configuration of a built-in architecture preset, by name (case-insensitive).
+pub fn preset(name: &str) -> Option<ModelConfig> {
+    let config = match name.to_ascii_lowercase().as_str() {
+        "llama-3.1-8b" | "llama3.1-8b" => ModelConfig {
+            architecture: Architecture::Llama,
+            hidden_size: 4096,
+            num_layers: 32,
+            num_attention_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            intermediate_size: 14336,
+            vocab_size: 128256,
+            rms_norm_eps: 1e-5,
+            rope_theta: 500000.0,
+            rope_dim: 128,
+            rope_style: RopeStyle::Halves,
+            rope_scaling: Some(Llama3RopeScaling {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 8192,
+            }),
+            max_position_embeddings: 131072,
+            tie_word_embeddings: false,
+        },
+        "qwen2.5-7b" => ModelConfig {
+            architecture: Architecture::Qwen2,
+            hidden_size: 3584,
+            num_layers: 28,
+            num_attention_heads: 28,
+            num_kv_heads: 4,
+            head_dim: 128,
+            intermediate_size: 18944,
+            vocab_size: 152064,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1000000.0,
+            rope_dim: 128,
+            rope_style: RopeStyle::Halves,
+            rope_scaling: None,
+            max_position_embeddings: 32768,
+            tie_word_embeddings: false,
+        },
+        "smollm2-135m" => ModelConfig {
+            architecture: Architecture::Llama,
+            hidden_size: 576,
+            num_layers: 30,
+            num_attention_heads: 9,
+            num_kv_heads: 3,
+            head_dim: 64,
+            intermediate_size: 1536,
+            vocab_size: 49152,
+            rms_norm_eps: 1e-5,
+            rope_theta: 100000.0,
+            rope_dim: 64,
+            rope_style: RopeStyle::Halves,
+            rope_scaling: None,
+            max_position_embeddings: 8192,
+            tie_word_embeddings: true,
+        },
+        _ => return None,
+    };
+    Some(config)
+}
+
+/// A preset name, or the path of a Hugging Face `config.json`.
+pub fn random_config(spec: &str) -> Result<ModelConfig, String> {
+    if let Some(config) = preset(spec) {
+        return Ok(config);
+    }
+    let path = Path::new(spec);
+    if path.is_file() {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let config = config_from_hf_json(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        config.validate()?;
+        return Ok(config);
+    }
+    Err(format!(
+        "'{spec}' is neither a built-in configuration ({}) nor a config.json file",
+        PRESET_NAMES.join(", ")
+    ))
+}
+
+/// Every tensor the llama-family loader reads for `config`, with its row-major shape
+/// (outermost first). Norm weights are vectors; projections are `[out, in]`.
+pub fn tensor_shapes(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let c = config;
+    let q_dim = c.num_attention_heads * c.head_dim;
+    let kv_dim = c.num_kv_heads * c.head_dim;
+    let mut shapes = vec![
+        (
+            names::TOKEN_EMBEDDING.to_string(),
+            vec![c.vocab_size, c.hidden_size],
+        ),
+        (names::OUTPUT_NORM.to_string(), vec![c.hidden_size]),
+    ];
+    if !c.tie_word_embeddings {
+        shapes.push((names::OUTPUT.to_string(), vec![c.vocab_size, c.hidden_size]));
+    }
+    for layer in 0..c.num_layers {
+        let n = |suffix: &str| names::layer(layer, suffix);
+        shapes.push((n(names::ATTN_NORM), vec![c.hidden_size]));
+        shapes.push((n(names::ATTN_Q), vec![q_dim, c.hidden_size]));
+        shapes.push((n(names::ATTN_K), vec![kv_dim, c.hidden_size]));
+        shapes.push((n(names::ATTN_V), vec![kv_dim, c.hidden_size]));
+        if c.architecture == Architecture::Qwen2 {
+            shapes.push((n(names::ATTN_Q_BIAS), vec![q_dim]));
+            shapes.push((n(names::ATTN_K_BIAS), vec![kv_dim]));
+            shapes.push((n(names::ATTN_V_BIAS), vec![kv_dim]));
+        }
+        if c.architecture == Architecture::Qwen3 {
+            shapes.push((n(names::ATTN_Q_NORM), vec![c.head_dim]));
+            shapes.push((n(names::ATTN_K_NORM), vec![c.head_dim]));
+        }
+        shapes.push((n(names::ATTN_OUTPUT), vec![c.hidden_size, q_dim]));
+        shapes.push((n(names::FFN_NORM), vec![c.hidden_size]));
+        shapes.push((n(names::FFN_GATE), vec![c.intermediate_size, c.hidden_size]));
+        shapes.push((n(names::FFN_UP), vec![c.intermediate_size, c.hidden_size]));
+        shapes.push((n(names::FFN_DOWN), vec![c.hidden_size, c.intermediate_size]));
+    }
+    shapes
+}
+
+/// Bytes of f32 host memory [`RandomWeights::new`] would allocate for `config`.
+pub fn random_weights_bytes(config: &ModelConfig) -> usize {
+    tensor_shapes(config)
+        .iter()
+        .map(|(_, shape)| shape.iter().product::<usize>() * 4)
+        .sum()
+}
+
+/// Deterministic random f32 weights for every tensor of `config`, generated on demand (each
+/// [`TensorSource::tensor`] call fills one tensor, in parallel), so a large configuration
+/// never needs all its weights in host memory at once.
+///
+/// Values: norm weights are 1 plus noise of 0.1; biases noise of 0.02; matrices uniform in
+/// `±1/sqrt(in_features)`, so activations keep their scale through the layers and logits stay
+/// finite (the text is meaningless; the shapes and the work are real). Element `i` of tensor
+/// `t` is a pure function of `(seed, t, i)`.
+pub struct RandomWeights {
+    seed: u64,
+    shapes: HashMap<String, (usize, Vec<usize>)>,
+}
+
+impl RandomWeights {
+    /// Weights of `config` drawn from `seed`. `max_bytes` bounds what one consumer will hold
+    /// in f32 (the CPU model keeps every tensor): a configuration over it is refused with a
+    /// message that names the size.
+    pub fn new(config: &ModelConfig, seed: u64, max_bytes: usize) -> Result<Self, String> {
+        config.validate()?;
+        let bytes = random_weights_bytes(config);
+        if bytes > max_bytes {
+            return Err(format!(
+                "random f32 weights for this configuration need {:.1} GiB of memory, over the limit of {:.1} GiB",
+                bytes as f64 / (1u64 << 30) as f64,
+                max_bytes as f64 / (1u64 << 30) as f64
+            ));
+        }
+        let shapes = tensor_shapes(config)
+            .into_iter()
+            .enumerate()
+            .map(|(index, (name, shape))| (name, (index, shape)))
+            .collect();
+        Ok(RandomWeights { seed, shapes })
+    }
+
+    fn generate(&self, name: &str, index: usize, shape: &[usize]) -> Vec<u8> {
+        let count: usize = shape.iter().product();
+        let is_norm = name.ends_with("norm.weight");
+        let scale = if is_norm {
+            0.1
+        } else if name.ends_with(".bias") {
+            0.02
+        } else {
+            1.0 / (*shape.last().unwrap_or(&1) as f32).sqrt()
+        };
+        let offset = if is_norm { 1.0 } else { 0.0 };
+        let stream = splitmix64(self.seed ^ splitmix64(index as u64 + 1));
+        let mut data = vec![0u8; count * 4];
+        data.par_chunks_mut(4 * 4096)
+            .enumerate()
+            .for_each(|(chunk, bytes)| {
+                for (i, value) in bytes.chunks_exact_mut(4).enumerate() {
+                    let element = (chunk * 4096 + i) as u64;
+                    let bits = splitmix64(stream ^ element.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                    // 24 random bits -> uniform in [-1, 1).
+                    let unit = (bits >> 40) as f32 * (2.0 / (1u64 << 24) as f32) - 1.0;
+                    value.copy_from_slice(&(offset + unit * scale).to_le_bytes());
+                }
+            });
+        data
+    }
+}
+
+/// The splitmix64 finalizer: a fast, well-mixed 64-bit hash.
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+impl TensorSource for RandomWeights {
+    fn tensor(&self, name: &str) -> Option<RawTensor<'_>> {
+        self.shapes.get(name).map(|(index, shape)| RawTensor {
+            ty: GgmlType::F32,
+            shape: shape.clone(),
+            data: Cow::Owned(self.generate(name, *index, shape)),
+        })
+    }
+
+    fn tensor_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.shapes.keys().cloned().collect();
+        names.sort();
+        names
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_validate_and_have_the_published_sizes() {
+        for name in PRESET_NAMES {
+            let config = preset(name).unwrap();
+            config.validate().unwrap();
+        }
+        // Llama-3.1-8B has 8.03 billion parameters.
+        let llama = preset("llama-3.1-8b").unwrap();
+        let params: usize = tensor_shapes(&llama)
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        assert!((8_000_000_000..8_100_000_000).contains(&params), "{params}");
+        // Qwen2.5-7B has 7.62 billion.
+        let qwen = preset("qwen2.5-7b").unwrap();
+        let params: usize = tensor_shapes(&qwen)
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        assert!((7_600_000_000..7_650_000_000).contains(&params), "{params}");
+    }
+
+    #[test]
+    fn unknown_spec_names_the_presets() {
+        let error = random_config("gpt-5").unwrap_err();
+        assert!(error.contains("llama-3.1-8b"), "{error}");
+    }
+
+    #[test]
+    fn random_weights_are_deterministic_and_bounded() {
+        let config = preset("smollm2-135m").unwrap();
+        let small = ModelConfig {
+            num_layers: 2,
+            vocab_size: 512,
+            ..config
+        };
+        let a = RandomWeights::new(&small, 7, 1 << 30).unwrap();
+        let b = RandomWeights::new(&small, 7, 1 << 30).unwrap();
+        let name = names::layer(1, names::ATTN_Q);
+        let data = a.tensor(&name).unwrap().data.into_owned();
+        assert_eq!(data, b.tensor(&name).unwrap().data.into_owned());
+        let values: Vec<f32> = data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        let bound = 1.0 / (small.hidden_size as f32).sqrt();
+        assert!(values.iter().all(|v| v.abs() <= bound));
+        let mean = values.iter().sum::<f32>() / values.len() as f32;
+        assert!(mean.abs() < 0.01 * bound, "mean {mean}");
+        // Different tensors get different values.
+        let other = a
+            .tensor(&names::layer(0, names::ATTN_Q))
+            .unwrap()
+            .data
+            .into_owned();
+        assert_ne!(data, other);
+        assert!(RandomWeights::new(&small, 7, 1000).is_err());
+    }
+}

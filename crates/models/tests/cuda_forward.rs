@@ -1,0 +1,307 @@
+//! The GPU forward pass against the CPU model (the oracle), on the GPU machine only.
+//!
+//! Run there with `PAGODA_GPU_TESTS=1` and a binary built with `--features cuda`; elsewhere
+//! every test prints SKIP and passes. Covered: random-weight llama geometries (SmolLM2's
+//! halves RoPE with head_dim 64; a Llama-3-like block with head_dim 128, GQA 4 and llama3
+//! RoPE scaling) through ragged batches that mix prefill chunks and decode tokens over
+//! scattered pages, in f32 (tight) and bf16 (logprob tolerance); and, when the default
+//! model file is present, greedy ids of the CPU's exact mode against the GPU in f32.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pagoda_cuda::Gpu;
+use pagoda_kv::{BlockPool, BlockTable, PageTable};
+use pagoda_models::config::{Llama3RopeScaling, ModelConfig};
+use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
+use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, GpuDType};
+use pagoda_models::random::{preset, RandomWeights};
+use pagoda_models::weights::TensorSource;
+
+const PAGE_SIZE: usize = 16;
+const NUM_PAGES: usize = 64;
+
+fn gpu() -> Option<Arc<Gpu>> {
+    if std::env::var("PAGODA_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("SKIP: set PAGODA_GPU_TESTS=1 on a machine with a GPU");
+        return None;
+    }
+    match pagoda_cuda::available() {
+        Ok(info) => eprintln!("GPU: {info}"),
+        Err(e) => panic!("PAGODA_GPU_TESTS=1 but no usable GPU: {e}"),
+    }
+    Some(Arc::new(Gpu::new(0).expect("CUDA context")))
+}
+
+fn cache_options() -> CudaCacheOptions {
+    CudaCacheOptions {
+        num_pages: NUM_PAGES,
+        page_size: PAGE_SIZE,
+        max_batch_tokens: 256,
+        max_batch_requests: 8,
+        max_context: NUM_PAGES * PAGE_SIZE,
+    }
+}
+
+/// One step of a schedule: for each request, how many new tokens it runs.
+type Schedule = Vec<Vec<usize>>;
+
+/// Runs `schedule` over `prompts` (each request's tokens fed in order; once a request's prompt
+/// is used up it feeds `next(request, step)`), calling `forward` per step, and returns every
+/// step's logits (the last token of each request per step).
+fn run_schedule(
+    prompts: &[Vec<u32>],
+    schedule: &Schedule,
+    forward: &mut dyn FnMut(&ForwardBatch<'_>) -> Vec<f32>,
+) -> Vec<Vec<f32>> {
+    let mut pool = BlockPool::new(NUM_PAGES, PAGE_SIZE).unwrap();
+    // Burn pages so physical pages are scattered.
+    let _burned: Vec<_> = (0..3).map(|_| pool.allocate().unwrap()).collect();
+    let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::new()).collect();
+    let mut fed = vec![0usize; prompts.len()];
+    let mut steps = Vec::new();
+    for step in schedule {
+        let (mut tokens, mut positions, mut slots, mut qo_indptr, mut logits_for) =
+            (vec![], vec![], vec![], vec![0u32], vec![]);
+        let mut active = Vec::new();
+        for (request, &count) in step.iter().enumerate() {
+            if count == 0 {
+                continue;
+            }
+            let new_slots = tables[request].append_slots(&mut pool, count).unwrap();
+            slots.extend(new_slots);
+            for i in 0..count {
+                let position = fed[request] + i;
+                let prompt = &prompts[request];
+                tokens.push(prompt[position % prompt.len()]);
+                positions.push(position as u32);
+            }
+            fed[request] += count;
+            qo_indptr.push(tokens.len() as u32);
+            logits_for.push(tokens.len() - 1);
+            active.push(request);
+        }
+        let table_refs: Vec<&BlockTable> = active.iter().map(|&r| &tables[r]).collect();
+        let page_table = PageTable::from_block_tables(&table_refs, &pool).unwrap();
+        let batch = ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            slots: &slots,
+            qo_indptr: &qo_indptr,
+            page_table: &page_table,
+            logits_for: &logits_for,
+        };
+        steps.push(forward(&batch));
+    }
+    steps
+}
+
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+    row.iter().map(|&v| v as f64 - max - sum.ln()).collect()
+}
+
+/// Compares CPU and GPU on one geometry; returns (max relative logit error in f32, max
+/// logprob error in bf16 over each row's top 10).
+fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
+    let weights = RandomWeights::new(&config, 11, 4 << 30).unwrap();
+    let cpu = Model::load(config.clone(), &weights, WeightPrecision::F32).unwrap();
+    let vocab = config.vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|r| {
+            (0..80)
+                .map(|i| ((i * 31 + r * 7 + 3) % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    // Ragged prefill chunks mixed with decode tokens, then batched decode.
+    let mut schedule: Schedule = vec![vec![37, 5, 0], vec![1, 20, 19], vec![1, 1, 1]];
+    schedule.extend((0..6).map(|_| vec![1, 1, 1]));
+    let mut kv = KvCache::new(config.num_layers, cpu.kv_layout(NUM_PAGES, PAGE_SIZE));
+    let expected = run_schedule(&prompts, &schedule, &mut |batch| {
+        cpu.forward(batch, &mut kv, AttentionPolicy::Auto)
+            .unwrap()
+            .logits
+    });
+    let mut results = Vec::new();
+    for dtype in [GpuDType::F32, GpuDType::Bf16] {
+        let mut model =
+            CudaModel::load(config.clone(), &weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
+        model.prepare(cache_options()).unwrap();
+        let got = run_schedule(&prompts, &schedule, &mut |batch| {
+            model.forward(batch).unwrap()
+        });
+        let mut worst_relative = 0f64;
+        let mut worst_logprob = 0f64;
+        for (step, (e, g)) in expected.iter().zip(&got).enumerate() {
+            assert_eq!(e.len(), g.len(), "step {step}");
+            assert!(
+                g.iter().all(|v| v.is_finite()),
+                "{dtype}: non-finite logits at step {step}"
+            );
+            for (e_row, g_row) in e.chunks(vocab).zip(g.chunks(vocab)) {
+                let peak = e_row.iter().fold(0f32, |a, &b| a.max(b.abs())) as f64;
+                let diff = e_row
+                    .iter()
+                    .zip(g_row)
+                    .fold(0f64, |a, (&x, &y)| a.max((x as f64 - y as f64).abs()));
+                worst_relative = worst_relative.max(diff / peak.max(1e-6));
+                let (le, lg) = (log_softmax(e_row), log_softmax(g_row));
+                let mut order: Vec<usize> = (0..vocab).collect();
+                order.sort_by(|&a, &b| le[b].total_cmp(&le[a]));
+                for &i in &order[..10] {
+                    worst_logprob = worst_logprob.max((le[i] - lg[i]).abs());
+                }
+            }
+        }
+        eprintln!("{dtype}: max relative logit error {worst_relative:.2e}, max top-10 logprob error {worst_logprob:.4}");
+        results.push((worst_relative, worst_logprob));
+    }
+    (results[0].0, results[1].1)
+}
+
+#[test]
+fn gpu_forward_matches_cpu_smollm2_geometry() {
+    let Some(gpu) = gpu() else { return };
+    let config = ModelConfig {
+        num_layers: 4,
+        vocab_size: 3000,
+        ..preset("smollm2-135m").unwrap()
+    };
+    let (f32_error, bf16_error) = compare(&gpu, config);
+    assert!(f32_error < 2e-3, "f32 relative logit error {f32_error}");
+    assert!(bf16_error < 0.15, "bf16 top-10 logprob error {bf16_error}");
+}
+
+#[test]
+fn gpu_forward_matches_cpu_llama3_geometry() {
+    let Some(gpu) = gpu() else { return };
+    let base = preset("llama-3.1-8b").unwrap();
+    let config = ModelConfig {
+        hidden_size: 1024,
+        num_layers: 3,
+        num_attention_heads: 8,
+        num_kv_heads: 2,
+        head_dim: 128,
+        intermediate_size: 2048,
+        vocab_size: 4096,
+        rope_scaling: Some(Llama3RopeScaling {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 64,
+        }),
+        ..base
+    };
+    let (f32_error, bf16_error) = compare(&gpu, config);
+    assert!(f32_error < 2e-3, "f32 relative logit error {f32_error}");
+    assert!(bf16_error < 0.15, "bf16 top-10 logprob error {bf16_error}");
+}
+
+fn default_model() -> Option<PathBuf> {
+    let path = std::env::var_os("PAGODA_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    path.is_file().then_some(path)
+}
+
+#[test]
+fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
+    let Some(gpu) = gpu() else { return };
+    let Some(path) = default_model() else {
+        eprintln!("SKIP: the default model file is not here");
+        return;
+    };
+    let file = pagoda_models::formats::gguf::GgufFile::open(&path).unwrap();
+    let config = pagoda_models::gguf_model::config_from_gguf(&file).unwrap();
+    let source: &dyn TensorSource = &file;
+    let cpu = Model::load(config.clone(), source, WeightPrecision::F32).unwrap();
+    let mut worst_bf16 = 0f64;
+    let mut worst_top5 = 0f64;
+    for dtype in [GpuDType::F32, GpuDType::Bf16] {
+        let mut model =
+            CudaModel::load(config.clone(), source, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
+        // Prompts as token ids (a tokenizer is not needed for parity).
+        for prompt in [
+            vec![504u32, 3458, 282, 4649, 314],
+            vec![1, 9690, 198, 2683, 359, 253],
+        ] {
+            let vocab = config.vocab_size;
+            // A fresh cache per prompt.
+            model.prepare(cache_options()).unwrap();
+            let mut cpu_kv = KvCache::new(config.num_layers, cpu.kv_layout(NUM_PAGES, PAGE_SIZE));
+            // Greedy on the CPU; the GPU is teacher-forced on the CPU's sequence.
+            let mut sequence = prompt.clone();
+            let mut schedule: Schedule = vec![vec![prompt.len()]];
+            schedule.extend((0..16).map(|_| vec![1]));
+            let mut cpu_rows = Vec::new();
+            {
+                let mut pool = BlockPool::new(NUM_PAGES, PAGE_SIZE).unwrap();
+                let mut table = BlockTable::new();
+                let mut fed = 0;
+                for step in &schedule {
+                    let count = step[0];
+                    let slots = table.append_slots(&mut pool, count).unwrap();
+                    let page_table = PageTable::from_block_tables(&[&table], &pool).unwrap();
+                    let positions: Vec<u32> = (fed..fed + count).map(|p| p as u32).collect();
+                    let batch = ForwardBatch {
+                        tokens: &sequence[fed..fed + count],
+                        positions: &positions,
+                        slots: &slots,
+                        qo_indptr: &[0, count as u32],
+                        page_table: &page_table,
+                        logits_for: &[count - 1],
+                    };
+                    let logits = cpu
+                        .forward(&batch, &mut cpu_kv, AttentionPolicy::Auto)
+                        .unwrap()
+                        .logits;
+                    fed += count;
+                    let next = pagoda_ops::sampling::argmax(&logits);
+                    sequence.push(next);
+                    cpu_rows.push(logits);
+                }
+            }
+            let gpu_rows = run_schedule(&[sequence.clone()], &schedule, &mut |batch| {
+                model.forward(batch).unwrap()
+            });
+            for (step, (c_row, g_row)) in cpu_rows.iter().zip(&gpu_rows).enumerate() {
+                assert_eq!(g_row.len(), vocab);
+                if dtype == GpuDType::F32 {
+                    assert_eq!(
+                        pagoda_ops::sampling::argmax(g_row),
+                        pagoda_ops::sampling::argmax(c_row),
+                        "f32 greedy id differs at step {step} of prompt {prompt:?}"
+                    );
+                } else {
+                    let (lc, lg) = (log_softmax(c_row), log_softmax(g_row));
+                    let mut order: Vec<usize> = (0..vocab).collect();
+                    order.sort_by(|&a, &b| lc[b].total_cmp(&lc[a]));
+                    let errors: Vec<f64> =
+                        order[..5].iter().map(|&i| (lc[i] - lg[i]).abs()).collect();
+                    eprintln!(
+                        "bf16 step {step}: top-5 logprobs {:?} errors {:?}",
+                        order[..5]
+                            .iter()
+                            .map(|&i| (lc[i] * 100.0).round() / 100.0)
+                            .collect::<Vec<_>>(),
+                        errors
+                            .iter()
+                            .map(|e| (e * 1000.0).round() / 1000.0)
+                            .collect::<Vec<_>>()
+                    );
+                    worst_bf16 = worst_bf16.max(errors[0]);
+                    worst_top5 = worst_top5.max(errors.iter().cloned().fold(0.0, f64::max));
+                }
+            }
+        }
+    }
+    eprintln!(
+        "bf16 vs CPU exact: chosen token max logprob error {worst_bf16:.4}, top-5 {worst_top5:.4}"
+    );
+    assert!(worst_bf16 < 0.1, "bf16 top-5 logprob error {worst_bf16}");
+}

@@ -1,0 +1,172 @@
+//! `y = W x` with repacked weights and activations quantized once per call to Q8.
+//!
+//! Decode (one token) streams four weight rows at a time past the quantized activation row
+//! (`tile::<4, 1>`). Prefill splits the output rows into chunks of 16 per task and covers
+//! each chunk x all tokens with 4 x 4 tiles: each weight block loaded feeds four tokens and
+//! each activation block four rows.
+
+use pagoda_tensor::quant::q8::{quantize_block, Q8Rows, Q8_BLOCK};
+use pagoda_tensor::quant::repack::RepackedRows;
+use rayon::prelude::*;
+
+use crate::simd::int_dot::{tile, IntIsa};
+
+/// Quantizes `x` (`[num_tokens, k]`) into `out`, in parallel over tokens when there are many.
+pub fn quantize_activations(isa: IntIsa, x: &[f32], k: usize, out: &mut Q8Rows) {
+    let num_tokens = x.len() / k;
+    out.reset(num_tokens, k)
+        .expect("in_features is a multiple of 32 for repacked weights");
+    let (qs, scales, sums) = out.parts_mut();
+    let tokens_per_task = 16;
+    type Parts<'a> = (&'a [f32], (&'a mut [i8], (&'a mut [f32], &'a mut [f32])));
+    let fill = |(x, (qs, (scales, sums))): Parts| quantize_slice(isa, x, qs, scales, sums);
+    if num_tokens <= tokens_per_task {
+        fill((x, (qs, (scales, sums))));
+    } else {
+        let values = tokens_per_task * k;
+        let blocks = values / Q8_BLOCK;
+        x.par_chunks(values)
+            .zip(
+                qs.par_chunks_mut(values).zip(
+                    scales
+                        .par_chunks_mut(blocks)
+                        .zip(sums.par_chunks_mut(blocks)),
+                ),
+            )
+            .for_each(fill);
+    }
+}
+
+fn quantize_slice(isa: IntIsa, x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa != IntIsa::Scalar && IntIsa::Avx2.is_supported() {
+            // SAFETY: the CPU supports AVX2 and FMA (checked above).
+            unsafe { quantize_slice_avx2(x, qs, scales, sums) };
+            return;
+        }
+    }
+    let _ = isa;
+    quantize_slice_portable(x, qs, scales, sums);
+}
+
+#[inline(always)]
+fn quantize_slice_portable(x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
+    for (((xs, qs), scale), sum) in x
+        .chunks_exact(Q8_BLOCK)
+        .zip(qs.chunks_exact_mut(Q8_BLOCK))
+        .zip(scales.iter_mut())
+        .zip(sums.iter_mut())
+    {
+        (*scale, *sum) = quantize_block(xs.try_into().unwrap(), qs.try_into().unwrap());
+    }
+}
+
+/// The portable loop compiled with AVX2 (vector rounding instead of a libm call per value).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_slice_avx2(x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
+    quantize_slice_portable(x, qs, scales, sums)
+}
+
+/// `y[t, r] = dot(weights[r], activations[t])`; `y` is `[num_tokens, num_rows]`.
+pub fn matmul(isa: IntIsa, weights: &RepackedRows, activations: &Q8Rows, y: &mut [f32]) {
+    let n = weights.num_rows();
+    let num_tokens = activations.num_rows();
+    assert_eq!(
+        y.len(),
+        n * num_tokens,
+        "y must be [num_tokens, out_features]"
+    );
+    if num_tokens == 1 {
+        let rows_per_task = ((n / (rayon::current_num_threads() * 16)).clamp(16, 1024) + 3) & !3;
+        y.par_chunks_mut(rows_per_task)
+            .enumerate()
+            .for_each(|(task, out)| {
+                let row_start = task * rows_per_task;
+                let done = out.len() / 4 * 4;
+                let mut quads = out.chunks_exact_mut(4);
+                for (quad_index, quad) in (&mut quads).enumerate() {
+                    let r = row_start + 4 * quad_index;
+                    let dots =
+                        tile::<4, 1>(isa, weights, [r, r + 1, r + 2, r + 3], activations, [0]);
+                    for (value, dot) in quad.iter_mut().zip(dots) {
+                        *value = dot[0];
+                    }
+                }
+                for (i, value) in quads.into_remainder().iter_mut().enumerate() {
+                    *value =
+                        tile::<1, 1>(isa, weights, [row_start + done + i], activations, [0])[0][0];
+                }
+            });
+        return;
+    }
+    let rows_per_task = 16;
+    let chunks: Vec<(usize, Vec<f32>)> = (0..n)
+        .step_by(rows_per_task)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|row_start| {
+            let row_end = (row_start + rows_per_task).min(n);
+            (
+                row_start,
+                rows_by_tokens(isa, weights, row_start..row_end, activations),
+            )
+        })
+        .collect();
+    for (row_start, local) in chunks {
+        let rows = local.len() / num_tokens;
+        for (t, out) in y.chunks_exact_mut(n).enumerate() {
+            for (r, value) in out[row_start..row_start + rows].iter_mut().enumerate() {
+                *value = local[r * num_tokens + t];
+            }
+        }
+    }
+}
+
+/// Dots of `rows` with every token, as `[rows.len(), num_tokens]`.
+fn rows_by_tokens(
+    isa: IntIsa,
+    weights: &RepackedRows,
+    rows: std::ops::Range<usize>,
+    activations: &Q8Rows,
+) -> Vec<f32> {
+    let num_tokens = activations.num_rows();
+    let mut local = vec![0f32; rows.len() * num_tokens];
+    let full_rows = rows.start + rows.len() / 4 * 4;
+    let full_tokens = num_tokens / 4 * 4;
+    let mut put = |r: usize, t: usize, value: f32| local[(r - rows.start) * num_tokens + t] = value;
+    for t in (0..full_tokens).step_by(4) {
+        let tokens = [t, t + 1, t + 2, t + 3];
+        for r in (rows.start..full_rows).step_by(4) {
+            let block = tile::<4, 4>(isa, weights, [r, r + 1, r + 2, r + 3], activations, tokens);
+            for (i, values) in block.iter().enumerate() {
+                for (j, &value) in values.iter().enumerate() {
+                    put(r + i, t + j, value);
+                }
+            }
+        }
+        for r in full_rows..rows.end {
+            let block = tile::<1, 4>(isa, weights, [r], activations, tokens);
+            for (j, &value) in block[0].iter().enumerate() {
+                put(r, t + j, value);
+            }
+        }
+    }
+    for t in full_tokens..num_tokens {
+        for r in (rows.start..full_rows).step_by(4) {
+            let block = tile::<4, 1>(isa, weights, [r, r + 1, r + 2, r + 3], activations, [t]);
+            for (i, values) in block.iter().enumerate() {
+                put(r + i, t, values[0]);
+            }
+        }
+        for r in full_rows..rows.end {
+            put(
+                r,
+                t,
+                tile::<1, 1>(isa, weights, [r], activations, [t])[0][0],
+            );
+        }
+    }
+    local
+}

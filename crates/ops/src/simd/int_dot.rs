@@ -1,0 +1,403 @@
+//! Integer dot-product tiles: `R` repacked weight rows by `T` rows of Q8 activations.
+//!
+//! Per 32-value block each (row, token) pair takes one unsigned-by-signed integer dot of 32
+//! bytes into 8 i32 lanes (`vpdpbusd` with AVX-512 VNNI on 256-bit registers; `vpmaddubsw` +
+//! `vpmaddwd` with AVX2), converted to f32 and accumulated with the product of the two block
+//! scales; formats with an offset (`zero`: Q4_0, Q8_0) start each block's integer sum at
+//! `-zero * sum(qa)` (computed once per activation block), so the integer part is exactly
+//! `sum (u - zero) qa`; the min term `sum_b min_w s_a` is a short f32 dot per pair. Each weight block
+//! loaded feeds `T` dots and each activation block `R`, so decode (`T = 1`) streams several
+//! rows past one activation vector and prefill reuses both.
+//!
+//! The result equals [`pagoda_tensor::quant::repack::dot_scalar`] up to f32 rounding (the
+//! integer parts are exact; the order of the float sums differs).
+//!
+//! Batch invariance: every (row, token) pair of a tile runs the same chain whatever `R` and
+//! `T` are (its own accumulator, blocks in order, `fma(integer * s_a, s_w, acc)`, the same
+//! horizontal sum, then the min term), so `tile::<4, 4>` and `tile::<1, 1>` agree bit for
+//! bit; keep it so (`tests/linear_batch_invariance.rs` checks it through `Weight::matmul`).
+
+use pagoda_tensor::quant::q8::Q8Rows;
+use pagoda_tensor::quant::repack::{dot_scalar, QuantWidth, RepackedRows};
+
+/// An instruction set for the integer tiles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntIsa {
+    /// AVX-512 VNNI (+VL) `vpdpbusd` on 256-bit vectors.
+    Vnni,
+    /// AVX2 `vpmaddubsw`/`vpmaddwd`.
+    Avx2,
+    /// Portable scalar code ([`dot_scalar`]).
+    Scalar,
+}
+
+impl IntIsa {
+    /// Whether this CPU can run the set.
+    pub fn is_supported(self) -> bool {
+        match self {
+            IntIsa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            IntIsa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            IntIsa::Vnni => {
+                IntIsa::Avx2.is_supported()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+}
+
+/// `out[r][t] = dot(weights[rows[r]], activations[tokens[t]])` for an `R x T` tile.
+///
+/// Panics if a row or token index is out of range or the two row lengths differ (callers
+/// validate shapes once per matmul). An `isa` the CPU lacks runs the scalar kernel.
+pub fn tile<const R: usize, const T: usize>(
+    isa: IntIsa,
+    weights: &RepackedRows,
+    rows: [usize; R],
+    activations: &Q8Rows,
+    tokens: [usize; T],
+) -> [[f32; T]; R] {
+    assert_eq!(weights.blocks_per_row(), activations.blocks_per_row());
+    assert!(
+        rows.iter().all(|&r| r < weights.num_rows()),
+        "row out of range"
+    );
+    assert!(
+        tokens.iter().all(|&t| t < activations.num_rows()),
+        "token out of range"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa != IntIsa::Scalar && supported(isa) {
+            let nibble = weights.width() == QuantWidth::Nibble;
+            // SAFETY: the CPU has the features (checked above); indices were checked, and
+            // every row slice holds `blocks_per_row` blocks of the layout `width` names.
+            return unsafe {
+                match (isa, nibble) {
+                    (IntIsa::Vnni, true) if weights.blocks_per_row().is_multiple_of(2) => {
+                        x86::tile_vnni_pairs::<R, T>(weights, rows, activations, tokens)
+                    }
+                    (IntIsa::Vnni, true) => {
+                        x86::tile_vnni::<R, T, true>(weights, rows, activations, tokens)
+                    }
+                    (IntIsa::Vnni, false) => {
+                        x86::tile_vnni::<R, T, false>(weights, rows, activations, tokens)
+                    }
+                    (_, true) => x86::tile_avx2::<R, T, true>(weights, rows, activations, tokens),
+                    (_, false) => x86::tile_avx2::<R, T, false>(weights, rows, activations, tokens),
+                }
+            };
+        }
+    }
+    let _ = isa;
+    std::array::from_fn(|r| {
+        std::array::from_fn(|t| dot_scalar(weights, rows[r], activations, tokens[t]))
+    })
+}
+
+/// Cached [`IntIsa::is_supported`].
+fn supported(isa: IntIsa) -> bool {
+    use std::sync::OnceLock;
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    static AVX2: OnceLock<bool> = OnceLock::new();
+    match isa {
+        IntIsa::Vnni => *VNNI.get_or_init(|| IntIsa::Vnni.is_supported()),
+        IntIsa::Avx2 => *AVX2.get_or_init(|| IntIsa::Avx2.is_supported()),
+        IntIsa::Scalar => true,
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// 32 weight values of block `b` as unsigned bytes, in value order.
+    #[inline(always)]
+    unsafe fn load_weights<const NIBBLE: bool>(base: *const u8, block: usize) -> __m256i {
+        // SAFETY (caller): `base` points at a row of whole blocks and `block` is in range.
+        unsafe {
+            if NIBBLE {
+                let packed = _mm_loadu_si128(base.add(block * 16) as *const __m128i);
+                let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+                _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+            } else {
+                _mm256_loadu_si256(base.add(block * 32) as *const __m256i)
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn idot_vnni<const NIBBLE: bool>(
+        start: __m256i,
+        w: __m256i,
+        a: __m256i,
+        _a16: [__m256i; 2],
+    ) -> __m256i {
+        _mm256_dpbusd_epi32(start, w, a)
+    }
+
+    /// `-zero * (sum of each 4 activation bytes)` per i32 lane.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn start_vnni(zero: __m256i, a: __m256i) -> __m256i {
+        _mm256_sub_epi32(
+            _mm256_setzero_si256(),
+            _mm256_dpbusd_epi32(_mm256_setzero_si256(), zero, a),
+        )
+    }
+
+    /// As [`start_vnni`], with AVX2 (zero <= 128, so the i16 pair sums fit).
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn start_avx2(zero: __m256i, a: __m256i) -> __m256i {
+        let pairs = _mm256_maddubs_epi16(zero, a);
+        _mm256_sub_epi32(
+            _mm256_setzero_si256(),
+            _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)),
+        )
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn idot_avx2<const NIBBLE: bool>(
+        start: __m256i,
+        w: __m256i,
+        a: __m256i,
+        a16: [__m256i; 2],
+    ) -> __m256i {
+        let dot = if NIBBLE {
+            // u <= 15, so the i16 pair sums of vpmaddubsw cannot saturate.
+            _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1))
+        } else {
+            // u up to 255: widen to i16 (the activations were widened once per block).
+            let w_low = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
+            let w_high = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+            _mm256_add_epi32(
+                _mm256_madd_epi16(w_low, a16[0]),
+                _mm256_madd_epi16(w_high, a16[1]),
+            )
+        };
+        _mm256_add_epi32(start, dot)
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn widen_avx2(a: __m256i) -> [__m256i; 2] {
+        [
+            _mm256_cvtepi8_epi16(_mm256_castsi256_si128(a)),
+            _mm256_cvtepi8_epi16(_mm256_extracti128_si256(a, 1)),
+        ]
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn horizontal_sum(v: __m256) -> f32 {
+        let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let pair = _mm_add_ps(quad, _mm_movehl_ps(quad, quad));
+        _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)))
+    }
+
+    macro_rules! tile_fn {
+        ($name:ident, $features:literal, $idot:ident, $start:ident, $widen:expr) => {
+            /// See [`super::tile`]. SAFETY: the CPU has the features; indices are in range.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name<const R: usize, const T: usize, const NIBBLE: bool>(
+                weights: &RepackedRows,
+                rows: [usize; R],
+                activations: &Q8Rows,
+                tokens: [usize; T],
+            ) -> [[f32; T]; R] {
+                let blocks = weights.blocks_per_row();
+                let wq: [*const u8; R] = std::array::from_fn(|r| weights.row_qs(rows[r]).as_ptr());
+                let wd: [*const f32; R] =
+                    std::array::from_fn(|r| weights.row_scales(rows[r]).as_ptr());
+                let aq: [*const i8; T] =
+                    std::array::from_fn(|t| activations.row_qs(tokens[t]).as_ptr());
+                let ad: [*const f32; T] =
+                    std::array::from_fn(|t| activations.row_scales(tokens[t]).as_ptr());
+                let mut acc = [[_mm256_setzero_ps(); T]; R];
+                let has_zero = weights.zero() != 0;
+                let zero = _mm256_set1_epi8(weights.zero() as u8 as i8);
+                for b in 0..blocks {
+                    // SAFETY: b < blocks, and every row holds `blocks` blocks and scales.
+                    unsafe {
+                        let w: [__m256i; R] =
+                            std::array::from_fn(|r| load_weights::<NIBBLE>(wq[r], b));
+                        let dw: [__m256; R] =
+                            std::array::from_fn(|r| _mm256_broadcast_ss(&*wd[r].add(b)));
+                        for t in 0..T {
+                            let a = _mm256_loadu_si256(aq[t].add(b * 32) as *const __m256i);
+                            let a16 = $widen(a);
+                            let start = if has_zero {
+                                $start(zero, a)
+                            } else {
+                                _mm256_setzero_si256()
+                            };
+                            let da = _mm256_broadcast_ss(&*ad[t].add(b));
+                            for r in 0..R {
+                                let integer =
+                                    _mm256_cvtepi32_ps($idot::<NIBBLE>(start, w[r], a, a16));
+                                acc[r][t] =
+                                    _mm256_fmadd_ps(_mm256_mul_ps(integer, da), dw[r], acc[r][t]);
+                            }
+                        }
+                    }
+                }
+                let mut out = [[0f32; T]; R];
+                for r in 0..R {
+                    let mins = weights.row_mins(rows[r]);
+                    for t in 0..T {
+                        let min_term = if mins.is_empty() {
+                            0.0
+                        } else {
+                            crate::simd::dot_f32(mins, activations.row_sums(tokens[t]))
+                        };
+                        // SAFETY: the features are enabled in this function.
+                        out[r][t] = unsafe { horizontal_sum(acc[r][t]) } + min_term;
+                    }
+                }
+                out
+            }
+        };
+    }
+
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn no_widen(_a: __m256i) -> [__m256i; 2] {
+        [_mm256_setzero_si256(); 2]
+    }
+
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn widen_for_vnni(a: __m256i) -> [__m256i; 2] {
+        // SAFETY: avx2 is enabled here.
+        unsafe { no_widen(a) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn widen_for_avx2<const NIBBLE: bool>(a: __m256i) -> [__m256i; 2] {
+        // SAFETY: avx2 is enabled here.
+        unsafe {
+            if NIBBLE {
+                no_widen(a)
+            } else {
+                widen_avx2(a)
+            }
+        }
+    }
+
+    tile_fn!(
+        tile_vnni,
+        "avx2,fma,avx512f,avx512vl,avx512vnni",
+        idot_vnni,
+        start_vnni,
+        widen_for_vnni
+    );
+    tile_fn!(
+        tile_avx2,
+        "avx2,fma",
+        idot_avx2,
+        start_avx2,
+        widen_for_avx2::<NIBBLE>
+    );
+
+    /// Nibble weights, two blocks per step: one 256-bit load holds both blocks' 16 packed
+    /// bytes, its low nibbles (values 0..16 of each block) meet the activations' first
+    /// halves and its high nibbles the second halves, so one `vpdpbusd` pair, one
+    /// conversion and one FMA cover 64 values (lanes 0..4 block `b`, lanes 4..8 block
+    /// `b + 1`). SAFETY: as [`super::tile`]; `blocks_per_row` is even.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    pub(super) unsafe fn tile_vnni_pairs<const R: usize, const T: usize>(
+        weights: &RepackedRows,
+        rows: [usize; R],
+        activations: &Q8Rows,
+        tokens: [usize; T],
+    ) -> [[f32; T]; R] {
+        let blocks = weights.blocks_per_row();
+        let wq: [*const u8; R] = std::array::from_fn(|r| weights.row_qs(rows[r]).as_ptr());
+        let wd: [*const f32; R] = std::array::from_fn(|r| weights.row_scales(rows[r]).as_ptr());
+        let aq: [*const i8; T] = std::array::from_fn(|t| activations.row_qs(tokens[t]).as_ptr());
+        let ad: [*const f32; T] =
+            std::array::from_fn(|t| activations.row_scales(tokens[t]).as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); T]; R];
+        let has_zero = weights.zero() != 0;
+        let zero = _mm256_set1_epi8(weights.zero() as u8 as i8);
+        let mask = _mm256_set1_epi8(0x0F);
+        // Lanes 0..4 take element 0 of each 128-bit half, lanes 4..8 element 1.
+        let spread = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+        let pair_of = |p: *const f32| {
+            // SAFETY (caller): p and p + 1 are in range.
+            unsafe {
+                _mm256_permutevar_ps(
+                    _mm256_castpd_ps(_mm256_broadcast_sd(&*(p as *const f64))),
+                    spread,
+                )
+            }
+        };
+        for b in (0..blocks).step_by(2) {
+            // SAFETY: b + 1 < blocks; every row holds `blocks` blocks and scales.
+            unsafe {
+                let (w_low, w_high): ([__m256i; R], [__m256i; R]) = {
+                    let packed: [__m256i; R] = std::array::from_fn(|r| {
+                        _mm256_loadu_si256(wq[r].add(b * 16) as *const __m256i)
+                    });
+                    (
+                        std::array::from_fn(|r| _mm256_and_si256(packed[r], mask)),
+                        std::array::from_fn(|r| {
+                            _mm256_and_si256(_mm256_srli_epi16(packed[r], 4), mask)
+                        }),
+                    )
+                };
+                let dw: [__m256; R] = std::array::from_fn(|r| pair_of(wd[r].add(b)));
+                for t in 0..T {
+                    let a0 = _mm256_loadu_si256(aq[t].add(b * 32) as *const __m256i);
+                    let a1 = _mm256_loadu_si256(aq[t].add(b * 32 + 32) as *const __m256i);
+                    let a_low = _mm256_permute2x128_si256(a0, a1, 0x20);
+                    let a_high = _mm256_permute2x128_si256(a0, a1, 0x31);
+                    let start = if has_zero {
+                        let both = _mm256_dpbusd_epi32(
+                            _mm256_dpbusd_epi32(_mm256_setzero_si256(), zero, a_low),
+                            zero,
+                            a_high,
+                        );
+                        _mm256_sub_epi32(_mm256_setzero_si256(), both)
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    let da = pair_of(ad[t].add(b));
+                    for r in 0..R {
+                        let integer = _mm256_dpbusd_epi32(
+                            _mm256_dpbusd_epi32(start, w_low[r], a_low),
+                            w_high[r],
+                            a_high,
+                        );
+                        let scaled = _mm256_mul_ps(_mm256_cvtepi32_ps(integer), da);
+                        acc[r][t] = _mm256_fmadd_ps(scaled, dw[r], acc[r][t]);
+                    }
+                }
+            }
+        }
+        let mut out = [[0f32; T]; R];
+        for r in 0..R {
+            let mins = weights.row_mins(rows[r]);
+            for t in 0..T {
+                let min_term = if mins.is_empty() {
+                    0.0
+                } else {
+                    crate::simd::dot_f32(mins, activations.row_sums(tokens[t]))
+                };
+                // SAFETY: the features are enabled in this function.
+                out[r][t] = unsafe { horizontal_sum(acc[r][t]) } + min_term;
+            }
+        }
+        out
+    }
+}

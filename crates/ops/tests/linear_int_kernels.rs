@@ -1,0 +1,355 @@
+//! The integer kernels against independent references: repacked weights decode bit-exactly
+//! as `quant::dequantize` does; the scalar integer dot equals the f64 dot of the dequantized
+//! weights and the dequantized Q8 activations; every SIMD tile this CPU runs equals the
+//! scalar kernel (exactly when all scales are 1, so every float is an exact integer); and
+//! `Weight::matmul` with each kernel set matches the f64 reference for decode and prefill.
+
+use pagoda_ops::linear::{CpuKernels, Weight};
+use pagoda_ops::simd::int_dot::{tile, IntIsa};
+use pagoda_tensor::quant::q8::Q8Rows;
+use pagoda_tensor::quant::repack::{dot_scalar, repack};
+use pagoda_tensor::{quant, GgmlType};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const REPACKED: [GgmlType; 5] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+];
+
+fn f16(value: f32) -> [u8; 2] {
+    half::f16::from_f32(value).to_le_bytes()
+}
+
+/// Random stored rows of `ty`; `unit_scales` makes every scale 1 and every min/bias 0.
+fn random_rows(
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    rng: &mut ChaCha8Rng,
+    unit_scales: bool,
+) -> Vec<u8> {
+    let block = ty.block_size().unwrap();
+    let mut out = Vec::new();
+    for _ in 0..rows * cols / block {
+        let scale = |rng: &mut ChaCha8Rng, signed: bool| {
+            if unit_scales {
+                f16(1.0)
+            } else {
+                let v: f32 = rng.random_range(0.001..0.05);
+                f16(if signed && rng.random_bool(0.3) {
+                    -v
+                } else {
+                    v
+                })
+            }
+        };
+        let bytes = |n: usize, rng: &mut ChaCha8Rng| {
+            (0..n).map(|_| rng.random::<u8>()).collect::<Vec<u8>>()
+        };
+        match ty {
+            GgmlType::Q4_0 => {
+                out.extend(scale(rng, true));
+                out.extend(bytes(16, rng));
+            }
+            GgmlType::Q4_1 => {
+                out.extend(scale(rng, false));
+                out.extend(if unit_scales {
+                    f16(0.0)
+                } else {
+                    scale(rng, true)
+                });
+                out.extend(bytes(16, rng));
+            }
+            GgmlType::Q8_0 => {
+                out.extend(scale(rng, true));
+                out.extend(bytes(32, rng));
+            }
+            GgmlType::Q4K | GgmlType::Q5K => {
+                out.extend(scale(rng, false));
+                out.extend(if unit_scales {
+                    f16(0.0)
+                } else {
+                    scale(rng, false)
+                });
+                if unit_scales {
+                    // scale_min_k4 gives scale 1, min 0 for every sub-block.
+                    out.extend([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]);
+                } else {
+                    out.extend(bytes(12, rng));
+                }
+                let rest = if ty == GgmlType::Q4K { 128 } else { 160 };
+                out.extend(bytes(rest, rng));
+            }
+            GgmlType::Q6K => {
+                out.extend(bytes(208, rng));
+                out.extend(scale(rng, false));
+            }
+            _ => unreachable!(),
+        }
+    }
+    out
+}
+
+fn random_activations(rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+    (0..rows * cols)
+        .map(|_| rng.random_range(-2.0f32..2.0))
+        .collect()
+}
+
+fn dequantized(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<f32> {
+    let mut out = vec![0f32; rows * cols];
+    quant::dequantize(ty, bytes, &mut out).unwrap();
+    out
+}
+
+fn supported_isas() -> Vec<IntIsa> {
+    let isas: Vec<IntIsa> = [IntIsa::Vnni, IntIsa::Avx2, IntIsa::Scalar]
+        .into_iter()
+        .filter(|isa| isa.is_supported())
+        .collect();
+    println!("integer kernels tested on this CPU: {isas:?}");
+    isas
+}
+
+#[test]
+fn repacked_rows_decode_bit_exactly() {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for ty in REPACKED {
+        let (rows, cols) = (3, 512);
+        let bytes = random_rows(ty, rows, cols, &mut rng, false);
+        let packed = repack(ty, rows, cols, &bytes).unwrap();
+        let reference = dequantized(ty, rows, cols, &bytes);
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            packed.dequantize_row(r, &mut row);
+            for (i, (a, b)) in row.iter().zip(&reference[r * cols..]).enumerate() {
+                assert!(a == b, "{ty} row {r} value {i}: {a} != {b}");
+            }
+        }
+    }
+    let q6 = random_rows(GgmlType::Q6K, 1, 256, &mut rng, false);
+    assert!(repack(GgmlType::Q6K, 1, 256, &q6).is_none());
+    assert!(
+        repack(GgmlType::Q4_1, 2, 64, &[0u8; 10]).is_none(),
+        "wrong size accepted"
+    );
+}
+
+#[test]
+fn activation_quantization_is_within_half_a_step() {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let x = random_activations(3, 96, &mut rng);
+    let q = Q8Rows::quantize(&x, 96).unwrap();
+    let mut back = vec![0f32; 96];
+    for t in 0..3 {
+        q.dequantize_row(t, &mut back);
+        for (b, (chunk, back)) in x[t * 96..(t + 1) * 96]
+            .chunks(32)
+            .zip(back.chunks(32))
+            .enumerate()
+        {
+            let d = q.row_scales(t)[b];
+            let amax = chunk.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert!((d - amax / 127.0).abs() <= 1e-7 * amax);
+            for (a, b) in chunk.iter().zip(back) {
+                assert!((a - b).abs() <= d * 0.5 + 1e-6, "{a} vs {b}");
+            }
+            let sum: i32 = q.row_qs(t)[b * 32..(b + 1) * 32]
+                .iter()
+                .map(|&v| v as i32)
+                .sum();
+            assert_eq!(q.row_sums(t)[b], d * sum as f32);
+        }
+    }
+    assert!(Q8Rows::quantize(&x, 48).is_err());
+    assert!(Q8Rows::quantize(&x[..100], 96).is_err());
+    // The vectorized, parallel quantizer gives the same bytes as the portable one.
+    let many = random_activations(40, 96, &mut rng);
+    let portable = Q8Rows::quantize(&many, 96).unwrap();
+    for isa in supported_isas() {
+        let mut fast = Q8Rows::default();
+        pagoda_ops::linear::int_matmul::quantize_activations(isa, &many, 96, &mut fast);
+        for t in 0..40 {
+            assert_eq!(fast.row_qs(t), portable.row_qs(t), "{isa:?} token {t}");
+            assert_eq!(fast.row_scales(t), portable.row_scales(t));
+            assert_eq!(fast.row_sums(t), portable.row_sums(t));
+        }
+    }
+}
+
+#[test]
+fn scalar_integer_dot_matches_dequantized_f64_dot() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for ty in REPACKED {
+        let (rows, cols) = (4, 512);
+        let bytes = random_rows(ty, rows, cols, &mut rng, false);
+        let packed = repack(ty, rows, cols, &bytes).unwrap();
+        let weights = dequantized(ty, rows, cols, &bytes);
+        let x = random_activations(2, cols, &mut rng);
+        let q = Q8Rows::quantize(&x, cols).unwrap();
+        let mut a = vec![0f32; cols];
+        for t in 0..2 {
+            q.dequantize_row(t, &mut a);
+            for r in 0..rows {
+                let w = &weights[r * cols..(r + 1) * cols];
+                let reference: f64 = w.iter().zip(&a).map(|(w, a)| *w as f64 * *a as f64).sum();
+                let scale: f64 = w
+                    .iter()
+                    .zip(&a)
+                    .map(|(w, a)| (*w as f64 * *a as f64).abs())
+                    .sum();
+                let got = dot_scalar(&packed, r, &q, t) as f64;
+                assert!(
+                    (got - reference).abs() <= 1e-5 * scale + 1e-6,
+                    "{ty} r{r} t{t}: {got} vs {reference}"
+                );
+            }
+        }
+    }
+}
+
+fn check_tiles<const R: usize, const T: usize>(
+    isa: IntIsa,
+    ty: GgmlType,
+    unit: bool,
+    seed: u64,
+    cols: usize,
+) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let bytes = random_rows(ty, R + 1, cols, &mut rng, unit);
+    let packed = repack(ty, R + 1, cols, &bytes).unwrap();
+    let x: Vec<f32> = if unit {
+        // Integers with one +-127 per block: every activation scale is exactly 1.
+        (0..(T + 1) * cols)
+            .map(|i| {
+                if i % 32 == 5 {
+                    127.0
+                } else {
+                    rng.random_range(-127i32..=127) as f32
+                }
+            })
+            .collect()
+    } else {
+        random_activations(T + 1, cols, &mut rng)
+    };
+    let q = Q8Rows::quantize(&x, cols).unwrap();
+    let rows: [usize; R] = std::array::from_fn(|r| (r + 1) % (R + 1));
+    let tokens: [usize; T] = std::array::from_fn(|t| T - t);
+    let got = tile::<R, T>(isa, &packed, rows, &q, tokens);
+    for r in 0..R {
+        for t in 0..T {
+            let want = dot_scalar(&packed, rows[r], &q, tokens[t]);
+            if unit {
+                assert_eq!(
+                    got[r][t], want,
+                    "{isa:?} {ty} {R}x{T} exact integers, r{r} t{t}"
+                );
+            } else {
+                let scale = 1e-5 * want.abs().max(1.0);
+                assert!(
+                    (got[r][t] - want).abs() <= scale,
+                    "{isa:?} {ty} {R}x{T}: {} vs {want}",
+                    got[r][t]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_supported_tile_matches_the_scalar_kernel() {
+    for isa in supported_isas() {
+        for (i, ty) in REPACKED.into_iter().enumerate() {
+            for unit in [true, false] {
+                let seed = 10 + i as u64;
+                // 256 columns: an even number of blocks (the VNNI nibble kernel takes two
+                // at a time); 224: seven blocks, the one-block-at-a-time kernel.
+                let widths: &[usize] = match ty {
+                    GgmlType::Q4K | GgmlType::Q5K => &[256],
+                    _ => &[256, 224],
+                };
+                for &cols in widths {
+                    check_tiles::<4, 4>(isa, ty, unit, seed, cols);
+                    check_tiles::<4, 1>(isa, ty, unit, seed, cols);
+                    check_tiles::<1, 4>(isa, ty, unit, seed, cols);
+                    check_tiles::<1, 1>(isa, ty, unit, seed, cols);
+                    check_tiles::<2, 3>(isa, ty, unit, seed, cols);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmul_with_every_kernel_set_matches_the_reference() {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let mut sets = vec![CpuKernels::F32, CpuKernels::Scalar];
+    for set in [CpuKernels::Avx2, CpuKernels::Vnni] {
+        if set.is_supported() {
+            sets.push(set);
+        }
+    }
+    for ty in REPACKED.into_iter().chain([GgmlType::Q6K]) {
+        let (rows, cols) = (37, 256);
+        let bytes = random_rows(ty, rows, cols, &mut rng, false);
+        let weights = dequantized(ty, rows, cols, &bytes);
+        for num_tokens in [1usize, 3, 6, 21] {
+            let x = random_activations(num_tokens, cols, &mut rng);
+            for &set in &sets {
+                let weight = Weight::with_kernels(ty, rows, cols, bytes.clone(), set).unwrap();
+                let quantized = set != CpuKernels::F32 && ty != GgmlType::Q6K;
+                assert_eq!(weight.int_isa().is_some(), quantized, "{set:?} {ty}");
+                // The reference: f64 dots with the activations the kernel actually sees.
+                let seen: Vec<f32> = if quantized {
+                    let q = Q8Rows::quantize(&x, cols).unwrap();
+                    let mut out = vec![0f32; x.len()];
+                    for (t, row) in out.chunks_mut(cols).enumerate() {
+                        q.dequantize_row(t, row);
+                    }
+                    out
+                } else {
+                    x.clone()
+                };
+                let mut y = vec![f32::NAN; num_tokens * rows];
+                weight.matmul(&x, num_tokens, &mut y);
+                for t in 0..num_tokens {
+                    for r in 0..rows {
+                        let w = &weights[r * cols..(r + 1) * cols];
+                        let a = &seen[t * cols..(t + 1) * cols];
+                        let reference: f64 =
+                            w.iter().zip(a).map(|(w, a)| *w as f64 * *a as f64).sum();
+                        let scale: f64 = w
+                            .iter()
+                            .zip(a)
+                            .map(|(w, a)| (*w as f64 * *a as f64).abs())
+                            .sum();
+                        let got = y[t * rows + r] as f64;
+                        assert!(
+                            (got - reference).abs() <= 1e-5 * scale + 1e-6,
+                            "{set:?} {ty} tokens {num_tokens} t{t} r{r}: {got} vs {reference}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn kernel_switch_parses_every_name() {
+    for (name, want) in [
+        ("vnni", CpuKernels::Vnni),
+        ("AVX2", CpuKernels::Avx2),
+        ("scalar", CpuKernels::Scalar),
+        ("f32", CpuKernels::F32),
+    ] {
+        assert_eq!(CpuKernels::parse(name), Ok(want));
+    }
+    assert_eq!(CpuKernels::parse("auto"), Ok(CpuKernels::best()));
+    assert!(CpuKernels::parse("amx").unwrap_err().contains("amx"));
+    assert!(CpuKernels::best().is_supported());
+}

@@ -1,0 +1,204 @@
+//! Property tests: random workloads (shared prefixes, random lengths, random aborts, tight
+//! pools, small budgets, caching on and off) keep every invariant at every step, and every
+//! request either finishes with exactly the tokens the fake model gives it alone, or was
+//! aborted. Nothing is lost, nothing leaks.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::{check_pool, config, reference_generation, ShadowKv};
+use pagoda_scheduler::{Request, Scheduler, SchedulerError};
+use proptest::prelude::*;
+
+#[derive(Clone, Debug)]
+struct Workload {
+    page_size: usize,
+    extra_pages: usize,
+    budget: usize,
+    caching: bool,
+    stops: bool,
+    prefixes: Vec<Vec<u32>>,
+    /// (arrival step, prefix index, suffix, max_new_tokens)
+    requests: Vec<(usize, usize, Vec<u32>, usize)>,
+    /// (step, request index) aborts.
+    aborts: Vec<(usize, usize)>,
+}
+
+fn workload() -> impl Strategy<Value = Workload> {
+    (
+        1usize..5,
+        0usize..6,
+        1usize..12,
+        any::<bool>(),
+        any::<bool>(),
+        proptest::collection::vec(proptest::collection::vec(0u32..5, 0..14), 1..4),
+        proptest::collection::vec(
+            (
+                0usize..12,
+                any::<usize>(),
+                proptest::collection::vec(0u32..5, 0..6),
+                1usize..9,
+            ),
+            1..10,
+        ),
+        proptest::collection::vec((0usize..30, any::<usize>()), 0..3),
+    )
+        .prop_map(
+            |(page_size, extra_pages, budget, caching, stops, prefixes, requests, aborts)| {
+                let requests = requests
+                    .into_iter()
+                    .map(|(step, prefix, suffix, max_new)| {
+                        (step, prefix % prefixes.len(), suffix, max_new)
+                    })
+                    .collect();
+                Workload {
+                    page_size,
+                    extra_pages,
+                    budget,
+                    caching,
+                    stops,
+                    prefixes,
+                    requests,
+                    aborts,
+                }
+            },
+        )
+}
+
+fn run_workload(workload: &Workload) {
+    let prompts: Vec<Vec<u32>> = workload
+        .requests
+        .iter()
+        .map(|(_, prefix, suffix, _)| {
+            let mut prompt = workload.prefixes[*prefix].clone();
+            prompt.extend(suffix);
+            if prompt.is_empty() {
+                prompt.push(1);
+            }
+            prompt
+        })
+        .collect();
+    // The pool fits the largest request alone plus a few pages: tight on purpose.
+    let largest = prompts
+        .iter()
+        .zip(&workload.requests)
+        .map(|(prompt, request)| (prompt.len() + request.3 - 1).div_ceil(workload.page_size))
+        .max()
+        .unwrap();
+    let num_pages = largest + workload.extra_pages;
+    let mut scheduler = Scheduler::new(config(
+        workload.page_size,
+        num_pages,
+        workload.budget,
+        workload.caching,
+    ))
+    .unwrap();
+    let mut shadow = ShadowKv::default();
+    let mut added = 0;
+    let mut finished: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut aborted = Vec::new();
+    let mut step = 0;
+    while added < prompts.len() || scheduler.num_unfinished() > 0 {
+        for (index, request) in workload.requests.iter().enumerate().skip(added) {
+            if request.0 > step && index == added {
+                break;
+            }
+            if index == added {
+                scheduler
+                    .add(Request {
+                        id: index as u64,
+                        prompt: prompts[index].clone(),
+                        max_new_tokens: request.3,
+                    })
+                    .unwrap();
+                added += 1;
+            }
+        }
+        for &(abort_step, which) in &workload.aborts {
+            let id = (which % prompts.len()) as u64;
+            if abort_step == step && scheduler.contains(id) {
+                assert_eq!(scheduler.abort(id), Ok(true));
+                assert!(!scheduler.contains(id));
+                aborted.push(id);
+                check_pool(&scheduler);
+            }
+        }
+        let decoding: Vec<u64> = scheduler
+            .running_ids()
+            .into_iter()
+            .filter(|&id| scheduler.pending_tokens(id) == Some(1))
+            .collect();
+        let plan = scheduler.schedule().unwrap();
+        for id in decoding {
+            if !plan.preempted.contains(&id) {
+                assert!(
+                    plan.sequences.iter().any(|s| s.id == id),
+                    "decode of {id} not batched"
+                );
+            }
+        }
+        check_pool(&scheduler);
+        let sampled = shadow.run(&scheduler, &plan, workload.stops);
+        for done in scheduler.postprocess(&sampled).unwrap() {
+            assert!(
+                finished.insert(done.id, done.generated).is_none(),
+                "finished twice"
+            );
+        }
+        check_pool(&scheduler);
+        step += 1;
+        assert!(step < 5000, "no progress: {:?}", scheduler.stats());
+    }
+    for (index, prompt) in prompts.iter().enumerate() {
+        let id = index as u64;
+        match finished.get(&id) {
+            Some(generated) => {
+                assert!(!aborted.contains(&id));
+                assert_eq!(
+                    generated,
+                    &reference_generation(prompt, workload.requests[index].3, workload.stops),
+                    "request {id}"
+                );
+            }
+            None => assert!(aborted.contains(&id), "request {id} lost"),
+        }
+    }
+    let stats = scheduler.stats();
+    assert_eq!(stats.pages_used, 0);
+    assert_eq!(stats.pages_free + stats.pages_evictable, num_pages);
+    if !workload.caching {
+        assert_eq!(stats.pages_cached, 0);
+        assert_eq!(stats.prefix_hit_tokens, 0);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_workloads_keep_every_invariant(workload in workload()) {
+        run_workload(&workload);
+    }
+}
+
+#[test]
+fn too_large_request_is_refused() {
+    let mut scheduler = Scheduler::new(config(4, 2, 8, true)).unwrap();
+    let error = scheduler
+        .add(Request {
+            id: 3,
+            prompt: vec![1; 8],
+            max_new_tokens: 2,
+        })
+        .unwrap_err();
+    assert_eq!(
+        error,
+        SchedulerError::TooLargeForPool {
+            id: 3,
+            needed: 3,
+            total: 2
+        }
+    );
+    assert!(error.to_string().contains("request 3"));
+}

@@ -1,0 +1,192 @@
+//! JSON shapes of the answers: whole responses and stream chunks for chat and text
+//! completions, usage, and the two log-probability formats.
+
+use serde_json::{json, Value};
+
+use crate::session::LogprobEntry;
+
+/// Which endpoint an answer is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completion,
+}
+
+/// What every chunk and response of one request repeats.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    /// Which endpoint.
+    pub kind: Kind,
+    /// `chatcmpl-N` / `cmpl-N`.
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The served model name.
+    pub model: String,
+    /// Tokens in the prompt.
+    pub prompt_tokens: usize,
+    /// Whether log-probabilities were asked for.
+    pub want_logprobs: bool,
+}
+
+/// The `usage` object.
+pub fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
+}
+
+/// JSON cannot hold -inf; OpenAI reports impossible tokens as -9999.
+fn finite(logprob: f32) -> f32 {
+    if logprob.is_finite() {
+        logprob
+    } else {
+        -9999.0
+    }
+}
+
+/// Chat format: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
+pub fn chat_logprobs(entries: &[LogprobEntry]) -> Value {
+    let content: Vec<Value> = entries
+        .iter()
+        .map(|entry| {
+            json!({
+                "token": entry.token,
+                "logprob": finite(entry.logprob),
+                "bytes": entry.bytes,
+                "top_logprobs": entry.top.iter().map(|(token, bytes, logprob)| json!({
+                    "token": token,
+                    "logprob": finite(*logprob),
+                    "bytes": bytes,
+                })).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// Completions format: `{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}`.
+pub fn completion_logprobs(entries: &[LogprobEntry]) -> Value {
+    json!({
+        "tokens": entries.iter().map(|e| e.token.clone()).collect::<Vec<_>>(),
+        "token_logprobs": entries.iter().map(|e| finite(e.logprob)).collect::<Vec<_>>(),
+        "top_logprobs": entries.iter().map(|e| {
+            let mut map = serde_json::Map::new();
+            for (token, _, logprob) in &e.top {
+                map.entry(token.clone()).or_insert(json!(finite(*logprob)));
+            }
+            Value::Object(map)
+        }).collect::<Vec<_>>(),
+        "text_offset": entries.iter().map(|e| e.text_offset).collect::<Vec<_>>(),
+    })
+}
+
+fn logprobs_value(reply: &Reply, entries: &[LogprobEntry]) -> Value {
+    if !reply.want_logprobs {
+        return Value::Null;
+    }
+    match reply.kind {
+        Kind::Chat => chat_logprobs(entries),
+        Kind::Completion => completion_logprobs(entries),
+    }
+}
+
+/// One stream chunk. `role` is set on the first chat chunk; with `include_usage` every chunk
+/// carries `"usage": null` (the usage chunk itself is built by the caller).
+pub fn chunk(
+    reply: &Reply,
+    role: Option<&str>,
+    text: &str,
+    logprobs: &[LogprobEntry],
+    finish_reason: Option<&str>,
+    include_usage: bool,
+) -> Value {
+    let logprobs = if logprobs.is_empty() && reply.kind == Kind::Chat {
+        Value::Null
+    } else {
+        logprobs_value(reply, logprobs)
+    };
+    let choice = match reply.kind {
+        Kind::Chat => {
+            let mut delta = serde_json::Map::new();
+            if let Some(role) = role {
+                delta.insert("role".into(), json!(role));
+            }
+            if role.is_some() || !text.is_empty() {
+                delta.insert("content".into(), json!(text));
+            }
+            json!({
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            })
+        }
+        Kind::Completion => json!({
+            "index": 0,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+        }),
+    };
+    let object = match reply.kind {
+        Kind::Chat => "chat.completion.chunk",
+        Kind::Completion => "text_completion",
+    };
+    let mut value = json!({
+        "id": reply.id,
+        "object": object,
+        "created": reply.created,
+        "model": reply.model,
+        "system_fingerprint": "pagoda",
+        "choices": [choice],
+    });
+    if include_usage {
+        value["usage"] = Value::Null;
+    }
+    value
+}
+
+/// The whole (non-streamed) response.
+pub fn final_body(
+    reply: &Reply,
+    text: &str,
+    logprobs: &[LogprobEntry],
+    finish_reason: &str,
+    completion_tokens: usize,
+) -> Value {
+    let logprobs = logprobs_value(reply, logprobs);
+    let (object, choice) = match reply.kind {
+        Kind::Chat => (
+            "chat.completion",
+            json!({
+                "index": 0,
+                "message": { "role": "assistant", "content": text },
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }),
+        ),
+        Kind::Completion => (
+            "text_completion",
+            json!({
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+            }),
+        ),
+    };
+    json!({
+        "id": reply.id,
+        "object": object,
+        "created": reply.created,
+        "model": reply.model,
+        "system_fingerprint": "pagoda",
+        "choices": [choice],
+        "usage": usage(reply.prompt_tokens, completion_tokens),
+    })
+}

@@ -1,0 +1,179 @@
+//! pagoda's OpenAI-compatible HTTP server.
+//!
+//! The engine runs on its own thread ([`worker`]); HTTP handlers ([`routes`]) parse and
+//! validate requests ([`request`]), queue them with a per-request event channel, and turn the
+//! token events into text ([`session`], with stop strings held back by [`stop`]) answered as
+//! whole JSON or server-sent events ([`format`]). Errors use the OpenAI body ([`error`]);
+//! `/metrics` is Prometheus text ([`metrics`]).
+
+pub mod error;
+pub mod format;
+pub mod metrics;
+pub mod request;
+pub mod routes;
+pub mod session;
+pub mod stop;
+pub mod worker;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use pagoda_models::chat_template::ChatTemplate;
+use pagoda_models::tokenizer::Tokenizer;
+use pagoda_ops::sampling::SamplingParams;
+
+use crate::format::Kind;
+use crate::metrics::Metrics;
+use crate::worker::{spawn_worker, EngineBackend, WorkerHandle};
+
+/// How the server runs.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Address to bind (`127.0.0.1`, `0.0.0.0`, ...).
+    pub host: String,
+    /// Port to bind (0: any free port).
+    pub port: u16,
+    /// The model name served (`/v1/models`, the `model` field of answers).
+    pub model_name: String,
+    /// Other names a request's `model` may use (the file name, its stem).
+    pub model_aliases: Vec<String>,
+    /// Longest sequence (prompt + generated) in tokens.
+    pub context_size: usize,
+    /// Sequences run at once.
+    pub parallel: usize,
+    /// Requests that may wait for admission before new ones get 429.
+    pub max_queue: usize,
+    /// Required `Authorization: Bearer` key on `/v1/` paths, if any.
+    pub api_key: Option<String>,
+    /// Largest request body in bytes (larger: 413).
+    pub max_body_bytes: usize,
+    /// Sampling parameters of a request that does not set them.
+    pub sampling_defaults: SamplingParams,
+}
+
+impl ServerConfig {
+    /// Whether a request's `model` names the served model.
+    pub fn accepts_model(&self, name: &str) -> bool {
+        name == self.model_name || self.model_aliases.iter().any(|alias| alias == name)
+    }
+}
+
+/// The model's text side.
+pub struct TextModel {
+    /// Tokenizer of the model.
+    pub tokenizer: Tokenizer,
+    /// Chat template rendering messages into a prompt.
+    pub chat_template: ChatTemplate,
+    /// Token ids that end generation (not shown as text).
+    pub stop_tokens: Vec<u32>,
+}
+
+/// Shared state of the handlers.
+pub struct AppState {
+    /// Configuration.
+    pub config: ServerConfig,
+    /// Tokenizer of the served model.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Chat template of the served model.
+    pub chat_template: ChatTemplate,
+    /// End-of-generation token ids.
+    pub stop_tokens: Vec<u32>,
+    /// The engine loop.
+    pub worker: WorkerHandle,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Unix seconds when the server started.
+    pub created: u64,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    /// Starts the engine loop over `backend` and returns the handlers' state.
+    pub fn start<B: EngineBackend>(
+        config: ServerConfig,
+        text: TextModel,
+        backend: B,
+    ) -> std::io::Result<Arc<AppState>> {
+        let metrics = Arc::new(Metrics::default());
+        let (worker, _thread) =
+            spawn_worker(backend, config.parallel, config.max_queue, metrics.clone())?;
+        Ok(Arc::new(AppState {
+            config,
+            tokenizer: Arc::new(text.tokenizer),
+            chat_template: text.chat_template,
+            stop_tokens: text.stop_tokens,
+            worker,
+            metrics,
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            next_id: AtomicU64::new(0),
+        }))
+    }
+
+    /// A fresh response id.
+    pub fn next_id(&self, kind: Kind) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        match kind {
+            Kind::Chat => format!("chatcmpl-{n}"),
+            Kind::Completion => format!("cmpl-{n}"),
+        }
+    }
+}
+
+/// The router with every endpoint and middleware.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(routes::chat_completions))
+        .route("/v1/completions", post(routes::completions))
+        .route("/v1/models", get(routes::models))
+        .route("/health", get(routes::health))
+        .route("/metrics", get(routes::metrics))
+        .fallback(routes::not_found)
+        .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            routes::require_api_key,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            routes::count_requests,
+        ))
+        .with_state(state)
+}
+
+/// Binds `config.host:config.port` and serves until Ctrl-C. `on_listening` gets the URL once
+/// the socket is bound.
+pub fn serve<B: EngineBackend>(
+    config: ServerConfig,
+    text: TextModel,
+    backend: B,
+    on_listening: impl FnOnce(&str),
+) -> Result<(), String> {
+    let address = format!("{}:{}", config.host, config.port);
+    let state = AppState::start(config, text, backend)
+        .map_err(|e| format!("starting the engine thread: {e}"))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("starting the async runtime: {e}"))?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(&address)
+            .await
+            .map_err(|e| format!("binding {address}: {e}"))?;
+        let bound = listener
+            .local_addr()
+            .map_err(|e| format!("reading the bound address: {e}"))?;
+        on_listening(&format!("http://{bound}"));
+        let server = axum::serve(listener, router(state));
+        tokio::select! {
+            result = server => result.map_err(|e| format!("serving: {e}")),
+            _ = tokio::signal::ctrl_c() => Ok(()),
+        }
+    })
+}

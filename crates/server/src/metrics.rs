@@ -1,0 +1,421 @@
+//! Server metrics in the Prometheus text format (`GET /metrics`).
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use crate::worker::EngineSnapshot;
+
+/// A monotonically increasing count.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    /// Adds one.
+    pub fn inc(&self) {
+        self.add(1);
+    }
+    /// Adds `n`.
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    /// The current value.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+    fn set(&self, value: u64) {
+        self.0.store(value, Ordering::Relaxed);
+    }
+}
+
+/// A histogram of seconds with fixed upper bounds.
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Per-bucket (non-cumulative) counts, one more than `bounds` (the +Inf bucket), the sum.
+    state: Mutex<(Vec<u64>, f64)>,
+}
+
+impl Histogram {
+    /// An empty histogram with upper bounds `bounds` (seconds, ascending).
+    pub fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            state: Mutex::new((vec![0; bounds.len() + 1], 0.0)),
+        }
+    }
+
+    /// Records one observation of `seconds`.
+    pub fn observe(&self, seconds: f64) {
+        let bucket = self
+            .bounds
+            .iter()
+            .position(|&bound| seconds <= bound)
+            .unwrap_or(self.bounds.len());
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.0[bucket] += 1;
+        state.1 += seconds;
+    }
+
+    /// Number of observations.
+    pub fn count(&self) -> u64 {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.0.iter().sum()
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (bound, count) in self.bounds.iter().zip(&state.0) {
+            cumulative += count;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+        }
+        cumulative += state.0[self.bounds.len()];
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
+        let _ = writeln!(out, "{name}_sum {}", state.1);
+        let _ = writeln!(out, "{name}_count {cumulative}");
+    }
+}
+
+const TTFT_BOUNDS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const ITL_BOUNDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+];
+
+/// Everything `/metrics` reports. Counters are updated by the handlers and the engine loop;
+/// gauges are set by the loop after each step.
+#[derive(Debug)]
+pub struct Metrics {
+    /// Finished HTTP requests by (endpoint, status code).
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: Counter,
+    /// Tokens sampled.
+    pub generated_tokens: Counter,
+    /// Seconds from queueing to the first sampled token.
+    pub time_to_first_token: Histogram,
+    /// Seconds between consecutive tokens of one request.
+    pub inter_token_latency: Histogram,
+    /// Requests cancelled because the client went away (or a stop string ended them).
+    pub cancelled: Counter,
+    /// Engine steps that failed.
+    pub engine_errors: Counter,
+    /// Requests admitted with greedy sampling.
+    pub sampling_greedy_requests: Counter,
+    /// Requests admitted with random sampling.
+    pub sampling_random_requests: Counter,
+    queue_length: Counter,
+    running: Counter,
+    pages_used: Counter,
+    pages_free: Counter,
+    steps_split_kv: Counter,
+    steps_gather: Counter,
+    tokens_forwarded: Counter,
+    prefix_hit_tokens: Counter,
+    preemptions: Counter,
+    steps_cuda: Counter,
+    requests_split_kv: Counter,
+    requests_gather: Counter,
+    pages_cached: Counter,
+    sampled_greedy: Counter,
+    sampled_gumbel: Counter,
+    sampled_rejection: Counter,
+    sampled_reference: Counter,
+    sampling_fallbacks: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            requests: Mutex::new(BTreeMap::new()),
+            prompt_tokens: Counter::default(),
+            generated_tokens: Counter::default(),
+            time_to_first_token: Histogram::new(TTFT_BOUNDS),
+            inter_token_latency: Histogram::new(ITL_BOUNDS),
+            cancelled: Counter::default(),
+            engine_errors: Counter::default(),
+            sampling_greedy_requests: Counter::default(),
+            sampling_random_requests: Counter::default(),
+            queue_length: Counter::default(),
+            running: Counter::default(),
+            pages_used: Counter::default(),
+            pages_free: Counter::default(),
+            steps_split_kv: Counter::default(),
+            steps_gather: Counter::default(),
+            tokens_forwarded: Counter::default(),
+            prefix_hit_tokens: Counter::default(),
+            preemptions: Counter::default(),
+            steps_cuda: Counter::default(),
+            requests_split_kv: Counter::default(),
+            requests_gather: Counter::default(),
+            pages_cached: Counter::default(),
+            sampled_greedy: Counter::default(),
+            sampled_gumbel: Counter::default(),
+            sampled_rejection: Counter::default(),
+            sampled_reference: Counter::default(),
+            sampling_fallbacks: Counter::default(),
+        }
+    }
+}
+
+impl Metrics {
+    /// Counts one answered HTTP request.
+    pub fn record_request(&self, endpoint: &str, status: u16) {
+        let mut requests = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        *requests.entry((endpoint.to_owned(), status)).or_default() += 1;
+    }
+
+    /// Sets the engine gauges and counters from a snapshot; `queue_length` requests wait.
+    pub fn update_engine(&self, snapshot: &EngineSnapshot, queue_length: usize) {
+        self.queue_length.set(queue_length as u64);
+        self.running.set(snapshot.num_running as u64);
+        self.pages_used.set(snapshot.pages_used as u64);
+        self.pages_free
+            .set(snapshot.pages_total.saturating_sub(snapshot.pages_used) as u64);
+        self.steps_split_kv.set(snapshot.steps_split_kv);
+        self.steps_gather.set(snapshot.steps_gather);
+        self.tokens_forwarded.set(snapshot.tokens_forwarded);
+        self.prefix_hit_tokens.set(snapshot.prefix_hit_tokens);
+        self.preemptions.set(snapshot.preemptions);
+        self.steps_cuda.set(snapshot.steps_cuda);
+        self.requests_split_kv.set(snapshot.requests_split_kv);
+        self.requests_gather.set(snapshot.requests_gather);
+        self.pages_cached.set(snapshot.pages_cached as u64);
+        self.sampled_greedy.set(snapshot.sampling.greedy_draws);
+        self.sampled_gumbel.set(snapshot.sampling.gumbel_draws);
+        self.sampled_rejection
+            .set(snapshot.sampling.rejection_draws);
+        self.sampled_reference
+            .set(snapshot.sampling.reference_draws);
+        self.sampling_fallbacks.set(snapshot.sampling.fallbacks);
+    }
+
+    /// KV pages in use at the last update.
+    pub fn pages_used(&self) -> u64 {
+        self.pages_used.get()
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "# HELP pagoda_requests_total HTTP requests answered, by endpoint and status.\n\
+             # TYPE pagoda_requests_total counter"
+        );
+        let requests = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        for ((endpoint, status), count) in requests.iter() {
+            let _ = writeln!(
+                out,
+                "pagoda_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {count}"
+            );
+        }
+        drop(requests);
+        let scalars: [(&str, &str, &str, &Counter); 24] = [
+            (
+                "pagoda_prompt_tokens_total",
+                "counter",
+                "Prompt tokens of admitted requests.",
+                &self.prompt_tokens,
+            ),
+            (
+                "pagoda_generated_tokens_total",
+                "counter",
+                "Tokens sampled.",
+                &self.generated_tokens,
+            ),
+            (
+                "pagoda_requests_cancelled_total",
+                "counter",
+                "Requests cancelled before the engine finished them (client gone or stop string).",
+                &self.cancelled,
+            ),
+            (
+                "pagoda_engine_errors_total",
+                "counter",
+                "Engine steps that failed.",
+                &self.engine_errors,
+            ),
+            (
+                "pagoda_queue_length",
+                "gauge",
+                "Requests waiting for admission.",
+                &self.queue_length,
+            ),
+            (
+                "pagoda_running_sequences",
+                "gauge",
+                "Sequences the engine is running.",
+                &self.running,
+            ),
+            (
+                "pagoda_kv_pages_used",
+                "gauge",
+                "KV-cache pages in use.",
+                &self.pages_used,
+            ),
+            (
+                "pagoda_kv_pages_free",
+                "gauge",
+                "KV-cache pages free.",
+                &self.pages_free,
+            ),
+            (
+                "pagoda_prefix_cache_hit_tokens_total",
+                "counter",
+                "Prompt tokens served from the prefix cache.",
+                &self.prefix_hit_tokens,
+            ),
+            (
+                "pagoda_preemptions_total",
+                "counter",
+                "Requests preempted for recompute when pages ran out.",
+                &self.preemptions,
+            ),
+            (
+                "pagoda_attention_split_kv_steps_total",
+                "counter",
+                "Forward passes whose attention ran split-KV decode.",
+                &self.steps_split_kv,
+            ),
+            (
+                "pagoda_attention_gather_steps_total",
+                "counter",
+                "Forward passes whose attention ran gather-then-attend.",
+                &self.steps_gather,
+            ),
+            (
+                "pagoda_attention_split_kv_requests_total",
+                "counter",
+                "Requests (per step) whose attention had split-KV rows.",
+                &self.requests_split_kv,
+            ),
+            (
+                "pagoda_attention_gather_requests_total",
+                "counter",
+                "Requests (per step) served by gather-then-attend only.",
+                &self.requests_gather,
+            ),
+            (
+                "pagoda_cuda_steps_total",
+                "counter",
+                "Forward passes run on the CUDA backend.",
+                &self.steps_cuda,
+            ),
+            (
+                "pagoda_kv_pages_cached",
+                "gauge",
+                "KV pages kept only for prefix-cache hits (evictable).",
+                &self.pages_cached,
+            ),
+            (
+                "pagoda_sampled_tokens_greedy_total",
+                "counter",
+                "Tokens chosen by the fused sampler's greedy argmax.",
+                &self.sampled_greedy,
+            ),
+            (
+                "pagoda_sampled_tokens_gumbel_total",
+                "counter",
+                "Tokens drawn by the fused sampler's Gumbel-max path.",
+                &self.sampled_gumbel,
+            ),
+            (
+                "pagoda_sampled_tokens_rejection_total",
+                "counter",
+                "Tokens drawn by the fused sampler's sort-free rejection path.",
+                &self.sampled_rejection,
+            ),
+            (
+                "pagoda_sampled_tokens_reference_total",
+                "counter",
+                "Tokens drawn by the sort-based reference sampler.",
+                &self.sampled_reference,
+            ),
+            (
+                "pagoda_sampling_fallbacks_total",
+                "counter",
+                "Fused draws that fell back to the reference chain (bounded rounds or rounding).",
+                &self.sampling_fallbacks,
+            ),
+            (
+                "pagoda_tokens_forwarded_total",
+                "counter",
+                "Tokens run through the model.",
+                &self.tokens_forwarded,
+            ),
+            (
+                "pagoda_sampling_greedy_requests_total",
+                "counter",
+                "Requests sampled greedily (argmax path).",
+                &self.sampling_greedy_requests,
+            ),
+            (
+                "pagoda_sampling_random_requests_total",
+                "counter",
+                "Requests sampled through the random chain.",
+                &self.sampling_random_requests,
+            ),
+        ];
+        for (name, kind, help, counter) in scalars {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {}",
+                counter.get()
+            );
+        }
+        self.time_to_first_token.render(
+            &mut out,
+            "pagoda_time_to_first_token_seconds",
+            "Seconds from queueing to the first token.",
+        );
+        self.inter_token_latency.render(
+            &mut out,
+            "pagoda_inter_token_latency_seconds",
+            "Seconds between consecutive tokens of one request.",
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let metrics = Metrics::default();
+        for seconds in [0.005, 0.02, 0.02, 100.0] {
+            metrics.time_to_first_token.observe(seconds);
+        }
+        let text = metrics.render();
+        assert!(text.contains("pagoda_time_to_first_token_seconds_bucket{le=\"0.01\"} 1\n"));
+        assert!(text.contains("pagoda_time_to_first_token_seconds_bucket{le=\"0.025\"} 3\n"));
+        assert!(text.contains("pagoda_time_to_first_token_seconds_bucket{le=\"60\"} 3\n"));
+        assert!(text.contains("pagoda_time_to_first_token_seconds_bucket{le=\"+Inf\"} 4\n"));
+        assert!(text.contains("pagoda_time_to_first_token_seconds_count 4\n"));
+    }
+
+    #[test]
+    fn gauges_follow_the_snapshot() {
+        let metrics = Metrics::default();
+        let snapshot = EngineSnapshot {
+            pages_used: 3,
+            pages_total: 10,
+            num_running: 2,
+            ..EngineSnapshot::default()
+        };
+        metrics.update_engine(&snapshot, 5);
+        metrics.record_request("chat", 200);
+        metrics.record_request("chat", 200);
+        let text = metrics.render();
+        assert!(text.contains("pagoda_kv_pages_used 3\n"));
+        assert!(text.contains("pagoda_kv_pages_free 7\n"));
+        assert!(text.contains("pagoda_queue_length 5\n"));
+        assert!(text.contains("pagoda_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
+    }
+}

@@ -1,0 +1,424 @@
+//! Parsing and validating OpenAI request bodies into what the engine needs.
+//!
+//! Bodies are parsed to a JSON object first (malformed JSON is a 400), then each known field
+//! is read with its type checked, so an error names the field. Unknown fields are ignored
+//! (clients send many).
+
+use pagoda_ops::sampling::SamplingParams;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+
+/// Most stop strings one request may give.
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Most alternatives `top_logprobs` may ask for (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The prompt of a completions request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Text to tokenize (with the model's BOS).
+    Text(String),
+    /// Token ids, used as given.
+    Tokens(Vec<u32>),
+}
+
+/// One chat message: role and text content.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Message {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// The text (content parts of type `text` joined).
+    pub content: String,
+}
+
+/// The options shared by both endpoints, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Options {
+    /// The `model` field, when given.
+    pub model: Option<String>,
+    /// Stream server-sent events.
+    pub stream: bool,
+    /// Send a final usage chunk in the stream (`stream_options.include_usage`).
+    pub include_usage: bool,
+    /// `max_completion_tokens` or `max_tokens` (at least 1), when given.
+    pub max_tokens: Option<usize>,
+    /// Stop strings (non-empty).
+    pub stop: Vec<String>,
+    /// Validated sampling parameters (server defaults where a field is absent).
+    pub sampling: SamplingParams,
+    /// `Some(n)`: return log-probabilities with `n` alternatives per token.
+    pub logprobs: Option<usize>,
+    /// `ignore_eos` (a vLLM and llama.cpp extension): keep generating past end-of-generation
+    /// tokens until `max_tokens` (benchmarks use it for fixed-length answers).
+    pub ignore_eos: bool,
+}
+
+/// A parsed `POST /v1/chat/completions` body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatRequest {
+    /// The conversation (at least one message).
+    pub messages: Vec<Message>,
+    /// Everything else.
+    pub options: Options,
+}
+
+/// A parsed `POST /v1/completions` body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompletionRequest {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Everything else.
+    pub options: Options,
+}
+
+/// Parses a chat request; `defaults` are the server's sampling defaults.
+pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest, ApiError> {
+    let object = parse_object(body)?;
+    let messages_value = object
+        .get("messages")
+        .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
+    let raw: Vec<RawMessage> = serde_path_to_error::deserialize(messages_value).map_err(|e| {
+        let path = e.path().to_string();
+        ApiError::invalid(
+            format!("messages{}: {}", display_path(&path), e.inner()),
+            Some("messages"),
+        )
+    })?;
+    if raw.is_empty() {
+        return Err(ApiError::invalid(
+            "`messages` is empty; send at least one message",
+            Some("messages"),
+        ));
+    }
+    let messages = raw
+        .into_iter()
+        .enumerate()
+        .map(|(index, message)| message.into_message(index))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut options = parse_options(&object, defaults)?;
+    if let Some(true) = field::<bool>(&object, "logprobs")? {
+        let top = field::<i64>(&object, "top_logprobs")?.unwrap_or(0);
+        options.logprobs = Some(check_top_logprobs(top, "top_logprobs")?);
+    } else if field::<i64>(&object, "top_logprobs")?.is_some_and(|n| n > 0) {
+        return Err(ApiError::invalid(
+            "`top_logprobs` needs `logprobs: true`",
+            Some("top_logprobs"),
+        ));
+    }
+    if let Some(n) = field::<i64>(&object, "max_completion_tokens")? {
+        options.max_tokens = Some(check_max_tokens(n, "max_completion_tokens")?);
+    }
+    Ok(ChatRequest { messages, options })
+}
+
+/// Parses a completions request; `defaults` are the server's sampling defaults.
+pub fn parse_completion(
+    body: &[u8],
+    defaults: &SamplingParams,
+) -> Result<CompletionRequest, ApiError> {
+    let object = parse_object(body)?;
+    let prompt = match object.get("prompt") {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("`prompt` is required", Some("prompt")))
+        }
+        Some(value) => parse_prompt(value)?,
+    };
+    let mut options = parse_options(&object, defaults)?;
+    // Completions: `logprobs` is the number of alternatives (0..=5 at OpenAI).
+    if let Some(n) = field::<i64>(&object, "logprobs")? {
+        options.logprobs = Some(check_top_logprobs(n, "logprobs")?);
+    }
+    Ok(CompletionRequest { prompt, options })
+}
+
+fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}"), None))?;
+    match value {
+        Value::Object(object) => Ok(object),
+        other => Err(ApiError::invalid(
+            format!(
+                "the request body must be a JSON object, got {}",
+                json_kind(&other)
+            ),
+            None,
+        )),
+    }
+}
+
+fn parse_prompt(value: &Value) -> Result<Prompt, ApiError> {
+    let invalid = |message: &str| ApiError::invalid(message, Some("prompt"));
+    match value {
+        Value::String(text) => Ok(Prompt::Text(text.clone())),
+        Value::Array(items) if items.is_empty() => Err(invalid("`prompt` is an empty array")),
+        Value::Array(items) => {
+            if items.iter().all(Value::is_string) {
+                if items.len() > 1 {
+                    return Err(invalid(
+                        "several prompts in one request are not supported; send one prompt per request",
+                    ));
+                }
+                return Ok(Prompt::Text(
+                    items[0].as_str().unwrap_or_default().to_owned(),
+                ));
+            }
+            let tokens = items
+                .iter()
+                .map(|item| item.as_u64().and_then(|id| u32::try_from(id).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| {
+                    invalid("`prompt` must be a string, an array of one string, or an array of token ids")
+                })?;
+            Ok(Prompt::Tokens(tokens))
+        }
+        other => Err(invalid(&format!(
+            "`prompt` must be a string or an array, got {}",
+            json_kind(other)
+        ))),
+    }
+}
+
+fn parse_options(
+    object: &Map<String, Value>,
+    defaults: &SamplingParams,
+) -> Result<Options, ApiError> {
+    let model = field::<String>(object, "model")?;
+    let stream = field::<bool>(object, "stream")?.unwrap_or(false);
+    let include_usage = match object.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(options)) => field::<bool>(options, "include_usage")
+            .map_err(|e| ApiError {
+                param: Some("stream_options.include_usage".into()),
+                ..e
+            })?
+            .unwrap_or(false),
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!(
+                    "`stream_options` must be an object, got {}",
+                    json_kind(other)
+                ),
+                Some("stream_options"),
+            ))
+        }
+    };
+    let ignore_eos = field::<bool>(object, "ignore_eos")?.unwrap_or(false);
+    let max_tokens = field::<i64>(object, "max_tokens")?
+        .map(|n| check_max_tokens(n, "max_tokens"))
+        .transpose()?;
+    let stop = match object.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(stop)) => vec![stop.clone()],
+        Some(Value::Array(items)) => {
+            let stops = items
+                .iter()
+                .map(|item| item.as_str().map(str::to_owned))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "`stop` must be a string or an array of strings",
+                        Some("stop"),
+                    )
+                })?;
+            if stops.len() > MAX_STOP_STRINGS {
+                return Err(ApiError::invalid(
+                    format!(
+                        "`stop` has {} strings; at most {MAX_STOP_STRINGS} are allowed",
+                        stops.len()
+                    ),
+                    Some("stop"),
+                ));
+            }
+            stops
+        }
+        Some(other) => {
+            return Err(ApiError::invalid(
+                format!(
+                    "`stop` must be a string or an array of strings, got {}",
+                    json_kind(other)
+                ),
+                Some("stop"),
+            ))
+        }
+    };
+    if let Some(n) = field::<i64>(object, "n")? {
+        if n != 1 {
+            return Err(ApiError::invalid(
+                format!(
+                    "`n` = {n} is not supported: this server returns exactly one choice (n = 1)"
+                ),
+                Some("n"),
+            ));
+        }
+    }
+    let mut sampling = *defaults;
+    if let Some(value) = field::<f32>(object, "temperature")? {
+        sampling.temperature = value;
+    }
+    if let Some(value) = field::<f32>(object, "top_p")? {
+        sampling.top_p = value;
+    }
+    if let Some(value) = field::<i64>(object, "top_k")? {
+        sampling.top_k = usize::try_from(value).map_err(|_| {
+            ApiError::invalid(
+                format!("`top_k` must be 0 (off) or more, got {value}"),
+                Some("top_k"),
+            )
+        })?;
+    }
+    if let Some(value) = field::<f32>(object, "min_p")? {
+        sampling.min_p = value;
+    }
+    if let Some(value) = field::<f32>(object, "frequency_penalty")? {
+        sampling.frequency_penalty = value;
+    }
+    if let Some(value) = field::<f32>(object, "presence_penalty")? {
+        sampling.presence_penalty = value;
+    }
+    if let Some(value) = field::<f32>(object, "repeat_penalty")? {
+        sampling.repetition_penalty = value;
+    }
+    if let Some(value) = field::<i64>(object, "seed")? {
+        // OpenAI seeds are signed; the bits are the seed.
+        sampling.seed = Some(value as u64);
+    }
+    sampling.validate().map_err(|message| {
+        let field = message.split_whitespace().next().unwrap_or_default();
+        let param = if field == "repetition_penalty" {
+            "repeat_penalty"
+        } else {
+            field
+        };
+        ApiError::invalid(message.clone(), Some(param))
+    })?;
+    Ok(Options {
+        model,
+        stream,
+        include_usage,
+        max_tokens,
+        stop,
+        sampling,
+        logprobs: None,
+        ignore_eos,
+    })
+}
+
+/// Reads field `name` as a `T`; absent or null is `None`; a wrong type is a 400 naming it.
+fn field<T: DeserializeOwned>(
+    object: &Map<String, Value>,
+    name: &str,
+) -> Result<Option<T>, ApiError> {
+    match object.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(value) => T::deserialize(value).map(Some).map_err(|e| {
+            ApiError::invalid(
+                format!(
+                    "`{name}` has the wrong type or value ({}): {e}",
+                    json_kind(value)
+                ),
+                Some(name),
+            )
+        }),
+    }
+}
+
+fn check_max_tokens(n: i64, name: &str) -> Result<usize, ApiError> {
+    if n < 1 {
+        return Err(ApiError::invalid(
+            format!("`{name}` must be at least 1, got {n}"),
+            Some(name),
+        ));
+    }
+    usize::try_from(n)
+        .map_err(|_| ApiError::invalid(format!("`{name}` is too large: {n}"), Some(name)))
+}
+
+fn check_top_logprobs(n: i64, name: &str) -> Result<usize, ApiError> {
+    if !(0..=MAX_TOP_LOGPROBS as i64).contains(&n) {
+        return Err(ApiError::invalid(
+            format!("`{name}` must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+            Some(name),
+        ));
+    }
+    Ok(n as usize)
+}
+
+fn json_kind(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn display_path(path: &str) -> String {
+    if path == "." {
+        String::new()
+    } else if path.starts_with('[') {
+        path.to_owned()
+    } else {
+        format!(".{path}")
+    }
+}
+
+#[derive(Deserialize)]
+struct RawMessage {
+    role: String,
+    #[serde(default)]
+    content: Option<Content>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+impl RawMessage {
+    fn into_message(self, index: usize) -> Result<Message, ApiError> {
+        if self.role.is_empty() {
+            return Err(ApiError::invalid(
+                format!("messages[{index}].role is empty"),
+                Some("messages"),
+            ));
+        }
+        let content = match self.content {
+            None => String::new(),
+            Some(Content::Text(text)) => text,
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for part in parts {
+                    match (part.kind.as_str(), part.text) {
+                        ("text", Some(piece)) => text.push_str(&piece),
+                        (kind, _) => {
+                            return Err(ApiError::invalid(
+                                format!("messages[{index}].content: parts of type `{kind}` are not supported (only `text`)"),
+                                Some("messages"),
+                            ))
+                        }
+                    }
+                }
+                text
+            }
+        };
+        Ok(Message {
+            role: self.role,
+            content,
+        })
+    }
+}

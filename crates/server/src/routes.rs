@@ -1,0 +1,391 @@
+//! The HTTP handlers: chat and text completions (streamed and not), models, health, metrics;
+//! the API-key and request-counting middleware.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::Stream;
+use pagoda_models::chat_template::ChatMessage;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use crate::error::ApiError;
+use crate::format::{chunk, final_body, usage, Kind, Reply};
+use crate::request::{parse_chat, parse_completion, Options, Prompt};
+use crate::session::Session;
+use crate::worker::{Job, WorkerEvent};
+use crate::AppState;
+
+type Shared = State<Arc<AppState>>;
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): Shared,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let result = async {
+        let body = body.map_err(body_error)?;
+        let request = parse_chat(&body, &state.config.sampling_defaults)?;
+        let messages: Vec<ChatMessage> = request
+            .messages
+            .iter()
+            .map(|m| ChatMessage::new(m.role.as_str(), m.content.as_str()))
+            .collect();
+        let rendered = state.chat_template.render(&messages, true).map_err(|e| {
+            ApiError::invalid(format!("the chat template failed: {e}"), Some("messages"))
+        })?;
+        let prompt = state.tokenizer.encode_chat(&rendered).map_err(|e| {
+            ApiError::invalid(format!("tokenizing the messages: {e}"), Some("messages"))
+        })?;
+        generate(&state, Kind::Chat, prompt, request.options).await
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Response {
+    let result = async {
+        let body = body.map_err(body_error)?;
+        let request = parse_completion(&body, &state.config.sampling_defaults)?;
+        let prompt = match request.prompt {
+            Prompt::Text(text) => state.tokenizer.encode(&text, true).map_err(|e| {
+                ApiError::invalid(format!("tokenizing the prompt: {e}"), Some("prompt"))
+            })?,
+            Prompt::Tokens(tokens) => {
+                let vocab_size = state.tokenizer.vocab_size();
+                if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
+                    return Err(ApiError::invalid(
+                        format!(
+                            "prompt token id {token} is outside the vocabulary (size {vocab_size})"
+                        ),
+                        Some("prompt"),
+                    ));
+                }
+                tokens
+            }
+        };
+        generate(&state, Kind::Completion, prompt, request.options).await
+    }
+    .await;
+    result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `GET /v1/models`.
+pub async fn models(State(state): Shared) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.config.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "pagoda",
+            "meta": { "n_ctx": state.config.context_size },
+        }],
+    }))
+}
+
+/// `GET /health`.
+pub async fn health() -> Json<Value> {
+    Json(json!({ "status": "ok" }))
+}
+
+/// `GET /metrics`.
+pub async fn metrics(State(state): Shared) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(),
+    )
+        .into_response()
+}
+
+/// A 404 in the OpenAI format for unknown paths.
+pub async fn not_found(request: Request) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        ..ApiError::invalid(
+            format!("no route for {} {}", request.method(), request.uri().path()),
+            None,
+        )
+    }
+}
+
+/// Checks `Authorization: Bearer <key>` on `/v1/` paths when the server has a key.
+pub async fn require_api_key(State(state): Shared, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.config.api_key {
+        if request.uri().path().starts_with("/v1/") {
+            let given = request
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            match given {
+                None => {
+                    return ApiError::unauthorized("no API key: send `Authorization: Bearer <key>`")
+                        .into_response()
+                }
+                Some(given) if given.trim() != key => {
+                    return ApiError::unauthorized("the API key is wrong").into_response()
+                }
+                Some(_) => {}
+            }
+        }
+    }
+    next.run(request).await
+}
+
+/// Counts answered requests by path and status.
+pub async fn count_requests(State(state): Shared, request: Request, next: Next) -> Response {
+    let path = request.uri().path().to_owned();
+    let response = next.run(request).await;
+    let endpoint = match path.as_str() {
+        "/v1/chat/completions" | "/v1/completions" | "/v1/models" | "/health" | "/metrics" => {
+            path.as_str()
+        }
+        _ => "other",
+    };
+    state
+        .metrics
+        .record_request(endpoint, response.status().as_u16());
+    response
+}
+
+fn body_error(rejection: BytesRejection) -> ApiError {
+    let status = rejection.status();
+    let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+        "the request body is too large".to_owned()
+    } else {
+        format!("reading the request body: {}", rejection.body_text())
+    };
+    ApiError {
+        status,
+        ..ApiError::invalid(message, None)
+    }
+}
+
+/// Checks the model and the context, queues the request, answers streamed or whole.
+async fn generate(
+    state: &Arc<AppState>,
+    kind: Kind,
+    prompt: Vec<u32>,
+    options: Options,
+) -> Result<Response, ApiError> {
+    if let Some(model) = &options.model {
+        if !state.config.accepts_model(model) {
+            return Err(ApiError::model_not_found(model, &state.config.model_name));
+        }
+    }
+    let prompt_tokens = prompt.len();
+    if prompt_tokens == 0 {
+        return Err(ApiError::invalid(
+            "the prompt is empty (it encodes to no tokens)",
+            Some("prompt"),
+        ));
+    }
+    let context = state.config.context_size;
+    let max_tokens = match options.max_tokens {
+        Some(max_tokens) if prompt_tokens + max_tokens > context => {
+            return Err(ApiError::invalid(
+                format!(
+                    "this model's context is {context} tokens, but the prompt has {prompt_tokens} tokens \
+                     and max_tokens asks for {max_tokens} more ({} in all); shorten the prompt or lower max_tokens",
+                    prompt_tokens + max_tokens
+                ),
+                Some("max_tokens"),
+            )
+            .with_code("context_length_exceeded"))
+        }
+        Some(max_tokens) => max_tokens,
+        None if prompt_tokens >= context => {
+            return Err(ApiError::invalid(
+                format!(
+                    "the prompt has {prompt_tokens} tokens, which leaves no room in this model's context of {context} tokens"
+                ),
+                Some("messages"),
+            )
+            .with_code("context_length_exceeded"))
+        }
+        None => context - prompt_tokens,
+    };
+    let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+    state.worker.submit(Job {
+        prompt,
+        params: options.sampling,
+        max_new_tokens: max_tokens,
+        stop_tokens: if options.ignore_eos {
+            Vec::new()
+        } else {
+            state.stop_tokens.clone()
+        },
+        top_logprobs: options.logprobs,
+        events: sender,
+    })?;
+    state.metrics.prompt_tokens.add(prompt_tokens as u64);
+    let reply = Reply {
+        kind,
+        id: state.next_id(kind),
+        created: now_seconds(),
+        model: state.config.model_name.clone(),
+        prompt_tokens,
+        want_logprobs: options.logprobs.is_some(),
+    };
+    let session = Session::new(
+        state.tokenizer.clone(),
+        if options.ignore_eos {
+            Vec::new()
+        } else {
+            state.stop_tokens.clone()
+        },
+        options.stop,
+    );
+    if options.stream {
+        Ok(Sse::new(event_stream(
+            reply,
+            receiver,
+            session,
+            options.include_usage,
+        ))
+        .into_response())
+    } else {
+        whole(reply, receiver, session).await
+    }
+}
+
+/// Collects the whole answer.
+async fn whole(
+    reply: Reply,
+    mut receiver: UnboundedReceiver<WorkerEvent>,
+    mut session: Session,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
+    loop {
+        let event = receiver.recv().await.ok_or_else(|| {
+            ApiError::internal("the engine loop stopped before the request finished")
+        })?;
+        if let Some(delta) = session.on_event(event)? {
+            text.push_str(&delta.text);
+            logprobs.extend(delta.logprobs);
+            if let Some(reason) = delta.finish_reason {
+                return Ok(Json(final_body(
+                    &reply,
+                    &text,
+                    &logprobs,
+                    reason,
+                    session.completion_tokens,
+                ))
+                .into_response());
+            }
+        }
+    }
+}
+
+struct StreamState {
+    reply: Reply,
+    receiver: UnboundedReceiver<WorkerEvent>,
+    session: Session,
+    include_usage: bool,
+    pending: VecDeque<Event>,
+    done: bool,
+}
+
+fn data(value: &Value) -> Event {
+    Event::default().data(value.to_string())
+}
+
+/// The SSE stream: `data: {chunk}` events, then `data: [DONE]`. Dropping it (the client went
+/// away) drops the receiver, which cancels the request in the engine loop.
+fn event_stream(
+    reply: Reply,
+    receiver: UnboundedReceiver<WorkerEvent>,
+    session: Session,
+    include_usage: bool,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    let mut pending = VecDeque::new();
+    if reply.kind == Kind::Chat {
+        pending.push_back(data(&chunk(
+            &reply,
+            Some("assistant"),
+            "",
+            &[],
+            None,
+            include_usage,
+        )));
+    }
+    let state = StreamState {
+        reply,
+        receiver,
+        session,
+        include_usage,
+        pending,
+        done: false,
+    };
+    futures::stream::unfold(state, |mut state| async move {
+        loop {
+            if let Some(event) = state.pending.pop_front() {
+                return Some((Ok(event), state));
+            }
+            if state.done {
+                return None;
+            }
+            let outcome = match state.receiver.recv().await {
+                None => Err(ApiError::internal(
+                    "the engine loop stopped before the request finished",
+                )),
+                Some(event) => state.session.on_event(event),
+            };
+            match outcome {
+                Ok(None) => {}
+                Ok(Some(delta)) => {
+                    let reply = &state.reply;
+                    if !delta.text.is_empty()
+                        || !delta.logprobs.is_empty()
+                        || delta.finish_reason.is_some()
+                    {
+                        let value = chunk(
+                            reply,
+                            None,
+                            &delta.text,
+                            &delta.logprobs,
+                            delta.finish_reason,
+                            state.include_usage,
+                        );
+                        state.pending.push_back(data(&value));
+                    }
+                    if delta.finish_reason.is_some() {
+                        if state.include_usage {
+                            let mut last = chunk(reply, None, "", &[], None, true);
+                            last["choices"] = json!([]);
+                            last["usage"] =
+                                usage(reply.prompt_tokens, state.session.completion_tokens);
+                            state.pending.push_back(data(&last));
+                        }
+                        state.pending.push_back(Event::default().data("[DONE]"));
+                        state.done = true;
+                    }
+                }
+                Err(error) => {
+                    state.pending.push_back(data(&error.body()));
+                    state.pending.push_back(Event::default().data("[DONE]"));
+                    state.done = true;
+                }
+            }
+        }
+    })
+}
+
+fn now_seconds() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}

@@ -1,0 +1,464 @@
+//! The HTTP layer through the router (tower `oneshot`, no socket) over a scripted engine that
+//! replays fixed tokens, with the default model's tokenizer (skipped when the model is missing).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use futures::StreamExt;
+use pagoda_engine::{EngineError, FinishReason, RequestId, StepEvent};
+use pagoda_models::chat_template::ChatTemplate;
+use pagoda_models::formats::gguf::GgufFile;
+use pagoda_models::tokenizer::Tokenizer;
+use pagoda_ops::sampling::SamplingParams;
+use pagoda_server::worker::{EngineBackend, EngineSnapshot};
+use pagoda_server::{router, AppState, ServerConfig, TextModel};
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+const EOS: u32 = 2;
+
+fn tokenizer() -> Option<Tokenizer> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !path.is_file() {
+        println!("skipping: {} is missing", path.display());
+        return None;
+    }
+    Some(Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap())
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Replay,
+    FailSteps,
+    Panic,
+}
+
+/// Replays `script` for every request (ending with EOS when `script` does), one token a step.
+struct Scripted {
+    script: Vec<u32>,
+    mode: Mode,
+    running: HashMap<RequestId, (usize, usize)>, // (position, max_new_tokens)
+    next_id: RequestId,
+    cancelled: Arc<Mutex<Vec<RequestId>>>,
+}
+
+impl EngineBackend for Scripted {
+    fn add_request(
+        &mut self,
+        _: Vec<u32>,
+        _: SamplingParams,
+        max_new: usize,
+        _: Vec<u32>,
+        _: bool,
+    ) -> Result<RequestId, EngineError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.running.insert(id, (0, max_new));
+        Ok(id)
+    }
+    fn step(&mut self) -> Result<Vec<StepEvent>, EngineError> {
+        std::thread::sleep(Duration::from_millis(2));
+        match self.mode {
+            Mode::FailSteps => return Err(EngineError::Internal("scripted failure".into())),
+            Mode::Panic => panic!("scripted panic"),
+            Mode::Replay => {}
+        }
+        let mut events = Vec::new();
+        for (&id, (position, max_new)) in self.running.iter_mut() {
+            let token = self.script[*position % self.script.len()];
+            *position += 1;
+            let finished = if token == EOS {
+                Some(FinishReason::Stop)
+            } else if *position >= *max_new {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            let logprobs = Some(vec![-1.0f32; 8].into_iter().chain([-0.5]).collect());
+            events.push(StepEvent {
+                request: id,
+                token,
+                logprobs,
+                finished,
+            });
+        }
+        for event in events.iter().filter(|e| e.finished.is_some()) {
+            self.running.remove(&event.request);
+        }
+        Ok(events)
+    }
+    fn cancel(&mut self, id: RequestId) {
+        if self.running.remove(&id).is_some() {
+            self.cancelled.lock().unwrap().push(id);
+        }
+    }
+    fn seed_of(&self, _: RequestId) -> Option<u64> {
+        Some(7)
+    }
+    fn snapshot(&self) -> EngineSnapshot {
+        EngineSnapshot {
+            pages_used: self.running.len(),
+            pages_total: 100,
+            num_running: self.running.len(),
+            ..Default::default()
+        }
+    }
+}
+
+struct Harness {
+    app: axum::Router,
+    tokenizer: Tokenizer,
+    cancelled: Arc<Mutex<Vec<RequestId>>>,
+}
+
+fn harness(text: &str, mode: Mode, tweak: impl FnOnce(&mut ServerConfig)) -> Option<Harness> {
+    let tokenizer = tokenizer()?;
+    let mut script = tokenizer.encode(text, false).unwrap();
+    script.push(EOS);
+    let cancelled = Arc::new(Mutex::new(Vec::new()));
+    let backend = Scripted {
+        script,
+        mode,
+        running: HashMap::new(),
+        next_id: 0,
+        cancelled: cancelled.clone(),
+    };
+    let mut config = ServerConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        model_name: "test-model".into(),
+        model_aliases: vec!["test-model.gguf".into()],
+        context_size: 64,
+        parallel: 2,
+        max_queue: 8,
+        api_key: None,
+        max_body_bytes: 4096,
+        sampling_defaults: SamplingParams::default(),
+    };
+    tweak(&mut config);
+    let text_model = TextModel {
+        tokenizer: self::tokenizer()?,
+        chat_template: ChatTemplate::chatml(),
+        stop_tokens: vec![EOS],
+    };
+    let state = AppState::start(config, text_model, backend).unwrap();
+    Some(Harness {
+        app: router(state),
+        tokenizer,
+        cancelled,
+    })
+}
+
+async fn call(
+    app: &axum::Router,
+    path: &str,
+    body: impl Into<Body>,
+    key: Option<&str>,
+) -> (StatusCode, String) {
+    let mut request = Request::post(path).header("content-type", "application/json");
+    if let Some(key) = key {
+        request = request.header("authorization", format!("Bearer {key}"));
+    }
+    let response = app
+        .clone()
+        .oneshot(request.body(body.into()).unwrap())
+        .await
+        .unwrap();
+    let status = response.status();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+fn error_of(status: StatusCode, body: &str, expected: StatusCode) -> Value {
+    assert_eq!(status, expected, "{body}");
+    let value: Value = serde_json::from_str(body).unwrap();
+    let error = value["error"].clone();
+    for key in ["message", "type", "param", "code"] {
+        assert!(error.get(key).is_some(), "{key} missing in {body}");
+    }
+    error
+}
+
+#[tokio::test]
+async fn whole_completion_text_usage_and_finish_reasons() {
+    let Some(h) = harness("Hello world, the end", Mode::Replay, |_| {}) else {
+        return;
+    };
+    let (status, body) = call(
+        &h.app,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 2}).to_string(),
+        None,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let value: Value = serde_json::from_str(&body).unwrap();
+    let script = h.tokenizer.encode("Hello world, the end", false).unwrap();
+    assert_eq!(
+        value["choices"][0]["text"],
+        h.tokenizer.decode(&script[..2])
+    );
+    assert_eq!(value["choices"][0]["finish_reason"], "length");
+    let prompt_tokens = h.tokenizer.encode("hi", true).unwrap().len();
+    assert_eq!(
+        value["usage"],
+        json!({"prompt_tokens": prompt_tokens, "completion_tokens": 2, "total_tokens": prompt_tokens + 2})
+    );
+    // Run to EOS: the whole text, EOS hidden, finish "stop".
+    let (_, body) = call(
+        &h.app,
+        "/v1/completions",
+        json!({"prompt": "hi", "model": "test-model.gguf"}).to_string(),
+        None,
+    )
+    .await;
+    let value: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(value["choices"][0]["text"], "Hello world, the end");
+    assert_eq!(value["choices"][0]["finish_reason"], "stop");
+    assert_eq!(value["usage"]["completion_tokens"], script.len() + 1);
+}
+
+#[tokio::test]
+async fn stop_strings_cut_and_cancel_the_request() {
+    let Some(h) = harness("Hello world, the end", Mode::Replay, |_| {}) else {
+        return;
+    };
+    let body = json!({"prompt": "hi", "stop": [", the", "zz"], "stream": true});
+    let (status, text) = call(&h.app, "/v1/completions", body.to_string(), None).await;
+    assert_eq!(status, StatusCode::OK);
+    let mut joined = String::new();
+    let mut finish = Value::Null;
+    for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+        if line == "[DONE]" {
+            continue;
+        }
+        let chunk: Value = serde_json::from_str(line).unwrap();
+        let piece = chunk["choices"][0]["text"].as_str().unwrap();
+        assert!(
+            !piece.contains(','),
+            "a partial stop string leaked: {piece:?}"
+        );
+        joined.push_str(piece);
+        if !chunk["choices"][0]["finish_reason"].is_null() {
+            finish = chunk["choices"][0]["finish_reason"].clone();
+        }
+    }
+    assert!(text.trim_end().ends_with("data: [DONE]"));
+    assert_eq!(joined, "Hello world");
+    assert_eq!(finish, "stop");
+    // The engine request is cancelled once the stream is done.
+    for _ in 0..200 {
+        if !h.cancelled.lock().unwrap().is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the request was not cancelled after its stop string");
+}
+
+#[tokio::test]
+async fn chat_stream_has_role_content_logprobs_and_usage() {
+    let Some(h) = harness("Hi there", Mode::Replay, |_| {}) else {
+        return;
+    };
+    let body = json!({"messages": [{"role": "user", "content": "yo"}], "stream": true,
+        "stream_options": {"include_usage": true}, "logprobs": true, "top_logprobs": 2});
+    let (status, text) = call(&h.app, "/v1/chat/completions", body.to_string(), None).await;
+    assert_eq!(status, StatusCode::OK);
+    let chunks: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, "Hi there");
+    let entries: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
+        .flatten()
+        .collect();
+    assert!(!entries.is_empty());
+    for entry in entries {
+        assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 2);
+        assert_eq!(entry["top_logprobs"][0]["logprob"], -0.5); // the scripted row's best
+    }
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(
+        last["usage"]["completion_tokens"],
+        h.tokenizer.encode("Hi there", false).unwrap().len() + 1
+    );
+}
+
+#[tokio::test]
+async fn a_dropped_stream_is_cancelled() {
+    let Some(h) = harness("a b c d e f g h i j k l m n o p", Mode::Replay, |_| {}) else {
+        return;
+    };
+    let request = Request::post("/v1/completions")
+        .body(Body::from(
+            json!({"prompt": "hi", "max_tokens": 50, "stream": true}).to_string(),
+        ))
+        .unwrap();
+    let response = h.app.clone().oneshot(request).await.unwrap();
+    let mut stream = response.into_body().into_data_stream();
+    stream.next().await.unwrap().unwrap();
+    drop(stream);
+    for _ in 0..200 {
+        if h.cancelled.lock().unwrap().len() == 1 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("a client that went away was not cancelled");
+}
+
+#[tokio::test]
+async fn bad_input_gets_openai_errors() {
+    let Some(h) = harness("x", Mode::Replay, |c| c.api_key = Some("k".into())) else {
+        return;
+    };
+    let chat = |body: Value| body.to_string();
+    let ok = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let (s, b) = call(&h.app, "/v1/chat/completions", chat(ok.clone()), None).await;
+    error_of(s, &b, StatusCode::UNAUTHORIZED);
+    let (s, b) = call(
+        &h.app,
+        "/v1/chat/completions",
+        chat(ok.clone()),
+        Some("wrong"),
+    )
+    .await;
+    error_of(s, &b, StatusCode::UNAUTHORIZED);
+    let (s, b) = call(&h.app, "/v1/chat/completions", "{not json", Some("k")).await;
+    error_of(s, &b, StatusCode::BAD_REQUEST);
+    let (s, b) = call(
+        &h.app,
+        "/v1/chat/completions",
+        chat(json!({"messages": [], "model": "test-model"})),
+        Some("k"),
+    )
+    .await;
+    assert_eq!(
+        error_of(s, &b, StatusCode::BAD_REQUEST)["param"],
+        "messages"
+    );
+    let (s, b) = call(
+        &h.app,
+        "/v1/chat/completions",
+        chat(json!({"messages": ok["messages"], "model": "gpt-4"})),
+        Some("k"),
+    )
+    .await;
+    assert_eq!(
+        error_of(s, &b, StatusCode::NOT_FOUND)["code"],
+        "model_not_found"
+    );
+    let (s, b) = call(
+        &h.app,
+        "/v1/completions",
+        chat(json!({"prompt": "hi", "max_tokens": 100})),
+        Some("k"),
+    )
+    .await;
+    let error = error_of(s, &b, StatusCode::BAD_REQUEST);
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains("64") && message.contains("100"),
+        "{message}"
+    );
+    let (s, b) = call(
+        &h.app,
+        "/v1/completions",
+        chat(json!({"prompt": "x".repeat(5000)})),
+        Some("k"),
+    )
+    .await;
+    error_of(s, &b, StatusCode::PAYLOAD_TOO_LARGE);
+    let (s, b) = call(
+        &h.app,
+        "/v1/completions",
+        chat(json!({"prompt": [999999]})),
+        Some("k"),
+    )
+    .await;
+    assert_eq!(error_of(s, &b, StatusCode::BAD_REQUEST)["param"], "prompt");
+    // Health and metrics stay open without a key.
+    let response = h
+        .app
+        .clone()
+        .oneshot(Request::get("/health").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let response = h
+        .app
+        .clone()
+        .oneshot(Request::get("/metrics").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let text = String::from_utf8(
+        axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .unwrap()
+            .to_vec(),
+    )
+    .unwrap();
+    assert!(
+        text.contains("pagoda_requests_total{endpoint=\"/v1/chat/completions\",status=\"401\"} 2"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_full_queue_answers_429() {
+    let Some(h) = harness("x", Mode::Replay, |c| c.max_queue = 0) else {
+        return;
+    };
+    let (s, b) = call(
+        &h.app,
+        "/v1/completions",
+        json!({"prompt": "hi"}).to_string(),
+        None,
+    )
+    .await;
+    assert_eq!(
+        error_of(s, &b, StatusCode::TOO_MANY_REQUESTS)["type"],
+        "rate_limit_error"
+    );
+}
+
+#[tokio::test]
+async fn engine_errors_and_panics_fail_the_request_not_the_server() {
+    for mode in [Mode::FailSteps, Mode::Panic] {
+        let Some(h) = harness("x", mode, |_| {}) else {
+            return;
+        };
+        for _ in 0..2 {
+            let (s, b) = call(
+                &h.app,
+                "/v1/completions",
+                json!({"prompt": "hi"}).to_string(),
+                None,
+            )
+            .await;
+            let error = error_of(s, &b, StatusCode::INTERNAL_SERVER_ERROR);
+            assert!(
+                error["message"].as_str().unwrap().contains("scripted"),
+                "{error}"
+            );
+        }
+    }
+}

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Side-by-side CPU benchmark: `pagoda bench` and llama.cpp's `llama-bench`, alternating, on the
+# same model and thread counts, with the machine load recorded before every run.
+#
+#   scripts/bench-cpu-vs-llamacpp.sh [LLAMA_BENCH] [ROUNDS]
+#
+# LLAMA_BENCH: path of llama-bench (default: $LLAMA_BENCH or llama-bench on PATH).
+# ROUNDS: how many times the pair is alternated per thread count (default 3).
+# Env: THREADS="1 2" (thread counts), BUSY=1 also runs every pair with one busy process
+# (a shell spin loop) competing for the CPUs, to measure behaviour when oversubscribed.
+# Prints one line per run: tool, threads, busy, load, pp128, pp512, tg128 (tokens/s).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LLAMA_BENCH=${1:-${LLAMA_BENCH:-llama-bench}}
+ROUNDS=${2:-3}
+THREADS=${THREADS:-"1 2"}
+MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
+PAGODA=${PAGODA:-target/release/pagoda}
+
+[ -f "$MODEL" ] || scripts/fetch-model.sh
+[ -x "$PAGODA" ] || cargo build --release -p pagoda-cli
+command -v "$LLAMA_BENCH" >/dev/null || { echo "llama-bench not found: pass its path" >&2; exit 1; }
+
+busy_pid=""
+start_busy() { ( while :; do :; done ) & busy_pid=$!; }
+stop_busy() { [ -n "$busy_pid" ] && kill "$busy_pid" 2>/dev/null; busy_pid=""; }
+trap stop_busy EXIT
+
+pagoda_run() { # threads -> "pp128 pp512 tg128"
+  "$PAGODA" bench -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 --json 2>/dev/null |
+    python3 -c 'import json,sys; r={x["test"]:x["median"] for x in json.load(sys.stdin)["results"]}; print("%.1f %.1f %.1f"%(r["pp128"],r["pp512"],r["tg128"]))'
+}
+llama_run() {
+  "$LLAMA_BENCH" -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 -o json 2>/dev/null |
+    python3 -c 'import json,sys
+r={}
+for x in json.load(sys.stdin):
+    key=("pp%d"%x["n_prompt"]) if x["n_prompt"] else ("tg%d"%x["n_gen"])
+    r[key]=x["avg_ts"]
+print("%.1f %.1f %.1f"%(r["pp128"],r["pp512"],r["tg128"]))'
+}
+
+echo "tool threads busy load1 pp128 pp512 tg128"
+for busy in 0 ${BUSY:+1}; do
+  for t in $THREADS; do
+    for _ in $(seq "$ROUNDS"); do
+      for tool in pagoda llama.cpp; do
+        [ "$busy" = 1 ] && start_busy
+        load=$(cut -d' ' -f1 /proc/loadavg)
+        if [ "$tool" = pagoda ]; then out=$(pagoda_run "$t"); else out=$(llama_run "$t"); fi
+        stop_busy
+        echo "$tool $t $busy $load $out"
+      done
+    done
+  done
+done

@@ -1,0 +1,135 @@
+"""Chat and text completions through the official client: streamed and not, usage, stop
+strings, logprobs, seeds, concurrency (batch invariance)."""
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import requests
+
+QUESTION = [{"role": "user", "content": "Name three colors."}]
+
+
+def chat_text(client, model, **kwargs):
+    response = client.chat.completions.create(model=model, messages=QUESTION, **kwargs)
+    return response
+
+
+def test_health_and_models(base_url, model):
+    assert requests.get(f"{base_url}/health", timeout=5).json()["status"] == "ok"
+    assert model
+
+
+def test_chat_whole_and_streamed_agree(client, model):
+    whole = chat_text(client, model, max_tokens=12, temperature=0)
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    usage = whole.usage
+    assert usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert usage.completion_tokens == 12
+
+    stream = client.chat.completions.create(
+        model=model, messages=QUESTION, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [choice.finish_reason]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == usage.prompt_tokens
+
+
+def test_max_completion_tokens_gives_length(client, model):
+    response = chat_text(client, model, max_completion_tokens=3, temperature=0)
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 3
+
+
+def test_completions_whole_and_streamed_agree(client, model):
+    prompt = "The capital of France is"
+    whole = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 10
+    assert whole.choices[0].text.startswith(" Paris")
+    chunks = list(client.completions.create(
+        model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_string_cuts_and_never_leaks(client, model):
+    prompt = "Count: one, two, three, four, five,"
+    full = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    assert len(text) > 6, text
+    stop = text[3:6]  # a stop string that starts inside the generated text
+    expected = text[: text.index(stop)]
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0, stop=[stop, "zzzz"])
+    assert cut.choices[0].text == expected
+    assert cut.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=model, prompt=prompt, max_tokens=16, temperature=0, stop=stop, stream=True)]
+    assert "".join(pieces) == expected
+    assert all(stop not in piece for piece in pieces)
+
+
+def test_chat_logprobs(client, model):
+    response = chat_text(client, model, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+    content = response.choices[0].logprobs.content
+    assert 1 <= len(content) <= 5
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        # Greedy: the sampled token is the most likely one.
+        assert math.isclose(entry.logprob, values[0], abs_tol=1e-5)
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+        assert sum(math.exp(v) for v in values) <= 1.0 + 1e-4
+
+
+def test_completion_logprobs(client, model):
+    response = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=2)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == 4
+    assert len(logprobs.token_logprobs) == 4
+    assert len(logprobs.top_logprobs) == 4
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    for token, value, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert len(top) == 2
+        assert math.isclose(top[token], value, abs_tol=1e-5)
+
+
+def test_same_seed_same_text(client, model):
+    kwargs = dict(max_tokens=12, temperature=1.0, top_p=0.95, seed=1234)
+    first = chat_text(client, model, **kwargs).choices[0].message.content
+    second = chat_text(client, model, **kwargs).choices[0].message.content
+    assert first == second
+
+
+PROMPTS = [
+    "Write a word about the sea.", "What is 2 plus 2?", "Say hello.", "Name a fruit.",
+    "Describe the sky.", "Give me a number.", "What is a cat?", "Tell a short fact.",
+]
+
+
+def one(client, model, index):
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[index]}],
+        max_tokens=10, temperature=0.9, seed=100 + index)
+    return response.choices[0].message.content
+
+
+def test_eight_concurrent_clients_match_one_at_a_time(client, model):
+    alone = [one(client, model, i) for i in range(8)]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(lambda i: one(client, model, i), range(8)))
+    assert together == alone

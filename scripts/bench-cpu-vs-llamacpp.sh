@@ -6,8 +6,9 @@
 #
 # LLAMA_BENCH: path of llama-bench (default: $LLAMA_BENCH or llama-bench on PATH).
 # ROUNDS: how many times the pair is alternated per thread count (default 3).
-# Env: THREADS="1 2" (thread counts), BUSY=1 also runs every pair with one busy process
-# (a shell spin loop) competing for the CPUs, to measure behaviour when oversubscribed.
+# Env: THREADS="1 2" (thread counts), KERNELS="f32 auto" (pagoda's PAGODA_CPU_KERNELS values,
+# each a separate row), BUSY=1 also runs every pair with one busy process (a shell spin loop)
+# competing for the CPUs, to measure behaviour when oversubscribed.
 # Prints one line per run: tool, threads, busy, load, pp128, pp512, tg128 (tokens/s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,6 +16,7 @@ cd "$(dirname "$0")/.."
 LLAMA_BENCH=${1:-${LLAMA_BENCH:-llama-bench}}
 ROUNDS=${2:-3}
 THREADS=${THREADS:-"1 2"}
+KERNELS=${KERNELS:-"f32 auto"}
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
 PAGODA=${PAGODA:-target/release/pagoda}
 
@@ -27,8 +29,8 @@ start_busy() { ( while :; do :; done ) & busy_pid=$!; }
 stop_busy() { [ -n "$busy_pid" ] && kill "$busy_pid" 2>/dev/null; busy_pid=""; }
 trap stop_busy EXIT
 
-pagoda_run() { # threads -> "pp128 pp512 tg128"
-  "$PAGODA" bench -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 --json 2>/dev/null |
+pagoda_run() { # threads kernels -> "pp128 pp512 tg128"
+  PAGODA_CPU_KERNELS="$2" "$PAGODA" bench -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 --json 2>/dev/null |
     python3 -c 'import json,sys; r={x["test"]:x["median"] for x in json.load(sys.stdin)["results"]}; print("%.1f %.1f %.1f"%(r["pp128"],r["pp512"],r["tg128"]))'
 }
 llama_run() {
@@ -45,10 +47,13 @@ echo "tool threads busy load1 pp128 pp512 tg128"
 for busy in 0 ${BUSY:+1}; do
   for t in $THREADS; do
     for _ in $(seq "$ROUNDS"); do
-      for tool in pagoda llama.cpp; do
+      for tool in $(for k in $KERNELS; do echo "pagoda:$k"; done) llama.cpp; do
         [ "$busy" = 1 ] && start_busy
         load=$(cut -d' ' -f1 /proc/loadavg)
-        if [ "$tool" = pagoda ]; then out=$(pagoda_run "$t"); else out=$(llama_run "$t"); fi
+        case "$tool" in
+          pagoda:*) out=$(pagoda_run "$t" "${tool#pagoda:}") ;;
+          *) out=$(llama_run "$t") ;;
+        esac
         stop_busy
         echo "$tool $t $busy $load $out"
       done

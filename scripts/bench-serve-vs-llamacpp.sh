@@ -27,7 +27,7 @@ PORT=${PORT:-18080}
 command -v "$LLAMA_SERVER" >/dev/null || { echo "llama-server not found: pass its path" >&2; exit 1; }
 
 server_pid=""
-stop_server() { [ -n "$server_pid" ] && kill "$server_pid" 2>/dev/null && wait "$server_pid" 2>/dev/null; server_pid=""; }
+stop_server() { if [ -n "$server_pid" ]; then kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; fi; server_pid=""; }
 trap stop_server EXIT
 
 wait_ready() {

@@ -29,9 +29,9 @@ pub struct BenchServeArgs {
     /// API key sent as `Authorization: Bearer` (also read from PAGODA_API_KEY).
     #[arg(long)]
     pub api_key: Option<String>,
-    /// Model name sent in requests (servers serving one model accept any).
-    #[arg(long, default_value = "default")]
-    pub model: String,
+    /// Model name sent in requests. Default: the first model the server lists at /v1/models.
+    #[arg(long)]
+    pub model: Option<String>,
     /// Scenarios to run, comma-separated: single, batch4, long, shared-prefix.
     #[arg(
         long,
@@ -128,11 +128,15 @@ pub fn run(mut args: BenchServeArgs) -> Result<()> {
 }
 
 async fn run_async(args: BenchServeArgs) -> Result<()> {
+    // A fresh connection per request: some servers close idle keep-alive connections, and a
+    // request sent on one that is closing fails with no answer.
     let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
         .timeout(Duration::from_secs(900))
         .build()?;
     let base = args.url.trim_end_matches('/').to_string();
-    check_server(&client, &base, args.api_key.as_deref()).await?;
+    let listed = check_server(&client, &base, args.api_key.as_deref()).await?;
+    let model = args.model.clone().unwrap_or(listed);
 
     let load_before = super::bench::load_average();
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
@@ -153,7 +157,7 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
             let prompts: Vec<String> = (0..clients)
                 .map(|_| format!("{shared}{}", random_words(&mut rng, prompt_words)))
                 .collect();
-            per_rep.push(run_repetition(&client, &base, &args, prompts).await?);
+            per_rep.push(run_repetition(&client, &base, &args, &model, prompts).await?);
         }
         results.push(summarize(scenario, clients, &per_rep));
     }
@@ -174,7 +178,12 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
     Ok(())
 }
 
-async fn check_server(client: &reqwest::Client, base: &str, api_key: Option<&str>) -> Result<()> {
+/// Checks the server answers `/v1/models` and returns the first model id it lists.
+async fn check_server(
+    client: &reqwest::Client,
+    base: &str,
+    api_key: Option<&str>,
+) -> Result<String> {
     let mut request = client.get(format!("{base}/v1/models"));
     if let Some(key) = api_key {
         request = request.bearer_auth(key);
@@ -188,7 +197,11 @@ async fn check_server(client: &reqwest::Client, base: &str, api_key: Option<&str
             response.status()
         );
     }
-    Ok(())
+    let models: serde_json::Value = response.json().await.context("reading /v1/models")?;
+    models["data"][0]["id"]
+        .as_str()
+        .map(str::to_owned)
+        .ok_or_else(|| anyhow!("{base}/v1/models lists no model; pass --model"))
 }
 
 /// One repetition: all prompts sent at once, each by its own client task.
@@ -196,6 +209,7 @@ async fn run_repetition(
     client: &reqwest::Client,
     base: &str,
     args: &BenchServeArgs,
+    model: &str,
     prompts: Vec<String>,
 ) -> Result<(Vec<RequestTiming>, Duration)> {
     let started = Instant::now();
@@ -205,7 +219,7 @@ async fn run_repetition(
             let client = client.clone();
             let url = format!("{base}/v1/completions");
             let body = serde_json::json!({
-                "model": args.model,
+                "model": model,
                 "prompt": prompt,
                 "max_tokens": args.generated_tokens,
                 "temperature": 0.0,

@@ -332,11 +332,24 @@ pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
         bail!("--exact is the CPU parity mode; on the GPU use --dtype f32 (or --device cpu)");
     }
     let options = LoadOptions { precision, device };
-    let loaded = load_model(&source, options, &mut |done, total| {
+    let mut progress = |done: usize, total: usize| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
-    })
-    .map_err(anyhow::Error::msg)?;
+    };
+    let loaded = match load_model(&source, options, &mut progress) {
+        Ok(loaded) => loaded,
+        // `auto` chose the GPU but this model cannot run there (an architecture or tensor
+        // type the CUDA backend lacks): say why and run on the CPU instead.
+        Err(error) if args.device == "auto" && device != Device::Cpu => {
+            eprintln!("device: the model cannot run on the GPU ({error}); running on the CPU");
+            let cpu = LoadOptions {
+                precision,
+                device: Device::Cpu,
+            };
+            load_model(&source, cpu, &mut progress).map_err(anyhow::Error::msg)?
+        }
+        Err(error) => return Err(anyhow::Error::msg(error)),
+    };
     bar.finish_and_clear();
     tracing::info!(
         "loaded {} on {} in {:.2}s ({} weights, {:.1} MiB)",

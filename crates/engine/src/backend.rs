@@ -66,10 +66,7 @@ impl Backend {
         let c = self.config();
         let element = match self {
             Backend::Cpu(_) => 4,
-            Backend::Cuda(model) => match model.dtype() {
-                pagoda_models::llama_cuda::GpuDType::Bf16 => 2,
-                pagoda_models::llama_cuda::GpuDType::F32 => 4,
-            },
+            Backend::Cuda(model) => model.dtype().element_bytes(),
         };
         2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * element
     }

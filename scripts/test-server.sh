@@ -6,7 +6,9 @@
 #   bash scripts/test-server.sh -k stop    # extra arguments go to pytest
 #
 # Environment: PAGODA_BIN (default target/debug/pagoda; built with `cargo build -p pagoda-cli`
-# when missing), PAGODA_TEST_VENV (default target/server-test-venv), PYTHON (default python3).
+# when missing), PAGODA_TEST_VENV (default target/server-test-venv), PYTHON (default python3),
+# PAGODA_WHEELS (install the Python clients offline from this folder of wheels),
+# PAGODA_SERVE_ARGS (extra `pagoda serve` flags), PAGODA_SERVER_LOG (keep the server log here).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,7 +32,13 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV"
 fi
 if ! "$VENV/bin/python" -c "import openai, requests, pytest" 2>/dev/null; then
-    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check openai requests pytest
+    if [[ -n "${PAGODA_WHEELS:-}" ]]; then
+        # Offline machines (the GPU machine): wheels downloaded beforehand.
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-index \
+            --find-links "$PAGODA_WHEELS" openai requests pytest
+    else
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check openai requests pytest
+    fi
 fi
 
 # A free port (bound then released).
@@ -39,8 +47,10 @@ API_KEY="test-key-$$"
 LOG="$(mktemp -t pagoda-serve.XXXXXX.log)"
 
 # Small pool sizes keep the test fast; -np 8 lets eight clients run together.
+# PAGODA_SERVE_ARGS adds flags (e.g. `--device cuda` on the GPU machine).
+# shellcheck disable=SC2086
 "$BIN" serve --port "$PORT" -c 1024 -np 8 --max-queue 16 --api-key "$API_KEY" \
-    --max-body-bytes 1048576 >"$LOG" 2>&1 &
+    --max-body-bytes 1048576 ${PAGODA_SERVE_ARGS:-} >"$LOG" 2>&1 &
 SERVER_PID=$!
 cleanup() {
     kill "$SERVER_PID" 2>/dev/null || true
@@ -71,6 +81,9 @@ PAGODA_URL="http://127.0.0.1:$PORT" PAGODA_API_KEY="$API_KEY" \
 if [[ $status -ne 0 ]]; then
     echo "test-server: failed; server log:" >&2
     tail -n 50 "$LOG" >&2
+fi
+if [[ -n "${PAGODA_SERVER_LOG:-}" ]]; then
+    cp "$LOG" "$PAGODA_SERVER_LOG"
 fi
 rm -f "$LOG"
 exit $status

@@ -57,6 +57,22 @@ pub struct ModelArgs {
     /// (the sort-based oracle). Default: $PAGODA_SAMPLER, else fused.
     #[arg(long)]
     pub sampler: Option<String>,
+    /// On the GPU, launch every kernel from the host instead of replaying decode steps from
+    /// CUDA graphs (vLLM's spelling). `PAGODA_CUDA_GRAPHS=0` does the same.
+    #[arg(long)]
+    pub enforce_eager: bool,
+}
+
+/// Whether CUDA graphs are on: off with `--enforce-eager` or `PAGODA_CUDA_GRAPHS=0`.
+pub fn cuda_graphs(args: &ModelArgs) -> Result<bool> {
+    if args.enforce_eager {
+        return Ok(false);
+    }
+    match std::env::var("PAGODA_CUDA_GRAPHS").ok().as_deref() {
+        None | Some("1") | Some("on") => Ok(true),
+        Some("0") | Some("off") => Ok(false),
+        Some(other) => bail!("PAGODA_CUDA_GRAPHS=`{other}`: use 1 (on) or 0 (off)"),
+    }
 }
 
 /// The device the flags ask for, resolved: `auto` probes for a usable GPU.
@@ -382,6 +398,9 @@ pub fn checked_context_size(requested: Option<usize>, model_max: usize) -> Resul
     }
 }
 
+/// Tokens one step may carry in the engines `generate`, `chat` and `bench` build.
+pub const MAX_BATCH_TOKENS: usize = 512;
+
 /// Builds an engine for `parallel` concurrent sequences of up to `ctx` tokens each.
 pub fn engine(model: Backend, args: &ModelArgs, ctx: usize, parallel: usize) -> Result<Engine> {
     if args.page_size == 0 || args.page_size > 1024 {
@@ -391,10 +410,11 @@ pub fn engine(model: Backend, args: &ModelArgs, ctx: usize, parallel: usize) -> 
     let config = EngineConfig {
         page_size: args.page_size,
         num_pages: pages_per_sequence * parallel.max(1),
-        max_batch_tokens: 512,
+        max_batch_tokens: MAX_BATCH_TOKENS,
         max_context: ctx,
         attention: attention_policy(&args.attention)?,
         sampler: sampler_kind(args)?,
+        cuda_graphs: cuda_graphs(args)?,
     };
     tracing::info!(
         "attention policy: {}, sampler: {}",

@@ -146,6 +146,15 @@ impl LaunchDims {
             shared_mem_bytes: 0,
         }
     }
+
+    /// A 3-D grid of 1-D blocks with no dynamic shared memory.
+    pub fn new_3d(grid: (u32, u32, u32), block: u32) -> LaunchDims {
+        LaunchDims {
+            grid,
+            block: (block, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
 }
 
 /// Pointer argument for any device memory.

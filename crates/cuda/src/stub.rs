@@ -295,6 +295,15 @@ impl Gpu {
         match self.never {}
     }
     /// Unreachable.
+    pub fn upload_pinned_range<T: Element>(
+        &self,
+        _source: &PinnedBuffer<T>,
+        _range: std::ops::Range<usize>,
+        _destination: &mut impl DeviceWrite<T>,
+    ) -> Result<(), CudaError> {
+        match self.never {}
+    }
+    /// Unreachable.
     pub fn download_pinned<T: Element>(
         &self,
         _source: &impl DeviceRead<T>,

@@ -240,44 +240,58 @@ fn check_attention<T: TestFloat>(gpu: &Gpu, head_dim: usize, page_size: usize, s
         .iter()
         .flat_map(|&r| expected[r * q_offset..(r + 1) * q_offset].to_vec())
         .collect();
-    let max_seq_len = 64;
-    let scratch_len = scenario.requests.len() * max_seq_len * stride;
-    let (mut k_scratch, mut v_scratch) = (
-        poisoned::<T>(gpu, scratch_len),
-        poisoned::<T>(gpu, scratch_len),
-    );
-    let mut decode_out = poisoned::<T>(gpu, decode_q.len());
-    ops::decode_attention_gathered(
+    // Every split count the planner can pick must give the same answer, including 1 (no
+    // merge) and more splits than a short request has keys.
+    let total_pages: usize = scenario.requests.iter().map(|r| r.pages.len()).sum();
+    let mut workspace = ops::DecodeWorkspace::<T>::new(
         gpu,
-        &upload::<T>(gpu, &decode_q),
-        (num_q_heads, q_offset),
-        &k_pool_d,
-        &v_pool_d,
         &layout,
-        &table,
-        (&mut k_scratch, &mut v_scratch, max_seq_len),
-        scale,
-        &mut decode_out,
+        num_q_heads,
+        scenario.requests.len(),
+        total_pages,
     )
     .unwrap();
-    assert_close(
-        &format!("decode {what}"),
-        &download(gpu, &decode_out),
-        &decode_expected,
-        tolerance,
-    );
+    let decode_q_d = upload::<T>(gpu, &decode_q);
+    for num_splits in [1, 3, ops::MAX_DECODE_SPLITS] {
+        let mut decode_out = poisoned::<T>(gpu, decode_q.len());
+        ops::decode_attention_gathered(
+            gpu,
+            &decode_q_d,
+            (num_q_heads, q_offset),
+            &k_pool_d,
+            &v_pool_d,
+            &layout,
+            &table,
+            &mut workspace,
+            num_splits,
+            scale,
+            &mut decode_out,
+        )
+        .unwrap();
+        assert_close(
+            &format!("decode {what} splits {num_splits}"),
+            &download(gpu, &decode_out),
+            &decode_expected,
+            tolerance,
+        );
+    }
 
-    // A max_seq_len below a request's length poisons (NaN) rather than truncating.
+    // A workspace too small for the table poisons (NaN) the requests beyond it rather than
+    // reading out of bounds or truncating.
+    let mut small =
+        ops::DecodeWorkspace::<T>::new(gpu, &layout, num_q_heads, scenario.requests.len(), 1)
+            .unwrap();
     let mut short_out = poisoned::<T>(gpu, decode_q.len());
     ops::decode_attention_gathered(
         gpu,
-        &upload::<T>(gpu, &decode_q),
+        &decode_q_d,
         (num_q_heads, q_offset),
         &k_pool_d,
         &v_pool_d,
         &layout,
         &table,
-        (&mut k_scratch, &mut v_scratch, 20),
+        &mut small,
+        2,
         scale,
         &mut short_out,
     )
@@ -285,12 +299,78 @@ fn check_attention<T: TestFloat>(gpu: &Gpu, head_dim: usize, page_size: usize, s
     let short = download(gpu, &short_out);
     assert!(
         short[q_offset * 2..q_offset * 3].iter().all(|v| v.is_nan()),
-        "40-token request with max_seq_len 20 is NaN"
+        "a request beyond the workspace is NaN"
     );
-    assert!(
-        short[..q_offset].iter().all(|v| !v.is_nan()),
-        "1-token request is computed"
+}
+
+/// The baseline decode over long contexts (many keys per split), GQA groups 4 and 8, every
+/// split count from 1 to the maximum, against the f64 reference.
+fn check_long_decode<T: TestFloat>(gpu: &Gpu, num_q_heads: usize, num_kv_heads: usize, seed: u64) {
+    let mut rng = rng(seed);
+    let layout = PoolLayout {
+        num_pages: 256,
+        page_size: 16,
+        num_kv_heads,
+        head_dim: 128,
+    };
+    let scenario = Scenario::new(
+        &mut rng,
+        layout,
+        num_q_heads,
+        &[(1500, 1, 3), (1, 1, 0), (333, 1, 15), (64, 1, 0)],
     );
+    let k_pool = round::<T>(&random_vec(&mut rng, layout.pool_len(), 1.0));
+    let v_pool = round::<T>(&random_vec(&mut rng, layout.pool_len(), 1.0));
+    let (k_pool_d, v_pool_d) = (upload::<T>(gpu, &k_pool), upload::<T>(gpu, &v_pool));
+    let row = num_q_heads * layout.head_dim;
+    let q = round::<T>(&random_vec(&mut rng, scenario.requests.len() * row, 2.0));
+    let scale = 1.0 / (layout.head_dim as f32).sqrt();
+    let expected = scenario.reference(&q, &k_pool, &v_pool, scale);
+    let [indptr, indices, last, first] = scenario.csr();
+    let total_pages = indices.len();
+    let buffers = [indptr, indices, last, first].map(|array| gpu.upload(&array).unwrap());
+    let table = DevicePageTable::new(&buffers[0], &buffers[1], &buffers[2], &buffers[3]).unwrap();
+    let mut workspace =
+        ops::DecodeWorkspace::<T>::new(gpu, &layout, num_q_heads, 4, total_pages).unwrap();
+    let q_d = upload::<T>(gpu, &q);
+    let tolerance = if T::NAME == "f32" { 1e-5 } else { 2e-2 };
+    for num_splits in [1, 2, 7, 47, ops::MAX_DECODE_SPLITS] {
+        let mut out = poisoned::<T>(gpu, q.len());
+        ops::decode_attention_gathered(
+            gpu,
+            &q_d,
+            (num_q_heads, row),
+            &k_pool_d,
+            &v_pool_d,
+            &layout,
+            &table,
+            &mut workspace,
+            num_splits,
+            scale,
+            &mut out,
+        )
+        .unwrap();
+        assert_close(
+            &format!(
+                "long decode {} GQA {num_q_heads}/{num_kv_heads} splits {num_splits}",
+                T::NAME
+            ),
+            &download(gpu, &out),
+            &expected,
+            tolerance,
+        );
+    }
+}
+
+#[test]
+fn long_decode_matches_reference_at_every_split() {
+    let Some(gpu) = gpu("long_decode_matches_reference_at_every_split") else {
+        return;
+    };
+    for (q_heads, kv_heads) in [(32, 8), (8, 1), (3, 3)] {
+        check_long_decode::<f32>(&gpu, q_heads, kv_heads, 7 + q_heads as u64);
+        check_long_decode::<bf16>(&gpu, q_heads, kv_heads, 9 + q_heads as u64);
+    }
 }
 
 #[test]

@@ -3,7 +3,7 @@
 
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
-use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel};
+use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, CudaStepCounters};
 use pagoda_ops::attention::AttentionPath;
 
 /// A loaded model on its device.
@@ -100,6 +100,7 @@ impl Runner {
         max_batch_tokens: usize,
         max_requests: usize,
         max_context: usize,
+        cuda_graphs: bool,
     ) -> Result<Runner, String> {
         match backend {
             Backend::Cpu(model) => {
@@ -116,6 +117,7 @@ impl Runner {
                     max_batch_tokens,
                     max_batch_requests: max_requests,
                     max_context,
+                    cuda_graphs,
                 })?;
                 Ok(Runner::Cuda { model })
             }
@@ -133,6 +135,14 @@ impl Runner {
         match self {
             Runner::Cpu { kv, .. } => kv.size_bytes(),
             Runner::Cuda { model } => model.kv_bytes(),
+        }
+    }
+
+    /// The CUDA model's step counters (None on the CPU).
+    pub(crate) fn cuda_counters(&self) -> Option<CudaStepCounters> {
+        match self {
+            Runner::Cpu { .. } => None,
+            Runner::Cuda { model } => Some(model.counters()),
         }
     }
 

@@ -31,6 +31,9 @@ pub struct EngineConfig {
     pub attention: AttentionPolicy,
     /// Which sampler draws the tokens (the fused sort-free one or the sort-based reference).
     pub sampler: SamplerKind,
+    /// On the CUDA backend, replay decode steps from CUDA graphs (`false`: launch every
+    /// kernel from the host, `--enforce-eager`). Ignored on the CPU.
+    pub cuda_graphs: bool,
 }
 
 /// Why a request ended.
@@ -95,8 +98,19 @@ pub struct EngineCounters {
     pub prefix_hit_tokens: u64,
     /// Requests preempted by recompute because the KV pool ran out of pages.
     pub preemptions: u64,
-    /// Forward passes that ran on the CUDA backend (baseline paged attention kernels).
+    /// Forward passes that ran on the CUDA backend.
     pub steps_cuda: u64,
+    /// CUDA steps replayed from a captured graph, and graphs captured.
+    pub steps_cuda_graph: u64,
+    pub cuda_graphs_captured: u64,
+    /// CUDA steps launched kernel by kernel from the host.
+    pub steps_cuda_eager: u64,
+    /// CUDA steps whose attention ran the baseline decode (gather, then attend) and the
+    /// ragged prefill kernel.
+    pub steps_cuda_decode_gather: u64,
+    pub steps_cuda_prefill_kernel: u64,
+    /// GPU time of the CUDA steps (CUDA events, upload to logits ready), microseconds.
+    pub cuda_gpu_time_us: u64,
     /// Per-request attention work on the CPU: requests with at least one split-KV row, and
     /// requests served by gather only (summed over steps).
     pub requests_split_kv: u64,
@@ -192,6 +206,7 @@ impl Engine {
             config.max_batch_tokens,
             max_requests,
             config.max_context,
+            config.cuda_graphs,
         )?;
         Ok(Engine {
             runner,
@@ -340,7 +355,9 @@ impl Engine {
     /// chunk; a preempted request samples nothing until it is recomputed).
     pub fn step(&mut self) -> Result<Vec<StepEvent>, EngineError> {
         let internal = |e: SchedulerError| EngineError::Internal(e.to_string());
+        let step_started = std::time::Instant::now();
         let plan = self.scheduler.schedule().map_err(internal)?;
+        let scheduled = step_started.elapsed();
         if plan.is_empty() {
             self.scheduler.postprocess(&[]).map_err(internal)?;
             if self.scheduler.num_unfinished() == 0 {
@@ -390,9 +407,18 @@ impl Engine {
             None => {
                 self.counters.steps_cuda += 1;
                 self.counters.tokens_forwarded += tokens.len() as u64;
+                if let Some(cuda) = self.runner.cuda_counters() {
+                    self.counters.steps_cuda_graph = cuda.graph_steps;
+                    self.counters.cuda_graphs_captured = cuda.graphs_captured;
+                    self.counters.steps_cuda_eager = cuda.eager_steps;
+                    self.counters.steps_cuda_decode_gather = cuda.decode_gather_steps;
+                    self.counters.steps_cuda_prefill_kernel = cuda.prefill_kernel_steps;
+                    self.counters.cuda_gpu_time_us = cuda.gpu_time_us;
+                }
             }
         }
         let logits = output.logits;
+        let forwarded = step_started.elapsed();
 
         // Sample, then let the scheduler append and finish.
         let vocab_size = self.runner.config().vocab_size;
@@ -417,7 +443,17 @@ impl Engine {
                 stop: state.stop_tokens.contains(&token),
             });
         }
+        let sampled_at = step_started.elapsed();
         let finished = self.scheduler.postprocess(&sampled).map_err(internal)?;
+        tracing::trace!(
+            target: "pagoda::step",
+            "step of {} tokens: schedule {:?}, forward {:?}, sample {:?}, postprocess {:?}",
+            tokens.len(),
+            scheduled,
+            forwarded - scheduled,
+            sampled_at - forwarded,
+            step_started.elapsed() - sampled_at
+        );
         let mut events = Vec::with_capacity(sampled.len());
         for (sample, logprobs) in sampled.into_iter().zip(logprobs) {
             let finished = finished

@@ -36,6 +36,7 @@ fn engine(
         max_context: 1024,
         attention: AttentionPolicy::Force(path),
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
+        cuda_graphs: true,
     };
     Some((Engine::new(loaded.model, config).unwrap(), loaded.tokenizer))
 }

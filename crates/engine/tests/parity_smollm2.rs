@@ -124,6 +124,7 @@ fn engine_for(loaded: LoadedModel, path: AttentionPath) -> (Engine, Vec<u32>) {
         max_context: 2048,
         attention: AttentionPolicy::Force(path),
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
+        cuda_graphs: true,
     };
     (Engine::new(loaded.model, config).unwrap(), stop)
 }

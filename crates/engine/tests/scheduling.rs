@@ -36,6 +36,7 @@ fn engine(
         max_context: 1024,
         attention: AttentionPolicy::Force(path),
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
+        cuda_graphs: true,
     };
     let engine = Engine::with_prefix_caching(loaded.model, config, prefix_caching).unwrap();
     Some((engine, loaded.tokenizer))

@@ -10,7 +10,7 @@ use pagoda_ops::attention::{
     self, plan_step, AttentionError, AttentionPath, KvLayout, PagedKv, QueryBatch, SplitKvChunking,
     StepAttentionConfig, StepAttentionPlan, StepWorkspace,
 };
-use pagoda_ops::linear::Weight;
+use pagoda_ops::linear::{matmul_shared, Weight};
 use pagoda_ops::norm::{rms_norm, rms_norm_in_place};
 use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
 use pagoda_tensor::GgmlType;
@@ -273,9 +273,16 @@ impl Model {
 
         for (layer_index, layer) in self.layers.iter().enumerate() {
             rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
-            layer.wq.matmul(&normed, num_tokens, &mut q);
-            layer.wk.matmul(&normed, num_tokens, &mut k);
-            layer.wv.matmul(&normed, num_tokens, &mut v);
+            // q, k and v share their input: quantized once, one parallel region for decode.
+            matmul_shared(
+                &normed,
+                num_tokens,
+                &mut [
+                    (&layer.wq, &mut q),
+                    (&layer.wk, &mut k),
+                    (&layer.wv, &mut v),
+                ],
+            );
             if let Some(b) = &layer.q_bias {
                 add_bias(&mut q, b);
             }
@@ -321,8 +328,11 @@ impl Model {
             add_in_place(&mut x, &proj);
 
             rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
-            layer.w_gate.matmul(&normed, num_tokens, &mut gate);
-            layer.w_up.matmul(&normed, num_tokens, &mut up);
+            matmul_shared(
+                &normed,
+                num_tokens,
+                &mut [(&layer.w_gate, &mut gate), (&layer.w_up, &mut up)],
+            );
             silu_mul_in_place(&mut gate, &up);
             layer.w_down.matmul(&gate, num_tokens, &mut proj);
             add_in_place(&mut x, &proj);

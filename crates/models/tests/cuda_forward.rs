@@ -40,6 +40,7 @@ fn cache_options() -> CudaCacheOptions {
         max_batch_tokens: 256,
         max_batch_requests: 8,
         max_context: NUM_PAGES * PAGE_SIZE,
+        cuda_graphs: true,
     }
 }
 
@@ -118,6 +119,8 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
     // Ragged prefill chunks mixed with decode tokens, then batched decode.
     let mut schedule: Schedule = vec![vec![37, 5, 0], vec![1, 20, 19], vec![1, 1, 1]];
     schedule.extend((0..6).map(|_| vec![1, 1, 1]));
+    // Decode batches of 2 and 1 (graph buckets 2 and 1; 3 rows above pad to bucket 4).
+    schedule.extend([vec![1, 0, 1], vec![0, 1, 0], vec![1, 1, 1]]);
     let mut kv = KvCache::new(config.num_layers, cpu.kv_layout(NUM_PAGES, PAGE_SIZE));
     let expected = run_schedule(&prompts, &schedule, &mut |batch| {
         cpu.forward(batch, &mut kv, AttentionPolicy::Auto)
@@ -125,10 +128,20 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
             .logits
     });
     let mut results = Vec::new();
-    for dtype in [GpuDType::F32, GpuDType::Bf16] {
+    for (dtype, cuda_graphs) in [
+        (GpuDType::F32, true),
+        (GpuDType::F32, false),
+        (GpuDType::Bf16, true),
+        (GpuDType::Bf16, false),
+    ] {
         let mut model =
             CudaModel::load(config.clone(), &weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
-        model.prepare(cache_options()).unwrap();
+        model
+            .prepare(CudaCacheOptions {
+                cuda_graphs,
+                ..cache_options()
+            })
+            .unwrap();
         let got = run_schedule(&prompts, &schedule, &mut |batch| {
             model.forward(batch).unwrap()
         });
@@ -155,10 +168,30 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
                 }
             }
         }
-        eprintln!("{dtype}: max relative logit error {worst_relative:.2e}, max top-10 logprob error {worst_logprob:.4}");
-        results.push((worst_relative, worst_logprob));
+        let counters = model.counters();
+        eprintln!("{dtype} graphs {cuda_graphs}: max relative logit error {worst_relative:.2e}, max top-10 logprob error {worst_logprob:.4}; {counters:?}");
+        // The decode steps took the baseline decode, replayed from graphs when on.
+        assert_eq!(counters.decode_gather_steps, 10, "{counters:?}");
+        if cuda_graphs {
+            assert_eq!(counters.graph_steps, 10, "{counters:?}");
+            assert_eq!(
+                counters.graphs_captured, 4,
+                "buckets 1, 2, 4 and 8, captured at prepare: {counters:?}"
+            );
+        } else {
+            assert_eq!(counters.graph_steps, 0, "{counters:?}");
+        }
+        results.push((dtype, worst_relative, worst_logprob));
     }
-    (results[0].0, results[1].1)
+    let f32_error = results
+        .iter()
+        .filter(|r| r.0 == GpuDType::F32)
+        .fold(0f64, |a, r| a.max(r.1));
+    let bf16_error = results
+        .iter()
+        .filter(|r| r.0 == GpuDType::Bf16)
+        .fold(0f64, |a, r| a.max(r.2));
+    (f32_error, bf16_error)
 }
 
 #[test]

@@ -22,10 +22,11 @@
 
 pub mod int_matmul;
 pub mod kernels;
+pub mod shared;
 
-pub use kernels::CpuKernels;
+pub use kernels::{cpu_kernels_name, CpuKernels};
+pub use shared::matmul_shared;
 
-use pagoda_tensor::quant::q8::Q8Rows;
 use pagoda_tensor::quant::repack::{repack, RepackedRows};
 use pagoda_tensor::{quant, GgmlType, UnsupportedType};
 use rayon::prelude::*;
@@ -266,9 +267,10 @@ impl Weight {
             return;
         }
         if let Storage::Repacked(rows, isa) = &self.storage {
-            let mut activations = Q8Rows::default();
-            int_matmul::quantize_activations(*isa, x, k, &mut activations);
-            int_matmul::matmul(*isa, rows, &activations, y);
+            int_matmul::with_scratch(|activations| {
+                int_matmul::quantize_activations(*isa, x, k, activations);
+                int_matmul::matmul(*isa, rows, activations, y);
+            });
             return;
         }
         if num_tokens == 1 {

@@ -126,6 +126,13 @@ pub struct Metrics {
     sampled_rejection: Counter,
     sampled_reference: Counter,
     sampling_fallbacks: Counter,
+    steps_cuda_graph: Counter,
+    steps_cuda_eager: Counter,
+    cuda_graphs_captured: Counter,
+    steps_cuda_decode_gather: Counter,
+    steps_cuda_prefill_kernel: Counter,
+    cuda_gpu_time_us: Counter,
+    batch_invariant: Counter,
 }
 
 impl Default for Metrics {
@@ -158,6 +165,13 @@ impl Default for Metrics {
             sampled_rejection: Counter::default(),
             sampled_reference: Counter::default(),
             sampling_fallbacks: Counter::default(),
+            steps_cuda_graph: Counter::default(),
+            steps_cuda_eager: Counter::default(),
+            cuda_graphs_captured: Counter::default(),
+            steps_cuda_decode_gather: Counter::default(),
+            steps_cuda_prefill_kernel: Counter::default(),
+            cuda_gpu_time_us: Counter::default(),
+            batch_invariant: Counter::default(),
         }
     }
 }
@@ -192,6 +206,16 @@ impl Metrics {
         self.sampled_reference
             .set(snapshot.sampling.reference_draws);
         self.sampling_fallbacks.set(snapshot.sampling.fallbacks);
+        self.steps_cuda_graph.set(snapshot.steps_cuda_graph);
+        self.steps_cuda_eager.set(snapshot.steps_cuda_eager);
+        self.cuda_graphs_captured.set(snapshot.cuda_graphs_captured);
+        self.steps_cuda_decode_gather
+            .set(snapshot.steps_cuda_decode_gather);
+        self.steps_cuda_prefill_kernel
+            .set(snapshot.steps_cuda_prefill_kernel);
+        self.cuda_gpu_time_us.set(snapshot.cuda_gpu_time_us);
+        self.batch_invariant
+            .set(u64::from(!snapshot.batch_dependent));
     }
 
     /// KV pages in use at the last update.
@@ -215,7 +239,7 @@ impl Metrics {
             );
         }
         drop(requests);
-        let scalars: [(&str, &str, &str, &Counter); 24] = [
+        let scalars: [(&str, &str, &str, &Counter); 31] = [
             (
                 "pagoda_prompt_tokens_total",
                 "counter",
@@ -307,6 +331,48 @@ impl Metrics {
                 &self.steps_cuda,
             ),
             (
+                "pagoda_cuda_graph_steps_total",
+                "counter",
+                "CUDA decode steps replayed from a captured graph.",
+                &self.steps_cuda_graph,
+            ),
+            (
+                "pagoda_cuda_eager_steps_total",
+                "counter",
+                "CUDA steps launched kernel by kernel from the host.",
+                &self.steps_cuda_eager,
+            ),
+            (
+                "pagoda_cuda_graphs_captured",
+                "gauge",
+                "CUDA graphs captured (one per decode batch bucket).",
+                &self.cuda_graphs_captured,
+            ),
+            (
+                "pagoda_cuda_decode_gather_steps_total",
+                "counter",
+                "CUDA steps whose attention ran the baseline decode (gather, then attend).",
+                &self.steps_cuda_decode_gather,
+            ),
+            (
+                "pagoda_cuda_prefill_attention_steps_total",
+                "counter",
+                "CUDA steps whose attention ran the ragged prefill kernel.",
+                &self.steps_cuda_prefill_kernel,
+            ),
+            (
+                "pagoda_cuda_gpu_time_microseconds_total",
+                "counter",
+                "GPU time of the CUDA steps (CUDA events, inputs upload to logits ready).",
+                &self.cuda_gpu_time_us,
+            ),
+            (
+                "pagoda_batch_invariant",
+                "gauge",
+                "1 when a request's output does not depend on the requests sharing its steps.",
+                &self.batch_invariant,
+            ),
+            (
                 "pagoda_kv_pages_cached",
                 "gauge",
                 "KV pages kept only for prefix-cache hits (evictable).",
@@ -368,6 +434,12 @@ impl Metrics {
                 counter.get()
             );
         }
+        let _ = writeln!(
+            out,
+            "# HELP pagoda_cpu_kernels_info The CPU matmul kernel set in use (PAGODA_CPU_KERNELS).\n\
+             # TYPE pagoda_cpu_kernels_info gauge\npagoda_cpu_kernels_info{{set=\"{}\"}} 1",
+            pagoda_ops::linear::cpu_kernels_name()
+        );
         self.time_to_first_token.render(
             &mut out,
             "pagoda_time_to_first_token_seconds",
@@ -417,5 +489,18 @@ mod tests {
         assert!(text.contains("pagoda_kv_pages_free 7\n"));
         assert!(text.contains("pagoda_queue_length 5\n"));
         assert!(text.contains("pagoda_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
+        assert!(text.contains("pagoda_batch_invariant 1\n"));
+        assert!(text.contains("pagoda_cpu_kernels_info{set=\""));
+        metrics.update_engine(
+            &EngineSnapshot {
+                batch_dependent: true,
+                steps_cuda_graph: 9,
+                ..snapshot
+            },
+            0,
+        );
+        let text = metrics.render();
+        assert!(text.contains("pagoda_batch_invariant 0\n"));
+        assert!(text.contains("pagoda_cuda_graph_steps_total 9\n"));
     }
 }

@@ -69,6 +69,17 @@ pub struct EngineSnapshot {
     pub pages_cached: usize,
     /// Tokens drawn per sampler path (process-wide).
     pub sampling: pagoda_ops::sampling::SamplingCounters,
+    /// CUDA steps replayed from graphs / launched eagerly, graphs captured, steps per
+    /// attention path, and the GPU time of all steps (microseconds).
+    pub steps_cuda_graph: u64,
+    pub steps_cuda_eager: u64,
+    pub cuda_graphs_captured: u64,
+    pub steps_cuda_decode_gather: u64,
+    pub steps_cuda_prefill_kernel: u64,
+    pub cuda_gpu_time_us: u64,
+    /// Outputs may depend on which requests share a step (the CUDA backend: cuBLAS picks
+    /// kernels per batch shape). On the CPU every request gets its one-at-a-time output.
+    pub batch_dependent: bool,
 }
 
 impl EngineBackend for Engine {
@@ -114,6 +125,13 @@ impl EngineBackend for Engine {
             requests_gather: counters.requests_gather,
             pages_cached: self.pages_cached(),
             sampling: pagoda_ops::sampling::sampling_counters(),
+            steps_cuda_graph: counters.steps_cuda_graph,
+            steps_cuda_eager: counters.steps_cuda_eager,
+            cuda_graphs_captured: counters.cuda_graphs_captured,
+            steps_cuda_decode_gather: counters.steps_cuda_decode_gather,
+            steps_cuda_prefill_kernel: counters.steps_cuda_prefill_kernel,
+            cuda_gpu_time_us: counters.cuda_gpu_time_us,
+            batch_dependent: self.is_cuda(),
         }
     }
 }

@@ -80,10 +80,58 @@ struct TestResult {
     median: f64,
     min: f64,
     max: f64,
-    /// Timed forward steps whose attention ran split-KV / gather (from the engine's counters:
-    /// the proof of which path was measured).
-    steps_split_kv: u64,
-    steps_gather: u64,
+    /// Timed forward steps per path (from the engine's counters: the proof of which path
+    /// was measured).
+    steps: StepCounts,
+    /// Decode tests: milliseconds per step (batch / median tok/s), and the bytes one step
+    /// must read (weights + the batch's KV at mid-run) divided by it.
+    step_ms: Option<f64>,
+    effective_gb_per_s: Option<f64>,
+}
+
+/// Forward steps by path over a timed span: CPU attention split-KV / gather, CUDA steps
+/// replayed from a graph / launched eagerly, CUDA attention baseline decode / prefill kernel.
+#[derive(Serialize, Default, Clone, Copy)]
+struct StepCounts {
+    split_kv: u64,
+    gather: u64,
+    cuda_graph: u64,
+    cuda_eager: u64,
+    cuda_decode_gather: u64,
+    cuda_prefill_kernel: u64,
+    /// GPU time of the CUDA steps (CUDA events), microseconds.
+    cuda_gpu_us: u64,
+}
+
+impl std::ops::AddAssign for StepCounts {
+    fn add_assign(&mut self, other: StepCounts) {
+        self.split_kv += other.split_kv;
+        self.gather += other.gather;
+        self.cuda_graph += other.cuda_graph;
+        self.cuda_eager += other.cuda_eager;
+        self.cuda_decode_gather += other.cuda_decode_gather;
+        self.cuda_prefill_kernel += other.cuda_prefill_kernel;
+        self.cuda_gpu_us += other.cuda_gpu_us;
+    }
+}
+
+impl std::fmt::Display for StepCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.cuda_graph + self.cuda_eager > 0 {
+            let steps = self.cuda_graph + self.cuda_eager;
+            write!(
+                f,
+                "cuda graph {} eager {} (decode-gather {} prefill {}), gpu {:.3} ms/step",
+                self.cuda_graph,
+                self.cuda_eager,
+                self.cuda_decode_gather,
+                self.cuda_prefill_kernel,
+                self.cuda_gpu_us as f64 / 1e3 / steps as f64
+            )
+        } else {
+            write!(f, "{}/{}", self.split_kv, self.gather)
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -140,13 +188,32 @@ pub fn run(args: BenchArgs) -> Result<()> {
     };
     let device = backend.device_name();
     let vocab = backend.config().vocab_size;
+    let weight_bytes = backend.weight_bytes() as f64;
+    let kv_token_bytes = backend.kv_page_bytes(1) as f64;
     let longest_prompt = args.prompt_lengths.iter().copied().max().unwrap_or(0);
-    let needed = longest_prompt.max(max_depth + 1) + args.decode_tokens + 1;
+    let base_need = longest_prompt.max(max_depth + 1) + args.decode_tokens + 1;
+    // Decode tests also hold the tokens the batch's first sequences decode while the last
+    // ones still prefill.
+    let slack = decode_slack(max_batch, max_depth, common::MAX_BATCH_TOKENS);
+    let decode_need = if args.decode_tokens > 0 {
+        max_depth + 1 + args.decode_tokens + slack + 1
+    } else {
+        0
+    };
+    let needed = base_need.max(decode_need);
     let model_max = backend.config().max_position_embeddings;
     if needed > model_max {
+        if needed == base_need {
+            bail!(
+                "the longest test needs a context of {needed} tokens (prompt {longest_prompt} + {} decoded + 1), \
+                 more than the model's {model_max}; lower -p, -d or -n",
+                args.decode_tokens
+            );
+        }
         bail!(
-            "the longest test needs a context of {needed} tokens (prompt {longest_prompt} + {} decoded + 1), \
-             more than the model's {model_max}; lower -p, -d or -n",
+            "the decode tests need a context of {needed} tokens (depth {max_depth} + 1 + {} decoded + {slack} \
+             decoded by early sequences while the batch of {max_batch} prefills + 1), more than the model's \
+             {model_max}; lower -d, -b or -n",
             args.decode_tokens
         );
     }
@@ -175,7 +242,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             rates.push(length as f64 / seconds);
         }
         let steps = steps_since(&engine, &before);
-        results.push(summarize(format!("pp{length}"), rates, steps));
+        results.push(summarize(format!("pp{length}"), rates, steps, None));
     }
     let decode_tests: Vec<(usize, usize)> = if args.decode_tokens > 0 {
         args.depth
@@ -187,10 +254,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     };
     for (depth, batch) in decode_tests {
         let mut rates = Vec::new();
-        let mut steps = (0, 0);
+        let mut steps = StepCounts::default();
         for _ in 0..args.repetitions {
             run_index += 1;
-            let (tokens, seconds, (split_kv, gather)) = timed_decode(
+            let (tokens, seconds, counts) = timed_decode(
                 &mut engine,
                 vocab,
                 batch,
@@ -199,7 +266,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 run_index,
             )?;
             rates.push(tokens as f64 / seconds);
-            steps = (steps.0 + split_kv, steps.1 + gather);
+            steps += counts;
         }
         let mut name = format!("tg{}", args.decode_tokens);
         if depth > 0 {
@@ -208,7 +275,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         if batch > 1 {
             name += &format!(" x{batch}");
         }
-        results.push(summarize(name, rates, steps));
+        let step_bytes =
+            weight_bytes + (batch * (depth + args.decode_tokens / 2)) as f64 * kv_token_bytes;
+        results.push(summarize(name, rates, steps, Some((batch, step_bytes))));
     }
     let report = Report {
         model: model_path,
@@ -238,41 +307,55 @@ fn print_report(report: &Report, json: bool) -> Result<()> {
         "weights: {} | threads: {} | attention: {} | load before: {} | load after: {}",
         report.precision, report.threads, report.attention, report.load_before, report.load_after
     );
-    println!("| test | tok/s (median) | min | max | runs | steps split-kv/gather |");
-    println!("| --- | ---: | ---: | ---: | --- | --- |");
+    println!(
+        "| test | tok/s (median) | min | max | runs | step ms | GB/s read | steps split-kv/gather |"
+    );
+    println!("| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |");
     for r in &report.results {
         let runs: Vec<String> = r
             .tokens_per_second
             .iter()
             .map(|v| format!("{v:.1}"))
             .collect();
+        let optional = |value: Option<f64>, digits: usize| {
+            value.map_or("-".to_string(), |v| format!("{v:.digits$}"))
+        };
         println!(
-            "| {} | {:.1} | {:.1} | {:.1} | {} | {}/{} |",
+            "| {} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} |",
             r.test,
             r.median,
             r.min,
             r.max,
             runs.join(" "),
-            r.steps_split_kv,
-            r.steps_gather
+            optional(r.step_ms, 3),
+            optional(r.effective_gb_per_s, 0),
+            r.steps
         );
     }
     Ok(())
 }
 
-/// Forward steps run per attention path since `before`: (split-KV, gather).
-fn steps_since(engine: &Engine, before: &EngineCounters) -> (u64, u64) {
+/// Forward steps run per path since `before`.
+fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCounts {
     let now = engine.counters();
-    (
-        now.steps_split_kv - before.steps_split_kv,
-        now.steps_gather - before.steps_gather,
-    )
+    StepCounts {
+        split_kv: now.steps_split_kv - before.steps_split_kv,
+        gather: now.steps_gather - before.steps_gather,
+        cuda_graph: now.steps_cuda_graph - before.steps_cuda_graph,
+        cuda_eager: now.steps_cuda_eager - before.steps_cuda_eager,
+        cuda_decode_gather: now.steps_cuda_decode_gather - before.steps_cuda_decode_gather,
+        cuda_prefill_kernel: now.steps_cuda_prefill_kernel - before.steps_cuda_prefill_kernel,
+        cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,
+    }
 }
 
+/// Median and spread of `rates`; for decode tests `decode = (batch, bytes read per step)`
+/// adds the step time and the effective read rate.
 fn summarize(
     test: String,
     mut rates: Vec<f64>,
-    (steps_split_kv, steps_gather): (u64, u64),
+    steps: StepCounts,
+    decode: Option<(usize, f64)>,
 ) -> TestResult {
     let tokens_per_second = rates.clone();
     rates.sort_by(|a, b| a.total_cmp(b));
@@ -281,14 +364,18 @@ fn summarize(
     } else {
         (rates[rates.len() / 2 - 1] + rates[rates.len() / 2]) / 2.0
     };
+    let step_seconds = decode.map(|(batch, _)| batch as f64 / median);
     TestResult {
         test,
         median,
         min: rates[0],
         max: rates[rates.len() - 1],
         tokens_per_second,
-        steps_split_kv,
-        steps_gather,
+        steps,
+        step_ms: step_seconds.map(|s| s * 1e3),
+        effective_gb_per_s: decode
+            .zip(step_seconds)
+            .map(|((_, bytes), seconds)| bytes / seconds / 1e9),
     }
 }
 
@@ -318,16 +405,20 @@ fn timed_decode(
     depth: usize,
     tokens: usize,
     run: u64,
-) -> Result<(usize, f64, (u64, u64))> {
+) -> Result<(usize, f64, StepCounts)> {
+    // Sequences that finish their prefill early decode while the others still prefill;
+    // the slack keeps every sequence running until `tokens` full-batch steps are timed.
+    let slack = decode_slack(batch, depth, engine.config().max_batch_tokens);
+    let mut ids = Vec::with_capacity(batch);
     for b in 0..batch {
         let prompt = random_prompt(vocab, depth + 1, run * 1000 + b as u64);
-        engine.add_request(
+        ids.push(engine.add_request(
             prompt,
             SamplingParams::greedy(),
-            tokens + 1,
+            tokens + slack,
             Vec::new(),
             false,
-        )?;
+        )?);
     }
     // Prefill until every sequence has sampled its first token.
     let mut started_sequences = std::collections::HashSet::new();
@@ -336,14 +427,30 @@ fn timed_decode(
             started_sequences.insert(event.request);
         }
     }
+    // Time `tokens` steps in which every sequence decodes together.
     let before = engine.counters().clone();
     let started = Instant::now();
     let mut sampled = 0;
-    while engine.num_running() > 0 {
-        sampled += engine.step()?.len();
+    for _ in 0..tokens {
+        let events = engine.step()?.len();
+        if events != batch {
+            bail!("a decode step of the {batch}-sequence batch sampled {events} tokens");
+        }
+        sampled += events;
     }
     let seconds = started.elapsed().as_secs_f64();
-    Ok((sampled, seconds, steps_since(engine, &before)))
+    let steps = steps_since(engine, &before);
+    for id in ids {
+        engine.cancel(id);
+    }
+    Ok((sampled, seconds, steps))
+}
+
+/// Extra tokens per sequence so none finishes before the batch decodes together: at most
+/// one per step of the batch's prefill, whose steps also carry up to `batch` decode tokens.
+fn decode_slack(batch: usize, depth: usize, max_batch_tokens: usize) -> usize {
+    let prefill_per_step = max_batch_tokens.saturating_sub(batch).max(1);
+    (batch * (depth + 1)).div_ceil(prefill_per_step) + 2
 }
 
 /// Deterministic pseudo-random ordinary token ids (ids below 256 are avoided: they hold the

@@ -56,10 +56,10 @@ impl PoolLayout {
 /// (they live on the device); kernels skip page ids `>= num_pages`.
 #[derive(Clone, Copy, Debug)]
 pub struct DevicePageTable<'a> {
-    indptr: DeviceView<'a, u32>,
-    indices: DeviceView<'a, u32>,
-    last_page_len: DeviceView<'a, u32>,
-    first_page_offset: DeviceView<'a, u32>,
+    pub(crate) indptr: DeviceView<'a, u32>,
+    pub(crate) indices: DeviceView<'a, u32>,
+    pub(crate) last_page_len: DeviceView<'a, u32>,
+    pub(crate) first_page_offset: DeviceView<'a, u32>,
 }
 
 impl<'a> DevicePageTable<'a> {
@@ -109,6 +109,8 @@ pub enum AttentionEntry {
     PagedGather,
     /// `decode_attention_gathered`: baseline decode step 2.
     DecodeGathered,
+    /// `merge_attention_states`: merges split partials by log-sum-exp.
+    MergeStates,
 }
 
 /// The specialisation of `entry` for `dtype` and `head_dim` (one of [`SUPPORTED_HEAD_DIMS`]).
@@ -129,6 +131,7 @@ pub fn specialize_attention(
             AttentionEntry::Prefill => "prefill_attention",
             AttentionEntry::PagedGather => "paged_kv_gather",
             AttentionEntry::DecodeGathered => "decode_attention_gathered",
+            AttentionEntry::MergeStates => "merge_attention_states",
         },
         params: vec![("HEAD_DIM", head_dim as i64)],
         dtypes: vec![("T", dtype), ("INDEX_T", DType::U32)],
@@ -247,10 +250,78 @@ pub fn prefill_attention<T: Element>(
     unsafe { gpu.launch(&spec, LaunchDims::new(grid, block), &args) }
 }
 
-/// Baseline decode: gathers each request's visible K/V into `k_scratch`/`v_scratch`
-/// (each at least `B * max_seq_len * num_kv_heads * head_dim`), then attends with one query
-/// per request (`q` row `r`, `q_row_stride` apart). `out` is `[B, num_q_heads, head_dim]`.
-/// `max_seq_len` must bound every request's visible length (a longer one yields NaN).
+/// Most splits of one request's keys in the baseline decode (the merge reads all of them).
+pub const MAX_DECODE_SPLITS: usize = 64;
+
+/// Device memory of the baseline decode, allocated once at its largest size so a decode step
+/// allocates nothing and can be replayed from a CUDA graph: the gathered K and V (one
+/// page-sized block per page-table position, `capacity_pages` positions) and the split
+/// partials (`[max_requests, num_q_heads, MAX_DECODE_SPLITS, head_dim]` f32 plus their
+/// log-sum-exps).
+pub struct DecodeWorkspace<T> {
+    k: crate::DeviceBuffer<T>,
+    v: crate::DeviceBuffer<T>,
+    partial_out: crate::DeviceBuffer<f32>,
+    partial_lse: crate::DeviceBuffer<f32>,
+    capacity_pages: usize,
+    max_requests: usize,
+    num_q_heads: usize,
+}
+
+impl<T: Element> DecodeWorkspace<T> {
+    /// Room for batches of at most `max_requests` requests whose page tables list at most
+    /// `capacity_pages` pages in all, for `num_q_heads` query heads over `layout`.
+    pub fn new(
+        gpu: &Gpu,
+        layout: &PoolLayout,
+        num_q_heads: usize,
+        max_requests: usize,
+        capacity_pages: usize,
+    ) -> Result<Self, CudaError> {
+        layout.validate()?;
+        let page = layout.page_size * layout.token_stride();
+        let heads = max_requests.max(1) * num_q_heads;
+        Ok(DecodeWorkspace {
+            k: gpu.alloc(capacity_pages.max(1) * page)?,
+            v: gpu.alloc(capacity_pages.max(1) * page)?,
+            partial_out: gpu.alloc(heads * MAX_DECODE_SPLITS * layout.head_dim)?,
+            partial_lse: gpu.alloc(heads * MAX_DECODE_SPLITS)?,
+            capacity_pages,
+            max_requests,
+            num_q_heads,
+        })
+    }
+
+    /// Page-table positions the gathered K/V can hold.
+    pub fn capacity_pages(&self) -> usize {
+        self.capacity_pages
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * std::mem::size_of::<T>()
+            + (self.partial_out.len() + self.partial_lse.len()) * 4
+    }
+}
+
+/// Splits per request for a decode batch of `num_requests` over `num_kv_heads` KV heads on a
+/// GPU of `sm_count` SMs: enough CTAs for about two waves, at most [`MAX_DECODE_SPLITS`]
+/// (the kernel never gives a split fewer than 32 keys, so short contexts use fewer).
+pub fn decode_splits(num_requests: usize, num_kv_heads: usize, sm_count: usize) -> usize {
+    let ctas = (num_requests * num_kv_heads).max(1);
+    (2 * sm_count.max(1))
+        .div_ceil(ctas)
+        .clamp(1, MAX_DECODE_SPLITS)
+}
+
+/// Baseline decode: copies the pages of `page_table` (in table order) into the workspace,
+/// then attends with one query per request (`q` row `r`, `q_row_stride` apart), each
+/// request's keys cut into `num_splits` ranges merged by log-sum-exp (no merge when 1).
+/// `out` is `[B, num_q_heads, head_dim]`, fully overwritten; a request with no visible token
+/// gets zeros. Every count is read on the device, so the launches replay from a CUDA graph
+/// with new inputs in the same buffers. The page table must list at most
+/// `workspace.capacity_pages()` pages (the caller checks on the host; a request beyond the
+/// capacity gets NaN rather than a wrong answer).
 pub fn decode_attention_gathered<T: Element>(
     gpu: &Gpu,
     q: &impl DeviceRead<T>,
@@ -259,17 +330,15 @@ pub fn decode_attention_gathered<T: Element>(
     v_pool: &impl DeviceRead<T>,
     layout: &PoolLayout,
     page_table: &DevicePageTable<'_>,
-    (k_scratch, v_scratch, max_seq_len): (
-        &mut impl DeviceWrite<T>,
-        &mut impl DeviceWrite<T>,
-        usize,
-    ),
+    workspace: &mut DecodeWorkspace<T>,
+    num_splits: usize,
     scale: f32,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
     let gather = specialize_attention(AttentionEntry::PagedGather, T::DTYPE, layout.head_dim)?;
     let attend = specialize_attention(AttentionEntry::DecodeGathered, T::DTYPE, layout.head_dim)?;
-    let block = group_block(layout, num_q_heads)?;
+    let merge = specialize_attention(AttentionEntry::MergeStates, T::DTYPE, layout.head_dim)?;
+    let group = group_block(layout, num_q_heads)? / 32;
     let num_requests = page_table.num_requests();
     check_len("k_pool", layout.pool_len(), k_pool.len())?;
     check_len("v_pool", layout.pool_len(), v_pool.len())?;
@@ -286,61 +355,90 @@ pub fn decode_attention_gathered<T: Element>(
         num_q_heads,
         layout.head_dim,
     )?;
-    let scratch = num_requests * max_seq_len * layout.token_stride();
-    check_min_len(
-        "decode k_scratch [B, max_seq_len, num_kv_heads, head_dim]",
-        scratch,
-        k_scratch.len(),
-    )?;
-    check_min_len(
-        "decode v_scratch [B, max_seq_len, num_kv_heads, head_dim]",
-        scratch,
-        v_scratch.len(),
-    )?;
+    if num_requests > workspace.max_requests || num_q_heads != workspace.num_q_heads {
+        return Err(CudaError::invalid(format!(
+            "a decode of {num_requests} requests x {num_q_heads} heads exceeds its workspace \
+             ({} x {})",
+            workspace.max_requests, workspace.num_q_heads
+        )));
+    }
+    if num_splits == 0 || num_splits > MAX_DECODE_SPLITS {
+        return Err(CudaError::invalid(format!(
+            "decode num_splits {num_splits} is outside 1..={MAX_DECODE_SPLITS}"
+        )));
+    }
     if num_requests > 65535 {
         return Err(CudaError::invalid(
             "decode supports at most 65535 requests per launch",
         ));
     }
-    let table = [
-        ptr(&page_table.indptr),
-        ptr(&page_table.indices),
-        ptr(&page_table.last_page_len),
-        ptr(&page_table.first_page_offset),
-    ];
+    let page_elems = layout.page_size * layout.token_stride();
     let gather_args = [
         ptr(k_pool),
         ptr(v_pool),
-        table[0],
-        table[1],
-        table[2],
-        table[3],
-        ptr(k_scratch),
-        ptr(v_scratch),
-        KernelArg::U32(to_u32("num_kv_heads", layout.num_kv_heads)?),
-        KernelArg::U32(to_u32("page_size", layout.page_size)?),
+        ptr(&page_table.indptr),
+        ptr(&page_table.indices),
+        ptr(&workspace.k),
+        ptr(&workspace.v),
+        KernelArg::U32(to_u32("num_requests", num_requests)?),
+        KernelArg::U32(to_u32("page elements", page_elems)?),
         KernelArg::U32(to_u32("num_pages", layout.num_pages)?),
-        KernelArg::U32(to_u32("max_seq_len", max_seq_len)?),
+        KernelArg::U32(to_u32("capacity_pages", workspace.capacity_pages)?),
     ];
-    let gather_grid = (to_u32("max_seq_len", max_seq_len)?, num_requests as u32);
-    // SAFETY: arguments match `paged_kv_gather`; scratch extents validated.
-    unsafe { gpu.launch(&gather, LaunchDims::new(gather_grid, 128), &gather_args)? };
+    // A fixed grid (the page count lives on the device): a few CTAs per SM.
+    let gather_ctas = (gpu.info().sm_count.max(1) * 4).min(65535);
+    // SAFETY: arguments match `paged_kv_gather`; the workspace holds capacity_pages pages.
+    unsafe {
+        gpu.launch(
+            &gather,
+            LaunchDims::new((gather_ctas, 1), 256),
+            &gather_args,
+        )?
+    };
+    let key_warps = (8 / group).max(1);
     let attend_args = [
         ptr(q),
-        ptr(k_scratch),
-        ptr(v_scratch),
-        table[0],
-        table[2],
-        table[3],
+        ptr(&workspace.k),
+        ptr(&workspace.v),
+        ptr(&page_table.indptr),
+        ptr(&page_table.last_page_len),
+        ptr(&page_table.first_page_offset),
         ptr(out),
+        ptr(&workspace.partial_out),
+        ptr(&workspace.partial_lse),
         KernelArg::U32(to_u32("num_q_heads", num_q_heads)?),
         KernelArg::U32(to_u32("num_kv_heads", layout.num_kv_heads)?),
         KernelArg::U32(to_u32("page_size", layout.page_size)?),
-        KernelArg::U32(to_u32("max_seq_len", max_seq_len)?),
+        KernelArg::U64((workspace.capacity_pages * layout.page_size) as u64),
         KernelArg::U32(to_u32("q_row_stride", q_row_stride)?),
         KernelArg::F32(scale * std::f32::consts::LOG2_E),
     ];
-    let attend_grid = (num_requests as u32, layout.num_kv_heads as u32);
-    // SAFETY: arguments match `decode_attention_gathered`; extents validated.
-    unsafe { gpu.launch(&attend, LaunchDims::new(attend_grid, block), &attend_args) }
+    let grid = (
+        num_requests as u32,
+        layout.num_kv_heads as u32,
+        num_splits as u32,
+    );
+    let block = 32 * group * key_warps;
+    // SAFETY: arguments match `decode_attention_gathered`; the partial buffers hold
+    // max_requests x num_q_heads x MAX_DECODE_SPLITS rows.
+    unsafe { gpu.launch(&attend, LaunchDims::new_3d(grid, block), &attend_args)? };
+    if num_splits == 1 {
+        return Ok(());
+    }
+    let merge_args = [
+        ptr(&workspace.partial_out),
+        ptr(&workspace.partial_lse),
+        ptr(out),
+        KernelArg::U32(num_splits as u32),
+    ];
+    let merge_grid = (num_requests as u32, to_u32("num_q_heads", num_q_heads)?);
+    let merge_block = layout.head_dim.min(128) as u32;
+    // SAFETY: arguments match `merge_attention_states`; extents validated above.
+    unsafe {
+        gpu.launch(
+            &merge,
+            LaunchDims::new(merge_grid, merge_block),
+            &merge_args,
+        )
+    }
 }

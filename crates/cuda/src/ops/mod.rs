@@ -10,11 +10,15 @@ mod dequant;
 mod elementwise;
 mod embedding;
 mod norm;
+mod prefill;
+mod prefill_mma;
+mod qkv;
 mod rope;
 
 pub use attention::{
-    decode_attention_gathered, prefill_attention, specialize_attention, AttentionEntry,
-    DevicePageTable, PoolLayout, SUPPORTED_HEAD_DIMS,
+    decode_attention_gathered, decode_splits, prefill_attention, specialize_attention,
+    AttentionEntry, DecodeWorkspace, DevicePageTable, PoolLayout, MAX_DECODE_SPLITS,
+    SUPPORTED_HEAD_DIMS,
 };
 pub use dequant::{dequantize, specialize_dequantize, QuantFormat};
 pub use elementwise::{
@@ -22,6 +26,11 @@ pub use elementwise::{
 };
 pub use embedding::{embedding_gather, specialize_embedding};
 pub use norm::{add_rms_norm, rms_norm, specialize_norm, NormEntry};
+pub use prefill::{prefill_attention_tiled, specialize_prefill, PrefillTiling};
+pub use prefill_mma::{
+    prefill_attention_mma, specialize_prefill_mma, MmaPrefillTiling, MMA_PREFILL_HEAD_DIMS,
+};
+pub use qkv::{add_bias_rows, rms_norm_heads, specialize_qkv, QkvEntry};
 pub use rope::{kv_append, rope, specialize_kv_append, specialize_rope, RopeStyle};
 
 use crate::error::CudaError;
@@ -58,6 +67,18 @@ pub(crate) static DEQUANT: KernelSource = KernelSource {
     name: "dequant.cu",
     code: include_str!("../../kernels/dequant.cu"),
 };
+pub(crate) static QKV: KernelSource = KernelSource {
+    name: "qkv.cu",
+    code: include_str!("../../kernels/qkv.cu"),
+};
+pub(crate) static PREFILL: KernelSource = KernelSource {
+    name: "prefill.cu",
+    code: include_str!("../../kernels/prefill.cu"),
+};
+pub(crate) static PREFILL_MMA: KernelSource = KernelSource {
+    name: "prefill_mma.cu",
+    code: include_str!("../../kernels/prefill_mma.cu"),
+};
 
 /// `dtype` is one of [`FLOAT_DTYPES`], or an error naming `what`.
 pub(crate) fn check_float(what: &str, dtype: DType) -> Result<(), CudaError> {
@@ -92,6 +113,7 @@ pub fn all_specializations() -> Vec<KernelSpec> {
                 AttentionEntry::Prefill,
                 AttentionEntry::PagedGather,
                 AttentionEntry::DecodeGathered,
+                AttentionEntry::MergeStates,
             ] {
                 push(specialize_attention(entry, dtype, head_dim));
             }
@@ -102,6 +124,15 @@ pub fn all_specializations() -> Vec<KernelSpec> {
         for format in QuantFormat::ALL {
             push(specialize_dequantize(format, dtype));
         }
+        for entry in QkvEntry::ALL {
+            push(specialize_qkv(entry, dtype));
+        }
+        for &head_dim in &SUPPORTED_HEAD_DIMS {
+            push(specialize_prefill(dtype, head_dim));
+        }
+    }
+    for &head_dim in &MMA_PREFILL_HEAD_DIMS {
+        push(specialize_prefill_mma(DType::BF16, head_dim));
     }
     push(specialize_elementwise(
         ElementwiseEntry::ArgmaxRows,

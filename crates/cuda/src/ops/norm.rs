@@ -40,7 +40,11 @@ pub fn specialize_norm(
     })
 }
 
-const BLOCK: u32 = 256;
+/// Threads per row: about four elements each, whole warps, at most 1024 (a kernel launched
+/// with one block per row is latency-bound; fewer loads per thread finish sooner).
+fn block_for(dim: usize) -> u32 {
+    (dim.div_ceil(4).next_multiple_of(32)).clamp(32, 1024) as u32
+}
 
 fn rows_of(what: &str, len: usize, dim: usize) -> Result<u32, CudaError> {
     if dim == 0 || len % dim != 0 {
@@ -73,7 +77,7 @@ pub fn rms_norm<TX: Element, T: Element>(
         KernelArg::F32(eps),
     ];
     // SAFETY: arguments match `rms_norm`; lengths validated.
-    unsafe { gpu.launch(&spec, LaunchDims::new((rows, 1), BLOCK), &args) }
+    unsafe { gpu.launch(&spec, LaunchDims::new((rows, 1), block_for(dim)), &args) }
 }
 
 /// Fused residual add + RMSNorm: `residual += x` (in place, rounded to `T`), then
@@ -100,5 +104,5 @@ pub fn add_rms_norm<T: Element>(
         KernelArg::F32(eps),
     ];
     // SAFETY: arguments match `add_rms_norm`; lengths validated.
-    unsafe { gpu.launch(&spec, LaunchDims::new((rows, 1), BLOCK), &args) }
+    unsafe { gpu.launch(&spec, LaunchDims::new((rows, 1), block_for(dim)), &args) }
 }

@@ -68,11 +68,20 @@ pub fn rope<T: Element>(
         KernelArg::U32(to_u32("rope_dim", rope_dim)?),
         KernelArg::U32(to_u32("row_stride", row_stride)?),
     ];
+    // Whole groups of `rope_dim / 2` threads (one per pair), up to 256 threads.
+    let half = rope_dim / 2;
+    let groups = (256 / half).clamp(1, num_heads);
+    let block = to_u32("rope block", (groups * half).next_multiple_of(32).min(1024))?;
+    if half > 1024 {
+        return Err(CudaError::invalid(format!(
+            "rope_dim {rope_dim} is above 2048"
+        )));
+    }
     // SAFETY: arguments match `rope`; extents validated.
     unsafe {
         gpu.launch(
             &spec,
-            LaunchDims::new((to_u32("num_tokens", num_tokens)?, 1), 128),
+            LaunchDims::new((to_u32("num_tokens", num_tokens)?, 1), block),
             &args,
         )
     }

@@ -261,6 +261,37 @@ impl Gpu {
         .map_err(driver_error("cuMemcpyHtoDAsync (pinned)"))
     }
 
+    /// Asynchronous copy of `source[range]` (pinned) into `destination` (lengths must
+    /// match); the pinned elements must not change until the stream has passed this point.
+    pub fn upload_pinned_range<T: Element>(
+        &self,
+        source: &PinnedBuffer<T>,
+        range: std::ops::Range<usize>,
+        destination: &mut impl DeviceWrite<T>,
+    ) -> Result<(), CudaError> {
+        let host = source.as_slice()?;
+        let Some(host) = host.get(range.clone()) else {
+            return Err(CudaError::invalid(format!(
+                "pinned range {range:?} is outside a buffer of {}",
+                host.len()
+            )));
+        };
+        check_len("pinned upload destination", host.len(), destination.len())?;
+        if host.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: lengths checked; the caller keeps the pinned memory unchanged and alive
+        // until the stream passes this point (documented).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                destination.device_ptr(),
+                host,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(driver_error("cuMemcpyHtoDAsync (pinned range)"))
+    }
+
     /// Asynchronous copy from `source` into pinned memory (lengths must match); read it
     /// after [`Gpu::synchronize`].
     pub fn download_pinned<T: Element>(

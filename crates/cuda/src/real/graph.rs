@@ -21,6 +21,12 @@ pub struct CapturedGraph {
     graph: CudaGraph,
 }
 
+// SAFETY: the graph and its executable are driver handles owned by this value alone, and
+// cudarc binds the stream's context to the calling thread before every launch and in Drop
+// (as it does for the CudaStream and CudaContext it marks Send). The engine that owns the
+// graphs moves to its worker thread once and uses them from there only (no Sync).
+unsafe impl Send for CapturedGraph {}
+
 impl CapturedGraph {
     /// Enqueues one replay on the stream (asynchronous).
     pub fn launch(&self) -> Result<(), CudaError> {

@@ -12,19 +12,21 @@
 //! Layout: this file holds the types and the public [`CudaModel`]; `weights.rs` uploads the
 //! weights; `step.rs` sizes the cache and runs a forward.
 //!
-//! Supported now: the llama architecture (Llama 2/3, SmolLM2, Mistral). Qwen2's q/k/v bias
-//! and Qwen3's q/k norms are refused with a clear error until their kernels land.
+//! Architectures: llama (Llama 2/3, SmolLM2, Mistral), Qwen2 (q/k/v bias, added after the
+//! QKV GEMM) and Qwen3 (per-head q/k RMSNorm before RoPE).
 
 use std::sync::Arc;
 
 use half::bf16;
-use pagoda_cuda::ops::{self, PoolLayout, RopeStyle as GpuRopeStyle};
-use pagoda_cuda::{DeviceBuffer, Element, Gpu};
+use pagoda_cuda::ops::{self, DecodeWorkspace, PoolLayout, RopeStyle as GpuRopeStyle};
+use pagoda_cuda::{DeviceBuffer, Element, Gpu, GraphCache, PinnedBuffer};
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::llama::{ForwardBatch, LoadError};
 use crate::weights::TensorSource;
 
+mod layers;
+mod staging;
 mod step;
 mod weights;
 
@@ -69,6 +71,28 @@ pub struct CudaCacheOptions {
     pub max_batch_requests: usize,
     /// Longest visible sequence (bounds the baseline decode's gather scratch).
     pub max_context: usize,
+    /// Replay decode steps from CUDA graphs captured per batch-size bucket (`false`: every
+    /// kernel launched from the host, as `--enforce-eager`).
+    pub cuda_graphs: bool,
+}
+
+/// What the GPU steps did since load (the engine exports them as metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaStepCounters {
+    /// Decode steps replayed from a captured CUDA graph.
+    pub graph_steps: u64,
+    /// Graphs captured (one per batch-size bucket used).
+    pub graphs_captured: u64,
+    /// Steps launched kernel by kernel from the host.
+    pub eager_steps: u64,
+    /// Steps whose attention ran the baseline decode (gather the pages, then attend).
+    pub decode_gather_steps: u64,
+    /// Steps whose attention ran the ragged prefill kernel (prefill or mixed batches, and
+    /// decode batches whose page tables exceed the gather workspace).
+    pub prefill_kernel_steps: u64,
+    /// GPU time of all steps, microseconds: from the inputs' upload to the logits being
+    /// ready, timed with CUDA events (the step's wall time minus this is host time).
+    pub gpu_time_us: u64,
 }
 
 /// A model resident on the GPU, with its KV cache.
@@ -103,6 +127,11 @@ struct GpuLayer<T> {
     attn_norm: DeviceBuffer<T>,
     /// `[q_dim + 2 * kv_dim, hidden]`: Q, K and V stacked.
     wqkv: DeviceBuffer<T>,
+    /// Qwen2: `[q_dim + 2 * kv_dim]`, the q, k and v biases stacked like `wqkv`'s rows.
+    qkv_bias: Option<DeviceBuffer<T>>,
+    /// Qwen3: per-head RMSNorm weights `[head_dim]` of q and k, applied before RoPE.
+    q_norm: Option<DeviceBuffer<T>>,
+    k_norm: Option<DeviceBuffer<T>>,
     wo: DeviceBuffer<T>,
     ffn_norm: DeviceBuffer<T>,
     /// `[2 * intermediate, hidden]`: gate then up.
@@ -110,13 +139,29 @@ struct GpuLayer<T> {
     w_down: DeviceBuffer<T>,
 }
 
-/// The KV pools (one K and one V per layer) and the step buffers.
+/// The KV pools (one K and one V per layer), the step buffers, the pinned staging of the
+/// step inputs and the captured decode graphs.
 struct GpuCache<T> {
     options: CudaCacheOptions,
     layout: PoolLayout,
+    buffers: StepBuffers<T>,
+    staging: Staging,
+    /// Decode graphs by padded batch size; they replay `buffers`' addresses.
+    graphs: GraphCache<usize>,
+}
+
+/// Device memory a step reads and writes (the addresses a captured graph holds).
+struct StepBuffers<T> {
     k_pools: Vec<DeviceBuffer<T>>,
     v_pools: Vec<DeviceBuffer<T>>,
     scratch: Scratch<T>,
+    decode: DecodeWorkspace<T>,
+}
+
+/// Page-locked host copies of the step inputs, uploaded asynchronously before the step.
+struct Staging {
+    words: PinnedBuffer<u32>,
+    slots: PinnedBuffer<i32>,
 }
 
 /// Per-step buffers, allocated once at their maximum sizes.
@@ -153,6 +198,7 @@ struct GpuLlama<T> {
     rope_style: GpuRopeStyle,
     layers: Vec<GpuLayer<T>>,
     cache: Option<GpuCache<T>>,
+    counters: CudaStepCounters,
 }
 
 impl CudaModel {
@@ -167,12 +213,6 @@ impl CudaModel {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel, LoadError> {
         config.validate().map_err(LoadError)?;
-        if config.architecture != Architecture::Llama {
-            return Err(LoadError(format!(
-                "the CUDA backend runs the llama architecture for now, not {}; use --device cpu",
-                config.architecture.name()
-            )));
-        }
         if !ops::SUPPORTED_HEAD_DIMS.contains(&config.head_dim) {
             return Err(LoadError(format!(
                 "the CUDA attention kernels support head_dim {:?}, not {}",
@@ -219,6 +259,15 @@ impl CudaModel {
         match &self.inner {
             Inner::Bf16(model) => &model.gpu,
             Inner::F32(model) => &model.gpu,
+        }
+    }
+
+    /// What the steps did since load: graph replays and captures, eager steps, and which
+    /// attention path each step took.
+    pub fn counters(&self) -> CudaStepCounters {
+        match &self.inner {
+            Inner::Bf16(model) => model.counters,
+            Inner::F32(model) => model.counters,
         }
     }
 

@@ -1,11 +1,129 @@
 //! One forward step on the GPU, and the KV cache and step buffers it runs in.
+//!
+//! A step stages its inputs (token ids, positions, slots, the CSR page table, the rows that
+//! need logits) in pinned host memory, uploads them asynchronously into fixed device
+//! buffers, runs the layers, and downloads the logits: one synchronization per step.
+//!
+//! Decode steps (one new token per request, logits for every row) attend with the baseline
+//! decode (gather the pages, then attend with split keys). With CUDA graphs on, they are
+//! padded to a batch-size bucket and replayed from a graph captured once per bucket: every
+//! count the kernels need is read on the device, padding rows have no pages and a slot of
+//! -1. Prefill and mixed steps run the ragged prefill kernel, launched from the host.
 
-use pagoda_cuda::ops::{self, DevicePageTable, PoolLayout};
-use pagoda_cuda::{view, view_mut, CudaError, DeviceBuffer, DeviceRead, Element, Gpu};
+use std::sync::Once;
 
-use super::{CudaCacheOptions, GpuCache, GpuLlama, HostFloat, Scratch};
+use pagoda_cuda::ops::{self, DecodeWorkspace, PoolLayout};
+use pagoda_cuda::{view, CudaError, DeviceRead, Gpu, GraphCache};
+
+use super::{CudaCacheOptions, GpuCache, GpuLlama, HostFloat, Scratch, Staging, StepBuffers};
 use crate::config::ModelConfig;
 use crate::llama::ForwardBatch;
+
+/// How a step's attention runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Attention {
+    /// The ragged causal prefill kernel over the paged cache (any batch).
+    Prefill,
+    /// The baseline decode: one query per request, keys cut into `num_splits` ranges.
+    Decode { num_splits: usize },
+}
+
+/// The sizes a step's kernels are launched with (padded for a graph bucket).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct StepShape {
+    pub(super) num_tokens: usize,
+    pub(super) num_requests: usize,
+    pub(super) num_logits: usize,
+    pub(super) attention: Attention,
+}
+
+/// Smallest graph bucket holding `num_requests` decode rows: powers of two, capped at the
+/// step buffers' limit (`max`), which is a bucket of its own.
+fn graph_bucket(num_requests: usize, max: usize) -> Option<usize> {
+    if num_requests == 0 || num_requests > max {
+        return None;
+    }
+    Some(num_requests.next_power_of_two().min(max))
+}
+
+/// Every graph bucket up to `max`: the powers of two below it, then `max`.
+fn graph_buckets(max: usize) -> Vec<usize> {
+    let mut buckets: Vec<usize> = (0..usize::BITS)
+        .map(|shift| 1usize << shift)
+        .take_while(|&bucket| bucket < max)
+        .collect();
+    if max > 0 {
+        buckets.push(max);
+    }
+    buckets
+}
+
+/// Page-table positions the decode's gather workspace holds: every request's pages once
+/// (`max_context` rounded up, plus a partial first page), bounded by twice the pool (pages
+/// shared between requests are listed once per request).
+fn decode_capacity_pages(options: &CudaCacheOptions) -> usize {
+    let page_size = options.page_size.max(1);
+    let per_request = options.max_context.div_ceil(page_size) + 1;
+    let requests = options.max_batch_requests.max(1);
+    (requests * per_request).min(2 * options.num_pages + requests)
+}
+
+/// The prefill attention kernels (`PAGODA_CUDA_PREFILL`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum PrefillKernel {
+    /// Tensor cores (WMMA, bf16 only; head dims 64/128/256), else the tiled kernel.
+    Mma,
+    /// Query-tiled on CUDA cores (any dtype and supported head dim).
+    Tiled,
+    /// One CTA per query token: the oracle and fallback.
+    Reference,
+}
+
+/// Which prefill attention kernel runs: `PAGODA_CUDA_PREFILL=mma|tiled|reference` (read
+/// once; the first use is logged). Default: mma (tensor cores for bf16, else tiled).
+pub(super) fn prefill_kernel() -> Result<PrefillKernel, CudaError> {
+    static CHOICE: std::sync::OnceLock<Result<PrefillKernel, String>> = std::sync::OnceLock::new();
+    let choice = CHOICE.get_or_init(|| {
+        let kernel = match std::env::var("PAGODA_CUDA_PREFILL").ok().as_deref() {
+            // Measured on the H200 (docs/benchmark_results/cuda-backend-h200-*.md): tensor
+            // cores 2.3x (8B, 2K prompt) to 3x (SmolLM2, 4K) faster than the tiled kernel.
+            None | Some("mma") => PrefillKernel::Mma,
+            Some("tiled") => PrefillKernel::Tiled,
+            Some("reference") => PrefillKernel::Reference,
+            Some(other) => {
+                return Err(format!(
+                    "PAGODA_CUDA_PREFILL=`{other}`: use mma, tiled or reference"
+                ))
+            }
+        };
+        tracing::info!("CUDA prefill attention: {kernel:?}");
+        Ok(kernel)
+    });
+    choice.clone().map_err(CudaError::invalid)
+}
+
+fn announce(path: &'static str) {
+    static GRAPHS: Once = Once::new();
+    static EAGER: Once = Once::new();
+    static GATHER: Once = Once::new();
+    static PREFILL: Once = Once::new();
+    let once = match path {
+        "graphs" => &GRAPHS,
+        "eager" => &EAGER,
+        "gather" => &GATHER,
+        _ => &PREFILL,
+    };
+    once.call_once(|| match path {
+        "graphs" => tracing::info!("CUDA decode steps: replayed from CUDA graphs per batch bucket"),
+        "eager" => tracing::info!("CUDA steps: kernels launched from the host (no graph)"),
+        "gather" => {
+            tracing::info!("CUDA decode attention: gather the pages, then attend (split keys)")
+        }
+        _ => tracing::info!(
+            "CUDA attention: ragged prefill kernel over the paged cache (prefill and mixed steps)"
+        ),
+    });
+}
 
 impl<T: HostFloat> GpuLlama<T> {
     pub(super) fn prepare(&mut self, options: CudaCacheOptions) -> Result<(), CudaError> {
@@ -17,7 +135,7 @@ impl<T: HostFloat> GpuLlama<T> {
             head_dim: c.head_dim,
         };
         layout.validate()?;
-        // Free the old cache before allocating the new one.
+        // Free the old cache (and the graphs holding its addresses) before allocating.
         self.cache = None;
         let gpu = &*self.gpu;
         let mut k_pools = Vec::with_capacity(c.num_layers);
@@ -27,26 +145,230 @@ impl<T: HostFloat> GpuLlama<T> {
             v_pools.push(gpu.zeros(layout.pool_len())?);
         }
         let scratch = Scratch::new(gpu, c, &options)?;
+        let decode = DecodeWorkspace::new(
+            gpu,
+            &layout,
+            c.num_attention_heads,
+            options.max_batch_requests.max(1),
+            decode_capacity_pages(&options),
+        )?;
+        let tokens = options.max_batch_tokens.max(1);
+        let requests = options.max_batch_requests.max(1);
+        let staging = Staging {
+            words: gpu.alloc_pinned(3 * tokens + 4 * requests + 2 + scratch.page_indices.len())?,
+            slots: gpu.alloc_pinned(tokens)?,
+        };
         self.cache = Some(GpuCache {
             options,
             layout,
-            k_pools,
-            v_pools,
-            scratch,
+            buffers: StepBuffers {
+                k_pools,
+                v_pools,
+                scratch,
+                decode,
+            },
+            staging,
+            graphs: GraphCache::new(),
         });
+        if options.cuda_graphs {
+            self.capture_decode_graphs()?;
+        }
         Ok(())
     }
 
+    /// Captures the decode graph of every batch bucket now (as vLLM does at start-up), so
+    /// serving never pauses to capture. Each capture first runs its step eagerly on padding
+    /// rows only (no pages, slot -1): nothing is written to the KV cache.
+    fn capture_decode_graphs(&mut self) -> Result<(), CudaError> {
+        let Some(mut cache) = self.cache.take() else {
+            return Ok(());
+        };
+        let started = std::time::Instant::now();
+        let gpu = self.gpu.clone();
+        let sm_count = gpu.info().sm_count as usize;
+        let limit = cache
+            .options
+            .max_batch_requests
+            .min(cache.options.max_batch_tokens);
+        let empty_table = pagoda_kv::PageTable {
+            indptr: vec![0],
+            ..Default::default()
+        };
+        let empty = ForwardBatch {
+            tokens: &[],
+            positions: &[],
+            slots: &[],
+            qo_indptr: &[0],
+            page_table: &empty_table,
+            logits_for: &[],
+        };
+        let mut outcome = Ok(());
+        for bucket in graph_buckets(limit) {
+            let shape = StepShape {
+                num_tokens: bucket,
+                num_requests: bucket,
+                num_logits: bucket,
+                attention: Attention::Decode {
+                    num_splits: ops::decode_splits(bucket, self.config.num_kv_heads, sm_count),
+                },
+            };
+            outcome = self.stage(&mut cache, &empty, &shape).and_then(|()| {
+                let GpuCache {
+                    layout,
+                    buffers,
+                    graphs,
+                    ..
+                } = &mut cache;
+                let this = &*self;
+                graphs
+                    .get_or_capture(&gpu, bucket, |gpu| this.run(gpu, buffers, layout, &shape))
+                    .map(|_| ())
+            });
+            if outcome.is_err() {
+                break;
+            }
+            self.counters.graphs_captured += 1;
+        }
+        let outcome = outcome.and_then(|()| gpu.synchronize());
+        tracing::info!(
+            "CUDA graphs: captured {} decode buckets (up to {limit} requests) in {:.2} s",
+            cache.graphs.len(),
+            started.elapsed().as_secs_f64()
+        );
+        self.cache = Some(cache);
+        outcome
+    }
+
     pub(super) fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>, CudaError> {
-        let c = &self.config;
-        let gpu = &*self.gpu;
-        let Some(cache) = self.cache.as_mut() else {
+        let Some(mut cache) = self.cache.take() else {
             return Err(CudaError::invalid(
                 "the KV cache is not allocated: call prepare first",
             ));
         };
+        let result = self.forward_in(&mut cache, batch);
+        self.cache = Some(cache);
+        result
+    }
+
+    fn forward_in(
+        &mut self,
+        cache: &mut GpuCache<T>,
+        batch: &ForwardBatch<'_>,
+    ) -> Result<Vec<f32>, CudaError> {
+        let host_started = std::time::Instant::now();
+        self.validate(cache, batch)?;
+        let gpu = self.gpu.clone();
         let options = cache.options;
-        let layout = cache.layout;
+        let num_tokens = batch.tokens.len();
+        let num_requests = batch.qo_indptr.len() - 1;
+        let num_logits = batch.logits_for.len();
+        let decode_rows = num_tokens == num_requests
+            && batch
+                .qo_indptr
+                .iter()
+                .enumerate()
+                .all(|(i, &q)| q == i as u32);
+        let fits_gather = batch.page_table.indices.len() <= cache.buffers.decode.capacity_pages();
+        let sm_count = gpu.info().sm_count as usize;
+        let bucket = graph_bucket(
+            num_requests,
+            options.max_batch_requests.min(options.max_batch_tokens),
+        );
+        let decode_splits =
+            |requests: usize| ops::decode_splits(requests, self.config.num_kv_heads, sm_count);
+        let graph_rows = bucket.filter(|_| {
+            options.cuda_graphs && decode_rows && fits_gather && num_logits == num_tokens
+        });
+        let shape = match graph_rows {
+            Some(padded) => StepShape {
+                num_tokens: padded,
+                num_requests: padded,
+                num_logits: padded,
+                attention: Attention::Decode {
+                    num_splits: decode_splits(padded),
+                },
+            },
+            None => StepShape {
+                num_tokens,
+                num_requests,
+                num_logits,
+                attention: if decode_rows && fits_gather {
+                    Attention::Decode {
+                        num_splits: decode_splits(num_requests),
+                    }
+                } else {
+                    Attention::Prefill
+                },
+            },
+        };
+        let graph = graph_rows.is_some();
+        let started = gpu.record_event()?;
+        let planned = host_started.elapsed();
+        self.stage(cache, batch, &shape)?;
+        let staged = host_started.elapsed();
+        match shape.attention {
+            Attention::Decode { .. } => {
+                announce("gather");
+                self.counters.decode_gather_steps += 1;
+            }
+            Attention::Prefill => {
+                announce("prefill");
+                self.counters.prefill_kernel_steps += 1;
+            }
+        }
+        if graph {
+            announce("graphs");
+            let GpuCache {
+                layout,
+                buffers,
+                graphs,
+                ..
+            } = cache;
+            let before = graphs.len();
+            let this = &*self;
+            let replay = graphs.get_or_capture(&gpu, shape.num_tokens, |gpu| {
+                this.run(gpu, buffers, layout, &shape)
+            })?;
+            replay.launch()?;
+            // Captured at prepare; a miss here means the bucket list changed.
+            if graphs.len() > before {
+                self.counters.graphs_captured += 1;
+            }
+            self.counters.graph_steps += 1;
+        } else {
+            announce("eager");
+            self.run(&gpu, &mut cache.buffers, &cache.layout, &shape)?;
+            self.counters.eager_steps += 1;
+        }
+        let finished = gpu.record_event()?;
+        let launched = host_started.elapsed();
+        let logits = if num_logits == 0 {
+            // A prefill chunk that samples nothing. Wait anyway: the next step rewrites the
+            // pinned inputs this step's upload may still be reading.
+            gpu.synchronize()?;
+            Vec::new()
+        } else {
+            let logits = view(
+                &cache.buffers.scratch.logits,
+                0..num_logits * self.config.vocab_size,
+            )?;
+            gpu.download(&logits)?
+        };
+        let gpu_ms = started.elapsed_ms(&finished)?;
+        self.counters.gpu_time_us += (gpu_ms as f64 * 1e3) as u64;
+        tracing::trace!(
+            target: "pagoda::step",
+            "cuda step {shape:?}: plan {planned:?}, stage {:?}, launch {:?}, wait+download {:?}, gpu {gpu_ms:.3} ms",
+            staged - planned,
+            launched - staged,
+            host_started.elapsed() - launched
+        );
+        Ok(logits)
+    }
+
+    fn validate(&self, cache: &GpuCache<T>, batch: &ForwardBatch<'_>) -> Result<(), CudaError> {
+        let c = &self.config;
+        let options = cache.options;
         let num_tokens = batch.tokens.len();
         let num_requests = batch.qo_indptr.len().saturating_sub(1);
         let num_logits = batch.logits_for.len();
@@ -57,7 +379,8 @@ impl<T: HostFloat> GpuLlama<T> {
                 options.max_batch_tokens
             )));
         }
-        if num_requests > options.max_batch_requests || num_logits > num_tokens {
+        if num_requests == 0 || num_requests > options.max_batch_requests || num_logits > num_tokens
+        {
             return Err(CudaError::invalid(format!(
                 "a step of {num_requests} requests / {num_logits} logit rows exceeds the buffers"
             )));
@@ -65,6 +388,14 @@ impl<T: HostFloat> GpuLlama<T> {
         if batch.positions.len() != num_tokens || batch.slots.len() != num_tokens {
             return Err(CudaError::invalid(
                 "tokens, positions and slots differ in length",
+            ));
+        }
+        if table.indptr.len() != num_requests + 1
+            || table.last_page_len.len() != num_requests
+            || table.first_page_offset.len() != num_requests
+        {
+            return Err(CudaError::invalid(
+                "the page table does not have one row per request",
             ));
         }
         if let Some(&token) = batch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
@@ -78,172 +409,10 @@ impl<T: HostFloat> GpuLlama<T> {
                 "logits requested for token {row} of {num_tokens}"
             )));
         }
-        if table.indices.len() > cache.scratch.page_indices.len() {
+        if table.indices.len() > cache.buffers.scratch.page_indices.len() {
             return Err(CudaError::invalid("the page table is larger than the pool"));
         }
-        let (hidden, q_dim, kv_dim) = (
-            c.hidden_size,
-            c.num_attention_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
-        );
-        let qkv_dim = q_dim + 2 * kv_dim;
-        let inter = c.intermediate_size;
-        let page_size = layout.page_size;
-
-        // Host inputs into the fixed device buffers.
-        let s = &mut cache.scratch;
-        let slots: Vec<i32> = batch
-            .slots
-            .iter()
-            .map(|slot| slot.physical_index(page_size) as i32)
-            .collect();
-        let logits_rows: Vec<u32> = batch.logits_for.iter().map(|&t| t as u32).collect();
-        upload_prefix(gpu, batch.tokens, &mut s.tokens)?;
-        upload_prefix(gpu, batch.positions, &mut s.positions)?;
-        upload_prefix(gpu, &slots, &mut s.slots)?;
-        upload_prefix(gpu, batch.qo_indptr, &mut s.qo_indptr)?;
-        upload_prefix(gpu, &table.indptr, &mut s.page_indptr)?;
-        upload_prefix(gpu, &table.indices, &mut s.page_indices)?;
-        upload_prefix(gpu, &table.last_page_len, &mut s.last_page_len)?;
-        upload_prefix(gpu, &table.first_page_offset, &mut s.first_page_offset)?;
-        upload_prefix(gpu, &logits_rows, &mut s.logits_rows)?;
-
-        let tokens = view(&s.tokens, 0..num_tokens)?;
-        let positions = view(&s.positions, 0..num_tokens)?;
-        let slots = view(&s.slots, 0..num_tokens)?;
-        let qo_indptr = view(&s.qo_indptr, 0..num_requests + 1)?;
-        let page_indptr = view(&s.page_indptr, 0..num_requests + 1)?;
-        let page_indices = view(&s.page_indices, 0..table.indices.len().max(1))?;
-        let last_page_len = view(&s.last_page_len, 0..num_requests)?;
-        let first_page_offset = view(&s.first_page_offset, 0..num_requests)?;
-        let page_table = DevicePageTable::new(
-            &page_indptr,
-            &page_indices,
-            &last_page_len,
-            &first_page_offset,
-        )?;
-
-        let mut x = view_mut(&mut s.x, 0..num_tokens * hidden)?;
-        let mut normed = view_mut(&mut s.normed, 0..num_tokens * hidden)?;
-        let mut qkv = view_mut(&mut s.qkv, 0..num_tokens * qkv_dim)?;
-        let mut attn = view_mut(&mut s.attn, 0..num_tokens * q_dim)?;
-        let mut gate_up = view_mut(&mut s.gate_up, 0..num_tokens * 2 * inter)?;
-        let mut act = view_mut(&mut s.act, 0..num_tokens * inter)?;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-
-        ops::embedding_gather(gpu, &self.embedding, &tokens, &mut x, c.vocab_size, hidden)?;
-        for ((layer, k_pool), v_pool) in self
-            .layers
-            .iter()
-            .zip(&mut cache.k_pools)
-            .zip(&mut cache.v_pools)
-        {
-            ops::rms_norm(gpu, &x, &layer.attn_norm, &mut normed, c.rms_norm_eps)?;
-            gpu.gemm(
-                &normed,
-                &layer.wqkv,
-                &mut qkv,
-                (num_tokens, qkv_dim, hidden),
-                0.0,
-            )?;
-            {
-                let mut q = view_mut(&mut qkv, 0..num_tokens * qkv_dim)?;
-                ops::rope(
-                    gpu,
-                    &mut q,
-                    &positions,
-                    &self.inv_freq,
-                    (c.num_attention_heads, c.head_dim, qkv_dim),
-                    self.rope_style,
-                )?;
-            }
-            {
-                let mut k = view_mut(&mut qkv, q_dim..num_tokens * qkv_dim)?;
-                ops::rope(
-                    gpu,
-                    &mut k,
-                    &positions,
-                    &self.inv_freq,
-                    (c.num_kv_heads, c.head_dim, qkv_dim),
-                    self.rope_style,
-                )?;
-            }
-            {
-                let k_new = view(&qkv, q_dim..num_tokens * qkv_dim)?;
-                let v_new = view(&qkv, q_dim + kv_dim..num_tokens * qkv_dim)?;
-                ops::kv_append(
-                    gpu,
-                    k_pool,
-                    v_pool,
-                    &layout,
-                    &k_new,
-                    &v_new,
-                    &slots,
-                    (qkv_dim, qkv_dim),
-                )?;
-            }
-            ops::prefill_attention(
-                gpu,
-                &qkv,
-                (c.num_attention_heads, qkv_dim),
-                &*k_pool,
-                &*v_pool,
-                &layout,
-                &page_table,
-                &qo_indptr,
-                scale,
-                &mut attn,
-            )?;
-            // x += attn · Wo^T (the residual add rides on the GEMM).
-            gpu.gemm(&attn, &layer.wo, &mut x, (num_tokens, hidden, q_dim), 1.0)?;
-            ops::rms_norm(gpu, &x, &layer.ffn_norm, &mut normed, c.rms_norm_eps)?;
-            gpu.gemm(
-                &normed,
-                &layer.w_gate_up,
-                &mut gate_up,
-                (num_tokens, 2 * inter, hidden),
-                0.0,
-            )?;
-            {
-                let gate = view(&gate_up, 0..num_tokens * 2 * inter)?;
-                let up = view(&gate_up, inter..num_tokens * 2 * inter)?;
-                ops::silu_mul(gpu, &gate, &up, &mut act, inter, (2 * inter, 2 * inter))?;
-            }
-            gpu.gemm(
-                &act,
-                &layer.w_down,
-                &mut x,
-                (num_tokens, hidden, inter),
-                1.0,
-            )?;
-        }
-
-        if num_logits == 0 {
-            // A prefill chunk that samples nothing: the KV is written, no logits needed.
-            return Ok(Vec::new());
-        }
-        // Only the rows that need logits go through the final norm and the LM head.
-        let rows = view(&s.logits_rows, 0..num_logits)?;
-        let mut selected = view_mut(&mut s.selected, 0..num_logits * hidden)?;
-        ops::embedding_gather(gpu, &x, &rows, &mut selected, num_tokens, hidden)?;
-        let mut selected_normed = view_mut(&mut s.selected_normed, 0..num_logits * hidden)?;
-        ops::rms_norm(
-            gpu,
-            &selected,
-            &self.output_norm,
-            &mut selected_normed,
-            c.rms_norm_eps,
-        )?;
-        let mut logits = view_mut(&mut s.logits, 0..num_logits * c.vocab_size)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
-        gpu.gemm(
-            &selected_normed,
-            head,
-            &mut logits,
-            (num_logits, c.vocab_size, hidden),
-            0.0,
-        )?;
-        gpu.download(&logits)
+        Ok(())
     }
 }
 
@@ -279,21 +448,52 @@ impl<T: HostFloat> Scratch<T> {
     }
 }
 
-fn upload_prefix<T: Element>(
-    gpu: &Gpu,
-    host: &[T],
-    buffer: &mut DeviceBuffer<T>,
-) -> Result<(), CudaError> {
-    if host.is_empty() {
-        return Ok(());
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_powers_of_two_capped_at_the_limit() {
+        assert_eq!(graph_bucket(0, 64), None);
+        assert_eq!(graph_bucket(1, 64), Some(1));
+        assert_eq!(graph_bucket(3, 64), Some(4));
+        assert_eq!(graph_bucket(33, 64), Some(64));
+        assert_eq!(graph_bucket(40, 48), Some(48));
+        assert_eq!(graph_bucket(49, 48), None);
     }
-    if host.len() > buffer.len() {
-        return Err(CudaError::invalid(format!(
-            "{} step inputs exceed a buffer of {}",
-            host.len(),
-            buffer.len()
-        )));
+
+    #[test]
+    fn bucket_list_covers_every_batch_size() {
+        assert_eq!(graph_buckets(1), vec![1]);
+        assert_eq!(graph_buckets(8), vec![1, 2, 4, 8]);
+        assert_eq!(graph_buckets(48), vec![1, 2, 4, 8, 16, 32, 48]);
+        for max in 1..100 {
+            let buckets = graph_buckets(max);
+            for n in 1..=max {
+                assert!(
+                    buckets.contains(&graph_bucket(n, max).unwrap()),
+                    "{n} of {max}"
+                );
+            }
+        }
     }
-    let mut destination = view_mut(buffer, 0..host.len())?;
-    gpu.upload_into(host, &mut destination)
+
+    #[test]
+    fn gather_capacity_covers_every_request_at_full_context() {
+        let options = CudaCacheOptions {
+            num_pages: 1000,
+            page_size: 16,
+            max_batch_tokens: 64,
+            max_batch_requests: 4,
+            max_context: 100,
+            cuda_graphs: true,
+        };
+        // 100 tokens from a mid-page start span at most 8 pages.
+        assert_eq!(decode_capacity_pages(&options), 4 * 8);
+        let small_pool = CudaCacheOptions {
+            num_pages: 10,
+            ..options
+        };
+        assert_eq!(decode_capacity_pages(&small_pool), 24);
+    }
 }

@@ -6,9 +6,10 @@ use std::sync::Arc;
 use pagoda_cuda::ops::{self, QuantFormat, RopeStyle as GpuRopeStyle};
 use pagoda_cuda::{view_mut, CudaError, DeviceBuffer, DeviceRead, Gpu};
 use pagoda_tensor::GgmlType;
+use rayon::prelude::*;
 
 use super::{GpuLayer, GpuLlama, HostFloat};
-use crate::config::{ModelConfig, RopeStyle};
+use crate::config::{Architecture, ModelConfig, RopeStyle};
 use crate::llama::LoadError;
 use crate::weights::{names, TensorSource};
 
@@ -30,13 +31,27 @@ impl<T: HostFloat> GpuLlama<T> {
         let mut layers = Vec::with_capacity(c.num_layers);
         for i in 0..c.num_layers {
             let n = |suffix: &str| names::layer(i, suffix);
-            for optional in [names::ATTN_Q_BIAS, names::ATTN_Q_NORM] {
-                if source.tensor(&n(optional)).is_some() {
-                    return Err(LoadError(format!(
-                        "tensor {} needs a kernel the CUDA backend lacks yet; use --device cpu",
-                        n(optional)
-                    )));
+            let qkv_bias = qkv_bias::<T>(
+                g,
+                source,
+                &[
+                    (n(names::ATTN_Q_BIAS), 0, q_dim),
+                    (n(names::ATTN_K_BIAS), q_dim, kv_dim),
+                    (n(names::ATTN_V_BIAS), q_dim + kv_dim, kv_dim),
+                ],
+            )?;
+            let optional_norm = |name: String| -> Result<Option<DeviceBuffer<T>>, LoadError> {
+                match source.tensor(&name) {
+                    Some(_) => upload_tensor(g, source, &name, &[c.head_dim]).map(Some),
+                    None => Ok(None),
                 }
+            };
+            let q_norm = optional_norm(n(names::ATTN_Q_NORM))?;
+            let k_norm = optional_norm(n(names::ATTN_K_NORM))?;
+            if c.architecture == Architecture::Qwen3 && (q_norm.is_none() || k_norm.is_none()) {
+                return Err(LoadError(format!(
+                    "qwen3 layer {i} lacks attn_q_norm/attn_k_norm"
+                )));
             }
             let wqkv = stacked::<T>(
                 g,
@@ -60,6 +75,9 @@ impl<T: HostFloat> GpuLlama<T> {
             layers.push(GpuLayer {
                 attn_norm: upload_tensor(g, source, &n(names::ATTN_NORM), &[c.hidden_size])?,
                 wqkv,
+                qkv_bias,
+                q_norm,
+                k_norm,
                 wo: upload_tensor(g, source, &n(names::ATTN_OUTPUT), &[c.hidden_size, q_dim])?,
                 ffn_norm: upload_tensor(g, source, &n(names::FFN_NORM), &[c.hidden_size])?,
                 w_gate_up,
@@ -105,6 +123,7 @@ impl<T: HostFloat> GpuLlama<T> {
             rope_style,
             layers,
             cache: None,
+            counters: Default::default(),
         })
     }
 
@@ -115,6 +134,9 @@ impl<T: HostFloat> GpuLlama<T> {
             .map(|l| {
                 l.attn_norm.len()
                     + l.wqkv.len()
+                    + l.qkv_bias.as_ref().map_or(0, |b| b.len())
+                    + l.q_norm.as_ref().map_or(0, |b| b.len())
+                    + l.k_norm.as_ref().map_or(0, |b| b.len())
                     + l.wo.len()
                     + l.ffn_norm.len()
                     + l.w_gate_up.len()
@@ -126,6 +148,30 @@ impl<T: HostFloat> GpuLlama<T> {
             + self.lm_head.as_ref().map_or(0, |h| h.len())
             + self.output_norm.len()
     }
+}
+
+/// The q, k and v biases stacked like the fused QKV rows (`(name, offset, len)` each), or
+/// `None` when the model has none; a missing part of a model that has some is zero.
+fn qkv_bias<T: HostFloat>(
+    gpu: &Gpu,
+    source: &dyn TensorSource,
+    parts: &[(String, usize, usize)],
+) -> Result<Option<DeviceBuffer<T>>, LoadError> {
+    if parts
+        .iter()
+        .all(|(name, _, _)| source.tensor(name).is_none())
+    {
+        return Ok(None);
+    }
+    let total: usize = parts.iter().map(|(_, _, len)| len).sum();
+    let mut bias = gpu.zeros::<T>(total).map_err(gpu_error("qkv bias"))?;
+    for (name, offset, len) in parts {
+        if source.tensor(name).is_some() {
+            let mut part = view_mut(&mut bias, *offset..offset + len).map_err(gpu_error(name))?;
+            upload_tensor_into(gpu, source, name, &[*len], &mut part)?;
+        }
+    }
+    Ok(Some(bias))
 }
 
 /// Uploads one float or quantized tensor as `T`, checking its shape.
@@ -176,6 +222,17 @@ fn upload_tensor_into<T: HostFloat>(
         Some(format) => {
             let blocks = gpu.upload(&raw.data[..]).map_err(gpu_error(name))?;
             ops::dequantize(gpu, format, &blocks, out).map_err(gpu_error(name))
+        }
+        None if raw.ty == GgmlType::F32 => {
+            // Random 8B weights are 32 GB of f32: convert in parallel, straight from the bytes.
+            let converted: Vec<T> = raw
+                .data
+                .par_chunks_exact(4)
+                .map(|bytes| {
+                    T::from_f32(f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
+                })
+                .collect();
+            gpu.upload_into(&converted, out).map_err(gpu_error(name))
         }
         None => {
             let mut values = vec![0f32; len];

@@ -79,25 +79,11 @@ pub fn matmul(isa: IntIsa, weights: &RepackedRows, activations: &Q8Rows, y: &mut
         "y must be [num_tokens, out_features]"
     );
     if num_tokens == 1 {
-        let rows_per_task = ((n / (rayon::current_num_threads() * 16)).clamp(16, 1024) + 3) & !3;
+        let rows_per_task = decode_rows_per_task(n);
         y.par_chunks_mut(rows_per_task)
             .enumerate()
             .for_each(|(task, out)| {
-                let row_start = task * rows_per_task;
-                let done = out.len() / 4 * 4;
-                let mut quads = out.chunks_exact_mut(4);
-                for (quad_index, quad) in (&mut quads).enumerate() {
-                    let r = row_start + 4 * quad_index;
-                    let dots =
-                        tile::<4, 1>(isa, weights, [r, r + 1, r + 2, r + 3], activations, [0]);
-                    for (value, dot) in quad.iter_mut().zip(dots) {
-                        *value = dot[0];
-                    }
-                }
-                for (i, value) in quads.into_remainder().iter_mut().enumerate() {
-                    *value =
-                        tile::<1, 1>(isa, weights, [row_start + done + i], activations, [0])[0][0];
-                }
+                decode_rows(isa, weights, task * rows_per_task, activations, out)
             });
         return;
     }
@@ -121,6 +107,36 @@ pub fn matmul(isa: IntIsa, weights: &RepackedRows, activations: &Q8Rows, y: &mut
                 *value = local[r * num_tokens + t];
             }
         }
+    }
+}
+
+/// Rows per decode task for `num_rows` rows of work in one parallel region: about 16 tasks
+/// per thread, at least 16 and at most 1024 rows, a multiple of 4.
+pub fn decode_rows_per_task(num_rows: usize) -> usize {
+    ((num_rows / (rayon::current_num_threads() * 16)).clamp(16, 1024) + 3) & !3
+}
+
+/// Decode (one token, row 0 of `activations`): `out[i] = dot(weights[row_start + i],
+/// activations[0])`, four rows per pass (`tile::<4, 1>`), the leftover rows one by one (the
+/// same per-row chain, see [`crate::simd::int_dot`]).
+pub fn decode_rows(
+    isa: IntIsa,
+    weights: &RepackedRows,
+    row_start: usize,
+    activations: &Q8Rows,
+    out: &mut [f32],
+) {
+    let done = out.len() / 4 * 4;
+    let mut quads = out.chunks_exact_mut(4);
+    for (quad_index, quad) in (&mut quads).enumerate() {
+        let r = row_start + 4 * quad_index;
+        let dots = tile::<4, 1>(isa, weights, [r, r + 1, r + 2, r + 3], activations, [0]);
+        for (value, dot) in quad.iter_mut().zip(dots) {
+            *value = dot[0];
+        }
+    }
+    for (i, value) in quads.into_remainder().iter_mut().enumerate() {
+        *value = tile::<1, 1>(isa, weights, [row_start + done + i], activations, [0])[0][0];
     }
 }
 
@@ -169,4 +185,19 @@ fn rows_by_tokens(
         }
     }
     local
+}
+
+thread_local! {
+    static SCRATCH: std::cell::Cell<Q8Rows> = std::cell::Cell::new(Q8Rows::default());
+}
+
+/// Runs `f` with this thread's reusable activation buffer, so a matmul allocates nothing
+/// once the buffer has grown to the largest input seen. The buffer is taken out for the
+/// call: a nested call on the same thread (a rayon worker that steals another matmul while
+/// it waits) gets a fresh one instead of a conflict.
+pub fn with_scratch<R>(f: impl FnOnce(&mut Q8Rows) -> R) -> R {
+    let mut rows = SCRATCH.with(|cell| cell.take());
+    let result = f(&mut rows);
+    SCRATCH.with(|cell| cell.set(rows));
+    result
 }

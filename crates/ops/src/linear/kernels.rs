@@ -107,3 +107,12 @@ impl CpuKernels {
         })
     }
 }
+
+/// The name of the process-wide kernel set ([`CpuKernels::selected`]) as
+/// `PAGODA_CPU_KERNELS` spells it: `vnni`, `avx2`, `scalar` (Q8 activations, integer dots) or
+/// `f32` (f32 activations). For metrics and status pages, e.g. a Prometheus gauge
+/// `pagoda_cpu_kernels{set="vnni"} 1`. The first call (from here or from loading a model)
+/// reads the environment and logs the choice once; later calls return the same name.
+pub fn cpu_kernels_name() -> &'static str {
+    CpuKernels::selected().name()
+}

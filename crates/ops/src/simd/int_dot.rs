@@ -18,7 +18,7 @@
 //! bit; keep it so (`tests/linear_batch_invariance.rs` checks it through `Weight::matmul`).
 
 use pagoda_tensor::quant::q8::Q8Rows;
-use pagoda_tensor::quant::repack::{dot_scalar, QuantWidth, RepackedRows};
+use pagoda_tensor::quant::repack::{dot_scalar, QuantWidth, RepackedRows, RowFactors};
 
 /// An instruction set for the integer tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,7 +37,11 @@ impl IntIsa {
         match self {
             IntIsa::Scalar => true,
             #[cfg(target_arch = "x86_64")]
-            IntIsa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            IntIsa::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
             #[cfg(target_arch = "x86_64")]
             IntIsa::Vnni => {
                 IntIsa::Avx2.is_supported()
@@ -75,23 +79,50 @@ pub fn tile<const R: usize, const T: usize>(
     {
         if isa != IntIsa::Scalar && supported(isa) {
             let nibble = weights.width() == QuantWidth::Nibble;
-            // SAFETY: the CPU has the features (checked above); indices were checked, and
-            // every row slice holds `blocks_per_row` blocks of the layout `width` names.
-            return unsafe {
-                match (isa, nibble) {
-                    (IntIsa::Vnni, true) if weights.blocks_per_row().is_multiple_of(2) => {
-                        x86::tile_vnni_pairs::<R, T>(weights, rows, activations, tokens)
+            let half = weights.has_half_factors();
+            let pairs = nibble && weights.blocks_per_row().is_multiple_of(2);
+            macro_rules! run {
+                ($half:literal) => {
+                    // SAFETY: the CPU has the features (checked above); indices were checked,
+                    // and every row slice holds `blocks_per_row` blocks of the layout
+                    // `width` names, with factors of the kind `half` names.
+                    unsafe {
+                        match (isa, nibble) {
+                            (IntIsa::Vnni, true) if pairs => x86::tile_vnni_pairs::<R, T, $half>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                            (IntIsa::Vnni, true) => x86::tile_vnni::<R, T, true, $half>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                            (IntIsa::Vnni, false) => x86::tile_vnni::<R, T, false, $half>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                            (_, true) => x86::tile_avx2::<R, T, true, $half>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                            (_, false) => x86::tile_avx2::<R, T, false, $half>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                        }
                     }
-                    (IntIsa::Vnni, true) => {
-                        x86::tile_vnni::<R, T, true>(weights, rows, activations, tokens)
-                    }
-                    (IntIsa::Vnni, false) => {
-                        x86::tile_vnni::<R, T, false>(weights, rows, activations, tokens)
-                    }
-                    (_, true) => x86::tile_avx2::<R, T, true>(weights, rows, activations, tokens),
-                    (_, false) => x86::tile_avx2::<R, T, false>(weights, rows, activations, tokens),
-                }
-            };
+                };
+            }
+            return if half { run!(true) } else { run!(false) };
         }
     }
     let _ = isa;
@@ -117,6 +148,98 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
+    /// Row `row`'s scales and mins as raw pointers (`mins` null when the format has none);
+    /// the element type is u16 half bits when `HALF`, else f32.
+    #[inline(always)]
+    fn factor_ptrs<const HALF: bool>(weights: &RepackedRows, row: usize) -> (*const u8, *const u8) {
+        match weights.row_factors(row) {
+            RowFactors::Half { scales, mins } => {
+                debug_assert!(HALF);
+                let mins = if mins.is_empty() {
+                    std::ptr::null()
+                } else {
+                    mins.as_ptr() as *const u8
+                };
+                (scales.as_ptr() as *const u8, mins)
+            }
+            RowFactors::Single { scales, mins } => {
+                debug_assert!(!HALF);
+                let mins = if mins.is_empty() {
+                    std::ptr::null()
+                } else {
+                    mins.as_ptr() as *const u8
+                };
+                (scales.as_ptr() as *const u8, mins)
+            }
+        }
+    }
+
+    /// Factor `block` of `base` broadcast to 8 lanes. SAFETY (caller): in range, F16C.
+    #[inline(always)]
+    unsafe fn broadcast_factor<const HALF: bool>(base: *const u8, block: usize) -> __m256 {
+        unsafe {
+            if HALF {
+                let bits = (base as *const u16).add(block).read_unaligned();
+                _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+            } else {
+                _mm256_broadcast_ss(&*(base as *const f32).add(block))
+            }
+        }
+    }
+
+    /// Factors `block` and `block + 1`: lanes 0..4 the first, lanes 4..8 the second.
+    /// SAFETY (caller): both in range, AVX2 and F16C.
+    #[inline(always)]
+    unsafe fn factor_pair<const HALF: bool>(base: *const u8, block: usize) -> __m256 {
+        unsafe {
+            let spread = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+            let both = if HALF {
+                let bits = (base as *const u32).byte_add(block * 2).read_unaligned();
+                _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))
+            } else {
+                _mm_castsi128_ps(_mm_loadl_epi64(base.add(block * 4) as *const __m128i))
+            };
+            _mm256_permutevar8x32_ps(_mm256_castps128_ps256(both), spread)
+        }
+    }
+
+    /// The min term `sum_b min_b s_a[b]` of one (row, token) pair, by one recipe for every
+    /// tile shape: 8 lanes, blocks in order, the lanes summed as [`horizontal_sum`] does,
+    /// then the leftover blocks in order. SAFETY (caller): `mins` holds `sums.len()`
+    /// factors; AVX2, FMA, F16C.
+    #[inline(always)]
+    unsafe fn min_term<const HALF: bool>(mins: *const u8, sums: &[f32]) -> f32 {
+        unsafe {
+            let n = sums.len();
+            let mut acc = _mm256_setzero_ps();
+            let mut b = 0;
+            while b + 8 <= n {
+                let m = if HALF {
+                    _mm256_cvtph_ps(_mm_loadu_si128(
+                        (mins as *const u16).add(b) as *const __m128i
+                    ))
+                } else {
+                    _mm256_loadu_ps((mins as *const f32).add(b))
+                };
+                acc = _mm256_fmadd_ps(m, _mm256_loadu_ps(sums.as_ptr().add(b)), acc);
+                b += 8;
+            }
+            let mut total = horizontal_sum(acc);
+            while b < n {
+                let m = if HALF {
+                    pagoda_tensor::quant::blocks::f16_bits_to_f32(
+                        (mins as *const u16).add(b).read_unaligned(),
+                    )
+                } else {
+                    (mins as *const f32).add(b).read_unaligned()
+                };
+                total = m.mul_add(sums[b], total);
+                b += 1;
+            }
+            total
+        }
+    }
+
     /// 32 weight values of block `b` as unsigned bytes, in value order.
     #[inline(always)]
     unsafe fn load_weights<const NIBBLE: bool>(base: *const u8, block: usize) -> __m256i {
@@ -132,7 +255,7 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     #[inline]
     unsafe fn idot_vnni<const NIBBLE: bool>(
         start: __m256i,
@@ -144,7 +267,7 @@ mod x86 {
     }
 
     /// `-zero * (sum of each 4 activation bytes)` per i32 lane.
-    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     #[inline]
     unsafe fn start_vnni(zero: __m256i, a: __m256i) -> __m256i {
         _mm256_sub_epi32(
@@ -154,7 +277,7 @@ mod x86 {
     }
 
     /// As [`start_vnni`], with AVX2 (zero <= 128, so the i16 pair sums fit).
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn start_avx2(zero: __m256i, a: __m256i) -> __m256i {
         let pairs = _mm256_maddubs_epi16(zero, a);
@@ -164,7 +287,7 @@ mod x86 {
         )
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn idot_avx2<const NIBBLE: bool>(
         start: __m256i,
@@ -196,7 +319,7 @@ mod x86 {
         ]
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn horizontal_sum(v: __m256) -> f32 {
         let quad = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -208,7 +331,12 @@ mod x86 {
         ($name:ident, $features:literal, $idot:ident, $start:ident, $widen:expr) => {
             /// See [`super::tile`]. SAFETY: the CPU has the features; indices are in range.
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn $name<const R: usize, const T: usize, const NIBBLE: bool>(
+            pub(super) unsafe fn $name<
+                const R: usize,
+                const T: usize,
+                const NIBBLE: bool,
+                const HALF: bool,
+            >(
                 weights: &RepackedRows,
                 rows: [usize; R],
                 activations: &Q8Rows,
@@ -216,8 +344,8 @@ mod x86 {
             ) -> [[f32; T]; R] {
                 let blocks = weights.blocks_per_row();
                 let wq: [*const u8; R] = std::array::from_fn(|r| weights.row_qs(rows[r]).as_ptr());
-                let wd: [*const f32; R] =
-                    std::array::from_fn(|r| weights.row_scales(rows[r]).as_ptr());
+                let factors: [(*const u8, *const u8); R] =
+                    std::array::from_fn(|r| factor_ptrs::<HALF>(weights, rows[r]));
                 let aq: [*const i8; T] =
                     std::array::from_fn(|t| activations.row_qs(tokens[t]).as_ptr());
                 let ad: [*const f32; T] =
@@ -231,7 +359,7 @@ mod x86 {
                         let w: [__m256i; R] =
                             std::array::from_fn(|r| load_weights::<NIBBLE>(wq[r], b));
                         let dw: [__m256; R] =
-                            std::array::from_fn(|r| _mm256_broadcast_ss(&*wd[r].add(b)));
+                            std::array::from_fn(|r| broadcast_factor::<HALF>(factors[r].0, b));
                         for t in 0..T {
                             let a = _mm256_loadu_si256(aq[t].add(b * 32) as *const __m256i);
                             let a16 = $widen(a);
@@ -252,15 +380,18 @@ mod x86 {
                 }
                 let mut out = [[0f32; T]; R];
                 for r in 0..R {
-                    let mins = weights.row_mins(rows[r]);
+                    let mins = factors[r].1;
                     for t in 0..T {
-                        let min_term = if mins.is_empty() {
-                            0.0
-                        } else {
-                            crate::simd::dot_f32(mins, activations.row_sums(tokens[t]))
-                        };
-                        // SAFETY: the features are enabled in this function.
-                        out[r][t] = unsafe { horizontal_sum(acc[r][t]) } + min_term;
+                        // SAFETY: the features are enabled in this function; a non-null
+                        // `mins` holds one factor per block, as many as the token's sums.
+                        unsafe {
+                            let min_term = if mins.is_null() {
+                                0.0
+                            } else {
+                                min_term::<HALF>(mins, activations.row_sums(tokens[t]))
+                            };
+                            out[r][t] = horizontal_sum(acc[r][t]) + min_term;
+                        }
                     }
                 }
                 out
@@ -274,14 +405,14 @@ mod x86 {
         [_mm256_setzero_si256(); 2]
     }
 
-    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     #[inline]
     unsafe fn widen_for_vnni(a: __m256i) -> [__m256i; 2] {
         // SAFETY: avx2 is enabled here.
         unsafe { no_widen(a) }
     }
 
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn widen_for_avx2<const NIBBLE: bool>(a: __m256i) -> [__m256i; 2] {
         // SAFETY: avx2 is enabled here.
@@ -296,14 +427,14 @@ mod x86 {
 
     tile_fn!(
         tile_vnni,
-        "avx2,fma,avx512f,avx512vl,avx512vnni",
+        "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
         idot_vnni,
         start_vnni,
         widen_for_vnni
     );
     tile_fn!(
         tile_avx2,
-        "avx2,fma",
+        "avx2,fma,f16c",
         idot_avx2,
         start_avx2,
         widen_for_avx2::<NIBBLE>
@@ -314,8 +445,8 @@ mod x86 {
     /// halves and its high nibbles the second halves, so one `vpdpbusd` pair, one
     /// conversion and one FMA cover 64 values (lanes 0..4 block `b`, lanes 4..8 block
     /// `b + 1`). SAFETY: as [`super::tile`]; `blocks_per_row` is even.
-    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
-    pub(super) unsafe fn tile_vnni_pairs<const R: usize, const T: usize>(
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub(super) unsafe fn tile_vnni_pairs<const R: usize, const T: usize, const HALF: bool>(
         weights: &RepackedRows,
         rows: [usize; R],
         activations: &Q8Rows,
@@ -323,7 +454,8 @@ mod x86 {
     ) -> [[f32; T]; R] {
         let blocks = weights.blocks_per_row();
         let wq: [*const u8; R] = std::array::from_fn(|r| weights.row_qs(rows[r]).as_ptr());
-        let wd: [*const f32; R] = std::array::from_fn(|r| weights.row_scales(rows[r]).as_ptr());
+        let factors: [(*const u8, *const u8); R] =
+            std::array::from_fn(|r| factor_ptrs::<HALF>(weights, rows[r]));
         let aq: [*const i8; T] = std::array::from_fn(|t| activations.row_qs(tokens[t]).as_ptr());
         let ad: [*const f32; T] =
             std::array::from_fn(|t| activations.row_scales(tokens[t]).as_ptr());
@@ -331,17 +463,6 @@ mod x86 {
         let has_zero = weights.zero() != 0;
         let zero = _mm256_set1_epi8(weights.zero() as u8 as i8);
         let mask = _mm256_set1_epi8(0x0F);
-        // Lanes 0..4 take element 0 of each 128-bit half, lanes 4..8 element 1.
-        let spread = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
-        let pair_of = |p: *const f32| {
-            // SAFETY (caller): p and p + 1 are in range.
-            unsafe {
-                _mm256_permutevar_ps(
-                    _mm256_castpd_ps(_mm256_broadcast_sd(&*(p as *const f64))),
-                    spread,
-                )
-            }
-        };
         for b in (0..blocks).step_by(2) {
             // SAFETY: b + 1 < blocks; every row holds `blocks` blocks and scales.
             unsafe {
@@ -356,7 +477,7 @@ mod x86 {
                         }),
                     )
                 };
-                let dw: [__m256; R] = std::array::from_fn(|r| pair_of(wd[r].add(b)));
+                let dw: [__m256; R] = std::array::from_fn(|r| factor_pair::<HALF>(factors[r].0, b));
                 for t in 0..T {
                     let a0 = _mm256_loadu_si256(aq[t].add(b * 32) as *const __m256i);
                     let a1 = _mm256_loadu_si256(aq[t].add(b * 32 + 32) as *const __m256i);
@@ -372,7 +493,7 @@ mod x86 {
                     } else {
                         _mm256_setzero_si256()
                     };
-                    let da = pair_of(ad[t].add(b));
+                    let da = factor_pair::<false>(ad[t] as *const u8, b);
                     for r in 0..R {
                         let integer = _mm256_dpbusd_epi32(
                             _mm256_dpbusd_epi32(start, w_low[r], a_low),
@@ -387,15 +508,18 @@ mod x86 {
         }
         let mut out = [[0f32; T]; R];
         for r in 0..R {
-            let mins = weights.row_mins(rows[r]);
+            let mins = factors[r].1;
             for t in 0..T {
-                let min_term = if mins.is_empty() {
-                    0.0
-                } else {
-                    crate::simd::dot_f32(mins, activations.row_sums(tokens[t]))
-                };
-                // SAFETY: the features are enabled in this function.
-                out[r][t] = unsafe { horizontal_sum(acc[r][t]) } + min_term;
+                // SAFETY: the features are enabled in this function; a non-null `mins`
+                // holds one factor per block, as many as the token's sums.
+                unsafe {
+                    let min_term = if mins.is_null() {
+                        0.0
+                    } else {
+                        min_term::<HALF>(mins, activations.row_sums(tokens[t]))
+                    };
+                    out[r][t] = horizontal_sum(acc[r][t]) + min_term;
+                }
             }
         }
         out

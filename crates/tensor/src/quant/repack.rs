@@ -1,27 +1,32 @@
 //! Weights repacked at load for integer dot products with [`Q8Rows`] activations.
 //!
 //! Every stored format that has one scale per 32 values is rewritten as blocks of 32
-//! unsigned integers `u` with an f32 scale `d` and an f32 `min`, such that the weight value
-//! is `d * (u - zero) + min` with a per-format constant `zero`, bit-exactly the value ggml's
+//! unsigned integers `u` with a scale `d` and a `min`, such that the weight value is
+//! `d * (u - zero) + min` with a per-format constant `zero`, bit-exactly the value ggml's
 //! `dequantize_row_*` gives:
 //!
-//! | stored | width | `u` | `zero` | `min` |
-//! | --- | --- | --- | --- | --- |
-//! | Q4_0 | nibble | `q` (0..16) | 8 | 0 |
-//! | Q4_1 | nibble | `q` | 0 | `m` |
-//! | Q8_0 | byte | `q + 128` | 128 | 0 |
-//! | Q4_K | nibble | `q` of one sub-block | 0 | `-(dmin * min)`, `d = d * scale` |
-//! | Q5_K | byte | 5-bit `q` of one sub-block | 0 | as Q4_K |
+//! | stored | width | `u` | `zero` | `min` | factors |
+//! | --- | --- | --- | --- | --- | --- |
+//! | Q4_0 | nibble | `q` (0..16) | 8 | 0 | f16 |
+//! | Q4_1 | nibble | `q` | 0 | `m` | f16 |
+//! | Q8_0 | byte | `q + 128` | 128 | 0 | f16 |
+//! | Q4_K | nibble | `q` of one sub-block | 0 | `-(dmin * min)`, `d = d * scale` | f32 |
+//! | Q5_K | byte | 5-bit `q` of one sub-block | 0 | as Q4_K | f32 |
 //!
 //! So the dot product with activations `a = d_a * qa` (block sums `s_a = d_a * sum(qa)`) is
 //! `sum_b d_w d_a ((u - zero) . qa) + min_w s_a`: an unsigned-by-signed integer dot per
-//! block (what `vpdpbusd` computes) minus the exact integer `zero * sum(qa)`. Nibble blocks keep 16 bytes (`u[j] | u[j + 16] << 4`, the
-//! Q4_0 order), byte blocks 32. Scales and mins live in their own arrays; formats whose
-//! min is always 0 (Q4_0, Q8_0) keep no mins array. Q6_K (one scale
-//! per 16 values) has no repacked form: [`repack`] returns `None` for it.
+//! block (what `vpdpbusd` computes) minus the exact integer `zero * sum(qa)`. Nibble blocks
+//! keep 16 bytes (`u[j] | u[j + 16] << 4`, the Q4_0 order), byte blocks 32. Scales and mins
+//! live in their own arrays; formats whose min is always 0 (Q4_0, Q8_0) keep no mins array.
+//! Where the stored factors are IEEE halves (Q4_0, Q4_1, Q8_0) they stay halves
+//! ([`RowFactors::Half`]), so a repacked Q4_1 row is exactly as many bytes as the stored one
+//! (decode streams the weights from memory: bytes are time); the K-quants' products
+//! `d * scale` are not halves in general and are kept as f32 ([`RowFactors::Single`]).
+//! Q6_K (one scale per 16 values) has no repacked form: [`repack`] returns `None` for it.
 
 use super::blocks::{
-    f16_at, scale_min_k4, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q8_0_BYTES, QK, QK_K,
+    f16_at, f16_bits_to_f32, scale_min_k4, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_K_BYTES,
+    Q8_0_BYTES, QK, QK_K,
 };
 use super::q8::Q8Rows;
 use crate::GgmlType;
@@ -53,8 +58,60 @@ pub struct RepackedRows {
     num_rows: usize,
     blocks_per_row: usize,
     qs: Vec<u8>,
-    scales: Vec<f32>,
-    mins: Vec<f32>,
+    factors: Factors,
+}
+
+/// Per-block scales and mins of every row (`mins` empty for formats whose min is 0).
+#[derive(Debug, Clone)]
+enum Factors {
+    Half { scales: Vec<u16>, mins: Vec<u16> },
+    Single { scales: Vec<f32>, mins: Vec<f32> },
+}
+
+/// One row's per-block scales and mins, as stored: IEEE half bits or f32. `mins` is empty
+/// when the format has no mins (every min is 0).
+#[derive(Debug, Clone, Copy)]
+pub enum RowFactors<'a> {
+    /// Half-precision bits (Q4_0, Q4_1, Q8_0).
+    Half {
+        /// `d` of each block.
+        scales: &'a [u16],
+        /// `min` of each block, or empty.
+        mins: &'a [u16],
+    },
+    /// f32 values (Q4_K, Q5_K).
+    Single {
+        /// `d` of each block.
+        scales: &'a [f32],
+        /// `min` of each block, or empty.
+        mins: &'a [f32],
+    },
+}
+
+impl RowFactors<'_> {
+    /// The scale `d` of block `block`, widened exactly to f32.
+    #[inline]
+    pub fn scale(&self, block: usize) -> f32 {
+        match self {
+            RowFactors::Half { scales, .. } => f16_bits_to_f32(scales[block]),
+            RowFactors::Single { scales, .. } => scales[block],
+        }
+    }
+    /// The min of block `block` (0 for formats without mins), widened exactly to f32.
+    #[inline]
+    pub fn min(&self, block: usize) -> f32 {
+        match self {
+            RowFactors::Half { mins, .. } => mins.get(block).map_or(0.0, |&m| f16_bits_to_f32(m)),
+            RowFactors::Single { mins, .. } => mins.get(block).copied().unwrap_or(0.0),
+        }
+    }
+    /// Whether the format has per-block mins.
+    pub fn has_mins(&self) -> bool {
+        match self {
+            RowFactors::Half { mins, .. } => !mins.is_empty(),
+            RowFactors::Single { mins, .. } => !mins.is_empty(),
+        }
+    }
 }
 
 /// Repacks `num_rows` stored rows of `row_len` values of type `ty` (`bytes` holds exactly
@@ -79,20 +136,42 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
         num_rows,
         blocks_per_row: row_len / QK,
         qs: Vec::with_capacity(blocks * width.bytes_per_block()),
-        scales: Vec::with_capacity(blocks),
-        mins: Vec::with_capacity(blocks),
+        factors: match ty {
+            GgmlType::Q4K | GgmlType::Q5K => Factors::Single {
+                scales: Vec::with_capacity(blocks),
+                mins: Vec::with_capacity(blocks),
+            },
+            _ => Factors::Half {
+                scales: Vec::with_capacity(blocks),
+                mins: Vec::with_capacity(if zero == 0 { blocks } else { 0 }),
+            },
+        },
     };
     let has_mins = zero == 0;
-    let mut push = |u: &[u8; QK], d: f32, min: f32| {
+    let half_at =
+        |block: &[u8], offset: usize| u16::from_le_bytes([block[offset], block[offset + 1]]);
+    // One block: its values, then its factors (half bits or f32, whichever `factors` holds).
+    let mut push = |u: &[u8; QK], d: Factor, min: Factor| {
         match width {
             QuantWidth::Nibble => out
                 .qs
                 .extend((0..QK / 2).map(|j| u[j] | (u[j + QK / 2] << 4))),
             QuantWidth::Byte => out.qs.extend_from_slice(u),
         }
-        out.scales.push(d);
-        if has_mins {
-            out.mins.push(min);
+        match (&mut out.factors, d, min) {
+            (Factors::Half { scales, mins }, Factor::Half(d), Factor::Half(min)) => {
+                scales.push(d);
+                if has_mins {
+                    mins.push(min);
+                }
+            }
+            (Factors::Single { scales, mins }, Factor::Single(d), Factor::Single(min)) => {
+                scales.push(d);
+                if has_mins {
+                    mins.push(min);
+                }
+            }
+            _ => unreachable!("factor kind fixed per format"),
         }
     };
     match ty {
@@ -103,11 +182,11 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
                 Q4_1_BYTES
             };
             for block in bytes.chunks_exact(size) {
-                let d = f16_at(block, 0);
+                let d = Factor::Half(half_at(block, 0));
                 let (min, qs) = if ty == GgmlType::Q4_0 {
-                    (0.0, &block[2..])
+                    (Factor::Half(0), &block[2..])
                 } else {
-                    (f16_at(block, 2), &block[4..])
+                    (Factor::Half(half_at(block, 2)), &block[4..])
                 };
                 let u: [u8; QK] = std::array::from_fn(|i| {
                     let q = qs[i % (QK / 2)];
@@ -122,9 +201,8 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
         }
         GgmlType::Q8_0 => {
             for block in bytes.chunks_exact(Q8_0_BYTES) {
-                let d = f16_at(block, 0);
                 let u: [u8; QK] = std::array::from_fn(|i| block[2 + i] ^ 0x80);
-                push(&u, d, 0.0);
+                push(&u, Factor::Half(half_at(block, 0)), Factor::Half(0));
             }
         }
         GgmlType::Q4K | GgmlType::Q5K => {
@@ -152,13 +230,24 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
                         }
                     });
                     let (scale, min) = scale_min_k4(sub, scales);
-                    push(&u, d * scale as f32, -(dmin * min as f32));
+                    push(
+                        &u,
+                        Factor::Single(d * scale as f32),
+                        Factor::Single(-(dmin * min as f32)),
+                    );
                 }
             }
         }
         _ => unreachable!("checked above"),
     }
     Some(out)
+}
+
+/// One block's scale or min while repacking.
+#[derive(Clone, Copy)]
+enum Factor {
+    Half(u16),
+    Single(f32),
 }
 
 impl RepackedRows {
@@ -180,28 +269,47 @@ impl RepackedRows {
     }
     /// Bytes held (values, scales and mins).
     pub fn size_bytes(&self) -> usize {
-        self.qs.len() + 4 * (self.scales.len() + self.mins.len())
+        self.qs.len()
+            + match &self.factors {
+                Factors::Half { scales, mins } => 2 * (scales.len() + mins.len()),
+                Factors::Single { scales, mins } => 4 * (scales.len() + mins.len()),
+            }
     }
     /// The packed values of row `row` (`blocks_per_row * width.bytes_per_block()` bytes).
+    #[inline]
     pub fn row_qs(&self, row: usize) -> &[u8] {
         let n = self.blocks_per_row * self.width.bytes_per_block();
         &self.qs[row * n..(row + 1) * n]
     }
-    /// The per-block scales `d` of row `row`.
-    pub fn row_scales(&self, row: usize) -> &[f32] {
-        &self.scales[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
-    }
     /// Whether the format has per-block mins (Q4_1, Q4_K, Q5_K); without them every min is 0.
     pub fn has_mins(&self) -> bool {
-        !self.mins.is_empty()
+        match &self.factors {
+            Factors::Half { mins, .. } => !mins.is_empty(),
+            Factors::Single { mins, .. } => !mins.is_empty(),
+        }
     }
 
-    /// The per-block mins of row `row`; empty when [`RepackedRows::has_mins`] is false.
-    pub fn row_mins(&self, row: usize) -> &[f32] {
-        if self.mins.is_empty() {
-            return &[];
+    /// Whether the factors are IEEE half bits ([`RowFactors::Half`]) rather than f32.
+    #[inline]
+    pub fn has_half_factors(&self) -> bool {
+        matches!(self.factors, Factors::Half { .. })
+    }
+
+    /// The per-block scales and mins of row `row`.
+    #[inline]
+    pub fn row_factors(&self, row: usize) -> RowFactors<'_> {
+        let blocks = self.blocks_per_row;
+        let range = row * blocks..(row + 1) * blocks;
+        match &self.factors {
+            Factors::Half { scales, mins } => RowFactors::Half {
+                scales: &scales[range.clone()],
+                mins: if mins.is_empty() { &[] } else { &mins[range] },
+            },
+            Factors::Single { scales, mins } => RowFactors::Single {
+                scales: &scales[range.clone()],
+                mins: if mins.is_empty() { &[] } else { &mins[range] },
+            },
         }
-        &self.mins[row * self.blocks_per_row..(row + 1) * self.blocks_per_row]
     }
 
     /// The unsigned values `u` of block `block` of row `row`.
@@ -223,10 +331,10 @@ impl RepackedRows {
     /// Decodes row `row` into `out` (`blocks_per_row * 32` values), bit-exactly as ggml's
     /// dequantizer of the stored format does.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        let (scales, mins) = (self.row_scales(row), self.row_mins(row));
+        let factors = self.row_factors(row);
         for (block, values) in out.chunks_exact_mut(QK).enumerate() {
             let u = self.block_values(row, block);
-            let (d, min) = (scales[block], mins.get(block).copied().unwrap_or(0.0));
+            let (d, min) = (factors.scale(block), factors.min(block));
             for (value, &u) in values.iter_mut().zip(&u) {
                 *value = (u as i32 - self.zero) as f32 * d + min;
             }
@@ -255,12 +363,12 @@ pub fn dot_scalar(weights: &RepackedRows, row: usize, activations: &Q8Rows, toke
     );
     let qa = activations.row_qs(token);
     let (da, sa) = (activations.row_scales(token), activations.row_sums(token));
-    let (dw, mw) = (weights.row_scales(row), weights.row_mins(row));
+    let factors = weights.row_factors(row);
     let mut total = 0f32;
     for block in 0..weights.blocks_per_row {
         let integer = weights.block_integer_dot(row, block, &qa[block * QK..(block + 1) * QK]);
-        let min = mw.get(block).copied().unwrap_or(0.0);
-        total += dw[block] * da[block] * integer as f32 + min * sa[block];
+        let (d, min) = (factors.scale(block), factors.min(block));
+        total += d * da[block] * integer as f32 + min * sa[block];
     }
     total
 }

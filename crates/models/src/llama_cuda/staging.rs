@@ -1,0 +1,136 @@
+//! Step inputs into pinned host memory, padded to the step's shape, and their asynchronous
+//! upload into the fixed device buffers.
+
+use pagoda_cuda::{view_mut, CudaError, DeviceBuffer};
+
+use super::step::StepShape;
+use super::{GpuCache, GpuLlama, HostFloat};
+use crate::llama::ForwardBatch;
+
+/// Offsets of the step inputs inside the pinned `u32` staging buffer (and the device
+/// buffers they are copied to): tokens and positions `[num_tokens]`, `qo_indptr` and the
+/// page `indptr` `[num_requests + 1]`, `last_page_len` and `first_page_offset`
+/// `[num_requests]`, logits rows `[num_logits]`, then the page indices.
+struct StagedLengths {
+    num_tokens: usize,
+    num_requests: usize,
+    num_logits: usize,
+    num_page_indices: usize,
+}
+
+impl<T: HostFloat> GpuLlama<T> {
+    /// Writes the step's inputs, padded to `shape`, into the pinned staging buffers and
+    /// queues their uploads. Padding rows: token 0 at position 0, slot -1 (no KV write),
+    /// no pages, logits of row `i` for padding row `i`.
+    pub(super) fn stage(
+        &self,
+        cache: &mut GpuCache<T>,
+        batch: &ForwardBatch<'_>,
+        shape: &StepShape,
+    ) -> Result<(), CudaError> {
+        let gpu = &*self.gpu;
+        let page_size = cache.layout.page_size;
+        let table = batch.page_table;
+        let lengths = StagedLengths {
+            num_tokens: shape.num_tokens,
+            num_requests: shape.num_requests,
+            num_logits: shape.num_logits,
+            num_page_indices: table.indices.len(),
+        };
+        let (n, r, l) = (lengths.num_tokens, lengths.num_requests, lengths.num_logits);
+        let words = cache.staging.words.as_mut_slice()?;
+        let needed = 2 * n + 2 * (r + 1) + 2 * r + l + lengths.num_page_indices;
+        if needed > words.len() {
+            return Err(CudaError::invalid(format!(
+                "{needed} staged step inputs exceed the staging buffer of {}",
+                words.len()
+            )));
+        }
+        let mut at = 0;
+        let mut put = |values: &mut dyn Iterator<Item = u32>, len: usize| {
+            let start = at;
+            for (slot, value) in words[at..at + len].iter_mut().zip(values) {
+                *slot = value;
+            }
+            at += len;
+            start..at
+        };
+        let real_tokens = batch.tokens.len();
+        let real_requests = batch.qo_indptr.len() - 1;
+        let pages = *table.indptr.last().unwrap_or(&0);
+        let tokens = put(
+            &mut batch.tokens.iter().copied().chain(std::iter::repeat(0)),
+            n,
+        );
+        let positions = put(
+            &mut batch.positions.iter().copied().chain(std::iter::repeat(0)),
+            n,
+        );
+        let last_query = batch.qo_indptr[real_requests];
+        let qo_indptr = put(
+            &mut batch
+                .qo_indptr
+                .iter()
+                .copied()
+                .chain((1..).map(|i| last_query + i)),
+            r + 1,
+        );
+        let page_indptr = put(
+            &mut table.indptr.iter().copied().chain(std::iter::repeat(pages)),
+            r + 1,
+        );
+        let last_page_len = put(
+            &mut table
+                .last_page_len
+                .iter()
+                .copied()
+                .chain(std::iter::repeat(0)),
+            r,
+        );
+        let first_page_offset = put(
+            &mut table
+                .first_page_offset
+                .iter()
+                .copied()
+                .chain(std::iter::repeat(0)),
+            r,
+        );
+        let logits_rows = put(
+            &mut batch
+                .logits_for
+                .iter()
+                .map(|&t| t as u32)
+                .chain(real_tokens as u32..),
+            l,
+        );
+        let page_indices = put(&mut table.indices.iter().copied(), table.indices.len());
+        let slots = cache.staging.slots.as_mut_slice()?;
+        for (i, slot) in slots[..n].iter_mut().enumerate() {
+            *slot = batch
+                .slots
+                .get(i)
+                .map_or(-1, |s| s.physical_index(page_size) as i32);
+        }
+        debug_assert!(real_requests <= r && real_tokens <= n);
+
+        let s = &mut cache.buffers.scratch;
+        let staged = &cache.staging.words;
+        let upload = |range: std::ops::Range<usize>, buffer: &mut DeviceBuffer<u32>| {
+            let len = range.len();
+            gpu.upload_pinned_range(staged, range, &mut view_mut(buffer, 0..len)?)
+        };
+        upload(tokens, &mut s.tokens)?;
+        upload(positions, &mut s.positions)?;
+        upload(qo_indptr, &mut s.qo_indptr)?;
+        upload(page_indptr, &mut s.page_indptr)?;
+        upload(last_page_len, &mut s.last_page_len)?;
+        upload(first_page_offset, &mut s.first_page_offset)?;
+        upload(logits_rows, &mut s.logits_rows)?;
+        upload(page_indices, &mut s.page_indices)?;
+        gpu.upload_pinned_range(
+            &cache.staging.slots,
+            0..n,
+            &mut view_mut(&mut s.slots, 0..n)?,
+        )
+    }
+}

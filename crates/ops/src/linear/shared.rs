@@ -1,0 +1,78 @@
+//! Several weights applied to one input: `y_i = W_i x` (q/k/v share the attention norm's
+//! output, gate/up the MLP norm's).
+//!
+//! With the integer kernels the input is quantized to Q8 once for all of them, and a decode
+//! step (one token) runs the rows of every weight in one parallel region instead of one
+//! region per weight. Each output element is computed by exactly the chain
+//! [`Weight::matmul`] uses for it (the same tiles, the same per-(row, token) recipe), so the
+//! results are bit-identical to separate calls; weights that do not share one integer
+//! instruction set (f32 kernels, exact mode, Q6_K, F32) simply run their own matmul.
+
+use rayon::prelude::*;
+
+use super::int_matmul::{self, decode_rows, decode_rows_per_task};
+use super::{Storage, Weight};
+
+/// `y = W x` for each `(W, y)` of `outputs`, all with the input `x` (`[num_tokens,
+/// in_features]` row-major; every weight must have the same `in_features`); each `y` is
+/// `[num_tokens, W.out_features]` and is overwritten. Bit-identical to calling
+/// [`Weight::matmul`] on each pair. Panics on a shape mismatch, as [`Weight::matmul`] does.
+pub fn matmul_shared(x: &[f32], num_tokens: usize, outputs: &mut [(&Weight, &mut [f32])]) {
+    for (weight, y) in outputs.iter() {
+        assert_eq!(
+            x.len(),
+            num_tokens * weight.in_features,
+            "x must be [num_tokens, in_features]"
+        );
+        assert_eq!(
+            y.len(),
+            num_tokens * weight.out_features,
+            "y must be [num_tokens, out_features]"
+        );
+    }
+    let Some((first, _)) = outputs.first() else {
+        return;
+    };
+    let shared_isa = first.int_isa().filter(|&isa| {
+        outputs
+            .iter()
+            .all(|(weight, _)| weight.int_isa() == Some(isa))
+    });
+    let Some(isa) = shared_isa else {
+        for (weight, y) in outputs.iter_mut() {
+            weight.matmul(x, num_tokens, y);
+        }
+        return;
+    };
+    if num_tokens == 0 {
+        return;
+    }
+    let k = first.in_features;
+    int_matmul::with_scratch(|activations| {
+        int_matmul::quantize_activations(isa, x, k, activations);
+        if num_tokens > 1 {
+            for (weight, y) in outputs.iter_mut() {
+                let Storage::Repacked(rows, _) = &weight.storage else {
+                    unreachable!("int_isa() is Some only for repacked weights")
+                };
+                int_matmul::matmul(isa, rows, activations, y);
+            }
+            return;
+        }
+        // Decode: one region over every weight's rows.
+        let total_rows: usize = outputs.iter().map(|(w, _)| w.out_features).sum();
+        let rows_per_task = decode_rows_per_task(total_rows);
+        let mut tasks = Vec::with_capacity(total_rows / rows_per_task + outputs.len());
+        for (weight, y) in outputs.iter_mut() {
+            let Storage::Repacked(rows, _) = &weight.storage else {
+                unreachable!("int_isa() is Some only for repacked weights")
+            };
+            for (index, out) in y.chunks_mut(rows_per_task).enumerate() {
+                tasks.push((rows, index * rows_per_task, out));
+            }
+        }
+        tasks
+            .into_par_iter()
+            .for_each(|(rows, row_start, out)| decode_rows(isa, rows, row_start, activations, out));
+    });
+}

@@ -2,7 +2,8 @@
 # CI (no GPU): compiles every CUDA kernel specialisation pagoda can request through NVRTC
 # for compute_90a and compute_80, and fails on any error.
 #
-# Installs the NVRTC, runtime-headers and CCCL wheels (CUDA 13.0) into a private venv,
+# Installs the NVRTC, runtime-headers, CCCL and CRT (crt/mma.h for the tensor-core kernels)
+# wheels (CUDA 13.0) into a private venv,
 # points the loader and the include search at them, then runs the Rust check.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -11,7 +12,8 @@ if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
 "$venv/bin/pip" install --quiet --disable-pip-version-check \
-    "nvidia-cuda-nvrtc==13.0.88" "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*"
+    "nvidia-cuda-nvrtc==13.0.88" "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*" \
+    "nvidia-cuda-crt==13.0.88"
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 cu13="$site/nvidia/cu13"
 if [ ! -f "$cu13/include/cuda_bf16.h" ]; then

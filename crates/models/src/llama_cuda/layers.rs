@@ -65,7 +65,8 @@ impl<T: HostFloat> GpuLlama<T> {
         let prefill = prefill_kernel()?;
         let use_mma = prefill == PrefillKernel::Mma
             && T::DTYPE == pagoda_cuda::DType::BF16
-            && ops::MMA_PREFILL_HEAD_DIMS.contains(&c.head_dim);
+            && ops::MMA_PREFILL_HEAD_DIMS.contains(&c.head_dim)
+            && mma_compiles(gpu, c.head_dim);
         ops::embedding_gather(gpu, &self.embedding, &tokens, &mut x, c.vocab_size, hidden)?;
         for ((layer, k_pool), v_pool) in self.layers.iter().zip(k_pools).zip(v_pools) {
             ops::rms_norm(gpu, &x, &layer.attn_norm, &mut normed, c.rms_norm_eps)?;
@@ -215,4 +216,31 @@ impl<T: HostFloat> GpuLlama<T> {
             0.0,
         )
     }
+}
+
+/// Whether the tensor-core prefill compiles here (its `<mma.h>` needs the CUDA `crt` headers,
+/// which a runtime-only install may lack); a failure is logged once and the tiled kernel runs.
+fn mma_compiles(gpu: &Gpu, head_dim: usize) -> bool {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static CHECKED: Mutex<Option<HashMap<usize, bool>>> = Mutex::new(None);
+    let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
+    *checked
+        .get_or_insert_with(HashMap::new)
+        .entry(head_dim)
+        .or_insert_with(|| {
+            let compiled = ops::specialize_prefill_mma(pagoda_cuda::DType::BF16, head_dim)
+                .and_then(|spec| gpu.prepare(&spec));
+            match compiled {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::warn!(
+                        "tensor-core prefill unavailable ({error}); using the tiled kernel \
+                         (install the CUDA crt headers, e.g. the nvidia-cuda-crt wheel, and \
+                         point PAGODA_CUDA_INCLUDE at them)"
+                    );
+                    false
+                }
+            }
+        })
 }

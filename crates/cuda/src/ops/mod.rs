@@ -26,7 +26,10 @@ pub use elementwise::{
 };
 pub use embedding::{embedding_gather, specialize_embedding};
 pub use norm::{add_rms_norm, rms_norm, specialize_norm, NormEntry};
-pub use prefill::{prefill_attention_tiled, specialize_prefill, PrefillTiling};
+pub use prefill::{
+    prefill_attention_tiled, prefill_attention_with, specialize_prefill, PrefillKernel,
+    PrefillTiling,
+};
 pub use prefill_mma::{
     prefill_attention_mma, specialize_prefill_mma, MmaPrefillTiling, MMA_PREFILL_HEAD_DIMS,
 };

@@ -104,86 +104,171 @@ pub fn prefill_attention_tiled<T: Element>(
 ) -> Result<(), CudaError> {
     let spec = specialize_prefill(T::DTYPE, layout.head_dim)?;
     let tiling = PrefillTiling::for_head_dim(layout.head_dim)?;
-    layout.validate()?;
-    let group = num_q_heads / layout.num_kv_heads;
-    if group == 0 || group * layout.num_kv_heads != num_q_heads || group > tiling.block_rows {
-        return Err(CudaError::invalid(format!(
-            "tiled prefill: num_q_heads {num_q_heads} must be a multiple (at most {}x) of \
-             num_kv_heads {}",
-            tiling.block_rows, layout.num_kv_heads
-        )));
-    }
-    if layout.num_kv_heads > 65535 {
-        return Err(CudaError::invalid(
-            "tiled prefill: num_kv_heads must be <= 65535",
-        ));
-    }
-    check_len("tiled prefill k_pool", layout.pool_len(), k_pool.len())?;
-    check_len("tiled prefill v_pool", layout.pool_len(), v_pool.len())?;
-    let num_requests = page_table.num_requests();
-    check_len(
-        "tiled prefill qo_indptr [B + 1]",
-        num_requests + 1,
-        qo_indptr.len(),
-    )?;
-    let row = num_q_heads * layout.head_dim;
-    if out.len() % row != 0 {
-        return Err(CudaError::invalid(format!(
-            "tiled prefill out has {} elements, not [T, {num_q_heads}, {}]",
-            out.len(),
-            layout.head_dim
-        )));
-    }
-    let num_tokens = out.len() / row;
-    if q_row_stride < row {
-        return Err(CudaError::invalid(format!(
-            "tiled prefill q row_stride {q_row_stride} < num_q_heads * head_dim {row}"
-        )));
-    }
-    if num_tokens > 0 {
-        check_min_len(
-            "tiled prefill q",
-            (num_tokens - 1) * q_row_stride + row,
-            q.len(),
+    let kernel = QueryTiledKernel {
+        what: "tiled prefill",
+        spec: &spec,
+        block_rows: tiling.block_rows,
+        threads: tiling.threads,
+    };
+    kernel.launch(
+        gpu,
+        q,
+        (num_q_heads, q_row_stride),
+        (k_pool, v_pool, layout),
+        page_table,
+        qo_indptr,
+        scale,
+        out,
+    )
+}
+
+/// The prefill attention kernels, all with the arguments and results of
+/// [`super::prefill_attention`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// [`super::prefill_attention`]: one CTA per query token (the oracle).
+    PerToken,
+    /// [`prefill_attention_tiled`]: query tiles on CUDA cores.
+    Tiled,
+    /// [`super::prefill_attention_mma`]: query tiles on tensor cores (bf16 only).
+    Mma,
+}
+
+/// Runs the prefill attention `kernel` (same contract as [`super::prefill_attention`]).
+#[allow(clippy::too_many_arguments)]
+pub fn prefill_attention_with<T: Element>(
+    kernel: PrefillKernel,
+    gpu: &Gpu,
+    q: &impl DeviceRead<T>,
+    heads: (usize, usize),
+    k_pool: &impl DeviceRead<T>,
+    v_pool: &impl DeviceRead<T>,
+    layout: &PoolLayout,
+    page_table: &DevicePageTable<'_>,
+    qo_indptr: &impl DeviceRead<u32>,
+    scale: f32,
+    out: &mut impl DeviceWrite<T>,
+) -> Result<(), CudaError> {
+    let run = match kernel {
+        PrefillKernel::PerToken => super::prefill_attention,
+        PrefillKernel::Tiled => prefill_attention_tiled,
+        PrefillKernel::Mma => super::prefill_attention_mma,
+    };
+    run(
+        gpu, q, heads, k_pool, v_pool, layout, page_table, qo_indptr, scale, out,
+    )
+}
+
+/// A query-tiled prefill kernel (`prefill_attention_tiled` or `prefill_attention_mma`: the
+/// same parameter list and slot mapping), with what its launch needs from the host.
+pub(crate) struct QueryTiledKernel<'a> {
+    /// Name for error messages.
+    pub what: &'static str,
+    /// The specialisation to launch.
+    pub spec: &'a KernelSpec,
+    /// Query rows (tokens x GQA heads) per CTA.
+    pub block_rows: usize,
+    /// Threads per CTA.
+    pub threads: usize,
+}
+
+impl QueryTiledKernel<'_> {
+    /// Validates the geometry and launches over `(B + ceil(num_tokens / block_q),
+    /// num_kv_heads)` CTAs, `block_q = block_rows / group` (see [`prefill_attention_tiled`]
+    /// for the arguments' contract).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch<T: Element>(
+        &self,
+        gpu: &Gpu,
+        q: &impl DeviceRead<T>,
+        (num_q_heads, q_row_stride): (usize, usize),
+        (k_pool, v_pool, layout): (&impl DeviceRead<T>, &impl DeviceRead<T>, &PoolLayout),
+        page_table: &DevicePageTable<'_>,
+        qo_indptr: &impl DeviceRead<u32>,
+        scale: f32,
+        out: &mut impl DeviceWrite<T>,
+    ) -> Result<(), CudaError> {
+        let what = self.what;
+        layout.validate()?;
+        let group = num_q_heads / layout.num_kv_heads;
+        if group == 0 || group * layout.num_kv_heads != num_q_heads || group > self.block_rows {
+            return Err(CudaError::invalid(format!(
+                "{what}: num_q_heads {num_q_heads} must be a multiple (at most {}x) of \
+                 num_kv_heads {}",
+                self.block_rows, layout.num_kv_heads
+            )));
+        }
+        if layout.num_kv_heads > 65535 {
+            return Err(CudaError::invalid(format!(
+                "{what}: num_kv_heads must be <= 65535"
+            )));
+        }
+        check_len(&format!("{what} k_pool"), layout.pool_len(), k_pool.len())?;
+        check_len(&format!("{what} v_pool"), layout.pool_len(), v_pool.len())?;
+        let num_requests = page_table.num_requests();
+        check_len(
+            &format!("{what} qo_indptr [B + 1]"),
+            num_requests + 1,
+            qo_indptr.len(),
         )?;
+        let row = num_q_heads * layout.head_dim;
+        if out.len() % row != 0 {
+            return Err(CudaError::invalid(format!(
+                "{what} out has {} elements, not [T, {num_q_heads}, {}]",
+                out.len(),
+                layout.head_dim
+            )));
+        }
+        let num_tokens = out.len() / row;
+        if q_row_stride < row {
+            return Err(CudaError::invalid(format!(
+                "{what} q row_stride {q_row_stride} < num_q_heads * head_dim {row}"
+            )));
+        }
+        if num_tokens > 0 {
+            check_min_len(
+                &format!("{what} q"),
+                (num_tokens - 1) * q_row_stride + row,
+                q.len(),
+            )?;
+        }
+        let num_indices = page_table.indices.len();
+        let block_q = self.block_rows / group;
+        let max_tiles = num_requests + num_tokens.div_ceil(block_q);
+        let args = [
+            ptr(q),
+            ptr(k_pool),
+            ptr(v_pool),
+            ptr(qo_indptr),
+            ptr(&page_table.indptr),
+            ptr(&page_table.indices),
+            ptr(&page_table.last_page_len),
+            ptr(&page_table.first_page_offset),
+            ptr(out),
+            KernelArg::U32(to_u32("num_requests", num_requests)?),
+            KernelArg::U32(to_u32("num_tokens", num_tokens)?),
+            KernelArg::U32(to_u32("page table indices", num_indices)?),
+            KernelArg::U32(to_u32("num_q_heads", num_q_heads)?),
+            KernelArg::U32(to_u32("num_kv_heads", layout.num_kv_heads)?),
+            KernelArg::U32(to_u32("page_size", layout.page_size)?),
+            KernelArg::U32(to_u32("num_pages", layout.num_pages)?),
+            KernelArg::U32(to_u32("q_row_stride", q_row_stride)?),
+            KernelArg::U32(to_u32("block_q", block_q)?),
+            KernelArg::F32(scale * std::f32::consts::LOG2_E),
+        ];
+        let tiles = to_u32(&format!("{what} tiles"), max_tiles)?;
+        if tiles > i32::MAX as u32 {
+            return Err(CudaError::invalid(format!(
+                "{what}: {max_tiles} tiles exceed the grid limit"
+            )));
+        }
+        let grid = (tiles, layout.num_kv_heads as u32);
+        let block = to_u32("threads", self.threads)?;
+        // SAFETY: both kernels take exactly these arguments (prefill.cu, prefill_mma.cu);
+        // extents validated above; the kernels bound every access by num_tokens, num_indices
+        // and num_pages.
+        unsafe { gpu.launch(self.spec, LaunchDims::new(grid, block), &args) }
     }
-    let num_indices = page_table.indices.len();
-    let block_q = tiling.block_rows / group;
-    let max_tiles = num_requests + num_tokens.div_ceil(block_q);
-    let args = [
-        ptr(q),
-        ptr(k_pool),
-        ptr(v_pool),
-        ptr(qo_indptr),
-        ptr(&page_table.indptr),
-        ptr(&page_table.indices),
-        ptr(&page_table.last_page_len),
-        ptr(&page_table.first_page_offset),
-        ptr(out),
-        KernelArg::U32(to_u32("num_requests", num_requests)?),
-        KernelArg::U32(to_u32("num_tokens", num_tokens)?),
-        KernelArg::U32(to_u32("page table indices", num_indices)?),
-        KernelArg::U32(to_u32("num_q_heads", num_q_heads)?),
-        KernelArg::U32(to_u32("num_kv_heads", layout.num_kv_heads)?),
-        KernelArg::U32(to_u32("page_size", layout.page_size)?),
-        KernelArg::U32(to_u32("num_pages", layout.num_pages)?),
-        KernelArg::U32(to_u32("q_row_stride", q_row_stride)?),
-        KernelArg::U32(to_u32("block_q", block_q)?),
-        KernelArg::F32(scale * std::f32::consts::LOG2_E),
-    ];
-    let grid = (
-        to_u32("tiled prefill tiles", max_tiles)?,
-        layout.num_kv_heads as u32,
-    );
-    if grid.0 > i32::MAX as u32 {
-        return Err(CudaError::invalid(format!(
-            "tiled prefill: {max_tiles} tiles exceed the grid limit"
-        )));
-    }
-    let block = to_u32("threads", tiling.threads)?;
-    // SAFETY: arguments match `prefill_attention_tiled`; extents validated above; the kernel
-    // bounds every access by num_tokens, num_indices and num_pages.
-    unsafe { gpu.launch(&spec, LaunchDims::new(grid, block), &args) }
 }
 
 #[cfg(test)]

@@ -4,9 +4,9 @@
 //! `O += P V` on WMMA 16x16x16 bf16 fragments and f32 accumulators. bf16 only.
 
 use super::{DevicePageTable, PoolLayout, PREFILL_MMA};
-use crate::error::{check_len, check_min_len, to_u32, CudaError};
+use crate::error::CudaError;
 use crate::key::{DType, KernelSpec};
-use crate::memory::{ptr, DeviceRead, DeviceWrite, KernelArg, LaunchDims};
+use crate::memory::{DeviceRead, DeviceWrite};
 use crate::{Element, Gpu};
 
 /// Head sizes `prefill_attention_mma` is specialised for.
@@ -128,94 +128,22 @@ pub fn prefill_attention_mma<T: Element>(
 ) -> Result<(), CudaError> {
     let spec = specialize_prefill_mma(T::DTYPE, layout.head_dim)?;
     let tiling = MmaPrefillTiling::for_head_dim(layout.head_dim)?;
-    layout.validate()?;
-    let group = num_q_heads / layout.num_kv_heads;
-    if group == 0 || group * layout.num_kv_heads != num_q_heads || group > tiling.block_rows {
-        return Err(CudaError::invalid(format!(
-            "tensor-core prefill: num_q_heads {num_q_heads} must be a multiple (at most {}x) \
-             of num_kv_heads {}",
-            tiling.block_rows, layout.num_kv_heads
-        )));
-    }
-    if layout.num_kv_heads > 65535 {
-        return Err(CudaError::invalid(
-            "tensor-core prefill: num_kv_heads must be <= 65535",
-        ));
-    }
-    check_len(
-        "tensor-core prefill k_pool",
-        layout.pool_len(),
-        k_pool.len(),
-    )?;
-    check_len(
-        "tensor-core prefill v_pool",
-        layout.pool_len(),
-        v_pool.len(),
-    )?;
-    let num_requests = page_table.num_requests();
-    check_len(
-        "tensor-core prefill qo_indptr [B + 1]",
-        num_requests + 1,
-        qo_indptr.len(),
-    )?;
-    let row = num_q_heads * layout.head_dim;
-    if out.len() % row != 0 {
-        return Err(CudaError::invalid(format!(
-            "tensor-core prefill out has {} elements, not [T, {num_q_heads}, {}]",
-            out.len(),
-            layout.head_dim
-        )));
-    }
-    let num_tokens = out.len() / row;
-    if q_row_stride < row {
-        return Err(CudaError::invalid(format!(
-            "tensor-core prefill q row_stride {q_row_stride} < num_q_heads * head_dim {row}"
-        )));
-    }
-    if num_tokens > 0 {
-        check_min_len(
-            "tensor-core prefill q",
-            (num_tokens - 1) * q_row_stride + row,
-            q.len(),
-        )?;
-    }
-    let num_indices = page_table.indices.len();
-    let block_q = tiling.block_rows / group;
-    let max_tiles = num_requests + num_tokens.div_ceil(block_q);
-    let args = [
-        ptr(q),
-        ptr(k_pool),
-        ptr(v_pool),
-        ptr(qo_indptr),
-        ptr(&page_table.indptr),
-        ptr(&page_table.indices),
-        ptr(&page_table.last_page_len),
-        ptr(&page_table.first_page_offset),
-        ptr(out),
-        KernelArg::U32(to_u32("num_requests", num_requests)?),
-        KernelArg::U32(to_u32("num_tokens", num_tokens)?),
-        KernelArg::U32(to_u32("page table indices", num_indices)?),
-        KernelArg::U32(to_u32("num_q_heads", num_q_heads)?),
-        KernelArg::U32(to_u32("num_kv_heads", layout.num_kv_heads)?),
-        KernelArg::U32(to_u32("page_size", layout.page_size)?),
-        KernelArg::U32(to_u32("num_pages", layout.num_pages)?),
-        KernelArg::U32(to_u32("q_row_stride", q_row_stride)?),
-        KernelArg::U32(to_u32("block_q", block_q)?),
-        KernelArg::F32(scale * std::f32::consts::LOG2_E),
-    ];
-    let grid = (
-        to_u32("tensor-core prefill tiles", max_tiles)?,
-        layout.num_kv_heads as u32,
-    );
-    if grid.0 > i32::MAX as u32 {
-        return Err(CudaError::invalid(format!(
-            "tensor-core prefill: {max_tiles} tiles exceed the grid limit"
-        )));
-    }
-    let block = to_u32("threads", tiling.threads())?;
-    // SAFETY: arguments match `prefill_attention_mma`; extents validated above; the kernel
-    // bounds every access by num_tokens, num_indices and num_pages.
-    unsafe { gpu.launch(&spec, LaunchDims::new(grid, block), &args) }
+    let kernel = super::prefill::QueryTiledKernel {
+        what: "tensor-core prefill",
+        spec: &spec,
+        block_rows: tiling.block_rows,
+        threads: tiling.threads(),
+    };
+    kernel.launch(
+        gpu,
+        q,
+        (num_q_heads, q_row_stride),
+        (k_pool, v_pool, layout),
+        page_table,
+        qo_indptr,
+        scale,
+        out,
+    )
 }
 
 #[cfg(test)]

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod prefill_batch;
+
 use half::bf16;
 use pagoda_cuda::{DeviceBuffer, Element, Gpu};
 use rand::{Rng, SeedableRng};

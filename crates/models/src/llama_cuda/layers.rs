@@ -4,7 +4,7 @@
 use pagoda_cuda::ops::{self, DevicePageTable, PoolLayout};
 use pagoda_cuda::{view, view_mut, CudaError, DeviceRead, Gpu};
 
-use super::step::{prefill_kernel, Attention, PrefillKernel, StepShape};
+use super::step::{prefill_kernel, Attention, StepShape};
 use super::{GpuLlama, HostFloat, StepBuffers};
 
 impl<T: HostFloat> GpuLlama<T> {
@@ -62,11 +62,18 @@ impl<T: HostFloat> GpuLlama<T> {
         let mut act = view_mut(&mut s.act, 0..num_tokens * inter)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
 
-        let prefill = prefill_kernel()?;
-        let use_mma = prefill == PrefillKernel::Mma
-            && T::DTYPE == pagoda_cuda::DType::BF16
-            && ops::MMA_PREFILL_HEAD_DIMS.contains(&c.head_dim)
-            && mma_compiles(gpu, c.head_dim);
+        // The tensor-core kernel runs bf16 at its head dims, where it compiles; else tiled.
+        let prefill = match prefill_kernel()? {
+            ops::PrefillKernel::Mma
+                if T::DTYPE == pagoda_cuda::DType::BF16
+                    && ops::MMA_PREFILL_HEAD_DIMS.contains(&c.head_dim)
+                    && mma_compiles(gpu, c.head_dim) =>
+            {
+                ops::PrefillKernel::Mma
+            }
+            ops::PrefillKernel::Mma => ops::PrefillKernel::Tiled,
+            other => other,
+        };
         ops::embedding_gather(gpu, &self.embedding, &tokens, &mut x, c.vocab_size, hidden)?;
         for ((layer, k_pool), v_pool) in self.layers.iter().zip(k_pools).zip(v_pools) {
             ops::rms_norm(gpu, &x, &layer.attn_norm, &mut normed, c.rms_norm_eps)?;
@@ -127,33 +134,8 @@ impl<T: HostFloat> GpuLlama<T> {
                     scale,
                     &mut attn,
                 )?,
-                Attention::Prefill if use_mma => ops::prefill_attention_mma(
-                    gpu,
-                    &qkv,
-                    (c.num_attention_heads, qkv_dim),
-                    &*k_pool,
-                    &*v_pool,
-                    layout,
-                    &page_table,
-                    &qo_indptr,
-                    scale,
-                    &mut attn,
-                )?,
-                Attention::Prefill if prefill != PrefillKernel::Reference => {
-                    ops::prefill_attention_tiled(
-                        gpu,
-                        &qkv,
-                        (c.num_attention_heads, qkv_dim),
-                        &*k_pool,
-                        &*v_pool,
-                        layout,
-                        &page_table,
-                        &qo_indptr,
-                        scale,
-                        &mut attn,
-                    )?
-                }
-                Attention::Prefill => ops::prefill_attention(
+                Attention::Prefill => ops::prefill_attention_with(
+                    prefill,
                     gpu,
                     &qkv,
                     (c.num_attention_heads, qkv_dim),

@@ -68,28 +68,18 @@ fn decode_capacity_pages(options: &CudaCacheOptions) -> usize {
     (requests * per_request).min(2 * options.num_pages + requests)
 }
 
-/// The prefill attention kernels (`PAGODA_CUDA_PREFILL`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum PrefillKernel {
-    /// Tensor cores (WMMA, bf16 only; head dims 64/128/256), else the tiled kernel.
-    Mma,
-    /// Query-tiled on CUDA cores (any dtype and supported head dim).
-    Tiled,
-    /// One CTA per query token: the oracle and fallback.
-    Reference,
-}
-
 /// Which prefill attention kernel runs: `PAGODA_CUDA_PREFILL=mma|tiled|reference` (read
 /// once; the first use is logged). Default: mma (tensor cores for bf16, else tiled).
-pub(super) fn prefill_kernel() -> Result<PrefillKernel, CudaError> {
-    static CHOICE: std::sync::OnceLock<Result<PrefillKernel, String>> = std::sync::OnceLock::new();
+pub(super) fn prefill_kernel() -> Result<ops::PrefillKernel, CudaError> {
+    static CHOICE: std::sync::OnceLock<Result<ops::PrefillKernel, String>> =
+        std::sync::OnceLock::new();
     let choice = CHOICE.get_or_init(|| {
         let kernel = match std::env::var("PAGODA_CUDA_PREFILL").ok().as_deref() {
             // Measured on the H200 (docs/benchmark_results/cuda-backend-h200-*.md): tensor
             // cores 2.3x (8B, 2K prompt) to 3x (SmolLM2, 4K) faster than the tiled kernel.
-            None | Some("mma") => PrefillKernel::Mma,
-            Some("tiled") => PrefillKernel::Tiled,
-            Some("reference") => PrefillKernel::Reference,
+            None | Some("mma") => ops::PrefillKernel::Mma,
+            Some("tiled") => ops::PrefillKernel::Tiled,
+            Some("reference") => ops::PrefillKernel::PerToken,
             Some(other) => {
                 return Err(format!(
                     "PAGODA_CUDA_PREFILL=`{other}`: use mma, tiled or reference"

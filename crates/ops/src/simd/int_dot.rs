@@ -12,6 +12,10 @@
 //! The result equals [`pagoda_tensor::quant::repack::dot_scalar`] up to f32 rounding (the
 //! integer parts are exact; the order of the float sums differs).
 //!
+//! Byte weights at one token (decode with VNNI) take `x86::decode_vnni_bytes`: two blocks per
+//! 512-bit step, weight factors widened 8 at a time, software prefetch; its per-pair chain is
+//! the 256-bit kernel's step for step, so the bits are the same.
+//!
 //! Batch invariance: every (row, token) pair of a tile runs the same chain whatever `R` and
 //! `T` are (its own accumulator, blocks in order, `fma(integer * s_a, s_w, acc)`, the same
 //! horizontal sum, then the min term), so `tile::<4, 4>` and `tile::<1, 1>` agree bit for
@@ -100,6 +104,15 @@ pub fn tile<const R: usize, const T: usize>(
                                 activations,
                                 tokens,
                             ),
+                            (IntIsa::Vnni, false) if T == 1 => {
+                                let dots = x86::decode_vnni_bytes::<R, $half>(
+                                    weights,
+                                    rows,
+                                    activations,
+                                    tokens[0],
+                                );
+                                std::array::from_fn(|r| std::array::from_fn(|_| dots[r]))
+                            }
                             (IntIsa::Vnni, false) => x86::tile_vnni::<R, T, false, $half>(
                                 weights,
                                 rows,
@@ -524,4 +537,7 @@ mod x86 {
         }
         out
     }
+
+    mod bytes_decode;
+    pub(super) use bytes_decode::decode_vnni_bytes;
 }

@@ -14,7 +14,9 @@
 //!
 //! Byte weights at one token (decode with VNNI) take `x86::decode_vnni_bytes`: two blocks per
 //! 512-bit step, weight factors widened 8 at a time, software prefetch; its per-pair chain is
-//! the 256-bit kernel's step for step, so the bits are the same.
+//! the 256-bit kernel's step for step, so the bits are the same. Nibble weights at one token
+//! (`x86::tile_vnni_pairs` with `T = 1`) prefetch the same bytes 16 rows on and those rows'
+//! factors; a prefetch changes no value.
 //!
 //! Batch invariance: every (row, token) pair of a tile runs the same chain whatever `R` and
 //! `T` are (its own accumulator, blocks in order, `fma(integer * s_a, s_w, acc)`, the same
@@ -453,6 +455,10 @@ mod x86 {
         widen_for_avx2::<NIBBLE>
     );
 
+    /// Rows ahead of the current one whose bytes and factors [`tile_vnni_pairs`] prefetches
+    /// at one token (decode); prefetching changes no result bit.
+    const NIBBLE_PREFETCH_ROWS: usize = 16;
+
     /// Nibble weights, two blocks per step: one 256-bit load holds both blocks' 16 packed
     /// bytes, its low nibbles (values 0..16 of each block) meet the activations' first
     /// halves and its high nibbles the second halves, so one `vpdpbusd` pair, one
@@ -476,12 +482,29 @@ mod x86 {
         let has_zero = weights.zero() != 0;
         let zero = _mm256_set1_epi8(weights.zero() as u8 as i8);
         let mask = _mm256_set1_epi8(0x0F);
+        // Decode streams each weight byte once: fetch the same bytes of the row
+        // `NIBBLE_PREFETCH_ROWS` rows on (rows are contiguous; past the last row the
+        // address is never read: a prefetch does not fault), and that row's factors.
+        let ahead = NIBBLE_PREFETCH_ROWS * blocks * 16;
+        if T == 1 {
+            for factor in factors {
+                let factor_ahead = NIBBLE_PREFETCH_ROWS * blocks * if HALF { 2 } else { 4 };
+                _mm_prefetch::<_MM_HINT_T0>(factor.0.wrapping_add(factor_ahead) as *const i8);
+                if !factor.1.is_null() {
+                    _mm_prefetch::<_MM_HINT_T0>(factor.1.wrapping_add(factor_ahead) as *const i8);
+                }
+            }
+        }
         for b in (0..blocks).step_by(2) {
             // SAFETY: b + 1 < blocks; every row holds `blocks` blocks and scales.
             unsafe {
                 let (w_low, w_high): ([__m256i; R], [__m256i; R]) = {
                     let packed: [__m256i; R] = std::array::from_fn(|r| {
-                        _mm256_loadu_si256(wq[r].add(b * 16) as *const __m256i)
+                        let at = wq[r].add(b * 16);
+                        if T == 1 {
+                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(ahead) as *const i8);
+                        }
+                        _mm256_loadu_si256(at as *const __m256i)
                     });
                     (
                         std::array::from_fn(|r| _mm256_and_si256(packed[r], mask)),

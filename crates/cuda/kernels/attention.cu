@@ -102,15 +102,6 @@ PAGODA_DEVICE void init_state(GroupState& state) {
     for (int i = 0; i < DIMS_PER_LANE; ++i) state.acc[i] = 0.0f;
 }
 
-// Visible tokens of request r from its CSR row (0 when it has no pages).
-PAGODA_DEVICE long long visible_len(const unsigned int* kv_indptr, const unsigned int* last_page_len,
-                                    const unsigned int* first_page_offset, unsigned int r,
-                                    unsigned int page_size) {
-    const long long pages = (long long)kv_indptr[r + 1] - (long long)kv_indptr[r];
-    if (pages <= 0) return 0;
-    return (pages - 1) * page_size + (long long)last_page_len[r] - (long long)first_page_offset[r];
-}
-
 // Causal ragged prefill (also valid for decode rows) over the paged cache.
 // q: token t's head h at q[t * q_row_stride + h * HEAD_DIM]; out: [num_tokens, num_q_heads, HEAD_DIM].
 // Grid (num_tokens, num_kv_heads). Query j of request r (q_len queries, seq_len visible
@@ -142,7 +133,7 @@ extern "C" __global__ void prefill_attention(
         return;
     }
     const long long q_len = (long long)qo_indptr[r + 1] - qo_indptr[r];
-    const long long seq_len = visible_len(kv_indptr, last_page_len, first_page_offset, r, page_size);
+    const long long seq_len = paged_visible_len(kv_indptr, last_page_len, first_page_offset, r, page_size);
     const long long num_keys = seq_len - q_len + (token - qo_indptr[r]) + 1;
     float q_values[DIMS_PER_LANE];
     load_query(q + (size_t)token * q_row_stride + (size_t)q_head * HEAD_DIM, scale_log2, q_values);
@@ -263,7 +254,7 @@ extern "C" __global__ void decode_attention_gathered(
     const unsigned int q_head = kv_head * n_rep + group;
     const int lane = threadIdx.x & 31;
 
-    const long long seq_len = visible_len(kv_indptr, last_page_len, first_page_offset, r, page_size);
+    const long long seq_len = paged_visible_len(kv_indptr, last_page_len, first_page_offset, r, page_size);
     const long long base_row = (long long)kv_indptr[r] * page_size + first_page_offset[r];
     const bool bad = seq_len > 0 && (unsigned long long)(base_row + seq_len) > capacity_rows;
     long long chunk = (seq_len + num_splits - 1) / num_splits;

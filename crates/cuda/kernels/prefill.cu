@@ -83,16 +83,6 @@ PAGODA_DEVICE float segment_sum(float value) {
     return value;
 }
 
-// Visible tokens of request r from its CSR row (0 when it has no pages).
-PAGODA_DEVICE long long tiled_visible_len(const unsigned int* kv_indptr,
-                                          const unsigned int* last_page_len,
-                                          const unsigned int* first_page_offset, unsigned int r,
-                                          unsigned int page_size) {
-    const long long pages = (long long)kv_indptr[r + 1] - (long long)kv_indptr[r];
-    if (pages <= 0) return 0;
-    return (pages - 1) * page_size + (long long)last_page_len[r] - (long long)first_page_offset[r];
-}
-
 // q: token t's head h at q[t * q_row_stride + h * HEAD_DIM]; out: [num_tokens, num_q_heads,
 // HEAD_DIM]. Query j of request r (q_len queries, seq_len visible tokens, already appended)
 // attends to visible tokens 0 ..= seq_len - q_len + j. Tokens outside qo_indptr's range get
@@ -123,35 +113,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_tiled(
     const size_t group_elems = (size_t)group * HEAD_DIM;
 
     // Zeros for this slot's token window where it lies outside [qo_indptr[0], qo_indptr[B]).
-    {
-        const unsigned long long window_start = (unsigned long long)slot * block_q;
-        const unsigned long long window_end =
-            min(window_start + block_q, (unsigned long long)num_tokens);
-        const unsigned long long first_token = qo_indptr[0];
-        const unsigned long long end_token = qo_indptr[num_requests];
-        if (window_start < window_end &&
-            (window_start < first_token || window_end > end_token)) {
-            const unsigned long long count = (window_end - window_start) * group_elems;
-            for (unsigned long long i = tid; i < count; i += THREADS) {
-                const unsigned long long token = window_start + i / group_elems;
-                if (token < first_token || token >= end_token) {
-                    out[token * out_token_elems + kv_head * group_elems + i % group_elems] =
-                        from_f32<T>(0.0f);
-                }
-            }
-        }
-    }
+    prefill_zero_window(out, qo_indptr, num_requests, num_tokens, slot, block_q, kv_head,
+                        group_elems, out_token_elems);
 
-    // This slot's request: the last r with base(r) <= slot (uniform over the CTA).
-    unsigned int lo = 0, hi = num_requests;
-    while (lo < hi) {
-        const unsigned int mid = lo + (hi - lo) / 2;
-        const unsigned long long base = (unsigned long long)mid + qo_indptr[mid] / block_q;
-        if (base <= slot) lo = mid + 1; else hi = mid;
-    }
-    if (lo == 0) return;
-    const unsigned int r = lo - 1;
-    const long long tile = (long long)slot - ((long long)r + qo_indptr[r] / block_q);
+    // This slot's request and tile (uniform over the CTA).
+    unsigned int r;
+    long long tile;
+    if (!prefill_slot_tile(qo_indptr, num_requests, slot, block_q, r, tile)) return;
     const long long q_len = (long long)qo_indptr[r + 1] - (long long)qo_indptr[r];
     const long long q_first = tile * block_q;  // first query of the tile within the request
     if (q_first >= q_len) return;
@@ -159,7 +127,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_tiled(
     const long long token0 = (long long)qo_indptr[r] + q_first;
     const int active_rows = tile_tokens * (int)group;
     const long long seq_len =
-        tiled_visible_len(kv_indptr, last_page_len, first_page_offset, r, page_size);
+        paged_visible_len(kv_indptr, last_page_len, first_page_offset, r, page_size);
     const bool bad = q_len > seq_len;
     // Row with token_in_tile i sees keys 0 ..= causal_base + i.
     const long long causal_base = seq_len - q_len + q_first;

@@ -20,11 +20,8 @@
 // store_matrix_sync all use that same mapping for the fragment type). The epilogue stores O
 // to shared memory and normalises by the row sums with a known layout.
 //
-// Key tiles entirely above the causal diagonal of the query tile are never visited; a warp
-// whose rows are all inactive or all above the diagonal of a tile skips its work on it.
-// Rows outside [qo_indptr[0], qo_indptr[B]) get zeros, q_len > seq_len gets NaN, page ids
-// >= num_pages (or indices past num_indices) are skipped. No host dependence beyond the
-// launch arguments: capturable in a CUDA graph.
+// Key tiles above the query tile's causal diagonal are never visited; a warp whose rows are
+// all inactive or above the diagonal of a tile skips it. Edge rules as in prefill.cu.
 //
 // Specialisation: PAGODA_T (__nv_bfloat16 only), PAGODA_HEAD_DIM (multiple of 16),
 // PAGODA_BLOCK_ROWS (multiple of 16: rows per CTA, 2 * BLOCK_ROWS threads), PAGODA_BLOCK_KEYS
@@ -91,28 +88,6 @@ typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_majo
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> FragV;
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> FragAcc;
 
-// 8 bf16 from global memory (16-byte vector load when aligned).
-PAGODA_DEVICE uint4 load8(const __nv_bfloat16* p) {
-    if ((reinterpret_cast<size_t>(p) & 15) == 0) return *reinterpret_cast<const uint4*>(p);
-    const unsigned short* s = reinterpret_cast<const unsigned short*>(p);
-    uint4 value;
-    value.x = (unsigned int)s[0] | ((unsigned int)s[1] << 16);
-    value.y = (unsigned int)s[2] | ((unsigned int)s[3] << 16);
-    value.z = (unsigned int)s[4] | ((unsigned int)s[5] << 16);
-    value.w = (unsigned int)s[6] | ((unsigned int)s[7] << 16);
-    return value;
-}
-
-// Visible tokens of request r from its CSR row (0 when it has no pages).
-PAGODA_DEVICE long long visible_len(const unsigned int* kv_indptr,
-                                    const unsigned int* last_page_len,
-                                    const unsigned int* first_page_offset, unsigned int r,
-                                    unsigned int page_size) {
-    const long long pages = (long long)kv_indptr[r + 1] - (long long)kv_indptr[r];
-    if (pages <= 0) return 0;
-    return (pages - 1) * page_size + (long long)last_page_len[r] - (long long)first_page_offset[r];
-}
-
 // Is key `key` (0 .. BLOCK_KEYS) of the current tile backed by a readable pool row?
 PAGODA_DEVICE bool key_valid(unsigned int mask0, unsigned int mask1, int key) {
     return (((key < 32 ? mask0 : mask1) >> (key & 31)) & 1u) != 0;
@@ -151,42 +126,20 @@ extern "C" __global__ void __launch_bounds__(mma_prefill::THREADS) prefill_atten
     const size_t group_elems = (size_t)group * HEAD_DIM;
 
     // Zeros for this slot's token window where it lies outside [qo_indptr[0], qo_indptr[B]).
-    {
-        const unsigned long long window_start = (unsigned long long)slot * block_q;
-        const unsigned long long window_end =
-            min(window_start + block_q, (unsigned long long)num_tokens);
-        const unsigned long long first_token = qo_indptr[0];
-        const unsigned long long end_token = qo_indptr[num_requests];
-        if (window_start < window_end &&
-            (window_start < first_token || window_end > end_token)) {
-            const unsigned long long count = (window_end - window_start) * group_elems;
-            for (unsigned long long i = tid; i < count; i += THREADS) {
-                const unsigned long long token = window_start + i / group_elems;
-                if (token < first_token || token >= end_token) {
-                    out[token * out_token_elems + kv_head * group_elems + i % group_elems] =
-                        from_f32<T>(0.0f);
-                }
-            }
-        }
-    }
+    prefill_zero_window(out, qo_indptr, num_requests, num_tokens, slot, block_q, kv_head,
+                        group_elems, out_token_elems);
 
-    // This slot's request: the last r with base(r) = r + qo_indptr[r] / block_q <= slot.
-    unsigned int lo = 0, hi = num_requests;
-    while (lo < hi) {
-        const unsigned int mid = lo + (hi - lo) / 2;
-        const unsigned long long base = (unsigned long long)mid + qo_indptr[mid] / block_q;
-        if (base <= slot) lo = mid + 1; else hi = mid;
-    }
-    if (lo == 0) return;
-    const unsigned int r = lo - 1;
-    const long long tile = (long long)slot - ((long long)r + qo_indptr[r] / block_q);
+    // This slot's request and tile (uniform over the CTA).
+    unsigned int r;
+    long long tile;
+    if (!prefill_slot_tile(qo_indptr, num_requests, slot, block_q, r, tile)) return;
     const long long q_len = (long long)qo_indptr[r + 1] - (long long)qo_indptr[r];
     const long long q_first = tile * block_q;  // first query of the tile within the request
     if (q_first >= q_len) return;
     const int tile_tokens = (int)min((long long)block_q, q_len - q_first);
     const long long token0 = (long long)qo_indptr[r] + q_first;
     const int active_rows = tile_tokens * (int)group;
-    const long long seq_len = visible_len(kv_indptr, last_page_len, first_page_offset, r, page_size);
+    const long long seq_len = paged_visible_len(kv_indptr, last_page_len, first_page_offset, r, page_size);
     const bool bad = q_len > seq_len;
     // Row with token_in_tile i sees keys 0 ..= causal_base + i.
     const long long causal_base = seq_len - q_len + q_first;
@@ -213,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(mma_prefill::THREADS) prefill_atten
         const long long token = token0 + row / group;
         if ((int)row < active_rows && token < (long long)num_tokens && !bad) {
             const unsigned int q_head = kv_head * group + row % group;
-            value = load8(q + (size_t)token * q_row_stride + (size_t)q_head * HEAD_DIM + chunk * 8);
+            value = load_bf16x8(q + (size_t)token * q_row_stride + (size_t)q_head * HEAD_DIM + chunk * 8);
         }
         *reinterpret_cast<uint4*>(&q_tile[row * Q_PITCH + chunk * 8]) = value;
     }
@@ -281,8 +234,8 @@ extern "C" __global__ void __launch_bounds__(mma_prefill::THREADS) prefill_atten
                 if (row >= 0) {
                     const size_t offset =
                         (size_t)row * row_elems + (size_t)kv_head * HEAD_DIM + chunk * 8;
-                    k_values[c] = load8(k_pool + offset);
-                    v_values[c] = load8(v_pool + offset);
+                    k_values[c] = load_bf16x8(k_pool + offset);
+                    v_values[c] = load_bf16x8(v_pool + offset);
                 }
             }
 #pragma unroll

@@ -13,7 +13,7 @@ use pagoda_engine::{
 };
 use pagoda_models::hf::GenerationDefaults;
 use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
-use pagoda_models::llama_cuda::GpuDType;
+use pagoda_models::llama_cuda::{GpuDType, PagedDecodeMode};
 use pagoda_models::tokenizer::Tokenizer;
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::{SamplerKind, SamplingParams};
@@ -61,6 +61,23 @@ pub struct ModelArgs {
     /// CUDA graphs (vLLM's spelling). `PAGODA_CUDA_GRAPHS=0` does the same.
     #[arg(long)]
     pub enforce_eager: bool,
+    /// On the GPU, the decode attention: `fused` (split-KV over the page table, pages read
+    /// in place), `gather` (copy the pages, then attend: the baseline) or `auto` (fused
+    /// wherever it supports the model). Default: $PAGODA_PAGED_DECODE, else auto.
+    #[arg(long, value_name = "auto|fused|gather")]
+    pub paged_decode: Option<String>,
+}
+
+/// The CUDA decode attention path: `--paged-decode`, else `PAGODA_PAGED_DECODE`, else auto.
+pub fn paged_decode(args: &ModelArgs) -> Result<PagedDecodeMode> {
+    match &args.paged_decode {
+        Some(value) => value
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("--paged-decode: {e}")),
+        None => Ok(PagedDecodeMode::from_env()
+            .map_err(anyhow::Error::msg)?
+            .unwrap_or_default()),
+    }
 }
 
 /// Whether CUDA graphs are on: off with `--enforce-eager` or `PAGODA_CUDA_GRAPHS=0`.
@@ -415,6 +432,7 @@ pub fn engine(model: Backend, args: &ModelArgs, ctx: usize, parallel: usize) -> 
         attention: attention_policy(&args.attention)?,
         sampler: sampler_kind(args)?,
         cuda_graphs: cuda_graphs(args)?,
+        paged_decode: paged_decode(args)?,
     };
     tracing::info!(
         "attention policy: {}, sampler: {}",

@@ -3,7 +3,7 @@
 
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
-use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, CudaStepCounters};
+use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, CudaStepCounters, PagedDecodeMode};
 use pagoda_ops::attention::AttentionPath;
 
 /// A loaded model on its device.
@@ -101,6 +101,7 @@ impl Runner {
         max_requests: usize,
         max_context: usize,
         cuda_graphs: bool,
+        paged_decode: PagedDecodeMode,
     ) -> Result<Runner, String> {
         match backend {
             Backend::Cpu(model) => {
@@ -118,6 +119,7 @@ impl Runner {
                     max_batch_requests: max_requests,
                     max_context,
                     cuda_graphs,
+                    paged_decode,
                 })?;
                 Ok(Runner::Cuda { model })
             }

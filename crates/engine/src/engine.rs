@@ -6,6 +6,7 @@ use rayon::prelude::*;
 
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch};
+use pagoda_models::llama_cuda::PagedDecodeMode;
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::{AnySampler, SamplerKind, SamplingParams};
 
@@ -36,6 +37,8 @@ pub struct EngineConfig {
     /// On the CUDA backend, replay decode steps from CUDA graphs (`false`: launch every
     /// kernel from the host, `--enforce-eager`). Ignored on the CPU.
     pub cuda_graphs: bool,
+    /// On the CUDA backend, the decode attention path (`--paged-decode`). Ignored on the CPU.
+    pub paged_decode: PagedDecodeMode,
 }
 
 /// Why a request ended.
@@ -111,6 +114,10 @@ pub struct EngineCounters {
     /// ragged prefill kernel.
     pub steps_cuda_decode_gather: u64,
     pub steps_cuda_prefill_kernel: u64,
+    /// CUDA steps whose attention ran the fused split-KV paged decode, and those of them
+    /// whose plan merged chunks.
+    pub steps_cuda_decode_fused: u64,
+    pub steps_cuda_decode_fused_merged: u64,
     /// GPU time of the CUDA steps (CUDA events, upload to logits ready), microseconds.
     pub cuda_gpu_time_us: u64,
     /// Per-request attention work on the CPU: requests with at least one split-KV row, and
@@ -209,6 +216,7 @@ impl Engine {
             max_requests,
             config.max_context,
             config.cuda_graphs,
+            config.paged_decode,
         )?;
         Ok(Engine {
             runner,
@@ -414,6 +422,8 @@ impl Engine {
                     self.counters.cuda_graphs_captured = cuda.graphs_captured;
                     self.counters.steps_cuda_eager = cuda.eager_steps;
                     self.counters.steps_cuda_decode_gather = cuda.decode_gather_steps;
+                    self.counters.steps_cuda_decode_fused = cuda.decode_fused_steps;
+                    self.counters.steps_cuda_decode_fused_merged = cuda.decode_fused_merged_steps;
                     self.counters.steps_cuda_prefill_kernel = cuda.prefill_kernel_steps;
                     self.counters.cuda_gpu_time_us = cuda.gpu_time_us;
                 }

@@ -37,6 +37,7 @@ fn engine(
         attention: AttentionPolicy::Force(path),
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
         cuda_graphs: true,
+        paged_decode: Default::default(),
     };
     Some((Engine::new(loaded.model, config).unwrap(), loaded.tokenizer))
 }

@@ -125,6 +125,7 @@ fn engine_for(loaded: LoadedModel, path: AttentionPath) -> (Engine, Vec<u32>) {
         attention: AttentionPolicy::Force(path),
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
         cuda_graphs: true,
+        paged_decode: Default::default(),
     };
     (Engine::new(loaded.model, config).unwrap(), stop)
 }

@@ -37,6 +37,7 @@ fn engine(
         attention: AttentionPolicy::Force(path),
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
         cuda_graphs: true,
+        paged_decode: Default::default(),
     };
     let engine = Engine::with_prefix_caching(loaded.model, config, prefix_caching).unwrap();
     Some((engine, loaded.tokenizer))

@@ -14,7 +14,7 @@ use pagoda_cuda::Gpu;
 use pagoda_kv::{BlockPool, BlockTable, PageTable};
 use pagoda_models::config::{Llama3RopeScaling, ModelConfig};
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
-use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, GpuDType};
+use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, GpuDType, PagedDecodeMode};
 use pagoda_models::random::{preset, RandomWeights};
 use pagoda_models::weights::TensorSource;
 
@@ -41,6 +41,7 @@ fn cache_options() -> CudaCacheOptions {
         max_batch_requests: 8,
         max_context: NUM_PAGES * PAGE_SIZE,
         cuda_graphs: true,
+        paged_decode: Default::default(),
     }
 }
 
@@ -128,17 +129,20 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
             .logits
     });
     let mut results = Vec::new();
-    for (dtype, cuda_graphs) in [
-        (GpuDType::F32, true),
-        (GpuDType::F32, false),
-        (GpuDType::Bf16, true),
-        (GpuDType::Bf16, false),
+    for (dtype, cuda_graphs, paged_decode) in [
+        (GpuDType::F32, true, PagedDecodeMode::Fused),
+        (GpuDType::F32, true, PagedDecodeMode::Gather),
+        (GpuDType::F32, false, PagedDecodeMode::Fused),
+        (GpuDType::Bf16, true, PagedDecodeMode::Fused),
+        (GpuDType::Bf16, false, PagedDecodeMode::Gather),
+        (GpuDType::Bf16, true, PagedDecodeMode::Gather),
     ] {
         let mut model =
             CudaModel::load(config.clone(), &weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
         model
             .prepare(CudaCacheOptions {
                 cuda_graphs,
+                paged_decode,
                 ..cache_options()
             })
             .unwrap();
@@ -169,9 +173,14 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
             }
         }
         let counters = model.counters();
-        eprintln!("{dtype} graphs {cuda_graphs}: max relative logit error {worst_relative:.2e}, max top-10 logprob error {worst_logprob:.4}; {counters:?}");
-        // The decode steps took the baseline decode, replayed from graphs when on.
-        assert_eq!(counters.decode_gather_steps, 10, "{counters:?}");
+        eprintln!("{dtype} graphs {cuda_graphs} {paged_decode}: max relative logit error {worst_relative:.2e}, max top-10 logprob error {worst_logprob:.4}; {counters:?}");
+        // The decode steps took the path asked for, replayed from graphs when on.
+        let (fused, gathered) = match paged_decode {
+            PagedDecodeMode::Gather => (0, 10),
+            _ => (10, 0),
+        };
+        assert_eq!(counters.decode_fused_steps, fused, "{counters:?}");
+        assert_eq!(counters.decode_gather_steps, gathered, "{counters:?}");
         if cuda_graphs {
             assert_eq!(counters.graph_steps, 10, "{counters:?}");
             assert_eq!(
@@ -255,7 +264,12 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
     let cpu = Model::load(config.clone(), source, WeightPrecision::F32).unwrap();
     let mut worst_bf16 = 0f64;
     let mut worst_top5 = 0f64;
-    for dtype in [GpuDType::F32, GpuDType::Bf16] {
+    // f32 through both decode paths: both must give the CPU's greedy ids (so each other's).
+    for (dtype, paged_decode) in [
+        (GpuDType::F32, PagedDecodeMode::Fused),
+        (GpuDType::F32, PagedDecodeMode::Gather),
+        (GpuDType::Bf16, PagedDecodeMode::Fused),
+    ] {
         let mut model =
             CudaModel::load(config.clone(), source, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
         // Prompts as token ids (a tokenizer is not needed for parity).
@@ -265,7 +279,12 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
         ] {
             let vocab = config.vocab_size;
             // A fresh cache per prompt.
-            model.prepare(cache_options()).unwrap();
+            model
+                .prepare(CudaCacheOptions {
+                    paged_decode,
+                    ..cache_options()
+                })
+                .unwrap();
             let mut cpu_kv = KvCache::new(config.num_layers, cpu.kv_layout(NUM_PAGES, PAGE_SIZE));
             // Greedy on the CPU; the GPU is teacher-forced on the CPU's sequence.
             let mut sequence = prompt.clone();
@@ -308,7 +327,7 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
                     assert_eq!(
                         pagoda_ops::sampling::argmax(g_row),
                         pagoda_ops::sampling::argmax(c_row),
-                        "f32 greedy id differs at step {step} of prompt {prompt:?}"
+                        "f32 {paged_decode} greedy id differs at step {step} of prompt {prompt:?}"
                     );
                 } else {
                     let (lc, lg) = (log_softmax(c_row), log_softmax(g_row));

@@ -386,6 +386,7 @@ fn check_gpu(
         max_batch_requests: 1,
         max_context: NUM_PAGES * PAGE_SIZE,
         cuda_graphs,
+        paged_decode: Default::default(),
     };
     if let Err(e) = model.prepare(options) {
         failures.push(format!("{} {device}: prepare: {e}", checkpoint.name));

@@ -130,6 +130,8 @@ pub struct Metrics {
     steps_cuda_eager: Counter,
     cuda_graphs_captured: Counter,
     steps_cuda_decode_gather: Counter,
+    steps_cuda_decode_fused: Counter,
+    steps_cuda_decode_fused_merged: Counter,
     steps_cuda_prefill_kernel: Counter,
     cuda_gpu_time_us: Counter,
     batch_invariant: Counter,
@@ -169,6 +171,8 @@ impl Default for Metrics {
             steps_cuda_eager: Counter::default(),
             cuda_graphs_captured: Counter::default(),
             steps_cuda_decode_gather: Counter::default(),
+            steps_cuda_decode_fused: Counter::default(),
+            steps_cuda_decode_fused_merged: Counter::default(),
             steps_cuda_prefill_kernel: Counter::default(),
             cuda_gpu_time_us: Counter::default(),
             batch_invariant: Counter::default(),
@@ -211,6 +215,10 @@ impl Metrics {
         self.cuda_graphs_captured.set(snapshot.cuda_graphs_captured);
         self.steps_cuda_decode_gather
             .set(snapshot.steps_cuda_decode_gather);
+        self.steps_cuda_decode_fused
+            .set(snapshot.steps_cuda_decode_fused);
+        self.steps_cuda_decode_fused_merged
+            .set(snapshot.steps_cuda_decode_fused_merged);
         self.steps_cuda_prefill_kernel
             .set(snapshot.steps_cuda_prefill_kernel);
         self.cuda_gpu_time_us.set(snapshot.cuda_gpu_time_us);
@@ -239,7 +247,7 @@ impl Metrics {
             );
         }
         drop(requests);
-        let scalars: [(&str, &str, &str, &Counter); 31] = [
+        let scalars: [(&str, &str, &str, &Counter); 33] = [
             (
                 "pagoda_prompt_tokens_total",
                 "counter",
@@ -353,6 +361,18 @@ impl Metrics {
                 "counter",
                 "CUDA steps whose attention ran the baseline decode (gather, then attend).",
                 &self.steps_cuda_decode_gather,
+            ),
+            (
+                "pagoda_cuda_decode_fused_steps_total",
+                "counter",
+                "CUDA steps whose attention ran the fused split-KV paged decode.",
+                &self.steps_cuda_decode_fused,
+            ),
+            (
+                "pagoda_cuda_decode_fused_merged_steps_total",
+                "counter",
+                "Fused decode steps whose plan split some request into chunks merged by log-sum-exp.",
+                &self.steps_cuda_decode_fused_merged,
             ),
             (
                 "pagoda_cuda_prefill_attention_steps_total",

@@ -75,6 +75,8 @@ pub struct EngineSnapshot {
     pub steps_cuda_eager: u64,
     pub cuda_graphs_captured: u64,
     pub steps_cuda_decode_gather: u64,
+    pub steps_cuda_decode_fused: u64,
+    pub steps_cuda_decode_fused_merged: u64,
     pub steps_cuda_prefill_kernel: u64,
     pub cuda_gpu_time_us: u64,
     /// Outputs may depend on which requests share a step (the CUDA backend: cuBLAS picks
@@ -129,6 +131,8 @@ impl EngineBackend for Engine {
             steps_cuda_eager: counters.steps_cuda_eager,
             cuda_graphs_captured: counters.cuda_graphs_captured,
             steps_cuda_decode_gather: counters.steps_cuda_decode_gather,
+            steps_cuda_decode_fused: counters.steps_cuda_decode_fused,
+            steps_cuda_decode_fused_merged: counters.steps_cuda_decode_fused_merged,
             steps_cuda_prefill_kernel: counters.steps_cuda_prefill_kernel,
             cuda_gpu_time_us: counters.cuda_gpu_time_us,
             batch_dependent: self.is_cuda(),

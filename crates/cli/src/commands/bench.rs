@@ -62,6 +62,11 @@ pub struct BenchArgs {
     /// smollm2-135m) or of a config.json instead of a model file (no tokenizer needed).
     #[arg(long, value_name = "ARCH|CONFIG")]
     pub random_weights: Option<String>,
+    /// Decode tests: every sequence of a batch shares its first `depth` tokens (one
+    /// sequence prefills them, the others reuse its pages through the prefix cache), as a
+    /// batch behind one long system prompt.
+    #[arg(long)]
+    pub shared_prefix: bool,
 }
 
 /// The benchmark subcommands of `pagoda bench`.
@@ -71,6 +76,8 @@ pub enum BenchKind {
     Serve(super::bench_serve::BenchServeArgs),
     /// Time the fused sort-free samplers against the sort-based reference.
     Sampling(super::bench_sampling::BenchSamplingArgs),
+    /// Time the decode attention kernels (gather vs fused) on the GPU, graph-replayed.
+    Attention(super::bench_attention::BenchAttentionArgs),
 }
 
 #[derive(Serialize)]
@@ -98,9 +105,12 @@ struct StepCounts {
     cuda_graph: u64,
     cuda_eager: u64,
     cuda_decode_gather: u64,
+    cuda_decode_fused: u64,
     cuda_prefill_kernel: u64,
     /// GPU time of the CUDA steps (CUDA events), microseconds.
     cuda_gpu_us: u64,
+    /// Prompt tokens found in the prefix cache while the test set up (shared prefixes).
+    prefix_hit_tokens: u64,
 }
 
 impl std::ops::AddAssign for StepCounts {
@@ -110,20 +120,26 @@ impl std::ops::AddAssign for StepCounts {
         self.cuda_graph += other.cuda_graph;
         self.cuda_eager += other.cuda_eager;
         self.cuda_decode_gather += other.cuda_decode_gather;
+        self.cuda_decode_fused += other.cuda_decode_fused;
         self.cuda_prefill_kernel += other.cuda_prefill_kernel;
         self.cuda_gpu_us += other.cuda_gpu_us;
+        self.prefix_hit_tokens += other.prefix_hit_tokens;
     }
 }
 
 impl std::fmt::Display for StepCounts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.prefix_hit_tokens > 0 {
+            write!(f, "prefix hits {} tokens; ", self.prefix_hit_tokens)?;
+        }
         if self.cuda_graph + self.cuda_eager > 0 {
             let steps = self.cuda_graph + self.cuda_eager;
             write!(
                 f,
-                "cuda graph {} eager {} (decode-gather {} prefill {}), gpu {:.3} ms/step",
+                "cuda graph {} eager {} (decode fused {} gather {} prefill {}), gpu {:.3} ms/step",
                 self.cuda_graph,
                 self.cuda_eager,
+                self.cuda_decode_fused,
                 self.cuda_decode_gather,
                 self.cuda_prefill_kernel,
                 self.cuda_gpu_us as f64 / 1e3 / steps as f64
@@ -153,6 +169,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Some(BenchKind::Serve(serve_args)) => return super::bench_serve::run(serve_args),
         Some(BenchKind::Sampling(sampling_args)) => {
             return super::bench_sampling::run(sampling_args)
+        }
+        Some(BenchKind::Attention(attention_args)) => {
+            return super::bench_attention::run(attention_args)
         }
         None => {}
     }
@@ -264,6 +283,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 depth,
                 args.decode_tokens,
                 run_index,
+                args.shared_prefix,
             )?;
             rates.push(tokens as f64 / seconds);
             steps += counts;
@@ -274,6 +294,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         if batch > 1 {
             name += &format!(" x{batch}");
+            if args.shared_prefix {
+                name += " shared";
+            }
         }
         let step_bytes =
             weight_bytes + (batch * (depth + args.decode_tokens / 2)) as f64 * kv_token_bytes;
@@ -344,8 +367,10 @@ fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCounts {
         cuda_graph: now.steps_cuda_graph - before.steps_cuda_graph,
         cuda_eager: now.steps_cuda_eager - before.steps_cuda_eager,
         cuda_decode_gather: now.steps_cuda_decode_gather - before.steps_cuda_decode_gather,
+        cuda_decode_fused: now.steps_cuda_decode_fused - before.steps_cuda_decode_fused,
         cuda_prefill_kernel: now.steps_cuda_prefill_kernel - before.steps_cuda_prefill_kernel,
         cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,
+        prefix_hit_tokens: 0,
     }
 }
 
@@ -405,13 +430,20 @@ fn timed_decode(
     depth: usize,
     tokens: usize,
     run: u64,
+    shared_prefix: bool,
 ) -> Result<(usize, f64, StepCounts)> {
     // Sequences that finish their prefill early decode while the others still prefill;
     // the slack keeps every sequence running until `tokens` full-batch steps are timed.
     let slack = decode_slack(batch, depth, engine.config().max_batch_tokens);
+    let hits_before = engine.counters().prefix_hit_tokens;
     let mut ids = Vec::with_capacity(batch);
+    let mut started_sequences = std::collections::HashSet::new();
+    let shared = random_prompt(vocab, depth, run * 1000 + 999);
     for b in 0..batch {
-        let prompt = random_prompt(vocab, depth + 1, run * 1000 + b as u64);
+        let mut prompt = random_prompt(vocab, depth + 1, run * 1000 + b as u64);
+        if shared_prefix {
+            prompt[..depth].copy_from_slice(&shared);
+        }
         ids.push(engine.add_request(
             prompt,
             SamplingParams::greedy(),
@@ -419,9 +451,16 @@ fn timed_decode(
             Vec::new(),
             false,
         )?);
+        if shared_prefix && b == 0 {
+            // The first sequence prefills the prefix; the others find it in the cache.
+            while started_sequences.is_empty() && engine.num_running() > 0 {
+                for event in engine.step()? {
+                    started_sequences.insert(event.request);
+                }
+            }
+        }
     }
     // Prefill until every sequence has sampled its first token.
-    let mut started_sequences = std::collections::HashSet::new();
     while started_sequences.len() < batch && engine.num_running() > 0 {
         for event in engine.step()? {
             started_sequences.insert(event.request);
@@ -439,7 +478,10 @@ fn timed_decode(
         sampled += events;
     }
     let seconds = started.elapsed().as_secs_f64();
-    let steps = steps_since(engine, &before);
+    let steps = StepCounts {
+        prefix_hit_tokens: engine.counters().prefix_hit_tokens - hits_before,
+        ..steps_since(engine, &before)
+    };
     for id in ids {
         engine.cancel(id);
     }

@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub mod bench;
+pub mod bench_attention;
 pub mod bench_sampling;
 pub mod bench_serve;
 pub mod chat;

@@ -128,6 +128,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         attention: common::attention_policy(&args.model.attention)?,
         sampler: common::sampler_kind(&args.model)?,
         cuda_graphs: common::cuda_graphs(&args.model)?,
+        paged_decode: common::paged_decode(&args.model)?,
     };
     let device_name = loaded.model.device_name();
     let engine = Engine::new(loaded.model, config.clone()).map_err(anyhow::Error::msg)?;

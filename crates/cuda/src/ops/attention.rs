@@ -119,7 +119,10 @@ pub fn specialize_attention(
     dtype: DType,
     head_dim: usize,
 ) -> Result<KernelSpec, CudaError> {
-    check_float("attention", dtype)?;
+    // f16 serves the decode entries only (the reference of the fused decode's f16 KV).
+    if dtype != DType::F16 || entry == AttentionEntry::Prefill {
+        check_float("attention", dtype)?;
+    }
     if !SUPPORTED_HEAD_DIMS.contains(&head_dim) {
         return Err(CudaError::invalid(format!(
             "attention head_dim {head_dim} is not supported (one of {SUPPORTED_HEAD_DIMS:?})"
@@ -155,7 +158,7 @@ fn group_block(layout: &PoolLayout, num_q_heads: usize) -> Result<u32, CudaError
 }
 
 /// Query rows as the kernels read them: row `t`, head `h` at `t * row_stride + h * head_dim`.
-fn check_queries(
+pub(super) fn check_queries(
     what: &str,
     q_len: usize,
     rows: usize,

@@ -6,26 +6,35 @@
 //! compiles all of them through NVRTC for `compute_90a` and `compute_80`.
 
 mod attention;
+mod decode_plan;
 mod dequant;
 mod elementwise;
 mod embedding;
 mod norm;
+mod paged_decode;
 mod prefill;
 mod prefill_mma;
 mod qkv;
 mod rope;
+mod sampling;
 
 pub use attention::{
     decode_attention_gathered, decode_splits, prefill_attention, specialize_attention,
     AttentionEntry, DecodeWorkspace, DevicePageTable, PoolLayout, MAX_DECODE_SPLITS,
     SUPPORTED_HEAD_DIMS,
 };
+pub use decode_plan::{PagedDecodePlan, PlanCapacity, PlanPolicy, MAX_CHUNKS, PLAN_HEADER_WORDS};
 pub use dequant::{dequantize, specialize_dequantize, QuantFormat};
 pub use elementwise::{
     add_in_place, argmax_rows, silu_mul, specialize_elementwise, ElementwiseEntry,
 };
 pub use embedding::{embedding_gather, specialize_embedding};
 pub use norm::{add_rms_norm, rms_norm, specialize_norm, NormEntry};
+pub use paged_decode::{
+    merge_attention_partials, paged_decode_attention, paged_decode_unsupported,
+    specialize_paged_decode, MergeMode, PagedDecodeEntry, PagedDecodeWorkspace, MAX_DECODE_GROUP,
+    PAGED_DECODE_HEAD_DIMS,
+};
 pub use prefill::{
     prefill_attention_tiled, prefill_attention_with, specialize_prefill, PrefillKernel,
     PrefillTiling,
@@ -35,6 +44,13 @@ pub use prefill_mma::{
 };
 pub use qkv::{add_bias_rows, rms_norm_heads, specialize_qkv, QkvEntry};
 pub use rope::{kv_append, rope, specialize_kv_append, specialize_rope, RopeStyle};
+pub use sampling::{
+    decode_row_stats, encode_row_params, plan_sampling, sample_rows, sample_rows_with,
+    sampling_splits, specialize_sampling, RowPath, RowSamplingStats, SamplingEntry,
+    SamplingOptions, SamplingPlan, SamplingRowParams, SamplingShapes, SamplingTotals,
+    SamplingWorkspace, DEFAULT_MAX_REJECTION_ROUNDS, MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS,
+    SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
+};
 
 use crate::error::CudaError;
 use crate::key::{DType, KernelSource, KernelSpec};
@@ -62,6 +78,10 @@ pub(crate) static ATTENTION: KernelSource = KernelSource {
     name: "attention.cu",
     code: include_str!("../../kernels/attention.cu"),
 };
+pub(crate) static PAGED_DECODE: KernelSource = KernelSource {
+    name: "paged_decode.cu",
+    code: include_str!("../../kernels/paged_decode.cu"),
+};
 pub(crate) static ELEMENTWISE: KernelSource = KernelSource {
     name: "elementwise.cu",
     code: include_str!("../../kernels/elementwise.cu"),
@@ -77,6 +97,14 @@ pub(crate) static QKV: KernelSource = KernelSource {
 pub(crate) static PREFILL: KernelSource = KernelSource {
     name: "prefill.cu",
     code: include_str!("../../kernels/prefill.cu"),
+};
+pub(crate) static SAMPLING: KernelSource = KernelSource {
+    name: "sampling.cu",
+    code: concat!(
+        include_str!("../../kernels/sampling_common.cu"),
+        include_str!("../../kernels/sampling_gumbel.cu"),
+        include_str!("../../kernels/sampling_rejection.cu")
+    ),
 };
 pub(crate) static PREFILL_MMA: KernelSource = KernelSource {
     name: "prefill_mma.cu",
@@ -134,6 +162,33 @@ pub fn all_specializations() -> Vec<KernelSpec> {
             push(specialize_prefill(dtype, head_dim));
         }
     }
+    for &head_dim in &PAGED_DECODE_HEAD_DIMS {
+        for entry in [
+            AttentionEntry::PagedGather,
+            AttentionEntry::DecodeGathered,
+            AttentionEntry::MergeStates,
+        ] {
+            push(specialize_attention(entry, DType::F16, head_dim));
+        }
+    }
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for &head_dim in &PAGED_DECODE_HEAD_DIMS {
+            for group in 1..=MAX_DECODE_GROUP {
+                push(specialize_paged_decode(
+                    PagedDecodeEntry::Partial,
+                    dtype,
+                    head_dim,
+                    group,
+                ));
+            }
+            push(specialize_paged_decode(
+                PagedDecodeEntry::Merge,
+                dtype,
+                head_dim,
+                1,
+            ));
+        }
+    }
     for &head_dim in &MMA_PREFILL_HEAD_DIMS {
         push(specialize_prefill_mma(DType::BF16, head_dim));
     }
@@ -141,5 +196,8 @@ pub fn all_specializations() -> Vec<KernelSpec> {
         ElementwiseEntry::ArgmaxRows,
         DType::F32,
     ));
+    for entry in SamplingEntry::ALL {
+        specs.push(specialize_sampling(entry));
+    }
     specs
 }

@@ -183,6 +183,15 @@ impl Gpu {
             return Ok(());
         }
         let function = self.registry.function(&self.context, spec)?;
+        if dims.shared_mem_bytes > 48 * 1024 {
+            // Dynamic shared memory beyond 48 KB must be opted into per function.
+            function
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    dims.shared_mem_bytes as i32,
+                )
+                .map_err(driver_error(format!("opting {} into {} bytes of shared memory", spec.entry, dims.shared_mem_bytes)))?;
+        }
         let mut storage: Vec<u64> = args.iter().map(|arg| arg.bits()).collect();
         let mut pointers: Vec<*mut std::ffi::c_void> = storage
             .iter_mut()

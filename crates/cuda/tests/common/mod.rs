@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod prefill_batch;
+pub mod sampling;
 
 use half::bf16;
 use pagoda_cuda::{DeviceBuffer, Element, Gpu};
@@ -63,6 +64,17 @@ impl TestFloat for bf16 {
     }
     const TOLERANCE: f32 = 1.6e-2;
     const NAME: &'static str = "bf16";
+}
+
+impl TestFloat for half::f16 {
+    fn from_f32(value: f32) -> Self {
+        half::f16::from_f32(value)
+    }
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    const TOLERANCE: f32 = 2e-3;
+    const NAME: &'static str = "f16";
 }
 
 /// Rounds every value through `T` (what the GPU sees as input).

@@ -23,6 +23,7 @@ impl<T: HostFloat> GpuLlama<T> {
             v_pools,
             scratch: s,
             decode,
+            fused,
         } = buffers;
         let StepShape {
             num_tokens,
@@ -121,7 +122,7 @@ impl<T: HostFloat> GpuLlama<T> {
                 )?;
             }
             match attention {
-                Attention::Decode { num_splits } => ops::decode_attention_gathered(
+                Attention::Gather { num_splits } => ops::decode_attention_gathered(
                     gpu,
                     &qkv,
                     (c.num_attention_heads, qkv_dim),
@@ -129,11 +130,33 @@ impl<T: HostFloat> GpuLlama<T> {
                     &*v_pool,
                     layout,
                     &page_table,
-                    decode,
+                    decode
+                        .as_mut()
+                        .ok_or_else(|| CudaError::invalid("gather decode without its workspace"))?,
                     num_splits,
                     scale,
                     &mut attn,
                 )?,
+                Attention::Fused { grid_chunks } => {
+                    let workspace = fused
+                        .as_mut()
+                        .ok_or_else(|| CudaError::invalid("fused decode without its workspace"))?
+                        .workspace_mut();
+                    workspace.set_grid_chunks(grid_chunks)?;
+                    ops::paged_decode_attention(
+                        gpu,
+                        &qkv,
+                        (c.num_attention_heads, qkv_dim),
+                        &*k_pool,
+                        &*v_pool,
+                        layout,
+                        &page_table,
+                        workspace,
+                        ops::MergeMode::InKernel,
+                        scale,
+                        &mut attn,
+                    )?
+                }
                 Attention::Prefill => ops::prefill_attention_with(
                     prefill,
                     gpu,

@@ -25,6 +25,9 @@ use crate::config::ModelConfig;
 use crate::llama::{ForwardBatch, LoadError};
 use crate::weights::TensorSource;
 
+pub use decode_path::{PagedDecodeMode, PAGED_DECODE_ENV_VAR};
+
+mod decode_path;
 mod layers;
 mod staging;
 mod step;
@@ -74,6 +77,8 @@ pub struct CudaCacheOptions {
     /// Replay decode steps from CUDA graphs captured per batch-size bucket (`false`: every
     /// kernel launched from the host, as `--enforce-eager`).
     pub cuda_graphs: bool,
+    /// The decode attention path (`--paged-decode`).
+    pub paged_decode: PagedDecodeMode,
 }
 
 /// What the GPU steps did since load (the engine exports them as metrics).
@@ -87,6 +92,10 @@ pub struct CudaStepCounters {
     pub eager_steps: u64,
     /// Steps whose attention ran the baseline decode (gather the pages, then attend).
     pub decode_gather_steps: u64,
+    /// Steps whose attention ran the fused split-KV paged decode.
+    pub decode_fused_steps: u64,
+    /// Fused decode steps in which some request's chunks were merged (more than one chunk).
+    pub decode_fused_merged_steps: u64,
     /// Steps whose attention ran the ragged prefill kernel (prefill or mixed batches, and
     /// decode batches whose page tables exceed the gather workspace).
     pub prefill_kernel_steps: u64,
@@ -155,7 +164,10 @@ struct StepBuffers<T> {
     k_pools: Vec<DeviceBuffer<T>>,
     v_pools: Vec<DeviceBuffer<T>>,
     scratch: Scratch<T>,
-    decode: DecodeWorkspace<T>,
+    /// The gather decode's workspace (absent when every decode step runs fused).
+    decode: Option<DecodeWorkspace<T>>,
+    /// The fused decode (absent when the mode or the geometry selects gather).
+    fused: Option<decode_path::FusedDecode>,
 }
 
 /// Page-locked host copies of the step inputs, uploaded asynchronously before the step.

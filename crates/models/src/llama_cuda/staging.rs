@@ -3,7 +3,7 @@
 
 use pagoda_cuda::{view_mut, CudaError, DeviceBuffer};
 
-use super::step::StepShape;
+use super::step::{Attention, StepShape};
 use super::{GpuCache, GpuLlama, HostFloat};
 use crate::llama::ForwardBatch;
 
@@ -21,13 +21,15 @@ struct StagedLengths {
 impl<T: HostFloat> GpuLlama<T> {
     /// Writes the step's inputs, padded to `shape`, into the pinned staging buffers and
     /// queues their uploads. Padding rows: token 0 at position 0, slot -1 (no KV write),
-    /// no pages, logits of row `i` for padding row `i`.
+    /// no pages, logits of row `i` for padding row `i`. A fused decode step also plans its
+    /// split here; returns whether that plan merges chunks.
     pub(super) fn stage(
         &self,
         cache: &mut GpuCache<T>,
         batch: &ForwardBatch<'_>,
         shape: &StepShape,
-    ) -> Result<(), CudaError> {
+    ) -> Result<bool, CudaError> {
+        let mut merged = false;
         let gpu = &*self.gpu;
         let page_size = cache.layout.page_size;
         let table = batch.page_table;
@@ -75,7 +77,7 @@ impl<T: HostFloat> GpuLlama<T> {
                 .chain((1..).map(|i| last_query + i)),
             r + 1,
         );
-        let page_indptr = put(
+        let page_indptr_range = put(
             &mut table.indptr.iter().copied().chain(std::iter::repeat(pages)),
             r + 1,
         );
@@ -122,15 +124,25 @@ impl<T: HostFloat> GpuLlama<T> {
         upload(tokens, &mut s.tokens)?;
         upload(positions, &mut s.positions)?;
         upload(qo_indptr, &mut s.qo_indptr)?;
-        upload(page_indptr, &mut s.page_indptr)?;
+        upload(page_indptr_range.clone(), &mut s.page_indptr)?;
         upload(last_page_len, &mut s.last_page_len)?;
         upload(first_page_offset, &mut s.first_page_offset)?;
         upload(logits_rows, &mut s.logits_rows)?;
         upload(page_indices, &mut s.page_indices)?;
+        if let Attention::Fused { grid_chunks } = shape.attention {
+            let fused = cache
+                .buffers
+                .fused
+                .as_mut()
+                .ok_or_else(|| CudaError::invalid("fused decode without its workspace"))?;
+            let indptr = &cache.staging.words.as_slice()?[page_indptr_range];
+            merged = fused.stage(gpu, indptr, grid_chunks)?.needs_merge();
+        }
         gpu.upload_pinned_range(
             &cache.staging.slots,
             0..n,
             &mut view_mut(&mut s.slots, 0..n)?,
-        )
+        )?;
+        Ok(merged)
     }
 }

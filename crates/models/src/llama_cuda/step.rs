@@ -4,8 +4,8 @@
 //! need logits) in pinned host memory, uploads them asynchronously into fixed device
 //! buffers, runs the layers, and downloads the logits: one synchronization per step.
 //!
-//! Decode steps (one new token per request, logits for every row) attend with the baseline
-//! decode (gather the pages, then attend with split keys). With CUDA graphs on, they are
+//! Decode steps (one new token per request, logits for every row) attend with the fused
+//! split-KV paged decode, or the gather baseline (`decode_path`). With CUDA graphs on, they are
 //! padded to a batch-size bucket and replayed from a graph captured once per bucket: every
 //! count the kernels need is read on the device, padding rows have no pages and a slot of
 //! -1. Prefill and mixed steps run the ragged prefill kernel, launched from the host.
@@ -15,6 +15,7 @@ use std::sync::Once;
 use pagoda_cuda::ops::{self, DecodeWorkspace, PoolLayout};
 use pagoda_cuda::{view, CudaError, DeviceRead, Gpu, GraphCache};
 
+use super::decode_path::FusedDecode;
 use super::{CudaCacheOptions, GpuCache, GpuLlama, HostFloat, Scratch, Staging, StepBuffers};
 use crate::config::ModelConfig;
 use crate::llama::ForwardBatch;
@@ -25,7 +26,9 @@ pub(super) enum Attention {
     /// The ragged causal prefill kernel over the paged cache (any batch).
     Prefill,
     /// The baseline decode: one query per request, keys cut into `num_splits` ranges.
-    Decode { num_splits: usize },
+    Gather { num_splits: usize },
+    /// The fused decode, with a grid of `grid_chunks` chunks (the plan is staged per step).
+    Fused { grid_chunks: usize },
 }
 
 /// The sizes a step's kernels are launched with (padded for a graph bucket).
@@ -96,11 +99,13 @@ fn announce(path: &'static str) {
     static GRAPHS: Once = Once::new();
     static EAGER: Once = Once::new();
     static GATHER: Once = Once::new();
+    static FUSED: Once = Once::new();
     static PREFILL: Once = Once::new();
     let once = match path {
         "graphs" => &GRAPHS,
         "eager" => &EAGER,
         "gather" => &GATHER,
+        "fused" => &FUSED,
         _ => &PREFILL,
     };
     once.call_once(|| match path {
@@ -109,6 +114,10 @@ fn announce(path: &'static str) {
         "gather" => {
             tracing::info!("CUDA decode attention: gather the pages, then attend (split keys)")
         }
+        "fused" => tracing::info!(
+            "CUDA decode attention: fused split-KV paged decode (pages read in place, chunks \
+             merged in the same launch)"
+        ),
         _ => tracing::info!(
             "CUDA attention: ragged prefill kernel over the paged cache (prefill and mixed steps)"
         ),
@@ -135,13 +144,20 @@ impl<T: HostFloat> GpuLlama<T> {
             v_pools.push(gpu.zeros(layout.pool_len())?);
         }
         let scratch = Scratch::new(gpu, c, &options)?;
-        let decode = DecodeWorkspace::new(
-            gpu,
-            &layout,
-            c.num_attention_heads,
-            options.max_batch_requests.max(1),
-            decode_capacity_pages(&options),
-        )?;
+        let fused = FusedDecode::new(gpu, c, &options, T::DTYPE)?;
+        // The gather workspace only where gather can run (it is large: every request's
+        // pages at full context).
+        let decode = if fused.is_none() {
+            Some(DecodeWorkspace::new(
+                gpu,
+                &layout,
+                c.num_attention_heads,
+                options.max_batch_requests.max(1),
+                decode_capacity_pages(&options),
+            )?)
+        } else {
+            None
+        };
         let tokens = options.max_batch_tokens.max(1);
         let requests = options.max_batch_requests.max(1);
         let staging = Staging {
@@ -156,6 +172,7 @@ impl<T: HostFloat> GpuLlama<T> {
                 v_pools,
                 scratch,
                 decode,
+                fused,
             },
             staging,
             graphs: GraphCache::new(),
@@ -198,11 +215,9 @@ impl<T: HostFloat> GpuLlama<T> {
                 num_tokens: bucket,
                 num_requests: bucket,
                 num_logits: bucket,
-                attention: Attention::Decode {
-                    num_splits: ops::decode_splits(bucket, self.config.num_kv_heads, sm_count),
-                },
+                attention: self.decode_attention(&cache, bucket, sm_count),
             };
-            outcome = self.stage(&mut cache, &empty, &shape).and_then(|()| {
+            outcome = self.stage(&mut cache, &empty, &shape).and_then(|_| {
                 let GpuCache {
                     layout,
                     buffers,
@@ -227,6 +242,19 @@ impl<T: HostFloat> GpuLlama<T> {
         );
         self.cache = Some(cache);
         outcome
+    }
+
+    /// The attention of a decode step of `requests` rows: fused when the cache has it,
+    /// else the gather baseline with its split count.
+    fn decode_attention(&self, cache: &GpuCache<T>, requests: usize, sm_count: usize) -> Attention {
+        match &cache.buffers.fused {
+            Some(fused) => Attention::Fused {
+                grid_chunks: fused.grid_chunks(requests),
+            },
+            None => Attention::Gather {
+                num_splits: ops::decode_splits(requests, self.config.num_kv_heads, sm_count),
+            },
+        }
     }
 
     pub(super) fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>, CudaError> {
@@ -258,34 +286,31 @@ impl<T: HostFloat> GpuLlama<T> {
                 .iter()
                 .enumerate()
                 .all(|(i, &q)| q == i as u32);
-        let fits_gather = batch.page_table.indices.len() <= cache.buffers.decode.capacity_pages();
+        let fits_decode = cache.buffers.fused.is_some()
+            || cache.buffers.decode.as_ref().is_some_and(|workspace| {
+                batch.page_table.indices.len() <= workspace.capacity_pages()
+            });
         let sm_count = gpu.info().sm_count as usize;
         let bucket = graph_bucket(
             num_requests,
             options.max_batch_requests.min(options.max_batch_tokens),
         );
-        let decode_splits =
-            |requests: usize| ops::decode_splits(requests, self.config.num_kv_heads, sm_count);
         let graph_rows = bucket.filter(|_| {
-            options.cuda_graphs && decode_rows && fits_gather && num_logits == num_tokens
+            options.cuda_graphs && decode_rows && fits_decode && num_logits == num_tokens
         });
         let shape = match graph_rows {
             Some(padded) => StepShape {
                 num_tokens: padded,
                 num_requests: padded,
                 num_logits: padded,
-                attention: Attention::Decode {
-                    num_splits: decode_splits(padded),
-                },
+                attention: self.decode_attention(cache, padded, sm_count),
             },
             None => StepShape {
                 num_tokens,
                 num_requests,
                 num_logits,
-                attention: if decode_rows && fits_gather {
-                    Attention::Decode {
-                        num_splits: decode_splits(num_requests),
-                    }
+                attention: if decode_rows && fits_decode {
+                    self.decode_attention(cache, num_requests, sm_count)
                 } else {
                     Attention::Prefill
                 },
@@ -294,12 +319,18 @@ impl<T: HostFloat> GpuLlama<T> {
         let graph = graph_rows.is_some();
         let started = gpu.record_event()?;
         let planned = host_started.elapsed();
-        self.stage(cache, batch, &shape)?;
+        if self.stage(cache, batch, &shape)? {
+            self.counters.decode_fused_merged_steps += 1;
+        }
         let staged = host_started.elapsed();
         match shape.attention {
-            Attention::Decode { .. } => {
+            Attention::Gather { .. } => {
                 announce("gather");
                 self.counters.decode_gather_steps += 1;
+            }
+            Attention::Fused { .. } => {
+                announce("fused");
+                self.counters.decode_fused_steps += 1;
             }
             Attention::Prefill => {
                 announce("prefill");
@@ -477,6 +508,7 @@ mod tests {
             max_batch_requests: 4,
             max_context: 100,
             cuda_graphs: true,
+            paged_decode: Default::default(),
         };
         // 100 tokens from a mid-page start span at most 8 pages.
         assert_eq!(decode_capacity_pages(&options), 4 * 8);

@@ -1,0 +1,265 @@
+// GPU sampling, shared part: per-row parameters, Philox-4x32-10, the Gumbel noise and the
+// f64 exponential of pagoda_ops::sampling, ported bit-exactly (every f32/f64 operation is an
+// explicit round-to-nearest intrinsic, so NVVM cannot contract a multiply-add into an FMA
+// that the Rust code does not do), plus block reductions.
+//
+// This file is concatenated in front of sampling_gumbel.cu and sampling_rejection.cu into
+// one NVRTC program (see SAMPLING in src/ops/mod.rs).
+
+// Per-row parameters: 8 u32 words (SamplingRowParams in src/ops/sampling/params.rs).
+#define SAMPLING_PARAM_WORDS 8u
+// Largest number of CTAs one row is split into by the Gumbel/max kernels.
+#define SAMPLING_MAX_SPLITS 64u
+// Row outcome codes written to the per-row stats (RowPath in Rust).
+#define PATH_GREEDY 0u
+#define PATH_GUMBEL 1u
+#define PATH_REJECTION 2u
+#define PATH_FALLBACK 3u
+// Philox purposes (pagoda_ops::sampling::philox::DrawPurpose).
+#define PURPOSE_GUMBEL 1u
+#define PURPOSE_REJECTION_ROUND 2u
+#define PURPOSE_FALLBACK 3u
+#define NO_TOKEN 0xffffffffu
+#define FLT_MAX_BITS 0x7f7fffff
+
+struct RowParams {
+    float temperature;
+    unsigned int top_k;
+    float top_p;
+    float min_p;
+    unsigned int key0, key1;
+    unsigned int step_low, step_high;
+};
+
+PAGODA_DEVICE RowParams load_row_params(const unsigned int* __restrict__ params, unsigned int row) {
+    const unsigned int* p = params + (size_t)row * SAMPLING_PARAM_WORDS;
+    RowParams r;
+    r.temperature = __uint_as_float(p[0]);
+    r.top_k = p[1];
+    r.top_p = __uint_as_float(p[2]);
+    r.min_p = __uint_as_float(p[3]);
+    r.key0 = p[4];
+    r.key1 = p[5];
+    r.step_low = p[6];
+    r.step_high = p[7];
+    return r;
+}
+
+// NaN -> -inf (masked), +inf -> f32::MAX, as pagoda_ops' sanitize_logit.
+PAGODA_DEVICE float sanitize_logit(float x) {
+    if (x != x) return -INFINITY;
+    if (x == INFINITY) return __int_as_float(FLT_MAX_BITS);
+    return x;
+}
+
+// Greedy when temperature is 0 (or not a positive finite number), top_k == 1 or no finite
+// logit; rejection when any filter is active (top_k in 2..vocab-1, top_p < 1, min_p > 0;
+// NaN parameters count as off); Gumbel otherwise.
+PAGODA_DEVICE unsigned int row_path(const RowParams& p, unsigned int vocab, float z_max) {
+    if (!(p.temperature > 0.0f) || p.temperature == INFINITY || p.top_k == 1u || z_max == -INFINITY) {
+        return PATH_GREEDY;
+    }
+    const bool filtered = (p.top_k > 0u && p.top_k < vocab) || p.top_p < 1.0f || p.min_p > 0.0f;
+    return filtered ? PATH_REJECTION : PATH_GUMBEL;
+}
+
+PAGODA_DEVICE bool top_p_active(const RowParams& p) { return p.top_p < 1.0f; }
+PAGODA_DEVICE bool min_p_active(const RowParams& p) { return p.min_p > 0.0f; }
+
+// Philox-4x32-10 (Random123), counter {index, step_low, step_high, purpose}, key = seed words.
+PAGODA_DEVICE uint4 philox_block(const RowParams& p, unsigned int purpose, unsigned int index) {
+    uint4 c = make_uint4(index, p.step_low, p.step_high, purpose);
+    unsigned int k0 = p.key0, k1 = p.key1;
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned int lo0 = 0xD2511F53u * c.x, hi0 = __umulhi(0xD2511F53u, c.x);
+        const unsigned int lo1 = 0xCD9E8D57u * c.z, hi1 = __umulhi(0xCD9E8D57u, c.z);
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    }
+    return c;
+}
+
+// pagoda_ops::sampling::philox::open_uniform_f64_from_u64: top 52 bits, (bits + 0.5) 2^-52.
+PAGODA_DEVICE double open_uniform_f64(unsigned int high, unsigned int low) {
+    const unsigned long long bits = (((unsigned long long)high << 32) | low) >> 12;
+    return __dmul_rn(__dadd_rn(__ull2double_rn(bits), 0.5), 2.220446049250313080847e-16);
+}
+
+// pagoda_ops gumbel::ln_f32 (Cephes logf), operation for operation.
+PAGODA_DEVICE float ln_f32(float x) {
+    const int bits = __float_as_int(x);
+    const int exponent_raw = (bits >> 23) - 126;
+    const float mantissa = __int_as_float((bits & 0x007FFFFF) | 0x3F000000);
+    const bool below = mantissa < __int_as_float(0x3F3504F3);  // FRAC_1_SQRT_2 as f32
+    const float exponent = __int2float_rn(exponent_raw - (below ? 1 : 0));
+    const float m = below ? __fsub_rn(__fadd_rn(mantissa, mantissa), 1.0f) : __fsub_rn(mantissa, 1.0f);
+    const float z = __fmul_rn(m, m);
+    float y = 7.0376836e-2f;
+    y = __fsub_rn(__fmul_rn(y, m), 1.151461e-1f);
+    y = __fadd_rn(__fmul_rn(y, m), 1.16769984e-1f);
+    y = __fsub_rn(__fmul_rn(y, m), 1.2420141e-1f);
+    y = __fadd_rn(__fmul_rn(y, m), 1.4249323e-1f);
+    y = __fsub_rn(__fmul_rn(y, m), 1.6668058e-1f);
+    y = __fadd_rn(__fmul_rn(y, m), 2.0000714e-1f);
+    y = __fsub_rn(__fmul_rn(y, m), 2.4999994e-1f);
+    y = __fadd_rn(__fmul_rn(y, m), 3.333333e-1f);
+    y = __fmul_rn(__fmul_rn(y, m), z);
+    y = __fadd_rn(y, __fmul_rn(-2.1219444e-4f, exponent));
+    y = __fadd_rn(y, __fmul_rn(-0.5f, z));
+    const float result = __fadd_rn(m, y);
+    return __fadd_rn(result, __fmul_rn(0.6933594f, exponent));
+}
+
+// pagoda_ops::sampling::gumbel_noise: finite, in about [-3.13, 22.87].
+PAGODA_DEVICE float gumbel_noise(unsigned int word) {
+    const float scale = __int_as_float(0x2F800000);  // 2^-32
+    const bool upper = word >= 0x80000000u;
+    const unsigned int small = upper ? ~word : word;
+    const float tail = __fmul_rn(__fadd_rn(__int2float_rn((int)small), 0.5f), scale);
+    const float near_one = __fsub_rn(1.0f, tail);
+    const float lg = ln_f32(upper ? near_one : tail);
+    const float complement = __fsub_rn(1.0f, near_one);
+    const float denominator = complement == 0.0f ? 1.0f : complement;
+    const float log1p_form = __fdiv_rn(__fmul_rn(-lg, tail), denominator);
+    const float exponential = upper ? (complement == 0.0f ? tail : log1p_form) : -lg;
+    return -ln_f32(exponential);
+}
+
+// pagoda_ops rejection::exp_f64 for x <= 0 (Cody-Waite + degree-13 Taylor, no FMA); below
+// -700 CUDA's exp() (libm in Rust: both give the same subnormal-or-zero weights to ~1 ulp).
+PAGODA_DEVICE double exp_f64(double x) {
+    if (x < -700.0) return exp(x);
+    const double log2_e = 1.4426950408889634074;
+    const double ln2_high = 0.6931471803691238;
+    const double ln2_low = 1.9082149292705877e-10;
+    const double rounder = 6755399441055744.0;
+    const double shifted = __dadd_rn(__dmul_rn(x, log2_e), rounder);
+    const double k = __dsub_rn(shifted, rounder);
+    const long long k_integer = __double_as_longlong(shifted) - __double_as_longlong(rounder);
+    const double r = __dsub_rn(__dsub_rn(x, __dmul_rn(k, ln2_high)), __dmul_rn(k, ln2_low));
+    double p = 1.0 / 6227020800.0;
+    p = __dadd_rn(__dmul_rn(p, r), 1.0 / 479001600.0);
+    p = __dadd_rn(__dmul_rn(p, r), 1.0 / 39916800.0);
+    p = __dadd_rn(__dmul_rn(p, r), 1.0 / 3628800.0);
+    p = __dadd_rn(__dmul_rn(p, r), 1.0 / 362880.0);
+    p = __dadd_rn(__dmul_rn(p, r), 1.0 / 40320.0);
+    p = __dadd_rn(__dmul_rn(p, r), 1.0 / 5040.0);
+    p = __dadd_rn(__dmul_rn(p, r), 1.0 / 720.0);
+    p = __dadd_rn(__dmul_rn(p, r), 1.0 / 120.0);
+    p = __dadd_rn(__dmul_rn(p, r), 1.0 / 24.0);
+    p = __dadd_rn(__dmul_rn(p, r), 1.0 / 6.0);
+    p = __dadd_rn(__dmul_rn(p, r), 0.5);
+    p = __dadd_rn(__dmul_rn(p, r), 1.0);
+    p = __dadd_rn(__dmul_rn(p, r), 1.0);
+    const double scale = __longlong_as_double((k_integer + 1023) << 52);
+    return __dmul_rn(p, scale);
+}
+
+// Weight exp((z - z_max) * scale) in f64, exactly as pagoda_ops' exp_weights.
+PAGODA_DEVICE double weight_of(float z, double z_max, double scale) {
+    return exp_f64(__dmul_rn(__dsub_rn((double)z, z_max), scale));
+}
+
+// Monotone f32 -> u32 (unsigned order = float order, -0.0 == +0.0) and back.
+PAGODA_DEVICE unsigned int ordered_bits(float v) {
+    const unsigned int bits = __float_as_uint(__fadd_rn(v, 0.0f));
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+PAGODA_DEVICE float from_ordered_bits(unsigned int o) {
+    return (o & 0x80000000u) ? __uint_as_float(o & 0x7FFFFFFFu) : __uint_as_float(~o);
+}
+PAGODA_DEVICE float next_down(float v) { return from_ordered_bits(ordered_bits(v) - 1u); }
+
+// (score, id) order of every argmax here: larger score wins, lower id on equal scores.
+PAGODA_DEVICE bool better(float score, unsigned int id, float best, unsigned int best_id) {
+    return score > best || (score == best && id < best_id);
+}
+
+PAGODA_DEVICE void warp_argmax(float& best, unsigned int& best_id) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+        const unsigned int other_id = __shfl_xor_sync(0xffffffffu, best_id, offset);
+        if (better(other, other_id, best, best_id)) { best = other; best_id = other_id; }
+    }
+}
+
+// Block-wide (score, id) argmax; every thread gets the result. blockDim.x multiple of 32.
+PAGODA_DEVICE void block_argmax(float& best, unsigned int& best_id) {
+    __shared__ float scores[32];
+    __shared__ unsigned int ids[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    warp_argmax(best, best_id);
+    __syncthreads();
+    if (lane == 0) { scores[warp] = best; ids[warp] = best_id; }
+    __syncthreads();
+    best = lane < num_warps ? scores[lane] : -INFINITY;
+    best_id = lane < num_warps ? ids[lane] : NO_TOKEN;
+    warp_argmax(best, best_id);
+}
+
+PAGODA_DEVICE double warp_sum_f64(double value) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+    return value;
+}
+
+// Block sum of an f64 (fixed reduction tree); every thread gets it.
+PAGODA_DEVICE double block_sum_f64(double value) {
+    __shared__ double partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    value = warp_sum_f64(value);
+    __syncthreads();
+    if (lane == 0) partial[warp] = value;
+    __syncthreads();
+    return warp_sum_f64(lane < num_warps ? partial[lane] : 0.0);
+}
+
+PAGODA_DEVICE unsigned int block_sum_u32(unsigned int value) {
+    __shared__ unsigned int partial_u[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+    __syncthreads();
+    if (lane == 0) partial_u[warp] = value;
+    __syncthreads();
+    value = lane < num_warps ? partial_u[lane] : 0u;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
+    return value;
+}
+
+// Element range [begin, end) of split `split` of a row: splits cover whole Philox blocks
+// (4 elements), span = ceil(ceil(vocab / 4) / num_splits) blocks each.
+PAGODA_DEVICE void split_range(unsigned int vocab, unsigned int num_splits, unsigned int split,
+                               unsigned int& begin, unsigned int& end) {
+    const unsigned int blocks = (vocab + 3u) / 4u;
+    const unsigned int span = (blocks + num_splits - 1u) / num_splits;
+    const unsigned long long b = (unsigned long long)split * span * 4u;
+    const unsigned long long e = b + (unsigned long long)span * 4u;
+    begin = (unsigned int)min(b, (unsigned long long)vocab);
+    end = (unsigned int)min(e, (unsigned long long)vocab);
+}
+
+// Row maximum and its lowest index from the per-split partials of sampling_row_max.
+PAGODA_DEVICE void reduce_row_max(const float* partial_max, const unsigned int* partial_index,
+                                  unsigned int row, unsigned int num_splits, float& z_max,
+                                  unsigned int& argmax) {
+    z_max = -INFINITY;
+    argmax = NO_TOKEN;
+    for (unsigned int s = 0; s < num_splits; ++s) {
+        const float v = partial_max[row * num_splits + s];
+        const unsigned int id = partial_index[row * num_splits + s];
+        if (better(v, id, z_max, argmax)) { z_max = v; argmax = id; }
+    }
+    if (z_max == -INFINITY) argmax = 0u;  // no finite logit: token 0, as the CPU chain
+}
+
+// Totals (u64 counters as u32 pairs): 0 greedy, 1 gumbel, 2 rejection, 3 fallback, 4 rounds.
+PAGODA_DEVICE void count_total(unsigned int* totals, unsigned int counter, unsigned long long amount) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(totals) + counter, amount);
+}

@@ -1,0 +1,372 @@
+//! Host-side pure logic of GPU sampling: the per-row parameter record, its validation and
+//! encoding, the split choice, launch planning and the decoding of the device counters.
+//! Everything here runs on the CPU (unit-tested without a GPU).
+
+use crate::error::CudaError;
+
+/// Words (u32) of one [`SamplingRowParams`] record in device memory.
+pub const SAMPLING_PARAM_WORDS: usize = 8;
+
+/// Largest number of CTAs the Gumbel / row-max kernels split one row into.
+pub const MAX_SAMPLING_SPLITS: usize = 64;
+
+/// Default round cap of the dual-pivot loop; equal to pagoda-ops'
+/// `DEFAULT_MAX_REJECTION_ROUNDS` (a GPU test checks it), so the GPU and the CPU fall back on
+/// the same rows.
+pub const DEFAULT_MAX_REJECTION_ROUNDS: u32 = 34;
+
+/// Largest rows per launch (the split kernels put rows on grid y).
+pub const MAX_SAMPLING_ROWS: usize = 65535;
+
+/// One row's sampling parameters as the kernels read them (`#[repr(C)]`, 8 u32 words, see
+/// [`SamplingRowParams::to_words`]). Semantics are those of `pagoda_ops::sampling`'s canonical
+/// chain applied to already penalised logits: greedy when `temperature == 0` or `top_k == 1`
+/// (argmax, lowest id on ties, no randomness); filters on the untempered distribution
+/// (`top_k` 0 = off, `>= vocab` keeps all; `top_p` 1 = off, measured over the top-k set
+/// renormalised; `min_p` 0 = off); temperature last. Randomness is Philox-4x32-10 keyed by
+/// `seed`, counter `(index, step, purpose)`, exactly as `FusedSampler` at call number `step`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct SamplingRowParams {
+    /// Divisor of the surviving logits; `0.0` = greedy. Finite, in `[0, 100]`.
+    pub temperature: f32,
+    /// Top-k (0 = off, 1 = greedy).
+    pub top_k: u32,
+    /// Top-p in `(0, 1]` (1 = off).
+    pub top_p: f32,
+    /// Min-p in `[0, 1]` (0 = off).
+    pub min_p: f32,
+    /// Low 32 bits of the request seed (Philox key word 0).
+    pub seed_low: u32,
+    /// High 32 bits of the request seed (Philox key word 1).
+    pub seed_high: u32,
+    /// Low 32 bits of the request's sample-call number.
+    pub step_low: u32,
+    /// High 32 bits of the request's sample-call number.
+    pub step_high: u32,
+}
+
+impl SamplingRowParams {
+    /// A validated record (see [`validate`](Self::validate)) for call `step` of a request
+    /// seeded `seed`. `top_k` above `u32::MAX` should be passed as 0 (off).
+    pub fn new(
+        temperature: f32,
+        top_k: u32,
+        top_p: f32,
+        min_p: f32,
+        seed: u64,
+        step: u64,
+    ) -> Result<Self, CudaError> {
+        let params = SamplingRowParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed_low: seed as u32,
+            seed_high: (seed >> 32) as u32,
+            step_low: step as u32,
+            step_high: (step >> 32) as u32,
+        };
+        params.validate()?;
+        Ok(params)
+    }
+
+    /// Greedy decoding (temperature 0, filters off, seed 0, step 0).
+    pub fn greedy() -> Self {
+        SamplingRowParams {
+            top_p: 1.0,
+            ..SamplingRowParams::default()
+        }
+    }
+
+    /// The 64-bit seed.
+    pub fn seed(&self) -> u64 {
+        ((self.seed_high as u64) << 32) | self.seed_low as u64
+    }
+
+    /// The 64-bit step.
+    pub fn step(&self) -> u64 {
+        ((self.step_high as u64) << 32) | self.step_low as u64
+    }
+
+    /// The same record at another step.
+    pub fn with_step(self, step: u64) -> Self {
+        SamplingRowParams {
+            step_low: step as u32,
+            step_high: (step >> 32) as u32,
+            ..self
+        }
+    }
+
+    /// Checks the ranges of `pagoda_ops::SamplingParams::validate` (temperature finite in
+    /// `[0, 100]`, top_p in `(0, 1]`, min_p in `[0, 1]`); the error names the field and value.
+    /// (The kernels never read out of bounds on any bits, but only validated records have the
+    /// documented meaning.)
+    pub fn validate(&self) -> Result<(), CudaError> {
+        let temperature = self.temperature;
+        if !temperature.is_finite() || !(0.0..=100.0).contains(&temperature) {
+            return Err(CudaError::invalid(format!(
+                "sampling temperature must be finite and in [0, 100], got {temperature}"
+            )));
+        }
+        let top_p = self.top_p;
+        if !top_p.is_finite() || top_p <= 0.0 || top_p > 1.0 {
+            return Err(CudaError::invalid(format!(
+                "sampling top_p must be in (0, 1] (1 disables it), got {top_p}"
+            )));
+        }
+        let min_p = self.min_p;
+        if !min_p.is_finite() || !(0.0..=1.0).contains(&min_p) {
+            return Err(CudaError::invalid(format!(
+                "sampling min_p must be in [0, 1] (0 disables it), got {min_p}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The record as the kernels read it: `[temperature bits, top_k, top_p bits, min_p bits,
+    /// seed_low, seed_high, step_low, step_high]`.
+    pub fn to_words(&self) -> [u32; SAMPLING_PARAM_WORDS] {
+        [
+            self.temperature.to_bits(),
+            self.top_k,
+            self.top_p.to_bits(),
+            self.min_p.to_bits(),
+            self.seed_low,
+            self.seed_high,
+            self.step_low,
+            self.step_high,
+        ]
+    }
+}
+
+/// Validates every record and concatenates their words (`rows.len() * 8` u32, upload them
+/// as the `params` of [`sample_rows`](super::sample_rows)); the error names the row.
+pub fn encode_row_params(rows: &[SamplingRowParams]) -> Result<Vec<u32>, CudaError> {
+    let mut words = Vec::with_capacity(rows.len() * SAMPLING_PARAM_WORDS);
+    for (row, params) in rows.iter().enumerate() {
+        params
+            .validate()
+            .map_err(|error| CudaError::invalid(format!("sampling row {row}: {error}")))?;
+        words.extend_from_slice(&params.to_words());
+    }
+    Ok(words)
+}
+
+/// Splits per row of the Gumbel / row-max kernels for `rows` rows of `vocab` logits on a GPU
+/// of `sm_count` SMs: the smallest power of two giving at least two CTAs per SM in all,
+/// capped at [`MAX_SAMPLING_SPLITS`] and so that every split keeps at least 2048 logits. The
+/// sampled tokens do not depend on it.
+pub fn sampling_splits(rows: usize, vocab: usize, sm_count: usize) -> usize {
+    let wanted = 2 * sm_count.max(1);
+    let limit = (vocab / 2048).clamp(1, MAX_SAMPLING_SPLITS);
+    let cap = 1usize << limit.ilog2();
+    let mut splits = 1;
+    while splits < cap && rows.max(1) * splits < wanted {
+        splits *= 2;
+    }
+    splits
+}
+
+/// Launch options of [`sample_rows_with`](super::sample_rows_with).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SamplingOptions {
+    /// CTAs per row of the Gumbel / row-max kernels; `None` = [`sampling_splits`]. Any value
+    /// in `1..=MAX_SAMPLING_SPLITS` gives the same tokens.
+    pub num_splits: Option<usize>,
+    /// Round cap of the dual-pivot loop (0 sends every filtered row to the exact fallback).
+    pub max_rejection_rounds: u32,
+}
+
+impl Default for SamplingOptions {
+    /// Automatic splits, [`DEFAULT_MAX_REJECTION_ROUNDS`].
+    fn default() -> Self {
+        SamplingOptions {
+            num_splits: None,
+            max_rejection_rounds: DEFAULT_MAX_REJECTION_ROUNDS,
+        }
+    }
+}
+
+/// The checked geometry of one launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SamplingPlan {
+    /// Rows sampled (`tokens_out.len()`).
+    pub rows: usize,
+    /// Splits per row.
+    pub num_splits: usize,
+}
+
+/// The lengths a launch was given, for [`plan_sampling`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SamplingShapes {
+    /// Logits per row.
+    pub vocab: usize,
+    /// Elements of `logits` (must be `rows * vocab`).
+    pub logits_len: usize,
+    /// Words of `params` (must be `rows * 8`).
+    pub params_len: usize,
+    /// Elements of `tokens_out` (= rows).
+    pub tokens_len: usize,
+    /// Rows the workspace holds.
+    pub workspace_rows: usize,
+    /// Vocabulary the workspace was made for (an upper bound).
+    pub workspace_vocab: usize,
+}
+
+/// Checks the shapes of a launch and picks the splits; every error names what is wrong.
+pub fn plan_sampling(
+    shapes: SamplingShapes,
+    options: SamplingOptions,
+    sm_count: usize,
+) -> Result<SamplingPlan, CudaError> {
+    let SamplingShapes {
+        vocab,
+        logits_len,
+        params_len,
+        tokens_len: rows,
+        workspace_rows,
+        workspace_vocab,
+    } = shapes;
+    if vocab == 0 || vocab >= u32::MAX as usize {
+        return Err(CudaError::invalid(format!(
+            "sampling vocab {vocab} must be in 1..u32::MAX"
+        )));
+    }
+    if rows > MAX_SAMPLING_ROWS {
+        return Err(CudaError::invalid(format!(
+            "sampling {rows} rows > {MAX_SAMPLING_ROWS} per launch"
+        )));
+    }
+    if rows > workspace_rows || vocab > workspace_vocab {
+        return Err(CudaError::invalid(format!(
+            "sampling {rows} rows x vocab {vocab} exceeds its workspace \
+             ({workspace_rows} rows x vocab {workspace_vocab})"
+        )));
+    }
+    if rows.checked_mul(vocab) != Some(logits_len) {
+        return Err(CudaError::invalid(format!(
+            "sampling logits have {logits_len} elements, expected rows {rows} x vocab {vocab}"
+        )));
+    }
+    if rows * SAMPLING_PARAM_WORDS != params_len {
+        return Err(CudaError::invalid(format!(
+            "sampling params have {params_len} words, expected rows {rows} x {SAMPLING_PARAM_WORDS}"
+        )));
+    }
+    let num_splits = match options.num_splits {
+        Some(splits) if (1..=MAX_SAMPLING_SPLITS).contains(&splits) => splits,
+        Some(splits) => {
+            return Err(CudaError::invalid(format!(
+                "sampling num_splits {splits} is outside 1..={MAX_SAMPLING_SPLITS}"
+            )))
+        }
+        None => sampling_splits(rows, vocab, sm_count),
+    };
+    Ok(SamplingPlan { rows, num_splits })
+}
+
+/// Which way a row was sampled (the first stats word of the row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RowPath {
+    /// Argmax: temperature 0, top_k 1 or no finite logit.
+    Greedy,
+    /// Gumbel-max (no filter active).
+    Gumbel,
+    /// Dual-pivot rejection accepted a candidate.
+    Rejection,
+    /// The counted exact fallback (ambiguous top-p test, round cap, or no min-p threshold).
+    Fallback,
+}
+
+impl RowPath {
+    fn from_code(code: u32) -> Option<RowPath> {
+        Some(match code {
+            0 => RowPath::Greedy,
+            1 => RowPath::Gumbel,
+            2 => RowPath::Rejection,
+            3 => RowPath::Fallback,
+            _ => return None,
+        })
+    }
+}
+
+/// What the kernels recorded for one row of the last launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowSamplingStats {
+    /// The path taken.
+    pub path: RowPath,
+    /// Rejection rounds used (0 for greedy and Gumbel rows).
+    pub rounds: u32,
+}
+
+/// Decodes `[rows, 2]` stats words (`{path, rounds}` per row); an unknown path code is an
+/// error naming the row (e.g. a row the last launch did not cover).
+pub fn decode_row_stats(words: &[u32]) -> Result<Vec<RowSamplingStats>, CudaError> {
+    if words.len() % 2 != 0 {
+        return Err(CudaError::invalid(format!(
+            "sampling stats have {} words, expected 2 per row",
+            words.len()
+        )));
+    }
+    words
+        .chunks_exact(2)
+        .enumerate()
+        .map(|(row, pair)| {
+            let path = RowPath::from_code(pair[0]).ok_or_else(|| {
+                CudaError::invalid(format!(
+                    "sampling stats row {row}: unknown path {}",
+                    pair[0]
+                ))
+            })?;
+            Ok(RowSamplingStats {
+                path,
+                rounds: pair[1],
+            })
+        })
+        .collect()
+}
+
+/// Running totals the kernels accumulate in the workspace (device atomics, never read
+/// inside a step): rows per path and rejection rounds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SamplingTotals {
+    /// Greedy rows.
+    pub greedy: u64,
+    /// Gumbel-max rows.
+    pub gumbel: u64,
+    /// Rows accepted by rejection.
+    pub rejection: u64,
+    /// Rows that took the exact fallback.
+    pub fallback: u64,
+    /// Rejection rounds over all filtered rows.
+    pub rejection_rounds: u64,
+}
+
+/// u32 words of the totals counters in the workspace (8 little-endian u64).
+pub const SAMPLING_TOTALS_WORDS: usize = 16;
+
+impl SamplingTotals {
+    /// Decodes the workspace's [`SAMPLING_TOTALS_WORDS`] words.
+    pub fn from_words(words: &[u32]) -> Result<Self, CudaError> {
+        if words.len() != SAMPLING_TOTALS_WORDS {
+            return Err(CudaError::invalid(format!(
+                "sampling totals have {} words, expected {SAMPLING_TOTALS_WORDS}",
+                words.len()
+            )));
+        }
+        let counter =
+            |index: usize| ((words[2 * index + 1] as u64) << 32) | words[2 * index] as u64;
+        Ok(SamplingTotals {
+            greedy: counter(0),
+            gumbel: counter(1),
+            rejection: counter(2),
+            fallback: counter(3),
+            rejection_rounds: counter(4),
+        })
+    }
+}
+
+#[cfg(test)]
+#[path = "params_tests.rs"]
+mod tests;

@@ -1,0 +1,185 @@
+//! CPU unit tests of the host-side sampling logic (no GPU needed).
+
+use super::*;
+
+fn shapes(rows: usize, vocab: usize) -> SamplingShapes {
+    SamplingShapes {
+        vocab,
+        logits_len: rows * vocab,
+        params_len: rows * SAMPLING_PARAM_WORDS,
+        tokens_len: rows,
+        workspace_rows: 64,
+        workspace_vocab: 151_936,
+    }
+}
+
+#[test]
+fn record_layout_and_words() {
+    assert_eq!(
+        std::mem::size_of::<SamplingRowParams>(),
+        4 * SAMPLING_PARAM_WORDS
+    );
+    let params =
+        SamplingRowParams::new(0.7, 40, 0.9, 0.05, 0x1234_5678_9ABC_DEF0, 1 << 33).unwrap();
+    assert_eq!(params.seed(), 0x1234_5678_9ABC_DEF0);
+    assert_eq!(params.step(), 1 << 33);
+    assert_eq!(
+        params.to_words(),
+        [
+            0.7f32.to_bits(),
+            40,
+            0.9f32.to_bits(),
+            0.05f32.to_bits(),
+            0x9ABC_DEF0,
+            0x1234_5678,
+            0,
+            2
+        ]
+    );
+    assert_eq!(params.with_step(5).step(), 5);
+    assert_eq!(params.with_step(5).seed(), params.seed());
+    // The repr(C) record is exactly its words (what a caller uploading the struct sees).
+    let raw: [u32; SAMPLING_PARAM_WORDS] = unsafe { std::mem::transmute(params) };
+    assert_eq!(raw, params.to_words());
+    assert!(SamplingRowParams::greedy().validate().is_ok());
+}
+
+#[test]
+fn validation_names_the_field() {
+    let cases = [
+        (f32::NAN, 1.0, 0.0, "temperature"),
+        (-0.5, 1.0, 0.0, "temperature"),
+        (101.0, 1.0, 0.0, "temperature"),
+        (1.0, 0.0, 0.0, "top_p"),
+        (1.0, 1.5, 0.0, "top_p"),
+        (1.0, f32::NAN, 0.0, "top_p"),
+        (1.0, 1.0, -0.1, "min_p"),
+        (1.0, 1.0, 1.1, "min_p"),
+    ];
+    for (temperature, top_p, min_p, field) in cases {
+        let error = SamplingRowParams::new(temperature, 0, top_p, min_p, 1, 0).unwrap_err();
+        assert!(error.to_string().contains(field), "{error}");
+    }
+    let good = SamplingRowParams::new(1.0, 0, 1.0, 0.0, 1, 0).unwrap();
+    let bad = SamplingRowParams { top_p: 2.0, ..good };
+    let error = encode_row_params(&[good, good, bad]).unwrap_err();
+    assert!(error.to_string().contains("row 2"), "{error}");
+    assert_eq!(encode_row_params(&[good, good]).unwrap().len(), 16);
+}
+
+#[test]
+fn splits_are_powers_of_two_within_limits() {
+    for rows in [1usize, 2, 5, 16, 64, 300] {
+        for vocab in [1usize, 100, 2048, 4096, 32_000, 128_256, 151_936] {
+            let splits = sampling_splits(rows, vocab, 132);
+            assert!(splits.is_power_of_two() && splits <= MAX_SAMPLING_SPLITS);
+            assert!(
+                splits == 1 || vocab / splits >= 2048,
+                "{rows} {vocab} {splits}"
+            );
+        }
+    }
+    assert_eq!(sampling_splits(1, 151_936, 132), 64);
+    assert_eq!(sampling_splits(64, 151_936, 132), 8);
+    assert_eq!(sampling_splits(300, 151_936, 132), 1);
+    assert_eq!(sampling_splits(1, 4096, 132), 2);
+    assert_eq!(sampling_splits(1, 100, 132), 1);
+}
+
+#[test]
+fn planning_checks_every_length() {
+    let options = SamplingOptions::default();
+    let plan = plan_sampling(shapes(4, 1000), options, 132).unwrap();
+    assert_eq!(
+        plan,
+        SamplingPlan {
+            rows: 4,
+            num_splits: 1
+        }
+    );
+    let fixed = SamplingOptions {
+        num_splits: Some(16),
+        ..options
+    };
+    assert_eq!(
+        plan_sampling(shapes(4, 1000), fixed, 132)
+            .unwrap()
+            .num_splits,
+        16
+    );
+    let mut bad = shapes(4, 1000);
+    bad.logits_len -= 1;
+    let error = plan_sampling(bad, options, 132).unwrap_err().to_string();
+    assert!(error.contains("logits"), "{error}");
+    let mut bad = shapes(4, 1000);
+    bad.params_len = 31;
+    let error = plan_sampling(bad, options, 132).unwrap_err().to_string();
+    assert!(error.contains("params"), "{error}");
+    let error = plan_sampling(shapes(65, 1000), options, 132)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("workspace"), "{error}");
+    let error = plan_sampling(shapes(4, 200_000), options, 132)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("workspace"), "{error}");
+    let error = plan_sampling(shapes(0, 0), options, 132)
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("vocab"), "{error}");
+    for splits in [0, 65] {
+        let options = SamplingOptions {
+            num_splits: Some(splits),
+            ..options
+        };
+        let error = plan_sampling(shapes(4, 1000), options, 132)
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("num_splits"), "{error}");
+    }
+    // Zero rows is a valid (empty) launch.
+    assert_eq!(
+        plan_sampling(shapes(0, 1000), options, 132).unwrap().rows,
+        0
+    );
+}
+
+#[test]
+fn stats_and_totals_decode() {
+    let stats = decode_row_stats(&[0, 0, 1, 0, 2, 3, 3, 34]).unwrap();
+    assert_eq!(
+        stats,
+        vec![
+            RowSamplingStats {
+                path: RowPath::Greedy,
+                rounds: 0
+            },
+            RowSamplingStats {
+                path: RowPath::Gumbel,
+                rounds: 0
+            },
+            RowSamplingStats {
+                path: RowPath::Rejection,
+                rounds: 3
+            },
+            RowSamplingStats {
+                path: RowPath::Fallback,
+                rounds: 34
+            },
+        ]
+    );
+    assert!(decode_row_stats(&[7, 0])
+        .unwrap_err()
+        .to_string()
+        .contains("row 0"));
+    assert!(decode_row_stats(&[0]).is_err());
+    let mut words = [0u32; SAMPLING_TOTALS_WORDS];
+    words[0] = 5;
+    words[3] = 1; // gumbel high word
+    words[8] = 9;
+    let totals = SamplingTotals::from_words(&words).unwrap();
+    assert_eq!(totals.greedy, 5);
+    assert_eq!(totals.gumbel, 1 << 32);
+    assert_eq!(totals.rejection_rounds, 9);
+    assert!(SamplingTotals::from_words(&words[..3]).is_err());
+}

@@ -54,7 +54,9 @@ pub struct ModelArgs {
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
     /// Token sampler: `fused` (sort-free: Gumbel-max and rejection filters) or `reference`
-    /// (the sort-based oracle). Default: $PAGODA_SAMPLER, else fused.
+    /// (the sort-based oracle). Default: $PAGODA_SAMPLER, else fused. On CUDA, `fused`
+    /// samples on the GPU (only token ids leave the device; requests with penalties or
+    /// logprobs sample on the CPU) and `reference` keeps every draw on the CPU.
     #[arg(long)]
     pub sampler: Option<String>,
     /// On the GPU, launch every kernel from the host instead of replaying decode steps from

@@ -11,8 +11,8 @@ mod common;
 use common::*;
 use half::{bf16, f16};
 use pagoda_cuda::ops::{
-    self, DevicePageTable, MergeMode, PagedDecodePlan, PagedDecodeWorkspace, PlanCapacity,
-    PlanPolicy, PoolLayout,
+    self, DevicePageTable, MergeMode, PagedDecodeKernel, PagedDecodePlan, PagedDecodeWorkspace,
+    PlanCapacity, PlanPolicy, PoolLayout,
 };
 use pagoda_cuda::{DeviceBuffer, Gpu};
 use rand::Rng;
@@ -183,7 +183,7 @@ fn fused<T: TestFloat>(
     pools: (&DeviceBuffer<T>, &DeviceBuffer<T>),
     layout: &PoolLayout,
     policy: PlanPolicy,
-    merge: MergeMode,
+    (kernel, merge): (PagedDecodeKernel, MergeMode),
     scale: f32,
 ) -> (Vec<f32>, PagedDecodePlan) {
     let b = batch.num_requests();
@@ -196,6 +196,7 @@ fn fused<T: TestFloat>(
         PagedDecodeWorkspace::new(gpu, capacity, num_q_heads, NUM_KV_HEADS, layout.head_dim)
             .unwrap();
     workspace.upload_plan(gpu, &plan).unwrap();
+    workspace.set_kernel(kernel);
     let mut out = poisoned::<T>(gpu, b * num_q_heads * layout.head_dim);
     // Twice: the in-kernel merge must leave its semaphores at zero for the next launch.
     for _ in 0..2 {
@@ -215,6 +216,18 @@ fn fused<T: TestFloat>(
         .unwrap();
     }
     (download(gpu, &out), plan)
+}
+
+/// The (kernel, merge) pairs the matrix runs for `T`: tensor cores for bf16 only.
+fn paths<T: TestFloat>() -> Vec<(PagedDecodeKernel, MergeMode)> {
+    let mut kernels = vec![PagedDecodeKernel::CudaCore];
+    if T::NAME == "bf16" {
+        kernels.push(PagedDecodeKernel::TensorCore);
+    }
+    kernels
+        .into_iter()
+        .flat_map(|k| [(k, MergeMode::InKernel), (k, MergeMode::Separate)])
+        .collect()
 }
 
 /// Runs the gather decode (the reference path) and returns the output.
@@ -294,10 +307,12 @@ fn matrix<T: TestFloat>(gpu: &Gpu, quick: bool) -> (usize, f32) {
                         let searched = PlanPolicy {
                             target_ctas: 2 * sm,
                             pages_per_chunk: None,
+                            min_pages_per_chunk: 1,
                         };
                         let forced = PlanPolicy {
                             target_ctas: 1,
                             pages_per_chunk: Some(1),
+                            min_pages_per_chunk: 1,
                         };
                         // The forced merge (one page per chunk) on the smaller cases.
                         let policies: &[PlanPolicy] = if b * context <= 65536 {
@@ -306,7 +321,7 @@ fn matrix<T: TestFloat>(gpu: &Gpu, quick: bool) -> (usize, f32) {
                             &[searched]
                         };
                         for &policy in policies {
-                            for merge in [MergeMode::InKernel, MergeMode::Separate] {
+                            for path in paths::<T>() {
                                 let (actual, plan) = fused(
                                     gpu,
                                     &batch,
@@ -316,7 +331,7 @@ fn matrix<T: TestFloat>(gpu: &Gpu, quick: bool) -> (usize, f32) {
                                     pools,
                                     &layout,
                                     policy,
-                                    merge,
+                                    path,
                                     scale,
                                 );
                                 let error = peak_error(&actual, &expected);
@@ -324,7 +339,7 @@ fn matrix<T: TestFloat>(gpu: &Gpu, quick: bool) -> (usize, f32) {
                                 assert!(
                                     error <= 2e-2,
                                     "{} D{head_dim} GQA{group} page{page_size} L{context} B{b} \
-                                     {merge:?} {} chunks of {} pages: error {error:e}",
+                                     {path:?} {} chunks of {} pages: error {error:e}",
                                     T::NAME,
                                     plan.num_chunks(),
                                     plan.pages_per_chunk
@@ -391,6 +406,19 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
             upload::<f16>(&gpu, &v),
             upload::<f16>(&gpu, &q),
         );
+        let expected_bf16 = batch.reference(
+            &layout,
+            num_q_heads,
+            &round::<bf16>(&q),
+            &round::<bf16>(&k),
+            &round::<bf16>(&v),
+            scale,
+        );
+        let (kb, vb, qb) = (
+            upload::<bf16>(&gpu, &k),
+            upload::<bf16>(&gpu, &v),
+            upload::<bf16>(&gpu, &q),
+        );
         for ppc in [
             None,
             Some(1),
@@ -404,6 +432,7 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
             let policy = PlanPolicy {
                 target_ctas: 264,
                 pages_per_chunk: ppc,
+                min_pages_per_chunk: 1,
             };
             for merge in [MergeMode::InKernel, MergeMode::Separate] {
                 let (actual, _) = fused(
@@ -415,7 +444,7 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
                     (&k32, &v32),
                     &layout,
                     policy,
-                    merge,
+                    (PagedDecodeKernel::CudaCore, merge),
                     scale,
                 );
                 let error = peak_error(&actual, &expected);
@@ -432,13 +461,33 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
                     (&k16, &v16),
                     &layout,
                     policy,
-                    merge,
+                    (PagedDecodeKernel::CudaCore, merge),
                     scale,
                 );
                 let error = peak_error(&half, &expected);
                 assert!(
                     error <= 2e-2,
                     "f16 D{head_dim} G{group} ppc {ppc:?} {merge:?}: {error:e}"
+                );
+                if !ops::PAGED_DECODE_MMA_HEAD_DIMS.contains(&head_dim) {
+                    continue;
+                }
+                let (tensor, _) = fused(
+                    &gpu,
+                    &batch,
+                    &table,
+                    &qb,
+                    num_q_heads,
+                    (&kb, &vb),
+                    &layout,
+                    policy,
+                    (PagedDecodeKernel::TensorCore, merge),
+                    scale,
+                );
+                let error = peak_error(&tensor, &expected_bf16);
+                assert!(
+                    error <= 2e-2,
+                    "bf16 tensor cores D{head_dim} G{group} ppc {ppc:?} {merge:?}: {error:e}"
                 );
             }
         }
@@ -454,8 +503,9 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
             PlanPolicy {
                 target_ctas: 1,
                 pages_per_chunk: Some(1),
+                min_pages_per_chunk: 1,
             },
-            MergeMode::InKernel,
+            (PagedDecodeKernel::CudaCore, MergeMode::InKernel),
             scale,
         );
         let row = num_q_heads * head_dim;
@@ -597,6 +647,7 @@ fn fused_decode_replays_from_a_graph_with_new_plans() {
     let capacity = PlanCapacity::for_batch(b, NUM_KV_HEADS, 264);
     let mut workspace =
         PagedDecodeWorkspace::new(&gpu, capacity, num_q_heads, NUM_KV_HEADS, 128).unwrap();
+    workspace.set_kernel(PagedDecodeKernel::TensorCore);
     let mut indptr = gpu.zeros::<u32>(b + 1).unwrap();
     let mut indices = gpu.zeros::<u32>(max_pages).unwrap();
     let mut last = gpu.zeros::<u32>(b).unwrap();
@@ -631,6 +682,7 @@ fn fused_decode_replays_from_a_graph_with_new_plans() {
             PlanPolicy {
                 target_ctas: 264,
                 pages_per_chunk: None,
+                min_pages_per_chunk: 1,
             },
             capacity,
         )

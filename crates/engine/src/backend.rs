@@ -3,8 +3,11 @@
 
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
-use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, CudaStepCounters, PagedDecodeMode};
+use pagoda_models::llama_cuda::{
+    CudaCacheOptions, CudaModel, CudaStepCounters, PagedDecodeMode, SampledRow, SamplingRowParams,
+};
 use pagoda_ops::attention::AttentionPath;
+use pagoda_ops::sampling::AnySampler;
 
 /// A loaded model on its device.
 // One value per engine, moved once: the size difference between variants does not matter.
@@ -81,7 +84,11 @@ pub(crate) enum Runner {
 
 /// What one forward returned.
 pub(crate) struct StepOutput {
+    /// `[num_logits, vocab]` f32 logits; empty when `sampled` is set.
     pub logits: Vec<f32>,
+    /// With device sampling ([`Runner::forward`] given rows): one entry per logits row, the
+    /// device-drawn token or the row's downloaded logits.
+    pub sampled: Option<Vec<SampledRow>>,
     /// The CPU attention path; `None` on the GPU (its decode attention is the baseline
     /// paged kernel until the fused decode lands).
     pub attention_path: Option<AttentionPath>,
@@ -152,30 +159,186 @@ impl Runner {
         matches!(self, Runner::Cuda { .. })
     }
 
+    /// Runs `batch`. With `device_rows` (CUDA only: one entry per `logits_for` row, see
+    /// [`CudaModel::forward_sampled`]) the rows are sampled on the GPU and
+    /// [`StepOutput::sampled`] is set; otherwise the logits come back whole.
     pub(crate) fn forward(
         &mut self,
         batch: &ForwardBatch<'_>,
         policy: AttentionPolicy,
+        device_rows: Option<&[Option<SamplingRowParams>]>,
     ) -> Result<StepOutput, String> {
         match self {
             Runner::Cpu { model, kv } => {
+                if device_rows.is_some() {
+                    return Err("device sampling requested on the CPU backend".to_string());
+                }
                 // Run the whole forward on a pool worker: the ops' parallel loops then start
                 // from inside the pool instead of handing every one of them across threads.
                 let output = rayon::scope(|_| model.forward(batch, kv, policy))
                     .map_err(|e| e.to_string())?;
                 Ok(StepOutput {
                     logits: output.logits,
+                    sampled: None,
                     attention_path: Some(output.attention_path),
                     split_kv_requests: output.split_kv_requests,
                     gather_requests: output.gather_requests,
                 })
             }
-            Runner::Cuda { model } => Ok(StepOutput {
-                logits: model.forward(batch)?,
-                attention_path: None,
-                split_kv_requests: 0,
-                gather_requests: 0,
-            }),
+            Runner::Cuda { model } => {
+                let (logits, sampled) = match device_rows {
+                    Some(rows) => (Vec::new(), Some(model.forward_sampled(batch, rows)?)),
+                    None => (model.forward(batch)?, None),
+                };
+                Ok(StepOutput {
+                    logits,
+                    sampled,
+                    attention_path: None,
+                    split_kv_requests: 0,
+                    gather_requests: 0,
+                })
+            }
         }
+    }
+}
+
+/// The GPU sampler's record for a request's next token, or `None` when the request must be
+/// sampled on the host: a reference sampler, active penalties (they read the history on the
+/// host), log-probabilities wanted (they need the logits row), or parameters outside the GPU
+/// sampler's ranges. `device_draws` is how many tokens the request already drew on the
+/// device: the record's step is the fused sampler's call count plus them, i.e. exactly the
+/// step `FusedSampler::sample` would use for this token, so both paths draw the same stream.
+pub(crate) fn device_row_params(
+    sampler: &AnySampler,
+    want_logprobs: bool,
+    device_draws: u64,
+) -> Option<SamplingRowParams> {
+    let AnySampler::Fused(fused) = sampler else {
+        return None;
+    };
+    let params = fused.params();
+    if want_logprobs || params.has_penalties() {
+        return None;
+    }
+    // top_k beyond u32 keeps the whole vocabulary, as 0 (off) does.
+    let top_k = u32::try_from(params.top_k).unwrap_or(0);
+    SamplingRowParams::new(
+        params.temperature,
+        top_k,
+        params.top_p,
+        params.min_p,
+        fused.seed(),
+        fused.step() + device_draws,
+    )
+    .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pagoda_ops::sampling::{FusedSampler, SamplerKind, SamplingParams};
+
+    fn sampler(params: SamplingParams, kind: SamplerKind) -> AnySampler {
+        AnySampler::new(params, kind).unwrap()
+    }
+
+    #[test]
+    fn device_rows_carry_the_fused_step_and_seed() {
+        let params = SamplingParams {
+            temperature: 0.7,
+            top_k: 50,
+            top_p: 0.9,
+            min_p: 0.05,
+            seed: Some(0x1234_5678_9abc_def0),
+            ..SamplingParams::greedy()
+        };
+        let mut fused = sampler(params, SamplerKind::Fused);
+        let record = device_row_params(&fused, false, 0).unwrap();
+        assert_eq!(
+            record,
+            SamplingRowParams::new(0.7, 50, 0.9, 0.05, 0x1234_5678_9abc_def0, 0).unwrap()
+        );
+        // Two host draws, then three device draws: the next step is 5.
+        fused.sample(&[0.0, 1.0, 2.0], &[]);
+        fused.sample(&[0.0, 1.0, 2.0], &[]);
+        assert_eq!(device_row_params(&fused, false, 3).unwrap().step(), 5);
+        let huge_k = SamplingParams {
+            top_k: usize::MAX,
+            ..params
+        };
+        let record = device_row_params(&sampler(huge_k, SamplerKind::Fused), false, 0).unwrap();
+        assert_eq!(record.top_k, 0);
+    }
+
+    /// The engine's catch-up after device draws (one-logit rows, `RequestState::
+    /// sample_on_host`) relies on the fused sampler's stream depending on the step only:
+    /// after the same number of calls on any rows, the next token of a row is the same.
+    #[test]
+    fn fused_stream_depends_on_the_call_count_only() {
+        let row: Vec<f32> = (0..500).map(|i| ((i * 37) % 101) as f32 / 20.0).collect();
+        for params in [
+            SamplingParams::unfiltered(1.0),
+            SamplingParams {
+                top_p: 0.9,
+                top_k: 50,
+                ..SamplingParams::unfiltered(0.8)
+            },
+        ] {
+            let params = SamplingParams {
+                seed: Some(42),
+                ..params
+            };
+            for draws in [1, 3, 8] {
+                let mut real = FusedSampler::new(params).unwrap();
+                let mut replayed = FusedSampler::new(params).unwrap();
+                for _ in 0..draws {
+                    real.sample(&row, &[]);
+                    replayed.sample(&[0.0], &[]);
+                }
+                assert_eq!(replayed.step(), draws);
+                let tokens: Vec<(u32, u32)> = (0..20)
+                    .map(|_| (real.sample(&row, &[]), replayed.sample(&row, &[])))
+                    .collect();
+                assert!(tokens.iter().all(|(a, b)| a == b), "{params:?}: {tokens:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn host_only_requests_stay_on_the_host() {
+        let plain = SamplingParams {
+            seed: Some(1),
+            ..SamplingParams::unfiltered(1.0)
+        };
+        assert!(device_row_params(&sampler(plain, SamplerKind::Fused), false, 0).is_some());
+        assert!(device_row_params(&sampler(plain, SamplerKind::Fused), true, 0).is_none());
+        assert!(device_row_params(&sampler(plain, SamplerKind::Reference), false, 0).is_none());
+        for penalised in [
+            SamplingParams {
+                repetition_penalty: 1.1,
+                ..plain
+            },
+            SamplingParams {
+                frequency_penalty: 0.5,
+                ..plain
+            },
+            SamplingParams {
+                presence_penalty: -0.5,
+                ..plain
+            },
+        ] {
+            let fused = sampler(penalised, SamplerKind::Fused);
+            assert!(
+                device_row_params(&fused, false, 0).is_none(),
+                "{penalised:?}"
+            );
+        }
+        // A zero penalty window disables the penalties: the device may sample.
+        let windowless = SamplingParams {
+            repetition_penalty: 1.1,
+            penalty_last_n: 0,
+            ..plain
+        };
+        assert!(device_row_params(&sampler(windowless, SamplerKind::Fused), false, 0).is_some());
     }
 }

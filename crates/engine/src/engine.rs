@@ -6,11 +6,11 @@ use rayon::prelude::*;
 
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch};
-use pagoda_models::llama_cuda::PagedDecodeMode;
+use pagoda_models::llama_cuda::{PagedDecodeMode, SampledRow, SamplingRowParams};
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::{AnySampler, SamplerKind, SamplingParams};
 
-use crate::backend::{Backend, Runner};
+use crate::backend::{device_row_params, Backend, Runner};
 use pagoda_scheduler::{
     Request as SchedulerRequest, SampledToken, Scheduler, SchedulerConfig, SchedulerError,
     SchedulerStats,
@@ -124,6 +124,13 @@ pub struct EngineCounters {
     /// requests served by gather only (summed over steps).
     pub requests_split_kv: u64,
     pub requests_gather: u64,
+    /// Tokens drawn by the GPU sampler (CUDA backend, fused sampler, requests without
+    /// penalties or log-probabilities).
+    pub sampled_tokens_gpu: u64,
+    /// Tokens drawn on the CPU (every token on the CPU backend).
+    pub sampled_tokens_cpu: u64,
+    /// GPU-sampled tokens that took the GPU sampler's counted exact fallback.
+    pub gpu_sampler_fallbacks: u64,
 }
 
 impl EngineCounters {
@@ -158,6 +165,21 @@ struct RequestState {
     stop_tokens: Vec<u32>,
     sampler: AnySampler,
     want_logprobs: bool,
+    /// Tokens drawn by the GPU sampler: the fused sampler's call count does not see them,
+    /// so the stream's next step is `sampler.step() + device_draws`.
+    device_draws: u64,
+}
+
+impl RequestState {
+    /// Draws the next token on the host from `logits`. A request that drew on the device
+    /// first replays those draws on a one-logit row (no randomness is read from it), so the
+    /// fused sampler's step counter is where it would be had every token been drawn here.
+    fn sample_on_host(&mut self, logits: &[f32]) -> u32 {
+        for _ in 0..std::mem::take(&mut self.device_draws) {
+            self.sampler.sample(&[0.0], &[]);
+        }
+        self.sampler.sample(logits, &self.generated)
+    }
 }
 
 /// A CPU inference engine over one model: a [`Scheduler`] (continuous batching, chunked
@@ -183,6 +205,23 @@ fn prefix_caching_from_env() -> bool {
 }
 
 impl Engine {
+    /// The GPU sampler's record of each logits row of a step (`ids`: the requests of the
+    /// rows), or `None` when nothing is sampled on the device this step: a CPU backend, the
+    /// reference sampler, or no row eligible (see [`device_row_params`]).
+    fn device_rows(&self, ids: &[RequestId]) -> Option<Vec<Option<SamplingRowParams>>> {
+        if !self.runner.is_cuda() || self.config.sampler != SamplerKind::Fused {
+            return None;
+        }
+        let rows: Vec<_> = ids
+            .iter()
+            .map(|id| {
+                let state = self.requests.get(id)?;
+                device_row_params(&state.sampler, state.want_logprobs, state.device_draws)
+            })
+            .collect();
+        rows.iter().any(Option::is_some).then_some(rows)
+    }
+
     /// An engine with a zeroed KV pool sized by `config`. Prefix caching is on unless the
     /// environment variable `PAGODA_PREFIX_CACHING` is `0`, `off` or `false`.
     pub fn new(model: impl Into<Backend>, config: EngineConfig) -> Result<Engine, String> {
@@ -218,6 +257,20 @@ impl Engine {
             config.cuda_graphs,
             config.paged_decode,
         )?;
+        if runner.is_cuda() {
+            static LOGGED_SAMPLING: std::sync::Once = std::sync::Once::new();
+            LOGGED_SAMPLING.call_once(|| match config.sampler {
+                SamplerKind::Fused => tracing::info!(
+                    "CUDA sampling: on the GPU (fused sampler kernels; only token ids are \
+                     downloaded); requests with penalties or log-probabilities sample on the CPU"
+                ),
+                SamplerKind::Reference => {
+                    tracing::info!(
+                        "CUDA sampling: on the CPU (reference sampler, logits downloaded)"
+                    )
+                }
+            });
+        }
         Ok(Engine {
             runner,
             config,
@@ -341,6 +394,7 @@ impl Engine {
                 stop_tokens,
                 sampler,
                 want_logprobs,
+                device_draws: 0,
             },
         );
         Ok(id)
@@ -385,6 +439,8 @@ impl Engine {
         let slots = plan.flat_slots();
         let qo_indptr = plan.qo_indptr();
         let logits_for = plan.logits_for();
+        let ids = plan.sampling_ids();
+        let device_rows = self.device_rows(&ids);
         let output = plan
             .page_table()
             .map_err(|e| e.to_string())
@@ -397,7 +453,8 @@ impl Engine {
                     page_table: &page_table,
                     logits_for: &logits_for,
                 };
-                self.runner.forward(&batch, self.config.attention)
+                self.runner
+                    .forward(&batch, self.config.attention, device_rows.as_deref())
             });
         let output = match output {
             Ok(output) => output,
@@ -426,17 +483,18 @@ impl Engine {
                     self.counters.steps_cuda_decode_fused_merged = cuda.decode_fused_merged_steps;
                     self.counters.steps_cuda_prefill_kernel = cuda.prefill_kernel_steps;
                     self.counters.cuda_gpu_time_us = cuda.gpu_time_us;
+                    self.counters.gpu_sampler_fallbacks = cuda.sampler_fallback_rows;
                 }
             }
         }
         let logits = output.logits;
+        let device_sampled = output.sampled;
         let forwarded = step_started.elapsed();
 
         // Sample, then let the scheduler append and finish.
         let vocab_size = self.runner.config().vocab_size;
         // Each request's sampler owns its random stream, so rows sample in parallel with the
         // same tokens as in order (128K-vocabulary rows cost ~0.1 ms each on one thread).
-        let ids = plan.sampling_ids();
         if let Some(id) = ids.iter().find(|id| !self.requests.contains_key(id)) {
             return Err(EngineError::Internal(format!("request {id} has no state")));
         }
@@ -448,15 +506,32 @@ impl Engine {
             .into_par_iter()
             .enumerate()
             .map(|(row, mut state)| {
-                let row_logits = &logits[row * vocab_size..(row + 1) * vocab_size];
-                let token = state.sampler.sample(row_logits, &state.generated);
-                let logprobs = state
-                    .want_logprobs
-                    .then(|| pagoda_ops::sampling::log_softmax(row_logits));
+                let (token, row_logits) = match device_sampled.as_ref().map(|rows| &rows[row]) {
+                    Some(SampledRow::Token(token)) => {
+                        state.device_draws += 1;
+                        (*token, None)
+                    }
+                    Some(SampledRow::Logits(row_logits)) => {
+                        (state.sample_on_host(row_logits), Some(&row_logits[..]))
+                    }
+                    None => {
+                        let row_logits = &logits[row * vocab_size..(row + 1) * vocab_size];
+                        (state.sample_on_host(row_logits), Some(row_logits))
+                    }
+                };
+                // Requests wanting log-probabilities are never sampled on the device.
+                let logprobs = row_logits
+                    .filter(|_| state.want_logprobs)
+                    .map(pagoda_ops::sampling::log_softmax);
                 state.generated.push(token);
                 (state, token, logprobs)
             })
             .collect();
+        let on_device = device_sampled.as_ref().map_or(0, |rows| {
+            rows.iter().filter(|row| row.token().is_some()).count()
+        });
+        self.counters.sampled_tokens_gpu += on_device as u64;
+        self.counters.sampled_tokens_cpu += (drawn.len() - on_device) as u64;
         let mut sampled = Vec::with_capacity(drawn.len());
         let mut logprobs = Vec::with_capacity(drawn.len());
         for (id, (state, token, row_logprobs)) in ids.into_iter().zip(drawn) {

@@ -134,6 +134,9 @@ pub struct Metrics {
     steps_cuda_decode_fused_merged: Counter,
     steps_cuda_prefill_kernel: Counter,
     cuda_gpu_time_us: Counter,
+    sampled_tokens_gpu: Counter,
+    sampled_tokens_cpu: Counter,
+    gpu_sampler_fallbacks: Counter,
     batch_invariant: Counter,
 }
 
@@ -175,6 +178,9 @@ impl Default for Metrics {
             steps_cuda_decode_fused_merged: Counter::default(),
             steps_cuda_prefill_kernel: Counter::default(),
             cuda_gpu_time_us: Counter::default(),
+            sampled_tokens_gpu: Counter::default(),
+            sampled_tokens_cpu: Counter::default(),
+            gpu_sampler_fallbacks: Counter::default(),
             batch_invariant: Counter::default(),
         }
     }
@@ -222,6 +228,10 @@ impl Metrics {
         self.steps_cuda_prefill_kernel
             .set(snapshot.steps_cuda_prefill_kernel);
         self.cuda_gpu_time_us.set(snapshot.cuda_gpu_time_us);
+        self.sampled_tokens_gpu.set(snapshot.sampled_tokens_gpu);
+        self.sampled_tokens_cpu.set(snapshot.sampled_tokens_cpu);
+        self.gpu_sampler_fallbacks
+            .set(snapshot.gpu_sampler_fallbacks);
         self.batch_invariant
             .set(u64::from(!snapshot.batch_dependent));
     }
@@ -247,7 +257,7 @@ impl Metrics {
             );
         }
         drop(requests);
-        let scalars: [(&str, &str, &str, &Counter); 33] = [
+        let scalars: [(&str, &str, &str, &Counter); 34] = [
             (
                 "pagoda_prompt_tokens_total",
                 "counter",
@@ -429,6 +439,12 @@ impl Metrics {
                 &self.sampling_fallbacks,
             ),
             (
+                "pagoda_gpu_sampling_fallbacks_total",
+                "counter",
+                "GPU-sampled tokens that took the GPU sampler's counted exact fallback.",
+                &self.gpu_sampler_fallbacks,
+            ),
+            (
                 "pagoda_tokens_forwarded_total",
                 "counter",
                 "Tokens run through the model.",
@@ -454,6 +470,16 @@ impl Metrics {
                 counter.get()
             );
         }
+        let _ = writeln!(
+            out,
+            "# HELP pagoda_sampled_tokens_total Tokens sampled, by where they were drawn \
+             (gpu: the CUDA sampler kernels; cpu: the host samplers).\n\
+             # TYPE pagoda_sampled_tokens_total counter\n\
+             pagoda_sampled_tokens_total{{path=\"gpu\"}} {}\n\
+             pagoda_sampled_tokens_total{{path=\"cpu\"}} {}",
+            self.sampled_tokens_gpu.get(),
+            self.sampled_tokens_cpu.get()
+        );
         let _ = writeln!(
             out,
             "# HELP pagoda_cpu_kernels_info The CPU matmul kernel set in use (PAGODA_CPU_KERNELS).\n\
@@ -515,6 +541,9 @@ mod tests {
             &EngineSnapshot {
                 batch_dependent: true,
                 steps_cuda_graph: 9,
+                sampled_tokens_gpu: 40,
+                sampled_tokens_cpu: 2,
+                gpu_sampler_fallbacks: 1,
                 ..snapshot
             },
             0,
@@ -522,5 +551,8 @@ mod tests {
         let text = metrics.render();
         assert!(text.contains("pagoda_batch_invariant 0\n"));
         assert!(text.contains("pagoda_cuda_graph_steps_total 9\n"));
+        assert!(text.contains("pagoda_sampled_tokens_total{path=\"gpu\"} 40\n"));
+        assert!(text.contains("pagoda_sampled_tokens_total{path=\"cpu\"} 2\n"));
+        assert!(text.contains("pagoda_gpu_sampling_fallbacks_total 1\n"));
     }
 }

@@ -79,6 +79,12 @@ pub struct EngineSnapshot {
     pub steps_cuda_decode_fused_merged: u64,
     pub steps_cuda_prefill_kernel: u64,
     pub cuda_gpu_time_us: u64,
+    /// Tokens drawn by the GPU sampler (CUDA backend, fused sampler).
+    pub sampled_tokens_gpu: u64,
+    /// Tokens drawn on the CPU (every token of the CPU backend).
+    pub sampled_tokens_cpu: u64,
+    /// GPU-sampled tokens that took the GPU sampler's counted exact fallback.
+    pub gpu_sampler_fallbacks: u64,
     /// Outputs may depend on which requests share a step (the CUDA backend: cuBLAS picks
     /// kernels per batch shape). On the CPU every request gets its one-at-a-time output.
     pub batch_dependent: bool,
@@ -135,6 +141,9 @@ impl EngineBackend for Engine {
             steps_cuda_decode_fused_merged: counters.steps_cuda_decode_fused_merged,
             steps_cuda_prefill_kernel: counters.steps_cuda_prefill_kernel,
             cuda_gpu_time_us: counters.cuda_gpu_time_us,
+            sampled_tokens_gpu: counters.sampled_tokens_gpu,
+            sampled_tokens_cpu: counters.sampled_tokens_cpu,
+            gpu_sampler_fallbacks: counters.gpu_sampler_fallbacks,
             batch_dependent: self.is_cuda(),
         }
     }

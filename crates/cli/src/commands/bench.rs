@@ -67,6 +67,9 @@ pub struct BenchArgs {
     /// batch behind one long system prompt.
     #[arg(long)]
     pub shared_prefix: bool,
+    /// Decode tests sample with temperature 1 and this top-p (seeded) instead of greedily.
+    #[arg(long, value_name = "P")]
+    pub top_p: Option<f32>,
 }
 
 /// The benchmark subcommands of `pagoda bench`.
@@ -109,6 +112,10 @@ struct StepCounts {
     cuda_prefill_kernel: u64,
     /// GPU time of the CUDA steps (CUDA events), microseconds.
     cuda_gpu_us: u64,
+    /// Tokens drawn by the GPU sampler / on the CPU, and GPU sampler fallbacks.
+    sampled_gpu: u64,
+    sampled_cpu: u64,
+    gpu_sampler_fallbacks: u64,
     /// Prompt tokens found in the prefix cache while the test set up (shared prefixes).
     prefix_hit_tokens: u64,
 }
@@ -123,6 +130,9 @@ impl std::ops::AddAssign for StepCounts {
         self.cuda_decode_fused += other.cuda_decode_fused;
         self.cuda_prefill_kernel += other.cuda_prefill_kernel;
         self.cuda_gpu_us += other.cuda_gpu_us;
+        self.sampled_gpu += other.sampled_gpu;
+        self.sampled_cpu += other.sampled_cpu;
+        self.gpu_sampler_fallbacks += other.gpu_sampler_fallbacks;
         self.prefix_hit_tokens += other.prefix_hit_tokens;
     }
 }
@@ -143,6 +153,11 @@ impl std::fmt::Display for StepCounts {
                 self.cuda_decode_gather,
                 self.cuda_prefill_kernel,
                 self.cuda_gpu_us as f64 / 1e3 / steps as f64
+            )?;
+            write!(
+                f,
+                ", sampled gpu {} cpu {} (gpu fallbacks {})",
+                self.sampled_gpu, self.sampled_cpu, self.gpu_sampler_fallbacks
             )
         } else {
             write!(f, "{}/{}", self.split_kv, self.gather)
@@ -271,6 +286,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
     } else {
         Vec::new()
     };
+    let decode_params = match args.top_p {
+        None => SamplingParams::greedy(),
+        Some(p) if p > 0.0 && p <= 1.0 => SamplingParams {
+            top_p: p,
+            seed: Some(42),
+            ..SamplingParams::unfiltered(1.0)
+        },
+        Some(p) => bail!("--top-p {p} is outside (0, 1]"),
+    };
     for (depth, batch) in decode_tests {
         let mut rates = Vec::new();
         let mut steps = StepCounts::default();
@@ -284,6 +308,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 args.decode_tokens,
                 run_index,
                 args.shared_prefix,
+                decode_params,
             )?;
             rates.push(tokens as f64 / seconds);
             steps += counts;
@@ -297,6 +322,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             if args.shared_prefix {
                 name += " shared";
             }
+        }
+        if let Some(p) = args.top_p {
+            name += &format!(" top-p {p}");
         }
         let step_bytes =
             weight_bytes + (batch * (depth + args.decode_tokens / 2)) as f64 * kv_token_bytes;
@@ -370,6 +398,9 @@ fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCounts {
         cuda_decode_fused: now.steps_cuda_decode_fused - before.steps_cuda_decode_fused,
         cuda_prefill_kernel: now.steps_cuda_prefill_kernel - before.steps_cuda_prefill_kernel,
         cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,
+        sampled_gpu: now.sampled_tokens_gpu - before.sampled_tokens_gpu,
+        sampled_cpu: now.sampled_tokens_cpu - before.sampled_tokens_cpu,
+        gpu_sampler_fallbacks: now.gpu_sampler_fallbacks - before.gpu_sampler_fallbacks,
         prefix_hit_tokens: 0,
     }
 }
@@ -431,6 +462,7 @@ fn timed_decode(
     tokens: usize,
     run: u64,
     shared_prefix: bool,
+    params: SamplingParams,
 ) -> Result<(usize, f64, StepCounts)> {
     // Sequences that finish their prefill early decode while the others still prefill;
     // the slack keeps every sequence running until `tokens` full-batch steps are timed.
@@ -444,13 +476,7 @@ fn timed_decode(
         if shared_prefix {
             prompt[..depth].copy_from_slice(&shared);
         }
-        ids.push(engine.add_request(
-            prompt,
-            SamplingParams::greedy(),
-            tokens + slack,
-            Vec::new(),
-            false,
-        )?);
+        ids.push(engine.add_request(prompt, params, tokens + slack, Vec::new(), false)?);
         if shared_prefix && b == 0 {
             // The first sequence prefills the prefix; the others find it in the cache.
             while started_sequences.is_empty() && engine.num_running() > 0 {

@@ -7,14 +7,15 @@
 //! the H200's measured copy rate (4203 GB/s).
 //!
 //! Paths: `gather` (copy the pages, then attend: the baseline), `fused` (split-KV over the
-//! page table, merged in the same launch), `fused-separate` (merged by a second launch).
+//! page table on CUDA cores, merged in the same launch), `fused-separate` (merged by a second
+//! launch), `fused-mma` and `fused-mma-separate` (the same on tensor cores).
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use half::bf16;
 use pagoda_cuda::ops::{
-    self, DecodeWorkspace, DevicePageTable, MergeMode, PagedDecodePlan, PagedDecodeWorkspace,
-    PlanCapacity, PlanPolicy, PoolLayout,
+    self, DecodeWorkspace, DevicePageTable, MergeMode, PagedDecodeKernel, PagedDecodePlan,
+    PagedDecodeWorkspace, PlanCapacity, PlanPolicy, PoolLayout,
 };
 use pagoda_cuda::{view_mut, DeviceBuffer, Gpu};
 use rand::{Rng, SeedableRng};
@@ -44,11 +45,11 @@ pub struct BenchAttentionArgs {
         default_value = "1024,4096,16384,32768"
     )]
     pub context: Vec<usize>,
-    /// Paths to time: gather, fused, fused-separate.
+    /// Paths to time: gather, fused, fused-separate, fused-mma, fused-mma-separate.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "gather,fused,fused-separate"
+        default_value = "gather,fused-separate,fused-mma,fused-mma-separate"
     )]
     pub paths: Vec<String>,
     /// Query heads (Llama-3.1-8B: 32).
@@ -66,6 +67,9 @@ pub struct BenchAttentionArgs {
     /// CTAs the fused plan aims for (default: twice the SM count).
     #[arg(long)]
     pub target_ctas: Option<usize>,
+    /// The smallest chunk the plan's search may choose, in keys (the model uses 64).
+    #[arg(long, default_value_t = 64)]
+    pub min_chunk_keys: usize,
     /// A fixed fused chunk size in pages (default: the plan's search).
     #[arg(long)]
     pub pages_per_chunk: Option<usize>,
@@ -110,8 +114,14 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
         bail!("--batch, --context and --replays must be at least 1");
     }
     for path in &args.paths {
-        if !matches!(path.as_str(), "gather" | "fused" | "fused-separate") {
-            bail!("unknown path `{path}`: use gather, fused or fused-separate");
+        if !matches!(
+            path.as_str(),
+            "gather" | "fused" | "fused-separate" | "fused-mma" | "fused-mma-separate"
+        ) {
+            bail!(
+                "unknown path `{path}`: use gather, fused, fused-separate, fused-mma or \
+                 fused-mma-separate"
+            );
         }
     }
     let gpu = Gpu::new(0).context("pagoda bench attention needs a CUDA GPU")?;
@@ -177,6 +187,7 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
             let policy = PlanPolicy {
                 target_ctas,
                 pages_per_chunk: args.pages_per_chunk,
+                min_pages_per_chunk: args.min_chunk_keys.div_ceil(args.page_size),
             };
             let mut capacity = PlanCapacity::for_batch(b, args.kv_heads, target_ctas);
             if let Some(fixed) = args.pages_per_chunk {
@@ -208,6 +219,11 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
                     None
                 };
                 let splits = ops::decode_splits(b, args.kv_heads, sm);
+                fused.set_kernel(if path.starts_with("fused-mma") {
+                    PagedDecodeKernel::TensorCore
+                } else {
+                    PagedDecodeKernel::CudaCore
+                });
                 let mut record = |gpu: &Gpu| -> Result<(), pagoda_cuda::CudaError> {
                     for set in &inputs {
                         let [a, i, lp, f] = &set.arrays;
@@ -227,10 +243,10 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
                                 &layout,
                                 &table,
                                 &mut fused,
-                                if other == "fused" {
-                                    MergeMode::InKernel
-                                } else {
+                                if other.ends_with("separate") {
                                     MergeMode::Separate
+                                } else {
+                                    MergeMode::InKernel
                                 },
                                 scale,
                                 &mut out,

@@ -6,6 +6,9 @@
 //! draws; every repetition times `draws` calls per sampler, the arms interleaved, and the
 //! median per draw is reported. The process-wide sampling counters, read around each arm,
 //! prove which path ran (Gumbel, rejection, fallback, reference).
+//!
+//! `--device cuda` runs the GPU benchmark instead ([`super::bench_sampling_gpu`]): batched
+//! GPU sampling from logits, CUDA-graph replayed, against the FlashInfer anchors.
 
 use std::time::Instant;
 
@@ -14,27 +17,54 @@ use clap::Args;
 use pagoda_ops::sampling::{
     sampling_counters, AnySampler, SamplerKind, SamplingCounters, SamplingParams,
 };
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
 use serde::Serialize;
+
+/// Vocabulary sizes measured on the CPU when `--vocab` is not given.
+pub const CPU_VOCAB_SIZES: [usize; 3] = [49152, 128256, 151936];
+
+/// Where `pagoda bench sampling` runs.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SamplingDevice {
+    /// The CPU samplers, fused against the sort-based reference, one row per call.
+    #[default]
+    Cpu,
+    /// The batched GPU sampler, graph-replayed, against the FlashInfer anchors.
+    Cuda,
+}
 
 /// Flags of `pagoda bench sampling`.
 #[derive(Args, Debug)]
 pub struct BenchSamplingArgs {
-    /// Vocabulary sizes (comma-separated).
-    #[arg(
-        long = "vocab",
-        value_delimiter = ',',
-        default_value = "49152,128256,151936"
-    )]
+    /// The samplers to time: cpu (fused vs reference) or cuda (the GPU sampler, anchors'
+    /// method and numbers).
+    #[arg(long, value_enum, default_value_t = SamplingDevice::Cpu)]
+    pub device: SamplingDevice,
+    /// Vocabulary sizes (comma-separated; default 49152,128256,151936 on the CPU,
+    /// 128256,151936 on CUDA).
+    #[arg(long = "vocab", value_delimiter = ',')]
     pub vocab_sizes: Vec<usize>,
-    /// Repetitions of every measurement (the median is reported).
+    /// CPU: repetitions of every measurement (the median is reported).
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub repetitions: usize,
-    /// Sample calls per repetition and arm.
+    /// CPU: sample calls per repetition and arm.
     #[arg(short = 'n', long = "draws", default_value_t = 64)]
     pub draws: usize,
-    /// Distinct logit rows per configuration, visited round-robin.
+    /// CPU: distinct logit rows per configuration, visited round-robin.
     #[arg(long = "rows", default_value_t = 8)]
     pub rows: usize,
+    /// CUDA: rows sampled per call (comma-separated).
+    #[arg(
+        short = 'b',
+        long = "batch",
+        value_delimiter = ',',
+        default_value = "1,16,64"
+    )]
+    pub batch: Vec<usize>,
+    /// CUDA: graph replays per case (the median and minimum per call are reported).
+    #[arg(long, default_value_t = 100)]
+    pub replays: usize,
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -105,8 +135,14 @@ fn configurations() -> Vec<(&'static str, SamplingParams)> {
     ]
 }
 
-/// Runs `pagoda bench sampling`.
-pub fn run(args: BenchSamplingArgs) -> Result<()> {
+/// Runs `pagoda bench sampling` (the CPU benchmark, or the GPU one with `--device cuda`).
+pub fn run(mut args: BenchSamplingArgs) -> Result<()> {
+    if args.device == SamplingDevice::Cuda {
+        return super::bench_sampling_gpu::run(&args);
+    }
+    if args.vocab_sizes.is_empty() {
+        args.vocab_sizes = CPU_VOCAB_SIZES.to_vec();
+    }
     if args.repetitions == 0 || args.draws == 0 || args.rows == 0 {
         bail!("--repetitions, --draws and --rows must be at least 1");
     }
@@ -259,4 +295,194 @@ fn normal_row(vocab: usize, seed: u64) -> Vec<f32> {
             (radius * angle.cos() * 2.5) as f32
         })
         .collect()
+}
+
+/// The median (mean of the middle two for an even count) and the minimum of `times`
+/// (sorted in place; at least one value).
+pub fn median_and_min(times: &mut [f64]) -> (f64, f64) {
+    times.sort_by(f64::total_cmp);
+    let middle = times.len() / 2;
+    let median = if times.len() % 2 == 1 {
+        times[middle]
+    } else {
+        (times[middle - 1] + times[middle]) / 2.0
+    };
+    (median, times[0])
+}
+
+/// `num_rows` rows of `vocab` logits, standard normal times `scale` (Box-Muller over one
+/// ChaCha8 stream per row, seeded by `seed` and the row: deterministic whatever the thread
+/// count), row after row. Generated in parallel.
+pub fn randn_rows(num_rows: usize, vocab: usize, scale: f64, seed: u64) -> Vec<f32> {
+    let mut data = vec![0.0f32; num_rows * vocab];
+    data.par_chunks_mut(vocab.max(1))
+        .enumerate()
+        .for_each(|(row, values)| {
+            let row_seed = seed ^ (row as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(row_seed);
+            let mut unit = || ((rng.random::<u64>() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+            for pair in values.chunks_mut(2) {
+                let radius = (-2.0 * unit().ln()).sqrt() * scale;
+                let angle = std::f64::consts::TAU * unit();
+                pair[0] = (radius * angle.cos()) as f32;
+                if let Some(second) = pair.get_mut(1) {
+                    *second = (radius * angle.sin()) as f32;
+                }
+            }
+        });
+    data
+}
+
+/// Checks on the host that the canonical chain `params` (penalties ignored; filters on the
+/// untempered distribution) may draw `token` from `logits` (finite values): the argmax
+/// (lowest id on ties) for a greedy chain; otherwise inside the top-k set (fewer than
+/// `top_k` logits strictly above it), at or above the min-p threshold
+/// `max + ln(min_p)` (1e-4 slack), and inside the nucleus (the top-k set's probability
+/// strictly above the token, renormalised, below `top_p`, 1e-6 slack). Each test is exact for
+/// one active filter and a necessary condition when several are. The error says which.
+pub fn check_token(params: &SamplingParams, logits: &[f32], token: u32) -> Result<(), String> {
+    let index = token as usize;
+    let Some(&value) = logits.get(index) else {
+        return Err(format!("token {token} >= vocab {}", logits.len()));
+    };
+    if !value.is_finite() {
+        return Err(format!("token {token} has logit {value}"));
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if params.is_greedy() {
+        let argmax = logits.iter().position(|&l| l == max).unwrap_or(0);
+        if index != argmax {
+            return Err(format!(
+                "greedy token {token} (logit {value}) is not the argmax {argmax} (logit {max})"
+            ));
+        }
+        return Ok(());
+    }
+    let top_k = match params.top_k {
+        0 => logits.len(),
+        k => k.min(logits.len()),
+    };
+    let above = logits.iter().filter(|&&l| l > value).count();
+    if above >= top_k {
+        return Err(format!(
+            "token {token} has {above} logits above it: outside top-k {top_k}"
+        ));
+    }
+    let threshold = max as f64 + (params.min_p as f64).ln();
+    if params.min_p > 0.0 && (value as f64) < threshold - 1e-4 {
+        return Err(format!(
+            "token {token} logit {value} is below the min-p {} threshold {threshold:.5}",
+            params.min_p
+        ));
+    }
+    if params.top_p < 1.0 {
+        let kth_largest = if top_k < logits.len() {
+            let mut sorted = logits.to_vec();
+            sorted.select_nth_unstable_by(top_k - 1, |a, b| b.total_cmp(a));
+            sorted[top_k - 1]
+        } else {
+            f32::NEG_INFINITY
+        };
+        let (mut mass_above, mut mass) = (0.0f64, 0.0f64);
+        for &logit in logits.iter().filter(|&&l| l >= kth_largest) {
+            let weight = (logit as f64 - max as f64).exp();
+            mass += weight;
+            if logit > value {
+                mass_above += weight;
+            }
+        }
+        if mass_above / mass >= params.top_p as f64 + 1e-6 {
+            return Err(format!(
+                "token {token}: {:.6} of the mass lies above it, outside top-p {}",
+                mass_above / mass,
+                params.top_p
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chain(top_k: usize, top_p: f32, min_p: f32) -> SamplingParams {
+        SamplingParams {
+            top_k,
+            top_p,
+            min_p,
+            ..SamplingParams::unfiltered(1.0)
+        }
+    }
+
+    // Logits 0, 1, 2, 3: probabilities 0.032, 0.087, 0.237, 0.644 (by hand: e^i / 31.19).
+    const ROW: [f32; 4] = [0.0, 1.0, 2.0, 3.0];
+
+    #[test]
+    fn top_p_keeps_the_smallest_set_reaching_p() {
+        // Mass above token 1 is 0.881 < 0.9; above token 0 it is 0.968.
+        assert!(check_token(&chain(0, 0.9, 0.0), &ROW, 1).is_ok());
+        let error = check_token(&chain(0, 0.9, 0.0), &ROW, 0).unwrap_err();
+        assert!(error.contains("top-p"), "{error}");
+        assert!(check_token(&chain(0, 0.85, 0.0), &ROW, 1).is_err());
+        assert!(check_token(&chain(0, 0.85, 0.0), &ROW, 2).is_ok());
+        assert!(check_token(&chain(0, 0.5, 0.0), &ROW, 3).is_ok());
+    }
+
+    #[test]
+    fn top_k_then_top_p_over_the_renormalised_set() {
+        assert!(check_token(&chain(2, 1.0, 0.0), &ROW, 2).is_ok());
+        assert!(check_token(&chain(2, 1.0, 0.0), &ROW, 1)
+            .unwrap_err()
+            .contains("top-k"));
+        // Within the top 2: p(3) = 20.09 / 27.48 = 0.731.
+        assert!(check_token(&chain(2, 0.7, 0.0), &ROW, 2).is_err());
+        assert!(check_token(&chain(2, 0.75, 0.0), &ROW, 2).is_ok());
+        // Ties at the top-k boundary are all kept.
+        assert!(check_token(&chain(2, 1.0, 0.0), &[2.0, 2.0, 2.0], 2).is_ok());
+    }
+
+    #[test]
+    fn min_p_is_relative_to_the_top_token() {
+        // p / p_max = e^(l - 3): 0.368 for token 2, 0.135 for token 1.
+        assert!(check_token(&chain(0, 1.0, 0.3), &ROW, 2).is_ok());
+        assert!(check_token(&chain(0, 1.0, 0.3), &ROW, 1)
+            .unwrap_err()
+            .contains("min-p"));
+    }
+
+    #[test]
+    fn greedy_is_the_lowest_argmax_and_ids_are_bounded() {
+        let greedy = SamplingParams::greedy();
+        assert!(check_token(&greedy, &[1.0, 5.0, 5.0], 1).is_ok());
+        assert!(check_token(&greedy, &[1.0, 5.0, 5.0], 2).is_err());
+        assert!(check_token(&greedy, &ROW, 4)
+            .unwrap_err()
+            .contains(">= vocab"));
+        assert!(check_token(&chain(0, 1.0, 0.0), &ROW, 0).is_ok());
+    }
+
+    #[test]
+    fn median_of_even_and_odd_counts() {
+        assert_eq!(median_and_min(&mut [3.0, 1.0, 2.0]), (2.0, 1.0));
+        assert_eq!(median_and_min(&mut [4.0, 1.0, 3.0, 2.0]), (2.5, 1.0));
+    }
+
+    #[test]
+    fn randn_rows_are_deterministic_normal_with_the_scale() {
+        let data = randn_rows(4, 50_001, 3.0, 7);
+        assert_eq!(data, randn_rows(4, 50_001, 3.0, 7));
+        assert_ne!(data[..50_001], data[50_001..100_002]);
+        let n = data.len() as f64;
+        let mean = data.iter().map(|&x| x as f64).sum::<f64>() / n;
+        let variance = data.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+        // Standard errors: mean 3 / sqrt(2e5) = 0.0067, variance 9 * sqrt(2 / 2e5) = 0.03.
+        assert!(mean.abs() < 0.04, "mean {mean}");
+        assert!((variance - 9.0).abs() < 0.2, "variance {variance}");
+        let within_one_sigma = data.iter().filter(|&&x| x.abs() < 3.0).count() as f64 / n;
+        assert!(
+            (within_one_sigma - 0.6827).abs() < 0.01,
+            "{within_one_sigma}"
+        );
+    }
 }

@@ -62,6 +62,9 @@ pub struct PlanPolicy {
     /// A fixed chunk size in pages (the autotuner hook and the forced-merge test mode:
     /// `Some(1)` gives one chunk per page); `None` searches.
     pub pages_per_chunk: Option<usize>,
+    /// The smallest chunk the search may choose, in pages (e.g. one kernel tile of keys:
+    /// smaller chunks only add merge work). At least 1.
+    pub min_pages_per_chunk: usize,
 }
 
 /// The split of one batch: which chunk serves which pages of which request.
@@ -123,7 +126,7 @@ impl PagedDecodePlan {
                         low = mid + 1;
                     }
                 }
-                let floor = low;
+                let floor = low.max(policy.min_pages_per_chunk.clamp(1, largest));
                 // Largest chunk size in floor..=largest still reaching the target.
                 let reaches = |ppc: usize| total(ppc) * num_kv_heads.max(1) >= policy.target_ctas;
                 if !reaches(floor) {
@@ -269,6 +272,7 @@ mod tests {
         let policy = PlanPolicy {
             target_ctas: target,
             pages_per_chunk: None,
+            min_pages_per_chunk: 1,
         };
         PagedDecodePlan::new(&indptr(pages), heads, policy, capacity).unwrap()
     }
@@ -353,6 +357,24 @@ mod tests {
     }
 
     #[test]
+    fn the_search_never_goes_below_the_smallest_chunk() {
+        let capacity = PlanCapacity::for_batch(1, 8, 264);
+        let policy = PlanPolicy {
+            target_ctas: 264,
+            pages_per_chunk: None,
+            min_pages_per_chunk: 4,
+        };
+        // 264 CTAs would want one page per chunk; the floor keeps 4 (16 chunks).
+        let p = PagedDecodePlan::new(&indptr(&[64]), 8, policy, capacity).unwrap();
+        assert_eq!((p.pages_per_chunk, p.num_chunks()), (4, 16));
+        // Above the floor the search is unchanged; a floor above the request is clamped.
+        let p = PagedDecodePlan::new(&indptr(&[1024]), 8, policy, capacity).unwrap();
+        assert_eq!(p.pages_per_chunk, 31);
+        let p = PagedDecodePlan::new(&indptr(&[2]), 8, policy, capacity).unwrap();
+        assert_eq!((p.pages_per_chunk, p.num_chunks()), (2, 1));
+    }
+
+    #[test]
     fn fixed_chunk_size_forces_the_merge_or_fails_cleanly() {
         let capacity = PlanCapacity {
             max_chunks: 8,
@@ -361,6 +383,7 @@ mod tests {
         let policy = |c| PlanPolicy {
             target_ctas: 1,
             pages_per_chunk: Some(c),
+            min_pages_per_chunk: 1,
         };
         let p = PagedDecodePlan::new(&indptr(&[3, 4]), 1, policy(1), capacity).unwrap();
         assert_eq!(p.num_chunks(), 7);
@@ -375,6 +398,7 @@ mod tests {
         let policy = PlanPolicy {
             target_ctas: 1,
             pages_per_chunk: None,
+            min_pages_per_chunk: 1,
         };
         assert!(PagedDecodePlan::new(&[], 1, policy, capacity).is_err());
         assert!(PagedDecodePlan::new(&[1, 2], 1, policy, capacity).is_err());
@@ -391,6 +415,7 @@ mod tests {
         let policy = PlanPolicy {
             target_ctas: 1,
             pages_per_chunk: Some(2),
+            min_pages_per_chunk: 1,
         };
         let p = PagedDecodePlan::new(&indptr(&[3, 1]), 1, policy, capacity).unwrap();
         let words = p.encode(capacity).unwrap();

@@ -31,9 +31,9 @@ pub use elementwise::{
 pub use embedding::{embedding_gather, specialize_embedding};
 pub use norm::{add_rms_norm, rms_norm, specialize_norm, NormEntry};
 pub use paged_decode::{
-    merge_attention_partials, paged_decode_attention, paged_decode_unsupported,
-    specialize_paged_decode, MergeMode, PagedDecodeEntry, PagedDecodeWorkspace, MAX_DECODE_GROUP,
-    PAGED_DECODE_HEAD_DIMS,
+    merge_attention_partials, mma_decode_stages, paged_decode_attention, paged_decode_unsupported,
+    specialize_paged_decode, MergeMode, PagedDecodeEntry, PagedDecodeKernel, PagedDecodeWorkspace,
+    MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
 };
 pub use prefill::{
     prefill_attention_tiled, prefill_attention_with, specialize_prefill, PrefillKernel,
@@ -80,7 +80,17 @@ pub(crate) static ATTENTION: KernelSource = KernelSource {
 };
 pub(crate) static PAGED_DECODE: KernelSource = KernelSource {
     name: "paged_decode.cu",
-    code: include_str!("../../kernels/paged_decode.cu"),
+    code: concat!(
+        include_str!("../../kernels/paged_decode_common.cu"),
+        include_str!("../../kernels/paged_decode.cu")
+    ),
+};
+pub(crate) static PAGED_DECODE_MMA: KernelSource = KernelSource {
+    name: "paged_decode_mma.cu",
+    code: concat!(
+        include_str!("../../kernels/paged_decode_common.cu"),
+        include_str!("../../kernels/paged_decode_mma.cu")
+    ),
 };
 pub(crate) static ELEMENTWISE: KernelSource = KernelSource {
     name: "elementwise.cu",
@@ -180,6 +190,18 @@ pub fn all_specializations() -> Vec<KernelSpec> {
                     head_dim,
                     group,
                 ));
+            }
+            if dtype == DType::BF16 && PAGED_DECODE_MMA_HEAD_DIMS.contains(&head_dim) {
+                for group in 1..=MAX_DECODE_GROUP {
+                    push(specialize_paged_decode(
+                        PagedDecodeEntry::PartialMma {
+                            stages: mma_decode_stages(head_dim),
+                        },
+                        dtype,
+                        head_dim,
+                        group,
+                    ));
+                }
             }
             push(specialize_paged_decode(
                 PagedDecodeEntry::Merge,

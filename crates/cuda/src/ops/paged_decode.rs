@@ -5,7 +5,7 @@
 
 use super::attention::{check_queries, DevicePageTable, PoolLayout};
 use super::decode_plan::{PagedDecodePlan, PlanCapacity};
-use super::{check_float, PAGED_DECODE};
+use super::{check_float, PAGED_DECODE, PAGED_DECODE_MMA};
 use crate::error::{check_len, to_u32, CudaError};
 use crate::key::{DType, KernelSpec};
 use crate::memory::{ptr, DeviceRead, DeviceWrite, KernelArg, LaunchDims};
@@ -42,13 +42,60 @@ fn partial_shared_bytes(element_bytes: usize, head_dim: usize, group: usize) -> 
     pipeline.max(merge).max(weights)
 }
 
-/// The entry points of `paged_decode.cu`.
+/// The entry points of `paged_decode.cu` and `paged_decode_mma.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PagedDecodeEntry {
-    /// `paged_decode_partial`: one CTA per (chunk, KV head).
+    /// `paged_decode_partial`: one CTA per (chunk, KV head), CUDA cores.
     Partial,
+    /// `paged_decode_partial_mma`: the same on tensor cores (bf16) with `stages` pipeline
+    /// stages (2 or 3).
+    PartialMma { stages: usize },
     /// `merge_attention_partials`: the generic merge over `o_indptr`.
     Merge,
+}
+
+/// Which partial kernel computes the chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PagedDecodeKernel {
+    /// CUDA cores: every dtype, head_dim 32/64/128/256, GQA group 1..=8.
+    CudaCore,
+    /// Tensor cores (WMMA bf16, f32 accumulation): bf16 KV, head_dim 64/128/256.
+    TensorCore,
+}
+
+/// Head sizes of the tensor-core kernel.
+pub const PAGED_DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// Pipeline stages of the tensor-core kernel by head size: K/V tiles of 64 keys, so two
+/// stages keep two CTAs per SM at head_dim 128 (`PAGODA_PAGED_DECODE_STAGES` overrides).
+pub fn mma_decode_stages(head_dim: usize) -> usize {
+    match std::env::var("PAGODA_PAGED_DECODE_STAGES").ok().as_deref() {
+        Some("2") => 2,
+        Some("3") => 3,
+        _ => {
+            if head_dim <= 64 {
+                3
+            } else {
+                2
+            }
+        }
+    }
+}
+
+/// Dynamic shared memory of the tensor-core kernel, as `SMEM_BYTES` in
+/// `paged_decode_mma.cu` computes it.
+fn mma_shared_bytes(head_dim: usize, group: usize, stages: usize) -> usize {
+    let align = |bytes: usize| bytes.div_ceil(128) * 128;
+    let pitch = head_dim + 8;
+    let side = align(64 * pitch * 2);
+    let off_q = 2 * stages * side;
+    let off_s = off_q + align(16 * pitch * 2);
+    let off_p = off_s + 4 * align(16 * 20 * 4);
+    let off_factor = off_p + 4 * align(16 * 24 * 2);
+    let main = off_factor + 4 * 16 * 4;
+    let epilogue = 4 * 16 * (head_dim + 4) * 4 + 2 * 4 * 16 * 4;
+    let weights = group * (256 + 3) * 4;
+    main.max(epilogue).max(weights)
 }
 
 /// Where the chunks of a request are merged.
@@ -83,6 +130,27 @@ pub fn specialize_paged_decode(
     }
     let (name, group) = match entry {
         PagedDecodeEntry::Partial => ("paged_decode_partial", group),
+        PagedDecodeEntry::PartialMma { stages } => {
+            if dtype != DType::BF16
+                || !PAGED_DECODE_MMA_HEAD_DIMS.contains(&head_dim)
+                || !(2..=3).contains(&stages)
+            {
+                return Err(CudaError::invalid(format!(
+                    "the tensor-core paged decode runs bf16 at head_dim {PAGED_DECODE_MMA_HEAD_DIMS:?} \
+                     with 2 or 3 stages, not {dtype} at {head_dim} with {stages}"
+                )));
+            }
+            return Ok(KernelSpec {
+                source: &PAGED_DECODE_MMA,
+                entry: "paged_decode_partial_mma",
+                params: vec![
+                    ("HEAD_DIM", head_dim as i64),
+                    ("GROUP", group as i64),
+                    ("STAGES", stages as i64),
+                ],
+                dtypes: vec![("T", dtype)],
+            });
+        }
         PagedDecodeEntry::Merge => ("merge_attention_partials", 1),
     };
     Ok(KernelSpec {
@@ -135,6 +203,7 @@ pub struct PagedDecodeWorkspace {
     head_dim: usize,
     num_requests: usize,
     grid_chunks: usize,
+    kernel: PagedDecodeKernel,
 }
 
 impl PagedDecodeWorkspace {
@@ -157,6 +226,7 @@ impl PagedDecodeWorkspace {
             head_dim,
             num_requests: 0,
             grid_chunks: capacity.max_chunks,
+            kernel: PagedDecodeKernel::CudaCore,
         })
     }
 
@@ -177,6 +247,17 @@ impl PagedDecodeWorkspace {
         }
         self.grid_chunks = grid_chunks;
         Ok(())
+    }
+
+    /// Chooses the partial kernel of the next launches (default: CUDA cores). The tensor-core
+    /// kernel needs bf16 and one of [`PAGED_DECODE_MMA_HEAD_DIMS`] (checked at launch).
+    pub fn set_kernel(&mut self, kernel: PagedDecodeKernel) {
+        self.kernel = kernel;
+    }
+
+    /// The partial kernel of the next launches.
+    pub fn kernel(&self) -> PagedDecodeKernel {
+        self.kernel
     }
 
     /// Device bytes held.
@@ -239,8 +320,24 @@ pub fn paged_decode_attention<T: Element>(
         )));
     }
     let group = num_q_heads / layout.num_kv_heads;
-    let partial =
-        specialize_paged_decode(PagedDecodeEntry::Partial, T::DTYPE, layout.head_dim, group)?;
+    let (partial, shared_bytes) = match workspace.kernel {
+        PagedDecodeKernel::CudaCore => (
+            specialize_paged_decode(PagedDecodeEntry::Partial, T::DTYPE, layout.head_dim, group)?,
+            partial_shared_bytes(std::mem::size_of::<T>(), layout.head_dim, group),
+        ),
+        PagedDecodeKernel::TensorCore => {
+            let stages = mma_decode_stages(layout.head_dim);
+            (
+                specialize_paged_decode(
+                    PagedDecodeEntry::PartialMma { stages },
+                    T::DTYPE,
+                    layout.head_dim,
+                    group,
+                )?,
+                mma_shared_bytes(layout.head_dim, group, stages),
+            )
+        }
+    };
     let num_requests = page_table.num_requests();
     check_len("k_pool", layout.pool_len(), k_pool.len())?;
     check_len("v_pool", layout.pool_len(), v_pool.len())?;
@@ -300,8 +397,7 @@ pub fn paged_decode_attention<T: Element>(
     // encoded length, the partials max_chunks x num_q_heads rows, the semaphores
     // max_requests x num_kv_heads; pool, q and out extents validated above.
     let dims = LaunchDims {
-        shared_mem_bytes: partial_shared_bytes(std::mem::size_of::<T>(), layout.head_dim, group)
-            as u32,
+        shared_mem_bytes: shared_bytes as u32,
         ..LaunchDims::new(grid, PARTIAL_THREADS as u32)
     };
     unsafe { gpu.launch(&partial, dims, &args)? };

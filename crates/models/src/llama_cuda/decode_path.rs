@@ -82,12 +82,36 @@ fn env_count(name: &str) -> Result<Option<usize>, CudaError> {
     }
 }
 
+/// The fused decode's partial kernel: tensor cores for bf16 where they support the head size
+/// (they measured faster on the H200), else CUDA cores; `PAGODA_PAGED_DECODE_KERNEL=mma|cuda-core`
+/// forces one.
+fn decode_kernel(dtype: DType, head_dim: usize) -> Result<ops::PagedDecodeKernel, CudaError> {
+    let mma_ok = dtype == DType::BF16 && ops::PAGED_DECODE_MMA_HEAD_DIMS.contains(&head_dim);
+    match std::env::var("PAGODA_PAGED_DECODE_KERNEL").ok().as_deref() {
+        None => Ok(if mma_ok {
+            ops::PagedDecodeKernel::TensorCore
+        } else {
+            ops::PagedDecodeKernel::CudaCore
+        }),
+        Some("cuda-core") => Ok(ops::PagedDecodeKernel::CudaCore),
+        Some("mma") if mma_ok => Ok(ops::PagedDecodeKernel::TensorCore),
+        Some("mma") => Err(CudaError::invalid(format!(
+            "PAGODA_PAGED_DECODE_KERNEL=mma needs bf16 and head_dim in {:?} (have {dtype}, {head_dim})",
+            ops::PAGED_DECODE_MMA_HEAD_DIMS
+        ))),
+        Some(other) => Err(CudaError::invalid(format!(
+            "PAGODA_PAGED_DECODE_KERNEL=`{other}`: use mma or cuda-core"
+        ))),
+    }
+}
+
 /// The fused decode's device workspace and the pinned staging of its plan.
 pub(super) struct FusedDecode {
     workspace: PagedDecodeWorkspace,
     staging: PinnedBuffer<u32>,
     policy: PlanPolicy,
     num_kv_heads: usize,
+    merge: ops::MergeMode,
 }
 
 impl FusedDecode {
@@ -128,6 +152,9 @@ impl FusedDecode {
         let policy = PlanPolicy {
             target_ctas,
             pages_per_chunk: env_count("PAGODA_PAGED_DECODE_CHUNK")?,
+            // At least one 64-key tile per chunk: smaller chunks only add merge work
+            // (measured at batch 1, 1K context on the H200).
+            min_pages_per_chunk: 64usize.div_ceil(options.page_size.max(1)),
         };
         let mut capacity = PlanCapacity::for_batch(
             options.max_batch_requests.max(1),
@@ -142,13 +169,27 @@ impl FusedDecode {
                 .max(capacity.max_requests * pages.div_ceil(fixed))
                 .min(ops::MAX_CHUNKS);
         }
-        let workspace = PagedDecodeWorkspace::new(
+        let mut workspace = PagedDecodeWorkspace::new(
             gpu,
             capacity,
             config.num_attention_heads,
             config.num_kv_heads,
             config.head_dim,
         )?;
+        let kernel = decode_kernel(dtype, config.head_dim)?;
+        workspace.set_kernel(kernel);
+        // A second launch merges the chunks: faster than the last chunk merging in the
+        // partial kernel in every cell measured on the H200 but batch 64 (equal).
+        let merge = match std::env::var("PAGODA_PAGED_DECODE_MERGE").ok().as_deref() {
+            None | Some("separate") => ops::MergeMode::Separate,
+            Some("kernel") => ops::MergeMode::InKernel,
+            Some(other) => {
+                return Err(CudaError::invalid(format!(
+                    "PAGODA_PAGED_DECODE_MERGE=`{other}`: use separate or kernel"
+                )))
+            }
+        };
+        tracing::info!("CUDA fused decode: {kernel:?} partial kernel, {merge:?} merge");
         let staging = gpu.alloc_pinned(capacity.encoded_len())?;
         tracing::debug!(
             "CUDA fused decode: {} target CTAs, up to {} chunks, {:.1} MB of workspace",
@@ -161,6 +202,7 @@ impl FusedDecode {
             staging,
             policy,
             num_kv_heads: config.num_kv_heads,
+            merge,
         }))
     }
 
@@ -191,6 +233,11 @@ impl FusedDecode {
         plan.encode_into(capacity, self.staging.as_mut_slice()?)?;
         gpu.upload_pinned(&self.staging, self.workspace.plan_buffer_mut())?;
         Ok(plan)
+    }
+
+    /// Where the chunks are merged.
+    pub(super) fn merge(&self) -> ops::MergeMode {
+        self.merge
     }
 
     /// The workspace, for the launch.

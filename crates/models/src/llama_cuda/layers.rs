@@ -138,10 +138,11 @@ impl<T: HostFloat> GpuLlama<T> {
                     &mut attn,
                 )?,
                 Attention::Fused { grid_chunks } => {
-                    let workspace = fused
+                    let fused = fused
                         .as_mut()
-                        .ok_or_else(|| CudaError::invalid("fused decode without its workspace"))?
-                        .workspace_mut();
+                        .ok_or_else(|| CudaError::invalid("fused decode without its workspace"))?;
+                    let merge = fused.merge();
+                    let workspace = fused.workspace_mut();
                     workspace.set_grid_chunks(grid_chunks)?;
                     ops::paged_decode_attention(
                         gpu,
@@ -152,7 +153,7 @@ impl<T: HostFloat> GpuLlama<T> {
                         layout,
                         &page_table,
                         workspace,
-                        ops::MergeMode::InKernel,
+                        merge,
                         scale,
                         &mut attn,
                     )?

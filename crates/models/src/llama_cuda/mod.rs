@@ -10,7 +10,8 @@
 //! once at their maximum size, so a step allocates nothing.
 //!
 //! Layout: this file holds the types and the public [`CudaModel`]; `weights.rs` uploads the
-//! weights; `step.rs` sizes the cache and runs a forward.
+//! weights; `step.rs` sizes the cache and runs a forward;
+//! `sampling.rs` samples on the device after a step ([`CudaModel::forward_sampled`]).
 //!
 //! Architectures: llama (Llama 2/3, SmolLM2, Mistral), Qwen2 (q/k/v bias, added after the
 //! QKV GEMM) and Qwen3 (per-head q/k RMSNorm before RoPE).
@@ -26,9 +27,12 @@ use crate::llama::{ForwardBatch, LoadError};
 use crate::weights::TensorSource;
 
 pub use decode_path::{PagedDecodeMode, PAGED_DECODE_ENV_VAR};
+pub use pagoda_cuda::ops::SamplingRowParams;
+pub use sampling::SampledRow;
 
 mod decode_path;
 mod layers;
+mod sampling;
 mod staging;
 mod step;
 mod weights;
@@ -102,6 +106,23 @@ pub struct CudaStepCounters {
     /// GPU time of all steps, microseconds: from the inputs' upload to the logits being
     /// ready, timed with CUDA events (the step's wall time minus this is host time).
     pub gpu_time_us: u64,
+    /// Steps run by [`CudaModel::forward_sampled`] (rows sampled on the device).
+    pub sampled_steps: u64,
+    /// Rows of those steps whose token was drawn on the device.
+    pub sampled_device_rows: u64,
+    /// Rows of those steps left to the host (their logits row was downloaded).
+    pub sampled_host_rows: u64,
+    /// Device-sampled rows that took the greedy argmax (the GPU sampler's own totals, as
+    /// the next three).
+    pub sampler_greedy_rows: u64,
+    /// Device-sampled rows drawn by Gumbel-max (no filter active).
+    pub sampler_gumbel_rows: u64,
+    /// Device-sampled filtered rows accepted by dual-pivot rejection.
+    pub sampler_rejection_rows: u64,
+    /// Device-sampled filtered rows that took the counted exact fallback.
+    pub sampler_fallback_rows: u64,
+    /// Dual-pivot rejection rounds of the device-sampled filtered rows.
+    pub sampler_rejection_rounds: u64,
 }
 
 /// A model resident on the GPU, with its KV cache.
@@ -157,6 +178,8 @@ struct GpuCache<T> {
     staging: Staging,
     /// Decode graphs by padded batch size; they replay `buffers`' addresses.
     graphs: GraphCache<usize>,
+    /// The device sampler of `forward_sampled`, allocated on its first step.
+    sampler: Option<sampling::DeviceSampler>,
 }
 
 /// Device memory a step reads and writes (the addresses a captured graph holds).
@@ -303,6 +326,29 @@ impl CudaModel {
         match &mut self.inner {
             Inner::Bf16(model) => model.forward(batch),
             Inner::F32(model) => model.forward(batch),
+        }
+        .map_err(|e| e.to_string())
+    }
+
+    /// Runs one ragged batch like [`forward`](Self::forward), then samples on the device:
+    /// `rows` has one entry per `batch.logits_for` row, in order. A `Some(params)` row is
+    /// drawn by the GPU sampler (`pagoda_cuda::ops::sample_rows`; the same token as
+    /// `pagoda_ops::sampling::FusedSampler` at call number `params.step()` of a request
+    /// seeded `params.seed()`, on the raw logits: the caller must leave rows that need
+    /// penalties on the host) and comes back as [`SampledRow::Token`]; a `None` row comes
+    /// back as [`SampledRow::Logits`] (its `[vocab_size]` f32 logits) for the host to sample.
+    /// Only token ids and the `None` rows cross to the host. Errors (bad row count, a record
+    /// outside the sampler's ranges: the message names the row) are returned before the
+    /// step runs. The device sampler's workspace (`max_batch_tokens` rows x vocab) is
+    /// allocated on the first call.
+    pub fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        rows: &[Option<SamplingRowParams>],
+    ) -> Result<Vec<SampledRow>, String> {
+        match &mut self.inner {
+            Inner::Bf16(model) => model.forward_sampled(batch, rows),
+            Inner::F32(model) => model.forward_sampled(batch, rows),
         }
         .map_err(|e| e.to_string())
     }

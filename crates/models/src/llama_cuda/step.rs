@@ -16,6 +16,7 @@ use pagoda_cuda::ops::{self, DecodeWorkspace, PoolLayout};
 use pagoda_cuda::{view, CudaError, DeviceRead, Gpu, GraphCache};
 
 use super::decode_path::FusedDecode;
+use super::sampling::DeviceSampling;
 use super::{CudaCacheOptions, GpuCache, GpuLlama, HostFloat, Scratch, Staging, StepBuffers};
 use crate::config::ModelConfig;
 use crate::llama::ForwardBatch;
@@ -176,6 +177,7 @@ impl<T: HostFloat> GpuLlama<T> {
             },
             staging,
             graphs: GraphCache::new(),
+            sampler: None,
         });
         if options.cuda_graphs {
             self.capture_decode_graphs()?;
@@ -263,15 +265,18 @@ impl<T: HostFloat> GpuLlama<T> {
                 "the KV cache is not allocated: call prepare first",
             ));
         };
-        let result = self.forward_in(&mut cache, batch);
+        let result = self.forward_in(&mut cache, batch, None);
         self.cache = Some(cache);
         result
     }
 
-    fn forward_in(
+    /// One step in `cache`. With `sampled`, the rows are sampled on the device (see
+    /// `sampling.rs`) into `sampled.out` and the returned logits are empty.
+    pub(super) fn forward_in(
         &mut self,
         cache: &mut GpuCache<T>,
         batch: &ForwardBatch<'_>,
+        sampled: Option<DeviceSampling<'_>>,
     ) -> Result<Vec<f32>, CudaError> {
         let host_started = std::time::Instant::now();
         self.validate(cache, batch)?;
@@ -367,6 +372,9 @@ impl<T: HostFloat> GpuLlama<T> {
             // A prefill chunk that samples nothing. Wait anyway: the next step rewrites the
             // pinned inputs this step's upload may still be reading.
             gpu.synchronize()?;
+            Vec::new()
+        } else if let Some(request) = sampled {
+            self.sample_on_device(&gpu, cache, num_logits, request)?;
             Vec::new()
         } else {
             let logits = view(

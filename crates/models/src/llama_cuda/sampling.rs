@@ -1,0 +1,370 @@
+//! Sampling on the device at the end of a step ([`CudaModel::forward_sampled`]): the logits
+//! stay in device memory, `pagoda_cuda::ops::sample_rows` draws one token per row from them,
+//! and only the token ids come back (4 bytes per row instead of `4 * vocab`).
+//!
+//! Rows the caller wants on the host (a `None` parameter: penalties, log-probabilities, the
+//! reference sampler) get their logits row downloaded instead, in the same step. This keeps
+//! the entry per row rather than all-or-nothing: one request asking for log-probabilities
+//! does not pull the whole batch back to the CPU, and a request's path never depends on the
+//! other requests of the step (its random stream must not either).
+//!
+//! The step itself is unchanged (same staging, same graphs); the sampler runs eagerly on the
+//! stream after it: one pinned upload of the row parameters, four launches per contiguous
+//! run of device rows, a 64-byte copy of the sampler's running totals next to the tokens,
+//! and one download of both (the step's only synchronisation, as before).
+
+use pagoda_cuda::ops::{
+    sample_rows, SamplingRowParams, SamplingTotals, SamplingWorkspace, MAX_SAMPLING_ROWS,
+    SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
+};
+use pagoda_cuda::{view, view_mut, CudaError, DeviceBuffer, DeviceRead, Gpu, PinnedBuffer};
+
+use super::{GpuCache, GpuLlama, HostFloat};
+use crate::llama::ForwardBatch;
+
+/// What one logits row of a [`CudaModel::forward_sampled`](super::CudaModel::forward_sampled)
+/// step gave back.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SampledRow {
+    /// The token drawn on the device with the row's [`SamplingRowParams`].
+    Token(u32),
+    /// The row's raw f32 logits, `[vocab_size]`, downloaded because its parameters were
+    /// `None` (the caller samples it on the host).
+    Logits(Vec<f32>),
+}
+
+impl SampledRow {
+    /// The device-drawn token, if the row was sampled on the device.
+    pub fn token(&self) -> Option<u32> {
+        match self {
+            SampledRow::Token(token) => Some(*token),
+            SampledRow::Logits(_) => None,
+        }
+    }
+
+    /// The downloaded logits, if the row was left to the host.
+    pub fn logits(&self) -> Option<&[f32]> {
+        match self {
+            SampledRow::Token(_) => None,
+            SampledRow::Logits(logits) => Some(logits),
+        }
+    }
+}
+
+/// Checks the per-row parameters of a sampled step before anything runs: one entry per
+/// `logits_for` row, at most [`MAX_SAMPLING_ROWS`], every record within the sampler's ranges.
+/// Errors name the row and the field.
+pub(super) fn validate_rows(
+    batch: &ForwardBatch<'_>,
+    rows: &[Option<SamplingRowParams>],
+) -> Result<(), CudaError> {
+    if rows.len() != batch.logits_for.len() {
+        return Err(CudaError::invalid(format!(
+            "forward_sampled: {} sampling rows for {} logits rows (one entry per logits_for row)",
+            rows.len(),
+            batch.logits_for.len()
+        )));
+    }
+    if rows.len() > MAX_SAMPLING_ROWS {
+        return Err(CudaError::invalid(format!(
+            "forward_sampled: {} rows exceed the sampler's {MAX_SAMPLING_ROWS} per step",
+            rows.len()
+        )));
+    }
+    for (row, params) in rows.iter().enumerate() {
+        if let Some(params) = params {
+            params
+                .validate()
+                .map_err(|error| CudaError::invalid(format!("sampling row {row}: {error}")))?;
+        }
+    }
+    Ok(())
+}
+
+/// The rows of one sampled step and where the results go (`out` is cleared and gets one
+/// [`SampledRow`] per row).
+pub(super) struct DeviceSampling<'a> {
+    pub(super) rows: &'a [Option<SamplingRowParams>],
+    pub(super) out: &'a mut Vec<SampledRow>,
+}
+
+/// The device-side sampler state of a prepared cache, allocated on the first sampled step
+/// for up to `max_batch_tokens` rows of the model's vocabulary.
+pub(super) struct DeviceSampler {
+    workspace: SamplingWorkspace,
+    /// `[max_rows, 8]` pinned parameter words, uploaded once per step.
+    staging: PinnedBuffer<u32>,
+    /// `[max_rows, 8]` parameter words on the device.
+    params: DeviceBuffer<u32>,
+    /// The sampler's running totals (`SAMPLING_TOTALS_WORDS`), then `[max_rows]` tokens:
+    /// both come back in one download.
+    readback: DeviceBuffer<u32>,
+    /// Totals at the previous step (the counters add the difference).
+    last_totals: SamplingTotals,
+}
+
+impl DeviceSampler {
+    fn new(gpu: &Gpu, max_rows: usize, vocab: usize) -> Result<Self, CudaError> {
+        let max_rows = max_rows.clamp(1, MAX_SAMPLING_ROWS);
+        Ok(DeviceSampler {
+            workspace: SamplingWorkspace::new(gpu, max_rows, vocab)?,
+            staging: gpu.alloc_pinned(max_rows * SAMPLING_PARAM_WORDS)?,
+            params: gpu.zeros(max_rows * SAMPLING_PARAM_WORDS)?,
+            readback: gpu.zeros(SAMPLING_TOTALS_WORDS + max_rows)?,
+            last_totals: SamplingTotals::default(),
+        })
+    }
+
+    /// Samples the rows of `logits` (`[rows.len(), vocab]` on the device) whose parameters
+    /// are `Some`, downloads the logits of the others, and waits for the stream. Returns
+    /// the rows and what the sampler's totals gained in this call.
+    fn sample(
+        &mut self,
+        gpu: &Gpu,
+        logits: &impl DeviceRead<f32>,
+        vocab: usize,
+        rows: &[Option<SamplingRowParams>],
+    ) -> Result<(Vec<SampledRow>, SamplingTotals), CudaError> {
+        let num_rows = rows.len();
+        if num_rows > self.workspace.max_rows() || logits.len() != num_rows * vocab {
+            return Err(CudaError::invalid(format!(
+                "device sampling of {num_rows} rows x vocab {vocab} ({} logits) exceeds its \
+                 workspace of {} rows",
+                logits.len(),
+                self.workspace.max_rows()
+            )));
+        }
+        let words = &mut self.staging.as_mut_slice()?[..num_rows * SAMPLING_PARAM_WORDS];
+        for (record, params) in words.chunks_exact_mut(SAMPLING_PARAM_WORDS).zip(rows) {
+            // Host rows are not launched; greedy words keep the buffer well-formed anyway.
+            record.copy_from_slice(&params.unwrap_or_else(SamplingRowParams::greedy).to_words());
+        }
+        let param_words = num_rows * SAMPLING_PARAM_WORDS;
+        // The pinned words stay unchanged until the download below synchronises the stream.
+        gpu.upload_pinned_range(
+            &self.staging,
+            0..param_words,
+            &mut view_mut(&mut self.params, 0..param_words)?,
+        )?;
+        let device_runs = runs(rows, true);
+        for run in &device_runs {
+            sample_rows(
+                gpu,
+                &view(logits, run.start * vocab..run.end * vocab)?,
+                vocab,
+                &view(
+                    &self.params,
+                    run.start * SAMPLING_PARAM_WORDS..run.end * SAMPLING_PARAM_WORDS,
+                )?,
+                &mut self.workspace,
+                &mut view_mut(
+                    &mut self.readback,
+                    SAMPLING_TOTALS_WORDS + run.start..SAMPLING_TOTALS_WORDS + run.end,
+                )?,
+            )?;
+        }
+        gpu.copy(
+            self.workspace.totals(),
+            &mut view_mut(&mut self.readback, 0..SAMPLING_TOTALS_WORDS)?,
+        )?;
+        let readback = gpu.download(&view(&self.readback, 0..SAMPLING_TOTALS_WORDS + num_rows)?)?;
+        let totals = SamplingTotals::from_words(&readback[..SAMPLING_TOTALS_WORDS])?;
+        let gained = totals_difference(totals, self.last_totals);
+        self.last_totals = totals;
+        let tokens = &readback[SAMPLING_TOTALS_WORDS..];
+        let mut sampled: Vec<SampledRow> = rows
+            .iter()
+            .zip(tokens)
+            .map(|(params, &token)| match params {
+                Some(_) => SampledRow::Token(token),
+                None => SampledRow::Logits(Vec::new()),
+            })
+            .collect();
+        for run in runs(rows, false) {
+            let host = gpu.download(&view(logits, run.start * vocab..run.end * vocab)?)?;
+            for (row, chunk) in run.zip(host.chunks_exact(vocab)) {
+                sampled[row] = SampledRow::Logits(chunk.to_vec());
+            }
+        }
+        Ok((sampled, gained))
+    }
+}
+
+/// Maximal runs of consecutive rows whose parameters are `Some` (`device == true`) or
+/// `None` (`device == false`), in row order.
+fn runs(rows: &[Option<SamplingRowParams>], device: bool) -> Vec<std::ops::Range<usize>> {
+    let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+    for (row, params) in rows.iter().enumerate() {
+        if params.is_some() != device {
+            continue;
+        }
+        match runs.last_mut() {
+            Some(run) if run.end == row => run.end = row + 1,
+            _ => runs.push(row..row + 1),
+        }
+    }
+    runs
+}
+
+/// `now - before`, field by field (saturating: a fresh workspace restarts at zero).
+fn totals_difference(now: SamplingTotals, before: SamplingTotals) -> SamplingTotals {
+    SamplingTotals {
+        greedy: now.greedy.saturating_sub(before.greedy),
+        gumbel: now.gumbel.saturating_sub(before.gumbel),
+        rejection: now.rejection.saturating_sub(before.rejection),
+        fallback: now.fallback.saturating_sub(before.fallback),
+        rejection_rounds: now.rejection_rounds.saturating_sub(before.rejection_rounds),
+    }
+}
+
+impl<T: HostFloat> GpuLlama<T> {
+    /// Runs `batch` like `forward`, then samples on the device (see the module docs).
+    pub(super) fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        rows: &[Option<SamplingRowParams>],
+    ) -> Result<Vec<SampledRow>, CudaError> {
+        validate_rows(batch, rows)?;
+        let Some(mut cache) = self.cache.take() else {
+            return Err(CudaError::invalid(
+                "the KV cache is not allocated: call prepare first",
+            ));
+        };
+        let mut out = Vec::new();
+        let result = self.forward_in(
+            &mut cache,
+            batch,
+            Some(DeviceSampling {
+                rows,
+                out: &mut out,
+            }),
+        );
+        self.cache = Some(cache);
+        result.map(|_| out)
+    }
+
+    /// The tail of a sampled step (called by `forward_in` once the step is enqueued): samples
+    /// the first `num_logits` rows of the step's logits, fills `request.out`, and counts.
+    pub(super) fn sample_on_device(
+        &mut self,
+        gpu: &Gpu,
+        cache: &mut GpuCache<T>,
+        num_logits: usize,
+        request: DeviceSampling<'_>,
+    ) -> Result<(), CudaError> {
+        let vocab = self.config.vocab_size;
+        if request.rows.len() != num_logits {
+            return Err(CudaError::invalid(format!(
+                "device sampling: {} rows for {num_logits} logits rows",
+                request.rows.len()
+            )));
+        }
+        if cache.sampler.is_none() {
+            cache.sampler = Some(DeviceSampler::new(
+                gpu,
+                cache.options.max_batch_tokens,
+                vocab,
+            )?);
+        }
+        let Some(sampler) = cache.sampler.as_mut() else {
+            return Err(CudaError::invalid("device sampler missing"));
+        };
+        let logits = view(&cache.buffers.scratch.logits, 0..num_logits * vocab)?;
+        let (rows, gained) = sampler.sample(gpu, &logits, vocab, request.rows)?;
+        let device_rows = rows.iter().filter(|row| row.token().is_some()).count() as u64;
+        let counters = &mut self.counters;
+        counters.sampled_steps += 1;
+        counters.sampled_device_rows += device_rows;
+        counters.sampled_host_rows += rows.len() as u64 - device_rows;
+        counters.sampler_greedy_rows += gained.greedy;
+        counters.sampler_gumbel_rows += gained.gumbel;
+        counters.sampler_rejection_rows += gained.rejection;
+        counters.sampler_fallback_rows += gained.fallback;
+        counters.sampler_rejection_rounds += gained.rejection_rounds;
+        *request.out = rows;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_split_device_and_host_rows() {
+        let some = Some(SamplingRowParams::greedy());
+        let rows = [some, some, None, some, None, None, some];
+        assert_eq!(runs(&rows, true), vec![0..2, 3..4, 6..7]);
+        assert_eq!(runs(&rows, false), vec![2..3, 4..6]);
+        assert!(runs(&[], true).is_empty());
+        assert_eq!(runs(&[None, None], false), vec![0..2]);
+        assert!(runs(&[None, None], true).is_empty());
+    }
+
+    #[test]
+    fn rows_are_checked_against_the_batch_and_the_ranges() {
+        let table = pagoda_kv::PageTable {
+            indptr: vec![0],
+            ..Default::default()
+        };
+        let batch = ForwardBatch {
+            tokens: &[1, 2, 3],
+            positions: &[0, 1, 2],
+            slots: &[],
+            qo_indptr: &[0, 3],
+            page_table: &table,
+            logits_for: &[1, 2],
+        };
+        let greedy = Some(SamplingRowParams::greedy());
+        assert!(validate_rows(&batch, &[greedy, None]).is_ok());
+        let error = validate_rows(&batch, &[greedy]).unwrap_err().to_string();
+        assert!(
+            error.contains("1 sampling rows for 2 logits rows"),
+            "{error}"
+        );
+        let hot = SamplingRowParams {
+            temperature: f32::NAN,
+            ..SamplingRowParams::greedy()
+        };
+        let error = validate_rows(&batch, &[None, Some(hot)])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("row 1") && error.contains("temperature"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn totals_difference_is_per_field_and_saturating() {
+        let before = SamplingTotals {
+            greedy: 5,
+            gumbel: 2,
+            rejection: 1,
+            fallback: 0,
+            rejection_rounds: 9,
+        };
+        let now = SamplingTotals {
+            greedy: 7,
+            gumbel: 2,
+            rejection: 4,
+            fallback: 1,
+            rejection_rounds: 20,
+        };
+        let gained = totals_difference(now, before);
+        assert_eq!(
+            gained,
+            SamplingTotals {
+                greedy: 2,
+                gumbel: 0,
+                rejection: 3,
+                fallback: 1,
+                rejection_rounds: 11,
+            }
+        );
+        assert_eq!(
+            totals_difference(SamplingTotals::default(), before),
+            SamplingTotals::default()
+        );
+    }
+}

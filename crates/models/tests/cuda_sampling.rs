@@ -1,0 +1,395 @@
+//! `CudaModel::forward_sampled` (tokens drawn on the GPU, only ids downloaded) against the
+//! CPU `FusedSampler` (the oracle) on the same logits, seeds and steps; on the GPU machine
+//! only.
+//!
+//! Run there with `PAGODA_GPU_TESTS=1` and a binary built with `--features cuda`; elsewhere
+//! every test prints SKIP and passes. Two identical random-weight models run the same ragged
+//! schedule (prefill chunks mixed with decode tokens, then batched decode through the graph
+//! buckets): model A with `forward` (the logits, fed to the CPU samplers), model B with
+//! `forward_sampled`. Every device-drawn token must equal the CPU fused sampler's token at the
+//! same `(seed, step)`, for greedy, unfiltered (Gumbel-max), top-p, top-k + top-p, min-p and
+//! the default chain. A mixed batch leaves some rows on the host: their downloaded logits
+//! must equal model A's row bit for bit, and the requests' streams continue across paths.
+
+use std::sync::Arc;
+
+use pagoda_cuda::Gpu;
+use pagoda_kv::{BlockPool, BlockTable, PageTable, Slot};
+use pagoda_models::config::ModelConfig;
+use pagoda_models::llama::ForwardBatch;
+use pagoda_models::llama_cuda::{
+    CudaCacheOptions, CudaModel, GpuDType, SampledRow, SamplingRowParams,
+};
+use pagoda_models::random::{preset, RandomWeights};
+use pagoda_ops::sampling::{FusedSampler, SamplingParams};
+
+const PAGE_SIZE: usize = 16;
+const NUM_PAGES: usize = 96;
+const PROMPT_LEN: usize = 40;
+
+fn gpu() -> Option<Arc<Gpu>> {
+    if std::env::var("PAGODA_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("SKIP: set PAGODA_GPU_TESTS=1 on a machine with a GPU");
+        return None;
+    }
+    match pagoda_cuda::available() {
+        Ok(info) => eprintln!("GPU: {info}"),
+        Err(e) => panic!("PAGODA_GPU_TESTS=1 but no usable GPU: {e}"),
+    }
+    Some(Arc::new(Gpu::new(0).expect("CUDA context")))
+}
+
+/// A small llama with a 32000-token vocabulary (the Gumbel kernels split each row).
+fn config() -> ModelConfig {
+    ModelConfig {
+        num_layers: 2,
+        vocab_size: 32000,
+        ..preset("smollm2-135m").unwrap()
+    }
+}
+
+fn load(gpu: &Arc<Gpu>, weights: &RandomWeights, dtype: GpuDType, graphs: bool) -> CudaModel {
+    let mut model = CudaModel::load(config(), weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
+    model
+        .prepare(CudaCacheOptions {
+            num_pages: NUM_PAGES,
+            page_size: PAGE_SIZE,
+            max_batch_tokens: 256,
+            max_batch_requests: 8,
+            max_context: NUM_PAGES * PAGE_SIZE,
+            cuda_graphs: graphs,
+            paged_decode: Default::default(),
+        })
+        .unwrap();
+    model
+}
+
+/// Which sampling path a request's parameters take.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Greedy,
+    Unfiltered,
+    Filtered,
+}
+
+/// One request per chain: greedy, plain sampling at two temperatures, top-p, top-k + top-p,
+/// min-p, and the defaults (top-k 40, top-p 0.95, min-p 0.05, temperature 0.8).
+fn requests() -> Vec<(SamplingParams, Kind)> {
+    let seeded = |params: SamplingParams, index: u64| SamplingParams {
+        seed: Some(0x9e37_79b9_0000_0000 + 1000 * index),
+        ..params
+    };
+    let chains = [
+        (SamplingParams::greedy(), Kind::Greedy),
+        (SamplingParams::unfiltered(0.8), Kind::Unfiltered),
+        (SamplingParams::unfiltered(1.5), Kind::Unfiltered),
+        (
+            SamplingParams {
+                top_p: 0.9,
+                ..SamplingParams::unfiltered(1.0)
+            },
+            Kind::Filtered,
+        ),
+        (
+            SamplingParams {
+                top_k: 50,
+                top_p: 0.9,
+                ..SamplingParams::unfiltered(0.7)
+            },
+            Kind::Filtered,
+        ),
+        (
+            SamplingParams {
+                min_p: 0.05,
+                ..SamplingParams::unfiltered(1.0)
+            },
+            Kind::Filtered,
+        ),
+        (SamplingParams::default(), Kind::Filtered),
+    ];
+    chains
+        .into_iter()
+        .enumerate()
+        .map(|(index, (params, kind))| (seeded(params, index as u64), kind))
+        .collect()
+}
+
+/// Ragged prefill chunks (some requests sampling nothing yet), a mixed step, then decode
+/// steps of every batch size down to 1 (graph buckets 8, 4, 2, 1).
+fn schedule() -> Vec<Vec<usize>> {
+    let mut steps = vec![
+        vec![17, 40, 0, 5, 12, 9, 3],
+        vec![23, 1, 40, 35, 28, 31, 37],
+        vec![1, 1, 1, 1, 1, 1, 1],
+    ];
+    steps.extend((0..6).map(|_| vec![1; 7]));
+    steps.extend([
+        vec![1, 0, 1, 1, 0, 1, 0],
+        vec![0, 1, 0, 0, 1, 0, 0],
+        vec![1, 1, 1, 1, 1, 1, 1],
+    ]);
+    steps
+}
+
+/// Builds the steps of `schedule` over fixed prompts (tokens past the prompt repeat it).
+/// Returns, per step, the batch inputs and the requests that sample a token (their last
+/// token reached the end of the prompt).
+struct Driver {
+    pool: BlockPool,
+    tables: Vec<BlockTable>,
+    fed: Vec<usize>,
+    prompts: Vec<Vec<u32>>,
+}
+
+struct Step {
+    tokens: Vec<u32>,
+    positions: Vec<u32>,
+    slots: Vec<Slot>,
+    qo_indptr: Vec<u32>,
+    logits_for: Vec<usize>,
+    page_table: PageTable,
+    /// The request of each logits row.
+    sampling: Vec<usize>,
+}
+
+impl Driver {
+    fn new(num_requests: usize, vocab: usize) -> Driver {
+        let mut pool = BlockPool::new(NUM_PAGES, PAGE_SIZE).unwrap();
+        // Scatter the physical pages.
+        for _ in 0..3 {
+            pool.allocate().unwrap();
+        }
+        Driver {
+            pool,
+            tables: (0..num_requests).map(|_| BlockTable::new()).collect(),
+            fed: vec![0; num_requests],
+            prompts: (0..num_requests)
+                .map(|r| {
+                    (0..PROMPT_LEN)
+                        .map(|i| ((i * 131 + r * 17 + 5) % vocab) as u32)
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
+    fn step(&mut self, counts: &[usize]) -> Step {
+        let (mut tokens, mut positions, mut slots, mut qo_indptr, mut logits_for) =
+            (vec![], vec![], vec![], vec![0u32], vec![]);
+        let (mut active, mut sampling) = (Vec::new(), Vec::new());
+        for (request, &count) in counts.iter().enumerate() {
+            if count == 0 {
+                continue;
+            }
+            slots.extend(
+                self.tables[request]
+                    .append_slots(&mut self.pool, count)
+                    .unwrap(),
+            );
+            for i in 0..count {
+                let position = self.fed[request] + i;
+                let prompt = &self.prompts[request];
+                tokens.push(prompt[position % prompt.len()]);
+                positions.push(position as u32);
+            }
+            self.fed[request] += count;
+            qo_indptr.push(tokens.len() as u32);
+            active.push(request);
+            // A request samples once its prompt is consumed.
+            if self.fed[request] >= PROMPT_LEN {
+                logits_for.push(tokens.len() - 1);
+                sampling.push(request);
+            }
+        }
+        let table_refs: Vec<&BlockTable> = active.iter().map(|&r| &self.tables[r]).collect();
+        let page_table = PageTable::from_block_tables(&table_refs, &self.pool).unwrap();
+        Step {
+            tokens,
+            positions,
+            slots,
+            qo_indptr,
+            logits_for,
+            page_table,
+            sampling,
+        }
+    }
+}
+
+impl Step {
+    fn batch(&self) -> ForwardBatch<'_> {
+        ForwardBatch {
+            tokens: &self.tokens,
+            positions: &self.positions,
+            slots: &self.slots,
+            qo_indptr: &self.qo_indptr,
+            page_table: &self.page_table,
+            logits_for: &self.logits_for,
+        }
+    }
+}
+
+/// The device record of the next draw of `sampler` (the step it would use itself).
+fn device_params(sampler: &FusedSampler) -> SamplingRowParams {
+    let p = sampler.params();
+    SamplingRowParams::new(
+        p.temperature,
+        p.top_k as u32,
+        p.top_p,
+        p.min_p,
+        sampler.seed(),
+        sampler.step(),
+    )
+    .unwrap()
+}
+
+/// Runs the schedule on models A (`forward`) and B (`forward_sampled`, rows left on the host
+/// where `host_row(step, request)`), checks every row, and returns (device rows, host rows)
+/// and per-kind device row counts.
+fn compare(
+    gpu: &Arc<Gpu>,
+    dtype: GpuDType,
+    graphs: bool,
+    host_row: &dyn Fn(usize, usize) -> bool,
+) -> (usize, usize) {
+    let config = config();
+    let vocab = config.vocab_size;
+    let weights = RandomWeights::new(&config, 23, 4 << 30).unwrap();
+    let mut model_a = load(gpu, &weights, dtype, graphs);
+    let mut model_b = load(gpu, &weights, dtype, graphs);
+    let requests = requests();
+    let mut samplers: Vec<FusedSampler> = requests
+        .iter()
+        .map(|(params, _)| FusedSampler::new(*params).unwrap())
+        .collect();
+    let mut driver = Driver::new(requests.len(), vocab);
+    let (mut device_rows, mut host_rows) = (0, 0);
+    let mut by_kind = [0u64; 3];
+    let mut sampled_steps = 0;
+    for (step_index, counts) in schedule().iter().enumerate() {
+        let step = driver.step(counts);
+        let logits = model_a.forward(&step.batch()).unwrap();
+        assert_eq!(logits.len(), step.sampling.len() * vocab);
+        let rows: Vec<Option<SamplingRowParams>> = step
+            .sampling
+            .iter()
+            .map(|&r| (!host_row(step_index, r)).then(|| device_params(&samplers[r])))
+            .collect();
+        let got = model_b.forward_sampled(&step.batch(), &rows).unwrap();
+        sampled_steps += 1;
+        assert_eq!(got.len(), rows.len(), "step {step_index}");
+        for (row, (&request, result)) in step.sampling.iter().zip(&got).enumerate() {
+            let expected_logits = &logits[row * vocab..(row + 1) * vocab];
+            let history: &[u32] = &[];
+            let context = format!(
+                "{dtype} graphs {graphs}: step {step_index} row {row} request {request} ({:?})",
+                requests[request]
+            );
+            match (result, rows[row]) {
+                (SampledRow::Token(token), Some(params)) => {
+                    assert_eq!(params.step(), samplers[request].step(), "{context}");
+                    let expected = samplers[request].sample(expected_logits, history);
+                    assert_eq!(*token, expected, "{context}: GPU vs CPU fused sampler");
+                    device_rows += 1;
+                    by_kind[requests[request].1 as usize] += 1;
+                }
+                (SampledRow::Logits(host), None) => {
+                    assert_eq!(host.len(), vocab, "{context}");
+                    let same = host
+                        .iter()
+                        .zip(expected_logits)
+                        .all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{context}: host row differs from forward's logits");
+                    samplers[request].sample(host, history);
+                    host_rows += 1;
+                }
+                (result, params) => panic!("{context}: {params:?} gave {result:?}"),
+            }
+        }
+    }
+    let counters = model_b.counters();
+    eprintln!(
+        "{dtype} graphs {graphs}: {device_rows} device rows, {host_rows} host rows; {counters:?}"
+    );
+    assert_eq!(counters.sampled_steps, sampled_steps);
+    assert_eq!(counters.sampled_device_rows, device_rows as u64);
+    assert_eq!(counters.sampled_host_rows, host_rows as u64);
+    assert_eq!(counters.sampler_greedy_rows, by_kind[Kind::Greedy as usize]);
+    assert_eq!(
+        counters.sampler_gumbel_rows,
+        by_kind[Kind::Unfiltered as usize]
+    );
+    assert_eq!(
+        counters.sampler_rejection_rows + counters.sampler_fallback_rows,
+        by_kind[Kind::Filtered as usize]
+    );
+    if graphs {
+        assert!(counters.graph_steps > 0, "{counters:?}");
+    }
+    assert_eq!(model_a.counters().sampled_steps, 0);
+    (device_rows, host_rows)
+}
+
+#[test]
+fn device_tokens_equal_the_cpu_fused_sampler() {
+    let Some(gpu) = gpu() else { return };
+    for (dtype, graphs) in [(GpuDType::F32, true), (GpuDType::Bf16, false)] {
+        let (device, host) = compare(&gpu, dtype, graphs, &|_, _| false);
+        assert!(device > 60 && host == 0, "{device} / {host}");
+    }
+}
+
+#[test]
+fn mixed_batches_download_the_host_rows() {
+    let Some(gpu) = gpu() else { return };
+    // Every third (step, request) pair stays on the host, so requests switch paths and the
+    // batches mix device and host runs of several lengths.
+    let (device, host) = compare(&gpu, GpuDType::F32, true, &|step, request| {
+        (step + request) % 3 == 0
+    });
+    assert!(device > 30 && host > 15, "{device} / {host}");
+    // Every row on the host: no token comes back, the logits do.
+    let (device, host) = compare(&gpu, GpuDType::F32, false, &|_, _| true);
+    assert!(device == 0 && host > 60, "{device} / {host}");
+}
+
+#[test]
+fn bad_rows_are_refused_before_the_step_runs() {
+    let Some(gpu) = gpu() else { return };
+    let config = config();
+    let weights = RandomWeights::new(&config, 5, 4 << 30).unwrap();
+    let mut model = load(&gpu, &weights, GpuDType::F32, true);
+    let mut driver = Driver::new(2, config.vocab_size);
+    let step = driver.step(&[PROMPT_LEN, PROMPT_LEN]);
+    assert_eq!(step.sampling.len(), 2);
+    let error = model
+        .forward_sampled(&step.batch(), &[None])
+        .expect_err("one row for two logits rows");
+    assert!(
+        error.contains("1 sampling rows for 2 logits rows"),
+        "{error}"
+    );
+    let bad = SamplingRowParams {
+        top_p: 0.0,
+        ..SamplingRowParams::greedy()
+    };
+    let error = model
+        .forward_sampled(
+            &step.batch(),
+            &[Some(SamplingRowParams::greedy()), Some(bad)],
+        )
+        .expect_err("top_p 0 is outside the sampler's range");
+    assert!(
+        error.contains("row 1") && error.contains("top_p"),
+        "{error}"
+    );
+    assert_eq!(
+        model.counters().eager_steps + model.counters().graph_steps,
+        0
+    );
+    // The same step with valid rows runs.
+    let rows = model
+        .forward_sampled(&step.batch(), &[Some(SamplingRowParams::greedy()), None])
+        .unwrap();
+    assert!(rows[0].token().is_some() && rows[1].logits().is_some());
+    assert!((rows[0].token().unwrap() as usize) < config.vocab_size);
+}

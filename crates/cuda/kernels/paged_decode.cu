@@ -12,8 +12,6 @@
 #define TILE_KEYS (ROW_BYTES * KEYS_PER_PASS >= TILE_BYTES ? KEYS_PER_PASS : TILE_BYTES / ROW_BYTES)
 #define PASSES (TILE_KEYS / KEYS_PER_PASS)
 #define STAGES 4
-#define ROW_COPIES (ROW_BYTES / 16)
-#define THREADS_PER_KEY (THREADS >= TILE_KEYS ? THREADS / TILE_KEYS : 1)
 #define PIPE_BYTES (STAGES * 2 * TILE_KEYS * ROW_BYTES)
 #define MERGE_BYTES (WARPS * GROUP * (HEAD_DIM + 2) * 4)
 // The dynamic shared memory the partial kernel needs (the launcher computes the same).
@@ -21,7 +19,6 @@
 
 static_assert(TX >= 1 && TX <= 32 && (TX & (TX - 1)) == 0, "HEAD_DIM / 8 must be a power of two <= 32");
 static_assert(TILE_KEYS % KEYS_PER_PASS == 0, "tile keys");
-static_assert(ROW_COPIES % THREADS_PER_KEY == 0, "a key's row splits evenly over its threads");
 
 PAGODA_DEVICE void load_vec(const unsigned char* row, float (&out)[VEC]) {
     const T* e = reinterpret_cast<const T*>(row);
@@ -78,24 +75,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_partial(
     const size_t row_elems = (size_t)num_kv_heads * HEAD_DIM;
     unsigned char* k_stage = smem;
     unsigned char* v_stage = smem + STAGES * TILE_KEYS * ROW_BYTES;
-    // One page-table lookup per key and thread: THREADS_PER_KEY threads copy a key's row.
     auto issue = [&](int t) {
         const int stage = t % STAGES;
-        for (int key_local = tid / THREADS_PER_KEY; key_local < TILE_KEYS; key_local += THREADS / THREADS_PER_KEY) {
-            size_t offset = 0;
-            const bool valid = key_offset(c, kv_indices, c.key_begin + (long long)t * TILE_KEYS + key_local,
-                                          page_shift, num_pages, row_elems, kv_head, offset);
-            const unsigned char* k_src = reinterpret_cast<const unsigned char*>(k_pool) + offset;
-            const unsigned char* v_src = reinterpret_cast<const unsigned char*>(v_pool) + offset;
-            const size_t dst = ((size_t)stage * TILE_KEYS + key_local) * ROW_BYTES;
-#pragma unroll
-            for (int j = 0; j < ROW_COPIES / THREADS_PER_KEY; ++j) {
-                const int part = (int)(tid % THREADS_PER_KEY) + j * THREADS_PER_KEY;
-                cp_async16(k_stage + dst + part * 16, k_src + part * 16, valid);
-                cp_async16(v_stage + dst + part * 16, v_src + part * 16, valid);
-            }
-            if (tid % THREADS_PER_KEY == 0) tile_valid[stage][key_local] = valid;
-        }
+        issue_tile(c, kv_indices, k_pool, v_pool, t, TILE_KEYS, page_shift, num_pages, row_elems, kv_head,
+                   k_stage + (size_t)stage * TILE_KEYS * ROW_BYTES, v_stage + (size_t)stage * TILE_KEYS * ROW_BYTES,
+                   ROW_BYTES, tile_valid[stage]);
     };
 
     float m[GROUP], l[GROUP], acc[GROUP][VEC];

@@ -152,6 +152,29 @@ PAGODA_DEVICE bool key_offset(const DecodeChunk& c, const unsigned int* kv_indic
     return true;
 }
 
+// Queues the cp.async copies of tile t (keys key_begin + t * tile_keys ..) for kv_head: key
+// row i lands at k_dst / v_dst + i * pitch_bytes, and valid[i] says whether it was readable
+// (unreadable rows are zero-filled). Consecutive threads copy consecutive 16-byte chunks of a
+// row (measured faster on the H200 than one page-table lookup per key and thread).
+PAGODA_DEVICE void issue_tile(const DecodeChunk& c, const unsigned int* kv_indices, const T* k_pool,
+                              const T* v_pool, int t, int tile_keys, unsigned int page_shift,
+                              unsigned int num_pages, size_t row_elems, unsigned int kv_head,
+                              unsigned char* k_dst, unsigned char* v_dst, int pitch_bytes,
+                              unsigned char* valid) {
+    constexpr int ROW_CHUNKS = HEAD_DIM * (int)sizeof(T) / 16;
+    for (int i = threadIdx.x; i < tile_keys * ROW_CHUNKS; i += THREADS) {
+        const int key_local = i / ROW_CHUNKS;
+        const int part = i % ROW_CHUNKS;
+        size_t offset = 0;
+        const bool readable = key_offset(c, kv_indices, c.key_begin + (long long)t * tile_keys + key_local,
+                                         page_shift, num_pages, row_elems, kv_head, offset);
+        const size_t dst = (size_t)key_local * pitch_bytes + part * 16;
+        cp_async16(k_dst + dst, reinterpret_cast<const unsigned char*>(k_pool) + offset + part * 16, readable);
+        cp_async16(v_dst + dst, reinterpret_cast<const unsigned char*>(v_pool) + offset + part * 16, readable);
+        if (part == 0) valid[key_local] = readable;
+    }
+}
+
 // The epilogue, after every warp published its softmax state for the GROUP heads: unnormalised
 // accumulators s_acc[(w * rows_per_warp + g) * acc_pitch + d], maxima s_m[w * rows_per_warp + g]
 // and sums s_l[...]. Combines the warps, writes `out` (one chunk) or the partial, and with

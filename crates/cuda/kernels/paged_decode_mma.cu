@@ -94,21 +94,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_partial_mma(
         reinterpret_cast<__nv_bfloat16*>(smem + OFF_P + warp * align128(16 * P_PITCH * 2));
     float* factor_warp = reinterpret_cast<float*>(smem + OFF_FACTOR) + warp * 16;
 
-    // Consecutive threads copy consecutive 16-byte chunks of a key row (measured faster on
-    // the H200 than one page-table lookup per key and thread: fewer rows per instruction).
     auto issue = [&](int t) {
         const int stage = t % STAGES;
-        for (int i = tid; i < TILE_KEYS * ROW_CHUNKS; i += THREADS) {
-            const int key_local = i / ROW_CHUNKS;
-            const int part = i % ROW_CHUNKS;
-            size_t offset = 0;
-            const bool valid = key_offset(c, kv_indices, c.key_begin + (long long)t * TILE_KEYS + key_local,
-                                          page_shift, num_pages, row_elems, kv_head, offset);
-            const size_t dst = ((size_t)stage * SIDE_BYTES / 2) + (size_t)key_local * KV_PITCH + part * 8;
-            cp_async16(k_tiles + dst, reinterpret_cast<const unsigned char*>(k_pool) + offset + part * 16, valid);
-            cp_async16(v_tiles + dst, reinterpret_cast<const unsigned char*>(v_pool) + offset + part * 16, valid);
-            if (part == 0) tile_valid[stage][key_local] = valid;
-        }
+        issue_tile(c, kv_indices, k_pool, v_pool, t, TILE_KEYS, page_shift, num_pages, row_elems, kv_head,
+                   reinterpret_cast<unsigned char*>(k_tiles) + (size_t)stage * SIDE_BYTES,
+                   reinterpret_cast<unsigned char*>(v_tiles) + (size_t)stage * SIDE_BYTES, KV_PITCH * 2,
+                   tile_valid[stage]);
     };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {

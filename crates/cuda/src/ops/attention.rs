@@ -157,6 +157,33 @@ fn group_block(layout: &PoolLayout, num_q_heads: usize) -> Result<u32, CudaError
     to_u32("block", 32 * n_rep)
 }
 
+/// The extents of a decode launch: both pools hold `layout`, `out` is
+/// `[num_requests, num_q_heads, head_dim]`, and `q` holds `num_requests` rows `q_row_stride`
+/// apart.
+pub(super) fn check_decode_io(
+    layout: &PoolLayout,
+    (k_len, v_len): (usize, usize),
+    (q_len, num_q_heads, q_row_stride): (usize, usize, usize),
+    num_requests: usize,
+    out_len: usize,
+) -> Result<(), CudaError> {
+    check_len("k_pool", layout.pool_len(), k_len)?;
+    check_len("v_pool", layout.pool_len(), v_len)?;
+    check_len(
+        "decode out [B, num_q_heads, head_dim]",
+        num_requests * num_q_heads * layout.head_dim,
+        out_len,
+    )?;
+    check_queries(
+        "decode q",
+        q_len,
+        num_requests,
+        q_row_stride,
+        num_q_heads,
+        layout.head_dim,
+    )
+}
+
 /// Query rows as the kernels read them: row `t`, head `h` at `t * row_stride + h * head_dim`.
 pub(super) fn check_queries(
     what: &str,
@@ -343,20 +370,12 @@ pub fn decode_attention_gathered<T: Element>(
     let merge = specialize_attention(AttentionEntry::MergeStates, T::DTYPE, layout.head_dim)?;
     let group = group_block(layout, num_q_heads)? / 32;
     let num_requests = page_table.num_requests();
-    check_len("k_pool", layout.pool_len(), k_pool.len())?;
-    check_len("v_pool", layout.pool_len(), v_pool.len())?;
-    check_len(
-        "decode out [B, num_q_heads, head_dim]",
-        num_requests * num_q_heads * layout.head_dim,
-        out.len(),
-    )?;
-    check_queries(
-        "decode q",
-        q.len(),
+    check_decode_io(
+        layout,
+        (k_pool.len(), v_pool.len()),
+        (q.len(), num_q_heads, q_row_stride),
         num_requests,
-        q_row_stride,
-        num_q_heads,
-        layout.head_dim,
+        out.len(),
     )?;
     if num_requests > workspace.max_requests || num_q_heads != workspace.num_q_heads {
         return Err(CudaError::invalid(format!(

@@ -3,7 +3,7 @@
 //! with the chunks merged by log-sum-exp either inside the same launch (the last chunk of a
 //! request merges) or by the generic [`merge_attention_partials`].
 
-use super::attention::{check_queries, DevicePageTable, PoolLayout};
+use super::attention::{check_decode_io, DevicePageTable, PoolLayout};
 use super::decode_plan::{PagedDecodePlan, PlanCapacity};
 use super::{check_float, PAGED_DECODE, PAGED_DECODE_MMA};
 use crate::error::{check_len, to_u32, CudaError};
@@ -339,20 +339,12 @@ pub fn paged_decode_attention<T: Element>(
         }
     };
     let num_requests = page_table.num_requests();
-    check_len("k_pool", layout.pool_len(), k_pool.len())?;
-    check_len("v_pool", layout.pool_len(), v_pool.len())?;
-    check_len(
-        "decode out [B, num_q_heads, head_dim]",
-        num_requests * num_q_heads * layout.head_dim,
-        out.len(),
-    )?;
-    check_queries(
-        "decode q",
-        q.len(),
+    check_decode_io(
+        layout,
+        (k_pool.len(), v_pool.len()),
+        (q.len(), num_q_heads, q_row_stride),
         num_requests,
-        q_row_stride,
-        num_q_heads,
-        layout.head_dim,
+        out.len(),
     )?;
     let capacity = workspace.capacity;
     if num_requests > capacity.max_requests

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+pub mod decode_batch;
 pub mod prefill_batch;
 pub mod sampling;
 

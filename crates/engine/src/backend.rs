@@ -205,13 +205,12 @@ impl Runner {
 /// The GPU sampler's record for a request's next token, or `None` when the request must be
 /// sampled on the host: a reference sampler, active penalties (they read the history on the
 /// host), log-probabilities wanted (they need the logits row), or parameters outside the GPU
-/// sampler's ranges. `device_draws` is how many tokens the request already drew on the
-/// device: the record's step is the fused sampler's call count plus them, i.e. exactly the
-/// step `FusedSampler::sample` would use for this token, so both paths draw the same stream.
+/// sampler's ranges. The record's step is the fused sampler's step (device draws are recorded
+/// on it with `record_external_draw`), i.e. exactly the step `FusedSampler::sample` would use
+/// for this token, so both paths draw the same stream.
 pub(crate) fn device_row_params(
     sampler: &AnySampler,
     want_logprobs: bool,
-    device_draws: u64,
 ) -> Option<SamplingRowParams> {
     let AnySampler::Fused(fused) = sampler else {
         return None;
@@ -228,7 +227,7 @@ pub(crate) fn device_row_params(
         params.top_p,
         params.min_p,
         fused.seed(),
-        fused.step() + device_draws,
+        fused.step(),
     )
     .ok()
 }
@@ -253,7 +252,7 @@ mod tests {
             ..SamplingParams::greedy()
         };
         let mut fused = sampler(params, SamplerKind::Fused);
-        let record = device_row_params(&fused, false, 0).unwrap();
+        let record = device_row_params(&fused, false).unwrap();
         assert_eq!(
             record,
             SamplingRowParams::new(0.7, 50, 0.9, 0.05, 0x1234_5678_9abc_def0, 0).unwrap()
@@ -261,18 +260,23 @@ mod tests {
         // Two host draws, then three device draws: the next step is 5.
         fused.sample(&[0.0, 1.0, 2.0], &[]);
         fused.sample(&[0.0, 1.0, 2.0], &[]);
-        assert_eq!(device_row_params(&fused, false, 3).unwrap().step(), 5);
+        if let AnySampler::Fused(inner) = &mut fused {
+            for _ in 0..3 {
+                inner.record_external_draw();
+            }
+        }
+        assert_eq!(device_row_params(&fused, false).unwrap().step(), 5);
         let huge_k = SamplingParams {
             top_k: usize::MAX,
             ..params
         };
-        let record = device_row_params(&sampler(huge_k, SamplerKind::Fused), false, 0).unwrap();
+        let record = device_row_params(&sampler(huge_k, SamplerKind::Fused), false).unwrap();
         assert_eq!(record.top_k, 0);
     }
 
-    /// The engine's catch-up after device draws (one-logit rows, `RequestState::
-    /// sample_on_host`) relies on the fused sampler's stream depending on the step only:
-    /// after the same number of calls on any rows, the next token of a row is the same.
+    /// Device draws are recorded by advancing the fused sampler's step: its stream depends on
+    /// the step only, so after the same number of steps (drawn on any rows, or recorded), the
+    /// next token of a row is the same.
     #[test]
     fn fused_stream_depends_on_the_call_count_only() {
         let row: Vec<f32> = (0..500).map(|i| ((i * 37) % 101) as f32 / 20.0).collect();
@@ -293,7 +297,7 @@ mod tests {
                 let mut replayed = FusedSampler::new(params).unwrap();
                 for _ in 0..draws {
                     real.sample(&row, &[]);
-                    replayed.sample(&[0.0], &[]);
+                    replayed.record_external_draw();
                 }
                 assert_eq!(replayed.step(), draws);
                 let tokens: Vec<(u32, u32)> = (0..20)
@@ -310,9 +314,9 @@ mod tests {
             seed: Some(1),
             ..SamplingParams::unfiltered(1.0)
         };
-        assert!(device_row_params(&sampler(plain, SamplerKind::Fused), false, 0).is_some());
-        assert!(device_row_params(&sampler(plain, SamplerKind::Fused), true, 0).is_none());
-        assert!(device_row_params(&sampler(plain, SamplerKind::Reference), false, 0).is_none());
+        assert!(device_row_params(&sampler(plain, SamplerKind::Fused), false).is_some());
+        assert!(device_row_params(&sampler(plain, SamplerKind::Fused), true).is_none());
+        assert!(device_row_params(&sampler(plain, SamplerKind::Reference), false).is_none());
         for penalised in [
             SamplingParams {
                 repetition_penalty: 1.1,
@@ -328,10 +332,7 @@ mod tests {
             },
         ] {
             let fused = sampler(penalised, SamplerKind::Fused);
-            assert!(
-                device_row_params(&fused, false, 0).is_none(),
-                "{penalised:?}"
-            );
+            assert!(device_row_params(&fused, false).is_none(), "{penalised:?}");
         }
         // A zero penalty window disables the penalties: the device may sample.
         let windowless = SamplingParams {
@@ -339,6 +340,6 @@ mod tests {
             penalty_last_n: 0,
             ..plain
         };
-        assert!(device_row_params(&sampler(windowless, SamplerKind::Fused), false, 0).is_some());
+        assert!(device_row_params(&sampler(windowless, SamplerKind::Fused), false).is_some());
     }
 }

@@ -165,20 +165,19 @@ struct RequestState {
     stop_tokens: Vec<u32>,
     sampler: AnySampler,
     want_logprobs: bool,
-    /// Tokens drawn by the GPU sampler: the fused sampler's call count does not see them,
-    /// so the stream's next step is `sampler.step() + device_draws`.
-    device_draws: u64,
 }
 
 impl RequestState {
-    /// Draws the next token on the host from `logits`. A request that drew on the device
-    /// first replays those draws on a one-logit row (no randomness is read from it), so the
-    /// fused sampler's step counter is where it would be had every token been drawn here.
+    /// Draws the next token on the host from `logits`.
     fn sample_on_host(&mut self, logits: &[f32]) -> u32 {
-        for _ in 0..std::mem::take(&mut self.device_draws) {
-            self.sampler.sample(&[0.0], &[]);
-        }
         self.sampler.sample(logits, &self.generated)
+    }
+
+    /// Records a token the GPU sampler drew from this request's stream.
+    fn record_device_draw(&mut self) {
+        if let AnySampler::Fused(fused) = &mut self.sampler {
+            fused.record_external_draw();
+        }
     }
 }
 
@@ -216,7 +215,7 @@ impl Engine {
             .iter()
             .map(|id| {
                 let state = self.requests.get(id)?;
-                device_row_params(&state.sampler, state.want_logprobs, state.device_draws)
+                device_row_params(&state.sampler, state.want_logprobs)
             })
             .collect();
         rows.iter().any(Option::is_some).then_some(rows)
@@ -394,7 +393,6 @@ impl Engine {
                 stop_tokens,
                 sampler,
                 want_logprobs,
-                device_draws: 0,
             },
         );
         Ok(id)
@@ -508,7 +506,7 @@ impl Engine {
             .map(|(row, mut state)| {
                 let (token, row_logits) = match device_sampled.as_ref().map(|rows| &rows[row]) {
                     Some(SampledRow::Token(token)) => {
-                        state.device_draws += 1;
+                        state.record_device_draw();
                         (*token, None)
                     }
                     Some(SampledRow::Logits(row_logits)) => {

@@ -167,6 +167,13 @@ impl FusedSampler {
         self.step
     }
 
+    /// Records that the token of the current step was drawn elsewhere from this same stream
+    /// (the GPU sampler, with this sampler's seed and [`Self::step`]): the next call uses the
+    /// following step, exactly as if this sampler had drawn it.
+    pub fn record_external_draw(&mut self) {
+        self.step += 1;
+    }
+
     /// Lowers (or raises) the rejection round cap, default
     /// [`DEFAULT_MAX_REJECTION_ROUNDS`]; `0` sends every filtered call to the fallback. For
     /// tests of the fallback path; the distribution is exact at any cap.

@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bench_attention;
 pub mod bench_sampling;
+pub mod bench_sampling_anchors;
 pub mod bench_sampling_gpu;
 pub mod bench_serve;
 pub mod chat;

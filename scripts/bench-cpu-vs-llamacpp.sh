@@ -6,7 +6,7 @@
 #
 # LLAMA_BENCH: path of llama-bench (default: $LLAMA_BENCH or llama-bench on PATH).
 # ROUNDS: how many times the pair is alternated per thread count (default 3).
-# Env: THREADS="1 2" (thread counts), KERNELS="f32 auto" (pagoda's PAGODA_CPU_KERNELS values,
+# Env: THREADS="1 2" (thread counts), KERNELS="auto vnni f32" (pagoda's PAGODA_CPU_KERNELS values,
 # each a separate row), BUSY=1 also runs every pair with one busy process (a shell spin loop)
 # competing for the CPUs, to measure behaviour when oversubscribed.
 # Prints one line per run: tool, threads, busy, load, pp128, pp512, tg128 (tokens/s).
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 LLAMA_BENCH=${1:-${LLAMA_BENCH:-llama-bench}}
 ROUNDS=${2:-3}
 THREADS=${THREADS:-"1 2"}
-KERNELS=${KERNELS:-"f32 auto"}
+KERNELS=${KERNELS:-"auto vnni f32"}
 MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
 PAGODA=${PAGODA:-target/release/pagoda}
 

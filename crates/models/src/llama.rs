@@ -10,7 +10,7 @@ use pagoda_ops::attention::{
     self, plan_step, AttentionError, AttentionPath, KvLayout, PagedKv, QueryBatch, SplitKvChunking,
     StepAttentionConfig, StepAttentionPlan, StepWorkspace,
 };
-use pagoda_ops::linear::{matmul_shared, Weight};
+use pagoda_ops::linear::{matmul_shared, CpuKernels, Weight};
 use pagoda_ops::norm::{rms_norm, rms_norm_in_place};
 use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
 use pagoda_tensor::GgmlType;
@@ -502,7 +502,10 @@ fn load_matrix(
             raw.shape
         )));
     }
-    let weight = Weight::new(raw.ty, rows, cols, raw.data.into_owned())
+    // The per-weight kernel policy (`auto`: ffn_down keeps f32 activations, see
+    // `pagoda_ops::linear::kernels`); exact mode then decodes every weight to f32 anyway.
+    let kernels = CpuKernels::for_tensor(name);
+    let weight = Weight::with_kernels(raw.ty, rows, cols, raw.data.into_owned(), kernels)
         .map_err(|e| LoadError(format!("tensor {name}: {e}")))?;
     Ok(match precision {
         WeightPrecision::AsStored => weight,

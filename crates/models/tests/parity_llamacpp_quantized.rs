@@ -16,7 +16,6 @@ use pagoda_models::formats::gguf::GgufFile;
 use pagoda_models::gguf_model::config_from_gguf;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
 use pagoda_ops::attention::AttentionPath;
-use pagoda_ops::linear::CpuKernels;
 use pagoda_ops::sampling::log_softmax;
 use serde_json::Value;
 
@@ -130,9 +129,9 @@ fn quantized_forward_logprobs_within_tolerance_of_llama_cpp() {
     }
     let mean = sum / count as f64;
     eprintln!(
-        "kernels {:?} vs llama.cpp Q4_1: chosen-token worst {worst_chosen:.3}, top-5 worst \
+        "kernels {} vs llama.cpp Q4_1: chosen-token worst {worst_chosen:.3}, top-5 worst \
          {worst_any:.3}, mean {mean:.3}, {past_0_4} of {count} entries at 0.4 or more",
-        CpuKernels::selected()
+        pagoda_ops::linear::cpu_kernels_name()
     );
     assert!(violations.is_empty(), "past the bounds: {violations:#?}");
     assert!(mean < 0.15, "mean top-5 logprob difference {mean}");

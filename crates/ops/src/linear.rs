@@ -6,8 +6,10 @@
 //! and is overwritten. Work is split over output rows with rayon; each worker decodes a
 //! weight row at most once per call, so prefill (many tokens) amortises the decode.
 //!
-//! Which kernels run is chosen once per process ([`CpuKernels::selected`],
-//! `PAGODA_CPU_KERNELS`): with an integer set (`auto`, `vnni`, `avx2`, `scalar`), Q4_0,
+//! Which kernels run is chosen once per process and per weight ([`CpuKernelPolicy::selected`],
+//! `PAGODA_CPU_KERNELS`; `auto`, the default, keeps `ffn_down` on the f32 kernels and gives
+//! every other weight the best integer set, see [`kernels`]): with an integer set (`vnni`,
+//! `avx2`, `scalar`), Q4_0,
 //! Q4_1, Q8_0, Q4_K and Q5_K weights are repacked when the [`Weight`] is built
 //! ([`pagoda_tensor::quant::repack`]) and each matmul quantizes its input rows once to Q8
 //! ([`int_matmul`]); with `f32` (and for F32/F16/BF16/Q6_K weights) blocks are decoded to
@@ -24,7 +26,7 @@ pub mod int_matmul;
 pub mod kernels;
 pub mod shared;
 
-pub use kernels::{cpu_kernels_name, CpuKernels};
+pub use kernels::{cpu_kernels_name, CpuKernelPolicy, CpuKernels};
 pub use shared::matmul_shared;
 
 use pagoda_tensor::quant::repack::{repack, RepackedRows};
@@ -74,8 +76,10 @@ pub enum WeightError {
 }
 
 impl Weight {
-    /// Wraps stored rows for the process-wide kernel set ([`CpuKernels::selected`]). Fails
-    /// when the type cannot be decoded or the byte count is wrong.
+    /// Wraps stored rows for the process-wide kernel set of weights without a per-weight
+    /// exception ([`CpuKernels::selected`]); a loader that knows the tensor's name should
+    /// call [`Weight::with_kernels`] with [`CpuKernels::for_tensor`]. Fails when the type
+    /// cannot be decoded or the byte count is wrong.
     pub fn new(
         ty: GgmlType,
         out_features: usize,

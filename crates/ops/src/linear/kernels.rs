@@ -1,13 +1,17 @@
 //! Which CPU kernel set the quantized linear layers use, chosen once per process.
 //!
-//! `PAGODA_CPU_KERNELS=auto|vnni|avx2|scalar|f32`. `vnni`, `avx2` and `scalar` quantize
-//! activations to Q8 and use integer dots on weights repacked at load; `auto` is the best of
-//! them the CPU runs. `f32` keeps the stored blocks and f32 activations (the fused
-//! decode-in-registers path of ADR 0001) and is the default while unset: Q8 activations
-//! move one top-5 logprob of the llama.cpp parity test past its 0.6 bound (0.86, see
-//! `docs/benchmark_results/cpu-kernels-epyc-2026-11-29.md`), so making them the default is
-//! the lead's call. A set the CPU lacks, or an unknown value, falls back to `auto` with a
-//! warning.
+//! `PAGODA_CPU_KERNELS=auto|vnni|avx2|scalar|f32` (unset: `auto`). `vnni`, `avx2` and
+//! `scalar` quantize activations to Q8 and use integer dots on weights repacked at load, for
+//! every weight. `f32` keeps the stored blocks and f32 activations (the fused
+//! decode-in-registers path of ADR 0001) for every weight. `auto` is a per-weight policy
+//! ([`CpuKernelPolicy`]): the best integer set the CPU runs for every weight except
+//! `ffn_down`, which keeps the f32 kernels. `ffn_down`'s input, the SiLU-gated product, has
+//! the widest dynamic range of the model's matmul inputs, and its Q8 rounding alone moved one
+//! top-5 logprob of the llama.cpp parity test past its 0.6 bound (0.659 with Q8 everywhere,
+//! 0.561 with `ffn_down` in f32, 0.555 with f32 everywhere). The price is decode speed: on
+//! the default model (1 thread, AVX-512 VNNI) `auto` decodes about 1.6x as fast as `f32` and
+//! about 0.8x as fast as `vnni`. On a CPU without AVX2 `auto` is `f32` everywhere. A set the
+//! CPU lacks, or an unknown value, falls back to `auto` with a warning.
 
 use std::sync::OnceLock;
 
@@ -38,7 +42,9 @@ impl CpuKernels {
         }
     }
 
-    /// Parses a `PAGODA_CPU_KERNELS` value (`auto` resolves to [`CpuKernels::best`]).
+    /// Parses a `PAGODA_CPU_KERNELS` value as one set for every weight (`auto` resolves to
+    /// [`CpuKernels::best`]; the per-weight meaning of `auto` is [`CpuKernelPolicy::parse`]).
+    /// The error names the bad value.
     pub fn parse(value: &str) -> Result<CpuKernels, String> {
         match value.trim().to_ascii_lowercase().as_str() {
             "" | "auto" => Ok(CpuKernels::best()),
@@ -77,42 +83,189 @@ impl CpuKernels {
         }
     }
 
-    /// The process-wide set: `PAGODA_CPU_KERNELS` read once (unset: [`CpuKernels::F32`]),
-    /// validated against the CPU, and logged once.
+    /// The process-wide set for weights without a per-weight exception:
+    /// [`CpuKernelPolicy::selected`]'s `kernels` (`PAGODA_CPU_KERNELS` read once, validated
+    /// against the CPU, logged once). Model loaders should ask [`CpuKernels::for_tensor`].
     pub fn selected() -> CpuKernels {
-        static SELECTED: OnceLock<CpuKernels> = OnceLock::new();
+        CpuKernelPolicy::selected().kernels
+    }
+
+    /// The set the process-wide policy gives the weight stored under `name` (a GGUF tensor
+    /// name such as `blk.3.ffn_down.weight`; see [`CpuKernelPolicy::for_tensor`]).
+    pub fn for_tensor(name: &str) -> CpuKernels {
+        CpuKernelPolicy::selected().for_tensor(name)
+    }
+}
+
+/// The tensor-name suffix of the MLP down projections, whose input is the SiLU-gated product.
+const FFN_DOWN_SUFFIX: &str = "ffn_down.weight";
+
+/// Which kernel set each weight of a model gets: one set for every weight, except that
+/// `ffn_down` weights may keep the f32 kernels (what `auto` selects, see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CpuKernelPolicy {
+    /// The set of every weight without an exception.
+    pub kernels: CpuKernels,
+    /// Whether `*ffn_down.weight` tensors use [`CpuKernels::F32`] instead of `kernels`.
+    pub f32_ffn_down: bool,
+}
+
+impl CpuKernelPolicy {
+    /// The same set for every weight.
+    pub fn uniform(kernels: CpuKernels) -> CpuKernelPolicy {
+        CpuKernelPolicy {
+            kernels,
+            f32_ffn_down: false,
+        }
+    }
+
+    /// What `auto` means on this CPU: [`CpuKernels::best`] with `ffn_down` in f32 when the
+    /// CPU has a SIMD integer set (VNNI or AVX2), otherwise f32 everywhere (the portable
+    /// integer dots are not faster than the f32 decode path).
+    pub fn auto() -> CpuKernelPolicy {
+        match CpuKernels::best() {
+            CpuKernels::Scalar | CpuKernels::F32 => CpuKernelPolicy::uniform(CpuKernels::F32),
+            kernels => CpuKernelPolicy {
+                kernels,
+                f32_ffn_down: true,
+            },
+        }
+    }
+
+    /// Parses a `PAGODA_CPU_KERNELS` value: `auto` (or empty) is [`CpuKernelPolicy::auto`],
+    /// a set name is that set for every weight. The error names the bad value.
+    pub fn parse(value: &str) -> Result<CpuKernelPolicy, String> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(CpuKernelPolicy::auto()),
+            other => CpuKernels::parse(other).map(CpuKernelPolicy::uniform),
+        }
+    }
+
+    /// The set for the weight stored under `name` (a GGUF tensor name).
+    pub fn for_tensor(self, name: &str) -> CpuKernels {
+        if self.f32_ffn_down && name.ends_with(FFN_DOWN_SUFFIX) {
+            CpuKernels::F32
+        } else {
+            self.kernels
+        }
+    }
+
+    /// The name for logs and metrics: the set's name (`vnni`, `avx2`, `scalar`, `f32`), with
+    /// `+f32_ffn_down` appended when `ffn_down` keeps the f32 kernels (`vnni+f32_ffn_down`).
+    pub fn name(self) -> &'static str {
+        match (self.kernels, self.f32_ffn_down) {
+            (kernels, false) | (kernels @ CpuKernels::F32, true) => kernels.name(),
+            (CpuKernels::Vnni, true) => "vnni+f32_ffn_down",
+            (CpuKernels::Avx2, true) => "avx2+f32_ffn_down",
+            (CpuKernels::Scalar, true) => "scalar+f32_ffn_down",
+        }
+    }
+
+    /// The process-wide policy: `PAGODA_CPU_KERNELS` read once (unset: `auto`), validated
+    /// against the CPU (a set it lacks, or an unknown value, falls back to `auto` with a
+    /// warning), and logged once at INFO.
+    pub fn selected() -> CpuKernelPolicy {
+        static SELECTED: OnceLock<CpuKernelPolicy> = OnceLock::new();
         *SELECTED.get_or_init(|| {
-            let requested = std::env::var("PAGODA_CPU_KERNELS").unwrap_or_else(|_| "f32".into());
-            let kernels = match CpuKernels::parse(&requested) {
-                Ok(kernels) if kernels.is_supported() => kernels,
-                Ok(kernels) => {
+            let requested = std::env::var("PAGODA_CPU_KERNELS").unwrap_or_else(|_| "auto".into());
+            let policy = match CpuKernelPolicy::parse(&requested) {
+                Ok(policy) if policy.kernels.is_supported() => policy,
+                Ok(policy) => {
                     tracing::warn!(
                         "PAGODA_CPU_KERNELS={}: this CPU lacks it, using auto",
-                        kernels.name()
+                        policy.kernels.name()
                     );
-                    CpuKernels::best()
+                    CpuKernelPolicy::auto()
                 }
                 Err(message) => {
                     tracing::warn!("{message}; using auto");
-                    CpuKernels::best()
+                    CpuKernelPolicy::auto()
                 }
             };
-            let activations = if kernels == CpuKernels::F32 {
-                "f32 activations, weights decoded in registers"
-            } else {
-                "Q8 activations, integer dots on repacked weights"
+            let activations = match (policy.kernels, policy.f32_ffn_down) {
+                (CpuKernels::F32, _) => "f32 activations, weights decoded in registers",
+                (_, false) => "Q8 activations, integer dots on repacked weights",
+                (_, true) => {
+                    "Q8 activations and integer dots on repacked weights, except ffn_down: \
+                     f32 activations, weights decoded in registers"
+                }
             };
-            tracing::info!("CPU kernels: {} ({activations})", kernels.name());
-            kernels
+            tracing::info!("CPU kernels: {} ({activations})", policy.name());
+            policy
         })
     }
 }
 
-/// The name of the process-wide kernel set ([`CpuKernels::selected`]) as
-/// `PAGODA_CPU_KERNELS` spells it: `vnni`, `avx2`, `scalar` (Q8 activations, integer dots) or
-/// `f32` (f32 activations). For metrics and status pages, e.g. a Prometheus gauge
-/// `pagoda_cpu_kernels{set="vnni"} 1`. The first call (from here or from loading a model)
-/// reads the environment and logs the choice once; later calls return the same name.
+/// The name of the process-wide kernel policy ([`CpuKernelPolicy::selected`]), for metrics
+/// and status pages, e.g. a Prometheus gauge `pagoda_cpu_kernels_info{set="vnni+f32_ffn_down"} 1`:
+/// `vnni`, `avx2`, `scalar` (Q8 activations, integer dots, every weight), `f32` (f32
+/// activations, every weight), or a set with `+f32_ffn_down` (what `auto` selects: `ffn_down`
+/// keeps f32 activations). The first call (from here or from loading a model) reads the
+/// environment and logs the choice once; later calls return the same name.
 pub fn cpu_kernels_name() -> &'static str {
-    CpuKernels::selected().name()
+    CpuKernelPolicy::selected().name()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_keeps_ffn_down_on_f32_kernels_only() {
+        let policy = CpuKernelPolicy {
+            kernels: CpuKernels::Vnni,
+            f32_ffn_down: true,
+        };
+        for layer in [0, 7, 29] {
+            let name = format!("blk.{layer}.ffn_down.weight");
+            assert_eq!(policy.for_tensor(&name), CpuKernels::F32, "{name}");
+        }
+        for name in [
+            "blk.0.ffn_up.weight",
+            "blk.0.ffn_gate.weight",
+            "blk.0.attn_q.weight",
+            "blk.0.attn_output.weight",
+            "token_embd.weight",
+            "output.weight",
+        ] {
+            assert_eq!(policy.for_tensor(name), CpuKernels::Vnni, "{name}");
+        }
+        assert_eq!(policy.name(), "vnni+f32_ffn_down");
+    }
+
+    #[test]
+    fn a_named_set_applies_to_every_weight() {
+        for (value, kernels) in [
+            ("vnni", CpuKernels::Vnni),
+            ("AVX2", CpuKernels::Avx2),
+            ("scalar", CpuKernels::Scalar),
+            ("f32", CpuKernels::F32),
+        ] {
+            let policy = CpuKernelPolicy::parse(value).unwrap();
+            assert_eq!(policy, CpuKernelPolicy::uniform(kernels));
+            assert_eq!(policy.for_tensor("blk.3.ffn_down.weight"), kernels);
+            assert_eq!(policy.name(), kernels.name());
+        }
+    }
+
+    #[test]
+    fn auto_parses_to_the_per_weight_policy() {
+        for value in ["auto", " Auto ", ""] {
+            assert_eq!(
+                CpuKernelPolicy::parse(value).unwrap(),
+                CpuKernelPolicy::auto()
+            );
+        }
+        let auto = CpuKernelPolicy::auto();
+        assert!(auto.kernels.is_supported());
+        match CpuKernels::best() {
+            CpuKernels::Vnni | CpuKernels::Avx2 => {
+                assert_eq!(auto.kernels, CpuKernels::best());
+                assert!(auto.f32_ffn_down);
+            }
+            _ => assert_eq!(auto, CpuKernelPolicy::uniform(CpuKernels::F32)),
+        }
+        let error = CpuKernelPolicy::parse("amx").unwrap_err();
+        assert!(error.contains("amx"), "{error}");
+    }
 }

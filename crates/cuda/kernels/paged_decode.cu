@@ -54,9 +54,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_partial(
     if (!load_chunk(plan, chunk, max_chunks, num_requests, kv_indptr, last_page_len, first_page_offset,
                     page_shift, c))
         return;
-    unsigned int dynamic_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
-    if (dynamic_smem < SMEM_BYTES) __trap();  // launched with less than the kernel needs
+    require_dynamic_smem(SMEM_BYTES);
     const unsigned int r = c.r;
     const unsigned int tid = threadIdx.x;
     const unsigned int ky = tid / TX;

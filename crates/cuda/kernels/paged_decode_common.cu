@@ -105,6 +105,14 @@ PAGODA_DEVICE void merge_partials_into(const float* partial, const float* lse, u
     }
 }
 
+// Traps when the launch gave less dynamic shared memory than the kernel's layout needs (the
+// launcher computes the size with the same formula; a mismatch must not corrupt memory).
+PAGODA_DEVICE void require_dynamic_smem(unsigned int bytes) {
+    unsigned int dynamic_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_smem));
+    if (dynamic_smem < bytes) __trap();
+}
+
 // The chunk a CTA serves: request r, its visible keys key_begin .. key_end (relative to the
 // first visible token, which sits at row fpo of the request's first page), and the request's
 // chunk range first .. first + count in the plan's o_indptr.

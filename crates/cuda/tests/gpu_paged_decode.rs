@@ -19,20 +19,34 @@ use pagoda_cuda::{DeviceBuffer, Gpu};
 
 const NUM_KV_HEADS: usize = 2;
 
+/// The inputs every fused run of a test case shares.
+#[derive(Clone, Copy)]
+struct Case<'a> {
+    gpu: &'a Gpu,
+    batch: &'a Batch,
+    table: &'a DevicePageTable<'a>,
+    num_q_heads: usize,
+    layout: &'a PoolLayout,
+    scale: f32,
+}
+
 /// Runs the fused decode with `policy` and `merge` and returns the output.
 #[allow(clippy::too_many_arguments)]
 fn fused<T: TestFloat>(
-    gpu: &Gpu,
-    batch: &Batch,
-    table: &DevicePageTable<'_>,
+    case: &Case<'_>,
     q: &DeviceBuffer<T>,
-    num_q_heads: usize,
     pools: (&DeviceBuffer<T>, &DeviceBuffer<T>),
-    layout: &PoolLayout,
     policy: PlanPolicy,
     (kernel, merge): (PagedDecodeKernel, MergeMode),
-    scale: f32,
 ) -> (Vec<f32>, PagedDecodePlan) {
+    let Case {
+        gpu,
+        batch,
+        table,
+        num_q_heads,
+        layout,
+        scale,
+    } = *case;
     let b = batch.num_requests();
     let mut capacity = PlanCapacity::for_batch(b, NUM_KV_HEADS, policy.target_ctas);
     if policy.pages_per_chunk.is_some() {
@@ -151,6 +165,14 @@ fn matrix<T: TestFloat>(gpu: &Gpu, quick: bool) -> (usize, f32) {
                         );
                         let expected =
                             gathered(gpu, &batch, &table, &q, num_q_heads, pools, &layout, scale);
+                        let case = Case {
+                            gpu,
+                            batch: &batch,
+                            table: &table,
+                            num_q_heads,
+                            layout: &layout,
+                            scale,
+                        };
                         let searched = PlanPolicy {
                             target_ctas: 2 * sm,
                             pages_per_chunk: None,
@@ -169,18 +191,7 @@ fn matrix<T: TestFloat>(gpu: &Gpu, quick: bool) -> (usize, f32) {
                         };
                         for &policy in policies {
                             for path in paths::<T>() {
-                                let (actual, plan) = fused(
-                                    gpu,
-                                    &batch,
-                                    &table,
-                                    &q,
-                                    num_q_heads,
-                                    pools,
-                                    &layout,
-                                    policy,
-                                    path,
-                                    scale,
-                                );
+                                let (actual, plan) = fused(&case, &q, pools, policy, path);
                                 let error = peak_error(&actual, &expected);
                                 worst = worst.max(error);
                                 assert!(
@@ -243,6 +254,14 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
         let expected = batch.reference(&layout, num_q_heads, &q, &k, &v, scale);
         let arrays = batch.upload(&gpu);
         let table = DevicePageTable::new(&arrays[0], &arrays[1], &arrays[2], &arrays[3]).unwrap();
+        let case = Case {
+            gpu: &gpu,
+            batch: &batch,
+            table: &table,
+            num_q_heads,
+            layout: &layout,
+            scale,
+        };
         let (k32, v32, q32) = (
             upload::<f32>(&gpu, &k),
             upload::<f32>(&gpu, &v),
@@ -283,16 +302,11 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
             };
             for merge in [MergeMode::InKernel, MergeMode::Separate] {
                 let (actual, _) = fused(
-                    &gpu,
-                    &batch,
-                    &table,
+                    &case,
                     &q32,
-                    num_q_heads,
                     (&k32, &v32),
-                    &layout,
                     policy,
                     (PagedDecodeKernel::CudaCore, merge),
-                    scale,
                 );
                 let error = peak_error(&actual, &expected);
                 assert!(
@@ -300,16 +314,11 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
                     "f32 D{head_dim} G{group} ppc {ppc:?} {merge:?}: {error:e}"
                 );
                 let (half, _) = fused(
-                    &gpu,
-                    &batch,
-                    &table,
+                    &case,
                     &q16,
-                    num_q_heads,
                     (&k16, &v16),
-                    &layout,
                     policy,
                     (PagedDecodeKernel::CudaCore, merge),
-                    scale,
                 );
                 let error = peak_error(&half, &expected);
                 assert!(
@@ -320,16 +329,11 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
                     continue;
                 }
                 let (tensor, _) = fused(
-                    &gpu,
-                    &batch,
-                    &table,
+                    &case,
                     &qb,
-                    num_q_heads,
                     (&kb, &vb),
-                    &layout,
                     policy,
                     (PagedDecodeKernel::TensorCore, merge),
-                    scale,
                 );
                 let error = peak_error(&tensor, &expected_bf16);
                 assert!(
@@ -340,20 +344,15 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
         }
         // The empty last request reads as zeros.
         let (actual, _) = fused(
-            &gpu,
-            &batch,
-            &table,
+            &case,
             &q32,
-            num_q_heads,
             (&k32, &v32),
-            &layout,
             PlanPolicy {
                 target_ctas: 1,
                 pages_per_chunk: Some(1),
                 min_pages_per_chunk: 1,
             },
             (PagedDecodeKernel::CudaCore, MergeMode::InKernel),
-            scale,
         );
         let row = num_q_heads * head_dim;
         assert!(actual[4 * row..].iter().all(|&x| x == 0.0));

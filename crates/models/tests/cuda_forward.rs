@@ -7,6 +7,9 @@
 //! scattered pages, in f32 (tight) and bf16 (logprob tolerance); and, when the default
 //! model file is present, greedy ids of the CPU's exact mode against the GPU in f32.
 
+mod common;
+
+use common::gpu;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -20,18 +23,6 @@ use pagoda_models::weights::TensorSource;
 
 const PAGE_SIZE: usize = 16;
 const NUM_PAGES: usize = 64;
-
-fn gpu() -> Option<Arc<Gpu>> {
-    if std::env::var("PAGODA_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("SKIP: set PAGODA_GPU_TESTS=1 on a machine with a GPU");
-        return None;
-    }
-    match pagoda_cuda::available() {
-        Ok(info) => eprintln!("GPU: {info}"),
-        Err(e) => panic!("PAGODA_GPU_TESTS=1 but no usable GPU: {e}"),
-    }
-    Some(Arc::new(Gpu::new(0).expect("CUDA context")))
-}
 
 fn cache_options() -> CudaCacheOptions {
     CudaCacheOptions {

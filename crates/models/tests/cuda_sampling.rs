@@ -11,6 +11,9 @@
 //! the default chain. A mixed batch leaves some rows on the host: their downloaded logits
 //! must equal model A's row bit for bit, and the requests' streams continue across paths.
 
+mod common;
+
+use common::gpu;
 use std::sync::Arc;
 
 use pagoda_cuda::Gpu;
@@ -26,18 +29,6 @@ use pagoda_ops::sampling::{FusedSampler, SamplingParams};
 const PAGE_SIZE: usize = 16;
 const NUM_PAGES: usize = 96;
 const PROMPT_LEN: usize = 40;
-
-fn gpu() -> Option<Arc<Gpu>> {
-    if std::env::var("PAGODA_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("SKIP: set PAGODA_GPU_TESTS=1 on a machine with a GPU");
-        return None;
-    }
-    match pagoda_cuda::available() {
-        Ok(info) => eprintln!("GPU: {info}"),
-        Err(e) => panic!("PAGODA_GPU_TESTS=1 but no usable GPU: {e}"),
-    }
-    Some(Arc::new(Gpu::new(0).expect("CUDA context")))
-}
 
 /// A small llama with a 32000-token vocabulary (the Gumbel kernels split each row).
 fn config() -> ModelConfig {

@@ -268,12 +268,11 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
                     let end = gpu.record_event()?;
                     times.push(start.elapsed_ms(&end)? as f64 * 1e3 / sets as f64);
                 }
-                times.sort_by(f64::total_cmp);
-                let median_us = times[times.len() / 2];
+                let (median_us, min_us) = super::bench_sampling::median_and_min(&mut times);
                 paths.push(PathResult {
                     path: path.clone(),
                     median_us,
-                    min_us: times[0],
+                    min_us,
                     gb_per_s: bytes as f64 / median_us / 1e3,
                     percent_of_copy: 100.0 * floor_us / median_us,
                 });

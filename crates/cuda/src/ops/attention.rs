@@ -185,7 +185,7 @@ pub(super) fn check_decode_io(
 }
 
 /// Query rows as the kernels read them: row `t`, head `h` at `t * row_stride + h * head_dim`.
-pub(super) fn check_queries(
+fn check_queries(
     what: &str,
     q_len: usize,
     rows: usize,

@@ -67,19 +67,18 @@ pub enum PagedDecodeKernel {
 pub const PAGED_DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
 /// Pipeline stages of the tensor-core kernel by head size: K/V tiles of 64 keys, so two
-/// stages keep two CTAs per SM at head_dim 128 (`PAGODA_PAGED_DECODE_STAGES` overrides).
+/// stages keep two CTAs per SM at head_dim 128 (`PAGODA_PAGED_DECODE_STAGES=2|3` overrides;
+/// read once, not per launch).
 pub fn mma_decode_stages(head_dim: usize) -> usize {
-    match std::env::var("PAGODA_PAGED_DECODE_STAGES").ok().as_deref() {
-        Some("2") => 2,
-        Some("3") => 3,
-        _ => {
-            if head_dim <= 64 {
-                3
-            } else {
-                2
-            }
+    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = OVERRIDE.get_or_init(|| {
+        match std::env::var("PAGODA_PAGED_DECODE_STAGES").ok().as_deref() {
+            Some("2") => Some(2),
+            Some("3") => Some(3),
+            _ => None,
         }
-    }
+    });
+    forced.unwrap_or(if head_dim <= 64 { 3 } else { 2 })
 }
 
 /// Dynamic shared memory of the tensor-core kernel, as `SMEM_BYTES` in

@@ -107,6 +107,9 @@ pub struct Gpu {
     pub(crate) registry: registry::Registry,
     pub(crate) blas: Mutex<Option<blas::Blas>>,
     pub(crate) capturing: Mutex<bool>,
+    /// Dynamic shared memory each loaded function (by its driver handle) has been opted
+    /// into, so the driver attribute is set once, not on every launch.
+    shared_opt_in: Mutex<std::collections::HashMap<usize, u32>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -140,6 +143,7 @@ impl Gpu {
             registry,
             blas: Mutex::new(None),
             capturing: Mutex::new(false),
+            shared_opt_in: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -184,13 +188,27 @@ impl Gpu {
         }
         let function = self.registry.function(&self.context, spec)?;
         if dims.shared_mem_bytes > 48 * 1024 {
-            // Dynamic shared memory beyond 48 KB must be opted into per function.
-            function
-                .set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    dims.shared_mem_bytes as i32,
-                )
-                .map_err(driver_error(format!("opting {} into {} bytes of shared memory", spec.entry, dims.shared_mem_bytes)))?;
+            // Dynamic shared memory beyond 48 KB must be opted into per function, once.
+            let handle = function.cu_function() as usize;
+            let mut opted = self
+                .shared_opt_in
+                .lock()
+                .map_err(|_| CudaError::invalid("shared memory opt-in lock poisoned"))?;
+            if opted
+                .get(&handle)
+                .is_none_or(|&bytes| bytes < dims.shared_mem_bytes)
+            {
+                function
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        dims.shared_mem_bytes as i32,
+                    )
+                    .map_err(driver_error(format!(
+                        "opting {} into {} bytes of shared memory",
+                        spec.entry, dims.shared_mem_bytes
+                    )))?;
+                opted.insert(handle, dims.shared_mem_bytes);
+            }
         }
         let mut storage: Vec<u64> = args.iter().map(|arg| arg.bits()).collect();
         let mut pointers: Vec<*mut std::ffi::c_void> = storage

@@ -3,8 +3,9 @@
 // explicit round-to-nearest intrinsic, so NVVM cannot contract a multiply-add into an FMA
 // that the Rust code does not do), plus block reductions.
 //
-// This file is concatenated in front of sampling_gumbel.cu and sampling_rejection.cu into
-// one NVRTC program (see SAMPLING in src/ops/mod.rs).
+// This file is concatenated in front of sampling_walk.cu, sampling_gumbel.cu,
+// sampling_fast.cu and sampling_rejection.cu into one NVRTC program (see SAMPLING in
+// src/ops/mod.rs).
 
 // Per-row parameters: 8 u32 words (SamplingRowParams in src/ops/sampling/params.rs).
 #define SAMPLING_PARAM_WORDS 8u
@@ -20,6 +21,31 @@
 #define PURPOSE_REJECTION_ROUND 2u
 #define PURPOSE_FALLBACK 3u
 #define NO_TOKEN 0xffffffffu
+// Launch flags (sample_rows_with): the multi-CTA filtered pipeline runs, its top-k select
+// runs, the Gumbel partials are computed by sampling_pass.
+#define FLAG_FAST 1u
+#define FLAG_TOP_K 2u
+#define FLAG_GUMBEL 4u
+// Per-row filter state (FILTER_STATE_WORDS u32 words in the workspace), written by the last
+// CTA of a row in each multi-CTA kernel and read by the next kernel.
+#define FILTER_STATE_WORDS 16u
+#define FS_STATUS 0
+#define FS_ROUNDS 1            // rounds begun (the candidate is round FS_ROUNDS - 1's draw)
+#define FS_CANDIDATE 2
+#define FS_LOW 3               // f32 bits: the proposal is {z > low}
+#define FS_HIGH 4              // f32 bits: the upper pivot (z_max at first)
+#define FS_TOP_K_THRESHOLD 5   // f32 bits: the k-th largest logit (-inf: top-k keeps all)
+#define FS_Z_MAX 6             // f32 bits
+#define FS_ARGMAX 7
+#define FS_TOP_K_PREFIX 8      // radix select: ordered bits fixed so far
+#define FS_TOP_K_REMAINING 9   // radix select: rank still to find below the prefix
+#define FS_TOP_K_PENDING 10    // 1 while the radix select has digits left
+#define FS_TOP_K_MASS 12       // f64 in words 12-13: Z_k, the untempered top-k mass
+// Row status: not filtered / in the fast pipeline / finished by it / left to the exact kernel.
+#define STATUS_IDLE 0u
+#define STATUS_ACTIVE 1u
+#define STATUS_DONE 2u
+#define STATUS_EXACT 3u
 #define FLT_MAX_BITS 0x7f7fffff
 
 struct RowParams {
@@ -245,21 +271,94 @@ PAGODA_DEVICE void split_range(unsigned int vocab, unsigned int num_splits, unsi
     end = (unsigned int)min(e, (unsigned long long)vocab);
 }
 
-// Row maximum and its lowest index from the per-split partials of sampling_row_max.
+// Row maximum and its lowest index from the per-split partials of sampling_row_max, read in
+// parallel (one split per thread) and reduced block-wide; every thread gets the result.
 PAGODA_DEVICE void reduce_row_max(const float* partial_max, const unsigned int* partial_index,
                                   unsigned int row, unsigned int num_splits, float& z_max,
                                   unsigned int& argmax) {
     z_max = -INFINITY;
     argmax = NO_TOKEN;
-    for (unsigned int s = 0; s < num_splits; ++s) {
-        const float v = partial_max[row * num_splits + s];
-        const unsigned int id = partial_index[row * num_splits + s];
+    for (unsigned int s = threadIdx.x; s < num_splits; s += blockDim.x) {
+        const float v = __ldcg(partial_max + row * num_splits + s);
+        const unsigned int id = __ldcg(partial_index + row * num_splits + s);
         if (better(v, id, z_max, argmax)) { z_max = v; argmax = id; }
     }
+    block_argmax(z_max, argmax);
     if (z_max == -INFINITY) argmax = 0u;  // no finite logit: token 0, as the CPU chain
 }
 
-// Totals (u64 counters as u32 pairs): 0 greedy, 1 gumbel, 2 rejection, 3 fallback, 4 rounds.
+// Totals (u64 counters as u32 pairs): 0 greedy, 1 gumbel, 2 rejection, 3 fallback, 4 rounds,
+// 5 filtered rows finished by the multi-CTA pipeline, 6 filtered rows the exact kernel drew.
 PAGODA_DEVICE void count_total(unsigned int* totals, unsigned int counter, unsigned long long amount) {
     atomicAdd(reinterpret_cast<unsigned long long*>(totals) + counter, amount);
+}
+
+// Four sanitised logits z[i..i+4) (i a multiple of 4); -inf at and past `end`. One 16-byte
+// load when the row is 16-byte aligned and the four are in range.
+PAGODA_DEVICE float4 load4(const float* __restrict__ z, unsigned int i, unsigned int end, bool aligned) {
+    float4 v;
+    if (aligned && i + 4u <= end) {
+        v = __ldg(reinterpret_cast<const float4*>(z + i));
+    } else {
+        v.x = i < end ? z[i] : -INFINITY;
+        v.y = i + 1u < end ? z[i + 1u] : -INFINITY;
+        v.z = i + 2u < end ? z[i + 2u] : -INFINITY;
+        v.w = i + 3u < end ? z[i + 3u] : -INFINITY;
+    }
+    return make_float4(sanitize_logit(v.x), sanitize_logit(v.y), sanitize_logit(v.z), sanitize_logit(v.w));
+}
+
+PAGODA_DEVICE bool row_aligned(const float* z) { return (reinterpret_cast<size_t>(z) & 15u) == 0u; }
+
+// Exclusive prefix sum of `value` over the block in thread order (fixed order: the result
+// does not depend on timing); `total` gets the block's sum. Block-wide.
+PAGODA_DEVICE double block_exclusive_scan_f64(double value, double& total) {
+    __shared__ double warp_totals[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    double inclusive = value;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+        const double other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+    }
+    double exclusive = __shfl_up_sync(0xffffffffu, inclusive, 1);
+    if (lane == 0) exclusive = 0.0;
+    __syncthreads();
+    if (lane == 31) warp_totals[warp] = inclusive;
+    __syncthreads();
+    double before = 0.0, sum = 0.0;
+    for (int w = 0; w < num_warps; ++w) {
+        const double t = warp_totals[w];
+        if (w < warp) before += t;
+        sum += t;
+    }
+    total = sum;
+    __syncthreads();
+    return before + exclusive;
+}
+
+// Called by every thread of a CTA once its partials are written: true in exactly one CTA of
+// the row (the last of the row's `num_splits` to arrive), which then sees every partial of
+// the row (read them with __ldcg); the counter is left at zero for the next kernel.
+PAGODA_DEVICE bool last_to_arrive(unsigned int* arrive, unsigned int row, unsigned int num_splits) {
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned int ticket = atomicAdd(&arrive[row], 1u);
+        s_last = ticket == num_splits - 1u;
+        if (s_last) arrive[row] = 0u;
+    }
+    __syncthreads();
+    const bool last = s_last;
+    if (last) __threadfence();
+    return last;
+}
+
+PAGODA_DEVICE double state_f64(const unsigned int* st, int word) {
+    return __hiloint2double((int)st[word + 1], (int)st[word]);
+}
+PAGODA_DEVICE void set_state_f64(unsigned int* st, int word, double value) {
+    st[word] = (unsigned int)__double2loint(value);
+    st[word + 1] = (unsigned int)__double2hiint(value);
 }

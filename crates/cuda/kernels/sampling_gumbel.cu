@@ -1,116 +1,188 @@
-// GPU sampling, part 1: the row maximum, Gumbel-max for unfiltered rows, and the final
-// per-row decision (greedy / Gumbel). Grid of the split kernels: (num_splits, rows), blocks of
-// 256 threads; each (row, split) CTA covers split_range() and writes one partial.
+// GPU sampling, part 2: the row maximum (and, in its last CTA per row, the row's filter
+// state) and the Gumbel-max scan of unfiltered rows. Grid of the split kernels:
+// (num_splits, rows), blocks of SPLIT_THREADS; each (row, split) CTA covers split_range().
 
-// Partial (max, lowest index) of the sanitised logits of each (row, split) into
-// partial_max / partial_index [rows, num_splits] (-inf / NO_TOKEN when the split has no value
-// above -inf).
-extern "C" __global__ void sampling_row_max(const float* __restrict__ logits, unsigned int vocab,
-                                            unsigned int num_splits, float* __restrict__ partial_max,
-                                            unsigned int* __restrict__ partial_index) {
-    const unsigned int row = blockIdx.y, split = blockIdx.x;
-    unsigned int begin, end;
-    split_range(vocab, num_splits, split, begin, end);
-    const float* z = logits + (size_t)row * vocab;
-    float best = -INFINITY;
-    unsigned int best_id = NO_TOKEN;
-    for (unsigned int i = begin + threadIdx.x; i < end; i += blockDim.x) {
-        const float v = sanitize_logit(z[i]);
-        if (v > best) { best = v; best_id = i; }  // indices increase per thread
-    }
-    block_argmax(best, best_id);
-    if (threadIdx.x == 0) {
-        partial_max[row * num_splits + split] = best;
-        partial_index[row * num_splits + split] = best == -INFINITY ? NO_TOKEN : best_id;
-    }
+// Bound on |approx_gumbel_noise(w) - gumbel_noise(w)|, with 25x headroom: the fast
+// logarithms (__logf: 2^-21.4 absolute on [0.5, 2], 3 ulp elsewhere) keep the approximate
+// noise within about 4e-5 of the ported Cephes one over the whole noise range.
+#define GUMBEL_APPROX_ERROR 1e-3f
+
+// gumbel_noise(word) through the fast hardware logarithm (two MUFU.LG2, no divergence): only
+// used to find the few elements whose exact (ported) noise can decide the argmax.
+PAGODA_DEVICE float approx_gumbel_noise(unsigned int word) {
+    const bool upper = word >= 0x80000000u;
+    const unsigned int small = upper ? ~word : word;
+    const float tail = (__int2float_rn((int)small) + 0.5f) * 2.3283064365386963e-10f;  // (0, 0.5)
+    float exponential = -__logf(upper ? 1.0f - tail : tail);
+    if (upper && tail < 0.015625f) exponential = tail * (1.0f + tail * (0.5f + tail * 0.33333334f));
+    return -__logf(exponential);
 }
 
-// Gumbel-max partials of the unfiltered rows (other rows return at once): for every element
-// i of the split, score = (z_i - z_max) * (f32)(1 / (f64)T) + gumbel_noise(word i % 4 of
-// Philox block i / 4 of (seed, step, Gumbel)), all in f32 exactly as pagoda_ops'
-// gumbel_argmax; the best (score, lowest id) goes to partial_score / partial_id
-// [rows, num_splits]. A thread skips the noise of a block whose largest tempered logit plus
-// the noise bound (22.9) cannot beat its own best: the result is unchanged.
-extern "C" __global__ void sampling_gumbel(const float* __restrict__ logits,
-                                           const unsigned int* __restrict__ params, unsigned int vocab,
-                                           unsigned int num_splits,
-                                           const float* __restrict__ partial_max,
-                                           const unsigned int* __restrict__ partial_index,
-                                           float* __restrict__ partial_score,
-                                           unsigned int* __restrict__ partial_id) {
-    const unsigned int row = blockIdx.y, split = blockIdx.x;
-    const RowParams p = load_row_params(params, row);
-    float z_max;
-    unsigned int argmax;
-    reduce_row_max(partial_max, partial_index, row, num_splits, z_max, argmax);
-    if (row_path(p, vocab, z_max) != PATH_GUMBEL) return;
+// The exact Gumbel-max score of id i (Philox block i / 4 recomputed).
+PAGODA_DEVICE float exact_gumbel_score(const RowParams& p, float tempered, unsigned int i) {
+    const uint4 words = philox_block(p, PURPOSE_GUMBEL, i / 4u);
+    const unsigned int w[4] = {words.x, words.y, words.z, words.w};
+    return __fadd_rn(tempered, gumbel_noise(w[i % 4u]));
+}
+
+PAGODA_DEVICE float block_max_f32(float value) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    __syncthreads();
+    if (lane == 0) partial[warp] = value;
+    __syncthreads();
+    value = lane < num_warps ? partial[lane] : -INFINITY;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    return value;
+}
+
+#define GUMBEL_KEPT 4
+
+// Best (score, lowest id) of the Gumbel-max scores over ids [begin, end) (begin a multiple of
+// 4) of row z: score = (z - z_max) * (f32)(1 / (f64)T) + gumbel_noise(word i % 4 of Philox
+// block i / 4 of (seed, step, Gumbel)), all in f32 exactly as pagoda_ops' gumbel_argmax.
+// Scan with the approximate noise: a thread keeps the (at most GUMBEL_KEPT) ids whose
+// approximate score lies within 2 * GUMBEL_APPROX_ERROR of its best; the winner has an
+// approximate score within that of the block's best approximate score A, so only kept ids
+// within 2 * GUMBEL_APPROX_ERROR of A get the exact noise. A thread that would keep more
+// scans its ids again exactly (never seen). Block-wide; every thread gets the result.
+PAGODA_DEVICE void gumbel_range(const float* __restrict__ z, unsigned int begin, unsigned int end, const RowParams& p,
+                                float z_max, float& best, unsigned int& best_id) {
     const float inverse_temperature = __double2float_rn(__ddiv_rn(1.0, (double)p.temperature));
-    unsigned int begin, end;
-    split_range(vocab, num_splits, split, begin, end);
-    const float* z = logits + (size_t)row * vocab;
-    float best = -INFINITY;
-    unsigned int best_id = NO_TOKEN;
-    const unsigned int first_block = begin / 4u, end_block = (end + 3u) / 4u;
-    for (unsigned int block = first_block + threadIdx.x; block < end_block; block += blockDim.x) {
+    const float window = 2.0f * GUMBEL_APPROX_ERROR;
+    const bool aligned = row_aligned(z);
+    float best_approx = -INFINITY;
+    float kept_approx[GUMBEL_KEPT];
+    unsigned int kept_id[GUMBEL_KEPT];
+    int kept = 0;
+    bool overflow = false;
+    for (unsigned int i = begin + threadIdx.x * 4u; i < end; i += blockDim.x * 4u) {
+        const float4 v = load4(z, i, end, aligned);
+        const float values[4] = {v.x, v.y, v.z, v.w};
         float tempered[4];
         float block_max = -INFINITY;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const unsigned int i = block * 4u + j;
-            const float v = i < end ? sanitize_logit(z[i]) : -INFINITY;
-            tempered[j] = __fmul_rn(__fsub_rn(v, z_max), inverse_temperature);
+            tempered[j] = __fmul_rn(__fsub_rn(values[j], z_max), inverse_temperature);
             block_max = fmaxf(block_max, tempered[j]);
         }
-        if (block_max == -INFINITY || __fadd_rn(block_max, 22.9f) < best) continue;
-        const uint4 words = philox_block(p, PURPOSE_GUMBEL, block);
+        // Noise is below 22.87 (+ the approximation error): such a block cannot reach the window.
+        if (block_max == -INFINITY || block_max + 22.91f < best_approx - window) continue;
+        const uint4 words = philox_block(p, PURPOSE_GUMBEL, i / 4u);
         const unsigned int w[4] = {words.x, words.y, words.z, words.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const float score = __fadd_rn(tempered[j], gumbel_noise(w[j]));
-            if (score > best) { best = score; best_id = block * 4u + j; }
+            if (tempered[j] == -INFINITY) continue;
+            const float approx = tempered[j] + approx_gumbel_noise(w[j]);
+            if (approx < best_approx - window) continue;
+            if (approx > best_approx) {
+                best_approx = approx;
+                int still = 0;
+#pragma unroll
+                for (int k = 0; k < GUMBEL_KEPT; ++k) {
+                    if (k < kept && kept_approx[k] >= approx - window) {
+                        kept_approx[still] = kept_approx[k];
+                        kept_id[still] = kept_id[k];
+                        ++still;
+                    }
+                }
+                kept = still;
+            }
+            if (kept < GUMBEL_KEPT) {
+                kept_approx[kept] = approx;
+                kept_id[kept] = i + j;
+                ++kept;
+            } else {
+                overflow = true;
+            }
+        }
+    }
+    const float cutoff = block_max_f32(best_approx) - window;
+    best = -INFINITY;
+    best_id = NO_TOKEN;
+    if (overflow) {
+        for (unsigned int i = begin + threadIdx.x * 4u; i < end; i += blockDim.x * 4u) {
+            const float4 v = load4(z, i, end, aligned);
+            const float values[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float tempered = __fmul_rn(__fsub_rn(values[j], z_max), inverse_temperature);
+                if (tempered == -INFINITY) continue;
+                const float score = exact_gumbel_score(p, tempered, i + j);
+                if (score > best) { best = score; best_id = i + j; }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < GUMBEL_KEPT; ++k) {
+            if (k < kept && kept_approx[k] >= cutoff) {
+                const unsigned int id = kept_id[k];
+                const float tempered = __fmul_rn(__fsub_rn(sanitize_logit(z[id]), z_max), inverse_temperature);
+                const float score = exact_gumbel_score(p, tempered, id);
+                if (better(score, id, best, best_id)) { best = score; best_id = id; }
+            }
         }
     }
     block_argmax(best, best_id);
+}
+
+// Gumbel-max partials of the unfiltered rows (other rows return at once): the split's best
+// (score, lowest id) into partial_score / partial_id [rows, num_splits].
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+sampling_gumbel(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
+                unsigned int num_splits, const unsigned int* __restrict__ state,
+                float* __restrict__ partial_score, unsigned int* __restrict__ partial_id) {
+    const unsigned int row = blockIdx.y, split = blockIdx.x;
+    const RowParams p = load_row_params(params, row);
+    const float z_max = __uint_as_float(state[row * FILTER_STATE_WORDS + FS_Z_MAX]);
+    if (row_path(p, vocab, z_max) != PATH_GUMBEL) return;
+    unsigned int begin, end;
+    split_range(vocab, num_splits, split, begin, end);
+    float best;
+    unsigned int best_id;
+    gumbel_range(logits + (size_t)row * vocab, begin, end, p, z_max, best, best_id);
     if (threadIdx.x == 0) {
         partial_score[row * num_splits + split] = best;
         partial_id[row * num_splits + split] = best == -INFINITY ? NO_TOKEN : best_id;
     }
 }
 
-// One warp per row: greedy rows take the argmax (lowest id on ties, 0 without a finite
-// logit), Gumbel rows the best partial; both write tokens[row] and stats[row] = {path, 0}
-// and bump the totals. Rejection rows were written by sampling_filtered and are left alone.
-extern "C" __global__ void sampling_finalize(const unsigned int* __restrict__ params, unsigned int vocab,
-                                             unsigned int num_splits,
-                                             const float* __restrict__ partial_max,
-                                             const unsigned int* __restrict__ partial_index,
-                                             const float* __restrict__ partial_score,
-                                             const unsigned int* __restrict__ partial_id,
-                                             unsigned int* __restrict__ tokens,
-                                             unsigned int* __restrict__ stats,
-                                             unsigned int* __restrict__ totals) {
-    const unsigned int row = blockIdx.x;
-    if (threadIdx.x != 0) return;
-    const RowParams p = load_row_params(params, row);
+// Partial (max, lowest index) of the sanitised logits of each (row, split) into
+// partial_max / partial_index [rows, num_splits] (-inf / NO_TOKEN when the split has no value
+// above -inf). The last CTA of each row sets up its filter state (init_filter_state).
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+sampling_row_max(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
+                 unsigned int num_splits, unsigned int flags, float* __restrict__ partial_max,
+                 unsigned int* __restrict__ partial_index, unsigned int* __restrict__ state,
+                 unsigned int* __restrict__ arrive) {
+    const unsigned int row = blockIdx.y, split = blockIdx.x;
+    unsigned int begin, end;
+    split_range(vocab, num_splits, split, begin, end);
+    const float* z = logits + (size_t)row * vocab;
+    const bool aligned = row_aligned(z);
+    float best = -INFINITY;
+    unsigned int best_id = NO_TOKEN;
+#pragma unroll 2
+    for (unsigned int i = begin + threadIdx.x * 4u; i < end; i += blockDim.x * 4u) {
+        const float4 v = load4(z, i, end, aligned);
+        // Ids increase per thread: strict > keeps the lowest id of equal values.
+        if (v.x > best) { best = v.x; best_id = i; }
+        if (v.y > best) { best = v.y; best_id = i + 1u; }
+        if (v.z > best) { best = v.z; best_id = i + 2u; }
+        if (v.w > best) { best = v.w; best_id = i + 3u; }
+    }
+    block_argmax(best, best_id);
+    if (threadIdx.x == 0) {
+        partial_max[row * num_splits + split] = best;
+        partial_index[row * num_splits + split] = best == -INFINITY ? NO_TOKEN : best_id;
+    }
+    if (!last_to_arrive(arrive, row, num_splits)) return;
     float z_max;
     unsigned int argmax;
     reduce_row_max(partial_max, partial_index, row, num_splits, z_max, argmax);
-    const unsigned int path = row_path(p, vocab, z_max);
-    if (path == PATH_REJECTION) return;
-    unsigned int token = argmax;
-    if (path == PATH_GUMBEL) {
-        float best = -INFINITY;
-        unsigned int best_id = NO_TOKEN;
-        for (unsigned int s = 0; s < num_splits; ++s) {
-            const float score = partial_score[row * num_splits + s];
-            const unsigned int id = partial_id[row * num_splits + s];
-            if (better(score, id, best, best_id)) { best = score; best_id = id; }
-        }
-        // Unreachable (the argmax element has a finite score): keep the argmax then.
-        if (best_id != NO_TOKEN) token = best_id;
-    }
-    tokens[row] = token;
-    stats[2 * row] = path;
-    stats[2 * row + 1] = 0u;
-    count_total(totals, path, 1ull);
+    if (threadIdx.x != 0) return;
+    init_filter_state(load_row_params(params, row), vocab, z_max, argmax, flags, state + row * FILTER_STATE_WORDS);
 }

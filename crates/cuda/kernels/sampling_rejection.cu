@@ -1,40 +1,20 @@
-// GPU sampling, part 2: filtered rows (top-k / top-p / min-p) by dual-pivot rejection from
-// the logits, one CTA of 1024 threads (32 warps) per row, f64 weights computed on the fly
-// (no probability array). The algorithm is pagoda_ops' rejection.rs step for step; the
-// differences are only in f64 summation order (see src/ops/sampling/mod.rs).
+// GPU sampling, part 4: the exact filtered sampler and the per-row finish. The exact
+// sampler draws a filtered row (top-k / top-p / min-p) by dual-pivot rejection from the
+// logits with one CTA of 1024 threads (32 warps) and f64 weights computed on the fly (no
+// probability array): pagoda_ops' rejection.rs step for step, the differences only in f64
+// summation order (see src/ops/sampling/mod.rs). It runs for the rows the multi-CTA
+// pipeline (sampling_fast.cu) did not finish, and is the oracle that pipeline defers to.
 //
 // Warp w owns the contiguous id range warp_range(w) (lanes read it coalesced), so the
 // inverse-CDF walk in id order is: prefix over the 32 per-warp masses, then a scan inside
 // the owning warp.
 
 #define REJECTION_THREADS 1024
-#define VERDICT_PASS 0
-#define VERDICT_FAIL 1
-#define VERDICT_AMBIGUOUS 2
 
 PAGODA_DEVICE void warp_range(unsigned int vocab, unsigned int warp, unsigned int& begin, unsigned int& end) {
     const unsigned int per_warp = ((vocab + 31u) / 32u + 31u) / 32u * 32u;
     begin = min(warp * per_warp, vocab);
     end = min(begin + per_warp, vocab);
-}
-
-// pagoda_ops rejection::min_p_threshold: the smallest f32 t with exp(t - z_max) >= min_p
-// (f64), by ulp steps from z_max + ln(min_p). False when the steps do not settle.
-PAGODA_DEVICE bool min_p_passes(float value, double z_max, double min_p) {
-    return exp(__dsub_rn((double)value, z_max)) >= min_p;
-}
-PAGODA_DEVICE bool min_p_threshold(float z_max, float min_p_f32, float& threshold) {
-    const double z_max64 = z_max, min_p = min_p_f32;
-    float t = __double2float_rn(__dadd_rn(z_max64, log(min_p)));
-    t = fminf(fmaxf(t, -__int_as_float(FLT_MAX_BITS)), z_max);
-    for (int i = 0; i < 64 && !min_p_passes(t, z_max64, min_p); ++i) t = from_ordered_bits(ordered_bits(t) + 1u);
-    if (!min_p_passes(t, z_max64, min_p)) return false;
-    for (int i = 0; i < 64; ++i) {
-        const float below = next_down(t);
-        if (below == -INFINITY || !min_p_passes(below, z_max64, min_p)) { threshold = t; return true; }
-        t = below;
-    }
-    return false;
 }
 
 // The k-th largest finite logit (ties counted) by a 4-pass radix select over ordered_bits
@@ -143,11 +123,6 @@ PAGODA_DEVICE unsigned int walk_proposal(const float* z, unsigned int vocab, flo
     return candidate;
 }
 
-PAGODA_DEVICE int top_p_verdict(double mass_above, double mass_target, double margin) {
-    if (fabs(mass_above - mass_target) <= margin) return VERDICT_AMBIGUOUS;
-    return mass_above >= mass_target ? VERDICT_FAIL : VERDICT_PASS;
-}
-
 // Block sum of exp(z - z_max) over {z > value} (the untempered mass strictly above value).
 PAGODA_DEVICE double mass_above(const float* z, unsigned int vocab, float value, double z_max) {
     double mass = 0.0;
@@ -158,27 +133,20 @@ PAGODA_DEVICE double mass_above(const float* z, unsigned int vocab, float value,
     return block_sum_f64(mass);
 }
 
-// Filtered rows only (others return at once): dual-pivot rejection with at most max_rounds
-// rounds, round r drawing its uniform from Philox block r of (seed, step, RejectionRound);
-// on an ambiguous top-p test or the round cap, the counted exact fallback: the chain's
-// support threshold by bit bisection, then an inverse-CDF draw with the (seed, step,
-// Fallback) uniform. Writes tokens[row], stats[row] = {path, rounds}, bumps the totals.
-extern "C" __global__ void __launch_bounds__(REJECTION_THREADS)
-sampling_filtered(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
-                  unsigned int num_splits, const float* __restrict__ partial_max,
-                  const unsigned int* __restrict__ partial_index, unsigned int max_rounds,
-                  unsigned int* __restrict__ tokens, unsigned int* __restrict__ stats,
-                  unsigned int* __restrict__ totals) {
+// One filtered row, exactly (block-wide, REJECTION_THREADS): dual-pivot rejection with at
+// most max_rounds rounds, round r drawing its uniform from Philox block r of (seed, step,
+// RejectionRound); on an ambiguous top-p test or the round cap, the counted exact fallback:
+// the chain's support threshold by bit bisection, then an inverse-CDF draw with the
+// (seed, step, Fallback) uniform. Writes tokens[row], stats[row] = {path, rounds}, bumps the
+// totals.
+PAGODA_DEVICE void exact_filtered_row(const float* __restrict__ z, const RowParams& p, unsigned int vocab,
+                                      unsigned int row, float z_max, unsigned int argmax, unsigned int max_rounds,
+                                      unsigned int* __restrict__ tokens, unsigned int* __restrict__ stats,
+                                      unsigned int* __restrict__ totals) {
     __shared__ double warp_mass[32], warp_draw0[32], warp_draw1[32];
     __shared__ float s_threshold;
     __shared__ int s_ok;
-    const unsigned int row = blockIdx.x, lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-    const RowParams p = load_row_params(params, row);
-    float z_max;
-    unsigned int argmax;
-    reduce_row_max(partial_max, partial_index, row, num_splits, z_max, argmax);
-    if (row_path(p, vocab, z_max) != PATH_REJECTION) return;
-    const float* z = logits + (size_t)row * vocab;
+    const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const double z_max64 = z_max;
     const double inverse_temperature = __ddiv_rn(1.0, (double)p.temperature);
     const bool use_top_p = top_p_active(p);
@@ -291,5 +259,56 @@ sampling_filtered(const float* __restrict__ logits, const unsigned int* __restri
         stats[2 * row + 1] = rounds;
         count_total(totals, path, 1ull);
         count_total(totals, 4u, (unsigned long long)rounds);
+        count_total(totals, 6u, 1ull);
+    }
+}
+
+// One CTA per row, after every other sampling kernel; the row maximum comes from the filter
+// state sampling_row_max wrote. Greedy rows take the argmax (lowest id on ties, 0 without a
+// finite logit); Gumbel rows the best partial of sampling_pass (or,
+// without FLAG_GUMBEL, a scan of the whole row here); filtered rows the multi-CTA pipeline
+// did not finish (status not DONE) are drawn by exact_filtered_row. Writes tokens[row] and
+// stats[row] = {path, rounds} and bumps the totals for every row not already DONE.
+extern "C" __global__ void __launch_bounds__(REJECTION_THREADS)
+sampling_finish(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
+                unsigned int num_splits, unsigned int flags, unsigned int max_rounds,
+                const float* __restrict__ partial_score, const unsigned int* __restrict__ partial_id,
+                const unsigned int* __restrict__ state, unsigned int* __restrict__ tokens,
+                unsigned int* __restrict__ stats, unsigned int* __restrict__ totals) {
+    const unsigned int row = blockIdx.x;
+    const unsigned int* st = state + row * FILTER_STATE_WORDS;
+    const unsigned int status = st[FS_STATUS];
+    if (status == STATUS_DONE) return;
+    const RowParams p = load_row_params(params, row);
+    const float z_max = __uint_as_float(st[FS_Z_MAX]);
+    const unsigned int argmax = st[FS_ARGMAX];
+    const float* z = logits + (size_t)row * vocab;
+    const unsigned int path = row_path(p, vocab, z_max);
+    if (path == PATH_REJECTION) {
+        exact_filtered_row(z, p, vocab, row, z_max, argmax, max_rounds, tokens, stats, totals);
+        return;
+    }
+    unsigned int token = argmax;
+    if (path == PATH_GUMBEL) {
+        float best = -INFINITY;
+        unsigned int best_id = NO_TOKEN;
+        if (flags & FLAG_GUMBEL) {
+            for (unsigned int s = threadIdx.x; s < num_splits; s += blockDim.x) {
+                const float score = partial_score[row * num_splits + s];
+                const unsigned int id = partial_id[row * num_splits + s];
+                if (better(score, id, best, best_id)) { best = score; best_id = id; }
+            }
+            block_argmax(best, best_id);
+        } else {
+            gumbel_range(z, 0u, vocab, p, z_max, best, best_id);
+        }
+        // Unreachable (the argmax element has a finite score): keep the argmax then.
+        if (best_id != NO_TOKEN) token = best_id;
+    }
+    if (threadIdx.x == 0) {
+        tokens[row] = token;
+        stats[2 * row] = path;
+        stats[2 * row + 1] = 0u;
+        count_total(totals, path, 1ull);
     }
 }

@@ -9,7 +9,10 @@ mod common;
 
 use common::sampling::*;
 use common::*;
-use pagoda_cuda::ops::{self, RowPath, SamplingOptions, SamplingRowParams, SamplingWorkspace};
+use pagoda_cuda::ops::{
+    self, FilteredSampling, RowPath, SamplingMix, SamplingOptions, SamplingRowParams,
+    SamplingWorkspace,
+};
 use pagoda_cuda::Gpu;
 use pagoda_ops::sampling::{argmax, SamplingParams};
 
@@ -431,4 +434,158 @@ fn a_captured_graph_replays_with_new_steps() {
         let direct = sample_batch(&gpu, &rows, &moved, SamplingOptions::default());
         assert_eq!(replayed, direct, "graph replay at step offset {step}");
     }
+}
+
+/// Filtered rows of many shapes: temperatures 0.1 to 3, top-p 0.3 to 0.999, top-k, min-p and
+/// their combinations, on logits of several spreads.
+fn filtered_batch(vocab: usize, rows: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<SamplingRowParams>) {
+    let mut rng = rng(seed);
+    let temperatures = [0.1f32, 0.5, 0.8, 1.0, 1.7, 3.0];
+    let top_ps = [0.3f32, 0.7, 0.9, 0.95, 0.999];
+    let mut logits = Vec::new();
+    let mut params = Vec::new();
+    for index in 0..rows {
+        logits.push(random_vec(
+            &mut rng,
+            vocab,
+            [0.5f32, 2.0, 3.0, 8.0][index % 4],
+        ));
+        let temperature = temperatures[index % temperatures.len()];
+        let top_p = top_ps[(index / 2) % top_ps.len()];
+        let chain = match index % 5 {
+            0 => chain_params(temperature, 0, top_p, 0.0, index as u64),
+            1 => chain_params(temperature, 50, top_p, 0.0, index as u64),
+            2 => chain_params(temperature, 0, 1.0, 0.02, index as u64),
+            3 => chain_params(temperature, 200, 1.0, 0.0, index as u64),
+            _ => chain_params(temperature, 40, top_p, 0.05, index as u64),
+        };
+        params.push(row_params(&chain, 977 * index as u64 + 3));
+    }
+    (logits, params)
+}
+
+#[test]
+fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
+    let Some(gpu) = gpu("the_fast_filtered_path_draws_the_exact_kernels_tokens") else {
+        return;
+    };
+    let exact = SamplingOptions {
+        filtered: FilteredSampling::Exact,
+        ..SamplingOptions::default()
+    };
+    for (vocab, rows, batches) in [
+        (1000usize, 64usize, 20u64),
+        (32_768, 64, 4),
+        (151_936, 16, 4),
+    ] {
+        let (mut fast_rows, mut exact_rows, mut equal, mut total) = (0u64, 0u64, 0usize, 0usize);
+        for batch in 0..batches {
+            let (logits, params) = filtered_batch(vocab, rows, 1000 * batch + vocab as u64);
+            let fast_tokens = sample_batch(&gpu, &logits, &params, SamplingOptions::default());
+            let exact_tokens = sample_batch(&gpu, &logits, &params, exact);
+            equal += fast_tokens
+                .iter()
+                .zip(&exact_tokens)
+                .filter(|(a, b)| a == b)
+                .count();
+            total += rows;
+            let first = fast_tokens
+                .iter()
+                .zip(&exact_tokens)
+                .position(|(a, b)| a != b);
+            assert_eq!(
+                fast_tokens,
+                exact_tokens,
+                "V={vocab} batch {batch}: first difference at row {first:?} ({:?})",
+                first.map(|row| params[row])
+            );
+            // Which path finished the rows (a fresh workspace per launch in sample_batch, so
+            // count again here).
+            let totals = sample_totals(&gpu, &logits, &params, SamplingOptions::default());
+            fast_rows += totals.filtered_fast;
+            exact_rows += totals.filtered_exact;
+            assert_eq!(totals.filtered_fast + totals.filtered_exact, rows as u64);
+        }
+        println!(
+            "V={vocab}: {equal}/{total} tokens equal; fast path finished {fast_rows}, exact \
+             kernel {exact_rows}"
+        );
+        assert!(
+            fast_rows * 10 >= 9 * total as u64,
+            "V={vocab}: the fast path finished only {fast_rows} of {total} rows"
+        );
+    }
+    // Without round launches, or with stages left out of the mix, every row still gets the
+    // same token (on the slower paths).
+    let (logits, params) = filtered_batch(32_768, 40, 7);
+    let reference = sample_batch(&gpu, &logits, &params, exact);
+    let none = SamplingMix {
+        gumbel: false,
+        filtered: false,
+        top_k: false,
+    };
+    for options in [
+        SamplingOptions {
+            fast_rounds: Some(0),
+            ..SamplingOptions::default()
+        },
+        SamplingOptions {
+            mix: none,
+            ..SamplingOptions::default()
+        },
+        SamplingOptions {
+            mix: SamplingMix {
+                top_k: false,
+                ..SamplingMix::ALL
+            },
+            ..SamplingOptions::default()
+        },
+    ] {
+        assert_eq!(
+            sample_batch(&gpu, &logits, &params, options),
+            reference,
+            "{options:?}"
+        );
+    }
+    let (logits, params) = mixed_batch(32_768);
+    assert_eq!(
+        sample_batch(
+            &gpu,
+            &logits,
+            &params,
+            SamplingOptions {
+                mix: none,
+                ..SamplingOptions::default()
+            }
+        ),
+        sample_batch(&gpu, &logits, &params, SamplingOptions::default()),
+        "mixed batch, nothing in the mix"
+    );
+}
+
+/// The totals of one launch over `rows` with `options`.
+fn sample_totals(
+    gpu: &Gpu,
+    rows: &[Vec<f32>],
+    params: &[SamplingRowParams],
+    options: SamplingOptions,
+) -> ops::SamplingTotals {
+    let vocab = rows[0].len();
+    let logits = gpu.upload(&rows.concat()).unwrap();
+    let params_d = gpu
+        .upload(&ops::encode_row_params(params).unwrap())
+        .unwrap();
+    let mut workspace = SamplingWorkspace::new(gpu, rows.len(), vocab).unwrap();
+    let mut tokens = poisoned::<u32>(gpu, rows.len());
+    ops::sample_rows_with(
+        gpu,
+        &logits,
+        vocab,
+        &params_d,
+        &mut workspace,
+        &mut tokens,
+        options,
+    )
+    .unwrap();
+    workspace.read_totals(gpu).unwrap()
 }

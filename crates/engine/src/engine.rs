@@ -131,6 +131,10 @@ pub struct EngineCounters {
     pub sampled_tokens_cpu: u64,
     /// GPU-sampled tokens that took the GPU sampler's counted exact fallback.
     pub gpu_sampler_fallbacks: u64,
+    /// GPU-sampled filtered rows finished by the multi-CTA fast path / drawn by the
+    /// single-CTA exact kernel.
+    pub gpu_sampler_filtered_fast: u64,
+    pub gpu_sampler_filtered_exact: u64,
 }
 
 impl EngineCounters {
@@ -482,6 +486,8 @@ impl Engine {
                     self.counters.steps_cuda_prefill_kernel = cuda.prefill_kernel_steps;
                     self.counters.cuda_gpu_time_us = cuda.gpu_time_us;
                     self.counters.gpu_sampler_fallbacks = cuda.sampler_fallback_rows;
+                    self.counters.gpu_sampler_filtered_fast = cuda.sampler_filtered_fast_rows;
+                    self.counters.gpu_sampler_filtered_exact = cuda.sampler_filtered_exact_rows;
                 }
             }
         }

@@ -137,6 +137,8 @@ pub struct Metrics {
     sampled_tokens_gpu: Counter,
     sampled_tokens_cpu: Counter,
     gpu_sampler_fallbacks: Counter,
+    gpu_sampler_filtered_fast: Counter,
+    gpu_sampler_filtered_exact: Counter,
     batch_invariant: Counter,
 }
 
@@ -181,6 +183,8 @@ impl Default for Metrics {
             sampled_tokens_gpu: Counter::default(),
             sampled_tokens_cpu: Counter::default(),
             gpu_sampler_fallbacks: Counter::default(),
+            gpu_sampler_filtered_fast: Counter::default(),
+            gpu_sampler_filtered_exact: Counter::default(),
             batch_invariant: Counter::default(),
         }
     }
@@ -232,6 +236,10 @@ impl Metrics {
         self.sampled_tokens_cpu.set(snapshot.sampled_tokens_cpu);
         self.gpu_sampler_fallbacks
             .set(snapshot.gpu_sampler_fallbacks);
+        self.gpu_sampler_filtered_fast
+            .set(snapshot.gpu_sampler_filtered_fast);
+        self.gpu_sampler_filtered_exact
+            .set(snapshot.gpu_sampler_filtered_exact);
         self.batch_invariant
             .set(u64::from(!snapshot.batch_dependent));
     }
@@ -482,6 +490,16 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
+            "# HELP pagoda_gpu_sampling_filtered_rows_total GPU-sampled top-k/top-p/min-p rows, \
+             by kernel path (fast: the multi-CTA pipeline; exact: the single-CTA kernel).\n\
+             # TYPE pagoda_gpu_sampling_filtered_rows_total counter\n\
+             pagoda_gpu_sampling_filtered_rows_total{{path=\"fast\"}} {}\n\
+             pagoda_gpu_sampling_filtered_rows_total{{path=\"exact\"}} {}",
+            self.gpu_sampler_filtered_fast.get(),
+            self.gpu_sampler_filtered_exact.get()
+        );
+        let _ = writeln!(
+            out,
             "# HELP pagoda_cpu_kernels_info The CPU matmul kernel set in use (PAGODA_CPU_KERNELS).\n\
              # TYPE pagoda_cpu_kernels_info gauge\npagoda_cpu_kernels_info{{set=\"{}\"}} 1",
             pagoda_ops::linear::cpu_kernels_name()
@@ -544,6 +562,8 @@ mod tests {
                 sampled_tokens_gpu: 40,
                 sampled_tokens_cpu: 2,
                 gpu_sampler_fallbacks: 1,
+                gpu_sampler_filtered_fast: 30,
+                gpu_sampler_filtered_exact: 2,
                 ..snapshot
             },
             0,
@@ -554,5 +574,7 @@ mod tests {
         assert!(text.contains("pagoda_sampled_tokens_total{path=\"gpu\"} 40\n"));
         assert!(text.contains("pagoda_sampled_tokens_total{path=\"cpu\"} 2\n"));
         assert!(text.contains("pagoda_gpu_sampling_fallbacks_total 1\n"));
+        assert!(text.contains("pagoda_gpu_sampling_filtered_rows_total{path=\"fast\"} 30\n"));
+        assert!(text.contains("pagoda_gpu_sampling_filtered_rows_total{path=\"exact\"} 2\n"));
     }
 }

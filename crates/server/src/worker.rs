@@ -85,6 +85,9 @@ pub struct EngineSnapshot {
     pub sampled_tokens_cpu: u64,
     /// GPU-sampled tokens that took the GPU sampler's counted exact fallback.
     pub gpu_sampler_fallbacks: u64,
+    /// GPU-sampled filtered rows finished by the fast path / drawn by the exact kernel.
+    pub gpu_sampler_filtered_fast: u64,
+    pub gpu_sampler_filtered_exact: u64,
     /// Outputs may depend on which requests share a step (the CUDA backend: cuBLAS picks
     /// kernels per batch shape). On the CPU every request gets its one-at-a-time output.
     pub batch_dependent: bool,
@@ -144,6 +147,8 @@ impl EngineBackend for Engine {
             sampled_tokens_gpu: counters.sampled_tokens_gpu,
             sampled_tokens_cpu: counters.sampled_tokens_cpu,
             gpu_sampler_fallbacks: counters.gpu_sampler_fallbacks,
+            gpu_sampler_filtered_fast: counters.gpu_sampler_filtered_fast,
+            gpu_sampler_filtered_exact: counters.gpu_sampler_filtered_exact,
             batch_dependent: self.is_cuda(),
         }
     }

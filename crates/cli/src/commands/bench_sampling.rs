@@ -34,6 +34,18 @@ pub enum SamplingDevice {
     Cuda,
 }
 
+/// Which filtered-row paths `pagoda bench sampling --device cuda` times.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum FilteredArms {
+    /// The multi-CTA fast path (the default in `generate` / `serve`).
+    Fast,
+    /// The single-CTA exact kernel.
+    Exact,
+    /// Both, one after the other per cell.
+    #[default]
+    Both,
+}
+
 /// Flags of `pagoda bench sampling`.
 #[derive(Args, Debug)]
 pub struct BenchSamplingArgs {
@@ -65,6 +77,16 @@ pub struct BenchSamplingArgs {
     /// CUDA: graph replays per case (the median and minimum per call are reported).
     #[arg(long, default_value_t = 100)]
     pub replays: usize,
+    /// CUDA: the filtered rows' path to time: fast (multi-CTA), exact (one CTA per row, f64),
+    /// or both side by side.
+    #[arg(long, value_enum, default_value_t = FilteredArms::Both)]
+    pub filtered: FilteredArms,
+    /// CUDA: round launches of the fast filtered path (default: by batch size).
+    #[arg(long = "fast-rounds")]
+    pub fast_rounds: Option<u32>,
+    /// CUDA: the configurations to time (comma-separated; default all).
+    #[arg(long = "configurations", value_enum, value_delimiter = ',')]
+    pub configurations: Vec<super::bench_sampling_anchors::Configuration>,
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -6,7 +6,7 @@ use pagoda_ops::sampling::SamplingParams;
 use super::bench_sampling_gpu::TotalsReport;
 
 /// The configurations of table D, plus greedy.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Configuration {
     /// Argmax (temperature 0): no randomness, no anchor.
     Greedy,
@@ -72,7 +72,10 @@ impl Configuration {
             _ => totals.rejection + totals.fallback,
         };
         let all = totals.greedy + totals.gumbel + totals.rejection + totals.fallback;
-        on_path == rows && all == rows
+        // Every filtered row is finished by exactly one of the fast path and the exact kernel.
+        let filtered = totals.rejection + totals.fallback;
+        let finished = totals.filtered_fast + totals.filtered_exact;
+        on_path == rows && all == rows && filtered == finished
     }
 }
 

@@ -19,14 +19,16 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use pagoda_cuda::ops::{
-    encode_row_params, sample_rows, sampling_splits, SamplingRowParams, SamplingTotals,
-    SamplingWorkspace, MAX_SAMPLING_ROWS,
+    encode_row_params, sample_rows_with, sampling_splits, FilteredSampling, SamplingMix,
+    SamplingOptions, SamplingRowParams, SamplingTotals, SamplingWorkspace, MAX_SAMPLING_ROWS,
 };
 use pagoda_cuda::{CudaError, DeviceBuffer, Gpu};
 use rayon::prelude::*;
 use serde::Serialize;
 
-use super::bench_sampling::{check_token, median_and_min, randn_rows, BenchSamplingArgs};
+use super::bench_sampling::{
+    check_token, median_and_min, randn_rows, BenchSamplingArgs, FilteredArms,
+};
 
 pub use super::bench_sampling_anchors::{anchor_for, Configuration};
 
@@ -47,6 +49,8 @@ struct CaseResult {
     vocab: usize,
     batch: usize,
     configuration: &'static str,
+    /// The filtered rows' path (`fast` / `exact`; `-` for greedy and plain).
+    filtered: &'static str,
     rotating_sets: usize,
     splits: usize,
     median_us: f64,
@@ -83,6 +87,8 @@ pub(crate) struct TotalsReport {
     pub(crate) rejection: u64,
     pub(crate) fallback: u64,
     pub(crate) rejection_rounds: u64,
+    pub(crate) filtered_fast: u64,
+    pub(crate) filtered_exact: u64,
 }
 
 /// One rotating input set on the device: `[B, V]` logits and the `[B]` tokens drawn from
@@ -154,22 +160,50 @@ pub fn run(args: &BenchSamplingArgs) -> Result<()> {
                 batch,
                 splits: sampling_splits(batch, vocab, sm_count),
             };
-            for configuration in Configuration::ALL {
-                let case = measure(
-                    &gpu,
-                    &mut workspace,
-                    &mut inputs,
-                    &host,
-                    cell,
-                    configuration,
-                    args.replays,
-                )
-                .with_context(|| format!("V {vocab}, B {batch}, {}", configuration.name()))?;
-                if !args.json {
-                    print_row(&case, header);
-                    header = false;
+            let configurations = if args.configurations.is_empty() {
+                Configuration::ALL.to_vec()
+            } else {
+                args.configurations.clone()
+            };
+            for configuration in configurations {
+                let filtered =
+                    !matches!(configuration, Configuration::Greedy | Configuration::Plain);
+                let arms: &[FilteredSampling] = match (filtered, args.filtered) {
+                    (false, _) | (true, FilteredArms::Fast) => &[FilteredSampling::Fast],
+                    (true, FilteredArms::Exact) => &[FilteredSampling::Exact],
+                    (true, FilteredArms::Both) => {
+                        &[FilteredSampling::Fast, FilteredSampling::Exact]
+                    }
+                };
+                for &arm in arms {
+                    let options = ArmOptions {
+                        filtered: arm,
+                        fast_rounds: args.fast_rounds,
+                        label: if filtered { arm.name() } else { "-" },
+                    };
+                    let case = measure(
+                        &gpu,
+                        &mut workspace,
+                        &mut inputs,
+                        &host,
+                        cell,
+                        configuration,
+                        options,
+                        args.replays,
+                    )
+                    .with_context(|| {
+                        format!(
+                            "V {vocab}, B {batch}, {} ({})",
+                            configuration.name(),
+                            arm.name()
+                        )
+                    })?;
+                    if !args.json {
+                        print_row(&case, header);
+                        header = false;
+                    }
+                    cases.push(case);
                 }
-                cases.push(case);
             }
         }
     }
@@ -249,8 +283,18 @@ fn row_params(configuration: Configuration, row: usize, set: usize) -> Result<Sa
     )?)
 }
 
+/// The sampler options of one measured arm.
+#[derive(Clone, Copy)]
+struct ArmOptions {
+    filtered: FilteredSampling,
+    fast_rounds: Option<u32>,
+    /// The arm's name in the table.
+    label: &'static str,
+}
+
 /// Times one configuration over the rotating `inputs` (their host logits in `host`, set
 /// after set), then checks the totals and every drawn token.
+#[allow(clippy::too_many_arguments)]
 fn measure(
     gpu: &Gpu,
     workspace: &mut SamplingWorkspace,
@@ -258,29 +302,40 @@ fn measure(
     host: &[f32],
     cell: Cell,
     configuration: Configuration,
+    arm: ArmOptions,
     replays: usize,
 ) -> Result<CaseResult> {
     let Cell { vocab, batch, .. } = cell;
     let sets = inputs.len();
     let mut params = Vec::with_capacity(sets);
+    let mut mix = None;
     for set in 0..sets {
         let rows = (0..batch)
             .map(|row| row_params(configuration, row, set))
             .collect::<Result<Vec<_>>>()?;
+        mix = Some(SamplingMix::of(&rows, vocab));
         params.push(gpu.upload(&encode_row_params(&rows)?)?);
     }
+    // The stages this configuration's rows need, as `forward_sampled` launches them.
+    let options = SamplingOptions {
+        filtered: arm.filtered,
+        fast_rounds: arm.fast_rounds,
+        mix: mix.unwrap_or(SamplingMix::ALL),
+        ..SamplingOptions::default()
+    };
     workspace.reset_totals(gpu)?;
     let mut times = Vec::with_capacity(replays);
     {
         let mut record = |gpu: &Gpu| -> Result<(), CudaError> {
             for (input, set_params) in inputs.iter_mut().zip(&params) {
-                sample_rows(
+                sample_rows_with(
                     gpu,
                     &input.logits,
                     vocab,
                     set_params,
                     workspace,
                     &mut input.tokens,
+                    options,
                 )?;
             }
             Ok(())
@@ -309,6 +364,8 @@ fn measure(
         rejection,
         fallback,
         rejection_rounds,
+        filtered_fast,
+        filtered_exact,
     } = workspace.read_totals(gpu)?;
     let totals = TotalsReport {
         greedy,
@@ -316,6 +373,8 @@ fn measure(
         rejection,
         fallback,
         rejection_rounds,
+        filtered_fast,
+        filtered_exact,
     };
     // Eager warm-up + one untimed replay + the timed replays, `sets` calls each.
     let rows_sampled = ((replays + 2) * sets * batch) as u64;
@@ -347,6 +406,7 @@ fn measure(
         vocab,
         batch,
         configuration: configuration.name(),
+        filtered: arm.label,
         rotating_sets: sets,
         splits: cell.splits,
         median_us,
@@ -370,13 +430,14 @@ fn cell(value: Option<f64>, decimals: usize) -> String {
 fn print_row(case: &CaseResult, header: bool) {
     if header {
         println!(
-            "| V | B | R | splits | configuration | us/call median | min | FI us | FI/ours | \
-             >= 2x | 2nd comparison | 2nd us | 2nd/ours | greedy/gumbel/rejection/fallback | \
-             rounds/filtered row | path | tokens ok |"
+            "| V | B | R | splits | configuration | filtered | us/call median | min | FI us | \
+             FI/ours | >= 2x | 2nd comparison | 2nd us | 2nd/ours | \
+             greedy/gumbel/rejection/fallback | fast/exact rows | rounds/filtered row | path | \
+             tokens ok |"
         );
         println!(
-            "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- | --- | ---: | \
-             ---: | --- | ---: | --- | --- |"
+            "| ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | --- | \
+             ---: | ---: | --- | --- | ---: | --- | --- |"
         );
     }
     let totals = &case.totals;
@@ -393,13 +454,14 @@ fn print_row(case: &CaseResult, header: bool) {
         ),
     };
     println!(
-        "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | {}/{}/{}/{} | \
-         {} | {} | {} |",
+        "| {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | \
+         {}/{}/{}/{} | {}/{} | {} | {} | {} |",
         case.vocab,
         case.batch,
         case.rotating_sets,
         case.splits,
         case.configuration,
+        case.filtered,
         case.median_us,
         case.min_us,
         cell(case.anchor.map(|a| a.us), 1),
@@ -412,6 +474,8 @@ fn print_row(case: &CaseResult, header: bool) {
         totals.gumbel,
         totals.rejection,
         totals.fallback,
+        totals.filtered_fast,
+        totals.filtered_exact,
         cell(rounds, 2),
         if case.path_ok { "ok" } else { "MISMATCH" },
         tokens,
@@ -478,6 +542,8 @@ mod tests {
             rejection: 90,
             fallback: 10,
             rejection_rounds: 400,
+            filtered_fast: 80,
+            filtered_exact: 20,
         };
         assert!(Configuration::TopP.path_accounts_for(&totals, 100));
         assert!(!Configuration::TopP.path_accounts_for(&totals, 101));
@@ -488,6 +554,11 @@ mod tests {
             ..totals
         };
         assert!(!Configuration::Plain.path_accounts_for(&mixed, 100));
+        let uncounted = TotalsReport {
+            filtered_exact: 19,
+            ..totals
+        };
+        assert!(!Configuration::TopP.path_accounts_for(&uncounted, 100));
     }
 
     #[test]

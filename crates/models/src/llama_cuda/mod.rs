@@ -104,7 +104,8 @@ pub struct CudaStepCounters {
     /// decode batches whose page tables exceed the gather workspace).
     pub prefill_kernel_steps: u64,
     /// GPU time of all steps, microseconds: from the inputs' upload to the logits being
-    /// ready, timed with CUDA events (the step's wall time minus this is host time).
+    /// ready, or to the tokens being drawn in a sampled step, timed with CUDA events (the
+    /// step's wall time minus this is host time).
     pub gpu_time_us: u64,
     /// Steps run by [`CudaModel::forward_sampled`] (rows sampled on the device).
     pub sampled_steps: u64,
@@ -123,6 +124,11 @@ pub struct CudaStepCounters {
     pub sampler_fallback_rows: u64,
     /// Dual-pivot rejection rounds of the device-sampled filtered rows.
     pub sampler_rejection_rounds: u64,
+    /// Device-sampled filtered rows finished by the multi-CTA fast path.
+    pub sampler_filtered_fast_rows: u64,
+    /// Device-sampled filtered rows drawn by the single-CTA exact kernel (fast path off, or
+    /// a row it left undecided).
+    pub sampler_filtered_exact_rows: u64,
 }
 
 /// A model resident on the GPU, with its KV cache.

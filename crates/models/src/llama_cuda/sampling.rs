@@ -9,15 +9,18 @@
 //! other requests of the step (its random stream must not either).
 //!
 //! The step itself is unchanged (same staging, same graphs); the sampler runs eagerly on the
-//! stream after it: one pinned upload of the row parameters, four launches per contiguous
-//! run of device rows, a 64-byte copy of the sampler's running totals next to the tokens,
+//! stream after it: one pinned upload of the row parameters, the sampler's launches per
+//! contiguous run of device rows (only the stages its rows need: see `SamplingMix`), a 64-byte copy of the sampler's running totals next to the tokens,
 //! and one download of both (the step's only synchronisation, as before).
 
 use pagoda_cuda::ops::{
-    sample_rows, SamplingRowParams, SamplingTotals, SamplingWorkspace, MAX_SAMPLING_ROWS,
-    SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
+    sample_rows_with, FilteredSampling, SamplingMix, SamplingOptions, SamplingRowParams,
+    SamplingTotals, SamplingWorkspace, MAX_SAMPLING_ROWS, SAMPLING_PARAM_WORDS,
+    SAMPLING_TOTALS_WORDS,
 };
-use pagoda_cuda::{view, view_mut, CudaError, DeviceBuffer, DeviceRead, Gpu, PinnedBuffer};
+use pagoda_cuda::{
+    view, view_mut, CudaError, DeviceBuffer, DeviceRead, Gpu, GpuEvent, PinnedBuffer,
+};
 
 use super::{GpuCache, GpuLlama, HostFloat};
 use crate::llama::ForwardBatch;
@@ -101,6 +104,28 @@ pub(super) struct DeviceSampler {
     readback: DeviceBuffer<u32>,
     /// Totals at the previous step (the counters add the difference).
     last_totals: SamplingTotals,
+    /// How filtered rows are drawn (`PAGODA_GPU_SAMPLING_FILTERED`).
+    filtered: FilteredSampling,
+}
+
+/// The filtered rows' path: `PAGODA_GPU_SAMPLING_FILTERED=fast|exact` (default `fast`, which
+/// measured faster in every configuration of `pagoda bench sampling --device cuda`); logged
+/// once. An unknown value is an error naming the variable.
+pub(super) fn filtered_sampling() -> Result<FilteredSampling, CudaError> {
+    let filtered = match std::env::var("PAGODA_GPU_SAMPLING_FILTERED") {
+        Ok(value) => FilteredSampling::parse(&value).map_err(|error| {
+            CudaError::invalid(format!("PAGODA_GPU_SAMPLING_FILTERED: {error}"))
+        })?,
+        Err(_) => FilteredSampling::Fast,
+    };
+    static LOGGED: std::sync::Once = std::sync::Once::new();
+    LOGGED.call_once(|| {
+        tracing::info!(
+            "GPU sampling: filtered rows on the {} path (PAGODA_GPU_SAMPLING_FILTERED=fast|exact)",
+            filtered.name()
+        )
+    });
+    Ok(filtered)
 }
 
 impl DeviceSampler {
@@ -112,19 +137,21 @@ impl DeviceSampler {
             params: gpu.zeros(max_rows * SAMPLING_PARAM_WORDS)?,
             readback: gpu.zeros(SAMPLING_TOTALS_WORDS + max_rows)?,
             last_totals: SamplingTotals::default(),
+            filtered: filtered_sampling()?,
         })
     }
 
     /// Samples the rows of `logits` (`[rows.len(), vocab]` on the device) whose parameters
     /// are `Some`, downloads the logits of the others, and waits for the stream. Returns
-    /// the rows and what the sampler's totals gained in this call.
+    /// the rows, what the sampler's totals gained in this call, and an event recorded when
+    /// the tokens were drawn (before the download).
     fn sample(
         &mut self,
         gpu: &Gpu,
         logits: &impl DeviceRead<f32>,
         vocab: usize,
         rows: &[Option<SamplingRowParams>],
-    ) -> Result<(Vec<SampledRow>, SamplingTotals), CudaError> {
+    ) -> Result<(Vec<SampledRow>, SamplingTotals, GpuEvent), CudaError> {
         let num_rows = rows.len();
         if num_rows > self.workspace.max_rows() || logits.len() != num_rows * vocab {
             return Err(CudaError::invalid(format!(
@@ -148,7 +175,14 @@ impl DeviceSampler {
         )?;
         let device_runs = runs(rows, true);
         for run in &device_runs {
-            sample_rows(
+            let run_params: Vec<SamplingRowParams> =
+                rows[run.clone()].iter().flatten().copied().collect();
+            let options = SamplingOptions {
+                filtered: self.filtered,
+                mix: SamplingMix::of(&run_params, vocab),
+                ..SamplingOptions::default()
+            };
+            sample_rows_with(
                 gpu,
                 &view(logits, run.start * vocab..run.end * vocab)?,
                 vocab,
@@ -161,12 +195,14 @@ impl DeviceSampler {
                     &mut self.readback,
                     SAMPLING_TOTALS_WORDS + run.start..SAMPLING_TOTALS_WORDS + run.end,
                 )?,
+                options,
             )?;
         }
         gpu.copy(
             self.workspace.totals(),
             &mut view_mut(&mut self.readback, 0..SAMPLING_TOTALS_WORDS)?,
         )?;
+        let drawn = gpu.record_event()?;
         let readback = gpu.download(&view(&self.readback, 0..SAMPLING_TOTALS_WORDS + num_rows)?)?;
         let totals = SamplingTotals::from_words(&readback[..SAMPLING_TOTALS_WORDS])?;
         let gained = totals_difference(totals, self.last_totals);
@@ -186,7 +222,7 @@ impl DeviceSampler {
                 sampled[row] = SampledRow::Logits(chunk.to_vec());
             }
         }
-        Ok((sampled, gained))
+        Ok((sampled, gained, drawn))
     }
 }
 
@@ -214,6 +250,8 @@ fn totals_difference(now: SamplingTotals, before: SamplingTotals) -> SamplingTot
         rejection: now.rejection.saturating_sub(before.rejection),
         fallback: now.fallback.saturating_sub(before.fallback),
         rejection_rounds: now.rejection_rounds.saturating_sub(before.rejection_rounds),
+        filtered_fast: now.filtered_fast.saturating_sub(before.filtered_fast),
+        filtered_exact: now.filtered_exact.saturating_sub(before.filtered_exact),
     }
 }
 
@@ -251,7 +289,7 @@ impl<T: HostFloat> GpuLlama<T> {
         cache: &mut GpuCache<T>,
         num_logits: usize,
         request: DeviceSampling<'_>,
-    ) -> Result<(), CudaError> {
+    ) -> Result<GpuEvent, CudaError> {
         let vocab = self.config.vocab_size;
         if request.rows.len() != num_logits {
             return Err(CudaError::invalid(format!(
@@ -270,7 +308,7 @@ impl<T: HostFloat> GpuLlama<T> {
             return Err(CudaError::invalid("device sampler missing"));
         };
         let logits = view(&cache.buffers.scratch.logits, 0..num_logits * vocab)?;
-        let (rows, gained) = sampler.sample(gpu, &logits, vocab, request.rows)?;
+        let (rows, gained, drawn) = sampler.sample(gpu, &logits, vocab, request.rows)?;
         let device_rows = rows.iter().filter(|row| row.token().is_some()).count() as u64;
         let counters = &mut self.counters;
         counters.sampled_steps += 1;
@@ -281,8 +319,10 @@ impl<T: HostFloat> GpuLlama<T> {
         counters.sampler_rejection_rows += gained.rejection;
         counters.sampler_fallback_rows += gained.fallback;
         counters.sampler_rejection_rounds += gained.rejection_rounds;
+        counters.sampler_filtered_fast_rows += gained.filtered_fast;
+        counters.sampler_filtered_exact_rows += gained.filtered_exact;
         *request.out = rows;
-        Ok(())
+        Ok(drawn)
     }
 }
 
@@ -343,6 +383,8 @@ mod tests {
             rejection: 1,
             fallback: 0,
             rejection_rounds: 9,
+            filtered_fast: 1,
+            filtered_exact: 0,
         };
         let now = SamplingTotals {
             greedy: 7,
@@ -350,6 +392,8 @@ mod tests {
             rejection: 4,
             fallback: 1,
             rejection_rounds: 20,
+            filtered_fast: 3,
+            filtered_exact: 1,
         };
         let gained = totals_difference(now, before);
         assert_eq!(
@@ -360,6 +404,8 @@ mod tests {
                 rejection: 3,
                 fallback: 1,
                 rejection_rounds: 11,
+                filtered_fast: 2,
+                filtered_exact: 1,
             }
         );
         assert_eq!(

@@ -366,7 +366,7 @@ impl<T: HostFloat> GpuLlama<T> {
             self.run(&gpu, &mut cache.buffers, &cache.layout, &shape)?;
             self.counters.eager_steps += 1;
         }
-        let finished = gpu.record_event()?;
+        let mut finished = gpu.record_event()?;
         let launched = host_started.elapsed();
         let logits = if num_logits == 0 {
             // A prefill chunk that samples nothing. Wait anyway: the next step rewrites the
@@ -374,7 +374,8 @@ impl<T: HostFloat> GpuLlama<T> {
             gpu.synchronize()?;
             Vec::new()
         } else if let Some(request) = sampled {
-            self.sample_on_device(&gpu, cache, num_logits, request)?;
+            // The sampler's kernels count as GPU time of the step.
+            finished = self.sample_on_device(&gpu, cache, num_logits, request)?;
             Vec::new()
         } else {
             let logits = view(

@@ -3,22 +3,32 @@
 //!
 //! One call of [`sample_rows`] samples every row of a `[rows, vocab]` f32 logit matrix (the
 //! logits already penalised) with per-row parameters read from device memory
-//! ([`SamplingRowParams`], 8 u32 words per row), in four launches and no host
-//! synchronisation: the grid depends only on `(rows, vocab, splits)`, every parameter
-//! (temperature, filters, seed, step) is read on the device, so a CUDA graph captured once
-//! replays with new logits and parameters in the same buffers.
+//! ([`SamplingRowParams`], 8 u32 words per row), with no host synchronisation: the launches
+//! depend only on `(rows, vocab, splits)` and the options, every parameter (temperature,
+//! filters, seed, step) is read on the device, so a CUDA graph captured once replays with new
+//! logits and parameters in the same buffers. Every row is split over `splits` CTAs
+//! (grid `splits x rows`); the last CTA of a row to finish a pass (an atomic ticket) reduces
+//! the row's partials and writes its state for the next launch.
 //!
-//! 1. `sampling_row_max` (grid `splits x rows`): per-split maximum and lowest index.
-//! 2. `sampling_gumbel` (grid `splits x rows`, unfiltered rows only): the split's best
+//! 1. `sampling_row_max`: per-split maximum and lowest index; the row's last CTA sets up its
+//!    filter state (min-p's exact f32 threshold, the top-k select pending).
+//! 2. `sampling_top_k_digit` x 4 (only with top-k rows): an exact radix select of the k-th
+//!    largest logit, 8 bits per launch, from per-row histograms.
+//! 3. `sampling_gumbel` (only with unfiltered rows): the split's best Gumbel-max score
 //!    `(z - z_max) * (1/T) + g` with `g` the Gumbel noise of Philox word `i` of
-//!    `(seed, step, Gumbel)`; ties to the lowest id, so the token does not depend on the split.
-//! 3. `sampling_filtered` (one 1024-thread CTA per filtered row): dual-pivot rejection in logit
-//!    space with f64 weights computed on the fly (no probability array, no sort); top-k folded
-//!    in by an exact radix select, min-p by its exact f32 threshold; at most
-//!    `max_rejection_rounds` rounds, then (or on an ambiguous top-p test) the counted exact
-//!    fallback: the chain's support threshold by bisection of the f32 bit order, and an
-//!    inverse-CDF draw with the `(seed, step, Fallback)` uniform.
-//! 4. `sampling_finalize` (one warp per row): greedy and Gumbel tokens, per-row stats.
+//!    `(seed, step, Gumbel)` (ties to the lowest id, so the token does not depend on the
+//!    split); the noise is first computed with fast logarithms, and exactly only for the few
+//!    ids whose approximate score is within its error bound of the best.
+//!    `sampling_pass` (only with filtered rows): the top-k mass (f32 weights) and the
+//!    proposal's per-segment masses (f64), then (last CTA) the first candidate by an
+//!    inverse-CDF walk.
+//! 4. `sampling_round` x a few (only with filtered rows): the masses above the two pivots of
+//!    dual-pivot rejection, the verdicts and the next candidate.
+//! 5. `sampling_finish` (one 1024-thread CTA per row): greedy and Gumbel tokens, and every
+//!    filtered row the fast rounds did not finish drawn by the exact kernel (f64 weights,
+//!    pagoda_ops' algorithm step for step, at most `max_rejection_rounds` rounds, then the
+//!    counted exact fallback). The fast path leaves to it every decision within a relative
+//!    2e-5 of its boundary, so it only ever returns the exact kernel's token.
 //!
 //! Per-row stats (`{path, rounds}`) and running totals (device atomics) stay in the
 //! [`SamplingWorkspace`]; nothing is read back inside a step.
@@ -37,15 +47,17 @@
 //!   fallback; (c) the min-p threshold uses CUDA's `exp`/`log` where the CPU uses libm
 //!   (differs only if a logit sits within an ulp of the threshold); (d) the fallbacks draw with
 //!   the same uniform over the same support, but the CPU weights use libm `exp`, the GPU
-//!   `exp_f64`. The distribution is exact in every case.
+//!   `exp_f64`. The distribution is exact in every case. These are the exact kernel's
+//!   tokens; the fast path returns the exact kernel's token for every row it finishes (each
+//!   decision it cannot make with certainty goes to the exact kernel), so the same holds.
 
 mod params;
 
 pub use params::{
-    decode_row_stats, encode_row_params, plan_sampling, sampling_splits, RowPath, RowSamplingStats,
-    SamplingOptions, SamplingPlan, SamplingRowParams, SamplingShapes, SamplingTotals,
-    DEFAULT_MAX_REJECTION_ROUNDS, MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS,
-    SAMPLING_TOTALS_WORDS,
+    decode_row_stats, default_fast_rounds, encode_row_params, filter_splits, plan_sampling,
+    sampling_splits, FilteredSampling, RowPath, RowSamplingStats, SamplingMix, SamplingOptions,
+    SamplingPlan, SamplingRowParams, SamplingShapes, SamplingTotals, DEFAULT_MAX_REJECTION_ROUNDS,
+    MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
 };
 
 use super::SAMPLING;
@@ -57,23 +69,29 @@ use crate::{DeviceBuffer, Gpu};
 /// The entry points of the sampling kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SamplingEntry {
-    /// `sampling_row_max`: per-split row maxima.
+    /// `sampling_row_max`: per-split row maxima and the rows' filter state.
     RowMax,
+    /// `sampling_top_k_digit`: one radix digit of the top-k threshold.
+    TopKDigit,
     /// `sampling_gumbel`: per-split Gumbel-max partials of unfiltered rows.
     Gumbel,
-    /// `sampling_filtered`: dual-pivot rejection of filtered rows.
-    Filtered,
-    /// `sampling_finalize`: greedy / Gumbel tokens and stats.
-    Finalize,
+    /// `sampling_pass`: the filtered rows' masses and first candidate.
+    Pass,
+    /// `sampling_round`: one dual-pivot round of the fast filtered path.
+    Round,
+    /// `sampling_finish`: greedy / Gumbel tokens and the exact filtered kernel.
+    Finish,
 }
 
 impl SamplingEntry {
     /// Every entry, in launch order.
-    pub const ALL: [SamplingEntry; 4] = [
+    pub const ALL: [SamplingEntry; 6] = [
         SamplingEntry::RowMax,
+        SamplingEntry::TopKDigit,
         SamplingEntry::Gumbel,
-        SamplingEntry::Filtered,
-        SamplingEntry::Finalize,
+        SamplingEntry::Pass,
+        SamplingEntry::Round,
+        SamplingEntry::Finish,
     ];
 }
 
@@ -81,9 +99,11 @@ impl SamplingEntry {
 pub fn specialize_sampling(entry: SamplingEntry) -> KernelSpec {
     let name = match entry {
         SamplingEntry::RowMax => "sampling_row_max",
+        SamplingEntry::TopKDigit => "sampling_top_k_digit",
         SamplingEntry::Gumbel => "sampling_gumbel",
-        SamplingEntry::Filtered => "sampling_filtered",
-        SamplingEntry::Finalize => "sampling_finalize",
+        SamplingEntry::Pass => "sampling_pass",
+        SamplingEntry::Round => "sampling_round",
+        SamplingEntry::Finish => "sampling_finish",
     };
     KernelSpec {
         source: &SAMPLING,
@@ -92,6 +112,18 @@ pub fn specialize_sampling(entry: SamplingEntry) -> KernelSpec {
         dtypes: vec![("LOGITS_T", DType::F32), ("IDS_T", DType::U32)],
     }
 }
+
+/// Words of one row's filter state (`FILTER_STATE_WORDS` in the kernels).
+const FILTER_STATE_WORDS: usize = 16;
+/// Segments (warps) per split CTA (`SEGMENTS` in the kernels).
+const SEGMENTS: usize = 8;
+/// Threads of a split CTA and of a finish CTA.
+const SPLIT_THREADS: u32 = 256;
+const FINISH_THREADS: u32 = 1024;
+/// Launch flags (`FLAG_*` in the kernels).
+const FLAG_FAST: u32 = 1;
+const FLAG_TOP_K: u32 = 2;
+const FLAG_GUMBEL: u32 = 4;
 
 /// Device scratch of [`sample_rows`], allocated once for at most `max_rows` rows of at most
 /// `vocab` logits: per-split partials, the per-row stats of the last launch and the running
@@ -103,6 +135,17 @@ pub struct SamplingWorkspace {
     partial_id: DeviceBuffer<u32>,
     row_stats: DeviceBuffer<u32>,
     totals: DeviceBuffer<u32>,
+    /// `[max_rows, FILTER_STATE_WORDS]` filter state.
+    state: DeviceBuffer<u32>,
+    /// `[max_rows]` arrival tickets of the last-CTA reductions (zero between launches).
+    arrive: DeviceBuffer<u32>,
+    /// `[max_rows, 256]` top-k digit histograms (zero between launches).
+    histogram: DeviceBuffer<u32>,
+    /// `[max_rows, MAX_SAMPLING_SPLITS, 2]` f64 (as u32 pairs) per-split masses.
+    split_mass: DeviceBuffer<u32>,
+    /// `[max_rows, MAX_SAMPLING_SPLITS * SEGMENTS]` f64 (as u32 pairs) per-segment masses.
+    segment_draw0: DeviceBuffer<u32>,
+    segment_draw1: DeviceBuffer<u32>,
     max_rows: usize,
     vocab: usize,
 }
@@ -126,6 +169,12 @@ impl SamplingWorkspace {
             partial_id: gpu.alloc(partials)?,
             row_stats: gpu.zeros(2 * max_rows)?,
             totals: gpu.zeros(SAMPLING_TOTALS_WORDS)?,
+            state: gpu.zeros(max_rows * FILTER_STATE_WORDS)?,
+            arrive: gpu.zeros(max_rows)?,
+            histogram: gpu.zeros(max_rows * 256)?,
+            split_mass: gpu.zeros(max_rows * MAX_SAMPLING_SPLITS * 2 * 2)?,
+            segment_draw0: gpu.zeros(max_rows * MAX_SAMPLING_SPLITS * SEGMENTS * 2)?,
+            segment_draw1: gpu.zeros(max_rows * MAX_SAMPLING_SPLITS * SEGMENTS * 2)?,
             max_rows,
             vocab,
         })
@@ -143,7 +192,15 @@ impl SamplingWorkspace {
 
     /// Device bytes held.
     pub fn bytes(&self) -> usize {
-        4 * (4 * self.partial_max.len() + self.row_stats.len() + self.totals.len())
+        4 * (4 * self.partial_max.len()
+            + self.row_stats.len()
+            + self.totals.len()
+            + self.state.len()
+            + self.arrive.len()
+            + self.histogram.len()
+            + self.split_mass.len()
+            + self.segment_draw0.len()
+            + self.segment_draw1.len())
     }
 
     /// `[max_rows, 2]` u32: `{path code, rounds}` of each row of the last launch (rows beyond
@@ -232,82 +289,164 @@ pub fn sample_rows_with(
         return Ok(());
     }
     let (rows, splits) = (plan.rows as u32, plan.num_splits as u32);
+    let mix = options.mix;
+    let fast = options.filtered == FilteredSampling::Fast && mix.filtered;
+    let mut flags = 0;
+    if fast {
+        flags |= FLAG_FAST;
+        if mix.top_k {
+            flags |= FLAG_TOP_K;
+        }
+    }
+    if mix.gumbel {
+        flags |= FLAG_GUMBEL;
+    }
     let vocab = KernelArg::U32(vocab as u32);
     let splits_arg = KernelArg::U32(splits);
+    let flags_arg = KernelArg::U32(flags);
+    let max_rounds = KernelArg::U32(options.max_rejection_rounds);
+    let split_grid = LaunchDims::new((splits, rows), SPLIT_THREADS);
+    let filter_splits = plan.filter_splits as u32;
+    let filter_splits_arg = KernelArg::U32(filter_splits);
+    let filter_grid = LaunchDims::new((filter_splits, rows), SPLIT_THREADS);
     let ws = &*workspace;
     let row_max = [
         ptr(logits),
+        ptr(params),
         vocab,
         splits_arg,
+        flags_arg,
         ptr(&ws.partial_max),
         ptr(&ws.partial_index),
+        ptr(&ws.state),
+        ptr(&ws.arrive),
     ];
-    // SAFETY: arguments match `sampling_row_max`; lengths validated by `plan_sampling`, the
-    // partials hold max_rows * MAX_SAMPLING_SPLITS entries.
+    // SAFETY (every launch below): the arguments match the kernel's signature in
+    // kernels/sampling_*.cu; lengths were validated by `plan_sampling` (logits rows x vocab,
+    // params rows x 8, tokens rows) and the workspace holds max_rows >= rows rows of every
+    // per-row array with MAX_SAMPLING_SPLITS >= splits splits.
     unsafe {
         gpu.launch(
             &specialize_sampling(SamplingEntry::RowMax),
-            LaunchDims::new((splits, rows), 256),
+            split_grid,
             &row_max,
         )?;
     }
-    let gumbel = [
+    if flags & FLAG_TOP_K != 0 {
+        for shift in [24u32, 16, 8, 0] {
+            let digit = [
+                ptr(logits),
+                ptr(params),
+                vocab,
+                filter_splits_arg,
+                KernelArg::U32(shift),
+                ptr(&ws.state),
+                ptr(&ws.histogram),
+                ptr(&ws.arrive),
+            ];
+            // SAFETY: as above.
+            unsafe {
+                gpu.launch(
+                    &specialize_sampling(SamplingEntry::TopKDigit),
+                    filter_grid,
+                    &digit,
+                )?;
+            }
+        }
+    }
+    if flags & FLAG_GUMBEL != 0 {
+        let gumbel = [
+            ptr(logits),
+            ptr(params),
+            vocab,
+            splits_arg,
+            ptr(&ws.state),
+            ptr(&ws.partial_score),
+            ptr(&ws.partial_id),
+        ];
+        // SAFETY: as above.
+        unsafe {
+            gpu.launch(
+                &specialize_sampling(SamplingEntry::Gumbel),
+                split_grid,
+                &gumbel,
+            )?;
+        }
+    }
+    if fast {
+        let pass = [
+            ptr(logits),
+            ptr(params),
+            vocab,
+            filter_splits_arg,
+            max_rounds,
+            ptr(&ws.state),
+            ptr(&ws.split_mass),
+            ptr(&ws.segment_draw0),
+            ptr(&ws.arrive),
+            ptr(tokens_out),
+            ptr(&ws.row_stats),
+            ptr(&ws.totals),
+        ];
+        // SAFETY: as above.
+        unsafe {
+            gpu.launch(
+                &specialize_sampling(SamplingEntry::Pass),
+                filter_grid,
+                &pass,
+            )?;
+        }
+    }
+    if fast {
+        let rounds = options
+            .fast_rounds
+            .unwrap_or_else(|| default_fast_rounds(plan.rows));
+        let round = [
+            ptr(logits),
+            ptr(params),
+            vocab,
+            filter_splits_arg,
+            max_rounds,
+            ptr(&ws.state),
+            ptr(&ws.split_mass),
+            ptr(&ws.segment_draw0),
+            ptr(&ws.segment_draw1),
+            ptr(&ws.arrive),
+            ptr(tokens_out),
+            ptr(&ws.row_stats),
+            ptr(&ws.totals),
+        ];
+        for _ in 0..rounds {
+            // SAFETY: as above.
+            unsafe {
+                gpu.launch(
+                    &specialize_sampling(SamplingEntry::Round),
+                    filter_grid,
+                    &round,
+                )?;
+            }
+        }
+    }
+    let finish = [
         ptr(logits),
         ptr(params),
         vocab,
         splits_arg,
-        ptr(&ws.partial_max),
-        ptr(&ws.partial_index),
+        flags_arg,
+        max_rounds,
         ptr(&ws.partial_score),
         ptr(&ws.partial_id),
-    ];
-    // SAFETY: arguments match `sampling_gumbel`; as above.
-    unsafe {
-        gpu.launch(
-            &specialize_sampling(SamplingEntry::Gumbel),
-            LaunchDims::new((splits, rows), 256),
-            &gumbel,
-        )?;
-    }
-    let filtered = [
-        ptr(logits),
-        ptr(params),
-        vocab,
-        splits_arg,
-        ptr(&ws.partial_max),
-        ptr(&ws.partial_index),
-        KernelArg::U32(options.max_rejection_rounds),
+        ptr(&ws.state),
         ptr(tokens_out),
         ptr(&ws.row_stats),
         ptr(&ws.totals),
     ];
-    // SAFETY: arguments match `sampling_filtered`; tokens_out has `rows` entries, the stats
-    // 2 * max_rows >= 2 * rows.
+    // SAFETY: as above.
     unsafe {
         gpu.launch(
-            &specialize_sampling(SamplingEntry::Filtered),
-            LaunchDims::new((rows, 1), 1024),
-            &filtered,
-        )?;
-    }
-    let finalize = [
-        ptr(params),
-        vocab,
-        splits_arg,
-        ptr(&ws.partial_max),
-        ptr(&ws.partial_index),
-        ptr(&ws.partial_score),
-        ptr(&ws.partial_id),
-        ptr(tokens_out),
-        ptr(&ws.row_stats),
-        ptr(&ws.totals),
-    ];
-    // SAFETY: arguments match `sampling_finalize`; as above.
-    unsafe {
-        gpu.launch(
-            &specialize_sampling(SamplingEntry::Finalize),
-            LaunchDims::new((rows, 1), 32),
-            &finalize,
+            &specialize_sampling(SamplingEntry::Finish),
+            LaunchDims::new((rows, 1), FINISH_THREADS),
+            &finish,
         )
     }
 }

@@ -94,7 +94,8 @@ fn planning_checks_every_length() {
         plan,
         SamplingPlan {
             rows: 4,
-            num_splits: 1
+            num_splits: 1,
+            filter_splits: 1,
         }
     );
     let fixed = SamplingOptions {
@@ -182,4 +183,65 @@ fn stats_and_totals_decode() {
     assert_eq!(totals.gumbel, 1 << 32);
     assert_eq!(totals.rejection_rounds, 9);
     assert!(SamplingTotals::from_words(&words[..3]).is_err());
+}
+
+#[test]
+fn filter_splits_cover_the_sms_and_keep_a_thousand_logits_each() {
+    assert_eq!(filter_splits(1, 1000, 132), 1);
+    assert_eq!(filter_splits(1, 151_936, 132), 64);
+    assert_eq!(filter_splits(16, 128_256, 132), 64);
+    assert_eq!(filter_splits(64, 151_936, 132), 16);
+    assert_eq!(filter_splits(1000, 151_936, 132), 1);
+    assert_eq!(filter_splits(1, 4096, 132), 4);
+    for rows in [1usize, 3, 64, 500] {
+        for vocab in [1usize, 999, 5000, 70_000, 1 << 20] {
+            let splits = filter_splits(rows, vocab, 132);
+            assert!(splits.is_power_of_two() && splits <= MAX_SAMPLING_SPLITS);
+            assert!(
+                splits == 1 || vocab / splits >= 1024,
+                "vocab {vocab}: {splits}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_mix_names_the_stages_the_rows_need() {
+    let row = |temperature: f32, top_k: u32, top_p: f32, min_p: f32| SamplingRowParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        ..SamplingRowParams::default()
+    };
+    let none = SamplingMix {
+        gumbel: false,
+        filtered: false,
+        top_k: false,
+    };
+    assert_eq!(SamplingMix::of(&[], 1000), none);
+    // Greedy rows (T 0, top-k 1) need neither stage.
+    assert_eq!(
+        SamplingMix::of(&[row(0.0, 0, 0.5, 0.1), row(1.0, 1, 0.5, 0.0)], 1000),
+        none
+    );
+    assert_eq!(
+        SamplingMix::of(&[row(0.7, 0, 1.0, 0.0)], 1000),
+        SamplingMix {
+            gumbel: true,
+            ..none
+        }
+    );
+    // top_k >= vocab keeps everything: no top-k stage.
+    assert_eq!(
+        SamplingMix::of(&[row(0.7, 1000, 0.9, 0.0)], 1000),
+        SamplingMix {
+            filtered: true,
+            ..none
+        }
+    );
+    assert_eq!(
+        SamplingMix::of(&[row(0.7, 40, 1.0, 0.0), row(1.0, 0, 1.0, 0.0)], 1000),
+        SamplingMix::ALL
+    );
 }

@@ -1,0 +1,261 @@
+// GPU sampling, part 1: the pieces of the multi-CTA filtered pipeline that run before and
+// between its passes: fast weights, the per-warp segments of a split, the fast inverse-CDF
+// walk, the row's filter state set up from the row maximum, and the top-k radix select.
+//
+// A split CTA has SPLIT_THREADS threads; warp w owns segment w of its split (a contiguous
+// id range, read coalesced 4 logits per lane), so the segments of a row in (split, warp)
+// order cover its ids in order and per-segment masses locate any cumulative weight.
+
+#define SPLIT_THREADS 256
+#define SEGMENTS 8u
+// Relative bound used on every filter mass summed from fast f32 weights (f32 expf of an f32
+// argument, accumulated in f64): their error is below 5e-6 of the mass (expf's 2 ulp plus
+// the argument's three roundings times the weighted mean |x|, itself at most ln(vocab) +
+// 0.4 for a set holding the row maximum). A top-p test closer than this to its boundary is
+// left to the exact kernel.
+#define FAST_MASS_TOLERANCE 2e-5
+
+// exp((v - z_max) * scale) in f32; 0 for masked logits.
+PAGODA_DEVICE float fast_weight(float v, float z_max, float scale) {
+    return v == -INFINITY ? 0.0f : expf(__fmul_rn(__fsub_rn(v, z_max), scale));
+}
+
+// 2^(j / 64) for j in 0..64, in shared memory: every kernel that computes draw weights fills
+// it first (fill_exp_table).
+#define EXP_TABLE_SIZE 64
+PAGODA_DEVICE void fill_exp_table(double* table) {
+    for (unsigned int j = threadIdx.x; j < EXP_TABLE_SIZE; j += blockDim.x) table[j] = exp2((double)j / 64.0);
+    __syncthreads();
+}
+
+// exp(x) for x <= 0 in f64, within about 2 ulp: x = k ln2 / 64 + r with |r| <= ln2 / 128,
+// exp(x) = 2^(k >> 6) 2^((k & 63) / 64) e^r, e^r by a degree-6 Taylor polynomial (FMA).
+// About half the work of CUDA's exp; below -708 (subnormal results) CUDA's exp.
+PAGODA_DEVICE double exp_nonpositive(double x, const double* table) {
+    if (x < -708.0) return exp(x);
+    const double k = rint(x * 92.33248261689366);  // 64 / ln2
+    const double r = fma(-k, 1.9082149292705877e-10 / 64.0, fma(-k, 0.6931471803691238 / 64.0, x));
+    double p = fma(r, 1.0 / 720.0, 1.0 / 120.0);
+    p = fma(p, r, 1.0 / 24.0);
+    p = fma(p, r, 1.0 / 6.0);
+    p = fma(p, r, 0.5);
+    p = fma(p, r, 1.0);
+    p = fma(p, r, 1.0);
+    const int ki = (int)k;
+    const double scale = __longlong_as_double((long long)((ki >> 6) + 1023) << 52);
+    return table[ki & 63] * p * scale;
+}
+
+// The draw weight exp(((f64)v - z_max) * scale) in f64 (within a few ulp of the exact
+// kernel's exp_f64); 0 for masked logits. The inverse-CDF walk needs f64: the target must
+// be placed between cumulative sums that differ by the smallest weights of the row.
+PAGODA_DEVICE double draw_weight(float v, float z_max, double scale, const double* table) {
+    return v == -INFINITY ? 0.0 : exp_nonpositive(__dmul_rn(__dsub_rn((double)v, (double)z_max), scale), table);
+}
+
+// How far the walk's target must be from the cumulative weight on either side of the chosen
+// id for the exact kernel to choose the same id: both sum f64 weights (in different orders,
+// within a few ulps of each other), so (4 vocab + 64) ulps of the total, as the exact top-p
+// test.
+PAGODA_DEVICE double walk_margin(unsigned int vocab, double total) {
+    return (4.0 * (double)vocab + 64.0) * 2.220446049250313080847e-16 * total;
+}
+
+// Id range [begin, end) of segment `segment` (= split * SEGMENTS + warp) of a row: the
+// split's range cut into SEGMENTS spans of a multiple of 4 ids.
+PAGODA_DEVICE void segment_range(unsigned int vocab, unsigned int num_splits, unsigned int segment,
+                                 unsigned int& begin, unsigned int& end) {
+    unsigned int split_begin, split_end;
+    split_range(vocab, num_splits, segment / SEGMENTS, split_begin, split_end);
+    const unsigned int span = (split_end - split_begin + 4u * SEGMENTS - 1u) / (4u * SEGMENTS) * 4u;
+    begin = min(split_begin + (segment % SEGMENTS) * span, split_end);
+    end = min(begin + span, split_end);
+}
+
+// Inverse-CDF draw over the proposal {z > low} weighted draw_weight(z, z_max, scale), from
+// the row's per-segment masses `segment_mass` [num_splits * SEGMENTS] (f64, written by the
+// other CTAs of this kernel): the first id whose cumulative weight exceeds uniform * total.
+// NO_TOKEN when the target lies within walk_margin of the cumulative weight before or after
+// that id (the exact kernel decides then). Block-wide.
+PAGODA_DEVICE unsigned int fast_walk(const float* __restrict__ z, unsigned int vocab, unsigned int num_splits,
+                                     const double* segment_mass, float low, float z_max, double scale,
+                                     double uniform, const double* table) {
+    __shared__ double s_before;
+    __shared__ unsigned int s_owner, s_found, s_unsure;
+    const unsigned int segments = num_splits * SEGMENTS;
+    const unsigned int per_thread = (segments + blockDim.x - 1u) / blockDim.x;
+    const unsigned int first = threadIdx.x * per_thread;
+    double local = 0.0;
+    for (unsigned int k = 0; k < per_thread; ++k) {
+        if (first + k < segments) local += __ldcg(segment_mass + first + k);
+    }
+    double total;
+    double running = block_exclusive_scan_f64(local, total);
+    const double target = __dmul_rn(uniform, total);
+    const double margin = walk_margin(vocab, total);
+    if (threadIdx.x == 0) { s_owner = NO_TOKEN; s_found = NO_TOKEN; s_unsure = 0u; }
+    __syncthreads();
+    const double thread_start = running;
+    for (unsigned int k = 0; k < per_thread && first + k < segments; ++k) {
+        const double mass = __ldcg(segment_mass + first + k);
+        if (mass > 0.0 && running <= target && running + mass > target) atomicMin(&s_owner, first + k);
+        running += mass;
+    }
+    __syncthreads();
+    running = thread_start;
+    for (unsigned int k = 0; k < per_thread && first + k < segments; ++k) {
+        if (first + k == s_owner) s_before = running;
+        running += __ldcg(segment_mass + first + k);
+    }
+    __syncthreads();
+    const unsigned int owner = s_owner;
+    if (owner == NO_TOKEN) return NO_TOKEN;
+    double base = s_before;
+    unsigned int begin, end;
+    segment_range(vocab, num_splits, owner, begin, end);
+    const bool aligned = row_aligned(z);
+    for (unsigned int tile = begin; tile < end; tile += blockDim.x * 4u) {
+        const unsigned int i = tile + threadIdx.x * 4u;
+        const float4 v = i < end ? load4(z, i, end, aligned) : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+        const float values[4] = {v.x, v.y, v.z, v.w};
+        double weights[4];
+        double sum = 0.0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            weights[j] = values[j] > low ? draw_weight(values[j], z_max, scale, table) : 0.0;
+            sum += weights[j];
+        }
+        double tile_total;
+        double cumulative = base + block_exclusive_scan_f64(sum, tile_total);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (weights[j] > 0.0) {
+                const double next = cumulative + weights[j];
+                if (cumulative <= target && next > target) {
+                    atomicMin(&s_found, i + j);
+                    if (cumulative > target - margin || next <= target + margin) s_unsure = 1u;
+                }
+                cumulative = next;
+            }
+        }
+        base += tile_total;
+        __syncthreads();
+        if (s_found != NO_TOKEN) break;
+    }
+    __syncthreads();
+    const unsigned int found = s_unsure ? NO_TOKEN : s_found;
+    __syncthreads();
+    return found;
+}
+
+// pagoda_ops rejection::min_p_threshold: the smallest f32 t with exp(t - z_max) >= min_p
+// (f64), by ulp steps from z_max + ln(min_p). False when the steps do not settle.
+PAGODA_DEVICE bool min_p_passes(float value, double z_max, double min_p) {
+    return exp(__dsub_rn((double)value, z_max)) >= min_p;
+}
+PAGODA_DEVICE bool min_p_threshold(float z_max, float min_p_f32, float& threshold) {
+    const double z_max64 = z_max, min_p = min_p_f32;
+    float t = __double2float_rn(__dadd_rn(z_max64, log(min_p)));
+    t = fminf(fmaxf(t, -__int_as_float(FLT_MAX_BITS)), z_max);
+    for (int i = 0; i < 64 && !min_p_passes(t, z_max64, min_p); ++i) t = from_ordered_bits(ordered_bits(t) + 1u);
+    if (!min_p_passes(t, z_max64, min_p)) return false;
+    for (int i = 0; i < 64; ++i) {
+        const float below = next_down(t);
+        if (below == -INFINITY || !min_p_passes(below, z_max64, min_p)) { threshold = t; return true; }
+        t = below;
+    }
+    return false;
+}
+
+// The row's filter state from its maximum (one thread): IDLE unless the row is filtered;
+// EXACT when the fast pipeline is off, a stage it needs was not launched, or min-p has no
+// threshold; else ACTIVE with the proposal floor from min-p and the top-k select pending.
+PAGODA_DEVICE void init_filter_state(const RowParams& p, unsigned int vocab, float z_max, unsigned int argmax,
+                                     unsigned int flags, unsigned int* st) {
+    st[FS_Z_MAX] = __float_as_uint(z_max);
+    st[FS_ARGMAX] = argmax;
+    st[FS_CANDIDATE] = argmax;
+    st[FS_ROUNDS] = 0u;
+    st[FS_HIGH] = __float_as_uint(z_max);
+    st[FS_TOP_K_THRESHOLD] = __float_as_uint(-INFINITY);
+    st[FS_TOP_K_PENDING] = 0u;
+    if (row_path(p, vocab, z_max) != PATH_REJECTION) { st[FS_STATUS] = STATUS_IDLE; return; }
+    bool exact = !(flags & FLAG_FAST);
+    float low = -INFINITY;
+    if (!exact && min_p_active(p)) {
+        float threshold = z_max;
+        if (min_p_threshold(z_max, p.min_p, threshold)) low = next_down(threshold); else exact = true;
+    }
+    if (!exact && p.top_k > 0u && p.top_k < vocab) {
+        if (flags & FLAG_TOP_K) {
+            st[FS_TOP_K_PENDING] = 1u;
+            st[FS_TOP_K_PREFIX] = 0u;
+            st[FS_TOP_K_REMAINING] = p.top_k;
+        } else {
+            exact = true;
+        }
+    }
+    st[FS_LOW] = __float_as_uint(low);
+    st[FS_STATUS] = exact ? STATUS_EXACT : STATUS_ACTIVE;
+}
+
+// One 8-bit digit (bits [shift, shift + 8) of ordered_bits, most significant first) of the
+// k-th largest finite logit of each ACTIVE row with a pending top-k: every CTA counts its
+// split's logits that match the digits fixed so far into histogram[row] [256] (zeroed
+// again by the last CTA, which fixes the digit). After the first digit a row with at most k
+// finite logits keeps them all; after the last, the threshold and the proposal floor are set.
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+sampling_top_k_digit(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
+                     unsigned int num_splits, unsigned int shift, unsigned int* __restrict__ state,
+                     unsigned int* __restrict__ histogram, unsigned int* __restrict__ arrive) {
+    __shared__ unsigned int counts[256];
+    const unsigned int row = blockIdx.y, split = blockIdx.x;
+    unsigned int* st = state + row * FILTER_STATE_WORDS;
+    if (st[FS_STATUS] != STATUS_ACTIVE || st[FS_TOP_K_PENDING] == 0u) return;
+    const unsigned int prefix = st[FS_TOP_K_PREFIX];
+    const unsigned int mask = shift >= 24u ? 0u : (0xffffffffu << (shift + 8u));
+    for (unsigned int d = threadIdx.x; d < 256u; d += blockDim.x) counts[d] = 0u;
+    __syncthreads();
+    unsigned int begin, end;
+    split_range(vocab, num_splits, split, begin, end);
+    const float* z = logits + (size_t)row * vocab;
+    const bool aligned = row_aligned(z);
+    for (unsigned int i = begin + threadIdx.x * 4u; i < end; i += blockDim.x * 4u) {
+        const float4 v = load4(z, i, end, aligned);
+        const float values[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const unsigned int key = ordered_bits(values[j]);
+            if (values[j] > -INFINITY && (key & mask) == prefix) atomicAdd(&counts[(key >> shift) & 255u], 1u);
+        }
+    }
+    __syncthreads();
+    unsigned int* h = histogram + row * 256u;
+    for (unsigned int d = threadIdx.x; d < 256u; d += blockDim.x) {
+        if (counts[d]) atomicAdd(&h[d], counts[d]);
+    }
+    if (!last_to_arrive(arrive, row, num_splits)) return;
+    for (unsigned int d = threadIdx.x; d < 256u; d += blockDim.x) counts[d] = atomicExch(&h[d], 0u);
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    const RowParams p = load_row_params(params, row);
+    unsigned int remaining = st[FS_TOP_K_REMAINING];
+    if (shift >= 24u) {
+        unsigned int finite = 0u;
+        for (int d = 0; d < 256; ++d) finite += counts[d];
+        if (finite <= p.top_k) { st[FS_TOP_K_PENDING] = 0u; return; }
+    }
+    unsigned int fixed = prefix;
+    for (int d = 255; d >= 0; --d) {
+        if (counts[d] >= remaining) { fixed = prefix | ((unsigned int)d << shift); break; }
+        remaining -= counts[d];
+    }
+    st[FS_TOP_K_PREFIX] = fixed;
+    st[FS_TOP_K_REMAINING] = remaining;
+    if (shift == 0u) {
+        const float kth = from_ordered_bits(fixed);
+        st[FS_TOP_K_THRESHOLD] = __float_as_uint(kth);
+        st[FS_LOW] = __float_as_uint(fmaxf(__uint_as_float(st[FS_LOW]), next_down(kth)));
+        st[FS_TOP_K_PENDING] = 0u;
+    }
+}

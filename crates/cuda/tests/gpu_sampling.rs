@@ -233,9 +233,18 @@ fn sample_batch(
     params: &[SamplingRowParams],
     options: SamplingOptions,
 ) -> Vec<u32> {
+    sample_batch_with_totals(gpu, rows, params, options).0
+}
+
+/// One launch over `rows` with `options` (a fresh workspace): the tokens and the totals.
+fn sample_batch_with_totals(
+    gpu: &Gpu,
+    rows: &[Vec<f32>],
+    params: &[SamplingRowParams],
+    options: SamplingOptions,
+) -> (Vec<u32>, ops::SamplingTotals) {
     let vocab = rows[0].len();
-    let flat: Vec<f32> = rows.concat();
-    let logits = gpu.upload(&flat).unwrap();
+    let logits = gpu.upload(&rows.concat()).unwrap();
     let params_d = gpu
         .upload(&ops::encode_row_params(params).unwrap())
         .unwrap();
@@ -251,7 +260,10 @@ fn sample_batch(
         options,
     )
     .unwrap();
-    gpu.download(&tokens).unwrap()
+    (
+        gpu.download(&tokens).unwrap(),
+        workspace.read_totals(gpu).unwrap(),
+    )
 }
 
 #[test]
@@ -481,7 +493,8 @@ fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
         let (mut fast_rows, mut exact_rows, mut equal, mut total) = (0u64, 0u64, 0usize, 0usize);
         for batch in 0..batches {
             let (logits, params) = filtered_batch(vocab, rows, 1000 * batch + vocab as u64);
-            let fast_tokens = sample_batch(&gpu, &logits, &params, SamplingOptions::default());
+            let (fast_tokens, totals) =
+                sample_batch_with_totals(&gpu, &logits, &params, SamplingOptions::default());
             let exact_tokens = sample_batch(&gpu, &logits, &params, exact);
             equal += fast_tokens
                 .iter()
@@ -499,9 +512,7 @@ fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
                 "V={vocab} batch {batch}: first difference at row {first:?} ({:?})",
                 first.map(|row| params[row])
             );
-            // Which path finished the rows (a fresh workspace per launch in sample_batch, so
-            // count again here).
-            let totals = sample_totals(&gpu, &logits, &params, SamplingOptions::default());
+            // Which path finished the rows.
             fast_rows += totals.filtered_fast;
             exact_rows += totals.filtered_exact;
             assert_eq!(totals.filtered_fast + totals.filtered_exact, rows as u64);
@@ -561,31 +572,4 @@ fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
         sample_batch(&gpu, &logits, &params, SamplingOptions::default()),
         "mixed batch, nothing in the mix"
     );
-}
-
-/// The totals of one launch over `rows` with `options`.
-fn sample_totals(
-    gpu: &Gpu,
-    rows: &[Vec<f32>],
-    params: &[SamplingRowParams],
-    options: SamplingOptions,
-) -> ops::SamplingTotals {
-    let vocab = rows[0].len();
-    let logits = gpu.upload(&rows.concat()).unwrap();
-    let params_d = gpu
-        .upload(&ops::encode_row_params(params).unwrap())
-        .unwrap();
-    let mut workspace = SamplingWorkspace::new(gpu, rows.len(), vocab).unwrap();
-    let mut tokens = poisoned::<u32>(gpu, rows.len());
-    ops::sample_rows_with(
-        gpu,
-        &logits,
-        vocab,
-        &params_d,
-        &mut workspace,
-        &mut tokens,
-        options,
-    )
-    .unwrap();
-    workspace.read_totals(gpu).unwrap()
 }

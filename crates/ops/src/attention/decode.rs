@@ -4,6 +4,7 @@
 
 use rayon::prelude::*;
 
+use super::kernel::{self, AttentionKernel};
 use super::merge::merge_states_into;
 use super::plan::DecodePlan;
 use super::{add_scaled, dot, validate, AttentionError, PagedKv, LOG2_E};
@@ -52,7 +53,8 @@ impl DecodeWorkspace {
 /// `kv.page_table`), `partial_v [num_chunks, num_q_heads, head_dim]`,
 /// `lse [num_chunks, num_q_heads]`, both fully overwritten. One work item per
 /// `(chunk, kv_head)`, run in parallel; it reads each K/V row of its chunk once and uses it
-/// for all `num_q_heads / num_kv_heads` query heads of the group.
+/// for all `num_q_heads / num_kv_heads` query heads of the group. Runs the process-wide
+/// [`AttentionKernel::selected`].
 pub fn decode_partial(
     kv: &PagedKv<'_>,
     q: &[f32],
@@ -80,6 +82,7 @@ pub fn decode_partial(
     )?;
     validate::length("lse [num_chunks, num_q_heads]", lse_len, lse.len())?;
 
+    let kernel = AttentionKernel::selected();
     partial_v
         .par_chunks_mut(n_rep * head_dim)
         .zip(lse.par_chunks_mut(n_rep))
@@ -93,8 +96,8 @@ pub fn decode_partial(
             let tile = plan.kv_tile_indices[chunk] as usize;
             let seq_len = kv.page_table.seq_lens[request] as usize;
             let tokens = tile_tokens(kv, request, seq_len, plan.pages_per_chunk, tile);
-            chunk_attention(
-                kv, request, tokens, kv_head, scale, q_group, v_group, lse_group,
+            kernel::chunk_attention(
+                kernel, kv, request, tokens, kv_head, n_rep, scale, q_group, v_group, lse_group,
             );
         });
     Ok(())
@@ -127,7 +130,8 @@ pub(crate) fn tile_tokens(
 /// over visible tokens `tokens` of `request`, for KV head `kv_head`. Writes
 /// `v_group [n_rep, head_dim]` (normalized) and `lse_group [n_rep]` (log2; `-inf` and zeros
 /// when the range is empty). Depends only on its arguments and the cache, so a row's partials
-/// are the same whatever else runs in the step.
+/// are the same whatever else runs in the step. The scalar kernel: the portable fallback and
+/// the oracle of the SIMD kernels (`super::kernel`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn chunk_attention(
     kv: &PagedKv<'_>,

@@ -17,7 +17,9 @@
 //!   gather or split-KV by its OWN visible length and chunks each split-KV row by its own
 //!   page count ([`SplitKvChunking`]), so a request's outputs are bit-identical whatever
 //!   other requests (prefilling or decoding) share the step; [`step_attention`] runs the
-//!   routed step with a reusable [`StepWorkspace`]. The batch-wide [`plan_decode`] picks one
+//!   routed step with a reusable [`StepWorkspace`].
+//! - [`AttentionKernel`]: the instruction set of the split-KV chunk kernel (AVX-512F,
+//!   AVX2+FMA or the scalar oracle), selected once per process by `PAGODA_CPU_ATTENTION`. The batch-wide [`plan_decode`] picks one
 //!   chunk size for the whole batch and is therefore NOT batch-invariant; it stays for the
 //!   GPU twin and the kernel tests.
 //!
@@ -33,14 +35,18 @@
 mod append;
 mod decode;
 mod gather;
+mod kernel;
 mod merge;
 mod plan;
+#[cfg(target_arch = "x86_64")]
+mod simd_x86;
 mod step;
 mod validate;
 
 pub use append::append_kv;
 pub use decode::{decode_partial, split_kv_decode, split_kv_decode_into, DecodeWorkspace};
 pub use gather::gather_attention;
+pub use kernel::{AttentionKernel, ATTENTION_KERNEL_ENV_VAR};
 pub use merge::{merge_states, merge_states_into, MergedStates};
 pub use plan::{plan_decode, DecodePlan, DecodePlanConfig, MAX_CHUNKS};
 pub use step::{

@@ -12,7 +12,9 @@
 //!   ([`StepAttentionConfig`]), else gather;
 //! - a split-KV row is cut into chunks by [`SplitKvChunking::pages_per_chunk`] of its own
 //!   visible page count (fixed configuration: KV heads, target work items), its chunks are
-//!   merged in tile order by [`merge_states_into`];
+//!   merged in tile order by [`merge_states_into`]; the SIMD kernels
+//!   ([`AttentionKernel`](super::AttentionKernel), fixed per process) cut each chunk further
+//!   into `num_kv_heads` token pieces whose work items cover all heads;
 //! - a gather row runs the full causal softmax over its `L` tokens, exactly as
 //!   [`gather_attention`](super::gather_attention) does.
 //!
@@ -21,8 +23,9 @@
 
 use rayon::prelude::*;
 
-use super::decode::{chunk_attention, tile_tokens};
+use super::decode::tile_tokens;
 use super::gather::attend_rows;
+use super::kernel::{self, AttentionKernel};
 use super::merge::merge_states_into;
 use super::plan::MAX_CHUNKS;
 use super::{validate, AttentionError, AttentionPath, PagedKv, QueryBatch};
@@ -129,11 +132,15 @@ pub struct StepAttentionPlan {
     /// Split rows of each block: `block_rows[b]..block_rows[b + 1]`.
     block_rows: Vec<usize>,
     num_kv_heads: usize,
+    /// Instruction set of the split-KV chunk kernel.
+    kernel: AttentionKernel,
 }
 
 /// Routes every query row of the batch (`qo_indptr [B + 1]` over the page table `kv`) by
 /// `config`; see the module docs. Errors on a malformed `qo_indptr`, a request with more
-/// queries than visible tokens, zero KV heads or a page table that breaks the pool.
+/// queries than visible tokens, zero KV heads or a page table that breaks the pool. Split-KV
+/// rows run the process-wide [`AttentionKernel::selected`] (see
+/// [`StepAttentionPlan::with_kernel`]).
 pub fn plan_step(
     kv: &PagedKv<'_>,
     qo_indptr: &[u32],
@@ -151,7 +158,9 @@ pub fn plan_step(
     let num_tokens = qo_indptr.last().copied().unwrap_or(0) as usize;
     validate::query_indptr(qo_indptr, &table.seq_lens, num_tokens)?;
     let page_size = kv.layout.page_size;
-    let elements_per_chunk = num_q_heads * kv.layout.head_dim;
+    // Budget as if every chunk were cut into `num_kv_heads` pieces (the SIMD kernels' work
+    // items), so the blocks fit whatever kernel the plan is later given.
+    let elements_per_chunk = num_q_heads * kv.layout.head_dim * kv.layout.num_kv_heads;
     let mut plan = StepAttentionPlan {
         qo_indptr: qo_indptr.to_vec(),
         seq_lens: table.seq_lens.clone(),
@@ -161,6 +170,7 @@ pub fn plan_step(
         chunk_tokens: Vec::new(),
         block_rows: vec![0],
         num_kv_heads: kv.layout.num_kv_heads,
+        kernel: AttentionKernel::selected(),
     };
     let mut block_chunks = 0usize;
     for request in 0..table.num_requests() {
@@ -212,6 +222,29 @@ pub fn plan_step(
 }
 
 impl StepAttentionPlan {
+    /// The same plan with its split-KV rows run on `kernel` (a kernel the CPU lacks, or whose
+    /// lanes do not divide `head_dim`, falls back as described in [`AttentionKernel`]).
+    pub fn with_kernel(self, kernel: AttentionKernel) -> Self {
+        Self { kernel, ..self }
+    }
+
+    /// The kernel the split-KV rows run on.
+    pub fn kernel(&self) -> AttentionKernel {
+        self.kernel
+    }
+
+    /// Partial states per chunk. The scalar kernel runs one work item per `(chunk, kv_head)`
+    /// and writes one partial per chunk; a SIMD kernel cuts each chunk's tokens into
+    /// `num_kv_heads` equal pieces and runs one work item per `(chunk, piece)` over ALL heads,
+    /// reading each token's whole K/V row contiguously (the same number of work items, so the
+    /// same parallelism), and writes one partial per piece.
+    fn pieces_per_chunk(&self) -> usize {
+        match self.kernel {
+            AttentionKernel::Scalar => 1,
+            AttentionKernel::Avx2 | AttentionKernel::Avx512 => self.num_kv_heads,
+        }
+    }
+
     /// Requests `B`.
     pub fn num_requests(&self) -> usize {
         self.seq_lens.len()
@@ -227,7 +260,8 @@ impl StepAttentionPlan {
         self.gather_segments.iter().map(|s| s.num_rows).sum()
     }
 
-    /// Split-KV chunks (partial states) per layer.
+    /// Split-KV chunks per layer (the scalar kernel writes one partial state per chunk, a
+    /// SIMD kernel `num_kv_heads`).
     pub fn num_chunks(&self) -> usize {
         self.chunk_tokens.len()
     }
@@ -288,6 +322,7 @@ impl StepWorkspace {
             rows = rows.max(block[1] - block[0]);
             chunks = chunks.max(plan.chunk_range(block[0]..block[1]).len());
         }
+        let chunks = chunks * plan.pieces_per_chunk();
         let grow = |buffer: &mut Vec<f32>, len: usize| {
             if buffer.len() < len {
                 buffer.resize(len, 0.0);
@@ -386,29 +421,48 @@ fn split_block(
     let row_len = num_q_heads * head_dim;
     let chunks = plan.chunk_range(rows.clone());
     let num_rows = rows.len();
-    let partial_v = &mut workspace.partial_v[..chunks.len() * row_len];
-    let lse = &mut workspace.lse[..chunks.len() * num_q_heads];
+    let pieces = plan.pieces_per_chunk();
+    // A work item covers `item_heads` query heads of `item_kv_heads` KV heads.
+    let (item_heads, item_kv_heads) = if pieces == 1 {
+        (n_rep, 1)
+    } else {
+        (num_q_heads, num_kv_heads)
+    };
+    let partial_v = &mut workspace.partial_v[..chunks.len() * pieces * row_len];
+    let lse = &mut workspace.lse[..chunks.len() * pieces * num_q_heads];
     // Split row of every chunk in the block (chunk_indptr is sorted).
     let row_of = |chunk: usize| {
         rows.start + plan.chunk_indptr[rows.clone()].partition_point(|&c| c as usize <= chunk) - 1
     };
     partial_v
-        .par_chunks_mut(n_rep * head_dim)
-        .zip(lse.par_chunks_mut(n_rep))
+        .par_chunks_mut(item_heads * head_dim)
+        .zip(lse.par_chunks_mut(item_heads))
         .enumerate()
         .for_each(|(work_item, (v_group, lse_group))| {
             let chunk = chunks.start + work_item / num_kv_heads;
-            let kv_head = work_item % num_kv_heads;
+            let sub = work_item % num_kv_heads;
             let split_row = &plan.split_rows[row_of(chunk)];
-            let q_first = (split_row.row * num_q_heads + kv_head * n_rep) * head_dim;
-            let q_group = &queries.q[q_first..q_first + n_rep * head_dim];
             let (begin, end) = plan.chunk_tokens[chunk];
-            let tokens = begin as usize..end as usize;
-            chunk_attention(
+            let (begin, end) = (begin as usize, end as usize);
+            let (first_kv_head, tokens) = if pieces == 1 {
+                (sub, begin..end)
+            } else {
+                let length = end - begin;
+                (
+                    0,
+                    begin + length * sub / pieces..begin + length * (sub + 1) / pieces,
+                )
+            };
+            let q_first = (split_row.row * num_q_heads + first_kv_head * n_rep) * head_dim;
+            let q_group = &queries.q[q_first..q_first + item_heads * head_dim];
+            debug_assert_eq!(item_kv_heads * n_rep, item_heads);
+            kernel::chunk_attention(
+                plan.kernel,
                 kv,
                 split_row.request,
                 tokens,
-                kv_head,
+                first_kv_head,
+                n_rep,
                 scale,
                 q_group,
                 v_group,
@@ -417,7 +471,7 @@ fn split_block(
         });
     let o_indptr: Vec<u32> = plan.chunk_indptr[rows.start..=rows.end]
         .iter()
-        .map(|&c| c - chunks.start as u32)
+        .map(|&c| (c - chunks.start as u32) * pieces as u32)
         .collect();
     let merged_v = &mut workspace.merged_v[..num_rows * row_len];
     let merged_lse = &mut workspace.merged_lse[..num_rows * num_q_heads];

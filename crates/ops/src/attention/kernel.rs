@@ -1,0 +1,217 @@
+//! Which instruction set runs the split-KV chunk kernel (the online-softmax pass over one
+//! `(chunk, kv_head)` work item), chosen once per process.
+//!
+//! `PAGODA_CPU_ATTENTION=auto|simd|avx512|avx2|scalar` (unset or empty: `auto`). `auto` and
+//! `simd` pick the widest kernel this CPU runs (AVX-512F, else AVX2+FMA, else scalar);
+//! `scalar` forces the portable kernel (the oracle of the SIMD ones). A kernel the CPU lacks,
+//! or an unknown value, falls back to `auto` with a warning. The choice is logged once at
+//! INFO. Every kernel is deterministic for a given row, so batch invariance holds under each
+//! of them; they differ from each other by float rounding only (~1e-6 relative).
+
+use std::sync::OnceLock;
+
+use super::{decode, PagedKv};
+
+/// The environment variable that selects the attention kernel.
+pub const ATTENTION_KERNEL_ENV_VAR: &str = "PAGODA_CPU_ATTENTION";
+
+/// An implementation of the split-KV chunk kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AttentionKernel {
+    /// Portable Rust (auto-vectorized dot and axpy, libm `exp2` per score): the oracle.
+    Scalar,
+    /// 8-lane AVX2+FMA: FMA dot products, polynomial `exp2` over 8 scores, FMA V accumulation.
+    /// Needs `head_dim % 8 == 0` (otherwise that call runs [`AttentionKernel::Scalar`]).
+    Avx2,
+    /// 16-lane AVX-512F, same recipe as [`AttentionKernel::Avx2`]. Needs `head_dim % 16 == 0`
+    /// (otherwise that call runs the AVX2 kernel, or scalar when `head_dim % 8 != 0`).
+    Avx512,
+}
+
+impl AttentionKernel {
+    /// Lower-case name, as [`ATTENTION_KERNEL_ENV_VAR`] spells it: `scalar`, `avx2`, `avx512`.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKernel::Scalar => "scalar",
+            AttentionKernel::Avx2 => "avx2",
+            AttentionKernel::Avx512 => "avx512",
+        }
+    }
+
+    /// Whether this CPU can run the kernel (detected once per process).
+    pub fn is_supported(self) -> bool {
+        match self {
+            AttentionKernel::Scalar => true,
+            AttentionKernel::Avx2 => cpu_features().0,
+            AttentionKernel::Avx512 => cpu_features().1,
+        }
+    }
+
+    /// The widest supported kernel: AVX-512F, else AVX2+FMA, else scalar.
+    pub fn best() -> AttentionKernel {
+        [AttentionKernel::Avx512, AttentionKernel::Avx2]
+            .into_iter()
+            .find(|kernel| kernel.is_supported())
+            .unwrap_or(AttentionKernel::Scalar)
+    }
+
+    /// Parses an [`ATTENTION_KERNEL_ENV_VAR`] value (ASCII case and surrounding spaces
+    /// ignored): `auto`, `simd` or empty give `Ok(None)` (use [`AttentionKernel::best`]);
+    /// `scalar`, `avx2`, `avx512` give that kernel; anything else is an error naming the value
+    /// and the accepted ones.
+    pub fn parse(text: &str) -> Result<Option<AttentionKernel>, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" | "simd" => Ok(None),
+            "scalar" => Ok(Some(AttentionKernel::Scalar)),
+            "avx2" => Ok(Some(AttentionKernel::Avx2)),
+            "avx512" => Ok(Some(AttentionKernel::Avx512)),
+            _ => Err(format!(
+                "{ATTENTION_KERNEL_ENV_VAR}={text:?} is not one of auto, simd, avx512, avx2, scalar"
+            )),
+        }
+    }
+
+    /// The process-wide kernel: [`ATTENTION_KERNEL_ENV_VAR`] read once (unset: `auto`),
+    /// validated against the CPU (an unsupported or unknown value falls back to
+    /// [`AttentionKernel::best`] with a warning) and logged once at INFO.
+    pub fn selected() -> AttentionKernel {
+        static SELECTED: OnceLock<AttentionKernel> = OnceLock::new();
+        *SELECTED.get_or_init(|| {
+            let requested = std::env::var(ATTENTION_KERNEL_ENV_VAR).unwrap_or_default();
+            let kernel = match AttentionKernel::parse(&requested) {
+                Ok(None) => AttentionKernel::best(),
+                Ok(Some(kernel)) if kernel.is_supported() => kernel,
+                Ok(Some(kernel)) => {
+                    tracing::warn!(
+                        "{ATTENTION_KERNEL_ENV_VAR}={}: this CPU lacks it, using auto",
+                        kernel.name()
+                    );
+                    AttentionKernel::best()
+                }
+                Err(message) => {
+                    tracing::warn!("{message}; using auto");
+                    AttentionKernel::best()
+                }
+            };
+            tracing::info!(
+                "CPU attention kernel: {} (split-KV online softmax over the paged cache)",
+                kernel.name()
+            );
+            kernel
+        })
+    }
+}
+
+impl std::fmt::Display for AttentionKernel {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(self.name())
+    }
+}
+
+/// `(avx2 && fma, avx512f && avx2 && fma)`, detected once.
+fn cpu_features() -> (bool, bool) {
+    static FEATURES: OnceLock<(bool, bool)> = OnceLock::new();
+    *FEATURES.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+            (avx2, avx2 && is_x86_feature_detected!("avx512f"))
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            (false, false)
+        }
+    })
+}
+
+/// One split-KV work item on `kernel`: query heads `q_group [num_heads, head_dim]` (`num_heads`
+/// = `lse_group.len()`, a multiple of `n_rep`), head `i` reading KV head
+/// `first_kv_head + i / n_rep`, over visible tokens `tokens` of `request`; writes
+/// `v_group [num_heads, head_dim]` (normalized) and `lse_group` (log2), as the scalar
+/// `decode::chunk_attention` does for one KV head. A SIMD kernel reads each token's K/V span
+/// of all those KV heads once; the scalar kernel (also used for an unsupported kernel or a
+/// `head_dim` the lanes do not divide) runs one KV head after the other. Callers have
+/// validated the pool, the page table and the slice lengths.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn chunk_attention(
+    kernel: AttentionKernel,
+    kv: &PagedKv<'_>,
+    request: usize,
+    tokens: std::ops::Range<usize>,
+    first_kv_head: usize,
+    n_rep: usize,
+    scale: f32,
+    q_group: &[f32],
+    v_group: &mut [f32],
+    lse_group: &mut [f32],
+) {
+    let head_dim = kv.layout.head_dim;
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (avx2, avx512) = cpu_features();
+        let args = super::simd_x86::ChunkArgs {
+            kv,
+            request,
+            tokens: tokens.clone(),
+            first_kv_head,
+            n_rep,
+            scale,
+            q_group,
+        };
+        match kernel {
+            AttentionKernel::Avx512 if avx512 && head_dim.is_multiple_of(16) => {
+                // SAFETY: the CPU supports AVX-512F, AVX2 and FMA (detected above).
+                return unsafe { super::simd_x86::chunk_avx512(&args, v_group, lse_group) };
+            }
+            AttentionKernel::Avx512 | AttentionKernel::Avx2
+                if avx2 && head_dim.is_multiple_of(8) =>
+            {
+                // SAFETY: the CPU supports AVX2 and FMA (detected above).
+                return unsafe { super::simd_x86::chunk_avx2(&args, v_group, lse_group) };
+            }
+            _ => {}
+        }
+    }
+    let _ = kernel;
+    let group = n_rep.max(1);
+    for (index, ((q_heads, v_heads), lse_heads)) in q_group
+        .chunks(group * head_dim)
+        .zip(v_group.chunks_mut(group * head_dim))
+        .zip(lse_group.chunks_mut(group))
+        .enumerate()
+    {
+        decode::chunk_attention(
+            kv,
+            request,
+            tokens.clone(),
+            first_kv_head + index,
+            scale,
+            q_heads,
+            v_heads,
+            lse_heads,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_accepts_the_documented_values_only() {
+        assert_eq!(AttentionKernel::parse(" SIMD "), Ok(None));
+        assert_eq!(AttentionKernel::parse(""), Ok(None));
+        assert_eq!(
+            AttentionKernel::parse("scalar"),
+            Ok(Some(AttentionKernel::Scalar))
+        );
+        assert_eq!(
+            AttentionKernel::parse("AVX512"),
+            Ok(Some(AttentionKernel::Avx512))
+        );
+        let error = AttentionKernel::parse("sse").unwrap_err();
+        assert!(error.contains(ATTENTION_KERNEL_ENV_VAR) && error.contains("sse"));
+        assert!(AttentionKernel::best().is_supported());
+        assert_eq!(AttentionKernel::Avx2.to_string(), "avx2");
+    }
+}

@@ -25,18 +25,15 @@ PAGODA_DEVICE float exact_gumbel_score(const RowParams& p, float tempered, unsig
     return __fadd_rn(tempered, gumbel_noise(w[i % 4u]));
 }
 
+// Block-wide maximum (the prelude's warp_max over the warps' maxima); every thread gets it.
 PAGODA_DEVICE float block_max_f32(float value) {
     __shared__ float partial[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+    value = warp_max(value);
     __syncthreads();
     if (lane == 0) partial[warp] = value;
     __syncthreads();
-    value = lane < num_warps ? partial[lane] : -INFINITY;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-    return value;
+    return warp_max(lane < num_warps ? partial[lane] : -INFINITY);
 }
 
 #define GUMBEL_KEPT 4

@@ -91,6 +91,29 @@ pub(crate) struct TotalsReport {
     pub(crate) filtered_exact: u64,
 }
 
+impl From<SamplingTotals> for TotalsReport {
+    fn from(totals: SamplingTotals) -> Self {
+        let SamplingTotals {
+            greedy,
+            gumbel,
+            rejection,
+            fallback,
+            rejection_rounds,
+            filtered_fast,
+            filtered_exact,
+        } = totals;
+        TotalsReport {
+            greedy,
+            gumbel,
+            rejection,
+            fallback,
+            rejection_rounds,
+            filtered_fast,
+            filtered_exact,
+        }
+    }
+}
+
 /// One rotating input set on the device: `[B, V]` logits and the `[B]` tokens drawn from
 /// them.
 struct InputSet {
@@ -358,24 +381,7 @@ fn measure(
             times.push(start.elapsed_ms(end)? as f64 * 1e3 / sets as f64);
         }
     }
-    let SamplingTotals {
-        greedy,
-        gumbel,
-        rejection,
-        fallback,
-        rejection_rounds,
-        filtered_fast,
-        filtered_exact,
-    } = workspace.read_totals(gpu)?;
-    let totals = TotalsReport {
-        greedy,
-        gumbel,
-        rejection,
-        fallback,
-        rejection_rounds,
-        filtered_fast,
-        filtered_exact,
-    };
+    let totals = TotalsReport::from(workspace.read_totals(gpu)?);
     // Eager warm-up + one untimed replay + the timed replays, `sets` calls each.
     let rows_sampled = ((replays + 2) * sets * batch) as u64;
     let path_ok = configuration.path_accounts_for(&totals, rows_sampled);

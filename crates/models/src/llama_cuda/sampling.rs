@@ -175,11 +175,9 @@ impl DeviceSampler {
         )?;
         let device_runs = runs(rows, true);
         for run in &device_runs {
-            let run_params: Vec<SamplingRowParams> =
-                rows[run.clone()].iter().flatten().copied().collect();
             let options = SamplingOptions {
                 filtered: self.filtered,
-                mix: SamplingMix::of(&run_params, vocab),
+                mix: SamplingMix::of(rows[run.clone()].iter().flatten(), vocab),
                 ..SamplingOptions::default()
             };
             sample_rows_with(

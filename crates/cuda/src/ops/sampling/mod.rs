@@ -54,10 +54,11 @@
 mod params;
 
 pub use params::{
-    decode_row_stats, default_fast_rounds, encode_row_params, filter_splits, plan_sampling,
-    sampling_splits, FilteredSampling, RowPath, RowSamplingStats, SamplingMix, SamplingOptions,
-    SamplingPlan, SamplingRowParams, SamplingShapes, SamplingTotals, DEFAULT_MAX_REJECTION_ROUNDS,
-    MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
+    decode_row_stats, encode_row_params, filter_splits, plan_sampling, sampling_splits,
+    FilteredSampling, RowPath, RowSamplingStats, SamplingMix, SamplingOptions, SamplingPlan,
+    SamplingRowParams, SamplingShapes, SamplingTotals, DEFAULT_FAST_ROUNDS,
+    DEFAULT_MAX_REJECTION_ROUNDS, MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS,
+    SAMPLING_TOTALS_WORDS,
 };
 
 use super::SAMPLING;
@@ -398,9 +399,7 @@ pub fn sample_rows_with(
         }
     }
     if fast {
-        let rounds = options
-            .fast_rounds
-            .unwrap_or_else(|| default_fast_rounds(plan.rows));
+        let rounds = options.fast_rounds.unwrap_or(DEFAULT_FAST_ROUNDS);
         let round = [
             ptr(logits),
             ptr(params),

@@ -222,7 +222,10 @@ impl SamplingMix {
     /// The mix of `rows` for a vocabulary of `vocab` (the kernels' own row classification,
     /// except that a row without any finite logit, greedy on the device, counts as its
     /// parameters say).
-    pub fn of(rows: &[SamplingRowParams], vocab: usize) -> SamplingMix {
+    pub fn of<'a>(
+        rows: impl IntoIterator<Item = &'a SamplingRowParams>,
+        vocab: usize,
+    ) -> SamplingMix {
         let mut mix = SamplingMix {
             gumbel: false,
             filtered: false,
@@ -247,16 +250,12 @@ impl SamplingMix {
     }
 }
 
-/// Round launches of the fast filtered pipeline for `rows` rows: a row needing more rounds
-/// than this goes to the exact kernel (same token, slower).
-pub fn default_fast_rounds(rows: usize) -> u32 {
-    // Measured on the H200 (`pagoda bench sampling --device cuda`): 1.06-1.13 rounds per
-    // top-p row at T = 1 (1.31 at T = 2 in the tests), none of 1344 rows of batch 64 needing
-    // a third round; an empty round launch costs about 2.5 us, the exact kernel ~0.2 ms per
-    // row it redraws. Two launches would win at batch 1 and T = 1 only.
-    let _ = rows;
-    3
-}
+/// Round launches of the fast filtered pipeline: a row needing more rounds goes to the exact
+/// kernel (same token, slower). Measured on the H200 (`pagoda bench sampling --device cuda`):
+/// 1.06-1.13 rounds per top-p row at T = 1 (1.31 at T = 2 in the tests), none of 1344 rows
+/// of batch 64 needing a third round; an empty round launch costs about 2.5 us, the exact
+/// kernel ~0.2 ms per row it redraws. Two launches would win only at batch 1 and T = 1.
+pub const DEFAULT_FAST_ROUNDS: u32 = 3;
 
 /// Splits per row of the filtered pipeline (`sampling_pass`, `sampling_round`, the top-k
 /// digits) for `rows` rows of `vocab` logits on `sm_count` SMs: the smallest power of two
@@ -280,7 +279,7 @@ pub struct SamplingOptions {
     pub max_rejection_rounds: u32,
     /// The filtered rows' path.
     pub filtered: FilteredSampling,
-    /// Round launches of the fast path; `None` = [`default_fast_rounds`].
+    /// Round launches of the fast path; `None` = [`DEFAULT_FAST_ROUNDS`].
     pub fast_rounds: Option<u32>,
     /// The stages launched (see [`SamplingMix`]).
     pub mix: SamplingMix,

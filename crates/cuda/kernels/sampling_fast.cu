@@ -5,7 +5,7 @@
 // and above the midpoint pivot (pivot1), and the row's last CTA takes the verdicts of
 // pagoda_ops' dual-pivot rejection and draws the next candidate. Draw weights are f64 (the
 // walk places its target among them), filter weights f32 unless T = 1; every decision
-// within its tolerance of a boundary (walk_margin, FAST_MASS_TOLERANCE), and every row still ACTIVE
+// within its tolerance of a boundary (rounding_margin, FAST_MASS_TOLERANCE), and every row still ACTIVE
 // after the last round launch, is left to the exact kernel, which redraws the row from the
 // start: the fast path only ever returns the exact kernel's token.
 
@@ -24,11 +24,6 @@ PAGODA_DEVICE int top_p_verdict(double mass_above, double mass_target, double ma
 PAGODA_DEVICE int fast_verdict(double mass_above, double mass_target, double margin, double tolerance) {
     if (fabs(fabs(mass_above - mass_target) - margin) <= tolerance) return VERDICT_UNSURE;
     return top_p_verdict(mass_above, mass_target, margin);
-}
-
-// The exact kernel's ambiguity margin of the top-p test (f64 summation order).
-PAGODA_DEVICE double exact_margin(unsigned int vocab, double top_k_mass) {
-    return (4.0 * (double)vocab + 64.0) * 2.220446049250313080847e-16 * top_k_mass;
 }
 
 // Accepts `candidate` for the row (one thread).
@@ -198,7 +193,7 @@ sampling_round(const float* __restrict__ logits, const unsigned int* __restrict_
     const double above1 = row_split_sum(split_mass, row, num_splits, 1u);
     const double top_k_mass = state_f64(st, FS_TOP_K_MASS);
     const double mass_target = __dmul_rn((double)p.top_p, top_k_mass);
-    const double margin = exact_margin(vocab, top_k_mass), tolerance = FAST_MASS_TOLERANCE * top_k_mass;
+    const double margin = rounding_margin(vocab, top_k_mass), tolerance = FAST_MASS_TOLERANCE * top_k_mass;
     const unsigned int rounds = st[FS_ROUNDS], candidate = st[FS_CANDIDATE];
     const int verdict0 = fast_verdict(above0, mass_target, margin, tolerance);
     const int verdict1 = fast_verdict(above1, mass_target, margin, tolerance);

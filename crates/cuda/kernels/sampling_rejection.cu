@@ -183,7 +183,7 @@ PAGODA_DEVICE void exact_filtered_row(const float* __restrict__ z, const RowPara
         top_k_mass = block_sum_f64(top_k_mass);
     }
     const double mass_target = __dmul_rn((double)p.top_p, top_k_mass);
-    const double margin = (4.0 * (double)vocab + 64.0) * 2.220446049250313080847e-16 * top_k_mass;
+    const double margin = rounding_margin(vocab, top_k_mass);
     unsigned int rounds = 0, token = argmax;
     if (!fallback) {
         proposal_masses(z, vocab, low, z_max64, inverse_temperature, warp_mass);

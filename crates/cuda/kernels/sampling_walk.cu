@@ -53,11 +53,11 @@ PAGODA_DEVICE double draw_weight(float v, float z_max, double scale, const doubl
     return v == -INFINITY ? 0.0 : exp_nonpositive(__dmul_rn(__dsub_rn((double)v, (double)z_max), scale), table);
 }
 
-// How far the walk's target must be from the cumulative weight on either side of the chosen
-// id for the exact kernel to choose the same id: both sum f64 weights (in different orders,
-// within a few ulps of each other), so (4 vocab + 64) ulps of the total, as the exact top-p
-// test.
-PAGODA_DEVICE double walk_margin(unsigned int vocab, double total) {
+// (4 vocab + 64) ulps of `total`: how far apart two f64 sums of up to `vocab` weights (within
+// a few ulps of each other) in different orders can be. The exact kernel's top-p test calls
+// a mass within it of its target ambiguous; the fast walk needs its target that far from the
+// cumulative weight on either side of the chosen id for the exact kernel to choose the same.
+PAGODA_DEVICE double rounding_margin(unsigned int vocab, double total) {
     return (4.0 * (double)vocab + 64.0) * 2.220446049250313080847e-16 * total;
 }
 
@@ -75,7 +75,7 @@ PAGODA_DEVICE void segment_range(unsigned int vocab, unsigned int num_splits, un
 // Inverse-CDF draw over the proposal {z > low} weighted draw_weight(z, z_max, scale), from
 // the row's per-segment masses `segment_mass` [num_splits * SEGMENTS] (f64, written by the
 // other CTAs of this kernel): the first id whose cumulative weight exceeds uniform * total.
-// NO_TOKEN when the target lies within walk_margin of the cumulative weight before or after
+// NO_TOKEN when the target lies within rounding_margin of the cumulative weight before or after
 // that id (the exact kernel decides then). Block-wide.
 PAGODA_DEVICE unsigned int fast_walk(const float* __restrict__ z, unsigned int vocab, unsigned int num_splits,
                                      const double* segment_mass, float low, float z_max, double scale,
@@ -92,7 +92,7 @@ PAGODA_DEVICE unsigned int fast_walk(const float* __restrict__ z, unsigned int v
     double total;
     double running = block_exclusive_scan_f64(local, total);
     const double target = __dmul_rn(uniform, total);
-    const double margin = walk_margin(vocab, total);
+    const double margin = rounding_margin(vocab, total);
     if (threadIdx.x == 0) { s_owner = NO_TOKEN; s_found = NO_TOKEN; s_unsure = 0u; }
     __syncthreads();
     const double thread_start = running;

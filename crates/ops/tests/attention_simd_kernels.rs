@@ -221,6 +221,7 @@ fn kernel_throughput() {
             let mut out = vec![0.0f32; fixture.output_len()];
             let mut workspace = StepWorkspace::default();
             let steps = 20;
+            let queries = fixture.queries();
             let start = std::time::Instant::now();
             for step in 0..steps * 30 {
                 let (k_pool, v_pool) = &layers[step % count];
@@ -232,7 +233,7 @@ fn kernel_throughput() {
                 };
                 step_attention(
                     &kv,
-                    &fixture.queries(),
+                    &queries,
                     &plan,
                     fixture.scale,
                     &mut workspace,

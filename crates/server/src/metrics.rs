@@ -504,6 +504,14 @@ impl Metrics {
              # TYPE pagoda_cpu_kernels_info gauge\npagoda_cpu_kernels_info{{set=\"{}\"}} 1",
             pagoda_ops::linear::cpu_kernels_name()
         );
+        let _ = writeln!(
+            out,
+            "# HELP pagoda_cpu_attention_kernel_info The CPU attention kernel in use \
+             (PAGODA_CPU_ATTENTION).\n\
+             # TYPE pagoda_cpu_attention_kernel_info gauge\n\
+             pagoda_cpu_attention_kernel_info{{kernel=\"{}\"}} 1",
+            pagoda_ops::attention::AttentionKernel::selected().name()
+        );
         self.time_to_first_token.render(
             &mut out,
             "pagoda_time_to_first_token_seconds",
@@ -555,6 +563,10 @@ mod tests {
         assert!(text.contains("pagoda_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
         assert!(text.contains("pagoda_batch_invariant 1\n"));
         assert!(text.contains("pagoda_cpu_kernels_info{set=\""));
+        let kernel = pagoda_ops::attention::AttentionKernel::selected().name();
+        assert!(text.contains(&format!(
+            "pagoda_cpu_attention_kernel_info{{kernel=\"{kernel}\"}} 1\n"
+        )));
         metrics.update_engine(
             &EngineSnapshot {
                 batch_dependent: true,

@@ -41,7 +41,7 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
     pub page_size: usize,
     /// CPU attention, chosen per query row (so a request's numbers never depend on its batch):
-    /// `auto` (the default: split-KV for rows that see at least 512 tokens, gather below),
+    /// `auto` (the default: split-KV for rows that see at least 16 tokens, gather below),
     /// `split-kv` (every row; the CPU twin of the GPU kernel) or `gather` (the
     /// gather-then-attend reference). Also $PAGODA_ATTENTION.
     #[arg(long)]

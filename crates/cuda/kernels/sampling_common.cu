@@ -22,10 +22,12 @@
 #define PURPOSE_FALLBACK 3u
 #define NO_TOKEN 0xffffffffu
 // Launch flags (sample_rows_with): the multi-CTA filtered pipeline runs, its top-k select
-// runs, the Gumbel partials are computed by sampling_pass.
+// runs, the Gumbel partials are computed by sampling_gumbel, which also finds the row maxima
+// (no sampling_row_max launch: only greedy and Gumbel rows).
 #define FLAG_FAST 1u
 #define FLAG_TOP_K 2u
 #define FLAG_GUMBEL 4u
+#define FLAG_GUMBEL_MAX 8u
 // Per-row filter state (FILTER_STATE_WORDS u32 words in the workspace), written by the last
 // CTA of a row in each multi-CTA kernel and read by the next kernel.
 #define FILTER_STATE_WORDS 16u
@@ -288,7 +290,8 @@ PAGODA_DEVICE void reduce_row_max(const float* partial_max, const unsigned int* 
 }
 
 // Totals (u64 counters as u32 pairs): 0 greedy, 1 gumbel, 2 rejection, 3 fallback, 4 rounds,
-// 5 filtered rows finished by the multi-CTA pipeline, 6 filtered rows the exact kernel drew.
+// 5 filtered rows finished by the multi-CTA pipeline, 6 filtered rows the exact kernel drew,
+// 7 rows whose maximum sampling_gumbel found (FLAG_GUMBEL_MAX).
 PAGODA_DEVICE void count_total(unsigned int* totals, unsigned int counter, unsigned long long amount) {
     atomicAdd(reinterpret_cast<unsigned long long*>(totals) + counter, amount);
 }

@@ -126,24 +126,143 @@ PAGODA_DEVICE void gumbel_range(const float* __restrict__ z, unsigned int begin,
     block_argmax(best, best_id);
 }
 
-// Gumbel-max partials of the unfiltered rows (other rows return at once): the split's best
-// (score, lowest id) into partial_score / partial_id [rows, num_splits].
+// Candidate ids kept per split by gumbel_candidates (more: the split reports overflow).
+#define GUMBEL_SPLIT_KEPT 8u
+#define GUMBEL_OVERFLOW 0xffffffffu
+
+// Bound used for logit v on |a - (v / T + g) - c|, the error of gumbel_candidates' approximate
+// score a = fl(fl(v / T) + approx noise) against the ideal score shifted by a constant c
+// (= z_max / T), plus the rounding of the exact score (v - z_max) / T + g of any element
+// that can still win (its |(v - z_max) / T| is below 46): the noise's GUMBEL_APPROX_ERROR,
+// 2^-24 (2 |v / T| + 23) for the approximate score's roundings and 2^-24 * 138 for the
+// exact one's, all inside 1.1e-3 + 2^-23 |v / T|.
+PAGODA_DEVICE float candidate_error(float scaled) { return 1.1e-3f + 1.1920929e-7f * fabsf(scaled); }
+
+// One split of a row without its maximum (FLAG_GUMBEL_MAX): the split's maximum and lowest
+// index (every row), and for a Gumbel row the few ids that can still win the row's
+// Gumbel-max. Approximate scores use no maximum (fl(v / T) + fast noise); the winner j and
+// any id k satisfy a_j >= a_k - (E_j + E_k) (E: candidate_error), so an id further below
+// the best is never the winner. Thread 0 writes the split's maximum to *max_out / *index_out
+// and up to GUMBEL_SPLIT_KEPT ids to ids_out with their count (GUMBEL_OVERFLOW when more
+// remain) to *count_out; sampling_finish scores them exactly with the row maximum. Block-wide.
+PAGODA_DEVICE void gumbel_candidates(const float* __restrict__ z, unsigned int begin, unsigned int end,
+                                     const RowParams& p, bool gumbel, float* max_out, unsigned int* index_out,
+                                     unsigned int* ids_out, unsigned int* count_out) {
+    __shared__ unsigned int s_count, s_overflow;
+    __shared__ unsigned int s_ids[GUMBEL_SPLIT_KEPT];
+    const float inverse_temperature = gumbel ? __double2float_rn(__ddiv_rn(1.0, (double)p.temperature)) : 0.0f;
+    const bool aligned = row_aligned(z);
+    float top = -INFINITY, best_approx = -INFINITY, best_error = 0.0f;
+    unsigned int top_id = NO_TOKEN;
+    float kept_approx[GUMBEL_KEPT], kept_error[GUMBEL_KEPT];
+    unsigned int kept_id[GUMBEL_KEPT];
+    int kept = 0;
+    bool overflow = false;
+    if (threadIdx.x == 0) { s_count = 0u; s_overflow = 0u; }
+    for (unsigned int i = begin + threadIdx.x * 4u; i < end; i += blockDim.x * 4u) {
+        const float4 v = load4(z, i, end, aligned);
+        const float values[4] = {v.x, v.y, v.z, v.w};
+        // Ids increase per thread: strict > keeps the lowest id of equal values.
+        float scaled[4], reach = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (values[j] > top) { top = values[j]; top_id = i + j; }
+            scaled[j] = __fmul_rn(values[j], inverse_temperature);
+            reach = fmaxf(reach, scaled[j] + fabsf(scaled[j]) * 2.4e-7f);
+        }
+        // The noise is below 22.87 (+ its approximation error) and every E above 1.1e-3:
+        // no id of such a block can come within reach of the best.
+        const bool masked = values[0] == -INFINITY && values[1] == -INFINITY && values[2] == -INFINITY &&
+                            values[3] == -INFINITY;
+        if (!gumbel || masked || reach + 22.9f < best_approx - best_error - 1.1e-3f) continue;
+        const uint4 words = philox_block(p, PURPOSE_GUMBEL, i / 4u);
+        const unsigned int w[4] = {words.x, words.y, words.z, words.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (values[j] == -INFINITY) continue;
+            const float approx = scaled[j] + approx_gumbel_noise(w[j]);
+            const float error = candidate_error(scaled[j]);
+            if (approx < best_approx - (error + best_error)) continue;
+            if (approx > best_approx) {
+                best_approx = approx;
+                best_error = error;
+                int still = 0;
+#pragma unroll
+                for (int k = 0; k < GUMBEL_KEPT; ++k) {
+                    if (k < kept && kept_approx[k] >= approx - (kept_error[k] + error)) {
+                        kept_approx[still] = kept_approx[k];
+                        kept_error[still] = kept_error[k];
+                        kept_id[still] = kept_id[k];
+                        ++still;
+                    }
+                }
+                kept = still;
+            }
+            if (kept < GUMBEL_KEPT) {
+                kept_approx[kept] = approx;
+                kept_error[kept] = error;
+                kept_id[kept] = i + j;
+                ++kept;
+            } else {
+                overflow = true;
+            }
+        }
+    }
+    block_argmax(top, top_id);
+    const float block_best = block_max_f32(best_approx);
+    const float block_error = block_max_f32(best_error);  // >= the error of the best's id
+    if (overflow) s_overflow = 1u;
+#pragma unroll
+    for (int k = 0; k < GUMBEL_KEPT; ++k) {
+        if (k < kept && kept_approx[k] >= block_best - (kept_error[k] + block_error)) {
+            const unsigned int slot = atomicAdd(&s_count, 1u);
+            if (slot < GUMBEL_SPLIT_KEPT) s_ids[slot] = kept_id[k];
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *max_out = top;
+        *index_out = top == -INFINITY ? NO_TOKEN : top_id;
+        const unsigned int count = s_overflow || s_count > GUMBEL_SPLIT_KEPT ? GUMBEL_OVERFLOW : s_count;
+        *count_out = gumbel ? count : 0u;
+        for (unsigned int k = 0; k < GUMBEL_SPLIT_KEPT && k < s_count; ++k) ids_out[k] = s_ids[k];
+    }
+}
+
+// Gumbel-max partials. With FLAG_GUMBEL_MAX (no sampling_row_max in this launch; no
+// filtered rows): every row's split maximum and lowest index into partial_max /
+// partial_index [rows, num_splits], and a Gumbel row's candidates into gumbel_ids
+// [rows, num_splits, GUMBEL_SPLIT_KEPT] / gumbel_count [rows, num_splits]
+// (gumbel_candidates). Without it: the unfiltered rows' best (score, lowest id) per split,
+// scored exactly with the row maximum of the filter state, into partial_score / partial_id
+// [rows, num_splits] (other rows return at once).
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 sampling_gumbel(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
-                unsigned int num_splits, const unsigned int* __restrict__ state,
-                float* __restrict__ partial_score, unsigned int* __restrict__ partial_id) {
+                unsigned int num_splits, unsigned int flags, const unsigned int* __restrict__ state,
+                float* __restrict__ partial_score, unsigned int* __restrict__ partial_id,
+                float* __restrict__ partial_max, unsigned int* __restrict__ partial_index,
+                unsigned int* __restrict__ gumbel_ids, unsigned int* __restrict__ gumbel_count) {
     const unsigned int row = blockIdx.y, split = blockIdx.x;
     const RowParams p = load_row_params(params, row);
-    const float z_max = __uint_as_float(state[row * FILTER_STATE_WORDS + FS_Z_MAX]);
-    if (row_path(p, vocab, z_max) != PATH_GUMBEL) return;
     unsigned int begin, end;
     split_range(vocab, num_splits, split, begin, end);
+    const size_t slot = (size_t)row * num_splits + split;
+    if (flags & FLAG_GUMBEL_MAX) {
+        // Greedy unless the parameters sample (a row without a finite logit is greedy too:
+        // it keeps no candidate).
+        const bool gumbel = row_path(p, vocab, 0.0f) == PATH_GUMBEL;
+        gumbel_candidates(logits + (size_t)row * vocab, begin, end, p, gumbel, partial_max + slot,
+                          partial_index + slot, gumbel_ids + slot * GUMBEL_SPLIT_KEPT, gumbel_count + slot);
+        return;
+    }
+    const float z_max = __uint_as_float(state[row * FILTER_STATE_WORDS + FS_Z_MAX]);
+    if (row_path(p, vocab, z_max) != PATH_GUMBEL) return;
     float best;
     unsigned int best_id;
     gumbel_range(logits + (size_t)row * vocab, begin, end, p, z_max, best, best_id);
     if (threadIdx.x == 0) {
-        partial_score[row * num_splits + split] = best;
-        partial_id[row * num_splits + split] = best == -INFINITY ? NO_TOKEN : best_id;
+        partial_score[slot] = best;
+        partial_id[slot] = best == -INFINITY ? NO_TOKEN : best_id;
     }
 }
 

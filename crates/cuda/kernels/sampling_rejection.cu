@@ -264,35 +264,68 @@ PAGODA_DEVICE void exact_filtered_row(const float* __restrict__ z, const RowPara
 }
 
 // One CTA per row, after every other sampling kernel; the row maximum comes from the filter
-// state sampling_row_max wrote. Greedy rows take the argmax (lowest id on ties, 0 without a
-// finite logit); Gumbel rows the best partial of sampling_pass (or,
-// without FLAG_GUMBEL, a scan of the whole row here); filtered rows the multi-CTA pipeline
-// did not finish (status not DONE) are drawn by exact_filtered_row. Writes tokens[row] and
-// stats[row] = {path, rounds} and bumps the totals for every row not already DONE.
+// state sampling_row_max wrote, or with FLAG_GUMBEL_MAX from sampling_gumbel's per-split
+// maxima (the state is then not used: no row is in the filtered pipeline). Greedy rows take
+// the argmax (lowest id on ties, 0 without a finite logit); Gumbel rows the best partial of
+// sampling_gumbel (with FLAG_GUMBEL_MAX: its candidates scored exactly here, or the whole
+// row when a split kept too many; without FLAG_GUMBEL, a scan of the whole row); filtered
+// rows the multi-CTA pipeline did not finish (status not DONE) are drawn by
+// exact_filtered_row. Writes tokens[row] and stats[row] = {path, rounds} and bumps the totals
+// for every row not already DONE.
 extern "C" __global__ void __launch_bounds__(REJECTION_THREADS)
 sampling_finish(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
                 unsigned int num_splits, unsigned int flags, unsigned int max_rounds,
                 const float* __restrict__ partial_score, const unsigned int* __restrict__ partial_id,
+                const float* __restrict__ partial_max, const unsigned int* __restrict__ partial_index,
+                const unsigned int* __restrict__ gumbel_ids, const unsigned int* __restrict__ gumbel_count,
                 const unsigned int* __restrict__ state, unsigned int* __restrict__ tokens,
                 unsigned int* __restrict__ stats, unsigned int* __restrict__ totals) {
     const unsigned int row = blockIdx.x;
+    const bool gumbel_max = flags & FLAG_GUMBEL_MAX;
     const unsigned int* st = state + row * FILTER_STATE_WORDS;
-    const unsigned int status = st[FS_STATUS];
-    if (status == STATUS_DONE) return;
+    if (!gumbel_max && st[FS_STATUS] == STATUS_DONE) return;
     const RowParams p = load_row_params(params, row);
-    const float z_max = __uint_as_float(st[FS_Z_MAX]);
-    const unsigned int argmax = st[FS_ARGMAX];
+    float z_max;
+    unsigned int argmax;
+    if (gumbel_max) {
+        reduce_row_max(partial_max, partial_index, row, num_splits, z_max, argmax);
+    } else {
+        z_max = __uint_as_float(st[FS_Z_MAX]);
+        argmax = st[FS_ARGMAX];
+    }
     const float* z = logits + (size_t)row * vocab;
     const unsigned int path = row_path(p, vocab, z_max);
     if (path == PATH_REJECTION) {
         exact_filtered_row(z, p, vocab, row, z_max, argmax, max_rounds, tokens, stats, totals);
+        if (gumbel_max && threadIdx.x == 0) count_total(totals, 7u, 1ull);
         return;
     }
     unsigned int token = argmax;
     if (path == PATH_GUMBEL) {
         float best = -INFINITY;
         unsigned int best_id = NO_TOKEN;
-        if (flags & FLAG_GUMBEL) {
+        if (gumbel_max) {
+            __shared__ unsigned int s_overflow;
+            if (threadIdx.x == 0) s_overflow = 0u;
+            __syncthreads();
+            const float inverse_temperature = __double2float_rn(__ddiv_rn(1.0, (double)p.temperature));
+            for (unsigned int c = threadIdx.x; c < num_splits * GUMBEL_SPLIT_KEPT; c += blockDim.x) {
+                const unsigned int split = c / GUMBEL_SPLIT_KEPT, k = c % GUMBEL_SPLIT_KEPT;
+                const unsigned int count = gumbel_count[row * num_splits + split];
+                if (count == GUMBEL_OVERFLOW) { s_overflow = 1u; continue; }
+                if (k >= count) continue;
+                const unsigned int id = gumbel_ids[((size_t)row * num_splits + split) * GUMBEL_SPLIT_KEPT + k];
+                const float tempered = __fmul_rn(__fsub_rn(sanitize_logit(z[id]), z_max), inverse_temperature);
+                const float score = exact_gumbel_score(p, tempered, id);
+                if (better(score, id, best, best_id)) { best = score; best_id = id; }
+            }
+            __syncthreads();
+            if (s_overflow) {
+                gumbel_range(z, 0u, vocab, p, z_max, best, best_id);
+            } else {
+                block_argmax(best, best_id);
+            }
+        } else if (flags & FLAG_GUMBEL) {
             for (unsigned int s = threadIdx.x; s < num_splits; s += blockDim.x) {
                 const float score = partial_score[row * num_splits + s];
                 const unsigned int id = partial_id[row * num_splits + s];
@@ -310,5 +343,6 @@ sampling_finish(const float* __restrict__ logits, const unsigned int* __restrict
         stats[2 * row] = path;
         stats[2 * row + 1] = 0u;
         count_total(totals, path, 1ull);
+        if (gumbel_max) count_total(totals, 7u, 1ull);
     }
 }

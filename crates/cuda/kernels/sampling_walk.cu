@@ -199,22 +199,80 @@ PAGODA_DEVICE void init_filter_state(const RowParams& p, unsigned int vocab, flo
     st[FS_STATUS] = exact ? STATUS_EXACT : STATUS_ACTIVE;
 }
 
-// One 8-bit digit (bits [shift, shift + 8) of ordered_bits, most significant first) of the
-// k-th largest finite logit of each ACTIVE row with a pending top-k: every CTA counts its
-// split's logits that match the digits fixed so far into histogram[row] [256] (zeroed
-// again by the last CTA, which fixes the digit). After the first digit a row with at most k
-// finite logits keeps them all; after the last, the threshold and the proposal floor are set.
+// Bins of the widest top-k digit (8 bits): the digits are bits [24, 32), [16, 24), [8, 16),
+// [0, 8) of ordered_bits, most significant first (TOP_K_DIGITS in src/ops/sampling/mod.rs).
+#define TOP_K_BINS 256u
+
+// Thread `t` of the block holds bins [(blockDim.x - 1 - t) * per, ... + per) of a `bins`-bin
+// histogram (so thread order is descending bin order): the largest bin d with
+// sum(counts[d..]) >= remaining, the count above it and in it, and the total count.
+// Block-wide; every thread gets the result (bin NO_TOKEN when the total is below `remaining`).
+PAGODA_DEVICE void find_rank_bin(const unsigned int* counts, unsigned int bins, unsigned int remaining,
+                                 unsigned int& bin, unsigned int& above, unsigned int& in_bin,
+                                 unsigned int& total) {
+    __shared__ unsigned int s_bin, s_above, s_in;
+    const unsigned int per = bins / blockDim.x;
+    const unsigned int first = (blockDim.x - 1u - threadIdx.x) * per;
+    unsigned int local = 0u;
+    for (unsigned int k = 0; k < per; ++k) local += counts[first + k];
+    // Exclusive scan over threads in descending-bin order: the count of every bin above.
+    unsigned int before = 0u;
+    {
+        __shared__ unsigned int totals[32];
+        const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+        unsigned int inclusive = local;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const unsigned int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+            if ((int)lane >= offset) inclusive += other;
+        }
+        if (threadIdx.x == 0) { s_bin = NO_TOKEN; s_above = 0u; s_in = 0u; }
+        __syncthreads();
+        if (lane == 31u) totals[warp] = inclusive;
+        __syncthreads();
+        total = 0u;
+        for (unsigned int w = 0; w < num_warps; ++w) {
+            if (w < warp) before += totals[w];
+            total += totals[w];
+        }
+        before += inclusive - local;
+    }
+    if (before < remaining && before + local >= remaining) {
+        unsigned int running = before;
+        for (unsigned int k = per; k-- > 0;) {
+            const unsigned int c = counts[first + k];
+            if (running + c >= remaining) { s_bin = first + k; s_above = running; s_in = c; break; }
+            running += c;
+        }
+    }
+    __syncthreads();
+    bin = s_bin;
+    above = s_above;
+    in_bin = s_in;
+    __syncthreads();
+}
+
+// One digit (`bits` wide, at `shift`) of the k-th largest finite logit of each ACTIVE row
+// with a pending top-k: every CTA counts its split's logits that match the digits fixed so
+// far into histogram[row] [TOP_K_BINS] (zeroed again by the last CTA, which fixes the
+// digit). After the first digit a row with at most k finite logits keeps them all. The
+// select ends early when the k-th largest is the smallest logit of its bin (the bin's count
+// is the rank still to find): then every logit at or above the bin's lowest value is in the
+// top k and none between, so that value is the threshold (same set, same masses). Else it
+// ends after the last digit with the exact k-th largest value.
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 sampling_top_k_digit(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
-                     unsigned int num_splits, unsigned int shift, unsigned int* __restrict__ state,
-                     unsigned int* __restrict__ histogram, unsigned int* __restrict__ arrive) {
-    __shared__ unsigned int counts[256];
+                     unsigned int num_splits, unsigned int shift, unsigned int bits,
+                     unsigned int* __restrict__ state, unsigned int* __restrict__ histogram,
+                     unsigned int* __restrict__ arrive) {
+    __shared__ unsigned int counts[TOP_K_BINS];
     const unsigned int row = blockIdx.y, split = blockIdx.x;
     unsigned int* st = state + row * FILTER_STATE_WORDS;
     if (st[FS_STATUS] != STATUS_ACTIVE || st[FS_TOP_K_PENDING] == 0u) return;
     const unsigned int prefix = st[FS_TOP_K_PREFIX];
-    const unsigned int mask = shift >= 24u ? 0u : (0xffffffffu << (shift + 8u));
-    for (unsigned int d = threadIdx.x; d < 256u; d += blockDim.x) counts[d] = 0u;
+    const unsigned int bins = 1u << bits;
+    const unsigned int mask = shift + bits >= 32u ? 0u : (0xffffffffu << (shift + bits));
+    for (unsigned int d = threadIdx.x; d < bins; d += blockDim.x) counts[d] = 0u;
     __syncthreads();
     unsigned int begin, end;
     split_range(vocab, num_splits, split, begin, end);
@@ -226,33 +284,36 @@ sampling_top_k_digit(const float* __restrict__ logits, const unsigned int* __res
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const unsigned int key = ordered_bits(values[j]);
-            if (values[j] > -INFINITY && (key & mask) == prefix) atomicAdd(&counts[(key >> shift) & 255u], 1u);
+            if (values[j] > -INFINITY && (key & mask) == prefix) atomicAdd(&counts[(key >> shift) & (bins - 1u)], 1u);
         }
     }
     __syncthreads();
-    unsigned int* h = histogram + row * 256u;
-    for (unsigned int d = threadIdx.x; d < 256u; d += blockDim.x) {
+    unsigned int* h = histogram + (size_t)row * TOP_K_BINS;
+    for (unsigned int d = threadIdx.x; d < bins; d += blockDim.x) {
         if (counts[d]) atomicAdd(&h[d], counts[d]);
     }
     if (!last_to_arrive(arrive, row, num_splits)) return;
-    for (unsigned int d = threadIdx.x; d < 256u; d += blockDim.x) counts[d] = atomicExch(&h[d], 0u);
+    // Every CTA of the row has added its counts: plain loads (pipelined; an atomic exchange
+    // per bin waited for each in turn), then zero for the next digit.
+    for (unsigned int d = threadIdx.x; d < bins; d += blockDim.x) {
+        counts[d] = __ldcg(&h[d]);
+        h[d] = 0u;
+    }
     __syncthreads();
-    if (threadIdx.x != 0) return;
     const RowParams p = load_row_params(params, row);
-    unsigned int remaining = st[FS_TOP_K_REMAINING];
-    if (shift >= 24u) {
-        unsigned int finite = 0u;
-        for (int d = 0; d < 256; ++d) finite += counts[d];
-        if (finite <= p.top_k) { st[FS_TOP_K_PENDING] = 0u; return; }
-    }
-    unsigned int fixed = prefix;
-    for (int d = 255; d >= 0; --d) {
-        if (counts[d] >= remaining) { fixed = prefix | ((unsigned int)d << shift); break; }
-        remaining -= counts[d];
-    }
+    const unsigned int remaining = st[FS_TOP_K_REMAINING];
+    unsigned int bin, above, in_bin, counted;
+    find_rank_bin(counts, bins, remaining, bin, above, in_bin, counted);
+    if (threadIdx.x != 0) return;
+    // First digit: every finite logit was counted.
+    if (mask == 0u && counted <= p.top_k) { st[FS_TOP_K_PENDING] = 0u; return; }
+    if (bin == NO_TOKEN) { st[FS_STATUS] = STATUS_EXACT; return; }  // unreachable: counts add up
+    const unsigned int fixed = prefix | (bin << shift);
     st[FS_TOP_K_PREFIX] = fixed;
-    st[FS_TOP_K_REMAINING] = remaining;
-    if (shift == 0u) {
+    st[FS_TOP_K_REMAINING] = remaining - above;
+    if (shift == 0u || in_bin == remaining - above) {
+        // The bin's lowest value: finite, since the bin holds a finite logit and -FLT_MAX's
+        // key is a multiple of every digit's bin width.
         const float kth = from_ordered_bits(fixed);
         st[FS_TOP_K_THRESHOLD] = __float_as_uint(kth);
         st[FS_LOW] = __float_as_uint(fmaxf(__uint_as_float(st[FS_LOW]), next_down(kth)));

@@ -573,3 +573,74 @@ fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
         "mixed batch, nothing in the mix"
     );
 }
+
+#[test]
+fn gumbel_rows_without_a_row_max_pass_draw_the_same_tokens() {
+    let Some(gpu) = gpu("gumbel_rows_without_a_row_max_pass_draw_the_same_tokens") else {
+        return;
+    };
+    // No filtered row: the launch's mix leaves the filtered stages out, as forward_sampled's.
+    let unfiltered = SamplingMix {
+        filtered: false,
+        top_k: false,
+        ..SamplingMix::ALL
+    };
+    let on = SamplingOptions {
+        mix: unfiltered,
+        ..SamplingOptions::default()
+    };
+    let off = SamplingOptions {
+        gumbel_max: false,
+        ..on
+    };
+    for vocab in [1000usize, 151_936] {
+        let mut rng = rng(91 + vocab as u64);
+        let mut rows = Vec::new();
+        let mut params = Vec::new();
+        for index in 0..24u64 {
+            let mut row = random_vec(&mut rng, vocab, [0.5f32, 3.0, 8.0][index as usize % 3]);
+            match index % 8 {
+                // Huge logits: the approximate scores' error bound keeps many candidates
+                // per split, which overflows into the finish kernel's whole-row scan.
+                5 => row.iter_mut().for_each(|v| *v += 1.0e6),
+                // Half the ids masked (NaN or -inf), and a row with no finite logit.
+                6 => row.iter_mut().enumerate().for_each(|(i, v)| {
+                    if i % 2 == 1 {
+                        *v = if i % 6 == 1 {
+                            f32::NAN
+                        } else {
+                            f32::NEG_INFINITY
+                        };
+                    }
+                }),
+                7 if index == 7 => row.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
+                _ => {}
+            }
+            rows.push(row);
+            let temperature = [0.0f32, 0.05, 0.7, 1.0, 2.5][index as usize % 5];
+            params.push(row_params(
+                &chain_params(temperature, 0, 1.0, 0.0, index),
+                31 * index + 5,
+            ));
+        }
+        let (fused, totals) = sample_batch_with_totals(&gpu, &rows, &params, on);
+        assert_eq!(
+            totals.gumbel_max_rows,
+            rows.len() as u64,
+            "V={vocab}: {totals:?}"
+        );
+        assert_eq!(fused, sample_batch(&gpu, &rows, &params, off), "V={vocab}");
+        for (index, (row, record)) in rows.iter().zip(&params).enumerate() {
+            let chain = chain_params(record.temperature, 0, 1.0, 0.0, index as u64);
+            let mut sampler = pagoda_ops::sampling::FusedSampler::new(chain).unwrap();
+            for _ in 0..31 * index as u64 + 5 {
+                sampler.sample(row, &[]);
+            }
+            assert_eq!(
+                fused[index],
+                sampler.sample(row, &[]),
+                "V={vocab} row {index}: GPU vs CPU FusedSampler"
+            );
+        }
+    }
+}

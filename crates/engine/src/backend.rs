@@ -9,6 +9,8 @@ use pagoda_models::llama_cuda::{
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::AnySampler;
 
+use crate::cpu_pool::{CpuPoolCounters, CpuPools, CpuThreadsMode, StepShape};
+
 /// A loaded model on its device.
 // One value per engine, moved once: the size difference between variants does not matter.
 #[allow(clippy::large_enum_variant)]
@@ -78,8 +80,14 @@ impl Backend {
 /// A backend with its KV cache allocated, ready to run steps.
 #[allow(clippy::large_enum_variant)]
 pub(crate) enum Runner {
-    Cpu { model: Model, kv: KvCache },
-    Cuda { model: Box<CudaModel> },
+    Cpu {
+        model: Model,
+        kv: KvCache,
+        pools: CpuPools,
+    },
+    Cuda {
+        model: Box<CudaModel>,
+    },
 }
 
 /// What one forward returned.
@@ -99,7 +107,9 @@ pub(crate) struct StepOutput {
 
 impl Runner {
     /// Allocates the KV cache (`num_pages` pages of `page_size` tokens) and, on the GPU, the
-    /// step buffers for up to `max_batch_tokens` tokens of `max_requests` requests.
+    /// step buffers for up to `max_batch_tokens` tokens of `max_requests` requests. On the
+    /// CPU, the pool of each step follows `PAGODA_CPU_ADAPTIVE_THREADS` (an unknown value is
+    /// an error).
     pub(crate) fn new(
         backend: Backend,
         num_pages: usize,
@@ -112,11 +122,12 @@ impl Runner {
     ) -> Result<Runner, String> {
         match backend {
             Backend::Cpu(model) => {
+                let pools = CpuPools::new(CpuThreadsMode::from_env()?);
                 let kv = KvCache::new(
                     model.config().num_layers,
                     model.kv_layout(num_pages, page_size),
                 );
-                Ok(Runner::Cpu { model, kv })
+                Ok(Runner::Cpu { model, kv, pools })
             }
             Backend::Cuda(mut model) => {
                 model.prepare(CudaCacheOptions {
@@ -147,6 +158,29 @@ impl Runner {
         }
     }
 
+    /// The CPU pools' counters (None on the GPU).
+    pub(crate) fn cpu_pool_counters(&self) -> Option<CpuPoolCounters> {
+        match self {
+            Runner::Cpu { pools, .. } => Some(pools.counters()),
+            Runner::Cuda { .. } => None,
+        }
+    }
+
+    /// How CPU steps pick their pool (None on the GPU).
+    pub(crate) fn cpu_threads_mode(&self) -> Option<CpuThreadsMode> {
+        match self {
+            Runner::Cpu { pools, .. } => Some(pools.mode()),
+            Runner::Cuda { .. } => None,
+        }
+    }
+
+    /// Sets how CPU steps pick their pool (ignored on the GPU).
+    pub(crate) fn set_cpu_threads_mode(&mut self, mode: CpuThreadsMode) {
+        if let Runner::Cpu { pools, .. } = self {
+            pools.set_mode(mode);
+        }
+    }
+
     /// The CUDA model's step counters (None on the CPU).
     pub(crate) fn cuda_counters(&self) -> Option<CudaStepCounters> {
         match self {
@@ -169,13 +203,17 @@ impl Runner {
         device_rows: Option<&[Option<SamplingRowParams>]>,
     ) -> Result<StepOutput, String> {
         match self {
-            Runner::Cpu { model, kv } => {
+            Runner::Cpu { model, kv, pools } => {
                 if device_rows.is_some() {
                     return Err("device sampling requested on the CPU backend".to_string());
                 }
-                // Run the whole forward on a pool worker: the ops' parallel loops then start
-                // from inside the pool instead of handing every one of them across threads.
-                let output = rayon::scope(|_| model.forward(batch, kv, policy))
+                let shape = StepShape {
+                    num_tokens: batch.tokens.len(),
+                    num_requests: batch.qo_indptr.len().saturating_sub(1),
+                };
+                let model = &*model;
+                let output = pools
+                    .run(shape, || model.forward(batch, kv, policy))
                     .map_err(|e| e.to_string())?;
                 Ok(StepOutput {
                     logits: output.logits,

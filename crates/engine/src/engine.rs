@@ -11,6 +11,7 @@ use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::{AnySampler, SamplerKind, SamplingParams};
 
 use crate::backend::{device_row_params, Backend, Runner};
+use crate::cpu_pool::CpuThreadsMode;
 use pagoda_scheduler::{
     Request as SchedulerRequest, SampledToken, Scheduler, SchedulerConfig, SchedulerError,
     SchedulerStats,
@@ -135,6 +136,15 @@ pub struct EngineCounters {
     /// single-CTA exact kernel.
     pub gpu_sampler_filtered_fast: u64,
     pub gpu_sampler_filtered_exact: u64,
+    /// GPU-sampled rows whose maximum the Gumbel kernel found (no row-maximum pass).
+    pub gpu_sampler_gumbel_max: u64,
+    /// CPU forward passes run on all configured threads / on one thread (the adaptive pool,
+    /// `PAGODA_CPU_ADAPTIVE_THREADS`), probe bursts of the other pool started, and times a
+    /// kind of step changed pool.
+    pub steps_cpu_all_threads: u64,
+    pub steps_cpu_one_thread: u64,
+    pub cpu_pool_probes: u64,
+    pub cpu_pool_switches: u64,
 }
 
 impl EngineCounters {
@@ -309,6 +319,18 @@ impl Engine {
         self.runner.kv_bytes()
     }
 
+    /// How CPU steps pick their thread pool (`None` on the GPU). Set from
+    /// `PAGODA_CPU_ADAPTIVE_THREADS` when the engine is made.
+    pub fn cpu_threads_mode(&self) -> Option<CpuThreadsMode> {
+        self.runner.cpu_threads_mode()
+    }
+
+    /// Changes how CPU steps pick their thread pool (ignored on the GPU). Logits do not
+    /// depend on it: only speed does.
+    pub fn set_cpu_threads_mode(&mut self, mode: CpuThreadsMode) {
+        self.runner.set_cpu_threads_mode(mode);
+    }
+
     /// What has run so far.
     pub fn counters(&self) -> &EngineCounters {
         &self.counters
@@ -472,7 +494,15 @@ impl Engine {
         self.counters.requests_split_kv += output.split_kv_requests as u64;
         self.counters.requests_gather += output.gather_requests as u64;
         match output.attention_path {
-            Some(path) => self.counters.record(path, tokens.len()),
+            Some(path) => {
+                self.counters.record(path, tokens.len());
+                if let Some(pools) = self.runner.cpu_pool_counters() {
+                    self.counters.steps_cpu_all_threads = pools.steps_all_threads;
+                    self.counters.steps_cpu_one_thread = pools.steps_one_thread;
+                    self.counters.cpu_pool_probes = pools.probes;
+                    self.counters.cpu_pool_switches = pools.switches;
+                }
+            }
             None => {
                 self.counters.steps_cuda += 1;
                 self.counters.tokens_forwarded += tokens.len() as u64;
@@ -488,6 +518,7 @@ impl Engine {
                     self.counters.gpu_sampler_fallbacks = cuda.sampler_fallback_rows;
                     self.counters.gpu_sampler_filtered_fast = cuda.sampler_filtered_fast_rows;
                     self.counters.gpu_sampler_filtered_exact = cuda.sampler_filtered_exact_rows;
+                    self.counters.gpu_sampler_gumbel_max = cuda.sampler_gumbel_max_rows;
                 }
             }
         }

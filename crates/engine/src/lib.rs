@@ -6,10 +6,15 @@
 //! page table, [`pagoda_models::llama::Model::forward`] for the step.
 
 mod backend;
+mod cpu_pool;
 mod engine;
 mod load;
 
 pub use backend::Backend;
+pub use cpu_pool::{
+    ControllerSettings, CpuPoolCounters, CpuThreadsMode, PoolChoice, PoolController, StepShape,
+    Verdict, CPU_ADAPTIVE_THREADS_ENV,
+};
 pub use engine::{
     Engine, EngineConfig, EngineCounters, EngineError, FinishReason, RequestId, StepEvent,
 };

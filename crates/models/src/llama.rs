@@ -362,10 +362,19 @@ impl Model {
     }
 }
 
-/// Auto's threshold: a query row that sees at least this many tokens runs split-KV, a
-/// shorter one gather. Measured on the 2-core machines (foundation bench, batch 1): split-KV
-/// wins from a few hundred tokens of context (1.07x at 512, 1.15x at 2048, 1.4x at 4096).
-pub const AUTO_MIN_SPLIT_KV_TOKENS: usize = 512;
+/// Auto's threshold, in visible tokens: a query row that sees at least this many tokens runs
+/// split-KV, a shorter one gather. One page (16 tokens at the default page size).
+///
+/// Measured on the 2-core AMD EPYC dev machine (AVX-512 split-KV kernel, default model,
+/// `docs/benchmark_results/cpu-split-kv-threshold-epyc-2026-11-30.md`): forced split-KV is at
+/// least as fast as gather at every depth, 1 and 2 threads (decode tg64: 1.00x at depth 0,
+/// 1.02-1.04x at 16, 1.2x / 1.06x at 128, 1.41x / 1.18x at 511; prefill 32/128/512 tokens:
+/// 1.01-1.14x), so the threshold is not set by speed. It is not 0 because rows that short
+/// gain nothing measurable, and because the quantized-activation path turns the two paths'
+/// float differences (6e-5 logprob with f32 activations) into up to ~1 logprob of Q8 rounding
+/// noise: the llama.cpp parity prompts under auto stay inside their top-5 bound of 0.6 at 16
+/// (worst 0.5625, as at 512: 0.5608) but not at 0 (0.660). Was 512 while split-KV was scalar.
+pub const AUTO_MIN_SPLIT_KV_TOKENS: usize = 16;
 
 /// How a forward pass picks the attention path of each query row.
 ///
@@ -400,7 +409,10 @@ impl AttentionPolicy {
 
 impl Model {
     /// The step's attention routing (made once per step, reused by every layer). A split-KV
-    /// row is cut into `ceil(4 * threads / num_kv_heads)` balanced chunks of its own pages.
+    /// row is cut into `ceil(4 * threads / num_kv_heads)` balanced chunks of its own pages,
+    /// `threads` being the size of rayon's global pool (the configured `--threads`), read once
+    /// per process: not the pool the step runs on, so a row's logits are the same bits
+    /// whichever pool runs it (the engine may run steps on a one-thread pool).
     fn choose_attention(
         &self,
         batch: &ForwardBatch<'_>,
@@ -416,11 +428,20 @@ impl Model {
             layout: kv.layout,
             page_table: batch.page_table,
         };
+        static GLOBAL_POOL_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let global_pool_threads = *GLOBAL_POOL_THREADS.get_or_init(|| {
+            // Inside any pool `current_num_threads` answers for that pool: ask from a thread
+            // outside every pool.
+            if rayon::current_thread_index().is_none() {
+                rayon::current_num_threads()
+            } else {
+                std::thread::spawn(rayon::current_num_threads)
+                    .join()
+                    .unwrap_or(1)
+            }
+        });
         let config = StepAttentionConfig {
-            chunking: SplitKvChunking::new(
-                self.config.num_kv_heads,
-                rayon::current_num_threads() * 4,
-            ),
+            chunking: SplitKvChunking::new(self.config.num_kv_heads, global_pool_threads * 4),
             min_split_kv_tokens: policy.min_split_kv_tokens(),
         };
         Ok(plan_step(

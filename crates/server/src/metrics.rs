@@ -139,6 +139,11 @@ pub struct Metrics {
     gpu_sampler_fallbacks: Counter,
     gpu_sampler_filtered_fast: Counter,
     gpu_sampler_filtered_exact: Counter,
+    gpu_sampler_gumbel_max: Counter,
+    steps_cpu_all_threads: Counter,
+    steps_cpu_one_thread: Counter,
+    cpu_pool_probes: Counter,
+    cpu_pool_switches: Counter,
     batch_invariant: Counter,
 }
 
@@ -185,6 +190,11 @@ impl Default for Metrics {
             gpu_sampler_fallbacks: Counter::default(),
             gpu_sampler_filtered_fast: Counter::default(),
             gpu_sampler_filtered_exact: Counter::default(),
+            gpu_sampler_gumbel_max: Counter::default(),
+            steps_cpu_all_threads: Counter::default(),
+            steps_cpu_one_thread: Counter::default(),
+            cpu_pool_probes: Counter::default(),
+            cpu_pool_switches: Counter::default(),
             batch_invariant: Counter::default(),
         }
     }
@@ -240,6 +250,13 @@ impl Metrics {
             .set(snapshot.gpu_sampler_filtered_fast);
         self.gpu_sampler_filtered_exact
             .set(snapshot.gpu_sampler_filtered_exact);
+        self.gpu_sampler_gumbel_max
+            .set(snapshot.gpu_sampler_gumbel_max);
+        self.steps_cpu_all_threads
+            .set(snapshot.steps_cpu_all_threads);
+        self.steps_cpu_one_thread.set(snapshot.steps_cpu_one_thread);
+        self.cpu_pool_probes.set(snapshot.cpu_pool_probes);
+        self.cpu_pool_switches.set(snapshot.cpu_pool_switches);
         self.batch_invariant
             .set(u64::from(!snapshot.batch_dependent));
     }
@@ -500,6 +517,33 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
+            "# HELP pagoda_gpu_sampling_gumbel_max_rows_total GPU-sampled rows whose maximum the \
+             Gumbel kernel found, with no row-maximum pass (launches without filtered rows; \
+             PAGODA_GPU_SAMPLING_GUMBEL_MAX).\n\
+             # TYPE pagoda_gpu_sampling_gumbel_max_rows_total counter\n\
+             pagoda_gpu_sampling_gumbel_max_rows_total {}",
+            self.gpu_sampler_gumbel_max.get()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP pagoda_cpu_steps_total CPU forward steps, by the pool that ran them \
+             (all_threads: --threads; one_thread: the adaptive pool's, PAGODA_CPU_ADAPTIVE_THREADS).\n\
+             # TYPE pagoda_cpu_steps_total counter\n\
+             pagoda_cpu_steps_total{{pool=\"all_threads\"}} {}\n\
+             pagoda_cpu_steps_total{{pool=\"one_thread\"}} {}\n\
+             # HELP pagoda_cpu_pool_probes_total Probe bursts the adaptive CPU pool ran on the other pool.\n\
+             # TYPE pagoda_cpu_pool_probes_total counter\n\
+             pagoda_cpu_pool_probes_total {}\n\
+             # HELP pagoda_cpu_pool_switches_total Times a kind of CPU step changed pool.\n\
+             # TYPE pagoda_cpu_pool_switches_total counter\n\
+             pagoda_cpu_pool_switches_total {}",
+            self.steps_cpu_all_threads.get(),
+            self.steps_cpu_one_thread.get(),
+            self.cpu_pool_probes.get(),
+            self.cpu_pool_switches.get()
+        );
+        let _ = writeln!(
+            out,
             "# HELP pagoda_cpu_kernels_info The CPU matmul kernel set in use (PAGODA_CPU_KERNELS).\n\
              # TYPE pagoda_cpu_kernels_info gauge\npagoda_cpu_kernels_info{{set=\"{}\"}} 1",
             pagoda_ops::linear::cpu_kernels_name()
@@ -576,6 +620,9 @@ mod tests {
                 gpu_sampler_fallbacks: 1,
                 gpu_sampler_filtered_fast: 30,
                 gpu_sampler_filtered_exact: 2,
+                gpu_sampler_gumbel_max: 25,
+                steps_cpu_one_thread: 7,
+                cpu_pool_switches: 2,
                 ..snapshot
             },
             0,
@@ -588,5 +635,8 @@ mod tests {
         assert!(text.contains("pagoda_gpu_sampling_fallbacks_total 1\n"));
         assert!(text.contains("pagoda_gpu_sampling_filtered_rows_total{path=\"fast\"} 30\n"));
         assert!(text.contains("pagoda_gpu_sampling_filtered_rows_total{path=\"exact\"} 2\n"));
+        assert!(text.contains("pagoda_gpu_sampling_gumbel_max_rows_total 25\n"));
+        assert!(text.contains("pagoda_cpu_steps_total{pool=\"one_thread\"} 7\n"));
+        assert!(text.contains("pagoda_cpu_pool_switches_total 2\n"));
     }
 }

@@ -88,6 +88,14 @@ pub struct EngineSnapshot {
     /// GPU-sampled filtered rows finished by the fast path / drawn by the exact kernel.
     pub gpu_sampler_filtered_fast: u64,
     pub gpu_sampler_filtered_exact: u64,
+    /// GPU-sampled rows whose maximum the Gumbel kernel found (no row-maximum pass).
+    pub gpu_sampler_gumbel_max: u64,
+    /// CPU steps run on all threads / on one thread (the adaptive pool), its probes and
+    /// switches.
+    pub steps_cpu_all_threads: u64,
+    pub steps_cpu_one_thread: u64,
+    pub cpu_pool_probes: u64,
+    pub cpu_pool_switches: u64,
     /// Outputs may depend on which requests share a step (the CUDA backend: cuBLAS picks
     /// kernels per batch shape). On the CPU every request gets its one-at-a-time output.
     pub batch_dependent: bool,
@@ -149,6 +157,11 @@ impl EngineBackend for Engine {
             gpu_sampler_fallbacks: counters.gpu_sampler_fallbacks,
             gpu_sampler_filtered_fast: counters.gpu_sampler_filtered_fast,
             gpu_sampler_filtered_exact: counters.gpu_sampler_filtered_exact,
+            gpu_sampler_gumbel_max: counters.gpu_sampler_gumbel_max,
+            steps_cpu_all_threads: counters.steps_cpu_all_threads,
+            steps_cpu_one_thread: counters.steps_cpu_one_thread,
+            cpu_pool_probes: counters.cpu_pool_probes,
+            cpu_pool_switches: counters.cpu_pool_switches,
             batch_dependent: self.is_cuda(),
         }
     }

@@ -118,6 +118,8 @@ struct StepCounts {
     gpu_sampler_fallbacks: u64,
     /// Prompt tokens found in the prefix cache while the test set up (shared prefixes).
     prefix_hit_tokens: u64,
+    /// CPU steps the adaptive pool ran on one thread (`PAGODA_CPU_ADAPTIVE_THREADS`).
+    cpu_one_thread: u64,
 }
 
 impl std::ops::AddAssign for StepCounts {
@@ -134,6 +136,7 @@ impl std::ops::AddAssign for StepCounts {
         self.sampled_cpu += other.sampled_cpu;
         self.gpu_sampler_fallbacks += other.gpu_sampler_fallbacks;
         self.prefix_hit_tokens += other.prefix_hit_tokens;
+        self.cpu_one_thread += other.cpu_one_thread;
     }
 }
 
@@ -160,7 +163,11 @@ impl std::fmt::Display for StepCounts {
                 self.sampled_gpu, self.sampled_cpu, self.gpu_sampler_fallbacks
             )
         } else {
-            write!(f, "{}/{}", self.split_kv, self.gather)
+            write!(f, "{}/{}", self.split_kv, self.gather)?;
+            if self.cpu_one_thread > 0 {
+                write!(f, " ({} on one thread)", self.cpu_one_thread)?;
+            }
+            Ok(())
         }
     }
 }
@@ -402,6 +409,7 @@ fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCounts {
         sampled_cpu: now.sampled_tokens_cpu - before.sampled_tokens_cpu,
         gpu_sampler_fallbacks: now.gpu_sampler_fallbacks - before.gpu_sampler_fallbacks,
         prefix_hit_tokens: 0,
+        cpu_one_thread: now.steps_cpu_one_thread - before.steps_cpu_one_thread,
     }
 }
 

@@ -34,6 +34,16 @@ pub enum SamplingDevice {
     Cuda,
 }
 
+/// A switch flag's value.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum OnOff {
+    /// Enabled.
+    #[default]
+    On,
+    /// Disabled.
+    Off,
+}
+
 /// Which filtered-row paths `pagoda bench sampling --device cuda` times.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum FilteredArms {
@@ -84,6 +94,10 @@ pub struct BenchSamplingArgs {
     /// CUDA: round launches of the fast filtered path (default: by batch size).
     #[arg(long = "fast-rounds")]
     pub fast_rounds: Option<u32>,
+    /// CUDA: find the row maxima in the Gumbel kernel when no row is filtered (on, as in
+    /// `generate` / `serve`) or in their own pass (off).
+    #[arg(long = "gumbel-max", value_enum, default_value_t = OnOff::On)]
+    pub gumbel_max: OnOff,
     /// CUDA: the configurations to time (comma-separated; default all).
     #[arg(long = "configurations", value_enum, value_delimiter = ',')]
     pub configurations: Vec<super::bench_sampling_anchors::Configuration>,

@@ -27,7 +27,7 @@ use rayon::prelude::*;
 use serde::Serialize;
 
 use super::bench_sampling::{
-    check_token, median_and_min, randn_rows, BenchSamplingArgs, FilteredArms,
+    check_token, median_and_min, randn_rows, BenchSamplingArgs, FilteredArms, OnOff,
 };
 
 pub use super::bench_sampling_anchors::{anchor_for, Configuration};
@@ -89,6 +89,7 @@ pub(crate) struct TotalsReport {
     pub(crate) rejection_rounds: u64,
     pub(crate) filtered_fast: u64,
     pub(crate) filtered_exact: u64,
+    pub(crate) gumbel_max_rows: u64,
 }
 
 impl From<SamplingTotals> for TotalsReport {
@@ -101,6 +102,7 @@ impl From<SamplingTotals> for TotalsReport {
             rejection_rounds,
             filtered_fast,
             filtered_exact,
+            gumbel_max_rows,
         } = totals;
         TotalsReport {
             greedy,
@@ -110,6 +112,7 @@ impl From<SamplingTotals> for TotalsReport {
             rejection_rounds,
             filtered_fast,
             filtered_exact,
+            gumbel_max_rows,
         }
     }
 }
@@ -201,6 +204,7 @@ pub fn run(args: &BenchSamplingArgs) -> Result<()> {
                 for &arm in arms {
                     let options = ArmOptions {
                         filtered: arm,
+                        gumbel_max: args.gumbel_max == OnOff::On,
                         fast_rounds: args.fast_rounds,
                         label: if filtered { arm.name() } else { "-" },
                     };
@@ -310,6 +314,8 @@ fn row_params(configuration: Configuration, row: usize, set: usize) -> Result<Sa
 #[derive(Clone, Copy)]
 struct ArmOptions {
     filtered: FilteredSampling,
+    /// [`SamplingOptions::gumbel_max`].
+    gumbel_max: bool,
     fast_rounds: Option<u32>,
     /// The arm's name in the table.
     label: &'static str,
@@ -343,6 +349,7 @@ fn measure(
     let options = SamplingOptions {
         filtered: arm.filtered,
         fast_rounds: arm.fast_rounds,
+        gumbel_max: arm.gumbel_max,
         mix: mix.unwrap_or(SamplingMix::ALL),
         ..SamplingOptions::default()
     };
@@ -384,7 +391,14 @@ fn measure(
     let totals = TotalsReport::from(workspace.read_totals(gpu)?);
     // Eager warm-up + one untimed replay + the timed replays, `sets` calls each.
     let rows_sampled = ((replays + 2) * sets * batch) as u64;
-    let path_ok = configuration.path_accounts_for(&totals, rows_sampled);
+    // Plain rows find their maxima in the Gumbel kernel when it is on (no row is filtered).
+    let gumbel_max_rows = if arm.gumbel_max && configuration == Configuration::Plain {
+        rows_sampled
+    } else {
+        0
+    };
+    let path_ok = configuration.path_accounts_for(&totals, rows_sampled)
+        && totals.gumbel_max_rows == gumbel_max_rows;
     let chain = configuration.params();
     let mut failures = Vec::new();
     for (set, input) in inputs.iter().enumerate() {
@@ -438,7 +452,7 @@ fn print_row(case: &CaseResult, header: bool) {
         println!(
             "| V | B | R | splits | configuration | filtered | us/call median | min | FI us | \
              FI/ours | >= 2x | 2nd comparison | 2nd us | 2nd/ours | \
-             greedy/gumbel/rejection/fallback | fast/exact rows | rounds/filtered row | path | \
+             greedy/gumbel/rejection/fallback | fast/exact rows, gumbel-max rows | rounds/filtered row | path | \
              tokens ok |"
         );
         println!(
@@ -461,7 +475,7 @@ fn print_row(case: &CaseResult, header: bool) {
     };
     println!(
         "| {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | \
-         {}/{}/{}/{} | {}/{} | {} | {} | {} |",
+         {}/{}/{}/{} | {}/{}, {} | {} | {} | {} |",
         case.vocab,
         case.batch,
         case.rotating_sets,
@@ -482,6 +496,7 @@ fn print_row(case: &CaseResult, header: bool) {
         totals.fallback,
         totals.filtered_fast,
         totals.filtered_exact,
+        totals.gumbel_max_rows,
         cell(rounds, 2),
         if case.path_ok { "ok" } else { "MISMATCH" },
         tokens,
@@ -550,6 +565,7 @@ mod tests {
             rejection_rounds: 400,
             filtered_fast: 80,
             filtered_exact: 20,
+            gumbel_max_rows: 0,
         };
         assert!(Configuration::TopP.path_accounts_for(&totals, 100));
         assert!(!Configuration::TopP.path_accounts_for(&totals, 101));

@@ -129,6 +129,9 @@ pub struct CudaStepCounters {
     /// Device-sampled filtered rows drawn by the single-CTA exact kernel (fast path off, or
     /// a row it left undecided).
     pub sampler_filtered_exact_rows: u64,
+    /// Device-sampled rows whose maximum the Gumbel kernel found (launches without filtered
+    /// rows: no row-maximum pass).
+    pub sampler_gumbel_max_rows: u64,
 }
 
 /// A model resident on the GPU, with its KV cache.

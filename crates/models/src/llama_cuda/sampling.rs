@@ -106,38 +106,57 @@ pub(super) struct DeviceSampler {
     last_totals: SamplingTotals,
     /// How filtered rows are drawn (`PAGODA_GPU_SAMPLING_FILTERED`).
     filtered: FilteredSampling,
+    /// Launches without filtered rows skip the row-maximum pass
+    /// (`PAGODA_GPU_SAMPLING_GUMBEL_MAX`).
+    gumbel_max: bool,
 }
 
 /// The filtered rows' path: `PAGODA_GPU_SAMPLING_FILTERED=fast|exact` (default `fast`, which
-/// measured faster in every configuration of `pagoda bench sampling --device cuda`); logged
-/// once. An unknown value is an error naming the variable.
-pub(super) fn filtered_sampling() -> Result<FilteredSampling, CudaError> {
+/// measured faster in every configuration of `pagoda bench sampling --device cuda`), and
+/// whether launches without filtered rows find the row maxima in the Gumbel kernel:
+/// `PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off` (default `on`, measured faster); logged once. An
+/// unknown value is an error naming the variable.
+pub(super) fn filtered_sampling() -> Result<(FilteredSampling, bool), CudaError> {
     let filtered = match std::env::var("PAGODA_GPU_SAMPLING_FILTERED") {
         Ok(value) => FilteredSampling::parse(&value).map_err(|error| {
             CudaError::invalid(format!("PAGODA_GPU_SAMPLING_FILTERED: {error}"))
         })?,
         Err(_) => FilteredSampling::Fast,
     };
+    let gumbel_max = match std::env::var("PAGODA_GPU_SAMPLING_GUMBEL_MAX").as_deref() {
+        Err(_) | Ok("on") => true,
+        Ok("off") => false,
+        Ok(other) => {
+            return Err(CudaError::invalid(format!(
+                "PAGODA_GPU_SAMPLING_GUMBEL_MAX: unknown value `{other}` (use on or off)"
+            )))
+        }
+    };
     static LOGGED: std::sync::Once = std::sync::Once::new();
     LOGGED.call_once(|| {
         tracing::info!(
-            "GPU sampling: filtered rows on the {} path (PAGODA_GPU_SAMPLING_FILTERED=fast|exact)",
-            filtered.name()
+            "GPU sampling: filtered rows on the {} path (PAGODA_GPU_SAMPLING_FILTERED=fast|exact); \
+             row maxima in the Gumbel kernel when no row is filtered: {} \
+             (PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off)",
+            filtered.name(),
+            if gumbel_max { "on" } else { "off" }
         )
     });
-    Ok(filtered)
+    Ok((filtered, gumbel_max))
 }
 
 impl DeviceSampler {
     fn new(gpu: &Gpu, max_rows: usize, vocab: usize) -> Result<Self, CudaError> {
         let max_rows = max_rows.clamp(1, MAX_SAMPLING_ROWS);
+        let (filtered, gumbel_max) = filtered_sampling()?;
         Ok(DeviceSampler {
             workspace: SamplingWorkspace::new(gpu, max_rows, vocab)?,
             staging: gpu.alloc_pinned(max_rows * SAMPLING_PARAM_WORDS)?,
             params: gpu.zeros(max_rows * SAMPLING_PARAM_WORDS)?,
             readback: gpu.zeros(SAMPLING_TOTALS_WORDS + max_rows)?,
             last_totals: SamplingTotals::default(),
-            filtered: filtered_sampling()?,
+            filtered,
+            gumbel_max,
         })
     }
 
@@ -177,6 +196,7 @@ impl DeviceSampler {
         for run in &device_runs {
             let options = SamplingOptions {
                 filtered: self.filtered,
+                gumbel_max: self.gumbel_max,
                 mix: SamplingMix::of(rows[run.clone()].iter().flatten(), vocab),
                 ..SamplingOptions::default()
             };
@@ -250,6 +270,7 @@ fn totals_difference(now: SamplingTotals, before: SamplingTotals) -> SamplingTot
         rejection_rounds: now.rejection_rounds.saturating_sub(before.rejection_rounds),
         filtered_fast: now.filtered_fast.saturating_sub(before.filtered_fast),
         filtered_exact: now.filtered_exact.saturating_sub(before.filtered_exact),
+        gumbel_max_rows: now.gumbel_max_rows.saturating_sub(before.gumbel_max_rows),
     }
 }
 
@@ -319,6 +340,7 @@ impl<T: HostFloat> GpuLlama<T> {
         counters.sampler_rejection_rounds += gained.rejection_rounds;
         counters.sampler_filtered_fast_rows += gained.filtered_fast;
         counters.sampler_filtered_exact_rows += gained.filtered_exact;
+        counters.sampler_gumbel_max_rows += gained.gumbel_max_rows;
         *request.out = rows;
         Ok(drawn)
     }
@@ -383,6 +405,7 @@ mod tests {
             rejection_rounds: 9,
             filtered_fast: 1,
             filtered_exact: 0,
+            gumbel_max_rows: 1,
         };
         let now = SamplingTotals {
             greedy: 7,
@@ -392,6 +415,7 @@ mod tests {
             rejection_rounds: 20,
             filtered_fast: 3,
             filtered_exact: 1,
+            gumbel_max_rows: 4,
         };
         let gained = totals_difference(now, before);
         assert_eq!(
@@ -404,6 +428,7 @@ mod tests {
                 rejection_rounds: 11,
                 filtered_fast: 2,
                 filtered_exact: 1,
+                gumbel_max_rows: 3,
             }
         );
         assert_eq!(

@@ -13,7 +13,12 @@
 //! 1. `sampling_row_max`: per-split maximum and lowest index; the row's last CTA sets up its
 //!    filter state (min-p's exact f32 threshold, the top-k select pending).
 //! 2. `sampling_top_k_digit` x 4 (only with top-k rows): an exact radix select of the k-th
-//!    largest logit, 8 bits per launch, from per-row histograms.
+//!    largest logit, 8 bits per launch, from per-row histograms; a row whose k-th largest is
+//!    the smallest logit of its bin is done early (usually after three).
+//!    Skipped when the launch has no filtered rows ([`SamplingOptions::gumbel_max`]):
+//!    `sampling_gumbel` then finds every row's maximum, keeps each split's few Gumbel
+//!    candidates by approximate scores that need no maximum, and `sampling_finish` scores
+//!    them exactly.
 //! 3. `sampling_gumbel` (only with unfiltered rows): the split's best Gumbel-max score
 //!    `(z - z_max) * (1/T) + g` with `g` the Gumbel noise of Philox word `i` of
 //!    `(seed, step, Gumbel)` (ties to the lowest id, so the token does not depend on the
@@ -118,6 +123,13 @@ pub fn specialize_sampling(entry: SamplingEntry) -> KernelSpec {
 const FILTER_STATE_WORDS: usize = 16;
 /// Segments (warps) per split CTA (`SEGMENTS` in the kernels).
 const SEGMENTS: usize = 8;
+/// Bins of the widest top-k digit (`TOP_K_BINS` in the kernels).
+const TOP_K_BINS: usize = 256;
+/// The top-k radix select's digits of the ordered logit bits, `(shift, bits)`, most
+/// significant first. 8-bit digits: a 12-bit digit (4096 bins) measured about 2.7x slower
+/// per launch at batch 64, so three 12/10/10 or 8/12/12 launches cost more than four 8-bit
+/// ones, of which the early stop usually spares the last.
+const TOP_K_DIGITS: [(u32, u32); 4] = [(24, 8), (16, 8), (8, 8), (0, 8)];
 /// Threads of a split CTA and of a finish CTA.
 const SPLIT_THREADS: u32 = 256;
 const FINISH_THREADS: u32 = 1024;
@@ -125,6 +137,10 @@ const FINISH_THREADS: u32 = 1024;
 const FLAG_FAST: u32 = 1;
 const FLAG_TOP_K: u32 = 2;
 const FLAG_GUMBEL: u32 = 4;
+const FLAG_GUMBEL_MAX: u32 = 8;
+/// Candidate ids a split of `sampling_gumbel` keeps with `FLAG_GUMBEL_MAX`
+/// (`GUMBEL_SPLIT_KEPT` in the kernels).
+const GUMBEL_SPLIT_KEPT: usize = 8;
 
 /// Device scratch of [`sample_rows`], allocated once for at most `max_rows` rows of at most
 /// `vocab` logits: per-split partials, the per-row stats of the last launch and the running
@@ -140,13 +156,17 @@ pub struct SamplingWorkspace {
     state: DeviceBuffer<u32>,
     /// `[max_rows]` arrival tickets of the last-CTA reductions (zero between launches).
     arrive: DeviceBuffer<u32>,
-    /// `[max_rows, 256]` top-k digit histograms (zero between launches).
+    /// `[max_rows, TOP_K_BINS]` top-k digit histograms (zero between launches).
     histogram: DeviceBuffer<u32>,
     /// `[max_rows, MAX_SAMPLING_SPLITS, 2]` f64 (as u32 pairs) per-split masses.
     split_mass: DeviceBuffer<u32>,
     /// `[max_rows, MAX_SAMPLING_SPLITS * SEGMENTS]` f64 (as u32 pairs) per-segment masses.
     segment_draw0: DeviceBuffer<u32>,
     segment_draw1: DeviceBuffer<u32>,
+    /// `[max_rows, MAX_SAMPLING_SPLITS, GUMBEL_SPLIT_KEPT]` Gumbel candidate ids and
+    /// `[max_rows, MAX_SAMPLING_SPLITS]` their counts (`FLAG_GUMBEL_MAX`).
+    gumbel_ids: DeviceBuffer<u32>,
+    gumbel_count: DeviceBuffer<u32>,
     max_rows: usize,
     vocab: usize,
 }
@@ -172,10 +192,12 @@ impl SamplingWorkspace {
             totals: gpu.zeros(SAMPLING_TOTALS_WORDS)?,
             state: gpu.zeros(max_rows * FILTER_STATE_WORDS)?,
             arrive: gpu.zeros(max_rows)?,
-            histogram: gpu.zeros(max_rows * 256)?,
+            histogram: gpu.zeros(max_rows * TOP_K_BINS)?,
             split_mass: gpu.zeros(max_rows * MAX_SAMPLING_SPLITS * 2 * 2)?,
             segment_draw0: gpu.zeros(max_rows * MAX_SAMPLING_SPLITS * SEGMENTS * 2)?,
             segment_draw1: gpu.zeros(max_rows * MAX_SAMPLING_SPLITS * SEGMENTS * 2)?,
+            gumbel_ids: gpu.zeros(partials * GUMBEL_SPLIT_KEPT)?,
+            gumbel_count: gpu.zeros(partials)?,
             max_rows,
             vocab,
         })
@@ -201,7 +223,9 @@ impl SamplingWorkspace {
             + self.histogram.len()
             + self.split_mass.len()
             + self.segment_draw0.len()
-            + self.segment_draw1.len())
+            + self.segment_draw1.len()
+            + self.gumbel_ids.len()
+            + self.gumbel_count.len())
     }
 
     /// `[max_rows, 2]` u32: `{path code, rounds}` of each row of the last launch (rows beyond
@@ -302,6 +326,11 @@ pub fn sample_rows_with(
     if mix.gumbel {
         flags |= FLAG_GUMBEL;
     }
+    // Only greedy and Gumbel rows: the Gumbel kernel finds the row maxima, no row-max pass.
+    let gumbel_max = mix.gumbel && !mix.filtered && options.gumbel_max;
+    if gumbel_max {
+        flags |= FLAG_GUMBEL_MAX;
+    }
     let vocab = KernelArg::U32(vocab as u32);
     let splits_arg = KernelArg::U32(splits);
     let flags_arg = KernelArg::U32(flags);
@@ -326,21 +355,24 @@ pub fn sample_rows_with(
     // kernels/sampling_*.cu; lengths were validated by `plan_sampling` (logits rows x vocab,
     // params rows x 8, tokens rows) and the workspace holds max_rows >= rows rows of every
     // per-row array with MAX_SAMPLING_SPLITS >= splits splits.
-    unsafe {
-        gpu.launch(
-            &specialize_sampling(SamplingEntry::RowMax),
-            split_grid,
-            &row_max,
-        )?;
+    if !gumbel_max {
+        unsafe {
+            gpu.launch(
+                &specialize_sampling(SamplingEntry::RowMax),
+                split_grid,
+                &row_max,
+            )?;
+        }
     }
     if flags & FLAG_TOP_K != 0 {
-        for shift in [24u32, 16, 8, 0] {
+        for (shift, bits) in TOP_K_DIGITS {
             let digit = [
                 ptr(logits),
                 ptr(params),
                 vocab,
                 filter_splits_arg,
                 KernelArg::U32(shift),
+                KernelArg::U32(bits),
                 ptr(&ws.state),
                 ptr(&ws.histogram),
                 ptr(&ws.arrive),
@@ -361,9 +393,14 @@ pub fn sample_rows_with(
             ptr(params),
             vocab,
             splits_arg,
+            flags_arg,
             ptr(&ws.state),
             ptr(&ws.partial_score),
             ptr(&ws.partial_id),
+            ptr(&ws.partial_max),
+            ptr(&ws.partial_index),
+            ptr(&ws.gumbel_ids),
+            ptr(&ws.gumbel_count),
         ];
         // SAFETY: as above.
         unsafe {
@@ -435,6 +472,10 @@ pub fn sample_rows_with(
         max_rounds,
         ptr(&ws.partial_score),
         ptr(&ws.partial_id),
+        ptr(&ws.partial_max),
+        ptr(&ws.partial_index),
+        ptr(&ws.gumbel_ids),
+        ptr(&ws.gumbel_count),
         ptr(&ws.state),
         ptr(tokens_out),
         ptr(&ws.row_stats),

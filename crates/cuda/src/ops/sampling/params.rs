@@ -283,6 +283,10 @@ pub struct SamplingOptions {
     pub fast_rounds: Option<u32>,
     /// The stages launched (see [`SamplingMix`]).
     pub mix: SamplingMix,
+    /// Launches without filtered rows skip the row-maximum pass: the Gumbel kernel finds
+    /// each row's maximum and keeps its splits' few candidates, which the finish kernel
+    /// scores exactly. Same tokens either way.
+    pub gumbel_max: bool,
 }
 
 impl Default for SamplingOptions {
@@ -295,6 +299,7 @@ impl Default for SamplingOptions {
             filtered: FilteredSampling::Fast,
             fast_rounds: None,
             mix: SamplingMix::ALL,
+            gumbel_max: true,
         }
     }
 }
@@ -462,6 +467,9 @@ pub struct SamplingTotals {
     pub filtered_fast: u64,
     /// Filtered rows drawn by the single-CTA exact kernel (fast path off, or a row it left).
     pub filtered_exact: u64,
+    /// Rows whose maximum the Gumbel kernel found (no row-maximum pass; see
+    /// [`SamplingOptions::gumbel_max`]).
+    pub gumbel_max_rows: u64,
 }
 
 /// u32 words of the totals counters in the workspace (8 little-endian u64).
@@ -486,6 +494,7 @@ impl SamplingTotals {
             rejection_rounds: counter(4),
             filtered_fast: counter(5),
             filtered_exact: counter(6),
+            gumbel_max_rows: counter(7),
         })
     }
 }

@@ -10,7 +10,7 @@
 // Per-row parameters: 8 u32 words (SamplingRowParams in src/ops/sampling/params.rs).
 #define SAMPLING_PARAM_WORDS 8u
 // Largest number of CTAs one row is split into by the Gumbel/max kernels.
-#define SAMPLING_MAX_SPLITS 64u
+#define SAMPLING_MAX_SPLITS 128u
 // Row outcome codes written to the per-row stats (RowPath in Rust).
 #define PATH_GREEDY 0u
 #define PATH_GUMBEL 1u

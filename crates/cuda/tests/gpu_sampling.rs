@@ -274,7 +274,7 @@ fn tokens_do_not_depend_on_batch_position_or_split() {
     for vocab in [1000usize, 151_936] {
         let (rows, params) = mixed_batch(vocab);
         let reference = sample_batch(&gpu, &rows, &params, SamplingOptions::default());
-        for splits in [1usize, 2, 8, 64] {
+        for splits in [1usize, 2, 8, 64, 128] {
             let options = SamplingOptions {
                 num_splits: Some(splits),
                 ..SamplingOptions::default()

@@ -8,7 +8,7 @@ use crate::error::CudaError;
 pub const SAMPLING_PARAM_WORDS: usize = 8;
 
 /// Largest number of CTAs the Gumbel / row-max kernels split one row into.
-pub const MAX_SAMPLING_SPLITS: usize = 64;
+pub const MAX_SAMPLING_SPLITS: usize = 128;
 
 /// Default round cap of the dual-pivot loop; equal to pagoda-ops'
 /// `DEFAULT_MAX_REJECTION_ROUNDS` (a GPU test checks it), so the GPU and the CPU fall back on
@@ -155,11 +155,11 @@ pub fn encode_row_params(rows: &[SamplingRowParams]) -> Result<Vec<u32>, CudaErr
 
 /// Splits per row of the Gumbel / row-max kernels for `rows` rows of `vocab` logits on a GPU
 /// of `sm_count` SMs: the smallest power of two giving at least two CTAs per SM in all,
-/// capped at [`MAX_SAMPLING_SPLITS`] and so that every split keeps at least 2048 logits. The
+/// capped at [`MAX_SAMPLING_SPLITS`] and so that every split keeps at least 1024 logits. The
 /// sampled tokens do not depend on it.
 pub fn sampling_splits(rows: usize, vocab: usize, sm_count: usize) -> usize {
     let wanted = 2 * sm_count.max(1);
-    let limit = (vocab / 2048).clamp(1, MAX_SAMPLING_SPLITS);
+    let limit = (vocab / 1024).clamp(1, MAX_SAMPLING_SPLITS);
     let cap = 1usize << limit.ilog2();
     let mut splits = 1;
     while splits < cap && rows.max(1) * splits < wanted {
@@ -261,9 +261,9 @@ pub const DEFAULT_FAST_ROUNDS: u32 = 3;
 /// digits) for `rows` rows of `vocab` logits on `sm_count` SMs: the smallest power of two
 /// giving at least four CTAs per SM over the batch, so that the few rows left after the
 /// first round still spread over many SMs and the walk scans a short segment; at most
-/// [`MAX_SAMPLING_SPLITS`], at least 1024 logits each.
+/// [`MAX_SAMPLING_SPLITS`], at least 512 logits each.
 pub fn filter_splits(rows: usize, vocab: usize, sm_count: usize) -> usize {
-    let limit = (vocab / 1024).clamp(1, MAX_SAMPLING_SPLITS);
+    let limit = (vocab / 512).clamp(1, MAX_SAMPLING_SPLITS);
     let cap = 1usize << limit.ilog2();
     let wanted = (4 * sm_count.max(1)).div_ceil(rows.max(1));
     wanted.next_power_of_two().min(cap)

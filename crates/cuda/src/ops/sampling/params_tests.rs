@@ -74,15 +74,16 @@ fn splits_are_powers_of_two_within_limits() {
             let splits = sampling_splits(rows, vocab, 132);
             assert!(splits.is_power_of_two() && splits <= MAX_SAMPLING_SPLITS);
             assert!(
-                splits == 1 || vocab / splits >= 2048,
+                splits == 1 || vocab / splits >= 1024,
                 "{rows} {vocab} {splits}"
             );
         }
     }
-    assert_eq!(sampling_splits(1, 151_936, 132), 64);
+    assert_eq!(sampling_splits(1, 151_936, 132), 128);
+    assert_eq!(sampling_splits(1, 128_256, 132), 64);
     assert_eq!(sampling_splits(64, 151_936, 132), 8);
     assert_eq!(sampling_splits(300, 151_936, 132), 1);
-    assert_eq!(sampling_splits(1, 4096, 132), 2);
+    assert_eq!(sampling_splits(1, 4096, 132), 4);
     assert_eq!(sampling_splits(1, 100, 132), 1);
 }
 
@@ -128,7 +129,7 @@ fn planning_checks_every_length() {
         .unwrap_err()
         .to_string();
     assert!(error.contains("vocab"), "{error}");
-    for splits in [0, 65] {
+    for splits in [0, MAX_SAMPLING_SPLITS + 1] {
         let options = SamplingOptions {
             num_splits: Some(splits),
             ..options
@@ -186,19 +187,19 @@ fn stats_and_totals_decode() {
 }
 
 #[test]
-fn filter_splits_cover_the_sms_and_keep_a_thousand_logits_each() {
+fn filter_splits_cover_the_sms_and_keep_512_logits_each() {
     assert_eq!(filter_splits(1, 1000, 132), 1);
-    assert_eq!(filter_splits(1, 151_936, 132), 64);
+    assert_eq!(filter_splits(1, 151_936, 132), 128);
     assert_eq!(filter_splits(16, 128_256, 132), 64);
     assert_eq!(filter_splits(64, 151_936, 132), 16);
     assert_eq!(filter_splits(1000, 151_936, 132), 1);
-    assert_eq!(filter_splits(1, 4096, 132), 4);
+    assert_eq!(filter_splits(1, 4096, 132), 8);
     for rows in [1usize, 3, 64, 500] {
         for vocab in [1usize, 999, 5000, 70_000, 1 << 20] {
             let splits = filter_splits(rows, vocab, 132);
             assert!(splits.is_power_of_two() && splits <= MAX_SAMPLING_SPLITS);
             assert!(
-                splits == 1 || vocab / splits >= 1024,
+                splits == 1 || vocab / splits >= 512,
                 "vocab {vocab}: {splits}"
             );
         }

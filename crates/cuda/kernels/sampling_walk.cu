@@ -199,8 +199,8 @@ PAGODA_DEVICE void init_filter_state(const RowParams& p, unsigned int vocab, flo
     st[FS_STATUS] = exact ? STATUS_EXACT : STATUS_ACTIVE;
 }
 
-// Bins of the widest top-k digit (8 bits): the digits are bits [24, 32), [16, 24), [8, 16),
-// [0, 8) of ordered_bits, most significant first (TOP_K_DIGITS in src/ops/sampling/mod.rs).
+// Bins of a top-k digit (8 bits): the digits are bits [24, 32), [16, 24), [8, 16), [0, 8) of
+// ordered_bits, most significant first (TOP_K_SHIFTS in src/ops/sampling/mod.rs).
 #define TOP_K_BINS 256u
 
 // Thread `t` of the block holds bins [(blockDim.x - 1 - t) * per, ... + per) of a `bins`-bin
@@ -252,7 +252,7 @@ PAGODA_DEVICE void find_rank_bin(const unsigned int* counts, unsigned int bins, 
     __syncthreads();
 }
 
-// One digit (`bits` wide, at `shift`) of the k-th largest finite logit of each ACTIVE row
+// One 8-bit digit (at `shift`) of the k-th largest finite logit of each ACTIVE row
 // with a pending top-k: every CTA counts its split's logits that match the digits fixed so
 // far into histogram[row] [TOP_K_BINS] (zeroed again by the last CTA, which fixes the
 // digit). After the first digit a row with at most k finite logits keeps them all. The
@@ -262,16 +262,15 @@ PAGODA_DEVICE void find_rank_bin(const unsigned int* counts, unsigned int bins, 
 // ends after the last digit with the exact k-th largest value.
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 sampling_top_k_digit(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
-                     unsigned int num_splits, unsigned int shift, unsigned int bits,
-                     unsigned int* __restrict__ state, unsigned int* __restrict__ histogram,
+                     unsigned int num_splits, unsigned int shift, unsigned int* __restrict__ state, unsigned int* __restrict__ histogram,
                      unsigned int* __restrict__ arrive) {
     __shared__ unsigned int counts[TOP_K_BINS];
     const unsigned int row = blockIdx.y, split = blockIdx.x;
     unsigned int* st = state + row * FILTER_STATE_WORDS;
     if (st[FS_STATUS] != STATUS_ACTIVE || st[FS_TOP_K_PENDING] == 0u) return;
     const unsigned int prefix = st[FS_TOP_K_PREFIX];
-    const unsigned int bins = 1u << bits;
-    const unsigned int mask = shift + bits >= 32u ? 0u : (0xffffffffu << (shift + bits));
+    const unsigned int bins = TOP_K_BINS;
+    const unsigned int mask = shift >= 24u ? 0u : (0xffffffffu << (shift + 8u));
     for (unsigned int d = threadIdx.x; d < bins; d += blockDim.x) counts[d] = 0u;
     __syncthreads();
     unsigned int begin, end;

@@ -103,7 +103,7 @@ impl CpuPools {
     pub(crate) fn new(mode: CpuThreadsMode) -> CpuPools {
         CpuPools {
             mode,
-            all_threads: global_pool_threads(),
+            all_threads: pagoda_models::llama::global_pool_threads(),
             one_thread: None,
             controller: PoolController::new(ControllerSettings::default()),
             counters: CpuPoolCounters::default(),
@@ -237,15 +237,4 @@ impl CpuPools {
         self.last_switch_log = Some(now);
         self.unlogged_switches = 0;
     }
-}
-
-/// Threads of rayon's global pool, asked from a thread outside any pool (inside a custom
-/// pool, `rayon::current_num_threads` answers for that pool).
-fn global_pool_threads() -> usize {
-    if rayon::current_thread_index().is_none() {
-        return rayon::current_num_threads();
-    }
-    std::thread::spawn(rayon::current_num_threads)
-        .join()
-        .unwrap_or(1)
 }

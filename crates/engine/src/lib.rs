@@ -6,18 +6,18 @@
 //! page table, [`pagoda_models::llama::Model::forward`] for the step.
 
 mod backend;
+mod counters;
 mod cpu_pool;
 mod engine;
 mod load;
 
 pub use backend::Backend;
+pub use counters::EngineCounters;
 pub use cpu_pool::{
     ControllerSettings, CpuPoolCounters, CpuThreadsMode, PoolChoice, PoolController, StepShape,
     Verdict, CPU_ADAPTIVE_THREADS_ENV,
 };
-pub use engine::{
-    Engine, EngineConfig, EngineCounters, EngineError, FinishReason, RequestId, StepEvent,
-};
+pub use engine::{Engine, EngineConfig, EngineError, FinishReason, RequestId, StepEvent};
 pub use load::{
     load_backend, load_model, load_random, Device, LoadOptions, LoadedModel, ModelSource,
 };

@@ -362,6 +362,22 @@ impl Model {
     }
 }
 
+/// Threads of rayon's global pool (the configured `--threads`), read once per process and
+/// asked from a thread outside every pool (inside a custom pool, `rayon::current_num_threads`
+/// answers for that pool).
+pub fn global_pool_threads() -> usize {
+    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *THREADS.get_or_init(|| {
+        if rayon::current_thread_index().is_none() {
+            rayon::current_num_threads()
+        } else {
+            std::thread::spawn(rayon::current_num_threads)
+                .join()
+                .unwrap_or(1)
+        }
+    })
+}
+
 /// Auto's threshold, in visible tokens: a query row that sees at least this many tokens runs
 /// split-KV, a shorter one gather. One page (16 tokens at the default page size).
 ///
@@ -428,20 +444,8 @@ impl Model {
             layout: kv.layout,
             page_table: batch.page_table,
         };
-        static GLOBAL_POOL_THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let global_pool_threads = *GLOBAL_POOL_THREADS.get_or_init(|| {
-            // Inside any pool `current_num_threads` answers for that pool: ask from a thread
-            // outside every pool.
-            if rayon::current_thread_index().is_none() {
-                rayon::current_num_threads()
-            } else {
-                std::thread::spawn(rayon::current_num_threads)
-                    .join()
-                    .unwrap_or(1)
-            }
-        });
         let config = StepAttentionConfig {
-            chunking: SplitKvChunking::new(self.config.num_kv_heads, global_pool_threads * 4),
+            chunking: SplitKvChunking::new(self.config.num_kv_heads, global_pool_threads() * 4),
             min_split_kv_tokens: policy.min_split_kv_tokens(),
         };
         Ok(plan_step(

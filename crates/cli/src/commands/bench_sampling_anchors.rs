@@ -3,7 +3,7 @@
 
 use pagoda_ops::sampling::SamplingParams;
 
-use super::bench_sampling_gpu::TotalsReport;
+use pagoda_cuda::ops::SamplingTotals;
 
 /// The configurations of table D, plus greedy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -65,7 +65,7 @@ impl Configuration {
 
     /// True when `totals` count exactly `rows` rows, all on this configuration's path
     /// (greedy; Gumbel; rejection or its fallback for the filtered ones).
-    pub(crate) fn path_accounts_for(self, totals: &TotalsReport, rows: u64) -> bool {
+    pub(crate) fn path_accounts_for(self, totals: &SamplingTotals, rows: u64) -> bool {
         let on_path = match self {
             Configuration::Greedy => totals.greedy,
             Configuration::Plain => totals.gumbel,

@@ -61,7 +61,7 @@ struct CaseResult {
     /// A second peer number for the same cell.
     second: Option<Comparison>,
     /// The sampler's totals over every launch of this cell (warm-up and replays).
-    totals: TotalsReport,
+    totals: SamplingTotals,
     /// Rows the launches sampled; the totals must account for exactly these on the path.
     rows_sampled: u64,
     path_ok: bool,
@@ -77,44 +77,6 @@ struct Comparison {
     name: &'static str,
     us: f64,
     ratio: f64,
-}
-
-/// The sampler's running totals ([`SamplingTotals`]), serialisable.
-#[derive(Serialize, Clone, Copy)]
-pub(crate) struct TotalsReport {
-    pub(crate) greedy: u64,
-    pub(crate) gumbel: u64,
-    pub(crate) rejection: u64,
-    pub(crate) fallback: u64,
-    pub(crate) rejection_rounds: u64,
-    pub(crate) filtered_fast: u64,
-    pub(crate) filtered_exact: u64,
-    pub(crate) gumbel_max_rows: u64,
-}
-
-impl From<SamplingTotals> for TotalsReport {
-    fn from(totals: SamplingTotals) -> Self {
-        let SamplingTotals {
-            greedy,
-            gumbel,
-            rejection,
-            fallback,
-            rejection_rounds,
-            filtered_fast,
-            filtered_exact,
-            gumbel_max_rows,
-        } = totals;
-        TotalsReport {
-            greedy,
-            gumbel,
-            rejection,
-            fallback,
-            rejection_rounds,
-            filtered_fast,
-            filtered_exact,
-            gumbel_max_rows,
-        }
-    }
 }
 
 /// One rotating input set on the device: `[B, V]` logits and the `[B]` tokens drawn from
@@ -388,7 +350,7 @@ fn measure(
             times.push(start.elapsed_ms(end)? as f64 * 1e3 / sets as f64);
         }
     }
-    let totals = TotalsReport::from(workspace.read_totals(gpu)?);
+    let totals = workspace.read_totals(gpu)?;
     // Eager warm-up + one untimed replay + the timed replays, `sets` calls each.
     let rows_sampled = ((replays + 2) * sets * batch) as u64;
     // Plain rows find their maxima in the Gumbel kernel when it is on (no row is filtered).
@@ -557,7 +519,7 @@ mod tests {
 
     #[test]
     fn totals_must_account_for_every_row_on_the_path() {
-        let totals = TotalsReport {
+        let totals = SamplingTotals {
             greedy: 0,
             gumbel: 0,
             rejection: 90,
@@ -570,13 +532,13 @@ mod tests {
         assert!(Configuration::TopP.path_accounts_for(&totals, 100));
         assert!(!Configuration::TopP.path_accounts_for(&totals, 101));
         assert!(!Configuration::Plain.path_accounts_for(&totals, 100));
-        let mixed = TotalsReport {
+        let mixed = SamplingTotals {
             gumbel: 100,
             greedy: 1,
             ..totals
         };
         assert!(!Configuration::Plain.path_accounts_for(&mixed, 100));
-        let uncounted = TotalsReport {
+        let uncounted = SamplingTotals {
             filtered_exact: 19,
             ..totals
         };

@@ -123,13 +123,13 @@ pub fn specialize_sampling(entry: SamplingEntry) -> KernelSpec {
 const FILTER_STATE_WORDS: usize = 16;
 /// Segments (warps) per split CTA (`SEGMENTS` in the kernels).
 const SEGMENTS: usize = 8;
-/// Bins of the widest top-k digit (`TOP_K_BINS` in the kernels).
+/// Bins of a top-k digit (`TOP_K_BINS` in the kernels).
 const TOP_K_BINS: usize = 256;
-/// The top-k radix select's digits of the ordered logit bits, `(shift, bits)`, most
-/// significant first. 8-bit digits: a 12-bit digit (4096 bins) measured about 2.7x slower
-/// per launch at batch 64, so three 12/10/10 or 8/12/12 launches cost more than four 8-bit
-/// ones, of which the early stop usually spares the last.
-const TOP_K_DIGITS: [(u32, u32); 4] = [(24, 8), (16, 8), (8, 8), (0, 8)];
+/// The shifts of the top-k radix select's 8-bit digits of the ordered logit bits, most
+/// significant first. A 12-bit digit (4096 bins) measured about 2.7x slower per launch at
+/// batch 64, so three 12/10/10 or 8/12/12 launches cost more than four 8-bit ones, of which
+/// the early stop usually spares the last.
+const TOP_K_SHIFTS: [u32; 4] = [24, 16, 8, 0];
 /// Threads of a split CTA and of a finish CTA.
 const SPLIT_THREADS: u32 = 256;
 const FINISH_THREADS: u32 = 1024;
@@ -340,22 +340,22 @@ pub fn sample_rows_with(
     let filter_splits_arg = KernelArg::U32(filter_splits);
     let filter_grid = LaunchDims::new((filter_splits, rows), SPLIT_THREADS);
     let ws = &*workspace;
-    let row_max = [
-        ptr(logits),
-        ptr(params),
-        vocab,
-        splits_arg,
-        flags_arg,
-        ptr(&ws.partial_max),
-        ptr(&ws.partial_index),
-        ptr(&ws.state),
-        ptr(&ws.arrive),
-    ];
-    // SAFETY (every launch below): the arguments match the kernel's signature in
-    // kernels/sampling_*.cu; lengths were validated by `plan_sampling` (logits rows x vocab,
-    // params rows x 8, tokens rows) and the workspace holds max_rows >= rows rows of every
-    // per-row array with MAX_SAMPLING_SPLITS >= splits splits.
     if !gumbel_max {
+        let row_max = [
+            ptr(logits),
+            ptr(params),
+            vocab,
+            splits_arg,
+            flags_arg,
+            ptr(&ws.partial_max),
+            ptr(&ws.partial_index),
+            ptr(&ws.state),
+            ptr(&ws.arrive),
+        ];
+        // SAFETY (every launch below): the arguments match the kernel's signature in
+        // kernels/sampling_*.cu; lengths were validated by `plan_sampling` (logits rows x
+        // vocab, params rows x 8, tokens rows) and the workspace holds max_rows >= rows rows of
+        // every per-row array with MAX_SAMPLING_SPLITS >= splits splits.
         unsafe {
             gpu.launch(
                 &specialize_sampling(SamplingEntry::RowMax),
@@ -365,14 +365,13 @@ pub fn sample_rows_with(
         }
     }
     if flags & FLAG_TOP_K != 0 {
-        for (shift, bits) in TOP_K_DIGITS {
+        for shift in TOP_K_SHIFTS {
             let digit = [
                 ptr(logits),
                 ptr(params),
                 vocab,
                 filter_splits_arg,
                 KernelArg::U32(shift),
-                KernelArg::U32(bits),
                 ptr(&ws.state),
                 ptr(&ws.histogram),
                 ptr(&ws.arrive),

@@ -451,7 +451,7 @@ pub fn decode_row_stats(words: &[u32]) -> Result<Vec<RowSamplingStats>, CudaErro
 
 /// Running totals the kernels accumulate in the workspace (device atomics, never read
 /// inside a step): rows per path and rejection rounds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct SamplingTotals {
     /// Greedy rows.
     pub greedy: u64,

@@ -1,0 +1,69 @@
+//! Tests of `metrics.rs`: the Prometheus text it renders.
+
+use super::*;
+
+#[test]
+fn histogram_buckets_are_cumulative() {
+    let metrics = Metrics::default();
+    for seconds in [0.005, 0.02, 0.02, 100.0] {
+        metrics.time_to_first_token.observe(seconds);
+    }
+    let text = metrics.render();
+    assert!(text.contains("pagoda_time_to_first_token_seconds_bucket{le=\"0.01\"} 1\n"));
+    assert!(text.contains("pagoda_time_to_first_token_seconds_bucket{le=\"0.025\"} 3\n"));
+    assert!(text.contains("pagoda_time_to_first_token_seconds_bucket{le=\"60\"} 3\n"));
+    assert!(text.contains("pagoda_time_to_first_token_seconds_bucket{le=\"+Inf\"} 4\n"));
+    assert!(text.contains("pagoda_time_to_first_token_seconds_count 4\n"));
+}
+
+#[test]
+fn gauges_follow_the_snapshot() {
+    let metrics = Metrics::default();
+    let snapshot = EngineSnapshot {
+        pages_used: 3,
+        pages_total: 10,
+        num_running: 2,
+        ..EngineSnapshot::default()
+    };
+    metrics.update_engine(&snapshot, 5);
+    metrics.record_request("chat", 200);
+    metrics.record_request("chat", 200);
+    let text = metrics.render();
+    assert!(text.contains("pagoda_kv_pages_used 3\n"));
+    assert!(text.contains("pagoda_kv_pages_free 7\n"));
+    assert!(text.contains("pagoda_queue_length 5\n"));
+    assert!(text.contains("pagoda_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
+    assert!(text.contains("pagoda_batch_invariant 1\n"));
+    assert!(text.contains("pagoda_cpu_kernels_info{set=\""));
+    let kernel = pagoda_ops::attention::AttentionKernel::selected().name();
+    assert!(text.contains(&format!(
+        "pagoda_cpu_attention_kernel_info{{kernel=\"{kernel}\"}} 1\n"
+    )));
+    metrics.update_engine(
+        &EngineSnapshot {
+            batch_dependent: true,
+            steps_cuda_graph: 9,
+            sampled_tokens_gpu: 40,
+            sampled_tokens_cpu: 2,
+            gpu_sampler_fallbacks: 1,
+            gpu_sampler_filtered_fast: 30,
+            gpu_sampler_filtered_exact: 2,
+            gpu_sampler_gumbel_max: 25,
+            steps_cpu_one_thread: 7,
+            cpu_pool_switches: 2,
+            ..snapshot
+        },
+        0,
+    );
+    let text = metrics.render();
+    assert!(text.contains("pagoda_batch_invariant 0\n"));
+    assert!(text.contains("pagoda_cuda_graph_steps_total 9\n"));
+    assert!(text.contains("pagoda_sampled_tokens_total{path=\"gpu\"} 40\n"));
+    assert!(text.contains("pagoda_sampled_tokens_total{path=\"cpu\"} 2\n"));
+    assert!(text.contains("pagoda_gpu_sampling_fallbacks_total 1\n"));
+    assert!(text.contains("pagoda_gpu_sampling_filtered_rows_total{path=\"fast\"} 30\n"));
+    assert!(text.contains("pagoda_gpu_sampling_filtered_rows_total{path=\"exact\"} 2\n"));
+    assert!(text.contains("pagoda_gpu_sampling_gumbel_max_rows_total 25\n"));
+    assert!(text.contains("pagoda_cpu_steps_total{pool=\"one_thread\"} 7\n"));
+    assert!(text.contains("pagoda_cpu_pool_switches_total 2\n"));
+}

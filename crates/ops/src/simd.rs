@@ -5,6 +5,7 @@
 //! [`f32_tile`] holds the batch-invariant f32 tiles of the linear layers, [`int_dot`] the
 //! integer tiles for repacked weights and Q8 activations.
 
+pub mod amx;
 pub mod f32_tile;
 pub mod int_dot;
 

@@ -3,12 +3,16 @@
 //! Decode (one token) streams four weight rows at a time past the quantized activation row
 //! (`tile::<4, 1>`). Prefill splits the output rows into chunks of 16 per task and covers
 //! each chunk x all tokens with 4 x 4 tiles: each weight block loaded feeds four tokens and
-//! each activation block four rows.
+//! each activation block four rows. With [`IntIsa::Amx`], prefills of at least
+//! [`AMX_MIN_TOKENS`] tokens run on the AMX tiles ([`crate::simd::amx::matmul`],
+//! bit-identical to the VNNI tiles) where the CPU and OS allow it; everything else runs the
+//! VNNI tiles.
 
 use pagoda_tensor::quant::q8::{quantize_block, Q8Rows, Q8_BLOCK};
 use pagoda_tensor::quant::repack::RepackedRows;
 use rayon::prelude::*;
 
+use crate::simd::amx::{self, TileBackend, AMX_MIN_TOKENS};
 use crate::simd::int_dot::{tile, IntIsa};
 
 /// Quantizes `x` (`[num_tokens, k]`) into `out`, in parallel over tokens when there are many.
@@ -78,6 +82,13 @@ pub fn matmul(isa: IntIsa, weights: &RepackedRows, activations: &Q8Rows, y: &mut
         n * num_tokens,
         "y must be [num_tokens, out_features]"
     );
+    if isa == IntIsa::Amx
+        && num_tokens >= AMX_MIN_TOKENS
+        && amx::is_available()
+        && amx::matmul(TileBackend::Hardware, weights, activations, y).is_ok()
+    {
+        return;
+    }
     if num_tokens == 1 {
         let rows_per_task = decode_rows_per_task(n);
         y.par_chunks_mut(rows_per_task)

@@ -1,11 +1,16 @@
 //! Which CPU kernel set the quantized linear layers use, chosen once per process.
 //!
-//! `PAGODA_CPU_KERNELS=auto|vnni|avx2|scalar|f32` (unset: `auto`). `vnni`, `avx2` and
-//! `scalar` quantize activations to Q8 and use integer dots on weights repacked at load, for
-//! every weight. `f32` keeps the stored blocks and f32 activations (the fused
-//! decode-in-registers path of ADR 0001) for every weight. `auto` is a per-weight policy
-//! ([`CpuKernelPolicy`]): the best integer set the CPU runs for every weight except
-//! `ffn_down`, which keeps the f32 kernels. `ffn_down`'s input, the SiLU-gated product, has
+//! `PAGODA_CPU_KERNELS=auto|amx|vnni|avx2|scalar|f32` (unset: `auto`). `amx`, `vnni`, `avx2`
+//! and `scalar` quantize activations to Q8 and use integer dots on weights repacked at load,
+//! for every weight. `amx` is `vnni` with prefills of at least
+//! [`crate::simd::amx::AMX_MIN_TOKENS`] tokens on AMX-INT8 tiles (bit-identical to `vnni`),
+//! where CPUID reports `amx_tile` + `amx_int8` and Linux grants tile data; opt-in only: on
+//! the H200 host's AMX CPU it measured 0.10-0.38x the VNNI tiles (the lane-exact layout does
+//! 1/8 useful work per tile dot; `docs/benchmark_results/cpu-amx-h200host-2026-11-30.md`).
+//! `f32` keeps the stored blocks and f32 activations (the fused decode-in-registers path of
+//! ADR 0001) for every weight. `auto` is a per-weight policy ([`CpuKernelPolicy`]): the best
+//! integer set the CPU runs (never `amx`) for every weight except `ffn_down`, which keeps
+//! the f32 kernels. `ffn_down`'s input, the SiLU-gated product, has
 //! the widest dynamic range of the model's matmul inputs, and its Q8 rounding alone moved one
 //! top-5 logprob of the llama.cpp parity test past its 0.6 bound (0.659 with Q8 everywhere,
 //! 0.561 with `ffn_down` in f32, 0.555 with f32 everywhere). The price is decode speed: on
@@ -20,6 +25,9 @@ use crate::simd::int_dot::IntIsa;
 /// A CPU kernel set for quantized weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CpuKernels {
+    /// Q8 activations; multi-row matmuls on AMX-INT8 tiles, the rest with AVX-512 VNNI (the
+    /// same bits as [`CpuKernels::Vnni`]).
+    Amx,
     /// Q8 activations, integer dots with AVX-512 VNNI.
     Vnni,
     /// Q8 activations, integer dots with AVX2.
@@ -48,12 +56,13 @@ impl CpuKernels {
     pub fn parse(value: &str) -> Result<CpuKernels, String> {
         match value.trim().to_ascii_lowercase().as_str() {
             "" | "auto" => Ok(CpuKernels::best()),
+            "amx" => Ok(CpuKernels::Amx),
             "vnni" => Ok(CpuKernels::Vnni),
             "avx2" => Ok(CpuKernels::Avx2),
             "scalar" => Ok(CpuKernels::Scalar),
             "f32" => Ok(CpuKernels::F32),
             other => Err(format!(
-                "PAGODA_CPU_KERNELS={other:?} is not one of auto, vnni, avx2, scalar, f32"
+                "PAGODA_CPU_KERNELS={other:?} is not one of auto, amx, vnni, avx2, scalar, f32"
             )),
         }
     }
@@ -66,6 +75,7 @@ impl CpuKernels {
     /// The integer instruction set, or `None` for [`CpuKernels::F32`].
     pub fn int_isa(self) -> Option<IntIsa> {
         match self {
+            CpuKernels::Amx => Some(IntIsa::Amx),
             CpuKernels::Vnni => Some(IntIsa::Vnni),
             CpuKernels::Avx2 => Some(IntIsa::Avx2),
             CpuKernels::Scalar => Some(IntIsa::Scalar),
@@ -76,6 +86,7 @@ impl CpuKernels {
     /// Lower-case name, as `PAGODA_CPU_KERNELS` spells it.
     pub fn name(self) -> &'static str {
         match self {
+            CpuKernels::Amx => "amx",
             CpuKernels::Vnni => "vnni",
             CpuKernels::Avx2 => "avx2",
             CpuKernels::Scalar => "scalar",
@@ -150,11 +161,12 @@ impl CpuKernelPolicy {
         }
     }
 
-    /// The name for logs and metrics: the set's name (`vnni`, `avx2`, `scalar`, `f32`), with
+    /// The name for logs and metrics: the set's name (`amx`, `vnni`, `avx2`, `scalar`, `f32`), with
     /// `+f32_ffn_down` appended when `ffn_down` keeps the f32 kernels (`vnni+f32_ffn_down`).
     pub fn name(self) -> &'static str {
         match (self.kernels, self.f32_ffn_down) {
             (kernels, false) | (kernels @ CpuKernels::F32, true) => kernels.name(),
+            (CpuKernels::Amx, true) => "amx+f32_ffn_down",
             (CpuKernels::Vnni, true) => "vnni+f32_ffn_down",
             (CpuKernels::Avx2, true) => "avx2+f32_ffn_down",
             (CpuKernels::Scalar, true) => "scalar+f32_ffn_down",
@@ -184,6 +196,15 @@ impl CpuKernelPolicy {
             };
             let activations = match (policy.kernels, policy.f32_ffn_down) {
                 (CpuKernels::F32, _) => "f32 activations, weights decoded in registers",
+                (CpuKernels::Amx, false) => {
+                    "Q8 activations, integer dots on repacked weights; AMX-INT8 tiles for \
+                     multi-row matmuls"
+                }
+                (CpuKernels::Amx, true) => {
+                    "Q8 activations and integer dots on repacked weights (AMX-INT8 tiles for \
+                     multi-row matmuls), except ffn_down: f32 activations, weights decoded \
+                     in registers"
+                }
                 (_, false) => "Q8 activations, integer dots on repacked weights",
                 (_, true) => {
                     "Q8 activations and integer dots on repacked weights, except ffn_down: \
@@ -198,7 +219,7 @@ impl CpuKernelPolicy {
 
 /// The name of the process-wide kernel policy ([`CpuKernelPolicy::selected`]), for metrics
 /// and status pages, e.g. a Prometheus gauge `pagoda_cpu_kernels_info{set="vnni+f32_ffn_down"} 1`:
-/// `vnni`, `avx2`, `scalar` (Q8 activations, integer dots, every weight), `f32` (f32
+/// `amx`, `vnni`, `avx2`, `scalar` (Q8 activations, integer dots, every weight), `f32` (f32
 /// activations, every weight), or a set with `+f32_ffn_down` (what `auto` selects: `ffn_down`
 /// keeps f32 activations). The first call (from here or from loading a model) reads the
 /// environment and logs the choice once; later calls return the same name.
@@ -236,6 +257,7 @@ mod tests {
     #[test]
     fn a_named_set_applies_to_every_weight() {
         for (value, kernels) in [
+            ("amx", CpuKernels::Amx),
             ("vnni", CpuKernels::Vnni),
             ("AVX2", CpuKernels::Avx2),
             ("scalar", CpuKernels::Scalar),
@@ -259,13 +281,13 @@ mod tests {
         let auto = CpuKernelPolicy::auto();
         assert!(auto.kernels.is_supported());
         match CpuKernels::best() {
-            CpuKernels::Vnni | CpuKernels::Avx2 => {
+            CpuKernels::Amx | CpuKernels::Vnni | CpuKernels::Avx2 => {
                 assert_eq!(auto.kernels, CpuKernels::best());
                 assert!(auto.f32_ffn_down);
             }
             _ => assert_eq!(auto, CpuKernelPolicy::uniform(CpuKernels::F32)),
         }
-        let error = CpuKernelPolicy::parse("amx").unwrap_err();
-        assert!(error.contains("amx"), "{error}");
+        let error = CpuKernelPolicy::parse("sse9").unwrap_err();
+        assert!(error.contains("sse9") && error.contains("amx"), "{error}");
     }
 }

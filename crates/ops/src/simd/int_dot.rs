@@ -35,6 +35,9 @@ pub enum IntIsa {
     Avx2,
     /// Portable scalar code ([`dot_scalar`]).
     Scalar,
+    /// AMX-INT8 tiles for multi-row matmuls ([`crate::simd::amx`], bit-identical to
+    /// [`IntIsa::Vnni`]); single tiles and decode run the VNNI kernels.
+    Amx,
 }
 
 impl IntIsa {
@@ -48,6 +51,8 @@ impl IntIsa {
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c")
             }
+            #[cfg(target_arch = "x86_64")]
+            IntIsa::Amx => IntIsa::Vnni.is_supported() && crate::simd::amx::is_available(),
             #[cfg(target_arch = "x86_64")]
             IntIsa::Vnni => {
                 IntIsa::Avx2.is_supported()
@@ -64,7 +69,9 @@ impl IntIsa {
 /// `out[r][t] = dot(weights[rows[r]], activations[tokens[t]])` for an `R x T` tile.
 ///
 /// Panics if a row or token index is out of range or the two row lengths differ (callers
-/// validate shapes once per matmul). An `isa` the CPU lacks runs the scalar kernel.
+/// validate shapes once per matmul). An `isa` the CPU lacks runs the scalar kernel;
+/// [`IntIsa::Amx`] runs the VNNI kernels (the AMX tiles are whole matmuls,
+/// [`crate::simd::amx::matmul`], with the same bits).
 pub fn tile<const R: usize, const T: usize>(
     isa: IntIsa,
     weights: &RepackedRows,
@@ -72,6 +79,11 @@ pub fn tile<const R: usize, const T: usize>(
     activations: &Q8Rows,
     tokens: [usize; T],
 ) -> [[f32; T]; R] {
+    let isa = if isa == IntIsa::Amx {
+        IntIsa::Vnni
+    } else {
+        isa
+    };
     assert_eq!(weights.blocks_per_row(), activations.blocks_per_row());
     assert!(
         rows.iter().all(|&r| r < weights.num_rows()),
@@ -155,6 +167,7 @@ fn supported(isa: IntIsa) -> bool {
         IntIsa::Vnni => *VNNI.get_or_init(|| IntIsa::Vnni.is_supported()),
         IntIsa::Avx2 => *AVX2.get_or_init(|| IntIsa::Avx2.is_supported()),
         IntIsa::Scalar => true,
+        IntIsa::Amx => supported(IntIsa::Vnni),
     }
 }
 

@@ -1,0 +1,259 @@
+//! The only unsafe code of the AMX path: CPUID, the Linux tile-data permission, and the
+//! tile instruction wrappers (stable inline `asm!`; the AMX intrinsics are unstable).
+//!
+//! [`HardwareTiles`] implements [`TileUnit`] with the real instructions. It can only be built
+//! where [`detect`] succeeded, and it checks every slice against the configured tile shape
+//! before an instruction touches memory, so its methods are safe to call.
+
+use pagoda_tensor::quant::q8::Q8Rows;
+use pagoda_tensor::quant::repack::RepackedRows;
+
+use super::kernel::{self, ActivationPanels};
+use super::tiles::{span, TileConfig, TileUnit, TILE_A, TILE_B, TILE_C};
+
+/// CPUID leaf 7 (subleaf 0) EDX bit of AMX-TILE.
+const CPUID_AMX_TILE: u32 = 1 << 24;
+/// CPUID leaf 7 (subleaf 0) EDX bit of AMX-INT8.
+const CPUID_AMX_INT8: u32 = 1 << 25;
+
+/// Whether the CPU reports AMX-TILE and AMX-INT8 and the OS grants tile data (requested
+/// here; call once per process, [`super::is_available`] caches it).
+pub fn detect() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__cpuid, __cpuid_count};
+        if __cpuid(0).eax < 7 {
+            return false;
+        }
+        let edx = __cpuid_count(7, 0).edx;
+        if edx & CPUID_AMX_TILE == 0 || edx & CPUID_AMX_INT8 == 0 {
+            return false;
+        }
+        // The kernels' float combine is compiled for these; every AMX CPU has them.
+        let vector = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vl");
+        vector && linux::request_tile_data()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (CPUID_AMX_TILE, CPUID_AMX_INT8);
+        false
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+mod linux {
+    /// `arch_prctl` codes and the XSAVE feature number of the tile data (Linux uapi
+    /// `asm/prctl.h`, `XFEATURE_XTILEDATA`).
+    const ARCH_GET_XCOMP_PERM: u64 = 0x1022;
+    const ARCH_REQ_XCOMP_PERM: u64 = 0x1023;
+    const XFEATURE_XTILEDATA: u64 = 18;
+    const SYS_ARCH_PRCTL: i64 = 158;
+
+    /// The raw `arch_prctl(code, argument)` system call; returns 0 or `-errno`.
+    fn arch_prctl(code: u64, argument: u64) -> i64 {
+        let result: i64;
+        // SAFETY: arch_prctl with these codes either changes this process's XSAVE
+        // permission (REQ) or writes one u64 at `argument` (GET, given a valid pointer by
+        // the caller below); the syscall instruction clobbers only rax, rcx and r11.
+        unsafe {
+            std::arch::asm!(
+                "syscall",
+                inlateout("rax") SYS_ARCH_PRCTL => result,
+                in("rdi") code,
+                in("rsi") argument,
+                lateout("rcx") _,
+                lateout("r11") _,
+                options(nostack),
+            );
+        }
+        result
+    }
+
+    /// Requests tile data for the process and verifies the permission mask lists it.
+    pub fn request_tile_data() -> bool {
+        if arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0 {
+            return false;
+        }
+        let mut mask: u64 = 0;
+        let status = arch_prctl(ARCH_GET_XCOMP_PERM, &mut mask as *mut u64 as u64);
+        status == 0 && mask & (1 << XFEATURE_XTILEDATA) != 0
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", not(target_os = "linux")))]
+mod linux {
+    /// Only Linux is supported for now (other OSes need their own permission call).
+    pub fn request_tile_data() -> bool {
+        false
+    }
+}
+
+/// The hardware tile unit; exists only where [`super::is_available`] is true.
+pub struct HardwareTiles {
+    config: Option<TileConfig>,
+}
+
+impl HardwareTiles {
+    /// A unit, or `None` when this CPU/OS lacks AMX-INT8.
+    pub fn new() -> Option<HardwareTiles> {
+        super::is_available().then_some(HardwareTiles { config: None })
+    }
+
+    fn shape(&self, tile: usize) -> (usize, usize) {
+        self.config
+            .as_ref()
+            .expect("tile instruction before LDTILECFG")
+            .shape(tile)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl TileUnit for HardwareTiles {
+    fn configure(&mut self, config: &TileConfig) {
+        for t in [TILE_C, TILE_A, TILE_B] {
+            config.shape(t);
+        }
+        config.check_dot(TILE_C, TILE_A, TILE_B);
+        let image = config.to_bytes();
+        // SAFETY: AMX-TILE is present and permitted (`new`); `image` is a valid palette-1
+        // configuration of 64 readable bytes (shapes checked above, reserved bytes zero).
+        unsafe {
+            std::arch::asm!("ldtilecfg [{0}]", in(reg) image.as_ptr(), options(nostack, readonly));
+        }
+        self.config = Some(*config);
+    }
+
+    fn zero_c(&mut self) {
+        self.shape(TILE_C);
+        // SAFETY: AMX is permitted and tmm0 is configured (checked above).
+        unsafe { std::arch::asm!("tilezero tmm0", options(nostack, nomem)) };
+    }
+
+    fn load_a(&mut self, src: &[u8], stride: usize) {
+        let (rows, colsb) = self.shape(TILE_A);
+        assert!(
+            src.len() >= span(rows, colsb, stride),
+            "A tile source too short"
+        );
+        // SAFETY: tmm1 is configured as rows x colsb, and `src` holds the
+        // (rows - 1) * stride + colsb bytes the load reads (checked above).
+        unsafe {
+            std::arch::asm!(
+                "tileloadd tmm1, [{base} + {stride} * 1]",
+                base = in(reg) src.as_ptr(),
+                stride = in(reg) stride,
+                options(nostack, readonly),
+            );
+        }
+    }
+
+    fn load_b(&mut self, src: &[u8], stride: usize) {
+        let (rows, colsb) = self.shape(TILE_B);
+        assert!(
+            src.len() >= span(rows, colsb, stride),
+            "B tile source too short"
+        );
+        // SAFETY: as `load_a`, for tmm2.
+        unsafe {
+            std::arch::asm!(
+                "tileloadd tmm2, [{base} + {stride} * 1]",
+                base = in(reg) src.as_ptr(),
+                stride = in(reg) stride,
+                options(nostack, readonly),
+            );
+        }
+    }
+
+    fn dot_busd(&mut self) {
+        self.config
+            .as_ref()
+            .expect("tile instruction before LDTILECFG")
+            .check_dot(TILE_C, TILE_A, TILE_B);
+        // SAFETY: AMX-INT8 is present and permitted; the three tiles are configured with
+        // compatible shapes (checked above), so the instruction cannot fault.
+        unsafe { std::arch::asm!("tdpbusd tmm0, tmm1, tmm2", options(nostack, nomem)) };
+    }
+
+    fn store_c(&mut self, dst: &mut [u8], stride: usize) {
+        let (rows, colsb) = self.shape(TILE_C);
+        assert!(
+            dst.len() >= span(rows, colsb, stride),
+            "C tile destination too short"
+        );
+        // SAFETY: tmm0 is configured as rows x colsb, and `dst` holds the
+        // (rows - 1) * stride + colsb bytes the store writes (checked above).
+        unsafe {
+            std::arch::asm!(
+                "tilestored [{base} + {stride} * 1], tmm0",
+                base = in(reg) dst.as_mut_ptr(),
+                stride = in(reg) stride,
+                options(nostack),
+            );
+        }
+    }
+
+    fn release(&mut self) {
+        if self.config.take().is_some() {
+            // SAFETY: AMX is permitted; TILERELEASE only returns the tile state to INIT.
+            unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Drop for HardwareTiles {
+    fn drop(&mut self) {
+        // A panic between configure and release must not leave the tiles configured.
+        self.release();
+    }
+}
+
+/// [`kernel::row_chunk`] on the hardware tiles, its f32 combine compiled with AVX2, FMA and
+/// AVX-512 (present wherever AMX is). Panics if AMX is unavailable (the caller checks).
+pub fn row_chunk(
+    weights: &RepackedRows,
+    activations: &Q8Rows,
+    panels: &ActivationPanels,
+    row_start: usize,
+    out: &mut [f32],
+) {
+    let mut unit = HardwareTiles::new().expect("AMX-INT8 availability checked by the caller");
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+        fn vectorized(
+            unit: &mut HardwareTiles,
+            weights: &RepackedRows,
+            activations: &Q8Rows,
+            panels: &ActivationPanels,
+            row_start: usize,
+            out: &mut [f32],
+        ) {
+            kernel::row_chunk(unit, weights, activations, panels, row_start, out)
+        }
+        // SAFETY: `unit` exists only where `detect` confirmed AVX2, FMA, F16C and AVX-512F/VL.
+        unsafe { vectorized(&mut unit, weights, activations, panels, row_start, out) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (&mut unit, weights, activations, panels, row_start, out);
+        unreachable!("HardwareTiles::new returns None off x86-64");
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+impl TileUnit for HardwareTiles {
+    fn configure(&mut self, _: &TileConfig) {
+        unreachable!("no AMX off x86-64")
+    }
+    fn zero_c(&mut self) {}
+    fn load_a(&mut self, _: &[u8], _: usize) {}
+    fn load_b(&mut self, _: &[u8], _: usize) {}
+    fn dot_busd(&mut self) {}
+    fn store_c(&mut self, _: &mut [u8], _: usize) {}
+    fn release(&mut self) {}
+}

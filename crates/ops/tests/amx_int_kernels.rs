@@ -1,0 +1,349 @@
+//! The AMX-INT8 matmul against the VNNI integer tiles (bit for bit) and an f64 reference.
+//!
+//! The emulated tiles (`TileBackend::Emulated`) run the whole AMX code path (activation
+//! panels, weight tiles, edge tiles, the lane-wise f32 combine) on any CPU; the hardware
+//! tiles run only where CPUID and Linux allow AMX-INT8, otherwise their test prints a line
+//! and returns. Run alone with
+//! `cargo test -p pagoda-ops --release --test amx_int_kernels`.
+
+use pagoda_ops::linear::int_matmul;
+use pagoda_ops::linear::{CpuKernels, Weight};
+use pagoda_ops::simd::amx::{self, AmxError, TileBackend, AMX_MIN_TOKENS};
+use pagoda_ops::simd::int_dot::IntIsa;
+use pagoda_tensor::quant::q8::Q8Rows;
+use pagoda_tensor::quant::repack::{repack, RepackedRows};
+use pagoda_tensor::{quant, GgmlType};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const REPACKED: [GgmlType; 5] = [
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+];
+
+/// Token counts: below, at and above one C tile's 16 rows, and a long prefill.
+const TOKENS: [usize; 6] = [1, 2, 15, 16, 17, 100];
+
+/// `(out_features, in_features)`: rows below, at and past 16 and 32; 1, 2, 3, 5 and 8
+/// blocks (odd block counts take the one-block step, even nibble ones the two-block step).
+fn shapes(ty: GgmlType) -> Vec<(usize, usize)> {
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
+        vec![(1, 256), (15, 256), (17, 512), (40, 256)]
+    } else {
+        vec![(1, 32), (15, 64), (16, 96), (17, 160), (33, 256), (40, 32)]
+    }
+}
+
+fn f16(value: f32) -> [u8; 2] {
+    half::f16::from_f32(value).to_le_bytes()
+}
+
+/// Random stored rows of `ty` (random scales of both signs, random mins and bytes).
+fn random_rows(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
+    let block = ty.block_size().unwrap();
+    let mut out = Vec::new();
+    let scale = |rng: &mut ChaCha8Rng, signed: bool| {
+        let v: f32 = rng.random_range(0.001..0.05);
+        f16(if signed && rng.random_bool(0.3) {
+            -v
+        } else {
+            v
+        })
+    };
+    for _ in 0..rows * cols / block {
+        let header: Vec<u8> = match ty {
+            GgmlType::Q4_0 | GgmlType::Q8_0 => scale(rng, true).to_vec(),
+            GgmlType::Q4_1 => [scale(rng, false), scale(rng, true)].concat(),
+            _ => [scale(rng, false), scale(rng, false)].concat(),
+        };
+        out.extend(header);
+        let rest = match ty {
+            GgmlType::Q4_0 | GgmlType::Q4_1 => 16,
+            GgmlType::Q8_0 => 32,
+            GgmlType::Q4K => 12 + 128,
+            GgmlType::Q5K => 12 + 160,
+            _ => unreachable!(),
+        };
+        out.extend((0..rest).map(|_| rng.random::<u8>()));
+    }
+    out
+}
+
+/// Activations with a wide range, so Q8 values reach +-127 and many blocks differ in scale.
+fn random_activations(num_tokens: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+    (0..num_tokens * cols)
+        .map(|i| {
+            let v: f32 = rng.random_range(-2.0..2.0);
+            if i % 37 == 0 {
+                v * 40.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+struct Case {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    stored: Vec<u8>,
+    weights: RepackedRows,
+    x: Vec<f32>,
+    activations: Q8Rows,
+}
+
+/// Every (format, shape, token count) case, from one seed.
+fn cases(seed: u64) -> Vec<Case> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    for ty in REPACKED {
+        for (rows, cols) in shapes(ty) {
+            let stored = random_rows(ty, rows, cols, &mut rng);
+            let weights = repack(ty, rows, cols, &stored).unwrap();
+            for num_tokens in TOKENS {
+                let x = random_activations(num_tokens, cols, &mut rng);
+                let activations = Q8Rows::quantize(&x, cols).unwrap();
+                out.push(Case {
+                    ty,
+                    rows,
+                    cols,
+                    stored: stored.clone(),
+                    weights: weights.clone(),
+                    x,
+                    activations,
+                });
+            }
+        }
+    }
+    out
+}
+
+fn run(backend: TileBackend, case: &Case) -> Vec<f32> {
+    let mut y = vec![f32::NAN; case.rows * case.activations.num_rows()];
+    amx::matmul(backend, &case.weights, &case.activations, &mut y).unwrap();
+    y
+}
+
+fn vnni(case: &Case) -> Vec<f32> {
+    let mut y = vec![f32::NAN; case.rows * case.activations.num_rows()];
+    int_matmul::matmul(IntIsa::Vnni, &case.weights, &case.activations, &mut y);
+    y
+}
+
+fn assert_same_bits(got: &[f32], want: &[f32], what: &str, case: &Case) {
+    assert_eq!(got.len(), want.len());
+    let tokens = case.activations.num_rows();
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(
+            g.to_bits(),
+            w.to_bits(),
+            "{what}: {} [{} x {}] tokens {tokens}: token {} row {}: {g} vs {w}",
+            case.ty,
+            case.rows,
+            case.cols,
+            i / case.rows,
+            i % case.rows
+        );
+    }
+}
+
+#[test]
+fn emulated_amx_equals_the_vnni_tiles_bit_for_bit() {
+    if !IntIsa::Vnni.is_supported() {
+        println!("AVX-512 VNNI not available on this CPU: bit-equality with VNNI skipped");
+        return;
+    }
+    for case in cases(11) {
+        assert_same_bits(
+            &run(TileBackend::Emulated, &case),
+            &vnni(&case),
+            "emulated vs vnni",
+            &case,
+        );
+    }
+}
+
+/// The independent oracle: f64 dots of the dequantized weights with the dequantized Q8
+/// activations the kernel sees, within f32 rounding of the magnitudes summed.
+#[test]
+fn emulated_amx_matches_the_f64_reference() {
+    for case in cases(12) {
+        let (rows, cols) = (case.rows, case.cols);
+        let num_tokens = case.activations.num_rows();
+        let mut weights = vec![0f32; rows * cols];
+        quant::dequantize(case.ty, &case.stored, &mut weights).unwrap();
+        let mut seen = vec![0f32; case.x.len()];
+        for (t, row) in seen.chunks_mut(cols).enumerate() {
+            case.activations.dequantize_row(t, row);
+        }
+        let y = run(TileBackend::Emulated, &case);
+        for t in 0..num_tokens {
+            for r in 0..rows {
+                let w = &weights[r * cols..(r + 1) * cols];
+                let a = &seen[t * cols..(t + 1) * cols];
+                let reference: f64 = w.iter().zip(a).map(|(w, a)| *w as f64 * *a as f64).sum();
+                let scale: f64 = w
+                    .iter()
+                    .zip(a)
+                    .map(|(w, a)| (*w as f64 * *a as f64).abs())
+                    .sum();
+                let got = y[t * rows + r] as f64;
+                assert!(
+                    (got - reference).abs() <= 1e-5 * scale + 1e-6,
+                    "{} [{rows} x {cols}] tokens {num_tokens} t{t} r{r}: {got} vs {reference}",
+                    case.ty
+                );
+            }
+        }
+    }
+}
+
+/// The hardware tiles against the emulated ones and the VNNI tiles, every case.
+#[test]
+fn hardware_amx_equals_the_emulator_and_vnni() {
+    if !amx::is_available() {
+        println!("AMX not available on this CPU: hardware check skipped");
+        return;
+    }
+    let before = amx::hardware_matmul_count();
+    let cases = cases(13);
+    for case in &cases {
+        let hardware = run(TileBackend::Hardware, case);
+        assert_same_bits(
+            &hardware,
+            &run(TileBackend::Emulated, case),
+            "hardware vs emulated",
+            case,
+        );
+        assert_same_bits(&hardware, &vnni(case), "hardware vs vnni", case);
+    }
+    assert!(amx::hardware_matmul_count() >= before + cases.len() as u64);
+    println!(
+        "AMX hardware: {} cases bit-identical to the emulator and VNNI",
+        cases.len()
+    );
+}
+
+/// `Weight::matmul` with the `amx` set gives VNNI's bits for decode and prefill, and a
+/// prefill of at least `AMX_MIN_TOKENS` tokens runs on the hardware tiles where they exist.
+#[test]
+fn weight_matmul_with_the_amx_set_equals_vnni() {
+    if !CpuKernels::Vnni.is_supported() {
+        println!("AVX-512 VNNI not available on this CPU: amx kernel set check skipped");
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    for ty in REPACKED {
+        let (rows, cols) = (37, 256);
+        let stored = random_rows(ty, rows, cols, &mut rng);
+        let amx_weight =
+            Weight::with_kernels(ty, rows, cols, stored.clone(), CpuKernels::Amx).unwrap();
+        let vnni_weight = Weight::with_kernels(ty, rows, cols, stored, CpuKernels::Vnni).unwrap();
+        assert_eq!(amx_weight.int_isa(), Some(IntIsa::Amx));
+        for num_tokens in [1, AMX_MIN_TOKENS - 1, AMX_MIN_TOKENS, 33] {
+            let x = random_activations(num_tokens, cols, &mut rng);
+            let before = amx::hardware_matmul_count();
+            let mut y_amx = vec![f32::NAN; num_tokens * rows];
+            amx_weight.matmul(&x, num_tokens, &mut y_amx);
+            let used_amx = amx::hardware_matmul_count() > before;
+            let mut y_vnni = vec![f32::NAN; num_tokens * rows];
+            vnni_weight.matmul(&x, num_tokens, &mut y_vnni);
+            for (i, (a, v)) in y_amx.iter().zip(&y_vnni).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    v.to_bits(),
+                    "{ty} tokens {num_tokens} value {i}: {a} vs {v}"
+                );
+            }
+            if amx::is_available() {
+                assert_eq!(
+                    used_amx,
+                    num_tokens >= AMX_MIN_TOKENS,
+                    "{ty} tokens {num_tokens}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_shapes_and_missing_hardware_are_errors() {
+    let mut rng = ChaCha8Rng::seed_from_u64(15);
+    let stored = random_rows(GgmlType::Q4_0, 4, 64, &mut rng);
+    let weights = repack(GgmlType::Q4_0, 4, 64, &stored).unwrap();
+    let activations = Q8Rows::quantize(&random_activations(3, 64, &mut rng), 64).unwrap();
+    let mut y = vec![0f32; 11];
+    assert_eq!(
+        amx::matmul(TileBackend::Emulated, &weights, &activations, &mut y),
+        Err(AmxError::OutputSize {
+            got: 11,
+            expected: 12
+        })
+    );
+    let short = Q8Rows::quantize(&random_activations(3, 32, &mut rng), 32).unwrap();
+    let mut y = vec![0f32; 12];
+    assert_eq!(
+        amx::matmul(TileBackend::Emulated, &weights, &short, &mut y),
+        Err(AmxError::BlockMismatch {
+            weights: 2,
+            activations: 1
+        })
+    );
+    if !amx::is_available() {
+        assert_eq!(
+            amx::matmul(TileBackend::Hardware, &weights, &activations, &mut y),
+            Err(AmxError::NotAvailable)
+        );
+        assert!(!IntIsa::Amx.is_supported() && !CpuKernels::Amx.is_supported());
+    }
+}
+
+/// Timing probe for the provisional `AMX_MIN_TOKENS` (not a correctness test): median
+/// wall time of the VNNI and hardware AMX matmuls for the default model's shapes. Run on an
+/// AMX machine with `-- --ignored --nocapture amx_vs_vnni_timing`.
+#[test]
+#[ignore]
+fn amx_vs_vnni_timing() {
+    if !amx::is_available() {
+        println!("AMX not available on this CPU: hardware check skipped");
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(16);
+    let median = |f: &mut dyn FnMut()| {
+        let mut times: Vec<f64> = (0..7)
+            .map(|_| {
+                let start = std::time::Instant::now();
+                f();
+                start.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        times[3]
+    };
+    for (ty, rows, cols) in [
+        (GgmlType::Q4_1, 1536, 576),
+        (GgmlType::Q4_1, 576, 1536),
+        (GgmlType::Q8_0, 1536, 576),
+    ] {
+        let weights = repack(ty, rows, cols, &random_rows(ty, rows, cols, &mut rng)).unwrap();
+        for num_tokens in [4, 8, 16, 32, 64, 256] {
+            let x = random_activations(num_tokens, cols, &mut rng);
+            let activations = Q8Rows::quantize(&x, cols).unwrap();
+            let mut y = vec![0f32; rows * num_tokens];
+            let vnni_ms =
+                median(&mut || int_matmul::matmul(IntIsa::Vnni, &weights, &activations, &mut y));
+            let amx_ms = median(&mut || {
+                amx::matmul(TileBackend::Hardware, &weights, &activations, &mut y).unwrap()
+            });
+            println!(
+                "{ty} [{rows} x {cols}] tokens {num_tokens:3}: vnni {vnni_ms:8.3} ms, \
+                 amx {amx_ms:8.3} ms ({:.2}x)",
+                vnni_ms / amx_ms
+            );
+        }
+    }
+}

@@ -290,13 +290,32 @@ sampling_gumbel(const float* __restrict__ logits, const unsigned int* __restrict
 
 // Partial (max, lowest index) of the sanitised logits of each (row, split) into
 // partial_max / partial_index [rows, num_splits] (-inf / NO_TOKEN when the split has no value
-// above -inf). The last CTA of each row sets up its filter state (init_filter_state).
+// above -inf). The last CTA of each row sets up its filter state (init_filter_state). With
+// FLAG_TOP_K, a row with a top-k also gets the first digit (bits 24-31) of its radix select
+// here: every CTA counts its logits into histogram[row] [TOP_K_BINS], and the last CTA fixes
+// the digit (fix_top_k_digit) and zeroes the histogram, so the digit launches start at
+// bits 16-23 (a whole launch fewer).
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 sampling_row_max(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
                  unsigned int num_splits, unsigned int flags, float* __restrict__ partial_max,
                  unsigned int* __restrict__ partial_index, unsigned int* __restrict__ state,
-                 unsigned int* __restrict__ arrive) {
+                 unsigned int* __restrict__ arrive, unsigned int* __restrict__ histogram) {
+    __shared__ unsigned int counts[TOP_K_BINS];
     const unsigned int row = blockIdx.y, split = blockIdx.x;
+    // Every row whose filter state may get a pending top-k (init_filter_state); counting a
+    // row that turns out greedy only costs the count. Without FLAG_TOP_K the parameters are
+    // read after the pass, off the loads' critical path (measured: top-p 1-3% slower when
+    // every launch waited for them).
+    RowParams p;
+    bool first_digit = false;
+    if (flags & FLAG_TOP_K) {
+        p = load_row_params(params, row);
+        first_digit = p.top_k > 1u && p.top_k < vocab;
+    }
+    if (first_digit) {
+        for (unsigned int d = threadIdx.x; d < TOP_K_BINS; d += blockDim.x) counts[d] = 0u;
+        __syncthreads();
+    }
     unsigned int begin, end;
     split_range(vocab, num_splits, split, begin, end);
     const float* z = logits + (size_t)row * vocab;
@@ -311,8 +330,22 @@ sampling_row_max(const float* __restrict__ logits, const unsigned int* __restric
         if (v.y > best) { best = v.y; best_id = i + 1u; }
         if (v.z > best) { best = v.z; best_id = i + 2u; }
         if (v.w > best) { best = v.w; best_id = i + 3u; }
+        if (first_digit) {
+            const float values[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (values[j] > -INFINITY) atomicAdd(&counts[ordered_bits(values[j]) >> 24], 1u);
+            }
+        }
     }
     block_argmax(best, best_id);
+    unsigned int* h = histogram + (size_t)row * TOP_K_BINS;
+    if (first_digit) {
+        // block_argmax ended with a barrier: every count is in.
+        for (unsigned int d = threadIdx.x; d < TOP_K_BINS; d += blockDim.x) {
+            if (counts[d]) atomicAdd(&h[d], counts[d]);
+        }
+    }
     if (threadIdx.x == 0) {
         partial_max[row * num_splits + split] = best;
         partial_index[row * num_splits + split] = best == -INFINITY ? NO_TOKEN : best_id;
@@ -321,6 +354,16 @@ sampling_row_max(const float* __restrict__ logits, const unsigned int* __restric
     float z_max;
     unsigned int argmax;
     reduce_row_max(partial_max, partial_index, row, num_splits, z_max, argmax);
-    if (threadIdx.x != 0) return;
-    init_filter_state(load_row_params(params, row), vocab, z_max, argmax, flags, state + row * FILTER_STATE_WORDS);
+    unsigned int* st = state + row * FILTER_STATE_WORDS;
+    if (!(flags & FLAG_TOP_K)) p = load_row_params(params, row);
+    if (threadIdx.x == 0) init_filter_state(p, vocab, z_max, argmax, flags, st);
+    if (!first_digit) return;
+    // Every CTA of the row has added its counts: read them and zero the row's histogram.
+    for (unsigned int d = threadIdx.x; d < TOP_K_BINS; d += blockDim.x) {
+        counts[d] = __ldcg(&h[d]);
+        h[d] = 0u;
+    }
+    __syncthreads();  // also publishes thread 0's filter state to the block
+    if (st[FS_STATUS] != STATUS_ACTIVE || st[FS_TOP_K_PENDING] == 0u) return;
+    fix_top_k_digit(counts, 24u, p, st);
 }

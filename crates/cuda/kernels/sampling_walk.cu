@@ -252,11 +252,37 @@ PAGODA_DEVICE void find_rank_bin(const unsigned int* counts, unsigned int bins, 
     __syncthreads();
 }
 
+// Fixes the digit at `shift` of the row's top-k select from its histogram `counts`
+// [TOP_K_BINS] (shared; every CTA of the row has added its counts): the next prefix and rank,
+// and the threshold when the select ends (see sampling_top_k_digit). After the first digit
+// (shift 24, every finite logit counted) a row with at most k finite logits keeps them all.
+// Block-wide; thread 0 writes the state.
+PAGODA_DEVICE void fix_top_k_digit(const unsigned int* counts, unsigned int shift, const RowParams& p,
+                                   unsigned int* st) {
+    const unsigned int prefix = st[FS_TOP_K_PREFIX];
+    const unsigned int remaining = st[FS_TOP_K_REMAINING];
+    unsigned int bin, above, in_bin, counted;
+    find_rank_bin(counts, TOP_K_BINS, remaining, bin, above, in_bin, counted);
+    if (threadIdx.x != 0) return;
+    if (shift == 24u && counted <= p.top_k) { st[FS_TOP_K_PENDING] = 0u; return; }
+    if (bin == NO_TOKEN) { st[FS_STATUS] = STATUS_EXACT; return; }  // unreachable: counts add up
+    const unsigned int fixed = prefix | (bin << shift);
+    st[FS_TOP_K_PREFIX] = fixed;
+    st[FS_TOP_K_REMAINING] = remaining - above;
+    if (shift == 0u || in_bin == remaining - above) {
+        // The bin's lowest value: finite, since the bin holds a finite logit and -FLT_MAX's
+        // key is a multiple of every digit's bin width.
+        const float kth = from_ordered_bits(fixed);
+        st[FS_TOP_K_THRESHOLD] = __float_as_uint(kth);
+        st[FS_LOW] = __float_as_uint(fmaxf(__uint_as_float(st[FS_LOW]), next_down(kth)));
+        st[FS_TOP_K_PENDING] = 0u;
+    }
+}
+
 // One 8-bit digit (at `shift`) of the k-th largest finite logit of each ACTIVE row
 // with a pending top-k: every CTA counts its split's logits that match the digits fixed so
 // far into histogram[row] [TOP_K_BINS] (zeroed again by the last CTA, which fixes the
-// digit). After the first digit a row with at most k finite logits keeps them all. The
-// select ends early when the k-th largest is the smallest logit of its bin (the bin's count
+// digit; the first digit, bits 24-31, is sampling_row_max's). The select ends early when the k-th largest is the smallest logit of its bin (the bin's count
 // is the rank still to find): then every logit at or above the bin's lowest value is in the
 // top k and none between, so that value is the threshold (same set, same masses). Else it
 // ends after the last digit with the exact k-th largest value.
@@ -299,23 +325,5 @@ sampling_top_k_digit(const float* __restrict__ logits, const unsigned int* __res
         h[d] = 0u;
     }
     __syncthreads();
-    const RowParams p = load_row_params(params, row);
-    const unsigned int remaining = st[FS_TOP_K_REMAINING];
-    unsigned int bin, above, in_bin, counted;
-    find_rank_bin(counts, bins, remaining, bin, above, in_bin, counted);
-    if (threadIdx.x != 0) return;
-    // First digit: every finite logit was counted.
-    if (mask == 0u && counted <= p.top_k) { st[FS_TOP_K_PENDING] = 0u; return; }
-    if (bin == NO_TOKEN) { st[FS_STATUS] = STATUS_EXACT; return; }  // unreachable: counts add up
-    const unsigned int fixed = prefix | (bin << shift);
-    st[FS_TOP_K_PREFIX] = fixed;
-    st[FS_TOP_K_REMAINING] = remaining - above;
-    if (shift == 0u || in_bin == remaining - above) {
-        // The bin's lowest value: finite, since the bin holds a finite logit and -FLT_MAX's
-        // key is a multiple of every digit's bin width.
-        const float kth = from_ordered_bits(fixed);
-        st[FS_TOP_K_THRESHOLD] = __float_as_uint(kth);
-        st[FS_LOW] = __float_as_uint(fmaxf(__uint_as_float(st[FS_LOW]), next_down(kth)));
-        st[FS_TOP_K_PENDING] = 0u;
-    }
+    fix_top_k_digit(counts, shift, load_row_params(params, row), st);
 }

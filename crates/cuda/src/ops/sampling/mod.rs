@@ -125,11 +125,12 @@ const FILTER_STATE_WORDS: usize = 16;
 const SEGMENTS: usize = 8;
 /// Bins of a top-k digit (`TOP_K_BINS` in the kernels).
 const TOP_K_BINS: usize = 256;
-/// The shifts of the top-k radix select's 8-bit digits of the ordered logit bits, most
-/// significant first. A 12-bit digit (4096 bins) measured about 2.7x slower per launch at
-/// batch 64, so three 12/10/10 or 8/12/12 launches cost more than four 8-bit ones, of which
-/// the early stop usually spares the last.
-const TOP_K_SHIFTS: [u32; 4] = [24, 16, 8, 0];
+/// The shifts of the top-k radix select's 8-bit digit launches, most significant first; the
+/// first digit (bits 24-31) is counted by `sampling_row_max` in its pass over the row. A
+/// 12-bit digit (4096 bins) measured about 2.7x slower per launch at batch 64, so 12/10/10
+/// or 8/12/12 digits cost more than 8-bit ones, of which the early stop usually spares the
+/// last.
+const TOP_K_SHIFTS: [u32; 3] = [16, 8, 0];
 /// Threads of a split CTA and of a finish CTA.
 const SPLIT_THREADS: u32 = 256;
 const FINISH_THREADS: u32 = 1024;
@@ -351,6 +352,7 @@ pub fn sample_rows_with(
             ptr(&ws.partial_index),
             ptr(&ws.state),
             ptr(&ws.arrive),
+            ptr(&ws.histogram),
         ];
         // SAFETY (every launch below): the arguments match the kernel's signature in
         // kernels/sampling_*.cu; lengths were validated by `plan_sampling` (logits rows x

@@ -6,6 +6,8 @@
 //! and returns. Run alone with
 //! `cargo test -p pagoda-ops --release --test amx_int_kernels`.
 
+mod common;
+
 use pagoda_ops::linear::int_matmul;
 use pagoda_ops::linear::{CpuKernels, Weight};
 use pagoda_ops::simd::amx::{self, AmxError, TileBackend, AMX_MIN_TOKENS};
@@ -181,24 +183,8 @@ fn emulated_amx_matches_the_f64_reference() {
             case.activations.dequantize_row(t, row);
         }
         let y = run(TileBackend::Emulated, &case);
-        for t in 0..num_tokens {
-            for r in 0..rows {
-                let w = &weights[r * cols..(r + 1) * cols];
-                let a = &seen[t * cols..(t + 1) * cols];
-                let reference: f64 = w.iter().zip(a).map(|(w, a)| *w as f64 * *a as f64).sum();
-                let scale: f64 = w
-                    .iter()
-                    .zip(a)
-                    .map(|(w, a)| (*w as f64 * *a as f64).abs())
-                    .sum();
-                let got = y[t * rows + r] as f64;
-                assert!(
-                    (got - reference).abs() <= 1e-5 * scale + 1e-6,
-                    "{} [{rows} x {cols}] tokens {num_tokens} t{t} r{r}: {got} vs {reference}",
-                    case.ty
-                );
-            }
-        }
+        let what = format!("{} [{rows} x {cols}] tokens {num_tokens}", case.ty);
+        common::assert_f64_dots(&what, &y, &weights, &seen, cols);
     }
 }
 

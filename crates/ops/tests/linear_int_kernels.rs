@@ -4,6 +4,8 @@
 //! scalar kernel (exactly when all scales are 1, so every float is an exact integer); and
 //! `Weight::matmul` with each kernel set matches the f64 reference for decode and prefill.
 
+mod common;
+
 use pagoda_ops::linear::{CpuKernels, Weight};
 use pagoda_ops::simd::int_dot::{tile, IntIsa};
 use pagoda_tensor::quant::q8::Q8Rows;
@@ -316,24 +318,8 @@ fn matmul_with_every_kernel_set_matches_the_reference() {
                 };
                 let mut y = vec![f32::NAN; num_tokens * rows];
                 weight.matmul(&x, num_tokens, &mut y);
-                for t in 0..num_tokens {
-                    for r in 0..rows {
-                        let w = &weights[r * cols..(r + 1) * cols];
-                        let a = &seen[t * cols..(t + 1) * cols];
-                        let reference: f64 =
-                            w.iter().zip(a).map(|(w, a)| *w as f64 * *a as f64).sum();
-                        let scale: f64 = w
-                            .iter()
-                            .zip(a)
-                            .map(|(w, a)| (*w as f64 * *a as f64).abs())
-                            .sum();
-                        let got = y[t * rows + r] as f64;
-                        assert!(
-                            (got - reference).abs() <= 1e-5 * scale + 1e-6,
-                            "{set:?} {ty} tokens {num_tokens} t{t} r{r}: {got} vs {reference}"
-                        );
-                    }
-                }
+                let what = format!("{set:?} {ty} tokens {num_tokens}");
+                common::assert_f64_dots(&what, &y, &weights, &seen, cols);
             }
         }
     }

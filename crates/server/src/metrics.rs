@@ -550,6 +550,13 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
+            "# HELP pagoda_cpu_amx_matmuls_total Integer matmuls run on the AMX-INT8 tiles \
+             (PAGODA_CPU_KERNELS=amx).\n\
+             # TYPE pagoda_cpu_amx_matmuls_total counter\npagoda_cpu_amx_matmuls_total {}",
+            pagoda_ops::simd::amx::hardware_matmul_count()
+        );
+        let _ = writeln!(
+            out,
             "# HELP pagoda_cpu_attention_kernel_info The CPU attention kernel in use \
              (PAGODA_CPU_ATTENTION).\n\
              # TYPE pagoda_cpu_attention_kernel_info gauge\n\

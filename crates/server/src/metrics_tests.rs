@@ -35,6 +35,16 @@ fn gauges_follow_the_snapshot() {
     assert!(text.contains("pagoda_requests_total{endpoint=\"chat\",status=\"200\"} 2\n"));
     assert!(text.contains("pagoda_batch_invariant 1\n"));
     assert!(text.contains("pagoda_cpu_kernels_info{set=\""));
+    // The AMX counter is rendered from pagoda_ops' process-wide count.
+    let amx = text
+        .lines()
+        .find_map(|line| line.strip_prefix("pagoda_cpu_amx_matmuls_total "))
+        .expect("the AMX counter line");
+    assert_eq!(
+        amx.parse::<u64>().unwrap(),
+        pagoda_ops::simd::amx::hardware_matmul_count()
+    );
+    assert!(text.contains("# TYPE pagoda_cpu_amx_matmuls_total counter\n"));
     let kernel = pagoda_ops::attention::AttentionKernel::selected().name();
     assert!(text.contains(&format!(
         "pagoda_cpu_attention_kernel_info{{kernel=\"{kernel}\"}} 1\n"

@@ -8,6 +8,8 @@
 
 mod common;
 
+use common::{random_rows, REPACKED};
+
 use pagoda_ops::linear::int_matmul;
 use pagoda_ops::linear::{CpuKernels, Weight};
 use pagoda_ops::simd::amx::{self, AmxError, TileBackend, AMX_MIN_TOKENS};
@@ -17,14 +19,6 @@ use pagoda_tensor::quant::repack::{repack, RepackedRows};
 use pagoda_tensor::{quant, GgmlType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-
-const REPACKED: [GgmlType; 5] = [
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-];
 
 /// Token counts: below, at and above one C tile's 16 rows, and a long prefill.
 const TOKENS: [usize; 6] = [1, 2, 15, 16, 17, 100];
@@ -37,41 +31,6 @@ fn shapes(ty: GgmlType) -> Vec<(usize, usize)> {
     } else {
         vec![(1, 32), (15, 64), (16, 96), (17, 160), (33, 256), (40, 32)]
     }
-}
-
-fn f16(value: f32) -> [u8; 2] {
-    half::f16::from_f32(value).to_le_bytes()
-}
-
-/// Random stored rows of `ty` (random scales of both signs, random mins and bytes).
-fn random_rows(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<u8> {
-    let block = ty.block_size().unwrap();
-    let mut out = Vec::new();
-    let scale = |rng: &mut ChaCha8Rng, signed: bool| {
-        let v: f32 = rng.random_range(0.001..0.05);
-        f16(if signed && rng.random_bool(0.3) {
-            -v
-        } else {
-            v
-        })
-    };
-    for _ in 0..rows * cols / block {
-        let header: Vec<u8> = match ty {
-            GgmlType::Q4_0 | GgmlType::Q8_0 => scale(rng, true).to_vec(),
-            GgmlType::Q4_1 => [scale(rng, false), scale(rng, true)].concat(),
-            _ => [scale(rng, false), scale(rng, false)].concat(),
-        };
-        out.extend(header);
-        let rest = match ty {
-            GgmlType::Q4_0 | GgmlType::Q4_1 => 16,
-            GgmlType::Q8_0 => 32,
-            GgmlType::Q4K => 12 + 128,
-            GgmlType::Q5K => 12 + 160,
-            _ => unreachable!(),
-        };
-        out.extend((0..rest).map(|_| rng.random::<u8>()));
-    }
-    out
 }
 
 /// Activations with a wide range, so Q8 values reach +-127 and many blocks differ in scale.
@@ -104,7 +63,7 @@ fn cases(seed: u64) -> Vec<Case> {
     let mut out = Vec::new();
     for ty in REPACKED {
         for (rows, cols) in shapes(ty) {
-            let stored = random_rows(ty, rows, cols, &mut rng);
+            let stored = random_rows(ty, rows, cols, &mut rng, false);
             let weights = repack(ty, rows, cols, &stored).unwrap();
             for num_tokens in TOKENS {
                 let x = random_activations(num_tokens, cols, &mut rng);
@@ -225,7 +184,7 @@ fn weight_matmul_with_the_amx_set_equals_vnni() {
     let mut rng = ChaCha8Rng::seed_from_u64(14);
     for ty in REPACKED {
         let (rows, cols) = (37, 256);
-        let stored = random_rows(ty, rows, cols, &mut rng);
+        let stored = random_rows(ty, rows, cols, &mut rng, false);
         let amx_weight =
             Weight::with_kernels(ty, rows, cols, stored.clone(), CpuKernels::Amx).unwrap();
         let vnni_weight = Weight::with_kernels(ty, rows, cols, stored, CpuKernels::Vnni).unwrap();
@@ -259,7 +218,7 @@ fn weight_matmul_with_the_amx_set_equals_vnni() {
 #[test]
 fn bad_shapes_and_missing_hardware_are_errors() {
     let mut rng = ChaCha8Rng::seed_from_u64(15);
-    let stored = random_rows(GgmlType::Q4_0, 4, 64, &mut rng);
+    let stored = random_rows(GgmlType::Q4_0, 4, 64, &mut rng, false);
     let weights = repack(GgmlType::Q4_0, 4, 64, &stored).unwrap();
     let activations = Q8Rows::quantize(&random_activations(3, 64, &mut rng), 64).unwrap();
     let mut y = vec![0f32; 11];
@@ -315,7 +274,13 @@ fn amx_vs_vnni_timing() {
         (GgmlType::Q4_1, 576, 1536),
         (GgmlType::Q8_0, 1536, 576),
     ] {
-        let weights = repack(ty, rows, cols, &random_rows(ty, rows, cols, &mut rng)).unwrap();
+        let weights = repack(
+            ty,
+            rows,
+            cols,
+            &random_rows(ty, rows, cols, &mut rng, false),
+        )
+        .unwrap();
         for num_tokens in [4, 8, 16, 32, 64, 256] {
             let x = random_activations(num_tokens, cols, &mut rng);
             let activations = Q8Rows::quantize(&x, cols).unwrap();

@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::{random_rows, REPACKED};
+
 use pagoda_ops::linear::{CpuKernels, Weight};
 use pagoda_ops::simd::int_dot::{tile, IntIsa};
 use pagoda_tensor::quant::q8::Q8Rows;
@@ -13,88 +15,6 @@ use pagoda_tensor::quant::repack::{dot_scalar, repack};
 use pagoda_tensor::{quant, GgmlType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-
-const REPACKED: [GgmlType; 5] = [
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q8_0,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-];
-
-fn f16(value: f32) -> [u8; 2] {
-    half::f16::from_f32(value).to_le_bytes()
-}
-
-/// Random stored rows of `ty`; `unit_scales` makes every scale 1 and every min/bias 0.
-fn random_rows(
-    ty: GgmlType,
-    rows: usize,
-    cols: usize,
-    rng: &mut ChaCha8Rng,
-    unit_scales: bool,
-) -> Vec<u8> {
-    let block = ty.block_size().unwrap();
-    let mut out = Vec::new();
-    for _ in 0..rows * cols / block {
-        let scale = |rng: &mut ChaCha8Rng, signed: bool| {
-            if unit_scales {
-                f16(1.0)
-            } else {
-                let v: f32 = rng.random_range(0.001..0.05);
-                f16(if signed && rng.random_bool(0.3) {
-                    -v
-                } else {
-                    v
-                })
-            }
-        };
-        let bytes = |n: usize, rng: &mut ChaCha8Rng| {
-            (0..n).map(|_| rng.random::<u8>()).collect::<Vec<u8>>()
-        };
-        match ty {
-            GgmlType::Q4_0 => {
-                out.extend(scale(rng, true));
-                out.extend(bytes(16, rng));
-            }
-            GgmlType::Q4_1 => {
-                out.extend(scale(rng, false));
-                out.extend(if unit_scales {
-                    f16(0.0)
-                } else {
-                    scale(rng, true)
-                });
-                out.extend(bytes(16, rng));
-            }
-            GgmlType::Q8_0 => {
-                out.extend(scale(rng, true));
-                out.extend(bytes(32, rng));
-            }
-            GgmlType::Q4K | GgmlType::Q5K => {
-                out.extend(scale(rng, false));
-                out.extend(if unit_scales {
-                    f16(0.0)
-                } else {
-                    scale(rng, false)
-                });
-                if unit_scales {
-                    // scale_min_k4 gives scale 1, min 0 for every sub-block.
-                    out.extend([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1]);
-                } else {
-                    out.extend(bytes(12, rng));
-                }
-                let rest = if ty == GgmlType::Q4K { 128 } else { 160 };
-                out.extend(bytes(rest, rng));
-            }
-            GgmlType::Q6K => {
-                out.extend(bytes(208, rng));
-                out.extend(scale(rng, false));
-            }
-            _ => unreachable!(),
-        }
-    }
-    out
-}
 
 fn random_activations(rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
     (0..rows * cols)

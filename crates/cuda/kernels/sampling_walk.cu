@@ -279,13 +279,14 @@ PAGODA_DEVICE void fix_top_k_digit(const unsigned int* counts, unsigned int shif
     }
 }
 
-// One 8-bit digit (at `shift`) of the k-th largest finite logit of each ACTIVE row
-// with a pending top-k: every CTA counts its split's logits that match the digits fixed so
-// far into histogram[row] [TOP_K_BINS] (zeroed again by the last CTA, which fixes the
-// digit; the first digit, bits 24-31, is sampling_row_max's). The select ends early when the k-th largest is the smallest logit of its bin (the bin's count
-// is the rank still to find): then every logit at or above the bin's lowest value is in the
-// top k and none between, so that value is the threshold (same set, same masses). Else it
-// ends after the last digit with the exact k-th largest value.
+// One 8-bit digit (at `shift`) of the k-th largest finite logit of each ACTIVE row with a
+// pending top-k: every CTA counts its split's logits that match the digits fixed so far into
+// histogram[row] [TOP_K_BINS] (zeroed again by the last CTA, which fixes the digit; the first
+// digit, bits 24-31, is counted by sampling_row_max). The select ends early when the k-th
+// largest is the smallest logit of its bin (the bin's count is the rank still to find): then
+// every logit at or above the bin's lowest value is in the top k and none between, so that
+// value is the threshold (same set, same masses). Else it ends after the last digit with the
+// exact k-th largest value.
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
 sampling_top_k_digit(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
                      unsigned int num_splits, unsigned int shift, unsigned int* __restrict__ state, unsigned int* __restrict__ histogram,

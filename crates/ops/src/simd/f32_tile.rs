@@ -134,9 +134,10 @@ fn acc_sums_portable<const R: usize, const T: usize>(
     std::array::from_fn(|r| std::array::from_fn(|t| reduce_lanes(&acc[r][t])))
 }
 
-/// Step 2 of the recipe.
+/// Step 2 of the recipe; also the order of the VNNI kernels' `horizontal_sum`, which the AMX
+/// tiles reproduce with it.
 #[inline(always)]
-fn reduce_lanes(l: &[f32; LANES]) -> f32 {
+pub(crate) fn reduce_lanes(l: &[f32; LANES]) -> f32 {
     ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
 }
 

@@ -7,6 +7,8 @@ use pagoda_tensor::quant::repack::{QuantWidth, RepackedRows, RowFactors};
 use rayon::prelude::*;
 
 use super::tiles::{TileConfig, TileUnit, MAX_COLSB, MAX_ROWS, TILE_A, TILE_B, TILE_C};
+// VNNI's `horizontal_sum` order: `(v0 + v4) + (v2 + v6)` plus `(v1 + v5) + (v3 + v7)`.
+use crate::simd::f32_tile::reduce_lanes as horizontal_sum;
 
 /// Weight rows per A and C tile.
 pub const TILE_ROWS: usize = MAX_ROWS;
@@ -254,13 +256,6 @@ pub fn row_chunk<U: TileUnit>(
         }
     }
     unit.release();
-}
-
-/// VNNI's `horizontal_sum`: `(v0 + v4) + (v2 + v6)` plus `(v1 + v5) + (v3 + v7)`.
-#[inline(always)]
-fn horizontal_sum(v: &[f32; LANES]) -> f32 {
-    let quad: [f32; 4] = std::array::from_fn(|i| v[i] + v[i + 4]);
-    (quad[0] + quad[2]) + (quad[1] + quad[3])
 }
 
 /// VNNI's `min_term`: `sum_b min_b s_a[b]` in 8 lanes of fused multiply-adds over the

@@ -11,7 +11,7 @@ venv="${PAGODA_NVRTC_VENV:-$root/target/nvrtc-venv}"
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
 fi
-"$venv/bin/pip" install --quiet --disable-pip-version-check \
+"$venv/bin/pip" install --quiet --disable-pip-version-check --no-cache-dir \
     "nvidia-cuda-nvrtc==13.0.88" "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-cccl==13.0.*" \
     "nvidia-cuda-crt==13.0.88"
 site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

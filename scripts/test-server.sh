@@ -37,7 +37,7 @@ if ! "$VENV/bin/python" -c "import openai, requests, pytest" 2>/dev/null; then
         "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-index \
             --find-links "$PAGODA_WHEELS" openai requests pytest
     else
-        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check openai requests pytest
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir openai requests pytest
     fi
 fi
 

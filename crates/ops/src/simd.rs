@@ -2,10 +2,12 @@
 //!
 //! The deep SIMD work (quantized dot products, repacked layouts, AMX) belongs to the CPU-speed
 //! issue; these keep the foundation reasonably fast on any x86-64 and portable elsewhere.
-//! [`f32_tile`] holds the batch-invariant f32 tiles of the linear layers, [`int_dot`] the
-//! integer tiles for repacked weights and Q8 activations.
+//! [`f32_tile`] holds the batch-invariant f32 tiles of the linear layers ([`f32_decode`] their
+//! eight-row AVX-512 form for one token), [`int_dot`] the integer tiles for repacked weights
+//! and Q8 activations.
 
 pub mod amx;
+pub mod f32_decode;
 pub mod f32_tile;
 pub mod int_dot;
 

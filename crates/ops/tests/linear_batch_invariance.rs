@@ -163,6 +163,7 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
         (GgmlType::Q6K, 512),
     ];
     let rows = 37;
+    let wide_before = pagoda_ops::simd::f32_decode::wide_matmul_count();
     for kernels in kernel_sets() {
         for (ty, cols) in cases {
             let bytes = random_rows(ty, rows, cols, &mut rng);
@@ -182,6 +183,15 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
             check(&weight, &reference, &pool, tolerance, &context);
         }
     }
+    // With AVX-512 the one-token f32 matmuls of the Q4_0, Q4_1 and Q8_0 cases ran eight rows
+    // wide, so the checks above compared that kernel with the prefill tiles.
+    use pagoda_ops::simd::f32_decode::F32Decode;
+    let wide = pagoda_ops::simd::f32_decode::wide_matmul_count() - wide_before;
+    println!(
+        "one-token f32 matmuls on {}: {wide} wide",
+        F32Decode::selected().name()
+    );
+    assert_eq!(wide > 0, F32Decode::selected() == F32Decode::Avx512);
 }
 
 #[test]

@@ -557,6 +557,13 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
+            "# HELP pagoda_cpu_f32_wide_matmuls_total One-token matmuls on f32 activations run \
+             eight rows at a time in AVX-512 registers (PAGODA_CPU_F32_DECODE).\n\
+             # TYPE pagoda_cpu_f32_wide_matmuls_total counter\npagoda_cpu_f32_wide_matmuls_total {}",
+            pagoda_ops::simd::f32_decode::wide_matmul_count()
+        );
+        let _ = writeln!(
+            out,
             "# HELP pagoda_cpu_attention_kernel_info The CPU attention kernel in use \
              (PAGODA_CPU_ATTENTION).\n\
              # TYPE pagoda_cpu_attention_kernel_info gauge\n\

@@ -45,6 +45,14 @@ fn gauges_follow_the_snapshot() {
         pagoda_ops::simd::amx::hardware_matmul_count()
     );
     assert!(text.contains("# TYPE pagoda_cpu_amx_matmuls_total counter\n"));
+    let wide = text
+        .lines()
+        .find_map(|line| line.strip_prefix("pagoda_cpu_f32_wide_matmuls_total "))
+        .expect("the wide f32 decode counter line");
+    assert_eq!(
+        wide.parse::<u64>().unwrap(),
+        pagoda_ops::simd::f32_decode::wide_matmul_count()
+    );
     let kernel = pagoda_ops::attention::AttentionKernel::selected().name();
     assert!(text.contains(&format!(
         "pagoda_cpu_attention_kernel_info{{kernel=\"{kernel}\"}} 1\n"

@@ -179,6 +179,11 @@ struct Report {
     precision: &'static str,
     threads: usize,
     attention: String,
+    /// The CPU matmul kernels (`PAGODA_CPU_KERNELS`) and the one-token f32 kernel
+    /// (`PAGODA_CPU_F32_DECODE`) with the count of matmuls that ran on the eight-row form.
+    cpu_kernels: String,
+    f32_decode: String,
+    f32_wide_matmuls: u64,
     batch: usize,
     load_before: String,
     load_after: String,
@@ -347,6 +352,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
         },
         threads: rayon::current_num_threads(),
         attention: common::policy_name(engine.config().attention).to_string(),
+        cpu_kernels: pagoda_ops::linear::cpu_kernels_name().to_string(),
+        f32_decode: pagoda_ops::simd::f32_decode::F32Decode::selected()
+            .name()
+            .to_string(),
+        f32_wide_matmuls: pagoda_ops::simd::f32_decode::wide_matmul_count(),
         batch: max_batch,
         load_before,
         load_after: load_average(),
@@ -361,6 +371,10 @@ fn print_report(report: &Report, json: bool) -> Result<()> {
         return Ok(());
     }
     println!("model: {} | device: {}", report.model, report.device);
+    println!(
+        "cpu kernels: {} | one-token f32 matmuls: {} ({} ran eight rows wide)",
+        report.cpu_kernels, report.f32_decode, report.f32_wide_matmuls
+    );
     println!(
         "weights: {} | threads: {} | attention: {} | load before: {} | load after: {}",
         report.precision, report.threads, report.attention, report.load_before, report.load_after

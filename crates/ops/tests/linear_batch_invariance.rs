@@ -183,7 +183,7 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
             check(&weight, &reference, &pool, tolerance, &context);
         }
     }
-    // With AVX-512 the one-token f32 matmuls of the Q4_0, Q4_1 and Q8_0 cases ran eight rows
+    // With AVX-512 the one-token f32 matmuls of the Q4_0, Q4_1, Q8_0 and K-quant cases ran eight rows
     // wide, so the checks above compared that kernel with the prefill tiles.
     use pagoda_ops::simd::f32_decode::F32Decode;
     let wide = pagoda_ops::simd::f32_decode::wide_matmul_count() - wide_before;

@@ -33,7 +33,7 @@ pub const WIDE_ROWS: usize = 8;
 pub enum F32Decode {
     /// The two-row [`super::f32_tile::quantized_tile`] (AVX2+FMA, else portable).
     Avx2,
-    /// Eight rows in 512-bit register pairs ([`rows8`]) for Q4_0, Q4_1 and Q8_0 weights;
+    /// Eight rows in 512-bit register pairs ([`rows8`]) for Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights;
     /// other types take the two-row tile.
     Avx512,
 }
@@ -107,7 +107,15 @@ impl F32Decode {
 
 /// Whether [`rows8`] handles weights of type `ty`.
 pub fn supports(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+    matches!(
+        ty,
+        GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q8_0
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+    )
 }
 
 static WIDE_MATMULS: AtomicU64 = AtomicU64::new(0);
@@ -173,6 +181,9 @@ pub fn rows8(
             return Some(match ty {
                 GgmlType::Q4_0 => x86::rows8::<x86::Q4_0>(rows, ahead, x),
                 GgmlType::Q4_1 => x86::rows8::<x86::Q4_1>(rows, ahead, x),
+                GgmlType::Q4K => x86::rows8::<x86::Q4K>(rows, ahead, x),
+                GgmlType::Q5K => x86::rows8::<x86::Q5K>(rows, ahead, x),
+                GgmlType::Q6K => x86::rows8::<x86::Q6K>(rows, ahead, x),
                 _ => x86::rows8::<x86::Q8_0>(rows, ahead, x),
             });
         }
@@ -185,19 +196,45 @@ pub fn rows8(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use pagoda_tensor::quant::blocks::{Q4_0_BYTES, Q4_1_BYTES, Q8_0_BYTES, QK};
+    use pagoda_tensor::quant::blocks::{
+        f16_at, scale_min_k4, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
+        Q8_0_BYTES, QK, QK_K,
+    };
 
     use super::WIDE_ROWS;
     use crate::simd::f32_tile::reduce_lanes;
 
-    /// A 32-value block format decoded for two rows at once: `decode(a, b)` gives the four
-    /// registers of values `8c..8c + 8` of block `a` (lanes 0..8) and of block `b` (lanes
-    /// 8..16), `c = 0..4`, each value exactly as `pagoda_tensor::quant::blocks` decodes it.
+    /// A block format decoded for two rows at once, 32 values at a time: `decode(a, b, c)`
+    /// gives the four registers of values `32c + 8i..32c + 8i + 8` (`i = 0..4`) of block `a`
+    /// (lanes 0..8) and of block `b` (lanes 8..16), each value exactly as
+    /// `pagoda_tensor::quant::blocks` decodes it.
     pub(super) trait PairBlock {
         const BYTES: usize;
+        /// Values per block: 32, or 256 for the K-quants.
+        const VALUES: usize;
         /// SAFETY (caller): AVX-512 F/BW/DQ/VL and F16C; `a` and `b` each point at
-        /// `BYTES` readable bytes.
-        unsafe fn decode(a: *const u8, b: *const u8) -> [__m512; 4];
+        /// `BYTES` readable bytes; `c < VALUES / 32`.
+        unsafe fn decode(a: *const u8, b: *const u8, c: usize) -> [__m512; 4];
+    }
+
+    /// Lanes 0..8 hold `a`, lanes 8..16 hold `b`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
+    fn pair(a: f32, b: f32) -> __m512 {
+        _mm512_insertf32x8::<1>(_mm512_set1_ps(a), _mm256_set1_ps(b))
+    }
+
+    /// Bytes `at..at + 8` of `a` (lanes 0..8) and of `b` (lanes 8..16), zero-extended to 32
+    /// bits.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
+    unsafe fn bytes8(a: *const u8, b: *const u8, at: usize) -> __m512i {
+        // SAFETY (caller): 8 readable bytes at a + at and b + at.
+        unsafe {
+            let qa = _mm_loadl_epi64(a.add(at) as *const __m128i);
+            let qb = _mm_loadl_epi64(b.add(at) as *const __m128i);
+            _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(qa, qb))
+        }
     }
 
     /// Lanes 0..8 from lane `low` of `v`, lanes 8..16 from lane `high`.
@@ -251,9 +288,10 @@ mod x86 {
     pub(super) struct Q4_0;
     impl PairBlock for Q4_0 {
         const BYTES: usize = Q4_0_BYTES;
+        const VALUES: usize = QK;
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-        unsafe fn decode(a: *const u8, b: *const u8) -> [__m512; 4] {
+        unsafe fn decode(a: *const u8, b: *const u8, _: usize) -> [__m512; 4] {
             // SAFETY (caller): BYTES readable bytes at each pointer.
             unsafe {
                 let d = halves(two_halves_f16(a, b), 0, 1);
@@ -269,9 +307,10 @@ mod x86 {
     pub(super) struct Q4_1;
     impl PairBlock for Q4_1 {
         const BYTES: usize = Q4_1_BYTES;
+        const VALUES: usize = QK;
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-        unsafe fn decode(a: *const u8, b: *const u8) -> [__m512; 4] {
+        unsafe fn decode(a: *const u8, b: *const u8, _: usize) -> [__m512; 4] {
             // SAFETY (caller): BYTES readable bytes at each pointer.
             unsafe {
                 let scales = halves(two_halves_f16(a, b), 0, 1);
@@ -286,9 +325,10 @@ mod x86 {
     pub(super) struct Q8_0;
     impl PairBlock for Q8_0 {
         const BYTES: usize = Q8_0_BYTES;
+        const VALUES: usize = QK;
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-        unsafe fn decode(a: *const u8, b: *const u8) -> [__m512; 4] {
+        unsafe fn decode(a: *const u8, b: *const u8, _: usize) -> [__m512; 4] {
             // SAFETY (caller): BYTES readable bytes at each pointer.
             unsafe {
                 let d = halves(two_halves_f16(a, b), 0, 1);
@@ -297,6 +337,111 @@ mod x86 {
                     let qb = _mm_loadl_epi64(b.add(2 + 8 * c) as *const __m128i);
                     let q = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(qa, qb));
                     _mm512_mul_ps(_mm512_cvtepi32_ps(q), d)
+                })
+            }
+        }
+    }
+
+    /// The scale and the subtracted minimum of sub-block `c` of a Q4_K or Q5_K block:
+    /// `(d * scale, dmin * min)`, as `pagoda_tensor::quant::blocks::q4_k` computes them.
+    #[inline(always)]
+    fn k4_factors(block: &[u8], c: usize) -> (f32, f32) {
+        let (scale, min) = scale_min_k4(c, block[4..16].try_into().unwrap());
+        (
+            f16_at(block, 0) * scale as f32,
+            f16_at(block, 2) * min as f32,
+        )
+    }
+
+    /// `block_q4_K { f16 d; f16 dmin; u8 scales[12]; u8 qs[128]; }` (with `FIFTH`,
+    /// `block_q5_K`, `qh[32]` before `qs`): sub-block `c` is `(d * scale) * q - dmin * min`,
+    /// `q` the low (`c` even) or high nibbles of `qs[32 (c / 2)..][..32]`, with bit `c` of
+    /// `qh[l]` as its fifth bit for Q5_K.
+    pub(super) struct KQuant<const FIFTH: bool>;
+    pub(super) type Q4K = KQuant<false>;
+    pub(super) type Q5K = KQuant<true>;
+    impl<const FIFTH: bool> PairBlock for KQuant<FIFTH> {
+        const BYTES: usize = if FIFTH { Q5_K_BYTES } else { Q4_K_BYTES };
+        const VALUES: usize = QK_K;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
+        unsafe fn decode(a: *const u8, b: *const u8, c: usize) -> [__m512; 4] {
+            // SAFETY (caller): BYTES readable bytes at each pointer, c < 8.
+            unsafe {
+                let (block_a, block_b) = (
+                    std::slice::from_raw_parts(a, Self::BYTES),
+                    std::slice::from_raw_parts(b, Self::BYTES),
+                );
+                let (scale_a, min_a) = k4_factors(block_a, c);
+                let (scale_b, min_b) = k4_factors(block_b, c);
+                let (scales, mins) = (pair(scale_a, scale_b), pair(min_a, min_b));
+                let qs = if FIFTH { 48 } else { 16 } + 32 * (c / 2);
+                let mask = _mm512_set1_epi32(0x0F);
+                let shift = _mm_cvtsi32_si128(c as i32);
+                std::array::from_fn(|i| {
+                    let packed = bytes8(a, b, qs + 8 * i);
+                    let mut q = if c % 2 == 0 {
+                        _mm512_and_si512(packed, mask)
+                    } else {
+                        _mm512_srli_epi32::<4>(packed)
+                    };
+                    if FIFTH {
+                        let high = _mm512_srl_epi32(bytes8(a, b, 16 + 8 * i), shift);
+                        let bit =
+                            _mm512_slli_epi32::<4>(_mm512_and_si512(high, _mm512_set1_epi32(1)));
+                        q = _mm512_or_si512(q, bit);
+                    }
+                    _mm512_sub_ps(_mm512_mul_ps(scales, _mm512_cvtepi32_ps(q)), mins)
+                })
+            }
+        }
+    }
+
+    /// `block_q6_K { u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d; }`: chunk `c` is values
+    /// `128 h + 32 k + l` (`h = c / 4`, `k = c % 4`, `l = 0..32`): the low (`k < 2`) or high
+    /// nibble of `ql[64 h + 32 (k % 2) + l]`, bits `2k, 2k + 1` of `qh[32 h + l]` above them,
+    /// minus 32, times `d * scales[8 h + 2 k + l / 16]` (one rounding, then the product).
+    pub(super) struct Q6K;
+    impl PairBlock for Q6K {
+        const BYTES: usize = Q6_K_BYTES;
+        const VALUES: usize = QK_K;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
+        unsafe fn decode(a: *const u8, b: *const u8, c: usize) -> [__m512; 4] {
+            // SAFETY (caller): BYTES readable bytes at each pointer, c < 8.
+            unsafe {
+                let (h, k) = (c / 4, c % 4);
+                let (block_a, block_b) = (
+                    std::slice::from_raw_parts(a, Q6_K_BYTES),
+                    std::slice::from_raw_parts(b, Q6_K_BYTES),
+                );
+                let scale = |block: &[u8], s: usize| {
+                    f16_at(block, 208) * (block[192 + 8 * h + 2 * k + s] as i8) as f32
+                };
+                let scales = [
+                    pair(scale(block_a, 0), scale(block_b, 0)),
+                    pair(scale(block_a, 1), scale(block_b, 1)),
+                ];
+                let ql = 64 * h + 32 * (k % 2);
+                let qh = 128 + 32 * h;
+                let mask = _mm512_set1_epi32(0x0F);
+                let shift = _mm_cvtsi32_si128(2 * k as i32);
+                let three = _mm512_set1_epi32(3);
+                let offset = _mm512_set1_epi32(32);
+                std::array::from_fn(|i| {
+                    let packed = bytes8(a, b, ql + 8 * i);
+                    let low = if k < 2 {
+                        _mm512_and_si512(packed, mask)
+                    } else {
+                        _mm512_srli_epi32::<4>(packed)
+                    };
+                    let high =
+                        _mm512_and_si512(_mm512_srl_epi32(bytes8(a, b, qh + 8 * i), shift), three);
+                    let q = _mm512_sub_epi32(
+                        _mm512_or_si512(low, _mm512_slli_epi32::<4>(high)),
+                        offset,
+                    );
+                    _mm512_mul_ps(scales[i / 2], _mm512_cvtepi32_ps(q))
                 })
             }
         }
@@ -314,20 +459,26 @@ mod x86 {
         let mut acc = [_mm512_setzero_ps(); PAIRS];
         let row = rows.map(|r| r.as_ptr());
         let ahead = ahead.map(|r| r.as_ptr());
-        for block in 0..x.len() / QK {
-            // SAFETY: block * QK + 32 <= x.len(), and every row holds this block's bytes.
-            unsafe {
-                let xs = x.as_ptr().add(block * QK);
-                let xv: [__m512; 4] =
-                    std::array::from_fn(|c| _mm512_broadcast_f32x8(_mm256_loadu_ps(xs.add(8 * c))));
-                let offset = block * B::BYTES;
-                for r in ahead {
-                    _mm_prefetch::<_MM_HINT_T0>(r.add(offset) as *const i8);
-                }
-                for p in 0..PAIRS {
-                    let w = B::decode(row[2 * p].add(offset), row[2 * p + 1].add(offset));
-                    for c in 0..4 {
-                        acc[p] = _mm512_fmadd_ps(w[c], xv[c], acc[p]);
+        const CHUNK: usize = 32;
+        for block in 0..x.len() / B::VALUES {
+            let offset = block * B::BYTES;
+            for c in 0..B::VALUES / CHUNK {
+                // SAFETY: the chunk lies inside x, and every row holds this block's bytes.
+                unsafe {
+                    for r in ahead {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            r.add(offset + c * B::BYTES * CHUNK / B::VALUES) as *const i8,
+                        );
+                    }
+                    let xs = x.as_ptr().add(block * B::VALUES + c * CHUNK);
+                    let xv: [__m512; 4] = std::array::from_fn(|i| {
+                        _mm512_broadcast_f32x8(_mm256_loadu_ps(xs.add(8 * i)))
+                    });
+                    for p in 0..PAIRS {
+                        let w = B::decode(row[2 * p].add(offset), row[2 * p + 1].add(offset), c);
+                        for i in 0..4 {
+                            acc[p] = _mm512_fmadd_ps(w[i], xv[i], acc[p]);
+                        }
                     }
                 }
             }
@@ -358,15 +509,21 @@ mod tests {
                 .wrapping_add(1_442_695_040_888_963_407);
             (state >> 33) as u32
         };
-        let block_bytes = ty.bytes_for(32).unwrap();
-        let headers = if ty == GgmlType::Q4_1 { 2 } else { 1 };
+        let values = ty.block_size().unwrap();
+        let block_bytes = ty.bytes_for(values).unwrap();
+        // Offsets of the block's f16 scales.
+        let halves: &[usize] = match ty {
+            GgmlType::Q4_1 | GgmlType::Q4K | GgmlType::Q5K => &[0, 2],
+            GgmlType::Q6K => &[208],
+            _ => &[0],
+        };
         (0..WIDE_ROWS)
             .map(|_| {
                 let mut row: Vec<u8> = (0..ty.bytes_for(k).unwrap())
                     .map(|_| next() as u8)
                     .collect();
                 for block in row.chunks_exact_mut(block_bytes) {
-                    for h in 0..headers {
+                    for &at in halves {
                         // Scales in +-[2^-14, 0.06]: normal halves, both signs, and now and
                         // then a subnormal half (exact in f32 too).
                         let magnitude = (next() % 4000) as f32 * 1.5e-5;
@@ -380,7 +537,7 @@ mod tests {
                         } else {
                             half::f16::from_f32(value).to_bits()
                         };
-                        block[2 * h..2 * h + 2].copy_from_slice(&bits.to_le_bytes());
+                        block[at..at + 2].copy_from_slice(&bits.to_le_bytes());
                     }
                 }
                 row
@@ -390,8 +547,22 @@ mod tests {
 
     #[test]
     fn rows8_equals_the_two_row_tile_bit_for_bit_and_the_f64_dot() {
-        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
-            for (seed, k) in [32usize, 64, 544, 576, 1536].into_iter().enumerate() {
+        let types = [
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+        ];
+        for ty in types {
+            let block = ty.block_size().unwrap();
+            for (seed, k) in [32usize, 64, 544, 576, 1536]
+                .into_iter()
+                .filter(|k| k % block == 0)
+                .chain([256, 2048])
+                .enumerate()
+            {
                 let rows = rows_of(ty, k, seed as u64 + 1);
                 let x: Vec<f32> = (0..k)
                     .map(|i| ((i * 37 + seed * 11) % 101) as f32 / 25.0 - 2.0)
@@ -425,7 +596,7 @@ mod tests {
     #[test]
     fn other_types_and_the_switch() {
         assert!(rows8(
-            GgmlType::Q6K,
+            GgmlType::F16,
             [&[][..]; WIDE_ROWS],
             [&[][..]; WIDE_ROWS],
             &[]

@@ -380,7 +380,7 @@ mod x86 {
                 let shift = _mm_cvtsi32_si128(c as i32);
                 std::array::from_fn(|i| {
                     let packed = bytes8(a, b, qs + 8 * i);
-                    let mut q = if c % 2 == 0 {
+                    let mut q = if c.is_multiple_of(2) {
                         _mm512_and_si512(packed, mask)
                     } else {
                         _mm512_srli_epi32::<4>(packed)

@@ -256,10 +256,11 @@ impl Weight {
     }
 
     /// `WIDE_ROWS` consecutive stored rows from `row_start` dotted with `x` by
-    /// [`f32_decode::rows8`] (the same bits as [`Weight::dot_rows`]). Only for block storage
-    /// of a type [`f32_decode::supports`] on a CPU with AVX-512 (checked by the caller).
+    /// [`f32_decode::rows8`] on `kernel` (the same bits as [`Weight::dot_rows`]). Only for
+    /// block storage of a type [`f32_decode::supports`] with a kernel this CPU runs (checked
+    /// by the caller).
     #[inline]
-    fn dot_rows_wide(&self, row_start: usize, x: &[f32]) -> [f32; WIDE_ROWS] {
+    fn dot_rows_wide(&self, kernel: F32Decode, row_start: usize, x: &[f32]) -> [f32; WIDE_ROWS] {
         let Storage::Blocks(bytes) = &self.storage else {
             unreachable!("dot_rows_wide: the caller checked the storage")
         };
@@ -271,7 +272,8 @@ impl Weight {
             std::array::from_fn(
                 |r| row((row_start + r + 2 * WIDE_ROWS).min(self.out_features - 1)),
             );
-        f32_decode::rows8(self.ty, w, ahead, x).expect("dot_rows_wide: the caller checked the CPU")
+        f32_decode::rows8(kernel, self.ty, w, ahead, x)
+            .expect("dot_rows_wide: the caller checked the kernel")
     }
 
     /// `y[t, :] = W x[t, :]` for every token `t`. See the module docs for the layout.
@@ -301,10 +303,11 @@ impl Weight {
             // Decode: rows are streamed DECODE_ROWS (or WIDE_ROWS) at a time past the one
             // activation row, decoded block by block in registers (see `f32_tile` and
             // `f32_decode`: the same bits either way).
+            let kernel = F32Decode::selected();
             let wide = matches!(self.storage, Storage::Blocks(_))
                 && f32_decode::supports(self.ty)
-                && F32Decode::selected() == F32Decode::Avx512
-                && F32Decode::Avx512.is_supported();
+                && kernel != F32Decode::Tile
+                && kernel.is_supported();
             let rows_per_task = (n / (rayon::current_num_threads() * 16))
                 .clamp(16, 1024)
                 .next_multiple_of(WIDE_ROWS);
@@ -316,7 +319,11 @@ impl Weight {
                     if wide {
                         let mut groups = out.chunks_exact_mut(WIDE_ROWS);
                         for values in &mut groups {
-                            values.copy_from_slice(&self.dot_rows_wide(row_start + done, x));
+                            values.copy_from_slice(&self.dot_rows_wide(
+                                kernel,
+                                row_start + done,
+                                x,
+                            ));
                             done += WIDE_ROWS;
                         }
                     }

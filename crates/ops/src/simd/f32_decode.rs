@@ -128,8 +128,8 @@ pub fn supports(ty: GgmlType) -> bool {
 
 static WIDE_MATMULS: AtomicU64 = AtomicU64::new(0);
 
-/// How many one-token matmuls have run on [`rows8`] (either width) in this process (metrics, and tests that
-/// check the dispatch).
+/// How many one-token matmuls have run on [`rows8`] (either width) in this process (metrics,
+/// and tests that check the dispatch).
 pub fn wide_matmul_count() -> u64 {
     WIDE_MATMULS.load(Ordering::Relaxed)
 }

@@ -43,6 +43,79 @@ macro_rules! four {
     };
 }
 
+/// The lane operations the decoders use, for one width: `F` and `I` are its float and
+/// integer registers, the arguments its intrinsics (in the order of the parameters).
+macro_rules! lane_ops {
+    (
+        $features:literal,
+        $set1:ident,
+        $and:ident,
+        $srli:ident,
+        $srl:ident,
+        $slli:ident,
+        $or:ident,
+        $sub_i:ident,
+        $to_f:ident,
+        $mul:ident,
+        $add:ident,
+        $sub:ident
+    ) => {
+        /// The low nibble of each lane's byte.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn low4(v: I) -> I {
+            $and(v, $set1(0x0F))
+        }
+        /// The high nibble of each lane's byte.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn high4(v: I) -> I {
+            $srli::<4>(v)
+        }
+        /// `(v >> shift) & mask`.
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn bits(v: I, shift: i32, mask: i32) -> I {
+            $and($srl(v, _mm_cvtsi32_si128(shift)), $set1(mask))
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn shl4(v: I) -> I {
+            $slli::<4>(v)
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn or(a: I, b: I) -> I {
+            $or(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn sub_i(v: I, k: i32) -> I {
+            $sub_i(v, $set1(k))
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn to_f(v: I) -> F {
+            $to_f(v)
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn mul(a: F, b: F) -> F {
+            $mul(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn add(a: F, b: F) -> F {
+            $add(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = $features)]
+        fn sub(a: F, b: F) -> F {
+            $sub(a, b)
+        }
+    };
+}
+
 /// The block decoders, written once over the width's helpers (`ubytes`, `ibytes`, `pair`,
 /// `pair_f16`, the integer and float lane ops), expanded in each width module.
 macro_rules! decoders {
@@ -269,60 +342,20 @@ pub(super) mod wide {
         let index = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         _mm512_permutexvar_ps(index, _mm512_zextps128_ps512(both))
     }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-    fn low4(v: I) -> I {
-        _mm512_and_si512(v, _mm512_set1_epi32(0x0F))
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-    fn high4(v: I) -> I {
-        _mm512_srli_epi32::<4>(v)
-    }
-    /// `(v >> shift) & mask`.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-    fn bits(v: I, shift: i32, mask: i32) -> I {
-        _mm512_and_si512(
-            _mm512_srl_epi32(v, _mm_cvtsi32_si128(shift)),
-            _mm512_set1_epi32(mask),
-        )
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-    fn shl4(v: I) -> I {
-        _mm512_slli_epi32::<4>(v)
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-    fn or(a: I, b: I) -> I {
-        _mm512_or_si512(a, b)
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-    fn sub_i(v: I, k: i32) -> I {
-        _mm512_sub_epi32(v, _mm512_set1_epi32(k))
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-    fn to_f(v: I) -> F {
-        _mm512_cvtepi32_ps(v)
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-    fn mul(a: F, b: F) -> F {
-        _mm512_mul_ps(a, b)
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-    fn add(a: F, b: F) -> F {
-        _mm512_add_ps(a, b)
-    }
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,f16c")]
-    fn sub(a: F, b: F) -> F {
-        _mm512_sub_ps(a, b)
-    }
+    lane_ops!(
+        "avx512f,avx512bw,avx512dq,avx512vl,f16c",
+        _mm512_set1_epi32,
+        _mm512_and_si512,
+        _mm512_srli_epi32,
+        _mm512_srl_epi32,
+        _mm512_slli_epi32,
+        _mm512_or_si512,
+        _mm512_sub_epi32,
+        _mm512_cvtepi32_ps,
+        _mm512_mul_ps,
+        _mm512_add_ps,
+        _mm512_sub_ps
+    );
 
     /// See [`super::super::rows8`]. SAFETY (caller): AVX-512 F/BW/DQ/VL, AVX2, FMA, F16C;
     /// every row (and every row of `ahead`) holds `x.len() / B::VALUES` blocks of `B::BYTES`
@@ -405,60 +438,20 @@ pub(super) mod narrow {
         let bits = unsafe { std::ptr::read_unaligned(a.add(at) as *const u16) };
         _mm256_cvtph_ps(_mm_set1_epi16(bits as i16))
     }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn low4(v: I) -> I {
-        _mm256_and_si256(v, _mm256_set1_epi32(0x0F))
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn high4(v: I) -> I {
-        _mm256_srli_epi32::<4>(v)
-    }
-    /// `(v >> shift) & mask`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn bits(v: I, shift: i32, mask: i32) -> I {
-        _mm256_and_si256(
-            _mm256_srl_epi32(v, _mm_cvtsi32_si128(shift)),
-            _mm256_set1_epi32(mask),
-        )
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn shl4(v: I) -> I {
-        _mm256_slli_epi32::<4>(v)
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn or(a: I, b: I) -> I {
-        _mm256_or_si256(a, b)
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn sub_i(v: I, k: i32) -> I {
-        _mm256_sub_epi32(v, _mm256_set1_epi32(k))
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn to_f(v: I) -> F {
-        _mm256_cvtepi32_ps(v)
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn mul(a: F, b: F) -> F {
-        _mm256_mul_ps(a, b)
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn add(a: F, b: F) -> F {
-        _mm256_add_ps(a, b)
-    }
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn sub(a: F, b: F) -> F {
-        _mm256_sub_ps(a, b)
-    }
+    lane_ops!(
+        "avx2,fma,f16c",
+        _mm256_set1_epi32,
+        _mm256_and_si256,
+        _mm256_srli_epi32,
+        _mm256_srl_epi32,
+        _mm256_slli_epi32,
+        _mm256_or_si256,
+        _mm256_sub_epi32,
+        _mm256_cvtepi32_ps,
+        _mm256_mul_ps,
+        _mm256_add_ps,
+        _mm256_sub_ps
+    );
 
     /// See [`super::super::rows8`]. SAFETY (caller): AVX2, FMA, F16C; every row (and every
     /// row of `ahead`) holds `x.len() / B::VALUES` blocks of `B::BYTES` bytes and

@@ -41,6 +41,10 @@ use crate::simd::int_dot::IntIsa;
 /// several rows keep the FMA units busy.
 const DECODE_ROWS: usize = 2;
 
+/// Token counts up to which f32-activation matmuls decode each row group once in registers
+/// for all tokens ([`Weight::matmul_small_batch`]) instead of into memory (the prefill path).
+const SMALL_BATCH: usize = 4;
+
 /// A weight matrix `[out_features, in_features]` in its storage format.
 #[derive(Debug, Clone)]
 pub struct Weight {
@@ -255,12 +259,28 @@ impl Weight {
         }
     }
 
-    /// `WIDE_ROWS` consecutive stored rows from `row_start` dotted with `x` by
-    /// [`f32_decode::rows8`] on `kernel` (the same bits as [`Weight::dot_rows`]). Only for
-    /// block storage of a type [`f32_decode::supports`] with a kernel this CPU runs (checked
-    /// by the caller).
+    /// The eight-row f32 kernel this weight's one-token and small-batch matmuls take, if any:
+    /// block storage of a type [`f32_decode::supports`], and a selected kernel other than
+    /// `tile` that this CPU runs.
+    fn wide_kernel(&self) -> Option<F32Decode> {
+        let kernel = F32Decode::selected();
+        (matches!(self.storage, Storage::Blocks(_))
+            && f32_decode::supports(self.ty)
+            && kernel != F32Decode::Tile
+            && kernel.is_supported())
+        .then_some(kernel)
+    }
+
+    /// `WIDE_ROWS` consecutive stored rows from `row_start` dotted with each of the `T`
+    /// activation rows by [`f32_decode::rows8`] on `kernel` (the same bits as
+    /// [`Weight::dot_row`]). Only with a kernel from [`Weight::wide_kernel`].
     #[inline]
-    fn dot_rows_wide(&self, kernel: F32Decode, row_start: usize, x: &[f32]) -> [f32; WIDE_ROWS] {
+    fn dot_rows_wide<const T: usize>(
+        &self,
+        kernel: F32Decode,
+        row_start: usize,
+        x: [&[f32]; T],
+    ) -> [[f32; T]; WIDE_ROWS] {
         let Storage::Blocks(bytes) = &self.storage else {
             unreachable!("dot_rows_wide: the caller checked the storage")
         };
@@ -274,6 +294,43 @@ impl Weight {
             );
         f32_decode::rows8(kernel, self.ty, w, ahead, x)
             .expect("dot_rows_wide: the caller checked the kernel")
+    }
+
+    /// `y[t, :] = W x[t, :]` for `T` (2..=SMALL_BATCH) tokens with the eight-row kernel: each
+    /// group of rows is decoded once in registers for all the tokens, where the prefill path
+    /// would decode every row into memory first. Same bits as every other path.
+    fn matmul_small_batch<const T: usize>(&self, kernel: F32Decode, x: &[f32], y: &mut [f32]) {
+        let (n, k) = (self.out_features, self.in_features);
+        let xs: [&[f32]; T] = std::array::from_fn(|t| &x[t * k..(t + 1) * k]);
+        let rows_per_task = (n / (rayon::current_num_threads() * 16))
+            .clamp(16, 1024)
+            .next_multiple_of(WIDE_ROWS);
+        let tasks: Vec<(usize, Vec<[f32; T]>)> = (0..n)
+            .step_by(rows_per_task)
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .map(|row_start| {
+                let row_end = (row_start + rows_per_task).min(n);
+                let mut local = Vec::with_capacity(row_end - row_start);
+                let mut row = row_start;
+                while row + WIDE_ROWS <= row_end {
+                    local.extend(self.dot_rows_wide(kernel, row, xs));
+                    row += WIDE_ROWS;
+                }
+                for row in row..row_end {
+                    local.push(std::array::from_fn(|t| self.dot_row(row, xs[t])));
+                }
+                (row_start, local)
+            })
+            .collect();
+        for (row_start, local) in tasks {
+            for (r, dots) in local.iter().enumerate() {
+                for (t, dot) in dots.iter().enumerate() {
+                    y[t * n + row_start + r] = *dot;
+                }
+            }
+        }
+        f32_decode::count_wide_matmul();
     }
 
     /// `y[t, :] = W x[t, :]` for every token `t`. See the module docs for the layout.
@@ -303,11 +360,7 @@ impl Weight {
             // Decode: rows are streamed DECODE_ROWS (or WIDE_ROWS) at a time past the one
             // activation row, decoded block by block in registers (see `f32_tile` and
             // `f32_decode`: the same bits either way).
-            let kernel = F32Decode::selected();
-            let wide = matches!(self.storage, Storage::Blocks(_))
-                && f32_decode::supports(self.ty)
-                && kernel != F32Decode::Tile
-                && kernel.is_supported();
+            let kernel = self.wide_kernel();
             let rows_per_task = (n / (rayon::current_num_threads() * 16))
                 .clamp(16, 1024)
                 .next_multiple_of(WIDE_ROWS);
@@ -316,14 +369,11 @@ impl Weight {
                 .for_each(|(task, out)| {
                     let row_start = task * rows_per_task;
                     let mut done = 0;
-                    if wide {
+                    if let Some(kernel) = kernel {
                         let mut groups = out.chunks_exact_mut(WIDE_ROWS);
                         for values in &mut groups {
-                            values.copy_from_slice(&self.dot_rows_wide(
-                                kernel,
-                                row_start + done,
-                                x,
-                            ));
+                            let dots = self.dot_rows_wide(kernel, row_start + done, [x]);
+                            values.copy_from_slice(&dots.map(|dot| dot[0]));
                             done += WIDE_ROWS;
                         }
                     }
@@ -337,8 +387,16 @@ impl Weight {
                         done += 1;
                     }
                 });
-            if wide {
+            if kernel.is_some() {
                 f32_decode::count_wide_matmul();
+            }
+            return;
+        }
+        if let Some(kernel) = self.wide_kernel().filter(|_| num_tokens <= SMALL_BATCH) {
+            match num_tokens {
+                2 => self.matmul_small_batch::<2>(kernel, x, y),
+                3 => self.matmul_small_batch::<3>(kernel, x, y),
+                _ => self.matmul_small_batch::<4>(kernel, x, y),
             }
             return;
         }

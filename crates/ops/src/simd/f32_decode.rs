@@ -162,46 +162,50 @@ fn cpu_features() -> (bool, bool) {
     })
 }
 
-/// `out[r] = dot(decode(rows[r]), x)` for eight stored rows of type `ty` on `kernel`, by the
-/// [`super::f32_tile`] recipe (fused multiply-adds): bit-identical to
-/// `quantized_tile(ty, [rows[r]], x)[0]` on an AVX2+FMA CPU. `ahead` are rows to prefetch
-/// (the caller's next-but-one group). `None` when `kernel` is [`F32Decode::Tile`] or the
-/// CPU lacks it, or [`supports`] is false for `ty`.
+/// `out[r][t] = dot(decode(rows[r]), x[t])` for eight stored rows of type `ty` and `T`
+/// activation rows of one length, on `kernel`, by the [`super::f32_tile`] recipe (fused
+/// multiply-adds): bit-identical to `quantized_tile(ty, [rows[r]], x[t])[0]` on an AVX2+FMA
+/// CPU. `ahead` are rows to prefetch (the caller's next-but-one group). `None` when `kernel`
+/// is [`F32Decode::Tile`] or the CPU lacks it, or [`supports`] is false for `ty`.
 ///
-/// Panics if a row does not hold exactly `ty.bytes_for(x.len())` bytes (weights are
-/// validated at load; a caller bug).
-pub fn rows8(
+/// Panics if `T` is 0, the activation rows differ in length, or a row does not hold exactly
+/// `ty.bytes_for(x[0].len())` bytes (weights are validated at load; a caller bug).
+pub fn rows8<const T: usize>(
     kernel: F32Decode,
     ty: GgmlType,
     rows: [&[u8]; WIDE_ROWS],
     ahead: [&[u8]; WIDE_ROWS],
-    x: &[f32],
-) -> Option<[f32; WIDE_ROWS]> {
+    x: [&[f32]; T],
+) -> Option<[[f32; T]; WIDE_ROWS]> {
     if !supports(ty) || kernel == F32Decode::Tile || !kernel.is_supported() {
         return None;
     }
+    let k = x.first().expect("rows8: at least one activation row").len();
+    assert!(
+        x.iter().all(|x| x.len() == k),
+        "rows8: activation rows of different lengths"
+    );
     assert!(
         rows.iter()
             .chain(&ahead)
-            .all(|row| ty.bytes_for(x.len()) == Some(row.len())),
-        "rows8: {ty} rows must hold {} values",
-        x.len()
+            .all(|row| ty.bytes_for(k) == Some(row.len())),
+        "rows8: {ty} rows must hold {k} values"
     );
     #[cfg(target_arch = "x86_64")]
     {
         use x86::{narrow, wide};
         macro_rules! run {
             ($module:ident) => {
-                // SAFETY: the kernel's features were detected; every row holds x.len() /
-                // block-size whole blocks of `ty` (checked above).
+                // SAFETY: the kernel's features were detected; every row holds k / block-size
+                // whole blocks of `ty` and every activation row k values (checked above).
                 unsafe {
                     match ty {
-                        GgmlType::Q4_0 => $module::rows8::<$module::Q4_0>(rows, ahead, x),
-                        GgmlType::Q4_1 => $module::rows8::<$module::Q4_1>(rows, ahead, x),
-                        GgmlType::Q4K => $module::rows8::<$module::Q4K>(rows, ahead, x),
-                        GgmlType::Q5K => $module::rows8::<$module::Q5K>(rows, ahead, x),
-                        GgmlType::Q6K => $module::rows8::<$module::Q6K>(rows, ahead, x),
-                        _ => $module::rows8::<$module::Q8_0>(rows, ahead, x),
+                        GgmlType::Q4_0 => $module::rows8::<$module::Q4_0, T>(rows, ahead, x),
+                        GgmlType::Q4_1 => $module::rows8::<$module::Q4_1, T>(rows, ahead, x),
+                        GgmlType::Q4K => $module::rows8::<$module::Q4K, T>(rows, ahead, x),
+                        GgmlType::Q5K => $module::rows8::<$module::Q5K, T>(rows, ahead, x),
+                        GgmlType::Q6K => $module::rows8::<$module::Q6K, T>(rows, ahead, x),
+                        _ => $module::rows8::<$module::Q8_0, T>(rows, ahead, x),
                     }
                 }
             };
@@ -292,12 +296,17 @@ mod tests {
                     .collect();
                 let refs: [&[u8]; WIDE_ROWS] = std::array::from_fn(|r| &rows[r][..]);
                 for kernel in [F32Decode::Avx512, F32Decode::Avx2] {
-                    let Some(got) = rows8(kernel, ty, refs, refs, &x) else {
+                    let x2: Vec<f32> = x.iter().rev().copied().collect();
+                    let Some(got) = rows8(kernel, ty, refs, refs, [&x[..], &x2[..], &x[..]]) else {
                         assert!(!kernel.is_supported(), "{kernel:?} refused {ty}");
                         println!("{kernel:?} is not supported here: untested");
                         continue;
                     };
-                    check(kernel, ty, &refs, &x, &got);
+                    let one = rows8(kernel, ty, refs, refs, [&x[..]]).unwrap();
+                    check(kernel, ty, &refs, &x, &got.map(|r| r[0]));
+                    check(kernel, ty, &refs, &x2, &got.map(|r| r[1]));
+                    check(kernel, ty, &refs, &x, &got.map(|r| r[2]));
+                    check(kernel, ty, &refs, &x, &one.map(|r| r[0]));
                 }
             }
         }
@@ -335,7 +344,7 @@ mod tests {
             GgmlType::F16,
             [&[][..]; WIDE_ROWS],
             [&[][..]; WIDE_ROWS],
-            &[]
+            [&[][..]]
         )
         .is_none());
         assert!(!supports(GgmlType::F32));
@@ -348,7 +357,7 @@ mod tests {
             GgmlType::Q4_0,
             [&block[..]; 8],
             [&block[..]; 8],
-            &[0.0; 32]
+            [&[0.0; 32][..]]
         )
         .is_none());
         assert_eq!(F32Decode::parse(""), Ok(None));

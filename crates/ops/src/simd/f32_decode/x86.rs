@@ -358,42 +358,64 @@ pub(super) mod wide {
     );
 
     /// See [`super::super::rows8`]. SAFETY (caller): AVX-512 F/BW/DQ/VL, AVX2, FMA, F16C;
-    /// every row (and every row of `ahead`) holds `x.len() / B::VALUES` blocks of `B::BYTES`
-    /// bytes and `x.len() % B::VALUES == 0`.
+    /// every row (and every row of `ahead`) holds `k / B::VALUES` blocks of `B::BYTES`
+    /// bytes, every activation row holds `k` values, and `k % B::VALUES == 0`.
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")]
-    pub(in super::super) unsafe fn rows8<B: Block>(
+    pub(in super::super) unsafe fn rows8<B: Block, const T: usize>(
         rows: [&[u8]; WIDE_ROWS],
         ahead: [&[u8]; WIDE_ROWS],
-        x: &[f32],
-    ) -> [f32; WIDE_ROWS] {
+        x: [&[f32]; T],
+    ) -> [[f32; T]; WIDE_ROWS] {
         const PAIRS: usize = WIDE_ROWS / 2;
-        let mut acc = [_mm512_setzero_ps(); PAIRS];
+        let k = x[0].len();
+        let mut acc = [[_mm512_setzero_ps(); T]; PAIRS];
         let row: [*const u8; WIDE_ROWS] = std::array::from_fn(|r| rows[r].as_ptr());
         let ahead: [*const u8; WIDE_ROWS] = std::array::from_fn(|r| ahead[r].as_ptr());
-        for block in 0..x.len() / B::VALUES {
+        for block in 0..k / B::VALUES {
             let offset = block * B::BYTES;
             for c in 0..B::VALUES / CHUNK {
-                // SAFETY: the chunk lies inside x, and every row holds this block's bytes.
+                // SAFETY: the chunk lies inside every x, and every row holds this block.
                 unsafe {
                     prefetch(&ahead, offset + c * B::BYTES * CHUNK / B::VALUES);
-                    let xs = x.as_ptr().add(block * B::VALUES + c * CHUNK);
-                    let xv = four!(i => _mm512_broadcast_f32x8(_mm256_loadu_ps(xs.add(8 * i))));
-                    for p in 0..PAIRS {
-                        let w = B::decode(row[2 * p].add(offset), row[2 * p + 1].add(offset), c);
-                        for i in 0..4 {
-                            acc[p] = _mm512_fmadd_ps(w[i], xv[i], acc[p]);
+                    let at = block * B::VALUES + c * CHUNK;
+                    if T == 1 {
+                        let xs = x[0].as_ptr().add(at);
+                        let xv = four!(i => _mm512_broadcast_f32x8(_mm256_loadu_ps(xs.add(8 * i))));
+                        for p in 0..PAIRS {
+                            let w =
+                                B::decode(row[2 * p].add(offset), row[2 * p + 1].add(offset), c);
+                            for i in 0..4 {
+                                acc[p][0] = _mm512_fmadd_ps(w[i], xv[i], acc[p][0]);
+                            }
+                        }
+                    } else {
+                        // The activations are loaded again per pair: 4 T registers would
+                        // not fit beside the accumulators.
+                        for p in 0..PAIRS {
+                            let w =
+                                B::decode(row[2 * p].add(offset), row[2 * p + 1].add(offset), c);
+                            for i in 0..4 {
+                                for t in 0..T {
+                                    let xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(
+                                        x[t].as_ptr().add(at + 8 * i),
+                                    ));
+                                    acc[p][t] = _mm512_fmadd_ps(w[i], xv, acc[p][t]);
+                                }
+                            }
                         }
                     }
                 }
             }
         }
-        let mut out = [0f32; WIDE_ROWS];
+        let mut out = [[0f32; T]; WIDE_ROWS];
         for p in 0..PAIRS {
-            let mut lanes = [0f32; 16];
-            // SAFETY: lanes has room for 16 floats.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc[p]) };
-            out[2 * p] = reduce_lanes(lanes[..8].try_into().unwrap());
-            out[2 * p + 1] = reduce_lanes(lanes[8..].try_into().unwrap());
+            for t in 0..T {
+                let mut lanes = [0f32; 16];
+                // SAFETY: lanes has room for 16 floats.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc[p][t]) };
+                out[2 * p][t] = reduce_lanes(lanes[..8].try_into().unwrap());
+                out[2 * p + 1][t] = reduce_lanes(lanes[8..].try_into().unwrap());
+            }
         }
         out
     }
@@ -454,40 +476,56 @@ pub(super) mod narrow {
     );
 
     /// See [`super::super::rows8`]. SAFETY (caller): AVX2, FMA, F16C; every row (and every
-    /// row of `ahead`) holds `x.len() / B::VALUES` blocks of `B::BYTES` bytes and
-    /// `x.len() % B::VALUES == 0`.
+    /// row of `ahead`) holds `k / B::VALUES` blocks of `B::BYTES` bytes, every activation
+    /// row holds `k` values, and `k % B::VALUES == 0`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(in super::super) unsafe fn rows8<B: Block>(
+    pub(in super::super) unsafe fn rows8<B: Block, const T: usize>(
         rows: [&[u8]; WIDE_ROWS],
         ahead: [&[u8]; WIDE_ROWS],
-        x: &[f32],
-    ) -> [f32; WIDE_ROWS] {
-        let mut acc = [_mm256_setzero_ps(); WIDE_ROWS];
+        x: [&[f32]; T],
+    ) -> [[f32; T]; WIDE_ROWS] {
+        let k = x[0].len();
+        let mut acc = [[_mm256_setzero_ps(); T]; WIDE_ROWS];
         let row: [*const u8; WIDE_ROWS] = std::array::from_fn(|r| rows[r].as_ptr());
         let ahead: [*const u8; WIDE_ROWS] = std::array::from_fn(|r| ahead[r].as_ptr());
-        for block in 0..x.len() / B::VALUES {
+        for block in 0..k / B::VALUES {
             let offset = block * B::BYTES;
             for c in 0..B::VALUES / CHUNK {
-                // SAFETY: the chunk lies inside x, and every row holds this block's bytes.
+                // SAFETY: the chunk lies inside every x, and every row holds this block.
                 unsafe {
                     prefetch(&ahead, offset + c * B::BYTES * CHUNK / B::VALUES);
-                    let xs = x.as_ptr().add(block * B::VALUES + c * CHUNK);
-                    let xv = four!(i => _mm256_loadu_ps(xs.add(8 * i)));
-                    for r in 0..WIDE_ROWS {
-                        let w = B::decode(row[r].add(offset), row[r].add(offset), c);
-                        for i in 0..4 {
-                            acc[r] = _mm256_fmadd_ps(w[i], xv[i], acc[r]);
+                    let at = block * B::VALUES + c * CHUNK;
+                    if T == 1 {
+                        let xs = x[0].as_ptr().add(at);
+                        let xv = four!(i => _mm256_loadu_ps(xs.add(8 * i)));
+                        for r in 0..WIDE_ROWS {
+                            let w = B::decode(row[r].add(offset), row[r].add(offset), c);
+                            for i in 0..4 {
+                                acc[r][0] = _mm256_fmadd_ps(w[i], xv[i], acc[r][0]);
+                            }
+                        }
+                    } else {
+                        for r in 0..WIDE_ROWS {
+                            let w = B::decode(row[r].add(offset), row[r].add(offset), c);
+                            for i in 0..4 {
+                                for t in 0..T {
+                                    let xv = _mm256_loadu_ps(x[t].as_ptr().add(at + 8 * i));
+                                    acc[r][t] = _mm256_fmadd_ps(w[i], xv, acc[r][t]);
+                                }
+                            }
                         }
                     }
                 }
             }
         }
-        let mut out = [0f32; WIDE_ROWS];
+        let mut out = [[0f32; T]; WIDE_ROWS];
         for r in 0..WIDE_ROWS {
-            let mut lanes = [0f32; 8];
-            // SAFETY: lanes has room for 8 floats.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
-            out[r] = reduce_lanes(&lanes);
+            for t in 0..T {
+                let mut lanes = [0f32; 8];
+                // SAFETY: lanes has room for 8 floats.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][t]) };
+                out[r][t] = reduce_lanes(&lanes);
+            }
         }
         out
     }

@@ -1,5 +1,6 @@
-//! One-token matmuls on f32 activations (the decode step of weights that keep f32 activations,
-//! `ffn_down` under the default kernels), eight weight rows at a time.
+//! One-token and small-batch (2-4 token) matmuls on f32 activations (the decode steps of
+//! weights that keep f32 activations, `ffn_down` under the default kernels), eight weight
+//! rows at a time, each block decoded once in registers for all the tokens.
 //!
 //! The [`super::f32_tile`] recipe gives every row one 8-lane accumulator chain (a fused
 //! multiply-add per 8 values, in order). The two-row tile streams two rows, so two dependent

@@ -43,7 +43,7 @@ const DECODE_ROWS: usize = 2;
 
 /// Token counts up to which f32-activation matmuls decode each row group once in registers
 /// for all tokens ([`Weight::matmul_small_batch`]) instead of into memory (the prefill path).
-const SMALL_BATCH: usize = 4;
+const SMALL_BATCH: usize = 8;
 
 /// A weight matrix `[out_features, in_features]` in its storage format.
 #[derive(Debug, Clone)]
@@ -296,41 +296,70 @@ impl Weight {
             .expect("dot_rows_wide: the caller checked the kernel")
     }
 
-    /// `y[t, :] = W x[t, :]` for `T` (2..=SMALL_BATCH) tokens with the eight-row kernel: each
-    /// group of rows is decoded once in registers for all the tokens, where the prefill path
-    /// would decode every row into memory first. Same bits as every other path.
-    fn matmul_small_batch<const T: usize>(&self, kernel: F32Decode, x: &[f32], y: &mut [f32]) {
+    /// `y[t, :] = W x[t, :]` for 2..=SMALL_BATCH tokens with the eight-row kernel: each group
+    /// of rows is decoded in registers for up to four tokens at a time (again from L1 for the
+    /// next four), where the prefill path would decode every row into memory first. Same bits
+    /// as every other path.
+    fn matmul_small_batch(&self, kernel: F32Decode, x: &[f32], num_tokens: usize, y: &mut [f32]) {
         let (n, k) = (self.out_features, self.in_features);
-        let xs: [&[f32]; T] = std::array::from_fn(|t| &x[t * k..(t + 1) * k]);
+        let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
         let rows_per_task = (n / (rayon::current_num_threads() * 16))
             .clamp(16, 1024)
             .next_multiple_of(WIDE_ROWS);
-        let tasks: Vec<(usize, Vec<[f32; T]>)> = (0..n)
+        // Each task's dots as [rows, num_tokens].
+        let tasks: Vec<(usize, Vec<f32>)> = (0..n)
             .step_by(rows_per_task)
             .collect::<Vec<_>>()
             .into_par_iter()
             .map(|row_start| {
                 let row_end = (row_start + rows_per_task).min(n);
-                let mut local = Vec::with_capacity(row_end - row_start);
+                let mut local = vec![0f32; (row_end - row_start) * num_tokens];
                 let mut row = row_start;
                 while row + WIDE_ROWS <= row_end {
-                    local.extend(self.dot_rows_wide(kernel, row, xs));
+                    let out = &mut local[(row - row_start) * num_tokens..];
+                    for first in (0..num_tokens).step_by(4) {
+                        match num_tokens - first {
+                            1 => self.wide_group::<1>(kernel, row, &xs, first, out),
+                            2 => self.wide_group::<2>(kernel, row, &xs, first, out),
+                            3 => self.wide_group::<3>(kernel, row, &xs, first, out),
+                            _ => self.wide_group::<4>(kernel, row, &xs, first, out),
+                        }
+                    }
                     row += WIDE_ROWS;
                 }
                 for row in row..row_end {
-                    local.push(std::array::from_fn(|t| self.dot_row(row, xs[t])));
+                    for (t, x) in xs.iter().enumerate() {
+                        local[(row - row_start) * num_tokens + t] = self.dot_row(row, x);
+                    }
                 }
                 (row_start, local)
             })
             .collect();
         for (row_start, local) in tasks {
-            for (r, dots) in local.iter().enumerate() {
+            for (r, dots) in local.chunks_exact(num_tokens).enumerate() {
                 for (t, dot) in dots.iter().enumerate() {
                     y[t * n + row_start + r] = *dot;
                 }
             }
         }
         f32_decode::count_wide_matmul();
+    }
+
+    /// The dots of `WIDE_ROWS` rows from `row` with tokens `first..first + T` of `xs`, into
+    /// `out` (`[WIDE_ROWS, xs.len()]`, this group's part of the task's buffer).
+    #[inline]
+    fn wide_group<const T: usize>(
+        &self,
+        kernel: F32Decode,
+        row: usize,
+        xs: &[&[f32]],
+        first: usize,
+        out: &mut [f32],
+    ) {
+        let dots = self.dot_rows_wide::<T>(kernel, row, std::array::from_fn(|j| xs[first + j]));
+        for (r, dots) in dots.iter().enumerate() {
+            out[r * xs.len() + first..][..T].copy_from_slice(dots);
+        }
     }
 
     /// `y[t, :] = W x[t, :]` for every token `t`. See the module docs for the layout.
@@ -393,11 +422,7 @@ impl Weight {
             return;
         }
         if let Some(kernel) = self.wide_kernel().filter(|_| num_tokens <= SMALL_BATCH) {
-            match num_tokens {
-                2 => self.matmul_small_batch::<2>(kernel, x, y),
-                3 => self.matmul_small_batch::<3>(kernel, x, y),
-                _ => self.matmul_small_batch::<4>(kernel, x, y),
-            }
+            self.matmul_small_batch(kernel, x, num_tokens, y);
             return;
         }
         // Prefill: each task decodes a block of rows once into a local buffer (f32 rows are

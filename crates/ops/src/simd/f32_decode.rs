@@ -1,4 +1,4 @@
-//! One-token and small-batch (2-4 token) matmuls on f32 activations (the decode steps of
+//! One-token and small-batch (2-8 token) matmuls on f32 activations (the decode steps of
 //! weights that keep f32 activations, `ffn_down` under the default kernels), eight weight
 //! rows at a time, each block decoded once in registers for all the tokens.
 //!

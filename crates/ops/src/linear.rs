@@ -13,8 +13,8 @@
 //! Q4_1, Q8_0, Q4_K and Q5_K weights are repacked when the [`Weight`] is built
 //! ([`pagoda_tensor::quant::repack`]) and each matmul quantizes its input rows once to Q8
 //! ([`int_matmul`]); with `f32` (and for F32/F16/BF16/Q6_K weights) blocks are decoded to
-//! f32 (in L1-sized chunks for one token, whole rows per task for many) and multiplied with
-//! f32 activations.
+//! f32 and multiplied with f32 activations: in registers, eight rows at a time, for up to
+//! eight tokens ([`crate::simd::f32_decode`]), or into whole rows per task for more.
 //!
 //! Batch invariance: row `t` of `y` is bit-identical whatever `num_tokens` is and whatever the
 //! other rows of `x` hold. With f32 activations every element follows the one recipe of
@@ -44,6 +44,14 @@ const DECODE_ROWS: usize = 2;
 /// Token counts up to which f32-activation matmuls decode each row group once in registers
 /// for all tokens ([`Weight::matmul_small_batch`]) instead of into memory (the prefill path).
 const SMALL_BATCH: usize = 8;
+
+/// Rows per task of the one-token and small-batch f32 paths over `n` rows: about 16 tasks per
+/// thread, at least 16 and at most 1024 rows, a multiple of [`WIDE_ROWS`].
+fn wide_rows_per_task(n: usize) -> usize {
+    (n / (rayon::current_num_threads() * 16))
+        .clamp(16, 1024)
+        .next_multiple_of(WIDE_ROWS)
+}
 
 /// A weight matrix `[out_features, in_features]` in its storage format.
 #[derive(Debug, Clone)]
@@ -303,9 +311,7 @@ impl Weight {
     fn matmul_small_batch(&self, kernel: F32Decode, x: &[f32], num_tokens: usize, y: &mut [f32]) {
         let (n, k) = (self.out_features, self.in_features);
         let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
-        let rows_per_task = (n / (rayon::current_num_threads() * 16))
-            .clamp(16, 1024)
-            .next_multiple_of(WIDE_ROWS);
+        let rows_per_task = wide_rows_per_task(n);
         // Each task's dots as [rows, num_tokens].
         let tasks: Vec<(usize, Vec<f32>)> = (0..n)
             .step_by(rows_per_task)
@@ -390,9 +396,7 @@ impl Weight {
             // activation row, decoded block by block in registers (see `f32_tile` and
             // `f32_decode`: the same bits either way).
             let kernel = self.wide_kernel();
-            let rows_per_task = (n / (rayon::current_num_threads() * 16))
-                .clamp(16, 1024)
-                .next_multiple_of(WIDE_ROWS);
+            let rows_per_task = wide_rows_per_task(n);
             y.par_chunks_mut(rows_per_task)
                 .enumerate()
                 .for_each(|(task, out)| {

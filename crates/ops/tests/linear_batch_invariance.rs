@@ -183,14 +183,14 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
             check(&weight, &reference, &pool, tolerance, &context);
         }
     }
-    // Unless PAGODA_CPU_F32_DECODE=tile (or the CPU lacks AVX2), the one-token f32 matmuls of
-    // the Q4_0, Q4_1, Q8_0 and K-quant cases ran eight rows at a time, so the checks above
+    // Unless PAGODA_CPU_F32_DECODE=tile (or the CPU lacks AVX2), the f32 matmuls of 1-8 tokens
+    // of the Q4_0, Q4_1, Q8_0 and K-quant cases ran eight rows at a time, so the checks above
     // compared that kernel with the prefill tiles. CI runs the default (`avx512` or `avx2`);
     // `PAGODA_CPU_F32_DECODE=avx2 cargo test ...` covers the other.
     use pagoda_ops::simd::f32_decode::F32Decode;
     let wide = pagoda_ops::simd::f32_decode::wide_matmul_count() - wide_before;
     println!(
-        "one-token f32 matmuls on {}: {wide} wide",
+        "f32 matmuls of 1-8 tokens on {}: {wide} eight rows at a time",
         F32Decode::selected().name()
     );
     assert_eq!(wide > 0, F32Decode::selected() != F32Decode::Tile);

@@ -557,7 +557,7 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# HELP pagoda_cpu_f32_wide_matmuls_total One-token matmuls on f32 activations run \
+            "# HELP pagoda_cpu_f32_wide_matmuls_total Matmuls of 1-8 tokens on f32 activations run \
              eight rows at a time (PAGODA_CPU_F32_DECODE=avx512|avx2).\n\
              # TYPE pagoda_cpu_f32_wide_matmuls_total counter\npagoda_cpu_f32_wide_matmuls_total {}",
             pagoda_ops::simd::f32_decode::wide_matmul_count()

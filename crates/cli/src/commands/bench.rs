@@ -179,7 +179,7 @@ struct Report {
     precision: &'static str,
     threads: usize,
     attention: String,
-    /// The CPU matmul kernels (`PAGODA_CPU_KERNELS`) and the one-token f32 kernel
+    /// The CPU matmul kernels (`PAGODA_CPU_KERNELS`) and the f32 kernel of 1-8 token matmuls
     /// (`PAGODA_CPU_F32_DECODE`) with the count of matmuls that ran on the eight-row form.
     cpu_kernels: String,
     f32_decode: String,
@@ -372,7 +372,7 @@ fn print_report(report: &Report, json: bool) -> Result<()> {
     }
     println!("model: {} | device: {}", report.model, report.device);
     println!(
-        "cpu kernels: {} | one-token f32 matmuls: {} ({} ran eight rows wide)",
+        "cpu kernels: {} | f32 decode matmuls: {} ({} ran eight rows at a time)",
         report.cpu_kernels, report.f32_decode, report.f32_wide_matmuls
     );
     println!(

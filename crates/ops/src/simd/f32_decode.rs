@@ -24,13 +24,13 @@ use std::sync::OnceLock;
 
 use pagoda_tensor::GgmlType;
 
-/// The environment variable that selects the one-token f32 kernel.
+/// The environment variable that selects the f32 kernel of 1-8 token matmuls.
 pub const F32_DECODE_ENV_VAR: &str = "PAGODA_CPU_F32_DECODE";
 
 /// Rows one call of [`rows8`] dots with the activation row.
 pub const WIDE_ROWS: usize = 8;
 
-/// The one-token f32 kernel.
+/// The f32 kernel of 1-8 token matmuls (decode steps).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum F32Decode {
     /// The two-row [`super::f32_tile::quantized_tile`] (AVX2+FMA, else portable): the oracle.
@@ -106,7 +106,7 @@ impl F32Decode {
                 }
             };
             tracing::info!(
-                "CPU one-token f32 matmuls: {} ({F32_DECODE_ENV_VAR}=auto|avx512|avx2|tile)",
+                "CPU f32 matmuls of 1-8 tokens: {} ({F32_DECODE_ENV_VAR}=auto|avx512|avx2|tile)",
                 kernel.name()
             );
             kernel

@@ -460,29 +460,31 @@ impl Weight {
                 let mut local = vec![0f32; rows * num_tokens];
                 let full_tokens = num_tokens / 4 * 4;
                 let full_rows = rows / 2 * 2;
-                for r in (0..full_rows).step_by(2) {
-                    for t in (0..full_tokens).step_by(4) {
-                        let block =
-                            tile([w(r), w(r + 1)], [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)]);
-                        for (i, values) in block.iter().enumerate() {
-                            local[(r + i) * num_tokens + t..(r + i) * num_tokens + t + 4]
-                                .copy_from_slice(values);
-                        }
+                // Tokens outer, rows inner: four activation rows stay in L1 while the task's
+                // decoded rows (in L2) pass them, instead of all the activations streaming
+                // from L3 once per row pair.
+                let mut put = |r: usize, t: usize, values: &[f32]| {
+                    local[r * num_tokens + t..][..values.len()].copy_from_slice(values)
+                };
+                for t in (0..full_tokens).step_by(4) {
+                    let xs = [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)];
+                    for r in (0..full_rows).step_by(2) {
+                        let block = tile([w(r), w(r + 1)], xs);
+                        put(r, t, &block[0]);
+                        put(r + 1, t, &block[1]);
                     }
-                    for t in full_tokens..num_tokens {
-                        let block = tile([w(r), w(r + 1)], [xt(t)]);
-                        local[r * num_tokens + t] = block[0][0];
-                        local[(r + 1) * num_tokens + t] = block[1][0];
+                    for r in full_rows..rows {
+                        put(r, t, &tile([w(r)], xs)[0]);
                     }
                 }
-                for r in full_rows..rows {
-                    for t in (0..full_tokens).step_by(4) {
-                        let block = tile([w(r)], [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)]);
-                        local[r * num_tokens + t..r * num_tokens + t + 4]
-                            .copy_from_slice(&block[0]);
+                for t in full_tokens..num_tokens {
+                    for r in (0..full_rows).step_by(2) {
+                        let block = tile([w(r), w(r + 1)], [xt(t)]);
+                        put(r, t, &block[0]);
+                        put(r + 1, t, &block[1]);
                     }
-                    for t in full_tokens..num_tokens {
-                        local[r * num_tokens + t] = tile([w(r)], [xt(t)])[0][0];
+                    for r in full_rows..rows {
+                        put(r, t, &tile([w(r)], [xt(t)])[0]);
                     }
                 }
                 (row_start, local)

@@ -435,6 +435,9 @@ impl Weight {
         // Every element follows the one recipe of `f32_tile`, so the tiling does not change
         // any bit (see the module docs).
         let rows_per_task = (n / (rayon::current_num_threads() * 8)).clamp(2, 16) & !1;
+        // Rows are decoded with the eight-row kernel's block decoders where it runs (the
+        // same values as `dequantize`, in registers instead of scalar code).
+        let kernel = self.wide_kernel();
         let blocks: Vec<(usize, Vec<f32>)> = (0..n)
             .step_by(rows_per_task)
             .collect::<Vec<_>>()
@@ -447,7 +450,19 @@ impl Weight {
                     _ => {
                         let mut decoded = vec![0f32; rows * k];
                         for (r, out) in decoded.chunks_exact_mut(k).enumerate() {
-                            self.dequantize_row(row_start + r, out);
+                            let row = row_start + r;
+                            let decoded = match (&self.storage, kernel) {
+                                (Storage::Blocks(bytes), Some(kernel)) => f32_decode::decode_row(
+                                    kernel,
+                                    self.ty,
+                                    &bytes[row * self.row_bytes..(row + 1) * self.row_bytes],
+                                    out,
+                                ),
+                                _ => false,
+                            };
+                            if !decoded {
+                                self.dequantize_row(row, out);
+                            }
                         }
                         decoded
                     }

@@ -220,6 +220,43 @@ pub fn rows8<const T: usize>(
     None
 }
 
+/// Decodes one stored row of type `ty` into `out` with `kernel`'s block decoders (AVX2, for
+/// either eight-row kernel): the values `pagoda_tensor::quant::dequantize` writes, bit for
+/// bit. `false`, writing nothing, when `kernel` is [`F32Decode::Tile`] or unsupported, or
+/// [`supports`] is false for `ty`.
+///
+/// Panics if `row` does not hold exactly `ty.bytes_for(out.len())` bytes (a caller bug).
+pub fn decode_row(kernel: F32Decode, ty: GgmlType, row: &[u8], out: &mut [f32]) -> bool {
+    if !supports(ty) || kernel == F32Decode::Tile || !kernel.is_supported() {
+        return false;
+    }
+    assert_eq!(
+        ty.bytes_for(out.len()),
+        Some(row.len()),
+        "decode_row: {ty} row must hold {} values",
+        out.len()
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        use x86::narrow;
+        // SAFETY: AVX2, FMA and F16C come with either kernel (checked above); the row holds
+        // out.len() / block-size whole blocks (checked above).
+        unsafe {
+            match ty {
+                GgmlType::Q4_0 => narrow::decode_row::<narrow::Q4_0>(row, out),
+                GgmlType::Q4_1 => narrow::decode_row::<narrow::Q4_1>(row, out),
+                GgmlType::Q4K => narrow::decode_row::<narrow::Q4K>(row, out),
+                GgmlType::Q5K => narrow::decode_row::<narrow::Q5K>(row, out),
+                GgmlType::Q6K => narrow::decode_row::<narrow::Q6K>(row, out),
+                _ => narrow::decode_row::<narrow::Q8_0>(row, out),
+            }
+        }
+        return true;
+    }
+    #[allow(unreachable_code)]
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
@@ -296,6 +333,18 @@ mod tests {
                     .map(|i| ((i * 37 + seed * 11) % 101) as f32 / 25.0 - 2.0)
                     .collect();
                 let refs: [&[u8]; WIDE_ROWS] = std::array::from_fn(|r| &rows[r][..]);
+                for (r, row) in refs.iter().enumerate() {
+                    let mut want = vec![0f32; k];
+                    pagoda_tensor::quant::dequantize(ty, row, &mut want).unwrap();
+                    let mut got = vec![f32::NAN; k];
+                    if decode_row(F32Decode::Avx2, ty, row, &mut got) {
+                        let same = got
+                            .iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "decode_row {ty} k={k} row {r}");
+                    }
+                }
                 for kernel in [F32Decode::Avx512, F32Decode::Avx2] {
                     let x2: Vec<f32> = x.iter().rev().copied().collect();
                     let Some(got) = rows8(kernel, ty, refs, refs, [&x[..], &x2[..], &x[..]]) else {

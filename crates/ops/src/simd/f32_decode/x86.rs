@@ -475,6 +475,25 @@ pub(super) mod narrow {
         _mm256_sub_ps
     );
 
+    /// See [`super::super::decode_row`]. SAFETY (caller): AVX2, FMA, F16C; `row` holds
+    /// `out.len() / B::VALUES` blocks of `B::BYTES` bytes and `out.len() % B::VALUES == 0`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in super::super) unsafe fn decode_row<B: Block>(row: &[u8], out: &mut [f32]) {
+        for block in 0..out.len() / B::VALUES {
+            for c in 0..B::VALUES / CHUNK {
+                // SAFETY: the block lies inside `row` and the chunk inside `out`.
+                unsafe {
+                    let at = row.as_ptr().add(block * B::BYTES);
+                    let values = B::decode(at, at, c);
+                    let to = out.as_mut_ptr().add(block * B::VALUES + c * CHUNK);
+                    for (i, value) in values.iter().enumerate() {
+                        _mm256_storeu_ps(to.add(8 * i), *value);
+                    }
+                }
+            }
+        }
+    }
+
     /// See [`super::super::rows8`]. SAFETY (caller): AVX2, FMA, F16C; every row (and every
     /// row of `ahead`) holds `k / B::VALUES` blocks of `B::BYTES` bytes, every activation
     /// row holds `k` values, and `k % B::VALUES == 0`.

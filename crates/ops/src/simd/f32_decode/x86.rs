@@ -278,7 +278,7 @@ fn q6_scale(block: &[u8], at: usize) -> f32 {
     f16_at(block, 208) * (block[at] as i8) as f32
 }
 
-/// Prefetches chunk `c` of block `block` of every row in `ahead`.
+/// Prefetches the line holding byte `at` of every row in `ahead`.
 #[inline(always)]
 unsafe fn prefetch(ahead: &[*const u8; WIDE_ROWS], at: usize) {
     use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};

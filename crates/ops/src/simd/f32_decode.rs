@@ -311,7 +311,7 @@ mod tests {
     }
 
     #[test]
-    fn rows8_equals_the_two_row_tile_bit_for_bit_and_the_f64_dot() {
+    fn eight_rows_and_decode_row_equal_the_tile_and_dequantize_bit_for_bit() {
         let types = [
             GgmlType::Q4_0,
             GgmlType::Q4_1,
@@ -345,9 +345,11 @@ mod tests {
                         assert!(same, "decode_row {ty} k={k} row {r}");
                     }
                 }
+                // Three activation rows (the kernel's multi-token form) and one.
+                let x2: Vec<f32> = x.iter().rev().copied().collect();
+                let three = [&x[..], &x2[..], &x[..]];
                 for kernel in [F32Decode::Avx512, F32Decode::Avx2] {
-                    let x2: Vec<f32> = x.iter().rev().copied().collect();
-                    let Some(got) = rows8(kernel, ty, refs, refs, [&x[..], &x2[..], &x[..]]) else {
+                    let Some(got) = rows8(kernel, ty, refs, refs, three) else {
                         assert!(!kernel.is_supported(), "{kernel:?} refused {ty}");
                         println!("{kernel:?} is not supported here: untested");
                         continue;
@@ -365,25 +367,21 @@ mod tests {
     /// `got` (eight rows on `kernel`) against the two-row tile, bit for bit, and the f64 dot.
     fn check(kernel: F32Decode, ty: GgmlType, refs: &[&[u8]; WIDE_ROWS], x: &[f32], got: &[f32]) {
         let k = x.len();
-        {
-            {
-                for r in 0..WIDE_ROWS {
-                    let want = quantized_tile(ty, [refs[r]], x)[0];
-                    let context = format!("{kernel:?} {ty} k={k} row {r}");
-                    assert_eq!(got[r].to_bits(), want.to_bits(), "{context}");
-                    let mut decoded = vec![0f32; k];
-                    pagoda_tensor::quant::dequantize(ty, refs[r], &mut decoded).unwrap();
-                    let (exact, scale) = decoded.iter().zip(x).fold((0f64, 0f64), |acc, (w, x)| {
-                        let p = *w as f64 * *x as f64;
-                        (acc.0 + p, acc.1 + p.abs())
-                    });
-                    assert!(
-                        (got[r] as f64 - exact).abs() <= 1e-5 * scale.max(1e-6),
-                        "{context}: {} vs f64 {exact}",
-                        got[r]
-                    );
-                }
-            }
+        for r in 0..WIDE_ROWS {
+            let want = quantized_tile(ty, [refs[r]], x)[0];
+            let context = format!("{kernel:?} {ty} k={k} row {r}");
+            assert_eq!(got[r].to_bits(), want.to_bits(), "{context}");
+            let mut decoded = vec![0f32; k];
+            pagoda_tensor::quant::dequantize(ty, refs[r], &mut decoded).unwrap();
+            let (exact, scale) = decoded.iter().zip(x).fold((0f64, 0f64), |acc, (w, x)| {
+                let p = *w as f64 * *x as f64;
+                (acc.0 + p, acc.1 + p.abs())
+            });
+            assert!(
+                (got[r] as f64 - exact).abs() <= 1e-5 * scale.max(1e-6),
+                "{context}: {} vs f64 {exact}",
+                got[r]
+            );
         }
     }
 

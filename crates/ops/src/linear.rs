@@ -218,7 +218,14 @@ impl Weight {
             }
             Storage::Blocks(bytes) => {
                 let bytes = &bytes[row * self.row_bytes..(row + 1) * self.row_bytes];
-                quant::dequantize(self.ty, bytes, out).expect("type checked at construction")
+                // The eight-row kernel's block decoders where it runs: the values `dequantize`
+                // writes, in registers instead of scalar code.
+                let fast = self
+                    .wide_kernel()
+                    .is_some_and(|kernel| f32_decode::decode_row(kernel, self.ty, bytes, out));
+                if !fast {
+                    quant::dequantize(self.ty, bytes, out).expect("type checked at construction")
+                }
             }
             Storage::Repacked(rows, _) => rows.dequantize_row(row, out),
         }
@@ -312,42 +319,29 @@ impl Weight {
         let (n, k) = (self.out_features, self.in_features);
         let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
         let rows_per_task = wide_rows_per_task(n);
-        // Each task's dots as [rows, num_tokens].
-        let tasks: Vec<(usize, Vec<f32>)> = (0..n)
-            .step_by(rows_per_task)
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .map(|row_start| {
-                let row_end = (row_start + rows_per_task).min(n);
-                let mut local = vec![0f32; (row_end - row_start) * num_tokens];
-                let mut row = row_start;
-                while row + WIDE_ROWS <= row_end {
-                    let out = &mut local[(row - row_start) * num_tokens..];
-                    for first in (0..num_tokens).step_by(4) {
-                        match num_tokens - first {
-                            1 => self.wide_group::<1>(kernel, row, &xs, first, out),
-                            2 => self.wide_group::<2>(kernel, row, &xs, first, out),
-                            3 => self.wide_group::<3>(kernel, row, &xs, first, out),
-                            _ => self.wide_group::<4>(kernel, row, &xs, first, out),
-                        }
-                    }
-                    row += WIDE_ROWS;
-                }
-                for row in row..row_end {
-                    for (t, x) in xs.iter().enumerate() {
-                        local[(row - row_start) * num_tokens + t] = self.dot_row(row, x);
+        by_row_tasks(n, num_tokens, rows_per_task, y, |rows| {
+            let (row_start, row_end) = (rows.start, rows.end);
+            let mut local = vec![0f32; (row_end - row_start) * num_tokens];
+            let mut row = row_start;
+            while row + WIDE_ROWS <= row_end {
+                let out = &mut local[(row - row_start) * num_tokens..];
+                for first in (0..num_tokens).step_by(4) {
+                    match num_tokens - first {
+                        1 => self.wide_group::<1>(kernel, row, &xs, first, out),
+                        2 => self.wide_group::<2>(kernel, row, &xs, first, out),
+                        3 => self.wide_group::<3>(kernel, row, &xs, first, out),
+                        _ => self.wide_group::<4>(kernel, row, &xs, first, out),
                     }
                 }
-                (row_start, local)
-            })
-            .collect();
-        for (row_start, local) in tasks {
-            for (r, dots) in local.chunks_exact(num_tokens).enumerate() {
-                for (t, dot) in dots.iter().enumerate() {
-                    y[t * n + row_start + r] = *dot;
+                row += WIDE_ROWS;
+            }
+            for row in row..row_end {
+                for (t, x) in xs.iter().enumerate() {
+                    local[(row - row_start) * num_tokens + t] = self.dot_row(row, x);
                 }
             }
-        }
+            local
+        });
         f32_decode::count_wide_matmul();
     }
 
@@ -435,82 +429,84 @@ impl Weight {
         // Every element follows the one recipe of `f32_tile`, so the tiling does not change
         // any bit (see the module docs).
         let rows_per_task = (n / (rayon::current_num_threads() * 8)).clamp(2, 16) & !1;
-        // Rows are decoded with the eight-row kernel's block decoders where it runs (the
-        // same values as `dequantize`, in registers instead of scalar code).
-        let kernel = self.wide_kernel();
-        let blocks: Vec<(usize, Vec<f32>)> = (0..n)
-            .step_by(rows_per_task)
-            .collect::<Vec<_>>()
-            .into_par_iter()
-            .map(|row_start| {
-                let row_end = (row_start + rows_per_task).min(n);
-                let rows = row_end - row_start;
-                let decoded = match &self.storage {
-                    Storage::F32(_) => Vec::new(),
-                    _ => {
-                        let mut decoded = vec![0f32; rows * k];
-                        for (r, out) in decoded.chunks_exact_mut(k).enumerate() {
-                            let row = row_start + r;
-                            let decoded = match (&self.storage, kernel) {
-                                (Storage::Blocks(bytes), Some(kernel)) => f32_decode::decode_row(
-                                    kernel,
-                                    self.ty,
-                                    &bytes[row * self.row_bytes..(row + 1) * self.row_bytes],
-                                    out,
-                                ),
-                                _ => false,
-                            };
-                            if !decoded {
-                                self.dequantize_row(row, out);
-                            }
-                        }
-                        decoded
+        by_row_tasks(n, num_tokens, rows_per_task, y, |row_range| {
+            let (row_start, rows) = (row_range.start, row_range.len());
+            let decoded = match &self.storage {
+                Storage::F32(_) => Vec::new(),
+                _ => {
+                    let mut decoded = vec![0f32; rows * k];
+                    for (r, out) in decoded.chunks_exact_mut(k).enumerate() {
+                        self.dequantize_row(row_start + r, out);
                     }
-                };
-                let w = |r: usize| match &self.storage {
-                    Storage::F32(values) => &values[(row_start + r) * k..(row_start + r + 1) * k],
-                    _ => &decoded[r * k..(r + 1) * k],
-                };
-                let xt = |t: usize| &x[t * k..(t + 1) * k];
-                let mut local = vec![0f32; rows * num_tokens];
-                let full_tokens = num_tokens / 4 * 4;
-                let full_rows = rows / 2 * 2;
-                // Tokens outer, rows inner: four activation rows stay in L1 while the task's
-                // decoded rows (in L2) pass them, instead of all the activations streaming
-                // from L3 once per row pair.
-                let mut put = |r: usize, t: usize, values: &[f32]| {
-                    local[r * num_tokens + t..][..values.len()].copy_from_slice(values)
-                };
-                for t in (0..full_tokens).step_by(4) {
-                    let xs = [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)];
-                    for r in (0..full_rows).step_by(2) {
-                        let block = tile([w(r), w(r + 1)], xs);
-                        put(r, t, &block[0]);
-                        put(r + 1, t, &block[1]);
-                    }
-                    for r in full_rows..rows {
-                        put(r, t, &tile([w(r)], xs)[0]);
-                    }
+                    decoded
                 }
-                for t in full_tokens..num_tokens {
-                    for r in (0..full_rows).step_by(2) {
-                        let block = tile([w(r), w(r + 1)], [xt(t)]);
-                        put(r, t, &block[0]);
-                        put(r + 1, t, &block[1]);
-                    }
-                    for r in full_rows..rows {
-                        put(r, t, &tile([w(r)], [xt(t)])[0]);
-                    }
+            };
+            let w = |r: usize| match &self.storage {
+                Storage::F32(values) => &values[(row_start + r) * k..(row_start + r + 1) * k],
+                _ => &decoded[r * k..(r + 1) * k],
+            };
+            let xt = |t: usize| &x[t * k..(t + 1) * k];
+            let mut local = vec![0f32; rows * num_tokens];
+            let full_tokens = num_tokens / 4 * 4;
+            let full_rows = rows / 2 * 2;
+            // Tokens outer, rows inner: four activation rows stay in L1 while the task's
+            // decoded rows (in L2) pass them, instead of all the activations streaming
+            // from L3 once per row pair.
+            let mut put = |r: usize, t: usize, values: &[f32]| {
+                local[r * num_tokens + t..][..values.len()].copy_from_slice(values)
+            };
+            for t in (0..full_tokens).step_by(4) {
+                let xs = [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)];
+                for r in (0..full_rows).step_by(2) {
+                    let block = tile([w(r), w(r + 1)], xs);
+                    put(r, t, &block[0]);
+                    put(r + 1, t, &block[1]);
                 }
-                (row_start, local)
-            })
-            .collect();
-        for (row_start, local) in blocks {
-            let rows = local.len() / num_tokens;
-            for r in 0..rows {
-                for t in 0..num_tokens {
-                    y[t * n + row_start + r] = local[r * num_tokens + t];
+                for r in full_rows..rows {
+                    put(r, t, &tile([w(r)], xs)[0]);
                 }
+            }
+            for t in full_tokens..num_tokens {
+                for r in (0..full_rows).step_by(2) {
+                    let block = tile([w(r), w(r + 1)], [xt(t)]);
+                    put(r, t, &block[0]);
+                    put(r + 1, t, &block[1]);
+                }
+                for r in full_rows..rows {
+                    put(r, t, &tile([w(r)], [xt(t)])[0]);
+                }
+            }
+            local
+        });
+    }
+}
+
+/// Runs `task(rows)` for consecutive ranges of `rows_per_task` of the `n` output rows in
+/// parallel; each returns its dots as `[rows, num_tokens]`, written transposed into `y`
+/// (`[num_tokens, n]`). The matmul paths whose tasks cover several tokens share it.
+pub(crate) fn by_row_tasks(
+    n: usize,
+    num_tokens: usize,
+    rows_per_task: usize,
+    y: &mut [f32],
+    task: impl Fn(std::ops::Range<usize>) -> Vec<f32> + Sync,
+) {
+    let tasks: Vec<(usize, Vec<f32>)> = (0..n)
+        .step_by(rows_per_task)
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|row_start| {
+            let rows = row_start..(row_start + rows_per_task).min(n);
+            (row_start, task(rows))
+        })
+        .collect();
+    // Tokens outer: each token's outputs are written contiguously (the task's small buffer
+    // is read with a stride instead of `y`, which can be large).
+    for (row_start, local) in tasks {
+        let rows = local.len() / num_tokens;
+        for (t, out) in y.chunks_exact_mut(n).enumerate() {
+            for (r, value) in out[row_start..row_start + rows].iter_mut().enumerate() {
+                *value = local[r * num_tokens + t];
             }
         }
     }

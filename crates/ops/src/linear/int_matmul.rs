@@ -98,27 +98,9 @@ pub fn matmul(isa: IntIsa, weights: &RepackedRows, activations: &Q8Rows, y: &mut
             });
         return;
     }
-    let rows_per_task = 16;
-    let chunks: Vec<(usize, Vec<f32>)> = (0..n)
-        .step_by(rows_per_task)
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .map(|row_start| {
-            let row_end = (row_start + rows_per_task).min(n);
-            (
-                row_start,
-                rows_by_tokens(isa, weights, row_start..row_end, activations),
-            )
-        })
-        .collect();
-    for (row_start, local) in chunks {
-        let rows = local.len() / num_tokens;
-        for (t, out) in y.chunks_exact_mut(n).enumerate() {
-            for (r, value) in out[row_start..row_start + rows].iter_mut().enumerate() {
-                *value = local[r * num_tokens + t];
-            }
-        }
-    }
+    super::by_row_tasks(n, num_tokens, 16, y, |rows| {
+        rows_by_tokens(isa, weights, rows, activations)
+    });
 }
 
 /// Rows per decode task for `num_rows` rows of work in one parallel region: about 16 tasks

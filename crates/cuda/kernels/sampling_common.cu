@@ -291,7 +291,8 @@ PAGODA_DEVICE void reduce_row_max(const float* partial_max, const unsigned int* 
 
 // Totals (u64 counters as u32 pairs): 0 greedy, 1 gumbel, 2 rejection, 3 fallback, 4 rounds,
 // 5 filtered rows finished by the multi-CTA pipeline, 6 filtered rows the exact kernel drew,
-// 7 rows whose maximum sampling_gumbel found (FLAG_GUMBEL_MAX).
+// 7 rows whose maximum sampling_gumbel found (FLAG_GUMBEL_MAX), 8 filtered rows
+// sampling_list_rounds accepted.
 PAGODA_DEVICE void count_total(unsigned int* totals, unsigned int counter, unsigned long long amount) {
     atomicAdd(reinterpret_cast<unsigned long long*>(totals) + counter, amount);
 }

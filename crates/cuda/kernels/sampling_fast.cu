@@ -75,11 +75,16 @@ PAGODA_DEVICE double row_split_sum(const double* split_mass, unsigned int row, u
 // Grid (num_splits, rows); ACTIVE filtered rows only: per split the fast top-k mass
 // (split_mass slot 0) and per segment the proposal's f64 draw mass (segment_draw0); the last
 // CTA of the row stores Z_k and begins round 0. `split_mass` and the segment arrays are f64.
-extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
-sampling_pass(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
-              unsigned int num_splits, unsigned int max_rounds, unsigned int* __restrict__ state,
-              double* __restrict__ split_mass, double* __restrict__ segment_draw0, unsigned int* __restrict__ arrive,
-              unsigned int* __restrict__ tokens, unsigned int* __restrict__ stats, unsigned int* __restrict__ totals) {
+// LISTED: also fill the id lists of sampling_list_rounds (sampling_pass_listed); the other
+// instance is the pass of launches without top-k rows, free of the append.
+template <bool LISTED>
+PAGODA_DEVICE void pass_body(const float* __restrict__ logits, const unsigned int* __restrict__ params,
+                             unsigned int vocab, unsigned int num_splits, unsigned int max_rounds,
+                             unsigned int* __restrict__ state, double* __restrict__ split_mass,
+                             double* __restrict__ segment_draw0, unsigned int* __restrict__ arrive,
+                             unsigned int* __restrict__ tokens, unsigned int* __restrict__ stats,
+                             unsigned int* __restrict__ totals, unsigned int* __restrict__ list_ids,
+                             unsigned int* __restrict__ list_count) {
     __shared__ double warp_mass[SEGMENTS];
     __shared__ double table[EXP_TABLE_SIZE];
     const unsigned int row = blockIdx.y, split = blockIdx.x, lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -92,6 +97,10 @@ sampling_pass(const float* __restrict__ logits, const unsigned int* __restrict__
     const float low = __uint_as_float(st[FS_LOW]), threshold = __uint_as_float(st[FS_TOP_K_THRESHOLD]);
     const double scale = __ddiv_rn(1.0, (double)p.temperature);
     const bool use_top_p = top_p_active(p), aligned = row_aligned(z);
+    // A top-p row with its top-k threshold set and k <= LIST_CAPACITY lists its proposal for
+    // sampling_list_rounds (launched whenever a top-k threshold can be set).
+    const bool listed = LISTED && use_top_p && threshold > -INFINITY && p.top_k <= LIST_CAPACITY;
+    unsigned int* row_list = LISTED ? list_ids + (size_t)row * LIST_CAPACITY : nullptr;
     unsigned int begin, end;
     segment_range(vocab, num_splits, split * SEGMENTS + warp, begin, end);
     double top_k_mass = 0.0, draw = 0.0;
@@ -105,6 +114,7 @@ sampling_pass(const float* __restrict__ logits, const unsigned int* __restrict__
             if (use_top_p && values[j] >= threshold) {
                 top_k_mass += scale == 1.0 && values[j] > low ? weight : (double)fast_weight(values[j], z_max, 1.0f);
             }
+            if (listed) list_append(values[j] > low, i + j, row_list, list_count + row);
         }
     }
     top_k_mass = warp_sum_f64(top_k_mass);
@@ -125,6 +135,29 @@ sampling_pass(const float* __restrict__ logits, const unsigned int* __restrict__
     if (threadIdx.x == 0) set_state_f64(st, FS_TOP_K_MASS, total);
     begin_round(p, z, vocab, num_splits, segment_draw0 + (size_t)row * segments, low, z_max, z_max, 0u, max_rounds,
                 row, st, tokens, stats, totals, table);
+}
+
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+sampling_pass(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
+              unsigned int num_splits, unsigned int max_rounds, unsigned int* __restrict__ state,
+              double* __restrict__ split_mass, double* __restrict__ segment_draw0, unsigned int* __restrict__ arrive,
+              unsigned int* __restrict__ tokens, unsigned int* __restrict__ stats, unsigned int* __restrict__ totals) {
+    pass_body<false>(logits, params, vocab, num_splits, max_rounds, state, split_mass, segment_draw0, arrive, tokens,
+                     stats, totals, nullptr, nullptr);
+}
+
+// sampling_pass that also appends the proposal of every top-p row with a top-k threshold and
+// k <= LIST_CAPACITY to its list [rows, LIST_CAPACITY] (count in list_count [rows], zeroed by
+// sampling_list_rounds, which must follow).
+extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
+sampling_pass_listed(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
+                     unsigned int num_splits, unsigned int max_rounds, unsigned int* __restrict__ state,
+                     double* __restrict__ split_mass, double* __restrict__ segment_draw0,
+                     unsigned int* __restrict__ arrive, unsigned int* __restrict__ tokens,
+                     unsigned int* __restrict__ stats, unsigned int* __restrict__ totals,
+                     unsigned int* __restrict__ list_ids, unsigned int* __restrict__ list_count) {
+    pass_body<true>(logits, params, vocab, num_splits, max_rounds, state, split_mass, segment_draw0, arrive, tokens,
+                    stats, totals, list_ids, list_count);
 }
 
 // Grid (num_splits, rows); ACTIVE rows only (launch it a few times). Masses above pivot0 (the

@@ -328,3 +328,22 @@ sampling_top_k_digit(const float* __restrict__ logits, const unsigned int* __res
     __syncthreads();
     fix_top_k_digit(counts, shift, load_row_params(params, row), st);
 }
+
+// The id lists of rows whose proposal is short (sampling_list.cu): sampling_pass fills them.
+#define LIST_CAPACITY 512u  // ids per row list, and threads of sampling_list_rounds
+#define LIST_THREADS 512
+
+// Appends id `i` to the row's list when `append` (the lanes of a warp that call it at once
+// share one atomic). Ids past LIST_CAPACITY only count: the row then takes the round launches.
+PAGODA_DEVICE void list_append(bool append, unsigned int i, unsigned int* list_ids, unsigned int* list_count) {
+    const unsigned int active = __activemask();
+    const unsigned int ballot = __ballot_sync(active, append);
+    if (ballot == 0u) return;
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int leader = __ffs(ballot) - 1u;
+    unsigned int base = 0u;
+    if (lane == leader) base = atomicAdd(list_count, (unsigned int)__popc(ballot));
+    base = __shfl_sync(active, base, leader);
+    const unsigned int slot = base + __popc(ballot & ((1u << lane) - 1u));
+    if (append && slot < LIST_CAPACITY) list_ids[slot] = i;
+}

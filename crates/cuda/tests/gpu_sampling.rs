@@ -526,8 +526,8 @@ fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
             "V={vocab}: the fast path finished only {fast_rows} of {total} rows"
         );
     }
-    // Without round launches, or with stages left out of the mix, every row still gets the
-    // same token (on the slower paths).
+    // Without round launches or list rounds, or with stages left out of the mix, every row
+    // still gets the same token (on the slower paths).
     let (logits, params) = filtered_batch(32_768, 40, 7);
     let reference = sample_batch(&gpu, &logits, &params, exact);
     let none = SamplingMix {
@@ -538,6 +538,10 @@ fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
     for options in [
         SamplingOptions {
             fast_rounds: Some(0),
+            ..SamplingOptions::default()
+        },
+        SamplingOptions {
+            list_rounds: false,
             ..SamplingOptions::default()
         },
         SamplingOptions {

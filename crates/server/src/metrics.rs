@@ -140,6 +140,7 @@ pub struct Metrics {
     gpu_sampler_filtered_fast: Counter,
     gpu_sampler_filtered_exact: Counter,
     gpu_sampler_gumbel_max: Counter,
+    gpu_sampler_list_rows: Counter,
     steps_cpu_all_threads: Counter,
     steps_cpu_one_thread: Counter,
     cpu_pool_probes: Counter,
@@ -191,6 +192,7 @@ impl Default for Metrics {
             gpu_sampler_filtered_fast: Counter::default(),
             gpu_sampler_filtered_exact: Counter::default(),
             gpu_sampler_gumbel_max: Counter::default(),
+            gpu_sampler_list_rows: Counter::default(),
             steps_cpu_all_threads: Counter::default(),
             steps_cpu_one_thread: Counter::default(),
             cpu_pool_probes: Counter::default(),
@@ -252,6 +254,8 @@ impl Metrics {
             .set(snapshot.gpu_sampler_filtered_exact);
         self.gpu_sampler_gumbel_max
             .set(snapshot.gpu_sampler_gumbel_max);
+        self.gpu_sampler_list_rows
+            .set(snapshot.gpu_sampler_list_rows);
         self.steps_cpu_all_threads
             .set(snapshot.steps_cpu_all_threads);
         self.steps_cpu_one_thread.set(snapshot.steps_cpu_one_thread);
@@ -523,6 +527,15 @@ impl Metrics {
              # TYPE pagoda_gpu_sampling_gumbel_max_rows_total counter\n\
              pagoda_gpu_sampling_gumbel_max_rows_total {}",
             self.gpu_sampler_gumbel_max.get()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP pagoda_gpu_sampling_list_rows_total GPU-sampled filtered rows whose rounds ran \
+             on the list of their proposal's ids (top-k rows with top-p; \
+             PAGODA_GPU_SAMPLING_LIST_ROUNDS).\n\
+             # TYPE pagoda_gpu_sampling_list_rows_total counter\n\
+             pagoda_gpu_sampling_list_rows_total {}",
+            self.gpu_sampler_list_rows.get()
         );
         let _ = writeln!(
             out,

@@ -98,6 +98,10 @@ pub struct BenchSamplingArgs {
     /// `generate` / `serve`) or in their own pass (off).
     #[arg(long = "gumbel-max", value_enum, default_value_t = OnOff::On)]
     pub gumbel_max: OnOff,
+    /// CUDA: run the rounds of top-k rows (k <= 512) with top-p on their id list (on, as in
+    /// `generate` / `serve`) or as round launches over the whole row (off).
+    #[arg(long = "list-rounds", value_enum, default_value_t = OnOff::On)]
+    pub list_rounds: OnOff,
     /// CUDA: the configurations to time (comma-separated; default all).
     #[arg(long = "configurations", value_enum, value_delimiter = ',')]
     pub configurations: Vec<super::bench_sampling_anchors::Configuration>,

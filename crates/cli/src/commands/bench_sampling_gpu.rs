@@ -167,6 +167,7 @@ pub fn run(args: &BenchSamplingArgs) -> Result<()> {
                     let options = ArmOptions {
                         filtered: arm,
                         gumbel_max: args.gumbel_max == OnOff::On,
+                        list_rounds: args.list_rounds == OnOff::On,
                         fast_rounds: args.fast_rounds,
                         label: if filtered { arm.name() } else { "-" },
                     };
@@ -278,6 +279,8 @@ struct ArmOptions {
     filtered: FilteredSampling,
     /// [`SamplingOptions::gumbel_max`].
     gumbel_max: bool,
+    /// [`SamplingOptions::list_rounds`].
+    list_rounds: bool,
     fast_rounds: Option<u32>,
     /// The arm's name in the table.
     label: &'static str,
@@ -312,6 +315,7 @@ fn measure(
         filtered: arm.filtered,
         fast_rounds: arm.fast_rounds,
         gumbel_max: arm.gumbel_max,
+        list_rounds: arm.list_rounds,
         mix: mix.unwrap_or(SamplingMix::ALL),
         ..SamplingOptions::default()
     };
@@ -359,8 +363,14 @@ fn measure(
     } else {
         0
     };
+    // Top-k + top-p rows run their rounds on their id list when it is on (the fast path),
+    // and no other configuration fills lists.
+    let listed = arm.list_rounds
+        && arm.filtered == FilteredSampling::Fast
+        && configuration == Configuration::TopKTopP;
     let path_ok = configuration.path_accounts_for(&totals, rows_sampled)
-        && totals.gumbel_max_rows == gumbel_max_rows;
+        && totals.gumbel_max_rows == gumbel_max_rows
+        && (totals.list_rows > 0) == listed;
     let chain = configuration.params();
     let mut failures = Vec::new();
     for (set, input) in inputs.iter().enumerate() {
@@ -528,6 +538,7 @@ mod tests {
             filtered_fast: 80,
             filtered_exact: 20,
             gumbel_max_rows: 0,
+            list_rows: 0,
         };
         assert!(Configuration::TopP.path_accounts_for(&totals, 100));
         assert!(!Configuration::TopP.path_accounts_for(&totals, 101));

@@ -132,6 +132,8 @@ pub struct CudaStepCounters {
     /// Device-sampled rows whose maximum the Gumbel kernel found (launches without filtered
     /// rows: no row-maximum pass).
     pub sampler_gumbel_max_rows: u64,
+    /// Filtered rows whose rounds ran on their id list (`sampling_list_rounds`).
+    pub sampler_list_rows: u64,
 }
 
 /// A model resident on the GPU, with its KV cache.

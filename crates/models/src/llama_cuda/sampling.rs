@@ -10,7 +10,7 @@
 //!
 //! The step itself is unchanged (same staging, same graphs); the sampler runs eagerly on the
 //! stream after it: one pinned upload of the row parameters, the sampler's launches per
-//! contiguous run of device rows (only the stages its rows need: see `SamplingMix`), a 64-byte copy of the sampler's running totals next to the tokens,
+//! contiguous run of device rows (only the stages its rows need: see `SamplingMix`), a 72-byte copy of the sampler's running totals next to the tokens,
 //! and one download of both (the step's only synchronisation, as before).
 
 use pagoda_cuda::ops::{
@@ -109,6 +109,8 @@ pub(super) struct DeviceSampler {
     /// Launches without filtered rows skip the row-maximum pass
     /// (`PAGODA_GPU_SAMPLING_GUMBEL_MAX`).
     gumbel_max: bool,
+    /// Top-k rows run their rounds on their id list (`PAGODA_GPU_SAMPLING_LIST_ROUNDS`).
+    list_rounds: bool,
 }
 
 /// The filtered rows' path: `PAGODA_GPU_SAMPLING_FILTERED=fast|exact` (default `fast`, which
@@ -116,7 +118,7 @@ pub(super) struct DeviceSampler {
 /// whether launches without filtered rows find the row maxima in the Gumbel kernel:
 /// `PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off` (default `on`, measured faster); logged once. An
 /// unknown value is an error naming the variable.
-pub(super) fn filtered_sampling() -> Result<(FilteredSampling, bool), CudaError> {
+pub(super) fn filtered_sampling() -> Result<(FilteredSampling, bool, bool), CudaError> {
     let filtered = match std::env::var("PAGODA_GPU_SAMPLING_FILTERED") {
         Ok(value) => FilteredSampling::parse(&value).map_err(|error| {
             CudaError::invalid(format!("PAGODA_GPU_SAMPLING_FILTERED: {error}"))
@@ -132,23 +134,35 @@ pub(super) fn filtered_sampling() -> Result<(FilteredSampling, bool), CudaError>
             )))
         }
     };
+    let list_rounds = match std::env::var("PAGODA_GPU_SAMPLING_LIST_ROUNDS").as_deref() {
+        Err(_) | Ok("on") => true,
+        Ok("off") => false,
+        Ok(other) => {
+            return Err(CudaError::invalid(format!(
+                "PAGODA_GPU_SAMPLING_LIST_ROUNDS: unknown value `{other}` (use on or off)"
+            )))
+        }
+    };
+    let on_off = |on: bool| if on { "on" } else { "off" };
     static LOGGED: std::sync::Once = std::sync::Once::new();
     LOGGED.call_once(|| {
         tracing::info!(
             "GPU sampling: filtered rows on the {} path (PAGODA_GPU_SAMPLING_FILTERED=fast|exact); \
              row maxima in the Gumbel kernel when no row is filtered: {} \
-             (PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off)",
+             (PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off); top-k rows' rounds on their id list: {} \
+             (PAGODA_GPU_SAMPLING_LIST_ROUNDS=on|off)",
             filtered.name(),
-            if gumbel_max { "on" } else { "off" }
+            on_off(gumbel_max),
+            on_off(list_rounds)
         )
     });
-    Ok((filtered, gumbel_max))
+    Ok((filtered, gumbel_max, list_rounds))
 }
 
 impl DeviceSampler {
     fn new(gpu: &Gpu, max_rows: usize, vocab: usize) -> Result<Self, CudaError> {
         let max_rows = max_rows.clamp(1, MAX_SAMPLING_ROWS);
-        let (filtered, gumbel_max) = filtered_sampling()?;
+        let (filtered, gumbel_max, list_rounds) = filtered_sampling()?;
         Ok(DeviceSampler {
             workspace: SamplingWorkspace::new(gpu, max_rows, vocab)?,
             staging: gpu.alloc_pinned(max_rows * SAMPLING_PARAM_WORDS)?,
@@ -157,6 +171,7 @@ impl DeviceSampler {
             last_totals: SamplingTotals::default(),
             filtered,
             gumbel_max,
+            list_rounds,
         })
     }
 
@@ -197,6 +212,7 @@ impl DeviceSampler {
             let options = SamplingOptions {
                 filtered: self.filtered,
                 gumbel_max: self.gumbel_max,
+                list_rounds: self.list_rounds,
                 mix: SamplingMix::of(rows[run.clone()].iter().flatten(), vocab),
                 ..SamplingOptions::default()
             };
@@ -271,6 +287,7 @@ fn totals_difference(now: SamplingTotals, before: SamplingTotals) -> SamplingTot
         filtered_fast: now.filtered_fast.saturating_sub(before.filtered_fast),
         filtered_exact: now.filtered_exact.saturating_sub(before.filtered_exact),
         gumbel_max_rows: now.gumbel_max_rows.saturating_sub(before.gumbel_max_rows),
+        list_rows: now.list_rows.saturating_sub(before.list_rows),
     }
 }
 
@@ -341,6 +358,7 @@ impl<T: HostFloat> GpuLlama<T> {
         counters.sampler_filtered_fast_rows += gained.filtered_fast;
         counters.sampler_filtered_exact_rows += gained.filtered_exact;
         counters.sampler_gumbel_max_rows += gained.gumbel_max_rows;
+        counters.sampler_list_rows += gained.list_rows;
         *request.out = rows;
         Ok(drawn)
     }
@@ -406,6 +424,7 @@ mod tests {
             filtered_fast: 1,
             filtered_exact: 0,
             gumbel_max_rows: 1,
+            list_rows: 2,
         };
         let now = SamplingTotals {
             greedy: 7,
@@ -416,6 +435,7 @@ mod tests {
             filtered_fast: 3,
             filtered_exact: 1,
             gumbel_max_rows: 4,
+            list_rows: 7,
         };
         let gained = totals_difference(now, before);
         assert_eq!(
@@ -429,6 +449,7 @@ mod tests {
                 filtered_fast: 2,
                 filtered_exact: 1,
                 gumbel_max_rows: 3,
+                list_rows: 5,
             }
         );
         assert_eq!(

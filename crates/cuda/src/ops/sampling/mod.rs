@@ -83,6 +83,10 @@ pub enum SamplingEntry {
     Gumbel,
     /// `sampling_pass`: the filtered rows' masses and first candidate.
     Pass,
+    /// `sampling_pass_listed`: `sampling_pass` that also fills the rows' id lists.
+    PassListed,
+    /// `sampling_list_rounds`: the rounds of rows with a short proposal, on its id list.
+    ListRounds,
     /// `sampling_round`: one dual-pivot round of the fast filtered path.
     Round,
     /// `sampling_finish`: greedy / Gumbel tokens and the exact filtered kernel.
@@ -91,11 +95,13 @@ pub enum SamplingEntry {
 
 impl SamplingEntry {
     /// Every entry, in launch order.
-    pub const ALL: [SamplingEntry; 6] = [
+    pub const ALL: [SamplingEntry; 8] = [
         SamplingEntry::RowMax,
         SamplingEntry::TopKDigit,
         SamplingEntry::Gumbel,
         SamplingEntry::Pass,
+        SamplingEntry::PassListed,
+        SamplingEntry::ListRounds,
         SamplingEntry::Round,
         SamplingEntry::Finish,
     ];
@@ -108,6 +114,8 @@ pub fn specialize_sampling(entry: SamplingEntry) -> KernelSpec {
         SamplingEntry::TopKDigit => "sampling_top_k_digit",
         SamplingEntry::Gumbel => "sampling_gumbel",
         SamplingEntry::Pass => "sampling_pass",
+        SamplingEntry::PassListed => "sampling_pass_listed",
+        SamplingEntry::ListRounds => "sampling_list_rounds",
         SamplingEntry::Round => "sampling_round",
         SamplingEntry::Finish => "sampling_finish",
     };
@@ -134,6 +142,9 @@ const TOP_K_SHIFTS: [u32; 3] = [16, 8, 0];
 /// Threads of a split CTA and of a finish CTA.
 const SPLIT_THREADS: u32 = 256;
 const FINISH_THREADS: u32 = 1024;
+/// Ids of a row's list and threads of `sampling_list_rounds` (`LIST_CAPACITY`,
+/// `LIST_THREADS` in the kernels).
+const LIST_CAPACITY: usize = 512;
 /// Launch flags (`FLAG_*` in the kernels).
 const FLAG_FAST: u32 = 1;
 const FLAG_TOP_K: u32 = 2;
@@ -168,6 +179,10 @@ pub struct SamplingWorkspace {
     /// `[max_rows, MAX_SAMPLING_SPLITS]` their counts (`FLAG_GUMBEL_MAX`).
     gumbel_ids: DeviceBuffer<u32>,
     gumbel_count: DeviceBuffer<u32>,
+    /// `[max_rows, LIST_CAPACITY]` ids of short proposals and `[max_rows]` their counts
+    /// (zero between launches).
+    list_ids: DeviceBuffer<u32>,
+    list_count: DeviceBuffer<u32>,
     max_rows: usize,
     vocab: usize,
 }
@@ -199,6 +214,8 @@ impl SamplingWorkspace {
             segment_draw1: gpu.zeros(max_rows * MAX_SAMPLING_SPLITS * SEGMENTS * 2)?,
             gumbel_ids: gpu.zeros(partials * GUMBEL_SPLIT_KEPT)?,
             gumbel_count: gpu.zeros(partials)?,
+            list_ids: gpu.alloc(max_rows * LIST_CAPACITY)?,
+            list_count: gpu.zeros(max_rows)?,
             max_rows,
             vocab,
         })
@@ -226,7 +243,9 @@ impl SamplingWorkspace {
             + self.segment_draw0.len()
             + self.segment_draw1.len()
             + self.gumbel_ids.len()
-            + self.gumbel_count.len())
+            + self.gumbel_count.len()
+            + self.list_ids.len()
+            + self.list_count.len())
     }
 
     /// `[max_rows, 2]` u32: `{path code, rounds}` of each row of the last launch (rows beyond
@@ -412,8 +431,11 @@ pub fn sample_rows_with(
             )?;
         }
     }
+    // Only rows with a top-k threshold fill lists, so lists exist only with FLAG_TOP_K; the
+    // list kernel then reads them (and zeroes their counts).
+    let listed = fast && flags & FLAG_TOP_K != 0 && options.list_rounds;
     if fast {
-        let pass = [
+        let mut pass = vec![
             ptr(logits),
             ptr(params),
             vocab,
@@ -427,12 +449,36 @@ pub fn sample_rows_with(
             ptr(&ws.row_stats),
             ptr(&ws.totals),
         ];
+        let entry = if listed {
+            pass.extend([ptr(&ws.list_ids), ptr(&ws.list_count)]);
+            SamplingEntry::PassListed
+        } else {
+            SamplingEntry::Pass
+        };
+        // SAFETY: as above; list_ids holds max_rows x LIST_CAPACITY ids.
+        unsafe {
+            gpu.launch(&specialize_sampling(entry), filter_grid, &pass)?;
+        }
+    }
+    if listed {
+        let list = [
+            ptr(logits),
+            ptr(params),
+            vocab,
+            max_rounds,
+            ptr(&ws.state),
+            ptr(&ws.list_ids),
+            ptr(&ws.list_count),
+            ptr(tokens_out),
+            ptr(&ws.row_stats),
+            ptr(&ws.totals),
+        ];
         // SAFETY: as above.
         unsafe {
             gpu.launch(
-                &specialize_sampling(SamplingEntry::Pass),
-                filter_grid,
-                &pass,
+                &specialize_sampling(SamplingEntry::ListRounds),
+                LaunchDims::new((rows, 1), LIST_CAPACITY as u32),
+                &list,
             )?;
         }
     }

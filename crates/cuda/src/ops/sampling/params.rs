@@ -287,6 +287,10 @@ pub struct SamplingOptions {
     /// each row's maximum and keeps its splits' few candidates, which the finish kernel
     /// scores exactly. Same tokens either way.
     pub gumbel_max: bool,
+    /// Rows with a top-k of at most 512 and top-p run their rounds in one CTA over the list
+    /// of their proposal's ids (`sampling_list_rounds`) instead of round launches over the
+    /// whole row. Same tokens either way.
+    pub list_rounds: bool,
 }
 
 impl Default for SamplingOptions {
@@ -300,6 +304,7 @@ impl Default for SamplingOptions {
             fast_rounds: None,
             mix: SamplingMix::ALL,
             gumbel_max: true,
+            list_rounds: true,
         }
     }
 }
@@ -470,10 +475,12 @@ pub struct SamplingTotals {
     /// Rows whose maximum the Gumbel kernel found (no row-maximum pass; see
     /// [`SamplingOptions::gumbel_max`]).
     pub gumbel_max_rows: u64,
+    /// Filtered rows whose rounds ran on their id list (see [`SamplingOptions::list_rounds`]).
+    pub list_rows: u64,
 }
 
-/// u32 words of the totals counters in the workspace (8 little-endian u64).
-pub const SAMPLING_TOTALS_WORDS: usize = 16;
+/// u32 words of the totals counters in the workspace (9 little-endian u64).
+pub const SAMPLING_TOTALS_WORDS: usize = 18;
 
 impl SamplingTotals {
     /// Decodes the workspace's [`SAMPLING_TOTALS_WORDS`] words.
@@ -495,6 +502,7 @@ impl SamplingTotals {
             filtered_fast: counter(5),
             filtered_exact: counter(6),
             gumbel_max_rows: counter(7),
+            list_rows: counter(8),
         })
     }
 }

@@ -27,6 +27,8 @@ fn every_specialization_compiles_for_sm90a_and_sm80() {
         .into_iter()
         .filter(|spec| only.as_deref().is_none_or(|only| spec.entry.contains(only)))
         .collect();
+    // PAGODA_NVRTC_DUMP=<dir> writes each compute_90a PTX there (for `ptxas -v` on kernel work).
+    let dump = std::env::var_os("PAGODA_NVRTC_DUMP").map(std::path::PathBuf::from);
     let mut failures = Vec::new();
     let mut compiled = 0;
     for arch in [Arch("compute_90a".into()), Arch("compute_80".into())] {
@@ -38,6 +40,16 @@ fn every_specialization_compiles_for_sm90a_and_sm80() {
                         "{}: entry missing from PTX",
                         key.canonical()
                     );
+                    if let (Some(dir), "compute_90a") = (&dump, arch.0.as_str()) {
+                        std::fs::create_dir_all(dir).expect("create the PTX dump folder");
+                        let name: String = key
+                            .canonical()
+                            .chars()
+                            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                            .collect();
+                        let path = dir.join(format!("{name}.ptx"));
+                        std::fs::write(&path, &ptx).expect("write the PTX");
+                    }
                     compiled += 1;
                 }
                 Err(error) => failures.push(format!("{}: {error}", arch.0)),

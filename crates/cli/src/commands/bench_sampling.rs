@@ -102,6 +102,9 @@ pub struct BenchSamplingArgs {
     /// `generate` / `serve`) or as round launches over the whole row (off).
     #[arg(long = "list-rounds", value_enum, default_value_t = OnOff::On)]
     pub list_rounds: OnOff,
+    /// CUDA: CTAs per row of the filtered pipeline (default: the sampler's choice).
+    #[arg(long = "filter-splits")]
+    pub filter_splits: Option<usize>,
     /// CUDA: the configurations to time (comma-separated; default all).
     #[arg(long = "configurations", value_enum, value_delimiter = ',')]
     pub configurations: Vec<super::bench_sampling_anchors::Configuration>,

@@ -169,6 +169,7 @@ pub fn run(args: &BenchSamplingArgs) -> Result<()> {
                         gumbel_max: args.gumbel_max == OnOff::On,
                         list_rounds: args.list_rounds == OnOff::On,
                         fast_rounds: args.fast_rounds,
+                        filter_splits: args.filter_splits,
                         label: if filtered { arm.name() } else { "-" },
                     };
                     let case = measure(
@@ -282,6 +283,8 @@ struct ArmOptions {
     /// [`SamplingOptions::list_rounds`].
     list_rounds: bool,
     fast_rounds: Option<u32>,
+    /// [`SamplingOptions::filter_splits`].
+    filter_splits: Option<usize>,
     /// The arm's name in the table.
     label: &'static str,
 }
@@ -316,6 +319,7 @@ fn measure(
         fast_rounds: arm.fast_rounds,
         gumbel_max: arm.gumbel_max,
         list_rounds: arm.list_rounds,
+        filter_splits: arm.filter_splits,
         mix: mix.unwrap_or(SamplingMix::ALL),
         ..SamplingOptions::default()
     };

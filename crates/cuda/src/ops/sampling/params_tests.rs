@@ -187,12 +187,13 @@ fn stats_and_totals_decode() {
 }
 
 #[test]
-fn filter_splits_cover_the_sms_and_keep_512_logits_each() {
+fn filter_splits_follow_the_measured_rule_and_keep_512_logits_each() {
     assert_eq!(filter_splits(1, 1000, 132), 1);
     assert_eq!(filter_splits(1, 151_936, 132), 128);
-    assert_eq!(filter_splits(16, 128_256, 132), 64);
+    assert_eq!(filter_splits(16, 128_256, 132), 32);
     assert_eq!(filter_splits(64, 151_936, 132), 16);
-    assert_eq!(filter_splits(1000, 151_936, 132), 1);
+    assert_eq!(filter_splits(4, 128_256, 132), 64);
+    assert_eq!(filter_splits(1000, 151_936, 132), 4);
     assert_eq!(filter_splits(1, 4096, 132), 8);
     for rows in [1usize, 3, 64, 500] {
         for vocab in [1usize, 999, 5000, 70_000, 1 << 20] {

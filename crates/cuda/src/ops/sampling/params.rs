@@ -262,7 +262,7 @@ pub const DEFAULT_FAST_ROUNDS: u32 = 3;
 /// log scale) to `sm_count / sqrt(rows)`, at most [`MAX_SAMPLING_SPLITS`] and at least 512
 /// logits each. Measured on the H200 (`pagoda bench sampling --device cuda --filter-splits
 /// 8|16|32|64|128`, top-p, top-k + top-p and min-p at V 128256 and 151936): the best split was
-/// 128 at batch 1, 32 at batch 16 (10-17% faster than 64) and 16 at batch 64 (top-p 3-7%
+/// 128 at batch 1, 32 at batch 16 (10-19% faster than 64) and 16 at batch 64 (top-p 3-7%
 /// faster than 8, min-p 11-15% slower); checked at batch 4 and 32. More rows want more
 /// logits per CTA, but the rows left after the first round still want many SMs.
 pub fn filter_splits(rows: usize, vocab: usize, sm_count: usize) -> usize {

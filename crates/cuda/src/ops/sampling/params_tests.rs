@@ -101,14 +101,11 @@ fn planning_checks_every_length() {
     );
     let fixed = SamplingOptions {
         num_splits: Some(16),
+        filter_splits: Some(2),
         ..options
     };
-    assert_eq!(
-        plan_sampling(shapes(4, 1000), fixed, 132)
-            .unwrap()
-            .num_splits,
-        16
-    );
+    let plan = plan_sampling(shapes(4, 1000), fixed, 132).unwrap();
+    assert_eq!((plan.num_splits, plan.filter_splits), (16, 2));
     let mut bad = shapes(4, 1000);
     bad.logits_len -= 1;
     let error = plan_sampling(bad, options, 132).unwrap_err().to_string();
@@ -138,6 +135,21 @@ fn planning_checks_every_length() {
             .unwrap_err()
             .to_string();
         assert!(error.contains("num_splits"), "{error}");
+        let options = SamplingOptions {
+            filter_splits: Some(splits),
+            ..options
+        };
+        let error = plan_sampling(
+            shapes(4, 1000),
+            SamplingOptions {
+                num_splits: None,
+                ..options
+            },
+            132,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(error.contains("filter_splits"), "{error}");
     }
     // Zero rows is a valid (empty) launch.
     assert_eq!(

@@ -9,6 +9,8 @@ use pagoda_cuda::Gpu;
 use pagoda_ops::sampling::{effective_distribution, FusedSampler, SamplingParams};
 use rand::Rng;
 
+use super::{poisoned, random_vec, rng};
+
 /// Draws per goodness-of-fit test: `PAGODA_SAMPLING_DRAWS`, default 1,000,000.
 pub fn draws() -> u64 {
     std::env::var("PAGODA_SAMPLING_DRAWS")
@@ -311,4 +313,63 @@ pub fn gpu_tokens(
         start += n as u64;
     }
     out
+}
+
+/// A mixed batch: greedy, Gumbel and filtered rows with different logits, seeds and steps.
+pub fn mixed_batch(vocab: usize) -> (Vec<Vec<f32>>, Vec<SamplingRowParams>) {
+    let mut rng = rng(61 + vocab as u64);
+    let mut rows = Vec::new();
+    let mut params = Vec::new();
+    for index in 0..37u64 {
+        rows.push(random_vec(&mut rng, vocab, 2.0 + (index % 5) as f32));
+        let chain = match index % 6 {
+            0 => chain_params(0.0, 0, 1.0, 0.0, index),
+            1 => chain_params(0.8, 0, 1.0, 0.0, index),
+            2 => chain_params(1.0, 40, 1.0, 0.0, index),
+            3 => chain_params(0.7, 0, 0.9, 0.0, index),
+            4 => chain_params(1.2, 0, 1.0, 0.05, index),
+            _ => chain_params(1.0, 50, 0.9, 0.0, index),
+        };
+        params.push(row_params(&chain, 1000 * index + 7));
+    }
+    (rows, params)
+}
+
+pub fn sample_batch(
+    gpu: &Gpu,
+    rows: &[Vec<f32>],
+    params: &[SamplingRowParams],
+    options: SamplingOptions,
+) -> Vec<u32> {
+    sample_batch_with_totals(gpu, rows, params, options).0
+}
+
+/// One launch over `rows` with `options` (a fresh workspace): the tokens and the totals.
+pub fn sample_batch_with_totals(
+    gpu: &Gpu,
+    rows: &[Vec<f32>],
+    params: &[SamplingRowParams],
+    options: SamplingOptions,
+) -> (Vec<u32>, SamplingTotals) {
+    let vocab = rows[0].len();
+    let logits = gpu.upload(&rows.concat()).unwrap();
+    let params_d = gpu
+        .upload(&ops::encode_row_params(params).unwrap())
+        .unwrap();
+    let mut workspace = SamplingWorkspace::new(gpu, rows.len(), vocab).unwrap();
+    let mut tokens = poisoned::<u32>(gpu, rows.len());
+    ops::sample_rows_with(
+        gpu,
+        &logits,
+        vocab,
+        &params_d,
+        &mut workspace,
+        &mut tokens,
+        options,
+    )
+    .unwrap();
+    (
+        gpu.download(&tokens).unwrap(),
+        workspace.read_totals(gpu).unwrap(),
+    )
 }

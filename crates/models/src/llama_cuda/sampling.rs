@@ -113,11 +113,25 @@ pub(super) struct DeviceSampler {
     list_rounds: bool,
 }
 
+/// An `on|off` switch from the environment, on when unset; an error naming the variable for
+/// any other value.
+fn env_on_off(name: &str) -> Result<bool, CudaError> {
+    match std::env::var(name).as_deref() {
+        Err(_) | Ok("on") => Ok(true),
+        Ok("off") => Ok(false),
+        Ok(other) => Err(CudaError::invalid(format!(
+            "{name}: unknown value `{other}` (use on or off)"
+        ))),
+    }
+}
+
 /// The filtered rows' path: `PAGODA_GPU_SAMPLING_FILTERED=fast|exact` (default `fast`, which
 /// measured faster in every configuration of `pagoda bench sampling --device cuda`), and
 /// whether launches without filtered rows find the row maxima in the Gumbel kernel:
-/// `PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off` (default `on`, measured faster); logged once. An
-/// unknown value is an error naming the variable.
+/// `PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off` (default `on`, measured faster), and whether top-k
+/// rows run their rounds on their id list: `PAGODA_GPU_SAMPLING_LIST_ROUNDS=on|off` (default
+/// `on`, measured faster at batch 64); logged once. An unknown value is an error naming the
+/// variable.
 pub(super) fn filtered_sampling() -> Result<(FilteredSampling, bool, bool), CudaError> {
     let filtered = match std::env::var("PAGODA_GPU_SAMPLING_FILTERED") {
         Ok(value) => FilteredSampling::parse(&value).map_err(|error| {
@@ -125,24 +139,8 @@ pub(super) fn filtered_sampling() -> Result<(FilteredSampling, bool, bool), Cuda
         })?,
         Err(_) => FilteredSampling::Fast,
     };
-    let gumbel_max = match std::env::var("PAGODA_GPU_SAMPLING_GUMBEL_MAX").as_deref() {
-        Err(_) | Ok("on") => true,
-        Ok("off") => false,
-        Ok(other) => {
-            return Err(CudaError::invalid(format!(
-                "PAGODA_GPU_SAMPLING_GUMBEL_MAX: unknown value `{other}` (use on or off)"
-            )))
-        }
-    };
-    let list_rounds = match std::env::var("PAGODA_GPU_SAMPLING_LIST_ROUNDS").as_deref() {
-        Err(_) | Ok("on") => true,
-        Ok("off") => false,
-        Ok(other) => {
-            return Err(CudaError::invalid(format!(
-                "PAGODA_GPU_SAMPLING_LIST_ROUNDS: unknown value `{other}` (use on or off)"
-            )))
-        }
-    };
+    let gumbel_max = env_on_off("PAGODA_GPU_SAMPLING_GUMBEL_MAX")?;
+    let list_rounds = env_on_off("PAGODA_GPU_SAMPLING_LIST_ROUNDS")?;
     let on_off = |on: bool| if on { "on" } else { "off" };
     static LOGGED: std::sync::Once = std::sync::Once::new();
     LOGGED.call_once(|| {

@@ -1,0 +1,213 @@
+//! GPU sampling tests of the launch paths (run with `PAGODA_GPU_TESTS=1` on a GPU; SKIP
+//! elsewhere): the fast filtered pipeline against the exact kernel and the CPU `FusedSampler`
+//! on rows of many shapes, and the Gumbel launches without a row-maximum pass. The
+//! distribution tests are in `gpu_sampling.rs`.
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::sampling::*;
+use common::*;
+use pagoda_cuda::ops::{FilteredSampling, SamplingMix, SamplingOptions, SamplingRowParams};
+
+/// Filtered rows of many shapes: temperatures 0.1 to 3, top-p 0.3 to 0.999, top-k, min-p and
+/// their combinations, on logits of several spreads.
+fn filtered_batch(vocab: usize, rows: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<SamplingRowParams>) {
+    let mut rng = rng(seed);
+    let temperatures = [0.1f32, 0.5, 0.8, 1.0, 1.7, 3.0];
+    let top_ps = [0.3f32, 0.7, 0.9, 0.95, 0.999];
+    let mut logits = Vec::new();
+    let mut params = Vec::new();
+    for index in 0..rows {
+        logits.push(random_vec(
+            &mut rng,
+            vocab,
+            [0.5f32, 2.0, 3.0, 8.0][index % 4],
+        ));
+        let temperature = temperatures[index % temperatures.len()];
+        let top_p = top_ps[(index / 2) % top_ps.len()];
+        let chain = match index % 5 {
+            0 => chain_params(temperature, 0, top_p, 0.0, index as u64),
+            1 => chain_params(temperature, 50, top_p, 0.0, index as u64),
+            2 => chain_params(temperature, 0, 1.0, 0.02, index as u64),
+            3 => chain_params(temperature, 200, 1.0, 0.0, index as u64),
+            _ => chain_params(temperature, 40, top_p, 0.05, index as u64),
+        };
+        params.push(row_params(&chain, 977 * index as u64 + 3));
+    }
+    (logits, params)
+}
+
+#[test]
+fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
+    let Some(gpu) = gpu("the_fast_filtered_path_draws_the_exact_kernels_tokens") else {
+        return;
+    };
+    let exact = SamplingOptions {
+        filtered: FilteredSampling::Exact,
+        ..SamplingOptions::default()
+    };
+    for (vocab, rows, batches) in [
+        (1000usize, 64usize, 20u64),
+        (32_768, 64, 4),
+        (151_936, 16, 4),
+    ] {
+        let (mut fast_rows, mut exact_rows, mut equal, mut total) = (0u64, 0u64, 0usize, 0usize);
+        for batch in 0..batches {
+            let (logits, params) = filtered_batch(vocab, rows, 1000 * batch + vocab as u64);
+            let (fast_tokens, totals) =
+                sample_batch_with_totals(&gpu, &logits, &params, SamplingOptions::default());
+            let exact_tokens = sample_batch(&gpu, &logits, &params, exact);
+            equal += fast_tokens
+                .iter()
+                .zip(&exact_tokens)
+                .filter(|(a, b)| a == b)
+                .count();
+            total += rows;
+            let first = fast_tokens
+                .iter()
+                .zip(&exact_tokens)
+                .position(|(a, b)| a != b);
+            assert_eq!(
+                fast_tokens,
+                exact_tokens,
+                "V={vocab} batch {batch}: first difference at row {first:?} ({:?})",
+                first.map(|row| params[row])
+            );
+            // Which path finished the rows.
+            fast_rows += totals.filtered_fast;
+            exact_rows += totals.filtered_exact;
+            assert_eq!(totals.filtered_fast + totals.filtered_exact, rows as u64);
+        }
+        println!(
+            "V={vocab}: {equal}/{total} tokens equal; fast path finished {fast_rows}, exact \
+             kernel {exact_rows}"
+        );
+        assert!(
+            fast_rows * 10 >= 9 * total as u64,
+            "V={vocab}: the fast path finished only {fast_rows} of {total} rows"
+        );
+    }
+    // Without round launches or list rounds, or with stages left out of the mix, every row
+    // still gets the same token (on the slower paths).
+    let (logits, params) = filtered_batch(32_768, 40, 7);
+    let reference = sample_batch(&gpu, &logits, &params, exact);
+    let none = SamplingMix {
+        gumbel: false,
+        filtered: false,
+        top_k: false,
+    };
+    for options in [
+        SamplingOptions {
+            fast_rounds: Some(0),
+            ..SamplingOptions::default()
+        },
+        SamplingOptions {
+            list_rounds: false,
+            ..SamplingOptions::default()
+        },
+        SamplingOptions {
+            mix: none,
+            ..SamplingOptions::default()
+        },
+        SamplingOptions {
+            mix: SamplingMix {
+                top_k: false,
+                ..SamplingMix::ALL
+            },
+            ..SamplingOptions::default()
+        },
+    ] {
+        assert_eq!(
+            sample_batch(&gpu, &logits, &params, options),
+            reference,
+            "{options:?}"
+        );
+    }
+    let (logits, params) = mixed_batch(32_768);
+    assert_eq!(
+        sample_batch(
+            &gpu,
+            &logits,
+            &params,
+            SamplingOptions {
+                mix: none,
+                ..SamplingOptions::default()
+            }
+        ),
+        sample_batch(&gpu, &logits, &params, SamplingOptions::default()),
+        "mixed batch, nothing in the mix"
+    );
+}
+
+#[test]
+fn gumbel_rows_without_a_row_max_pass_draw_the_same_tokens() {
+    let Some(gpu) = gpu("gumbel_rows_without_a_row_max_pass_draw_the_same_tokens") else {
+        return;
+    };
+    // No filtered row: the launch's mix leaves the filtered stages out, as forward_sampled's.
+    let unfiltered = SamplingMix {
+        filtered: false,
+        top_k: false,
+        ..SamplingMix::ALL
+    };
+    let on = SamplingOptions {
+        mix: unfiltered,
+        ..SamplingOptions::default()
+    };
+    let off = SamplingOptions {
+        gumbel_max: false,
+        ..on
+    };
+    for vocab in [1000usize, 151_936] {
+        let mut rng = rng(91 + vocab as u64);
+        let mut rows = Vec::new();
+        let mut params = Vec::new();
+        for index in 0..24u64 {
+            let mut row = random_vec(&mut rng, vocab, [0.5f32, 3.0, 8.0][index as usize % 3]);
+            match index % 8 {
+                // Huge logits: the approximate scores' error bound keeps many candidates
+                // per split, which overflows into the finish kernel's whole-row scan.
+                5 => row.iter_mut().for_each(|v| *v += 1.0e6),
+                // Half the ids masked (NaN or -inf), and a row with no finite logit.
+                6 => row.iter_mut().enumerate().for_each(|(i, v)| {
+                    if i % 2 == 1 {
+                        *v = if i % 6 == 1 {
+                            f32::NAN
+                        } else {
+                            f32::NEG_INFINITY
+                        };
+                    }
+                }),
+                7 if index == 7 => row.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
+                _ => {}
+            }
+            rows.push(row);
+            let temperature = [0.0f32, 0.05, 0.7, 1.0, 2.5][index as usize % 5];
+            params.push(row_params(
+                &chain_params(temperature, 0, 1.0, 0.0, index),
+                31 * index + 5,
+            ));
+        }
+        let (fused, totals) = sample_batch_with_totals(&gpu, &rows, &params, on);
+        assert_eq!(
+            totals.gumbel_max_rows,
+            rows.len() as u64,
+            "V={vocab}: {totals:?}"
+        );
+        assert_eq!(fused, sample_batch(&gpu, &rows, &params, off), "V={vocab}");
+        for (index, (row, record)) in rows.iter().zip(&params).enumerate() {
+            let chain = chain_params(record.temperature, 0, 1.0, 0.0, index as u64);
+            let mut sampler = pagoda_ops::sampling::FusedSampler::new(chain).unwrap();
+            for _ in 0..31 * index as u64 + 5 {
+                sampler.sample(row, &[]);
+            }
+            assert_eq!(
+                fused[index],
+                sampler.sample(row, &[]),
+                "V={vocab} row {index}: GPU vs CPU FusedSampler"
+            );
+        }
+    }
+}

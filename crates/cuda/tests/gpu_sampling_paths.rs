@@ -97,6 +97,8 @@ fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
         gumbel: false,
         filtered: false,
         top_k: false,
+        top_p: false,
+        unlisted_top_p: false,
     };
     for options in [
         SamplingOptions {
@@ -114,6 +116,14 @@ fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
         SamplingOptions {
             mix: SamplingMix {
                 top_k: false,
+                ..SamplingMix::ALL
+            },
+            ..SamplingOptions::default()
+        },
+        // No round launches: the unlisted top-p rows go to the exact kernel.
+        SamplingOptions {
+            mix: SamplingMix {
+                unlisted_top_p: false,
                 ..SamplingMix::ALL
             },
             ..SamplingOptions::default()

@@ -62,8 +62,8 @@ pub use params::{
     decode_row_stats, encode_row_params, filter_splits, plan_sampling, sampling_splits,
     FilteredSampling, RowPath, RowSamplingStats, SamplingMix, SamplingOptions, SamplingPlan,
     SamplingRowParams, SamplingShapes, SamplingTotals, DEFAULT_FAST_ROUNDS,
-    DEFAULT_MAX_REJECTION_ROUNDS, MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS,
-    SAMPLING_TOTALS_WORDS,
+    DEFAULT_MAX_REJECTION_ROUNDS, LIST_CAPACITY, MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS,
+    SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
 };
 
 use super::SAMPLING;
@@ -142,9 +142,6 @@ const TOP_K_SHIFTS: [u32; 3] = [16, 8, 0];
 /// Threads of a split CTA and of a finish CTA.
 const SPLIT_THREADS: u32 = 256;
 const FINISH_THREADS: u32 = 1024;
-/// Ids of a row's list and threads of `sampling_list_rounds` (`LIST_CAPACITY`,
-/// `LIST_THREADS` in the kernels).
-const LIST_CAPACITY: usize = 512;
 /// Launch flags (`FLAG_*` in the kernels).
 const FLAG_FAST: u32 = 1;
 const FLAG_TOP_K: u32 = 2;
@@ -483,7 +480,13 @@ pub fn sample_rows_with(
         }
     }
     if fast {
-        let rounds = options.fast_rounds.unwrap_or(DEFAULT_FAST_ROUNDS);
+        // Only top-p rows can need round launches, and with the lists only those off them
+        // (see SamplingMix).
+        let rounds = if mix.top_p && (mix.unlisted_top_p || !listed) {
+            options.fast_rounds.unwrap_or(DEFAULT_FAST_ROUNDS)
+        } else {
+            0
+        };
         let round = [
             ptr(logits),
             ptr(params),

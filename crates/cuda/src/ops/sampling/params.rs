@@ -209,7 +209,20 @@ pub struct SamplingMix {
     pub filtered: bool,
     /// Some filtered row has top-k.
     pub top_k: bool,
+    /// Some filtered row has top-p. Only such rows can need the round launches: a row
+    /// without top-p accepts its first candidate.
+    pub top_p: bool,
+    /// Some row has top-p without a top-k of at most [`LIST_CAPACITY`]. With the list rounds
+    /// on, only such rows need the round launches (a listed row's rounds run on its list).
+    /// A launch that needs none has no round launches; a row that still needs rounds (a list
+    /// that overflowed on ties, fewer than k finite logits) is drawn by the exact kernel, with
+    /// the same token.
+    pub unlisted_top_p: bool,
 }
+
+/// Ids of a row's list and threads of `sampling_list_rounds` (`LIST_CAPACITY`,
+/// `LIST_THREADS` in the kernels).
+pub const LIST_CAPACITY: usize = 512;
 
 impl SamplingMix {
     /// Every stage launched.
@@ -217,6 +230,8 @@ impl SamplingMix {
         gumbel: true,
         filtered: true,
         top_k: true,
+        top_p: true,
+        unlisted_top_p: true,
     };
 
     /// The mix of `rows` for a vocabulary of `vocab` (the kernels' own row classification,
@@ -230,6 +245,8 @@ impl SamplingMix {
             gumbel: false,
             filtered: false,
             top_k: false,
+            top_p: false,
+            unlisted_top_p: false,
         };
         for row in rows {
             // NaN counts as greedy, as on the device.
@@ -242,6 +259,10 @@ impl SamplingMix {
             if top_k || row.top_p < 1.0 || row.min_p > 0.0 {
                 mix.filtered = true;
                 mix.top_k |= top_k;
+                // NaN top-p counts as off, as on the device.
+                let listed = top_k && row.top_k as usize <= LIST_CAPACITY;
+                mix.top_p |= row.top_p < 1.0;
+                mix.unlisted_top_p |= row.top_p < 1.0 && !listed;
             } else {
                 mix.gumbel = true;
             }

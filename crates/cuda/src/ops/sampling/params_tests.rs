@@ -232,6 +232,8 @@ fn the_mix_names_the_stages_the_rows_need() {
         gumbel: false,
         filtered: false,
         top_k: false,
+        top_p: false,
+        unlisted_top_p: false,
     };
     assert_eq!(SamplingMix::of(&[], 1000), none);
     // Greedy rows (T 0, top-k 1) need neither stage.
@@ -246,16 +248,51 @@ fn the_mix_names_the_stages_the_rows_need() {
             ..none
         }
     );
-    // top_k >= vocab keeps everything: no top-k stage.
+    // top_k >= vocab keeps everything: no top-k stage, and top-p off the lists.
     assert_eq!(
         SamplingMix::of(&[row(0.7, 1000, 0.9, 0.0)], 1000),
+        SamplingMix {
+            filtered: true,
+            top_p: true,
+            unlisted_top_p: true,
+            ..none
+        }
+    );
+    // Top-k 40 + top-p rows run their rounds on their lists; min-p alone needs no rounds.
+    let listed = SamplingMix {
+        filtered: true,
+        top_k: true,
+        top_p: true,
+        ..none
+    };
+    assert_eq!(SamplingMix::of(&[row(0.7, 40, 0.9, 0.0)], 1000), listed);
+    assert_eq!(
+        SamplingMix::of(&[row(0.7, 40, 0.9, 0.0), row(1.0, 0, 1.0, 0.05)], 2000),
+        listed
+    );
+    assert_eq!(
+        SamplingMix::of(&[row(0.7, 600, 0.9, 0.0)], 2000),
+        SamplingMix {
+            unlisted_top_p: true,
+            ..listed
+        }
+    );
+    assert_eq!(
+        SamplingMix::of(&[row(1.0, 0, f32::NAN, 0.05)], 1000),
         SamplingMix {
             filtered: true,
             ..none
         }
     );
     assert_eq!(
-        SamplingMix::of(&[row(0.7, 40, 1.0, 0.0), row(1.0, 0, 1.0, 0.0)], 1000),
+        SamplingMix::of(
+            &[
+                row(0.7, 40, 1.0, 0.0),
+                row(1.0, 0, 1.0, 0.0),
+                row(1.0, 0, 0.9, 0.0)
+            ],
+            1000
+        ),
         SamplingMix::ALL
     );
 }

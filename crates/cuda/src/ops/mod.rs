@@ -45,12 +45,11 @@ pub use prefill_mma::{
 pub use qkv::{add_bias_rows, rms_norm_heads, specialize_qkv, QkvEntry};
 pub use rope::{kv_append, rope, specialize_kv_append, specialize_rope, RopeStyle};
 pub use sampling::{
-    decode_row_stats, encode_row_params, filter_splits, plan_sampling, sample_rows,
-    sample_rows_with, sampling_splits, specialize_sampling, FilteredSampling, RowPath,
+    decode_row_stats, default_fast_rounds, encode_row_params, filter_splits, plan_sampling,
+    sample_rows, sample_rows_with, sampling_splits, specialize_sampling, FilteredSampling, RowPath,
     RowSamplingStats, SamplingEntry, SamplingMix, SamplingOptions, SamplingPlan, SamplingRowParams,
-    SamplingShapes, SamplingTotals, SamplingWorkspace, DEFAULT_FAST_ROUNDS,
-    DEFAULT_MAX_REJECTION_ROUNDS, MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS,
-    SAMPLING_TOTALS_WORDS,
+    SamplingShapes, SamplingTotals, SamplingWorkspace, DEFAULT_MAX_REJECTION_ROUNDS,
+    MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
 };
 
 use crate::error::CudaError;

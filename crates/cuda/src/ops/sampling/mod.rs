@@ -59,11 +59,11 @@
 mod params;
 
 pub use params::{
-    decode_row_stats, encode_row_params, filter_splits, plan_sampling, sampling_splits,
-    FilteredSampling, RowPath, RowSamplingStats, SamplingMix, SamplingOptions, SamplingPlan,
-    SamplingRowParams, SamplingShapes, SamplingTotals, DEFAULT_FAST_ROUNDS,
-    DEFAULT_MAX_REJECTION_ROUNDS, LIST_CAPACITY, MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS,
-    SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
+    decode_row_stats, default_fast_rounds, encode_row_params, filter_splits, plan_sampling,
+    sampling_splits, FilteredSampling, RowPath, RowSamplingStats, SamplingMix, SamplingOptions,
+    SamplingPlan, SamplingRowParams, SamplingShapes, SamplingTotals, DEFAULT_MAX_REJECTION_ROUNDS,
+    LIST_CAPACITY, MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS,
+    SAMPLING_TOTALS_WORDS,
 };
 
 use super::SAMPLING;
@@ -483,7 +483,9 @@ pub fn sample_rows_with(
         // Only top-p rows can need round launches, and with the lists only those off them
         // (see SamplingMix).
         let rounds = if mix.top_p && (mix.unlisted_top_p || !listed) {
-            options.fast_rounds.unwrap_or(DEFAULT_FAST_ROUNDS)
+            options
+                .fast_rounds
+                .unwrap_or_else(|| default_fast_rounds(plan.rows))
         } else {
             0
         };

@@ -296,3 +296,10 @@ fn the_mix_names_the_stages_the_rows_need() {
         SamplingMix::ALL
     );
 }
+
+#[test]
+fn two_round_launches_up_to_four_rows() {
+    for (rows, launches) in [(0, 2), (1, 2), (4, 2), (5, 3), (16, 3), (64, 3)] {
+        assert_eq!(default_fast_rounds(rows), launches, "{rows} rows");
+    }
+}

@@ -424,22 +424,37 @@ unsafe fn chunk_body<V: Lanes>(
                 denominator[head] += sum;
             }
 
-            // 3. Values: one V span at a time, accumulated into every head of the pass.
-            for (index, &row) in rows[..count].iter().enumerate() {
-                let values = &kv.v_pool[row..row + span];
-                for head in 0..heads {
-                    let value = values[head_offsets[head]..].as_ptr();
-                    let accumulator = accumulators[head * head_dim..].as_mut_ptr();
-                    // SAFETY: `value` and `accumulator` hold `vectors * LANES` floats.
-                    unsafe {
-                        let weight = V::splat(scores[head][index]);
-                        for vector in 0..vectors {
-                            let offset = vector * V::LANES;
-                            let target = accumulator.add(offset);
-                            V::load(value.add(offset))
-                                .mul_add(weight, V::load(target))
-                                .store(target);
-                        }
+            // 3. Values: per head, its accumulator in registers and the tile's values streamed
+            // past it (each element's additions in token order, as one row at a time).
+            for head in 0..heads {
+                let accumulator = &mut accumulators[head * head_dim..(head + 1) * head_dim];
+                let weights = &scores[head][..count];
+                let offset = head_offsets[head];
+                // SAFETY: every row + offset + head_dim is inside the V pool (checked by
+                // `head_row`), and the accumulator holds head_dim = vectors * LANES floats.
+                unsafe {
+                    match vectors {
+                        4 => accumulate_head::<V, 4>(
+                            kv.v_pool,
+                            &rows[..count],
+                            offset,
+                            weights,
+                            accumulator,
+                        ),
+                        8 => accumulate_head::<V, 8>(
+                            kv.v_pool,
+                            &rows[..count],
+                            offset,
+                            weights,
+                            accumulator,
+                        ),
+                        _ => accumulate_head_any::<V>(
+                            kv.v_pool,
+                            &rows[..count],
+                            offset,
+                            weights,
+                            accumulator,
+                        ),
                     }
                 }
             }
@@ -459,5 +474,72 @@ unsafe fn chunk_body<V: Lanes>(
             }
         }
         head_start += heads;
+    }
+}
+
+/// The `head_dim` floats of the V row of one head: `pool[row + offset..]`, bounds-checked.
+#[inline(always)]
+fn head_row(pool: &[f32], row: usize, offset: usize, head_dim: usize) -> *const f32 {
+    pool[row + offset..row + offset + head_dim].as_ptr()
+}
+
+/// `accumulator += weights[i] * V row rows[i]` over the tile for a head of `N` vectors, the
+/// accumulator held in `N` registers: each element's fused multiply-adds in token order, as
+/// [`accumulate_head_any`].
+///
+/// # Safety
+/// The CPU must run `V`'s instructions; `accumulator.len() == N * V::LANES`.
+#[inline(always)]
+unsafe fn accumulate_head<V: Lanes, const N: usize>(
+    pool: &[f32],
+    rows: &[usize],
+    offset: usize,
+    weights: &[f32],
+    accumulator: &mut [f32],
+) {
+    // SAFETY: `accumulator` holds N * LANES floats and each value row head_dim of them.
+    unsafe {
+        let mut sums = [V::splat(0.0); N];
+        for (vector, sum) in sums.iter_mut().enumerate() {
+            *sum = V::load(accumulator[vector * V::LANES..].as_ptr());
+        }
+        for (&row, &weight) in rows.iter().zip(weights) {
+            let value = head_row(pool, row, offset, N * V::LANES);
+            let weight = V::splat(weight);
+            for (vector, sum) in sums.iter_mut().enumerate() {
+                *sum = V::load(value.add(vector * V::LANES)).mul_add(weight, *sum);
+            }
+        }
+        for (vector, sum) in sums.iter().enumerate() {
+            sum.store(accumulator[vector * V::LANES..].as_mut_ptr());
+        }
+    }
+}
+
+/// [`accumulate_head`] for any number of vectors (accumulator updated in memory).
+///
+/// # Safety
+/// As [`accumulate_head`], with `accumulator.len()` a multiple of `V::LANES`.
+#[inline(always)]
+unsafe fn accumulate_head_any<V: Lanes>(
+    pool: &[f32],
+    rows: &[usize],
+    offset: usize,
+    weights: &[f32],
+    accumulator: &mut [f32],
+) {
+    let vectors = accumulator.len() / V::LANES;
+    // SAFETY: as above.
+    unsafe {
+        for (&row, &weight) in rows.iter().zip(weights) {
+            let value = head_row(pool, row, offset, accumulator.len());
+            let weight = V::splat(weight);
+            for vector in 0..vectors {
+                let target = accumulator[vector * V::LANES..].as_mut_ptr();
+                V::load(value.add(vector * V::LANES))
+                    .mul_add(weight, V::load(target))
+                    .store(target);
+            }
+        }
     }
 }

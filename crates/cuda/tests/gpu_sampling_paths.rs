@@ -93,13 +93,7 @@ fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
     // still gets the same token (on the slower paths).
     let (logits, params) = filtered_batch(32_768, 40, 7);
     let reference = sample_batch(&gpu, &logits, &params, exact);
-    let none = SamplingMix {
-        gumbel: false,
-        filtered: false,
-        top_k: false,
-        top_p: false,
-        unlisted_top_p: false,
-    };
+    let none = SamplingMix::NONE;
     for options in [
         SamplingOptions {
             fast_rounds: Some(0),

@@ -335,6 +335,7 @@ pub fn mixed_batch(vocab: usize) -> (Vec<Vec<f32>>, Vec<SamplingRowParams>) {
     (rows, params)
 }
 
+/// The tokens of one launch (see [`sample_batch_with_totals`]).
 pub fn sample_batch(
     gpu: &Gpu,
     rows: &[Vec<f32>],

@@ -225,6 +225,15 @@ pub struct SamplingMix {
 pub const LIST_CAPACITY: usize = 512;
 
 impl SamplingMix {
+    /// No stage launched (a launch of greedy rows only).
+    pub const NONE: SamplingMix = SamplingMix {
+        gumbel: false,
+        filtered: false,
+        top_k: false,
+        top_p: false,
+        unlisted_top_p: false,
+    };
+
     /// Every stage launched.
     pub const ALL: SamplingMix = SamplingMix {
         gumbel: true,
@@ -241,13 +250,7 @@ impl SamplingMix {
         rows: impl IntoIterator<Item = &'a SamplingRowParams>,
         vocab: usize,
     ) -> SamplingMix {
-        let mut mix = SamplingMix {
-            gumbel: false,
-            filtered: false,
-            top_k: false,
-            top_p: false,
-            unlisted_top_p: false,
-        };
+        let mut mix = SamplingMix::NONE;
         for row in rows {
             // NaN counts as greedy, as on the device.
             let positive = row.temperature > 0.0;

@@ -228,13 +228,7 @@ fn the_mix_names_the_stages_the_rows_need() {
         min_p,
         ..SamplingRowParams::default()
     };
-    let none = SamplingMix {
-        gumbel: false,
-        filtered: false,
-        top_k: false,
-        top_p: false,
-        unlisted_top_p: false,
-    };
+    let none = SamplingMix::NONE;
     assert_eq!(SamplingMix::of(&[], 1000), none);
     // Greedy rows (T 0, top-k 1) need neither stage.
     assert_eq!(

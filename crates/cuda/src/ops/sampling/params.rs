@@ -276,12 +276,12 @@ impl SamplingMix {
 
 /// Round launches of the fast filtered pipeline for a launch of `rows` rows: a row needing
 /// more rounds goes to the exact kernel (same token, about 0.2 ms for the launch). An empty
-/// round launch costs about 1.7 us. Measured on the H200 (`pagoda bench sampling --device
-/// cuda --configurations top-p --fast-rounds 1|2|3`, top-p 0.9 at T = 1, randn x 3 logits):
-/// 1.06-1.12 rounds per row; with two launches no row of batch 1 or 16 needed the exact
-/// kernel, and one of the 2048 rows of batch 64 at V 128256 did. Two launches take 1.1 us off
-/// a batch-1 call (21.0 -> 19.8 us at V 128256), against an expected 0.1 us of exact draws;
-/// the expected cost grows with the batch, so from 5 rows on there are three.
+/// round launch costs about 1 us in a graph. Measured on the H200 (`pagoda bench sampling
+/// --device cuda --configurations top-p --fast-rounds 1|2|3`, top-p 0.9 at T = 1, randn x 3
+/// logits): 1.06-1.12 rounds per row; with two launches no row of batch 1 or 16 needed the
+/// exact kernel, and one of the 2048 rows of batch 64 at V 128256 did. Two launches take 1.1
+/// us off a batch-1 call (21.0 -> 19.8 us at V 128256), against an expected 0.1 us of exact
+/// draws; the expected cost grows with the batch, so from 5 rows on there are three.
 pub fn default_fast_rounds(rows: usize) -> u32 {
     if rows <= 4 {
         2
@@ -319,7 +319,8 @@ pub struct SamplingOptions {
     pub max_rejection_rounds: u32,
     /// The filtered rows' path.
     pub filtered: FilteredSampling,
-    /// Round launches of the fast path; `None` = [`default_fast_rounds`].
+    /// Round launches of the fast path when some row can need them (see [`SamplingMix`]);
+    /// `None` = [`default_fast_rounds`].
     pub fast_rounds: Option<u32>,
     /// The stages launched (see [`SamplingMix`]).
     pub mix: SamplingMix,

@@ -187,7 +187,39 @@ PAGODA_DEVICE double exp_f64(double x) {
     return __dmul_rn(p, scale);
 }
 
-// Weight exp((z - z_max) * scale) in f64, exactly as pagoda_ops' exp_weights.
+// pagoda_ops weights::draw_exp, the canonical draw weight exp(x) in f32 for x <= 0 (0 below
+// -86): the same f32 operations and fused multiply-adds in the same order, so the same bits
+// as the CPU.
+PAGODA_DEVICE float draw_exp(float x) {
+    const float rounder = 12582912.0f;  // 1.5 * 2^23
+    const bool below = x < -86.0f;
+    x = below ? -86.0f : x;
+    const float shifted = __fmaf_rn(x, __int_as_float(0x3FB8AA3B), rounder);  // log2(e)
+    const float k = __fsub_rn(shifted, rounder);
+    const int k_integer = __float_as_int(shifted) - __float_as_int(rounder);
+    float r = __fmaf_rn(-k, __int_as_float(0x3F317200), x);  // ln 2, high part
+    r = __fmaf_rn(-k, __int_as_float(0x35BFBE8E), r);        // ln 2, low part
+    float p = __fmaf_rn(__int_as_float(0x39500D01), r, __int_as_float(0x3AB60B61));  // 1/7!, 1/6!
+    p = __fmaf_rn(p, r, __int_as_float(0x3C088889));  // 1/5!
+    p = __fmaf_rn(p, r, __int_as_float(0x3D2AAAAB));  // 1/4!
+    p = __fmaf_rn(p, r, __int_as_float(0x3E2AAAAB));  // 1/3!
+    p = __fmaf_rn(p, r, 0.5f);
+    p = __fmaf_rn(p, r, 1.0f);
+    p = __fmaf_rn(p, r, 1.0f);
+    return below ? 0.0f : __fmul_rn(p, __int_as_float((k_integer + 127) << 23));
+}
+
+// pagoda_ops weights::draw_weight: the canonical draw weight of v, draw_exp((v - z_max) *
+// scale) in f32 with scale = 1 / T in f32 (0 for -inf).
+PAGODA_DEVICE float draw_weight(float v, float z_max, float scale) {
+    return draw_exp(__fmul_rn(__fsub_rn(v, z_max), scale));
+}
+
+// The f32 inverse temperature of the draw weights (pagoda_ops: 1.0 / temperature in f32).
+PAGODA_DEVICE float draw_scale(float temperature) { return __fdiv_rn(1.0f, temperature); }
+
+// Weight exp((z - z_max) * scale) in f64, exactly as pagoda_ops' exp_weights (the filters'
+// masses and the fallback's draw).
 PAGODA_DEVICE double weight_of(float z, double z_max, double scale) {
     return exp_f64(__dmul_rn(__dsub_rn((double)z, z_max), scale));
 }
@@ -292,7 +324,7 @@ PAGODA_DEVICE void reduce_row_max(const float* partial_max, const unsigned int* 
 // Totals (u64 counters as u32 pairs): 0 greedy, 1 gumbel, 2 rejection, 3 fallback, 4 rounds,
 // 5 filtered rows finished by the multi-CTA pipeline, 6 filtered rows the exact kernel drew,
 // 7 rows whose maximum sampling_gumbel found (FLAG_GUMBEL_MAX), 8 filtered rows
-// sampling_list_rounds accepted.
+// sampling_list_rounds accepted, 9 filtered rows sampling_cluster finished.
 PAGODA_DEVICE void count_total(unsigned int* totals, unsigned int counter, unsigned long long amount) {
     atomicAdd(reinterpret_cast<unsigned long long*>(totals) + counter, amount);
 }

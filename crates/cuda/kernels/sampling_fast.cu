@@ -3,11 +3,13 @@
 // the row's last CTA draws round 0's candidate;
 // sampling_round (launched a few times) computes the masses above the candidate (pivot0)
 // and above the midpoint pivot (pivot1), and the row's last CTA takes the verdicts of
-// pagoda_ops' dual-pivot rejection and draws the next candidate. Draw weights are f64 (the
-// walk places its target among them), filter weights f32 unless T = 1; every decision
-// within its tolerance of a boundary (rounding_margin, FAST_MASS_TOLERANCE), and every row still ACTIVE
-// after the last round launch, is left to the exact kernel, which redraws the row from the
-// start: the fast path only ever returns the exact kernel's token.
+// pagoda_ops' dual-pivot rejection and draws the next candidate. Draw weights are the
+// canonical f32 ones (draw_weight, the exact kernel's and the CPU's bits) summed in f64, so
+// the walks differ only in summation order; filter masses are f32 weights summed in f64.
+// Every decision within its tolerance of a boundary (walk_margin, rounding_margin,
+// FAST_MASS_TOLERANCE), and every row still ACTIVE after the last round launch, is left to
+// the exact kernel, which redraws the row from the start: the fast path only ever returns the
+// exact kernel's token.
 
 #define VERDICT_PASS 0
 #define VERDICT_FAIL 1
@@ -44,16 +46,15 @@ PAGODA_DEVICE void accept_fast(unsigned int row, unsigned int candidate, unsigne
 PAGODA_DEVICE void begin_round(const RowParams& p, const float* z, unsigned int vocab, unsigned int num_splits,
                                const double* segment_mass, float low, float high, float z_max,
                                unsigned int round, unsigned int max_rounds, unsigned int row, unsigned int* st,
-                               unsigned int* tokens, unsigned int* stats, unsigned int* totals,
-                               const double* table) {
+                               unsigned int* tokens, unsigned int* stats, unsigned int* totals) {
     if (round >= max_rounds) {
         if (threadIdx.x == 0) st[FS_STATUS] = STATUS_EXACT;
         return;
     }
-    const double scale = __ddiv_rn(1.0, (double)p.temperature);
     const uint4 block = philox_block(p, PURPOSE_REJECTION_ROUND, round);
     const double uniform = open_uniform_f64(block.x, block.y);
-    const unsigned int candidate = fast_walk(z, vocab, num_splits, segment_mass, low, z_max, scale, uniform, table);
+    const unsigned int candidate =
+        fast_walk(z, vocab, num_splits, segment_mass, low, z_max, draw_scale(p.temperature), uniform);
     if (threadIdx.x != 0) return;
     if (candidate == NO_TOKEN) { st[FS_STATUS] = STATUS_EXACT; return; }
     st[FS_ROUNDS] = round + 1u;
@@ -86,16 +87,14 @@ PAGODA_DEVICE void pass_body(const float* __restrict__ logits, const unsigned in
                              unsigned int* __restrict__ totals, unsigned int* __restrict__ list_ids,
                              unsigned int* __restrict__ list_count) {
     __shared__ double warp_mass[SEGMENTS];
-    __shared__ double table[EXP_TABLE_SIZE];
     const unsigned int row = blockIdx.y, split = blockIdx.x, lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     unsigned int* st = state + row * FILTER_STATE_WORDS;
     if (st[FS_STATUS] != STATUS_ACTIVE) return;
-    fill_exp_table(table);
     const RowParams p = load_row_params(params, row);
     const float* z = logits + (size_t)row * vocab;
     const float z_max = __uint_as_float(st[FS_Z_MAX]);
     const float low = __uint_as_float(st[FS_LOW]), threshold = __uint_as_float(st[FS_TOP_K_THRESHOLD]);
-    const double scale = __ddiv_rn(1.0, (double)p.temperature);
+    const float scale = draw_scale(p.temperature);
     const bool use_top_p = top_p_active(p), aligned = row_aligned(z);
     // A top-p row with its top-k threshold set and k <= LIST_CAPACITY lists its proposal for
     // sampling_list_rounds (launched whenever a top-k threshold can be set).
@@ -109,10 +108,10 @@ PAGODA_DEVICE void pass_body(const float* __restrict__ logits, const unsigned in
         const float values[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const double weight = values[j] > low ? draw_weight(values[j], z_max, scale, table) : 0.0;
-            draw += weight;
+            const float weight = values[j] > low ? draw_weight(values[j], z_max, scale) : 0.0f;
+            draw += (double)weight;
             if (use_top_p && values[j] >= threshold) {
-                top_k_mass += scale == 1.0 && values[j] > low ? weight : (double)fast_weight(values[j], z_max, 1.0f);
+                top_k_mass += (double)(scale == 1.0f && values[j] > low ? weight : fast_weight(values[j], z_max, 1.0f));
             }
             if (listed) list_append(values[j] > low, i + j, row_list, list_count + row);
         }
@@ -134,7 +133,7 @@ PAGODA_DEVICE void pass_body(const float* __restrict__ logits, const unsigned in
     const double total = row_split_sum(split_mass, row, num_splits, 0u);
     if (threadIdx.x == 0) set_state_f64(st, FS_TOP_K_MASS, total);
     begin_round(p, z, vocab, num_splits, segment_draw0 + (size_t)row * segments, low, z_max, z_max, 0u, max_rounds,
-                row, st, tokens, stats, totals, table);
+                row, st, tokens, stats, totals);
 }
 
 extern "C" __global__ void __launch_bounds__(SPLIT_THREADS)
@@ -173,18 +172,16 @@ sampling_round(const float* __restrict__ logits, const unsigned int* __restrict_
                unsigned int* __restrict__ tokens, unsigned int* __restrict__ stats,
                unsigned int* __restrict__ totals) {
     __shared__ double warp_mass0[SEGMENTS], warp_mass1[SEGMENTS];
-    __shared__ double table[EXP_TABLE_SIZE];
     const unsigned int row = blockIdx.y, split = blockIdx.x, lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     unsigned int* st = state + row * FILTER_STATE_WORDS;
     if (st[FS_STATUS] != STATUS_ACTIVE) return;
-    fill_exp_table(table);
     const RowParams p = load_row_params(params, row);
     const float* z = logits + (size_t)row * vocab;
     const float z_max = __uint_as_float(st[FS_Z_MAX]), high = __uint_as_float(st[FS_HIGH]);
     const float pivot0 = sanitize_logit(z[st[FS_CANDIDATE]]);
     const unsigned int low_bits = ordered_bits(pivot0), high_bits = ordered_bits(high);
     const float pivot1 = from_ordered_bits(low_bits + (high_bits - low_bits) / 2u);
-    const double scale = __ddiv_rn(1.0, (double)p.temperature);
+    const float scale = draw_scale(p.temperature);
     const bool aligned = row_aligned(z);
     unsigned int begin, end;
     segment_range(vocab, num_splits, split * SEGMENTS + warp, begin, end);
@@ -195,8 +192,8 @@ sampling_round(const float* __restrict__ logits, const unsigned int* __restrict_
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             if (values[j] > pivot0) {
-                const double weight = draw_weight(values[j], z_max, scale, table);
-                const double filter = scale == 1.0 ? weight : (double)fast_weight(values[j], z_max, 1.0f);
+                const double weight = draw_weight(values[j], z_max, scale);
+                const double filter = scale == 1.0f ? weight : (double)fast_weight(values[j], z_max, 1.0f);
                 mass0 += filter;
                 draw0 += weight;
                 if (values[j] > pivot1) { mass1 += filter; draw1 += weight; }
@@ -244,5 +241,5 @@ sampling_round(const float* __restrict__ logits, const unsigned int* __restrict_
     const float next_high = verdict1 == VERDICT_PASS ? pivot1 : high;
     const double* proposal = (above_pivot1 ? segment_draw1 : segment_draw0) + (size_t)row * segments;
     begin_round(p, z, vocab, num_splits, proposal, low, next_high, z_max, rounds, max_rounds, row, st, tokens,
-                stats, totals, table);
+                stats, totals);
 }

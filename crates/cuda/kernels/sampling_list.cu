@@ -12,7 +12,7 @@
 
 // Inverse-CDF draw over the sorted list restricted to {z > low}, as fast_walk: thread t holds
 // list element t (`value`, `weight` = its draw weight, 0 when absent). NO_TOKEN when the
-// target lies within rounding_margin of the cumulative weight before or after the chosen id.
+// target lies within walk_margin of the cumulative weight before or after the chosen id.
 // Block-wide.
 PAGODA_DEVICE unsigned int list_walk(const unsigned int* ids, float value, double weight, float low,
                                      unsigned int vocab, double uniform) {
@@ -21,7 +21,7 @@ PAGODA_DEVICE unsigned int list_walk(const unsigned int* ids, float value, doubl
     double total;
     const double before = block_exclusive_scan_f64(w, total);
     const double target = __dmul_rn(uniform, total);
-    const double margin = rounding_margin(vocab, total);
+    const double margin = walk_margin(vocab, total);
     if (threadIdx.x == 0) { s_found = NO_TOKEN; s_unsure = 0u; }
     __syncthreads();
     const double next = before + w;
@@ -44,7 +44,6 @@ sampling_list_rounds(const float* __restrict__ logits, const unsigned int* __res
                      unsigned int* __restrict__ list_count, unsigned int* __restrict__ tokens,
                      unsigned int* __restrict__ stats, unsigned int* __restrict__ totals) {
     __shared__ unsigned int ids[LIST_CAPACITY];
-    __shared__ double table[EXP_TABLE_SIZE];
     const unsigned int row = blockIdx.x, t = threadIdx.x;
     unsigned int* st = state + row * FILTER_STATE_WORDS;
     const unsigned int count = list_count[row];
@@ -52,7 +51,6 @@ sampling_list_rounds(const float* __restrict__ logits, const unsigned int* __res
     __syncthreads();  // every thread has read the count before it is zeroed
     if (t == 0) list_count[row] = 0u;
     if (status != STATUS_ACTIVE || count == 0u || count > LIST_CAPACITY) return;
-    fill_exp_table(table);
     // Ascending ids (bitonic sort; NO_TOKEN pads sort last).
     ids[t] = t < count ? __ldcg(list_ids + (size_t)row * LIST_CAPACITY + t) : NO_TOKEN;
     __syncthreads();
@@ -69,10 +67,10 @@ sampling_list_rounds(const float* __restrict__ logits, const unsigned int* __res
     const RowParams p = load_row_params(params, row);
     const float* z = logits + (size_t)row * vocab;
     const float z_max = __uint_as_float(st[FS_Z_MAX]);
-    const double scale = __ddiv_rn(1.0, (double)p.temperature);
+    const float scale = draw_scale(p.temperature);
     const float value = t < count ? sanitize_logit(z[ids[t]]) : -INFINITY;
-    const double weight = value > -INFINITY ? draw_weight(value, z_max, scale, table) : 0.0;
-    const double filter = scale == 1.0 ? weight : value > -INFINITY ? (double)fast_weight(value, z_max, 1.0f) : 0.0;
+    const double weight = value > -INFINITY ? (double)draw_weight(value, z_max, scale) : 0.0;
+    const double filter = scale == 1.0f ? weight : value > -INFINITY ? (double)fast_weight(value, z_max, 1.0f) : 0.0;
     const double top_k_mass = state_f64(st, FS_TOP_K_MASS);
     const double mass_target = __dmul_rn((double)p.top_p, top_k_mass);
     const double margin = rounding_margin(vocab, top_k_mass), tolerance = FAST_MASS_TOLERANCE * top_k_mass;

@@ -52,8 +52,19 @@ PAGODA_DEVICE bool kth_largest(const float* z, unsigned int vocab, unsigned int 
     return true;
 }
 
+// The draw weights of a row: the rounds' canonical f32 weights (draw_weight), or the f64
+// weights of the fallback's draw from the chain's support (weight_of, as the CPU chain).
+struct DrawWeights {
+    float z_max, scale;
+    double z_max64, inverse_temperature;
+    bool canonical;
+    PAGODA_DEVICE double operator()(float v) const {
+        return canonical ? (double)draw_weight(v, z_max, scale) : weight_of(v, z_max64, inverse_temperature);
+    }
+};
+
 // warp_mass[w] = draw mass of {z > low} in warp w's range. Block-wide.
-PAGODA_DEVICE void proposal_masses(const float* z, unsigned int vocab, float low, double z_max, double inverse_temperature,
+PAGODA_DEVICE void proposal_masses(const float* z, unsigned int vocab, float low, const DrawWeights& weight_of_draw,
                                    double* warp_mass) {
     const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     unsigned int begin, end;
@@ -61,7 +72,7 @@ PAGODA_DEVICE void proposal_masses(const float* z, unsigned int vocab, float low
     double mass = 0.0;
     for (unsigned int i = begin + lane; i < end; i += 32u) {
         const float v = sanitize_logit(z[i]);
-        if (v > low) mass += weight_of(v, z_max, inverse_temperature);
+        if (v > low) mass += weight_of_draw(v);
     }
     mass = warp_sum_f64(mass);
     __syncthreads();
@@ -69,11 +80,11 @@ PAGODA_DEVICE void proposal_masses(const float* z, unsigned int vocab, float low
     __syncthreads();
 }
 
-// Inverse-CDF draw in id order over {z > low} weighted exp((z - z_max) * inverse_temperature):
-// the first id whose cumulative weight exceeds uniform * total (the last positive-weight id if
-// rounding leaves the target uncrossed; `otherwise` if the proposal is empty). Block-wide.
-PAGODA_DEVICE unsigned int walk_proposal(const float* z, unsigned int vocab, float low, double z_max,
-                                         double inverse_temperature, double uniform, const double* warp_mass,
+// Inverse-CDF draw in id order over {z > low} weighted by weight_of_draw: the first id whose
+// cumulative weight exceeds uniform * total (the last positive-weight id if rounding leaves
+// the target uncrossed; `otherwise` if the proposal is empty). Block-wide.
+PAGODA_DEVICE unsigned int walk_proposal(const float* z, unsigned int vocab, float low,
+                                         const DrawWeights& weight_of_draw, double uniform, const double* warp_mass,
                                          unsigned int otherwise) {
     __shared__ unsigned int s_candidate;
     const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -101,7 +112,7 @@ PAGODA_DEVICE unsigned int walk_proposal(const float* z, unsigned int vocab, flo
         for (unsigned int base = begin; base < end && found == NO_TOKEN; base += 32u) {
             const unsigned int i = base + lane;
             const float v = i < end ? sanitize_logit(z[i]) : -INFINITY;
-            const double weight = v > low ? weight_of(v, z_max, inverse_temperature) : 0.0;
+            const double weight = v > low ? weight_of_draw(v) : 0.0;
             double inclusive = weight;
 #pragma unroll
             for (int offset = 1; offset < 32; offset <<= 1) {
@@ -148,7 +159,8 @@ PAGODA_DEVICE void exact_filtered_row(const float* __restrict__ z, const RowPara
     __shared__ int s_ok;
     const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const double z_max64 = z_max;
-    const double inverse_temperature = __ddiv_rn(1.0, (double)p.temperature);
+    const DrawWeights rounds_weight{z_max, draw_scale(p.temperature), z_max64, 0.0, true};
+    const DrawWeights fallback_weight{z_max, 0.0f, z_max64, __ddiv_rn(1.0, (double)p.temperature), false};
     const bool use_top_p = top_p_active(p);
     const bool use_top_k = p.top_k > 0u && p.top_k < vocab;
     bool fallback = false;
@@ -186,14 +198,14 @@ PAGODA_DEVICE void exact_filtered_row(const float* __restrict__ z, const RowPara
     const double margin = rounding_margin(vocab, top_k_mass);
     unsigned int rounds = 0, token = argmax;
     if (!fallback) {
-        proposal_masses(z, vocab, low, z_max64, inverse_temperature, warp_mass);
+        proposal_masses(z, vocab, low, rounds_weight, warp_mass);
         float high = z_max;
         bool accepted = false;
         for (unsigned int round = 0; round < max_rounds && !accepted && !fallback; ++round) {
             const uint4 block = philox_block(p, PURPOSE_REJECTION_ROUND, round);
             const double uniform = open_uniform_f64(block.x, block.y);
             const unsigned int candidate =
-                walk_proposal(z, vocab, low, z_max64, inverse_temperature, uniform, warp_mass, argmax);
+                walk_proposal(z, vocab, low, rounds_weight, uniform, warp_mass, argmax);
             rounds = round + 1;
             const float pivot0 = sanitize_logit(z[candidate]);
             if (!use_top_p || pivot0 >= high) { token = candidate; accepted = true; break; }
@@ -206,11 +218,10 @@ PAGODA_DEVICE void exact_filtered_row(const float* __restrict__ z, const RowPara
                 const float v = sanitize_logit(z[i]);
                 if (v > pivot0) {
                     const double filter_weight = weight_of(v, z_max64, 1.0);
-                    const double draw_weight =
-                        inverse_temperature == 1.0 ? filter_weight : weight_of(v, z_max64, inverse_temperature);
+                    const double weight = rounds_weight(v);
                     mass0 += filter_weight;
-                    draw0 += draw_weight;
-                    if (v > pivot1) { mass1 += filter_weight; draw1 += draw_weight; }
+                    draw0 += weight;
+                    if (v > pivot1) { mass1 += filter_weight; draw1 += weight; }
                 }
             }
             draw0 = warp_sum_f64(draw0);
@@ -247,10 +258,10 @@ PAGODA_DEVICE void exact_filtered_row(const float* __restrict__ z, const RowPara
             threshold = fmaxf(threshold, from_ordered_bits(lo));
         }
         const float fallback_low = threshold == -INFINITY ? -INFINITY : next_down(threshold);
-        proposal_masses(z, vocab, fallback_low, z_max64, inverse_temperature, warp_mass);
+        proposal_masses(z, vocab, fallback_low, fallback_weight, warp_mass);
         const uint4 block = philox_block(p, PURPOSE_FALLBACK, 0u);
         const double uniform = open_uniform_f64(block.x, block.y);
-        token = walk_proposal(z, vocab, fallback_low, z_max64, inverse_temperature, uniform, warp_mass, argmax);
+        token = walk_proposal(z, vocab, fallback_low, fallback_weight, uniform, warp_mass, argmax);
     }
     if (threadIdx.x == 0) {
         const unsigned int path = fallback ? PATH_FALLBACK : PATH_REJECTION;

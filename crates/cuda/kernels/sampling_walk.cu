@@ -8,9 +8,9 @@
 
 #define SPLIT_THREADS 256
 #define SEGMENTS 8u
-// Relative bound used on every filter mass summed from fast f32 weights (f32 expf of an f32
-// argument, accumulated in f64): their error is below 5e-6 of the mass (expf's 2 ulp plus
-// the argument's three roundings times the weighted mean |x|, itself at most ln(vocab) +
+// Relative bound used on every filter mass summed from fast f32 weights (f32 expf, or
+// draw_exp at T = 1, of an f32 argument, accumulated in f64): their error is below 5e-6 of
+// the mass (the exp's 3 ulp plus the argument's three roundings times the weighted mean |x|, itself at most ln(vocab) +
 // 0.4 for a set holding the row maximum). A top-p test closer than this to its boundary is
 // left to the exact kernel.
 #define FAST_MASS_TOLERANCE 2e-5
@@ -20,45 +20,22 @@ PAGODA_DEVICE float fast_weight(float v, float z_max, float scale) {
     return v == -INFINITY ? 0.0f : expf(__fmul_rn(__fsub_rn(v, z_max), scale));
 }
 
-// 2^(j / 64) for j in 0..64, in shared memory: every kernel that computes draw weights fills
-// it first (fill_exp_table).
-#define EXP_TABLE_SIZE 64
-PAGODA_DEVICE void fill_exp_table(double* table) {
-    for (unsigned int j = threadIdx.x; j < EXP_TABLE_SIZE; j += blockDim.x) table[j] = exp2((double)j / 64.0);
-    __syncthreads();
-}
-
-// exp(x) for x <= 0 in f64, within about 2 ulp: x = k ln2 / 64 + r with |r| <= ln2 / 128,
-// exp(x) = 2^(k >> 6) 2^((k & 63) / 64) e^r, e^r by a degree-6 Taylor polynomial (FMA).
-// About half the work of CUDA's exp; below -708 (subnormal results) CUDA's exp.
-PAGODA_DEVICE double exp_nonpositive(double x, const double* table) {
-    if (x < -708.0) return exp(x);
-    const double k = rint(x * 92.33248261689366);  // 64 / ln2
-    const double r = fma(-k, 1.9082149292705877e-10 / 64.0, fma(-k, 0.6931471803691238 / 64.0, x));
-    double p = fma(r, 1.0 / 720.0, 1.0 / 120.0);
-    p = fma(p, r, 1.0 / 24.0);
-    p = fma(p, r, 1.0 / 6.0);
-    p = fma(p, r, 0.5);
-    p = fma(p, r, 1.0);
-    p = fma(p, r, 1.0);
-    const int ki = (int)k;
-    const double scale = __longlong_as_double((long long)((ki >> 6) + 1023) << 52);
-    return table[ki & 63] * p * scale;
-}
-
-// The draw weight exp(((f64)v - z_max) * scale) in f64 (within a few ulp of the exact
-// kernel's exp_f64); 0 for masked logits. The inverse-CDF walk needs f64: the target must
-// be placed between cumulative sums that differ by the smallest weights of the row.
-PAGODA_DEVICE double draw_weight(float v, float z_max, double scale, const double* table) {
-    return v == -INFINITY ? 0.0 : exp_nonpositive(__dmul_rn(__dsub_rn((double)v, (double)z_max), scale), table);
-}
-
 // (4 vocab + 64) ulps of `total`: how far apart two f64 sums of up to `vocab` weights (within
 // a few ulps of each other) in different orders can be. The exact kernel's top-p test calls
-// a mass within it of its target ambiguous; the fast walk needs its target that far from the
-// cumulative weight on either side of the chosen id for the exact kernel to choose the same.
+// a mass within it of its target ambiguous.
 PAGODA_DEVICE double rounding_margin(unsigned int vocab, double total) {
     return (4.0 * (double)vocab + 64.0) * 2.220446049250313080847e-16 * total;
+}
+
+// (2 vocab + 64) ulps of `total`: how far apart `target - cumulative weight` at one id can be
+// in two walks that add the same f64 weights (the canonical f32 weights, the same bits in
+// every kernel) in different orders. Each order's sum of n <= vocab terms is within (n - 1) u
+// of the exact one (u = eps / 2), so two orders' totals, and with them their targets, differ
+// by at most (vocab - 1) eps total, and their cumulative weights as much again. A fast walk
+// whose target lies that close to the cumulative weight before or after its id leaves the
+// row to the exact kernel.
+PAGODA_DEVICE double walk_margin(unsigned int vocab, double total) {
+    return (2.0 * (double)vocab + 64.0) * 2.220446049250313080847e-16 * total;
 }
 
 // Id range [begin, end) of segment `segment` (= split * SEGMENTS + warp) of a row: the
@@ -72,57 +49,34 @@ PAGODA_DEVICE void segment_range(unsigned int vocab, unsigned int num_splits, un
     end = min(begin + span, split_end);
 }
 
-// Inverse-CDF draw over the proposal {z > low} weighted draw_weight(z, z_max, scale), from
-// the row's per-segment masses `segment_mass` [num_splits * SEGMENTS] (f64, written by the
-// other CTAs of this kernel): the first id whose cumulative weight exceeds uniform * total.
-// NO_TOKEN when the target lies within rounding_margin of the cumulative weight before or after
-// that id (the exact kernel decides then). Block-wide.
-PAGODA_DEVICE unsigned int fast_walk(const float* __restrict__ z, unsigned int vocab, unsigned int num_splits,
-                                     const double* segment_mass, float low, float z_max, double scale,
-                                     double uniform, const double* table) {
-    __shared__ double s_before;
-    __shared__ unsigned int s_owner, s_found, s_unsure;
-    const unsigned int segments = num_splits * SEGMENTS;
-    const unsigned int per_thread = (segments + blockDim.x - 1u) / blockDim.x;
-    const unsigned int first = threadIdx.x * per_thread;
-    double local = 0.0;
-    for (unsigned int k = 0; k < per_thread; ++k) {
-        if (first + k < segments) local += __ldcg(segment_mass + first + k);
-    }
-    double total;
-    double running = block_exclusive_scan_f64(local, total);
-    const double target = __dmul_rn(uniform, total);
-    const double margin = rounding_margin(vocab, total);
-    if (threadIdx.x == 0) { s_owner = NO_TOKEN; s_found = NO_TOKEN; s_unsure = 0u; }
+// Four sanitised logits of a row in global memory, ids [i, i + 4) (-inf at and past `end`).
+struct GlobalLogits {
+    const float* z;
+    unsigned int end;
+    bool aligned;
+    PAGODA_DEVICE float4 operator()(unsigned int i) const { return load4(z, i, end, aligned); }
+};
+
+// The walk over ids [begin, end) of a row's proposal {z > low} (`logits` gives four at a
+// time, -inf past the end): the first id whose cumulative draw weight, counted from `base`
+// (the mass of the ids before `begin`), exceeds `target`; NO_TOKEN when the target lies
+// within `margin` of the cumulative weight before or after that id (the exact kernel decides
+// then), or when no id crosses it. `begin` is a multiple of 4. Block-wide.
+template <typename Logits>
+PAGODA_DEVICE unsigned int walk_range(const Logits& logits, unsigned int begin, unsigned int end, double base,
+                                      double target, double margin, float low, float z_max, float scale) {
+    __shared__ unsigned int s_found, s_unsure;
+    if (threadIdx.x == 0) { s_found = NO_TOKEN; s_unsure = 0u; }
     __syncthreads();
-    const double thread_start = running;
-    for (unsigned int k = 0; k < per_thread && first + k < segments; ++k) {
-        const double mass = __ldcg(segment_mass + first + k);
-        if (mass > 0.0 && running <= target && running + mass > target) atomicMin(&s_owner, first + k);
-        running += mass;
-    }
-    __syncthreads();
-    running = thread_start;
-    for (unsigned int k = 0; k < per_thread && first + k < segments; ++k) {
-        if (first + k == s_owner) s_before = running;
-        running += __ldcg(segment_mass + first + k);
-    }
-    __syncthreads();
-    const unsigned int owner = s_owner;
-    if (owner == NO_TOKEN) return NO_TOKEN;
-    double base = s_before;
-    unsigned int begin, end;
-    segment_range(vocab, num_splits, owner, begin, end);
-    const bool aligned = row_aligned(z);
     for (unsigned int tile = begin; tile < end; tile += blockDim.x * 4u) {
         const unsigned int i = tile + threadIdx.x * 4u;
-        const float4 v = i < end ? load4(z, i, end, aligned) : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
+        const float4 v = i < end ? logits(i) : make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
         const float values[4] = {v.x, v.y, v.z, v.w};
         double weights[4];
         double sum = 0.0;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            weights[j] = values[j] > low ? draw_weight(values[j], z_max, scale, table) : 0.0;
+            weights[j] = values[j] > low ? (double)draw_weight(values[j], z_max, scale) : 0.0;
             sum += weights[j];
         }
         double tile_total;
@@ -148,6 +102,49 @@ PAGODA_DEVICE unsigned int fast_walk(const float* __restrict__ z, unsigned int v
     return found;
 }
 
+// Inverse-CDF draw over the proposal {z > low} weighted draw_weight(z, z_max, scale), from
+// the row's per-segment masses `segment_mass` [num_splits * SEGMENTS] (f64, written by the
+// other CTAs of this kernel): the first id whose cumulative weight exceeds uniform * total.
+// NO_TOKEN when the target lies within walk_margin of the cumulative weight before or after
+// that id (the exact kernel decides then). Block-wide.
+PAGODA_DEVICE unsigned int fast_walk(const float* __restrict__ z, unsigned int vocab, unsigned int num_splits,
+                                     const double* segment_mass, float low, float z_max, float scale,
+                                     double uniform) {
+    __shared__ double s_before;
+    __shared__ unsigned int s_owner;
+    const unsigned int segments = num_splits * SEGMENTS;
+    const unsigned int per_thread = (segments + blockDim.x - 1u) / blockDim.x;
+    const unsigned int first = threadIdx.x * per_thread;
+    double local = 0.0;
+    for (unsigned int k = 0; k < per_thread; ++k) {
+        if (first + k < segments) local += __ldcg(segment_mass + first + k);
+    }
+    double total;
+    double running = block_exclusive_scan_f64(local, total);
+    const double target = __dmul_rn(uniform, total);
+    if (threadIdx.x == 0) s_owner = NO_TOKEN;
+    __syncthreads();
+    const double thread_start = running;
+    for (unsigned int k = 0; k < per_thread && first + k < segments; ++k) {
+        const double mass = __ldcg(segment_mass + first + k);
+        if (mass > 0.0 && running <= target && running + mass > target) atomicMin(&s_owner, first + k);
+        running += mass;
+    }
+    __syncthreads();
+    running = thread_start;
+    for (unsigned int k = 0; k < per_thread && first + k < segments; ++k) {
+        if (first + k == s_owner) s_before = running;
+        running += __ldcg(segment_mass + first + k);
+    }
+    __syncthreads();
+    const unsigned int owner = s_owner;
+    if (owner == NO_TOKEN) return NO_TOKEN;
+    unsigned int begin, end;
+    segment_range(vocab, num_splits, owner, begin, end);
+    return walk_range(GlobalLogits{z, end, row_aligned(z)}, begin, end, s_before, target, walk_margin(vocab, total),
+                      low, z_max, scale);
+}
+
 // pagoda_ops rejection::min_p_threshold: the smallest f32 t with exp(t - z_max) >= min_p
 // (f64), by ulp steps from z_max + ln(min_p). False when the steps do not settle.
 PAGODA_DEVICE bool min_p_passes(float value, double z_max, double min_p) {
@@ -167,9 +164,27 @@ PAGODA_DEVICE bool min_p_threshold(float z_max, float min_p_f32, float& threshol
     return false;
 }
 
-// The row's filter state from its maximum (one thread): IDLE unless the row is filtered;
-// EXACT when the fast pipeline is off, a stage it needs was not launched, or min-p has no
-// threshold; else ACTIVE with the proposal floor from min-p and the top-k select pending.
+// The row's filter status from its maximum: IDLE unless the row is filtered; EXACT when the
+// fast pipeline is off, a stage it needs was not launched, or min-p has no threshold; else
+// ACTIVE, with the proposal floor `low` from min-p and `top_k_pending` when the top-k select
+// is still to run.
+PAGODA_DEVICE unsigned int filter_start(const RowParams& p, unsigned int vocab, float z_max, unsigned int flags,
+                                        float& low, bool& top_k_pending) {
+    low = -INFINITY;
+    top_k_pending = false;
+    if (row_path(p, vocab, z_max) != PATH_REJECTION) return STATUS_IDLE;
+    bool exact = !(flags & FLAG_FAST);
+    if (!exact && min_p_active(p)) {
+        float threshold = z_max;
+        if (min_p_threshold(z_max, p.min_p, threshold)) low = next_down(threshold); else exact = true;
+    }
+    if (!exact && p.top_k > 0u && p.top_k < vocab) {
+        if (flags & FLAG_TOP_K) top_k_pending = true; else exact = true;
+    }
+    return exact ? STATUS_EXACT : STATUS_ACTIVE;
+}
+
+// The row's filter state from its maximum (one thread; see filter_start).
 PAGODA_DEVICE void init_filter_state(const RowParams& p, unsigned int vocab, float z_max, unsigned int argmax,
                                      unsigned int flags, unsigned int* st) {
     st[FS_Z_MAX] = __float_as_uint(z_max);
@@ -178,25 +193,16 @@ PAGODA_DEVICE void init_filter_state(const RowParams& p, unsigned int vocab, flo
     st[FS_ROUNDS] = 0u;
     st[FS_HIGH] = __float_as_uint(z_max);
     st[FS_TOP_K_THRESHOLD] = __float_as_uint(-INFINITY);
-    st[FS_TOP_K_PENDING] = 0u;
-    if (row_path(p, vocab, z_max) != PATH_REJECTION) { st[FS_STATUS] = STATUS_IDLE; return; }
-    bool exact = !(flags & FLAG_FAST);
-    float low = -INFINITY;
-    if (!exact && min_p_active(p)) {
-        float threshold = z_max;
-        if (min_p_threshold(z_max, p.min_p, threshold)) low = next_down(threshold); else exact = true;
-    }
-    if (!exact && p.top_k > 0u && p.top_k < vocab) {
-        if (flags & FLAG_TOP_K) {
-            st[FS_TOP_K_PENDING] = 1u;
-            st[FS_TOP_K_PREFIX] = 0u;
-            st[FS_TOP_K_REMAINING] = p.top_k;
-        } else {
-            exact = true;
-        }
+    float low;
+    bool top_k_pending;
+    const unsigned int status = filter_start(p, vocab, z_max, flags, low, top_k_pending);
+    st[FS_TOP_K_PENDING] = top_k_pending ? 1u : 0u;
+    if (top_k_pending) {
+        st[FS_TOP_K_PREFIX] = 0u;
+        st[FS_TOP_K_REMAINING] = p.top_k;
     }
     st[FS_LOW] = __float_as_uint(low);
-    st[FS_STATUS] = exact ? STATUS_EXACT : STATUS_ACTIVE;
+    st[FS_STATUS] = status;
 }
 
 // Bins of a top-k digit (8 bits): the digits are bits [24, 32), [16, 24), [8, 16), [0, 8) of

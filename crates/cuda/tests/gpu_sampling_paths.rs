@@ -1,6 +1,7 @@
 //! GPU sampling tests of the launch paths (run with `PAGODA_GPU_TESTS=1` on a GPU; SKIP
 //! elsewhere): the fast filtered pipeline against the exact kernel and the CPU `FusedSampler`
-//! on rows of many shapes, and the Gumbel launches without a row-maximum pass. The
+//! on rows of many shapes, the cluster kernel against the exact kernel, and the Gumbel
+//! launches without a row-maximum pass. The
 //! distribution tests are in `gpu_sampling.rs`.
 
 #![cfg(feature = "cuda")]
@@ -101,6 +102,14 @@ fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
         },
         SamplingOptions {
             list_rounds: false,
+            ..SamplingOptions::default()
+        },
+        SamplingOptions {
+            cluster: false,
+            mix: SamplingMix {
+                top_k: false,
+                ..SamplingMix::ALL
+            },
             ..SamplingOptions::default()
         },
         SamplingOptions {
@@ -213,5 +222,89 @@ fn gumbel_rows_without_a_row_max_pass_draw_the_same_tokens() {
                 "V={vocab} row {index}: GPU vs CPU FusedSampler"
             );
         }
+    }
+}
+
+/// Rows without top-k (top-p, min-p, both, at several temperatures) among greedy and Gumbel
+/// rows, with masked ids, a row with one finite logit and one with none: the launch that runs
+/// them in the cluster kernel draws the exact kernel's tokens, and the cluster finishes most
+/// filtered rows.
+#[test]
+fn the_cluster_kernel_draws_the_exact_kernels_tokens() {
+    let Some(gpu) = gpu("the_cluster_kernel_draws_the_exact_kernels_tokens") else {
+        return;
+    };
+    if gpu.info().compute_capability.0 < 9 {
+        println!("SKIP: no thread-block clusters on this GPU");
+        return;
+    }
+    let no_top_k = SamplingMix {
+        top_k: false,
+        ..SamplingMix::ALL
+    };
+    let exact = SamplingOptions {
+        filtered: FilteredSampling::Exact,
+        mix: no_top_k,
+        ..SamplingOptions::default()
+    };
+    let clustered = SamplingOptions {
+        mix: no_top_k,
+        ..SamplingOptions::default()
+    };
+    let temperatures = [0.1f32, 0.5, 1.0, 1.0, 1.7, 3.0];
+    let top_ps = [0.3f32, 0.7, 0.9, 0.95, 0.999];
+    for (vocab, rows, batches) in [
+        (1000usize, 64usize, 10u64),
+        (32_768, 64, 3),
+        (151_936, 16, 3),
+    ] {
+        let (mut cluster_rows, mut filtered_rows) = (0u64, 0u64);
+        for batch in 0..batches {
+            let mut rng = rng(7000 + 31 * batch + vocab as u64);
+            let mut logits = Vec::new();
+            let mut params = Vec::new();
+            for index in 0..rows {
+                let mut row = random_vec(&mut rng, vocab, [0.5f32, 2.0, 3.0, 8.0][index % 4]);
+                match index % 11 {
+                    // Half the ids masked.
+                    7 => row
+                        .iter_mut()
+                        .step_by(2)
+                        .for_each(|v| *v = f32::NEG_INFINITY),
+                    // One finite logit.
+                    8 => row.iter_mut().skip(1).for_each(|v| *v = f32::NAN),
+                    // No finite logit.
+                    9 if batch == 0 => row.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
+                    _ => {}
+                }
+                logits.push(row);
+                let temperature = temperatures[index % temperatures.len()];
+                let top_p = top_ps[(index / 2) % top_ps.len()];
+                let chain = match index % 6 {
+                    0 => chain_params(0.0, 0, 1.0, 0.0, index as u64),
+                    1 => chain_params(temperature, 0, 1.0, 0.0, index as u64),
+                    2 | 3 => chain_params(temperature, 0, top_p, 0.0, index as u64),
+                    4 => chain_params(temperature, 0, 1.0, 0.05, index as u64),
+                    _ => chain_params(temperature, 0, top_p, 0.02, index as u64),
+                };
+                filtered_rows += (index % 6 >= 2) as u64;
+                params.push(row_params(&chain, 31 * index as u64 + batch));
+            }
+            let (tokens, totals) = sample_batch_with_totals(&gpu, &logits, &params, clustered);
+            let reference = sample_batch(&gpu, &logits, &params, exact);
+            let first = tokens.iter().zip(&reference).position(|(a, b)| a != b);
+            assert_eq!(
+                tokens,
+                reference,
+                "V={vocab} batch {batch}: first difference at row {first:?} ({:?})",
+                first.map(|row| params[row])
+            );
+            cluster_rows += totals.cluster_rows;
+        }
+        println!("V={vocab}: the cluster kernel finished {cluster_rows} of {filtered_rows} filtered rows");
+        assert!(
+            cluster_rows * 10 >= 8 * filtered_rows,
+            "V={vocab}: the cluster kernel finished only {cluster_rows} of {filtered_rows} rows"
+        );
     }
 }

@@ -72,6 +72,7 @@ pub struct Metrics {
     gpu_sampler_filtered_exact: Counter,
     gpu_sampler_gumbel_max: Counter,
     gpu_sampler_list_rows: Counter,
+    gpu_sampler_cluster_rows: Counter,
     steps_cpu_all_threads: Counter,
     steps_cpu_one_thread: Counter,
     cpu_pool_probes: Counter,
@@ -124,6 +125,7 @@ impl Default for Metrics {
             gpu_sampler_filtered_exact: Counter::default(),
             gpu_sampler_gumbel_max: Counter::default(),
             gpu_sampler_list_rows: Counter::default(),
+            gpu_sampler_cluster_rows: Counter::default(),
             steps_cpu_all_threads: Counter::default(),
             steps_cpu_one_thread: Counter::default(),
             cpu_pool_probes: Counter::default(),
@@ -187,6 +189,8 @@ impl Metrics {
             .set(snapshot.gpu_sampler_gumbel_max);
         self.gpu_sampler_list_rows
             .set(snapshot.gpu_sampler_list_rows);
+        self.gpu_sampler_cluster_rows
+            .set(snapshot.gpu_sampler_cluster_rows);
         self.steps_cpu_all_threads
             .set(snapshot.steps_cpu_all_threads);
         self.steps_cpu_one_thread.set(snapshot.steps_cpu_one_thread);
@@ -467,6 +471,14 @@ impl Metrics {
              # TYPE pagoda_gpu_sampling_list_rows_total counter\n\
              pagoda_gpu_sampling_list_rows_total {}",
             self.gpu_sampler_list_rows.get()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP pagoda_gpu_sampling_cluster_rows_total GPU-sampled filtered rows finished by \
+             the cluster kernel, one thread-block cluster per row (PAGODA_GPU_SAMPLING_CLUSTER).\n\
+             # TYPE pagoda_gpu_sampling_cluster_rows_total counter\n\
+             pagoda_gpu_sampling_cluster_rows_total {}",
+            self.gpu_sampler_cluster_rows.get()
         );
         let _ = writeln!(
             out,

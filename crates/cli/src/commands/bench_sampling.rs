@@ -102,6 +102,10 @@ pub struct BenchSamplingArgs {
     /// `generate` / `serve`) or as round launches over the whole row (off).
     #[arg(long = "list-rounds", value_enum, default_value_t = OnOff::On)]
     pub list_rounds: OnOff,
+    /// CUDA: run top-p launches without top-k rows in one cluster kernel per row (on, as in
+    /// `generate` / `serve`; compute capability 9.0+) or through the multi-launch pipeline (off).
+    #[arg(long = "cluster", value_enum, default_value_t = OnOff::On)]
+    pub cluster: OnOff,
     /// CUDA: CTAs per row of the filtered pipeline (default: the sampler's choice).
     #[arg(long = "filter-splits")]
     pub filter_splits: Option<usize>,

@@ -168,6 +168,7 @@ pub fn run(args: &BenchSamplingArgs) -> Result<()> {
                         filtered: arm,
                         gumbel_max: args.gumbel_max == OnOff::On,
                         list_rounds: args.list_rounds == OnOff::On,
+                        cluster: args.cluster == OnOff::On,
                         fast_rounds: args.fast_rounds,
                         filter_splits: args.filter_splits,
                         label: if filtered { arm.name() } else { "-" },
@@ -282,6 +283,8 @@ struct ArmOptions {
     gumbel_max: bool,
     /// [`SamplingOptions::list_rounds`].
     list_rounds: bool,
+    /// [`SamplingOptions::cluster`].
+    cluster: bool,
     fast_rounds: Option<u32>,
     /// [`SamplingOptions::filter_splits`].
     filter_splits: Option<usize>,
@@ -319,6 +322,7 @@ fn measure(
         fast_rounds: arm.fast_rounds,
         gumbel_max: arm.gumbel_max,
         list_rounds: arm.list_rounds,
+        cluster: arm.cluster,
         filter_splits: arm.filter_splits,
         mix: mix.unwrap_or(SamplingMix::ALL),
         ..SamplingOptions::default()
@@ -372,9 +376,16 @@ fn measure(
     let listed = arm.list_rounds
         && arm.filtered == FilteredSampling::Fast
         && configuration == Configuration::TopKTopP;
+    // Top-p rows without top-k run in the cluster kernel when it is on and the GPU has
+    // clusters; nothing else does.
+    let clustered = arm.cluster
+        && arm.filtered == FilteredSampling::Fast
+        && gpu.info().compute_capability.0 >= 9
+        && configuration == Configuration::TopP;
     let path_ok = configuration.path_accounts_for(&totals, rows_sampled)
         && totals.gumbel_max_rows == gumbel_max_rows
-        && (totals.list_rows > 0) == listed;
+        && (totals.list_rows > 0) == listed
+        && (totals.cluster_rows > 0) == clustered;
     let chain = configuration.params();
     let mut failures = Vec::new();
     for (set, input) in inputs.iter().enumerate() {
@@ -428,7 +439,7 @@ fn print_row(case: &CaseResult, header: bool) {
         println!(
             "| V | B | R | splits | configuration | filtered | us/call median | min | FI us | \
              FI/ours | >= 2x | 2nd comparison | 2nd us | 2nd/ours | \
-             greedy/gumbel/rejection/fallback | fast/exact rows, gumbel-max rows | rounds/filtered row | path | \
+             greedy/gumbel/rejection/fallback | fast/exact rows, gumbel-max, cluster rows | rounds/filtered row | path | \
              tokens ok |"
         );
         println!(
@@ -451,7 +462,7 @@ fn print_row(case: &CaseResult, header: bool) {
     };
     println!(
         "| {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | \
-         {}/{}/{}/{} | {}/{}, {} | {} | {} | {} |",
+         {}/{}/{}/{} | {}/{}, {}, {} | {} | {} | {} |",
         case.vocab,
         case.batch,
         case.rotating_sets,
@@ -473,6 +484,7 @@ fn print_row(case: &CaseResult, header: bool) {
         totals.filtered_fast,
         totals.filtered_exact,
         totals.gumbel_max_rows,
+        totals.cluster_rows,
         cell(rounds, 2),
         if case.path_ok { "ok" } else { "MISMATCH" },
         tokens,
@@ -543,6 +555,7 @@ mod tests {
             filtered_exact: 20,
             gumbel_max_rows: 0,
             list_rows: 0,
+            cluster_rows: 0,
         };
         assert!(Configuration::TopP.path_accounts_for(&totals, 100));
         assert!(!Configuration::TopP.path_accounts_for(&totals, 101));

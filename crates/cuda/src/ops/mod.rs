@@ -116,6 +116,7 @@ pub(crate) static SAMPLING: KernelSource = KernelSource {
         include_str!("../../kernels/sampling_gumbel.cu"),
         include_str!("../../kernels/sampling_fast.cu"),
         include_str!("../../kernels/sampling_list.cu"),
+        include_str!("../../kernels/sampling_cluster.cu"),
         include_str!("../../kernels/sampling_rejection.cu")
     ),
 };

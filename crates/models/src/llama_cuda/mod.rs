@@ -134,6 +134,8 @@ pub struct CudaStepCounters {
     pub sampler_gumbel_max_rows: u64,
     /// Filtered rows whose rounds ran on their id list (`sampling_list_rounds`).
     pub sampler_list_rows: u64,
+    /// Filtered rows finished by the cluster kernel (`sampling_cluster`).
+    pub sampler_cluster_rows: u64,
 }
 
 /// A model resident on the GPU, with its KV cache.

@@ -104,13 +104,8 @@ pub(super) struct DeviceSampler {
     readback: DeviceBuffer<u32>,
     /// Totals at the previous step (the counters add the difference).
     last_totals: SamplingTotals,
-    /// How filtered rows are drawn (`PAGODA_GPU_SAMPLING_FILTERED`).
-    filtered: FilteredSampling,
-    /// Launches without filtered rows skip the row-maximum pass
-    /// (`PAGODA_GPU_SAMPLING_GUMBEL_MAX`).
-    gumbel_max: bool,
-    /// Top-k rows run their rounds on their id list (`PAGODA_GPU_SAMPLING_LIST_ROUNDS`).
-    list_rounds: bool,
+    /// The switches read from the environment when the sampler was made.
+    switches: SamplerSwitches,
 }
 
 /// An `on|off` switch from the environment, on when unset; an error naming the variable for
@@ -125,22 +120,38 @@ fn env_on_off(name: &str) -> Result<bool, CudaError> {
     }
 }
 
-/// The filtered rows' path: `PAGODA_GPU_SAMPLING_FILTERED=fast|exact` (default `fast`, which
-/// measured faster in every configuration of `pagoda bench sampling --device cuda`), and
-/// whether launches without filtered rows find the row maxima in the Gumbel kernel:
-/// `PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off` (default `on`, measured faster), and whether top-k
-/// rows run their rounds on their id list: `PAGODA_GPU_SAMPLING_LIST_ROUNDS=on|off` (default
-/// `on`, measured faster at batch 64); logged once. An unknown value is an error naming the
-/// variable.
-pub(super) fn filtered_sampling() -> Result<(FilteredSampling, bool, bool), CudaError> {
+/// The GPU sampler's switches, from the environment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct SamplerSwitches {
+    /// The filtered rows' path: `PAGODA_GPU_SAMPLING_FILTERED=fast|exact` (default `fast`,
+    /// which measured faster in every configuration of `pagoda bench sampling --device cuda`).
+    pub filtered: FilteredSampling,
+    /// Launches without filtered rows find the row maxima in the Gumbel kernel:
+    /// `PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off` (default `on`, measured faster).
+    pub gumbel_max: bool,
+    /// Top-k rows run their rounds on their id list: `PAGODA_GPU_SAMPLING_LIST_ROUNDS=on|off`
+    /// (default `on`, measured faster at batch 64).
+    pub list_rounds: bool,
+    /// Launches with top-p rows and no top-k rows run the whole fast path in one kernel, a
+    /// thread-block cluster per row: `PAGODA_GPU_SAMPLING_CLUSTER=on|off` (default `on`,
+    /// measured faster at batch 16 and 64 and level at batch 1; compute capability 9.0+).
+    pub cluster: bool,
+}
+
+/// The [`SamplerSwitches`], logged once. An unknown value is an error naming the variable.
+pub(super) fn sampler_switches() -> Result<SamplerSwitches, CudaError> {
     let filtered = match std::env::var("PAGODA_GPU_SAMPLING_FILTERED") {
         Ok(value) => FilteredSampling::parse(&value).map_err(|error| {
             CudaError::invalid(format!("PAGODA_GPU_SAMPLING_FILTERED: {error}"))
         })?,
         Err(_) => FilteredSampling::Fast,
     };
-    let gumbel_max = env_on_off("PAGODA_GPU_SAMPLING_GUMBEL_MAX")?;
-    let list_rounds = env_on_off("PAGODA_GPU_SAMPLING_LIST_ROUNDS")?;
+    let switches = SamplerSwitches {
+        filtered,
+        gumbel_max: env_on_off("PAGODA_GPU_SAMPLING_GUMBEL_MAX")?,
+        list_rounds: env_on_off("PAGODA_GPU_SAMPLING_LIST_ROUNDS")?,
+        cluster: env_on_off("PAGODA_GPU_SAMPLING_CLUSTER")?,
+    };
     let on_off = |on: bool| if on { "on" } else { "off" };
     static LOGGED: std::sync::Once = std::sync::Once::new();
     LOGGED.call_once(|| {
@@ -148,28 +159,28 @@ pub(super) fn filtered_sampling() -> Result<(FilteredSampling, bool, bool), Cuda
             "GPU sampling: filtered rows on the {} path (PAGODA_GPU_SAMPLING_FILTERED=fast|exact); \
              row maxima in the Gumbel kernel when no row is filtered: {} \
              (PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off); top-k rows' rounds on their id list: {} \
-             (PAGODA_GPU_SAMPLING_LIST_ROUNDS=on|off)",
+             (PAGODA_GPU_SAMPLING_LIST_ROUNDS=on|off); top-p launches without top-k \
+             in one cluster kernel per row: {} (PAGODA_GPU_SAMPLING_CLUSTER=on|off)",
             filtered.name(),
-            on_off(gumbel_max),
-            on_off(list_rounds)
+            on_off(switches.gumbel_max),
+            on_off(switches.list_rounds),
+            on_off(switches.cluster)
         )
     });
-    Ok((filtered, gumbel_max, list_rounds))
+    Ok(switches)
 }
 
 impl DeviceSampler {
     fn new(gpu: &Gpu, max_rows: usize, vocab: usize) -> Result<Self, CudaError> {
         let max_rows = max_rows.clamp(1, MAX_SAMPLING_ROWS);
-        let (filtered, gumbel_max, list_rounds) = filtered_sampling()?;
+        let switches = sampler_switches()?;
         Ok(DeviceSampler {
             workspace: SamplingWorkspace::new(gpu, max_rows, vocab)?,
             staging: gpu.alloc_pinned(max_rows * SAMPLING_PARAM_WORDS)?,
             params: gpu.zeros(max_rows * SAMPLING_PARAM_WORDS)?,
             readback: gpu.zeros(SAMPLING_TOTALS_WORDS + max_rows)?,
             last_totals: SamplingTotals::default(),
-            filtered,
-            gumbel_max,
-            list_rounds,
+            switches,
         })
     }
 
@@ -208,9 +219,10 @@ impl DeviceSampler {
         let device_runs = runs(rows, true);
         for run in &device_runs {
             let options = SamplingOptions {
-                filtered: self.filtered,
-                gumbel_max: self.gumbel_max,
-                list_rounds: self.list_rounds,
+                filtered: self.switches.filtered,
+                gumbel_max: self.switches.gumbel_max,
+                list_rounds: self.switches.list_rounds,
+                cluster: self.switches.cluster,
                 mix: SamplingMix::of(rows[run.clone()].iter().flatten(), vocab),
                 ..SamplingOptions::default()
             };
@@ -286,6 +298,7 @@ fn totals_difference(now: SamplingTotals, before: SamplingTotals) -> SamplingTot
         filtered_exact: now.filtered_exact.saturating_sub(before.filtered_exact),
         gumbel_max_rows: now.gumbel_max_rows.saturating_sub(before.gumbel_max_rows),
         list_rows: now.list_rows.saturating_sub(before.list_rows),
+        cluster_rows: now.cluster_rows.saturating_sub(before.cluster_rows),
     }
 }
 
@@ -357,6 +370,7 @@ impl<T: HostFloat> GpuLlama<T> {
         counters.sampler_filtered_exact_rows += gained.filtered_exact;
         counters.sampler_gumbel_max_rows += gained.gumbel_max_rows;
         counters.sampler_list_rows += gained.list_rows;
+        counters.sampler_cluster_rows += gained.cluster_rows;
         *request.out = rows;
         Ok(drawn)
     }
@@ -423,6 +437,7 @@ mod tests {
             filtered_exact: 0,
             gumbel_max_rows: 1,
             list_rows: 2,
+            cluster_rows: 2,
         };
         let now = SamplingTotals {
             greedy: 7,
@@ -434,6 +449,7 @@ mod tests {
             filtered_exact: 1,
             gumbel_max_rows: 4,
             list_rows: 7,
+            cluster_rows: 2,
         };
         let gained = totals_difference(now, before);
         assert_eq!(
@@ -448,6 +464,7 @@ mod tests {
                 filtered_exact: 1,
                 gumbel_max_rows: 3,
                 list_rows: 5,
+                cluster_rows: 0,
             }
         );
         assert_eq!(

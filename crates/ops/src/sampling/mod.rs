@@ -34,8 +34,10 @@
 //!
 //! # The fused sampler (sorting-free)
 //!
-//! [`FusedSampler`] samples from exactly the same [`effective_distribution`] with a different
-//! random stream: stage 1 is the chain's own [`SamplingChain::prepare_logits`]; greedy as
+//! [`FusedSampler`] samples from the same [`effective_distribution`] with a different
+//! random stream (the same support exactly; inside it, the rejection path draws with
+//! canonical f32 weights, within 3e-6 of the f64 ones, so that the GPU gets the same bits):
+//! stage 1 is the chain's own [`SamplingChain::prepare_logits`]; greedy as
 //! above; with no filter active, Gumbel-max ([`gumbel_argmax`]); with any filter, dual-pivot
 //! rejection (the `rejection` module documents the threshold tests, including top-k + top-p
 //! renormalised over the top-k set exactly as in stage 3, and the counted fallback to the
@@ -57,6 +59,7 @@ mod penalties;
 pub mod philox;
 mod reference;
 mod rejection;
+mod weights;
 
 pub use chain::{argmax, effective_distribution, Categorical, ChainOutcome, SamplingChain};
 pub use fused::{

@@ -29,6 +29,10 @@
 //! its exact `Z_k`; the rounds then only test top-p. (Measured on the CPU, FlashInfer's
 //! count-based top-k rounds cost more than the select.)
 //!
+//! Weights: the candidates are drawn with canonical f32 weights ([`draw_weight`], relative
+//! error below 3e-6 where the weight exceeds 1e-9 of the largest), summed in f64, the same
+//! bits on the GPU; the filters' masses stay f64 (`exp_f64`), so the support is the chain's.
+//!
 //! Exactness against the chain's f64 sums: the chain sums masses in its sort order, this code
 //! in id order. When a top-p test lands within `4 * V * eps * Z` of its target (where the two
 //! summation orders could disagree), the candidate test is declared ambiguous and the caller
@@ -36,6 +40,9 @@
 
 use super::params::SamplingParams;
 use super::philox::{draw_block, open_uniform_f64_from_u64, DrawPurpose};
+#[cfg(doc)]
+use super::weights::draw_weight;
+use super::weights::{exp_weights, fill_draw_weights};
 
 /// Round cap of the dual-pivot loop. The halving argument bounds a row at 33 rounds (32 failing
 /// ones plus the accepting one), so the cap is only reached through ambiguous pivot tests.
@@ -48,9 +55,9 @@ pub(crate) struct RejectionScratch {
     tokens: Vec<u32>,
     /// Their logits.
     logits: Vec<f32>,
-    /// Their tempered draw weights `exp((z - z_max) / T)`.
+    /// Their tempered draw weights, canonical f32 ([`draw_weight`]) held as f64.
     draw_weights: Vec<f64>,
-    /// Their untempered masses `exp(z - z_max)` (top-p only).
+    /// Their untempered masses `exp(z - z_max)` in f64 (top-p only).
     filter_weights: Vec<f64>,
     /// Values at or above the running floor of the top-k select.
     select_buffer: Vec<f32>,
@@ -178,7 +185,6 @@ pub(crate) fn sample_filtered(
 ) -> RejectionOutcome {
     let vocab = z.len();
     let z_max64 = z_max as f64;
-    let inverse_temperature = 1.0 / params.temperature as f64;
     let top_p_active = params.top_p < 1.0;
     let top_k_active = params.top_k > 0 && params.top_k < vocab;
 
@@ -215,17 +221,12 @@ pub(crate) fn sample_filtered(
             logits.push(value);
         }
     }
-    draw_weights.clear();
     filter_weights.clear();
-    exp_weights(logits, z_max64, inverse_temperature, draw_weights);
+    fill_draw_weights(logits, z_max, 1.0 / params.temperature, draw_weights);
     let mut proposal_mass: f64 = draw_weights.iter().sum();
     let mut top_k_mass = 0.0f64;
     if top_p_active {
-        if inverse_temperature == 1.0 {
-            filter_weights.extend_from_slice(draw_weights);
-        } else {
-            exp_weights(logits, z_max64, 1.0, filter_weights);
-        }
+        exp_weights(logits, z_max64, 1.0, filter_weights);
         if low < top_k_threshold || low == f32::NEG_INFINITY {
             // Every token of the top-k set (all finite tokens without top-k) is in the proposal.
             top_k_mass = logits
@@ -341,136 +342,9 @@ pub(crate) fn sample_filtered(
     RejectionOutcome::Fallback { rounds: max_rounds }
 }
 
-/// Below this argument [`exp_f64`] is not used (its `2^k` scale would leave the normal range);
-/// libm's `exp` computes those (subnormal or zero) weights instead.
-const EXP_FAST_MIN: f64 = -700.0;
-
-/// `exp(x)` in f64 for `EXP_FAST_MIN <= x <= 0`, within a few ulp of the correctly rounded
-/// value (a test bounds it against libm): `x = k ln 2 + r` (Cody-Waite, `|r| <= ln 2 / 2`,
-/// `k` rounded by the 1.5 * 2^52 trick), degree-13 Taylor polynomial of `exp(r)` (truncation
-/// below 4e-18), times `2^k` built in the exponent bits. IEEE `+ - *` only, no fused
-/// multiply-add, so every instruction set gives the same bits; branch-free so it vectorises.
-#[inline(always)]
-pub(crate) fn exp_f64(x: f64) -> f64 {
-    const LOG2_E: f64 = std::f64::consts::LOG2_E;
-    // ln 2 split: the high part has 32 trailing zero bits, so `k * LN2_HIGH` is exact.
-    const LN2_HIGH: f64 = 0.693_147_180_369_123_8;
-    const LN2_LOW: f64 = 1.908_214_929_270_587_7e-10;
-    const ROUNDER: f64 = 6_755_399_441_055_744.0; // 1.5 * 2^52
-    let x = if x < EXP_FAST_MIN { EXP_FAST_MIN } else { x };
-    let shifted = x * LOG2_E + ROUNDER;
-    let k = shifted - ROUNDER;
-    let k_integer = (shifted.to_bits() as i64).wrapping_sub(ROUNDER.to_bits() as i64);
-    let r = (x - k * LN2_HIGH) - k * LN2_LOW;
-    let mut p = 1.0 / 6_227_020_800.0; // 1/13!
-    p = p * r + 1.0 / 479_001_600.0;
-    p = p * r + 1.0 / 39_916_800.0;
-    p = p * r + 1.0 / 3_628_800.0;
-    p = p * r + 1.0 / 362_880.0;
-    p = p * r + 1.0 / 40_320.0;
-    p = p * r + 1.0 / 5_040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
-    let scale = f64::from_bits(((k_integer + 1023) as u64) << 52);
-    p * scale
-}
-
-/// `out[i] = exp((logits[i] - z_max) * scale)` for every `i` (resized to `logits.len()`),
-/// `z_max` the row maximum (so the arguments are `<= 0`) and `scale > 0`. Vectorised
-/// ([`exp_f64`], AVX-512 or AVX2 chosen at run time); arguments below [`EXP_FAST_MIN`] are
-/// recomputed with libm.
-pub(crate) fn exp_weights(logits: &[f32], z_max: f64, scale: f64, out: &mut Vec<f64>) {
-    out.clear();
-    out.resize(logits.len(), 0.0);
-    let any_below = exp_weights_dispatch(logits, z_max, scale, out);
-    if any_below {
-        for (weight, &value) in out.iter_mut().zip(logits) {
-            let argument = (value as f64 - z_max) * scale;
-            if argument < EXP_FAST_MIN {
-                *weight = argument.exp();
-            }
-        }
-    }
-}
-
-#[inline(always)]
-fn exp_weights_kernel(logits: &[f32], z_max: f64, scale: f64, out: &mut [f64]) -> bool {
-    let mut any_below = false;
-    for (weight, &value) in out.iter_mut().zip(logits) {
-        let argument = (value as f64 - z_max) * scale;
-        any_below |= argument < EXP_FAST_MIN;
-        *weight = exp_f64(argument);
-    }
-    any_below
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
-fn exp_weights_avx512(logits: &[f32], z_max: f64, scale: f64, out: &mut [f64]) -> bool {
-    exp_weights_kernel(logits, z_max, scale, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn exp_weights_avx2(logits: &[f32], z_max: f64, scale: f64, out: &mut [f64]) -> bool {
-    exp_weights_kernel(logits, z_max, scale, out)
-}
-
-fn exp_weights_dispatch(logits: &[f32], z_max: f64, scale: f64, out: &mut [f64]) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if super::gumbel::has_avx512() {
-            // SAFETY: the enabled features were detected.
-            return unsafe { exp_weights_avx512(logits, z_max, scale, out) };
-        }
-        if super::gumbel::has_avx2() {
-            // SAFETY: as above.
-            return unsafe { exp_weights_avx2(logits, z_max, scale, out) };
-        }
-    }
-    exp_weights_kernel(logits, z_max, scale, out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// `exp_f64` against libm (itself within 1 ulp) over `[-700, 0]`: within 4 eps relative.
-    #[test]
-    fn exp_f64_matches_libm() {
-        let mut state = 0x1234_5678_9ABC_DEF0u64;
-        let mut worst = 0.0f64;
-        for index in 0..200_000u64 {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let unit = (state >> 11) as f64 / (1u64 << 53) as f64;
-            // Dense near 0 (where the weights that matter live), sparse down to -700.
-            let x = if index % 2 == 0 {
-                -unit * 40.0
-            } else {
-                -unit * 700.0
-            };
-            let exact = x.exp();
-            let relative = ((exp_f64(x) - exact) / exact).abs();
-            worst = worst.max(relative);
-        }
-        assert_eq!(exp_f64(0.0), 1.0);
-        assert!(
-            worst <= 4.0 * f64::EPSILON,
-            "worst relative error {worst:e}"
-        );
-        // The slow tail goes through libm.
-        let mut out = Vec::new();
-        exp_weights(&[0.0, -800.0, -1.0], 0.0, 1.0, &mut out);
-        assert_eq!(out[1], (-800.0f64).exp());
-        assert_eq!(out[2], exp_f64(-1.0));
-    }
 
     /// `kth_largest` against a full sort, on random, sorted, tied and masked rows.
     #[test]

@@ -89,14 +89,19 @@ pub enum SamplingEntry {
     ListRounds,
     /// `sampling_round`: one dual-pivot round of the fast filtered path.
     Round,
+    /// `sampling_cluster`: row maxima, filter state and the whole fast filtered path of
+    /// launches without top-k rows, a thread-block cluster per row (sm_90+; replaces
+    /// `sampling_row_max`, the pass and the rounds).
+    Cluster,
     /// `sampling_finish`: greedy / Gumbel tokens and the exact filtered kernel.
     Finish,
 }
 
 impl SamplingEntry {
     /// Every entry, in launch order.
-    pub const ALL: [SamplingEntry; 8] = [
+    pub const ALL: [SamplingEntry; 9] = [
         SamplingEntry::RowMax,
+        SamplingEntry::Cluster,
         SamplingEntry::TopKDigit,
         SamplingEntry::Gumbel,
         SamplingEntry::Pass,
@@ -117,6 +122,7 @@ pub fn specialize_sampling(entry: SamplingEntry) -> KernelSpec {
         SamplingEntry::PassListed => "sampling_pass_listed",
         SamplingEntry::ListRounds => "sampling_list_rounds",
         SamplingEntry::Round => "sampling_round",
+        SamplingEntry::Cluster => "sampling_cluster",
         SamplingEntry::Finish => "sampling_finish",
     };
     KernelSpec {
@@ -139,6 +145,19 @@ const TOP_K_BINS: usize = 256;
 /// or 8/12/12 digits cost more than 8-bit ones, of which the early stop usually spares the
 /// last.
 const TOP_K_SHIFTS: [u32; 3] = [16, 8, 0];
+/// CTAs of a `sampling_cluster` cluster, one row (`CLUSTER_CTAS` in the kernels), and their
+/// threads (`CLUSTER_THREADS`).
+const CLUSTER_CTAS: u32 = 8;
+const CLUSTER_THREADS: u32 = 512;
+/// Largest slice of a row one cluster CTA holds in shared memory (bytes); larger vocabularies
+/// take the multi-launch pipeline.
+const CLUSTER_SLICE_BYTES: usize = 200 * 1024;
+
+/// Logits of one CTA's slice of a `vocab`-logit row in `sampling_cluster` (the kernels'
+/// `split_range` over `CLUSTER_CTAS` splits: whole groups of 4).
+fn cluster_slice_floats(vocab: usize) -> usize {
+    vocab.div_ceil(4).div_ceil(CLUSTER_CTAS as usize) * 4
+}
 /// Threads of a split CTA and of a finish CTA.
 const SPLIT_THREADS: u32 = 256;
 const FINISH_THREADS: u32 = 1024;
@@ -333,6 +352,7 @@ pub fn sample_rows_with(
     let (rows, splits) = (plan.rows as u32, plan.num_splits as u32);
     let mix = options.mix;
     let fast = options.filtered == FilteredSampling::Fast && mix.filtered;
+    let slice_bytes = 4 * cluster_slice_floats(vocab);
     let mut flags = 0;
     if fast {
         flags |= FLAG_FAST;
@@ -357,7 +377,40 @@ pub fn sample_rows_with(
     let filter_splits_arg = KernelArg::U32(filter_splits);
     let filter_grid = LaunchDims::new((filter_splits, rows), SPLIT_THREADS);
     let ws = &*workspace;
-    if !gumbel_max {
+    // Top-p launches without top-k rows: one cluster per row runs the row maximum and the
+    // whole fast path (min-p alone needs no rounds, and measured faster on the pipeline).
+    let cluster = fast
+        && mix.top_p
+        && !mix.top_k
+        && options.cluster
+        && gpu.info().compute_capability.0 >= 9
+        && slice_bytes <= CLUSTER_SLICE_BYTES;
+    if cluster {
+        let cluster_args = [
+            ptr(logits),
+            ptr(params),
+            vocab,
+            flags_arg,
+            max_rounds,
+            ptr(&ws.state),
+            ptr(tokens_out),
+            ptr(&ws.row_stats),
+            ptr(&ws.totals),
+        ];
+        // SAFETY: the arguments match sampling_cluster's signature in
+        // kernels/sampling_cluster.cu; lengths were validated by `plan_sampling`; the grid's x
+        // is one whole cluster (the kernel's __cluster_dims__).
+        unsafe {
+            gpu.launch(
+                &specialize_sampling(SamplingEntry::Cluster),
+                LaunchDims {
+                    shared_mem_bytes: slice_bytes as u32,
+                    ..LaunchDims::new((CLUSTER_CTAS, rows), CLUSTER_THREADS)
+                },
+                &cluster_args,
+            )?;
+        }
+    } else if !gumbel_max {
         let row_max = [
             ptr(logits),
             ptr(params),
@@ -431,7 +484,7 @@ pub fn sample_rows_with(
     // Only rows with a top-k threshold fill lists, so lists exist only with FLAG_TOP_K; the
     // list kernel then reads them (and zeroes their counts).
     let listed = fast && flags & FLAG_TOP_K != 0 && options.list_rounds;
-    if fast {
+    if fast && !cluster {
         let mut pass = vec![
             ptr(logits),
             ptr(params),
@@ -479,7 +532,7 @@ pub fn sample_rows_with(
             )?;
         }
     }
-    if fast {
+    if fast && !cluster {
         // Only top-p rows can need round launches, and with the lists only those off them
         // (see SamplingMix).
         let rounds = if mix.top_p && (mix.unlisted_top_p || !listed) {

@@ -332,6 +332,10 @@ pub struct SamplingOptions {
     /// of their proposal's ids (`sampling_list_rounds`) instead of round launches over the
     /// whole row. Same tokens either way.
     pub list_rounds: bool,
+    /// Launches with top-p rows and no top-k rows run the row maxima and the whole fast
+    /// filtered path in one kernel, a thread-block cluster per row (`sampling_cluster`; on
+    /// GPUs of compute capability 9.0 and later, else ignored). Same tokens either way.
+    pub cluster: bool,
 }
 
 impl Default for SamplingOptions {
@@ -347,6 +351,7 @@ impl Default for SamplingOptions {
             mix: SamplingMix::ALL,
             gumbel_max: true,
             list_rounds: true,
+            cluster: true,
         }
     }
 }
@@ -527,10 +532,12 @@ pub struct SamplingTotals {
     pub gumbel_max_rows: u64,
     /// Filtered rows whose rounds ran on their id list (see [`SamplingOptions::list_rounds`]).
     pub list_rows: u64,
+    /// Filtered rows finished by the cluster kernel (see [`SamplingOptions::cluster`]).
+    pub cluster_rows: u64,
 }
 
-/// u32 words of the totals counters in the workspace (9 little-endian u64).
-pub const SAMPLING_TOTALS_WORDS: usize = 18;
+/// u32 words of the totals counters in the workspace (10 little-endian u64).
+pub const SAMPLING_TOTALS_WORDS: usize = 20;
 
 impl SamplingTotals {
     /// Decodes the workspace's [`SAMPLING_TOTALS_WORDS`] words.
@@ -553,6 +560,7 @@ impl SamplingTotals {
             filtered_exact: counter(6),
             gumbel_max_rows: counter(7),
             list_rows: counter(8),
+            cluster_rows: counter(9),
         })
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod activation;
 pub mod attention;
+mod kernel_choice;
 pub mod linear;
 pub mod norm;
 pub mod rope;

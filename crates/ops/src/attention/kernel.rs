@@ -11,6 +11,7 @@
 use std::sync::OnceLock;
 
 use super::{decode, PagedKv};
+use crate::kernel_choice::{choose_from_env, KernelChoice};
 
 /// The environment variable that selects the attention kernel.
 pub const ATTENTION_KERNEL_ENV_VAR: &str = "PAGODA_CPU_ATTENTION";
@@ -77,28 +78,29 @@ impl AttentionKernel {
     pub fn selected() -> AttentionKernel {
         static SELECTED: OnceLock<AttentionKernel> = OnceLock::new();
         *SELECTED.get_or_init(|| {
-            let requested = std::env::var(ATTENTION_KERNEL_ENV_VAR).unwrap_or_default();
-            let kernel = match AttentionKernel::parse(&requested) {
-                Ok(None) => AttentionKernel::best(),
-                Ok(Some(kernel)) if kernel.is_supported() => kernel,
-                Ok(Some(kernel)) => {
-                    tracing::warn!(
-                        "{ATTENTION_KERNEL_ENV_VAR}={}: this CPU lacks it, using auto",
-                        kernel.name()
-                    );
-                    AttentionKernel::best()
-                }
-                Err(message) => {
-                    tracing::warn!("{message}; using auto");
-                    AttentionKernel::best()
-                }
-            };
+            let kernel = choose_from_env::<AttentionKernel>();
             tracing::info!(
                 "CPU attention kernel: {} (split-KV online softmax over the paged cache)",
                 kernel.name()
             );
             kernel
         })
+    }
+}
+
+impl KernelChoice for AttentionKernel {
+    const ENV_VAR: &'static str = ATTENTION_KERNEL_ENV_VAR;
+    fn choice_name(self) -> &'static str {
+        self.name()
+    }
+    fn choice_supported(self) -> bool {
+        self.is_supported()
+    }
+    fn auto_choice() -> Self {
+        AttentionKernel::best()
+    }
+    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
+        AttentionKernel::parse(text)
     }
 }
 

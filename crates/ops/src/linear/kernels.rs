@@ -20,6 +20,7 @@
 
 use std::sync::OnceLock;
 
+use crate::kernel_choice::{choose_from_env, KernelChoice};
 use crate::simd::int_dot::IntIsa;
 
 /// A CPU kernel set for quantized weights.
@@ -146,10 +147,7 @@ impl CpuKernelPolicy {
     /// Parses a `PAGODA_CPU_KERNELS` value: `auto` (or empty) is [`CpuKernelPolicy::auto`],
     /// a set name is that set for every weight. The error names the bad value.
     pub fn parse(value: &str) -> Result<CpuKernelPolicy, String> {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(CpuKernelPolicy::auto()),
-            other => CpuKernels::parse(other).map(CpuKernelPolicy::uniform),
-        }
+        Ok(CpuKernelPolicy::parse_choice(value)?.unwrap_or_else(CpuKernelPolicy::auto))
     }
 
     /// The set for the weight stored under `name` (a GGUF tensor name).
@@ -179,21 +177,7 @@ impl CpuKernelPolicy {
     pub fn selected() -> CpuKernelPolicy {
         static SELECTED: OnceLock<CpuKernelPolicy> = OnceLock::new();
         *SELECTED.get_or_init(|| {
-            let requested = std::env::var("PAGODA_CPU_KERNELS").unwrap_or_else(|_| "auto".into());
-            let policy = match CpuKernelPolicy::parse(&requested) {
-                Ok(policy) if policy.kernels.is_supported() => policy,
-                Ok(policy) => {
-                    tracing::warn!(
-                        "PAGODA_CPU_KERNELS={}: this CPU lacks it, using auto",
-                        policy.kernels.name()
-                    );
-                    CpuKernelPolicy::auto()
-                }
-                Err(message) => {
-                    tracing::warn!("{message}; using auto");
-                    CpuKernelPolicy::auto()
-                }
-            };
+            let policy = choose_from_env::<CpuKernelPolicy>();
             let activations = match (policy.kernels, policy.f32_ffn_down) {
                 (CpuKernels::F32, _) => "f32 activations, weights decoded in registers",
                 (CpuKernels::Amx, false) => {
@@ -214,6 +198,27 @@ impl CpuKernelPolicy {
             tracing::info!("CPU kernels: {} ({activations})", policy.name());
             policy
         })
+    }
+}
+
+impl KernelChoice for CpuKernelPolicy {
+    const ENV_VAR: &'static str = "PAGODA_CPU_KERNELS";
+    fn choice_name(self) -> &'static str {
+        self.name()
+    }
+    fn choice_supported(self) -> bool {
+        self.kernels.is_supported()
+    }
+    fn auto_choice() -> Self {
+        CpuKernelPolicy::auto()
+    }
+    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(None),
+            other => {
+                CpuKernels::parse(other).map(|kernels| Some(CpuKernelPolicy::uniform(kernels)))
+            }
+        }
     }
 }
 

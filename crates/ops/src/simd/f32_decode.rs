@@ -24,6 +24,8 @@ use std::sync::OnceLock;
 
 use pagoda_tensor::GgmlType;
 
+use crate::kernel_choice::{choose_from_env, KernelChoice};
+
 /// The environment variable that selects the f32 kernel of 1-8 token matmuls.
 pub const F32_DECODE_ENV_VAR: &str = "PAGODA_CPU_F32_DECODE";
 
@@ -89,28 +91,29 @@ impl F32Decode {
     pub fn selected() -> F32Decode {
         static SELECTED: OnceLock<F32Decode> = OnceLock::new();
         *SELECTED.get_or_init(|| {
-            let requested = std::env::var(F32_DECODE_ENV_VAR).unwrap_or_default();
-            let kernel = match F32Decode::parse(&requested) {
-                Ok(None) => F32Decode::best(),
-                Ok(Some(kernel)) if kernel.is_supported() => kernel,
-                Ok(Some(kernel)) => {
-                    tracing::warn!(
-                        "{F32_DECODE_ENV_VAR}={}: this CPU lacks it, using auto",
-                        kernel.name()
-                    );
-                    F32Decode::best()
-                }
-                Err(message) => {
-                    tracing::warn!("{message}; using auto");
-                    F32Decode::best()
-                }
-            };
+            let kernel = choose_from_env::<F32Decode>();
             tracing::info!(
                 "CPU f32 matmuls of 1-8 tokens: {} ({F32_DECODE_ENV_VAR}=auto|avx512|avx2|tile)",
                 kernel.name()
             );
             kernel
         })
+    }
+}
+
+impl KernelChoice for F32Decode {
+    const ENV_VAR: &'static str = F32_DECODE_ENV_VAR;
+    fn choice_name(self) -> &'static str {
+        self.name()
+    }
+    fn choice_supported(self) -> bool {
+        self.is_supported()
+    }
+    fn auto_choice() -> Self {
+        F32Decode::best()
+    }
+    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
+        F32Decode::parse(text)
     }
 }
 

@@ -10,9 +10,9 @@
 #define SEGMENTS 8u
 // Relative bound used on every filter mass summed from fast f32 weights (f32 expf, or
 // draw_exp at T = 1, of an f32 argument, accumulated in f64): their error is below 5e-6 of
-// the mass (the exp's 3 ulp plus the argument's three roundings times the weighted mean |x|, itself at most ln(vocab) +
-// 0.4 for a set holding the row maximum). A top-p test closer than this to its boundary is
-// left to the exact kernel.
+// the mass (the exp's 3 ulp plus the argument's three roundings times the weighted mean |x|,
+// itself at most ln(vocab) + 0.4 for a set holding the row maximum). A top-p test closer than
+// this to its boundary is left to the exact kernel.
 #define FAST_MASS_TOLERANCE 2e-5
 
 // exp((v - z_max) * scale) in f32; 0 for masked logits.

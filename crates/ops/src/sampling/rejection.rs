@@ -223,19 +223,28 @@ pub(crate) fn sample_filtered(
     }
     filter_weights.clear();
     fill_draw_weights(logits, z_max, 1.0 / params.temperature, draw_weights);
-    let mut proposal_mass: f64 = draw_weights.iter().sum();
+    let mut proposal_mass = 0.0f64;
     let mut top_k_mass = 0.0f64;
     if top_p_active {
         exp_weights(logits, z_max64, 1.0, filter_weights);
-        if low < top_k_threshold || low == f32::NEG_INFINITY {
-            // Every token of the top-k set (all finite tokens without top-k) is in the proposal.
-            top_k_mass = logits
-                .iter()
-                .zip(filter_weights.iter())
-                .filter(|(&value, _)| value >= top_k_threshold)
-                .map(|(_, &weight)| weight)
-                .sum();
-        } else {
+    }
+    if top_p_active && (low < top_k_threshold || low == f32::NEG_INFINITY) {
+        // Every token of the top-k set (all finite tokens without top-k) is in the proposal.
+        // Both sums in id order, in one loop: two independent chains of dependent adds run
+        // side by side (each is latency-bound alone), with the same bits as two loops.
+        for ((&value, &draw), &filter) in logits
+            .iter()
+            .zip(draw_weights.iter())
+            .zip(filter_weights.iter())
+        {
+            proposal_mass += draw;
+            if value >= top_k_threshold {
+                top_k_mass += filter;
+            }
+        }
+    } else {
+        proposal_mass = draw_weights.iter().sum();
+        if top_p_active {
             // Min-p cut deeper than top-k: the top-k set reaches below the proposal.
             top_k_mass = z
                 .iter()
@@ -320,13 +329,15 @@ pub(crate) fn sample_filtered(
             },
         }
         // Shrink the proposal to {z > low}, keeping id order; its mass is re-summed in the
-        // order the next walk uses.
+        // order the next walk uses, as the kept weights move.
         let mut kept = 0;
+        proposal_mass = 0.0;
         for position in 0..logits.len() {
             if logits[position] > low {
                 tokens[kept] = tokens[position];
                 logits[kept] = logits[position];
                 draw_weights[kept] = draw_weights[position];
+                proposal_mass += draw_weights[position];
                 if let Some(&weight) = filter_weights.get(position) {
                     filter_weights[kept] = weight;
                 }
@@ -337,7 +348,6 @@ pub(crate) fn sample_filtered(
         logits.truncate(kept);
         draw_weights.truncate(kept);
         filter_weights.truncate(kept);
-        proposal_mass = draw_weights.iter().sum();
     }
     RejectionOutcome::Fallback { rounds: max_rounds }
 }

@@ -376,12 +376,8 @@ fn measure(
     let listed = arm.list_rounds
         && arm.filtered == FilteredSampling::Fast
         && configuration == Configuration::TopKTopP;
-    // Top-p rows without top-k run in the cluster kernel when it is on and the GPU has
-    // clusters; nothing else does.
-    let clustered = arm.cluster
-        && arm.filtered == FilteredSampling::Fast
-        && gpu.info().compute_capability.0 >= 9
-        && configuration == Configuration::TopP;
+    // The launches ran the cluster kernel exactly when the sampler's rule says so.
+    let clustered = options.runs_cluster(vocab, gpu.info().compute_capability);
     let path_ok = configuration.path_accounts_for(&totals, rows_sampled)
         && totals.gumbel_max_rows == gumbel_max_rows
         && (totals.list_rows > 0) == listed

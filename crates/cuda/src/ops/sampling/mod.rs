@@ -66,6 +66,8 @@ pub use params::{
     SAMPLING_TOTALS_WORDS,
 };
 
+use params::{cluster_slice_bytes, CLUSTER_CTAS, CLUSTER_THREADS};
+
 use super::SAMPLING;
 use crate::error::CudaError;
 use crate::key::{DType, KernelSpec};
@@ -145,19 +147,6 @@ const TOP_K_BINS: usize = 256;
 /// or 8/12/12 digits cost more than 8-bit ones, of which the early stop usually spares the
 /// last.
 const TOP_K_SHIFTS: [u32; 3] = [16, 8, 0];
-/// CTAs of a `sampling_cluster` cluster, one row (`CLUSTER_CTAS` in the kernels), and their
-/// threads (`CLUSTER_THREADS`).
-const CLUSTER_CTAS: u32 = 8;
-const CLUSTER_THREADS: u32 = 512;
-/// Largest slice of a row one cluster CTA holds in shared memory (bytes); larger vocabularies
-/// take the multi-launch pipeline.
-const CLUSTER_SLICE_BYTES: usize = 200 * 1024;
-
-/// Logits of one CTA's slice of a `vocab`-logit row in `sampling_cluster` (the kernels'
-/// `split_range` over `CLUSTER_CTAS` splits: whole groups of 4).
-fn cluster_slice_floats(vocab: usize) -> usize {
-    vocab.div_ceil(4).div_ceil(CLUSTER_CTAS as usize) * 4
-}
 /// Threads of a split CTA and of a finish CTA.
 const SPLIT_THREADS: u32 = 256;
 const FINISH_THREADS: u32 = 1024;
@@ -352,7 +341,10 @@ pub fn sample_rows_with(
     let (rows, splits) = (plan.rows as u32, plan.num_splits as u32);
     let mix = options.mix;
     let fast = options.filtered == FilteredSampling::Fast && mix.filtered;
-    let slice_bytes = 4 * cluster_slice_floats(vocab);
+    // Top-p launches without top-k rows: one cluster per row runs the row maximum and the
+    // whole fast path.
+    let cluster = options.runs_cluster(vocab, gpu.info().compute_capability);
+    let slice_bytes = cluster_slice_bytes(vocab) as u32;
     let mut flags = 0;
     if fast {
         flags |= FLAG_FAST;
@@ -377,14 +369,6 @@ pub fn sample_rows_with(
     let filter_splits_arg = KernelArg::U32(filter_splits);
     let filter_grid = LaunchDims::new((filter_splits, rows), SPLIT_THREADS);
     let ws = &*workspace;
-    // Top-p launches without top-k rows: one cluster per row runs the row maximum and the
-    // whole fast path (min-p alone needs no rounds, and measured faster on the pipeline).
-    let cluster = fast
-        && mix.top_p
-        && !mix.top_k
-        && options.cluster
-        && gpu.info().compute_capability.0 >= 9
-        && slice_bytes <= CLUSTER_SLICE_BYTES;
     if cluster {
         let cluster_args = [
             ptr(logits),
@@ -404,7 +388,7 @@ pub fn sample_rows_with(
             gpu.launch(
                 &specialize_sampling(SamplingEntry::Cluster),
                 LaunchDims {
-                    shared_mem_bytes: slice_bytes as u32,
+                    shared_mem_bytes: slice_bytes,
                     ..LaunchDims::new((CLUSTER_CTAS, rows), CLUSTER_THREADS)
                 },
                 &cluster_args,

@@ -306,6 +306,18 @@ pub fn filter_splits(rows: usize, vocab: usize, sm_count: usize) -> usize {
     (1usize << exponent).min(cap)
 }
 
+/// CTAs (one row) and threads per CTA of a `sampling_cluster` cluster (as in the kernels).
+pub(super) const CLUSTER_CTAS: u32 = 8;
+pub(super) const CLUSTER_THREADS: u32 = 512;
+/// Largest row slice (bytes) of one cluster CTA; larger vocabularies take the pipeline.
+const CLUSTER_SLICE_BYTES: usize = 200 * 1024;
+
+/// Shared-memory bytes of one CTA's slice of a `vocab`-logit row in `sampling_cluster` (the
+/// kernels' `split_range` over `CLUSTER_CTAS` splits: whole groups of 4 logits).
+pub(super) fn cluster_slice_bytes(vocab: usize) -> usize {
+    4 * vocab.div_ceil(4).div_ceil(CLUSTER_CTAS as usize) * 4
+}
+
 /// Launch options of [`sample_rows_with`](super::sample_rows_with).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SamplingOptions {
@@ -336,6 +348,23 @@ pub struct SamplingOptions {
     /// filtered path in one kernel, a thread-block cluster per row (`sampling_cluster`; on
     /// GPUs of compute capability 9.0 and later, else ignored). Same tokens either way.
     pub cluster: bool,
+}
+
+impl SamplingOptions {
+    /// Whether a launch with these options over `vocab`-logit rows on a GPU of compute
+    /// capability `compute_capability` runs `sampling_cluster` (see
+    /// [`SamplingOptions::cluster`]): the fast path, top-p rows and no top-k rows (min-p alone
+    /// needs no rounds and measured faster on the pipeline), clusters on the GPU, and a slice
+    /// that fits in shared memory.
+    pub fn runs_cluster(&self, vocab: usize, compute_capability: (u32, u32)) -> bool {
+        self.cluster
+            && self.filtered == FilteredSampling::Fast
+            && self.mix.filtered
+            && self.mix.top_p
+            && !self.mix.top_k
+            && compute_capability.0 >= 9
+            && cluster_slice_bytes(vocab) <= CLUSTER_SLICE_BYTES
+    }
 }
 
 impl Default for SamplingOptions {

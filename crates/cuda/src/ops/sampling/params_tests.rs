@@ -297,3 +297,47 @@ fn two_round_launches_up_to_four_rows() {
         assert_eq!(default_fast_rounds(rows), launches, "{rows} rows");
     }
 }
+
+#[test]
+fn the_cluster_runs_top_p_launches_without_top_k_on_clusters_only() {
+    let top_p = SamplingOptions {
+        mix: SamplingMix {
+            top_k: false,
+            ..SamplingMix::ALL
+        },
+        ..SamplingOptions::default()
+    };
+    let hopper = (9, 0);
+    assert!(top_p.runs_cluster(128_256, hopper));
+    assert!(top_p.runs_cluster(151_936, (10, 0)));
+    // Ampere has no clusters; a top-k row, a launch without top-p rows, the exact path or
+    // the switch off keep the pipeline.
+    assert!(!top_p.runs_cluster(128_256, (8, 0)));
+    assert!(!SamplingOptions::default().runs_cluster(128_256, hopper));
+    let min_p_only = SamplingOptions {
+        mix: SamplingMix {
+            top_k: false,
+            top_p: false,
+            unlisted_top_p: false,
+            ..SamplingMix::ALL
+        },
+        ..top_p
+    };
+    assert!(!min_p_only.runs_cluster(128_256, hopper));
+    for off in [
+        SamplingOptions {
+            filtered: FilteredSampling::Exact,
+            ..top_p
+        },
+        SamplingOptions {
+            cluster: false,
+            ..top_p
+        },
+    ] {
+        assert!(!off.runs_cluster(128_256, hopper));
+    }
+    // A slice over 200 KiB of shared memory (8 CTAs of 51200 logits and more) does not fit.
+    assert_eq!(cluster_slice_bytes(128_256), 64_128);
+    assert!(top_p.runs_cluster(409_600, hopper));
+    assert!(!top_p.runs_cluster(409_604, hopper));
+}

@@ -74,11 +74,9 @@ PAGODA_DEVICE RowParams load_row_params(const unsigned int* __restrict__ params,
 }
 
 // NaN -> -inf (masked), +inf -> f32::MAX, as pagoda_ops' sanitize_logit.
-// Branch-free (a min and a select): it runs on every logit every sampling kernel loads.
-PAGODA_DEVICE float sanitize_logit(float x) {
-    const float clamped = fminf(x, __int_as_float(FLT_MAX_BITS));
-    return x != x ? -INFINITY : clamped;
-}
+// Two min/max instructions (fmaxf returns -inf for a NaN): it runs on every logit every
+// sampling kernel loads.
+PAGODA_DEVICE float sanitize_logit(float x) { return fminf(fmaxf(x, -INFINITY), __int_as_float(FLT_MAX_BITS)); }
 
 // Greedy when temperature is 0 (or not a positive finite number), top_k == 1 or no finite
 // logit; rejection when any filter is active (top_k in 2..vocab-1, top_p < 1, min_p > 0;
@@ -192,8 +190,8 @@ PAGODA_DEVICE double exp_f64(double x) {
 // as the CPU.
 PAGODA_DEVICE float draw_exp(float x) {
     const float rounder = 12582912.0f;  // 1.5 * 2^23
-    const bool below = x < -86.0f;
-    x = below ? -86.0f : x;
+    const unsigned int keep = x < -86.0f ? 0u : 0xFFFFFFFFu;  // a mask, not a branch
+    x = fmaxf(x, -86.0f);
     const float shifted = __fmaf_rn(x, __int_as_float(0x3FB8AA3B), rounder);  // log2(e)
     const float k = __fsub_rn(shifted, rounder);
     const int k_integer = __float_as_int(shifted) - __float_as_int(rounder);
@@ -206,7 +204,7 @@ PAGODA_DEVICE float draw_exp(float x) {
     p = __fmaf_rn(p, r, 0.5f);
     p = __fmaf_rn(p, r, 1.0f);
     p = __fmaf_rn(p, r, 1.0f);
-    return below ? 0.0f : __fmul_rn(p, __int_as_float((k_integer + 127) << 23));
+    return __uint_as_float(__float_as_uint(__fmul_rn(p, __int_as_float((k_integer + 127) << 23))) & keep);
 }
 
 // pagoda_ops weights::draw_weight: the canonical draw weight of v, draw_exp((v - z_max) *

@@ -135,6 +135,9 @@ pub struct LaunchDims {
     pub block: (u32, u32, u32),
     /// Dynamic shared memory bytes.
     pub shared_mem_bytes: u32,
+    /// Ask the driver for the largest shared-memory carveout of the SM (for kernels whose
+    /// CTAs per SM are bounded by their shared memory).
+    pub prefer_shared: bool,
 }
 
 impl LaunchDims {
@@ -144,6 +147,7 @@ impl LaunchDims {
             grid: (grid.0, grid.1, 1),
             block: (block, 1, 1),
             shared_mem_bytes: 0,
+            prefer_shared: false,
         }
     }
 
@@ -153,6 +157,7 @@ impl LaunchDims {
             grid,
             block: (block, 1, 1),
             shared_mem_bytes: 0,
+            prefer_shared: false,
         }
     }
 }

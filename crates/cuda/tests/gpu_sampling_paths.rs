@@ -10,7 +10,9 @@ mod common;
 
 use common::sampling::*;
 use common::*;
-use pagoda_cuda::ops::{FilteredSampling, SamplingMix, SamplingOptions, SamplingRowParams};
+use pagoda_cuda::ops::{
+    ClusterShape, FilteredSampling, SamplingMix, SamplingOptions, SamplingRowParams,
+};
 
 /// Filtered rows of many shapes: temperatures 0.1 to 3, top-p 0.3 to 0.999, top-k, min-p and
 /// their combinations, on logits of several spreads.
@@ -290,16 +292,25 @@ fn the_cluster_kernel_draws_the_exact_kernels_tokens() {
                 filtered_rows += (index % 6 >= 2) as u64;
                 params.push(row_params(&chain, 31 * index as u64 + batch));
             }
-            let (tokens, totals) = sample_batch_with_totals(&gpu, &logits, &params, clustered);
             let reference = sample_batch(&gpu, &logits, &params, exact);
-            let first = tokens.iter().zip(&reference).position(|(a, b)| a != b);
-            assert_eq!(
-                tokens,
-                reference,
-                "V={vocab} batch {batch}: first difference at row {first:?} ({:?})",
-                first.map(|row| params[row])
-            );
-            cluster_rows += totals.cluster_rows;
+            // Every CTA shape (at V 151936 each reads part of its slice from global memory).
+            for cluster_shape in ClusterShape::CANDIDATES {
+                let options = SamplingOptions {
+                    cluster_shape,
+                    ..clustered
+                };
+                let (tokens, totals) = sample_batch_with_totals(&gpu, &logits, &params, options);
+                let first = tokens.iter().zip(&reference).position(|(a, b)| a != b);
+                assert_eq!(
+                    tokens,
+                    reference,
+                    "V={vocab} batch {batch} shape {cluster_shape}: first difference at row {first:?} ({:?})",
+                    first.map(|row| params[row])
+                );
+                if cluster_shape == ClusterShape::DEFAULT {
+                    cluster_rows += totals.cluster_rows;
+                }
+            }
         }
         println!("V={vocab}: the cluster kernel finished {cluster_rows} of {filtered_rows} filtered rows");
         assert!(

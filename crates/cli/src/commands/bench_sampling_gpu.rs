@@ -19,8 +19,9 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use pagoda_cuda::ops::{
-    encode_row_params, sample_rows_with, sampling_splits, FilteredSampling, SamplingMix,
-    SamplingOptions, SamplingRowParams, SamplingTotals, SamplingWorkspace, MAX_SAMPLING_ROWS,
+    encode_row_params, sample_rows_with, sampling_splits, ClusterShape, FilteredSampling,
+    SamplingMix, SamplingOptions, SamplingRowParams, SamplingTotals, SamplingWorkspace,
+    MAX_SAMPLING_ROWS,
 };
 use pagoda_cuda::{CudaError, DeviceBuffer, Gpu};
 use rayon::prelude::*;
@@ -169,6 +170,7 @@ pub fn run(args: &BenchSamplingArgs) -> Result<()> {
                         gumbel_max: args.gumbel_max == OnOff::On,
                         list_rounds: args.list_rounds == OnOff::On,
                         cluster: args.cluster == OnOff::On,
+                        cluster_shape: args.cluster_shape.unwrap_or_default(),
                         fast_rounds: args.fast_rounds,
                         filter_splits: args.filter_splits,
                         label: if filtered { arm.name() } else { "-" },
@@ -285,6 +287,8 @@ struct ArmOptions {
     list_rounds: bool,
     /// [`SamplingOptions::cluster`].
     cluster: bool,
+    /// [`SamplingOptions::cluster_shape`].
+    cluster_shape: ClusterShape,
     fast_rounds: Option<u32>,
     /// [`SamplingOptions::filter_splits`].
     filter_splits: Option<usize>,
@@ -323,6 +327,7 @@ fn measure(
         gumbel_max: arm.gumbel_max,
         list_rounds: arm.list_rounds,
         cluster: arm.cluster,
+        cluster_shape: arm.cluster_shape,
         filter_splits: arm.filter_splits,
         mix: mix.unwrap_or(SamplingMix::ALL),
         ..SamplingOptions::default()

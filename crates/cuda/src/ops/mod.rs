@@ -46,10 +46,11 @@ pub use qkv::{add_bias_rows, rms_norm_heads, specialize_qkv, QkvEntry};
 pub use rope::{kv_append, rope, specialize_kv_append, specialize_rope, RopeStyle};
 pub use sampling::{
     decode_row_stats, default_fast_rounds, encode_row_params, filter_splits, plan_sampling,
-    sample_rows, sample_rows_with, sampling_splits, specialize_sampling, FilteredSampling, RowPath,
-    RowSamplingStats, SamplingEntry, SamplingMix, SamplingOptions, SamplingPlan, SamplingRowParams,
-    SamplingShapes, SamplingTotals, SamplingWorkspace, DEFAULT_MAX_REJECTION_ROUNDS,
-    MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
+    sample_rows, sample_rows_with, sampling_splits, specialize_cluster, specialize_sampling,
+    ClusterShape, FilteredSampling, RowPath, RowSamplingStats, SamplingEntry, SamplingMix,
+    SamplingOptions, SamplingPlan, SamplingRowParams, SamplingShapes, SamplingTotals,
+    SamplingWorkspace, DEFAULT_MAX_REJECTION_ROUNDS, MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS,
+    SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
 };
 
 use crate::error::CudaError;
@@ -116,6 +117,7 @@ pub(crate) static SAMPLING: KernelSource = KernelSource {
         include_str!("../../kernels/sampling_gumbel.cu"),
         include_str!("../../kernels/sampling_fast.cu"),
         include_str!("../../kernels/sampling_list.cu"),
+        include_str!("../../kernels/sampling_cluster_steps.cu"),
         include_str!("../../kernels/sampling_cluster.cu"),
         include_str!("../../kernels/sampling_rejection.cu")
     ),
@@ -223,7 +225,13 @@ pub fn all_specializations() -> Vec<KernelSpec> {
         DType::F32,
     ));
     for entry in SamplingEntry::ALL {
-        specs.push(specialize_sampling(entry));
+        // The cluster kernel is launched in the shapes below only.
+        if entry != SamplingEntry::Cluster {
+            specs.push(specialize_sampling(entry));
+        }
+    }
+    for shape in ClusterShape::CANDIDATES {
+        specs.push(specialize_cluster(shape));
     }
     specs
 }

@@ -187,8 +187,9 @@ impl Gpu {
             return Ok(());
         }
         let function = self.registry.function(&self.context, spec)?;
-        if dims.shared_mem_bytes > 48 * 1024 {
-            // Dynamic shared memory beyond 48 KB must be opted into per function, once.
+        if dims.shared_mem_bytes > 48 * 1024 || dims.prefer_shared {
+            // Dynamic shared memory beyond 48 KB must be opted into per function, once; so
+            // is the carveout preference.
             let handle = function.cu_function() as usize;
             let mut opted = self
                 .shared_opt_in
@@ -198,15 +199,29 @@ impl Gpu {
                 .get(&handle)
                 .is_none_or(|&bytes| bytes < dims.shared_mem_bytes)
             {
-                function
-                    .set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        dims.shared_mem_bytes as i32,
-                    )
-                    .map_err(driver_error(format!(
-                        "opting {} into {} bytes of shared memory",
-                        spec.entry, dims.shared_mem_bytes
-                    )))?;
+                use cudarc::driver::sys::CUfunction_attribute_enum as Attribute;
+                if dims.shared_mem_bytes > 48 * 1024 {
+                    function
+                        .set_attribute(
+                            Attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            dims.shared_mem_bytes as i32,
+                        )
+                        .map_err(driver_error(format!(
+                            "opting {} into {} bytes of shared memory",
+                            spec.entry, dims.shared_mem_bytes
+                        )))?;
+                }
+                if dims.prefer_shared {
+                    function
+                        .set_attribute(
+                            Attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                            100,
+                        )
+                        .map_err(driver_error(format!(
+                            "setting {}'s shared-memory carveout",
+                            spec.entry
+                        )))?;
+                }
                 opted.insert(handle, dims.shared_mem_bytes);
             }
         }

@@ -56,6 +56,7 @@
 //!   tokens; the fast path returns the exact kernel's token for every row it finishes (each
 //!   decision it cannot make with certainty goes to the exact kernel), so the same holds.
 
+mod cluster;
 mod params;
 
 pub use params::{
@@ -66,7 +67,9 @@ pub use params::{
     SAMPLING_TOTALS_WORDS,
 };
 
-use params::{cluster_slice_bytes, CLUSTER_CTAS, CLUSTER_THREADS};
+pub use cluster::{specialize_cluster, ClusterShape};
+
+use cluster::{launch_cluster, ClusterLaunch};
 
 use super::SAMPLING;
 use crate::error::CudaError;
@@ -344,7 +347,6 @@ pub fn sample_rows_with(
     // Top-p launches without top-k rows: one cluster per row runs the row maximum and the
     // whole fast path.
     let cluster = options.runs_cluster(vocab, gpu.info().compute_capability);
-    let slice_bytes = cluster_slice_bytes(vocab) as u32;
     let mut flags = 0;
     if fast {
         flags |= FLAG_FAST;
@@ -360,6 +362,7 @@ pub fn sample_rows_with(
     if gumbel_max {
         flags |= FLAG_GUMBEL_MAX;
     }
+    let vocab_len = vocab;
     let vocab = KernelArg::U32(vocab as u32);
     let splits_arg = KernelArg::U32(splits);
     let flags_arg = KernelArg::U32(flags);
@@ -370,30 +373,20 @@ pub fn sample_rows_with(
     let filter_grid = LaunchDims::new((filter_splits, rows), SPLIT_THREADS);
     let ws = &*workspace;
     if cluster {
-        let cluster_args = [
-            ptr(logits),
-            ptr(params),
-            vocab,
-            flags_arg,
-            max_rounds,
-            ptr(&ws.state),
-            ptr(tokens_out),
-            ptr(&ws.row_stats),
-            ptr(&ws.totals),
-        ];
-        // SAFETY: the arguments match sampling_cluster's signature in
-        // kernels/sampling_cluster.cu; lengths were validated by `plan_sampling`; the grid's x
-        // is one whole cluster (the kernel's __cluster_dims__).
-        unsafe {
-            gpu.launch(
-                &specialize_sampling(SamplingEntry::Cluster),
-                LaunchDims {
-                    shared_mem_bytes: slice_bytes,
-                    ..LaunchDims::new((CLUSTER_CTAS, rows), CLUSTER_THREADS)
-                },
-                &cluster_args,
-            )?;
-        }
+        launch_cluster(
+            gpu,
+            ClusterLaunch {
+                logits,
+                params,
+                tokens_out: &mut *tokens_out,
+                workspace: ws,
+            },
+            vocab_len,
+            rows,
+            flags,
+            options.max_rejection_rounds,
+            options.cluster_shape,
+        )?;
     } else if !gumbel_max {
         let row_max = [
             ptr(logits),

@@ -2,6 +2,7 @@
 //! encoding, the split choice, launch planning and the decoding of the device counters.
 //! Everything here runs on the CPU (unit-tested without a GPU).
 
+use super::cluster::{cluster_fits, ClusterShape};
 use crate::error::CudaError;
 
 /// Words (u32) of one [`SamplingRowParams`] record in device memory.
@@ -306,18 +307,6 @@ pub fn filter_splits(rows: usize, vocab: usize, sm_count: usize) -> usize {
     (1usize << exponent).min(cap)
 }
 
-/// CTAs (one row) and threads per CTA of a `sampling_cluster` cluster (as in the kernels).
-pub(super) const CLUSTER_CTAS: u32 = 8;
-pub(super) const CLUSTER_THREADS: u32 = 512;
-/// Largest row slice (bytes) of one cluster CTA; larger vocabularies take the pipeline.
-const CLUSTER_SLICE_BYTES: usize = 200 * 1024;
-
-/// Shared-memory bytes of one CTA's slice of a `vocab`-logit row in `sampling_cluster` (the
-/// kernels' `split_range` over `CLUSTER_CTAS` splits: whole groups of 4 logits).
-pub(super) fn cluster_slice_bytes(vocab: usize) -> usize {
-    4 * vocab.div_ceil(4).div_ceil(CLUSTER_CTAS as usize) * 4
-}
-
 /// Launch options of [`sample_rows_with`](super::sample_rows_with).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SamplingOptions {
@@ -348,6 +337,8 @@ pub struct SamplingOptions {
     /// filtered path in one kernel, a thread-block cluster per row (`sampling_cluster`; on
     /// GPUs of compute capability 9.0 and later, else ignored). Same tokens either way.
     pub cluster: bool,
+    /// The cluster kernel's CTA shape. Same tokens for every shape.
+    pub cluster_shape: ClusterShape,
 }
 
 impl SamplingOptions {
@@ -363,7 +354,7 @@ impl SamplingOptions {
             && self.mix.top_p
             && !self.mix.top_k
             && compute_capability.0 >= 9
-            && cluster_slice_bytes(vocab) <= CLUSTER_SLICE_BYTES
+            && cluster_fits(vocab)
     }
 }
 
@@ -381,6 +372,7 @@ impl Default for SamplingOptions {
             gumbel_max: true,
             list_rounds: true,
             cluster: true,
+            cluster_shape: ClusterShape::DEFAULT,
         }
     }
 }

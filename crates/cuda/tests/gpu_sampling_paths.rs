@@ -258,7 +258,10 @@ fn the_cluster_kernel_draws_the_exact_kernels_tokens() {
     for (vocab, rows, batches) in [
         (1000usize, 64usize, 10u64),
         (32_768, 64, 3),
-        (151_936, 16, 3),
+        // 64 rows: more CTAs than SMs, so in every shape but 1024x1 each CTA holds part of
+        // its slice in shared memory and reads the rest from global memory
+        // (`ClusterShape::held`).
+        (151_936, 64, 3),
     ] {
         let (mut cluster_rows, mut filtered_rows) = (0u64, 0u64);
         for batch in 0..batches {
@@ -293,7 +296,7 @@ fn the_cluster_kernel_draws_the_exact_kernels_tokens() {
                 params.push(row_params(&chain, 31 * index as u64 + batch));
             }
             let reference = sample_batch(&gpu, &logits, &params, exact);
-            // Every CTA shape (at V 151936 each reads part of its slice from global memory).
+            // Every CTA shape.
             for cluster_shape in ClusterShape::CANDIDATES {
                 let options = SamplingOptions {
                     cluster_shape,

@@ -106,8 +106,8 @@ pub struct BenchSamplingArgs {
     /// `generate` / `serve`; compute capability 9.0+) or through the multi-launch pipeline (off).
     #[arg(long = "cluster", value_enum, default_value_t = OnOff::On)]
     pub cluster: OnOff,
-    /// CUDA: the cluster kernel's CTA shape, threads x CTAs per SM (512x3, 384x4 or 512x4;
-    /// default: the sampler's).
+    /// CUDA: the cluster kernel's CTA shape, threads x CTAs per SM (512x3, 1024x1, 384x4,
+    /// 512x4, 256x5 or 256x6; default: the sampler's, 512x3).
     #[arg(long = "cluster-shape")]
     pub cluster_shape: Option<pagoda_cuda::ops::ClusterShape>,
     /// CUDA: CTAs per row of the filtered pipeline (default: the sampler's choice).

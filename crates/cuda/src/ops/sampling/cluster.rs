@@ -50,9 +50,8 @@ impl ClusterShape {
     /// sampling --device cuda --configurations top-p --batch 1,16,32,48,64 --cluster-shape
     /// S`, V 128256 and 151936): the fastest at batch 16 to 64 (at batch 64 the others took
     /// 7-53% longer, except 384x4 at V 151936, a tie); 1024x1 was 4-6% faster at batch 1
-    /// only. More CTAs per SM
-    /// (held slices, the rest from L2) did not pay: the kernel is bound by issue and
-    /// barriers, not by occupancy.
+    /// only. More CTAs per SM (held slices, the rest from L2) did not pay: the kernel is
+    /// bound by issue and barriers, not by occupancy.
     pub const DEFAULT: ClusterShape = ClusterShape {
         threads: 512,
         ctas_per_sm: 3,

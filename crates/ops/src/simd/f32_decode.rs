@@ -166,6 +166,41 @@ fn cpu_features() -> (bool, bool) {
     })
 }
 
+/// `$body` with the type alias `$block` set to `$module`'s block decoder for `$ty` (one of the
+/// types [`supports`] accepts; Q8_0 otherwise): the one place that maps a [`GgmlType`] to a
+/// decoder type.
+#[cfg(target_arch = "x86_64")]
+macro_rules! with_block {
+    ($module:ident, $ty:expr, $block:ident, $body:expr) => {
+        match $ty {
+            GgmlType::Q4_0 => {
+                type $block = $module::Q4_0;
+                $body
+            }
+            GgmlType::Q4_1 => {
+                type $block = $module::Q4_1;
+                $body
+            }
+            GgmlType::Q4K => {
+                type $block = $module::Q4K;
+                $body
+            }
+            GgmlType::Q5K => {
+                type $block = $module::Q5K;
+                $body
+            }
+            GgmlType::Q6K => {
+                type $block = $module::Q6K;
+                $body
+            }
+            _ => {
+                type $block = $module::Q8_0;
+                $body
+            }
+        }
+    };
+}
+
 /// `out[r][t] = dot(decode(rows[r]), x[t])` for eight stored rows of type `ty` and `T`
 /// activation rows of one length, on `kernel`, by the [`super::f32_tile`] recipe (fused
 /// multiply-adds): bit-identical to `quantized_tile(ty, [rows[r]], x[t])[0]` on an AVX2+FMA
@@ -198,25 +233,15 @@ pub fn rows8<const T: usize>(
     #[cfg(target_arch = "x86_64")]
     {
         use x86::{narrow, wide};
-        macro_rules! run {
-            ($module:ident) => {
-                // SAFETY: the kernel's features were detected; every row holds k / block-size
-                // whole blocks of `ty` and every activation row k values (checked above).
-                unsafe {
-                    match ty {
-                        GgmlType::Q4_0 => $module::rows8::<$module::Q4_0, T>(rows, ahead, x),
-                        GgmlType::Q4_1 => $module::rows8::<$module::Q4_1, T>(rows, ahead, x),
-                        GgmlType::Q4K => $module::rows8::<$module::Q4K, T>(rows, ahead, x),
-                        GgmlType::Q5K => $module::rows8::<$module::Q5K, T>(rows, ahead, x),
-                        GgmlType::Q6K => $module::rows8::<$module::Q6K, T>(rows, ahead, x),
-                        _ => $module::rows8::<$module::Q8_0, T>(rows, ahead, x),
-                    }
-                }
-            };
-        }
+        // SAFETY (both arms): the kernel's features were detected; every row holds k /
+        // block-size whole blocks of `ty` and every activation row k values (checked above).
         return Some(match kernel {
-            F32Decode::Avx512 => run!(wide),
-            _ => run!(narrow),
+            F32Decode::Avx512 => {
+                with_block!(wide, ty, B, unsafe { wide::rows8::<B, T>(rows, ahead, x) })
+            }
+            _ => with_block!(narrow, ty, B, unsafe {
+                narrow::rows8::<B, T>(rows, ahead, x)
+            }),
         });
     }
     #[allow(unreachable_code)]
@@ -244,16 +269,7 @@ pub fn decode_row(kernel: F32Decode, ty: GgmlType, row: &[u8], out: &mut [f32]) 
         use x86::narrow;
         // SAFETY: AVX2, FMA and F16C come with either kernel (checked above); the row holds
         // out.len() / block-size whole blocks (checked above).
-        unsafe {
-            match ty {
-                GgmlType::Q4_0 => narrow::decode_row::<narrow::Q4_0>(row, out),
-                GgmlType::Q4_1 => narrow::decode_row::<narrow::Q4_1>(row, out),
-                GgmlType::Q4K => narrow::decode_row::<narrow::Q4K>(row, out),
-                GgmlType::Q5K => narrow::decode_row::<narrow::Q5K>(row, out),
-                GgmlType::Q6K => narrow::decode_row::<narrow::Q6K>(row, out),
-                _ => narrow::decode_row::<narrow::Q8_0>(row, out),
-            }
-        }
+        with_block!(narrow, ty, B, unsafe { narrow::decode_row::<B>(row, out) });
         return true;
     }
     #[allow(unreachable_code)]

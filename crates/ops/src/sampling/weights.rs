@@ -194,16 +194,21 @@ fn exp_weights_dispatch(logits: &[f32], z_max: f64, scale: f64, out: &mut [f64])
 mod tests {
     use super::*;
 
+    /// The next state of a xorshift64 sequence (the tests' deterministic inputs).
+    fn xorshift(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
     /// `exp_f64` against libm (itself within 1 ulp) over `[-700, 0]`: within 4 eps relative.
     #[test]
     fn exp_f64_matches_libm() {
         let mut state = 0x1234_5678_9ABC_DEF0u64;
         let mut worst = 0.0f64;
         for index in 0..200_000u64 {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let unit = (state >> 11) as f64 / (1u64 << 53) as f64;
+            let unit = (xorshift(&mut state) >> 11) as f64 / (1u64 << 53) as f64;
             // Dense near 0 (where the weights that matter live), sparse down to -700.
             let x = if index % 2 == 0 {
                 -unit * 40.0
@@ -233,10 +238,7 @@ mod tests {
         let mut state = 0x0DDB_1A5E_5BAD_5EEDu64;
         let mut worst = 0.0f64;
         for index in 0..400_000u64 {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let unit = (state >> 40) as f32 / (1u32 << 24) as f32;
+            let unit = (xorshift(&mut state) >> 40) as f32 / (1u32 << 24) as f32;
             let x = if index % 2 == 0 {
                 -unit * 20.0
             } else {
@@ -264,9 +266,7 @@ mod tests {
         let mut state = 12345u64;
         let logits: Vec<f32> = (0..10_003)
             .map(|index| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
+                xorshift(&mut state);
                 match index % 97 {
                     0 => f32::NEG_INFINITY,
                     1 => 7.5,

@@ -36,6 +36,7 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
     __shared__ double s_draw[3];  // the drawn segment's mass before, the target, the total
     __shared__ double s_segments[2][CLUSTER_WARPS];  // this CTA's segment draw masses (two proposals)
     __shared__ double s_mass[2];                     // this CTA's filter masses
+    __shared__ double s_z;                           // the row's top-p mass Z (see cluster_sync)
     __shared__ double all_segments[CLUSTER_SEGMENTS];
     __shared__ double warp_mass[2][CLUSTER_WARPS];
     const unsigned int rank = cluster_rank(), row = blockIdx.y;
@@ -168,6 +169,7 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
         mass_target = __dmul_rn((double)p.top_p, top_k_mass);
         margin = rounding_margin(vocab, top_k_mass);
         tolerance = FAST_MASS_TOLERANCE * top_k_mass;
+        if (lane == 0) s_z = top_k_mass;  // consumes the loads before the next cluster_sync
     }
     // The rounds. The leader draws the segment; the CTA whose slice holds it walks it and
     // publishes the candidate; the leader accepts it or sets the pivots; every warp sums its
@@ -291,6 +293,6 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
             st[FS_STATUS] = STATUS_EXACT;
         }
     }
-    cluster_sync();  // no CTA leaves while another may still read its shared memory
+    cluster_sync_all();  // no CTA leaves while another may still read its shared memory
 #endif
 }

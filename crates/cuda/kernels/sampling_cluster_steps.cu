@@ -58,9 +58,19 @@ PAGODA_DEVICE unsigned int cluster_rank() {
     return rank;
 }
 
-// Every thread of every CTA of the cluster: shared-memory writes before it are visible to the
-// cluster's reads after it.
+// Every thread of every CTA of the cluster: this CTA's shared-memory writes before it are
+// visible to the cluster's reads after it. The release is restricted to shared memory: a
+// CTA-level MEMBAR in SASS, where `barrier.cluster.arrive.release` is a GPU-wide one (1.5-3 us
+// per call on the H200, session 12 run 3). It does not order the loads before it, so every
+// distributed-shared-memory load before a cluster_sync must be consumed first (its value
+// stored to shared memory, or deciding a word that is, before a __syncthreads): no CTA may
+// overwrite a word another CTA has not finished reading. cluster_sync_all orders everything.
 PAGODA_DEVICE void cluster_sync() {
+    asm volatile(
+        "fence.release.sync_restrict::shared::cta.cluster;\n\tbarrier.cluster.arrive.relaxed.aligned;\n\t"
+        "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+PAGODA_DEVICE void cluster_sync_all() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
@@ -160,13 +170,13 @@ PAGODA_DEVICE void publish_argmax(const SliceLogits& logits4, unsigned int lengt
     float found = id == NO_TOKEN ? -INFINITY : z_max;
     block_argmax(found, id);
     if (threadIdx.x == 0) *slot = id;
-    cluster_sync();
+    cluster_sync_all();
     if (rank == 0 && threadIdx.x == 0) {
         unsigned int argmax = NO_TOKEN;
         for (unsigned int r = 0; r < CLUSTER_CTAS; ++r) argmax = min(argmax, cluster_load_u32(slot, r));
         st[FS_ARGMAX] = argmax;
     }
-    cluster_sync();  // no CTA leaves while rank 0 reads its slot
+    cluster_sync_all();  // no CTA leaves while rank 0 reads its slot
 }
 
 // draw_weight(v, z_max, scale) when v > low, else 0, as a mask rather than a branch (the

@@ -229,8 +229,9 @@ fn gumbel_rows_without_a_row_max_pass_draw_the_same_tokens() {
 
 /// Rows without top-k (top-p, min-p, both, at several temperatures) among greedy and Gumbel
 /// rows, with masked ids, a row with one finite logit and one with none: the launch that runs
-/// them in the cluster kernel draws the exact kernel's tokens, and the cluster finishes most
-/// filtered rows.
+/// them in the cluster kernel draws the exact kernel's tokens, in every shape, and the cluster
+/// finishes most filtered rows. Launched with a mix that leaves the Gumbel rows out (no Gumbel
+/// partials), the Gumbel rows are still drawn right, by `sampling_finish`'s scan of the row.
 #[test]
 fn the_cluster_kernel_draws_the_exact_kernels_tokens() {
     let Some(gpu) = gpu("the_cluster_kernel_draws_the_exact_kernels_tokens") else {
@@ -296,10 +297,18 @@ fn the_cluster_kernel_draws_the_exact_kernels_tokens() {
                 params.push(row_params(&chain, 31 * index as u64 + batch));
             }
             let reference = sample_batch(&gpu, &logits, &params, exact);
-            // Every CTA shape.
-            for cluster_shape in ClusterShape::CANDIDATES {
+            // Every shape, then the default without Gumbel rows in the mix.
+            let runs = ClusterShape::CANDIDATES
+                .iter()
+                .map(|&shape| (shape, true))
+                .chain([(ClusterShape::DEFAULT, false)]);
+            for (cluster_shape, gumbel) in runs {
                 let options = SamplingOptions {
                     cluster_shape,
+                    mix: SamplingMix {
+                        gumbel,
+                        ..clustered.mix
+                    },
                     ..clustered
                 };
                 let (tokens, totals) = sample_batch_with_totals(&gpu, &logits, &params, options);
@@ -307,10 +316,17 @@ fn the_cluster_kernel_draws_the_exact_kernels_tokens() {
                 assert_eq!(
                     tokens,
                     reference,
-                    "V={vocab} batch {batch} shape {cluster_shape}: first difference at row {first:?} ({:?})",
+                    "V={vocab} batch {batch} shape {cluster_shape}, Gumbel in the mix {gumbel}: \
+                     first difference at row {first:?} ({:?})",
                     first.map(|row| params[row])
                 );
-                if cluster_shape == ClusterShape::DEFAULT {
+                // Every row counted once, on its path.
+                assert_eq!(
+                    totals.greedy + totals.gumbel + totals.rejection,
+                    rows as u64,
+                    "V={vocab} batch {batch} shape {cluster_shape}, Gumbel in the mix {gumbel}"
+                );
+                if cluster_shape == ClusterShape::DEFAULT && gumbel {
                     cluster_rows += totals.cluster_rows;
                 }
             }

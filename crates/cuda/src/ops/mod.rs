@@ -59,59 +59,43 @@ use crate::key::{DType, KernelSource, KernelSpec};
 /// Activation/weight dtypes the kernels are instantiated for.
 pub const FLOAT_DTYPES: [DType; 2] = [DType::F32, DType::BF16];
 
-pub(crate) static EMBEDDING: KernelSource = KernelSource {
-    name: "embedding.cu",
-    code: include_str!("../../kernels/embedding.cu"),
-};
-pub(crate) static RMS_NORM: KernelSource = KernelSource {
-    name: "rms_norm.cu",
-    code: include_str!("../../kernels/rms_norm.cu"),
-};
-pub(crate) static ROPE: KernelSource = KernelSource {
-    name: "rope.cu",
-    code: include_str!("../../kernels/rope.cu"),
-};
-pub(crate) static KV_APPEND: KernelSource = KernelSource {
-    name: "kv_append.cu",
-    code: include_str!("../../kernels/kv_append.cu"),
-};
-pub(crate) static ATTENTION: KernelSource = KernelSource {
-    name: "attention.cu",
-    code: include_str!("../../kernels/attention.cu"),
-};
-pub(crate) static PAGED_DECODE: KernelSource = KernelSource {
-    name: "paged_decode.cu",
-    code: concat!(
+pub(crate) static EMBEDDING: KernelSource =
+    KernelSource::new("embedding.cu", include_str!("../../kernels/embedding.cu"));
+pub(crate) static RMS_NORM: KernelSource =
+    KernelSource::new("rms_norm.cu", include_str!("../../kernels/rms_norm.cu"));
+pub(crate) static ROPE: KernelSource =
+    KernelSource::new("rope.cu", include_str!("../../kernels/rope.cu"));
+pub(crate) static KV_APPEND: KernelSource =
+    KernelSource::new("kv_append.cu", include_str!("../../kernels/kv_append.cu"));
+pub(crate) static ATTENTION: KernelSource =
+    KernelSource::new("attention.cu", include_str!("../../kernels/attention.cu"));
+pub(crate) static PAGED_DECODE: KernelSource = KernelSource::new(
+    "paged_decode.cu",
+    concat!(
         include_str!("../../kernels/paged_decode_common.cu"),
         include_str!("../../kernels/paged_decode.cu")
     ),
-};
-pub(crate) static PAGED_DECODE_MMA: KernelSource = KernelSource {
-    name: "paged_decode_mma.cu",
-    code: concat!(
+);
+pub(crate) static PAGED_DECODE_MMA: KernelSource = KernelSource::new(
+    "paged_decode_mma.cu",
+    concat!(
         include_str!("../../kernels/paged_decode_common.cu"),
         include_str!("../../kernels/paged_decode_mma.cu")
     ),
-};
-pub(crate) static ELEMENTWISE: KernelSource = KernelSource {
-    name: "elementwise.cu",
-    code: include_str!("../../kernels/elementwise.cu"),
-};
-pub(crate) static DEQUANT: KernelSource = KernelSource {
-    name: "dequant.cu",
-    code: include_str!("../../kernels/dequant.cu"),
-};
-pub(crate) static QKV: KernelSource = KernelSource {
-    name: "qkv.cu",
-    code: include_str!("../../kernels/qkv.cu"),
-};
-pub(crate) static PREFILL: KernelSource = KernelSource {
-    name: "prefill.cu",
-    code: include_str!("../../kernels/prefill.cu"),
-};
-pub(crate) static SAMPLING: KernelSource = KernelSource {
-    name: "sampling.cu",
-    code: concat!(
+);
+pub(crate) static ELEMENTWISE: KernelSource = KernelSource::new(
+    "elementwise.cu",
+    include_str!("../../kernels/elementwise.cu"),
+);
+pub(crate) static DEQUANT: KernelSource =
+    KernelSource::new("dequant.cu", include_str!("../../kernels/dequant.cu"));
+pub(crate) static QKV: KernelSource =
+    KernelSource::new("qkv.cu", include_str!("../../kernels/qkv.cu"));
+pub(crate) static PREFILL: KernelSource =
+    KernelSource::new("prefill.cu", include_str!("../../kernels/prefill.cu"));
+pub(crate) static SAMPLING: KernelSource = KernelSource::new(
+    "sampling.cu",
+    concat!(
         include_str!("../../kernels/sampling_common.cu"),
         include_str!("../../kernels/sampling_walk.cu"),
         include_str!("../../kernels/sampling_gumbel.cu"),
@@ -121,11 +105,11 @@ pub(crate) static SAMPLING: KernelSource = KernelSource {
         include_str!("../../kernels/sampling_cluster.cu"),
         include_str!("../../kernels/sampling_rejection.cu")
     ),
-};
-pub(crate) static PREFILL_MMA: KernelSource = KernelSource {
-    name: "prefill_mma.cu",
-    code: include_str!("../../kernels/prefill_mma.cu"),
-};
+);
+pub(crate) static PREFILL_MMA: KernelSource = KernelSource::new(
+    "prefill_mma.cu",
+    include_str!("../../kernels/prefill_mma.cu"),
+);
 
 /// `dtype` is one of [`FLOAT_DTYPES`], or an error naming `what`.
 pub(crate) fn check_float(what: &str, dtype: DType) -> Result<(), CudaError> {

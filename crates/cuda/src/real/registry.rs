@@ -108,10 +108,8 @@ mod tests {
     use super::*;
     use crate::key::{DType, KernelSource};
 
-    static SOURCE: KernelSource = KernelSource {
-        name: "cache_test.cu",
-        code: "extern \"C\" __global__ void k() {}",
-    };
+    static SOURCE: KernelSource =
+        KernelSource::new("cache_test.cu", "extern \"C\" __global__ void k() {}");
 
     fn key(dtype: DType) -> KernelKey {
         let spec = KernelSpec {

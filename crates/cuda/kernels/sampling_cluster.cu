@@ -123,12 +123,17 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
             s_step = active ? (top_p_active(p) ? 1u : 0u) : STEP_STOP;
         }
     }
-    cluster_sync();  // every CTA has read the maxima (a CTA's shared memory lives until it exits)
+    // No cluster barrier here: the maxima stay as they are until the next one (after the pass),
+    // and the leader has consumed its loads of them into s_row.
+    __syncthreads();
     const float z_max = s_row[0], scale = s_row[2];
     float low = s_row[1];
     if (s_step == STEP_STOP) {
+        // Every CTA has read the maxima before one leaves or rewrites its s_argmax.
+        cluster_sync();
         // A filtered row the fast path cannot take goes to the exact kernel.
         if (!track && z_max != -INFINITY) publish_argmax(logits4, length, z_max, rank, &s_argmax, st);
+        asm volatile("griddepcontrol.launch_dependents;");
         return;
     }
     const bool use_top_p = s_step == 1u;
@@ -293,6 +298,8 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
             st[FS_STATUS] = STATUS_EXACT;
         }
     }
-    cluster_sync_all();  // no CTA leaves while another may still read its shared memory
+    // The finish kernel may be launched now (it waits for this grid to complete).
+    asm volatile("griddepcontrol.launch_dependents;");
+    cluster_sync();  // no CTA leaves while another may still read its shared memory
 #endif
 }

@@ -291,6 +291,10 @@ sampling_finish(const float* __restrict__ logits, const unsigned int* __restrict
                 const unsigned int* __restrict__ gumbel_ids, const unsigned int* __restrict__ gumbel_count,
                 const unsigned int* __restrict__ state, unsigned int* __restrict__ tokens,
                 unsigned int* __restrict__ stats, unsigned int* __restrict__ totals) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Launched programmatically after sampling_cluster: wait for it (a no-op otherwise).
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const unsigned int row = blockIdx.x;
     const bool gumbel_max = flags & FLAG_GUMBEL_MAX;
     const unsigned int* st = state + row * FILTER_STATE_WORDS;

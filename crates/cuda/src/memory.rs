@@ -138,6 +138,10 @@ pub struct LaunchDims {
     /// Ask the driver for the largest shared-memory carveout of the SM (for kernels whose
     /// CTAs per SM are bounded by their shared memory).
     pub prefer_shared: bool,
+    /// Programmatic dependent launch (compute capability 9.0+): the kernel may be launched
+    /// before the previous kernel on the stream has finished, and must wait for it
+    /// (`griddepcontrol.wait`) before reading what it wrote.
+    pub programmatic: bool,
 }
 
 impl LaunchDims {
@@ -148,6 +152,7 @@ impl LaunchDims {
             block: (block, 1, 1),
             shared_mem_bytes: 0,
             prefer_shared: false,
+            programmatic: false,
         }
     }
 
@@ -158,6 +163,7 @@ impl LaunchDims {
             block: (block, 1, 1),
             shared_mem_bytes: 0,
             prefer_shared: false,
+            programmatic: false,
         }
     }
 }

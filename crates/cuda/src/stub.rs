@@ -234,6 +234,10 @@ impl Gpu {
         match self.never {}
     }
     /// Unreachable.
+    pub fn static_shared_bytes(&self, _spec: &KernelSpec) -> Result<usize, CudaError> {
+        match self.never {}
+    }
+    /// Unreachable.
     pub fn max_active_blocks_per_sm(
         &self,
         _spec: &KernelSpec,

@@ -230,6 +230,41 @@ impl Gpu {
             .iter_mut()
             .map(|slot| slot as *mut u64 as *mut std::ffi::c_void)
             .collect();
+        if dims.programmatic {
+            use cudarc::driver::sys;
+            // SAFETY: a zeroed attribute is valid; the id and value are set below.
+            let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attribute.id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attribute.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: dims.grid.0,
+                gridDimY: dims.grid.1,
+                gridDimZ: dims.grid.2,
+                blockDimX: dims.block.0,
+                blockDimY: dims.block.1,
+                blockDimZ: dims.block.2,
+                sharedMemBytes: dims.shared_mem_bytes,
+                hStream: self.stream.cu_stream(),
+                attrs: &mut attribute,
+                numAttrs: 1,
+            };
+            // SAFETY: the caller guarantees the arguments match the kernel; `config` and
+            // `attribute` outlive the call.
+            return unsafe {
+                sys::cuLaunchKernelEx(
+                    &config,
+                    function.cu_function(),
+                    pointers.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+            .map_err(driver_error(format!(
+                "launching {} (programmatic)",
+                spec.entry
+            )));
+        }
         // SAFETY: the caller guarantees the arguments match the kernel.
         unsafe {
             cudarc::driver::result::launch_kernel(
@@ -252,6 +287,19 @@ impl Gpu {
     /// Kernels compiled or loaded into this context so far (the in-memory registry size).
     pub fn loaded_kernels(&self) -> usize {
         self.registry.len()
+    }
+
+    /// Static shared memory of one CTA of `spec`, bytes (the driver's count, after
+    /// compilation).
+    pub fn static_shared_bytes(&self, spec: &KernelSpec) -> Result<usize, CudaError> {
+        let function = self.registry.function(&self.context, spec)?;
+        function
+            .shared_size_bytes()
+            .map(|bytes| bytes.max(0) as usize)
+            .map_err(driver_error(format!(
+                "{}'s static shared memory",
+                spec.entry
+            )))
     }
 
     /// Occupancy: resident blocks per SM of `spec` at `block_threads` threads and

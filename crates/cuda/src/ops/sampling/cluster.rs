@@ -15,10 +15,8 @@ pub(super) const CLUSTER_CTAS: u32 = 8;
 const CLUSTER_SLICE_BYTES: usize = 200 * 1024;
 /// Shared memory of one SM of compute capability 9.0 and 10.0 (bytes).
 const SM_SHARED_BYTES: usize = 228 * 1024;
-/// Shared memory the driver reserves per CTA, and an allowance for the kernel's static shared
-/// memory (ptxas: 3680 bytes at 1024 threads, 2144 at 512, 1376 at 256).
+/// Shared memory the driver reserves per CTA.
 const CTA_RESERVED_BYTES: usize = 1024;
-const STATIC_SHARED_BYTES: usize = 4096;
 
 /// Shared-memory bytes of one CTA's whole slice of a `vocab`-logit row (the kernels'
 /// `split_range` over `CLUSTER_CTAS` splits: whole groups of 4 logits).
@@ -76,13 +74,14 @@ impl ClusterShape {
     }
 
     /// Logits of a CTA's slice of a `vocab`-logit row kept in shared memory when `rows` rows
-    /// run on `sm_count` SMs: the whole slice when it fits the CTA's share of an SM (the SM
-    /// holding as many of the launch's CTAs as it must, at most `ctas_per_sm`), else as many
-    /// as fit (a multiple of 4).
-    pub fn held(&self, vocab: usize, rows: usize, sm_count: usize) -> usize {
+    /// run on `sm_count` SMs and the kernel has `static_bytes` of static shared memory (the
+    /// driver's count: 2144 bytes at 512 threads): the whole slice when it fits the CTA's
+    /// share of an SM (the SM holding as many of the launch's CTAs as it must, at most
+    /// `ctas_per_sm`), else as many as fit (a multiple of 4).
+    pub fn held(&self, vocab: usize, rows: usize, sm_count: usize, static_bytes: usize) -> usize {
         let needed = (rows * CLUSTER_CTAS as usize).div_ceil(sm_count.max(1));
         let resident = needed.clamp(1, self.ctas_per_sm as usize);
-        let share = SM_SHARED_BYTES / resident - CTA_RESERVED_BYTES - STATIC_SHARED_BYTES;
+        let share = (SM_SHARED_BYTES / resident).saturating_sub(CTA_RESERVED_BYTES + static_bytes);
         (cluster_slice_bytes(vocab).min(share) / 16) * 4
     }
 }
@@ -155,7 +154,13 @@ pub(super) fn launch_cluster<L: DeviceRead<f32>, P: DeviceRead<u32>, T: DeviceWr
     max_rounds: u32,
     shape: ClusterShape,
 ) -> Result<(), CudaError> {
-    let held = shape.held(vocab, rows as usize, gpu.info().sm_count as usize);
+    let spec = specialize_cluster(shape);
+    let held = shape.held(
+        vocab,
+        rows as usize,
+        gpu.info().sm_count as usize,
+        gpu.static_shared_bytes(&spec)?,
+    );
     let ws = buffers.workspace;
     let args = [
         ptr(buffers.logits),
@@ -175,7 +180,7 @@ pub(super) fn launch_cluster<L: DeviceRead<f32>, P: DeviceRead<u32>, T: DeviceWr
     // logits of shared memory per CTA.
     unsafe {
         gpu.launch(
-            &specialize_cluster(shape),
+            &spec,
             LaunchDims {
                 shared_mem_bytes: (held * 4) as u32,
                 prefer_shared: true,
@@ -194,24 +199,29 @@ mod tests {
     fn a_cta_holds_its_whole_slice_while_its_share_of_the_sm_allows() {
         assert_eq!(cluster_slice_bytes(128_256), 64_128);
         assert_eq!(cluster_slice_bytes(151_936), 75_968);
-        // Three CTAs per SM at batch 64 on 132 SMs: 72704 bytes each, so V 128256 is held
-        // whole and V 151936 in part; at batch 16 one CTA per SM holds either whole.
-        assert_eq!(ClusterShape::DEFAULT.held(128_256, 64, 132), 16_032);
-        assert_eq!(ClusterShape::DEFAULT.held(151_936, 64, 132), 18_176);
-        assert_eq!(ClusterShape::DEFAULT.held(151_936, 16, 132), 18_992);
-        assert_eq!(ClusterShape::DEFAULT.held(151_936, 33, 132), 18_992);
-        assert_eq!(ClusterShape::DEFAULT.held(151_936, 34, 0), 18_176);
+        // Three CTAs per SM at batch 64 on 132 SMs, 2144 bytes of static shared memory: 74656
+        // bytes each, so V 128256 is held whole and V 151936 in part (18664 of 18992 logits);
+        // at batch 16 one CTA per SM holds either whole. More static memory, less held.
+        let default = ClusterShape::DEFAULT;
+        assert_eq!(default.held(128_256, 64, 132, 2144), 16_032);
+        assert_eq!(default.held(151_936, 64, 132, 2144), 18_664);
+        assert_eq!(default.held(151_936, 64, 132, 6144), 17_664);
+        assert_eq!(default.held(151_936, 16, 132, 2144), 18_992);
+        assert_eq!(default.held(151_936, 33, 132, 2144), 18_992);
+        assert_eq!(default.held(151_936, 34, 0, 2144), 18_664);
         let four = ClusterShape::new(384, 4);
-        assert_eq!(four.held(128_256, 64, 132), 13_312);
-        assert_eq!(four.held(1_000, 64, 132), 128);
+        assert_eq!(four.held(128_256, 64, 132, 1760), 13_896);
+        assert_eq!(four.held(1_000, 64, 132, 1760), 128);
         // The launch's CTAs and their reserves fit the SMs that hold them.
         for shape in ClusterShape::CANDIDATES {
-            let held = shape.held(409_600, 1 << 16, 132);
-            let per_cta = held * 4 + CTA_RESERVED_BYTES + STATIC_SHARED_BYTES;
-            assert!(
-                shape.ctas_per_sm as usize * per_cta <= SM_SHARED_BYTES,
-                "{shape}"
-            );
+            for static_bytes in [0, 2144, 8192] {
+                let held = shape.held(409_600, 1 << 16, 132, static_bytes);
+                let per_cta = held * 4 + CTA_RESERVED_BYTES + static_bytes;
+                assert!(
+                    shape.ctas_per_sm as usize * per_cta <= SM_SHARED_BYTES,
+                    "{shape}, {static_bytes} static bytes"
+                );
+            }
         }
     }
 

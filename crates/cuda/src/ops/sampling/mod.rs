@@ -567,7 +567,13 @@ pub fn sample_rows_with(
     unsafe {
         gpu.launch(
             &specialize_sampling(SamplingEntry::Finish),
-            LaunchDims::new((rows, 1), FINISH_THREADS),
+            LaunchDims {
+                // After the cluster kernel (compute capability 9.0+), a programmatic launch:
+                // the driver readies it while the cluster kernel's last CTAs finish, and it
+                // waits for them (`griddepcontrol.wait`). 0.1-0.3 us per call on the H200.
+                programmatic: cluster,
+                ..LaunchDims::new((rows, 1), FINISH_THREADS)
+            },
             &finish,
         )
     }

@@ -60,8 +60,9 @@ PAGODA_DEVICE unsigned int cluster_rank() {
 
 // Every thread of every CTA of the cluster: this CTA's shared-memory writes before it are
 // visible to the cluster's reads after it. The release is restricted to shared memory: a
-// CTA-level MEMBAR in SASS, where `barrier.cluster.arrive.release` is a GPU-wide one (1.5-3 us
-// per call on the H200, session 12 run 3). It does not order the loads before it, so every
+// CTA-level MEMBAR in SASS, where `barrier.cluster.arrive.release` is a GPU-wide one (the
+// sampler call took 1.4-3 us less with this form on the H200: report
+// gpu-sampling-barriers-h200-2026-11-30.md). It does not order the loads before it, so every
 // distributed-shared-memory load before a cluster_sync must be consumed first (its value
 // stored to shared memory, or deciding a word that is, before a __syncthreads): no CTA may
 // overwrite a word another CTA has not finished reading. cluster_sync_all orders everything.

@@ -110,6 +110,9 @@ pub struct Gpu {
     /// Dynamic shared memory each loaded function (by its driver handle) has been opted
     /// into, so the driver attribute is set once, not on every launch.
     shared_opt_in: Mutex<std::collections::HashMap<usize, u32>>,
+    /// Static shared memory of each loaded function (by its driver handle), read from the
+    /// driver once: the cluster sampler sizes its held slices with it on every call.
+    static_shared: Mutex<std::collections::HashMap<usize, usize>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -144,6 +147,7 @@ impl Gpu {
             blas: Mutex::new(None),
             capturing: Mutex::new(false),
             shared_opt_in: Mutex::new(std::collections::HashMap::new()),
+            static_shared: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -290,16 +294,26 @@ impl Gpu {
     }
 
     /// Static shared memory of one CTA of `spec`, bytes (the driver's count, after
-    /// compilation).
+    /// compilation; asked once per function).
     pub fn static_shared_bytes(&self, spec: &KernelSpec) -> Result<usize, CudaError> {
         let function = self.registry.function(&self.context, spec)?;
-        function
+        let handle = function.cu_function() as usize;
+        let mut known = self
+            .static_shared
+            .lock()
+            .map_err(|_| CudaError::invalid("static shared memory lock poisoned"))?;
+        if let Some(&bytes) = known.get(&handle) {
+            return Ok(bytes);
+        }
+        let bytes = function
             .shared_size_bytes()
             .map(|bytes| bytes.max(0) as usize)
             .map_err(driver_error(format!(
                 "{}'s static shared memory",
                 spec.entry
-            )))
+            )))?;
+        known.insert(handle, bytes);
+        Ok(bytes)
     }
 
     /// Occupancy: resident blocks per SM of `spec` at `block_threads` threads and

@@ -18,14 +18,17 @@
 // cluster.rs ClusterShape::held): for every row, the filter state of sampling_row_max (no
 // top-k digit: launched only without top-k rows); then, for an ACTIVE filtered row, the whole
 // fast pipeline. Writes the token, stats and totals of an accepted row (status DONE); a row
-// the fast path cannot decide is left EXACT for sampling_finish, with its argmax.
+// the fast path cannot decide is left EXACT for sampling_finish, with its argmax. `ahead`: the
+// clusters resident at once when the batch has more rows (cluster.rs), else 0; each resident
+// row asks L2 for the row that many rows on after its pass (totals counter 10 counts them).
 extern "C" __global__ void
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __cluster_dims__(CLUSTER_CTAS, 1, 1)
 #endif
 __launch_bounds__(CLUSTER_THREADS, PAGODA_CLUSTER_BLOCKS)
 sampling_cluster(const float* __restrict__ logits, const unsigned int* __restrict__ params, unsigned int vocab,
-                 unsigned int held, unsigned int flags, unsigned int max_rounds, unsigned int* __restrict__ state,
+                 unsigned int held, unsigned int ahead, unsigned int flags, unsigned int max_rounds,
+                 unsigned int* __restrict__ state,
                  unsigned int* __restrict__ tokens, unsigned int* __restrict__ stats,
                  unsigned int* __restrict__ totals) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -39,6 +42,14 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
     __shared__ double s_z;                           // the row's top-p mass Z (see cluster_sync)
     __shared__ double all_segments[CLUSTER_SEGMENTS];
     __shared__ double warp_mass[2][CLUSTER_WARPS];
+    // The leader's state across the rounds lives in shared memory, not in registers: the
+    // round pass needs every register, and spilled values were reloaded from L2 after every
+    // cluster barrier (its acquire invalidates L1): 1.5-2 us per call at batch 64.
+    __shared__ double s_verdict[3];        // mass target, margin, tolerance
+    __shared__ double s_uniform0;          // the first round's uniform
+    __shared__ RowParams s_params;         // the Philox key of the later rounds
+    __shared__ float s_high;               // the proposal's upper pivot
+    __shared__ unsigned int s_outcome[3];  // status, token, rounds
     const unsigned int rank = cluster_rank(), row = blockIdx.y;
     const unsigned int lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
     const float* z = logits + (size_t)row * vocab;
@@ -53,6 +64,15 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
     // Only greedy and Gumbel rows need the argmax now; a filtered row finds it at the end if
     // the exact kernel is to draw it.
     const RowParams p = load_row_params(params, row);
+    if (threadIdx.x == 0) {
+        // The first round's uniform while the loads are in flight (0.1 us at batch 1).
+        const uint4 block = philox_block(p, PURPOSE_REJECTION_ROUND, 0u);
+        s_uniform0 = open_uniform_f64(block.x, block.y);
+        s_params = p;
+        s_outcome[0] = STATUS_EXACT;
+        s_outcome[1] = NO_TOKEN;
+        s_outcome[2] = 0u;
+    }
     const bool track = row_path(p, vocab, 0.0f) != PATH_REJECTION;
     float best = -INFINITY;
     unsigned int best_id = NO_TOKEN;
@@ -101,7 +121,6 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
     // and the other warps read them from shared memory after a barrier: the row maximum and
     // filter state here; the draws, pivots and verdicts of the rounds below.
     const bool leader = warp == 0u;
-    float high = 0.0f;
     if (leader) {
         float z_max = -INFINITY;
         unsigned int argmax = NO_TOKEN;
@@ -115,8 +134,8 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
         float low;
         bool top_k_pending;
         const bool active = filter_start(p, vocab, z_max, flags, low, top_k_pending) == STATUS_ACTIVE && !top_k_pending;
-        high = z_max;
         if (lane == 0) {
+            s_high = z_max;
             s_row[0] = z_max;
             s_row[1] = low;
             s_row[2] = draw_scale(p.temperature);
@@ -157,6 +176,12 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
             }
         }
     });
+    // The row `ahead` rows on starts only when a cluster leaves (ahead = the clusters resident
+    // at once; 0 when the whole batch is): while the memory is idle, ask L2 for its slice.
+    if (ahead != 0u && row + ahead < gridDim.y && threadIdx.x == 0) {
+        prefetch_l2(z + (size_t)ahead * vocab + first, z + (size_t)ahead * vocab + end);
+        if (rank == 0u) count_total(totals, 10u, 1ull);
+    }
     draw = warp_sum_f64(draw);
     filter = z_is_draw ? draw : warp_sum_f64(filter);
     if (lane == 0) { s_segments[0][warp] = draw; warp_mass[0][warp] = filter; }
@@ -168,24 +193,26 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
     }
     cluster_sync();
     gather_segments(s_segments, 0u, all_segments);
-    double mass_target = 0.0, margin = 0.0, tolerance = 0.0;
     if (leader) {
         const double top_k_mass = cluster_sum_f64(&s_mass[0]);
-        mass_target = __dmul_rn((double)p.top_p, top_k_mass);
-        margin = rounding_margin(vocab, top_k_mass);
-        tolerance = FAST_MASS_TOLERANCE * top_k_mass;
-        if (lane == 0) s_z = top_k_mass;  // consumes the loads before the next cluster_sync
+        if (lane == 0) {
+            s_z = top_k_mass;  // consumes the loads before the next cluster_sync
+            s_verdict[0] = __dmul_rn((double)p.top_p, top_k_mass);
+            s_verdict[1] = rounding_margin(vocab, top_k_mass);
+            s_verdict[2] = FAST_MASS_TOLERANCE * top_k_mass;
+        }
     }
     // The rounds. The leader draws the segment; the CTA whose slice holds it walks it and
     // publishes the candidate; the leader accepts it or sets the pivots; every warp sums its
     // segment's masses above them; the leader takes the verdicts.
-    unsigned int outcome = STATUS_EXACT, token = NO_TOKEN, rounds = 0u, candidate = NO_TOKEN;
     for (unsigned int round = 0; round < max_rounds; ++round) {
         if (leader) {
-            const uint4 block = philox_block(p, PURPOSE_REJECTION_ROUND, round);
-            double before = 0.0, total, target;
-            const unsigned int owner =
-                draw_segment(all_segments, open_uniform_f64(block.x, block.y), before, total, target);
+            double before = 0.0, total, target, uniform = s_uniform0;
+            if (round > 0u) {
+                const uint4 block = philox_block(s_params, PURPOSE_REJECTION_ROUND, round);
+                uniform = open_uniform_f64(block.x, block.y);
+            }
+            const unsigned int owner = draw_segment(all_segments, uniform, before, total, target);
             if (lane == 0) {
                 s_owner = owner;
                 s_draw[0] = before;
@@ -205,15 +232,17 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
         }
         cluster_sync();
         if (leader) {
-            candidate = cluster_load_u32(&s_candidate, owner / CLUSTER_WARPS);
+            const unsigned int candidate = cluster_load_u32(&s_candidate, owner / CLUSTER_WARPS);
             unsigned int step = STEP_STOP;
             if (candidate != NO_TOKEN) {
-                rounds = round + 1u;
-                const float pivot0 = sanitize_logit(z[candidate]);
-                if (!use_top_p || pivot0 >= high) {
-                    outcome = STATUS_DONE;
-                    token = candidate;
-                } else {
+                const float pivot0 = sanitize_logit(z[candidate]), high = s_high;
+                const bool accept = !use_top_p || pivot0 >= high;
+                if (lane == 0) {
+                    s_outcome[0] = accept ? STATUS_DONE : STATUS_EXACT;
+                    s_outcome[1] = candidate;
+                    s_outcome[2] = round + 1u;
+                }
+                if (!accept) {
                     const unsigned int low_bits = ordered_bits(pivot0), high_bits = ordered_bits(high);
                     step = 1u;
                     if (lane == 0) {
@@ -265,17 +294,16 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
         cluster_sync();
         if (leader) {
             const double above0 = cluster_sum_f64(&s_mass[0]), above1 = cluster_sum_f64(&s_mass[1]);
+            const double mass_target = s_verdict[0], margin = s_verdict[1], tolerance = s_verdict[2];
             const int verdict0 = fast_verdict(above0, mass_target, margin, tolerance);
             const int verdict1 = fast_verdict(above1, mass_target, margin, tolerance);
             unsigned int step = STEP_STOP;
             if (verdict0 == VERDICT_PASS) {
-                outcome = STATUS_DONE;
-                token = candidate;
+                if (lane == 0) s_outcome[0] = STATUS_DONE;  // the candidate, in s_outcome[1]
             } else if (verdict0 == VERDICT_FAIL && verdict1 != VERDICT_UNSURE) {
                 // The proposal shrinks to the ids above the higher failing pivot.
-                const bool above_pivot1 = verdict1 == VERDICT_FAIL;
-                if (verdict1 == VERDICT_PASS) high = pivot1;
-                step = above_pivot1 ? 1u : 0u;
+                if (verdict1 == VERDICT_PASS && lane == 0) s_high = pivot1;
+                step = verdict1 == VERDICT_FAIL ? 1u : 0u;
             }
             if (lane == 0) s_step = step;
         }
@@ -286,13 +314,13 @@ sampling_cluster(const float* __restrict__ logits, const unsigned int* __restric
         gather_segments(s_segments, step, all_segments);
     }
     // The exact kernel needs the argmax of a row it is left. (s_left, not s_step: a thread may
-    // still be reading the last step.)
-    if (threadIdx.x == 0) s_left = outcome != STATUS_DONE;
+    // still be reading the last step. Thread 0, lane 0 of the leader, wrote s_outcome.)
+    if (threadIdx.x == 0) s_left = s_outcome[0] != STATUS_DONE;
     __syncthreads();
     if (!track && s_left) publish_argmax(logits4, length, z_max, rank, &s_argmax, st);
     if (rank == 0 && threadIdx.x == 0) {
-        if (outcome == STATUS_DONE) {
-            accept_fast(row, token, rounds, st, tokens, stats, totals);
+        if (s_outcome[0] == STATUS_DONE) {
+            accept_fast(row, s_outcome[1], s_outcome[2], st, tokens, stats, totals);
             count_total(totals, 9u, 1ull);
         } else {
             st[FS_STATUS] = STATUS_EXACT;

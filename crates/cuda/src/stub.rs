@@ -238,6 +238,14 @@ impl Gpu {
         match self.never {}
     }
     /// Unreachable.
+    pub fn max_active_clusters(
+        &self,
+        _spec: &KernelSpec,
+        _dims: LaunchDims,
+    ) -> Result<u32, CudaError> {
+        match self.never {}
+    }
+    /// Unreachable.
     pub fn max_active_blocks_per_sm(
         &self,
         _spec: &KernelSpec,

@@ -57,6 +57,8 @@ pub struct EngineCounters {
     pub gpu_sampler_list_rows: u64,
     /// GPU-sampled filtered rows finished by the cluster kernel.
     pub gpu_sampler_cluster_rows: u64,
+    /// Rows of the cluster kernel whose logits were prefetched into L2 by a resident row.
+    pub gpu_sampler_prefetched_rows: u64,
     /// CPU forward passes run on all configured threads / on one thread (the adaptive pool,
     /// `PAGODA_CPU_ADAPTIVE_THREADS`), probe bursts of the other pool started, and times a
     /// kind of step changed pool.
@@ -117,5 +119,6 @@ impl EngineCounters {
         self.gpu_sampler_gumbel_max = cuda.sampler_gumbel_max_rows;
         self.gpu_sampler_list_rows = cuda.sampler_list_rows;
         self.gpu_sampler_cluster_rows = cuda.sampler_cluster_rows;
+        self.gpu_sampler_prefetched_rows = cuda.sampler_prefetched_rows;
     }
 }

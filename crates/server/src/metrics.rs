@@ -73,6 +73,7 @@ pub struct Metrics {
     gpu_sampler_gumbel_max: Counter,
     gpu_sampler_list_rows: Counter,
     gpu_sampler_cluster_rows: Counter,
+    gpu_sampler_prefetched_rows: Counter,
     steps_cpu_all_threads: Counter,
     steps_cpu_one_thread: Counter,
     cpu_pool_probes: Counter,
@@ -126,6 +127,7 @@ impl Default for Metrics {
             gpu_sampler_gumbel_max: Counter::default(),
             gpu_sampler_list_rows: Counter::default(),
             gpu_sampler_cluster_rows: Counter::default(),
+            gpu_sampler_prefetched_rows: Counter::default(),
             steps_cpu_all_threads: Counter::default(),
             steps_cpu_one_thread: Counter::default(),
             cpu_pool_probes: Counter::default(),
@@ -191,6 +193,8 @@ impl Metrics {
             .set(snapshot.gpu_sampler_list_rows);
         self.gpu_sampler_cluster_rows
             .set(snapshot.gpu_sampler_cluster_rows);
+        self.gpu_sampler_prefetched_rows
+            .set(snapshot.gpu_sampler_prefetched_rows);
         self.steps_cpu_all_threads
             .set(snapshot.steps_cpu_all_threads);
         self.steps_cpu_one_thread.set(snapshot.steps_cpu_one_thread);
@@ -479,6 +483,15 @@ impl Metrics {
              # TYPE pagoda_gpu_sampling_cluster_rows_total counter\n\
              pagoda_gpu_sampling_cluster_rows_total {}",
             self.gpu_sampler_cluster_rows.get()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP pagoda_gpu_sampling_prefetched_rows_total Rows of the cluster kernel whose \
+             logits a resident row asked L2 for, when the batch had more rows than clusters fit on \
+             the GPU (PAGODA_GPU_SAMPLING_PREFETCH).\n\
+             # TYPE pagoda_gpu_sampling_prefetched_rows_total counter\n\
+             pagoda_gpu_sampling_prefetched_rows_total {}",
+            self.gpu_sampler_prefetched_rows.get()
         );
         let _ = writeln!(
             out,

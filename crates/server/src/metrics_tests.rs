@@ -69,6 +69,7 @@ fn gauges_follow_the_snapshot() {
             gpu_sampler_gumbel_max: 25,
             gpu_sampler_list_rows: 6,
             gpu_sampler_cluster_rows: 11,
+            gpu_sampler_prefetched_rows: 4,
             steps_cpu_one_thread: 7,
             cpu_pool_switches: 2,
             ..snapshot
@@ -86,6 +87,7 @@ fn gauges_follow_the_snapshot() {
     assert!(text.contains("pagoda_gpu_sampling_gumbel_max_rows_total 25\n"));
     assert!(text.contains("pagoda_gpu_sampling_list_rows_total 6\n"));
     assert!(text.contains("pagoda_gpu_sampling_cluster_rows_total 11\n"));
+    assert!(text.contains("pagoda_gpu_sampling_prefetched_rows_total 4\n"));
     assert!(text.contains("pagoda_cpu_steps_total{pool=\"one_thread\"} 7\n"));
     assert!(text.contains("pagoda_cpu_pool_switches_total 2\n"));
 }

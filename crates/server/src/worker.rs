@@ -94,6 +94,8 @@ pub struct EngineSnapshot {
     pub gpu_sampler_list_rows: u64,
     /// GPU-sampled filtered rows finished by the cluster kernel.
     pub gpu_sampler_cluster_rows: u64,
+    /// Rows of the cluster kernel whose logits were prefetched into L2 by a resident row.
+    pub gpu_sampler_prefetched_rows: u64,
     /// CPU steps run on all threads / on one thread (the adaptive pool), its probes and
     /// switches.
     pub steps_cpu_all_threads: u64,
@@ -164,6 +166,7 @@ impl EngineBackend for Engine {
             gpu_sampler_gumbel_max: counters.gpu_sampler_gumbel_max,
             gpu_sampler_list_rows: counters.gpu_sampler_list_rows,
             gpu_sampler_cluster_rows: counters.gpu_sampler_cluster_rows,
+            gpu_sampler_prefetched_rows: counters.gpu_sampler_prefetched_rows,
             steps_cpu_all_threads: counters.steps_cpu_all_threads,
             steps_cpu_one_thread: counters.steps_cpu_one_thread,
             cpu_pool_probes: counters.cpu_pool_probes,

@@ -110,6 +110,10 @@ pub struct BenchSamplingArgs {
     /// 512x4, 256x5 or 256x6; default: the sampler's, 512x3).
     #[arg(long = "cluster-shape")]
     pub cluster_shape: Option<pagoda_cuda::ops::ClusterShape>,
+    /// CUDA: when the cluster kernel has more rows than fit on the GPU at once, resident rows
+    /// ask L2 for the waiting rows' logits (on, as in `generate` / `serve`) or not (off).
+    #[arg(long = "prefetch", value_enum, default_value_t = OnOff::On)]
+    pub prefetch: OnOff,
     /// CUDA: CTAs per row of the filtered pipeline (default: the sampler's choice).
     #[arg(long = "filter-splits")]
     pub filter_splits: Option<usize>,

@@ -171,6 +171,7 @@ pub fn run(args: &BenchSamplingArgs) -> Result<()> {
                         list_rounds: args.list_rounds == OnOff::On,
                         cluster: args.cluster == OnOff::On,
                         cluster_shape: args.cluster_shape.unwrap_or_default(),
+                        cluster_prefetch: args.prefetch == OnOff::On,
                         fast_rounds: args.fast_rounds,
                         filter_splits: args.filter_splits,
                         label: if filtered { arm.name() } else { "-" },
@@ -289,6 +290,8 @@ struct ArmOptions {
     cluster: bool,
     /// [`SamplingOptions::cluster_shape`].
     cluster_shape: ClusterShape,
+    /// [`SamplingOptions::cluster_prefetch`].
+    cluster_prefetch: bool,
     fast_rounds: Option<u32>,
     /// [`SamplingOptions::filter_splits`].
     filter_splits: Option<usize>,
@@ -328,6 +331,7 @@ fn measure(
         list_rounds: arm.list_rounds,
         cluster: arm.cluster,
         cluster_shape: arm.cluster_shape,
+        cluster_prefetch: arm.cluster_prefetch,
         filter_splits: arm.filter_splits,
         mix: mix.unwrap_or(SamplingMix::ALL),
         ..SamplingOptions::default()
@@ -440,7 +444,7 @@ fn print_row(case: &CaseResult, header: bool) {
         println!(
             "| V | B | R | splits | configuration | filtered | us/call median | min | FI us | \
              FI/ours | >= 2x | 2nd comparison | 2nd us | 2nd/ours | \
-             greedy/gumbel/rejection/fallback | fast/exact rows, gumbel-max, cluster rows | rounds/filtered row | path | \
+             greedy/gumbel/rejection/fallback | fast/exact rows, gumbel-max, cluster, prefetched rows | rounds/filtered row | path | \
              tokens ok |"
         );
         println!(
@@ -463,7 +467,7 @@ fn print_row(case: &CaseResult, header: bool) {
     };
     println!(
         "| {} | {} | {} | {} | {} | {} | {:.1} | {:.1} | {} | {} | {} | {} | {} | {} | \
-         {}/{}/{}/{} | {}/{}, {}, {} | {} | {} | {} |",
+         {}/{}/{}/{} | {}/{}, {}, {}, {} | {} | {} | {} |",
         case.vocab,
         case.batch,
         case.rotating_sets,
@@ -486,6 +490,7 @@ fn print_row(case: &CaseResult, header: bool) {
         totals.filtered_exact,
         totals.gumbel_max_rows,
         totals.cluster_rows,
+        totals.prefetched_rows,
         cell(rounds, 2),
         if case.path_ok { "ok" } else { "MISMATCH" },
         tokens,
@@ -557,6 +562,7 @@ mod tests {
             gumbel_max_rows: 0,
             list_rows: 0,
             cluster_rows: 0,
+            prefetched_rows: 0,
         };
         assert!(Configuration::TopP.path_accounts_for(&totals, 100));
         assert!(!Configuration::TopP.path_accounts_for(&totals, 101));

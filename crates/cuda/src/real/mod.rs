@@ -9,8 +9,8 @@ mod registry;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError};
+use cudarc::driver::sys::{self, CUdevice_attribute};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverError};
 
 use crate::key::{Arch, KernelSpec};
 use crate::memory::{KernelArg, LaunchDims};
@@ -113,6 +113,9 @@ pub struct Gpu {
     /// Static shared memory of each loaded function (by its driver handle), read from the
     /// driver once: the cluster sampler sizes its held slices with it on every call.
     static_shared: Mutex<std::collections::HashMap<usize, usize>>,
+    /// Resident clusters of each loaded cluster kernel by (driver handle, threads per CTA,
+    /// dynamic shared memory), read from the driver once.
+    active_clusters: Mutex<std::collections::HashMap<(usize, u32, u32), u32>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -148,6 +151,7 @@ impl Gpu {
             capturing: Mutex::new(false),
             shared_opt_in: Mutex::new(std::collections::HashMap::new()),
             static_shared: Mutex::new(std::collections::HashMap::new()),
+            active_clusters: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -191,96 +195,140 @@ impl Gpu {
             return Ok(());
         }
         let function = self.registry.function(&self.context, spec)?;
-        if dims.shared_mem_bytes > 48 * 1024 || dims.prefer_shared {
-            // Dynamic shared memory beyond 48 KB must be opted into per function, once; so
-            // is the carveout preference.
-            let handle = function.cu_function() as usize;
-            let mut opted = self
-                .shared_opt_in
-                .lock()
-                .map_err(|_| CudaError::invalid("shared memory opt-in lock poisoned"))?;
-            if opted
-                .get(&handle)
-                .is_none_or(|&bytes| bytes < dims.shared_mem_bytes)
-            {
-                use cudarc::driver::sys::CUfunction_attribute_enum as Attribute;
-                if dims.shared_mem_bytes > 48 * 1024 {
-                    function
-                        .set_attribute(
-                            Attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            dims.shared_mem_bytes as i32,
-                        )
-                        .map_err(driver_error(format!(
-                            "opting {} into {} bytes of shared memory",
-                            spec.entry, dims.shared_mem_bytes
-                        )))?;
-                }
-                if dims.prefer_shared {
-                    function
-                        .set_attribute(
-                            Attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                            100,
-                        )
-                        .map_err(driver_error(format!(
-                            "setting {}'s shared-memory carveout",
-                            spec.entry
-                        )))?;
-                }
-                opted.insert(handle, dims.shared_mem_bytes);
-            }
-        }
+        self.opt_in(spec, &function, &dims)?;
         let mut storage: Vec<u64> = args.iter().map(|arg| arg.bits()).collect();
         let mut pointers: Vec<*mut std::ffi::c_void> = storage
             .iter_mut()
             .map(|slot| slot as *mut u64 as *mut std::ffi::c_void)
             .collect();
-        if dims.programmatic {
-            use cudarc::driver::sys;
-            // SAFETY: a zeroed attribute is valid; the id and value are set below.
-            let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attribute.id =
-                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attribute.value.programmaticStreamSerializationAllowed = 1;
-            let config = sys::CUlaunchConfig {
-                gridDimX: dims.grid.0,
-                gridDimY: dims.grid.1,
-                gridDimZ: dims.grid.2,
-                blockDimX: dims.block.0,
-                blockDimY: dims.block.1,
-                blockDimZ: dims.block.2,
-                sharedMemBytes: dims.shared_mem_bytes,
-                hStream: self.stream.cu_stream(),
-                attrs: &mut attribute,
-                numAttrs: 1,
-            };
-            // SAFETY: the caller guarantees the arguments match the kernel; `config` and
-            // `attribute` outlive the call.
-            return unsafe {
-                sys::cuLaunchKernelEx(
-                    &config,
-                    function.cu_function(),
-                    pointers.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            }
-            .result()
-            .map_err(driver_error(format!(
-                "launching {} (programmatic)",
-                spec.entry
-            )));
-        }
-        // SAFETY: the caller guarantees the arguments match the kernel.
+        // One launch call for every kernel: a programmatic launch carries its attribute.
+        let mut attribute = programmatic_attribute();
+        let config = self.launch_config(&dims, &mut attribute);
+        // SAFETY: the caller guarantees the arguments match the kernel; `config` and
+        // `attribute` outlive the call.
         unsafe {
-            cudarc::driver::result::launch_kernel(
+            sys::cuLaunchKernelEx(
+                &config,
                 function.cu_function(),
-                dims.grid,
-                dims.block,
-                dims.shared_mem_bytes,
-                self.stream.cu_stream(),
-                &mut pointers,
+                pointers.as_mut_ptr(),
+                std::ptr::null_mut(),
             )
         }
+        .result()
         .map_err(driver_error(format!("launching {}", spec.entry)))
+    }
+
+    /// The driver's launch configuration of `dims` on this Gpu's stream, with `attribute`
+    /// (programmatic stream serialization) when `dims.programmatic`.
+    fn launch_config(
+        &self,
+        dims: &LaunchDims,
+        attribute: &mut sys::CUlaunchAttribute,
+    ) -> sys::CUlaunchConfig {
+        sys::CUlaunchConfig {
+            gridDimX: dims.grid.0,
+            gridDimY: dims.grid.1,
+            gridDimZ: dims.grid.2,
+            blockDimX: dims.block.0,
+            blockDimY: dims.block.1,
+            blockDimZ: dims.block.2,
+            sharedMemBytes: dims.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: attribute,
+            numAttrs: u32::from(dims.programmatic),
+        }
+    }
+
+    /// Opts `function` into the dynamic shared memory and carveout `dims` asks for, once per
+    /// function (dynamic shared memory beyond 48 KB must be opted into; so is the carveout).
+    fn opt_in(
+        &self,
+        spec: &KernelSpec,
+        function: &CudaFunction,
+        dims: &LaunchDims,
+    ) -> Result<(), CudaError> {
+        if dims.shared_mem_bytes <= 48 * 1024 && !dims.prefer_shared {
+            return Ok(());
+        }
+        let handle = function.cu_function() as usize;
+        let mut opted = self
+            .shared_opt_in
+            .lock()
+            .map_err(|_| CudaError::invalid("shared memory opt-in lock poisoned"))?;
+        if opted
+            .get(&handle)
+            .is_some_and(|&bytes| bytes >= dims.shared_mem_bytes)
+        {
+            return Ok(());
+        }
+        use sys::CUfunction_attribute_enum as Attribute;
+        if dims.shared_mem_bytes > 48 * 1024 {
+            function
+                .set_attribute(
+                    Attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    dims.shared_mem_bytes as i32,
+                )
+                .map_err(driver_error(format!(
+                    "opting {} into {} bytes of shared memory",
+                    spec.entry, dims.shared_mem_bytes
+                )))?;
+        }
+        if dims.prefer_shared {
+            function
+                .set_attribute(
+                    Attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                    100,
+                )
+                .map_err(driver_error(format!(
+                    "setting {}'s shared-memory carveout",
+                    spec.entry
+                )))?;
+        }
+        opted.insert(handle, dims.shared_mem_bytes);
+        Ok(())
+    }
+
+    /// Thread-block clusters of `spec` (a kernel with compile-time cluster dimensions) that
+    /// can be resident on the device at once when launched with `dims` (the driver's
+    /// `cuOccupancyMaxActiveClusters`; asked once per function and shape).
+    pub fn max_active_clusters(
+        &self,
+        spec: &KernelSpec,
+        dims: LaunchDims,
+    ) -> Result<u32, CudaError> {
+        let function = self.registry.function(&self.context, spec)?;
+        self.opt_in(spec, &function, &dims)?;
+        let key = (
+            function.cu_function() as usize,
+            dims.block.0 * dims.block.1 * dims.block.2,
+            dims.shared_mem_bytes,
+        );
+        let mut known = self
+            .active_clusters
+            .lock()
+            .map_err(|_| CudaError::invalid("cluster occupancy lock poisoned"))?;
+        if let Some(&clusters) = known.get(&key) {
+            return Ok(clusters);
+        }
+        let mut attribute = programmatic_attribute();
+        let config = self.launch_config(
+            &LaunchDims {
+                programmatic: false,
+                ..dims
+            },
+            &mut attribute,
+        );
+        let mut clusters: std::ffi::c_int = 0;
+        // SAFETY: `clusters` and `config` outlive the call; the function is loaded in this
+        // context.
+        unsafe {
+            sys::cuOccupancyMaxActiveClusters(&mut clusters, function.cu_function(), &config)
+        }
+        .result()
+        .map_err(driver_error(format!("{}'s cluster occupancy", spec.entry)))?;
+        let clusters = clusters.max(0) as u32;
+        known.insert(key, clusters);
+        Ok(clusters)
     }
 
     /// Compiles (or fetches from the caches) and loads `spec` without launching it.
@@ -333,6 +381,16 @@ impl Gpu {
             )
             .map_err(driver_error("cuOccupancyMaxActiveBlocksPerMultiprocessor"))
     }
+}
+
+/// The launch attribute that lets a kernel start before the previous one on the stream has
+/// finished (it waits with `griddepcontrol.wait`); used when `LaunchDims::programmatic`.
+fn programmatic_attribute() -> sys::CUlaunchAttribute {
+    // SAFETY: a zeroed attribute is valid; the id and value are set below.
+    let mut attribute: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attribute.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attribute.value.programmaticStreamSerializationAllowed = 1;
+    attribute
 }
 
 /// A recorded point on the stream, for timing.

@@ -136,6 +136,8 @@ pub struct CudaStepCounters {
     pub sampler_list_rows: u64,
     /// Filtered rows finished by the cluster kernel (`sampling_cluster`).
     pub sampler_cluster_rows: u64,
+    /// Rows of the cluster kernel whose logits a resident row asked L2 for.
+    pub sampler_prefetched_rows: u64,
 }
 
 /// A model resident on the GPU, with its KV cache.

@@ -136,6 +136,10 @@ pub(super) struct SamplerSwitches {
     /// thread-block cluster per row: `PAGODA_GPU_SAMPLING_CLUSTER=on|off` (default `on`,
     /// measured faster at batch 16 and 64 and level at batch 1; compute capability 9.0+).
     pub cluster: bool,
+    /// Cluster launches with more rows than fit on the GPU at once prefetch the waiting rows'
+    /// logits into L2: `PAGODA_GPU_SAMPLING_PREFETCH=on|off` (default `on`, measured faster
+    /// at batch 48 and 64 on the H200; no effect while the whole batch is resident).
+    pub cluster_prefetch: bool,
 }
 
 /// The [`SamplerSwitches`], logged once. An unknown value is an error naming the variable.
@@ -151,6 +155,7 @@ pub(super) fn sampler_switches() -> Result<SamplerSwitches, CudaError> {
         gumbel_max: env_on_off("PAGODA_GPU_SAMPLING_GUMBEL_MAX")?,
         list_rounds: env_on_off("PAGODA_GPU_SAMPLING_LIST_ROUNDS")?,
         cluster: env_on_off("PAGODA_GPU_SAMPLING_CLUSTER")?,
+        cluster_prefetch: env_on_off("PAGODA_GPU_SAMPLING_PREFETCH")?,
     };
     let on_off = |on: bool| if on { "on" } else { "off" };
     static LOGGED: std::sync::Once = std::sync::Once::new();
@@ -160,11 +165,13 @@ pub(super) fn sampler_switches() -> Result<SamplerSwitches, CudaError> {
              row maxima in the Gumbel kernel when no row is filtered: {} \
              (PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off); top-k rows' rounds on their id list: {} \
              (PAGODA_GPU_SAMPLING_LIST_ROUNDS=on|off); top-p launches without top-k \
-             in one cluster kernel per row: {} (PAGODA_GPU_SAMPLING_CLUSTER=on|off)",
+             in one cluster kernel per row: {} (PAGODA_GPU_SAMPLING_CLUSTER=on|off), waiting \
+             rows prefetched into L2: {} (PAGODA_GPU_SAMPLING_PREFETCH=on|off)",
             filtered.name(),
             on_off(switches.gumbel_max),
             on_off(switches.list_rounds),
-            on_off(switches.cluster)
+            on_off(switches.cluster),
+            on_off(switches.cluster_prefetch)
         )
     });
     Ok(switches)
@@ -223,6 +230,7 @@ impl DeviceSampler {
                 gumbel_max: self.switches.gumbel_max,
                 list_rounds: self.switches.list_rounds,
                 cluster: self.switches.cluster,
+                cluster_prefetch: self.switches.cluster_prefetch,
                 mix: SamplingMix::of(rows[run.clone()].iter().flatten(), vocab),
                 ..SamplingOptions::default()
             };
@@ -299,6 +307,7 @@ fn totals_difference(now: SamplingTotals, before: SamplingTotals) -> SamplingTot
         gumbel_max_rows: now.gumbel_max_rows.saturating_sub(before.gumbel_max_rows),
         list_rows: now.list_rows.saturating_sub(before.list_rows),
         cluster_rows: now.cluster_rows.saturating_sub(before.cluster_rows),
+        prefetched_rows: now.prefetched_rows.saturating_sub(before.prefetched_rows),
     }
 }
 
@@ -371,6 +380,7 @@ impl<T: HostFloat> GpuLlama<T> {
         counters.sampler_gumbel_max_rows += gained.gumbel_max_rows;
         counters.sampler_list_rows += gained.list_rows;
         counters.sampler_cluster_rows += gained.cluster_rows;
+        counters.sampler_prefetched_rows += gained.prefetched_rows;
         *request.out = rows;
         Ok(drawn)
     }
@@ -438,6 +448,7 @@ mod tests {
             gumbel_max_rows: 1,
             list_rows: 2,
             cluster_rows: 2,
+            prefetched_rows: 3,
         };
         let now = SamplingTotals {
             greedy: 7,
@@ -450,6 +461,7 @@ mod tests {
             gumbel_max_rows: 4,
             list_rows: 7,
             cluster_rows: 2,
+            prefetched_rows: 3,
         };
         let gained = totals_difference(now, before);
         assert_eq!(
@@ -465,6 +477,7 @@ mod tests {
                 gumbel_max_rows: 3,
                 list_rows: 5,
                 cluster_rows: 0,
+                prefetched_rows: 0,
             }
         );
         assert_eq!(

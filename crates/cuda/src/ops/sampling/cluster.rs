@@ -136,6 +136,18 @@ pub fn specialize_cluster(shape: ClusterShape) -> KernelSpec {
     }
 }
 
+/// The kernel's `ahead`: with more rows than clusters that can be resident at once, the rows
+/// past them start only when a cluster leaves, so each resident row asks L2 for the row
+/// `resident` rows on once its pass is done and the memory is idle. 0 (no prefetch) when the
+/// whole batch is resident, the driver reported no occupancy, or the prefetch is off.
+pub fn prefetch_ahead(rows: u32, resident: u32, prefetch: bool) -> u32 {
+    if prefetch && resident > 0 && rows > resident {
+        resident
+    } else {
+        0
+    }
+}
+
 /// The buffers of one cluster launch.
 pub(super) struct ClusterLaunch<'a, L, P, T> {
     pub logits: &'a L,
@@ -153,6 +165,7 @@ pub(super) fn launch_cluster<L: DeviceRead<f32>, P: DeviceRead<u32>, T: DeviceWr
     flags: u32,
     max_rounds: u32,
     shape: ClusterShape,
+    prefetch: bool,
 ) -> Result<(), CudaError> {
     let spec = specialize_cluster(shape);
     let held = shape.held(
@@ -161,12 +174,23 @@ pub(super) fn launch_cluster<L: DeviceRead<f32>, P: DeviceRead<u32>, T: DeviceWr
         gpu.info().sm_count as usize,
         gpu.static_shared_bytes(&spec)?,
     );
+    let dims = LaunchDims {
+        shared_mem_bytes: (held * 4) as u32,
+        prefer_shared: true,
+        ..LaunchDims::new((CLUSTER_CTAS, rows), shape.threads)
+    };
+    let ahead = if prefetch {
+        prefetch_ahead(rows, gpu.max_active_clusters(&spec, dims)?, true)
+    } else {
+        0
+    };
     let ws = buffers.workspace;
     let args = [
         ptr(buffers.logits),
         ptr(buffers.params),
         KernelArg::U32(vocab as u32),
         KernelArg::U32(held as u32),
+        KernelArg::U32(ahead),
         KernelArg::U32(flags),
         KernelArg::U32(max_rounds),
         ptr(&ws.state),
@@ -178,17 +202,7 @@ pub(super) fn launch_cluster<L: DeviceRead<f32>, P: DeviceRead<u32>, T: DeviceWr
     // kernels/sampling_cluster.cu; lengths were validated by `plan_sampling`; the grid's x is
     // one whole cluster (the kernel's __cluster_dims__); the kernel reads at most `held`
     // logits of shared memory per CTA.
-    unsafe {
-        gpu.launch(
-            &spec,
-            LaunchDims {
-                shared_mem_bytes: (held * 4) as u32,
-                prefer_shared: true,
-                ..LaunchDims::new((CLUSTER_CTAS, rows), shape.threads)
-            },
-            &args,
-        )
-    }
+    unsafe { gpu.launch(&spec, dims, &args) }
 }
 
 #[cfg(test)]
@@ -223,6 +237,17 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn only_rows_past_the_resident_clusters_are_prefetched() {
+        // The H200 holds 45 clusters of the default shape at batch 64.
+        assert_eq!(prefetch_ahead(64, 45, true), 45);
+        assert_eq!(prefetch_ahead(46, 45, true), 45);
+        assert_eq!(prefetch_ahead(45, 45, true), 0);
+        assert_eq!(prefetch_ahead(1, 45, true), 0);
+        assert_eq!(prefetch_ahead(64, 0, true), 0);
+        assert_eq!(prefetch_ahead(64, 45, false), 0);
     }
 
     #[test]

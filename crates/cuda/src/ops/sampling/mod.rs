@@ -386,6 +386,7 @@ pub fn sample_rows_with(
             flags,
             options.max_rejection_rounds,
             options.cluster_shape,
+            options.cluster_prefetch,
         )?;
     } else if !gumbel_max {
         let row_max = [

@@ -339,6 +339,10 @@ pub struct SamplingOptions {
     pub cluster: bool,
     /// The cluster kernel's CTA shape. Same tokens for every shape.
     pub cluster_shape: ClusterShape,
+    /// When a launch has more top-p rows than clusters fit on the GPU at once, each resident
+    /// row asks L2 for a waiting row's logits once its own pass is done (counted in
+    /// [`SamplingTotals::prefetched_rows`]). Same tokens either way.
+    pub cluster_prefetch: bool,
 }
 
 impl SamplingOptions {
@@ -373,6 +377,7 @@ impl Default for SamplingOptions {
             list_rounds: true,
             cluster: true,
             cluster_shape: ClusterShape::DEFAULT,
+            cluster_prefetch: true,
         }
     }
 }
@@ -555,10 +560,13 @@ pub struct SamplingTotals {
     pub list_rows: u64,
     /// Filtered rows finished by the cluster kernel (see [`SamplingOptions::cluster`]).
     pub cluster_rows: u64,
+    /// Rows of the cluster kernel whose logits a resident row asked L2 for (see
+    /// [`SamplingOptions::cluster_prefetch`]).
+    pub prefetched_rows: u64,
 }
 
-/// u32 words of the totals counters in the workspace (10 little-endian u64).
-pub const SAMPLING_TOTALS_WORDS: usize = 20;
+/// u32 words of the totals counters in the workspace (11 little-endian u64).
+pub const SAMPLING_TOTALS_WORDS: usize = 22;
 
 impl SamplingTotals {
     /// Decodes the workspace's [`SAMPLING_TOTALS_WORDS`] words.
@@ -582,6 +590,7 @@ impl SamplingTotals {
             gumbel_max_rows: counter(7),
             list_rows: counter(8),
             cluster_rows: counter(9),
+            prefetched_rows: counter(10),
         })
     }
 }

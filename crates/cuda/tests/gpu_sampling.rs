@@ -9,7 +9,9 @@ mod common;
 
 use common::sampling::*;
 use common::*;
-use pagoda_cuda::ops::{self, RowPath, SamplingOptions, SamplingRowParams, SamplingWorkspace};
+use pagoda_cuda::ops::{
+    self, RowPath, SamplingMix, SamplingOptions, SamplingRowParams, SamplingWorkspace,
+};
 use pagoda_ops::sampling::{argmax, SamplingParams};
 
 const LARGE_VOCABS: [usize; 2] = [128_256, 151_936];
@@ -109,6 +111,47 @@ fn filtered_rows_follow_the_exact_distribution() {
                 totals.rejection_rounds as f64 / draws as f64,
                 totals.fallback
             );
+        }
+    }
+}
+
+/// Top-p rows without top-k launched as `generate` and `serve` launch them (the launch's own
+/// mix): on compute capability 9.0+ they take the cluster kernel, with many more rows per
+/// launch than clusters fit on the GPU (so later rows are prefetched into L2).
+#[test]
+fn cluster_rows_follow_the_exact_distribution() {
+    let Some(gpu) = gpu("cluster_rows_follow_the_exact_distribution") else {
+        return;
+    };
+    let draws = draws();
+    let clusters = gpu.info().compute_capability.0 >= 9;
+    for vocab in LARGE_VOCABS {
+        let row = large_row(vocab, 3 * vocab as u64);
+        for temperature in [0.7f32, 1.0, 1.5] {
+            for (name, params) in [
+                ("top-p 0.9", chain_params(temperature, 0, 0.9, 0.0, 41)),
+                (
+                    "top-p 0.8 + min-p 0.02",
+                    chain_params(temperature, 0, 0.8, 0.02, 42),
+                ),
+            ] {
+                let options = SamplingOptions {
+                    mix: SamplingMix::of(&[row_params(&params, 0)], vocab),
+                    ..SamplingOptions::default()
+                };
+                let what = format!("{name} V={vocab} T={temperature}, launch mix");
+                let totals = check_against_chain_with(&gpu, &what, &row, &params, draws, options);
+                println!(
+                    "  cluster rows {}, prefetched {}, exact {}",
+                    totals.cluster_rows, totals.prefetched_rows, totals.filtered_exact
+                );
+                assert_eq!(totals.rejection + totals.fallback, draws, "{what}");
+                if clusters {
+                    assert_eq!(totals.cluster_rows + totals.filtered_exact, draws, "{what}");
+                    assert!(totals.cluster_rows * 100 >= draws * 99, "{what}");
+                    assert!(totals.prefetched_rows > 0, "{what}");
+                }
+            }
         }
     }
 }

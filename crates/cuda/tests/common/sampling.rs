@@ -253,7 +253,19 @@ pub fn check_against_chain(
     params: &SamplingParams,
     draws: u64,
 ) -> SamplingTotals {
-    let (counts, totals) = draw_counts(gpu, row, params, draws, SamplingOptions::default());
+    check_against_chain_with(gpu, what, row, params, draws, SamplingOptions::default())
+}
+
+/// [`check_against_chain`] with the launches' `options`.
+pub fn check_against_chain_with(
+    gpu: &Gpu,
+    what: &str,
+    row: &[f32],
+    params: &SamplingParams,
+    draws: u64,
+    options: SamplingOptions,
+) -> SamplingTotals {
+    let (counts, totals) = draw_counts(gpu, row, params, draws, options);
     let probabilities = effective_distribution(row, &[], params);
     assert_distribution(what, &counts, &probabilities);
     totals

@@ -29,13 +29,15 @@ pub mod shared;
 pub use kernels::{cpu_kernels_name, CpuKernelPolicy, CpuKernels};
 pub use shared::matmul_shared;
 
-use pagoda_tensor::quant::repack::{repack, RepackedRows};
+use pagoda_tensor::quant::repack::repack;
 use pagoda_tensor::{quant, GgmlType, UnsupportedType};
 use rayon::prelude::*;
 
 use crate::simd::f32_decode::{self, F32Decode, WIDE_ROWS};
 use crate::simd::f32_tile::{quantized_tile, tile};
 use crate::simd::int_dot::IntIsa;
+use crate::simd::interleaved::Interleaved;
+use int_matmul::IntRows;
 
 /// Rows per decode step (one token): each weight row is an independent accumulator chain, so
 /// several rows keep the FMA units busy.
@@ -70,7 +72,7 @@ pub struct Weight {
 enum Storage {
     F32(Vec<f32>),
     Blocks(Vec<u8>),
-    Repacked(RepackedRows, IntIsa),
+    Repacked(IntRows, IntIsa),
 }
 
 /// Why a weight could not be built.
@@ -138,7 +140,10 @@ impl Weight {
         } else {
             match kernels.int_isa() {
                 Some(isa) => match repack(ty, out_features, in_features, &data) {
-                    Some(rows) => Storage::Repacked(rows, isa),
+                    Some(rows) if kernels == CpuKernels::Vnni8 => {
+                        Storage::Repacked(IntRows::Interleaved(Interleaved::new(&rows)), isa)
+                    }
+                    Some(rows) => Storage::Repacked(IntRows::Rows(rows), isa),
                     None => Storage::Blocks(data),
                 },
                 None => Storage::Blocks(data),
@@ -381,7 +386,7 @@ impl Weight {
         if let Storage::Repacked(rows, isa) = &self.storage {
             int_matmul::with_scratch(|activations| {
                 int_matmul::quantize_activations(*isa, x, k, activations);
-                int_matmul::matmul(*isa, rows, activations, y);
+                rows.matmul(*isa, activations, y);
             });
             return;
         }

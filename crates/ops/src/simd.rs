@@ -10,6 +10,7 @@ pub mod amx;
 pub mod f32_decode;
 pub mod f32_tile;
 pub mod int_dot;
+pub mod interleaved;
 
 /// `sum_i a[i] * b[i]` over equal-length slices.
 #[inline]

@@ -81,6 +81,7 @@ fn random_rows(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> 
 fn kernel_sets() -> Vec<CpuKernels> {
     let sets: Vec<CpuKernels> = [
         CpuKernels::F32,
+        CpuKernels::Vnni8,
         CpuKernels::Vnni,
         CpuKernels::Avx2,
         CpuKernels::Scalar,

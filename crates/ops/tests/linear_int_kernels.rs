@@ -210,7 +210,7 @@ fn every_supported_tile_matches_the_scalar_kernel() {
 fn matmul_with_every_kernel_set_matches_the_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     let mut sets = vec![CpuKernels::F32, CpuKernels::Scalar];
-    for set in [CpuKernels::Avx2, CpuKernels::Vnni] {
+    for set in [CpuKernels::Avx2, CpuKernels::Vnni, CpuKernels::Vnni8] {
         if set.is_supported() {
             sets.push(set);
         }
@@ -249,6 +249,7 @@ fn matmul_with_every_kernel_set_matches_the_reference() {
 fn kernel_switch_parses_every_name() {
     for (name, want) in [
         ("vnni", CpuKernels::Vnni),
+        ("vnni8", CpuKernels::Vnni8),
         ("AVX2", CpuKernels::Avx2),
         ("scalar", CpuKernels::Scalar),
         ("f32", CpuKernels::F32),

@@ -14,6 +14,44 @@ use rayon::prelude::*;
 
 use crate::simd::amx::{self, TileBackend, AMX_MIN_TOKENS};
 use crate::simd::int_dot::{tile, IntIsa};
+use crate::simd::interleaved::{self, Interleaved};
+
+/// Repacked weights in the layout of their kernel set: one row after another (the
+/// per-lane tiles of [`crate::simd::int_dot`] and the AMX tiles), or eight rows interleaved
+/// ([`crate::simd::interleaved`], the `vnni8` set).
+#[derive(Debug, Clone)]
+pub enum IntRows {
+    /// Row after row ([`RepackedRows`]).
+    Rows(RepackedRows),
+    /// Eight rows interleaved ([`Interleaved`]).
+    Interleaved(Interleaved),
+}
+
+impl IntRows {
+    /// Bytes held.
+    pub fn size_bytes(&self) -> usize {
+        match self {
+            IntRows::Rows(rows) => rows.size_bytes(),
+            IntRows::Interleaved(rows) => rows.size_bytes(),
+        }
+    }
+
+    /// Decodes row `row` into `out`, bit-exactly as ggml's dequantizer does.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        match self {
+            IntRows::Rows(rows) => rows.dequantize_row(row, out),
+            IntRows::Interleaved(rows) => rows.dequantize_row(row, out),
+        }
+    }
+
+    /// `y[t, r] = dot(weights[r], activations[t])` ([`matmul`] or [`interleaved::matmul`]).
+    pub fn matmul(&self, isa: IntIsa, activations: &Q8Rows, y: &mut [f32]) {
+        match self {
+            IntRows::Rows(rows) => matmul(isa, rows, activations, y),
+            IntRows::Interleaved(rows) => interleaved::matmul(rows, activations, y),
+        }
+    }
+}
 
 /// Quantizes `x` (`[num_tokens, k]`) into `out`, in parallel over tokens when there are many.
 pub fn quantize_activations(isa: IntIsa, x: &[f32], k: usize, out: &mut Q8Rows) {

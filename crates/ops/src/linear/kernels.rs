@@ -29,6 +29,10 @@ pub enum CpuKernels {
     /// Q8 activations; multi-row matmuls on AMX-INT8 tiles, the rest with AVX-512 VNNI (the
     /// same bits as [`CpuKernels::Vnni`]).
     Amx,
+    /// Q8 activations, integer dots with AVX-512 VNNI on weights interleaved eight rows at a
+    /// time ([`crate::simd::interleaved`]): one i32 lane per row, each (row, token) pair the
+    /// scalar kernel's chain, bit for bit.
+    Vnni8,
     /// Q8 activations, integer dots with AVX-512 VNNI.
     Vnni,
     /// Q8 activations, integer dots with AVX2.
@@ -43,7 +47,7 @@ impl CpuKernels {
     /// The best set this CPU supports.
     pub fn best() -> CpuKernels {
         if IntIsa::Vnni.is_supported() {
-            CpuKernels::Vnni
+            CpuKernels::Vnni8
         } else if IntIsa::Avx2.is_supported() {
             CpuKernels::Avx2
         } else {
@@ -58,12 +62,13 @@ impl CpuKernels {
         match value.trim().to_ascii_lowercase().as_str() {
             "" | "auto" => Ok(CpuKernels::best()),
             "amx" => Ok(CpuKernels::Amx),
+            "vnni8" => Ok(CpuKernels::Vnni8),
             "vnni" => Ok(CpuKernels::Vnni),
             "avx2" => Ok(CpuKernels::Avx2),
             "scalar" => Ok(CpuKernels::Scalar),
             "f32" => Ok(CpuKernels::F32),
             other => Err(format!(
-                "PAGODA_CPU_KERNELS={other:?} is not one of auto, amx, vnni, avx2, scalar, f32"
+                "PAGODA_CPU_KERNELS={other:?} is not one of auto, amx, vnni8, vnni, avx2, scalar, f32"
             )),
         }
     }
@@ -77,7 +82,7 @@ impl CpuKernels {
     pub fn int_isa(self) -> Option<IntIsa> {
         match self {
             CpuKernels::Amx => Some(IntIsa::Amx),
-            CpuKernels::Vnni => Some(IntIsa::Vnni),
+            CpuKernels::Vnni8 | CpuKernels::Vnni => Some(IntIsa::Vnni),
             CpuKernels::Avx2 => Some(IntIsa::Avx2),
             CpuKernels::Scalar => Some(IntIsa::Scalar),
             CpuKernels::F32 => None,
@@ -88,6 +93,7 @@ impl CpuKernels {
     pub fn name(self) -> &'static str {
         match self {
             CpuKernels::Amx => "amx",
+            CpuKernels::Vnni8 => "vnni8",
             CpuKernels::Vnni => "vnni",
             CpuKernels::Avx2 => "avx2",
             CpuKernels::Scalar => "scalar",
@@ -145,7 +151,9 @@ impl CpuKernelPolicy {
     }
 
     /// Parses a `PAGODA_CPU_KERNELS` value: `auto` (or empty) is [`CpuKernelPolicy::auto`],
-    /// a set name is that set for every weight. The error names the bad value.
+    /// a set name is that set for every weight, and `SET+f32_ffn_down` (the names `auto`
+    /// logs, e.g. `vnni+f32_ffn_down`) that set with `ffn_down` on the f32 kernels. The error
+    /// names the bad value.
     pub fn parse(value: &str) -> Result<CpuKernelPolicy, String> {
         Ok(CpuKernelPolicy::parse_choice(value)?.unwrap_or_else(CpuKernelPolicy::auto))
     }
@@ -165,6 +173,7 @@ impl CpuKernelPolicy {
         match (self.kernels, self.f32_ffn_down) {
             (kernels, false) | (kernels @ CpuKernels::F32, true) => kernels.name(),
             (CpuKernels::Amx, true) => "amx+f32_ffn_down",
+            (CpuKernels::Vnni8, true) => "vnni8+f32_ffn_down",
             (CpuKernels::Vnni, true) => "vnni+f32_ffn_down",
             (CpuKernels::Avx2, true) => "avx2+f32_ffn_down",
             (CpuKernels::Scalar, true) => "scalar+f32_ffn_down",
@@ -213,11 +222,21 @@ impl KernelChoice for CpuKernelPolicy {
         CpuKernelPolicy::auto()
     }
     fn parse_choice(text: &str) -> Result<Option<Self>, String> {
-        match text.trim().to_ascii_lowercase().as_str() {
+        let text = text.trim().to_ascii_lowercase();
+        match text.as_str() {
             "" | "auto" => Ok(None),
-            other => {
-                CpuKernels::parse(other).map(|kernels| Some(CpuKernelPolicy::uniform(kernels)))
-            }
+            other => match other.strip_suffix("+f32_ffn_down") {
+                // A set with ffn_down on the f32 kernels, as `auto` names its choice.
+                Some(set) if set != "f32" => CpuKernels::parse(set).map(|kernels| {
+                    Some(CpuKernelPolicy {
+                        kernels,
+                        f32_ffn_down: true,
+                    })
+                }),
+                _ => {
+                    CpuKernels::parse(other).map(|kernels| Some(CpuKernelPolicy::uniform(kernels)))
+                }
+            },
         }
     }
 }
@@ -276,6 +295,22 @@ mod tests {
     }
 
     #[test]
+    fn a_set_with_f32_ffn_down_parses_from_its_name() {
+        for kernels in [CpuKernels::Vnni8, CpuKernels::Vnni, CpuKernels::Avx2] {
+            let policy = CpuKernelPolicy {
+                kernels,
+                f32_ffn_down: true,
+            };
+            assert_eq!(CpuKernelPolicy::parse(policy.name()), Ok(policy));
+        }
+        assert_eq!(
+            CpuKernelPolicy::parse("f32+f32_ffn_down").unwrap_err(),
+            CpuKernels::parse("f32+f32_ffn_down").unwrap_err()
+        );
+        assert!(CpuKernelPolicy::parse("sse9+f32_ffn_down").is_err());
+    }
+
+    #[test]
     fn auto_parses_to_the_per_weight_policy() {
         for value in ["auto", " Auto ", ""] {
             assert_eq!(
@@ -286,7 +321,7 @@ mod tests {
         let auto = CpuKernelPolicy::auto();
         assert!(auto.kernels.is_supported());
         match CpuKernels::best() {
-            CpuKernels::Amx | CpuKernels::Vnni | CpuKernels::Avx2 => {
+            CpuKernels::Amx | CpuKernels::Vnni8 | CpuKernels::Vnni | CpuKernels::Avx2 => {
                 assert_eq!(auto.kernels, CpuKernels::best());
                 assert!(auto.f32_ffn_down);
             }

@@ -10,8 +10,9 @@
 
 use rayon::prelude::*;
 
-use super::int_matmul::{self, decode_rows, decode_rows_per_task};
+use super::int_matmul::{self, decode_rows, decode_rows_per_task, IntRows};
 use super::{Storage, Weight};
+use crate::simd::interleaved;
 
 /// `y = W x` for each `(W, y)` of `outputs`, all with the input `x` (`[num_tokens,
 /// in_features]` row-major; every weight must have the same `in_features`); each `y` is
@@ -55,24 +56,34 @@ pub fn matmul_shared(x: &[f32], num_tokens: usize, outputs: &mut [(&Weight, &mut
                 let Storage::Repacked(rows, _) = &weight.storage else {
                     unreachable!("int_isa() is Some only for repacked weights")
                 };
-                int_matmul::matmul(isa, rows, activations, y);
+                rows.matmul(isa, activations, y);
             }
             return;
         }
-        // Decode: one region over every weight's rows.
+        // Decode: one region over every weight's rows (tasks of whole interleaved groups).
         let total_rows: usize = outputs.iter().map(|(w, _)| w.out_features).sum();
-        let rows_per_task = decode_rows_per_task(total_rows);
+        let rows_per_task = decode_rows_per_task(total_rows).next_multiple_of(interleaved::GROUP);
         let mut tasks = Vec::with_capacity(total_rows / rows_per_task + outputs.len());
         for (weight, y) in outputs.iter_mut() {
             let Storage::Repacked(rows, _) = &weight.storage else {
                 unreachable!("int_isa() is Some only for repacked weights")
             };
+            let starts = match rows {
+                IntRows::Interleaved(rows) => interleaved::block_starts(rows, activations),
+                IntRows::Rows(_) => Vec::new(),
+            };
+            let starts = std::sync::Arc::new(starts);
             for (index, out) in y.chunks_mut(rows_per_task).enumerate() {
-                tasks.push((rows, index * rows_per_task, out));
+                tasks.push((rows, starts.clone(), index * rows_per_task, out));
             }
         }
         tasks
             .into_par_iter()
-            .for_each(|(rows, row_start, out)| decode_rows(isa, rows, row_start, activations, out));
+            .for_each(|(rows, starts, row_start, out)| match rows {
+                IntRows::Rows(rows) => decode_rows(isa, rows, row_start, activations, out),
+                IntRows::Interleaved(rows) => {
+                    interleaved::decode_rows(rows, row_start, activations, &starts, out)
+                }
+            });
     });
 }

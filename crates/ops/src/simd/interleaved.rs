@@ -1,0 +1,410 @@
+//! Row-interleaved integer matmul (the `vnni8` kernel set): eight
+//! weight rows per group, one i32 lane per row, so a block's integer dot ends as one exact
+//! integer per (row, token) with no horizontal sum, and the block's float combine is one
+//! vector operation per eight rows instead of one per row.
+//!
+//! Layout ([`Interleaved`]): for each group of 8 rows (the last padded with zero rows) and
+//! each 32-value block, the weight bytes as `vpdpbusd` wants them: step `k` holds, for rows
+//! 0..8 in turn, the 4 bytes that meet activation bytes `4k..4k + 4`. Nibble blocks keep the
+//! repacked order (`u[j] | u[j + 16] << 4`): 4 steps of 32 bytes whose low nibbles meet
+//! activation dword `k` and high nibbles dword `k + 4`. Byte blocks: 8 steps of 32 bytes.
+//! After the weights, the block's 8 scales then 8 mins (f16 bits or f32, as stored).
+//!
+//! Numerics: each (row, token) pair computes exactly [`dot_scalar`]'s chain: per block the
+//! exact integer `sum (u - zero) qa`, then `total += d * d_a * integer + min * s_a` in f32,
+//! blocks in order, no fused multiply-add. So the result equals the scalar kernel bit for bit,
+//! whatever the tile shape.
+//!
+//! [`dot_scalar`]: pagoda_tensor::quant::repack::dot_scalar
+
+use pagoda_tensor::quant::q8::Q8Rows;
+use pagoda_tensor::quant::repack::{QuantWidth, RepackedRows, RowFactors};
+use rayon::prelude::*;
+
+/// Rows per group.
+pub const GROUP: usize = 8;
+
+/// Weights in the row-interleaved layout (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Interleaved {
+    nibble: bool,
+    half: bool,
+    zero: i32,
+    num_rows: usize,
+    blocks_per_row: usize,
+    /// Bytes of one (group, block): weights, then 8 scales and 8 mins.
+    stride: usize,
+    data: Vec<u8>,
+}
+
+impl Interleaved {
+    /// The interleaved copy of `weights`.
+    pub fn new(weights: &RepackedRows) -> Interleaved {
+        let nibble = weights.width() == QuantWidth::Nibble;
+        let half = weights.has_half_factors();
+        let block_bytes = weights.width().bytes_per_block();
+        let factor_bytes = if half { 2 } else { 4 };
+        let stride = GROUP * block_bytes + 2 * GROUP * factor_bytes;
+        let (num_rows, blocks) = (weights.num_rows(), weights.blocks_per_row());
+        let groups = num_rows.div_ceil(GROUP);
+        let mut data = vec![0u8; groups * blocks * stride];
+        for row in 0..num_rows {
+            let (group, lane) = (row / GROUP, row % GROUP);
+            let qs = weights.row_qs(row);
+            let factors = weights.row_factors(row);
+            for block in 0..blocks {
+                let base = (group * blocks + block) * stride;
+                let bytes = &qs[block * block_bytes..(block + 1) * block_bytes];
+                for (step, chunk) in bytes.chunks_exact(4).enumerate() {
+                    let at = base + step * 32 + lane * 4;
+                    data[at..at + 4].copy_from_slice(chunk);
+                }
+                let factors_at = base + GROUP * block_bytes;
+                let (scale, min) = raw_factors(&factors, block);
+                let scale_at = factors_at + lane * factor_bytes;
+                let min_at = factors_at + GROUP * factor_bytes + lane * factor_bytes;
+                data[scale_at..scale_at + factor_bytes].copy_from_slice(&scale[..factor_bytes]);
+                data[min_at..min_at + factor_bytes].copy_from_slice(&min[..factor_bytes]);
+            }
+        }
+        Interleaved {
+            nibble,
+            half,
+            zero: weights.zero(),
+            num_rows,
+            blocks_per_row: blocks,
+            stride,
+            data,
+        }
+    }
+
+    /// Rows (without the padding of the last group).
+    pub fn num_rows(&self) -> usize {
+        self.num_rows
+    }
+
+    /// Bytes held.
+    pub fn size_bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Decodes row `row` into `out` (`blocks_per_row * 32` values), bit-exactly as
+    /// [`RepackedRows::dequantize_row`] does: `(u - zero) * d + min` per value.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.num_rows, "row out of range");
+        let (group, lane) = (row / GROUP, row % GROUP);
+        let block_bytes = if self.nibble { 16 } else { 32 };
+        let factor_bytes = if self.half { 2 } else { 4 };
+        for (block, values) in out.chunks_exact_mut(32).enumerate() {
+            let record =
+                &self.data[(group * self.blocks_per_row + block) * self.stride..][..self.stride];
+            let mut u = [0u8; 32];
+            for step in 0..block_bytes / 4 {
+                for j in 0..4 {
+                    let byte = record[step * 32 + lane * 4 + j];
+                    if self.nibble {
+                        u[4 * step + j] = byte & 0x0F;
+                        u[16 + 4 * step + j] = byte >> 4;
+                    } else {
+                        u[4 * step + j] = byte;
+                    }
+                }
+            }
+            let factor = |index: usize| {
+                let at = GROUP * block_bytes + index * factor_bytes;
+                let bytes = &record[at..at + factor_bytes];
+                if self.half {
+                    pagoda_tensor::quant::blocks::f16_bits_to_f32(u16::from_le_bytes([
+                        bytes[0], bytes[1],
+                    ]))
+                } else {
+                    f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
+                }
+            };
+            let (d, min) = (factor(lane), factor(GROUP + lane));
+            for (value, &u) in values.iter_mut().zip(&u) {
+                *value = (u as i32 - self.zero) as f32 * d + min;
+            }
+        }
+    }
+}
+
+/// Block `block`'s scale and min as stored (little-endian f16 bits or f32; a missing min is
+/// zero).
+fn raw_factors(factors: &RowFactors<'_>, block: usize) -> ([u8; 4], [u8; 4]) {
+    let widen = |bytes: &[u8]| {
+        let mut out = [0u8; 4];
+        out[..bytes.len()].copy_from_slice(bytes);
+        out
+    };
+    match factors {
+        RowFactors::Half { scales, mins } => (
+            widen(&scales[block].to_le_bytes()),
+            widen(&mins.get(block).copied().unwrap_or(0).to_le_bytes()),
+        ),
+        RowFactors::Single { scales, mins } => (
+            scales[block].to_le_bytes(),
+            mins.get(block).copied().unwrap_or(0.0).to_le_bytes(),
+        ),
+    }
+}
+
+/// Whether this CPU runs the interleaved kernel (AVX-512 VNNI with VL, F16C).
+pub fn is_supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        crate::simd::int_dot::IntIsa::Vnni.is_supported()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `y[t, r] = dot(weights[r], activations[t])` (`y` is `[num_tokens, num_rows]`), equal bit
+/// for bit to [`pagoda_tensor::quant::repack::dot_scalar`] for every pair. Panics if the
+/// CPU lacks the features ([`is_supported`]) or the shapes disagree.
+pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
+    assert!(is_supported(), "the interleaved kernel needs AVX-512 VNNI");
+    assert_eq!(weights.blocks_per_row, activations.blocks_per_row());
+    let (rows, tokens) = (weights.num_rows, activations.num_rows());
+    assert_eq!(
+        y.len(),
+        rows * tokens,
+        "y must be [num_tokens, out_features]"
+    );
+    let blocks = weights.blocks_per_row;
+    let starts = block_starts(weights, activations);
+    if tokens == 1 {
+        // Decode: each task writes its rows straight into `y`.
+        let rows_per_task =
+            crate::linear::int_matmul::decode_rows_per_task(rows).next_multiple_of(GROUP);
+        y.par_chunks_mut(rows_per_task)
+            .enumerate()
+            .for_each(|(task, out)| {
+                decode_rows(weights, task * rows_per_task, activations, &starts, out)
+            });
+        return;
+    }
+    let rows_per_task = GROUP * if tokens == 1 { 8 } else { 2 };
+    crate::linear::by_row_tasks(rows, tokens, rows_per_task, y, |range| {
+        let first_group = range.start / GROUP;
+        let groups = range.len().div_ceil(GROUP);
+        let mut local = vec![0f32; groups * GROUP * tokens];
+        for (index, out) in local.chunks_exact_mut(GROUP * tokens).enumerate() {
+            group_dots(
+                weights,
+                first_group + index,
+                activations,
+                &starts,
+                blocks,
+                out,
+            );
+        }
+        // Rows past the matrix (the last group's padding) are not returned.
+        local.truncate(range.len() * tokens);
+        local
+    });
+}
+
+/// `-zero * sum(qa)` per (token, block) of `activations`: the exact integer start of each
+/// block's dot (empty when the format's zero is 0).
+pub fn block_starts(weights: &Interleaved, activations: &Q8Rows) -> Vec<i32> {
+    if weights.zero == 0 {
+        return Vec::new();
+    }
+    (0..activations.num_rows())
+        .flat_map(|t| {
+            activations
+                .row_qs(t)
+                .chunks_exact(32)
+                .map(|qa| -weights.zero * qa.iter().map(|&q| q as i32).sum::<i32>())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Decode (one token, row 0 of `activations`): `out[i] = dot(weights[row_start + i],
+/// activations[0])` for `out.len()` rows from `row_start`, a multiple of [`GROUP`]; `starts`
+/// from [`block_starts`]. The same bits as [`matmul`].
+pub fn decode_rows(
+    weights: &Interleaved,
+    row_start: usize,
+    activations: &Q8Rows,
+    starts: &[i32],
+    out: &mut [f32],
+) {
+    assert!(is_supported(), "the interleaved kernel needs AVX-512 VNNI");
+    assert!(row_start.is_multiple_of(GROUP) && row_start + out.len() <= weights.num_rows);
+    assert_eq!(activations.num_rows(), 1, "decode takes one token");
+    let mut lanes = [0f32; GROUP];
+    for (index, chunk) in out.chunks_mut(GROUP).enumerate() {
+        group_dots(
+            weights,
+            row_start / GROUP + index,
+            activations,
+            starts,
+            weights.blocks_per_row,
+            &mut lanes,
+        );
+        chunk.copy_from_slice(&lanes[..chunk.len()]);
+    }
+}
+
+/// The dots of one group's 8 rows with every token, `out[lane * tokens + t]`.
+fn group_dots(
+    weights: &Interleaved,
+    group: usize,
+    activations: &Q8Rows,
+    starts: &[i32],
+    blocks: usize,
+    out: &mut [f32],
+) {
+    let _ = blocks;
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `matmul` checked the features; the group is in range, and `starts` is empty
+    // or holds one start per (token, block).
+    unsafe {
+        match (weights.nibble, weights.half) {
+            (true, true) => x86::group::<true, true>(weights, group, activations, starts, out),
+            (true, false) => x86::group::<true, false>(weights, group, activations, starts, out),
+            (false, true) => x86::group::<false, true>(weights, group, activations, starts, out),
+            (false, false) => x86::group::<false, false>(weights, group, activations, starts, out),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (weights, group, activations, starts, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// The dots of group `group` with every token, `out[lane * tokens + t]`: four tokens at a
+    /// time, then one. SAFETY: AVX-512 VNNI, VL and F16C; `group` in range; `starts` empty
+    /// (zero 0) or one per (token, block).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub(super) unsafe fn group<const NIBBLE: bool, const HALF: bool>(
+        weights: &Interleaved,
+        group: usize,
+        activations: &Q8Rows,
+        starts: &[i32],
+        out: &mut [f32],
+    ) {
+        let tokens = activations.num_rows();
+        let mut t = 0;
+        while t < tokens {
+            let step = if t + 4 <= tokens { 4 } else { 1 };
+            // SAFETY: as for this function; the tokens are in range.
+            let dots: [[f32; GROUP]; 4] = unsafe {
+                if step == 4 {
+                    tile::<4, NIBBLE, HALF>(
+                        weights,
+                        group,
+                        activations,
+                        starts,
+                        [t, t + 1, t + 2, t + 3],
+                    )
+                } else {
+                    let one = tile::<1, NIBBLE, HALF>(weights, group, activations, starts, [t]);
+                    [one[0]; 4]
+                }
+            };
+            for (i, lanes) in dots.iter().take(step).enumerate() {
+                for (lane, value) in lanes.iter().enumerate() {
+                    out[lane * tokens + t + i] = *value;
+                }
+            }
+            t += step;
+        }
+    }
+
+    /// The 8 dots of group `group` with each of `tokens` (`[token][lane]`). SAFETY: AVX-512
+    /// VNNI, VL and F16C; `group` and `tokens` in range; `starts` empty (zero 0) or one per
+    /// (token, block).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn tile<const T: usize, const NIBBLE: bool, const HALF: bool>(
+        weights: &Interleaved,
+        group: usize,
+        activations: &Q8Rows,
+        starts: &[i32],
+        tokens: [usize; T],
+    ) -> [[f32; GROUP]; T] {
+        let blocks = weights.blocks_per_row;
+        let stride = weights.stride;
+        let weight_bytes = if NIBBLE { 128 } else { 256 };
+        let factor_bytes = if HALF { 16 } else { 32 };
+        let base = unsafe { weights.data.as_ptr().add(group * blocks * stride) };
+        let aq: [*const u8; T] =
+            std::array::from_fn(|i| activations.row_qs(tokens[i]).as_ptr() as *const u8);
+        let ad: [&[f32]; T] = std::array::from_fn(|i| activations.row_scales(tokens[i]));
+        let sa: [&[f32]; T] = std::array::from_fn(|i| activations.row_sums(tokens[i]));
+        let has_zero = !starts.is_empty();
+        let mut acc = [_mm256_setzero_ps(); T];
+        let low = _mm256_set1_epi8(0x0F);
+        for b in 0..blocks {
+            // SAFETY: the (group, block) record holds `stride` bytes; activation rows hold
+            // `blocks` blocks of 32 bytes, scales and sums.
+            unsafe {
+                let record = base.add(b * stride);
+                let mut w = [_mm256_setzero_si256(); 8];
+                if NIBBLE {
+                    for k in 0..4 {
+                        let x = _mm256_loadu_si256(record.add(32 * k) as *const __m256i);
+                        w[k] = _mm256_and_si256(x, low);
+                        w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+                    }
+                } else {
+                    for (k, slot) in w.iter_mut().enumerate() {
+                        *slot = _mm256_loadu_si256(record.add(32 * k) as *const __m256i);
+                    }
+                }
+                let factors = record.add(weight_bytes);
+                let (d, m) = if HALF {
+                    (
+                        _mm256_cvtph_ps(_mm_loadu_si128(factors as *const __m128i)),
+                        _mm256_cvtph_ps(_mm_loadu_si128(factors.add(16) as *const __m128i)),
+                    )
+                } else {
+                    (
+                        _mm256_loadu_ps(factors as *const f32),
+                        _mm256_loadu_ps(factors.add(factor_bytes) as *const f32),
+                    )
+                };
+                for i in 0..T {
+                    let a = aq[i].add(b * 32) as *const i32;
+                    let mut integer = if has_zero {
+                        _mm256_set1_epi32(*starts.get_unchecked(tokens[i] * blocks + b))
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    for (k, weights_k) in w.iter().enumerate() {
+                        integer = _mm256_dpbusd_epi32(
+                            integer,
+                            *weights_k,
+                            _mm256_set1_epi32(a.add(k).read_unaligned()),
+                        );
+                    }
+                    // dot_scalar's chain: d * d_a * integer + min * s_a, then the running sum.
+                    let scaled = _mm256_mul_ps(
+                        _mm256_mul_ps(d, _mm256_set1_ps(*ad[i].get_unchecked(b))),
+                        _mm256_cvtepi32_ps(integer),
+                    );
+                    let term = _mm256_add_ps(
+                        scaled,
+                        _mm256_mul_ps(m, _mm256_set1_ps(*sa[i].get_unchecked(b))),
+                    );
+                    acc[i] = _mm256_add_ps(acc[i], term);
+                }
+            }
+        }
+        let mut out = [[0f32; GROUP]; T];
+        for i in 0..T {
+            // SAFETY: `out[i]` holds 8 f32.
+            unsafe { _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]) };
+        }
+        out
+    }
+}

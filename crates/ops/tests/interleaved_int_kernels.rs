@@ -1,0 +1,104 @@
+//! The row-interleaved integer kernel (`simd::interleaved`) against the scalar kernel: every
+//! (row, token) dot equal bit for bit to `dot_scalar`, for every repacked format, row counts
+//! that leave a partial group, and token counts that leave partial tiles. Skipped on CPUs
+//! without AVX-512 VNNI. An ignored test times it against the VNNI tiles.
+
+mod common;
+
+use common::{random_rows, REPACKED};
+
+use pagoda_ops::simd::int_dot::IntIsa;
+use pagoda_ops::simd::interleaved::{self, Interleaved};
+use pagoda_tensor::quant::q8::Q8Rows;
+use pagoda_tensor::quant::repack::{dot_scalar, repack};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn random_activations(rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+    (0..rows * cols)
+        .map(|_| rng.random_range(-2.0f32..2.0))
+        .collect()
+}
+
+#[test]
+fn interleaved_dots_equal_the_scalar_kernel_bit_for_bit() {
+    if !interleaved::is_supported() {
+        println!("AVX-512 VNNI not available on this CPU: skipped");
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let mut cases = 0;
+    for ty in REPACKED {
+        let cols = 512;
+        for rows in [1, 7, 8, 13, 40] {
+            let bytes = random_rows(ty, rows, cols, &mut rng, false);
+            let weights = repack(ty, rows, cols, &bytes).unwrap();
+            let interleaved = Interleaved::new(&weights);
+            for tokens in [1, 3, 4, 9] {
+                let x = random_activations(tokens, cols, &mut rng);
+                let q = Q8Rows::quantize(&x, cols).unwrap();
+                let mut y = vec![f32::NAN; rows * tokens];
+                interleaved::matmul(&interleaved, &q, &mut y);
+                for t in 0..tokens {
+                    for r in 0..rows {
+                        let scalar = dot_scalar(&weights, r, &q, t);
+                        assert_eq!(
+                            y[t * rows + r].to_bits(),
+                            scalar.to_bits(),
+                            "{ty} {rows} rows x {tokens} tokens: r{r} t{t}: {} vs {scalar}",
+                            y[t * rows + r]
+                        );
+                    }
+                }
+                cases += 1;
+            }
+        }
+    }
+    println!("interleaved: {cases} cases bit-identical to dot_scalar");
+}
+
+/// `cargo test --release -p pagoda-ops --test interleaved_int_kernels -- --ignored --nocapture`
+#[test]
+#[ignore = "timing, run by hand"]
+fn interleaved_vs_vnni_timing() {
+    if !interleaved::is_supported() {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    println!("| weight | tokens | VNNI tiles ms | interleaved ms | speed |");
+    println!("| --- | ---: | ---: | ---: | ---: |");
+    for ty in [pagoda_tensor::GgmlType::Q4_1, pagoda_tensor::GgmlType::Q8_0] {
+        for (rows, cols) in [(1536, 576), (576, 1536)] {
+            let bytes = random_rows(ty, rows, cols, &mut rng, false);
+            let weights = repack(ty, rows, cols, &bytes).unwrap();
+            let fast = Interleaved::new(&weights);
+            for tokens in [1, 16, 64, 256] {
+                let x = random_activations(tokens, cols, &mut rng);
+                let q = Q8Rows::quantize(&x, cols).unwrap();
+                let mut y = vec![0f32; rows * tokens];
+                let reps = (2048 / tokens).max(4);
+                let time = |f: &mut dyn FnMut(&mut [f32]), y: &mut [f32]| {
+                    let mut samples = Vec::new();
+                    for _ in 0..7 {
+                        let start = std::time::Instant::now();
+                        for _ in 0..reps {
+                            f(y);
+                        }
+                        samples.push(start.elapsed().as_secs_f64() * 1e3 / reps as f64);
+                    }
+                    samples.sort_by(f64::total_cmp);
+                    samples[3]
+                };
+                let vnni = time(
+                    &mut |y| pagoda_ops::linear::int_matmul::matmul(IntIsa::Vnni, &weights, &q, y),
+                    &mut y,
+                );
+                let inter = time(&mut |y| interleaved::matmul(&fast, &q, y), &mut y);
+                println!(
+                    "| {ty} [{rows} x {cols}] | {tokens} | {vnni:.3} | {inter:.3} | {:.2}x |",
+                    vnni / inter
+                );
+            }
+        }
+    }
+}

@@ -173,7 +173,6 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
         rows * tokens,
         "y must be [num_tokens, out_features]"
     );
-    let blocks = weights.blocks_per_row;
     let starts = block_starts(weights, activations);
     if tokens == 1 {
         // Decode: each task writes its rows straight into `y`.
@@ -186,20 +185,13 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
             });
         return;
     }
-    let rows_per_task = GROUP * if tokens == 1 { 8 } else { 2 };
-    crate::linear::by_row_tasks(rows, tokens, rows_per_task, y, |range| {
+    // Prefill: two groups per task, all tokens, merged by `by_row_tasks`.
+    crate::linear::by_row_tasks(rows, tokens, 2 * GROUP, y, |range| {
         let first_group = range.start / GROUP;
         let groups = range.len().div_ceil(GROUP);
         let mut local = vec![0f32; groups * GROUP * tokens];
         for (index, out) in local.chunks_exact_mut(GROUP * tokens).enumerate() {
-            group_dots(
-                weights,
-                first_group + index,
-                activations,
-                &starts,
-                blocks,
-                out,
-            );
+            group_dots(weights, first_group + index, activations, &starts, out);
         }
         // Rows past the matrix (the last group's padding) are not returned.
         local.truncate(range.len() * tokens);
@@ -244,7 +236,6 @@ pub fn decode_rows(
             row_start / GROUP + index,
             activations,
             starts,
-            weights.blocks_per_row,
             &mut lanes,
         );
         chunk.copy_from_slice(&lanes[..chunk.len()]);
@@ -257,10 +248,8 @@ fn group_dots(
     group: usize,
     activations: &Q8Rows,
     starts: &[i32],
-    blocks: usize,
     out: &mut [f32],
 ) {
-    let _ = blocks;
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `matmul` checked the features; the group is in range, and `starts` is empty
     // or holds one start per (token, block).

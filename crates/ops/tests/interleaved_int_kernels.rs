@@ -1,11 +1,12 @@
 //! The row-interleaved integer kernel (`simd::interleaved`) against the scalar kernel: every
 //! (row, token) dot equal bit for bit to `dot_scalar`, for every repacked format, row counts
-//! that leave a partial group, and token counts that leave partial tiles. Skipped on CPUs
-//! without AVX-512 VNNI. An ignored test times it against the VNNI tiles.
+//! that leave a partial group, and token counts that leave partial tiles; and against the
+//! f64 dots of ggml's dequantized weights, whose values the interleaved rows also decode to.
+//! Skipped on CPUs without AVX-512 VNNI. An ignored test times it against the VNNI tiles.
 
 mod common;
 
-use common::{random_rows, REPACKED};
+use common::{assert_f64_dots, random_rows, REPACKED};
 
 use pagoda_ops::simd::int_dot::IntIsa;
 use pagoda_ops::simd::interleaved::{self, Interleaved};
@@ -34,11 +35,34 @@ fn interleaved_dots_equal_the_scalar_kernel_bit_for_bit() {
             let bytes = random_rows(ty, rows, cols, &mut rng, false);
             let weights = repack(ty, rows, cols, &bytes).unwrap();
             let interleaved = Interleaved::new(&weights);
+            let mut dequantized = vec![0f32; rows * cols];
+            pagoda_tensor::quant::dequantize(ty, &bytes, &mut dequantized).unwrap();
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                interleaved.dequantize_row(r, &mut row);
+                let want = &dequantized[r * cols..(r + 1) * cols];
+                // Equal values (a zero's sign may differ, as for the repacked rows).
+                assert!(
+                    row.iter().zip(want).all(|(a, b)| a == b),
+                    "{ty} row {r} decodes to other values"
+                );
+            }
             for tokens in [1, 3, 4, 9] {
                 let x = random_activations(tokens, cols, &mut rng);
                 let q = Q8Rows::quantize(&x, cols).unwrap();
                 let mut y = vec![f32::NAN; rows * tokens];
                 interleaved::matmul(&interleaved, &q, &mut y);
+                let mut seen = vec![0f32; tokens * cols];
+                for (t, values) in seen.chunks_exact_mut(cols).enumerate() {
+                    q.dequantize_row(t, values);
+                }
+                assert_f64_dots(
+                    &format!("{ty} {rows}x{tokens}"),
+                    &y,
+                    &dequantized,
+                    &seen,
+                    cols,
+                );
                 for t in 0..tokens {
                     for r in 0..rows {
                         let scalar = dot_scalar(&weights, r, &q, t);

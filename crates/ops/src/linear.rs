@@ -505,14 +505,17 @@ pub(crate) fn by_row_tasks(
             (row_start, task(rows))
         })
         .collect();
-    // Tokens outer: each token's outputs are written contiguously (the task's small buffer
-    // is read with a stride instead of `y`, which can be large).
-    for (row_start, local) in tasks {
-        let rows = local.len() / num_tokens;
-        for (t, out) in y.chunks_exact_mut(n).enumerate() {
-            for (r, value) in out[row_start..row_start + rows].iter_mut().enumerate() {
-                *value = local[r * num_tokens + t];
+    // Tokens outer, in parallel: each token's outputs are written contiguously (the tasks'
+    // small buffers are read with a stride instead of `y`, which can be large).
+    y.par_chunks_exact_mut(n)
+        .enumerate()
+        .with_min_len(16)
+        .for_each(|(t, out)| {
+            for (row_start, local) in &tasks {
+                let rows = local.len() / num_tokens;
+                for (r, value) in out[*row_start..row_start + rows].iter_mut().enumerate() {
+                    *value = local[r * num_tokens + t];
+                }
             }
-        }
-    }
+        });
 }

@@ -1,14 +1,16 @@
-//! Row-interleaved integer matmul (the `vnni8` kernel set): eight
-//! weight rows per group, one i32 lane per row, so a block's integer dot ends as one exact
-//! integer per (row, token) with no horizontal sum, and the block's float combine is one
-//! vector operation per eight rows instead of one per row.
+//! Row-interleaved integer matmul (the `vnni8` kernel set): eight weight rows per group, one
+//! i32 lane per row, so a block's integer dot ends as one exact integer per (row, token) with
+//! no horizontal sum, and the block's float combine is one vector operation per eight rows
+//! instead of one per row (1.4-1.9x the per-row VNNI tiles of [`crate::simd::int_dot`];
+//! `docs/benchmark_results/cpu-interleaved-vnni8-epyc-2026-11-30.md`).
 //!
 //! Layout ([`Interleaved`]): for each group of 8 rows (the last padded with zero rows) and
 //! each 32-value block, the weight bytes as `vpdpbusd` wants them: step `k` holds, for rows
 //! 0..8 in turn, the 4 bytes that meet activation bytes `4k..4k + 4`. Nibble blocks keep the
 //! repacked order (`u[j] | u[j + 16] << 4`): 4 steps of 32 bytes whose low nibbles meet
 //! activation dword `k` and high nibbles dword `k + 4`. Byte blocks: 8 steps of 32 bytes.
-//! After the weights, the block's 8 scales then 8 mins (f16 bits or f32, as stored).
+//! After the weights, the block's 8 scales then 8 mins (f16 bits or f32, as stored; formats
+//! without mins store zeros, 2 bytes more per Q4_0 or Q8_0 block than the repacked rows).
 //!
 //! Numerics: each (row, token) pair computes exactly [`dot_scalar`]'s chain: per block the
 //! exact integer `sum (u - zero) qa`, then `total += d * d_a * integer + min * s_a` in f32,
@@ -48,25 +50,29 @@ impl Interleaved {
         let (num_rows, blocks) = (weights.num_rows(), weights.blocks_per_row());
         let groups = num_rows.div_ceil(GROUP);
         let mut data = vec![0u8; groups * blocks * stride];
-        for row in 0..num_rows {
-            let (group, lane) = (row / GROUP, row % GROUP);
-            let qs = weights.row_qs(row);
-            let factors = weights.row_factors(row);
-            for block in 0..blocks {
-                let base = (group * blocks + block) * stride;
-                let bytes = &qs[block * block_bytes..(block + 1) * block_bytes];
-                for (step, chunk) in bytes.chunks_exact(4).enumerate() {
-                    let at = base + step * 32 + lane * 4;
-                    data[at..at + 4].copy_from_slice(chunk);
+        // One group per task: a large model interleaves its rows on every thread at load.
+        data.par_chunks_mut(blocks * stride)
+            .enumerate()
+            .for_each(|(group, records)| {
+                for lane in 0..GROUP.min(num_rows - group * GROUP) {
+                    let row = group * GROUP + lane;
+                    let qs = weights.row_qs(row);
+                    let factors = weights.row_factors(row);
+                    for (block, record) in records.chunks_exact_mut(stride).enumerate() {
+                        let bytes = &qs[block * block_bytes..(block + 1) * block_bytes];
+                        for (step, chunk) in bytes.chunks_exact(4).enumerate() {
+                            let at = step * 32 + lane * 4;
+                            record[at..at + 4].copy_from_slice(chunk);
+                        }
+                        let (scale, min) = raw_factors(&factors, block);
+                        let scale_at = GROUP * block_bytes + lane * factor_bytes;
+                        let min_at = scale_at + GROUP * factor_bytes;
+                        record[scale_at..scale_at + factor_bytes]
+                            .copy_from_slice(&scale[..factor_bytes]);
+                        record[min_at..min_at + factor_bytes].copy_from_slice(&min[..factor_bytes]);
+                    }
                 }
-                let factors_at = base + GROUP * block_bytes;
-                let (scale, min) = raw_factors(&factors, block);
-                let scale_at = factors_at + lane * factor_bytes;
-                let min_at = factors_at + GROUP * factor_bytes + lane * factor_bytes;
-                data[scale_at..scale_at + factor_bytes].copy_from_slice(&scale[..factor_bytes]);
-                data[min_at..min_at + factor_bytes].copy_from_slice(&min[..factor_bytes]);
-            }
-        }
+            });
         Interleaved {
             nibble,
             half,

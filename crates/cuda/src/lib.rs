@@ -56,6 +56,9 @@ pub struct DeviceInfo {
     pub sm_count: u32,
     /// L2 cache bytes.
     pub l2_cache_bytes: u64,
+    /// Shared memory of one SM, bytes (228 KiB on compute capability 9.0 and 10.0, 100 KiB
+    /// on 8.6, 8.9 and 12.x).
+    pub shared_memory_per_sm: u32,
     /// Total device memory bytes.
     pub total_memory_bytes: u64,
     /// Free device memory bytes when queried.

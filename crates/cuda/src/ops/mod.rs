@@ -49,8 +49,8 @@ pub use sampling::{
     sample_rows, sample_rows_with, sampling_splits, specialize_cluster, specialize_sampling,
     ClusterShape, FilteredSampling, RowPath, RowSamplingStats, SamplingEntry, SamplingMix,
     SamplingOptions, SamplingPlan, SamplingRowParams, SamplingShapes, SamplingTotals,
-    SamplingWorkspace, DEFAULT_MAX_REJECTION_ROUNDS, MAX_SAMPLING_ROWS, MAX_SAMPLING_SPLITS,
-    SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
+    SamplingWorkspace, SmBudget, DEFAULT_MAX_REJECTION_ROUNDS, MAX_SAMPLING_ROWS,
+    MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
 };
 
 use crate::error::CudaError;

@@ -90,6 +90,9 @@ fn device_info(context: &Arc<CudaContext>) -> Result<DeviceInfo, CudaError> {
         compute_capability: (major, minor),
         sm_count: attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
         l2_cache_bytes: attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as u64,
+        shared_memory_per_sm: attribute(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+        )? as u32,
         total_memory_bytes: total as u64,
         free_memory_bytes: free as u64,
         arch: Arch::for_compute_capability(major, minor),

@@ -13,7 +13,9 @@ use crate::Gpu;
 pub(super) const CLUSTER_CTAS: u32 = 8;
 /// Largest row slice (bytes) of one cluster CTA; larger vocabularies take the pipeline.
 const CLUSTER_SLICE_BYTES: usize = 200 * 1024;
-/// Shared memory of one SM of compute capability 9.0 and 10.0 (bytes).
+/// Shared memory of one SM of compute capability 9.0 and 10.0 (bytes); the launch reads the
+/// device's own ([`crate::DeviceInfo::shared_memory_per_sm`]: 100 KiB on 12.x).
+#[cfg(test)]
 const SM_SHARED_BYTES: usize = 228 * 1024;
 /// Shared memory the driver reserves per CTA.
 const CTA_RESERVED_BYTES: usize = 1024;
@@ -74,16 +76,26 @@ impl ClusterShape {
     }
 
     /// Logits of a CTA's slice of a `vocab`-logit row kept in shared memory when `rows` rows
-    /// run on `sm_count` SMs and the kernel has `static_bytes` of static shared memory (the
-    /// driver's count: 2144 bytes at 512 threads): the whole slice when it fits the CTA's
-    /// share of an SM (the SM holding as many of the launch's CTAs as it must, at most
-    /// `ctas_per_sm`), else as many as fit (a multiple of 4).
-    pub fn held(&self, vocab: usize, rows: usize, sm_count: usize, static_bytes: usize) -> usize {
-        let needed = (rows * CLUSTER_CTAS as usize).div_ceil(sm_count.max(1));
+    /// run on `sms` SMs of `sm_shared_bytes` shared memory each and the kernel has
+    /// `static_bytes` of static shared memory (the driver's count: about 2.2 KiB at 512
+    /// threads): the whole slice when it fits the CTA's share of an SM (the SM holding as many
+    /// of the launch's CTAs as it must, at most `ctas_per_sm`), else as many as fit (a
+    /// multiple of 4).
+    pub fn held(&self, vocab: usize, rows: usize, sms: SmBudget, static_bytes: usize) -> usize {
+        let needed = (rows * CLUSTER_CTAS as usize).div_ceil(sms.count.max(1));
         let resident = needed.clamp(1, self.ctas_per_sm as usize);
-        let share = (SM_SHARED_BYTES / resident).saturating_sub(CTA_RESERVED_BYTES + static_bytes);
+        let share = (sms.shared_bytes / resident).saturating_sub(CTA_RESERVED_BYTES + static_bytes);
         (cluster_slice_bytes(vocab).min(share) / 16) * 4
     }
+}
+
+/// The SMs a cluster launch runs on: how many, and the shared memory of each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SmBudget {
+    /// Streaming multiprocessors.
+    pub count: usize,
+    /// Shared memory of one SM, bytes.
+    pub shared_bytes: usize,
 }
 
 impl Default for ClusterShape {
@@ -168,12 +180,11 @@ pub(super) fn launch_cluster<L: DeviceRead<f32>, P: DeviceRead<u32>, T: DeviceWr
     prefetch: bool,
 ) -> Result<(), CudaError> {
     let spec = specialize_cluster(shape);
-    let held = shape.held(
-        vocab,
-        rows as usize,
-        gpu.info().sm_count as usize,
-        gpu.static_shared_bytes(&spec)?,
-    );
+    let sms = SmBudget {
+        count: gpu.info().sm_count as usize,
+        shared_bytes: gpu.info().shared_memory_per_sm as usize,
+    };
+    let held = shape.held(vocab, rows as usize, sms, gpu.static_shared_bytes(&spec)?);
     let dims = LaunchDims {
         shared_mem_bytes: (held * 4) as u32,
         prefer_shared: true,
@@ -209,6 +220,14 @@ pub(super) fn launch_cluster<L: DeviceRead<f32>, P: DeviceRead<u32>, T: DeviceWr
 mod tests {
     use super::*;
 
+    /// `count` SMs of compute capability 9.0.
+    fn h200(count: usize) -> SmBudget {
+        SmBudget {
+            count,
+            shared_bytes: SM_SHARED_BYTES,
+        }
+    }
+
     #[test]
     fn a_cta_holds_its_whole_slice_while_its_share_of_the_sm_allows() {
         assert_eq!(cluster_slice_bytes(128_256), 64_128);
@@ -217,24 +236,33 @@ mod tests {
         // bytes each, so V 128256 is held whole and V 151936 in part (18664 of 18992 logits);
         // at batch 16 one CTA per SM holds either whole. More static memory, less held.
         let default = ClusterShape::DEFAULT;
-        assert_eq!(default.held(128_256, 64, 132, 2144), 16_032);
-        assert_eq!(default.held(151_936, 64, 132, 2144), 18_664);
-        assert_eq!(default.held(151_936, 64, 132, 6144), 17_664);
-        assert_eq!(default.held(151_936, 16, 132, 2144), 18_992);
-        assert_eq!(default.held(151_936, 33, 132, 2144), 18_992);
-        assert_eq!(default.held(151_936, 34, 0, 2144), 18_664);
+        assert_eq!(default.held(128_256, 64, h200(132), 2144), 16_032);
+        assert_eq!(default.held(151_936, 64, h200(132), 2144), 18_664);
+        assert_eq!(default.held(151_936, 64, h200(132), 6144), 17_664);
+        assert_eq!(default.held(151_936, 16, h200(132), 2144), 18_992);
+        assert_eq!(default.held(151_936, 33, h200(132), 2144), 18_992);
+        assert_eq!(default.held(151_936, 34, h200(0), 2144), 18_664);
         let four = ClusterShape::new(384, 4);
-        assert_eq!(four.held(128_256, 64, 132, 1760), 13_896);
-        assert_eq!(four.held(1_000, 64, 132, 1760), 128);
+        assert_eq!(four.held(128_256, 64, h200(132), 1760), 13_896);
+        assert_eq!(four.held(1_000, 64, h200(132), 1760), 128);
+        // An SM of 100 KiB (compute capability 12.x) holds less: a third of it each at
+        // batch 64.
+        let small = SmBudget {
+            count: 84,
+            shared_bytes: 100 * 1024,
+        };
+        assert_eq!(default.held(128_256, 64, small, 2144), 7_740);
         // The launch's CTAs and their reserves fit the SMs that hold them.
-        for shape in ClusterShape::CANDIDATES {
-            for static_bytes in [0, 2144, 8192] {
-                let held = shape.held(409_600, 1 << 16, 132, static_bytes);
-                let per_cta = held * 4 + CTA_RESERVED_BYTES + static_bytes;
-                assert!(
-                    shape.ctas_per_sm as usize * per_cta <= SM_SHARED_BYTES,
-                    "{shape}, {static_bytes} static bytes"
-                );
+        for sms in [h200(132), small] {
+            for shape in ClusterShape::CANDIDATES {
+                for static_bytes in [0, 2144, 8192] {
+                    let held = shape.held(409_600, 1 << 16, sms, static_bytes);
+                    let per_cta = held * 4 + CTA_RESERVED_BYTES + static_bytes;
+                    assert!(
+                        shape.ctas_per_sm as usize * per_cta <= sms.shared_bytes,
+                        "{shape}, {static_bytes} static bytes, {sms:?}"
+                    );
+                }
             }
         }
     }

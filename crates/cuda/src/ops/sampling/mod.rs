@@ -67,7 +67,7 @@ pub use params::{
     SAMPLING_TOTALS_WORDS,
 };
 
-pub use cluster::{specialize_cluster, ClusterShape};
+pub use cluster::{specialize_cluster, ClusterShape, SmBudget};
 
 use cluster::{launch_cluster, ClusterLaunch};
 

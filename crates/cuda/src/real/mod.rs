@@ -115,10 +115,10 @@ pub struct Gpu {
     shared_opt_in: Mutex<std::collections::HashMap<usize, u32>>,
     /// Static shared memory of each loaded function (by its driver handle), read from the
     /// driver once: the cluster sampler sizes its held slices with it on every call.
-    static_shared: Mutex<std::collections::HashMap<usize, usize>>,
+    static_shared: Mutex<HashMap<usize, usize>>,
     /// Resident clusters of each loaded cluster kernel by (driver handle, threads per CTA,
     /// dynamic shared memory), read from the driver once.
-    active_clusters: Mutex<std::collections::HashMap<(usize, u32, u32), u32>>,
+    active_clusters: Mutex<HashMap<(usize, u32, u32), u32>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -153,8 +153,8 @@ impl Gpu {
             blas: Mutex::new(None),
             capturing: Mutex::new(false),
             shared_opt_in: Mutex::new(std::collections::HashMap::new()),
-            static_shared: Mutex::new(std::collections::HashMap::new()),
-            active_clusters: Mutex::new(std::collections::HashMap::new()),
+            static_shared: Mutex::new(HashMap::new()),
+            active_clusters: Mutex::new(HashMap::new()),
         })
     }
 
@@ -306,32 +306,25 @@ impl Gpu {
             dims.block.0 * dims.block.1 * dims.block.2,
             dims.shared_mem_bytes,
         );
-        let mut known = self
-            .active_clusters
-            .lock()
-            .map_err(|_| CudaError::invalid("cluster occupancy lock poisoned"))?;
-        if let Some(&clusters) = known.get(&key) {
-            return Ok(clusters);
-        }
-        let mut attribute = programmatic_attribute();
-        let config = self.launch_config(
-            &LaunchDims {
-                programmatic: false,
-                ..dims
-            },
-            &mut attribute,
-        );
-        let mut clusters: std::ffi::c_int = 0;
-        // SAFETY: `clusters` and `config` outlive the call; the function is loaded in this
-        // context.
-        unsafe {
-            sys::cuOccupancyMaxActiveClusters(&mut clusters, function.cu_function(), &config)
-        }
-        .result()
-        .map_err(driver_error(format!("{}'s cluster occupancy", spec.entry)))?;
-        let clusters = clusters.max(0) as u32;
-        known.insert(key, clusters);
-        Ok(clusters)
+        memo(&self.active_clusters, key, || {
+            let mut attribute = programmatic_attribute();
+            let config = self.launch_config(
+                &LaunchDims {
+                    programmatic: false,
+                    ..dims
+                },
+                &mut attribute,
+            );
+            let mut clusters: std::ffi::c_int = 0;
+            // SAFETY: `clusters` and `config` outlive the call; the function is loaded in this
+            // context.
+            unsafe {
+                sys::cuOccupancyMaxActiveClusters(&mut clusters, function.cu_function(), &config)
+            }
+            .result()
+            .map_err(driver_error(format!("{}'s cluster occupancy", spec.entry)))?;
+            Ok(clusters.max(0) as u32)
+        })
     }
 
     /// Compiles (or fetches from the caches) and loads `spec` without launching it.
@@ -348,23 +341,15 @@ impl Gpu {
     /// compilation; asked once per function).
     pub fn static_shared_bytes(&self, spec: &KernelSpec) -> Result<usize, CudaError> {
         let function = self.registry.function(&self.context, spec)?;
-        let handle = function.cu_function() as usize;
-        let mut known = self
-            .static_shared
-            .lock()
-            .map_err(|_| CudaError::invalid("static shared memory lock poisoned"))?;
-        if let Some(&bytes) = known.get(&handle) {
-            return Ok(bytes);
-        }
-        let bytes = function
-            .shared_size_bytes()
-            .map(|bytes| bytes.max(0) as usize)
-            .map_err(driver_error(format!(
-                "{}'s static shared memory",
-                spec.entry
-            )))?;
-        known.insert(handle, bytes);
-        Ok(bytes)
+        memo(&self.static_shared, function.cu_function() as usize, || {
+            function
+                .shared_size_bytes()
+                .map(|bytes| bytes.max(0) as usize)
+                .map_err(driver_error(format!(
+                    "{}'s static shared memory",
+                    spec.entry
+                )))
+        })
     }
 
     /// Occupancy: resident blocks per SM of `spec` at `block_threads` threads and
@@ -384,6 +369,24 @@ impl Gpu {
             )
             .map_err(driver_error("cuOccupancyMaxActiveBlocksPerMultiprocessor"))
     }
+}
+
+/// `map[key]`, computed by `compute` and kept the first time: the per-function facts the
+/// driver is asked once (static shared memory, resident clusters).
+fn memo<K: std::hash::Hash + Eq, V: Copy>(
+    map: &Mutex<HashMap<K, V>>,
+    key: K,
+    compute: impl FnOnce() -> Result<V, CudaError>,
+) -> Result<V, CudaError> {
+    let mut known = map
+        .lock()
+        .map_err(|_| CudaError::invalid("driver attribute cache lock poisoned"))?;
+    if let Some(&value) = known.get(&key) {
+        return Ok(value);
+    }
+    let value = compute()?;
+    known.insert(key, value);
+    Ok(value)
 }
 
 /// The launch attribute that lets a kernel start before the previous one on the stream has

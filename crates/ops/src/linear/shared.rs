@@ -63,18 +63,23 @@ pub fn matmul_shared(x: &[f32], num_tokens: usize, outputs: &mut [(&Weight, &mut
         // Decode: one region over every weight's rows (tasks of whole interleaved groups).
         let total_rows: usize = outputs.iter().map(|(w, _)| w.out_features).sum();
         let rows_per_task = decode_rows_per_task(total_rows).next_multiple_of(interleaved::GROUP);
+        // The interleaved kernels' block starts, one list per weight, computed once.
+        let starts: Vec<Vec<i32>> = outputs
+            .iter()
+            .map(|(weight, _)| match &weight.storage {
+                Storage::Repacked(IntRows::Interleaved(rows), _) => {
+                    interleaved::block_starts(rows, activations)
+                }
+                _ => Vec::new(),
+            })
+            .collect();
         let mut tasks = Vec::with_capacity(total_rows / rows_per_task + outputs.len());
-        for (weight, y) in outputs.iter_mut() {
+        for ((weight, y), starts) in outputs.iter_mut().zip(&starts) {
             let Storage::Repacked(rows, _) = &weight.storage else {
                 unreachable!("int_isa() is Some only for repacked weights")
             };
-            let starts = match rows {
-                IntRows::Interleaved(rows) => interleaved::block_starts(rows, activations),
-                IntRows::Rows(_) => Vec::new(),
-            };
-            let starts = std::sync::Arc::new(starts);
             for (index, out) in y.chunks_mut(rows_per_task).enumerate() {
-                tasks.push((rows, starts.clone(), index * rows_per_task, out));
+                tasks.push((rows, starts.as_slice(), index * rows_per_task, out));
             }
         }
         tasks
@@ -82,7 +87,7 @@ pub fn matmul_shared(x: &[f32], num_tokens: usize, outputs: &mut [(&Weight, &mut
             .for_each(|(rows, starts, row_start, out)| match rows {
                 IntRows::Rows(rows) => decode_rows(isa, rows, row_start, activations, out),
                 IntRows::Interleaved(rows) => {
-                    interleaved::decode_rows(rows, row_start, activations, &starts, out)
+                    interleaved::decode_rows(rows, row_start, activations, starts, out)
                 }
             });
     });

@@ -8,8 +8,10 @@
 # ROUNDS: how many times the pair is alternated per thread count (default 3).
 # Env: THREADS="1 2" (thread counts), KERNELS="auto vnni f32" (pagoda's PAGODA_CPU_KERNELS values,
 # each a separate row), BUSY=1 also runs every pair with one busy process (a shell spin loop)
-# competing for the CPUs, to measure behaviour when oversubscribed.
-# Prints one line per run: tool, threads, busy, load, pp128, pp512, tg128 (tokens/s).
+# competing for the CPUs, to measure behaviour when oversubscribed. PIN="taskset -c 0,1" runs
+# every benchmark under that prefix (a 2-core slice of a larger machine), MODEL another model.
+# Prints one line per run: tool, threads, busy, load, pp128, pp512, tg128 (tokens/s), and for
+# pagoda the count of integer matmuls that ran on AMX tiles.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +19,8 @@ LLAMA_BENCH=${1:-${LLAMA_BENCH:-llama-bench}}
 ROUNDS=${2:-3}
 THREADS=${THREADS:-"1 2"}
 KERNELS=${KERNELS:-"auto vnni f32"}
-MODEL=models/SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL=${MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+PIN=${PIN:-}
 PAGODA=${PAGODA:-target/release/pagoda}
 
 [ -f "$MODEL" ] || scripts/fetch-model.sh
@@ -30,20 +33,20 @@ stop_busy() { [ -n "$busy_pid" ] && kill "$busy_pid" 2>/dev/null; busy_pid=""; }
 trap stop_busy EXIT
 
 pagoda_run() { # threads kernels -> "pp128 pp512 tg128"
-  PAGODA_CPU_KERNELS="$2" "$PAGODA" bench -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 --json 2>/dev/null |
-    python3 -c 'import json,sys; r={x["test"]:x["median"] for x in json.load(sys.stdin)["results"]}; print("%.1f %.1f %.1f"%(r["pp128"],r["pp512"],r["tg128"]))'
+  PAGODA_CPU_KERNELS="$2" $PIN "$PAGODA" bench -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 --json 2>/dev/null |
+    python3 -c 'import json,sys; j=json.load(sys.stdin); r={x["test"]:x["median"] for x in j["results"]}; print("%.1f %.1f %.1f %d"%(r["pp128"],r["pp512"],r["tg128"],j["amx_matmuls"]))'
 }
 llama_run() {
-  "$LLAMA_BENCH" -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 -o json 2>/dev/null |
+  $PIN "$LLAMA_BENCH" -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 -o json 2>/dev/null |
     python3 -c 'import json,sys
 r={}
 for x in json.load(sys.stdin):
     key=("pp%d"%x["n_prompt"]) if x["n_prompt"] else ("tg%d"%x["n_gen"])
     r[key]=x["avg_ts"]
-print("%.1f %.1f %.1f"%(r["pp128"],r["pp512"],r["tg128"]))'
+print("%.1f %.1f %.1f -"%(r["pp128"],r["pp512"],r["tg128"]))'
 }
 
-echo "tool threads busy load1 pp128 pp512 tg128"
+echo "tool threads busy load1 pp128 pp512 tg128 amx_matmuls"
 for busy in 0 ${BUSY:+1}; do
   for t in $THREADS; do
     for _ in $(seq "$ROUNDS"); do

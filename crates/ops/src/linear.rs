@@ -140,7 +140,7 @@ impl Weight {
         } else {
             match kernels.int_isa() {
                 Some(isa) => match repack(ty, out_features, in_features, &data) {
-                    Some(rows) if kernels == CpuKernels::Vnni8 => {
+                    Some(rows) if matches!(kernels, CpuKernels::Vnni8 | CpuKernels::Amx) => {
                         Storage::Repacked(IntRows::Interleaved(Interleaved::new(&rows)), isa)
                     }
                     Some(rows) => Storage::Repacked(IntRows::Rows(rows), isa),

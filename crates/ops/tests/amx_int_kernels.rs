@@ -1,10 +1,10 @@
-//! The AMX-INT8 matmul against the VNNI integer tiles (bit for bit) and an f64 reference.
+//! The AMX-INT8 matmul against the scalar and interleaved VNNI kernels (bit for bit) and an
+//! f64 reference.
 //!
 //! The emulated tiles (`TileBackend::Emulated`) run the whole AMX code path (activation
-//! panels, weight tiles, edge tiles, the lane-wise f32 combine) on any CPU; the hardware
-//! tiles run only where CPUID and Linux allow AMX-INT8, otherwise their test prints a line
-//! and returns. Run alone with
-//! `cargo test -p pagoda-ops --release --test amx_int_kernels`.
+//! panels, weight tiles, edge tiles, the f32 combine) on any CPU; the hardware tiles run only
+//! where CPUID and Linux allow AMX-INT8, otherwise their test prints a line and returns. Run
+//! alone with `cargo test -p pagoda-ops --release --test amx_int_kernels`.
 
 mod common;
 
@@ -14,22 +14,32 @@ use pagoda_ops::linear::int_matmul;
 use pagoda_ops::linear::{CpuKernels, Weight};
 use pagoda_ops::simd::amx::{self, AmxError, TileBackend, AMX_MIN_TOKENS};
 use pagoda_ops::simd::int_dot::IntIsa;
+use pagoda_ops::simd::interleaved::{self, Interleaved};
 use pagoda_tensor::quant::q8::Q8Rows;
 use pagoda_tensor::quant::repack::{repack, RepackedRows};
 use pagoda_tensor::{quant, GgmlType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// Token counts: below, at and above one C tile's 16 rows, and a long prefill.
+/// Token counts: below, at and above one B tile's 16 tokens, and a long prefill.
 const TOKENS: [usize; 6] = [1, 2, 15, 16, 17, 100];
 
-/// `(out_features, in_features)`: rows below, at and past 16 and 32; 1, 2, 3, 5 and 8
-/// blocks (odd block counts take the one-block step, even nibble ones the two-block step).
+/// `(out_features, in_features)`: rows below, at and past 8, 16 and 32 (half and whole A
+/// tiles, a partial last interleaved group); 1 to 16 blocks.
 fn shapes(ty: GgmlType) -> Vec<(usize, usize)> {
     if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
         vec![(1, 256), (15, 256), (17, 512), (40, 256)]
     } else {
-        vec![(1, 32), (15, 64), (16, 96), (17, 160), (33, 256), (40, 32)]
+        vec![
+            (1, 32),
+            (7, 64),
+            (15, 64),
+            (16, 96),
+            (17, 160),
+            (33, 256),
+            (40, 32),
+            (24, 512),
+        ]
     }
 }
 
@@ -53,6 +63,7 @@ struct Case {
     cols: usize,
     stored: Vec<u8>,
     weights: RepackedRows,
+    interleaved: Interleaved,
     x: Vec<f32>,
     activations: Q8Rows,
 }
@@ -65,6 +76,7 @@ fn cases(seed: u64) -> Vec<Case> {
         for (rows, cols) in shapes(ty) {
             let stored = random_rows(ty, rows, cols, &mut rng, false);
             let weights = repack(ty, rows, cols, &stored).unwrap();
+            let interleaved = Interleaved::new(&weights);
             for num_tokens in TOKENS {
                 let x = random_activations(num_tokens, cols, &mut rng);
                 let activations = Q8Rows::quantize(&x, cols).unwrap();
@@ -74,6 +86,7 @@ fn cases(seed: u64) -> Vec<Case> {
                     cols,
                     stored: stored.clone(),
                     weights: weights.clone(),
+                    interleaved: interleaved.clone(),
                     x,
                     activations,
                 });
@@ -85,13 +98,20 @@ fn cases(seed: u64) -> Vec<Case> {
 
 fn run(backend: TileBackend, case: &Case) -> Vec<f32> {
     let mut y = vec![f32::NAN; case.rows * case.activations.num_rows()];
-    amx::matmul(backend, &case.weights, &case.activations, &mut y).unwrap();
+    amx::matmul(backend, &case.interleaved, &case.activations, &mut y).unwrap();
     y
 }
 
-fn vnni(case: &Case) -> Vec<f32> {
+/// The portable scalar kernel ([`pagoda_tensor::quant::repack::dot_scalar`] per pair).
+fn scalar(case: &Case) -> Vec<f32> {
     let mut y = vec![f32::NAN; case.rows * case.activations.num_rows()];
-    int_matmul::matmul(IntIsa::Vnni, &case.weights, &case.activations, &mut y);
+    int_matmul::matmul(IntIsa::Scalar, &case.weights, &case.activations, &mut y);
+    y
+}
+
+fn vnni8(case: &Case) -> Vec<f32> {
+    let mut y = vec![f32::NAN; case.rows * case.activations.num_rows()];
+    interleaved::matmul(&case.interleaved, &case.activations, &mut y);
     y
 }
 
@@ -113,18 +133,17 @@ fn assert_same_bits(got: &[f32], want: &[f32], what: &str, case: &Case) {
 }
 
 #[test]
-fn emulated_amx_equals_the_vnni_tiles_bit_for_bit() {
-    if !IntIsa::Vnni.is_supported() {
-        println!("AVX-512 VNNI not available on this CPU: bit-equality with VNNI skipped");
-        return;
-    }
+fn emulated_amx_equals_the_scalar_and_vnni8_kernels_bit_for_bit() {
+    let vnni = interleaved::is_supported();
     for case in cases(11) {
-        assert_same_bits(
-            &run(TileBackend::Emulated, &case),
-            &vnni(&case),
-            "emulated vs vnni",
-            &case,
-        );
+        let emulated = run(TileBackend::Emulated, &case);
+        assert_same_bits(&emulated, &scalar(&case), "emulated vs scalar", &case);
+        if vnni {
+            assert_same_bits(&emulated, &vnni8(&case), "emulated vs vnni8", &case);
+        }
+    }
+    if !vnni {
+        println!("AVX-512 VNNI not available on this CPU: bit-equality with vnni8 skipped");
     }
 }
 
@@ -147,9 +166,9 @@ fn emulated_amx_matches_the_f64_reference() {
     }
 }
 
-/// The hardware tiles against the emulated ones and the VNNI tiles, every case.
+/// The hardware tiles against the emulated ones, the scalar kernel and `vnni8`, every case.
 #[test]
-fn hardware_amx_equals_the_emulator_and_vnni() {
+fn hardware_amx_equals_the_emulator_scalar_and_vnni8() {
     if !amx::is_available() {
         println!("AMX not available on this CPU: hardware check skipped");
         return;
@@ -164,20 +183,21 @@ fn hardware_amx_equals_the_emulator_and_vnni() {
             "hardware vs emulated",
             case,
         );
-        assert_same_bits(&hardware, &vnni(case), "hardware vs vnni", case);
+        assert_same_bits(&hardware, &scalar(case), "hardware vs scalar", case);
+        assert_same_bits(&hardware, &vnni8(case), "hardware vs vnni8", case);
     }
     assert!(amx::hardware_matmul_count() >= before + cases.len() as u64);
     println!(
-        "AMX hardware: {} cases bit-identical to the emulator and VNNI",
+        "AMX hardware: {} cases bit-identical to the emulator, the scalar kernel and vnni8",
         cases.len()
     );
 }
 
-/// `Weight::matmul` with the `amx` set gives VNNI's bits for decode and prefill, and a
+/// `Weight::matmul` with the `amx` set gives `vnni8`'s bits for decode and prefill, and a
 /// prefill of at least `AMX_MIN_TOKENS` tokens runs on the hardware tiles where they exist.
 #[test]
-fn weight_matmul_with_the_amx_set_equals_vnni() {
-    if !CpuKernels::Vnni.is_supported() {
+fn weight_matmul_with_the_amx_set_equals_vnni8() {
+    if !CpuKernels::Vnni8.is_supported() {
         println!("AVX-512 VNNI not available on this CPU: amx kernel set check skipped");
         return;
     }
@@ -187,7 +207,7 @@ fn weight_matmul_with_the_amx_set_equals_vnni() {
         let stored = random_rows(ty, rows, cols, &mut rng, false);
         let amx_weight =
             Weight::with_kernels(ty, rows, cols, stored.clone(), CpuKernels::Amx).unwrap();
-        let vnni_weight = Weight::with_kernels(ty, rows, cols, stored, CpuKernels::Vnni).unwrap();
+        let vnni_weight = Weight::with_kernels(ty, rows, cols, stored, CpuKernels::Vnni8).unwrap();
         assert_eq!(amx_weight.int_isa(), Some(IntIsa::Amx));
         for num_tokens in [1, AMX_MIN_TOKENS - 1, AMX_MIN_TOKENS, 33] {
             let x = random_activations(num_tokens, cols, &mut rng);
@@ -219,7 +239,7 @@ fn weight_matmul_with_the_amx_set_equals_vnni() {
 fn bad_shapes_and_missing_hardware_are_errors() {
     let mut rng = ChaCha8Rng::seed_from_u64(15);
     let stored = random_rows(GgmlType::Q4_0, 4, 64, &mut rng, false);
-    let weights = repack(GgmlType::Q4_0, 4, 64, &stored).unwrap();
+    let weights = Interleaved::new(&repack(GgmlType::Q4_0, 4, 64, &stored).unwrap());
     let activations = Q8Rows::quantize(&random_activations(3, 64, &mut rng), 64).unwrap();
     let mut y = vec![0f32; 11];
     assert_eq!(
@@ -247,51 +267,58 @@ fn bad_shapes_and_missing_hardware_are_errors() {
     }
 }
 
-/// Timing probe for the provisional `AMX_MIN_TOKENS` (not a correctness test): median
-/// wall time of the VNNI and hardware AMX matmuls for the default model's shapes. Run on an
-/// AMX machine with `-- --ignored --nocapture amx_vs_vnni_timing`.
+/// Timing probe for `AMX_MIN_TOKENS` and the `auto` choice (not a correctness test): median
+/// wall time of `vnni8` and the hardware AMX matmul for the default model's shapes, inputs
+/// rotated over four copies so no call finds the previous one's data in cache. Run on an AMX
+/// machine with `-- --ignored --nocapture amx_vs_vnni8_timing`.
 #[test]
 #[ignore]
-fn amx_vs_vnni_timing() {
+fn amx_vs_vnni8_timing() {
     if !amx::is_available() {
         println!("AMX not available on this CPU: hardware check skipped");
         return;
     }
     let mut rng = ChaCha8Rng::seed_from_u64(16);
-    let median = |f: &mut dyn FnMut()| {
-        let mut times: Vec<f64> = (0..7)
-            .map(|_| {
+    const COPIES: usize = 4;
+    let median = |f: &mut dyn FnMut(usize)| {
+        let mut times: Vec<f64> = (0..9)
+            .map(|i| {
                 let start = std::time::Instant::now();
-                f();
+                f(i % COPIES);
                 start.elapsed().as_secs_f64() * 1e3
             })
             .collect();
         times.sort_by(f64::total_cmp);
-        times[3]
+        times[4]
     };
     for (ty, rows, cols) in [
+        (GgmlType::Q4_1, 576, 576),
+        (GgmlType::Q4_1, 192, 576),
         (GgmlType::Q4_1, 1536, 576),
-        (GgmlType::Q4_1, 576, 1536),
         (GgmlType::Q8_0, 1536, 576),
+        (GgmlType::Q4_1, 576, 1536),
     ] {
-        let weights = repack(
-            ty,
-            rows,
-            cols,
-            &random_rows(ty, rows, cols, &mut rng, false),
-        )
-        .unwrap();
-        for num_tokens in [4, 8, 16, 32, 64, 256] {
-            let x = random_activations(num_tokens, cols, &mut rng);
-            let activations = Q8Rows::quantize(&x, cols).unwrap();
+        let weights: Vec<Interleaved> = (0..COPIES)
+            .map(|_| {
+                let stored = random_rows(ty, rows, cols, &mut rng, false);
+                Interleaved::new(&repack(ty, rows, cols, &stored).unwrap())
+            })
+            .collect();
+        for num_tokens in [16, 32, 64, 128, 512] {
+            let activations: Vec<Q8Rows> = (0..COPIES)
+                .map(|_| {
+                    let x = random_activations(num_tokens, cols, &mut rng);
+                    Q8Rows::quantize(&x, cols).unwrap()
+                })
+                .collect();
             let mut y = vec![0f32; rows * num_tokens];
             let vnni_ms =
-                median(&mut || int_matmul::matmul(IntIsa::Vnni, &weights, &activations, &mut y));
-            let amx_ms = median(&mut || {
-                amx::matmul(TileBackend::Hardware, &weights, &activations, &mut y).unwrap()
+                median(&mut |i| interleaved::matmul(&weights[i], &activations[i], &mut y));
+            let amx_ms = median(&mut |i| {
+                amx::matmul(TileBackend::Hardware, &weights[i], &activations[i], &mut y).unwrap()
             });
             println!(
-                "{ty} [{rows} x {cols}] tokens {num_tokens:3}: vnni {vnni_ms:8.3} ms, \
+                "{ty} [{rows} x {cols}] tokens {num_tokens:3}: vnni8 {vnni_ms:8.3} ms, \
                  amx {amx_ms:8.3} ms ({:.2}x)",
                 vnni_ms / amx_ms
             );

@@ -184,6 +184,8 @@ struct Report {
     cpu_kernels: String,
     f32_decode: String,
     f32_wide_matmuls: u64,
+    /// Integer matmuls that ran on the AMX-INT8 tiles (`PAGODA_CPU_KERNELS=amx`).
+    amx_matmuls: u64,
     batch: usize,
     load_before: String,
     load_after: String,
@@ -357,6 +359,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .name()
             .to_string(),
         f32_wide_matmuls: pagoda_ops::simd::f32_decode::wide_matmul_count(),
+        amx_matmuls: pagoda_ops::simd::amx::hardware_matmul_count(),
         batch: max_batch,
         load_before,
         load_after: load_average(),
@@ -372,8 +375,9 @@ fn print_report(report: &Report, json: bool) -> Result<()> {
     }
     println!("model: {} | device: {}", report.model, report.device);
     println!(
-        "cpu kernels: {} | f32 decode matmuls: {} ({} ran eight rows at a time)",
-        report.cpu_kernels, report.f32_decode, report.f32_wide_matmuls
+        "cpu kernels: {} ({} matmuls on AMX tiles) | f32 decode matmuls: {} ({} ran eight rows \
+         at a time)",
+        report.cpu_kernels, report.amx_matmuls, report.f32_decode, report.f32_wide_matmuls
     );
     println!(
         "weights: {} | threads: {} | attention: {} | load before: {} | load after: {}",

@@ -3,10 +3,10 @@
 //! Decode (one token) streams four weight rows at a time past the quantized activation row
 //! (`tile::<4, 1>`). Prefill splits the output rows into chunks of 16 per task and covers
 //! each chunk x all tokens with 4 x 4 tiles: each weight block loaded feeds four tokens and
-//! each activation block four rows. With [`IntIsa::Amx`], prefills of at least
-//! [`AMX_MIN_TOKENS`] tokens run on the AMX tiles ([`crate::simd::amx::matmul`],
-//! bit-identical to the VNNI tiles) where the CPU and OS allow it; everything else runs the
-//! VNNI tiles.
+//! each activation block four rows. Interleaved weights ([`IntRows::Interleaved`]) run
+//! [`crate::simd::interleaved`]; with [`IntIsa::Amx`], their prefills of at least
+//! [`AMX_MIN_TOKENS`] tokens run on the AMX tiles ([`crate::simd::amx::matmul`], the same
+//! bits) where the CPU and OS allow it.
 
 use pagoda_tensor::quant::q8::{quantize_block, Q8Rows, Q8_BLOCK};
 use pagoda_tensor::quant::repack::RepackedRows;
@@ -17,8 +17,8 @@ use crate::simd::int_dot::{tile, IntIsa};
 use crate::simd::interleaved::{self, Interleaved};
 
 /// Repacked weights in the layout of their kernel set: one row after another (the
-/// per-lane tiles of [`crate::simd::int_dot`] and the AMX tiles), or eight rows interleaved
-/// ([`crate::simd::interleaved`], the `vnni8` set).
+/// per-lane tiles of [`crate::simd::int_dot`]), or eight rows interleaved
+/// ([`crate::simd::interleaved`] and the AMX tiles: the `vnni8` and `amx` sets).
 #[derive(Debug, Clone)]
 pub enum IntRows {
     /// Row after row ([`RepackedRows`]).
@@ -48,7 +48,15 @@ impl IntRows {
     pub fn matmul(&self, isa: IntIsa, activations: &Q8Rows, y: &mut [f32]) {
         match self {
             IntRows::Rows(rows) => matmul(isa, rows, activations, y),
-            IntRows::Interleaved(rows) => interleaved::matmul(rows, activations, y),
+            IntRows::Interleaved(rows) => {
+                let tiles = isa == IntIsa::Amx
+                    && activations.num_rows() >= AMX_MIN_TOKENS
+                    && amx::is_available()
+                    && amx::matmul(TileBackend::Hardware, rows, activations, y).is_ok();
+                if !tiles {
+                    interleaved::matmul(rows, activations, y)
+                }
+            }
         }
     }
 }
@@ -120,13 +128,6 @@ pub fn matmul(isa: IntIsa, weights: &RepackedRows, activations: &Q8Rows, y: &mut
         n * num_tokens,
         "y must be [num_tokens, out_features]"
     );
-    if isa == IntIsa::Amx
-        && num_tokens >= AMX_MIN_TOKENS
-        && amx::is_available()
-        && amx::matmul(TileBackend::Hardware, weights, activations, y).is_ok()
-    {
-        return;
-    }
     if num_tokens == 1 {
         let rows_per_task = decode_rows_per_task(n);
         y.par_chunks_mut(rows_per_task)

@@ -1,12 +1,10 @@
 //! Which CPU kernel set the quantized linear layers use, chosen once per process.
 //!
-//! `PAGODA_CPU_KERNELS=auto|amx|vnni|avx2|scalar|f32` (unset: `auto`). `amx`, `vnni`, `avx2`
-//! and `scalar` quantize activations to Q8 and use integer dots on weights repacked at load,
-//! for every weight. `amx` is `vnni` with prefills of at least
-//! [`crate::simd::amx::AMX_MIN_TOKENS`] tokens on AMX-INT8 tiles (bit-identical to `vnni`),
-//! where CPUID reports `amx_tile` + `amx_int8` and Linux grants tile data; opt-in only: on
-//! the H200 host's AMX CPU it measured 0.10-0.38x the VNNI tiles (the lane-exact layout does
-//! 1/8 useful work per tile dot; `docs/benchmark_results/cpu-amx-h200host-2026-11-30.md`).
+//! `PAGODA_CPU_KERNELS=auto|amx|vnni8|vnni|avx2|scalar|f32` (unset: `auto`). `amx`, `vnni8`,
+//! `vnni`, `avx2` and `scalar` quantize activations to Q8 and use integer dots on weights
+//! repacked at load, for every weight. `amx` is `vnni8` with prefills of at least
+//! [`crate::simd::amx::AMX_MIN_TOKENS`] tokens on AMX-INT8 tiles (bit-identical to `vnni8`),
+//! where CPUID reports `amx_tile` + `amx_int8` and Linux grants tile data.
 //! `f32` keeps the stored blocks and f32 activations (the fused decode-in-registers path of
 //! ADR 0001) for every weight. `auto` is a per-weight policy ([`CpuKernelPolicy`]): the best
 //! integer set the CPU runs (never `amx`) for every weight except `ffn_down`, which keeps
@@ -26,8 +24,8 @@ use crate::simd::int_dot::IntIsa;
 /// A CPU kernel set for quantized weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CpuKernels {
-    /// Q8 activations; multi-row matmuls on AMX-INT8 tiles, the rest with AVX-512 VNNI (the
-    /// same bits as [`CpuKernels::Vnni`]).
+    /// Q8 activations, weights interleaved as for [`CpuKernels::Vnni8`]; prefills on AMX-INT8
+    /// tiles, the rest with the `vnni8` kernel (the same bits).
     Amx,
     /// Q8 activations, integer dots with AVX-512 VNNI on weights interleaved eight rows at a
     /// time ([`crate::simd::interleaved`]): one i32 lane per row, each (row, token) pair the

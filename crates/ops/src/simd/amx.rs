@@ -1,32 +1,24 @@
-//! AMX-INT8 tiles for the multi-row (prefill) integer matmul, bit-identical to the VNNI tiles.
+//! AMX-INT8 tiles for the multi-row (prefill) integer matmul, bit-identical to the
+//! interleaved VNNI kernel ([`crate::simd::interleaved`], the `vnni8` set) and so to the
+//! scalar kernel.
 //!
-//! The VNNI kernels of [`super::int_dot`] do not keep one integer per 32-value block: each
-//! (weight row, token) pair has eight i32 lanes per step, each lane the dot of one or two
-//! 4-byte groups, and the float combine is lane-wise (`acc[l] = fma(f32(int[l]) * d_a[l],
-//! d_w[l], acc[l])`, then a fixed horizontal sum and the min term). A per-block integer sum
-//! would round differently, so this path produces exactly those eight lane integers:
+//! Each (weight row, token) pair of those kernels keeps one exact integer per 32-value block
+//! and folds it into an f32 sum: per block `acc += d * d_a * integer + min * s_a`, blocks in
+//! order, no fused multiply-add. A tile dot with K = 32 gives exactly those integers for 16
+//! rows x 16 tokens at once:
 //!
-//! - A step is one block (32 values; 8 groups of 4 bytes; lane `l` = group `l`) or, for
-//!   nibble weights with an even block count (the VNNI "pairs" kernel), two blocks (16
-//!   groups; lane `l < 4` = groups `l` and `l + 4` of the first block, lane `4 + l` = the
-//!   same groups of the second).
-//! - Tile A (`tmm1`, unsigned): 16 weight rows x the step's bytes (`u` in value order,
-//!   nibbles unpacked), zero rows past the last weight row.
-//! - Tile B (`tmm2`, signed): the activations of two tokens in the VNNI tile layout, one
-//!   4-byte group per tile row, 16 columns = 2 tokens x 8 lanes; column `(token, lane)` holds
-//!   the token's bytes of group `g` only when `g` feeds that lane, zero otherwise.
-//! - `TDPBUSD tmm0, tmm1, tmm2` then gives, in C (`tmm0`, 16 x 16 i32), row `m`, columns
-//!   `8 j .. 8 j + 8`: the eight lane sums `sum u * qa` of weight row `m` and token `j`. The
-//!   offset `-zero * sum(qa)` of each lane (what VNNI starts its lanes at) is added as an
-//!   exact integer, and the float combine runs in VNNI's order with VNNI's operations.
+//! - Tile A (unsigned): 16 weight rows (two interleaved groups) x the block's 32 values `u`,
+//!   unpacked once per task of 16 rows; zero rows past the last weight row.
+//! - Tile B (signed): the block's activations of 16 tokens in the VNNI tile layout, row `g`
+//!   holding each token's bytes `4 g .. 4 g + 4` in its column; built once per matmul.
+//! - `TDPBUSD` then gives C (16 x 16 i32) = `sum u * qa` per (row, token); the integer start
+//!   `-zero * sum(qa)` is added exactly, and the f32 step runs in the scalar kernel's order,
+//!   one 16-token vector per row.
 //!
-//! Only one of the eight groups of a B row is non-zero per column, so a tile dot does 1/8
-//! useful work: the lane-exact combine needs 8 integers per (row, token, block), and a C
-//! tile holds 256. The gain over VNNI is therefore in the integer part only (one
-//! instruction per 16 rows x 2 tokens x step instead of 32 `vpdpbusd`); the f32 combine is
-//! the same work. A per-block combine (the scalar kernel's order) would let one tile dot
-//! cover 16 x 16 x 64 useful bytes, but would give other bits than VNNI, and so break
-//! batch invariance between AMX prefill and VNNI decode: a numerics decision, not taken here.
+//! Two slots of tile registers alternate between blocks, so the next block's dot runs while
+//! this block's combine does. Decode and batches below [`AMX_MIN_TOKENS`] run the
+//! interleaved VNNI kernel, with the same bits, so a request's logits do not depend on the
+//! batch it ran in.
 //!
 //! [`TileBackend::Emulated`] runs the same loops on a plain-Rust model of the tile
 //! registers ([`tiles::EmulatedTiles`]), so the layout, the edge tiles and the combine are
@@ -37,16 +29,16 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use pagoda_tensor::quant::q8::Q8Rows;
-use pagoda_tensor::quant::repack::RepackedRows;
-use rayon::prelude::*;
+
+use crate::simd::interleaved::Interleaved;
 
 mod hardware;
 mod kernel;
 pub mod tiles;
 
-/// Fewest activation rows (tokens) for which `auto` and `amx` use the AMX tiles; fewer rows
-/// (decode) run the VNNI tiles, which give the same bits. Provisional: to be measured on
-/// an AMX machine.
+/// Fewest activation rows (tokens) for which the `amx` set uses the AMX tiles; fewer rows
+/// (decode) run the interleaved VNNI kernel, which gives the same bits. One B tile holds 16
+/// tokens.
 pub const AMX_MIN_TOKENS: usize = 16;
 
 /// Where the tile instructions run.
@@ -105,13 +97,12 @@ pub fn hardware_matmul_count() -> u64 {
 }
 
 /// `y[t, r] = dot(weights[r], activations[t])` (`y` is `[num_tokens, out_features]`,
-/// overwritten), bit-identical to [`crate::linear::int_matmul::matmul`] with
-/// [`super::int_dot::IntIsa::Vnni`]. Weight rows are split into tasks of 16 (one A tile) run
-/// in parallel. Fails, writing nothing, on a shape mismatch or when `backend` is
-/// [`TileBackend::Hardware`] and [`is_available`] is false.
+/// overwritten), bit-identical to [`crate::simd::interleaved::matmul`]. Weight rows are split
+/// into tasks of 16 (one A tile) run in parallel. Fails, writing nothing, on a shape mismatch
+/// or when `backend` is [`TileBackend::Hardware`] and [`is_available`] is false.
 pub fn matmul(
     backend: TileBackend,
-    weights: &RepackedRows,
+    weights: &Interleaved,
     activations: &Q8Rows,
     y: &mut [f32],
 ) -> Result<(), AmxError> {
@@ -137,7 +128,7 @@ pub fn matmul(
         LOGGED.call_once(|| {
             tracing::info!(
                 "AMX-INT8 tiles in use for integer matmuls of {AMX_MIN_TOKENS} or more tokens \
-                 (bit-identical to VNNI; fewer tokens use VNNI)"
+                 (bit-identical to vnni8, which runs fewer tokens)"
             )
         });
         HARDWARE_MATMULS.fetch_add(1, Ordering::Relaxed);
@@ -146,37 +137,21 @@ pub fn matmul(
         y.fill(0.0);
         return Ok(());
     }
-    let panels = kernel::ActivationPanels::new(weights, activations);
-    let chunks: Vec<(usize, Vec<f32>)> = (0..n)
-        .step_by(kernel::TILE_ROWS)
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .map(|row_start| {
-            let rows = kernel::TILE_ROWS.min(n - row_start);
-            let mut local = vec![0f32; rows * num_tokens];
-            match backend {
-                TileBackend::Emulated => kernel::row_chunk(
-                    &mut tiles::EmulatedTiles::default(),
-                    weights,
-                    activations,
-                    &panels,
-                    row_start,
-                    &mut local,
-                ),
-                TileBackend::Hardware => {
-                    hardware::row_chunk(weights, activations, &panels, row_start, &mut local)
-                }
-            }
-            (row_start, local)
-        })
-        .collect();
-    for (row_start, local) in chunks {
-        let rows = local.len() / num_tokens;
-        for (t, out) in y.chunks_exact_mut(n).enumerate() {
-            for (r, value) in out[row_start..row_start + rows].iter_mut().enumerate() {
-                *value = local[r * num_tokens + t];
-            }
+    let panels = kernel::ActivationPanels::new(weights.zero(), activations);
+    crate::linear::by_row_tasks(n, num_tokens, kernel::TILE_ROWS, y, |range| {
+        let chunk = range.start / kernel::TILE_ROWS;
+        let mut local = vec![0f32; range.len() * num_tokens];
+        match backend {
+            TileBackend::Emulated => kernel::row_chunk(
+                &mut tiles::EmulatedTiles::default(),
+                weights,
+                &panels,
+                chunk,
+                &mut local,
+            ),
+            TileBackend::Hardware => hardware::row_chunk(weights, &panels, chunk, &mut local),
         }
-    }
+        local
+    });
     Ok(())
 }

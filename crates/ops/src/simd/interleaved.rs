@@ -94,17 +94,37 @@ impl Interleaved {
         self.data.len()
     }
 
-    /// Decodes row `row` into `out` (`blocks_per_row * 32` values), bit-exactly as
-    /// [`RepackedRows::dequantize_row`] does: `(u - zero) * d + min` per value.
-    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        assert!(row < self.num_rows, "row out of range");
-        let (group, lane) = (row / GROUP, row % GROUP);
+    /// Blocks (of 32 values) per row.
+    pub fn blocks_per_row(&self) -> usize {
+        self.blocks_per_row
+    }
+
+    /// The format's zero: a stored value `u` stands for `u - zero`.
+    pub fn zero(&self) -> i32 {
+        self.zero
+    }
+
+    /// Unpacks block `block` of the eight rows of group `group`: `values[32 lane + j]` is
+    /// row `lane`'s stored value `j` (`u`, in value order), `scales[lane]` and `mins[lane]`
+    /// its factors as f32 (a missing min is 0). The last group's padding rows come out as
+    /// zeros.
+    pub fn unpack_block(
+        &self,
+        group: usize,
+        block: usize,
+        values: &mut [u8; GROUP * 32],
+        scales: &mut [f32; GROUP],
+        mins: &mut [f32; GROUP],
+    ) {
+        assert!(
+            group * GROUP < self.num_rows && block < self.blocks_per_row,
+            "group or block out of range"
+        );
+        let record =
+            &self.data[(group * self.blocks_per_row + block) * self.stride..][..self.stride];
         let block_bytes = if self.nibble { 16 } else { 32 };
-        let factor_bytes = if self.half { 2 } else { 4 };
-        for (block, values) in out.chunks_exact_mut(32).enumerate() {
-            let record =
-                &self.data[(group * self.blocks_per_row + block) * self.stride..][..self.stride];
-            let mut u = [0u8; 32];
+        for lane in 0..GROUP {
+            let u = &mut values[32 * lane..32 * lane + 32];
             for step in 0..block_bytes / 4 {
                 for j in 0..4 {
                     let byte = record[step * 32 + lane * 4 + j];
@@ -116,19 +136,36 @@ impl Interleaved {
                     }
                 }
             }
-            let factor = |index: usize| {
-                let at = GROUP * block_bytes + index * factor_bytes;
-                let bytes = &record[at..at + factor_bytes];
-                if self.half {
-                    pagoda_tensor::quant::blocks::f16_bits_to_f32(u16::from_le_bytes([
-                        bytes[0], bytes[1],
-                    ]))
-                } else {
-                    f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
-                }
-            };
-            let (d, min) = (factor(lane), factor(GROUP + lane));
-            for (value, &u) in values.iter_mut().zip(&u) {
+        }
+        let factor_bytes = if self.half { 2 } else { 4 };
+        let factor = |index: usize| {
+            let at = GROUP * block_bytes + index * factor_bytes;
+            let bytes = &record[at..at + factor_bytes];
+            if self.half {
+                pagoda_tensor::quant::blocks::f16_bits_to_f32(u16::from_le_bytes([
+                    bytes[0], bytes[1],
+                ]))
+            } else {
+                f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
+            }
+        };
+        for lane in 0..GROUP {
+            scales[lane] = factor(lane);
+            mins[lane] = factor(GROUP + lane);
+        }
+    }
+
+    /// Decodes row `row` into `out` (`blocks_per_row * 32` values), bit-exactly as
+    /// [`RepackedRows::dequantize_row`] does: `(u - zero) * d + min` per value.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        assert!(row < self.num_rows, "row out of range");
+        let (group, lane) = (row / GROUP, row % GROUP);
+        let mut values = [0u8; GROUP * 32];
+        let (mut scales, mut mins) = ([0f32; GROUP], [0f32; GROUP]);
+        for (block, out) in out.chunks_exact_mut(32).enumerate() {
+            self.unpack_block(group, block, &mut values, &mut scales, &mut mins);
+            let (d, min) = (scales[lane], mins[lane]);
+            for (value, &u) in out.iter_mut().zip(&values[32 * lane..32 * lane + 32]) {
                 *value = (u as i32 - self.zero) as f32 * d + min;
             }
         }

@@ -5,11 +5,9 @@
 //! where [`detect`] succeeded, and it checks every slice against the configured tile shape
 //! before an instruction touches memory, so its methods are safe to call.
 
-use pagoda_tensor::quant::q8::Q8Rows;
-use pagoda_tensor::quant::repack::RepackedRows;
-
 use super::kernel::{self, ActivationPanels};
-use super::tiles::{span, TileConfig, TileUnit, TILE_A, TILE_B, TILE_C};
+use super::tiles::{span, CTile, TileConfig, TileUnit, SLOTS, TILE_A, TILE_B, TILE_C};
+use crate::simd::interleaved::Interleaved;
 
 /// CPUID leaf 7 (subleaf 0) EDX bit of AMX-TILE.
 const CPUID_AMX_TILE: u32 = 1 << 24;
@@ -111,13 +109,27 @@ impl HardwareTiles {
     }
 }
 
+/// One tile instruction per slot register: `$slot` 0 uses the first register, 1 the second.
+#[cfg(target_arch = "x86_64")]
+macro_rules! per_slot {
+    ($slot:expr, $first:literal, $second:literal, $($rest:tt)*) => {
+        match $slot {
+            0 => std::arch::asm!($first, $($rest)*),
+            1 => std::arch::asm!($second, $($rest)*),
+            other => panic!("tile slot {other} out of range"),
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 impl TileUnit for HardwareTiles {
+    // `detect` requires AVX-512F/VL beside AMX.
+    const AVX512: bool = true;
+
     fn configure(&mut self, config: &TileConfig) {
-        for t in [TILE_C, TILE_A, TILE_B] {
-            config.shape(t);
+        for slot in 0..SLOTS {
+            config.check_dot(TILE_C[slot], TILE_A[slot], TILE_B[slot]);
         }
-        config.check_dot(TILE_C, TILE_A, TILE_B);
         let image = config.to_bytes();
         // SAFETY: AMX-TILE is present and permitted (`new`); `image` is a valid palette-1
         // configuration of 64 readable bytes (shapes checked above, reserved bytes zero).
@@ -127,71 +139,89 @@ impl TileUnit for HardwareTiles {
         self.config = Some(*config);
     }
 
-    fn zero_c(&mut self) {
-        self.shape(TILE_C);
-        // SAFETY: AMX is permitted and tmm0 is configured (checked above).
-        unsafe { std::arch::asm!("tilezero tmm0", options(nostack, nomem)) };
+    fn zero_c(&mut self, slot: usize) {
+        self.shape(TILE_C[slot]);
+        // SAFETY: AMX is permitted and the slot's C is configured (checked above).
+        unsafe {
+            per_slot!(
+                slot,
+                "tilezero tmm0",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            )
+        };
     }
 
-    fn load_a(&mut self, src: &[u8], stride: usize) {
-        let (rows, colsb) = self.shape(TILE_A);
+    fn load_a(&mut self, slot: usize, src: &[u8], stride: usize) {
+        let (rows, colsb) = self.shape(TILE_A[slot]);
         assert!(
             src.len() >= span(rows, colsb, stride),
             "A tile source too short"
         );
-        // SAFETY: tmm1 is configured as rows x colsb, and `src` holds the
+        // SAFETY: the slot's A is configured as rows x colsb, and `src` holds the
         // (rows - 1) * stride + colsb bytes the load reads (checked above).
         unsafe {
-            std::arch::asm!(
+            per_slot!(
+                slot,
                 "tileloadd tmm1, [{base} + {stride} * 1]",
+                "tileloadd tmm5, [{base} + {stride} * 1]",
                 base = in(reg) src.as_ptr(),
                 stride = in(reg) stride,
-                options(nostack, readonly),
+                options(nostack, readonly)
             );
         }
     }
 
-    fn load_b(&mut self, src: &[u8], stride: usize) {
-        let (rows, colsb) = self.shape(TILE_B);
+    fn load_b(&mut self, slot: usize, src: &[u8], stride: usize) {
+        let (rows, colsb) = self.shape(TILE_B[slot]);
         assert!(
             src.len() >= span(rows, colsb, stride),
             "B tile source too short"
         );
-        // SAFETY: as `load_a`, for tmm2.
+        // SAFETY: as `load_a`, for the slot's B.
         unsafe {
-            std::arch::asm!(
+            per_slot!(
+                slot,
                 "tileloadd tmm2, [{base} + {stride} * 1]",
+                "tileloadd tmm4, [{base} + {stride} * 1]",
                 base = in(reg) src.as_ptr(),
                 stride = in(reg) stride,
-                options(nostack, readonly),
+                options(nostack, readonly)
             );
         }
     }
 
-    fn dot_busd(&mut self) {
+    fn dot_busd(&mut self, slot: usize) {
         self.config
             .as_ref()
             .expect("tile instruction before LDTILECFG")
-            .check_dot(TILE_C, TILE_A, TILE_B);
-        // SAFETY: AMX-INT8 is present and permitted; the three tiles are configured with
-        // compatible shapes (checked above), so the instruction cannot fault.
-        unsafe { std::arch::asm!("tdpbusd tmm0, tmm1, tmm2", options(nostack, nomem)) };
+            .check_dot(TILE_C[slot], TILE_A[slot], TILE_B[slot]);
+        // SAFETY: AMX-INT8 is present and permitted; the slot's three tiles are configured
+        // with compatible shapes (checked above), so the instruction cannot fault.
+        unsafe {
+            per_slot!(
+                slot,
+                "tdpbusd tmm0, tmm1, tmm2",
+                "tdpbusd tmm3, tmm5, tmm4",
+                options(nostack, nomem)
+            )
+        };
     }
 
-    fn store_c(&mut self, dst: &mut [u8], stride: usize) {
-        let (rows, colsb) = self.shape(TILE_C);
-        assert!(
-            dst.len() >= span(rows, colsb, stride),
-            "C tile destination too short"
-        );
-        // SAFETY: tmm0 is configured as rows x colsb, and `dst` holds the
-        // (rows - 1) * stride + colsb bytes the store writes (checked above).
+    fn store_c(&mut self, slot: usize, dst: &mut CTile) {
+        // A configured C has at most 16 rows of 64 bytes: within `dst` at stride 64.
+        self.shape(TILE_C[slot]);
+        let stride = std::mem::size_of_val(&dst.0[0]);
+        // SAFETY: the slot's C is configured (checked above) and `dst` holds 16 rows of 64
+        // bytes, all a store of at most 16 x 64 at stride 64 writes.
         unsafe {
-            std::arch::asm!(
+            per_slot!(
+                slot,
                 "tilestored [{base} + {stride} * 1], tmm0",
-                base = in(reg) dst.as_mut_ptr(),
+                "tilestored [{base} + {stride} * 1], tmm3",
+                base = in(reg) dst.0.as_mut_ptr(),
                 stride = in(reg) stride,
-                options(nostack),
+                options(nostack)
             );
         }
     }
@@ -212,48 +242,42 @@ impl Drop for HardwareTiles {
     }
 }
 
-/// [`kernel::row_chunk`] on the hardware tiles, its f32 combine compiled with AVX2, FMA and
-/// AVX-512 (present wherever AMX is). Panics if AMX is unavailable (the caller checks).
-pub fn row_chunk(
-    weights: &RepackedRows,
-    activations: &Q8Rows,
-    panels: &ActivationPanels,
-    row_start: usize,
-    out: &mut [f32],
-) {
+/// [`kernel::row_chunk`] on the hardware tiles, its f32 combine compiled with AVX-512 (present
+/// wherever AMX is). Panics if AMX is unavailable (the caller checks).
+pub fn row_chunk(weights: &Interleaved, panels: &ActivationPanels, chunk: usize, out: &mut [f32]) {
     let mut unit = HardwareTiles::new().expect("AMX-INT8 availability checked by the caller");
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
         fn vectorized(
             unit: &mut HardwareTiles,
-            weights: &RepackedRows,
-            activations: &Q8Rows,
+            weights: &Interleaved,
             panels: &ActivationPanels,
-            row_start: usize,
+            chunk: usize,
             out: &mut [f32],
         ) {
-            kernel::row_chunk(unit, weights, activations, panels, row_start, out)
+            kernel::row_chunk(unit, weights, panels, chunk, out)
         }
         // SAFETY: `unit` exists only where `detect` confirmed AVX2, FMA, F16C and AVX-512F/VL.
-        unsafe { vectorized(&mut unit, weights, activations, panels, row_start, out) }
+        unsafe { vectorized(&mut unit, weights, panels, chunk, out) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (&mut unit, weights, activations, panels, row_start, out);
+        let _ = (&mut unit, weights, panels, chunk, out);
         unreachable!("HardwareTiles::new returns None off x86-64");
     }
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 impl TileUnit for HardwareTiles {
+    const AVX512: bool = false;
     fn configure(&mut self, _: &TileConfig) {
         unreachable!("no AMX off x86-64")
     }
-    fn zero_c(&mut self) {}
-    fn load_a(&mut self, _: &[u8], _: usize) {}
-    fn load_b(&mut self, _: &[u8], _: usize) {}
-    fn dot_busd(&mut self) {}
-    fn store_c(&mut self, _: &mut [u8], _: usize) {}
+    fn zero_c(&mut self, _: usize) {}
+    fn load_a(&mut self, _: usize, _: &[u8], _: usize) {}
+    fn load_b(&mut self, _: usize, _: &[u8], _: usize) {}
+    fn dot_busd(&mut self, _: usize) {}
+    fn store_c(&mut self, _: usize, _: &mut CTile) {}
     fn release(&mut self) {}
 }

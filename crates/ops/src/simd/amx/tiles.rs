@@ -1,9 +1,10 @@
 //! The tile operations the AMX kernel uses, and a plain-Rust model of them.
 //!
 //! [`TileUnit`] is the whole interface between the kernel loops and the tile registers:
-//! configure, zero C, load A and B, one `TDPBUSD`, store C, release. The kernel uses three
-//! fixed registers: [`TILE_C`] (`tmm0`, i32 accumulator), [`TILE_A`] (`tmm1`, unsigned
-//! bytes) and [`TILE_B`] (`tmm2`, signed bytes). [`EmulatedTiles`] follows the semantics of
+//! configure, zero C, load A and B, one `TDPBUSD`, store C, release. The kernel uses two
+//! slots of fixed registers, so one slot's dot can run while the other's result is combined:
+//! [`TILE_C`] (`tmm0`, `tmm3`: i32 accumulators), [`TILE_A`] (`tmm1`, `tmm5`: unsigned
+//! bytes) and [`TILE_B`] (`tmm2`, `tmm4`: signed bytes). [`EmulatedTiles`] follows the semantics of
 //! the Intel SDM pseudo-code (palette 1: 8 tiles of at most 16 rows x 64 bytes):
 //!
 //! - `TILELOADD t, [base + stride * r]`: rows `r < rows[t]` get `colsb[t]` bytes from
@@ -18,12 +19,15 @@
 //! A wrong shape or a slice too short for the configured tile panics in both models before
 //! any memory is touched.
 
-/// The accumulator tile (`tmm0`): 16 rows x 16 i32.
-pub const TILE_C: usize = 0;
-/// The unsigned-byte tile (`tmm1`): weight rows.
-pub const TILE_A: usize = 1;
-/// The signed-byte tile (`tmm2`): activations in the VNNI tile layout.
-pub const TILE_B: usize = 2;
+/// The accumulator tiles of the two slots (`tmm0`, `tmm3`): 16 rows x 16 i32.
+pub const TILE_C: [usize; SLOTS] = [0, 3];
+/// The unsigned-byte tiles of the two slots (`tmm1`, `tmm5`): weight rows.
+pub const TILE_A: [usize; SLOTS] = [1, 5];
+/// The signed-byte tiles of the two slots (`tmm2`, `tmm4`): activations in the VNNI tile
+/// layout.
+pub const TILE_B: [usize; SLOTS] = [2, 4];
+/// Slots: (C, B) register pairs sharing the A tile.
+pub const SLOTS: usize = 2;
 /// Tile registers of palette 1.
 pub const NUM_TILES: usize = 8;
 /// Most rows of a tile.
@@ -76,26 +80,36 @@ impl TileConfig {
     }
 }
 
+/// A C tile in memory: 16 rows of 16 i32 (row stride 64 bytes), as `TILESTORED` writes it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[repr(C, align(64))]
+pub struct CTile(pub [[i32; MAX_COLSB / 4]; MAX_ROWS]);
+
 /// Bytes a tile of `rows` x `colsb` spans in memory with row stride `stride`.
 pub fn span(rows: usize, colsb: usize, stride: usize) -> usize {
     (rows - 1) * stride + colsb
 }
 
 /// The tile operations of the AMX kernel (see the module docs for the semantics). A unit is
-/// used by one thread from [`TileUnit::configure`] to [`TileUnit::release`].
+/// used by one thread from [`TileUnit::configure`] to [`TileUnit::release`]. `slot` (0 or 1)
+/// picks the C and B registers ([`TILE_C`], [`TILE_B`]); a slot out of range panics.
 pub trait TileUnit {
+    /// Whether the kernel may run its f32 step with AVX-512F (true only for units that exist
+    /// on CPUs with it).
+    const AVX512: bool;
     /// `LDTILECFG`.
     fn configure(&mut self, config: &TileConfig);
-    /// `TILEZERO tmm0`.
-    fn zero_c(&mut self);
-    /// `TILELOADD tmm1, [src + stride * r]`. Panics if `src` is shorter than the tile spans.
-    fn load_a(&mut self, src: &[u8], stride: usize);
-    /// `TILELOADD tmm2, [src + stride * r]`. Panics if `src` is shorter than the tile spans.
-    fn load_b(&mut self, src: &[u8], stride: usize);
-    /// `TDPBUSD tmm0, tmm1, tmm2`.
-    fn dot_busd(&mut self);
-    /// `TILESTORED [dst + stride * r], tmm0`. Panics if `dst` is shorter than the tile spans.
-    fn store_c(&mut self, dst: &mut [u8], stride: usize);
+    /// `TILEZERO` of the slot's C.
+    fn zero_c(&mut self, slot: usize);
+    /// `TILELOADD` of the slot's A. Panics if `src` is shorter than the tile spans.
+    fn load_a(&mut self, slot: usize, src: &[u8], stride: usize);
+    /// `TILELOADD` of the slot's B. Panics if `src` is shorter than the tile spans.
+    fn load_b(&mut self, slot: usize, src: &[u8], stride: usize);
+    /// `TDPBUSD` of the slot: its C += its A x its B.
+    fn dot_busd(&mut self, slot: usize);
+    /// `TILESTORED` of the slot's C into `dst` (row stride 64 bytes; rows and bytes past
+    /// the configured shape are left as they were).
+    fn store_c(&mut self, slot: usize, dst: &mut CTile);
     /// `TILERELEASE`.
     fn release(&mut self);
 }
@@ -146,6 +160,9 @@ impl EmulatedTiles {
 }
 
 impl TileUnit for EmulatedTiles {
+    // The emulator runs the portable step, the oracle of the vector one.
+    const AVX512: bool = false;
+
     fn configure(&mut self, config: &TileConfig) {
         for t in 0..NUM_TILES {
             assert!(
@@ -160,30 +177,31 @@ impl TileUnit for EmulatedTiles {
         }
     }
 
-    fn zero_c(&mut self) {
-        self.config().shape(TILE_C);
-        self.registers[TILE_C].fill(0);
+    fn zero_c(&mut self, slot: usize) {
+        self.config().shape(TILE_C[slot]);
+        self.registers[TILE_C[slot]].fill(0);
     }
 
-    fn load_a(&mut self, src: &[u8], stride: usize) {
-        self.load(TILE_A, src, stride);
+    fn load_a(&mut self, slot: usize, src: &[u8], stride: usize) {
+        self.load(TILE_A[slot], src, stride);
     }
 
-    fn load_b(&mut self, src: &[u8], stride: usize) {
-        self.load(TILE_B, src, stride);
+    fn load_b(&mut self, slot: usize, src: &[u8], stride: usize) {
+        self.load(TILE_B[slot], src, stride);
     }
 
-    fn dot_busd(&mut self) {
+    fn dot_busd(&mut self, slot: usize) {
         let config = *self.config();
-        config.check_dot(TILE_C, TILE_A, TILE_B);
-        let (c_rows, c_colsb) = config.shape(TILE_C);
-        let (_, a_colsb) = config.shape(TILE_A);
-        let (a, b) = (self.registers[TILE_A], self.registers[TILE_B]);
+        let (tile_c, tile_a, tile_b) = (TILE_C[slot], TILE_A[slot], TILE_B[slot]);
+        config.check_dot(tile_c, tile_a, tile_b);
+        let (c_rows, c_colsb) = config.shape(tile_c);
+        let (_, a_colsb) = config.shape(tile_a);
+        let (a, b) = (self.registers[tile_a], self.registers[tile_b]);
         let mut c = [0u8; MAX_ROWS * MAX_COLSB];
         for m in 0..c_rows {
             for n in 0..c_colsb / 4 {
                 let at = m * MAX_COLSB + 4 * n;
-                let c_bytes = &self.registers[TILE_C][at..at + 4];
+                let c_bytes = &self.registers[tile_c][at..at + 4];
                 let mut sum = i32::from_le_bytes(c_bytes.try_into().unwrap());
                 for k in 0..a_colsb / 4 {
                     for i in 0..4 {
@@ -195,20 +213,17 @@ impl TileUnit for EmulatedTiles {
                 c[at..at + 4].copy_from_slice(&sum.to_le_bytes());
             }
         }
-        self.registers[TILE_C] = c;
+        self.registers[tile_c] = c;
     }
 
-    fn store_c(&mut self, dst: &mut [u8], stride: usize) {
-        let (rows, colsb) = self.config().shape(TILE_C);
-        assert!(
-            dst.len() >= span(rows, colsb, stride),
-            "tile store of {rows}x{colsb} with stride {stride} needs {} bytes, got {}",
-            span(rows, colsb, stride),
-            dst.len()
-        );
-        for r in 0..rows {
-            dst[r * stride..r * stride + colsb]
-                .copy_from_slice(&self.registers[TILE_C][r * MAX_COLSB..r * MAX_COLSB + colsb]);
+    fn store_c(&mut self, slot: usize, dst: &mut CTile) {
+        let tile_c = TILE_C[slot];
+        let (rows, colsb) = self.config().shape(tile_c);
+        for (r, row) in dst.0.iter_mut().take(rows).enumerate() {
+            let bytes = &self.registers[tile_c][r * MAX_COLSB..r * MAX_COLSB + colsb];
+            for (value, lane) in row.iter_mut().zip(bytes.chunks_exact(4)) {
+                *value = i32::from_le_bytes(lane.try_into().unwrap());
+            }
         }
     }
 
@@ -223,7 +238,7 @@ mod tests {
 
     fn config(c: (u8, u16), a: (u8, u16), b: (u8, u16)) -> TileConfig {
         let mut config = TileConfig::default();
-        for (t, (rows, colsb)) in [(TILE_C, c), (TILE_A, a), (TILE_B, b)] {
+        for (t, (rows, colsb)) in [(TILE_C[0], c), (TILE_A[0], a), (TILE_B[0], b)] {
             config.rows[t] = rows;
             config.colsb[t] = colsb;
         }
@@ -261,13 +276,13 @@ mod tests {
             .collect();
         // Start C at known values: load them through the A path is not possible, so run a
         // first dot and then a second one: C = 2 * product.
-        tiles.zero_c();
-        tiles.load_a(&a, a_stride);
-        tiles.load_b(&b, b_stride);
-        tiles.dot_busd();
-        tiles.dot_busd();
-        let mut c = vec![0u8; m_rows * 64];
-        tiles.store_c(&mut c, 64);
+        tiles.zero_c(0);
+        tiles.load_a(0, &a, a_stride);
+        tiles.load_b(0, &b, b_stride);
+        tiles.dot_busd(0);
+        tiles.dot_busd(0);
+        let mut c = CTile::default();
+        tiles.store_c(0, &mut c);
         for m in 0..m_rows {
             for n in 0..n_cols {
                 let mut want = 0i64;
@@ -277,16 +292,14 @@ mod tests {
                             * b[k * b_stride + 4 * n + i] as i8 as i64;
                     }
                 }
-                let got =
-                    i32::from_le_bytes(c[m * 64 + 4 * n..m * 64 + 4 * n + 4].try_into().unwrap());
-                assert_eq!(got as i64, 2 * want, "m{m} n{n}");
+                assert_eq!(c.0[m][n] as i64, 2 * want, "m{m} n{n}");
             }
             // Bytes past colsb are zero.
-            assert!(tiles.register(TILE_C)[m * 64 + 4 * n_cols..(m + 1) * 64]
+            assert!(tiles.register(TILE_C[0])[m * 64 + 4 * n_cols..(m + 1) * 64]
                 .iter()
                 .all(|&x| x == 0));
         }
-        assert!(tiles.register(TILE_C)[m_rows * 64..]
+        assert!(tiles.register(TILE_C[0])[m_rows * 64..]
             .iter()
             .all(|&x| x == 0));
     }
@@ -296,15 +309,15 @@ mod tests {
         let mut tiles = EmulatedTiles::default();
         tiles.configure(&config((2, 8), (2, 8), (2, 8)));
         let src: Vec<u8> = (1..=40).collect();
-        tiles.load_a(&src, 20);
-        let register = tiles.register(TILE_A);
+        tiles.load_a(0, &src, 20);
+        let register = tiles.register(TILE_A[0]);
         assert_eq!(&register[..8], &src[..8]);
         assert_eq!(&register[64..72], &src[20..28]);
         assert!(register[8..64].iter().all(|&x| x == 0));
         assert!(register[72..].iter().all(|&x| x == 0));
         let short = std::panic::catch_unwind(move || {
             let mut tiles = tiles;
-            tiles.load_b(&[0u8; 27], 20);
+            tiles.load_b(0, &[0u8; 27], 20);
         });
         assert!(
             short.is_err(),
@@ -317,6 +330,6 @@ mod tests {
     fn mismatched_shapes_fault() {
         let mut tiles = EmulatedTiles::default();
         tiles.configure(&config((16, 64), (16, 32), (4, 64)));
-        tiles.dot_busd();
+        tiles.dot_busd(0);
     }
 }

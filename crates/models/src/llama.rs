@@ -12,6 +12,7 @@ use pagoda_ops::attention::{
 };
 use pagoda_ops::linear::{matmul_shared, CpuKernels, Weight};
 use pagoda_ops::norm::{rms_norm, rms_norm_in_place};
+use pagoda_ops::profile::{self, Op};
 use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
 use pagoda_tensor::GgmlType;
 
@@ -254,10 +255,12 @@ impl Model {
             )));
         }
         let mut x = vec![0f32; num_tokens * hidden];
-        for (t, &token) in batch.tokens.iter().enumerate() {
-            self.embedding
-                .dequantize_row(token as usize, &mut x[t * hidden..(t + 1) * hidden]);
-        }
+        profile::time(Op::Embed, || {
+            for (t, &token) in batch.tokens.iter().enumerate() {
+                self.embedding
+                    .dequantize_row(token as usize, &mut x[t * hidden..(t + 1) * hidden]);
+            }
+        });
         let mut normed = vec![0f32; num_tokens * hidden];
         let mut q = vec![0f32; num_tokens * q_dim];
         let mut k = vec![0f32; num_tokens * kv_dim];
@@ -272,39 +275,49 @@ impl Model {
         attention_workspace.fit(&plan, c.num_attention_heads, c.head_dim);
 
         for (layer_index, layer) in self.layers.iter().enumerate() {
-            rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed);
+            profile::time(Op::Norm, || {
+                rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed)
+            });
             // q, k and v share their input: quantized once, one parallel region for decode.
-            matmul_shared(
-                &normed,
-                num_tokens,
-                &mut [
-                    (&layer.wq, &mut q),
-                    (&layer.wk, &mut k),
-                    (&layer.wv, &mut v),
-                ],
-            );
-            if let Some(b) = &layer.q_bias {
-                add_bias(&mut q, b);
-            }
-            if let Some(b) = &layer.k_bias {
-                add_bias(&mut k, b);
-            }
-            if let Some(b) = &layer.v_bias {
-                add_bias(&mut v, b);
-            }
-            if let Some(w) = &layer.q_norm {
-                rms_norm_in_place(&mut q, w, c.rms_norm_eps);
-            }
-            if let Some(w) = &layer.k_norm {
-                rms_norm_in_place(&mut k, w, c.rms_norm_eps);
-            }
-            self.rope
-                .apply(&mut q, batch.positions, c.num_attention_heads, c.head_dim);
-            self.rope
-                .apply(&mut k, batch.positions, c.num_kv_heads, c.head_dim);
+            profile::time(Op::QkvProj, || {
+                matmul_shared(
+                    &normed,
+                    num_tokens,
+                    &mut [
+                        (&layer.wq, &mut q),
+                        (&layer.wk, &mut k),
+                        (&layer.wv, &mut v),
+                    ],
+                );
+                if let Some(b) = &layer.q_bias {
+                    add_bias(&mut q, b);
+                }
+                if let Some(b) = &layer.k_bias {
+                    add_bias(&mut k, b);
+                }
+                if let Some(b) = &layer.v_bias {
+                    add_bias(&mut v, b);
+                }
+            });
+            profile::time(Op::Norm, || {
+                if let Some(w) = &layer.q_norm {
+                    rms_norm_in_place(&mut q, w, c.rms_norm_eps);
+                }
+                if let Some(w) = &layer.k_norm {
+                    rms_norm_in_place(&mut k, w, c.rms_norm_eps);
+                }
+            });
+            profile::time(Op::Rope, || {
+                self.rope
+                    .apply(&mut q, batch.positions, c.num_attention_heads, c.head_dim);
+                self.rope
+                    .apply(&mut k, batch.positions, c.num_kv_heads, c.head_dim);
+            });
 
             let (k_pool, v_pool) = (&mut kv.k[layer_index], &mut kv.v[layer_index]);
-            attention::append_kv(k_pool, v_pool, &kv.layout, batch.slots, &k, &v)?;
+            profile::time(Op::KvAppend, || {
+                attention::append_kv(k_pool, v_pool, &kv.layout, batch.slots, &k, &v)
+            })?;
             let paged = PagedKv {
                 k_pool,
                 v_pool,
@@ -316,26 +329,36 @@ impl Model {
                 qo_indptr: batch.qo_indptr,
                 num_q_heads: c.num_attention_heads,
             };
-            attention::step_attention(
-                &paged,
-                &queries,
-                &plan,
-                scale,
-                &mut attention_workspace,
-                &mut attn_out,
-            )?;
-            layer.wo.matmul(&attn_out, num_tokens, &mut proj);
-            add_in_place(&mut x, &proj);
+            profile::time(Op::Attention, || {
+                attention::step_attention(
+                    &paged,
+                    &queries,
+                    &plan,
+                    scale,
+                    &mut attention_workspace,
+                    &mut attn_out,
+                )
+            })?;
+            profile::time(Op::OutProj, || {
+                layer.wo.matmul(&attn_out, num_tokens, &mut proj)
+            });
+            profile::time(Op::Residual, || add_in_place(&mut x, &proj));
 
-            rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed);
-            matmul_shared(
-                &normed,
-                num_tokens,
-                &mut [(&layer.w_gate, &mut gate), (&layer.w_up, &mut up)],
-            );
-            silu_mul_in_place(&mut gate, &up);
-            layer.w_down.matmul(&gate, num_tokens, &mut proj);
-            add_in_place(&mut x, &proj);
+            profile::time(Op::Norm, || {
+                rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed)
+            });
+            profile::time(Op::GateUp, || {
+                matmul_shared(
+                    &normed,
+                    num_tokens,
+                    &mut [(&layer.w_gate, &mut gate), (&layer.w_up, &mut up)],
+                )
+            });
+            profile::time(Op::SiluMul, || silu_mul_in_place(&mut gate, &up));
+            profile::time(Op::Down, || {
+                layer.w_down.matmul(&gate, num_tokens, &mut proj)
+            });
+            profile::time(Op::Residual, || add_in_place(&mut x, &proj));
         }
 
         // Only the requested rows go through the final norm and the LM head.
@@ -344,15 +367,19 @@ impl Model {
             selected.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
         }
         let mut final_normed = vec![0f32; selected.len()];
-        rms_norm(
-            &selected,
-            &self.output_norm,
-            c.rms_norm_eps,
-            &mut final_normed,
-        );
+        profile::time(Op::Norm, || {
+            rms_norm(
+                &selected,
+                &self.output_norm,
+                c.rms_norm_eps,
+                &mut final_normed,
+            )
+        });
         let mut logits = vec![0f32; batch.logits_for.len() * c.vocab_size];
         let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
-        head.matmul(&final_normed, batch.logits_for.len(), &mut logits);
+        profile::time(Op::LmHead, || {
+            head.matmul(&final_normed, batch.logits_for.len(), &mut logits)
+        });
         Ok(ForwardOutput {
             logits,
             attention_path: plan.path(),

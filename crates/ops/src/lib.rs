@@ -6,6 +6,7 @@ pub mod attention;
 mod kernel_choice;
 pub mod linear;
 pub mod norm;
+pub mod profile;
 pub mod rope;
 pub mod sampling;
 pub mod simd;

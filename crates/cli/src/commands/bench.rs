@@ -284,12 +284,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
     for &length in args.prompt_lengths.iter().filter(|&&l| l > 0) {
         let mut rates = Vec::new();
         let before = engine.counters().clone();
+        pagoda_ops::profile::reset();
         for _ in 0..args.repetitions {
             run_index += 1;
             let seconds = timed_prefill(&mut engine, &random_prompt(vocab, length, run_index))?;
             rates.push(length as f64 / seconds);
         }
         let steps = steps_since(&engine, &before);
+        print_profile(&format!("pp{length}"), args.repetitions);
         results.push(summarize(format!("pp{length}"), rates, steps, None));
     }
     let decode_tests: Vec<(usize, usize)> = if args.decode_tokens > 0 {
@@ -312,6 +314,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     for (depth, batch) in decode_tests {
         let mut rates = Vec::new();
         let mut steps = StepCounts::default();
+        pagoda_ops::profile::reset();
         for _ in 0..args.repetitions {
             run_index += 1;
             let (tokens, seconds, counts) = timed_decode(
@@ -340,6 +343,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         if let Some(p) = args.top_p {
             name += &format!(" top-p {p}");
         }
+        print_profile(&name, args.repetitions);
         let step_bytes =
             weight_bytes + (batch * (depth + args.decode_tokens / 2)) as f64 * kv_token_bytes;
         results.push(summarize(name, rates, steps, Some((batch, step_bytes))));
@@ -409,6 +413,33 @@ fn print_report(report: &Report, json: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// With `PAGODA_PROFILE=1`: the forward pass's time per op over the test's runs, on stderr
+/// (ms per run and share of the timed total).
+fn print_profile(test: &str, runs: usize) {
+    if !pagoda_ops::profile::enabled() {
+        return;
+    }
+    let totals = pagoda_ops::profile::totals();
+    let sum: f64 = totals.iter().map(|t| t.1).sum();
+    let rows: Vec<String> = totals
+        .iter()
+        .filter(|t| t.2 > 0)
+        .map(|(op, seconds, _)| {
+            format!(
+                "{} {:.2} ms ({:.1}%)",
+                op.name(),
+                seconds * 1e3 / runs as f64,
+                100.0 * seconds / sum.max(f64::MIN_POSITIVE)
+            )
+        })
+        .collect();
+    eprintln!(
+        "profile {test}: {:.2} ms per run timed: {}",
+        sum * 1e3 / runs as f64,
+        rows.join(", ")
+    );
 }
 
 /// Forward steps run per path since `before`.

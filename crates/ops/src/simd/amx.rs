@@ -7,13 +7,14 @@
 //! order, no fused multiply-add. A tile dot with K = 32 gives exactly those integers for 16
 //! rows x 16 tokens at once:
 //!
-//! - Tile A (unsigned): 16 weight rows (two interleaved groups) x the block's 32 values `u`,
-//!   unpacked once per task of 16 rows; zero rows past the last weight row.
-//! - Tile B (signed): the block's activations of 16 tokens in the VNNI tile layout, row `g`
-//!   holding each token's bytes `4 g .. 4 g + 4` in its column; built once per matmul.
-//! - `TDPBUSD` then gives C (16 x 16 i32) = `sum u * qa` per (row, token); the integer start
-//!   `-zero * sum(qa)` is added exactly, and the f32 step runs in the scalar kernel's order,
-//!   one 16-token vector per row.
+//! - Tile A (signed): the block's activations of 16 tokens, loaded in place from the Q8 rows
+//!   (row stride = the row length); the last partial tile from a zero-padded copy.
+//! - Tile B (unsigned): the block of 16 weight rows (two interleaved groups) in the VNNI tile
+//!   layout, row `g` holding each weight row's values `4 g .. 4 g + 4`: the interleaved
+//!   records already hold them that way, so building B is a nibble split per task of 16 rows.
+//! - `TDPBSUD` then gives C (16 tokens x 16 rows, i32) = `sum qa * u` per (token, row); the
+//!   integer start `-zero * sum(qa)` is added exactly, and the f32 step runs in the scalar
+//!   kernel's order, one 16-row vector per token.
 //!
 //! Two slots of tile registers alternate between blocks, so the next block's dot runs while
 //! this block's combine does. Decode and batches below [`AMX_MIN_TOKENS`] run the
@@ -37,9 +38,11 @@ mod kernel;
 pub mod tiles;
 
 /// Fewest activation rows (tokens) for which the `amx` set uses the AMX tiles; fewer rows
-/// (decode) run the interleaved VNNI kernel, which gives the same bits. One B tile holds 16
-/// tokens.
-pub const AMX_MIN_TOKENS: usize = 16;
+/// (decode, small batches) run the interleaved VNNI kernel, which gives the same bits.
+/// Measured on the GPU machine's host (Xeon, 2 threads, the default model's shapes): AMX is
+/// 0.33-0.63x `vnni8` at 16-32 tokens, 0.66-1.13x at 64, 0.95-1.34x at 128 and 1.33-2.15x
+/// at 512 (`docs/benchmark_results/cpu-amx-blocks-h200host-2026-11-30.md`).
+pub const AMX_MIN_TOKENS: usize = 128;
 
 /// Where the tile instructions run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -137,7 +140,7 @@ pub fn matmul(
         y.fill(0.0);
         return Ok(());
     }
-    let panels = kernel::ActivationPanels::new(weights.zero(), activations);
+    let prepared = kernel::Activations::new(weights.zero(), activations);
     crate::linear::by_row_tasks(n, num_tokens, kernel::TILE_ROWS, y, |range| {
         let chunk = range.start / kernel::TILE_ROWS;
         let mut local = vec![0f32; range.len() * num_tokens];
@@ -145,11 +148,11 @@ pub fn matmul(
             TileBackend::Emulated => kernel::row_chunk(
                 &mut tiles::EmulatedTiles::default(),
                 weights,
-                &panels,
+                &prepared,
                 chunk,
                 &mut local,
             ),
-            TileBackend::Hardware => hardware::row_chunk(weights, &panels, chunk, &mut local),
+            TileBackend::Hardware => hardware::row_chunk(weights, &prepared, chunk, &mut local),
         }
         local
     });

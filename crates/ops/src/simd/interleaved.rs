@@ -104,43 +104,33 @@ impl Interleaved {
         self.zero
     }
 
-    /// Unpacks block `block` of the eight rows of group `group`: `values[32 lane + j]` is
-    /// row `lane`'s stored value `j` (`u`, in value order), `scales[lane]` and `mins[lane]`
-    /// its factors as f32 (a missing min is 0). The last group's padding rows come out as
-    /// zeros.
-    pub fn unpack_block(
+    /// Whether the stored values are nibbles (two per byte) rather than bytes.
+    pub fn is_nibble(&self) -> bool {
+        self.nibble
+    }
+
+    /// The weight bytes of block `block` of group `group` as stored (see the module docs):
+    /// `4 k .. 4 k + 4` of step `k` for each of the 8 rows in turn, 4 steps of 32 bytes for
+    /// nibbles (low nibbles values `4 k + j`, high nibbles `16 + 4 k + j`), 8 for bytes.
+    pub fn block_weights(&self, group: usize, block: usize) -> &[u8] {
+        let weight_bytes = if self.nibble { 128 } else { 256 };
+        &self.record(group, block)[..weight_bytes]
+    }
+
+    /// The scales and mins of block `block` of group `group`'s 8 rows as f32 (a missing min
+    /// is 0).
+    pub fn block_factors(
         &self,
         group: usize,
         block: usize,
-        values: &mut [u8; GROUP * 32],
         scales: &mut [f32; GROUP],
         mins: &mut [f32; GROUP],
     ) {
-        assert!(
-            group * GROUP < self.num_rows && block < self.blocks_per_row,
-            "group or block out of range"
-        );
-        let record =
-            &self.data[(group * self.blocks_per_row + block) * self.stride..][..self.stride];
-        let block_bytes = if self.nibble { 16 } else { 32 };
-        for lane in 0..GROUP {
-            let u = &mut values[32 * lane..32 * lane + 32];
-            for step in 0..block_bytes / 4 {
-                for j in 0..4 {
-                    let byte = record[step * 32 + lane * 4 + j];
-                    if self.nibble {
-                        u[4 * step + j] = byte & 0x0F;
-                        u[16 + 4 * step + j] = byte >> 4;
-                    } else {
-                        u[4 * step + j] = byte;
-                    }
-                }
-            }
-        }
+        let record = self.record(group, block);
+        let factors = &record[if self.nibble { 128 } else { 256 }..];
         let factor_bytes = if self.half { 2 } else { 4 };
         let factor = |index: usize| {
-            let at = GROUP * block_bytes + index * factor_bytes;
-            let bytes = &record[at..at + factor_bytes];
+            let bytes = &factors[index * factor_bytes..(index + 1) * factor_bytes];
             if self.half {
                 pagoda_tensor::quant::blocks::f16_bits_to_f32(u16::from_le_bytes([
                     bytes[0], bytes[1],
@@ -153,6 +143,44 @@ impl Interleaved {
             scales[lane] = factor(lane);
             mins[lane] = factor(GROUP + lane);
         }
+    }
+
+    fn record(&self, group: usize, block: usize) -> &[u8] {
+        assert!(
+            group * GROUP < self.num_rows && block < self.blocks_per_row,
+            "group or block out of range"
+        );
+        &self.data[(group * self.blocks_per_row + block) * self.stride..][..self.stride]
+    }
+
+    /// Unpacks block `block` of the eight rows of group `group`: `values[32 lane + j]` is
+    /// row `lane`'s stored value `j` (`u`, in value order), `scales[lane]` and `mins[lane]`
+    /// its factors as f32 (a missing min is 0). The last group's padding rows come out as
+    /// zeros.
+    pub fn unpack_block(
+        &self,
+        group: usize,
+        block: usize,
+        values: &mut [u8; GROUP * 32],
+        scales: &mut [f32; GROUP],
+        mins: &mut [f32; GROUP],
+    ) {
+        let weights = self.block_weights(group, block);
+        for lane in 0..GROUP {
+            let u = &mut values[32 * lane..32 * lane + 32];
+            for step in 0..weights.len() / 32 {
+                for j in 0..4 {
+                    let byte = weights[step * 32 + lane * 4 + j];
+                    if self.nibble {
+                        u[4 * step + j] = byte & 0x0F;
+                        u[16 + 4 * step + j] = byte >> 4;
+                    } else {
+                        u[4 * step + j] = byte;
+                    }
+                }
+            }
+        }
+        self.block_factors(group, block, scales, mins);
     }
 
     /// Decodes row `row` into `out` (`blocks_per_row * 32` values), bit-exactly as

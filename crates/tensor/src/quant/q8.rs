@@ -110,6 +110,10 @@ impl Q8Rows {
     pub fn blocks_per_row(&self) -> usize {
         self.row_len / Q8_BLOCK
     }
+    /// Every row's quantized values, row after row.
+    pub fn qs(&self) -> &[i8] {
+        &self.qs
+    }
     /// The quantized values of row `row` (`row_len` of them).
     pub fn row_qs(&self, row: usize) -> &[i8] {
         &self.qs[row * self.row_len..(row + 1) * self.row_len]

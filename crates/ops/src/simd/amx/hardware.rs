@@ -5,7 +5,7 @@
 //! where [`detect`] succeeded, and it checks every slice against the configured tile shape
 //! before an instruction touches memory, so its methods are safe to call.
 
-use super::kernel::{self, ActivationPanels};
+use super::kernel::{self, Activations};
 use super::tiles::{span, CTile, TileConfig, TileUnit, SLOTS, TILE_A, TILE_B, TILE_C};
 use crate::simd::interleaved::Interleaved;
 
@@ -139,6 +139,7 @@ impl TileUnit for HardwareTiles {
         self.config = Some(*config);
     }
 
+    #[inline]
     fn zero_c(&mut self, slot: usize) {
         self.shape(TILE_C[slot]);
         // SAFETY: AMX is permitted and the slot's C is configured (checked above).
@@ -152,6 +153,7 @@ impl TileUnit for HardwareTiles {
         };
     }
 
+    #[inline]
     fn load_a(&mut self, slot: usize, src: &[u8], stride: usize) {
         let (rows, colsb) = self.shape(TILE_A[slot]);
         assert!(
@@ -172,6 +174,7 @@ impl TileUnit for HardwareTiles {
         }
     }
 
+    #[inline]
     fn load_b(&mut self, slot: usize, src: &[u8], stride: usize) {
         let (rows, colsb) = self.shape(TILE_B[slot]);
         assert!(
@@ -191,7 +194,8 @@ impl TileUnit for HardwareTiles {
         }
     }
 
-    fn dot_busd(&mut self, slot: usize) {
+    #[inline]
+    fn dot_bsud(&mut self, slot: usize) {
         self.config
             .as_ref()
             .expect("tile instruction before LDTILECFG")
@@ -201,13 +205,14 @@ impl TileUnit for HardwareTiles {
         unsafe {
             per_slot!(
                 slot,
-                "tdpbusd tmm0, tmm1, tmm2",
-                "tdpbusd tmm3, tmm5, tmm4",
+                "tdpbsud tmm0, tmm1, tmm2",
+                "tdpbsud tmm3, tmm5, tmm4",
                 options(nostack, nomem)
             )
         };
     }
 
+    #[inline]
     fn store_c(&mut self, slot: usize, dst: &mut CTile) {
         // A configured C has at most 16 rows of 64 bytes: within `dst` at stride 64.
         self.shape(TILE_C[slot]);
@@ -244,7 +249,7 @@ impl Drop for HardwareTiles {
 
 /// [`kernel::row_chunk`] on the hardware tiles, its f32 combine compiled with AVX-512 (present
 /// wherever AMX is). Panics if AMX is unavailable (the caller checks).
-pub fn row_chunk(weights: &Interleaved, panels: &ActivationPanels, chunk: usize, out: &mut [f32]) {
+pub fn row_chunk(weights: &Interleaved, activations: &Activations, chunk: usize, out: &mut [f32]) {
     let mut unit = HardwareTiles::new().expect("AMX-INT8 availability checked by the caller");
     #[cfg(target_arch = "x86_64")]
     {
@@ -252,18 +257,18 @@ pub fn row_chunk(weights: &Interleaved, panels: &ActivationPanels, chunk: usize,
         fn vectorized(
             unit: &mut HardwareTiles,
             weights: &Interleaved,
-            panels: &ActivationPanels,
+            activations: &Activations,
             chunk: usize,
             out: &mut [f32],
         ) {
-            kernel::row_chunk(unit, weights, panels, chunk, out)
+            kernel::row_chunk(unit, weights, activations, chunk, out)
         }
         // SAFETY: `unit` exists only where `detect` confirmed AVX2, FMA, F16C and AVX-512F/VL.
-        unsafe { vectorized(&mut unit, weights, panels, chunk, out) }
+        unsafe { vectorized(&mut unit, weights, activations, chunk, out) }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = (&mut unit, weights, panels, chunk, out);
+        let _ = (&mut unit, weights, activations, chunk, out);
         unreachable!("HardwareTiles::new returns None off x86-64");
     }
 }
@@ -277,7 +282,7 @@ impl TileUnit for HardwareTiles {
     fn zero_c(&mut self, _: usize) {}
     fn load_a(&mut self, _: usize, _: &[u8], _: usize) {}
     fn load_b(&mut self, _: usize, _: &[u8], _: usize) {}
-    fn dot_busd(&mut self, _: usize) {}
+    fn dot_bsud(&mut self, _: usize) {}
     fn store_c(&mut self, _: usize, _: &mut CTile) {}
     fn release(&mut self) {}
 }

@@ -1,6 +1,7 @@
-//! The AMX tiling loops: activation panels (tile B), weight tiles (tile A), one `TDPBUSD`
-//! per 16 weight rows x 16 tokens x 32-value block, and the f32 combine of
-//! [`crate::simd::interleaved`] (see the parent module docs for the layout).
+//! The AMX tiling loops: activations straight from the Q8 rows (tile A: 16 tokens x one
+//! 32-value block), weights from the interleaved records (tile B: the block's eight 4-byte
+//! groups of 16 weight rows), one `TDPBSUD` per 16 tokens x 16 rows x block, and the f32
+//! combine of [`crate::simd::interleaved`] (see the parent module docs for the layout).
 
 use pagoda_tensor::quant::q8::Q8Rows;
 use rayon::prelude::*;
@@ -10,26 +11,24 @@ use super::tiles::{
 };
 use crate::simd::interleaved::{Interleaved, GROUP};
 
-/// Weight rows per A and C tile: two interleaved groups.
-pub const TILE_ROWS: usize = MAX_ROWS;
-/// Tokens per B and C tile (one i32 column each).
-pub const TILE_TOKENS: usize = MAX_COLSB / 4;
+/// Weight rows per B and C tile (one i32 column each): two interleaved groups.
+pub const TILE_ROWS: usize = MAX_COLSB / 4;
+/// Tokens per A and C tile.
+pub const TILE_TOKENS: usize = MAX_ROWS;
 /// Values per block: the K of one tile dot.
 const BLOCK: usize = 32;
 /// Rows of a B tile: the block's 4-byte groups.
 const B_ROWS: usize = BLOCK / 4;
-/// Bytes of one B tile (a token tile's block).
-const PANEL: usize = B_ROWS * MAX_COLSB;
-/// Bytes of one A tile (16 rows of one block).
-const A_TILE: usize = TILE_ROWS * BLOCK;
+/// Bytes of one B tile (16 weight rows of one block).
+const B_TILE: usize = B_ROWS * MAX_COLSB;
 
 /// The tile configuration: per slot, C 16 x 64 bytes, A 16 x 32, B 8 x 64.
 pub fn config() -> TileConfig {
     let mut config = TileConfig::default();
     for slot in 0..SLOTS {
-        config.rows[TILE_C[slot]] = TILE_ROWS as u8;
+        config.rows[TILE_C[slot]] = TILE_TOKENS as u8;
         config.colsb[TILE_C[slot]] = MAX_COLSB as u16;
-        config.rows[TILE_A[slot]] = TILE_ROWS as u8;
+        config.rows[TILE_A[slot]] = TILE_TOKENS as u8;
         config.colsb[TILE_A[slot]] = BLOCK as u16;
         config.rows[TILE_B[slot]] = B_ROWS as u8;
         config.colsb[TILE_B[slot]] = MAX_COLSB as u16;
@@ -37,13 +36,13 @@ pub fn config() -> TileConfig {
     config
 }
 
-/// The activations in the B-tile layout, built once per matmul. For each tile of 16 tokens
-/// and block: 8 rows of 64 bytes, row `g` column `4 n .. 4 n + 4` holding token `n`'s bytes
-/// `4 g .. 4 g + 4` of the block (zeros past the last token); and the tokens' factors.
-pub struct ActivationPanels {
+/// The activations as the tiles read them, built once per matmul: A tiles load the Q8 rows in
+/// place (16 tokens at a row stride of `row_len` bytes), the last partial tile from a copy
+/// padded with zero tokens; and per tile of 16 tokens and block, the tokens' factors.
+pub struct Activations<'a> {
+    q8: &'a Q8Rows,
     tiles: usize,
-    blocks: usize,
-    bytes: Vec<u8>,
+    tail: Vec<i8>,
     factors: Vec<TokenFactors>,
 }
 
@@ -56,59 +55,61 @@ struct TokenFactors {
     starts: [i32; TILE_TOKENS],
 }
 
-impl ActivationPanels {
-    /// Lays out `activations` for weights whose zero is `zero`.
-    pub fn new(zero: i32, activations: &Q8Rows) -> ActivationPanels {
-        let tokens = activations.num_rows();
-        let blocks = activations.blocks_per_row();
+impl<'a> Activations<'a> {
+    /// Prepares `q8` for weights whose zero is `zero`.
+    pub fn new(zero: i32, q8: &'a Q8Rows) -> Activations<'a> {
+        let tokens = q8.num_rows();
+        let blocks = q8.blocks_per_row();
         let tiles = tokens.div_ceil(TILE_TOKENS);
-        let mut bytes = vec![0u8; tiles * blocks * PANEL];
+        let full = tokens / TILE_TOKENS * TILE_TOKENS;
+        let mut tail = Vec::new();
+        if full < tokens {
+            tail = q8.qs()[full * q8.row_len()..].to_vec();
+            tail.resize(TILE_TOKENS * q8.row_len(), 0);
+        }
         let mut factors = vec![TokenFactors::default(); tiles * blocks];
         // One task per token tile.
-        let fill = |(tile, (bytes, factors)): (usize, (&mut [u8], &mut [TokenFactors]))| {
-            for n in 0..TILE_TOKENS.min(tokens - tile * TILE_TOKENS) {
-                let t = tile * TILE_TOKENS + n;
-                let qa = activations.row_qs(t);
-                let (scales, sums) = (activations.row_scales(t), activations.row_sums(t));
-                for (b, (panel, factors)) in bytes
-                    .chunks_exact_mut(PANEL)
-                    .zip(factors.iter_mut())
-                    .enumerate()
-                {
-                    let block = &qa[b * BLOCK..(b + 1) * BLOCK];
-                    for (g, group) in block.chunks_exact(4).enumerate() {
-                        for (i, &q) in group.iter().enumerate() {
-                            panel[g * MAX_COLSB + 4 * n + i] = q as u8;
-                        }
-                    }
-                    factors.scales[n] = scales[b];
-                    factors.sums[n] = sums[b];
-                    factors.starts[n] = -zero * block.iter().map(|&q| q as i32).sum::<i32>();
-                }
-            }
-        };
-        bytes
-            .par_chunks_mut(blocks * PANEL)
-            .zip(factors.par_chunks_mut(blocks))
+        factors
+            .par_chunks_mut(blocks)
             .enumerate()
-            .for_each(fill);
-        ActivationPanels {
+            .for_each(|(tile, factors)| {
+                for n in 0..TILE_TOKENS.min(tokens - tile * TILE_TOKENS) {
+                    let t = tile * TILE_TOKENS + n;
+                    let (qa, scales, sums) = (q8.row_qs(t), q8.row_scales(t), q8.row_sums(t));
+                    for (b, factors) in factors.iter_mut().enumerate() {
+                        factors.scales[n] = scales[b];
+                        factors.sums[n] = sums[b];
+                        let block = &qa[b * BLOCK..(b + 1) * BLOCK];
+                        factors.starts[n] = -zero * block.iter().map(|&q| q as i32).sum::<i32>();
+                    }
+                }
+            });
+        Activations {
+            q8,
             tiles,
-            blocks,
-            bytes,
+            tail,
             factors,
         }
     }
 
-    fn panel(&self, tile: usize, block: usize) -> &[u8] {
-        &self.bytes[(tile * self.blocks + block) * PANEL..][..PANEL]
+    /// The bytes tile `tile`'s A loads start at (token `16 tile`, block 0), row stride
+    /// `row_len`; at least 16 rows.
+    fn tile_source(&self, tile: usize) -> &[u8] {
+        let row_len = self.q8.row_len();
+        let start = tile * TILE_TOKENS;
+        if start + TILE_TOKENS <= self.q8.num_rows() {
+            bytemuck::cast_slice(&self.q8.qs()[start * row_len..])
+        } else {
+            bytemuck::cast_slice(&self.tail)
+        }
     }
 }
 
-/// One chunk of 16 weight rows, unpacked for the A tiles: per block, 16 rows of 32 values
-/// (row stride 32), and the rows' scales and mins (zeros for rows past the matrix).
+/// One chunk of 16 weight rows as B tiles: per block, 8 rows of 64 bytes (row `g` holding the
+/// 4 values of group `g` of each weight row), and the rows' scales and mins (zeros for rows
+/// past the matrix).
 struct WeightTiles {
-    values: Vec<u8>,
+    bytes: Vec<u8>,
     scales: Vec<[f32; TILE_ROWS]>,
     mins: Vec<[f32; TILE_ROWS]>,
 }
@@ -117,22 +118,34 @@ impl WeightTiles {
     fn new(weights: &Interleaved, chunk: usize) -> WeightTiles {
         let blocks = weights.blocks_per_row();
         let mut tiles = WeightTiles {
-            values: vec![0u8; blocks * A_TILE],
+            bytes: vec![0u8; blocks * B_TILE],
             scales: vec![[0f32; TILE_ROWS]; blocks],
             mins: vec![[0f32; TILE_ROWS]; blocks],
         };
         let (mut scales, mut mins) = ([0f32; GROUP], [0f32; GROUP]);
+        const HALF: usize = GROUP * 4;
         for half in 0..TILE_ROWS / GROUP {
             let group = chunk * (TILE_ROWS / GROUP) + half;
             if group * GROUP >= weights.num_rows() {
                 break;
             }
             for block in 0..blocks {
-                let values: &mut [u8; GROUP * BLOCK] = (&mut tiles.values
-                    [block * A_TILE + half * GROUP * BLOCK..][..GROUP * BLOCK])
-                    .try_into()
-                    .unwrap();
-                weights.unpack_block(group, block, values, &mut scales, &mut mins);
+                let tile = &mut tiles.bytes[block * B_TILE..(block + 1) * B_TILE];
+                let stored = weights.block_weights(group, block);
+                for (step, bytes) in stored.chunks_exact(HALF).enumerate() {
+                    let at = step * MAX_COLSB + half * HALF;
+                    if weights.is_nibble() {
+                        // Low nibbles are values 4 step + j, high nibbles 16 + 4 step + j.
+                        let high = at + 4 * MAX_COLSB;
+                        for (j, &byte) in bytes.iter().enumerate() {
+                            tile[at + j] = byte & 0x0F;
+                            tile[high + j] = byte >> 4;
+                        }
+                    } else {
+                        tile[at..at + HALF].copy_from_slice(bytes);
+                    }
+                }
+                weights.block_factors(group, block, &mut scales, &mut mins);
                 tiles.scales[block][half * GROUP..(half + 1) * GROUP].copy_from_slice(&scales);
                 tiles.mins[block][half * GROUP..(half + 1) * GROUP].copy_from_slice(&mins);
             }
@@ -150,37 +163,43 @@ impl WeightTiles {
 pub fn row_chunk<U: TileUnit>(
     unit: &mut U,
     weights: &Interleaved,
-    panels: &ActivationPanels,
+    activations: &Activations,
     chunk: usize,
     out: &mut [f32],
 ) {
-    let blocks = panels.blocks;
+    let blocks = weights.blocks_per_row();
     assert!(chunk * TILE_ROWS < weights.num_rows(), "chunk out of range");
     let rows = TILE_ROWS.min(weights.num_rows() - chunk * TILE_ROWS);
-    let tokens = out.len() / rows;
+    let tokens = activations.q8.num_rows();
     assert!(
-        rows * tokens == out.len() && tokens.div_ceil(TILE_TOKENS) == panels.tiles,
+        rows * tokens == out.len() && blocks == activations.q8.blocks_per_row(),
         "out must be [rows, num_tokens]"
     );
+    let row_len = activations.q8.row_len();
     let w = WeightTiles::new(weights, chunk);
     let mut c: [CTile; SLOTS] = [CTile::default(), CTile::default()];
     unit.configure(&config());
-    let issue = |unit: &mut U, c: &mut [CTile; SLOTS], tile: usize, block: usize| {
+    let issue = |unit: &mut U, c: &mut [CTile; SLOTS], source: &[u8], block: usize| {
         let slot = block % SLOTS;
         unit.zero_c(slot);
-        unit.load_a(slot, &w.values[block * A_TILE..][..A_TILE], BLOCK);
-        unit.load_b(slot, panels.panel(tile, block), MAX_COLSB);
-        unit.dot_busd(slot);
+        unit.load_a(slot, &source[block * BLOCK..], row_len);
+        unit.load_b(
+            slot,
+            &w.bytes[block * B_TILE..(block + 1) * B_TILE],
+            MAX_COLSB,
+        );
+        unit.dot_bsud(slot);
         unit.store_c(slot, &mut c[slot]);
     };
-    for tile in 0..panels.tiles {
-        let mut acc = [[0f32; TILE_TOKENS]; TILE_ROWS];
-        issue(unit, &mut c, tile, 0);
+    for tile in 0..activations.tiles {
+        let source = activations.tile_source(tile);
+        let mut acc = [[0f32; TILE_ROWS]; TILE_TOKENS];
+        issue(unit, &mut c, source, 0);
         for block in 0..blocks {
             if block + 1 < blocks {
-                issue(unit, &mut c, tile, block + 1);
+                issue(unit, &mut c, source, block + 1);
             }
-            let tokens = &panels.factors[tile * blocks + block];
+            let tokens = &activations.factors[tile * blocks + block];
             let step = Step {
                 c: &c[block % SLOTS],
                 d: &w.scales[block],
@@ -198,17 +217,18 @@ pub fn row_chunk<U: TileUnit>(
             combine(&mut acc, &step);
         }
         let first = tile * TILE_TOKENS;
-        let count = TILE_TOKENS.min(tokens - first);
-        for (m, row) in acc.iter().take(rows).enumerate() {
-            out[m * tokens + first..][..count].copy_from_slice(&row[..count]);
+        for (n, values) in acc.iter().take(tokens - first).enumerate() {
+            for (r, &value) in values.iter().take(rows).enumerate() {
+                out[r * tokens + first + n] = value;
+            }
         }
     }
     unit.release();
 }
 
-/// One block's inputs to the f32 step of 16 rows x 16 tokens.
+/// One block's inputs to the f32 step of 16 tokens x 16 rows.
 struct Step<'a> {
-    /// The tile dot's integers, `[row][token]`.
+    /// The tile dot's integers, `[token][row]`.
     c: &'a CTile,
     /// The rows' scales and mins.
     d: &'a [f32; TILE_ROWS],
@@ -219,15 +239,15 @@ struct Step<'a> {
     start: &'a [i32; TILE_TOKENS],
 }
 
-/// One block's f32 step: `acc[m][n] += d[m] * d_a[n] * (c[m][n] + start[n]) + min[m] * s_a[n]`,
+/// One block's f32 step: `acc[n][r] += d[r] * d_a[n] * (c[n][r] + start[n]) + min[r] * s_a[n]`,
 /// in that order (the oracle of [`x86::combine`]).
 #[inline(always)]
-fn combine(acc: &mut [[f32; TILE_TOKENS]; TILE_ROWS], step: &Step) {
-    for (m, acc) in acc.iter_mut().enumerate() {
-        let (dm, mm) = (step.d[m], step.min[m]);
-        for n in 0..TILE_TOKENS {
-            let integer = step.c.0[m][n].wrapping_add(step.start[n]) as f32;
-            acc[n] += dm * step.da[n] * integer + mm * step.sa[n];
+fn combine(acc: &mut [[f32; TILE_ROWS]; TILE_TOKENS], step: &Step) {
+    for (n, acc) in acc.iter_mut().enumerate() {
+        let (da, sa, start) = (step.da[n], step.sa[n], step.start[n]);
+        for r in 0..TILE_ROWS {
+            let integer = step.c.0[n][r].wrapping_add(start) as f32;
+            acc[r] += step.d[r] * da * integer + step.min[r] * sa;
         }
     }
 }
@@ -237,21 +257,24 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// [`super::combine`] with one AVX-512 vector of 16 tokens per row: the same operations
+    /// [`super::combine`] with one AVX-512 vector of 16 rows per token: the same operations
     /// in the same order, so the same bits. SAFETY: AVX-512F.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    pub(super) unsafe fn combine(acc: &mut [[f32; TILE_TOKENS]; TILE_ROWS], step: &Step) {
+    pub(super) unsafe fn combine(acc: &mut [[f32; TILE_ROWS]; TILE_TOKENS], step: &Step) {
         // SAFETY: every pointer is to a 16-lane array of the loaded type.
         unsafe {
-            let da = _mm512_loadu_ps(step.da.as_ptr());
-            let sa = _mm512_loadu_ps(step.sa.as_ptr());
-            let start = _mm512_loadu_si512(step.start.as_ptr() as *const __m512i);
-            for (m, acc) in acc.iter_mut().enumerate() {
-                let ints = _mm512_loadu_si512(step.c.0[m].as_ptr() as *const __m512i);
+            let d = _mm512_loadu_ps(step.d.as_ptr());
+            let min = _mm512_loadu_ps(step.min.as_ptr());
+            for (n, acc) in acc.iter_mut().enumerate() {
+                let ints = _mm512_loadu_si512(step.c.0[n].as_ptr() as *const __m512i);
+                let start = _mm512_set1_epi32(step.start[n]);
                 let integer = _mm512_cvtepi32_ps(_mm512_add_epi32(ints, start));
-                let scaled = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(step.d[m]), da), integer);
-                let term = _mm512_add_ps(scaled, _mm512_mul_ps(_mm512_set1_ps(step.min[m]), sa));
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(step.da[n]));
+                let term = _mm512_add_ps(
+                    _mm512_mul_ps(scale, integer),
+                    _mm512_mul_ps(min, _mm512_set1_ps(step.sa[n])),
+                );
                 let sum = _mm512_add_ps(_mm512_loadu_ps(acc.as_ptr()), term);
                 _mm512_storeu_ps(acc.as_mut_ptr(), sum);
             }

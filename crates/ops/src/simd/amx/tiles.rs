@@ -1,15 +1,15 @@
 //! The tile operations the AMX kernel uses, and a plain-Rust model of them.
 //!
 //! [`TileUnit`] is the whole interface between the kernel loops and the tile registers:
-//! configure, zero C, load A and B, one `TDPBUSD`, store C, release. The kernel uses two
+//! configure, zero C, load A and B, one `TDPBSUD`, store C, release. The kernel uses two
 //! slots of fixed registers, so one slot's dot can run while the other's result is combined:
-//! [`TILE_C`] (`tmm0`, `tmm3`: i32 accumulators), [`TILE_A`] (`tmm1`, `tmm5`: unsigned
-//! bytes) and [`TILE_B`] (`tmm2`, `tmm4`: signed bytes). [`EmulatedTiles`] follows the semantics of
+//! [`TILE_C`] (`tmm0`, `tmm3`: i32 accumulators), [`TILE_A`] (`tmm1`, `tmm5`: signed
+//! bytes) and [`TILE_B`] (`tmm2`, `tmm4`: unsigned bytes). [`EmulatedTiles`] follows the semantics of
 //! the Intel SDM pseudo-code (palette 1: 8 tiles of at most 16 rows x 64 bytes):
 //!
 //! - `TILELOADD t, [base + stride * r]`: rows `r < rows[t]` get `colsb[t]` bytes from
 //!   `base + r * stride`; the rest of each row and the rows past `rows[t]` are zeroed.
-//! - `TDPBUSD c, a, b`: `C[m][n] += sum_k sum_{i<4} zext(A[m][4k + i]) * sext(B[k][4n + i])`
+//! - `TDPBSUD c, a, b`: `C[m][n] += sum_k sum_{i<4} sext(A[m][4k + i]) * zext(B[k][4n + i])`
 //!   for `m < rows[c]`, `n < colsb[c] / 4`, `k < colsb[a] / 4`, wrapping i32; the bytes of C
 //!   past `colsb[c]` and its rows past `rows[c]` are zeroed. The shapes must agree
 //!   (`rows[a] == rows[c]`, `colsb[b] == colsb[c]`, `colsb[a] == 4 * rows[b]`), or the
@@ -21,10 +21,10 @@
 
 /// The accumulator tiles of the two slots (`tmm0`, `tmm3`): 16 rows x 16 i32.
 pub const TILE_C: [usize; SLOTS] = [0, 3];
-/// The unsigned-byte tiles of the two slots (`tmm1`, `tmm5`): weight rows.
+/// The signed-byte tiles of the two slots (`tmm1`, `tmm5`): activation rows (tokens).
 pub const TILE_A: [usize; SLOTS] = [1, 5];
-/// The signed-byte tiles of the two slots (`tmm2`, `tmm4`): activations in the VNNI tile
-/// layout.
+/// The unsigned-byte tiles of the two slots (`tmm2`, `tmm4`): weights in the VNNI tile
+/// layout (one 4-byte group of each weight row per tile row).
 pub const TILE_B: [usize; SLOTS] = [2, 4];
 /// Slots: (C, B) register pairs sharing the A tile.
 pub const SLOTS: usize = 2;
@@ -68,14 +68,14 @@ impl TileConfig {
         (rows, colsb)
     }
 
-    /// Panics unless `TDPBUSD c, a, b` is valid for these shapes.
+    /// Panics unless `TDPBSUD c, a, b` is valid for these shapes.
     pub fn check_dot(&self, c: usize, a: usize, b: usize) {
         let (c_rows, c_colsb) = self.shape(c);
         let (a_rows, a_colsb) = self.shape(a);
         let (b_rows, b_colsb) = self.shape(b);
         assert!(
             a_rows == c_rows && b_colsb == c_colsb && a_colsb == 4 * b_rows && c_colsb % 4 == 0,
-            "TDPBUSD shapes: C {c_rows}x{c_colsb}, A {a_rows}x{a_colsb}, B {b_rows}x{b_colsb}"
+            "TDPBSUD shapes: C {c_rows}x{c_colsb}, A {a_rows}x{a_colsb}, B {b_rows}x{b_colsb}"
         );
     }
 }
@@ -105,8 +105,8 @@ pub trait TileUnit {
     fn load_a(&mut self, slot: usize, src: &[u8], stride: usize);
     /// `TILELOADD` of the slot's B. Panics if `src` is shorter than the tile spans.
     fn load_b(&mut self, slot: usize, src: &[u8], stride: usize);
-    /// `TDPBUSD` of the slot: its C += its A x its B.
-    fn dot_busd(&mut self, slot: usize);
+    /// `TDPBSUD` of the slot: its C += its A (signed) x its B (unsigned).
+    fn dot_bsud(&mut self, slot: usize);
     /// `TILESTORED` of the slot's C into `dst` (row stride 64 bytes; rows and bytes past
     /// the configured shape are left as they were).
     fn store_c(&mut self, slot: usize, dst: &mut CTile);
@@ -190,7 +190,7 @@ impl TileUnit for EmulatedTiles {
         self.load(TILE_B[slot], src, stride);
     }
 
-    fn dot_busd(&mut self, slot: usize) {
+    fn dot_bsud(&mut self, slot: usize) {
         let config = *self.config();
         let (tile_c, tile_a, tile_b) = (TILE_C[slot], TILE_A[slot], TILE_B[slot]);
         config.check_dot(tile_c, tile_a, tile_b);
@@ -205,9 +205,9 @@ impl TileUnit for EmulatedTiles {
                 let mut sum = i32::from_le_bytes(c_bytes.try_into().unwrap());
                 for k in 0..a_colsb / 4 {
                     for i in 0..4 {
-                        let unsigned = a[m * MAX_COLSB + 4 * k + i] as i32;
-                        let signed = b[k * MAX_COLSB + 4 * n + i] as i8 as i32;
-                        sum = sum.wrapping_add(unsigned * signed);
+                        let signed = a[m * MAX_COLSB + 4 * k + i] as i8 as i32;
+                        let unsigned = b[k * MAX_COLSB + 4 * n + i] as i32;
+                        sum = sum.wrapping_add(signed * unsigned);
                     }
                 }
                 c[at..at + 4].copy_from_slice(&sum.to_le_bytes());
@@ -255,10 +255,10 @@ mod tests {
         assert!(bytes[22..48].iter().all(|&b| b == 0) && bytes[51..].iter().all(|&b| b == 0));
     }
 
-    /// `TDPBUSD` against a naive i64 dot, with extreme bytes (A 255 is +255 unsigned, B 0x80
-    /// is -128 signed), edge shapes and a non-zero start in C.
+    /// `TDPBSUD` against a naive i64 dot, with extreme bytes (A 0x80 is -128 signed, B 255 is
+    /// +255 unsigned), edge shapes and a non-zero start in C.
     #[test]
-    fn dot_follows_the_unsigned_by_signed_rule() {
+    fn dot_follows_the_signed_by_unsigned_rule() {
         let (m_rows, k_groups, n_cols) = (5usize, 3usize, 7usize);
         let mut tiles = EmulatedTiles::default();
         tiles.configure(&config(
@@ -279,8 +279,8 @@ mod tests {
         tiles.zero_c(0);
         tiles.load_a(0, &a, a_stride);
         tiles.load_b(0, &b, b_stride);
-        tiles.dot_busd(0);
-        tiles.dot_busd(0);
+        tiles.dot_bsud(0);
+        tiles.dot_bsud(0);
         let mut c = CTile::default();
         tiles.store_c(0, &mut c);
         for m in 0..m_rows {
@@ -288,8 +288,8 @@ mod tests {
                 let mut want = 0i64;
                 for k in 0..k_groups {
                     for i in 0..4 {
-                        want += a[m * a_stride + 4 * k + i] as i64
-                            * b[k * b_stride + 4 * n + i] as i8 as i64;
+                        want += a[m * a_stride + 4 * k + i] as i8 as i64
+                            * b[k * b_stride + 4 * n + i] as i64;
                     }
                 }
                 assert_eq!(c.0[m][n] as i64, 2 * want, "m{m} n{n}");
@@ -326,10 +326,10 @@ mod tests {
     }
 
     #[test]
-    #[should_panic(expected = "TDPBUSD shapes")]
+    #[should_panic(expected = "TDPBSUD shapes")]
     fn mismatched_shapes_fault() {
         let mut tiles = EmulatedTiles::default();
         tiles.configure(&config((16, 64), (16, 32), (4, 64)));
-        tiles.dot_busd(0);
+        tiles.dot_bsud(0);
     }
 }

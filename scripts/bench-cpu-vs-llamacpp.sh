@@ -28,7 +28,8 @@ PAGODA=${PAGODA:-target/release/pagoda}
 command -v "$LLAMA_BENCH" >/dev/null || { echo "llama-bench not found: pass its path" >&2; exit 1; }
 
 busy_pid=""
-start_busy() { ( while :; do :; done ) & busy_pid=$!; }
+# The busy process shares the benchmark's CPUs (under PIN too).
+start_busy() { $PIN bash -c 'while :; do :; done' & busy_pid=$!; }
 stop_busy() { [ -n "$busy_pid" ] && kill "$busy_pid" 2>/dev/null; busy_pid=""; }
 trap stop_busy EXIT
 

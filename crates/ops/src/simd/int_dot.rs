@@ -35,8 +35,8 @@ pub enum IntIsa {
     Avx2,
     /// Portable scalar code ([`dot_scalar`]).
     Scalar,
-    /// AMX-INT8 tiles for multi-row matmuls ([`crate::simd::amx`], bit-identical to
-    /// [`IntIsa::Vnni`]); single tiles and decode run the VNNI kernels.
+    /// AMX-INT8 tiles for prefills over interleaved weights ([`crate::simd::amx`],
+    /// bit-identical to the interleaved VNNI kernel); decode and these per-row tiles run VNNI.
     Amx,
 }
 
@@ -70,8 +70,8 @@ impl IntIsa {
 ///
 /// Panics if a row or token index is out of range or the two row lengths differ (callers
 /// validate shapes once per matmul). An `isa` the CPU lacks runs the scalar kernel;
-/// [`IntIsa::Amx`] runs the VNNI kernels (the AMX tiles are whole matmuls,
-/// [`crate::simd::amx::matmul`], with the same bits).
+/// [`IntIsa::Amx`] runs the VNNI kernels (the AMX tiles are whole matmuls over interleaved
+/// weights, [`crate::simd::amx::matmul`]).
 pub fn tile<const R: usize, const T: usize>(
     isa: IntIsa,
     weights: &RepackedRows,

@@ -112,11 +112,77 @@ fn quantize_slice_portable(x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &
     }
 }
 
-/// The portable loop compiled with AVX2 (vector rounding instead of a libm call per value).
+/// [`quantize_block`] per block in AVX2 registers, with its exact operations: the absolute
+/// maximum, `d = amax / 127` and `1 / d` in scalar f32, then per value `x * (1 / d)` rounded
+/// to the nearest even integer, clamped to +-127, converted (exact) and packed to i8, and the
+/// integers summed. (The portable loop compiled with AVX2 converted one value at a time:
+/// 4% of a pp512 run.) `x`, `qs` hold whole blocks; `scales`, `sums` one entry per block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn quantize_slice_avx2(x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
-    quantize_slice_portable(x, qs, scales, sums)
+    use std::arch::x86_64::*;
+    let blocks = x.len() / Q8_BLOCK;
+    assert!(qs.len() == x.len() && scales.len() == blocks && sums.len() == blocks);
+    let sign = _mm256_set1_ps(-0.0);
+    let (low, high) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    for block in 0..blocks {
+        // SAFETY: block `block` of `x` and `qs` holds 32 values (asserted above).
+        unsafe {
+            let src = x.as_ptr().add(block * Q8_BLOCK);
+            let values: [__m256; 4] = [
+                _mm256_loadu_ps(src),
+                _mm256_loadu_ps(src.add(8)),
+                _mm256_loadu_ps(src.add(16)),
+                _mm256_loadu_ps(src.add(24)),
+            ];
+            // max(|x|) over the block; `max` of non-NaN values in any order is exact.
+            let mut amax = _mm256_andnot_ps(sign, values[0]);
+            for value in &values[1..] {
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, *value));
+            }
+            let quad = _mm_max_ps(
+                _mm256_castps256_ps128(amax),
+                _mm256_extractf128_ps::<1>(amax),
+            );
+            let pair = _mm_max_ps(quad, _mm_movehl_ps(quad, quad));
+            let amax = _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair))).max(0.0);
+            let d = amax / 127.0;
+            let inverse = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            // A loop, not `array::from_fn`: a closure would not inherit the target features.
+            let mut ints = [_mm256_setzero_si256(); 4];
+            for (int, value) in ints.iter_mut().zip(values) {
+                let scaled = _mm256_mul_ps(value, inverse);
+                let rounded =
+                    _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(scaled);
+                *int = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rounded, low), high));
+            }
+            let total = _mm256_add_epi32(
+                _mm256_add_epi32(ints[0], ints[1]),
+                _mm256_add_epi32(ints[2], ints[3]),
+            );
+            let total = _mm_add_epi32(
+                _mm256_castsi256_si128(total),
+                _mm256_extracti128_si256::<1>(total),
+            );
+            let total = _mm_add_epi32(total, _mm_shuffle_epi32::<0b01_00_11_10>(total));
+            let total = _mm_cvtsi128_si32(_mm_add_epi32(
+                total,
+                _mm_shuffle_epi32::<0b10_11_00_01>(total),
+            ));
+            // i32 -> i16 -> i8 packs work per 128-bit lane; restore the value order.
+            let words01 = _mm256_packs_epi32(ints[0], ints[1]);
+            let words23 = _mm256_packs_epi32(ints[2], ints[3]);
+            let bytes = _mm256_packs_epi16(words01, words23);
+            let ordered =
+                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(
+                qs.as_mut_ptr().add(block * Q8_BLOCK) as *mut __m256i,
+                ordered,
+            );
+            scales[block] = d;
+            sums[block] = d * total as f32;
+        }
+    }
 }
 
 /// `y[t, r] = dot(weights[r], activations[t])`; `y` is `[num_tokens, num_rows]`.
@@ -232,4 +298,59 @@ pub fn with_scratch<R>(f: impl FnOnce(&mut Q8Rows) -> R) -> R {
     let result = f(&mut rows);
     SCRATCH.with(|cell| cell.set(rows));
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The AVX2 quantizer writes the portable one's values, scales and sums bit for bit, on
+    /// blocks with ties (values at exact half steps), zeros, a lone maximum and wide ranges.
+    #[test]
+    fn avx2_quantization_equals_the_portable_loop() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if !IntIsa::Avx2.is_supported() {
+                return;
+            }
+            let mut state = 0x853C_49E6_748F_EA9Bu64;
+            let mut next = || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                state
+            };
+            let mut x = Vec::new();
+            for block in 0..400 {
+                let scale = 2f32.powi((next() % 30) as i32 - 15);
+                for i in 0..Q8_BLOCK {
+                    let value = match block % 4 {
+                        // Half steps of amax / 127: ties for the rounding.
+                        0 => (i as f32 - 15.5) * scale,
+                        1 => 0.0,
+                        2 if i == 7 => 127.0 * scale,
+                        _ => ((next() % 20001) as f32 - 10000.0) / 10000.0 * scale,
+                    };
+                    x.push(value);
+                }
+            }
+            let blocks = x.len() / Q8_BLOCK;
+            let (mut qs, mut scales, mut sums) =
+                (vec![0i8; x.len()], vec![0f32; blocks], vec![0f32; blocks]);
+            quantize_slice_portable(&x, &mut qs, &mut scales, &mut sums);
+            let (mut qs2, mut scales2, mut sums2) =
+                (vec![1i8; x.len()], vec![1f32; blocks], vec![1f32; blocks]);
+            // SAFETY: AVX2 and FMA checked above; the slices hold whole blocks.
+            unsafe { quantize_slice_avx2(&x, &mut qs2, &mut scales2, &mut sums2) };
+            assert_eq!(qs, qs2);
+            assert!(scales
+                .iter()
+                .zip(&scales2)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert!(sums
+                .iter()
+                .zip(&sums2)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
 }

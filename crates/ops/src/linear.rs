@@ -502,20 +502,29 @@ pub(crate) fn by_row_tasks(
         .into_par_iter()
         .map(|row_start| {
             let rows = row_start..(row_start + rows_per_task).min(n);
-            (row_start, task(rows))
+            let count = rows.len();
+            let local = task(rows);
+            // Token-major while the task's buffer is still in this core's cache, so the
+            // merge below copies one contiguous run per (token, task) instead of gathering
+            // every value with a stride of `num_tokens`.
+            let mut by_token = vec![0f32; local.len()];
+            for (r, values) in local.chunks_exact(num_tokens).enumerate() {
+                for (t, &value) in values.iter().enumerate() {
+                    by_token[t * count + r] = value;
+                }
+            }
+            (row_start, by_token)
         })
         .collect();
-    // Tokens outer, in parallel: each token's outputs are written contiguously (the tasks'
-    // small buffers are read with a stride instead of `y`, which can be large).
+    // Tokens outer, in parallel: each token's outputs are written contiguously.
     y.par_chunks_exact_mut(n)
         .enumerate()
         .with_min_len(16)
         .for_each(|(t, out)| {
-            for (row_start, local) in &tasks {
-                let rows = local.len() / num_tokens;
-                for (r, value) in out[*row_start..row_start + rows].iter_mut().enumerate() {
-                    *value = local[r * num_tokens + t];
-                }
+            for (row_start, by_token) in &tasks {
+                let rows = by_token.len() / num_tokens;
+                out[*row_start..row_start + rows]
+                    .copy_from_slice(&by_token[t * rows..(t + 1) * rows]);
             }
         });
 }

@@ -34,7 +34,7 @@ use pagoda_tensor::{quant, GgmlType, UnsupportedType};
 use rayon::prelude::*;
 
 use crate::simd::f32_decode::{self, F32Decode, WIDE_ROWS};
-use crate::simd::f32_tile::{quantized_tile, tile};
+use crate::simd::f32_tile::{self, quantized_tile, tile};
 use crate::simd::int_dot::IntIsa;
 use crate::simd::interleaved::Interleaved;
 use int_matmul::IntRows;
@@ -434,6 +434,9 @@ impl Weight {
         // Every element follows the one recipe of `f32_tile`, so the tiling does not change
         // any bit (see the module docs).
         let rows_per_task = (n / (rayon::current_num_threads() * 8)).clamp(2, 16) & !1;
+        // With AVX-512, four rows by four tokens at a time, two tokens' accumulators per
+        // 512-bit register (`f32_tile::tile_pairs`, the same bits).
+        let pairs = f32_tile::pairs_supported().then(|| f32_tile::TokenPairs::new(x, k));
         by_row_tasks(n, num_tokens, rows_per_task, y, |row_range| {
             let (row_start, rows) = (row_range.start, row_range.len());
             let decoded = match &self.storage {
@@ -462,7 +465,18 @@ impl Weight {
             };
             for t in (0..full_tokens).step_by(4) {
                 let xs = [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)];
-                for r in (0..full_rows).step_by(2) {
+                let mut r = 0;
+                if let Some(pairs) = &pairs {
+                    while r + 4 <= rows {
+                        let rows4 = [w(r), w(r + 1), w(r + 2), w(r + 3)];
+                        let block = f32_tile::tile_pairs(rows4, pairs, t / 2, xs);
+                        for (i, values) in block.iter().enumerate() {
+                            put(r + i, t, values);
+                        }
+                        r += 4;
+                    }
+                }
+                for r in (r..full_rows).step_by(2) {
                     let block = tile([w(r), w(r + 1)], xs);
                     put(r, t, &block[0]);
                     put(r + 1, t, &block[1]);

@@ -134,6 +134,80 @@ fn acc_sums_portable<const R: usize, const T: usize>(
     std::array::from_fn(|r| std::array::from_fn(|t| reduce_lanes(&acc[r][t])))
 }
 
+/// Activation rows in pairs for [`tile_pairs`]: for each pair of tokens and each step of
+/// [`LANES`] values, the two tokens' pieces side by side (16 floats), so one 512-bit register
+/// holds two (row, token) accumulators of the recipe. A last odd token is left out.
+pub struct TokenPairs {
+    full: usize,
+    data: Vec<f32>,
+}
+
+impl TokenPairs {
+    /// Lays out `x` (`[tokens, k]`) in pairs.
+    pub fn new(x: &[f32], k: usize) -> TokenPairs {
+        let full = k / LANES * LANES;
+        let tokens = x.len().checked_div(k).unwrap_or(0);
+        let mut data = Vec::with_capacity(tokens / 2 * 2 * full);
+        for pair in x.chunks_exact(2 * k) {
+            let (first, second) = pair.split_at(k);
+            for (a, b) in first[..full]
+                .chunks_exact(LANES)
+                .zip(second[..full].chunks_exact(LANES))
+            {
+                data.extend_from_slice(a);
+                data.extend_from_slice(b);
+            }
+        }
+        TokenPairs { full, data }
+    }
+}
+
+/// Whether [`tile_pairs`] runs here (AVX-512F/DQ beside AVX2 and FMA).
+pub fn pairs_supported() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            super::has_avx2_fma()
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512dq")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// [`tile`] of `R` weight rows and the four tokens `2 pair .. 2 pair + 4` (`x` holds those
+/// four rows, for the recipe's tail), with two tokens' 8-lane accumulators per 512-bit
+/// register: the same fused multiply-adds per lane in the same order, so the same bits as
+/// `tile(weights, x)`. Panics unless [`pairs_supported`] and the shapes agree.
+pub fn tile_pairs<const R: usize>(
+    weights: [&[f32]; R],
+    pairs: &TokenPairs,
+    pair: usize,
+    x: [&[f32]; 4],
+) -> [[f32; 4]; R] {
+    let k = x[0].len();
+    assert!(
+        pairs_supported()
+            && pairs.full == k / LANES * LANES
+            && (pair + 2) * 2 * pairs.full <= pairs.data.len()
+            && weights.iter().all(|w| w.len() == k)
+            && x.iter().all(|x| x.len() == k),
+        "tile_pairs: shapes or CPU"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F/DQ, AVX2 and FMA are present and the lengths were checked above.
+    unsafe {
+        x86::tile_pairs(weights, pairs, pair, x)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    unreachable!("pairs_supported is false off x86-64")
+}
+
 /// Step 2 of the recipe; also the order of the VNNI kernels' `horizontal_sum`, which the AMX
 /// tiles reproduce with it.
 #[inline(always)]
@@ -232,6 +306,47 @@ mod x86 {
         finish(&sums(&acc), weights, activations, full)
     }
 
+    /// See [`super::tile_pairs`]. SAFETY (caller): AVX-512F/DQ, AVX2, FMA; shapes checked.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    pub(super) unsafe fn tile_pairs<const R: usize>(
+        weights: [&[f32]; R],
+        pairs: &TokenPairs,
+        pair: usize,
+        x: [&[f32]; 4],
+    ) -> [[f32; 4]; R] {
+        let full = pairs.full;
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        // SAFETY: pairs `pair` and `pair + 1` hold 2 * full floats each; rows hold k >= full.
+        unsafe {
+            let first = pairs.data.as_ptr().add(pair * 2 * full);
+            let second = first.add(2 * full);
+            let mut i = 0;
+            while i < full {
+                let (xa, xb) = (
+                    _mm512_loadu_ps(first.add(2 * i)),
+                    _mm512_loadu_ps(second.add(2 * i)),
+                );
+                for r in 0..R {
+                    let w = _mm512_broadcast_f32x8(_mm256_loadu_ps(weights[r].as_ptr().add(i)));
+                    acc[r][0] = _mm512_fmadd_ps(w, xa, acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(w, xb, acc[r][1]);
+                }
+                i += LANES;
+            }
+        }
+        let mut sums = [[0f32; 4]; R];
+        for r in 0..R {
+            for (half, value) in acc[r].iter().enumerate() {
+                let mut lanes = [0f32; 2 * LANES];
+                // SAFETY: lanes has room for 16 floats.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *value) };
+                sums[r][2 * half] = reduce_lanes(lanes[..LANES].try_into().unwrap());
+                sums[r][2 * half + 1] = reduce_lanes(lanes[LANES..].try_into().unwrap());
+            }
+        }
+        finish(&sums, weights, x, full)
+    }
+
     /// See [`super::quantized_tile`]. SAFETY (caller): AVX2+FMA+F16C; row lengths checked.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn quantized_tile<const R: usize>(
@@ -328,6 +443,34 @@ mod tests {
         (0..k)
             .map(|i| ((i * 7 + seed * 13) % 17) as f32 * 0.125 - 1.0)
             .collect()
+    }
+
+    /// Two tokens per 512-bit register give `tile`'s bits, for every pair position and with
+    /// a tail of `k % 8` values; values with many significant bits so any reordering shows.
+    #[test]
+    fn token_pairs_give_the_tile_bits() {
+        if !pairs_supported() {
+            return;
+        }
+        let noisy = |seed: usize, k: usize| -> Vec<f32> {
+            (0..k)
+                .map(|i| ((i * 2654435761 + seed * 40503) % 100003) as f32 / 7919.0 - 6.0)
+                .collect()
+        };
+        for k in [8usize, 24, 301, 1536] {
+            let x: Vec<f32> = (0..7).flat_map(|t| noisy(t + 10, k)).collect();
+            let pairs = TokenPairs::new(&x, k);
+            let w: Vec<Vec<f32>> = (0..4).map(|r| noisy(r, k)).collect();
+            let rows = [&w[0][..], &w[1][..], &w[2][..], &w[3][..]];
+            for pair in [0usize, 1] {
+                let xs: [&[f32]; 4] = std::array::from_fn(|j| &x[(2 * pair + j) * k..][..k]);
+                let got = tile_pairs(rows, &pairs, pair, xs);
+                let want = tile(rows, xs);
+                for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                    assert_eq!(g.to_bits(), w.to_bits(), "k {k} pair {pair}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -7,8 +7,8 @@
 //! where CPUID reports `amx_tile` + `amx_int8` and Linux grants tile data.
 //! `f32` keeps the stored blocks and f32 activations (the fused decode-in-registers path of
 //! ADR 0001) for every weight. `auto` is a per-weight policy ([`CpuKernelPolicy`]): the best
-//! integer set the CPU runs (`amx`, then `vnni8`, `avx2`) for every weight except `ffn_down`, which keeps
-//! the f32 kernels. `ffn_down`'s input, the SiLU-gated product, has
+//! integer set the CPU runs (`amx`, then `vnni8`, `avx2`) for every weight except `ffn_down`,
+//! which keeps the f32 kernels. `ffn_down`'s input, the SiLU-gated product, has
 //! the widest dynamic range of the model's matmul inputs, and its Q8 rounding alone moved one
 //! top-5 logprob of the llama.cpp parity test past its 0.6 bound (0.659 with Q8 everywhere,
 //! 0.561 with `ffn_down` in f32, 0.555 with f32 everywhere). The price is decode speed: on
@@ -45,7 +45,7 @@ impl CpuKernels {
     /// The best set this CPU supports.
     pub fn best() -> CpuKernels {
         if IntIsa::Amx.is_supported() {
-            // Prefills 1.15-1.2x `vnni8` end to end on the GPU machine's host, same bits.
+            // pp512 1.06-1.44x `vnni8` end to end on the GPU machine's host, same bits.
             CpuKernels::Amx
         } else if IntIsa::Vnni.is_supported() {
             CpuKernels::Vnni8

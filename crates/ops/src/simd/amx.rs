@@ -39,9 +39,9 @@ pub mod tiles;
 
 /// Fewest activation rows (tokens) for which the `amx` set uses the AMX tiles; fewer rows
 /// (decode, small batches) run the interleaved VNNI kernel, which gives the same bits.
-/// Measured on the GPU machine's host (Xeon, 2 threads, the default model's shapes): AMX is
-/// 0.33-0.63x `vnni8` at 16-32 tokens, 0.66-1.13x at 64, 0.95-1.34x at 128 and 1.33-2.15x
-/// at 512 (`docs/benchmark_results/cpu-amx-blocks-h200host-2026-11-30.md`).
+/// Measured on the GPU machine's host (Xeon, 1 and 2 threads, the default model's shapes):
+/// AMX is 0.32-0.93x `vnni8` at 16-32 tokens, 0.75-1.21x at 64, 0.86-1.46x at 128 and
+/// 1.37-1.70x at 512 (`docs/benchmark_results/cpu-amx-blocks-h200host-2026-11-30.md`).
 pub const AMX_MIN_TOKENS: usize = 128;
 
 /// Where the tile instructions run.

@@ -325,24 +325,24 @@ impl Weight {
         let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
         let rows_per_task = wide_rows_per_task(n);
         by_row_tasks(n, num_tokens, rows_per_task, y, |rows| {
-            let (row_start, row_end) = (rows.start, rows.end);
-            let mut local = vec![0f32; (row_end - row_start) * num_tokens];
+            let (row_start, row_end, width) = (rows.start, rows.end, rows.len());
+            let mut local = vec![0f32; width * num_tokens];
             let mut row = row_start;
             while row + WIDE_ROWS <= row_end {
-                let out = &mut local[(row - row_start) * num_tokens..];
+                let out = &mut local[row - row_start..];
                 for first in (0..num_tokens).step_by(4) {
                     match num_tokens - first {
-                        1 => self.wide_group::<1>(kernel, row, &xs, first, out),
-                        2 => self.wide_group::<2>(kernel, row, &xs, first, out),
-                        3 => self.wide_group::<3>(kernel, row, &xs, first, out),
-                        _ => self.wide_group::<4>(kernel, row, &xs, first, out),
+                        1 => self.wide_group::<1>(kernel, row, &xs, first, out, width),
+                        2 => self.wide_group::<2>(kernel, row, &xs, first, out, width),
+                        3 => self.wide_group::<3>(kernel, row, &xs, first, out, width),
+                        _ => self.wide_group::<4>(kernel, row, &xs, first, out, width),
                     }
                 }
                 row += WIDE_ROWS;
             }
             for row in row..row_end {
                 for (t, x) in xs.iter().enumerate() {
-                    local[(row - row_start) * num_tokens + t] = self.dot_row(row, x);
+                    local[t * width + row - row_start] = self.dot_row(row, x);
                 }
             }
             local
@@ -351,7 +351,8 @@ impl Weight {
     }
 
     /// The dots of `WIDE_ROWS` rows from `row` with tokens `first..first + T` of `xs`, into
-    /// `out` (`[WIDE_ROWS, xs.len()]`, this group's part of the task's buffer).
+    /// `out` (the task's token-major buffer from this group's first column; `width` values
+    /// per token).
     #[inline]
     fn wide_group<const T: usize>(
         &self,
@@ -360,10 +361,13 @@ impl Weight {
         xs: &[&[f32]],
         first: usize,
         out: &mut [f32],
+        width: usize,
     ) {
         let dots = self.dot_rows_wide::<T>(kernel, row, std::array::from_fn(|j| xs[first + j]));
         for (r, dots) in dots.iter().enumerate() {
-            out[r * xs.len() + first..][..T].copy_from_slice(dots);
+            for (j, &value) in dots.iter().enumerate() {
+                out[(first + j) * width + r] = value;
+            }
         }
     }
 
@@ -461,7 +465,9 @@ impl Weight {
             // decoded rows (in L2) pass them, instead of all the activations streaming
             // from L3 once per row pair.
             let mut put = |r: usize, t: usize, values: &[f32]| {
-                local[r * num_tokens + t..][..values.len()].copy_from_slice(values)
+                for (j, &value) in values.iter().enumerate() {
+                    local[(t + j) * rows + r] = value;
+                }
             };
             for t in (0..full_tokens).step_by(4) {
                 let xs = [xt(t), xt(t + 1), xt(t + 2), xt(t + 3)];
@@ -501,8 +507,9 @@ impl Weight {
 }
 
 /// Runs `task(rows)` for consecutive ranges of `rows_per_task` of the `n` output rows in
-/// parallel; each returns its dots as `[rows, num_tokens]`, written transposed into `y`
-/// (`[num_tokens, n]`). The matmul paths whose tasks cover several tokens share it.
+/// parallel; each returns its dots token-major, `[num_tokens, rows]`, and the merge copies
+/// one contiguous run per (token, task) into `y` (`[num_tokens, n]`). The matmul paths whose
+/// tasks cover several tokens share it.
 pub(crate) fn by_row_tasks(
     n: usize,
     num_tokens: usize,
@@ -516,18 +523,7 @@ pub(crate) fn by_row_tasks(
         .into_par_iter()
         .map(|row_start| {
             let rows = row_start..(row_start + rows_per_task).min(n);
-            let count = rows.len();
-            let local = task(rows);
-            // Token-major while the task's buffer is still in this core's cache, so the
-            // merge below copies one contiguous run per (token, task) instead of gathering
-            // every value with a stride of `num_tokens`.
-            let mut by_token = vec![0f32; local.len()];
-            for (r, values) in local.chunks_exact(num_tokens).enumerate() {
-                for (t, &value) in values.iter().enumerate() {
-                    by_token[t * count + r] = value;
-                }
-            }
-            (row_start, by_token)
+            (row_start, task(rows))
         })
         .collect();
     // Tokens outer, in parallel: each token's outputs are written contiguously.

@@ -112,7 +112,7 @@ pub struct Gpu {
     pub(crate) capturing: Mutex<bool>,
     /// Dynamic shared memory each loaded function (by its driver handle) has been opted
     /// into, so the driver attribute is set once, not on every launch.
-    shared_opt_in: Mutex<std::collections::HashMap<usize, u32>>,
+    shared_opt_in: Mutex<HashMap<usize, u32>>,
     /// Static shared memory of each loaded function (by its driver handle), read from the
     /// driver once: the cluster sampler sizes its held slices with it on every call.
     static_shared: Mutex<HashMap<usize, usize>>,
@@ -152,7 +152,7 @@ impl Gpu {
             registry,
             blas: Mutex::new(None),
             capturing: Mutex::new(false),
-            shared_opt_in: Mutex::new(std::collections::HashMap::new()),
+            shared_opt_in: Mutex::new(HashMap::new()),
             static_shared: Mutex::new(HashMap::new()),
             active_clusters: Mutex::new(HashMap::new()),
         })

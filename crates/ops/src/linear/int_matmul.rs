@@ -249,7 +249,9 @@ fn rows_by_tokens(
     let mut local = vec![0f32; rows.len() * num_tokens];
     let full_rows = rows.start + rows.len() / 4 * 4;
     let full_tokens = num_tokens / 4 * 4;
-    let mut put = |r: usize, t: usize, value: f32| local[(r - rows.start) * num_tokens + t] = value;
+    // Token-major, as `by_row_tasks` takes it.
+    let width = rows.len();
+    let mut put = |r: usize, t: usize, value: f32| local[t * width + r - rows.start] = value;
     for t in (0..full_tokens).step_by(4) {
         let tokens = [t, t + 1, t + 2, t + 3];
         for r in (rows.start..full_rows).step_by(4) {

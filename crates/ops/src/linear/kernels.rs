@@ -297,7 +297,12 @@ mod tests {
 
     #[test]
     fn a_set_with_f32_ffn_down_parses_from_its_name() {
-        for kernels in [CpuKernels::Vnni8, CpuKernels::Vnni, CpuKernels::Avx2] {
+        for kernels in [
+            CpuKernels::Amx,
+            CpuKernels::Vnni8,
+            CpuKernels::Vnni,
+            CpuKernels::Avx2,
+        ] {
             let policy = CpuKernelPolicy {
                 kernels,
                 f32_ffn_down: true,

@@ -140,7 +140,8 @@ pub fn matmul(
         y.fill(0.0);
         return Ok(());
     }
-    let prepared = kernel::Activations::new(weights.zero(), activations);
+    let starts = crate::simd::interleaved::block_starts(weights, activations);
+    let prepared = kernel::Activations::new(activations, &starts);
     crate::linear::by_row_tasks(n, num_tokens, kernel::TILE_ROWS, y, |range| {
         let chunk = range.start / kernel::TILE_ROWS;
         let mut local = vec![0f32; range.len() * num_tokens];

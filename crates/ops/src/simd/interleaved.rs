@@ -258,33 +258,37 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
     }
     // Prefill: two groups per task, all tokens, merged by `by_row_tasks`.
     crate::linear::by_row_tasks(rows, tokens, 2 * GROUP, y, |range| {
-        let first_group = range.start / GROUP;
-        let groups = range.len().div_ceil(GROUP);
-        let mut local = vec![0f32; groups * GROUP * tokens];
-        for (index, out) in local.chunks_exact_mut(GROUP * tokens).enumerate() {
-            group_dots(weights, first_group + index, activations, &starts, out);
+        // Token-major, `range.len()` values per token; a group's dots start at its column.
+        let width = range.len();
+        let mut local = vec![0f32; tokens * width];
+        for index in 0..width.div_ceil(GROUP) {
+            let group = range.start / GROUP + index;
+            group_dots(
+                weights,
+                group,
+                activations,
+                &starts,
+                &mut local[index * GROUP..],
+                width,
+            );
         }
-        // Rows past the matrix (the last group's padding) are not returned.
-        local.truncate(range.len() * tokens);
         local
     });
 }
 
 /// `-zero * sum(qa)` per (token, block) of `activations`: the exact integer start of each
-/// block's dot (empty when the format's zero is 0).
+/// block's dot (empty when the format's zero is 0); in parallel over tokens for prefills.
 pub fn block_starts(weights: &Interleaved, activations: &Q8Rows) -> Vec<i32> {
     if weights.zero == 0 {
         return Vec::new();
     }
-    (0..activations.num_rows())
-        .flat_map(|t| {
-            activations
-                .row_qs(t)
-                .chunks_exact(32)
-                .map(|qa| -weights.zero * qa.iter().map(|&q| q as i32).sum::<i32>())
-                .collect::<Vec<_>>()
-        })
-        .collect()
+    let mut starts = vec![0i32; activations.qs().len() / 32];
+    starts
+        .par_iter_mut()
+        .zip(activations.qs().par_chunks_exact(32))
+        .with_min_len(1024)
+        .for_each(|(start, qa)| *start = -weights.zero * qa.iter().map(|&q| q as i32).sum::<i32>());
+    starts
 }
 
 /// Decode (one token, row 0 of `activations`): `out[i] = dot(weights[row_start + i],
@@ -302,38 +306,45 @@ pub fn decode_rows(
     assert_eq!(activations.num_rows(), 1, "decode takes one token");
     let mut lanes = [0f32; GROUP];
     for (index, chunk) in out.chunks_mut(GROUP).enumerate() {
-        group_dots(
-            weights,
-            row_start / GROUP + index,
-            activations,
-            starts,
-            &mut lanes,
-        );
+        let group = row_start / GROUP + index;
+        group_dots(weights, group, activations, starts, &mut lanes, GROUP);
         chunk.copy_from_slice(&lanes[..chunk.len()]);
     }
 }
 
-/// The dots of one group's 8 rows with every token, `out[lane * tokens + t]`.
+/// The dots of one group's rows with every token, `out[t * stride + lane]` for the group's
+/// rows inside the matrix (the last group's padding lanes are not written).
 fn group_dots(
     weights: &Interleaved,
     group: usize,
     activations: &Q8Rows,
     starts: &[i32],
     out: &mut [f32],
+    stride: usize,
 ) {
+    let lanes = GROUP.min(weights.num_rows - group * GROUP);
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `matmul` checked the features; the group is in range, and `starts` is empty
     // or holds one start per (token, block).
     unsafe {
-        match (weights.nibble, weights.half) {
-            (true, true) => x86::group::<true, true>(weights, group, activations, starts, out),
-            (true, false) => x86::group::<true, false>(weights, group, activations, starts, out),
-            (false, true) => x86::group::<false, true>(weights, group, activations, starts, out),
-            (false, false) => x86::group::<false, false>(weights, group, activations, starts, out),
-        }
+        let dots = match (weights.nibble, weights.half) {
+            (true, true) => x86::group::<true, true>,
+            (true, false) => x86::group::<true, false>,
+            (false, true) => x86::group::<false, true>,
+            (false, false) => x86::group::<false, false>,
+        };
+        dots(
+            weights,
+            group,
+            activations,
+            starts,
+            &mut out[..],
+            stride,
+            lanes,
+        )
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (weights, group, activations, starts, out);
+    let _ = (weights, group, activations, starts, out, stride, lanes);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -341,9 +352,9 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// The dots of group `group` with every token, `out[lane * tokens + t]`: four tokens at a
-    /// time, then one. SAFETY: AVX-512 VNNI, VL and F16C; `group` in range; `starts` empty
-    /// (zero 0) or one per (token, block).
+    /// The dots of group `group` with every token, `out[t * stride + lane]` for `lane <
+    /// lanes`: four tokens at a time, then one. SAFETY: AVX-512 VNNI, VL and F16C; `group` in
+    /// range; `starts` empty (zero 0) or one per (token, block).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     pub(super) unsafe fn group<const NIBBLE: bool, const HALF: bool>(
         weights: &Interleaved,
@@ -351,6 +362,8 @@ mod x86 {
         activations: &Q8Rows,
         starts: &[i32],
         out: &mut [f32],
+        stride: usize,
+        lanes: usize,
     ) {
         let tokens = activations.num_rows();
         let mut t = 0;
@@ -371,10 +384,8 @@ mod x86 {
                     [one[0]; 4]
                 }
             };
-            for (i, lanes) in dots.iter().take(step).enumerate() {
-                for (lane, value) in lanes.iter().enumerate() {
-                    out[lane * tokens + t + i] = *value;
-                }
+            for (i, values) in dots.iter().take(step).enumerate() {
+                out[(t + i) * stride..][..lanes].copy_from_slice(&values[..lanes]);
             }
             t += step;
         }

@@ -56,8 +56,9 @@ struct TokenFactors {
 }
 
 impl<'a> Activations<'a> {
-    /// Prepares `q8` for weights whose zero is `zero`.
-    pub fn new(zero: i32, q8: &'a Q8Rows) -> Activations<'a> {
+    /// Prepares `q8`; `starts` from [`crate::simd::interleaved::block_starts`] for the
+    /// weights (empty when their zero is 0).
+    pub fn new(q8: &'a Q8Rows, starts: &[i32]) -> Activations<'a> {
         let tokens = q8.num_rows();
         let blocks = q8.blocks_per_row();
         let tiles = tokens.div_ceil(TILE_TOKENS);
@@ -75,12 +76,11 @@ impl<'a> Activations<'a> {
             .for_each(|(tile, factors)| {
                 for n in 0..TILE_TOKENS.min(tokens - tile * TILE_TOKENS) {
                     let t = tile * TILE_TOKENS + n;
-                    let (qa, scales, sums) = (q8.row_qs(t), q8.row_scales(t), q8.row_sums(t));
+                    let (scales, sums) = (q8.row_scales(t), q8.row_sums(t));
                     for (b, factors) in factors.iter_mut().enumerate() {
                         factors.scales[n] = scales[b];
                         factors.sums[n] = sums[b];
-                        let block = &qa[b * BLOCK..(b + 1) * BLOCK];
-                        factors.starts[n] = -zero * block.iter().map(|&q| q as i32).sum::<i32>();
+                        factors.starts[n] = starts.get(t * blocks + b).copied().unwrap_or(0);
                     }
                 }
             });
@@ -155,7 +155,7 @@ impl WeightTiles {
 }
 
 /// Dots of chunk `chunk`'s weight rows (rows `16 chunk ..`, at most 16) with every token,
-/// into `out` as `[rows, num_tokens]`, through `unit` (configured here and released at the
+/// into `out` token-major, `[num_tokens, rows]`, through `unit` (configured here and released at the
 /// end). Per token tile, the blocks alternate between the two tile slots, so the dot of block
 /// `b + 1` is issued before block `b`'s combine. Every (row, token) pair runs the interleaved
 /// kernels' chain: per block `acc += d * d_a * integer + min * s_a`, no fused multiply-add.
@@ -173,7 +173,7 @@ pub fn row_chunk<U: TileUnit>(
     let tokens = activations.q8.num_rows();
     assert!(
         rows * tokens == out.len() && blocks == activations.q8.blocks_per_row(),
-        "out must be [rows, num_tokens]"
+        "out must be [num_tokens, rows]"
     );
     let row_len = activations.q8.row_len();
     let w = WeightTiles::new(weights, chunk);
@@ -218,9 +218,7 @@ pub fn row_chunk<U: TileUnit>(
         }
         let first = tile * TILE_TOKENS;
         for (n, values) in acc.iter().take(tokens - first).enumerate() {
-            for (r, &value) in values.iter().take(rows).enumerate() {
-                out[r * tokens + first + n] = value;
-            }
+            out[(first + n) * rows..][..rows].copy_from_slice(&values[..rows]);
         }
     }
     unit.release();

@@ -438,9 +438,16 @@ impl Weight {
         // Every element follows the one recipe of `f32_tile`, so the tiling does not change
         // any bit (see the module docs).
         let rows_per_task = (n / (rayon::current_num_threads() * 8)).clamp(2, 16) & !1;
-        // With AVX-512, four rows by four tokens at a time, two tokens' accumulators per
-        // 512-bit register (`f32_tile::tile_pairs`, the same bits).
-        let pairs = f32_tile::pairs_supported().then(|| f32_tile::TokenPairs::new(x, k));
+        // With the `avx512` f32 kernel (`PAGODA_CPU_F32_DECODE`; `avx2` or `tile` turn it
+        // off), four rows by four tokens at a time, two tokens' accumulators per 512-bit
+        // register (`f32_tile::tile_pairs`, the same bits).
+        let pairs = (F32Decode::selected() == F32Decode::Avx512
+            && f32_tile::pairs_supported()
+            && num_tokens >= 4)
+            .then(|| {
+                f32_tile::count_pair_matmul();
+                f32_tile::TokenPairs::new(x, k)
+            });
         by_row_tasks(n, num_tokens, rows_per_task, y, |row_range| {
             let (row_start, rows) = (row_range.start, row_range.len());
             let decoded = match &self.storage {

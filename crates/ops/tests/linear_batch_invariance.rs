@@ -165,6 +165,7 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
     ];
     let rows = 37;
     let wide_before = pagoda_ops::simd::f32_decode::wide_matmul_count();
+    let pairs_before = pagoda_ops::simd::f32_tile::pair_matmul_count();
     for kernels in kernel_sets() {
         for (ty, cols) in cases {
             let bytes = random_rows(ty, rows, cols, &mut rng);
@@ -195,6 +196,13 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
         F32Decode::selected().name()
     );
     assert_eq!(wide > 0, F32Decode::selected() != F32Decode::Tile);
+    // With `avx512`, the f32 prefills ran two tokens per 512-bit register (`tile_pairs`), so
+    // the checks above also compared that form with the one-token kernels.
+    let pairs = pagoda_ops::simd::f32_tile::pair_matmul_count() - pairs_before;
+    assert_eq!(
+        pairs > 0,
+        F32Decode::selected() == F32Decode::Avx512 && pagoda_ops::simd::f32_tile::pairs_supported()
+    );
 }
 
 #[test]

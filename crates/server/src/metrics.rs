@@ -533,6 +533,13 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
+            "# HELP pagoda_cpu_f32_pair_matmuls_total f32 prefill matmuls run with two tokens \
+             per 512-bit register (PAGODA_CPU_F32_DECODE=avx512).\n\
+             # TYPE pagoda_cpu_f32_pair_matmuls_total counter\npagoda_cpu_f32_pair_matmuls_total {}",
+            pagoda_ops::simd::f32_tile::pair_matmul_count()
+        );
+        let _ = writeln!(
+            out,
             "# HELP pagoda_cpu_attention_kernel_info The CPU attention kernel in use \
              (PAGODA_CPU_ATTENTION).\n\
              # TYPE pagoda_cpu_attention_kernel_info gauge\n\

@@ -53,6 +53,14 @@ fn gauges_follow_the_snapshot() {
         wide.parse::<u64>().unwrap(),
         pagoda_ops::simd::f32_decode::wide_matmul_count()
     );
+    let pairs = text
+        .lines()
+        .find_map(|line| line.strip_prefix("pagoda_cpu_f32_pair_matmuls_total "))
+        .expect("the f32 pair prefill counter line");
+    assert_eq!(
+        pairs.parse::<u64>().unwrap(),
+        pagoda_ops::simd::f32_tile::pair_matmul_count()
+    );
     let kernel = pagoda_ops::attention::AttentionKernel::selected().name();
     assert!(text.contains(&format!(
         "pagoda_cpu_attention_kernel_info{{kernel=\"{kernel}\"}} 1\n"

@@ -93,8 +93,14 @@ impl F32Decode {
         *SELECTED.get_or_init(|| {
             let kernel = choose_from_env::<F32Decode>();
             tracing::info!(
-                "CPU f32 matmuls of 1-8 tokens: {} ({F32_DECODE_ENV_VAR}=auto|avx512|avx2|tile)",
-                kernel.name()
+                "CPU f32 matmuls of 1-8 tokens: {} ({F32_DECODE_ENV_VAR}=auto|avx512|avx2|tile); \
+                 f32 prefills: {}",
+                kernel.name(),
+                if kernel == F32Decode::Avx512 {
+                    "two tokens per 512-bit register"
+                } else {
+                    "256-bit tiles"
+                }
             );
             kernel
         })

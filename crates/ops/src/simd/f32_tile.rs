@@ -162,6 +162,18 @@ impl TokenPairs {
     }
 }
 
+static PAIR_MATMULS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many f32 prefill matmuls ran on [`tile_pairs`] in this process (metrics, tests).
+pub fn pair_matmul_count() -> u64 {
+    PAIR_MATMULS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Counts one matmul for [`pair_matmul_count`].
+pub(crate) fn count_pair_matmul() {
+    PAIR_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether [`tile_pairs`] runs here (AVX-512F/DQ beside AVX2 and FMA).
 pub fn pairs_supported() -> bool {
     #[cfg(target_arch = "x86_64")]

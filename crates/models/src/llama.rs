@@ -17,7 +17,12 @@ use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
 use pagoda_tensor::GgmlType;
 
 use crate::config::{Architecture, ModelConfig, RopeStyle};
+
+mod policy;
 use crate::weights::{names, RawTensor, TensorSource};
+pub use policy::{
+    split_kv_chunk_tokens, AttentionPolicy, AUTO_MIN_SPLIT_KV_TOKENS, SPLIT_KV_CHUNK_ENV_VAR,
+};
 
 /// How weights are held in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -405,57 +410,11 @@ pub fn global_pool_threads() -> usize {
     })
 }
 
-/// Auto's threshold, in visible tokens: a query row that sees at least this many tokens runs
-/// split-KV, a shorter one gather. One page (16 tokens at the default page size).
-///
-/// Measured on the 2-core AMD EPYC dev machine (AVX-512 split-KV kernel, default model,
-/// `docs/benchmark_results/cpu-split-kv-threshold-epyc-2026-11-30.md`): forced split-KV is at
-/// least as fast as gather at every depth, 1 and 2 threads (decode tg64: 1.00x at depth 0,
-/// 1.02-1.04x at 16, 1.2x / 1.06x at 128, 1.41x / 1.18x at 511; prefill 32/128/512 tokens:
-/// 1.01-1.14x), so the threshold is not set by speed. It is not 0 because rows that short
-/// gain nothing measurable, and because the quantized-activation path turns the two paths'
-/// float differences (6e-5 logprob with f32 activations) into up to ~1 logprob of Q8 rounding
-/// noise: the llama.cpp parity prompts under auto stay inside their top-5 bound of 0.6 at 16
-/// (worst 0.5625, as at 512: 0.5608) but not at 0 (0.660). Was 512 while split-KV was scalar.
-pub const AUTO_MIN_SPLIT_KV_TOKENS: usize = 16;
-
-/// How a forward pass picks the attention path of each query row.
-///
-/// BATCH-INVARIANT: the path and the split-KV chunking of a row depend only on that row's own
-/// visible length (and on fixed configuration: the model's KV heads and the rayon thread
-/// count, which do not change within a process), never on the other requests of the step or
-/// on whether they prefill or decode. A request's logits are therefore bit-identical alone
-/// or batched, and a token gets the same K/V whether it was computed in a prefill chunk, a
-/// one-token chunk, a recompute after preemption or a decode step (the linear layers must
-/// keep rows independent too). A step may mix gather rows and split-KV rows; each row is
-/// computed by exactly one of them. See `pagoda_ops::attention::plan_step`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttentionPolicy {
-    /// Split-KV for rows that see at least [`AUTO_MIN_SPLIT_KV_TOKENS`] tokens (long
-    /// contexts, where spreading one row's KV over the cores pays), gather for shorter rows.
-    Auto,
-    /// Every row on this path: `Force(Gather)` never splits; `Force(SplitKv)` runs every row
-    /// (prefill rows included, short ones as a single chunk) through split-KV.
-    Force(AttentionPath),
-}
-
-impl AttentionPolicy {
-    /// The smallest visible length routed to split-KV (`usize::MAX`: none).
-    pub fn min_split_kv_tokens(self) -> usize {
-        match self {
-            AttentionPolicy::Auto => AUTO_MIN_SPLIT_KV_TOKENS,
-            AttentionPolicy::Force(AttentionPath::SplitKv) => 0,
-            AttentionPolicy::Force(AttentionPath::Gather) => usize::MAX,
-        }
-    }
-}
-
 impl Model {
     /// The step's attention routing (made once per step, reused by every layer). A split-KV
-    /// row is cut into `ceil(4 * threads / num_kv_heads)` balanced chunks of its own pages,
-    /// `threads` being the size of rayon's global pool (the configured `--threads`), read once
-    /// per process: not the pool the step runs on, so a row's logits are the same bits
-    /// whichever pool runs it (the engine may run steps on a one-thread pool).
+    /// row is cut into chunks of [`split_kv_chunk_tokens`] visible tokens from its first one,
+    /// a function of position only: a row's logits are the same bits whatever the batch and
+    /// whatever pool or thread count runs the step.
     fn choose_attention(
         &self,
         batch: &ForwardBatch<'_>,
@@ -472,7 +431,7 @@ impl Model {
             page_table: batch.page_table,
         };
         let config = StepAttentionConfig {
-            chunking: SplitKvChunking::new(self.config.num_kv_heads, global_pool_threads() * 4),
+            chunking: SplitKvChunking::new(self.config.num_kv_heads, split_kv_chunk_tokens()),
             min_split_kv_tokens: policy.min_split_kv_tokens(),
         };
         Ok(plan_step(

@@ -158,7 +158,7 @@ fn run(
 
 fn configs() -> Vec<(&'static str, StepAttentionConfig)> {
     let chunking = SplitKvChunking::new(NUM_KV_HEADS, 8);
-    let many_threads = SplitKvChunking::new(NUM_KV_HEADS, 128);
+    let long_chunks = SplitKvChunking::new(NUM_KV_HEADS, 128);
     vec![
         (
             "gather",
@@ -182,9 +182,9 @@ fn configs() -> Vec<(&'static str, StepAttentionConfig)> {
             },
         ),
         (
-            "auto, 64 threads",
+            "auto, 128-token chunks",
             StepAttentionConfig {
-                chunking: many_threads,
+                chunking: long_chunks,
                 min_split_kv_tokens: AUTO_THRESHOLD,
             },
         ),
@@ -259,8 +259,8 @@ fn auto_mixes_gather_and_split_kv_rows_by_visible_length() {
         &config,
     );
     assert_eq!((gather_rows, split_rows), (1, 2));
-    // 1500 tokens = 94 pages -> 4 chunks of 24 pages; 530 tokens = 34 pages -> 4 of 9.
-    assert_eq!(chunks, 8);
+    // Chunks of 8 tokens: 1500 tokens -> 188 chunks, 530 tokens -> 67.
+    assert_eq!(chunks, 188 + 67);
 }
 
 #[test]
@@ -294,20 +294,18 @@ fn prompt_rows_do_not_depend_on_how_the_prompt_was_chunked() {
 }
 
 #[test]
-fn chunking_depends_only_on_the_row_and_is_balanced() {
-    let chunking = SplitKvChunking::new(3, 8);
-    assert_eq!(chunking.target_chunks(), 3);
-    assert_eq!(chunking.pages_per_chunk(128), 43);
-    assert_eq!(chunking.num_chunks(128), 3);
-    assert_eq!(chunking.num_chunks(1), 1);
+fn chunking_depends_only_on_the_position() {
+    let chunking = SplitKvChunking::new(3, 256);
     assert_eq!(chunking.num_chunks(0), 1);
-    let wide = SplitKvChunking {
-        min_pages_per_chunk: 50,
-        ..chunking
-    };
-    assert_eq!(wide.num_chunks(128), 3);
-    assert_eq!(wide.num_chunks(100), 2);
-    assert_eq!(wide.num_chunks(50), 1);
+    assert_eq!(chunking.num_chunks(1), 1);
+    assert_eq!(chunking.num_chunks(256), 1);
+    assert_eq!(chunking.num_chunks(257), 2);
+    assert_eq!(chunking.chunk(600, 0), 0..256);
+    assert_eq!(chunking.chunk(600, 2), 512..600);
+    // A longer row keeps the shorter row's full chunks.
+    assert_eq!(chunking.chunk(300, 0), chunking.chunk(5000, 0));
+    assert_eq!(chunking.chunk(0, 0), 0..0);
+    assert_eq!(SplitKvChunking::new(3, 0).num_chunks(5), 5);
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! The SIMD split-KV chunk kernels (AVX-512F, AVX2+FMA) against the scalar kernel and against
 //! the naive f64 attention of `attention_reference.rs`, over random paged caches: page sizes
-//! 16 and 32, partial first and last pages, GQA groups 1/3/4 (and 10, more than one head
-//! pass), head_dim 64/128 (and 40/36, the fallbacks), contexts 1..5000, peaked softmaxes.
+//! 16 and 32, partial first and last pages, GQA groups 1/3/4 (and 10, and 50: more than one
+//! head pass), head_dim 64/128 (and 40/36, the fallbacks), contexts 1..5000, peaked softmaxes.
 //! Every row runs split-KV (`min_split_kv_tokens` 0) with several chunks per row, so the
 //! kernels' partial LSEs go through the merge too. A kernel this CPU lacks is skipped with a
 //! printed line.
@@ -19,11 +19,11 @@ const TOLERANCE: f64 = 1e-5;
 
 const SIMD_KERNELS: [AttentionKernel; 2] = [AttentionKernel::Avx512, AttentionKernel::Avx2];
 
-/// Every row split-KV, `target_work_items` work items per row.
-fn run(fixture: &Fixture, kernel: AttentionKernel, target_work_items: usize) -> Vec<f32> {
+/// Every row split-KV, chunks of `chunk_tokens` visible tokens.
+fn run(fixture: &Fixture, kernel: AttentionKernel, chunk_tokens: usize) -> Vec<f32> {
     let kv = fixture.kv();
     let config = StepAttentionConfig {
-        chunking: SplitKvChunking::new(fixture.layout.num_kv_heads, target_work_items),
+        chunking: SplitKvChunking::new(fixture.layout.num_kv_heads, chunk_tokens),
         min_split_kv_tokens: 0,
     };
     let plan = plan_step(&kv, &fixture.qo_indptr, fixture.num_q_heads, &config)
@@ -46,9 +46,9 @@ fn run(fixture: &Fixture, kernel: AttentionKernel, target_work_items: usize) -> 
 
 /// Runs every supported SIMD kernel and the scalar kernel on `fixture`, checks each against
 /// the f64 reference and the SIMD ones against scalar; returns the worst errors seen.
-fn check(name: &str, fixture: &Fixture, target_work_items: usize) -> (f64, f64) {
+fn check(name: &str, fixture: &Fixture, chunk_tokens: usize) -> (f64, f64) {
     let (expected, _) = fixture.reference();
-    let scalar = run(fixture, AttentionKernel::Scalar, target_work_items);
+    let scalar = run(fixture, AttentionKernel::Scalar, chunk_tokens);
     let scalar_error = max_relative_error(&scalar, &expected);
     assert!(
         scalar_error <= TOLERANCE,
@@ -60,7 +60,7 @@ fn check(name: &str, fixture: &Fixture, target_work_items: usize) -> (f64, f64) 
             println!("skip {kernel}: this CPU lacks it");
             continue;
         }
-        let out = run(fixture, kernel, target_work_items);
+        let out = run(fixture, kernel, chunk_tokens);
         let reference_error = max_relative_error(&out, &expected);
         let scalar_diff = out
             .iter()
@@ -108,8 +108,8 @@ fn simd_kernels_match_scalar_and_f64_across_geometries() {
                     seed,
                 );
                 let name = format!("page {page_size} n_rep {n_rep} head_dim {head_dim}");
-                for target_work_items in [1, 8] {
-                    let errors = check(&name, &fixture, target_work_items);
+                for chunk_tokens in [48, 1000] {
+                    let errors = check(&name, &fixture, chunk_tokens);
                     worst = (worst.0.max(errors.0), worst.1.max(errors.1));
                 }
             }
@@ -140,11 +140,11 @@ fn long_contexts_up_to_5000_tokens() {
             PageOrder::Reverse,
             7 + head_dim as u64,
         );
-        for target_work_items in [4, 12] {
+        for chunk_tokens in [32, 100] {
             check(
                 &format!("long n_rep {n_rep} head_dim {head_dim}"),
                 &fixture,
-                target_work_items,
+                chunk_tokens,
             );
         }
     }
@@ -153,13 +153,16 @@ fn long_contexts_up_to_5000_tokens() {
 #[test]
 fn peaked_softmax_and_large_groups() {
     // A large scale drives most weights below 2^-126 (the vector exp2's flush to zero) and
-    // makes the running max jump between tiles; n_rep 10 needs two head passes per chunk.
+    // makes the running max jump between tiles; n_rep 10 puts 4 rows in a work item, n_rep 50
+    // needs two head passes per work item.
     let specs = [request(700, 0, 1), request(90, 5, 3), request(37, 0, 1)];
     let mut fixture = Fixture::new(&specs, 16, 1, 10, 64, PageOrder::Random, 3);
     fixture.scale = 12.0;
-    check("peaked n_rep 10", &fixture, 4);
+    check("peaked n_rep 10", &fixture, 40);
     let fixture = Fixture::new(&specs, 32, 2, 10, 128, PageOrder::Random, 4);
-    check("n_rep 10", &fixture, 1);
+    check("n_rep 10", &fixture, 1000);
+    let fixture = Fixture::new(&specs, 16, 1, 50, 64, PageOrder::Random, 5);
+    check("n_rep 50", &fixture, 64);
 }
 
 #[test]
@@ -168,7 +171,7 @@ fn head_dims_the_lanes_do_not_divide_fall_back() {
     let specs = [request(300, 0, 1), request(50, 0, 4)];
     for head_dim in [40, 36] {
         let fixture = Fixture::new(&specs, 16, 2, 3, head_dim, PageOrder::Random, 11);
-        check(&format!("head_dim {head_dim}"), &fixture, 6);
+        check(&format!("head_dim {head_dim}"), &fixture, 48);
     }
 }
 
@@ -212,7 +215,7 @@ fn kernel_throughput() {
         }
         for (name, count) in [("30 layers", 30), ("1 layer", 1)] {
             let config = StepAttentionConfig {
-                chunking: SplitKvChunking::new(3, threads * 4),
+                chunking: SplitKvChunking::new(3, pagoda_ops::attention::DEFAULT_CHUNK_TOKENS),
                 min_split_kv_tokens: 0,
             };
             let plan = plan_step(&fixture.kv(), &fixture.qo_indptr, 9, &config)

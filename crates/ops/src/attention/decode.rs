@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-use super::kernel::{self, AttentionKernel};
+use super::kernel::{self, AttentionKernel, HeadTask};
 use super::merge::merge_states_into;
 use super::plan::DecodePlan;
 use super::{add_scaled, dot, validate, AttentionError, PagedKv, LOG2_E};
@@ -96,8 +96,25 @@ pub fn decode_partial(
             let tile = plan.kv_tile_indices[chunk] as usize;
             let seq_len = kv.page_table.seq_lens[request] as usize;
             let tokens = tile_tokens(kv, request, seq_len, plan.pages_per_chunk, tile);
-            kernel::chunk_attention(
-                kernel, kv, request, tokens, kv_head, n_rep, scale, q_group, v_group, lse_group,
+            let mut tasks: Vec<HeadTask<'_>> = q_group
+                .chunks(head_dim)
+                .zip(v_group.chunks_mut(head_dim))
+                .zip(lse_group.iter_mut())
+                .map(|((query, v), lse)| HeadTask {
+                    query,
+                    end: tokens.end,
+                    v,
+                    lse,
+                })
+                .collect();
+            kernel::attend_heads(
+                kernel,
+                kv,
+                request,
+                kv_head,
+                tokens.start,
+                scale,
+                &mut tasks,
             );
         });
     Ok(())

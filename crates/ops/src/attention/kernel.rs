@@ -1,5 +1,6 @@
 //! Which instruction set runs the split-KV chunk kernel (the online-softmax pass over one
-//! `(chunk, kv_head)` work item), chosen once per process.
+//! work item: the query heads of one KV head, from one or more query rows, over one chunk),
+//! chosen once per process.
 //!
 //! `PAGODA_CPU_ATTENTION=auto|simd|avx512|avx2|scalar` (unset or empty: `auto`). `auto` and
 //! `simd` pick the widest kernel this CPU runs (AVX-512F, else AVX2+FMA, else scalar);
@@ -126,71 +127,76 @@ fn cpu_features() -> (bool, bool) {
     })
 }
 
-/// One split-KV work item on `kernel`: query heads `q_group [num_heads, head_dim]` (`num_heads`
-/// = `lse_group.len()`, a multiple of `n_rep`), head `i` reading KV head
-/// `first_kv_head + i / n_rep`, over visible tokens `tokens` of `request`; writes
-/// `v_group [num_heads, head_dim]` (normalized) and `lse_group` (log2), as the scalar
-/// `decode::chunk_attention` does for one KV head. A SIMD kernel reads each token's K/V span
-/// of all those KV heads once; the scalar kernel (also used for an unsupported kernel or a
-/// `head_dim` the lanes do not divide) runs one KV head after the other. Callers have
-/// validated the pool, the page table and the slice lengths.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn chunk_attention(
+/// One query head's share of a split-KV work item: its query, the end of its visible range
+/// in this chunk, and where its normalized partial output and LSE (log2) go.
+pub(crate) struct HeadTask<'a> {
+    /// `[head_dim]` query of the head.
+    pub query: &'a [f32],
+    /// The head attends to visible tokens `[start, end)` of the work item's request
+    /// (`end <= start`: no token, zeros and `-inf`).
+    pub end: usize,
+    /// `[head_dim]` normalized partial output.
+    pub v: &'a mut [f32],
+    /// The partial's log-sum-exp (log2 units).
+    pub lse: &'a mut f32,
+}
+
+/// One split-KV work item on `kernel`: the query heads `tasks`, all reading KV head `kv_head`
+/// of `request` from visible token `start` to their own `end`. The heads may come from
+/// several query rows (rows of one request share the item's K/V tiles, which is what makes
+/// prefill fast); each head's result depends only on its query, its range and the cache,
+/// never on the other tasks, so batch invariance holds. A SIMD kernel reads each token's K
+/// row once per pass and its V row once per block of heads; the scalar kernel (also used for
+/// an unsupported kernel or a `head_dim` the lanes do not divide) runs the tasks one after
+/// the other. Callers have validated the pool, the page table and the slice lengths.
+pub(crate) fn attend_heads(
     kernel: AttentionKernel,
     kv: &PagedKv<'_>,
     request: usize,
-    tokens: std::ops::Range<usize>,
-    first_kv_head: usize,
-    n_rep: usize,
+    kv_head: usize,
+    start: usize,
     scale: f32,
-    q_group: &[f32],
-    v_group: &mut [f32],
-    lse_group: &mut [f32],
+    tasks: &mut [HeadTask<'_>],
 ) {
     let head_dim = kv.layout.head_dim;
     #[cfg(target_arch = "x86_64")]
     {
+        use super::simd_x86::{chunk_avx2, chunk_avx512, ChunkArgs, MAX_HEAD_DIM};
         let (avx2, avx512) = cpu_features();
-        let args = super::simd_x86::ChunkArgs {
+        let args = ChunkArgs {
             kv,
             request,
-            tokens: tokens.clone(),
-            first_kv_head,
-            n_rep,
+            kv_head,
+            start,
             scale,
-            q_group,
         };
-        match kernel {
-            AttentionKernel::Avx512 if avx512 && head_dim.is_multiple_of(16) => {
-                // SAFETY: the CPU supports AVX-512F, AVX2 and FMA (detected above).
-                return unsafe { super::simd_x86::chunk_avx512(&args, v_group, lse_group) };
+        if head_dim <= MAX_HEAD_DIM {
+            match kernel {
+                AttentionKernel::Avx512 if avx512 && head_dim.is_multiple_of(16) => {
+                    // SAFETY: the CPU supports AVX-512F, AVX2 and FMA (detected above).
+                    return unsafe { chunk_avx512(&args, tasks) };
+                }
+                AttentionKernel::Avx512 | AttentionKernel::Avx2
+                    if avx2 && head_dim.is_multiple_of(8) =>
+                {
+                    // SAFETY: the CPU supports AVX2 and FMA (detected above).
+                    return unsafe { chunk_avx2(&args, tasks) };
+                }
+                _ => {}
             }
-            AttentionKernel::Avx512 | AttentionKernel::Avx2
-                if avx2 && head_dim.is_multiple_of(8) =>
-            {
-                // SAFETY: the CPU supports AVX2 and FMA (detected above).
-                return unsafe { super::simd_x86::chunk_avx2(&args, v_group, lse_group) };
-            }
-            _ => {}
         }
     }
     let _ = kernel;
-    let group = n_rep.max(1);
-    for (index, ((q_heads, v_heads), lse_heads)) in q_group
-        .chunks(group * head_dim)
-        .zip(v_group.chunks_mut(group * head_dim))
-        .zip(lse_group.chunks_mut(group))
-        .enumerate()
-    {
+    for task in tasks.iter_mut() {
         decode::chunk_attention(
             kv,
             request,
-            tokens.clone(),
-            first_kv_head + index,
+            start..task.end.max(start),
+            kv_head,
             scale,
-            q_heads,
-            v_heads,
-            lse_heads,
+            task.query,
+            task.v,
+            std::slice::from_mut(task.lse),
         );
     }
 }

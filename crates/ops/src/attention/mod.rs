@@ -51,7 +51,7 @@ pub use merge::{merge_states, merge_states_into, MergedStates};
 pub use plan::{plan_decode, DecodePlan, DecodePlanConfig, MAX_CHUNKS};
 pub use step::{
     plan_step, step_attention, SplitKvChunking, StepAttentionConfig, StepAttentionPlan,
-    StepWorkspace,
+    StepWorkspace, DEFAULT_CHUNK_TOKENS,
 };
 
 use pagoda_kv::{PageTable, PageTableError};

@@ -10,11 +10,12 @@
 //!
 //! - a row that sees `L` visible tokens runs split-KV iff `L >= min_split_kv_tokens`
 //!   ([`StepAttentionConfig`]), else gather;
-//! - a split-KV row is cut into chunks by [`SplitKvChunking::pages_per_chunk`] of its own
-//!   visible page count (fixed configuration: KV heads, target work items), its chunks are
-//!   merged in tile order by [`merge_states_into`]; the SIMD kernels
-//!   ([`AttentionKernel`](super::AttentionKernel), fixed per process) cut each chunk further
-//!   into `num_kv_heads` token pieces whose work items cover all heads;
+//! - a split-KV row is cut into chunks of [`SplitKvChunking::chunk_tokens`] visible tokens
+//!   from its first one (fixed configuration), and its chunks are merged in order by
+//!   [`merge_states_into`]. Consecutive rows of one request share a work item per chunk and
+//!   KV head; each row's heads end at the row's own visible end, and the kernels
+//!   ([`AttentionKernel`](super::AttentionKernel), fixed per process) give a head the same
+//!   bits whatever other heads share its work item;
 //! - a gather row runs the full causal softmax over its `L` tokens, exactly as
 //!   [`gather_attention`](super::gather_attention) does.
 //!
@@ -23,11 +24,9 @@
 
 use rayon::prelude::*;
 
-use super::decode::tile_tokens;
 use super::gather::attend_rows;
-use super::kernel::{self, AttentionKernel};
+use super::kernel::{self, AttentionKernel, HeadTask};
 use super::merge::merge_states_into;
-use super::plan::MAX_CHUNKS;
 use super::{validate, AttentionError, AttentionPath, PagedKv, QueryBatch};
 
 /// Most partial-state elements (`chunks * num_q_heads * head_dim`) one block of split-KV
@@ -35,50 +34,41 @@ use super::{validate, AttentionError, AttentionPath, PagedKv, QueryBatch};
 /// even for a long prefill on a many-thread machine. Block bounds never change a row's bits.
 const MAX_BLOCK_ELEMENTS: usize = 4 << 20;
 
-/// How split-KV cuts ONE query row's visible KV into chunks. A function of that row's page
-/// count and of fixed configuration only, never of the rest of the batch.
+/// Tokens per split-KV chunk the model uses ([`SplitKvChunking::chunk_tokens`]), measured:
+/// see `docs/benchmark_results/cpu-attention-row-tiles-epyc-2026-12-01.md`.
+pub const DEFAULT_CHUNK_TOKENS: usize = 256;
+
+/// How split-KV cuts ONE query row's visible tokens into chunks: spans of `chunk_tokens`
+/// tokens from the first visible token, the last one shorter. A chunk's bounds are a function
+/// of its position only, never of the rest of the batch, of the row's length or of the
+/// thread count, so rows of one request share their chunks (the kernel reads each K/V tile
+/// once for all of them) and a row's bits do not depend on the machine's parallelism.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SplitKvChunking {
-    /// KV heads of the model (work items per chunk).
+    /// KV heads of the model (work items per chunk and group of rows).
     pub num_kv_heads: usize,
-    /// Work items (`chunks * num_kv_heads`) one row alone should produce to fill the machine,
-    /// e.g. four per CPU thread.
-    pub target_work_items: usize,
-    /// Smallest chunk, in pages (>= 1).
-    pub min_pages_per_chunk: usize,
+    /// Visible tokens per chunk (>= 1; 0 is read as 1).
+    pub chunk_tokens: usize,
 }
 
 impl SplitKvChunking {
-    /// `min_pages_per_chunk` 1.
-    pub fn new(num_kv_heads: usize, target_work_items: usize) -> Self {
+    /// Chunks of `chunk_tokens` tokens for a model with `num_kv_heads` KV heads.
+    pub fn new(num_kv_heads: usize, chunk_tokens: usize) -> Self {
         Self {
             num_kv_heads,
-            target_work_items,
-            min_pages_per_chunk: 1,
+            chunk_tokens,
         }
     }
 
-    /// Chunks wanted per row: `ceil(target_work_items / num_kv_heads)`, within
-    /// `1..=MAX_CHUNKS`.
-    pub fn target_chunks(&self) -> usize {
-        self.target_work_items
-            .div_ceil(self.num_kv_heads.max(1))
-            .clamp(1, MAX_CHUNKS)
+    /// Chunks of a row that sees `visible` tokens (at least 1).
+    pub fn num_chunks(&self, visible: usize) -> usize {
+        visible.div_ceil(self.chunk_tokens.max(1)).max(1)
     }
 
-    /// Pages per chunk for a row spanning `num_pages` pages: the balanced
-    /// `ceil(num_pages / target_chunks)`, at least `min_pages_per_chunk` and 1.
-    pub fn pages_per_chunk(&self, num_pages: usize) -> usize {
-        num_pages
-            .div_ceil(self.target_chunks())
-            .max(self.min_pages_per_chunk)
-            .max(1)
-    }
-
-    /// Chunks of a row spanning `num_pages` pages (at least 1, at most
-    /// [`SplitKvChunking::target_chunks`]).
-    pub fn num_chunks(&self, num_pages: usize) -> usize {
-        num_pages.div_ceil(self.pages_per_chunk(num_pages)).max(1)
+    /// Visible-token range of chunk `index` of a row that sees `visible` tokens.
+    pub fn chunk(&self, visible: usize, index: usize) -> std::ops::Range<usize> {
+        let size = self.chunk_tokens.max(1);
+        (index * size).min(visible)..((index + 1) * size).min(visible)
     }
 }
 
@@ -157,10 +147,7 @@ pub fn plan_step(
     let table = kv.page_table;
     let num_tokens = qo_indptr.last().copied().unwrap_or(0) as usize;
     validate::query_indptr(qo_indptr, &table.seq_lens, num_tokens)?;
-    let page_size = kv.layout.page_size;
-    // Budget as if every chunk were cut into `num_kv_heads` pieces (the SIMD kernels' work
-    // items), so the blocks fit whatever kernel the plan is later given.
-    let elements_per_chunk = num_q_heads * kv.layout.head_dim * kv.layout.num_kv_heads;
+    let elements_per_chunk = num_q_heads * kv.layout.head_dim;
     let mut plan = StepAttentionPlan {
         qo_indptr: qo_indptr.to_vec(),
         seq_lens: table.seq_lens.clone(),
@@ -177,7 +164,6 @@ pub fn plan_step(
         let first_row = qo_indptr[request] as usize;
         let q_len = qo_indptr[request + 1] as usize - first_row;
         let seq_len = table.seq_lens[request] as usize;
-        let first_page_offset = table.first_page_offset[request] as usize;
         let mut gather_rows = 0;
         for query in 0..q_len {
             let visible = seq_len - q_len + query + 1;
@@ -185,17 +171,15 @@ pub fn plan_step(
                 gather_rows += 1;
                 continue;
             }
-            let num_pages = (first_page_offset + visible).div_ceil(page_size);
-            let pages_per_chunk = config.chunking.pages_per_chunk(num_pages);
-            let num_chunks = config.chunking.num_chunks(num_pages);
+            let num_chunks = config.chunking.num_chunks(visible);
             let over_budget = (block_chunks + num_chunks) * elements_per_chunk > MAX_BLOCK_ELEMENTS;
             if over_budget && block_chunks > 0 {
                 plan.block_rows.push(plan.split_rows.len());
                 block_chunks = 0;
             }
             block_chunks += num_chunks;
-            for tile in 0..num_chunks {
-                let tokens = tile_tokens(kv, request, visible, pages_per_chunk, tile);
+            for index in 0..num_chunks {
+                let tokens = config.chunking.chunk(visible, index);
                 plan.chunk_tokens
                     .push((tokens.start as u32, tokens.end as u32));
             }
@@ -233,18 +217,6 @@ impl StepAttentionPlan {
         self.kernel
     }
 
-    /// Partial states per chunk. The scalar kernel runs one work item per `(chunk, kv_head)`
-    /// and writes one partial per chunk; a SIMD kernel cuts each chunk's tokens into
-    /// `num_kv_heads` equal pieces and runs one work item per `(chunk, piece)` over ALL heads,
-    /// reading each token's whole K/V row contiguously (the same number of work items, so the
-    /// same parallelism), and writes one partial per piece.
-    fn pieces_per_chunk(&self) -> usize {
-        match self.kernel {
-            AttentionKernel::Scalar => 1,
-            AttentionKernel::Avx2 | AttentionKernel::Avx512 => self.num_kv_heads,
-        }
-    }
-
     /// Requests `B`.
     pub fn num_requests(&self) -> usize {
         self.seq_lens.len()
@@ -260,8 +232,7 @@ impl StepAttentionPlan {
         self.gather_segments.iter().map(|s| s.num_rows).sum()
     }
 
-    /// Split-KV chunks per layer (the scalar kernel writes one partial state per chunk, a
-    /// SIMD kernel `num_kv_heads`).
+    /// Split-KV chunks per layer (one partial state each).
     pub fn num_chunks(&self) -> usize {
         self.chunk_tokens.len()
     }
@@ -322,7 +293,6 @@ impl StepWorkspace {
             rows = rows.max(block[1] - block[0]);
             chunks = chunks.max(plan.chunk_range(block[0]..block[1]).len());
         }
-        let chunks = chunks * plan.pieces_per_chunk();
         let grow = |buffer: &mut Vec<f32>, len: usize| {
             if buffer.len() < len {
                 buffer.resize(len, 0.0);
@@ -404,8 +374,27 @@ pub fn step_attention(
     Ok(())
 }
 
-/// Split-KV rows `rows` of `plan`: the partial pass over their `(chunk, kv_head)` work items,
-/// the per-row merge in tile order, then a copy of each merged row into `out`.
+/// Query heads one split-KV work item takes at most (the SIMD kernels' pass size): with GQA
+/// groups of `n_rep` heads, `MAX_ITEM_HEADS / n_rep` consecutive rows of one request share
+/// each work item.
+const MAX_ITEM_HEADS: usize = 48;
+
+/// Per-row partial states written by the parallel work items. Each `(partial, head)` pair
+/// belongs to exactly one work item (the one of its row's group, its chunk and its head's KV
+/// head), so the items write disjoint elements.
+struct SharedPartials {
+    v: *mut f32,
+    lse: *mut f32,
+}
+
+// SAFETY: the work items write disjoint elements (see the type's docs) and the buffers
+// outlive the parallel pass that uses them.
+unsafe impl Sync for SharedPartials {}
+
+/// Split-KV rows `rows` of `plan`: the partial pass, the per-row merge in chunk order, then a
+/// copy of each merged row into `out`. A work item is one `(group of rows, chunk, kv_head)`:
+/// up to `MAX_ITEM_HEADS / n_rep` consecutive rows of one request (prefill rows) against
+/// their shared chunk, each row's heads of that KV head ending at the row's own visible end.
 fn split_block(
     kv: &PagedKv<'_>,
     queries: &QueryBatch<'_>,
@@ -421,57 +410,73 @@ fn split_block(
     let row_len = num_q_heads * head_dim;
     let chunks = plan.chunk_range(rows.clone());
     let num_rows = rows.len();
-    let pieces = plan.pieces_per_chunk();
-    // A work item covers `item_heads` query heads of `item_kv_heads` KV heads.
-    let (item_heads, item_kv_heads) = if pieces == 1 {
-        (n_rep, 1)
-    } else {
-        (num_q_heads, num_kv_heads)
+    let partial_v = &mut workspace.partial_v[..chunks.len() * row_len];
+    let lse = &mut workspace.lse[..chunks.len() * num_q_heads];
+
+    // Groups of consecutive split rows of one request, then one item per (group, chunk,
+    // KV head); a group's last row has the most chunks.
+    let group_rows = (MAX_ITEM_HEADS / n_rep.max(1)).max(1);
+    let mut items = Vec::new();
+    let mut first = rows.start;
+    while first < rows.end {
+        let request = plan.split_rows[first].request;
+        let mut last = first + 1;
+        while last < rows.end
+            && last - first < group_rows
+            && plan.split_rows[last].request == request
+        {
+            last += 1;
+        }
+        let group_chunks = plan.chunk_range(last - 1..last).len();
+        for chunk in 0..group_chunks {
+            items.extend((0..num_kv_heads).map(|kv_head| (first..last, chunk, kv_head)));
+        }
+        first = last;
+    }
+
+    let partials = SharedPartials {
+        v: partial_v.as_mut_ptr(),
+        lse: lse.as_mut_ptr(),
     };
-    let partial_v = &mut workspace.partial_v[..chunks.len() * pieces * row_len];
-    let lse = &mut workspace.lse[..chunks.len() * pieces * num_q_heads];
-    // Split row of every chunk in the block (chunk_indptr is sorted).
-    let row_of = |chunk: usize| {
-        rows.start + plan.chunk_indptr[rows.clone()].partition_point(|&c| c as usize <= chunk) - 1
-    };
-    partial_v
-        .par_chunks_mut(item_heads * head_dim)
-        .zip(lse.par_chunks_mut(item_heads))
-        .enumerate()
-        .for_each(|(work_item, (v_group, lse_group))| {
-            let chunk = chunks.start + work_item / num_kv_heads;
-            let sub = work_item % num_kv_heads;
-            let split_row = &plan.split_rows[row_of(chunk)];
-            let (begin, end) = plan.chunk_tokens[chunk];
-            let (begin, end) = (begin as usize, end as usize);
-            let (first_kv_head, tokens) = if pieces == 1 {
-                (sub, begin..end)
-            } else {
-                let length = end - begin;
-                (
-                    0,
-                    begin + length * sub / pieces..begin + length * (sub + 1) / pieces,
-                )
-            };
-            let q_first = (split_row.row * num_q_heads + first_kv_head * n_rep) * head_dim;
-            let q_group = &queries.q[q_first..q_first + item_heads * head_dim];
-            debug_assert_eq!(item_kv_heads * n_rep, item_heads);
-            kernel::chunk_attention(
-                plan.kernel,
-                kv,
-                split_row.request,
-                tokens,
-                first_kv_head,
-                n_rep,
-                scale,
-                q_group,
-                v_group,
-                lse_group,
-            );
-        });
+    items.par_iter().for_each(|(group, chunk, kv_head)| {
+        let (chunk, kv_head) = (*chunk, *kv_head);
+        let partials = &partials;
+        let mut tasks: Vec<HeadTask<'_>> = Vec::with_capacity(group.len() * n_rep);
+        let mut start = 0;
+        for split in group.clone() {
+            let row_chunks = plan.chunk_range(split..split + 1);
+            if chunk >= row_chunks.len() {
+                continue;
+            }
+            let (begin, end) = plan.chunk_tokens[row_chunks.start + chunk];
+            start = begin as usize;
+            let partial = row_chunks.start + chunk - chunks.start;
+            let row = plan.split_rows[split].row;
+            for head in kv_head * n_rep..(kv_head + 1) * n_rep {
+                let query = &queries.q[(row * num_q_heads + head) * head_dim..][..head_dim];
+                let state = partial * num_q_heads + head;
+                // SAFETY: `state` is inside the block's partials (`partial < chunks.len()`,
+                // `head < num_q_heads`), and only this item writes it (see SharedPartials).
+                let (v, lse) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(partials.v.add(state * head_dim), head_dim),
+                        &mut *partials.lse.add(state),
+                    )
+                };
+                tasks.push(HeadTask {
+                    query,
+                    end: end as usize,
+                    v,
+                    lse,
+                });
+            }
+        }
+        let request = plan.split_rows[group.start].request;
+        kernel::attend_heads(plan.kernel, kv, request, kv_head, start, scale, &mut tasks);
+    });
     let o_indptr: Vec<u32> = plan.chunk_indptr[rows.start..=rows.end]
         .iter()
-        .map(|&c| (c - chunks.start as u32) * pieces as u32)
+        .map(|&c| c - chunks.start as u32)
         .collect();
     let merged_v = &mut workspace.merged_v[..num_rows * row_len];
     let merged_lse = &mut workspace.merged_lse[..num_rows * num_q_heads];

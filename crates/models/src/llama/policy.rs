@@ -1,0 +1,78 @@
+//! How a forward pass routes attention: the auto threshold between gather and split-KV, and
+//! the split-KV chunk size.
+
+use pagoda_ops::attention::{AttentionPath, DEFAULT_CHUNK_TOKENS};
+
+/// The environment variable that overrides the split-KV chunk size (a positive number of
+/// tokens; for measurement: a row's bits depend on it).
+pub const SPLIT_KV_CHUNK_ENV_VAR: &str = "PAGODA_SPLIT_KV_CHUNK_TOKENS";
+
+/// Visible tokens per split-KV chunk: [`DEFAULT_CHUNK_TOKENS`], or
+/// [`SPLIT_KV_CHUNK_ENV_VAR`] when it holds a positive integer (anything else is ignored with
+/// a warning). Read once per process.
+pub fn split_kv_chunk_tokens() -> usize {
+    static TOKENS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *TOKENS.get_or_init(|| {
+        let Ok(text) = std::env::var(SPLIT_KV_CHUNK_ENV_VAR) else {
+            return DEFAULT_CHUNK_TOKENS;
+        };
+        match text.trim().parse::<usize>() {
+            Ok(tokens) if tokens > 0 => {
+                tracing::info!("split-KV chunks of {tokens} tokens ({SPLIT_KV_CHUNK_ENV_VAR})");
+                tokens
+            }
+            _ => {
+                tracing::warn!(
+                    "{SPLIT_KV_CHUNK_ENV_VAR}={text:?} is not a positive number of tokens; \
+                     using {DEFAULT_CHUNK_TOKENS}"
+                );
+                DEFAULT_CHUNK_TOKENS
+            }
+        }
+    })
+}
+
+/// Auto's threshold, in visible tokens: a query row that sees at least this many tokens runs
+/// split-KV, a shorter one gather. One page (16 tokens at the default page size).
+///
+/// Measured on the 2-core AMD EPYC dev machine (AVX-512 split-KV kernel, default model,
+/// `docs/benchmark_results/cpu-split-kv-threshold-epyc-2026-11-30.md`): forced split-KV is at
+/// least as fast as gather at every depth, 1 and 2 threads (decode tg64: 1.00x at depth 0,
+/// 1.02-1.04x at 16, 1.2x / 1.06x at 128, 1.41x / 1.18x at 511; prefill 32/128/512 tokens:
+/// 1.01-1.14x), so the threshold is not set by speed. It is not 0 because rows that short
+/// gain nothing measurable, and because the quantized-activation path turns the two paths'
+/// float differences (6e-5 logprob with f32 activations) into up to ~1 logprob of Q8 rounding
+/// noise: the llama.cpp parity prompts under auto stay inside their top-5 bound of 0.6 at 16
+/// (worst 0.5625, as at 512: 0.5608) but not at 0 (0.660). Was 512 while split-KV was scalar.
+pub const AUTO_MIN_SPLIT_KV_TOKENS: usize = 16;
+
+/// How a forward pass picks the attention path of each query row.
+///
+/// BATCH-INVARIANT: the path and the split-KV chunking of a row depend only on that row's own
+/// visible length (and on fixed configuration: the chunk size, which does not change within
+/// a process), never on the other requests of the step or
+/// on whether they prefill or decode. A request's logits are therefore bit-identical alone
+/// or batched, and a token gets the same K/V whether it was computed in a prefill chunk, a
+/// one-token chunk, a recompute after preemption or a decode step (the linear layers must
+/// keep rows independent too). A step may mix gather rows and split-KV rows; each row is
+/// computed by exactly one of them. See `pagoda_ops::attention::plan_step`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionPolicy {
+    /// Split-KV for rows that see at least [`AUTO_MIN_SPLIT_KV_TOKENS`] tokens (long
+    /// contexts, where spreading one row's KV over the cores pays), gather for shorter rows.
+    Auto,
+    /// Every row on this path: `Force(Gather)` never splits; `Force(SplitKv)` runs every row
+    /// (prefill rows included, short ones as a single chunk) through split-KV.
+    Force(AttentionPath),
+}
+
+impl AttentionPolicy {
+    /// The smallest visible length routed to split-KV (`usize::MAX`: none).
+    pub fn min_split_kv_tokens(self) -> usize {
+        match self {
+            AttentionPolicy::Auto => AUTO_MIN_SPLIT_KV_TOKENS,
+            AttentionPolicy::Force(AttentionPath::SplitKv) => 0,
+            AttentionPolicy::Force(AttentionPath::Gather) => usize::MAX,
+        }
+    }
+}

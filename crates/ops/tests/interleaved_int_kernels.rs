@@ -2,6 +2,8 @@
 //! (row, token) dot equal bit for bit to `dot_scalar`, for every repacked format, row counts
 //! that leave a partial group, and token counts that leave partial tiles; and against the
 //! f64 dots of ggml's dequantized weights, whose values the interleaved rows also decode to.
+//! One-token matmuls run the decode width `PAGODA_CPU_INT_DECODE` selects (run it with
+//! `=avx512` and `=avx2` for both the 16-row and the 8-row kernel).
 //! Skipped on CPUs without AVX-512 VNNI. An ignored test times it against the VNNI tiles.
 
 mod common;
@@ -31,7 +33,10 @@ fn interleaved_dots_equal_the_scalar_kernel_bit_for_bit() {
     let mut cases = 0;
     for ty in REPACKED {
         let cols = 512;
-        for rows in [1, 7, 8, 13, 40] {
+        // 33, 40 and 64 rows give one-token decode tasks of whole pairs of groups (the 512-bit
+        // kernel under `PAGODA_CPU_INT_DECODE=avx512`, the default on Intel) and a single
+        // group.
+        for rows in [1, 7, 8, 13, 33, 40, 64] {
             let bytes = random_rows(ty, rows, cols, &mut rng, false);
             let weights = repack(ty, rows, cols, &bytes).unwrap();
             let interleaved = Interleaved::new(&weights);
@@ -79,6 +84,12 @@ fn interleaved_dots_equal_the_scalar_kernel_bit_for_bit() {
         }
     }
     println!("interleaved: {cases} cases bit-identical to dot_scalar");
+    if interleaved::IntDecode::selected() == interleaved::IntDecode::Avx512 {
+        assert!(
+            interleaved::wide_decode_count() > 0,
+            "the 512-bit decode did not run"
+        );
+    }
 }
 
 /// `cargo test --release -p pagoda-ops --test interleaved_int_kernels -- --ignored --nocapture`

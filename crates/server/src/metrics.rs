@@ -540,6 +540,13 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
+            "# HELP pagoda_cpu_int_wide_decodes_total One-token integer matmuls (or shared decode \
+             regions) run sixteen rows per 512-bit register (PAGODA_CPU_INT_DECODE=avx512).\n\
+             # TYPE pagoda_cpu_int_wide_decodes_total counter\npagoda_cpu_int_wide_decodes_total {}",
+            pagoda_ops::simd::interleaved::wide_decode_count()
+        );
+        let _ = writeln!(
+            out,
             "# HELP pagoda_cpu_attention_kernel_info The CPU attention kernel in use \
              (PAGODA_CPU_ATTENTION).\n\
              # TYPE pagoda_cpu_attention_kernel_info gauge\n\

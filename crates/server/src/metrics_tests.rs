@@ -61,6 +61,14 @@ fn gauges_follow_the_snapshot() {
         pairs.parse::<u64>().unwrap(),
         pagoda_ops::simd::f32_tile::pair_matmul_count()
     );
+    let wide_decodes = text
+        .lines()
+        .find_map(|line| line.strip_prefix("pagoda_cpu_int_wide_decodes_total "))
+        .expect("the 512-bit integer decode counter line");
+    assert_eq!(
+        wide_decodes.parse::<u64>().unwrap(),
+        pagoda_ops::simd::interleaved::wide_decode_count()
+    );
     let kernel = pagoda_ops::attention::AttentionKernel::selected().name();
     assert!(text.contains(&format!(
         "pagoda_cpu_attention_kernel_info{{kernel=\"{kernel}\"}} 1\n"

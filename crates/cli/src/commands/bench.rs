@@ -15,6 +15,9 @@ use serde::Serialize;
 
 use crate::common::{self, ModelArgs};
 
+mod report;
+use report::{print_profile, print_report};
+
 /// Flags of `pagoda bench`: the model benchmark, or one of the benchmark subcommands.
 #[derive(Args, Debug)]
 #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
@@ -186,6 +189,10 @@ struct Report {
     f32_wide_matmuls: u64,
     /// Integer matmuls that ran on the AMX-INT8 tiles (`PAGODA_CPU_KERNELS=amx`).
     amx_matmuls: u64,
+    /// The register width of one-token integer matmuls (`PAGODA_CPU_INT_DECODE`) and the
+    /// count of decode matmuls (or shared regions) that ran 16 rows per register.
+    int_decode: String,
+    int_wide_decodes: u64,
     batch: usize,
     load_before: String,
     load_after: String,
@@ -364,82 +371,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .to_string(),
         f32_wide_matmuls: pagoda_ops::simd::f32_decode::wide_matmul_count(),
         amx_matmuls: pagoda_ops::simd::amx::hardware_matmul_count(),
+        int_decode: pagoda_ops::simd::interleaved::IntDecode::selected()
+            .name()
+            .to_string(),
+        int_wide_decodes: pagoda_ops::simd::interleaved::wide_decode_count(),
         batch: max_batch,
         load_before,
         load_after: load_average(),
         results,
     };
     print_report(&report, args.json)
-}
-
-fn print_report(report: &Report, json: bool) -> Result<()> {
-    if json {
-        println!("{}", serde_json::to_string_pretty(report)?);
-        return Ok(());
-    }
-    println!("model: {} | device: {}", report.model, report.device);
-    println!(
-        "cpu kernels: {} ({} matmuls on AMX tiles) | f32 decode matmuls: {} ({} ran eight rows \
-         at a time)",
-        report.cpu_kernels, report.amx_matmuls, report.f32_decode, report.f32_wide_matmuls
-    );
-    println!(
-        "weights: {} | threads: {} | attention: {} | load before: {} | load after: {}",
-        report.precision, report.threads, report.attention, report.load_before, report.load_after
-    );
-    println!(
-        "| test | tok/s (median) | min | max | runs | step ms | GB/s read | steps split-kv/gather |"
-    );
-    println!("| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |");
-    for r in &report.results {
-        let runs: Vec<String> = r
-            .tokens_per_second
-            .iter()
-            .map(|v| format!("{v:.1}"))
-            .collect();
-        let optional = |value: Option<f64>, digits: usize| {
-            value.map_or("-".to_string(), |v| format!("{v:.digits$}"))
-        };
-        println!(
-            "| {} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} |",
-            r.test,
-            r.median,
-            r.min,
-            r.max,
-            runs.join(" "),
-            optional(r.step_ms, 3),
-            optional(r.effective_gb_per_s, 0),
-            r.steps
-        );
-    }
-    Ok(())
-}
-
-/// With `PAGODA_PROFILE=1`: the forward pass's time per op over the test's runs, on stderr
-/// (ms per run and share of the timed total).
-fn print_profile(test: &str, runs: usize) {
-    if !pagoda_ops::profile::enabled() {
-        return;
-    }
-    let totals = pagoda_ops::profile::totals();
-    let sum: f64 = totals.iter().map(|t| t.1).sum();
-    let rows: Vec<String> = totals
-        .iter()
-        .filter(|t| t.2 > 0)
-        .map(|(op, seconds, _)| {
-            format!(
-                "{} {:.2} ms ({:.1}%)",
-                op.name(),
-                seconds * 1e3 / runs as f64,
-                100.0 * seconds / sum.max(f64::MIN_POSITIVE)
-            )
-        })
-        .collect();
-    eprintln!(
-        "profile {test}: {:.2} ms per run timed: {}",
-        sum * 1e3 / runs as f64,
-        rows.join(", ")
-    );
 }
 
 /// Forward steps run per path since `before`.

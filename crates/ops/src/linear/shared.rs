@@ -62,7 +62,16 @@ pub fn matmul_shared(x: &[f32], num_tokens: usize, outputs: &mut [(&Weight, &mut
         }
         // Decode: one region over every weight's rows (tasks of whole interleaved groups).
         let total_rows: usize = outputs.iter().map(|(w, _)| w.out_features).sum();
-        let rows_per_task = decode_rows_per_task(total_rows).next_multiple_of(interleaved::GROUP);
+        let rows_per_task =
+            decode_rows_per_task(total_rows).next_multiple_of(2 * interleaved::GROUP);
+        if outputs.iter().any(|(weight, _)| {
+            matches!(
+                weight.storage,
+                Storage::Repacked(IntRows::Interleaved(_), _)
+            )
+        }) {
+            interleaved::count_wide_decode();
+        }
         // The interleaved kernels' block starts, one list per weight, computed once.
         let starts: Vec<Vec<i32>> = outputs
             .iter()

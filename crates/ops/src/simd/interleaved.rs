@@ -23,6 +23,10 @@ use pagoda_tensor::quant::q8::Q8Rows;
 use pagoda_tensor::quant::repack::{QuantWidth, RepackedRows, RowFactors};
 use rayon::prelude::*;
 
+mod wide;
+pub(crate) use wide::count_decode as count_wide_decode;
+pub use wide::{wide_decode_count, IntDecode, INT_DECODE_ENV_VAR};
+
 /// Rows per group.
 pub const GROUP: usize = 8;
 
@@ -246,9 +250,10 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
     );
     let starts = block_starts(weights, activations);
     if tokens == 1 {
-        // Decode: each task writes its rows straight into `y`.
+        // Decode: each task writes its rows straight into `y` (whole pairs of groups).
+        wide::count_decode();
         let rows_per_task =
-            crate::linear::int_matmul::decode_rows_per_task(rows).next_multiple_of(GROUP);
+            crate::linear::int_matmul::decode_rows_per_task(rows).next_multiple_of(2 * GROUP);
         y.par_chunks_mut(rows_per_task)
             .enumerate()
             .for_each(|(task, out)| {
@@ -304,11 +309,54 @@ pub fn decode_rows(
     assert!(is_supported(), "the interleaved kernel needs AVX-512 VNNI");
     assert!(row_start.is_multiple_of(GROUP) && row_start + out.len() <= weights.num_rows);
     assert_eq!(activations.num_rows(), 1, "decode takes one token");
+    let wide = IntDecode::selected() == IntDecode::Avx512;
     let mut lanes = [0f32; GROUP];
-    for (index, chunk) in out.chunks_mut(GROUP).enumerate() {
-        let group = row_start / GROUP + index;
+    let mut done = 0;
+    while done < out.len() {
+        let group = (row_start + done) / GROUP;
+        if wide && done + 2 * GROUP <= out.len() {
+            // Two whole groups: 16 rows per 512-bit register, the same bits.
+            out[done..done + 2 * GROUP].copy_from_slice(&pair_dots(
+                weights,
+                group,
+                activations,
+                starts,
+            ));
+            done += 2 * GROUP;
+            continue;
+        }
+        let end = (done + GROUP).min(out.len());
+        let chunk = &mut out[done..end];
         group_dots(weights, group, activations, starts, &mut lanes, GROUP);
         chunk.copy_from_slice(&lanes[..chunk.len()]);
+        done += chunk.len();
+    }
+}
+
+/// The 16 dots of groups `group` and `group + 1` (both inside the matrix) with token 0: the
+/// 512-bit kernel of [`wide`], equal to two [`group_dots`] calls bit for bit.
+fn pair_dots(
+    weights: &Interleaved,
+    group: usize,
+    activations: &Q8Rows,
+    starts: &[i32],
+) -> [f32; 2 * GROUP] {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `decode_rows` checked the features; both groups are in range, and `starts` is
+    // empty or holds one start per block of the single token.
+    unsafe {
+        let dots = match (weights.nibble, weights.half) {
+            (true, true) => wide::x86::pair::<true, true>,
+            (true, false) => wide::x86::pair::<true, false>,
+            (false, true) => wide::x86::pair::<false, true>,
+            (false, false) => wide::x86::pair::<false, false>,
+        };
+        dots(weights, group, activations, starts)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (weights, group, activations, starts);
+        [0.0; 2 * GROUP]
     }
 }
 

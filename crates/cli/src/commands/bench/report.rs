@@ -1,0 +1,80 @@
+//! `pagoda bench`'s printed report: the table (or JSON) and the per-op profile.
+
+use anyhow::Result;
+
+use super::Report;
+
+pub(super) fn print_report(report: &Report, json: bool) -> Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(report)?);
+        return Ok(());
+    }
+    println!("model: {} | device: {}", report.model, report.device);
+    println!(
+        "cpu kernels: {} ({} matmuls on AMX tiles) | f32 decode matmuls: {} ({} ran eight rows \
+         at a time) | integer decode: {} ({} ran 16 rows per register)",
+        report.cpu_kernels,
+        report.amx_matmuls,
+        report.f32_decode,
+        report.f32_wide_matmuls,
+        report.int_decode,
+        report.int_wide_decodes
+    );
+    println!(
+        "weights: {} | threads: {} | attention: {} | load before: {} | load after: {}",
+        report.precision, report.threads, report.attention, report.load_before, report.load_after
+    );
+    println!(
+        "| test | tok/s (median) | min | max | runs | step ms | GB/s read | steps split-kv/gather |"
+    );
+    println!("| --- | ---: | ---: | ---: | --- | ---: | ---: | --- |");
+    for r in &report.results {
+        let runs: Vec<String> = r
+            .tokens_per_second
+            .iter()
+            .map(|v| format!("{v:.1}"))
+            .collect();
+        let optional = |value: Option<f64>, digits: usize| {
+            value.map_or("-".to_string(), |v| format!("{v:.digits$}"))
+        };
+        println!(
+            "| {} | {:.1} | {:.1} | {:.1} | {} | {} | {} | {} |",
+            r.test,
+            r.median,
+            r.min,
+            r.max,
+            runs.join(" "),
+            optional(r.step_ms, 3),
+            optional(r.effective_gb_per_s, 0),
+            r.steps
+        );
+    }
+    Ok(())
+}
+
+/// With `PAGODA_PROFILE=1`: the forward pass's time per op over the test's runs, on stderr
+/// (ms per run and share of the timed total).
+pub(super) fn print_profile(test: &str, runs: usize) {
+    if !pagoda_ops::profile::enabled() {
+        return;
+    }
+    let totals = pagoda_ops::profile::totals();
+    let sum: f64 = totals.iter().map(|t| t.1).sum();
+    let rows: Vec<String> = totals
+        .iter()
+        .filter(|t| t.2 > 0)
+        .map(|(op, seconds, _)| {
+            format!(
+                "{} {:.2} ms ({:.1}%)",
+                op.name(),
+                seconds * 1e3 / runs as f64,
+                100.0 * seconds / sum.max(f64::MIN_POSITIVE)
+            )
+        })
+        .collect();
+    eprintln!(
+        "profile {test}: {:.2} ms per run timed: {}",
+        sum * 1e3 / runs as f64,
+        rows.join(", ")
+    );
+}

@@ -1,0 +1,268 @@
+//! The one-token (decode) `vnni8` kernel with 512-bit registers: two interleaved groups, 16
+//! weight rows, per vector. The layout does not change: each step loads the two groups'
+//! 32-byte records into the halves of one register, so every `vpdpbusd`, unpack and float
+//! operation serves 16 rows instead of 8. Each lane runs exactly the 8-row kernel's
+//! operations (the exact integer dot, then `d * d_a * integer + min * s_a`, then the running
+//! sum), so the result is the same bits.
+//!
+//! `PAGODA_CPU_INT_DECODE=auto|avx512|avx2` (unset or empty: `auto`: `avx512` on Intel
+//! CPUs, `avx2` elsewhere, see [`IntDecode::best`]); `avx2` keeps the 256-bit (8-row) kernel. Logged once at INFO; [`wide_decode_count`] counts the decode
+//! matmuls (or shared decode regions) that ran 16 rows per register.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use crate::kernel_choice::{choose_from_env, KernelChoice};
+
+/// The environment variable that selects the register width of the interleaved decode.
+pub const INT_DECODE_ENV_VAR: &str = "PAGODA_CPU_INT_DECODE";
+
+/// The register width of the interleaved integer decode (one-token matmuls).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum IntDecode {
+    /// One group of 8 rows per 256-bit register: the reference.
+    Avx2,
+    /// Two groups, 16 rows, per 512-bit register.
+    Avx512,
+}
+
+impl IntDecode {
+    /// Lower-case name, as [`INT_DECODE_ENV_VAR`] spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            IntDecode::Avx2 => "avx2",
+            IntDecode::Avx512 => "avx512",
+        }
+    }
+
+    /// Whether this CPU runs it (both need what the interleaved kernel needs).
+    pub fn is_supported(self) -> bool {
+        super::is_supported()
+    }
+
+    /// What `auto` picks: [`IntDecode::Avx512`] on Intel CPUs, [`IntDecode::Avx2`] on
+    /// others. Measured (`docs/benchmark_results/cpu-decode-widths-2026-12-01.md`): on an
+    /// Intel Xeon (Emerald Rapids, full-width 512-bit units) the 16-row kernel cut the
+    /// integer matmuls' decode time by 20-30%; on an AMD EPYC (Zen 4, which splits 512-bit
+    /// operations in two) it decoded 3-9% slower.
+    pub fn best() -> IntDecode {
+        if intel_cpu() {
+            IntDecode::Avx512
+        } else {
+            IntDecode::Avx2
+        }
+    }
+
+    /// Parses an [`INT_DECODE_ENV_VAR`] value (ASCII case and surrounding spaces ignored):
+    /// `auto` or empty give `Ok(None)`; anything but `avx512` and `avx2` is an error naming
+    /// the value and the accepted ones.
+    pub fn parse(text: &str) -> Result<Option<IntDecode>, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(None),
+            "avx512" => Ok(Some(IntDecode::Avx512)),
+            "avx2" => Ok(Some(IntDecode::Avx2)),
+            _ => Err(format!(
+                "{INT_DECODE_ENV_VAR}={text:?} is not one of auto, avx512, avx2"
+            )),
+        }
+    }
+
+    /// The process-wide width: [`INT_DECODE_ENV_VAR`] read once (unset: `auto`), validated
+    /// and logged once at INFO.
+    pub fn selected() -> IntDecode {
+        static SELECTED: OnceLock<IntDecode> = OnceLock::new();
+        *SELECTED.get_or_init(|| {
+            let width = choose_from_env::<IntDecode>();
+            tracing::info!(
+                "CPU integer decode (vnni8): {} ({INT_DECODE_ENV_VAR}=auto|avx512|avx2; {} rows \
+                 per register)",
+                width.name(),
+                if width == IntDecode::Avx512 { 16 } else { 8 }
+            );
+            width
+        })
+    }
+}
+
+impl KernelChoice for IntDecode {
+    const ENV_VAR: &'static str = INT_DECODE_ENV_VAR;
+    fn choice_name(self) -> &'static str {
+        self.name()
+    }
+    fn choice_supported(self) -> bool {
+        self.is_supported()
+    }
+    fn auto_choice() -> Self {
+        IntDecode::best()
+    }
+    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
+        IntDecode::parse(text)
+    }
+}
+
+/// Whether CPUID names the vendor "GenuineIntel".
+fn intel_cpu() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let leaf = std::arch::x86_64::__cpuid(0);
+        let mut vendor = [0u8; 12];
+        vendor[..4].copy_from_slice(&leaf.ebx.to_le_bytes());
+        vendor[4..8].copy_from_slice(&leaf.edx.to_le_bytes());
+        vendor[8..].copy_from_slice(&leaf.ecx.to_le_bytes());
+        &vendor == b"GenuineIntel"
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+static WIDE_DECODES: AtomicU64 = AtomicU64::new(0);
+
+/// Decode matmuls (or shared decode regions) that ran 16 rows per register, since the
+/// process started.
+pub fn wide_decode_count() -> u64 {
+    WIDE_DECODES.load(Ordering::Relaxed)
+}
+
+/// Counts one decode region for [`wide_decode_count`] when the wide kernel is selected.
+pub(crate) fn count_decode() {
+    if IntDecode::selected() == IntDecode::Avx512 {
+        WIDE_DECODES.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(super) mod x86 {
+    use super::super::{Interleaved, GROUP};
+    use pagoda_tensor::quant::q8::Q8Rows;
+    use std::arch::x86_64::*;
+
+    /// The 16 dots of groups `group` and `group + 1` with token 0 of `activations`
+    /// (`[lane]`: the first group's 8 rows, then the second's), each lane the 8-row kernel's
+    /// chain. SAFETY: AVX-512 F, VL and VNNI and F16C; both groups in range; `starts` empty
+    /// (zero 0) or one per block of token 0.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub(in super::super) unsafe fn pair<const NIBBLE: bool, const HALF: bool>(
+        weights: &Interleaved,
+        group: usize,
+        activations: &Q8Rows,
+        starts: &[i32],
+    ) -> [f32; 2 * GROUP] {
+        let blocks = weights.blocks_per_row;
+        let stride = weights.stride;
+        assert!((group + 2) * GROUP <= weights.num_rows.next_multiple_of(GROUP));
+        let weight_bytes = if NIBBLE { 128 } else { 256 };
+        let factor_bytes = if HALF { 16 } else { 32 };
+        let aq = activations.row_qs(0).as_ptr() as *const u8;
+        let (ad, sa) = (activations.row_scales(0), activations.row_sums(0));
+        assert!(ad.len() >= blocks && sa.len() >= blocks);
+        let has_zero = !starts.is_empty();
+        // SAFETY: both groups' records hold `blocks * stride` bytes (asserted above); the
+        // activation row holds `blocks` blocks of 32 bytes, scales and sums.
+        unsafe {
+            let first = weights.data.as_ptr().add(group * blocks * stride);
+            let second = first.add(blocks * stride);
+            let mut acc = _mm512_setzero_ps();
+            let low = _mm512_set1_epi8(0x0F);
+            for b in 0..blocks {
+                let (r0, r1) = (first.add(b * stride), second.add(b * stride));
+                let mut w = [_mm512_setzero_si512(); 8];
+                if NIBBLE {
+                    for k in 0..4 {
+                        let x = join_bytes(r0.add(32 * k), r1.add(32 * k));
+                        w[k] = _mm512_and_si512(x, low);
+                        // A 32-bit shift then the nibble mask: the same bytes as the 8-row
+                        // kernel's 16-bit shift (AVX-512F has no 16-bit shift).
+                        w[k + 4] = _mm512_and_si512(_mm512_srli_epi32::<4>(x), low);
+                    }
+                } else {
+                    for (k, slot) in w.iter_mut().enumerate() {
+                        *slot = join_bytes(r0.add(32 * k), r1.add(32 * k));
+                    }
+                }
+                let (f0, f1) = (r0.add(weight_bytes), r1.add(weight_bytes));
+                let (d, m) = if HALF {
+                    (
+                        _mm512_cvtph_ps(join_halves(f0, f1)),
+                        _mm512_cvtph_ps(join_halves(f0.add(16), f1.add(16))),
+                    )
+                } else {
+                    (
+                        _mm512_castsi512_ps(join_bytes(f0, f1)),
+                        _mm512_castsi512_ps(join_bytes(f0.add(factor_bytes), f1.add(factor_bytes))),
+                    )
+                };
+                let a = aq.add(b * 32) as *const i32;
+                let mut integer = if has_zero {
+                    _mm512_set1_epi32(*starts.get_unchecked(b))
+                } else {
+                    _mm512_setzero_si512()
+                };
+                for (k, weights_k) in w.iter().enumerate() {
+                    integer = _mm512_dpbusd_epi32(
+                        integer,
+                        *weights_k,
+                        _mm512_set1_epi32(a.add(k).read_unaligned()),
+                    );
+                }
+                // The 8-row kernel's chain: d * d_a * integer + min * s_a, then the sum.
+                let scaled = _mm512_mul_ps(
+                    _mm512_mul_ps(d, _mm512_set1_ps(*ad.get_unchecked(b))),
+                    _mm512_cvtepi32_ps(integer),
+                );
+                let term = _mm512_add_ps(
+                    scaled,
+                    _mm512_mul_ps(m, _mm512_set1_ps(*sa.get_unchecked(b))),
+                );
+                acc = _mm512_add_ps(acc, term);
+            }
+            let mut out = [0f32; 2 * GROUP];
+            _mm512_storeu_ps(out.as_mut_ptr(), acc);
+            out
+        }
+    }
+
+    /// 32 bytes at `low` and 32 at `high` as one 512-bit vector. SAFETY: AVX-512F (inlined
+    /// into a caller that has it); both pointers readable for 32 bytes.
+    #[inline(always)]
+    unsafe fn join_bytes(low: *const u8, high: *const u8) -> __m512i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(low as *const __m256i)),
+                _mm256_loadu_si256(high as *const __m256i),
+            )
+        }
+    }
+
+    /// 16 bytes at `low` and 16 at `high` as one 256-bit vector (eight f16 factors of each
+    /// group). SAFETY: AVX2 (inlined into a caller that has it); both pointers readable for
+    /// 16 bytes.
+    #[inline(always)]
+    unsafe fn join_halves(low: *const u8, high: *const u8) -> __m256i {
+        // SAFETY: the caller's contract.
+        unsafe {
+            _mm256_inserti128_si256::<1>(
+                _mm256_castsi128_si256(_mm_loadu_si128(low as *const __m128i)),
+                _mm_loadu_si128(high as *const __m128i),
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_accepts_the_documented_values_only() {
+        assert_eq!(IntDecode::parse(" AUTO "), Ok(None));
+        assert_eq!(IntDecode::parse(""), Ok(None));
+        assert_eq!(IntDecode::parse("avx512"), Ok(Some(IntDecode::Avx512)));
+        assert_eq!(IntDecode::parse("AVX2"), Ok(Some(IntDecode::Avx2)));
+        let error = IntDecode::parse("zmm").unwrap_err();
+        assert!(error.contains(INT_DECODE_ENV_VAR) && error.contains("zmm"));
+        assert_eq!(IntDecode::best() == IntDecode::Avx512, intel_cpu());
+    }
+}

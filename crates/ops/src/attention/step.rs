@@ -35,7 +35,7 @@ use super::{validate, AttentionError, AttentionPath, PagedKv, QueryBatch};
 const MAX_BLOCK_ELEMENTS: usize = 4 << 20;
 
 /// Tokens per split-KV chunk the model uses ([`SplitKvChunking::chunk_tokens`]), measured:
-/// see `docs/benchmark_results/cpu-attention-row-tiles-epyc-2026-12-01.md`.
+/// see `docs/benchmark_results/cpu-attention-row-tiles-epyc-h200host-2026-12-01.md`.
 pub const DEFAULT_CHUNK_TOKENS: usize = 256;
 
 /// How split-KV cuts ONE query row's visible tokens into chunks: spans of `chunk_tokens`

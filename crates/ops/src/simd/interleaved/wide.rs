@@ -41,7 +41,8 @@ impl IntDecode {
     }
 
     /// What `auto` picks: [`IntDecode::Avx512`] on Intel CPUs, [`IntDecode::Avx2`] on
-    /// others. Measured (`docs/benchmark_results/cpu-decode-widths-2026-12-01.md`): on an
+    /// others. Measured
+    /// (`docs/benchmark_results/cpu-vnni8-wide-decode-epyc-h200host-2026-12-01.md`): on an
     /// Intel Xeon (Emerald Rapids, full-width 512-bit units) the 16-row kernel cut the
     /// integer matmuls' decode time by 20-30%; on an AMD EPYC (Zen 4, which splits 512-bit
     /// operations in two) it decoded 3-9% slower.

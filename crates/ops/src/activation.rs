@@ -1,6 +1,7 @@
 //! Elementwise ops of the MLP and the residual stream.
 
-/// `out[i] = silu(gate[i]) * up[i]`, `silu(x) = x / (1 + e^-x)`.
+/// `out[i] = silu(gate[i]) * up[i]`, `silu(x) = x / (1 + e^-x)`, with libm's `expf` (the
+/// reference of [`silu_mul_in_place`]).
 pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
     assert!(
         gate.len() == up.len() && up.len() == out.len(),
@@ -15,14 +16,26 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
 /// 1536-8192 values) the loop stays on the calling thread.
 const SILU_TASK: usize = 8192;
 
-/// `gate[i] = silu(gate[i]) * up[i]`, in place; long inputs (prefill) in parallel, with the
-/// same per-element formula, so the same bits.
+mod silu;
+pub use silu::{silu_polynomial_calls, SiluPath, SILU_ENV_VAR};
+
+/// `gate[i] = silu(gate[i]) * up[i]`, in place, with `e^-x` from the path
+/// [`SiluPath::selected`] picks (libm's `expf` by default, the vector polynomial under
+/// `PAGODA_CPU_SILU=polynomial`); long inputs (prefill) in parallel, with the same
+/// per-element formula, so the same bits whatever the length or the position of an element.
 pub fn silu_mul_in_place(gate: &mut [f32], up: &[f32]) {
     use rayon::prelude::*;
     assert_eq!(gate.len(), up.len(), "silu_mul: length mismatch");
-    let apply = |(gate, up): (&mut [f32], &[f32])| {
-        for (g, u) in gate.iter_mut().zip(up) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
+    let path = SiluPath::selected();
+    if path == SiluPath::Polynomial {
+        silu::count_call();
+    }
+    let apply = |(gate, up): (&mut [f32], &[f32])| match path {
+        SiluPath::Polynomial => silu::silu_mul_polynomial(gate, up),
+        SiluPath::Libm => {
+            for (g, u) in gate.iter_mut().zip(up) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
         }
     };
     if gate.len() < 2 * SILU_TASK {
@@ -69,10 +82,13 @@ mod tests {
         }
         let mut in_place = gate;
         silu_mul_in_place(&mut in_place, &up);
-        assert_eq!(in_place, out);
+        for (a, b) in in_place.iter().zip(out) {
+            assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{a} vs {b}");
+        }
     }
 
-    /// The parallel path (a prefill's length) gives the sequential formula's bits.
+    /// The parallel path (a prefill's length) gives the sequential formula's bits (the
+    /// selected path's formula).
     #[test]
     fn long_in_place_silu_equals_the_elementwise_formula() {
         let n = 5 * SILU_TASK + 17;
@@ -83,7 +99,12 @@ mod tests {
             .map(|i| ((i * 11 % 97) as f32 - 48.0) / 7.0)
             .collect();
         let mut out = vec![0f32; n];
-        silu_mul(&gate, &up, &mut out);
+        if SiluPath::selected() == SiluPath::Polynomial {
+            out.copy_from_slice(&gate);
+            silu::silu_mul_portable(&mut out, &up);
+        } else {
+            silu_mul(&gate, &up, &mut out);
+        }
         let mut in_place = gate.clone();
         silu_mul_in_place(&mut in_place, &up);
         assert!(in_place

@@ -547,6 +547,14 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
+            "# HELP pagoda_cpu_silu_polynomial_calls_total SiLU x up calls run with the vector \
+             polynomial exp (PAGODA_CPU_SILU=polynomial).\n\
+             # TYPE pagoda_cpu_silu_polynomial_calls_total counter\n\
+             pagoda_cpu_silu_polynomial_calls_total {}",
+            pagoda_ops::activation::silu_polynomial_calls()
+        );
+        let _ = writeln!(
+            out,
             "# HELP pagoda_cpu_attention_kernel_info The CPU attention kernel in use \
              (PAGODA_CPU_ATTENTION).\n\
              # TYPE pagoda_cpu_attention_kernel_info gauge\n\

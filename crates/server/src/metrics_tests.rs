@@ -69,6 +69,11 @@ fn gauges_follow_the_snapshot() {
         wide_decodes.parse::<u64>().unwrap(),
         pagoda_ops::simd::interleaved::wide_decode_count()
     );
+    let silu = text
+        .lines()
+        .find_map(|line| line.strip_prefix("pagoda_cpu_silu_polynomial_calls_total "))
+        .expect("the SiLU polynomial counter line");
+    assert!(silu.parse::<u64>().unwrap() <= pagoda_ops::activation::silu_polynomial_calls());
     let kernel = pagoda_ops::attention::AttentionKernel::selected().name();
     assert!(text.contains(&format!(
         "pagoda_cpu_attention_kernel_info{{kernel=\"{kernel}\"}} 1\n"

@@ -17,9 +17,9 @@ use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
 use pagoda_tensor::GgmlType;
 
 use crate::config::{Architecture, ModelConfig, RopeStyle};
+use crate::weights::{names, RawTensor, TensorSource};
 
 mod policy;
-use crate::weights::{names, RawTensor, TensorSource};
 pub use policy::{
     split_kv_chunk_tokens, AttentionPolicy, AUTO_MIN_SPLIT_KV_TOKENS, SPLIT_KV_CHUNK_ENV_VAR,
 };

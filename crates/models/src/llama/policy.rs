@@ -44,6 +44,9 @@ pub fn split_kv_chunk_tokens() -> usize {
 /// float differences (6e-5 logprob with f32 activations) into up to ~1 logprob of Q8 rounding
 /// noise: the llama.cpp parity prompts under auto stay inside their top-5 bound of 0.6 at 16
 /// (worst 0.5625, as at 512: 0.5608) but not at 0 (0.660). Was 512 while split-KV was scalar.
+/// With the row-tiled kernel and 256-token chunks, auto gives 0.562; that statistic moves
+/// 0.48-0.82 under rounding-only changes
+/// (`docs/benchmark_results/cpu-parity-noise-epyc-2026-12-01.md`).
 pub const AUTO_MIN_SPLIT_KV_TOKENS: usize = 16;
 
 /// How a forward pass picks the attention path of each query row.

@@ -278,6 +278,8 @@ impl Model {
         // The step's routing and its scratch serve every layer.
         let mut attention_workspace = StepWorkspace::default();
         attention_workspace.fit(&plan, c.num_attention_heads, c.head_dim);
+        // The rotary angles of the batch's positions, shared by q and k of every layer.
+        let rope_table = profile::time(Op::Rope, || self.rope.table(batch.positions));
 
         for (layer_index, layer) in self.layers.iter().enumerate() {
             profile::time(Op::Norm, || {
@@ -314,9 +316,9 @@ impl Model {
             });
             profile::time(Op::Rope, || {
                 self.rope
-                    .apply(&mut q, batch.positions, c.num_attention_heads, c.head_dim);
+                    .apply_table(&rope_table, &mut q, c.num_attention_heads, c.head_dim);
                 self.rope
-                    .apply(&mut k, batch.positions, c.num_kv_heads, c.head_dim);
+                    .apply_table(&rope_table, &mut k, c.num_kv_heads, c.head_dim);
             });
 
             let (k_pool, v_pool) = (&mut kv.k[layer_index], &mut kv.v[layer_index]);

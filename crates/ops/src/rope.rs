@@ -88,22 +88,39 @@ impl Rope {
     /// Rotates `x` (`[num_tokens, num_heads, head_dim]`) in place; token `t` is at
     /// `positions[t]`. Only the first `rope_dim` dims of each head rotate.
     pub fn apply(&self, x: &mut [f32], positions: &[u32], num_heads: usize, head_dim: usize) {
+        self.apply_table(&self.table(positions), x, num_heads, head_dim);
+    }
+
+    /// The `(cos, sin)` of every rotated pair at each of `positions`, computed once and
+    /// shared by every [`Rope::apply_table`] of a forward pass (q and k of every layer).
+    pub fn table(&self, positions: &[u32]) -> RopeTable {
         let half = self.inverse_frequencies.len();
-        assert_eq!(
-            x.len(),
-            positions.len() * num_heads * head_dim,
-            "rope: x is not [tokens, heads, head_dim]"
-        );
-        let mut cos_sin = vec![(0f32, 0f32); half];
-        for (t, &position) in positions.iter().enumerate() {
-            for (i, cs) in cos_sin.iter_mut().enumerate() {
-                let angle = position as f32 * self.inverse_frequencies[i];
+        let mut cos_sin = vec![(0f32, 0f32); positions.len() * half];
+        for (angles, &position) in cos_sin.chunks_exact_mut(half.max(1)).zip(positions) {
+            for (cs, &inverse) in angles.iter_mut().zip(&self.inverse_frequencies) {
+                let angle = position as f32 * inverse;
                 *cs = (angle.cos(), angle.sin());
             }
-            for head in x[t * num_heads * head_dim..(t + 1) * num_heads * head_dim]
-                .chunks_exact_mut(head_dim)
-            {
-                for (i, &(cos, sin)) in cos_sin.iter().enumerate() {
+        }
+        RopeTable {
+            half,
+            tokens: positions.len(),
+            cos_sin,
+        }
+    }
+
+    /// [`Rope::apply`] with the angles of `table` (made by [`Rope::table`] for this batch's
+    /// positions): the same values, so the same bits. Prefills run in parallel over tokens.
+    pub fn apply_table(&self, table: &RopeTable, x: &mut [f32], num_heads: usize, head_dim: usize) {
+        let half = self.inverse_frequencies.len();
+        let row = num_heads * head_dim;
+        assert!(
+            table.half == half && x.len() == table.tokens * row,
+            "rope: x is not [tokens, heads, head_dim] of the table's tokens"
+        );
+        let rotate = |(token, angles): (&mut [f32], &[(f32, f32)])| {
+            for head in token.chunks_exact_mut(head_dim) {
+                for (i, &(cos, sin)) in angles.iter().enumerate() {
                     let (a, b) = match self.pairing {
                         RopePairing::Interleaved => (2 * i, 2 * i + 1),
                         RopePairing::Halves => (i, i + half),
@@ -113,13 +130,79 @@ impl Rope {
                     head[b] = x0 * sin + x1 * cos;
                 }
             }
+        };
+        if row == 0 || half == 0 {
+            return;
+        }
+        if table.tokens < ROPE_PARALLEL_TOKENS {
+            x.chunks_exact_mut(row)
+                .zip(table.cos_sin.chunks_exact(half))
+                .for_each(rotate);
+        } else {
+            use rayon::prelude::*;
+            x.par_chunks_exact_mut(row)
+                .zip(table.cos_sin.par_chunks_exact(half))
+                .with_min_len(16)
+                .for_each(rotate);
         }
     }
+}
+
+/// Tokens from which [`Rope::apply_table`] runs in parallel (a decode step's few tokens stay
+/// on the calling thread).
+const ROPE_PARALLEL_TOKENS: usize = 32;
+
+/// The `(cos, sin)` of each rotated pair at each token's position (see [`Rope::table`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeTable {
+    half: usize,
+    tokens: usize,
+    /// `[tokens, half]`.
+    cos_sin: Vec<(f32, f32)>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shared table, applied in parallel to a prefill's tokens, gives the bits of the
+    /// per-token formula (angles recomputed for every token), for both pairings.
+    #[test]
+    fn the_table_gives_the_per_token_bits() {
+        let (heads, head_dim, tokens) = (3, 16, 70);
+        let positions: Vec<u32> = (0..tokens as u32).map(|t| t * 37 % 4099).collect();
+        let x: Vec<f32> = (0..tokens * heads * head_dim)
+            .map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0)
+            .collect();
+        for pairing in [RopePairing::Interleaved, RopePairing::Halves] {
+            let rope = Rope::new(10000.0, head_dim, None, pairing);
+            let mut want = x.clone();
+            let half = head_dim / 2;
+            for (t, &position) in positions.iter().enumerate() {
+                for head in want[t * heads * head_dim..(t + 1) * heads * head_dim]
+                    .chunks_exact_mut(head_dim)
+                {
+                    for i in 0..half {
+                        let angle = position as f32 * rope.inverse_frequencies()[i];
+                        let (cos, sin) = (angle.cos(), angle.sin());
+                        let (a, b) = match pairing {
+                            RopePairing::Interleaved => (2 * i, 2 * i + 1),
+                            RopePairing::Halves => (i, i + half),
+                        };
+                        let (x0, x1) = (head[a], head[b]);
+                        head[a] = x0 * cos - x1 * sin;
+                        head[b] = x0 * sin + x1 * cos;
+                    }
+                }
+            }
+            let mut got = x.clone();
+            rope.apply(&mut got, &positions, heads, head_dim);
+            assert!(want
+                .iter()
+                .zip(&got)
+                .all(|(w, g)| w.to_bits() == g.to_bits()));
+        }
+    }
 
     #[test]
     fn interleaved_and_halves_agree_after_permutation() {

@@ -7,9 +7,15 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
         gate.len() == up.len() && up.len() == out.len(),
         "silu_mul: length mismatch"
     );
-    for ((o, g), u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + (-g).exp()) * u;
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = silu_gate_libm(g, u);
     }
+}
+
+/// `silu(g) * u` with libm's `expf`: the reference formula of both SiLU functions.
+#[inline(always)]
+fn silu_gate_libm(g: f32, u: f32) -> f32 {
+    g / (1.0 + (-g).exp()) * u
 }
 
 /// Values per task of the parallel in-place SiLU: below two of them (a decode step's
@@ -33,8 +39,8 @@ pub fn silu_mul_in_place(gate: &mut [f32], up: &[f32]) {
     let apply = |(gate, up): (&mut [f32], &[f32])| match path {
         SiluPath::Polynomial => silu::silu_mul_polynomial(gate, up),
         SiluPath::Libm => {
-            for (g, u) in gate.iter_mut().zip(up) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
+            for (g, &u) in gate.iter_mut().zip(up) {
+                *g = silu_gate_libm(*g, u);
             }
         }
     };

@@ -127,6 +127,10 @@ fn cpu_features() -> (bool, bool) {
     })
 }
 
+/// Most query heads one split-KV work item takes (a SIMD kernel's pass): with GQA groups of
+/// `n_rep` heads, `MAX_ITEM_HEADS / n_rep` consecutive rows of one request share an item.
+pub(crate) const MAX_ITEM_HEADS: usize = 48;
+
 /// One query head's share of a split-KV work item: its query, the end of its visible range
 /// in this chunk, and where its normalized partial output and LSE (log2) go.
 pub(crate) struct HeadTask<'a> {

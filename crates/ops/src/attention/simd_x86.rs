@@ -25,7 +25,7 @@
 
 use std::arch::x86_64::*;
 
-use super::kernel::HeadTask;
+use super::kernel::{HeadTask, MAX_ITEM_HEADS};
 use super::{PagedKv, LOG2_E};
 
 mod lanes;
@@ -33,8 +33,8 @@ use lanes::{Lanes, Ymm, Zmm};
 
 /// Tokens per tile (a multiple of every vector width).
 const TILE: usize = 32;
-/// Query heads per pass over the chunk; more heads run several passes.
-pub(crate) const MAX_TASKS: usize = 48;
+/// Query heads per pass over the chunk (the work item's cap); more heads run several passes.
+const MAX_TASKS: usize = MAX_ITEM_HEADS;
 /// Largest `head_dim` of the SIMD kernels (the transposed K tile lives on the stack).
 pub(crate) const MAX_HEAD_DIM: usize = 256;
 

@@ -25,7 +25,7 @@
 use rayon::prelude::*;
 
 use super::gather::attend_rows;
-use super::kernel::{self, AttentionKernel, HeadTask};
+use super::kernel::{self, AttentionKernel, HeadTask, MAX_ITEM_HEADS};
 use super::merge::merge_states_into;
 use super::{validate, AttentionError, AttentionPath, PagedKv, QueryBatch};
 
@@ -373,11 +373,6 @@ pub fn step_attention(
     });
     Ok(())
 }
-
-/// Query heads one split-KV work item takes at most (the SIMD kernels' pass size): with GQA
-/// groups of `n_rep` heads, `MAX_ITEM_HEADS / n_rep` consecutive rows of one request share
-/// each work item.
-const MAX_ITEM_HEADS: usize = 48;
 
 /// Per-row partial states written by the parallel work items. Each `(partial, head)` pair
 /// belongs to exactly one work item (the one of its row's group, its chunk and its head's KV

@@ -20,6 +20,10 @@ use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::{log_softmax, SamplingParams};
 use serde_json::Value;
 
+#[path = "../../models/tests/common/logprob_parity.rs"]
+mod logprob_parity;
+use logprob_parity::ParityStats;
+
 fn model_path() -> Option<PathBuf> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -63,7 +67,11 @@ fn load(precision: WeightPrecision) -> Option<LoadedModel> {
 }
 
 /// Runs `tokens` through the model in one prefill and returns the log-softmax at every position.
-fn teacher_forced_logprobs(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
+fn teacher_forced_logprobs(
+    model: &Model,
+    tokens: &[u32],
+    policy: AttentionPolicy,
+) -> Vec<Vec<f32>> {
     let page_size = 16;
     let num_pages = tokens.len().div_ceil(page_size);
     let mut pool = BlockPool::new(num_pages, page_size).unwrap();
@@ -84,13 +92,7 @@ fn teacher_forced_logprobs(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
         page_table: &page_table,
         logits_for: &logits_for,
     };
-    let output = model
-        .forward(
-            &batch,
-            &mut kv,
-            AttentionPolicy::Force(AttentionPath::Gather),
-        )
-        .unwrap();
+    let output = model.forward(&batch, &mut kv, policy).unwrap();
     let vocab = model.config().vocab_size;
     output.logits.chunks(vocab).map(log_softmax).collect()
 }
@@ -142,7 +144,11 @@ fn exact_mode_matches_transformers_f32_top20_and_greedy_ids() {
     for prompt in reference["prompts"].as_array().unwrap() {
         let name = prompt["name"].as_str().unwrap();
         let prompt_ids = ids(&prompt["prompt_ids_llamacpp"]);
-        let logprobs = teacher_forced_logprobs(model, &prompt_ids);
+        let logprobs = teacher_forced_logprobs(
+            model,
+            &prompt_ids,
+            AttentionPolicy::Force(AttentionPath::Gather),
+        );
         let last = logprobs.last().unwrap();
         for entry in prompt["top20"].as_array().unwrap() {
             let id = entry["id"].as_u64().unwrap() as usize;
@@ -198,53 +204,56 @@ fn exact_mode_greedy_matches_llama_cpp_on_f32_weights() {
 }
 
 /// llama.cpp's own Q4_1 path quantizes activations to Q8_1 and keeps an f16 KV cache, which
-/// moves it 0.05-0.55 logprob away from exact math on this model; pagoda's default mode decodes
-/// the same quantized weights exactly (f32 activations), so it lands within 1e-3 of the exact
-/// references and within llama.cpp's own error of llama.cpp. The bounds below: the token
-/// llama.cpp chose at every matched prefix within 0.4 (measured worst 0.28), every top-5 entry
-/// within 0.6 (measured worst 0.56), and a mean difference under 0.15 (measured 0.09).
+/// moves it 0.05-0.55 logprob away from exact math on this model. pagoda's default mode is held
+/// to the bounds of `logprob_parity` (the token llama.cpp chose within 0.4 at every matched
+/// prefix, 95% of all entries within 0.4, the 90th percentile under 0.3, the mean under
+/// 0.15, every entry under 1.0) on the gather oracle and on the default route.
 #[test]
 fn quantized_mode_logprobs_within_tolerance_of_llama_cpp() {
     let Some(loaded) = load(WeightPrecision::AsStored) else {
         return;
     };
     let reference = reference("greedy_llamacpp.json");
-    let (mut worst_chosen, mut worst_any, mut sum, mut count) = (0f32, 0f32, 0f64, 0usize);
-    for prompt in reference["prompts"].as_array().unwrap() {
-        let name = prompt["name"].as_str().unwrap();
-        let prompt_ids = ids(&prompt["prompt_ids"]);
-        let generated = ids(&prompt["generated_ids"]);
-        let mut tokens = prompt_ids.clone();
-        tokens.extend_from_slice(&generated);
-        let logprobs = teacher_forced_logprobs(loaded.model.as_cpu().unwrap(), &tokens);
-        for (step, position) in prompt["per_position_top5"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .enumerate()
-        {
-            // Position `step` is predicted from the prompt plus the first `step` generated tokens.
-            let row = &logprobs[prompt_ids.len() - 1 + step];
-            for (rank, entry) in position["top5"].as_array().unwrap().iter().enumerate() {
-                let id = entry["id"].as_u64().unwrap() as usize;
-                let expected = entry["logprob"].as_f64().unwrap() as f32;
-                let diff = (row[id] - expected).abs();
-                let context = format!(
-                    "{name} step {step} rank {rank}: token {id} logprob {} vs llama.cpp {expected}",
-                    row[id]
-                );
-                if rank == 0 {
-                    worst_chosen = worst_chosen.max(diff);
-                    assert!(diff < 0.4, "{context}");
+    let model = loaded.model.as_cpu().unwrap();
+    for (route, policy) in [
+        ("auto", AttentionPolicy::Auto),
+        ("gather", AttentionPolicy::Force(AttentionPath::Gather)),
+    ] {
+        let mut stats = ParityStats::default();
+        for prompt in reference["prompts"].as_array().unwrap() {
+            let name = prompt["name"].as_str().unwrap();
+            let prompt_ids = ids(&prompt["prompt_ids"]);
+            let generated = ids(&prompt["generated_ids"]);
+            let mut tokens = prompt_ids.clone();
+            tokens.extend_from_slice(&generated);
+            let logprobs = teacher_forced_logprobs(model, &tokens, policy);
+            for (step, position) in prompt["per_position_top5"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .enumerate()
+            {
+                // Position `step` is predicted from the prompt plus the first `step` generated
+                // tokens.
+                let row = &logprobs[prompt_ids.len() - 1 + step];
+                for (rank, entry) in position["top5"].as_array().unwrap().iter().enumerate() {
+                    let id = entry["id"].as_u64().unwrap() as usize;
+                    let expected = entry["logprob"].as_f64().unwrap() as f32;
+                    stats.add(
+                        rank,
+                        (row[id] - expected).abs(),
+                        format!(
+                            "{name} step {step}: token {id} logprob {} vs llama.cpp {expected}",
+                            row[id]
+                        ),
+                    );
                 }
-                worst_any = worst_any.max(diff);
-                assert!(diff < 0.6, "{context}");
-                sum += diff as f64;
-                count += 1;
             }
         }
+        eprintln!(
+            "quantized mode, attention {route}, vs llama.cpp Q4_1: {}",
+            stats.summary()
+        );
+        stats.assert_within_bounds(&format!("attention {route}"));
     }
-    let mean = sum / count as f64;
-    eprintln!("quantized mode vs llama.cpp Q4_1: chosen-token worst {worst_chosen:.3}, top-5 worst {worst_any:.3}, mean {mean:.3} over {count}");
-    assert!(mean < 0.15, "mean top-5 logprob difference {mean}");
 }

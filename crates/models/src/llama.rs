@@ -10,7 +10,7 @@ use pagoda_ops::attention::{
     self, plan_step, AttentionError, AttentionPath, KvLayout, PagedKv, QueryBatch, SplitKvChunking,
     StepAttentionConfig, StepAttentionPlan, StepWorkspace,
 };
-use pagoda_ops::linear::{matmul_shared, CpuKernels, Weight};
+use pagoda_ops::linear::{matmul_shared, CpuKernelPolicy, Weight};
 use pagoda_ops::norm::{rms_norm, rms_norm_in_place};
 use pagoda_ops::profile::{self, Op};
 use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
@@ -515,11 +515,18 @@ fn load_matrix(
             raw.shape
         )));
     }
-    // The per-weight kernel policy (`auto`: ffn_down keeps f32 activations, see
+    // The per-weight kernel policy (`auto`: ffn_down on Q15 or f32 activations, see
     // `pagoda_ops::linear::kernels`); exact mode then decodes every weight to f32 anyway.
-    let kernels = CpuKernels::for_tensor(name);
-    let weight = Weight::with_kernels(raw.ty, rows, cols, raw.data.into_owned(), kernels)
-        .map_err(|e| LoadError(format!("tensor {name}: {e}")))?;
+    let policy = CpuKernelPolicy::selected();
+    let weight = Weight::with_kernels(
+        raw.ty,
+        rows,
+        cols,
+        raw.data.into_owned(),
+        policy.for_tensor(name),
+    )
+    .map_err(|e| LoadError(format!("tensor {name}: {e}")))?
+    .with_q15_activations(policy.q15_for_tensor(name));
     Ok(match precision {
         WeightPrecision::AsStored => weight,
         WeightPrecision::F32 => weight.to_f32(),

@@ -26,7 +26,7 @@ pub mod int_matmul;
 pub mod kernels;
 pub mod shared;
 
-pub use kernels::{cpu_kernels_name, CpuKernelPolicy, CpuKernels};
+pub use kernels::{cpu_kernels_name, CpuKernelPolicy, CpuKernels, FfnDown};
 pub use shared::matmul_shared;
 
 use pagoda_tensor::quant::repack::repack;
@@ -63,6 +63,9 @@ pub struct Weight {
     in_features: usize,
     storage: Storage,
     row_bytes: usize,
+    /// Whether the integer matmul quantizes activations to Q15 instead of Q8
+    /// ([`Weight::with_q15_activations`]).
+    q15: bool,
 }
 
 /// The rows as stored: f32 values are kept typed (aligned, no reinterpretation); every other
@@ -155,7 +158,22 @@ impl Weight {
             in_features,
             storage,
             row_bytes,
+            q15: false,
         })
+    }
+
+    /// This weight with its activations quantized to Q15 rather than Q8 when `on` and its
+    /// kernels take Q15 rows: the interleaved layout of the `vnni8` and `amx` sets (see
+    /// [`pagoda_tensor::quant::q8`]: 128 times finer steps, two integer dots per block). Any
+    /// other weight is returned unchanged.
+    pub fn with_q15_activations(mut self, on: bool) -> Weight {
+        self.q15 = on && matches!(self.storage, Storage::Repacked(IntRows::Interleaved(_), _));
+        self
+    }
+
+    /// Whether the integer matmul quantizes activations to Q15 ([`Weight::with_q15_activations`]).
+    pub fn q15_activations(&self) -> bool {
+        self.q15
     }
 
     /// An f32 weight from values laid out `[out_features, in_features]`.
@@ -171,6 +189,7 @@ impl Weight {
             in_features,
             storage: Storage::F32(values.to_vec()),
             row_bytes: in_features * 4,
+            q15: false,
         }
     }
 
@@ -389,7 +408,12 @@ impl Weight {
         }
         if let Storage::Repacked(rows, isa) = &self.storage {
             int_matmul::with_scratch(|activations| {
-                int_matmul::quantize_activations(*isa, x, k, activations);
+                if self.q15 {
+                    int_matmul::quantize_activations_q15(*isa, x, k, activations);
+                    int_matmul::count_q15_matmul();
+                } else {
+                    int_matmul::quantize_activations(*isa, x, k, activations);
+                }
                 rows.matmul(*isa, activations, y);
             });
             return;

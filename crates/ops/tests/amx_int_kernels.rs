@@ -16,7 +16,7 @@ use pagoda_ops::simd::amx::{self, AmxError, TileBackend, AMX_MIN_TOKENS};
 use pagoda_ops::simd::int_dot::IntIsa;
 use pagoda_ops::simd::interleaved::{self, Interleaved};
 use pagoda_tensor::quant::q8::Q8Rows;
-use pagoda_tensor::quant::repack::{repack, RepackedRows};
+use pagoda_tensor::quant::repack::{dot_scalar, repack, RepackedRows};
 use pagoda_tensor::{quant, GgmlType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -77,9 +77,14 @@ fn cases(seed: u64) -> Vec<Case> {
             let stored = random_rows(ty, rows, cols, &mut rng, false);
             let weights = repack(ty, rows, cols, &stored).unwrap();
             let interleaved = Interleaved::new(&weights);
-            for num_tokens in TOKENS {
+            // Q8 and Q15 activation rows (two tile dots per block).
+            for (num_tokens, q15) in TOKENS.into_iter().flat_map(|t| [(t, false), (t, true)]) {
                 let x = random_activations(num_tokens, cols, &mut rng);
-                let activations = Q8Rows::quantize(&x, cols).unwrap();
+                let activations = if q15 {
+                    Q8Rows::quantize_q15(&x, cols).unwrap()
+                } else {
+                    Q8Rows::quantize(&x, cols).unwrap()
+                };
                 out.push(Case {
                     ty,
                     rows,
@@ -105,7 +110,16 @@ fn run(backend: TileBackend, case: &Case) -> Vec<f32> {
 /// The portable scalar kernel ([`pagoda_tensor::quant::repack::dot_scalar`] per pair).
 fn scalar(case: &Case) -> Vec<f32> {
     let mut y = vec![f32::NAN; case.rows * case.activations.num_rows()];
-    int_matmul::matmul(IntIsa::Scalar, &case.weights, &case.activations, &mut y);
+    if case.activations.is_q15() {
+        // The per-row kernels take Q8 rows only; `dot_scalar` is their chain for either.
+        for (t, y) in y.chunks_exact_mut(case.rows).enumerate() {
+            for (r, y) in y.iter_mut().enumerate() {
+                *y = dot_scalar(&case.weights, r, &case.activations, t);
+            }
+        }
+    } else {
+        int_matmul::matmul(IntIsa::Scalar, &case.weights, &case.activations, &mut y);
+    }
     y
 }
 
@@ -122,10 +136,11 @@ fn assert_same_bits(got: &[f32], want: &[f32], what: &str, case: &Case) {
         assert_eq!(
             g.to_bits(),
             w.to_bits(),
-            "{what}: {} [{} x {}] tokens {tokens}: token {} row {}: {g} vs {w}",
+            "{what}: {} [{} x {}] tokens {tokens}, q15 {}: token {} row {}: {g} vs {w}",
             case.ty,
             case.rows,
             case.cols,
+            case.activations.is_q15(),
             i / case.rows,
             i % case.rows
         );
@@ -205,11 +220,19 @@ fn weight_matmul_with_the_amx_set_equals_vnni8() {
     for ty in REPACKED {
         let (rows, cols) = (37, 256);
         let stored = random_rows(ty, rows, cols, &mut rng, false);
-        let amx_weight =
-            Weight::with_kernels(ty, rows, cols, stored.clone(), CpuKernels::Amx).unwrap();
-        let vnni_weight = Weight::with_kernels(ty, rows, cols, stored, CpuKernels::Vnni8).unwrap();
-        assert_eq!(amx_weight.int_isa(), Some(IntIsa::Amx));
-        for num_tokens in [1, AMX_MIN_TOKENS - 1, AMX_MIN_TOKENS, 33] {
+        for (num_tokens, q15) in [1, AMX_MIN_TOKENS - 1, AMX_MIN_TOKENS, 33]
+            .into_iter()
+            .flat_map(|t| [(t, false), (t, true)])
+        {
+            let amx_weight = Weight::with_kernels(ty, rows, cols, stored.clone(), CpuKernels::Amx)
+                .unwrap()
+                .with_q15_activations(q15);
+            let vnni_weight =
+                Weight::with_kernels(ty, rows, cols, stored.clone(), CpuKernels::Vnni8)
+                    .unwrap()
+                    .with_q15_activations(q15);
+            assert_eq!(amx_weight.int_isa(), Some(IntIsa::Amx));
+            assert_eq!(amx_weight.q15_activations(), q15);
             let x = random_activations(num_tokens, cols, &mut rng);
             let before = amx::hardware_matmul_count();
             let mut y_amx = vec![f32::NAN; num_tokens * rows];
@@ -221,7 +244,7 @@ fn weight_matmul_with_the_amx_set_equals_vnni8() {
                 assert_eq!(
                     a.to_bits(),
                     v.to_bits(),
-                    "{ty} tokens {num_tokens} value {i}: {a} vs {v}"
+                    "{ty} tokens {num_tokens} q15 {q15} value {i}: {a} vs {v}"
                 );
             }
             if amx::is_available() {

@@ -52,9 +52,17 @@ fn interleaved_dots_equal_the_scalar_kernel_bit_for_bit() {
                     "{ty} row {r} decodes to other values"
                 );
             }
-            for tokens in [1, 3, 4, 9] {
+            // Q8 and Q15 activation rows (`lo` plane, two dots per block).
+            for (tokens, q15) in [1, 3, 4, 9]
+                .into_iter()
+                .flat_map(|t| [(t, false), (t, true)])
+            {
                 let x = random_activations(tokens, cols, &mut rng);
-                let q = Q8Rows::quantize(&x, cols).unwrap();
+                let q = if q15 {
+                    Q8Rows::quantize_q15(&x, cols).unwrap()
+                } else {
+                    Q8Rows::quantize(&x, cols).unwrap()
+                };
                 let mut y = vec![f32::NAN; rows * tokens];
                 interleaved::matmul(&interleaved, &q, &mut y);
                 let mut seen = vec![0f32; tokens * cols];
@@ -62,7 +70,7 @@ fn interleaved_dots_equal_the_scalar_kernel_bit_for_bit() {
                     q.dequantize_row(t, values);
                 }
                 assert_f64_dots(
-                    &format!("{ty} {rows}x{tokens}"),
+                    &format!("{ty} {rows}x{tokens} q15 {q15}"),
                     &y,
                     &dequantized,
                     &seen,
@@ -74,7 +82,7 @@ fn interleaved_dots_equal_the_scalar_kernel_bit_for_bit() {
                         assert_eq!(
                             y[t * rows + r].to_bits(),
                             scalar.to_bits(),
-                            "{ty} {rows} rows x {tokens} tokens: r{r} t{t}: {} vs {scalar}",
+                            "{ty} {rows} rows x {tokens} tokens, q15 {q15}: r{r} t{t}: {} vs {scalar}",
                             y[t * rows + r]
                         );
                     }

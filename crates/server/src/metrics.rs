@@ -526,6 +526,13 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
+            "# HELP pagoda_cpu_q15_matmuls_total Integer matmuls run on Q15 activations \
+             (PAGODA_CPU_KERNELS=...+q15_ffn_down).\n\
+             # TYPE pagoda_cpu_q15_matmuls_total counter\npagoda_cpu_q15_matmuls_total {}",
+            pagoda_ops::linear::int_matmul::q15_matmul_count()
+        );
+        let _ = writeln!(
+            out,
             "# HELP pagoda_cpu_f32_wide_matmuls_total Matmuls of 1-8 tokens on f32 activations run \
              eight rows at a time (PAGODA_CPU_F32_DECODE=avx512|avx2).\n\
              # TYPE pagoda_cpu_f32_wide_matmuls_total counter\npagoda_cpu_f32_wide_matmuls_total {}",

@@ -45,6 +45,14 @@ fn gauges_follow_the_snapshot() {
         pagoda_ops::simd::amx::hardware_matmul_count()
     );
     assert!(text.contains("# TYPE pagoda_cpu_amx_matmuls_total counter\n"));
+    let q15 = text
+        .lines()
+        .find_map(|line| line.strip_prefix("pagoda_cpu_q15_matmuls_total "))
+        .expect("the Q15 counter line");
+    assert_eq!(
+        q15.parse::<u64>().unwrap(),
+        pagoda_ops::linear::int_matmul::q15_matmul_count()
+    );
     let wide = text
         .lines()
         .find_map(|line| line.strip_prefix("pagoda_cpu_f32_wide_matmuls_total "))

@@ -8,7 +8,7 @@
 //! [`AMX_MIN_TOKENS`] tokens run on the AMX tiles ([`crate::simd::amx::matmul`], the same
 //! bits) where the CPU and OS allow it.
 
-use pagoda_tensor::quant::q8::{quantize_block, Q8Rows, Q8_BLOCK};
+use pagoda_tensor::quant::q8::{quantize_block, quantize_block_q15, Q8Rows, Q15_MAX, Q8_BLOCK};
 use pagoda_tensor::quant::repack::RepackedRows;
 use rayon::prelude::*;
 
@@ -47,7 +47,13 @@ impl IntRows {
     /// `y[t, r] = dot(weights[r], activations[t])` ([`matmul`] or [`interleaved::matmul`]).
     pub fn matmul(&self, isa: IntIsa, activations: &Q8Rows, y: &mut [f32]) {
         match self {
-            IntRows::Rows(rows) => matmul(isa, rows, activations, y),
+            IntRows::Rows(rows) => {
+                assert!(
+                    !activations.is_q15(),
+                    "per-row integer kernels take Q8 rows"
+                );
+                matmul(isa, rows, activations, y)
+            }
             IntRows::Interleaved(rows) => {
                 let tiles = isa == IntIsa::Amx
                     && activations.num_rows() >= AMX_MIN_TOKENS
@@ -61,72 +67,137 @@ impl IntRows {
     }
 }
 
-/// Quantizes `x` (`[num_tokens, k]`) into `out`, in parallel over tokens when there are many.
-pub fn quantize_activations(isa: IntIsa, x: &[f32], k: usize, out: &mut Q8Rows) {
-    let num_tokens = x.len() / k;
-    out.reset(num_tokens, k)
-        .expect("in_features is a multiple of 32 for repacked weights");
-    let (qs, scales, sums) = out.parts_mut();
-    let tokens_per_task = 16;
-    type Parts<'a> = (&'a [f32], (&'a mut [i8], (&'a mut [f32], &'a mut [f32])));
-    let fill = |(x, (qs, (scales, sums))): Parts| quantize_slice(isa, x, qs, scales, sums);
-    if num_tokens <= tokens_per_task {
-        fill((x, (qs, (scales, sums))));
-    } else {
-        let values = tokens_per_task * k;
-        let blocks = values / Q8_BLOCK;
-        x.par_chunks(values)
-            .zip(
-                qs.par_chunks_mut(values).zip(
-                    scales
-                        .par_chunks_mut(blocks)
-                        .zip(sums.par_chunks_mut(blocks)),
-                ),
-            )
-            .for_each(fill);
-    }
+static Q15_MATMULS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// How many integer matmuls have quantized their activations to Q15 in this process.
+pub fn q15_matmul_count() -> u64 {
+    Q15_MATMULS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
-fn quantize_slice(isa: IntIsa, x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
+pub(crate) fn count_q15_matmul() {
+    Q15_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Quantizes `x` (`[num_tokens, k]`) into `out` as Q8 rows, in parallel over tokens when
+/// there are many.
+pub fn quantize_activations(isa: IntIsa, x: &[f32], k: usize, out: &mut Q8Rows) {
+    quantize(isa, x, k, out, false)
+}
+
+/// [`quantize_activations`] into Q15 rows (see [`pagoda_tensor::quant::q8`]).
+pub fn quantize_activations_q15(isa: IntIsa, x: &[f32], k: usize, out: &mut Q8Rows) {
+    quantize(isa, x, k, out, true)
+}
+
+fn quantize(isa: IntIsa, x: &[f32], k: usize, out: &mut Q8Rows, q15: bool) {
+    let num_tokens = x.len() / k;
+    let sized = if q15 {
+        out.reset_q15(num_tokens, k)
+    } else {
+        out.reset(num_tokens, k)
+    };
+    sized.expect("in_features is a multiple of 32 for repacked weights");
+    let (qs, lo, scales, sums) = out.parts_mut_q15();
+    let tokens_per_task = 16;
+    if num_tokens <= tokens_per_task {
+        quantize_slice(isa, x, qs, lo, scales, sums);
+        return;
+    }
+    let values = tokens_per_task * k;
+    let blocks = values / Q8_BLOCK;
+    // Q8 rows have no `lo` plane: each task gets an empty one.
+    let tasks = num_tokens.div_ceil(tokens_per_task);
+    let lo: Vec<&mut [i8]> = if q15 {
+        lo.chunks_mut(values).collect()
+    } else {
+        (0..tasks).map(|_| <&mut [i8]>::default()).collect()
+    };
+    x.par_chunks(values)
+        .zip(qs.par_chunks_mut(values))
+        .zip(lo.into_par_iter())
+        .zip(scales.par_chunks_mut(blocks))
+        .zip(sums.par_chunks_mut(blocks))
+        .for_each(|((((x, qs), lo), scales), sums)| quantize_slice(isa, x, qs, lo, scales, sums));
+}
+
+/// Quantizes whole blocks of `x`: Q8 when `lo` is empty, else Q15 (`qs` the `hi` plane).
+fn quantize_slice(
+    isa: IntIsa,
+    x: &[f32],
+    qs: &mut [i8],
+    lo: &mut [i8],
+    scales: &mut [f32],
+    sums: &mut [f32],
+) {
     #[cfg(target_arch = "x86_64")]
     {
         if isa != IntIsa::Scalar && IntIsa::Avx2.is_supported() {
             // SAFETY: the CPU supports AVX2 and FMA (checked above).
-            unsafe { quantize_slice_avx2(x, qs, scales, sums) };
+            unsafe {
+                if lo.is_empty() {
+                    quantize_slice_avx2::<false>(x, qs, lo, scales, sums)
+                } else {
+                    quantize_slice_avx2::<true>(x, qs, lo, scales, sums)
+                }
+            };
             return;
         }
     }
     let _ = isa;
-    quantize_slice_portable(x, qs, scales, sums);
+    quantize_slice_portable(x, qs, lo, scales, sums);
 }
 
 #[inline(always)]
-fn quantize_slice_portable(x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
-    for (((xs, qs), scale), sum) in x
+fn quantize_slice_portable(
+    x: &[f32],
+    qs: &mut [i8],
+    lo: &mut [i8],
+    scales: &mut [f32],
+    sums: &mut [f32],
+) {
+    for (block, ((xs, qs), (scale, sum))) in x
         .chunks_exact(Q8_BLOCK)
         .zip(qs.chunks_exact_mut(Q8_BLOCK))
-        .zip(scales.iter_mut())
-        .zip(sums.iter_mut())
+        .zip(scales.iter_mut().zip(sums.iter_mut()))
+        .enumerate()
     {
-        (*scale, *sum) = quantize_block(xs.try_into().unwrap(), qs.try_into().unwrap());
+        let xs = xs.try_into().unwrap();
+        (*scale, *sum) = if lo.is_empty() {
+            quantize_block(xs, qs.try_into().unwrap())
+        } else {
+            let lo = &mut lo[block * Q8_BLOCK..(block + 1) * Q8_BLOCK];
+            quantize_block_q15(xs, qs.try_into().unwrap(), lo.try_into().unwrap())
+        };
     }
 }
 
-/// [`quantize_block`] per block in AVX2 registers, with its exact operations: the absolute
-/// maximum, `d = amax / 127` and `1 / d` in scalar f32, then per value `x * (1 / d)` rounded
-/// to the nearest even integer, clamped to +-127, converted (exact) and packed to i8, and the
-/// integers summed. (The portable loop compiled with AVX2 converted one value at a time:
-/// 4% of a pp512 run.) `x`, `qs` hold whole blocks; `scales`, `sums` one entry per block.
+/// [`quantize_block`] (or, with `Q15`, [`quantize_block_q15`]) per block in AVX2 registers,
+/// with its exact operations: the absolute maximum, `d = amax / 127` (`16256`) and `1 / d` in
+/// scalar f32, then per value `x * (1 / d)` rounded to the nearest even integer, clamped,
+/// converted (exact) and packed to i8 (Q15: `hi = (q + 64) >> 7` and `lo = q - 128 hi`, each
+/// packed), and the integers summed. (The portable loop compiled with AVX2 converted one
+/// value at a time: 4% of a pp512 run.) `x`, `qs` (and `lo` for Q15) hold whole blocks;
+/// `scales`, `sums` one entry per block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_slice_avx2(x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
+unsafe fn quantize_slice_avx2<const Q15: bool>(
+    x: &[f32],
+    qs: &mut [i8],
+    lo: &mut [i8],
+    scales: &mut [f32],
+    sums: &mut [f32],
+) {
     use std::arch::x86_64::*;
     let blocks = x.len() / Q8_BLOCK;
     assert!(qs.len() == x.len() && scales.len() == blocks && sums.len() == blocks);
+    assert!(!Q15 || lo.len() == x.len());
+    let limit = if Q15 { Q15_MAX as f32 } else { 127.0 };
     let sign = _mm256_set1_ps(-0.0);
-    let (low, high) = (_mm256_set1_ps(-127.0), _mm256_set1_ps(127.0));
+    let (low, high) = (_mm256_set1_ps(-limit), _mm256_set1_ps(limit));
+    // i32 -> i16 -> i8 packs work per 128-bit lane; this restores the value order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for block in 0..blocks {
-        // SAFETY: block `block` of `x` and `qs` holds 32 values (asserted above).
+        // SAFETY: block `block` of `x`, `qs` (and `lo`) holds 32 values (asserted above).
         unsafe {
             let src = x.as_ptr().add(block * Q8_BLOCK);
             let values: [__m256; 4] = [
@@ -146,7 +217,7 @@ unsafe fn quantize_slice_avx2(x: &[f32], qs: &mut [i8], scales: &mut [f32], sums
             );
             let pair = _mm_max_ps(quad, _mm_movehl_ps(quad, quad));
             let amax = _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair))).max(0.0);
-            let d = amax / 127.0;
+            let d = amax / limit;
             let inverse = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
             // A loop, not `array::from_fn`: a closure would not inherit the target features.
             let mut ints = [_mm256_setzero_si256(); 4];
@@ -169,20 +240,48 @@ unsafe fn quantize_slice_avx2(x: &[f32], qs: &mut [i8], scales: &mut [f32], sums
                 total,
                 _mm_shuffle_epi32::<0b10_11_00_01>(total),
             ));
-            // i32 -> i16 -> i8 packs work per 128-bit lane; restore the value order.
-            let words01 = _mm256_packs_epi32(ints[0], ints[1]);
-            let words23 = _mm256_packs_epi32(ints[2], ints[3]);
-            let bytes = _mm256_packs_epi16(words01, words23);
-            let ordered =
-                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256(
-                qs.as_mut_ptr().add(block * Q8_BLOCK) as *mut __m256i,
-                ordered,
-            );
+            let at = block * Q8_BLOCK;
+            if Q15 {
+                let mut highs = ints;
+                let mut lows = ints;
+                for i in 0..4 {
+                    highs[i] =
+                        _mm256_srai_epi32::<7>(_mm256_add_epi32(ints[i], _mm256_set1_epi32(64)));
+                    lows[i] = _mm256_sub_epi32(ints[i], _mm256_slli_epi32::<7>(highs[i]));
+                }
+                _mm256_storeu_si256(
+                    qs.as_mut_ptr().add(at) as *mut __m256i,
+                    pack_bytes(&highs, order),
+                );
+                _mm256_storeu_si256(
+                    lo.as_mut_ptr().add(at) as *mut __m256i,
+                    pack_bytes(&lows, order),
+                );
+            } else {
+                _mm256_storeu_si256(
+                    qs.as_mut_ptr().add(at) as *mut __m256i,
+                    pack_bytes(&ints, order),
+                );
+            }
             scales[block] = d;
             sums[block] = d * total as f32;
         }
     }
+}
+
+/// Packs 32 i32 (each in i8 range) to bytes in value order (`order` undoes the per-lane
+/// interleaving of the packs). SAFETY: AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn pack_bytes(
+    ints: &[std::arch::x86_64::__m256i; 4],
+    order: std::arch::x86_64::__m256i,
+) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let words01 = _mm256_packs_epi32(ints[0], ints[1]);
+    let words23 = _mm256_packs_epi32(ints[2], ints[3]);
+    _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words01, words23), order)
 }
 
 /// `y[t, r] = dot(weights[r], activations[t])`; `y` is `[num_tokens, num_rows]`.
@@ -337,22 +436,53 @@ mod tests {
                 }
             }
             let blocks = x.len() / Q8_BLOCK;
-            let (mut qs, mut scales, mut sums) =
-                (vec![0i8; x.len()], vec![0f32; blocks], vec![0f32; blocks]);
-            quantize_slice_portable(&x, &mut qs, &mut scales, &mut sums);
-            let (mut qs2, mut scales2, mut sums2) =
-                (vec![1i8; x.len()], vec![1f32; blocks], vec![1f32; blocks]);
-            // SAFETY: AVX2 and FMA checked above; the slices hold whole blocks.
-            unsafe { quantize_slice_avx2(&x, &mut qs2, &mut scales2, &mut sums2) };
-            assert_eq!(qs, qs2);
-            assert!(scales
-                .iter()
-                .zip(&scales2)
-                .all(|(a, b)| a.to_bits() == b.to_bits()));
-            assert!(sums
-                .iter()
-                .zip(&sums2)
-                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            let same =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits());
+            // Q8 (empty `lo`), then Q15 (the portable loop is `quantize_block_q15` per block).
+            for q15 in [false, true] {
+                let lo_len = if q15 { x.len() } else { 0 };
+                let (mut qs, mut lo, mut scales, mut sums) = (
+                    vec![0i8; x.len()],
+                    vec![0i8; lo_len],
+                    vec![0f32; blocks],
+                    vec![0f32; blocks],
+                );
+                quantize_slice_portable(&x, &mut qs, &mut lo, &mut scales, &mut sums);
+                let (mut qs2, mut lo2, mut scales2, mut sums2) = (
+                    vec![1i8; x.len()],
+                    vec![1i8; lo_len],
+                    vec![1f32; blocks],
+                    vec![1f32; blocks],
+                );
+                // SAFETY: AVX2 and FMA checked above; the slices hold whole blocks.
+                unsafe {
+                    if q15 {
+                        quantize_slice_avx2::<true>(
+                            &x,
+                            &mut qs2,
+                            &mut lo2,
+                            &mut scales2,
+                            &mut sums2,
+                        )
+                    } else {
+                        quantize_slice_avx2::<false>(
+                            &x,
+                            &mut qs2,
+                            &mut lo2,
+                            &mut scales2,
+                            &mut sums2,
+                        )
+                    }
+                };
+                assert_eq!((&qs, &lo), (&qs2, &lo2), "q15 {q15}");
+                assert!(same(&scales, &scales2) && same(&sums, &sums2), "q15 {q15}");
+                if q15 {
+                    // Not the Q8 values: the planes differ from `quantize_block`'s bytes.
+                    let mut q8 = vec![0i8; x.len()];
+                    quantize_slice_portable(&x, &mut q8, &mut [], &mut scales2, &mut sums2);
+                    assert_ne!(q8, qs);
+                }
+            }
         }
     }
 }

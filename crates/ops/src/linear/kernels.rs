@@ -119,14 +119,26 @@ impl CpuKernels {
 /// The tensor-name suffix of the MLP down projections, whose input is the SiLU-gated product.
 const FFN_DOWN_SUFFIX: &str = "ffn_down.weight";
 
+/// What `ffn_down` weights run, against the policy's set for every other weight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnDown {
+    /// The policy's set, with its Q8 activations.
+    Same,
+    /// The f32 kernels (f32 activations).
+    F32,
+    /// The policy's set with Q15 activations ([`pagoda_tensor::quant::q8`]; the `vnni8` and
+    /// `amx` sets only).
+    Q15,
+}
+
 /// Which kernel set each weight of a model gets: one set for every weight, except that
-/// `ffn_down` weights may keep the f32 kernels (what `auto` selects, see the module docs).
+/// `ffn_down` weights may keep the f32 kernels or take Q15 activations (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CpuKernelPolicy {
     /// The set of every weight without an exception.
     pub kernels: CpuKernels,
-    /// Whether `*ffn_down.weight` tensors use [`CpuKernels::F32`] instead of `kernels`.
-    pub f32_ffn_down: bool,
+    /// What `*ffn_down.weight` tensors run.
+    pub ffn_down: FfnDown,
 }
 
 impl CpuKernelPolicy {
@@ -134,50 +146,67 @@ impl CpuKernelPolicy {
     pub fn uniform(kernels: CpuKernels) -> CpuKernelPolicy {
         CpuKernelPolicy {
             kernels,
-            f32_ffn_down: false,
+            ffn_down: FfnDown::Same,
         }
     }
 
-    /// What `auto` means on this CPU: [`CpuKernels::best`] with `ffn_down` in f32 when the
-    /// CPU has a SIMD integer set (VNNI or AVX2), otherwise f32 everywhere (the portable
-    /// integer dots are not faster than the f32 decode path).
+    /// What `auto` means on this CPU: [`CpuKernels::best`], with `ffn_down` on Q15
+    /// activations for the `amx` and `vnni8` sets and on the f32 kernels for `avx2`; f32
+    /// everywhere on a CPU without a SIMD integer set (the portable integer dots are not
+    /// faster than the f32 decode path).
     pub fn auto() -> CpuKernelPolicy {
         match CpuKernels::best() {
             CpuKernels::Scalar | CpuKernels::F32 => CpuKernelPolicy::uniform(CpuKernels::F32),
+            kernels @ (CpuKernels::Amx | CpuKernels::Vnni8) => CpuKernelPolicy {
+                kernels,
+                ffn_down: FfnDown::Q15,
+            },
             kernels => CpuKernelPolicy {
                 kernels,
-                f32_ffn_down: true,
+                ffn_down: FfnDown::F32,
             },
         }
     }
 
     /// Parses a `PAGODA_CPU_KERNELS` value: `auto` (or empty) is [`CpuKernelPolicy::auto`],
-    /// a set name is that set for every weight, and `SET+f32_ffn_down` (the names `auto`
-    /// logs, e.g. `vnni+f32_ffn_down`) that set with `ffn_down` on the f32 kernels. The error
-    /// names the bad value.
+    /// a set name is that set for every weight, `SET+f32_ffn_down` that set with `ffn_down`
+    /// on the f32 kernels and `SET+q15_ffn_down` (`amx` or `vnni8`) with `ffn_down` on Q15
+    /// activations (the names `auto` logs). The error names the bad value.
     pub fn parse(value: &str) -> Result<CpuKernelPolicy, String> {
         Ok(CpuKernelPolicy::parse_choice(value)?.unwrap_or_else(CpuKernelPolicy::auto))
     }
 
     /// The set for the weight stored under `name` (a GGUF tensor name).
     pub fn for_tensor(self, name: &str) -> CpuKernels {
-        if self.f32_ffn_down && name.ends_with(FFN_DOWN_SUFFIX) {
+        if self.ffn_down == FfnDown::F32 && name.ends_with(FFN_DOWN_SUFFIX) {
             CpuKernels::F32
         } else {
             self.kernels
         }
     }
 
-    /// The name for logs and metrics: the set's name (`amx`, `vnni`, `avx2`, `scalar`, `f32`), with
-    /// `+f32_ffn_down` appended when `ffn_down` keeps the f32 kernels (`vnni+f32_ffn_down`).
+    /// Whether the weight stored under `name` quantizes its activations to Q15
+    /// ([`crate::linear::Weight::with_q15_activations`]).
+    pub fn q15_for_tensor(self, name: &str) -> bool {
+        self.ffn_down == FfnDown::Q15 && name.ends_with(FFN_DOWN_SUFFIX)
+    }
+
+    /// The name for logs and metrics: the set's name (`amx`, `vnni8`, `vnni`, `avx2`,
+    /// `scalar`, `f32`), with `+f32_ffn_down` or `+q15_ffn_down` appended for the `ffn_down`
+    /// exception (`amx+q15_ffn_down`).
     pub fn name(self) -> &'static str {
-        match (self.kernels, self.f32_ffn_down) {
-            (kernels, false) | (kernels @ CpuKernels::F32, true) => kernels.name(),
-            (CpuKernels::Amx, true) => "amx+f32_ffn_down",
-            (CpuKernels::Vnni8, true) => "vnni8+f32_ffn_down",
-            (CpuKernels::Vnni, true) => "vnni+f32_ffn_down",
-            (CpuKernels::Avx2, true) => "avx2+f32_ffn_down",
-            (CpuKernels::Scalar, true) => "scalar+f32_ffn_down",
+        use CpuKernels::*;
+        match (self.kernels, self.ffn_down) {
+            (kernels, FfnDown::Same) | (kernels @ F32, _) => kernels.name(),
+            (Amx, FfnDown::F32) => "amx+f32_ffn_down",
+            (Vnni8, FfnDown::F32) => "vnni8+f32_ffn_down",
+            (Vnni, FfnDown::F32) => "vnni+f32_ffn_down",
+            (Avx2, FfnDown::F32) => "avx2+f32_ffn_down",
+            (Scalar, FfnDown::F32) => "scalar+f32_ffn_down",
+            (Amx, FfnDown::Q15) => "amx+q15_ffn_down",
+            (Vnni8, FfnDown::Q15) => "vnni8+q15_ffn_down",
+            // `parse_choice` builds Q15 only for the interleaved sets.
+            (Vnni | Avx2 | Scalar, FfnDown::Q15) => unreachable!("Q15 needs vnni8 or amx"),
         }
     }
 
@@ -188,22 +217,24 @@ impl CpuKernelPolicy {
         static SELECTED: OnceLock<CpuKernelPolicy> = OnceLock::new();
         *SELECTED.get_or_init(|| {
             let policy = choose_from_env::<CpuKernelPolicy>();
-            let activations = match (policy.kernels, policy.f32_ffn_down) {
-                (CpuKernels::F32, _) => "f32 activations, weights decoded in registers",
-                (CpuKernels::Amx, false) => {
-                    "Q8 activations, integer dots on repacked weights; AMX-INT8 tiles for \
-                     multi-row matmuls"
+            let tiles = if policy.kernels == CpuKernels::Amx {
+                " (AMX-INT8 tiles for multi-row matmuls)"
+            } else {
+                ""
+            };
+            let activations = match (policy.kernels, policy.ffn_down) {
+                (CpuKernels::F32, _) => "f32 activations, weights decoded in registers".to_string(),
+                (_, FfnDown::Same) => {
+                    format!("Q8 activations, integer dots on repacked weights{tiles}")
                 }
-                (CpuKernels::Amx, true) => {
-                    "Q8 activations and integer dots on repacked weights (AMX-INT8 tiles for \
-                     multi-row matmuls), except ffn_down: f32 activations, weights decoded \
-                     in registers"
-                }
-                (_, false) => "Q8 activations, integer dots on repacked weights",
-                (_, true) => {
-                    "Q8 activations and integer dots on repacked weights, except ffn_down: \
-                     f32 activations, weights decoded in registers"
-                }
+                (_, FfnDown::F32) => format!(
+                    "Q8 activations and integer dots on repacked weights{tiles}, except \
+                     ffn_down: f32 activations, weights decoded in registers"
+                ),
+                (_, FfnDown::Q15) => format!(
+                    "Q8 activations and integer dots on repacked weights{tiles}, except \
+                     ffn_down: Q15 activations, two integer dots per block"
+                ),
             };
             tracing::info!("CPU kernels: {} ({activations})", policy.name());
             policy
@@ -224,29 +255,43 @@ impl KernelChoice for CpuKernelPolicy {
     }
     fn parse_choice(text: &str) -> Result<Option<Self>, String> {
         let text = text.trim().to_ascii_lowercase();
-        match text.as_str() {
-            "" | "auto" => Ok(None),
-            other => match other.strip_suffix("+f32_ffn_down") {
-                // A set with ffn_down on the f32 kernels, as `auto` names its choice.
-                Some(set) if set != "f32" => CpuKernels::parse(set).map(|kernels| {
-                    Some(CpuKernelPolicy {
-                        kernels,
-                        f32_ffn_down: true,
-                    })
-                }),
-                _ => {
-                    CpuKernels::parse(other).map(|kernels| Some(CpuKernelPolicy::uniform(kernels)))
-                }
-            },
+        if text.is_empty() || text == "auto" {
+            return Ok(None);
         }
+        // A set with an `ffn_down` exception, as `auto` names its choice.
+        for (suffix, ffn_down) in [
+            ("+f32_ffn_down", FfnDown::F32),
+            ("+q15_ffn_down", FfnDown::Q15),
+        ] {
+            let Some(set) = text.strip_suffix(suffix) else {
+                continue;
+            };
+            let kernels = CpuKernels::parse(set)?;
+            let allowed = match ffn_down {
+                FfnDown::Q15 => matches!(kernels, CpuKernels::Amx | CpuKernels::Vnni8),
+                _ => kernels != CpuKernels::F32,
+            };
+            if !allowed {
+                return Err(format!(
+                    "PAGODA_CPU_KERNELS={text:?}: {suffix} needs {}",
+                    if ffn_down == FfnDown::Q15 {
+                        "the amx or vnni8 set"
+                    } else {
+                        "an integer set"
+                    }
+                ));
+            }
+            return Ok(Some(CpuKernelPolicy { kernels, ffn_down }));
+        }
+        CpuKernels::parse(&text).map(|kernels| Some(CpuKernelPolicy::uniform(kernels)))
     }
 }
 
 /// The name of the process-wide kernel policy ([`CpuKernelPolicy::selected`]), for metrics
-/// and status pages, e.g. a Prometheus gauge `pagoda_cpu_kernels_info{set="vnni+f32_ffn_down"} 1`:
-/// `amx`, `vnni`, `avx2`, `scalar` (Q8 activations, integer dots, every weight), `f32` (f32
-/// activations, every weight), or a set with `+f32_ffn_down` (what `auto` selects: `ffn_down`
-/// keeps f32 activations). The first call (from here or from loading a model) reads the
+/// and status pages, e.g. a Prometheus gauge `pagoda_cpu_kernels_info{set="amx+q15_ffn_down"} 1`:
+/// `amx`, `vnni8`, `vnni`, `avx2`, `scalar` (Q8 activations, integer dots, every weight), `f32`
+/// (f32 activations, every weight), or a set with `+q15_ffn_down` or `+f32_ffn_down` (what
+/// `auto` selects: `ffn_down` on Q15 or f32 activations). The first call (from here or from loading a model) reads the
 /// environment and logs the choice once; later calls return the same name.
 pub fn cpu_kernels_name() -> &'static str {
     CpuKernelPolicy::selected().name()
@@ -256,27 +301,41 @@ pub fn cpu_kernels_name() -> &'static str {
 mod tests {
     use super::*;
 
+    const OTHER_WEIGHTS: [&str; 6] = [
+        "blk.0.ffn_up.weight",
+        "blk.0.ffn_gate.weight",
+        "blk.0.attn_q.weight",
+        "blk.0.attn_output.weight",
+        "token_embd.weight",
+        "output.weight",
+    ];
+
     #[test]
-    fn auto_keeps_ffn_down_on_f32_kernels_only() {
-        let policy = CpuKernelPolicy {
-            kernels: CpuKernels::Vnni,
-            f32_ffn_down: true,
-        };
-        for layer in [0, 7, 29] {
-            let name = format!("blk.{layer}.ffn_down.weight");
-            assert_eq!(policy.for_tensor(&name), CpuKernels::F32, "{name}");
-        }
-        for name in [
-            "blk.0.ffn_up.weight",
-            "blk.0.ffn_gate.weight",
-            "blk.0.attn_q.weight",
-            "blk.0.attn_output.weight",
-            "token_embd.weight",
-            "output.weight",
+    fn the_ffn_down_exception_applies_to_ffn_down_only() {
+        for (ffn_down, kernels, q15, name) in [
+            (FfnDown::F32, CpuKernels::F32, false, "vnni+f32_ffn_down"),
+            (FfnDown::Q15, CpuKernels::Vnni8, true, "vnni8+q15_ffn_down"),
         ] {
-            assert_eq!(policy.for_tensor(name), CpuKernels::Vnni, "{name}");
+            let set = if q15 {
+                CpuKernels::Vnni8
+            } else {
+                CpuKernels::Vnni
+            };
+            let policy = CpuKernelPolicy {
+                kernels: set,
+                ffn_down,
+            };
+            for layer in [0, 7, 29] {
+                let tensor = format!("blk.{layer}.ffn_down.weight");
+                assert_eq!(policy.for_tensor(&tensor), kernels, "{tensor}");
+                assert_eq!(policy.q15_for_tensor(&tensor), q15, "{tensor}");
+            }
+            for tensor in OTHER_WEIGHTS {
+                assert_eq!(policy.for_tensor(tensor), set, "{tensor}");
+                assert!(!policy.q15_for_tensor(tensor), "{tensor}");
+            }
+            assert_eq!(policy.name(), name);
         }
-        assert_eq!(policy.name(), "vnni+f32_ffn_down");
     }
 
     #[test]
@@ -291,29 +350,36 @@ mod tests {
             let policy = CpuKernelPolicy::parse(value).unwrap();
             assert_eq!(policy, CpuKernelPolicy::uniform(kernels));
             assert_eq!(policy.for_tensor("blk.3.ffn_down.weight"), kernels);
+            assert!(!policy.q15_for_tensor("blk.3.ffn_down.weight"));
             assert_eq!(policy.name(), kernels.name());
         }
     }
 
     #[test]
-    fn a_set_with_f32_ffn_down_parses_from_its_name() {
-        for kernels in [
-            CpuKernels::Amx,
-            CpuKernels::Vnni8,
-            CpuKernels::Vnni,
-            CpuKernels::Avx2,
+    fn a_set_with_an_ffn_down_exception_parses_from_its_name() {
+        for (kernels, ffn_down) in [
+            (CpuKernels::Amx, FfnDown::F32),
+            (CpuKernels::Vnni8, FfnDown::F32),
+            (CpuKernels::Vnni, FfnDown::F32),
+            (CpuKernels::Avx2, FfnDown::F32),
+            (CpuKernels::Amx, FfnDown::Q15),
+            (CpuKernels::Vnni8, FfnDown::Q15),
         ] {
-            let policy = CpuKernelPolicy {
-                kernels,
-                f32_ffn_down: true,
-            };
+            let policy = CpuKernelPolicy { kernels, ffn_down };
             assert_eq!(CpuKernelPolicy::parse(policy.name()), Ok(policy));
         }
-        assert_eq!(
-            CpuKernelPolicy::parse("f32+f32_ffn_down").unwrap_err(),
-            CpuKernels::parse("f32+f32_ffn_down").unwrap_err()
-        );
-        assert!(CpuKernelPolicy::parse("sse9+f32_ffn_down").is_err());
+        for bad in [
+            "f32+f32_ffn_down",
+            "vnni+q15_ffn_down",
+            "avx2+q15_ffn_down",
+            "f32+q15_ffn_down",
+        ] {
+            let error = CpuKernelPolicy::parse(bad).unwrap_err();
+            assert!(error.contains(bad) && error.contains("needs"), "{error}");
+        }
+        assert!(CpuKernelPolicy::parse("sse9+f32_ffn_down")
+            .unwrap_err()
+            .contains("sse9"));
     }
 
     #[test]
@@ -327,9 +393,13 @@ mod tests {
         let auto = CpuKernelPolicy::auto();
         assert!(auto.kernels.is_supported());
         match CpuKernels::best() {
-            CpuKernels::Amx | CpuKernels::Vnni8 | CpuKernels::Vnni | CpuKernels::Avx2 => {
+            CpuKernels::Amx | CpuKernels::Vnni8 => {
                 assert_eq!(auto.kernels, CpuKernels::best());
-                assert!(auto.f32_ffn_down);
+                assert_eq!(auto.ffn_down, FfnDown::Q15);
+            }
+            CpuKernels::Vnni | CpuKernels::Avx2 => {
+                assert_eq!(auto.kernels, CpuKernels::best());
+                assert_eq!(auto.ffn_down, FfnDown::F32);
             }
             _ => assert_eq!(auto, CpuKernelPolicy::uniform(CpuKernels::F32)),
         }

@@ -34,10 +34,11 @@ pub fn matmul_shared(x: &[f32], num_tokens: usize, outputs: &mut [(&Weight, &mut
     let Some((first, _)) = outputs.first() else {
         return;
     };
+    // Q15 weights take their own activations (each weight's `matmul` below).
     let shared_isa = first.int_isa().filter(|&isa| {
         outputs
             .iter()
-            .all(|(weight, _)| weight.int_isa() == Some(isa))
+            .all(|(weight, _)| weight.int_isa() == Some(isa) && !weight.q15_activations())
     });
     let Some(isa) = shared_isa else {
         for (weight, y) in outputs.iter_mut() {

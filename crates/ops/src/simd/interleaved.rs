@@ -281,18 +281,29 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
     });
 }
 
-/// `-zero * sum(qa)` per (token, block) of `activations`: the exact integer start of each
-/// block's dot (empty when the format's zero is 0); in parallel over tokens for prefills.
+/// `-zero * sum(q)` per (token, block) of `activations` (Q15: `q = 128 hi + lo`): the exact
+/// integer start of each block's dot (empty when the format's zero is 0); in parallel over
+/// tokens for prefills.
 pub fn block_starts(weights: &Interleaved, activations: &Q8Rows) -> Vec<i32> {
     if weights.zero == 0 {
         return Vec::new();
     }
     let mut starts = vec![0i32; activations.qs().len() / 32];
-    starts
-        .par_iter_mut()
-        .zip(activations.qs().par_chunks_exact(32))
-        .with_min_len(1024)
-        .for_each(|(start, qa)| *start = -weights.zero * qa.iter().map(|&q| q as i32).sum::<i32>());
+    let sum = |qa: &[i8]| qa.iter().map(|&q| q as i32).sum::<i32>();
+    if activations.is_q15() {
+        starts
+            .par_iter_mut()
+            .zip(activations.qs().par_chunks_exact(32))
+            .zip(activations.lo().par_chunks_exact(32))
+            .with_min_len(1024)
+            .for_each(|((start, hi), lo)| *start = -weights.zero * (128 * sum(hi) + sum(lo)));
+    } else {
+        starts
+            .par_iter_mut()
+            .zip(activations.qs().par_chunks_exact(32))
+            .with_min_len(1024)
+            .for_each(|(start, qa)| *start = -weights.zero * sum(qa));
+    }
     starts
 }
 
@@ -345,11 +356,15 @@ fn pair_dots(
     // SAFETY: `decode_rows` checked the features; both groups are in range, and `starts` is
     // empty or holds one start per block of the single token.
     unsafe {
-        let dots = match (weights.nibble, weights.half) {
-            (true, true) => wide::x86::pair::<true, true>,
-            (true, false) => wide::x86::pair::<true, false>,
-            (false, true) => wide::x86::pair::<false, true>,
-            (false, false) => wide::x86::pair::<false, false>,
+        let dots = match (weights.nibble, weights.half, activations.is_q15()) {
+            (true, true, false) => wide::x86::pair::<true, true, false>,
+            (true, false, false) => wide::x86::pair::<true, false, false>,
+            (false, true, false) => wide::x86::pair::<false, true, false>,
+            (false, false, false) => wide::x86::pair::<false, false, false>,
+            (true, true, true) => wide::x86::pair::<true, true, true>,
+            (true, false, true) => wide::x86::pair::<true, false, true>,
+            (false, true, true) => wide::x86::pair::<false, true, true>,
+            (false, false, true) => wide::x86::pair::<false, false, true>,
         };
         dots(weights, group, activations, starts)
     }
@@ -375,11 +390,15 @@ fn group_dots(
     // SAFETY: `matmul` checked the features; the group is in range, and `starts` is empty
     // or holds one start per (token, block).
     unsafe {
-        let dots = match (weights.nibble, weights.half) {
-            (true, true) => x86::group::<true, true>,
-            (true, false) => x86::group::<true, false>,
-            (false, true) => x86::group::<false, true>,
-            (false, false) => x86::group::<false, false>,
+        let dots = match (weights.nibble, weights.half, activations.is_q15()) {
+            (true, true, false) => x86::group::<true, true, false>,
+            (true, false, false) => x86::group::<true, false, false>,
+            (false, true, false) => x86::group::<false, true, false>,
+            (false, false, false) => x86::group::<false, false, false>,
+            (true, true, true) => x86::group::<true, true, true>,
+            (true, false, true) => x86::group::<true, false, true>,
+            (false, true, true) => x86::group::<false, true, true>,
+            (false, false, true) => x86::group::<false, false, true>,
         };
         dots(
             weights,
@@ -404,7 +423,7 @@ mod x86 {
     /// lanes`: four tokens at a time, then one. SAFETY: AVX-512 VNNI, VL and F16C; `group` in
     /// range; `starts` empty (zero 0) or one per (token, block).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub(super) unsafe fn group<const NIBBLE: bool, const HALF: bool>(
+    pub(super) unsafe fn group<const NIBBLE: bool, const HALF: bool, const Q15: bool>(
         weights: &Interleaved,
         group: usize,
         activations: &Q8Rows,
@@ -420,7 +439,7 @@ mod x86 {
             // SAFETY: as for this function; the tokens are in range.
             let dots: [[f32; GROUP]; 4] = unsafe {
                 if step == 4 {
-                    tile::<4, NIBBLE, HALF>(
+                    tile::<4, NIBBLE, HALF, Q15>(
                         weights,
                         group,
                         activations,
@@ -428,7 +447,8 @@ mod x86 {
                         [t, t + 1, t + 2, t + 3],
                     )
                 } else {
-                    let one = tile::<1, NIBBLE, HALF>(weights, group, activations, starts, [t]);
+                    let one =
+                        tile::<1, NIBBLE, HALF, Q15>(weights, group, activations, starts, [t]);
                     [one[0]; 4]
                 }
             };
@@ -444,7 +464,7 @@ mod x86 {
     /// (token, block).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn tile<const T: usize, const NIBBLE: bool, const HALF: bool>(
+    unsafe fn tile<const T: usize, const NIBBLE: bool, const HALF: bool, const Q15: bool>(
         weights: &Interleaved,
         group: usize,
         activations: &Q8Rows,
@@ -458,6 +478,15 @@ mod x86 {
         let base = unsafe { weights.data.as_ptr().add(group * blocks * stride) };
         let aq: [*const u8; T] =
             std::array::from_fn(|i| activations.row_qs(tokens[i]).as_ptr() as *const u8);
+        // Q15: the `lo` plane (unused, and the `hi` plane again, for Q8 rows).
+        let alo: [*const u8; T] = std::array::from_fn(|i| {
+            let plane = if Q15 {
+                activations.row_lo(tokens[i])
+            } else {
+                activations.row_qs(tokens[i])
+            };
+            plane.as_ptr() as *const u8
+        });
         let ad: [&[f32]; T] = std::array::from_fn(|i| activations.row_scales(tokens[i]));
         let sa: [&[f32]; T] = std::array::from_fn(|i| activations.row_sums(tokens[i]));
         let has_zero = !starts.is_empty();
@@ -499,12 +528,33 @@ mod x86 {
                     } else {
                         _mm256_setzero_si256()
                     };
-                    for (k, weights_k) in w.iter().enumerate() {
-                        integer = _mm256_dpbusd_epi32(
-                            integer,
-                            *weights_k,
-                            _mm256_set1_epi32(a.add(k).read_unaligned()),
-                        );
+                    if Q15 {
+                        // 128 (u . hi), exact, then the `lo` dots on top.
+                        let mut high = _mm256_setzero_si256();
+                        for (k, weights_k) in w.iter().enumerate() {
+                            high = _mm256_dpbusd_epi32(
+                                high,
+                                *weights_k,
+                                _mm256_set1_epi32(a.add(k).read_unaligned()),
+                            );
+                        }
+                        integer = _mm256_add_epi32(integer, _mm256_slli_epi32::<7>(high));
+                        let a = alo[i].add(b * 32) as *const i32;
+                        for (k, weights_k) in w.iter().enumerate() {
+                            integer = _mm256_dpbusd_epi32(
+                                integer,
+                                *weights_k,
+                                _mm256_set1_epi32(a.add(k).read_unaligned()),
+                            );
+                        }
+                    } else {
+                        for (k, weights_k) in w.iter().enumerate() {
+                            integer = _mm256_dpbusd_epi32(
+                                integer,
+                                *weights_k,
+                                _mm256_set1_epi32(a.add(k).read_unaligned()),
+                            );
+                        }
                     }
                     // dot_scalar's chain: d * d_a * integer + min * s_a, then the running sum.
                     let scaled = _mm256_mul_ps(

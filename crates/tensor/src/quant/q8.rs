@@ -5,17 +5,29 @@
 //! block `b` stores `qs[i] = round_ties_even(x[i] / d)` with `d = max|x| / 127` (an f32
 //! scale, not rounded to f16 as llama.cpp's Q8_1 does), and `sum = d * sum(qs)`, which the
 //! weight formats with an offset or a minimum need. A block of zeros has `d = 0`.
+//!
+//! **Q15** rows ([`Q8Rows::reset_q15`], [`quantize_block_q15`]) keep 128 times finer steps
+//! for the same integer kernels: `d = max|x| / 16256` and `q = round_ties_even(x / d)` in
+//! `[-16256, 16256]`, stored as two i8 planes, `hi = (q + 64) >> 7` in `[-127, 127]` (in
+//! `qs`) and `lo = q - 128 hi` in `[-64, 63]` (in the `lo` plane), so a block's integer dot is
+//! `128 * dot(w, hi) + dot(w, lo)`, exact in i32, and everything after it is the Q8 recipe.
 
 /// Values per activation block.
 pub const Q8_BLOCK: usize = 32;
 
+/// The largest Q15 magnitude: `127 * 128`, so `hi` stays within an i8's `[-127, 127]`.
+pub const Q15_MAX: i32 = 127 * 128;
+
 /// `num_rows` rows of quantized activations, row-major: `qs` is `[num_rows, row_len]`,
-/// `scales` and `sums` are `[num_rows, row_len / 32]`.
+/// `scales` and `sums` are `[num_rows, row_len / 32]`; Q15 rows add the `lo` plane, shaped
+/// as `qs` (empty for Q8 rows).
 #[derive(Debug, Clone, Default)]
 pub struct Q8Rows {
     num_rows: usize,
     row_len: usize,
     qs: Vec<i8>,
+    lo: Vec<i8>,
+    q15: bool,
     scales: Vec<f32>,
     sums: Vec<f32>,
 }
@@ -59,12 +71,7 @@ impl Q8Rows {
                 row_len,
             });
         }
-        let num_blocks = x.len() / Q8_BLOCK;
-        self.num_rows = x.len() / row_len;
-        self.row_len = row_len;
-        self.qs.resize(x.len(), 0);
-        self.scales.resize(num_blocks, 0.0);
-        self.sums.resize(num_blocks, 0.0);
+        self.reset(x.len() / row_len, row_len)?;
         for (((xs, qs), scale), sum) in x
             .chunks_exact(Q8_BLOCK)
             .zip(self.qs.chunks_exact_mut(Q8_BLOCK))
@@ -78,6 +85,37 @@ impl Q8Rows {
         Ok(())
     }
 
+    /// Quantizes `x` (`[num_rows, row_len]` row-major f32) into Q15 rows (see the module
+    /// docs) block by block: [`quantize_block_q15`], the portable reference.
+    pub fn quantize_q15(x: &[f32], row_len: usize) -> Result<Q8Rows, Q8Error> {
+        if row_len == 0 || !row_len.is_multiple_of(Q8_BLOCK) {
+            return Err(Q8Error::RowLength { row_len });
+        }
+        if !x.len().is_multiple_of(row_len) {
+            return Err(Q8Error::Shape {
+                len: x.len(),
+                row_len,
+            });
+        }
+        let mut rows = Q8Rows::default();
+        rows.reset_q15(x.len() / row_len, row_len)?;
+        let (hi, lo, scales, sums) = rows.parts_mut_q15();
+        for ((((xs, hi), lo), scale), sum) in x
+            .chunks_exact(Q8_BLOCK)
+            .zip(hi.chunks_exact_mut(Q8_BLOCK))
+            .zip(lo.chunks_exact_mut(Q8_BLOCK))
+            .zip(scales.iter_mut())
+            .zip(sums.iter_mut())
+        {
+            (*scale, *sum) = quantize_block_q15(
+                xs.try_into().unwrap(),
+                hi.try_into().unwrap(),
+                lo.try_into().unwrap(),
+            );
+        }
+        Ok(rows)
+    }
+
     /// Sizes the buffers for `num_rows` rows of `row_len` values (same checks as
     /// [`Q8Rows::quantize`]) without quantizing; fill them with [`Q8Rows::parts_mut`] and
     /// [`quantize_block`] (how a caller parallelizes or vectorizes the quantization).
@@ -88,14 +126,43 @@ impl Q8Rows {
         self.num_rows = num_rows;
         self.row_len = row_len;
         self.qs.resize(num_rows * row_len, 0);
+        self.lo.clear();
+        self.q15 = false;
         self.scales.resize(num_rows * row_len / Q8_BLOCK, 0.0);
         self.sums.resize(num_rows * row_len / Q8_BLOCK, 0.0);
+        Ok(())
+    }
+
+    /// Like [`Q8Rows::reset`], for Q15 rows (see the module docs): fill them with
+    /// [`Q8Rows::parts_mut_q15`] and [`quantize_block_q15`].
+    pub fn reset_q15(&mut self, num_rows: usize, row_len: usize) -> Result<(), Q8Error> {
+        self.reset(num_rows, row_len)?;
+        self.lo.resize(num_rows * row_len, 0);
+        self.q15 = true;
         Ok(())
     }
 
     /// The buffers `(qs, scales, sums)`, for filling after [`Q8Rows::reset`].
     pub fn parts_mut(&mut self) -> (&mut [i8], &mut [f32], &mut [f32]) {
         (&mut self.qs, &mut self.scales, &mut self.sums)
+    }
+
+    /// The buffers `(hi, lo, scales, sums)`, for filling after [`Q8Rows::reset_q15`].
+    pub fn parts_mut_q15(&mut self) -> (&mut [i8], &mut [i8], &mut [f32], &mut [f32]) {
+        (&mut self.qs, &mut self.lo, &mut self.scales, &mut self.sums)
+    }
+
+    /// Whether these are Q15 rows (a `lo` plane beside `qs`).
+    pub fn is_q15(&self) -> bool {
+        self.q15
+    }
+    /// Every row's `lo` values (Q15 rows; empty for Q8 rows).
+    pub fn lo(&self) -> &[i8] {
+        &self.lo
+    }
+    /// The `lo` values of row `row` (Q15 rows only).
+    pub fn row_lo(&self, row: usize) -> &[i8] {
+        &self.lo[row * self.row_len..(row + 1) * self.row_len]
     }
 
     /// Rows held.
@@ -110,7 +177,7 @@ impl Q8Rows {
     pub fn blocks_per_row(&self) -> usize {
         self.row_len / Q8_BLOCK
     }
-    /// Every row's quantized values, row after row.
+    /// Every row's quantized values (Q15 rows: the `hi` plane), row after row.
     pub fn qs(&self) -> &[i8] {
         &self.qs
     }
@@ -128,14 +195,22 @@ impl Q8Rows {
         let nb = self.blocks_per_row();
         &self.sums[row * nb..(row + 1) * nb]
     }
-    /// Row `row` decoded back to f32 (`qs * d`), into `out` (`row_len` values).
+    /// Row `row` decoded back to f32 (`q * d`, Q15 rows `(128 hi + lo) * d`), into `out`
+    /// (`row_len` values).
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        for ((out, qs), &d) in out
+        let q15 = self.is_q15();
+        for (block, (out, &d)) in out
             .chunks_exact_mut(Q8_BLOCK)
-            .zip(self.row_qs(row).chunks_exact(Q8_BLOCK))
             .zip(self.row_scales(row))
+            .enumerate()
         {
-            for (value, &q) in out.iter_mut().zip(qs) {
+            for (i, value) in out.iter_mut().enumerate() {
+                let at = row * self.row_len + block * Q8_BLOCK + i;
+                let q = if q15 {
+                    128 * self.qs[at] as i32 + self.lo[at] as i32
+                } else {
+                    self.qs[at] as i32
+                };
                 *value = q as f32 * d;
             }
         }
@@ -155,4 +230,100 @@ pub fn quantize_block(xs: &[f32; Q8_BLOCK], qs: &mut [i8; Q8_BLOCK]) -> (f32, f3
         total += v;
     }
     (d, d * total as f32)
+}
+
+/// One Q15 block (see the module docs): returns `(d, d * sum(q))` and writes the `hi` and `lo`
+/// planes, with [`quantize_block`]'s operations at `16256` in place of `127`.
+#[inline(always)]
+pub fn quantize_block_q15(
+    xs: &[f32; Q8_BLOCK],
+    hi: &mut [i8; Q8_BLOCK],
+    lo: &mut [i8; Q8_BLOCK],
+) -> (f32, f32) {
+    let amax = xs.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let d = amax / Q15_MAX as f32;
+    let inverse = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let limit = Q15_MAX as f32;
+    let mut total = 0i32;
+    for ((h, l), &x) in hi.iter_mut().zip(lo.iter_mut()).zip(xs) {
+        let q = (x * inverse).round_ties_even().clamp(-limit, limit) as i32;
+        let high = (q + 64) >> 7;
+        *h = high as i8;
+        *l = (q - (high << 7)) as i8;
+        total += q;
+    }
+    (d, d * total as f32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Q15 rows decode to within half a step (`d / 2`, `d = max|x| / 16256`) of the input, the
+    /// planes stay in `[-127, 127]` and `[-64, 63]`, and the sum is `d` times the integers'.
+    #[test]
+    fn q15_rows_are_128_times_finer_than_q8() {
+        let mut state = 7u32;
+        let x: Vec<f32> = (0..64 * 5)
+            .map(|i| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                let unit = (state >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
+                // Wide ranges, a zero block and exact extremes.
+                match i / 64 {
+                    0 => unit * 1e-3,
+                    1 => unit * 40.0,
+                    2 => 0.0,
+                    3 => {
+                        if i % 2 == 0 {
+                            3.0
+                        } else {
+                            -3.0
+                        }
+                    }
+                    _ => unit * (i as f32).exp2().min(1e6),
+                }
+            })
+            .collect();
+        let q15 = Q8Rows::quantize_q15(&x, 64).unwrap();
+        let q8 = Q8Rows::quantize(&x, 64).unwrap();
+        assert!(q15.is_q15() && !q8.is_q15());
+        let (mut fine, mut coarse) = (vec![0f32; 64], vec![0f32; 64]);
+        for row in 0..5 {
+            q15.dequantize_row(row, &mut fine);
+            q8.dequantize_row(row, &mut coarse);
+            for (block, xs) in x[row * 64..(row + 1) * 64].chunks_exact(32).enumerate() {
+                let d = q15.row_scales(row)[block];
+                let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert_eq!(d, amax / Q15_MAX as f32);
+                let mut total = 0i32;
+                for i in 0..32 {
+                    let at = block * 32 + i;
+                    let (hi, lo) = (q15.row_qs(row)[at] as i32, q15.row_lo(row)[at] as i32);
+                    assert!((-127..=127).contains(&hi) && (-64..=63).contains(&lo));
+                    total += 128 * hi + lo;
+                    let err = (fine[at] - xs[i]).abs();
+                    assert!(
+                        err <= d * 0.5 * (1.0 + 1e-5),
+                        "row {row} value {at}: {err} vs {d}"
+                    );
+                }
+                assert_eq!(q15.row_sums(row)[block], d * total as f32);
+            }
+            let err = |values: &[f32]| {
+                values
+                    .iter()
+                    .zip(&x[row * 64..])
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max)
+            };
+            assert!(
+                err(&fine) * 100.0 <= err(&coarse).max(f32::MIN_POSITIVE),
+                "row {row}"
+            );
+        }
+        assert_eq!(
+            Q8Rows::quantize_q15(&x[..40], 40).unwrap_err(),
+            Q8Error::RowLength { row_len: 40 }
+        );
+    }
 }

@@ -353,7 +353,8 @@ impl RepackedRows {
 }
 
 /// The scalar reference kernel: `dot(weights[row], activations[token])` computed as
-/// `sum_b d_w d_a ((u - zero) . qa) + min_w s_a` block by block. Panics if the row lengths differ
+/// `sum_b d_w d_a ((u - zero) . qa) + min_w s_a` block by block (Q15 rows: the integer is
+/// `128 (u - zero) . hi + (u - zero) . lo`). Panics if the row lengths differ
 /// (shapes are validated when a layer is built).
 pub fn dot_scalar(weights: &RepackedRows, row: usize, activations: &Q8Rows, token: usize) -> f32 {
     assert_eq!(
@@ -366,7 +367,13 @@ pub fn dot_scalar(weights: &RepackedRows, row: usize, activations: &Q8Rows, toke
     let factors = weights.row_factors(row);
     let mut total = 0f32;
     for block in 0..weights.blocks_per_row {
-        let integer = weights.block_integer_dot(row, block, &qa[block * QK..(block + 1) * QK]);
+        let range = block * QK..(block + 1) * QK;
+        let mut integer = weights.block_integer_dot(row, block, &qa[range.clone()]);
+        if activations.is_q15() {
+            // 128 (u - zero) . hi + (u - zero) . lo: the block's Q15 integer, exact in i32.
+            let lo = &activations.row_lo(token)[range];
+            integer = (integer << 7) + weights.block_integer_dot(row, block, lo);
+        }
         let (d, min) = (factors.scale(block), factors.min(block));
         total += d * da[block] * integer as f32 + min * sa[block];
     }

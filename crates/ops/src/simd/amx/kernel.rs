@@ -43,6 +43,8 @@ pub struct Activations<'a> {
     q8: &'a Q8Rows,
     tiles: usize,
     tail: Vec<i8>,
+    /// Q15 rows: the `lo` plane's padded last tile (empty for Q8 rows).
+    tail_lo: Vec<i8>,
     factors: Vec<TokenFactors>,
 }
 
@@ -63,10 +65,17 @@ impl<'a> Activations<'a> {
         let blocks = q8.blocks_per_row();
         let tiles = tokens.div_ceil(TILE_TOKENS);
         let full = tokens / TILE_TOKENS * TILE_TOKENS;
-        let mut tail = Vec::new();
-        if full < tokens {
-            tail = q8.qs()[full * q8.row_len()..].to_vec();
+        let padded = |plane: &[i8]| {
+            let mut tail = plane[full * q8.row_len()..].to_vec();
             tail.resize(TILE_TOKENS * q8.row_len(), 0);
+            tail
+        };
+        let (mut tail, mut tail_lo) = (Vec::new(), Vec::new());
+        if full < tokens {
+            tail = padded(q8.qs());
+            if q8.is_q15() {
+                tail_lo = padded(q8.lo());
+            }
         }
         let mut factors = vec![TokenFactors::default(); tiles * blocks];
         // One task per token tile.
@@ -88,19 +97,25 @@ impl<'a> Activations<'a> {
             q8,
             tiles,
             tail,
+            tail_lo,
             factors,
         }
     }
 
     /// The bytes tile `tile`'s A loads start at (token `16 tile`, block 0), row stride
-    /// `row_len`; at least 16 rows.
-    fn tile_source(&self, tile: usize) -> &[u8] {
+    /// `row_len`; at least 16 rows. `lo`: the Q15 rows' `lo` plane instead of `qs`.
+    fn tile_source(&self, tile: usize, lo: bool) -> &[u8] {
         let row_len = self.q8.row_len();
         let start = tile * TILE_TOKENS;
-        if start + TILE_TOKENS <= self.q8.num_rows() {
-            bytemuck::cast_slice(&self.q8.qs()[start * row_len..])
+        let (plane, tail) = if lo {
+            (self.q8.lo(), &self.tail_lo)
         } else {
-            bytemuck::cast_slice(&self.tail)
+            (self.q8.qs(), &self.tail)
+        };
+        if start + TILE_TOKENS <= self.q8.num_rows() {
+            bytemuck::cast_slice(&plane[start * row_len..])
+        } else {
+            bytemuck::cast_slice(tail)
         }
     }
 }
@@ -179,8 +194,7 @@ pub fn row_chunk<U: TileUnit>(
     let w = WeightTiles::new(weights, chunk);
     let mut c: [CTile; SLOTS] = [CTile::default(), CTile::default()];
     unit.configure(&config());
-    let issue = |unit: &mut U, c: &mut [CTile; SLOTS], source: &[u8], block: usize| {
-        let slot = block % SLOTS;
+    let issue = |unit: &mut U, c: &mut [CTile; SLOTS], slot: usize, source: &[u8], block: usize| {
         unit.zero_c(slot);
         unit.load_a(slot, &source[block * BLOCK..], row_len);
         unit.load_b(
@@ -191,30 +205,28 @@ pub fn row_chunk<U: TileUnit>(
         unit.dot_bsud(slot);
         unit.store_c(slot, &mut c[slot]);
     };
+    let q15 = activations.q8.is_q15();
     for tile in 0..activations.tiles {
-        let source = activations.tile_source(tile);
+        let source = activations.tile_source(tile, false);
         let mut acc = [[0f32; TILE_ROWS]; TILE_TOKENS];
-        issue(unit, &mut c, source, 0);
-        for block in 0..blocks {
-            if block + 1 < blocks {
-                issue(unit, &mut c, source, block + 1);
+        if q15 {
+            // Per block, the `hi` dot in slot 0 and the `lo` dot in slot 1, then the step.
+            let lo = activations.tile_source(tile, true);
+            for block in 0..blocks {
+                issue(unit, &mut c, 0, source, block);
+                issue(unit, &mut c, 1, lo, block);
+                let tokens = &activations.factors[tile * blocks + block];
+                step::<U>(&mut acc, &c[0], Some(&c[1]), &w, block, tokens);
             }
-            let tokens = &activations.factors[tile * blocks + block];
-            let step = Step {
-                c: &c[block % SLOTS],
-                d: &w.scales[block],
-                min: &w.mins[block],
-                da: &tokens.scales,
-                sa: &tokens.sums,
-                start: &tokens.starts,
-            };
-            #[cfg(target_arch = "x86_64")]
-            if U::AVX512 {
-                // SAFETY: a unit that sets AVX512 exists only on CPUs with AVX-512F.
-                unsafe { x86::combine(&mut acc, &step) };
-                continue;
+        } else {
+            issue(unit, &mut c, 0, source, 0);
+            for block in 0..blocks {
+                if block + 1 < blocks {
+                    issue(unit, &mut c, (block + 1) % SLOTS, source, block + 1);
+                }
+                let tokens = &activations.factors[tile * blocks + block];
+                step::<U>(&mut acc, &c[block % SLOTS], None, &w, block, tokens);
             }
-            combine(&mut acc, &step);
         }
         let first = tile * TILE_TOKENS;
         for (n, values) in acc.iter().take(tokens - first).enumerate() {
@@ -224,10 +236,41 @@ pub fn row_chunk<U: TileUnit>(
     unit.release();
 }
 
+/// Block `block`'s f32 step on the tile dot `c` (Q15: `c` of the `hi` plane and `lo` of the
+/// `lo` plane), on the AVX-512 combine where the unit runs on such a CPU.
+#[inline(always)]
+fn step<U: TileUnit>(
+    acc: &mut [[f32; TILE_ROWS]; TILE_TOKENS],
+    c: &CTile,
+    lo: Option<&CTile>,
+    w: &WeightTiles,
+    block: usize,
+    tokens: &TokenFactors,
+) {
+    let step = Step {
+        c,
+        lo,
+        d: &w.scales[block],
+        min: &w.mins[block],
+        da: &tokens.scales,
+        sa: &tokens.sums,
+        start: &tokens.starts,
+    };
+    #[cfg(target_arch = "x86_64")]
+    if U::AVX512 {
+        // SAFETY: a unit that sets AVX512 exists only on CPUs with AVX-512F.
+        unsafe { x86::combine(acc, &step) };
+        return;
+    }
+    combine(acc, &step);
+}
+
 /// One block's inputs to the f32 step of 16 tokens x 16 rows.
 struct Step<'a> {
-    /// The tile dot's integers, `[token][row]`.
+    /// The tile dot's integers, `[token][row]` (Q15 rows: of the `hi` plane).
     c: &'a CTile,
+    /// Q15 rows: the `lo` plane's tile dot; the block integer is `128 c + lo`, exact.
+    lo: Option<&'a CTile>,
     /// The rows' scales and mins.
     d: &'a [f32; TILE_ROWS],
     min: &'a [f32; TILE_ROWS],
@@ -237,14 +280,19 @@ struct Step<'a> {
     start: &'a [i32; TILE_TOKENS],
 }
 
-/// One block's f32 step: `acc[n][r] += d[r] * d_a[n] * (c[n][r] + start[n]) + min[r] * s_a[n]`,
-/// in that order (the oracle of [`x86::combine`]).
+/// One block's f32 step: `acc[n][r] += d[r] * d_a[n] * (c[n][r] + start[n]) + min[r] * s_a[n]`
+/// (Q15: `128 c[n][r] + lo[n][r]` for `c[n][r]`), in that order (the oracle of
+/// [`x86::combine`]).
 #[inline(always)]
 fn combine(acc: &mut [[f32; TILE_ROWS]; TILE_TOKENS], step: &Step) {
     for (n, acc) in acc.iter_mut().enumerate() {
         let (da, sa, start) = (step.da[n], step.sa[n], step.start[n]);
         for r in 0..TILE_ROWS {
-            let integer = step.c.0[n][r].wrapping_add(start) as f32;
+            let dot = match step.lo {
+                Some(lo) => (step.c.0[n][r] << 7).wrapping_add(lo.0[n][r]),
+                None => step.c.0[n][r],
+            };
+            let integer = dot.wrapping_add(start) as f32;
             acc[r] += step.d[r] * da * integer + step.min[r] * sa;
         }
     }
@@ -265,7 +313,11 @@ mod x86 {
             let d = _mm512_loadu_ps(step.d.as_ptr());
             let min = _mm512_loadu_ps(step.min.as_ptr());
             for (n, acc) in acc.iter_mut().enumerate() {
-                let ints = _mm512_loadu_si512(step.c.0[n].as_ptr() as *const __m512i);
+                let mut ints = _mm512_loadu_si512(step.c.0[n].as_ptr() as *const __m512i);
+                if let Some(lo) = step.lo {
+                    let lo = _mm512_loadu_si512(lo.0[n].as_ptr() as *const __m512i);
+                    ints = _mm512_add_epi32(_mm512_slli_epi32::<7>(ints), lo);
+                }
                 let start = _mm512_set1_epi32(step.start[n]);
                 let integer = _mm512_cvtepi32_ps(_mm512_add_epi32(ints, start));
                 let scale = _mm512_mul_ps(d, _mm512_set1_ps(step.da[n]));
@@ -320,8 +372,15 @@ mod tests {
                 let da: [f32; 16] = std::array::from_fn(|_| float(next()));
                 let sa: [f32; 16] = std::array::from_fn(|_| signed(next()));
                 let start: [i32; 16] = std::array::from_fn(|_| (next() % 100_000) as i32 - 50_000);
+                let mut lo = CTile::default();
+                for row in &mut lo.0 {
+                    for value in row.iter_mut() {
+                        *value = (next() % 128) as i32 - 64;
+                    }
+                }
                 let step = Step {
                     c: &c,
+                    lo: (round % 2 == 1).then_some(&lo),
                     d: &d,
                     min: &min,
                     da: &da,

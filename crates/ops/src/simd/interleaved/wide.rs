@@ -144,7 +144,7 @@ pub(super) mod x86 {
     /// chain. SAFETY: AVX-512 F, VL and VNNI and F16C; both groups in range; `starts` empty
     /// (zero 0) or one per block of token 0.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub(in super::super) unsafe fn pair<const NIBBLE: bool, const HALF: bool>(
+    pub(in super::super) unsafe fn pair<const NIBBLE: bool, const HALF: bool, const Q15: bool>(
         weights: &Interleaved,
         group: usize,
         activations: &Q8Rows,
@@ -156,6 +156,12 @@ pub(super) mod x86 {
         let weight_bytes = if NIBBLE { 128 } else { 256 };
         let factor_bytes = if HALF { 16 } else { 32 };
         let aq = activations.row_qs(0).as_ptr() as *const u8;
+        // Q15: the `lo` plane (for Q8 rows, unused).
+        let alo = if Q15 {
+            activations.row_lo(0).as_ptr() as *const u8
+        } else {
+            aq
+        };
         let (ad, sa) = (activations.row_scales(0), activations.row_sums(0));
         assert!(ad.len() >= blocks && sa.len() >= blocks);
         let has_zero = !starts.is_empty();
@@ -200,12 +206,33 @@ pub(super) mod x86 {
                 } else {
                     _mm512_setzero_si512()
                 };
-                for (k, weights_k) in w.iter().enumerate() {
-                    integer = _mm512_dpbusd_epi32(
-                        integer,
-                        *weights_k,
-                        _mm512_set1_epi32(a.add(k).read_unaligned()),
-                    );
+                if Q15 {
+                    // 128 (u . hi), exact, then the `lo` dots on top.
+                    let mut high = _mm512_setzero_si512();
+                    for (k, weights_k) in w.iter().enumerate() {
+                        high = _mm512_dpbusd_epi32(
+                            high,
+                            *weights_k,
+                            _mm512_set1_epi32(a.add(k).read_unaligned()),
+                        );
+                    }
+                    integer = _mm512_add_epi32(integer, _mm512_slli_epi32::<7>(high));
+                    let a = alo.add(b * 32) as *const i32;
+                    for (k, weights_k) in w.iter().enumerate() {
+                        integer = _mm512_dpbusd_epi32(
+                            integer,
+                            *weights_k,
+                            _mm512_set1_epi32(a.add(k).read_unaligned()),
+                        );
+                    }
+                } else {
+                    for (k, weights_k) in w.iter().enumerate() {
+                        integer = _mm512_dpbusd_epi32(
+                            integer,
+                            *weights_k,
+                            _mm512_set1_epi32(a.add(k).read_unaligned()),
+                        );
+                    }
                 }
                 // The 8-row kernel's chain: d * d_a * integer + min * s_a, then the sum.
                 let scaled = _mm512_mul_ps(

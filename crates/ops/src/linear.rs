@@ -7,12 +7,11 @@
 //! weight row at most once per call, so prefill (many tokens) amortises the decode.
 //!
 //! Which kernels run is chosen once per process and per weight ([`CpuKernelPolicy::selected`],
-//! `PAGODA_CPU_KERNELS`; `auto`, the default, keeps `ffn_down` on the f32 kernels and gives
-//! every other weight the best integer set, see [`kernels`]): with an integer set (`vnni`,
-//! `avx2`, `scalar`), Q4_0,
-//! Q4_1, Q8_0, Q4_K and Q5_K weights are repacked when the [`Weight`] is built
+//! `PAGODA_CPU_KERNELS`; `auto`, the default, gives every weight the best integer set, with
+//! `ffn_down` on Q15 activations or the f32 kernels, see [`kernels`]): with an integer set,
+//! Q4_0, Q4_1, Q8_0, Q4_K and Q5_K weights are repacked when the [`Weight`] is built
 //! ([`pagoda_tensor::quant::repack`]) and each matmul quantizes its input rows once to Q8
-//! ([`int_matmul`]); with `f32` (and for F32/F16/BF16/Q6_K weights) blocks are decoded to
+//! (Q15 for a weight built [`Weight::with_q15_activations`]; [`int_matmul`]); with `f32` (and for F32/F16/BF16/Q6_K weights) blocks are decoded to
 //! f32 and multiplied with f32 activations: in registers, eight rows at a time, for up to
 //! eight tokens ([`crate::simd::f32_decode`]), or into whole rows per task for more.
 //!

@@ -7,14 +7,17 @@
 //! where CPUID reports `amx_tile` + `amx_int8` and Linux grants tile data.
 //! `f32` keeps the stored blocks and f32 activations (the fused decode-in-registers path of
 //! ADR 0001) for every weight. `auto` is a per-weight policy ([`CpuKernelPolicy`]): the best
-//! integer set the CPU runs (`amx`, then `vnni8`, `avx2`) for every weight except `ffn_down`,
-//! which keeps the f32 kernels. `ffn_down`'s input, the SiLU-gated product, has
-//! the widest dynamic range of the model's matmul inputs, and its Q8 rounding alone moved one
-//! top-5 logprob of the llama.cpp parity test past its 0.6 bound (0.659 with Q8 everywhere,
-//! 0.561 with `ffn_down` in f32, 0.555 with f32 everywhere). The price is decode speed: on
-//! the default model (1 thread, AVX-512 VNNI) `auto` decodes about 1.6x as fast as `f32` and
-//! about 0.8x as fast as `vnni`. On a CPU without AVX2 `auto` is `f32` everywhere. A set the
-//! CPU lacks, or an unknown value, falls back to `auto` with a warning.
+//! integer set the CPU runs (`amx`, then `vnni8`, `avx2`) for every weight, with one
+//! exception for `ffn_down`, whose input (the SiLU-gated product) has the widest dynamic range
+//! of the model's matmul inputs. With `amx` and `vnni8` it takes Q15 activations
+//! (`+q15_ffn_down`: 128 times finer than Q8, two integer dots per block, see
+//! [`pagoda_tensor::quant::q8`]); with `avx2` it keeps the f32 kernels (`+f32_ffn_down`). Q8
+//! there has the widest llama.cpp parity tail of the sets measured (99th percentile 0.534
+//! against 0.40-0.46 for Q15 and f32); Q15 matches f32's and, on the Xeon host, halves
+//! `ffn_down` in prefill and decode against f32
+//! (`docs/benchmark_results/cpu-q15-ffn-down-epyc-h200host-2026-12-01.md`). On a CPU without
+//! AVX2 `auto` is `f32` everywhere. A set the CPU lacks, or an unknown value, falls back to
+//! `auto` with a warning.
 
 use std::sync::OnceLock;
 

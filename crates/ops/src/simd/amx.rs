@@ -17,7 +17,9 @@
 //!   kernel's order, one 16-row vector per token.
 //!
 //! Two slots of tile registers alternate between blocks, so the next block's dot runs while
-//! this block's combine does. Decode and batches below [`AMX_MIN_TOKENS`] run the
+//! this block's combine does. Q15 activation rows ([`pagoda_tensor::quant::q8`]) take two dots
+//! per block instead, the `hi` plane's in slot 0 and the `lo` plane's in slot 1, and the f32
+//! step forms the block integer `128 c_hi + c_lo` (exact) before the same chain. Decode and batches below [`AMX_MIN_TOKENS`] run the
 //! interleaved VNNI kernel, with the same bits, so a request's logits do not depend on the
 //! batch it ran in.
 //!

@@ -15,7 +15,9 @@
 //! Numerics: each (row, token) pair computes exactly [`dot_scalar`]'s chain: per block the
 //! exact integer `sum (u - zero) qa`, then `total += d * d_a * integer + min * s_a` in f32,
 //! blocks in order, no fused multiply-add. So the result equals the scalar kernel bit for bit,
-//! whatever the tile shape.
+//! whatever the tile shape. Q15 activation rows ([`pagoda_tensor::quant::q8`]) run the dots
+//! twice per block, `128 (u . hi)` then `+ (u . lo)` on top: the same exact integer as the
+//! scalar kernel's.
 //!
 //! [`dot_scalar`]: pagoda_tensor::quant::repack::dot_scalar
 

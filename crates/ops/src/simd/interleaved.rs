@@ -532,31 +532,11 @@ mod x86 {
                     };
                     if Q15 {
                         // 128 (u . hi), exact, then the `lo` dots on top.
-                        let mut high = _mm256_setzero_si256();
-                        for (k, weights_k) in w.iter().enumerate() {
-                            high = _mm256_dpbusd_epi32(
-                                high,
-                                *weights_k,
-                                _mm256_set1_epi32(a.add(k).read_unaligned()),
-                            );
-                        }
+                        let high = block_dots(_mm256_setzero_si256(), &w, a);
                         integer = _mm256_add_epi32(integer, _mm256_slli_epi32::<7>(high));
-                        let a = alo[i].add(b * 32) as *const i32;
-                        for (k, weights_k) in w.iter().enumerate() {
-                            integer = _mm256_dpbusd_epi32(
-                                integer,
-                                *weights_k,
-                                _mm256_set1_epi32(a.add(k).read_unaligned()),
-                            );
-                        }
+                        integer = block_dots(integer, &w, alo[i].add(b * 32) as *const i32);
                     } else {
-                        for (k, weights_k) in w.iter().enumerate() {
-                            integer = _mm256_dpbusd_epi32(
-                                integer,
-                                *weights_k,
-                                _mm256_set1_epi32(a.add(k).read_unaligned()),
-                            );
-                        }
+                        integer = block_dots(integer, &w, a);
                     }
                     // dot_scalar's chain: d * d_a * integer + min * s_a, then the running sum.
                     let scaled = _mm256_mul_ps(
@@ -577,5 +557,18 @@ mod x86 {
             unsafe { _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]) };
         }
         out
+    }
+
+    /// `acc` plus one block's dots of the eight weight steps `w` with the activation dwords
+    /// at `a` (32 bytes). SAFETY: AVX-512 VNNI and VL; `a` readable for 32 bytes.
+    #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn block_dots(mut acc: __m256i, w: &[__m256i; 8], a: *const i32) -> __m256i {
+        for (k, weights_k) in w.iter().enumerate() {
+            // SAFETY: `a` holds 8 dwords (the caller's contract).
+            let dword = unsafe { a.add(k).read_unaligned() };
+            acc = _mm256_dpbusd_epi32(acc, *weights_k, _mm256_set1_epi32(dword));
+        }
+        acc
     }
 }

@@ -62,16 +62,7 @@ impl Q8Rows {
 
     /// Like [`Q8Rows::quantize`], reusing this value's buffers.
     pub fn quantize_into(&mut self, x: &[f32], row_len: usize) -> Result<(), Q8Error> {
-        if row_len == 0 || !row_len.is_multiple_of(Q8_BLOCK) {
-            return Err(Q8Error::RowLength { row_len });
-        }
-        if !x.len().is_multiple_of(row_len) {
-            return Err(Q8Error::Shape {
-                len: x.len(),
-                row_len,
-            });
-        }
-        self.reset(x.len() / row_len, row_len)?;
+        self.reset(rows_of(x, row_len)?, row_len)?;
         for (((xs, qs), scale), sum) in x
             .chunks_exact(Q8_BLOCK)
             .zip(self.qs.chunks_exact_mut(Q8_BLOCK))
@@ -88,17 +79,8 @@ impl Q8Rows {
     /// Quantizes `x` (`[num_rows, row_len]` row-major f32) into Q15 rows (see the module
     /// docs) block by block: [`quantize_block_q15`], the portable reference.
     pub fn quantize_q15(x: &[f32], row_len: usize) -> Result<Q8Rows, Q8Error> {
-        if row_len == 0 || !row_len.is_multiple_of(Q8_BLOCK) {
-            return Err(Q8Error::RowLength { row_len });
-        }
-        if !x.len().is_multiple_of(row_len) {
-            return Err(Q8Error::Shape {
-                len: x.len(),
-                row_len,
-            });
-        }
         let mut rows = Q8Rows::default();
-        rows.reset_q15(x.len() / row_len, row_len)?;
+        rows.reset_q15(rows_of(x, row_len)?, row_len)?;
         let (hi, lo, scales, sums) = rows.parts_mut_q15();
         for ((((xs, hi), lo), scale), sum) in x
             .chunks_exact(Q8_BLOCK)
@@ -215,6 +197,20 @@ impl Q8Rows {
             }
         }
     }
+}
+
+/// The number of rows of `row_len` values in `x`, or why `x` is not such rows.
+fn rows_of(x: &[f32], row_len: usize) -> Result<usize, Q8Error> {
+    if row_len == 0 || !row_len.is_multiple_of(Q8_BLOCK) {
+        return Err(Q8Error::RowLength { row_len });
+    }
+    if !x.len().is_multiple_of(row_len) {
+        return Err(Q8Error::Shape {
+            len: x.len(),
+            row_len,
+        });
+    }
+    Ok(x.len() / row_len)
 }
 
 /// One block: returns `(d, d * sum(qs))` and writes `qs`. Written so LLVM vectorizes it.

@@ -208,31 +208,11 @@ pub(super) mod x86 {
                 };
                 if Q15 {
                     // 128 (u . hi), exact, then the `lo` dots on top.
-                    let mut high = _mm512_setzero_si512();
-                    for (k, weights_k) in w.iter().enumerate() {
-                        high = _mm512_dpbusd_epi32(
-                            high,
-                            *weights_k,
-                            _mm512_set1_epi32(a.add(k).read_unaligned()),
-                        );
-                    }
+                    let high = block_dots(_mm512_setzero_si512(), &w, a);
                     integer = _mm512_add_epi32(integer, _mm512_slli_epi32::<7>(high));
-                    let a = alo.add(b * 32) as *const i32;
-                    for (k, weights_k) in w.iter().enumerate() {
-                        integer = _mm512_dpbusd_epi32(
-                            integer,
-                            *weights_k,
-                            _mm512_set1_epi32(a.add(k).read_unaligned()),
-                        );
-                    }
+                    integer = block_dots(integer, &w, alo.add(b * 32) as *const i32);
                 } else {
-                    for (k, weights_k) in w.iter().enumerate() {
-                        integer = _mm512_dpbusd_epi32(
-                            integer,
-                            *weights_k,
-                            _mm512_set1_epi32(a.add(k).read_unaligned()),
-                        );
-                    }
+                    integer = block_dots(integer, &w, a);
                 }
                 // The 8-row kernel's chain: d * d_a * integer + min * s_a, then the sum.
                 let scaled = _mm512_mul_ps(
@@ -249,6 +229,19 @@ pub(super) mod x86 {
             _mm512_storeu_ps(out.as_mut_ptr(), acc);
             out
         }
+    }
+
+    /// `acc` plus one block's dots of the eight weight steps `w` (16 rows) with the
+    /// activation dwords at `a` (32 bytes). SAFETY: AVX-512 VNNI; `a` readable for 32 bytes.
+    #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn block_dots(mut acc: __m512i, w: &[__m512i; 8], a: *const i32) -> __m512i {
+        for (k, weights_k) in w.iter().enumerate() {
+            // SAFETY: `a` holds 8 dwords (the caller's contract).
+            let dword = unsafe { a.add(k).read_unaligned() };
+            acc = _mm512_dpbusd_epi32(acc, *weights_k, _mm512_set1_epi32(dword));
+        }
+        acc
     }
 
     /// 32 bytes at `low` and 32 at `high` as one 512-bit vector. SAFETY: AVX-512F (inlined

@@ -24,9 +24,11 @@
 pub mod int_matmul;
 pub mod kernels;
 pub mod shared;
+mod tasks;
 
 pub use kernels::{cpu_kernels_name, CpuKernelPolicy, CpuKernels, FfnDown};
 pub use shared::matmul_shared;
+pub(crate) use tasks::{by_row_tasks, by_row_tasks_in_place, Columns};
 
 use pagoda_tensor::quant::repack::repack;
 use pagoda_tensor::{quant, GgmlType, UnsupportedType};
@@ -534,37 +536,4 @@ impl Weight {
             local
         });
     }
-}
-
-/// Runs `task(rows)` for consecutive ranges of `rows_per_task` of the `n` output rows in
-/// parallel; each returns its dots token-major, `[num_tokens, rows]`, and the merge copies
-/// one contiguous run per (token, task) into `y` (`[num_tokens, n]`). The matmul paths whose
-/// tasks cover several tokens share it.
-pub(crate) fn by_row_tasks(
-    n: usize,
-    num_tokens: usize,
-    rows_per_task: usize,
-    y: &mut [f32],
-    task: impl Fn(std::ops::Range<usize>) -> Vec<f32> + Sync,
-) {
-    let tasks: Vec<(usize, Vec<f32>)> = (0..n)
-        .step_by(rows_per_task)
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .map(|row_start| {
-            let rows = row_start..(row_start + rows_per_task).min(n);
-            (row_start, task(rows))
-        })
-        .collect();
-    // Tokens outer, in parallel: each token's outputs are written contiguously.
-    y.par_chunks_exact_mut(n)
-        .enumerate()
-        .with_min_len(16)
-        .for_each(|(t, out)| {
-            for (row_start, by_token) in &tasks {
-                let rows = by_token.len() / num_tokens;
-                out[*row_start..row_start + rows]
-                    .copy_from_slice(&by_token[t * rows..(t + 1) * rows]);
-            }
-        });
 }

@@ -22,6 +22,8 @@
 //! [`dot_scalar`]: pagoda_tensor::quant::repack::dot_scalar
 
 use pagoda_tensor::quant::q8::Q8Rows;
+
+use crate::linear::Columns;
 use pagoda_tensor::quant::repack::{QuantWidth, RepackedRows, RowFactors};
 use rayon::prelude::*;
 
@@ -264,22 +266,11 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
         return;
     }
     // Prefill: two groups per task, all tokens, merged by `by_row_tasks`.
-    crate::linear::by_row_tasks(rows, tokens, 2 * GROUP, y, |range| {
-        // Token-major, `range.len()` values per token; a group's dots start at its column.
-        let width = range.len();
-        let mut local = vec![0f32; tokens * width];
-        for index in 0..width.div_ceil(GROUP) {
+    crate::linear::by_row_tasks_in_place(rows, tokens, 2 * GROUP, y, |range, out| {
+        for index in 0..range.len().div_ceil(GROUP) {
             let group = range.start / GROUP + index;
-            group_dots(
-                weights,
-                group,
-                activations,
-                &starts,
-                &mut local[index * GROUP..],
-                width,
-            );
+            group_dots(weights, group, activations, &starts, out, group * GROUP);
         }
-        local
     });
 }
 
@@ -340,7 +331,14 @@ pub fn decode_rows(
         }
         let end = (done + GROUP).min(out.len());
         let chunk = &mut out[done..end];
-        group_dots(weights, group, activations, starts, &mut lanes, GROUP);
+        group_dots(
+            weights,
+            group,
+            activations,
+            starts,
+            &mut Columns::all(&mut lanes, GROUP),
+            0,
+        );
         chunk.copy_from_slice(&lanes[..chunk.len()]);
         done += chunk.len();
     }
@@ -377,15 +375,15 @@ fn pair_dots(
     }
 }
 
-/// The dots of one group's rows with every token, `out[t * stride + lane]` for the group's
-/// rows inside the matrix (the last group's padding lanes are not written).
+/// The dots of one group's rows with every token, token `t`'s at `out`'s columns `col..`
+/// for the group's rows inside the matrix (the last group's padding lanes are not written).
 fn group_dots(
     weights: &Interleaved,
     group: usize,
     activations: &Q8Rows,
     starts: &[i32],
-    out: &mut [f32],
-    stride: usize,
+    out: &mut Columns,
+    col: usize,
 ) {
     let lanes = GROUP.min(weights.num_rows - group * GROUP);
     #[cfg(target_arch = "x86_64")]
@@ -402,18 +400,10 @@ fn group_dots(
             (false, true, true) => x86::group::<false, true, true>,
             (false, false, true) => x86::group::<false, false, true>,
         };
-        dots(
-            weights,
-            group,
-            activations,
-            starts,
-            &mut out[..],
-            stride,
-            lanes,
-        )
+        dots(weights, group, activations, starts, out, col, lanes)
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (weights, group, activations, starts, out, stride, lanes);
+    let _ = (weights, group, activations, starts, out, col, lanes);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -421,8 +411,8 @@ mod x86 {
     use super::*;
     use std::arch::x86_64::*;
 
-    /// The dots of group `group` with every token, `out[t * stride + lane]` for `lane <
-    /// lanes`: four tokens at a time, then one. SAFETY: AVX-512 VNNI, VL and F16C; `group` in
+    /// The dots of group `group` with every token, token `t`'s first `lanes` at `out`'s
+    /// columns `col..`: four tokens at a time, then one. SAFETY: AVX-512 VNNI, VL and F16C; `group` in
     /// range; `starts` empty (zero 0) or one per (token, block).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     pub(super) unsafe fn group<const NIBBLE: bool, const HALF: bool, const Q15: bool>(
@@ -430,8 +420,8 @@ mod x86 {
         group: usize,
         activations: &Q8Rows,
         starts: &[i32],
-        out: &mut [f32],
-        stride: usize,
+        out: &mut Columns,
+        col: usize,
         lanes: usize,
     ) {
         let tokens = activations.num_rows();
@@ -455,7 +445,7 @@ mod x86 {
                 }
             };
             for (i, values) in dots.iter().take(step).enumerate() {
-                out[(t + i) * stride..][..lanes].copy_from_slice(&values[..lanes]);
+                out.put(t + i, col, &values[..lanes]);
             }
             t += step;
         }

@@ -1,4 +1,5 @@
-//! `y = W x` with repacked weights and activations quantized once per call to Q8.
+//! `y = W x` with repacked weights and activations quantized once per call to Q8 (or Q15 for
+//! the interleaved kernels, see [`pagoda_tensor::quant::q8`]).
 //!
 //! Decode (one token) streams four weight rows at a time past the quantized activation row
 //! (`tile::<4, 1>`). Prefill splits the output rows into chunks of 16 per task and covers
@@ -97,7 +98,7 @@ fn quantize(isa: IntIsa, x: &[f32], k: usize, out: &mut Q8Rows, q15: bool) {
         out.reset(num_tokens, k)
     };
     sized.expect("in_features is a multiple of 32 for repacked weights");
-    let (qs, lo, scales, sums) = out.parts_mut_q15();
+    let (qs, lo, scales, sums) = out.parts_mut();
     let tokens_per_task = 16;
     if num_tokens <= tokens_per_task {
         quantize_slice(isa, x, qs, lo, scales, sums);

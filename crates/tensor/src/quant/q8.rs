@@ -81,7 +81,7 @@ impl Q8Rows {
     pub fn quantize_q15(x: &[f32], row_len: usize) -> Result<Q8Rows, Q8Error> {
         let mut rows = Q8Rows::default();
         rows.reset_q15(rows_of(x, row_len)?, row_len)?;
-        let (hi, lo, scales, sums) = rows.parts_mut_q15();
+        let (hi, lo, scales, sums) = rows.parts_mut();
         for ((((xs, hi), lo), scale), sum) in x
             .chunks_exact(Q8_BLOCK)
             .zip(hi.chunks_exact_mut(Q8_BLOCK))
@@ -116,7 +116,7 @@ impl Q8Rows {
     }
 
     /// Like [`Q8Rows::reset`], for Q15 rows (see the module docs): fill them with
-    /// [`Q8Rows::parts_mut_q15`] and [`quantize_block_q15`].
+    /// [`Q8Rows::parts_mut`] and [`quantize_block_q15`].
     pub fn reset_q15(&mut self, num_rows: usize, row_len: usize) -> Result<(), Q8Error> {
         self.reset(num_rows, row_len)?;
         self.lo.resize(num_rows * row_len, 0);
@@ -124,13 +124,9 @@ impl Q8Rows {
         Ok(())
     }
 
-    /// The buffers `(qs, scales, sums)`, for filling after [`Q8Rows::reset`].
-    pub fn parts_mut(&mut self) -> (&mut [i8], &mut [f32], &mut [f32]) {
-        (&mut self.qs, &mut self.scales, &mut self.sums)
-    }
-
-    /// The buffers `(hi, lo, scales, sums)`, for filling after [`Q8Rows::reset_q15`].
-    pub fn parts_mut_q15(&mut self) -> (&mut [i8], &mut [i8], &mut [f32], &mut [f32]) {
+    /// The buffers `(qs, lo, scales, sums)`, for filling after [`Q8Rows::reset`] (`lo` is
+    /// empty) or [`Q8Rows::reset_q15`] (`qs` is the `hi` plane).
+    pub fn parts_mut(&mut self) -> (&mut [i8], &mut [i8], &mut [f32], &mut [f32]) {
         (&mut self.qs, &mut self.lo, &mut self.scales, &mut self.sums)
     }
 

@@ -21,6 +21,7 @@
 //!
 //! [`dot_scalar`]: pagoda_tensor::quant::repack::dot_scalar
 
+use pagoda_tensor::quant::blocks::f16_bits_to_f32;
 use pagoda_tensor::quant::q8::Q8Rows;
 
 use crate::linear::Columns;
@@ -120,6 +121,7 @@ impl Interleaved {
     /// The weight bytes of block `block` of group `group` as stored (see the module docs):
     /// `4 k .. 4 k + 4` of step `k` for each of the 8 rows in turn, 4 steps of 32 bytes for
     /// nibbles (low nibbles values `4 k + j`, high nibbles `16 + 4 k + j`), 8 for bytes.
+    #[inline]
     pub fn block_weights(&self, group: usize, block: usize) -> &[u8] {
         let weight_bytes = if self.nibble { 128 } else { 256 };
         &self.record(group, block)[..weight_bytes]
@@ -127,6 +129,7 @@ impl Interleaved {
 
     /// The scales and mins of block `block` of group `group`'s 8 rows as f32 (a missing min
     /// is 0).
+    #[inline]
     pub fn block_factors(
         &self,
         group: usize,
@@ -136,23 +139,23 @@ impl Interleaved {
     ) {
         let record = self.record(group, block);
         let factors = &record[if self.nibble { 128 } else { 256 }..];
-        let factor_bytes = if self.half { 2 } else { 4 };
-        let factor = |index: usize| {
-            let bytes = &factors[index * factor_bytes..(index + 1) * factor_bytes];
-            if self.half {
-                pagoda_tensor::quant::blocks::f16_bits_to_f32(u16::from_le_bytes([
-                    bytes[0], bytes[1],
-                ]))
-            } else {
-                f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]])
+        // Plain loops, no closure: this runs per block of every AMX chunk.
+        if self.half {
+            let bits: &[[u8; 2]] = bytemuck::cast_slice(&factors[..4 * GROUP]);
+            for lane in 0..GROUP {
+                scales[lane] = f16_bits_to_f32(u16::from_le_bytes(bits[lane]));
+                mins[lane] = f16_bits_to_f32(u16::from_le_bytes(bits[GROUP + lane]));
             }
-        };
-        for lane in 0..GROUP {
-            scales[lane] = factor(lane);
-            mins[lane] = factor(GROUP + lane);
+        } else {
+            let words: &[[u8; 4]] = bytemuck::cast_slice(&factors[..8 * GROUP]);
+            for lane in 0..GROUP {
+                scales[lane] = f32::from_le_bytes(words[lane]);
+                mins[lane] = f32::from_le_bytes(words[GROUP + lane]);
+            }
         }
     }
 
+    #[inline]
     fn record(&self, group: usize, block: usize) -> &[u8] {
         assert!(
             group * GROUP < self.num_rows && block < self.blocks_per_row,

@@ -101,11 +101,23 @@ impl HardwareTiles {
         super::is_available().then_some(HardwareTiles { config: None })
     }
 
-    fn shape(&self, tile: usize) -> (usize, usize) {
+    /// The configuration [`TileUnit::configure`] validated (every slot's dot shapes).
+    #[inline(always)]
+    fn configured(&self) -> &TileConfig {
         self.config
             .as_ref()
             .expect("tile instruction before LDTILECFG")
-            .shape(tile)
+    }
+
+    /// Bytes a load of tile `tile` reads at `stride` (its shape was validated at configure).
+    #[inline(always)]
+    fn load_span(&self, tile: usize, stride: usize) -> usize {
+        let config = self.configured();
+        span(
+            config.rows[tile] as usize,
+            config.colsb[tile] as usize,
+            stride,
+        )
     }
 }
 
@@ -139,10 +151,11 @@ impl TileUnit for HardwareTiles {
         self.config = Some(*config);
     }
 
-    #[inline]
+    #[inline(always)]
     fn zero_c(&mut self, slot: usize) {
-        self.shape(TILE_C[slot]);
-        // SAFETY: AMX is permitted and the slot's C is configured (checked above).
+        self.configured();
+        // SAFETY: AMX is permitted and the slot's C is configured (`configure` validated every
+        // slot's shapes).
         unsafe {
             per_slot!(
                 slot,
@@ -153,11 +166,10 @@ impl TileUnit for HardwareTiles {
         };
     }
 
-    #[inline]
+    #[inline(always)]
     fn load_a(&mut self, slot: usize, src: &[u8], stride: usize) {
-        let (rows, colsb) = self.shape(TILE_A[slot]);
         assert!(
-            src.len() >= span(rows, colsb, stride),
+            src.len() >= self.load_span(TILE_A[slot], stride),
             "A tile source too short"
         );
         // SAFETY: the slot's A is configured as rows x colsb, and `src` holds the
@@ -174,11 +186,10 @@ impl TileUnit for HardwareTiles {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn load_b(&mut self, slot: usize, src: &[u8], stride: usize) {
-        let (rows, colsb) = self.shape(TILE_B[slot]);
         assert!(
-            src.len() >= span(rows, colsb, stride),
+            src.len() >= self.load_span(TILE_B[slot], stride),
             "B tile source too short"
         );
         // SAFETY: as `load_a`, for the slot's B.
@@ -194,14 +205,12 @@ impl TileUnit for HardwareTiles {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn dot_bsud(&mut self, slot: usize) {
-        self.config
-            .as_ref()
-            .expect("tile instruction before LDTILECFG")
-            .check_dot(TILE_C[slot], TILE_A[slot], TILE_B[slot]);
+        self.configured();
         // SAFETY: AMX-INT8 is present and permitted; the slot's three tiles are configured
-        // with compatible shapes (checked above), so the instruction cannot fault.
+        // with compatible shapes (`configure` checked every slot's dot), so the instruction
+        // cannot fault.
         unsafe {
             per_slot!(
                 slot,
@@ -212,10 +221,10 @@ impl TileUnit for HardwareTiles {
         };
     }
 
-    #[inline]
+    #[inline(always)]
     fn store_c(&mut self, slot: usize, dst: &mut CTile) {
         // A configured C has at most 16 rows of 64 bytes: within `dst` at stride 64.
-        self.shape(TILE_C[slot]);
+        self.configured();
         let stride = std::mem::size_of_val(&dst.0[0]);
         // SAFETY: the slot's C is configured (checked above) and `dst` holds 16 rows of 64
         // bytes, all a store of at most 16 x 64 at stride 64 writes.

@@ -46,6 +46,8 @@ pub struct Activations<'a> {
     /// Q15 rows: the `lo` plane's padded last tile (empty for Q8 rows).
     tail_lo: Vec<i8>,
     factors: Vec<TokenFactors>,
+    /// Whether the weights have a zero point (else every start is 0).
+    starts: bool,
 }
 
 /// One block's factors for the 16 tokens of a tile (zeros past the last token).
@@ -99,6 +101,7 @@ impl<'a> Activations<'a> {
             tail,
             tail_lo,
             factors,
+            starts: !starts.is_empty(),
         }
     }
 
@@ -130,6 +133,8 @@ struct WeightTiles {
 }
 
 impl WeightTiles {
+    /// Inlined into the hardware kernel's AVX-512 function, so the nibble split vectorizes.
+    #[inline(always)]
     fn new(weights: &Interleaved, chunk: usize) -> WeightTiles {
         let blocks = weights.blocks_per_row();
         let mut tiles = WeightTiles {
@@ -192,41 +197,47 @@ pub fn row_chunk<U: TileUnit>(
     );
     let row_len = activations.q8.row_len();
     let w = WeightTiles::new(weights, chunk);
-    let mut c: [CTile; SLOTS] = [CTile::default(), CTile::default()];
     unit.configure(&config());
-    let issue = |unit: &mut U, c: &mut [CTile; SLOTS], slot: usize, source: &[u8], block: usize| {
-        unit.zero_c(slot);
-        unit.load_a(slot, &source[block * BLOCK..], row_len);
-        unit.load_b(
-            slot,
-            &w.bytes[block * B_TILE..(block + 1) * B_TILE],
-            MAX_COLSB,
-        );
-        unit.dot_bsud(slot);
-        unit.store_c(slot, &mut c[slot]);
-    };
     let q15 = activations.q8.is_q15();
+    // The tile dots of one block in memory, `[Q8 or hi, lo]`, for blocks of each parity: the
+    // next block's dots are issued before this block's combine reads its own.
+    let mut c = [[CTile::default(); 2]; 2];
     for tile in 0..activations.tiles {
         let source = activations.tile_source(tile, false);
-        let mut acc = [[0f32; TILE_ROWS]; TILE_TOKENS];
-        if q15 {
-            // Per block, the `hi` dot in slot 0 and the `lo` dot in slot 1, then the step.
-            let lo = activations.tile_source(tile, true);
-            for block in 0..blocks {
-                issue(unit, &mut c, 0, source, block);
-                issue(unit, &mut c, 1, lo, block);
-                let tokens = &activations.factors[tile * blocks + block];
-                step::<U>(&mut acc, &c[0], Some(&c[1]), &w, block, tokens);
-            }
+        let lo = if q15 {
+            activations.tile_source(tile, true)
         } else {
-            issue(unit, &mut c, 0, source, 0);
-            for block in 0..blocks {
-                if block + 1 < blocks {
-                    issue(unit, &mut c, (block + 1) % SLOTS, source, block + 1);
-                }
-                let tokens = &activations.factors[tile * blocks + block];
-                step::<U>(&mut acc, &c[block % SLOTS], None, &w, block, tokens);
+            &[]
+        };
+        let mut acc = [[0f32; TILE_ROWS]; TILE_TOKENS];
+        let sources = BlockSources {
+            hi: source,
+            lo,
+            row_len,
+            weights: &w.bytes,
+        };
+        issue_block(unit, &sources, 0, &mut c[0]);
+        for block in 0..blocks {
+            let (even, odd) = c.split_at_mut(1);
+            let (current, next) = if block % 2 == 0 {
+                (&even[0], &mut odd[0])
+            } else {
+                (&odd[0], &mut even[0])
+            };
+            if block + 1 < blocks {
+                issue_block(unit, &sources, block + 1, next);
             }
+            let tokens = &activations.factors[tile * blocks + block];
+            let lo = q15.then_some(&current[1]);
+            step::<U>(
+                &mut acc,
+                &current[0],
+                lo,
+                &w,
+                block,
+                tokens,
+                activations.starts,
+            );
         }
         let first = tile * TILE_TOKENS;
         for (n, values) in acc.iter().take(tokens - first).enumerate() {
@@ -234,6 +245,56 @@ pub fn row_chunk<U: TileUnit>(
         }
     }
     unit.release();
+}
+
+/// Where one token tile's A loads and the chunk's B loads read.
+struct BlockSources<'a> {
+    /// The tile's Q8 rows (Q15 rows: the `hi` plane), 16 rows at stride `row_len`.
+    hi: &'a [u8],
+    /// Q15 rows: the `lo` plane's (empty for Q8 rows).
+    lo: &'a [u8],
+    row_len: usize,
+    /// The chunk's B tiles ([`WeightTiles::bytes`]).
+    weights: &'a [u8],
+}
+
+/// The tile dots of block `block` into `c`: Q8 rows one dot (slot of the block's parity, so
+/// consecutive blocks use different registers), Q15 rows the `hi` dot in slot 0 and the `lo`
+/// dot in slot 1.
+#[inline(always)]
+fn issue_block<U: TileUnit>(
+    unit: &mut U,
+    sources: &BlockSources,
+    block: usize,
+    c: &mut [CTile; 2],
+) {
+    let b = &sources.weights[block * B_TILE..(block + 1) * B_TILE];
+    let (at, stride) = (block * BLOCK, sources.row_len);
+    if sources.lo.is_empty() {
+        let slot = block % SLOTS;
+        issue(unit, slot, &sources.hi[at..], stride, b, &mut c[0]);
+    } else {
+        issue(unit, 0, &sources.hi[at..], stride, b, &mut c[0]);
+        issue(unit, 1, &sources.lo[at..], stride, b, &mut c[1]);
+    }
+}
+
+/// One tile dot in `slot`: C = 0, A from `a` (16 rows at `a_stride`), B from `b`, `TDPBSUD`,
+/// C stored to `c`.
+#[inline(always)]
+fn issue<U: TileUnit>(
+    unit: &mut U,
+    slot: usize,
+    a: &[u8],
+    a_stride: usize,
+    b: &[u8],
+    c: &mut CTile,
+) {
+    unit.zero_c(slot);
+    unit.load_a(slot, a, a_stride);
+    unit.load_b(slot, b, MAX_COLSB);
+    unit.dot_bsud(slot);
+    unit.store_c(slot, c);
 }
 
 /// Block `block`'s f32 step on the tile dot `c` (Q15: `c` of the `hi` plane and `lo` of the
@@ -246,10 +307,12 @@ fn step<U: TileUnit>(
     w: &WeightTiles,
     block: usize,
     tokens: &TokenFactors,
+    starts: bool,
 ) {
     let step = Step {
         c,
         lo,
+        starts,
         d: &w.scales[block],
         min: &w.mins[block],
         da: &tokens.scales,
@@ -274,6 +337,9 @@ struct Step<'a> {
     /// The rows' scales and mins.
     d: &'a [f32; TILE_ROWS],
     min: &'a [f32; TILE_ROWS],
+    /// Whether any start is non-zero (adding a zero start is exact, so skipping it keeps the
+    /// bits).
+    starts: bool,
     /// The tokens' scales, sums and integer starts.
     da: &'a [f32; TILE_TOKENS],
     sa: &'a [f32; TILE_TOKENS],
@@ -318,8 +384,10 @@ mod x86 {
                     let lo = _mm512_loadu_si512(lo.0[n].as_ptr() as *const __m512i);
                     ints = _mm512_add_epi32(_mm512_slli_epi32::<7>(ints), lo);
                 }
-                let start = _mm512_set1_epi32(step.start[n]);
-                let integer = _mm512_cvtepi32_ps(_mm512_add_epi32(ints, start));
+                if step.starts {
+                    ints = _mm512_add_epi32(ints, _mm512_set1_epi32(step.start[n]));
+                }
+                let integer = _mm512_cvtepi32_ps(ints);
                 let scale = _mm512_mul_ps(d, _mm512_set1_ps(step.da[n]));
                 let term = _mm512_add_ps(
                     _mm512_mul_ps(scale, integer),
@@ -371,7 +439,15 @@ mod tests {
                 let min: [f32; 16] = std::array::from_fn(|_| signed(next()));
                 let da: [f32; 16] = std::array::from_fn(|_| float(next()));
                 let sa: [f32; 16] = std::array::from_fn(|_| signed(next()));
-                let start: [i32; 16] = std::array::from_fn(|_| (next() % 100_000) as i32 - 50_000);
+                // Every other pair of rounds without a zero point: all starts 0, skipped.
+                let start: [i32; 16] = std::array::from_fn(|_| {
+                    let start = (next() % 100_000) as i32 - 50_000;
+                    if round % 4 < 2 {
+                        start
+                    } else {
+                        0
+                    }
+                });
                 let mut lo = CTile::default();
                 for row in &mut lo.0 {
                     for value in row.iter_mut() {
@@ -381,6 +457,7 @@ mod tests {
                 let step = Step {
                     c: &c,
                     lo: (round % 2 == 1).then_some(&lo),
+                    starts: start.iter().any(|&start| start != 0),
                     d: &d,
                     min: &min,
                     da: &da,

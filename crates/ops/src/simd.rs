@@ -11,6 +11,7 @@ pub mod f32_decode;
 pub mod f32_tile;
 pub mod int_dot;
 pub mod interleaved;
+pub mod prefetch;
 
 /// `sum_i a[i] * b[i]` over equal-length slices.
 #[inline]

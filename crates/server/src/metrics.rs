@@ -554,6 +554,21 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
+            "# HELP pagoda_cpu_prefetch_matmuls_total Integer matmuls (or shared decode regions) \
+             of the interleaved kernels run with software prefetch of the weights \
+             (PAGODA_CPU_PREFETCH).\n\
+             # TYPE pagoda_cpu_prefetch_matmuls_total counter\npagoda_cpu_prefetch_matmuls_total {}",
+            pagoda_ops::simd::prefetch::prefetched_matmul_count()
+        );
+        let _ = writeln!(
+            out,
+            "# HELP pagoda_cpu_prefetch_bytes How far ahead of the weight stream the integer \
+             kernels prefetch (0: off; PAGODA_CPU_PREFETCH).\n\
+             # TYPE pagoda_cpu_prefetch_bytes gauge\npagoda_cpu_prefetch_bytes {}",
+            pagoda_ops::simd::prefetch::distance()
+        );
+        let _ = writeln!(
+            out,
             "# HELP pagoda_cpu_silu_polynomial_calls_total SiLU x up calls run with the vector \
              polynomial exp (PAGODA_CPU_SILU=polynomial).\n\
              # TYPE pagoda_cpu_silu_polynomial_calls_total counter\n\

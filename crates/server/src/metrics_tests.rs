@@ -77,6 +77,17 @@ fn gauges_follow_the_snapshot() {
         wide_decodes.parse::<u64>().unwrap(),
         pagoda_ops::simd::interleaved::wide_decode_count()
     );
+    let prefetched = text
+        .lines()
+        .find_map(|line| line.strip_prefix("pagoda_cpu_prefetch_matmuls_total "))
+        .expect("the prefetch counter line");
+    assert!(
+        prefetched.parse::<u64>().unwrap() <= pagoda_ops::simd::prefetch::prefetched_matmul_count()
+    );
+    assert!(text.contains(&format!(
+        "\npagoda_cpu_prefetch_bytes {}\n",
+        pagoda_ops::simd::prefetch::distance()
+    )));
     let silu = text
         .lines()
         .find_map(|line| line.strip_prefix("pagoda_cpu_silu_polynomial_calls_total "))

@@ -195,6 +195,10 @@ struct Report {
     /// count of decode matmuls (or shared regions) that ran 16 rows per register.
     int_decode: String,
     int_wide_decodes: u64,
+    /// How far ahead the integer kernels prefetch the weights (`PAGODA_CPU_PREFETCH`, 0: off)
+    /// and how many matmuls (or shared decode regions) ran with it.
+    prefetch_bytes: usize,
+    prefetched_matmuls: u64,
     batch: usize,
     load_before: String,
     load_after: String,
@@ -378,6 +382,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .name()
             .to_string(),
         int_wide_decodes: pagoda_ops::simd::interleaved::wide_decode_count(),
+        prefetch_bytes: pagoda_ops::simd::prefetch::distance(),
+        prefetched_matmuls: pagoda_ops::simd::prefetch::prefetched_matmul_count(),
         batch: max_batch,
         load_before,
         load_after: load_average(),

@@ -72,6 +72,7 @@ pub fn matmul_shared(x: &[f32], num_tokens: usize, outputs: &mut [(&Weight, &mut
             )
         }) {
             interleaved::count_wide_decode();
+            crate::simd::prefetch::count_matmul();
         }
         // The interleaved kernels' block starts, one list per weight, computed once.
         let starts: Vec<Vec<i32>> = outputs

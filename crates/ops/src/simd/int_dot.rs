@@ -381,9 +381,18 @@ mod x86 {
                 let mut acc = [[_mm256_setzero_ps(); T]; R];
                 let has_zero = weights.zero() != 0;
                 let zero = _mm256_set1_epi8(weights.zero() as u8 as i8);
+                // Each row's weights are a stream of `block_bytes` per block: one prefetch
+                // per row and 64-byte line (`crate::simd::prefetch`).
+                let ahead = crate::simd::prefetch::distance();
+                let block_bytes = if NIBBLE { 16 } else { 32 };
                 for b in 0..blocks {
                     // SAFETY: b < blocks, and every row holds `blocks` blocks and scales.
                     unsafe {
+                        if ahead > 0 && (b * block_bytes) % 64 == 0 {
+                            for row in wq {
+                                crate::simd::prefetch::lines(row.add(b * block_bytes), ahead, 64);
+                            }
+                        }
                         let w: [__m256i; R] =
                             std::array::from_fn(|r| load_weights::<NIBBLE>(wq[r], b));
                         let dw: [__m256; R] =

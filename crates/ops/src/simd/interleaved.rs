@@ -256,6 +256,7 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
         "y must be [num_tokens, out_features]"
     );
     let starts = block_starts(weights, activations);
+    crate::simd::prefetch::count_matmul();
     if tokens == 1 {
         // Decode: each task writes its rows straight into `y` (whole pairs of groups).
         wide::count_decode();
@@ -491,11 +492,15 @@ mod x86 {
         let has_zero = !starts.is_empty();
         let mut acc = [_mm256_setzero_ps(); T];
         let low = _mm256_set1_epi8(0x0F);
+        let ahead = crate::simd::prefetch::distance();
         for b in 0..blocks {
             // SAFETY: the (group, block) record holds `stride` bytes; activation rows hold
             // `blocks` blocks of 32 bytes, scales and sums.
             unsafe {
                 let record = base.add(b * stride);
+                if ahead > 0 {
+                    crate::simd::prefetch::lines(record, ahead, stride);
+                }
                 let mut w = [_mm256_setzero_si256(); 8];
                 if NIBBLE {
                     for k in 0..4 {

@@ -22,8 +22,15 @@ pub(super) fn print_report(report: &Report, json: bool) -> Result<()> {
         report.int_wide_decodes
     );
     println!(
-        "weights: {} | threads: {} | attention: {} | load before: {} | load after: {}",
-        report.precision, report.threads, report.attention, report.load_before, report.load_after
+        "weights: {} | threads: {} | attention: {} | prefetch: {} bytes ahead ({} matmuls) | \
+         load before: {} | load after: {}",
+        report.precision,
+        report.threads,
+        report.attention,
+        report.prefetch_bytes,
+        report.prefetched_matmuls,
+        report.load_before,
+        report.load_after
     );
     println!(
         "| test | tok/s (median) | min | max | runs | step ms | GB/s read | steps split-kv/gather |"

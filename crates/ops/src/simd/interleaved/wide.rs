@@ -172,8 +172,13 @@ pub(super) mod x86 {
             let second = first.add(blocks * stride);
             let mut acc = _mm512_setzero_ps();
             let low = _mm512_set1_epi8(0x0F);
+            let ahead = crate::simd::prefetch::distance();
             for b in 0..blocks {
                 let (r0, r1) = (first.add(b * stride), second.add(b * stride));
+                if ahead > 0 {
+                    crate::simd::prefetch::lines(r0, ahead, stride);
+                    crate::simd::prefetch::lines(r1, ahead, stride);
+                }
                 let mut w = [_mm512_setzero_si512(); 8];
                 if NIBBLE {
                     for k in 0..4 {

@@ -25,9 +25,10 @@
 //! The tile instructions are `#[inline(always)]` wrappers whose shapes were checked once at
 //! `LDTILECFG`, and the per-dot code is a plain function inlined into the AVX-512 kernel: a
 //! closure there stayed an out-of-line call with a shape check per dot; inlining it cut the
-//! AMX `gate_up` time by 10-38% in six alternating rounds on the Xeon host (same bits). Decode and batches below [`AMX_MIN_TOKENS`] run the
-//! interleaved VNNI kernel, with the same bits, so a request's logits do not depend on the
-//! batch it ran in.
+//! AMX `gate_up` time by 10-38% in six alternating rounds on the Xeon host (same bits).
+//!
+//! Decode and batches below [`AMX_MIN_TOKENS`] run the interleaved VNNI kernel, with the same
+//! bits, so a request's logits do not depend on the batch it ran in.
 //!
 //! [`TileBackend::Emulated`] runs the same loops on a plain-Rust model of the tile
 //! registers ([`tiles::EmulatedTiles`]), so the layout, the edge tiles and the combine are

@@ -48,10 +48,14 @@ pub mod tiles;
 
 /// Fewest activation rows (tokens) for which the `amx` set uses the AMX tiles; fewer rows
 /// (decode, small batches) run the interleaved VNNI kernel, which gives the same bits.
-/// Measured on the GPU machine's host (Xeon, 1 and 2 threads, the default model's shapes):
-/// AMX is 0.32-0.93x `vnni8` at 16-32 tokens, 0.75-1.21x at 64, 0.86-1.46x at 128 and
-/// 1.37-1.70x at 512 (`docs/benchmark_results/cpu-amx-blocks-h200host-2026-11-30.md`).
-pub const AMX_MIN_TOKENS: usize = 128;
+/// Measured on the GPU machine's host (Xeon, 2 threads, the default model's shapes) with the
+/// inlined tile code: AMX is 0.5-1.4x `vnni8` at 16 tokens, 0.6-1.6x at 32 (below 1 for the
+/// smaller shapes), 1.1-1.9x at 64 (0.7-1.1x for `[192 x 576]`) and 1.1-2.5x at 128. End
+/// to end, 64 against 128: pp96 +19-33% and pp64 -6% to +12% in four alternating rounds; 32
+/// made pp32 12-29% slower
+/// (`docs/benchmark_results/cpu-prefetch-epyc-h200host-2026-12-01.md`; 128 before:
+/// `cpu-amx-blocks-h200host-2026-11-30.md`).
+pub const AMX_MIN_TOKENS: usize = 64;
 
 /// Where the tile instructions run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,80 @@
+//! The process-wide CPU kernel choices and counters of `/metrics` (`pagoda_cpu_kernels_info`
+//! through `pagoda_cpu_attention_kernel_info`): read from `pagoda_ops`, not from the engine.
+
+use std::fmt::Write;
+
+/// Appends the CPU kernel lines to `out`.
+pub(super) fn render(out: &mut String) {
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_kernels_info The CPU matmul kernel set in use (PAGODA_CPU_KERNELS).\n\
+         # TYPE pagoda_cpu_kernels_info gauge\npagoda_cpu_kernels_info{{set=\"{}\"}} 1",
+        pagoda_ops::linear::cpu_kernels_name()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_amx_matmuls_total Integer matmuls run on the AMX-INT8 tiles \
+         (PAGODA_CPU_KERNELS=amx).\n\
+         # TYPE pagoda_cpu_amx_matmuls_total counter\npagoda_cpu_amx_matmuls_total {}",
+        pagoda_ops::simd::amx::hardware_matmul_count()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_q15_matmuls_total Integer matmuls run on Q15 activations \
+         (PAGODA_CPU_KERNELS=...+q15_ffn_down).\n\
+         # TYPE pagoda_cpu_q15_matmuls_total counter\npagoda_cpu_q15_matmuls_total {}",
+        pagoda_ops::linear::int_matmul::q15_matmul_count()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_f32_wide_matmuls_total Matmuls of 1-8 tokens on f32 activations run \
+         eight rows at a time (PAGODA_CPU_F32_DECODE=avx512|avx2).\n\
+         # TYPE pagoda_cpu_f32_wide_matmuls_total counter\npagoda_cpu_f32_wide_matmuls_total {}",
+        pagoda_ops::simd::f32_decode::wide_matmul_count()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_f32_pair_matmuls_total f32 prefill matmuls run with two tokens \
+         per 512-bit register (PAGODA_CPU_F32_DECODE=avx512).\n\
+         # TYPE pagoda_cpu_f32_pair_matmuls_total counter\npagoda_cpu_f32_pair_matmuls_total {}",
+        pagoda_ops::simd::f32_tile::pair_matmul_count()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_int_wide_decodes_total One-token integer matmuls (or shared decode \
+         regions) run sixteen rows per 512-bit register (PAGODA_CPU_INT_DECODE=avx512).\n\
+         # TYPE pagoda_cpu_int_wide_decodes_total counter\npagoda_cpu_int_wide_decodes_total {}",
+        pagoda_ops::simd::interleaved::wide_decode_count()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_prefetch_matmuls_total Integer matmuls (or shared decode regions) \
+         of the interleaved kernels run with software prefetch of the weights \
+         (PAGODA_CPU_PREFETCH).\n\
+         # TYPE pagoda_cpu_prefetch_matmuls_total counter\npagoda_cpu_prefetch_matmuls_total {}",
+        pagoda_ops::simd::prefetch::prefetched_matmul_count()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_prefetch_bytes How far ahead of the weight stream the integer \
+         kernels prefetch (0: off; PAGODA_CPU_PREFETCH).\n\
+         # TYPE pagoda_cpu_prefetch_bytes gauge\npagoda_cpu_prefetch_bytes {}",
+        pagoda_ops::simd::prefetch::distance()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_silu_polynomial_calls_total SiLU x up calls run with the vector \
+         polynomial exp (PAGODA_CPU_SILU=polynomial).\n\
+         # TYPE pagoda_cpu_silu_polynomial_calls_total counter\n\
+         pagoda_cpu_silu_polynomial_calls_total {}",
+        pagoda_ops::activation::silu_polynomial_calls()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_attention_kernel_info The CPU attention kernel in use \
+         (PAGODA_CPU_ATTENTION).\n\
+         # TYPE pagoda_cpu_attention_kernel_info gauge\n\
+         pagoda_cpu_attention_kernel_info{{kernel=\"{}\"}} 1",
+        pagoda_ops::attention::AttentionKernel::selected().name()
+    );
+}

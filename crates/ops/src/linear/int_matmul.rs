@@ -53,6 +53,9 @@ impl IntRows {
                     !activations.is_q15(),
                     "per-row integer kernels take Q8 rows"
                 );
+                if isa != IntIsa::Scalar {
+                    crate::simd::prefetch::count_matmul();
+                }
                 matmul(isa, rows, activations, y)
             }
             IntRows::Interleaved(rows) => {

@@ -12,6 +12,7 @@ use rayon::prelude::*;
 
 use super::int_matmul::{self, decode_rows, decode_rows_per_task, IntRows};
 use super::{Storage, Weight};
+use crate::simd::int_dot::IntIsa;
 use crate::simd::interleaved;
 
 /// `y = W x` for each `(W, y)` of `outputs`, all with the input `x` (`[num_tokens,
@@ -72,6 +73,9 @@ pub fn matmul_shared(x: &[f32], num_tokens: usize, outputs: &mut [(&Weight, &mut
             )
         }) {
             interleaved::count_wide_decode();
+        }
+        // Every SIMD kernel of the region prefetches (the scalar per-row one does not).
+        if isa != IntIsa::Scalar {
             crate::simd::prefetch::count_matmul();
         }
         // The interleaved kernels' block starts, one list per weight, computed once.

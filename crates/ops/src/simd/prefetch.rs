@@ -65,8 +65,9 @@ pub fn distance() -> usize {
     })
 }
 
-/// Integer matmuls (or shared decode regions) that ran with prefetch, since the process
-/// started.
+/// Integer matmuls (or shared decode regions) on a SIMD kernel that prefetches (`vnni8`,
+/// and the per-row `vnni`/`avx2` sets; the scalar set does not), since the process started,
+/// counted while prefetch is on.
 pub fn prefetched_matmul_count() -> u64 {
     PREFETCHED.load(Ordering::Relaxed)
 }

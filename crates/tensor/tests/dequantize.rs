@@ -18,6 +18,8 @@ const SUPPORTED: &[GgmlType] = &[
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
@@ -125,7 +127,7 @@ fn dot_row_matches_f64_dot_of_numpy_values() {
 #[test]
 fn unsupported_types_are_reported_not_decoded() {
     for ty in [
-        GgmlType::Q5_0,
+        GgmlType::Q3K,
         GgmlType::Q2K,
         GgmlType::I32,
         GgmlType::Other(39),

@@ -211,7 +211,8 @@ fn upload_tensor_into<T: HostFloat>(
         GgmlType::Q4K => Some(QuantFormat::Q4K),
         GgmlType::Q5K => Some(QuantFormat::Q5K),
         GgmlType::Q6K => Some(QuantFormat::Q6K),
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => None,
+        // No GPU dequantizer: decoded on the CPU (bit-exact) and uploaded as floats.
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q5_0 | GgmlType::Q5_1 => None,
         other => {
             return Err(LoadError(format!(
                 "tensor {name} has type {other}, which the CUDA backend cannot load yet"

@@ -374,6 +374,8 @@ mod x86 {
                 GgmlType::Q8_0 => return by_blocks_q8_0(rows, x),
                 GgmlType::Q4_0 => return by_blocks_q4_0(rows, x),
                 GgmlType::Q4_1 => return by_blocks_q4_1(rows, x),
+                GgmlType::Q5_0 => return by_blocks_q5_0(rows, x),
+                GgmlType::Q5_1 => return by_blocks_q5_1(rows, x),
                 GgmlType::Q4K => return by_blocks_q4_k(rows, x),
                 GgmlType::Q5K => return by_blocks_q5_k(rows, x),
                 GgmlType::Q6K => return by_blocks_q6_k(rows, x),
@@ -442,6 +444,8 @@ mod x86 {
     by_blocks_fn!(by_blocks_q8_0, b::q8_0, b::Q8_0_BYTES, b::QK);
     by_blocks_fn!(by_blocks_q4_0, b::q4_0, b::Q4_0_BYTES, b::QK);
     by_blocks_fn!(by_blocks_q4_1, b::q4_1, b::Q4_1_BYTES, b::QK);
+    by_blocks_fn!(by_blocks_q5_0, b::q5_0, b::Q5_0_BYTES, b::QK);
+    by_blocks_fn!(by_blocks_q5_1, b::q5_1, b::Q5_1_BYTES, b::QK);
     by_blocks_fn!(by_blocks_q4_k, b::q4_k, b::Q4_K_BYTES, b::QK_K);
     by_blocks_fn!(by_blocks_q5_k, b::q5_k, b::Q5_K_BYTES, b::QK_K);
     by_blocks_fn!(by_blocks_q6_k, b::q6_k, b::Q6_K_BYTES, b::QK_K);

@@ -29,9 +29,11 @@ pub fn assert_f64_dots(what: &str, y: &[f32], weights: &[f32], activations: &[f3
 }
 
 /// The weight types with repacked integer kernels.
-pub const REPACKED: [GgmlType; 5] = [
+pub const REPACKED: [GgmlType; 7] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
     GgmlType::Q8_0,
     GgmlType::Q4K,
     GgmlType::Q5K,
@@ -80,6 +82,19 @@ pub fn random_rows(
                     scale(rng, true)
                 });
                 out.extend(bytes(16, rng));
+            }
+            GgmlType::Q5_0 => {
+                out.extend(scale(rng, true));
+                out.extend(bytes(20, rng));
+            }
+            GgmlType::Q5_1 => {
+                out.extend(scale(rng, false));
+                out.extend(if unit_scales {
+                    f16(0.0)
+                } else {
+                    scale(rng, true)
+                });
+                out.extend(bytes(20, rng));
             }
             GgmlType::Q8_0 => {
                 out.extend(scale(rng, true));

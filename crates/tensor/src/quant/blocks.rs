@@ -10,6 +10,10 @@ pub const QK: usize = 32;
 /// Values per super-block of the K-quants (`QK_K`).
 pub const QK_K: usize = 256;
 
+/// Bytes per Q5_0 block.
+pub const Q5_0_BYTES: usize = 22;
+/// Bytes per Q5_1 block.
+pub const Q5_1_BYTES: usize = 24;
 /// Bytes per Q8_0 block.
 pub const Q8_0_BYTES: usize = 34;
 /// Bytes per Q4_0 block.
@@ -82,6 +86,45 @@ pub fn q4_1(block: &[u8; Q4_1_BYTES], out: &mut [f32; QK]) {
         let q = block[4 + j];
         low[j] = (q & 0x0F) as f32 * d + m;
         high[j] = (q >> 4) as f32 * d + m;
+    }
+}
+
+/// The 5-bit values of a Q5_0/Q5_1 block from its 4 `qh` bytes (little-endian u32) and 16
+/// `qs` bytes: value `j < 16` is `qs[j] & 15` with bit `j` of `qh` as bit 4, value `16 + j`
+/// is `qs[j] >> 4` with bit `j + 16`.
+#[inline(always)]
+pub fn q5_values(qh: &[u8], qs: &[u8]) -> [u8; QK] {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    std::array::from_fn(|i| {
+        let j = i % (QK / 2);
+        if i < QK / 2 {
+            (qs[j] & 0x0F) | ((((qh >> j) << 4) & 0x10) as u8)
+        } else {
+            (qs[j] >> 4) | (((qh >> (j + 12)) & 0x10) as u8)
+        }
+    })
+}
+
+/// `block_q5_0 { f16 d; u8 qh[4]; u8 qs[16]; }`: `y = (q - 16) * d` with the 5-bit `q` of
+/// [`q5_values`].
+#[inline(always)]
+pub fn q5_0(block: &[u8; Q5_0_BYTES], out: &mut [f32; QK]) {
+    let d = f16_at(block, 0);
+    let q = q5_values(&block[2..6], &block[6..]);
+    for (value, &q) in out.iter_mut().zip(&q) {
+        *value = (q as i32 - 16) as f32 * d;
+    }
+}
+
+/// `block_q5_1 { f16 d; f16 m; u8 qh[4]; u8 qs[16]; }`: `y = q * d + m` (multiply rounded,
+/// then add).
+#[inline(always)]
+pub fn q5_1(block: &[u8; Q5_1_BYTES], out: &mut [f32; QK]) {
+    let d = f16_at(block, 0);
+    let m = f16_at(block, 2);
+    let q = q5_values(&block[4..8], &block[8..]);
+    for (value, &q) in out.iter_mut().zip(&q) {
+        *value = q as f32 * d + m;
     }
 }
 

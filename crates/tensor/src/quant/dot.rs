@@ -4,8 +4,8 @@
 //! only the summation order differs from a sequential dot of the dequantized row.
 
 use super::blocks::{
-    f16_at, scale_min_k4, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_0_BYTES,
-    QK, QK_K,
+    f16_at, q5_values, scale_min_k4, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q5_1_BYTES,
+    Q5_K_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK, QK_K,
 };
 
 const HALF: usize = QK / 2;
@@ -55,6 +55,40 @@ pub fn q4_0(row: &[u8], x: &[f32]) -> f32 {
             let q = block[2 + j];
             let low = ((q & 0x0F) as i32 - 8) as f32 * d;
             let high = ((q >> 4) as i32 - 8) as f32 * d;
+            lanes[j] += low * xs[j] + high * xs[HALF + j];
+        }
+    }
+    lanes_sum(&lanes)
+}
+
+/// `row` holds whole Q5_0 blocks for `x.len()` values (checked by the caller).
+#[inline(always)]
+pub fn q5_0(row: &[u8], x: &[f32]) -> f32 {
+    let mut lanes = [0f32; HALF];
+    for (block, xs) in row.chunks_exact(Q5_0_BYTES).zip(x.chunks_exact(QK)) {
+        let xs: &[f32; QK] = xs.try_into().unwrap();
+        let d = f16_at(block, 0);
+        let q = q5_values(&block[2..6], &block[6..]);
+        for j in 0..HALF {
+            let low = (q[j] as i32 - 16) as f32 * d;
+            let high = (q[HALF + j] as i32 - 16) as f32 * d;
+            lanes[j] += low * xs[j] + high * xs[HALF + j];
+        }
+    }
+    lanes_sum(&lanes)
+}
+
+/// `row` holds whole Q5_1 blocks for `x.len()` values (checked by the caller).
+#[inline(always)]
+pub fn q5_1(row: &[u8], x: &[f32]) -> f32 {
+    let mut lanes = [0f32; HALF];
+    for (block, xs) in row.chunks_exact(Q5_1_BYTES).zip(x.chunks_exact(QK)) {
+        let xs: &[f32; QK] = xs.try_into().unwrap();
+        let (d, m) = (f16_at(block, 0), f16_at(block, 2));
+        let q = q5_values(&block[4..8], &block[8..]);
+        for j in 0..HALF {
+            let low = q[j] as f32 * d + m;
+            let high = q[HALF + j] as f32 * d + m;
             lanes[j] += low * xs[j] + high * xs[HALF + j];
         }
     }

@@ -9,6 +9,8 @@
 //! | --- | --- | --- | --- | --- | --- |
 //! | Q4_0 | nibble | `q` (0..16) | 8 | 0 | f16 |
 //! | Q4_1 | nibble | `q` | 0 | `m` | f16 |
+//! | Q5_0 | byte | 5-bit `q` | 16 | 0 | f16 |
+//! | Q5_1 | byte | 5-bit `q` | 0 | `m` | f16 |
 //! | Q8_0 | byte | `q + 128` | 128 | 0 | f16 |
 //! | Q4_K | nibble | `q` of one sub-block | 0 | `-(dmin * min)`, `d = d * scale` | f32 |
 //! | Q5_K | byte | 5-bit `q` of one sub-block | 0 | as Q4_K | f32 |
@@ -18,15 +20,15 @@
 //! block (what `vpdpbusd` computes) minus the exact integer `zero * sum(qa)`. Nibble blocks
 //! keep 16 bytes (`u[j] | u[j + 16] << 4`, the Q4_0 order), byte blocks 32. Scales and mins
 //! live in their own arrays; formats whose min is always 0 (Q4_0, Q8_0) keep no mins array.
-//! Where the stored factors are IEEE halves (Q4_0, Q4_1, Q8_0) they stay halves
+//! Where the stored factors are IEEE halves (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) they stay halves
 //! ([`RowFactors::Half`]), so a repacked Q4_1 row is exactly as many bytes as the stored one
 //! (decode streams the weights from memory: bytes are time); the K-quants' products
 //! `d * scale` are not halves in general and are kept as f32 ([`RowFactors::Single`]).
 //! Q6_K (one scale per 16 values) has no repacked form: [`repack`] returns `None` for it.
 
 use super::blocks::{
-    f16_at, f16_bits_to_f32, scale_min_k4, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_K_BYTES,
-    Q8_0_BYTES, QK, QK_K,
+    f16_at, f16_bits_to_f32, q5_values, scale_min_k4, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES,
+    Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q8_0_BYTES, QK, QK_K,
 };
 use super::q8::Q8Rows;
 use crate::GgmlType;
@@ -72,7 +74,7 @@ enum Factors {
 /// when the format has no mins (every min is 0).
 #[derive(Debug, Clone, Copy)]
 pub enum RowFactors<'a> {
-    /// Half-precision bits (Q4_0, Q4_1, Q8_0).
+    /// Half-precision bits (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
     Half {
         /// `d` of each block.
         scales: &'a [u16],
@@ -122,7 +124,8 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
         GgmlType::Q4_0 => (QuantWidth::Nibble, 8),
         GgmlType::Q4_1 | GgmlType::Q4K => (QuantWidth::Nibble, 0),
         GgmlType::Q8_0 => (QuantWidth::Byte, 128),
-        GgmlType::Q5K => (QuantWidth::Byte, 0),
+        GgmlType::Q5_0 => (QuantWidth::Byte, 16),
+        GgmlType::Q5_1 | GgmlType::Q5K => (QuantWidth::Byte, 0),
         _ => return None,
     };
     let row_bytes = ty.bytes_for(row_len)?;
@@ -197,6 +200,19 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
                     }
                 });
                 push(&u, d, min);
+            }
+        }
+        GgmlType::Q5_0 => {
+            for block in bytes.chunks_exact(Q5_0_BYTES) {
+                let u = q5_values(&block[2..6], &block[6..]);
+                push(&u, Factor::Half(half_at(block, 0)), Factor::Half(0));
+            }
+        }
+        GgmlType::Q5_1 => {
+            for block in bytes.chunks_exact(Q5_1_BYTES) {
+                let u = q5_values(&block[4..8], &block[8..]);
+                let (d, m) = (half_at(block, 0), half_at(block, 2));
+                push(&u, Factor::Half(d), Factor::Half(m));
             }
         }
         GgmlType::Q8_0 => {
@@ -281,7 +297,8 @@ impl RepackedRows {
         let n = self.blocks_per_row * self.width.bytes_per_block();
         &self.qs[row * n..(row + 1) * n]
     }
-    /// Whether the format has per-block mins (Q4_1, Q4_K, Q5_K); without them every min is 0.
+    /// Whether the format has per-block mins (Q4_1, Q5_1, Q4_K, Q5_K); without them every min
+    /// is 0.
     pub fn has_mins(&self) -> bool {
         match &self.factors {
             Factors::Half { mins, .. } => !mins.is_empty(),

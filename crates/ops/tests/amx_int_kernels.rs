@@ -27,7 +27,7 @@ const TOKENS: [usize; 6] = [1, 2, 15, 16, 17, 100];
 /// `(out_features, in_features)`: rows below, at and past 8, 16 and 32 (half and whole A
 /// tiles, a partial last interleaved group); 1 to 16 blocks.
 fn shapes(ty: GgmlType) -> Vec<(usize, usize)> {
-    if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
         vec![(1, 256), (15, 256), (17, 512), (40, 256)]
     } else {
         vec![
@@ -72,7 +72,8 @@ struct Case {
 fn cases(seed: u64) -> Vec<Case> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut out = Vec::new();
-    for ty in REPACKED {
+    // Sub-scaled weights (Q6_K) have no AMX kernel: `sub_scaled_weights_are_declined`.
+    for ty in REPACKED.into_iter().filter(|&ty| ty != GgmlType::Q6K) {
         for (rows, cols) in shapes(ty) {
             let stored = random_rows(ty, rows, cols, &mut rng, false);
             let weights = repack(ty, rows, cols, &stored).unwrap();
@@ -248,14 +249,31 @@ fn weight_matmul_with_the_amx_set_equals_vnni8() {
                 );
             }
             if amx::is_available() {
+                // Sub-scaled weights fall back to vnni8.
                 assert_eq!(
                     used_amx,
-                    num_tokens >= AMX_MIN_TOKENS,
+                    num_tokens >= AMX_MIN_TOKENS && ty != GgmlType::Q6K,
                     "{ty} tokens {num_tokens}"
                 );
             }
         }
     }
+}
+
+/// The tiles decline weights with sub-scales (Q6_K) before touching `y`; `Weight::matmul`
+/// then runs vnni8 (`weight_matmul_with_the_amx_set_equals_vnni8`).
+#[test]
+fn sub_scaled_weights_are_declined() {
+    let mut rng = ChaCha8Rng::seed_from_u64(16);
+    let stored = random_rows(GgmlType::Q6K, 4, 256, &mut rng, false);
+    let weights = Interleaved::new(&repack(GgmlType::Q6K, 4, 256, &stored).unwrap());
+    let activations = Q8Rows::quantize(&random_activations(3, 256, &mut rng), 256).unwrap();
+    let mut y = vec![7f32; 12];
+    assert_eq!(
+        amx::matmul(TileBackend::Emulated, &weights, &activations, &mut y),
+        Err(AmxError::SubScales)
+    );
+    assert!(y.iter().all(|&v| v == 7.0), "y written");
 }
 
 #[test]

@@ -59,6 +59,15 @@ fn random_rows(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> 
                         out.extend(signed_scale(rng));
                         out.extend(bytes(32, rng));
                     }
+                    GgmlType::Q5_0 => {
+                        out.extend(signed_scale(rng));
+                        out.extend(bytes(20, rng));
+                    }
+                    GgmlType::Q5_1 => {
+                        out.extend(scale(rng));
+                        out.extend(signed_scale(rng));
+                        out.extend(bytes(20, rng));
+                    }
                     GgmlType::Q4K | GgmlType::Q5K => {
                         out.extend(scale(rng));
                         out.extend(scale(rng));
@@ -159,6 +168,8 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
         (GgmlType::Q4_1, 576),
         (GgmlType::Q4_1, 544),
         (GgmlType::Q8_0, 544),
+        (GgmlType::Q5_0, 544),
+        (GgmlType::Q5_1, 576),
         (GgmlType::Q4K, 768),
         (GgmlType::Q5K, 512),
         (GgmlType::Q6K, 512),

@@ -6,7 +6,7 @@
 //! region per weight. Each output element is computed by exactly the chain
 //! [`Weight::matmul`] uses for it (the same tiles, the same per-(row, token) recipe), so the
 //! results are bit-identical to separate calls; weights that do not share one integer
-//! instruction set (f32 kernels, exact mode, Q6_K, F32) simply run their own matmul.
+//! instruction set (f32 kernels, exact mode, F32) simply run their own matmul.
 
 use rayon::prelude::*;
 

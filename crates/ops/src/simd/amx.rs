@@ -72,6 +72,10 @@ pub enum AmxError {
     /// The hardware backend was asked for on a CPU or OS without AMX-INT8.
     #[error("AMX-INT8 is not available (needs CPUID amx_tile + amx_int8 and Linux XTILEDATA permission)")]
     NotAvailable,
+    /// The weights have sub-scales (Q6_K), which these tiles do not take: the interleaved
+    /// VNNI kernel runs them.
+    #[error("weights with sub-scales (Q6_K) have no AMX kernel")]
+    SubScales,
     /// Weight and activation rows differ in length.
     #[error("weight rows have {weights} blocks, activation rows {activations}")]
     BlockMismatch {
@@ -114,7 +118,7 @@ pub fn hardware_matmul_count() -> u64 {
 
 /// `y[t, r] = dot(weights[r], activations[t])` (`y` is `[num_tokens, out_features]`,
 /// overwritten), bit-identical to [`crate::simd::interleaved::matmul`]. Weight rows are split
-/// into tasks of 16 (one A tile) run in parallel. Fails, writing nothing, on a shape mismatch
+/// into tasks of 16 (one A tile) run in parallel. Fails, writing nothing, on weights with sub-scales, a shape mismatch
 /// or when `backend` is [`TileBackend::Hardware`] and [`is_available`] is false.
 pub fn matmul(
     backend: TileBackend,
@@ -129,6 +133,9 @@ pub fn matmul(
             weights: weights.blocks_per_row(),
             activations: activations.blocks_per_row(),
         });
+    }
+    if weights.has_sub_scales() {
+        return Err(AmxError::SubScales);
     }
     if y.len() != n * num_tokens {
         return Err(AmxError::OutputSize {

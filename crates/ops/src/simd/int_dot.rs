@@ -18,6 +18,10 @@
 //! (`x86::tile_vnni_pairs` with `T = 1`) prefetch the same bytes 16 rows on and those rows'
 //! factors; a prefetch changes no value.
 //!
+//! Weights with sub-scales (Q6_K: bytes, half factors) multiply each block's integer lanes
+//! by the sub-scale of the half each lane covers (`vpmulld`) before the conversion; they run
+//! the byte tiles (`tile_vnni` also at one token) or the AVX2 ones.
+//!
 //! Batch invariance: every (row, token) pair of a tile runs the same chain whatever `R` and
 //! `T` are (its own accumulator, blocks in order, `fma(integer * s_a, s_w, acc)`, the same
 //! horizontal sum, then the min term), so `tile::<4, 4>` and `tile::<1, 1>` agree bit for
@@ -99,6 +103,31 @@ pub fn tile<const R: usize, const T: usize>(
             let nibble = weights.width() == QuantWidth::Nibble;
             let half = weights.has_half_factors();
             let pairs = nibble && weights.blocks_per_row().is_multiple_of(2);
+            if weights.has_sub_scales() {
+                assert!(
+                    !nibble && half,
+                    "sub-scales come with byte values, half factors"
+                );
+                // SAFETY: as below; the rows hold byte blocks with half factors and
+                // sub-scales.
+                return unsafe {
+                    if isa == IntIsa::Vnni {
+                        x86::tile_vnni::<R, T, false, true, true>(
+                            weights,
+                            rows,
+                            activations,
+                            tokens,
+                        )
+                    } else {
+                        x86::tile_avx2::<R, T, false, true, true>(
+                            weights,
+                            rows,
+                            activations,
+                            tokens,
+                        )
+                    }
+                };
+            }
             macro_rules! run {
                 ($half:literal) => {
                     // SAFETY: the CPU has the features (checked above); indices were checked,
@@ -112,7 +141,7 @@ pub fn tile<const R: usize, const T: usize>(
                                 activations,
                                 tokens,
                             ),
-                            (IntIsa::Vnni, true) => x86::tile_vnni::<R, T, true, $half>(
+                            (IntIsa::Vnni, true) => x86::tile_vnni::<R, T, true, $half, false>(
                                 weights,
                                 rows,
                                 activations,
@@ -127,19 +156,19 @@ pub fn tile<const R: usize, const T: usize>(
                                 );
                                 std::array::from_fn(|r| std::array::from_fn(|_| dots[r]))
                             }
-                            (IntIsa::Vnni, false) => x86::tile_vnni::<R, T, false, $half>(
+                            (IntIsa::Vnni, false) => x86::tile_vnni::<R, T, false, $half, false>(
                                 weights,
                                 rows,
                                 activations,
                                 tokens,
                             ),
-                            (_, true) => x86::tile_avx2::<R, T, true, $half>(
+                            (_, true) => x86::tile_avx2::<R, T, true, $half, false>(
                                 weights,
                                 rows,
                                 activations,
                                 tokens,
                             ),
-                            (_, false) => x86::tile_avx2::<R, T, false, $half>(
+                            (_, false) => x86::tile_avx2::<R, T, false, $half, false>(
                                 weights,
                                 rows,
                                 activations,
@@ -283,15 +312,34 @@ mod x86 {
         }
     }
 
+    /// The block's integer lanes (lane `i`: values `4 i .. 4 i + 4`), each times `sub`'s lane
+    /// with `SUB` (`sub`: the half's sub-scale per lane, [`sub_lanes`]).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn idot_vnni<const NIBBLE: bool>(
+    unsafe fn idot_vnni<const NIBBLE: bool, const SUB: bool>(
         start: __m256i,
         w: __m256i,
         a: __m256i,
         _a16: [__m256i; 2],
+        sub: __m256i,
     ) -> __m256i {
-        _mm256_dpbusd_epi32(start, w, a)
+        let dot = _mm256_dpbusd_epi32(start, w, a);
+        if SUB {
+            _mm256_mullo_epi32(dot, sub)
+        } else {
+            dot
+        }
+    }
+
+    /// The two sub-scales at `subs[2 block..]` as lanes: the first in lanes 0..4 (values
+    /// 0..16 of the block), the second in lanes 4..8. SAFETY (caller): in range, AVX2.
+    #[inline(always)]
+    unsafe fn sub_lanes(subs: *const u8, block: usize) -> __m256i {
+        unsafe {
+            let pair = (subs as *const u16).add(block).read_unaligned();
+            let both = _mm256_cvtepi8_epi32(_mm_cvtsi32_si128(pair as i32));
+            _mm256_permutevar8x32_epi32(both, _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0))
+        }
     }
 
     /// `-zero * (sum of each 4 activation bytes)` per i32 lane.
@@ -315,14 +363,28 @@ mod x86 {
         )
     }
 
+    /// The block's integer lanes (each product counted once; `start`'s lane `i` covers
+    /// values `4 i .. 4 i + 4`), with `SUB` each product times its half's sub-scale (`sub`
+    /// as [`sub_lanes`] gives it).
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn idot_avx2<const NIBBLE: bool>(
+    unsafe fn idot_avx2<const NIBBLE: bool, const SUB: bool>(
         start: __m256i,
         w: __m256i,
         a: __m256i,
         a16: [__m256i; 2],
+        sub: __m256i,
     ) -> __m256i {
+        if SUB {
+            // Bytes: the low 16 values (first half) and the high 16 apart.
+            let first = _mm256_permutevar8x32_epi32(sub, _mm256_setzero_si256());
+            let second = _mm256_permutevar8x32_epi32(sub, _mm256_set1_epi32(4));
+            let w_low = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(w));
+            let w_high = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(w, 1));
+            let low = _mm256_mullo_epi32(_mm256_madd_epi16(w_low, a16[0]), first);
+            let high = _mm256_mullo_epi32(_mm256_madd_epi16(w_high, a16[1]), second);
+            return _mm256_add_epi32(_mm256_mullo_epi32(start, sub), _mm256_add_epi32(low, high));
+        }
         let dot = if NIBBLE {
             // u <= 15, so the i16 pair sums of vpmaddubsw cannot saturate.
             _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1))
@@ -364,6 +426,7 @@ mod x86 {
                 const T: usize,
                 const NIBBLE: bool,
                 const HALF: bool,
+                const SUB: bool,
             >(
                 weights: &RepackedRows,
                 rows: [usize; R],
@@ -374,6 +437,8 @@ mod x86 {
                 let wq: [*const u8; R] = std::array::from_fn(|r| weights.row_qs(rows[r]).as_ptr());
                 let factors: [(*const u8, *const u8); R] =
                     std::array::from_fn(|r| factor_ptrs::<HALF>(weights, rows[r]));
+                let subs: [*const u8; R] =
+                    std::array::from_fn(|r| weights.sub_scales(rows[r]).as_ptr() as *const u8);
                 let aq: [*const i8; T] =
                     std::array::from_fn(|t| activations.row_qs(tokens[t]).as_ptr());
                 let ad: [*const f32; T] =
@@ -397,6 +462,12 @@ mod x86 {
                             std::array::from_fn(|r| load_weights::<NIBBLE>(wq[r], b));
                         let dw: [__m256; R] =
                             std::array::from_fn(|r| broadcast_factor::<HALF>(factors[r].0, b));
+                        let mut sub = [_mm256_setzero_si256(); R];
+                        if SUB {
+                            for r in 0..R {
+                                sub[r] = sub_lanes(subs[r], b);
+                            }
+                        }
                         for t in 0..T {
                             let a = _mm256_loadu_si256(aq[t].add(b * 32) as *const __m256i);
                             let a16 = $widen(a);
@@ -407,8 +478,9 @@ mod x86 {
                             };
                             let da = _mm256_broadcast_ss(&*ad[t].add(b));
                             for r in 0..R {
-                                let integer =
-                                    _mm256_cvtepi32_ps($idot::<NIBBLE>(start, w[r], a, a16));
+                                let integer = _mm256_cvtepi32_ps($idot::<NIBBLE, SUB>(
+                                    start, w[r], a, a16, sub[r],
+                                ));
                                 acc[r][t] =
                                     _mm256_fmadd_ps(_mm256_mul_ps(integer, da), dw[r], acc[r][t]);
                             }

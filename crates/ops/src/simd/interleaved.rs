@@ -11,13 +11,16 @@
 //! activation dword `k` and high nibbles dword `k + 4`. Byte blocks: 8 steps of 32 bytes.
 //! After the weights, the block's 8 scales then 8 mins (f16 bits or f32, as stored; formats
 //! without mins store zeros, 2 bytes more per Q4_0 or Q8_0 block than the repacked rows).
+//! Formats with sub-scales (Q6_K, see [`pagoda_tensor::quant::repack`]) have no mins: their
+//! 16 bytes hold the 8 rows' first-half sub-scales, then their second-half ones (i8).
 //!
 //! Numerics: each (row, token) pair computes exactly [`dot_scalar`]'s chain: per block the
 //! exact integer `sum (u - zero) qa`, then `total += d * d_a * integer + min * s_a` in f32,
 //! blocks in order, no fused multiply-add. So the result equals the scalar kernel bit for bit,
 //! whatever the tile shape. Q15 activation rows ([`pagoda_tensor::quant::q8`]) run the dots
 //! twice per block, `128 (u . hi)` then `+ (u . lo)` on top: the same exact integer as the
-//! scalar kernel's.
+//! scalar kernel's. With sub-scales, steps 0..4 (values 0..16) and 4..8 accumulate apart,
+//! each from its own start, and the block integer is `s0 * first + s1 * second` (`vpmulld`).
 //!
 //! [`dot_scalar`]: pagoda_tensor::quant::repack::dot_scalar
 
@@ -40,6 +43,8 @@ pub const GROUP: usize = 8;
 pub struct Interleaved {
     nibble: bool,
     half: bool,
+    /// Whether the min slots hold sub-scales (see the module docs).
+    sub: bool,
     zero: i32,
     num_rows: usize,
     blocks_per_row: usize,
@@ -53,6 +58,8 @@ impl Interleaved {
     pub fn new(weights: &RepackedRows) -> Interleaved {
         let nibble = weights.width() == QuantWidth::Nibble;
         let half = weights.has_half_factors();
+        let sub = weights.has_sub_scales();
+        assert!(!sub || half, "sub-scales come with half factors");
         let block_bytes = weights.width().bytes_per_block();
         let factor_bytes = if half { 2 } else { 4 };
         let stride = GROUP * block_bytes + 2 * GROUP * factor_bytes;
@@ -67,6 +74,7 @@ impl Interleaved {
                     let row = group * GROUP + lane;
                     let qs = weights.row_qs(row);
                     let factors = weights.row_factors(row);
+                    let subs = weights.sub_scales(row);
                     for (block, record) in records.chunks_exact_mut(stride).enumerate() {
                         let bytes = &qs[block * block_bytes..(block + 1) * block_bytes];
                         for (step, chunk) in bytes.chunks_exact(4).enumerate() {
@@ -78,13 +86,22 @@ impl Interleaved {
                         let min_at = scale_at + GROUP * factor_bytes;
                         record[scale_at..scale_at + factor_bytes]
                             .copy_from_slice(&scale[..factor_bytes]);
-                        record[min_at..min_at + factor_bytes].copy_from_slice(&min[..factor_bytes]);
+                        if sub {
+                            let [s0, s1] = subs[block];
+                            let at = GROUP * block_bytes + GROUP * factor_bytes + lane;
+                            record[at] = s0 as u8;
+                            record[at + GROUP] = s1 as u8;
+                        } else {
+                            record[min_at..min_at + factor_bytes]
+                                .copy_from_slice(&min[..factor_bytes]);
+                        }
                     }
                 }
             });
         Interleaved {
             nibble,
             half,
+            sub,
             zero: weights.zero(),
             num_rows,
             blocks_per_row: blocks,
@@ -118,6 +135,23 @@ impl Interleaved {
         self.nibble
     }
 
+    /// Whether the blocks have sub-scales (Q6_K; [`Interleaved::block_sub_scales`]).
+    pub fn has_sub_scales(&self) -> bool {
+        self.sub
+    }
+
+    /// The sub-scales of block `block` of group `group`'s 8 rows: `[half][lane]` (zeros
+    /// without sub-scales).
+    #[inline]
+    pub fn block_sub_scales(&self, group: usize, block: usize) -> [[i8; GROUP]; 2] {
+        if !self.sub {
+            return [[0; GROUP]; 2];
+        }
+        let record = self.record(group, block);
+        let at = if self.nibble { 128 } else { 256 } + 2 * GROUP;
+        std::array::from_fn(|h| std::array::from_fn(|lane| record[at + h * GROUP + lane] as i8))
+    }
+
     /// The weight bytes of block `block` of group `group` as stored (see the module docs):
     /// `4 k .. 4 k + 4` of step `k` for each of the 8 rows in turn, 4 steps of 32 bytes for
     /// nibbles (low nibbles values `4 k + j`, high nibbles `16 + 4 k + j`), 8 for bytes.
@@ -144,7 +178,12 @@ impl Interleaved {
             let bits: &[[u8; 2]] = bytemuck::cast_slice(&factors[..4 * GROUP]);
             for lane in 0..GROUP {
                 scales[lane] = f16_bits_to_f32(u16::from_le_bytes(bits[lane]));
-                mins[lane] = f16_bits_to_f32(u16::from_le_bytes(bits[GROUP + lane]));
+                // The min slots of sub-scaled formats hold the sub-scales: no mins.
+                mins[lane] = if self.sub {
+                    0.0
+                } else {
+                    f16_bits_to_f32(u16::from_le_bytes(bits[GROUP + lane]))
+                };
             }
         } else {
             let words: &[[u8; 4]] = bytemuck::cast_slice(&factors[..8 * GROUP]);
@@ -195,7 +234,8 @@ impl Interleaved {
     }
 
     /// Decodes row `row` into `out` (`blocks_per_row * 32` values), bit-exactly as
-    /// [`RepackedRows::dequantize_row`] does: `(u - zero) * d + min` per value.
+    /// [`RepackedRows::dequantize_row`] does: `(u - zero) * d + min` per value, or
+    /// `(d * s) * (u - zero)` with sub-scales.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         assert!(row < self.num_rows, "row out of range");
         let (group, lane) = (row / GROUP, row % GROUP);
@@ -204,7 +244,15 @@ impl Interleaved {
         for (block, out) in out.chunks_exact_mut(32).enumerate() {
             self.unpack_block(group, block, &mut values, &mut scales, &mut mins);
             let (d, min) = (scales[lane], mins[lane]);
-            for (value, &u) in out.iter_mut().zip(&values[32 * lane..32 * lane + 32]) {
+            let u = &values[32 * lane..32 * lane + 32];
+            if self.sub {
+                let subs = self.block_sub_scales(group, block);
+                for (i, (value, &u)) in out.iter_mut().zip(u).enumerate() {
+                    *value = (d * subs[i / 16][lane] as f32) * (u as i32 - self.zero) as f32;
+                }
+                continue;
+            }
+            for (value, &u) in out.iter_mut().zip(u) {
                 *value = (u as i32 - self.zero) as f32 * d + min;
             }
         }
@@ -280,24 +328,26 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
 
 /// `-zero * sum(q)` per (token, block) of `activations` (Q15: `q = 128 hi + lo`): the exact
 /// integer start of each block's dot (empty when the format's zero is 0); in parallel over
-/// tokens for prefills.
+/// tokens for prefills. With sub-scales, one start per half block (16 values): two per
+/// (token, block).
 pub fn block_starts(weights: &Interleaved, activations: &Q8Rows) -> Vec<i32> {
     if weights.zero == 0 {
         return Vec::new();
     }
-    let mut starts = vec![0i32; activations.qs().len() / 32];
+    let span = if weights.sub { 16 } else { 32 };
+    let mut starts = vec![0i32; activations.qs().len() / span];
     let sum = |qa: &[i8]| qa.iter().map(|&q| q as i32).sum::<i32>();
     if activations.is_q15() {
         starts
             .par_iter_mut()
-            .zip(activations.qs().par_chunks_exact(32))
-            .zip(activations.lo().par_chunks_exact(32))
+            .zip(activations.qs().par_chunks_exact(span))
+            .zip(activations.lo().par_chunks_exact(span))
             .with_min_len(1024)
             .for_each(|((start, hi), lo)| *start = -weights.zero * (128 * sum(hi) + sum(lo)));
     } else {
         starts
             .par_iter_mut()
-            .zip(activations.qs().par_chunks_exact(32))
+            .zip(activations.qs().par_chunks_exact(span))
             .with_min_len(1024)
             .for_each(|(start, qa)| *start = -weights.zero * sum(qa));
     }
@@ -360,15 +410,19 @@ fn pair_dots(
     // SAFETY: `decode_rows` checked the features; both groups are in range, and `starts` is
     // empty or holds one start per block of the single token.
     unsafe {
-        let dots = match (weights.nibble, weights.half, activations.is_q15()) {
-            (true, true, false) => wide::x86::pair::<true, true, false>,
-            (true, false, false) => wide::x86::pair::<true, false, false>,
-            (false, true, false) => wide::x86::pair::<false, true, false>,
-            (false, false, false) => wide::x86::pair::<false, false, false>,
-            (true, true, true) => wide::x86::pair::<true, true, true>,
-            (true, false, true) => wide::x86::pair::<true, false, true>,
-            (false, true, true) => wide::x86::pair::<false, true, true>,
-            (false, false, true) => wide::x86::pair::<false, false, true>,
+        let q15 = activations.is_q15();
+        let dots = match (weights.nibble, weights.half, q15, weights.sub) {
+            (false, true, false, true) => wide::x86::pair::<false, true, false, true>,
+            (false, true, true, true) => wide::x86::pair::<false, true, true, true>,
+            (_, _, _, true) => unreachable!("sub-scales come with byte values, half factors"),
+            (true, true, false, _) => wide::x86::pair::<true, true, false, false>,
+            (true, false, false, _) => wide::x86::pair::<true, false, false, false>,
+            (false, true, false, _) => wide::x86::pair::<false, true, false, false>,
+            (false, false, false, _) => wide::x86::pair::<false, false, false, false>,
+            (true, true, true, _) => wide::x86::pair::<true, true, true, false>,
+            (true, false, true, _) => wide::x86::pair::<true, false, true, false>,
+            (false, true, true, _) => wide::x86::pair::<false, true, true, false>,
+            (false, false, true, _) => wide::x86::pair::<false, false, true, false>,
         };
         dots(weights, group, activations, starts)
     }
@@ -394,15 +448,19 @@ fn group_dots(
     // SAFETY: `matmul` checked the features; the group is in range, and `starts` is empty
     // or holds one start per (token, block).
     unsafe {
-        let dots = match (weights.nibble, weights.half, activations.is_q15()) {
-            (true, true, false) => x86::group::<true, true, false>,
-            (true, false, false) => x86::group::<true, false, false>,
-            (false, true, false) => x86::group::<false, true, false>,
-            (false, false, false) => x86::group::<false, false, false>,
-            (true, true, true) => x86::group::<true, true, true>,
-            (true, false, true) => x86::group::<true, false, true>,
-            (false, true, true) => x86::group::<false, true, true>,
-            (false, false, true) => x86::group::<false, false, true>,
+        let q15 = activations.is_q15();
+        let dots = match (weights.nibble, weights.half, q15, weights.sub) {
+            (false, true, false, true) => x86::group::<false, true, false, true>,
+            (false, true, true, true) => x86::group::<false, true, true, true>,
+            (_, _, _, true) => unreachable!("sub-scales come with byte values, half factors"),
+            (true, true, false, _) => x86::group::<true, true, false, false>,
+            (true, false, false, _) => x86::group::<true, false, false, false>,
+            (false, true, false, _) => x86::group::<false, true, false, false>,
+            (false, false, false, _) => x86::group::<false, false, false, false>,
+            (true, true, true, _) => x86::group::<true, true, true, false>,
+            (true, false, true, _) => x86::group::<true, false, true, false>,
+            (false, true, true, _) => x86::group::<false, true, true, false>,
+            (false, false, true, _) => x86::group::<false, false, true, false>,
         };
         dots(weights, group, activations, starts, out, col, lanes)
     }
@@ -419,7 +477,12 @@ mod x86 {
     /// columns `col..`: four tokens at a time, then one. SAFETY: AVX-512 VNNI, VL and F16C; `group` in
     /// range; `starts` empty (zero 0) or one per (token, block).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub(super) unsafe fn group<const NIBBLE: bool, const HALF: bool, const Q15: bool>(
+    pub(super) unsafe fn group<
+        const NIBBLE: bool,
+        const HALF: bool,
+        const Q15: bool,
+        const SUB: bool,
+    >(
         weights: &Interleaved,
         group: usize,
         activations: &Q8Rows,
@@ -435,7 +498,7 @@ mod x86 {
             // SAFETY: as for this function; the tokens are in range.
             let dots: [[f32; GROUP]; 4] = unsafe {
                 if step == 4 {
-                    tile::<4, NIBBLE, HALF, Q15>(
+                    tile::<4, NIBBLE, HALF, Q15, SUB>(
                         weights,
                         group,
                         activations,
@@ -444,7 +507,7 @@ mod x86 {
                     )
                 } else {
                     let one =
-                        tile::<1, NIBBLE, HALF, Q15>(weights, group, activations, starts, [t]);
+                        tile::<1, NIBBLE, HALF, Q15, SUB>(weights, group, activations, starts, [t]);
                     [one[0]; 4]
                 }
             };
@@ -460,7 +523,13 @@ mod x86 {
     /// (token, block).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn tile<const T: usize, const NIBBLE: bool, const HALF: bool, const Q15: bool>(
+    unsafe fn tile<
+        const T: usize,
+        const NIBBLE: bool,
+        const HALF: bool,
+        const Q15: bool,
+        const SUB: bool,
+    >(
         weights: &Interleaved,
         group: usize,
         activations: &Q8Rows,
@@ -514,7 +583,13 @@ mod x86 {
                     }
                 }
                 let factors = record.add(weight_bytes);
-                let (d, m) = if HALF {
+                let (d, m) = if SUB {
+                    // No mins: the slot holds the sub-scales.
+                    (
+                        _mm256_cvtph_ps(_mm_loadu_si128(factors as *const __m128i)),
+                        _mm256_setzero_ps(),
+                    )
+                } else if HALF {
                     (
                         _mm256_cvtph_ps(_mm_loadu_si128(factors as *const __m128i)),
                         _mm256_cvtph_ps(_mm_loadu_si128(factors.add(16) as *const __m128i)),
@@ -525,8 +600,57 @@ mod x86 {
                         _mm256_loadu_ps(factors.add(factor_bytes) as *const f32),
                     )
                 };
+                let subs = if SUB {
+                    [
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64(factors.add(16) as *const __m128i)),
+                        _mm256_cvtepi8_epi32(_mm_loadl_epi64(factors.add(24) as *const __m128i)),
+                    ]
+                } else {
+                    [_mm256_setzero_si256(); 2]
+                };
                 for i in 0..T {
                     let a = aq[i].add(b * 32) as *const i32;
+                    if SUB {
+                        // Each half from its own start; then s0 * first + s1 * second.
+                        let at = 2 * (tokens[i] * blocks + b);
+                        let mut halves = if has_zero {
+                            [
+                                _mm256_set1_epi32(*starts.get_unchecked(at)),
+                                _mm256_set1_epi32(*starts.get_unchecked(at + 1)),
+                            ]
+                        } else {
+                            [_mm256_setzero_si256(); 2]
+                        };
+                        if Q15 {
+                            let high = half_dots(&w, a);
+                            let low = half_dots(&w, alo[i].add(b * 32) as *const i32);
+                            for h in 0..2 {
+                                halves[h] = _mm256_add_epi32(
+                                    _mm256_add_epi32(halves[h], _mm256_slli_epi32::<7>(high[h])),
+                                    low[h],
+                                );
+                            }
+                        } else {
+                            let dots = half_dots(&w, a);
+                            for h in 0..2 {
+                                halves[h] = _mm256_add_epi32(halves[h], dots[h]);
+                            }
+                        }
+                        let integer = _mm256_add_epi32(
+                            _mm256_mullo_epi32(halves[0], subs[0]),
+                            _mm256_mullo_epi32(halves[1], subs[1]),
+                        );
+                        let scaled = _mm256_mul_ps(
+                            _mm256_mul_ps(d, _mm256_set1_ps(*ad[i].get_unchecked(b))),
+                            _mm256_cvtepi32_ps(integer),
+                        );
+                        let term = _mm256_add_ps(
+                            scaled,
+                            _mm256_mul_ps(m, _mm256_set1_ps(*sa[i].get_unchecked(b))),
+                        );
+                        acc[i] = _mm256_add_ps(acc[i], term);
+                        continue;
+                    }
                     let mut integer = if has_zero {
                         _mm256_set1_epi32(*starts.get_unchecked(tokens[i] * blocks + b))
                     } else {
@@ -559,6 +683,22 @@ mod x86 {
             unsafe { _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]) };
         }
         out
+    }
+
+    /// One block's dots of the weight steps `w` with the activation dwords at `a`, the two
+    /// halves apart: steps 0..4 (values 0..16), then 4..8. SAFETY: AVX-512 VNNI and VL; `a`
+    /// readable for 32 bytes.
+    #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn half_dots(w: &[__m256i; 8], a: *const i32) -> [__m256i; 2] {
+        let mut halves = [_mm256_setzero_si256(); 2];
+        for (k, weights_k) in w.iter().enumerate() {
+            // SAFETY: `a` holds 8 dwords (the caller's contract).
+            let dword = unsafe { a.add(k).read_unaligned() };
+            halves[k / 4] =
+                _mm256_dpbusd_epi32(halves[k / 4], *weights_k, _mm256_set1_epi32(dword));
+        }
+        halves
     }
 
     /// `acc` plus one block's dots of the eight weight steps `w` with the activation dwords

@@ -29,7 +29,7 @@ pub fn assert_f64_dots(what: &str, y: &[f32], weights: &[f32], activations: &[f3
 }
 
 /// The weight types with repacked integer kernels.
-pub const REPACKED: [GgmlType; 7] = [
+pub const REPACKED: [GgmlType; 8] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
@@ -37,6 +37,7 @@ pub const REPACKED: [GgmlType; 7] = [
     GgmlType::Q8_0,
     GgmlType::Q4K,
     GgmlType::Q5K,
+    GgmlType::Q6K,
 ];
 
 pub fn f16(value: f32) -> [u8; 2] {
@@ -117,7 +118,13 @@ pub fn random_rows(
                 out.extend(bytes(rest, rng));
             }
             GgmlType::Q6K => {
-                out.extend(bytes(208, rng));
+                out.extend(bytes(192, rng));
+                if unit_scales {
+                    out.extend([1u8; 16]);
+                } else {
+                    // Sub-scales across the whole i8 range, -128 included.
+                    out.extend(bytes(16, rng));
+                }
                 out.extend(scale(rng, false));
             }
             _ => unreachable!(),

@@ -24,11 +24,18 @@
 //! ([`RowFactors::Half`]), so a repacked Q4_1 row is exactly as many bytes as the stored one
 //! (decode streams the weights from memory: bytes are time); the K-quants' products
 //! `d * scale` are not halves in general and are kept as f32 ([`RowFactors::Single`]).
-//! Q6_K (one scale per 16 values) has no repacked form: [`repack`] returns `None` for it.
+//!
+//! Q6_K has one signed 8-bit scale per 16 values under the super-block's f16 `d`: its blocks
+//! of 32 are bytes `u = q` (6 bits) with `zero` 32, the scale `d` (f16 bits, no mins) and
+//! the two integer **sub-scales** `s0, s1` of the block's halves ([`RepackedRows::sub_scales`]).
+//! The value is `(d * s) * (u - 32)`, as ggml computes it, and the block's integer part
+//! becomes `s0 (u - zero) . qa[0..16] + s1 (u - zero) . qa[16..32]`, still exact in i32
+//! (also for Q15 rows: at most `2 * 16 * 32 * 128 * 16256 < 2^31`), so the float chain after
+//! it is unchanged.
 
 use super::blocks::{
     f16_at, f16_bits_to_f32, q5_values, scale_min_k4, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES,
-    Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q8_0_BYTES, QK, QK_K,
+    Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK, QK_K,
 };
 use super::q8::Q8Rows;
 use crate::GgmlType;
@@ -61,6 +68,8 @@ pub struct RepackedRows {
     blocks_per_row: usize,
     qs: Vec<u8>,
     factors: Factors,
+    /// Per block, the integer scales of its two 16-value halves (Q6_K), or empty.
+    sub_scales: Vec<[i8; 2]>,
 }
 
 /// Per-block scales and mins of every row (`mins` empty for formats whose min is 0).
@@ -118,7 +127,7 @@ impl RowFactors<'_> {
 
 /// Repacks `num_rows` stored rows of `row_len` values of type `ty` (`bytes` holds exactly
 /// `num_rows * ty.bytes_for(row_len)` bytes). Returns `None` when `ty` has no repacked form
-/// (F32, F16, BF16, Q6_K, anything not dequantizable) or the byte count does not match.
+/// (F32, F16, BF16, anything not dequantizable) or the byte count does not match.
 pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Option<RepackedRows> {
     let (width, zero) = match ty {
         GgmlType::Q4_0 => (QuantWidth::Nibble, 8),
@@ -126,6 +135,7 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
         GgmlType::Q8_0 => (QuantWidth::Byte, 128),
         GgmlType::Q5_0 => (QuantWidth::Byte, 16),
         GgmlType::Q5_1 | GgmlType::Q5K => (QuantWidth::Byte, 0),
+        GgmlType::Q6K => (QuantWidth::Byte, 32),
         _ => return None,
     };
     let row_bytes = ty.bytes_for(row_len)?;
@@ -149,8 +159,10 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
                 mins: Vec::with_capacity(if zero == 0 { blocks } else { 0 }),
             },
         },
+        sub_scales: Vec::with_capacity(if ty == GgmlType::Q6K { blocks } else { 0 }),
     };
     let has_mins = zero == 0;
+    let mut sub_scales = std::mem::take(&mut out.sub_scales);
     let half_at =
         |block: &[u8], offset: usize| u16::from_le_bytes([block[offset], block[offset + 1]]);
     // One block: its values, then its factors (half bits or f32, whichever `factors` holds).
@@ -221,6 +233,24 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
                 push(&u, Factor::Half(half_at(block, 0)), Factor::Half(0));
             }
         }
+        GgmlType::Q6K => {
+            for block in bytes.chunks_exact(Q6_K_BYTES) {
+                let d = half_at(block, 208);
+                let scales = &block[192..208];
+                // Block `j` of the super-block: half `h = j / 4` of 128 values, quarter
+                // `k = j % 4`; its values take 4 bits from `ql` and 2 from `qh`.
+                for j in 0..QK_K / QK {
+                    let (h, k) = (j / 4, j % 4);
+                    let ql = &block[64 * h + 32 * (k % 2)..][..QK];
+                    let qh = &block[128 + 32 * h..][..QK];
+                    let u: [u8; QK] = std::array::from_fn(|l| {
+                        ((ql[l] >> (4 * (k / 2))) & 0x0F) | (((qh[l] >> (2 * k)) & 3) << 4)
+                    });
+                    push(&u, Factor::Half(d), Factor::Half(0));
+                    sub_scales.push([scales[2 * j] as i8, scales[2 * j + 1] as i8]);
+                }
+            }
+        }
         GgmlType::Q4K | GgmlType::Q5K => {
             let (size, qs_at) = if ty == GgmlType::Q4K {
                 (Q4_K_BYTES, 16)
@@ -256,6 +286,7 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
         }
         _ => unreachable!("checked above"),
     }
+    out.sub_scales = sub_scales;
     Some(out)
 }
 
@@ -286,6 +317,7 @@ impl RepackedRows {
     /// Bytes held (values, scales and mins).
     pub fn size_bytes(&self) -> usize {
         self.qs.len()
+            + 2 * self.sub_scales.len()
             + match &self.factors {
                 Factors::Half { scales, mins } => 2 * (scales.len() + mins.len()),
                 Factors::Single { scales, mins } => 4 * (scales.len() + mins.len()),
@@ -304,6 +336,22 @@ impl RepackedRows {
             Factors::Half { mins, .. } => !mins.is_empty(),
             Factors::Single { mins, .. } => !mins.is_empty(),
         }
+    }
+
+    /// Whether the blocks have sub-scales (Q6_K, see the module docs).
+    #[inline]
+    pub fn has_sub_scales(&self) -> bool {
+        !self.sub_scales.is_empty()
+    }
+
+    /// The sub-scales `[s0, s1]` of every block of row `row` (empty without sub-scales).
+    #[inline]
+    pub fn sub_scales(&self, row: usize) -> &[[i8; 2]] {
+        if self.sub_scales.is_empty() {
+            return &[];
+        }
+        let blocks = self.blocks_per_row;
+        &self.sub_scales[row * blocks..(row + 1) * blocks]
     }
 
     /// Whether the factors are IEEE half bits ([`RowFactors::Half`]) rather than f32.
@@ -349,9 +397,17 @@ impl RepackedRows {
     /// dequantizer of the stored format does.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         let factors = self.row_factors(row);
+        let subs = self.sub_scales(row);
         for (block, values) in out.chunks_exact_mut(QK).enumerate() {
             let u = self.block_values(row, block);
             let (d, min) = (factors.scale(block), factors.min(block));
+            if let Some(sub) = subs.get(block) {
+                // ggml's `(d * scale) * q`; no min.
+                for (i, (value, &u)) in values.iter_mut().zip(&u).enumerate() {
+                    *value = (d * sub[i / (QK / 2)] as f32) * (u as i32 - self.zero) as f32;
+                }
+                continue;
+            }
             for (value, &u) in values.iter_mut().zip(&u) {
                 *value = (u as i32 - self.zero) as f32 * d + min;
             }
@@ -359,13 +415,19 @@ impl RepackedRows {
     }
 
     /// The integer part of block `block`: `sum_i (u[i] - zero) * qa[i]` with the activation
-    /// values `qa` of the same block (32 of them).
+    /// values `qa` of the same block (32 of them), each half times its sub-scale where the
+    /// format has them.
     pub fn block_integer_dot(&self, row: usize, block: usize, qa: &[i8]) -> i32 {
-        self.block_values(row, block)
-            .iter()
-            .zip(&qa[..QK])
-            .map(|(&u, &a)| (u as i32 - self.zero) * a as i32)
-            .sum()
+        let u = self.block_values(row, block);
+        let half = |h: usize| -> i32 {
+            (h * QK / 2..(h + 1) * QK / 2)
+                .map(|i| (u[i] as i32 - self.zero) * qa[i] as i32)
+                .sum()
+        };
+        match self.sub_scales(row).get(block) {
+            Some(&[s0, s1]) => (s0 as i32 * half(0)).wrapping_add(s1 as i32 * half(1)),
+            None => half(0) + half(1),
+        }
     }
 }
 
@@ -389,7 +451,7 @@ pub fn dot_scalar(weights: &RepackedRows, row: usize, activations: &Q8Rows, toke
         if activations.is_q15() {
             // 128 (u - zero) . hi + (u - zero) . lo: the block's Q15 integer, exact in i32.
             let lo = &activations.row_lo(token)[range];
-            integer = (integer << 7) + weights.block_integer_dot(row, block, lo);
+            integer = (integer << 7).wrapping_add(weights.block_integer_dot(row, block, lo));
         }
         let (d, min) = (factors.scale(block), factors.min(block));
         total += d * da[block] * integer as f32 + min * sa[block];

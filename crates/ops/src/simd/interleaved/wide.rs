@@ -144,7 +144,12 @@ pub(super) mod x86 {
     /// chain. SAFETY: AVX-512 F, VL and VNNI and F16C; both groups in range; `starts` empty
     /// (zero 0) or one per block of token 0.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub(in super::super) unsafe fn pair<const NIBBLE: bool, const HALF: bool, const Q15: bool>(
+    pub(in super::super) unsafe fn pair<
+        const NIBBLE: bool,
+        const HALF: bool,
+        const Q15: bool,
+        const SUB: bool,
+    >(
         weights: &Interleaved,
         group: usize,
         activations: &Q8Rows,
@@ -194,7 +199,10 @@ pub(super) mod x86 {
                     }
                 }
                 let (f0, f1) = (r0.add(weight_bytes), r1.add(weight_bytes));
-                let (d, m) = if HALF {
+                let (d, m) = if SUB {
+                    // No mins: the slot holds the sub-scales.
+                    (_mm512_cvtph_ps(join_halves(f0, f1)), _mm512_setzero_ps())
+                } else if HALF {
                     (
                         _mm512_cvtph_ps(join_halves(f0, f1)),
                         _mm512_cvtph_ps(join_halves(f0.add(16), f1.add(16))),
@@ -206,6 +214,50 @@ pub(super) mod x86 {
                     )
                 };
                 let a = aq.add(b * 32) as *const i32;
+                if SUB {
+                    // Each half from its own start; then s0 * first + s1 * second.
+                    let subs = [
+                        _mm512_cvtepi8_epi32(join_sub_scales(f0.add(16), f1.add(16))),
+                        _mm512_cvtepi8_epi32(join_sub_scales(f0.add(24), f1.add(24))),
+                    ];
+                    let mut halves = if has_zero {
+                        [
+                            _mm512_set1_epi32(*starts.get_unchecked(2 * b)),
+                            _mm512_set1_epi32(*starts.get_unchecked(2 * b + 1)),
+                        ]
+                    } else {
+                        [_mm512_setzero_si512(); 2]
+                    };
+                    if Q15 {
+                        let high = half_dots(&w, a);
+                        let low = half_dots(&w, alo.add(b * 32) as *const i32);
+                        for h in 0..2 {
+                            halves[h] = _mm512_add_epi32(
+                                _mm512_add_epi32(halves[h], _mm512_slli_epi32::<7>(high[h])),
+                                low[h],
+                            );
+                        }
+                    } else {
+                        let dots = half_dots(&w, a);
+                        for h in 0..2 {
+                            halves[h] = _mm512_add_epi32(halves[h], dots[h]);
+                        }
+                    }
+                    let integer = _mm512_add_epi32(
+                        _mm512_mullo_epi32(halves[0], subs[0]),
+                        _mm512_mullo_epi32(halves[1], subs[1]),
+                    );
+                    let scaled = _mm512_mul_ps(
+                        _mm512_mul_ps(d, _mm512_set1_ps(*ad.get_unchecked(b))),
+                        _mm512_cvtepi32_ps(integer),
+                    );
+                    let term = _mm512_add_ps(
+                        scaled,
+                        _mm512_mul_ps(m, _mm512_set1_ps(*sa.get_unchecked(b))),
+                    );
+                    acc = _mm512_add_ps(acc, term);
+                    continue;
+                }
                 let mut integer = if has_zero {
                     _mm512_set1_epi32(*starts.get_unchecked(b))
                 } else {
@@ -233,6 +285,35 @@ pub(super) mod x86 {
             let mut out = [0f32; 2 * GROUP];
             _mm512_storeu_ps(out.as_mut_ptr(), acc);
             out
+        }
+    }
+
+    /// One block's dots of the weight steps `w` (16 rows) with the activation dwords at `a`,
+    /// the halves apart (steps 0..4, then 4..8). SAFETY: AVX-512 VNNI; `a` readable for 32
+    /// bytes.
+    #[target_feature(enable = "avx2,avx512f,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn half_dots(w: &[__m512i; 8], a: *const i32) -> [__m512i; 2] {
+        let mut halves = [_mm512_setzero_si512(); 2];
+        for (k, weights_k) in w.iter().enumerate() {
+            // SAFETY: `a` holds 8 dwords (the caller's contract).
+            let dword = unsafe { a.add(k).read_unaligned() };
+            halves[k / 4] =
+                _mm512_dpbusd_epi32(halves[k / 4], *weights_k, _mm512_set1_epi32(dword));
+        }
+        halves
+    }
+
+    /// The 8 sub-scale bytes at `first` then the 8 at `second`, as 16 bytes. SAFETY: both
+    /// readable for 8 bytes.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn join_sub_scales(first: *const u8, second: *const u8) -> __m128i {
+        unsafe {
+            _mm_unpacklo_epi64(
+                _mm_loadl_epi64(first as *const __m128i),
+                _mm_loadl_epi64(second as *const __m128i),
+            )
         }
     }
 

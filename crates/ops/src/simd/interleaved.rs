@@ -12,7 +12,14 @@
 //! After the weights, the block's 8 scales then 8 mins (f16 bits or f32, as stored; formats
 //! without mins store zeros, 2 bytes more per Q4_0 or Q8_0 block than the repacked rows).
 //! Formats with sub-scales (Q6_K, see [`pagoda_tensor::quant::repack`]) have no mins: their
-//! 16 bytes hold the 8 rows' first-half sub-scales, then their second-half ones (i8).
+//! 16 bytes hold the 8 rows' first-half sub-scales, then their second-half ones (i8). The
+//! K-quants (Q4_K, Q5_K) keep their factors as stored ([`SuperFactors`]): the record ends in
+//! the 8 rows' 6-bit scales `sc`, then their mins `m` (a byte each), and a separate array
+//! holds per group and super-block (8 blocks) the rows' f16 `d`, then their `dmin`; the
+//! kernels rebuild `d * sc` and `-(dmin * m)` in registers, the f32 values the repacked rows
+//! hold (so the same bits), from 18.5 bytes per row and block instead of 24 (Q4_K).
+//!
+//! [`SuperFactors`]: pagoda_tensor::quant::repack::SuperFactors
 //!
 //! Numerics: each (row, token) pair computes exactly [`dot_scalar`]'s chain: per block the
 //! exact integer `sum (u - zero) qa`, then `total += d * d_a * integer + min * s_a` in f32,
@@ -28,7 +35,7 @@ use pagoda_tensor::quant::blocks::f16_bits_to_f32;
 use pagoda_tensor::quant::q8::Q8Rows;
 
 use crate::linear::Columns;
-use pagoda_tensor::quant::repack::{QuantWidth, RepackedRows, RowFactors};
+use pagoda_tensor::quant::repack::{QuantWidth, RepackedRows, RowFactors, SUPER_BLOCKS};
 use rayon::prelude::*;
 
 mod wide;
@@ -45,12 +52,55 @@ pub struct Interleaved {
     half: bool,
     /// Whether the min slots hold sub-scales (see the module docs).
     sub: bool,
+    /// Whether the factors are the K-quants' stored ones (see the module docs).
+    kquant: bool,
     zero: i32,
     num_rows: usize,
     blocks_per_row: usize,
     /// Bytes of one (group, block): weights, then 8 scales and 8 mins.
     stride: usize,
     data: Vec<u8>,
+    /// K-quants: per (group, super-block) the rows' `d` then `dmin`, f16 bits
+    /// ([`SUPER_BYTES`]); empty otherwise.
+    supers: Vec<u8>,
+}
+
+/// Bytes per (group, super-block) of [`Interleaved`]'s K-quant `d` and `dmin`.
+pub const SUPER_BYTES: usize = 4 * GROUP;
+
+/// The factor layouts of a record, the kernels' `FACTORS` parameter: f32 scales and mins.
+pub(crate) const F32_FACTORS: u8 = 0;
+/// f16 scales and mins.
+pub(crate) const HALF_FACTORS: u8 = 1;
+/// f16 scales and the sub-scales (Q6_K).
+pub(crate) const SUB_FACTORS: u8 = 2;
+/// The K-quants' stored factors (bytes in the record, `d`/`dmin` per super-block apart).
+pub(crate) const KQUANT_FACTORS: u8 = 3;
+
+/// `$kernel::<NIBBLE, FACTORS, Q15>` for `$weights`' layout and `$q15`.
+macro_rules! for_layout {
+    ($($kernel:ident)::+, $weights:expr, $q15:expr) => {{
+        let factors = $weights.factor_layout();
+        match ($weights.nibble, factors, $q15) {
+            (true, F32_FACTORS, false) => $($kernel)::+::<true, F32_FACTORS, false>,
+            (true, HALF_FACTORS, false) => $($kernel)::+::<true, HALF_FACTORS, false>,
+            (true, KQUANT_FACTORS, false) => $($kernel)::+::<true, KQUANT_FACTORS, false>,
+            (false, F32_FACTORS, false) => $($kernel)::+::<false, F32_FACTORS, false>,
+            (false, HALF_FACTORS, false) => $($kernel)::+::<false, HALF_FACTORS, false>,
+            (false, SUB_FACTORS, false) => $($kernel)::+::<false, SUB_FACTORS, false>,
+            (false, KQUANT_FACTORS, false) => $($kernel)::+::<false, KQUANT_FACTORS, false>,
+            (true, F32_FACTORS, true) => $($kernel)::+::<true, F32_FACTORS, true>,
+            (true, HALF_FACTORS, true) => $($kernel)::+::<true, HALF_FACTORS, true>,
+            (true, KQUANT_FACTORS, true) => $($kernel)::+::<true, KQUANT_FACTORS, true>,
+            (false, F32_FACTORS, true) => $($kernel)::+::<false, F32_FACTORS, true>,
+            (false, HALF_FACTORS, true) => $($kernel)::+::<false, HALF_FACTORS, true>,
+            (false, SUB_FACTORS, true) => $($kernel)::+::<false, SUB_FACTORS, true>,
+            (false, KQUANT_FACTORS, true) => $($kernel)::+::<false, KQUANT_FACTORS, true>,
+            (nibble, factors, _) => {
+                unreachable!("no layout of nibble {nibble} with factors {factors}")
+            }
+        }
+    }};
 }
 
 impl Interleaved {
@@ -60,12 +110,37 @@ impl Interleaved {
         let half = weights.has_half_factors();
         let sub = weights.has_sub_scales();
         assert!(!sub || half, "sub-scales come with half factors");
+        let kquant = weights.row_super_factors(0).is_some();
         let block_bytes = weights.width().bytes_per_block();
-        let factor_bytes = if half { 2 } else { 4 };
+        let factor_bytes = if kquant {
+            1
+        } else if half {
+            2
+        } else {
+            4
+        };
         let stride = GROUP * block_bytes + 2 * GROUP * factor_bytes;
         let (num_rows, blocks) = (weights.num_rows(), weights.blocks_per_row());
         let groups = num_rows.div_ceil(GROUP);
         let mut data = vec![0u8; groups * blocks * stride];
+        let supers_per_row = if kquant { blocks / SUPER_BLOCKS } else { 0 };
+        let mut supers = vec![0u8; groups * supers_per_row * SUPER_BYTES];
+        if kquant {
+            // Per (group, super-block): 8 `d`, then 8 `dmin`.
+            supers
+                .par_chunks_mut(supers_per_row * SUPER_BYTES)
+                .enumerate()
+                .for_each(|(group, out)| {
+                    for lane in 0..GROUP.min(num_rows - group * GROUP) {
+                        let f = weights.row_super_factors(group * GROUP + lane).unwrap();
+                        for (s, out) in out.chunks_exact_mut(SUPER_BYTES).enumerate() {
+                            out[2 * lane..2 * lane + 2].copy_from_slice(&f.d[s].to_le_bytes());
+                            let at = 2 * GROUP + 2 * lane;
+                            out[at..at + 2].copy_from_slice(&f.dmin[s].to_le_bytes());
+                        }
+                    }
+                });
+        }
         // One group per task: a large model interleaves its rows on every thread at load.
         data.par_chunks_mut(blocks * stride)
             .enumerate()
@@ -75,11 +150,18 @@ impl Interleaved {
                     let qs = weights.row_qs(row);
                     let factors = weights.row_factors(row);
                     let subs = weights.sub_scales(row);
+                    let stored = weights.row_super_factors(row);
                     for (block, record) in records.chunks_exact_mut(stride).enumerate() {
                         let bytes = &qs[block * block_bytes..(block + 1) * block_bytes];
                         for (step, chunk) in bytes.chunks_exact(4).enumerate() {
                             let at = step * 32 + lane * 4;
                             record[at..at + 4].copy_from_slice(chunk);
+                        }
+                        if let Some(f) = &stored {
+                            let at = GROUP * block_bytes + lane;
+                            record[at] = f.scales[block];
+                            record[at + GROUP] = f.mins[block];
+                            continue;
                         }
                         let (scale, min) = raw_factors(&factors, block);
                         let scale_at = GROUP * block_bytes + lane * factor_bytes;
@@ -102,11 +184,13 @@ impl Interleaved {
             nibble,
             half,
             sub,
+            kquant,
             zero: weights.zero(),
             num_rows,
             blocks_per_row: blocks,
             stride,
             data,
+            supers,
         }
     }
 
@@ -117,7 +201,7 @@ impl Interleaved {
 
     /// Bytes held.
     pub fn size_bytes(&self) -> usize {
-        self.data.len()
+        self.data.len() + self.supers.len()
     }
 
     /// Blocks (of 32 values) per row.
@@ -133,6 +217,16 @@ impl Interleaved {
     /// Whether the stored values are nibbles (two per byte) rather than bytes.
     pub fn is_nibble(&self) -> bool {
         self.nibble
+    }
+
+    /// The record's factor layout (`F32_FACTORS`, ...).
+    fn factor_layout(&self) -> u8 {
+        match (self.kquant, self.sub, self.half) {
+            (true, _, _) => KQUANT_FACTORS,
+            (_, true, _) => SUB_FACTORS,
+            (_, _, true) => HALF_FACTORS,
+            _ => F32_FACTORS,
+        }
     }
 
     /// Whether the blocks have sub-scales (Q6_K; [`Interleaved::block_sub_scales`]).
@@ -174,7 +268,17 @@ impl Interleaved {
         let record = self.record(group, block);
         let factors = &record[if self.nibble { 128 } else { 256 }..];
         // Plain loops, no closure: this runs per block of every AMX chunk.
-        if self.half {
+        if self.kquant {
+            let supers = self.super_record(group, block / SUPER_BLOCKS);
+            for lane in 0..GROUP {
+                let d =
+                    f16_bits_to_f32(u16::from_le_bytes([supers[2 * lane], supers[2 * lane + 1]]));
+                let at = 2 * GROUP + 2 * lane;
+                let dmin = f16_bits_to_f32(u16::from_le_bytes([supers[at], supers[at + 1]]));
+                scales[lane] = d * factors[lane] as f32;
+                mins[lane] = -(dmin * factors[GROUP + lane] as f32);
+            }
+        } else if self.half {
             let bits: &[[u8; 2]] = bytemuck::cast_slice(&factors[..4 * GROUP]);
             for lane in 0..GROUP {
                 scales[lane] = f16_bits_to_f32(u16::from_le_bytes(bits[lane]));
@@ -192,6 +296,13 @@ impl Interleaved {
                 mins[lane] = f32::from_le_bytes(words[GROUP + lane]);
             }
         }
+    }
+
+    /// K-quants: group `group`'s `d` and `dmin` of super-block `index` ([`SUPER_BYTES`]).
+    #[inline]
+    fn super_record(&self, group: usize, index: usize) -> &[u8] {
+        let per_group = self.blocks_per_row / SUPER_BLOCKS * SUPER_BYTES;
+        &self.supers[group * per_group + index * SUPER_BYTES..][..SUPER_BYTES]
     }
 
     #[inline]
@@ -410,20 +521,7 @@ fn pair_dots(
     // SAFETY: `decode_rows` checked the features; both groups are in range, and `starts` is
     // empty or holds one start per block of the single token.
     unsafe {
-        let q15 = activations.is_q15();
-        let dots = match (weights.nibble, weights.half, q15, weights.sub) {
-            (false, true, false, true) => wide::x86::pair::<false, true, false, true>,
-            (false, true, true, true) => wide::x86::pair::<false, true, true, true>,
-            (_, _, _, true) => unreachable!("sub-scales come with byte values, half factors"),
-            (true, true, false, _) => wide::x86::pair::<true, true, false, false>,
-            (true, false, false, _) => wide::x86::pair::<true, false, false, false>,
-            (false, true, false, _) => wide::x86::pair::<false, true, false, false>,
-            (false, false, false, _) => wide::x86::pair::<false, false, false, false>,
-            (true, true, true, _) => wide::x86::pair::<true, true, true, false>,
-            (true, false, true, _) => wide::x86::pair::<true, false, true, false>,
-            (false, true, true, _) => wide::x86::pair::<false, true, true, false>,
-            (false, false, true, _) => wide::x86::pair::<false, false, true, false>,
-        };
+        let dots = for_layout!(wide::x86::pair, weights, activations.is_q15());
         dots(weights, group, activations, starts)
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -448,20 +546,7 @@ fn group_dots(
     // SAFETY: `matmul` checked the features; the group is in range, and `starts` is empty
     // or holds one start per (token, block).
     unsafe {
-        let q15 = activations.is_q15();
-        let dots = match (weights.nibble, weights.half, q15, weights.sub) {
-            (false, true, false, true) => x86::group::<false, true, false, true>,
-            (false, true, true, true) => x86::group::<false, true, true, true>,
-            (_, _, _, true) => unreachable!("sub-scales come with byte values, half factors"),
-            (true, true, false, _) => x86::group::<true, true, false, false>,
-            (true, false, false, _) => x86::group::<true, false, false, false>,
-            (false, true, false, _) => x86::group::<false, true, false, false>,
-            (false, false, false, _) => x86::group::<false, false, false, false>,
-            (true, true, true, _) => x86::group::<true, true, true, false>,
-            (true, false, true, _) => x86::group::<true, false, true, false>,
-            (false, true, true, _) => x86::group::<false, true, true, false>,
-            (false, false, true, _) => x86::group::<false, false, true, false>,
-        };
+        let dots = for_layout!(x86::group, weights, activations.is_q15());
         dots(weights, group, activations, starts, out, col, lanes)
     }
     #[cfg(not(target_arch = "x86_64"))]

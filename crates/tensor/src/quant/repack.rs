@@ -70,6 +70,41 @@ pub struct RepackedRows {
     factors: Factors,
     /// Per block, the integer scales of its two 16-value halves (Q6_K), or empty.
     sub_scales: Vec<[i8; 2]>,
+    /// The K-quants' factors as stored (Q4_K, Q5_K), or `None`.
+    super_factors: Option<SuperFactors>,
+}
+
+/// The factors of the K-quants (Q4_K, Q5_K) as stored, kept beside their f32 products for
+/// layouts that rebuild the products in registers from fewer bytes: per super-block (8
+/// blocks of a row) the f16 `d` and `dmin`, per block the 6-bit scale `sc` and min `m`.
+/// `d * sc` and `-(dmin * m)` in f32 are exactly the block's [`RowFactors::Single`] scale and
+/// min.
+#[derive(Debug, Clone, Default)]
+pub struct SuperFactors {
+    /// `d` per super-block (f16 bits), `[num_rows, blocks_per_row / 8]`.
+    pub d: Vec<u16>,
+    /// `dmin` per super-block (f16 bits), shaped as `d`.
+    pub dmin: Vec<u16>,
+    /// `sc` per block, `[num_rows, blocks_per_row]`.
+    pub scales: Vec<u8>,
+    /// `m` per block, shaped as `scales`.
+    pub mins: Vec<u8>,
+}
+
+/// Blocks per K-quant super-block.
+pub const SUPER_BLOCKS: usize = QK_K / QK;
+
+/// One row's [`SuperFactors`].
+#[derive(Debug, Clone, Copy)]
+pub struct RowSuperFactors<'a> {
+    /// `d` per super-block (f16 bits).
+    pub d: &'a [u16],
+    /// `dmin` per super-block (f16 bits).
+    pub dmin: &'a [u16],
+    /// `sc` per block.
+    pub scales: &'a [u8],
+    /// `m` per block.
+    pub mins: &'a [u8],
 }
 
 /// Per-block scales and mins of every row (`mins` empty for formats whose min is 0).
@@ -160,7 +195,9 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
             },
         },
         sub_scales: Vec::with_capacity(if ty == GgmlType::Q6K { blocks } else { 0 }),
+        super_factors: None,
     };
+    let mut supers = SuperFactors::default();
     let has_mins = zero == 0;
     let mut sub_scales = std::mem::take(&mut out.sub_scales);
     let half_at =
@@ -260,6 +297,8 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
             for block in bytes.chunks_exact(size) {
                 let d = f16_at(block, 0);
                 let dmin = f16_at(block, 2);
+                supers.d.push(half_at(block, 0));
+                supers.dmin.push(half_at(block, 2));
                 let scales: &[u8; 12] = block[4..16].try_into().unwrap();
                 for sub in 0..QK_K / QK {
                     let chunk = &block[qs_at + 32 * (sub / 2)..qs_at + 32 * (sub / 2) + 32];
@@ -276,6 +315,8 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
                         }
                     });
                     let (scale, min) = scale_min_k4(sub, scales);
+                    supers.scales.push(scale);
+                    supers.mins.push(min);
                     push(
                         &u,
                         Factor::Single(d * scale as f32),
@@ -287,6 +328,9 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
         _ => unreachable!("checked above"),
     }
     out.sub_scales = sub_scales;
+    if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
+        out.super_factors = Some(supers);
+    }
     Some(out)
 }
 
@@ -316,8 +360,12 @@ impl RepackedRows {
     }
     /// Bytes held (values, scales and mins).
     pub fn size_bytes(&self) -> usize {
+        let supers = self.super_factors.as_ref().map_or(0, |f| {
+            2 * (f.d.len() + f.dmin.len()) + f.scales.len() + f.mins.len()
+        });
         self.qs.len()
             + 2 * self.sub_scales.len()
+            + supers
             + match &self.factors {
                 Factors::Half { scales, mins } => 2 * (scales.len() + mins.len()),
                 Factors::Single { scales, mins } => 4 * (scales.len() + mins.len()),
@@ -352,6 +400,19 @@ impl RepackedRows {
         }
         let blocks = self.blocks_per_row;
         &self.sub_scales[row * blocks..(row + 1) * blocks]
+    }
+
+    /// The stored K-quant factors of row `row`, `None` for other formats ([`SuperFactors`]).
+    #[inline]
+    pub fn row_super_factors(&self, row: usize) -> Option<RowSuperFactors<'_>> {
+        let f = self.super_factors.as_ref()?;
+        let (blocks, supers) = (self.blocks_per_row, self.blocks_per_row / SUPER_BLOCKS);
+        Some(RowSuperFactors {
+            d: &f.d[row * supers..(row + 1) * supers],
+            dmin: &f.dmin[row * supers..(row + 1) * supers],
+            scales: &f.scales[row * blocks..(row + 1) * blocks],
+            mins: &f.mins[row * blocks..(row + 1) * blocks],
+        })
     }
 
     /// Whether the factors are IEEE half bits ([`RowFactors::Half`]) rather than f32.

@@ -135,8 +135,11 @@ pub(crate) fn count_decode() {
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
-    use super::super::{Interleaved, GROUP};
+    use super::super::{
+        Interleaved, GROUP, HALF_FACTORS, KQUANT_FACTORS, SUB_FACTORS, SUPER_BYTES,
+    };
     use pagoda_tensor::quant::q8::Q8Rows;
+    use pagoda_tensor::quant::repack::SUPER_BLOCKS;
     use std::arch::x86_64::*;
 
     /// The 16 dots of groups `group` and `group + 1` with token 0 of `activations`
@@ -144,12 +147,7 @@ pub(super) mod x86 {
     /// chain. SAFETY: AVX-512 F, VL and VNNI and F16C; both groups in range; `starts` empty
     /// (zero 0) or one per block of token 0.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub(in super::super) unsafe fn pair<
-        const NIBBLE: bool,
-        const HALF: bool,
-        const Q15: bool,
-        const SUB: bool,
-    >(
+    pub(in super::super) unsafe fn pair<const NIBBLE: bool, const FACTORS: u8, const Q15: bool>(
         weights: &Interleaved,
         group: usize,
         activations: &Q8Rows,
@@ -159,7 +157,7 @@ pub(super) mod x86 {
         let stride = weights.stride;
         assert!((group + 2) * GROUP <= weights.num_rows.next_multiple_of(GROUP));
         let weight_bytes = if NIBBLE { 128 } else { 256 };
-        let factor_bytes = if HALF { 16 } else { 32 };
+        let sub = FACTORS == SUB_FACTORS;
         let aq = activations.row_qs(0).as_ptr() as *const u8;
         // Q15: the `lo` plane (for Q8 rows, unused).
         let alo = if Q15 {
@@ -175,6 +173,10 @@ pub(super) mod x86 {
         unsafe {
             let first = weights.data.as_ptr().add(group * blocks * stride);
             let second = first.add(blocks * stride);
+            // K-quants: both groups' `d` and `dmin` per super-block.
+            let super_bytes = blocks / SUPER_BLOCKS * SUPER_BYTES;
+            let supers0 = weights.supers.as_ptr().add(group * super_bytes);
+            let supers1 = supers0.add(super_bytes);
             let mut acc = _mm512_setzero_ps();
             let low = _mm512_set1_epi8(0x0F);
             let ahead = crate::simd::prefetch::distance();
@@ -199,22 +201,40 @@ pub(super) mod x86 {
                     }
                 }
                 let (f0, f1) = (r0.add(weight_bytes), r1.add(weight_bytes));
-                let (d, m) = if SUB {
+                let (d, m) = match FACTORS {
                     // No mins: the slot holds the sub-scales.
-                    (_mm512_cvtph_ps(join_halves(f0, f1)), _mm512_setzero_ps())
-                } else if HALF {
-                    (
+                    SUB_FACTORS => (_mm512_cvtph_ps(join_halves(f0, f1)), _mm512_setzero_ps()),
+                    HALF_FACTORS => (
                         _mm512_cvtph_ps(join_halves(f0, f1)),
                         _mm512_cvtph_ps(join_halves(f0.add(16), f1.add(16))),
-                    )
-                } else {
-                    (
+                    ),
+                    KQUANT_FACTORS => {
+                        // `d * sc` and `-(dmin * m)`: the repacked rows' f32 values.
+                        let at = b / SUPER_BLOCKS * SUPER_BYTES;
+                        let (s0, s1) = (supers0.add(at), supers1.add(at));
+                        let d = _mm512_cvtph_ps(join_halves(s0, s1));
+                        let dmin = _mm512_cvtph_ps(join_halves(s0.add(16), s1.add(16)));
+                        let sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(join_sub_scales(f0, f1)));
+                        let mins = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(join_sub_scales(
+                            f0.add(GROUP),
+                            f1.add(GROUP),
+                        )));
+                        let negative = _mm512_castsi512_ps(_mm512_set1_epi32(i32::MIN));
+                        (
+                            _mm512_mul_ps(d, sc),
+                            _mm512_castsi512_ps(_mm512_xor_si512(
+                                _mm512_castps_si512(_mm512_mul_ps(dmin, mins)),
+                                _mm512_castps_si512(negative),
+                            )),
+                        )
+                    }
+                    _ => (
                         _mm512_castsi512_ps(join_bytes(f0, f1)),
-                        _mm512_castsi512_ps(join_bytes(f0.add(factor_bytes), f1.add(factor_bytes))),
-                    )
+                        _mm512_castsi512_ps(join_bytes(f0.add(32), f1.add(32))),
+                    ),
                 };
                 let a = aq.add(b * 32) as *const i32;
-                if SUB {
+                if sub {
                     // Each half from its own start; then s0 * first + s1 * second.
                     let subs = [
                         _mm512_cvtepi8_epi32(join_sub_scales(f0.add(16), f1.add(16))),
@@ -304,8 +324,8 @@ pub(super) mod x86 {
         halves
     }
 
-    /// The 8 sub-scale bytes at `first` then the 8 at `second`, as 16 bytes. SAFETY: both
-    /// readable for 8 bytes.
+    /// The 8 bytes at `first` then the 8 at `second` (the two groups' sub-scales, or their
+    /// K-quant scales or mins), as 16 bytes. SAFETY: both readable for 8 bytes.
     #[target_feature(enable = "avx2")]
     #[inline]
     unsafe fn join_sub_scales(first: *const u8, second: *const u8) -> __m128i {

@@ -7,12 +7,7 @@ use std::arch::x86_64::*;
 /// columns `col..`: four tokens at a time, then one. SAFETY: AVX-512 VNNI, VL and F16C; `group` in
 /// range; `starts` empty (zero 0) or one per (token, block).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub(super) unsafe fn group<
-    const NIBBLE: bool,
-    const HALF: bool,
-    const Q15: bool,
-    const SUB: bool,
->(
+pub(super) unsafe fn group<const NIBBLE: bool, const FACTORS: u8, const Q15: bool>(
     weights: &Interleaved,
     group: usize,
     activations: &Q8Rows,
@@ -28,7 +23,7 @@ pub(super) unsafe fn group<
         // SAFETY: as for this function; the tokens are in range.
         let dots: [[f32; GROUP]; 4] = unsafe {
             if step == 4 {
-                tile::<4, NIBBLE, HALF, Q15, SUB>(
+                tile::<4, NIBBLE, FACTORS, Q15>(
                     weights,
                     group,
                     activations,
@@ -36,8 +31,7 @@ pub(super) unsafe fn group<
                     [t, t + 1, t + 2, t + 3],
                 )
             } else {
-                let one =
-                    tile::<1, NIBBLE, HALF, Q15, SUB>(weights, group, activations, starts, [t]);
+                let one = tile::<1, NIBBLE, FACTORS, Q15>(weights, group, activations, starts, [t]);
                 [one[0]; 4]
             }
         };
@@ -53,13 +47,7 @@ pub(super) unsafe fn group<
 /// (token, block).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn tile<
-    const T: usize,
-    const NIBBLE: bool,
-    const HALF: bool,
-    const Q15: bool,
-    const SUB: bool,
->(
+unsafe fn tile<const T: usize, const NIBBLE: bool, const FACTORS: u8, const Q15: bool>(
     weights: &Interleaved,
     group: usize,
     activations: &Q8Rows,
@@ -69,8 +57,15 @@ unsafe fn tile<
     let blocks = weights.blocks_per_row;
     let stride = weights.stride;
     let weight_bytes = if NIBBLE { 128 } else { 256 };
-    let factor_bytes = if HALF { 16 } else { 32 };
+    let sub = FACTORS == SUB_FACTORS;
     let base = unsafe { weights.data.as_ptr().add(group * blocks * stride) };
+    // K-quants: this group's `d` and `dmin` per super-block.
+    let supers = unsafe {
+        weights
+            .supers
+            .as_ptr()
+            .add(group * (blocks / SUPER_BLOCKS) * SUPER_BYTES)
+    };
     // Plain loops, not `array::from_fn`: a closure would not inherit the target features
     // and stays an out-of-line call per token (3% of a pp512 run on the EPYC).
     let mut aq = [std::ptr::null::<u8>(); T];
@@ -113,24 +108,35 @@ unsafe fn tile<
                 }
             }
             let factors = record.add(weight_bytes);
-            let (d, m) = if SUB {
+            let (d, m) = match FACTORS {
                 // No mins: the slot holds the sub-scales.
-                (
+                SUB_FACTORS => (
                     _mm256_cvtph_ps(_mm_loadu_si128(factors as *const __m128i)),
                     _mm256_setzero_ps(),
-                )
-            } else if HALF {
-                (
+                ),
+                HALF_FACTORS => (
                     _mm256_cvtph_ps(_mm_loadu_si128(factors as *const __m128i)),
                     _mm256_cvtph_ps(_mm_loadu_si128(factors.add(16) as *const __m128i)),
-                )
-            } else {
-                (
+                ),
+                KQUANT_FACTORS => {
+                    // `d * sc` and `-(dmin * m)`: the repacked rows' f32 values.
+                    let at = supers.add(b / SUPER_BLOCKS * SUPER_BYTES);
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(at as *const __m128i));
+                    let dmin = _mm256_cvtph_ps(_mm_loadu_si128(at.add(16) as *const __m128i));
+                    (
+                        _mm256_mul_ps(d, byte_lanes(factors)),
+                        _mm256_xor_ps(
+                            _mm256_mul_ps(dmin, byte_lanes(factors.add(GROUP))),
+                            _mm256_set1_ps(-0.0),
+                        ),
+                    )
+                }
+                _ => (
                     _mm256_loadu_ps(factors as *const f32),
-                    _mm256_loadu_ps(factors.add(factor_bytes) as *const f32),
-                )
+                    _mm256_loadu_ps(factors.add(32) as *const f32),
+                ),
             };
-            let subs = if SUB {
+            let subs = if sub {
                 [
                     _mm256_cvtepi8_epi32(_mm_loadl_epi64(factors.add(16) as *const __m128i)),
                     _mm256_cvtepi8_epi32(_mm_loadl_epi64(factors.add(24) as *const __m128i)),
@@ -140,7 +146,7 @@ unsafe fn tile<
             };
             for i in 0..T {
                 let a = aq[i].add(b * 32) as *const i32;
-                if SUB {
+                if sub {
                     // Each half from its own start; then s0 * first + s1 * second.
                     let at = 2 * (tokens[i] * blocks + b);
                     let mut halves = if has_zero {
@@ -213,6 +219,12 @@ unsafe fn tile<
         unsafe { _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]) };
     }
     out
+}
+
+/// The 8 bytes at `p` as f32 lanes (exact). SAFETY: `p` readable for 8 bytes; AVX2.
+#[inline(always)]
+unsafe fn byte_lanes(p: *const u8) -> __m256 {
+    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
 }
 
 /// One block's dots of the weight steps `w` with the activation dwords at `a`, the two

@@ -11,9 +11,11 @@ mod common;
 use common::{assert_f64_dots, random_rows, REPACKED};
 
 use pagoda_ops::simd::int_dot::IntIsa;
+use pagoda_ops::simd::interleaved::planes::{self, HighBits};
 use pagoda_ops::simd::interleaved::{self, Interleaved};
 use pagoda_tensor::quant::q8::Q8Rows;
 use pagoda_tensor::quant::repack::{dot_scalar, repack};
+use pagoda_tensor::GgmlType;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -98,6 +100,60 @@ fn interleaved_dots_equal_the_scalar_kernel_bit_for_bit() {
             "the 512-bit decode did not run"
         );
     }
+}
+
+/// Values of 5 and 6 bits (Q5_0, Q5_1, Q5_K: one plane; Q6_K: two) laid out as bit planes
+/// decode and multiply to the bits of the byte layout, at one token (both decode widths run
+/// through `PAGODA_CPU_INT_DECODE`) and many, Q8 and Q15; other formats have no planes.
+#[test]
+fn bit_planes_give_the_byte_layouts_bits() {
+    if !interleaved::is_supported() {
+        println!("AVX-512 VNNI not available on this CPU: skipped");
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    let before = planes::plane_matmul_count();
+    for ty in REPACKED {
+        let cols = 512;
+        let rows = 40;
+        let bytes = random_rows(ty, rows, cols, &mut rng, false);
+        let weights = repack(ty, rows, cols, &bytes).unwrap();
+        let with_planes = Interleaved::with_high_bits(&weights, HighBits::Planes);
+        let with_bytes = Interleaved::with_high_bits(&weights, HighBits::Bytes);
+        let want = match ty {
+            GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q5K => 1,
+            GgmlType::Q6K => 2,
+            _ => 0,
+        };
+        assert_eq!(with_planes.planes(), want, "{ty}");
+        assert_eq!(with_bytes.planes(), 0, "{ty}");
+        if want > 0 {
+            assert!(with_planes.size_bytes() < with_bytes.size_bytes(), "{ty}");
+        }
+        let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
+        for r in 0..rows {
+            with_planes.dequantize_row(r, &mut a);
+            with_bytes.dequantize_row(r, &mut b);
+            assert_eq!(a, b, "{ty} row {r}");
+        }
+        for (tokens, q15) in [(1, false), (1, true), (6, false), (6, true)] {
+            let x = random_activations(tokens, cols, &mut rng);
+            let q = if q15 {
+                Q8Rows::quantize_q15(&x, cols).unwrap()
+            } else {
+                Q8Rows::quantize(&x, cols).unwrap()
+            };
+            let (mut ya, mut yb) = (vec![f32::NAN; rows * tokens], vec![0f32; rows * tokens]);
+            interleaved::matmul(&with_planes, &q, &mut ya);
+            interleaved::matmul(&with_bytes, &q, &mut yb);
+            let same = ya.iter().zip(&yb).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{ty} {tokens} tokens q15 {q15}");
+        }
+    }
+    assert!(
+        planes::plane_matmul_count() > before,
+        "no plane matmul counted"
+    );
 }
 
 /// `cargo test --release -p pagoda-ops --test interleaved_int_kernels -- --ignored --nocapture`

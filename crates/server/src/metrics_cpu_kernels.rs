@@ -63,6 +63,13 @@ pub(super) fn render(out: &mut String) {
     );
     let _ = writeln!(
         out,
+        "# HELP pagoda_cpu_plane_matmuls_total Integer matmuls (or shared decode regions) over \
+         5- and 6-bit weights held as a nibble and bit planes (PAGODA_CPU_HIGH_BITS).\n\
+         # TYPE pagoda_cpu_plane_matmuls_total counter\npagoda_cpu_plane_matmuls_total {}",
+        pagoda_ops::simd::interleaved::planes::plane_matmul_count()
+    );
+    let _ = writeln!(
+        out,
         "# HELP pagoda_cpu_silu_polynomial_calls_total SiLU x up calls run with the vector \
          polynomial exp (PAGODA_CPU_SILU=polynomial).\n\
          # TYPE pagoda_cpu_silu_polynomial_calls_total counter\n\

@@ -88,6 +88,14 @@ fn gauges_follow_the_snapshot() {
         "\npagoda_cpu_prefetch_bytes {}\n",
         pagoda_ops::simd::prefetch::distance()
     )));
+    let planes = text
+        .lines()
+        .find_map(|line| line.strip_prefix("pagoda_cpu_plane_matmuls_total "))
+        .expect("the bit-plane matmul counter line");
+    assert!(
+        planes.parse::<u64>().unwrap()
+            <= pagoda_ops::simd::interleaved::planes::plane_matmul_count()
+    );
     let silu = text
         .lines()
         .find_map(|line| line.strip_prefix("pagoda_cpu_silu_polynomial_calls_total "))

@@ -199,6 +199,10 @@ struct Report {
     /// and how many matmuls (or shared decode regions) ran with it.
     prefetch_bytes: usize,
     prefetched_matmuls: u64,
+    /// The layout of 5- and 6-bit weights (`PAGODA_CPU_HIGH_BITS`) and how many integer
+    /// matmuls (or shared decode regions) ran over bit planes.
+    high_bits: String,
+    plane_matmuls: u64,
     batch: usize,
     load_before: String,
     load_after: String,
@@ -384,6 +388,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         int_wide_decodes: pagoda_ops::simd::interleaved::wide_decode_count(),
         prefetch_bytes: pagoda_ops::simd::prefetch::distance(),
         prefetched_matmuls: pagoda_ops::simd::prefetch::prefetched_matmul_count(),
+        high_bits: pagoda_ops::simd::interleaved::planes::HighBits::selected()
+            .name()
+            .to_string(),
+        plane_matmuls: pagoda_ops::simd::interleaved::planes::plane_matmul_count(),
         batch: max_batch,
         load_before,
         load_after: load_average(),

@@ -74,6 +74,11 @@ pub fn matmul_shared(x: &[f32], num_tokens: usize, outputs: &mut [(&Weight, &mut
         }) {
             interleaved::count_wide_decode();
         }
+        if outputs.iter().any(|(weight, _)| {
+            matches!(&weight.storage, Storage::Repacked(IntRows::Interleaved(rows), _) if rows.planes() > 0)
+        }) {
+            interleaved::planes::count_matmul();
+        }
         // Every SIMD kernel of the region prefetches (the scalar per-row one does not).
         if isa != IntIsa::Scalar {
             crate::simd::prefetch::count_matmul();

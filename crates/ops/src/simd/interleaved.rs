@@ -38,6 +38,7 @@ use crate::linear::Columns;
 use pagoda_tensor::quant::repack::{QuantWidth, RepackedRows, RowFactors, SUPER_BLOCKS};
 use rayon::prelude::*;
 
+pub mod planes;
 mod wide;
 pub(crate) use wide::count_decode as count_wide_decode;
 pub use wide::{wide_decode_count, IntDecode, INT_DECODE_ENV_VAR};
@@ -54,6 +55,8 @@ pub struct Interleaved {
     sub: bool,
     /// Whether the factors are the K-quants' stored ones (see the module docs).
     kquant: bool,
+    /// Bit planes after the nibble steps (0, or 1-2 for values of 5-6 bits, [`planes`]).
+    planes: usize,
     zero: i32,
     num_rows: usize,
     blocks_per_row: usize,
@@ -77,28 +80,32 @@ pub(crate) const SUB_FACTORS: u8 = 2;
 /// The K-quants' stored factors (bytes in the record, `d`/`dmin` per super-block apart).
 pub(crate) const KQUANT_FACTORS: u8 = 3;
 
-/// `$kernel::<NIBBLE, FACTORS, Q15>` for `$weights`' layout and `$q15`.
+/// `$kernel::<NIBBLE, FACTORS, Q15, PLANES>` for `$weights`' layout and `$q15`.
 macro_rules! for_layout {
     ($($kernel:ident)::+, $weights:expr, $q15:expr) => {{
-        let factors = $weights.factor_layout();
-        match ($weights.nibble, factors, $q15) {
-            (true, F32_FACTORS, false) => $($kernel)::+::<true, F32_FACTORS, false>,
-            (true, HALF_FACTORS, false) => $($kernel)::+::<true, HALF_FACTORS, false>,
-            (true, KQUANT_FACTORS, false) => $($kernel)::+::<true, KQUANT_FACTORS, false>,
-            (false, F32_FACTORS, false) => $($kernel)::+::<false, F32_FACTORS, false>,
-            (false, HALF_FACTORS, false) => $($kernel)::+::<false, HALF_FACTORS, false>,
-            (false, SUB_FACTORS, false) => $($kernel)::+::<false, SUB_FACTORS, false>,
-            (false, KQUANT_FACTORS, false) => $($kernel)::+::<false, KQUANT_FACTORS, false>,
-            (true, F32_FACTORS, true) => $($kernel)::+::<true, F32_FACTORS, true>,
-            (true, HALF_FACTORS, true) => $($kernel)::+::<true, HALF_FACTORS, true>,
-            (true, KQUANT_FACTORS, true) => $($kernel)::+::<true, KQUANT_FACTORS, true>,
-            (false, F32_FACTORS, true) => $($kernel)::+::<false, F32_FACTORS, true>,
-            (false, HALF_FACTORS, true) => $($kernel)::+::<false, HALF_FACTORS, true>,
-            (false, SUB_FACTORS, true) => $($kernel)::+::<false, SUB_FACTORS, true>,
-            (false, KQUANT_FACTORS, true) => $($kernel)::+::<false, KQUANT_FACTORS, true>,
-            (nibble, factors, _) => {
-                unreachable!("no layout of nibble {nibble} with factors {factors}")
-            }
+        macro_rules! arms {
+            ($q:literal) => {
+                match ($weights.nibble, $weights.factor_layout(), $weights.planes) {
+                    (true, F32_FACTORS, 0) => $($kernel)::+::<true, F32_FACTORS, $q, 0>,
+                    (true, HALF_FACTORS, 0) => $($kernel)::+::<true, HALF_FACTORS, $q, 0>,
+                    (true, KQUANT_FACTORS, 0) => $($kernel)::+::<true, KQUANT_FACTORS, $q, 0>,
+                    (true, HALF_FACTORS, 1) => $($kernel)::+::<true, HALF_FACTORS, $q, 1>,
+                    (true, KQUANT_FACTORS, 1) => $($kernel)::+::<true, KQUANT_FACTORS, $q, 1>,
+                    (true, SUB_FACTORS, 2) => $($kernel)::+::<true, SUB_FACTORS, $q, 2>,
+                    (false, F32_FACTORS, 0) => $($kernel)::+::<false, F32_FACTORS, $q, 0>,
+                    (false, HALF_FACTORS, 0) => $($kernel)::+::<false, HALF_FACTORS, $q, 0>,
+                    (false, SUB_FACTORS, 0) => $($kernel)::+::<false, SUB_FACTORS, $q, 0>,
+                    (false, KQUANT_FACTORS, 0) => $($kernel)::+::<false, KQUANT_FACTORS, $q, 0>,
+                    (nibble, factors, planes) => unreachable!(
+                        "no layout of nibble {nibble}, factors {factors}, planes {planes}"
+                    ),
+                }
+            };
+        }
+        if $q15 {
+            arms!(true)
+        } else {
+            arms!(false)
         }
     }};
 }
@@ -106,12 +113,33 @@ macro_rules! for_layout {
 impl Interleaved {
     /// The interleaved copy of `weights`.
     pub fn new(weights: &RepackedRows) -> Interleaved {
-        let nibble = weights.width() == QuantWidth::Nibble;
+        Interleaved::with_high_bits(weights, planes::HighBits::selected())
+    }
+
+    /// The interleaved copy of `weights`, values of 5 or 6 bits laid out as `high_bits`
+    /// says.
+    pub fn with_high_bits(weights: &RepackedRows, high_bits: planes::HighBits) -> Interleaved {
+        let bits = weights.value_bits() as usize;
+        let planes = if weights.width() == QuantWidth::Byte
+            && bits <= 6
+            && high_bits == planes::HighBits::Planes
+        {
+            bits - 4
+        } else {
+            0
+        };
+        let nibble = weights.width() == QuantWidth::Nibble || planes > 0;
         let half = weights.has_half_factors();
         let sub = weights.has_sub_scales();
         assert!(!sub || half, "sub-scales come with half factors");
         let kquant = weights.row_super_factors(0).is_some();
         let block_bytes = weights.width().bytes_per_block();
+        // Bytes of weights per record: 8 rows' values, then the planes' 8 masks each.
+        let weight_bytes = if planes > 0 {
+            GROUP * 16 + planes * 32
+        } else {
+            GROUP * block_bytes
+        };
         let factor_bytes = if kquant {
             1
         } else if half {
@@ -119,7 +147,7 @@ impl Interleaved {
         } else {
             4
         };
-        let stride = GROUP * block_bytes + 2 * GROUP * factor_bytes;
+        let stride = weight_bytes + 2 * GROUP * factor_bytes;
         let (num_rows, blocks) = (weights.num_rows(), weights.blocks_per_row());
         let groups = num_rows.div_ceil(GROUP);
         let mut data = vec![0u8; groups * blocks * stride];
@@ -152,30 +180,57 @@ impl Interleaved {
                     let subs = weights.sub_scales(row);
                     let stored = weights.row_super_factors(row);
                     for (block, record) in records.chunks_exact_mut(stride).enumerate() {
-                        let bytes = &qs[block * block_bytes..(block + 1) * block_bytes];
-                        for (step, chunk) in bytes.chunks_exact(4).enumerate() {
-                            let at = step * 32 + lane * 4;
-                            record[at..at + 4].copy_from_slice(chunk);
+                        if planes > 0 {
+                            // The low nibbles as the Q4 layout holds them; planes below.
+                            let u = weights.block_values(row, block);
+                            for step in 0..4 {
+                                for j in 0..4 {
+                                    let (low, high) = (u[4 * step + j], u[16 + 4 * step + j]);
+                                    record[step * 32 + lane * 4 + j] = (low & 0x0F) | (high << 4);
+                                }
+                            }
+                        } else {
+                            let bytes = &qs[block * block_bytes..(block + 1) * block_bytes];
+                            for (step, chunk) in bytes.chunks_exact(4).enumerate() {
+                                let at = step * 32 + lane * 4;
+                                record[at..at + 4].copy_from_slice(chunk);
+                            }
                         }
                         if let Some(f) = &stored {
-                            let at = GROUP * block_bytes + lane;
+                            let at = weight_bytes + lane;
                             record[at] = f.scales[block];
                             record[at + GROUP] = f.mins[block];
                             continue;
                         }
                         let (scale, min) = raw_factors(&factors, block);
-                        let scale_at = GROUP * block_bytes + lane * factor_bytes;
+                        let scale_at = weight_bytes + lane * factor_bytes;
                         let min_at = scale_at + GROUP * factor_bytes;
                         record[scale_at..scale_at + factor_bytes]
                             .copy_from_slice(&scale[..factor_bytes]);
                         if sub {
                             let [s0, s1] = subs[block];
-                            let at = GROUP * block_bytes + GROUP * factor_bytes + lane;
+                            let at = weight_bytes + GROUP * factor_bytes + lane;
                             record[at] = s0 as u8;
                             record[at + GROUP] = s1 as u8;
                         } else {
                             record[min_at..min_at + factor_bytes]
                                 .copy_from_slice(&min[..factor_bytes]);
+                        }
+                    }
+                }
+                if planes > 0 {
+                    let lanes = GROUP.min(num_rows - group * GROUP);
+                    for (block, record) in records.chunks_exact_mut(stride).enumerate() {
+                        let mut values = [[0u8; 32]; GROUP];
+                        for (lane, values) in values.iter_mut().enumerate().take(lanes) {
+                            *values = weights.block_values(group * GROUP + lane, block);
+                        }
+                        let masks = planes::masks(&values, planes);
+                        for (p, masks) in masks.iter().enumerate().take(planes) {
+                            for (r, mask) in masks.iter().enumerate() {
+                                let at = GROUP * 16 + p * 32 + 4 * r;
+                                record[at..at + 4].copy_from_slice(&mask.to_le_bytes());
+                            }
                         }
                     }
                 }
@@ -185,6 +240,7 @@ impl Interleaved {
             half,
             sub,
             kquant,
+            planes,
             zero: weights.zero(),
             num_rows,
             blocks_per_row: blocks,
@@ -214,9 +270,74 @@ impl Interleaved {
         self.zero
     }
 
-    /// Whether the stored values are nibbles (two per byte) rather than bytes.
+    /// Whether the stored values are nibbles (two per byte) rather than bytes; with
+    /// [`Interleaved::planes`], their higher bits are in planes.
     pub fn is_nibble(&self) -> bool {
         self.nibble
+    }
+
+    /// Bit planes after the nibbles (0, or 1-2 for values of 5-6 bits; see [`planes`]).
+    pub fn planes(&self) -> usize {
+        self.planes
+    }
+
+    /// Bytes of weights (values and planes) at the start of each record.
+    #[inline]
+    fn weight_bytes(&self) -> usize {
+        if self.nibble {
+            GROUP * 16 + self.planes * 32
+        } else {
+            GROUP * 32
+        }
+    }
+
+    /// Group `group` alone in the byte layout (the planes folded into the bytes, the factors
+    /// as they are): what prefills run on, so the planes are unpacked once per matmul rather
+    /// than once per tile of tokens. Needs the interleaved kernel's CPU features.
+    #[cfg(target_arch = "x86_64")]
+    fn group_as_bytes(&self, group: usize) -> Interleaved {
+        assert!(self.planes > 0 && group * GROUP < self.num_rows);
+        let blocks = self.blocks_per_row;
+        let factor_bytes = self.stride - self.weight_bytes();
+        let stride = GROUP * 32 + factor_bytes;
+        let mut data = vec![0u8; blocks * stride];
+        for (block, out) in data.chunks_exact_mut(stride).enumerate() {
+            let record = self.record(group, block);
+            // SAFETY: `matmul` checked the features; `record` holds the nibbles and planes,
+            // `out` 256 bytes and more.
+            unsafe { x86::unpack_planes(self.planes, record, out) };
+            out[GROUP * 32..].copy_from_slice(&record[self.weight_bytes()..]);
+        }
+        let per_group = blocks / SUPER_BLOCKS * SUPER_BYTES;
+        let supers = if self.kquant {
+            self.supers[group * per_group..(group + 1) * per_group].to_vec()
+        } else {
+            Vec::new()
+        };
+        Interleaved {
+            nibble: false,
+            planes: 0,
+            num_rows: GROUP.min(self.num_rows - group * GROUP),
+            stride,
+            data,
+            supers,
+            ..*self
+        }
+    }
+
+    /// The plane masks of block `block` of group `group`: `[plane][register]` (see
+    /// [`planes`]; empty without planes).
+    #[inline]
+    pub fn block_planes(&self, group: usize, block: usize) -> [[u32; GROUP]; 2] {
+        let mut out = [[0u32; GROUP]; 2];
+        let record = self.record(group, block);
+        for (p, masks) in out.iter_mut().enumerate().take(self.planes) {
+            for (r, mask) in masks.iter_mut().enumerate() {
+                let at = GROUP * 16 + p * 32 + 4 * r;
+                *mask = u32::from_le_bytes(record[at..at + 4].try_into().unwrap());
+            }
+        }
+        out
     }
 
     /// The record's factor layout (`F32_FACTORS`, ...).
@@ -242,17 +363,18 @@ impl Interleaved {
             return [[0; GROUP]; 2];
         }
         let record = self.record(group, block);
-        let at = if self.nibble { 128 } else { 256 } + 2 * GROUP;
+        let at = self.weight_bytes() + 2 * GROUP;
         std::array::from_fn(|h| std::array::from_fn(|lane| record[at + h * GROUP + lane] as i8))
     }
 
     /// The weight bytes of block `block` of group `group` as stored (see the module docs):
     /// `4 k .. 4 k + 4` of step `k` for each of the 8 rows in turn, 4 steps of 32 bytes for
     /// nibbles (low nibbles values `4 k + j`, high nibbles `16 + 4 k + j`), 8 for bytes.
+    /// With planes, the nibbles only ([`Interleaved::block_planes`] holds the higher bits).
     #[inline]
     pub fn block_weights(&self, group: usize, block: usize) -> &[u8] {
-        let weight_bytes = if self.nibble { 128 } else { 256 };
-        &self.record(group, block)[..weight_bytes]
+        let values = if self.nibble { GROUP * 16 } else { GROUP * 32 };
+        &self.record(group, block)[..values]
     }
 
     /// The scales and mins of block `block` of group `group`'s 8 rows as f32 (a missing min
@@ -266,7 +388,7 @@ impl Interleaved {
         mins: &mut [f32; GROUP],
     ) {
         let record = self.record(group, block);
-        let factors = &record[if self.nibble { 128 } else { 256 }..];
+        let factors = &record[self.weight_bytes()..];
         // Plain loops, no closure: this runs per block of every AMX chunk.
         if self.kquant {
             let supers = self.super_record(group, block / SUPER_BLOCKS);
@@ -327,14 +449,21 @@ impl Interleaved {
         mins: &mut [f32; GROUP],
     ) {
         let weights = self.block_weights(group, block);
+        let masks = self.block_planes(group, block);
+        // The high bits of register `r`'s byte `i`, from the planes.
+        let high = |r: usize, i: usize| -> u8 {
+            (0..self.planes)
+                .map(|p| (((masks[p][r] >> i) & 1) as u8) << (4 + p))
+                .sum()
+        };
         for lane in 0..GROUP {
             let u = &mut values[32 * lane..32 * lane + 32];
             for step in 0..weights.len() / 32 {
                 for j in 0..4 {
-                    let byte = weights[step * 32 + lane * 4 + j];
+                    let (i, byte) = (lane * 4 + j, weights[step * 32 + lane * 4 + j]);
                     if self.nibble {
-                        u[4 * step + j] = byte & 0x0F;
-                        u[16 + 4 * step + j] = byte >> 4;
+                        u[4 * step + j] = (byte & 0x0F) | high(step, i);
+                        u[16 + 4 * step + j] = (byte >> 4) | high(step + 4, i);
                     } else {
                         u[4 * step + j] = byte;
                     }
@@ -390,11 +519,12 @@ fn raw_factors(factors: &RowFactors<'_>, block: usize) -> ([u8; 4], [u8; 4]) {
     }
 }
 
-/// Whether this CPU runs the interleaved kernel (AVX-512 VNNI with VL, F16C).
+/// Whether this CPU runs the interleaved kernel (AVX-512 VNNI with VL and BW, F16C).
 pub fn is_supported() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        crate::simd::int_dot::IntIsa::Vnni.is_supported()
+        // AVX-512 BW for the bit planes' masked byte adds (every VNNI CPU has it).
+        crate::simd::int_dot::IntIsa::Vnni.is_supported() && is_x86_feature_detected!("avx512bw")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -416,6 +546,9 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
     );
     let starts = block_starts(weights, activations);
     crate::simd::prefetch::count_matmul();
+    if weights.planes > 0 {
+        planes::count_matmul();
+    }
     if tokens == 1 {
         // Decode: each task writes its rows straight into `y` (whole pairs of groups).
         wide::count_decode();
@@ -542,6 +675,12 @@ fn group_dots(
     col: usize,
 ) {
     let lanes = GROUP.min(weights.num_rows - group * GROUP);
+    #[cfg(target_arch = "x86_64")]
+    if weights.planes > 0 && activations.num_rows() > 1 {
+        // Several tokens: the planes unpacked once for all of them, not once per tile.
+        let bytes = weights.group_as_bytes(group);
+        return group_dots(&bytes, 0, activations, starts, out, col);
+    }
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `matmul` checked the features; the group is in range, and `starts` is empty
     // or holds one start per (token, block).

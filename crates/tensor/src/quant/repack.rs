@@ -63,6 +63,8 @@ impl QuantWidth {
 #[derive(Debug, Clone)]
 pub struct RepackedRows {
     width: QuantWidth,
+    /// Bits each value `u` uses (4 for nibbles; 5, 6 or 8 for bytes).
+    value_bits: u32,
     zero: i32,
     num_rows: usize,
     blocks_per_row: usize,
@@ -164,13 +166,13 @@ impl RowFactors<'_> {
 /// `num_rows * ty.bytes_for(row_len)` bytes). Returns `None` when `ty` has no repacked form
 /// (F32, F16, BF16, anything not dequantizable) or the byte count does not match.
 pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Option<RepackedRows> {
-    let (width, zero) = match ty {
-        GgmlType::Q4_0 => (QuantWidth::Nibble, 8),
-        GgmlType::Q4_1 | GgmlType::Q4K => (QuantWidth::Nibble, 0),
-        GgmlType::Q8_0 => (QuantWidth::Byte, 128),
-        GgmlType::Q5_0 => (QuantWidth::Byte, 16),
-        GgmlType::Q5_1 | GgmlType::Q5K => (QuantWidth::Byte, 0),
-        GgmlType::Q6K => (QuantWidth::Byte, 32),
+    let (width, value_bits, zero) = match ty {
+        GgmlType::Q4_0 => (QuantWidth::Nibble, 4, 8),
+        GgmlType::Q4_1 | GgmlType::Q4K => (QuantWidth::Nibble, 4, 0),
+        GgmlType::Q8_0 => (QuantWidth::Byte, 8, 128),
+        GgmlType::Q5_0 => (QuantWidth::Byte, 5, 16),
+        GgmlType::Q5_1 | GgmlType::Q5K => (QuantWidth::Byte, 5, 0),
+        GgmlType::Q6K => (QuantWidth::Byte, 6, 32),
         _ => return None,
     };
     let row_bytes = ty.bytes_for(row_len)?;
@@ -180,6 +182,7 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
     let blocks = num_rows * (row_len / QK);
     let mut out = RepackedRows {
         width,
+        value_bits,
         zero,
         num_rows,
         blocks_per_row: row_len / QK,
@@ -345,6 +348,11 @@ impl RepackedRows {
     /// Value width of the blocks.
     pub fn width(&self) -> QuantWidth {
         self.width
+    }
+    /// Bits each value `u` uses: 4 for nibble blocks; 5 (Q5_0, Q5_1, Q5_K), 6 (Q6_K) or 8
+    /// (Q8_0) for byte blocks.
+    pub fn value_bits(&self) -> u32 {
+        self.value_bits
     }
     /// The format's offset `zero` (see the module docs).
     pub fn zero(&self) -> i32 {

@@ -23,12 +23,14 @@ pub(super) fn print_report(report: &Report, json: bool) -> Result<()> {
     );
     println!(
         "weights: {} | threads: {} | attention: {} | prefetch: {} bytes ahead ({} matmuls) | \
-         load before: {} | load after: {}",
+         5-6 bit weights: {} ({} matmuls on planes) | load before: {} | load after: {}",
         report.precision,
         report.threads,
         report.attention,
         report.prefetch_bytes,
         report.prefetched_matmuls,
+        report.high_bits,
+        report.plane_matmuls,
         report.load_before,
         report.load_after
     );

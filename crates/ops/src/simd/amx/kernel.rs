@@ -152,6 +152,12 @@ impl WeightTiles {
             for block in 0..blocks {
                 let tile = &mut tiles.bytes[block * B_TILE..(block + 1) * B_TILE];
                 let stored = weights.block_weights(group, block);
+                let planes = weights.planes();
+                let masks = if planes > 0 {
+                    weights.block_planes(group, block)
+                } else {
+                    [[0; GROUP]; 2]
+                };
                 for (step, bytes) in stored.chunks_exact(HALF).enumerate() {
                     let at = step * MAX_COLSB + half * HALF;
                     if weights.is_nibble() {
@@ -160,6 +166,13 @@ impl WeightTiles {
                         for (j, &byte) in bytes.iter().enumerate() {
                             tile[at + j] = byte & 0x0F;
                             tile[high + j] = byte >> 4;
+                        }
+                        // Values of 5-6 bits: the higher bits from the planes.
+                        for (p, masks) in masks.iter().enumerate().take(planes) {
+                            for j in 0..HALF {
+                                tile[at + j] |= (((masks[step] >> j) & 1) as u8) << (4 + p);
+                                tile[high + j] |= (((masks[step + 4] >> j) & 1) as u8) << (4 + p);
+                            }
                         }
                     } else {
                         tile[at..at + HALF].copy_from_slice(bytes);

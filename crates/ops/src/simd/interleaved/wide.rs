@@ -146,8 +146,13 @@ pub(super) mod x86 {
     /// (`[lane]`: the first group's 8 rows, then the second's), each lane the 8-row kernel's
     /// chain. SAFETY: AVX-512 F, VL and VNNI and F16C; both groups in range; `starts` empty
     /// (zero 0) or one per block of token 0.
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-    pub(in super::super) unsafe fn pair<const NIBBLE: bool, const FACTORS: u8, const Q15: bool>(
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    pub(in super::super) unsafe fn pair<
+        const NIBBLE: bool,
+        const FACTORS: u8,
+        const Q15: bool,
+        const PLANES: usize,
+    >(
         weights: &Interleaved,
         group: usize,
         activations: &Q8Rows,
@@ -156,7 +161,7 @@ pub(super) mod x86 {
         let blocks = weights.blocks_per_row;
         let stride = weights.stride;
         assert!((group + 2) * GROUP <= weights.num_rows.next_multiple_of(GROUP));
-        let weight_bytes = if NIBBLE { 128 } else { 256 };
+        let weight_bytes = if NIBBLE { 128 + 32 * PLANES } else { 256 };
         let sub = FACTORS == SUB_FACTORS;
         let aq = activations.row_qs(0).as_ptr() as *const u8;
         // Q15: the `lo` plane (for Q8 rows, unused).
@@ -194,6 +199,19 @@ pub(super) mod x86 {
                         // A 32-bit shift then the nibble mask: the same bytes as the 8-row
                         // kernel's 16-bit shift (AVX-512F has no 16-bit shift).
                         w[k + 4] = _mm512_and_si512(_mm512_srli_epi32::<4>(x), low);
+                    }
+                    // The planes: both groups' masks side by side, as their bytes are.
+                    for p in 0..PLANES {
+                        let add = _mm512_set1_epi8(16 << p);
+                        let (m0, m1) = (
+                            r0.add(128 + 32 * p) as *const u32,
+                            r1.add(128 + 32 * p) as *const u32,
+                        );
+                        for (r, w) in w.iter_mut().enumerate() {
+                            let mask = m0.add(r).read_unaligned() as u64
+                                | (m1.add(r).read_unaligned() as u64) << 32;
+                            *w = _mm512_mask_add_epi8(*w, _cvtu64_mask64(mask), *w, add);
+                        }
                     }
                 } else {
                     for (k, slot) in w.iter_mut().enumerate() {

@@ -6,8 +6,13 @@ use std::arch::x86_64::*;
 /// The dots of group `group` with every token, token `t`'s first `lanes` at `out`'s
 /// columns `col..`: four tokens at a time, then one. SAFETY: AVX-512 VNNI, VL and F16C; `group` in
 /// range; `starts` empty (zero 0) or one per (token, block).
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
-pub(super) unsafe fn group<const NIBBLE: bool, const FACTORS: u8, const Q15: bool>(
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+pub(super) unsafe fn group<
+    const NIBBLE: bool,
+    const FACTORS: u8,
+    const Q15: bool,
+    const PLANES: usize,
+>(
     weights: &Interleaved,
     group: usize,
     activations: &Q8Rows,
@@ -23,7 +28,7 @@ pub(super) unsafe fn group<const NIBBLE: bool, const FACTORS: u8, const Q15: boo
         // SAFETY: as for this function; the tokens are in range.
         let dots: [[f32; GROUP]; 4] = unsafe {
             if step == 4 {
-                tile::<4, NIBBLE, FACTORS, Q15>(
+                tile::<4, NIBBLE, FACTORS, Q15, PLANES>(
                     weights,
                     group,
                     activations,
@@ -31,7 +36,13 @@ pub(super) unsafe fn group<const NIBBLE: bool, const FACTORS: u8, const Q15: boo
                     [t, t + 1, t + 2, t + 3],
                 )
             } else {
-                let one = tile::<1, NIBBLE, FACTORS, Q15>(weights, group, activations, starts, [t]);
+                let one = tile::<1, NIBBLE, FACTORS, Q15, PLANES>(
+                    weights,
+                    group,
+                    activations,
+                    starts,
+                    [t],
+                );
                 [one[0]; 4]
             }
         };
@@ -45,9 +56,15 @@ pub(super) unsafe fn group<const NIBBLE: bool, const FACTORS: u8, const Q15: boo
 /// The 8 dots of group `group` with each of `tokens` (`[token][lane]`). SAFETY: AVX-512
 /// VNNI, VL and F16C; `group` and `tokens` in range; `starts` empty (zero 0) or one per
 /// (token, block).
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
 #[inline]
-unsafe fn tile<const T: usize, const NIBBLE: bool, const FACTORS: u8, const Q15: bool>(
+unsafe fn tile<
+    const T: usize,
+    const NIBBLE: bool,
+    const FACTORS: u8,
+    const Q15: bool,
+    const PLANES: usize,
+>(
     weights: &Interleaved,
     group: usize,
     activations: &Q8Rows,
@@ -56,7 +73,7 @@ unsafe fn tile<const T: usize, const NIBBLE: bool, const FACTORS: u8, const Q15:
 ) -> [[f32; GROUP]; T] {
     let blocks = weights.blocks_per_row;
     let stride = weights.stride;
-    let weight_bytes = if NIBBLE { 128 } else { 256 };
+    let weight_bytes = if NIBBLE { 128 + 32 * PLANES } else { 256 };
     let sub = FACTORS == SUB_FACTORS;
     let base = unsafe { weights.data.as_ptr().add(group * blocks * stride) };
     // K-quants: this group's `d` and `dmin` per super-block.
@@ -101,6 +118,15 @@ unsafe fn tile<const T: usize, const NIBBLE: bool, const FACTORS: u8, const Q15:
                     let x = _mm256_loadu_si256(record.add(32 * k) as *const __m256i);
                     w[k] = _mm256_and_si256(x, low);
                     w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+                }
+                // The planes: 16 (then 32) added to the bytes each register's mask selects.
+                for p in 0..PLANES {
+                    let add = _mm256_set1_epi8(16 << p);
+                    let masks = record.add(128 + 32 * p) as *const u32;
+                    for (r, w) in w.iter_mut().enumerate() {
+                        let mask = _cvtu32_mask32(masks.add(r).read_unaligned());
+                        *w = _mm256_mask_add_epi8(*w, mask, *w, add);
+                    }
                 }
             } else {
                 for (k, slot) in w.iter_mut().enumerate() {
@@ -219,6 +245,35 @@ unsafe fn tile<const T: usize, const NIBBLE: bool, const FACTORS: u8, const Q15:
         unsafe { _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]) };
     }
     out
+}
+
+/// One record's nibbles and `planes` bit planes as the byte layout's 8 steps of 32 bytes,
+/// into `out[..256]`: the weight registers the kernels build. SAFETY: AVX-512 BW and VL;
+/// `record` holds 128 + 32 `planes` bytes, `out` at least 256.
+#[target_feature(enable = "avx2,avx512f,avx512vl,avx512bw")]
+pub(super) unsafe fn unpack_planes(planes: usize, record: &[u8], out: &mut [u8]) {
+    assert!(record.len() >= 128 + 32 * planes && out.len() >= 256);
+    let low = _mm256_set1_epi8(0x0F);
+    // SAFETY: the lengths are asserted above.
+    unsafe {
+        let mut w = [_mm256_setzero_si256(); 8];
+        for k in 0..4 {
+            let x = _mm256_loadu_si256(record.as_ptr().add(32 * k) as *const __m256i);
+            w[k] = _mm256_and_si256(x, low);
+            w[k + 4] = _mm256_and_si256(_mm256_srli_epi16(x, 4), low);
+        }
+        for p in 0..planes {
+            let add = _mm256_set1_epi8(16 << p);
+            let masks = record.as_ptr().add(128 + 32 * p) as *const u32;
+            for (r, w) in w.iter_mut().enumerate() {
+                let mask = _cvtu32_mask32(masks.add(r).read_unaligned());
+                *w = _mm256_mask_add_epi8(*w, mask, *w, add);
+            }
+        }
+        for (k, w) in w.iter().enumerate() {
+            _mm256_storeu_si256(out.as_mut_ptr().add(32 * k) as *mut __m256i, *w);
+        }
+    }
 }
 
 /// The 8 bytes at `p` as f32 lanes (exact). SAFETY: `p` readable for 8 bytes; AVX2.

@@ -27,7 +27,10 @@ const TOKENS: [usize; 6] = [1, 2, 15, 16, 17, 100];
 /// `(out_features, in_features)`: rows below, at and past 8, 16 and 32 (half and whole A
 /// tiles, a partial last interleaved group); 1 to 16 blocks.
 fn shapes(ty: GgmlType) -> Vec<(usize, usize)> {
-    if matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
+    if matches!(
+        ty,
+        GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K
+    ) {
         vec![(1, 256), (15, 256), (17, 512), (40, 256)]
     } else {
         vec![
@@ -41,6 +44,11 @@ fn shapes(ty: GgmlType) -> Vec<(usize, usize)> {
             (24, 512),
         ]
     }
+}
+
+/// Formats with sub-scales, which the AMX tiles decline.
+fn sub_scaled(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q3K | GgmlType::Q6K)
 }
 
 /// Activations with a wide range, so Q8 values reach +-127 and many blocks differ in scale.
@@ -72,8 +80,8 @@ struct Case {
 fn cases(seed: u64) -> Vec<Case> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut out = Vec::new();
-    // Sub-scaled weights (Q6_K) have no AMX kernel: `sub_scaled_weights_are_declined`.
-    for ty in REPACKED.into_iter().filter(|&ty| ty != GgmlType::Q6K) {
+    // Sub-scaled weights (Q3_K, Q6_K) have no AMX kernel: `sub_scaled_weights_are_declined`.
+    for ty in REPACKED.into_iter().filter(|&ty| !sub_scaled(ty)) {
         for (rows, cols) in shapes(ty) {
             let stored = random_rows(ty, rows, cols, &mut rng, false);
             let weights = repack(ty, rows, cols, &stored).unwrap();
@@ -252,7 +260,7 @@ fn weight_matmul_with_the_amx_set_equals_vnni8() {
                 // Sub-scaled weights fall back to vnni8.
                 assert_eq!(
                     used_amx,
-                    num_tokens >= AMX_MIN_TOKENS && ty != GgmlType::Q6K,
+                    num_tokens >= AMX_MIN_TOKENS && !sub_scaled(ty),
                     "{ty} tokens {num_tokens}"
                 );
             }

@@ -130,6 +130,12 @@ fn bit_planes_give_the_byte_layouts_bits() {
         if want > 0 {
             assert!(with_planes.size_bytes() < with_bytes.size_bytes(), "{ty}");
         }
+        // Values of at most 4 bits are nibbles in either layout.
+        assert_eq!(
+            with_bytes.is_nibble(),
+            ty != GgmlType::Q8_0 && want == 0,
+            "{ty}"
+        );
         let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
         for r in 0..rows {
             with_planes.dequantize_row(r, &mut a);

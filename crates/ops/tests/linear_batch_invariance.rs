@@ -78,6 +78,15 @@ fn random_rows(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> 
                         out.extend(bytes(208, rng));
                         out.extend(scale(rng));
                     }
+                    GgmlType::Q3K => {
+                        out.extend(bytes(108, rng));
+                        out.extend(signed_scale(rng));
+                    }
+                    GgmlType::Q2K => {
+                        out.extend(bytes(80, rng));
+                        out.extend(scale(rng));
+                        out.extend(scale(rng));
+                    }
                     _ => unreachable!("{ty}"),
                 }
             }
@@ -173,6 +182,8 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
         (GgmlType::Q4K, 768),
         (GgmlType::Q5K, 512),
         (GgmlType::Q6K, 512),
+        (GgmlType::Q3K, 512),
+        (GgmlType::Q2K, 512),
     ];
     let rows = 37;
     let wide_before = pagoda_ops::simd::f32_decode::wide_matmul_count();

@@ -193,7 +193,7 @@ fn every_supported_tile_matches_the_scalar_kernel() {
                 // 256 columns: an even number of blocks (the VNNI nibble kernel takes two
                 // at a time); 224: seven blocks, the one-block-at-a-time kernel.
                 let widths: &[usize] = match ty {
-                    GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => &[256],
+                    GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => &[256],
                     _ => &[256, 224],
                 };
                 for &cols in widths {

@@ -32,7 +32,7 @@ pub enum GgmlType {
 
 /// Raised when a tensor has a storage type pagoda cannot decode.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("tensor type {ty} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)")]
+#[error("tensor type {ty} is not supported (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)")]
 pub struct UnsupportedType {
     pub ty: GgmlType,
 }
@@ -144,7 +144,7 @@ impl GgmlType {
         use GgmlType::*;
         matches!(
             self,
-            F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q4K | Q5K | Q6K
+            F32 | F16 | BF16 | Q8_0 | Q4_0 | Q4_1 | Q5_0 | Q5_1 | Q2K | Q3K | Q4K | Q5K | Q6K
         )
     }
 

@@ -212,7 +212,13 @@ fn upload_tensor_into<T: HostFloat>(
         GgmlType::Q5K => Some(QuantFormat::Q5K),
         GgmlType::Q6K => Some(QuantFormat::Q6K),
         // No GPU dequantizer: decoded on the CPU (bit-exact) and uploaded as floats.
-        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q5_0 | GgmlType::Q5_1 => None,
+        GgmlType::F32
+        | GgmlType::F16
+        | GgmlType::BF16
+        | GgmlType::Q5_0
+        | GgmlType::Q5_1
+        | GgmlType::Q2K
+        | GgmlType::Q3K => None,
         other => {
             return Err(LoadError(format!(
                 "tensor {name} has type {other}, which the CUDA backend cannot load yet"

@@ -67,6 +67,7 @@ macro_rules! for_layout {
                     (true, KQUANT_FACTORS, 0) => $($kernel)::+::<true, KQUANT_FACTORS, $q, 0>,
                     (true, HALF_FACTORS, 1) => $($kernel)::+::<true, HALF_FACTORS, $q, 1>,
                     (true, KQUANT_FACTORS, 1) => $($kernel)::+::<true, KQUANT_FACTORS, $q, 1>,
+                    (true, SUB_FACTORS, 0) => $($kernel)::+::<true, SUB_FACTORS, $q, 0>,
                     (true, SUB_FACTORS, 2) => $($kernel)::+::<true, SUB_FACTORS, $q, 2>,
                     (false, F32_FACTORS, 0) => $($kernel)::+::<false, F32_FACTORS, $q, 0>,
                     (false, HALF_FACTORS, 0) => $($kernel)::+::<false, HALF_FACTORS, $q, 0>,

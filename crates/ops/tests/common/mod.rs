@@ -29,7 +29,7 @@ pub fn assert_f64_dots(what: &str, y: &[f32], weights: &[f32], activations: &[f3
 }
 
 /// The weight types with repacked integer kernels.
-pub const REPACKED: [GgmlType; 8] = [
+pub const REPACKED: [GgmlType; 9] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
@@ -38,6 +38,7 @@ pub const REPACKED: [GgmlType; 8] = [
     GgmlType::Q4K,
     GgmlType::Q5K,
     GgmlType::Q6K,
+    GgmlType::Q3K,
 ];
 
 pub fn f16(value: f32) -> [u8; 2] {
@@ -116,6 +117,17 @@ pub fn random_rows(
                 }
                 let rest = if ty == GgmlType::Q4K { 128 } else { 160 };
                 out.extend(bytes(rest, rng));
+            }
+            GgmlType::Q3K => {
+                out.extend(bytes(96, rng));
+                if unit_scales {
+                    // Every 6-bit scale 33: sub-scale 1.
+                    out.extend([0x11u8; 8]);
+                    out.extend([0xAAu8; 4]);
+                } else {
+                    out.extend(bytes(12, rng));
+                }
+                out.extend(scale(rng, true));
             }
             GgmlType::Q6K => {
                 out.extend(bytes(192, rng));

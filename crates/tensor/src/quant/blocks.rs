@@ -20,6 +20,10 @@ pub const Q8_0_BYTES: usize = 34;
 pub const Q4_0_BYTES: usize = 18;
 /// Bytes per Q4_1 block.
 pub const Q4_1_BYTES: usize = 20;
+/// Bytes per Q2_K super-block.
+pub const Q2_K_BYTES: usize = 84;
+/// Bytes per Q3_K super-block.
+pub const Q3_K_BYTES: usize = 110;
 /// Bytes per Q4_K super-block.
 pub const Q4_K_BYTES: usize = 144;
 /// Bytes per Q5_K super-block.
@@ -140,6 +144,67 @@ pub fn scale_min_k4(j: usize, scales: &[u8; 12]) -> (u8, u8) {
         let scale = (scales[j + 4] & 0x0F) | ((scales[j - 4] >> 6) << 4);
         let min = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
         (scale, min)
+    }
+}
+
+/// `block_q2_K { u8 scales[16]; u8 qs[64]; f16 d; f16 dmin; }`: 16 sub-blocks of 16; block
+/// `b` of 32 (`b = 4 n + j`, `n` the half of 128 values) takes the 2 bits at `2 j` of
+/// `qs[32 n ..]` (values 0..16 from bytes `l`, 16..32 from `l + 16`); each sub-block's
+/// scale byte holds a 4-bit scale and a 4-bit min: `y = (d * sc) * q - (dmin * m)`.
+#[inline(always)]
+pub fn q2_k(block: &[u8; Q2_K_BYTES], out: &mut [f32; QK_K]) {
+    let d = f16_at(block, 80);
+    let dmin = f16_at(block, 82);
+    for (b, values) in out.chunks_exact_mut(QK).enumerate() {
+        let (n, j) = (b / 4, b % 4);
+        let q = &block[16 + 32 * n..16 + 32 * n + 32];
+        for (half, values) in values.chunks_exact_mut(16).enumerate() {
+            let sc = block[2 * b + half];
+            let (dl, ml) = (d * (sc & 0x0F) as f32, dmin * (sc >> 4) as f32);
+            for (l, value) in values.iter_mut().enumerate() {
+                *value = dl * ((q[16 * half + l] >> (2 * j)) & 3) as f32 - ml;
+            }
+        }
+    }
+}
+
+/// The 16 signed 6-bit scales of a Q3_K block (`scale - 32`) from its 12 packed bytes, as
+/// ggml unpacks them: the low 4 bits of scales `0..8` in the low nibbles of bytes `0..8`,
+/// of `8..16` in their high nibbles, the top 2 bits from bytes `8..12`.
+#[inline(always)]
+pub fn q3_k_scales(packed: &[u8; 12]) -> [i8; 16] {
+    std::array::from_fn(|i| {
+        let low = if i < 8 {
+            packed[i] & 0x0F
+        } else {
+            packed[i - 8] >> 4
+        };
+        let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+        ((low | (high << 4)) as i32 - 32) as i8
+    })
+}
+
+/// The 3-bit values of Q3_K block `b` (of 32; `b = 4 n + j`) as `u = q + 4` (0..8): 2 bits
+/// at `2 j` of `qs[32 n ..]`, plus 4 when bit `b` of the value's `hmask` byte is set.
+#[inline(always)]
+pub fn q3_k_values(block: &[u8; Q3_K_BYTES], b: usize) -> [u8; QK] {
+    let (n, j) = (b / 4, b % 4);
+    let (hmask, qs) = (&block[..32], &block[32 + 32 * n..64 + 32 * n]);
+    std::array::from_fn(|l| ((qs[l] >> (2 * j)) & 3) | (((hmask[l] >> b) & 1) << 2))
+}
+
+/// `block_q3_K { u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d; }`: 16 sub-blocks of 16;
+/// `y = (d * (scale - 32)) * q` with `q = u - 4` of [`q3_k_values`] in `-4..4`.
+#[inline(always)]
+pub fn q3_k(block: &[u8; Q3_K_BYTES], out: &mut [f32; QK_K]) {
+    let d = f16_at(block, 108);
+    let scales = q3_k_scales(block[96..108].try_into().unwrap());
+    for (b, values) in out.chunks_exact_mut(QK).enumerate() {
+        let u = q3_k_values(block, b);
+        for (i, value) in values.iter_mut().enumerate() {
+            let dl = d * scales[2 * b + i / 16] as f32;
+            *value = dl * (u[i] as i32 - 4) as f32;
+        }
     }
 }
 

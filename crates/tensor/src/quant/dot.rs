@@ -225,3 +225,25 @@ pub fn q6_k(row: &[u8], x: &[f32]) -> f32 {
     }
     lanes_sum(&lanes[..16].try_into().unwrap()) + lanes_sum(&lanes[16..].try_into().unwrap())
 }
+
+/// Any super-block format: each block decoded by `decode` into 256 values, then
+/// multiplied into 32 lanes (the low-bit K-quants, Q2_K and Q3_K, which no hot path runs in
+/// f32 often enough to fuse).
+#[inline(always)]
+pub fn decoded<const BYTES: usize>(
+    row: &[u8],
+    x: &[f32],
+    decode: impl Fn(&[u8; BYTES], &mut [f32; QK_K]),
+) -> f32 {
+    let mut lanes = [0f32; 32];
+    let mut values = [0f32; QK_K];
+    for (block, xs) in row.chunks_exact(BYTES).zip(x.chunks_exact(QK_K)) {
+        decode(block.try_into().unwrap(), &mut values);
+        for (v, x) in values.chunks_exact(32).zip(xs.chunks_exact(32)) {
+            for l in 0..32 {
+                lanes[l] += v[l] * x[l];
+            }
+        }
+    }
+    lanes_sum(&lanes[..16].try_into().unwrap()) + lanes_sum(&lanes[16..].try_into().unwrap())
+}

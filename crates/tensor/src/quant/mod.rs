@@ -1,6 +1,6 @@
 //! Dequantization of GGML block formats to `f32`, and quantized-row dot products.
 //!
-//! Supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. Every decoder is
+//! Supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K. Every decoder is
 //! bit-exact with ggml's scalar `dequantize_row_*` (checked against gguf-py's numpy
 //! implementation in `tests/dequantize.rs`). The per-block decoders live in [`blocks`].
 
@@ -45,6 +45,8 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) -> Result<(), Unsup
         GgmlType::Q4_1 => decode_blocks(src, out, blocks::q4_1),
         GgmlType::Q5_0 => decode_blocks(src, out, blocks::q5_0),
         GgmlType::Q5_1 => decode_blocks(src, out, blocks::q5_1),
+        GgmlType::Q2K => decode_blocks(src, out, blocks::q2_k),
+        GgmlType::Q3K => decode_blocks(src, out, blocks::q3_k),
         GgmlType::Q4K => decode_blocks(src, out, blocks::q4_k),
         GgmlType::Q5K => decode_blocks(src, out, blocks::q5_k),
         GgmlType::Q6K => decode_blocks(src, out, blocks::q6_k),
@@ -76,6 +78,8 @@ pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
         GgmlType::Q4_1 => dot::q4_1(row, x),
         GgmlType::Q5_0 => dot::q5_0(row, x),
         GgmlType::Q5_1 => dot::q5_1(row, x),
+        GgmlType::Q2K => dot::decoded::<{ blocks::Q2_K_BYTES }>(row, x, blocks::q2_k),
+        GgmlType::Q3K => dot::decoded::<{ blocks::Q3_K_BYTES }>(row, x, blocks::q3_k),
         GgmlType::Q4K => dot::q4_k(row, x),
         GgmlType::Q5K => dot::q5_k(row, x),
         GgmlType::Q6K => dot::q6_k(row, x),

@@ -12,6 +12,8 @@
 //! | Q5_0 | byte | 5-bit `q` | 16 | 0 | f16 |
 //! | Q5_1 | byte | 5-bit `q` | 0 | `m` | f16 |
 //! | Q8_0 | byte | `q + 128` | 128 | 0 | f16 |
+//! | Q3_K | byte | 3-bit `q + 4` of one sub-block | 4 | 0 | f16 `d`, sub-scales |
+//! | Q6_K | byte | 6-bit `q` of one sub-block | 32 | 0 | f16 `d`, sub-scales |
 //! | Q4_K | nibble | `q` of one sub-block | 0 | `-(dmin * min)`, `d = d * scale` | f32 |
 //! | Q5_K | byte | 5-bit `q` of one sub-block | 0 | as Q4_K | f32 |
 //!
@@ -25,17 +27,19 @@
 //! (decode streams the weights from memory: bytes are time); the K-quants' products
 //! `d * scale` are not halves in general and are kept as f32 ([`RowFactors::Single`]).
 //!
-//! Q6_K has one signed 8-bit scale per 16 values under the super-block's f16 `d`: its blocks
-//! of 32 are bytes `u = q` (6 bits) with `zero` 32, the scale `d` (f16 bits, no mins) and
-//! the two integer **sub-scales** `s0, s1` of the block's halves ([`RepackedRows::sub_scales`]).
-//! The value is `(d * s) * (u - 32)`, as ggml computes it, and the block's integer part
+//! Q6_K and Q3_K have one signed scale per 16 values (8 bits; 6 bits minus 32) under the
+//! super-block's f16 `d`: their blocks of 32 are bytes `u` (6 or 3 bits) with `zero` 32 or
+//! 4, the scale `d` (f16 bits, no mins) and the two integer **sub-scales** `s0, s1` of the
+//! block's halves ([`RepackedRows::sub_scales`]). The value is `(d * s) * (u - zero)`, as
+//! ggml computes it, and the block's integer part
 //! becomes `s0 (u - zero) . qa[0..16] + s1 (u - zero) . qa[16..32]`, still exact in i32
 //! (also for Q15 rows: at most `2 * 16 * 32 * 128 * 16256 < 2^31`), so the float chain after
 //! it is unchanged.
 
 use super::blocks::{
-    f16_at, f16_bits_to_f32, q5_values, scale_min_k4, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES,
-    Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_0_BYTES, QK, QK_K,
+    f16_at, f16_bits_to_f32, q3_k_scales, q3_k_values, q5_values, scale_min_k4, Q3_K_BYTES,
+    Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_0_BYTES,
+    QK, QK_K,
 };
 use super::q8::Q8Rows;
 use crate::GgmlType;
@@ -173,6 +177,7 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
         GgmlType::Q5_0 => (QuantWidth::Byte, 5, 16),
         GgmlType::Q5_1 | GgmlType::Q5K => (QuantWidth::Byte, 5, 0),
         GgmlType::Q6K => (QuantWidth::Byte, 6, 32),
+        GgmlType::Q3K => (QuantWidth::Byte, 3, 4),
         _ => return None,
     };
     let row_bytes = ty.bytes_for(row_len)?;
@@ -197,7 +202,11 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
                 mins: Vec::with_capacity(if zero == 0 { blocks } else { 0 }),
             },
         },
-        sub_scales: Vec::with_capacity(if ty == GgmlType::Q6K { blocks } else { 0 }),
+        sub_scales: Vec::with_capacity(if matches!(ty, GgmlType::Q3K | GgmlType::Q6K) {
+            blocks
+        } else {
+            0
+        }),
         super_factors: None,
     };
     let mut supers = SuperFactors::default();
@@ -291,6 +300,17 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
                 }
             }
         }
+        GgmlType::Q3K => {
+            for block in bytes.chunks_exact(Q3_K_BYTES) {
+                let block: &[u8; Q3_K_BYTES] = block.try_into().unwrap();
+                let d = half_at(block, 108);
+                let scales = q3_k_scales(block[96..108].try_into().unwrap());
+                for j in 0..QK_K / QK {
+                    push(&q3_k_values(block, j), Factor::Half(d), Factor::Half(0));
+                    sub_scales.push([scales[2 * j], scales[2 * j + 1]]);
+                }
+            }
+        }
         GgmlType::Q4K | GgmlType::Q5K => {
             let (size, qs_at) = if ty == GgmlType::Q4K {
                 (Q4_K_BYTES, 16)
@@ -349,8 +369,8 @@ impl RepackedRows {
     pub fn width(&self) -> QuantWidth {
         self.width
     }
-    /// Bits each value `u` uses: 4 for nibble blocks; 5 (Q5_0, Q5_1, Q5_K), 6 (Q6_K) or 8
-    /// (Q8_0) for byte blocks.
+    /// Bits each value `u` uses: 4 for nibble blocks; 3 (Q3_K), 5 (Q5_0, Q5_1, Q5_K), 6
+    /// (Q6_K) or 8 (Q8_0) for byte blocks.
     pub fn value_bits(&self) -> u32 {
         self.value_bits
     }

@@ -42,22 +42,21 @@ impl Interleaved {
     /// says.
     pub fn with_high_bits(weights: &RepackedRows, high_bits: planes::HighBits) -> Interleaved {
         let bits = weights.value_bits() as usize;
-        let planes = if weights.width() == QuantWidth::Byte
-            && bits <= 6
-            && high_bits == planes::HighBits::Planes
-        {
-            bits - 4
-        } else {
-            0
+        // Byte blocks of at most 4 bits (Q3_K) always become nibbles; of 5-6 bits, nibbles
+        // and planes when `high_bits` says so.
+        let (pack, planes) = match (weights.width(), bits) {
+            (QuantWidth::Byte, ..=4) => (true, 0),
+            (QuantWidth::Byte, 5..=6) if high_bits == planes::HighBits::Planes => (true, bits - 4),
+            _ => (false, 0),
         };
-        let nibble = weights.width() == QuantWidth::Nibble || planes > 0;
+        let nibble = weights.width() == QuantWidth::Nibble || pack;
         let half = weights.has_half_factors();
         let sub = weights.has_sub_scales();
         assert!(!sub || half, "sub-scales come with half factors");
         let kquant = weights.row_super_factors(0).is_some();
         let block_bytes = weights.width().bytes_per_block();
         // Bytes of weights per record: 8 rows' values, then the planes' 8 masks each.
-        let weight_bytes = if planes > 0 {
+        let weight_bytes = if pack {
             GROUP * 16 + planes * 32
         } else {
             GROUP * block_bytes
@@ -102,7 +101,7 @@ impl Interleaved {
                     let subs = weights.sub_scales(row);
                     let stored = weights.row_super_factors(row);
                     for (block, record) in records.chunks_exact_mut(stride).enumerate() {
-                        if planes > 0 {
+                        if pack {
                             // The low nibbles as the Q4 layout holds them; planes below.
                             let u = weights.block_values(row, block);
                             for step in 0..4 {

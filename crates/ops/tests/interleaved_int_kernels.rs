@@ -2,8 +2,9 @@
 //! (row, token) dot equal bit for bit to `dot_scalar`, for every repacked format, row counts
 //! that leave a partial group, and token counts that leave partial tiles; and against the
 //! f64 dots of ggml's dequantized weights, whose values the interleaved rows also decode to.
-//! One-token matmuls run the decode width `PAGODA_CPU_INT_DECODE` selects (run it with
-//! `=avx512` and `=avx2` for both the 16-row and the 8-row kernel).
+//! One-token matmuls run the decode width `PAGODA_CPU_INT_DECODE` selects and prefills the
+//! width `PAGODA_CPU_INT_PREFILL` selects (run with `=avx512` and `=avx2` for both the
+//! 16-row and the 8-row kernels; the default prefill is `avx512`).
 //! Skipped on CPUs without AVX-512 VNNI. An ignored test times it against the VNNI tiles.
 
 mod common;
@@ -98,6 +99,12 @@ fn interleaved_dots_equal_the_scalar_kernel_bit_for_bit() {
         assert!(
             interleaved::wide_decode_count() > 0,
             "the 512-bit decode did not run"
+        );
+    }
+    if interleaved::IntPrefill::selected() == interleaved::IntPrefill::Avx512 {
+        assert!(
+            interleaved::wide_prefill_count() > 0,
+            "the 512-bit prefill did not run"
         );
     }
 }

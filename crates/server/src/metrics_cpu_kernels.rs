@@ -48,6 +48,13 @@ pub(super) fn render(out: &mut String) {
     );
     let _ = writeln!(
         out,
+        "# HELP pagoda_cpu_int_wide_prefills_total Integer prefill matmuls run sixteen rows \
+         per 512-bit register (PAGODA_CPU_INT_PREFILL=avx512).\n\
+         # TYPE pagoda_cpu_int_wide_prefills_total counter\npagoda_cpu_int_wide_prefills_total {}",
+        pagoda_ops::simd::interleaved::wide_prefill_count()
+    );
+    let _ = writeln!(
+        out,
         "# HELP pagoda_cpu_prefetch_matmuls_total Integer matmuls (or shared decode regions) \
          of the interleaved kernels run with software prefetch of the weights \
          (PAGODA_CPU_PREFETCH).\n\

@@ -88,6 +88,14 @@ fn gauges_follow_the_snapshot() {
         "\npagoda_cpu_prefetch_bytes {}\n",
         pagoda_ops::simd::prefetch::distance()
     )));
+    let wide_prefills = text
+        .lines()
+        .find_map(|line| line.strip_prefix("pagoda_cpu_int_wide_prefills_total "))
+        .expect("the 512-bit integer prefill counter line");
+    assert!(
+        wide_prefills.parse::<u64>().unwrap()
+            <= pagoda_ops::simd::interleaved::wide_prefill_count()
+    );
     let planes = text
         .lines()
         .find_map(|line| line.strip_prefix("pagoda_cpu_plane_matmuls_total "))

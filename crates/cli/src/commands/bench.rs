@@ -195,6 +195,10 @@ struct Report {
     /// count of decode matmuls (or shared regions) that ran 16 rows per register.
     int_decode: String,
     int_wide_decodes: u64,
+    /// The register width of integer prefills (`PAGODA_CPU_INT_PREFILL`) and the count of
+    /// prefill matmuls that ran 16 rows per register.
+    int_prefill: String,
+    int_wide_prefills: u64,
     /// How far ahead the integer kernels prefetch the weights (`PAGODA_CPU_PREFETCH`, 0: off)
     /// and how many matmuls (or shared decode regions) ran with it.
     prefetch_bytes: usize,
@@ -386,6 +390,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .name()
             .to_string(),
         int_wide_decodes: pagoda_ops::simd::interleaved::wide_decode_count(),
+        int_prefill: pagoda_ops::simd::interleaved::IntPrefill::selected()
+            .name()
+            .to_string(),
+        int_wide_prefills: pagoda_ops::simd::interleaved::wide_prefill_count(),
         prefetch_bytes: pagoda_ops::simd::prefetch::distance(),
         prefetched_matmuls: pagoda_ops::simd::prefetch::prefetched_matmul_count(),
         high_bits: pagoda_ops::simd::interleaved::planes::HighBits::selected()

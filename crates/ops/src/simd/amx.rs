@@ -72,9 +72,9 @@ pub enum AmxError {
     /// The hardware backend was asked for on a CPU or OS without AMX-INT8.
     #[error("AMX-INT8 is not available (needs CPUID amx_tile + amx_int8 and Linux XTILEDATA permission)")]
     NotAvailable,
-    /// The weights have sub-scales (Q6_K), which these tiles do not take: the interleaved
+    /// The weights have sub-scales (Q6_K, Q3_K), which these tiles do not take: the interleaved
     /// VNNI kernel runs them.
-    #[error("weights with sub-scales (Q6_K) have no AMX kernel")]
+    #[error("weights with sub-scales (Q6_K, Q3_K) have no AMX kernel")]
     SubScales,
     /// Weight and activation rows differ in length.
     #[error("weight rows have {weights} blocks, activation rows {activations}")]

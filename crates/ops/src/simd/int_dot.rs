@@ -18,7 +18,7 @@
 //! (`x86::tile_vnni_pairs` with `T = 1`) prefetch the same bytes 16 rows on and those rows'
 //! factors; a prefetch changes no value.
 //!
-//! Weights with sub-scales (Q6_K: bytes, half factors) multiply each block's integer lanes
+//! Weights with sub-scales (Q6_K, Q3_K: bytes, half factors) multiply each block's integer lanes
 //! by the sub-scale of the half each lane covers (`vpmulld`) before the conversion; they run
 //! the byte tiles (`tile_vnni` also at one token) or the AVX2 ones.
 //!

@@ -8,10 +8,12 @@
 //! each 32-value block, the weight bytes as `vpdpbusd` wants them: step `k` holds, for rows
 //! 0..8 in turn, the 4 bytes that meet activation bytes `4k..4k + 4`. Nibble blocks keep the
 //! repacked order (`u[j] | u[j + 16] << 4`): 4 steps of 32 bytes whose low nibbles meet
-//! activation dword `k` and high nibbles dword `k + 4`. Byte blocks: 8 steps of 32 bytes.
+//! activation dword `k` and high nibbles dword `k + 4`. Byte blocks: 8 steps of 32 bytes (repacked
+//! bytes of at most 4 bits, Q3_K, become nibbles; of 5-6 bits, a nibble and bit planes, see
+//! [`planes`]).
 //! After the weights, the block's 8 scales then 8 mins (f16 bits or f32, as stored; formats
 //! without mins store zeros, 2 bytes more per Q4_0 or Q8_0 block than the repacked rows).
-//! Formats with sub-scales (Q6_K, see [`pagoda_tensor::quant::repack`]) have no mins: their
+//! Formats with sub-scales (Q6_K, Q3_K, see [`pagoda_tensor::quant::repack`]) have no mins: their
 //! 16 bytes hold the 8 rows' first-half sub-scales, then their second-half ones (i8). The
 //! K-quants (Q4_K, Q5_K) keep their factors as stored ([`SuperFactors`]): the record ends in
 //! the 8 rows' 6-bit scales `sc`, then their mins `m` (a byte each), and a separate array
@@ -40,9 +42,13 @@ use rayon::prelude::*;
 mod layout;
 pub mod planes;
 mod wide;
+pub mod width;
 pub use layout::{Interleaved, SUPER_BYTES};
-pub(crate) use wide::count_decode as count_wide_decode;
-pub use wide::{wide_decode_count, IntDecode, INT_DECODE_ENV_VAR};
+pub(crate) use width::count_decode as count_wide_decode;
+pub use width::{
+    wide_decode_count, wide_prefill_count, IntDecode, IntPrefill, INT_DECODE_ENV_VAR,
+    INT_PREFILL_ENV_VAR,
+};
 
 /// Rows per group.
 pub const GROUP: usize = 8;
@@ -51,28 +57,40 @@ pub const GROUP: usize = 8;
 pub(crate) const F32_FACTORS: u8 = 0;
 /// f16 scales and mins.
 pub(crate) const HALF_FACTORS: u8 = 1;
-/// f16 scales and the sub-scales (Q6_K).
+/// f16 scales and the sub-scales (Q6_K, Q3_K).
 pub(crate) const SUB_FACTORS: u8 = 2;
 /// The K-quants' stored factors (bytes in the record, `d`/`dmin` per super-block apart).
 pub(crate) const KQUANT_FACTORS: u8 = 3;
 
 /// `$kernel::<NIBBLE, FACTORS, Q15, PLANES>` for `$weights`' layout and `$q15`.
 macro_rules! for_layout {
-    ($($kernel:ident)::+, $weights:expr, $q15:expr) => {{
+    ($($kernel:ident)::+, $weights:expr, $q15:expr) => {
+        for_layout!(@with [] $($kernel)::+, $weights, $q15)
+    };
+    (@tile $t:literal, $($kernel:ident)::+, $weights:expr, $q15:expr) => {
+        for_layout!(@with [$t,] $($kernel)::+, $weights, $q15)
+    };
+    (@with [$($t:tt)*] $($kernel:ident)::+, $weights:expr, $q15:expr) => {{
         macro_rules! arms {
             ($q:literal) => {
                 match ($weights.nibble, $weights.factor_layout(), $weights.planes) {
-                    (true, F32_FACTORS, 0) => $($kernel)::+::<true, F32_FACTORS, $q, 0>,
-                    (true, HALF_FACTORS, 0) => $($kernel)::+::<true, HALF_FACTORS, $q, 0>,
-                    (true, KQUANT_FACTORS, 0) => $($kernel)::+::<true, KQUANT_FACTORS, $q, 0>,
-                    (true, HALF_FACTORS, 1) => $($kernel)::+::<true, HALF_FACTORS, $q, 1>,
-                    (true, KQUANT_FACTORS, 1) => $($kernel)::+::<true, KQUANT_FACTORS, $q, 1>,
-                    (true, SUB_FACTORS, 0) => $($kernel)::+::<true, SUB_FACTORS, $q, 0>,
-                    (true, SUB_FACTORS, 2) => $($kernel)::+::<true, SUB_FACTORS, $q, 2>,
-                    (false, F32_FACTORS, 0) => $($kernel)::+::<false, F32_FACTORS, $q, 0>,
-                    (false, HALF_FACTORS, 0) => $($kernel)::+::<false, HALF_FACTORS, $q, 0>,
-                    (false, SUB_FACTORS, 0) => $($kernel)::+::<false, SUB_FACTORS, $q, 0>,
-                    (false, KQUANT_FACTORS, 0) => $($kernel)::+::<false, KQUANT_FACTORS, $q, 0>,
+                    (true, F32_FACTORS, 0) => $($kernel)::+::<$($t)* true, F32_FACTORS, $q, 0>,
+                    (true, HALF_FACTORS, 0) => $($kernel)::+::<$($t)* true, HALF_FACTORS, $q, 0>,
+                    (true, KQUANT_FACTORS, 0) => {
+                        $($kernel)::+::<$($t)* true, KQUANT_FACTORS, $q, 0>
+                    }
+                    (true, HALF_FACTORS, 1) => $($kernel)::+::<$($t)* true, HALF_FACTORS, $q, 1>,
+                    (true, KQUANT_FACTORS, 1) => {
+                        $($kernel)::+::<$($t)* true, KQUANT_FACTORS, $q, 1>
+                    }
+                    (true, SUB_FACTORS, 0) => $($kernel)::+::<$($t)* true, SUB_FACTORS, $q, 0>,
+                    (true, SUB_FACTORS, 2) => $($kernel)::+::<$($t)* true, SUB_FACTORS, $q, 2>,
+                    (false, F32_FACTORS, 0) => $($kernel)::+::<$($t)* false, F32_FACTORS, $q, 0>,
+                    (false, HALF_FACTORS, 0) => $($kernel)::+::<$($t)* false, HALF_FACTORS, $q, 0>,
+                    (false, SUB_FACTORS, 0) => $($kernel)::+::<$($t)* false, SUB_FACTORS, $q, 0>,
+                    (false, KQUANT_FACTORS, 0) => {
+                        $($kernel)::+::<$($t)* false, KQUANT_FACTORS, $q, 0>
+                    }
                     (nibble, factors, planes) => unreachable!(
                         "no layout of nibble {nibble}, factors {factors}, planes {planes}"
                     ),
@@ -119,7 +137,7 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
     }
     if tokens == 1 {
         // Decode: each task writes its rows straight into `y` (whole pairs of groups).
-        wide::count_decode();
+        width::count_decode();
         let rows_per_task =
             crate::linear::int_matmul::decode_rows_per_task(rows).next_multiple_of(2 * GROUP);
         y.par_chunks_mut(rows_per_task)
@@ -130,12 +148,72 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
         return;
     }
     // Prefill: two groups per task, all tokens, merged by `by_row_tasks`.
+    let wide = IntPrefill::selected() == IntPrefill::Avx512;
+    if wide {
+        width::count_prefill();
+    }
     crate::linear::by_row_tasks_in_place(rows, tokens, 2 * GROUP, y, |range, out| {
+        if wide && range.len() == 2 * GROUP {
+            let group = range.start / GROUP;
+            if weights.planes > 0 {
+                let bytes = weights.groups_as_bytes(group, 2);
+                pair_tile_dots(&bytes, 0, activations, &starts, out, range.start);
+            } else {
+                pair_tile_dots(weights, group, activations, &starts, out, range.start);
+            }
+            return;
+        }
         for index in 0..range.len().div_ceil(GROUP) {
             let group = range.start / GROUP + index;
             group_dots(weights, group, activations, &starts, out, group * GROUP);
         }
     });
+}
+
+/// The dots of groups `group` and `group + 1` (both whole) with every token, at `out`'s
+/// columns `col..col + 16`: four tokens at a time on the 512-bit kernel, then one.
+fn pair_tile_dots(
+    weights: &Interleaved,
+    group: usize,
+    activations: &Q8Rows,
+    starts: &[i32],
+    out: &mut Columns,
+    col: usize,
+) {
+    let tokens = activations.num_rows();
+    let mut t = 0;
+    while t < tokens {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `matmul` checked the features; both groups and the tokens are in range,
+        // and `starts` is empty or holds the starts of every (token, block).
+        unsafe {
+            if t + 4 <= tokens {
+                let dots =
+                    for_layout!(@tile 4, wide::x86::pair_tile, weights, activations.is_q15());
+                let dots = dots(
+                    weights,
+                    group,
+                    activations,
+                    starts,
+                    [t, t + 1, t + 2, t + 3],
+                );
+                for (i, values) in dots.iter().enumerate() {
+                    out.put(t + i, col, values);
+                }
+                t += 4;
+            } else {
+                let dots =
+                    for_layout!(@tile 1, wide::x86::pair_tile, weights, activations.is_q15());
+                out.put(t, col, &dots(weights, group, activations, starts, [t])[0]);
+                t += 1;
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (weights, group, starts, &out, col);
+            t += 1;
+        }
+    }
 }
 
 /// `-zero * sum(q)` per (token, block) of `activations` (Q15: `q = 128 hi + lo`): the exact
@@ -246,7 +324,7 @@ fn group_dots(
     #[cfg(target_arch = "x86_64")]
     if weights.planes > 0 && activations.num_rows() > 1 {
         // Several tokens: the planes unpacked once for all of them, not once per tile.
-        let bytes = weights.group_as_bytes(group);
+        let bytes = weights.groups_as_bytes(group, 1);
         return group_dots(&bytes, 0, activations, starts, out, col);
     }
     #[cfg(target_arch = "x86_64")]

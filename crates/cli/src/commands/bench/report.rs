@@ -12,14 +12,17 @@ pub(super) fn print_report(report: &Report, json: bool) -> Result<()> {
     println!("model: {} | device: {}", report.model, report.device);
     println!(
         "cpu kernels: {} ({} matmuls on AMX tiles, {} on Q15 activations) | f32 decode matmuls: {} ({} ran eight rows \
-         at a time) | integer decode: {} ({} ran 16 rows per register)",
+         at a time) | integer decode: {} ({} ran 16 rows per register) | integer prefill: {} \
+         ({} ran 16 rows per register)",
         report.cpu_kernels,
         report.amx_matmuls,
         report.q15_matmuls,
         report.f32_decode,
         report.f32_wide_matmuls,
         report.int_decode,
-        report.int_wide_decodes
+        report.int_wide_decodes,
+        report.int_prefill,
+        report.int_wide_prefills
     );
     println!(
         "weights: {} | threads: {} | attention: {} | prefetch: {} bytes ahead ({} matmuls) | \

@@ -212,18 +212,19 @@ impl Interleaved {
         }
     }
 
-    /// Group `group` alone in the byte layout (the planes folded into the bytes, the factors
-    /// as they are): what prefills run on, so the planes are unpacked once per matmul rather
-    /// than once per tile of tokens. Needs the interleaved kernel's CPU features.
+    /// Groups `group..group + count` alone in the byte layout (the planes folded into the
+    /// bytes, the factors as they are): what prefills run on, so the planes are unpacked once
+    /// per matmul rather than once per tile of tokens. Needs the interleaved kernel's CPU
+    /// features.
     #[cfg(target_arch = "x86_64")]
-    pub(super) fn group_as_bytes(&self, group: usize) -> Interleaved {
+    pub(super) fn groups_as_bytes(&self, group: usize, count: usize) -> Interleaved {
         assert!(self.planes > 0 && group * GROUP < self.num_rows);
         let blocks = self.blocks_per_row;
         let factor_bytes = self.stride - self.weight_bytes();
         let stride = GROUP * 32 + factor_bytes;
-        let mut data = vec![0u8; blocks * stride];
-        for (block, out) in data.chunks_exact_mut(stride).enumerate() {
-            let record = self.record(group, block);
+        let mut data = vec![0u8; count * blocks * stride];
+        for (index, out) in data.chunks_exact_mut(stride).enumerate() {
+            let record = self.record(group + index / blocks, index % blocks);
             // SAFETY: `matmul` checked the features; `record` holds the nibbles and planes,
             // `out` 256 bytes and more.
             unsafe { super::x86::unpack_planes(self.planes, record, out) };
@@ -231,14 +232,14 @@ impl Interleaved {
         }
         let per_group = blocks / SUPER_BLOCKS * SUPER_BYTES;
         let supers = if self.kquant {
-            self.supers[group * per_group..(group + 1) * per_group].to_vec()
+            self.supers[group * per_group..(group + count) * per_group].to_vec()
         } else {
             Vec::new()
         };
         Interleaved {
             nibble: false,
             planes: 0,
-            num_rows: GROUP.min(self.num_rows - group * GROUP),
+            num_rows: (count * GROUP).min(self.num_rows - group * GROUP),
             stride,
             data,
             supers,
@@ -271,7 +272,7 @@ impl Interleaved {
         }
     }
 
-    /// Whether the blocks have sub-scales (Q6_K; [`Interleaved::block_sub_scales`]).
+    /// Whether the blocks have sub-scales (Q6_K, Q3_K; [`Interleaved::block_sub_scales`]).
     pub fn has_sub_scales(&self) -> bool {
         self.sub
     }

@@ -1,137 +1,9 @@
-//! The one-token (decode) `vnni8` kernel with 512-bit registers: two interleaved groups, 16
-//! weight rows, per vector. The layout does not change: each step loads the two groups'
-//! 32-byte records into the halves of one register, so every `vpdpbusd`, unpack and float
-//! operation serves 16 rows instead of 8. Each lane runs exactly the 8-row kernel's
-//! operations (the exact integer dot, then `d * d_a * integer + min * s_a`, then the running
-//! sum), so the result is the same bits.
-//!
-//! `PAGODA_CPU_INT_DECODE=auto|avx512|avx2` (unset or empty: `auto`: `avx512` on Intel
-//! CPUs, `avx2` elsewhere, see [`IntDecode::best`]); `avx2` keeps the 256-bit (8-row) kernel. Logged once at INFO; [`wide_decode_count`] counts the decode
-//! matmuls (or shared decode regions) that ran 16 rows per register.
-
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
-
-use crate::kernel_choice::{choose_from_env, KernelChoice};
-
-/// The environment variable that selects the register width of the interleaved decode.
-pub const INT_DECODE_ENV_VAR: &str = "PAGODA_CPU_INT_DECODE";
-
-/// The register width of the interleaved integer decode (one-token matmuls).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum IntDecode {
-    /// One group of 8 rows per 256-bit register: the reference.
-    Avx2,
-    /// Two groups, 16 rows, per 512-bit register.
-    Avx512,
-}
-
-impl IntDecode {
-    /// Lower-case name, as [`INT_DECODE_ENV_VAR`] spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            IntDecode::Avx2 => "avx2",
-            IntDecode::Avx512 => "avx512",
-        }
-    }
-
-    /// Whether this CPU runs it (both need what the interleaved kernel needs).
-    pub fn is_supported(self) -> bool {
-        super::is_supported()
-    }
-
-    /// What `auto` picks: [`IntDecode::Avx512`] on Intel CPUs, [`IntDecode::Avx2`] on
-    /// others. Measured
-    /// (`docs/benchmark_results/cpu-vnni8-wide-decode-epyc-h200host-2026-12-01.md`): on an
-    /// Intel Xeon (Emerald Rapids, full-width 512-bit units) the 16-row kernel cut the
-    /// integer matmuls' decode time by 20-30%; on an AMD EPYC (Zen 4, which splits 512-bit
-    /// operations in two) it decoded 3-9% slower.
-    pub fn best() -> IntDecode {
-        if intel_cpu() {
-            IntDecode::Avx512
-        } else {
-            IntDecode::Avx2
-        }
-    }
-
-    /// Parses an [`INT_DECODE_ENV_VAR`] value (ASCII case and surrounding spaces ignored):
-    /// `auto` or empty give `Ok(None)`; anything but `avx512` and `avx2` is an error naming
-    /// the value and the accepted ones.
-    pub fn parse(text: &str) -> Result<Option<IntDecode>, String> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(None),
-            "avx512" => Ok(Some(IntDecode::Avx512)),
-            "avx2" => Ok(Some(IntDecode::Avx2)),
-            _ => Err(format!(
-                "{INT_DECODE_ENV_VAR}={text:?} is not one of auto, avx512, avx2"
-            )),
-        }
-    }
-
-    /// The process-wide width: [`INT_DECODE_ENV_VAR`] read once (unset: `auto`), validated
-    /// and logged once at INFO.
-    pub fn selected() -> IntDecode {
-        static SELECTED: OnceLock<IntDecode> = OnceLock::new();
-        *SELECTED.get_or_init(|| {
-            let width = choose_from_env::<IntDecode>();
-            tracing::info!(
-                "CPU integer decode (vnni8): {} ({INT_DECODE_ENV_VAR}=auto|avx512|avx2; {} rows \
-                 per register)",
-                width.name(),
-                if width == IntDecode::Avx512 { 16 } else { 8 }
-            );
-            width
-        })
-    }
-}
-
-impl KernelChoice for IntDecode {
-    const ENV_VAR: &'static str = INT_DECODE_ENV_VAR;
-    fn choice_name(self) -> &'static str {
-        self.name()
-    }
-    fn choice_supported(self) -> bool {
-        self.is_supported()
-    }
-    fn auto_choice() -> Self {
-        IntDecode::best()
-    }
-    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
-        IntDecode::parse(text)
-    }
-}
-
-/// Whether CPUID names the vendor "GenuineIntel".
-fn intel_cpu() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let leaf = std::arch::x86_64::__cpuid(0);
-        let mut vendor = [0u8; 12];
-        vendor[..4].copy_from_slice(&leaf.ebx.to_le_bytes());
-        vendor[4..8].copy_from_slice(&leaf.edx.to_le_bytes());
-        vendor[8..].copy_from_slice(&leaf.ecx.to_le_bytes());
-        &vendor == b"GenuineIntel"
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-static WIDE_DECODES: AtomicU64 = AtomicU64::new(0);
-
-/// Decode matmuls (or shared decode regions) that ran 16 rows per register, since the
-/// process started.
-pub fn wide_decode_count() -> u64 {
-    WIDE_DECODES.load(Ordering::Relaxed)
-}
-
-/// Counts one decode region for [`wide_decode_count`] when the wide kernel is selected.
-pub(crate) fn count_decode() {
-    if IntDecode::selected() == IntDecode::Avx512 {
-        WIDE_DECODES.fetch_add(1, Ordering::Relaxed);
-    }
-}
+//! The `vnni8` kernel with 512-bit registers: two interleaved groups, 16 weight rows, per
+//! vector, for decode and for prefill tiles of up to 4 tokens. The layout does not change:
+//! each step loads the two groups' 32-byte records into the halves of one register, so every
+//! `vpdpbusd`, unpack and float operation serves 16 rows instead of 8. Each lane runs exactly
+//! the 8-row kernel's operations (the exact integer dot, then `d * d_a * integer + min * s_a`,
+//! then the running sum), so the result is the same bits. Chosen by [`super::width`].
 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
@@ -158,23 +30,58 @@ pub(super) mod x86 {
         activations: &Q8Rows,
         starts: &[i32],
     ) -> [f32; 2 * GROUP] {
+        // SAFETY: the caller's contract.
+        unsafe {
+            pair_tile::<1, NIBBLE, FACTORS, Q15, PLANES>(weights, group, activations, starts, [0])
+                [0]
+        }
+    }
+
+    /// The 16 dots of groups `group` and `group + 1` with each of `tokens` (`[token][lane]`),
+    /// each lane the 8-row kernel's chain. SAFETY: AVX-512 F, VL, BW and VNNI and F16C; both
+    /// groups and the tokens in range; `starts` empty (zero 0) or one per (token, block) (two
+    /// with sub-scales).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+    #[inline]
+    pub(in super::super) unsafe fn pair_tile<
+        const T: usize,
+        const NIBBLE: bool,
+        const FACTORS: u8,
+        const Q15: bool,
+        const PLANES: usize,
+    >(
+        weights: &Interleaved,
+        group: usize,
+        activations: &Q8Rows,
+        starts: &[i32],
+        tokens: [usize; T],
+    ) -> [[f32; 2 * GROUP]; T] {
         let blocks = weights.blocks_per_row;
         let stride = weights.stride;
         assert!((group + 2) * GROUP <= weights.num_rows.next_multiple_of(GROUP));
         let weight_bytes = if NIBBLE { 128 + 32 * PLANES } else { 256 };
         let sub = FACTORS == SUB_FACTORS;
-        let aq = activations.row_qs(0).as_ptr() as *const u8;
+        // Plain loops, not `array::from_fn`: a closure would not inherit the target features.
+        let mut aq = [std::ptr::null::<u8>(); T];
         // Q15: the `lo` plane (for Q8 rows, unused).
-        let alo = if Q15 {
-            activations.row_lo(0).as_ptr() as *const u8
-        } else {
-            aq
-        };
-        let (ad, sa) = (activations.row_scales(0), activations.row_sums(0));
-        assert!(ad.len() >= blocks && sa.len() >= blocks);
+        let mut alo = [std::ptr::null::<u8>(); T];
+        let mut ad: [&[f32]; T] = [&[]; T];
+        let mut sa: [&[f32]; T] = [&[]; T];
+        for i in 0..T {
+            assert!(tokens[i] < activations.num_rows());
+            aq[i] = activations.row_qs(tokens[i]).as_ptr() as *const u8;
+            alo[i] = if Q15 {
+                activations.row_lo(tokens[i]).as_ptr() as *const u8
+            } else {
+                aq[i]
+            };
+            ad[i] = activations.row_scales(tokens[i]);
+            sa[i] = activations.row_sums(tokens[i]);
+            assert!(ad[i].len() >= blocks && sa[i].len() >= blocks);
+        }
         let has_zero = !starts.is_empty();
         // SAFETY: both groups' records hold `blocks * stride` bytes (asserted above); the
-        // activation row holds `blocks` blocks of 32 bytes, scales and sums.
+        // activation rows hold `blocks` blocks of 32 bytes, scales and sums.
         unsafe {
             let first = weights.data.as_ptr().add(group * blocks * stride);
             let second = first.add(blocks * stride);
@@ -182,7 +89,7 @@ pub(super) mod x86 {
             let super_bytes = blocks / SUPER_BLOCKS * SUPER_BYTES;
             let supers0 = weights.supers.as_ptr().add(group * super_bytes);
             let supers1 = supers0.add(super_bytes);
-            let mut acc = _mm512_setzero_ps();
+            let mut acc = [_mm512_setzero_ps(); T];
             let low = _mm512_set1_epi8(0x0F);
             let ahead = crate::simd::prefetch::distance();
             for b in 0..blocks {
@@ -251,77 +158,85 @@ pub(super) mod x86 {
                         _mm512_castsi512_ps(join_bytes(f0.add(32), f1.add(32))),
                     ),
                 };
-                let a = aq.add(b * 32) as *const i32;
-                if sub {
-                    // Each half from its own start; then s0 * first + s1 * second.
-                    let subs = [
-                        _mm512_cvtepi8_epi32(join_sub_scales(f0.add(16), f1.add(16))),
-                        _mm512_cvtepi8_epi32(join_sub_scales(f0.add(24), f1.add(24))),
-                    ];
-                    let mut halves = if has_zero {
-                        [
-                            _mm512_set1_epi32(*starts.get_unchecked(2 * b)),
-                            _mm512_set1_epi32(*starts.get_unchecked(2 * b + 1)),
-                        ]
+                for i in 0..T {
+                    let a = aq[i].add(b * 32) as *const i32;
+                    if sub {
+                        // Each half from its own start; then s0 * first + s1 * second.
+                        let subs = [
+                            _mm512_cvtepi8_epi32(join_sub_scales(f0.add(16), f1.add(16))),
+                            _mm512_cvtepi8_epi32(join_sub_scales(f0.add(24), f1.add(24))),
+                        ];
+                        let mut halves = if has_zero {
+                            [
+                                _mm512_set1_epi32(
+                                    *starts.get_unchecked(2 * (tokens[i] * blocks + b)),
+                                ),
+                                _mm512_set1_epi32(
+                                    *starts.get_unchecked(2 * (tokens[i] * blocks + b) + 1),
+                                ),
+                            ]
+                        } else {
+                            [_mm512_setzero_si512(); 2]
+                        };
+                        if Q15 {
+                            let high = half_dots(&w, a);
+                            let low = half_dots(&w, alo[i].add(b * 32) as *const i32);
+                            for h in 0..2 {
+                                halves[h] = _mm512_add_epi32(
+                                    _mm512_add_epi32(halves[h], _mm512_slli_epi32::<7>(high[h])),
+                                    low[h],
+                                );
+                            }
+                        } else {
+                            let dots = half_dots(&w, a);
+                            for h in 0..2 {
+                                halves[h] = _mm512_add_epi32(halves[h], dots[h]);
+                            }
+                        }
+                        let integer = _mm512_add_epi32(
+                            _mm512_mullo_epi32(halves[0], subs[0]),
+                            _mm512_mullo_epi32(halves[1], subs[1]),
+                        );
+                        let scaled = _mm512_mul_ps(
+                            _mm512_mul_ps(d, _mm512_set1_ps(*ad[i].get_unchecked(b))),
+                            _mm512_cvtepi32_ps(integer),
+                        );
+                        let term = _mm512_add_ps(
+                            scaled,
+                            _mm512_mul_ps(m, _mm512_set1_ps(*sa[i].get_unchecked(b))),
+                        );
+                        acc[i] = _mm512_add_ps(acc[i], term);
+                        continue;
+                    }
+                    let mut integer = if has_zero {
+                        _mm512_set1_epi32(*starts.get_unchecked(tokens[i] * blocks + b))
                     } else {
-                        [_mm512_setzero_si512(); 2]
+                        _mm512_setzero_si512()
                     };
                     if Q15 {
-                        let high = half_dots(&w, a);
-                        let low = half_dots(&w, alo.add(b * 32) as *const i32);
-                        for h in 0..2 {
-                            halves[h] = _mm512_add_epi32(
-                                _mm512_add_epi32(halves[h], _mm512_slli_epi32::<7>(high[h])),
-                                low[h],
-                            );
-                        }
+                        // 128 (u . hi), exact, then the `lo` dots on top.
+                        let high = block_dots(_mm512_setzero_si512(), &w, a);
+                        integer = _mm512_add_epi32(integer, _mm512_slli_epi32::<7>(high));
+                        integer = block_dots(integer, &w, alo[i].add(b * 32) as *const i32);
                     } else {
-                        let dots = half_dots(&w, a);
-                        for h in 0..2 {
-                            halves[h] = _mm512_add_epi32(halves[h], dots[h]);
-                        }
+                        integer = block_dots(integer, &w, a);
                     }
-                    let integer = _mm512_add_epi32(
-                        _mm512_mullo_epi32(halves[0], subs[0]),
-                        _mm512_mullo_epi32(halves[1], subs[1]),
-                    );
+                    // The 8-row kernel's chain: d * d_a * integer + min * s_a, then the sum.
                     let scaled = _mm512_mul_ps(
-                        _mm512_mul_ps(d, _mm512_set1_ps(*ad.get_unchecked(b))),
+                        _mm512_mul_ps(d, _mm512_set1_ps(*ad[i].get_unchecked(b))),
                         _mm512_cvtepi32_ps(integer),
                     );
                     let term = _mm512_add_ps(
                         scaled,
-                        _mm512_mul_ps(m, _mm512_set1_ps(*sa.get_unchecked(b))),
+                        _mm512_mul_ps(m, _mm512_set1_ps(*sa[i].get_unchecked(b))),
                     );
-                    acc = _mm512_add_ps(acc, term);
-                    continue;
+                    acc[i] = _mm512_add_ps(acc[i], term);
                 }
-                let mut integer = if has_zero {
-                    _mm512_set1_epi32(*starts.get_unchecked(b))
-                } else {
-                    _mm512_setzero_si512()
-                };
-                if Q15 {
-                    // 128 (u . hi), exact, then the `lo` dots on top.
-                    let high = block_dots(_mm512_setzero_si512(), &w, a);
-                    integer = _mm512_add_epi32(integer, _mm512_slli_epi32::<7>(high));
-                    integer = block_dots(integer, &w, alo.add(b * 32) as *const i32);
-                } else {
-                    integer = block_dots(integer, &w, a);
-                }
-                // The 8-row kernel's chain: d * d_a * integer + min * s_a, then the sum.
-                let scaled = _mm512_mul_ps(
-                    _mm512_mul_ps(d, _mm512_set1_ps(*ad.get_unchecked(b))),
-                    _mm512_cvtepi32_ps(integer),
-                );
-                let term = _mm512_add_ps(
-                    scaled,
-                    _mm512_mul_ps(m, _mm512_set1_ps(*sa.get_unchecked(b))),
-                );
-                acc = _mm512_add_ps(acc, term);
             }
-            let mut out = [0f32; 2 * GROUP];
-            _mm512_storeu_ps(out.as_mut_ptr(), acc);
+            let mut out = [[0f32; 2 * GROUP]; T];
+            for i in 0..T {
+                _mm512_storeu_ps(out[i].as_mut_ptr(), acc[i]);
+            }
             out
         }
     }

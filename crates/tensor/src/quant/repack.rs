@@ -76,8 +76,9 @@ pub struct RepackedRows {
     factors: Factors,
     /// Per block, the integer scales of its two 16-value halves (Q6_K), or empty.
     sub_scales: Vec<[i8; 2]>,
-    /// The K-quants' factors as stored (Q4_K, Q5_K), or `None`.
-    super_factors: Option<SuperFactors>,
+    /// The K-quants' factors as stored (Q4_K, Q5_K), or `None` (boxed: most formats have
+    /// none, and the rows are a variant of the weight storage enum).
+    super_factors: Option<Box<SuperFactors>>,
 }
 
 /// The factors of the K-quants (Q4_K, Q5_K) as stored, kept beside their f32 products for
@@ -352,7 +353,7 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
     }
     out.sub_scales = sub_scales;
     if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
-        out.super_factors = Some(supers);
+        out.super_factors = Some(Box::new(supers));
     }
     Some(out)
 }

@@ -310,19 +310,3 @@ pub(super) mod x86 {
         }
     }
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parse_accepts_the_documented_values_only() {
-        assert_eq!(IntDecode::parse(" AUTO "), Ok(None));
-        assert_eq!(IntDecode::parse(""), Ok(None));
-        assert_eq!(IntDecode::parse("avx512"), Ok(Some(IntDecode::Avx512)));
-        assert_eq!(IntDecode::parse("AVX2"), Ok(Some(IntDecode::Avx2)));
-        let error = IntDecode::parse("zmm").unwrap_err();
-        assert!(error.contains(INT_DECODE_ENV_VAR) && error.contains("zmm"));
-        assert_eq!(IntDecode::best() == IntDecode::Avx512, intel_cpu());
-    }
-}

@@ -221,3 +221,24 @@ pub fn wide_prefill_count() -> u64 {
 pub(crate) fn count_prefill() {
     WIDE_PREFILLS.fetch_add(1, Ordering::Relaxed);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parse_accepts_the_documented_values_only() {
+        assert_eq!(IntDecode::parse(" AUTO "), Ok(None));
+        assert_eq!(IntDecode::parse(""), Ok(None));
+        assert_eq!(IntDecode::parse("avx512"), Ok(Some(IntDecode::Avx512)));
+        assert_eq!(IntDecode::parse("AVX2"), Ok(Some(IntDecode::Avx2)));
+        let error = IntDecode::parse("zmm").unwrap_err();
+        assert!(error.contains(INT_DECODE_ENV_VAR) && error.contains("zmm"));
+        assert_eq!(IntDecode::best() == IntDecode::Avx512, intel_cpu());
+        assert_eq!(IntPrefill::parse(" Auto "), Ok(None));
+        assert_eq!(IntPrefill::parse("avx2"), Ok(Some(IntPrefill::Avx2)));
+        assert_eq!(IntPrefill::parse("AVX512"), Ok(Some(IntPrefill::Avx512)));
+        let error = IntPrefill::parse("ymm").unwrap_err();
+        assert!(error.contains(INT_PREFILL_ENV_VAR) && error.contains("ymm"));
+    }
+}

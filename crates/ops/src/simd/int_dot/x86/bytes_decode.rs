@@ -195,7 +195,12 @@ mod tests {
                     let (fast, reference, single) = unsafe {
                         (
                             decode_vnni_bytes::<4, true>(&weights, rows, &activations, token),
-                            tile_vnni::<4, 1, false, true>(&weights, rows, &activations, [token]),
+                            tile_vnni::<4, 1, false, true, false>(
+                                &weights,
+                                rows,
+                                &activations,
+                                [token],
+                            ),
                             decode_vnni_bytes::<1, true>(&weights, [first], &activations, token),
                         )
                     };

@@ -29,7 +29,7 @@ const TOKENS: [usize; 6] = [1, 2, 15, 16, 17, 100];
 fn shapes(ty: GgmlType) -> Vec<(usize, usize)> {
     if matches!(
         ty,
-        GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K
+        GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K
     ) {
         vec![(1, 256), (15, 256), (17, 512), (40, 256)]
     } else {
@@ -48,7 +48,7 @@ fn shapes(ty: GgmlType) -> Vec<(usize, usize)> {
 
 /// Formats with sub-scales, which the AMX tiles decline.
 fn sub_scaled(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q3K | GgmlType::Q6K)
+    matches!(ty, GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q6K)
 }
 
 /// Activations with a wide range, so Q8 values reach +-127 and many blocks differ in scale.
@@ -80,7 +80,7 @@ struct Case {
 fn cases(seed: u64) -> Vec<Case> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut out = Vec::new();
-    // Sub-scaled weights (Q3_K, Q6_K) have no AMX kernel: `sub_scaled_weights_are_declined`.
+    // Sub-scaled weights (Q2_K, Q3_K, Q6_K) have no AMX kernel: `sub_scaled_weights_are_declined`.
     for ty in REPACKED.into_iter().filter(|&ty| !sub_scaled(ty)) {
         for (rows, cols) in shapes(ty) {
             let stored = random_rows(ty, rows, cols, &mut rng, false);

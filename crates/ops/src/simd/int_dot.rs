@@ -103,6 +103,10 @@ pub fn tile<const R: usize, const T: usize>(
             let nibble = weights.width() == QuantWidth::Nibble;
             let half = weights.has_half_factors();
             let pairs = nibble && weights.blocks_per_row().is_multiple_of(2);
+            assert!(
+                !weights.has_sub_mins(),
+                "the per-row tiles take no sub-mins (Q2_K)"
+            );
             if weights.has_sub_scales() {
                 assert!(
                     !nibble && half,

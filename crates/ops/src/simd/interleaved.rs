@@ -61,6 +61,8 @@ pub(crate) const HALF_FACTORS: u8 = 1;
 pub(crate) const SUB_FACTORS: u8 = 2;
 /// The K-quants' stored factors (bytes in the record, `d`/`dmin` per super-block apart).
 pub(crate) const KQUANT_FACTORS: u8 = 3;
+/// f16 scales and mins, sub-scales and sub-mins (Q2_K).
+pub(crate) const SUBMIN_FACTORS: u8 = 4;
 
 /// `$kernel::<NIBBLE, FACTORS, Q15, PLANES>` for `$weights`' layout and `$q15`.
 macro_rules! for_layout {
@@ -84,6 +86,9 @@ macro_rules! for_layout {
                         $($kernel)::+::<$($t)* true, KQUANT_FACTORS, $q, 1>
                     }
                     (true, SUB_FACTORS, 0) => $($kernel)::+::<$($t)* true, SUB_FACTORS, $q, 0>,
+                    (true, SUBMIN_FACTORS, 0) => {
+                        $($kernel)::+::<$($t)* true, SUBMIN_FACTORS, $q, 0>
+                    }
                     (true, SUB_FACTORS, 2) => $($kernel)::+::<$($t)* true, SUB_FACTORS, $q, 2>,
                     (false, F32_FACTORS, 0) => $($kernel)::+::<$($t)* false, F32_FACTORS, $q, 0>,
                     (false, HALF_FACTORS, 0) => $($kernel)::+::<$($t)* false, HALF_FACTORS, $q, 0>,
@@ -219,9 +224,12 @@ fn pair_tile_dots(
 /// `-zero * sum(q)` per (token, block) of `activations` (Q15: `q = 128 hi + lo`): the exact
 /// integer start of each block's dot (empty when the format's zero is 0); in parallel over
 /// tokens for prefills. With sub-scales, one start per half block (16 values): two per
-/// (token, block).
+/// (token, block). With sub-mins (Q2_K, zero 0), the half blocks' sums `sum(q)`, which the
+/// min integer takes.
 pub fn block_starts(weights: &Interleaved, activations: &Q8Rows) -> Vec<i32> {
-    if weights.zero == 0 {
+    // Sub-mins (zero 0): the half sums themselves, `sum(q)` per 16 values.
+    let factor = if weights.submin { 1 } else { -weights.zero };
+    if factor == 0 {
         return Vec::new();
     }
     let span = if weights.sub { 16 } else { 32 };
@@ -233,13 +241,13 @@ pub fn block_starts(weights: &Interleaved, activations: &Q8Rows) -> Vec<i32> {
             .zip(activations.qs().par_chunks_exact(span))
             .zip(activations.lo().par_chunks_exact(span))
             .with_min_len(1024)
-            .for_each(|((start, hi), lo)| *start = -weights.zero * (128 * sum(hi) + sum(lo)));
+            .for_each(|((start, hi), lo)| *start = factor * (128 * sum(hi) + sum(lo)));
     } else {
         starts
             .par_iter_mut()
             .zip(activations.qs().par_chunks_exact(span))
             .with_min_len(1024)
-            .for_each(|(start, qa)| *start = -weights.zero * sum(qa));
+            .for_each(|(start, qa)| *start = factor * sum(qa));
     }
     starts
 }

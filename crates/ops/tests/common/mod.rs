@@ -29,7 +29,7 @@ pub fn assert_f64_dots(what: &str, y: &[f32], weights: &[f32], activations: &[f3
 }
 
 /// The weight types with repacked integer kernels.
-pub const REPACKED: [GgmlType; 9] = [
+pub const REPACKED: [GgmlType; 10] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,
     GgmlType::Q5_0,
@@ -39,6 +39,7 @@ pub const REPACKED: [GgmlType; 9] = [
     GgmlType::Q5K,
     GgmlType::Q6K,
     GgmlType::Q3K,
+    GgmlType::Q2K,
 ];
 
 pub fn f16(value: f32) -> [u8; 2] {
@@ -117,6 +118,19 @@ pub fn random_rows(
                 }
                 let rest = if ty == GgmlType::Q4K { 128 } else { 160 };
                 out.extend(bytes(rest, rng));
+            }
+            GgmlType::Q2K => {
+                if unit_scales {
+                    // Scale 1, min 0 for every sub-block; d 1, dmin 0.
+                    out.extend([0x01u8; 16]);
+                    out.extend(bytes(64, rng));
+                    out.extend(f16(1.0));
+                    out.extend(f16(0.0));
+                } else {
+                    out.extend(bytes(80, rng));
+                    out.extend(scale(rng, false));
+                    out.extend(scale(rng, false));
+                }
             }
             GgmlType::Q3K => {
                 out.extend(bytes(96, rng));

@@ -14,6 +14,7 @@
 //! | Q8_0 | byte | `q + 128` | 128 | 0 | f16 |
 //! | Q3_K | byte | 3-bit `q + 4` of one sub-block | 4 | 0 | f16 `d`, sub-scales |
 //! | Q6_K | byte | 6-bit `q` of one sub-block | 32 | 0 | f16 `d`, sub-scales |
+//! | Q2_K | byte | 2-bit `q` of one sub-block | 0 | `-dmin` (f16) | f16 `d`, sub-scales, sub-mins |
 //! | Q4_K | nibble | `q` of one sub-block | 0 | `-(dmin * min)`, `d = d * scale` | f32 |
 //! | Q5_K | byte | 5-bit `q` of one sub-block | 0 | as Q4_K | f32 |
 //!
@@ -35,11 +36,17 @@
 //! becomes `s0 (u - zero) . qa[0..16] + s1 (u - zero) . qa[16..32]`, still exact in i32
 //! (also for Q15 rows: at most `2 * 16 * 32 * 128 * 16256 < 2^31`), so the float chain after
 //! it is unchanged.
+//!
+//! Q2_K also has a 4-bit min per 16 values (`y = (d * sc) * q - dmin * m`): its blocks keep
+//! `d` and `-dmin` (f16) with the sub-scales `sc` and the **sub-mins** `m`
+//! ([`RepackedRows::sub_mins`]), and the block's float step takes a second exact integer,
+//! `m0 sum(qa[..16]) + m1 sum(qa[16..])`: `total += d * d_a * integer + (-dmin) * d_a *
+//! min_integer` ([`dot_scalar`]).
 
 use super::blocks::{
-    f16_at, f16_bits_to_f32, q3_k_scales, q3_k_values, q5_values, scale_min_k4, Q3_K_BYTES,
-    Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_0_BYTES,
-    QK, QK_K,
+    f16_at, f16_bits_to_f32, q3_k_scales, q3_k_values, q5_values, scale_min_k4, Q2_K_BYTES,
+    Q3_K_BYTES, Q4_0_BYTES, Q4_1_BYTES, Q4_K_BYTES, Q5_0_BYTES, Q5_1_BYTES, Q5_K_BYTES, Q6_K_BYTES,
+    Q8_0_BYTES, QK, QK_K,
 };
 use super::q8::Q8Rows;
 use crate::GgmlType;
@@ -74,8 +81,10 @@ pub struct RepackedRows {
     blocks_per_row: usize,
     qs: Vec<u8>,
     factors: Factors,
-    /// Per block, the integer scales of its two 16-value halves (Q6_K), or empty.
+    /// Per block, the integer scales of its two 16-value halves (Q3_K, Q6_K, Q2_K), or empty.
     sub_scales: Vec<[i8; 2]>,
+    /// Per block, the integer mins of its two halves (Q2_K), or empty.
+    sub_mins: Vec<[u8; 2]>,
     /// The K-quants' factors as stored (Q4_K, Q5_K), or `None` (boxed: most formats have
     /// none, and the rows are a variant of the weight storage enum).
     super_factors: Option<Box<SuperFactors>>,
@@ -179,6 +188,7 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
         GgmlType::Q5_1 | GgmlType::Q5K => (QuantWidth::Byte, 5, 0),
         GgmlType::Q6K => (QuantWidth::Byte, 6, 32),
         GgmlType::Q3K => (QuantWidth::Byte, 3, 4),
+        GgmlType::Q2K => (QuantWidth::Byte, 2, 0),
         _ => return None,
     };
     let row_bytes = ty.bytes_for(row_len)?;
@@ -203,16 +213,20 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
                 mins: Vec::with_capacity(if zero == 0 { blocks } else { 0 }),
             },
         },
-        sub_scales: Vec::with_capacity(if matches!(ty, GgmlType::Q3K | GgmlType::Q6K) {
-            blocks
-        } else {
-            0
-        }),
+        sub_scales: Vec::with_capacity(
+            if matches!(ty, GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q6K) {
+                blocks
+            } else {
+                0
+            },
+        ),
+        sub_mins: Vec::with_capacity(if ty == GgmlType::Q2K { blocks } else { 0 }),
         super_factors: None,
     };
     let mut supers = SuperFactors::default();
     let has_mins = zero == 0;
     let mut sub_scales = std::mem::take(&mut out.sub_scales);
+    let mut sub_mins = std::mem::take(&mut out.sub_mins);
     let half_at =
         |block: &[u8], offset: usize| u16::from_le_bytes([block[offset], block[offset + 1]]);
     // One block: its values, then its factors (half bits or f32, whichever `factors` holds).
@@ -301,6 +315,21 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
                 }
             }
         }
+        GgmlType::Q2K => {
+            for block in bytes.chunks_exact(Q2_K_BYTES) {
+                // `-dmin`: the sign flip is exact, and `x + (-dmin * m)` is ggml's `x - ml`.
+                let (d, min) = (half_at(block, 80), half_at(block, 82) ^ 0x8000);
+                for b in 0..QK_K / QK {
+                    let (n, j) = (b / 4, b % 4);
+                    let q = &block[16 + 32 * n..16 + 32 * n + 32];
+                    let u: [u8; QK] = std::array::from_fn(|l| (q[l] >> (2 * j)) & 3);
+                    push(&u, Factor::Half(d), Factor::Half(min));
+                    let (sc0, sc1) = (block[2 * b], block[2 * b + 1]);
+                    sub_scales.push([(sc0 & 0x0F) as i8, (sc1 & 0x0F) as i8]);
+                    sub_mins.push([sc0 >> 4, sc1 >> 4]);
+                }
+            }
+        }
         GgmlType::Q3K => {
             for block in bytes.chunks_exact(Q3_K_BYTES) {
                 let block: &[u8; Q3_K_BYTES] = block.try_into().unwrap();
@@ -352,6 +381,7 @@ pub fn repack(ty: GgmlType, num_rows: usize, row_len: usize, bytes: &[u8]) -> Op
         _ => unreachable!("checked above"),
     }
     out.sub_scales = sub_scales;
+    out.sub_mins = sub_mins;
     if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
         out.super_factors = Some(Box::new(supers));
     }
@@ -393,7 +423,7 @@ impl RepackedRows {
             2 * (f.d.len() + f.dmin.len()) + f.scales.len() + f.mins.len()
         });
         self.qs.len()
-            + 2 * self.sub_scales.len()
+            + 2 * (self.sub_scales.len() + self.sub_mins.len())
             + supers
             + match &self.factors {
                 Factors::Half { scales, mins } => 2 * (scales.len() + mins.len()),
@@ -429,6 +459,22 @@ impl RepackedRows {
         }
         let blocks = self.blocks_per_row;
         &self.sub_scales[row * blocks..(row + 1) * blocks]
+    }
+
+    /// Whether the blocks have sub-mins (Q2_K, see the module docs).
+    #[inline]
+    pub fn has_sub_mins(&self) -> bool {
+        !self.sub_mins.is_empty()
+    }
+
+    /// The sub-mins `[m0, m1]` of every block of row `row` (empty without sub-mins).
+    #[inline]
+    pub fn sub_mins(&self, row: usize) -> &[[u8; 2]] {
+        if self.sub_mins.is_empty() {
+            return &[];
+        }
+        let blocks = self.blocks_per_row;
+        &self.sub_mins[row * blocks..(row + 1) * blocks]
     }
 
     /// The stored K-quant factors of row `row`, `None` for other formats ([`SuperFactors`]).
@@ -488,9 +534,18 @@ impl RepackedRows {
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         let factors = self.row_factors(row);
         let subs = self.sub_scales(row);
+        let sub_mins = self.sub_mins(row);
         for (block, values) in out.chunks_exact_mut(QK).enumerate() {
             let u = self.block_values(row, block);
             let (d, min) = (factors.scale(block), factors.min(block));
+            if let (Some(sub), Some(m)) = (subs.get(block), sub_mins.get(block)) {
+                // ggml's `(d * sc) * q - dmin * m`, with `min = -dmin`.
+                for (i, (value, &u)) in values.iter_mut().zip(&u).enumerate() {
+                    let h = i / (QK / 2);
+                    *value = (d * sub[h] as f32) * u as f32 + min * m[h] as f32;
+                }
+                continue;
+            }
             if let Some(sub) = subs.get(block) {
                 // ggml's `(d * scale) * q`; no min.
                 for (i, (value, &u)) in values.iter_mut().zip(&u).enumerate() {
@@ -502,6 +557,21 @@ impl RepackedRows {
                 *value = (u as i32 - self.zero) as f32 * d + min;
             }
         }
+    }
+
+    /// The min integer of block `block` (Q2_K): `m0 sum(qa[..16]) + m1 sum(qa[16..])`; 0
+    /// without sub-mins.
+    pub fn block_min_integer(&self, row: usize, block: usize, qa: &[i8]) -> i32 {
+        let Some(&[m0, m1]) = self.sub_mins(row).get(block) else {
+            return 0;
+        };
+        let sum = |h: usize| -> i32 {
+            qa[h * QK / 2..(h + 1) * QK / 2]
+                .iter()
+                .map(|&q| q as i32)
+                .sum()
+        };
+        m0 as i32 * sum(0) + m1 as i32 * sum(1)
     }
 
     /// The integer part of block `block`: `sum_i (u[i] - zero) * qa[i]` with the activation
@@ -522,7 +592,8 @@ impl RepackedRows {
 }
 
 /// The scalar reference kernel: `dot(weights[row], activations[token])` computed as
-/// `sum_b d_w d_a ((u - zero) . qa) + min_w s_a` block by block (Q15 rows: the integer is
+/// `sum_b d_w d_a ((u - zero) . qa) + min_w s_a` block by block (with sub-mins,
+/// `+ min_w d_a min_integer` for the second term) (Q15 rows: the integer is
 /// `128 (u - zero) . hi + (u - zero) . lo`). Panics if the row lengths differ
 /// (shapes are validated when a layer is built).
 pub fn dot_scalar(weights: &RepackedRows, row: usize, activations: &Q8Rows, token: usize) -> f32 {
@@ -538,13 +609,19 @@ pub fn dot_scalar(weights: &RepackedRows, row: usize, activations: &Q8Rows, toke
     for block in 0..weights.blocks_per_row {
         let range = block * QK..(block + 1) * QK;
         let mut integer = weights.block_integer_dot(row, block, &qa[range.clone()]);
+        let mut min_integer = weights.block_min_integer(row, block, &qa[range.clone()]);
         if activations.is_q15() {
             // 128 (u - zero) . hi + (u - zero) . lo: the block's Q15 integer, exact in i32.
             let lo = &activations.row_lo(token)[range];
             integer = (integer << 7).wrapping_add(weights.block_integer_dot(row, block, lo));
+            min_integer = (min_integer << 7) + weights.block_min_integer(row, block, lo);
         }
         let (d, min) = (factors.scale(block), factors.min(block));
-        total += d * da[block] * integer as f32 + min * sa[block];
+        total += if weights.has_sub_mins() {
+            d * da[block] * integer as f32 + min * da[block] * min_integer as f32
+        } else {
+            d * da[block] * integer as f32 + min * sa[block]
+        };
     }
     total
 }

@@ -5,7 +5,9 @@ use pagoda_tensor::quant::blocks::f16_bits_to_f32;
 use pagoda_tensor::quant::repack::{QuantWidth, RepackedRows, RowFactors, SUPER_BLOCKS};
 use rayon::prelude::*;
 
-use super::{planes, F32_FACTORS, GROUP, HALF_FACTORS, KQUANT_FACTORS, SUB_FACTORS};
+use super::{
+    planes, F32_FACTORS, GROUP, HALF_FACTORS, KQUANT_FACTORS, SUBMIN_FACTORS, SUB_FACTORS,
+};
 
 /// Weights in the row-interleaved layout (see the module docs).
 #[derive(Debug, Clone)]
@@ -14,6 +16,9 @@ pub struct Interleaved {
     pub(super) half: bool,
     /// Whether the min slots hold sub-scales (see the module docs).
     pub(super) sub: bool,
+    /// Whether the blocks also have sub-mins (Q2_K): the record keeps its mins and adds the
+    /// sub-scales and sub-mins after them.
+    pub(super) submin: bool,
     /// Whether the factors are the K-quants' stored ones (see the module docs).
     pub(super) kquant: bool,
     /// Bit planes after the nibble steps (0, or 1-2 for values of 5-6 bits, [`planes`]).
@@ -53,6 +58,7 @@ impl Interleaved {
         let half = weights.has_half_factors();
         let sub = weights.has_sub_scales();
         assert!(!sub || half, "sub-scales come with half factors");
+        let submin = weights.has_sub_mins();
         let kquant = weights.row_super_factors(0).is_some();
         let block_bytes = weights.width().bytes_per_block();
         // Bytes of weights per record: 8 rows' values, then the planes' 8 masks each.
@@ -68,7 +74,8 @@ impl Interleaved {
         } else {
             4
         };
-        let stride = weight_bytes + 2 * GROUP * factor_bytes;
+        // Sub-mins: the scales and mins, then 8 + 8 sub-scales and 8 + 8 sub-mins.
+        let stride = weight_bytes + 2 * GROUP * factor_bytes + if submin { 4 * GROUP } else { 0 };
         let (num_rows, blocks) = (weights.num_rows(), weights.blocks_per_row());
         let groups = num_rows.div_ceil(GROUP);
         let mut data = vec![0u8; groups * blocks * stride];
@@ -99,6 +106,7 @@ impl Interleaved {
                     let qs = weights.row_qs(row);
                     let factors = weights.row_factors(row);
                     let subs = weights.sub_scales(row);
+                    let sub_mins = weights.sub_mins(row);
                     let stored = weights.row_super_factors(row);
                     for (block, record) in records.chunks_exact_mut(stride).enumerate() {
                         if pack {
@@ -128,7 +136,16 @@ impl Interleaved {
                         let min_at = scale_at + GROUP * factor_bytes;
                         record[scale_at..scale_at + factor_bytes]
                             .copy_from_slice(&scale[..factor_bytes]);
-                        if sub {
+                        if submin {
+                            record[min_at..min_at + factor_bytes]
+                                .copy_from_slice(&min[..factor_bytes]);
+                            let at = weight_bytes + 2 * GROUP * factor_bytes + lane;
+                            let ([s0, s1], [m0, m1]) = (subs[block], sub_mins[block]);
+                            record[at] = s0 as u8;
+                            record[at + GROUP] = s1 as u8;
+                            record[at + 2 * GROUP] = m0;
+                            record[at + 3 * GROUP] = m1;
+                        } else if sub {
                             let [s0, s1] = subs[block];
                             let at = weight_bytes + GROUP * factor_bytes + lane;
                             record[at] = s0 as u8;
@@ -160,6 +177,7 @@ impl Interleaved {
             nibble,
             half,
             sub,
+            submin,
             kquant,
             planes,
             zero: weights.zero(),
@@ -265,6 +283,7 @@ impl Interleaved {
     /// The record's factor layout (`F32_FACTORS`, ...).
     pub(super) fn factor_layout(&self) -> u8 {
         match (self.kquant, self.sub, self.half) {
+            _ if self.submin => SUBMIN_FACTORS,
             (true, _, _) => KQUANT_FACTORS,
             (_, true, _) => SUB_FACTORS,
             (_, _, true) => HALF_FACTORS,
@@ -285,8 +304,20 @@ impl Interleaved {
             return [[0; GROUP]; 2];
         }
         let record = self.record(group, block);
-        let at = self.weight_bytes() + 2 * GROUP;
+        let at = self.weight_bytes() + if self.submin { 4 * GROUP } else { 2 * GROUP };
         std::array::from_fn(|h| std::array::from_fn(|lane| record[at + h * GROUP + lane] as i8))
+    }
+
+    /// The sub-mins of block `block` of group `group`'s 8 rows: `[half][lane]` (zeros
+    /// without sub-mins).
+    #[inline]
+    pub fn block_sub_mins(&self, group: usize, block: usize) -> [[u8; GROUP]; 2] {
+        if !self.submin {
+            return [[0; GROUP]; 2];
+        }
+        let record = self.record(group, block);
+        let at = self.weight_bytes() + 6 * GROUP;
+        std::array::from_fn(|h| std::array::from_fn(|lane| record[at + h * GROUP + lane]))
     }
 
     /// The weight bytes of block `block` of group `group` as stored (see the module docs):
@@ -327,7 +358,7 @@ impl Interleaved {
             for lane in 0..GROUP {
                 scales[lane] = f16_bits_to_f32(u16::from_le_bytes(bits[lane]));
                 // The min slots of sub-scaled formats hold the sub-scales: no mins.
-                mins[lane] = if self.sub {
+                mins[lane] = if self.sub && !self.submin {
                     0.0
                 } else {
                     f16_bits_to_f32(u16::from_le_bytes(bits[GROUP + lane]))
@@ -407,6 +438,18 @@ impl Interleaved {
             self.unpack_block(group, block, &mut values, &mut scales, &mut mins);
             let (d, min) = (scales[lane], mins[lane]);
             let u = &values[32 * lane..32 * lane + 32];
+            if self.submin {
+                // `(d * sc) * q - dmin * m`, with `min = -dmin` (zero 0).
+                let (subs, sub_mins) = (
+                    self.block_sub_scales(group, block),
+                    self.block_sub_mins(group, block),
+                );
+                for (i, (value, &u)) in out.iter_mut().zip(u).enumerate() {
+                    let h = i / 16;
+                    *value = (d * subs[h][lane] as f32) * u as f32 + min * sub_mins[h][lane] as f32;
+                }
+                continue;
+            }
             if self.sub {
                 let subs = self.block_sub_scales(group, block);
                 for (i, (value, &u)) in out.iter_mut().zip(u).enumerate() {

@@ -8,7 +8,7 @@
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::super::{
-        Interleaved, GROUP, HALF_FACTORS, KQUANT_FACTORS, SUB_FACTORS, SUPER_BYTES,
+        Interleaved, GROUP, HALF_FACTORS, KQUANT_FACTORS, SUBMIN_FACTORS, SUB_FACTORS, SUPER_BYTES,
     };
     use pagoda_tensor::quant::q8::Q8Rows;
     use pagoda_tensor::quant::repack::SUPER_BLOCKS;
@@ -60,7 +60,10 @@ pub(super) mod x86 {
         let stride = weights.stride;
         assert!((group + 2) * GROUP <= weights.num_rows.next_multiple_of(GROUP));
         let weight_bytes = if NIBBLE { 128 + 32 * PLANES } else { 256 };
-        let sub = FACTORS == SUB_FACTORS;
+        let submin = FACTORS == SUBMIN_FACTORS;
+        let sub = FACTORS == SUB_FACTORS || submin;
+        // Sub-mins: the sub-scales after the scales and mins, and `starts` are the half sums.
+        let sub_at = if submin { 32 } else { 16 };
         // Plain loops, not `array::from_fn`: a closure would not inherit the target features.
         let mut aq = [std::ptr::null::<u8>(); T];
         // Q15: the `lo` plane (for Q8 rows, unused).
@@ -129,7 +132,7 @@ pub(super) mod x86 {
                 let (d, m) = match FACTORS {
                     // No mins: the slot holds the sub-scales.
                     SUB_FACTORS => (_mm512_cvtph_ps(join_halves(f0, f1)), _mm512_setzero_ps()),
-                    HALF_FACTORS => (
+                    HALF_FACTORS | SUBMIN_FACTORS => (
                         _mm512_cvtph_ps(join_halves(f0, f1)),
                         _mm512_cvtph_ps(join_halves(f0.add(16), f1.add(16))),
                     ),
@@ -162,11 +165,11 @@ pub(super) mod x86 {
                     let a = aq[i].add(b * 32) as *const i32;
                     if sub {
                         // Each half from its own start; then s0 * first + s1 * second.
-                        let subs = [
-                            _mm512_cvtepi8_epi32(join_sub_scales(f0.add(16), f1.add(16))),
-                            _mm512_cvtepi8_epi32(join_sub_scales(f0.add(24), f1.add(24))),
-                        ];
-                        let mut halves = if has_zero {
+                        let lanes = |at: usize| {
+                            _mm512_cvtepi8_epi32(join_sub_scales(f0.add(at), f1.add(at)))
+                        };
+                        let subs = [lanes(sub_at), lanes(sub_at + 8)];
+                        let mut halves = if has_zero && !submin {
                             [
                                 _mm512_set1_epi32(
                                     *starts.get_unchecked(2 * (tokens[i] * blocks + b)),
@@ -197,14 +200,35 @@ pub(super) mod x86 {
                             _mm512_mullo_epi32(halves[0], subs[0]),
                             _mm512_mullo_epi32(halves[1], subs[1]),
                         );
-                        let scaled = _mm512_mul_ps(
-                            _mm512_mul_ps(d, _mm512_set1_ps(*ad[i].get_unchecked(b))),
-                            _mm512_cvtepi32_ps(integer),
-                        );
-                        let term = _mm512_add_ps(
-                            scaled,
-                            _mm512_mul_ps(m, _mm512_set1_ps(*sa[i].get_unchecked(b))),
-                        );
+                        let da = _mm512_set1_ps(*ad[i].get_unchecked(b));
+                        let scaled =
+                            _mm512_mul_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(integer));
+                        let term = if submin {
+                            // `+ (-dmin) * d_a * (m0 sum0 + m1 sum1)`, the sums from `starts`.
+                            let at = 2 * (tokens[i] * blocks + b);
+                            let min_integer = _mm512_add_epi32(
+                                _mm512_mullo_epi32(
+                                    lanes(sub_at + 16),
+                                    _mm512_set1_epi32(*starts.get_unchecked(at)),
+                                ),
+                                _mm512_mullo_epi32(
+                                    lanes(sub_at + 24),
+                                    _mm512_set1_epi32(*starts.get_unchecked(at + 1)),
+                                ),
+                            );
+                            _mm512_add_ps(
+                                scaled,
+                                _mm512_mul_ps(
+                                    _mm512_mul_ps(m, da),
+                                    _mm512_cvtepi32_ps(min_integer),
+                                ),
+                            )
+                        } else {
+                            _mm512_add_ps(
+                                scaled,
+                                _mm512_mul_ps(m, _mm512_set1_ps(*sa[i].get_unchecked(b))),
+                            )
+                        };
                         acc[i] = _mm512_add_ps(acc[i], term);
                         continue;
                     }

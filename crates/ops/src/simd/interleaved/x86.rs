@@ -74,7 +74,10 @@ unsafe fn tile<
     let blocks = weights.blocks_per_row;
     let stride = weights.stride;
     let weight_bytes = if NIBBLE { 128 + 32 * PLANES } else { 256 };
-    let sub = FACTORS == SUB_FACTORS;
+    let submin = FACTORS == SUBMIN_FACTORS;
+    let sub = FACTORS == SUB_FACTORS || submin;
+    // Sub-mins: the sub-scales after the scales and mins, and `starts` are the half sums.
+    let sub_at = if submin { 32 } else { 16 };
     let base = unsafe { weights.data.as_ptr().add(group * blocks * stride) };
     // K-quants: this group's `d` and `dmin` per super-block.
     let supers = unsafe {
@@ -140,7 +143,7 @@ unsafe fn tile<
                     _mm256_cvtph_ps(_mm_loadu_si128(factors as *const __m128i)),
                     _mm256_setzero_ps(),
                 ),
-                HALF_FACTORS => (
+                HALF_FACTORS | SUBMIN_FACTORS => (
                     _mm256_cvtph_ps(_mm_loadu_si128(factors as *const __m128i)),
                     _mm256_cvtph_ps(_mm_loadu_si128(factors.add(16) as *const __m128i)),
                 ),
@@ -162,20 +165,23 @@ unsafe fn tile<
                     _mm256_loadu_ps(factors.add(32) as *const f32),
                 ),
             };
-            let subs = if sub {
-                [
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(factors.add(16) as *const __m128i)),
-                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(factors.add(24) as *const __m128i)),
-                ]
+            let (subs, sub_mins) = if sub {
+                let lanes = |at: usize| {
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64(factors.add(at) as *const __m128i))
+                };
+                (
+                    [lanes(sub_at), lanes(sub_at + 8)],
+                    [lanes(sub_at + 16), lanes(sub_at + 24)],
+                )
             } else {
-                [_mm256_setzero_si256(); 2]
+                ([_mm256_setzero_si256(); 2], [_mm256_setzero_si256(); 2])
             };
             for i in 0..T {
                 let a = aq[i].add(b * 32) as *const i32;
                 if sub {
                     // Each half from its own start; then s0 * first + s1 * second.
                     let at = 2 * (tokens[i] * blocks + b);
-                    let mut halves = if has_zero {
+                    let mut halves = if has_zero && !submin {
                         [
                             _mm256_set1_epi32(*starts.get_unchecked(at)),
                             _mm256_set1_epi32(*starts.get_unchecked(at + 1)),
@@ -202,14 +208,30 @@ unsafe fn tile<
                         _mm256_mullo_epi32(halves[0], subs[0]),
                         _mm256_mullo_epi32(halves[1], subs[1]),
                     );
-                    let scaled = _mm256_mul_ps(
-                        _mm256_mul_ps(d, _mm256_set1_ps(*ad[i].get_unchecked(b))),
-                        _mm256_cvtepi32_ps(integer),
-                    );
-                    let term = _mm256_add_ps(
-                        scaled,
-                        _mm256_mul_ps(m, _mm256_set1_ps(*sa[i].get_unchecked(b))),
-                    );
+                    let da = _mm256_set1_ps(*ad[i].get_unchecked(b));
+                    let scaled = _mm256_mul_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(integer));
+                    let term = if submin {
+                        // `+ (-dmin) * d_a * (m0 sum0 + m1 sum1)`, the sums from `starts`.
+                        let min_integer = _mm256_add_epi32(
+                            _mm256_mullo_epi32(
+                                sub_mins[0],
+                                _mm256_set1_epi32(*starts.get_unchecked(at)),
+                            ),
+                            _mm256_mullo_epi32(
+                                sub_mins[1],
+                                _mm256_set1_epi32(*starts.get_unchecked(at + 1)),
+                            ),
+                        );
+                        _mm256_add_ps(
+                            scaled,
+                            _mm256_mul_ps(_mm256_mul_ps(m, da), _mm256_cvtepi32_ps(min_integer)),
+                        )
+                    } else {
+                        _mm256_add_ps(
+                            scaled,
+                            _mm256_mul_ps(m, _mm256_set1_ps(*sa[i].get_unchecked(b))),
+                        )
+                    };
                     acc[i] = _mm256_add_ps(acc[i], term);
                     continue;
                 }

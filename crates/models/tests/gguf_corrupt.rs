@@ -273,10 +273,11 @@ fn unknown_tensor_type_parses_and_only_decoding_fails() {
     );
     assert_eq!(file.tensor("f").unwrap().n_bytes, 32);
     // Known-but-undecodable types have an exact size and also fail only when decoded.
-    let mut q5 = Builder::header(3, 1, 0);
-    q5.tensor_info("q", &[32], 6, 0).data(32, 32);
-    let file = parse(q5.build()).unwrap();
-    assert_eq!(file.tensors[0].n_bytes, 22);
+    // (Q8_1: llama.cpp's activation format, never a weight; 36 bytes per 32 values.)
+    let mut q8_1 = Builder::header(3, 1, 0);
+    q8_1.tensor_info("q", &[32], 9, 0).data(32, 64);
+    let file = parse(q8_1.build()).unwrap();
+    assert_eq!(file.tensors[0].n_bytes, 36);
     assert!(file.tensor_to_f32(&file.tensors[0]).is_err());
 }
 

@@ -20,6 +20,18 @@ use pagoda_tensor::quant::repack::{dot_scalar, repack, RepackedRows};
 use pagoda_tensor::{quant, GgmlType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use std::sync::{Mutex, MutexGuard};
+
+/// Held by every test that runs hardware tiles: `amx::hardware_matmul_count` is one counter
+/// for the process, and the test harness runs tests in parallel, so a test that reads it to
+/// learn whether its own matmul used the tiles must not overlap another test's matmuls.
+static HARDWARE_COUNTER: Mutex<()> = Mutex::new(());
+
+fn hardware_counter() -> MutexGuard<'static, ()> {
+    HARDWARE_COUNTER
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// Token counts: below, at and above one B tile's 16 tokens, and a long prefill.
 const TOKENS: [usize; 6] = [1, 2, 15, 16, 17, 100];
@@ -197,6 +209,7 @@ fn hardware_amx_equals_the_emulator_scalar_and_vnni8() {
         println!("AMX not available on this CPU: hardware check skipped");
         return;
     }
+    let _counter = hardware_counter();
     let before = amx::hardware_matmul_count();
     let cases = cases(13);
     for case in &cases {
@@ -225,6 +238,7 @@ fn weight_matmul_with_the_amx_set_equals_vnni8() {
         println!("AVX-512 VNNI not available on this CPU: amx kernel set check skipped");
         return;
     }
+    let _counter = hardware_counter();
     let mut rng = ChaCha8Rng::seed_from_u64(14);
     for ty in REPACKED {
         let (rows, cols) = (37, 256);
@@ -327,6 +341,7 @@ fn amx_vs_vnni8_timing() {
         println!("AMX not available on this CPU: hardware check skipped");
         return;
     }
+    let _counter = hardware_counter();
     let mut rng = ChaCha8Rng::seed_from_u64(16);
     const COPIES: usize = 4;
     let median = |f: &mut dyn FnMut(usize)| {

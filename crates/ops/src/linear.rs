@@ -9,9 +9,9 @@
 //! Which kernels run is chosen once per process and per weight ([`CpuKernelPolicy::selected`],
 //! `PAGODA_CPU_KERNELS`; `auto`, the default, gives every weight the best integer set, with
 //! `ffn_down` on Q15 activations or the f32 kernels, see [`kernels`]): with an integer set,
-//! Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K (`vnni8`/`amx` only), Q3_K, Q4_K, Q5_K and Q6_K weights are repacked when the [`Weight`] is built
+//! Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights are repacked when the [`Weight`] is built
 //! ([`pagoda_tensor::quant::repack`]) and each matmul quantizes its input rows once to Q8
-//! (Q15 for a weight built [`Weight::with_q15_activations`]; [`int_matmul`]); with `f32` (and for F32/F16/BF16 weights, and Q2_K on the per-row sets) blocks are decoded to
+//! (Q15 for a weight built [`Weight::with_q15_activations`]; [`int_matmul`]); with `f32` (and for F32/F16/BF16 weights) blocks are decoded to
 //! f32 and multiplied with f32 activations: in registers, eight rows at a time, for up to
 //! eight tokens ([`crate::simd::f32_decode`]), or into whole rows per task for more.
 //!
@@ -147,8 +147,6 @@ impl Weight {
                     Some(rows) if matches!(kernels, CpuKernels::Vnni8 | CpuKernels::Amx) => {
                         Storage::Repacked(IntRows::Interleaved(Interleaved::new(&rows)), isa)
                     }
-                    // The per-row tiles have no sub-min form (Q2_K): the f32 kernels run it.
-                    Some(rows) if rows.has_sub_mins() => Storage::Blocks(data),
                     Some(rows) => Storage::Repacked(IntRows::Rows(rows), isa),
                     None => Storage::Blocks(data),
                 },

@@ -187,12 +187,7 @@ fn check_tiles<const R: usize, const T: usize>(
 #[test]
 fn every_supported_tile_matches_the_scalar_kernel() {
     for isa in supported_isas() {
-        // The per-row tiles take no sub-mins: Q2_K runs on vnni8 or the f32 kernels.
-        for (i, ty) in REPACKED
-            .into_iter()
-            .enumerate()
-            .filter(|&(_, ty)| ty != GgmlType::Q2K)
-        {
+        for (i, ty) in REPACKED.into_iter().enumerate() {
             for unit in [true, false] {
                 let seed = 10 + i as u64;
                 // 256 columns: an even number of blocks (the VNNI nibble kernel takes two
@@ -234,9 +229,7 @@ fn matmul_with_every_kernel_set_matches_the_reference() {
             let x = random_activations(num_tokens, cols, &mut rng);
             for &set in &sets {
                 let weight = Weight::with_kernels(ty, rows, cols, bytes.clone(), set).unwrap();
-                // Q2_K has no per-row integer form: the f32 kernels run it there.
-                let per_row = !matches!(set, CpuKernels::Vnni8 | CpuKernels::F32);
-                let quantized = set != CpuKernels::F32 && !(ty == GgmlType::Q2K && per_row);
+                let quantized = set != CpuKernels::F32;
                 assert_eq!(weight.int_isa().is_some(), quantized, "{set:?} {ty}");
                 // The reference: f64 dots with the activations the kernel actually sees.
                 let seen: Vec<f32> = if quantized {

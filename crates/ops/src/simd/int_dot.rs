@@ -20,7 +20,10 @@
 //!
 //! Weights with sub-scales (Q6_K, Q3_K: bytes, half factors) multiply each block's integer lanes
 //! by the sub-scale of the half each lane covers (`vpmulld`) before the conversion; they run
-//! the byte tiles (`tile_vnni` also at one token) or the AVX2 ones.
+//! the byte tiles (`tile_vnni` also at one token) or the AVX2 ones. Q2_K also has sub-mins:
+//! per block the lanes of `m_h * (sum of 4 activation bytes)` (exact, adding up to
+//! `m0 sum(qa[..16]) + m1 sum(qa[16..])`) go through a second `fma(integer * s_a, -dmin, acc)`
+//! in the same accumulator, and there is no min term at the end.
 //!
 //! Batch invariance: every (row, token) pair of a tile runs the same chain whatever `R` and
 //! `T` are (its own accumulator, blocks in order, `fma(integer * s_a, s_w, acc)`, the same
@@ -103,32 +106,39 @@ pub fn tile<const R: usize, const T: usize>(
             let nibble = weights.width() == QuantWidth::Nibble;
             let half = weights.has_half_factors();
             let pairs = nibble && weights.blocks_per_row().is_multiple_of(2);
-            assert!(
-                !weights.has_sub_mins(),
-                "the per-row tiles take no sub-mins (Q2_K)"
-            );
             if weights.has_sub_scales() {
                 assert!(
                     !nibble && half,
                     "sub-scales come with byte values, half factors"
                 );
                 // SAFETY: as below; the rows hold byte blocks with half factors and
-                // sub-scales.
+                // sub-scales (and with sub-mins, Q2_K, a sub-min pair per block).
                 return unsafe {
-                    if isa == IntIsa::Vnni {
-                        x86::tile_vnni::<R, T, false, true, true>(
+                    match (isa == IntIsa::Vnni, weights.has_sub_mins()) {
+                        (true, false) => x86::tile_vnni::<R, T, false, true, true, false>(
                             weights,
                             rows,
                             activations,
                             tokens,
-                        )
-                    } else {
-                        x86::tile_avx2::<R, T, false, true, true>(
+                        ),
+                        (true, true) => x86::tile_vnni::<R, T, false, true, true, true>(
                             weights,
                             rows,
                             activations,
                             tokens,
-                        )
+                        ),
+                        (false, false) => x86::tile_avx2::<R, T, false, true, true, false>(
+                            weights,
+                            rows,
+                            activations,
+                            tokens,
+                        ),
+                        (false, true) => x86::tile_avx2::<R, T, false, true, true, true>(
+                            weights,
+                            rows,
+                            activations,
+                            tokens,
+                        ),
                     }
                 };
             }
@@ -145,12 +155,14 @@ pub fn tile<const R: usize, const T: usize>(
                                 activations,
                                 tokens,
                             ),
-                            (IntIsa::Vnni, true) => x86::tile_vnni::<R, T, true, $half, false>(
-                                weights,
-                                rows,
-                                activations,
-                                tokens,
-                            ),
+                            (IntIsa::Vnni, true) => {
+                                x86::tile_vnni::<R, T, true, $half, false, false>(
+                                    weights,
+                                    rows,
+                                    activations,
+                                    tokens,
+                                )
+                            }
                             (IntIsa::Vnni, false) if T == 1 => {
                                 let dots = x86::decode_vnni_bytes::<R, $half>(
                                     weights,
@@ -160,19 +172,21 @@ pub fn tile<const R: usize, const T: usize>(
                                 );
                                 std::array::from_fn(|r| std::array::from_fn(|_| dots[r]))
                             }
-                            (IntIsa::Vnni, false) => x86::tile_vnni::<R, T, false, $half, false>(
+                            (IntIsa::Vnni, false) => {
+                                x86::tile_vnni::<R, T, false, $half, false, false>(
+                                    weights,
+                                    rows,
+                                    activations,
+                                    tokens,
+                                )
+                            }
+                            (_, true) => x86::tile_avx2::<R, T, true, $half, false, false>(
                                 weights,
                                 rows,
                                 activations,
                                 tokens,
                             ),
-                            (_, true) => x86::tile_avx2::<R, T, true, $half, false>(
-                                weights,
-                                rows,
-                                activations,
-                                tokens,
-                            ),
-                            (_, false) => x86::tile_avx2::<R, T, false, $half, false>(
+                            (_, false) => x86::tile_avx2::<R, T, false, $half, false, false>(
                                 weights,
                                 rows,
                                 activations,

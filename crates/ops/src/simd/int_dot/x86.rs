@@ -216,7 +216,7 @@ unsafe fn horizontal_sum(v: __m256) -> f32 {
 }
 
 macro_rules! tile_fn {
-    ($name:ident, $features:literal, $idot:ident, $start:ident, $widen:expr) => {
+    ($name:ident, $features:literal, $idot:ident, $start:ident, $widen:expr, $sum4:ident) => {
         /// See [`super::tile`]. SAFETY: the CPU has the features; indices are in range.
         #[target_feature(enable = $features)]
         pub(super) unsafe fn $name<
@@ -225,6 +225,7 @@ macro_rules! tile_fn {
             const NIBBLE: bool,
             const HALF: bool,
             const SUB: bool,
+            const SUBMIN: bool,
         >(
             weights: &RepackedRows,
             rows: [usize; R],
@@ -237,6 +238,8 @@ macro_rules! tile_fn {
                 std::array::from_fn(|r| factor_ptrs::<HALF>(weights, rows[r]));
             let subs: [*const u8; R] =
                 std::array::from_fn(|r| weights.sub_scales(rows[r]).as_ptr() as *const u8);
+            let sub_mins: [*const u8; R] =
+                std::array::from_fn(|r| weights.sub_mins(rows[r]).as_ptr() as *const u8);
             let aq: [*const i8; T] =
                 std::array::from_fn(|t| activations.row_qs(tokens[t]).as_ptr());
             let ad: [*const f32; T] =
@@ -265,6 +268,16 @@ macro_rules! tile_fn {
                             sub[r] = sub_lanes(subs[r], b);
                         }
                     }
+                    // Sub-mins (Q2_K): the halves' mins as lanes, like the sub-scales, and
+                    // the block's min factor (`-dmin`).
+                    let mut sub_min = [_mm256_setzero_si256(); R];
+                    let mut dmin = [_mm256_setzero_ps(); R];
+                    if SUBMIN {
+                        for r in 0..R {
+                            sub_min[r] = sub_lanes(sub_mins[r], b);
+                            dmin[r] = broadcast_factor::<HALF>(factors[r].1, b);
+                        }
+                    }
                     for t in 0..T {
                         let a = _mm256_loadu_si256(aq[t].add(b * 32) as *const __m256i);
                         let a16 = $widen(a);
@@ -274,12 +287,31 @@ macro_rules! tile_fn {
                             _mm256_setzero_si256()
                         };
                         let da = _mm256_broadcast_ss(&*ad[t].add(b));
+                        // Sums of each 4 activation bytes (lanes 0..4: the first half).
+                        let sums = if SUBMIN {
+                            $sum4(a)
+                        } else {
+                            _mm256_setzero_si256()
+                        };
                         for r in 0..R {
                             let integer = _mm256_cvtepi32_ps($idot::<NIBBLE, SUB>(
                                 start, w[r], a, a16, sub[r],
                             ));
                             acc[r][t] =
                                 _mm256_fmadd_ps(_mm256_mul_ps(integer, da), dw[r], acc[r][t]);
+                            if SUBMIN {
+                                // The lanes of m_h * (sum of 4 bytes), exact in i32: they add
+                                // up to the block's min integer. `vpmaddwd` forms them in one
+                                // uop: a sum is within +-508, so its low i16 is the value, and
+                                // m_h (0..15) leaves the high i16 of its lane 0.
+                                let min_integer =
+                                    _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, sub_min[r]));
+                                acc[r][t] = _mm256_fmadd_ps(
+                                    _mm256_mul_ps(min_integer, da),
+                                    dmin[r],
+                                    acc[r][t],
+                                );
+                            }
                         }
                     }
                 }
@@ -291,7 +323,8 @@ macro_rules! tile_fn {
                     // SAFETY: the features are enabled in this function; a non-null
                     // `mins` holds one factor per block, as many as the token's sums.
                     unsafe {
-                        let min_term = if mins.is_null() {
+                        // With sub-mins the min factor was applied block by block.
+                        let min_term = if mins.is_null() || SUBMIN {
                             0.0
                         } else {
                             min_term::<HALF>(mins, activations.row_sums(tokens[t]))
@@ -336,15 +369,34 @@ tile_fn!(
     "avx2,fma,f16c,avx512f,avx512vl,avx512vnni",
     idot_vnni,
     start_vnni,
-    widen_for_vnni
+    widen_for_vnni,
+    sum4_vnni
 );
 tile_fn!(
     tile_avx2,
     "avx2,fma,f16c",
     idot_avx2,
     start_avx2,
-    widen_for_avx2::<NIBBLE>
+    widen_for_avx2::<NIBBLE>,
+    sum4_avx2
 );
+
+/// The sums of each 4 activation bytes per i32 lane.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn sum4_vnni(a: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_set1_epi8(1), a)
+}
+
+/// As [`sum4_vnni`], with AVX2 (the i16 pair sums of bytes cannot saturate).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn sum4_avx2(a: __m256i) -> __m256i {
+    _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_set1_epi8(1), a),
+        _mm256_set1_epi16(1),
+    )
+}
 
 /// Rows ahead of the current one whose bytes and factors [`tile_vnni_pairs`] prefetches
 /// at one token (decode); prefetching changes no result bit.

@@ -195,7 +195,7 @@ mod tests {
                     let (fast, reference, single) = unsafe {
                         (
                             decode_vnni_bytes::<4, true>(&weights, rows, &activations, token),
-                            tile_vnni::<4, 1, false, true, false>(
+                            tile_vnni::<4, 1, false, true, false, false>(
                                 &weights,
                                 rows,
                                 &activations,

@@ -10,6 +10,8 @@
 # each a separate row), BUSY=1 also runs every pair with one busy process (a shell spin loop)
 # competing for the CPUs, to measure behaviour when oversubscribed. PIN="taskset -c 0,1" runs
 # every benchmark under that prefix (a 2-core slice of a larger machine), MODEL another model.
+# RUN_TIMEOUT (seconds, default 300) bounds each run: llama.cpp's spinning thread pool can take
+# minutes per run when oversubscribed (BUSY=1); such a run prints "timeout" and the rounds go on.
 # Prints one line per run: tool, threads, busy, load, pp128, pp512, tg128 (tokens/s), and for
 # pagoda the count of integer matmuls that ran on AMX tiles.
 set -euo pipefail
@@ -22,6 +24,7 @@ KERNELS=${KERNELS:-"auto vnni f32"}
 MODEL=${MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 PIN=${PIN:-}
 PAGODA=${PAGODA:-target/release/pagoda}
+RUN_TIMEOUT=${RUN_TIMEOUT:-300}
 
 [ -f "$MODEL" ] || scripts/fetch-model.sh
 [ -x "$PAGODA" ] || cargo build --release -p pagoda-cli
@@ -34,11 +37,11 @@ stop_busy() { [ -n "$busy_pid" ] && kill "$busy_pid" 2>/dev/null; busy_pid=""; }
 trap stop_busy EXIT
 
 pagoda_run() { # threads kernels -> "pp128 pp512 tg128"
-  PAGODA_CPU_KERNELS="$2" $PIN "$PAGODA" bench -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 --json 2>/dev/null |
+  PAGODA_CPU_KERNELS="$2" timeout "$RUN_TIMEOUT" $PIN "$PAGODA" bench -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 --json 2>/dev/null |
     python3 -c 'import json,sys; j=json.load(sys.stdin); r={x["test"]:x["median"] for x in j["results"]}; print("%.1f %.1f %.1f %d"%(r["pp128"],r["pp512"],r["tg128"],j["amx_matmuls"]))'
 }
 llama_run() {
-  $PIN "$LLAMA_BENCH" -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 -o json 2>/dev/null |
+  timeout "$RUN_TIMEOUT" $PIN "$LLAMA_BENCH" -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 -o json 2>/dev/null |
     python3 -c 'import json,sys
 r={}
 for x in json.load(sys.stdin):
@@ -55,8 +58,8 @@ for busy in 0 ${BUSY:+1}; do
         [ "$busy" = 1 ] && start_busy
         load=$(cut -d' ' -f1 /proc/loadavg)
         case "$tool" in
-          pagoda:*) out=$(pagoda_run "$t" "${tool#pagoda:}") ;;
-          *) out=$(llama_run "$t") ;;
+          pagoda:*) out=$(pagoda_run "$t" "${tool#pagoda:}") || out="timeout - - -" ;;
+          *) out=$(llama_run "$t") || out="timeout - - -" ;;
         esac
         stop_busy
         echo "$tool $t $busy $load $out"

@@ -166,13 +166,16 @@ pub fn matmul(
         let chunk = range.start / kernel::TILE_ROWS;
         let mut local = vec![0f32; range.len() * num_tokens];
         match backend {
-            TileBackend::Emulated => kernel::row_chunk(
-                &mut tiles::EmulatedTiles::default(),
-                weights,
-                &prepared,
-                chunk,
-                &mut local,
-            ),
+            TileBackend::Emulated => kernel::with_weight_tiles(|weight_tiles| {
+                kernel::row_chunk(
+                    &mut tiles::EmulatedTiles::default(),
+                    weights,
+                    &prepared,
+                    weight_tiles,
+                    chunk,
+                    &mut local,
+                )
+            }),
             TileBackend::Hardware => hardware::row_chunk(weights, &prepared, chunk, &mut local),
         }
         local

@@ -32,7 +32,8 @@ pub fn detect() -> bool {
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
             && is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512vl");
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bw");
         vector && linux::request_tile_data()
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -262,18 +263,24 @@ pub fn row_chunk(weights: &Interleaved, activations: &Activations, chunk: usize,
     let mut unit = HardwareTiles::new().expect("AMX-INT8 availability checked by the caller");
     #[cfg(target_arch = "x86_64")]
     {
-        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw")]
         fn vectorized(
             unit: &mut HardwareTiles,
             weights: &Interleaved,
             activations: &Activations,
+            tiles: &mut kernel::WeightTiles,
             chunk: usize,
             out: &mut [f32],
         ) {
-            kernel::row_chunk(unit, weights, activations, chunk, out)
+            kernel::row_chunk(unit, weights, activations, tiles, chunk, out)
         }
-        // SAFETY: `unit` exists only where `detect` confirmed AVX2, FMA, F16C and AVX-512F/VL.
-        unsafe { vectorized(&mut unit, weights, activations, chunk, out) }
+        // The thread's B-tile buffers are borrowed out here: a closure inside `vectorized`
+        // would be compiled without its features and not inlined.
+        kernel::with_weight_tiles(|tiles| {
+            // SAFETY: `unit` exists only where `detect` confirmed AVX2, FMA, F16C and
+            // AVX-512F/VL/BW.
+            unsafe { vectorized(&mut unit, weights, activations, tiles, chunk, out) }
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -126,22 +126,38 @@ impl<'a> Activations<'a> {
 /// One chunk of 16 weight rows as B tiles: per block, 8 rows of 64 bytes (row `g` holding the
 /// 4 values of group `g` of each weight row), and the rows' scales and mins (zeros for rows
 /// past the matrix).
-struct WeightTiles {
+pub struct WeightTiles {
     bytes: Vec<u8>,
     scales: Vec<[f32; TILE_ROWS]>,
     mins: Vec<[f32; TILE_ROWS]>,
 }
 
 impl WeightTiles {
-    /// Inlined into the hardware kernel's AVX-512 function, so the nibble split vectorizes.
+    /// Tiles for no weights yet ([`WeightTiles::fill`] sizes them).
+    const fn empty() -> WeightTiles {
+        WeightTiles {
+            bytes: Vec::new(),
+            scales: Vec::new(),
+            mins: Vec::new(),
+        }
+    }
+
+    /// Rebuilds the tiles for chunk `chunk` of `weights` in place, reusing the buffers. Every
+    /// byte and factor of the chunk's rows is written; in a partial last chunk the lanes of
+    /// the missing rows keep whatever they held, which only reaches C columns that are never
+    /// read. Inlined into the hardware kernel's AVX-512 function.
     #[inline(always)]
-    fn new(weights: &Interleaved, chunk: usize) -> WeightTiles {
+    fn fill(&mut self, weights: &Interleaved, chunk: usize) {
         let blocks = weights.blocks_per_row();
-        let mut tiles = WeightTiles {
-            bytes: vec![0u8; blocks * B_TILE],
-            scales: vec![[0f32; TILE_ROWS]; blocks],
-            mins: vec![[0f32; TILE_ROWS]; blocks],
-        };
+        let tiles = self;
+        if tiles.bytes.len() != blocks * B_TILE {
+            tiles.bytes.clear();
+            tiles.bytes.resize(blocks * B_TILE, 0);
+            tiles.scales.clear();
+            tiles.scales.resize(blocks, [0f32; TILE_ROWS]);
+            tiles.mins.clear();
+            tiles.mins.resize(blocks, [0f32; TILE_ROWS]);
+        }
         let (mut scales, mut mins) = ([0f32; GROUP], [0f32; GROUP]);
         const HALF: usize = GROUP * 4;
         for half in 0..TILE_ROWS / GROUP {
@@ -160,6 +176,25 @@ impl WeightTiles {
                 };
                 for (step, bytes) in stored.chunks_exact(HALF).enumerate() {
                     let at = step * MAX_COLSB + half * HALF;
+                    #[cfg(target_arch = "x86_64")]
+                    if weights.is_nibble() && vector_split() {
+                        let high = at + 4 * MAX_COLSB;
+                        let tile = tile.as_mut_ptr();
+                        // SAFETY: the CPU has the features (`vector_split`); `bytes` holds
+                        // HALF = 32 bytes, and `tile` 32 at `at` and at `high` (both rows of
+                        // this B tile, `high + 32 <= B_TILE`).
+                        unsafe {
+                            x86::split_nibbles(
+                                bytes.as_ptr(),
+                                tile.add(at),
+                                tile.add(high),
+                                [masks[0][step], masks[1][step]],
+                                [masks[0][step + 4], masks[1][step + 4]],
+                                planes,
+                            )
+                        };
+                        continue;
+                    }
                     if weights.is_nibble() {
                         // Low nibbles are values 4 step + j, high nibbles 16 + 4 step + j.
                         let high = at + 4 * MAX_COLSB;
@@ -183,8 +218,32 @@ impl WeightTiles {
                 tiles.mins[block][half * GROUP..(half + 1) * GROUP].copy_from_slice(&mins);
             }
         }
-        tiles
     }
+}
+
+std::thread_local! {
+    /// Each thread's B tiles, rebuilt per chunk ([`WeightTiles::fill`]) without allocating.
+    static WEIGHT_TILES: std::cell::RefCell<WeightTiles> =
+        const { std::cell::RefCell::new(WeightTiles::empty()) };
+}
+
+/// Runs `f` with this thread's B-tile buffers for [`row_chunk`]. Call it outside the
+/// kernel's `#[target_feature]` function (a closure inside one is compiled without them).
+pub fn with_weight_tiles<R>(f: impl FnOnce(&mut WeightTiles) -> R) -> R {
+    WEIGHT_TILES.with_borrow_mut(f)
+}
+
+/// Whether [`WeightTiles::fill`] splits nibbles with [`x86::split_nibbles`] (AVX2 and
+/// AVX-512BW/VL, which every CPU that runs the interleaved kernels has), the same bytes as
+/// its scalar loop.
+#[cfg(target_arch = "x86_64")]
+fn vector_split() -> bool {
+    static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+    })
 }
 
 /// Dots of chunk `chunk`'s weight rows (rows `16 chunk ..`, at most 16) with every token,
@@ -192,11 +251,13 @@ impl WeightTiles {
 /// end). Per token tile, the blocks alternate between the two tile slots, so the dot of block
 /// `b + 1` is issued before block `b`'s combine. Every (row, token) pair runs the interleaved
 /// kernels' chain: per block `acc += d * d_a * integer + min * s_a`, no fused multiply-add.
+/// `tiles` are the thread's B-tile buffers ([`with_weight_tiles`]), rebuilt for this chunk.
 #[inline(always)]
 pub fn row_chunk<U: TileUnit>(
     unit: &mut U,
     weights: &Interleaved,
     activations: &Activations,
+    tiles: &mut WeightTiles,
     chunk: usize,
     out: &mut [f32],
 ) {
@@ -209,7 +270,23 @@ pub fn row_chunk<U: TileUnit>(
         "out must be [num_tokens, rows]"
     );
     let row_len = activations.q8.row_len();
-    let w = WeightTiles::new(weights, chunk);
+    tiles.fill(weights, chunk);
+    tile_rows(unit, weights, activations, tiles, rows, row_len, out)
+}
+
+/// [`row_chunk`]'s tile loops over the chunk's B tiles `w` (`rows` weight rows).
+#[inline(always)]
+fn tile_rows<U: TileUnit>(
+    unit: &mut U,
+    weights: &Interleaved,
+    activations: &Activations,
+    w: &WeightTiles,
+    rows: usize,
+    row_len: usize,
+    out: &mut [f32],
+) {
+    let blocks = weights.blocks_per_row();
+    let tokens = activations.q8.num_rows();
     unit.configure(&config());
     let q15 = activations.q8.is_q15();
     // The tile dots of one block in memory, `[Q8 or hi, lo]`, for blocks of each parity: the
@@ -246,7 +323,7 @@ pub fn row_chunk<U: TileUnit>(
                 &mut acc,
                 &current[0],
                 lo,
-                &w,
+                w,
                 block,
                 tokens,
                 activations.starts,
@@ -381,6 +458,36 @@ fn combine(acc: &mut [[f32; TILE_ROWS]; TILE_TOKENS], step: &Step) {
 mod x86 {
     use super::*;
     use std::arch::x86_64::*;
+
+    /// 32 bytes of nibbles at `src` split into their low nibbles at `lo` and their high
+    /// nibbles at `hi`, with bit `4 + p` of byte `j` set where bit `j` of `masks_lo[p]`
+    /// (`masks_hi[p]`) is, for the first `planes` planes: the bytes of the scalar loop in
+    /// [`WeightTiles::fill`]. SAFETY: AVX2 and AVX-512BW/VL; 32 bytes at each pointer.
+    #[target_feature(enable = "avx2,avx512f,avx512bw,avx512vl")]
+    #[inline]
+    pub(super) unsafe fn split_nibbles(
+        src: *const u8,
+        lo: *mut u8,
+        hi: *mut u8,
+        masks_lo: [u32; 2],
+        masks_hi: [u32; 2],
+        planes: usize,
+    ) {
+        // SAFETY: the caller's pointers hold 32 bytes each.
+        unsafe {
+            let bytes = _mm256_loadu_si256(src as *const __m256i);
+            let nibble = _mm256_set1_epi8(0x0F);
+            let mut low = _mm256_and_si256(bytes, nibble);
+            let mut high = _mm256_and_si256(_mm256_srli_epi16::<4>(bytes), nibble);
+            for p in 0..planes.min(2) {
+                let bit = _mm256_set1_epi8((1u8 << (4 + p)) as i8);
+                low = _mm256_or_si256(low, _mm256_maskz_mov_epi8(masks_lo[p], bit));
+                high = _mm256_or_si256(high, _mm256_maskz_mov_epi8(masks_hi[p], bit));
+            }
+            _mm256_storeu_si256(lo as *mut __m256i, low);
+            _mm256_storeu_si256(hi as *mut __m256i, high);
+        }
+    }
 
     /// [`super::combine`] with one AVX-512 vector of 16 rows per token: the same operations
     /// in the same order, so the same bits. SAFETY: AVX-512F.

@@ -7,13 +7,13 @@
 # LLAMA_BENCH: path of llama-bench (default: $LLAMA_BENCH or llama-bench on PATH).
 # ROUNDS: how many times the pair is alternated per thread count (default 3).
 # Env: THREADS="1 2" (thread counts), KERNELS="auto vnni f32" (pagoda's PAGODA_CPU_KERNELS values,
-# each a separate row), BUSY=1 also runs every pair with one busy process (a shell spin loop)
+# each a separate row; "auto/int8" also sets PAGODA_CPU_AMX_PREFILL=int8), BUSY=1 also runs every pair with one busy process (a shell spin loop)
 # competing for the CPUs, to measure behaviour when oversubscribed. PIN="taskset -c 0,1" runs
 # every benchmark under that prefix (a 2-core slice of a larger machine), MODEL another model.
 # RUN_TIMEOUT (seconds, default 300) bounds each run: llama.cpp's spinning thread pool can take
 # minutes per run when oversubscribed (BUSY=1); such a run prints "timeout" and the rounds go on.
 # Prints one line per run: tool, threads, busy, load, pp128, pp512, tg128 (tokens/s), and for
-# pagoda the count of integer matmuls that ran on AMX tiles.
+# pagoda the counts of matmuls that ran on AMX-INT8 and AMX-BF16 tiles (int8+bf16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,9 +36,11 @@ start_busy() { $PIN bash -c 'while :; do :; done' & busy_pid=$!; }
 stop_busy() { [ -n "$busy_pid" ] && kill "$busy_pid" 2>/dev/null; busy_pid=""; }
 trap stop_busy EXIT
 
-pagoda_run() { # threads kernels -> "pp128 pp512 tg128"
-  PAGODA_CPU_KERNELS="$2" timeout "$RUN_TIMEOUT" $PIN "$PAGODA" bench -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 --json 2>/dev/null |
-    python3 -c 'import json,sys; j=json.load(sys.stdin); r={x["test"]:x["median"] for x in j["results"]}; print("%.1f %.1f %.1f %d"%(r["pp128"],r["pp512"],r["tg128"],j["amx_matmuls"]))'
+pagoda_run() { # threads kernels[/amx_prefill] -> "pp128 pp512 tg128 amx_int8+amx_bf16"
+  local kernels=${2%%/*} prefill=
+  [ "$kernels" != "$2" ] && prefill=${2#*/}
+  PAGODA_CPU_KERNELS="$kernels" PAGODA_CPU_AMX_PREFILL="$prefill" timeout "$RUN_TIMEOUT" $PIN "$PAGODA" bench -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 --json 2>/dev/null |
+    python3 -c 'import json,sys; j=json.load(sys.stdin); r={x["test"]:x["median"] for x in j["results"]}; print("%.1f %.1f %.1f %d+%d"%(r["pp128"],r["pp512"],r["tg128"],j["amx_matmuls"],j.get("amx_bf16_matmuls",0)))'
 }
 llama_run() {
   timeout "$RUN_TIMEOUT" $PIN "$LLAMA_BENCH" -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 -o json 2>/dev/null |
@@ -50,7 +52,7 @@ for x in json.load(sys.stdin):
 print("%.1f %.1f %.1f -"%(r["pp128"],r["pp512"],r["tg128"]))'
 }
 
-echo "tool threads busy load1 pp128 pp512 tg128 amx_matmuls"
+echo "tool threads busy load1 pp128 pp512 tg128 amx_int8+bf16_matmuls"
 for busy in 0 ${BUSY:+1}; do
   for t in $THREADS; do
     for _ in $(seq "$ROUNDS"); do

@@ -16,7 +16,7 @@
 //! eight tokens ([`crate::simd::f32_decode`]), or into whole rows per task for more.
 //!
 //! Batch invariance: row `t` of `y` is bit-identical whatever `num_tokens` is and whatever the
-//! other rows of `x` hold. With f32 activations every element follows the one recipe of
+//! other rows of `x` hold, except where prefills run on the AMX-BF16 tiles ([`batch_invariant`]). With f32 activations every element follows the one recipe of
 //! [`crate::simd::f32_tile`] in every tile shape; with Q8 activations each token is quantized
 //! on its own and every integer tile runs the same per-(row, token) chain (see
 //! [`crate::simd::int_dot`]).
@@ -34,6 +34,7 @@ use pagoda_tensor::quant::repack::repack;
 use pagoda_tensor::{quant, GgmlType, UnsupportedType};
 use rayon::prelude::*;
 
+use crate::simd::amx::{self, TileBackend};
 use crate::simd::f32_decode::{self, F32Decode, WIDE_ROWS};
 use crate::simd::f32_tile::{self, quantized_tile, tile};
 use crate::simd::int_dot::IntIsa;
@@ -54,6 +55,15 @@ fn wide_rows_per_task(n: usize) -> usize {
     (n / (rayon::current_num_threads() * 16))
         .clamp(16, 1024)
         .next_multiple_of(WIDE_ROWS)
+}
+
+/// Whether row `t` of every matmul is bit-identical whatever the batch (see the module docs):
+/// false only where the `amx` set's prefills run on the AMX-BF16 tiles
+/// ([`amx::bf16::AmxPrefill`]), whose sums are not the decode kernels'.
+pub fn batch_invariant() -> bool {
+    !(CpuKernels::selected() == CpuKernels::Amx
+        && amx::bf16::AmxPrefill::selected() == amx::bf16::AmxPrefill::Bf16
+        && amx::bf16::is_available())
 }
 
 /// A weight matrix `[out_features, in_features]` in its storage format.
@@ -170,6 +180,27 @@ impl Weight {
     pub fn with_q15_activations(mut self, on: bool) -> Weight {
         self.q15 = on && matches!(self.storage, Storage::Repacked(IntRows::Interleaved(_), _));
         self
+    }
+
+    /// The interleaved rows a matmul of `num_tokens` tokens runs on the AMX-BF16 tiles, if it
+    /// does: the `amx` set's prefills (at least [`amx::bf16::MIN_TOKENS`] tokens) where those tiles
+    /// run and are selected ([`amx::bf16::AmxPrefill`]), except for weights with sub-scales
+    /// and Q15 weights (`ffn_down`, whose wide-range input keeps Q15's 15 bits on the INT8
+    /// tiles: with bf16 there, one chosen-token logprob of the llama.cpp parity test moved
+    /// past 0.4).
+    pub(crate) fn bf16_tiles(&self, num_tokens: usize) -> Option<&Interleaved> {
+        match &self.storage {
+            Storage::Repacked(IntRows::Interleaved(rows), IntIsa::Amx)
+                if num_tokens >= amx::bf16::MIN_TOKENS
+                    && !self.q15
+                    && !rows.has_sub_scales()
+                    && amx::bf16::AmxPrefill::selected() == amx::bf16::AmxPrefill::Bf16
+                    && amx::bf16::is_available() =>
+            {
+                Some(rows)
+            }
+            _ => None,
+        }
     }
 
     /// Whether the integer matmul quantizes activations to Q15 ([`Weight::with_q15_activations`]).
@@ -408,6 +439,11 @@ impl Weight {
             return;
         }
         if let Storage::Repacked(rows, isa) = &self.storage {
+            if let Some(interleaved) = self.bf16_tiles(num_tokens) {
+                if amx::bf16::matmul(TileBackend::Hardware, interleaved, x, num_tokens, y).is_ok() {
+                    return;
+                }
+            }
             int_matmul::with_scratch(|activations| {
                 if self.q15 {
                     int_matmul::quantize_activations_q15(*isa, x, k, activations);

@@ -20,6 +20,13 @@ pub(super) fn render(out: &mut String) {
     );
     let _ = writeln!(
         out,
+        "# HELP pagoda_cpu_amx_bf16_matmuls_total Prefill matmuls run on the AMX-BF16 tiles \
+         (PAGODA_CPU_AMX_PREFILL=bf16).\n\
+         # TYPE pagoda_cpu_amx_bf16_matmuls_total counter\npagoda_cpu_amx_bf16_matmuls_total {}",
+        pagoda_ops::simd::amx::bf16::matmul_count()
+    );
+    let _ = writeln!(
+        out,
         "# HELP pagoda_cpu_q15_matmuls_total Integer matmuls run on Q15 activations \
          (PAGODA_CPU_KERNELS=...+q15_ffn_down).\n\
          # TYPE pagoda_cpu_q15_matmuls_total counter\npagoda_cpu_q15_matmuls_total {}",

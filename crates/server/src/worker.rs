@@ -103,7 +103,8 @@ pub struct EngineSnapshot {
     pub cpu_pool_probes: u64,
     pub cpu_pool_switches: u64,
     /// Outputs may depend on which requests share a step (the CUDA backend: cuBLAS picks
-    /// kernels per batch shape). On the CPU every request gets its one-at-a-time output.
+    /// kernels per batch shape; the CPU with prefills on the AMX-BF16 tiles). Otherwise on
+    /// the CPU every request gets its one-at-a-time output.
     pub batch_dependent: bool,
 }
 
@@ -171,7 +172,7 @@ impl EngineBackend for Engine {
             steps_cpu_one_thread: counters.steps_cpu_one_thread,
             cpu_pool_probes: counters.cpu_pool_probes,
             cpu_pool_switches: counters.cpu_pool_switches,
-            batch_dependent: self.is_cuda(),
+            batch_dependent: self.is_cuda() || !pagoda_ops::linear::batch_invariant(),
         }
     }
 }

@@ -189,6 +189,10 @@ struct Report {
     f32_wide_matmuls: u64,
     /// Integer matmuls that ran on the AMX-INT8 tiles (`PAGODA_CPU_KERNELS=amx`).
     amx_matmuls: u64,
+    /// The AMX prefill tiles (`PAGODA_CPU_AMX_PREFILL`) and the matmuls that ran on the
+    /// AMX-BF16 ones.
+    amx_prefill: &'static str,
+    amx_bf16_matmuls: u64,
     /// Integer matmuls that quantized their activations to Q15 (`+q15_ffn_down`).
     q15_matmuls: u64,
     /// The register width of one-token integer matmuls (`PAGODA_CPU_INT_DECODE`) and the
@@ -385,6 +389,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .to_string(),
         f32_wide_matmuls: pagoda_ops::simd::f32_decode::wide_matmul_count(),
         amx_matmuls: pagoda_ops::simd::amx::hardware_matmul_count(),
+        amx_prefill: pagoda_ops::simd::amx::bf16::AmxPrefill::selected().name(),
+        amx_bf16_matmuls: pagoda_ops::simd::amx::bf16::matmul_count(),
         q15_matmuls: pagoda_ops::linear::int_matmul::q15_matmul_count(),
         int_decode: pagoda_ops::simd::interleaved::IntDecode::selected()
             .name()

@@ -6,7 +6,8 @@
 //! region per weight. Each output element is computed by exactly the chain
 //! [`Weight::matmul`] uses for it (the same tiles, the same per-(row, token) recipe), so the
 //! results are bit-identical to separate calls; weights that do not share one integer
-//! instruction set (f32 kernels, exact mode, F32) simply run their own matmul.
+//! instruction set (f32 kernels, exact mode, F32), and prefills on the AMX-BF16 tiles (f32
+//! inputs), simply run their own matmul.
 
 use rayon::prelude::*;
 
@@ -41,7 +42,11 @@ pub fn matmul_shared(x: &[f32], num_tokens: usize, outputs: &mut [(&Weight, &mut
             .iter()
             .all(|(weight, _)| weight.int_isa() == Some(isa) && !weight.q15_activations())
     });
-    let Some(isa) = shared_isa else {
+    // Prefills on the AMX-BF16 tiles take f32 inputs: each weight runs its own matmul.
+    let bf16 = outputs
+        .iter()
+        .any(|(weight, _)| weight.bf16_tiles(num_tokens).is_some());
+    let Some(isa) = shared_isa.filter(|_| !bf16) else {
         for (weight, y) in outputs.iter_mut() {
             weight.matmul(x, num_tokens, y);
         }

@@ -42,6 +42,7 @@ use pagoda_tensor::quant::q8::Q8Rows;
 
 use crate::simd::interleaved::Interleaved;
 
+pub mod bf16;
 mod hardware;
 mod kernel;
 pub mod tiles;

@@ -373,6 +373,20 @@ impl Interleaved {
         }
     }
 
+    /// Block `block` of group `group`'s factor layout (`F32_FACTORS`, `HALF_FACTORS`, ...),
+    /// its factor bytes, and for K-quants its super-block's `d` and `dmin` ([`SUPER_BYTES`];
+    /// empty otherwise): what [`Interleaved::block_factors`] decodes, for vector decoders.
+    #[inline]
+    pub(crate) fn block_factor_bytes(&self, group: usize, block: usize) -> (u8, &[u8], &[u8]) {
+        let factors = &self.record(group, block)[self.weight_bytes()..];
+        let supers = if self.kquant {
+            self.super_record(group, block / SUPER_BLOCKS)
+        } else {
+            &[]
+        };
+        (self.factor_layout(), factors, supers)
+    }
+
     /// K-quants: group `group`'s `d` and `dmin` of super-block `index` ([`SUPER_BYTES`]).
     #[inline]
     fn super_record(&self, group: usize, index: usize) -> &[u8] {

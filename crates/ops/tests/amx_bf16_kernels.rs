@@ -1,0 +1,610 @@
+//! The AMX-BF16 prefill matmul: its inputs against ggml's dequantizer (bf16 of the same
+//! values), its tile loops (emulated, any CPU) against an f64 reference of those inputs, the
+//! hardware tiles against the same reference, and its error against the integer path's.
+//!
+//! Run alone with `cargo test -p pagoda-ops --release --test amx_bf16_kernels`; the timing
+//! probe with `-- --ignored --nocapture bf16_vs_int8_timing` on an AMX machine.
+
+mod common;
+
+use common::{random_rows, REPACKED};
+
+use pagoda_ops::linear::{int_matmul, CpuKernels, Weight};
+use pagoda_ops::simd::amx::bf16::{self, pack, AmxPrefill};
+use pagoda_ops::simd::amx::{self, AmxError, TileBackend};
+use pagoda_ops::simd::int_dot::IntIsa;
+use pagoda_ops::simd::interleaved::{self, Interleaved};
+use pagoda_tensor::quant::q8::Q8Rows;
+use pagoda_tensor::quant::repack::repack;
+use pagoda_tensor::{quant, GgmlType};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Formats with sub-scales, which the BF16 tiles decline (as the integer ones do).
+fn sub_scaled(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q6K)
+}
+
+fn kquant(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4K | GgmlType::Q5K)
+}
+
+/// `(rows, cols)`: partial chunks (8, 33, 40 rows), one and many blocks.
+fn shapes(ty: GgmlType) -> Vec<(usize, usize)> {
+    if kquant(ty) {
+        vec![(8, 256), (40, 512)]
+    } else {
+        vec![(8, 32), (33, 64), (40, 160), (64, 96)]
+    }
+}
+
+fn bf16_value(bits: u16) -> f32 {
+    f32::from_bits(u32::from(bits) << 16)
+}
+
+fn random_activations(num_tokens: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+    (0..num_tokens * cols)
+        .map(|i| {
+            let v: f32 = rng.random_range(-2.0..2.0);
+            if i % 37 == 0 {
+                v * 40.0
+            } else {
+                v
+            }
+        })
+        .collect()
+}
+
+struct Case {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    /// ggml's dequantized weights, `[rows][cols]`.
+    dequantized: Vec<f32>,
+    interleaved: Interleaved,
+}
+
+fn cases(seed: u64) -> Vec<Case> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    for ty in REPACKED.into_iter().filter(|&ty| !sub_scaled(ty)) {
+        for (rows, cols) in shapes(ty) {
+            let stored = random_rows(ty, rows, cols, &mut rng, false);
+            let mut dequantized = vec![0f32; rows * cols];
+            quant::dequantize(ty, &stored, &mut dequantized).unwrap();
+            let interleaved = Interleaved::new(&repack(ty, rows, cols, &stored).unwrap());
+            out.push(Case {
+                ty,
+                rows,
+                cols,
+                dequantized,
+                interleaved,
+            });
+        }
+    }
+    out
+}
+
+#[test]
+fn rounding_to_bf16_is_to_nearest_even() {
+    assert_eq!(pack::to_bf16(1.0), 0x3F80);
+    assert_eq!(pack::to_bf16(-2.5), 0xC020);
+    // Ties: 1 + 2^-8 is halfway between 1 and 1 + 2^-7 (to even: 1), 1 + 3 * 2^-8 between
+    // 1 + 2^-7 and 1 + 2^-6 (to even: 1 + 2^-6).
+    assert_eq!(pack::to_bf16(f32::from_bits(0x3F80_8000)), 0x3F80);
+    assert_eq!(pack::to_bf16(f32::from_bits(0x3F81_8000)), 0x3F82);
+    assert_eq!(pack::to_bf16(f32::from_bits(0x3F80_8001)), 0x3F81);
+    assert_eq!(
+        pack::to_bf16(f32::MAX),
+        0x7F80,
+        "overflow rounds to infinity"
+    );
+    assert_eq!(pack::to_bf16(f32::NEG_INFINITY), 0xFF80);
+    assert!(bf16_value(pack::to_bf16(f32::NAN)).is_nan());
+    assert_eq!(
+        pack::to_bf16(-1e-40),
+        0x8000,
+        "denormals become signed zero"
+    );
+}
+
+/// Every value of every chunk's B tiles is ggml's dequantized weight rounded to bf16, from
+/// the scalar and the AVX-512 fill alike.
+#[test]
+fn weight_tiles_hold_ggml_values_in_bf16() {
+    for case in cases(21) {
+        let chunks = case.rows.div_ceil(pack::CHUNK_ROWS);
+        for chunk in 0..chunks {
+            let mut scalar = pack::TileBuffer::new();
+            pack::weights(&case.interleaved, chunk, &mut scalar, false);
+            let mut vector = pack::TileBuffer::new();
+            pack::weights(&case.interleaved, chunk, &mut vector, true);
+            let (scalar, vector) = (scalar.as_bytes(), vector.as_bytes());
+            for r in 0..pack::CHUNK_ROWS.min(case.rows - chunk * pack::CHUNK_ROWS) {
+                let row = chunk * pack::CHUNK_ROWS + r;
+                for k in 0..case.cols {
+                    // As values: ggml's zeros may be -0.0 where `* d + min` gives +0.0.
+                    let want = bf16_value(pack::to_bf16(case.dequantized[row * case.cols + k]));
+                    let what = format!(
+                        "{} [{} x {}] row {row} k {k}",
+                        case.ty, case.rows, case.cols
+                    );
+                    let got_scalar = bf16_value(pack::b_value(scalar, r, k));
+                    let got_vector = bf16_value(pack::b_value(vector, r, k));
+                    assert_eq!(got_scalar, want, "scalar fill, {what}");
+                    assert_eq!(got_vector, want, "vector fill, {what}");
+                }
+            }
+        }
+    }
+    if !pack::vector() {
+        println!("AVX-512 BF16 not available on this CPU: the vector fill ran the scalar loop");
+    }
+}
+
+#[test]
+fn activation_rows_are_rounded_and_padded() {
+    let mut rng = ChaCha8Rng::seed_from_u64(22);
+    for tokens in [1, 31, 32, 33, 70] {
+        let x = random_activations(tokens, 64, &mut rng);
+        let (mut scalar, mut vector) = (pack::TileBuffer::new(), pack::TileBuffer::new());
+        pack::activations(&x, 64, &mut scalar, false);
+        pack::activations(&x, 64, &mut vector, true);
+        let (scalar, vector) = (scalar.as_u16(), vector.as_u16());
+        assert_eq!(scalar.len(), tokens.div_ceil(32) * 32 * 64);
+        assert_eq!(scalar, vector, "tokens {tokens}");
+        assert_eq!(scalar.as_ptr() as usize % 64, 0, "64-byte aligned");
+        for (i, &bits) in scalar.iter().enumerate() {
+            let want = x.get(i).map_or(0, |&v| pack::to_bf16(v));
+            assert_eq!(bits, want, "tokens {tokens} value {i}");
+        }
+    }
+}
+
+/// The bf16 inputs the tiles multiply, as f32: weights and activations.
+fn bf16_inputs(case: &Case, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let round = |v: &f32| bf16_value(pack::to_bf16(*v));
+    (
+        case.dequantized.iter().map(round).collect(),
+        x.iter().map(round).collect(),
+    )
+}
+
+fn run(backend: TileBackend, case: &Case, x: &[f32], tokens: usize) -> Vec<f32> {
+    let mut y = vec![f32::NAN; case.rows * tokens];
+    bf16::matmul(backend, &case.interleaved, x, tokens, &mut y).unwrap();
+    y
+}
+
+/// The emulated tiles (the whole kernel: fills, passes, partial chunks and passes, the
+/// writes) against f64 dots of the bf16 inputs.
+#[test]
+fn emulated_bf16_matches_the_f64_reference() {
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    for case in cases(24) {
+        for tokens in [1, 17, 33, 64] {
+            let x = random_activations(tokens, case.cols, &mut rng);
+            let y = run(TileBackend::Emulated, &case, &x, tokens);
+            let (w, a) = bf16_inputs(&case, &x);
+            let what = format!(
+                "{} [{} x {}] tokens {tokens}",
+                case.ty, case.rows, case.cols
+            );
+            common::assert_f64_dots(&what, &y, &w, &a, case.cols);
+        }
+    }
+}
+
+/// The hardware tiles against the same reference and the emulator (reported: bit-exact or
+/// not, the hardware may round in another order).
+#[test]
+fn hardware_bf16_matches_the_reference() {
+    if !bf16::is_available() {
+        println!("AMX-BF16 not available on this CPU: hardware check skipped");
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(25);
+    let (mut values, mut same) = (0usize, 0usize);
+    for case in cases(26) {
+        for tokens in [17, 64, 100] {
+            let x = random_activations(tokens, case.cols, &mut rng);
+            let hardware = run(TileBackend::Hardware, &case, &x, tokens);
+            let (w, a) = bf16_inputs(&case, &x);
+            let what = format!(
+                "{} [{} x {}] tokens {tokens}",
+                case.ty, case.rows, case.cols
+            );
+            common::assert_f64_dots(&what, &hardware, &w, &a, case.cols);
+            let emulated = run(TileBackend::Emulated, &case, &x, tokens);
+            values += hardware.len();
+            same += hardware
+                .iter()
+                .zip(&emulated)
+                .filter(|(h, e)| h.to_bits() == e.to_bits())
+                .count();
+        }
+    }
+    println!("AMX-BF16 hardware: within the f64 bound everywhere; {same} of {values} values bit-identical to the emulator");
+}
+
+/// The error of the BF16 path against exact f32 math is of the size of the integer path's
+/// (Q8 activations): RMS over many dots within 2x.
+#[test]
+fn bf16_error_is_of_the_integer_paths_size() {
+    let mut rng = ChaCha8Rng::seed_from_u64(27);
+    let (rows, cols, tokens) = (64, 576, 40);
+    let ty = GgmlType::Q4_1;
+    let stored = random_rows(ty, rows, cols, &mut rng, false);
+    let mut w = vec![0f32; rows * cols];
+    quant::dequantize(ty, &stored, &mut w).unwrap();
+    let interleaved = Interleaved::new(&repack(ty, rows, cols, &stored).unwrap());
+    let x: Vec<f32> = (0..tokens * cols)
+        .map(|_| rng.random_range(-1.0..1.0))
+        .collect();
+    let mut bf = vec![0f32; rows * tokens];
+    bf16::matmul(TileBackend::Emulated, &interleaved, &x, tokens, &mut bf).unwrap();
+    let q8 = Q8Rows::quantize(&x, cols).unwrap();
+    let mut int = vec![0f32; rows * tokens];
+    amx::matmul(TileBackend::Emulated, &interleaved, &q8, &mut int).unwrap();
+    let (mut bf_err, mut int_err) = (0f64, 0f64);
+    for t in 0..tokens {
+        for r in 0..rows {
+            let exact: f64 = (0..cols)
+                .map(|i| w[r * cols + i] as f64 * x[t * cols + i] as f64)
+                .sum();
+            bf_err += (bf[t * rows + r] as f64 - exact).powi(2);
+            int_err += (int[t * rows + r] as f64 - exact).powi(2);
+        }
+    }
+    let (bf_rms, int_rms) = (bf_err.sqrt(), int_err.sqrt());
+    println!("RMS error against exact: bf16 {bf_rms:.4e}, Q8 integer {int_rms:.4e}");
+    assert!(
+        bf_rms > 0.0 && bf_rms <= 2.0 * int_rms,
+        "bf16 {bf_rms} vs Q8 {int_rms}"
+    );
+}
+
+#[test]
+fn sub_scaled_weights_and_bad_shapes_are_errors() {
+    let mut rng = ChaCha8Rng::seed_from_u64(28);
+    let stored = random_rows(GgmlType::Q6K, 16, 256, &mut rng, false);
+    let q6 = Interleaved::new(&repack(GgmlType::Q6K, 16, 256, &stored).unwrap());
+    let x = vec![0.5f32; 64 * 256];
+    let mut y = vec![7.0f32; 16 * 64];
+    let error = bf16::matmul(TileBackend::Emulated, &q6, &x, 64, &mut y).unwrap_err();
+    assert_eq!(error, AmxError::SubScales);
+    assert!(y.iter().all(|&v| v == 7.0), "nothing written on an error");
+    let case = &cases(29)[0];
+    let mut y = vec![0f32; case.rows * 3];
+    assert!(matches!(
+        bf16::matmul(
+            TileBackend::Emulated,
+            &case.interleaved,
+            &[0.0; 5],
+            3,
+            &mut y
+        ),
+        Err(AmxError::BlockMismatch { .. })
+    ));
+    let x = vec![0f32; 3 * case.cols];
+    assert!(matches!(
+        bf16::matmul(TileBackend::Emulated, &case.interleaved, &x, 3, &mut y[1..]),
+        Err(AmxError::OutputSize { .. })
+    ));
+    if !bf16::is_available() {
+        assert_eq!(
+            bf16::matmul(TileBackend::Hardware, &case.interleaved, &x, 3, &mut y),
+            Err(AmxError::NotAvailable)
+        );
+    }
+}
+
+#[test]
+fn the_switch_parses_its_values() {
+    assert_eq!(AmxPrefill::parse(" BF16 "), Ok(Some(AmxPrefill::Bf16)));
+    assert_eq!(AmxPrefill::parse("int8"), Ok(Some(AmxPrefill::Int8)));
+    assert_eq!(AmxPrefill::parse(""), Ok(None));
+    let error = AmxPrefill::parse("fp8").unwrap_err();
+    assert!(error.contains(bf16::AMX_PREFILL_ENV_VAR) && error.contains("fp8"));
+    if !bf16::is_available() {
+        assert_eq!(AmxPrefill::auto(), AmxPrefill::Int8);
+    }
+}
+
+/// `Weight::matmul` with the `amx` set runs prefills on the BF16 tiles where they exist and
+/// are selected, and its result is the reference's.
+#[test]
+fn weight_matmul_with_the_amx_set_takes_the_bf16_tiles() {
+    if !bf16::is_available() || AmxPrefill::selected() != AmxPrefill::Bf16 {
+        println!("AMX-BF16 not available or not selected: kernel-set check skipped");
+        return;
+    }
+    let case = &cases(30)[1];
+    let (rows, cols) = (case.rows, case.cols);
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    let stored = random_rows(GgmlType::Q4_1, rows, cols, &mut rng, false);
+    let weight =
+        Weight::with_kernels(GgmlType::Q4_1, rows, cols, stored.clone(), CpuKernels::Amx).unwrap();
+    let tokens = 128;
+    let x = random_activations(tokens, cols, &mut rng);
+    let before = bf16::matmul_count();
+    let mut y = vec![0f32; rows * tokens];
+    weight.matmul(&x, tokens, &mut y);
+    assert!(
+        bf16::matmul_count() > before,
+        "the prefill ran on the BF16 tiles"
+    );
+    let mut w = vec![0f32; rows * cols];
+    quant::dequantize(GgmlType::Q4_1, &stored, &mut w).unwrap();
+    let round = |v: &f32| bf16_value(pack::to_bf16(*v));
+    let (w, a): (Vec<f32>, Vec<f32>) =
+        (w.iter().map(round).collect(), x.iter().map(round).collect());
+    common::assert_f64_dots("Weight::matmul, amx set", &y, &w, &a, cols);
+    // Q15 weights (`ffn_down`) keep the INT8 tiles: vnni8's bits.
+    let q15 = Weight::with_kernels(GgmlType::Q4_1, rows, cols, stored.clone(), CpuKernels::Amx)
+        .unwrap()
+        .with_q15_activations(true);
+    let vnni = Weight::with_kernels(GgmlType::Q4_1, rows, cols, stored, CpuKernels::Vnni8)
+        .unwrap()
+        .with_q15_activations(true);
+    let before = bf16::matmul_count();
+    let (mut y_q15, mut y_vnni) = (vec![0f32; rows * tokens], vec![0f32; rows * tokens]);
+    q15.matmul(&x, tokens, &mut y_q15);
+    vnni.matmul(&x, tokens, &mut y_vnni);
+    assert_eq!(
+        bf16::matmul_count(),
+        before,
+        "Q15 weights ran on the BF16 tiles"
+    );
+    assert!(y_q15
+        .iter()
+        .zip(&y_vnni)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+}
+
+/// Timing probe for the `auto` choice (not a correctness test): median wall time of the
+/// `vnni8` and integer AMX matmuls (with their Q8 quantization) and the BF16 one (with its
+/// conversion), the default model's shapes, inputs rotated over four copies.
+#[test]
+#[ignore]
+fn bf16_vs_int8_timing() {
+    if !bf16::is_available() {
+        println!("AMX-BF16 not available on this CPU: timing skipped");
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(32);
+    const COPIES: usize = 4;
+    let median = |f: &mut dyn FnMut(usize)| {
+        let mut times: Vec<f64> = (0..9)
+            .map(|i| {
+                let start = std::time::Instant::now();
+                f(i % COPIES);
+                start.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        times[4]
+    };
+    for (ty, rows, cols) in [
+        (GgmlType::Q4_1, 576, 576),
+        (GgmlType::Q4_1, 192, 576),
+        (GgmlType::Q4_1, 3072, 576),
+        (GgmlType::Q8_0, 1536, 576),
+        (GgmlType::Q4_1, 576, 1536),
+    ] {
+        let weights: Vec<Interleaved> = (0..COPIES)
+            .map(|_| {
+                let stored = random_rows(ty, rows, cols, &mut rng, false);
+                Interleaved::new(&repack(ty, rows, cols, &stored).unwrap())
+            })
+            .collect();
+        for tokens in [16, 32, 64, 128, 512] {
+            let xs: Vec<Vec<f32>> = (0..COPIES)
+                .map(|_| random_activations(tokens, cols, &mut rng))
+                .collect();
+            let mut y = vec![0f32; rows * tokens];
+            let int8 = median(&mut |i| {
+                int_matmul::with_scratch(|q8| {
+                    int_matmul::quantize_activations(IntIsa::Amx, &xs[i], cols, q8);
+                    amx::matmul(TileBackend::Hardware, &weights[i], q8, &mut y).unwrap()
+                })
+            });
+            let bf = median(&mut |i| {
+                bf16::matmul(TileBackend::Hardware, &weights[i], &xs[i], tokens, &mut y).unwrap()
+            });
+
+            let vnni = median(&mut |i| {
+                int_matmul::with_scratch(|q8| {
+                    int_matmul::quantize_activations(IntIsa::Amx, &xs[i], cols, q8);
+                    interleaved::matmul(&weights[i], q8, &mut y)
+                })
+            });
+            println!(
+                "{ty} [{rows} x {cols}] tokens {tokens:3}: vnni8 {vnni:8.3} ms, int8 {int8:8.3} ms, \
+                 bf16 {bf:8.3} ms (int8/bf16 {:.2}x, vnni8/bf16 {:.2}x)",
+                int8 / bf,
+                vnni / bf
+            );
+        }
+    }
+}
+
+/// Timing probe of the B-tile fill alone (any CPU with AVX-512 BF16): ns per weight.
+#[test]
+#[ignore]
+fn fill_timing() {
+    let mut rng = ChaCha8Rng::seed_from_u64(33);
+    for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4K] {
+        let (rows, cols) = (3072, if ty == GgmlType::Q4K { 512 } else { 576 });
+        let stored = random_rows(ty, rows, cols, &mut rng, false);
+        let weights = Interleaved::new(&repack(ty, rows, cols, &stored).unwrap());
+        let mut buffer = pack::TileBuffer::new();
+        let start = std::time::Instant::now();
+        for _ in 0..5 {
+            for chunk in 0..rows / pack::CHUNK_ROWS {
+                pack::weights(&weights, chunk, &mut buffer, true);
+            }
+        }
+        let ns = start.elapsed().as_secs_f64() * 1e9 / (5 * rows * cols) as f64;
+        println!("{ty}: fill {ns:.3} ns per weight");
+    }
+}
+
+/// Timing probe of the tile unit alone (AMX-BF16 hardware): cycles-free wall time per
+/// `TDPBF16PS` with no loads, with four tile loads from L1 per four dots, and with the loads
+/// alone.
+#[test]
+#[ignore]
+fn tile_throughput() {
+    use bf16::unit::{Bf16Unit, FTile, HardwareBf16};
+    let Some(mut unit) = HardwareBf16::new() else {
+        println!("AMX-BF16 not available on this CPU: probe skipped");
+        return;
+    };
+    #[derive(Clone, Copy)]
+    #[repr(C, align(64))]
+    struct Line([u16; 32]);
+    let lines = vec![Line([0x3F80u16; 32]); 4 * 16 + 1];
+    let all: &[u8] =
+        unsafe { std::slice::from_raw_parts(lines.as_ptr() as *const u8, lines.len() * 64) };
+    const N: usize = 200_000;
+    unit.configure();
+    for c in 0..4 {
+        unit.zero(c);
+    }
+    for (label, loads, dots, offset) in [
+        ("dots only", false, true, 0),
+        ("loads+dots, 64-byte aligned", true, true, 0),
+        ("loads only, 64-byte aligned", true, false, 0),
+        ("loads+dots, 16 bytes off", true, true, 16),
+        ("loads only, 16 bytes off", true, false, 16),
+    ] {
+        let bytes = &all[offset..];
+        let start = std::time::Instant::now();
+        for _ in 0..N {
+            if loads {
+                unit.load(4, &bytes[0..1024], 64);
+                unit.load(5, &bytes[1024..2048], 64);
+                unit.load(6, &bytes[2048..3072], 64);
+                unit.load(7, &bytes[3072..4096], 64);
+            }
+            if dots {
+                for c in 0..4 {
+                    unit.dot(c);
+                }
+            }
+        }
+        let ns = start.elapsed().as_secs_f64() * 1e9 / (4 * N) as f64;
+        println!("{label}: {ns:.2} ns per (dot or load) step");
+    }
+    let mut c = FTile::default();
+    unit.store(0, &mut c);
+    unit.release();
+    println!("c[0][0] = {}", c.0[0][0]);
+}
+
+/// Timing probe of tile-register schedules (AMX-BF16 hardware, raw instructions): ns per
+/// `TDPBF16PS` for loads that no dot waits for, a double-buffered 1 x 2 schedule, and the
+/// kernel's 2 x 2 schedule.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[ignore]
+fn tile_schedules() {
+    use bf16::unit::{Bf16Unit, HardwareBf16};
+    let Some(mut unit) = HardwareBf16::new() else {
+        println!("AMX-BF16 not available on this CPU: probe skipped");
+        return;
+    };
+    #[derive(Clone, Copy)]
+    #[repr(C, align(64))]
+    struct Line([u16; 32]);
+    let lines = vec![Line([0x3F80u16; 32]); 8 * 16];
+    let p = lines.as_ptr() as *const u8;
+    let s = 64usize;
+    const N: usize = 100_000;
+    unit.configure();
+    let time = |label: &str, dots: usize, f: &mut dyn FnMut()| {
+        let start = std::time::Instant::now();
+        for _ in 0..N {
+            f();
+        }
+        let ns = start.elapsed().as_secs_f64() * 1e9 / (dots * N) as f64;
+        println!("{label}: {ns:.2} ns per dot");
+    };
+    // SAFETY (all blocks): the tiles are configured 16 x 64; every load reads 1 KB inside
+    // `lines` (8 KB).
+    time("independent loads (3 loads, 2 dots)", 2, &mut || unsafe {
+        std::arch::asm!(
+            "tdpbf16ps tmm0, tmm4, tmm6", "tdpbf16ps tmm1, tmm4, tmm7",
+            "tileloadd tmm2, [{p} + {s} * 1]", "tileloadd tmm3, [{q} + {s} * 1]",
+            "tileloadd tmm5, [{r} + {s} * 1]",
+            p = in(reg) p, q = in(reg) p.add(1024), r = in(reg) p.add(2048), s = in(reg) s,
+            options(nostack, readonly)
+        )
+    });
+    time(
+        "double-buffered 1 x 2 (3 loads, 2 dots)",
+        4,
+        &mut || unsafe {
+            std::arch::asm!(
+                "tileloadd tmm2, [{p} + {s} * 1]", "tileloadd tmm4, [{q} + {s} * 1]",
+                "tileloadd tmm5, [{r} + {s} * 1]",
+                "tdpbf16ps tmm0, tmm3, tmm6", "tdpbf16ps tmm1, tmm3, tmm7",
+                "tileloadd tmm3, [{t} + {s} * 1]", "tileloadd tmm6, [{u} + {s} * 1]",
+                "tileloadd tmm7, [{v} + {s} * 1]",
+                "tdpbf16ps tmm0, tmm2, tmm4", "tdpbf16ps tmm1, tmm2, tmm5",
+                p = in(reg) p, q = in(reg) p.add(1024), r = in(reg) p.add(2048),
+                t = in(reg) p.add(3072), u = in(reg) p.add(4096), v = in(reg) p.add(5120),
+                s = in(reg) s,
+                options(nostack, readonly)
+            )
+        },
+    );
+    time("kernel 2 x 2 (4 loads, 4 dots)", 4, &mut || unsafe {
+        std::arch::asm!(
+            "tileloadd tmm4, [{p} + {s} * 1]", "tileloadd tmm5, [{q} + {s} * 1]",
+            "tileloadd tmm6, [{r} + {s} * 1]", "tileloadd tmm7, [{t} + {s} * 1]",
+            "tdpbf16ps tmm0, tmm4, tmm6", "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6", "tdpbf16ps tmm3, tmm5, tmm7",
+            p = in(reg) p, q = in(reg) p.add(1024), r = in(reg) p.add(2048),
+            t = in(reg) p.add(3072), s = in(reg) s,
+            options(nostack, readonly)
+        )
+    });
+    time(
+        "2 x 2, loads interleaved (A0 B0 B1 d d A1 d d)",
+        4,
+        &mut || unsafe {
+            std::arch::asm!(
+                "tileloadd tmm4, [{p} + {s} * 1]",
+                "tileloadd tmm6, [{r} + {s} * 1]", "tileloadd tmm7, [{t} + {s} * 1]",
+                "tdpbf16ps tmm0, tmm4, tmm6", "tdpbf16ps tmm1, tmm4, tmm7",
+                "tileloadd tmm5, [{q} + {s} * 1]",
+                "tdpbf16ps tmm2, tmm5, tmm6", "tdpbf16ps tmm3, tmm5, tmm7",
+                p = in(reg) p, q = in(reg) p.add(1024), r = in(reg) p.add(2048),
+                t = in(reg) p.add(3072), s = in(reg) s,
+                options(nostack, readonly)
+            )
+        },
+    );
+    time("dots only, 4 chains", 4, &mut || unsafe {
+        std::arch::asm!(
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            options(nostack, nomem)
+        )
+    });
+    time("dots only, 2 chains", 2, &mut || unsafe {
+        std::arch::asm!(
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            options(nostack, nomem)
+        )
+    });
+    time("dots only, 1 chain", 1, &mut || unsafe {
+        std::arch::asm!("tdpbf16ps tmm0, tmm4, tmm6", options(nostack, nomem))
+    });
+    unit.release();
+}

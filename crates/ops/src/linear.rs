@@ -184,15 +184,16 @@ impl Weight {
 
     /// The interleaved rows a matmul of `num_tokens` tokens runs on the AMX-BF16 tiles, if it
     /// does: the `amx` set's prefills (at least [`amx::bf16::MIN_TOKENS`] tokens) where those tiles
-    /// run and are selected ([`amx::bf16::AmxPrefill`]), except for weights with sub-scales
-    /// and Q15 weights (`ffn_down`, whose wide-range input keeps Q15's 15 bits on the INT8
-    /// tiles: with bf16 there, one chosen-token logprob of the llama.cpp parity test moved
-    /// past 0.4).
+    /// run and are selected ([`amx::bf16::AmxPrefill`]), except for weights with sub-scales.
+    /// Q15 weights (`ffn_down`, whose input has the widest range) take it with split
+    /// activations ([`amx::bf16::matmul_split`]) unless `PAGODA_CPU_AMX_BF16_Q15=int8`: with
+    /// one bf16 term there, one chosen-token logprob of the llama.cpp parity test moved past
+    /// 0.4.
     pub(crate) fn bf16_tiles(&self, num_tokens: usize) -> Option<&Interleaved> {
         match &self.storage {
             Storage::Repacked(IntRows::Interleaved(rows), IntIsa::Amx)
                 if num_tokens >= amx::bf16::MIN_TOKENS
-                    && !self.q15
+                    && (!self.q15 || amx::bf16::split_q15())
                     && !rows.has_sub_scales()
                     && amx::bf16::AmxPrefill::selected() == amx::bf16::AmxPrefill::Bf16
                     && amx::bf16::is_available() =>
@@ -440,7 +441,13 @@ impl Weight {
         }
         if let Storage::Repacked(rows, isa) = &self.storage {
             if let Some(interleaved) = self.bf16_tiles(num_tokens) {
-                if amx::bf16::matmul(TileBackend::Hardware, interleaved, x, num_tokens, y).is_ok() {
+                // Q15 weights (`ffn_down`) take their wide-range input as two bf16 terms.
+                let run = if self.q15 {
+                    amx::bf16::matmul_split
+                } else {
+                    amx::bf16::matmul
+                };
+                if run(TileBackend::Hardware, interleaved, x, num_tokens, y).is_ok() {
                     return;
                 }
             }

@@ -340,26 +340,44 @@ fn weight_matmul_with_the_amx_set_takes_the_bf16_tiles() {
     let (w, a): (Vec<f32>, Vec<f32>) =
         (w.iter().map(round).collect(), x.iter().map(round).collect());
     common::assert_f64_dots("Weight::matmul, amx set", &y, &w, &a, cols);
-    // Q15 weights (`ffn_down`) keep the INT8 tiles: vnni8's bits.
+    // Q15 weights (`ffn_down`): split activations on the BF16 tiles, or (with
+    // PAGODA_CPU_AMX_BF16_Q15=int8) the INT8 tiles, with vnni8's bits.
     let q15 = Weight::with_kernels(GgmlType::Q4_1, rows, cols, stored.clone(), CpuKernels::Amx)
         .unwrap()
         .with_q15_activations(true);
-    let vnni = Weight::with_kernels(GgmlType::Q4_1, rows, cols, stored, CpuKernels::Vnni8)
-        .unwrap()
-        .with_q15_activations(true);
     let before = bf16::matmul_count();
-    let (mut y_q15, mut y_vnni) = (vec![0f32; rows * tokens], vec![0f32; rows * tokens]);
+    let mut y_q15 = vec![0f32; rows * tokens];
     q15.matmul(&x, tokens, &mut y_q15);
-    vnni.matmul(&x, tokens, &mut y_vnni);
-    assert_eq!(
-        bf16::matmul_count(),
-        before,
-        "Q15 weights ran on the BF16 tiles"
-    );
-    assert!(y_q15
-        .iter()
-        .zip(&y_vnni)
-        .all(|(a, b)| a.to_bits() == b.to_bits()));
+    if bf16::split_q15() {
+        assert!(
+            bf16::matmul_count() > before,
+            "Q15 weights ran on the BF16 tiles"
+        );
+        let (mut hi, mut lo) = (pack::TileBuffer::new(), pack::TileBuffer::new());
+        pack::activations(&x, cols, &mut hi, true);
+        pack::remainders(&x, cols, &hi, &mut lo);
+        let split: Vec<f32> = hi.as_u16()[..x.len()]
+            .iter()
+            .zip(lo.as_u16())
+            .map(|(&h, &l)| bf16_value(h) + bf16_value(l))
+            .collect();
+        common::assert_f64_dots("Weight::matmul, Q15 split", &y_q15, &w, &split, cols);
+    } else {
+        let vnni = Weight::with_kernels(GgmlType::Q4_1, rows, cols, stored, CpuKernels::Vnni8)
+            .unwrap()
+            .with_q15_activations(true);
+        let mut y_vnni = vec![0f32; rows * tokens];
+        vnni.matmul(&x, tokens, &mut y_vnni);
+        assert_eq!(
+            bf16::matmul_count(),
+            before,
+            "Q15 weights ran on the BF16 tiles"
+        );
+        assert!(y_q15
+            .iter()
+            .zip(&y_vnni)
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
+    }
 }
 
 /// Timing probe for the `auto` choice (not a correctness test): median wall time of the
@@ -607,4 +625,37 @@ fn tile_schedules() {
         std::arch::asm!("tdpbf16ps tmm0, tmm4, tmm6", options(nostack, nomem))
     });
     unit.release();
+}
+
+/// Split activations (`hi + lo`, two dots per tile and block): the emulated tiles against
+/// f64 dots of the bf16 weights with `hi + lo`, which is within 2^-16 of each value; on
+/// wide-range inputs the error against exact math falls well below the one-term path's.
+#[test]
+fn emulated_split_matches_the_f64_reference() {
+    let mut rng = ChaCha8Rng::seed_from_u64(34);
+    for case in cases(35) {
+        for tokens in [17, 40] {
+            let x = random_activations(tokens, case.cols, &mut rng);
+            let (mut hi, mut lo) = (pack::TileBuffer::new(), pack::TileBuffer::new());
+            pack::activations(&x, case.cols, &mut hi, false);
+            pack::remainders(&x, case.cols, &hi, &mut lo);
+            let sum: Vec<f32> = hi.as_u16()[..x.len()]
+                .iter()
+                .zip(lo.as_u16())
+                .map(|(&h, &l)| bf16_value(h) + bf16_value(l))
+                .collect();
+            for (s, v) in sum.iter().zip(&x) {
+                assert!((s - v).abs() <= v.abs() * 2f32.powi(-16), "{s} vs {v}");
+            }
+            let mut y = vec![f32::NAN; case.rows * tokens];
+            bf16::matmul_split(TileBackend::Emulated, &case.interleaved, &x, tokens, &mut y)
+                .unwrap();
+            let (w, _) = bf16_inputs(&case, &x);
+            let what = format!(
+                "split {} [{} x {}] tokens {tokens}",
+                case.ty, case.rows, case.cols
+            );
+            common::assert_f64_dots(&what, &y, &w, &sum, case.cols);
+        }
+    }
 }

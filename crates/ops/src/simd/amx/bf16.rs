@@ -13,7 +13,10 @@
 //! Per task of 32 weight rows: the chunk is dequantized into the thread's B buffer
 //! ([`pack::weights`]); then for each pass of 32 tokens, per block: two A loads (the tokens'
 //! bf16 rows, in place at row stride `2 k`), two B loads, four `TDPBF16PS`; the four C tiles
-//! are stored and written to the task's columns of `y`.
+//! are stored and written to the task's columns of `y`. Q15 weights (`ffn_down`, the widest
+//! input range) take the activations as two bf16 terms, `hi + lo` ([`matmul_split`]: two
+//! more A loads and four more dots per block), about 16 significant bits of each value.
+//! Tile buffers are whole 64-byte lines: tile rows that straddle two lines load 7x slower.
 //!
 //! `PAGODA_CPU_AMX_PREFILL=auto|int8|bf16` picks the tiles of the `amx` set's prefills
 //! ([`AmxPrefill`]). [`TileBackend::Emulated`] runs the same loops on
@@ -34,8 +37,8 @@ use pack::{TileBuffer, B_TILE, CHUNK_ROWS, PASS_TOKENS};
 use unit::{Bf16Unit, EmulatedBf16, FTile, A_FIRST, B_FIRST, C_TILES};
 
 /// Fewest tokens for which the `amx` set's matmuls take the BF16 tiles (fewer run `vnni8`).
-/// Kernel harness on the Xeon host (2 threads, the default model's five shapes, two runs):
-/// BF16 over `vnni8` 0.57-1.04x at 16 tokens, 1.29-1.74x at 32, 1.4-2.2x at 64
+/// Kernel harness on the Xeon host (2 threads, the default model's five shapes, three calls):
+/// BF16 over `vnni8` 0.57-1.21x at 16 tokens, 1.0-2.1x at 32, 1.4-3.5x from 64
 /// (`docs/benchmark_results/cpu-amx-bf16-xeon-h200host-2026-12-02.md`).
 pub const MIN_TOKENS: usize = 32;
 
@@ -140,6 +143,47 @@ pub fn is_available() -> bool {
     })
 }
 
+/// The environment variable that sends Q15 weights (`ffn_down`) to the BF16 tiles with
+/// split activations (`split`, the default) or keeps them on the INT8 tiles (`int8`).
+pub const Q15_ENV_VAR: &str = "PAGODA_CPU_AMX_BF16_Q15";
+
+/// Whether Q15 weights run [`matmul_split`] on the BF16 tiles ([`Q15_ENV_VAR`], read once;
+/// `auto` or unset: yes). Measured on the Xeon host against the INT8 tiles' Q15 dots: the
+/// same speed (pp64-pp512 0.98-1.11x, three rounds), the llama.cpp parity tail lower
+/// (chosen token 0.206 against 0.304, 99th percentile 0.404 against 0.448) and the distance
+/// from exact math halved (mean 0.020 against 0.045).
+pub fn split_q15() -> bool {
+    static SPLIT: OnceLock<bool> = OnceLock::new();
+    *SPLIT.get_or_init(|| {
+        let split = match std::env::var(Q15_ENV_VAR)
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase()
+            .as_str()
+        {
+            "" | "auto" | "split" => true,
+            "int8" => false,
+            other => {
+                tracing::warn!(
+                    "{Q15_ENV_VAR}={other:?} is not one of auto, split, int8; using split"
+                );
+                true
+            }
+        };
+        if is_available() {
+            tracing::info!(
+                "AMX-BF16 tiles: Q15 weights (ffn_down) {} ({Q15_ENV_VAR})",
+                if split {
+                    "on split bf16 activations (hi + lo)"
+                } else {
+                    "on the INT8 tiles"
+                }
+            );
+        }
+        split
+    })
+}
+
 static MATMULS: AtomicU64 = AtomicU64::new(0);
 
 /// How many matmuls have run on the hardware AMX-BF16 tiles in this process.
@@ -175,6 +219,30 @@ pub fn matmul(
     num_tokens: usize,
     y: &mut [f32],
 ) -> Result<(), AmxError> {
+    matmul_with(backend, weights, x, num_tokens, y, false)
+}
+
+/// [`matmul`] with the activations as two bf16 terms, `x = hi + lo` (`lo` the rounded
+/// remainder, about 16 significant bits in all): two dots per tile and block. For inputs of
+/// a wide range (`ffn_down`).
+pub fn matmul_split(
+    backend: TileBackend,
+    weights: &Interleaved,
+    x: &[f32],
+    num_tokens: usize,
+    y: &mut [f32],
+) -> Result<(), AmxError> {
+    matmul_with(backend, weights, x, num_tokens, y, true)
+}
+
+fn matmul_with(
+    backend: TileBackend,
+    weights: &Interleaved,
+    x: &[f32],
+    num_tokens: usize,
+    y: &mut [f32],
+    split: bool,
+) -> Result<(), AmxError> {
     let (n, blocks) = (weights.num_rows(), weights.blocks_per_row());
     let k = blocks * 32;
     if weights.has_sub_scales() {
@@ -208,7 +276,12 @@ pub fn matmul(
     }
     with_buffer(&ACTIVATIONS, |activations| {
         pack::activations(x, k, activations, true);
+        let mut lo = TileBuffer::new();
+        if split {
+            pack::remainders(x, k, activations, &mut lo);
+        }
         let activations: &[u16] = activations.as_u16();
+        let lo: Option<&[u16]> = split.then(|| lo.as_u16());
         by_row_tasks_in_place(n, num_tokens, CHUNK_ROWS, y, |cols, out| {
             let chunk = cols.start / CHUNK_ROWS;
             with_buffer(&B_BUFFER, |tiles| {
@@ -216,6 +289,7 @@ pub fn matmul(
                 let task = Task {
                     tiles: tiles.as_bytes(),
                     activations,
+                    lo,
                     k,
                     num_tokens,
                     col: cols.start,
@@ -236,6 +310,8 @@ struct Task<'a> {
     tiles: &'a [u8],
     /// `[padded tokens][k]` bf16.
     activations: &'a [u16],
+    /// Split activations: the remainders `x - hi`, in the same layout.
+    lo: Option<&'a [u16]>,
     k: usize,
     num_tokens: usize,
     /// The chunk's first row (column of `y`) and its row count (at most 32).
@@ -268,6 +344,16 @@ impl Task<'_> {
                 }
                 for tile in 0..C_TILES {
                     unit.dot(tile);
+                }
+                if let Some(lo) = self.lo {
+                    let lo: &[u8] = bytemuck::cast_slice(lo);
+                    for j in 0..2 {
+                        let row = pass * PASS_TOKENS + 16 * j;
+                        unit.load(A_FIRST + j, &lo[(row * k + 32 * block) * 2..], stride);
+                    }
+                    for tile in 0..C_TILES {
+                        unit.dot(tile);
+                    }
                 }
             }
             for tile in 0..C_TILES {

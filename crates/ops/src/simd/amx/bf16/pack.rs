@@ -119,6 +119,21 @@ pub fn activations(x: &[f32], k: usize, out: &mut TileBuffer, use_vector: bool) 
     }
 }
 
+/// The remainders `x - hi` rounded to bf16 into `out`, in `hi`'s layout ([`activations`]'s
+/// output for the same `x`), so that `hi + lo` carries about 16 significant bits of each
+/// value.
+pub fn remainders(x: &[f32], k: usize, hi: &TileBuffer, out: &mut TileBuffer) {
+    let hi = hi.as_u16();
+    assert!(hi.len() >= x.len() && hi.len().is_multiple_of(k));
+    out.resize(hi.len() * 2);
+    let out = out.as_u16_mut();
+    out[x.len()..].fill(0);
+    for ((out, &value), &hi) in out.iter_mut().zip(x).zip(hi) {
+        let rest = value - f32::from_bits(u32::from(hi) << 16);
+        *out = if rest.is_finite() { to_bf16(rest) } else { 0 };
+    }
+}
+
 /// The bf16 value of row `row` (within the chunk) and column `k` in a filled B buffer.
 pub fn b_value(buffer: &[u8], row: usize, k: usize) -> u16 {
     let at = (k / 32) * 2 * B_TILE

@@ -42,19 +42,6 @@ fn bf16_value(bits: u16) -> f32 {
     f32::from_bits(u32::from(bits) << 16)
 }
 
-fn random_activations(num_tokens: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
-    (0..num_tokens * cols)
-        .map(|i| {
-            let v: f32 = rng.random_range(-2.0..2.0);
-            if i % 37 == 0 {
-                v * 40.0
-            } else {
-                v
-            }
-        })
-        .collect()
-}
-
 struct Case {
     ty: GgmlType,
     rows: usize,
@@ -146,7 +133,7 @@ fn weight_tiles_hold_ggml_values_in_bf16() {
 fn activation_rows_are_rounded_and_padded() {
     let mut rng = ChaCha8Rng::seed_from_u64(22);
     for tokens in [1, 31, 32, 33, 70] {
-        let x = random_activations(tokens, 64, &mut rng);
+        let x = common::random_activations(tokens, 64, &mut rng);
         let (mut scalar, mut vector) = (pack::TileBuffer::new(), pack::TileBuffer::new());
         pack::activations(&x, 64, &mut scalar, false);
         pack::activations(&x, 64, &mut vector, true);
@@ -159,6 +146,18 @@ fn activation_rows_are_rounded_and_padded() {
             assert_eq!(bits, want, "tokens {tokens} value {i}");
         }
     }
+}
+
+/// `hi + lo` of each value of `x` (`[tokens][cols]`): what the split tiles multiply.
+fn split_values(x: &[f32], cols: usize, use_vector: bool) -> Vec<f32> {
+    let (mut hi, mut lo) = (pack::TileBuffer::new(), pack::TileBuffer::new());
+    pack::activations(x, cols, &mut hi, use_vector);
+    pack::remainders(x, cols, &hi, &mut lo);
+    hi.as_u16()[..x.len()]
+        .iter()
+        .zip(lo.as_u16())
+        .map(|(&h, &l)| bf16_value(h) + bf16_value(l))
+        .collect()
 }
 
 /// The bf16 inputs the tiles multiply, as f32: weights and activations.
@@ -183,7 +182,7 @@ fn emulated_bf16_matches_the_f64_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(23);
     for case in cases(24) {
         for tokens in [1, 17, 33, 64] {
-            let x = random_activations(tokens, case.cols, &mut rng);
+            let x = common::random_activations(tokens, case.cols, &mut rng);
             let y = run(TileBackend::Emulated, &case, &x, tokens);
             let (w, a) = bf16_inputs(&case, &x);
             let what = format!(
@@ -207,7 +206,7 @@ fn hardware_bf16_matches_the_reference() {
     let (mut values, mut same) = (0usize, 0usize);
     for case in cases(26) {
         for tokens in [17, 64, 100] {
-            let x = random_activations(tokens, case.cols, &mut rng);
+            let x = common::random_activations(tokens, case.cols, &mut rng);
             let hardware = run(TileBackend::Hardware, &case, &x, tokens);
             let (w, a) = bf16_inputs(&case, &x);
             let what = format!(
@@ -326,7 +325,7 @@ fn weight_matmul_with_the_amx_set_takes_the_bf16_tiles() {
     let weight =
         Weight::with_kernels(GgmlType::Q4_1, rows, cols, stored.clone(), CpuKernels::Amx).unwrap();
     let tokens = 128;
-    let x = random_activations(tokens, cols, &mut rng);
+    let x = common::random_activations(tokens, cols, &mut rng);
     let before = bf16::matmul_count();
     let mut y = vec![0f32; rows * tokens];
     weight.matmul(&x, tokens, &mut y);
@@ -353,14 +352,7 @@ fn weight_matmul_with_the_amx_set_takes_the_bf16_tiles() {
             bf16::matmul_count() > before,
             "Q15 weights ran on the BF16 tiles"
         );
-        let (mut hi, mut lo) = (pack::TileBuffer::new(), pack::TileBuffer::new());
-        pack::activations(&x, cols, &mut hi, true);
-        pack::remainders(&x, cols, &hi, &mut lo);
-        let split: Vec<f32> = hi.as_u16()[..x.len()]
-            .iter()
-            .zip(lo.as_u16())
-            .map(|(&h, &l)| bf16_value(h) + bf16_value(l))
-            .collect();
+        let split = split_values(&x, cols, true);
         common::assert_f64_dots("Weight::matmul, Q15 split", &y_q15, &w, &split, cols);
     } else {
         let vnni = Weight::with_kernels(GgmlType::Q4_1, rows, cols, stored, CpuKernels::Vnni8)
@@ -392,17 +384,7 @@ fn bf16_vs_int8_timing() {
     }
     let mut rng = ChaCha8Rng::seed_from_u64(32);
     const COPIES: usize = 4;
-    let median = |f: &mut dyn FnMut(usize)| {
-        let mut times: Vec<f64> = (0..9)
-            .map(|i| {
-                let start = std::time::Instant::now();
-                f(i % COPIES);
-                start.elapsed().as_secs_f64() * 1e3
-            })
-            .collect();
-        times.sort_by(f64::total_cmp);
-        times[4]
-    };
+    let median = |f: &mut dyn FnMut(usize)| common::median_ms(COPIES, f);
     for (ty, rows, cols) in [
         (GgmlType::Q4_1, 576, 576),
         (GgmlType::Q4_1, 192, 576),
@@ -418,7 +400,7 @@ fn bf16_vs_int8_timing() {
             .collect();
         for tokens in [16, 32, 64, 128, 512] {
             let xs: Vec<Vec<f32>> = (0..COPIES)
-                .map(|_| random_activations(tokens, cols, &mut rng))
+                .map(|_| common::random_activations(tokens, cols, &mut rng))
                 .collect();
             let mut y = vec![0f32; rows * tokens];
             let int8 = median(&mut |i| {
@@ -468,62 +450,10 @@ fn fill_timing() {
     }
 }
 
-/// Timing probe of the tile unit alone (AMX-BF16 hardware): cycles-free wall time per
-/// `TDPBF16PS` with no loads, with four tile loads from L1 per four dots, and with the loads
-/// alone.
-#[test]
-#[ignore]
-fn tile_throughput() {
-    use bf16::unit::{Bf16Unit, FTile, HardwareBf16};
-    let Some(mut unit) = HardwareBf16::new() else {
-        println!("AMX-BF16 not available on this CPU: probe skipped");
-        return;
-    };
-    #[derive(Clone, Copy)]
-    #[repr(C, align(64))]
-    struct Line([u16; 32]);
-    let lines = vec![Line([0x3F80u16; 32]); 4 * 16 + 1];
-    let all: &[u8] =
-        unsafe { std::slice::from_raw_parts(lines.as_ptr() as *const u8, lines.len() * 64) };
-    const N: usize = 200_000;
-    unit.configure();
-    for c in 0..4 {
-        unit.zero(c);
-    }
-    for (label, loads, dots, offset) in [
-        ("dots only", false, true, 0),
-        ("loads+dots, 64-byte aligned", true, true, 0),
-        ("loads only, 64-byte aligned", true, false, 0),
-        ("loads+dots, 16 bytes off", true, true, 16),
-        ("loads only, 16 bytes off", true, false, 16),
-    ] {
-        let bytes = &all[offset..];
-        let start = std::time::Instant::now();
-        for _ in 0..N {
-            if loads {
-                unit.load(4, &bytes[0..1024], 64);
-                unit.load(5, &bytes[1024..2048], 64);
-                unit.load(6, &bytes[2048..3072], 64);
-                unit.load(7, &bytes[3072..4096], 64);
-            }
-            if dots {
-                for c in 0..4 {
-                    unit.dot(c);
-                }
-            }
-        }
-        let ns = start.elapsed().as_secs_f64() * 1e9 / (4 * N) as f64;
-        println!("{label}: {ns:.2} ns per (dot or load) step");
-    }
-    let mut c = FTile::default();
-    unit.store(0, &mut c);
-    unit.release();
-    println!("c[0][0] = {}", c.0[0][0]);
-}
-
 /// Timing probe of tile-register schedules (AMX-BF16 hardware, raw instructions): ns per
-/// `TDPBF16PS` for loads that no dot waits for, a double-buffered 1 x 2 schedule, and the
-/// kernel's 2 x 2 schedule.
+/// `TDPBF16PS` for loads that no dot waits for, a double-buffered 1 x 2 schedule, the
+/// kernel's 2 x 2 schedule and dots alone; ns per `TILELOADD` with rows aligned to cache
+/// lines and 16 bytes off.
 #[cfg(target_arch = "x86_64")]
 #[test]
 #[ignore]
@@ -536,7 +466,7 @@ fn tile_schedules() {
     #[derive(Clone, Copy)]
     #[repr(C, align(64))]
     struct Line([u16; 32]);
-    let lines = vec![Line([0x3F80u16; 32]); 8 * 16];
+    let lines = vec![Line([0x3F80u16; 32]); 8 * 16 + 1];
     let p = lines.as_ptr() as *const u8;
     let s = 64usize;
     const N: usize = 100_000;
@@ -605,6 +535,33 @@ fn tile_schedules() {
             )
         },
     );
+    let off = unsafe { p.add(16) };
+    time(
+        "loads only, rows 64-byte aligned (per load)",
+        4,
+        &mut || unsafe {
+            std::arch::asm!(
+                "tileloadd tmm4, [{p} + {s} * 1]", "tileloadd tmm5, [{q} + {s} * 1]",
+                "tileloadd tmm6, [{r} + {s} * 1]", "tileloadd tmm7, [{t} + {s} * 1]",
+                p = in(reg) p, q = in(reg) p.add(1024), r = in(reg) p.add(2048),
+                t = in(reg) p.add(3072), s = in(reg) s,
+                options(nostack, readonly)
+            )
+        },
+    );
+    time(
+        "loads only, rows 16 bytes off (per load)",
+        4,
+        &mut || unsafe {
+            std::arch::asm!(
+                "tileloadd tmm4, [{p} + {s} * 1]", "tileloadd tmm5, [{q} + {s} * 1]",
+                "tileloadd tmm6, [{r} + {s} * 1]", "tileloadd tmm7, [{t} + {s} * 1]",
+                p = in(reg) off, q = in(reg) off.add(1024), r = in(reg) off.add(2048),
+                t = in(reg) off.add(3072), s = in(reg) s,
+                options(nostack, readonly)
+            )
+        },
+    );
     time("dots only, 4 chains", 4, &mut || unsafe {
         std::arch::asm!(
             "tdpbf16ps tmm0, tmm4, tmm6",
@@ -635,15 +592,8 @@ fn emulated_split_matches_the_f64_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(34);
     for case in cases(35) {
         for tokens in [17, 40] {
-            let x = random_activations(tokens, case.cols, &mut rng);
-            let (mut hi, mut lo) = (pack::TileBuffer::new(), pack::TileBuffer::new());
-            pack::activations(&x, case.cols, &mut hi, false);
-            pack::remainders(&x, case.cols, &hi, &mut lo);
-            let sum: Vec<f32> = hi.as_u16()[..x.len()]
-                .iter()
-                .zip(lo.as_u16())
-                .map(|(&h, &l)| bf16_value(h) + bf16_value(l))
-                .collect();
+            let x = common::random_activations(tokens, case.cols, &mut rng);
+            let sum = split_values(&x, case.cols, false);
             for (s, v) in sum.iter().zip(&x) {
                 assert!((s - v).abs() <= v.abs() * 2f32.powi(-16), "{s} vs {v}");
             }

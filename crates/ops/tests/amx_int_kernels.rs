@@ -4,7 +4,9 @@
 //! The emulated tiles (`TileBackend::Emulated`) run the whole AMX code path (activation
 //! panels, weight tiles, edge tiles, the f32 combine) on any CPU; the hardware tiles run only
 //! where CPUID and Linux allow AMX-INT8, otherwise their test prints a line and returns. Run
-//! alone with `cargo test -p pagoda-ops --release --test amx_int_kernels`.
+//! alone with `cargo test -p pagoda-ops --release --test amx_int_kernels`. The timing probe of
+//! the INT8 tiles against `vnni8` (and the BF16 tiles) is `amx_bf16_kernels.rs`'s
+//! `bf16_vs_int8_timing`.
 
 mod common;
 
@@ -19,7 +21,7 @@ use pagoda_ops::simd::interleaved::{self, Interleaved};
 use pagoda_tensor::quant::q8::Q8Rows;
 use pagoda_tensor::quant::repack::{dot_scalar, repack, RepackedRows};
 use pagoda_tensor::{quant, GgmlType};
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::sync::{Mutex, MutexGuard};
 
@@ -64,20 +66,6 @@ fn sub_scaled(ty: GgmlType) -> bool {
     matches!(ty, GgmlType::Q2K | GgmlType::Q3K | GgmlType::Q6K)
 }
 
-/// Activations with a wide range, so Q8 values reach +-127 and many blocks differ in scale.
-fn random_activations(num_tokens: usize, cols: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
-    (0..num_tokens * cols)
-        .map(|i| {
-            let v: f32 = rng.random_range(-2.0..2.0);
-            if i % 37 == 0 {
-                v * 40.0
-            } else {
-                v
-            }
-        })
-        .collect()
-}
-
 struct Case {
     ty: GgmlType,
     rows: usize,
@@ -101,7 +89,7 @@ fn cases(seed: u64) -> Vec<Case> {
             let interleaved = Interleaved::new(&weights);
             // Q8 and Q15 activation rows (two tile dots per block).
             for (num_tokens, q15) in TOKENS.into_iter().flat_map(|t| [(t, false), (t, true)]) {
-                let x = random_activations(num_tokens, cols, &mut rng);
+                let x = common::random_activations(num_tokens, cols, &mut rng);
                 let activations = if q15 {
                     Q8Rows::quantize_q15(&x, cols).unwrap()
                 } else {
@@ -270,7 +258,7 @@ fn weight_matmul_with_the_amx_set_equals_vnni8() {
                     .with_q15_activations(q15);
             assert_eq!(amx_weight.int_isa(), Some(IntIsa::Amx));
             assert_eq!(amx_weight.q15_activations(), q15);
-            let x = random_activations(num_tokens, cols, &mut rng);
+            let x = common::random_activations(num_tokens, cols, &mut rng);
             let before = amx::hardware_matmul_count();
             let mut y_amx = vec![f32::NAN; num_tokens * rows];
             amx_weight.matmul(&x, num_tokens, &mut y_amx);
@@ -303,7 +291,7 @@ fn sub_scaled_weights_are_declined() {
     let mut rng = ChaCha8Rng::seed_from_u64(16);
     let stored = random_rows(GgmlType::Q6K, 4, 256, &mut rng, false);
     let weights = Interleaved::new(&repack(GgmlType::Q6K, 4, 256, &stored).unwrap());
-    let activations = Q8Rows::quantize(&random_activations(3, 256, &mut rng), 256).unwrap();
+    let activations = Q8Rows::quantize(&common::random_activations(3, 256, &mut rng), 256).unwrap();
     let mut y = vec![7f32; 12];
     assert_eq!(
         amx::matmul(TileBackend::Emulated, &weights, &activations, &mut y),
@@ -317,7 +305,7 @@ fn bad_shapes_and_missing_hardware_are_errors() {
     let mut rng = ChaCha8Rng::seed_from_u64(15);
     let stored = random_rows(GgmlType::Q4_0, 4, 64, &mut rng, false);
     let weights = Interleaved::new(&repack(GgmlType::Q4_0, 4, 64, &stored).unwrap());
-    let activations = Q8Rows::quantize(&random_activations(3, 64, &mut rng), 64).unwrap();
+    let activations = Q8Rows::quantize(&common::random_activations(3, 64, &mut rng), 64).unwrap();
     let mut y = vec![0f32; 11];
     assert_eq!(
         amx::matmul(TileBackend::Emulated, &weights, &activations, &mut y),
@@ -326,7 +314,7 @@ fn bad_shapes_and_missing_hardware_are_errors() {
             expected: 12
         })
     );
-    let short = Q8Rows::quantize(&random_activations(3, 32, &mut rng), 32).unwrap();
+    let short = Q8Rows::quantize(&common::random_activations(3, 32, &mut rng), 32).unwrap();
     let mut y = vec![0f32; 12];
     assert_eq!(
         amx::matmul(TileBackend::Emulated, &weights, &short, &mut y),
@@ -341,65 +329,5 @@ fn bad_shapes_and_missing_hardware_are_errors() {
             Err(AmxError::NotAvailable)
         );
         assert!(!IntIsa::Amx.is_supported() && !CpuKernels::Amx.is_supported());
-    }
-}
-
-/// Timing probe for `AMX_MIN_TOKENS` and the `auto` choice (not a correctness test): median
-/// wall time of `vnni8` and the hardware AMX matmul for the default model's shapes, inputs
-/// rotated over four copies so no call finds the previous one's data in cache. Run on an AMX
-/// machine with `-- --ignored --nocapture amx_vs_vnni8_timing`.
-#[test]
-#[ignore]
-fn amx_vs_vnni8_timing() {
-    if !amx::is_available() {
-        println!("AMX not available on this CPU: hardware check skipped");
-        return;
-    }
-    let _counter = hardware_counter();
-    let mut rng = ChaCha8Rng::seed_from_u64(16);
-    const COPIES: usize = 4;
-    let median = |f: &mut dyn FnMut(usize)| {
-        let mut times: Vec<f64> = (0..9)
-            .map(|i| {
-                let start = std::time::Instant::now();
-                f(i % COPIES);
-                start.elapsed().as_secs_f64() * 1e3
-            })
-            .collect();
-        times.sort_by(f64::total_cmp);
-        times[4]
-    };
-    for (ty, rows, cols) in [
-        (GgmlType::Q4_1, 576, 576),
-        (GgmlType::Q4_1, 192, 576),
-        (GgmlType::Q4_1, 1536, 576),
-        (GgmlType::Q8_0, 1536, 576),
-        (GgmlType::Q4_1, 576, 1536),
-    ] {
-        let weights: Vec<Interleaved> = (0..COPIES)
-            .map(|_| {
-                let stored = random_rows(ty, rows, cols, &mut rng, false);
-                Interleaved::new(&repack(ty, rows, cols, &stored).unwrap())
-            })
-            .collect();
-        for num_tokens in [16, 32, 64, 128, 512] {
-            let activations: Vec<Q8Rows> = (0..COPIES)
-                .map(|_| {
-                    let x = random_activations(num_tokens, cols, &mut rng);
-                    Q8Rows::quantize(&x, cols).unwrap()
-                })
-                .collect();
-            let mut y = vec![0f32; rows * num_tokens];
-            let vnni_ms =
-                median(&mut |i| interleaved::matmul(&weights[i], &activations[i], &mut y));
-            let amx_ms = median(&mut |i| {
-                amx::matmul(TileBackend::Hardware, &weights[i], &activations[i], &mut y).unwrap()
-            });
-            println!(
-                "{ty} [{rows} x {cols}] tokens {num_tokens:3}: vnni8 {vnni_ms:8.3} ms, \
-                 amx {amx_ms:8.3} ms ({:.2}x)",
-                vnni_ms / amx_ms
-            );
-        }
     }
 }

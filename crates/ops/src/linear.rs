@@ -61,9 +61,9 @@ fn wide_rows_per_task(n: usize) -> usize {
 /// false only where the `amx` set's prefills run on the AMX-BF16 tiles
 /// ([`amx::bf16::AmxPrefill`]), whose sums are not the decode kernels'.
 pub fn batch_invariant() -> bool {
+    // `selected` gives BF16 only where the tiles run.
     !(CpuKernels::selected() == CpuKernels::Amx
-        && amx::bf16::AmxPrefill::selected() == amx::bf16::AmxPrefill::Bf16
-        && amx::bf16::is_available())
+        && amx::bf16::AmxPrefill::selected() == amx::bf16::AmxPrefill::Bf16)
 }
 
 /// A weight matrix `[out_features, in_features]` in its storage format.
@@ -195,8 +195,7 @@ impl Weight {
                 if num_tokens >= amx::bf16::MIN_TOKENS
                     && (!self.q15 || amx::bf16::split_q15())
                     && !rows.has_sub_scales()
-                    && amx::bf16::AmxPrefill::selected() == amx::bf16::AmxPrefill::Bf16
-                    && amx::bf16::is_available() =>
+                    && amx::bf16::AmxPrefill::selected() == amx::bf16::AmxPrefill::Bf16 =>
             {
                 Some(rows)
             }

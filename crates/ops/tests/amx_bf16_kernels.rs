@@ -129,6 +129,28 @@ fn weight_tiles_hold_ggml_values_in_bf16() {
     }
 }
 
+/// Remainders of values that are not finite, or that rounded to infinity, are 0 on both
+/// paths; the `hi` terms keep the infinity or NaN.
+#[test]
+fn split_remainders_of_non_finite_values_are_zero() {
+    let mut x = vec![1.5f32; 32];
+    x[0] = f32::INFINITY;
+    x[1] = f32::NAN;
+    x[2] = f32::MAX;
+    x[3] = -f32::MAX;
+    x[4] = 1.0 + 2f32.powi(-12);
+    for use_vector in [false, true] {
+        let (mut hi, mut lo) = (pack::TileBuffer::new(), pack::TileBuffer::new());
+        pack::activations(&x, 32, &mut hi, use_vector);
+        pack::remainders(&x, 32, &hi, &mut lo, use_vector);
+        let lo = lo.as_u16();
+        assert_eq!(&lo[..4], &[0, 0, 0, 0], "vector {use_vector}");
+        assert_eq!(bf16_value(lo[4]), 2f32.powi(-12), "vector {use_vector}");
+        assert_eq!(lo[5], 0, "vector {use_vector}");
+        assert!(bf16_value(hi.as_u16()[1]).is_nan());
+    }
+}
+
 #[test]
 fn activation_rows_are_rounded_and_padded() {
     let mut rng = ChaCha8Rng::seed_from_u64(22);
@@ -152,7 +174,7 @@ fn activation_rows_are_rounded_and_padded() {
 fn split_values(x: &[f32], cols: usize, use_vector: bool) -> Vec<f32> {
     let (mut hi, mut lo) = (pack::TileBuffer::new(), pack::TileBuffer::new());
     pack::activations(x, cols, &mut hi, use_vector);
-    pack::remainders(x, cols, &hi, &mut lo);
+    pack::remainders(x, cols, &hi, &mut lo, use_vector);
     hi.as_u16()[..x.len()]
         .iter()
         .zip(lo.as_u16())
@@ -594,6 +616,11 @@ fn emulated_split_matches_the_f64_reference() {
         for tokens in [17, 40] {
             let x = common::random_activations(tokens, case.cols, &mut rng);
             let sum = split_values(&x, case.cols, false);
+            let vector = split_values(&x, case.cols, true);
+            assert!(sum
+                .iter()
+                .zip(&vector)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
             for (s, v) in sum.iter().zip(&x) {
                 assert!((s - v).abs() <= v.abs() * 2f32.powi(-16), "{s} vs {v}");
             }

@@ -196,6 +196,8 @@ std::thread_local! {
     static ACTIVATIONS: std::cell::RefCell<TileBuffer> = const { std::cell::RefCell::new(TileBuffer::new()) };
     /// Each thread's B buffer of one chunk ([`pack::weights`]), reused across tasks.
     static B_BUFFER: std::cell::RefCell<TileBuffer> = const { std::cell::RefCell::new(TileBuffer::new()) };
+    /// The calling thread's remainders of split activations ([`matmul_split`]), reused.
+    static REMAINDERS: std::cell::RefCell<TileBuffer> = const { std::cell::RefCell::new(TileBuffer::new()) };
 }
 
 /// Runs `f` with the thread-local buffer `key`, or a fresh one if it is in use.
@@ -275,32 +277,33 @@ fn matmul_with(
         return Ok(());
     }
     with_buffer(&ACTIVATIONS, |activations| {
-        pack::activations(x, k, activations, true);
-        let mut lo = TileBuffer::new();
-        if split {
-            pack::remainders(x, k, activations, &mut lo);
-        }
-        let activations: &[u16] = activations.as_u16();
-        let lo: Option<&[u16]> = split.then(|| lo.as_u16());
-        by_row_tasks_in_place(n, num_tokens, CHUNK_ROWS, y, |cols, out| {
-            let chunk = cols.start / CHUNK_ROWS;
-            with_buffer(&B_BUFFER, |tiles| {
-                pack::weights(weights, chunk, tiles, true);
-                let task = Task {
-                    tiles: tiles.as_bytes(),
-                    activations,
-                    lo,
-                    k,
-                    num_tokens,
-                    col: cols.start,
-                    rows: cols.len(),
-                };
-                match backend {
-                    TileBackend::Emulated => task.run(&mut EmulatedBf16::default(), out),
-                    TileBackend::Hardware => hardware(&task, out),
-                }
-            })
-        });
+        with_buffer(&REMAINDERS, |lo| {
+            pack::activations(x, k, activations, true);
+            if split {
+                pack::remainders(x, k, activations, lo, true);
+            }
+            let activations: &[u16] = activations.as_u16();
+            let lo: Option<&[u16]> = split.then(|| lo.as_u16());
+            by_row_tasks_in_place(n, num_tokens, CHUNK_ROWS, y, |cols, out| {
+                let chunk = cols.start / CHUNK_ROWS;
+                with_buffer(&B_BUFFER, |tiles| {
+                    pack::weights(weights, chunk, tiles, true);
+                    let task = Task {
+                        tiles: tiles.as_bytes(),
+                        activations,
+                        lo,
+                        k,
+                        num_tokens,
+                        col: cols.start,
+                        rows: cols.len(),
+                    };
+                    match backend {
+                        TileBackend::Emulated => task.run(&mut EmulatedBf16::default(), out),
+                        TileBackend::Hardware => hardware(&task, out),
+                    }
+                })
+            });
+        })
     });
     Ok(())
 }

@@ -122,12 +122,21 @@ pub fn activations(x: &[f32], k: usize, out: &mut TileBuffer, use_vector: bool) 
 /// The remainders `x - hi` rounded to bf16 into `out`, in `hi`'s layout ([`activations`]'s
 /// output for the same `x`), so that `hi + lo` carries about 16 significant bits of each
 /// value.
-pub fn remainders(x: &[f32], k: usize, hi: &TileBuffer, out: &mut TileBuffer) {
+/// Non-finite remainders (of infinities, NaNs, or values that rounded to infinity) are 0.
+pub fn remainders(x: &[f32], k: usize, hi: &TileBuffer, out: &mut TileBuffer, use_vector: bool) {
     let hi = hi.as_u16();
-    assert!(hi.len() >= x.len() && hi.len().is_multiple_of(k));
+    assert!(hi.len() >= x.len() && hi.len().is_multiple_of(k) && x.len().is_multiple_of(32));
     out.resize(hi.len() * 2);
     let out = out.as_u16_mut();
     out[x.len()..].fill(0);
+    #[cfg(target_arch = "x86_64")]
+    if use_vector && vector() {
+        // SAFETY: the features are present (`vector`); the three slices hold `x.len()`
+        // values, a multiple of 32.
+        unsafe { x86::remainders(x, &hi[..x.len()], &mut out[..x.len()]) };
+        return;
+    }
+    let _ = use_vector;
     for ((out, &value), &hi) in out.iter_mut().zip(x).zip(hi) {
         let rest = value - f32::from_bits(u32::from(hi) << 16);
         *out = if rest.is_finite() { to_bf16(rest) } else { 0 };
@@ -201,6 +210,45 @@ mod x86 {
                 let lo = _mm512_loadu_ps(x.as_ptr());
                 let hi = _mm512_loadu_ps(x.as_ptr().add(16));
                 let bf: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                _mm512_storeu_si512(out.as_mut_ptr() as *mut __m512i, bf);
+            }
+        }
+    }
+
+    /// 16 remainders `x - hi` from index `at` (0 where not finite). A function, not a
+    /// closure, so that it is compiled with the caller's features.
+    #[inline(always)]
+    unsafe fn rest(x: &[f32], hi: &[u16], at: usize) -> __m512 {
+        // SAFETY: inlined into functions with AVX-512F/BW; 16 values at `at` in each slice.
+        unsafe {
+            let wide =
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(hi.as_ptr().add(at) as *const __m256i));
+            let value = _mm512_sub_ps(
+                _mm512_loadu_ps(x.as_ptr().add(at)),
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide)),
+            );
+            let finite = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(
+                _mm512_abs_ps(value),
+                _mm512_set1_ps(f32::INFINITY),
+            );
+            _mm512_maskz_mov_ps(finite, value)
+        }
+    }
+
+    /// [`super::remainders`]' loop, 32 values at a time. SAFETY: AVX-512F/BW/BF16; the
+    /// slices hold the same number of values, a multiple of 32.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn remainders(x: &[f32], hi: &[u16], out: &mut [u16]) {
+        assert!(x.len() == hi.len() && x.len() == out.len() && x.len().is_multiple_of(32));
+        for ((x, hi), out) in x
+            .chunks_exact(32)
+            .zip(hi.chunks_exact(32))
+            .zip(out.chunks_exact_mut(32))
+        {
+            // SAFETY: 32 values at each pointer.
+            unsafe {
+                let (lo, high) = (rest(x, hi, 0), rest(x, hi, 16));
+                let bf: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(high, lo));
                 _mm512_storeu_si512(out.as_mut_ptr() as *mut __m512i, bf);
             }
         }

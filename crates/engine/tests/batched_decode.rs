@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, ModelSource};
 use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
 use pagoda_ops::attention::AttentionPath;
+use pagoda_ops::linear::CpuKernels;
 use pagoda_ops::sampling::SamplingParams;
+use pagoda_ops::simd::amx::{self, AMX_MIN_TOKENS};
 
 fn engine(
     path: AttentionPath,
@@ -42,12 +44,48 @@ fn engine(
     Some((Engine::new(loaded.model, config).unwrap(), loaded.tokenizer))
 }
 
+/// Each shorter than the AMX tiles' threshold, together longer: run together, the prompts'
+/// rows go through the prefill tiles of the `amx` set; alone (or chunked), through the
+/// one-row kernels, so the comparisons below check that the two give the same bits.
 const PROMPTS: [&str; 4] = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "Once upon a time, in a land far away, there lived a",
-    "1, 2, 3, 4,",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a land far away beyond the mountains and the sea, there lived a",
+    "1, 2, 3, 4, 5, 6, 7, 8,",
 ];
+
+/// Encodes [`PROMPTS`] and checks the lengths straddle the tiles' threshold as documented.
+fn encoded_prompts(tokenizer: &pagoda_models::tokenizer::Tokenizer) -> Vec<Vec<u32>> {
+    let prompts: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| tokenizer.encode(p, true).unwrap())
+        .collect();
+    let lengths: Vec<usize> = prompts.iter().map(Vec::len).collect();
+    assert!(
+        lengths.iter().all(|&n| n < AMX_MIN_TOKENS)
+            && lengths.iter().sum::<usize>() >= AMX_MIN_TOKENS + 8,
+        "prompt lengths {lengths:?} must each be below {AMX_MIN_TOKENS} and together above"
+    );
+    prompts
+}
+
+/// The matmuls run on AMX tiles so far (INT8 or, opted in, BF16; hardware or emulated).
+fn tile_matmuls() -> u64 {
+    amx::hardware_matmul_count()
+        + amx::emulated_matmul_count()
+        + amx::bf16::matmul_count()
+        + amx::bf16::emulated_matmul_count()
+}
+
+/// With the `amx` set selected, asserts that tiles ran since `before`.
+fn assert_tiles_ran_with_the_amx_set(before: u64) {
+    if CpuKernels::selected() == CpuKernels::Amx {
+        assert!(
+            tile_matmuls() > before,
+            "the amx set is selected but no prefill ran on its tiles"
+        );
+    }
+}
 
 /// Runs every prompt to completion, `concurrent` at a time; returns (tokens, logprobs) per prompt.
 fn run(
@@ -88,12 +126,13 @@ fn check(path: AttentionPath) {
     let Some((mut engine, tokenizer)) = engine(path, 256, 512) else {
         return;
     };
-    let prompts: Vec<Vec<u32>> = PROMPTS
-        .iter()
-        .map(|p| tokenizer.encode(p, true).unwrap())
-        .collect();
-    let alone = run(&mut engine, &prompts, 1, 12);
+    let prompts = encoded_prompts(&tokenizer);
+    // Batched first, with the prefix cache cold: the prompts prefill together (through the
+    // `amx` set's tiles); run alone afterwards, only their uncached last pages prefill.
+    let before = tile_matmuls();
     let batched = run(&mut engine, &prompts, 4, 12);
+    assert_tiles_ran_with_the_amx_set(before);
+    let alone = run(&mut engine, &prompts, 1, 12);
     let mut worst = 0f32;
     for (i, ((ids_a, lp_a), (ids_b, lp_b))) in alone.iter().zip(&batched).enumerate() {
         assert_eq!(
@@ -138,12 +177,11 @@ fn chunked_prefill_equals_whole_prefill() {
     let Some((mut whole, _)) = engine(AttentionPath::SplitKv, 256, 512) else {
         return;
     };
-    let prompts: Vec<Vec<u32>> = PROMPTS
-        .iter()
-        .map(|p| tokenizer.encode(p, true).unwrap())
-        .collect();
+    let prompts = encoded_prompts(&tokenizer);
     let a = run(&mut chunked, &prompts, 4, 6);
+    let before = tile_matmuls();
     let b = run(&mut whole, &prompts, 4, 6);
+    assert_tiles_ran_with_the_amx_set(before);
     for (i, (x, y)) in a.iter().zip(&b).enumerate() {
         assert_eq!(
             x.0, y.0,
@@ -196,10 +234,11 @@ fn bad_requests_are_refused_clearly() {
 
 #[test]
 fn requests_wait_for_pages_instead_of_failing_when_the_pool_is_tight() {
-    // 3 pages of 16 tokens: two 16-token prompts fill two pages, and both need a new page at
+    // 5 pages of 16 tokens: two 32-token prompts fill four pages, and both need a new page at
     // their first decode token. Only one can have it; the other waits until the first
     // finishes and frees its pages, then completes with the same tokens as when run alone.
-    let Some((mut tight, tokenizer)) = engine(AttentionPath::Gather, 3, 512) else {
+    // (Prefilled together, the prompts' 64 rows take the `amx` set's tiles; alone, not.)
+    let Some((mut tight, tokenizer)) = engine(AttentionPath::Gather, 5, 512) else {
         return;
     };
     let Some((mut roomy, _)) = engine(AttentionPath::Gather, 64, 512) else {
@@ -207,14 +246,22 @@ fn requests_wait_for_pages_instead_of_failing_when_the_pool_is_tight() {
     };
     let text =
         "The history of the printing press is often told as the story of a single inventor, \
-                but the movable type had a long history before Gutenberg.";
+                but the movable type had a long history before Gutenberg, in China and in \
+                Korea, where printers cast metal type two centuries earlier.";
     let base = tokenizer.encode(text, true).unwrap();
-    assert!(base.len() >= 17);
-    let prompts: Vec<Vec<u32>> = (0..2).map(|i| base[i..i + 16].to_vec()).collect();
+    assert!(base.len() >= 33, "{} tokens", base.len());
+    let prompts: Vec<Vec<u32>> = (0..2).map(|i| base[i..i + 32].to_vec()).collect();
     let alone = run(&mut roomy, &prompts, 1, 8);
     let squeezed = run(&mut tight, &prompts, 2, 8);
     for (i, (a, b)) in alone.iter().zip(&squeezed).enumerate() {
         assert_eq!(a.0, b.0, "prompt {i}: tokens differ when waiting for pages");
     }
     assert_eq!(tight.pages_used(), 0);
+}
+
+/// Re-runs this file's other tests under every CPU kernel configuration this machine can
+/// run (the `amx` set on emulated tiles where it lacks them) and prints which ran.
+#[test]
+fn under_every_cpu_configuration() {
+    pagoda_testkit::rerun_under_every_cpu_configuration("under_every_cpu_configuration");
 }

@@ -134,3 +134,10 @@ fn logits_do_not_depend_on_the_pool_smollm2() {
     }
     assert_same_bits(&model, 16, 49152);
 }
+
+/// Re-runs this file's other tests under every CPU kernel configuration this machine can
+/// run (the `amx` set on emulated tiles where it lacks them) and prints which ran.
+#[test]
+fn under_every_cpu_configuration() {
+    pagoda_testkit::rerun_under_every_cpu_configuration("under_every_cpu_configuration");
+}

@@ -169,10 +169,12 @@ fn a_repeated_long_prompt_reports_its_full_pages_as_hits() {
 }
 
 fn check_preemption(path: AttentionPath) {
-    // 4 pages of 16 tokens for three 16-token prompts generating 12 tokens each: all three
-    // are admitted with one full page each, then all need a second page at their first decode
-    // while one is free, so the youngest are preempted and recomputed. Seeded random sampling checks the sampler state survives preemption.
-    let Some((mut tight, tokenizer)) = engine(path, 4, 512, true) else {
+    // 7 pages of 16 tokens for three 24-token prompts generating 12 tokens each: all three
+    // are admitted with two pages each, then all need a third page at their ninth token
+    // while one is free, so the youngest are preempted and recomputed. Seeded random
+    // sampling checks the sampler state survives preemption. Prefilled together, the 72
+    // prompt rows take the `amx` set's tiles; recomputed alone, they do not.
+    let Some((mut tight, tokenizer)) = engine(path, 7, 512, true) else {
         return;
     };
     let Some((mut roomy, _)) = engine(path, 64, 512, false) else {
@@ -181,8 +183,8 @@ fn check_preemption(path: AttentionPath) {
     let text = "The history of the printing press is often told as the story of a single \
                 inventor, but the movable type had a long history before Gutenberg in Korea.";
     let base = tokenizer.encode(text, true).unwrap();
-    assert!(base.len() >= 24);
-    let prompts: Vec<Vec<u32>> = (0..3).map(|i| base[i..i + 16].to_vec()).collect();
+    assert!(base.len() >= 26, "{} tokens", base.len());
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| base[i..i + 24].to_vec()).collect();
     let params = SamplingParams {
         temperature: 0.9,
         seed: Some(7),
@@ -216,4 +218,11 @@ fn preempted_requests_produce_the_tokens_of_an_unpressured_run_on_gather() {
 #[test]
 fn preempted_requests_produce_the_tokens_of_an_unpressured_run_on_split_kv() {
     check_preemption(AttentionPath::SplitKv);
+}
+
+/// Re-runs this file's other tests under every CPU kernel configuration this machine can
+/// run (the `amx` set on emulated tiles where it lacks them) and prints which ran.
+#[test]
+fn under_every_cpu_configuration() {
+    pagoda_testkit::rerun_under_every_cpu_configuration("under_every_cpu_configuration");
 }

@@ -50,6 +50,19 @@ const POLICIES: [AttentionPolicy; 3] = [
     AttentionPolicy::Force(AttentionPath::Gather),
 ];
 
+/// The policies the default model's tests run: all of [`POLICIES`] in the process the test
+/// command started; only `Auto` (which mixes gather and split-KV rows) in the re-runs under
+/// the other CPU kernel configurations (`under_every_cpu_configuration`), which are there
+/// for the matmul kernels: the routes do not depend on them, and all three would take
+/// minutes per configuration.
+fn policies() -> &'static [AttentionPolicy] {
+    if pagoda_testkit::is_rerun() {
+        &POLICIES[..1]
+    } else {
+        &POLICIES
+    }
+}
+
 /// The model's requests: block tables over one pool, and the tokens each has been fed.
 #[derive(Clone)]
 struct Requests {
@@ -158,4 +171,21 @@ fn sequence(seed: usize, len: usize, vocab: usize) -> Vec<u32> {
     (0..len)
         .map(|i| ((i * 7919 + seed * 104729 + i * i * 31) % vocab) as u32)
         .collect()
+}
+
+/// Re-runs the tests that depend on the matmul kernels under the configuration `auto` picks
+/// on each CPU family this machine can stand in for (the `amx` set on emulated tiles where
+/// it lacks them) and prints which ran; under every configuration and with every test when
+/// `PAGODA_TEST_SLOW_CPU_CONFIGURATIONS=1` (several minutes per configuration here).
+#[test]
+fn under_every_cpu_configuration() {
+    pagoda_testkit::rerun_under_each_cpus_default(
+        "under_every_cpu_configuration",
+        &[
+            "default_model_step_is_bit_identical_alone_and_in_any_batch",
+            "default_model_rows_across_threshold_are_bit_identical_however_chunked",
+            "matmul::",
+            "tiny::",
+        ],
+    );
 }

@@ -203,3 +203,10 @@ fn distance_of_both_from_exact_math() {
         theirs.summary()
     );
 }
+
+/// Re-runs this file's other tests under every CPU kernel configuration this machine can
+/// run (the `amx` set on emulated tiles where it lacks them) and prints which ran.
+#[test]
+fn under_every_cpu_configuration() {
+    pagoda_testkit::rerun_under_every_cpu_configuration("under_every_cpu_configuration");
+}

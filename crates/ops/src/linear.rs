@@ -446,7 +446,8 @@ impl Weight {
                 } else {
                     amx::bf16::matmul
                 };
-                if run(TileBackend::Hardware, interleaved, x, num_tokens, y).is_ok() {
+                let backend = amx::backend().unwrap_or(TileBackend::Hardware);
+                if run(backend, interleaved, x, num_tokens, y).is_ok() {
                     return;
                 }
             }

@@ -10,7 +10,8 @@ use pagoda_tensor::{quant, GgmlType};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-const TOKEN_COUNTS: [usize; 10] = [1, 2, 3, 4, 5, 7, 8, 16, 17, 33];
+/// Up to the AMX tiles' thresholds and past them (`amx::bf16::MIN_TOKENS`, `AMX_MIN_TOKENS`).
+const TOKEN_COUNTS: [usize; 12] = [1, 2, 3, 4, 5, 7, 8, 16, 17, 33, 64, 65];
 
 /// Distinct activation rows the batches draw from.
 const POOL: usize = 33;
@@ -99,6 +100,7 @@ fn random_rows(ty: GgmlType, rows: usize, cols: usize, rng: &mut ChaCha8Rng) -> 
 fn kernel_sets() -> Vec<CpuKernels> {
     let sets: Vec<CpuKernels> = [
         CpuKernels::F32,
+        CpuKernels::Amx,
         CpuKernels::Vnni8,
         CpuKernels::Vnni,
         CpuKernels::Avx2,
@@ -106,6 +108,12 @@ fn kernel_sets() -> Vec<CpuKernels> {
     ]
     .into_iter()
     .filter(|kernels| kernels.is_supported())
+    // With PAGODA_CPU_AMX_PREFILL=bf16 the `amx` set's prefills are not invariant (opt-in).
+    .filter(|&kernels| {
+        kernels != CpuKernels::Amx
+            || pagoda_ops::simd::amx::bf16::AmxPrefill::selected()
+                != pagoda_ops::simd::amx::bf16::AmxPrefill::Bf16
+    })
     .collect();
     println!("kernel sets tested on this CPU: {sets:?}");
     sets
@@ -250,4 +258,11 @@ fn dot_row_equals_the_matmul_row_with_f32_activations() {
             }
         }
     }
+}
+
+/// Re-runs this file's other tests under every CPU kernel configuration this machine can
+/// run (the `amx` set on emulated tiles where it lacks them) and prints which ran.
+#[test]
+fn under_every_cpu_configuration() {
+    pagoda_testkit::rerun_under_every_cpu_configuration("under_every_cpu_configuration");
 }

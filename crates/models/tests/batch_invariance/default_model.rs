@@ -10,7 +10,7 @@ use pagoda_models::gguf_model::config_from_gguf;
 use pagoda_models::llama::{AttentionPolicy, KvCache, Model, WeightPrecision};
 use pagoda_ops::attention::AttentionPath;
 
-use super::{assert_runs_equal, sequence, step, Requests, Work, PAGE_SIZE, POLICIES, THRESHOLD};
+use super::{assert_runs_equal, policies, sequence, step, Requests, Work, PAGE_SIZE, THRESHOLD};
 /// The default model, or `None` (with a SKIP line) when the file is missing.
 fn default_model() -> Option<Model> {
     if !pagoda_ops::linear::batch_invariant() {
@@ -222,7 +222,7 @@ fn default_model_target_is_bit_identical_whatever_its_neighbours() {
             &["decode above threshold", "long decode 2"],
         ],
     ];
-    for policy in POLICIES {
+    for &policy in policies() {
         for group in groups {
             check_group(&model, &mut kv, &base, group, policy);
         }
@@ -262,7 +262,7 @@ fn default_model_step_is_bit_identical_alone_and_in_any_batch() {
             "long decode",
         ],
     ];
-    for policy in POLICIES {
+    for &policy in policies() {
         for name in names {
             let request = default_work(name, vocab).0;
             let mut group: Vec<Vec<&str>> = vec![vec![name]];
@@ -365,7 +365,7 @@ fn default_model_rows_across_threshold_are_bit_identical_however_chunked() {
             ],
         ],
     ];
-    for policy in POLICIES {
+    for &policy in policies() {
         let mut expected: Option<Vec<(usize, Vec<f32>)>> = None;
         for (index, schedule) in schedules.iter().enumerate() {
             let mut requests = base.clone();

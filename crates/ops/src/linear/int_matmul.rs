@@ -61,8 +61,9 @@ impl IntRows {
             IntRows::Interleaved(rows) => {
                 let tiles = isa == IntIsa::Amx
                     && activations.num_rows() >= AMX_MIN_TOKENS
-                    && amx::is_available()
-                    && amx::matmul(TileBackend::Hardware, rows, activations, y).is_ok();
+                    && amx::backend().is_some_and(|backend: TileBackend| {
+                        amx::matmul(backend, rows, activations, y).is_ok()
+                    });
                 if !tiles {
                     interleaved::matmul(rows, activations, y)
                 }

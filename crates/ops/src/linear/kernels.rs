@@ -4,7 +4,8 @@
 //! `vnni`, `avx2` and `scalar` quantize activations to Q8 and use integer dots on weights
 //! repacked at load, for every weight. `amx` is `vnni8` with prefills of at least
 //! [`crate::simd::amx::AMX_MIN_TOKENS`] tokens on AMX-INT8 tiles (bit-identical to `vnni8`),
-//! where CPUID reports `amx_tile` + `amx_int8` and Linux grants tile data.
+//! where CPUID reports `amx_tile` + `amx_int8` and Linux grants tile data (or, for tests, on
+//! emulated tiles: `PAGODA_CPU_AMX_TILES=emulated`, [`crate::simd::amx::backend`]).
 //! `f32` keeps the stored blocks and f32 activations (the fused decode-in-registers path of
 //! ADR 0001) for every weight. `auto` is a per-weight policy ([`CpuKernelPolicy`]): the best
 //! integer set the CPU runs (`amx`, then `vnni8`, `avx2`) for every weight, with one
@@ -220,10 +221,12 @@ impl CpuKernelPolicy {
         static SELECTED: OnceLock<CpuKernelPolicy> = OnceLock::new();
         *SELECTED.get_or_init(|| {
             let policy = choose_from_env::<CpuKernelPolicy>();
-            let tiles = if policy.kernels == CpuKernels::Amx {
-                " (AMX-INT8 tiles for multi-row matmuls)"
-            } else {
-                ""
+            let tiles = match (policy.kernels, crate::simd::amx::backend()) {
+                (CpuKernels::Amx, Some(crate::simd::amx::TileBackend::Emulated)) => {
+                    " (AMX-INT8 tiles, emulated, for multi-row matmuls)"
+                }
+                (CpuKernels::Amx, _) => " (AMX-INT8 tiles for multi-row matmuls)",
+                _ => "",
             };
             let activations = match (policy.kernels, policy.ffn_down) {
                 (CpuKernels::F32, _) => "f32 activations, weights decoded in registers".to_string(),

@@ -35,11 +35,18 @@
 //! tested on any CPU; [`TileBackend::Hardware`] differs only in the instruction wrappers
 //! (`hardware.rs`, the only unsafe code here). Hardware use needs CPUID `amx_tile` and
 //! `amx_int8` and the Linux tile-data permission ([`is_available`]).
+//!
+//! `PAGODA_CPU_AMX_TILES=auto|hardware|emulated` ([`backend`]) says where the `amx` set's
+//! tiles run: `auto` on the hardware where it is available (else the set is not offered);
+//! `emulated` on the tile model on any CPU with AVX-512 VNNI, so that the `amx` set's
+//! dispatch, thresholds and bits are tested end to end on machines without AMX (slow: for
+//! tests, not serving).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use pagoda_tensor::quant::q8::Q8Rows;
 
+use crate::kernel_choice::{choose_from_env, KernelChoice};
 use crate::simd::interleaved::Interleaved;
 
 pub mod bf16;
@@ -109,7 +116,78 @@ pub fn is_available() -> bool {
     })
 }
 
+/// The environment variable that picks where the `amx` set's tiles run ([`backend`]).
+pub const TILES_ENV_VAR: &str = "PAGODA_CPU_AMX_TILES";
+
+impl TileBackend {
+    /// `hardware` or `emulated`.
+    pub fn name(self) -> &'static str {
+        match self {
+            TileBackend::Hardware => "hardware",
+            TileBackend::Emulated => "emulated",
+        }
+    }
+
+    /// Parses a [`TILES_ENV_VAR`] value: `auto` (or empty: `None`), `hardware`, `emulated`;
+    /// the error names the bad value.
+    pub fn parse(text: &str) -> Result<Option<TileBackend>, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(None),
+            "hardware" => Ok(Some(TileBackend::Hardware)),
+            "emulated" => Ok(Some(TileBackend::Emulated)),
+            other => Err(format!(
+                "{TILES_ENV_VAR}={other:?} is not one of auto, hardware, emulated"
+            )),
+        }
+    }
+}
+
+impl KernelChoice for TileBackend {
+    const ENV_VAR: &'static str = TILES_ENV_VAR;
+    fn choice_name(self) -> &'static str {
+        self.name()
+    }
+    fn choice_supported(self) -> bool {
+        match self {
+            TileBackend::Hardware => is_available(),
+            TileBackend::Emulated => true,
+        }
+    }
+    fn auto_choice() -> Self {
+        TileBackend::Hardware
+    }
+    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
+        TileBackend::parse(text)
+    }
+}
+
+/// Where the `amx` set's tiles run in this process ([`TILES_ENV_VAR`] read once): the
+/// hardware where [`is_available`] (`auto`, `hardware`), the tile model when `emulated` is
+/// asked for (any CPU), or `None` (no hardware and no emulation asked: the `amx` set is not
+/// offered). Logged once when emulated.
+pub fn backend() -> Option<TileBackend> {
+    use std::sync::OnceLock;
+    static BACKEND: OnceLock<Option<TileBackend>> = OnceLock::new();
+    *BACKEND.get_or_init(|| match choose_from_env::<TileBackend>() {
+        TileBackend::Emulated => {
+            tracing::warn!(
+                "AMX tiles emulated in software ({TILES_ENV_VAR}=emulated): the amx set's \
+                 bits on any CPU, many times slower than the hardware; for tests"
+            );
+            Some(TileBackend::Emulated)
+        }
+        TileBackend::Hardware => is_available().then_some(TileBackend::Hardware),
+    })
+}
+
 static HARDWARE_MATMULS: AtomicU64 = AtomicU64::new(0);
+static EMULATED_MATMULS: AtomicU64 = AtomicU64::new(0);
+
+/// How many matmuls have run on the emulated AMX-INT8 tiles in this process (for tests that
+/// check the dispatch where the hardware is missing).
+pub fn emulated_matmul_count() -> u64 {
+    EMULATED_MATMULS.load(Ordering::Relaxed)
+}
 
 /// How many matmuls have run on the hardware AMX tiles in this process (for metrics and for
 /// tests that check the dispatch).
@@ -156,6 +234,8 @@ pub fn matmul(
             )
         });
         HARDWARE_MATMULS.fetch_add(1, Ordering::Relaxed);
+    } else {
+        EMULATED_MATMULS.fetch_add(1, Ordering::Relaxed);
     }
     if n == 0 || num_tokens == 0 || weights.blocks_per_row() == 0 {
         y.fill(0.0);

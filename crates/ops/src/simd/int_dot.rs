@@ -59,7 +59,7 @@ impl IntIsa {
                     && is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
-            IntIsa::Amx => IntIsa::Vnni.is_supported() && crate::simd::amx::is_available(),
+            IntIsa::Amx => IntIsa::Vnni.is_supported() && crate::simd::amx::backend().is_some(),
             #[cfg(target_arch = "x86_64")]
             IntIsa::Vnni => {
                 IntIsa::Avx2.is_supported()

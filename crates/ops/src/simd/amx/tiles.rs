@@ -159,6 +159,60 @@ impl EmulatedTiles {
     }
 }
 
+/// B rows widened to i32: `[k][i][n]` is byte `i` of column `n` in row `k`.
+type Widened = [[[i32; 16]; 4]; MAX_ROWS];
+
+/// The C rows of one `TDPBSUD`: `c` = `start` + A x B for `(rows, columns, k groups)`
+/// (see [`EmulatedTiles`]'s `dot_bsud`); bytes outside the shape stay as `c` holds them.
+#[inline(always)]
+fn dot_rows(
+    a: &[u8; MAX_ROWS * MAX_COLSB],
+    start: &[u8; MAX_ROWS * MAX_COLSB],
+    widened: &Widened,
+    (rows, columns, k_groups): (usize, usize, usize),
+    c: &mut [u8; MAX_ROWS * MAX_COLSB],
+) {
+    let inputs = a.chunks_exact(MAX_COLSB).zip(start.chunks_exact(MAX_COLSB));
+    for ((a_row, start_row), c_row) in inputs.zip(c.chunks_exact_mut(MAX_COLSB)).take(rows) {
+        let mut sums = [0i32; 16];
+        for (sum, bytes) in sums.iter_mut().zip(start_row.chunks_exact(4)) {
+            *sum = i32::from_le_bytes(bytes.try_into().unwrap());
+        }
+        for (group, w) in a_row.chunks_exact(4).zip(widened).take(k_groups) {
+            let s = [0, 1, 2, 3].map(|i| group[i] as i8 as i32);
+            // One multiply-add per lane and byte, the lanes innermost (what vectorizes).
+            for (n, sum) in sums.iter_mut().enumerate() {
+                let dot = s[0]
+                    .wrapping_mul(w[0][n])
+                    .wrapping_add(s[1].wrapping_mul(w[1][n]))
+                    .wrapping_add(s[2].wrapping_mul(w[2][n]))
+                    .wrapping_add(s[3].wrapping_mul(w[3][n]));
+                *sum = sum.wrapping_add(dot);
+            }
+        }
+        for (bytes, sum) in c_row.chunks_exact_mut(4).zip(sums).take(columns) {
+            bytes.copy_from_slice(&sum.to_le_bytes());
+        }
+    }
+}
+
+/// [`dot_rows`] compiled for AVX2 (eight i32 lanes per multiply): the emulator runs the
+/// invariance tests' prefills on CPUs without AMX, and SSE2 has no 32-bit vector multiply.
+///
+/// # Safety
+/// The CPU must have AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dot_rows_avx2(
+    a: &[u8; MAX_ROWS * MAX_COLSB],
+    start: &[u8; MAX_ROWS * MAX_COLSB],
+    widened: &Widened,
+    shape: (usize, usize, usize),
+    c: &mut [u8; MAX_ROWS * MAX_COLSB],
+) {
+    dot_rows(a, start, widened, shape, c)
+}
+
 impl TileUnit for EmulatedTiles {
     // The emulator runs the portable step, the oracle of the vector one.
     const AVX512: bool = false;
@@ -196,23 +250,30 @@ impl TileUnit for EmulatedTiles {
         config.check_dot(tile_c, tile_a, tile_b);
         let (c_rows, c_colsb) = config.shape(tile_c);
         let (_, a_colsb) = config.shape(tile_a);
-        let (a, b) = (self.registers[tile_a], self.registers[tile_b]);
-        let mut c = [0u8; MAX_ROWS * MAX_COLSB];
-        for m in 0..c_rows {
-            for n in 0..c_colsb / 4 {
-                let at = m * MAX_COLSB + 4 * n;
-                let c_bytes = &self.registers[tile_c][at..at + 4];
-                let mut sum = i32::from_le_bytes(c_bytes.try_into().unwrap());
-                for k in 0..a_colsb / 4 {
-                    for i in 0..4 {
-                        let signed = a[m * MAX_COLSB + 4 * k + i] as i8 as i32;
-                        let unsigned = b[k * MAX_COLSB + 4 * n + i] as i32;
-                        sum = sum.wrapping_add(signed * unsigned);
-                    }
+        let (a, b) = (&self.registers[tile_a], &self.registers[tile_b]);
+        // Integer sums wrap, so any order gives the instruction's result; this one keeps the
+        // 16 sums of a C row in vectors. Each B row is widened once per dot; lanes past the
+        // configured columns were zeroed by the load and are not stored.
+        let k_groups = a_colsb / 4;
+        let mut widened: Widened = [[[0i32; 16]; 4]; MAX_ROWS];
+        for (k, widened) in widened.iter_mut().enumerate().take(k_groups) {
+            for (i, lanes) in widened.iter_mut().enumerate() {
+                for (n, lane) in lanes.iter_mut().enumerate() {
+                    *lane = b[k * MAX_COLSB + 4 * n + i] as i32;
                 }
-                c[at..at + 4].copy_from_slice(&sum.to_le_bytes());
             }
         }
+        let mut c = [0u8; MAX_ROWS * MAX_COLSB];
+        let start = &self.registers[tile_c];
+        let shape = (c_rows, c_colsb / 4, k_groups);
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 is present; `dot_rows_avx2` only compiles the same safe code for it.
+            unsafe { dot_rows_avx2(a, start, &widened, shape, &mut c) };
+            self.registers[tile_c] = c;
+            return;
+        }
+        dot_rows(a, start, &widened, shape, &mut c);
         self.registers[tile_c] = c;
     }
 

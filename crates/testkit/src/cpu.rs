@@ -2,9 +2,12 @@
 
 use std::process::Command;
 
+use pagoda_ops::attention::ATTENTION_KERNEL_ENV_VAR;
 use pagoda_ops::linear::CpuKernelPolicy;
 use pagoda_ops::simd::amx;
+use pagoda_ops::simd::f32_decode::F32_DECODE_ENV_VAR;
 use pagoda_ops::simd::int_dot::IntIsa;
+use pagoda_ops::simd::interleaved::width::{INT_DECODE_ENV_VAR, INT_PREFILL_ENV_VAR};
 
 /// Set in the child processes: the name of the configuration they run.
 pub const CONFIGURATION_ENV_VAR: &str = "PAGODA_TEST_CPU_CONFIGURATION";
@@ -87,7 +90,7 @@ pub fn cpu_configurations() -> Vec<CpuConfiguration> {
     let mut configurations = Vec::new();
     if IntIsa::Vnni.is_supported() {
         for (set, kind) in [("amx+q15_ffn_down", Auto), ("amx", Forced)] {
-            let env = [(KERNELS, set), ("PAGODA_CPU_INT_DECODE", "avx512"), tiles];
+            let env = [(KERNELS, set), (INT_DECODE_ENV_VAR, "avx512"), tiles];
             configurations.push(CpuConfiguration::new(format!("{set}{suffix}"), kind, &env));
         }
         for (set, kind) in [
@@ -104,10 +107,10 @@ pub fn cpu_configurations() -> Vec<CpuConfiguration> {
             Auto,
             &[
                 (KERNELS, "avx2+f32_ffn_down"),
-                ("PAGODA_CPU_ATTENTION", "avx2"),
-                ("PAGODA_CPU_F32_DECODE", "avx2"),
-                ("PAGODA_CPU_INT_DECODE", "avx2"),
-                ("PAGODA_CPU_INT_PREFILL", "avx2"),
+                (ATTENTION_KERNEL_ENV_VAR, "avx2"),
+                (F32_DECODE_ENV_VAR, "avx2"),
+                (INT_DECODE_ENV_VAR, "avx2"),
+                (INT_PREFILL_ENV_VAR, "avx2"),
             ],
         ));
     }

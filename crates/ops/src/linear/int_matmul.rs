@@ -13,7 +13,7 @@ use pagoda_tensor::quant::q8::{quantize_block, quantize_block_q15, Q8Rows, Q15_M
 use pagoda_tensor::quant::repack::RepackedRows;
 use rayon::prelude::*;
 
-use crate::simd::amx::{self, TileBackend, AMX_MIN_TOKENS};
+use crate::simd::amx::{self, AMX_MIN_TOKENS};
 use crate::simd::int_dot::{tile, IntIsa};
 use crate::simd::interleaved::{self, Interleaved};
 
@@ -61,9 +61,8 @@ impl IntRows {
             IntRows::Interleaved(rows) => {
                 let tiles = isa == IntIsa::Amx
                     && activations.num_rows() >= AMX_MIN_TOKENS
-                    && amx::backend().is_some_and(|backend: TileBackend| {
-                        amx::matmul(backend, rows, activations, y).is_ok()
-                    });
+                    && amx::backend()
+                        .is_some_and(|backend| amx::matmul(backend, rows, activations, y).is_ok());
                 if !tiles {
                     interleaved::matmul(rows, activations, y)
                 }

@@ -41,42 +41,76 @@ if ! "$VENV/bin/python" -c "import openai, requests, pytest" 2>/dev/null; then
     fi
 fi
 
-# A free port (bound then released).
-PORT="$("$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()')"
+free_port() {
+    "$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
+}
+PORT="$(free_port)"
+WORK="$(mktemp -d -t pagoda-serve.XXXXXX)"
+LOG="$WORK/serve.log"
+# Two keys in a key file (the server takes either); the tests use the first.
 API_KEY="test-key-$$"
-LOG="$(mktemp -t pagoda-serve.XXXXXX.log)"
+printf '# live-server suite\n%s\n\nsecond-key-%s\n' "$API_KEY" "$$" >"$WORK/keys.txt"
 
 # Small pool sizes keep the test fast; -np 8 lets eight clients run together.
 # PAGODA_SERVE_ARGS adds flags (e.g. `--device cuda` on the GPU machine).
 # shellcheck disable=SC2086
-"$BIN" serve --port "$PORT" -c 1024 -np 8 --max-queue 16 --api-key "$API_KEY" \
+"$BIN" serve --port "$PORT" -c 1024 -np 8 --max-queue 16 --api-key-file "$WORK/keys.txt" \
     --max-body-bytes 1048576 ${PAGODA_SERVE_ARGS:-} >"$LOG" 2>&1 &
 SERVER_PID=$!
+TLS_PID=""
 cleanup() {
-    kill "$SERVER_PID" 2>/dev/null || true
-    wait "$SERVER_PID" 2>/dev/null || true
+    kill "$SERVER_PID" $TLS_PID 2>/dev/null || true
+    wait "$SERVER_PID" $TLS_PID 2>/dev/null || true
+    rm -rf "$WORK"
 }
 trap cleanup EXIT
 
-for _ in $(seq 1 120); do
-    if curl -fsS "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then
-        break
-    fi
-    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-        echo "test-server: the server exited during start-up:" >&2
-        cat "$LOG" >&2
-        exit 1
-    fi
-    sleep 0.5
-done
-if ! curl -fsS "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then
-    echo "test-server: the server did not answer /health within 60 s:" >&2
-    cat "$LOG" >&2
+# A second server on HTTPS, with a self-signed certificate made by rcgen (the example
+# crates/server/examples/self_signed_cert.rs; built by `cargo test --all-targets`).
+CERT_MAKER="target/debug/examples/self_signed_cert"
+if [[ ! -x "$CERT_MAKER" ]] && command -v cargo >/dev/null; then
+    cargo build -q -p pagoda-server --example self_signed_cert || true
+fi
+TLS_URL=""
+if [[ -x "$CERT_MAKER" ]] && "$CERT_MAKER" "$WORK/tls"; then
+    TLS_PORT="$(free_port)"
+    # shellcheck disable=SC2086
+    "$BIN" serve --port "$TLS_PORT" -c 256 -np 2 --api-key-file "$WORK/keys.txt" \
+        --ssl-cert-file "$WORK/tls/cert.pem" --ssl-key-file "$WORK/tls/key.pem" \
+        ${PAGODA_SERVE_ARGS:-} >"$WORK/serve-tls.log" 2>&1 &
+    TLS_PID=$!
+    TLS_URL="https://127.0.0.1:$TLS_PORT"
+else
+    echo "test-server: no certificate maker ($CERT_MAKER); the HTTPS tests will skip" >&2
+fi
+
+wait_ready() { # url pid log [curl flags]
+    local url="$1" pid="$2" log="$3"
+    shift 3
+    for _ in $(seq 1 120); do
+        if curl -fsS "$@" "$url/health" >/dev/null 2>&1; then
+            return 0
+        fi
+        if ! kill -0 "$pid" 2>/dev/null; then
+            echo "test-server: the server at $url exited during start-up:" >&2
+            cat "$log" >&2
+            exit 1
+        fi
+        sleep 0.5
+    done
+    echo "test-server: the server at $url did not answer /health within 60 s:" >&2
+    cat "$log" >&2
     exit 1
+}
+wait_ready "http://127.0.0.1:$PORT" "$SERVER_PID" "$LOG"
+if [[ -n "$TLS_URL" ]]; then
+    wait_ready "$TLS_URL" "$TLS_PID" "$WORK/serve-tls.log" --cacert "$WORK/tls/cert.pem"
 fi
 
 status=0
 PAGODA_URL="http://127.0.0.1:$PORT" PAGODA_API_KEY="$API_KEY" \
+    PAGODA_API_KEY_FILE="$WORK/keys.txt" PAGODA_SERVER_LOG_FILE="$LOG" \
+    PAGODA_TLS_URL="$TLS_URL" PAGODA_TLS_CA="$WORK/tls/cert.pem" \
     "$VENV/bin/python" -m pytest -q tests/server "$@" || status=$?
 if [[ $status -ne 0 ]]; then
     echo "test-server: failed; server log:" >&2
@@ -85,5 +119,4 @@ fi
 if [[ -n "${PAGODA_SERVER_LOG:-}" ]]; then
     cp "$LOG" "$PAGODA_SERVER_LOG"
 fi
-rm -f "$LOG"
 exit $status

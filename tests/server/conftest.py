@@ -40,8 +40,59 @@ def model(base_url, headers):
 
 def metric(base_url, name):
     """The value of an unlabelled metric from /metrics."""
-    text = requests.get(f"{base_url}/metrics", timeout=10).text
+    key = os.environ.get("PAGODA_API_KEY", "")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    text = requests.get(f"{base_url}/metrics", headers=headers, timeout=10).text
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"metric {name} not found in /metrics")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def record_bodies_for_fuzzing():
+    """With PAGODA_FUZZ_SEEDS=DIR, every request body the suite sends (raw requests and the
+    openai client) is saved there, named by its path: scripts/fuzz.sh seeds the fuzzer with
+    them."""
+    folder = os.environ.get("PAGODA_FUZZ_SEEDS")
+    if not folder:
+        yield
+        return
+    import hashlib
+    import importlib
+
+    os.makedirs(folder, exist_ok=True)
+
+    def save(path, body):
+        if not body:
+            return
+        if isinstance(body, str):
+            body = body.encode()
+        name = path.strip("/").replace("/", "_") + "-" + hashlib.sha1(body).hexdigest()[:16]
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(body)
+
+    original_send = requests.Session.send
+
+    def send(self, request, **kwargs):
+        save(requests.utils.urlparse(request.url).path, request.body)
+        return original_send(self, request, **kwargs)
+
+    requests.Session.send = send
+    patched = [(requests.Session, "send", original_send)]
+    for module in ("httpx2", "httpx"):
+        try:
+            httpx = importlib.import_module(module)
+        except ImportError:
+            continue
+        original = httpx.Client.send
+
+        def client_send(self, request, *args, _original=original, **kwargs):
+            save(request.url.path, request.read())
+            return _original(self, request, *args, **kwargs)
+
+        httpx.Client.send = client_send
+        patched.append((httpx.Client, "send", original))
+    yield
+    for owner, name, original in patched:
+        setattr(owner, name, original)

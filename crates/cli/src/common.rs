@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use pagoda_config::{Config, FlagValue};
 use pagoda_engine::{
     load_model, Backend, Device, Engine, EngineConfig, LoadOptions, LoadedModel, ModelSource,
 };
@@ -70,28 +71,60 @@ pub struct ModelArgs {
     pub paged_decode: Option<String>,
 }
 
-/// The CUDA decode attention path: `--paged-decode`, else `PAGODA_PAGED_DECODE`, else auto.
-pub fn paged_decode(args: &ModelArgs) -> Result<PagedDecodeMode> {
-    match &args.paged_decode {
-        Some(value) => value
-            .parse()
-            .map_err(|e: String| anyhow::anyhow!("--paged-decode: {e}")),
-        None => Ok(PagedDecodeMode::from_env()
-            .map_err(anyhow::Error::msg)?
-            .unwrap_or_default()),
-    }
+/// The settings the model flags set: each wins over its environment variable.
+pub fn model_flag_values(args: &ModelArgs) -> Vec<FlagValue> {
+    let mut flags = Vec::new();
+    let mut push = |setting, flag, value: Option<String>| {
+        if let Some(value) = value {
+            flags.push(FlagValue {
+                setting,
+                flag,
+                value,
+            })
+        }
+    };
+    push(
+        "PAGODA_MODEL",
+        "--model",
+        args.model.as_ref().map(|p| p.display().to_string()),
+    );
+    push("PAGODA_ATTENTION", "--attention", args.attention.clone());
+    push("PAGODA_SAMPLER", "--sampler", args.sampler.clone());
+    push(
+        "PAGODA_PAGED_DECODE",
+        "--paged-decode",
+        args.paged_decode.clone(),
+    );
+    push(
+        "PAGODA_CUDA_GRAPHS",
+        "--enforce-eager",
+        args.enforce_eager.then(|| "off".to_owned()),
+    );
+    flags
 }
 
-/// Whether CUDA graphs are on: off with `--enforce-eager` or `PAGODA_CUDA_GRAPHS=0`.
-pub fn cuda_graphs(args: &ModelArgs) -> Result<bool> {
-    if args.enforce_eager {
-        return Ok(false);
+/// Resolves the settings from `flags` and the environment once and installs them for the
+/// process: a bad value is an error naming the allowed ones; a `PAGODA_*` variable that is no
+/// setting gets a warning.
+pub fn configure(flags: &[FlagValue]) -> Result<()> {
+    let config = Config::from_process(flags).map_err(|e| anyhow::anyhow!("{e}"))?;
+    for warning in config.unknown_variable_warnings() {
+        tracing::warn!("{warning}");
     }
-    match std::env::var("PAGODA_CUDA_GRAPHS").ok().as_deref() {
-        None | Some("1") | Some("on") => Ok(true),
-        Some("0") | Some("off") => Ok(false),
-        Some(other) => bail!("PAGODA_CUDA_GRAPHS=`{other}`: use 1 (on) or 0 (off)"),
+    if pagoda_config::install(config).is_err() {
+        bail!("the configuration was read before it was resolved (a bug: please report it)");
     }
+    Ok(())
+}
+
+/// The CUDA decode attention path: `--paged-decode`, else `PAGODA_PAGED_DECODE`, else auto.
+pub fn paged_decode() -> PagedDecodeMode {
+    PagedDecodeMode::from_config(pagoda_config::global())
+}
+
+/// Whether CUDA graphs are on: off with `--enforce-eager` or `PAGODA_CUDA_GRAPHS=off`.
+pub fn cuda_graphs() -> bool {
+    pagoda_config::global().on("PAGODA_CUDA_GRAPHS")
 }
 
 /// The device the flags ask for, resolved: `auto` probes for a usable GPU.
@@ -126,13 +159,8 @@ pub fn resolve_device(args: &ModelArgs) -> Result<Device> {
 }
 
 /// The sampler from the flag or $PAGODA_SAMPLER (the flag wins); fused when neither.
-pub fn sampler_kind(args: &ModelArgs) -> Result<SamplerKind> {
-    match &args.sampler {
-        Some(flag) => flag
-            .parse()
-            .map_err(|e: String| anyhow::anyhow!("--sampler: {e}")),
-        None => SamplerKind::from_env().map_err(anyhow::Error::msg),
-    }
+pub fn sampler_kind() -> SamplerKind {
+    SamplerKind::from_config(pagoda_config::global())
 }
 
 /// Sampling flags (llama.cpp spellings). A flag that is not given takes the model's
@@ -252,8 +280,8 @@ pub fn resolve_model(arg: &Option<PathBuf>) -> Result<ModelSource> {
     if let Some(path) = arg {
         return model_source(path);
     }
-    if let Some(path) = std::env::var_os("PAGODA_MODEL") {
-        return model_source(Path::new(&path)).context("$PAGODA_MODEL");
+    if let Some(path) = pagoda_config::global().text("PAGODA_MODEL") {
+        return model_source(Path::new(path)).context("$PAGODA_MODEL");
     }
     let mut candidates = vec![PathBuf::from("models").join(DEFAULT_MODEL_FILE)];
     if let Ok(exe) = std::env::current_exe() {
@@ -320,14 +348,11 @@ pub fn configure_threads(threads: Option<usize>) -> Result<()> {
 }
 
 /// The attention policy from the flag or $PAGODA_ATTENTION (the flag wins).
-pub fn attention_policy(arg: &Option<String>) -> Result<AttentionPolicy> {
-    let from_env = std::env::var("PAGODA_ATTENTION").ok();
-    let choice = arg.clone().or(from_env);
-    match choice.as_deref() {
-        None | Some("auto") => Ok(AttentionPolicy::Auto),
-        Some("split-kv") | Some("split_kv") => Ok(AttentionPolicy::Force(AttentionPath::SplitKv)),
-        Some("gather") => Ok(AttentionPolicy::Force(AttentionPath::Gather)),
-        Some(other) => bail!("unknown attention path `{other}` (use auto, split-kv or gather)"),
+pub fn attention_policy() -> AttentionPolicy {
+    match pagoda_config::global().word("PAGODA_ATTENTION") {
+        "split-kv" => AttentionPolicy::Force(AttentionPath::SplitKv),
+        "gather" => AttentionPolicy::Force(AttentionPath::Gather),
+        _ => AttentionPolicy::Auto,
     }
 }
 
@@ -431,10 +456,10 @@ pub fn engine(model: Backend, args: &ModelArgs, ctx: usize, parallel: usize) -> 
         num_pages: pages_per_sequence * parallel.max(1),
         max_batch_tokens: MAX_BATCH_TOKENS,
         max_context: ctx,
-        attention: attention_policy(&args.attention)?,
-        sampler: sampler_kind(args)?,
-        cuda_graphs: cuda_graphs(args)?,
-        paged_decode: paged_decode(args)?,
+        attention: attention_policy(),
+        sampler: sampler_kind(),
+        cuda_graphs: cuda_graphs(),
+        paged_decode: paged_decode(),
     };
     tracing::info!(
         "attention policy: {}, sampler: {}",

@@ -5,7 +5,7 @@ mod common;
 
 use clap::{Parser, Subcommand};
 
-/// pagoda: fast, trustworthy LLM inference on the CPU (and soon NVIDIA GPUs).
+/// pagoda: fast, trustworthy LLM inference on the CPU and NVIDIA GPUs.
 #[derive(Parser)]
 #[command(name = "pagoda", version, about, propagate_version = true)]
 struct Cli {
@@ -28,18 +28,58 @@ enum Command {
     Bench(commands::bench::BenchArgs),
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(commands::serve::ServeArgs),
+    /// Print the settings (PAGODA_* variables and their flags) as resolved, and their sources.
+    Config(commands::config::ConfigArgs),
+}
+
+impl Command {
+    /// The settings this command's flags set (they win over the environment).
+    fn flag_values(&self) -> Vec<pagoda_config::FlagValue> {
+        let api_key = |key: &Option<String>| {
+            key.iter()
+                .map(|key| pagoda_config::FlagValue {
+                    setting: "PAGODA_API_KEY",
+                    flag: "--api-key",
+                    value: key.clone(),
+                })
+                .collect::<Vec<_>>()
+        };
+        match self {
+            Command::Generate(args) => common::model_flag_values(&args.model),
+            Command::Chat(args) => common::model_flag_values(&args.model),
+            Command::Bench(args) => match &args.kind {
+                Some(commands::bench::BenchKind::Serve(serve)) => api_key(&serve.api_key),
+                Some(_) => Vec::new(),
+                None => common::model_flag_values(&args.model),
+            },
+            Command::Serve(args) => {
+                let mut flags = common::model_flag_values(&args.model);
+                flags.extend(api_key(&args.api_key));
+                flags
+            }
+            Command::Inspect(_) | Command::Config(_) => Vec::new(),
+        }
+    }
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let args = match pagoda_config::expand_short_flags(std::env::args_os()) {
+        Ok(args) => args,
+        Err(error) => {
+            eprintln!("error: {error}");
+            std::process::exit(2);
+        }
+    };
+    let cli = Cli::parse_from(args);
     common::init_logging(cli.verbose);
-    let result = match cli.command {
+    let result = common::configure(&cli.command.flag_values()).and_then(|()| match cli.command {
         Command::Generate(args) => commands::generate::run(args),
         Command::Chat(args) => commands::chat::run(args),
         Command::Inspect(args) => commands::inspect::run(args),
         Command::Bench(args) => commands::bench::run(args),
         Command::Serve(args) => commands::serve::run(args),
-    };
+        Command::Config(args) => commands::config::run(args),
+    });
     if let Err(error) = result {
         // The reader of stdout went away (`pagoda generate ... | head`): stop quietly.
         let broken_pipe = error.chain().any(|cause| {

@@ -130,7 +130,10 @@ fn bad_generation_flags() {
             &["--page-size must be between 1 and 1024"],
         ),
         (&["--threads", "0"], &["--threads must be at least 1"]),
-        (&["--attention", "bogus"], &["bogus", "split-kv or gather"]),
+        (
+            &["--attention", "bogus"],
+            &["bogus", "auto, split-kv, gather"],
+        ),
         (&["-n", "-3"], &["-3", "n-predict"]),
         (&["--bogus-flag"], &["--bogus-flag"]),
     ];
@@ -245,4 +248,139 @@ fn bad_chat_inspect_and_bench_flags() {
         &["too small", "21"],
     );
     error_of(&["bench", "-m", m, "-p", "abc"], &["abc"]);
+}
+
+#[test]
+fn bad_serve_security_flags() {
+    let model = tiny_model("tiny-qwen2");
+    let m = model.to_str().unwrap();
+    let dir = scratch_dir("serve-security");
+    error_of(
+        &["serve", "-m", m, "--api-key", ""],
+        &["--api-key is empty"],
+    );
+    error_of(
+        &["serve", "-m", m, "--api-key", "  "],
+        &["--api-key is empty"],
+    );
+    let missing = dir.join("keys.txt");
+    error_of(
+        &[
+            "serve",
+            "-m",
+            m,
+            "--api-key-file",
+            missing.to_str().unwrap(),
+        ],
+        &["--api-key-file", "keys.txt"],
+    );
+    let comments_only = dir.join("comments.txt");
+    std::fs::write(&comments_only, "# no keys yet\n\n").unwrap();
+    error_of(
+        &[
+            "serve",
+            "-m",
+            m,
+            "--api-key-file",
+            comments_only.to_str().unwrap(),
+        ],
+        &["holds no key"],
+    );
+    let cert = dir.join("cert.pem");
+    std::fs::write(&cert, "not a certificate").unwrap();
+    // Either file alone is a usage error naming the other.
+    let out = pagoda(
+        &["serve", "-m", m, "--ssl-cert-file", cert.to_str().unwrap()],
+        None,
+    );
+    assert_ne!(out.code, Some(0));
+    assert!(out.stderr.contains("--ssl-key-file"), "{}", out.stderr);
+    error_of(
+        &[
+            "serve",
+            "-m",
+            m,
+            "--ssl-cert-file",
+            cert.to_str().unwrap(),
+            "--ssl-key-file",
+            cert.to_str().unwrap(),
+        ],
+        &["--ssl-cert-file", "holds no certificate"],
+    );
+}
+
+#[test]
+fn bad_settings_and_llama_short_flags() {
+    let model = tiny_model("tiny-qwen2");
+    let m = model.to_str().unwrap();
+    let root = support::repo_root();
+    // A bad setting stops every command at start, naming the allowed values.
+    for args in [&["generate", "-m", m, "-p", "hi"][..], &["config"]] {
+        let out = support::pagoda_with_env(&root, args, None, &[("PAGODA_CPU_SILU", "fast")]);
+        let error = out.assert_clean_error();
+        assert!(
+            error.contains("PAGODA_CPU_SILU=`fast` is not one of auto, polynomial, libm"),
+            "{error}"
+        );
+    }
+    error_of(
+        &["generate", "-m", m, "-p", "hi", "--attention", "sideways"],
+        &["--attention `sideways` is not one of auto, split-kv, gather"],
+    );
+    // llama.cpp's short flags: -np works, the ones pagoda lacks say why.
+    error_of(
+        &["serve", "-m", m, "-np", "0"],
+        &["--parallel must be at least 1"],
+    );
+    error_of(
+        &["serve", "-m", m, "-ctk", "q8_0"],
+        &["-ctk (llama.cpp's --cache-type-k)", "not supported yet"],
+    );
+    let out = pagoda(&["serve", "-m", m, "-n", "8"], None);
+    assert_ne!(out.code, Some(0));
+    assert!(out.stderr.contains("'-n'"), "{}", out.stderr);
+}
+
+#[test]
+fn config_shows_values_and_their_sources_and_hides_keys() {
+    let root = support::repo_root();
+    let out = support::pagoda_with_env(
+        &root,
+        &["config"],
+        None,
+        &[
+            ("PAGODA_SAMPLER", " Reference "),
+            ("PAGODA_API_KEY", "sesame-key"),
+            ("PAGODA_CPU_KERNEL", "vnni8"),
+        ],
+    );
+    out.assert_success();
+    let stdout = out.stdout_text();
+    assert!(
+        stdout.contains("PAGODA_SAMPLER") && stdout.contains("reference  (environment)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("PAGODA_API_KEY") && stdout.contains("(set)"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("sesame") && !out.stderr.contains("sesame"),
+        "{stdout}"
+    );
+    assert!(
+        out.stderr.contains("did you mean PAGODA_CPU_KERNELS?"),
+        "{}",
+        out.stderr
+    );
+    let all = pagoda(&["config", "--all"], None);
+    assert!(all
+        .assert_success()
+        .stdout_text()
+        .contains("PAGODA_CPU_PREFETCH"));
+    let markdown = pagoda(&["config", "--markdown"], None);
+    assert!(markdown
+        .assert_success()
+        .stdout_text()
+        .starts_with("# Configuration"));
 }

@@ -245,14 +245,14 @@ fn fnv1a(parts: &[&[u8]], offset: u64) -> u64 {
     hash
 }
 
-/// The on-disk kernel cache directory: `$PAGODA_KERNEL_CACHE` if set (`off` disables the
-/// disk cache: `None`), else `$XDG_CACHE_HOME/pagoda/kernels`, else
+/// The on-disk kernel cache directory: the `PAGODA_KERNEL_CACHE` setting if set (`off`
+/// disables the disk cache: `None`), else `$XDG_CACHE_HOME/pagoda/kernels`, else
 /// `$HOME/.cache/pagoda/kernels`; `None` if none of these is set.
 pub fn kernel_cache_dir() -> Option<PathBuf> {
-    match std::env::var_os("PAGODA_KERNEL_CACHE") {
-        Some(value) if value == "off" => return None,
-        Some(value) if !value.is_empty() => return Some(PathBuf::from(value)),
-        _ => {}
+    match pagoda_config::global().text("PAGODA_KERNEL_CACHE") {
+        Some(value) if value.eq_ignore_ascii_case("off") => return None,
+        Some(value) => return Some(PathBuf::from(value)),
+        None => {}
     }
     if let Some(cache) = std::env::var_os("XDG_CACHE_HOME").filter(|value| !value.is_empty()) {
         return Some(PathBuf::from(cache).join("pagoda").join("kernels"));
@@ -267,14 +267,16 @@ pub fn kernel_cache_dir() -> Option<PathBuf> {
         })
 }
 
-/// Directories searched for `cuda_bf16.h`, in order: `$PAGODA_CUDA_INCLUDE`,
-/// `$CUDA_HOME/include`, `$CUDA_PATH/include`, `/usr/local/cuda/include`, and the
-/// `nvidia/cu13/include` folder of the pip wheels (`nvidia-cuda-runtime`) under
-/// `$PAGODA_CUDA_WHEEL`, under the site-packages of `$VIRTUAL_ENV` or of `/usr/local/lib/python3.*`.
+/// Directories searched for `cuda_bf16.h`, in order: the `PAGODA_CUDA_INCLUDE` setting,
+/// `$CUDA_HOME/include`, `$CUDA_PATH/include`, `/usr/local/cuda/include`, the `include`
+/// folder of the `PAGODA_CUDA_WHEEL` setting, and the `nvidia/cu13/include` folder of the pip
+/// wheels (`nvidia-cuda-runtime`) under the site-packages of `$VIRTUAL_ENV` or of
+/// `/usr/local/lib/python3.*`.
 /// Only directories that contain `cuda_bf16.h` are returned.
 pub fn cuda_include_dirs() -> Vec<PathBuf> {
     let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(dir) = std::env::var_os("PAGODA_CUDA_INCLUDE") {
+    let config = pagoda_config::global();
+    if let Some(dir) = config.text("PAGODA_CUDA_INCLUDE") {
         candidates.push(PathBuf::from(dir));
     }
     for variable in ["CUDA_HOME", "CUDA_PATH"] {
@@ -283,7 +285,7 @@ pub fn cuda_include_dirs() -> Vec<PathBuf> {
         }
     }
     candidates.push(PathBuf::from("/usr/local/cuda/include"));
-    if let Some(wheel) = std::env::var_os("PAGODA_CUDA_WHEEL") {
+    if let Some(wheel) = config.text("PAGODA_CUDA_WHEEL") {
         candidates.push(PathBuf::from(wheel).join("include"));
     }
     if let Some(env) = std::env::var_os("VIRTUAL_ENV") {

@@ -122,7 +122,7 @@ impl Runner {
     ) -> Result<Runner, String> {
         match backend {
             Backend::Cpu(model) => {
-                let pools = CpuPools::new(CpuThreadsMode::from_env()?);
+                let pools = CpuPools::new(CpuThreadsMode::from_config(pagoda_config::global()));
                 let kv = KvCache::new(
                     model.config().num_layers,
                     model.kv_layout(num_pages, page_size),

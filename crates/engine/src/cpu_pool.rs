@@ -35,26 +35,13 @@ impl CpuThreadsMode {
     /// `docs/benchmark_results/cpu-adaptive-pool-epyc-2026-11-30.md`).
     pub const DEFAULT: CpuThreadsMode = CpuThreadsMode::Auto;
 
-    /// Parses `auto`, `off` or `one` (case-insensitive; `on` is `auto`, `0`/`false` are `off`).
-    pub fn parse(value: &str) -> Result<CpuThreadsMode, String> {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "auto" | "on" | "1" | "true" => Ok(CpuThreadsMode::Auto),
-            "off" | "0" | "false" => Ok(CpuThreadsMode::Off),
-            "one" => Ok(CpuThreadsMode::One),
-            other => Err(format!(
-                "{CPU_ADAPTIVE_THREADS_ENV}={other:?}: expected auto, off or one"
-            )),
-        }
-    }
-
-    /// The mode from `PAGODA_CPU_ADAPTIVE_THREADS`, or [`Self::DEFAULT`] when unset.
-    pub fn from_env() -> Result<CpuThreadsMode, String> {
-        match std::env::var(CPU_ADAPTIVE_THREADS_ENV) {
-            Ok(value) => Self::parse(&value),
-            Err(std::env::VarError::NotPresent) => Ok(Self::DEFAULT),
-            Err(std::env::VarError::NotUnicode(_)) => Err(format!(
-                "{CPU_ADAPTIVE_THREADS_ENV} is not valid UTF-8: expected auto, off or one"
-            )),
+    /// The mode of the `PAGODA_CPU_ADAPTIVE_THREADS` setting of `config` (`auto`, `off` or
+    /// `one`, checked when `config` was resolved).
+    pub fn from_config(config: &pagoda_config::Config) -> CpuThreadsMode {
+        match config.word(CPU_ADAPTIVE_THREADS_ENV) {
+            "off" => CpuThreadsMode::Off,
+            "one" => CpuThreadsMode::One,
+            _ => CpuThreadsMode::Auto,
         }
     }
 

@@ -125,15 +125,9 @@ pub struct Engine {
     counters: EngineCounters,
 }
 
-/// Whether `PAGODA_PREFIX_CACHING` leaves prefix caching on (anything but `0`, `off`, `false`).
-fn prefix_caching_from_env() -> bool {
-    match std::env::var("PAGODA_PREFIX_CACHING") {
-        Ok(value) => !matches!(
-            value.trim().to_ascii_lowercase().as_str(),
-            "0" | "off" | "false"
-        ),
-        Err(_) => true,
-    }
+/// Whether the `PAGODA_PREFIX_CACHING` setting leaves prefix caching on (the default).
+fn prefix_caching_from_config() -> bool {
+    pagoda_config::global().on("PAGODA_PREFIX_CACHING")
 }
 
 impl Engine {
@@ -157,7 +151,7 @@ impl Engine {
     /// An engine with a zeroed KV pool sized by `config`. Prefix caching is on unless the
     /// environment variable `PAGODA_PREFIX_CACHING` is `0`, `off` or `false`.
     pub fn new(model: impl Into<Backend>, config: EngineConfig) -> Result<Engine, String> {
-        Self::with_prefix_caching(model, config, prefix_caching_from_env())
+        Self::with_prefix_caching(model, config, prefix_caching_from_config())
     }
 
     /// An engine with prefix caching forced on or off.

@@ -1,7 +1,8 @@
-//! A CPU kernel chosen once per process from an environment variable: the reading, the check
-//! against the CPU and the fallback to `auto` with a warning, shared by every such switch
-//! (`PAGODA_CPU_KERNELS`, `PAGODA_CPU_ATTENTION`, `PAGODA_CPU_F32_DECODE`). Each caller keeps
-//! its own `OnceLock` and INFO line.
+//! A CPU kernel chosen once per process from a setting (`pagoda_config`): the check against
+//! the CPU and the fallback to `auto` with a warning, shared by every such switch
+//! (`PAGODA_CPU_KERNELS`, `PAGODA_CPU_ATTENTION`, `PAGODA_CPU_F32_DECODE`, ...). The value
+//! itself was checked against the registry's words when the configuration was resolved. Each
+//! caller keeps its own `OnceLock` and INFO line.
 
 /// A kernel (or kernel set) picked by an environment variable whose `auto` value means
 /// [`KernelChoice::auto`].
@@ -18,9 +19,9 @@ pub(crate) trait KernelChoice: Copy {
     fn parse_choice(text: &str) -> Result<Option<Self>, String>;
 }
 
-/// `T::ENV_VAR` read now (unset or empty: `auto`), then [`choose`].
+/// The setting `T::ENV_VAR` of the process's configuration, then [`choose`].
 pub(crate) fn choose_from_env<T: KernelChoice>() -> T {
-    choose(&std::env::var(T::ENV_VAR).unwrap_or_default())
+    choose(pagoda_config::global().word(T::ENV_VAR))
 }
 
 /// The choice `requested` names when this CPU runs it; otherwise [`KernelChoice::auto_choice`],
@@ -90,7 +91,5 @@ mod tests {
         assert_eq!(choose::<Fake>("auto"), Fake::Wide);
         assert_eq!(choose::<Fake>("missing"), Fake::Wide);
         assert_eq!(choose::<Fake>("bogus"), Fake::Wide);
-        // Unset in the test environment: auto.
-        assert_eq!(choose_from_env::<Fake>(), Fake::Wide);
     }
 }

@@ -77,12 +77,11 @@ static NANOS: [AtomicU64; OPS.len()] = [const { AtomicU64::new(0) }; OPS.len()];
 static CALLS: [AtomicU64; OPS.len()] = [const { AtomicU64::new(0) }; OPS.len()];
 static FORCED: AtomicBool = AtomicBool::new(false);
 
-/// Whether ops are timed: `PAGODA_PROFILE=1` (read once), or [`enable`] called.
+/// Whether ops are timed: the `PAGODA_PROFILE` setting (read once), or [`enable`] called.
 pub fn enabled() -> bool {
-    static FROM_ENV: OnceLock<bool> = OnceLock::new();
+    static FROM_CONFIG: OnceLock<bool> = OnceLock::new();
     FORCED.load(Ordering::Relaxed)
-        || *FROM_ENV
-            .get_or_init(|| std::env::var("PAGODA_PROFILE").is_ok_and(|v| v == "1" || v == "on"))
+        || *FROM_CONFIG.get_or_init(|| pagoda_config::global().on("PAGODA_PROFILE"))
 }
 
 /// Turns timing on for the rest of the process (as `PAGODA_PROFILE=1` does).

@@ -1,6 +1,7 @@
-//! `SamplerKind` parsing (one test: it sets `PAGODA_SAMPLER`, process-wide), `AnySampler`
-//! dispatch, greedy consuming no randomness, and the counters naming the path that ran.
+//! `SamplerKind` from the configuration, `AnySampler` dispatch, greedy consuming no randomness,
+//! and the counters naming the path that ran.
 
+use pagoda_config::Config;
 use pagoda_ops::sampling::{
     argmax, sampling_counters, AnySampler, FusedSampler, Sampler, SamplerKind, SamplingParams,
     SAMPLER_ENV_VAR,
@@ -8,20 +9,22 @@ use pagoda_ops::sampling::{
 
 #[test]
 fn kind_parsing_dispatch_and_counters() {
-    // This binary holds no other test, so nothing else reads the variable meanwhile.
-    std::env::remove_var(SAMPLER_ENV_VAR);
-    assert_eq!(SamplerKind::from_env(), Ok(SamplerKind::DEFAULT));
-    std::env::set_var(SAMPLER_ENV_VAR, " Fused ");
-    assert_eq!(SamplerKind::from_env(), Ok(SamplerKind::Fused));
-    std::env::set_var(SAMPLER_ENV_VAR, "reference");
-    assert_eq!(SamplerKind::from_env(), Ok(SamplerKind::Reference));
-    std::env::set_var(SAMPLER_ENV_VAR, "fast");
-    let error = SamplerKind::from_env().unwrap_err();
+    let kind_of = |value: &str| {
+        let config = Config::resolve(
+            |name| (name == SAMPLER_ENV_VAR).then(|| value.to_owned()),
+            [],
+            &[],
+        )?;
+        Ok::<_, pagoda_config::ConfigError>(SamplerKind::from_config(&config))
+    };
+    assert_eq!(kind_of(""), Ok(SamplerKind::DEFAULT));
+    assert_eq!(kind_of(" Fused "), Ok(SamplerKind::Fused));
+    assert_eq!(kind_of("reference"), Ok(SamplerKind::Reference));
+    let error = kind_of("fast").unwrap_err().to_string();
     assert!(
         error.contains(SAMPLER_ENV_VAR) && error.contains("fast") && error.contains("fused"),
         "{error}"
     );
-    std::env::remove_var(SAMPLER_ENV_VAR);
     for kind in [SamplerKind::Fused, SamplerKind::Reference] {
         assert_eq!(kind.to_string().parse::<SamplerKind>(), Ok(kind));
     }

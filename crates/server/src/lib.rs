@@ -4,8 +4,10 @@
 //! validate requests ([`request`]), queue them with a per-request event channel, and turn the
 //! token events into text ([`session`], with stop strings held back by [`stop`]) answered as
 //! whole JSON or server-sent events ([`format`]). Errors use the OpenAI body ([`error`]);
-//! `/metrics` is Prometheus text ([`metrics`]).
+//! `/metrics` is Prometheus text ([`metrics`]). API keys are checked by [`auth`]; HTTPS is
+//! terminated by [`tls`].
 
+pub mod auth;
 pub mod error;
 pub mod format;
 pub mod metrics;
@@ -13,6 +15,7 @@ pub mod request;
 pub mod routes;
 pub mod session;
 pub mod stop;
+pub mod tls;
 pub mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,6 +28,7 @@ use pagoda_models::chat_template::ChatTemplate;
 use pagoda_models::tokenizer::Tokenizer;
 use pagoda_ops::sampling::SamplingParams;
 
+use crate::auth::{ApiKeys, ClientAddr};
 use crate::format::Kind;
 use crate::metrics::Metrics;
 use crate::worker::{spawn_worker, EngineBackend, WorkerHandle};
@@ -46,8 +50,12 @@ pub struct ServerConfig {
     pub parallel: usize,
     /// Requests that may wait for admission before new ones get 429.
     pub max_queue: usize,
-    /// Required `Authorization: Bearer` key on `/v1/` paths, if any.
-    pub api_key: Option<String>,
+    /// Keys of which one is required on every path but [`auth::PUBLIC_PATHS`] (none: open).
+    pub api_keys: ApiKeys,
+    /// Serve `/metrics` without a key (`--metrics-public`).
+    pub metrics_public: bool,
+    /// Serve HTTPS with this configuration (`--ssl-cert-file`, `--ssl-key-file`).
+    pub tls: Option<Arc<rustls::ServerConfig>>,
     /// Largest request body in bytes (larger: 413).
     pub max_body_bytes: usize,
     /// Sampling parameters of a request that does not set them.
@@ -137,7 +145,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
-            routes::require_api_key,
+            auth::require_api_key,
         ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
@@ -146,8 +154,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Binds `config.host:config.port` and serves until Ctrl-C. `on_listening` gets the URL once
-/// the socket is bound.
+/// Binds `config.host:config.port` and serves (HTTPS when `config.tls` is set) until Ctrl-C.
+/// `on_listening` gets the URL once the socket is bound.
 pub fn serve<B: EngineBackend>(
     config: ServerConfig,
     text: TextModel,
@@ -155,6 +163,7 @@ pub fn serve<B: EngineBackend>(
     on_listening: impl FnOnce(&str),
 ) -> Result<(), String> {
     let address = format!("{}:{}", config.host, config.port);
+    let tls = config.tls.clone();
     let state = AppState::start(config, text, backend)
         .map_err(|e| format!("starting the engine thread: {e}"))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -169,11 +178,25 @@ pub fn serve<B: EngineBackend>(
         let bound = listener
             .local_addr()
             .map_err(|e| format!("reading the bound address: {e}"))?;
-        on_listening(&format!("http://{bound}"));
-        let server = axum::serve(listener, router(state));
-        tokio::select! {
-            result = server => result.map_err(|e| format!("serving: {e}")),
-            _ = tokio::signal::ctrl_c() => Ok(()),
-        }
+        let app = router(state).into_make_service_with_connect_info::<ClientAddr>();
+        let served = match tls {
+            None => {
+                on_listening(&format!("http://{bound}"));
+                tokio::select! {
+                    result = axum::serve(listener, app) => result,
+                    _ = tokio::signal::ctrl_c() => Ok(()),
+                }
+            }
+            Some(tls) => {
+                let listener = tls::TlsListener::new(listener, tls)
+                    .map_err(|e| format!("starting TLS on {address}: {e}"))?;
+                on_listening(&format!("https://{bound}"));
+                tokio::select! {
+                    result = axum::serve(listener, app) => result,
+                    _ = tokio::signal::ctrl_c() => Ok(()),
+                }
+            }
+        };
+        served.map_err(|e| format!("serving: {e}"))
     })
 }

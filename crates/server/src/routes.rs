@@ -119,30 +119,6 @@ pub async fn not_found(request: Request) -> ApiError {
     }
 }
 
-/// Checks `Authorization: Bearer <key>` on `/v1/` paths when the server has a key.
-pub async fn require_api_key(State(state): Shared, request: Request, next: Next) -> Response {
-    if let Some(key) = &state.config.api_key {
-        if request.uri().path().starts_with("/v1/") {
-            let given = request
-                .headers()
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "));
-            match given {
-                None => {
-                    return ApiError::unauthorized("no API key: send `Authorization: Bearer <key>`")
-                        .into_response()
-                }
-                Some(given) if given.trim() != key => {
-                    return ApiError::unauthorized("the API key is wrong").into_response()
-                }
-                Some(_) => {}
-            }
-        }
-    }
-    next.run(request).await
-}
-
 /// Counts answered requests by path and status.
 pub async fn count_requests(State(state): Shared, request: Request, next: Next) -> Response {
     let path = request.uri().path().to_owned();

@@ -7,6 +7,7 @@ pub mod bench_sampling_anchors;
 pub mod bench_sampling_gpu;
 pub mod bench_serve;
 pub mod chat;
+pub mod config;
 pub mod generate;
 pub mod inspect;
 pub mod serve;

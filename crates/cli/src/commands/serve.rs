@@ -3,6 +3,8 @@
 use anyhow::{bail, Result};
 use clap::Args;
 use pagoda_engine::{Engine, EngineConfig};
+use pagoda_server::auth::ApiKeys;
+use pagoda_server::tls::TlsFiles;
 use pagoda_server::{ServerConfig, TextModel};
 
 use crate::common::{self, ModelArgs, SamplingArgs};
@@ -22,23 +24,44 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
     /// Sequences decoded together at most (llama-server's `-np N` works too); more requests
-    /// wait in the queue [default: 4].
+    /// wait in the queue.
     #[arg(
-        short = 'n',
         long = "parallel",
         value_name = "N",
+        default_value_t = 4,
         allow_negative_numbers = true
     )]
-    pub parallel: Option<String>,
-    /// The value of `-np N` (clap reads `-np` as `-n p`).
-    #[arg(hide = true)]
-    pub trailing: Vec<String>,
+    pub parallel: usize,
     /// Requests that may wait for a free sequence before new ones get 429.
     #[arg(long, default_value_t = 64, allow_negative_numbers = true)]
     pub max_queue: usize,
-    /// Require `Authorization: Bearer KEY` on /v1/ endpoints. Also $PAGODA_API_KEY.
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health. Also
+    /// $PAGODA_API_KEY. Prefer --api-key-file: a key on the command line shows in `ps`.
     #[arg(long)]
     pub api_key: Option<String>,
+    /// Accept the keys in FILE (one per line; blank lines and `#` comments skipped), with
+    /// --api-key's too.
+    #[arg(long, value_name = "FILE")]
+    pub api_key_file: Option<std::path::PathBuf>,
+    /// Serve /metrics without the API key (for a scraper on a trusted network).
+    #[arg(long)]
+    pub metrics_public: bool,
+    /// Serve HTTPS with this PEM certificate chain (needs --ssl-key-file).
+    #[arg(
+        long,
+        alias = "ssl-certfile",
+        value_name = "FILE",
+        requires = "ssl_key_file"
+    )]
+    pub ssl_cert_file: Option<std::path::PathBuf>,
+    /// The PEM private key of --ssl-cert-file.
+    #[arg(
+        long,
+        alias = "ssl-keyfile",
+        value_name = "FILE",
+        requires = "ssl_cert_file"
+    )]
+    pub ssl_key_file: Option<std::path::PathBuf>,
     /// Token budget of one engine step (prefill chunks + decode tokens).
     #[arg(
         short = 'b',
@@ -67,12 +90,22 @@ pub struct ServeArgs {
 
 /// Runs `pagoda serve`.
 pub fn run(args: ServeArgs) -> Result<()> {
-    let parallel = parallel_flag(&args)?;
-    let api_key = args
-        .api_key
-        .clone()
-        .or_else(|| std::env::var("PAGODA_API_KEY").ok())
-        .filter(|key| !key.is_empty());
+    let parallel = args.parallel;
+    if parallel == 0 {
+        bail!("--parallel must be at least 1");
+    }
+    let api_keys = api_keys(&args)?;
+    let tls = match (&args.ssl_cert_file, &args.ssl_key_file) {
+        (Some(cert_file), Some(key_file)) => Some(
+            TlsFiles {
+                cert_file: cert_file.clone(),
+                key_file: key_file.clone(),
+            }
+            .load()
+            .map_err(anyhow::Error::msg)?,
+        ),
+        _ => None,
+    };
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
@@ -125,10 +158,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         num_pages,
         max_batch_tokens: args.batch_size,
         max_context: ctx,
-        attention: common::attention_policy(&args.model.attention)?,
-        sampler: common::sampler_kind(&args.model)?,
-        cuda_graphs: common::cuda_graphs(&args.model)?,
-        paged_decode: common::paged_decode(&args.model)?,
+        attention: common::attention_policy(),
+        sampler: common::sampler_kind(),
+        cuda_graphs: common::cuda_graphs(),
+        paged_decode: common::paged_decode(),
     };
     let device_name = loaded.model.device_name();
     let engine = Engine::new(loaded.model, config.clone()).map_err(anyhow::Error::msg)?;
@@ -160,12 +193,18 @@ pub fn run(args: ServeArgs) -> Result<()> {
     );
     eprintln!(
         "  api key      {}",
-        if api_key.is_some() {
-            "required"
-        } else {
-            "none"
+        match api_keys.len() {
+            0 => "none: every endpoint is open".to_owned(),
+            1 => "required".to_owned(),
+            n => format!("required (any of {n})"),
         }
     );
+    if args.metrics_public {
+        eprintln!("  metrics      public (no key on /metrics)");
+    }
+    if let Some(cert_file) = &args.ssl_cert_file {
+        eprintln!("  tls          {}", cert_file.display());
+    }
 
     let server_config = ServerConfig {
         host: args.host.clone(),
@@ -175,7 +214,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         context_size: ctx,
         parallel,
         max_queue: args.max_queue,
-        api_key,
+        api_keys,
+        metrics_public: args.metrics_public,
+        tls,
         max_body_bytes: args.max_body_bytes,
         sampling_defaults,
     };
@@ -190,30 +231,34 @@ pub fn run(args: ServeArgs) -> Result<()> {
     .map_err(anyhow::Error::msg)
 }
 
-/// The sequence count from `--parallel N`, `-n N` or `-np N` (default 4).
-fn parallel_flag(args: &ServeArgs) -> Result<usize> {
-    let mut trailing = args.trailing.iter();
-    let text = match args.parallel.as_deref() {
-        None => None,
-        Some("p") => match trailing.next() {
-            Some(value) => Some(value.clone()),
-            None => bail!("-np needs a value: -np N"),
-        },
-        Some(value) => Some(value.strip_prefix('p').unwrap_or(value).to_owned()),
-    };
-    if let Some(extra) = trailing.next() {
-        bail!("unexpected argument `{extra}`");
+/// The keys of `--api-key` (or `$PAGODA_API_KEY`) and `--api-key-file`, refusing an empty
+/// `--api-key` or a key file without keys (either would turn authentication off unsaid).
+fn api_keys(args: &ServeArgs) -> Result<ApiKeys> {
+    let mut keys = Vec::new();
+    match &args.api_key {
+        Some(key) if key.trim().is_empty() => {
+            bail!("--api-key is empty; give a key, or leave the flag out to serve without one")
+        }
+        Some(key) => keys.push(key.clone()),
+        None => keys.extend(
+            pagoda_config::global()
+                .text("PAGODA_API_KEY")
+                .map(str::to_owned),
+        ),
     }
-    let parallel = match text {
-        None => 4,
-        Some(text) => text
-            .parse::<usize>()
-            .map_err(|_| anyhow::anyhow!("--parallel must be a whole number, got `{text}`"))?,
-    };
-    if parallel == 0 {
-        bail!("--parallel must be at least 1");
+    if let Some(path) = &args.api_key_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("reading --api-key-file {}: {e}", path.display()))?;
+        let from_file = ApiKeys::parse_file_text(&text);
+        if from_file.is_empty() {
+            bail!(
+                "--api-key-file {} holds no key (one key per line; `#` starts a comment)",
+                path.display()
+            );
+        }
+        keys.extend(from_file);
     }
-    Ok(parallel)
+    ApiKeys::new(keys).map_err(anyhow::Error::msg)
 }
 
 /// Pages for `fraction` of the memory available now (from /proc/meminfo), at `page_bytes` each.

@@ -129,6 +129,16 @@ pub fn pagoda(args: &[&str], stdin: Option<&str>) -> RunOutput {
 
 /// As [`pagoda`], from the directory `cwd`.
 pub fn pagoda_in(cwd: &Path, args: &[&str], stdin: Option<&str>) -> RunOutput {
+    pagoda_with_env(cwd, args, stdin, &[])
+}
+
+/// As [`pagoda_in`], with the environment variables `env` set.
+pub fn pagoda_with_env(
+    cwd: &Path,
+    args: &[&str],
+    stdin: Option<&str>,
+    env: &[(&str, &str)],
+) -> RunOutput {
     let mut child = Command::new(env!("CARGO_BIN_EXE_pagoda"))
         .args(args)
         .current_dir(cwd)
@@ -136,6 +146,7 @@ pub fn pagoda_in(cwd: &Path, args: &[&str], stdin: Option<&str>) -> RunOutput {
         .env_remove("PAGODA_ATTENTION")
         .env_remove("RUST_LOG")
         .env("RUST_BACKTRACE", "0")
+        .envs(env.iter().copied())
         .stdin(if stdin.is_some() {
             Stdio::piped()
         } else {

@@ -71,13 +71,14 @@ pub const PAGED_DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// read once, not per launch).
 pub fn mma_decode_stages(head_dim: usize) -> usize {
     static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = OVERRIDE.get_or_init(|| {
-        match std::env::var("PAGODA_PAGED_DECODE_STAGES").ok().as_deref() {
-            Some("2") => Some(2),
-            Some("3") => Some(3),
-            _ => None,
-        }
-    });
+    let forced =
+        OVERRIDE.get_or_init(
+            || match pagoda_config::global().word("PAGODA_PAGED_DECODE_STAGES") {
+                "2" => Some(2),
+                "3" => Some(3),
+                _ => None,
+            },
+        );
     forced.unwrap_or(if head_dim <= 64 { 3 } else { 2 })
 }
 

@@ -7,29 +7,19 @@ use pagoda_ops::attention::{AttentionPath, DEFAULT_CHUNK_TOKENS};
 /// tokens; for measurement: a row's bits depend on it).
 pub const SPLIT_KV_CHUNK_ENV_VAR: &str = "PAGODA_SPLIT_KV_CHUNK_TOKENS";
 
-/// Visible tokens per split-KV chunk: [`DEFAULT_CHUNK_TOKENS`], or
-/// [`SPLIT_KV_CHUNK_ENV_VAR`] when it holds a positive integer (anything else is ignored with
-/// a warning). Read once per process.
+/// Visible tokens per split-KV chunk: [`DEFAULT_CHUNK_TOKENS`], or the
+/// [`SPLIT_KV_CHUNK_ENV_VAR`] setting when it holds a number. Read once per process.
 pub fn split_kv_chunk_tokens() -> usize {
     static TOKENS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TOKENS.get_or_init(|| {
-        let Ok(text) = std::env::var(SPLIT_KV_CHUNK_ENV_VAR) else {
-            return DEFAULT_CHUNK_TOKENS;
-        };
-        match text.trim().parse::<usize>() {
-            Ok(tokens) if tokens > 0 => {
+    *TOKENS.get_or_init(
+        || match pagoda_config::global().number(SPLIT_KV_CHUNK_ENV_VAR) {
+            Some(tokens) => {
                 tracing::info!("split-KV chunks of {tokens} tokens ({SPLIT_KV_CHUNK_ENV_VAR})");
-                tokens
+                tokens as usize
             }
-            _ => {
-                tracing::warn!(
-                    "{SPLIT_KV_CHUNK_ENV_VAR}={text:?} is not a positive number of tokens; \
-                     using {DEFAULT_CHUNK_TOKENS}"
-                );
-                DEFAULT_CHUNK_TOKENS
-            }
-        }
-    })
+            None => DEFAULT_CHUNK_TOKENS,
+        },
+    )
 }
 
 /// Auto's threshold, in visible tokens: a query row that sees at least this many tokens runs

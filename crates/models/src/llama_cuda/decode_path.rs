@@ -57,29 +57,19 @@ impl std::fmt::Display for PagedDecodeMode {
 }
 
 impl PagedDecodeMode {
-    /// `PAGODA_PAGED_DECODE` if set (an invalid value is an error naming the variable).
-    pub fn from_env() -> Result<Option<Self>, String> {
-        match std::env::var(PAGED_DECODE_ENV_VAR) {
-            Ok(value) => value
-                .parse()
-                .map(Some)
-                .map_err(|e| format!("{PAGED_DECODE_ENV_VAR}: {e}")),
-            Err(_) => Ok(None),
-        }
+    /// The [`PAGED_DECODE_ENV_VAR`] setting of `config` (`PAGODA_PAGED_DECODE` or
+    /// `--paged-decode`, checked when `config` was resolved).
+    pub fn from_config(config: &pagoda_config::Config) -> Self {
+        config
+            .word(PAGED_DECODE_ENV_VAR)
+            .parse()
+            .unwrap_or_default()
     }
 }
 
-/// Reads a positive integer override from the environment (`None` when unset).
-fn env_count(name: &str) -> Result<Option<usize>, CudaError> {
-    match std::env::var(name) {
-        Ok(value) => match value.parse::<usize>() {
-            Ok(n) if n > 0 => Ok(Some(n)),
-            _ => Err(CudaError::invalid(format!(
-                "{name}=`{value}`: expected a positive integer"
-            ))),
-        },
-        Err(_) => Ok(None),
-    }
+/// A count setting (`None` for `auto`).
+fn setting_count(name: &str) -> Option<usize> {
+    pagoda_config::global().number(name).map(|n| n as usize)
 }
 
 /// The fused decode's partial kernel: tensor cores for bf16 where they support the head size
@@ -87,21 +77,18 @@ fn env_count(name: &str) -> Result<Option<usize>, CudaError> {
 /// forces one.
 fn decode_kernel(dtype: DType, head_dim: usize) -> Result<ops::PagedDecodeKernel, CudaError> {
     let mma_ok = dtype == DType::BF16 && ops::PAGED_DECODE_MMA_HEAD_DIMS.contains(&head_dim);
-    match std::env::var("PAGODA_PAGED_DECODE_KERNEL").ok().as_deref() {
-        None => Ok(if mma_ok {
+    match pagoda_config::global().word("PAGODA_PAGED_DECODE_KERNEL") {
+        "auto" => Ok(if mma_ok {
             ops::PagedDecodeKernel::TensorCore
         } else {
             ops::PagedDecodeKernel::CudaCore
         }),
-        Some("cuda-core") => Ok(ops::PagedDecodeKernel::CudaCore),
-        Some("mma") if mma_ok => Ok(ops::PagedDecodeKernel::TensorCore),
-        Some("mma") => Err(CudaError::invalid(format!(
+        "mma" if mma_ok => Ok(ops::PagedDecodeKernel::TensorCore),
+        "mma" => Err(CudaError::invalid(format!(
             "PAGODA_PAGED_DECODE_KERNEL=mma needs bf16 and head_dim in {:?} (have {dtype}, {head_dim})",
             ops::PAGED_DECODE_MMA_HEAD_DIMS
         ))),
-        Some(other) => Err(CudaError::invalid(format!(
-            "PAGODA_PAGED_DECODE_KERNEL=`{other}`: use mma or cuda-core"
-        ))),
+        _ => Ok(ops::PagedDecodeKernel::CudaCore),
     }
 }
 
@@ -147,11 +134,11 @@ impl FusedDecode {
         }
         // Two waves of CTAs by default (`docs/benchmark_results/paged-decode-h200-*.md`);
         // the chunk size can be pinned (the autotuner's hook).
-        let target_ctas = env_count("PAGODA_PAGED_DECODE_TARGET_CTAS")?
+        let target_ctas = setting_count("PAGODA_PAGED_DECODE_TARGET_CTAS")
             .unwrap_or(2 * gpu.info().sm_count.max(1) as usize);
         let policy = PlanPolicy {
             target_ctas,
-            pages_per_chunk: env_count("PAGODA_PAGED_DECODE_CHUNK")?,
+            pages_per_chunk: setting_count("PAGODA_PAGED_DECODE_CHUNK"),
             // At least one 64-key tile per chunk: smaller chunks only add merge work
             // (measured at batch 1, 1K context on the H200).
             min_pages_per_chunk: 64usize.div_ceil(options.page_size.max(1)),
@@ -180,14 +167,9 @@ impl FusedDecode {
         workspace.set_kernel(kernel);
         // A second launch merges the chunks: faster than the last chunk merging in the
         // partial kernel in every cell measured on the H200 but batch 64 (equal).
-        let merge = match std::env::var("PAGODA_PAGED_DECODE_MERGE").ok().as_deref() {
-            None | Some("separate") => ops::MergeMode::Separate,
-            Some("kernel") => ops::MergeMode::InKernel,
-            Some(other) => {
-                return Err(CudaError::invalid(format!(
-                    "PAGODA_PAGED_DECODE_MERGE=`{other}`: use separate or kernel"
-                )))
-            }
+        let merge = match pagoda_config::global().word("PAGODA_PAGED_DECODE_MERGE") {
+            "kernel" => ops::MergeMode::InKernel,
+            _ => ops::MergeMode::Separate,
         };
         tracing::info!("CUDA fused decode: {kernel:?} partial kernel, {merge:?} merge");
         let staging = gpu.alloc_pinned(capacity.encoded_len())?;

@@ -108,18 +108,6 @@ pub(super) struct DeviceSampler {
     switches: SamplerSwitches,
 }
 
-/// An `on|off` switch from the environment, on when unset; an error naming the variable for
-/// any other value.
-fn env_on_off(name: &str) -> Result<bool, CudaError> {
-    match std::env::var(name).as_deref() {
-        Err(_) | Ok("on") => Ok(true),
-        Ok("off") => Ok(false),
-        Ok(other) => Err(CudaError::invalid(format!(
-            "{name}: unknown value `{other}` (use on or off)"
-        ))),
-    }
-}
-
 /// The GPU sampler's switches, from the environment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct SamplerSwitches {
@@ -142,20 +130,17 @@ pub(super) struct SamplerSwitches {
     pub cluster_prefetch: bool,
 }
 
-/// The [`SamplerSwitches`], logged once. An unknown value is an error naming the variable.
+/// The [`SamplerSwitches`] of the process's configuration, logged once.
 pub(super) fn sampler_switches() -> Result<SamplerSwitches, CudaError> {
-    let filtered = match std::env::var("PAGODA_GPU_SAMPLING_FILTERED") {
-        Ok(value) => FilteredSampling::parse(&value).map_err(|error| {
-            CudaError::invalid(format!("PAGODA_GPU_SAMPLING_FILTERED: {error}"))
-        })?,
-        Err(_) => FilteredSampling::Fast,
-    };
+    let config = pagoda_config::global();
+    let filtered = FilteredSampling::parse(config.word("PAGODA_GPU_SAMPLING_FILTERED"))
+        .map_err(|error| CudaError::invalid(format!("PAGODA_GPU_SAMPLING_FILTERED: {error}")))?;
     let switches = SamplerSwitches {
         filtered,
-        gumbel_max: env_on_off("PAGODA_GPU_SAMPLING_GUMBEL_MAX")?,
-        list_rounds: env_on_off("PAGODA_GPU_SAMPLING_LIST_ROUNDS")?,
-        cluster: env_on_off("PAGODA_GPU_SAMPLING_CLUSTER")?,
-        cluster_prefetch: env_on_off("PAGODA_GPU_SAMPLING_PREFETCH")?,
+        gumbel_max: config.on("PAGODA_GPU_SAMPLING_GUMBEL_MAX"),
+        list_rounds: config.on("PAGODA_GPU_SAMPLING_LIST_ROUNDS"),
+        cluster: config.on("PAGODA_GPU_SAMPLING_CLUSTER"),
+        cluster_prefetch: config.on("PAGODA_GPU_SAMPLING_PREFETCH"),
     };
     let on_off = |on: bool| if on { "on" } else { "off" };
     static LOGGED: std::sync::Once = std::sync::Once::new();

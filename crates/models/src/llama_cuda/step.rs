@@ -78,17 +78,12 @@ pub(super) fn prefill_kernel() -> Result<ops::PrefillKernel, CudaError> {
     static CHOICE: std::sync::OnceLock<Result<ops::PrefillKernel, String>> =
         std::sync::OnceLock::new();
     let choice = CHOICE.get_or_init(|| {
-        let kernel = match std::env::var("PAGODA_CUDA_PREFILL").ok().as_deref() {
+        let kernel = match pagoda_config::global().word("PAGODA_CUDA_PREFILL") {
             // Measured on the H200 (docs/benchmark_results/cuda-backend-h200-*.md): tensor
             // cores 2.3x (8B, 2K prompt) to 3x (SmolLM2, 4K) faster than the tiled kernel.
-            None | Some("mma") => ops::PrefillKernel::Mma,
-            Some("tiled") => ops::PrefillKernel::Tiled,
-            Some("reference") => ops::PrefillKernel::PerToken,
-            Some(other) => {
-                return Err(format!(
-                    "PAGODA_CUDA_PREFILL=`{other}`: use mma, tiled or reference"
-                ))
-            }
+            "tiled" => ops::PrefillKernel::Tiled,
+            "reference" => ops::PrefillKernel::PerToken,
+            _ => ops::PrefillKernel::Mma,
         };
         tracing::info!("CUDA prefill attention: {kernel:?}");
         Ok(kernel)

@@ -269,20 +269,13 @@ impl SamplerKind {
     /// `docs/benchmark_results/sampling-cpu-2026-11-29.md`).
     pub const DEFAULT: SamplerKind = SamplerKind::Fused;
 
-    /// Reads [`SAMPLER_ENV_VAR`] (`PAGODA_SAMPLER`): `fused` or `reference` (ASCII case and
-    /// surrounding spaces ignored); unset or empty gives [`SamplerKind::DEFAULT`]. Any other
-    /// value is an error naming the variable, the value and the accepted ones.
-    pub fn from_env() -> Result<SamplerKind, String> {
-        match std::env::var(SAMPLER_ENV_VAR) {
-            Ok(value) if value.trim().is_empty() => Ok(SamplerKind::DEFAULT),
-            Ok(value) => value
-                .parse()
-                .map_err(|error| format!("{SAMPLER_ENV_VAR}: {error}")),
-            Err(std::env::VarError::NotPresent) => Ok(SamplerKind::DEFAULT),
-            Err(std::env::VarError::NotUnicode(value)) => Err(format!(
-                "{SAMPLER_ENV_VAR} is not valid UTF-8 ({value:?}); expected `fused` or `reference`"
-            )),
-        }
+    /// The [`SAMPLER_ENV_VAR`] setting of `config` (`PAGODA_SAMPLER` or `--sampler`, checked
+    /// when `config` was resolved; unset gives [`SamplerKind::DEFAULT`]).
+    pub fn from_config(config: &pagoda_config::Config) -> SamplerKind {
+        config
+            .word(SAMPLER_ENV_VAR)
+            .parse()
+            .unwrap_or(SamplerKind::DEFAULT)
     }
 }
 
@@ -301,7 +294,7 @@ impl std::str::FromStr for SamplerKind {
 }
 
 impl fmt::Display for SamplerKind {
-    /// `fused` or `reference` (the spelling [`SamplerKind::from_env`] accepts).
+    /// `fused` or `reference` (the spelling [`SamplerKind::from_config`] accepts).
     fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
         formatter.write_str(match self {
             SamplerKind::Fused => "fused",

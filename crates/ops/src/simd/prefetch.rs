@@ -43,13 +43,13 @@ pub fn parse(text: &str) -> Result<usize, String> {
     }
 }
 
-/// The process-wide distance in bytes (0: off): [`PREFETCH_ENV_VAR`] read once (an invalid
-/// value warns and falls back to `auto`), logged once at INFO.
+/// The process-wide distance in bytes (0: off): the [`PREFETCH_ENV_VAR`] setting, logged once
+/// at INFO.
 pub fn distance() -> usize {
     static DISTANCE: OnceLock<usize> = OnceLock::new();
     *DISTANCE.get_or_init(|| {
-        let value = std::env::var(PREFETCH_ENV_VAR).unwrap_or_default();
-        let bytes = parse(&value).unwrap_or_else(|error| {
+        let value = pagoda_config::global().word(PREFETCH_ENV_VAR);
+        let bytes = parse(value).unwrap_or_else(|error| {
             tracing::warn!("{error}; using auto");
             DEFAULT_BYTES
         });

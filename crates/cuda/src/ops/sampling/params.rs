@@ -182,7 +182,7 @@ pub enum FilteredSampling {
 impl FilteredSampling {
     /// Parses `fast` / `exact` (the `PAGODA_GPU_SAMPLING_FILTERED` values).
     pub fn parse(value: &str) -> Result<Self, CudaError> {
-        match value.trim() {
+        match value.trim().to_ascii_lowercase().as_str() {
             "fast" => Ok(FilteredSampling::Fast),
             "exact" => Ok(FilteredSampling::Exact),
             other => Err(CudaError::invalid(format!(

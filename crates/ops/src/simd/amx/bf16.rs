@@ -165,21 +165,7 @@ pub const Q15_ENV_VAR: &str = "PAGODA_CPU_AMX_BF16_Q15";
 pub fn split_q15() -> bool {
     static SPLIT: OnceLock<bool> = OnceLock::new();
     *SPLIT.get_or_init(|| {
-        let split = match std::env::var(Q15_ENV_VAR)
-            .unwrap_or_default()
-            .trim()
-            .to_ascii_lowercase()
-            .as_str()
-        {
-            "" | "auto" | "split" => true,
-            "int8" => false,
-            other => {
-                tracing::warn!(
-                    "{Q15_ENV_VAR}={other:?} is not one of auto, split, int8; using split"
-                );
-                true
-            }
-        };
+        let split = pagoda_config::global().word(Q15_ENV_VAR) != "int8";
         if tiles_run() {
             tracing::info!(
                 "AMX-BF16 tiles: Q15 weights (ffn_down) {} ({Q15_ENV_VAR})",

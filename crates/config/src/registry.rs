@@ -1,0 +1,312 @@
+//! The registry: every setting pagoda reads, in one list.
+
+/// What a setting is for (the sections of `docs/configuration.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Group {
+    /// The model and the server.
+    Serving,
+    /// The engine, on every device.
+    Engine,
+    /// CPU kernels.
+    Cpu,
+    /// CUDA kernels and the GPU runner.
+    Cuda,
+    /// Knobs for measurements (the default is the measured best).
+    Tuning,
+    /// Where CUDA headers and compiled kernels live.
+    Paths,
+    /// Read by tests and scripts, never by the binary.
+    Testing,
+}
+
+impl Group {
+    /// Every group, in the order of the docs.
+    pub const ALL: [Group; 7] = [
+        Group::Serving,
+        Group::Engine,
+        Group::Cpu,
+        Group::Cuda,
+        Group::Tuning,
+        Group::Paths,
+        Group::Testing,
+    ];
+
+    /// The section title.
+    pub fn title(self) -> &'static str {
+        match self {
+            Group::Serving => "Model and server",
+            Group::Engine => "Engine",
+            Group::Cpu => "CPU kernels",
+            Group::Cuda => "CUDA",
+            Group::Tuning => "Measurement knobs",
+            Group::Paths => "Paths",
+            Group::Testing => "Tests and scripts (not read by `pagoda`)",
+        }
+    }
+}
+
+/// The values a setting takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Values {
+    /// One of these words (matched without regard to case, `_` and `-` alike).
+    Choice(&'static [&'static str]),
+    /// `on` or `off` (also `1`/`0`, `true`/`false`, `yes`/`no`).
+    OnOff,
+    /// A whole number in `min..=max`, or one of `words`.
+    Number {
+        /// Smallest number.
+        min: u64,
+        /// Largest number.
+        max: u64,
+        /// Words also accepted (`auto`, `off`).
+        words: &'static [&'static str],
+    },
+    /// `WORD` or `WORD+SUFFIX`.
+    Composite {
+        /// The words.
+        words: &'static [&'static str],
+        /// The suffixes.
+        suffixes: &'static [&'static str],
+    },
+    /// Free text (a path, a key); a `secret` never shows in `pagoda config`.
+    Text {
+        /// Hidden in listings.
+        secret: bool,
+    },
+}
+
+/// One setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Setting {
+    /// The environment variable.
+    pub name: &'static str,
+    /// The command-line flag that sets it too (it wins over the variable), if any.
+    pub flag: Option<&'static str>,
+    /// The values it takes.
+    pub values: Values,
+    /// The value when unset, as a user would write it (or what unset means, in parentheses).
+    pub default: &'static str,
+    /// What it does, in one line.
+    pub doc: &'static str,
+    /// The code that reads it.
+    pub read_by: &'static str,
+    /// Its section.
+    pub group: Group,
+}
+
+/// The setting named `name`, if it is one.
+pub fn setting(name: &str) -> Option<&'static Setting> {
+    SETTINGS.iter().find(|s| s.name == name)
+}
+
+const AUTO: &[&str] = &["auto"];
+const ON_OFF: Values = Values::OnOff;
+const TEXT: Values = Values::Text { secret: false };
+
+macro_rules! settings {
+    ($($name:literal, $flag:expr, $values:expr, $default:literal, $group:ident, $read_by:literal, $doc:literal;)*) => {
+        /// Every setting, grouped as in the docs.
+        pub static SETTINGS: &[Setting] = &[$(Setting {
+            name: $name,
+            flag: $flag,
+            values: $values,
+            default: $default,
+            doc: $doc,
+            read_by: $read_by,
+            group: Group::$group,
+        }),*];
+    };
+}
+
+settings! {
+    "PAGODA_MODEL", Some("-m/--model"), TEXT, "(models/SmolLM2-135M-Instruct.Q4_1.gguf)", Serving,
+        "cli common::resolve_model",
+        "The model: a .gguf file or a Hugging Face directory.";
+    "PAGODA_API_KEY", Some("--api-key"), Values::Text { secret: true }, "(none: open)", Serving,
+        "cli serve, bench serve",
+        "The key `pagoda serve` requires on every endpoint but /health, and `pagoda bench serve` sends.";
+
+    "PAGODA_ATTENTION", Some("--attention"), Values::Choice(&["auto", "split-kv", "gather"]), "auto", Engine,
+        "cli common::attention_policy",
+        "CPU attention per query row: auto is split-KV for rows that see 16+ tokens, gather below.";
+    "PAGODA_SAMPLER", Some("--sampler"), Values::Choice(&["fused", "reference"]), "fused", Engine,
+        "ops sampling::SamplerKind",
+        "Token sampler: fused (sort-free; on the GPU where it can) or reference (the sorting oracle).";
+    "PAGODA_PREFIX_CACHING", None, ON_OFF, "on", Engine,
+        "engine Engine::new",
+        "Reuse the KV pages of a prompt prefix seen before.";
+    "PAGODA_CPU_ADAPTIVE_THREADS", None, Values::Choice(&["auto", "off", "one"]), "auto", Engine,
+        "engine cpu_pool",
+        "CPU thread pool per step: auto picks all threads or one per kind of step; off: all; one: one.";
+
+    "PAGODA_CPU_KERNELS", None,
+        Values::Composite {
+            words: &["auto", "amx", "vnni8", "vnni", "avx2", "scalar", "f32"],
+            suffixes: &["q15_ffn_down", "f32_ffn_down"],
+        },
+        "auto", Cpu,
+        "ops linear::CpuKernelPolicy",
+        "CPU matmul kernel set; `+q15_ffn_down` / `+f32_ffn_down` pick ffn_down's activations.";
+    "PAGODA_CPU_ATTENTION", None, Values::Choice(&["auto", "simd", "avx512", "avx2", "scalar"]), "auto", Cpu,
+        "ops attention::AttentionKernel",
+        "Instruction set of the CPU attention kernel (auto and simd: the widest the CPU has).";
+    "PAGODA_CPU_F32_DECODE", None, Values::Choice(&["auto", "avx512", "avx2", "tile"]), "auto", Cpu,
+        "ops simd::f32_decode",
+        "Kernel of 1-8-token matmuls on f32 activations (tile: the two-row oracle; same bits).";
+    "PAGODA_CPU_INT_DECODE", None, Values::Choice(&["auto", "avx512", "avx2"]), "auto", Cpu,
+        "ops simd::interleaved::width",
+        "Register width of one-token vnni8 matmuls (auto: avx512 on Intel, avx2 elsewhere; same bits).";
+    "PAGODA_CPU_INT_PREFILL", None, Values::Choice(&["auto", "avx512", "avx2"]), "auto", Cpu,
+        "ops simd::interleaved::width",
+        "Register width of vnni8 prefills (auto: avx512; same bits).";
+    "PAGODA_CPU_HIGH_BITS", None, Values::Choice(&["auto", "planes", "bytes"]), "auto", Cpu,
+        "ops simd::interleaved::planes",
+        "Layout of 5- and 6-bit weights in vnni8 records (auto: planes; same bits).";
+    "PAGODA_CPU_SILU", None, Values::Choice(&["auto", "polynomial", "libm"]), "auto", Cpu,
+        "ops activation::silu",
+        "How SiLU computes exp (auto: polynomial; libm is the reference).";
+    "PAGODA_CPU_AMX_TILES", None, Values::Choice(&["auto", "hardware", "emulated"]), "auto", Cpu,
+        "ops simd::amx::backend",
+        "Where the amx set's tiles run: hardware, or emulated on any AVX-512 VNNI CPU (for tests).";
+    "PAGODA_CPU_AMX_PREFILL", None, Values::Choice(&["auto", "int8", "bf16"]), "auto", Cpu,
+        "ops simd::amx::bf16",
+        "AMX tiles of prefills (auto: int8, reproducible; bf16: faster, not batch-invariant).";
+    "PAGODA_CPU_AMX_BF16_Q15", None, Values::Choice(&["auto", "split", "int8"]), "auto", Cpu,
+        "ops simd::amx::bf16::split_q15",
+        "With bf16 prefill, Q15 weights (ffn_down) on two-term bf16 activations (split) or INT8 tiles.";
+    "PAGODA_CPU_PREFETCH", None, Values::Number { min: 0, max: 1 << 20, words: &["auto", "off"] }, "auto", Cpu,
+        "ops simd::prefetch",
+        "Software-prefetch distance of the integer kernels in bytes (auto: 8192; off or 0: none).";
+
+    "PAGODA_CUDA_GRAPHS", Some("--enforce-eager (off)"), ON_OFF, "on", Cuda,
+        "cli common::cuda_graphs",
+        "Replay decode steps from CUDA graphs.";
+    "PAGODA_PAGED_DECODE", Some("--paged-decode"), Values::Choice(&["auto", "fused", "gather"]), "auto", Cuda,
+        "models llama_cuda::decode_path",
+        "CUDA decode attention: fused split-KV over the page table, or gather-then-attend.";
+    "PAGODA_PAGED_DECODE_KERNEL", None, Values::Choice(&["auto", "mma", "cuda-core"]), "auto", Cuda,
+        "models llama_cuda::decode_path",
+        "Partial kernel of the fused decode (auto: tensor cores where bf16 and head_dim 64/128/256).";
+    "PAGODA_PAGED_DECODE_MERGE", None, Values::Choice(&["separate", "kernel"]), "separate", Cuda,
+        "models llama_cuda::decode_path",
+        "Merge the fused decode's chunks in a second launch (separate) or in the kernel.";
+    "PAGODA_CUDA_PREFILL", None, Values::Choice(&["mma", "tiled", "reference"]), "mma", Cuda,
+        "models llama_cuda::step",
+        "CUDA prefill attention kernel (mma falls back to tiled where it does not apply).";
+    "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
+        "models llama_cuda::sampling",
+        "Filtered rows on the GPU: fast, or exact (f64, the oracle).";
+    "PAGODA_GPU_SAMPLING_GUMBEL_MAX", None, ON_OFF, "on", Cuda,
+        "models llama_cuda::sampling",
+        "Row maxima inside the Gumbel kernel.";
+    "PAGODA_GPU_SAMPLING_LIST_ROUNDS", None, ON_OFF, "on", Cuda,
+        "models llama_cuda::sampling",
+        "Top-k rows' filter rounds on their id list.";
+    "PAGODA_GPU_SAMPLING_CLUSTER", None, ON_OFF, "on", Cuda,
+        "models llama_cuda::sampling",
+        "Top-p-only rows in one cluster kernel per row (compute capability 9.0+).";
+    "PAGODA_GPU_SAMPLING_PREFETCH", None, ON_OFF, "on", Cuda,
+        "models llama_cuda::sampling",
+        "L2 prefetch of waiting rows in cluster launches.";
+
+    "PAGODA_SPLIT_KV_CHUNK_TOKENS", None, Values::Number { min: 1, max: 1 << 20, words: AUTO }, "auto", Tuning,
+        "models llama::policy",
+        "Tokens per CPU split-KV chunk (auto: 256; outputs depend on it).";
+    "PAGODA_PAGED_DECODE_TARGET_CTAS", None, Values::Number { min: 1, max: 1 << 20, words: AUTO }, "auto", Tuning,
+        "models llama_cuda::decode_path",
+        "CTAs the fused decode plan aims for (auto: twice the SM count).";
+    "PAGODA_PAGED_DECODE_CHUNK", None, Values::Number { min: 1, max: 1 << 20, words: AUTO }, "auto", Tuning,
+        "models llama_cuda::decode_path",
+        "Pages per fused decode chunk (auto: the plan searches).";
+    "PAGODA_PAGED_DECODE_STAGES", None, Values::Choice(&["auto", "2", "3"]), "auto", Tuning,
+        "cuda ops::paged_decode",
+        "Pipeline stages of the tensor-core decode kernel (auto: 3 for head_dim 64 or less, else 2).";
+    "PAGODA_PROFILE", None, ON_OFF, "off", Tuning,
+        "ops profile",
+        "Time each op of the forward pass; `pagoda bench` prints the table.";
+
+    "PAGODA_KERNEL_CACHE", None, TEXT, "(~/.cache/pagoda/kernels)", Paths,
+        "cuda key::kernel_cache_dir",
+        "Folder of compiled CUDA kernels (off: no cache on disk).";
+    "PAGODA_CUDA_INCLUDE", None, TEXT, "(searched)", Paths,
+        "cuda key::cuda_include_dirs",
+        "Folder with cuda_bf16.h for NVRTC, searched first.";
+    "PAGODA_CUDA_WHEEL", None, TEXT, "(searched)", Paths,
+        "cuda key::cuda_include_dirs",
+        "A CUDA pip wheel's root; its include/ folder is searched for NVRTC headers.";
+
+    "PAGODA_GPU_TESTS", None, TEXT, "(unset: skip)", Testing,
+        "cuda and models GPU tests", "1: run the GPU tests (on the GPU machine).";
+    "PAGODA_TEST_CPU_CONFIGURATION", None, TEXT, "(unset)", Testing,
+        "testkit", "Set by pagoda-testkit in the child test run of one CPU kernel configuration.";
+    "PAGODA_TEST_SLOW_CPU_CONFIGURATIONS", None, TEXT, "(unset)", Testing,
+        "testkit", "1: re-run the invariance tests under the slow configurations too (scalar).";
+    "PAGODA_PARITY_MODEL", None, TEXT, "(the default model)", Testing,
+        "models parity test, scripts/llamacpp-top5.py", "Model of the llama.cpp parity test.";
+    "PAGODA_PARITY_REFERENCE", None, TEXT, "(the committed reference)", Testing,
+        "models parity test, scripts/llamacpp-top5.py", "llama.cpp top-5 reference of the parity test.";
+    "PAGODA_HF_PARITY_DIR", None, TEXT, "(unset: skip)", Testing,
+        "models hf_cuda_parity test", "Folder of random Hugging Face checkpoints and transformers outputs.";
+    "PAGODA_HF_PARITY_CPU_ONLY", None, TEXT, "(unset)", Testing,
+        "models hf_cuda_parity test", "1: compare only the CPU model with transformers.";
+    "PAGODA_SAMPLING_DRAWS", None, TEXT, "1000000", Testing,
+        "cuda sampling tests", "Draws per goodness-of-fit test.";
+    "PAGODA_DECODE_MATRIX", None, TEXT, "(full)", Testing,
+        "cuda paged decode test", "quick: a subset of the decode matrix.";
+    "PAGODA_NVRTC_CHECK", None, TEXT, "(unset: skip)", Testing,
+        "cuda nvrtc_check test, scripts/nvrtc-check.sh", "1: compile every kernel with NVRTC.";
+    "PAGODA_NVRTC_ONLY", None, TEXT, "(all)", Testing,
+        "cuda nvrtc_check test", "Compile only the entries whose name holds this text.";
+    "PAGODA_NVRTC_DUMP", None, TEXT, "(unset)", Testing,
+        "cuda nvrtc_check test", "Folder for each kernel's PTX.";
+    "PAGODA_NVRTC_VENV", None, TEXT, "(target/nvrtc-venv)", Testing,
+        "scripts/nvrtc-check.sh", "Python environment holding the NVRTC wheel.";
+    "PAGODA_BIN", None, TEXT, "(target/debug/pagoda)", Testing,
+        "scripts/test-server.sh", "The binary the live-server suite starts.";
+    "PAGODA_TEST_VENV", None, TEXT, "(target/server-test-venv)", Testing,
+        "scripts/test-server.sh", "Python environment of the live-server suite.";
+    "PAGODA_WHEELS", None, TEXT, "(PyPI)", Testing,
+        "scripts/test-server.sh", "Install the Python clients offline from this folder of wheels.";
+    "PAGODA_SERVE_ARGS", None, TEXT, "(none)", Testing,
+        "scripts/test-server.sh", "Extra `pagoda serve` flags of the live-server suite.";
+    "PAGODA_SERVER_LOG", None, TEXT, "(not kept)", Testing,
+        "scripts/test-server.sh", "Keep the live server's log at this path.";
+    "PAGODA_URL", None, TEXT, "(set by the script)", Testing,
+        "tests/server", "The live server under test.";
+    "PAGODA_API_KEY_FILE", None, TEXT, "(set by the script)", Testing,
+        "tests/server", "The live server's key file.";
+    "PAGODA_SERVER_LOG_FILE", None, TEXT, "(set by the script)", Testing,
+        "tests/server", "The live server's log, read by the tests.";
+    "PAGODA_TLS_URL", None, TEXT, "(set by the script)", Testing,
+        "tests/server", "The live HTTPS server under test.";
+    "PAGODA_TLS_CA", None, TEXT, "(set by the script)", Testing,
+        "tests/server", "The HTTPS server's self-signed certificate.";
+    "PAGODA_FUZZ_SEEDS", None, TEXT, "(unset)", Testing,
+        "tests/server, scripts/fuzz.sh", "Save every request body the live-server suite sends here.";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_and_defaults_are_values() {
+        for (i, s) in SETTINGS.iter().enumerate() {
+            assert!(s.name.starts_with("PAGODA_"), "{}", s.name);
+            assert!(
+                SETTINGS[..i].iter().all(|other| other.name != s.name),
+                "{} is declared twice",
+                s.name
+            );
+            assert!(!s.doc.is_empty() && s.doc.ends_with('.'), "{}", s.name);
+            if !s.default.starts_with('(') {
+                assert!(
+                    crate::resolve::canonical(s, s.default).is_ok(),
+                    "{}'s default {} is not one of its values",
+                    s.name,
+                    s.default
+                );
+            }
+        }
+    }
+}

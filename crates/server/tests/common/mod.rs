@@ -1,0 +1,198 @@
+//! The harness of the HTTP tests: the router (tower `oneshot`, no socket) over a scripted
+//! engine that replays fixed tokens, with the default model's tokenizer (tests skip when the
+//! model is missing).
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use pagoda_engine::{EngineError, FinishReason, RequestId, StepEvent};
+use pagoda_models::chat_template::ChatTemplate;
+use pagoda_models::formats::gguf::GgufFile;
+use pagoda_models::tokenizer::Tokenizer;
+use pagoda_ops::sampling::SamplingParams;
+use pagoda_server::auth::ApiKeys;
+use pagoda_server::worker::{EngineBackend, EngineSnapshot};
+use pagoda_server::{router, AppState, ServerConfig, TextModel};
+use serde_json::Value;
+use tower::ServiceExt;
+
+pub const EOS: u32 = 2;
+
+pub fn tokenizer() -> Option<Tokenizer> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !path.is_file() {
+        println!("skipping: {} is missing", path.display());
+        return None;
+    }
+    Some(Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap())
+}
+
+#[derive(Clone, Copy, PartialEq)]
+pub enum Mode {
+    Replay,
+    FailSteps,
+    Panic,
+}
+
+/// Replays `script` for every request (ending with EOS when `script` does), one token a step.
+pub struct Scripted {
+    script: Vec<u32>,
+    mode: Mode,
+    running: HashMap<RequestId, (usize, usize)>, // (position, max_new_tokens)
+    next_id: RequestId,
+    cancelled: Arc<Mutex<Vec<RequestId>>>,
+}
+
+impl Scripted {
+    /// Replays `script` in `mode`.
+    pub fn new(script: Vec<u32>, mode: Mode) -> Scripted {
+        Scripted {
+            script,
+            mode,
+            running: HashMap::new(),
+            next_id: 0,
+            cancelled: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+}
+
+impl EngineBackend for Scripted {
+    fn add_request(
+        &mut self,
+        _: Vec<u32>,
+        _: SamplingParams,
+        max_new: usize,
+        _: Vec<u32>,
+        _: bool,
+    ) -> Result<RequestId, EngineError> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.running.insert(id, (0, max_new));
+        Ok(id)
+    }
+    fn step(&mut self) -> Result<Vec<StepEvent>, EngineError> {
+        std::thread::sleep(Duration::from_millis(2));
+        match self.mode {
+            Mode::FailSteps => return Err(EngineError::Internal("scripted failure".into())),
+            Mode::Panic => panic!("scripted panic"),
+            Mode::Replay => {}
+        }
+        let mut events = Vec::new();
+        for (&id, (position, max_new)) in self.running.iter_mut() {
+            let token = self.script[*position % self.script.len()];
+            *position += 1;
+            let finished = if token == EOS {
+                Some(FinishReason::Stop)
+            } else if *position >= *max_new {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            let logprobs = Some(vec![-1.0f32; 8].into_iter().chain([-0.5]).collect());
+            events.push(StepEvent {
+                request: id,
+                token,
+                logprobs,
+                finished,
+            });
+        }
+        for event in events.iter().filter(|e| e.finished.is_some()) {
+            self.running.remove(&event.request);
+        }
+        Ok(events)
+    }
+    fn cancel(&mut self, id: RequestId) {
+        if self.running.remove(&id).is_some() {
+            self.cancelled.lock().unwrap().push(id);
+        }
+    }
+    fn seed_of(&self, _: RequestId) -> Option<u64> {
+        Some(7)
+    }
+    fn snapshot(&self) -> EngineSnapshot {
+        EngineSnapshot {
+            pages_used: self.running.len(),
+            pages_total: 100,
+            num_running: self.running.len(),
+            ..Default::default()
+        }
+    }
+}
+
+pub struct Harness {
+    pub app: axum::Router,
+    pub tokenizer: Tokenizer,
+    pub cancelled: Arc<Mutex<Vec<RequestId>>>,
+}
+
+pub fn harness(text: &str, mode: Mode, tweak: impl FnOnce(&mut ServerConfig)) -> Option<Harness> {
+    let tokenizer = tokenizer()?;
+    let mut script = tokenizer.encode(text, false).unwrap();
+    script.push(EOS);
+    let backend = Scripted::new(script, mode);
+    let cancelled = backend.cancelled.clone();
+    let mut config = ServerConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        model_name: "test-model".into(),
+        model_aliases: vec!["test-model.gguf".into()],
+        context_size: 64,
+        parallel: 2,
+        max_queue: 8,
+        api_keys: ApiKeys::default(),
+        metrics_public: false,
+        tls: None,
+        max_body_bytes: 4096,
+        sampling_defaults: SamplingParams::default(),
+    };
+    tweak(&mut config);
+    let text_model = TextModel {
+        tokenizer: self::tokenizer()?,
+        chat_template: ChatTemplate::chatml(),
+        stop_tokens: vec![EOS],
+    };
+    let state = AppState::start(config, text_model, backend).unwrap();
+    Some(Harness {
+        app: router(state),
+        tokenizer,
+        cancelled,
+    })
+}
+
+pub async fn call(
+    app: &axum::Router,
+    path: &str,
+    body: impl Into<Body>,
+    key: Option<&str>,
+) -> (StatusCode, String) {
+    let mut request = Request::post(path).header("content-type", "application/json");
+    if let Some(key) = key {
+        request = request.header("authorization", format!("Bearer {key}"));
+    }
+    let response = app
+        .clone()
+        .oneshot(request.body(body.into()).unwrap())
+        .await
+        .unwrap();
+    let status = response.status();
+    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, String::from_utf8(bytes.to_vec()).unwrap())
+}
+
+pub fn error_of(status: StatusCode, body: &str, expected: StatusCode) -> Value {
+    assert_eq!(status, expected, "{body}");
+    let value: Value = serde_json::from_str(body).unwrap();
+    let error = value["error"].clone();
+    for key in ["message", "type", "param", "code"] {
+        assert!(error.get(key).is_some(), "{key} missing in {body}");
+    }
+    error
+}

@@ -111,6 +111,12 @@ def test_empty_messages(base_url, headers, model):
     assert_error(post(base_url, CHAT, {"model": model, "messages": []}, headers), 400, "messages")
 
 
+def test_unknown_roles_are_400(base_url, headers, model):
+    for role in ["wizard", "", "User"]:
+        body = {"model": model, "messages": [{"role": role, "content": "hi"}]}
+        assert_error(post(base_url, CHAT, body, headers), 400, "messages", contains=("is not one of",))
+
+
 def test_context_overflow_names_both_numbers(base_url, headers, model):
     response = post(base_url, "/v1/completions", {"model": model, "prompt": "hello there", "max_tokens": 5000}, headers)
     error = assert_error(response, 400, "max_tokens", contains=("5000", "1024"))

@@ -235,8 +235,6 @@ settings! {
         "cuda key::cuda_include_dirs",
         "A CUDA pip wheel's root; its include/ folder is searched for NVRTC headers.";
 
-    "PAGODA_GPU_TESTS", None, TEXT, "(unset: skip)", Testing,
-        "cuda and models GPU tests", "1: run the GPU tests (on the GPU machine).";
     "PAGODA_TEST_CPU_CONFIGURATION", None, TEXT, "(unset)", Testing,
         "testkit", "Set by pagoda-testkit in the child test run of one CPU kernel configuration.";
     "PAGODA_TEST_SLOW_CPU_CONFIGURATIONS", None, TEXT, "(unset)", Testing,

@@ -1,8 +1,6 @@
 //! GPU tests of the query-tiled prefill attention (`ops::prefill_attention_tiled`) against a
 //! naive f64 CPU reference and against the per-token `ops::prefill_attention` on the same
-//! inputs (run with `PAGODA_GPU_TESTS=1`; SKIP elsewhere).
-
-#![cfg(feature = "cuda")]
+//! inputs (ignored without `--include-ignored`: they need a GPU).
 
 mod common;
 
@@ -21,10 +19,9 @@ fn tolerance<T: TestFloat>() -> f32 {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn tiled_prefill_matches_reference_and_per_token_kernel() {
-    let Some(gpu) = gpu("tiled_prefill_matches_reference_and_per_token_kernel") else {
-        return;
-    };
+    let gpu = gpu();
     let mut seed = 100;
     for head_dim in [64, 128, 256] {
         for group in [1, 4, 8] {
@@ -50,10 +47,9 @@ fn tiled_prefill_matches_reference_and_per_token_kernel() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn tiled_prefill_other_head_dims_and_odd_groups() {
-    let Some(gpu) = gpu("tiled_prefill_other_head_dims_and_odd_groups") else {
-        return;
-    };
+    let gpu = gpu();
     for (head_dim, group, page_size) in [(32, 3, 16), (96, 2, 32), (64, 3, 16), (128, 5, 1)] {
         let seed = 500 + head_dim as u64 + group as u64;
         check_against_oracles::<f32>(
@@ -76,27 +72,24 @@ fn tiled_prefill_other_head_dims_and_odd_groups() {
 /// Rows before `qo_indptr[0]` and after `qo_indptr[B]` are zeros, `q_len > seq_len` is NaN,
 /// a page id past the pool is skipped, an empty request is harmless.
 #[test]
+#[ignore = "needs a GPU"]
 fn tiled_prefill_edge_rows() {
-    let Some(gpu) = gpu("tiled_prefill_edge_rows") else {
-        return;
-    };
+    let gpu = gpu();
     check_edge_rows::<f32>(&gpu, Kernel::Tiled, (64, 4, 4), (2, 3), 1e-5);
 }
 
 /// The launch replays from a CUDA graph with the same result.
 #[test]
+#[ignore = "needs a GPU"]
 fn tiled_prefill_replays_from_a_graph() {
-    let Some(gpu) = gpu("tiled_prefill_replays_from_a_graph") else {
-        return;
-    };
+    let gpu = gpu();
     check_graph_replay::<bf16>(&gpu, Kernel::Tiled, 128);
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn tiled_prefill_rejects_bad_geometry() {
-    let Some(gpu) = gpu("tiled_prefill_rejects_bad_geometry") else {
-        return;
-    };
+    let gpu = gpu();
     let layout = PoolLayout {
         num_pages: 2,
         page_size: 4,

@@ -1,8 +1,6 @@
 //! GPU tests of the tensor-core prefill attention (`ops::prefill_attention_mma`, bf16) against
 //! a naive f64 CPU reference and against the per-token `ops::prefill_attention` on the same
-//! ragged batches (run with `PAGODA_GPU_TESTS=1`; SKIP elsewhere).
-
-#![cfg(feature = "cuda")]
+//! ragged batches (ignored without `--include-ignored`: they need a GPU).
 
 mod common;
 
@@ -17,10 +15,9 @@ use pagoda_cuda::{view, view_mut, DeviceRead};
 const TOLERANCE: f32 = 2e-2;
 
 #[test]
+#[ignore = "needs a GPU"]
 fn mma_prefill_matches_reference_and_per_token_kernel() {
-    let Some(gpu) = gpu("mma_prefill_matches_reference_and_per_token_kernel") else {
-        return;
-    };
+    let gpu = gpu();
     let mut seed = 300;
     for head_dim in [64, 128] {
         for group in [1, 3, 4, 8] {
@@ -39,10 +36,9 @@ fn mma_prefill_matches_reference_and_per_token_kernel() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn mma_prefill_head_dim_256_and_every_group() {
-    let Some(gpu) = gpu("mma_prefill_head_dim_256_and_every_group") else {
-        return;
-    };
+    let gpu = gpu();
     for (head_dim, group, page_size) in [
         (256, 1, 16),
         (256, 8, 32),
@@ -68,10 +64,9 @@ fn mma_prefill_head_dim_256_and_every_group() {
 /// Rows before `qo_indptr[0]` and after `qo_indptr[B]` are zeros, `q_len > seq_len` is NaN,
 /// a page id past the pool is skipped, an empty request is harmless.
 #[test]
+#[ignore = "needs a GPU"]
 fn mma_prefill_edge_rows() {
-    let Some(gpu) = gpu("mma_prefill_edge_rows") else {
-        return;
-    };
+    let gpu = gpu();
     for (head_dim, group) in [(64, 4), (128, 3)] {
         check_edge_rows::<bf16>(&gpu, Kernel::Mma, (head_dim, group, 4), (2, 70), TOLERANCE);
     }
@@ -80,10 +75,9 @@ fn mma_prefill_edge_rows() {
 /// q, pools and out that are not 16-byte (or 4-byte) aligned take the scalar load/store
 /// paths and give bit-identical results.
 #[test]
+#[ignore = "needs a GPU"]
 fn mma_prefill_misaligned_views_match() {
-    let Some(gpu) = gpu("mma_prefill_misaligned_views_match") else {
-        return;
-    };
+    let gpu = gpu();
     let mut rng = rng(11);
     let shapes = [shape(90, 90, 0, false), shape(200, 17, 6, true)];
     let batch = Batch::new::<bf16>(&mut rng, (16, 2, 64), 6, &shapes, (0, 0));
@@ -114,18 +108,16 @@ fn mma_prefill_misaligned_views_match() {
 
 /// The launch replays from a CUDA graph with the same result.
 #[test]
+#[ignore = "needs a GPU"]
 fn mma_prefill_replays_from_a_graph() {
-    let Some(gpu) = gpu("mma_prefill_replays_from_a_graph") else {
-        return;
-    };
+    let gpu = gpu();
     check_graph_replay::<bf16>(&gpu, Kernel::Mma, 128);
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn mma_prefill_rejects_bad_input() {
-    let Some(gpu) = gpu("mma_prefill_rejects_bad_input") else {
-        return;
-    };
+    let gpu = gpu();
     let layout = PoolLayout {
         num_pages: 2,
         page_size: 4,

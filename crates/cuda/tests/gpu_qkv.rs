@@ -1,8 +1,6 @@
 //! The QKV fix-up kernels (`add_bias_rows`, `rms_norm_heads`) against CPU references (run
-//! with `PAGODA_GPU_TESTS=1` on the GPU machine; they print SKIP elsewhere). Every element
+//! with `--include-ignored` on the GPU machine; ignored elsewhere). Every element
 //! outside the written region is checked unchanged, bit for bit.
-
-#![cfg(feature = "cuda")]
 
 mod common;
 
@@ -96,10 +94,9 @@ fn check_bias<T: TestFloat>(gpu: &Gpu) {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn add_bias_rows_matches_reference() {
-    let Some(gpu) = gpu("add_bias_rows_matches_reference") else {
-        return;
-    };
+    let gpu = gpu();
     check_bias::<f32>(&gpu);
     check_bias::<bf16>(&gpu);
 }
@@ -172,10 +169,9 @@ fn check_heads<T: TestFloat>(gpu: &Gpu) {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn rms_norm_heads_matches_reference() {
-    let Some(gpu) = gpu("rms_norm_heads_matches_reference") else {
-        return;
-    };
+    let gpu = gpu();
     check_heads::<f32>(&gpu);
     check_heads::<bf16>(&gpu);
 }
@@ -183,10 +179,9 @@ fn rms_norm_heads_matches_reference() {
 /// A view that does not start at a row boundary and a stride wider than the heads: only the
 /// heads inside the view's rows change, the tail after the last head is untouched.
 #[test]
+#[ignore = "needs a GPU"]
 fn rms_norm_heads_respects_a_partial_last_row() {
-    let Some(gpu) = gpu("rms_norm_heads_respects_a_partial_last_row") else {
-        return;
-    };
+    let gpu = gpu();
     let mut rng = rng(23);
     let (num_tokens, num_heads, head_dim, row_stride, offset) = (4, 3, 64, 250, 7);
     // The buffer ends right after the last token's heads.
@@ -221,10 +216,9 @@ fn rms_norm_heads_respects_a_partial_last_row() {
 
 /// Bad geometry is an error naming the problem, never a launch.
 #[test]
+#[ignore = "needs a GPU"]
 fn qkv_ops_reject_bad_geometry() {
-    let Some(gpu) = gpu("qkv_ops_reject_bad_geometry") else {
-        return;
-    };
+    let gpu = gpu();
     let mut x = gpu.zeros::<f32>(100).unwrap();
     let bias = gpu.zeros::<f32>(30).unwrap();
     let error = ops::add_bias_rows(&gpu, &mut x, &bias, 4, 25).unwrap_err();
@@ -251,10 +245,9 @@ fn qkv_ops_reject_bad_geometry() {
 /// Both kernels record into a CUDA graph (behind a copy of the pristine input, so every
 /// replay computes the same thing) and each replay matches a direct launch bit for bit.
 #[test]
+#[ignore = "needs a GPU"]
 fn qkv_ops_are_graph_capturable() {
-    let Some(gpu) = gpu("qkv_ops_are_graph_capturable") else {
-        return;
-    };
+    let gpu = gpu();
     let mut rng = rng(24);
     let (num_tokens, num_heads, head_dim) = (6, 4, 64);
     let row_stride = num_heads * head_dim;

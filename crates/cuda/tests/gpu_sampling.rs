@@ -1,9 +1,7 @@
-//! GPU sampling tests (run with `PAGODA_GPU_TESTS=1` on a GPU; SKIP elsewhere). Oracles:
+//! GPU sampling tests (ignored without `--include-ignored`: they need a GPU). Oracles:
 //! `pagoda_ops::sampling::effective_distribution` (the exact distribution, chi-square with
 //! `PAGODA_SAMPLING_DRAWS` draws, default 1e6, p = 1e-6) and the CPU `FusedSampler` (token
 //! equality for the same logits, seed and step).
-
-#![cfg(feature = "cuda")]
 
 mod common;
 
@@ -30,10 +28,9 @@ fn filters(temperature: f32, seed: u64) -> Vec<(&'static str, SamplingParams)> {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn gumbel_rows_follow_the_exact_distribution() {
-    let Some(gpu) = gpu("gumbel_rows_follow_the_exact_distribution") else {
-        return;
-    };
+    let gpu = gpu();
     let draws = draws();
     for (name, row) in shape_rows() {
         for temperature in [0.5f32, 1.0, 2.0] {
@@ -67,10 +64,9 @@ fn gumbel_rows_follow_the_exact_distribution() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn filtered_rows_follow_the_exact_distribution() {
-    let Some(gpu) = gpu("filtered_rows_follow_the_exact_distribution") else {
-        return;
-    };
+    let gpu = gpu();
     let draws = draws();
     let mut rng = rng(5);
     let row = random_vec(&mut rng, 1000, 3.0);
@@ -119,10 +115,9 @@ fn filtered_rows_follow_the_exact_distribution() {
 /// mix): on compute capability 9.0+ they take the cluster kernel, with many more rows per
 /// launch than clusters fit on the GPU (so later rows are prefetched into L2).
 #[test]
+#[ignore = "needs a GPU"]
 fn cluster_rows_follow_the_exact_distribution() {
-    let Some(gpu) = gpu("cluster_rows_follow_the_exact_distribution") else {
-        return;
-    };
+    let gpu = gpu();
     let draws = draws();
     let clusters = gpu.info().compute_capability.0 >= 9;
     for vocab in LARGE_VOCABS {
@@ -157,10 +152,9 @@ fn cluster_rows_follow_the_exact_distribution() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn a_logit_100_above_the_rest_wins_every_draw() {
-    let Some(gpu) = gpu("a_logit_100_above_the_rest_wins_every_draw") else {
-        return;
-    };
+    let gpu = gpu();
     let draws = draws();
     for vocab in [4096usize, 151_936] {
         let mut rng = rng(vocab as u64);
@@ -184,10 +178,9 @@ fn a_logit_100_above_the_rest_wins_every_draw() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn masked_tokens_are_never_drawn() {
-    let Some(gpu) = gpu("masked_tokens_are_never_drawn") else {
-        return;
-    };
+    let gpu = gpu();
     let mut rng = rng(41);
     let vocab = 151_936;
     let mut row = random_vec(&mut rng, vocab, 2.0);
@@ -224,10 +217,9 @@ fn masked_tokens_are_never_drawn() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn greedy_rows_take_the_argmax() {
-    let Some(gpu) = gpu("greedy_rows_take_the_argmax") else {
-        return;
-    };
+    let gpu = gpu();
     let mut rng = rng(51);
     for vocab in [7usize, 1000, 151_936] {
         let mut row = random_vec(&mut rng, vocab, 3.0);
@@ -247,10 +239,9 @@ fn greedy_rows_take_the_argmax() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn tokens_do_not_depend_on_batch_position_or_split() {
-    let Some(gpu) = gpu("tokens_do_not_depend_on_batch_position_or_split") else {
-        return;
-    };
+    let gpu = gpu();
     for vocab in [1000usize, 151_936] {
         let (rows, params) = mixed_batch(vocab);
         let reference = sample_batch(&gpu, &rows, &params, SamplingOptions::default());
@@ -286,10 +277,9 @@ fn tokens_do_not_depend_on_batch_position_or_split() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn gpu_tokens_equal_the_cpu_fused_sampler() {
-    let Some(gpu) = gpu("gpu_tokens_equal_the_cpu_fused_sampler") else {
-        return;
-    };
+    let gpu = gpu();
     assert_eq!(
         ops::DEFAULT_MAX_REJECTION_ROUNDS,
         pagoda_ops::sampling::DEFAULT_MAX_REJECTION_ROUNDS
@@ -324,10 +314,9 @@ fn gpu_tokens_equal_the_cpu_fused_sampler() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn the_exact_fallback_matches_the_cpu_and_the_distribution() {
-    let Some(gpu) = gpu("the_exact_fallback_matches_the_cpu_and_the_distribution") else {
-        return;
-    };
+    let gpu = gpu();
     let no_rounds = SamplingOptions {
         max_rejection_rounds: 0,
         ..SamplingOptions::default()
@@ -354,10 +343,9 @@ fn the_exact_fallback_matches_the_cpu_and_the_distribution() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn stats_and_totals_count_every_row() {
-    let Some(gpu) = gpu("stats_and_totals_count_every_row") else {
-        return;
-    };
+    let gpu = gpu();
     let vocab = 1000;
     let (rows, params) = mixed_batch(vocab);
     let flat: Vec<f32> = rows.concat();
@@ -394,10 +382,9 @@ fn stats_and_totals_count_every_row() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn a_captured_graph_replays_with_new_steps() {
-    let Some(gpu) = gpu("a_captured_graph_replays_with_new_steps") else {
-        return;
-    };
+    let gpu = gpu();
     let vocab = 151_936;
     let (rows, params) = mixed_batch(vocab);
     let flat: Vec<f32> = rows.concat();

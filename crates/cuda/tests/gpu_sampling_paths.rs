@@ -1,10 +1,8 @@
-//! GPU sampling tests of the launch paths (run with `PAGODA_GPU_TESTS=1` on a GPU; SKIP
+//! GPU sampling tests of the launch paths (ignored without `--include-ignored`: they need a GPU;
 //! elsewhere): the fast filtered pipeline against the exact kernel and the CPU `FusedSampler`
 //! on rows of many shapes, the cluster kernel against the exact kernel, and the Gumbel
 //! launches without a row-maximum pass. The
 //! distribution tests are in `gpu_sampling.rs`.
-
-#![cfg(feature = "cuda")]
 
 mod common;
 
@@ -43,10 +41,9 @@ fn filtered_batch(vocab: usize, rows: usize, seed: u64) -> (Vec<Vec<f32>>, Vec<S
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
-    let Some(gpu) = gpu("the_fast_filtered_path_draws_the_exact_kernels_tokens") else {
-        return;
-    };
+    let gpu = gpu();
     let exact = SamplingOptions {
         filtered: FilteredSampling::Exact,
         ..SamplingOptions::default()
@@ -157,10 +154,9 @@ fn the_fast_filtered_path_draws_the_exact_kernels_tokens() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn gumbel_rows_without_a_row_max_pass_draw_the_same_tokens() {
-    let Some(gpu) = gpu("gumbel_rows_without_a_row_max_pass_draw_the_same_tokens") else {
-        return;
-    };
+    let gpu = gpu();
     // No filtered row: the launch's mix leaves the filtered stages out, as forward_sampled's.
     let unfiltered = SamplingMix {
         filtered: false,
@@ -233,10 +229,9 @@ fn gumbel_rows_without_a_row_max_pass_draw_the_same_tokens() {
 /// finishes most filtered rows. Launched with a mix that leaves the Gumbel rows out (no Gumbel
 /// partials), the Gumbel rows are still drawn right, by `sampling_finish`'s scan of the row.
 #[test]
+#[ignore = "needs a GPU"]
 fn the_cluster_kernel_draws_the_exact_kernels_tokens() {
-    let Some(gpu) = gpu("the_cluster_kernel_draws_the_exact_kernels_tokens") else {
-        return;
-    };
+    let gpu = gpu();
     if gpu.info().compute_capability.0 < 9 {
         println!("SKIP: no thread-block clusters on this GPU");
         return;

@@ -5,67 +5,156 @@ use pagoda_ops::attention::AttentionPath;
 
 use crate::cpu_pool::CpuPoolCounters;
 
-/// Counters of what the engine ran, for benchmarks and metrics: a harness reads these to prove
-/// which path served a run.
-#[derive(Debug, Clone, Default)]
-pub struct EngineCounters {
+/// How a counter is exposed in `/metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Only grows.
+    Counter,
+    /// Goes up and down.
+    Gauge,
+}
+
+impl MetricKind {
+    /// The Prometheus `# TYPE` word.
+    pub fn name(self) -> &'static str {
+        match self {
+            MetricKind::Counter => "counter",
+            MetricKind::Gauge => "gauge",
+        }
+    }
+}
+
+/// One counter's declaration: the field, and how `/metrics` shows it. Counters sharing a
+/// metric name are one Prometheus family told apart by their label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CounterInfo {
+    /// The field of [`EngineCounters`].
+    pub field: &'static str,
+    /// The Prometheus metric name.
+    pub metric: &'static str,
+    /// `(label, value)` within the family, if the metric has several members.
+    pub label: Option<(&'static str, &'static str)>,
+    /// Counter or gauge.
+    pub kind: MetricKind,
+    /// The `# HELP` line (the family's, on its first member).
+    pub help: &'static str,
+}
+
+macro_rules! engine_counters {
+    ($($(#[doc = $doc:literal])* $field:ident: $metric:literal $([$key:literal = $value:literal])?, $kind:ident, $help:literal;)*) => {
+        /// Counters of what the engine ran, for benchmarks and metrics: a harness reads these
+        /// to prove which path served a run. Each is declared once, with its metric
+        /// ([`EngineCounters::INFO`]); `/metrics` renders every one from the declaration.
+        #[derive(Debug, Clone, Default, PartialEq, Eq)]
+        pub struct EngineCounters {
+            $($(#[doc = $doc])* pub $field: u64,)*
+        }
+
+        impl EngineCounters {
+            /// Every counter's declaration, in field order.
+            pub const INFO: &'static [CounterInfo] = &[$(CounterInfo {
+                field: stringify!($field),
+                metric: $metric,
+                label: engine_counters!(@label $($key, $value)?),
+                kind: MetricKind::$kind,
+                help: $help,
+            }),*];
+
+            /// Each counter's declaration with its value.
+            pub fn values(&self) -> Vec<(&'static CounterInfo, u64)> {
+                Self::INFO.iter().zip([$(self.$field),*]).collect()
+            }
+        }
+    };
+    (@label) => { None };
+    (@label $key:literal, $value:literal) => { Some(($key, $value)) };
+}
+
+engine_counters! {
     /// Forward passes whose attention ran split-KV decode.
-    pub steps_split_kv: u64,
+    steps_split_kv: "pagoda_attention_split_kv_steps_total", Counter,
+        "Forward passes whose attention ran split-KV decode.";
     /// Forward passes whose attention ran gather-then-attend.
-    pub steps_gather: u64,
+    steps_gather: "pagoda_attention_gather_steps_total", Counter,
+        "Forward passes whose attention ran gather-then-attend.";
     /// Tokens run through the model.
-    pub tokens_forwarded: u64,
+    tokens_forwarded: "pagoda_tokens_forwarded_total", Counter, "Tokens run through the model.";
     /// Prompt (and recompute) tokens served from the prefix cache instead of computed.
-    pub prefix_hit_tokens: u64,
+    prefix_hit_tokens: "pagoda_prefix_cache_hit_tokens_total", Counter,
+        "Prompt tokens served from the prefix cache.";
     /// Requests preempted by recompute because the KV pool ran out of pages.
-    pub preemptions: u64,
+    preemptions: "pagoda_preemptions_total", Counter,
+        "Requests preempted for recompute when pages ran out.";
     /// Forward passes that ran on the CUDA backend.
-    pub steps_cuda: u64,
-    /// CUDA steps replayed from a captured graph, and graphs captured.
-    pub steps_cuda_graph: u64,
-    pub cuda_graphs_captured: u64,
+    steps_cuda: "pagoda_cuda_steps_total", Counter, "Forward passes run on the CUDA backend.";
+    /// CUDA steps replayed from a captured graph.
+    steps_cuda_graph: "pagoda_cuda_graph_steps_total", Counter,
+        "CUDA decode steps replayed from a captured graph.";
+    /// CUDA graphs captured.
+    cuda_graphs_captured: "pagoda_cuda_graphs_captured", Gauge,
+        "CUDA graphs captured (one per decode batch bucket).";
     /// CUDA steps launched kernel by kernel from the host.
-    pub steps_cuda_eager: u64,
-    /// CUDA steps whose attention ran the baseline decode (gather, then attend) and the
-    /// ragged prefill kernel.
-    pub steps_cuda_decode_gather: u64,
-    pub steps_cuda_prefill_kernel: u64,
-    /// CUDA steps whose attention ran the fused split-KV paged decode, and those of them
-    /// whose plan merged chunks.
-    pub steps_cuda_decode_fused: u64,
-    pub steps_cuda_decode_fused_merged: u64,
+    steps_cuda_eager: "pagoda_cuda_eager_steps_total", Counter,
+        "CUDA steps launched kernel by kernel from the host.";
+    /// CUDA steps whose attention ran the baseline decode (gather, then attend).
+    steps_cuda_decode_gather: "pagoda_cuda_decode_gather_steps_total", Counter,
+        "CUDA steps whose attention ran the baseline decode (gather, then attend).";
+    /// CUDA steps whose attention ran the ragged prefill kernel.
+    steps_cuda_prefill_kernel: "pagoda_cuda_prefill_attention_steps_total", Counter,
+        "CUDA steps whose attention ran the ragged prefill kernel.";
+    /// CUDA steps whose attention ran the fused split-KV paged decode.
+    steps_cuda_decode_fused: "pagoda_cuda_decode_fused_steps_total", Counter,
+        "CUDA steps whose attention ran the fused split-KV paged decode.";
+    /// Fused decode steps whose plan merged chunks.
+    steps_cuda_decode_fused_merged: "pagoda_cuda_decode_fused_merged_steps_total", Counter,
+        "Fused decode steps whose plan split some request into chunks merged by log-sum-exp.";
     /// GPU time of the CUDA steps (CUDA events, upload to logits ready), microseconds.
-    pub cuda_gpu_time_us: u64,
-    /// Per-request attention work on the CPU: requests with at least one split-KV row, and
-    /// requests served by gather only (summed over steps).
-    pub requests_split_kv: u64,
-    pub requests_gather: u64,
+    cuda_gpu_time_us: "pagoda_cuda_gpu_time_microseconds_total", Counter,
+        "GPU time of the CUDA steps (CUDA events, inputs upload to logits ready).";
+    /// Requests (per step) with at least one split-KV row on the CPU.
+    requests_split_kv: "pagoda_attention_split_kv_requests_total", Counter,
+        "Requests (per step) whose attention had split-KV rows.";
+    /// Requests (per step) served by gather only on the CPU.
+    requests_gather: "pagoda_attention_gather_requests_total", Counter,
+        "Requests (per step) served by gather-then-attend only.";
     /// Tokens drawn by the GPU sampler (CUDA backend, fused sampler, requests without
     /// penalties or log-probabilities).
-    pub sampled_tokens_gpu: u64,
+    sampled_tokens_gpu: "pagoda_sampled_tokens_total" ["path" = "gpu"], Counter,
+        "Tokens sampled, by where they were drawn (gpu: the CUDA sampler kernels; cpu: the host samplers).";
     /// Tokens drawn on the CPU (every token on the CPU backend).
-    pub sampled_tokens_cpu: u64,
+    sampled_tokens_cpu: "pagoda_sampled_tokens_total" ["path" = "cpu"], Counter, "";
     /// GPU-sampled tokens that took the GPU sampler's counted exact fallback.
-    pub gpu_sampler_fallbacks: u64,
-    /// GPU-sampled filtered rows finished by the multi-CTA fast path / drawn by the
-    /// single-CTA exact kernel.
-    pub gpu_sampler_filtered_fast: u64,
-    pub gpu_sampler_filtered_exact: u64,
+    gpu_sampler_fallbacks: "pagoda_gpu_sampling_fallbacks_total", Counter,
+        "GPU-sampled tokens that took the GPU sampler's counted exact fallback.";
+    /// GPU-sampled filtered rows finished by the multi-CTA fast path.
+    gpu_sampler_filtered_fast: "pagoda_gpu_sampling_filtered_rows_total" ["path" = "fast"], Counter,
+        "GPU-sampled top-k/top-p/min-p rows, by kernel path (fast: the multi-CTA pipeline; exact: the single-CTA kernel).";
+    /// GPU-sampled filtered rows drawn by the single-CTA exact kernel.
+    gpu_sampler_filtered_exact: "pagoda_gpu_sampling_filtered_rows_total" ["path" = "exact"], Counter, "";
     /// GPU-sampled rows whose maximum the Gumbel kernel found (no row-maximum pass).
-    pub gpu_sampler_gumbel_max: u64,
+    gpu_sampler_gumbel_max: "pagoda_gpu_sampling_gumbel_max_rows_total", Counter,
+        "GPU-sampled rows whose maximum the Gumbel kernel found, with no row-maximum pass (launches without filtered rows; PAGODA_GPU_SAMPLING_GUMBEL_MAX).";
     /// GPU-sampled filtered rows whose rounds ran on their id list.
-    pub gpu_sampler_list_rows: u64,
+    gpu_sampler_list_rows: "pagoda_gpu_sampling_list_rows_total", Counter,
+        "GPU-sampled filtered rows whose rounds ran on the list of their proposal's ids (top-k rows with top-p; PAGODA_GPU_SAMPLING_LIST_ROUNDS).";
     /// GPU-sampled filtered rows finished by the cluster kernel.
-    pub gpu_sampler_cluster_rows: u64,
+    gpu_sampler_cluster_rows: "pagoda_gpu_sampling_cluster_rows_total", Counter,
+        "GPU-sampled filtered rows finished by the cluster kernel, one thread-block cluster per row (PAGODA_GPU_SAMPLING_CLUSTER).";
     /// Rows of the cluster kernel whose logits were prefetched into L2 by a resident row.
-    pub gpu_sampler_prefetched_rows: u64,
-    /// CPU forward passes run on all configured threads / on one thread (the adaptive pool,
-    /// `PAGODA_CPU_ADAPTIVE_THREADS`), probe bursts of the other pool started, and times a
-    /// kind of step changed pool.
-    pub steps_cpu_all_threads: u64,
-    pub steps_cpu_one_thread: u64,
-    pub cpu_pool_probes: u64,
-    pub cpu_pool_switches: u64,
+    gpu_sampler_prefetched_rows: "pagoda_gpu_sampling_prefetched_rows_total", Counter,
+        "Rows of the cluster kernel whose logits a resident row asked L2 for, when the batch had more rows than clusters fit on the GPU (PAGODA_GPU_SAMPLING_PREFETCH).";
+    /// CPU forward passes run on all configured threads (the adaptive pool,
+    /// `PAGODA_CPU_ADAPTIVE_THREADS`).
+    steps_cpu_all_threads: "pagoda_cpu_steps_total" ["pool" = "all_threads"], Counter,
+        "CPU forward steps, by the pool that ran them (all_threads: --threads; one_thread: the adaptive pool's, PAGODA_CPU_ADAPTIVE_THREADS).";
+    /// CPU forward passes run on one thread.
+    steps_cpu_one_thread: "pagoda_cpu_steps_total" ["pool" = "one_thread"], Counter, "";
+    /// Probe bursts of the other pool started.
+    cpu_pool_probes: "pagoda_cpu_pool_probes_total", Counter,
+        "Probe bursts the adaptive CPU pool ran on the other pool.";
+    /// Times a kind of step changed pool.
+    cpu_pool_switches: "pagoda_cpu_pool_switches_total", Counter,
+        "Times a kind of CPU step changed pool.";
 }
 
 impl EngineCounters {
@@ -120,5 +209,50 @@ impl EngineCounters {
         self.gpu_sampler_list_rows = cuda.sampler_list_rows;
         self.gpu_sampler_cluster_rows = cuda.sampler_cluster_rows;
         self.gpu_sampler_prefetched_rows = cuda.sampler_prefetched_rows;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_counter_is_declared_once_and_families_are_whole() {
+        let info = EngineCounters::INFO;
+        for (i, c) in info.iter().enumerate() {
+            assert!(c.metric.starts_with("pagoda_"), "{}", c.field);
+            assert!(
+                info[..i]
+                    .iter()
+                    .all(|o| (o.metric, o.label) != (c.metric, c.label) && o.field != c.field),
+                "{} is declared twice",
+                c.field
+            );
+            let first = info.iter().position(|o| o.metric == c.metric).unwrap();
+            // A family's members are adjacent, share a kind, and only the first has the help.
+            assert!(
+                info[first..=i].iter().all(|o| o.metric == c.metric),
+                "{}",
+                c.metric
+            );
+            assert_eq!(info[first].kind, c.kind, "{}", c.metric);
+            assert_eq!(i == first, !c.help.is_empty(), "{}", c.field);
+            assert_eq!(
+                c.label.is_some(),
+                info.iter().filter(|o| o.metric == c.metric).count() > 1
+            );
+            if c.kind == MetricKind::Counter {
+                assert!(c.metric.ends_with("_total"), "{}", c.metric);
+            }
+        }
+        let counters = EngineCounters {
+            cpu_pool_switches: 7,
+            steps_split_kv: 3,
+            ..EngineCounters::default()
+        };
+        let values = counters.values();
+        assert_eq!(values.len(), info.len());
+        assert_eq!(values[0], (&info[0], 3));
+        assert_eq!(values.last().unwrap().1, 7);
     }
 }

@@ -78,6 +78,12 @@ pub enum EngineError {
     },
     #[error("token id {token} is outside the vocabulary (size {vocab_size})")]
     TokenOutOfRange { token: u32, vocab_size: usize },
+    #[error("this request needs {needed} KV-cache pages for its prompt and max_tokens {max_new_tokens}, more than the {total} pages of the whole pool; ask for fewer tokens (max_tokens), or give the server more KV pages (--kv-pages or --kv-memory-fraction)")]
+    TooLargeForPool {
+        needed: usize,
+        max_new_tokens: usize,
+        total: usize,
+    },
     #[error("the KV cache is full: {needed} pages needed, {free} free of {total}; raise the KV pool size")]
     OutOfPages {
         needed: usize,
@@ -317,9 +323,9 @@ impl Engine {
             max_new_tokens,
         };
         self.scheduler.add(request).map_err(|error| match error {
-            SchedulerError::TooLargeForPool { needed, total, .. } => EngineError::OutOfPages {
+            SchedulerError::TooLargeForPool { needed, total, .. } => EngineError::TooLargeForPool {
                 needed,
-                free: self.scheduler.stats().pages_free,
+                max_new_tokens,
                 total,
             },
             other => EngineError::Internal(other.to_string()),

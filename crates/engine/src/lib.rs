@@ -12,7 +12,7 @@ mod engine;
 mod load;
 
 pub use backend::Backend;
-pub use counters::EngineCounters;
+pub use counters::{CounterInfo, EngineCounters, MetricKind};
 pub use cpu_pool::{
     ControllerSettings, CpuPoolCounters, CpuThreadsMode, PoolChoice, PoolController, StepShape,
     Verdict, CPU_ADAPTIVE_THREADS_ENV,

@@ -226,3 +226,42 @@ fn preempted_requests_produce_the_tokens_of_an_unpressured_run_on_split_kv() {
 fn under_every_cpu_configuration() {
     pagoda_testkit::rerun_under_every_cpu_configuration("under_every_cpu_configuration");
 }
+
+#[test]
+fn a_request_larger_than_the_whole_pool_is_refused_with_what_to_change() {
+    let Some((mut engine, tokenizer)) = engine(AttentionPath::Gather, 8, 256, true) else {
+        return;
+    };
+    let prompt = tokenizer.encode("Hello there", true).unwrap();
+    // 8 pages of 16 tokens hold 128; the prompt plus 500 new tokens cannot fit however long
+    // it waits.
+    let error = engine
+        .add_request(
+            prompt.clone(),
+            SamplingParams::greedy(),
+            500,
+            Vec::new(),
+            false,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            pagoda_engine::EngineError::TooLargeForPool {
+                total: 8,
+                max_new_tokens: 500,
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    let message = error.to_string();
+    assert!(
+        message.contains("max_tokens") && message.contains("--kv-pages"),
+        "{message}"
+    );
+    // What fits is admitted.
+    engine
+        .add_request(prompt, SamplingParams::greedy(), 16, Vec::new(), false)
+        .unwrap();
+}

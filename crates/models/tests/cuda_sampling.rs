@@ -2,8 +2,8 @@
 //! CPU `FusedSampler` (the oracle) on the same logits, seeds and steps; on the GPU machine
 //! only.
 //!
-//! Run there with `PAGODA_GPU_TESTS=1` and a binary built with `--features cuda`; elsewhere
-//! every test prints SKIP and passes. Two identical random-weight models run the same ragged
+//! Run there with `--include-ignored` and a binary built with `--features cuda`; elsewhere
+//! every test shows as ignored. Two identical random-weight models run the same ragged
 //! schedule (prefill chunks mixed with decode tokens, then batched decode through the graph
 //! buckets): model A with `forward` (the logits, fed to the CPU samplers), model B with
 //! `forward_sampled`. Every device-drawn token must equal the CPU fused sampler's token at the
@@ -321,8 +321,9 @@ fn compare(
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn device_tokens_equal_the_cpu_fused_sampler() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     for (dtype, graphs) in [(GpuDType::F32, true), (GpuDType::Bf16, false)] {
         let (device, host) = compare(&gpu, dtype, graphs, &|_, _| false);
         assert!(device > 60 && host == 0, "{device} / {host}");
@@ -330,8 +331,9 @@ fn device_tokens_equal_the_cpu_fused_sampler() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn mixed_batches_download_the_host_rows() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     // Every third (step, request) pair stays on the host, so requests switch paths and the
     // batches mix device and host runs of several lengths.
     let (device, host) = compare(&gpu, GpuDType::F32, true, &|step, request| {
@@ -344,8 +346,9 @@ fn mixed_batches_download_the_host_rows() {
 }
 
 #[test]
+#[ignore = "needs a GPU"]
 fn bad_rows_are_refused_before_the_step_runs() {
-    let Some(gpu) = gpu() else { return };
+    let gpu = gpu();
     let config = config();
     let weights = RandomWeights::new(&config, 5, 4 << 30).unwrap();
     let mut model = load(&gpu, &weights, GpuDType::F32, true);

@@ -95,6 +95,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Unix seconds when the server started.
     pub created: u64,
+    /// Unix nanoseconds when the server started (the prefix of response ids).
+    start_nanos: u128,
     next_id: AtomicU64,
 }
 
@@ -108,6 +110,9 @@ impl AppState {
         let metrics = Arc::new(Metrics::default());
         let (worker, _thread) =
             spawn_worker(backend, config.parallel, config.max_queue, metrics.clone())?;
+        let since_epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         Ok(Arc::new(AppState {
             config,
             tokenizer: Arc::new(text.tokenizer),
@@ -115,20 +120,20 @@ impl AppState {
             stop_tokens: text.stop_tokens,
             worker,
             metrics,
-            created: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
+            created: since_epoch.as_secs(),
+            start_nanos: since_epoch.as_nanos(),
             next_id: AtomicU64::new(0),
         }))
     }
 
-    /// A fresh response id.
+    /// A fresh response id: the server's start (nanoseconds, hex) and a counter, so ids do not
+    /// repeat across restarts.
     pub fn next_id(&self, kind: Kind) -> String {
         let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let start = self.start_nanos;
         match kind {
-            Kind::Chat => format!("chatcmpl-{n}"),
-            Kind::Completion => format!("cmpl-{n}"),
+            Kind::Chat => format!("chatcmpl-{start:x}-{n}"),
+            Kind::Completion => format!("cmpl-{start:x}-{n}"),
         }
     }
 }
@@ -142,6 +147,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(state.config.max_body_bytes))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),

@@ -4,6 +4,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
 
+use pagoda_engine::{CounterInfo, EngineCounters};
+
 use crate::worker::EngineSnapshot;
 
 #[path = "metrics_cpu_kernels.rs"]
@@ -45,42 +47,15 @@ pub struct Metrics {
     running: Counter,
     pages_used: Counter,
     pages_free: Counter,
-    steps_split_kv: Counter,
-    steps_gather: Counter,
-    tokens_forwarded: Counter,
-    prefix_hit_tokens: Counter,
-    preemptions: Counter,
-    steps_cuda: Counter,
-    requests_split_kv: Counter,
-    requests_gather: Counter,
     pages_cached: Counter,
     sampled_greedy: Counter,
     sampled_gumbel: Counter,
     sampled_rejection: Counter,
     sampled_reference: Counter,
     sampling_fallbacks: Counter,
-    steps_cuda_graph: Counter,
-    steps_cuda_eager: Counter,
-    cuda_graphs_captured: Counter,
-    steps_cuda_decode_gather: Counter,
-    steps_cuda_decode_fused: Counter,
-    steps_cuda_decode_fused_merged: Counter,
-    steps_cuda_prefill_kernel: Counter,
-    cuda_gpu_time_us: Counter,
-    sampled_tokens_gpu: Counter,
-    sampled_tokens_cpu: Counter,
-    gpu_sampler_fallbacks: Counter,
-    gpu_sampler_filtered_fast: Counter,
-    gpu_sampler_filtered_exact: Counter,
-    gpu_sampler_gumbel_max: Counter,
-    gpu_sampler_list_rows: Counter,
-    gpu_sampler_cluster_rows: Counter,
-    gpu_sampler_prefetched_rows: Counter,
-    steps_cpu_all_threads: Counter,
-    steps_cpu_one_thread: Counter,
-    cpu_pool_probes: Counter,
-    cpu_pool_switches: Counter,
     batch_invariant: Counter,
+    /// The engine's counters at the last update.
+    engine: Mutex<EngineCounters>,
 }
 
 impl Default for Metrics {
@@ -99,42 +74,14 @@ impl Default for Metrics {
             running: Counter::default(),
             pages_used: Counter::default(),
             pages_free: Counter::default(),
-            steps_split_kv: Counter::default(),
-            steps_gather: Counter::default(),
-            tokens_forwarded: Counter::default(),
-            prefix_hit_tokens: Counter::default(),
-            preemptions: Counter::default(),
-            steps_cuda: Counter::default(),
-            requests_split_kv: Counter::default(),
-            requests_gather: Counter::default(),
             pages_cached: Counter::default(),
             sampled_greedy: Counter::default(),
             sampled_gumbel: Counter::default(),
             sampled_rejection: Counter::default(),
             sampled_reference: Counter::default(),
             sampling_fallbacks: Counter::default(),
-            steps_cuda_graph: Counter::default(),
-            steps_cuda_eager: Counter::default(),
-            cuda_graphs_captured: Counter::default(),
-            steps_cuda_decode_gather: Counter::default(),
-            steps_cuda_decode_fused: Counter::default(),
-            steps_cuda_decode_fused_merged: Counter::default(),
-            steps_cuda_prefill_kernel: Counter::default(),
-            cuda_gpu_time_us: Counter::default(),
-            sampled_tokens_gpu: Counter::default(),
-            sampled_tokens_cpu: Counter::default(),
-            gpu_sampler_fallbacks: Counter::default(),
-            gpu_sampler_filtered_fast: Counter::default(),
-            gpu_sampler_filtered_exact: Counter::default(),
-            gpu_sampler_gumbel_max: Counter::default(),
-            gpu_sampler_list_rows: Counter::default(),
-            gpu_sampler_cluster_rows: Counter::default(),
-            gpu_sampler_prefetched_rows: Counter::default(),
-            steps_cpu_all_threads: Counter::default(),
-            steps_cpu_one_thread: Counter::default(),
-            cpu_pool_probes: Counter::default(),
-            cpu_pool_switches: Counter::default(),
             batch_invariant: Counter::default(),
+            engine: Mutex::new(EngineCounters::default()),
         }
     }
 }
@@ -153,14 +100,6 @@ impl Metrics {
         self.pages_used.set(snapshot.pages_used as u64);
         self.pages_free
             .set(snapshot.pages_total.saturating_sub(snapshot.pages_used) as u64);
-        self.steps_split_kv.set(snapshot.steps_split_kv);
-        self.steps_gather.set(snapshot.steps_gather);
-        self.tokens_forwarded.set(snapshot.tokens_forwarded);
-        self.prefix_hit_tokens.set(snapshot.prefix_hit_tokens);
-        self.preemptions.set(snapshot.preemptions);
-        self.steps_cuda.set(snapshot.steps_cuda);
-        self.requests_split_kv.set(snapshot.requests_split_kv);
-        self.requests_gather.set(snapshot.requests_gather);
         self.pages_cached.set(snapshot.pages_cached as u64);
         self.sampled_greedy.set(snapshot.sampling.greedy_draws);
         self.sampled_gumbel.set(snapshot.sampling.gumbel_draws);
@@ -169,41 +108,9 @@ impl Metrics {
         self.sampled_reference
             .set(snapshot.sampling.reference_draws);
         self.sampling_fallbacks.set(snapshot.sampling.fallbacks);
-        self.steps_cuda_graph.set(snapshot.steps_cuda_graph);
-        self.steps_cuda_eager.set(snapshot.steps_cuda_eager);
-        self.cuda_graphs_captured.set(snapshot.cuda_graphs_captured);
-        self.steps_cuda_decode_gather
-            .set(snapshot.steps_cuda_decode_gather);
-        self.steps_cuda_decode_fused
-            .set(snapshot.steps_cuda_decode_fused);
-        self.steps_cuda_decode_fused_merged
-            .set(snapshot.steps_cuda_decode_fused_merged);
-        self.steps_cuda_prefill_kernel
-            .set(snapshot.steps_cuda_prefill_kernel);
-        self.cuda_gpu_time_us.set(snapshot.cuda_gpu_time_us);
-        self.sampled_tokens_gpu.set(snapshot.sampled_tokens_gpu);
-        self.sampled_tokens_cpu.set(snapshot.sampled_tokens_cpu);
-        self.gpu_sampler_fallbacks
-            .set(snapshot.gpu_sampler_fallbacks);
-        self.gpu_sampler_filtered_fast
-            .set(snapshot.gpu_sampler_filtered_fast);
-        self.gpu_sampler_filtered_exact
-            .set(snapshot.gpu_sampler_filtered_exact);
-        self.gpu_sampler_gumbel_max
-            .set(snapshot.gpu_sampler_gumbel_max);
-        self.gpu_sampler_list_rows
-            .set(snapshot.gpu_sampler_list_rows);
-        self.gpu_sampler_cluster_rows
-            .set(snapshot.gpu_sampler_cluster_rows);
-        self.gpu_sampler_prefetched_rows
-            .set(snapshot.gpu_sampler_prefetched_rows);
-        self.steps_cpu_all_threads
-            .set(snapshot.steps_cpu_all_threads);
-        self.steps_cpu_one_thread.set(snapshot.steps_cpu_one_thread);
-        self.cpu_pool_probes.set(snapshot.cpu_pool_probes);
-        self.cpu_pool_switches.set(snapshot.cpu_pool_switches);
         self.batch_invariant
             .set(u64::from(!snapshot.batch_dependent));
+        *self.engine.lock().unwrap_or_else(|e| e.into_inner()) = snapshot.counters.clone();
     }
 
     /// KV pages in use at the last update.
@@ -227,7 +134,7 @@ impl Metrics {
             );
         }
         drop(requests);
-        let scalars: [(&str, &str, &str, &Counter); 34] = [
+        let scalars = [
             (
                 "pagoda_prompt_tokens_total",
                 "counter",
@@ -277,96 +184,6 @@ impl Metrics {
                 &self.pages_free,
             ),
             (
-                "pagoda_prefix_cache_hit_tokens_total",
-                "counter",
-                "Prompt tokens served from the prefix cache.",
-                &self.prefix_hit_tokens,
-            ),
-            (
-                "pagoda_preemptions_total",
-                "counter",
-                "Requests preempted for recompute when pages ran out.",
-                &self.preemptions,
-            ),
-            (
-                "pagoda_attention_split_kv_steps_total",
-                "counter",
-                "Forward passes whose attention ran split-KV decode.",
-                &self.steps_split_kv,
-            ),
-            (
-                "pagoda_attention_gather_steps_total",
-                "counter",
-                "Forward passes whose attention ran gather-then-attend.",
-                &self.steps_gather,
-            ),
-            (
-                "pagoda_attention_split_kv_requests_total",
-                "counter",
-                "Requests (per step) whose attention had split-KV rows.",
-                &self.requests_split_kv,
-            ),
-            (
-                "pagoda_attention_gather_requests_total",
-                "counter",
-                "Requests (per step) served by gather-then-attend only.",
-                &self.requests_gather,
-            ),
-            (
-                "pagoda_cuda_steps_total",
-                "counter",
-                "Forward passes run on the CUDA backend.",
-                &self.steps_cuda,
-            ),
-            (
-                "pagoda_cuda_graph_steps_total",
-                "counter",
-                "CUDA decode steps replayed from a captured graph.",
-                &self.steps_cuda_graph,
-            ),
-            (
-                "pagoda_cuda_eager_steps_total",
-                "counter",
-                "CUDA steps launched kernel by kernel from the host.",
-                &self.steps_cuda_eager,
-            ),
-            (
-                "pagoda_cuda_graphs_captured",
-                "gauge",
-                "CUDA graphs captured (one per decode batch bucket).",
-                &self.cuda_graphs_captured,
-            ),
-            (
-                "pagoda_cuda_decode_gather_steps_total",
-                "counter",
-                "CUDA steps whose attention ran the baseline decode (gather, then attend).",
-                &self.steps_cuda_decode_gather,
-            ),
-            (
-                "pagoda_cuda_decode_fused_steps_total",
-                "counter",
-                "CUDA steps whose attention ran the fused split-KV paged decode.",
-                &self.steps_cuda_decode_fused,
-            ),
-            (
-                "pagoda_cuda_decode_fused_merged_steps_total",
-                "counter",
-                "Fused decode steps whose plan split some request into chunks merged by log-sum-exp.",
-                &self.steps_cuda_decode_fused_merged,
-            ),
-            (
-                "pagoda_cuda_prefill_attention_steps_total",
-                "counter",
-                "CUDA steps whose attention ran the ragged prefill kernel.",
-                &self.steps_cuda_prefill_kernel,
-            ),
-            (
-                "pagoda_cuda_gpu_time_microseconds_total",
-                "counter",
-                "GPU time of the CUDA steps (CUDA events, inputs upload to logits ready).",
-                &self.cuda_gpu_time_us,
-            ),
-            (
                 "pagoda_batch_invariant",
                 "gauge",
                 "1 when a request's output does not depend on the requests sharing its steps.",
@@ -409,18 +226,6 @@ impl Metrics {
                 &self.sampling_fallbacks,
             ),
             (
-                "pagoda_gpu_sampling_fallbacks_total",
-                "counter",
-                "GPU-sampled tokens that took the GPU sampler's counted exact fallback.",
-                &self.gpu_sampler_fallbacks,
-            ),
-            (
-                "pagoda_tokens_forwarded_total",
-                "counter",
-                "Tokens run through the model.",
-                &self.tokens_forwarded,
-            ),
-            (
                 "pagoda_sampling_greedy_requests_total",
                 "counter",
                 "Requests sampled greedily (argmax path).",
@@ -440,79 +245,12 @@ impl Metrics {
                 counter.get()
             );
         }
-        let _ = writeln!(
-            out,
-            "# HELP pagoda_sampled_tokens_total Tokens sampled, by where they were drawn \
-             (gpu: the CUDA sampler kernels; cpu: the host samplers).\n\
-             # TYPE pagoda_sampled_tokens_total counter\n\
-             pagoda_sampled_tokens_total{{path=\"gpu\"}} {}\n\
-             pagoda_sampled_tokens_total{{path=\"cpu\"}} {}",
-            self.sampled_tokens_gpu.get(),
-            self.sampled_tokens_cpu.get()
-        );
-        let _ = writeln!(
-            out,
-            "# HELP pagoda_gpu_sampling_filtered_rows_total GPU-sampled top-k/top-p/min-p rows, \
-             by kernel path (fast: the multi-CTA pipeline; exact: the single-CTA kernel).\n\
-             # TYPE pagoda_gpu_sampling_filtered_rows_total counter\n\
-             pagoda_gpu_sampling_filtered_rows_total{{path=\"fast\"}} {}\n\
-             pagoda_gpu_sampling_filtered_rows_total{{path=\"exact\"}} {}",
-            self.gpu_sampler_filtered_fast.get(),
-            self.gpu_sampler_filtered_exact.get()
-        );
-        let _ = writeln!(
-            out,
-            "# HELP pagoda_gpu_sampling_gumbel_max_rows_total GPU-sampled rows whose maximum the \
-             Gumbel kernel found, with no row-maximum pass (launches without filtered rows; \
-             PAGODA_GPU_SAMPLING_GUMBEL_MAX).\n\
-             # TYPE pagoda_gpu_sampling_gumbel_max_rows_total counter\n\
-             pagoda_gpu_sampling_gumbel_max_rows_total {}",
-            self.gpu_sampler_gumbel_max.get()
-        );
-        let _ = writeln!(
-            out,
-            "# HELP pagoda_gpu_sampling_list_rows_total GPU-sampled filtered rows whose rounds ran \
-             on the list of their proposal's ids (top-k rows with top-p; \
-             PAGODA_GPU_SAMPLING_LIST_ROUNDS).\n\
-             # TYPE pagoda_gpu_sampling_list_rows_total counter\n\
-             pagoda_gpu_sampling_list_rows_total {}",
-            self.gpu_sampler_list_rows.get()
-        );
-        let _ = writeln!(
-            out,
-            "# HELP pagoda_gpu_sampling_cluster_rows_total GPU-sampled filtered rows finished by \
-             the cluster kernel, one thread-block cluster per row (PAGODA_GPU_SAMPLING_CLUSTER).\n\
-             # TYPE pagoda_gpu_sampling_cluster_rows_total counter\n\
-             pagoda_gpu_sampling_cluster_rows_total {}",
-            self.gpu_sampler_cluster_rows.get()
-        );
-        let _ = writeln!(
-            out,
-            "# HELP pagoda_gpu_sampling_prefetched_rows_total Rows of the cluster kernel whose \
-             logits a resident row asked L2 for, when the batch had more rows than clusters fit on \
-             the GPU (PAGODA_GPU_SAMPLING_PREFETCH).\n\
-             # TYPE pagoda_gpu_sampling_prefetched_rows_total counter\n\
-             pagoda_gpu_sampling_prefetched_rows_total {}",
-            self.gpu_sampler_prefetched_rows.get()
-        );
-        let _ = writeln!(
-            out,
-            "# HELP pagoda_cpu_steps_total CPU forward steps, by the pool that ran them \
-             (all_threads: --threads; one_thread: the adaptive pool's, PAGODA_CPU_ADAPTIVE_THREADS).\n\
-             # TYPE pagoda_cpu_steps_total counter\n\
-             pagoda_cpu_steps_total{{pool=\"all_threads\"}} {}\n\
-             pagoda_cpu_steps_total{{pool=\"one_thread\"}} {}\n\
-             # HELP pagoda_cpu_pool_probes_total Probe bursts the adaptive CPU pool ran on the other pool.\n\
-             # TYPE pagoda_cpu_pool_probes_total counter\n\
-             pagoda_cpu_pool_probes_total {}\n\
-             # HELP pagoda_cpu_pool_switches_total Times a kind of CPU step changed pool.\n\
-             # TYPE pagoda_cpu_pool_switches_total counter\n\
-             pagoda_cpu_pool_switches_total {}",
-            self.steps_cpu_all_threads.get(),
-            self.steps_cpu_one_thread.get(),
-            self.cpu_pool_probes.get(),
-            self.cpu_pool_switches.get()
-        );
+        let engine = self
+            .engine
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        render_counters(&mut out, &engine.values());
         cpu_kernels::render(&mut out);
         self.time_to_first_token.render(
             &mut out,
@@ -525,6 +263,32 @@ impl Metrics {
             "Seconds between consecutive tokens of one request.",
         );
         out
+    }
+}
+
+/// Renders declared counters: one `# HELP`/`# TYPE` per metric family, a line per member.
+fn render_counters(out: &mut String, values: &[(&CounterInfo, u64)]) {
+    let mut family = "";
+    for (info, value) in values {
+        if info.metric != family {
+            family = info.metric;
+            let _ = writeln!(
+                out,
+                "# HELP {} {}\n# TYPE {} {}",
+                info.metric,
+                info.help,
+                info.metric,
+                info.kind.name()
+            );
+        }
+        match info.label {
+            Some((key, label)) => {
+                let _ = writeln!(out, "{}{{{key}=\"{label}\"}} {value}", info.metric);
+            }
+            None => {
+                let _ = writeln!(out, "{} {value}", info.metric);
+            }
+        }
     }
 }
 

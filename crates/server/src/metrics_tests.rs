@@ -116,18 +116,21 @@ fn gauges_follow_the_snapshot() {
     metrics.update_engine(
         &EngineSnapshot {
             batch_dependent: true,
-            steps_cuda_graph: 9,
-            sampled_tokens_gpu: 40,
-            sampled_tokens_cpu: 2,
-            gpu_sampler_fallbacks: 1,
-            gpu_sampler_filtered_fast: 30,
-            gpu_sampler_filtered_exact: 2,
-            gpu_sampler_gumbel_max: 25,
-            gpu_sampler_list_rows: 6,
-            gpu_sampler_cluster_rows: 11,
-            gpu_sampler_prefetched_rows: 4,
-            steps_cpu_one_thread: 7,
-            cpu_pool_switches: 2,
+            counters: EngineCounters {
+                steps_cuda_graph: 9,
+                sampled_tokens_gpu: 40,
+                sampled_tokens_cpu: 2,
+                gpu_sampler_fallbacks: 1,
+                gpu_sampler_filtered_fast: 30,
+                gpu_sampler_filtered_exact: 2,
+                gpu_sampler_gumbel_max: 25,
+                gpu_sampler_list_rows: 6,
+                gpu_sampler_cluster_rows: 11,
+                gpu_sampler_prefetched_rows: 4,
+                steps_cpu_one_thread: 7,
+                cpu_pool_switches: 2,
+                ..EngineCounters::default()
+            },
             ..snapshot
         },
         0,
@@ -146,4 +149,37 @@ fn gauges_follow_the_snapshot() {
     assert!(text.contains("pagoda_gpu_sampling_prefetched_rows_total 4\n"));
     assert!(text.contains("pagoda_cpu_steps_total{pool=\"one_thread\"} 7\n"));
     assert!(text.contains("pagoda_cpu_pool_switches_total 2\n"));
+}
+
+#[test]
+fn every_engine_counter_is_rendered_once_with_help_and_type() {
+    let metrics = Metrics::default();
+    let counters = EngineCounters {
+        steps_split_kv: 1000,
+        steps_cpu_all_threads: 1001,
+        cpu_pool_switches: 1002,
+        ..EngineCounters::default()
+    };
+    metrics.update_engine(
+        &EngineSnapshot {
+            counters: counters.clone(),
+            ..EngineSnapshot::default()
+        },
+        0,
+    );
+    let text = metrics.render();
+    for (info, value) in counters.values() {
+        let line = match info.label {
+            Some((key, label)) => format!("\n{}{{{key}=\"{label}\"}} {value}\n", info.metric),
+            None => format!("\n{} {value}\n", info.metric),
+        };
+        assert_eq!(text.matches(&line).count(), 1, "{line}");
+        let help = format!("# HELP {} ", info.metric);
+        assert_eq!(text.matches(&help).count(), 1, "{help}");
+        let kind = format!("# TYPE {} {}\n", info.metric, info.kind.name());
+        assert_eq!(text.matches(&kind).count(), 1, "{kind}");
+    }
+    assert!(text.contains("\npagoda_attention_split_kv_steps_total 1000\n"));
+    assert!(text.contains("\npagoda_cpu_steps_total{pool=\"all_threads\"} 1001\n"));
+    assert!(text.contains("\npagoda_cpu_pool_switches_total 1002\n"));
 }

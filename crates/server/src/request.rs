@@ -11,6 +11,17 @@ use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 
+/// The chat roles of the OpenAI API (`developer` is its newer name for `system`); any other
+/// role is a 400, as OpenAI answers.
+pub const ROLES: &[&str] = &[
+    "system",
+    "developer",
+    "user",
+    "assistant",
+    "tool",
+    "function",
+];
+
 /// Most stop strings one request may give.
 pub const MAX_STOP_STRINGS: usize = 16;
 /// Most alternatives `top_logprobs` may ask for (OpenAI's limit).
@@ -391,9 +402,13 @@ struct ContentPart {
 
 impl RawMessage {
     fn into_message(self, index: usize) -> Result<Message, ApiError> {
-        if self.role.is_empty() {
+        if !ROLES.contains(&self.role.as_str()) {
             return Err(ApiError::invalid(
-                format!("messages[{index}].role is empty"),
+                format!(
+                    "messages[{index}].role `{}` is not one of {}",
+                    self.role,
+                    ROLES.join(", ")
+                ),
                 Some("messages"),
             ));
         }

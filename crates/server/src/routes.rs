@@ -108,6 +108,21 @@ pub async fn metrics(State(state): Shared) -> Response {
         .into_response()
 }
 
+/// A 405 in the OpenAI format for a known path asked with the wrong method.
+pub async fn method_not_allowed(request: Request) -> ApiError {
+    ApiError {
+        status: StatusCode::METHOD_NOT_ALLOWED,
+        ..ApiError::invalid(
+            format!(
+                "{} does not take {} requests",
+                request.uri().path(),
+                request.method()
+            ),
+            None,
+        )
+    }
+}
+
 /// A 404 in the OpenAI format for unknown paths.
 pub async fn not_found(request: Request) -> ApiError {
     ApiError {

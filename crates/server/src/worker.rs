@@ -12,7 +12,7 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Instant;
 
-use pagoda_engine::{Engine, EngineError, FinishReason, RequestId, StepEvent};
+use pagoda_engine::{Engine, EngineCounters, EngineError, FinishReason, RequestId, StepEvent};
 use pagoda_ops::sampling::SamplingParams;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -50,58 +50,12 @@ pub struct EngineSnapshot {
     pub pages_total: usize,
     /// Requests the engine holds.
     pub num_running: usize,
-    /// Forward passes whose attention ran split-KV decode.
-    pub steps_split_kv: u64,
-    /// Forward passes whose attention ran gather-then-attend.
-    pub steps_gather: u64,
-    /// Tokens run through the model.
-    pub tokens_forwarded: u64,
-    /// Prompt tokens served from the prefix cache.
-    pub prefix_hit_tokens: u64,
-    /// Requests preempted (to be recomputed) because pages ran out.
-    pub preemptions: u64,
-    /// Forward passes run on the CUDA backend.
-    pub steps_cuda: u64,
-    /// Requests with split-KV attention rows / served by gather only (summed over steps).
-    pub requests_split_kv: u64,
-    pub requests_gather: u64,
+    /// What the engine ran (every counter of [`EngineCounters`]).
+    pub counters: EngineCounters,
     /// Cached KV pages no request holds (kept for prefix hits, evicted LRU).
     pub pages_cached: usize,
     /// Tokens drawn per sampler path (process-wide).
     pub sampling: pagoda_ops::sampling::SamplingCounters,
-    /// CUDA steps replayed from graphs / launched eagerly, graphs captured, steps per
-    /// attention path, and the GPU time of all steps (microseconds).
-    pub steps_cuda_graph: u64,
-    pub steps_cuda_eager: u64,
-    pub cuda_graphs_captured: u64,
-    pub steps_cuda_decode_gather: u64,
-    pub steps_cuda_decode_fused: u64,
-    pub steps_cuda_decode_fused_merged: u64,
-    pub steps_cuda_prefill_kernel: u64,
-    pub cuda_gpu_time_us: u64,
-    /// Tokens drawn by the GPU sampler (CUDA backend, fused sampler).
-    pub sampled_tokens_gpu: u64,
-    /// Tokens drawn on the CPU (every token of the CPU backend).
-    pub sampled_tokens_cpu: u64,
-    /// GPU-sampled tokens that took the GPU sampler's counted exact fallback.
-    pub gpu_sampler_fallbacks: u64,
-    /// GPU-sampled filtered rows finished by the fast path / drawn by the exact kernel.
-    pub gpu_sampler_filtered_fast: u64,
-    pub gpu_sampler_filtered_exact: u64,
-    /// GPU-sampled rows whose maximum the Gumbel kernel found (no row-maximum pass).
-    pub gpu_sampler_gumbel_max: u64,
-    /// GPU-sampled filtered rows whose rounds ran on their id list.
-    pub gpu_sampler_list_rows: u64,
-    /// GPU-sampled filtered rows finished by the cluster kernel.
-    pub gpu_sampler_cluster_rows: u64,
-    /// Rows of the cluster kernel whose logits were prefetched into L2 by a resident row.
-    pub gpu_sampler_prefetched_rows: u64,
-    /// CPU steps run on all threads / on one thread (the adaptive pool), its probes and
-    /// switches.
-    pub steps_cpu_all_threads: u64,
-    pub steps_cpu_one_thread: u64,
-    pub cpu_pool_probes: u64,
-    pub cpu_pool_switches: u64,
     /// Outputs may depend on which requests share a step (the CUDA backend: cuBLAS picks
     /// kernels per batch shape; the CPU with prefills on the AMX-BF16 tiles). Otherwise on
     /// the CPU every request gets its one-at-a-time output.
@@ -136,42 +90,13 @@ impl EngineBackend for Engine {
         Engine::seed_of(self, id)
     }
     fn snapshot(&self) -> EngineSnapshot {
-        let counters = self.counters();
         EngineSnapshot {
             pages_used: self.pages_used(),
             pages_total: self.config().num_pages,
             num_running: self.num_running(),
-            steps_split_kv: counters.steps_split_kv,
-            steps_gather: counters.steps_gather,
-            tokens_forwarded: counters.tokens_forwarded,
-            prefix_hit_tokens: counters.prefix_hit_tokens,
-            preemptions: counters.preemptions,
-            steps_cuda: counters.steps_cuda,
-            requests_split_kv: counters.requests_split_kv,
-            requests_gather: counters.requests_gather,
+            counters: self.counters().clone(),
             pages_cached: self.pages_cached(),
             sampling: pagoda_ops::sampling::sampling_counters(),
-            steps_cuda_graph: counters.steps_cuda_graph,
-            steps_cuda_eager: counters.steps_cuda_eager,
-            cuda_graphs_captured: counters.cuda_graphs_captured,
-            steps_cuda_decode_gather: counters.steps_cuda_decode_gather,
-            steps_cuda_decode_fused: counters.steps_cuda_decode_fused,
-            steps_cuda_decode_fused_merged: counters.steps_cuda_decode_fused_merged,
-            steps_cuda_prefill_kernel: counters.steps_cuda_prefill_kernel,
-            cuda_gpu_time_us: counters.cuda_gpu_time_us,
-            sampled_tokens_gpu: counters.sampled_tokens_gpu,
-            sampled_tokens_cpu: counters.sampled_tokens_cpu,
-            gpu_sampler_fallbacks: counters.gpu_sampler_fallbacks,
-            gpu_sampler_filtered_fast: counters.gpu_sampler_filtered_fast,
-            gpu_sampler_filtered_exact: counters.gpu_sampler_filtered_exact,
-            gpu_sampler_gumbel_max: counters.gpu_sampler_gumbel_max,
-            gpu_sampler_list_rows: counters.gpu_sampler_list_rows,
-            gpu_sampler_cluster_rows: counters.gpu_sampler_cluster_rows,
-            gpu_sampler_prefetched_rows: counters.gpu_sampler_prefetched_rows,
-            steps_cpu_all_threads: counters.steps_cpu_all_threads,
-            steps_cpu_one_thread: counters.steps_cpu_one_thread,
-            cpu_pool_probes: counters.cpu_pool_probes,
-            cpu_pool_switches: counters.cpu_pool_switches,
             batch_dependent: self.is_cuda() || !pagoda_ops::linear::batch_invariant(),
         }
     }
@@ -329,8 +254,18 @@ impl<B: EngineBackend> Worker<B> {
         }
     }
 
-    /// Cancels running requests whose client went away.
+    /// Cancels running requests whose client went away, and drops waiting ones (their place in
+    /// the queue is freed at once, so live clients do not get 429 for them).
     fn cancel_disconnected(&mut self) {
+        let before = self.waiting.len();
+        self.waiting.retain(|(job, _)| !job.events.is_closed());
+        let dropped = before - self.waiting.len();
+        if dropped > 0 {
+            self.queued.fetch_sub(dropped, Ordering::SeqCst);
+            for _ in 0..dropped {
+                self.metrics.cancelled.inc();
+            }
+        }
         let gone: Vec<RequestId> = self
             .running
             .iter()

@@ -7,7 +7,6 @@ use axum::http::{Method, Request, StatusCode};
 use common::*;
 use pagoda_server::auth::ApiKeys;
 use serde_json::json;
-use tower::ServiceExt;
 
 const KEYS: [&str; 2] = ["key-number-one", "key-number-two"];
 
@@ -37,16 +36,7 @@ async fn send(
     if let Some(value) = authorization {
         request = request.header("authorization", value);
     }
-    let response = app
-        .clone()
-        .oneshot(request.body(Body::from(body)).unwrap())
-        .await
-        .unwrap();
-    let status = response.status();
-    let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
-        .await
-        .unwrap();
-    (status, String::from_utf8(bytes.to_vec()).unwrap())
+    answer(app, request.body(Body::from(body)).unwrap()).await
 }
 
 #[tokio::test]

@@ -273,6 +273,50 @@ async fn a_full_queue_answers_429() {
         error_of(s, &b, StatusCode::TOO_MANY_REQUESTS)["type"],
         "rate_limit_error"
     );
+    // The answer says when to come back.
+    let response = h
+        .app
+        .clone()
+        .oneshot(
+            Request::post("/v1/completions")
+                .header("content-type", "application/json")
+                .body(Body::from(json!({"prompt": "hi"}).to_string()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(response.headers()["retry-after"], "1");
+}
+
+#[tokio::test]
+async fn a_wrong_method_gets_a_405_with_the_openai_body() {
+    let Some(h) = harness("x", Mode::Replay, |_| {}) else {
+        return;
+    };
+    let request = Request::get("/v1/chat/completions")
+        .body(Body::empty())
+        .unwrap();
+    let (status, body) = answer(&h.app, request).await;
+    let error = error_of(status, &body, StatusCode::METHOD_NOT_ALLOWED);
+    assert!(error["message"].as_str().unwrap().contains("GET"), "{body}");
+}
+
+#[tokio::test]
+async fn response_ids_differ_across_restarts() {
+    let body = || json!({"prompt": "hi", "max_tokens": 2}).to_string();
+    let mut ids = Vec::new();
+    for _ in 0..2 {
+        let Some(h) = harness("Hello", Mode::Replay, |_| {}) else {
+            return;
+        };
+        let (s, b) = call(&h.app, "/v1/completions", body(), None).await;
+        assert_eq!(s, StatusCode::OK, "{b}");
+        let value: Value = serde_json::from_str(&b).unwrap();
+        ids.push(value["id"].as_str().unwrap().to_owned());
+    }
+    assert!(ids[0].starts_with("cmpl-"), "{ids:?}");
+    assert_ne!(ids[0], ids[1], "a restarted server reused an id");
 }
 
 #[tokio::test]
@@ -296,4 +340,87 @@ async fn engine_errors_and_panics_fail_the_request_not_the_server() {
             );
         }
     }
+}
+
+#[tokio::test]
+async fn requests_that_can_never_run_are_400s_saying_what_to_change() {
+    let Some(h) = harness("Hello", Mode::SmallPool, |_| {}) else {
+        return;
+    };
+    // Larger than the whole KV pool: a property of the request, not a server fault.
+    let body = json!({"prompt": "hi", "max_tokens": 20}).to_string();
+    let (s, b) = call(&h.app, "/v1/completions", body, None).await;
+    let error = error_of(s, &b, StatusCode::BAD_REQUEST);
+    let message = error["message"].as_str().unwrap();
+    assert!(
+        message.contains("max_tokens") && message.contains("--kv-pages"),
+        "{message}"
+    );
+    let body = json!({"prompt": "hi", "max_tokens": 4}).to_string();
+    let (s, b) = call(&h.app, "/v1/completions", body, None).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+    // Roles outside the OpenAI API are refused, as OpenAI does.
+    for role in ["wizard", "", "USER"] {
+        let body = json!({"messages": [{"role": role, "content": "hi"}], "max_tokens": 2});
+        let (s, b) = call(&h.app, "/v1/chat/completions", body.to_string(), None).await;
+        let error = error_of(s, &b, StatusCode::BAD_REQUEST);
+        assert_eq!(error["param"], "messages");
+        assert!(
+            error["message"].as_str().unwrap().contains("is not one of"),
+            "{b}"
+        );
+    }
+    for role in ["system", "developer", "user", "assistant", "tool"] {
+        let body = json!({"messages": [{"role": role, "content": "hi"}], "max_tokens": 2});
+        let (s, b) = call(&h.app, "/v1/chat/completions", body.to_string(), None).await;
+        assert_eq!(s, StatusCode::OK, "{role}: {b}");
+    }
+}
+
+#[tokio::test]
+async fn a_queued_client_that_leaves_frees_its_place() {
+    let words = (0..80)
+        .map(|i| format!("w{i}"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let Some(h) = harness(&words, Mode::Replay, |c| {
+        c.parallel = 1;
+        c.max_queue = 1;
+    }) else {
+        return;
+    };
+    let stream = |max_tokens: usize| {
+        Request::post("/v1/completions")
+            .body(Body::from(
+                json!({"prompt": "hi", "max_tokens": max_tokens, "stream": true}).to_string(),
+            ))
+            .unwrap()
+    };
+    // A runs (about 60 steps of 2 ms); B waits in the one queue place, then leaves.
+    let running = h.app.clone().oneshot(stream(60)).await.unwrap();
+    let mut running = running.into_body().into_data_stream();
+    running.next().await.unwrap().unwrap();
+    let queued = h.app.clone().oneshot(stream(4)).await.unwrap();
+    assert_eq!(queued.status(), StatusCode::OK);
+    drop(queued);
+    // C gets B's place while A still runs.
+    let started = std::time::Instant::now();
+    loop {
+        let response = h.app.clone().oneshot(stream(4)).await.unwrap();
+        if response.status() == StatusCode::OK {
+            break;
+        }
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert!(
+            started.elapsed() < Duration::from_millis(60),
+            "a queued client that left kept its place"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // A was not disturbed: it still streams to its end.
+    let mut rest = 0;
+    while let Some(chunk) = running.next().await {
+        rest += chunk.unwrap().len();
+    }
+    assert!(rest > 0);
 }

@@ -23,6 +23,10 @@ use tower::ServiceExt;
 
 pub const EOS: u32 = 2;
 
+/// In [`Mode::SmallPool`] the scripted engine refuses requests of more new tokens than this,
+/// as a real engine refuses one larger than its whole KV pool.
+pub const SMALL_POOL_TOKENS: usize = 8;
+
 pub fn tokenizer() -> Option<Tokenizer> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
@@ -38,6 +42,8 @@ pub enum Mode {
     Replay,
     FailSteps,
     Panic,
+    /// Replay, with a KV pool of [`SMALL_POOL_TOKENS`].
+    SmallPool,
 }
 
 /// Replays `script` for every request (ending with EOS when `script` does), one token a step.
@@ -71,6 +77,13 @@ impl EngineBackend for Scripted {
         _: Vec<u32>,
         _: bool,
     ) -> Result<RequestId, EngineError> {
+        if self.mode == Mode::SmallPool && max_new > SMALL_POOL_TOKENS {
+            return Err(EngineError::TooLargeForPool {
+                needed: max_new.div_ceil(4),
+                max_new_tokens: max_new,
+                total: SMALL_POOL_TOKENS / 4,
+            });
+        }
         let id = self.next_id;
         self.next_id += 1;
         self.running.insert(id, (0, max_new));
@@ -81,7 +94,7 @@ impl EngineBackend for Scripted {
         match self.mode {
             Mode::FailSteps => return Err(EngineError::Internal("scripted failure".into())),
             Mode::Panic => panic!("scripted panic"),
-            Mode::Replay => {}
+            Mode::Replay | Mode::SmallPool => {}
         }
         let mut events = Vec::new();
         for (&id, (position, max_new)) in self.running.iter_mut() {
@@ -175,11 +188,12 @@ pub async fn call(
     if let Some(key) = key {
         request = request.header("authorization", format!("Bearer {key}"));
     }
-    let response = app
-        .clone()
-        .oneshot(request.body(body.into()).unwrap())
-        .await
-        .unwrap();
+    answer(app, request.body(body.into()).unwrap()).await
+}
+
+/// Sends `request` through the router; the status and the whole body as text.
+pub async fn answer(app: &axum::Router, request: Request<Body>) -> (StatusCode, String) {
+    let response = app.clone().oneshot(request).await.unwrap();
     let status = response.status();
     let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
         .await

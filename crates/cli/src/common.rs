@@ -339,6 +339,13 @@ pub fn configure_threads(threads: Option<usize>) -> Result<()> {
         if n == 0 {
             bail!("--threads must be at least 1");
         }
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        if n > cores {
+            eprintln!(
+                "warning: --threads {n} is more than the {cores} cores this process may use; \
+                 threads beyond the cores only wait for each other (much slower)"
+            );
+        }
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()

@@ -339,6 +339,25 @@ fn bad_settings_and_llama_short_flags() {
     let out = pagoda(&["serve", "-m", m, "-n", "8"], None);
     assert_ne!(out.code, Some(0));
     assert!(out.stderr.contains("'-n'"), "{}", out.stderr);
+    // A KV reservation the memory cannot hold is refused with the numbers, before the pool
+    // is allocated (ten million contexts of tiny-qwen2 take 305 GiB).
+    error_of(
+        &["serve", "-m", m, "-np", "10000000"],
+        &["needs 305.2 GiB", "are free on the cpu", "lower -np or -c"],
+    );
+    error_of(
+        &["serve", "-m", m, "--kv-pages", "100000000000"],
+        &["--kv-pages 100000000000 needs", "GiB"],
+    );
+    // More threads than cores: it runs, with a warning saying why it is slow.
+    let over = (std::thread::available_parallelism().map_or(1, |n| n.get()) + 1).to_string();
+    let out = pagoda(
+        &["generate", "-m", m, "-p", "hi", "-n", "2", "-t", &over],
+        None,
+    );
+    out.assert_success();
+    let expected = format!("warning: --threads {over} is more than");
+    assert!(out.stderr.contains(&expected), "{}", out.stderr);
 }
 
 #[test]

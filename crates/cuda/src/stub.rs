@@ -202,6 +202,10 @@ impl Gpu {
         Err(CudaError::NotCompiled)
     }
     /// Unreachable.
+    pub fn free_memory_bytes(&self) -> Result<u64, CudaError> {
+        match self.never {}
+    }
+    /// Unreachable.
     pub fn info(&self) -> &DeviceInfo {
         match self.never {}
     }

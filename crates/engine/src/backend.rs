@@ -58,6 +58,16 @@ impl Backend {
         }
     }
 
+    /// Memory free now where the KV cache would live, in bytes: the host's available memory
+    /// (`MemAvailable` of /proc/meminfo) for the CPU, the device's for CUDA; `None` when it
+    /// cannot be read.
+    pub fn free_memory_bytes(&self) -> Option<u64> {
+        match self {
+            Backend::Cpu(_) => host_available_bytes(),
+            Backend::Cuda(model) => model.gpu().free_memory_bytes().ok(),
+        }
+    }
+
     /// `cpu`, or `cuda (bf16)` / `cuda (f32)`.
     pub fn device_name(&self) -> String {
         match self {
@@ -268,6 +278,17 @@ pub(crate) fn device_row_params(
         fused.step(),
     )
     .ok()
+}
+
+/// `MemAvailable` of /proc/meminfo in bytes (`None` off Linux or when unreadable).
+pub fn host_available_bytes() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemAvailable:"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|kib| kib.parse::<u64>().ok())
+        .map(|kib| kib * 1024)
 }
 
 #[cfg(test)]

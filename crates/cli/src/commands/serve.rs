@@ -143,11 +143,31 @@ pub fn run(args: ServeArgs) -> Result<()> {
     // K and V, every layer, in the backend's KV dtype.
     let page_bytes = loaded.model.kv_page_bytes(page_size);
     let pages_per_sequence = ctx.div_ceil(page_size);
+    let free_bytes = loaded.model.free_memory_bytes();
     let num_pages = match (args.kv_pages, args.kv_memory_fraction) {
         (Some(pages), _) => pages,
-        (None, Some(fraction)) => pages_for_fraction(fraction, page_bytes)?,
-        (None, None) => pages_per_sequence * parallel,
+        (None, Some(fraction)) => pages_for_fraction(fraction, page_bytes, free_bytes)?,
+        (None, None) => pages_per_sequence.saturating_mul(parallel),
     };
+    // Refuse a KV reservation the memory cannot hold, with the numbers, rather than let the
+    // allocation fail (or the host swap) later.
+    let kv_bytes = (num_pages as u64).saturating_mul(page_bytes as u64);
+    if let Some(free) = free_bytes.filter(|&free| kv_bytes > free) {
+        let gib = |bytes: u64| bytes as f64 / (1u64 << 30) as f64;
+        let sizing = match (args.kv_pages, args.kv_memory_fraction) {
+            (Some(_), _) => format!("--kv-pages {num_pages}"),
+            (None, Some(fraction)) => format!("--kv-memory-fraction {fraction}"),
+            (None, None) => format!("{parallel} sequences (-np) of {ctx} tokens (-c)"),
+        };
+        bail!(
+            "the KV cache for {sizing} needs {:.1} GiB ({num_pages} pages of {page_size} tokens) \
+             but {:.1} GiB are free on the {}; lower -np or -c, or size the pool with --kv-pages \
+             or --kv-memory-fraction",
+            gib(kv_bytes),
+            gib(free),
+            loaded.model.device_name()
+        );
+    }
     if num_pages < pages_per_sequence {
         eprintln!(
             "warning: {num_pages} KV pages hold less than one full context ({pages_per_sequence} pages of {page_size} tokens)"
@@ -261,17 +281,12 @@ fn api_keys(args: &ServeArgs) -> Result<ApiKeys> {
     ApiKeys::new(keys).map_err(anyhow::Error::msg)
 }
 
-/// Pages for `fraction` of the memory available now (from /proc/meminfo), at `page_bytes` each.
-fn pages_for_fraction(fraction: f64, page_bytes: usize) -> Result<usize> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let available_kib = meminfo
-        .lines()
-        .find_map(|line| line.strip_prefix("MemAvailable:"))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|kib| kib.parse::<u64>().ok());
-    let Some(available_kib) = available_kib else {
-        bail!("--kv-memory-fraction: cannot read MemAvailable from /proc/meminfo; pass --kv-pages instead");
+/// Pages for `fraction` of the memory free now where the KV cache lives (the host's for the
+/// CPU, the device's for CUDA), at `page_bytes` each.
+fn pages_for_fraction(fraction: f64, page_bytes: usize, free_bytes: Option<u64>) -> Result<usize> {
+    let Some(free) = free_bytes else {
+        bail!("--kv-memory-fraction: cannot read the free memory of this device; pass --kv-pages instead");
     };
-    let bytes = (available_kib as f64 * 1024.0 * fraction) as usize;
+    let bytes = (free as f64 * fraction) as usize;
     Ok((bytes / page_bytes.max(1)).max(1))
 }

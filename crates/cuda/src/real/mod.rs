@@ -163,6 +163,15 @@ impl Gpu {
         &self.info
     }
 
+    /// Device memory free now, in bytes (`cuMemGetInfo`).
+    pub fn free_memory_bytes(&self) -> Result<u64, CudaError> {
+        let (free, _) = self
+            .context
+            .mem_get_info()
+            .map_err(driver_error("cuMemGetInfo"))?;
+        Ok(free as u64)
+    }
+
     /// Waits until all work queued on the stream has finished.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.stream

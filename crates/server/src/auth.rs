@@ -85,11 +85,6 @@ impl ApiKeys {
             .collect()
     }
 
-    /// Whether any key is set (authentication on).
-    pub fn is_required(&self) -> bool {
-        !self.digests.is_empty()
-    }
-
     /// How many keys are accepted.
     pub fn len(&self) -> usize {
         self.digests.len()
@@ -172,7 +167,7 @@ pub async fn require_api_key(
     next: Next,
 ) -> Response {
     let keys = &state.config.api_keys;
-    if keys.is_required() && !is_public(&request, state.config.metrics_public) {
+    if !keys.is_empty() && !is_public(&request, state.config.metrics_public) {
         if let Err(refusal) = keys.check(request.headers().get(header::AUTHORIZATION)) {
             let client = request
                 .extensions()
@@ -235,7 +230,7 @@ mod tests {
     #[test]
     fn empty_keys_are_refused_and_key_files_skip_comments() {
         assert!(ApiKeys::new(["ok", "  "]).is_err());
-        assert!(!ApiKeys::new(Vec::<String>::new()).unwrap().is_required());
+        assert!(ApiKeys::new(Vec::<String>::new()).unwrap().is_empty());
         let text = "# keys of the team\n\nalpha\n  beta  \n#gamma\n";
         assert_eq!(ApiKeys::parse_file_text(text), ["alpha", "beta"]);
     }

@@ -50,7 +50,7 @@ pub struct ServerConfig {
     pub parallel: usize,
     /// Requests that may wait for admission before new ones get 429.
     pub max_queue: usize,
-    /// Keys of which one is required on every path but [`auth::PUBLIC_PATHS`] (none: open).
+    /// Keys of which one is required on every path but [`auth::PUBLIC_PATHS`] (empty: open).
     pub api_keys: ApiKeys,
     /// Serve `/metrics` without a key (`--metrics-public`).
     pub metrics_public: bool,

@@ -106,11 +106,10 @@ struct Report {
 
 /// Runs `pagoda bench serve`.
 pub fn run(mut args: BenchServeArgs) -> Result<()> {
-    if args.api_key.is_none() {
-        args.api_key = pagoda_config::global()
-            .text("PAGODA_API_KEY")
-            .map(str::to_owned);
-    }
+    // `--api-key` is merged into the setting (the flag wins over $PAGODA_API_KEY).
+    args.api_key = pagoda_config::global()
+        .text("PAGODA_API_KEY")
+        .map(str::to_owned);
     if args.repetitions == 0 || args.clients == 0 || args.generated_tokens == 0 {
         bail!("--repetitions, --clients and --n-gen must be at least 1");
     }

@@ -255,17 +255,19 @@ pub fn run(args: ServeArgs) -> Result<()> {
 /// `--api-key` or a key file without keys (either would turn authentication off unsaid).
 fn api_keys(args: &ServeArgs) -> Result<ApiKeys> {
     let mut keys = Vec::new();
-    match &args.api_key {
-        Some(key) if key.trim().is_empty() => {
-            bail!("--api-key is empty; give a key, or leave the flag out to serve without one")
-        }
-        Some(key) => keys.push(key.clone()),
-        None => keys.extend(
-            pagoda_config::global()
-                .text("PAGODA_API_KEY")
-                .map(str::to_owned),
-        ),
+    if args
+        .api_key
+        .as_deref()
+        .is_some_and(|key| key.trim().is_empty())
+    {
+        bail!("--api-key is empty; give a key, or leave the flag out to serve without one");
     }
+    // `--api-key` is merged into the setting (the flag wins over $PAGODA_API_KEY).
+    keys.extend(
+        pagoda_config::global()
+            .text("PAGODA_API_KEY")
+            .map(str::to_owned),
+    );
     if let Some(path) = &args.api_key_file {
         let text = std::fs::read_to_string(path)
             .map_err(|e| anyhow::anyhow!("reading --api-key-file {}: {e}", path.display()))?;

@@ -24,4 +24,4 @@ export LD_LIBRARY_PATH="$cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PAGODA_CUDA_INCLUDE="$cu13/include"
 export PAGODA_NVRTC_CHECK=1
 cd "$root"
-cargo test -p pagoda-cuda --features cuda --test nvrtc_check -- --nocapture
+cargo test -p pagoda-ops --features cuda --test nvrtc_check -- --nocapture

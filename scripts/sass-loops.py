@@ -10,7 +10,7 @@ Getting the SASS (CUDA 13, no GPU needed):
   1. PTX: run the NVRTC check with the dump folder set, in the environment of
      scripts/nvrtc-check.sh (LD_LIBRARY_PATH and PAGODA_CUDA_INCLUDE pointing into its venv):
        PAGODA_NVRTC_CHECK=1 PAGODA_NVRTC_ONLY=sampling PAGODA_NVRTC_DUMP=/tmp/ptx \\
-           cargo test -p pagoda-cuda --features cuda --test nvrtc_check
+           cargo test -p pagoda-ops --features cuda --test nvrtc_check
   2. cubin: target/nvrtc-venv/.../nvidia/cu13/bin/ptxas -arch=sm_90a FILE.ptx -o k.cubin
   3. SASS: nvdisasm -c k.cubin > k.sass, with nvdisasm from the PyPI wheel
      nvidia-cuda-nvdisasm (13.2 or later; install it in a separate venv).

@@ -62,7 +62,7 @@ impl CudaError {
 }
 
 /// `actual == expected`, or an [`CudaError::Invalid`] naming `what`.
-pub(crate) fn check_len(what: &str, expected: usize, actual: usize) -> Result<(), CudaError> {
+pub fn check_len(what: &str, expected: usize, actual: usize) -> Result<(), CudaError> {
     if expected == actual {
         Ok(())
     } else {
@@ -73,7 +73,7 @@ pub(crate) fn check_len(what: &str, expected: usize, actual: usize) -> Result<()
 }
 
 /// `actual >= needed`, or an [`CudaError::Invalid`] naming `what`.
-pub(crate) fn check_min_len(what: &str, needed: usize, actual: usize) -> Result<(), CudaError> {
+pub fn check_min_len(what: &str, needed: usize, actual: usize) -> Result<(), CudaError> {
     if actual >= needed {
         Ok(())
     } else {
@@ -84,7 +84,7 @@ pub(crate) fn check_min_len(what: &str, needed: usize, actual: usize) -> Result<
 }
 
 /// Converts a count to the kernels' `u32`, naming it on overflow.
-pub(crate) fn to_u32(what: &str, value: usize) -> Result<u32, CudaError> {
+pub fn to_u32(what: &str, value: usize) -> Result<u32, CudaError> {
     u32::try_from(value)
         .map_err(|_| CudaError::Invalid(format!("{what} {value} does not fit in u32")))
 }

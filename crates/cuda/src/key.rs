@@ -100,8 +100,8 @@ impl KernelSource {
     }
 }
 
-/// The shared prelude (`kernels/prelude.cuh`) prepended to every source.
-pub const PRELUDE: &str = include_str!("../kernels/prelude.cuh");
+/// The shared prelude (`src/prelude.cuh`) prepended to every source.
+pub const PRELUDE: &str = include_str!("prelude.cuh");
 
 /// What one launch needs compiled: a source, an entry point, template parameters and the
 /// dtype of every typed input/output, by role. Built only by the ops' `specialize`

@@ -1,4 +1,5 @@
-//! pagoda's CUDA backend: everything that talks to the driver, LLM-agnostic.
+//! pagoda's CUDA driver layer: everything that talks to the driver, LLM-agnostic. The
+//! model's kernels and their launchers live with their ops in `pagoda-ops` (`<op>/cuda.rs`).
 //!
 //! - [`available`] checks that `libcuda`, `libnvrtc` and `libcublasLt` can be opened
 //!   *before* anything touches CUDA (cudarc panics on a missing library), then reports the
@@ -7,11 +8,13 @@
 //!   stream), device and pinned buffers, events, occupancy queries, the kernel registry, the
 //!   cuBLASLt GEMM ([`Gpu::gemm`]) with plans cached per shape, and CUDA-graph capture
 //!   ([`Gpu::begin_capture`], [`GraphCache`]).
-//! - The kernel registry: CUDA C++ sources in `kernels/*.cu` are embedded, specialised by
+//! - The kernel registry: CUDA C++ sources (a [`KernelSource`] each, embedded by the op
+//!   that owns them, after the shared `prelude.cuh`) are specialised by
 //!   `-D` defines derived from a [`KernelKey`] (see [`key`]), compiled by NVRTC for the
 //!   device's architecture (`compute_90a` on Hopper) and memoised in memory and on disk
 //!   ([`kernel_cache_dir`]).
-//! - [`ops`]: the model's kernels with validating launchers, in bf16 and f32.
+//! - Launch plumbing for the launchers in `pagoda-ops`: typed device views ([`DeviceRead`],
+//!   [`KernelArg`], [`LaunchDims`]) and argument checks ([`check_len`], [`to_u32`]).
 //!
 //! Built without the `cuda` feature, the same API exists but every constructor returns
 //! [`CudaError::NotCompiled`]; the gate is this module boundary (`real` or `stub`).
@@ -19,7 +22,6 @@
 mod error;
 pub mod key;
 mod memory;
-pub mod ops;
 
 #[cfg(feature = "cuda")]
 mod real;
@@ -35,7 +37,7 @@ pub use backend::{
     available, compile_for_arch, nvrtc_version, CapturedGraph, DeviceBuffer, Element, GemmPlanKey,
     Gpu, GpuEvent, GraphCache, PinnedBuffer,
 };
-pub use error::CudaError;
+pub use error::{check_len, check_min_len, to_u32, CudaError};
 pub use key::{
     cuda_include_dirs, kernel_cache_dir, Arch, DType, KernelKey, KernelSource, KernelSpec,
 };

@@ -22,6 +22,7 @@ fn silu_gate_libm(g: f32, u: f32) -> f32 {
 /// 1536-8192 values) the loop stays on the calling thread.
 const SILU_TASK: usize = 8192;
 
+pub mod cuda;
 mod silu;
 pub use silu::{silu_polynomial_calls, SiluPath, SILU_ENV_VAR};
 

@@ -1,8 +1,11 @@
 //! pagoda's ops. One module per op: the contract (shapes, dtypes, what is written in place)
-//! in its doc comment, the CPU reference beside it.
+//! in its doc comment, the CPU reference beside it, and the CUDA launchers with their `.cu`
+//! sources in `<op>/cuda.rs` and `<op>/cuda/` ([`cuda`] gathers them).
 
 pub mod activation;
 pub mod attention;
+pub mod cuda;
+pub mod embedding;
 mod kernel_choice;
 pub mod linear;
 pub mod norm;

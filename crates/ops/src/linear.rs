@@ -21,6 +21,7 @@
 //! on its own and every integer tile runs the same per-(row, token) chain (see
 //! [`crate::simd::int_dot`]).
 
+pub mod cuda;
 pub mod int_matmul;
 pub mod kernels;
 pub mod shared;

@@ -1,5 +1,7 @@
 //! RMSNorm: `y = x / sqrt(mean(x^2) + eps) * weight`, row by row.
 
+pub mod cuda;
+
 use rayon::prelude::*;
 
 /// Normalizes each row of `x` (`[rows, dim]`, `dim == weight.len()`) into `out` (same shape).

@@ -5,6 +5,8 @@
 //! position `p` rotates its pair `i` by the angle `p * theta_i`. Which two dims form pair `i`
 //! depends on [`RopePairing`].
 
+pub mod cuda;
+
 /// Which dimensions of a head are rotated together.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RopePairing {

@@ -13,11 +13,11 @@
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use half::bf16;
-use pagoda_cuda::ops::{
-    self, DecodeWorkspace, DevicePageTable, MergeMode, PagedDecodeKernel, PagedDecodePlan,
+use pagoda_cuda::{view_mut, DeviceBuffer, Gpu};
+use pagoda_ops::cuda::{
+    self as ops, DecodeWorkspace, DevicePageTable, MergeMode, PagedDecodeKernel, PagedDecodePlan,
     PagedDecodeWorkspace, PlanCapacity, PlanPolicy, PoolLayout,
 };
-use pagoda_cuda::{view_mut, DeviceBuffer, Gpu};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 

@@ -109,7 +109,7 @@ pub struct BenchSamplingArgs {
     /// CUDA: the cluster kernel's CTA shape, threads x CTAs per SM (512x3, 1024x1, 384x4,
     /// 512x4, 256x5 or 256x6; default: the sampler's, 512x3).
     #[arg(long = "cluster-shape")]
-    pub cluster_shape: Option<pagoda_cuda::ops::ClusterShape>,
+    pub cluster_shape: Option<pagoda_ops::cuda::ClusterShape>,
     /// CUDA: when the cluster kernel has more rows than fit on the GPU at once, resident rows
     /// ask L2 for the waiting rows' logits (on, as in `generate` / `serve`) or not (off).
     #[arg(long = "prefetch", value_enum, default_value_t = OnOff::On)]

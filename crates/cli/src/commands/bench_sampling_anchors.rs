@@ -3,7 +3,7 @@
 
 use pagoda_ops::sampling::SamplingParams;
 
-use pagoda_cuda::ops::SamplingTotals;
+use pagoda_ops::cuda::SamplingTotals;
 
 /// The configurations of table D, plus greedy.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]

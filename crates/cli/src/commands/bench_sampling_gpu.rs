@@ -1,5 +1,5 @@
 //! `pagoda bench sampling --device cuda`: the batched GPU sampler
-//! ([`pagoda_cuda::ops::sample_rows`]) measured the way the peer anchors were
+//! ([`pagoda_ops::cuda::sample_rows`]) measured the way the peer anchors were
 //! (`shared/anchors/gpu-anchors.md`, table D), next to FlashInfer's numbers for the same cell.
 //!
 //! Per (vocab V, batch B): `R` rotating input sets of `[B, V]` f32 logits, standard normal
@@ -18,12 +18,12 @@
 //! the intended path and drew valid tokens. A failed check fails the command after the table.
 
 use anyhow::{anyhow, bail, Context, Result};
-use pagoda_cuda::ops::{
+use pagoda_cuda::{CudaError, DeviceBuffer, Gpu};
+use pagoda_ops::cuda::{
     encode_row_params, sample_rows_with, sampling_splits, ClusterShape, FilteredSampling,
     SamplingMix, SamplingOptions, SamplingRowParams, SamplingTotals, SamplingWorkspace,
     MAX_SAMPLING_ROWS,
 };
-use pagoda_cuda::{CudaError, DeviceBuffer, Gpu};
 use rayon::prelude::*;
 use serde::Serialize;
 

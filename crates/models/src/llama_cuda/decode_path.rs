@@ -10,8 +10,10 @@
 
 use std::str::FromStr;
 
-use pagoda_cuda::ops::{self, PagedDecodePlan, PagedDecodeWorkspace, PlanCapacity, PlanPolicy};
 use pagoda_cuda::{CudaError, DType, Gpu, PinnedBuffer};
+use pagoda_ops::cuda::{
+    self as ops, PagedDecodePlan, PagedDecodeWorkspace, PlanCapacity, PlanPolicy,
+};
 
 use super::CudaCacheOptions;
 use crate::config::ModelConfig;

@@ -1,8 +1,8 @@
 //! The kernel sequence of one step (what a decode graph captures): embedding, the layers,
 //! the final norm and the LM head of the rows that need logits.
 
-use pagoda_cuda::ops::{self, DevicePageTable, PoolLayout};
 use pagoda_cuda::{view, view_mut, CudaError, DeviceRead, Gpu};
+use pagoda_ops::cuda::{self as ops, DevicePageTable, PoolLayout};
 
 use super::step::{prefill_kernel, Attention, StepShape};
 use super::{GpuLlama, HostFloat, StepBuffers};

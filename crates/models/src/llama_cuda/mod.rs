@@ -19,15 +19,15 @@
 use std::sync::Arc;
 
 use half::bf16;
-use pagoda_cuda::ops::{self, DecodeWorkspace, PoolLayout, RopeStyle as GpuRopeStyle};
 use pagoda_cuda::{DeviceBuffer, Element, Gpu, GraphCache, PinnedBuffer};
+use pagoda_ops::cuda::{self as ops, DecodeWorkspace, PoolLayout, RopeStyle as GpuRopeStyle};
 
 use crate::config::ModelConfig;
 use crate::llama::{ForwardBatch, LoadError};
 use crate::weights::TensorSource;
 
 pub use decode_path::{PagedDecodeMode, PAGED_DECODE_ENV_VAR};
-pub use pagoda_cuda::ops::SamplingRowParams;
+pub use pagoda_ops::cuda::SamplingRowParams;
 pub use sampling::SampledRow;
 
 mod decode_path;
@@ -347,7 +347,7 @@ impl CudaModel {
 
     /// Runs one ragged batch like [`forward`](Self::forward), then samples on the device:
     /// `rows` has one entry per `batch.logits_for` row, in order. A `Some(params)` row is
-    /// drawn by the GPU sampler (`pagoda_cuda::ops::sample_rows`; the same token as
+    /// drawn by the GPU sampler (`pagoda_ops::cuda::sample_rows`; the same token as
     /// `pagoda_ops::sampling::FusedSampler` at call number `params.step()` of a request
     /// seeded `params.seed()`, on the raw logits: the caller must leave rows that need
     /// penalties on the host) and comes back as [`SampledRow::Token`]; a `None` row comes

@@ -1,5 +1,5 @@
 //! Sampling on the device at the end of a step ([`CudaModel::forward_sampled`]): the logits
-//! stay in device memory, `pagoda_cuda::ops::sample_rows` draws one token per row from them,
+//! stay in device memory, `pagoda_ops::cuda::sample_rows` draws one token per row from them,
 //! and only the token ids come back (4 bytes per row instead of `4 * vocab`).
 //!
 //! Rows the caller wants on the host (a `None` parameter: penalties, log-probabilities, the
@@ -13,13 +13,13 @@
 //! contiguous run of device rows (only the stages its rows need: see `SamplingMix`), a 72-byte copy of the sampler's running totals next to the tokens,
 //! and one download of both (the step's only synchronisation, as before).
 
-use pagoda_cuda::ops::{
+use pagoda_cuda::{
+    view, view_mut, CudaError, DeviceBuffer, DeviceRead, Gpu, GpuEvent, PinnedBuffer,
+};
+use pagoda_ops::cuda::{
     sample_rows_with, FilteredSampling, SamplingMix, SamplingOptions, SamplingRowParams,
     SamplingTotals, SamplingWorkspace, MAX_SAMPLING_ROWS, SAMPLING_PARAM_WORDS,
     SAMPLING_TOTALS_WORDS,
-};
-use pagoda_cuda::{
-    view, view_mut, CudaError, DeviceBuffer, DeviceRead, Gpu, GpuEvent, PinnedBuffer,
 };
 
 use super::{GpuCache, GpuLlama, HostFloat};

@@ -12,8 +12,8 @@
 
 use std::sync::Once;
 
-use pagoda_cuda::ops::{self, DecodeWorkspace, PoolLayout};
 use pagoda_cuda::{view, CudaError, DeviceRead, Gpu, GraphCache};
+use pagoda_ops::cuda::{self as ops, DecodeWorkspace, PoolLayout};
 
 use super::decode_path::FusedDecode;
 use super::sampling::DeviceSampling;

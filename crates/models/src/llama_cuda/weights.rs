@@ -3,8 +3,8 @@
 
 use std::sync::Arc;
 
-use pagoda_cuda::ops::{self, QuantFormat, RopeStyle as GpuRopeStyle};
 use pagoda_cuda::{view_mut, CudaError, DeviceBuffer, DeviceRead, Gpu};
+use pagoda_ops::cuda::{self as ops, QuantFormat, RopeStyle as GpuRopeStyle};
 use pagoda_tensor::GgmlType;
 use rayon::prelude::*;
 

@@ -33,6 +33,7 @@
 //! are `exp2(s - m)`, exactly as the GPU kernel will do it. LSEs are in log2 units.
 
 mod append;
+pub mod cuda;
 mod decode;
 mod gather;
 mod kernel;

@@ -51,6 +51,7 @@
 //! logits before calling).
 
 mod chain;
+pub mod cuda;
 mod fused;
 mod gumbel;
 mod logprobs;

@@ -1,0 +1,111 @@
+//! Attention on the GPU: the launchers, their plan types and the CUDA sources, with the list
+//! of specialisations they can request ([`specializations`]).
+//!
+//! - [`gathered`](self): causal ragged prefill (per token) and the baseline decode (gather
+//!   the pages, then attend), the device page table and pool layout every launcher takes.
+//! - `prefill` / `prefill_mma`: the query-tiled prefill kernels (CUDA cores, tensor cores).
+//! - `paged_decode` + `decode_plan`: the fused split-KV paged decode with its work plan and
+//!   the log-sum-exp merge, the production batched decode.
+
+mod decode_plan;
+mod gathered;
+mod paged_decode;
+mod prefill;
+mod prefill_mma;
+
+pub use decode_plan::{PagedDecodePlan, PlanCapacity, PlanPolicy, MAX_CHUNKS, PLAN_HEADER_WORDS};
+pub use gathered::{
+    decode_attention_gathered, decode_splits, prefill_attention, specialize_attention,
+    AttentionEntry, DecodeWorkspace, DevicePageTable, PoolLayout, MAX_DECODE_SPLITS,
+    SUPPORTED_HEAD_DIMS,
+};
+pub use paged_decode::{
+    merge_attention_partials, mma_decode_stages, paged_decode_attention, paged_decode_unsupported,
+    specialize_paged_decode, MergeMode, PagedDecodeEntry, PagedDecodeKernel, PagedDecodeWorkspace,
+    MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
+};
+pub use prefill::{
+    prefill_attention_tiled, prefill_attention_with, specialize_prefill, PrefillKernel,
+    PrefillTiling,
+};
+pub use prefill_mma::{
+    prefill_attention_mma, specialize_prefill_mma, MmaPrefillTiling, MMA_PREFILL_HEAD_DIMS,
+};
+
+use crate::cuda::FLOAT_DTYPES;
+use pagoda_cuda::{CudaError, DType, KernelSource, KernelSpec};
+
+/// Prefill, gather, gathered decode and the state merge.
+pub(crate) static ATTENTION: KernelSource =
+    KernelSource::new("attention.cu", include_str!("cuda/attention.cu"));
+/// The fused paged decode on CUDA cores.
+pub(crate) static PAGED_DECODE: KernelSource = KernelSource::new(
+    "paged_decode.cu",
+    concat!(
+        include_str!("cuda/paged_decode_common.cu"),
+        include_str!("cuda/paged_decode.cu")
+    ),
+);
+/// The fused paged decode on tensor cores.
+pub(crate) static PAGED_DECODE_MMA: KernelSource = KernelSource::new(
+    "paged_decode_mma.cu",
+    concat!(
+        include_str!("cuda/paged_decode_common.cu"),
+        include_str!("cuda/paged_decode_mma.cu")
+    ),
+);
+/// The query-tiled prefill on CUDA cores.
+pub(crate) static PREFILL: KernelSource =
+    KernelSource::new("prefill.cu", include_str!("cuda/prefill.cu"));
+/// The query-tiled prefill on tensor cores.
+pub(crate) static PREFILL_MMA: KernelSource =
+    KernelSource::new("prefill_mma.cu", include_str!("cuda/prefill_mma.cu"));
+
+/// Every specialisation the attention launchers can request.
+pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
+    let mut specs = Vec::new();
+    let gathered = [
+        AttentionEntry::PagedGather,
+        AttentionEntry::DecodeGathered,
+        AttentionEntry::MergeStates,
+    ];
+    for &dtype in &FLOAT_DTYPES {
+        for &head_dim in &SUPPORTED_HEAD_DIMS {
+            specs.push(specialize_attention(
+                AttentionEntry::Prefill,
+                dtype,
+                head_dim,
+            )?);
+            for entry in gathered {
+                specs.push(specialize_attention(entry, dtype, head_dim)?);
+            }
+            specs.push(specialize_prefill(dtype, head_dim)?);
+        }
+    }
+    for &head_dim in &PAGED_DECODE_HEAD_DIMS {
+        for entry in gathered {
+            specs.push(specialize_attention(entry, DType::F16, head_dim)?);
+        }
+    }
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        for &head_dim in &PAGED_DECODE_HEAD_DIMS {
+            for group in 1..=MAX_DECODE_GROUP {
+                let entry = PagedDecodeEntry::Partial;
+                specs.push(specialize_paged_decode(entry, dtype, head_dim, group)?);
+            }
+            if dtype == DType::BF16 && PAGED_DECODE_MMA_HEAD_DIMS.contains(&head_dim) {
+                for group in 1..=MAX_DECODE_GROUP {
+                    let stages = mma_decode_stages(head_dim);
+                    let entry = PagedDecodeEntry::PartialMma { stages };
+                    specs.push(specialize_paged_decode(entry, dtype, head_dim, group)?);
+                }
+            }
+            let merge = PagedDecodeEntry::Merge;
+            specs.push(specialize_paged_decode(merge, dtype, head_dim, 1)?);
+        }
+    }
+    for &head_dim in &MMA_PREFILL_HEAD_DIMS {
+        specs.push(specialize_prefill_mma(DType::BF16, head_dim)?);
+    }
+    Ok(specs)
+}

@@ -1,0 +1,74 @@
+//! The CUDA side of every op, gathered for callers: each op keeps its launchers, plan types
+//! and `.cu` sources in its own folder (`<op>/cuda.rs`, `<op>/cuda/`), and this module
+//! re-exports them and lists every specialisation ([`all_specializations`]) for the
+//! NVRTC check in CI and for compiling ahead of the first request.
+//!
+//! The launchers validate their arguments and build on `pagoda-cuda`'s driver layer
+//! (context, buffers, the NVRTC registry). Built without the `cuda` feature they compile
+//! against its stub and every launch fails with `CudaError::NotCompiled`.
+//!
+//! Activation dtypes: f32 and bf16 ([`FLOAT_DTYPES`]); math is f32 inside every kernel.
+
+pub use crate::activation::cuda::{
+    add_in_place, argmax_rows, silu_mul, specialize_elementwise, ElementwiseEntry,
+};
+pub use crate::attention::cuda::{
+    decode_attention_gathered, decode_splits, merge_attention_partials, mma_decode_stages,
+    paged_decode_attention, paged_decode_unsupported, prefill_attention, prefill_attention_mma,
+    prefill_attention_tiled, prefill_attention_with, specialize_attention, specialize_paged_decode,
+    specialize_prefill, specialize_prefill_mma, AttentionEntry, DecodeWorkspace, DevicePageTable,
+    MergeMode, MmaPrefillTiling, PagedDecodeEntry, PagedDecodeKernel, PagedDecodePlan,
+    PagedDecodeWorkspace, PlanCapacity, PlanPolicy, PoolLayout, PrefillKernel, PrefillTiling,
+    MAX_CHUNKS, MAX_DECODE_GROUP, MAX_DECODE_SPLITS, MMA_PREFILL_HEAD_DIMS, PAGED_DECODE_HEAD_DIMS,
+    PAGED_DECODE_MMA_HEAD_DIMS, PLAN_HEADER_WORDS, SUPPORTED_HEAD_DIMS,
+};
+pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
+pub use crate::linear::cuda::{dequantize, specialize_dequantize, QuantFormat};
+pub use crate::norm::cuda::{
+    add_bias_rows, add_rms_norm, rms_norm, rms_norm_heads, specialize_norm, specialize_qkv,
+    NormEntry, QkvEntry,
+};
+pub use crate::rope::cuda::{kv_append, rope, specialize_kv_append, specialize_rope, RopeStyle};
+pub use crate::sampling::cuda::{
+    decode_row_stats, default_fast_rounds, encode_row_params, filter_splits, plan_sampling,
+    sample_rows, sample_rows_with, sampling_splits, specialize_cluster, specialize_sampling,
+    ClusterShape, FilteredSampling, RowPath, RowSamplingStats, SamplingEntry, SamplingMix,
+    SamplingOptions, SamplingPlan, SamplingRowParams, SamplingShapes, SamplingTotals,
+    SamplingWorkspace, SmBudget, DEFAULT_MAX_REJECTION_ROUNDS, MAX_SAMPLING_ROWS,
+    MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
+};
+
+use pagoda_cuda::{CudaError, DType, KernelSpec};
+
+/// Activation/weight dtypes the kernels are instantiated for.
+pub const FLOAT_DTYPES: [DType; 2] = [DType::F32, DType::BF16];
+
+/// `dtype` is one of [`FLOAT_DTYPES`], or an error naming `what`.
+pub(crate) fn check_float(what: &str, dtype: DType) -> Result<(), CudaError> {
+    if FLOAT_DTYPES.contains(&dtype) {
+        Ok(())
+    } else {
+        Err(CudaError::invalid(format!(
+            "{what}: dtype {dtype} is not supported (f32, bf16)"
+        )))
+    }
+}
+
+/// Every kernel specialisation the launchers of every op can request: one list per op
+/// folder, concatenated.
+pub fn all_specializations() -> Vec<KernelSpec> {
+    let per_op = [
+        crate::embedding::cuda::specializations(),
+        crate::norm::cuda::specializations(),
+        crate::rope::cuda::specializations(),
+        crate::attention::cuda::specializations(),
+        crate::activation::cuda::specializations(),
+        crate::linear::cuda::specializations(),
+    ];
+    let mut specs: Vec<KernelSpec> = per_op
+        .into_iter()
+        .flat_map(|list| list.expect("catalogue entry is valid"))
+        .collect();
+    specs.extend(crate::sampling::cuda::specializations());
+    specs
+}

@@ -1,0 +1,184 @@
+//! RoPE and the KV append into the paged pool.
+
+use crate::attention::cuda::PoolLayout;
+use crate::cuda::{check_float, FLOAT_DTYPES};
+use pagoda_cuda::{
+    check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceRead, DeviceWrite, Element, Gpu,
+    KernelArg, KernelSource, KernelSpec, LaunchDims,
+};
+
+/// The CUDA source of this op's `rope.cu` kernels.
+pub(crate) static ROPE: KernelSource = KernelSource::new("rope.cu", include_str!("cuda/rope.cu"));
+
+/// The CUDA source of this op's `kv_append.cu` kernels.
+pub(crate) static KV_APPEND: KernelSource =
+    KernelSource::new("kv_append.cu", include_str!("cuda/kv_append.cu"));
+
+/// Which dims of a head rotate together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RopeStyle {
+    /// `(2i, 2i + 1)`: GGUF llama-family weights.
+    Interleaved,
+    /// `(i, i + rope_dim / 2)`: GPT-NeoX / Hugging Face rotate-half, Qwen.
+    Halves,
+}
+
+/// The `rope` specialisation for `dtype` and `style` (a template constant).
+pub fn specialize_rope(dtype: DType, style: RopeStyle) -> Result<KernelSpec, CudaError> {
+    check_float("rope", dtype)?;
+    Ok(KernelSpec {
+        source: &ROPE,
+        entry: "rope",
+        params: vec![("ROPE_HALVES", (style == RopeStyle::Halves) as i64)],
+        dtypes: vec![
+            ("T", dtype),
+            ("POSITIONS_T", DType::U32),
+            ("INV_FREQ_T", DType::F32),
+        ],
+    })
+}
+
+/// Rotates `x` in place: `num_tokens = positions.len()` token rows, each `row_stride`
+/// elements apart, holding `num_heads` heads of `head_dim` (the first `rope_dim =
+/// 2 * inv_freq.len()` dims of each head rotate). Pair `i` of token `t` turns by
+/// `positions[t] * inv_freq[i]` radians; llama3 scaling is folded into `inv_freq` by the host.
+pub fn rope<T: Element>(
+    gpu: &Gpu,
+    x: &mut impl DeviceWrite<T>,
+    positions: &impl DeviceRead<u32>,
+    inv_freq: &impl DeviceRead<f32>,
+    (num_heads, head_dim, row_stride): (usize, usize, usize),
+    style: RopeStyle,
+) -> Result<(), CudaError> {
+    let spec = specialize_rope(T::DTYPE, style)?;
+    let rope_dim = 2 * inv_freq.len();
+    if num_heads == 0 || rope_dim == 0 || rope_dim > head_dim || num_heads * head_dim > row_stride {
+        return Err(CudaError::invalid(format!(
+            "rope geometry: num_heads {num_heads}, head_dim {head_dim}, rope_dim {rope_dim} (2 * inv_freq), \
+             row_stride {row_stride}: need 0 < rope_dim <= head_dim and num_heads * head_dim <= row_stride"
+        )));
+    }
+    let num_tokens = positions.len();
+    if num_tokens > 0 {
+        check_min_len(
+            "rope x",
+            (num_tokens - 1) * row_stride + num_heads * head_dim,
+            x.len(),
+        )?;
+    }
+    let args = [
+        ptr(x),
+        ptr(positions),
+        ptr(inv_freq),
+        KernelArg::U32(to_u32("num_heads", num_heads)?),
+        KernelArg::U32(to_u32("head_dim", head_dim)?),
+        KernelArg::U32(to_u32("rope_dim", rope_dim)?),
+        KernelArg::U32(to_u32("row_stride", row_stride)?),
+    ];
+    // Whole groups of `rope_dim / 2` threads (one per pair), up to 256 threads.
+    let half = rope_dim / 2;
+    let groups = (256 / half).clamp(1, num_heads);
+    let block = to_u32("rope block", (groups * half).next_multiple_of(32).min(1024))?;
+    if half > 1024 {
+        return Err(CudaError::invalid(format!(
+            "rope_dim {rope_dim} is above 2048"
+        )));
+    }
+    // SAFETY: arguments match `rope`; extents validated.
+    unsafe {
+        gpu.launch(
+            &spec,
+            LaunchDims::new((to_u32("num_tokens", num_tokens)?, 1), block),
+            &args,
+        )
+    }
+}
+
+/// The `kv_append` specialisation for pool/new-row dtype `dtype`.
+pub fn specialize_kv_append(dtype: DType) -> Result<KernelSpec, CudaError> {
+    check_float("kv_append", dtype)?;
+    Ok(KernelSpec {
+        source: &KV_APPEND,
+        entry: "kv_append",
+        params: vec![],
+        dtypes: vec![("T", dtype), ("SLOTS_T", DType::I32)],
+    })
+}
+
+/// Writes token `t`'s K and V rows (`num_kv_heads * head_dim` elements at `t * k_row_stride`
+/// of `k_new`, `t * v_row_stride` of `v_new`) into pool row `slots[t]` (`page * page_size +
+/// offset`) of `k_pool`/`v_pool` (`[num_pages, page_size, num_kv_heads, head_dim]`).
+/// `num_tokens = slots.len()`. Negative or out-of-pool slots are skipped (padding rows).
+pub fn kv_append<T: Element>(
+    gpu: &Gpu,
+    k_pool: &mut impl DeviceWrite<T>,
+    v_pool: &mut impl DeviceWrite<T>,
+    layout: &PoolLayout,
+    k_new: &impl DeviceRead<T>,
+    v_new: &impl DeviceRead<T>,
+    slots: &impl DeviceRead<i32>,
+    (k_row_stride, v_row_stride): (usize, usize),
+) -> Result<(), CudaError> {
+    let spec = specialize_kv_append(T::DTYPE)?;
+    layout.validate()?;
+    check_len(
+        "k_pool [num_pages, page_size, num_kv_heads, head_dim]",
+        layout.pool_len(),
+        k_pool.len(),
+    )?;
+    check_len(
+        "v_pool [num_pages, page_size, num_kv_heads, head_dim]",
+        layout.pool_len(),
+        v_pool.len(),
+    )?;
+    let token_stride = layout.token_stride();
+    if k_row_stride < token_stride || v_row_stride < token_stride {
+        return Err(CudaError::invalid(format!(
+            "kv_append row strides ({k_row_stride}, {v_row_stride}) must be >= num_kv_heads * head_dim {token_stride}"
+        )));
+    }
+    let num_tokens = slots.len();
+    if num_tokens > 0 {
+        check_min_len(
+            "kv_append k_new",
+            (num_tokens - 1) * k_row_stride + token_stride,
+            k_new.len(),
+        )?;
+        check_min_len(
+            "kv_append v_new",
+            (num_tokens - 1) * v_row_stride + token_stride,
+            v_new.len(),
+        )?;
+    }
+    let args = [
+        ptr(k_pool),
+        ptr(v_pool),
+        ptr(k_new),
+        ptr(v_new),
+        ptr(slots),
+        KernelArg::U32(to_u32("token_stride", token_stride)?),
+        KernelArg::U32(to_u32("k_row_stride", k_row_stride)?),
+        KernelArg::U32(to_u32("v_row_stride", v_row_stride)?),
+        KernelArg::I64((layout.num_pages * layout.page_size) as i64),
+    ];
+    // SAFETY: arguments match `kv_append`; extents validated, slots bounds-checked on device.
+    unsafe {
+        gpu.launch(
+            &spec,
+            LaunchDims::new((to_u32("num_tokens", num_tokens)?, 1), 128),
+            &args,
+        )
+    }
+}
+
+/// Every specialisation the RoPE and KV-append launchers can request.
+pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
+    let mut specs = Vec::new();
+    for &dtype in &FLOAT_DTYPES {
+        for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
+            specs.push(specialize_rope(dtype, style)?);
+        }
+        specs.push(specialize_kv_append(dtype)?);
+    }
+    Ok(specs)
+}

@@ -1,0 +1,86 @@
+//! CI check (no GPU): every kernel specialisation the launchers can request compiles
+//! through NVRTC for `compute_90a` and `compute_80`.
+//!
+//! Runs when libnvrtc can be opened (e.g. `scripts/nvrtc-check.sh`, which installs the
+//! PyPI wheel and sets `LD_LIBRARY_PATH`); otherwise prints SKIP, unless
+//! `PAGODA_NVRTC_CHECK=1`, which makes a missing NVRTC a failure.
+
+#![cfg(feature = "cuda")]
+
+use pagoda_cuda::{compile_for_arch, nvrtc_version, Arch};
+use pagoda_ops::cuda::all_specializations;
+
+#[test]
+fn every_specialization_compiles_for_sm90a_and_sm80() {
+    let required = std::env::var("PAGODA_NVRTC_CHECK").is_ok_and(|value| value == "1");
+    let version = match nvrtc_version() {
+        Ok(version) => version,
+        Err(error) if !required => {
+            println!("SKIP nvrtc check: {error}");
+            return;
+        }
+        Err(error) => panic!("PAGODA_NVRTC_CHECK=1 but NVRTC is unavailable: {error}"),
+    };
+    // PAGODA_NVRTC_ONLY=<entry substring> compiles a subset (for kernel work; CI sets none).
+    let only = std::env::var("PAGODA_NVRTC_ONLY").ok();
+    let specs: Vec<_> = all_specializations()
+        .into_iter()
+        .filter(|spec| only.as_deref().is_none_or(|only| spec.entry.contains(only)))
+        .collect();
+    // PAGODA_NVRTC_DUMP=<dir> writes each compute_90a PTX there (for `ptxas -v` on kernel work).
+    let dump = std::env::var_os("PAGODA_NVRTC_DUMP").map(std::path::PathBuf::from);
+    let mut failures = Vec::new();
+    let mut compiled = 0;
+    for arch in [Arch("compute_90a".into()), Arch("compute_80".into())] {
+        for spec in &specs {
+            match compile_for_arch(spec, &arch) {
+                Ok((ptx, key)) => {
+                    assert!(
+                        ptx.contains(spec.entry),
+                        "{}: entry missing from PTX",
+                        key.canonical()
+                    );
+                    if let (Some(dir), "compute_90a") = (&dump, arch.0.as_str()) {
+                        std::fs::create_dir_all(dir).expect("create the PTX dump folder");
+                        let name: String = key
+                            .canonical()
+                            .chars()
+                            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                            .collect();
+                        let path = dir.join(format!("{name}.ptx"));
+                        std::fs::write(&path, &ptx).expect("write the PTX");
+                    }
+                    compiled += 1;
+                }
+                Err(error) => failures.push(format!("{}: {error}", arch.0)),
+            }
+        }
+    }
+    println!(
+        "nvrtc {}.{}: compiled {compiled} of {} specialisations ({} per arch)",
+        version.0,
+        version.1,
+        2 * specs.len(),
+        specs.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "{} failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn keys_of_the_catalogue_are_distinct() {
+    let specs = all_specializations();
+    let arch = Arch("compute_90a".into());
+    let mut names: Vec<String> = specs
+        .iter()
+        .map(|spec| pagoda_cuda::KernelKey::new(spec, &arch, (13, 0)).canonical())
+        .collect();
+    let total = names.len();
+    names.sort();
+    names.dedup();
+    assert_eq!(names.len(), total, "two catalogue entries share a key");
+}

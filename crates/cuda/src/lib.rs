@@ -42,7 +42,8 @@ pub use key::{
     cuda_include_dirs, kernel_cache_dir, Arch, DType, KernelKey, KernelSource, KernelSpec,
 };
 pub use memory::{
-    ptr, view, view_mut, DeviceRead, DeviceView, DeviceViewMut, DeviceWrite, KernelArg, LaunchDims,
+    ptr, view, view_mut, whole, DeviceRead, DeviceView, DeviceViewMut, DeviceWrite, KernelArg,
+    LaunchDims,
 };
 
 /// What [`available`] found: the device pagoda would run on.

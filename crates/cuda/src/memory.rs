@@ -82,6 +82,15 @@ pub fn view<T>(
     })
 }
 
+/// Read-only view of all of `memory`.
+pub fn whole<T>(memory: &impl DeviceRead<T>) -> DeviceView<'_, T> {
+    DeviceView {
+        ptr: memory.device_ptr(),
+        len: memory.len(),
+        marker: PhantomData,
+    }
+}
+
 /// Writable view `range` of any writable device memory.
 pub fn view_mut<T>(
     memory: &mut impl DeviceWrite<T>,

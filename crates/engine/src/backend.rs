@@ -4,7 +4,7 @@
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
 use pagoda_models::llama_cuda::{
-    CudaCacheOptions, CudaModel, CudaStepCounters, PagedDecodeMode, SampledRow, SamplingRowParams,
+    CudaCacheOptions, CudaModel, CudaStepCounters, SampledRow, SamplingRowParams,
 };
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::AnySampler;
@@ -116,39 +116,22 @@ pub(crate) struct StepOutput {
 }
 
 impl Runner {
-    /// Allocates the KV cache (`num_pages` pages of `page_size` tokens) and, on the GPU, the
-    /// step buffers for up to `max_batch_tokens` tokens of `max_requests` requests. On the
+    /// Allocates the KV cache (`cache.num_pages` pages of `cache.page_size` tokens) and, on
+    /// the GPU, the step buffers for the rest of `cache`'s sizes and paths. On the
     /// CPU, the pool of each step follows `PAGODA_CPU_ADAPTIVE_THREADS` (an unknown value is
     /// an error).
-    pub(crate) fn new(
-        backend: Backend,
-        num_pages: usize,
-        page_size: usize,
-        max_batch_tokens: usize,
-        max_requests: usize,
-        max_context: usize,
-        cuda_graphs: bool,
-        paged_decode: PagedDecodeMode,
-    ) -> Result<Runner, String> {
+    pub(crate) fn new(backend: Backend, cache: CudaCacheOptions) -> Result<Runner, String> {
         match backend {
             Backend::Cpu(model) => {
                 let pools = CpuPools::new(CpuThreadsMode::from_config(pagoda_config::global()));
                 let kv = KvCache::new(
                     model.config().num_layers,
-                    model.kv_layout(num_pages, page_size),
+                    model.kv_layout(cache.num_pages, cache.page_size),
                 );
                 Ok(Runner::Cpu { model, kv, pools })
             }
             Backend::Cuda(mut model) => {
-                model.prepare(CudaCacheOptions {
-                    num_pages,
-                    page_size,
-                    max_batch_tokens,
-                    max_batch_requests: max_requests,
-                    max_context,
-                    cuda_graphs,
-                    paged_decode,
-                })?;
+                model.prepare(cache)?;
                 Ok(Runner::Cuda { model })
             }
         }

@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch};
-use pagoda_models::llama_cuda::{PagedDecodeMode, SampledRow, SamplingRowParams};
+use pagoda_models::llama_cuda::{CudaCacheOptions, PagedDecodeMode, SampledRow, SamplingRowParams};
 use pagoda_ops::sampling::{AnySampler, SamplerKind, SamplingParams};
 
 use crate::backend::{device_row_params, Backend, Runner};
@@ -179,16 +179,16 @@ impl Engine {
                 if prefix_caching { "on" } else { "off" }
             )
         });
-        let runner = Runner::new(
-            model.into(),
-            config.num_pages,
-            config.page_size,
-            config.max_batch_tokens,
-            max_requests,
-            config.max_context,
-            config.cuda_graphs,
-            config.paged_decode,
-        )?;
+        let cache = CudaCacheOptions {
+            num_pages: config.num_pages,
+            page_size: config.page_size,
+            max_batch_tokens: config.max_batch_tokens,
+            max_batch_requests: max_requests,
+            max_context: config.max_context,
+            cuda_graphs: config.cuda_graphs,
+            paged_decode: config.paged_decode,
+        };
+        let runner = Runner::new(model.into(), cache)?;
         if runner.is_cuda() {
             static LOGGED_SAMPLING: std::sync::Once = std::sync::Once::new();
             LOGGED_SAMPLING.call_once(|| match config.sampler {

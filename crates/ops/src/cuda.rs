@@ -18,9 +18,9 @@ pub use crate::attention::cuda::{
     prefill_attention_tiled, prefill_attention_with, specialize_attention, specialize_paged_decode,
     specialize_prefill, specialize_prefill_mma, AttentionEntry, DecodeWorkspace, DevicePageTable,
     MergeMode, MmaPrefillTiling, PagedDecodeEntry, PagedDecodeKernel, PagedDecodePlan,
-    PagedDecodeWorkspace, PlanCapacity, PlanPolicy, PoolLayout, PrefillKernel, PrefillTiling,
-    MAX_CHUNKS, MAX_DECODE_GROUP, MAX_DECODE_SPLITS, MMA_PREFILL_HEAD_DIMS, PAGED_DECODE_HEAD_DIMS,
-    PAGED_DECODE_MMA_HEAD_DIMS, PLAN_HEADER_WORDS, SUPPORTED_HEAD_DIMS,
+    PagedDecodeWorkspace, PagedKv, Partials, PlanCapacity, PlanPolicy, PoolLayout, PrefillKernel,
+    PrefillTiling, Queries, MAX_CHUNKS, MAX_DECODE_GROUP, MAX_DECODE_SPLITS, MMA_PREFILL_HEAD_DIMS,
+    PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS, PLAN_HEADER_WORDS, SUPPORTED_HEAD_DIMS,
 };
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
 pub use crate::linear::cuda::{dequantize, specialize_dequantize, QuantFormat};
@@ -28,7 +28,9 @@ pub use crate::norm::cuda::{
     add_bias_rows, add_rms_norm, rms_norm, rms_norm_heads, specialize_norm, specialize_qkv,
     NormEntry, QkvEntry,
 };
-pub use crate::rope::cuda::{kv_append, rope, specialize_kv_append, specialize_rope, RopeStyle};
+pub use crate::rope::cuda::{
+    kv_append, rope, specialize_kv_append, specialize_rope, NewKv, RopeStyle,
+};
 pub use crate::sampling::cuda::{
     decode_row_stats, default_fast_rounds, encode_row_params, filter_splits, plan_sampling,
     sample_rows, sample_rows_with, sampling_splits, specialize_cluster, specialize_sampling,

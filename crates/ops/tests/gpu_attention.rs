@@ -6,8 +6,8 @@ mod common;
 
 use common::*;
 use half::bf16;
-use pagoda_cuda::{view, Gpu};
-use pagoda_ops::cuda::{self as ops, DevicePageTable, PoolLayout};
+use pagoda_cuda::{view, whole, Gpu};
+use pagoda_ops::cuda::{self as ops, DevicePageTable, PagedKv, PoolLayout, Queries};
 use rand::seq::SliceRandom;
 
 /// One request of the scenario: visible tokens, new (query) tokens, first visible row.
@@ -161,17 +161,14 @@ fn check_attention<T: TestFloat>(gpu: &Gpu, head_dim: usize, page_size: usize, s
     let q_offset = num_q_heads * head_dim;
     let k_new = view(&qkv_d, q_offset..qkv.len()).unwrap();
     let v_new = view(&qkv_d, q_offset + stride..qkv.len()).unwrap();
-    ops::kv_append(
-        gpu,
-        &mut k_pool_d,
-        &mut v_pool_d,
-        &layout,
-        &k_new,
-        &v_new,
-        &gpu.upload(&slots).unwrap(),
-        (qkv_width, qkv_width),
-    )
-    .unwrap();
+    let slots_d = gpu.upload(&slots).unwrap();
+    let new = ops::NewKv {
+        k: k_new,
+        v: v_new,
+        row_strides: (qkv_width, qkv_width),
+        slots: whole(&slots_d),
+    };
+    ops::kv_append(gpu, &new, &mut k_pool_d, &mut v_pool_d, &layout).unwrap();
     for (t, &slot) in slots.iter().enumerate().filter(|(_, &slot)| slot >= 0) {
         let (row, source) = (slot as usize * stride, t * qkv_width + q_offset);
         k_pool[row..row + stride].copy_from_slice(&qkv[source..source + stride]);
@@ -199,12 +196,8 @@ fn check_attention<T: TestFloat>(gpu: &Gpu, head_dim: usize, page_size: usize, s
     let mut out = poisoned::<T>(gpu, (num_tokens + 1) * num_q_heads * head_dim);
     ops::prefill_attention(
         gpu,
-        &qkv_d,
-        (num_q_heads, qkv_width),
-        &k_pool_d,
-        &v_pool_d,
-        &layout,
-        &table,
+        &Queries::new(&qkv_d, num_q_heads, qkv_width),
+        &PagedKv::new(&k_pool_d, &v_pool_d, layout, table),
         &gpu.upload(&qo_indptr).unwrap(),
         scale,
         &mut out,
@@ -255,12 +248,8 @@ fn check_attention<T: TestFloat>(gpu: &Gpu, head_dim: usize, page_size: usize, s
         let mut decode_out = poisoned::<T>(gpu, decode_q.len());
         ops::decode_attention_gathered(
             gpu,
-            &decode_q_d,
-            (num_q_heads, q_offset),
-            &k_pool_d,
-            &v_pool_d,
-            &layout,
-            &table,
+            &Queries::new(&decode_q_d, num_q_heads, q_offset),
+            &PagedKv::new(&k_pool_d, &v_pool_d, layout, table),
             &mut workspace,
             num_splits,
             scale,
@@ -283,12 +272,8 @@ fn check_attention<T: TestFloat>(gpu: &Gpu, head_dim: usize, page_size: usize, s
     let mut short_out = poisoned::<T>(gpu, decode_q.len());
     ops::decode_attention_gathered(
         gpu,
-        &decode_q_d,
-        (num_q_heads, q_offset),
-        &k_pool_d,
-        &v_pool_d,
-        &layout,
-        &table,
+        &Queries::new(&decode_q_d, num_q_heads, q_offset),
+        &PagedKv::new(&k_pool_d, &v_pool_d, layout, table),
         &mut small,
         2,
         scale,
@@ -337,12 +322,8 @@ fn check_long_decode<T: TestFloat>(gpu: &Gpu, num_q_heads: usize, num_kv_heads: 
         let mut out = poisoned::<T>(gpu, q.len());
         ops::decode_attention_gathered(
             gpu,
-            &q_d,
-            (num_q_heads, row),
-            &k_pool_d,
-            &v_pool_d,
-            &layout,
-            &table,
+            &Queries::new(&q_d, num_q_heads, row),
+            &PagedKv::new(&k_pool_d, &v_pool_d, layout, table),
             &mut workspace,
             num_splits,
             scale,
@@ -405,12 +386,8 @@ fn attention_rejects_bad_geometry() {
     let qo = gpu.upload(&[0u32, 1]).unwrap();
     let error = ops::prefill_attention(
         &gpu,
-        &q,
-        (4, 4 * 48),
-        &pool,
-        &pool,
-        &layout,
-        &table,
+        &Queries::new(&q, 4, 4 * 48),
+        &PagedKv::new(&pool, &pool, layout, table),
         &qo,
         1.0,
         &mut out,

@@ -10,10 +10,10 @@ mod common;
 use common::decode_batch::{peak_error, Batch};
 use common::*;
 use half::{bf16, f16};
-use pagoda_cuda::{DeviceBuffer, Gpu};
+use pagoda_cuda::{whole, DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{
     self as ops, DevicePageTable, MergeMode, PagedDecodeKernel, PagedDecodePlan,
-    PagedDecodeWorkspace, PlanCapacity, PlanPolicy, PoolLayout,
+    PagedDecodeWorkspace, PagedKv, Partials, PlanCapacity, PlanPolicy, PoolLayout, Queries,
 };
 
 const NUM_KV_HEADS: usize = 2;
@@ -30,7 +30,6 @@ struct Case<'a> {
 }
 
 /// Runs the fused decode with `policy` and `merge` and returns the output.
-#[allow(clippy::too_many_arguments)]
 fn fused<T: TestFloat>(
     case: &Case<'_>,
     q: &DeviceBuffer<T>,
@@ -62,12 +61,8 @@ fn fused<T: TestFloat>(
     for _ in 0..2 {
         ops::paged_decode_attention(
             gpu,
-            q,
-            (num_q_heads, num_q_heads * layout.head_dim),
-            pools.0,
-            pools.1,
-            layout,
-            table,
+            &Queries::new(q, num_q_heads, num_q_heads * layout.head_dim),
+            &PagedKv::new(pools.0, pools.1, *layout, *table),
             &mut workspace,
             merge,
             scale,
@@ -92,15 +87,18 @@ fn paths<T: TestFloat>() -> Vec<(PagedDecodeKernel, MergeMode)> {
 
 /// Runs the gather decode (the reference path) and returns the output.
 fn gathered<T: TestFloat>(
-    gpu: &Gpu,
-    batch: &Batch,
-    table: &DevicePageTable<'_>,
+    case: &Case<'_>,
     q: &DeviceBuffer<T>,
-    num_q_heads: usize,
     pools: (&DeviceBuffer<T>, &DeviceBuffer<T>),
-    layout: &PoolLayout,
-    scale: f32,
 ) -> Vec<f32> {
+    let Case {
+        gpu,
+        batch,
+        table,
+        num_q_heads,
+        layout,
+        scale,
+    } = *case;
     let b = batch.num_requests();
     let mut workspace =
         ops::DecodeWorkspace::<T>::new(gpu, layout, num_q_heads, b, batch.indices.len()).unwrap();
@@ -108,12 +106,8 @@ fn gathered<T: TestFloat>(
     let mut out = poisoned::<T>(gpu, b * num_q_heads * layout.head_dim);
     ops::decode_attention_gathered(
         gpu,
-        q,
-        (num_q_heads, num_q_heads * layout.head_dim),
-        pools.0,
-        pools.1,
-        layout,
-        table,
+        &Queries::new(q, num_q_heads, num_q_heads * layout.head_dim),
+        &PagedKv::new(pools.0, pools.1, *layout, *table),
         &mut workspace,
         splits,
         scale,
@@ -162,8 +156,6 @@ fn matrix<T: TestFloat>(gpu: &Gpu, quick: bool) -> (usize, f32) {
                             gpu,
                             &random_vec(&mut rng, b * num_q_heads * head_dim, 2.0),
                         );
-                        let expected =
-                            gathered(gpu, &batch, &table, &q, num_q_heads, pools, &layout, scale);
                         let case = Case {
                             gpu,
                             batch: &batch,
@@ -172,6 +164,7 @@ fn matrix<T: TestFloat>(gpu: &Gpu, quick: bool) -> (usize, f32) {
                             layout: &layout,
                             scale,
                         };
+                        let expected = gathered(&case, &q, pools);
                         let searched = PlanPolicy {
                             target_ctas: 2 * sm,
                             pages_per_chunk: None,
@@ -404,10 +397,13 @@ fn merge_is_associative_and_skips_empty_partials() {
     let mut lse_out = gpu.alloc::<f32>(groups.len() * heads).unwrap();
     ops::merge_attention_partials(
         &gpu,
-        &partial_d,
-        &lse_d,
-        &o_indptr,
-        (heads, d),
+        &Partials {
+            out: whole(&partial_d),
+            lse: whole(&lse_d),
+            o_indptr: whole(&o_indptr),
+            num_heads: heads,
+            head_dim: d,
+        },
         false,
         &mut out,
         Some(&mut lse_out),
@@ -424,10 +420,13 @@ fn merge_is_associative_and_skips_empty_partials() {
     let mut first_lse = gpu.alloc::<f32>(2 * heads).unwrap();
     ops::merge_attention_partials(
         &gpu,
-        &partial_d,
-        &lse_d,
-        &pairs,
-        (heads, d),
+        &Partials {
+            out: whole(&partial_d),
+            lse: whole(&lse_d),
+            o_indptr: whole(&pairs),
+            num_heads: heads,
+            head_dim: d,
+        },
         false,
         &mut first,
         Some(&mut first_lse),
@@ -437,10 +436,13 @@ fn merge_is_associative_and_skips_empty_partials() {
     let mut second = poisoned::<f32>(&gpu, heads * d);
     ops::merge_attention_partials(
         &gpu,
-        &first,
-        &first_lse,
-        &all,
-        (heads, d),
+        &Partials {
+            out: whole(&first),
+            lse: whole(&first_lse),
+            o_indptr: whole(&all),
+            num_heads: heads,
+            head_dim: d,
+        },
         false,
         &mut second,
         None,
@@ -456,13 +458,16 @@ fn merge_is_associative_and_skips_empty_partials() {
     let bad = gpu.upload(&[0u32, 1]).unwrap();
     assert!(ops::merge_attention_partials(
         &gpu,
-        &partial_d,
-        &lse_d,
-        &bad,
-        (heads, d + 1),
+        &Partials {
+            out: whole(&partial_d),
+            lse: whole(&lse_d),
+            o_indptr: whole(&bad),
+            num_heads: heads,
+            head_dim: d + 1,
+        },
         false,
         &mut second,
-        None
+        None,
     )
     .is_err());
 }
@@ -501,12 +506,8 @@ fn fused_decode_replays_from_a_graph_with_new_plans() {
         gpu.capture(|gpu| {
             ops::paged_decode_attention(
                 gpu,
-                &q_d,
-                (num_q_heads, num_q_heads * 128),
-                &k_d,
-                &v_d,
-                &layout,
-                &table,
+                &Queries::new(&q_d, num_q_heads, num_q_heads * 128),
+                &PagedKv::new(&k_d, &v_d, layout, table),
                 &mut workspace,
                 MergeMode::InKernel,
                 scale,

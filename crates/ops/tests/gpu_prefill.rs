@@ -9,7 +9,7 @@ use common::prefill_batch::*;
 use common::*;
 use half::bf16;
 use pagoda_cuda::DeviceBuffer;
-use pagoda_ops::cuda::{self as ops, DevicePageTable, PoolLayout};
+use pagoda_ops::cuda::{self as ops, DevicePageTable, PagedKv, PoolLayout, Queries};
 
 fn tolerance<T: TestFloat>() -> f32 {
     if T::NAME == "f32" {
@@ -111,12 +111,8 @@ fn tiled_prefill_rejects_bad_geometry() {
         let row = num_q_heads * layout.head_dim;
         ops::prefill_attention_tiled(
             &gpu,
-            &q,
-            (num_q_heads, row),
-            &pool,
-            &pool,
-            &layout,
-            &table,
+            &Queries::new(&q, num_q_heads, row),
+            &PagedKv::new(&pool, &pool, layout, table),
             qo,
             1.0,
             &mut out,

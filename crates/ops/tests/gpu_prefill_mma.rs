@@ -9,7 +9,7 @@ use common::prefill_batch::*;
 use common::*;
 use half::bf16;
 use pagoda_cuda::{view, view_mut, DeviceRead};
-use pagoda_ops::cuda::{self as ops, DevicePageTable, PoolLayout};
+use pagoda_ops::cuda::{self as ops, DevicePageTable, PagedKv, PoolLayout, Queries};
 
 /// bf16 inputs and outputs, f32 accumulation, bf16 probabilities: error bound relative to
 /// `1 + |expected|` (outputs are convex combinations of values in `[-1, 1]`).
@@ -101,7 +101,13 @@ fn mma_prefill_misaligned_views_match() {
         let k = view(&k_pool, 1..k_pool.len()).unwrap();
         let v = view(&v_pool, 1..v_pool.len()).unwrap();
         let mut out_view = view_mut(&mut out, 1..len + 1).unwrap();
-        device.launch(&gpu, &batch, Kernel::Mma, 0.1, (&q, &k, &v), &mut out_view);
+        device.launch(
+            &gpu,
+            &batch,
+            (Kernel::Mma, 0.1),
+            (&q, &k, &v),
+            &mut out_view,
+        );
     }
     let misaligned = download(&gpu, &out);
     assert_eq!(&misaligned[1..], &aligned[..], "misaligned views");
@@ -135,12 +141,8 @@ fn mma_prefill_rejects_bad_input() {
         let row = num_q_heads * layout.head_dim;
         ops::prefill_attention_mma(
             &gpu,
-            &q,
-            (num_q_heads, row),
-            &pool,
-            &pool,
-            &layout,
-            &table,
+            &Queries::new(&q, num_q_heads, row),
+            &PagedKv::new(&pool, &pool, layout, table),
             &qo,
             1.0,
             &mut out,
@@ -162,12 +164,8 @@ fn mma_prefill_rejects_bad_input() {
     let mut out = gpu.zeros::<f32>(4 * 64).unwrap();
     let error = ops::prefill_attention_mma(
         &gpu,
-        &q,
-        (4, 4 * 64),
-        &pool,
-        &pool,
-        &layout,
-        &table,
+        &Queries::new(&q, 4, 4 * 64),
+        &PagedKv::new(&pool, &pool, layout, table),
         &qo,
         1.0,
         &mut out,

@@ -344,12 +344,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
             run_index += 1;
             let (tokens, seconds, counts) = timed_decode(
                 &mut engine,
-                vocab,
-                batch,
-                depth,
-                args.decode_tokens,
+                DecodeShape {
+                    vocab,
+                    batch,
+                    depth,
+                    tokens: args.decode_tokens,
+                    shared_prefix: args.shared_prefix,
+                },
                 run_index,
-                args.shared_prefix,
                 decode_params,
             )?;
             rates.push(tokens as f64 / seconds);
@@ -480,19 +482,33 @@ fn timed_prefill(engine: &mut Engine, prompt: &[u32]) -> Result<f64> {
     Ok(started.elapsed().as_secs_f64())
 }
 
+/// One decode measurement's shape: `batch` sequences of `depth` context tokens (sharing
+/// them when `shared_prefix`) over a `vocab`-token vocabulary, timed for `tokens` steps.
+#[derive(Clone, Copy)]
+struct DecodeShape {
+    vocab: usize,
+    batch: usize,
+    depth: usize,
+    tokens: usize,
+    shared_prefix: bool,
+}
+
 /// Decode throughput of `batch` sequences with `depth` tokens of context each: returns the
 /// tokens sampled and the seconds taken once every sequence has finished its prefill (the
 /// prefill steps are not timed).
 fn timed_decode(
     engine: &mut Engine,
-    vocab: usize,
-    batch: usize,
-    depth: usize,
-    tokens: usize,
+    shape: DecodeShape,
     run: u64,
-    shared_prefix: bool,
     params: SamplingParams,
 ) -> Result<(usize, f64, StepCounts)> {
+    let DecodeShape {
+        vocab,
+        batch,
+        depth,
+        tokens,
+        shared_prefix,
+    } = shape;
     // Sequences that finish their prefill early decode while the others still prefill;
     // the slack keeps every sequence running until `tokens` full-batch steps are timed.
     let slack = decode_slack(batch, depth, engine.config().max_batch_tokens);

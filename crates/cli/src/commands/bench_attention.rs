@@ -16,7 +16,7 @@ use half::bf16;
 use pagoda_cuda::{view_mut, DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{
     self as ops, DecodeWorkspace, DevicePageTable, MergeMode, PagedDecodeKernel, PagedDecodePlan,
-    PagedDecodeWorkspace, PlanCapacity, PlanPolicy, PoolLayout,
+    PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, PoolLayout, Queries,
 };
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -228,20 +228,17 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
                     for set in &inputs {
                         let [a, i, lp, f] = &set.arrays;
                         let table = DevicePageTable::new(a, i, lp, f)?;
-                        let heads = (args.q_heads, args.q_heads * args.head_dim);
+                        let queries =
+                            Queries::new(&set.q, args.q_heads, args.q_heads * args.head_dim);
+                        let kv = PagedKv::new(&k_pool, &v_pool, layout, table);
                         match (path.as_str(), gather.as_mut()) {
                             ("gather", Some(workspace)) => ops::decode_attention_gathered(
-                                gpu, &set.q, heads, &k_pool, &v_pool, &layout, &table, workspace,
-                                splits, scale, &mut out,
+                                gpu, &queries, &kv, workspace, splits, scale, &mut out,
                             )?,
                             (other, _) => ops::paged_decode_attention(
                                 gpu,
-                                &set.q,
-                                heads,
-                                &k_pool,
-                                &v_pool,
-                                &layout,
-                                &table,
+                                &queries,
+                                &kv,
                                 &mut fused,
                                 if other.ends_with("separate") {
                                     MergeMode::Separate

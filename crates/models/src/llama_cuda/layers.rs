@@ -2,7 +2,7 @@
 //! the final norm and the LM head of the rows that need logits.
 
 use pagoda_cuda::{view, view_mut, CudaError, DeviceRead, Gpu};
-use pagoda_ops::cuda::{self as ops, DevicePageTable, PoolLayout};
+use pagoda_ops::cuda::{self as ops, DevicePageTable, PagedKv, PoolLayout, Queries};
 
 use super::step::{prefill_kernel, Attention, StepShape};
 use super::{GpuLlama, HostFloat, StepBuffers};
@@ -110,26 +110,21 @@ impl<T: HostFloat> GpuLlama<T> {
             {
                 let k_new = view(&qkv, q_dim..num_tokens * qkv_dim)?;
                 let v_new = view(&qkv, q_dim + kv_dim..num_tokens * qkv_dim)?;
-                ops::kv_append(
-                    gpu,
-                    k_pool,
-                    v_pool,
-                    layout,
-                    &k_new,
-                    &v_new,
-                    &slots,
-                    (qkv_dim, qkv_dim),
-                )?;
+                let new = ops::NewKv {
+                    k: k_new,
+                    v: v_new,
+                    row_strides: (qkv_dim, qkv_dim),
+                    slots,
+                };
+                ops::kv_append(gpu, &new, k_pool, v_pool, layout)?;
             }
+            let queries = Queries::new(&qkv, c.num_attention_heads, qkv_dim);
+            let kv = PagedKv::new(&*k_pool, &*v_pool, *layout, page_table);
             match attention {
                 Attention::Gather { num_splits } => ops::decode_attention_gathered(
                     gpu,
-                    &qkv,
-                    (c.num_attention_heads, qkv_dim),
-                    &*k_pool,
-                    &*v_pool,
-                    layout,
-                    &page_table,
+                    &queries,
+                    &kv,
                     decode
                         .as_mut()
                         .ok_or_else(|| CudaError::invalid("gather decode without its workspace"))?,
@@ -145,31 +140,11 @@ impl<T: HostFloat> GpuLlama<T> {
                     let workspace = fused.workspace_mut();
                     workspace.set_grid_chunks(grid_chunks)?;
                     ops::paged_decode_attention(
-                        gpu,
-                        &qkv,
-                        (c.num_attention_heads, qkv_dim),
-                        &*k_pool,
-                        &*v_pool,
-                        layout,
-                        &page_table,
-                        workspace,
-                        merge,
-                        scale,
-                        &mut attn,
+                        gpu, &queries, &kv, workspace, merge, scale, &mut attn,
                     )?
                 }
                 Attention::Prefill => ops::prefill_attention_with(
-                    prefill,
-                    gpu,
-                    &qkv,
-                    (c.num_attention_heads, qkv_dim),
-                    &*k_pool,
-                    &*v_pool,
-                    layout,
-                    &page_table,
-                    &qo_indptr,
-                    scale,
-                    &mut attn,
+                    prefill, gpu, &queries, &kv, &qo_indptr, scale, &mut attn,
                 )?,
             }
             // x += attn · Wo^T (the residual add rides on the GEMM).

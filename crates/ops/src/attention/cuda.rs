@@ -16,13 +16,13 @@ mod prefill_mma;
 pub use decode_plan::{PagedDecodePlan, PlanCapacity, PlanPolicy, MAX_CHUNKS, PLAN_HEADER_WORDS};
 pub use gathered::{
     decode_attention_gathered, decode_splits, prefill_attention, specialize_attention,
-    AttentionEntry, DecodeWorkspace, DevicePageTable, PoolLayout, MAX_DECODE_SPLITS,
-    SUPPORTED_HEAD_DIMS,
+    AttentionEntry, DecodeWorkspace, DevicePageTable, PagedKv, PoolLayout, Queries,
+    MAX_DECODE_SPLITS, SUPPORTED_HEAD_DIMS,
 };
 pub use paged_decode::{
     merge_attention_partials, mma_decode_stages, paged_decode_attention, paged_decode_unsupported,
     specialize_paged_decode, MergeMode, PagedDecodeEntry, PagedDecodeKernel, PagedDecodeWorkspace,
-    MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
+    Partials, MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
 };
 pub use prefill::{
     prefill_attention_tiled, prefill_attention_with, specialize_prefill, PrefillKernel,

@@ -3,8 +3,8 @@
 use crate::attention::cuda::PoolLayout;
 use crate::cuda::{check_float, FLOAT_DTYPES};
 use pagoda_cuda::{
-    check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceRead, DeviceWrite, Element, Gpu,
-    KernelArg, KernelSource, KernelSpec, LaunchDims,
+    check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceRead, DeviceView, DeviceWrite,
+    Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims,
 };
 
 /// The CUDA source of this op's `rope.cu` kernels.
@@ -105,20 +105,38 @@ pub fn specialize_kv_append(dtype: DType) -> Result<KernelSpec, CudaError> {
     })
 }
 
-/// Writes token `t`'s K and V rows (`num_kv_heads * head_dim` elements at `t * k_row_stride`
-/// of `k_new`, `t * v_row_stride` of `v_new`) into pool row `slots[t]` (`page * page_size +
-/// offset`) of `k_pool`/`v_pool` (`[num_pages, page_size, num_kv_heads, head_dim]`).
-/// `num_tokens = slots.len()`. Negative or out-of-pool slots are skipped (padding rows).
+/// The K and V rows of a step's new tokens and where they go: token `t`'s rows
+/// (`num_kv_heads * head_dim` elements at `t * row_strides.0` of `k`, `t * row_strides.1` of
+/// `v`) belong in pool row `slots[t]` (`page * page_size + offset`); `num_tokens =
+/// slots.len()`.
+#[derive(Clone, Copy, Debug)]
+pub struct NewKv<'a, T> {
+    /// New K rows.
+    pub k: DeviceView<'a, T>,
+    /// New V rows.
+    pub v: DeviceView<'a, T>,
+    /// Elements from one row to the next in `k` and in `v`.
+    pub row_strides: (usize, usize),
+    /// Pool row per token; negative or out-of-pool slots are skipped (padding rows).
+    pub slots: DeviceView<'a, i32>,
+}
+
+/// Writes the rows of `new` into `k_pool`/`v_pool` (`[num_pages, page_size, num_kv_heads,
+/// head_dim]`, shaped by `layout`).
 pub fn kv_append<T: Element>(
     gpu: &Gpu,
+    new: &NewKv<'_, T>,
     k_pool: &mut impl DeviceWrite<T>,
     v_pool: &mut impl DeviceWrite<T>,
     layout: &PoolLayout,
-    k_new: &impl DeviceRead<T>,
-    v_new: &impl DeviceRead<T>,
-    slots: &impl DeviceRead<i32>,
-    (k_row_stride, v_row_stride): (usize, usize),
 ) -> Result<(), CudaError> {
+    let NewKv {
+        k: k_new,
+        v: v_new,
+        row_strides: (k_row_stride, v_row_stride),
+        slots,
+    } = new;
+    let (k_row_stride, v_row_stride) = (*k_row_stride, *v_row_stride);
     let spec = specialize_kv_append(T::DTYPE)?;
     layout.validate()?;
     check_len(

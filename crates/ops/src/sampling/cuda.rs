@@ -396,11 +396,8 @@ pub fn sample_rows_with(
                 workspace: ws,
             },
             vocab_len,
-            rows,
-            flags,
-            options.max_rejection_rounds,
-            options.cluster_shape,
-            options.cluster_prefetch,
+            (rows, flags),
+            &options,
         )?;
     } else if !gumbel_max {
         let row_max = [

@@ -164,19 +164,28 @@ struct Best {
     token: Option<u32>,
 }
 
-/// Scores one chunk (`logits` padded with `-inf` to [`CHUNK`]) starting at element `start`
-/// and folds it into `best`. `cutoff`: skip the chunk if no tempered logit reaches it.
-#[inline(always)]
-fn score_chunk(
-    logits: &[f32; CHUNK],
-    start: usize,
+/// What every chunk of one row's draw shares: the row maximum, the temperature, the
+/// Philox key and step, and whether chunks that cannot win are skipped.
+#[derive(Clone, Copy)]
+struct RowDraw {
     z_max: f32,
     inverse_temperature: f32,
     key: [u32; 2],
     step: u64,
     prune: bool,
-    best: &mut Best,
-) {
+}
+
+/// Scores one chunk (`logits` padded with `-inf` to [`CHUNK`]) starting at element `start`
+/// and folds it into `best`. `cutoff`: skip the chunk if no tempered logit reaches it.
+#[inline(always)]
+fn score_chunk(logits: &[f32; CHUNK], start: usize, row: &RowDraw, best: &mut Best) {
+    let RowDraw {
+        z_max,
+        inverse_temperature,
+        key,
+        step,
+        prune,
+    } = *row;
     let mut tempered = [0f32; CHUNK];
     for index in 0..CHUNK {
         tempered[index] = (logits[index] - z_max) * inverse_temperature;
@@ -227,6 +236,13 @@ fn argmax_row(
     step: u64,
     prune: bool,
 ) -> Option<u32> {
+    let row = RowDraw {
+        z_max,
+        inverse_temperature,
+        key,
+        step,
+        prune,
+    };
     let mut best = Best {
         score: f32::NEG_INFINITY,
         token: None,
@@ -248,16 +264,7 @@ fn argmax_row(
     };
     if let Some(chunk) = first_chunk {
         let logits = load(chunk);
-        score_chunk(
-            &logits,
-            chunk * CHUNK,
-            z_max,
-            inverse_temperature,
-            key,
-            step,
-            prune,
-            &mut best,
-        );
+        score_chunk(&logits, chunk * CHUNK, &row, &mut best);
     }
     for chunk in 0..chunk_count {
         if Some(chunk) == first_chunk {
@@ -266,28 +273,10 @@ fn argmax_row(
         let start = chunk * CHUNK;
         if start + CHUNK <= z.len() {
             let logits: &[f32; CHUNK] = z[start..start + CHUNK].try_into().expect("chunk");
-            score_chunk(
-                logits,
-                start,
-                z_max,
-                inverse_temperature,
-                key,
-                step,
-                prune,
-                &mut best,
-            );
+            score_chunk(logits, start, &row, &mut best);
         } else {
             let logits = load(chunk);
-            score_chunk(
-                &logits,
-                start,
-                z_max,
-                inverse_temperature,
-                key,
-                step,
-                prune,
-                &mut best,
-            );
+            score_chunk(&logits, start, &row, &mut best);
         }
     }
     best.token

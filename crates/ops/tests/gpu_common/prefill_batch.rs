@@ -4,7 +4,7 @@
 
 use half::bf16;
 use pagoda_cuda::{DeviceBuffer, DeviceRead, DeviceWrite, Gpu};
-use pagoda_ops::cuda::{self as ops, DevicePageTable, PoolLayout};
+use pagoda_ops::cuda::{self as ops, DevicePageTable, PagedKv, PoolLayout, Queries};
 use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 
@@ -242,13 +242,11 @@ impl<T: TestFloat> DeviceBatch<T> {
     }
 
     /// Launches `kernel` on explicit q / pools / out (views allowed).
-    #[allow(clippy::too_many_arguments)]
     pub fn launch(
         &self,
         gpu: &Gpu,
         batch: &Batch,
-        kernel: Kernel,
-        scale: f32,
+        (kernel, scale): (Kernel, f32),
         (q, k_pool, v_pool): (
             &impl DeviceRead<T>,
             &impl DeviceRead<T>,
@@ -256,21 +254,17 @@ impl<T: TestFloat> DeviceBatch<T> {
         ),
         out: &mut impl DeviceWrite<T>,
     ) {
-        let heads = (batch.num_q_heads, batch.qkv_width());
-        let table = self.page_table();
-        let qo = &self.qo_indptr;
-        let layout = &batch.layout;
-        ops::prefill_attention_with(
-            kernel, gpu, q, heads, k_pool, v_pool, layout, &table, qo, scale, out,
-        )
-        .unwrap();
+        let queries = Queries::new(q, batch.num_q_heads, batch.qkv_width());
+        let kv = PagedKv::new(k_pool, v_pool, batch.layout, self.page_table());
+        ops::prefill_attention_with(kernel, gpu, &queries, &kv, &self.qo_indptr, scale, out)
+            .unwrap();
     }
 
     /// Runs `kernel` into a NaN-poisoned output and downloads it.
     pub fn run(&self, gpu: &Gpu, batch: &Batch, scale: f32, kernel: Kernel) -> Vec<f32> {
         let mut out = poisoned::<T>(gpu, batch.num_rows() * batch.row_elems());
         let inputs = (&self.qkv, &self.k_pool, &self.v_pool);
-        self.launch(gpu, batch, kernel, scale, inputs, &mut out);
+        self.launch(gpu, batch, (kernel, scale), inputs, &mut out);
         download(gpu, &out)
     }
 }
@@ -396,7 +390,7 @@ pub fn check_graph_replay<T: TestFloat>(gpu: &Gpu, kernel: Kernel, head_dim: usi
     let inputs = (&device.qkv, &device.k_pool, &device.v_pool);
     let graph = gpu
         .capture(|gpu| {
-            device.launch(gpu, &batch, kernel, 0.1, inputs, &mut out);
+            device.launch(gpu, &batch, (kernel, 0.1), inputs, &mut out);
             Ok(())
         })
         .unwrap();

@@ -4,7 +4,7 @@
 use super::ATTENTION;
 use crate::cuda::check_float;
 use pagoda_cuda::{
-    check_len, check_min_len, ptr, to_u32, view, CudaError, DType, DeviceRead, DeviceView,
+    check_len, check_min_len, ptr, to_u32, whole, CudaError, DType, DeviceRead, DeviceView,
     DeviceWrite, Element, Gpu, KernelArg, KernelSpec, LaunchDims,
 };
 
@@ -88,16 +88,71 @@ impl<'a> DevicePageTable<'a> {
             first_page_offset.len(),
         )?;
         Ok(DevicePageTable {
-            indptr: view(indptr, 0..indptr.len())?,
-            indices: view(indices, 0..indices.len())?,
-            last_page_len: view(last_page_len, 0..last_page_len.len())?,
-            first_page_offset: view(first_page_offset, 0..first_page_offset.len())?,
+            indptr: whole(indptr),
+            indices: whole(indices),
+            last_page_len: whole(last_page_len),
+            first_page_offset: whole(first_page_offset),
         })
     }
 
     /// Number of requests `B`.
     pub fn num_requests(&self) -> usize {
         self.indptr.len() - 1
+    }
+}
+
+/// The queries of an attention launch: rows `row_stride` elements apart in `data`, each
+/// starting with `num_heads` heads of the pool's `head_dim` (a row of a fused QKV buffer
+/// has `row_stride = (num_q_heads + 2 * num_kv_heads) * head_dim`).
+#[derive(Clone, Copy, Debug)]
+pub struct Queries<'a, T> {
+    /// The query rows.
+    pub data: DeviceView<'a, T>,
+    /// Query heads per row.
+    pub num_heads: usize,
+    /// Elements from one row to the next.
+    pub row_stride: usize,
+}
+
+impl<'a, T> Queries<'a, T> {
+    /// Borrows all of `data` as query rows.
+    pub fn new(data: &'a impl DeviceRead<T>, num_heads: usize, row_stride: usize) -> Self {
+        Queries {
+            data: whole(data),
+            num_heads,
+            row_stride,
+        }
+    }
+}
+
+/// One layer's paged KV cache as the attention launchers read it: the K and V pools, their
+/// layout and the batch's page table.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a, T> {
+    /// `[num_pages, page_size, num_kv_heads, head_dim]`.
+    pub k_pool: DeviceView<'a, T>,
+    /// Same layout as `k_pool`.
+    pub v_pool: DeviceView<'a, T>,
+    /// The pools' shape.
+    pub layout: PoolLayout,
+    /// Which pages each request reads.
+    pub page_table: DevicePageTable<'a>,
+}
+
+impl<'a, T> PagedKv<'a, T> {
+    /// Borrows the two pools (lengths are checked by each launcher against `layout`).
+    pub fn new(
+        k_pool: &'a impl DeviceRead<T>,
+        v_pool: &'a impl DeviceRead<T>,
+        layout: PoolLayout,
+        page_table: DevicePageTable<'a>,
+    ) -> Self {
+        PagedKv {
+            k_pool: whole(k_pool),
+            v_pool: whole(v_pool),
+            layout,
+            page_table,
+        }
     }
 }
 
@@ -219,16 +274,19 @@ fn check_queries(
 /// more queries than visible tokens gets NaN.
 pub fn prefill_attention<T: Element>(
     gpu: &Gpu,
-    q: &impl DeviceRead<T>,
-    (num_q_heads, q_row_stride): (usize, usize),
-    k_pool: &impl DeviceRead<T>,
-    v_pool: &impl DeviceRead<T>,
-    layout: &PoolLayout,
-    page_table: &DevicePageTable<'_>,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, T>,
     qo_indptr: &impl DeviceRead<u32>,
     scale: f32,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
+    let (q, num_q_heads, q_row_stride) = (&queries.data, queries.num_heads, queries.row_stride);
+    let PagedKv {
+        k_pool,
+        v_pool,
+        layout,
+        page_table,
+    } = kv;
     let spec = specialize_attention(AttentionEntry::Prefill, T::DTYPE, layout.head_dim)?;
     let block = group_block(layout, num_q_heads)?;
     check_len("k_pool", layout.pool_len(), k_pool.len())?;
@@ -355,17 +413,20 @@ pub fn decode_splits(num_requests: usize, num_kv_heads: usize, sm_count: usize) 
 /// capacity gets NaN rather than a wrong answer).
 pub fn decode_attention_gathered<T: Element>(
     gpu: &Gpu,
-    q: &impl DeviceRead<T>,
-    (num_q_heads, q_row_stride): (usize, usize),
-    k_pool: &impl DeviceRead<T>,
-    v_pool: &impl DeviceRead<T>,
-    layout: &PoolLayout,
-    page_table: &DevicePageTable<'_>,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, T>,
     workspace: &mut DecodeWorkspace<T>,
     num_splits: usize,
     scale: f32,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
+    let (q, num_q_heads, q_row_stride) = (&queries.data, queries.num_heads, queries.row_stride);
+    let PagedKv {
+        k_pool,
+        v_pool,
+        layout,
+        page_table,
+    } = kv;
     let gather = specialize_attention(AttentionEntry::PagedGather, T::DTYPE, layout.head_dim)?;
     let attend = specialize_attention(AttentionEntry::DecodeGathered, T::DTYPE, layout.head_dim)?;
     let merge = specialize_attention(AttentionEntry::MergeStates, T::DTYPE, layout.head_dim)?;

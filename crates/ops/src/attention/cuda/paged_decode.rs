@@ -4,12 +4,12 @@
 //! request merges) or by the generic [`merge_attention_partials`].
 
 use super::decode_plan::{PagedDecodePlan, PlanCapacity};
-use super::gathered::{check_decode_io, DevicePageTable, PoolLayout};
+use super::gathered::{check_decode_io, PagedKv, PoolLayout, Queries};
 use super::{PAGED_DECODE, PAGED_DECODE_MMA};
 use crate::cuda::check_float;
 use pagoda_cuda::{
-    check_len, ptr, to_u32, CudaError, DType, DeviceBuffer, DeviceRead, DeviceWrite, Element, Gpu,
-    KernelArg, KernelSpec, LaunchDims,
+    check_len, ptr, to_u32, whole, CudaError, DType, DeviceBuffer, DeviceRead, DeviceView,
+    DeviceWrite, Element, Gpu, KernelArg, KernelSpec, LaunchDims,
 };
 
 /// Head sizes the fused decode is instantiated for (`head_dim / 8` a power of two <= 32).
@@ -300,20 +300,22 @@ impl PagedDecodeWorkspace {
 /// token). `scale` is the softmax scale. The plan must have at most the workspace's grid
 /// width of chunks ([`PagedDecodeWorkspace::set_grid_chunks`]): chunks beyond it would not
 /// run.
-#[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention<T: Element>(
     gpu: &Gpu,
-    q: &impl DeviceRead<T>,
-    (num_q_heads, q_row_stride): (usize, usize),
-    k_pool: &impl DeviceRead<T>,
-    v_pool: &impl DeviceRead<T>,
-    layout: &PoolLayout,
-    page_table: &DevicePageTable<'_>,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, T>,
     workspace: &mut PagedDecodeWorkspace,
     merge: MergeMode,
     scale: f32,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
+    let (q, num_q_heads, q_row_stride) = (&queries.data, queries.num_heads, queries.row_stride);
+    let PagedKv {
+        k_pool,
+        v_pool,
+        layout,
+        page_table,
+    } = kv;
     layout.validate()?;
     if let Some(reason) = paged_decode_unsupported(T::DTYPE, layout, num_q_heads) {
         return Err(CudaError::invalid(format!(
@@ -397,37 +399,54 @@ pub fn paged_decode_attention<T: Element>(
     if merge == MergeMode::InKernel {
         return Ok(());
     }
-    let o_indptr = workspace.o_indptr()?;
-    merge_attention_partials(
-        gpu,
-        &workspace.partial_out,
-        &workspace.partial_lse,
-        &o_indptr,
-        (num_q_heads, layout.head_dim),
-        true,
-        out,
-        None,
-    )
+    let partials = Partials {
+        out: whole(&workspace.partial_out),
+        lse: whole(&workspace.partial_lse),
+        o_indptr: workspace.o_indptr()?,
+        num_heads: num_q_heads,
+        head_dim: layout.head_dim,
+    };
+    merge_attention_partials(gpu, &partials, true, out, None)
 }
 
-/// The generic merge: output row `o` (of `o_indptr.len() - 1`) and head `h` combine partial
-/// rows `o_indptr[o] .. o_indptr[o + 1]` of `partial [N, num_heads, head_dim]` f32 by their
-/// base-2 log-sum-exps `lse [N, num_heads]`. `-inf` (and NaN) partials are skipped; a row
-/// with no finite partial becomes zeros and `-inf`. `out` is `[M, num_heads, head_dim]`;
-/// `lse_out` (`[M, num_heads]`, optional) gets the merged base-2 log-sum-exps, so merges
-/// chain (the operation is associative). With `skip_single`, rows of exactly one partial are
-/// left untouched (the fused decode wrote them).
-#[allow(clippy::too_many_arguments)]
+/// Attention states to merge by log-sum-exp: partial rows `o_indptr[o] .. o_indptr[o + 1]`
+/// of `out [N, num_heads, head_dim]` (f32) with their base-2 log-sum-exps `lse [N,
+/// num_heads]` make output row `o` (of `M = o_indptr.len() - 1`).
+#[derive(Clone, Copy, Debug)]
+pub struct Partials<'a> {
+    /// Partial outputs, `[N, num_heads, head_dim]`.
+    pub out: DeviceView<'a, f32>,
+    /// Their base-2 log-sum-exps, `[N, num_heads]`.
+    pub lse: DeviceView<'a, f32>,
+    /// `[M + 1]`: which partial rows make each output row.
+    pub o_indptr: DeviceView<'a, u32>,
+    /// Heads per row.
+    pub num_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+}
+
+/// The generic merge: output row `o` and head `h` combine the partial rows of `partials`
+/// that `o_indptr` gives it. `-inf` (and NaN) partials are skipped; a row with no finite
+/// partial becomes zeros and `-inf`. `out` is `[M, num_heads, head_dim]`; `lse_out` (`[M,
+/// num_heads]`, optional) gets the merged base-2 log-sum-exps, so merges chain (the
+/// operation is associative). With `skip_single`, rows of exactly one partial are left
+/// untouched (the fused decode wrote them).
 pub fn merge_attention_partials<T: Element>(
     gpu: &Gpu,
-    partial: &impl DeviceRead<f32>,
-    lse: &impl DeviceRead<f32>,
-    o_indptr: &impl DeviceRead<u32>,
-    (num_heads, head_dim): (usize, usize),
+    partials: &Partials<'_>,
     skip_single: bool,
     out: &mut impl DeviceWrite<T>,
     lse_out: Option<&mut DeviceBuffer<f32>>,
 ) -> Result<(), CudaError> {
+    let Partials {
+        out: partial,
+        lse,
+        o_indptr,
+        num_heads,
+        head_dim,
+    } = *partials;
+    let (partial, lse, o_indptr) = (&partial, &lse, &o_indptr);
     let spec = specialize_paged_decode(PagedDecodeEntry::Merge, T::DTYPE, head_dim, 1)?;
     if o_indptr.is_empty() || num_heads == 0 || num_heads > 65535 {
         return Err(CudaError::invalid(format!(

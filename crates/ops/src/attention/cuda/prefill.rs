@@ -2,7 +2,7 @@
 //! (tile of consecutive queries of one request, KV head), K/V tiles staged in shared memory
 //! once and reused by every query row of the tile and of the GQA group.
 
-use super::{DevicePageTable, PoolLayout, PREFILL, SUPPORTED_HEAD_DIMS};
+use super::{PagedKv, Queries, PREFILL, SUPPORTED_HEAD_DIMS};
 use crate::cuda::check_float;
 use pagoda_cuda::{
     check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceRead, DeviceWrite, Element, Gpu,
@@ -93,16 +93,13 @@ pub fn specialize_prefill(dtype: DType, head_dim: usize) -> Result<KernelSpec, C
 /// CUDA graph); its grid is `(B + ceil(num_tokens / block_q), num_kv_heads)`.
 pub fn prefill_attention_tiled<T: Element>(
     gpu: &Gpu,
-    q: &impl DeviceRead<T>,
-    (num_q_heads, q_row_stride): (usize, usize),
-    k_pool: &impl DeviceRead<T>,
-    v_pool: &impl DeviceRead<T>,
-    layout: &PoolLayout,
-    page_table: &DevicePageTable<'_>,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, T>,
     qo_indptr: &impl DeviceRead<u32>,
     scale: f32,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
+    let layout = &kv.layout;
     let spec = specialize_prefill(T::DTYPE, layout.head_dim)?;
     let tiling = PrefillTiling::for_head_dim(layout.head_dim)?;
     let kernel = QueryTiledKernel {
@@ -111,16 +108,7 @@ pub fn prefill_attention_tiled<T: Element>(
         block_rows: tiling.block_rows,
         threads: tiling.threads,
     };
-    kernel.launch(
-        gpu,
-        q,
-        (num_q_heads, q_row_stride),
-        (k_pool, v_pool, layout),
-        page_table,
-        qo_indptr,
-        scale,
-        out,
-    )
+    kernel.launch(gpu, queries, kv, qo_indptr, scale, out)
 }
 
 /// The prefill attention kernels, all with the arguments and results of
@@ -136,16 +124,11 @@ pub enum PrefillKernel {
 }
 
 /// Runs the prefill attention `kernel` (same contract as [`super::prefill_attention`]).
-#[allow(clippy::too_many_arguments)]
 pub fn prefill_attention_with<T: Element>(
     kernel: PrefillKernel,
     gpu: &Gpu,
-    q: &impl DeviceRead<T>,
-    heads: (usize, usize),
-    k_pool: &impl DeviceRead<T>,
-    v_pool: &impl DeviceRead<T>,
-    layout: &PoolLayout,
-    page_table: &DevicePageTable<'_>,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, T>,
     qo_indptr: &impl DeviceRead<u32>,
     scale: f32,
     out: &mut impl DeviceWrite<T>,
@@ -155,9 +138,7 @@ pub fn prefill_attention_with<T: Element>(
         PrefillKernel::Tiled => prefill_attention_tiled,
         PrefillKernel::Mma => super::prefill_attention_mma,
     };
-    run(
-        gpu, q, heads, k_pool, v_pool, layout, page_table, qo_indptr, scale, out,
-    )
+    run(gpu, queries, kv, qo_indptr, scale, out)
 }
 
 /// A query-tiled prefill kernel (`prefill_attention_tiled` or `prefill_attention_mma`: the
@@ -177,18 +158,22 @@ impl QueryTiledKernel<'_> {
     /// Validates the geometry and launches over `(B + ceil(num_tokens / block_q),
     /// num_kv_heads)` CTAs, `block_q = block_rows / group` (see [`prefill_attention_tiled`]
     /// for the arguments' contract).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch<T: Element>(
         &self,
         gpu: &Gpu,
-        q: &impl DeviceRead<T>,
-        (num_q_heads, q_row_stride): (usize, usize),
-        (k_pool, v_pool, layout): (&impl DeviceRead<T>, &impl DeviceRead<T>, &PoolLayout),
-        page_table: &DevicePageTable<'_>,
+        queries: &Queries<'_, T>,
+        kv: &PagedKv<'_, T>,
         qo_indptr: &impl DeviceRead<u32>,
         scale: f32,
         out: &mut impl DeviceWrite<T>,
     ) -> Result<(), CudaError> {
+        let (q, num_q_heads, q_row_stride) = (&queries.data, queries.num_heads, queries.row_stride);
+        let PagedKv {
+            k_pool,
+            v_pool,
+            layout,
+            page_table,
+        } = kv;
         let what = self.what;
         layout.validate()?;
         let group = num_q_heads / layout.num_kv_heads;

@@ -3,7 +3,7 @@
 //! rows of one request and one KV head, K/V tiles staged once per CTA) with `S = Q K^T` and
 //! `O += P V` on WMMA 16x16x16 bf16 fragments and f32 accumulators. bf16 only.
 
-use super::{DevicePageTable, PoolLayout, PREFILL_MMA};
+use super::{PagedKv, Queries, PREFILL_MMA};
 use pagoda_cuda::{CudaError, DType, DeviceRead, DeviceWrite, Element, Gpu, KernelSpec};
 
 /// Head sizes `prefill_attention_mma` is specialised for.
@@ -113,16 +113,13 @@ pub fn specialize_prefill_mma(dtype: DType, head_dim: usize) -> Result<KernelSpe
 /// `block_q = block_rows / group`.
 pub fn prefill_attention_mma<T: Element>(
     gpu: &Gpu,
-    q: &impl DeviceRead<T>,
-    (num_q_heads, q_row_stride): (usize, usize),
-    k_pool: &impl DeviceRead<T>,
-    v_pool: &impl DeviceRead<T>,
-    layout: &PoolLayout,
-    page_table: &DevicePageTable<'_>,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, T>,
     qo_indptr: &impl DeviceRead<u32>,
     scale: f32,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
+    let layout = &kv.layout;
     let spec = specialize_prefill_mma(T::DTYPE, layout.head_dim)?;
     let tiling = MmaPrefillTiling::for_head_dim(layout.head_dim)?;
     let kernel = super::prefill::QueryTiledKernel {
@@ -131,16 +128,7 @@ pub fn prefill_attention_mma<T: Element>(
         block_rows: tiling.block_rows,
         threads: tiling.threads(),
     };
-    kernel.launch(
-        gpu,
-        q,
-        (num_q_heads, q_row_stride),
-        (k_pool, v_pool, layout),
-        page_table,
-        qo_indptr,
-        scale,
-        out,
-    )
+    kernel.launch(gpu, queries, kv, qo_indptr, scale, out)
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 
 use std::str::FromStr;
 
-use super::{specialize_sampling, SamplingEntry, SamplingWorkspace};
+use super::{specialize_sampling, SamplingEntry, SamplingOptions, SamplingWorkspace};
 use pagoda_cuda::{
     ptr, CudaError, DeviceRead, DeviceWrite, Gpu, KernelArg, KernelSpec, LaunchDims,
 };
@@ -172,12 +172,11 @@ pub(super) fn launch_cluster<L: DeviceRead<f32>, P: DeviceRead<u32>, T: DeviceWr
     gpu: &Gpu,
     buffers: ClusterLaunch<'_, L, P, T>,
     vocab: usize,
-    rows: u32,
-    flags: u32,
-    max_rounds: u32,
-    shape: ClusterShape,
-    prefetch: bool,
+    (rows, flags): (u32, u32),
+    options: &SamplingOptions,
 ) -> Result<(), CudaError> {
+    let (max_rounds, shape) = (options.max_rejection_rounds, options.cluster_shape);
+    let prefetch = options.cluster_prefetch;
     let spec = specialize_cluster(shape);
     let sms = SmBudget {
         count: gpu.info().sm_count as usize,

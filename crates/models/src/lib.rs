@@ -2,6 +2,7 @@
 
 pub mod chat_template;
 pub mod config;
+mod decoder;
 pub mod formats;
 pub mod gguf_model;
 pub mod hf;

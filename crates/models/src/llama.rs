@@ -5,21 +5,20 @@
 //! (prefill chunks and decode tokens alike), all through the same CSR page table.
 
 use pagoda_kv::{PageTable, Slot};
-use pagoda_ops::activation::{add_bias, add_in_place, silu_mul_in_place};
 use pagoda_ops::attention::{
-    self, plan_step, AttentionError, AttentionPath, KvLayout, PagedKv, QueryBatch, SplitKvChunking,
-    StepAttentionConfig, StepAttentionPlan, StepWorkspace,
+    plan_step, AttentionError, AttentionPath, KvLayout, PagedKv, SplitKvChunking,
+    StepAttentionConfig, StepAttentionPlan,
 };
-use pagoda_ops::linear::{matmul_shared, CpuKernelPolicy, Weight};
-use pagoda_ops::norm::{rms_norm, rms_norm_in_place};
-use pagoda_ops::profile::{self, Op};
+use pagoda_ops::linear::{CpuKernelPolicy, Weight};
 use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
 use pagoda_tensor::GgmlType;
 
 use crate::config::{Architecture, ModelConfig, RopeStyle};
+use crate::decoder::llama_layers;
 use crate::weights::{names, RawTensor, TensorSource};
 
 mod policy;
+mod step;
 pub use policy::{
     split_kv_chunk_tokens, AttentionPolicy, AUTO_MIN_SPLIT_KV_TOKENS, SPLIT_KV_CHUNK_ENV_VAR,
 };
@@ -238,11 +237,6 @@ impl Model {
         let c = &self.config;
         let plan = self.choose_attention(batch, kv, policy)?;
         let num_tokens = batch.tokens.len();
-        let (hidden, q_dim, kv_dim) = (
-            c.hidden_size,
-            c.num_attention_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
-        );
         if batch.positions.len() != num_tokens || batch.slots.len() != num_tokens {
             return Err(ForwardError::Batch(
                 "tokens, positions and slots differ in length".into(),
@@ -259,134 +253,9 @@ impl Model {
                 "logits requested for token {t} of {num_tokens}"
             )));
         }
-        let mut x = vec![0f32; num_tokens * hidden];
-        profile::time(Op::Embed, || {
-            for (t, &token) in batch.tokens.iter().enumerate() {
-                self.embedding
-                    .dequantize_row(token as usize, &mut x[t * hidden..(t + 1) * hidden]);
-            }
-        });
-        let mut normed = vec![0f32; num_tokens * hidden];
-        let mut q = vec![0f32; num_tokens * q_dim];
-        let mut k = vec![0f32; num_tokens * kv_dim];
-        let mut v = vec![0f32; num_tokens * kv_dim];
-        let mut attn_out = vec![0f32; num_tokens * q_dim];
-        let mut proj = vec![0f32; num_tokens * hidden];
-        let mut gate = vec![0f32; num_tokens * c.intermediate_size];
-        let mut up = vec![0f32; num_tokens * c.intermediate_size];
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-        // The step's routing and its scratch serve every layer.
-        let mut attention_workspace = StepWorkspace::default();
-        attention_workspace.fit(&plan, c.num_attention_heads, c.head_dim);
-        // The rotary angles of the batch's positions, shared by q and k of every layer.
-        let rope_table = profile::time(Op::Rope, || self.rope.table(batch.positions));
-
-        for (layer_index, layer) in self.layers.iter().enumerate() {
-            profile::time(Op::Norm, || {
-                rms_norm(&x, &layer.attn_norm, c.rms_norm_eps, &mut normed)
-            });
-            // q, k and v share their input: quantized once, one parallel region for decode.
-            profile::time(Op::QkvProj, || {
-                matmul_shared(
-                    &normed,
-                    num_tokens,
-                    &mut [
-                        (&layer.wq, &mut q),
-                        (&layer.wk, &mut k),
-                        (&layer.wv, &mut v),
-                    ],
-                );
-                if let Some(b) = &layer.q_bias {
-                    add_bias(&mut q, b);
-                }
-                if let Some(b) = &layer.k_bias {
-                    add_bias(&mut k, b);
-                }
-                if let Some(b) = &layer.v_bias {
-                    add_bias(&mut v, b);
-                }
-            });
-            profile::time(Op::Norm, || {
-                if let Some(w) = &layer.q_norm {
-                    rms_norm_in_place(&mut q, w, c.rms_norm_eps);
-                }
-                if let Some(w) = &layer.k_norm {
-                    rms_norm_in_place(&mut k, w, c.rms_norm_eps);
-                }
-            });
-            profile::time(Op::Rope, || {
-                self.rope
-                    .apply_table(&rope_table, &mut q, c.num_attention_heads, c.head_dim);
-                self.rope
-                    .apply_table(&rope_table, &mut k, c.num_kv_heads, c.head_dim);
-            });
-
-            let (k_pool, v_pool) = (&mut kv.k[layer_index], &mut kv.v[layer_index]);
-            profile::time(Op::KvAppend, || {
-                attention::append_kv(k_pool, v_pool, &kv.layout, batch.slots, &k, &v)
-            })?;
-            let paged = PagedKv {
-                k_pool,
-                v_pool,
-                layout: kv.layout,
-                page_table: batch.page_table,
-            };
-            let queries = QueryBatch {
-                q: &q,
-                qo_indptr: batch.qo_indptr,
-                num_q_heads: c.num_attention_heads,
-            };
-            profile::time(Op::Attention, || {
-                attention::step_attention(
-                    &paged,
-                    &queries,
-                    &plan,
-                    scale,
-                    &mut attention_workspace,
-                    &mut attn_out,
-                )
-            })?;
-            profile::time(Op::OutProj, || {
-                layer.wo.matmul(&attn_out, num_tokens, &mut proj)
-            });
-            profile::time(Op::Residual, || add_in_place(&mut x, &proj));
-
-            profile::time(Op::Norm, || {
-                rms_norm(&x, &layer.ffn_norm, c.rms_norm_eps, &mut normed)
-            });
-            profile::time(Op::GateUp, || {
-                matmul_shared(
-                    &normed,
-                    num_tokens,
-                    &mut [(&layer.w_gate, &mut gate), (&layer.w_up, &mut up)],
-                )
-            });
-            profile::time(Op::SiluMul, || silu_mul_in_place(&mut gate, &up));
-            profile::time(Op::Down, || {
-                layer.w_down.matmul(&gate, num_tokens, &mut proj)
-            });
-            profile::time(Op::Residual, || add_in_place(&mut x, &proj));
-        }
-
-        // Only the requested rows go through the final norm and the LM head.
-        let mut selected = Vec::with_capacity(batch.logits_for.len() * hidden);
-        for &t in batch.logits_for {
-            selected.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
-        }
-        let mut final_normed = vec![0f32; selected.len()];
-        profile::time(Op::Norm, || {
-            rms_norm(
-                &selected,
-                &self.output_norm,
-                c.rms_norm_eps,
-                &mut final_normed,
-            )
-        });
-        let mut logits = vec![0f32; batch.logits_for.len() * c.vocab_size];
-        let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
-        profile::time(Op::LmHead, || {
-            head.matmul(&final_normed, batch.logits_for.len(), &mut logits)
-        });
+        let mut step = step::CpuStep::new(self, batch, kv, &plan);
+        llama_layers(&mut step, &self.layers)?;
+        let logits = step.logits;
         Ok(ForwardOutput {
             logits,
             attention_path: plan.path(),

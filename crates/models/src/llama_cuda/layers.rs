@@ -1,15 +1,22 @@
-//! The kernel sequence of one step (what a decode graph captures): embedding, the layers,
-//! the final norm and the LM head of the rows that need logits.
+//! CUDA's steps of the decoder sequence ([`crate::decoder`]), queued on the stream (what a
+//! decode graph captures): embedding, the layers, the final norm and the LM head of the rows
+//! that need logits. q, k and v come out of one GEMM into one QKV buffer (`[q | k | v]` per
+//! token row) and the residual adds ride on the output GEMMs (`beta = 1` into the f32
+//! residual stream).
 
-use pagoda_cuda::{view, view_mut, CudaError, DeviceRead, Gpu};
-use pagoda_ops::cuda::{self as ops, DevicePageTable, PagedKv, PoolLayout, Queries};
+use pagoda_cuda::{view, view_mut, whole, CudaError, DeviceBuffer, DeviceView, DeviceViewMut, Gpu};
+use pagoda_ops::cuda::{
+    self as ops, DecodeWorkspace, DevicePageTable, PagedKv, PoolLayout, PrefillKernel, Queries,
+};
 
+use super::decode_path::FusedDecode;
 use super::step::{prefill_kernel, Attention, StepShape};
-use super::{GpuLlama, HostFloat, StepBuffers};
+use super::{GpuLayer, GpuLlama, HostFloat, StepBuffers};
+use crate::decoder::{llama_layers, DecoderStep};
 
 impl<T: HostFloat> GpuLlama<T> {
     /// Queues every kernel of one step of `shape` on the stream (this is what a graph
-    /// captures): embedding, the layers, the final norm and the LM head of the logits rows.
+    /// captures): the decoder sequence on [`GpuStep`].
     pub(super) fn run(
         &self,
         gpu: &Gpu,
@@ -39,13 +46,9 @@ impl<T: HostFloat> GpuLlama<T> {
         let qkv_dim = q_dim + 2 * kv_dim;
         let inter = c.intermediate_size;
 
-        let tokens = view(&s.tokens, 0..num_tokens)?;
-        let positions = view(&s.positions, 0..num_tokens)?;
-        let slots = view(&s.slots, 0..num_tokens)?;
-        let qo_indptr = view(&s.qo_indptr, 0..num_requests + 1)?;
         let page_indptr = view(&s.page_indptr, 0..num_requests + 1)?;
         // The whole buffer: the kernels read the page count from the indptr on the device.
-        let page_indices = view(&s.page_indices, 0..s.page_indices.len())?;
+        let page_indices = whole(&s.page_indices);
         let last_page_len = view(&s.last_page_len, 0..num_requests)?;
         let first_page_offset = view(&s.first_page_offset, 0..num_requests)?;
         let page_table = DevicePageTable::new(
@@ -54,148 +57,268 @@ impl<T: HostFloat> GpuLlama<T> {
             &last_page_len,
             &first_page_offset,
         )?;
-
-        let mut x = view_mut(&mut s.x, 0..num_tokens * hidden)?;
-        let mut normed = view_mut(&mut s.normed, 0..num_tokens * hidden)?;
-        let mut qkv = view_mut(&mut s.qkv, 0..num_tokens * qkv_dim)?;
-        let mut attn = view_mut(&mut s.attn, 0..num_tokens * q_dim)?;
-        let mut gate_up = view_mut(&mut s.gate_up, 0..num_tokens * 2 * inter)?;
-        let mut act = view_mut(&mut s.act, 0..num_tokens * inter)?;
-        let scale = 1.0 / (c.head_dim as f32).sqrt();
-
         // The tensor-core kernel runs bf16 at its head dims, where it compiles; else tiled.
         let prefill = match prefill_kernel()? {
-            ops::PrefillKernel::Mma
+            PrefillKernel::Mma
                 if T::DTYPE == pagoda_cuda::DType::BF16
                     && ops::MMA_PREFILL_HEAD_DIMS.contains(&c.head_dim)
                     && mma_compiles(gpu, c.head_dim) =>
             {
-                ops::PrefillKernel::Mma
+                PrefillKernel::Mma
             }
-            ops::PrefillKernel::Mma => ops::PrefillKernel::Tiled,
+            PrefillKernel::Mma => PrefillKernel::Tiled,
             other => other,
         };
-        ops::embedding_gather(gpu, &self.embedding, &tokens, &mut x, c.vocab_size, hidden)?;
-        for ((layer, k_pool), v_pool) in self.layers.iter().zip(k_pools).zip(v_pools) {
-            ops::rms_norm(gpu, &x, &layer.attn_norm, &mut normed, c.rms_norm_eps)?;
-            gpu.gemm(
-                &normed,
-                &layer.wqkv,
-                &mut qkv,
-                (num_tokens, qkv_dim, hidden),
-                0.0,
-            )?;
-            if let Some(bias) = &layer.qkv_bias {
-                ops::add_bias_rows(gpu, &mut qkv, bias, num_tokens, qkv_dim)?;
-            }
-            if let Some(q_norm) = &layer.q_norm {
-                let mut q = view_mut(&mut qkv, 0..num_tokens * qkv_dim)?;
-                let geometry = (num_tokens, c.num_attention_heads, qkv_dim);
-                ops::rms_norm_heads(gpu, &mut q, q_norm, geometry, c.rms_norm_eps)?;
-            }
-            if let Some(k_norm) = &layer.k_norm {
-                let mut k = view_mut(&mut qkv, q_dim..num_tokens * qkv_dim)?;
-                let geometry = (num_tokens, c.num_kv_heads, qkv_dim);
-                ops::rms_norm_heads(gpu, &mut k, k_norm, geometry, c.rms_norm_eps)?;
-            }
-            // RoPE on the q and k heads in one launch: k's heads follow q's in a QKV row.
-            ops::rope(
-                gpu,
-                &mut qkv,
-                &positions,
-                &self.inv_freq,
-                (c.num_attention_heads + c.num_kv_heads, c.head_dim, qkv_dim),
-                self.rope_style,
-            )?;
-            {
-                let k_new = view(&qkv, q_dim..num_tokens * qkv_dim)?;
-                let v_new = view(&qkv, q_dim + kv_dim..num_tokens * qkv_dim)?;
-                let new = ops::NewKv {
-                    k: k_new,
-                    v: v_new,
-                    row_strides: (qkv_dim, qkv_dim),
-                    slots,
-                };
-                ops::kv_append(gpu, &new, k_pool, v_pool, layout)?;
-            }
-            let queries = Queries::new(&qkv, c.num_attention_heads, qkv_dim);
-            let kv = PagedKv::new(&*k_pool, &*v_pool, *layout, page_table);
-            match attention {
-                Attention::Gather { num_splits } => ops::decode_attention_gathered(
-                    gpu,
-                    &queries,
-                    &kv,
-                    decode
-                        .as_mut()
-                        .ok_or_else(|| CudaError::invalid("gather decode without its workspace"))?,
-                    num_splits,
-                    scale,
-                    &mut attn,
-                )?,
-                Attention::Fused { grid_chunks } => {
-                    let fused = fused
-                        .as_mut()
-                        .ok_or_else(|| CudaError::invalid("fused decode without its workspace"))?;
-                    let merge = fused.merge();
-                    let workspace = fused.workspace_mut();
-                    workspace.set_grid_chunks(grid_chunks)?;
-                    ops::paged_decode_attention(
-                        gpu, &queries, &kv, workspace, merge, scale, &mut attn,
-                    )?
-                }
-                Attention::Prefill => ops::prefill_attention_with(
-                    prefill, gpu, &queries, &kv, &qo_indptr, scale, &mut attn,
-                )?,
-            }
-            // x += attn · Wo^T (the residual add rides on the GEMM).
-            gpu.gemm(&attn, &layer.wo, &mut x, (num_tokens, hidden, q_dim), 1.0)?;
-            ops::rms_norm(gpu, &x, &layer.ffn_norm, &mut normed, c.rms_norm_eps)?;
-            gpu.gemm(
-                &normed,
-                &layer.w_gate_up,
-                &mut gate_up,
-                (num_tokens, 2 * inter, hidden),
-                0.0,
-            )?;
-            {
-                let gate = view(&gate_up, 0..num_tokens * 2 * inter)?;
-                let up = view(&gate_up, inter..num_tokens * 2 * inter)?;
-                ops::silu_mul(gpu, &gate, &up, &mut act, inter, (2 * inter, 2 * inter))?;
-            }
-            gpu.gemm(
-                &act,
-                &layer.w_down,
-                &mut x,
-                (num_tokens, hidden, inter),
-                1.0,
-            )?;
-        }
+        let mut step = GpuStep {
+            model: self,
+            gpu,
+            layout,
+            k_pools,
+            v_pools,
+            decode,
+            fused,
+            attention,
+            prefill,
+            page_table,
+            num_tokens,
+            num_logits,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            tokens: view(&s.tokens, 0..num_tokens)?,
+            positions: view(&s.positions, 0..num_tokens)?,
+            slots: view(&s.slots, 0..num_tokens)?,
+            qo_indptr: view(&s.qo_indptr, 0..num_requests + 1)?,
+            logits_rows: view(&s.logits_rows, 0..num_logits)?,
+            x: view_mut(&mut s.x, 0..num_tokens * hidden)?,
+            normed: view_mut(&mut s.normed, 0..num_tokens * hidden)?,
+            qkv: view_mut(&mut s.qkv, 0..num_tokens * qkv_dim)?,
+            attn: view_mut(&mut s.attn, 0..num_tokens * q_dim)?,
+            gate_up: view_mut(&mut s.gate_up, 0..num_tokens * 2 * inter)?,
+            act: view_mut(&mut s.act, 0..num_tokens * inter)?,
+            selected: view_mut(&mut s.selected, 0..num_logits * hidden)?,
+            selected_normed: view_mut(&mut s.selected_normed, 0..num_logits * hidden)?,
+            logits: view_mut(&mut s.logits, 0..num_logits * c.vocab_size)?,
+        };
+        llama_layers(&mut step, &self.layers)
+    }
+}
 
-        if num_logits == 0 {
+/// One step on the GPU: the model, the KV pools, the decode workspaces, the step's inputs
+/// (staged and uploaded before) and its activations, each a view of the step buffers sized
+/// for this step.
+struct GpuStep<'a, T> {
+    model: &'a GpuLlama<T>,
+    gpu: &'a Gpu,
+    layout: &'a PoolLayout,
+    k_pools: &'a mut [DeviceBuffer<T>],
+    v_pools: &'a mut [DeviceBuffer<T>],
+    decode: &'a mut Option<DecodeWorkspace<T>>,
+    fused: &'a mut Option<FusedDecode>,
+    attention: Attention,
+    prefill: PrefillKernel,
+    page_table: DevicePageTable<'a>,
+    num_tokens: usize,
+    num_logits: usize,
+    scale: f32,
+    tokens: DeviceView<'a, u32>,
+    positions: DeviceView<'a, u32>,
+    slots: DeviceView<'a, i32>,
+    qo_indptr: DeviceView<'a, u32>,
+    logits_rows: DeviceView<'a, u32>,
+    /// The residual stream, f32 whatever the model's dtype.
+    x: DeviceViewMut<'a, f32>,
+    normed: DeviceViewMut<'a, T>,
+    qkv: DeviceViewMut<'a, T>,
+    attn: DeviceViewMut<'a, T>,
+    gate_up: DeviceViewMut<'a, T>,
+    act: DeviceViewMut<'a, T>,
+    selected: DeviceViewMut<'a, f32>,
+    selected_normed: DeviceViewMut<'a, T>,
+    logits: DeviceViewMut<'a, f32>,
+}
+
+impl<T: HostFloat> GpuStep<'_, T> {
+    /// `(q_dim, kv_dim, qkv_dim)`: a QKV row is `[q | k | v]`.
+    fn qkv_dims(&self) -> (usize, usize, usize) {
+        let c = &self.model.config;
+        let (q_dim, kv_dim) = (
+            c.num_attention_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+        );
+        (q_dim, kv_dim, q_dim + 2 * kv_dim)
+    }
+}
+
+impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
+    type Layer = GpuLayer<T>;
+    type Error = CudaError;
+
+    fn embed(&mut self) -> Result<(), CudaError> {
+        let c = &self.model.config;
+        let (table, tokens) = (&self.model.embedding, &self.tokens);
+        ops::embedding_gather(
+            self.gpu,
+            table,
+            tokens,
+            &mut self.x,
+            c.vocab_size,
+            c.hidden_size,
+        )
+    }
+
+    fn attention_norm(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
+        let eps = self.model.config.rms_norm_eps;
+        ops::rms_norm(self.gpu, &self.x, &layer.attn_norm, &mut self.normed, eps)
+    }
+
+    fn qkv_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
+        let (num_tokens, hidden) = (self.num_tokens, self.model.config.hidden_size);
+        let (_, _, qkv_dim) = self.qkv_dims();
+        let shape = (num_tokens, qkv_dim, hidden);
+        self.gpu
+            .gemm(&self.normed, &layer.wqkv, &mut self.qkv, shape, 0.0)?;
+        if let Some(bias) = &layer.qkv_bias {
+            ops::add_bias_rows(self.gpu, &mut self.qkv, bias, num_tokens, qkv_dim)?;
+        }
+        Ok(())
+    }
+
+    fn qk_norm(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
+        let c = &self.model.config;
+        let num_tokens = self.num_tokens;
+        let (q_dim, _, qkv_dim) = self.qkv_dims();
+        if let Some(q_norm) = &layer.q_norm {
+            let mut q = view_mut(&mut self.qkv, 0..num_tokens * qkv_dim)?;
+            let geometry = (num_tokens, c.num_attention_heads, qkv_dim);
+            ops::rms_norm_heads(self.gpu, &mut q, q_norm, geometry, c.rms_norm_eps)?;
+        }
+        if let Some(k_norm) = &layer.k_norm {
+            let mut k = view_mut(&mut self.qkv, q_dim..num_tokens * qkv_dim)?;
+            let geometry = (num_tokens, c.num_kv_heads, qkv_dim);
+            ops::rms_norm_heads(self.gpu, &mut k, k_norm, geometry, c.rms_norm_eps)?;
+        }
+        Ok(())
+    }
+
+    fn rope(&mut self) -> Result<(), CudaError> {
+        // q's and k's heads in one launch: k's heads follow q's in a QKV row.
+        let c = &self.model.config;
+        let (_, _, qkv_dim) = self.qkv_dims();
+        let geometry = (c.num_attention_heads + c.num_kv_heads, c.head_dim, qkv_dim);
+        let (inv_freq, style) = (&self.model.inv_freq, self.model.rope_style);
+        ops::rope(
+            self.gpu,
+            &mut self.qkv,
+            &self.positions,
+            inv_freq,
+            geometry,
+            style,
+        )
+    }
+
+    fn append_kv(&mut self, index: usize) -> Result<(), CudaError> {
+        let num_tokens = self.num_tokens;
+        let (q_dim, kv_dim, qkv_dim) = self.qkv_dims();
+        let new = ops::NewKv {
+            k: view(&self.qkv, q_dim..num_tokens * qkv_dim)?,
+            v: view(&self.qkv, q_dim + kv_dim..num_tokens * qkv_dim)?,
+            row_strides: (qkv_dim, qkv_dim),
+            slots: self.slots,
+        };
+        let (k_pool, v_pool) = (&mut self.k_pools[index], &mut self.v_pools[index]);
+        ops::kv_append(self.gpu, &new, k_pool, v_pool, self.layout)
+    }
+
+    fn attention(&mut self, index: usize) -> Result<(), CudaError> {
+        let (gpu, scale) = (self.gpu, self.scale);
+        let (_, _, qkv_dim) = self.qkv_dims();
+        let heads = self.model.config.num_attention_heads;
+        let queries = Queries::new(&self.qkv, heads, qkv_dim);
+        let (k_pool, v_pool) = (&self.k_pools[index], &self.v_pools[index]);
+        let kv = PagedKv::new(k_pool, v_pool, *self.layout, self.page_table);
+        let out = &mut self.attn;
+        match self.attention {
+            Attention::Gather { num_splits } => {
+                let workspace = self
+                    .decode
+                    .as_mut()
+                    .ok_or_else(|| CudaError::invalid("gather decode without its workspace"))?;
+                ops::decode_attention_gathered(
+                    gpu, &queries, &kv, workspace, num_splits, scale, out,
+                )
+            }
+            Attention::Fused { grid_chunks } => {
+                let fused = self
+                    .fused
+                    .as_mut()
+                    .ok_or_else(|| CudaError::invalid("fused decode without its workspace"))?;
+                let merge = fused.merge();
+                let workspace = fused.workspace_mut();
+                workspace.set_grid_chunks(grid_chunks)?;
+                ops::paged_decode_attention(gpu, &queries, &kv, workspace, merge, scale, out)
+            }
+            Attention::Prefill => {
+                let qo = &self.qo_indptr;
+                ops::prefill_attention_with(self.prefill, gpu, &queries, &kv, qo, scale, out)
+            }
+        }
+    }
+
+    fn output_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
+        let (q_dim, _, _) = self.qkv_dims();
+        let shape = (self.num_tokens, self.model.config.hidden_size, q_dim);
+        self.gpu
+            .gemm(&self.attn, &layer.wo, &mut self.x, shape, 1.0)
+    }
+
+    fn mlp_norm(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
+        let eps = self.model.config.rms_norm_eps;
+        ops::rms_norm(self.gpu, &self.x, &layer.ffn_norm, &mut self.normed, eps)
+    }
+
+    fn gate_up_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
+        let c = &self.model.config;
+        let shape = (self.num_tokens, 2 * c.intermediate_size, c.hidden_size);
+        self.gpu.gemm(
+            &self.normed,
+            &layer.w_gate_up,
+            &mut self.gate_up,
+            shape,
+            0.0,
+        )
+    }
+
+    fn silu_mul(&mut self) -> Result<(), CudaError> {
+        let (inter, num_tokens) = (self.model.config.intermediate_size, self.num_tokens);
+        let gate = view(&self.gate_up, 0..num_tokens * 2 * inter)?;
+        let up = view(&self.gate_up, inter..num_tokens * 2 * inter)?;
+        let strides = (2 * inter, 2 * inter);
+        ops::silu_mul(self.gpu, &gate, &up, &mut self.act, inter, strides)
+    }
+
+    fn down_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
+        let c = &self.model.config;
+        let shape = (self.num_tokens, c.hidden_size, c.intermediate_size);
+        self.gpu
+            .gemm(&self.act, &layer.w_down, &mut self.x, shape, 1.0)
+    }
+
+    fn logits(&mut self) -> Result<(), CudaError> {
+        if self.num_logits == 0 {
             // A prefill chunk that samples nothing: the KV is written, no logits needed.
             return Ok(());
         }
         // Only the rows that need logits go through the final norm and the LM head.
-        let rows = view(&s.logits_rows, 0..num_logits)?;
-        let mut selected = view_mut(&mut s.selected, 0..num_logits * hidden)?;
-        ops::embedding_gather(gpu, &x, &rows, &mut selected, num_tokens, hidden)?;
-        let mut selected_normed = view_mut(&mut s.selected_normed, 0..num_logits * hidden)?;
-        ops::rms_norm(
-            gpu,
-            &selected,
-            &self.output_norm,
-            &mut selected_normed,
-            c.rms_norm_eps,
-        )?;
-        let mut logits = view_mut(&mut s.logits, 0..num_logits * c.vocab_size)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embedding);
-        gpu.gemm(
-            &selected_normed,
-            head,
-            &mut logits,
-            (num_logits, c.vocab_size, hidden),
-            0.0,
-        )
+        let (model, gpu) = (self.model, self.gpu);
+        let c = &model.config;
+        let (hidden, num_tokens) = (c.hidden_size, self.num_tokens);
+        let (x, rows) = (&self.x, &self.logits_rows);
+        ops::embedding_gather(gpu, x, rows, &mut self.selected, num_tokens, hidden)?;
+        let norm = &model.output_norm;
+        let eps = c.rms_norm_eps;
+        ops::rms_norm(gpu, &self.selected, norm, &mut self.selected_normed, eps)?;
+        let head = model.lm_head.as_ref().unwrap_or(&model.embedding);
+        let shape = (self.num_logits, c.vocab_size, hidden);
+        gpu.gemm(&self.selected_normed, head, &mut self.logits, shape, 0.0)
     }
 }
 

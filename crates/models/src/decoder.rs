@@ -1,0 +1,73 @@
+//! The decoder's layer sequence, written once for every device.
+//!
+//! [`llama_layers`] is the llama family's forward pass (Llama 2/3, SmolLM2, Mistral, Qwen2's
+//! q/k/v bias, Qwen3's per-head q/k norm) as a sequence of steps; a device runs it by
+//! implementing [`DecoderStep`] over its own buffers, weights and kernels: the CPU in
+//! `llama/step.rs`, CUDA in `llama_cuda/layers.rs`. The step owns the activations (the
+//! residual stream `x`, the normalised input, q/k/v, the attention output, the MLP's
+//! intermediates) and the KV cache of the batch; the sequence only says what happens to them,
+//! in which order. A device may fuse inside a step (CUDA projects q, k and v with one GEMM and
+//! adds the residual inside the output projections), never across steps, so both devices
+//! compute the same function and every step is a place to measure.
+//!
+//! Adding an architecture of this shape (another norm placement, a gated MLP variant, an MoE
+//! MLP) is a new sequence here plus the steps it needs on each device.
+
+/// One forward step of a ragged batch on a device: the operations the layer sequence is
+/// made of. Every method acts on the step's own buffers.
+pub(crate) trait DecoderStep {
+    /// The device's weights of one decoder layer.
+    type Layer;
+    /// The device's error.
+    type Error;
+
+    /// `x <- embedding rows of the batch's tokens`.
+    fn embed(&mut self) -> Result<(), Self::Error>;
+    /// `normed <- rms_norm(x) * attn_norm`.
+    fn attention_norm(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+    /// `q, k, v <- normed · [Wq; Wk; Wv]^T (+ their biases where the layer has them)`.
+    fn qkv_projection(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+    /// Per-head RMSNorm of q and of k where the layer has those norms (Qwen3).
+    fn qk_norm(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+    /// Rotary embedding of q and k at the batch's positions.
+    fn rope(&mut self) -> Result<(), Self::Error>;
+    /// Writes k and v of the new tokens into layer `index`'s KV cache at the batch's slots.
+    fn append_kv(&mut self, index: usize) -> Result<(), Self::Error>;
+    /// `attn <- attention(q, layer index's KV cache)`, causal over each request's tokens.
+    fn attention(&mut self, index: usize) -> Result<(), Self::Error>;
+    /// `x += attn · Wo^T`.
+    fn output_projection(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+    /// `normed <- rms_norm(x) * ffn_norm`.
+    fn mlp_norm(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+    /// `gate, up <- normed · [Wgate; Wup]^T`.
+    fn gate_up_projection(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+    /// `act <- silu(gate) * up`.
+    fn silu_mul(&mut self) -> Result<(), Self::Error>;
+    /// `x += act · Wdown^T`.
+    fn down_projection(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+    /// The logits of the rows that asked for them: final norm, then the LM head.
+    fn logits(&mut self) -> Result<(), Self::Error>;
+}
+
+/// The llama family's forward pass: embedding, every layer (attention block, then gated
+/// MLP block, each with a pre-norm and a residual add), the final norm and the LM head.
+pub(crate) fn llama_layers<S: DecoderStep>(
+    step: &mut S,
+    layers: &[S::Layer],
+) -> Result<(), S::Error> {
+    step.embed()?;
+    for (index, layer) in layers.iter().enumerate() {
+        step.attention_norm(layer)?;
+        step.qkv_projection(layer)?;
+        step.qk_norm(layer)?;
+        step.rope()?;
+        step.append_kv(index)?;
+        step.attention(index)?;
+        step.output_projection(layer)?;
+        step.mlp_norm(layer)?;
+        step.gate_up_projection(layer)?;
+        step.silu_mul()?;
+        step.down_projection(layer)?;
+    }
+    step.logits()
+}

@@ -1,0 +1,249 @@
+//! The CPU's steps of the decoder sequence ([`crate::decoder`]): f32 activations in host
+//! memory, the weights in their stored formats, each step timed under its profile op.
+
+use pagoda_ops::activation::{add_bias, add_in_place, silu_mul_in_place};
+use pagoda_ops::attention::{self, PagedKv, QueryBatch, StepAttentionPlan, StepWorkspace};
+use pagoda_ops::linear::matmul_shared;
+use pagoda_ops::norm::{rms_norm, rms_norm_in_place};
+use pagoda_ops::profile::{self, Op};
+use pagoda_ops::rope::RopeTable;
+
+use super::{ForwardBatch, ForwardError, KvCache, Layer, Model};
+use crate::decoder::DecoderStep;
+
+/// One forward step on the CPU: the batch, its KV cache, its attention routing and every
+/// activation buffer, sized for the batch.
+pub(super) struct CpuStep<'a> {
+    model: &'a Model,
+    batch: &'a ForwardBatch<'a>,
+    kv: &'a mut KvCache,
+    plan: &'a StepAttentionPlan,
+    /// The step's routing scratch, shared by every layer.
+    workspace: StepWorkspace,
+    /// The rotary angles of the batch's positions, shared by q and k of every layer.
+    rope_table: RopeTable,
+    scale: f32,
+    x: Vec<f32>,
+    normed: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn_out: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    /// `[logits_for.len(), vocab_size]`, written by the last step.
+    pub(super) logits: Vec<f32>,
+}
+
+impl<'a> CpuStep<'a> {
+    /// Buffers for `batch` (already validated against the model).
+    pub(super) fn new(
+        model: &'a Model,
+        batch: &'a ForwardBatch<'a>,
+        kv: &'a mut KvCache,
+        plan: &'a StepAttentionPlan,
+    ) -> Self {
+        let c = &model.config;
+        let num_tokens = batch.tokens.len();
+        let q_dim = c.num_attention_heads * c.head_dim;
+        let kv_dim = c.num_kv_heads * c.head_dim;
+        let mut workspace = StepWorkspace::default();
+        workspace.fit(plan, c.num_attention_heads, c.head_dim);
+        let rope_table = profile::time(Op::Rope, || model.rope.table(batch.positions));
+        let zeros = |len: usize| vec![0f32; num_tokens * len];
+        CpuStep {
+            model,
+            batch,
+            kv,
+            plan,
+            workspace,
+            rope_table,
+            scale: 1.0 / (c.head_dim as f32).sqrt(),
+            x: zeros(c.hidden_size),
+            normed: zeros(c.hidden_size),
+            q: zeros(q_dim),
+            k: zeros(kv_dim),
+            v: zeros(kv_dim),
+            attn_out: zeros(q_dim),
+            proj: zeros(c.hidden_size),
+            gate: zeros(c.intermediate_size),
+            up: zeros(c.intermediate_size),
+            logits: Vec::new(),
+        }
+    }
+
+    fn num_tokens(&self) -> usize {
+        self.batch.tokens.len()
+    }
+}
+
+impl DecoderStep for CpuStep<'_> {
+    type Layer = Layer;
+    type Error = ForwardError;
+
+    fn embed(&mut self) -> Result<(), ForwardError> {
+        let hidden = self.model.config.hidden_size;
+        let (embedding, tokens, x) = (&self.model.embedding, self.batch.tokens, &mut self.x);
+        profile::time(Op::Embed, || {
+            for (t, &token) in tokens.iter().enumerate() {
+                embedding.dequantize_row(token as usize, &mut x[t * hidden..(t + 1) * hidden]);
+            }
+        });
+        Ok(())
+    }
+
+    fn attention_norm(&mut self, layer: &Layer) -> Result<(), ForwardError> {
+        let eps = self.model.config.rms_norm_eps;
+        let (x, normed) = (&self.x, &mut self.normed);
+        profile::time(Op::Norm, || rms_norm(x, &layer.attn_norm, eps, normed));
+        Ok(())
+    }
+
+    fn qkv_projection(&mut self, layer: &Layer) -> Result<(), ForwardError> {
+        // q, k and v share their input: quantized once, one parallel region for decode.
+        let num_tokens = self.num_tokens();
+        let (normed, q, k, v) = (&self.normed, &mut self.q, &mut self.k, &mut self.v);
+        profile::time(Op::QkvProj, || {
+            matmul_shared(
+                normed,
+                num_tokens,
+                &mut [
+                    (&layer.wq, &mut *q),
+                    (&layer.wk, &mut *k),
+                    (&layer.wv, &mut *v),
+                ],
+            );
+            for (bias, out) in [(&layer.q_bias, q), (&layer.k_bias, k), (&layer.v_bias, v)] {
+                if let Some(bias) = bias {
+                    add_bias(out, bias);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn qk_norm(&mut self, layer: &Layer) -> Result<(), ForwardError> {
+        let eps = self.model.config.rms_norm_eps;
+        let (q, k) = (&mut self.q, &mut self.k);
+        profile::time(Op::Norm, || {
+            if let Some(w) = &layer.q_norm {
+                rms_norm_in_place(q, w, eps);
+            }
+            if let Some(w) = &layer.k_norm {
+                rms_norm_in_place(k, w, eps);
+            }
+        });
+        Ok(())
+    }
+
+    fn rope(&mut self) -> Result<(), ForwardError> {
+        let c = &self.model.config;
+        let (rope, table) = (&self.model.rope, &self.rope_table);
+        let (q, k) = (&mut self.q, &mut self.k);
+        profile::time(Op::Rope, || {
+            rope.apply_table(table, q, c.num_attention_heads, c.head_dim);
+            rope.apply_table(table, k, c.num_kv_heads, c.head_dim);
+        });
+        Ok(())
+    }
+
+    fn append_kv(&mut self, index: usize) -> Result<(), ForwardError> {
+        let kv = &mut *self.kv;
+        let (k_pool, v_pool) = (&mut kv.k[index], &mut kv.v[index]);
+        let (slots, k, v) = (self.batch.slots, &self.k, &self.v);
+        profile::time(Op::KvAppend, || {
+            attention::append_kv(k_pool, v_pool, &kv.layout, slots, k, v)
+        })?;
+        Ok(())
+    }
+
+    fn attention(&mut self, index: usize) -> Result<(), ForwardError> {
+        let paged = PagedKv {
+            k_pool: &self.kv.k[index],
+            v_pool: &self.kv.v[index],
+            layout: self.kv.layout,
+            page_table: self.batch.page_table,
+        };
+        let queries = QueryBatch {
+            q: &self.q,
+            qo_indptr: self.batch.qo_indptr,
+            num_q_heads: self.model.config.num_attention_heads,
+        };
+        let (plan, scale) = (self.plan, self.scale);
+        let (workspace, out) = (&mut self.workspace, &mut self.attn_out);
+        profile::time(Op::Attention, || {
+            attention::step_attention(&paged, &queries, plan, scale, workspace, out)
+        })?;
+        Ok(())
+    }
+
+    fn output_projection(&mut self, layer: &Layer) -> Result<(), ForwardError> {
+        let num_tokens = self.num_tokens();
+        let (attn_out, proj) = (&self.attn_out, &mut self.proj);
+        profile::time(Op::OutProj, || layer.wo.matmul(attn_out, num_tokens, proj));
+        profile::time(Op::Residual, || add_in_place(&mut self.x, &self.proj));
+        Ok(())
+    }
+
+    fn mlp_norm(&mut self, layer: &Layer) -> Result<(), ForwardError> {
+        let eps = self.model.config.rms_norm_eps;
+        let (x, normed) = (&self.x, &mut self.normed);
+        profile::time(Op::Norm, || rms_norm(x, &layer.ffn_norm, eps, normed));
+        Ok(())
+    }
+
+    fn gate_up_projection(&mut self, layer: &Layer) -> Result<(), ForwardError> {
+        let num_tokens = self.num_tokens();
+        let (normed, gate, up) = (&self.normed, &mut self.gate, &mut self.up);
+        profile::time(Op::GateUp, || {
+            matmul_shared(
+                normed,
+                num_tokens,
+                &mut [(&layer.w_gate, gate), (&layer.w_up, up)],
+            )
+        });
+        Ok(())
+    }
+
+    fn silu_mul(&mut self) -> Result<(), ForwardError> {
+        let (gate, up) = (&mut self.gate, &self.up);
+        profile::time(Op::SiluMul, || silu_mul_in_place(gate, up));
+        Ok(())
+    }
+
+    fn down_projection(&mut self, layer: &Layer) -> Result<(), ForwardError> {
+        let num_tokens = self.num_tokens();
+        let (gate, proj) = (&self.gate, &mut self.proj);
+        profile::time(Op::Down, || layer.w_down.matmul(gate, num_tokens, proj));
+        profile::time(Op::Residual, || add_in_place(&mut self.x, &self.proj));
+        Ok(())
+    }
+
+    fn logits(&mut self) -> Result<(), ForwardError> {
+        // Only the requested rows go through the final norm and the LM head.
+        let model = self.model;
+        let c = &model.config;
+        let (hidden, rows) = (c.hidden_size, self.batch.logits_for);
+        let mut selected = Vec::with_capacity(rows.len() * hidden);
+        for &t in rows {
+            selected.extend_from_slice(&self.x[t * hidden..(t + 1) * hidden]);
+        }
+        let mut final_normed = vec![0f32; selected.len()];
+        profile::time(Op::Norm, || {
+            rms_norm(
+                &selected,
+                &model.output_norm,
+                c.rms_norm_eps,
+                &mut final_normed,
+            )
+        });
+        let mut logits = vec![0f32; rows.len() * c.vocab_size];
+        let head = model.lm_head.as_ref().unwrap_or(&model.embedding);
+        profile::time(Op::LmHead, || {
+            head.matmul(&final_normed, rows.len(), &mut logits)
+        });
+        self.logits = logits;
+        Ok(())
+    }
+}

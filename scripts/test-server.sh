@@ -112,6 +112,19 @@ PAGODA_URL="http://127.0.0.1:$PORT" PAGODA_API_KEY="$API_KEY" \
     PAGODA_API_KEY_FILE="$WORK/keys.txt" PAGODA_SERVER_LOG_FILE="$LOG" \
     PAGODA_TLS_URL="$TLS_URL" PAGODA_TLS_CA="$WORK/tls/cert.pem" \
     "$VENV/bin/python" -m pytest -q tests/server "$@" || status=$?
+# Last: SIGTERM drains the server (a running stream finishes), which then exits 0.
+if [[ $status -eq 0 ]]; then
+    PAGODA_URL="http://127.0.0.1:$PORT" PAGODA_API_KEY="$API_KEY" PAGODA_SERVER_PID="$SERVER_PID" \
+        "$VENV/bin/python" -m pytest -q tests/server/drain_check.py -p no:cacheprovider || status=$?
+    if [[ $status -eq 0 ]]; then
+        drain_rc=0
+        wait "$SERVER_PID" || drain_rc=$?
+        if [[ $drain_rc -ne 0 ]]; then
+            echo "test-server: the drained server exited with status $drain_rc" >&2
+            status=1
+        fi
+    fi
+fi
 if [[ $status -ne 0 ]]; then
     echo "test-server: failed; server log:" >&2
     tail -n 50 "$LOG" >&2

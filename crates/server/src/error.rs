@@ -68,6 +68,17 @@ impl ApiError {
         }
     }
 
+    /// A 503 while the server drains before shutting down.
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "server_error",
+            param: None,
+            code: Some("shutting_down"),
+        }
+    }
+
     /// A 500 for a failure inside the server (the engine failed the request).
     pub fn internal(message: impl Into<String>) -> ApiError {
         ApiError {
@@ -98,13 +109,17 @@ impl ApiError {
     }
 }
 
-/// Seconds a client told the queue is full waits before retrying (`Retry-After`).
+/// Seconds a client told the queue is full (or the server is draining) waits before
+/// retrying (`Retry-After`).
 pub const RETRY_AFTER_SECONDS: u32 = 1;
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut response = (self.status, axum::Json(self.body())).into_response();
-        if self.status == StatusCode::TOO_MANY_REQUESTS {
+        if matches!(
+            self.status,
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE
+        ) {
             response.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
                 axum::http::HeaderValue::from(RETRY_AFTER_SECONDS),

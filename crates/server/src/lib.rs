@@ -8,6 +8,7 @@
 //! terminated by [`tls`].
 
 pub mod auth;
+pub mod drain;
 pub mod error;
 pub mod format;
 pub mod metrics;
@@ -60,6 +61,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// Sampling parameters of a request that does not set them.
     pub sampling_defaults: SamplingParams,
+    /// How long a shutdown waits for running requests (`--shutdown-timeout`).
+    pub shutdown_timeout: std::time::Duration,
 }
 
 impl ServerConfig {
@@ -98,6 +101,8 @@ pub struct AppState {
     /// Unix nanoseconds when the server started (the prefix of response ids).
     start_nanos: u128,
     next_id: AtomicU64,
+    /// Graceful shutdown: whether the server drains, and the requests in flight.
+    pub drain: Arc<drain::Drain>,
 }
 
 impl AppState {
@@ -123,6 +128,7 @@ impl AppState {
             created: since_epoch.as_secs(),
             start_nanos: since_epoch.as_nanos(),
             next_id: AtomicU64::new(0),
+            drain: Arc::new(drain::Drain::default()),
         }))
     }
 
@@ -160,16 +166,34 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Binds `config.host:config.port` and serves (HTTPS when `config.tls` is set) until Ctrl-C.
-/// `on_listening` gets the URL once the socket is bound.
+/// Binds `config.host:config.port` and serves (HTTPS when `config.tls` is set) until SIGINT
+/// or SIGTERM, then drains (see [`drain`]). `on_listening` gets the URL once the socket is
+/// bound.
 pub fn serve<B: EngineBackend>(
     config: ServerConfig,
     text: TextModel,
     backend: B,
     on_listening: impl FnOnce(&str),
 ) -> Result<(), String> {
+    serve_until(config, text, backend, on_listening, drain::signal)
+}
+
+/// [`serve`], with `shutdown()` as the signal that starts the drain (called twice: a second
+/// resolution skips the wait for running requests).
+pub fn serve_until<B: EngineBackend, S, F>(
+    config: ServerConfig,
+    text: TextModel,
+    backend: B,
+    on_listening: impl FnOnce(&str),
+    shutdown: S,
+) -> Result<(), String>
+where
+    S: Fn() -> F + Send + 'static,
+    F: std::future::Future<Output = ()> + Send,
+{
     let address = format!("{}:{}", config.host, config.port);
     let tls = config.tls.clone();
+    let timeout = config.shutdown_timeout;
     let state = AppState::start(config, text, backend)
         .map_err(|e| format!("starting the engine thread: {e}"))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -184,23 +208,36 @@ pub fn serve<B: EngineBackend>(
         let bound = listener
             .local_addr()
             .map_err(|e| format!("reading the bound address: {e}"))?;
+        let drain = state.drain.clone();
         let app = router(state).into_make_service_with_connect_info::<ClientAddr>();
+        // The drain runs while the listener still accepts (health probes see the 503); once
+        // it ends, the server stops accepting and closes its connections.
+        let drained = async move {
+            shutdown().await;
+            tracing::info!(
+                "shutting down: draining {} running requests (up to {} s; signal again to stop now)",
+                drain.in_flight(),
+                timeout.as_secs_f64()
+            );
+            let aborted = drain.finish(timeout, shutdown()).await;
+            if aborted > 0 {
+                tracing::warn!("shutdown: {aborted} requests were still running and were ended");
+            }
+        };
         let served = match tls {
             None => {
                 on_listening(&format!("http://{bound}"));
-                tokio::select! {
-                    result = axum::serve(listener, app) => result,
-                    _ = tokio::signal::ctrl_c() => Ok(()),
-                }
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(drained)
+                    .await
             }
             Some(tls) => {
                 let listener = tls::TlsListener::new(listener, tls)
                     .map_err(|e| format!("starting TLS on {address}: {e}"))?;
                 on_listening(&format!("https://{bound}"));
-                tokio::select! {
-                    result = axum::serve(listener, app) => result,
-                    _ = tokio::signal::ctrl_c() => Ok(()),
-                }
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(drained)
+                    .await
             }
         };
         served.map_err(|e| format!("serving: {e}"))

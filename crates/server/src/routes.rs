@@ -18,6 +18,7 @@ use pagoda_models::chat_template::ChatMessage;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::drain::InFlight;
 use crate::error::ApiError;
 use crate::format::{chunk, final_body, usage, Kind, Reply};
 use crate::request::{parse_chat, parse_completion, Options, Prompt};
@@ -95,8 +96,12 @@ pub async fn models(State(state): Shared) -> Json<Value> {
 }
 
 /// `GET /health`.
-pub async fn health() -> Json<Value> {
-    Json(json!({ "status": "ok" }))
+pub async fn health(State(state): Shared) -> Response {
+    if state.drain.is_draining() {
+        let body = Json(json!({ "status": "draining" }));
+        return (StatusCode::SERVICE_UNAVAILABLE, body).into_response();
+    }
+    Json(json!({ "status": "ok" })).into_response()
 }
 
 /// `GET /metrics`.
@@ -175,6 +180,7 @@ async fn generate(
             return Err(ApiError::model_not_found(model, &state.config.model_name));
         }
     }
+    let in_flight = state.drain.enter()?;
     let prompt_tokens = prompt.len();
     if prompt_tokens == 0 {
         return Err(ApiError::invalid(
@@ -239,15 +245,10 @@ async fn generate(
         options.stop,
     );
     if options.stream {
-        Ok(Sse::new(event_stream(
-            reply,
-            receiver,
-            session,
-            options.include_usage,
-        ))
-        .into_response())
+        let stream = event_stream(reply, receiver, session, options.include_usage, in_flight);
+        Ok(Sse::new(stream).into_response())
     } else {
-        whole(reply, receiver, session).await
+        whole(reply, receiver, session, in_flight).await
     }
 }
 
@@ -256,13 +257,17 @@ async fn whole(
     reply: Reply,
     mut receiver: UnboundedReceiver<WorkerEvent>,
     mut session: Session,
+    in_flight: InFlight,
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut logprobs = Vec::new();
     loop {
-        let event = receiver.recv().await.ok_or_else(|| {
-            ApiError::internal("the engine loop stopped before the request finished")
-        })?;
+        let event = tokio::select! {
+            event = receiver.recv() => event.ok_or_else(|| {
+                ApiError::internal("the engine loop stopped before the request finished")
+            })?,
+            _ = in_flight.drain().aborted() => return Err(shutdown_error()),
+        };
         if let Some(delta) = session.on_event(event)? {
             text.push_str(&delta.text);
             logprobs.extend(delta.logprobs);
@@ -287,6 +292,8 @@ struct StreamState {
     include_usage: bool,
     pending: VecDeque<Event>,
     done: bool,
+    /// Held until the stream ends (a drain waits for it).
+    in_flight: InFlight,
 }
 
 fn data(value: &Value) -> Event {
@@ -300,6 +307,7 @@ fn event_stream(
     receiver: UnboundedReceiver<WorkerEvent>,
     session: Session,
     include_usage: bool,
+    in_flight: InFlight,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let mut pending = VecDeque::new();
     if reply.kind == Kind::Chat {
@@ -319,6 +327,7 @@ fn event_stream(
         include_usage,
         pending,
         done: false,
+        in_flight,
     };
     futures::stream::unfold(state, |mut state| async move {
         loop {
@@ -328,7 +337,16 @@ fn event_stream(
             if state.done {
                 return None;
             }
-            let outcome = match state.receiver.recv().await {
+            let event = tokio::select! {
+                event = state.receiver.recv() => event,
+                _ = state.in_flight.drain().aborted() => {
+                    state.pending.push_back(data(&shutdown_error().body()));
+                    state.pending.push_back(Event::default().data("[DONE]"));
+                    state.done = true;
+                    continue;
+                }
+            };
+            let outcome = match event {
                 None => Err(ApiError::internal(
                     "the engine loop stopped before the request finished",
                 )),
@@ -372,6 +390,11 @@ fn event_stream(
             }
         }
     })
+}
+
+/// What a request still running when the drain gives up gets.
+fn shutdown_error() -> ApiError {
+    ApiError::unavailable("the server shut down before the request finished")
 }
 
 fn now_seconds() -> u64 {

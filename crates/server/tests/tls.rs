@@ -60,6 +60,7 @@ fn start(files: &TlsFiles) -> Option<u16> {
         tls: Some(files.load().unwrap()),
         max_body_bytes: 4096,
         sampling_defaults: Default::default(),
+        shutdown_timeout: std::time::Duration::from_secs(30),
     };
     let text = TextModel {
         tokenizer,

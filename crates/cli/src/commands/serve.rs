@@ -35,6 +35,11 @@ pub struct ServeArgs {
     /// Requests that may wait for a free sequence before new ones get 429.
     #[arg(long, default_value_t = 64, allow_negative_numbers = true)]
     pub max_queue: usize,
+    /// On SIGTERM or Ctrl-C, seconds to let running requests finish (new ones get 503 and
+    /// /health says draining) before their streams end with an error. A second signal stops
+    /// at once.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    pub shutdown_timeout: f64,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health. Also
     /// $PAGODA_API_KEY. Prefer --api-key-file: a key on the command line shows in `ps`.
     #[arg(long)]
@@ -108,6 +113,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
+    }
+    if !(args.shutdown_timeout.is_finite() && (0.0..=86_400.0).contains(&args.shutdown_timeout)) {
+        bail!(
+            "--shutdown-timeout must be between 0 and 86400 seconds, got {}",
+            args.shutdown_timeout
+        );
     }
     if args.kv_pages == Some(0) {
         bail!("--kv-pages must be at least 1");
@@ -239,6 +250,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         tls,
         max_body_bytes: args.max_body_bytes,
         sampling_defaults,
+        shutdown_timeout: std::time::Duration::from_secs_f64(args.shutdown_timeout),
     };
     let text = TextModel {
         tokenizer: loaded.tokenizer,

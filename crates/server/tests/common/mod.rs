@@ -163,6 +163,7 @@ pub fn harness(text: &str, mode: Mode, tweak: impl FnOnce(&mut ServerConfig)) ->
         tls: None,
         max_body_bytes: 4096,
         sampling_defaults: SamplingParams::default(),
+        shutdown_timeout: Duration::from_secs(30),
     };
     tweak(&mut config);
     let text_model = TextModel {

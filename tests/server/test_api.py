@@ -138,3 +138,35 @@ def test_eight_concurrent_clients_match_one_at_a_time(client, model, base_url, h
     with ThreadPoolExecutor(max_workers=8) as pool:
         together = list(pool.map(lambda i: one(client, model, i), range(8)))
     assert together == alone
+
+
+def test_unsupported_fields_are_refused_by_name_not_ignored(client, model):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, echo=True)
+    assert refused.value.body["param"] == "echo"
+    assert refused.value.body["code"] == "unsupported_field"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            logit_bias={"42": -100},
+        )
+    assert refused.value.body["param"] == "logit_bias"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, tools=[tool]
+        )
+    assert refused.value.body["param"] == "tools"
+    # Neutral values pass.
+    answer = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        response_format={"type": "text"},
+        logit_bias={},
+    )
+    assert answer.choices[0].message.content is not None

@@ -17,6 +17,7 @@ pub mod routes;
 pub mod session;
 pub mod stop;
 pub mod tls;
+pub mod unsupported;
 pub mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -10,6 +10,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::unsupported::refuse_unsupported;
 
 /// The chat roles of the OpenAI API (`developer` is its newer name for `system`); any other
 /// role is a 400, as OpenAI answers.
@@ -88,6 +89,7 @@ pub struct CompletionRequest {
 /// Parses a chat request; `defaults` are the server's sampling defaults.
 pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest, ApiError> {
     let object = parse_object(body)?;
+    refuse_unsupported(&object, true)?;
     let messages_value = object
         .get("messages")
         .ok_or_else(|| ApiError::invalid("`messages` is required", Some("messages")))?;
@@ -131,6 +133,7 @@ pub fn parse_completion(
     defaults: &SamplingParams,
 ) -> Result<CompletionRequest, ApiError> {
     let object = parse_object(body)?;
+    refuse_unsupported(&object, false)?;
     let prompt = match object.get("prompt") {
         None | Some(Value::Null) => {
             return Err(ApiError::invalid("`prompt` is required", Some("prompt")))

@@ -171,7 +171,10 @@ async fn a_drain_finishes_running_streams_and_refuses_new_work() {
     let refused = exchange(server.port, &post(r#"{"prompt": "hi", "max_tokens": 2}"#)).await;
     assert!(refused.starts_with("HTTP/1.1 503"), "{refused}");
     assert!(refused.contains("\"shutting_down\""), "{refused}");
-    assert!(refused.to_ascii_lowercase().contains("retry-after: 1"), "{refused}");
+    assert!(
+        refused.to_ascii_lowercase().contains("retry-after: 1"),
+        "{refused}"
+    );
 
     let answer = read_rest(stream, seen).await;
     assert!(

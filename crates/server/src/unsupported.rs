@@ -1,0 +1,255 @@
+//! The OpenAI API fields this server does not implement yet, in one place: a request that
+//! sets one of them (to anything but its neutral value) gets a 400 naming it, rather than an
+//! answer that silently ignores it. Fields no API defines stay ignored (clients send many).
+//! `docs/api.md` lists the same fields (a test keeps the two equal).
+
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+
+/// Where a field belongs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions` only.
+    Chat,
+    /// `/v1/completions` only.
+    Completion,
+    /// Both.
+    Both,
+}
+
+/// A refused field: its name, where it applies, when it counts as set and what to say.
+pub struct Unsupported {
+    /// The JSON field.
+    pub name: &'static str,
+    /// The endpoints that refuse it.
+    pub endpoint: Endpoint,
+    /// True when the value asks for the behaviour (null and neutral values pass).
+    pub is_set: fn(&Value) -> bool,
+    /// Why, or what to do instead.
+    pub note: &'static str,
+}
+
+fn not_null(value: &Value) -> bool {
+    !value.is_null()
+}
+
+fn true_flag(value: &Value) -> bool {
+    value.as_bool() != Some(false) && !value.is_null()
+}
+
+fn non_empty(value: &Value) -> bool {
+    match value {
+        Value::Null => false,
+        Value::String(text) => !text.is_empty(),
+        Value::Array(items) => !items.is_empty(),
+        Value::Object(map) => !map.is_empty(),
+        _ => true,
+    }
+}
+
+fn above_one(value: &Value) -> bool {
+    !value.is_null() && value.as_i64() != Some(1)
+}
+
+fn not_text_format(value: &Value) -> bool {
+    !value.is_null() && value.get("type").and_then(Value::as_str) != Some("text")
+}
+
+fn not_none_choice(value: &Value) -> bool {
+    !value.is_null() && value.as_str() != Some("none")
+}
+
+fn not_text_modalities(value: &Value) -> bool {
+    match value {
+        Value::Null => false,
+        Value::Array(items) => items.iter().any(|item| item.as_str() != Some("text")),
+        _ => true,
+    }
+}
+
+/// Every refused field.
+pub const UNSUPPORTED: &[Unsupported] = &[
+    Unsupported {
+        name: "logit_bias",
+        endpoint: Endpoint::Both,
+        is_set: non_empty,
+        note: "per-token logit biases are not implemented yet",
+    },
+    Unsupported {
+        name: "echo",
+        endpoint: Endpoint::Completion,
+        is_set: true_flag,
+        note: "echoing the prompt is not implemented yet",
+    },
+    Unsupported {
+        name: "best_of",
+        endpoint: Endpoint::Completion,
+        is_set: above_one,
+        note: "only best_of = 1 is supported",
+    },
+    Unsupported {
+        name: "suffix",
+        endpoint: Endpoint::Completion,
+        is_set: non_empty,
+        note: "insertion (a suffix after the completion) is not implemented",
+    },
+    Unsupported {
+        name: "response_format",
+        endpoint: Endpoint::Chat,
+        is_set: not_text_format,
+        note: "structured output (JSON mode, JSON schema) is not implemented yet; only {\"type\": \"text\"}",
+    },
+    Unsupported {
+        name: "tools",
+        endpoint: Endpoint::Chat,
+        is_set: non_empty,
+        note: "tool calling is not implemented yet",
+    },
+    Unsupported {
+        name: "tool_choice",
+        endpoint: Endpoint::Chat,
+        is_set: not_none_choice,
+        note: "tool calling is not implemented yet",
+    },
+    Unsupported {
+        name: "functions",
+        endpoint: Endpoint::Chat,
+        is_set: non_empty,
+        note: "function calling is not implemented yet",
+    },
+    Unsupported {
+        name: "function_call",
+        endpoint: Endpoint::Chat,
+        is_set: not_none_choice,
+        note: "function calling is not implemented yet",
+    },
+    Unsupported {
+        name: "modalities",
+        endpoint: Endpoint::Chat,
+        is_set: not_text_modalities,
+        note: "only text output is supported",
+    },
+    Unsupported {
+        name: "audio",
+        endpoint: Endpoint::Chat,
+        is_set: not_null,
+        note: "audio output is not supported",
+    },
+    Unsupported {
+        name: "prediction",
+        endpoint: Endpoint::Chat,
+        is_set: not_null,
+        note: "predicted outputs are not supported",
+    },
+    Unsupported {
+        name: "grammar",
+        endpoint: Endpoint::Both,
+        is_set: non_empty,
+        note: "grammars (llama.cpp's extension) are not implemented yet",
+    },
+    Unsupported {
+        name: "json_schema",
+        endpoint: Endpoint::Both,
+        is_set: non_empty,
+        note: "JSON schemas (llama.cpp's extension) are not implemented yet",
+    },
+    Unsupported {
+        name: "guided_json",
+        endpoint: Endpoint::Both,
+        is_set: non_empty,
+        note: "guided decoding (vLLM's extension) is not implemented yet",
+    },
+    Unsupported {
+        name: "guided_regex",
+        endpoint: Endpoint::Both,
+        is_set: non_empty,
+        note: "guided decoding (vLLM's extension) is not implemented yet",
+    },
+    Unsupported {
+        name: "guided_choice",
+        endpoint: Endpoint::Both,
+        is_set: non_empty,
+        note: "guided decoding (vLLM's extension) is not implemented yet",
+    },
+    Unsupported {
+        name: "guided_grammar",
+        endpoint: Endpoint::Both,
+        is_set: non_empty,
+        note: "guided decoding (vLLM's extension) is not implemented yet",
+    },
+];
+
+/// A 400 for the first refused field `object` sets on an endpoint of kind `chat`.
+pub fn refuse_unsupported(object: &Map<String, Value>, chat: bool) -> Result<(), ApiError> {
+    for field in UNSUPPORTED {
+        let applies = match field.endpoint {
+            Endpoint::Both => true,
+            Endpoint::Chat => chat,
+            Endpoint::Completion => !chat,
+        };
+        if !applies {
+            continue;
+        }
+        if let Some(value) = object.get(field.name) {
+            if (field.is_set)(value) {
+                return Err(ApiError::invalid(
+                    format!(
+                        "`{}` is not supported by this server: {}; remove the field",
+                        field.name, field.note
+                    ),
+                    Some(field.name),
+                )
+                .with_code("unsupported_field"));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn check(body: Value, chat: bool) -> Result<(), ApiError> {
+        refuse_unsupported(body.as_object().unwrap(), chat)
+    }
+
+    #[test]
+    fn set_fields_are_refused_and_neutral_values_pass() {
+        let refused = check(json!({"logit_bias": {"50256": -100}}), true).unwrap_err();
+        assert_eq!(refused.param.as_deref(), Some("logit_bias"));
+        assert!(check(json!({"logit_bias": {}}), true).is_ok());
+        assert!(check(json!({"logit_bias": null}), false).is_ok());
+        assert!(check(json!({"echo": true}), false).is_err());
+        assert!(check(json!({"echo": false}), false).is_ok());
+        assert!(check(json!({"best_of": 3}), false).is_err());
+        assert!(check(json!({"best_of": 1}), false).is_ok());
+        assert!(check(json!({"response_format": {"type": "json_object"}}), true).is_err());
+        assert!(check(json!({"response_format": {"type": "text"}}), true).is_ok());
+        assert!(check(json!({"tools": [{"type": "function"}]}), true).is_err());
+        assert!(check(json!({"tools": []}), true).is_ok());
+        assert!(check(json!({"tool_choice": "none"}), true).is_ok());
+        assert!(check(json!({"modalities": ["text"]}), true).is_ok());
+        assert!(check(json!({"modalities": ["text", "audio"]}), true).is_err());
+        assert!(check(json!({"grammar": "root ::= \"a\""}), false).is_err());
+        // Endpoint-specific fields are only refused where they mean something.
+        assert!(check(json!({"echo": true}), true).is_ok());
+        assert!(check(json!({"tools": [{"type": "function"}]}), false).is_ok());
+        // Fields no API defines stay ignored.
+        assert!(check(json!({"x_client_trace": "abc"}), true).is_ok());
+    }
+
+    #[test]
+    fn the_docs_list_every_refused_field() {
+        let docs = include_str!("../../../docs/api.md");
+        for field in UNSUPPORTED {
+            assert!(
+                docs.contains(&format!("`{}`", field.name)),
+                "docs/api.md does not list `{}`",
+                field.name
+            );
+        }
+    }
+}

@@ -170,3 +170,28 @@ def test_unsupported_fields_are_refused_by_name_not_ignored(client, model):
         logit_bias={},
     )
     assert answer.choices[0].message.content is not None
+
+
+def test_tokenize_detokenize_and_one_model(base_url, headers, model):
+    text = "The quick brown fox jumps over the lazy dog."
+    tokens = requests.post(
+        f"{base_url}/tokenize", json={"content": text}, headers=headers, timeout=10
+    )
+    assert tokens.status_code == 200, tokens.text
+    ids = tokens.json()["tokens"]
+    assert len(ids) == tokens.json()["count"] > 5
+    back = requests.post(f"{base_url}/detokenize", json={"tokens": ids}, headers=headers, timeout=10)
+    assert back.status_code == 200, back.text
+    assert back.json()["content"] == text
+    chat = requests.post(
+        f"{base_url}/tokenize",
+        json={"messages": [{"role": "user", "content": text}]},
+        headers=headers,
+        timeout=10,
+    ).json()["tokens"]
+    assert len(chat) > len(ids)
+    one = requests.get(f"{base_url}/v1/models/{model}", headers=headers, timeout=10)
+    assert one.status_code == 200 and one.json()["id"] == model
+    missing = requests.get(f"{base_url}/v1/models/no-such-model", headers=headers, timeout=10)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"

@@ -17,6 +17,7 @@ pub mod routes;
 pub mod session;
 pub mod stop;
 pub mod tls;
+pub mod tokenize;
 pub mod unsupported;
 pub mod worker;
 
@@ -151,6 +152,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/completions", post(routes::completions))
         .route("/v1/models", get(routes::models))
+        .route("/v1/models/{id}", get(routes::model))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .fallback(routes::not_found)

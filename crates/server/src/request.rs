@@ -148,7 +148,7 @@ pub fn parse_completion(
     Ok(CompletionRequest { prompt, options })
 }
 
-fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+pub(crate) fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}"), None))?;
     match value {
@@ -321,7 +321,7 @@ fn parse_options(
 }
 
 /// Reads field `name` as a `T`; absent or null is `None`; a wrong type is a 400 naming it.
-fn field<T: DeserializeOwned>(
+pub(crate) fn field<T: DeserializeOwned>(
     object: &Map<String, Value>,
     name: &str,
 ) -> Result<Option<T>, ApiError> {

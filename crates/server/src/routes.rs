@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::sse::{Event, Sse};
@@ -95,6 +95,21 @@ pub async fn models(State(state): Shared) -> Json<Value> {
     }))
 }
 
+/// `GET /v1/models/{id}`: the served model under any of its names, else a 404.
+pub async fn model(State(state): Shared, Path(id): Path<String>) -> Response {
+    if !state.config.accepts_model(&id) {
+        return ApiError::model_not_found(&id, &state.config.model_name).into_response();
+    }
+    Json(json!({
+        "id": state.config.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "pagoda",
+        "meta": { "n_ctx": state.config.context_size },
+    }))
+    .into_response()
+}
+
 /// `GET /health`.
 pub async fn health(State(state): Shared) -> Response {
     if state.drain.is_draining() {
@@ -144,9 +159,14 @@ pub async fn count_requests(State(state): Shared, request: Request, next: Next) 
     let path = request.uri().path().to_owned();
     let response = next.run(request).await;
     let endpoint = match path.as_str() {
-        "/v1/chat/completions" | "/v1/completions" | "/v1/models" | "/health" | "/metrics" => {
-            path.as_str()
-        }
+        "/v1/chat/completions"
+        | "/v1/completions"
+        | "/v1/models"
+        | "/health"
+        | "/metrics"
+        | "/tokenize"
+        | "/detokenize" => path.as_str(),
+        models if models.starts_with("/v1/models/") => "/v1/models/{id}",
         _ => "other",
     };
     state
@@ -155,7 +175,7 @@ pub async fn count_requests(State(state): Shared, request: Request, next: Next) 
     response
 }
 
-fn body_error(rejection: BytesRejection) -> ApiError {
+pub(crate) fn body_error(rejection: BytesRejection) -> ApiError {
     let status = rejection.status();
     let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
         "the request body is too large".to_owned()

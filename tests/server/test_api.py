@@ -195,3 +195,29 @@ def test_tokenize_detokenize_and_one_model(base_url, headers, model):
     missing = requests.get(f"{base_url}/v1/models/no-such-model", headers=headers, timeout=10)
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_access_log_has_a_line_per_request(client, model, base_url, headers):
+    import os
+    import time
+
+    log_path = os.environ.get("PAGODA_SERVER_LOG_FILE")
+    if not log_path:
+        pytest.skip("PAGODA_SERVER_LOG_FILE is not set; run bash scripts/test-server.sh")
+    whole = client.completions.create(model=model, prompt="Hello", max_tokens=3, seed=1)
+    streamed = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True
+    )
+    stream_id = [chunk.id for chunk in streamed][-1]
+    bad = requests.post(f"{base_url}/v1/completions", json={}, headers=headers, timeout=10)
+    assert bad.status_code == 400
+    time.sleep(0.3)
+    with open(log_path) as f:
+        lines = f.read().splitlines()
+    mine = [line for line in lines if whole.id in line]
+    assert len(mine) == 1, mine
+    assert "POST /v1/completions" in mine[0] and "prompt=" in mine[0], mine[0]
+    assert f"completion={whole.usage.completion_tokens}" in mine[0], mine[0]
+    assert " length " in mine[0] or " stop " in mine[0], mine[0]
+    assert len([line for line in lines if stream_id in line]) == 1
+    assert any("POST /v1/completions 400" in line for line in lines)

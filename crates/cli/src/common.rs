@@ -257,13 +257,19 @@ pub fn stop_tokens(
     stop
 }
 
-/// Sets up logging to stderr (INFO by default so one-time path lines show with -v only).
-pub fn init_logging(verbose: u8) {
-    let default = match verbose {
+/// Sets up logging to stderr (WARN by default so one-time path lines show with -v only;
+/// with `access_log`, the server's per-request lines, target `pagoda_access`, show too).
+pub fn init_logging(verbose: u8, access_log: bool) {
+    let level = match verbose {
         0 => "warn",
         1 => "info",
         2 => "debug",
         _ => "trace",
+    };
+    let default = if access_log && verbose == 0 {
+        format!("{level},pagoda_access=info")
+    } else {
+        level.to_owned()
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));

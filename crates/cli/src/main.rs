@@ -71,7 +71,8 @@ fn main() {
         }
     };
     let cli = Cli::parse_from(args);
-    common::init_logging(cli.verbose);
+    // `serve` logs one line per request (the access log) unless RUST_LOG says otherwise.
+    common::init_logging(cli.verbose, matches!(cli.command, Command::Serve(_)));
     let result = common::configure(&cli.command.flag_values()).and_then(|()| match cli.command {
         Command::Generate(args) => commands::generate::run(args),
         Command::Chat(args) => commands::chat::run(args),

@@ -7,6 +7,7 @@
 //! `/metrics` is Prometheus text ([`metrics`]). API keys are checked by [`auth`]; HTTPS is
 //! terminated by [`tls`].
 
+pub mod access;
 pub mod auth;
 pub mod drain;
 pub mod error;

@@ -6,18 +6,22 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
+use axum::extract::connect_info::ConnectInfo;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use axum::Json;
 use futures::Stream;
 use pagoda_models::chat_template::ChatMessage;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::access::{self, AccessLog, Client};
+use crate::auth::ClientAddr;
 use crate::drain::InFlight;
 use crate::error::ApiError;
 use crate::format::{chunk, final_body, usage, Kind, Reply};
@@ -31,6 +35,7 @@ type Shared = State<Arc<AppState>>;
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(
     State(state): Shared,
+    client: Option<Extension<Client>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let result = async {
@@ -47,14 +52,19 @@ pub async fn chat_completions(
         let prompt = state.tokenizer.encode_chat(&rendered).map_err(|e| {
             ApiError::invalid(format!("tokenizing the messages: {e}"), Some("messages"))
         })?;
-        generate(&state, Kind::Chat, prompt, request.options).await
+        let client = client.as_ref().map(|c| &c.0);
+        generate(&state, (Kind::Chat, client), prompt, request.options).await
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(State(state): Shared, body: Result<Bytes, BytesRejection>) -> Response {
+pub async fn completions(
+    State(state): Shared,
+    client: Option<Extension<Client>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let result = async {
         let body = body.map_err(body_error)?;
         let request = parse_completion(&body, &state.config.sampling_defaults)?;
@@ -75,7 +85,8 @@ pub async fn completions(State(state): Shared, body: Result<Bytes, BytesRejectio
                 tokens
             }
         };
-        generate(&state, Kind::Completion, prompt, request.options).await
+        let client = client.as_ref().map(|c| &c.0);
+        generate(&state, (Kind::Completion, client), prompt, request.options).await
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
@@ -155,9 +166,27 @@ pub async fn not_found(request: Request) -> ApiError {
 }
 
 /// Counts answered requests by path and status.
-pub async fn count_requests(State(state): Shared, request: Request, next: Next) -> Response {
+pub async fn count_requests(State(state): Shared, mut request: Request, next: Next) -> Response {
+    let started = std::time::Instant::now();
     let path = request.uri().path().to_owned();
+    let method = request.method().clone();
+    let client = request
+        .extensions()
+        .get::<ConnectInfo<ClientAddr>>()
+        .map_or_else(|| "-".to_owned(), |info| info.0.to_string());
+    request.extensions_mut().insert(Client(client.clone()));
     let response = next.run(request).await;
+    let status = response.status();
+    // Generation requests answered 200 log when they end (with their tokens); probes of
+    // /health and /metrics that succeed are not logged.
+    let quiet = status == StatusCode::OK
+        && matches!(
+            path.as_str(),
+            "/v1/chat/completions" | "/v1/completions" | "/health" | "/metrics"
+        );
+    if !quiet {
+        access::answered(&client, method.as_str(), &path, status.as_u16(), started);
+    }
     let endpoint = match path.as_str() {
         "/v1/chat/completions"
         | "/v1/completions"
@@ -191,7 +220,7 @@ pub(crate) fn body_error(rejection: BytesRejection) -> ApiError {
 /// Checks the model and the context, queues the request, answers streamed or whole.
 async fn generate(
     state: &Arc<AppState>,
-    kind: Kind,
+    (kind, client): (Kind, Option<&Client>),
     prompt: Vec<u32>,
     options: Options,
 ) -> Result<Response, ApiError> {
@@ -255,6 +284,11 @@ async fn generate(
         prompt_tokens,
         want_logprobs: options.logprobs.is_some(),
     };
+    let endpoint = match kind {
+        Kind::Chat => "/v1/chat/completions",
+        Kind::Completion => "/v1/completions",
+    };
+    let log = AccessLog::new(client, endpoint, &reply.id, prompt_tokens);
     let session = Session::new(
         state.tokenizer.clone(),
         if options.ignore_eos {
@@ -265,10 +299,16 @@ async fn generate(
         options.stop,
     );
     if options.stream {
-        let stream = event_stream(reply, receiver, session, options.include_usage, in_flight);
+        let stream = event_stream(
+            reply,
+            receiver,
+            session,
+            options.include_usage,
+            (in_flight, log),
+        );
         Ok(Sse::new(stream).into_response())
     } else {
-        whole(reply, receiver, session, in_flight).await
+        whole(reply, receiver, session, (in_flight, log)).await
     }
 }
 
@@ -277,21 +317,28 @@ async fn whole(
     reply: Reply,
     mut receiver: UnboundedReceiver<WorkerEvent>,
     mut session: Session,
-    in_flight: InFlight,
+    (in_flight, mut log): (InFlight, AccessLog),
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut logprobs = Vec::new();
+    log.outcome = "error";
     loop {
         let event = tokio::select! {
             event = receiver.recv() => event.ok_or_else(|| {
                 ApiError::internal("the engine loop stopped before the request finished")
             })?,
-            _ = in_flight.drain().aborted() => return Err(shutdown_error()),
+            _ = in_flight.drain().aborted() => {
+                log.outcome = "shutdown";
+                return Err(shutdown_error());
+            }
         };
-        if let Some(delta) = session.on_event(event)? {
+        let delta = session.on_event(event)?;
+        log.completion_tokens = session.completion_tokens;
+        if let Some(delta) = delta {
             text.push_str(&delta.text);
             logprobs.extend(delta.logprobs);
             if let Some(reason) = delta.finish_reason {
+                log.outcome = reason;
                 return Ok(Json(final_body(
                     &reply,
                     &text,
@@ -314,6 +361,17 @@ struct StreamState {
     done: bool,
     /// Held until the stream ends (a drain waits for it).
     in_flight: InFlight,
+    /// Written when the stream ends or its client leaves.
+    log: AccessLog,
+}
+
+impl Drop for StreamState {
+    fn drop(&mut self) {
+        self.log.completion_tokens = self.session.completion_tokens;
+        if let Some(reason) = self.session.finish_reason {
+            self.log.outcome = reason;
+        }
+    }
 }
 
 fn data(value: &Value) -> Event {
@@ -327,7 +385,7 @@ fn event_stream(
     receiver: UnboundedReceiver<WorkerEvent>,
     session: Session,
     include_usage: bool,
-    in_flight: InFlight,
+    (in_flight, log): (InFlight, AccessLog),
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let mut pending = VecDeque::new();
     if reply.kind == Kind::Chat {
@@ -348,6 +406,7 @@ fn event_stream(
         pending,
         done: false,
         in_flight,
+        log,
     };
     futures::stream::unfold(state, |mut state| async move {
         loop {
@@ -360,6 +419,7 @@ fn event_stream(
             let event = tokio::select! {
                 event = state.receiver.recv() => event,
                 _ = state.in_flight.drain().aborted() => {
+                    state.log.outcome = "shutdown";
                     state.pending.push_back(data(&shutdown_error().body()));
                     state.pending.push_back(Event::default().data("[DONE]"));
                     state.done = true;
@@ -403,6 +463,7 @@ fn event_stream(
                     }
                 }
                 Err(error) => {
+                    state.log.outcome = "error";
                     state.pending.push_back(data(&error.body()));
                     state.pending.push_back(Event::default().data("[DONE]"));
                     state.done = true;

@@ -188,9 +188,9 @@ pub struct SamplingArgs {
     /// OpenAI-style presence penalty.
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub presence_penalty: f32,
-    /// Random seed (default: random, printed with -v).
-    #[arg(short = 's', long)]
-    pub seed: Option<u64>,
+    /// Random seed (default, or -1 as llama.cpp spells it: random, printed with -v).
+    #[arg(short = 's', long, allow_negative_numbers = true, value_parser = parse_seed)]
+    pub seed: Option<SeedFlag>,
 }
 
 impl SamplingArgs {
@@ -222,7 +222,7 @@ impl SamplingArgs {
                 .unwrap_or(builtin.repetition_penalty),
             frequency_penalty: self.frequency_penalty,
             presence_penalty: self.presence_penalty,
-            seed: self.seed,
+            seed: self.seed.and_then(|seed| seed.0),
             ..builtin
         };
         if let Err(message) = params.validate() {
@@ -255,6 +255,26 @@ pub fn stop_tokens(
         }
     }
     stop
+}
+
+/// A `-s` value: `None` for -1 (a random seed, llama.cpp's spelling).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeedFlag(pub Option<u64>);
+
+/// Parses `-s`: -1 (random) or a seed in `0..=2^64-1`.
+pub fn parse_seed(text: &str) -> std::result::Result<SeedFlag, String> {
+    let text = text.trim();
+    if text == "-1" {
+        return Ok(SeedFlag(None));
+    }
+    text.parse::<u64>()
+        .map(|seed| SeedFlag(Some(seed)))
+        .map_err(|_| {
+            format!(
+                "{text:?} is not a seed: give -1 (random) or a whole number from 0 to {}",
+                u64::MAX
+            )
+        })
 }
 
 /// Sets up logging to stderr (WARN by default so one-time path lines show with -v only;

@@ -113,7 +113,7 @@ fn bad_generation_flags() {
     let model = tiny_model("tiny-qwen2");
     let m = model.to_str().unwrap();
     let cases: &[(&[&str], &[&str])] = &[
-        (&["-n", "0"], &["-n must be at least 1"]),
+        (&["-n", "0"], &["-n 0", "at least 1", "or -1"]),
         (&["--temp", "-1"], &["temperature", "-1"]),
         (&["--temp", "nan"], &["temperature"]),
         (&["--top-p", "0"], &["top_p", "(0, 1]"]),
@@ -134,7 +134,8 @@ fn bad_generation_flags() {
             &["--attention", "bogus"],
             &["bogus", "auto, split-kv, gather"],
         ),
-        (&["-n", "-3"], &["-3", "n-predict"]),
+        (&["-n", "-3"], &["-n -3", "or -1"]),
+        (&["-s", "-2"], &["-2", "-1 (random)"]),
         (&["--bogus-flag"], &["--bogus-flag"]),
     ];
     for (flags, needles) in cases {
@@ -221,11 +222,49 @@ fn bad_prompt_on_default_model() {
 }
 
 #[test]
+fn llama_cpp_minus_one_means_random_seed_and_fill_the_context() {
+    let model = tiny_model("tiny-qwen2");
+    let m = model.to_str().unwrap();
+    let args = [
+        "generate",
+        "-m",
+        m,
+        "-p",
+        "hi",
+        "-c",
+        "12",
+        "-n",
+        "-1",
+        "-s",
+        "-1",
+        "--ignore-eos",
+    ];
+    let out = pagoda(&args, None);
+    out.assert_success();
+    // "prompt: P tokens, ... | decode: D tokens, ...": the first token comes with the
+    // prompt's step, so P + 1 + D fills the 12-token context.
+    let count = |label: &str| -> usize {
+        let at = out.stderr.find(label).expect(label) + label.len();
+        let digits: String = out.stderr[at..]
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect();
+        digits.parse().unwrap()
+    };
+    assert_eq!(
+        count("prompt: ") + 1 + count("decode: "),
+        12,
+        "{}",
+        out.stderr
+    );
+}
+
+#[test]
 fn bad_chat_inspect_and_bench_flags() {
     let model = tiny_model("tiny-qwen2");
     let m = model.to_str().unwrap();
     let out = pagoda(&["chat", "-m", m, "-n", "0"], Some("hi\n"));
-    assert!(out.assert_clean_error().contains("-n must be at least 1"));
+    assert!(out.assert_clean_error().contains("at least 1"));
     let out = pagoda(&["chat", "-m", m, "--top-p", "2"], Some("hi\n"));
     assert!(out.assert_clean_error().contains("top_p"));
     error_of(

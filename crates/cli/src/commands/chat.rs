@@ -19,22 +19,26 @@ pub struct ChatArgs {
     /// System message.
     #[arg(long)]
     pub system: Option<String>,
-    /// Tokens to generate at most per reply.
+    /// Tokens to generate at most per reply; -1 (llama.cpp's spelling): until the context is
+    /// full.
     #[arg(
         short = 'n',
         long = "n-predict",
         default_value_t = 512,
         allow_negative_numbers = true
     )]
-    pub max_tokens: usize,
+    pub max_tokens: i64,
 }
 
 /// Runs `pagoda chat`. Lines typed are user messages; `/reset` clears the history, `/exit` or
 /// end of input quits.
 pub fn run(args: ChatArgs) -> Result<()> {
-    if args.max_tokens == 0 {
-        bail!("-n must be at least 1");
+    let n = args.max_tokens;
+    if n == 0 || n < -1 {
+        bail!("-n {n}: give a number of tokens (at least 1), or -1 to reply until the context is full");
     }
+    // -1: no limit of its own (the context's room bounds every reply).
+    let reply_limit = usize::try_from(n).unwrap_or(usize::MAX);
     args.sampling.params()?; // fail fast on bad flags, before loading
     let loaded = common::load(&args.model)?;
     let ctx = common::context_size(&args.model, &loaded)?;
@@ -95,7 +99,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             history.pop();
             continue;
         }
-        let max_tokens = args.max_tokens.min(ctx - prompt_ids.len());
+        let max_tokens = reply_limit.min(ctx - prompt_ids.len());
         let mut reply = Vec::new();
         let mut tee = Tee {
             sink: std::io::stdout(),

@@ -22,10 +22,10 @@ pub struct GenerateArgs {
     /// The prompt. Without it, the prompt is read from standard input.
     #[arg(short = 'p', long)]
     pub prompt: Option<String>,
-    /// Tokens to generate at most. Default: 256, lowered to what the context leaves after the
-    /// prompt.
+    /// Tokens to generate at most; -1 (llama.cpp's spelling): until the context is full.
+    /// Default: 256, lowered to what the context leaves after the prompt.
     #[arg(short = 'n', long = "n-predict", allow_negative_numbers = true)]
-    pub max_tokens: Option<usize>,
+    pub max_tokens: Option<i64>,
     /// Treat the prompt as a user message and apply the model's chat template.
     #[arg(long)]
     pub chat: bool,
@@ -39,8 +39,11 @@ pub struct GenerateArgs {
 
 /// Runs `pagoda generate`.
 pub fn run(args: GenerateArgs) -> Result<()> {
-    if args.max_tokens == Some(0) {
-        bail!("-n must be at least 1");
+    match args.max_tokens {
+        Some(n) if n == 0 || n < -1 => {
+            bail!("-n {n}: give a number of tokens (at least 1), or -1 to generate until the context is full")
+        }
+        _ => {}
     }
     args.sampling.params()?; // fail fast on bad flags, before loading
     let prompt = match &args.prompt {
@@ -67,9 +70,13 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let tokenizer = loaded.tokenizer;
     let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
     let prompt_ids = common::encode_prompt(&tokenizer, &text, args.chat)?;
+    let requested = match args.max_tokens {
+        Some(-1) => Some(ctx.saturating_sub(prompt_ids.len()).max(1)),
+        other => other.map(|n| n as usize),
+    };
     let max_tokens = new_token_budget(
         prompt_ids.len(),
-        args.max_tokens,
+        requested,
         ctx,
         engine.model_config().max_position_embeddings,
     )?;

@@ -14,7 +14,7 @@ use pagoda_engine::{
 };
 use pagoda_models::hf::GenerationDefaults;
 use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
-use pagoda_models::llama_cuda::{GpuDType, PagedDecodeMode};
+use pagoda_models::llama_cuda::{DType, PagedDecodeMode};
 use pagoda_models::tokenizer::Tokenizer;
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::{SamplerKind, SamplingParams};
@@ -130,8 +130,8 @@ pub fn cuda_graphs() -> bool {
 /// The device the flags ask for, resolved: `auto` probes for a usable GPU.
 pub fn resolve_device(args: &ModelArgs) -> Result<Device> {
     let dtype = match args.dtype.as_str() {
-        "bf16" => GpuDType::Bf16,
-        "f32" => GpuDType::F32,
+        "bf16" => DType::BF16,
+        "f32" => DType::F32,
         other => bail!("unknown --dtype `{other}` (use bf16 or f32)"),
     };
     match args.device.as_str() {

@@ -7,65 +7,20 @@
 //! key itself ([`KernelKey::defines`]), so nothing that is not in the key can reach the
 //! compiler: a key cannot miss a dtype or a parameter that changes the code.
 
+pub use pagoda_tensor::DType;
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-/// Element types the kernels read or write.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum DType {
-    /// IEEE single.
-    F32,
-    /// bfloat16.
-    BF16,
-    /// IEEE half.
-    F16,
-    /// 32-bit unsigned integer (ids, indptrs).
-    U32,
-    /// 32-bit signed integer (slots).
-    I32,
-    /// Raw bytes (quantized blocks).
-    U8,
-}
-
-impl DType {
-    /// Stable lowercase name used in keys and messages.
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            DType::U32 => "u32",
-            DType::I32 => "i32",
-            DType::U8 => "u8",
-        }
-    }
-
-    /// The CUDA C++ type the kernels use for it.
-    pub fn cuda_type(self) -> &'static str {
-        match self {
-            DType::F32 => "float",
-            DType::BF16 => "__nv_bfloat16",
-            DType::F16 => "__half",
-            DType::U32 => "unsigned int",
-            DType::I32 => "int",
-            DType::U8 => "unsigned char",
-        }
-    }
-
-    /// Bytes per element.
-    pub fn size_bytes(self) -> usize {
-        match self {
-            DType::F32 | DType::U32 | DType::I32 => 4,
-            DType::BF16 | DType::F16 => 2,
-            DType::U8 => 1,
-        }
-    }
-}
-
-impl std::fmt::Display for DType {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.write_str(self.name())
+/// The CUDA C++ type the kernels use for `dtype`.
+pub fn cuda_type(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "float",
+        DType::BF16 => "__nv_bfloat16",
+        DType::F16 => "__half",
+        DType::U32 => "unsigned int",
+        DType::I32 => "int",
+        DType::U8 => "unsigned char",
     }
 }
 
@@ -217,7 +172,7 @@ impl KernelKey {
         let dtypes = self
             .dtypes
             .iter()
-            .map(|(role, dtype)| format!("-DPAGODA_{role}={}", dtype.cuda_type()));
+            .map(|(role, dtype)| format!("-DPAGODA_{role}={}", cuda_type(*dtype)));
         params.chain(dtypes).collect()
     }
 

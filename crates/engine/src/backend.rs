@@ -81,7 +81,7 @@ impl Backend {
         let c = self.config();
         let element = match self {
             Backend::Cpu(_) => 4,
-            Backend::Cuda(model) => model.dtype().element_bytes(),
+            Backend::Cuda(model) => model.dtype().size_bytes(),
         };
         2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * element
     }

@@ -12,7 +12,7 @@ use pagoda_models::formats::gguf::GgufFile;
 use pagoda_models::gguf_model::config_from_gguf;
 use pagoda_models::hf::{GenerationDefaults, HfModelDir};
 use pagoda_models::llama::{Model, WeightPrecision};
-use pagoda_models::llama_cuda::{CudaModel, GpuDType};
+use pagoda_models::llama_cuda::{CudaModel, DType};
 use pagoda_models::random::{random_config, RandomWeights};
 use pagoda_models::tokenizer::Tokenizer;
 
@@ -57,7 +57,7 @@ pub enum Device {
     #[default]
     Cpu,
     /// CUDA device 0, weights and activations in `dtype`.
-    Cuda { dtype: GpuDType },
+    Cuda { dtype: DType },
 }
 
 /// How to load.

@@ -17,7 +17,7 @@ use pagoda_cuda::Gpu;
 use pagoda_kv::{BlockPool, BlockTable, PageTable};
 use pagoda_models::config::{Llama3RopeScaling, ModelConfig};
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
-use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, GpuDType, PagedDecodeMode};
+use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, DType, PagedDecodeMode};
 use pagoda_models::random::{preset, RandomWeights};
 use pagoda_models::weights::TensorSource;
 
@@ -121,12 +121,12 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
     });
     let mut results = Vec::new();
     for (dtype, cuda_graphs, paged_decode) in [
-        (GpuDType::F32, true, PagedDecodeMode::Fused),
-        (GpuDType::F32, true, PagedDecodeMode::Gather),
-        (GpuDType::F32, false, PagedDecodeMode::Fused),
-        (GpuDType::Bf16, true, PagedDecodeMode::Fused),
-        (GpuDType::Bf16, false, PagedDecodeMode::Gather),
-        (GpuDType::Bf16, true, PagedDecodeMode::Gather),
+        (DType::F32, true, PagedDecodeMode::Fused),
+        (DType::F32, true, PagedDecodeMode::Gather),
+        (DType::F32, false, PagedDecodeMode::Fused),
+        (DType::BF16, true, PagedDecodeMode::Fused),
+        (DType::BF16, false, PagedDecodeMode::Gather),
+        (DType::BF16, true, PagedDecodeMode::Gather),
     ] {
         let mut model =
             CudaModel::load(config.clone(), &weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
@@ -185,11 +185,11 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
     }
     let f32_error = results
         .iter()
-        .filter(|r| r.0 == GpuDType::F32)
+        .filter(|r| r.0 == DType::F32)
         .fold(0f64, |a, r| a.max(r.1));
     let bf16_error = results
         .iter()
-        .filter(|r| r.0 == GpuDType::Bf16)
+        .filter(|r| r.0 == DType::BF16)
         .fold(0f64, |a, r| a.max(r.2));
     (f32_error, bf16_error)
 }
@@ -260,9 +260,9 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
     let mut worst_top5 = 0f64;
     // f32 through both decode paths: both must give the CPU's greedy ids (so each other's).
     for (dtype, paged_decode) in [
-        (GpuDType::F32, PagedDecodeMode::Fused),
-        (GpuDType::F32, PagedDecodeMode::Gather),
-        (GpuDType::Bf16, PagedDecodeMode::Fused),
+        (DType::F32, PagedDecodeMode::Fused),
+        (DType::F32, PagedDecodeMode::Gather),
+        (DType::BF16, PagedDecodeMode::Fused),
     ] {
         let mut model =
             CudaModel::load(config.clone(), source, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
@@ -317,7 +317,7 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
             });
             for (step, (c_row, g_row)) in cpu_rows.iter().zip(&gpu_rows).enumerate() {
                 assert_eq!(g_row.len(), vocab);
-                if dtype == GpuDType::F32 {
+                if dtype == DType::F32 {
                     assert_eq!(
                         pagoda_ops::sampling::argmax(g_row),
                         pagoda_ops::sampling::argmax(c_row),

@@ -21,7 +21,7 @@ use pagoda_kv::{BlockPool, BlockTable, PageTable, Slot};
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::ForwardBatch;
 use pagoda_models::llama_cuda::{
-    CudaCacheOptions, CudaModel, GpuDType, SampledRow, SamplingRowParams,
+    CudaCacheOptions, CudaModel, DType, SampledRow, SamplingRowParams,
 };
 use pagoda_models::random::{preset, RandomWeights};
 use pagoda_ops::sampling::{FusedSampler, SamplingParams};
@@ -39,7 +39,7 @@ fn config() -> ModelConfig {
     }
 }
 
-fn load(gpu: &Arc<Gpu>, weights: &RandomWeights, dtype: GpuDType, graphs: bool) -> CudaModel {
+fn load(gpu: &Arc<Gpu>, weights: &RandomWeights, dtype: DType, graphs: bool) -> CudaModel {
     let mut model = CudaModel::load(config(), weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
     model
         .prepare(CudaCacheOptions {
@@ -238,7 +238,7 @@ fn device_params(sampler: &FusedSampler) -> SamplingRowParams {
 /// and per-kind device row counts.
 fn compare(
     gpu: &Arc<Gpu>,
-    dtype: GpuDType,
+    dtype: DType,
     graphs: bool,
     host_row: &dyn Fn(usize, usize) -> bool,
 ) -> (usize, usize) {
@@ -324,7 +324,7 @@ fn compare(
 #[ignore = "needs a GPU"]
 fn device_tokens_equal_the_cpu_fused_sampler() {
     let gpu = gpu();
-    for (dtype, graphs) in [(GpuDType::F32, true), (GpuDType::Bf16, false)] {
+    for (dtype, graphs) in [(DType::F32, true), (DType::BF16, false)] {
         let (device, host) = compare(&gpu, dtype, graphs, &|_, _| false);
         assert!(device > 60 && host == 0, "{device} / {host}");
     }
@@ -336,12 +336,12 @@ fn mixed_batches_download_the_host_rows() {
     let gpu = gpu();
     // Every third (step, request) pair stays on the host, so requests switch paths and the
     // batches mix device and host runs of several lengths.
-    let (device, host) = compare(&gpu, GpuDType::F32, true, &|step, request| {
+    let (device, host) = compare(&gpu, DType::F32, true, &|step, request| {
         (step + request) % 3 == 0
     });
     assert!(device > 30 && host > 15, "{device} / {host}");
     // Every row on the host: no token comes back, the logits do.
-    let (device, host) = compare(&gpu, GpuDType::F32, false, &|_, _| true);
+    let (device, host) = compare(&gpu, DType::F32, false, &|_, _| true);
     assert!(device == 0 && host > 60, "{device} / {host}");
 }
 
@@ -351,7 +351,7 @@ fn bad_rows_are_refused_before_the_step_runs() {
     let gpu = gpu();
     let config = config();
     let weights = RandomWeights::new(&config, 5, 4 << 30).unwrap();
-    let mut model = load(&gpu, &weights, GpuDType::F32, true);
+    let mut model = load(&gpu, &weights, DType::F32, true);
     let mut driver = Driver::new(2, config.vocab_size);
     let step = driver.step(&[PROMPT_LEN, PROMPT_LEN]);
     assert_eq!(step.sampling.len(), 2);

@@ -29,7 +29,7 @@ use pagoda_cuda::Gpu;
 use pagoda_kv::{BlockPool, BlockTable, PageTable};
 use pagoda_models::hf::HfModelDir;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
-use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, GpuDType};
+use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, DType};
 
 const PAGE_SIZE: usize = 16;
 const NUM_PAGES: usize = 64;
@@ -356,7 +356,7 @@ fn check_cpu(checkpoint: &Checkpoint, report: &mut Vec<String>, failures: &mut V
 fn check_gpu(
     checkpoint: &Checkpoint,
     gpu: &Arc<Gpu>,
-    (dtype, cuda_graphs): (GpuDType, bool),
+    (dtype, cuda_graphs): (DType, bool),
     report: &mut Vec<String>,
     failures: &mut Vec<String>,
 ) {
@@ -393,8 +393,9 @@ fn check_gpu(
         return;
     }
     let precision = match dtype {
-        GpuDType::F32 => Precision::F32(GPU_F32_BOUND),
-        GpuDType::Bf16 => Precision::Bf16,
+        DType::F32 => Precision::F32(GPU_F32_BOUND),
+        DType::BF16 => Precision::Bf16,
+        other => panic!("the CUDA model does not run in {other}"),
     };
     let mut forward = |batch: &ForwardBatch<'_>| model.forward(batch);
     check_device(
@@ -472,7 +473,7 @@ fn hf_checkpoints_match_transformers() {
         ));
         check_cpu(&checkpoint, &mut report, &mut failures);
         if let Some(gpu) = &gpu {
-            for dtype in [GpuDType::F32, GpuDType::Bf16] {
+            for dtype in [DType::F32, DType::BF16] {
                 for cuda_graphs in [false, true] {
                     check_gpu(
                         &checkpoint,

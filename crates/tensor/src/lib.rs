@@ -5,6 +5,8 @@
 //! This crate has no device dependency.
 
 pub mod dtype;
+pub mod element;
 pub mod quant;
 
 pub use dtype::{GgmlType, UnsupportedType};
+pub use element::DType;

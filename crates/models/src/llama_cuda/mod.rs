@@ -2,7 +2,7 @@
 //! over a paged KV cache in device memory. The CPU [`Model`](crate::llama::Model) is its
 //! reference: same batch contract ([`ForwardBatch`]), same numbers up to the dtype.
 //!
-//! Weights are held in bf16 (default) or f32 ([`GpuDType`]); GGUF quantized tensors are
+//! Weights are held in bf16 (default) or f32 ([`DType`]); GGUF quantized tensors are
 //! uploaded as blocks and dequantized on the device at load. Q/K/V and gate/up are fused into
 //! one matrix each, so a layer runs four GEMMs; the residual adds ride on the GEMMs
 //! (`beta = 1`) into an f32 residual stream (only GEMM inputs are rounded to bf16). Per-step
@@ -37,33 +37,10 @@ mod staging;
 mod step;
 mod weights;
 
-/// Element type of weights, activations and the KV cache on the GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuDType {
-    /// bfloat16 storage, f32 accumulation (the default).
-    Bf16,
-    /// f32 everywhere (parity checks against the CPU's exact mode).
-    F32,
-}
-
-impl GpuDType {
-    /// Bytes of one element (weights, activations and the KV cache).
-    pub fn element_bytes(self) -> usize {
-        match self {
-            GpuDType::Bf16 => 2,
-            GpuDType::F32 => 4,
-        }
-    }
-}
-
-impl std::fmt::Display for GpuDType {
-    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        formatter.write_str(match self {
-            GpuDType::Bf16 => "bf16",
-            GpuDType::F32 => "f32",
-        })
-    }
-}
+/// Element type of weights, activations and the KV cache on the GPU: [`DType::BF16`] (bf16
+/// storage, f32 accumulation; the default) or [`DType::F32`] (f32 everywhere, for parity
+/// checks against the CPU's exact mode).
+pub use pagoda_tensor::DType;
 
 /// Sizes of the KV pool and the step buffers ([`CudaModel::prepare`]).
 #[derive(Debug, Clone, Copy)]
@@ -259,7 +236,7 @@ impl CudaModel {
         config: ModelConfig,
         source: &dyn TensorSource,
         gpu: Arc<Gpu>,
-        dtype: GpuDType,
+        dtype: DType,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel, LoadError> {
         config.validate().map_err(LoadError)?;
@@ -271,8 +248,13 @@ impl CudaModel {
             )));
         }
         let inner = match dtype {
-            GpuDType::Bf16 => Inner::Bf16(GpuLlama::load(&config, source, gpu, progress)?),
-            GpuDType::F32 => Inner::F32(GpuLlama::load(&config, source, gpu, progress)?),
+            DType::BF16 => Inner::Bf16(GpuLlama::load(&config, source, gpu, progress)?),
+            DType::F32 => Inner::F32(GpuLlama::load(&config, source, gpu, progress)?),
+            other => {
+                return Err(LoadError(format!(
+                    "the CUDA model runs in bf16 or f32, not {other}"
+                )))
+            }
         };
         Ok(CudaModel { config, inner })
     }
@@ -288,7 +270,7 @@ impl CudaModel {
 
     /// Bytes of the KV pools (0 before [`prepare`](Self::prepare)).
     pub fn kv_bytes(&self) -> usize {
-        let element = self.dtype().element_bytes();
+        let element = self.dtype().size_bytes();
         let pool = match &self.inner {
             Inner::Bf16(model) => model.cache.as_ref().map_or(0, |c| c.layout.pool_len()),
             Inner::F32(model) => model.cache.as_ref().map_or(0, |c| c.layout.pool_len()),
@@ -299,8 +281,8 @@ impl CudaModel {
     /// Bytes of the weights on the device.
     pub fn weight_bytes(&self) -> usize {
         match &self.inner {
-            Inner::Bf16(model) => model.weight_elements() * GpuDType::Bf16.element_bytes(),
-            Inner::F32(model) => model.weight_elements() * GpuDType::F32.element_bytes(),
+            Inner::Bf16(model) => model.weight_elements() * DType::BF16.size_bytes(),
+            Inner::F32(model) => model.weight_elements() * DType::F32.size_bytes(),
         }
     }
 
@@ -327,10 +309,10 @@ impl CudaModel {
     }
 
     /// The dtype the model runs in.
-    pub fn dtype(&self) -> GpuDType {
+    pub fn dtype(&self) -> DType {
         match self.inner {
-            Inner::Bf16(_) => GpuDType::Bf16,
-            Inner::F32(_) => GpuDType::F32,
+            Inner::Bf16(_) => DType::BF16,
+            Inner::F32(_) => DType::F32,
         }
     }
 

@@ -2,6 +2,7 @@
 
 mod commands;
 mod common;
+mod sampling_args;
 
 use clap::{Parser, Subcommand};
 

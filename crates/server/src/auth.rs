@@ -10,7 +10,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::connect_info::{ConnectInfo, Connected};
+use axum::extract::connect_info::Connected;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderValue, Method};
 use axum::middleware::Next;
@@ -169,11 +169,14 @@ pub async fn require_api_key(
     let keys = &state.config.api_keys;
     if !keys.is_empty() && !is_public(&request, state.config.metrics_public) {
         if let Err(refusal) = keys.check(request.headers().get(header::AUTHORIZATION)) {
+            // The access-log middleware (outside this one) named the client.
             let client = request
                 .extensions()
-                .get::<ConnectInfo<ClientAddr>>()
-                .map(|info| info.0.to_string())
-                .unwrap_or_else(|| "an unknown address".to_owned());
+                .get::<crate::access::Client>()
+                .map_or_else(
+                    || "an unknown address".to_owned(),
+                    |client| client.0.clone(),
+                );
             tracing::warn!(
                 "refused {} {} from {client}: {refusal:?} API key",
                 request.method(),

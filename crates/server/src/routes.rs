@@ -25,7 +25,7 @@ use crate::auth::ClientAddr;
 use crate::drain::InFlight;
 use crate::error::ApiError;
 use crate::format::{chunk, final_body, usage, Kind, Reply};
-use crate::request::{parse_chat, parse_completion, Options, Prompt};
+use crate::request::{parse_chat, parse_completion, Message, Options, Prompt};
 use crate::session::Session;
 use crate::worker::{Job, WorkerEvent};
 use crate::AppState;
@@ -41,22 +41,35 @@ pub async fn chat_completions(
     let result = async {
         let body = body.map_err(body_error)?;
         let request = parse_chat(&body, &state.config.sampling_defaults)?;
-        let messages: Vec<ChatMessage> = request
-            .messages
-            .iter()
-            .map(|m| ChatMessage::new(m.role.as_str(), m.content.as_str()))
-            .collect();
-        let rendered = state.chat_template.render(&messages, true).map_err(|e| {
-            ApiError::invalid(format!("the chat template failed: {e}"), Some("messages"))
-        })?;
-        let prompt = state.tokenizer.encode_chat(&rendered).map_err(|e| {
-            ApiError::invalid(format!("tokenizing the messages: {e}"), Some("messages"))
-        })?;
+        let prompt = chat_prompt(&state, &request.messages, true)?;
         let client = client.as_ref().map(|c| &c.0);
         generate(&state, (Kind::Chat, client), prompt, request.options).await
     }
     .await;
     result.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The prompt tokens of `messages`: rendered by the chat template (with the assistant's
+/// opening when `opening`), then encoded as a chat prompt.
+pub(crate) fn chat_prompt(
+    state: &AppState,
+    messages: &[Message],
+    opening: bool,
+) -> Result<Vec<u32>, ApiError> {
+    let messages: Vec<ChatMessage> = messages
+        .iter()
+        .map(|m| ChatMessage::new(m.role.as_str(), m.content.as_str()))
+        .collect();
+    let rendered = state
+        .chat_template
+        .render(&messages, opening)
+        .map_err(|e| {
+            ApiError::invalid(format!("the chat template failed: {e}"), Some("messages"))
+        })?;
+    state
+        .tokenizer
+        .encode_chat(&rendered)
+        .map_err(|e| ApiError::invalid(format!("tokenizing the messages: {e}"), Some("messages")))
 }
 
 /// `POST /v1/completions`.

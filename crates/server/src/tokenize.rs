@@ -8,12 +8,11 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use pagoda_models::chat_template::ChatMessage;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::request::{field, parse_chat, parse_object};
-use crate::routes::body_error;
+use crate::routes::{body_error, chat_prompt};
 use crate::AppState;
 
 /// `POST /tokenize`. The text is llama-server's `content` (special tokens added only with
@@ -31,21 +30,8 @@ pub async fn tokenize(
         let object = parse_object(&body)?;
         let tokens = if object.contains_key("messages") {
             let request = parse_chat(&body, &state.config.sampling_defaults)?;
-            let messages: Vec<ChatMessage> = request
-                .messages
-                .iter()
-                .map(|m| ChatMessage::new(m.role.as_str(), m.content.as_str()))
-                .collect();
             let opening = field::<bool>(&object, "add_generation_prompt")?.unwrap_or(true);
-            let rendered = state
-                .chat_template
-                .render(&messages, opening)
-                .map_err(|e| {
-                    ApiError::invalid(format!("the chat template failed: {e}"), Some("messages"))
-                })?;
-            state.tokenizer.encode_chat(&rendered).map_err(|e| {
-                ApiError::invalid(format!("tokenizing the messages: {e}"), Some("messages"))
-            })?
+            chat_prompt(&state, &request.messages, opening)?
         } else {
             let (text, add_special) = match (
                 field::<String>(&object, "content")?,

@@ -57,6 +57,7 @@
 //!   decision it cannot make with certainty goes to the exact kernel), so the same holds.
 
 mod cluster;
+mod entries;
 mod params;
 
 pub use params::{
@@ -68,89 +69,13 @@ pub use params::{
 };
 
 pub use cluster::{specialize_cluster, ClusterShape, SmBudget};
+pub use entries::{specializations, specialize_sampling, SamplingEntry};
 
 use cluster::{launch_cluster, ClusterLaunch};
 
 use pagoda_cuda::{
-    ptr, CudaError, DType, DeviceBuffer, DeviceRead, DeviceWrite, Gpu, KernelArg, KernelSource,
-    KernelSpec, LaunchDims,
+    ptr, CudaError, DeviceBuffer, DeviceRead, DeviceWrite, Gpu, KernelArg, LaunchDims,
 };
-
-/// The CUDA source of the sampling kernels (one module: the entries share device helpers).
-pub(crate) static SAMPLING: KernelSource = KernelSource::new(
-    "sampling.cu",
-    concat!(
-        include_str!("cuda/sampling_common.cu"),
-        include_str!("cuda/sampling_walk.cu"),
-        include_str!("cuda/sampling_gumbel.cu"),
-        include_str!("cuda/sampling_fast.cu"),
-        include_str!("cuda/sampling_list.cu"),
-        include_str!("cuda/sampling_cluster_steps.cu"),
-        include_str!("cuda/sampling_cluster.cu"),
-        include_str!("cuda/sampling_rejection.cu")
-    ),
-);
-
-/// The entry points of the sampling kernels.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SamplingEntry {
-    /// `sampling_row_max`: per-split row maxima and the rows' filter state.
-    RowMax,
-    /// `sampling_top_k_digit`: one radix digit of the top-k threshold.
-    TopKDigit,
-    /// `sampling_gumbel`: per-split Gumbel-max partials of unfiltered rows.
-    Gumbel,
-    /// `sampling_pass`: the filtered rows' masses and first candidate.
-    Pass,
-    /// `sampling_pass_listed`: `sampling_pass` that also fills the rows' id lists.
-    PassListed,
-    /// `sampling_list_rounds`: the rounds of rows with a short proposal, on its id list.
-    ListRounds,
-    /// `sampling_round`: one dual-pivot round of the fast filtered path.
-    Round,
-    /// `sampling_cluster`: row maxima, filter state and the whole fast filtered path of
-    /// launches without top-k rows, a thread-block cluster per row (sm_90+; replaces
-    /// `sampling_row_max`, the pass and the rounds).
-    Cluster,
-    /// `sampling_finish`: greedy / Gumbel tokens and the exact filtered kernel.
-    Finish,
-}
-
-impl SamplingEntry {
-    /// Every entry, in launch order.
-    pub const ALL: [SamplingEntry; 9] = [
-        SamplingEntry::RowMax,
-        SamplingEntry::Cluster,
-        SamplingEntry::TopKDigit,
-        SamplingEntry::Gumbel,
-        SamplingEntry::Pass,
-        SamplingEntry::PassListed,
-        SamplingEntry::ListRounds,
-        SamplingEntry::Round,
-        SamplingEntry::Finish,
-    ];
-}
-
-/// The specialisation of `entry` (f32 logits, u32 ids and parameter words).
-pub fn specialize_sampling(entry: SamplingEntry) -> KernelSpec {
-    let name = match entry {
-        SamplingEntry::RowMax => "sampling_row_max",
-        SamplingEntry::TopKDigit => "sampling_top_k_digit",
-        SamplingEntry::Gumbel => "sampling_gumbel",
-        SamplingEntry::Pass => "sampling_pass",
-        SamplingEntry::PassListed => "sampling_pass_listed",
-        SamplingEntry::ListRounds => "sampling_list_rounds",
-        SamplingEntry::Round => "sampling_round",
-        SamplingEntry::Cluster => "sampling_cluster",
-        SamplingEntry::Finish => "sampling_finish",
-    };
-    KernelSpec {
-        source: &SAMPLING,
-        entry: name,
-        params: vec![],
-        dtypes: vec![("LOGITS_T", DType::F32), ("IDS_T", DType::U32)],
-    }
-}
 
 /// Words of one row's filter state (`FILTER_STATE_WORDS` in the kernels).
 const FILTER_STATE_WORDS: usize = 16;
@@ -589,15 +514,4 @@ pub fn sample_rows_with(
             &finish,
         )
     }
-}
-
-/// Every specialisation the sampling launchers can request (the cluster kernel in its
-/// candidate shapes only).
-pub fn specializations() -> Vec<KernelSpec> {
-    let entries = SamplingEntry::ALL.into_iter();
-    let plain = entries.filter(|&entry| entry != SamplingEntry::Cluster);
-    let plain = plain.map(specialize_sampling);
-    plain
-        .chain(ClusterShape::CANDIDATES.into_iter().map(specialize_cluster))
-        .collect()
 }

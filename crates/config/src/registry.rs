@@ -151,31 +151,31 @@ settings! {
         "ops attention::AttentionKernel",
         "Instruction set of the CPU attention kernel (auto and simd: the widest the CPU has).";
     "PAGODA_CPU_F32_DECODE", None, Values::Choice(&["auto", "avx512", "avx2", "tile"]), "auto", Cpu,
-        "ops simd::f32_decode",
+        "ops linear::cpu::f32_decode",
         "Kernel of 1-8-token matmuls on f32 activations (tile: the two-row oracle; same bits).";
     "PAGODA_CPU_INT_DECODE", None, Values::Choice(&["auto", "avx512", "avx2"]), "auto", Cpu,
-        "ops simd::interleaved::width",
+        "ops linear::cpu::interleaved::width",
         "Register width of one-token vnni8 matmuls (auto: avx512 on Intel, avx2 elsewhere; same bits).";
     "PAGODA_CPU_INT_PREFILL", None, Values::Choice(&["auto", "avx512", "avx2"]), "auto", Cpu,
-        "ops simd::interleaved::width",
+        "ops linear::cpu::interleaved::width",
         "Register width of vnni8 prefills (auto: avx512; same bits).";
     "PAGODA_CPU_HIGH_BITS", None, Values::Choice(&["auto", "planes", "bytes"]), "auto", Cpu,
-        "ops simd::interleaved::planes",
+        "ops linear::cpu::interleaved::planes",
         "Layout of 5- and 6-bit weights in vnni8 records (auto: planes; same bits).";
     "PAGODA_CPU_SILU", None, Values::Choice(&["auto", "polynomial", "libm"]), "auto", Cpu,
         "ops activation::silu",
         "How SiLU computes exp (auto: polynomial; libm is the reference).";
     "PAGODA_CPU_AMX_TILES", None, Values::Choice(&["auto", "hardware", "emulated"]), "auto", Cpu,
-        "ops simd::amx::backend",
+        "ops linear::cpu::amx::backend",
         "Where the amx set's tiles run: hardware, or emulated on any AVX-512 VNNI CPU (for tests).";
     "PAGODA_CPU_AMX_PREFILL", None, Values::Choice(&["auto", "int8", "bf16"]), "auto", Cpu,
-        "ops simd::amx::bf16",
+        "ops linear::cpu::amx::bf16",
         "AMX tiles of prefills (auto: int8, reproducible; bf16: faster, not batch-invariant).";
     "PAGODA_CPU_AMX_BF16_Q15", None, Values::Choice(&["auto", "split", "int8"]), "auto", Cpu,
-        "ops simd::amx::bf16::split_q15",
+        "ops linear::cpu::amx::bf16::split_q15",
         "With bf16 prefill, Q15 weights (ffn_down) on two-term bf16 activations (split) or INT8 tiles.";
     "PAGODA_CPU_PREFETCH", None, Values::Number { min: 0, max: 1 << 20, words: &["auto", "off"] }, "auto", Cpu,
-        "ops simd::prefetch",
+        "ops linear::cpu::prefetch",
         "Software-prefetch distance of the integer kernels in bytes (auto: 8192; off or 0: none).";
 
     "PAGODA_CUDA_GRAPHS", Some("--enforce-eager (off)"), ON_OFF, "on", Cuda,

@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, ModelSource};
 use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
 use pagoda_ops::attention::AttentionPath;
+use pagoda_ops::linear::cpu::amx::{self, AMX_MIN_TOKENS};
 use pagoda_ops::linear::CpuKernels;
 use pagoda_ops::sampling::SamplingParams;
-use pagoda_ops::simd::amx::{self, AMX_MIN_TOKENS};
 
 fn engine(
     path: AttentionPath,

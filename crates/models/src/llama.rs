@@ -385,7 +385,7 @@ fn load_matrix(
         )));
     }
     // The per-weight kernel policy (`auto`: ffn_down on Q15 or f32 activations, see
-    // `pagoda_ops::linear::kernels`); exact mode then decodes every weight to f32 anyway.
+    // `pagoda_ops::linear::cpu::kernels`); exact mode then decodes every weight to f32 anyway.
     let policy = CpuKernelPolicy::selected();
     let weight = Weight::with_kernels(
         raw.ty,

@@ -40,21 +40,9 @@ pub use crate::sampling::cuda::{
     MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
 };
 
-use pagoda_cuda::{CudaError, DType, KernelSpec};
+use pagoda_cuda::KernelSpec;
 
-/// Activation/weight dtypes the kernels are instantiated for.
-pub const FLOAT_DTYPES: [DType; 2] = [DType::F32, DType::BF16];
-
-/// `dtype` is one of [`FLOAT_DTYPES`], or an error naming `what`.
-pub(crate) fn check_float(what: &str, dtype: DType) -> Result<(), CudaError> {
-    if FLOAT_DTYPES.contains(&dtype) {
-        Ok(())
-    } else {
-        Err(CudaError::invalid(format!(
-            "{what}: dtype {dtype} is not supported (f32, bf16)"
-        )))
-    }
-}
+pub use crate::cuda_dtypes::FLOAT_DTYPES;
 
 /// Every kernel specialisation the launchers of every op can request: one list per op
 /// folder, concatenated.

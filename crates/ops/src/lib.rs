@@ -5,6 +5,7 @@
 pub mod activation;
 pub mod attention;
 pub mod cuda;
+mod cuda_dtypes;
 pub mod embedding;
 mod kernel_choice;
 pub mod linear;
@@ -12,4 +13,3 @@ pub mod norm;
 pub mod profile;
 pub mod rope;
 pub mod sampling;
-pub mod simd;

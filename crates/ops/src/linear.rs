@@ -11,36 +11,33 @@
 //! `ffn_down` on Q15 activations or the f32 kernels, see [`kernels`]): with an integer set,
 //! Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K weights are repacked when the [`Weight`] is built
 //! ([`pagoda_tensor::quant::repack`]) and each matmul quantizes its input rows once to Q8
-//! (Q15 for a weight built [`Weight::with_q15_activations`]; [`int_matmul`]); with `f32` (and for F32/F16/BF16 weights) blocks are decoded to
+//! (Q15 for a weight built [`Weight::with_q15_activations`]; [`cpu::int_matmul`]); with `f32` (and for F32/F16/BF16 weights) blocks are decoded to
 //! f32 and multiplied with f32 activations: in registers, eight rows at a time, for up to
-//! eight tokens ([`crate::simd::f32_decode`]), or into whole rows per task for more.
+//! eight tokens ([`crate::linear::cpu::f32_decode`]), or into whole rows per task for more.
 //!
 //! Batch invariance: row `t` of `y` is bit-identical whatever `num_tokens` is and whatever the
 //! other rows of `x` hold, except where prefills run on the AMX-BF16 tiles ([`batch_invariant`]). With f32 activations every element follows the one recipe of
-//! [`crate::simd::f32_tile`] in every tile shape; with Q8 activations each token is quantized
+//! [`crate::linear::cpu::f32_tile`] in every tile shape; with Q8 activations each token is quantized
 //! on its own and every integer tile runs the same per-(row, token) chain (see
-//! [`crate::simd::int_dot`]).
+//! [`crate::linear::cpu::int_dot`]).
 
+pub mod cpu;
 pub mod cuda;
-pub mod int_matmul;
-pub mod kernels;
-pub mod shared;
-mod tasks;
 
-pub use kernels::{cpu_kernels_name, CpuKernelPolicy, CpuKernels, FfnDown};
-pub use shared::matmul_shared;
-pub(crate) use tasks::{by_row_tasks, by_row_tasks_in_place, Columns};
+pub use cpu::kernels::{cpu_kernels_name, CpuKernelPolicy, CpuKernels, FfnDown};
+pub use cpu::shared::matmul_shared;
+use cpu::tasks::by_row_tasks;
 
 use pagoda_tensor::quant::repack::repack;
 use pagoda_tensor::{quant, GgmlType, UnsupportedType};
 use rayon::prelude::*;
 
-use crate::simd::amx::{self, TileBackend};
-use crate::simd::f32_decode::{self, F32Decode, WIDE_ROWS};
-use crate::simd::f32_tile::{self, quantized_tile, tile};
-use crate::simd::int_dot::IntIsa;
-use crate::simd::interleaved::Interleaved;
-use int_matmul::IntRows;
+use cpu::amx::{self, TileBackend};
+use cpu::f32_decode::{self, F32Decode, WIDE_ROWS};
+use cpu::f32_tile::{self, quantized_tile, tile};
+use cpu::int_dot::IntIsa;
+use cpu::int_matmul::{self, IntRows};
+use cpu::interleaved::Interleaved;
 
 /// Rows per decode step (one token): each weight row is an independent accumulator chain, so
 /// several rows keep the FMA units busy.

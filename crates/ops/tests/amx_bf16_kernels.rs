@@ -9,11 +9,12 @@ mod common;
 
 use common::{random_rows, REPACKED};
 
-use pagoda_ops::linear::{int_matmul, CpuKernels, Weight};
-use pagoda_ops::simd::amx::bf16::{self, pack, AmxPrefill};
-use pagoda_ops::simd::amx::{self, AmxError, TileBackend};
-use pagoda_ops::simd::int_dot::IntIsa;
-use pagoda_ops::simd::interleaved::{self, Interleaved};
+use pagoda_ops::linear::cpu::amx::bf16::{self, pack, AmxPrefill};
+use pagoda_ops::linear::cpu::amx::{self, AmxError, TileBackend};
+use pagoda_ops::linear::cpu::int_dot::IntIsa;
+use pagoda_ops::linear::cpu::int_matmul;
+use pagoda_ops::linear::cpu::interleaved::{self, Interleaved};
+use pagoda_ops::linear::{CpuKernels, Weight};
 use pagoda_tensor::quant::q8::Q8Rows;
 use pagoda_tensor::quant::repack::repack;
 use pagoda_tensor::{quant, GgmlType};

@@ -12,12 +12,12 @@ mod common;
 
 use common::{random_rows, REPACKED};
 
-use pagoda_ops::linear::int_matmul;
+use pagoda_ops::linear::cpu::amx::bf16::AmxPrefill;
+use pagoda_ops::linear::cpu::amx::{self, AmxError, TileBackend, AMX_MIN_TOKENS};
+use pagoda_ops::linear::cpu::int_dot::IntIsa;
+use pagoda_ops::linear::cpu::int_matmul;
+use pagoda_ops::linear::cpu::interleaved::{self, Interleaved};
 use pagoda_ops::linear::{CpuKernels, Weight};
-use pagoda_ops::simd::amx::bf16::AmxPrefill;
-use pagoda_ops::simd::amx::{self, AmxError, TileBackend, AMX_MIN_TOKENS};
-use pagoda_ops::simd::int_dot::IntIsa;
-use pagoda_ops::simd::interleaved::{self, Interleaved};
 use pagoda_tensor::quant::q8::Q8Rows;
 use pagoda_tensor::quant::repack::{dot_scalar, repack, RepackedRows};
 use pagoda_tensor::{quant, GgmlType};

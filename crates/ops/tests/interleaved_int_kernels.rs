@@ -1,4 +1,4 @@
-//! The row-interleaved integer kernel (`simd::interleaved`) against the scalar kernel: every
+//! The row-interleaved integer kernel (`linear::cpu::interleaved`) against the scalar kernel: every
 //! (row, token) dot equal bit for bit to `dot_scalar`, for every repacked format, row counts
 //! that leave a partial group, and token counts that leave partial tiles; and against the
 //! f64 dots of ggml's dequantized weights, whose values the interleaved rows also decode to.
@@ -11,9 +11,9 @@ mod common;
 
 use common::{assert_f64_dots, random_rows, REPACKED};
 
-use pagoda_ops::simd::int_dot::IntIsa;
-use pagoda_ops::simd::interleaved::planes::{self, HighBits};
-use pagoda_ops::simd::interleaved::{self, Interleaved};
+use pagoda_ops::linear::cpu::int_dot::IntIsa;
+use pagoda_ops::linear::cpu::interleaved::planes::{self, HighBits};
+use pagoda_ops::linear::cpu::interleaved::{self, Interleaved};
 use pagoda_tensor::quant::q8::Q8Rows;
 use pagoda_tensor::quant::repack::{dot_scalar, repack};
 use pagoda_tensor::GgmlType;
@@ -202,7 +202,9 @@ fn interleaved_vs_vnni_timing() {
                     samples[3]
                 };
                 let vnni = time(
-                    &mut |y| pagoda_ops::linear::int_matmul::matmul(IntIsa::Vnni, &weights, &q, y),
+                    &mut |y| {
+                        pagoda_ops::linear::cpu::int_matmul::matmul(IntIsa::Vnni, &weights, &q, y)
+                    },
                     &mut y,
                 );
                 let inter = time(&mut |y| interleaved::matmul(&fast, &q, y), &mut y);

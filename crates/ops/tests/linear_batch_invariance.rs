@@ -111,8 +111,8 @@ fn kernel_sets() -> Vec<CpuKernels> {
     // With PAGODA_CPU_AMX_PREFILL=bf16 the `amx` set's prefills are not invariant (opt-in).
     .filter(|&kernels| {
         kernels != CpuKernels::Amx
-            || pagoda_ops::simd::amx::bf16::AmxPrefill::selected()
-                != pagoda_ops::simd::amx::bf16::AmxPrefill::Bf16
+            || pagoda_ops::linear::cpu::amx::bf16::AmxPrefill::selected()
+                != pagoda_ops::linear::cpu::amx::bf16::AmxPrefill::Bf16
     })
     .collect();
     println!("kernel sets tested on this CPU: {sets:?}");
@@ -194,8 +194,8 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
         (GgmlType::Q2K, 512),
     ];
     let rows = 37;
-    let wide_before = pagoda_ops::simd::f32_decode::wide_matmul_count();
-    let pairs_before = pagoda_ops::simd::f32_tile::pair_matmul_count();
+    let wide_before = pagoda_ops::linear::cpu::f32_decode::wide_matmul_count();
+    let pairs_before = pagoda_ops::linear::cpu::f32_tile::pair_matmul_count();
     for kernels in kernel_sets() {
         for (ty, cols) in cases {
             let bytes = random_rows(ty, rows, cols, &mut rng);
@@ -219,8 +219,8 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
     // of the Q4_0, Q4_1, Q8_0 and K-quant cases ran eight rows at a time, so the checks above
     // compared that kernel with the prefill tiles. CI runs the default (`avx512` or `avx2`);
     // `PAGODA_CPU_F32_DECODE=avx2 cargo test ...` covers the other.
-    use pagoda_ops::simd::f32_decode::F32Decode;
-    let wide = pagoda_ops::simd::f32_decode::wide_matmul_count() - wide_before;
+    use pagoda_ops::linear::cpu::f32_decode::F32Decode;
+    let wide = pagoda_ops::linear::cpu::f32_decode::wide_matmul_count() - wide_before;
     println!(
         "f32 matmuls of 1-8 tokens on {}: {wide} eight rows at a time",
         F32Decode::selected().name()
@@ -228,10 +228,11 @@ fn matmul_rows_are_bit_identical_whatever_the_batch() {
     assert_eq!(wide > 0, F32Decode::selected() != F32Decode::Tile);
     // With `avx512`, the f32 prefills ran two tokens per 512-bit register (`tile_pairs`), so
     // the checks above also compared that form with the one-token kernels.
-    let pairs = pagoda_ops::simd::f32_tile::pair_matmul_count() - pairs_before;
+    let pairs = pagoda_ops::linear::cpu::f32_tile::pair_matmul_count() - pairs_before;
     assert_eq!(
         pairs > 0,
-        F32Decode::selected() == F32Decode::Avx512 && pagoda_ops::simd::f32_tile::pairs_supported()
+        F32Decode::selected() == F32Decode::Avx512
+            && pagoda_ops::linear::cpu::f32_tile::pairs_supported()
     );
 }
 

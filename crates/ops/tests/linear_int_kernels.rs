@@ -8,8 +8,8 @@ mod common;
 
 use common::{random_rows, REPACKED};
 
+use pagoda_ops::linear::cpu::int_dot::{tile, IntIsa};
 use pagoda_ops::linear::{CpuKernels, Weight};
-use pagoda_ops::simd::int_dot::{tile, IntIsa};
 use pagoda_tensor::quant::q8::Q8Rows;
 use pagoda_tensor::quant::repack::{dot_scalar, repack};
 use pagoda_tensor::{quant, GgmlType};
@@ -96,7 +96,7 @@ fn activation_quantization_is_within_half_a_step() {
     let portable = Q8Rows::quantize(&many, 96).unwrap();
     for isa in supported_isas() {
         let mut fast = Q8Rows::default();
-        pagoda_ops::linear::int_matmul::quantize_activations(isa, &many, 96, &mut fast);
+        pagoda_ops::linear::cpu::int_matmul::quantize_activations(isa, &many, 96, &mut fast);
         for t in 0..40 {
             assert_eq!(fast.row_qs(t), portable.row_qs(t), "{isa:?} token {t}");
             assert_eq!(fast.row_scales(t), portable.row_scales(t));

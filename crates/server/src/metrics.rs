@@ -6,7 +6,26 @@ use std::sync::Mutex;
 
 use pagoda_engine::{CounterInfo, EngineCounters};
 
-use crate::worker::EngineSnapshot;
+/// Gauges and counters read from the engine after each step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EngineSnapshot {
+    /// KV pages in use.
+    pub pages_used: usize,
+    /// KV pages in the pool.
+    pub pages_total: usize,
+    /// Requests the engine holds.
+    pub num_running: usize,
+    /// What the engine ran (every counter of [`EngineCounters`]).
+    pub counters: EngineCounters,
+    /// Cached KV pages no request holds (kept for prefix hits, evicted LRU).
+    pub pages_cached: usize,
+    /// Tokens drawn per sampler path (process-wide).
+    pub sampling: pagoda_ops::sampling::SamplingCounters,
+    /// Outputs may depend on which requests share a step (the CUDA backend: cuBLAS picks
+    /// kernels per batch shape; the CPU with prefills on the AMX-BF16 tiles). Otherwise on
+    /// the CPU every request gets its one-at-a-time output.
+    pub batch_dependent: bool,
+}
 
 #[path = "metrics_cpu_kernels.rs"]
 mod cpu_kernels;

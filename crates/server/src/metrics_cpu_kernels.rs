@@ -16,49 +16,49 @@ pub(super) fn render(out: &mut String) {
         "# HELP pagoda_cpu_amx_matmuls_total Integer matmuls run on the AMX-INT8 tiles \
          (PAGODA_CPU_KERNELS=amx).\n\
          # TYPE pagoda_cpu_amx_matmuls_total counter\npagoda_cpu_amx_matmuls_total {}",
-        pagoda_ops::simd::amx::hardware_matmul_count()
+        pagoda_ops::linear::cpu::amx::hardware_matmul_count()
     );
     let _ = writeln!(
         out,
         "# HELP pagoda_cpu_amx_bf16_matmuls_total Prefill matmuls run on the AMX-BF16 tiles \
          (PAGODA_CPU_AMX_PREFILL=bf16).\n\
          # TYPE pagoda_cpu_amx_bf16_matmuls_total counter\npagoda_cpu_amx_bf16_matmuls_total {}",
-        pagoda_ops::simd::amx::bf16::matmul_count()
+        pagoda_ops::linear::cpu::amx::bf16::matmul_count()
     );
     let _ = writeln!(
         out,
         "# HELP pagoda_cpu_q15_matmuls_total Integer matmuls run on Q15 activations \
          (PAGODA_CPU_KERNELS=...+q15_ffn_down).\n\
          # TYPE pagoda_cpu_q15_matmuls_total counter\npagoda_cpu_q15_matmuls_total {}",
-        pagoda_ops::linear::int_matmul::q15_matmul_count()
+        pagoda_ops::linear::cpu::int_matmul::q15_matmul_count()
     );
     let _ = writeln!(
         out,
         "# HELP pagoda_cpu_f32_wide_matmuls_total Matmuls of 1-8 tokens on f32 activations run \
          eight rows at a time (PAGODA_CPU_F32_DECODE=avx512|avx2).\n\
          # TYPE pagoda_cpu_f32_wide_matmuls_total counter\npagoda_cpu_f32_wide_matmuls_total {}",
-        pagoda_ops::simd::f32_decode::wide_matmul_count()
+        pagoda_ops::linear::cpu::f32_decode::wide_matmul_count()
     );
     let _ = writeln!(
         out,
         "# HELP pagoda_cpu_f32_pair_matmuls_total f32 prefill matmuls run with two tokens \
          per 512-bit register (PAGODA_CPU_F32_DECODE=avx512).\n\
          # TYPE pagoda_cpu_f32_pair_matmuls_total counter\npagoda_cpu_f32_pair_matmuls_total {}",
-        pagoda_ops::simd::f32_tile::pair_matmul_count()
+        pagoda_ops::linear::cpu::f32_tile::pair_matmul_count()
     );
     let _ = writeln!(
         out,
         "# HELP pagoda_cpu_int_wide_decodes_total One-token integer matmuls (or shared decode \
          regions) run sixteen rows per 512-bit register (PAGODA_CPU_INT_DECODE=avx512).\n\
          # TYPE pagoda_cpu_int_wide_decodes_total counter\npagoda_cpu_int_wide_decodes_total {}",
-        pagoda_ops::simd::interleaved::wide_decode_count()
+        pagoda_ops::linear::cpu::interleaved::wide_decode_count()
     );
     let _ = writeln!(
         out,
         "# HELP pagoda_cpu_int_wide_prefills_total Integer prefill matmuls run sixteen rows \
          per 512-bit register (PAGODA_CPU_INT_PREFILL=avx512).\n\
          # TYPE pagoda_cpu_int_wide_prefills_total counter\npagoda_cpu_int_wide_prefills_total {}",
-        pagoda_ops::simd::interleaved::wide_prefill_count()
+        pagoda_ops::linear::cpu::interleaved::wide_prefill_count()
     );
     let _ = writeln!(
         out,
@@ -66,21 +66,21 @@ pub(super) fn render(out: &mut String) {
          of the interleaved kernels run with software prefetch of the weights \
          (PAGODA_CPU_PREFETCH).\n\
          # TYPE pagoda_cpu_prefetch_matmuls_total counter\npagoda_cpu_prefetch_matmuls_total {}",
-        pagoda_ops::simd::prefetch::prefetched_matmul_count()
+        pagoda_ops::linear::cpu::prefetch::prefetched_matmul_count()
     );
     let _ = writeln!(
         out,
         "# HELP pagoda_cpu_prefetch_bytes How far ahead of the weight stream the integer \
          kernels prefetch (0: off; PAGODA_CPU_PREFETCH).\n\
          # TYPE pagoda_cpu_prefetch_bytes gauge\npagoda_cpu_prefetch_bytes {}",
-        pagoda_ops::simd::prefetch::distance()
+        pagoda_ops::linear::cpu::prefetch::distance()
     );
     let _ = writeln!(
         out,
         "# HELP pagoda_cpu_plane_matmuls_total Integer matmuls (or shared decode regions) over \
          5- and 6-bit weights held as a nibble and bit planes (PAGODA_CPU_HIGH_BITS).\n\
          # TYPE pagoda_cpu_plane_matmuls_total counter\npagoda_cpu_plane_matmuls_total {}",
-        pagoda_ops::simd::interleaved::planes::plane_matmul_count()
+        pagoda_ops::linear::cpu::interleaved::planes::plane_matmul_count()
     );
     let _ = writeln!(
         out,

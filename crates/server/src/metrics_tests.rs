@@ -42,7 +42,7 @@ fn gauges_follow_the_snapshot() {
         .expect("the AMX counter line");
     assert_eq!(
         amx.parse::<u64>().unwrap(),
-        pagoda_ops::simd::amx::hardware_matmul_count()
+        pagoda_ops::linear::cpu::amx::hardware_matmul_count()
     );
     assert!(text.contains("# TYPE pagoda_cpu_amx_matmuls_total counter\n"));
     let q15 = text
@@ -51,7 +51,7 @@ fn gauges_follow_the_snapshot() {
         .expect("the Q15 counter line");
     assert_eq!(
         q15.parse::<u64>().unwrap(),
-        pagoda_ops::linear::int_matmul::q15_matmul_count()
+        pagoda_ops::linear::cpu::int_matmul::q15_matmul_count()
     );
     let wide = text
         .lines()
@@ -59,7 +59,7 @@ fn gauges_follow_the_snapshot() {
         .expect("the wide f32 decode counter line");
     assert_eq!(
         wide.parse::<u64>().unwrap(),
-        pagoda_ops::simd::f32_decode::wide_matmul_count()
+        pagoda_ops::linear::cpu::f32_decode::wide_matmul_count()
     );
     let pairs = text
         .lines()
@@ -67,7 +67,7 @@ fn gauges_follow_the_snapshot() {
         .expect("the f32 pair prefill counter line");
     assert_eq!(
         pairs.parse::<u64>().unwrap(),
-        pagoda_ops::simd::f32_tile::pair_matmul_count()
+        pagoda_ops::linear::cpu::f32_tile::pair_matmul_count()
     );
     let wide_decodes = text
         .lines()
@@ -75,18 +75,19 @@ fn gauges_follow_the_snapshot() {
         .expect("the 512-bit integer decode counter line");
     assert_eq!(
         wide_decodes.parse::<u64>().unwrap(),
-        pagoda_ops::simd::interleaved::wide_decode_count()
+        pagoda_ops::linear::cpu::interleaved::wide_decode_count()
     );
     let prefetched = text
         .lines()
         .find_map(|line| line.strip_prefix("pagoda_cpu_prefetch_matmuls_total "))
         .expect("the prefetch counter line");
     assert!(
-        prefetched.parse::<u64>().unwrap() <= pagoda_ops::simd::prefetch::prefetched_matmul_count()
+        prefetched.parse::<u64>().unwrap()
+            <= pagoda_ops::linear::cpu::prefetch::prefetched_matmul_count()
     );
     assert!(text.contains(&format!(
         "\npagoda_cpu_prefetch_bytes {}\n",
-        pagoda_ops::simd::prefetch::distance()
+        pagoda_ops::linear::cpu::prefetch::distance()
     )));
     let wide_prefills = text
         .lines()
@@ -94,7 +95,7 @@ fn gauges_follow_the_snapshot() {
         .expect("the 512-bit integer prefill counter line");
     assert!(
         wide_prefills.parse::<u64>().unwrap()
-            <= pagoda_ops::simd::interleaved::wide_prefill_count()
+            <= pagoda_ops::linear::cpu::interleaved::wide_prefill_count()
     );
     let planes = text
         .lines()
@@ -102,7 +103,7 @@ fn gauges_follow_the_snapshot() {
         .expect("the bit-plane matmul counter line");
     assert!(
         planes.parse::<u64>().unwrap()
-            <= pagoda_ops::simd::interleaved::planes::plane_matmul_count()
+            <= pagoda_ops::linear::cpu::interleaved::planes::plane_matmul_count()
     );
     let silu = text
         .lines()

@@ -12,11 +12,12 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Instant;
 
-use pagoda_engine::{Engine, EngineCounters, EngineError, FinishReason, RequestId, StepEvent};
+use pagoda_engine::{Engine, EngineError, FinishReason, RequestId, StepEvent};
 use pagoda_ops::sampling::SamplingParams;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;
+pub use crate::metrics::EngineSnapshot;
 use crate::metrics::Metrics;
 
 /// What the loop needs from an engine (implemented by [`pagoda_engine::Engine`]; tests use a
@@ -39,27 +40,6 @@ pub trait EngineBackend: Send + 'static {
     fn seed_of(&self, id: RequestId) -> Option<u64>;
     /// A snapshot of the engine's gauges and counters.
     fn snapshot(&self) -> EngineSnapshot;
-}
-
-/// Gauges and counters read from the engine after each step.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct EngineSnapshot {
-    /// KV pages in use.
-    pub pages_used: usize,
-    /// KV pages in the pool.
-    pub pages_total: usize,
-    /// Requests the engine holds.
-    pub num_running: usize,
-    /// What the engine ran (every counter of [`EngineCounters`]).
-    pub counters: EngineCounters,
-    /// Cached KV pages no request holds (kept for prefix hits, evicted LRU).
-    pub pages_cached: usize,
-    /// Tokens drawn per sampler path (process-wide).
-    pub sampling: pagoda_ops::sampling::SamplingCounters,
-    /// Outputs may depend on which requests share a step (the CUDA backend: cuBLAS picks
-    /// kernels per batch shape; the CPU with prefills on the AMX-BF16 tiles). Otherwise on
-    /// the CPU every request gets its one-at-a-time output.
-    pub batch_dependent: bool,
 }
 
 impl EngineBackend for Engine {

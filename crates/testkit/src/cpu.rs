@@ -3,11 +3,11 @@
 use std::process::Command;
 
 use pagoda_ops::attention::ATTENTION_KERNEL_ENV_VAR;
+use pagoda_ops::linear::cpu::amx;
+use pagoda_ops::linear::cpu::f32_decode::F32_DECODE_ENV_VAR;
+use pagoda_ops::linear::cpu::int_dot::IntIsa;
+use pagoda_ops::linear::cpu::interleaved::width::{INT_DECODE_ENV_VAR, INT_PREFILL_ENV_VAR};
 use pagoda_ops::linear::CpuKernelPolicy;
-use pagoda_ops::simd::amx;
-use pagoda_ops::simd::f32_decode::F32_DECODE_ENV_VAR;
-use pagoda_ops::simd::int_dot::IntIsa;
-use pagoda_ops::simd::interleaved::width::{INT_DECODE_ENV_VAR, INT_PREFILL_ENV_VAR};
 
 /// Set in the child processes: the name of the configuration they run.
 pub const CONFIGURATION_ENV_VAR: &str = "PAGODA_TEST_CPU_CONFIGURATION";

@@ -13,6 +13,7 @@ use pagoda_models::llama::WeightPrecision;
 use pagoda_ops::sampling::SamplingParams;
 use serde::Serialize;
 
+use super::host::load_average;
 use crate::common::{self, ModelArgs};
 
 mod report;
@@ -222,7 +223,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
     match args.kind {
         Some(BenchKind::Serve(serve_args)) => return super::bench_serve::run(serve_args),
         Some(BenchKind::Sampling(sampling_args)) => {
-            return super::bench_sampling::run(sampling_args)
+            return if sampling_args.device == super::bench_sampling::SamplingDevice::Cuda {
+                super::bench_sampling_gpu::run(&sampling_args)
+            } else {
+                super::bench_sampling::run(sampling_args)
+            };
         }
         Some(BenchKind::Attention(attention_args)) => {
             return super::bench_attention::run(attention_args)
@@ -386,28 +391,28 @@ pub fn run(args: BenchArgs) -> Result<()> {
         threads: rayon::current_num_threads(),
         attention: common::policy_name(engine.config().attention).to_string(),
         cpu_kernels: pagoda_ops::linear::cpu_kernels_name().to_string(),
-        f32_decode: pagoda_ops::simd::f32_decode::F32Decode::selected()
+        f32_decode: pagoda_ops::linear::cpu::f32_decode::F32Decode::selected()
             .name()
             .to_string(),
-        f32_wide_matmuls: pagoda_ops::simd::f32_decode::wide_matmul_count(),
-        amx_matmuls: pagoda_ops::simd::amx::hardware_matmul_count(),
-        amx_prefill: pagoda_ops::simd::amx::bf16::AmxPrefill::selected().name(),
-        amx_bf16_matmuls: pagoda_ops::simd::amx::bf16::matmul_count(),
-        q15_matmuls: pagoda_ops::linear::int_matmul::q15_matmul_count(),
-        int_decode: pagoda_ops::simd::interleaved::IntDecode::selected()
+        f32_wide_matmuls: pagoda_ops::linear::cpu::f32_decode::wide_matmul_count(),
+        amx_matmuls: pagoda_ops::linear::cpu::amx::hardware_matmul_count(),
+        amx_prefill: pagoda_ops::linear::cpu::amx::bf16::AmxPrefill::selected().name(),
+        amx_bf16_matmuls: pagoda_ops::linear::cpu::amx::bf16::matmul_count(),
+        q15_matmuls: pagoda_ops::linear::cpu::int_matmul::q15_matmul_count(),
+        int_decode: pagoda_ops::linear::cpu::interleaved::IntDecode::selected()
             .name()
             .to_string(),
-        int_wide_decodes: pagoda_ops::simd::interleaved::wide_decode_count(),
-        int_prefill: pagoda_ops::simd::interleaved::IntPrefill::selected()
+        int_wide_decodes: pagoda_ops::linear::cpu::interleaved::wide_decode_count(),
+        int_prefill: pagoda_ops::linear::cpu::interleaved::IntPrefill::selected()
             .name()
             .to_string(),
-        int_wide_prefills: pagoda_ops::simd::interleaved::wide_prefill_count(),
-        prefetch_bytes: pagoda_ops::simd::prefetch::distance(),
-        prefetched_matmuls: pagoda_ops::simd::prefetch::prefetched_matmul_count(),
-        high_bits: pagoda_ops::simd::interleaved::planes::HighBits::selected()
+        int_wide_prefills: pagoda_ops::linear::cpu::interleaved::wide_prefill_count(),
+        prefetch_bytes: pagoda_ops::linear::cpu::prefetch::distance(),
+        prefetched_matmuls: pagoda_ops::linear::cpu::prefetch::prefetched_matmul_count(),
+        high_bits: pagoda_ops::linear::cpu::interleaved::planes::HighBits::selected()
             .name()
             .to_string(),
-        plane_matmuls: pagoda_ops::simd::interleaved::planes::plane_matmul_count(),
+        plane_matmuls: pagoda_ops::linear::cpu::interleaved::planes::plane_matmul_count(),
         batch: max_batch,
         load_before,
         load_after: load_average(),
@@ -579,10 +584,4 @@ fn random_prompt(vocab: usize, length: usize, seed: u64) -> Vec<u32> {
             (low + (state as usize) % (vocab - low)) as u32
         })
         .collect()
-}
-
-pub(crate) fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "unknown".into())
 }

@@ -7,7 +7,7 @@
 //! median per draw is reported. The process-wide sampling counters, read around each arm,
 //! prove which path ran (Gumbel, rejection, fallback, reference).
 //!
-//! `--device cuda` runs the GPU benchmark instead ([`super::bench_sampling_gpu`]): batched
+//! `--device cuda` runs the GPU benchmark instead (`bench_sampling_gpu.rs`): batched
 //! GPU sampling from logits, CUDA-graph replayed, against the FlashInfer anchors.
 
 use std::time::Instant;
@@ -190,11 +190,9 @@ fn configurations() -> Vec<(&'static str, SamplingParams)> {
     ]
 }
 
-/// Runs `pagoda bench sampling` (the CPU benchmark, or the GPU one with `--device cuda`).
+/// Runs the CPU benchmark of `pagoda bench sampling` (`--device cuda` runs
+/// `bench_sampling_gpu`'s instead).
 pub fn run(mut args: BenchSamplingArgs) -> Result<()> {
-    if args.device == SamplingDevice::Cuda {
-        return super::bench_sampling_gpu::run(&args);
-    }
     if args.vocab_sizes.is_empty() {
         args.vocab_sizes = CPU_VOCAB_SIZES.to_vec();
     }

@@ -137,7 +137,7 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
     let listed = check_server(&client, &base, args.api_key.as_deref()).await?;
     let model = args.model.clone().unwrap_or(listed);
 
-    let load_before = super::bench::load_average();
+    let load_before = super::host::load_average();
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
     let mut results = Vec::new();
     for scenario in &args.scenarios {
@@ -166,7 +166,7 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         generated_tokens: args.generated_tokens,
         repetitions: args.repetitions,
         load_before,
-        load_after: super::bench::load_average(),
+        load_after: super::host::load_average(),
         results,
     };
     if args.json {

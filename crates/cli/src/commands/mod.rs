@@ -9,5 +9,6 @@ pub mod bench_serve;
 pub mod chat;
 pub mod config;
 pub mod generate;
+mod host;
 pub mod inspect;
 pub mod serve;

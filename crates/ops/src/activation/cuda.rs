@@ -1,6 +1,6 @@
 //! SiLU-and-multiply, the residual add and greedy argmax.
 
-use crate::cuda::{check_float, FLOAT_DTYPES};
+use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
 use pagoda_cuda::{
     check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceRead, DeviceWrite, Element, Gpu,
     KernelArg, KernelSource, KernelSpec, LaunchDims,

@@ -32,7 +32,7 @@ pub use prefill_mma::{
     prefill_attention_mma, specialize_prefill_mma, MmaPrefillTiling, MMA_PREFILL_HEAD_DIMS,
 };
 
-use crate::cuda::FLOAT_DTYPES;
+use crate::cuda_dtypes::FLOAT_DTYPES;
 use pagoda_cuda::{CudaError, DType, KernelSource, KernelSpec};
 
 /// Prefill, gather, gathered decode and the state merge.

@@ -32,28 +32,21 @@
 //! Softmax math everywhere is base 2: the scale is pre-multiplied by `log2(e)` and weights
 //! are `exp2(s - m)`, exactly as the GPU kernel will do it. LSEs are in log2 units.
 
-mod append;
+mod cpu;
 pub mod cuda;
-mod decode;
-mod gather;
-mod kernel;
-mod merge;
 mod plan;
-#[cfg(target_arch = "x86_64")]
-mod simd_x86;
-mod step;
 mod validate;
 
-pub use append::append_kv;
-pub use decode::{decode_partial, split_kv_decode, split_kv_decode_into, DecodeWorkspace};
-pub use gather::gather_attention;
-pub use kernel::{AttentionKernel, ATTENTION_KERNEL_ENV_VAR};
-pub use merge::{merge_states, merge_states_into, MergedStates};
-pub use plan::{plan_decode, DecodePlan, DecodePlanConfig, MAX_CHUNKS};
-pub use step::{
+pub use cpu::append::append_kv;
+pub use cpu::decode::{decode_partial, split_kv_decode, split_kv_decode_into, DecodeWorkspace};
+pub use cpu::gather::gather_attention;
+pub use cpu::kernel::{AttentionKernel, ATTENTION_KERNEL_ENV_VAR};
+pub use cpu::merge::{merge_states, merge_states_into, MergedStates};
+pub use cpu::step::{
     plan_step, step_attention, SplitKvChunking, StepAttentionConfig, StepAttentionPlan,
     StepWorkspace, DEFAULT_CHUNK_TOKENS,
 };
+pub use plan::{plan_decode, DecodePlan, DecodePlanConfig, MAX_CHUNKS};
 
 use pagoda_kv::{PageTable, PageTableError};
 
@@ -225,36 +218,6 @@ pub fn paged_attention(
             validate::decode_indptr(queries.qo_indptr, kv.page_table.num_requests())?;
             split_kv_decode(kv, queries.q, queries.num_q_heads, plan, scale, out)
         }
-    }
-}
-
-/// `log2(e)`: pre-multiplying the scale by it turns `exp(x)` into `exp2(x * log2(e))`.
-pub(crate) const LOG2_E: f32 = std::f32::consts::LOG2_E;
-
-/// Dot product of two equal-length rows, with eight independent accumulators so the loop
-/// vectorizes without reassociation flags.
-pub(crate) fn dot(left: &[f32], right: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; 8];
-    let left_chunks = left.chunks_exact(8);
-    let right_chunks = right.chunks_exact(8);
-    let tail: f32 = left_chunks
-        .remainder()
-        .iter()
-        .zip(right_chunks.remainder())
-        .map(|(a, b)| a * b)
-        .sum();
-    for (a, b) in left_chunks.zip(right_chunks) {
-        for lane in 0..8 {
-            lanes[lane] += a[lane] * b[lane];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
-/// `accumulator += weight * row`, element-wise.
-pub(crate) fn add_scaled(accumulator: &mut [f32], weight: f32, row: &[f32]) {
-    for (target, value) in accumulator.iter_mut().zip(row) {
-        *target += weight * value;
     }
 }
 

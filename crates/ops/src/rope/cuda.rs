@@ -1,7 +1,7 @@
 //! RoPE and the KV append into the paged pool.
 
 use crate::attention::cuda::PoolLayout;
-use crate::cuda::{check_float, FLOAT_DTYPES};
+use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
 use pagoda_cuda::{
     check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceRead, DeviceView, DeviceWrite,
     Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims,

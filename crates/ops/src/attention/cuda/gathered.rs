@@ -2,7 +2,7 @@
 //! and the baseline decode (gather the pages into contiguous K/V, then attend).
 
 use super::ATTENTION;
-use crate::cuda::check_float;
+use crate::cuda_dtypes::check_float;
 use pagoda_cuda::{
     check_len, check_min_len, ptr, to_u32, whole, CudaError, DType, DeviceRead, DeviceView,
     DeviceWrite, Element, Gpu, KernelArg, KernelSpec, LaunchDims,

@@ -6,7 +6,7 @@
 use super::decode_plan::{PagedDecodePlan, PlanCapacity};
 use super::gathered::{check_decode_io, PagedKv, PoolLayout, Queries};
 use super::{PAGED_DECODE, PAGED_DECODE_MMA};
-use crate::cuda::check_float;
+use crate::cuda_dtypes::check_float;
 use pagoda_cuda::{
     check_len, ptr, to_u32, whole, CudaError, DType, DeviceBuffer, DeviceRead, DeviceView,
     DeviceWrite, Element, Gpu, KernelArg, KernelSpec, LaunchDims,

@@ -3,7 +3,7 @@
 //! once and reused by every query row of the tile and of the GQA group.
 
 use super::{PagedKv, Queries, PREFILL, SUPPORTED_HEAD_DIMS};
-use crate::cuda::check_float;
+use crate::cuda_dtypes::check_float;
 use pagoda_cuda::{
     check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceRead, DeviceWrite, Element, Gpu,
     KernelArg, KernelSpec, LaunchDims,

@@ -2,7 +2,7 @@
 //! Qwen2 ([`add_bias_rows`]) and the per-head q/k RMSNorm of Qwen3 ([`rms_norm_heads`]).
 
 use super::QKV;
-use crate::cuda::check_float;
+use crate::cuda_dtypes::check_float;
 use pagoda_cuda::{
     check_min_len, ptr, to_u32, CudaError, DType, DeviceRead, DeviceWrite, Element, Gpu, KernelArg,
     KernelSpec, LaunchDims,

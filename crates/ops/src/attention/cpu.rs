@@ -1,0 +1,14 @@
+//! The CPU implementation of attention (f32): K/V append, the gather baseline, split-KV
+//! decode with its LSE merge, the batch-invariant step, and the chunk kernels (scalar,
+//! AVX2, AVX-512) chosen by [`kernel::AttentionKernel`].
+
+pub(crate) mod append;
+mod chunk;
+pub(crate) mod decode;
+pub(crate) mod gather;
+pub(crate) mod kernel;
+mod math;
+pub(crate) mod merge;
+#[cfg(target_arch = "x86_64")]
+mod simd_x86;
+pub(crate) mod step;

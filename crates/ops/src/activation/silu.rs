@@ -38,24 +38,14 @@ pub enum SiluPath {
 impl SiluPath {
     /// Lower-case name, as [`SILU_ENV_VAR`] spells it.
     pub fn name(self) -> &'static str {
-        match self {
-            SiluPath::Polynomial => "polynomial",
-            SiluPath::Libm => "libm",
-        }
+        crate::kernel_choice::word(self)
     }
 
     /// Parses a [`SILU_ENV_VAR`] value (ASCII case and surrounding spaces ignored): `auto`
     /// or empty give `Ok(None)`; anything but `polynomial` and `libm` is an error naming the
     /// value and the accepted ones.
     pub fn parse(text: &str) -> Result<Option<SiluPath>, String> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(None),
-            "polynomial" => Ok(Some(SiluPath::Polynomial)),
-            "libm" => Ok(Some(SiluPath::Libm)),
-            _ => Err(format!(
-                "{SILU_ENV_VAR}={text:?} is not one of auto, polynomial, libm"
-            )),
-        }
+        crate::kernel_choice::parse(text)
     }
 
     /// The process-wide path: [`SILU_ENV_VAR`] read once (unset: `auto`, the polynomial: see
@@ -81,17 +71,15 @@ impl SiluPath {
 
 impl KernelChoice for SiluPath {
     const ENV_VAR: &'static str = SILU_ENV_VAR;
-    fn choice_name(self) -> &'static str {
-        self.name()
-    }
+    const WORDS: &'static [(&'static str, Self)] = &[
+        ("polynomial", SiluPath::Polynomial),
+        ("libm", SiluPath::Libm),
+    ];
     fn choice_supported(self) -> bool {
         true
     }
     fn auto_choice() -> Self {
         SiluPath::Polynomial
-    }
-    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
-        SiluPath::parse(text)
     }
 }
 

@@ -34,11 +34,7 @@ pub enum AttentionKernel {
 impl AttentionKernel {
     /// Lower-case name, as [`ATTENTION_KERNEL_ENV_VAR`] spells it: `scalar`, `avx2`, `avx512`.
     pub fn name(self) -> &'static str {
-        match self {
-            AttentionKernel::Scalar => "scalar",
-            AttentionKernel::Avx2 => "avx2",
-            AttentionKernel::Avx512 => "avx512",
-        }
+        crate::kernel_choice::word(self)
     }
 
     /// Whether this CPU can run the kernel (detected once per process).
@@ -63,15 +59,7 @@ impl AttentionKernel {
     /// `scalar`, `avx2`, `avx512` give that kernel; anything else is an error naming the value
     /// and the accepted ones.
     pub fn parse(text: &str) -> Result<Option<AttentionKernel>, String> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" | "simd" => Ok(None),
-            "scalar" => Ok(Some(AttentionKernel::Scalar)),
-            "avx2" => Ok(Some(AttentionKernel::Avx2)),
-            "avx512" => Ok(Some(AttentionKernel::Avx512)),
-            _ => Err(format!(
-                "{ATTENTION_KERNEL_ENV_VAR}={text:?} is not one of auto, simd, avx512, avx2, scalar"
-            )),
-        }
+        crate::kernel_choice::parse(text)
     }
 
     /// The process-wide kernel: [`ATTENTION_KERNEL_ENV_VAR`] read once (unset: `auto`),
@@ -92,17 +80,17 @@ impl AttentionKernel {
 
 impl KernelChoice for AttentionKernel {
     const ENV_VAR: &'static str = ATTENTION_KERNEL_ENV_VAR;
-    fn choice_name(self) -> &'static str {
-        self.name()
-    }
+    const WORDS: &'static [(&'static str, Self)] = &[
+        ("avx512", AttentionKernel::Avx512),
+        ("avx2", AttentionKernel::Avx2),
+        ("scalar", AttentionKernel::Scalar),
+    ];
+    const AUTO_WORDS: &'static [&'static str] = &["simd"];
     fn choice_supported(self) -> bool {
         self.is_supported()
     }
     fn auto_choice() -> Self {
         AttentionKernel::best()
-    }
-    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
-        AttentionKernel::parse(text)
     }
 }
 

@@ -46,11 +46,7 @@ pub enum F32Decode {
 impl F32Decode {
     /// Lower-case name, as [`F32_DECODE_ENV_VAR`] spells it.
     pub fn name(self) -> &'static str {
-        match self {
-            F32Decode::Tile => "tile",
-            F32Decode::Avx2 => "avx2",
-            F32Decode::Avx512 => "avx512",
-        }
+        crate::kernel_choice::word(self)
     }
 
     /// Whether this CPU runs the kernel.
@@ -74,15 +70,7 @@ impl F32Decode {
     /// `auto` or empty give `Ok(None)` (use [`F32Decode::best`]); anything but `avx512`,
     /// `avx2` and `tile` is an error naming the value and the accepted ones.
     pub fn parse(text: &str) -> Result<Option<F32Decode>, String> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(None),
-            "avx512" => Ok(Some(F32Decode::Avx512)),
-            "avx2" => Ok(Some(F32Decode::Avx2)),
-            "tile" => Ok(Some(F32Decode::Tile)),
-            _ => Err(format!(
-                "{F32_DECODE_ENV_VAR}={text:?} is not one of auto, avx512, avx2, tile"
-            )),
-        }
+        crate::kernel_choice::parse(text)
     }
 
     /// The process-wide kernel: [`F32_DECODE_ENV_VAR`] read once (unset: `auto`),
@@ -109,17 +97,16 @@ impl F32Decode {
 
 impl KernelChoice for F32Decode {
     const ENV_VAR: &'static str = F32_DECODE_ENV_VAR;
-    fn choice_name(self) -> &'static str {
-        self.name()
-    }
+    const WORDS: &'static [(&'static str, Self)] = &[
+        ("avx512", F32Decode::Avx512),
+        ("avx2", F32Decode::Avx2),
+        ("tile", F32Decode::Tile),
+    ];
     fn choice_supported(self) -> bool {
         self.is_supported()
     }
     fn auto_choice() -> Self {
         F32Decode::best()
-    }
-    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
-        F32Decode::parse(text)
     }
 }
 

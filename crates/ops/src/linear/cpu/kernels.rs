@@ -64,18 +64,8 @@ impl CpuKernels {
     /// [`CpuKernels::best`]; the per-weight meaning of `auto` is [`CpuKernelPolicy::parse`]).
     /// The error names the bad value.
     pub fn parse(value: &str) -> Result<CpuKernels, String> {
-        match value.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(CpuKernels::best()),
-            "amx" => Ok(CpuKernels::Amx),
-            "vnni8" => Ok(CpuKernels::Vnni8),
-            "vnni" => Ok(CpuKernels::Vnni),
-            "avx2" => Ok(CpuKernels::Avx2),
-            "scalar" => Ok(CpuKernels::Scalar),
-            "f32" => Ok(CpuKernels::F32),
-            other => Err(format!(
-                "PAGODA_CPU_KERNELS={other:?} is not one of auto, amx, vnni8, vnni, avx2, scalar, f32"
-            )),
-        }
+        Ok(crate::kernel_choice::parse::<CpuKernelPolicy>(value)?
+            .map_or_else(CpuKernels::best, |policy| policy.kernels))
     }
 
     /// Whether this CPU can run the set.
@@ -96,14 +86,7 @@ impl CpuKernels {
 
     /// Lower-case name, as `PAGODA_CPU_KERNELS` spells it.
     pub fn name(self) -> &'static str {
-        match self {
-            CpuKernels::Amx => "amx",
-            CpuKernels::Vnni8 => "vnni8",
-            CpuKernels::Vnni => "vnni",
-            CpuKernels::Avx2 => "avx2",
-            CpuKernels::Scalar => "scalar",
-            CpuKernels::F32 => "f32",
-        }
+        crate::kernel_choice::word(CpuKernelPolicy::uniform(self))
     }
 
     /// The process-wide set for weights without a per-weight exception:
@@ -147,7 +130,7 @@ pub struct CpuKernelPolicy {
 
 impl CpuKernelPolicy {
     /// The same set for every weight.
-    pub fn uniform(kernels: CpuKernels) -> CpuKernelPolicy {
+    pub const fn uniform(kernels: CpuKernels) -> CpuKernelPolicy {
         CpuKernelPolicy {
             kernels,
             ffn_down: FfnDown::Same,
@@ -250,6 +233,14 @@ impl CpuKernelPolicy {
 
 impl KernelChoice for CpuKernelPolicy {
     const ENV_VAR: &'static str = "PAGODA_CPU_KERNELS";
+    const WORDS: &'static [(&'static str, Self)] = &[
+        ("amx", CpuKernelPolicy::uniform(CpuKernels::Amx)),
+        ("vnni8", CpuKernelPolicy::uniform(CpuKernels::Vnni8)),
+        ("vnni", CpuKernelPolicy::uniform(CpuKernels::Vnni)),
+        ("avx2", CpuKernelPolicy::uniform(CpuKernels::Avx2)),
+        ("scalar", CpuKernelPolicy::uniform(CpuKernels::Scalar)),
+        ("f32", CpuKernelPolicy::uniform(CpuKernels::F32)),
+    ];
     fn choice_name(self) -> &'static str {
         self.name()
     }
@@ -260,10 +251,7 @@ impl KernelChoice for CpuKernelPolicy {
         CpuKernelPolicy::auto()
     }
     fn parse_choice(text: &str) -> Result<Option<Self>, String> {
-        let text = text.trim().to_ascii_lowercase();
-        if text.is_empty() || text == "auto" {
-            return Ok(None);
-        }
+        let text = text.trim().to_ascii_lowercase().replace('-', "_");
         // A set with an `ffn_down` exception, as `auto` names its choice.
         for (suffix, ffn_down) in [
             ("+f32_ffn_down", FfnDown::F32),
@@ -272,7 +260,8 @@ impl KernelChoice for CpuKernelPolicy {
             let Some(set) = text.strip_suffix(suffix) else {
                 continue;
             };
-            let kernels = CpuKernels::parse(set)?;
+            let kernels = crate::kernel_choice::parse::<CpuKernelPolicy>(set)?
+                .map_or_else(CpuKernels::best, |policy| policy.kernels);
             let allowed = match ffn_down {
                 FfnDown::Q15 => matches!(kernels, CpuKernels::Amx | CpuKernels::Vnni8),
                 _ => kernels != CpuKernels::F32,
@@ -289,7 +278,7 @@ impl KernelChoice for CpuKernelPolicy {
             }
             return Ok(Some(CpuKernelPolicy { kernels, ffn_down }));
         }
-        CpuKernels::parse(&text).map(|kernels| Some(CpuKernelPolicy::uniform(kernels)))
+        crate::kernel_choice::parse(&text)
     }
 }
 

@@ -61,22 +61,12 @@ pub enum AmxPrefill {
 impl AmxPrefill {
     /// `int8` or `bf16`.
     pub fn name(self) -> &'static str {
-        match self {
-            AmxPrefill::Int8 => "int8",
-            AmxPrefill::Bf16 => "bf16",
-        }
+        crate::kernel_choice::word(self)
     }
 
     /// Parses `auto` (or empty: `None`), `int8`, `bf16`; the error names the bad value.
     pub fn parse(text: &str) -> Result<Option<AmxPrefill>, String> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(None),
-            "int8" => Ok(Some(AmxPrefill::Int8)),
-            "bf16" => Ok(Some(AmxPrefill::Bf16)),
-            other => Err(format!(
-                "{AMX_PREFILL_ENV_VAR}={other:?} is not one of auto, int8, bf16"
-            )),
-        }
+        crate::kernel_choice::parse(text)
     }
 
     /// What `auto` gives: INT8 on every CPU. The BF16 tiles are 1.1-1.2x faster on prefill
@@ -107,9 +97,8 @@ impl AmxPrefill {
 
 impl KernelChoice for AmxPrefill {
     const ENV_VAR: &'static str = AMX_PREFILL_ENV_VAR;
-    fn choice_name(self) -> &'static str {
-        self.name()
-    }
+    const WORDS: &'static [(&'static str, Self)] =
+        &[("int8", AmxPrefill::Int8), ("bf16", AmxPrefill::Bf16)];
     fn choice_supported(self) -> bool {
         match self {
             AmxPrefill::Int8 => true,
@@ -118,9 +107,6 @@ impl KernelChoice for AmxPrefill {
     }
     fn auto_choice() -> Self {
         AmxPrefill::auto()
-    }
-    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
-        AmxPrefill::parse(text)
     }
 }
 

@@ -32,31 +32,22 @@ pub const TILES_ENV_VAR: &str = "PAGODA_CPU_AMX_TILES";
 impl TileBackend {
     /// `hardware` or `emulated`.
     pub fn name(self) -> &'static str {
-        match self {
-            TileBackend::Hardware => "hardware",
-            TileBackend::Emulated => "emulated",
-        }
+        crate::kernel_choice::word(self)
     }
 
     /// Parses a [`TILES_ENV_VAR`] value: `auto` (or empty: `None`), `hardware`, `emulated`;
     /// the error names the bad value.
     pub fn parse(text: &str) -> Result<Option<TileBackend>, String> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(None),
-            "hardware" => Ok(Some(TileBackend::Hardware)),
-            "emulated" => Ok(Some(TileBackend::Emulated)),
-            other => Err(format!(
-                "{TILES_ENV_VAR}={other:?} is not one of auto, hardware, emulated"
-            )),
-        }
+        crate::kernel_choice::parse(text)
     }
 }
 
 impl KernelChoice for TileBackend {
     const ENV_VAR: &'static str = TILES_ENV_VAR;
-    fn choice_name(self) -> &'static str {
-        self.name()
-    }
+    const WORDS: &'static [(&'static str, Self)] = &[
+        ("hardware", TileBackend::Hardware),
+        ("emulated", TileBackend::Emulated),
+    ];
     fn choice_supported(self) -> bool {
         match self {
             TileBackend::Hardware => is_available(),
@@ -65,9 +56,6 @@ impl KernelChoice for TileBackend {
     }
     fn auto_choice() -> Self {
         TileBackend::Hardware
-    }
-    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
-        TileBackend::parse(text)
     }
 }
 

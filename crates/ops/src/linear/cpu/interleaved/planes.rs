@@ -34,24 +34,14 @@ pub enum HighBits {
 impl HighBits {
     /// Lower-case name, as [`HIGH_BITS_ENV_VAR`] spells it.
     pub fn name(self) -> &'static str {
-        match self {
-            HighBits::Bytes => "bytes",
-            HighBits::Planes => "planes",
-        }
+        crate::kernel_choice::word(self)
     }
 
     /// Parses a [`HIGH_BITS_ENV_VAR`] value (ASCII case and surrounding spaces ignored):
     /// `auto` or empty give `Ok(None)`; anything but `planes` and `bytes` is an error naming
     /// the value and the accepted ones.
     pub fn parse(text: &str) -> Result<Option<HighBits>, String> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(None),
-            "planes" => Ok(Some(HighBits::Planes)),
-            "bytes" => Ok(Some(HighBits::Bytes)),
-            _ => Err(format!(
-                "{HIGH_BITS_ENV_VAR}={text:?} is not one of auto, planes, bytes"
-            )),
-        }
+        crate::kernel_choice::parse(text)
     }
 
     /// The process-wide layout: [`HIGH_BITS_ENV_VAR`] read once (unset: `auto`), validated
@@ -71,17 +61,13 @@ impl HighBits {
 
 impl KernelChoice for HighBits {
     const ENV_VAR: &'static str = HIGH_BITS_ENV_VAR;
-    fn choice_name(self) -> &'static str {
-        self.name()
-    }
+    const WORDS: &'static [(&'static str, Self)] =
+        &[("planes", HighBits::Planes), ("bytes", HighBits::Bytes)];
     fn choice_supported(self) -> bool {
         true
     }
     fn auto_choice() -> Self {
         HighBits::Planes
-    }
-    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
-        HighBits::parse(text)
     }
 }
 

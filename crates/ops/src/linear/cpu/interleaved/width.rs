@@ -32,10 +32,7 @@ pub enum IntDecode {
 impl IntDecode {
     /// Lower-case name, as [`INT_DECODE_ENV_VAR`] spells it.
     pub fn name(self) -> &'static str {
-        match self {
-            IntDecode::Avx2 => "avx2",
-            IntDecode::Avx512 => "avx512",
-        }
+        crate::kernel_choice::word(self)
     }
 
     /// Whether this CPU runs it (both need what the interleaved kernel needs).
@@ -61,14 +58,7 @@ impl IntDecode {
     /// `auto` or empty give `Ok(None)`; anything but `avx512` and `avx2` is an error naming
     /// the value and the accepted ones.
     pub fn parse(text: &str) -> Result<Option<IntDecode>, String> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(None),
-            "avx512" => Ok(Some(IntDecode::Avx512)),
-            "avx2" => Ok(Some(IntDecode::Avx2)),
-            _ => Err(format!(
-                "{INT_DECODE_ENV_VAR}={text:?} is not one of auto, avx512, avx2"
-            )),
-        }
+        crate::kernel_choice::parse(text)
     }
 
     /// The process-wide width: [`INT_DECODE_ENV_VAR`] read once (unset: `auto`), validated
@@ -90,17 +80,13 @@ impl IntDecode {
 
 impl KernelChoice for IntDecode {
     const ENV_VAR: &'static str = INT_DECODE_ENV_VAR;
-    fn choice_name(self) -> &'static str {
-        self.name()
-    }
+    const WORDS: &'static [(&'static str, Self)] =
+        &[("avx512", IntDecode::Avx512), ("avx2", IntDecode::Avx2)];
     fn choice_supported(self) -> bool {
         self.is_supported()
     }
     fn auto_choice() -> Self {
         IntDecode::best()
-    }
-    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
-        IntDecode::parse(text)
     }
 }
 
@@ -151,10 +137,7 @@ pub enum IntPrefill {
 impl IntPrefill {
     /// Lower-case name, as [`INT_PREFILL_ENV_VAR`] spells it.
     pub fn name(self) -> &'static str {
-        match self {
-            IntPrefill::Avx2 => "avx2",
-            IntPrefill::Avx512 => "avx512",
-        }
+        crate::kernel_choice::word(self)
     }
 
     /// What `auto` picks: [`IntPrefill::Avx512`]. Measured
@@ -167,14 +150,7 @@ impl IntPrefill {
 
     /// Parses an [`INT_PREFILL_ENV_VAR`] value as [`IntDecode::parse`] does.
     pub fn parse(text: &str) -> Result<Option<IntPrefill>, String> {
-        match text.trim().to_ascii_lowercase().as_str() {
-            "" | "auto" => Ok(None),
-            "avx512" => Ok(Some(IntPrefill::Avx512)),
-            "avx2" => Ok(Some(IntPrefill::Avx2)),
-            _ => Err(format!(
-                "{INT_PREFILL_ENV_VAR}={text:?} is not one of auto, avx512, avx2"
-            )),
-        }
+        crate::kernel_choice::parse(text)
     }
 
     /// The process-wide width: [`INT_PREFILL_ENV_VAR`] read once (unset: `auto`), validated
@@ -196,17 +172,13 @@ impl IntPrefill {
 
 impl KernelChoice for IntPrefill {
     const ENV_VAR: &'static str = INT_PREFILL_ENV_VAR;
-    fn choice_name(self) -> &'static str {
-        self.name()
-    }
+    const WORDS: &'static [(&'static str, Self)] =
+        &[("avx512", IntPrefill::Avx512), ("avx2", IntPrefill::Avx2)];
     fn choice_supported(self) -> bool {
         super::is_supported()
     }
     fn auto_choice() -> Self {
         IntPrefill::best()
-    }
-    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
-        IntPrefill::parse(text)
     }
 }
 

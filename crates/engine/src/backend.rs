@@ -1,6 +1,7 @@
 //! Where a model runs: the CPU (the reference, with its KV cache in host memory) or an NVIDIA
 //! GPU (weights, KV cache and step buffers in device memory).
 
+use pagoda_cuda::CudaError;
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
 use pagoda_models::llama_cuda::{
@@ -120,7 +121,7 @@ impl Runner {
     /// the GPU, the step buffers for the rest of `cache`'s sizes and paths. On the
     /// CPU, the pool of each step follows `PAGODA_CPU_ADAPTIVE_THREADS` (an unknown value is
     /// an error).
-    pub(crate) fn new(backend: Backend, cache: CudaCacheOptions) -> Result<Runner, String> {
+    pub(crate) fn new(backend: Backend, cache: CudaCacheOptions) -> Result<Runner, CudaError> {
         match backend {
             Backend::Cpu(model) => {
                 let pools = CpuPools::new(CpuThreadsMode::from_config(pagoda_config::global()));
@@ -218,8 +219,15 @@ impl Runner {
             }
             Runner::Cuda { model } => {
                 let (logits, sampled) = match device_rows {
-                    Some(rows) => (Vec::new(), Some(model.forward_sampled(batch, rows)?)),
-                    None => (model.forward(batch)?, None),
+                    Some(rows) => (
+                        Vec::new(),
+                        Some(
+                            model
+                                .forward_sampled(batch, rows)
+                                .map_err(|e| e.to_string())?,
+                        ),
+                    ),
+                    None => (model.forward(batch).map_err(|e| e.to_string())?, None),
                 };
                 Ok(StepOutput {
                     logits,

@@ -91,7 +91,11 @@ pub enum EngineError {
         total: usize,
     },
     #[error("invalid sampling parameters: {0}")]
-    Sampling(String),
+    Sampling(#[from] pagoda_ops::sampling::InvalidSamplingParam),
+    #[error("the scheduler's configuration: {0}")]
+    Scheduler(#[from] pagoda_scheduler::SchedulerError),
+    #[error("allocating the GPU KV cache and step buffers: {0}")]
+    Device(#[from] pagoda_cuda::CudaError),
     #[error("internal error (please report): {0}")]
     Internal(String),
 }
@@ -156,7 +160,7 @@ impl Engine {
 
     /// An engine with a zeroed KV pool sized by `config`. Prefix caching is on unless the
     /// environment variable `PAGODA_PREFIX_CACHING` is `0`, `off` or `false`.
-    pub fn new(model: impl Into<Backend>, config: EngineConfig) -> Result<Engine, String> {
+    pub fn new(model: impl Into<Backend>, config: EngineConfig) -> Result<Engine, EngineError> {
         Self::with_prefix_caching(model, config, prefix_caching_from_config())
     }
 
@@ -165,13 +169,13 @@ impl Engine {
         model: impl Into<Backend>,
         config: EngineConfig,
         prefix_caching: bool,
-    ) -> Result<Engine, String> {
+    ) -> Result<Engine, EngineError> {
         let scheduler_config = SchedulerConfig {
             prefix_caching,
             ..SchedulerConfig::new(config.page_size, config.num_pages, config.max_batch_tokens)
         };
         let max_requests = scheduler_config.max_running;
-        let scheduler = Scheduler::new(scheduler_config).map_err(|e| e.to_string())?;
+        let scheduler = Scheduler::new(scheduler_config)?;
         static LOGGED: std::sync::Once = std::sync::Once::new();
         LOGGED.call_once(|| {
             tracing::info!(

@@ -75,8 +75,8 @@ impl ModelConfig {
         self.num_attention_heads / self.num_kv_heads
     }
 
-    /// Checks the shape relations the forward pass relies on; the message names the field.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Checks the shape relations the forward pass relies on; the error names the field.
+    pub fn validate(&self) -> Result<(), InvalidModelConfig> {
         let positive = [
             ("hidden_size", self.hidden_size),
             ("num_layers", self.num_layers),
@@ -88,28 +88,36 @@ impl ModelConfig {
         ];
         for (name, value) in positive {
             if value == 0 {
-                return Err(format!("{name} must be positive"));
+                return Err(InvalidModelConfig(format!("{name} must be positive")));
             }
         }
         if !self.num_attention_heads.is_multiple_of(self.num_kv_heads) {
-            return Err(format!(
+            return Err(InvalidModelConfig(format!(
                 "num_attention_heads ({}) is not a multiple of num_kv_heads ({})",
                 self.num_attention_heads, self.num_kv_heads
-            ));
+            )));
         }
         if self.rope_dim > self.head_dim || !self.rope_dim.is_multiple_of(2) {
-            return Err(format!(
+            return Err(InvalidModelConfig(format!(
                 "rope dimension {} must be even and at most head_dim {}",
                 self.rope_dim, self.head_dim
-            ));
+            )));
         }
         if self.rms_norm_eps.is_nan()
             || self.rms_norm_eps <= 0.0
             || self.rope_theta.is_nan()
             || self.rope_theta <= 0.0
         {
-            return Err("rms_norm_eps and rope_theta must be positive".into());
+            return Err(InvalidModelConfig(
+                "rms_norm_eps and rope_theta must be positive".into(),
+            ));
         }
         Ok(())
     }
 }
+
+/// A model configuration the forward pass cannot run ([`ModelConfig::validate`]); the message
+/// names the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidModelConfig(pub String);

@@ -88,7 +88,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig, String> {
         max_position_embeddings: uint("context_length")?.unwrap_or(4096),
         tie_word_embeddings: file.tensor("output.weight").is_none(),
     };
-    config.validate().map_err(fail)?;
+    config.validate().map_err(|e| fail(e.to_string()))?;
     Ok(config)
 }
 

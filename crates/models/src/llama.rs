@@ -128,7 +128,7 @@ impl Model {
         precision: WeightPrecision,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Model, LoadError> {
-        config.validate().map_err(LoadError)?;
+        config.validate().map_err(|e| LoadError(e.to_string()))?;
         let c = &config;
         let q_dim = c.num_attention_heads * c.head_dim;
         let kv_dim = c.num_kv_heads * c.head_dim;

@@ -94,7 +94,7 @@ pub fn random_config(spec: &str) -> Result<ModelConfig, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         let config = config_from_hf_json(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-        config.validate()?;
+        config.validate().map_err(|e| e.to_string())?;
         return Ok(config);
     }
     Err(format!(
@@ -169,7 +169,7 @@ impl RandomWeights {
     /// in f32 (the CPU model keeps every tensor): a configuration over it is refused with a
     /// message that names the size.
     pub fn new(config: &ModelConfig, seed: u64, max_bytes: usize) -> Result<Self, String> {
-        config.validate()?;
+        config.validate().map_err(|e| e.to_string())?;
         let bytes = random_weights_bytes(config);
         if bytes > max_bytes {
             return Err(format!(

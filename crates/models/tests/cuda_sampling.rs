@@ -357,7 +357,8 @@ fn bad_rows_are_refused_before_the_step_runs() {
     assert_eq!(step.sampling.len(), 2);
     let error = model
         .forward_sampled(&step.batch(), &[None])
-        .expect_err("one row for two logits rows");
+        .expect_err("one row for two logits rows")
+        .to_string();
     assert!(
         error.contains("1 sampling rows for 2 logits rows"),
         "{error}"
@@ -371,7 +372,8 @@ fn bad_rows_are_refused_before_the_step_runs() {
             &step.batch(),
             &[Some(SamplingRowParams::greedy()), Some(bad)],
         )
-        .expect_err("top_p 0 is outside the sampler's range");
+        .expect_err("top_p 0 is outside the sampler's range")
+        .to_string();
     assert!(
         error.contains("row 1") && error.contains("top_p"),
         "{error}"

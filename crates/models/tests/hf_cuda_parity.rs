@@ -397,7 +397,7 @@ fn check_gpu(
         DType::BF16 => Precision::Bf16,
         other => panic!("the CUDA model does not run in {other}"),
     };
-    let mut forward = |batch: &ForwardBatch<'_>| model.forward(batch);
+    let mut forward = |batch: &ForwardBatch<'_>| model.forward(batch).map_err(|e| e.to_string());
     check_device(
         checkpoint,
         &device,

@@ -364,10 +364,11 @@ fn validate_rejects_bad_params_naming_the_field() {
         ),
     ];
     for (field, sampling_params) in bad {
-        let message = sampling_params.validate().expect_err(field);
-        assert!(message.contains(field), "{field}: {message}");
-        let message = Sampler::new(sampling_params).expect_err(field);
-        assert!(message.contains(field), "{field}: {message}");
+        let error = sampling_params.validate().expect_err(field);
+        assert_eq!(error.field, field, "{error}");
+        assert!(error.to_string().starts_with(field), "{field}: {error}");
+        let error = Sampler::new(sampling_params).expect_err(field);
+        assert_eq!(error.field, field, "{error}");
     }
 }
 

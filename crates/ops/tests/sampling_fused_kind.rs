@@ -34,10 +34,11 @@ fn kind_parsing_dispatch_and_counters() {
         top_p: 1.5,
         ..SamplingParams::default()
     };
-    assert!(AnySampler::new(bad, SamplerKind::Fused)
-        .unwrap_err()
-        .contains("top_p"));
-    assert!(FusedSampler::new(bad).unwrap_err().contains("top_p"));
+    assert_eq!(
+        AnySampler::new(bad, SamplerKind::Fused).unwrap_err().field,
+        "top_p"
+    );
+    assert_eq!(FusedSampler::new(bad).unwrap_err().field, "top_p");
 
     let logits: Vec<f32> = (0..300).map(|i| ((i * 37) % 101) as f32 * 0.05).collect();
     let params = SamplingParams {

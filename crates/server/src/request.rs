@@ -299,14 +299,12 @@ fn parse_options(
         // OpenAI seeds are signed; the bits are the seed.
         sampling.seed = Some(value as u64);
     }
-    sampling.validate().map_err(|message| {
-        let field = message.split_whitespace().next().unwrap_or_default();
-        let param = if field == "repetition_penalty" {
-            "repeat_penalty"
-        } else {
-            field
+    sampling.validate().map_err(|error| {
+        let param = match error.field {
+            "repetition_penalty" => "repeat_penalty",
+            field => field,
         };
-        ApiError::invalid(message.clone(), Some(param))
+        ApiError::invalid(error.to_string(), Some(param))
     })?;
     Ok(Options {
         model,

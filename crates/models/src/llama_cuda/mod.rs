@@ -19,7 +19,7 @@
 use std::sync::Arc;
 
 use half::bf16;
-use pagoda_cuda::{DeviceBuffer, Element, Gpu, GraphCache, PinnedBuffer};
+use pagoda_cuda::{CudaError, DeviceBuffer, Element, Gpu, GraphCache, PinnedBuffer};
 use pagoda_ops::cuda::{self as ops, DecodeWorkspace, PoolLayout, RopeStyle as GpuRopeStyle};
 
 use crate::config::ModelConfig;
@@ -239,7 +239,7 @@ impl CudaModel {
         dtype: DType,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel, LoadError> {
-        config.validate().map_err(LoadError)?;
+        config.validate().map_err(|e| LoadError(e.to_string()))?;
         if !ops::SUPPORTED_HEAD_DIMS.contains(&config.head_dim) {
             return Err(LoadError(format!(
                 "the CUDA attention kernels support head_dim {:?}, not {}",
@@ -260,12 +260,11 @@ impl CudaModel {
     }
 
     /// Allocates (or reallocates) the KV pools and the step buffers; the cache starts empty.
-    pub fn prepare(&mut self, options: CudaCacheOptions) -> Result<(), String> {
+    pub fn prepare(&mut self, options: CudaCacheOptions) -> Result<(), CudaError> {
         match &mut self.inner {
             Inner::Bf16(model) => model.prepare(options),
             Inner::F32(model) => model.prepare(options),
         }
-        .map_err(|e| format!("allocating the GPU KV cache: {e}"))
     }
 
     /// Bytes of the KV pools (0 before [`prepare`](Self::prepare)).
@@ -319,12 +318,11 @@ impl CudaModel {
     /// Runs one ragged batch (the contract of [`crate::llama::Model::forward`]): appends the
     /// new tokens' K/V to the device cache and returns the f32 logits of `batch.logits_for`,
     /// `[logits_for.len(), vocab_size]`, copied to the host.
-    pub fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>, String> {
+    pub fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>, CudaError> {
         match &mut self.inner {
             Inner::Bf16(model) => model.forward(batch),
             Inner::F32(model) => model.forward(batch),
         }
-        .map_err(|e| e.to_string())
     }
 
     /// Runs one ragged batch like [`forward`](Self::forward), then samples on the device:
@@ -342,11 +340,10 @@ impl CudaModel {
         &mut self,
         batch: &ForwardBatch<'_>,
         rows: &[Option<SamplingRowParams>],
-    ) -> Result<Vec<SampledRow>, String> {
+    ) -> Result<Vec<SampledRow>, CudaError> {
         match &mut self.inner {
             Inner::Bf16(model) => model.forward_sampled(batch, rows),
             Inner::F32(model) => model.forward_sampled(batch, rows),
         }
-        .map_err(|e| e.to_string())
     }
 }

@@ -14,7 +14,7 @@ use std::sync::Once;
 
 use super::chain::{ChainOutcome, SamplingChain};
 use super::gumbel::gumbel_argmax;
-use super::params::SamplingParams;
+use super::params::{InvalidSamplingParam, SamplingParams};
 use super::philox::{draw_block, key_from_seed, open_uniform_f64_from_u64, DrawPurpose};
 use super::reference::{inverse_cdf, Sampler};
 use super::rejection::{
@@ -138,7 +138,7 @@ pub struct FusedSampler {
 impl FusedSampler {
     /// Validates `params` (the error names the bad field); the seed is `params.seed`, or one
     /// drawn from OS entropy when it is `None` (as the reference sampler does).
-    pub fn new(params: SamplingParams) -> Result<Self, String> {
+    pub fn new(params: SamplingParams) -> Result<Self, InvalidSamplingParam> {
         params.validate()?;
         let seed = params.seed.unwrap_or_else(rand::random::<u64>);
         Ok(FusedSampler {
@@ -317,7 +317,7 @@ pub enum AnySampler {
 
 impl AnySampler {
     /// Builds the sampler of `kind` for `params` (validated; the error names the bad field).
-    pub fn new(params: SamplingParams, kind: SamplerKind) -> Result<Self, String> {
+    pub fn new(params: SamplingParams, kind: SamplerKind) -> Result<Self, InvalidSamplingParam> {
         Ok(match kind {
             SamplerKind::Fused => AnySampler::Fused(FusedSampler::new(params)?),
             SamplerKind::Reference => AnySampler::Reference(Sampler::new(params)?),

@@ -69,8 +69,8 @@ pub use fused::{
 pub use gumbel::{gumbel_argmax, gumbel_noise};
 pub use logprobs::{log_softmax, top_logprobs};
 pub use params::{
-    SamplingParams, DEFAULT_PENALTY_LAST_N, MAX_ABS_ADDITIVE_PENALTY, MAX_REPETITION_PENALTY,
-    MAX_TEMPERATURE,
+    InvalidSamplingParam, SamplingParams, DEFAULT_PENALTY_LAST_N, MAX_ABS_ADDITIVE_PENALTY,
+    MAX_REPETITION_PENALTY, MAX_TEMPERATURE,
 };
 pub use penalties::apply_penalties;
 pub use reference::{inverse_cdf, uniform_f64, Sampler};

@@ -104,46 +104,71 @@ impl SamplingParams {
 
     /// Checks every field against its documented range. The error names the offending field
     /// and its value. The chain itself assumes validated parameters.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidSamplingParam> {
+        let check = |field: &'static str, value: f32, ok: bool, range: String| {
+            if ok {
+                Ok(())
+            } else {
+                Err(InvalidSamplingParam {
+                    field,
+                    value,
+                    range,
+                })
+            }
+        };
         let temperature = self.temperature;
-        if !temperature.is_finite() || !(0.0..=MAX_TEMPERATURE).contains(&temperature) {
-            return Err(format!(
-                "temperature must be finite and in [0, {MAX_TEMPERATURE}], got {temperature}"
-            ));
-        }
+        check(
+            "temperature",
+            temperature,
+            temperature.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&temperature),
+            format!("finite and in [0, {MAX_TEMPERATURE}]"),
+        )?;
         let top_p = self.top_p;
-        if !top_p.is_finite() || top_p <= 0.0 || top_p > 1.0 {
-            return Err(format!(
-                "top_p must be in (0, 1] (1 disables it), got {top_p}"
-            ));
-        }
+        check(
+            "top_p",
+            top_p,
+            top_p.is_finite() && top_p > 0.0 && top_p <= 1.0,
+            "in (0, 1] (1 disables it)".to_string(),
+        )?;
         let min_p = self.min_p;
-        if !min_p.is_finite() || !(0.0..=1.0).contains(&min_p) {
-            return Err(format!(
-                "min_p must be in [0, 1] (0 disables it), got {min_p}"
-            ));
-        }
+        check(
+            "min_p",
+            min_p,
+            min_p.is_finite() && (0.0..=1.0).contains(&min_p),
+            "in [0, 1] (0 disables it)".to_string(),
+        )?;
         let repetition_penalty = self.repetition_penalty;
-        if !repetition_penalty.is_finite()
-            || repetition_penalty <= 0.0
-            || repetition_penalty > MAX_REPETITION_PENALTY
-        {
-            return Err(format!(
-                "repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}] (1 disables it), \
-                 got {repetition_penalty}"
-            ));
-        }
-        for (name, value) in [
+        check(
+            "repetition_penalty",
+            repetition_penalty,
+            repetition_penalty.is_finite()
+                && repetition_penalty > 0.0
+                && repetition_penalty <= MAX_REPETITION_PENALTY,
+            format!("in (0, {MAX_REPETITION_PENALTY}] (1 disables it)"),
+        )?;
+        for (field, value) in [
             ("frequency_penalty", self.frequency_penalty),
             ("presence_penalty", self.presence_penalty),
         ] {
-            if !value.is_finite() || value.abs() > MAX_ABS_ADDITIVE_PENALTY {
-                return Err(format!(
-                    "{name} must be finite and in [-{MAX_ABS_ADDITIVE_PENALTY}, \
-                     {MAX_ABS_ADDITIVE_PENALTY}], got {value}"
-                ));
-            }
+            check(
+                field,
+                value,
+                value.is_finite() && value.abs() <= MAX_ABS_ADDITIVE_PENALTY,
+                format!("finite and in [-{MAX_ABS_ADDITIVE_PENALTY}, {MAX_ABS_ADDITIVE_PENALTY}]"),
+            )?;
         }
         Ok(())
     }
+}
+
+/// A sampling parameter outside its documented range ([`SamplingParams::validate`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{field} must be {range}, got {value}")]
+pub struct InvalidSamplingParam {
+    /// The field of [`SamplingParams`], e.g. `top_p`.
+    pub field: &'static str,
+    /// The value given.
+    pub value: f32,
+    /// The range it must be in, in words.
+    pub range: String,
 }

@@ -4,7 +4,7 @@ use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
 use super::chain::{ChainOutcome, SamplingChain};
-use super::params::SamplingParams;
+use super::params::{InvalidSamplingParam, SamplingParams};
 
 /// The sort-based reference sampler of one sequence: its parameters, its own seeded RNG and
 /// the reusable chain buffers. Slow paths and tests use it as the oracle of the fast samplers.
@@ -23,7 +23,7 @@ pub struct Sampler {
 impl Sampler {
     /// Validates `params` (the error names the bad field) and seeds a ChaCha20 RNG from
     /// `params.seed`, or from OS entropy (through rand's thread RNG) when it is `None`.
-    pub fn new(params: SamplingParams) -> Result<Self, String> {
+    pub fn new(params: SamplingParams) -> Result<Self, InvalidSamplingParam> {
         params.validate()?;
         let seed = params.seed.unwrap_or_else(rand::random::<u64>);
         Ok(Sampler {

@@ -191,22 +191,22 @@ settings! {
         "models llama_cuda::decode_path",
         "Merge the fused decode's chunks in a second launch (separate) or in the kernel.";
     "PAGODA_CUDA_PREFILL", None, Values::Choice(&["mma", "tiled", "reference"]), "mma", Cuda,
-        "models llama_cuda::step",
+        "models llama_cuda::buffers",
         "CUDA prefill attention kernel (mma falls back to tiled where it does not apply).";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
-        "models llama_cuda::sampling",
+        "engine cuda_runner::sampling",
         "Filtered rows on the GPU: fast, or exact (f64, the oracle).";
     "PAGODA_GPU_SAMPLING_GUMBEL_MAX", None, ON_OFF, "on", Cuda,
-        "models llama_cuda::sampling",
+        "engine cuda_runner::sampling",
         "Row maxima inside the Gumbel kernel.";
     "PAGODA_GPU_SAMPLING_LIST_ROUNDS", None, ON_OFF, "on", Cuda,
-        "models llama_cuda::sampling",
+        "engine cuda_runner::sampling",
         "Top-k rows' filter rounds on their id list.";
     "PAGODA_GPU_SAMPLING_CLUSTER", None, ON_OFF, "on", Cuda,
-        "models llama_cuda::sampling",
+        "engine cuda_runner::sampling",
         "Top-p-only rows in one cluster kernel per row (compute capability 9.0+).";
     "PAGODA_GPU_SAMPLING_PREFETCH", None, ON_OFF, "on", Cuda,
-        "models llama_cuda::sampling",
+        "engine cuda_runner::sampling",
         "L2 prefetch of waiting rows in cluster launches.";
 
     "PAGODA_SPLIT_KV_CHUNK_TOKENS", None, Values::Number { min: 1, max: 1 << 20, words: AUTO }, "auto", Tuning,
@@ -244,9 +244,9 @@ settings! {
     "PAGODA_PARITY_REFERENCE", None, TEXT, "(the committed reference)", Testing,
         "models parity test, scripts/llamacpp-top5.py", "llama.cpp top-5 reference of the parity test.";
     "PAGODA_HF_PARITY_DIR", None, TEXT, "(unset: skip)", Testing,
-        "models hf_cuda_parity test", "Folder of random Hugging Face checkpoints and transformers outputs.";
+        "engine hf_cuda_parity test", "Folder of random Hugging Face checkpoints and transformers outputs.";
     "PAGODA_HF_PARITY_CPU_ONLY", None, TEXT, "(unset)", Testing,
-        "models hf_cuda_parity test", "1: compare only the CPU model with transformers.";
+        "engine hf_cuda_parity test", "1: compare only the CPU model with transformers.";
     "PAGODA_SAMPLING_DRAWS", None, TEXT, "1000000", Testing,
         "cuda sampling tests", "Draws per goodness-of-fit test.";
     "PAGODA_DECODE_MATRIX", None, TEXT, "(full)", Testing,

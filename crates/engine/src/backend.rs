@@ -1,12 +1,12 @@
 //! Where a model runs: the CPU (the reference, with its KV cache in host memory) or an NVIDIA
 //! GPU (weights, KV cache and step buffers in device memory).
 
+use crate::cuda_runner::{
+    CudaCacheOptions, CudaModel, CudaRunner, CudaStepCounters, SampledRow, SamplingRowParams,
+};
 use pagoda_cuda::CudaError;
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
-use pagoda_models::llama_cuda::{
-    CudaCacheOptions, CudaModel, CudaStepCounters, SampledRow, SamplingRowParams,
-};
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::AnySampler;
 
@@ -97,7 +97,7 @@ pub(crate) enum Runner {
         pools: CpuPools,
     },
     Cuda {
-        model: Box<CudaModel>,
+        model: Box<CudaRunner>,
     },
 }
 
@@ -131,10 +131,9 @@ impl Runner {
                 );
                 Ok(Runner::Cpu { model, kv, pools })
             }
-            Backend::Cuda(mut model) => {
-                model.prepare(cache)?;
-                Ok(Runner::Cuda { model })
-            }
+            Backend::Cuda(model) => Ok(Runner::Cuda {
+                model: Box::new(CudaRunner::new(*model, cache)?),
+            }),
         }
     }
 
@@ -188,7 +187,7 @@ impl Runner {
     }
 
     /// Runs `batch`. With `device_rows` (CUDA only: one entry per `logits_for` row, see
-    /// [`CudaModel::forward_sampled`]) the rows are sampled on the GPU and
+    /// [`CudaRunner::forward_sampled`]) the rows are sampled on the GPU and
     /// [`StepOutput::sampled`] is set; otherwise the logits come back whole.
     pub(crate) fn forward(
         &mut self,

@@ -1,6 +1,6 @@
 //! What the engine ran, counted for benchmarks and `/metrics`.
 
-use pagoda_models::llama_cuda::CudaStepCounters;
+use crate::cuda_runner::CudaStepCounters;
 use pagoda_ops::attention::AttentionPath;
 
 use crate::cpu_pool::CpuPoolCounters;

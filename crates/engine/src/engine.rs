@@ -4,9 +4,9 @@ use std::collections::HashMap;
 
 use rayon::prelude::*;
 
+use crate::cuda_runner::{CudaCacheOptions, PagedDecodeMode, SampledRow, SamplingRowParams};
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch};
-use pagoda_models::llama_cuda::{CudaCacheOptions, PagedDecodeMode, SampledRow, SamplingRowParams};
 use pagoda_ops::sampling::{AnySampler, SamplerKind, SamplingParams};
 
 use crate::backend::{device_row_params, Backend, Runner};

@@ -8,6 +8,7 @@
 mod backend;
 mod counters;
 mod cpu_pool;
+pub mod cuda_runner;
 mod engine;
 mod load;
 

@@ -95,7 +95,7 @@ fn decode_kernel(dtype: DType, head_dim: usize) -> Result<ops::PagedDecodeKernel
 }
 
 /// The fused decode's device workspace and the pinned staging of its plan.
-pub(super) struct FusedDecode {
+pub struct FusedDecode {
     workspace: PagedDecodeWorkspace,
     staging: PinnedBuffer<u32>,
     policy: PlanPolicy,
@@ -191,7 +191,7 @@ impl FusedDecode {
     }
 
     /// The plan capacity of a batch bucket of `requests` rows: its grid width.
-    pub(super) fn grid_chunks(&self, requests: usize) -> usize {
+    pub fn grid_chunks(&self, requests: usize) -> usize {
         if self.policy.pages_per_chunk.is_some() {
             return self.workspace.capacity().max_chunks;
         }
@@ -202,7 +202,7 @@ impl FusedDecode {
 
     /// Plans the step whose (padded) page table has the row pointer `indptr`, within
     /// `grid_chunks` chunks, and queues the plan's upload from pinned memory.
-    pub(super) fn stage(
+    pub fn stage(
         &mut self,
         gpu: &Gpu,
         indptr: &[u32],

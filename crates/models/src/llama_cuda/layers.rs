@@ -9,15 +9,15 @@ use pagoda_ops::cuda::{
     self as ops, DecodeWorkspace, DevicePageTable, PagedKv, PoolLayout, PrefillKernel, Queries,
 };
 
+use super::buffers::{prefill_kernel, Attention, StepShape};
 use super::decode_path::FusedDecode;
-use super::step::{prefill_kernel, Attention, StepShape};
-use super::{GpuLayer, GpuLlama, HostFloat, StepBuffers};
+use super::{GpuLayer, GpuModel, HostFloat, StepBuffers};
 use crate::decoder::{llama_layers, DecoderStep};
 
-impl<T: HostFloat> GpuLlama<T> {
+impl<T: HostFloat> GpuModel<T> {
     /// Queues every kernel of one step of `shape` on the stream (this is what a graph
     /// captures): the decoder sequence on [`GpuStep`].
-    pub(super) fn run(
+    pub fn run(
         &self,
         gpu: &Gpu,
         buffers: &mut StepBuffers<T>,
@@ -106,7 +106,7 @@ impl<T: HostFloat> GpuLlama<T> {
 /// (staged and uploaded before) and its activations, each a view of the step buffers sized
 /// for this step.
 struct GpuStep<'a, T> {
-    model: &'a GpuLlama<T>,
+    model: &'a GpuModel<T>,
     gpu: &'a Gpu,
     layout: &'a PoolLayout,
     k_pools: &'a mut [DeviceBuffer<T>],

@@ -8,7 +8,7 @@ use pagoda_ops::cuda::{self as ops, QuantFormat, RopeStyle as GpuRopeStyle};
 use pagoda_tensor::GgmlType;
 use rayon::prelude::*;
 
-use super::{GpuLayer, GpuLlama, HostFloat};
+use super::{GpuLayer, GpuModel, HostFloat};
 use crate::config::{Architecture, ModelConfig, RopeStyle};
 use crate::llama::LoadError;
 use crate::weights::{names, TensorSource};
@@ -17,7 +17,7 @@ fn gpu_error(context: &str) -> impl Fn(CudaError) -> LoadError + '_ {
     move |e| LoadError(format!("{context}: {e}"))
 }
 
-impl<T: HostFloat> GpuLlama<T> {
+impl<T: HostFloat> GpuModel<T> {
     pub(super) fn load(
         config: &ModelConfig,
         source: &dyn TensorSource,
@@ -113,7 +113,7 @@ impl<T: HostFloat> GpuLlama<T> {
             RopeStyle::Halves => GpuRopeStyle::Halves,
         };
         progress(c.num_layers + 1, c.num_layers + 1);
-        Ok(GpuLlama {
+        Ok(GpuModel {
             gpu,
             config: c.clone(),
             embedding,
@@ -122,12 +122,10 @@ impl<T: HostFloat> GpuLlama<T> {
             inv_freq,
             rope_style,
             layers,
-            cache: None,
-            counters: Default::default(),
         })
     }
 
-    pub(super) fn weight_elements(&self) -> usize {
+    pub fn weight_elements(&self) -> usize {
         let layers: usize = self
             .layers
             .iter()

@@ -1,4 +1,4 @@
-//! Sampling on the device at the end of a step ([`CudaModel::forward_sampled`]): the logits
+//! Sampling on the device at the end of a step ([`CudaRunner::forward_sampled`](super::CudaRunner::forward_sampled)): the logits
 //! stay in device memory, `pagoda_ops::cuda::sample_rows` draws one token per row from them,
 //! and only the token ids come back (4 bytes per row instead of `4 * vocab`).
 //!
@@ -22,10 +22,12 @@ use pagoda_ops::cuda::{
     SAMPLING_TOTALS_WORDS,
 };
 
-use super::{GpuCache, GpuLlama, HostFloat};
-use crate::llama::ForwardBatch;
+use pagoda_models::llama::ForwardBatch;
+use pagoda_models::llama_cuda::HostFloat;
 
-/// What one logits row of a [`CudaModel::forward_sampled`](super::CudaModel::forward_sampled)
+use super::{GpuCache, TypedRunner};
+
+/// What one logits row of a [`CudaRunner::forward_sampled`](super::CudaRunner::forward_sampled)
 /// step gave back.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SampledRow {
@@ -296,7 +298,7 @@ fn totals_difference(now: SamplingTotals, before: SamplingTotals) -> SamplingTot
     }
 }
 
-impl<T: HostFloat> GpuLlama<T> {
+impl<T: HostFloat> TypedRunner<T> {
     /// Runs `batch` like `forward`, then samples on the device (see the module docs).
     pub(super) fn forward_sampled(
         &mut self,
@@ -331,7 +333,7 @@ impl<T: HostFloat> GpuLlama<T> {
         num_logits: usize,
         request: DeviceSampling<'_>,
     ) -> Result<GpuEvent, CudaError> {
-        let vocab = self.config.vocab_size;
+        let vocab = self.model.config().vocab_size;
         if request.rows.len() != num_logits {
             return Err(CudaError::invalid(format!(
                 "device sampling: {} rows for {num_logits} logits rows",

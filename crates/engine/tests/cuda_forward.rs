@@ -14,10 +14,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pagoda_cuda::Gpu;
+use pagoda_engine::cuda_runner::{CudaCacheOptions, CudaModel, CudaRunner, DType, PagedDecodeMode};
 use pagoda_kv::{BlockPool, BlockTable, PageTable};
 use pagoda_models::config::{Llama3RopeScaling, ModelConfig};
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
-use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, DType, PagedDecodeMode};
 use pagoda_models::random::{preset, RandomWeights};
 use pagoda_models::weights::TensorSource;
 
@@ -128,15 +128,17 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
         (DType::BF16, false, PagedDecodeMode::Gather),
         (DType::BF16, true, PagedDecodeMode::Gather),
     ] {
-        let mut model =
+        let loaded =
             CudaModel::load(config.clone(), &weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
-        model
-            .prepare(CudaCacheOptions {
+        let mut model = CudaRunner::new(
+            loaded,
+            CudaCacheOptions {
                 cuda_graphs,
                 paged_decode,
                 ..cache_options()
-            })
-            .unwrap();
+            },
+        )
+        .unwrap();
         let got = run_schedule(&prompts, &schedule, &mut |batch| {
             model.forward(batch).unwrap()
         });
@@ -264,8 +266,16 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
         (DType::F32, PagedDecodeMode::Gather),
         (DType::BF16, PagedDecodeMode::Fused),
     ] {
-        let mut model =
+        let loaded =
             CudaModel::load(config.clone(), source, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
+        let mut model = CudaRunner::new(
+            loaded,
+            CudaCacheOptions {
+                paged_decode,
+                ..cache_options()
+            },
+        )
+        .unwrap();
         // Prompts as token ids (a tokenizer is not needed for parity).
         for prompt in [
             vec![504u32, 3458, 282, 4649, 314],

@@ -12,34 +12,13 @@
 
 use std::sync::Once;
 
-use pagoda_cuda::{view, CudaError, DeviceRead, Gpu, GraphCache};
-use pagoda_ops::cuda::{self as ops, DecodeWorkspace, PoolLayout};
+use pagoda_cuda::{view, CudaError, DeviceRead, GraphCache};
+use pagoda_models::llama::ForwardBatch;
+use pagoda_models::llama_cuda::{Attention, HostFloat, StepBuffers, StepShape};
+use pagoda_ops::cuda::{self as ops, PoolLayout};
 
-use super::decode_path::FusedDecode;
 use super::sampling::DeviceSampling;
-use super::{CudaCacheOptions, GpuCache, GpuLlama, HostFloat, Scratch, Staging, StepBuffers};
-use crate::config::ModelConfig;
-use crate::llama::ForwardBatch;
-
-/// How a step's attention runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Attention {
-    /// The ragged causal prefill kernel over the paged cache (any batch).
-    Prefill,
-    /// The baseline decode: one query per request, keys cut into `num_splits` ranges.
-    Gather { num_splits: usize },
-    /// The fused decode, with a grid of `grid_chunks` chunks (the plan is staged per step).
-    Fused { grid_chunks: usize },
-}
-
-/// The sizes a step's kernels are launched with (padded for a graph bucket).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct StepShape {
-    pub(super) num_tokens: usize,
-    pub(super) num_requests: usize,
-    pub(super) num_logits: usize,
-    pub(super) attention: Attention,
-}
+use super::{CudaCacheOptions, GpuCache, Staging, TypedRunner};
 
 /// Smallest graph bucket holding `num_requests` decode rows: powers of two, capped at the
 /// step buffers' limit (`max`), which is a bucket of its own.
@@ -60,35 +39,6 @@ fn graph_buckets(max: usize) -> Vec<usize> {
         buckets.push(max);
     }
     buckets
-}
-
-/// Page-table positions the decode's gather workspace holds: every request's pages once
-/// (`max_context` rounded up, plus a partial first page), bounded by twice the pool (pages
-/// shared between requests are listed once per request).
-fn decode_capacity_pages(options: &CudaCacheOptions) -> usize {
-    let page_size = options.page_size.max(1);
-    let per_request = options.max_context.div_ceil(page_size) + 1;
-    let requests = options.max_batch_requests.max(1);
-    (requests * per_request).min(2 * options.num_pages + requests)
-}
-
-/// Which prefill attention kernel runs: `PAGODA_CUDA_PREFILL=mma|tiled|reference` (read
-/// once; the first use is logged). Default: mma (tensor cores for bf16, else tiled).
-pub(super) fn prefill_kernel() -> Result<ops::PrefillKernel, CudaError> {
-    static CHOICE: std::sync::OnceLock<Result<ops::PrefillKernel, String>> =
-        std::sync::OnceLock::new();
-    let choice = CHOICE.get_or_init(|| {
-        let kernel = match pagoda_config::global().word("PAGODA_CUDA_PREFILL") {
-            // Measured on the H200 (docs/benchmark_results/cuda-backend-h200-*.md): tensor
-            // cores 2.3x (8B, 2K prompt) to 3x (SmolLM2, 4K) faster than the tiled kernel.
-            "tiled" => ops::PrefillKernel::Tiled,
-            "reference" => ops::PrefillKernel::PerToken,
-            _ => ops::PrefillKernel::Mma,
-        };
-        tracing::info!("CUDA prefill attention: {kernel:?}");
-        Ok(kernel)
-    });
-    choice.clone().map_err(CudaError::invalid)
 }
 
 fn announce(path: &'static str) {
@@ -120,9 +70,9 @@ fn announce(path: &'static str) {
     });
 }
 
-impl<T: HostFloat> GpuLlama<T> {
+impl<T: HostFloat> TypedRunner<T> {
     pub(super) fn prepare(&mut self, options: CudaCacheOptions) -> Result<(), CudaError> {
-        let c = &self.config;
+        let c = self.model.config();
         let layout = PoolLayout {
             num_pages: options.num_pages,
             page_size: options.page_size,
@@ -132,44 +82,19 @@ impl<T: HostFloat> GpuLlama<T> {
         layout.validate()?;
         // Free the old cache (and the graphs holding its addresses) before allocating.
         self.cache = None;
-        let gpu = &*self.gpu;
-        let mut k_pools = Vec::with_capacity(c.num_layers);
-        let mut v_pools = Vec::with_capacity(c.num_layers);
-        for _ in 0..c.num_layers {
-            k_pools.push(gpu.zeros(layout.pool_len())?);
-            v_pools.push(gpu.zeros(layout.pool_len())?);
-        }
-        let scratch = Scratch::new(gpu, c, &options)?;
-        let fused = FusedDecode::new(gpu, c, &options, T::DTYPE)?;
-        // The gather workspace only where gather can run (it is large: every request's
-        // pages at full context).
-        let decode = if fused.is_none() {
-            Some(DecodeWorkspace::new(
-                gpu,
-                &layout,
-                c.num_attention_heads,
-                options.max_batch_requests.max(1),
-                decode_capacity_pages(&options),
-            )?)
-        } else {
-            None
-        };
+        let gpu = self.model.gpu().as_ref();
+        let buffers = StepBuffers::new(gpu, c, &options, &layout)?;
         let tokens = options.max_batch_tokens.max(1);
         let requests = options.max_batch_requests.max(1);
         let staging = Staging {
-            words: gpu.alloc_pinned(3 * tokens + 4 * requests + 2 + scratch.page_indices.len())?,
+            words: gpu
+                .alloc_pinned(3 * tokens + 4 * requests + 2 + buffers.scratch.page_indices.len())?,
             slots: gpu.alloc_pinned(tokens)?,
         };
         self.cache = Some(GpuCache {
             options,
             layout,
-            buffers: StepBuffers {
-                k_pools,
-                v_pools,
-                scratch,
-                decode,
-                fused,
-            },
+            buffers,
             staging,
             graphs: GraphCache::new(),
             sampler: None,
@@ -188,7 +113,7 @@ impl<T: HostFloat> GpuLlama<T> {
             return Ok(());
         };
         let started = std::time::Instant::now();
-        let gpu = self.gpu.clone();
+        let gpu = self.model.gpu().clone();
         let sm_count = gpu.info().sm_count as usize;
         let limit = cache
             .options
@@ -223,7 +148,9 @@ impl<T: HostFloat> GpuLlama<T> {
                 } = &mut cache;
                 let this = &*self;
                 graphs
-                    .get_or_capture(&gpu, bucket, |gpu| this.run(gpu, buffers, layout, &shape))
+                    .get_or_capture(&gpu, bucket, |gpu| {
+                        this.model.run(gpu, buffers, layout, &shape)
+                    })
                     .map(|_| ())
             });
             if outcome.is_err() {
@@ -249,7 +176,11 @@ impl<T: HostFloat> GpuLlama<T> {
                 grid_chunks: fused.grid_chunks(requests),
             },
             None => Attention::Gather {
-                num_splits: ops::decode_splits(requests, self.config.num_kv_heads, sm_count),
+                num_splits: ops::decode_splits(
+                    requests,
+                    self.model.config().num_kv_heads,
+                    sm_count,
+                ),
             },
         }
     }
@@ -275,7 +206,7 @@ impl<T: HostFloat> GpuLlama<T> {
     ) -> Result<Vec<f32>, CudaError> {
         let host_started = std::time::Instant::now();
         self.validate(cache, batch)?;
-        let gpu = self.gpu.clone();
+        let gpu = self.model.gpu().clone();
         let options = cache.options;
         let num_tokens = batch.tokens.len();
         let num_requests = batch.qo_indptr.len() - 1;
@@ -348,7 +279,7 @@ impl<T: HostFloat> GpuLlama<T> {
             let before = graphs.len();
             let this = &*self;
             let replay = graphs.get_or_capture(&gpu, shape.num_tokens, |gpu| {
-                this.run(gpu, buffers, layout, &shape)
+                this.model.run(gpu, buffers, layout, &shape)
             })?;
             replay.launch()?;
             // Captured at prepare; a miss here means the bucket list changed.
@@ -358,7 +289,8 @@ impl<T: HostFloat> GpuLlama<T> {
             self.counters.graph_steps += 1;
         } else {
             announce("eager");
-            self.run(&gpu, &mut cache.buffers, &cache.layout, &shape)?;
+            self.model
+                .run(&gpu, &mut cache.buffers, &cache.layout, &shape)?;
             self.counters.eager_steps += 1;
         }
         let mut finished = gpu.record_event()?;
@@ -375,7 +307,7 @@ impl<T: HostFloat> GpuLlama<T> {
         } else {
             let logits = view(
                 &cache.buffers.scratch.logits,
-                0..num_logits * self.config.vocab_size,
+                0..num_logits * self.model.config().vocab_size,
             )?;
             gpu.download(&logits)?
         };
@@ -392,7 +324,7 @@ impl<T: HostFloat> GpuLlama<T> {
     }
 
     fn validate(&self, cache: &GpuCache<T>, batch: &ForwardBatch<'_>) -> Result<(), CudaError> {
-        let c = &self.config;
+        let c = self.model.config();
         let options = cache.options;
         let num_tokens = batch.tokens.len();
         let num_requests = batch.qo_indptr.len().saturating_sub(1);
@@ -441,38 +373,6 @@ impl<T: HostFloat> GpuLlama<T> {
     }
 }
 
-impl<T: HostFloat> Scratch<T> {
-    fn new(gpu: &Gpu, c: &ModelConfig, o: &CudaCacheOptions) -> Result<Self, CudaError> {
-        let tokens = o.max_batch_tokens.max(1);
-        let requests = o.max_batch_requests.max(1);
-        let q_dim = c.num_attention_heads * c.head_dim;
-        let kv_dim = c.num_kv_heads * c.head_dim;
-        // Shared prefix pages appear once per request that holds them.
-        let table_pages =
-            o.num_pages.max(1) + requests * o.max_context.div_ceil(o.page_size.max(1));
-        Ok(Scratch {
-            x: gpu.zeros(tokens * c.hidden_size)?,
-            normed: gpu.zeros(tokens * c.hidden_size)?,
-            qkv: gpu.zeros(tokens * (q_dim + 2 * kv_dim))?,
-            attn: gpu.zeros(tokens * q_dim)?,
-            gate_up: gpu.zeros(tokens * 2 * c.intermediate_size)?,
-            act: gpu.zeros(tokens * c.intermediate_size)?,
-            selected: gpu.zeros(tokens * c.hidden_size)?,
-            selected_normed: gpu.zeros(tokens * c.hidden_size)?,
-            logits: gpu.zeros(tokens * c.vocab_size)?,
-            tokens: gpu.zeros(tokens)?,
-            positions: gpu.zeros(tokens)?,
-            slots: gpu.zeros(tokens)?,
-            qo_indptr: gpu.zeros(requests + 1)?,
-            page_indptr: gpu.zeros(requests + 1)?,
-            page_indices: gpu.zeros(table_pages)?,
-            last_page_len: gpu.zeros(requests)?,
-            first_page_offset: gpu.zeros(requests)?,
-            logits_rows: gpu.zeros(tokens)?,
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -501,25 +401,5 @@ mod tests {
                 );
             }
         }
-    }
-
-    #[test]
-    fn gather_capacity_covers_every_request_at_full_context() {
-        let options = CudaCacheOptions {
-            num_pages: 1000,
-            page_size: 16,
-            max_batch_tokens: 64,
-            max_batch_requests: 4,
-            max_context: 100,
-            cuda_graphs: true,
-            paged_decode: Default::default(),
-        };
-        // 100 tokens from a mid-page start span at most 8 pages.
-        assert_eq!(decode_capacity_pages(&options), 4 * 8);
-        let small_pool = CudaCacheOptions {
-            num_pages: 10,
-            ..options
-        };
-        assert_eq!(decode_capacity_pages(&small_pool), 24);
     }
 }

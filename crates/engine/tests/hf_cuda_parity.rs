@@ -26,10 +26,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use pagoda_cuda::Gpu;
+use pagoda_engine::cuda_runner::{CudaCacheOptions, CudaModel, CudaRunner, DType};
 use pagoda_kv::{BlockPool, BlockTable, PageTable};
 use pagoda_models::hf::HfModelDir;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
-use pagoda_models::llama_cuda::{CudaCacheOptions, CudaModel, DType};
 
 const PAGE_SIZE: usize = 16;
 const NUM_PAGES: usize = 64;
@@ -370,7 +370,7 @@ fn check_gpu(
         dtype,
         &mut |_, _| {},
     );
-    let mut model = match loaded {
+    let model = match loaded {
         Ok(model) => model,
         Err(e) => {
             report.push(format!("{} {device}: LOAD ERROR {e}", checkpoint.name));
@@ -388,10 +388,13 @@ fn check_gpu(
         cuda_graphs,
         paged_decode: Default::default(),
     };
-    if let Err(e) = model.prepare(options) {
-        failures.push(format!("{} {device}: prepare: {e}", checkpoint.name));
-        return;
-    }
+    let mut model = match CudaRunner::new(model, options) {
+        Ok(model) => model,
+        Err(e) => {
+            failures.push(format!("{} {device}: prepare: {e}", checkpoint.name));
+            return;
+        }
+    };
     let precision = match dtype {
         DType::F32 => Precision::F32(GPU_F32_BOUND),
         DType::BF16 => Precision::Bf16,

@@ -17,12 +17,12 @@ use common::gpu;
 use std::sync::Arc;
 
 use pagoda_cuda::Gpu;
+use pagoda_engine::cuda_runner::{
+    CudaCacheOptions, CudaModel, CudaRunner, DType, SampledRow, SamplingRowParams,
+};
 use pagoda_kv::{BlockPool, BlockTable, PageTable, Slot};
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::ForwardBatch;
-use pagoda_models::llama_cuda::{
-    CudaCacheOptions, CudaModel, DType, SampledRow, SamplingRowParams,
-};
 use pagoda_models::random::{preset, RandomWeights};
 use pagoda_ops::sampling::{FusedSampler, SamplingParams};
 
@@ -39,10 +39,11 @@ fn config() -> ModelConfig {
     }
 }
 
-fn load(gpu: &Arc<Gpu>, weights: &RandomWeights, dtype: DType, graphs: bool) -> CudaModel {
-    let mut model = CudaModel::load(config(), weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
-    model
-        .prepare(CudaCacheOptions {
+fn load(gpu: &Arc<Gpu>, weights: &RandomWeights, dtype: DType, graphs: bool) -> CudaRunner {
+    let model = CudaModel::load(config(), weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
+    CudaRunner::new(
+        model,
+        CudaCacheOptions {
             num_pages: NUM_PAGES,
             page_size: PAGE_SIZE,
             max_batch_tokens: 256,
@@ -50,9 +51,9 @@ fn load(gpu: &Arc<Gpu>, weights: &RandomWeights, dtype: DType, graphs: bool) -> 
             max_context: NUM_PAGES * PAGE_SIZE,
             cuda_graphs: graphs,
             paged_decode: Default::default(),
-        })
-        .unwrap();
-    model
+        },
+    )
+    .unwrap()
 }
 
 /// Which sampling path a request's parameters take.

@@ -3,9 +3,10 @@
 
 use pagoda_cuda::{view_mut, CudaError, DeviceBuffer};
 
-use super::step::{Attention, StepShape};
-use super::{GpuCache, GpuLlama, HostFloat};
-use crate::llama::ForwardBatch;
+use pagoda_models::llama::ForwardBatch;
+use pagoda_models::llama_cuda::{Attention, HostFloat, StepShape};
+
+use super::{GpuCache, TypedRunner};
 
 /// Offsets of the step inputs inside the pinned `u32` staging buffer (and the device
 /// buffers they are copied to): tokens and positions `[num_tokens]`, `qo_indptr` and the
@@ -18,7 +19,7 @@ struct StagedLengths {
     num_page_indices: usize,
 }
 
-impl<T: HostFloat> GpuLlama<T> {
+impl<T: HostFloat> TypedRunner<T> {
     /// Writes the step's inputs, padded to `shape`, into the pinned staging buffers and
     /// queues their uploads. Padding rows: token 0 at position 0, slot -1 (no KV write),
     /// no pages, logits of row `i` for padding row `i`. A fused decode step also plans its
@@ -30,7 +31,7 @@ impl<T: HostFloat> GpuLlama<T> {
         shape: &StepShape,
     ) -> Result<bool, CudaError> {
         let mut merged = false;
-        let gpu = &*self.gpu;
+        let gpu = self.model.gpu().as_ref();
         let page_size = cache.layout.page_size;
         let table = batch.page_table;
         let lengths = StagedLengths {

@@ -1,0 +1,220 @@
+//! The GPU runner: a [`CudaModel`]'s weights with the KV pools and step buffers they run in
+//! ([`CudaRunner`]), beside the CPU runner of `backend.rs`. Each step stages its inputs
+//! (token ids, positions, slots, the CSR page table, the rows that need logits) in pinned host
+//! memory and uploads them asynchronously into the fixed device buffers (`staging.rs`),
+//! queues the model's kernels ([`GpuModel::run`]) eagerly or replays a decode graph captured
+//! per batch-size bucket (`step.rs`), and downloads the logits, or samples the rows the engine
+//! hands it on the device and downloads only their tokens (`sampling.rs`): one
+//! synchronization per step.
+
+use half::bf16;
+use pagoda_cuda::{CudaError, Gpu, GraphCache, PinnedBuffer};
+use pagoda_models::config::ModelConfig;
+use pagoda_models::llama::ForwardBatch;
+use pagoda_models::llama_cuda::{GpuModel, StepBuffers};
+use pagoda_ops::cuda::PoolLayout;
+use std::sync::Arc;
+
+pub use pagoda_models::llama_cuda::{
+    CudaCacheOptions, CudaModel, DType, PagedDecodeMode, SamplingRowParams,
+};
+pub use sampling::SampledRow;
+
+mod sampling;
+mod staging;
+mod step;
+
+/// The KV pools (one K and one V per layer), the step buffers, the pinned staging of the
+/// step inputs and the captured decode graphs.
+struct GpuCache<T> {
+    options: CudaCacheOptions,
+    layout: PoolLayout,
+    buffers: StepBuffers<T>,
+    staging: Staging,
+    /// Decode graphs by padded batch size; they replay `buffers`' addresses.
+    graphs: GraphCache<usize>,
+    /// The device sampler of `forward_sampled`, allocated on its first step.
+    sampler: Option<sampling::DeviceSampler>,
+}
+
+/// Page-locked host copies of the step inputs, uploaded asynchronously before the step.
+struct Staging {
+    words: PinnedBuffer<u32>,
+    slots: PinnedBuffer<i32>,
+}
+
+/// What the GPU steps did since load (the engine exports them as metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaStepCounters {
+    /// Decode steps replayed from a captured CUDA graph.
+    pub graph_steps: u64,
+    /// Graphs captured (one per batch-size bucket used).
+    pub graphs_captured: u64,
+    /// Steps launched kernel by kernel from the host.
+    pub eager_steps: u64,
+    /// Steps whose attention ran the baseline decode (gather the pages, then attend).
+    pub decode_gather_steps: u64,
+    /// Steps whose attention ran the fused split-KV paged decode.
+    pub decode_fused_steps: u64,
+    /// Fused decode steps in which some request's chunks were merged (more than one chunk).
+    pub decode_fused_merged_steps: u64,
+    /// Steps whose attention ran the ragged prefill kernel (prefill or mixed batches, and
+    /// decode batches whose page tables exceed the gather workspace).
+    pub prefill_kernel_steps: u64,
+    /// GPU time of all steps, microseconds: from the inputs' upload to the logits being
+    /// ready, or to the tokens being drawn in a sampled step, timed with CUDA events (the
+    /// step's wall time minus this is host time).
+    pub gpu_time_us: u64,
+    /// Steps run by [`CudaRunner::forward_sampled`] (rows sampled on the device).
+    pub sampled_steps: u64,
+    /// Rows of those steps whose token was drawn on the device.
+    pub sampled_device_rows: u64,
+    /// Rows of those steps left to the host (their logits row was downloaded).
+    pub sampled_host_rows: u64,
+    /// Device-sampled rows that took the greedy argmax (the GPU sampler's own totals, as
+    /// the next three).
+    pub sampler_greedy_rows: u64,
+    /// Device-sampled rows drawn by Gumbel-max (no filter active).
+    pub sampler_gumbel_rows: u64,
+    /// Device-sampled filtered rows accepted by dual-pivot rejection.
+    pub sampler_rejection_rows: u64,
+    /// Device-sampled filtered rows that took the counted exact fallback.
+    pub sampler_fallback_rows: u64,
+    /// Dual-pivot rejection rounds of the device-sampled filtered rows.
+    pub sampler_rejection_rounds: u64,
+    /// Device-sampled filtered rows finished by the multi-CTA fast path.
+    pub sampler_filtered_fast_rows: u64,
+    /// Device-sampled filtered rows drawn by the single-CTA exact kernel (fast path off, or
+    /// a row it left undecided).
+    pub sampler_filtered_exact_rows: u64,
+    /// Device-sampled rows whose maximum the Gumbel kernel found (launches without filtered
+    /// rows: no row-maximum pass).
+    pub sampler_gumbel_max_rows: u64,
+    /// Filtered rows whose rounds ran on their id list (`sampling_list_rounds`).
+    pub sampler_list_rows: u64,
+    /// Filtered rows finished by the cluster kernel (`sampling_cluster`).
+    pub sampler_cluster_rows: u64,
+    /// Rows of the cluster kernel whose logits a resident row asked L2 for.
+    pub sampler_prefetched_rows: u64,
+}
+
+/// A model on the GPU with its KV cache and step buffers, ready to run steps.
+pub struct CudaRunner {
+    inner: Inner,
+}
+
+enum Inner {
+    Bf16(TypedRunner<bf16>),
+    F32(TypedRunner<f32>),
+}
+
+/// The runner of a model in element type `T`.
+struct TypedRunner<T> {
+    model: GpuModel<T>,
+    cache: Option<GpuCache<T>>,
+    counters: CudaStepCounters,
+}
+
+impl<T> TypedRunner<T> {
+    fn new(model: GpuModel<T>) -> Self {
+        TypedRunner {
+            model,
+            cache: None,
+            counters: CudaStepCounters::default(),
+        }
+    }
+}
+
+/// `$body` on the typed runner of `$runner`, whatever its element type.
+macro_rules! typed {
+    ($runner:expr, $typed:ident => $body:expr) => {
+        match $runner {
+            Inner::Bf16($typed) => $body,
+            Inner::F32($typed) => $body,
+        }
+    };
+}
+
+impl CudaRunner {
+    /// Allocates the KV pools and the step buffers of `options` for `model` (the cache starts
+    /// empty) and, with CUDA graphs on, captures the decode graph of every batch bucket.
+    pub fn new(model: CudaModel, options: CudaCacheOptions) -> Result<CudaRunner, CudaError> {
+        let mut runner = CudaRunner {
+            inner: match model {
+                CudaModel::Bf16(model) => Inner::Bf16(TypedRunner::new(model)),
+                CudaModel::F32(model) => Inner::F32(TypedRunner::new(model)),
+            },
+        };
+        runner.prepare(options)?;
+        Ok(runner)
+    }
+
+    /// Reallocates the KV pools and the step buffers; the cache starts empty.
+    pub fn prepare(&mut self, options: CudaCacheOptions) -> Result<(), CudaError> {
+        typed!(&mut self.inner, runner => runner.prepare(options))
+    }
+
+    /// Bytes of the KV pools.
+    pub fn kv_bytes(&self) -> usize {
+        let element = self.dtype().size_bytes();
+        let pool =
+            typed!(&self.inner, runner => runner.cache.as_ref().map_or(0, |c| c.layout.pool_len()));
+        2 * self.config().num_layers * pool * element
+    }
+
+    /// Bytes of the weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        let elements = typed!(&self.inner, runner => runner.model.weight_elements());
+        elements * self.dtype().size_bytes()
+    }
+
+    /// The device the model lives on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        typed!(&self.inner, runner => runner.model.gpu())
+    }
+
+    /// What the steps did since load: graph replays and captures, eager steps, which
+    /// attention path each step took, and the device sampler's rows.
+    pub fn counters(&self) -> CudaStepCounters {
+        typed!(&self.inner, runner => runner.counters)
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        typed!(&self.inner, runner => runner.model.config())
+    }
+
+    /// The dtype the model runs in.
+    pub fn dtype(&self) -> DType {
+        match self.inner {
+            Inner::Bf16(_) => DType::BF16,
+            Inner::F32(_) => DType::F32,
+        }
+    }
+
+    /// Runs one ragged batch (the contract of `pagoda_models::llama::Model::forward`):
+    /// appends the new tokens' K/V to the device cache and returns the f32 logits of
+    /// `batch.logits_for`, `[logits_for.len(), vocab_size]`, copied to the host.
+    pub fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>, CudaError> {
+        typed!(&mut self.inner, runner => runner.forward(batch))
+    }
+
+    /// Runs one ragged batch like [`forward`](Self::forward), then samples on the device:
+    /// `rows` has one entry per `batch.logits_for` row, in order. A `Some(params)` row is
+    /// drawn by the GPU sampler (`pagoda_ops::cuda::sample_rows`; the same token as
+    /// `pagoda_ops::sampling::FusedSampler` at call number `params.step()` of a request
+    /// seeded `params.seed()`, on the raw logits: the caller must leave rows that need
+    /// penalties on the host) and comes back as [`SampledRow::Token`]; a `None` row comes
+    /// back as [`SampledRow::Logits`] (its `[vocab_size]` f32 logits) for the host to sample.
+    /// Only token ids and the `None` rows cross to the host. Errors (bad row count, a record
+    /// outside the sampler's ranges: the message names the row) are returned before the
+    /// step runs. The device sampler's workspace (`max_batch_tokens` rows x vocab) is
+    /// allocated on the first call.
+    pub fn forward_sampled(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        rows: &[Option<SamplingRowParams>],
+    ) -> Result<Vec<SampledRow>, CudaError> {
+        typed!(&mut self.inner, runner => runner.forward_sampled(batch, rows))
+    }
+}

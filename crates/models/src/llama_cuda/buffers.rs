@@ -1,0 +1,193 @@
+//! The device memory one step of the model reads and writes ([`StepBuffers`]: the KV pools,
+//! the activations, the step inputs and the decode workspaces), allocated once at their
+//! largest sizes, and the shape a step is launched with ([`StepShape`]). The GPU runner
+//! (`pagoda-engine`) owns them, stages each step's inputs into them and hands them to
+//! [`GpuModel::run`](super::GpuModel::run).
+
+use pagoda_cuda::{CudaError, DeviceBuffer, Gpu};
+use pagoda_ops::cuda::{self as ops, DecodeWorkspace, PoolLayout};
+
+use super::decode_path::FusedDecode;
+use super::{CudaCacheOptions, HostFloat};
+use crate::config::ModelConfig;
+
+/// How a step's attention runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attention {
+    /// The ragged causal prefill kernel over the paged cache (any batch).
+    Prefill,
+    /// The baseline decode: one query per request, keys cut into `num_splits` ranges.
+    Gather { num_splits: usize },
+    /// The fused decode, with a grid of `grid_chunks` chunks (the plan is staged per step).
+    Fused { grid_chunks: usize },
+}
+
+/// The sizes a step's kernels are launched with (padded for a graph bucket).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepShape {
+    pub num_tokens: usize,
+    pub num_requests: usize,
+    pub num_logits: usize,
+    pub attention: Attention,
+}
+
+/// Device memory a step reads and writes (the addresses a captured graph holds).
+pub struct StepBuffers<T> {
+    pub k_pools: Vec<DeviceBuffer<T>>,
+    pub v_pools: Vec<DeviceBuffer<T>>,
+    pub scratch: Scratch<T>,
+    /// The gather decode's workspace (absent when every decode step runs fused).
+    pub decode: Option<DecodeWorkspace<T>>,
+    /// The fused decode (absent when the mode or the geometry selects gather).
+    pub fused: Option<FusedDecode>,
+}
+
+impl<T: HostFloat> StepBuffers<T> {
+    /// The KV pools of `layout` (one K and one V per layer, zeroed), the activations and
+    /// inputs for `options`' largest step, and the decode workspace its path needs: the
+    /// fused decode's, or, where that is off, the gather baseline's (large: every request's
+    /// pages at full context).
+    pub fn new(
+        gpu: &Gpu,
+        c: &ModelConfig,
+        options: &CudaCacheOptions,
+        layout: &PoolLayout,
+    ) -> Result<Self, CudaError> {
+        let mut k_pools = Vec::with_capacity(c.num_layers);
+        let mut v_pools = Vec::with_capacity(c.num_layers);
+        for _ in 0..c.num_layers {
+            k_pools.push(gpu.zeros(layout.pool_len())?);
+            v_pools.push(gpu.zeros(layout.pool_len())?);
+        }
+        let scratch = Scratch::new(gpu, c, options)?;
+        let fused = FusedDecode::new(gpu, c, options, T::DTYPE)?;
+        let decode = if fused.is_none() {
+            Some(DecodeWorkspace::new(
+                gpu,
+                layout,
+                c.num_attention_heads,
+                options.max_batch_requests.max(1),
+                decode_capacity_pages(options),
+            )?)
+        } else {
+            None
+        };
+        Ok(StepBuffers {
+            k_pools,
+            v_pools,
+            scratch,
+            decode,
+            fused,
+        })
+    }
+}
+
+/// Per-step buffers, allocated once at their maximum sizes.
+pub struct Scratch<T> {
+    /// The residual stream, always f32: rounding it to bf16 after each of the 2 * num_layers
+    /// adds is what moves a bf16 model furthest from f32 (0.2 logprob on SmolLM2).
+    pub x: DeviceBuffer<f32>,
+    pub normed: DeviceBuffer<T>,
+    pub qkv: DeviceBuffer<T>,
+    pub attn: DeviceBuffer<T>,
+    pub gate_up: DeviceBuffer<T>,
+    pub act: DeviceBuffer<T>,
+    pub selected: DeviceBuffer<f32>,
+    pub selected_normed: DeviceBuffer<T>,
+    pub logits: DeviceBuffer<f32>,
+    pub tokens: DeviceBuffer<u32>,
+    pub positions: DeviceBuffer<u32>,
+    pub slots: DeviceBuffer<i32>,
+    pub qo_indptr: DeviceBuffer<u32>,
+    pub page_indptr: DeviceBuffer<u32>,
+    pub page_indices: DeviceBuffer<u32>,
+    pub last_page_len: DeviceBuffer<u32>,
+    pub first_page_offset: DeviceBuffer<u32>,
+    pub logits_rows: DeviceBuffer<u32>,
+}
+
+/// Page-table positions the decode's gather workspace holds: every request's pages once
+/// (`max_context` rounded up, plus a partial first page), bounded by twice the pool (pages
+/// shared between requests are listed once per request).
+fn decode_capacity_pages(options: &CudaCacheOptions) -> usize {
+    let page_size = options.page_size.max(1);
+    let per_request = options.max_context.div_ceil(page_size) + 1;
+    let requests = options.max_batch_requests.max(1);
+    (requests * per_request).min(2 * options.num_pages + requests)
+}
+
+/// Which prefill attention kernel runs: `PAGODA_CUDA_PREFILL=mma|tiled|reference` (read
+/// once; the first use is logged). Default: mma (tensor cores for bf16, else tiled).
+pub(super) fn prefill_kernel() -> Result<ops::PrefillKernel, CudaError> {
+    static CHOICE: std::sync::OnceLock<Result<ops::PrefillKernel, String>> =
+        std::sync::OnceLock::new();
+    let choice = CHOICE.get_or_init(|| {
+        let kernel = match pagoda_config::global().word("PAGODA_CUDA_PREFILL") {
+            // Measured on the H200 (docs/benchmark_results/cuda-backend-h200-*.md): tensor
+            // cores 2.3x (8B, 2K prompt) to 3x (SmolLM2, 4K) faster than the tiled kernel.
+            "tiled" => ops::PrefillKernel::Tiled,
+            "reference" => ops::PrefillKernel::PerToken,
+            _ => ops::PrefillKernel::Mma,
+        };
+        tracing::info!("CUDA prefill attention: {kernel:?}");
+        Ok(kernel)
+    });
+    choice.clone().map_err(CudaError::invalid)
+}
+
+impl<T: HostFloat> Scratch<T> {
+    fn new(gpu: &Gpu, c: &ModelConfig, o: &CudaCacheOptions) -> Result<Self, CudaError> {
+        let tokens = o.max_batch_tokens.max(1);
+        let requests = o.max_batch_requests.max(1);
+        let q_dim = c.num_attention_heads * c.head_dim;
+        let kv_dim = c.num_kv_heads * c.head_dim;
+        // Shared prefix pages appear once per request that holds them.
+        let table_pages =
+            o.num_pages.max(1) + requests * o.max_context.div_ceil(o.page_size.max(1));
+        Ok(Scratch {
+            x: gpu.zeros(tokens * c.hidden_size)?,
+            normed: gpu.zeros(tokens * c.hidden_size)?,
+            qkv: gpu.zeros(tokens * (q_dim + 2 * kv_dim))?,
+            attn: gpu.zeros(tokens * q_dim)?,
+            gate_up: gpu.zeros(tokens * 2 * c.intermediate_size)?,
+            act: gpu.zeros(tokens * c.intermediate_size)?,
+            selected: gpu.zeros(tokens * c.hidden_size)?,
+            selected_normed: gpu.zeros(tokens * c.hidden_size)?,
+            logits: gpu.zeros(tokens * c.vocab_size)?,
+            tokens: gpu.zeros(tokens)?,
+            positions: gpu.zeros(tokens)?,
+            slots: gpu.zeros(tokens)?,
+            qo_indptr: gpu.zeros(requests + 1)?,
+            page_indptr: gpu.zeros(requests + 1)?,
+            page_indices: gpu.zeros(table_pages)?,
+            last_page_len: gpu.zeros(requests)?,
+            first_page_offset: gpu.zeros(requests)?,
+            logits_rows: gpu.zeros(tokens)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gather_capacity_covers_every_request_at_full_context() {
+        let options = CudaCacheOptions {
+            num_pages: 1000,
+            page_size: 16,
+            max_batch_tokens: 64,
+            max_batch_requests: 4,
+            max_context: 100,
+            cuda_graphs: true,
+            paged_decode: Default::default(),
+        };
+        // 100 tokens from a mid-page start span at most 8 pages.
+        assert_eq!(decode_capacity_pages(&options), 4 * 8);
+        let small_pool = CudaCacheOptions {
+            num_pages: 10,
+            ..options
+        };
+        assert_eq!(decode_capacity_pages(&small_pool), 24);
+    }
+}

@@ -1,9 +1,8 @@
 //! Where a model runs: the CPU (the reference, with its KV cache in host memory) or an NVIDIA
 //! GPU (weights, KV cache and step buffers in device memory).
 
-use crate::cuda_runner::{
-    CudaCacheOptions, CudaModel, CudaRunner, CudaStepCounters, SampledRow, SamplingRowParams,
-};
+use crate::counters::EngineCounters;
+use crate::cuda_runner::{CudaCacheOptions, CudaModel, CudaRunner, SampledRow, SamplingRowParams};
 use pagoda_cuda::CudaError;
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
@@ -175,7 +174,7 @@ impl Runner {
     }
 
     /// The CUDA model's step counters (None on the CPU).
-    pub(crate) fn cuda_counters(&self) -> Option<CudaStepCounters> {
+    pub(crate) fn cuda_counters(&self) -> Option<&EngineCounters> {
         match self {
             Runner::Cpu { .. } => None,
             Runner::Cuda { model } => Some(model.counters()),

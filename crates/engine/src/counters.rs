@@ -1,6 +1,5 @@
 //! What the engine ran, counted for benchmarks and `/metrics`.
 
-use crate::cuda_runner::CudaStepCounters;
 use pagoda_ops::attention::AttentionPath;
 
 use crate::cpu_pool::CpuPoolCounters;
@@ -64,6 +63,12 @@ macro_rules! engine_counters {
             pub fn values(&self) -> Vec<(&'static CounterInfo, u64)> {
                 Self::INFO.iter().zip([$(self.$field),*]).collect()
             }
+
+            /// Adds what `now` counted beyond `before`, every field (a runner's running
+            /// totals into the engine's, without listing them).
+            pub fn add_difference(&mut self, now: &EngineCounters, before: &EngineCounters) {
+                $(self.$field += now.$field.saturating_sub(before.$field);)*
+            }
         }
     };
     (@label) => { None };
@@ -111,6 +116,14 @@ engine_counters! {
     /// GPU time of the CUDA steps (CUDA events, upload to logits ready), microseconds.
     cuda_gpu_time_us: "pagoda_cuda_gpu_time_microseconds_total", Counter,
         "GPU time of the CUDA steps (CUDA events, inputs upload to logits ready).";
+    /// CUDA steps followed by the device sampler.
+    steps_cuda_sampled: "pagoda_cuda_sampled_steps_total", Counter,
+        "CUDA steps followed by the device sampler (some rows drawn on the GPU).";
+    /// Rows of device-sampled steps whose token the GPU drew.
+    cuda_sampled_rows_device: "pagoda_cuda_sampled_step_rows_total" ["where" = "device"], Counter,
+        "Logits rows of device-sampled CUDA steps, by where their token was drawn (device: the GPU sampler; host: the row's logits downloaded for the CPU samplers).";
+    /// Rows of device-sampled steps left to the host.
+    cuda_sampled_rows_host: "pagoda_cuda_sampled_step_rows_total" ["where" = "host"], Counter, "";
     /// Requests (per step) with at least one split-KV row on the CPU.
     requests_split_kv: "pagoda_attention_split_kv_requests_total", Counter,
         "Requests (per step) whose attention had split-KV rows.";
@@ -126,6 +139,16 @@ engine_counters! {
     /// GPU-sampled tokens that took the GPU sampler's counted exact fallback.
     gpu_sampler_fallbacks: "pagoda_gpu_sampling_fallbacks_total", Counter,
         "GPU-sampled tokens that took the GPU sampler's counted exact fallback.";
+    /// GPU-sampled rows that took the greedy argmax.
+    gpu_sampler_greedy: "pagoda_gpu_sampling_rows_total" ["method" = "greedy"], Counter,
+        "GPU-sampled rows by method (greedy: argmax; gumbel: Gumbel-max, no filter; rejection: filtered rows accepted by dual-pivot rejection).";
+    /// GPU-sampled rows drawn by Gumbel-max (no filter active).
+    gpu_sampler_gumbel: "pagoda_gpu_sampling_rows_total" ["method" = "gumbel"], Counter, "";
+    /// GPU-sampled filtered rows accepted by dual-pivot rejection.
+    gpu_sampler_rejection: "pagoda_gpu_sampling_rows_total" ["method" = "rejection"], Counter, "";
+    /// Dual-pivot rejection rounds of the GPU-sampled filtered rows.
+    gpu_sampler_rejection_rounds: "pagoda_gpu_sampling_rejection_rounds_total", Counter,
+        "Dual-pivot rejection rounds of the GPU-sampled filtered rows.";
     /// GPU-sampled filtered rows finished by the multi-CTA fast path.
     gpu_sampler_filtered_fast: "pagoda_gpu_sampling_filtered_rows_total" ["path" = "fast"], Counter,
         "GPU-sampled top-k/top-p/min-p rows, by kernel path (fast: the multi-CTA pipeline; exact: the single-CTA kernel).";
@@ -191,30 +214,36 @@ impl EngineCounters {
         self.cpu_pool_probes = pools.probes;
         self.cpu_pool_switches = pools.switches;
     }
-
-    /// Takes the CUDA model's running totals.
-    pub(crate) fn copy_cuda(&mut self, cuda: &CudaStepCounters) {
-        self.steps_cuda_graph = cuda.graph_steps;
-        self.cuda_graphs_captured = cuda.graphs_captured;
-        self.steps_cuda_eager = cuda.eager_steps;
-        self.steps_cuda_decode_gather = cuda.decode_gather_steps;
-        self.steps_cuda_decode_fused = cuda.decode_fused_steps;
-        self.steps_cuda_decode_fused_merged = cuda.decode_fused_merged_steps;
-        self.steps_cuda_prefill_kernel = cuda.prefill_kernel_steps;
-        self.cuda_gpu_time_us = cuda.gpu_time_us;
-        self.gpu_sampler_fallbacks = cuda.sampler_fallback_rows;
-        self.gpu_sampler_filtered_fast = cuda.sampler_filtered_fast_rows;
-        self.gpu_sampler_filtered_exact = cuda.sampler_filtered_exact_rows;
-        self.gpu_sampler_gumbel_max = cuda.sampler_gumbel_max_rows;
-        self.gpu_sampler_list_rows = cuda.sampler_list_rows;
-        self.gpu_sampler_cluster_rows = cuda.sampler_cluster_rows;
-        self.gpu_sampler_prefetched_rows = cuda.sampler_prefetched_rows;
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_runners_totals_are_added_once_whatever_the_number_of_calls() {
+        let mut engine = EngineCounters {
+            steps_cuda: 2,
+            ..EngineCounters::default()
+        };
+        let mut seen = EngineCounters::default();
+        let mut runner = EngineCounters {
+            steps_cuda_graph: 1,
+            cuda_graphs_captured: 4,
+            ..EngineCounters::default()
+        };
+        for _ in 0..2 {
+            engine.add_difference(&runner, &seen);
+            seen = runner.clone();
+        }
+        runner.steps_cuda_graph += 2;
+        runner.gpu_sampler_greedy += 3;
+        engine.add_difference(&runner, &seen);
+        assert_eq!(engine.steps_cuda, 2, "the engine's own counters stay");
+        assert_eq!(engine.steps_cuda_graph, 3);
+        assert_eq!(engine.cuda_graphs_captured, 4);
+        assert_eq!(engine.gpu_sampler_greedy, 3);
+    }
 
     #[test]
     fn every_counter_is_declared_once_and_families_are_whole() {

@@ -13,6 +13,8 @@ use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::ForwardBatch;
 use pagoda_models::llama_cuda::{GpuModel, StepBuffers};
 use pagoda_ops::cuda::PoolLayout;
+
+use crate::counters::EngineCounters;
 use std::sync::Arc;
 
 pub use pagoda_models::llama_cuda::{
@@ -43,61 +45,6 @@ struct Staging {
     slots: PinnedBuffer<i32>,
 }
 
-/// What the GPU steps did since load (the engine exports them as metrics).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CudaStepCounters {
-    /// Decode steps replayed from a captured CUDA graph.
-    pub graph_steps: u64,
-    /// Graphs captured (one per batch-size bucket used).
-    pub graphs_captured: u64,
-    /// Steps launched kernel by kernel from the host.
-    pub eager_steps: u64,
-    /// Steps whose attention ran the baseline decode (gather the pages, then attend).
-    pub decode_gather_steps: u64,
-    /// Steps whose attention ran the fused split-KV paged decode.
-    pub decode_fused_steps: u64,
-    /// Fused decode steps in which some request's chunks were merged (more than one chunk).
-    pub decode_fused_merged_steps: u64,
-    /// Steps whose attention ran the ragged prefill kernel (prefill or mixed batches, and
-    /// decode batches whose page tables exceed the gather workspace).
-    pub prefill_kernel_steps: u64,
-    /// GPU time of all steps, microseconds: from the inputs' upload to the logits being
-    /// ready, or to the tokens being drawn in a sampled step, timed with CUDA events (the
-    /// step's wall time minus this is host time).
-    pub gpu_time_us: u64,
-    /// Steps run by [`CudaRunner::forward_sampled`] (rows sampled on the device).
-    pub sampled_steps: u64,
-    /// Rows of those steps whose token was drawn on the device.
-    pub sampled_device_rows: u64,
-    /// Rows of those steps left to the host (their logits row was downloaded).
-    pub sampled_host_rows: u64,
-    /// Device-sampled rows that took the greedy argmax (the GPU sampler's own totals, as
-    /// the next three).
-    pub sampler_greedy_rows: u64,
-    /// Device-sampled rows drawn by Gumbel-max (no filter active).
-    pub sampler_gumbel_rows: u64,
-    /// Device-sampled filtered rows accepted by dual-pivot rejection.
-    pub sampler_rejection_rows: u64,
-    /// Device-sampled filtered rows that took the counted exact fallback.
-    pub sampler_fallback_rows: u64,
-    /// Dual-pivot rejection rounds of the device-sampled filtered rows.
-    pub sampler_rejection_rounds: u64,
-    /// Device-sampled filtered rows finished by the multi-CTA fast path.
-    pub sampler_filtered_fast_rows: u64,
-    /// Device-sampled filtered rows drawn by the single-CTA exact kernel (fast path off, or
-    /// a row it left undecided).
-    pub sampler_filtered_exact_rows: u64,
-    /// Device-sampled rows whose maximum the Gumbel kernel found (launches without filtered
-    /// rows: no row-maximum pass).
-    pub sampler_gumbel_max_rows: u64,
-    /// Filtered rows whose rounds ran on their id list (`sampling_list_rounds`).
-    pub sampler_list_rows: u64,
-    /// Filtered rows finished by the cluster kernel (`sampling_cluster`).
-    pub sampler_cluster_rows: u64,
-    /// Rows of the cluster kernel whose logits a resident row asked L2 for.
-    pub sampler_prefetched_rows: u64,
-}
-
 /// A model on the GPU with its KV cache and step buffers, ready to run steps.
 pub struct CudaRunner {
     inner: Inner,
@@ -112,7 +59,9 @@ enum Inner {
 struct TypedRunner<T> {
     model: GpuModel<T>,
     cache: Option<GpuCache<T>>,
-    counters: CudaStepCounters,
+    /// Only the CUDA runner's counters move here (graphs, attention paths, GPU time, the
+    /// device sampler's rows); the engine adds them to its own after each step.
+    counters: EngineCounters,
 }
 
 impl<T> TypedRunner<T> {
@@ -120,7 +69,7 @@ impl<T> TypedRunner<T> {
         TypedRunner {
             model,
             cache: None,
-            counters: CudaStepCounters::default(),
+            counters: EngineCounters::default(),
         }
     }
 }
@@ -175,8 +124,8 @@ impl CudaRunner {
 
     /// What the steps did since load: graph replays and captures, eager steps, which
     /// attention path each step took, and the device sampler's rows.
-    pub fn counters(&self) -> CudaStepCounters {
-        typed!(&self.inner, runner => runner.counters)
+    pub fn counters(&self) -> &EngineCounters {
+        typed!(&self.inner, runner => &runner.counters)
     }
 
     /// The model's configuration.

@@ -133,6 +133,8 @@ pub struct Engine {
     requests: HashMap<RequestId, RequestState>,
     next_id: RequestId,
     counters: EngineCounters,
+    /// The CUDA runner's totals when the engine last added them to `counters`.
+    runner_counted: EngineCounters,
 }
 
 /// Whether the `PAGODA_PREFIX_CACHING` setting leaves prefix caching on (the default).
@@ -207,14 +209,18 @@ impl Engine {
                 }
             });
         }
-        Ok(Engine {
+        let mut engine = Engine {
             runner,
             config,
             scheduler,
             requests: HashMap::new(),
             next_id: 0,
             counters: EngineCounters::default(),
-        })
+            runner_counted: EngineCounters::default(),
+        };
+        // The decode graphs captured at start count before the first step.
+        engine.absorb_runner_counters();
+        Ok(engine)
     }
 
     /// The model's configuration.
@@ -252,6 +258,14 @@ impl Engine {
     /// depend on it: only speed does.
     pub fn set_cpu_threads_mode(&mut self, mode: CpuThreadsMode) {
         self.runner.set_cpu_threads_mode(mode);
+    }
+
+    /// Adds what the CUDA runner counted since the last call to the engine's counters.
+    fn absorb_runner_counters(&mut self) {
+        if let Some(now) = self.runner.cuda_counters() {
+            self.counters.add_difference(now, &self.runner_counted);
+            self.runner_counted = now.clone();
+        }
     }
 
     /// What has run so far.
@@ -426,9 +440,7 @@ impl Engine {
             None => {
                 self.counters.steps_cuda += 1;
                 self.counters.tokens_forwarded += tokens.len() as u64;
-                if let Some(cuda) = self.runner.cuda_counters() {
-                    self.counters.copy_cuda(&cuda);
-                }
+                self.absorb_runner_counters();
             }
         }
         let logits = output.logits;

@@ -172,16 +172,16 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
             PagedDecodeMode::Gather => (0, 10),
             _ => (10, 0),
         };
-        assert_eq!(counters.decode_fused_steps, fused, "{counters:?}");
-        assert_eq!(counters.decode_gather_steps, gathered, "{counters:?}");
+        assert_eq!(counters.steps_cuda_decode_fused, fused, "{counters:?}");
+        assert_eq!(counters.steps_cuda_decode_gather, gathered, "{counters:?}");
         if cuda_graphs {
-            assert_eq!(counters.graph_steps, 10, "{counters:?}");
+            assert_eq!(counters.steps_cuda_graph, 10, "{counters:?}");
             assert_eq!(
-                counters.graphs_captured, 4,
+                counters.cuda_graphs_captured, 4,
                 "buckets 1, 2, 4 and 8, captured at prepare: {counters:?}"
             );
         } else {
-            assert_eq!(counters.graph_steps, 0, "{counters:?}");
+            assert_eq!(counters.steps_cuda_graph, 0, "{counters:?}");
         }
         results.push((dtype, worst_relative, worst_logprob));
     }

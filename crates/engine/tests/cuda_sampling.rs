@@ -302,22 +302,22 @@ fn compare(
     eprintln!(
         "{dtype} graphs {graphs}: {device_rows} device rows, {host_rows} host rows; {counters:?}"
     );
-    assert_eq!(counters.sampled_steps, sampled_steps);
-    assert_eq!(counters.sampled_device_rows, device_rows as u64);
-    assert_eq!(counters.sampled_host_rows, host_rows as u64);
-    assert_eq!(counters.sampler_greedy_rows, by_kind[Kind::Greedy as usize]);
+    assert_eq!(counters.steps_cuda_sampled, sampled_steps);
+    assert_eq!(counters.cuda_sampled_rows_device, device_rows as u64);
+    assert_eq!(counters.cuda_sampled_rows_host, host_rows as u64);
+    assert_eq!(counters.gpu_sampler_greedy, by_kind[Kind::Greedy as usize]);
     assert_eq!(
-        counters.sampler_gumbel_rows,
+        counters.gpu_sampler_gumbel,
         by_kind[Kind::Unfiltered as usize]
     );
     assert_eq!(
-        counters.sampler_rejection_rows + counters.sampler_fallback_rows,
+        counters.gpu_sampler_rejection + counters.gpu_sampler_fallbacks,
         by_kind[Kind::Filtered as usize]
     );
     if graphs {
-        assert!(counters.graph_steps > 0, "{counters:?}");
+        assert!(counters.steps_cuda_graph > 0, "{counters:?}");
     }
-    assert_eq!(model_a.counters().sampled_steps, 0);
+    assert_eq!(model_a.counters().steps_cuda_sampled, 0);
     (device_rows, host_rows)
 }
 
@@ -380,7 +380,7 @@ fn bad_rows_are_refused_before_the_step_runs() {
         "{error}"
     );
     assert_eq!(
-        model.counters().eager_steps + model.counters().graph_steps,
+        model.counters().steps_cuda_eager + model.counters().steps_cuda_graph,
         0
     );
     // The same step with valid rows runs.

@@ -354,20 +354,20 @@ impl<T: HostFloat> TypedRunner<T> {
         let (rows, gained, drawn) = sampler.sample(gpu, &logits, vocab, request.rows)?;
         let device_rows = rows.iter().filter(|row| row.token().is_some()).count() as u64;
         let counters = &mut self.counters;
-        counters.sampled_steps += 1;
-        counters.sampled_device_rows += device_rows;
-        counters.sampled_host_rows += rows.len() as u64 - device_rows;
-        counters.sampler_greedy_rows += gained.greedy;
-        counters.sampler_gumbel_rows += gained.gumbel;
-        counters.sampler_rejection_rows += gained.rejection;
-        counters.sampler_fallback_rows += gained.fallback;
-        counters.sampler_rejection_rounds += gained.rejection_rounds;
-        counters.sampler_filtered_fast_rows += gained.filtered_fast;
-        counters.sampler_filtered_exact_rows += gained.filtered_exact;
-        counters.sampler_gumbel_max_rows += gained.gumbel_max_rows;
-        counters.sampler_list_rows += gained.list_rows;
-        counters.sampler_cluster_rows += gained.cluster_rows;
-        counters.sampler_prefetched_rows += gained.prefetched_rows;
+        counters.steps_cuda_sampled += 1;
+        counters.cuda_sampled_rows_device += device_rows;
+        counters.cuda_sampled_rows_host += rows.len() as u64 - device_rows;
+        counters.gpu_sampler_greedy += gained.greedy;
+        counters.gpu_sampler_gumbel += gained.gumbel;
+        counters.gpu_sampler_rejection += gained.rejection;
+        counters.gpu_sampler_fallbacks += gained.fallback;
+        counters.gpu_sampler_rejection_rounds += gained.rejection_rounds;
+        counters.gpu_sampler_filtered_fast += gained.filtered_fast;
+        counters.gpu_sampler_filtered_exact += gained.filtered_exact;
+        counters.gpu_sampler_gumbel_max += gained.gumbel_max_rows;
+        counters.gpu_sampler_list_rows += gained.list_rows;
+        counters.gpu_sampler_cluster_rows += gained.cluster_rows;
+        counters.gpu_sampler_prefetched_rows += gained.prefetched_rows;
         *request.out = rows;
         Ok(drawn)
     }

@@ -156,7 +156,7 @@ impl<T: HostFloat> TypedRunner<T> {
             if outcome.is_err() {
                 break;
             }
-            self.counters.graphs_captured += 1;
+            self.counters.cuda_graphs_captured += 1;
         }
         let outcome = outcome.and_then(|()| gpu.synchronize());
         tracing::info!(
@@ -251,21 +251,21 @@ impl<T: HostFloat> TypedRunner<T> {
         let started = gpu.record_event()?;
         let planned = host_started.elapsed();
         if self.stage(cache, batch, &shape)? {
-            self.counters.decode_fused_merged_steps += 1;
+            self.counters.steps_cuda_decode_fused_merged += 1;
         }
         let staged = host_started.elapsed();
         match shape.attention {
             Attention::Gather { .. } => {
                 announce("gather");
-                self.counters.decode_gather_steps += 1;
+                self.counters.steps_cuda_decode_gather += 1;
             }
             Attention::Fused { .. } => {
                 announce("fused");
-                self.counters.decode_fused_steps += 1;
+                self.counters.steps_cuda_decode_fused += 1;
             }
             Attention::Prefill => {
                 announce("prefill");
-                self.counters.prefill_kernel_steps += 1;
+                self.counters.steps_cuda_prefill_kernel += 1;
             }
         }
         if graph {
@@ -284,14 +284,14 @@ impl<T: HostFloat> TypedRunner<T> {
             replay.launch()?;
             // Captured at prepare; a miss here means the bucket list changed.
             if graphs.len() > before {
-                self.counters.graphs_captured += 1;
+                self.counters.cuda_graphs_captured += 1;
             }
-            self.counters.graph_steps += 1;
+            self.counters.steps_cuda_graph += 1;
         } else {
             announce("eager");
             self.model
                 .run(&gpu, &mut cache.buffers, &cache.layout, &shape)?;
-            self.counters.eager_steps += 1;
+            self.counters.steps_cuda_eager += 1;
         }
         let mut finished = gpu.record_event()?;
         let launched = host_started.elapsed();
@@ -312,7 +312,7 @@ impl<T: HostFloat> TypedRunner<T> {
             gpu.download(&logits)?
         };
         let gpu_ms = started.elapsed_ms(&finished)?;
-        self.counters.gpu_time_us += (gpu_ms as f64 * 1e3) as u64;
+        self.counters.cuda_gpu_time_us += (gpu_ms as f64 * 1e3) as u64;
         tracing::trace!(
             target: "pagoda::step",
             "cuda step {shape:?}: plan {planned:?}, stage {:?}, launch {:?}, wait+download {:?}, gpu {gpu_ms:.3} ms",

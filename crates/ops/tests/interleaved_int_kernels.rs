@@ -11,7 +11,6 @@ mod common;
 
 use common::{assert_f64_dots, random_rows, REPACKED};
 
-use pagoda_ops::linear::cpu::int_dot::IntIsa;
 use pagoda_ops::linear::cpu::interleaved::planes::{self, HighBits};
 use pagoda_ops::linear::cpu::interleaved::{self, Interleaved};
 use pagoda_tensor::quant::q8::Q8Rows;
@@ -167,52 +166,4 @@ fn bit_planes_give_the_byte_layouts_bits() {
         planes::plane_matmul_count() > before,
         "no plane matmul counted"
     );
-}
-
-/// `cargo test --release -p pagoda-ops --test interleaved_int_kernels -- --ignored --nocapture`
-#[test]
-#[ignore = "timing, run by hand"]
-fn interleaved_vs_vnni_timing() {
-    if !interleaved::is_supported() {
-        return;
-    }
-    let mut rng = ChaCha8Rng::seed_from_u64(5);
-    println!("| weight | tokens | VNNI tiles ms | interleaved ms | speed |");
-    println!("| --- | ---: | ---: | ---: | ---: |");
-    for ty in [pagoda_tensor::GgmlType::Q4_1, pagoda_tensor::GgmlType::Q8_0] {
-        for (rows, cols) in [(1536, 576), (576, 1536)] {
-            let bytes = random_rows(ty, rows, cols, &mut rng, false);
-            let weights = repack(ty, rows, cols, &bytes).unwrap();
-            let fast = Interleaved::new(&weights);
-            for tokens in [1, 16, 64, 256] {
-                let x = random_activations(tokens, cols, &mut rng);
-                let q = Q8Rows::quantize(&x, cols).unwrap();
-                let mut y = vec![0f32; rows * tokens];
-                let reps = (2048 / tokens).max(4);
-                let time = |f: &mut dyn FnMut(&mut [f32]), y: &mut [f32]| {
-                    let mut samples = Vec::new();
-                    for _ in 0..7 {
-                        let start = std::time::Instant::now();
-                        for _ in 0..reps {
-                            f(y);
-                        }
-                        samples.push(start.elapsed().as_secs_f64() * 1e3 / reps as f64);
-                    }
-                    samples.sort_by(f64::total_cmp);
-                    samples[3]
-                };
-                let vnni = time(
-                    &mut |y| {
-                        pagoda_ops::linear::cpu::int_matmul::matmul(IntIsa::Vnni, &weights, &q, y)
-                    },
-                    &mut y,
-                );
-                let inter = time(&mut |y| interleaved::matmul(&fast, &q, y), &mut y);
-                println!(
-                    "| {ty} [{rows} x {cols}] | {tokens} | {vnni:.3} | {inter:.3} | {:.2}x |",
-                    vnni / inter
-                );
-            }
-        }
-    }
 }

@@ -85,6 +85,8 @@ pub enum BenchKind {
     Sampling(super::bench_sampling::BenchSamplingArgs),
     /// Time the decode attention kernels (gather vs fused) on the GPU, graph-replayed.
     Attention(super::bench_attention::BenchAttentionArgs),
+    /// Time the CPU kernels (matmul kernel sets, attention kernels) side by side.
+    Kernels(super::bench_kernels::BenchKernelsArgs),
 }
 
 #[derive(Serialize)]
@@ -232,6 +234,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Some(BenchKind::Attention(attention_args)) => {
             return super::bench_attention::run(attention_args)
         }
+        Some(BenchKind::Kernels(kernels_args)) => return super::bench_kernels::run(kernels_args),
         None => {}
     }
     let max_batch = args.batch.iter().copied().max().unwrap_or(1);

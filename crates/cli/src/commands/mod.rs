@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_attention;
+pub mod bench_kernels;
 pub mod bench_sampling;
 pub mod bench_sampling_anchors;
 pub mod bench_sampling_gpu;

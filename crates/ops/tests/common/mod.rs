@@ -19,21 +19,6 @@ pub fn random_activations(num_tokens: usize, cols: usize, rng: &mut ChaCha8Rng) 
         .collect()
 }
 
-/// Median wall time in ms of nine calls `f(i % copies)`: the inputs rotate over `copies`
-/// copies so that no call finds the previous one's data in cache (for the timing probes).
-#[allow(dead_code)]
-pub fn median_ms(copies: usize, f: &mut dyn FnMut(usize)) -> f64 {
-    let mut times: Vec<f64> = (0..9)
-        .map(|i| {
-            let start = std::time::Instant::now();
-            f(i % copies);
-            start.elapsed().as_secs_f64() * 1e3
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[4]
-}
-
 /// Asserts that `y` (`[num_tokens, rows]`) holds the f64 dots of `weights` (`[rows, cols]`,
 /// dequantized) with `activations` (`[num_tokens, cols]`, the values the kernel saw), each
 /// within f32 rounding of its magnitude: 1e-5 of the sum of |products|, plus 1e-6. `what`

@@ -1,5 +1,7 @@
-//! GPU op tests against CPU references (ignored without `--include-ignored`: they need the
-//! GPU machine). Outputs are poisoned with NaN before every launch.
+//! GPU op tests against the ops crate's CPU implementations (`pagoda_ops::norm`,
+//! `activation`, `rope`, `linear`, and `pagoda_tensor`'s dequantizers), ignored without
+//! `--include-ignored`: they need the GPU machine. Outputs are poisoned with NaN before every
+//! launch.
 
 #[path = "gpu_common/mod.rs"]
 mod common;
@@ -8,6 +10,8 @@ use common::*;
 use half::bf16;
 use pagoda_cuda::{available, DeviceRead, Gpu, GraphCache};
 use pagoda_ops::cuda::{self as ops, QuantFormat, RopeStyle};
+use pagoda_ops::linear::Weight;
+use pagoda_ops::rope::{Rope, RopePairing};
 use pagoda_tensor::GgmlType;
 use rand::Rng;
 
@@ -21,17 +25,11 @@ fn available_reports_the_device() {
     assert_eq!(gpu.info().compute_capability, info.compute_capability);
 }
 
+/// The CPU RMSNorm of `x` (`[rows, weight.len()]`).
 fn rms_norm_reference(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
-    let dim = weight.len();
-    x.chunks(dim)
-        .flat_map(|row| {
-            let mean = row.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / dim as f64;
-            let scale = 1.0 / (mean + eps as f64).sqrt();
-            row.iter()
-                .zip(weight)
-                .map(move |(&v, &w)| (v as f64 * scale * w as f64) as f32)
-        })
-        .collect()
+    let mut out = vec![0f32; x.len()];
+    pagoda_ops::norm::rms_norm(x, weight, eps, &mut out);
+    out
 }
 
 fn check_norms<T: TestFloat>(gpu: &Gpu) {
@@ -146,11 +144,11 @@ fn registry_serves_two_dtypes_of_one_geometry() {
     );
 }
 
+/// The CPU SiLU-and-multiply.
 fn silu_reference(gate: &[f32], up: &[f32]) -> Vec<f32> {
-    gate.iter()
-        .zip(up)
-        .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-        .collect()
+    let mut out = vec![0f32; gate.len()];
+    pagoda_ops::activation::silu_mul(gate, up, &mut out);
+    out
 }
 
 fn check_elementwise<T: TestFloat>(gpu: &Gpu) {
@@ -180,7 +178,8 @@ fn check_elementwise<T: TestFloat>(gpu: &Gpu) {
     let b = round::<T>(&random_vec(&mut rng, 1000, 3.0));
     let mut a_d = upload::<T>(gpu, &a);
     ops::add_in_place(gpu, &mut a_d, &upload::<T>(gpu, &b)).unwrap();
-    let sum: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    let mut sum = a.clone();
+    pagoda_ops::activation::add_in_place(&mut sum, &b);
     assert_close(
         &format!("add_in_place {}", T::NAME),
         &download(gpu, &a_d),
@@ -274,31 +273,19 @@ fn embedding_gather_copies_rows() {
     check_embedding::<bf16, f32>(&gpu);
 }
 
+/// The CPU RoPE ([`pagoda_ops::rope::Rope`] at `theta`, `rope_dim`) of the first
+/// `num_heads` heads of each token row of `x` (rows `row_stride` apart).
 fn rope_reference(
     x: &[f32],
     positions: &[u32],
-    inv_freq: &[f32],
+    rope: &Rope,
     geometry: (usize, usize, usize),
-    style: RopeStyle,
 ) -> Vec<f32> {
     let (num_heads, head_dim, row_stride) = geometry;
-    let half = inv_freq.len();
     let mut out = x.to_vec();
     for (t, &position) in positions.iter().enumerate() {
-        for head in 0..num_heads {
-            let base = t * row_stride + head * head_dim;
-            for i in 0..half {
-                let angle = position as f32 * inv_freq[i];
-                let (sin, cos) = (angle.sin(), angle.cos());
-                let (a, b) = match style {
-                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                    RopeStyle::Halves => (i, i + half),
-                };
-                let (x0, x1) = (x[base + a], x[base + b]);
-                out[base + a] = x0 * cos - x1 * sin;
-                out[base + b] = x0 * sin + x1 * cos;
-            }
-        }
+        let heads = &mut out[t * row_stride..t * row_stride + num_heads * head_dim];
+        rope.apply(heads, &[position], num_heads, head_dim);
     }
     out
 }
@@ -314,9 +301,12 @@ fn check_rope<T: TestFloat>(gpu: &Gpu) {
             let tokens = 9;
             let x = round::<T>(&random_vec(&mut rng, tokens * row_stride, 2.0));
             let positions: Vec<u32> = (0..tokens).map(|_| rng.random_range(0..8192)).collect();
-            let inv_freq: Vec<f32> = (0..rope_dim / 2)
-                .map(|i| 10000f32.powf(-2.0 * i as f32 / rope_dim as f32))
-                .collect();
+            let pairing = match style {
+                RopeStyle::Interleaved => RopePairing::Interleaved,
+                RopeStyle::Halves => RopePairing::Halves,
+            };
+            let rope = Rope::new(10000.0, rope_dim, None, pairing);
+            let inv_freq = rope.inverse_frequencies().to_vec();
             let mut x_d = upload::<T>(gpu, &x);
             let geometry = (num_heads, head_dim, row_stride);
             ops::rope(
@@ -328,7 +318,7 @@ fn check_rope<T: TestFloat>(gpu: &Gpu) {
                 style,
             )
             .unwrap();
-            let expected = rope_reference(&x, &positions, &inv_freq, geometry, style);
+            let expected = rope_reference(&x, &positions, &rope, geometry);
             // Angles up to ~8000 rad: f32 argument rounding dominates, so 1e-3 for f32.
             let tolerance = T::TOLERANCE.max(1e-3);
             assert_close(
@@ -409,16 +399,10 @@ fn dequantize_is_bit_exact() {
     check_dequant::<bf16>(&gpu);
 }
 
+/// The CPU linear layer (f32 weights `[n, k]`) on `x` (`[m, k]`).
 fn gemm_reference(x: &[f32], w: &[f32], (m, n, k): (usize, usize, usize)) -> Vec<f32> {
     let mut out = vec![0f32; m * n];
-    for i in 0..m {
-        for j in 0..n {
-            let dot: f64 = (0..k)
-                .map(|p| x[i * k + p] as f64 * w[j * k + p] as f64)
-                .sum();
-            out[i * n + j] = dot as f32;
-        }
-    }
+    Weight::from_f32(n, k, w).matmul(x, m, &mut out);
     out
 }
 

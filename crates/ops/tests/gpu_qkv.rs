@@ -1,4 +1,5 @@
-//! The QKV fix-up kernels (`add_bias_rows`, `rms_norm_heads`) against CPU references (run
+//! The QKV fix-up kernels (`add_bias_rows`, `rms_norm_heads`) against the ops crate's CPU
+//! implementations (`pagoda_ops::activation::add_bias`, `pagoda_ops::norm::rms_norm`; run
 //! with `--include-ignored` on the GPU machine; ignored elsewhere). Every element
 //! outside the written region is checked unchanged, bit for bit.
 
@@ -10,7 +11,8 @@ use half::bf16;
 use pagoda_cuda::{view_mut, Gpu, GraphCache};
 use pagoda_ops::cuda as ops;
 
-/// `x[r * row_stride + i] += bias[i]`, rounded through `T`, for `r < num_rows`, `i < width`.
+/// The CPU bias add on the first `bias.len()` values of each of `num_rows` rows
+/// `row_stride` apart, rounded through `T`.
 fn bias_reference<T: TestFloat>(
     x: &[f32],
     bias: &[f32],
@@ -19,15 +21,17 @@ fn bias_reference<T: TestFloat>(
 ) -> Vec<f32> {
     let mut out = x.to_vec();
     for row in 0..num_rows {
-        for (i, &b) in bias.iter().enumerate() {
-            let index = row * row_stride + i;
-            out[index] = T::from_f32(x[index] + b).to_f32();
+        let values = &mut out[row * row_stride..row * row_stride + bias.len()];
+        pagoda_ops::activation::add_bias(values, bias);
+        for value in values {
+            *value = T::from_f32(*value).to_f32();
         }
     }
     out
 }
 
-/// Per-head RMSNorm in f64 on the slices at `offset + t * row_stride + h * head_dim`.
+/// The CPU RMSNorm of each head slice at `offset + t * row_stride + h * head_dim`, rounded
+/// through `T`.
 fn heads_reference<T: TestFloat>(
     x: &[f32],
     weight: &[f32],
@@ -38,15 +42,11 @@ fn heads_reference<T: TestFloat>(
     let head_dim = weight.len();
     let mut out = x.to_vec();
     for t in 0..num_tokens {
-        for h in 0..num_heads {
-            let start = offset + t * row_stride + h * head_dim;
-            let slice = &x[start..start + head_dim];
-            let mean =
-                slice.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / head_dim as f64;
-            let scale = 1.0 / (mean + eps as f64).sqrt();
-            for (i, (&v, &w)) in slice.iter().zip(weight).enumerate() {
-                out[start + i] = T::from_f32((v as f64 * scale * w as f64) as f32).to_f32();
-            }
+        let start = offset + t * row_stride;
+        let heads = &mut out[start..start + num_heads * head_dim];
+        pagoda_ops::norm::rms_norm_in_place(heads, weight, eps);
+        for value in heads {
+            *value = T::from_f32(*value).to_f32();
         }
     }
     out

@@ -55,7 +55,7 @@ printf '# live-server suite\n%s\n\nsecond-key-%s\n' "$API_KEY" "$$" >"$WORK/keys
 # PAGODA_SERVE_ARGS adds flags (e.g. `--device cuda` on the GPU machine).
 # shellcheck disable=SC2086
 "$BIN" serve --port "$PORT" -c 1024 -np 8 --max-queue 16 --api-key-file "$WORK/keys.txt" \
-    --max-body-bytes 1048576 ${PAGODA_SERVE_ARGS:-} >"$LOG" 2>&1 &
+    --max-body-bytes 1048576 --cors http://localhost:3000 ${PAGODA_SERVE_ARGS:-} >"$LOG" 2>&1 &
 SERVER_PID=$!
 TLS_PID=""
 cleanup() {

@@ -147,14 +147,6 @@ def test_unsupported_fields_are_refused_by_name_not_ignored(client, model):
         client.completions.create(model=model, prompt="Hi", max_tokens=2, echo=True)
     assert refused.value.body["param"] == "echo"
     assert refused.value.body["code"] == "unsupported_field"
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": "Hi"}],
-            max_tokens=2,
-            logit_bias={"42": -100},
-        )
-    assert refused.value.body["param"] == "logit_bias"
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
@@ -170,6 +162,41 @@ def test_unsupported_fields_are_refused_by_name_not_ignored(client, model):
         logit_bias={},
     )
     assert answer.choices[0].message.content is not None
+
+
+def test_logit_bias_bans_and_forces_tokens(client, model, base_url, headers):
+    import openai
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+
+    def greedy_pieces(**extra):
+        answer = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=6, temperature=0, logprobs=True, **extra
+        )
+        return [entry.token for entry in answer.choices[0].logprobs.content]
+
+    def single_id(piece):
+        ids = requests.post(
+            f"{base_url}/tokenize", json={"content": piece}, headers=headers, timeout=10
+        ).json()["tokens"]
+        assert len(ids) == 1, (piece, ids)
+        return ids[0]
+
+    pieces = greedy_pieces()
+    first = single_id(pieces[0])
+    # -100 bans the greedy first token: the answer starts with another one.
+    banned = greedy_pieces(logit_bias={str(first): -100})
+    assert banned[0] != pieces[0], (pieces, banned)
+    # +100 on a token makes greedy pick it at every step.
+    banana = single_id(" banana")
+    forced = greedy_pieces(logit_bias={str(banana): 100})
+    assert forced == [" banana"] * 6, forced
+    # Out-of-range biases, keys that are not ids and ids outside the vocabulary are 400s.
+    for bad in ({str(first): 101}, {"x": 1}, {"999999999": 1}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=2, logit_bias=bad
+            )
 
 
 def test_tokenize_detokenize_and_one_model(base_url, headers, model):
@@ -195,6 +222,53 @@ def test_tokenize_detokenize_and_one_model(base_url, headers, model):
     missing = requests.get(f"{base_url}/v1/models/no-such-model", headers=headers, timeout=10)
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_props_and_apply_template(base_url, headers, model):
+    props = requests.get(f"{base_url}/props", headers=headers, timeout=10)
+    assert props.status_code == 200, props.text
+    body = props.json()
+    assert body["default_generation_settings"]["n_ctx"] == 1024
+    assert body["total_slots"] == 8
+    assert body["model_alias"] == model
+    assert "{%" in body["chat_template"]  # the model's own Jinja template
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    applied = requests.post(
+        f"{base_url}/apply-template", json={"messages": messages}, headers=headers, timeout=10
+    )
+    assert applied.status_code == 200, applied.text
+    prompt = applied.json()["prompt"]
+    assert "What is 2 + 2?" in prompt
+    # The rendered text is what a chat request tokenizes.
+    from_text = requests.post(
+        f"{base_url}/tokenize", json={"content": prompt}, headers=headers, timeout=10
+    ).json()["tokens"]
+    from_messages = requests.post(
+        f"{base_url}/tokenize", json={"messages": messages}, headers=headers, timeout=10
+    ).json()["tokens"]
+    assert from_text == from_messages
+    assert requests.get(f"{base_url}/props", timeout=10).status_code == 401
+
+
+def test_cors_preflight_for_the_served_origin(base_url, headers):
+    preflight = {
+        "Origin": "http://localhost:3000",
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    answer = requests.options(f"{base_url}/v1/chat/completions", headers=preflight, timeout=10)
+    assert answer.ok, answer.status_code
+    assert answer.headers["access-control-allow-origin"] == "http://localhost:3000"
+    other = requests.options(
+        f"{base_url}/v1/chat/completions",
+        headers={**preflight, "Origin": "http://elsewhere.example"},
+        timeout=10,
+    )
+    assert "access-control-allow-origin" not in other.headers
+    models = requests.get(
+        f"{base_url}/v1/models", headers={**headers, "Origin": "http://localhost:3000"}, timeout=10
+    )
+    assert models.headers["access-control-allow-origin"] == "http://localhost:3000"
 
 
 def test_access_log_has_a_line_per_request(client, model, base_url, headers):

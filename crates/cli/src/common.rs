@@ -13,6 +13,7 @@ use pagoda_config::{Config, FlagValue};
 use pagoda_engine::{
     load_model, Backend, Device, Engine, EngineConfig, LoadOptions, LoadedModel, ModelSource,
 };
+use pagoda_models::chat_template::ChatTemplate;
 use pagoda_models::hf::GenerationDefaults;
 use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
 use pagoda_models::llama_cuda::{DType, PagedDecodeMode};
@@ -70,6 +71,11 @@ pub struct ModelArgs {
     /// wherever it supports the model). Default: $PAGODA_PAGED_DECODE, else auto.
     #[arg(long, value_name = "auto|fused|gather")]
     pub paged_decode: Option<String>,
+    /// Render chats with the Jinja template in FILE instead of the model's (llama.cpp's
+    /// spelling; the template sees `messages`, `add_generation_prompt`, `bos_token` and
+    /// `eos_token`).
+    #[arg(long, value_name = "FILE")]
+    pub chat_template_file: Option<PathBuf>,
 }
 
 /// The settings the model flags set: each wins over its environment variable.
@@ -312,6 +318,14 @@ pub fn policy_name(policy: AttentionPolicy) -> &'static str {
 /// Loads the model with a progress bar on stderr (hidden when stderr is not a terminal).
 pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
     configure_threads(args.threads)?;
+    // Read before the (slow) load, so a wrong path fails at once.
+    let template_source = match &args.chat_template_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("--chat-template-file {}: {e}", path.display()))?,
+        ),
+        None => None,
+    };
     let source = resolve_model(&args.model)?;
     let started = Instant::now();
     let bar = ProgressBar::new(0);
@@ -356,6 +370,14 @@ pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
         Err(error) => return Err(anyhow::Error::msg(error)),
     };
     bar.finish_and_clear();
+    let mut loaded = loaded;
+    if let (Some(template), Some(path)) = (template_source, &args.chat_template_file) {
+        let (bos, eos) = (loaded.tokenizer.bos_token(), loaded.tokenizer.eos_token());
+        loaded.chat_template = ChatTemplate::new(&template, bos.as_deref(), eos.as_deref())
+            .map_err(|e| anyhow::anyhow!("--chat-template-file {}: {e}", path.display()))?;
+        loaded.chat_template_from_model = false;
+        tracing::info!("chat template: {}", path.display());
+    }
     tracing::info!(
         "loaded {} on {} in {:.2}s ({} weights, {:.1} MiB)",
         source.path().display(),

@@ -90,3 +90,46 @@ fn piped_chat_message_too_long_for_context_is_an_error() {
     let error = out.assert_clean_error();
     assert!(error.contains("context") && error.contains("-c"), "{error}");
 }
+
+#[test]
+fn chat_template_file_replaces_the_models_template() {
+    let dir = tiny_model("tiny-qwen2");
+    let folder = std::env::temp_dir().join(format!("pagoda-template-{}", std::process::id()));
+    std::fs::create_dir_all(&folder).unwrap();
+    // A template that only raises: the error proves this file, not the model's, rendered.
+    let raising = folder.join("raising.jinja");
+    std::fs::write(&raising, "{{ raise_exception('the custom template ran') }}").unwrap();
+    let out = pagoda(
+        &[
+            "chat",
+            "-m",
+            dir.to_str().unwrap(),
+            "-n",
+            "2",
+            "--chat-template-file",
+            raising.to_str().unwrap(),
+        ],
+        Some("hello\n"),
+    );
+    let error = out.assert_clean_error();
+    assert!(error.contains("the custom template ran"), "{error}");
+
+    // A template that does not compile, and one that does not exist: one line naming the flag.
+    let broken = folder.join("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}").unwrap();
+    for path in [broken, folder.join("missing.jinja")] {
+        let out = pagoda(
+            &[
+                "chat",
+                "-m",
+                dir.to_str().unwrap(),
+                "--chat-template-file",
+                path.to_str().unwrap(),
+            ],
+            Some("hello\n"),
+        );
+        let error = out.assert_clean_error();
+        assert!(error.contains("--chat-template-file"), "{error}");
+    }
+    std::fs::remove_dir_all(&folder).ok();
+}

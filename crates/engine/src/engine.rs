@@ -12,6 +12,7 @@ use pagoda_ops::sampling::{AnySampler, SamplerKind, SamplingParams};
 use crate::backend::{device_row_params, Backend, Runner};
 use crate::counters::EngineCounters;
 use crate::cpu_pool::CpuThreadsMode;
+use crate::logit_bias;
 use pagoda_scheduler::{
     Request as SchedulerRequest, SampledToken, Scheduler, SchedulerConfig, SchedulerError,
     SchedulerStats,
@@ -108,12 +109,26 @@ struct RequestState {
     stop_tokens: Vec<u32>,
     sampler: AnySampler,
     want_logprobs: bool,
+    /// `(token, bias)` added to the logits before sampling ([`Engine::set_logit_bias`]).
+    logit_bias: Vec<(u32, f32)>,
 }
 
 impl RequestState {
-    /// Draws the next token on the host from `logits`.
-    fn sample_on_host(&mut self, logits: &[f32]) -> u32 {
-        self.sampler.sample(logits, &self.generated)
+    /// Draws the next token on the host from `logits` (with the request's logit biases), and
+    /// the log-softmax of the logits it drew from when the request wants them.
+    fn sample_on_host(&mut self, logits: &[f32]) -> (u32, Option<Vec<f32>>) {
+        let biased;
+        let logits = if self.logit_bias.is_empty() {
+            logits
+        } else {
+            biased = logit_bias::apply(logits, &self.logit_bias);
+            &biased[..]
+        };
+        let token = self.sampler.sample(logits, &self.generated);
+        let logprobs = self
+            .want_logprobs
+            .then(|| pagoda_ops::sampling::log_softmax(logits));
+        (token, logprobs)
     }
 
     /// Records a token the GPU sampler drew from this request's stream.
@@ -154,6 +169,10 @@ impl Engine {
             .iter()
             .map(|id| {
                 let state = self.requests.get(id)?;
+                // The device sampler takes no logit biases: those rows sample on the host.
+                if !state.logit_bias.is_empty() {
+                    return None;
+                }
                 device_row_params(&state.sampler, state.want_logprobs)
             })
             .collect();
@@ -260,6 +279,24 @@ impl Engine {
         self.runner.set_cpu_threads_mode(mode);
     }
 
+    /// Sets the logit biases of request `id` (OpenAI's `logit_bias`): `bias` is added to the
+    /// logit of `token` before each draw; -100 bans the token. Its rows then sample on the
+    /// host. Errors: a token outside the vocabulary, a bias outside [-100, 100], an unknown
+    /// request.
+    pub fn set_logit_bias(
+        &mut self,
+        id: RequestId,
+        bias: Vec<(u32, f32)>,
+    ) -> Result<(), EngineError> {
+        logit_bias::validate(&bias, self.runner.config().vocab_size)?;
+        let state = self
+            .requests
+            .get_mut(&id)
+            .ok_or_else(|| EngineError::Internal(format!("request {id} is not running")))?;
+        state.logit_bias = bias;
+        Ok(())
+    }
+
     /// Adds what the CUDA runner counted since the last call to the engine's counters.
     fn absorb_runner_counters(&mut self) {
         if let Some(now) = self.runner.cuda_counters() {
@@ -356,6 +393,7 @@ impl Engine {
                 stop_tokens,
                 sampler,
                 want_logprobs,
+                logit_bias: Vec::new(),
             },
         );
         Ok(id)
@@ -462,23 +500,15 @@ impl Engine {
             .into_par_iter()
             .enumerate()
             .map(|(row, mut state)| {
-                let (token, row_logits) = match device_sampled.as_ref().map(|rows| &rows[row]) {
+                // Requests wanting log-probabilities are never sampled on the device.
+                let (token, logprobs) = match device_sampled.as_ref().map(|rows| &rows[row]) {
                     Some(SampledRow::Token(token)) => {
                         state.record_device_draw();
                         (*token, None)
                     }
-                    Some(SampledRow::Logits(row_logits)) => {
-                        (state.sample_on_host(row_logits), Some(&row_logits[..]))
-                    }
-                    None => {
-                        let row_logits = &logits[row * vocab_size..(row + 1) * vocab_size];
-                        (state.sample_on_host(row_logits), Some(row_logits))
-                    }
+                    Some(SampledRow::Logits(row_logits)) => state.sample_on_host(row_logits),
+                    None => state.sample_on_host(&logits[row * vocab_size..(row + 1) * vocab_size]),
                 };
-                // Requests wanting log-probabilities are never sampled on the device.
-                let logprobs = row_logits
-                    .filter(|_| state.want_logprobs)
-                    .map(pagoda_ops::sampling::log_softmax);
                 state.generated.push(token);
                 (state, token, logprobs)
             })

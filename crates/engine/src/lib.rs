@@ -11,6 +11,7 @@ mod cpu_pool;
 pub mod cuda_runner;
 mod engine;
 mod load;
+mod logit_bias;
 
 pub use backend::Backend;
 pub use counters::{CounterInfo, EngineCounters, MetricKind};

@@ -86,6 +86,7 @@ const TEMPLATE_NAME: &str = "chat";
 /// `eos_token`).
 pub struct ChatTemplate {
     environment: Environment<'static>,
+    source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -124,9 +125,25 @@ impl ChatTemplate {
         environment.add_template_owned(TEMPLATE_NAME, source.to_owned())?;
         Ok(ChatTemplate {
             environment,
+            source: source.to_owned(),
             bos_token: bos_token.unwrap_or_default().to_owned(),
             eos_token: eos_token.unwrap_or_default().to_owned(),
         })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The BOS text the template sees (empty when the model has none).
+    pub fn bos_token(&self) -> &str {
+        &self.bos_token
+    }
+
+    /// The EOS text the template sees (empty when the model has none).
+    pub fn eos_token(&self) -> &str {
+        &self.eos_token
     }
 
     /// The fallback ChatML template (`<|im_start|>role\ncontent<|im_end|>\n`).

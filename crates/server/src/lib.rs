@@ -13,6 +13,7 @@ pub mod drain;
 pub mod error;
 pub mod format;
 pub mod metrics;
+pub mod props;
 pub mod request;
 pub mod routes;
 pub mod session;
@@ -66,6 +67,9 @@ pub struct ServerConfig {
     pub sampling_defaults: SamplingParams,
     /// How long a shutdown waits for running requests (`--shutdown-timeout`).
     pub shutdown_timeout: std::time::Duration,
+    /// Origins a browser page may call the API from (`--cors`; `*`: any; empty: no CORS
+    /// headers, so browsers refuse cross-origin calls).
+    pub cors_origins: Vec<String>,
 }
 
 impl ServerConfig {
@@ -149,13 +153,16 @@ impl AppState {
 
 /// The router with every endpoint and middleware.
 pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
+    let cors = cors_layer(&state.config.cors_origins);
+    let router = Router::new()
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/completions", post(routes::completions))
         .route("/v1/models", get(routes::models))
         .route("/v1/models/{id}", get(routes::model))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
+        .route("/apply-template", post(props::apply_template))
+        .route("/props", get(props::props))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .fallback(routes::not_found)
@@ -169,7 +176,61 @@ pub fn router(state: Arc<AppState>) -> Router {
             state.clone(),
             routes::count_requests,
         ))
-        .with_state(state)
+        .with_state(state);
+    // Outermost: a preflight is answered before authentication and routing.
+    match cors {
+        Some(cors) => router.layer(cors),
+        None => router,
+    }
+}
+
+/// The CORS layer of `origins` (`*`: any origin), or `None` without origins. Origins were
+/// checked by [`check_cors_origins`].
+fn cors_layer(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
+    use axum::http::{header, HeaderValue, Method};
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    if origins.is_empty() {
+        return None;
+    }
+    let allow = if origins.iter().any(|origin| origin == "*") {
+        AllowOrigin::any()
+    } else {
+        AllowOrigin::list(
+            origins
+                .iter()
+                .filter_map(|origin| HeaderValue::from_str(origin).ok()),
+        )
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([Method::GET, Method::POST])
+            .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+            .max_age(std::time::Duration::from_secs(600)),
+    )
+}
+
+/// Checks `--cors` origins: `*`, or `scheme://host[:port]` each; the error names the bad one.
+pub fn check_cors_origins(origins: &[String]) -> Result<(), String> {
+    for origin in origins {
+        let host = origin
+            .strip_prefix("http://")
+            .or_else(|| origin.strip_prefix("https://"));
+        let well_formed = origin == "*"
+            || host.is_some_and(|host| {
+                !host.is_empty()
+                    && !host.contains('/')
+                    && !host.contains(char::is_whitespace)
+                    && axum::http::HeaderValue::from_str(origin).is_ok()
+            });
+        if !well_formed {
+            return Err(format!(
+                "--cors {origin:?} is not an origin: give `*` or scheme://host[:port] \
+                 (e.g. http://localhost:3000), without a path"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Binds `config.host:config.port` and serves (HTTPS when `config.tls` is set) until SIGINT

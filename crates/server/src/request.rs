@@ -66,6 +66,8 @@ pub struct Options {
     /// `ignore_eos` (a vLLM and llama.cpp extension): keep generating past end-of-generation
     /// tokens until `max_tokens` (benchmarks use it for fixed-length answers).
     pub ignore_eos: bool,
+    /// `logit_bias`: `(token, bias)` added to the logits before each draw (-100 bans).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// A parsed `POST /v1/chat/completions` body.
@@ -306,6 +308,7 @@ fn parse_options(
         };
         ApiError::invalid(error.to_string(), Some(param))
     })?;
+    let logit_bias = parse_logit_bias(object)?;
     Ok(Options {
         model,
         stream,
@@ -315,7 +318,39 @@ fn parse_options(
         sampling,
         logprobs: None,
         ignore_eos,
+        logit_bias,
     })
+}
+
+/// `logit_bias`: `{"token id": bias}`, biases in [-100, 100] (the engine checks the ids
+/// against the vocabulary).
+fn parse_logit_bias(object: &Map<String, Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = field::<Map<String, Value>>(object, "logit_bias")? else {
+        return Ok(Vec::new());
+    };
+    map.iter()
+        .map(|(key, value)| {
+            let token = key.trim().parse::<u32>().map_err(|_| {
+                ApiError::invalid(
+                    format!("`logit_bias` keys are token ids, got {key:?}"),
+                    Some("logit_bias"),
+                )
+            })?;
+            let bias = value
+                .as_f64()
+                .filter(|bias| bias.is_finite() && (-100.0..=100.0).contains(bias))
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        format!(
+                            "`logit_bias` values are numbers in [-100, 100], got {value} for \
+                             token {token}"
+                        ),
+                        Some("logit_bias"),
+                    )
+                })?;
+            Ok((token, bias as f32))
+        })
+        .collect()
 }
 
 /// Reads field `name` as a `T`; absent or null is `None`; a wrong type is a 400 naming it.

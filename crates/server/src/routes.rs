@@ -56,20 +56,27 @@ pub(crate) fn chat_prompt(
     messages: &[Message],
     opening: bool,
 ) -> Result<Vec<u32>, ApiError> {
-    let messages: Vec<ChatMessage> = messages
-        .iter()
-        .map(|m| ChatMessage::new(m.role.as_str(), m.content.as_str()))
-        .collect();
-    let rendered = state
-        .chat_template
-        .render(&messages, opening)
-        .map_err(|e| {
-            ApiError::invalid(format!("the chat template failed: {e}"), Some("messages"))
-        })?;
+    let rendered = render_chat(state, messages, opening)?;
     state
         .tokenizer
         .encode_chat(&rendered)
         .map_err(|e| ApiError::invalid(format!("tokenizing the messages: {e}"), Some("messages")))
+}
+
+/// `messages` rendered by the chat template (with the assistant's opening when `opening`).
+pub(crate) fn render_chat(
+    state: &AppState,
+    messages: &[Message],
+    opening: bool,
+) -> Result<String, ApiError> {
+    let messages: Vec<ChatMessage> = messages
+        .iter()
+        .map(|m| ChatMessage::new(m.role.as_str(), m.content.as_str()))
+        .collect();
+    state
+        .chat_template
+        .render(&messages, opening)
+        .map_err(|e| ApiError::invalid(format!("the chat template failed: {e}"), Some("messages")))
 }
 
 /// `POST /v1/completions`.
@@ -286,6 +293,7 @@ async fn generate(
             state.stop_tokens.clone()
         },
         top_logprobs: options.logprobs,
+        logit_bias: options.logit_bias.clone(),
         events: sender,
     })?;
     state.metrics.prompt_tokens.add(prompt_tokens as u64);

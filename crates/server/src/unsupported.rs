@@ -71,12 +71,6 @@ fn not_text_modalities(value: &Value) -> bool {
 /// Every refused field.
 pub const UNSUPPORTED: &[Unsupported] = &[
     Unsupported {
-        name: "logit_bias",
-        endpoint: Endpoint::Both,
-        is_set: non_empty,
-        note: "per-token logit biases are not implemented yet",
-    },
-    Unsupported {
         name: "echo",
         endpoint: Endpoint::Completion,
         is_set: true_flag,
@@ -218,10 +212,7 @@ mod tests {
 
     #[test]
     fn set_fields_are_refused_and_neutral_values_pass() {
-        let refused = check(json!({"logit_bias": {"50256": -100}}), true).unwrap_err();
-        assert_eq!(refused.param.as_deref(), Some("logit_bias"));
-        assert!(check(json!({"logit_bias": {}}), true).is_ok());
-        assert!(check(json!({"logit_bias": null}), false).is_ok());
+        assert!(check(json!({"logit_bias": {"50256": -100}}), true).is_ok());
         assert!(check(json!({"echo": true}), false).is_err());
         assert!(check(json!({"echo": false}), false).is_ok());
         assert!(check(json!({"best_of": 3}), false).is_err());

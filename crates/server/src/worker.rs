@@ -38,6 +38,8 @@ pub trait EngineBackend: Send + 'static {
     fn cancel(&mut self, id: RequestId);
     /// The seed a running request samples with.
     fn seed_of(&self, id: RequestId) -> Option<u64>;
+    /// Sets a running request's logit biases (see [`Engine::set_logit_bias`]).
+    fn set_logit_bias(&mut self, id: RequestId, bias: Vec<(u32, f32)>) -> Result<(), EngineError>;
     /// A snapshot of the engine's gauges and counters.
     fn snapshot(&self) -> EngineSnapshot;
 }
@@ -69,6 +71,9 @@ impl EngineBackend for Engine {
     fn seed_of(&self, id: RequestId) -> Option<u64> {
         Engine::seed_of(self, id)
     }
+    fn set_logit_bias(&mut self, id: RequestId, bias: Vec<(u32, f32)>) -> Result<(), EngineError> {
+        Engine::set_logit_bias(self, id, bias)
+    }
     fn snapshot(&self) -> EngineSnapshot {
         EngineSnapshot {
             pages_used: self.pages_used(),
@@ -96,6 +101,8 @@ pub struct Job {
     /// `Some(n)`: report each sampled token's log-probability and the `n` most likely
     /// alternatives.
     pub top_logprobs: Option<usize>,
+    /// `(token, bias)` pairs added to the logits before each draw (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
     /// Where the loop sends this request's events; dropping the receiver cancels it.
     pub events: UnboundedSender<WorkerEvent>,
 }
@@ -277,6 +284,15 @@ impl<B: EngineBackend> Worker<B> {
                 job.stop_tokens,
                 job.top_logprobs.is_some(),
             );
+            let added = added.and_then(|id| {
+                if job.logit_bias.is_empty() {
+                    return Ok(id);
+                }
+                self.backend
+                    .set_logit_bias(id, job.logit_bias)
+                    .inspect_err(|_| self.backend.cancel(id))
+                    .map(|()| id)
+            });
             match added {
                 Ok(id) => {
                     if greedy {

@@ -58,6 +58,7 @@ fn start(tokens: usize, shutdown_timeout: Duration) -> Option<Server> {
         max_body_bytes: 4096,
         sampling_defaults: Default::default(),
         shutdown_timeout,
+        cors_origins: Vec::new(),
     };
     let text = TextModel {
         tokenizer,

@@ -61,6 +61,7 @@ fn start(files: &TlsFiles) -> Option<u16> {
         max_body_bytes: 4096,
         sampling_defaults: Default::default(),
         shutdown_timeout: std::time::Duration::from_secs(30),
+        cors_origins: Vec::new(),
     };
     let text = TextModel {
         tokenizer,

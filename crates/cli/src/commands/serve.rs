@@ -91,6 +91,11 @@ pub struct ServeArgs {
     /// Largest request body in bytes (larger: 413).
     #[arg(long, default_value_t = 4 << 20, allow_negative_numbers = true)]
     pub max_body_bytes: usize,
+    /// Let web pages from these origins call the API (comma-separated
+    /// `scheme://host[:port]`, or `*` for any): CORS headers and preflight answers. Default:
+    /// none, so browsers refuse cross-origin calls.
+    #[arg(long, value_delimiter = ',', value_name = "ORIGINS")]
+    pub cors: Vec<String>,
 }
 
 /// Runs `pagoda serve`.
@@ -128,6 +133,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             bail!("--kv-memory-fraction must be in (0, 0.9], got {fraction}");
         }
     }
+    pagoda_server::check_cors_origins(&args.cors).map_err(anyhow::Error::msg)?;
     args.sampling.params()?; // fail fast on bad flags, before loading
     let loaded = common::load(&args.model)?;
     let ctx = common::context_size(&args.model, &loaded)?;
@@ -236,6 +242,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if let Some(cert_file) = &args.ssl_cert_file {
         eprintln!("  tls          {}", cert_file.display());
     }
+    if !args.cors.is_empty() {
+        eprintln!("  cors         {}", args.cors.join(", "));
+    }
 
     let server_config = ServerConfig {
         host: args.host.clone(),
@@ -251,6 +260,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         max_body_bytes: args.max_body_bytes,
         sampling_defaults,
         shutdown_timeout: std::time::Duration::from_secs_f64(args.shutdown_timeout),
+        cors_origins: args.cors.clone(),
     };
     let text = TextModel {
         tokenizer: loaded.tokenizer,

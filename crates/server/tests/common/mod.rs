@@ -125,6 +125,14 @@ impl EngineBackend for Scripted {
             self.cancelled.lock().unwrap().push(id);
         }
     }
+    fn set_logit_bias(
+        &mut self,
+        _id: RequestId,
+        _bias: Vec<(u32, f32)>,
+    ) -> Result<(), EngineError> {
+        // The script is replayed whatever the logits: nothing to bias.
+        Ok(())
+    }
     fn seed_of(&self, _: RequestId) -> Option<u64> {
         Some(7)
     }
@@ -164,6 +172,7 @@ pub fn harness(text: &str, mode: Mode, tweak: impl FnOnce(&mut ServerConfig)) ->
         max_body_bytes: 4096,
         sampling_defaults: SamplingParams::default(),
         shutdown_timeout: Duration::from_secs(30),
+        cors_origins: Vec::new(),
     };
     tweak(&mut config);
     let text_model = TextModel {

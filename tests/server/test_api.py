@@ -144,8 +144,8 @@ def test_unsupported_fields_are_refused_by_name_not_ignored(client, model):
     import openai
 
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model=model, prompt="Hi", max_tokens=2, echo=True)
-    assert refused.value.body["param"] == "echo"
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, best_of=3)
+    assert refused.value.body["param"] == "best_of"
     assert refused.value.body["code"] == "unsupported_field"
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as refused:
@@ -162,6 +162,22 @@ def test_unsupported_fields_are_refused_by_name_not_ignored(client, model):
         logit_bias={},
     )
     assert answer.choices[0].message.content is not None
+
+
+def test_echo_prepends_the_prompt(client, model):
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0)
+    echoed = client.completions.create(
+        model=model, prompt=prompt, max_tokens=8, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens
+    streamed = client.completions.create(
+        model=model, prompt=prompt, max_tokens=8, temperature=0, echo=True, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == (
+        prompt + plain.choices[0].text
+    )
 
 
 def test_logit_bias_bans_and_forces_tokens(client, model, base_url, headers):

@@ -6,6 +6,18 @@
 //! itself was checked against the registry when the configuration was resolved. Each caller
 //! keeps its own `OnceLock` and INFO line.
 
+/// A value of a kernel setting that names none of its words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{setting}={value:?} is not one of {allowed}")]
+pub struct UnknownChoice {
+    /// The setting (an environment variable).
+    pub setting: &'static str,
+    /// The value given.
+    pub value: String,
+    /// The accepted values, in words.
+    pub allowed: String,
+}
+
 /// A kernel (or kernel set) picked by a setting whose `auto` value means
 /// [`KernelChoice::auto_choice`].
 pub(crate) trait KernelChoice: Copy + PartialEq + 'static {
@@ -25,7 +37,7 @@ pub(crate) trait KernelChoice: Copy + PartialEq + 'static {
         word(self)
     }
     /// Parses a value ([`parse`]; a setting with suffixes parses them, then its word here).
-    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
+    fn parse_choice(text: &str) -> Result<Option<Self>, UnknownChoice> {
         parse::<Self>(text)
     }
 }
@@ -51,7 +63,7 @@ pub(crate) fn all_words<T: KernelChoice>() -> Vec<&'static str> {
 /// Parses a value of `T`'s setting (ASCII case, surrounding spaces and `_`/`-` ignored, as the
 /// registry does): `Ok(None)` for empty, `auto` or an [`KernelChoice::AUTO_WORDS`] word; an
 /// error naming the setting, the value and the accepted words for anything else.
-pub(crate) fn parse<T: KernelChoice>(text: &str) -> Result<Option<T>, String> {
+pub(crate) fn parse<T: KernelChoice>(text: &str) -> Result<Option<T>, UnknownChoice> {
     let folded = text.trim().to_ascii_lowercase().replace('_', "-");
     if folded.is_empty() || folded == "auto" || T::AUTO_WORDS.contains(&folded.as_str()) {
         return Ok(None);
@@ -60,12 +72,10 @@ pub(crate) fn parse<T: KernelChoice>(text: &str) -> Result<Option<T>, String> {
         .iter()
         .find(|(word, _)| word.replace('_', "-") == folded)
         .map(|(_, choice)| Some(*choice))
-        .ok_or_else(|| {
-            format!(
-                "{}={text:?} is not one of {}",
-                T::ENV_VAR,
-                all_words::<T>().join(", ")
-            )
+        .ok_or_else(|| UnknownChoice {
+            setting: T::ENV_VAR,
+            value: text.to_string(),
+            allowed: all_words::<T>().join(", "),
         })
 }
 
@@ -140,7 +150,7 @@ mod tests {
             assert_eq!(word(choice), text);
         }
         assert_eq!(parse::<Fake>("best"), Ok(None));
-        let error = parse::<Fake>("sse").unwrap_err();
+        let error = parse::<Fake>("sse").unwrap_err().to_string();
         assert_eq!(
             error,
             "PAGODA_TEST_FAKE_KERNEL=\"sse\" is not one of auto, best, portable, wide_lanes, missing"

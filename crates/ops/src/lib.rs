@@ -8,6 +8,7 @@ pub mod cuda;
 mod cuda_dtypes;
 pub mod embedding;
 mod kernel_choice;
+pub use kernel_choice::UnknownChoice;
 pub mod linear;
 pub mod norm;
 pub mod profile;

@@ -324,7 +324,7 @@ fn the_switch_parses_its_values() {
     assert_eq!(AmxPrefill::parse(" BF16 "), Ok(Some(AmxPrefill::Bf16)));
     assert_eq!(AmxPrefill::parse("int8"), Ok(Some(AmxPrefill::Int8)));
     assert_eq!(AmxPrefill::parse(""), Ok(None));
-    let error = AmxPrefill::parse("fp8").unwrap_err();
+    let error = AmxPrefill::parse("fp8").unwrap_err().to_string();
     assert!(error.contains(bf16::AMX_PREFILL_ENV_VAR) && error.contains("fp8"));
     // The reproducible tiles by default on every CPU; BF16 is an opt-in.
     assert_eq!(AmxPrefill::auto(), AmxPrefill::Int8);

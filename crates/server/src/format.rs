@@ -29,6 +29,8 @@ pub struct Reply {
     pub prompt_tokens: usize,
     /// Whether log-probabilities were asked for.
     pub want_logprobs: bool,
+    /// Text the answer starts with (completions' `echo`), empty otherwise.
+    pub echo: String,
 }
 
 /// The `usage` object.

@@ -68,6 +68,8 @@ pub struct Options {
     pub ignore_eos: bool,
     /// `logit_bias`: `(token, bias)` added to the logits before each draw (-100 bans).
     pub logit_bias: Vec<(u32, f32)>,
+    /// The text the answer starts with (completions' `echo`: the prompt's text).
+    pub echo: Option<String>,
 }
 
 /// A parsed `POST /v1/chat/completions` body.
@@ -84,6 +86,8 @@ pub struct ChatRequest {
 pub struct CompletionRequest {
     /// The prompt.
     pub prompt: Prompt,
+    /// `echo`: the answer's text starts with the prompt's.
+    pub echo: bool,
     /// Everything else.
     pub options: Options,
 }
@@ -147,7 +151,20 @@ pub fn parse_completion(
     if let Some(n) = field::<i64>(&object, "logprobs")? {
         options.logprobs = Some(check_top_logprobs(n, "logprobs")?);
     }
-    Ok(CompletionRequest { prompt, options })
+    let echo = field::<bool>(&object, "echo")?.unwrap_or(false);
+    if echo && options.logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "`echo` with `logprobs` would need the prompt's log-probabilities, which this \
+             server does not compute; ask for one or the other",
+            Some("echo"),
+        )
+        .with_code("unsupported_field"));
+    }
+    Ok(CompletionRequest {
+        prompt,
+        echo,
+        options,
+    })
 }
 
 pub(crate) fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
@@ -319,6 +336,7 @@ fn parse_options(
         logprobs: None,
         ignore_eos,
         logit_bias,
+        echo: None,
     })
 }
 

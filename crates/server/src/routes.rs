@@ -87,9 +87,9 @@ pub async fn completions(
 ) -> Response {
     let result = async {
         let body = body.map_err(body_error)?;
-        let request = parse_completion(&body, &state.config.sampling_defaults)?;
-        let prompt = match request.prompt {
-            Prompt::Text(text) => state.tokenizer.encode(&text, true).map_err(|e| {
+        let mut request = parse_completion(&body, &state.config.sampling_defaults)?;
+        let prompt = match &request.prompt {
+            Prompt::Text(text) => state.tokenizer.encode(text, true).map_err(|e| {
                 ApiError::invalid(format!("tokenizing the prompt: {e}"), Some("prompt"))
             })?,
             Prompt::Tokens(tokens) => {
@@ -102,9 +102,15 @@ pub async fn completions(
                         Some("prompt"),
                     ));
                 }
-                tokens
+                tokens.clone()
             }
         };
+        if request.echo {
+            request.options.echo = Some(match request.prompt {
+                Prompt::Text(text) => text,
+                Prompt::Tokens(tokens) => state.tokenizer.decode(&tokens),
+            });
+        }
         let client = client.as_ref().map(|c| &c.0);
         generate(&state, (Kind::Completion, client), prompt, request.options).await
     }
@@ -304,6 +310,7 @@ async fn generate(
         model: state.config.model_name.clone(),
         prompt_tokens,
         want_logprobs: options.logprobs.is_some(),
+        echo: options.echo.clone().unwrap_or_default(),
     };
     let endpoint = match kind {
         Kind::Chat => "/v1/chat/completions",
@@ -340,7 +347,7 @@ async fn whole(
     mut session: Session,
     (in_flight, mut log): (InFlight, AccessLog),
 ) -> Result<Response, ApiError> {
-    let mut text = String::new();
+    let mut text = reply.echo.clone();
     let mut logprobs = Vec::new();
     log.outcome = "error";
     loop {
@@ -409,6 +416,16 @@ fn event_stream(
     (in_flight, log): (InFlight, AccessLog),
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let mut pending = VecDeque::new();
+    if !reply.echo.is_empty() {
+        pending.push_back(data(&chunk(
+            &reply,
+            None,
+            &reply.echo,
+            &[],
+            None,
+            include_usage,
+        )));
+    }
     if reply.kind == Kind::Chat {
         pending.push_back(data(&chunk(
             &reply,

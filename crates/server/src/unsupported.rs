@@ -34,10 +34,6 @@ fn not_null(value: &Value) -> bool {
     !value.is_null()
 }
 
-fn true_flag(value: &Value) -> bool {
-    value.as_bool() != Some(false) && !value.is_null()
-}
-
 fn non_empty(value: &Value) -> bool {
     match value {
         Value::Null => false,
@@ -70,12 +66,6 @@ fn not_text_modalities(value: &Value) -> bool {
 
 /// Every refused field.
 pub const UNSUPPORTED: &[Unsupported] = &[
-    Unsupported {
-        name: "echo",
-        endpoint: Endpoint::Completion,
-        is_set: true_flag,
-        note: "echoing the prompt is not implemented yet",
-    },
     Unsupported {
         name: "best_of",
         endpoint: Endpoint::Completion,
@@ -213,8 +203,6 @@ mod tests {
     #[test]
     fn set_fields_are_refused_and_neutral_values_pass() {
         assert!(check(json!({"logit_bias": {"50256": -100}}), true).is_ok());
-        assert!(check(json!({"echo": true}), false).is_err());
-        assert!(check(json!({"echo": false}), false).is_ok());
         assert!(check(json!({"best_of": 3}), false).is_err());
         assert!(check(json!({"best_of": 1}), false).is_ok());
         assert!(check(json!({"response_format": {"type": "json_object"}}), true).is_err());

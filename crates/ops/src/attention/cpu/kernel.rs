@@ -58,7 +58,7 @@ impl AttentionKernel {
     /// ignored): `auto`, `simd` or empty give `Ok(None)` (use [`AttentionKernel::best`]);
     /// `scalar`, `avx2`, `avx512` give that kernel; anything else is an error naming the value
     /// and the accepted ones.
-    pub fn parse(text: &str) -> Result<Option<AttentionKernel>, String> {
+    pub fn parse(text: &str) -> Result<Option<AttentionKernel>, crate::UnknownChoice> {
         crate::kernel_choice::parse(text)
     }
 
@@ -181,7 +181,7 @@ mod tests {
             AttentionKernel::parse("AVX512"),
             Ok(Some(AttentionKernel::Avx512))
         );
-        let error = AttentionKernel::parse("sse").unwrap_err();
+        let error = AttentionKernel::parse("sse").unwrap_err().to_string();
         assert!(error.contains(ATTENTION_KERNEL_ENV_VAR) && error.contains("sse"));
         assert!(AttentionKernel::best().is_supported());
         assert_eq!(AttentionKernel::Avx2.to_string(), "avx2");

@@ -69,7 +69,7 @@ impl F32Decode {
     /// Parses an [`F32_DECODE_ENV_VAR`] value (ASCII case and surrounding spaces ignored):
     /// `auto` or empty give `Ok(None)` (use [`F32Decode::best`]); anything but `avx512`,
     /// `avx2` and `tile` is an error naming the value and the accepted ones.
-    pub fn parse(text: &str) -> Result<Option<F32Decode>, String> {
+    pub fn parse(text: &str) -> Result<Option<F32Decode>, crate::UnknownChoice> {
         crate::kernel_choice::parse(text)
     }
 
@@ -422,7 +422,7 @@ mod tests {
         .is_none());
         assert_eq!(F32Decode::parse(""), Ok(None));
         assert_eq!(F32Decode::parse("auto"), Ok(None));
-        let error = F32Decode::parse("sse").unwrap_err();
+        let error = F32Decode::parse("sse").unwrap_err().to_string();
         assert!(
             error.contains(F32_DECODE_ENV_VAR) && error.contains("avx512"),
             "{error}"

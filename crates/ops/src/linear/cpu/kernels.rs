@@ -63,7 +63,7 @@ impl CpuKernels {
     /// Parses a `PAGODA_CPU_KERNELS` value as one set for every weight (`auto` resolves to
     /// [`CpuKernels::best`]; the per-weight meaning of `auto` is [`CpuKernelPolicy::parse`]).
     /// The error names the bad value.
-    pub fn parse(value: &str) -> Result<CpuKernels, String> {
+    pub fn parse(value: &str) -> Result<CpuKernels, crate::UnknownChoice> {
         Ok(crate::kernel_choice::parse::<CpuKernelPolicy>(value)?
             .map_or_else(CpuKernels::best, |policy| policy.kernels))
     }
@@ -159,7 +159,7 @@ impl CpuKernelPolicy {
     /// a set name is that set for every weight, `SET+f32_ffn_down` that set with `ffn_down`
     /// on the f32 kernels and `SET+q15_ffn_down` (`amx` or `vnni8`) with `ffn_down` on Q15
     /// activations (the names `auto` logs). The error names the bad value.
-    pub fn parse(value: &str) -> Result<CpuKernelPolicy, String> {
+    pub fn parse(value: &str) -> Result<CpuKernelPolicy, crate::UnknownChoice> {
         Ok(CpuKernelPolicy::parse_choice(value)?.unwrap_or_else(CpuKernelPolicy::auto))
     }
 
@@ -250,7 +250,7 @@ impl KernelChoice for CpuKernelPolicy {
     fn auto_choice() -> Self {
         CpuKernelPolicy::auto()
     }
-    fn parse_choice(text: &str) -> Result<Option<Self>, String> {
+    fn parse_choice(text: &str) -> Result<Option<Self>, crate::UnknownChoice> {
         let text = text.trim().to_ascii_lowercase().replace('-', "_");
         // A set with an `ffn_down` exception, as `auto` names its choice.
         for (suffix, ffn_down) in [
@@ -267,14 +267,15 @@ impl KernelChoice for CpuKernelPolicy {
                 _ => kernels != CpuKernels::F32,
             };
             if !allowed {
-                return Err(format!(
-                    "PAGODA_CPU_KERNELS={text:?}: {suffix} needs {}",
-                    if ffn_down == FfnDown::Q15 {
-                        "the amx or vnni8 set"
+                return Err(crate::UnknownChoice {
+                    setting: "PAGODA_CPU_KERNELS",
+                    value: text.clone(),
+                    allowed: if ffn_down == FfnDown::Q15 {
+                        "SET+q15_ffn_down with SET amx or vnni8".to_string()
                     } else {
-                        "an integer set"
-                    }
-                ));
+                        "SET+f32_ffn_down with an integer SET".to_string()
+                    },
+                });
             }
             return Ok(Some(CpuKernelPolicy { kernels, ffn_down }));
         }
@@ -369,11 +370,15 @@ mod tests {
             "avx2+q15_ffn_down",
             "f32+q15_ffn_down",
         ] {
-            let error = CpuKernelPolicy::parse(bad).unwrap_err();
-            assert!(error.contains(bad) && error.contains("needs"), "{error}");
+            let error = CpuKernelPolicy::parse(bad).unwrap_err().to_string();
+            assert!(
+                error.contains(bad) && error.contains("ffn_down with"),
+                "{error}"
+            );
         }
         assert!(CpuKernelPolicy::parse("sse9+f32_ffn_down")
             .unwrap_err()
+            .to_string()
             .contains("sse9"));
     }
 
@@ -398,7 +403,7 @@ mod tests {
             }
             _ => assert_eq!(auto, CpuKernelPolicy::uniform(CpuKernels::F32)),
         }
-        let error = CpuKernelPolicy::parse("sse9").unwrap_err();
+        let error = CpuKernelPolicy::parse("sse9").unwrap_err().to_string();
         assert!(error.contains("sse9") && error.contains("amx"), "{error}");
     }
 }

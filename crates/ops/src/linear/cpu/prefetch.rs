@@ -30,15 +30,17 @@ static PREFETCHED: AtomicU64 = AtomicU64::new(0);
 /// Parses a [`PREFETCH_ENV_VAR`] value (ASCII case and surrounding spaces ignored): `auto` or
 /// empty give [`DEFAULT_BYTES`], `off` or `0` give 0 (no prefetch), a byte count up to
 /// [`MAX_BYTES`] gives itself; anything else is an error naming the value and the fix.
-pub fn parse(text: &str) -> Result<usize, String> {
+pub fn parse(text: &str) -> Result<usize, crate::UnknownChoice> {
     match text.trim().to_ascii_lowercase().as_str() {
         "" | "auto" => Ok(DEFAULT_BYTES),
         "off" => Ok(0),
         number => match number.parse::<usize>() {
             Ok(bytes) if bytes <= MAX_BYTES => Ok(bytes),
-            _ => Err(format!(
-                "{PREFETCH_ENV_VAR}={text:?} is not auto, off or a byte count up to {MAX_BYTES}"
-            )),
+            _ => Err(crate::UnknownChoice {
+                setting: PREFETCH_ENV_VAR,
+                value: text.to_string(),
+                allowed: format!("auto, off, a byte count up to {MAX_BYTES}"),
+            }),
         },
     }
 }
@@ -109,7 +111,7 @@ mod tests {
         assert_eq!(parse("4096"), Ok(4096));
         assert_eq!(parse(&MAX_BYTES.to_string()), Ok(MAX_BYTES));
         for bad in ["-1", "4k", "lots", &(MAX_BYTES + 1).to_string()] {
-            let error = parse(bad).unwrap_err();
+            let error = parse(bad).unwrap_err().to_string();
             assert!(
                 error.contains(PREFETCH_ENV_VAR) && error.contains(bad),
                 "{error}"

@@ -65,7 +65,7 @@ impl AmxPrefill {
     }
 
     /// Parses `auto` (or empty: `None`), `int8`, `bf16`; the error names the bad value.
-    pub fn parse(text: &str) -> Result<Option<AmxPrefill>, String> {
+    pub fn parse(text: &str) -> Result<Option<AmxPrefill>, crate::UnknownChoice> {
         crate::kernel_choice::parse(text)
     }
 

@@ -37,7 +37,7 @@ impl TileBackend {
 
     /// Parses a [`TILES_ENV_VAR`] value: `auto` (or empty: `None`), `hardware`, `emulated`;
     /// the error names the bad value.
-    pub fn parse(text: &str) -> Result<Option<TileBackend>, String> {
+    pub fn parse(text: &str) -> Result<Option<TileBackend>, crate::UnknownChoice> {
         crate::kernel_choice::parse(text)
     }
 }

@@ -40,7 +40,7 @@ impl HighBits {
     /// Parses a [`HIGH_BITS_ENV_VAR`] value (ASCII case and surrounding spaces ignored):
     /// `auto` or empty give `Ok(None)`; anything but `planes` and `bytes` is an error naming
     /// the value and the accepted ones.
-    pub fn parse(text: &str) -> Result<Option<HighBits>, String> {
+    pub fn parse(text: &str) -> Result<Option<HighBits>, crate::UnknownChoice> {
         crate::kernel_choice::parse(text)
     }
 
@@ -114,7 +114,7 @@ mod tests {
         assert_eq!(HighBits::parse(" Auto "), Ok(None));
         assert_eq!(HighBits::parse("planes"), Ok(Some(HighBits::Planes)));
         assert_eq!(HighBits::parse("BYTES"), Ok(Some(HighBits::Bytes)));
-        let error = HighBits::parse("nibbles").unwrap_err();
+        let error = HighBits::parse("nibbles").unwrap_err().to_string();
         assert!(error.contains(HIGH_BITS_ENV_VAR) && error.contains("nibbles"));
     }
 

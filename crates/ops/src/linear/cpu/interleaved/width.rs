@@ -57,7 +57,7 @@ impl IntDecode {
     /// Parses an [`INT_DECODE_ENV_VAR`] value (ASCII case and surrounding spaces ignored):
     /// `auto` or empty give `Ok(None)`; anything but `avx512` and `avx2` is an error naming
     /// the value and the accepted ones.
-    pub fn parse(text: &str) -> Result<Option<IntDecode>, String> {
+    pub fn parse(text: &str) -> Result<Option<IntDecode>, crate::UnknownChoice> {
         crate::kernel_choice::parse(text)
     }
 
@@ -149,7 +149,7 @@ impl IntPrefill {
     }
 
     /// Parses an [`INT_PREFILL_ENV_VAR`] value as [`IntDecode::parse`] does.
-    pub fn parse(text: &str) -> Result<Option<IntPrefill>, String> {
+    pub fn parse(text: &str) -> Result<Option<IntPrefill>, crate::UnknownChoice> {
         crate::kernel_choice::parse(text)
     }
 
@@ -204,13 +204,13 @@ mod tests {
         assert_eq!(IntDecode::parse(""), Ok(None));
         assert_eq!(IntDecode::parse("avx512"), Ok(Some(IntDecode::Avx512)));
         assert_eq!(IntDecode::parse("AVX2"), Ok(Some(IntDecode::Avx2)));
-        let error = IntDecode::parse("zmm").unwrap_err();
+        let error = IntDecode::parse("zmm").unwrap_err().to_string();
         assert!(error.contains(INT_DECODE_ENV_VAR) && error.contains("zmm"));
         assert_eq!(IntDecode::best() == IntDecode::Avx512, intel_cpu());
         assert_eq!(IntPrefill::parse(" Auto "), Ok(None));
         assert_eq!(IntPrefill::parse("avx2"), Ok(Some(IntPrefill::Avx2)));
         assert_eq!(IntPrefill::parse("AVX512"), Ok(Some(IntPrefill::Avx512)));
-        let error = IntPrefill::parse("ymm").unwrap_err();
+        let error = IntPrefill::parse("ymm").unwrap_err().to_string();
         assert!(error.contains(INT_PREFILL_ENV_VAR) && error.contains("ymm"));
     }
 }

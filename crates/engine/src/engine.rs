@@ -288,7 +288,17 @@ impl Engine {
         id: RequestId,
         bias: Vec<(u32, f32)>,
     ) -> Result<(), EngineError> {
-        logit_bias::validate(&bias, self.runner.config().vocab_size)?;
+        let vocab_size = self.runner.config().vocab_size;
+        logit_bias::validate(&bias, vocab_size).map_err(|bad| match bad {
+            logit_bias::BadBias::Token(token) => EngineError::TokenOutOfRange { token, vocab_size },
+            logit_bias::BadBias::Value(value) => {
+                EngineError::Sampling(pagoda_ops::sampling::InvalidSamplingParam {
+                    field: "logit_bias",
+                    value,
+                    range: "in [-100, 100]".to_string(),
+                })
+            }
+        })?;
         let state = self
             .requests
             .get_mut(&id)

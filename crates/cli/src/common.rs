@@ -66,6 +66,11 @@ pub struct ModelArgs {
     /// CUDA graphs (vLLM's spelling). `PAGODA_CUDA_GRAPHS=0` does the same.
     #[arg(long)]
     pub enforce_eager: bool,
+    /// Skip the warm-ups (llama.cpp's spelling): on the GPU, kernels then compile at their
+    /// first launch and decode graphs are captured at first use (`PAGODA_CUDA_WARMUP=off`
+    /// does the same); `pagoda bench` also skips its untimed warm-up runs.
+    #[arg(long)]
+    pub no_warmup: bool,
     /// On the GPU, the decode attention: `fused` (split-KV over the page table, pages read
     /// in place), `gather` (copy the pages, then attend: the baseline) or `auto` (fused
     /// wherever it supports the model). Default: $PAGODA_PAGED_DECODE, else auto.
@@ -106,6 +111,11 @@ pub fn model_flag_values(args: &ModelArgs) -> Vec<FlagValue> {
         "PAGODA_CUDA_GRAPHS",
         "--enforce-eager",
         args.enforce_eager.then(|| "off".to_owned()),
+    );
+    push(
+        "PAGODA_CUDA_WARMUP",
+        "--no-warmup",
+        args.no_warmup.then(|| "off".to_owned()),
     );
     flags
 }
@@ -196,7 +206,8 @@ pub fn stop_tokens(
 }
 
 /// Sets up logging to stderr (WARN by default so one-time path lines show with -v only;
-/// with `access_log`, the server's per-request lines, target `pagoda_access`, show too).
+/// progress of long start-up work, target `pagoda_progress`, shows at INFO; with
+/// `access_log`, the server's per-request lines, target `pagoda_access`, show too).
 pub fn init_logging(verbose: u8, access_log: bool) {
     let level = match verbose {
         0 => "warn",
@@ -204,10 +215,10 @@ pub fn init_logging(verbose: u8, access_log: bool) {
         2 => "debug",
         _ => "trace",
     };
-    let default = if access_log && verbose == 0 {
-        format!("{level},pagoda_access=info")
-    } else {
-        level.to_owned()
+    let default = match (verbose, access_log) {
+        (0, true) => format!("{level},pagoda_progress=info,pagoda_access=info"),
+        (0, false) => format!("{level},pagoda_progress=info"),
+        _ => level.to_owned(),
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
@@ -433,7 +444,11 @@ pub fn engine(model: Backend, args: &ModelArgs, ctx: usize, parallel: usize) -> 
         policy_name(config.attention),
         config.sampler
     );
-    Engine::new(model, config).map_err(anyhow::Error::msg)
+    let mut engine = Engine::new(model, config).map_err(anyhow::Error::msg)?;
+    // On CUDA, the kernels compile and the graphs are captured here, before the first token
+    // is timed (a `generate` pays the cost once, not inside its first request).
+    engine.warm_up(&mut |_| {}).map_err(anyhow::Error::msg)?;
+    Ok(engine)
 }
 
 #[cfg(test)]

@@ -1,8 +1,14 @@
-//! End-to-end tests of `pagoda inspect` and `pagoda bench`.
+//! End-to-end tests of `pagoda inspect` and `pagoda bench` (`bench serve` against a
+//! `pagoda serve` of a tiny model).
 
 mod support;
 
-use support::{default_model, pagoda, tiny_model};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use support::{default_model, pagoda, repo_root, tiny_model};
 
 /// The value after `prefix` on the line that starts with it.
 fn line_after<'a>(text: &'a str, prefix: &str) -> &'a str {
@@ -147,8 +153,15 @@ fn inspect_tiny_gguf_and_hf_directory() {
     assert_eq!(line_after(&out.stdout_text(), "architecture: "), "Qwen3");
 }
 
-/// Parses the JSON report and checks its tests: name -> all rates positive and finite.
-fn check_json_report(stdout: &str, expected_tests: &[&str], repetitions: usize, batch: u64) {
+/// Parses the JSON report and checks its tests: name -> all rates positive and finite, the
+/// median the middle rate (the mean of the two middle ones for an even count). Returns the
+/// report.
+fn check_json_report(
+    stdout: &str,
+    expected_tests: &[&str],
+    repetitions: usize,
+    batch: u64,
+) -> serde_json::Value {
     let report: serde_json::Value =
         serde_json::from_str(stdout).unwrap_or_else(|e| panic!("bad JSON ({e}):\n{stdout}"));
     assert_eq!(report["batch"].as_u64(), Some(batch));
@@ -176,7 +189,22 @@ fn check_json_report(stdout: &str, expected_tests: &[&str], repetitions: usize, 
         assert!(min > 0.0 && min <= median && median <= max, "{result}");
         assert_eq!(min, rates.iter().copied().fold(f64::INFINITY, f64::min));
         assert_eq!(max, rates.iter().copied().fold(0.0, f64::max));
+        let mut sorted = rates.clone();
+        sorted.sort_by(f64::total_cmp);
+        let middle = sorted.len() / 2;
+        let expected = if sorted.len() % 2 == 1 {
+            sorted[middle]
+        } else {
+            (sorted[middle - 1] + sorted[middle]) / 2.0
+        };
+        assert!((median - expected).abs() <= 1e-9 * expected, "{result}");
+        // Present only when the repetitions differ by more than 2x.
+        if let Some(line) = result.get("disagreement") {
+            assert!(max > 2.0 * min, "{result}");
+            assert!(line.as_str().unwrap().starts_with("tokens_per_second: "));
+        }
     }
+    report
 }
 
 #[test]
@@ -242,5 +270,141 @@ fn bench_tiny_model_several_prompt_lengths() {
         None,
     );
     out.assert_success();
-    check_json_report(&out.stdout_text(), &["pp8", "pp32"], 3, 1);
+    let report = check_json_report(&out.stdout_text(), &["pp8", "pp32"], 3, 1);
+    assert_eq!(report["warmup"], true);
+}
+
+#[test]
+fn bench_without_warmup_and_even_repetitions() {
+    let dir = tiny_model("tiny-qwen2");
+    let out = pagoda(
+        &[
+            "bench",
+            "-m",
+            dir.to_str().unwrap(),
+            "-p",
+            "8",
+            "-n",
+            "4",
+            "-r",
+            "4",
+            "--no-warmup",
+            "--json",
+        ],
+        None,
+    );
+    out.assert_success();
+    let report = check_json_report(&out.stdout_text(), &["pp8", "tg4"], 4, 1);
+    assert_eq!(report["warmup"], false);
+}
+
+/// A `pagoda serve` of a model on a free port of 127.0.0.1, killed when dropped.
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Server {
+    fn start(model: &Path) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pagoda"))
+            .args(["serve", "-m", model.to_str().unwrap(), "--port", "0"])
+            .current_dir(repo_root())
+            .env_remove("PAGODA_MODEL")
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting pagoda serve");
+        let stderr = child.stderr.take().expect("stderr pipe");
+        let (sender, receiver) = std::sync::mpsc::channel();
+        // Reads stderr to its end, so the server never blocks on a full pipe.
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if let Some(rest) = line.strip_prefix("listening on ") {
+                    let url = rest.split_whitespace().next().unwrap_or_default();
+                    let _ = sender.send(url.to_owned());
+                }
+            }
+        });
+        let mut server = Server {
+            child,
+            url: String::new(),
+        };
+        server.url = receiver
+            .recv_timeout(Duration::from_secs(60))
+            .expect("pagoda serve did not say where it listens within 60 s");
+        server
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn bench_serve_reports_every_repetition() {
+    let server = Server::start(&tiny_model("tiny-qwen2"));
+    let mut args = vec![
+        "bench",
+        "serve",
+        "--url",
+        &server.url,
+        "--scenarios",
+        "single,batch4",
+        "--clients",
+        "2",
+        "-n",
+        "4",
+        "-r",
+        "2",
+        "--prompt-words",
+        "4",
+        "--json",
+    ];
+    let out = pagoda(&args, None);
+    out.assert_success();
+    let stdout = out.stdout_text();
+    let report: serde_json::Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("bad JSON ({e}):\n{stdout}"));
+    assert_eq!(report["warmup"], true);
+    assert_eq!(report["repetitions"], 2);
+    let results = report["results"].as_array().expect("results array");
+    assert_eq!(results.len(), 2);
+    for (result, clients) in results.iter().zip([1u64, 2]) {
+        assert_eq!(result["clients"], clients, "{result}");
+        let repetitions = result["repetitions"].as_array().expect("repetitions array");
+        assert_eq!(repetitions.len(), 2, "{result}");
+        for repetition in repetitions {
+            for metric in [
+                "ttft_p50_ms",
+                "ttft_p95_ms",
+                "itl_p50_ms",
+                "itl_p95_ms",
+                "throughput_tokens_per_second",
+                "wall_ms",
+            ] {
+                let value = repetition[metric].as_f64().unwrap();
+                assert!(value.is_finite() && value >= 0.0, "{metric}: {result}");
+            }
+            // `ignore_eos`: every client generates exactly -n tokens.
+            assert_eq!(repetition["completion_tokens"], 4 * clients, "{result}");
+        }
+        // The median of two repetitions is their mean.
+        let throughput =
+            |r: &serde_json::Value| r["throughput_tokens_per_second"].as_f64().unwrap();
+        let mean = (throughput(&repetitions[0]) + throughput(&repetitions[1])) / 2.0;
+        assert!((throughput(result) - mean).abs() <= 1e-9 * mean, "{result}");
+        assert!(result["disagreement"].is_array(), "{result}");
+    }
+
+    args.push("--no-warmup");
+    let out = pagoda(&args, None);
+    out.assert_success();
+    let report: serde_json::Value = serde_json::from_str(&out.stdout_text()).unwrap();
+    assert_eq!(report["warmup"], false);
 }

@@ -178,6 +178,12 @@ settings! {
         "ops linear::cpu::prefetch",
         "Software-prefetch distance of the integer kernels in bytes (auto: 8192; off or 0: none).";
 
+    "PAGODA_CUDA_WARMUP", Some("--no-warmup (off)"), ON_OFF, "on", Cuda,
+        "engine cuda_runner::warmup",
+        "Before ready: compile every kernel the model can launch, capture the decode graphs, run a warm-up step.";
+    "PAGODA_KERNEL_FORMAT", None, Values::Choice(&["cubin", "ptx"]), "cubin", Cuda,
+        "cuda registry::Registry",
+        "Compile kernels to a cubin for this GPU (cached per GPU and driver) or to PTX (JIT at load).";
     "PAGODA_CUDA_GRAPHS", Some("--enforce-eager (off)"), ON_OFF, "on", Cuda,
         "cli common::cuda_graphs",
         "Replay decode steps from CUDA graphs.";

@@ -10,7 +10,7 @@
 pub use pagoda_tensor::DType;
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// The CUDA C++ type the kernels use for `dtype`.
 pub fn cuda_type(dtype: DType) -> &'static str {
@@ -86,7 +86,9 @@ impl std::hash::Hash for KernelSource {
     }
 }
 
-/// A GPU code target: the NVRTC `--gpu-architecture` value (`compute_90a`, `compute_80`).
+/// A GPU code target: the NVRTC `--gpu-architecture` value. A virtual architecture
+/// (`compute_90a`, `compute_80`) compiles to PTX, which the driver JIT-compiles at load; a
+/// real one (`sm_90a`) compiles to a cubin for exactly that GPU generation.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Arch(pub String);
 
@@ -100,11 +102,27 @@ impl Arch {
             Arch(format!("compute_{major}{minor}"))
         }
     }
+
+    /// The real architecture of this virtual one (`compute_90a` -> `sm_90a`); a real one
+    /// is returned as is.
+    pub fn real(&self) -> Arch {
+        match self.0.strip_prefix("compute_") {
+            Some(version) => Arch(format!("sm_{version}")),
+            None => self.clone(),
+        }
+    }
+
+    /// Whether NVRTC compiles this target to a cubin (a real `sm_` architecture) rather
+    /// than to PTX.
+    pub fn is_real(&self) -> bool {
+        self.0.starts_with("sm_")
+    }
 }
 
 /// Names one compiled kernel: source hash, entry point, every template parameter, every
-/// dtype, the architecture and the NVRTC version. Two launches share a compiled kernel
-/// exactly when their keys are equal.
+/// dtype, the architecture, the NVRTC version and, for code cached on disk for one machine,
+/// the GPU and driver ([`with_device`](Self::with_device)). Two launches share a compiled
+/// kernel exactly when their keys are equal.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct KernelKey {
     /// FNV-1a 64 of prelude + source text.
@@ -121,6 +139,9 @@ pub struct KernelKey {
     pub arch: Arch,
     /// NVRTC `(major, minor)`.
     pub nvrtc_version: (i32, i32),
+    /// The GPU and driver the code is for (`NVIDIA H200, driver 13000`), when the key names
+    /// a machine's cubin; `None` for portable PTX.
+    pub device: Option<Arc<str>>,
 }
 
 impl KernelKey {
@@ -138,7 +159,14 @@ impl KernelKey {
             dtypes,
             arch: arch.clone(),
             nvrtc_version,
+            device: None,
         }
+    }
+
+    /// This key for code built on `device` (its GPU name and driver version).
+    pub fn with_device(mut self, device: &Arc<str>) -> KernelKey {
+        self.device = Some(device.clone());
+        self
     }
 
     /// One-line canonical text naming every field; written into cached files and compared
@@ -159,6 +187,9 @@ impl KernelKey {
         for (role, dtype) in &self.dtypes {
             let _ = write!(text, " {role}:{dtype}");
         }
+        if let Some(device) = &self.device {
+            let _ = write!(text, " device={device}");
+        }
         text
     }
 
@@ -176,12 +207,14 @@ impl KernelKey {
         params.chain(dtypes).collect()
     }
 
-    /// File name in the disk cache: entry point plus a 128-bit hash of [`canonical`](Self::canonical).
+    /// File name in the disk cache: entry point plus a 128-bit hash of
+    /// [`canonical`](Self::canonical), `.cubin` or `.ptx` after the architecture.
     pub fn file_name(&self) -> String {
         let text = self.canonical();
         let low = fnv1a(&[text.as_bytes()], FNV_OFFSET);
         let high = fnv1a(&[text.as_bytes()], FNV_OFFSET ^ 0x9e37_79b9_7f4a_7c15);
-        format!("{}-{high:016x}{low:016x}.ptx", self.entry)
+        let extension = if self.arch.is_real() { "cubin" } else { "ptx" };
+        format!("{}-{high:016x}{low:016x}.{extension}", self.entry)
     }
 }
 
@@ -337,6 +370,17 @@ mod tests {
             (13, 0),
         );
         assert_ne!(hopper.source_hash, changed.source_hash);
+        let cubin = KernelKey::new(&spec, &Arch::for_compute_capability(9, 0).real(), (13, 0));
+        assert_eq!(cubin.arch.0, "sm_90a");
+        assert!(cubin.file_name().ends_with(".cubin") && hopper.file_name().ends_with(".ptx"));
+        let h200: Arc<str> = "NVIDIA H200, driver 13000".into();
+        let h100: Arc<str> = "NVIDIA H100, driver 13000".into();
+        let on_h200 = cubin.clone().with_device(&h200);
+        assert!(on_h200
+            .canonical()
+            .ends_with(" device=NVIDIA H200, driver 13000"));
+        assert_ne!(on_h200.file_name(), cubin.file_name());
+        assert_ne!(on_h200.file_name(), cubin.with_device(&h100).file_name());
     }
 
     #[test]

@@ -11,8 +11,10 @@
 //! - The kernel registry: CUDA C++ sources (a [`KernelSource`] each, embedded by the op
 //!   that owns them, after the shared `prelude.cuh`) are specialised by
 //!   `-D` defines derived from a [`KernelKey`] (see [`key`]), compiled by NVRTC for the
-//!   device's architecture (`compute_90a` on Hopper) and memoised in memory and on disk
-//!   ([`kernel_cache_dir`]).
+//!   device's exact architecture (a cubin for `sm_90a` on Hopper; PTX with
+//!   `PAGODA_KERNEL_FORMAT=ptx`) and memoised in memory and on disk ([`kernel_cache_dir`]),
+//!   keyed by GPU, driver, NVRTC version and source hash. [`Gpu::prepare_all`] compiles a
+//!   list of kernels on several threads ahead of their first launch (the warm-up).
 //! - Launch plumbing for the launchers in `pagoda-ops`: typed device views ([`DeviceRead`],
 //!   [`KernelArg`], [`LaunchDims`]) and argument checks ([`check_len`], [`to_u32`]).
 //!
@@ -21,6 +23,7 @@
 
 mod error;
 pub mod key;
+mod loads;
 mod memory;
 
 #[cfg(feature = "cuda")]
@@ -41,6 +44,7 @@ pub use error::{check_len, check_min_len, to_u32, CudaError};
 pub use key::{
     cuda_include_dirs, kernel_cache_dir, Arch, DType, KernelKey, KernelSource, KernelSpec,
 };
+pub use loads::{KernelLoads, Prepared};
 pub use memory::{
     ptr, view, view_mut, whole, DeviceRead, DeviceView, DeviceViewMut, DeviceWrite, KernelArg,
     LaunchDims,
@@ -70,13 +74,27 @@ pub struct DeviceInfo {
     pub arch: Arch,
     /// NVRTC `(major, minor)`.
     pub nvrtc_version: (i32, i32),
+    /// The driver's CUDA version (`cuDriverGetVersion`: 1000 x major + 10 x minor).
+    pub driver_version: i32,
+}
+
+impl DeviceInfo {
+    /// The GPU and driver, as the kernel cache keys a machine's cubins:
+    /// `NVIDIA H200 sm_90 driver 13000`.
+    pub fn platform(&self) -> String {
+        let (major, minor) = self.compute_capability;
+        format!(
+            "{} sm_{major}{minor} driver {}",
+            self.name, self.driver_version
+        )
+    }
 }
 
 impl std::fmt::Display for DeviceInfo {
     fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             formatter,
-            "cuda:{} {} (sm_{}{}, {} SMs, {} MiB L2, {:.1} GiB, kernels {} via NVRTC {}.{})",
+            "cuda:{} {} (sm_{}{}, {} SMs, {} MiB L2, {:.1} GiB, kernels {} via NVRTC {}.{}, driver {})",
             self.ordinal,
             self.name,
             self.compute_capability.0,
@@ -86,7 +104,8 @@ impl std::fmt::Display for DeviceInfo {
             self.total_memory_bytes as f64 / (1u64 << 30) as f64,
             self.arch.0,
             self.nvrtc_version.0,
-            self.nvrtc_version.1
+            self.nvrtc_version.1,
+            self.driver_version
         )
     }
 }

@@ -9,7 +9,7 @@ use std::ops::Range;
 
 use crate::key::{Arch, DType, KernelKey, KernelSpec};
 use crate::memory::{DeviceRead, DeviceView, DeviceViewMut, DeviceWrite, KernelArg, LaunchDims};
-use crate::{CudaError, DeviceInfo};
+use crate::{CudaError, DeviceInfo, KernelLoads, Prepared};
 
 /// Always [`CudaError::NotCompiled`].
 pub fn available() -> Result<DeviceInfo, CudaError> {
@@ -25,7 +25,7 @@ pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
 pub fn compile_for_arch(
     _spec: &KernelSpec,
     _arch: &Arch,
-) -> Result<(String, KernelKey), CudaError> {
+) -> Result<(Vec<u8>, KernelKey), CudaError> {
     Err(CudaError::NotCompiled)
 }
 
@@ -183,6 +183,10 @@ impl<K: Hash + Eq> GraphCache<K> {
     pub fn is_empty(&self) -> bool {
         true
     }
+    /// Always false.
+    pub fn contains(&self, _key: &K) -> bool {
+        false
+    }
     /// Unreachable (no `Gpu` exists).
     pub fn get_or_capture(
         &mut self,
@@ -235,6 +239,18 @@ impl Gpu {
     }
     /// Unreachable.
     pub fn loaded_kernels(&self) -> usize {
+        match self.never {}
+    }
+    /// Unreachable.
+    pub fn prepare_all(
+        &self,
+        _specs: &[KernelSpec],
+        _threads: usize,
+    ) -> Result<Prepared, CudaError> {
+        match self.never {}
+    }
+    /// Unreachable.
+    pub fn kernel_sources(&self) -> KernelLoads {
         match self.never {}
     }
     /// Unreachable.

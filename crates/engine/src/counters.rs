@@ -98,6 +98,11 @@ engine_counters! {
     /// CUDA graphs captured.
     cuda_graphs_captured: "pagoda_cuda_graphs_captured", Gauge,
         "CUDA graphs captured (one per decode batch bucket).";
+    /// CUDA kernels compiled by NVRTC in this process.
+    cuda_kernels_compiled: "pagoda_cuda_kernels_loaded_total" ["source" = "compiled"], Counter,
+        "CUDA kernels loaded, by where their code came from (compiled: NVRTC in this process; cache: the disk cache). After the warm-up, neither should move.";
+    /// CUDA kernels read from the disk cache in this process.
+    cuda_kernels_from_cache: "pagoda_cuda_kernels_loaded_total" ["source" = "cache"], Counter, "";
     /// CUDA steps launched kernel by kernel from the host.
     steps_cuda_eager: "pagoda_cuda_eager_steps_total", Counter,
         "CUDA steps launched kernel by kernel from the host.";

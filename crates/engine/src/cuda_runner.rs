@@ -21,10 +21,12 @@ pub use pagoda_models::llama_cuda::{
     CudaCacheOptions, CudaModel, DType, PagedDecodeMode, SamplingRowParams,
 };
 pub use sampling::SampledRow;
+pub use warmup::{WarmupReport, WARMUP_STAGES};
 
 mod sampling;
 mod staging;
 mod step;
+mod warmup;
 
 /// The KV pools (one K and one V per layer), the step buffers, the pinned staging of the
 /// step inputs and the captured decode graphs.
@@ -86,7 +88,8 @@ macro_rules! typed {
 
 impl CudaRunner {
     /// Allocates the KV pools and the step buffers of `options` for `model` (the cache starts
-    /// empty) and, with CUDA graphs on, captures the decode graph of every batch bucket.
+    /// empty). Kernels compile at their first launch and decode graphs are captured at
+    /// their first use unless [`warm_up`](Self::warm_up) runs first.
     pub fn new(model: CudaModel, options: CudaCacheOptions) -> Result<CudaRunner, CudaError> {
         let mut runner = CudaRunner {
             inner: match model {
@@ -98,7 +101,8 @@ impl CudaRunner {
         Ok(runner)
     }
 
-    /// Reallocates the KV pools and the step buffers; the cache starts empty.
+    /// Reallocates the KV pools and the step buffers; the cache starts empty and the decode
+    /// graphs are captured again (by the next warm-up, or at first use).
     pub fn prepare(&mut self, options: CudaCacheOptions) -> Result<(), CudaError> {
         typed!(&mut self.inner, runner => runner.prepare(options))
     }

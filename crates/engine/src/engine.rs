@@ -13,6 +13,8 @@ use crate::backend::{device_row_params, Backend, Runner};
 use crate::counters::EngineCounters;
 use crate::cpu_pool::CpuThreadsMode;
 use crate::logit_bias;
+
+mod warmup;
 use pagoda_scheduler::{
     Request as SchedulerRequest, SampledToken, Scheduler, SchedulerConfig, SchedulerError,
     SchedulerStats,
@@ -97,6 +99,8 @@ pub enum EngineError {
     Scheduler(#[from] pagoda_scheduler::SchedulerError),
     #[error("allocating the GPU KV cache and step buffers: {0}")]
     Device(#[from] pagoda_cuda::CudaError),
+    #[error("warming up the GPU: {0}")]
+    Warmup(pagoda_cuda::CudaError),
     #[error("internal error (please report): {0}")]
     Internal(String),
 }

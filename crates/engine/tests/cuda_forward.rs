@@ -139,9 +139,19 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
             },
         )
         .unwrap();
+        // The warm-up's steps write into the cache's pages; the schedule below must not see
+        // them (every logit is still compared with the CPU), nor load another kernel.
+        let warmed = model.warm_up(&mut |_| {}).unwrap();
+        assert_eq!(warmed.steps, 3, "{warmed:?}");
+        let loaded = gpu.loaded_kernels();
         let got = run_schedule(&prompts, &schedule, &mut |batch| {
             model.forward(batch).unwrap()
         });
+        assert_eq!(
+            gpu.loaded_kernels(),
+            loaded,
+            "a kernel was loaded after the warm-up"
+        );
         let mut worst_relative = 0f64;
         let mut worst_logprob = 0f64;
         for (step, (e, g)) in expected.iter().zip(&got).enumerate() {
@@ -178,7 +188,7 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
             assert_eq!(counters.steps_cuda_graph, 10, "{counters:?}");
             assert_eq!(
                 counters.cuda_graphs_captured, 4,
-                "buckets 1, 2, 4 and 8, captured at prepare: {counters:?}"
+                "buckets 1, 2, 4 and 8, captured by the warm-up: {counters:?}"
             );
         } else {
             assert_eq!(counters.steps_cuda_graph, 0, "{counters:?}");

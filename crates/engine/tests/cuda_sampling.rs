@@ -248,6 +248,13 @@ fn compare(
     let weights = RandomWeights::new(&config, 23, 4 << 30).unwrap();
     let mut model_a = load(gpu, &weights, dtype, graphs);
     let mut model_b = load(gpu, &weights, dtype, graphs);
+    // After the warm-up, no step compiles or loads a kernel, and its steps are not counted.
+    model_a.warm_up(&mut |_| {}).unwrap();
+    let warmed = model_b.warm_up(&mut |_| {}).unwrap();
+    assert_eq!(warmed.steps, 3, "{warmed:?}");
+    assert_eq!(model_b.counters().steps_cuda_sampled, 0);
+    assert_eq!(model_b.counters().steps_cuda_prefill_kernel, 0);
+    let loaded = gpu.loaded_kernels();
     let requests = requests();
     let mut samplers: Vec<FusedSampler> = requests
         .iter()
@@ -318,6 +325,11 @@ fn compare(
         assert!(counters.steps_cuda_graph > 0, "{counters:?}");
     }
     assert_eq!(model_a.counters().steps_cuda_sampled, 0);
+    assert_eq!(
+        gpu.loaded_kernels(),
+        loaded,
+        "{dtype} graphs {graphs}: a kernel was loaded after the warm-up"
+    );
     (device_rows, host_rows)
 }
 

@@ -40,7 +40,7 @@ pub use crate::sampling::cuda::{
     MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
 };
 
-use pagoda_cuda::KernelSpec;
+use pagoda_cuda::{DType, KernelSpec};
 
 pub use crate::cuda_dtypes::FLOAT_DTYPES;
 
@@ -61,4 +61,92 @@ pub fn all_specializations() -> Vec<KernelSpec> {
         .collect();
     specs.extend(crate::sampling::cuda::specializations());
     specs
+}
+
+/// The specialisations a model can launch: those of [`all_specializations`] whose head
+/// dimension is the model's `head_dim`, whose decode group is its `group` (query heads per
+/// KV head; the merge kernel's group 1 stays), and whose activation dtype (`T`) is `dtype`
+/// or f32 (the logits and the sampler's inputs). The warm-up compiles these before the
+/// server is ready; a few more than one model launches (other paths' kernels) is the price of
+/// never compiling while serving.
+pub fn model_specializations(dtype: DType, head_dim: usize, group: usize) -> Vec<KernelSpec> {
+    let keeps = |spec: &KernelSpec| {
+        let params = spec.params.iter().all(|&(name, value)| match name {
+            "HEAD_DIM" => value == head_dim as i64,
+            "GROUP" => value == group as i64 || value == 1,
+            _ => true,
+        });
+        let dtypes = spec
+            .dtypes
+            .iter()
+            .all(|&(role, t)| role != "T" || t == dtype || t == DType::F32);
+        params && dtypes
+    };
+    all_specializations().into_iter().filter(keeps).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_models_specializations_are_its_head_dim_group_and_dtype() {
+        let all = all_specializations();
+        let model = model_specializations(DType::BF16, 64, 3);
+        assert!(
+            model.len() < all.len() / 2,
+            "{} of {}",
+            model.len(),
+            all.len()
+        );
+        let param = |spec: &KernelSpec, name: &str| {
+            spec.params
+                .iter()
+                .find(|(param, _)| *param == name)
+                .map(|&(_, value)| value)
+        };
+        for spec in &model {
+            assert!(
+                param(spec, "HEAD_DIM").is_none_or(|dim| dim == 64),
+                "{spec:?}"
+            );
+            assert!(
+                param(spec, "GROUP").is_none_or(|g| g == 3 || g == 1),
+                "{spec:?}"
+            );
+        }
+        // Everything a bf16, head_dim 64, group 3 model launches is there: the fused decode of
+        // group 3 and its merge, the prefill, every sampling kernel, the f32 argmax.
+        let has = |entry: &str, group: Option<i64>| {
+            model.iter().any(|spec| {
+                spec.entry == entry
+                    && spec.dtypes.iter().any(|&(_, t)| {
+                        t == DType::BF16 || entry.starts_with("sampling") || entry == "argmax_rows"
+                    })
+                    && group.is_none_or(|g| param(spec, "GROUP") == Some(g))
+            })
+        };
+        let decode_entries: Vec<&str> = all
+            .iter()
+            .filter(|spec| param(spec, "GROUP") == Some(3))
+            .map(|spec| spec.entry)
+            .collect();
+        assert!(!decode_entries.is_empty());
+        for entry in decode_entries {
+            assert!(has(entry, Some(3)), "{entry} of group 3");
+        }
+        for spec in crate::sampling::cuda::specializations() {
+            assert!(model.contains(&spec), "{}", spec.entry);
+        }
+        let prefill: Vec<&KernelSpec> = all
+            .iter()
+            .filter(|spec| spec.entry.contains("prefill") && param(spec, "HEAD_DIM") == Some(64))
+            .filter(|spec| spec.dtypes.iter().any(|&(_, t)| t == DType::BF16))
+            .collect();
+        assert!(!prefill.is_empty());
+        for spec in prefill {
+            assert!(model.contains(spec), "{}", spec.entry);
+        }
+        assert!(has("argmax_rows", None));
+    }
 }

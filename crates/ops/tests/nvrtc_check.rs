@@ -35,6 +35,7 @@ fn every_specialization_compiles_for_sm90a_and_sm80() {
         for spec in &specs {
             match compile_for_arch(spec, &arch) {
                 Ok((ptx, key)) => {
+                    let ptx = String::from_utf8(ptx).expect("PTX is text");
                     assert!(
                         ptx.contains(spec.entry),
                         "{}: entry missing from PTX",
@@ -69,6 +70,38 @@ fn every_specialization_compiles_for_sm90a_and_sm80() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// The registry's format on the GPU: a cubin (ELF) for the real architecture, holding the
+/// entry point's symbol. One small and one large specialisation of a model's kernels.
+#[test]
+fn a_models_kernels_compile_to_sm90a_cubins() {
+    let required = std::env::var("PAGODA_NVRTC_CHECK").is_ok_and(|value| value == "1");
+    if let Err(error) = nvrtc_version() {
+        assert!(
+            !required,
+            "PAGODA_NVRTC_CHECK=1 but NVRTC is unavailable: {error}"
+        );
+        println!("SKIP cubin check: {error}");
+        return;
+    }
+    let specs = pagoda_ops::cuda::model_specializations(pagoda_cuda::DType::BF16, 64, 3);
+    let arch = Arch::for_compute_capability(9, 0).real();
+    let picks = [
+        specs.iter().find(|spec| spec.entry == "rms_norm"),
+        specs.iter().find(|spec| spec.entry.contains("prefill")),
+    ];
+    for spec in picks.into_iter().flatten() {
+        let (image, key) = compile_for_arch(spec, &arch).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(&image[..4], b"\x7fELF", "{}: not a cubin", key.canonical());
+        let entry = spec.entry.as_bytes();
+        assert!(
+            image.windows(entry.len()).any(|window| window == entry),
+            "{}: entry missing from the cubin",
+            key.canonical()
+        );
+        assert!(key.file_name().ends_with(".cubin"));
+    }
 }
 
 #[test]

@@ -14,6 +14,7 @@ pub mod error;
 pub mod format;
 pub mod metrics;
 pub mod props;
+pub mod readiness;
 pub mod request;
 pub mod routes;
 pub mod session;

@@ -147,10 +147,15 @@ pub async fn model(State(state): Shared, Path(id): Path<String>) -> Response {
     .into_response()
 }
 
-/// `GET /health`.
+/// `GET /health`: 200 `{"status": "ok"}` when ready; 503 with `draining`, or with
+/// `loading` and the warm-up's stage as `reason`, or `error` and why the warm-up failed.
 pub async fn health(State(state): Shared) -> Response {
     if state.drain.is_draining() {
         let body = Json(json!({ "status": "draining" }));
+        return (StatusCode::SERVICE_UNAVAILABLE, body).into_response();
+    }
+    if let Err(not_ready) = state.worker.readiness().check() {
+        let body = Json(json!({ "status": not_ready.status, "reason": not_ready.reason }));
         return (StatusCode::SERVICE_UNAVAILABLE, body).into_response();
     }
     Json(json!({ "status": "ok" })).into_response()

@@ -19,6 +19,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::error::ApiError;
 pub use crate::metrics::EngineSnapshot;
 use crate::metrics::Metrics;
+use crate::readiness::Readiness;
 
 /// What the loop needs from an engine (implemented by [`pagoda_engine::Engine`]; tests use a
 /// scripted fake).
@@ -42,6 +43,16 @@ pub trait EngineBackend: Send + 'static {
     fn set_logit_bias(&mut self, id: RequestId, bias: Vec<(u32, f32)>) -> Result<(), EngineError>;
     /// A snapshot of the engine's gauges and counters.
     fn snapshot(&self) -> EngineSnapshot;
+    /// Whether [`warm_up`](Self::warm_up) has work to do (asked once, before the loop
+    /// starts; when false the server is ready at once).
+    fn needs_warmup(&self) -> bool {
+        false
+    }
+    /// Gets ready before the first request (see [`Engine::warm_up`]); `progress` hears each
+    /// stage's name.
+    fn warm_up(&mut self, _progress: &mut dyn FnMut(&str)) -> Result<(), EngineError> {
+        Ok(())
+    }
 }
 
 impl EngineBackend for Engine {
@@ -84,6 +95,12 @@ impl EngineBackend for Engine {
             sampling: pagoda_ops::sampling::sampling_counters(),
             batch_dependent: self.is_cuda() || !pagoda_ops::linear::batch_invariant(),
         }
+    }
+    fn needs_warmup(&self) -> bool {
+        Engine::needs_warmup(self)
+    }
+    fn warm_up(&mut self, progress: &mut dyn FnMut(&str)) -> Result<(), EngineError> {
+        Engine::warm_up(self, progress).map(|_| ())
     }
 }
 
@@ -148,11 +165,23 @@ pub struct WorkerHandle {
     sender: Sender<Job>,
     queued: Arc<AtomicUsize>,
     max_queue: usize,
+    readiness: Arc<Readiness>,
 }
 
 impl WorkerHandle {
-    /// Queues `job`; a 429 error when `max_queue` jobs already wait for admission.
+    /// Queues `job`; a 503 while the engine warms up (or after its warm-up failed), a 429
+    /// when `max_queue` jobs already wait for admission.
     pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+        if let Err(not_ready) = self.readiness.check() {
+            let retry = match not_ready.status {
+                "loading" => "; retry when /health answers 200",
+                _ => "",
+            };
+            return Err(
+                ApiError::unavailable(format!("{}{retry}", not_ready.reason))
+                    .with_code("model_loading"),
+            );
+        }
         let queued = self.queued.fetch_add(1, Ordering::SeqCst);
         if queued >= self.max_queue {
             self.queued.fetch_sub(1, Ordering::SeqCst);
@@ -168,6 +197,11 @@ impl WorkerHandle {
     pub fn queued(&self) -> usize {
         self.queued.load(Ordering::SeqCst)
     }
+
+    /// Whether the engine is ready (its warm-up done).
+    pub fn readiness(&self) -> &Readiness {
+        &self.readiness
+    }
 }
 
 /// Starts the loop on its own thread. It runs at most `parallel` requests at once; at most
@@ -181,10 +215,16 @@ pub fn spawn_worker<B: EngineBackend>(
 ) -> std::io::Result<(WorkerHandle, std::thread::JoinHandle<()>)> {
     let (sender, receiver) = mpsc::channel();
     let queued = Arc::new(AtomicUsize::new(0));
+    let readiness = Arc::new(if backend.needs_warmup() {
+        Readiness::warming()
+    } else {
+        Readiness::ready()
+    });
     let handle = WorkerHandle {
         sender,
         queued: queued.clone(),
         max_queue,
+        readiness: readiness.clone(),
     };
     let mut worker = Worker {
         backend,
@@ -197,7 +237,15 @@ pub fn spawn_worker<B: EngineBackend>(
     };
     let thread = std::thread::Builder::new()
         .name("pagoda-engine".into())
-        .spawn(move || worker.run())?;
+        .spawn(move || {
+            if readiness.check().is_err() {
+                match worker.backend.warm_up(&mut |stage| readiness.stage(stage)) {
+                    Ok(()) => readiness.set_ready(),
+                    Err(error) => readiness.set_failed(&error.to_string()),
+                }
+            }
+            worker.run()
+        })?;
     Ok((handle, thread))
 }
 

@@ -3,21 +3,30 @@
 //! Prompts are pseudo-random token ids drawn afresh for every run (so no cache flatters a
 //! repeat), sampling is greedy with end-of-generation ignored, and the machine load is read
 //! before and after. The attention path that ran is reported from the engine's counters.
+//!
+//! Unless `--no-warmup`, the first prefill test and the first decode test each run once
+//! untimed before their timed repetitions, so first-touch page faults, lazily compiled
+//! kernels and graph captures are in no figure. The median of an even count of repetitions is
+//! the mean of the two middle ones, and the report warns when a test's repetitions differ by
+//! more than 2x.
 
 use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use pagoda_engine::{load_random, Engine, EngineCounters, LoadOptions};
+use pagoda_engine::{load_random, Engine, LoadOptions};
 use pagoda_models::llama::WeightPrecision;
 use pagoda_ops::sampling::SamplingParams;
 use serde::Serialize;
 
 use super::host::load_average;
+use super::stats::{self, Summary};
 use crate::common::{self, ModelArgs};
 
 mod report;
+mod steps;
 use report::{print_profile, print_report};
+use steps::{steps_since, StepCounts};
 
 /// Flags of `pagoda bench`: the model benchmark, or one of the benchmark subcommands.
 #[derive(Args, Debug)]
@@ -56,7 +65,8 @@ pub struct BenchArgs {
         default_value = "1"
     )]
     pub batch: Vec<usize>,
-    /// Repetitions of every test.
+    /// Repetitions of every test (after one untimed run of the first prefill and the first
+    /// decode test; `--no-warmup` skips it).
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     pub repetitions: usize,
     /// Print the results as JSON instead of a table.
@@ -103,79 +113,9 @@ struct TestResult {
     /// must read (weights + the batch's KV at mid-run) divided by it.
     step_ms: Option<f64>,
     effective_gb_per_s: Option<f64>,
-}
-
-/// Forward steps by path over a timed span: CPU attention split-KV / gather, CUDA steps
-/// replayed from a graph / launched eagerly, CUDA attention baseline decode / prefill kernel.
-#[derive(Serialize, Default, Clone, Copy)]
-struct StepCounts {
-    split_kv: u64,
-    gather: u64,
-    cuda_graph: u64,
-    cuda_eager: u64,
-    cuda_decode_gather: u64,
-    cuda_decode_fused: u64,
-    cuda_prefill_kernel: u64,
-    /// GPU time of the CUDA steps (CUDA events), microseconds.
-    cuda_gpu_us: u64,
-    /// Tokens drawn by the GPU sampler / on the CPU, and GPU sampler fallbacks.
-    sampled_gpu: u64,
-    sampled_cpu: u64,
-    gpu_sampler_fallbacks: u64,
-    /// Prompt tokens found in the prefix cache while the test set up (shared prefixes).
-    prefix_hit_tokens: u64,
-    /// CPU steps the adaptive pool ran on one thread (`PAGODA_CPU_ADAPTIVE_THREADS`).
-    cpu_one_thread: u64,
-}
-
-impl std::ops::AddAssign for StepCounts {
-    fn add_assign(&mut self, other: StepCounts) {
-        self.split_kv += other.split_kv;
-        self.gather += other.gather;
-        self.cuda_graph += other.cuda_graph;
-        self.cuda_eager += other.cuda_eager;
-        self.cuda_decode_gather += other.cuda_decode_gather;
-        self.cuda_decode_fused += other.cuda_decode_fused;
-        self.cuda_prefill_kernel += other.cuda_prefill_kernel;
-        self.cuda_gpu_us += other.cuda_gpu_us;
-        self.sampled_gpu += other.sampled_gpu;
-        self.sampled_cpu += other.sampled_cpu;
-        self.gpu_sampler_fallbacks += other.gpu_sampler_fallbacks;
-        self.prefix_hit_tokens += other.prefix_hit_tokens;
-        self.cpu_one_thread += other.cpu_one_thread;
-    }
-}
-
-impl std::fmt::Display for StepCounts {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.prefix_hit_tokens > 0 {
-            write!(f, "prefix hits {} tokens; ", self.prefix_hit_tokens)?;
-        }
-        if self.cuda_graph + self.cuda_eager > 0 {
-            let steps = self.cuda_graph + self.cuda_eager;
-            write!(
-                f,
-                "cuda graph {} eager {} (decode fused {} gather {} prefill {}), gpu {:.3} ms/step",
-                self.cuda_graph,
-                self.cuda_eager,
-                self.cuda_decode_fused,
-                self.cuda_decode_gather,
-                self.cuda_prefill_kernel,
-                self.cuda_gpu_us as f64 / 1e3 / steps as f64
-            )?;
-            write!(
-                f,
-                ", sampled gpu {} cpu {} (gpu fallbacks {})",
-                self.sampled_gpu, self.sampled_cpu, self.gpu_sampler_fallbacks
-            )
-        } else {
-            write!(f, "{}/{}", self.split_kv, self.gather)?;
-            if self.cpu_one_thread > 0 {
-                write!(f, " ({} on one thread)", self.cpu_one_thread)?;
-            }
-            Ok(())
-        }
-    }
+    /// The repetitions' spread when the fastest is more than 2x the slowest; else absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    disagreement: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -215,6 +155,8 @@ struct Report {
     high_bits: String,
     plane_matmuls: u64,
     batch: usize,
+    /// Whether the first prefill and decode tests each ran once untimed first.
+    warmup: bool,
     load_before: String,
     load_after: String,
     results: Vec<TestResult>,
@@ -308,13 +250,31 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         None => needed.max(16).min(model_max),
     };
+    let decode_params = match args.top_p {
+        None => SamplingParams::greedy(),
+        Some(p) if p > 0.0 && p <= 1.0 => SamplingParams {
+            top_p: p,
+            seed: Some(42),
+            ..SamplingParams::unfiltered(1.0)
+        },
+        Some(p) => bail!("--top-p {p} is outside (0, 1]"),
+    };
     let mut engine = common::engine(backend, &args.model, ctx, max_batch)?;
+    let warmup = !args.model.no_warmup;
     let mut results = Vec::new();
+    // Timed runs count from 1; run 0 seeds the warm-up runs' prompts.
     let mut run_index = 0u64;
 
-    // One warm-up so first-touch page faults are not measured.
-    timed_prefill(&mut engine, &random_prompt(vocab, 8, u64::MAX))?;
-    for &length in args.prompt_lengths.iter().filter(|&&l| l > 0) {
+    let prefill_lengths: Vec<usize> = args
+        .prompt_lengths
+        .iter()
+        .copied()
+        .filter(|&l| l > 0)
+        .collect();
+    if let Some(&length) = prefill_lengths.first().filter(|_| warmup) {
+        timed_prefill(&mut engine, &random_prompt(vocab, length, 0))?;
+    }
+    for &length in &prefill_lengths {
         let mut rates = Vec::new();
         let before = engine.counters().clone();
         pagoda_ops::profile::reset();
@@ -325,7 +285,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         let steps = steps_since(&engine, &before);
         print_profile(&format!("pp{length}"), args.repetitions);
-        results.push(summarize(format!("pp{length}"), rates, steps, None));
+        results.push(summarize(format!("pp{length}"), rates, steps, None)?);
     }
     let decode_tests: Vec<(usize, usize)> = if args.decode_tokens > 0 {
         args.depth
@@ -335,15 +295,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
     } else {
         Vec::new()
     };
-    let decode_params = match args.top_p {
-        None => SamplingParams::greedy(),
-        Some(p) if p > 0.0 && p <= 1.0 => SamplingParams {
-            top_p: p,
-            seed: Some(42),
-            ..SamplingParams::unfiltered(1.0)
-        },
-        Some(p) => bail!("--top-p {p} is outside (0, 1]"),
+    let decode_shape = |(depth, batch)| DecodeShape {
+        vocab,
+        batch,
+        depth,
+        tokens: args.decode_tokens,
+        shared_prefix: args.shared_prefix,
     };
+    if let Some(&first) = decode_tests.first().filter(|_| warmup) {
+        timed_decode(&mut engine, decode_shape(first), 0, decode_params)?;
+    }
     for (depth, batch) in decode_tests {
         let mut rates = Vec::new();
         let mut steps = StepCounts::default();
@@ -352,13 +313,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             run_index += 1;
             let (tokens, seconds, counts) = timed_decode(
                 &mut engine,
-                DecodeShape {
-                    vocab,
-                    batch,
-                    depth,
-                    tokens: args.decode_tokens,
-                    shared_prefix: args.shared_prefix,
-                },
+                decode_shape((depth, batch)),
                 run_index,
                 decode_params,
             )?;
@@ -381,7 +336,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         print_profile(&name, args.repetitions);
         let step_bytes =
             weight_bytes + (batch * (depth + args.decode_tokens / 2)) as f64 * kv_token_bytes;
-        results.push(summarize(name, rates, steps, Some((batch, step_bytes))));
+        results.push(summarize(name, rates, steps, Some((batch, step_bytes)))?);
     }
     let report = Report {
         model: model_path,
@@ -417,61 +372,50 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .to_string(),
         plane_matmuls: pagoda_ops::linear::cpu::interleaved::planes::plane_matmul_count(),
         batch: max_batch,
+        warmup,
         load_before,
         load_after: load_average(),
         results,
     };
-    print_report(&report, args.json)
-}
-
-/// Forward steps run per path since `before`.
-fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCounts {
-    let now = engine.counters();
-    StepCounts {
-        split_kv: now.steps_split_kv - before.steps_split_kv,
-        gather: now.steps_gather - before.steps_gather,
-        cuda_graph: now.steps_cuda_graph - before.steps_cuda_graph,
-        cuda_eager: now.steps_cuda_eager - before.steps_cuda_eager,
-        cuda_decode_gather: now.steps_cuda_decode_gather - before.steps_cuda_decode_gather,
-        cuda_decode_fused: now.steps_cuda_decode_fused - before.steps_cuda_decode_fused,
-        cuda_prefill_kernel: now.steps_cuda_prefill_kernel - before.steps_cuda_prefill_kernel,
-        cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,
-        sampled_gpu: now.sampled_tokens_gpu - before.sampled_tokens_gpu,
-        sampled_cpu: now.sampled_tokens_cpu - before.sampled_tokens_cpu,
-        gpu_sampler_fallbacks: now.gpu_sampler_fallbacks - before.gpu_sampler_fallbacks,
-        prefix_hit_tokens: 0,
-        cpu_one_thread: now.steps_cpu_one_thread - before.steps_cpu_one_thread,
+    print_report(&report, args.json)?;
+    if !args.json {
+        for r in report.results.iter() {
+            if let Some(line) = &r.disagreement {
+                println!(
+                    "warning: {}: repetitions differ by more than 2x: {line}",
+                    r.test
+                );
+            }
+        }
     }
+    Ok(())
 }
 
-/// Median and spread of `rates`; for decode tests `decode = (batch, bytes read per step)`
-/// adds the step time and the effective read rate.
+/// Median and spread of `rates` (one per repetition); for decode tests
+/// `decode = (batch, bytes read per step)` adds the step time and the effective read rate.
 fn summarize(
     test: String,
-    mut rates: Vec<f64>,
+    rates: Vec<f64>,
     steps: StepCounts,
     decode: Option<(usize, f64)>,
-) -> TestResult {
-    let tokens_per_second = rates.clone();
-    rates.sort_by(|a, b| a.total_cmp(b));
-    let median = if rates.len() % 2 == 1 {
-        rates[rates.len() / 2]
-    } else {
-        (rates[rates.len() / 2 - 1] + rates[rates.len() / 2]) / 2.0
+) -> Result<TestResult> {
+    let Some(Summary { median, min, max }) = Summary::of(&rates) else {
+        bail!("{test}: no repetitions to summarize");
     };
     let step_seconds = decode.map(|(batch, _)| batch as f64 / median);
-    TestResult {
+    Ok(TestResult {
+        disagreement: stats::disagreement("tokens_per_second", &rates),
         test,
         median,
-        min: rates[0],
-        max: rates[rates.len() - 1],
-        tokens_per_second,
+        min,
+        max,
+        tokens_per_second: rates,
         steps,
         step_ms: step_seconds.map(|s| s * 1e3),
         effective_gb_per_s: decode
             .zip(step_seconds)
             .map(|((_, bytes), seconds)| bytes / seconds / 1e9),
-    }
+    })
 }
 
 /// Seconds to prefill `prompt` (until its first token is sampled).
@@ -557,10 +501,8 @@ fn timed_decode(
         sampled += events;
     }
     let seconds = started.elapsed().as_secs_f64();
-    let steps = StepCounts {
-        prefix_hit_tokens: engine.counters().prefix_hit_tokens - hits_before,
-        ..steps_since(engine, &before)
-    };
+    let mut steps = steps_since(engine, &before);
+    steps.prefix_hit_tokens = engine.counters().prefix_hit_tokens - hits_before;
     for id in ids {
         engine.cancel(id);
     }

@@ -74,18 +74,18 @@ pub fn run(args: BenchKernelsArgs) -> Result<()> {
     Ok(())
 }
 
-/// Median milliseconds of `rounds` calls of `f(round)` after one warm-up call.
+/// Median milliseconds of `rounds` calls of `f(round)` after one warm-up call (the mean of
+/// the two middle calls for an even count; NaN for no rounds, which `run` refuses).
 fn median_ms(rounds: usize, f: &mut dyn FnMut(usize)) -> f64 {
     f(rounds);
-    let mut times: Vec<f64> = (0..rounds)
+    let times: Vec<f64> = (0..rounds)
         .map(|round| {
             let start = std::time::Instant::now();
             f(round);
             start.elapsed().as_secs_f64() * 1e3
         })
         .collect();
-    times.sort_by(f64::total_cmp);
-    times[rounds / 2]
+    super::stats::median(&times).unwrap_or(f64::NAN)
 }
 
 fn parse_type(name: &str) -> Result<GgmlType> {

@@ -21,6 +21,8 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 use serde::Serialize;
 
+use super::stats::Summary;
+
 /// Vocabulary sizes measured on the CPU when `--vocab` is not given.
 pub const CPU_VOCAB_SIZES: [usize; 3] = [49152, 128256, 151936];
 
@@ -275,17 +277,17 @@ fn add(a: SamplingCounters, b: SamplingCounters) -> SamplingCounters {
     }
 }
 
-fn arm_result(mut times: Vec<f64>, counters: SamplingCounters) -> ArmResult {
-    times.sort_by(|a, b| a.total_cmp(b));
-    let median = if times.len() % 2 == 1 {
-        times[times.len() / 2]
-    } else {
-        (times[times.len() / 2 - 1] + times[times.len() / 2]) / 2.0
-    };
+fn arm_result(times: Vec<f64>, counters: SamplingCounters) -> ArmResult {
+    // NaN only without repetitions, which `run` refuses.
+    let summary = Summary::of(&times).unwrap_or(Summary {
+        median: f64::NAN,
+        min: f64::NAN,
+        max: f64::NAN,
+    });
     ArmResult {
-        median_us_per_draw: median,
-        min_us_per_draw: times[0],
-        max_us_per_draw: times[times.len() - 1],
+        median_us_per_draw: summary.median,
+        min_us_per_draw: summary.min,
+        max_us_per_draw: summary.max,
         gumbel_draws: counters.gumbel_draws,
         rejection_draws: counters.rejection_draws,
         rejection_rounds: counters.rejection_rounds,
@@ -350,17 +352,11 @@ fn normal_row(vocab: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
-/// The median (mean of the middle two for an even count) and the minimum of `times`
-/// (sorted in place; at least one value).
+/// The median (the mean of the middle two for an even count) and the minimum of `times`
+/// (see [`super::stats`]); NaN for both when there are none. The GPU benches share it (and
+/// pass `&mut`, from when it sorted in place; `times` is left as it was).
 pub fn median_and_min(times: &mut [f64]) -> (f64, f64) {
-    times.sort_by(f64::total_cmp);
-    let middle = times.len() / 2;
-    let median = if times.len() % 2 == 1 {
-        times[middle]
-    } else {
-        (times[middle - 1] + times[middle]) / 2.0
-    };
-    (median, times[0])
+    Summary::of(times).map_or((f64::NAN, f64::NAN), |s| (s.median, s.min))
 }
 
 /// `num_rows` rows of `vocab` logits, standard normal times `scale` (Box-Muller over one
@@ -519,6 +515,7 @@ mod tests {
     fn median_of_even_and_odd_counts() {
         assert_eq!(median_and_min(&mut [3.0, 1.0, 2.0]), (2.0, 1.0));
         assert_eq!(median_and_min(&mut [4.0, 1.0, 3.0, 2.0]), (2.5, 1.0));
+        assert!(median_and_min(&mut []).0.is_nan());
     }
 
     #[test]

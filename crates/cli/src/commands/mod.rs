@@ -13,3 +13,4 @@ pub mod generate;
 mod host;
 pub mod inspect;
 pub mod serve;
+mod stats;

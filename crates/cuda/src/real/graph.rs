@@ -131,6 +131,11 @@ impl<K: Hash + Eq> GraphCache<K> {
         self.graphs.is_empty()
     }
 
+    /// Whether the graph of `key` is held.
+    pub fn contains(&self, key: &K) -> bool {
+        self.graphs.contains_key(key)
+    }
+
     /// The graph for `key`; on a miss, runs `record` once eagerly (compiling kernels and
     /// creating GEMM plans, and producing this step's results), synchronizes, then captures
     /// it. Replaying is [`CapturedGraph::launch`].

@@ -14,7 +14,7 @@ use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaStream, DriverErr
 
 use crate::key::{Arch, KernelSpec};
 use crate::memory::{KernelArg, LaunchDims};
-use crate::{CudaError, DeviceInfo};
+use crate::{CudaError, DeviceInfo, KernelLoads, Prepared};
 
 pub use blas::GemmPlanKey;
 pub use buffer::{DeviceBuffer, Element, PinnedBuffer};
@@ -97,7 +97,18 @@ fn device_info(context: &Arc<CudaContext>) -> Result<DeviceInfo, CudaError> {
         free_memory_bytes: free as u64,
         arch: Arch::for_compute_capability(major, minor),
         nvrtc_version: nvrtc_version()?,
+        driver_version: driver_version()?,
     })
+}
+
+/// `cuDriverGetVersion`.
+fn driver_version() -> Result<i32, CudaError> {
+    let mut version = 0;
+    // SAFETY: a valid out-pointer; the library was checked before.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .map_err(driver_error("cuDriverGetVersion"))?;
+    Ok(version)
 }
 
 /// A CUDA context on one device with its own (created, non-default) stream; all work of
@@ -144,7 +155,7 @@ impl Gpu {
             .new_stream()
             .map_err(driver_error("cuStreamCreate"))?;
         let info = device_info(&context)?;
-        let registry = registry::Registry::new(info.arch.clone(), info.nvrtc_version);
+        let registry = registry::Registry::new(&info);
         Ok(Gpu {
             context,
             stream,
@@ -341,9 +352,22 @@ impl Gpu {
         self.registry.function(&self.context, spec).map(|_| ())
     }
 
+    /// Compiles (or reads from the disk cache) every kernel of `specs` not loaded yet, on up
+    /// to `threads` threads, and loads them: what the first launches would otherwise pay.
+    /// A kernel that fails to compile is reported in [`Prepared::failed`], not as an error
+    /// (its launch would fail the same way; callers with a fallback never launch it).
+    pub fn prepare_all(&self, specs: &[KernelSpec], threads: usize) -> Result<Prepared, CudaError> {
+        self.registry.prepare_all(&self.context, specs, threads)
+    }
+
     /// Kernels compiled or loaded into this context so far (the in-memory registry size).
     pub fn loaded_kernels(&self) -> usize {
         self.registry.len()
+    }
+
+    /// Kernels this context compiled with NVRTC and kernels it read from the disk cache.
+    pub fn kernel_sources(&self) -> KernelLoads {
+        self.registry.loads()
     }
 
     /// Static shared memory of one CTA of `spec`, bytes (the driver's count, after

@@ -1,5 +1,5 @@
-//! NVRTC: compiling one kernel specialisation to PTX. Needs only libnvrtc (no GPU), so CI
-//! runs it with the PyPI wheel.
+//! NVRTC: compiling one kernel specialisation to PTX (a virtual architecture) or to a cubin
+//! (a real one). Needs only libnvrtc (no GPU), so CI runs it with the PyPI wheel.
 
 use std::ffi::{CStr, CString};
 
@@ -25,17 +25,18 @@ pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
     Ok((major, minor))
 }
 
-/// Compiles `spec` for `arch` and returns the PTX text (without the trailing NUL) and the
-/// key it was compiled under. The source is the prelude plus the kernel file; options are
-/// the key's defines, `-std=c++17`, `--gpu-architecture=<arch>` and `-I` for every
-/// directory of [`cuda_include_dirs`].
-pub fn compile_for_arch(spec: &KernelSpec, arch: &Arch) -> Result<(String, KernelKey), CudaError> {
+/// Compiles `spec` for `arch` and returns the image and the key it was compiled under: PTX
+/// text (without the trailing NUL) for a virtual architecture, a cubin (ELF) for a real one.
+/// The source is the prelude plus the kernel file; options are the key's defines,
+/// `-std=c++17`, `--gpu-architecture=<arch>` and `-I` for every directory of
+/// [`cuda_include_dirs`].
+pub fn compile_for_arch(spec: &KernelSpec, arch: &Arch) -> Result<(Vec<u8>, KernelKey), CudaError> {
     let key = KernelKey::new(spec, arch, nvrtc_version()?);
-    let ptx = compile_key(spec, &key)?;
-    Ok((ptx, key))
+    let image = compile_key(spec, &key)?;
+    Ok((image, key))
 }
 
-pub(crate) fn compile_key(spec: &KernelSpec, key: &KernelKey) -> Result<String, CudaError> {
+pub(crate) fn compile_key(spec: &KernelSpec, key: &KernelKey) -> Result<Vec<u8>, CudaError> {
     let fail = |message: String, log: String| CudaError::Compile {
         kernel: key.canonical(),
         message,
@@ -61,16 +62,20 @@ pub(crate) fn compile_key(spec: &KernelSpec, key: &KernelKey) -> Result<String, 
     // SAFETY: `program` is a live program; the options are valid C strings.
     let compiled = unsafe { result::compile_program(program, &options) };
     let outcome = match compiled {
+        Ok(()) if key.arch.is_real() => {
+            // SAFETY: compiled successfully for a real architecture, so a cubin exists.
+            unsafe { get_cubin(program) }
+                .map_err(|error| fail(format!("nvrtcGetCUBIN: {error:?}"), String::new()))
+        }
         Ok(()) => {
             // SAFETY: compiled successfully.
             unsafe { result::get_ptx(program) }
                 .map(|image| {
-                    let bytes: Vec<u8> = image
+                    image
                         .iter()
                         .take_while(|&&c| c != 0)
                         .map(|&c| c as u8)
-                        .collect();
-                    String::from_utf8_lossy(&bytes).into_owned()
+                        .collect()
                 })
                 .map_err(|error| fail(format!("nvrtcGetPTX: {error:?}"), String::new()))
         }
@@ -98,4 +103,19 @@ pub(crate) fn compile_key(spec: &KernelSpec, key: &KernelKey) -> Result<String, 
     // SAFETY: destroyed exactly once.
     let _ = unsafe { result::destroy_program(program) };
     outcome
+}
+
+/// The cubin of a program compiled for a real architecture (cudarc wraps only the PTX
+/// getter).
+///
+/// # Safety
+/// `program` must be a live program compiled successfully for an `sm_` architecture.
+unsafe fn get_cubin(program: sys::nvrtcProgram) -> Result<Vec<u8>, result::NvrtcError> {
+    let mut size = 0usize;
+    // SAFETY: a live program and a valid out-pointer.
+    unsafe { sys::nvrtcGetCUBINSize(program, &mut size) }.result()?;
+    let mut image = vec![0u8; size];
+    // SAFETY: `image` holds the `size` bytes NVRTC reported.
+    unsafe { sys::nvrtcGetCUBIN(program, image.as_mut_ptr().cast()) }.result()?;
+    Ok(image)
 }

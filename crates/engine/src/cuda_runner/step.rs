@@ -99,19 +99,22 @@ impl<T: HostFloat> TypedRunner<T> {
             graphs: GraphCache::new(),
             sampler: None,
         });
-        if options.cuda_graphs {
-            self.capture_decode_graphs()?;
-        }
         Ok(())
     }
 
-    /// Captures the decode graph of every batch bucket now (as vLLM does at start-up), so
-    /// serving never pauses to capture. Each capture first runs its step eagerly on padding
-    /// rows only (no pages, slot -1): nothing is written to the KV cache.
-    fn capture_decode_graphs(&mut self) -> Result<(), CudaError> {
+    /// Captures the decode graph of every batch bucket not captured yet (as vLLM does at
+    /// start-up; called by the warm-up), so serving never pauses to capture. Each capture
+    /// first runs its step eagerly on padding rows only (no pages, slot -1): nothing is
+    /// written to the KV cache. Returns the graphs captured now.
+    pub(super) fn capture_decode_graphs(&mut self) -> Result<usize, CudaError> {
         let Some(mut cache) = self.cache.take() else {
-            return Ok(());
+            return Ok(0);
         };
+        if !cache.options.cuda_graphs {
+            self.cache = Some(cache);
+            return Ok(0);
+        }
+        let captured_before = cache.graphs.len();
         let started = std::time::Instant::now();
         let gpu = self.model.gpu().clone();
         let sm_count = gpu.info().sm_count as usize;
@@ -133,6 +136,9 @@ impl<T: HostFloat> TypedRunner<T> {
         };
         let mut outcome = Ok(());
         for bucket in graph_buckets(limit) {
+            if cache.graphs.contains(&bucket) {
+                continue;
+            }
             let shape = StepShape {
                 num_tokens: bucket,
                 num_requests: bucket,
@@ -159,13 +165,21 @@ impl<T: HostFloat> TypedRunner<T> {
             self.counters.cuda_graphs_captured += 1;
         }
         let outcome = outcome.and_then(|()| gpu.synchronize());
+        let captured = cache.graphs.len() - captured_before;
         tracing::info!(
-            "CUDA graphs: captured {} decode buckets (up to {limit} requests) in {:.2} s",
-            cache.graphs.len(),
+            "CUDA graphs: captured {captured} decode buckets (up to {limit} requests) in {:.2} s",
             started.elapsed().as_secs_f64()
         );
         self.cache = Some(cache);
-        outcome
+        outcome.map(|()| captured)
+    }
+
+    /// Mirrors the device's kernel loads (compiled, read from the disk cache) into the
+    /// counters.
+    pub(super) fn count_kernel_loads(&mut self) {
+        let loads = self.model.gpu().kernel_sources();
+        self.counters.cuda_kernels_compiled = loads.compiled as u64;
+        self.counters.cuda_kernels_from_cache = loads.from_cache as u64;
     }
 
     /// The attention of a decode step of `requests` rows: fused when the cache has it,
@@ -313,6 +327,7 @@ impl<T: HostFloat> TypedRunner<T> {
         };
         let gpu_ms = started.elapsed_ms(&finished)?;
         self.counters.cuda_gpu_time_us += (gpu_ms as f64 * 1e3) as u64;
+        self.count_kernel_loads();
         tracing::trace!(
             target: "pagoda::step",
             "cuda step {shape:?}: plan {planned:?}, stage {:?}, launch {:?}, wait+download {:?}, gpu {gpu_ms:.3} ms",

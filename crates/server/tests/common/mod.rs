@@ -158,7 +158,20 @@ pub fn harness(text: &str, mode: Mode, tweak: impl FnOnce(&mut ServerConfig)) ->
     script.push(EOS);
     let backend = Scripted::new(script, mode);
     let cancelled = backend.cancelled.clone();
-    let mut config = ServerConfig {
+    let mut config = test_config();
+    tweak(&mut config);
+    let text_model = text_model()?;
+    let state = AppState::start(config, text_model, backend).unwrap();
+    Some(Harness {
+        app: router(state),
+        tokenizer,
+        cancelled,
+    })
+}
+
+/// The harness's server configuration (no keys, 2 parallel, context 64).
+pub fn test_config() -> ServerConfig {
+    ServerConfig {
         host: "127.0.0.1".into(),
         port: 0,
         model_name: "test-model".into(),
@@ -173,18 +186,15 @@ pub fn harness(text: &str, mode: Mode, tweak: impl FnOnce(&mut ServerConfig)) ->
         sampling_defaults: SamplingParams::default(),
         shutdown_timeout: Duration::from_secs(30),
         cors_origins: Vec::new(),
-    };
-    tweak(&mut config);
-    let text_model = TextModel {
-        tokenizer: self::tokenizer()?,
+    }
+}
+
+/// The default model's tokenizer with a ChatML template and EOS as the stop token.
+pub fn text_model() -> Option<TextModel> {
+    Some(TextModel {
+        tokenizer: tokenizer()?,
         chat_template: ChatTemplate::chatml(),
         stop_tokens: vec![EOS],
-    };
-    let state = AppState::start(config, text_model, backend).unwrap();
-    Some(Harness {
-        app: router(state),
-        tokenizer,
-        cancelled,
     })
 }
 

@@ -1,0 +1,97 @@
+//! `pagoda bench`'s forward-step counts by path: the proof of which path each test measured.
+
+use pagoda_engine::{Engine, EngineCounters};
+use serde::Serialize;
+
+/// Forward steps by path over a timed span: CPU attention split-KV / gather, CUDA steps
+/// replayed from a graph / launched eagerly, CUDA attention baseline decode / prefill kernel.
+#[derive(Serialize, Default, Clone, Copy)]
+pub(super) struct StepCounts {
+    split_kv: u64,
+    gather: u64,
+    cuda_graph: u64,
+    cuda_eager: u64,
+    cuda_decode_gather: u64,
+    cuda_decode_fused: u64,
+    cuda_prefill_kernel: u64,
+    /// GPU time of the CUDA steps (CUDA events), microseconds.
+    cuda_gpu_us: u64,
+    /// Tokens drawn by the GPU sampler / on the CPU, and GPU sampler fallbacks.
+    sampled_gpu: u64,
+    sampled_cpu: u64,
+    gpu_sampler_fallbacks: u64,
+    /// Prompt tokens found in the prefix cache while the test set up (shared prefixes).
+    pub(super) prefix_hit_tokens: u64,
+    /// CPU steps the adaptive pool ran on one thread (`PAGODA_CPU_ADAPTIVE_THREADS`).
+    cpu_one_thread: u64,
+}
+
+impl std::ops::AddAssign for StepCounts {
+    fn add_assign(&mut self, other: StepCounts) {
+        self.split_kv += other.split_kv;
+        self.gather += other.gather;
+        self.cuda_graph += other.cuda_graph;
+        self.cuda_eager += other.cuda_eager;
+        self.cuda_decode_gather += other.cuda_decode_gather;
+        self.cuda_decode_fused += other.cuda_decode_fused;
+        self.cuda_prefill_kernel += other.cuda_prefill_kernel;
+        self.cuda_gpu_us += other.cuda_gpu_us;
+        self.sampled_gpu += other.sampled_gpu;
+        self.sampled_cpu += other.sampled_cpu;
+        self.gpu_sampler_fallbacks += other.gpu_sampler_fallbacks;
+        self.prefix_hit_tokens += other.prefix_hit_tokens;
+        self.cpu_one_thread += other.cpu_one_thread;
+    }
+}
+
+impl std::fmt::Display for StepCounts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.prefix_hit_tokens > 0 {
+            write!(f, "prefix hits {} tokens; ", self.prefix_hit_tokens)?;
+        }
+        if self.cuda_graph + self.cuda_eager > 0 {
+            let steps = self.cuda_graph + self.cuda_eager;
+            write!(
+                f,
+                "cuda graph {} eager {} (decode fused {} gather {} prefill {}), gpu {:.3} ms/step",
+                self.cuda_graph,
+                self.cuda_eager,
+                self.cuda_decode_fused,
+                self.cuda_decode_gather,
+                self.cuda_prefill_kernel,
+                self.cuda_gpu_us as f64 / 1e3 / steps as f64
+            )?;
+            write!(
+                f,
+                ", sampled gpu {} cpu {} (gpu fallbacks {})",
+                self.sampled_gpu, self.sampled_cpu, self.gpu_sampler_fallbacks
+            )
+        } else {
+            write!(f, "{}/{}", self.split_kv, self.gather)?;
+            if self.cpu_one_thread > 0 {
+                write!(f, " ({} on one thread)", self.cpu_one_thread)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Forward steps run per path since `before`.
+pub(super) fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCounts {
+    let now = engine.counters();
+    StepCounts {
+        split_kv: now.steps_split_kv - before.steps_split_kv,
+        gather: now.steps_gather - before.steps_gather,
+        cuda_graph: now.steps_cuda_graph - before.steps_cuda_graph,
+        cuda_eager: now.steps_cuda_eager - before.steps_cuda_eager,
+        cuda_decode_gather: now.steps_cuda_decode_gather - before.steps_cuda_decode_gather,
+        cuda_decode_fused: now.steps_cuda_decode_fused - before.steps_cuda_decode_fused,
+        cuda_prefill_kernel: now.steps_cuda_prefill_kernel - before.steps_cuda_prefill_kernel,
+        cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,
+        sampled_gpu: now.sampled_tokens_gpu - before.sampled_tokens_gpu,
+        sampled_cpu: now.sampled_tokens_cpu - before.sampled_tokens_cpu,
+        gpu_sampler_fallbacks: now.gpu_sampler_fallbacks - before.gpu_sampler_fallbacks,
+        prefix_hit_tokens: 0,
+        cpu_one_thread: now.steps_cpu_one_thread - before.steps_cpu_one_thread,
+    }
+}

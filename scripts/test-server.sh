@@ -108,7 +108,7 @@ if [[ -n "$TLS_URL" ]]; then
 fi
 
 status=0
-PAGODA_URL="http://127.0.0.1:$PORT" PAGODA_API_KEY="$API_KEY" \
+PAGODA_URL="http://127.0.0.1:$PORT" PAGODA_API_KEY="$API_KEY" PAGODA_BIN="$BIN" \
     PAGODA_API_KEY_FILE="$WORK/keys.txt" PAGODA_SERVER_LOG_FILE="$LOG" \
     PAGODA_TLS_URL="$TLS_URL" PAGODA_TLS_CA="$WORK/tls/cert.pem" \
     "$VENV/bin/python" -m pytest -q tests/server "$@" || status=$?
@@ -124,6 +124,12 @@ if [[ $status -eq 0 ]]; then
             status=1
         fi
     fi
+fi
+# Then a bounded soak on a server of its own (64 clients, preemption, disconnects, a SIGTERM
+# drain at the end); PAGODA_SOAK_ROUNDS=N makes it longer.
+if [[ $status -eq 0 ]]; then
+    PAGODA_BIN="$BIN" "$VENV/bin/python" -m pytest -q -s tests/server/soak_check.py \
+        -p no:cacheprovider || status=$?
 fi
 if [[ $status -ne 0 ]]; then
     echo "test-server: failed; server log:" >&2

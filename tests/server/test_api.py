@@ -116,6 +116,48 @@ def test_same_seed_same_text(client, model):
     assert first == second
 
 
+def skip_unless_batch_invariant(base_url, headers):
+    metrics = requests.get(f"{base_url}/metrics", headers=headers, timeout=10).text
+    if "pagoda_batch_invariant 0" in metrics:
+        pytest.skip("this server's device is not batch-invariant (CUDA: cuBLAS kernels vary "
+                    "with the batch shape); the guarantee is the CPU backend's")
+
+
+def test_n_choices_follow_the_seeds(client, model, base_url, headers):
+    """Choice i of a seeded n-choice request is the single request seeded seed + i."""
+    skip_unless_batch_invariant(base_url, headers)
+    kwargs = dict(max_tokens=10, temperature=1.0, top_p=0.95)
+    several = chat_text(client, model, n=3, seed=500, **kwargs)
+    assert [c.index for c in several.choices] == [0, 1, 2]
+    singles = [chat_text(client, model, seed=500 + i, **kwargs) for i in range(3)]
+    for choice, single in zip(several.choices, singles):
+        assert choice.message.content == single.choices[0].message.content
+    assert several.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    streamed = client.chat.completions.create(
+        model=model, messages=QUESTION, n=3, seed=500, stream=True, **kwargs)
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in several.choices]
+
+
+def test_best_of_keeps_the_most_likely_candidate(client, model, base_url, headers):
+    """best_of=3 returns the candidate (seeds s, s+1, s+2) of highest log-probability per
+    token, measured on the three single requests."""
+    skip_unless_batch_invariant(base_url, headers)
+    prompt = "Once upon a time"
+    kwargs = dict(model=model, prompt=prompt, max_tokens=8, temperature=1.0)
+    best = client.completions.create(best_of=3, seed=77, **kwargs)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    candidates = []
+    for i in range(3):
+        single = client.completions.create(seed=77 + i, logprobs=0, **kwargs).choices[0]
+        logprobs = single.logprobs.token_logprobs
+        candidates.append((sum(logprobs) / max(len(logprobs), 1), single.text))
+    assert best.choices[0].text == max(candidates)[1], candidates
+
+
 PROMPTS = [
     "Write a word about the sea.", "What is 2 plus 2?", "Say hello.", "Name a fruit.",
     "Describe the sky.", "Give me a number.", "What is a cat?", "Tell a short fact.",
@@ -130,10 +172,7 @@ def one(client, model, index):
 
 
 def test_eight_concurrent_clients_match_one_at_a_time(client, model, base_url, headers):
-    metrics = requests.get(f"{base_url}/metrics", headers=headers, timeout=10).text
-    if "pagoda_batch_invariant 0" in metrics:
-        pytest.skip("this server's device is not batch-invariant (CUDA: cuBLAS kernels vary "
-                    "with the batch shape); the guarantee is the CPU backend's")
+    skip_unless_batch_invariant(base_url, headers)
     alone = [one(client, model, i) for i in range(8)]
     with ThreadPoolExecutor(max_workers=8) as pool:
         together = list(pool.map(lambda i: one(client, model, i), range(8)))
@@ -144,8 +183,8 @@ def test_unsupported_fields_are_refused_by_name_not_ignored(client, model):
     import openai
 
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model=model, prompt="Hi", max_tokens=2, best_of=3)
-    assert refused.value.body["param"] == "best_of"
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, suffix="end")
+    assert refused.value.body["param"] == "suffix"
     assert refused.value.body["code"] == "unsupported_field"
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     with pytest.raises(openai.BadRequestError) as refused:

@@ -126,7 +126,7 @@ def test_context_overflow_names_both_numbers(base_url, headers, model):
 def test_negative_and_absurd_parameters(base_url, headers, model):
     for field, value in [("temperature", -1), ("temperature", 1e9), ("top_p", 0), ("top_p", 2),
                          ("top_k", -1), ("min_p", 3), ("max_tokens", 0), ("max_tokens", -5),
-                         ("presence_penalty", 1e6), ("repeat_penalty", -1), ("n", 2), ("top_logprobs", 99)]:
+                         ("presence_penalty", 1e6), ("repeat_penalty", -1), ("n", 17), ("n", 0), ("top_logprobs", 99)]:
         body = {"model": model, "messages": MESSAGES, field: value}
         if field == "top_logprobs":
             body["logprobs"] = True

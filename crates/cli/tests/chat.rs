@@ -133,3 +133,69 @@ fn chat_template_file_replaces_the_models_template() {
     }
     std::fs::remove_dir_all(&folder).ok();
 }
+
+/// Ctrl-C while a reply is written stops that reply only: the chat goes on reading lines
+/// (`/reset` is answered) and `/exit` quits with status 0.
+#[test]
+fn ctrl_c_stops_the_reply_and_keeps_the_chat() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    let Some(model) = default_model() else { return };
+    // --ignore-eos: without Ctrl-C the reply would run to -n (3000 tokens, about a minute).
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pagoda"))
+        .args([
+            "chat",
+            "-m",
+            model.to_str().unwrap(),
+            "--temp",
+            "0",
+            "-n",
+            "3000",
+        ])
+        .args(["-c", "4096", "--ignore-eos"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(b"Count from 1 to 1000, one number per line.\n")
+        .unwrap();
+    stdin.flush().unwrap();
+    // Wait for the reply to start, then interrupt it.
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut first = String::new();
+    stdout.read_line(&mut first).unwrap();
+    assert!(!first.is_empty(), "no reply started");
+    let started = Instant::now();
+    let pid = child.id().to_string();
+    let killed = Command::new("kill").args(["-INT", &pid]).status().unwrap();
+    assert!(killed.success());
+    stdin.write_all(b"/reset\n/exit\n").unwrap();
+    drop(stdin);
+    let mut rest = String::new();
+    stdout.read_to_string(&mut rest).unwrap();
+    let status = child.wait().unwrap();
+    let mut stderr = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    assert!(status.success(), "{status:?}: {stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the reply was not stopped: {:?}",
+        started.elapsed()
+    );
+    assert!(stderr.contains("reply stopped"), "{stderr}");
+    assert!(
+        stderr.contains("history cleared"),
+        "the chat did not go on: {stderr}"
+    );
+    assert!(rest.len() < 2000, "the reply ran on: {} bytes", rest.len());
+}

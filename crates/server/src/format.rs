@@ -97,10 +97,12 @@ fn logprobs_value(reply: &Reply, entries: &[LogprobEntry]) -> Value {
     }
 }
 
-/// One stream chunk. `role` is set on the first chat chunk; with `include_usage` every chunk
-/// carries `"usage": null` (the usage chunk itself is built by the caller).
+/// One stream chunk of choice `index`. `role` is set on the first chat chunk; with
+/// `include_usage` every chunk carries `"usage": null` (the usage chunk itself is built by
+/// the caller).
 pub fn chunk(
     reply: &Reply,
+    index: usize,
     role: Option<&str>,
     text: &str,
     logprobs: &[LogprobEntry],
@@ -122,14 +124,14 @@ pub fn chunk(
                 delta.insert("content".into(), json!(text));
             }
             json!({
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish_reason,
             })
         }
         Kind::Completion => json!({
-            "index": 0,
+            "index": index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
@@ -153,34 +155,43 @@ pub fn chunk(
     value
 }
 
-/// The whole (non-streamed) response.
-pub fn final_body(
-    reply: &Reply,
-    text: &str,
-    logprobs: &[LogprobEntry],
-    finish_reason: &str,
-    completion_tokens: usize,
-) -> Value {
-    let logprobs = logprobs_value(reply, logprobs);
-    let (object, choice) = match reply.kind {
-        Kind::Chat => (
-            "chat.completion",
-            json!({
-                "index": 0,
-                "message": { "role": "assistant", "content": text },
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }),
-        ),
-        Kind::Completion => (
-            "text_completion",
-            json!({
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }),
-        ),
+/// One finished choice of a whole answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinalChoice {
+    /// The text (after `echo`'s prompt text, when asked).
+    pub text: String,
+    /// The tokens' log-probabilities (shown when asked for).
+    pub logprobs: Vec<LogprobEntry>,
+    /// `stop` or `length`.
+    pub finish_reason: &'static str,
+}
+
+/// The whole (non-streamed) response: `choices` in order, indexed from 0.
+pub fn final_body(reply: &Reply, choices: &[FinalChoice], completion_tokens: usize) -> Value {
+    let choices: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(index, choice)| {
+            let logprobs = logprobs_value(reply, &choice.logprobs);
+            match reply.kind {
+                Kind::Chat => json!({
+                    "index": index,
+                    "message": { "role": "assistant", "content": choice.text },
+                    "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason,
+                }),
+                Kind::Completion => json!({
+                    "index": index,
+                    "text": choice.text,
+                    "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason,
+                }),
+            }
+        })
+        .collect();
+    let object = match reply.kind {
+        Kind::Chat => "chat.completion",
+        Kind::Completion => "text_completion",
     };
     json!({
         "id": reply.id,
@@ -188,7 +199,7 @@ pub fn final_body(
         "created": reply.created,
         "model": reply.model,
         "system_fingerprint": "pagoda",
-        "choices": [choice],
+        "choices": choices,
         "usage": usage(reply.prompt_tokens, completion_tokens),
     })
 }

@@ -8,7 +8,9 @@
 //! terminated by [`tls`].
 
 pub mod access;
+mod answer;
 pub mod auth;
+pub mod connections;
 pub mod drain;
 pub mod error;
 pub mod format;
@@ -34,7 +36,8 @@ use pagoda_models::chat_template::ChatTemplate;
 use pagoda_models::tokenizer::Tokenizer;
 use pagoda_ops::sampling::SamplingParams;
 
-use crate::auth::{ApiKeys, ClientAddr};
+use crate::auth::ApiKeys;
+pub use crate::connections::ConnectionLimits;
 use crate::format::Kind;
 use crate::metrics::Metrics;
 use crate::worker::{spawn_worker, EngineBackend, WorkerHandle};
@@ -71,6 +74,9 @@ pub struct ServerConfig {
     /// Origins a browser page may call the API from (`--cors`; `*`: any; empty: no CORS
     /// headers, so browsers refuse cross-origin calls).
     pub cors_origins: Vec<String>,
+    /// Connections open at once and how long a client may take to send a request
+    /// (`--max-connections`, `--timeout`).
+    pub limits: ConnectionLimits,
 }
 
 impl ServerConfig {
@@ -277,7 +283,8 @@ where
             .local_addr()
             .map_err(|e| format!("reading the bound address: {e}"))?;
         let drain = state.drain.clone();
-        let app = router(state).into_make_service_with_connect_info::<ClientAddr>();
+        let limits = state.config.limits;
+        let app = router(state);
         // The drain runs while the listener still accepts (health probes see the 503); once
         // it ends, the server stops accepting and closes its connections.
         let drained = async move {
@@ -292,22 +299,18 @@ where
                 tracing::warn!("shutdown: {aborted} requests were still running and were ended");
             }
         };
-        let served = match tls {
+        match tls {
             None => {
                 on_listening(&format!("http://{bound}"));
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(drained)
-                    .await
+                connections::serve_connections(listener, app, limits, drained).await;
             }
             Some(tls) => {
                 let listener = tls::TlsListener::new(listener, tls)
                     .map_err(|e| format!("starting TLS on {address}: {e}"))?;
                 on_listening(&format!("https://{bound}"));
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(drained)
-                    .await
+                connections::serve_connections(listener, app, limits, drained).await;
             }
-        };
-        served.map_err(|e| format!("serving: {e}"))
+        }
+        Ok(())
     })
 }

@@ -27,6 +27,9 @@ pub const ROLES: &[&str] = &[
 pub const MAX_STOP_STRINGS: usize = 16;
 /// Most alternatives `top_logprobs` may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
+/// Most choices (`n`, and `best_of` candidates) one request may ask for: each is a sequence
+/// in the engine.
+pub const MAX_CHOICES: usize = 16;
 
 /// The prompt of a completions request.
 #[derive(Debug, Clone, PartialEq)]
@@ -70,6 +73,12 @@ pub struct Options {
     pub logit_bias: Vec<(u32, f32)>,
     /// The text the answer starts with (completions' `echo`: the prompt's text).
     pub echo: Option<String>,
+    /// `n`: choices to return (1..=[`MAX_CHOICES`]), each its own sequence sharing the
+    /// prompt's pages; with a `seed`, choice `i` samples with `seed + i`.
+    pub n: usize,
+    /// Completions' `best_of`: candidates to generate (`n..=MAX_CHOICES`), of which the `n`
+    /// with the highest log-probability per token are returned; `n` when not given.
+    pub best_of: usize,
 }
 
 /// A parsed `POST /v1/chat/completions` body.
@@ -150,6 +159,23 @@ pub fn parse_completion(
     // Completions: `logprobs` is the number of alternatives (0..=5 at OpenAI).
     if let Some(n) = field::<i64>(&object, "logprobs")? {
         options.logprobs = Some(check_top_logprobs(n, "logprobs")?);
+    }
+    if let Some(best_of) = field::<i64>(&object, "best_of")? {
+        let n = options.n;
+        if best_of < n as i64 || best_of > MAX_CHOICES as i64 {
+            return Err(ApiError::invalid(
+                format!("`best_of` must be between `n` ({n}) and {MAX_CHOICES}, got {best_of}"),
+                Some("best_of"),
+            ));
+        }
+        options.best_of = best_of as usize;
+        if options.stream && options.best_of > n {
+            return Err(ApiError::invalid(
+                "`best_of` above `n` cannot be streamed (the best are known only at the end); \
+                 drop `stream` or `best_of`",
+                Some("best_of"),
+            ));
+        }
     }
     let echo = field::<bool>(&object, "echo")?.unwrap_or(false);
     if echo && options.logprobs.is_some() {
@@ -277,16 +303,16 @@ fn parse_options(
             ))
         }
     };
-    if let Some(n) = field::<i64>(object, "n")? {
-        if n != 1 {
+    let n = match field::<i64>(object, "n")? {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as usize,
+        Some(n) => {
             return Err(ApiError::invalid(
-                format!(
-                    "`n` = {n} is not supported: this server returns exactly one choice (n = 1)"
-                ),
+                format!("`n` must be between 1 and {MAX_CHOICES}, got {n}"),
                 Some("n"),
-            ));
+            ))
         }
-    }
+    };
     let mut sampling = *defaults;
     if let Some(value) = field::<f32>(object, "temperature")? {
         sampling.temperature = value;
@@ -337,6 +363,8 @@ fn parse_options(
         ignore_eos,
         logit_bias,
         echo: None,
+        n,
+        best_of: n,
     })
 }
 

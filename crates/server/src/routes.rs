@@ -1,8 +1,6 @@
 //! The HTTP handlers: chat and text completions (streamed and not), models, health, metrics;
 //! the API-key and request-counting middleware.
 
-use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -11,23 +9,21 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
-use axum::response::sse::{Event, Sse};
+use axum::response::sse::Sse;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use axum::Json;
-use futures::Stream;
 use pagoda_models::chat_template::ChatMessage;
 use serde_json::{json, Value};
-use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::access::{self, AccessLog, Client};
+use crate::answer::{event_stream, whole, Choices};
 use crate::auth::ClientAddr;
-use crate::drain::InFlight;
 use crate::error::ApiError;
-use crate::format::{chunk, final_body, usage, Kind, Reply};
+use crate::format::{Kind, Reply};
 use crate::request::{parse_chat, parse_completion, Message, Options, Prompt};
 use crate::session::Session;
-use crate::worker::{Job, WorkerEvent};
+use crate::worker::Job;
 use crate::AppState;
 
 type Shared = State<Arc<AppState>>;
@@ -293,20 +289,40 @@ async fn generate(
         }
         None => context - prompt_tokens,
     };
-    let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
-    state.worker.submit(Job {
-        prompt,
-        params: options.sampling,
-        max_new_tokens: max_tokens,
-        stop_tokens: if options.ignore_eos {
-            Vec::new()
-        } else {
-            state.stop_tokens.clone()
-        },
-        top_logprobs: options.logprobs,
-        logit_bias: options.logit_bias.clone(),
-        events: sender,
-    })?;
+    // Each choice is a job of its own; they share the prompt's pages through the prefix
+    // cache. With a seed, choice `i` samples with `seed + i`. `best_of` ranks candidates by
+    // their tokens' log-probabilities, so it asks for them even when the answer does not.
+    let count = options.best_of.max(options.n);
+    let top_logprobs = match options.logprobs {
+        None if count > options.n => Some(0),
+        asked => asked,
+    };
+    let stop_tokens = if options.ignore_eos {
+        Vec::new()
+    } else {
+        state.stop_tokens.clone()
+    };
+    let mut choices = Choices::new(options.n);
+    for index in 0..count {
+        let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+        let mut params = options.sampling;
+        params.seed = params.seed.map(|seed| seed.wrapping_add(index as u64));
+        state.worker.submit(Job {
+            prompt: prompt.clone(),
+            params,
+            max_new_tokens: max_tokens,
+            stop_tokens: stop_tokens.clone(),
+            top_logprobs,
+            logit_bias: options.logit_bias.clone(),
+            events: sender,
+        })?;
+        let session = Session::new(
+            state.tokenizer.clone(),
+            stop_tokens.clone(),
+            options.stop.clone(),
+        );
+        choices.push(receiver, session);
+    }
     state.metrics.prompt_tokens.add(prompt_tokens as u64);
     let reply = Reply {
         kind,
@@ -322,203 +338,12 @@ async fn generate(
         Kind::Completion => "/v1/completions",
     };
     let log = AccessLog::new(client, endpoint, &reply.id, prompt_tokens);
-    let session = Session::new(
-        state.tokenizer.clone(),
-        if options.ignore_eos {
-            Vec::new()
-        } else {
-            state.stop_tokens.clone()
-        },
-        options.stop,
-    );
     if options.stream {
-        let stream = event_stream(
-            reply,
-            receiver,
-            session,
-            options.include_usage,
-            (in_flight, log),
-        );
+        let stream = event_stream(reply, choices, options.include_usage, (in_flight, log));
         Ok(Sse::new(stream).into_response())
     } else {
-        whole(reply, receiver, session, (in_flight, log)).await
+        whole(reply, choices, (in_flight, log)).await
     }
-}
-
-/// Collects the whole answer.
-async fn whole(
-    reply: Reply,
-    mut receiver: UnboundedReceiver<WorkerEvent>,
-    mut session: Session,
-    (in_flight, mut log): (InFlight, AccessLog),
-) -> Result<Response, ApiError> {
-    let mut text = reply.echo.clone();
-    let mut logprobs = Vec::new();
-    log.outcome = "error";
-    loop {
-        let event = tokio::select! {
-            event = receiver.recv() => event.ok_or_else(|| {
-                ApiError::internal("the engine loop stopped before the request finished")
-            })?,
-            _ = in_flight.drain().aborted() => {
-                log.outcome = "shutdown";
-                return Err(shutdown_error());
-            }
-        };
-        let delta = session.on_event(event)?;
-        log.completion_tokens = session.completion_tokens;
-        if let Some(delta) = delta {
-            text.push_str(&delta.text);
-            logprobs.extend(delta.logprobs);
-            if let Some(reason) = delta.finish_reason {
-                log.outcome = reason;
-                return Ok(Json(final_body(
-                    &reply,
-                    &text,
-                    &logprobs,
-                    reason,
-                    session.completion_tokens,
-                ))
-                .into_response());
-            }
-        }
-    }
-}
-
-struct StreamState {
-    reply: Reply,
-    receiver: UnboundedReceiver<WorkerEvent>,
-    session: Session,
-    include_usage: bool,
-    pending: VecDeque<Event>,
-    done: bool,
-    /// Held until the stream ends (a drain waits for it).
-    in_flight: InFlight,
-    /// Written when the stream ends or its client leaves.
-    log: AccessLog,
-}
-
-impl Drop for StreamState {
-    fn drop(&mut self) {
-        self.log.completion_tokens = self.session.completion_tokens;
-        if let Some(reason) = self.session.finish_reason {
-            self.log.outcome = reason;
-        }
-    }
-}
-
-fn data(value: &Value) -> Event {
-    Event::default().data(value.to_string())
-}
-
-/// The SSE stream: `data: {chunk}` events, then `data: [DONE]`. Dropping it (the client went
-/// away) drops the receiver, which cancels the request in the engine loop.
-fn event_stream(
-    reply: Reply,
-    receiver: UnboundedReceiver<WorkerEvent>,
-    session: Session,
-    include_usage: bool,
-    (in_flight, log): (InFlight, AccessLog),
-) -> impl Stream<Item = Result<Event, Infallible>> {
-    let mut pending = VecDeque::new();
-    if !reply.echo.is_empty() {
-        pending.push_back(data(&chunk(
-            &reply,
-            None,
-            &reply.echo,
-            &[],
-            None,
-            include_usage,
-        )));
-    }
-    if reply.kind == Kind::Chat {
-        pending.push_back(data(&chunk(
-            &reply,
-            Some("assistant"),
-            "",
-            &[],
-            None,
-            include_usage,
-        )));
-    }
-    let state = StreamState {
-        reply,
-        receiver,
-        session,
-        include_usage,
-        pending,
-        done: false,
-        in_flight,
-        log,
-    };
-    futures::stream::unfold(state, |mut state| async move {
-        loop {
-            if let Some(event) = state.pending.pop_front() {
-                return Some((Ok(event), state));
-            }
-            if state.done {
-                return None;
-            }
-            let event = tokio::select! {
-                event = state.receiver.recv() => event,
-                _ = state.in_flight.drain().aborted() => {
-                    state.log.outcome = "shutdown";
-                    state.pending.push_back(data(&shutdown_error().body()));
-                    state.pending.push_back(Event::default().data("[DONE]"));
-                    state.done = true;
-                    continue;
-                }
-            };
-            let outcome = match event {
-                None => Err(ApiError::internal(
-                    "the engine loop stopped before the request finished",
-                )),
-                Some(event) => state.session.on_event(event),
-            };
-            match outcome {
-                Ok(None) => {}
-                Ok(Some(delta)) => {
-                    let reply = &state.reply;
-                    if !delta.text.is_empty()
-                        || !delta.logprobs.is_empty()
-                        || delta.finish_reason.is_some()
-                    {
-                        let value = chunk(
-                            reply,
-                            None,
-                            &delta.text,
-                            &delta.logprobs,
-                            delta.finish_reason,
-                            state.include_usage,
-                        );
-                        state.pending.push_back(data(&value));
-                    }
-                    if delta.finish_reason.is_some() {
-                        if state.include_usage {
-                            let mut last = chunk(reply, None, "", &[], None, true);
-                            last["choices"] = json!([]);
-                            last["usage"] =
-                                usage(reply.prompt_tokens, state.session.completion_tokens);
-                            state.pending.push_back(data(&last));
-                        }
-                        state.pending.push_back(Event::default().data("[DONE]"));
-                        state.done = true;
-                    }
-                }
-                Err(error) => {
-                    state.log.outcome = "error";
-                    state.pending.push_back(data(&error.body()));
-                    state.pending.push_back(Event::default().data("[DONE]"));
-                    state.done = true;
-                }
-            }
-        }
-    })
-}
-
-/// What a request still running when the drain gives up gets.
-fn shutdown_error() -> ApiError {
-    ApiError::unavailable("the server shut down before the request finished")
 }
 
 fn now_seconds() -> u64 {

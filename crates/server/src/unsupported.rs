@@ -44,10 +44,6 @@ fn non_empty(value: &Value) -> bool {
     }
 }
 
-fn above_one(value: &Value) -> bool {
-    !value.is_null() && value.as_i64() != Some(1)
-}
-
 fn not_text_format(value: &Value) -> bool {
     !value.is_null() && value.get("type").and_then(Value::as_str) != Some("text")
 }
@@ -66,12 +62,6 @@ fn not_text_modalities(value: &Value) -> bool {
 
 /// Every refused field.
 pub const UNSUPPORTED: &[Unsupported] = &[
-    Unsupported {
-        name: "best_of",
-        endpoint: Endpoint::Completion,
-        is_set: above_one,
-        note: "only best_of = 1 is supported",
-    },
     Unsupported {
         name: "suffix",
         endpoint: Endpoint::Completion,
@@ -203,8 +193,6 @@ mod tests {
     #[test]
     fn set_fields_are_refused_and_neutral_values_pass() {
         assert!(check(json!({"logit_bias": {"50256": -100}}), true).is_ok());
-        assert!(check(json!({"best_of": 3}), false).is_err());
-        assert!(check(json!({"best_of": 1}), false).is_ok());
         assert!(check(json!({"response_format": {"type": "json_object"}}), true).is_err());
         assert!(check(json!({"response_format": {"type": "text"}}), true).is_ok());
         assert!(check(json!({"tools": [{"type": "function"}]}), true).is_err());

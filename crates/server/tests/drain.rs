@@ -59,6 +59,7 @@ fn start(tokens: usize, shutdown_timeout: Duration) -> Option<Server> {
         sampling_defaults: Default::default(),
         shutdown_timeout,
         cors_origins: Vec::new(),
+        limits: Default::default(),
     };
     let text = TextModel {
         tokenizer,

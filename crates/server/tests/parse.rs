@@ -90,7 +90,7 @@ fn bad_fields_are_named() {
             Some("max_tokens"),
         ),
         (
-            r#"{"messages":[{"role":"user","content":"a"}],"n":3}"#,
+            r#"{"messages":[{"role":"user","content":"a"}],"n":17}"#,
             Some("n"),
         ),
         (

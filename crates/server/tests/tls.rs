@@ -62,6 +62,7 @@ fn start(files: &TlsFiles) -> Option<u16> {
         sampling_defaults: Default::default(),
         shutdown_timeout: std::time::Duration::from_secs(30),
         cors_origins: Vec::new(),
+        limits: Default::default(),
     };
     let text = TextModel {
         tokenizer,

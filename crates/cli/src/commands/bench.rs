@@ -278,10 +278,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let mut rates = Vec::new();
         let before = engine.counters().clone();
         pagoda_ops::profile::reset();
-        for _ in 0..args.repetitions {
+        for repetition in 1..=args.repetitions {
             run_index += 1;
             let seconds = timed_prefill(&mut engine, &random_prompt(vocab, length, run_index))?;
             rates.push(length as f64 / seconds);
+            progress(&format!("pp{length}"), repetition, args.repetitions, &rates);
         }
         let steps = steps_since(&engine, &before);
         print_profile(&format!("pp{length}"), args.repetitions);
@@ -306,20 +307,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
         timed_decode(&mut engine, decode_shape(first), 0, decode_params)?;
     }
     for (depth, batch) in decode_tests {
-        let mut rates = Vec::new();
-        let mut steps = StepCounts::default();
-        pagoda_ops::profile::reset();
-        for _ in 0..args.repetitions {
-            run_index += 1;
-            let (tokens, seconds, counts) = timed_decode(
-                &mut engine,
-                decode_shape((depth, batch)),
-                run_index,
-                decode_params,
-            )?;
-            rates.push(tokens as f64 / seconds);
-            steps += counts;
-        }
         let mut name = format!("tg{}", args.decode_tokens);
         if depth > 0 {
             name += &format!(" @ d{depth}");
@@ -332,6 +319,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         if let Some(p) = args.top_p {
             name += &format!(" top-p {p}");
+        }
+        let mut rates = Vec::new();
+        let mut steps = StepCounts::default();
+        pagoda_ops::profile::reset();
+        for repetition in 1..=args.repetitions {
+            run_index += 1;
+            let (tokens, seconds, counts) = timed_decode(
+                &mut engine,
+                decode_shape((depth, batch)),
+                run_index,
+                decode_params,
+            )?;
+            rates.push(tokens as f64 / seconds);
+            steps += counts;
+            progress(&name, repetition, args.repetitions, &rates);
         }
         print_profile(&name, args.repetitions);
         let step_bytes =
@@ -529,4 +531,14 @@ fn random_prompt(vocab: usize, length: usize, seed: u64) -> Vec<u32> {
             (low + (state as usize) % (vocab - low)) as u32
         })
         .collect()
+}
+
+/// One progress line per repetition on stderr (target `pagoda_progress`, shown by default):
+/// a long bench is never silent until its table.
+fn progress(test: &str, repetition: usize, repetitions: usize, rates: &[f64]) {
+    let last = rates.last().copied().unwrap_or(0.0);
+    tracing::info!(
+        target: "pagoda_progress",
+        "{test}: repetition {repetition}/{repetitions}: {last:.1} tok/s"
+    );
 }

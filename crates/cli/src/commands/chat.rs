@@ -1,12 +1,15 @@
-//! `pagoda chat`: an interactive conversation that keeps its history.
+//! `pagoda chat`: an interactive conversation that keeps its history. On a terminal, lines
+//! are read with a line editor (arrow keys, history); Ctrl-C stops the reply being written
+//! and keeps the conversation (at the prompt it says how to quit); Ctrl-D quits.
 
 use std::io::{BufRead, IsTerminal, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use pagoda_models::chat_template::ChatMessage;
 
-use crate::commands::generate::stream_completion;
+use crate::commands::generate::{stream_completion, Completion};
 use crate::common::{self, ModelArgs, SamplingArgs};
 
 /// Flags of `pagoda chat`.
@@ -28,6 +31,9 @@ pub struct ChatArgs {
         allow_negative_numbers = true
     )]
     pub max_tokens: i64,
+    /// Keep generating past end-of-generation tokens (until -n or the context is full).
+    #[arg(long)]
+    pub ignore_eos: bool,
 }
 
 /// Runs `pagoda chat`. Lines typed are user messages; `/reset` clears the history, `/exit` or
@@ -44,7 +50,10 @@ pub fn run(args: ChatArgs) -> Result<()> {
     let ctx = common::context_size(&args.model, &loaded)?;
     let template = loaded.chat_template;
     let params = args.sampling.resolve(&loaded.generation)?;
-    let stop_tokens = common::stop_tokens(&loaded.tokenizer, &loaded.generation);
+    let stop_tokens = match args.ignore_eos {
+        true => Vec::new(),
+        false => common::stop_tokens(&loaded.tokenizer, &loaded.generation),
+    };
     let tokenizer = loaded.tokenizer;
     let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
     let interactive = std::io::stdin().is_terminal();
@@ -55,17 +64,25 @@ pub fn run(args: ChatArgs) -> Result<()> {
         .collect();
     let mut history = system.clone();
     if interactive {
-        eprintln!("pagoda chat: type a message; /reset clears the history, /exit or Ctrl-D quits.");
+        eprintln!(
+            "pagoda chat: type a message; Ctrl-C stops a reply, /reset clears the history, \
+             /exit or Ctrl-D quits."
+        );
     }
-    let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
-    loop {
-        if interactive {
-            eprint!("> ");
-            std::io::stderr().flush()?;
+    ctrlc::set_handler(|| {
+        if GENERATING.load(Ordering::SeqCst) {
+            INTERRUPT.store(true, Ordering::SeqCst);
+        } else {
+            // Waiting for input that is not a terminal (a line editor reads Ctrl-C as a key).
+            std::process::exit(130);
         }
-        let Some(line) = lines.next() else { break };
-        let line = line.context("reading standard input")?;
+    })
+    .context("installing the Ctrl-C handler")?;
+    let mut input = Input::new(interactive);
+    loop {
+        let Some(line) = input.next_line()? else {
+            break;
+        };
         let message = line.trim();
         match message {
             "" => continue,
@@ -105,16 +122,27 @@ pub fn run(args: ChatArgs) -> Result<()> {
             sink: std::io::stdout(),
             copy: &mut reply,
         };
-        let stats = stream_completion(
-            &mut engine,
-            &tokenizer,
+        INTERRUPT.store(false, Ordering::SeqCst);
+        GENERATING.store(true, Ordering::SeqCst);
+        let completion = Completion {
             prompt_ids,
             params,
             max_tokens,
-            stop_tokens.clone(),
+            stop: stop_tokens.clone(),
+        };
+        let stats = stream_completion(
+            &mut engine,
+            &tokenizer,
+            completion,
             &mut tee,
-        )?;
+            Some(&INTERRUPT),
+        );
+        GENERATING.store(false, Ordering::SeqCst);
+        let stats = stats?;
         println!();
+        if stats.interrupted {
+            eprintln!("(reply stopped; the conversation keeps what was written)");
+        }
         if interactive {
             stats.report();
         }
@@ -124,6 +152,51 @@ pub fn run(args: ChatArgs) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Set by Ctrl-C while a reply is written: the reply stops at the next step.
+static INTERRUPT: AtomicBool = AtomicBool::new(false);
+/// Whether a reply is being written (Ctrl-C stops it) or input is awaited.
+static GENERATING: AtomicBool = AtomicBool::new(false);
+
+/// Where the user's lines come from: a line editor on a terminal, else standard input.
+enum Input {
+    Editor(Box<rustyline::DefaultEditor>),
+    Lines(std::io::Lines<std::io::StdinLock<'static>>),
+}
+
+impl Input {
+    fn new(interactive: bool) -> Input {
+        if interactive {
+            match rustyline::DefaultEditor::new() {
+                Ok(editor) => return Input::Editor(Box::new(editor)),
+                Err(error) => tracing::warn!("no line editor ({error}); reading plain lines"),
+            }
+        }
+        Input::Lines(std::io::stdin().lock().lines())
+    }
+
+    /// The next line, `None` at the end of input (Ctrl-D).
+    fn next_line(&mut self) -> Result<Option<String>> {
+        match self {
+            Input::Editor(editor) => loop {
+                match editor.readline("> ") {
+                    Ok(line) => {
+                        if !line.trim().is_empty() {
+                            let _ = editor.add_history_entry(line.as_str());
+                        }
+                        return Ok(Some(line));
+                    }
+                    Err(rustyline::error::ReadlineError::Interrupted) => {
+                        eprintln!("(Ctrl-C: /exit or Ctrl-D quits)");
+                    }
+                    Err(rustyline::error::ReadlineError::Eof) => return Ok(None),
+                    Err(error) => return Err(error).context("reading the terminal"),
+                }
+            },
+            Input::Lines(lines) => lines.next().transpose().context("reading standard input"),
+        }
+    }
 }
 
 /// Writes to `sink` and keeps a copy.

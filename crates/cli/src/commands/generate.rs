@@ -1,6 +1,7 @@
 //! `pagoda generate`: one prompt in, streamed text out.
 
 use std::io::{IsTerminal, Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -85,14 +86,18 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         stop_tokens.clone()
     };
-    let stats = stream_completion(
-        &mut engine,
-        &tokenizer,
+    let completion = Completion {
         prompt_ids,
         params,
         max_tokens,
         stop,
+    };
+    let stats = stream_completion(
+        &mut engine,
+        &tokenizer,
+        completion,
         &mut std::io::stdout(),
+        None,
     )?;
     // End the line on a terminal; piped output stays exactly the generated text.
     if std::io::stdout().is_terminal() {
@@ -167,6 +172,8 @@ pub struct CompletionStats {
     pub prompt_seconds: f64,
     pub generated_tokens: usize,
     pub decode_seconds: f64,
+    /// Stopped by Ctrl-C before it finished.
+    pub interrupted: bool,
 }
 
 impl CompletionStats {
@@ -185,18 +192,36 @@ impl CompletionStats {
     }
 }
 
-/// Runs one request to completion, writing text to `out` as it is produced.
+/// One request for [`stream_completion`].
+pub struct Completion {
+    /// The prompt's token ids.
+    pub prompt_ids: Vec<u32>,
+    /// How to sample.
+    pub params: SamplingParams,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Tokens that end the reply (not printed).
+    pub stop: Vec<u32>,
+}
+
+/// Runs one request to completion, writing text to `out` as it is produced; a set
+/// `interrupt` (Ctrl-C) stops it early and is cleared.
 pub fn stream_completion(
     engine: &mut Engine,
     tokenizer: &Tokenizer,
-    prompt_ids: Vec<u32>,
-    params: SamplingParams,
-    max_tokens: usize,
-    stop: Vec<u32>,
+    completion: Completion,
     out: &mut dyn Write,
+    interrupt: Option<&AtomicBool>,
 ) -> Result<CompletionStats> {
+    let Completion {
+        prompt_ids,
+        params,
+        max_tokens,
+        stop,
+    } = completion;
     let prompt_tokens = prompt_ids.len();
     let request = engine.add_request(prompt_ids, params, max_tokens, stop.clone(), false)?;
+    let mut interrupted = false;
     if let Some(seed) = engine.seed_of(request) {
         tracing::info!("sampling seed: {seed}");
     }
@@ -205,6 +230,12 @@ pub fn stream_completion(
     let mut first_token_at = None;
     let mut generated_tokens = 0usize;
     'outer: loop {
+        if interrupt.is_some_and(|flag| flag.swap(false, Ordering::SeqCst)) {
+            // Ctrl-C: stop this reply only (its pages go back to the pool).
+            engine.cancel(request);
+            interrupted = true;
+            break;
+        }
         let events = engine.step()?;
         for event in events {
             if first_token_at.is_none() {
@@ -232,5 +263,6 @@ pub fn stream_completion(
         prompt_seconds: (first - started).as_secs_f64(),
         generated_tokens,
         decode_seconds: first.elapsed().as_secs_f64(),
+        interrupted,
     })
 }

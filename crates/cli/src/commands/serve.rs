@@ -5,7 +5,7 @@ use clap::Args;
 use pagoda_engine::{Engine, EngineConfig};
 use pagoda_server::auth::ApiKeys;
 use pagoda_server::tls::TlsFiles;
-use pagoda_server::{ServerConfig, TextModel};
+use pagoda_server::{ConnectionLimits, ServerConfig, TextModel};
 
 use crate::common::{self, ModelArgs, SamplingArgs};
 
@@ -96,6 +96,25 @@ pub struct ServeArgs {
     /// none, so browsers refuse cross-origin calls.
     #[arg(long, value_delimiter = ',', value_name = "ORIGINS")]
     pub cors: Vec<String>,
+    /// Connections open at once; more wait until one closes (a guard against clients that
+    /// open many and send nothing).
+    #[arg(
+        long,
+        default_value_t = 512,
+        value_name = "N",
+        allow_negative_numbers = true
+    )]
+    pub max_connections: usize,
+    /// Seconds a client may take to send a request's headers or its body, and to start the
+    /// next request on a kept-alive connection; then the connection is closed (llama-server's
+    /// `-to`). Generation itself is not limited.
+    #[arg(
+        long,
+        visible_alias = "to",
+        default_value_t = 60.0,
+        value_name = "SECONDS"
+    )]
+    pub timeout: f64,
 }
 
 /// Runs `pagoda serve`.
@@ -127,6 +146,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     if args.kv_pages == Some(0) {
         bail!("--kv-pages must be at least 1");
+    }
+    if args.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
+    if !(args.timeout.is_finite() && (0.1..=86_400.0).contains(&args.timeout)) {
+        bail!(
+            "--timeout must be between 0.1 and 86400 seconds, got {}",
+            args.timeout
+        );
     }
     if let Some(fraction) = args.kv_memory_fraction {
         if !(fraction > 0.0 && fraction <= 0.9) {
@@ -261,6 +289,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         sampling_defaults,
         shutdown_timeout: std::time::Duration::from_secs_f64(args.shutdown_timeout),
         cors_origins: args.cors.clone(),
+        limits: ConnectionLimits {
+            max_connections: args.max_connections,
+            timeout: std::time::Duration::from_secs_f64(args.timeout),
+        },
     };
     let text = TextModel {
         tokenizer: loaded.tokenizer,

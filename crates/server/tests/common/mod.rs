@@ -186,6 +186,7 @@ pub fn test_config() -> ServerConfig {
         sampling_defaults: SamplingParams::default(),
         shutdown_timeout: Duration::from_secs(30),
         cors_origins: Vec::new(),
+        limits: Default::default(),
     }
 }
 

@@ -94,6 +94,17 @@ def test_chat_logprobs(client, model):
         assert sum(math.exp(v) for v in values) <= 1.0 + 1e-4
 
 
+def test_logprobs_list_every_counted_token_the_end_one_too(client, model):
+    response = chat_text(client, model, max_tokens=300, temperature=0, logprobs=True)
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop", "the greedy answer should end by itself"
+    content = choice.logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    # The end-of-generation token is listed last; its text is not part of the answer.
+    assert content[-1].token not in choice.message.content
+    assert "".join(e.token for e in content[:-1]) == choice.message.content
+
+
 def test_completion_logprobs(client, model):
     response = client.completions.create(
         model=model, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=2)
@@ -350,3 +361,21 @@ def test_access_log_has_a_line_per_request(client, model, base_url, headers):
     assert " length " in mine[0] or " stop " in mine[0], mine[0]
     assert len([line for line in lines if stream_id in line]) == 1
     assert any("POST /v1/completions 400" in line for line in lines)
+
+
+def test_slots_show_a_running_request(client, model, base_url, headers):
+    idle = requests.get(f"{base_url}/slots", headers=headers, timeout=10).json()
+    assert len(idle) == 8 and [s["id"] for s in idle] == list(range(8))
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count to fifty."}],
+        max_tokens=200, temperature=0, stream=True, seed=11)
+    seen = None
+    for index, _chunk in enumerate(stream):
+        if index == 5:
+            slots = requests.get(f"{base_url}/slots", headers=headers, timeout=10).json()
+            seen = [s for s in slots if s["is_processing"]]
+            break
+    stream.close()
+    assert seen and seen[0]["params"]["seed"] == 11, seen
+    assert seen[0]["n_prompt_tokens"] > 5 and seen[0]["next_token"]["n_decoded"] >= 1
+    assert seen[0]["n_ctx"] == 1024

@@ -239,6 +239,30 @@ impl Runner {
     }
 }
 
+impl Runner {
+    /// The final-normed hidden states of `batch.logits_for`'s rows, `[rows, hidden_size]`
+    /// (what embeddings pool), on the backend's device.
+    pub(crate) fn final_hidden(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        policy: AttentionPolicy,
+    ) -> Result<Vec<f32>, String> {
+        match self {
+            Runner::Cpu { model, kv, pools } => {
+                let shape = StepShape {
+                    num_tokens: batch.tokens.len(),
+                    num_requests: batch.qo_indptr.len().saturating_sub(1),
+                };
+                let model = &*model;
+                pools
+                    .run(shape, || model.final_hidden(batch, kv, policy))
+                    .map_err(|e| e.to_string())
+            }
+            Runner::Cuda { model } => model.final_hidden(batch).map_err(|e| e.to_string()),
+        }
+    }
+}
+
 /// The GPU sampler's record for a request's next token, or `None` when the request must be
 /// sampled on the host: a reference sampler, active penalties (they read the history on the
 /// host), log-probabilities wanted (they need the logits row), or parameters outside the GPU

@@ -82,6 +82,8 @@ engine_counters! {
     /// Forward passes whose attention ran gather-then-attend.
     steps_gather: "pagoda_attention_gather_steps_total", Counter,
         "Forward passes whose attention ran gather-then-attend.";
+    /// Inputs embedded (`/v1/embeddings`).
+    embeddings: "pagoda_embeddings_total", Counter, "Inputs embedded (/v1/embeddings).";
     /// Tokens run through the model.
     tokens_forwarded: "pagoda_tokens_forwarded_total", Counter, "Tokens run through the model.";
     /// Prompt (and recompute) tokens served from the prefix cache instead of computed.

@@ -152,6 +152,13 @@ impl CudaRunner {
         typed!(&mut self.inner, runner => runner.forward(batch))
     }
 
+    /// Runs one ragged batch like [`forward`](Self::forward) but returns the hidden states
+    /// after the final norm instead of logits: `[logits_for.len(), hidden_size]` f32 (the
+    /// contract of `pagoda_models::llama::Model::final_hidden`; embeddings).
+    pub fn final_hidden(&mut self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>, CudaError> {
+        typed!(&mut self.inner, runner => runner.final_hidden(batch))
+    }
+
     /// Runs one ragged batch like [`forward`](Self::forward), then samples on the device:
     /// `rows` has one entry per `batch.logits_for` row, in order. A `Some(params)` row is
     /// drawn by the GPU sampler (`pagoda_ops::cuda::sample_rows`; the same token as

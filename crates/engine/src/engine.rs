@@ -14,6 +14,7 @@ use crate::counters::EngineCounters;
 use crate::cpu_pool::CpuThreadsMode;
 use crate::logit_bias;
 
+mod embed;
 mod warmup;
 use pagoda_scheduler::{
     Request as SchedulerRequest, SampledToken, Scheduler, SchedulerConfig, SchedulerError,

@@ -234,6 +234,28 @@ impl Model {
         kv: &mut KvCache,
         policy: AttentionPolicy,
     ) -> Result<ForwardOutput, ForwardError> {
+        self.run(batch, kv, policy, step::Head::Logits)
+    }
+
+    /// Runs the batch like [`forward`](Self::forward) but stops after the final norm: the
+    /// hidden states of the tokens listed in `batch.logits_for`, `[logits_for.len(),
+    /// hidden_size]` (what embeddings pool).
+    pub fn final_hidden(
+        &self,
+        batch: &ForwardBatch<'_>,
+        kv: &mut KvCache,
+        policy: AttentionPolicy,
+    ) -> Result<Vec<f32>, ForwardError> {
+        Ok(self.run(batch, kv, policy, step::Head::Hidden)?.logits)
+    }
+
+    fn run(
+        &self,
+        batch: &ForwardBatch<'_>,
+        kv: &mut KvCache,
+        policy: AttentionPolicy,
+        head: step::Head,
+    ) -> Result<ForwardOutput, ForwardError> {
         let c = &self.config;
         let plan = self.choose_attention(batch, kv, policy)?;
         let num_tokens = batch.tokens.len();
@@ -253,7 +275,7 @@ impl Model {
                 "logits requested for token {t} of {num_tokens}"
             )));
         }
-        let mut step = step::CpuStep::new(self, batch, kv, &plan);
+        let mut step = step::CpuStep::new(self, batch, kv, &plan, head);
         llama_layers(&mut step, &self.layers)?;
         let logits = step.logits;
         Ok(ForwardOutput {

@@ -92,6 +92,27 @@ impl Scheduler {
         &self.config
     }
 
+    /// Takes `count` free pages out of the pool for work outside the step plans (an
+    /// embedding's prefill), evicting cached prefix pages as needed; `None`, with nothing
+    /// taken, when free and evictable pages are fewer. Give them back with
+    /// [`return_pages`](Self::return_pages) before the next [`schedule`](Self::schedule).
+    pub fn borrow_pages(&mut self, count: usize) -> Option<Vec<pagoda_kv::PageId>> {
+        if !self.cache.ensure_free(&mut self.pool, count) {
+            return None;
+        }
+        self.pool.allocate_n(count)
+    }
+
+    /// Frees pages taken by [`borrow_pages`](Self::borrow_pages).
+    pub fn return_pages(&mut self, pages: &[pagoda_kv::PageId]) -> Result<(), SchedulerError> {
+        for &page in pages {
+            self.pool
+                .free(page)
+                .map_err(|e| SchedulerError::Internal(e.to_string()))?;
+        }
+        Ok(())
+    }
+
     /// The page pool (read-only: refcounts, free list).
     pub fn pool(&self) -> &BlockPool {
         &self.pool

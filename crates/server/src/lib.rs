@@ -12,6 +12,7 @@ mod answer;
 pub mod auth;
 pub mod connections;
 pub mod drain;
+pub mod embeddings;
 pub mod error;
 pub mod format;
 pub mod metrics;
@@ -170,6 +171,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/detokenize", post(tokenize::detokenize))
         .route("/apply-template", post(props::apply_template))
         .route("/props", get(props::props))
+        .route("/slots", get(props::slots))
+        .route("/v1/embeddings", post(embeddings::embeddings))
+        .route("/embeddings", post(embeddings::embeddings))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .fallback(routes::not_found)

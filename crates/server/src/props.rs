@@ -1,6 +1,7 @@
 //! llama-server's introspection endpoints: `GET /props` (the served model's settings, which
-//! web UIs and clients read at start) and `POST /apply-template` (messages rendered by the
-//! chat template, without generating).
+//! web UIs and clients read at start), `GET /slots` (what each of the `--parallel` sequences
+//! runs now) and `POST /apply-template` (messages rendered by the chat template, without
+//! generating).
 
 use std::sync::Arc;
 
@@ -15,6 +16,30 @@ use crate::error::ApiError;
 use crate::request::{field, parse_chat, parse_object};
 use crate::routes::{body_error, render_chat};
 use crate::AppState;
+
+/// `GET /slots`: one entry per `--parallel` slot, in llama-server's field names: `id`,
+/// `n_ctx`, `is_processing`, `id_task` (the running request's engine id, -1 when idle),
+/// `n_prompt_tokens`, `next_token.n_decoded` and `params.seed`.
+pub async fn slots(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let n_ctx = state.config.context_size;
+    let slots: Vec<Value> = state
+        .worker
+        .slots()
+        .iter()
+        .map(|slot| {
+            json!({
+                "id": slot.id,
+                "id_task": slot.request.map_or(-1, |id| id as i64),
+                "n_ctx": n_ctx,
+                "is_processing": slot.request.is_some(),
+                "n_prompt_tokens": slot.prompt_tokens,
+                "next_token": { "n_decoded": slot.decoded },
+                "params": { "seed": slot.seed },
+            })
+        })
+        .collect();
+    Json(Value::Array(slots))
+}
 
 /// `GET /props`: the request defaults (`default_generation_settings`, with the context size
 /// as `n_ctx`), the sequences run at once (`total_slots`), the served name, the chat

@@ -104,10 +104,12 @@ impl Session {
         self.completion_tokens += 1;
         let mut delta = Delta::default();
         let end_of_generation = self.stop_tokens.contains(&token);
+        // Every counted token has its entry, the end-of-generation one too (its text is not
+        // shown), so the list is as long as `completion_tokens`, as vLLM answers.
+        if let Some(logprob) = logprob {
+            delta.logprobs.push(self.entry(token, &logprob));
+        }
         if !end_of_generation {
-            if let Some(logprob) = logprob {
-                delta.logprobs.push(self.entry(token, &logprob));
-            }
             let piece = self.decoder.push(token);
             self.decoded_chars += piece.chars().count();
             let out = self.stop.push(&piece);

@@ -9,10 +9,10 @@ use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use pagoda_engine::{Engine, EngineError, FinishReason, RequestId, StepEvent};
+use pagoda_engine::{EngineError, FinishReason, RequestId};
 use pagoda_ops::sampling::SamplingParams;
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -21,88 +21,8 @@ pub use crate::metrics::EngineSnapshot;
 use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 
-/// What the loop needs from an engine (implemented by [`pagoda_engine::Engine`]; tests use a
-/// scripted fake).
-pub trait EngineBackend: Send + 'static {
-    /// Admits a request (see [`Engine::add_request`]).
-    fn add_request(
-        &mut self,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        max_new_tokens: usize,
-        stop_tokens: Vec<u32>,
-        want_logprobs: bool,
-    ) -> Result<RequestId, EngineError>;
-    /// Runs one step (see [`Engine::step`]).
-    fn step(&mut self) -> Result<Vec<StepEvent>, EngineError>;
-    /// Ends a request and frees its pages; unknown ids are ignored.
-    fn cancel(&mut self, id: RequestId);
-    /// The seed a running request samples with.
-    fn seed_of(&self, id: RequestId) -> Option<u64>;
-    /// Sets a running request's logit biases (see [`Engine::set_logit_bias`]).
-    fn set_logit_bias(&mut self, id: RequestId, bias: Vec<(u32, f32)>) -> Result<(), EngineError>;
-    /// A snapshot of the engine's gauges and counters.
-    fn snapshot(&self) -> EngineSnapshot;
-    /// Whether [`warm_up`](Self::warm_up) has work to do (asked once, before the loop
-    /// starts; when false the server is ready at once).
-    fn needs_warmup(&self) -> bool {
-        false
-    }
-    /// Gets ready before the first request (see [`Engine::warm_up`]); `progress` hears each
-    /// stage's name.
-    fn warm_up(&mut self, _progress: &mut dyn FnMut(&str)) -> Result<(), EngineError> {
-        Ok(())
-    }
-}
-
-impl EngineBackend for Engine {
-    fn add_request(
-        &mut self,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        max_new_tokens: usize,
-        stop_tokens: Vec<u32>,
-        want_logprobs: bool,
-    ) -> Result<RequestId, EngineError> {
-        Engine::add_request(
-            self,
-            prompt,
-            params,
-            max_new_tokens,
-            stop_tokens,
-            want_logprobs,
-        )
-    }
-    fn step(&mut self) -> Result<Vec<StepEvent>, EngineError> {
-        Engine::step(self)
-    }
-    fn cancel(&mut self, id: RequestId) {
-        Engine::cancel(self, id)
-    }
-    fn seed_of(&self, id: RequestId) -> Option<u64> {
-        Engine::seed_of(self, id)
-    }
-    fn set_logit_bias(&mut self, id: RequestId, bias: Vec<(u32, f32)>) -> Result<(), EngineError> {
-        Engine::set_logit_bias(self, id, bias)
-    }
-    fn snapshot(&self) -> EngineSnapshot {
-        EngineSnapshot {
-            pages_used: self.pages_used(),
-            pages_total: self.config().num_pages,
-            num_running: self.num_running(),
-            counters: self.counters().clone(),
-            pages_cached: self.pages_cached(),
-            sampling: pagoda_ops::sampling::sampling_counters(),
-            batch_dependent: self.is_cuda() || !pagoda_ops::linear::batch_invariant(),
-        }
-    }
-    fn needs_warmup(&self) -> bool {
-        Engine::needs_warmup(self)
-    }
-    fn warm_up(&mut self, progress: &mut dyn FnMut(&str)) -> Result<(), EngineError> {
-        Engine::warm_up(self, progress).map(|_| ())
-    }
-}
+mod backend;
+pub use backend::EngineBackend;
 
 /// One request for the loop.
 #[derive(Debug)]
@@ -122,6 +42,36 @@ pub struct Job {
     pub logit_bias: Vec<(u32, f32)>,
     /// Where the loop sends this request's events; dropping the receiver cancels it.
     pub events: UnboundedSender<WorkerEvent>,
+}
+
+/// One embedding request for the loop: its inputs' token ids (each non-empty), and where the
+/// vectors go (one per input, in order); dropping the receiver cancels it.
+#[derive(Debug)]
+pub struct EmbedJob {
+    pub inputs: Vec<Vec<u32>>,
+    pub reply: tokio::sync::oneshot::Sender<Result<Vec<Vec<f32>>, ApiError>>,
+}
+
+/// What the handlers send the loop.
+#[derive(Debug)]
+enum Work {
+    Generate(Job),
+    Embed(EmbedJob),
+}
+
+/// What one of the `--parallel` slots does now, as `GET /slots` shows it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SlotState {
+    /// The slot's number, `0..parallel`.
+    pub id: usize,
+    /// The engine's id of the request it runs (`None`: idle).
+    pub request: Option<RequestId>,
+    /// Tokens of the request's prompt.
+    pub prompt_tokens: usize,
+    /// Tokens generated so far.
+    pub decoded: usize,
+    /// The request's sampler seed.
+    pub seed: Option<u64>,
 }
 
 /// Log-probability of a sampled token and the most likely alternatives, natural log.
@@ -162,16 +112,27 @@ impl WorkerEvent {
 /// The handlers' side of the loop: submits jobs, bounded by the queue limit.
 #[derive(Debug, Clone)]
 pub struct WorkerHandle {
-    sender: Sender<Job>,
+    sender: Sender<Work>,
     queued: Arc<AtomicUsize>,
     max_queue: usize,
     readiness: Arc<Readiness>,
+    slots: Arc<Mutex<Vec<SlotState>>>,
 }
 
 impl WorkerHandle {
     /// Queues `job`; a 503 while the engine warms up (or after its warm-up failed), a 429
     /// when `max_queue` jobs already wait for admission.
     pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+        self.send(Work::Generate(job))
+    }
+
+    /// Queues an embedding request, under the same readiness and queue limits as
+    /// [`submit`](Self::submit).
+    pub fn submit_embedding(&self, job: EmbedJob) -> Result<(), ApiError> {
+        self.send(Work::Embed(job))
+    }
+
+    fn send(&self, work: Work) -> Result<(), ApiError> {
         if let Err(not_ready) = self.readiness.check() {
             let retry = match not_ready.status {
                 "loading" => "; retry when /health answers 200",
@@ -187,7 +148,7 @@ impl WorkerHandle {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             return Err(ApiError::queue_full(queued));
         }
-        self.sender.send(job).map_err(|_| {
+        self.sender.send(work).map_err(|_| {
             self.queued.fetch_sub(1, Ordering::SeqCst);
             ApiError::internal("the engine loop has stopped")
         })
@@ -196,6 +157,11 @@ impl WorkerHandle {
     /// Jobs waiting for admission.
     pub fn queued(&self) -> usize {
         self.queued.load(Ordering::SeqCst)
+    }
+
+    /// What each slot runs now (published by the loop after every step).
+    pub fn slots(&self) -> Vec<SlotState> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Whether the engine is ready (its warm-up done).
@@ -220,20 +186,25 @@ pub fn spawn_worker<B: EngineBackend>(
     } else {
         Readiness::ready()
     });
+    let parallel = parallel.max(1);
+    let slots = Arc::new(Mutex::new(idle_slots(parallel)));
     let handle = WorkerHandle {
         sender,
         queued: queued.clone(),
         max_queue,
         readiness: readiness.clone(),
+        slots: slots.clone(),
     };
     let mut worker = Worker {
         backend,
-        parallel: parallel.max(1),
+        parallel,
         receiver,
         queued,
         waiting: VecDeque::new(),
+        embeds: VecDeque::new(),
         running: HashMap::new(),
         metrics,
+        slots,
     };
     let thread = std::thread::Builder::new()
         .name("pagoda-engine".into())
@@ -249,37 +220,60 @@ pub fn spawn_worker<B: EngineBackend>(
     Ok((handle, thread))
 }
 
+fn idle_slots(parallel: usize) -> Vec<SlotState> {
+    (0..parallel)
+        .map(|id| SlotState {
+            id,
+            ..SlotState::default()
+        })
+        .collect()
+}
+
 struct Slot {
     events: UnboundedSender<WorkerEvent>,
     top_logprobs: Option<usize>,
     enqueued_at: Instant,
     last_token_at: Option<Instant>,
+    /// The slot number shown by `/slots`.
+    number: usize,
+    prompt_tokens: usize,
+    decoded: usize,
+    seed: Option<u64>,
+}
+
+/// An embedding request being worked through, one input per turn of the loop.
+struct Embedding {
+    job: EmbedJob,
+    vectors: Vec<Vec<f32>>,
 }
 
 struct Worker<B> {
     backend: B,
     parallel: usize,
-    receiver: Receiver<Job>,
+    receiver: Receiver<Work>,
     queued: Arc<AtomicUsize>,
     waiting: VecDeque<(Job, Instant)>,
+    embeds: VecDeque<Embedding>,
     running: HashMap<RequestId, Slot>,
     metrics: Arc<Metrics>,
+    slots: Arc<Mutex<Vec<SlotState>>>,
 }
 
 impl<B: EngineBackend> Worker<B> {
     fn run(&mut self) {
         loop {
-            if self.running.is_empty() && self.waiting.is_empty() {
+            if self.running.is_empty() && self.waiting.is_empty() && self.embeds.is_empty() {
                 self.publish_gauges();
                 match self.receiver.recv() {
-                    Ok(job) => self.waiting.push_back((job, Instant::now())),
+                    Ok(work) => self.receive(work),
                     Err(_) => return, // every handle is gone and nothing runs
                 }
             }
-            while let Ok(job) = self.receiver.try_recv() {
-                self.waiting.push_back((job, Instant::now()));
+            while let Ok(work) = self.receiver.try_recv() {
+                self.receive(work);
             }
             self.cancel_disconnected();
+            self.embed_one();
             self.admit();
             self.publish_gauges();
             if !self.running.is_empty() {
@@ -287,6 +281,63 @@ impl<B: EngineBackend> Worker<B> {
                 self.publish_gauges();
             }
         }
+    }
+
+    fn receive(&mut self, work: Work) {
+        match work {
+            Work::Generate(job) => self.waiting.push_back((job, Instant::now())),
+            Work::Embed(job) => self.embeds.push_back(Embedding {
+                vectors: Vec::with_capacity(job.inputs.len()),
+                job,
+            }),
+        }
+    }
+
+    /// Embeds the next input of the oldest embedding request (one input per turn, so long
+    /// batches of inputs interleave with the running requests' steps); answers the request
+    /// when its last input is done. When running requests hold the pages it needs, it waits
+    /// for their next step.
+    fn embed_one(&mut self) {
+        let Some(front) = self.embeds.front_mut() else {
+            return;
+        };
+        if front.job.reply.is_closed() {
+            self.embeds.pop_front();
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            self.metrics.cancelled.inc();
+            return;
+        }
+        let input = &front.job.inputs[front.vectors.len()];
+        let backend = &mut self.backend;
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| backend.embed(input)));
+        let failure = match result {
+            Ok(Ok(vector)) => {
+                front.vectors.push(vector);
+                if front.vectors.len() < front.job.inputs.len() {
+                    return;
+                }
+                None
+            }
+            Ok(Err(EngineError::OutOfPages { .. })) if !self.running.is_empty() => return,
+            Ok(Err(error)) => Some(match error {
+                EngineError::Internal(_) | EngineError::OutOfPages { .. } => {
+                    ApiError::internal(error.to_string())
+                }
+                client => ApiError::invalid(client.to_string(), Some("input")),
+            }),
+            Err(_) => Some(ApiError::internal(
+                "internal error (please report): the engine panicked computing an embedding",
+            )),
+        };
+        let Some(done) = self.embeds.pop_front() else {
+            return;
+        };
+        self.queued.fetch_sub(1, Ordering::SeqCst);
+        let answer = match failure {
+            Some(error) => Err(error),
+            None => Ok(done.vectors),
+        };
+        let _ = done.job.reply.send(answer);
     }
 
     /// Cancels running requests whose client went away, and drops waiting ones (their place in
@@ -325,6 +376,7 @@ impl<B: EngineBackend> Worker<B> {
                 continue;
             }
             let greedy = job.params.is_greedy();
+            let prompt_tokens = job.prompt.len();
             let added = self.backend.add_request(
                 job.prompt,
                 job.params,
@@ -350,6 +402,9 @@ impl<B: EngineBackend> Worker<B> {
                     }
                     let seed = self.backend.seed_of(id);
                     let _ = job.events.send(WorkerEvent::Started { seed });
+                    let number = (0..)
+                        .find(|n| self.running.values().all(|slot| slot.number != *n))
+                        .unwrap_or(0);
                     self.running.insert(
                         id,
                         Slot {
@@ -357,6 +412,10 @@ impl<B: EngineBackend> Worker<B> {
                             top_logprobs: job.top_logprobs,
                             enqueued_at,
                             last_token_at: None,
+                            number,
+                            prompt_tokens,
+                            decoded: 0,
+                            seed,
                         },
                     );
                 }
@@ -408,6 +467,7 @@ impl<B: EngineBackend> Worker<B> {
                     .observe((now - last).as_secs_f64()),
             }
             slot.last_token_at = Some(now);
+            slot.decoded += 1;
             self.metrics.generated_tokens.inc();
             let logprob = match (&event.logprobs, slot.top_logprobs) {
                 (Some(row), Some(n)) => Some(token_logprob(row, event.token, n)),
@@ -446,7 +506,21 @@ impl<B: EngineBackend> Worker<B> {
 
     fn publish_gauges(&self) {
         let snapshot = self.backend.snapshot();
-        self.metrics.update_engine(&snapshot, self.waiting.len());
+        self.metrics
+            .update_engine(&snapshot, self.waiting.len() + self.embeds.len());
+        let mut slots = idle_slots(self.parallel);
+        for (&id, slot) in &self.running {
+            if let Some(state) = slots.get_mut(slot.number) {
+                *state = SlotState {
+                    id: slot.number,
+                    request: Some(id),
+                    prompt_tokens: slot.prompt_tokens,
+                    decoded: slot.decoded,
+                    seed: slot.seed,
+                };
+            }
+        }
+        *self.slots.lock().unwrap_or_else(|e| e.into_inner()) = slots;
     }
 }
 

@@ -19,6 +19,12 @@ fn endpoints() -> Vec<(Method, &'static str, String)> {
         (Method::POST, "/v1/completions", completion.to_string()),
         (Method::GET, "/v1/models", String::new()),
         (Method::GET, "/metrics", String::new()),
+        (Method::GET, "/slots", String::new()),
+        (
+            Method::POST,
+            "/v1/embeddings",
+            json!({"input": "hi"}).to_string(),
+        ),
     ]
 }
 
@@ -64,10 +70,17 @@ async fn every_endpoint_needs_a_key_and_takes_any_of_them() {
         }
     }
     // Unknown paths are refused before they are looked up: no key, no map of the routes.
-    let (status, text) = send(&h.app, Method::GET, "/slots", String::new(), None).await;
+    let (status, text) = send(&h.app, Method::GET, "/nowhere", String::new(), None).await;
     error_of(status, &text, StatusCode::UNAUTHORIZED);
     let header = format!("Bearer {}", KEYS[0]);
-    let (status, _) = send(&h.app, Method::GET, "/slots", String::new(), Some(&header)).await;
+    let (status, _) = send(
+        &h.app,
+        Method::GET,
+        "/nowhere",
+        String::new(),
+        Some(&header),
+    )
+    .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 }
 

@@ -118,16 +118,18 @@ async fn chat_stream_has_role_content_logprobs_and_usage() {
         .flatten()
         .collect();
     assert!(!entries.is_empty());
-    for entry in entries {
+    for entry in &entries {
         assert_eq!(entry["top_logprobs"].as_array().unwrap().len(), 2);
         assert_eq!(entry["top_logprobs"][0]["logprob"], -0.5); // the scripted row's best
     }
     let last = chunks.last().unwrap();
     assert_eq!(last["choices"], json!([]));
-    assert_eq!(
-        last["usage"]["completion_tokens"],
-        h.tokenizer.encode("Hi there", false).unwrap().len() + 1
-    );
+    let counted = h.tokenizer.encode("Hi there", false).unwrap().len() + 1;
+    assert_eq!(last["usage"]["completion_tokens"], counted);
+    // The end token is counted and listed (its text is not in the content).
+    assert_eq!(entries.len(), counted);
+    let eos = String::from_utf8_lossy(&h.tokenizer.token_bytes(EOS)).into_owned();
+    assert_eq!(entries.last().unwrap()["token"], eos.as_str());
 }
 
 #[tokio::test]

@@ -315,7 +315,7 @@ impl<T: HostFloat> TypedRunner<T> {
         let result = self.forward_in(
             &mut cache,
             batch,
-            Some(DeviceSampling {
+            super::step::Output::Sampled(DeviceSampling {
                 rows,
                 out: &mut out,
             }),

@@ -20,6 +20,16 @@ use pagoda_ops::cuda::{self as ops, PoolLayout};
 use super::sampling::DeviceSampling;
 use super::{CudaCacheOptions, GpuCache, Staging, TypedRunner};
 
+/// What a step hands back (see [`TypedRunner::forward_in`]).
+pub(super) enum Output<'a> {
+    /// The logits rows, downloaded.
+    Logits,
+    /// The rows drawn by the device sampler.
+    Sampled(DeviceSampling<'a>),
+    /// The rows' final-normed hidden states (embeddings).
+    Hidden,
+}
+
 /// Smallest graph bucket holding `num_requests` decode rows: powers of two, capped at the
 /// step buffers' limit (`max`), which is a bucket of its own.
 fn graph_bucket(num_requests: usize, max: usize) -> Option<usize> {
@@ -144,6 +154,7 @@ impl<T: HostFloat> TypedRunner<T> {
                 num_requests: bucket,
                 num_logits: bucket,
                 attention: self.decode_attention(&cache, bucket, sm_count),
+                hidden_only: false,
             };
             outcome = self.stage(&mut cache, &empty, &shape).and_then(|_| {
                 let GpuCache {
@@ -200,24 +211,40 @@ impl<T: HostFloat> TypedRunner<T> {
     }
 
     pub(super) fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>, CudaError> {
+        self.forward_cached(batch, Output::Logits)
+    }
+
+    /// The final-normed hidden states of `batch.logits_for`'s rows, `[rows, hidden_size]`
+    /// in f32 (embeddings): the step runs eagerly and stops before the LM head.
+    pub(super) fn final_hidden(&mut self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>, CudaError> {
+        self.forward_cached(batch, Output::Hidden)
+    }
+
+    fn forward_cached(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        output: Output<'_>,
+    ) -> Result<Vec<f32>, CudaError> {
         let Some(mut cache) = self.cache.take() else {
             return Err(CudaError::invalid(
                 "the KV cache is not allocated: call prepare first",
             ));
         };
-        let result = self.forward_in(&mut cache, batch, None);
+        let result = self.forward_in(&mut cache, batch, output);
         self.cache = Some(cache);
         result
     }
 
-    /// One step in `cache`. With `sampled`, the rows are sampled on the device (see
-    /// `sampling.rs`) into `sampled.out` and the returned logits are empty.
+    /// One step in `cache`, returning what `output` asks for: the logits rows; nothing, with
+    /// the rows sampled on the device (see `sampling.rs`) into the request's `out`; or the
+    /// rows' final hidden states.
     pub(super) fn forward_in(
         &mut self,
         cache: &mut GpuCache<T>,
         batch: &ForwardBatch<'_>,
-        sampled: Option<DeviceSampling<'_>>,
+        output: Output<'_>,
     ) -> Result<Vec<f32>, CudaError> {
+        let hidden_only = matches!(output, Output::Hidden);
         let host_started = std::time::Instant::now();
         self.validate(cache, batch)?;
         let gpu = self.model.gpu().clone();
@@ -241,7 +268,11 @@ impl<T: HostFloat> TypedRunner<T> {
             options.max_batch_requests.min(options.max_batch_tokens),
         );
         let graph_rows = bucket.filter(|_| {
-            options.cuda_graphs && decode_rows && fits_decode && num_logits == num_tokens
+            options.cuda_graphs
+                && !hidden_only
+                && decode_rows
+                && fits_decode
+                && num_logits == num_tokens
         });
         let shape = match graph_rows {
             Some(padded) => StepShape {
@@ -249,11 +280,13 @@ impl<T: HostFloat> TypedRunner<T> {
                 num_requests: padded,
                 num_logits: padded,
                 attention: self.decode_attention(cache, padded, sm_count),
+                hidden_only: false,
             },
             None => StepShape {
                 num_tokens,
                 num_requests,
                 num_logits,
+                hidden_only,
                 attention: if decode_rows && fits_decode {
                     self.decode_attention(cache, num_requests, sm_count)
                 } else {
@@ -314,10 +347,17 @@ impl<T: HostFloat> TypedRunner<T> {
             // pinned inputs this step's upload may still be reading.
             gpu.synchronize()?;
             Vec::new()
-        } else if let Some(request) = sampled {
+        } else if let Output::Sampled(request) = output {
             // The sampler's kernels count as GPU time of the step.
             finished = self.sample_on_device(&gpu, cache, num_logits, request)?;
             Vec::new()
+        } else if hidden_only {
+            let rows = num_logits * self.model.config().hidden_size;
+            let states = view(&cache.buffers.scratch.selected_normed, 0..rows)?;
+            gpu.download(&states)?
+                .into_iter()
+                .map(HostFloat::to_f32)
+                .collect()
         } else {
             let logits = view(
                 &cache.buffers.scratch.logits,

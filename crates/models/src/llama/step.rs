@@ -11,10 +11,20 @@ use pagoda_ops::rope::RopeTable;
 use super::{ForwardBatch, ForwardError, KvCache, Layer, Model};
 use crate::decoder::DecoderStep;
 
+/// What the last step computes for the rows of `batch.logits_for`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Head {
+    /// The LM head's logits.
+    Logits,
+    /// The hidden states after the final norm (embeddings), `[rows, hidden_size]`.
+    Hidden,
+}
+
 /// One forward step on the CPU: the batch, its KV cache, its attention routing and every
 /// activation buffer, sized for the batch.
 pub(super) struct CpuStep<'a> {
     model: &'a Model,
+    head: Head,
     batch: &'a ForwardBatch<'a>,
     kv: &'a mut KvCache,
     plan: &'a StepAttentionPlan,
@@ -32,7 +42,8 @@ pub(super) struct CpuStep<'a> {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
-    /// `[logits_for.len(), vocab_size]`, written by the last step.
+    /// `[logits_for.len(), vocab_size]` (or `hidden_size` with [`Head::Hidden`]), written by
+    /// the last step.
     pub(super) logits: Vec<f32>,
 }
 
@@ -43,6 +54,7 @@ impl<'a> CpuStep<'a> {
         batch: &'a ForwardBatch<'a>,
         kv: &'a mut KvCache,
         plan: &'a StepAttentionPlan,
+        head: Head,
     ) -> Self {
         let c = &model.config;
         let num_tokens = batch.tokens.len();
@@ -54,6 +66,7 @@ impl<'a> CpuStep<'a> {
         let zeros = |len: usize| vec![0f32; num_tokens * len];
         CpuStep {
             model,
+            head,
             batch,
             kv,
             plan,
@@ -238,6 +251,10 @@ impl DecoderStep for CpuStep<'_> {
                 &mut final_normed,
             )
         });
+        if self.head == Head::Hidden {
+            self.logits = final_normed;
+            return Ok(());
+        }
         let mut logits = vec![0f32; rows.len() * c.vocab_size];
         let head = model.lm_head.as_ref().unwrap_or(&model.embedding);
         profile::time(Op::LmHead, || {

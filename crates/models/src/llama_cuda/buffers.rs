@@ -29,6 +29,9 @@ pub struct StepShape {
     pub num_requests: usize,
     pub num_logits: usize,
     pub attention: Attention,
+    /// Stop after the final norm: `selected_normed` holds the `num_logits` rows' hidden
+    /// states and the LM head does not run (embeddings).
+    pub hidden_only: bool,
 }
 
 /// Device memory a step reads and writes (the addresses a captured graph holds).

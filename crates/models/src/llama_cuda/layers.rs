@@ -37,6 +37,7 @@ impl<T: HostFloat> GpuModel<T> {
             num_requests,
             num_logits,
             attention,
+            hidden_only,
         } = *shape;
         let (hidden, q_dim, kv_dim) = (
             c.hidden_size,
@@ -82,6 +83,7 @@ impl<T: HostFloat> GpuModel<T> {
             page_table,
             num_tokens,
             num_logits,
+            hidden_only,
             scale: 1.0 / (c.head_dim as f32).sqrt(),
             tokens: view(&s.tokens, 0..num_tokens)?,
             positions: view(&s.positions, 0..num_tokens)?,
@@ -118,6 +120,7 @@ struct GpuStep<'a, T> {
     page_table: DevicePageTable<'a>,
     num_tokens: usize,
     num_logits: usize,
+    hidden_only: bool,
     scale: f32,
     tokens: DeviceView<'a, u32>,
     positions: DeviceView<'a, u32>,
@@ -316,6 +319,9 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
         let norm = &model.output_norm;
         let eps = c.rms_norm_eps;
         ops::rms_norm(gpu, &self.selected, norm, &mut self.selected_normed, eps)?;
+        if self.hidden_only {
+            return Ok(());
+        }
         let head = model.lm_head.as_ref().unwrap_or(&model.embedding);
         let shape = (self.num_logits, c.vocab_size, hidden);
         gpu.gemm(&self.selected_normed, head, &mut self.logits, shape, 0.0)

@@ -74,17 +74,25 @@ pub enum CudaModel {
 pub trait HostFloat: Element {
     /// `value` rounded to this type.
     fn from_f32(value: f32) -> Self;
+    /// This value widened to f32.
+    fn to_f32(self) -> f32;
 }
 
 impl HostFloat for f32 {
     fn from_f32(value: f32) -> Self {
         value
     }
+    fn to_f32(self) -> f32 {
+        self
+    }
 }
 
 impl HostFloat for bf16 {
     fn from_f32(value: f32) -> Self {
         bf16::from_f32(value)
+    }
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
     }
 }
 

@@ -136,6 +136,20 @@ impl EngineBackend for Scripted {
     fn seed_of(&self, _: RequestId) -> Option<u64> {
         Some(7)
     }
+    /// `[len, first token, last token]`, or in [`Mode::SmallPool`] a refusal of inputs over
+    /// [`SMALL_POOL_TOKENS`].
+    fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        if self.mode == Mode::SmallPool && tokens.len() > SMALL_POOL_TOKENS {
+            return Err(EngineError::TooLargeForPool {
+                needed: tokens.len().div_ceil(4),
+                max_new_tokens: 0,
+                total: SMALL_POOL_TOKENS / 4,
+            });
+        }
+        let first = tokens.first().copied().unwrap_or_default() as f32;
+        let last = tokens.last().copied().unwrap_or_default() as f32;
+        Ok(vec![tokens.len() as f32, first, last])
+    }
     fn snapshot(&self) -> EngineSnapshot {
         EngineSnapshot {
             pages_used: self.running.len(),

@@ -21,5 +21,6 @@ pub use cpu_pool::{
 };
 pub use engine::{Engine, EngineConfig, EngineError, FinishReason, RequestId, StepEvent};
 pub use load::{
-    load_backend, load_model, load_random, Device, LoadOptions, LoadedModel, ModelSource,
+    load_backend, load_model, load_random, Device, LoadOptions, LoadedModel, ModelLoadError,
+    ModelSource,
 };

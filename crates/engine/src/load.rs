@@ -4,19 +4,56 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use pagoda_cuda::Gpu;
+use pagoda_cuda::{CudaError, Gpu};
 
-use pagoda_models::chat_template::ChatTemplate;
+use pagoda_models::chat_template::{ChatTemplate, ChatTemplateError};
 use pagoda_models::config::ModelConfig;
-use pagoda_models::formats::gguf::GgufFile;
+use pagoda_models::formats::gguf::{GgufError, GgufFile};
 use pagoda_models::gguf_model::config_from_gguf;
-use pagoda_models::hf::{GenerationDefaults, HfModelDir};
-use pagoda_models::llama::{Model, WeightPrecision};
+use pagoda_models::hf::{GenerationDefaults, HfError, HfModelDir};
+use pagoda_models::llama::{LoadError, Model, WeightPrecision};
 use pagoda_models::llama_cuda::{CudaModel, DType};
 use pagoda_models::random::{random_config, RandomWeights};
-use pagoda_models::tokenizer::Tokenizer;
+use pagoda_models::tokenizer::{Tokenizer, TokenizerError};
 
 use crate::backend::Backend;
+
+/// Why a model could not be loaded; the message names the file and what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelLoadError {
+    #[error("model path {0} does not exist (pass a .gguf file or a Hugging Face model directory)")]
+    NoSuchPath(PathBuf),
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Hf(#[from] HfError),
+    #[error("{}: tokenizer.json is missing", .0.display())]
+    NoTokenizer(PathBuf),
+    #[error("{}: {source}", path.display())]
+    Tokenizer {
+        path: PathBuf,
+        source: TokenizerError,
+    },
+    #[error("{}: the tokenizer has {tokenizer} tokens but the model only {model} embeddings", path.display())]
+    VocabularyMismatch {
+        path: PathBuf,
+        tokenizer: usize,
+        model: usize,
+    },
+    #[error("the model's chat template: {0}")]
+    ChatTemplate(ChatTemplateError),
+    /// The weights or the configuration (a missing tensor, a bad shape, an unsupported
+    /// architecture or type).
+    #[error("{}: {source}", path.display())]
+    Weights { path: PathBuf, source: LoadError },
+    #[error("CUDA: {0}")]
+    Cuda(#[from] CudaError),
+    /// Building the model from tensors of no file (see [`load_backend`]).
+    #[error(transparent)]
+    Build(LoadError),
+    #[error("random weights for {spec}: {source}")]
+    Random { spec: String, source: LoadError },
+}
 
 /// Where a model comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,16 +66,13 @@ pub enum ModelSource {
 
 impl ModelSource {
     /// Classifies a path: a directory is an HF model, a file is GGUF. Errors say what to pass.
-    pub fn from_path(path: &Path) -> Result<ModelSource, String> {
+    pub fn from_path(path: &Path) -> Result<ModelSource, ModelLoadError> {
         if path.is_dir() {
             Ok(ModelSource::HfDir(path.to_path_buf()))
         } else if path.is_file() {
             Ok(ModelSource::Gguf(path.to_path_buf()))
         } else {
-            Err(format!(
-                "model path {} does not exist (pass a .gguf file or a Hugging Face model directory)",
-                path.display()
-            ))
+            Err(ModelLoadError::NoSuchPath(path.to_path_buf()))
         }
     }
 
@@ -96,41 +130,45 @@ pub fn load_model(
     source: &ModelSource,
     options: LoadOptions,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<LoadedModel, String> {
+) -> Result<LoadedModel, ModelLoadError> {
+    let tokenizer_error = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| ModelLoadError::Tokenizer { path, source }
+    };
     let (model, tokenizer, generation) = match source {
         ModelSource::Gguf(path) => {
-            let file = GgufFile::open(path).map_err(|e| e.to_string())?;
-            let config = config_from_gguf(&file)?;
-            let tokenizer =
-                Tokenizer::from_gguf(&file).map_err(|e| format!("{}: {e}", path.display()))?;
+            let file = GgufFile::open(path)?;
+            let config = config_from_gguf(&file).map_err(|source| ModelLoadError::Weights {
+                path: path.clone(),
+                source,
+            })?;
+            let tokenizer = Tokenizer::from_gguf(&file).map_err(tokenizer_error(path))?;
             let model = load_weights(config, &file, options, progress, path)?;
             (model, tokenizer, GenerationDefaults::default())
         }
         ModelSource::HfDir(dir) => {
-            let hf = HfModelDir::open(dir).map_err(|e| e.to_string())?;
+            let hf = HfModelDir::open(dir)?;
             if hf.tokenizer_path.is_none() {
-                return Err(format!("{}: tokenizer.json is missing", dir.display()));
+                return Err(ModelLoadError::NoTokenizer(dir.clone()));
             }
-            let tokenizer =
-                Tokenizer::from_hf_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+            let tokenizer = Tokenizer::from_hf_dir(dir).map_err(tokenizer_error(dir))?;
             let model = load_weights(hf.config.clone(), &hf.weights, options, progress, dir)?;
             (model, tokenizer, hf.generation)
         }
     };
     if tokenizer.vocab_size() > model.config().vocab_size {
-        return Err(format!(
-            "{}: the tokenizer has {} tokens but the model only {} embeddings",
-            source.path().display(),
-            tokenizer.vocab_size(),
-            model.config().vocab_size
-        ));
+        return Err(ModelLoadError::VocabularyMismatch {
+            path: source.path().to_path_buf(),
+            tokenizer: tokenizer.vocab_size(),
+            model: model.config().vocab_size,
+        });
     }
     let bos = tokenizer.bos_token();
     let eos = tokenizer.eos_token();
     let (chat_template, chat_template_from_model) = match tokenizer.chat_template() {
         Some(source_text) => (
             ChatTemplate::new(source_text, bos.as_deref(), eos.as_deref())
-                .map_err(|e| format!("the model's chat template: {e}"))?,
+                .map_err(ModelLoadError::ChatTemplate)?,
             true,
         ),
         None => (ChatTemplate::chatml(), false),
@@ -151,8 +189,14 @@ fn load_weights(
     options: LoadOptions,
     progress: &mut dyn FnMut(usize, usize),
     path: &Path,
-) -> Result<Backend, String> {
-    load_backend(config, tensors, options, progress).map_err(|e| format!("{}: {e}", path.display()))
+) -> Result<Backend, ModelLoadError> {
+    load_backend(config, tensors, options, progress).map_err(|error| match error {
+        ModelLoadError::Build(source) => ModelLoadError::Weights {
+            path: path.to_path_buf(),
+            source,
+        },
+        other => other,
+    })
 }
 
 /// Loads weights from any tensor source (a model file, or [`RandomWeights`]) onto the device
@@ -162,16 +206,16 @@ pub fn load_backend(
     tensors: &dyn pagoda_models::weights::TensorSource,
     options: LoadOptions,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<Backend, String> {
+) -> Result<Backend, ModelLoadError> {
     match options.device {
         Device::Cpu => Model::load_with_progress(config, tensors, options.precision, progress)
             .map(Backend::Cpu)
-            .map_err(|e| e.to_string()),
+            .map_err(ModelLoadError::Build),
         Device::Cuda { dtype } => {
-            let gpu = Gpu::new(0).map_err(|e| format!("CUDA: {e}"))?;
+            let gpu = Gpu::new(0)?;
             CudaModel::load(config, tensors, Arc::new(gpu), dtype, progress)
                 .map(Backend::from)
-                .map_err(|e| e.to_string())
+                .map_err(ModelLoadError::Build)
         }
     }
 }
@@ -183,14 +227,20 @@ pub fn load_random(
     seed: u64,
     options: LoadOptions,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<Backend, String> {
-    let config = random_config(spec)?;
+) -> Result<Backend, ModelLoadError> {
+    let random = |source| ModelLoadError::Random {
+        spec: spec.to_owned(),
+        source,
+    };
+    let config = random_config(spec).map_err(random)?;
     // The CPU keeps every weight in f32; the GPU converts one tensor at a time.
     let limit = match options.device {
         Device::Cpu => 16usize << 30,
         Device::Cuda { .. } => usize::MAX,
     };
-    let weights = RandomWeights::new(&config, seed, limit)?;
-    load_backend(config, &weights, options, progress)
-        .map_err(|e| format!("random weights for {spec}: {e}"))
+    let weights = RandomWeights::new(&config, seed, limit).map_err(random)?;
+    load_backend(config, &weights, options, progress).map_err(|error| match error {
+        ModelLoadError::Build(source) => random(source),
+        other => other,
+    })
 }

@@ -5,12 +5,17 @@ use std::borrow::Cow;
 
 use crate::config::{Architecture, ModelConfig, RopeStyle};
 use crate::formats::gguf::{GgufFile, MetadataValue};
+use crate::llama::LoadError;
 use crate::weights::{RawTensor, TensorSource};
 
 /// Reads the architecture and shapes from GGUF metadata (`{arch}.block_count`, ...).
 ///
 /// Errors name the file and the missing or malformed key.
-pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig, String> {
+pub fn config_from_gguf(file: &GgufFile) -> Result<ModelConfig, LoadError> {
+    read_config(file).map_err(LoadError)
+}
+
+fn read_config(file: &GgufFile) -> Result<ModelConfig, String> {
     let fail = |what: String| format!("{}: {what}", file.path.display());
     let arch_name = match file.get("general.architecture") {
         Some(MetadataValue::String(s)) => s.clone(),

@@ -15,6 +15,7 @@ use rayon::prelude::*;
 
 use crate::config::{Architecture, Llama3RopeScaling, ModelConfig, RopeStyle};
 use crate::hf::config_from_hf_json;
+use crate::llama::LoadError;
 use crate::weights::{names, RawTensor, TensorSource};
 
 /// Names accepted by [`preset`], for error messages and `--help`.
@@ -85,7 +86,11 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
 }
 
 /// A preset name, or the path of a Hugging Face `config.json`.
-pub fn random_config(spec: &str) -> Result<ModelConfig, String> {
+pub fn random_config(spec: &str) -> Result<ModelConfig, LoadError> {
+    read_random_config(spec).map_err(LoadError)
+}
+
+fn read_random_config(spec: &str) -> Result<ModelConfig, String> {
     if let Some(config) = preset(spec) {
         return Ok(config);
     }
@@ -168,15 +173,15 @@ impl RandomWeights {
     /// Weights of `config` drawn from `seed`. `max_bytes` bounds what one consumer will hold
     /// in f32 (the CPU model keeps every tensor): a configuration over it is refused with a
     /// message that names the size.
-    pub fn new(config: &ModelConfig, seed: u64, max_bytes: usize) -> Result<Self, String> {
-        config.validate().map_err(|e| e.to_string())?;
+    pub fn new(config: &ModelConfig, seed: u64, max_bytes: usize) -> Result<Self, LoadError> {
+        config.validate().map_err(|e| LoadError(e.to_string()))?;
         let bytes = random_weights_bytes(config);
         if bytes > max_bytes {
-            return Err(format!(
+            return Err(LoadError(format!(
                 "random f32 weights for this configuration need {:.1} GiB of memory, over the limit of {:.1} GiB",
                 bytes as f64 / (1u64 << 30) as f64,
                 max_bytes as f64 / (1u64 << 30) as f64
-            ));
+            )));
         }
         let shapes = tensor_shapes(config)
             .into_iter()
@@ -266,7 +271,7 @@ mod tests {
 
     #[test]
     fn unknown_spec_names_the_presets() {
-        let error = random_config("gpt-5").unwrap_err();
+        let error = random_config("gpt-5").unwrap_err().to_string();
         assert!(error.contains("llama-3.1-8b"), "{error}");
     }
 

@@ -10,4 +10,5 @@ pub mod llama;
 pub mod llama_cuda;
 pub mod random;
 pub mod tokenizer;
+pub mod weight_plan;
 pub mod weights;

@@ -13,9 +13,10 @@ use pagoda_ops::linear::{CpuKernelPolicy, Weight};
 use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
 use pagoda_tensor::GgmlType;
 
-use crate::config::{Architecture, ModelConfig, RopeStyle};
+use crate::config::{ModelConfig, RopeStyle};
 use crate::decoder::llama_layers;
-use crate::weights::{names, RawTensor, TensorSource};
+use crate::weight_plan::{ModelPlan, TensorSpec};
+use crate::weights::{RawTensor, TensorSource};
 
 mod policy;
 mod step;
@@ -130,59 +131,40 @@ impl Model {
     ) -> Result<Model, LoadError> {
         config.validate().map_err(|e| LoadError(e.to_string()))?;
         let c = &config;
-        let q_dim = c.num_attention_heads * c.head_dim;
-        let kv_dim = c.num_kv_heads * c.head_dim;
-        let matrix =
-            |name: &str, rows: usize, cols: usize| load_matrix(source, name, rows, cols, precision);
-        let vector = |name: &str, len: usize| load_vector(source, name, len);
-        let optional_vector = |name: &str, len: usize| -> Result<Option<Vec<f32>>, LoadError> {
-            if source.tensor(name).is_some() {
-                vector(name, len).map(Some)
-            } else {
-                Ok(None)
-            }
+        let plan = ModelPlan::new(c, source)?;
+        let matrix = |spec: &TensorSpec| {
+            load_matrix(source, &spec.name, spec.rows(), spec.cols(), precision)
         };
+        let vector = |spec: &TensorSpec| load_vector(source, &spec.name, spec.len());
+        let optional = |spec: &Option<TensorSpec>| spec.as_ref().map(vector).transpose();
 
         let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
-            let n = |suffix: &str| names::layer(i, suffix);
-            let layer = Layer {
-                attn_norm: vector(&n(names::ATTN_NORM), c.hidden_size)?,
-                wq: matrix(&n(names::ATTN_Q), q_dim, c.hidden_size)?,
-                wk: matrix(&n(names::ATTN_K), kv_dim, c.hidden_size)?,
-                wv: matrix(&n(names::ATTN_V), kv_dim, c.hidden_size)?,
-                wo: matrix(&n(names::ATTN_OUTPUT), c.hidden_size, q_dim)?,
-                q_bias: optional_vector(&n(names::ATTN_Q_BIAS), q_dim)?,
-                k_bias: optional_vector(&n(names::ATTN_K_BIAS), kv_dim)?,
-                v_bias: optional_vector(&n(names::ATTN_V_BIAS), kv_dim)?,
-                q_norm: optional_vector(&n(names::ATTN_Q_NORM), c.head_dim)?,
-                k_norm: optional_vector(&n(names::ATTN_K_NORM), c.head_dim)?,
-                ffn_norm: vector(&n(names::FFN_NORM), c.hidden_size)?,
-                w_gate: matrix(&n(names::FFN_GATE), c.intermediate_size, c.hidden_size)?,
-                w_up: matrix(&n(names::FFN_UP), c.intermediate_size, c.hidden_size)?,
-                w_down: matrix(&n(names::FFN_DOWN), c.hidden_size, c.intermediate_size)?,
-            };
-            if c.architecture == Architecture::Qwen3
-                && (layer.q_norm.is_none() || layer.k_norm.is_none())
-            {
-                return Err(LoadError(format!(
-                    "qwen3 layer {i} lacks attn_q_norm/attn_k_norm"
-                )));
-            }
-            layers.push(layer);
+        for (i, l) in plan.layers.iter().enumerate() {
+            layers.push(Layer {
+                attn_norm: vector(&l.attn_norm)?,
+                wq: matrix(&l.q)?,
+                wk: matrix(&l.k)?,
+                wv: matrix(&l.v)?,
+                wo: matrix(&l.attn_output)?,
+                q_bias: optional(&l.q_bias)?,
+                k_bias: optional(&l.k_bias)?,
+                v_bias: optional(&l.v_bias)?,
+                q_norm: optional(&l.q_norm)?,
+                k_norm: optional(&l.k_norm)?,
+                ffn_norm: vector(&l.ffn_norm)?,
+                w_gate: matrix(&l.gate)?,
+                w_up: matrix(&l.up)?,
+                w_down: matrix(&l.down)?,
+            });
             progress(i + 1, c.num_layers + 1);
         }
         // The embedding is gathered row by row; keep it as stored unless exact mode asks for f32.
-        let embedding = matrix(names::TOKEN_EMBEDDING, c.vocab_size, c.hidden_size)?;
-        let lm_head = if c.tie_word_embeddings && source.tensor(names::OUTPUT).is_none() {
-            None
-        } else {
-            Some(matrix(names::OUTPUT, c.vocab_size, c.hidden_size)?)
-        };
+        let embedding = matrix(&plan.embedding)?;
+        let lm_head = plan.lm_head.as_ref().map(matrix).transpose()?;
         let rope = rope_for(c, source)?;
         progress(c.num_layers + 1, c.num_layers + 1);
         Ok(Model {
-            output_norm: vector(names::OUTPUT_NORM, c.hidden_size)?,
+            output_norm: vector(&plan.output_norm)?,
             config,
             embedding,
             layers,

@@ -9,9 +9,10 @@ use pagoda_tensor::GgmlType;
 use rayon::prelude::*;
 
 use super::{GpuLayer, GpuModel, HostFloat};
-use crate::config::{Architecture, ModelConfig, RopeStyle};
+use crate::config::{ModelConfig, RopeStyle};
 use crate::llama::LoadError;
-use crate::weights::{names, TensorSource};
+use crate::weight_plan::{LayerPlan, ModelPlan, TensorSpec};
+use crate::weights::TensorSource;
 
 fn gpu_error(context: &str) -> impl Fn(CudaError) -> LoadError + '_ {
     move |e| LoadError(format!("{context}: {e}"))
@@ -25,88 +26,28 @@ impl<T: HostFloat> GpuModel<T> {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self, LoadError> {
         let c = config;
-        let q_dim = c.num_attention_heads * c.head_dim;
-        let kv_dim = c.num_kv_heads * c.head_dim;
+        let plan = ModelPlan::new(c, source)?;
         let g = &gpu;
+        let upload = |spec: &TensorSpec| upload_tensor::<T>(g, source, &spec.name, &spec.shape);
+        let optional = |spec: &Option<TensorSpec>| spec.as_ref().map(upload).transpose();
         let mut layers = Vec::with_capacity(c.num_layers);
-        for i in 0..c.num_layers {
-            let n = |suffix: &str| names::layer(i, suffix);
-            let qkv_bias = qkv_bias::<T>(
-                g,
-                source,
-                &[
-                    (n(names::ATTN_Q_BIAS), 0, q_dim),
-                    (n(names::ATTN_K_BIAS), q_dim, kv_dim),
-                    (n(names::ATTN_V_BIAS), q_dim + kv_dim, kv_dim),
-                ],
-            )?;
-            let optional_norm = |name: String| -> Result<Option<DeviceBuffer<T>>, LoadError> {
-                match source.tensor(&name) {
-                    Some(_) => upload_tensor(g, source, &name, &[c.head_dim]).map(Some),
-                    None => Ok(None),
-                }
-            };
-            let q_norm = optional_norm(n(names::ATTN_Q_NORM))?;
-            let k_norm = optional_norm(n(names::ATTN_K_NORM))?;
-            if c.architecture == Architecture::Qwen3 && (q_norm.is_none() || k_norm.is_none()) {
-                return Err(LoadError(format!(
-                    "qwen3 layer {i} lacks attn_q_norm/attn_k_norm"
-                )));
-            }
-            let wqkv = stacked::<T>(
-                g,
-                source,
-                &[
-                    (n(names::ATTN_Q), q_dim),
-                    (n(names::ATTN_K), kv_dim),
-                    (n(names::ATTN_V), kv_dim),
-                ],
-                c.hidden_size,
-            )?;
-            let w_gate_up = stacked::<T>(
-                g,
-                source,
-                &[
-                    (n(names::FFN_GATE), c.intermediate_size),
-                    (n(names::FFN_UP), c.intermediate_size),
-                ],
-                c.hidden_size,
-            )?;
+        for (i, l) in plan.layers.iter().enumerate() {
             layers.push(GpuLayer {
-                attn_norm: upload_tensor(g, source, &n(names::ATTN_NORM), &[c.hidden_size])?,
-                wqkv,
-                qkv_bias,
-                q_norm,
-                k_norm,
-                wo: upload_tensor(g, source, &n(names::ATTN_OUTPUT), &[c.hidden_size, q_dim])?,
-                ffn_norm: upload_tensor(g, source, &n(names::FFN_NORM), &[c.hidden_size])?,
-                w_gate_up,
-                w_down: upload_tensor(
-                    g,
-                    source,
-                    &n(names::FFN_DOWN),
-                    &[c.hidden_size, c.intermediate_size],
-                )?,
+                attn_norm: upload(&l.attn_norm)?,
+                wqkv: stacked::<T>(g, source, &[&l.q, &l.k, &l.v])?,
+                qkv_bias: qkv_bias::<T>(g, source, l)?,
+                q_norm: optional(&l.q_norm)?,
+                k_norm: optional(&l.k_norm)?,
+                wo: upload(&l.attn_output)?,
+                ffn_norm: upload(&l.ffn_norm)?,
+                w_gate_up: stacked::<T>(g, source, &[&l.gate, &l.up])?,
+                w_down: upload(&l.down)?,
             });
             progress(i + 1, c.num_layers + 1);
         }
-        let embedding = upload_tensor(
-            g,
-            source,
-            names::TOKEN_EMBEDDING,
-            &[c.vocab_size, c.hidden_size],
-        )?;
-        let lm_head = if c.tie_word_embeddings && source.tensor(names::OUTPUT).is_none() {
-            None
-        } else {
-            Some(upload_tensor(
-                g,
-                source,
-                names::OUTPUT,
-                &[c.vocab_size, c.hidden_size],
-            )?)
-        };
-        let output_norm = upload_tensor(g, source, names::OUTPUT_NORM, &[c.hidden_size])?;
+        let embedding = upload(&plan.embedding)?;
+        let lm_head = optional(&plan.lm_head)?;
+        let output_norm = upload(&plan.output_norm)?;
         let inv_freq = upload_inv_freq(g, source, c)?;
         let rope_style = match c.rope_style {
             RopeStyle::Interleaved => GpuRopeStyle::Interleaved,
@@ -148,26 +89,31 @@ impl<T: HostFloat> GpuModel<T> {
     }
 }
 
-/// The q, k and v biases stacked like the fused QKV rows (`(name, offset, len)` each), or
-/// `None` when the model has none; a missing part of a model that has some is zero.
+/// The q, k and v biases stacked like the fused QKV rows, or `None` when the layer has
+/// none; a missing part of a layer that has some is zero.
 fn qkv_bias<T: HostFloat>(
     gpu: &Gpu,
     source: &dyn TensorSource,
-    parts: &[(String, usize, usize)],
+    layer: &LayerPlan,
 ) -> Result<Option<DeviceBuffer<T>>, LoadError> {
-    if parts
-        .iter()
-        .all(|(name, _, _)| source.tensor(name).is_none())
-    {
+    let parts = [
+        (&layer.q_bias, layer.q.rows()),
+        (&layer.k_bias, layer.k.rows()),
+        (&layer.v_bias, layer.v.rows()),
+    ];
+    if parts.iter().all(|(bias, _)| bias.is_none()) {
         return Ok(None);
     }
-    let total: usize = parts.iter().map(|(_, _, len)| len).sum();
+    let total: usize = parts.iter().map(|(_, len)| len).sum();
     let mut bias = gpu.zeros::<T>(total).map_err(gpu_error("qkv bias"))?;
-    for (name, offset, len) in parts {
-        if source.tensor(name).is_some() {
-            let mut part = view_mut(&mut bias, *offset..offset + len).map_err(gpu_error(name))?;
-            upload_tensor_into(gpu, source, name, &[*len], &mut part)?;
+    let mut offset = 0;
+    for (part, len) in parts {
+        if let Some(spec) = part {
+            let mut slot =
+                view_mut(&mut bias, offset..offset + len).map_err(gpu_error(&spec.name))?;
+            upload_tensor_into(gpu, source, &spec.name, &spec.shape, &mut slot)?;
         }
+        offset += len;
     }
     Ok(Some(bias))
 }
@@ -253,18 +199,19 @@ fn upload_tensor_into<T: HostFloat>(
 fn stacked<T: HostFloat>(
     gpu: &Gpu,
     source: &dyn TensorSource,
-    parts: &[(String, usize)],
-    cols: usize,
+    parts: &[&TensorSpec],
 ) -> Result<DeviceBuffer<T>, LoadError> {
-    let total_rows: usize = parts.iter().map(|(_, rows)| rows).sum();
+    let cols = parts[0].cols();
+    let total_rows: usize = parts.iter().map(|spec| spec.rows()).sum();
     let mut out = gpu
         .alloc::<T>(total_rows * cols)
         .map_err(gpu_error("weights"))?;
     let mut row = 0;
-    for (name, rows) in parts {
+    for spec in parts {
+        let rows = spec.rows();
         let mut part =
-            view_mut(&mut out, row * cols..(row + rows) * cols).map_err(gpu_error(name))?;
-        upload_tensor_into(gpu, source, name, &[*rows, cols], &mut part)?;
+            view_mut(&mut out, row * cols..(row + rows) * cols).map_err(gpu_error(&spec.name))?;
+        upload_tensor_into(gpu, source, &spec.name, &spec.shape, &mut part)?;
         row += rows;
     }
     Ok(out)

@@ -153,7 +153,7 @@ async fn slots_show_each_parallel_sequence() {
     use futures::StreamExt;
     let _first = stream.next().await;
     let mut busy = Value::Null;
-    for _ in 0..50 {
+    for _ in 0..400 {
         busy = get(h.app.clone()).await;
         if busy[0]["is_processing"] == true && busy[0]["next_token"]["n_decoded"].as_u64() > Some(0)
         {

@@ -212,7 +212,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let device = backend.device_name();
     let vocab = backend.config().vocab_size;
     let weight_bytes = backend.weight_bytes() as f64;
-    let kv_token_bytes = backend.kv_page_bytes(1) as f64;
+    let kv_token_bytes = backend.kv_page_bytes(1, common::kv_cache_types()) as f64;
     let longest_prompt = args.prompt_lengths.iter().copied().max().unwrap_or(0);
     let base_need = longest_prompt.max(max_depth + 1) + args.decode_tokens + 1;
     // Decode tests also hold the tokens the batch's first sequences decode while the last

@@ -285,7 +285,13 @@ impl<'a> KvSlice<'a> {
             KvSlice::F16(values) => values[offset..offset + out.len()].convert_to_f32_slice(out),
             KvSlice::Q8_0(blocks) => {
                 let first = offset / Q8_0_BLOCK;
-                for (block, chunk) in blocks[first..].iter().zip(out.chunks_mut(Q8_0_BLOCK)) {
+                let blocks = &blocks[first..first + out.len().div_ceil(Q8_0_BLOCK)];
+                #[cfg(target_arch = "x86_64")]
+                if out.len().is_multiple_of(Q8_0_BLOCK) && avx2() {
+                    // SAFETY: the CPU runs AVX2 (detected); `out` holds 32 values per block.
+                    return unsafe { dequantize_q8_0_avx2(blocks, out) };
+                }
+                for (block, chunk) in blocks.iter().zip(out.chunks_mut(Q8_0_BLOCK)) {
                     block.dequantize(chunk);
                 }
             }
@@ -314,6 +320,36 @@ impl<'a> KvSlice<'a> {
                 let start = out.len();
                 out.resize(start + len, 0.0);
                 self.read(offset, &mut out[start..]);
+            }
+        }
+    }
+}
+
+/// Whether the CPU runs AVX2 (detected once).
+#[cfg(target_arch = "x86_64")]
+fn avx2() -> bool {
+    static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVX2.get_or_init(|| is_x86_feature_detected!("avx2"))
+}
+
+/// [`BlockQ8_0::dequantize`] of every block into `out` (32 values each), eight lanes at a
+/// time: the same products `d * q` (exact in f32), so the same values.
+///
+/// # Safety
+/// The CPU must run AVX2; `out.len() == 32 * blocks.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn dequantize_q8_0_avx2(blocks: &[BlockQ8_0], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert_eq!(out.len(), blocks.len() * Q8_0_BLOCK);
+    for (block, chunk) in blocks.iter().zip(out.chunks_exact_mut(Q8_0_BLOCK)) {
+        let d = _mm256_set1_ps(block.d.to_f32());
+        for lane in 0..Q8_0_BLOCK / 8 {
+            // SAFETY: 8 bytes of the block's 32 quants and 8 floats of the chunk's 32.
+            unsafe {
+                let bytes = _mm_loadl_epi64(block.qs.as_ptr().add(lane * 8) as *const __m128i);
+                let values = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                _mm256_storeu_ps(chunk.as_mut_ptr().add(lane * 8), _mm256_mul_ps(values, d));
             }
         }
     }
@@ -372,6 +408,26 @@ mod tests {
         assert_eq!(&block.qs[..4], &[127, -63, 1, 0]);
         let zero = BlockQ8_0::quantize(&[0.0; 32]);
         assert_eq!(zero, BlockQ8_0::default());
+    }
+
+    #[test]
+    fn q8_0_fast_read_equals_block_dequantize() {
+        let values = random(8 * 32, 4);
+        let mut pool = KvPool::zeros(KvType::Q8_0, values.len());
+        pool.write(0, &values);
+        let KvPool::Q8_0(blocks) = &pool else {
+            unreachable!()
+        };
+        let mut expected = vec![0.0; values.len()];
+        for (block, chunk) in blocks.iter().zip(expected.chunks_mut(32)) {
+            block.dequantize(chunk);
+        }
+        let mut fast = vec![0.0; 64];
+        pool.as_slice().read(96, &mut fast);
+        assert!(fast
+            .iter()
+            .zip(&expected[96..160])
+            .all(|(a, b)| a.to_bits() == b.to_bits()));
     }
 
     #[test]

@@ -161,6 +161,15 @@ impl Runner {
         }
     }
 
+    /// Logs the KV cache's types and size once per process (INFO).
+    pub(crate) fn log_kv_cache_once(&self, types: KvCacheTypes, pages: usize, page_size: usize) {
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        LOGGED.call_once(|| {
+            let mib = self.kv_bytes() as f64 / (1u64 << 20) as f64;
+            tracing::info!("KV cache: {types} ({mib:.1} MiB, {pages} pages of {page_size} tokens)")
+        });
+    }
+
     pub(crate) fn config(&self) -> &ModelConfig {
         match self {
             Runner::Cpu { model, .. } => model.config(),

@@ -228,16 +228,7 @@ impl Engine {
             .check_kv_types(config.kv_types)
             .map_err(EngineError::KvCacheType)?;
         let runner = Runner::new(backend, cache, config.kv_types)?;
-        static LOGGED_KV: std::sync::Once = std::sync::Once::new();
-        LOGGED_KV.call_once(|| {
-            tracing::info!(
-                "KV cache: {} ({:.1} MiB, {} pages of {} tokens)",
-                config.kv_types,
-                runner.kv_bytes() as f64 / (1u64 << 20) as f64,
-                config.num_pages,
-                config.page_size
-            )
-        });
+        runner.log_kv_cache_once(config.kv_types, config.num_pages, config.page_size);
         if runner.is_cuda() {
             static LOGGED_SAMPLING: std::sync::Once = std::sync::Once::new();
             LOGGED_SAMPLING.call_once(|| match config.sampler {

@@ -18,7 +18,7 @@ use pagoda_models::hf::GenerationDefaults;
 use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
 use pagoda_models::llama_cuda::{DType, PagedDecodeMode};
 use pagoda_models::tokenizer::Tokenizer;
-use pagoda_ops::attention::AttentionPath;
+use pagoda_ops::attention::{AttentionPath, KvCacheTypes, KvType};
 use pagoda_ops::sampling::SamplerKind;
 
 /// File name of the default model under `models/`.
@@ -49,6 +49,15 @@ pub struct ModelArgs {
     /// gather-then-attend reference). Also $PAGODA_ATTENTION.
     #[arg(long)]
     pub attention: Option<String>,
+    /// KV cache type of K (llama.cpp's `-ctk`): `f32` (the default), `f16` (half the bytes)
+    /// or `q8_0` (llama.cpp's 8-bit blocks: 34 bytes per 32 values). CPU only; CUDA refuses
+    /// anything but the default. Also $PAGODA_CACHE_TYPE_K.
+    #[arg(long = "cache-type-k", value_name = "f32|f16|q8_0")]
+    pub cache_type_k: Option<String>,
+    /// KV cache type of V (llama.cpp's `-ctv`): `f32`, `f16` or `q8_0`, as for K. Also
+    /// $PAGODA_CACHE_TYPE_V.
+    #[arg(long = "cache-type-v", value_name = "f32|f16|q8_0")]
+    pub cache_type_v: Option<String>,
     /// Where to run: `auto` (a CUDA GPU when this build has CUDA and one is usable, else the
     /// CPU, saying why in one line), `cpu` or `cuda`.
     #[arg(long, default_value = "auto")]
@@ -102,6 +111,16 @@ pub fn model_flag_values(args: &ModelArgs) -> Vec<FlagValue> {
     );
     push("PAGODA_ATTENTION", "--attention", args.attention.clone());
     push("PAGODA_SAMPLER", "--sampler", args.sampler.clone());
+    push(
+        "PAGODA_CACHE_TYPE_K",
+        "--cache-type-k",
+        args.cache_type_k.clone(),
+    );
+    push(
+        "PAGODA_CACHE_TYPE_V",
+        "--cache-type-v",
+        args.cache_type_v.clone(),
+    );
     push(
         "PAGODA_PAGED_DECODE",
         "--paged-decode",
@@ -318,6 +337,17 @@ pub fn attention_policy() -> AttentionPolicy {
     }
 }
 
+/// The KV cache types from -ctk/-ctv or $PAGODA_CACHE_TYPE_K/_V (the flags win; the values
+/// were checked against the registry when the configuration was resolved).
+pub fn kv_cache_types() -> KvCacheTypes {
+    let config = pagoda_config::global();
+    let kv_type = |setting| KvType::parse(config.word(setting)).unwrap_or_default();
+    KvCacheTypes {
+        k: kv_type("PAGODA_CACHE_TYPE_K"),
+        v: kv_type("PAGODA_CACHE_TYPE_V"),
+    }
+}
+
 /// The name of a policy for logs and reports.
 pub fn policy_name(policy: AttentionPolicy) -> &'static str {
     match policy {
@@ -438,6 +468,7 @@ pub fn engine(model: Backend, args: &ModelArgs, ctx: usize, parallel: usize) -> 
         sampler: sampler_kind(),
         cuda_graphs: cuda_graphs(),
         paged_decode: paged_decode(),
+        kv_types: kv_cache_types(),
     };
     tracing::info!(
         "attention policy: {}, sampler: {}",

@@ -372,9 +372,32 @@ fn bad_settings_and_llama_short_flags() {
         &["--parallel must be at least 1"],
     );
     error_of(
-        &["serve", "-m", m, "-ctk", "q8_0"],
-        &["-ctk (llama.cpp's --cache-type-k)", "not supported yet"],
+        &["serve", "-m", m, "-ctk", "q4_0"],
+        &["--cache-type-k `q4_0` is not one of f32, f16, q8_0"],
     );
+    error_of(
+        &["generate", "-m", m, "-p", "hi", "-ctv", "bf16"],
+        &["--cache-type-v `bf16` is not one of f32, f16, q8_0"],
+    );
+    // q8_0 blocks run along head_dim: tiny-llama's 16 is refused in one line.
+    let tiny = tiny_model("tiny-llama-f32.gguf");
+    let line = error_of(
+        &[
+            "generate",
+            "-m",
+            tiny.to_str().unwrap(),
+            "-p",
+            "hi",
+            "-ctk",
+            "q8_0",
+        ],
+        &[
+            "-ctk/-ctv (K q8_0, V f32)",
+            "head_dim that 32 divides",
+            "is 16",
+        ],
+    );
+    assert_eq!(line.trim().lines().count(), 1, "{line}");
     let out = pagoda(&["serve", "-m", m, "-n", "8"], None);
     assert_ne!(out.code, Some(0));
     assert!(out.stderr.contains("'-n'"), "{}", out.stderr);

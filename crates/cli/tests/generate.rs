@@ -404,3 +404,38 @@ fn closed_stdout_stops_quietly() {
     );
     assert_eq!(status.code(), Some(0), "{stderr}");
 }
+
+#[test]
+fn quantized_kv_caches_keep_the_greedy_reference() {
+    // -ctk/-ctv (llama.cpp's short flags): f16 and q8_0 pools give the same 12 greedy tokens
+    // on the reference prompt (the engine test `kv_cache_types` bounds the log-probabilities).
+    greedy_12(&["-ctk", "q8_0", "-ctv", "q8_0"]);
+    greedy_12(&["--cache-type-k", "f16", "--cache-type-v", "f16"]);
+}
+
+#[test]
+fn kv_cache_types_are_logged_once() {
+    let Some(model) = default_model() else { return };
+    let args = [
+        "generate",
+        "-v",
+        "-m",
+        model.to_str().unwrap(),
+        "-ctk",
+        "f16",
+        "-ctv",
+        "q8_0",
+        "-n",
+        "2",
+        "-p",
+        "hi",
+    ];
+    let out = pagoda(&args, None);
+    out.assert_success();
+    assert_eq!(
+        out.stderr.matches("KV cache: K f16, V q8_0").count(),
+        1,
+        "{}",
+        out.stderr
+    );
+}

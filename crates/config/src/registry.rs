@@ -129,6 +129,12 @@ settings! {
     "PAGODA_ATTENTION", Some("--attention"), Values::Choice(&["auto", "split-kv", "gather"]), "auto", Engine,
         "cli common::attention_policy",
         "CPU attention per query row: auto is split-KV for rows that see 16+ tokens, gather below.";
+    "PAGODA_CACHE_TYPE_K", Some("-ctk/--cache-type-k"), Values::Choice(&["f32", "f16", "q8_0"]), "f32", Engine,
+        "cli common::kv_cache_types",
+        "CPU KV cache type of K: f32, f16 (half the bytes) or q8_0 (llama.cpp's blocks, 34 bytes per 32 values). CUDA takes only the default.";
+    "PAGODA_CACHE_TYPE_V", Some("-ctv/--cache-type-v"), Values::Choice(&["f32", "f16", "q8_0"]), "f32", Engine,
+        "cli common::kv_cache_types",
+        "CPU KV cache type of V: f32, f16 or q8_0, as for K. CUDA takes only the default.";
     "PAGODA_SAMPLER", Some("--sampler"), Values::Choice(&["fused", "reference"]), "fused", Engine,
         "ops sampling::SamplerKind",
         "Token sampler: fused (sort-free; on the GPU where it can) or reference (the sorting oracle).";

@@ -45,14 +45,14 @@ pub static SHORT_FLAGS: &[ShortFlag] = &[
     ShortFlag {
         short: "-ctk",
         llama_long: "--cache-type-k",
-        becomes: None,
-        why: "a quantized KV cache is not supported yet; the KV cache is f32 on the CPU, bf16 on the GPU",
+        becomes: Some("--cache-type-k"),
+        why: "",
     },
     ShortFlag {
         short: "-ctv",
         llama_long: "--cache-type-v",
-        becomes: None,
-        why: "a quantized KV cache is not supported yet; the KV cache is f32 on the CPU, bf16 on the GPU",
+        becomes: Some("--cache-type-v"),
+        why: "",
     },
     ShortFlag {
         short: "-md",
@@ -148,10 +148,16 @@ mod tests {
             expand(&["pagoda", "generate", "-p", "x", "--", "-np"]).unwrap(),
             ["pagoda", "generate", "-p", "x", "--", "-np"]
         );
-        let error = expand(&["pagoda", "serve", "-ctk", "q8_0"]).unwrap_err();
-        assert!(
-            error.contains("-ctk (llama.cpp's --cache-type-k)"),
-            "{error}"
+        assert_eq!(
+            expand(&["pagoda", "serve", "-ctk", "q8_0", "-ctv=f16"]).unwrap(),
+            [
+                "pagoda",
+                "serve",
+                "--cache-type-k",
+                "q8_0",
+                "--cache-type-v",
+                "f16"
+            ]
         );
         let error = expand(&["pagoda", "serve", "-ngl", "99"]).unwrap_err();
         assert!(error.contains("--device cuda"), "{error}");

@@ -6,7 +6,7 @@ use crate::cuda_runner::{CudaCacheOptions, CudaModel, CudaRunner, SampledRow, Sa
 use pagoda_cuda::CudaError;
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
-use pagoda_ops::attention::AttentionPath;
+use pagoda_ops::attention::{AttentionPath, KvCacheTypes};
 use pagoda_ops::sampling::AnySampler;
 
 use crate::cpu_pool::{CpuPoolCounters, CpuPools, CpuThreadsMode, StepShape};
@@ -76,14 +76,32 @@ impl Backend {
         }
     }
 
-    /// Bytes of one KV page over all layers (K and V).
-    pub fn kv_page_bytes(&self, page_size: usize) -> usize {
+    /// Bytes of one KV page over all layers (K and V), with the CPU pools of `types` (the GPU
+    /// cache is in the model's dtype; [`Backend::check_kv_types`] refuses other types there).
+    pub fn kv_page_bytes(&self, page_size: usize, types: KvCacheTypes) -> usize {
         let c = self.config();
-        let element = match self {
-            Backend::Cpu(_) => 4,
-            Backend::Cuda(model) => model.dtype().size_bytes(),
-        };
-        2 * c.num_layers * page_size * c.num_kv_heads * c.head_dim * element
+        let row = page_size * c.num_kv_heads * c.head_dim;
+        match self {
+            Backend::Cpu(_) => c.num_layers * types.row_bytes(row),
+            Backend::Cuda(model) => 2 * c.num_layers * row * model.dtype().size_bytes(),
+        }
+    }
+
+    /// Whether this backend can hold a KV cache of `types`: on the CPU, any type whose blocks
+    /// divide the model's `head_dim`; on the GPU only the default (its cache has the model's
+    /// dtype). The error is one line naming the flags.
+    pub fn check_kv_types(&self, types: KvCacheTypes) -> Result<(), String> {
+        match self {
+            Backend::Cpu(_) => types
+                .check_head_dim(self.config().head_dim)
+                .map_err(|e| format!("-ctk/-ctv ({types}): {e}")),
+            Backend::Cuda(model) if !types.is_f32() => Err(format!(
+                "-ctk/-ctv ({types}): the CUDA KV cache is stored in the model's dtype ({}); \
+                 f16 and q8_0 KV caches run on the CPU only: drop -ctk/-ctv or use --device cpu",
+                model.dtype()
+            )),
+            Backend::Cuda(_) => Ok(()),
+        }
     }
 }
 
@@ -120,20 +138,36 @@ impl Runner {
     /// the GPU, the step buffers for the rest of `cache`'s sizes and paths. On the
     /// CPU, the pool of each step follows `PAGODA_CPU_ADAPTIVE_THREADS` (an unknown value is
     /// an error).
-    pub(crate) fn new(backend: Backend, cache: CudaCacheOptions) -> Result<Runner, CudaError> {
+    pub(crate) fn new(
+        backend: Backend,
+        cache: CudaCacheOptions,
+        kv_types: KvCacheTypes,
+    ) -> Result<Runner, CudaError> {
         match backend {
             Backend::Cpu(model) => {
                 let pools = CpuPools::new(CpuThreadsMode::from_config(pagoda_config::global()));
-                let kv = KvCache::new(
+                let kv = KvCache::with_types(
                     model.config().num_layers,
                     model.kv_layout(cache.num_pages, cache.page_size),
-                );
+                    kv_types.k,
+                    kv_types.v,
+                )
+                .expect("the engine checked the KV types (Backend::check_kv_types)");
                 Ok(Runner::Cpu { model, kv, pools })
             }
             Backend::Cuda(model) => Ok(Runner::Cuda {
                 model: Box::new(CudaRunner::new(*model, cache)?),
             }),
         }
+    }
+
+    /// Logs the KV cache's types and size once per process (INFO).
+    pub(crate) fn log_kv_cache_once(&self, types: KvCacheTypes, pages: usize, page_size: usize) {
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        LOGGED.call_once(|| {
+            let mib = self.kv_bytes() as f64 / (1u64 << 20) as f64;
+            tracing::info!("KV cache: {types} ({mib:.1} MiB, {pages} pages of {page_size} tokens)")
+        });
     }
 
     pub(crate) fn config(&self) -> &ModelConfig {

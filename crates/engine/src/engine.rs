@@ -7,6 +7,7 @@ use rayon::prelude::*;
 use crate::cuda_runner::{CudaCacheOptions, PagedDecodeMode, SampledRow, SamplingRowParams};
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch};
+use pagoda_ops::attention::KvCacheTypes;
 use pagoda_ops::sampling::{AnySampler, SamplerKind, SamplingParams};
 
 use crate::backend::{device_row_params, Backend, Runner};
@@ -44,6 +45,9 @@ pub struct EngineConfig {
     pub cuda_graphs: bool,
     /// On the CUDA backend, the decode attention path (`--paged-decode`). Ignored on the CPU.
     pub paged_decode: PagedDecodeMode,
+    /// Element types of the KV pools (`-ctk`/`-ctv`): f32 by default; f16 and q8_0 on the
+    /// CPU only (the engine refuses them on CUDA).
+    pub kv_types: KvCacheTypes,
 }
 
 /// Why a request ended.
@@ -102,6 +106,8 @@ pub enum EngineError {
     Device(#[from] pagoda_cuda::CudaError),
     #[error("warming up the GPU: {0}")]
     Warmup(pagoda_cuda::CudaError),
+    #[error("{0}")]
+    KvCacheType(String),
     #[error("internal error (please report): {0}")]
     Internal(String),
 }
@@ -218,7 +224,12 @@ impl Engine {
             cuda_graphs: config.cuda_graphs,
             paged_decode: config.paged_decode,
         };
-        let runner = Runner::new(model.into(), cache)?;
+        let backend: Backend = model.into();
+        backend
+            .check_kv_types(config.kv_types)
+            .map_err(EngineError::KvCacheType)?;
+        let runner = Runner::new(backend, cache, config.kv_types)?;
+        runner.log_kv_cache_once(config.kv_types, config.num_pages, config.page_size);
         if runner.is_cuda() {
             static LOGGED_SAMPLING: std::sync::Once = std::sync::Once::new();
             LOGGED_SAMPLING.call_once(|| match config.sampler {

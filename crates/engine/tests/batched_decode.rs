@@ -40,6 +40,7 @@ fn engine(
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
         cuda_graphs: true,
         paged_decode: Default::default(),
+        kv_types: Default::default(),
     };
     Some((Engine::new(loaded.model, config).unwrap(), loaded.tokenizer))
 }

@@ -36,6 +36,7 @@ fn engine(model: &Path, page_size: usize, mode: CpuThreadsMode) -> Engine {
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
         cuda_graphs: false,
         paged_decode: Default::default(),
+        kv_types: Default::default(),
     };
     let mut engine = Engine::with_prefix_caching(loaded.model, config, false).unwrap();
     engine.set_cpu_threads_mode(mode);

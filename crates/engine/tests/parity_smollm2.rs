@@ -128,6 +128,7 @@ fn engine_for(loaded: LoadedModel, path: AttentionPath) -> (Engine, Vec<u32>) {
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
         cuda_graphs: true,
         paged_decode: Default::default(),
+        kv_types: Default::default(),
     };
     (Engine::new(loaded.model, config).unwrap(), stop)
 }

@@ -38,6 +38,7 @@ fn engine(
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
         cuda_graphs: true,
         paged_decode: Default::default(),
+        kv_types: Default::default(),
     };
     let engine = Engine::with_prefix_caching(loaded.model, config, prefix_caching).unwrap();
     Some((engine, loaded.tokenizer))

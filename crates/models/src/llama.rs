@@ -6,7 +6,7 @@
 
 use pagoda_kv::{PageTable, Slot};
 use pagoda_ops::attention::{
-    plan_step, AttentionError, AttentionPath, KvLayout, PagedKv, SplitKvChunking,
+    plan_step, AttentionError, AttentionPath, KvLayout, KvPool, KvType, PagedKv, SplitKvChunking,
     StepAttentionConfig, StepAttentionPlan,
 };
 use pagoda_ops::linear::{CpuKernelPolicy, Weight};
@@ -68,27 +68,62 @@ pub struct Model {
 pub struct LoadError(pub String);
 
 /// The per-layer K/V storage: for each layer, a K pool and a V pool laid out
-/// `[num_pages, page_size, num_kv_heads, head_dim]` f32.
+/// `[num_pages, page_size, num_kv_heads, head_dim]`, each of its [`KvType`] (f32 by default).
 pub struct KvCache {
     pub layout: KvLayout,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    k: Vec<KvPool>,
+    v: Vec<KvPool>,
 }
 
 impl KvCache {
-    /// Zero-filled pools for `num_layers` layers.
+    /// Zero-filled f32 pools for `num_layers` layers.
     pub fn new(num_layers: usize, layout: KvLayout) -> KvCache {
+        Self::with_types(num_layers, layout, KvType::F32, KvType::F32)
+            .expect("an f32 KV cache fits any head_dim")
+    }
+
+    /// Zero-filled pools of `k_type` (K) and `v_type` (V) for `num_layers` layers; a q8_0
+    /// type needs a `head_dim` that 32 divides.
+    pub fn with_types(
+        num_layers: usize,
+        layout: KvLayout,
+        k_type: KvType,
+        v_type: KvType,
+    ) -> Result<KvCache, AttentionError> {
+        k_type.check_head_dim(layout.head_dim)?;
+        v_type.check_head_dim(layout.head_dim)?;
         let elements = layout.pool_len();
-        KvCache {
+        Ok(KvCache {
             layout,
-            k: (0..num_layers).map(|_| vec![0f32; elements]).collect(),
-            v: (0..num_layers).map(|_| vec![0f32; elements]).collect(),
-        }
+            k: (0..num_layers)
+                .map(|_| KvPool::zeros(k_type, elements))
+                .collect(),
+            v: (0..num_layers)
+                .map(|_| KvPool::zeros(v_type, elements))
+                .collect(),
+        })
+    }
+
+    /// The element types of the K and V pools.
+    pub fn types(&self) -> (KvType, KvType) {
+        let first = |pools: &[KvPool]| pools.first().map_or(KvType::F32, KvPool::kv_type);
+        (first(&self.k), first(&self.v))
     }
 
     /// Bytes held by the pools.
     pub fn size_bytes(&self) -> usize {
-        (self.k.len() + self.v.len()) * self.layout.pool_len() * 4
+        self.k.iter().chain(&self.v).map(KvPool::size_bytes).sum()
+    }
+
+    /// Bytes of `num_layers` layers' K and V pools of `layout` with these element types.
+    pub fn bytes_for(
+        num_layers: usize,
+        layout: &KvLayout,
+        k_type: KvType,
+        v_type: KvType,
+    ) -> usize {
+        let elements = layout.pool_len();
+        num_layers * (k_type.bytes(elements) + v_type.bytes(elements))
     }
 }
 
@@ -300,8 +335,8 @@ impl Model {
             return Err(ForwardError::Batch("the KV cache has no layers".into()));
         };
         let paged = PagedKv {
-            k_pool,
-            v_pool,
+            k_pool: k_pool.as_slice(),
+            v_pool: v_pool.as_slice(),
             layout: kv.layout,
             page_table: batch.page_table,
         };

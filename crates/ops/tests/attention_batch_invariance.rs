@@ -113,8 +113,8 @@ fn run(
 ) -> (KeyedRows, (usize, usize, usize)) {
     let (page_table, qo_indptr, q, rows) = batch(fixture, members);
     let kv = PagedKv {
-        k_pool: &fixture.k_pool,
-        v_pool: &fixture.v_pool,
+        k_pool: (&fixture.k_pool).into(),
+        v_pool: (&fixture.v_pool).into(),
         layout: fixture.layout,
         page_table: &page_table,
     };
@@ -313,8 +313,8 @@ fn plan_rejects_a_mismatched_batch() {
     let fixture = universe();
     let (page_table, qo_indptr, q, _) = batch(&fixture, &[whole(&fixture, 0), whole(&fixture, 1)]);
     let kv = PagedKv {
-        k_pool: &fixture.k_pool,
-        v_pool: &fixture.v_pool,
+        k_pool: (&fixture.k_pool).into(),
+        v_pool: (&fixture.v_pool).into(),
         layout: fixture.layout,
         page_table: &page_table,
     };
@@ -356,8 +356,8 @@ fn batch_wide_plan_is_not_batch_invariant() {
     let split = |members: &[Member]| {
         let (page_table, _, q, rows) = batch(&fixture, members);
         let kv = PagedKv {
-            k_pool: &fixture.k_pool,
-            v_pool: &fixture.v_pool,
+            k_pool: (&fixture.k_pool).into(),
+            v_pool: (&fixture.v_pool).into(),
             layout: fixture.layout,
             page_table: &page_table,
         };

@@ -253,7 +253,7 @@ fn bad_inputs_are_errors() {
     let error = gather_attention(&broken, &fixture.queries(), 1.0, &mut out).unwrap_err();
     assert!(matches!(error, AttentionError::PageTable(_)), "{error}");
     let short_pool = pagoda_ops::attention::PagedKv {
-        k_pool: &fixture.k_pool[1..],
+        k_pool: (&fixture.k_pool[1..]).into(),
         ..kv
     };
     assert!(matches!(

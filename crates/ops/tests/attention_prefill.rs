@@ -50,7 +50,7 @@ fn causal_mask_hides_future_tokens() {
         .iter_mut()
         .for_each(|value| *value += 3.0);
     let kv = pagoda_ops::attention::PagedKv {
-        k_pool: &changed_k,
+        k_pool: (&changed_k).into(),
         ..fixture.kv()
     };
     let mut after = vec![0.0; fixture.output_len()];

@@ -143,8 +143,8 @@ impl Fixture {
 
     pub fn kv(&self) -> PagedKv<'_> {
         PagedKv {
-            k_pool: &self.k_pool,
-            v_pool: &self.v_pool,
+            k_pool: (&self.k_pool).into(),
+            v_pool: (&self.v_pool).into(),
             layout: self.layout,
             page_table: &self.page_table,
         }

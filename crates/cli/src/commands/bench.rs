@@ -125,6 +125,8 @@ struct Report {
     precision: &'static str,
     threads: usize,
     attention: String,
+    /// The KV pools' element types (`-ctk`/`-ctv`), e.g. `K f32, V f32`.
+    kv_cache: String,
     /// The CPU matmul kernels (`PAGODA_CPU_KERNELS`) and the f32 kernel of 1-8 token matmuls
     /// (`PAGODA_CPU_F32_DECODE`) with the count of matmuls that ran on the eight-row form.
     cpu_kernels: String,
@@ -212,7 +214,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let device = backend.device_name();
     let vocab = backend.config().vocab_size;
     let weight_bytes = backend.weight_bytes() as f64;
-    let kv_token_bytes = backend.kv_page_bytes(1) as f64;
+    let kv_token_bytes = backend.kv_page_bytes(1, common::kv_cache_types()) as f64;
     let longest_prompt = args.prompt_lengths.iter().copied().max().unwrap_or(0);
     let base_need = longest_prompt.max(max_depth + 1) + args.decode_tokens + 1;
     // Decode tests also hold the tokens the batch's first sequences decode while the last
@@ -350,6 +352,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         },
         threads: rayon::current_num_threads(),
         attention: common::policy_name(engine.config().attention).to_string(),
+        kv_cache: engine.config().kv_types.to_string(),
         cpu_kernels: pagoda_ops::linear::cpu_kernels_name().to_string(),
         f32_decode: pagoda_ops::linear::cpu::f32_decode::F32Decode::selected()
             .name()

@@ -254,8 +254,8 @@ fn paged<'a>(
     table: &'a PageTable,
 ) -> PagedKv<'a> {
     PagedKv {
-        k_pool,
-        v_pool,
+        k_pool: k_pool.as_slice().into(),
+        v_pool: v_pool.as_slice().into(),
         layout,
         page_table: table,
     }

@@ -186,7 +186,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
         bail!("--page-size must be between 1 and 1024");
     }
     // K and V, every layer, in the backend's KV dtype.
-    let page_bytes = loaded.model.kv_page_bytes(page_size);
+    let kv_types = common::kv_cache_types();
+    loaded
+        .model
+        .check_kv_types(kv_types)
+        .map_err(anyhow::Error::msg)?;
+    let page_bytes = loaded.model.kv_page_bytes(page_size, kv_types);
     let pages_per_sequence = ctx.div_ceil(page_size);
     let free_bytes = loaded.model.free_memory_bytes();
     let num_pages = match (args.kv_pages, args.kv_memory_fraction) {
@@ -227,6 +232,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         sampler: common::sampler_kind(),
         cuda_graphs: common::cuda_graphs(),
         paged_decode: common::paged_decode(),
+        kv_types,
     };
     let device_name = loaded.model.device_name();
     let engine = Engine::new(loaded.model, config.clone()).map_err(anyhow::Error::msg)?;
@@ -241,9 +247,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
     );
     eprintln!("  batch        {} tokens per step", config.max_batch_tokens);
     eprintln!(
-        "  kv cache     {} pages x {} tokens ({:.1} MiB)",
+        "  kv cache     {} pages x {} tokens, {} ({:.1} MiB)",
         config.num_pages,
         config.page_size,
+        config.kv_types,
         engine.kv_bytes() as f64 / (1 << 20) as f64
     );
     eprintln!("  attention    {}", common::policy_name(config.attention));

@@ -166,15 +166,15 @@ impl DecoderStep for CpuStep<'_> {
         let (k_pool, v_pool) = (&mut kv.k[index], &mut kv.v[index]);
         let (slots, k, v) = (self.batch.slots, &self.k, &self.v);
         profile::time(Op::KvAppend, || {
-            attention::append_kv(k_pool, v_pool, &kv.layout, slots, k, v)
+            attention::append_kv_pool(k_pool, v_pool, &kv.layout, slots, k, v)
         })?;
         Ok(())
     }
 
     fn attention(&mut self, index: usize) -> Result<(), ForwardError> {
         let paged = PagedKv {
-            k_pool: &self.kv.k[index],
-            v_pool: &self.kv.v[index],
+            k_pool: self.kv.k[index].as_slice(),
+            v_pool: self.kv.v[index].as_slice(),
             layout: self.kv.layout,
             page_table: self.batch.page_table,
         };

@@ -34,10 +34,11 @@
 
 mod cpu;
 pub mod cuda;
+mod kv_pool;
 mod plan;
 mod validate;
 
-pub use cpu::append::append_kv;
+pub use cpu::append::{append_kv, append_kv_pool};
 pub use cpu::decode::{decode_partial, split_kv_decode, split_kv_decode_into, DecodeWorkspace};
 pub use cpu::gather::gather_attention;
 pub use cpu::kernel::{AttentionKernel, ATTENTION_KERNEL_ENV_VAR};
@@ -46,6 +47,7 @@ pub use cpu::step::{
     plan_step, step_attention, SplitKvChunking, StepAttentionConfig, StepAttentionPlan,
     StepWorkspace, DEFAULT_CHUNK_TOKENS,
 };
+pub use kv_pool::{BlockQ8_0, KvCacheTypes, KvPool, KvSlice, KvType, Q8_0_BLOCK};
 pub use plan::{plan_decode, DecodePlan, DecodePlanConfig, MAX_CHUNKS};
 
 use pagoda_kv::{PageTable, PageTableError};
@@ -176,10 +178,11 @@ impl KvLayout {
 /// One layer's paged KV as this step's batch sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct PagedKv<'a> {
-    /// K pool, `[num_pages, page_size, num_kv_heads, head_dim]`.
-    pub k_pool: &'a [f32],
-    /// V pool, same layout as `k_pool`.
-    pub v_pool: &'a [f32],
+    /// K pool, `[num_pages, page_size, num_kv_heads, head_dim]` values (f32, f16 or q8_0:
+    /// [`KvSlice`]; `&[f32]` converts with `.into()`).
+    pub k_pool: KvSlice<'a>,
+    /// V pool, same layout as `k_pool` (its element type may differ).
+    pub v_pool: KvSlice<'a>,
     /// The pools' shape.
     pub layout: KvLayout,
     /// The batch's CSR page table over this pool (`B` requests).

@@ -41,6 +41,8 @@ pub(crate) fn geometry(layout: &KvLayout, num_q_heads: usize) -> Result<usize, A
 /// Checks the pool sizes and the page table against the layout; returns `n_rep`.
 pub(crate) fn paged_kv(kv: &PagedKv<'_>, num_q_heads: usize) -> Result<usize, AttentionError> {
     let n_rep = geometry(&kv.layout, num_q_heads)?;
+    kv.k_pool.kv_type().check_head_dim(kv.layout.head_dim)?;
+    kv.v_pool.kv_type().check_head_dim(kv.layout.head_dim)?;
     let pool_len = kv.layout.pool_len();
     length(
         "k_pool [num_pages, page_size, num_kv_heads, head_dim]",

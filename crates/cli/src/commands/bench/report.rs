@@ -28,11 +28,12 @@ pub(super) fn print_report(report: &Report, json: bool) -> Result<()> {
         report.int_wide_prefills
     );
     println!(
-        "weights: {} | threads: {} | attention: {} | prefetch: {} bytes ahead ({} matmuls) | \
+        "weights: {} | threads: {} | attention: {} | kv cache: {} | prefetch: {} bytes ahead ({} matmuls) | \
          5-6 bit weights: {} ({} matmuls on planes) | load before: {} | load after: {}",
         report.precision,
         report.threads,
         report.attention,
+        report.kv_cache,
         report.prefetch_bytes,
         report.prefetched_matmuls,
         report.high_bits,

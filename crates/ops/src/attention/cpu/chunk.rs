@@ -83,6 +83,13 @@ fn chunk_attention(
     let mut running_max = vec![f32::NEG_INFINITY; n_rep];
     let mut denominator = vec![0.0f32; n_rep];
     let mut weights = vec![0.0f32; n_rep * page_size];
+    // Dequantized head rows of an f16 or q8_0 pool (an f32 pool lends its own rows).
+    let scratch_len = if kv.k_pool.as_f32().is_some() && kv.v_pool.as_f32().is_some() {
+        0
+    } else {
+        head_dim
+    };
+    let mut scratch = vec![0.0f32; scratch_len];
     v_group.fill(0.0);
     let mut token = token_begin;
     while token < token_end {
@@ -92,8 +99,8 @@ fn chunk_attention(
         let first_offset = absolute % page_size;
         let count = (page_size - first_offset).min(token_end - token);
         for index in 0..count {
-            let key =
-                &kv.k_pool[layout.head_offset(page, first_offset + index, kv_head)..][..head_dim];
+            let offset = layout.head_offset(page, first_offset + index, kv_head);
+            let key = kv.k_pool.row(offset, head_dim, &mut scratch);
             for head in 0..n_rep {
                 let q_head = &q_group[head * head_dim..(head + 1) * head_dim];
                 weights[head * page_size + index] = dot(q_head, key) * scale_log2;
@@ -122,8 +129,8 @@ fn chunk_attention(
             }
         }
         for index in 0..count {
-            let value =
-                &kv.v_pool[layout.head_offset(page, first_offset + index, kv_head)..][..head_dim];
+            let offset = layout.head_offset(page, first_offset + index, kv_head);
+            let value = kv.v_pool.row(offset, head_dim, &mut scratch);
             for head in 0..n_rep {
                 let accumulator = &mut v_group[head * head_dim..(head + 1) * head_dim];
                 add_scaled(accumulator, weights[head * page_size + index], value);

@@ -70,8 +70,8 @@ fn gather_request(kv: &PagedKv<'_>, request: usize, seq_len: usize) -> (Vec<f32>
         let absolute = first_page_offset + visible;
         let page = table.indices[first_page + absolute / layout.page_size] as usize;
         let row = layout.head_offset(page, absolute % layout.page_size, 0);
-        keys.extend_from_slice(&kv.k_pool[row..row + stride]);
-        values.extend_from_slice(&kv.v_pool[row..row + stride]);
+        kv.k_pool.extend_into(row, stride, &mut keys);
+        kv.v_pool.extend_into(row, stride, &mut values);
     }
     (keys, values)
 }

@@ -84,6 +84,20 @@ unsafe fn pass_body<V: Lanes>(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_
                 .all(|task| task.query.len() == head_dim && task.v.len() == head_dim),
         "chunk kernel: head_dim {head_dim} or task lengths do not fit"
     );
+    // An f16 or q8_0 pool: each tile's rows are dequantized into these buffers first (row `i`
+    // of the tile at `i * head_dim`); an f32 pool is read in place.
+    let (k_pool, v_pool, mut tile_keys, mut tile_values) =
+        match (kv.k_pool.as_f32(), kv.v_pool.as_f32()) {
+            (Some(k_pool), Some(v_pool)) => (k_pool, v_pool, Vec::new(), Vec::new()),
+            _ => (
+                &[][..],
+                &[][..],
+                vec![0.0f32; TILE * head_dim],
+                vec![0.0f32; TILE * head_dim],
+            ),
+        };
+    let quantized = !tile_keys.is_empty();
+    let tile_rows: [usize; TILE] = std::array::from_fn(|index| index * head_dim);
     let first_page_offset = table.first_page_offset[args.request] as usize;
     let request_pages = &table.indices
         [table.indptr[args.request] as usize..table.indptr[args.request + 1] as usize];
@@ -127,10 +141,11 @@ unsafe fn pass_body<V: Lanes>(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_
     let mut count = fill(token, &mut rows);
     while count > 0 {
         let next_count = fill(token + count, &mut next_rows);
-        for &row in &next_rows[..next_count] {
+        let prefetch = if quantized { 0 } else { next_count };
+        for &row in &next_rows[..prefetch] {
             for line in (0..head_dim).step_by(16) {
-                let key = kv.k_pool.as_ptr().wrapping_add(row + line) as *const i8;
-                let value = kv.v_pool.as_ptr().wrapping_add(row + line) as *const i8;
+                let key = k_pool.as_ptr().wrapping_add(row + line) as *const i8;
+                let value = v_pool.as_ptr().wrapping_add(row + line) as *const i8;
                 // SAFETY: a prefetch is a hint; it never faults or reads into Rust values.
                 unsafe {
                     _mm_prefetch::<_MM_HINT_T0>(key);
@@ -150,8 +165,18 @@ unsafe fn pass_body<V: Lanes>(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_
 
         // 1. The K tile transposed; tokens past `count` read zeros.
         let mut key_rows = [zero_row.as_ptr(); TILE];
-        for (pointer, &row) in key_rows.iter_mut().zip(&rows[..count]) {
-            *pointer = kv.k_pool[row..row + head_dim].as_ptr();
+        let (k_source, v_source, source_rows) = if quantized {
+            for (index, &row) in rows[..count].iter().enumerate() {
+                let target = index * head_dim..(index + 1) * head_dim;
+                kv.k_pool.read(row, &mut tile_keys[target.clone()]);
+                kv.v_pool.read(row, &mut tile_values[target]);
+            }
+            (&tile_keys[..], &tile_values[..], &tile_rows[..count])
+        } else {
+            (k_pool, v_pool, &rows[..count])
+        };
+        for (pointer, &row) in key_rows.iter_mut().zip(source_rows) {
+            *pointer = k_source[row..row + head_dim].as_ptr();
         }
         for block in 0..count.div_ceil(V::LANES) {
             let block_rows = &key_rows[block * V::LANES..(block + 1) * V::LANES];
@@ -235,8 +260,8 @@ unsafe fn pass_body<V: Lanes>(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_
         // 4. Values: blocks of tasks' accumulators in registers, each V row read once per
         // block (each element's additions in token order, whatever the block).
         let tile = Tile {
-            pool: kv.v_pool,
-            rows: &rows[..count],
+            pool: v_source,
+            rows: source_rows,
             counts: &counts,
             scores: &scores,
             outputs: &outputs,

@@ -31,6 +31,7 @@ fn engine_config(max_batch_tokens: usize) -> EngineConfig {
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
         cuda_graphs: true,
         paged_decode: Default::default(),
+        kv_types: Default::default(),
     }
 }
 

@@ -44,6 +44,7 @@ fn engine(model: Backend, num_pages: usize, max_batch_tokens: usize) -> Engine {
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
         cuda_graphs: true,
         paged_decode: Default::default(),
+        kv_types: Default::default(),
     };
     Engine::with_prefix_caching(model, config, true).unwrap()
 }

@@ -62,10 +62,7 @@ pub struct Model {
     rope: Rope,
 }
 
-/// Why a model could not be built from its tensors.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct LoadError(pub String);
+pub use crate::weights::LoadError;
 
 /// The per-layer K/V storage: for each layer, a K pool and a V pool laid out
 /// `[num_pages, page_size, num_kv_heads, head_dim]`, each of its [`KvType`] (f32 by default).

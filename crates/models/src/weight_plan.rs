@@ -8,8 +8,7 @@
 //! it has or requires) plus its layer sequence in `decoder.rs`.
 
 use crate::config::{Architecture, ModelConfig};
-use crate::llama::LoadError;
-use crate::weights::{names, TensorSource};
+use crate::weights::{names, LoadError, TensorSource};
 
 /// One tensor the model reads.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -8,6 +8,11 @@ use std::borrow::Cow;
 
 use pagoda_tensor::GgmlType;
 
+/// Why a model could not be built from its tensors.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct LoadError(pub String);
+
 /// A tensor's bytes and how to read them.
 #[derive(Debug, Clone)]
 pub struct RawTensor<'a> {

@@ -86,6 +86,16 @@ pub(super) fn validate_rows(
     Ok(())
 }
 
+/// What a step hands back (see `TypedRunner::forward_in`).
+pub(super) enum Output<'a> {
+    /// The logits rows, downloaded.
+    Logits,
+    /// The rows drawn by the device sampler.
+    Sampled(DeviceSampling<'a>),
+    /// The rows' final-normed hidden states (embeddings).
+    Hidden,
+}
+
 /// The rows of one sampled step and where the results go (`out` is cleared and gets one
 /// [`SampledRow`] per row).
 pub(super) struct DeviceSampling<'a> {
@@ -315,7 +325,7 @@ impl<T: HostFloat> TypedRunner<T> {
         let result = self.forward_in(
             &mut cache,
             batch,
-            super::step::Output::Sampled(DeviceSampling {
+            Output::Sampled(DeviceSampling {
                 rows,
                 out: &mut out,
             }),

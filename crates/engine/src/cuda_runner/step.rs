@@ -17,18 +17,8 @@ use pagoda_models::llama::ForwardBatch;
 use pagoda_models::llama_cuda::{Attention, HostFloat, StepBuffers, StepShape};
 use pagoda_ops::cuda::{self as ops, PoolLayout};
 
-use super::sampling::DeviceSampling;
+use super::sampling::Output;
 use super::{CudaCacheOptions, GpuCache, Staging, TypedRunner};
-
-/// What a step hands back (see [`TypedRunner::forward_in`]).
-pub(super) enum Output<'a> {
-    /// The logits rows, downloaded.
-    Logits,
-    /// The rows drawn by the device sampler.
-    Sampled(DeviceSampling<'a>),
-    /// The rows' final-normed hidden states (embeddings).
-    Hidden,
-}
 
 /// Smallest graph bucket holding `num_requests` decode rows: powers of two, capped at the
 /// step buffers' limit (`max`), which is a bucket of its own.

@@ -193,7 +193,7 @@ impl<T: HostFloat> TypedRunner<T> {
             let Some(mut cache) = self.cache.take() else {
                 return Ok(());
             };
-            let result = self.forward_in(&mut cache, &batch, super::step::Output::Logits);
+            let result = self.forward_in(&mut cache, &batch, super::sampling::Output::Logits);
             self.cache = Some(cache);
             return result.map(|_| ());
         }

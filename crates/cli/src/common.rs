@@ -11,7 +11,8 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use pagoda_config::{Config, FlagValue};
 use pagoda_engine::{
-    load_model, Backend, Device, Engine, EngineConfig, LoadOptions, LoadedModel, ModelSource,
+    load_model, Backend, Device, Engine, EngineConfig, EngineSettings, LoadOptions, LoadedModel,
+    ModelSource,
 };
 use pagoda_models::chat_template::ChatTemplate;
 use pagoda_models::hf::GenerationDefaults;
@@ -475,7 +476,8 @@ pub fn engine(model: Backend, args: &ModelArgs, ctx: usize, parallel: usize) -> 
         policy_name(config.attention),
         config.sampler
     );
-    let mut engine = Engine::new(model, config).map_err(anyhow::Error::msg)?;
+    let settings = EngineSettings::from_config(pagoda_config::global());
+    let mut engine = Engine::with_settings(model, config, settings).map_err(anyhow::Error::msg)?;
     // On CUDA, the kernels compile and the graphs are captured here, before the first token
     // is timed (a `generate` pays the cost once, not inside its first request).
     engine.warm_up(&mut |_| {}).map_err(anyhow::Error::msg)?;

@@ -142,10 +142,11 @@ impl Runner {
         backend: Backend,
         cache: CudaCacheOptions,
         kv_types: KvCacheTypes,
+        cpu_threads: CpuThreadsMode,
     ) -> Result<Runner, CudaError> {
         match backend {
             Backend::Cpu(model) => {
-                let pools = CpuPools::new(CpuThreadsMode::from_config(pagoda_config::global()));
+                let pools = CpuPools::new(cpu_threads);
                 let kv = KvCache::with_types(
                     model.config().num_layers,
                     model.kv_layout(cache.num_pages, cache.page_size),

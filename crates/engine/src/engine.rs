@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use rayon::prelude::*;
 
-use crate::cuda_runner::{CudaCacheOptions, PagedDecodeMode, SampledRow, SamplingRowParams};
+use crate::cuda_runner::{PagedDecodeMode, SampledRow, SamplingRowParams};
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch};
 use pagoda_ops::attention::KvCacheTypes;
@@ -16,11 +16,13 @@ use crate::cpu_pool::CpuThreadsMode;
 use crate::logit_bias;
 
 mod embed;
+mod settings;
 mod warmup;
+
 use pagoda_scheduler::{
-    Request as SchedulerRequest, SampledToken, Scheduler, SchedulerConfig, SchedulerError,
-    SchedulerStats,
+    Request as SchedulerRequest, SampledToken, Scheduler, SchedulerError, SchedulerStats,
 };
+pub use settings::EngineSettings;
 
 /// Identifies a request inside one engine.
 pub type RequestId = u64;
@@ -161,11 +163,8 @@ pub struct Engine {
     counters: EngineCounters,
     /// The CUDA runner's totals when the engine last added them to `counters`.
     runner_counted: EngineCounters,
-}
-
-/// Whether the `PAGODA_PREFIX_CACHING` setting leaves prefix caching on (the default).
-fn prefix_caching_from_config() -> bool {
-    pagoda_config::global().on("PAGODA_PREFIX_CACHING")
+    /// The switches it was made with.
+    settings: EngineSettings,
 }
 
 impl Engine {
@@ -190,72 +189,25 @@ impl Engine {
         rows.iter().any(Option::is_some).then_some(rows)
     }
 
-    /// An engine with a zeroed KV pool sized by `config`. Prefix caching is on unless the
-    /// environment variable `PAGODA_PREFIX_CACHING` is `0`, `off` or `false`.
+    /// An engine with a zeroed KV pool sized by `config`, its switches from the process's
+    /// configuration ([`EngineSettings::from_config`] of `pagoda_config::global()`); the CLI
+    /// passes the resolved configuration's settings with [`Engine::with_settings`].
     pub fn new(model: impl Into<Backend>, config: EngineConfig) -> Result<Engine, EngineError> {
-        Self::with_prefix_caching(model, config, prefix_caching_from_config())
+        let settings = EngineSettings::from_config(pagoda_config::global());
+        Self::with_settings(model, config, settings)
     }
 
-    /// An engine with prefix caching forced on or off.
+    /// An engine with prefix caching forced on or off (the other switches as [`Engine::new`]).
     pub fn with_prefix_caching(
         model: impl Into<Backend>,
         config: EngineConfig,
         prefix_caching: bool,
     ) -> Result<Engine, EngineError> {
-        let scheduler_config = SchedulerConfig {
+        let settings = EngineSettings {
             prefix_caching,
-            ..SchedulerConfig::new(config.page_size, config.num_pages, config.max_batch_tokens)
+            ..EngineSettings::from_config(pagoda_config::global())
         };
-        let max_requests = scheduler_config.max_running;
-        let scheduler = Scheduler::new(scheduler_config)?;
-        static LOGGED: std::sync::Once = std::sync::Once::new();
-        LOGGED.call_once(|| {
-            tracing::info!(
-                "prefix caching: {}",
-                if prefix_caching { "on" } else { "off" }
-            )
-        });
-        let cache = CudaCacheOptions {
-            num_pages: config.num_pages,
-            page_size: config.page_size,
-            max_batch_tokens: config.max_batch_tokens,
-            max_batch_requests: max_requests,
-            max_context: config.max_context,
-            cuda_graphs: config.cuda_graphs,
-            paged_decode: config.paged_decode,
-        };
-        let backend: Backend = model.into();
-        backend
-            .check_kv_types(config.kv_types)
-            .map_err(EngineError::KvCacheType)?;
-        let runner = Runner::new(backend, cache, config.kv_types)?;
-        runner.log_kv_cache_once(config.kv_types, config.num_pages, config.page_size);
-        if runner.is_cuda() {
-            static LOGGED_SAMPLING: std::sync::Once = std::sync::Once::new();
-            LOGGED_SAMPLING.call_once(|| match config.sampler {
-                SamplerKind::Fused => tracing::info!(
-                    "CUDA sampling: on the GPU (fused sampler kernels; only token ids are \
-                     downloaded); requests with penalties or log-probabilities sample on the CPU"
-                ),
-                SamplerKind::Reference => {
-                    tracing::info!(
-                        "CUDA sampling: on the CPU (reference sampler, logits downloaded)"
-                    )
-                }
-            });
-        }
-        let mut engine = Engine {
-            runner,
-            config,
-            scheduler,
-            requests: HashMap::new(),
-            next_id: 0,
-            counters: EngineCounters::default(),
-            runner_counted: EngineCounters::default(),
-        };
-        // The decode graphs captured at start count before the first step.
-        engine.absorb_runner_counters();
-        Ok(engine)
+        Self::with_settings(model, config, settings)
     }
 
     /// The model's configuration.

@@ -19,7 +19,9 @@ pub use cpu_pool::{
     ControllerSettings, CpuPoolCounters, CpuThreadsMode, PoolChoice, PoolController, StepShape,
     Verdict, CPU_ADAPTIVE_THREADS_ENV,
 };
-pub use engine::{Engine, EngineConfig, EngineError, FinishReason, RequestId, StepEvent};
+pub use engine::{
+    Engine, EngineConfig, EngineError, EngineSettings, FinishReason, RequestId, StepEvent,
+};
 pub use load::{
     load_backend, load_model, load_random, Device, LoadOptions, LoadedModel, ModelLoadError,
     ModelSource,

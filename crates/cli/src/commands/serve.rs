@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
-use pagoda_engine::{Engine, EngineConfig};
+use pagoda_engine::{Engine, EngineConfig, EngineSettings};
 use pagoda_server::auth::ApiKeys;
 use pagoda_server::tls::TlsFiles;
 use pagoda_server::{ConnectionLimits, ServerConfig, TextModel};
@@ -235,7 +235,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         kv_types,
     };
     let device_name = loaded.model.device_name();
-    let engine = Engine::new(loaded.model, config.clone()).map_err(anyhow::Error::msg)?;
+    let settings = EngineSettings::from_config(pagoda_config::global());
+    let engine = Engine::with_settings(loaded.model, config.clone(), settings)
+        .map_err(anyhow::Error::msg)?;
 
     eprintln!("pagoda serve");
     eprintln!("  model        {source_path} (served as `{model_name}`)");

@@ -10,8 +10,7 @@ impl Engine {
     /// Whether [`warm_up`](Self::warm_up) has work to do: on CUDA with
     /// `PAGODA_CUDA_WARMUP` on.
     pub fn needs_warmup(&self) -> bool {
-        matches!(self.runner, Runner::Cuda { .. })
-            && pagoda_config::global().on("PAGODA_CUDA_WARMUP")
+        matches!(self.runner, Runner::Cuda { .. }) && self.settings.cuda_warmup
     }
 
     /// Gets the device ready so the first request runs as fast as the tenth. On CUDA (unless

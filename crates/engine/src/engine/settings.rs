@@ -1,0 +1,166 @@
+//! The engine's switches: resolved once from the configuration by whoever makes the engine
+//! (the CLI from the configuration it installed at start) and passed down, instead of read
+//! from the process's configuration where they are used.
+
+use pagoda_scheduler::{Scheduler, SchedulerConfig};
+
+use super::{Engine, EngineConfig, EngineError, HashMap};
+use crate::backend::{Backend, Runner};
+use crate::counters::EngineCounters;
+use crate::cpu_pool::CpuThreadsMode;
+use crate::cuda_runner::CudaCacheOptions;
+use pagoda_ops::sampling::SamplerKind;
+
+/// Switches of an engine that the configuration sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineSettings {
+    /// Share full prompt pages between requests (`PAGODA_PREFIX_CACHING`, default on).
+    pub prefix_caching: bool,
+    /// On CUDA, warm up before the first request (`PAGODA_CUDA_WARMUP`, default on).
+    pub cuda_warmup: bool,
+    /// How CPU steps pick their thread pool (`PAGODA_CPU_ADAPTIVE_THREADS`).
+    pub cpu_threads: CpuThreadsMode,
+}
+
+impl EngineSettings {
+    /// The settings `config` resolved.
+    pub fn from_config(config: &pagoda_config::Config) -> Self {
+        EngineSettings {
+            prefix_caching: config.on("PAGODA_PREFIX_CACHING"),
+            cuda_warmup: config.on("PAGODA_CUDA_WARMUP"),
+            cpu_threads: CpuThreadsMode::from_config(config),
+        }
+    }
+}
+
+impl Engine {
+    /// An engine with a zeroed KV pool sized by `config` and the switches of `settings`.
+    pub fn with_settings(
+        model: impl Into<Backend>,
+        config: EngineConfig,
+        settings: EngineSettings,
+    ) -> Result<Engine, EngineError> {
+        let scheduler_config = SchedulerConfig {
+            prefix_caching: settings.prefix_caching,
+            ..SchedulerConfig::new(config.page_size, config.num_pages, config.max_batch_tokens)
+        };
+        let max_requests = scheduler_config.max_running;
+        let scheduler = Scheduler::new(scheduler_config)?;
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        LOGGED.call_once(|| {
+            tracing::info!(
+                "prefix caching: {}",
+                if settings.prefix_caching { "on" } else { "off" }
+            )
+        });
+        let cache = CudaCacheOptions {
+            num_pages: config.num_pages,
+            page_size: config.page_size,
+            max_batch_tokens: config.max_batch_tokens,
+            max_batch_requests: max_requests,
+            max_context: config.max_context,
+            cuda_graphs: config.cuda_graphs,
+            paged_decode: config.paged_decode,
+        };
+        let backend: Backend = model.into();
+        backend
+            .check_kv_types(config.kv_types)
+            .map_err(EngineError::KvCacheType)?;
+        let runner = Runner::new(backend, cache, config.kv_types, settings.cpu_threads)?;
+        runner.log_kv_cache_once(config.kv_types, config.num_pages, config.page_size);
+        if runner.is_cuda() {
+            static LOGGED_SAMPLING: std::sync::Once = std::sync::Once::new();
+            LOGGED_SAMPLING.call_once(|| match config.sampler {
+                SamplerKind::Fused => tracing::info!(
+                    "CUDA sampling: on the GPU (fused sampler kernels; only token ids are \
+                     downloaded); requests with penalties or log-probabilities sample on the CPU"
+                ),
+                SamplerKind::Reference => {
+                    tracing::info!(
+                        "CUDA sampling: on the CPU (reference sampler, logits downloaded)"
+                    )
+                }
+            });
+        }
+        let mut engine = Engine {
+            runner,
+            config,
+            scheduler,
+            requests: HashMap::new(),
+            next_id: 0,
+            counters: EngineCounters::default(),
+            runner_counted: EngineCounters::default(),
+            settings,
+        };
+        // The decode graphs captured at start count before the first step.
+        engine.absorb_runner_counters();
+        Ok(engine)
+    }
+
+    /// The switches this engine was made with.
+    pub fn settings(&self) -> EngineSettings {
+        self.settings
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pagoda_config::Config;
+    use pagoda_models::config::ModelConfig;
+    use pagoda_models::llama::{AttentionPolicy, Model, WeightPrecision};
+    use pagoda_models::random::{preset, RandomWeights};
+
+    fn resolved(env: &[(&str, &str)]) -> Config {
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let names = env.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>();
+        let lookup = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        Config::resolve(lookup, names, &[]).unwrap()
+    }
+
+    #[test]
+    fn the_engine_takes_the_switches_it_is_given() {
+        let defaults = EngineSettings::from_config(&resolved(&[]));
+        assert!(defaults.prefix_caching && defaults.cuda_warmup);
+        assert_eq!(defaults.cpu_threads, CpuThreadsMode::Auto);
+        let env = [
+            ("PAGODA_PREFIX_CACHING", "off"),
+            ("PAGODA_CUDA_WARMUP", "off"),
+            ("PAGODA_CPU_ADAPTIVE_THREADS", "one"),
+        ];
+        let settings = EngineSettings::from_config(&resolved(&env));
+        let expected = EngineSettings {
+            prefix_caching: false,
+            cuda_warmup: false,
+            cpu_threads: CpuThreadsMode::One,
+        };
+        assert_eq!(settings, expected);
+
+        let model_config = ModelConfig {
+            num_layers: 1,
+            vocab_size: 256,
+            ..preset("smollm2-135m").unwrap()
+        };
+        let weights = RandomWeights::new(&model_config, 3, 1 << 30).unwrap();
+        let model = Model::load(model_config, &weights, WeightPrecision::F32).unwrap();
+        let config = EngineConfig {
+            page_size: 16,
+            num_pages: 8,
+            max_batch_tokens: 64,
+            max_context: 128,
+            attention: AttentionPolicy::Auto,
+            sampler: SamplerKind::DEFAULT,
+            cuda_graphs: false,
+            paged_decode: Default::default(),
+            kv_types: Default::default(),
+        };
+        let engine = Engine::with_settings(model, config, settings).unwrap();
+        assert_eq!(engine.settings(), settings);
+        assert!(!engine.prefix_caching());
+        assert_eq!(engine.cpu_threads_mode(), Some(CpuThreadsMode::One));
+        assert!(!engine.needs_warmup(), "the CPU never warms up");
+    }
+}

@@ -234,10 +234,7 @@ impl Runner {
                 if device_rows.is_some() {
                     return Err("device sampling requested on the CPU backend".to_string());
                 }
-                let shape = StepShape {
-                    num_tokens: batch.tokens.len(),
-                    num_requests: batch.qo_indptr.len().saturating_sub(1),
-                };
+                let shape = cpu_step_shape(batch);
                 let model = &*model;
                 let output = pools
                     .run(shape, || model.forward(batch, kv, policy))
@@ -284,10 +281,7 @@ impl Runner {
     ) -> Result<Vec<f32>, String> {
         match self {
             Runner::Cpu { model, kv, pools } => {
-                let shape = StepShape {
-                    num_tokens: batch.tokens.len(),
-                    num_requests: batch.qo_indptr.len().saturating_sub(1),
-                };
+                let shape = cpu_step_shape(batch);
                 let model = &*model;
                 pools
                     .run(shape, || model.final_hidden(batch, kv, policy))
@@ -295,6 +289,14 @@ impl Runner {
             }
             Runner::Cuda { model } => model.final_hidden(batch).map_err(|e| e.to_string()),
         }
+    }
+}
+
+/// The CPU pool's view of `batch` (which pool runs it).
+fn cpu_step_shape(batch: &ForwardBatch<'_>) -> StepShape {
+    StepShape {
+        num_tokens: batch.tokens.len(),
+        num_requests: batch.qo_indptr.len().saturating_sub(1),
     }
 }
 

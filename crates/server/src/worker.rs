@@ -264,6 +264,7 @@ impl<B: EngineBackend> Worker<B> {
         loop {
             if self.running.is_empty() && self.waiting.is_empty() && self.embeds.is_empty() {
                 self.publish_gauges();
+                self.publish_slots();
                 match self.receiver.recv() {
                     Ok(work) => self.receive(work),
                     Err(_) => return, // every handle is gone and nothing runs
@@ -280,6 +281,8 @@ impl<B: EngineBackend> Worker<B> {
                 self.step();
                 self.publish_gauges();
             }
+            // Once per turn: what admission and the step changed.
+            self.publish_slots();
         }
     }
 
@@ -508,6 +511,10 @@ impl<B: EngineBackend> Worker<B> {
         let snapshot = self.backend.snapshot();
         self.metrics
             .update_engine(&snapshot, self.waiting.len() + self.embeds.len());
+    }
+
+    /// What each slot runs, for `GET /slots`.
+    fn publish_slots(&self) {
         let mut slots = idle_slots(self.parallel);
         for (&id, slot) in &self.running {
             if let Some(state) = slots.get_mut(slot.number) {

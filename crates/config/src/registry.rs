@@ -139,10 +139,10 @@ settings! {
         "ops sampling::SamplerKind",
         "Token sampler: fused (sort-free; on the GPU where it can) or reference (the sorting oracle).";
     "PAGODA_PREFIX_CACHING", None, ON_OFF, "on", Engine,
-        "engine Engine::new",
+        "engine EngineSettings",
         "Reuse the KV pages of a prompt prefix seen before.";
     "PAGODA_CPU_ADAPTIVE_THREADS", None, Values::Choice(&["auto", "off", "one"]), "auto", Engine,
-        "engine cpu_pool",
+        "engine EngineSettings (cpu_pool)",
         "CPU thread pool per step: auto picks all threads or one per kind of step; off: all; one: one.";
 
     "PAGODA_CPU_KERNELS", None,
@@ -185,7 +185,7 @@ settings! {
         "Software-prefetch distance of the integer kernels in bytes (auto: 8192; off or 0: none).";
 
     "PAGODA_CUDA_WARMUP", Some("--no-warmup (off)"), ON_OFF, "on", Cuda,
-        "engine cuda_runner::warmup",
+        "engine EngineSettings (Engine::warm_up)",
         "Before ready: compile every kernel the model can launch, capture the decode graphs, run a warm-up step.";
     "PAGODA_KERNEL_FORMAT", None, Values::Choice(&["cubin", "ptx"]), "cubin", Cuda,
         "cuda registry::Registry",
@@ -197,38 +197,38 @@ settings! {
         "models llama_cuda::decode_path",
         "CUDA decode attention: fused split-KV over the page table, or gather-then-attend.";
     "PAGODA_PAGED_DECODE_KERNEL", None, Values::Choice(&["auto", "mma", "cuda-core"]), "auto", Cuda,
-        "models llama_cuda::decode_path",
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Partial kernel of the fused decode (auto: tensor cores where bf16 and head_dim 64/128/256).";
     "PAGODA_PAGED_DECODE_MERGE", None, Values::Choice(&["separate", "kernel"]), "separate", Cuda,
-        "models llama_cuda::decode_path",
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Merge the fused decode's chunks in a second launch (separate) or in the kernel.";
     "PAGODA_CUDA_PREFILL", None, Values::Choice(&["mma", "tiled", "reference"]), "mma", Cuda,
-        "models llama_cuda::buffers",
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
         "CUDA prefill attention kernel (mma falls back to tiled where it does not apply).";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
-        "engine cuda_runner::sampling",
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Filtered rows on the GPU: fast, or exact (f64, the oracle).";
     "PAGODA_GPU_SAMPLING_GUMBEL_MAX", None, ON_OFF, "on", Cuda,
-        "engine cuda_runner::sampling",
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Row maxima inside the Gumbel kernel.";
     "PAGODA_GPU_SAMPLING_LIST_ROUNDS", None, ON_OFF, "on", Cuda,
-        "engine cuda_runner::sampling",
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Top-k rows' filter rounds on their id list.";
     "PAGODA_GPU_SAMPLING_CLUSTER", None, ON_OFF, "on", Cuda,
-        "engine cuda_runner::sampling",
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Top-p-only rows in one cluster kernel per row (compute capability 9.0+).";
     "PAGODA_GPU_SAMPLING_PREFETCH", None, ON_OFF, "on", Cuda,
-        "engine cuda_runner::sampling",
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
         "L2 prefetch of waiting rows in cluster launches.";
 
     "PAGODA_SPLIT_KV_CHUNK_TOKENS", None, Values::Number { min: 1, max: 1 << 20, words: AUTO }, "auto", Tuning,
-        "models llama::policy",
+        "engine EngineSettings (models llama::Model)",
         "Tokens per CPU split-KV chunk (auto: 256; outputs depend on it).";
     "PAGODA_PAGED_DECODE_TARGET_CTAS", None, Values::Number { min: 1, max: 1 << 20, words: AUTO }, "auto", Tuning,
-        "models llama_cuda::decode_path",
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
         "CTAs the fused decode plan aims for (auto: twice the SM count).";
     "PAGODA_PAGED_DECODE_CHUNK", None, Values::Number { min: 1, max: 1 << 20, words: AUTO }, "auto", Tuning,
-        "models llama_cuda::decode_path",
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Pages per fused decode chunk (auto: the plan searches).";
     "PAGODA_PAGED_DECODE_STAGES", None, Values::Choice(&["auto", "2", "3"]), "auto", Tuning,
         "cuda ops::paged_decode",

@@ -6,7 +6,7 @@ use crate::cuda_runner::{CudaCacheOptions, CudaModel, CudaRunner, SampledRow, Sa
 use pagoda_cuda::CudaError;
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
-use pagoda_ops::attention::{AttentionPath, KvCacheTypes};
+use pagoda_ops::attention::{AttentionPath, KvCacheTypes, DEFAULT_CHUNK_TOKENS};
 use pagoda_ops::sampling::AnySampler;
 
 use crate::cpu_pool::{CpuPoolCounters, CpuPools, CpuThreadsMode, StepShape};
@@ -136,16 +136,25 @@ pub(crate) struct StepOutput {
 impl Runner {
     /// Allocates the KV cache (`cache.num_pages` pages of `cache.page_size` tokens) and, on
     /// the GPU, the step buffers for the rest of `cache`'s sizes and paths. On the
-    /// CPU, the pool of each step follows `PAGODA_CPU_ADAPTIVE_THREADS` (an unknown value is
-    /// an error).
+    /// CPU, the pool of each step follows `cpu_threads` and split-KV rows are cut into
+    /// chunks of `split_kv_chunk_tokens` visible tokens.
     pub(crate) fn new(
         backend: Backend,
         cache: CudaCacheOptions,
         kv_types: KvCacheTypes,
         cpu_threads: CpuThreadsMode,
+        split_kv_chunk_tokens: usize,
     ) -> Result<Runner, CudaError> {
         match backend {
-            Backend::Cpu(model) => {
+            Backend::Cpu(mut model) => {
+                let tokens = split_kv_chunk_tokens;
+                if tokens != DEFAULT_CHUNK_TOKENS {
+                    static LOGGED: std::sync::Once = std::sync::Once::new();
+                    LOGGED.call_once(|| {
+                        tracing::info!("split-KV chunks of {tokens} tokens (PAGODA_SPLIT_KV_CHUNK_TOKENS)")
+                    });
+                }
+                model.set_split_kv_chunk_tokens(tokens);
                 let pools = CpuPools::new(cpu_threads);
                 let kv = KvCache::with_types(
                     model.config().num_layers,

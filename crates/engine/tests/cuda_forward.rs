@@ -33,6 +33,7 @@ fn cache_options() -> CudaCacheOptions {
         max_context: NUM_PAGES * PAGE_SIZE,
         cuda_graphs: true,
         paged_decode: Default::default(),
+        kernels: Default::default(),
     }
 }
 

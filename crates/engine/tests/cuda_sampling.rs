@@ -51,6 +51,7 @@ fn load(gpu: &Arc<Gpu>, weights: &RandomWeights, dtype: DType, graphs: bool) -> 
             max_context: NUM_PAGES * PAGE_SIZE,
             cuda_graphs: graphs,
             paged_decode: Default::default(),
+            kernels: Default::default(),
         },
     )
     .unwrap()

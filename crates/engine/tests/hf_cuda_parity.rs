@@ -387,6 +387,7 @@ fn check_gpu(
         max_context: NUM_PAGES * PAGE_SIZE,
         cuda_graphs,
         paged_decode: Default::default(),
+        kernels: Default::default(),
     };
     let mut model = match CudaRunner::new(model, options) {
         Ok(model) => model,

@@ -7,6 +7,7 @@
 use pagoda_kv::{PageTable, Slot};
 use pagoda_ops::attention::{
     plan_step, AttentionError, AttentionPath, KvLayout, KvPool, KvType, PagedKv, SplitKvChunking,
+    DEFAULT_CHUNK_TOKENS,
     StepAttentionConfig, StepAttentionPlan,
 };
 use pagoda_ops::linear::{CpuKernelPolicy, Weight};
@@ -60,6 +61,8 @@ pub struct Model {
     /// `None` when the LM head is tied to the embedding.
     lm_head: Option<Weight>,
     rope: Rope,
+    /// Visible tokens per split-KV chunk (a row's bits depend on it).
+    split_kv_chunk_tokens: usize,
 }
 
 pub use crate::weights::LoadError;
@@ -202,7 +205,15 @@ impl Model {
             layers,
             lm_head,
             rope,
+            split_kv_chunk_tokens: DEFAULT_CHUNK_TOKENS,
         })
+    }
+
+    /// Sets the visible tokens per split-KV chunk (default [`DEFAULT_CHUNK_TOKENS`]; for
+    /// measurement: a row's bits depend on it, so it must not change while a KV cache is in
+    /// use). `tokens` of 0 counts as 1.
+    pub fn set_split_kv_chunk_tokens(&mut self, tokens: usize) {
+        self.split_kv_chunk_tokens = tokens.max(1);
     }
 
     /// The model's configuration.
@@ -319,7 +330,7 @@ pub fn global_pool_threads() -> usize {
 
 impl Model {
     /// The step's attention routing (made once per step, reused by every layer). A split-KV
-    /// row is cut into chunks of [`split_kv_chunk_tokens`] visible tokens from its first one,
+    /// row is cut into chunks of [`Model::set_split_kv_chunk_tokens`] visible tokens from its first one,
     /// a function of position only: a row's logits are the same bits whatever the batch and
     /// whatever pool or thread count runs the step.
     fn choose_attention(
@@ -338,7 +349,7 @@ impl Model {
             page_table: batch.page_table,
         };
         let config = StepAttentionConfig {
-            chunking: SplitKvChunking::new(self.config.num_kv_heads, split_kv_chunk_tokens()),
+            chunking: SplitKvChunking::new(self.config.num_kv_heads, self.split_kv_chunk_tokens),
             min_split_kv_tokens: policy.min_split_kv_tokens(),
         };
         Ok(plan_step(

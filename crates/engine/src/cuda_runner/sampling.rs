@@ -17,13 +17,13 @@ use pagoda_cuda::{
     view, view_mut, CudaError, DeviceBuffer, DeviceRead, Gpu, GpuEvent, PinnedBuffer,
 };
 use pagoda_ops::cuda::{
-    sample_rows_with, FilteredSampling, SamplingMix, SamplingOptions, SamplingRowParams,
+    sample_rows_with, SamplingMix, SamplingOptions, SamplingRowParams,
     SamplingTotals, SamplingWorkspace, MAX_SAMPLING_ROWS, SAMPLING_PARAM_WORDS,
     SAMPLING_TOTALS_WORDS,
 };
 
 use pagoda_models::llama::ForwardBatch;
-use pagoda_models::llama_cuda::HostFloat;
+use pagoda_models::llama_cuda::{HostFloat, SamplingKernels};
 
 use super::{GpuCache, TypedRunner};
 
@@ -116,44 +116,12 @@ pub(super) struct DeviceSampler {
     readback: DeviceBuffer<u32>,
     /// Totals at the previous step (the counters add the difference).
     last_totals: SamplingTotals,
-    /// The switches read from the environment when the sampler was made.
-    switches: SamplerSwitches,
+    /// The paths configured when the sampler was made.
+    switches: SamplingKernels,
 }
 
-/// The GPU sampler's switches, from the environment.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct SamplerSwitches {
-    /// The filtered rows' path: `PAGODA_GPU_SAMPLING_FILTERED=fast|exact` (default `fast`,
-    /// which measured faster in every configuration of `pagoda bench sampling --device cuda`).
-    pub filtered: FilteredSampling,
-    /// Launches without filtered rows find the row maxima in the Gumbel kernel:
-    /// `PAGODA_GPU_SAMPLING_GUMBEL_MAX=on|off` (default `on`, measured faster).
-    pub gumbel_max: bool,
-    /// Top-k rows run their rounds on their id list: `PAGODA_GPU_SAMPLING_LIST_ROUNDS=on|off`
-    /// (default `on`, measured faster at batch 64).
-    pub list_rounds: bool,
-    /// Launches with top-p rows and no top-k rows run the whole fast path in one kernel, a
-    /// thread-block cluster per row: `PAGODA_GPU_SAMPLING_CLUSTER=on|off` (default `on`,
-    /// measured faster at batch 16 and 64 and level at batch 1; compute capability 9.0+).
-    pub cluster: bool,
-    /// Cluster launches with more rows than fit on the GPU at once prefetch the waiting rows'
-    /// logits into L2: `PAGODA_GPU_SAMPLING_PREFETCH=on|off` (default `on`, measured faster
-    /// at batch 48 and 64 on the H200; no effect while the whole batch is resident).
-    pub cluster_prefetch: bool,
-}
-
-/// The [`SamplerSwitches`] of the process's configuration, logged once.
-pub(super) fn sampler_switches() -> Result<SamplerSwitches, CudaError> {
-    let config = pagoda_config::global();
-    let filtered = FilteredSampling::parse(config.word("PAGODA_GPU_SAMPLING_FILTERED"))
-        .map_err(|error| CudaError::invalid(format!("PAGODA_GPU_SAMPLING_FILTERED: {error}")))?;
-    let switches = SamplerSwitches {
-        filtered,
-        gumbel_max: config.on("PAGODA_GPU_SAMPLING_GUMBEL_MAX"),
-        list_rounds: config.on("PAGODA_GPU_SAMPLING_LIST_ROUNDS"),
-        cluster: config.on("PAGODA_GPU_SAMPLING_CLUSTER"),
-        cluster_prefetch: config.on("PAGODA_GPU_SAMPLING_PREFETCH"),
-    };
+/// Logs the device sampler's paths once per process.
+fn log_switches_once(switches: &SamplingKernels) {
     let on_off = |on: bool| if on { "on" } else { "off" };
     static LOGGED: std::sync::Once = std::sync::Once::new();
     LOGGED.call_once(|| {
@@ -164,20 +132,24 @@ pub(super) fn sampler_switches() -> Result<SamplerSwitches, CudaError> {
              (PAGODA_GPU_SAMPLING_LIST_ROUNDS=on|off); top-p launches without top-k \
              in one cluster kernel per row: {} (PAGODA_GPU_SAMPLING_CLUSTER=on|off), waiting \
              rows prefetched into L2: {} (PAGODA_GPU_SAMPLING_PREFETCH=on|off)",
-            filtered.name(),
+            switches.filtered.name(),
             on_off(switches.gumbel_max),
             on_off(switches.list_rounds),
             on_off(switches.cluster),
             on_off(switches.cluster_prefetch)
         )
     });
-    Ok(switches)
 }
 
 impl DeviceSampler {
-    fn new(gpu: &Gpu, max_rows: usize, vocab: usize) -> Result<Self, CudaError> {
+    fn new(
+        gpu: &Gpu,
+        max_rows: usize,
+        vocab: usize,
+        switches: SamplingKernels,
+    ) -> Result<Self, CudaError> {
         let max_rows = max_rows.clamp(1, MAX_SAMPLING_ROWS);
-        let switches = sampler_switches()?;
+        log_switches_once(&switches);
         Ok(DeviceSampler {
             workspace: SamplingWorkspace::new(gpu, max_rows, vocab)?,
             staging: gpu.alloc_pinned(max_rows * SAMPLING_PARAM_WORDS)?,
@@ -355,6 +327,7 @@ impl<T: HostFloat> TypedRunner<T> {
                 gpu,
                 cache.options.max_batch_tokens,
                 vocab,
+                cache.options.kernels.sampling,
             )?);
         }
         let Some(sampler) = cache.sampler.as_mut() else {

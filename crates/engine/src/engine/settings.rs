@@ -9,6 +9,8 @@ use crate::backend::{Backend, Runner};
 use crate::counters::EngineCounters;
 use crate::cpu_pool::CpuThreadsMode;
 use crate::cuda_runner::CudaCacheOptions;
+use pagoda_models::llama::split_kv_chunk_tokens;
+use pagoda_models::llama_cuda::CudaKernels;
 use pagoda_ops::sampling::SamplerKind;
 
 /// Switches of an engine that the configuration sets.
@@ -20,6 +22,12 @@ pub struct EngineSettings {
     pub cuda_warmup: bool,
     /// How CPU steps pick their thread pool (`PAGODA_CPU_ADAPTIVE_THREADS`).
     pub cpu_threads: CpuThreadsMode,
+    /// On the CPU, visible tokens per split-KV chunk (`PAGODA_SPLIT_KV_CHUNK_TOKENS`, default
+    /// 256; a row's bits depend on it).
+    pub split_kv_chunk_tokens: usize,
+    /// On CUDA, which kernels run where several do the job (prefill and decode attention,
+    /// the device sampler's paths).
+    pub cuda_kernels: CudaKernels,
 }
 
 impl EngineSettings {
@@ -29,6 +37,8 @@ impl EngineSettings {
             prefix_caching: config.on("PAGODA_PREFIX_CACHING"),
             cuda_warmup: config.on("PAGODA_CUDA_WARMUP"),
             cpu_threads: CpuThreadsMode::from_config(config),
+            split_kv_chunk_tokens: split_kv_chunk_tokens(config),
+            cuda_kernels: CudaKernels::from_config(config),
         }
     }
 }
@@ -61,12 +71,19 @@ impl Engine {
             max_context: config.max_context,
             cuda_graphs: config.cuda_graphs,
             paged_decode: config.paged_decode,
+            kernels: settings.cuda_kernels,
         };
         let backend: Backend = model.into();
         backend
             .check_kv_types(config.kv_types)
             .map_err(EngineError::KvCacheType)?;
-        let runner = Runner::new(backend, cache, config.kv_types, settings.cpu_threads)?;
+        let runner = Runner::new(
+            backend,
+            cache,
+            config.kv_types,
+            settings.cpu_threads,
+            settings.split_kv_chunk_tokens,
+        )?;
         runner.log_kv_cache_once(config.kv_types, config.num_pages, config.page_size);
         if runner.is_cuda() {
             static LOGGED_SAMPLING: std::sync::Once = std::sync::Once::new();
@@ -130,12 +147,15 @@ mod tests {
             ("PAGODA_PREFIX_CACHING", "off"),
             ("PAGODA_CUDA_WARMUP", "off"),
             ("PAGODA_CPU_ADAPTIVE_THREADS", "one"),
+            ("PAGODA_SPLIT_KV_CHUNK_TOKENS", "64"),
         ];
         let settings = EngineSettings::from_config(&resolved(&env));
         let expected = EngineSettings {
             prefix_caching: false,
             cuda_warmup: false,
             cpu_threads: CpuThreadsMode::One,
+            split_kv_chunk_tokens: 64,
+            cuda_kernels: CudaKernels::default(),
         };
         assert_eq!(settings, expected);
 

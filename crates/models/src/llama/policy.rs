@@ -7,19 +7,13 @@ use pagoda_ops::attention::{AttentionPath, DEFAULT_CHUNK_TOKENS};
 /// tokens; for measurement: a row's bits depend on it).
 pub const SPLIT_KV_CHUNK_ENV_VAR: &str = "PAGODA_SPLIT_KV_CHUNK_TOKENS";
 
-/// Visible tokens per split-KV chunk: [`DEFAULT_CHUNK_TOKENS`], or the
-/// [`SPLIT_KV_CHUNK_ENV_VAR`] setting when it holds a number. Read once per process.
-pub fn split_kv_chunk_tokens() -> usize {
-    static TOKENS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *TOKENS.get_or_init(
-        || match pagoda_config::global().number(SPLIT_KV_CHUNK_ENV_VAR) {
-            Some(tokens) => {
-                tracing::info!("split-KV chunks of {tokens} tokens ({SPLIT_KV_CHUNK_ENV_VAR})");
-                tokens as usize
-            }
-            None => DEFAULT_CHUNK_TOKENS,
-        },
-    )
+/// Visible tokens per split-KV chunk in `config`: the [`SPLIT_KV_CHUNK_ENV_VAR`] setting
+/// when it holds a number, else [`DEFAULT_CHUNK_TOKENS`]. The engine resolves it once and
+/// sets it on the model ([`Model::set_split_kv_chunk_tokens`](super::Model::set_split_kv_chunk_tokens)).
+pub fn split_kv_chunk_tokens(config: &pagoda_config::Config) -> usize {
+    config
+        .number(SPLIT_KV_CHUNK_ENV_VAR)
+        .map_or(DEFAULT_CHUNK_TOKENS, |tokens| tokens as usize)
 }
 
 /// Auto's threshold, in visible tokens: a query row that sees at least this many tokens runs

@@ -43,6 +43,8 @@ pub struct StepBuffers<T> {
     pub decode: Option<DecodeWorkspace<T>>,
     /// The fused decode (absent when the mode or the geometry selects gather).
     pub fused: Option<FusedDecode>,
+    /// The prefill attention kernel asked for (`Mma` runs where it applies, else `Tiled`).
+    pub prefill: ops::PrefillKernel,
 }
 
 impl<T: HostFloat> StepBuffers<T> {
@@ -75,12 +77,16 @@ impl<T: HostFloat> StepBuffers<T> {
         } else {
             None
         };
+        let prefill = options.kernels.prefill;
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        LOGGED.call_once(|| tracing::info!("CUDA prefill attention: {prefill:?}"));
         Ok(StepBuffers {
             k_pools,
             v_pools,
             scratch,
             decode,
             fused,
+            prefill,
         })
     }
 }
@@ -117,25 +123,6 @@ fn decode_capacity_pages(options: &CudaCacheOptions) -> usize {
     let per_request = options.max_context.div_ceil(page_size) + 1;
     let requests = options.max_batch_requests.max(1);
     (requests * per_request).min(2 * options.num_pages + requests)
-}
-
-/// Which prefill attention kernel runs: `PAGODA_CUDA_PREFILL=mma|tiled|reference` (read
-/// once; the first use is logged). Default: mma (tensor cores for bf16, else tiled).
-pub(super) fn prefill_kernel() -> Result<ops::PrefillKernel, CudaError> {
-    static CHOICE: std::sync::OnceLock<Result<ops::PrefillKernel, String>> =
-        std::sync::OnceLock::new();
-    let choice = CHOICE.get_or_init(|| {
-        let kernel = match pagoda_config::global().word("PAGODA_CUDA_PREFILL") {
-            // Measured on the H200 (docs/benchmark_results/cuda-backend-h200-*.md): tensor
-            // cores 2.3x (8B, 2K prompt) to 3x (SmolLM2, 4K) faster than the tiled kernel.
-            "tiled" => ops::PrefillKernel::Tiled,
-            "reference" => ops::PrefillKernel::PerToken,
-            _ => ops::PrefillKernel::Mma,
-        };
-        tracing::info!("CUDA prefill attention: {kernel:?}");
-        Ok(kernel)
-    });
-    choice.clone().map_err(CudaError::invalid)
 }
 
 impl<T: HostFloat> Scratch<T> {
@@ -184,6 +171,7 @@ mod tests {
             max_context: 100,
             cuda_graphs: true,
             paged_decode: Default::default(),
+            kernels: Default::default(),
         };
         // 100 tokens from a mid-page start span at most 8 pages.
         assert_eq!(decode_capacity_pages(&options), 4 * 8);

@@ -69,31 +69,6 @@ impl PagedDecodeMode {
     }
 }
 
-/// A count setting (`None` for `auto`).
-fn setting_count(name: &str) -> Option<usize> {
-    pagoda_config::global().number(name).map(|n| n as usize)
-}
-
-/// The fused decode's partial kernel: tensor cores for bf16 where they support the head size
-/// (they measured faster on the H200), else CUDA cores; `PAGODA_PAGED_DECODE_KERNEL=mma|cuda-core`
-/// forces one.
-fn decode_kernel(dtype: DType, head_dim: usize) -> Result<ops::PagedDecodeKernel, CudaError> {
-    let mma_ok = dtype == DType::BF16 && ops::PAGED_DECODE_MMA_HEAD_DIMS.contains(&head_dim);
-    match pagoda_config::global().word("PAGODA_PAGED_DECODE_KERNEL") {
-        "auto" => Ok(if mma_ok {
-            ops::PagedDecodeKernel::TensorCore
-        } else {
-            ops::PagedDecodeKernel::CudaCore
-        }),
-        "mma" if mma_ok => Ok(ops::PagedDecodeKernel::TensorCore),
-        "mma" => Err(CudaError::invalid(format!(
-            "PAGODA_PAGED_DECODE_KERNEL=mma needs bf16 and head_dim in {:?} (have {dtype}, {head_dim})",
-            ops::PAGED_DECODE_MMA_HEAD_DIMS
-        ))),
-        _ => Ok(ops::PagedDecodeKernel::CudaCore),
-    }
-}
-
 /// The fused decode's device workspace and the pinned staging of its plan.
 pub struct FusedDecode {
     workspace: PagedDecodeWorkspace,
@@ -136,11 +111,13 @@ impl FusedDecode {
         }
         // Two waves of CTAs by default (`docs/benchmark_results/paged-decode-h200-*.md`);
         // the chunk size can be pinned (the autotuner's hook).
-        let target_ctas = setting_count("PAGODA_PAGED_DECODE_TARGET_CTAS")
+        let kernels = &options.kernels;
+        let target_ctas = kernels
+            .target_ctas
             .unwrap_or(2 * gpu.info().sm_count.max(1) as usize);
         let policy = PlanPolicy {
             target_ctas,
-            pages_per_chunk: setting_count("PAGODA_PAGED_DECODE_CHUNK"),
+            pages_per_chunk: kernels.pages_per_chunk,
             // At least one 64-key tile per chunk: smaller chunks only add merge work
             // (measured at batch 1, 1K context on the H200).
             min_pages_per_chunk: 64usize.div_ceil(options.page_size.max(1)),
@@ -165,14 +142,9 @@ impl FusedDecode {
             config.num_kv_heads,
             config.head_dim,
         )?;
-        let kernel = decode_kernel(dtype, config.head_dim)?;
+        let kernel = kernels.decode_kernel(dtype, config.head_dim)?;
         workspace.set_kernel(kernel);
-        // A second launch merges the chunks: faster than the last chunk merging in the
-        // partial kernel in every cell measured on the H200 but batch 64 (equal).
-        let merge = match pagoda_config::global().word("PAGODA_PAGED_DECODE_MERGE") {
-            "kernel" => ops::MergeMode::InKernel,
-            _ => ops::MergeMode::Separate,
-        };
+        let merge = kernels.merge;
         tracing::info!("CUDA fused decode: {kernel:?} partial kernel, {merge:?} merge");
         let staging = gpu.alloc_pinned(capacity.encoded_len())?;
         tracing::debug!(

@@ -9,7 +9,7 @@ use pagoda_ops::cuda::{
     self as ops, DecodeWorkspace, DevicePageTable, PagedKv, PoolLayout, PrefillKernel, Queries,
 };
 
-use super::buffers::{prefill_kernel, Attention, StepShape};
+use super::buffers::{Attention, StepShape};
 use super::decode_path::FusedDecode;
 use super::{GpuLayer, GpuModel, HostFloat, StepBuffers};
 use crate::decoder::{llama_layers, DecoderStep};
@@ -31,6 +31,7 @@ impl<T: HostFloat> GpuModel<T> {
             scratch: s,
             decode,
             fused,
+            prefill,
         } = buffers;
         let StepShape {
             num_tokens,
@@ -59,7 +60,7 @@ impl<T: HostFloat> GpuModel<T> {
             &first_page_offset,
         )?;
         // The tensor-core kernel runs bf16 at its head dims, where it compiles; else tiled.
-        let prefill = match prefill_kernel()? {
+        let prefill = match *prefill {
             PrefillKernel::Mma
                 if T::DTYPE == pagoda_cuda::DType::BF16
                     && ops::MMA_PREFILL_HEAD_DIMS.contains(&c.head_dim)

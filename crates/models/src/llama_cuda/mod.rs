@@ -13,7 +13,8 @@
 //!
 //! Layout: this file holds the types and the public [`CudaModel`]; `weights.rs` uploads the
 //! weights; `buffers.rs` sizes the step buffers; `layers.rs` queues one step's kernels;
-//! `decode_path.rs` picks the decode attention.
+//! `decode_path.rs` picks the decode attention; `kernels.rs` holds the
+//! configured kernel choices.
 //!
 //! Architectures: llama (Llama 2/3, SmolLM2, Mistral), Qwen2 (q/k/v bias, added after the
 //! QKV GEMM) and Qwen3 (per-head q/k RMSNorm before RoPE).
@@ -30,10 +31,12 @@ use crate::weights::TensorSource;
 
 pub use buffers::{Attention, Scratch, StepBuffers, StepShape};
 pub use decode_path::{FusedDecode, PagedDecodeMode, PAGED_DECODE_ENV_VAR};
+pub use kernels::{CudaKernels, DecodeKernelChoice, SamplingKernels};
 pub use pagoda_ops::cuda::SamplingRowParams;
 
 mod buffers;
 mod decode_path;
+mod kernels;
 mod layers;
 mod weights;
 
@@ -60,6 +63,8 @@ pub struct CudaCacheOptions {
     pub cuda_graphs: bool,
     /// The decode attention path (`--paged-decode`).
     pub paged_decode: PagedDecodeMode,
+    /// The kernel choices, resolved from the configuration by the caller.
+    pub kernels: CudaKernels,
 }
 
 /// A model's weights resident on the GPU, in the dtype it runs in.

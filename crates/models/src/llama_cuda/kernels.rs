@@ -1,0 +1,202 @@
+//! The CUDA model's kernel choices, resolved once from the configuration by whoever builds
+//! the model's step buffers ([`CudaKernels::from_config`]) and carried in
+//! [`CudaCacheOptions`](super::CudaCacheOptions); nothing below reads a setting itself.
+
+use pagoda_cuda::{CudaError, DType};
+use pagoda_ops::cuda::{self as ops, FilteredSampling, MergeMode, PrefillKernel};
+
+/// Which kernels a CUDA step runs where more than one does the job. The defaults are the
+/// measured fastest on the H200; the others stay as fallbacks and oracles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaKernels {
+    /// Prefill attention (`PAGODA_CUDA_PREFILL`): tensor cores (`Mma`, which falls back to
+    /// `Tiled` where it does not apply), query-tiled, or one CTA per token (the oracle).
+    /// Measured on the H200 (`docs/benchmark_results/cuda-backend-h200-*.md`): tensor
+    /// cores 2.3x (8B, 2K prompt) to 3x (SmolLM2, 4K) faster than the tiled kernel.
+    pub prefill: PrefillKernel,
+    /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`).
+    pub decode: DecodeKernelChoice,
+    /// Where the fused decode merges a request's chunks (`PAGODA_PAGED_DECODE_MERGE`): a
+    /// second launch was faster than the in-kernel merge in every cell measured on the H200
+    /// but batch 64 (equal).
+    pub merge: MergeMode,
+    /// CTAs the fused decode's plan aims for (`PAGODA_PAGED_DECODE_TARGET_CTAS`; `None`:
+    /// two waves, twice the SM count).
+    pub target_ctas: Option<usize>,
+    /// Pages per fused decode chunk (`PAGODA_PAGED_DECODE_CHUNK`; `None`: the plan searches).
+    pub pages_per_chunk: Option<usize>,
+    /// The device sampler's paths.
+    pub sampling: SamplingKernels,
+}
+
+/// The device sampler's paths (every choice gives the same tokens; the defaults measured
+/// fastest in `pagoda bench sampling --device cuda` on the H200).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SamplingKernels {
+    /// The filtered rows' path (`PAGODA_GPU_SAMPLING_FILTERED`): fast, or the f64 oracle.
+    pub filtered: FilteredSampling,
+    /// Launches without filtered rows find the row maxima in the Gumbel kernel
+    /// (`PAGODA_GPU_SAMPLING_GUMBEL_MAX`).
+    pub gumbel_max: bool,
+    /// Top-k rows run their rounds on their id list (`PAGODA_GPU_SAMPLING_LIST_ROUNDS`;
+    /// measured faster at batch 64).
+    pub list_rounds: bool,
+    /// Top-p launches without top-k rows run the whole fast path in one thread-block
+    /// cluster per row (`PAGODA_GPU_SAMPLING_CLUSTER`; faster at batch 16 and 64, level at
+    /// batch 1; compute capability 9.0+).
+    pub cluster: bool,
+    /// Cluster launches with more rows than fit at once prefetch the waiting rows' logits
+    /// into L2 (`PAGODA_GPU_SAMPLING_PREFETCH`; faster at batch 48 and 64).
+    pub cluster_prefetch: bool,
+}
+
+impl Default for SamplingKernels {
+    fn default() -> Self {
+        SamplingKernels {
+            filtered: FilteredSampling::Fast,
+            gumbel_max: true,
+            list_rounds: true,
+            cluster: true,
+            cluster_prefetch: true,
+        }
+    }
+}
+
+/// The fused decode's partial kernel as configured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum DecodeKernelChoice {
+    /// Tensor cores for bf16 where they support the head size (measured faster on the
+    /// H200), else CUDA cores.
+    #[default]
+    Auto,
+    /// Tensor cores; an error where they do not apply.
+    TensorCore,
+    /// CUDA cores.
+    CudaCore,
+}
+
+impl Default for CudaKernels {
+    fn default() -> Self {
+        CudaKernels {
+            prefill: PrefillKernel::Mma,
+            decode: DecodeKernelChoice::Auto,
+            merge: MergeMode::Separate,
+            target_ctas: None,
+            pages_per_chunk: None,
+            sampling: SamplingKernels::default(),
+        }
+    }
+}
+
+impl CudaKernels {
+    /// The choices of `config` (its values were checked when it was resolved).
+    pub fn from_config(config: &pagoda_config::Config) -> Self {
+        let count = |name| config.number(name).map(|n| n as usize);
+        CudaKernels {
+            prefill: match config.word("PAGODA_CUDA_PREFILL") {
+                "tiled" => PrefillKernel::Tiled,
+                "reference" => PrefillKernel::PerToken,
+                _ => PrefillKernel::Mma,
+            },
+            decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
+                "mma" => DecodeKernelChoice::TensorCore,
+                "cuda-core" => DecodeKernelChoice::CudaCore,
+                _ => DecodeKernelChoice::Auto,
+            },
+            merge: match config.word("PAGODA_PAGED_DECODE_MERGE") {
+                "kernel" => MergeMode::InKernel,
+                _ => MergeMode::Separate,
+            },
+            target_ctas: count("PAGODA_PAGED_DECODE_TARGET_CTAS"),
+            pages_per_chunk: count("PAGODA_PAGED_DECODE_CHUNK"),
+            sampling: SamplingKernels {
+                filtered: FilteredSampling::parse(config.word("PAGODA_GPU_SAMPLING_FILTERED"))
+                    .unwrap_or(FilteredSampling::Fast),
+                gumbel_max: config.on("PAGODA_GPU_SAMPLING_GUMBEL_MAX"),
+                list_rounds: config.on("PAGODA_GPU_SAMPLING_LIST_ROUNDS"),
+                cluster: config.on("PAGODA_GPU_SAMPLING_CLUSTER"),
+                cluster_prefetch: config.on("PAGODA_GPU_SAMPLING_PREFETCH"),
+            },
+        }
+    }
+
+    /// The fused decode's partial kernel for `dtype` and `head_dim`.
+    pub fn decode_kernel(
+        &self,
+        dtype: DType,
+        head_dim: usize,
+    ) -> Result<ops::PagedDecodeKernel, CudaError> {
+        let mma_ok = dtype == DType::BF16 && ops::PAGED_DECODE_MMA_HEAD_DIMS.contains(&head_dim);
+        match self.decode {
+            DecodeKernelChoice::Auto if mma_ok => Ok(ops::PagedDecodeKernel::TensorCore),
+            DecodeKernelChoice::TensorCore if mma_ok => Ok(ops::PagedDecodeKernel::TensorCore),
+            DecodeKernelChoice::TensorCore => Err(CudaError::invalid(format!(
+                "PAGODA_PAGED_DECODE_KERNEL=mma needs bf16 and head_dim in {:?} (have {dtype}, \
+                 {head_dim})",
+                ops::PAGED_DECODE_MMA_HEAD_DIMS
+            ))),
+            DecodeKernelChoice::Auto | DecodeKernelChoice::CudaCore => {
+                Ok(ops::PagedDecodeKernel::CudaCore)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(env: &[(&str, &str)]) -> pagoda_config::Config {
+        let lookup = |name: &str| {
+            env.iter()
+                .find(|(key, _)| *key == name)
+                .map(|(_, value)| value.to_string())
+        };
+        pagoda_config::Config::resolve(lookup, Vec::new(), &[]).unwrap()
+    }
+
+    #[test]
+    fn the_defaults_are_the_registry_defaults() {
+        assert_eq!(CudaKernels::from_config(&config(&[])), CudaKernels::default());
+    }
+
+    #[test]
+    fn every_setting_reaches_its_field() {
+        let kernels = CudaKernels::from_config(&config(&[
+            ("PAGODA_CUDA_PREFILL", "reference"),
+            ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
+            ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
+            ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
+            ("PAGODA_PAGED_DECODE_CHUNK", "4"),
+            ("PAGODA_GPU_SAMPLING_FILTERED", "exact"),
+            ("PAGODA_GPU_SAMPLING_GUMBEL_MAX", "off"),
+            ("PAGODA_GPU_SAMPLING_LIST_ROUNDS", "off"),
+            ("PAGODA_GPU_SAMPLING_CLUSTER", "off"),
+            ("PAGODA_GPU_SAMPLING_PREFETCH", "off"),
+        ]));
+        let expected = CudaKernels {
+            prefill: PrefillKernel::PerToken,
+            decode: DecodeKernelChoice::CudaCore,
+            merge: MergeMode::InKernel,
+            target_ctas: Some(100),
+            pages_per_chunk: Some(4),
+            sampling: SamplingKernels {
+                filtered: FilteredSampling::Exact,
+                gumbel_max: false,
+                list_rounds: false,
+                cluster: false,
+                cluster_prefetch: false,
+            },
+        };
+        assert_eq!(kernels, expected);
+        let mma = CudaKernels {
+            decode: DecodeKernelChoice::TensorCore,
+            ..expected
+        };
+        assert!(mma.decode_kernel(DType::F32, 64).is_err());
+        assert_eq!(
+            mma.decode_kernel(DType::BF16, 64).unwrap(),
+            ops::PagedDecodeKernel::TensorCore
+        );
+    }
+}

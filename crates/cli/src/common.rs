@@ -76,6 +76,12 @@ pub struct ModelArgs {
     /// CUDA graphs (vLLM's spelling). `PAGODA_CUDA_GRAPHS=0` does the same.
     #[arg(long)]
     pub enforce_eager: bool,
+    /// On the GPU, batch-invariant kernels: a seeded request gives the same tokens and
+    /// log-probabilities alone, beside others, preempted or from the prefix cache (GEMMs on
+    /// one algorithm per weight shape, every attention row on one kernel); costs speed, see
+    /// the README. `PAGODA_DETERMINISTIC=on` does the same. The CPU is always so.
+    #[arg(long)]
+    pub deterministic: bool,
     /// Skip the warm-ups (llama.cpp's spelling): on the GPU, kernels then compile at their
     /// first launch and decode graphs are captured at first use (`PAGODA_CUDA_WARMUP=off`
     /// does the same); `pagoda bench` also skips its untimed warm-up runs.
@@ -131,6 +137,11 @@ pub fn model_flag_values(args: &ModelArgs) -> Vec<FlagValue> {
         "PAGODA_CUDA_GRAPHS",
         "--enforce-eager",
         args.enforce_eager.then(|| "off".to_owned()),
+    );
+    push(
+        "PAGODA_DETERMINISTIC",
+        "--deterministic",
+        args.deterministic.then(|| "on".to_owned()),
     );
     push(
         "PAGODA_CUDA_WARMUP",

@@ -190,6 +190,9 @@ settings! {
     "PAGODA_KERNEL_FORMAT", None, Values::Choice(&["cubin", "ptx"]), "cubin", Cuda,
         "cuda registry::Registry",
         "Compile kernels to a cubin for this GPU (cached per GPU and driver) or to PTX (JIT at load).";
+    "PAGODA_DETERMINISTIC", Some("--deterministic (on)"), ON_OFF, "off", Cuda,
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
+        "CUDA: a request's tokens and log-probabilities do not depend on the batch (fixed-algorithm GEMMs, one attention kernel).";
     "PAGODA_CUDA_GRAPHS", Some("--enforce-eager (off)"), ON_OFF, "on", Cuda,
         "cli common::cuda_graphs",
         "Replay decode steps from CUDA graphs.";

@@ -359,6 +359,14 @@ impl Gpu {
         match self.never {}
     }
     /// Unreachable.
+    pub fn set_gemm_batch_invariant(&self, _on: bool) -> Result<(), CudaError> {
+        match self.never {}
+    }
+    /// Unreachable.
+    pub fn gemm_batch_invariant(&self) -> bool {
+        match self.never {}
+    }
+    /// Unreachable.
     pub fn capture(
         &self,
         _record: impl FnOnce(&Gpu) -> Result<(), CudaError>,

@@ -151,7 +151,9 @@ impl Runner {
                 if tokens != DEFAULT_CHUNK_TOKENS {
                     static LOGGED: std::sync::Once = std::sync::Once::new();
                     LOGGED.call_once(|| {
-                        tracing::info!("split-KV chunks of {tokens} tokens (PAGODA_SPLIT_KV_CHUNK_TOKENS)")
+                        tracing::info!(
+                            "split-KV chunks of {tokens} tokens (PAGODA_SPLIT_KV_CHUNK_TOKENS)"
+                        )
                     });
                 }
                 model.set_split_kv_chunk_tokens(tokens);

@@ -114,6 +114,9 @@ engine_counters! {
     /// CUDA steps whose attention ran the ragged prefill kernel.
     steps_cuda_prefill_kernel: "pagoda_cuda_prefill_attention_steps_total", Counter,
         "CUDA steps whose attention ran the ragged prefill kernel.";
+    /// CUDA steps run in deterministic mode (batch-invariant GEMMs, per-token attention).
+    steps_cuda_deterministic: "pagoda_cuda_deterministic_steps_total", Counter,
+        "CUDA steps run in deterministic mode (batch-invariant GEMMs, per-token attention).";
     /// CUDA steps whose attention ran the fused split-KV paged decode.
     steps_cuda_decode_fused: "pagoda_cuda_decode_fused_steps_total", Counter,
         "CUDA steps whose attention ran the fused split-KV paged decode.";

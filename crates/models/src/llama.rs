@@ -7,8 +7,7 @@
 use pagoda_kv::{PageTable, Slot};
 use pagoda_ops::attention::{
     plan_step, AttentionError, AttentionPath, KvLayout, KvPool, KvType, PagedKv, SplitKvChunking,
-    DEFAULT_CHUNK_TOKENS,
-    StepAttentionConfig, StepAttentionPlan,
+    StepAttentionConfig, StepAttentionPlan, DEFAULT_CHUNK_TOKENS,
 };
 use pagoda_ops::linear::{CpuKernelPolicy, Weight};
 use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};

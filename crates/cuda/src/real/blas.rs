@@ -1,6 +1,12 @@
 //! cuBLASLt GEMM for the model's linear layers, with one plan (descriptors + heuristic
 //! algorithm) cached per shape.
 //!
+//! Batch-invariant mode ([`Gpu::set_gemm_batch_invariant`]): cuBLASLt's heuristic picks a
+//! different kernel (tile, split-K) for a different `m`, so a row's bits would depend on how
+//! many rows share the GEMM. In this mode every `m` of one `(n, k)` runs the one algorithm
+//! the heuristic picks for [`BATCH_INVARIANT_REFERENCE_M`] rows, with split-K off: each
+//! output element is reduced over `k` in the same order whatever `m` is.
+//!
 //! Row-major `out[m, n] = activations[m, k] · weights[n, k]^T (+ beta · out)` is computed
 //! as the column-major "TN" product `D[n, m] = op_T(W)[n, k] · X[k, m]`, f32 accumulation.
 
@@ -34,6 +40,21 @@ pub struct GemmPlanKey {
     pub accumulate: bool,
 }
 
+/// The `m` whose heuristic algorithm every `m` runs in batch-invariant mode: a decode batch
+/// size (GEMMs are bandwidth-bound up to at least 64 rows on the H200), so decode keeps its
+/// speed and long prefills pay.
+pub const BATCH_INVARIANT_REFERENCE_M: usize = 64;
+
+/// The algorithm of one weight shape in batch-invariant mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct FixedKey {
+    n: usize,
+    k: usize,
+    input: DType,
+    output: DType,
+    accumulate: bool,
+}
+
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
     weights_layout: sys::cublasLtMatrixLayout_t,
@@ -47,6 +68,9 @@ pub(crate) struct Blas {
     workspace: CudaSlice<u8>,
     workspace_ptr: u64,
     plans: HashMap<GemmPlanKey, Plan>,
+    /// Batch-invariant mode: the one algorithm per weight shape.
+    batch_invariant: bool,
+    fixed: HashMap<FixedKey, sys::cublasLtMatmulAlgo_t>,
 }
 
 // SAFETY: the handle and descriptors are only used under the Gpu's mutex.
@@ -54,7 +78,16 @@ unsafe impl Send for Blas {}
 
 impl Drop for Blas {
     fn drop(&mut self) {
-        for plan in self.plans.values() {
+        self.clear_plans();
+        // SAFETY: created by us, destroyed once.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+        let _ = &self.workspace;
+    }
+}
+
+impl Blas {
+    fn clear_plans(&mut self) {
+        for (_, plan) in self.plans.drain() {
             // SAFETY: created by us, destroyed once.
             unsafe {
                 let _ = lt::destroy_matrix_layout(plan.weights_layout);
@@ -63,9 +96,7 @@ impl Drop for Blas {
                 let _ = lt::destroy_matmul_desc(plan.desc);
             }
         }
-        // SAFETY: created by us, destroyed once.
-        let _ = unsafe { lt::destroy_handle(self.handle) };
-        let _ = &self.workspace;
+        self.fixed.clear();
     }
 }
 
@@ -104,6 +135,8 @@ impl Blas {
             workspace,
             workspace_ptr,
             plans: HashMap::new(),
+            batch_invariant: false,
+            fixed: HashMap::new(),
         })
     }
 
@@ -115,7 +148,7 @@ impl Blas {
         Ok(&self.plans[&key])
     }
 
-    fn create_plan(&self, key: GemmPlanKey) -> Result<Plan, CudaError> {
+    fn create_plan(&mut self, key: GemmPlanKey) -> Result<Plan, CudaError> {
         let input = data_type(key.input)?;
         let output = data_type(key.output)?;
         let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
@@ -141,6 +174,41 @@ impl Blas {
             .map_err(blas_error("activations layout"))?;
         let out_layout = lt::create_matrix_layout(output, n, m, n as i64)
             .map_err(blas_error("output layout"))?;
+        let algo = if self.batch_invariant {
+            self.fixed_algorithm(key, desc, weights_layout, activations_layout, out_layout)
+        } else {
+            self.heuristic(desc, weights_layout, activations_layout, out_layout)
+        };
+        let algo = match algo {
+            Ok(algo) => algo,
+            Err(error) => {
+                // SAFETY: created above, not used after.
+                unsafe {
+                    let _ = lt::destroy_matrix_layout(weights_layout);
+                    let _ = lt::destroy_matrix_layout(activations_layout);
+                    let _ = lt::destroy_matrix_layout(out_layout);
+                    let _ = lt::destroy_matmul_desc(desc);
+                }
+                return Err(error);
+            }
+        };
+        Ok(Plan {
+            desc,
+            weights_layout,
+            activations_layout,
+            out_layout,
+            algo,
+        })
+    }
+
+    /// The heuristic's first algorithm for these descriptors.
+    fn heuristic(
+        &self,
+        desc: sys::cublasLtMatmulDesc_t,
+        weights_layout: sys::cublasLtMatrixLayout_t,
+        activations_layout: sys::cublasLtMatrixLayout_t,
+        out_layout: sys::cublasLtMatrixLayout_t,
+    ) -> Result<sys::cublasLtMatmulAlgo_t, CudaError> {
         let preference =
             lt::create_matmul_pref().map_err(blas_error("cublasLtMatmulPreferenceCreate"))?;
         let workspace_size = self.workspace.len();
@@ -170,14 +238,100 @@ impl Blas {
         };
         // SAFETY: created above.
         let _ = unsafe { lt::destroy_matmul_pref(preference) };
-        let heuristic = result?;
-        Ok(Plan {
-            desc,
-            weights_layout,
-            activations_layout,
-            out_layout,
-            algo: heuristic.algo,
-        })
+        Ok(result?.algo)
+    }
+
+    /// Batch-invariant mode: the algorithm of `key`'s weight shape (chosen at the reference
+    /// `m` on first use, split-K off), checked against `key`'s own `m`.
+    fn fixed_algorithm(
+        &mut self,
+        key: GemmPlanKey,
+        desc: sys::cublasLtMatmulDesc_t,
+        weights_layout: sys::cublasLtMatrixLayout_t,
+        activations_layout: sys::cublasLtMatrixLayout_t,
+        out_layout: sys::cublasLtMatrixLayout_t,
+    ) -> Result<sys::cublasLtMatmulAlgo_t, CudaError> {
+        let fixed_key = FixedKey {
+            n: key.n,
+            k: key.k,
+            input: key.input,
+            output: key.output,
+            accumulate: key.accumulate,
+        };
+        let algo = match self.fixed.get(&fixed_key) {
+            Some(algo) => *algo,
+            None => {
+                let reference_m = BATCH_INVARIANT_REFERENCE_M as u64;
+                let (n, k) = (key.n as u64, key.k as u64);
+                let activations =
+                    lt::create_matrix_layout(data_type(key.input)?, k, reference_m, k as i64)
+                        .map_err(blas_error("activations layout"))?;
+                let out =
+                    lt::create_matrix_layout(data_type(key.output)?, n, reference_m, n as i64);
+                let out = match out {
+                    Ok(out) => out,
+                    Err(error) => {
+                        // SAFETY: created above.
+                        let _ = unsafe { lt::destroy_matrix_layout(activations) };
+                        return Err(blas_error("output layout")(error));
+                    }
+                };
+                let algo = self.heuristic(desc, weights_layout, activations, out);
+                // SAFETY: created above.
+                unsafe {
+                    let _ = lt::destroy_matrix_layout(activations);
+                    let _ = lt::destroy_matrix_layout(out);
+                }
+                let mut algo = algo?;
+                let one: u32 = 1;
+                let none = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
+                // SAFETY: a live algorithm struct; both attributes are u32.
+                unsafe {
+                    sys::cublasLtMatmulAlgoConfigSetAttribute(
+                        &mut algo,
+                        sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                        &one as *const u32 as *const c_void,
+                        std::mem::size_of::<u32>(),
+                    )
+                    .result()
+                    .map_err(blas_error("CUBLASLT_ALGO_CONFIG_SPLITK_NUM"))?;
+                    sys::cublasLtMatmulAlgoConfigSetAttribute(
+                        &mut algo,
+                        sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                        &none as *const u32 as *const c_void,
+                        std::mem::size_of::<u32>(),
+                    )
+                    .result()
+                    .map_err(blas_error("CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME"))?;
+                }
+                self.fixed.insert(fixed_key, algo);
+                algo
+            }
+        };
+        let mut result = std::mem::MaybeUninit::<sys::cublasLtMatmulHeuristicResult_t>::uninit();
+        // SAFETY: live descriptors and algorithm; `result` is written by the call.
+        unsafe {
+            sys::cublasLtMatmulAlgoCheck(
+                self.handle,
+                desc,
+                weights_layout,
+                activations_layout,
+                out_layout,
+                out_layout,
+                &algo,
+                result.as_mut_ptr(),
+            )
+            .result()
+        }
+        .map_err(|error| CudaError::Blas {
+            context: format!(
+                "batch-invariant GEMM: the algorithm of m={BATCH_INVARIANT_REFERENCE_M} does not \
+                 run m={} (n={}, k={})",
+                key.m, key.n, key.k
+            ),
+            message: format!("{error:?}"),
+        })?;
+        Ok(algo)
     }
 }
 
@@ -258,6 +412,34 @@ impl Gpu {
             )
         }
         .map_err(blas_error("cublasLtMatmul"))
+    }
+
+    /// Batch-invariant GEMMs (`on`): every `m` of a weight shape runs one algorithm with
+    /// split-K off, so a row's output does not depend on the other rows of the GEMM (see the
+    /// module docs). Switching drops the cached plans. Not while a graph is being captured.
+    pub fn set_gemm_batch_invariant(&self, on: bool) -> Result<(), CudaError> {
+        let mut guard = self
+            .blas
+            .lock()
+            .map_err(|_| CudaError::invalid("cuBLASLt lock poisoned"))?;
+        if guard.is_none() {
+            *guard = Some(Blas::new(self)?);
+        }
+        let blas = guard.as_mut().expect("initialised above");
+        if blas.batch_invariant != on {
+            blas.clear_plans();
+            blas.batch_invariant = on;
+        }
+        Ok(())
+    }
+
+    /// Whether GEMMs run batch-invariant ([`Gpu::set_gemm_batch_invariant`]).
+    pub fn gemm_batch_invariant(&self) -> bool {
+        self.blas
+            .lock()
+            .ok()
+            .and_then(|guard| guard.as_ref().map(|blas| blas.batch_invariant))
+            .unwrap_or(false)
     }
 
     /// Number of cached GEMM plans.

@@ -17,9 +17,8 @@ use pagoda_cuda::{
     view, view_mut, CudaError, DeviceBuffer, DeviceRead, Gpu, GpuEvent, PinnedBuffer,
 };
 use pagoda_ops::cuda::{
-    sample_rows_with, SamplingMix, SamplingOptions, SamplingRowParams,
-    SamplingTotals, SamplingWorkspace, MAX_SAMPLING_ROWS, SAMPLING_PARAM_WORDS,
-    SAMPLING_TOTALS_WORDS,
+    sample_rows_with, SamplingMix, SamplingOptions, SamplingRowParams, SamplingTotals,
+    SamplingWorkspace, MAX_SAMPLING_ROWS, SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
 };
 
 use pagoda_models::llama::ForwardBatch;

@@ -83,6 +83,17 @@ impl<T: HostFloat> TypedRunner<T> {
         // Free the old cache (and the graphs holding its addresses) before allocating.
         self.cache = None;
         let gpu = self.model.gpu().as_ref();
+        gpu.set_gemm_batch_invariant(options.kernels.deterministic)?;
+        if options.kernels.deterministic {
+            static LOGGED: std::sync::Once = std::sync::Once::new();
+            LOGGED.call_once(|| {
+                tracing::info!(
+                    "CUDA deterministic mode: batch-invariant GEMMs (one cuBLASLt algorithm per \
+                     weight shape, split-K off) and every attention row on the per-token kernel \
+                     (PAGODA_DETERMINISTIC / --deterministic)"
+                )
+            });
+        }
         let buffers = StepBuffers::new(gpu, c, &options, &layout)?;
         let tokens = options.max_batch_tokens.max(1);
         let requests = options.max_batch_requests.max(1);
@@ -184,8 +195,12 @@ impl<T: HostFloat> TypedRunner<T> {
     }
 
     /// The attention of a decode step of `requests` rows: fused when the cache has it,
-    /// else the gather baseline with its split count.
+    /// else the gather baseline with its split count; in deterministic mode the prefill
+    /// kernel, as for every other row.
     fn decode_attention(&self, cache: &GpuCache<T>, requests: usize, sm_count: usize) -> Attention {
+        if cache.options.kernels.deterministic {
+            return Attention::Prefill;
+        }
         match &cache.buffers.fused {
             Some(fused) => Attention::Fused {
                 grid_chunks: fused.grid_chunks(requests),
@@ -248,7 +263,8 @@ impl<T: HostFloat> TypedRunner<T> {
                 .iter()
                 .enumerate()
                 .all(|(i, &q)| q == i as u32);
-        let fits_decode = cache.buffers.fused.is_some()
+        let fits_decode = options.kernels.deterministic
+            || cache.buffers.fused.is_some()
             || cache.buffers.decode.as_ref().is_some_and(|workspace| {
                 batch.page_table.indices.len() <= workspace.capacity_pages()
             });
@@ -304,6 +320,9 @@ impl<T: HostFloat> TypedRunner<T> {
                 announce("prefill");
                 self.counters.steps_cuda_prefill_kernel += 1;
             }
+        }
+        if options.kernels.deterministic {
+            self.counters.steps_cuda_deterministic += 1;
         }
         if graph {
             announce("graphs");

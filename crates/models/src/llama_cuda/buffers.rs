@@ -66,7 +66,8 @@ impl<T: HostFloat> StepBuffers<T> {
         }
         let scratch = Scratch::new(gpu, c, options)?;
         let fused = FusedDecode::new(gpu, c, options, T::DTYPE)?;
-        let decode = if fused.is_none() {
+        // Deterministic steps attend every row with the per-token kernel: no decode workspace.
+        let decode = if fused.is_none() && !options.kernels.deterministic {
             Some(DecodeWorkspace::new(
                 gpu,
                 layout,
@@ -77,7 +78,11 @@ impl<T: HostFloat> StepBuffers<T> {
         } else {
             None
         };
-        let prefill = options.kernels.prefill;
+        let prefill = if options.kernels.deterministic {
+            ops::PrefillKernel::PerToken
+        } else {
+            options.kernels.prefill
+        };
         static LOGGED: std::sync::Once = std::sync::Once::new();
         LOGGED.call_once(|| tracing::info!("CUDA prefill attention: {prefill:?}"));
         Ok(StepBuffers {

@@ -88,7 +88,7 @@ impl FusedDecode {
         options: &CudaCacheOptions,
         dtype: DType,
     ) -> Result<Option<Self>, CudaError> {
-        if options.paged_decode == PagedDecodeMode::Gather {
+        if options.paged_decode == PagedDecodeMode::Gather || options.kernels.deterministic {
             return Ok(None);
         }
         let layout = ops::PoolLayout {

@@ -27,6 +27,11 @@ pub struct CudaKernels {
     pub pages_per_chunk: Option<usize>,
     /// The device sampler's paths.
     pub sampling: SamplingKernels,
+    /// Batch-invariant steps (`PAGODA_DETERMINISTIC`, `--deterministic`): GEMMs on one
+    /// algorithm per weight shape (`Gpu::set_gemm_batch_invariant`) and every attention row,
+    /// prefill or decode, on the one-CTA-per-token kernel, whose order over a row's keys
+    /// depends on nothing but the row. `prefill` and the decode choices are then unused.
+    pub deterministic: bool,
 }
 
 /// The device sampler's paths (every choice gives the same tokens; the defaults measured
@@ -84,6 +89,7 @@ impl Default for CudaKernels {
             target_ctas: None,
             pages_per_chunk: None,
             sampling: SamplingKernels::default(),
+            deterministic: false,
         }
     }
 }
@@ -117,6 +123,7 @@ impl CudaKernels {
                 cluster: config.on("PAGODA_GPU_SAMPLING_CLUSTER"),
                 cluster_prefetch: config.on("PAGODA_GPU_SAMPLING_PREFETCH"),
             },
+            deterministic: config.on("PAGODA_DETERMINISTIC"),
         }
     }
 
@@ -157,7 +164,10 @@ mod tests {
 
     #[test]
     fn the_defaults_are_the_registry_defaults() {
-        assert_eq!(CudaKernels::from_config(&config(&[])), CudaKernels::default());
+        assert_eq!(
+            CudaKernels::from_config(&config(&[])),
+            CudaKernels::default()
+        );
     }
 
     #[test]
@@ -173,6 +183,7 @@ mod tests {
             ("PAGODA_GPU_SAMPLING_LIST_ROUNDS", "off"),
             ("PAGODA_GPU_SAMPLING_CLUSTER", "off"),
             ("PAGODA_GPU_SAMPLING_PREFETCH", "off"),
+            ("PAGODA_DETERMINISTIC", "on"),
         ]));
         let expected = CudaKernels {
             prefill: PrefillKernel::PerToken,
@@ -187,6 +198,7 @@ mod tests {
                 cluster: false,
                 cluster_prefetch: false,
             },
+            deterministic: true,
         };
         assert_eq!(kernels, expected);
         let mma = CudaKernels {

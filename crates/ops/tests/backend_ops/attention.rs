@@ -86,7 +86,7 @@ impl Attention {
         kv_type: KvType,
         seed: u64,
     ) -> Box<dyn OpCase> {
-        let order = if seed % 2 == 0 {
+        let order = if seed.is_multiple_of(2) {
             PageOrder::Random
         } else {
             PageOrder::Reverse

@@ -9,7 +9,9 @@
 # Env: THREADS="1 2" (thread counts), KERNELS="auto vnni f32" (pagoda's PAGODA_CPU_KERNELS values,
 # each a separate row; "auto/int8" also sets PAGODA_CPU_AMX_PREFILL=int8), BUSY=1 also runs every pair with one busy process (a shell spin loop)
 # competing for the CPUs, to measure behaviour when oversubscribed. PIN="taskset -c 0,1" runs
-# every benchmark under that prefix (a 2-core slice of a larger machine), MODEL another model.
+# every benchmark under that prefix (a 2-core slice of a larger machine), MODEL another model,
+# BEFORE=path a second pagoda binary run beside the first in every round (rows "before:SET",
+# for before/after tables).
 # RUN_TIMEOUT (seconds, default 300) bounds each run: llama.cpp's spinning thread pool can take
 # minutes per run when oversubscribed (BUSY=1); such a run prints "timeout" and the rounds go on.
 # Prints one line per run: tool, threads, busy, load, pp128, pp512, tg128 (tokens/s), and for
@@ -24,6 +26,7 @@ KERNELS=${KERNELS:-"auto vnni f32"}
 MODEL=${MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 PIN=${PIN:-}
 PAGODA=${PAGODA:-target/release/pagoda}
+BEFORE=${BEFORE:-}
 RUN_TIMEOUT=${RUN_TIMEOUT:-300}
 
 [ -f "$MODEL" ] || scripts/fetch-model.sh
@@ -36,10 +39,10 @@ start_busy() { $PIN bash -c 'while :; do :; done' & busy_pid=$!; }
 stop_busy() { [ -n "$busy_pid" ] && kill "$busy_pid" 2>/dev/null; busy_pid=""; }
 trap stop_busy EXIT
 
-pagoda_run() { # threads kernels[/amx_prefill] -> "pp128 pp512 tg128 amx_int8+amx_bf16"
-  local kernels=${2%%/*} prefill=
+pagoda_run() { # threads kernels[/amx_prefill] [binary] -> "pp128 pp512 tg128 amx_int8+amx_bf16"
+  local kernels=${2%%/*} prefill= binary=${3:-$PAGODA}
   [ "$kernels" != "$2" ] && prefill=${2#*/}
-  PAGODA_CPU_KERNELS="$kernels" PAGODA_CPU_AMX_PREFILL="$prefill" timeout "$RUN_TIMEOUT" $PIN "$PAGODA" bench -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 --json 2>/dev/null |
+  PAGODA_CPU_KERNELS="$kernels" PAGODA_CPU_AMX_PREFILL="$prefill" timeout "$RUN_TIMEOUT" $PIN "$binary" bench --device cpu -m "$MODEL" -t "$1" -p 128,512 -n 128 -r 3 --json 2>/dev/null |
     python3 -c 'import json,sys; j=json.load(sys.stdin); r={x["test"]:x["median"] for x in j["results"]}; print("%.1f %.1f %.1f %d+%d"%(r["pp128"],r["pp512"],r["tg128"],j["amx_matmuls"],j.get("amx_bf16_matmuls",0)))'
 }
 llama_run() {
@@ -56,11 +59,12 @@ echo "tool threads busy load1 pp128 pp512 tg128 amx_int8+bf16_matmuls"
 for busy in 0 ${BUSY:+1}; do
   for t in $THREADS; do
     for _ in $(seq "$ROUNDS"); do
-      for tool in $(for k in $KERNELS; do echo "pagoda:$k"; done) llama.cpp; do
+      for tool in $(for k in $KERNELS; do echo "pagoda:$k"; [ -n "$BEFORE" ] && echo "before:$k"; done) llama.cpp; do
         [ "$busy" = 1 ] && start_busy
         load=$(cut -d' ' -f1 /proc/loadavg)
         case "$tool" in
           pagoda:*) out=$(pagoda_run "$t" "${tool#pagoda:}") || out="timeout - - -" ;;
+          before:*) out=$(pagoda_run "$t" "${tool#before:}" "$BEFORE") || out="timeout - - -" ;;
           *) out=$(llama_run "$t") || out="timeout - - -" ;;
         esac
         stop_busy

@@ -220,6 +220,17 @@ impl Engine {
         self.runner.is_cuda()
     }
 
+    /// Whether a request's outputs do not depend on the rest of its batch: on the CPU unless
+    /// a batch-dependent kernel was chosen (`pagoda_ops::linear::batch_invariant`), on CUDA
+    /// only in deterministic mode.
+    pub fn batch_invariant(&self) -> bool {
+        if self.is_cuda() {
+            self.settings.cuda_kernels.deterministic
+        } else {
+            pagoda_ops::linear::batch_invariant()
+        }
+    }
+
     /// The engine's configuration.
     pub fn config(&self) -> &EngineConfig {
         &self.config

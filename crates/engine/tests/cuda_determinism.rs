@@ -191,8 +191,11 @@ fn scenarios(setup: &Setup<'_>, logprobs: bool) -> Vec<(&'static str, Trace)> {
 
     // The target is the youngest request of a pool too small for everyone: it is preempted
     // and its prompt and tokens are recomputed as a prefill.
-    let mut preempted = setup.engine(40, 128, false);
-    add_others(&mut preempted, &[(250, 12, 60), (200, 13, 60)]);
+    // Every request fits at admission (2-3 pages each), but six others growing to 8 pages
+    // each need twice the pool.
+    let mut preempted = setup.engine(24, 128, false);
+    let growing: Vec<(usize, usize, usize)> = (0..6).map(|i| (20, 12 + i, 100)).collect();
+    add_others(&mut preempted, &growing);
     let trace = run(&mut preempted, logprobs, &[], 0);
     assert!(
         preempted.counters().preemptions > 0,

@@ -83,7 +83,7 @@ impl EngineBackend for Engine {
             counters: self.counters().clone(),
             pages_cached: self.pages_cached(),
             sampling: pagoda_ops::sampling::sampling_counters(),
-            batch_dependent: self.is_cuda() || !pagoda_ops::linear::batch_invariant(),
+            batch_dependent: !self.batch_invariant(),
         }
     }
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {

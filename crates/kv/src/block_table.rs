@@ -281,6 +281,31 @@ impl BlockTable {
 
     /// Drops this table's reference to every page and empties it. Pages whose refcount
     /// reaches 0 return to the free list.
+    /// Forgets the tokens from `num_tokens` on (speculative tokens that were rejected): the
+    /// pages past the last one still needed drop their reference (in reverse order). The
+    /// rows of the removed tokens in the last kept page stay as they are until overwritten.
+    /// Errors if `num_tokens` is past the end or before `logical_start`.
+    pub fn truncate(
+        &mut self,
+        pool: &mut BlockPool,
+        num_tokens: usize,
+    ) -> Result<(), BlockTableError> {
+        if num_tokens > self.num_tokens || num_tokens < self.logical_start {
+            return Err(BlockTableError::PastEnd {
+                what: "truncate to",
+                value: num_tokens,
+                num_tokens: self.num_tokens,
+            });
+        }
+        let keep = num_tokens.div_ceil(pool.page_size());
+        while self.pages.len() > keep {
+            let page = self.pages.pop().expect("more pages than kept");
+            pool.decref(page)?;
+        }
+        self.num_tokens = num_tokens;
+        Ok(())
+    }
+
     pub fn release(&mut self, pool: &mut BlockPool) -> Result<(), PoolError> {
         let pages = std::mem::take(&mut self.pages);
         self.num_tokens = 0;
@@ -298,6 +323,22 @@ impl BlockTable {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn truncate_drops_the_pages_past_the_kept_tokens() {
+        let mut pool = BlockPool::new(4, 4).unwrap();
+        let mut table = BlockTable::new();
+        table.append_slots(&mut pool, 9).unwrap();
+        assert_eq!(pool.num_free(), 1);
+        table.truncate(&mut pool, 5).unwrap();
+        assert_eq!((table.num_tokens(), table.pages().len()), (5, 2));
+        assert_eq!(pool.num_free(), 2);
+        table.truncate(&mut pool, 4).unwrap();
+        assert_eq!((table.num_tokens(), table.pages().len()), (4, 1));
+        assert!(table.truncate(&mut pool, 5).is_err(), "past the end");
+        let slots = table.append_slots(&mut pool, 1).unwrap();
+        assert_eq!(slots[0].offset, 0, "the next token starts the next page");
+    }
 
     #[test]
     fn append_allocates_pages_on_demand_and_returns_slots_in_order() {

@@ -68,6 +68,10 @@ pub struct ScheduledSequence {
     /// Prompt tokens taken from the prefix cache when this sequence was admitted this step
     /// (0 otherwise).
     pub prefix_hit_tokens: usize,
+    /// Speculation: the last `draft` tokens of the chunk are a proposer's guesses
+    /// ([`Scheduler::set_draft`](crate::Scheduler::set_draft)), after the one pending token;
+    /// every row from the pending token on is sampled (0 without speculation).
+    pub draft: usize,
 }
 
 impl ScheduledSequence {
@@ -143,15 +147,15 @@ impl StepPlan {
         indptr
     }
 
-    /// Rows whose logits are sampled (the last row of each sampling sequence), in order; the
-    /// `i`-th entry belongs to the `i`-th sequence with `samples == true`.
+    /// Rows whose logits are sampled, in order: the last row of each sampling sequence, or
+    /// with a draft its last `draft + 1` rows (the pending token's and each guess's).
     pub fn logits_for(&self) -> Vec<usize> {
         let mut rows = Vec::new();
         let mut end = 0;
         for sequence in &self.sequences {
             end += sequence.positions.len();
             if sequence.samples {
-                rows.push(end - 1);
+                rows.extend(end - 1 - sequence.draft..end);
             }
         }
         rows
@@ -190,6 +194,10 @@ pub struct SampledToken {
     pub token: u32,
     /// The caller decided this token ends the request (a stop token); it is still appended.
     pub stop: bool,
+    /// Speculation: how many of the row's draft tokens were accepted, in order, before
+    /// `token` (0 without a draft). They are appended before it; the KV of the rejected
+    /// ones is dropped.
+    pub accepted: usize,
 }
 
 /// Why a request ended.

@@ -37,14 +37,18 @@ struct Sequence {
     table: BlockTable,
     /// Chained key of each full, computed page, in order (the chain for cache registration).
     page_keys: Vec<u64>,
+    /// Speculative tokens proposed for the next step ([`Scheduler::set_draft`]).
+    draft: Vec<u32>,
 }
 
 /// A chunk of the plan in flight, remembered for `postprocess`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct InFlight {
     id: RequestId,
     end: usize,
     samples: bool,
+    /// The draft tokens the chunk ends with.
+    draft: Vec<u32>,
 }
 
 /// The continuous-batching scheduler; owns the page pool and the prefix cache.
@@ -153,6 +157,7 @@ impl Scheduler {
             max_new_tokens: request.max_new_tokens,
             table: BlockTable::new(),
             page_keys: Vec::new(),
+            draft: Vec::new(),
         });
         Ok(())
     }
@@ -255,11 +260,16 @@ impl Scheduler {
             .map(|s| (s.tokens.len() - s.table.num_tokens() > 1, s.id))
             .collect();
         order.sort_by_key(|&(is_chunk, _)| is_chunk);
-        for (_, id) in order {
+        // Drafts only take budget that every single-token row after them leaves.
+        let mut singles_left = order.iter().filter(|&&(is_chunk, _)| !is_chunk).count();
+        for (is_chunk, id) in order {
             if budget == 0 {
                 break;
             }
-            self.schedule_running(id, &mut budget, &mut plan)?;
+            if !is_chunk {
+                singles_left -= 1;
+            }
+            self.schedule_running(id, &mut budget, singles_left, &mut plan)?;
         }
         // Pass 3: admission, FIFO, never after a preemption in the same step.
         while plan.preempted.is_empty()
@@ -278,6 +288,7 @@ impl Scheduler {
                     id: s.id,
                     end: s.positions.end,
                     samples: s.samples,
+                    draft: s.tokens[s.tokens.len() - s.draft..].to_vec(),
                 })
                 .collect(),
         );
@@ -285,11 +296,13 @@ impl Scheduler {
     }
 
     /// Gives one running sequence its pending tokens (as many as budget and pages allow),
+    /// and a decode its draft as far as the budget beyond `reserve` more tokens allows,
     /// preempting younger sequences when no page is left.
     fn schedule_running(
         &mut self,
         id: RequestId,
         budget: &mut usize,
+        reserve: usize,
         plan: &mut StepPlan,
     ) -> Result<(), SchedulerError> {
         let page_size = self.config.page_size;
@@ -300,9 +313,15 @@ impl Scheduler {
             let sequence = &self.running[index];
             let start = sequence.table.num_tokens();
             let pending = sequence.tokens.len() - start;
+            // A draft rides behind the one pending token of a decode.
+            let draft = if pending == 1 {
+                sequence.draft.len().min(budget.saturating_sub(1 + reserve))
+            } else {
+                0
+            };
             let available = self.pool.num_free() + self.cache.num_evictable();
             let room = (sequence.table.pages().len() + available) * page_size - start;
-            let take = pending.min(*budget).min(room);
+            let take = (pending + draft).min(*budget).min(room);
             if take > 0 {
                 let needed = (start + take).div_ceil(page_size) - sequence.table.pages().len();
                 if !self.cache.ensure_free(&mut self.pool, needed) {
@@ -316,14 +335,20 @@ impl Scheduler {
                     .append_slots(&mut self.pool, take)
                     .map_err(|e| SchedulerError::Internal(e.to_string()))?;
                 *budget -= take;
+                let own = take.min(pending);
+                let drafted = take - own;
+                let mut tokens = sequence.tokens[start..start + own].to_vec();
+                tokens.extend(&sequence.draft[..drafted]);
+                sequence.draft.clear();
                 plan.sequences.push(ScheduledSequence {
                     id,
                     positions: start..start + take,
-                    tokens: sequence.tokens[start..start + take].to_vec(),
+                    tokens,
                     slots,
                     pages: sequence.table.pages().to_vec(),
-                    samples: start + take == sequence.tokens.len(),
+                    samples: start + own == sequence.tokens.len(),
                     prefix_hit_tokens: 0,
+                    draft: drafted,
                 });
                 return Ok(());
             }
@@ -353,6 +378,7 @@ impl Scheduler {
         }
         self.cache.release(&mut self.pool, &mut sequence.table)?;
         sequence.page_keys.clear();
+        sequence.draft.clear();
         self.preemptions += 1;
         plan.preempted.push(sequence.id);
         self.waiting.push_front(sequence);
@@ -411,9 +437,34 @@ impl Scheduler {
             pages: sequence.table.pages().to_vec(),
             samples: start + take == sequence.tokens.len(),
             prefix_hit_tokens: start,
+            draft: 0,
         });
         self.running.push(sequence);
         Ok(true)
+    }
+
+    /// Speculation: proposes `draft` to follow the pending token of running request `id` in
+    /// the next step, where its rows are then all sampled ([`ScheduledSequence::draft`]).
+    /// Only a decode (one pending token) takes a draft, cut so that the pending token, the
+    /// draft and a bonus token fit `max_new_tokens`; the step may shorten it further (token
+    /// budget, pages). Returns how many tokens were kept (0: none, the request is prefilling,
+    /// not running, or a step is in flight). A draft lives for one step.
+    pub fn set_draft(&mut self, id: RequestId, mut draft: Vec<u32>) -> usize {
+        if self.in_flight.is_some() {
+            return 0;
+        }
+        let Some(sequence) = self.running.iter_mut().find(|s| s.id == id) else {
+            return 0;
+        };
+        if sequence.tokens.len() - sequence.table.num_tokens() != 1 {
+            return 0;
+        }
+        // Generated after this step: the pending token's successor, plus one per accepted guess.
+        let generated = sequence.tokens.len() - sequence.prompt_len;
+        let room = sequence.max_new_tokens.saturating_sub(generated + 1);
+        draft.truncate(room);
+        sequence.draft = draft;
+        sequence.draft.len()
     }
 
     /// Completes the plan in flight: marks its tokens computed (registering pages that became
@@ -430,7 +481,8 @@ impl Scheduler {
         };
         let live = |id: RequestId| self.running.iter().any(|s| s.id == id);
         for (position, token) in sampled.iter().enumerate() {
-            let expected = flight.iter().any(|f| f.id == token.id && f.samples);
+            let row = flight.iter().find(|f| f.id == token.id && f.samples);
+            let expected = row.is_some_and(|row| token.accepted <= row.draft.len());
             let repeated = sampled[..position].iter().any(|t| t.id == token.id);
             if (!expected && live(token.id)) || repeated {
                 return Err(SchedulerError::UnexpectedSample { id: token.id });
@@ -447,15 +499,26 @@ impl Scheduler {
             let Some(index) = self.running.iter().position(|s| s.id == row.id) else {
                 continue;
             };
-            self.register_full_pages(index, row.end)?;
-            if !row.samples {
-                continue;
+            let token = sampled.iter().find(|t| t.id == row.id && row.samples);
+            // The KV of rejected draft tokens goes: the table ends after the accepted ones,
+            // and only pages full of kept tokens are registered.
+            let accepted = token.map_or(0, |t| t.accepted);
+            let kept = row.end - row.draft.len() + accepted;
+            if kept < row.end {
+                self.running[index]
+                    .table
+                    .truncate(&mut self.pool, kept)
+                    .map_err(|e| SchedulerError::Internal(e.to_string()))?;
             }
-            let Some(token) = sampled.iter().find(|t| t.id == row.id) else {
+            let Some(token) = token else {
+                self.register_full_pages(index, kept)?;
                 continue;
             };
             let sequence = &mut self.running[index];
+            sequence.tokens.extend(&row.draft[..accepted]);
             sequence.tokens.push(token.token);
+            self.register_full_pages(index, kept)?;
+            let sequence = &mut self.running[index];
             let generated = sequence.tokens.len() - sequence.prompt_len;
             let reason = if token.stop {
                 Some(FinishReason::Stop)

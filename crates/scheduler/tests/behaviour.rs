@@ -2,7 +2,7 @@
 
 mod common;
 
-use common::{check_pool, config, next_token, reference_generation, ShadowKv};
+use common::{check_cache, check_pool, config, draft, next_token, reference_generation, ShadowKv};
 use pagoda_scheduler::{FinishReason, Request, SampledToken, Scheduler, SchedulerError, StepPlan};
 
 fn request(id: u64, prompt: Vec<u32>, max_new_tokens: usize) -> Request {
@@ -60,11 +60,13 @@ fn length_and_stop_finish_and_free_pages() {
             id: 0,
             token: 7,
             stop: false,
+            accepted: 0,
         },
         SampledToken {
             id: 1,
             token: 8,
             stop: true,
+            accepted: 0,
         },
     ];
     let done = scheduler.postprocess(&sampled).unwrap();
@@ -79,6 +81,7 @@ fn length_and_stop_finish_and_free_pages() {
             id: 0,
             token: 6,
             stop: false,
+            accepted: 0,
         }])
         .unwrap();
     assert_eq!(
@@ -123,6 +126,7 @@ fn misuse_is_reported() {
         id: 0,
         token: 1,
         stop: false,
+        accepted: 0,
     }; 2];
     assert_eq!(
         scheduler.postprocess(&wrong),
@@ -147,11 +151,13 @@ fn abort_frees_pages_at_once_and_mid_flight() {
             id: 0,
             token: 1,
             stop: false,
+            accepted: 0,
         },
         SampledToken {
             id: 1,
             token: 1,
             stop: false,
+            accepted: 0,
         },
     ];
     assert!(scheduler.postprocess(&sampled).unwrap().is_empty());
@@ -322,4 +328,61 @@ fn generated_tokens_equal_the_oracle_under_pressure() {
     assert!(stats.preemptions > 0, "{stats:?}");
     assert!(stats.prefix_hit_tokens > 0, "{stats:?}");
     assert_eq!(next_token(&[1]), next_token(&[1]));
+}
+
+#[test]
+fn a_draft_rides_behind_a_decode_and_rejected_guesses_leave_no_trace() {
+    let mut scheduler = Scheduler::new(config(4, 8, 16, true)).unwrap();
+    let mut shadow = ShadowKv::default();
+    let prompt = vec![5, 6];
+    scheduler.add(request(0, prompt.clone(), 10)).unwrap();
+    // A prefilling request takes no draft.
+    assert_eq!(scheduler.set_draft(0, vec![1, 2]), 0);
+    step(&mut scheduler, &mut shadow);
+    // Three guesses, all wrong: rows 2..6 run, one token comes out, the table goes back to
+    // three tokens and page 0 (full once the fourth token is computed) holds no guess.
+    let tokens = scheduler.tokens(0).unwrap().to_vec();
+    assert_eq!(scheduler.set_draft(0, draft(&tokens, 3, 0)), 3);
+    let (plan, _) = step(&mut scheduler, &mut shadow);
+    assert_eq!(
+        (plan.sequences[0].positions.clone(), plan.sequences[0].draft),
+        (2..6, 3)
+    );
+    assert_eq!(plan.logits_for(), vec![0, 1, 2, 3]);
+    assert_eq!(scheduler.tokens(0).unwrap().len(), 4);
+    assert_eq!(
+        scheduler.pages_of(0).unwrap().len(),
+        1,
+        "the guesses' page went back"
+    );
+    check_cache(&shadow, &scheduler);
+    // Two right guesses of three: three tokens come out in one step.
+    let tokens = scheduler.tokens(0).unwrap().to_vec();
+    scheduler.set_draft(0, draft(&tokens, 3, 2));
+    step(&mut scheduler, &mut shadow);
+    assert_eq!(scheduler.tokens(0).unwrap().len(), 7);
+    check_cache(&shadow, &scheduler);
+    assert_eq!(scheduler.prefix_cache().cached_pages().count(), 1);
+    // The draft is cut to what max_new_tokens leaves (5 generated of 10: at most 4 guesses).
+    let tokens = scheduler.tokens(0).unwrap().to_vec();
+    assert_eq!(scheduler.set_draft(0, draft(&tokens, 9, 9)), 4);
+    let (_, done) = step(&mut scheduler, &mut shadow);
+    assert_eq!(done, vec![0]);
+    check_cache(&shadow, &scheduler);
+    assert_eq!(scheduler.stats().pages_used, 0);
+}
+
+#[test]
+fn drafts_never_crowd_out_another_decode() {
+    // Budget 3: two decodes need 2; the first one's draft of 5 gets 1 row.
+    let mut scheduler = Scheduler::new(config(4, 16, 3, false)).unwrap();
+    let mut shadow = ShadowKv::default();
+    scheduler.add(request(0, vec![1], 20)).unwrap();
+    scheduler.add(request(1, vec![2], 20)).unwrap();
+    step(&mut scheduler, &mut shadow);
+    let tokens = scheduler.tokens(0).unwrap().to_vec();
+    assert_eq!(scheduler.set_draft(0, draft(&tokens, 5, 5)), 5);
+    let (plan, _) = step(&mut scheduler, &mut shadow);
+    let rows: Vec<(u64, usize)> = plan.sequences.iter().map(|s| (s.id, s.draft)).collect();
+    assert_eq!(rows, vec![(0, 1), (1, 0)]);
 }

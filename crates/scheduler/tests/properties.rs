@@ -1,13 +1,15 @@
 //! Property tests: random workloads (shared prefixes, random lengths, random aborts, tight
 //! pools, small budgets, caching on and off) keep every invariant at every step, and every
 //! request either finishes with exactly the tokens the fake model gives it alone, or was
-//! aborted. Nothing is lost, nothing leaks.
+//! aborted. Nothing is lost, nothing leaks. With speculation, random drafts (of random length,
+//! right for a random prefix) change nothing either, and no page of the prefix cache ever
+//! holds a rejected guess.
 
 mod common;
 
 use std::collections::HashMap;
 
-use common::{check_pool, config, reference_generation, ShadowKv};
+use common::{check_cache, check_pool, config, draft, reference_generation, ShadowKv};
 use pagoda_scheduler::{Request, Scheduler, SchedulerError};
 use proptest::prelude::*;
 
@@ -23,6 +25,9 @@ struct Workload {
     requests: Vec<(usize, usize, Vec<u32>, usize)>,
     /// (step, request index) aborts.
     aborts: Vec<(usize, usize)>,
+    /// Speculation: per step, (draft length, how many guesses are right), used in turn by
+    /// the decoding requests; empty for none.
+    drafts: Vec<(usize, usize)>,
 }
 
 fn workload() -> impl Strategy<Value = Workload> {
@@ -43,9 +48,20 @@ fn workload() -> impl Strategy<Value = Workload> {
             1..10,
         ),
         proptest::collection::vec((0usize..30, any::<usize>()), 0..3),
+        proptest::collection::vec((0usize..6, 0usize..6), 0..8),
     )
         .prop_map(
-            |(page_size, extra_pages, budget, caching, stops, prefixes, requests, aborts)| {
+            |(
+                page_size,
+                extra_pages,
+                budget,
+                caching,
+                stops,
+                prefixes,
+                requests,
+                aborts,
+                drafts,
+            )| {
                 let requests = requests
                     .into_iter()
                     .map(|(step, prefix, suffix, max_new)| {
@@ -61,6 +77,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                     prefixes,
                     requests,
                     aborts,
+                    drafts,
                 }
             },
         )
@@ -129,6 +146,15 @@ fn run_workload(workload: &Workload) {
             .into_iter()
             .filter(|&id| scheduler.pending_tokens(id) == Some(1))
             .collect();
+        for (turn, &id) in decoding.iter().enumerate() {
+            if workload.drafts.is_empty() {
+                break;
+            }
+            let (len, right) = workload.drafts[(step + turn) % workload.drafts.len()];
+            let tokens = scheduler.tokens(id).unwrap().to_vec();
+            let kept = scheduler.set_draft(id, draft(&tokens, len, right.min(len)));
+            assert!(kept <= len);
+        }
         let plan = scheduler.schedule().unwrap();
         for id in decoding {
             if !plan.preempted.contains(&id) {
@@ -147,6 +173,7 @@ fn run_workload(workload: &Workload) {
             );
         }
         check_pool(&scheduler);
+        check_cache(&shadow, &scheduler);
         step += 1;
         assert!(step < 5000, "no progress: {:?}", scheduler.stats());
     }

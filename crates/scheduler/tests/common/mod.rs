@@ -65,8 +65,19 @@ impl ShadowKv {
         let mut seen_slots = std::collections::HashSet::new();
         let mut sampled = Vec::new();
         for row in &plan.sequences {
-            let tokens = scheduler.tokens(row.id).expect("scheduled request is live");
+            let own = scheduler.tokens(row.id).expect("scheduled request is live");
             assert_eq!(scheduler.pages_of(row.id), Some(row.pages.as_slice()));
+            // With a draft, the chunk runs past the sequence's own tokens into the guesses.
+            let mut tokens = own.to_vec();
+            tokens.extend(&row.tokens[row.tokens.len() - row.draft..]);
+            if row.draft > 0 {
+                assert!(row.samples, "a drafted row samples");
+                assert_eq!(
+                    tokens.len(),
+                    row.positions.end,
+                    "a draft follows the last token"
+                );
+            }
             assert_eq!(row.tokens, tokens[row.positions.clone()]);
             assert_eq!(row.slots.len(), row.positions.len());
             // Everything before the chunk is already in the sequence's pages.
@@ -109,16 +120,66 @@ impl ShadowKv {
                     .insert((slot.page, slot.offset), (position, tokens[position]));
             }
             if row.samples {
-                let token = next_token(tokens);
+                // Verification: each guess is kept while it is the model's own next token and
+                // no stop came first; the first other token is emitted.
+                let mut context = own.to_vec();
+                let draft = &row.tokens[row.tokens.len() - row.draft..];
+                let mut accepted = 0;
+                let token = loop {
+                    let token = next_token(&context);
+                    let stop = stops && is_stop(token);
+                    if stop || accepted == draft.len() || draft[accepted] != token {
+                        break token;
+                    }
+                    context.push(token);
+                    accepted += 1;
+                };
                 sampled.push(SampledToken {
                     id: row.id,
                     token,
                     stop: stops && is_stop(token),
+                    accepted,
                 });
             }
         }
         sampled
     }
+}
+
+/// Every page in the prefix cache holds, in the shadow pool, exactly its own tokens at
+/// their positions: no page with a rejected guess's KV was registered.
+pub fn check_cache(shadow: &ShadowKv, scheduler: &Scheduler) {
+    let page_size = scheduler.config().page_size;
+    let cache = scheduler.prefix_cache();
+    for page in cache.cached_pages() {
+        let tokens = cache.page_tokens(page).expect("cached page has tokens");
+        for (offset, &token) in tokens.iter().enumerate() {
+            let (position, written) = shadow.rows[&(page, offset as u32)];
+            assert_eq!(
+                (position % page_size, written),
+                (offset, token),
+                "{page} row {offset}: the cache holds KV of another token"
+            );
+        }
+    }
+}
+
+/// A proposer for the tests: `len` guesses after `tokens`, the first `right` of them the
+/// model's own next tokens and the rest wrong.
+pub fn draft(tokens: &[u32], len: usize, right: usize) -> Vec<u32> {
+    let mut context = tokens.to_vec();
+    let mut guesses = Vec::with_capacity(len);
+    for index in 0..len {
+        let token = next_token(&context);
+        let guess = if index < right {
+            token
+        } else {
+            (token + 1) % 1000
+        };
+        context.push(guess);
+        guesses.push(guess);
+    }
+    guesses
 }
 
 /// Refcount of every page == owners (running sequences + the cache); free pages owned by

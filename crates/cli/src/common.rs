@@ -92,6 +92,24 @@ pub struct ModelArgs {
     /// wherever it supports the model). Default: $PAGODA_PAGED_DECODE, else auto.
     #[arg(long, value_name = "auto|fused|gather")]
     pub paged_decode: Option<String>,
+    /// Speculative decoding: `off` or `ngram` (prompt lookup: guesses the continuation of
+    /// the longest recent suffix seen before; no second model). The output is exactly plain
+    /// decoding's (the guesses are verified against the request's own sampler); CPU only for
+    /// now. Default: $PAGODA_SPEC, else off.
+    #[arg(long, value_name = "off|ngram")]
+    pub spec: Option<String>,
+    /// Most guessed tokens per request and step (llama-server's spelling; default 8).
+    #[arg(long, value_name = "N")]
+    pub draft_max: Option<String>,
+    /// Fewest guessed tokens worth a draft (default 1).
+    #[arg(long, value_name = "N")]
+    pub draft_min: Option<String>,
+    /// Shortest suffix the n-gram proposer matches (default 2).
+    #[arg(long, value_name = "N")]
+    pub spec_ngram_min: Option<String>,
+    /// Longest suffix the n-gram proposer matches, tried first (default 4).
+    #[arg(long, value_name = "N")]
+    pub spec_ngram_max: Option<String>,
     /// Render chats with the Jinja template in FILE instead of the model's (llama.cpp's
     /// spelling; the template sees `messages`, `add_generation_prompt`, `bos_token` and
     /// `eos_token`).
@@ -137,6 +155,19 @@ pub fn model_flag_values(args: &ModelArgs) -> Vec<FlagValue> {
         "PAGODA_CUDA_GRAPHS",
         "--enforce-eager",
         args.enforce_eager.then(|| "off".to_owned()),
+    );
+    push("PAGODA_SPEC", "--spec", args.spec.clone());
+    push("PAGODA_DRAFT_MAX", "--draft-max", args.draft_max.clone());
+    push("PAGODA_DRAFT_MIN", "--draft-min", args.draft_min.clone());
+    push(
+        "PAGODA_SPEC_NGRAM_MIN",
+        "--spec-ngram-min",
+        args.spec_ngram_min.clone(),
+    );
+    push(
+        "PAGODA_SPEC_NGRAM_MAX",
+        "--spec-ngram-max",
+        args.spec_ngram_max.clone(),
     );
     push(
         "PAGODA_DETERMINISTIC",

@@ -141,6 +141,24 @@ settings! {
     "PAGODA_PREFIX_CACHING", None, ON_OFF, "on", Engine,
         "engine EngineSettings",
         "Reuse the KV pages of a prompt prefix seen before.";
+    "PAGODA_SPEC", Some("--spec"), Values::Choice(&["off", "ngram"]), "off", Engine,
+        "engine EngineSettings (speculation)",
+        "Speculative decoding: off, or ngram (prompt lookup); outputs equal plain decoding's.";
+    "PAGODA_DRAFT_MAX", Some("--draft-max"), Values::Number { min: 1, max: 64, words: &[] }, "8", Engine,
+        "engine EngineSettings (speculation)",
+        "Most guessed tokens per request and step.";
+    "PAGODA_DRAFT_MIN", Some("--draft-min"), Values::Number { min: 1, max: 64, words: &[] }, "1", Engine,
+        "engine EngineSettings (speculation)",
+        "Fewest guessed tokens worth a draft (shorter proposals are dropped).";
+    "PAGODA_SPEC_NGRAM_MIN", Some("--spec-ngram-min"), Values::Number { min: 1, max: 16, words: &[] }, "2", Engine,
+        "engine EngineSettings (speculation)",
+        "Shortest suffix the n-gram proposer matches.";
+    "PAGODA_SPEC_NGRAM_MAX", Some("--spec-ngram-max"), Values::Number { min: 1, max: 16, words: &[] }, "4", Engine,
+        "engine EngineSettings (speculation)",
+        "Longest suffix the n-gram proposer matches (tried first).";
+    "PAGODA_SPEC_MAX_BATCH", None, Values::Number { min: 1, max: 1024, words: &[] }, "4", Tuning,
+        "engine EngineSettings (speculation)",
+        "Speculation runs only in steps with at most this many decoding requests.";
     "PAGODA_CPU_ADAPTIVE_THREADS", None, Values::Choice(&["auto", "off", "one"]), "auto", Engine,
         "engine EngineSettings (cpu_pool)",
         "CPU thread pool per step: auto picks all threads or one per kind of step; off: all; one: one.";

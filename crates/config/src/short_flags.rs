@@ -58,7 +58,7 @@ pub static SHORT_FLAGS: &[ShortFlag] = &[
         short: "-md",
         llama_long: "--model-draft",
         becomes: None,
-        why: "speculative decoding with a draft model is not supported yet",
+        why: "speculative decoding with a draft model is not supported yet: use --spec ngram (prompt lookup)",
     },
     ShortFlag {
         short: "-tp",

@@ -92,6 +92,19 @@ engine_counters! {
     /// Requests preempted by recompute because the KV pool ran out of pages.
     preemptions: "pagoda_preemptions_total", Counter,
         "Requests preempted for recompute when pages ran out.";
+    /// Speculation: tokens guessed by the proposer and run through the model.
+    spec_drafted: "pagoda_spec_tokens_total" ["kind" = "drafted"], Counter,
+        "Speculative decoding: tokens guessed and verified, guesses accepted, tokens emitted by verifying rows.";
+    /// Speculation: guesses accepted (each one a token without a step of its own).
+    spec_accepted: "pagoda_spec_tokens_total" ["kind" = "accepted"], Counter, "";
+    /// Speculation: tokens emitted by rows that carried guesses (accepted ones plus the last).
+    spec_emitted: "pagoda_spec_tokens_total" ["kind" = "emitted"], Counter, "";
+    /// Speculation: request rows that carried guesses.
+    spec_rows: "pagoda_spec_rows_total", Counter, "Request rows of a step that carried guesses.";
+    /// Speculation: steps in which the policy drafted nothing (more decoding requests than
+    /// `PAGODA_SPEC_MAX_BATCH`).
+    spec_steps_off: "pagoda_spec_steps_off_total", Counter,
+        "Steps in which the speculation policy drafted nothing (batch too large).";
     /// Forward passes that ran on the CUDA backend.
     steps_cuda: "pagoda_cuda_steps_total", Counter, "Forward passes run on the CUDA backend.";
     /// CUDA steps replayed from a captured graph.

@@ -14,9 +14,11 @@ use crate::backend::{device_row_params, Backend, Runner};
 use crate::counters::EngineCounters;
 use crate::cpu_pool::CpuThreadsMode;
 use crate::logit_bias;
+use speculate::Verified;
 
 mod embed;
 mod settings;
+mod speculate;
 mod warmup;
 
 use pagoda_scheduler::{
@@ -165,6 +167,8 @@ pub struct Engine {
     runner_counted: EngineCounters,
     /// The switches it was made with.
     settings: EngineSettings,
+    /// Speculation's proposer, when it is on.
+    proposer: Option<Box<dyn crate::speculation::Proposer>>,
 }
 
 impl Engine {
@@ -408,6 +412,7 @@ impl Engine {
     pub fn step(&mut self) -> Result<Vec<StepEvent>, EngineError> {
         let internal = |e: SchedulerError| EngineError::Internal(e.to_string());
         let step_started = std::time::Instant::now();
+        self.propose_drafts();
         let plan = self.scheduler.schedule().map_err(internal)?;
         let scheduled = step_started.elapsed();
         if plan.is_empty() {
@@ -485,37 +490,63 @@ impl Engine {
             .iter()
             .filter_map(|id| self.requests.remove(id))
             .collect();
-        let drawn: Vec<(RequestState, u32, Option<Vec<f32>>)> = states
+        // Each sampling sequence's logits rows: its last row, or with a draft one row per
+        // guess more (verified in order, see `speculate.rs`).
+        let mut rows = Vec::with_capacity(states.len());
+        let mut next_row = 0;
+        for sequence in plan.sequences.iter().filter(|s| s.samples) {
+            let draft = &sequence.tokens[sequence.tokens.len() - sequence.draft..];
+            rows.push((next_row, draft));
+            next_row += 1 + sequence.draft;
+        }
+        let drawn: Vec<(RequestState, Verified)> = states
             .into_par_iter()
+            .zip(rows)
             .enumerate()
-            .map(|(row, mut state)| {
-                // Requests wanting log-probabilities are never sampled on the device.
-                let (token, logprobs) = match device_sampled.as_ref().map(|rows| &rows[row]) {
+            .map(|(index, (mut state, (row, draft)))| {
+                // Requests wanting log-probabilities are never sampled on the device; drafts
+                // only run on the host.
+                let verified = match device_sampled.as_ref().map(|rows| &rows[index]) {
                     Some(SampledRow::Token(token)) => {
                         state.record_device_draw();
-                        (*token, None)
+                        state.generated.push(*token);
+                        Verified::one(*token, None)
                     }
-                    Some(SampledRow::Logits(row_logits)) => state.sample_on_host(row_logits),
-                    None => state.sample_on_host(&logits[row * vocab_size..(row + 1) * vocab_size]),
+                    Some(SampledRow::Logits(row_logits)) => {
+                        let (token, logprobs) = state.sample_on_host(row_logits);
+                        state.generated.push(token);
+                        Verified::one(token, logprobs)
+                    }
+                    None => {
+                        let rows = &logits[row * vocab_size..(row + 1 + draft.len()) * vocab_size];
+                        state.verify(rows, vocab_size, draft)
+                    }
                 };
-                state.generated.push(token);
-                (state, token, logprobs)
+                (state, verified)
             })
             .collect();
         let on_device = device_sampled.as_ref().map_or(0, |rows| {
             rows.iter().filter(|row| row.token().is_some()).count()
         });
         self.counters.sampled_tokens_gpu += on_device as u64;
-        self.counters.sampled_tokens_cpu += (drawn.len() - on_device) as u64;
+        let emitted: usize = drawn.iter().map(|(_, v)| v.tokens.len()).sum();
+        self.counters.sampled_tokens_cpu += (emitted - on_device) as u64;
         let mut sampled = Vec::with_capacity(drawn.len());
-        let mut logprobs = Vec::with_capacity(drawn.len());
-        for (id, (state, token, row_logprobs)) in ids.into_iter().zip(drawn) {
+        let mut outputs = Vec::with_capacity(drawn.len());
+        for (id, ((state, verified), sequence)) in ids.into_iter().zip(
+            drawn
+                .into_iter()
+                .zip(plan.sequences.iter().filter(|s| s.samples)),
+        ) {
+            self.count_verification(sequence.draft, &verified);
+            let token = *verified.tokens.last().expect("verification emits a token");
             sampled.push(SampledToken {
                 id,
                 token,
                 stop: state.stop_tokens.contains(&token),
+                accepted: verified.tokens.len() - 1,
             });
-            logprobs.push(row_logprobs);
+            outputs.push(verified);
             self.requests.insert(id, state);
         }
         let sampled_at = step_started.elapsed();
@@ -529,8 +560,8 @@ impl Engine {
             sampled_at - forwarded,
             step_started.elapsed() - sampled_at
         );
-        let mut events = Vec::with_capacity(sampled.len());
-        for (sample, logprobs) in sampled.into_iter().zip(logprobs) {
+        let mut events = Vec::with_capacity(emitted);
+        for (sample, verified) in sampled.into_iter().zip(outputs) {
             let finished = finished
                 .iter()
                 .find(|f| f.id == sample.id)
@@ -541,12 +572,20 @@ impl Engine {
             if finished.is_some() {
                 self.requests.remove(&sample.id);
             }
-            events.push(StepEvent {
-                request: sample.id,
-                token: sample.token,
-                logprobs,
-                finished,
-            });
+            let last = verified.tokens.len() - 1;
+            for (index, (token, logprobs)) in verified
+                .tokens
+                .into_iter()
+                .zip(verified.logprobs)
+                .enumerate()
+            {
+                events.push(StepEvent {
+                    request: sample.id,
+                    token,
+                    logprobs,
+                    finished: if index == last { finished } else { None },
+                });
+            }
         }
         let stats = self.scheduler.stats();
         self.counters.prefix_hit_tokens = stats.prefix_hit_tokens;

@@ -12,6 +12,7 @@ pub mod cuda_runner;
 mod engine;
 mod load;
 mod logit_bias;
+pub mod speculation;
 
 pub use backend::Backend;
 pub use counters::{CounterInfo, EngineCounters, MetricKind};

@@ -75,6 +75,7 @@ impl Setup<'_> {
             cuda_warmup: false,
             cpu_threads: CpuThreadsMode::Auto,
             split_kv_chunk_tokens: 256,
+            speculation: Default::default(),
             cuda_kernels: CudaKernels {
                 deterministic: self.deterministic,
                 ..CudaKernels::default()

@@ -9,6 +9,7 @@ use crate::backend::{Backend, Runner};
 use crate::counters::EngineCounters;
 use crate::cpu_pool::CpuThreadsMode;
 use crate::cuda_runner::CudaCacheOptions;
+use crate::speculation::SpeculationSettings;
 use pagoda_models::llama::split_kv_chunk_tokens;
 use pagoda_models::llama_cuda::CudaKernels;
 use pagoda_ops::sampling::SamplerKind;
@@ -25,6 +26,8 @@ pub struct EngineSettings {
     /// On the CPU, visible tokens per split-KV chunk (`PAGODA_SPLIT_KV_CHUNK_TOKENS`, default
     /// 256; a row's bits depend on it).
     pub split_kv_chunk_tokens: usize,
+    /// Speculative decoding (`--spec`, `--draft-max`, ...).
+    pub speculation: SpeculationSettings,
     /// On CUDA, which kernels run where several do the job (prefill and decode attention,
     /// the device sampler's paths).
     pub cuda_kernels: CudaKernels,
@@ -38,6 +41,7 @@ impl EngineSettings {
             cuda_warmup: config.on("PAGODA_CUDA_WARMUP"),
             cpu_threads: CpuThreadsMode::from_config(config),
             split_kv_chunk_tokens: split_kv_chunk_tokens(config),
+            speculation: SpeculationSettings::from_config(config),
             cuda_kernels: CudaKernels::from_config(config),
         }
     }
@@ -107,8 +111,31 @@ impl Engine {
             next_id: 0,
             counters: EngineCounters::default(),
             runner_counted: EngineCounters::default(),
+            proposer: settings.speculation.proposer(),
             settings,
         };
+        if let Some(proposer) = &engine.proposer {
+            static LOGGED_SPEC: std::sync::Once = std::sync::Once::new();
+            let spec = settings.speculation;
+            let name = proposer.name();
+            LOGGED_SPEC.call_once(|| {
+                tracing::info!(
+                    "speculative decoding: {name} proposer (suffixes of {}-{} tokens), {}-{} \
+                     guesses per request, in steps of at most {} decoding requests; outputs \
+                     equal plain decoding's{}",
+                    spec.ngram_min,
+                    spec.ngram_max,
+                    spec.draft_min,
+                    spec.draft_max,
+                    spec.max_batch,
+                    if engine.runner.is_cuda() {
+                        " (CUDA: not yet, decoding runs plain)"
+                    } else {
+                        ""
+                    }
+                )
+            });
+        }
         // The decode graphs captured at start count before the first step.
         engine.absorb_runner_counters();
         Ok(engine)
@@ -148,6 +175,8 @@ mod tests {
             ("PAGODA_CUDA_WARMUP", "off"),
             ("PAGODA_CPU_ADAPTIVE_THREADS", "one"),
             ("PAGODA_SPLIT_KV_CHUNK_TOKENS", "64"),
+            ("PAGODA_SPEC", "ngram"),
+            ("PAGODA_DRAFT_MAX", "5"),
         ];
         let settings = EngineSettings::from_config(&resolved(&env));
         let expected = EngineSettings {
@@ -155,6 +184,11 @@ mod tests {
             cuda_warmup: false,
             cpu_threads: CpuThreadsMode::One,
             split_kv_chunk_tokens: 64,
+            speculation: SpeculationSettings {
+                mode: crate::speculation::SpeculationMode::Ngram,
+                draft_max: 5,
+                ..SpeculationSettings::default()
+            },
             cuda_kernels: CudaKernels::default(),
         };
         assert_eq!(settings, expected);

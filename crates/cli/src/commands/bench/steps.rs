@@ -24,6 +24,10 @@ pub(super) struct StepCounts {
     pub(super) prefix_hit_tokens: u64,
     /// CPU steps the adaptive pool ran on one thread (`PAGODA_CPU_ADAPTIVE_THREADS`).
     cpu_one_thread: u64,
+    /// Speculation: guesses run through the model, accepted, and the rows that carried them.
+    spec_drafted: u64,
+    spec_accepted: u64,
+    spec_rows: u64,
 }
 
 impl std::ops::AddAssign for StepCounts {
@@ -41,6 +45,9 @@ impl std::ops::AddAssign for StepCounts {
         self.gpu_sampler_fallbacks += other.gpu_sampler_fallbacks;
         self.prefix_hit_tokens += other.prefix_hit_tokens;
         self.cpu_one_thread += other.cpu_one_thread;
+        self.spec_drafted += other.spec_drafted;
+        self.spec_accepted += other.spec_accepted;
+        self.spec_rows += other.spec_rows;
     }
 }
 
@@ -48,6 +55,13 @@ impl std::fmt::Display for StepCounts {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         if self.prefix_hit_tokens > 0 {
             write!(f, "prefix hits {} tokens; ", self.prefix_hit_tokens)?;
+        }
+        if self.spec_rows > 0 {
+            write!(
+                f,
+                "spec: {} of {} guesses accepted in {} rows; ",
+                self.spec_accepted, self.spec_drafted, self.spec_rows
+            )?;
         }
         if self.cuda_graph + self.cuda_eager > 0 {
             let steps = self.cuda_graph + self.cuda_eager;
@@ -93,5 +107,8 @@ pub(super) fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCount
         gpu_sampler_fallbacks: now.gpu_sampler_fallbacks - before.gpu_sampler_fallbacks,
         prefix_hit_tokens: 0,
         cpu_one_thread: now.steps_cpu_one_thread - before.steps_cpu_one_thread,
+        spec_drafted: now.spec_drafted - before.spec_drafted,
+        spec_accepted: now.spec_accepted - before.spec_accepted,
+        spec_rows: now.spec_rows - before.spec_rows,
     }
 }

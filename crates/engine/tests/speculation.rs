@@ -1,0 +1,179 @@
+//! Speculative decoding (`--spec ngram`) gives exactly plain decoding's output: the same
+//! tokens and the same log-probability bits for greedy, seeded-sampled and penalised
+//! requests, alone and batched, while the proposer's guesses are accepted (counted) and
+//! rejected ones leave nothing behind. The oracle is the same engine without speculation.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use pagoda_engine::speculation::{SpeculationMode, SpeculationSettings};
+use pagoda_engine::{
+    load_model, Engine, EngineConfig, EngineSettings, LoadOptions, ModelSource, RequestId,
+};
+use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
+use pagoda_ops::sampling::SamplingParams;
+
+fn engine(speculation: SpeculationMode, max_batch: usize) -> Option<(Engine, Vec<Vec<u32>>)> {
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.is_file() {
+        eprintln!(
+            "skipping: {} is missing (run scripts/fetch-model.sh)",
+            model.display()
+        );
+        return None;
+    }
+    let loaded = load_model(
+        &ModelSource::Gguf(model),
+        LoadOptions::cpu(WeightPrecision::AsStored),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let config = EngineConfig {
+        page_size: 16,
+        num_pages: 256,
+        max_batch_tokens: 256,
+        max_context: 1024,
+        attention: AttentionPolicy::Auto,
+        sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
+        cuda_graphs: false,
+        paged_decode: Default::default(),
+        kv_types: Default::default(),
+    };
+    let settings = EngineSettings {
+        prefix_caching: true,
+        speculation: SpeculationSettings {
+            mode: speculation,
+            max_batch,
+            ..SpeculationSettings::default()
+        },
+        ..EngineSettings::from_config(
+            &pagoda_config::Config::resolve(|_| None, Vec::new(), &[]).unwrap(),
+        )
+    };
+    let prompts = [
+        "Repeat this list exactly twice: apple, banana, cherry, date, elderberry, fig, grape.\nList:",
+        "def area(width, height):\n    return width * height\n\n# The same function, renamed to surface:\n",
+        "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    ]
+    .iter()
+    .map(|p| loaded.tokenizer.encode(p, true).unwrap())
+    .collect();
+    Some((
+        Engine::with_settings(loaded.model, config, settings).unwrap(),
+        prompts,
+    ))
+}
+
+/// Per request: its tokens and the bits of its log-probabilities at every position.
+type Output = BTreeMap<RequestId, (Vec<u32>, Vec<Vec<u32>>)>;
+
+fn params(kind: usize) -> SamplingParams {
+    match kind % 3 {
+        0 => SamplingParams::greedy(),
+        1 => SamplingParams {
+            temperature: 0.7,
+            top_p: 0.9,
+            seed: Some(11),
+            ..SamplingParams::greedy()
+        },
+        _ => SamplingParams {
+            temperature: 1.0,
+            top_k: 40,
+            repetition_penalty: 1.15,
+            seed: Some(5),
+            ..SamplingParams::greedy()
+        },
+    }
+}
+
+/// Runs `copies` of every prompt at once, each with its own sampling parameters.
+fn run(engine: &mut Engine, prompts: &[Vec<u32>], copies: usize) -> Output {
+    let mut output = Output::new();
+    for copy in 0..copies {
+        for (index, prompt) in prompts.iter().enumerate() {
+            let id = engine
+                .add_request(
+                    prompt.clone(),
+                    params(index + copy),
+                    48 / (copy + 1),
+                    Vec::new(),
+                    true,
+                )
+                .unwrap();
+            output.insert(id, (Vec::new(), Vec::new()));
+        }
+    }
+    while engine.num_running() + engine.num_waiting() > 0 {
+        for event in engine.step().unwrap() {
+            let entry = output.get_mut(&event.request).unwrap();
+            entry.0.push(event.token);
+            entry.1.push(
+                event
+                    .logprobs
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect(),
+            );
+        }
+    }
+    output
+}
+
+#[test]
+fn speculation_gives_plain_decodings_bits() {
+    let Some((mut plain, prompts)) = engine(SpeculationMode::Off, 4) else {
+        return;
+    };
+    let expected = run(&mut plain, &prompts, 1);
+    let (mut speculative, _) = engine(SpeculationMode::Ngram, 4).unwrap();
+    let got = run(&mut speculative, &prompts, 1);
+    assert_eq!(got.len(), expected.len());
+    for ((id, (tokens, logprobs)), (_, (want_tokens, want_logprobs))) in got.iter().zip(&expected) {
+        assert_eq!(tokens, want_tokens, "request {id}: tokens");
+        assert!(
+            logprobs == want_logprobs,
+            "request {id}: log-probability bits"
+        );
+    }
+    let counters = speculative.counters();
+    println!(
+        "drafted {} accepted {} emitted {} in {} rows; {} steps against {} without",
+        counters.spec_drafted,
+        counters.spec_accepted,
+        counters.spec_emitted,
+        counters.spec_rows,
+        counters.steps_split_kv + counters.steps_gather,
+        plain.counters().steps_split_kv + plain.counters().steps_gather,
+    );
+    assert!(
+        counters.spec_accepted > 0,
+        "no guess was accepted on repetitive prompts"
+    );
+    assert!(
+        counters.spec_drafted > counters.spec_accepted,
+        "every guess was accepted"
+    );
+    assert_eq!(speculative.pages_used(), 0, "pages leaked");
+}
+
+#[test]
+fn the_policy_turns_speculation_off_in_large_batches_without_changing_outputs() {
+    let Some((mut plain, prompts)) = engine(SpeculationMode::Off, 3) else {
+        return;
+    };
+    let expected = run(&mut plain, &prompts, 2);
+    let (mut speculative, _) = engine(SpeculationMode::Ngram, 3).unwrap();
+    let got = run(&mut speculative, &prompts, 2);
+    assert!(got == expected, "outputs differ");
+    let counters = speculative.counters();
+    assert!(
+        counters.spec_steps_off > 0,
+        "six decoding requests are over the policy's 3"
+    );
+    assert!(
+        counters.spec_rows > 0,
+        "the batch shrank to 3 and speculation came back"
+    );
+}

@@ -126,16 +126,7 @@ fn run(
     let mut steps = 0;
     while engine.num_running() + engine.num_waiting() > 0 {
         if steps == after {
-            for &(len, salt, tokens) in later {
-                let params = SamplingParams {
-                    seed: Some(salt as u64),
-                    temperature: 1.0,
-                    ..SamplingParams::greedy()
-                };
-                engine
-                    .add_request(prompt(len, salt), params, tokens, Vec::new(), false)
-                    .unwrap();
-            }
+            add_others(engine, later);
         }
         for event in engine.step().unwrap() {
             if event.request == target {

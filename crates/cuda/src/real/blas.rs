@@ -283,27 +283,14 @@ impl Blas {
                     let _ = lt::destroy_matrix_layout(out);
                 }
                 let mut algo = algo?;
-                let one: u32 = 1;
+                use sys::cublasLtMatmulAlgoConfigAttributes_t as Config;
                 let none = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
-                // SAFETY: a live algorithm struct; both attributes are u32.
-                unsafe {
-                    sys::cublasLtMatmulAlgoConfigSetAttribute(
-                        &mut algo,
-                        sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
-                        &one as *const u32 as *const c_void,
-                        std::mem::size_of::<u32>(),
-                    )
-                    .result()
-                    .map_err(blas_error("CUBLASLT_ALGO_CONFIG_SPLITK_NUM"))?;
-                    sys::cublasLtMatmulAlgoConfigSetAttribute(
-                        &mut algo,
-                        sys::cublasLtMatmulAlgoConfigAttributes_t::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
-                        &none as *const u32 as *const c_void,
-                        std::mem::size_of::<u32>(),
-                    )
-                    .result()
-                    .map_err(blas_error("CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME"))?;
-                }
+                set_algo_config(&mut algo, Config::CUBLASLT_ALGO_CONFIG_SPLITK_NUM, 1)?;
+                set_algo_config(
+                    &mut algo,
+                    Config::CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                    none,
+                )?;
                 self.fixed.insert(fixed_key, algo);
                 algo
             }
@@ -333,6 +320,28 @@ impl Blas {
         })?;
         Ok(algo)
     }
+}
+
+/// Sets a `u32` attribute of an algorithm's configuration.
+fn set_algo_config(
+    algo: &mut sys::cublasLtMatmulAlgo_t,
+    attribute: sys::cublasLtMatmulAlgoConfigAttributes_t,
+    value: u32,
+) -> Result<(), CudaError> {
+    // SAFETY: a live algorithm struct; the attributes set here are u32.
+    unsafe {
+        sys::cublasLtMatmulAlgoConfigSetAttribute(
+            algo,
+            attribute,
+            &value as *const u32 as *const c_void,
+            std::mem::size_of::<u32>(),
+        )
+        .result()
+    }
+    .map_err(|error| CudaError::Blas {
+        context: format!("{attribute:?}"),
+        message: format!("{error:?}"),
+    })
 }
 
 impl Gpu {

@@ -3,10 +3,11 @@
 //! f32 cache within recorded bounds, batch invariance for each type (a request's bits alone
 //! and in a batch), and the pools' bytes (1/2 and 34/128 of f32 for the same page count).
 
-use std::path::PathBuf;
+mod common;
 
-use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, ModelSource};
-use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
+use common::{default_model, engine_config};
+use pagoda_engine::{Engine, EngineConfig};
+use pagoda_models::llama::AttentionPolicy;
 use pagoda_ops::attention::{KvCacheTypes, KvType};
 use pagoda_ops::sampling::SamplingParams;
 
@@ -20,28 +21,10 @@ const PROMPTS: [&str; 3] = [
 ];
 
 fn engine(k: KvType, v: KvType) -> Option<(Engine, Vec<Vec<u32>>)> {
-    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !model.is_file() {
-        eprintln!("skipping: {} is missing", model.display());
-        return None;
-    }
-    let loaded = load_model(
-        &ModelSource::Gguf(model),
-        LoadOptions::cpu(WeightPrecision::AsStored),
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let loaded = default_model()?;
     let config = EngineConfig {
-        page_size: 16,
-        num_pages: NUM_PAGES,
-        max_batch_tokens: 512,
-        max_context: 512,
-        attention: AttentionPolicy::Auto,
-        sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
-        cuda_graphs: false,
-        paged_decode: Default::default(),
         kv_types: KvCacheTypes { k, v },
+        ..engine_config(NUM_PAGES, 512, 512, AttentionPolicy::Auto)
     };
     let prompts = PROMPTS
         .iter()

@@ -3,10 +3,11 @@
 //! recompute under a tight pool reproduces exactly the tokens of an unpressured run, also for
 //! seeded random sampling (the sampler state survives preemption).
 
-use std::path::PathBuf;
+mod common;
 
-use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, ModelSource};
-use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
+use common::{default_model, engine_config};
+use pagoda_engine::Engine;
+use pagoda_models::llama::AttentionPolicy;
 use pagoda_models::tokenizer::Tokenizer;
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::sampling::SamplingParams;
@@ -17,29 +18,13 @@ fn engine(
     max_batch_tokens: usize,
     prefix_caching: bool,
 ) -> Option<(Engine, Tokenizer)> {
-    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !model.is_file() {
-        eprintln!("skipping: {} is missing", model.display());
-        return None;
-    }
-    let loaded = load_model(
-        &ModelSource::Gguf(model),
-        LoadOptions::cpu(WeightPrecision::AsStored),
-        &mut |_, _| {},
-    )
-    .unwrap();
-    let config = EngineConfig {
-        page_size: 16,
+    let loaded = default_model()?;
+    let config = engine_config(
         num_pages,
         max_batch_tokens,
-        max_context: 1024,
-        attention: AttentionPolicy::Force(path),
-        sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
-        cuda_graphs: true,
-        paged_decode: Default::default(),
-        kv_types: Default::default(),
-    };
+        1024,
+        AttentionPolicy::Force(path),
+    );
     let engine = Engine::with_prefix_caching(loaded.model, config, prefix_caching).unwrap();
     Some((engine, loaded.tokenizer))
 }

@@ -3,43 +3,19 @@
 //! requests, alone and batched, while the proposer's guesses are accepted (counted) and
 //! rejected ones leave nothing behind. The oracle is the same engine without speculation.
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
+mod common;
 
+use std::collections::BTreeMap;
+
+use common::{default_model, engine_config};
 use pagoda_engine::speculation::{SpeculationMode, SpeculationSettings};
-use pagoda_engine::{
-    load_model, Engine, EngineConfig, EngineSettings, LoadOptions, ModelSource, RequestId,
-};
-use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
+use pagoda_engine::{Engine, EngineSettings, RequestId};
+use pagoda_models::llama::AttentionPolicy;
 use pagoda_ops::sampling::SamplingParams;
 
 fn engine(speculation: SpeculationMode, max_batch: usize) -> Option<(Engine, Vec<Vec<u32>>)> {
-    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !model.is_file() {
-        eprintln!(
-            "skipping: {} is missing (run scripts/fetch-model.sh)",
-            model.display()
-        );
-        return None;
-    }
-    let loaded = load_model(
-        &ModelSource::Gguf(model),
-        LoadOptions::cpu(WeightPrecision::AsStored),
-        &mut |_, _| {},
-    )
-    .unwrap();
-    let config = EngineConfig {
-        page_size: 16,
-        num_pages: 256,
-        max_batch_tokens: 256,
-        max_context: 1024,
-        attention: AttentionPolicy::Auto,
-        sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
-        cuda_graphs: false,
-        paged_decode: Default::default(),
-        kv_types: Default::default(),
-    };
+    let loaded = default_model()?;
+    let config = engine_config(256, 256, 1024, AttentionPolicy::Auto);
     let settings = EngineSettings {
         prefix_caching: true,
         speculation: SpeculationSettings {

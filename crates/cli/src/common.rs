@@ -94,8 +94,8 @@ pub struct ModelArgs {
     pub paged_decode: Option<String>,
     /// Speculative decoding: `off` or `ngram` (prompt lookup: guesses the continuation of
     /// the longest recent suffix seen before; no second model). The output is exactly plain
-    /// decoding's (the guesses are verified against the request's own sampler); CPU only for
-    /// now. Default: $PAGODA_SPEC, else off.
+    /// decoding's (the guesses are verified against the request's own sampler; on CUDA bit
+    /// for bit with --deterministic). Default: $PAGODA_SPEC, else off.
     #[arg(long, value_name = "off|ngram")]
     pub spec: Option<String>,
     /// Most guessed tokens per request and step (llama-server's spelling; default 8).

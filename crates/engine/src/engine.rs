@@ -172,24 +172,32 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// The GPU sampler's record of each logits row of a step (`ids`: the requests of the
-    /// rows), or `None` when nothing is sampled on the device this step: a CPU backend, the
-    /// reference sampler, or no row eligible (see [`device_row_params`]).
-    fn device_rows(&self, ids: &[RequestId]) -> Option<Vec<Option<SamplingRowParams>>> {
+    /// The GPU sampler's record of each logits row of a step (`ids`: the sampling requests,
+    /// `drafts`: how many guesses each carries), or `None` when nothing is sampled on the
+    /// device this step: a CPU backend, the reference sampler, or no row eligible (see
+    /// [`device_row_params`]). The rows of a request with guesses are verified on the host.
+    fn device_rows(
+        &self,
+        ids: &[RequestId],
+        drafts: &[usize],
+    ) -> Option<Vec<Option<SamplingRowParams>>> {
         if !self.runner.is_cuda() || self.config.sampler != SamplerKind::Fused {
             return None;
         }
-        let rows: Vec<_> = ids
-            .iter()
-            .map(|id| {
-                let state = self.requests.get(id)?;
+        let mut rows = Vec::with_capacity(ids.len());
+        for (id, &draft) in ids.iter().zip(drafts) {
+            if draft > 0 {
+                rows.extend(std::iter::repeat_n(None, draft + 1));
+                continue;
+            }
+            rows.push(self.requests.get(id).and_then(|state| {
                 // The device sampler takes no logit biases: those rows sample on the host.
                 if !state.logit_bias.is_empty() {
                     return None;
                 }
                 device_row_params(&state.sampler, state.want_logprobs)
-            })
-            .collect();
+            }));
+        }
         rows.iter().any(Option::is_some).then_some(rows)
     }
 
@@ -433,7 +441,13 @@ impl Engine {
         let qo_indptr = plan.qo_indptr();
         let logits_for = plan.logits_for();
         let ids = plan.sampling_ids();
-        let device_rows = self.device_rows(&ids);
+        let drafts: Vec<usize> = plan
+            .sequences
+            .iter()
+            .filter(|s| s.samples)
+            .map(|s| s.draft)
+            .collect();
+        let device_rows = self.device_rows(&ids, &drafts);
         let output = plan
             .page_table()
             .map_err(|e| e.to_string())
@@ -502,20 +516,25 @@ impl Engine {
         let drawn: Vec<(RequestState, Verified)> = states
             .into_par_iter()
             .zip(rows)
-            .enumerate()
-            .map(|(index, (mut state, (row, draft)))| {
-                // Requests wanting log-probabilities are never sampled on the device; drafts
-                // only run on the host.
-                let verified = match device_sampled.as_ref().map(|rows| &rows[index]) {
+            .map(|(mut state, (row, draft))| {
+                // Requests wanting log-probabilities are never sampled on the device; guessed
+                // rows are verified on the host.
+                let verified = match device_sampled.as_ref().map(|rows| &rows[row]) {
                     Some(SampledRow::Token(token)) => {
                         state.record_device_draw();
                         state.generated.push(*token);
                         Verified::one(*token, None)
                     }
-                    Some(SampledRow::Logits(row_logits)) => {
-                        let (token, logprobs) = state.sample_on_host(row_logits);
-                        state.generated.push(token);
-                        Verified::one(token, logprobs)
+                    Some(SampledRow::Logits(_)) => {
+                        let downloaded = device_sampled.as_ref().expect("matched above");
+                        let rows: Vec<f32> = downloaded[row..=row + draft.len()]
+                            .iter()
+                            .flat_map(|r| match r {
+                                SampledRow::Logits(values) => values.iter().copied(),
+                                SampledRow::Token(_) => [].iter().copied(),
+                            })
+                            .collect();
+                        state.verify(&rows, vocab_size, draft)
                     }
                     None => {
                         let rows = &logits[row * vocab_size..(row + 1 + draft.len()) * vocab_size];

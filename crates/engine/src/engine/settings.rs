@@ -129,7 +129,7 @@ impl Engine {
                     spec.draft_max,
                     spec.max_batch,
                     if engine.runner.is_cuda() {
-                        " (CUDA: not yet, decoding runs plain)"
+                        " (CUDA: guessed rows verified on the host; exact with --deterministic)"
                     } else {
                         ""
                     }

@@ -47,16 +47,12 @@ impl RequestState {
 }
 
 impl Engine {
-    /// Before a step: a draft for each decoding request, from the proposer, on the CPU, in
-    /// steps with at most `max_batch` decoding requests (the policy; a larger batch already
+    /// Before a step: a draft for each decoding request, from the proposer, in steps with at most `max_batch` decoding requests (the policy; a larger batch already
     /// fills the matmuls, so verifying guesses would cost more than it saves).
     pub(super) fn propose_drafts(&mut self) {
         let Some(proposer) = self.proposer.as_mut() else {
             return;
         };
-        if self.runner.is_cuda() {
-            return;
-        }
         let spec = self.settings.speculation;
         let decoding: Vec<_> = self
             .scheduler

@@ -98,7 +98,7 @@ pub struct ModelArgs {
     /// for bit with --deterministic). Default: $PAGODA_SPEC, else off.
     #[arg(long, value_name = "off|ngram")]
     pub spec: Option<String>,
-    /// Most guessed tokens per request and step (llama-server's spelling; default 8).
+    /// Most guessed tokens per request and step (llama-server's spelling; default 4).
     #[arg(long, value_name = "N")]
     pub draft_max: Option<String>,
     /// Fewest guessed tokens worth a draft (default 1).

@@ -144,7 +144,7 @@ settings! {
     "PAGODA_SPEC", Some("--spec"), Values::Choice(&["off", "ngram"]), "off", Engine,
         "engine EngineSettings (speculation)",
         "Speculative decoding: off, or ngram (prompt lookup); outputs equal plain decoding's.";
-    "PAGODA_DRAFT_MAX", Some("--draft-max"), Values::Number { min: 1, max: 64, words: &[] }, "8", Engine,
+    "PAGODA_DRAFT_MAX", Some("--draft-max"), Values::Number { min: 1, max: 64, words: &[] }, "4", Engine,
         "engine EngineSettings (speculation)",
         "Most guessed tokens per request and step.";
     "PAGODA_DRAFT_MIN", Some("--draft-min"), Values::Number { min: 1, max: 64, words: &[] }, "1", Engine,
@@ -156,7 +156,7 @@ settings! {
     "PAGODA_SPEC_NGRAM_MAX", Some("--spec-ngram-max"), Values::Number { min: 1, max: 16, words: &[] }, "4", Engine,
         "engine EngineSettings (speculation)",
         "Longest suffix the n-gram proposer matches (tried first).";
-    "PAGODA_SPEC_MAX_BATCH", None, Values::Number { min: 1, max: 1024, words: &[] }, "4", Tuning,
+    "PAGODA_SPEC_MAX_BATCH", None, Values::Number { min: 1, max: 1024, words: &[] }, "1", Tuning,
         "engine EngineSettings (speculation)",
         "Speculation runs only in steps with at most this many decoding requests.";
     "PAGODA_CPU_ADAPTIVE_THREADS", None, Values::Choice(&["auto", "off", "one"]), "auto", Engine,

@@ -74,7 +74,8 @@ pub enum SpeculationMode {
 pub struct SpeculationSettings {
     /// The proposer.
     pub mode: SpeculationMode,
-    /// Most guesses per request and step.
+    /// Most guesses per request and step. Default 4: on the 2-core Xeon, 4 beat 2 and 8 at
+    /// batch 1 (each guessed row costs a matmul row, and most guesses past 4 were rejected).
     pub draft_max: usize,
     /// Fewest guesses worth a draft (shorter proposals are dropped).
     pub draft_min: usize,
@@ -82,7 +83,9 @@ pub struct SpeculationSettings {
     pub ngram_min: usize,
     pub ngram_max: usize,
     /// Speculation runs only in steps with at most this many decoding requests: verifying
-    /// guesses costs rows in every batched matmul, which a batch already fills.
+    /// guesses costs rows in every batched matmul, which a batch already fills. Default 1:
+    /// on the 2-core Xeon, 4 requests at once ran 0.85-0.99x with guesses
+    /// (`docs/benchmark_results/spec-ngram-cpu-xeon-2026-12-03.md`).
     pub max_batch: usize,
 }
 
@@ -90,11 +93,11 @@ impl Default for SpeculationSettings {
     fn default() -> Self {
         SpeculationSettings {
             mode: SpeculationMode::Off,
-            draft_max: 8,
+            draft_max: 4,
             draft_min: 1,
             ngram_min: 2,
             ngram_max: 4,
-            max_batch: 4,
+            max_batch: 1,
         }
     }
 }
@@ -132,6 +135,25 @@ impl SpeculationSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_defaults_are_the_registry_defaults() {
+        let config = pagoda_config::Config::resolve(|_| None, Vec::new(), &[]).unwrap();
+        assert_eq!(
+            SpeculationSettings::from_config(&config),
+            SpeculationSettings::default()
+        );
+        for (name, value) in [
+            ("PAGODA_DRAFT_MAX", 4),
+            ("PAGODA_DRAFT_MIN", 1),
+            ("PAGODA_SPEC_NGRAM_MIN", 2),
+            ("PAGODA_SPEC_NGRAM_MAX", 4),
+            ("PAGODA_SPEC_MAX_BATCH", 1),
+        ] {
+            let setting = pagoda_config::setting(name).unwrap();
+            assert_eq!(setting.default, value.to_string(), "{name}");
+        }
+    }
 
     #[test]
     fn ngram_takes_the_longest_latest_match() {

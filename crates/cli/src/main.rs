@@ -2,6 +2,7 @@
 
 mod commands;
 mod common;
+mod model_args;
 mod sampling_args;
 
 use clap::{Parser, Subcommand};

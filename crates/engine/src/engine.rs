@@ -14,9 +14,11 @@ use crate::backend::{device_row_params, Backend, Runner};
 use crate::counters::EngineCounters;
 use crate::cpu_pool::CpuThreadsMode;
 use crate::logit_bias;
+use request::RequestState;
 use speculate::Verified;
 
 mod embed;
+mod request;
 mod settings;
 mod speculate;
 mod warmup;
@@ -114,44 +116,6 @@ pub enum EngineError {
     KvCacheType(String),
     #[error("internal error (please report): {0}")]
     Internal(String),
-}
-
-/// What the engine keeps per request beside the scheduler's tokens and pages: the sampler
-/// (whose state survives preemption, so recomputed requests draw the same stream), stop
-/// tokens and the generated tokens (the penalty history).
-struct RequestState {
-    generated: Vec<u32>,
-    stop_tokens: Vec<u32>,
-    sampler: AnySampler,
-    want_logprobs: bool,
-    /// `(token, bias)` added to the logits before sampling ([`Engine::set_logit_bias`]).
-    logit_bias: Vec<(u32, f32)>,
-}
-
-impl RequestState {
-    /// Draws the next token on the host from `logits` (with the request's logit biases), and
-    /// the log-softmax of the logits it drew from when the request wants them.
-    fn sample_on_host(&mut self, logits: &[f32]) -> (u32, Option<Vec<f32>>) {
-        let biased;
-        let logits = if self.logit_bias.is_empty() {
-            logits
-        } else {
-            biased = logit_bias::apply(logits, &self.logit_bias);
-            &biased[..]
-        };
-        let token = self.sampler.sample(logits, &self.generated);
-        let logprobs = self
-            .want_logprobs
-            .then(|| pagoda_ops::sampling::log_softmax(logits));
-        (token, logprobs)
-    }
-
-    /// Records a token the GPU sampler drew from this request's stream.
-    fn record_device_draw(&mut self) {
-        if let AnySampler::Fused(fused) = &mut self.sampler {
-            fused.record_external_draw();
-        }
-    }
 }
 
 /// A CPU inference engine over one model: a [`Scheduler`] (continuous batching, chunked

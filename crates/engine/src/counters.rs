@@ -101,6 +101,18 @@ engine_counters! {
     spec_emitted: "pagoda_spec_tokens_total" ["kind" = "emitted"], Counter, "";
     /// Speculation: request rows that carried guesses.
     spec_rows: "pagoda_spec_rows_total", Counter, "Request rows of a step that carried guesses.";
+    /// Speculation by guess position (1st, 2nd, 3rd, 4th and later): guesses verified there.
+    spec_drafted_at_1: "pagoda_spec_drafted_by_position_total" ["position" = "1"], Counter,
+        "Speculative decoding: guesses verified at each position of a draft (4: the 4th and later).";
+    spec_drafted_at_2: "pagoda_spec_drafted_by_position_total" ["position" = "2"], Counter, "";
+    spec_drafted_at_3: "pagoda_spec_drafted_by_position_total" ["position" = "3"], Counter, "";
+    spec_drafted_at_4: "pagoda_spec_drafted_by_position_total" ["position" = "4+"], Counter, "";
+    /// Speculation by guess position: guesses accepted there.
+    spec_accepted_at_1: "pagoda_spec_accepted_by_position_total" ["position" = "1"], Counter,
+        "Speculative decoding: guesses accepted at each position of a draft (4: the 4th and later).";
+    spec_accepted_at_2: "pagoda_spec_accepted_by_position_total" ["position" = "2"], Counter, "";
+    spec_accepted_at_3: "pagoda_spec_accepted_by_position_total" ["position" = "3"], Counter, "";
+    spec_accepted_at_4: "pagoda_spec_accepted_by_position_total" ["position" = "4+"], Counter, "";
     /// Speculation: steps in which the policy drafted nothing (more decoding requests than
     /// `PAGODA_SPEC_MAX_BATCH`).
     spec_steps_off: "pagoda_spec_steps_off_total", Counter,

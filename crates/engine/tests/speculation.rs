@@ -131,6 +131,21 @@ fn speculation_gives_plain_decodings_bits() {
         counters.spec_drafted > counters.spec_accepted,
         "every guess was accepted"
     );
+    let drafted_by_position = counters.spec_drafted_at_1
+        + counters.spec_drafted_at_2
+        + counters.spec_drafted_at_3
+        + counters.spec_drafted_at_4;
+    let accepted_by_position = counters.spec_accepted_at_1
+        + counters.spec_accepted_at_2
+        + counters.spec_accepted_at_3
+        + counters.spec_accepted_at_4;
+    assert_eq!(drafted_by_position, counters.spec_drafted);
+    assert_eq!(accepted_by_position, counters.spec_accepted);
+    assert_eq!(
+        counters.spec_drafted_at_1, counters.spec_rows,
+        "every draft has a first guess"
+    );
+    assert!(counters.spec_accepted_at_1 >= counters.spec_accepted_at_2);
     assert_eq!(speculative.pages_used(), 0, "pages leaked");
 }
 

@@ -83,10 +83,42 @@ impl Engine {
         if drafted == 0 {
             return;
         }
+        let accepted = verified.tokens.len() - 1;
         let counters = &mut self.counters;
         counters.spec_rows += 1;
         counters.spec_drafted += drafted as u64;
-        counters.spec_accepted += verified.tokens.len() as u64 - 1;
+        counters.spec_accepted += accepted as u64;
         counters.spec_emitted += verified.tokens.len() as u64;
+        // Position p (0-based) was verified when it was drafted, accepted when p < accepted.
+        let by_position = [
+            (
+                &mut counters.spec_drafted_at_1,
+                &mut counters.spec_accepted_at_1,
+            ),
+            (
+                &mut counters.spec_drafted_at_2,
+                &mut counters.spec_accepted_at_2,
+            ),
+            (
+                &mut counters.spec_drafted_at_3,
+                &mut counters.spec_accepted_at_3,
+            ),
+            (
+                &mut counters.spec_drafted_at_4,
+                &mut counters.spec_accepted_at_4,
+            ),
+        ];
+        for (position, (drafted_at, accepted_at)) in by_position.into_iter().enumerate() {
+            let last = position == 3;
+            let count = |n: usize| {
+                if last {
+                    n.saturating_sub(3)
+                } else {
+                    usize::from(n > position)
+                }
+            };
+            *drafted_at += count(drafted) as u64;
+            *accepted_at += count(accepted) as u64;
+        }
     }
 }

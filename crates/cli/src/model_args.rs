@@ -73,12 +73,27 @@ pub struct ModelArgs {
     /// wherever it supports the model). Default: $PAGODA_PAGED_DECODE, else auto.
     #[arg(long, value_name = "auto|fused|gather")]
     pub paged_decode: Option<String>,
-    /// Speculative decoding: `off` or `ngram` (prompt lookup: guesses the continuation of
-    /// the longest recent suffix seen before; no second model). The output is exactly plain
-    /// decoding's (the guesses are verified against the request's own sampler; on CUDA bit
-    /// for bit with --deterministic). Default: $PAGODA_SPEC, else off.
-    #[arg(long, value_name = "off|ngram")]
+    /// Speculative decoding: `off`, `ngram` (prompt lookup: guesses the continuation of the
+    /// longest recent suffix seen before; no second model) or `draft` (a draft model,
+    /// --model-draft; giving one alone turns this on). Under the default rule the output is
+    /// exactly plain decoding's (the guesses are verified against the request's own sampler;
+    /// on CUDA bit for bit with --deterministic). Default: $PAGODA_SPEC, else off.
+    #[arg(long, value_name = "off|ngram|draft")]
     pub spec: Option<String>,
+    /// The draft model of speculative decoding (llama-server's `-md`): a .gguf file or a
+    /// Hugging Face directory whose vocabulary matches the model's. It runs on the same
+    /// device with its own KV pool; its weights as stored.
+    #[arg(long = "model-draft", value_name = "FILE")]
+    pub model_draft: Option<PathBuf>,
+    /// How guesses are verified: `invariant` (the default: a guess stands while it equals
+    /// the request's own seeded draw, so outputs equal plain decoding's) or `leviathan`
+    /// (accept with probability min(1, p/q): plain decoding's distribution, not its tokens).
+    #[arg(long, value_name = "invariant|leviathan")]
+    pub spec_rule: Option<String>,
+    /// The draft model stops drafting at a token it drew with probability below P
+    /// (llama-server's spelling; default 0: never).
+    #[arg(long, value_name = "P")]
+    pub draft_p_min: Option<String>,
     /// Most guessed tokens per request and step (llama-server's spelling; default 4).
     #[arg(long, value_name = "N")]
     pub draft_max: Option<String>,
@@ -138,6 +153,17 @@ pub fn model_flag_values(args: &ModelArgs) -> Vec<FlagValue> {
         args.enforce_eager.then(|| "off".to_owned()),
     );
     push("PAGODA_SPEC", "--spec", args.spec.clone());
+    push(
+        "PAGODA_MODEL_DRAFT",
+        "--model-draft",
+        args.model_draft.as_ref().map(|p| p.display().to_string()),
+    );
+    push("PAGODA_SPEC_RULE", "--spec-rule", args.spec_rule.clone());
+    push(
+        "PAGODA_DRAFT_P_MIN",
+        "--draft-p-min",
+        args.draft_p_min.clone(),
+    );
     push("PAGODA_DRAFT_MAX", "--draft-max", args.draft_max.clone());
     push("PAGODA_DRAFT_MIN", "--draft-min", args.draft_min.clone());
     push(

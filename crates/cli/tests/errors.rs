@@ -349,6 +349,47 @@ fn bad_serve_security_flags() {
 }
 
 #[test]
+fn bad_speculation_flags() {
+    let tiny = tiny_model("tiny-llama-f32.gguf");
+    let m = tiny.to_str().unwrap();
+    error_of(
+        &["generate", "-m", m, "-p", "hi", "--spec", "draft"],
+        &["--spec draft needs a draft model", "--model-draft"],
+    );
+    error_of(
+        &["generate", "-m", m, "-p", "hi", "-md", m, "--spec", "ngram"],
+        &["--model-draft", "speculation is ngram", "--spec draft"],
+    );
+    error_of(
+        &["generate", "-m", m, "-p", "hi", "--spec-rule", "sideways"],
+        &["--spec-rule `sideways` is not one of invariant, leviathan"],
+    );
+    error_of(
+        &["generate", "-m", m, "-p", "hi", "--draft-p-min", "2"],
+        &["--draft-p-min `2`", "a number from 0 to 1"],
+    );
+    // A draft model of another vocabulary is refused at load, naming the difference.
+    if let Some(default) = default_model() {
+        error_of(
+            &[
+                "generate",
+                "-m",
+                m,
+                "-p",
+                "hi",
+                "-md",
+                default.to_str().unwrap(),
+            ],
+            &[
+                "--model-draft",
+                "has 49152 tokens and the model's 256",
+                "same family",
+            ],
+        );
+    }
+}
+
+#[test]
 fn bad_settings_and_llama_short_flags() {
     let model = tiny_model("tiny-qwen2");
     let m = model.to_str().unwrap();

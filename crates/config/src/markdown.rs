@@ -45,6 +45,7 @@ fn values(values: Values) -> String {
             shown.push(format!("{min}-{max}"));
             shown.join(", ")
         }
+        Values::Fraction => "0-1".to_owned(),
         Values::Composite { words, suffixes } => format!(
             "`{}`, optionally `+{}`",
             words.join("\\|"),

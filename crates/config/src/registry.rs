@@ -61,6 +61,8 @@ pub enum Values {
         /// Words also accepted (`auto`, `off`).
         words: &'static [&'static str],
     },
+    /// A decimal number from 0 to 1.
+    Fraction,
     /// `WORD` or `WORD+SUFFIX`.
     Composite {
         /// The words.
@@ -141,9 +143,18 @@ settings! {
     "PAGODA_PREFIX_CACHING", None, ON_OFF, "on", Engine,
         "engine EngineSettings",
         "Reuse the KV pages of a prompt prefix seen before.";
-    "PAGODA_SPEC", Some("--spec"), Values::Choice(&["off", "ngram"]), "off", Engine,
+    "PAGODA_SPEC", Some("--spec"), Values::Choice(&["off", "ngram", "draft"]), "off", Engine,
         "engine EngineSettings (speculation)",
-        "Speculative decoding: off, or ngram (prompt lookup); outputs equal plain decoding's.";
+        "Speculative decoding: off, ngram (prompt lookup) or draft (a draft model, --model-draft).";
+    "PAGODA_MODEL_DRAFT", Some("-md/--model-draft"), TEXT, "(none)", Engine,
+        "cli load_draft",
+        "The draft model of --spec draft (a .gguf file or a Hugging Face directory); its vocabulary must match the model's.";
+    "PAGODA_SPEC_RULE", Some("--spec-rule"), Values::Choice(&["invariant", "leviathan"]), "invariant", Engine,
+        "engine EngineSettings (speculation)",
+        "How guesses are verified: invariant (accept while a guess equals the target's own seeded draw: outputs equal plain decoding's) or leviathan (accept with probability min(1, p/q): the same distribution, more acceptances, other tokens).";
+    "PAGODA_DRAFT_P_MIN", Some("--draft-p-min"), Values::Fraction, "0", Engine,
+        "engine EngineSettings (speculation)",
+        "The draft model stops drafting at a token it drew with probability below this.";
     "PAGODA_DRAFT_MAX", Some("--draft-max"), Values::Number { min: 1, max: 64, words: &[] }, "4", Engine,
         "engine EngineSettings (speculation)",
         "Most guessed tokens per request and step.";
@@ -156,9 +167,12 @@ settings! {
     "PAGODA_SPEC_NGRAM_MAX", Some("--spec-ngram-max"), Values::Number { min: 1, max: 16, words: &[] }, "4", Engine,
         "engine EngineSettings (speculation)",
         "Longest suffix the n-gram proposer matches (tried first).";
-    "PAGODA_SPEC_MAX_BATCH", None, Values::Number { min: 1, max: 1024, words: &[] }, "1", Tuning,
+    "PAGODA_SPEC_MAX_BATCH", None, Values::Number { min: 1, max: 1024, words: &[] }, "16", Tuning,
         "engine EngineSettings (speculation)",
-        "Speculation runs only in steps with at most this many decoding requests.";
+        "Speculation runs only in steps with at most this many decoding requests (below it the cost policy decides).";
+    "PAGODA_SPEC_POLICY", None, Values::Choice(&["cost", "always"]), "cost", Tuning,
+        "engine EngineSettings (speculation)",
+        "cost: speculate where the measured step costs and acceptance say it pays (probing now and then where it does not); always: in every step under the batch limit.";
     "PAGODA_CPU_ADAPTIVE_THREADS", None, Values::Choice(&["auto", "off", "one"]), "auto", Engine,
         "engine EngineSettings (cpu_pool)",
         "CPU thread pool per step: auto picks all threads or one per kind of step; off: all; one: one.";

@@ -95,6 +95,11 @@ pub(crate) fn canonical(setting: &Setting, text: &str) -> Result<Option<String>,
                 .filter(|n| (min..=max).contains(n))
                 .map(|n| n.to_string())
         }),
+        Values::Fraction => folded
+            .parse::<f64>()
+            .ok()
+            .filter(|x| (0.0..=1.0).contains(x))
+            .map(|_| folded.clone()),
         Values::Composite { words, suffixes } => {
             let (head, tail) = match folded.split_once('+') {
                 Some((head, tail)) => (head, Some(tail)),
@@ -139,6 +144,7 @@ fn allowed(setting: &Setting) -> String {
                 .collect::<Vec<_>>()
                 .join(" or ")
         ),
+        Values::Fraction => "a number from 0 to 1".to_owned(),
         Values::Text { .. } => "text".to_owned(),
     }
 }
@@ -261,6 +267,11 @@ impl Config {
     /// The number given to a `Number` setting; `None` for a word (`auto`, `off`) or unset.
     pub fn number(&self, name: &str) -> Option<u64> {
         self.word(name).parse().ok()
+    }
+
+    /// The value of a `Fraction` setting (its default when unset).
+    pub fn fraction(&self, name: &str) -> f64 {
+        self.word(name).parse().unwrap_or(0.0)
     }
 
     /// The text given to a setting, `None` when unset.

@@ -57,8 +57,8 @@ pub static SHORT_FLAGS: &[ShortFlag] = &[
     ShortFlag {
         short: "-md",
         llama_long: "--model-draft",
-        becomes: None,
-        why: "speculative decoding with a draft model is not supported yet: use --spec ngram (prompt lookup)",
+        becomes: Some("--model-draft"),
+        why: "",
     },
     ShortFlag {
         short: "-tp",

@@ -363,10 +363,6 @@ impl Gpu {
         match self.never {}
     }
     /// Unreachable.
-    pub fn gemm_batch_invariant(&self) -> bool {
-        match self.never {}
-    }
-    /// Unreachable.
     pub fn capture(
         &self,
         _record: impl FnOnce(&Gpu) -> Result<(), CudaError>,

@@ -101,6 +101,9 @@ engine_counters! {
     spec_emitted: "pagoda_spec_tokens_total" ["kind" = "emitted"], Counter, "";
     /// Speculation: request rows that carried guesses.
     spec_rows: "pagoda_spec_rows_total", Counter, "Request rows of a step that carried guesses.";
+    /// Speculation: verified rows whose tokens the GPU sampler drew.
+    spec_rows_gpu: "pagoda_spec_rows_gpu_total", Counter,
+        "Rows with guesses verified on the GPU (their rows drawn by the device sampler, only the tokens downloaded).";
     /// Speculation by guess position (1st, 2nd, 3rd, 4th and later): guesses verified there.
     spec_drafted_at_1: "pagoda_spec_drafted_by_position_total" ["position" = "1"], Counter,
         "Speculative decoding: guesses verified at each position of a draft (4: the 4th and later).";
@@ -122,6 +125,9 @@ engine_counters! {
     /// CUDA steps replayed from a captured graph.
     steps_cuda_graph: "pagoda_cuda_graph_steps_total", Counter,
         "CUDA decode steps replayed from a captured graph.";
+    /// CUDA verification steps (speculative decoding) replayed from a captured graph.
+    steps_cuda_verify_graph: "pagoda_cuda_verify_graph_steps_total", Counter,
+        "CUDA verification steps of speculative decoding replayed from a graph per (batch, guesses) bucket.";
     /// CUDA graphs captured.
     cuda_graphs_captured: "pagoda_cuda_graphs_captured", Gauge,
         "CUDA graphs captured (one per decode batch bucket).";

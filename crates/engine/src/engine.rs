@@ -8,12 +8,12 @@ use crate::cuda_runner::{PagedDecodeMode, SampledRow, SamplingRowParams};
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch};
 use pagoda_ops::attention::KvCacheTypes;
-use pagoda_ops::sampling::{AnySampler, SamplerKind, SamplingParams};
+use pagoda_ops::sampling::SamplerKind;
 
 use crate::backend::{device_row_params, Backend, Runner};
 use crate::counters::EngineCounters;
 use crate::cpu_pool::CpuThreadsMode;
-use crate::logit_bias;
+use crate::speculation::VerifyRule;
 use request::RequestState;
 use speculate::Verified;
 
@@ -23,9 +23,7 @@ mod settings;
 mod speculate;
 mod warmup;
 
-use pagoda_scheduler::{
-    Request as SchedulerRequest, SampledToken, Scheduler, SchedulerError, SchedulerStats,
-};
+use pagoda_scheduler::{SampledToken, Scheduler, SchedulerError, SchedulerStats};
 pub use settings::EngineSettings;
 
 /// Identifies a request inside one engine.
@@ -133,6 +131,10 @@ pub struct Engine {
     settings: EngineSettings,
     /// Speculation's proposer, when it is on.
     proposer: Option<Box<dyn crate::speculation::Proposer>>,
+    /// When speculation pays, from the steps measured so far.
+    policy: crate::speculation::SpeculationPolicy,
+    /// This step's speculation decision: (decoding requests, whether they speculate).
+    spec_decision: Option<(usize, bool)>,
 }
 
 impl Engine {
@@ -148,19 +150,22 @@ impl Engine {
         if !self.runner.is_cuda() || self.config.sampler != SamplerKind::Fused {
             return None;
         }
+        let leviathan = self.settings.speculation.rule == VerifyRule::Leviathan;
         let mut rows = Vec::with_capacity(ids.len());
         for (id, &draft) in ids.iter().zip(drafts) {
-            if draft > 0 {
-                rows.extend(std::iter::repeat_n(None, draft + 1));
-                continue;
-            }
-            rows.push(self.requests.get(id).and_then(|state| {
-                // The device sampler takes no logit biases: those rows sample on the host.
-                if !state.logit_bias.is_empty() {
+            let params = self.requests.get(id).and_then(|state| {
+                // The device sampler takes no logit biases and keeps no distributions, and
+                // the Leviathan rule needs the target's distributions: those rows sample on
+                // the host.
+                let needs_p = draft > 0 && leviathan && !state.sampler.params().is_greedy();
+                if !state.logit_bias.is_empty() || state.draws_q.is_some() || needs_p {
                     return None;
                 }
                 device_row_params(&state.sampler, state.want_logprobs)
-            }));
+            });
+            // A guessed row draws at the step it would have in plain decoding: the invariant
+            // rule then only compares the drawn tokens with the guesses.
+            rows.extend((0..=draft).map(|offset| params.map(|p| p.at_later_step(offset as u64))));
         }
         rows.iter().any(Option::is_some).then_some(rows)
     }
@@ -234,34 +239,6 @@ impl Engine {
         self.runner.set_cpu_threads_mode(mode);
     }
 
-    /// Sets the logit biases of request `id` (OpenAI's `logit_bias`): `bias` is added to the
-    /// logit of `token` before each draw; -100 bans the token. Its rows then sample on the
-    /// host. Errors: a token outside the vocabulary, a bias outside [-100, 100], an unknown
-    /// request.
-    pub fn set_logit_bias(
-        &mut self,
-        id: RequestId,
-        bias: Vec<(u32, f32)>,
-    ) -> Result<(), EngineError> {
-        let vocab_size = self.runner.config().vocab_size;
-        logit_bias::validate(&bias, vocab_size).map_err(|bad| match bad {
-            logit_bias::BadBias::Token(token) => EngineError::TokenOutOfRange { token, vocab_size },
-            logit_bias::BadBias::Value(value) => {
-                EngineError::Sampling(pagoda_ops::sampling::InvalidSamplingParam {
-                    field: "logit_bias",
-                    value,
-                    range: "in [-100, 100]".to_string(),
-                })
-            }
-        })?;
-        let state = self
-            .requests
-            .get_mut(&id)
-            .ok_or_else(|| EngineError::Internal(format!("request {id} is not running")))?;
-        state.logit_bias = bias;
-        Ok(())
-    }
-
     /// Adds what the CUDA runner counted since the last call to the engine's counters.
     fn absorb_runner_counters(&mut self) {
         if let Some(now) = self.runner.cuda_counters() {
@@ -305,70 +282,6 @@ impl Engine {
     /// Requests waiting for admission (new or preempted).
     pub fn num_waiting(&self) -> usize {
         self.scheduler.stats().num_waiting
-    }
-
-    /// Admits a request. `stop_tokens` end generation (the end-of-generation ids of the
-    /// tokenizer, usually).
-    pub fn add_request(
-        &mut self,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        max_new_tokens: usize,
-        stop_tokens: Vec<u32>,
-        want_logprobs: bool,
-    ) -> Result<RequestId, EngineError> {
-        if prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        if max_new_tokens == 0 {
-            return Err(EngineError::NoNewTokens);
-        }
-        let vocab_size = self.runner.config().vocab_size;
-        if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab_size) {
-            return Err(EngineError::TokenOutOfRange { token, vocab_size });
-        }
-        if prompt.len() + max_new_tokens > self.config.max_context {
-            return Err(EngineError::ContextOverflow {
-                prompt: prompt.len(),
-                max_new_tokens,
-                context: self.config.max_context,
-            });
-        }
-        let sampler =
-            AnySampler::new(params, self.config.sampler).map_err(EngineError::Sampling)?;
-        let id = self.next_id;
-        let request = SchedulerRequest {
-            id,
-            prompt,
-            max_new_tokens,
-        };
-        self.scheduler.add(request).map_err(|error| match error {
-            SchedulerError::TooLargeForPool { needed, total, .. } => EngineError::TooLargeForPool {
-                needed,
-                max_new_tokens,
-                total,
-            },
-            other => EngineError::Internal(other.to_string()),
-        })?;
-        self.next_id += 1;
-        self.requests.insert(
-            id,
-            RequestState {
-                generated: Vec::new(),
-                stop_tokens,
-                sampler,
-                want_logprobs,
-                logit_bias: Vec::new(),
-            },
-        );
-        Ok(id)
-    }
-
-    /// Ends a request early and frees its pages now. Unknown ids are ignored.
-    pub fn cancel(&mut self, id: RequestId) {
-        // Abort only fails on a pool bookkeeping bug; the request is gone either way.
-        let _ = self.scheduler.abort(id);
-        self.requests.remove(&id);
     }
 
     /// The seed a request's sampler uses (reported so runs can be replayed).
@@ -477,6 +390,7 @@ impl Engine {
             rows.push((next_row, draft));
             next_row += 1 + sequence.draft;
         }
+        let rule = self.settings.speculation.rule;
         let drawn: Vec<(RequestState, Verified)> = states
             .into_par_iter()
             .zip(rows)
@@ -484,33 +398,41 @@ impl Engine {
                 // Requests wanting log-probabilities are never sampled on the device; guessed
                 // rows are verified on the host.
                 let verified = match device_sampled.as_ref().map(|rows| &rows[row]) {
-                    Some(SampledRow::Token(token)) => {
-                        state.record_device_draw();
-                        state.generated.push(*token);
-                        Verified::one(*token, None)
+                    Some(SampledRow::Token(_)) => {
+                        let downloaded = device_sampled.as_ref().expect("matched above");
+                        let drawn: Vec<u32> = downloaded[row..=row + draft.len()]
+                            .iter()
+                            .filter_map(SampledRow::token)
+                            .collect();
+                        state.accept_device_draws(&drawn, draft)
                     }
                     Some(SampledRow::Logits(_)) => {
                         let downloaded = device_sampled.as_ref().expect("matched above");
-                        let rows: Vec<f32> = downloaded[row..=row + draft.len()]
+                        let rows: Vec<&[f32]> = downloaded[row..=row + draft.len()]
                             .iter()
-                            .flat_map(|r| match r {
-                                SampledRow::Logits(values) => values.iter().copied(),
-                                SampledRow::Token(_) => [].iter().copied(),
+                            .map(|r| match r {
+                                SampledRow::Logits(values) => &values[..],
+                                SampledRow::Token(_) => &[],
                             })
                             .collect();
-                        state.verify(&rows, vocab_size, draft)
+                        state.verify(&rows, draft, rule)
                     }
                     None => {
-                        let rows = &logits[row * vocab_size..(row + 1 + draft.len()) * vocab_size];
-                        state.verify(rows, vocab_size, draft)
+                        let rows: Vec<&[f32]> = logits
+                            [row * vocab_size..(row + 1 + draft.len()) * vocab_size]
+                            .chunks_exact(vocab_size)
+                            .collect();
+                        state.verify(&rows, draft, rule)
                     }
                 };
                 (state, verified)
             })
             .collect();
-        let on_device = device_sampled.as_ref().map_or(0, |rows| {
-            rows.iter().filter(|row| row.token().is_some()).count()
-        });
+        let on_device: usize = drawn
+            .iter()
+            .filter(|(_, v)| v.on_device)
+            .map(|(_, v)| v.tokens.len())
+            .sum();
         self.counters.sampled_tokens_gpu += on_device as u64;
         let emitted: usize = drawn.iter().map(|(_, v)| v.tokens.len()).sum();
         self.counters.sampled_tokens_cpu += (emitted - on_device) as u64;
@@ -570,6 +492,7 @@ impl Engine {
                 });
             }
         }
+        self.record_speculation_step(&plan, step_started.elapsed(), emitted);
         let stats = self.scheduler.stats();
         self.counters.prefix_hit_tokens = stats.prefix_hit_tokens;
         self.counters.preemptions = stats.preemptions;

@@ -2,9 +2,11 @@
 //! same results as each sequence run alone (the oracle), on both attention paths, including
 //! when requests join and leave mid-flight and when pages are recycled between requests.
 
+mod common;
+
 use std::path::PathBuf;
 
-use pagoda_engine::{load_model, Engine, EngineConfig, LoadOptions, ModelSource};
+use pagoda_engine::{load_model, Engine, LoadOptions, ModelSource};
 use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
 use pagoda_ops::attention::AttentionPath;
 use pagoda_ops::linear::cpu::amx::{self, AMX_MIN_TOKENS};
@@ -31,17 +33,12 @@ fn engine(
         &mut |_, _| {},
     )
     .unwrap();
-    let config = EngineConfig {
-        page_size: 16,
+    let config = common::engine_config(
         num_pages,
         max_batch_tokens,
-        max_context: 1024,
-        attention: AttentionPolicy::Force(path),
-        sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
-        cuda_graphs: true,
-        paged_decode: Default::default(),
-        kv_types: Default::default(),
-    };
+        1024,
+        AttentionPolicy::Force(path),
+    );
     Some((Engine::new(loaded.model, config).unwrap(), loaded.tokenizer))
 }
 

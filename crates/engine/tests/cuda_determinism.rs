@@ -17,7 +17,7 @@ use common::gpu;
 
 use pagoda_cuda::Gpu;
 use pagoda_engine::cuda_runner::{CudaModel, DType};
-use pagoda_engine::{CpuThreadsMode, Engine, EngineConfig, EngineSettings};
+use pagoda_engine::{CpuThreadsMode, Engine, EngineSettings};
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::AttentionPolicy;
 use pagoda_models::llama_cuda::CudaKernels;
@@ -59,17 +59,8 @@ impl Setup<'_> {
             &mut |_, _| {},
         )
         .unwrap();
-        let config = EngineConfig {
-            page_size: 16,
-            num_pages,
-            max_batch_tokens,
-            max_context: 1024,
-            attention: AttentionPolicy::Auto,
-            sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
-            cuda_graphs: true,
-            paged_decode: Default::default(),
-            kv_types: Default::default(),
-        };
+        let config =
+            common::engine_config(num_pages, max_batch_tokens, 1024, AttentionPolicy::Auto);
         let settings = EngineSettings {
             prefix_caching,
             cuda_warmup: false,

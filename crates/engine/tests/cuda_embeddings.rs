@@ -22,17 +22,7 @@ fn config() -> ModelConfig {
 }
 
 fn engine_config(max_batch_tokens: usize) -> EngineConfig {
-    EngineConfig {
-        page_size: 16,
-        num_pages: 64,
-        max_batch_tokens,
-        max_context: 1024,
-        attention: AttentionPolicy::Auto,
-        sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
-        cuda_graphs: true,
-        paged_decode: Default::default(),
-        kv_types: Default::default(),
-    }
+    common::engine_config(64, max_batch_tokens, 1024, AttentionPolicy::Auto)
 }
 
 #[test]

@@ -1,17 +1,20 @@
 //! Speculative decoding on CUDA: with `--deterministic` (a row's logits do not depend on
 //! what shares its step), `--spec ngram` gives plain decoding's tokens and log-probability
 //! bits, bf16 and f32, for requests sampled on the host (log-probabilities asked) and beside
-//! them requests whose unguessed rows sample on the device. On the GPU machine only:
-//! elsewhere the test shows as ignored.
+//! them a request whose rows, guessed ones included, sample on the device; with the n-gram
+//! proposer and with a draft model (the same weights in bf16). The Leviathan rule keeps
+//! greedy tokens. On the GPU machine only: elsewhere the test shows as ignored.
 
 mod common;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use common::gpu;
 
+use pagoda_cuda::Gpu;
 use pagoda_engine::cuda_runner::{CudaModel, DType};
-use pagoda_engine::speculation::{SpeculationMode, SpeculationSettings};
+use pagoda_engine::speculation::{DraftModel, SpeculationMode, SpeculationSettings, VerifyRule};
 use pagoda_engine::{CpuThreadsMode, Engine, EngineSettings, RequestId};
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::AttentionPolicy;
@@ -60,46 +63,114 @@ fn run(engine: &mut Engine) -> Output {
     output
 }
 
+/// The engine of `mode` over `weights` on the GPU; a draft-model engine drafts with the same
+/// weights in bf16 (a near but not equal model for the f32 target).
+fn engine(
+    gpu: &Arc<Gpu>,
+    weights: &RandomWeights,
+    dtype: DType,
+    mode: SpeculationMode,
+    rule: VerifyRule,
+) -> Engine {
+    let settings = |mode| EngineSettings {
+        prefix_caching: true,
+        cuda_warmup: false,
+        cpu_threads: CpuThreadsMode::Auto,
+        split_kv_chunk_tokens: 256,
+        speculation: SpeculationSettings {
+            mode,
+            rule,
+            max_batch: 4,
+            // The policy is timing-dependent; these tests count acceptances.
+            cost_policy: false,
+            ..SpeculationSettings::default()
+        },
+        cuda_kernels: CudaKernels {
+            deterministic: true,
+            ..CudaKernels::default()
+        },
+    };
+    let load =
+        |dtype| CudaModel::load(config(), weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
+    let engine_config = common::engine_config(128, 256, 512, AttentionPolicy::Auto);
+    let mut engine =
+        Engine::with_settings(load(dtype), engine_config.clone(), settings(mode)).unwrap();
+    if mode == SpeculationMode::Draft {
+        let draft = Engine::with_settings(
+            load(DType::BF16),
+            engine_config,
+            settings(SpeculationMode::Off),
+        )
+        .unwrap();
+        let vocab = config().vocab_size;
+        engine.set_proposer(Box::new(DraftModel::new(draft, rule, 0.0, vocab)));
+    }
+    engine
+}
+
 #[test]
 #[ignore = "needs a GPU"]
 fn speculation_on_cuda_gives_plain_decodings_bits_in_deterministic_mode() {
     let gpu = gpu();
     let weights = RandomWeights::new(&config(), 5, 4 << 30).unwrap();
     for dtype in [DType::BF16, DType::F32] {
-        let mut outputs = Vec::new();
-        let mut accepted = 0;
-        for mode in [SpeculationMode::Off, SpeculationMode::Ngram] {
-            let model =
-                CudaModel::load(config(), &weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
-            let settings = EngineSettings {
-                prefix_caching: true,
-                cuda_warmup: false,
-                cpu_threads: CpuThreadsMode::Auto,
-                split_kv_chunk_tokens: 256,
-                speculation: SpeculationSettings {
-                    mode,
-                    ..SpeculationSettings::default()
-                },
-                cuda_kernels: CudaKernels {
-                    deterministic: true,
-                    ..CudaKernels::default()
-                },
-            };
-            let engine_config = common::engine_config(128, 256, 512, AttentionPolicy::Auto);
-            let mut engine = Engine::with_settings(model, engine_config, settings).unwrap();
-            outputs.push(run(&mut engine));
-            let counters = engine.counters();
-            println!(
-                "{dtype:?} {mode:?}: drafted {} accepted {} in {} rows",
-                counters.spec_drafted, counters.spec_accepted, counters.spec_rows
-            );
-            accepted = counters.spec_accepted;
-            assert_eq!(engine.pages_used(), 0);
-        }
-        assert!(
-            outputs[0] == outputs[1],
-            "{dtype:?}: speculation changed the output"
+        let mut plain = engine(
+            &gpu,
+            &weights,
+            dtype,
+            SpeculationMode::Off,
+            VerifyRule::Invariant,
         );
-        assert!(accepted > 0, "{dtype:?}: no guess was accepted");
+        let expected = run(&mut plain);
+        for mode in [SpeculationMode::Ngram, SpeculationMode::Draft] {
+            let mut speculative = engine(&gpu, &weights, dtype, mode, VerifyRule::Invariant);
+            let got = run(&mut speculative);
+            let counters = speculative.counters();
+            println!(
+                "{dtype:?} {mode:?}: drafted {} accepted {} in {} rows ({} on the GPU), {} tokens \
+                 sampled on the GPU, {} verification steps from graphs",
+                counters.spec_drafted,
+                counters.spec_accepted,
+                counters.spec_rows,
+                counters.spec_rows_gpu,
+                counters.sampled_tokens_gpu,
+                counters.steps_cuda_verify_graph
+            );
+            assert!(
+                got == expected,
+                "{dtype:?} {mode:?}: speculation changed the output"
+            );
+            assert!(
+                counters.spec_accepted > 0,
+                "{dtype:?} {mode:?}: no guess was accepted"
+            );
+            // Request 2 asks no log-probabilities: its guessed rows were drawn on the GPU.
+            assert_eq!(counters.sampled_tokens_gpu, 40, "{dtype:?} {mode:?}");
+            if mode == SpeculationMode::Draft {
+                assert!(counters.spec_rows_gpu > 0, "{dtype:?}: device verification");
+            }
+            assert!(
+                counters.steps_cuda_verify_graph > 0,
+                "{dtype:?} {mode:?}: verify graphs"
+            );
+            assert_eq!(speculative.pages_used(), 0);
+        }
+        // The Leviathan rule: greedy request 0 keeps its tokens; every request ends.
+        let mut leviathan = engine(
+            &gpu,
+            &weights,
+            dtype,
+            SpeculationMode::Draft,
+            VerifyRule::Leviathan,
+        );
+        let got = run(&mut leviathan);
+        let first = |output: &Output| output.values().next().unwrap().0.clone();
+        assert_eq!(
+            first(&got),
+            first(&expected),
+            "{dtype:?}: greedy under Leviathan"
+        );
+        assert!(got.values().all(|(tokens, _)| tokens.len() == 40));
+        assert_eq!(leviathan.pages_used(), 0);
     }
 }

@@ -5,11 +5,11 @@
 //! `scripts/fixtures/embedding_reference.py`): to 1e-5 in exact mode (f32 weights), within
 //! the quantized path's error as stored.
 
+mod common;
+
 use std::path::PathBuf;
 
-use pagoda_engine::{
-    load_model, Backend, Engine, EngineConfig, EngineError, LoadOptions, ModelSource,
-};
+use pagoda_engine::{load_model, Backend, Engine, EngineError, LoadOptions, ModelSource};
 use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
 use pagoda_models::tokenizer::Tokenizer;
 use pagoda_ops::sampling::SamplingParams;
@@ -35,17 +35,7 @@ fn load_as(precision: WeightPrecision) -> Option<(Backend, Tokenizer)> {
 }
 
 fn engine(model: Backend, num_pages: usize, max_batch_tokens: usize) -> Engine {
-    let config = EngineConfig {
-        page_size: 16,
-        num_pages,
-        max_batch_tokens,
-        max_context: 1024,
-        attention: AttentionPolicy::Auto,
-        sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
-        cuda_graphs: true,
-        paged_decode: Default::default(),
-        kv_types: Default::default(),
-    };
+    let config = common::engine_config(num_pages, max_batch_tokens, 1024, AttentionPolicy::Auto);
     Engine::with_prefix_caching(model, config, true).unwrap()
 }
 

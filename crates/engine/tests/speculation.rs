@@ -21,6 +21,8 @@ fn engine(speculation: SpeculationMode, max_batch: usize) -> Option<(Engine, Vec
         speculation: SpeculationSettings {
             mode: speculation,
             max_batch,
+            // The policy is timing-dependent; these tests count acceptances.
+            cost_policy: false,
             ..SpeculationSettings::default()
         },
         ..EngineSettings::from_config(

@@ -14,6 +14,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Args;
+use pagoda_engine::speculation::FixedProposer;
 use pagoda_engine::{load_random, Engine, LoadOptions};
 use pagoda_models::llama::WeightPrecision;
 use pagoda_ops::sampling::SamplingParams;
@@ -84,6 +85,12 @@ pub struct BenchArgs {
     /// Decode tests sample with temperature 1 and this top-p (seeded) instead of greedily.
     #[arg(long, value_name = "P")]
     pub top_p: Option<f32>,
+    /// Also time decode steps in which every request carries K guesses that verification
+    /// rejects (one list entry per K, e.g. `--verify 2,4,8`): the cost of a speculative
+    /// verification step beside the plain step of the same batch. These tests' tok/s count
+    /// one token per request and step, so their step_ms is the verification step's.
+    #[arg(long, value_delimiter = ',', value_name = "K")]
+    pub verify: Vec<usize>,
 }
 
 /// The benchmark subcommands of `pagoda bench`.
@@ -190,7 +197,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         bail!("nothing to measure: give a prompt length (-p 128) or tokens to decode (-n 128)");
     }
     let load_before = load_average();
-    let (backend, model_path) = match &args.random_weights {
+    let (backend, model_path, tokenizer) = match &args.random_weights {
         Some(spec) => {
             common::configure_threads(args.model.threads)?;
             let device = common::resolve_device(&args.model)?;
@@ -203,12 +210,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 backend.device_name(),
                 started.elapsed().as_secs_f64()
             );
-            (backend, format!("random weights: {spec}"))
+            (backend, format!("random weights: {spec}"), None)
         }
         None => {
             let loaded = common::load(&args.model)?;
             let path = loaded.source.path().display().to_string();
-            (loaded.model, path)
+            (loaded.model, path, Some(loaded.tokenizer))
         }
     };
     let device = backend.device_name();
@@ -261,7 +268,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         },
         Some(p) => bail!("--top-p {p} is outside (0, 1]"),
     };
-    let mut engine = common::engine(backend, &args.model, ctx, max_batch)?;
+    let mut engine = common::engine(backend, &args.model, ctx, max_batch, tokenizer.as_ref())?;
     let warmup = !args.model.no_warmup;
     let mut results = Vec::new();
     // Timed runs count from 1; run 0 seeds the warm-up runs' prompts.
@@ -290,15 +297,23 @@ pub fn run(args: BenchArgs) -> Result<()> {
         print_profile(&format!("pp{length}"), args.repetitions);
         results.push(summarize(format!("pp{length}"), rates, steps, None)?);
     }
-    let decode_tests: Vec<(usize, usize)> = if args.decode_tokens > 0 {
+    let guesses: Vec<usize> = std::iter::once(0)
+        .chain(args.verify.iter().copied())
+        .collect();
+    let decode_tests: Vec<(usize, usize, usize)> = if args.decode_tokens > 0 {
         args.depth
             .iter()
             .flat_map(|&depth| args.batch.iter().map(move |&batch| (depth, batch)))
+            .flat_map(|(depth, batch)| guesses.iter().map(move |&k| (depth, batch, k)))
             .collect()
     } else {
         Vec::new()
     };
-    let decode_shape = |(depth, batch)| DecodeShape {
+    if args.verify.contains(&0) {
+        bail!("--verify takes guesses per request of at least 1 (plain steps always run)");
+    }
+    let decode_shape = |(depth, batch, guesses)| DecodeShape {
+        per_step: guesses > 0,
         vocab,
         batch,
         depth,
@@ -308,7 +323,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(&first) = decode_tests.first().filter(|_| warmup) {
         timed_decode(&mut engine, decode_shape(first), 0, decode_params)?;
     }
-    for (depth, batch) in decode_tests {
+    for (depth, batch, guesses) in decode_tests {
+        if !args.verify.is_empty() {
+            // Plain steps (no drafts at any batch), or K rejected guesses per request.
+            engine.set_proposer(Box::new(FixedProposer { vocab }));
+            let max_batch = if guesses > 0 { usize::MAX } else { 0 };
+            engine.set_speculation_limits(guesses.max(1), max_batch, false);
+        }
         let mut name = format!("tg{}", args.decode_tokens);
         if depth > 0 {
             name += &format!(" @ d{depth}");
@@ -322,6 +343,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         if let Some(p) = args.top_p {
             name += &format!(" top-p {p}");
         }
+        if guesses > 0 {
+            name += &format!(" verify {guesses}");
+        }
         let mut rates = Vec::new();
         let mut steps = StepCounts::default();
         pagoda_ops::profile::reset();
@@ -329,7 +353,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             run_index += 1;
             let (tokens, seconds, counts) = timed_decode(
                 &mut engine,
-                decode_shape((depth, batch)),
+                decode_shape((depth, batch, guesses)),
                 run_index,
                 decode_params,
             )?;
@@ -448,6 +472,8 @@ struct DecodeShape {
     depth: usize,
     tokens: usize,
     shared_prefix: bool,
+    /// Count one token per request and step (`--verify` tests), not the tokens emitted.
+    per_step: bool,
 }
 
 /// Decode throughput of `batch` sequences with `depth` tokens of context each: returns the
@@ -465,6 +491,7 @@ fn timed_decode(
         depth,
         tokens,
         shared_prefix,
+        per_step,
     } = shape;
     // Sequences that finish their prefill early decode while the others still prefill;
     // the slack keeps every sequence running until `tokens` full-batch steps are timed.
@@ -497,13 +524,20 @@ fn timed_decode(
     // Time `tokens` steps in which every sequence decodes together.
     let before = engine.counters().clone();
     let started = Instant::now();
+    // Accepted guesses emit more than one token per request (a speculating engine reaches
+    // the tokens in fewer steps); `--verify` tests count one per request and step, so that
+    // their step_ms is the verification step's.
+    let speculating = engine.speculating() && !per_step;
     let mut sampled = 0;
     for _ in 0..tokens {
         let events = engine.step()?.len();
-        if events != batch {
+        if events < batch && !speculating {
             bail!("a decode step of the {batch}-sequence batch sampled {events} tokens");
         }
-        sampled += events;
+        sampled += if per_step { batch } else { events };
+        if speculating && sampled >= tokens * batch {
+            break;
+        }
     }
     let seconds = started.elapsed().as_secs_f64();
     let mut steps = steps_since(engine, &before);

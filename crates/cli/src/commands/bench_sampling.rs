@@ -119,6 +119,9 @@ pub struct BenchSamplingArgs {
     /// CUDA: CTAs per row of the filtered pipeline (default: the sampler's choice).
     #[arg(long = "filter-splits")]
     pub filter_splits: Option<usize>,
+    /// CUDA: CTAs per row of the split kernels (maxima, Gumbel-max; default: the sampler's).
+    #[arg(long = "splits")]
+    pub splits: Option<usize>,
     /// CUDA: the configurations to time (comma-separated; default all).
     #[arg(long = "configurations", value_enum, value_delimiter = ',')]
     pub configurations: Vec<super::bench_sampling_anchors::Configuration>,

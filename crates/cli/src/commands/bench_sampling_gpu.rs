@@ -147,7 +147,9 @@ pub fn run(args: &BenchSamplingArgs) -> Result<()> {
             let cell = Cell {
                 vocab,
                 batch,
-                splits: sampling_splits(batch, vocab, sm_count),
+                splits: args
+                    .splits
+                    .unwrap_or_else(|| sampling_splits(batch, vocab, sm_count)),
             };
             let configurations = if args.configurations.is_empty() {
                 Configuration::ALL.to_vec()
@@ -174,6 +176,7 @@ pub fn run(args: &BenchSamplingArgs) -> Result<()> {
                         cluster_prefetch: args.prefetch == OnOff::On,
                         fast_rounds: args.fast_rounds,
                         filter_splits: args.filter_splits,
+                        splits: args.splits,
                         label: if filtered { arm.name() } else { "-" },
                     };
                     let case = measure(
@@ -295,6 +298,8 @@ struct ArmOptions {
     fast_rounds: Option<u32>,
     /// [`SamplingOptions::filter_splits`].
     filter_splits: Option<usize>,
+    /// [`SamplingOptions::num_splits`].
+    splits: Option<usize>,
     /// The arm's name in the table.
     label: &'static str,
 }
@@ -333,6 +338,7 @@ fn measure(
         cluster_shape: arm.cluster_shape,
         cluster_prefetch: arm.cluster_prefetch,
         filter_splits: arm.filter_splits,
+        num_splits: arm.splits,
         mix: mix.unwrap_or(SamplingMix::ALL),
         ..SamplingOptions::default()
     };

@@ -55,7 +55,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
         false => common::stop_tokens(&loaded.tokenizer, &loaded.generation),
     };
     let tokenizer = loaded.tokenizer;
-    let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
+    let mut engine = common::engine(loaded.model, &args.model, ctx, 1, Some(&tokenizer))?;
     let interactive = std::io::stdin().is_terminal();
     let system: Vec<ChatMessage> = args
         .system

@@ -69,7 +69,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     let params = args.sampling.resolve(&loaded.generation)?;
     let stop_tokens = common::stop_tokens(&loaded.tokenizer, &loaded.generation);
     let tokenizer = loaded.tokenizer;
-    let mut engine = common::engine(loaded.model, &args.model, ctx, 1)?;
+    let mut engine = common::engine(loaded.model, &args.model, ctx, 1, Some(&tokenizer))?;
     let prompt_ids = common::encode_prompt(&tokenizer, &text, args.chat)?;
     let requested = match args.max_tokens {
         Some(-1) => Some(ctx.saturating_sub(prompt_ids.len()).max(1)),

@@ -236,8 +236,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     };
     let device_name = loaded.model.device_name();
     let settings = EngineSettings::from_config(pagoda_config::global());
-    let engine = Engine::with_settings(loaded.model, config.clone(), settings)
+    let mut engine = Engine::with_settings(loaded.model, config.clone(), settings)
         .map_err(anyhow::Error::msg)?;
+    crate::draft::attach_draft(&mut engine, &args.model, Some(&loaded.tokenizer))?;
 
     eprintln!("pagoda serve");
     eprintln!("  model        {source_path} (served as `{model_name}`)");

@@ -387,14 +387,8 @@ impl Gpu {
             output: TOut::DTYPE,
             accumulate: beta != 0.0,
         };
-        let mut guard = self
-            .blas
-            .lock()
-            .map_err(|_| CudaError::invalid("cuBLASLt lock poisoned"))?;
-        if guard.is_none() {
-            *guard = Some(Blas::new(self)?);
-        }
-        let blas = guard.as_mut().expect("initialised above");
+        let mut guard = self.lock_blas()?;
+        let blas = guard.as_mut().expect("lock_blas initialises it");
         let (handle, workspace_ptr, workspace_size) =
             (blas.handle, blas.workspace_ptr, blas.workspace.len());
         let plan = blas.plan(key)?;
@@ -427,14 +421,8 @@ impl Gpu {
     /// split-K off, so a row's output does not depend on the other rows of the GEMM (see the
     /// module docs). Switching drops the cached plans. Not while a graph is being captured.
     pub fn set_gemm_batch_invariant(&self, on: bool) -> Result<(), CudaError> {
-        let mut guard = self
-            .blas
-            .lock()
-            .map_err(|_| CudaError::invalid("cuBLASLt lock poisoned"))?;
-        if guard.is_none() {
-            *guard = Some(Blas::new(self)?);
-        }
-        let blas = guard.as_mut().expect("initialised above");
+        let mut guard = self.lock_blas()?;
+        let blas = guard.as_mut().expect("lock_blas initialises it");
         if blas.batch_invariant != on {
             blas.clear_plans();
             blas.batch_invariant = on;
@@ -442,13 +430,16 @@ impl Gpu {
         Ok(())
     }
 
-    /// Whether GEMMs run batch-invariant ([`Gpu::set_gemm_batch_invariant`]).
-    pub fn gemm_batch_invariant(&self) -> bool {
-        self.blas
+    /// The cuBLASLt state, made on first use (a handle, a workspace, the plan cache).
+    fn lock_blas(&self) -> Result<std::sync::MutexGuard<'_, Option<Blas>>, CudaError> {
+        let mut guard = self
+            .blas
             .lock()
-            .ok()
-            .and_then(|guard| guard.as_ref().map(|blas| blas.batch_invariant))
-            .unwrap_or(false)
+            .map_err(|_| CudaError::invalid("cuBLASLt lock poisoned"))?;
+        if guard.is_none() {
+            *guard = Some(Blas::new(self)?);
+        }
+        Ok(guard)
     }
 
     /// Number of cached GEMM plans.

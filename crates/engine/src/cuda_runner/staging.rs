@@ -70,12 +70,17 @@ impl<T: HostFloat> TypedRunner<T> {
             n,
         );
         let last_query = batch.qo_indptr[real_requests];
+        // Padding requests: one row each in a decode shape; in a verification shape (more
+        // rows than requests) the first one holds every padding row, the others none.
+        let verify_shape = n != r;
         let qo_indptr = put(
-            &mut batch
-                .qo_indptr
-                .iter()
-                .copied()
-                .chain((1..).map(|i| last_query + i)),
+            &mut batch.qo_indptr.iter().copied().chain((1..).map(|i| {
+                if verify_shape {
+                    n as u32
+                } else {
+                    last_query + i
+                }
+            })),
             r + 1,
         );
         let page_indptr_range = put(

@@ -29,6 +29,46 @@ fn graph_bucket(num_requests: usize, max: usize) -> Option<usize> {
     Some(num_requests.next_power_of_two().min(max))
 }
 
+/// Most rows a request may bring to a graph-replayed verification step (16 guesses and the
+/// pending token).
+const MAX_VERIFY_ROWS: usize = 17;
+
+/// The graph shape of a verification step (speculative decoding: every row needs logits, each
+/// request brings 1 to `q` rows, some more than one): `(requests, q)`, requests rounded up to
+/// a bucket with room for a padding request that holds the padding rows (every padded
+/// request's rows but the first padding request's are empty). `None` when it does not fit
+/// the step buffers (`max_requests`, `max_tokens`): then the step runs eagerly.
+fn verify_bucket(
+    qo_indptr: &[u32],
+    max_requests: usize,
+    max_tokens: usize,
+) -> Option<(usize, usize)> {
+    let requests = qo_indptr.len().checked_sub(1)?;
+    let tokens = *qo_indptr.last()? as usize;
+    let q = qo_indptr.windows(2).map(|w| (w[1] - w[0]) as usize).max()?;
+    if !(2..=MAX_VERIFY_ROWS).contains(&q) {
+        return None;
+    }
+    let mut bucket = graph_bucket(requests, max_requests)?;
+    if bucket == requests && tokens < bucket * q {
+        bucket = graph_bucket(requests + 1, max_requests)?;
+        if bucket == requests {
+            return None;
+        }
+    }
+    (bucket * q <= max_tokens).then_some((bucket, q))
+}
+
+/// The graph cache's key of a step shape: the bucket for decode steps (one row per
+/// request), `(requests << 32) | rows` for verification steps.
+fn graph_key(num_requests: usize, num_tokens: usize) -> usize {
+    if num_requests == num_tokens {
+        num_tokens
+    } else {
+        (num_requests << 32) | num_tokens
+    }
+}
+
 /// Every graph bucket up to `max`: the powers of two below it, then `max`.
 fn graph_buckets(max: usize) -> Vec<usize> {
     let mut buckets: Vec<usize> = (0..usize::BITS)
@@ -273,22 +313,33 @@ impl<T: HostFloat> TypedRunner<T> {
             num_requests,
             options.max_batch_requests.min(options.max_batch_tokens),
         );
-        let graph_rows = bucket.filter(|_| {
-            options.cuda_graphs
-                && !hidden_only
-                && decode_rows
-                && fits_decode
-                && num_logits == num_tokens
-        });
-        let shape = match graph_rows {
-            Some(padded) => StepShape {
+        let graphs_on = options.cuda_graphs && !hidden_only && num_logits == num_tokens;
+        let graph_rows = bucket.filter(|_| graphs_on && decode_rows && fits_decode);
+        let verify_rows = (graphs_on && !decode_rows)
+            .then(|| {
+                verify_bucket(
+                    batch.qo_indptr,
+                    options.max_batch_requests,
+                    options.max_batch_tokens,
+                )
+            })
+            .flatten();
+        let shape = match (graph_rows, verify_rows) {
+            (Some(padded), _) => StepShape {
                 num_tokens: padded,
                 num_requests: padded,
                 num_logits: padded,
                 attention: self.decode_attention(cache, padded, sm_count),
                 hidden_only: false,
             },
-            None => StepShape {
+            (None, Some((requests, rows))) => StepShape {
+                num_tokens: requests * rows,
+                num_requests: requests,
+                num_logits: requests * rows,
+                attention: Attention::Prefill,
+                hidden_only: false,
+            },
+            (None, None) => StepShape {
                 num_tokens,
                 num_requests,
                 num_logits,
@@ -300,7 +351,7 @@ impl<T: HostFloat> TypedRunner<T> {
                 },
             },
         };
-        let graph = graph_rows.is_some();
+        let graph = graph_rows.is_some() || verify_rows.is_some();
         let started = gpu.record_event()?;
         let planned = host_started.elapsed();
         if self.stage(cache, batch, &shape)? {
@@ -334,15 +385,20 @@ impl<T: HostFloat> TypedRunner<T> {
             } = cache;
             let before = graphs.len();
             let this = &*self;
-            let replay = graphs.get_or_capture(&gpu, shape.num_tokens, |gpu| {
+            let key = graph_key(shape.num_requests, shape.num_tokens);
+            let replay = graphs.get_or_capture(&gpu, key, |gpu| {
                 this.model.run(gpu, buffers, layout, &shape)
             })?;
             replay.launch()?;
-            // Captured at prepare; a miss here means the bucket list changed.
+            // Decode graphs are captured at prepare (a miss here means the bucket list
+            // changed); verification graphs at their first step.
             if graphs.len() > before {
                 self.counters.cuda_graphs_captured += 1;
             }
             self.counters.steps_cuda_graph += 1;
+            if verify_rows.is_some() {
+                self.counters.steps_cuda_verify_graph += 1;
+            }
         } else {
             announce("eager");
             self.model
@@ -440,6 +496,23 @@ impl<T: HostFloat> TypedRunner<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn verification_steps_pad_to_a_bucket_with_a_padding_request() {
+        // Three requests of 5, 3 and 1 rows: 4 requests of 5 rows, the fourth holding the
+        // padding.
+        assert_eq!(verify_bucket(&[0, 5, 8, 9], 64, 512), Some((4, 5)));
+        // Four full requests: no padding request needed.
+        assert_eq!(verify_bucket(&[0, 3, 6, 9, 12], 64, 512), Some((4, 3)));
+        // Four requests, one short: the bucket grows to make room for the padding.
+        assert_eq!(verify_bucket(&[0, 3, 6, 9, 11], 64, 512), Some((8, 3)));
+        // Decode rows, too many rows per request, or past the buffers: eager.
+        assert_eq!(verify_bucket(&[0, 1, 2], 64, 512), None);
+        assert_eq!(verify_bucket(&[0, 18], 64, 512), None);
+        assert_eq!(verify_bucket(&[0, 9, 18], 64, 16), None);
+        assert_eq!(verify_bucket(&[0, 2, 3, 4, 5], 4, 512), None);
+        assert_ne!(graph_key(4, 20), graph_key(20, 20));
+    }
 
     #[test]
     fn buckets_are_powers_of_two_capped_at_the_limit() {

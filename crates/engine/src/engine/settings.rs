@@ -15,7 +15,7 @@ use pagoda_models::llama_cuda::CudaKernels;
 use pagoda_ops::sampling::SamplerKind;
 
 /// Switches of an engine that the configuration sets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EngineSettings {
     /// Share full prompt pages between requests (`PAGODA_PREFIX_CACHING`, default on).
     pub prefix_caching: bool,
@@ -112,29 +112,12 @@ impl Engine {
             counters: EngineCounters::default(),
             runner_counted: EngineCounters::default(),
             proposer: settings.speculation.proposer(),
+            policy: Default::default(),
+            spec_decision: None,
             settings,
         };
-        if let Some(proposer) = &engine.proposer {
-            static LOGGED_SPEC: std::sync::Once = std::sync::Once::new();
-            let spec = settings.speculation;
-            let name = proposer.name();
-            LOGGED_SPEC.call_once(|| {
-                tracing::info!(
-                    "speculative decoding: {name} proposer (suffixes of {}-{} tokens), {}-{} \
-                     guesses per request, in steps of at most {} decoding requests; outputs \
-                     equal plain decoding's{}",
-                    spec.ngram_min,
-                    spec.ngram_max,
-                    spec.draft_min,
-                    spec.draft_max,
-                    spec.max_batch,
-                    if engine.runner.is_cuda() {
-                        " (CUDA: guessed rows verified on the host; exact with --deterministic)"
-                    } else {
-                        ""
-                    }
-                )
-            });
+        if engine.proposer.is_some() {
+            engine.log_speculation_once();
         }
         // The decode graphs captured at start count before the first step.
         engine.absorb_runner_counters();

@@ -175,6 +175,24 @@ impl FusedSampler {
         self.step += 1;
     }
 
+    /// The Philox key of [`Self::seed`].
+    pub fn key(&self) -> [u32; 2] {
+        self.key
+    }
+
+    /// The sampler a drafter draws its guesses with under the Leviathan rule: the same
+    /// parameters and step, seeded by the first block of this seed's `Drafter` purpose, so
+    /// its draws are independent of this sampler's and of verification's.
+    pub fn drafter(&self) -> FusedSampler {
+        let block = draw_block(self.key, 0, DrawPurpose::Drafter, 0);
+        let seed = ((block[1] as u64) << 32) | block[0] as u64;
+        FusedSampler {
+            seed,
+            key: key_from_seed(seed),
+            ..self.clone()
+        }
+    }
+
     /// Lowers (or raises) the rejection round cap, default
     /// [`DEFAULT_MAX_REJECTION_ROUNDS`]; `0` sends every filtered call to the fallback. For
     /// tests of the fallback path; the distribution is exact at any cap.

@@ -60,6 +60,7 @@ mod penalties;
 pub mod philox;
 mod reference;
 mod rejection;
+pub mod speculative;
 mod weights;
 
 pub use chain::{argmax, effective_distribution, Categorical, ChainOutcome, SamplingChain};

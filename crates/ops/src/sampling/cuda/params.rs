@@ -48,6 +48,17 @@ pub struct SamplingRowParams {
 }
 
 impl SamplingRowParams {
+    /// The same row drawn `offset` sample calls later (a guessed row of speculative
+    /// decoding draws at the step plain decoding would give it).
+    pub fn at_later_step(self, offset: u64) -> Self {
+        let step = ((self.step_high as u64) << 32 | self.step_low as u64) + offset;
+        SamplingRowParams {
+            step_low: step as u32,
+            step_high: (step >> 32) as u32,
+            ..self
+        }
+    }
+
     /// A validated record (see [`validate`](Self::validate)) for call `step` of a request
     /// seeded `seed`. `top_k` above `u32::MAX` should be passed as 0 (off).
     pub fn new(
@@ -156,17 +167,28 @@ pub fn encode_row_params(rows: &[SamplingRowParams]) -> Result<Vec<u32>, CudaErr
 
 /// Splits per row of the Gumbel / row-max kernels for `rows` rows of `vocab` logits on a GPU
 /// of `sm_count` SMs: the smallest power of two giving at least two CTAs per SM in all,
-/// capped at [`MAX_SAMPLING_SPLITS`] and so that every split keeps at least 1024 logits. The
-/// sampled tokens do not depend on it.
+/// capped at [`MAX_SAMPLING_SPLITS`] and so that every split keeps at least 1024 logits.
+/// Past 64 rows (speculative verification samples B x (K+1) rows) at least eight CTAs per SM,
+/// splits keeping 8192 logits or more: one CTA per row left the H200 waiting on a tail of
+/// long CTAs (80-576 rows of 128256 logits: 1.10-1.28x faster, `pagoda bench sampling
+/// --splits`, `docs/benchmark_results/spec-draft-cpu-h200-2026-12-04.md`). The sampled
+/// tokens do not depend on it.
 pub fn sampling_splits(rows: usize, vocab: usize, sm_count: usize) -> usize {
-    let wanted = 2 * sm_count.max(1);
-    let limit = (vocab / 1024).clamp(1, MAX_SAMPLING_SPLITS);
-    let cap = 1usize << limit.ilog2();
-    let mut splits = 1;
-    while splits < cap && rows.max(1) * splits < wanted {
-        splits *= 2;
+    let smallest = |wanted: usize, logits_per_split: usize| {
+        let limit = (vocab / logits_per_split).clamp(1, MAX_SAMPLING_SPLITS);
+        let cap = 1usize << limit.ilog2();
+        let mut splits = 1;
+        while splits < cap && rows.max(1) * splits < wanted {
+            splits *= 2;
+        }
+        splits
+    };
+    let splits = smallest(2 * sm_count.max(1), 1024);
+    if rows > 64 {
+        splits.max(smallest(8 * sm_count.max(1), 8192))
+    } else {
+        splits
     }
-    splits
 }
 
 /// How filtered rows (top-k / top-p / min-p) are drawn. Both give the same tokens.

@@ -82,7 +82,13 @@ fn splits_are_powers_of_two_within_limits() {
     assert_eq!(sampling_splits(1, 151_936, 132), 128);
     assert_eq!(sampling_splits(1, 128_256, 132), 64);
     assert_eq!(sampling_splits(64, 151_936, 132), 8);
-    assert_eq!(sampling_splits(300, 151_936, 132), 1);
+    // Past 64 rows, eight CTAs per SM (measured on the H200).
+    assert_eq!(sampling_splits(80, 128_256, 132), 8);
+    assert_eq!(sampling_splits(80, 151_936, 132), 16);
+    assert_eq!(sampling_splits(144, 128_256, 132), 8);
+    assert_eq!(sampling_splits(300, 151_936, 132), 4);
+    assert_eq!(sampling_splits(576, 128_256, 132), 2);
+    assert_eq!(sampling_splits(2000, 151_936, 132), 1);
     assert_eq!(sampling_splits(1, 4096, 132), 4);
     assert_eq!(sampling_splits(1, 100, 132), 1);
 }

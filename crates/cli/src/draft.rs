@@ -13,7 +13,7 @@ use pagoda_models::llama::WeightPrecision;
 use pagoda_models::llama_cuda::DType;
 use pagoda_models::tokenizer::Tokenizer;
 
-use crate::common::{self, ModelArgs};
+use crate::model_args::{model_source, ModelArgs};
 
 /// Gives `engine` a draft-model proposer when `--spec draft` (or `--model-draft` alone) asks
 /// for one: the draft model loads on the engine's device (weights as stored), into an engine
@@ -41,7 +41,7 @@ pub fn attach_draft(
         (_, None) => return Ok(()),
     }
     let path = path.expect("matched above");
-    let source = common::model_source(Path::new(path)).context("--model-draft")?;
+    let source = model_source(Path::new(path)).context("--model-draft")?;
     let device = if engine.is_cuda() {
         let dtype = match args.dtype.as_str() {
             "f32" => DType::F32,

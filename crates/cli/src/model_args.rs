@@ -1,7 +1,10 @@
 //! The flags that choose and size the model (`ModelArgs`, shared by every subcommand that
 //! loads one), and the settings they set.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+use pagoda_engine::ModelSource;
 
 use clap::Args;
 use pagoda_config::FlagValue;
@@ -187,4 +190,38 @@ pub fn model_flag_values(args: &ModelArgs) -> Vec<FlagValue> {
         args.no_warmup.then(|| "off".to_owned()),
     );
     flags
+}
+
+/// The model source for an explicit path, with a hint when the path is a directory that is not
+/// a Hugging Face model or a file that belongs inside one.
+pub fn model_source(path: &Path) -> Result<ModelSource> {
+    if path.is_dir() && !path.join("config.json").is_file() {
+        bail!(
+            "{} is a directory but not a Hugging Face model directory (it has no config.json); \
+             pass a .gguf file or a directory holding config.json, tokenizer.json and *.safetensors",
+            path.display()
+        );
+    }
+    let file_name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let belongs_in_hf_dir = file_name.ends_with(".safetensors")
+        || file_name.ends_with(".safetensors.index.json")
+        || matches!(
+            file_name.as_str(),
+            "config.json" | "tokenizer.json" | "tokenizer_config.json"
+        );
+    if path.is_file() && belongs_in_hf_dir {
+        let parent = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        bail!(
+            "{} is part of a Hugging Face model directory; pass the directory instead: -m {}",
+            path.display(),
+            parent.display()
+        );
+    }
+    ModelSource::from_path(path).map_err(anyhow::Error::msg)
 }

@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::gpu;
@@ -15,7 +14,7 @@ use common::gpu;
 use pagoda_cuda::Gpu;
 use pagoda_engine::cuda_runner::{CudaModel, DType};
 use pagoda_engine::speculation::{DraftModel, SpeculationMode, SpeculationSettings, VerifyRule};
-use pagoda_engine::{CpuThreadsMode, Engine, EngineSettings, RequestId};
+use pagoda_engine::{CpuThreadsMode, Engine, EngineSettings};
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::AttentionPolicy;
 use pagoda_models::llama_cuda::CudaKernels;
@@ -30,7 +29,7 @@ fn config() -> ModelConfig {
     }
 }
 
-type Output = BTreeMap<RequestId, (Vec<u32>, Vec<Vec<u32>>)>;
+use common::Output;
 
 fn run(engine: &mut Engine) -> Output {
     let mut output = Output::new();
@@ -51,15 +50,7 @@ fn run(engine: &mut Engine) -> Output {
             .unwrap();
         output.insert(id, (Vec::new(), Vec::new()));
     }
-    while engine.num_running() + engine.num_waiting() > 0 {
-        for event in engine.step().unwrap() {
-            let entry = output.get_mut(&event.request).unwrap();
-            entry.0.push(event.token);
-            if let Some(values) = event.logprobs {
-                entry.1.push(values.iter().map(|v| v.to_bits()).collect());
-            }
-        }
-    }
+    common::run_to_end(engine, &mut output);
     output
 }
 

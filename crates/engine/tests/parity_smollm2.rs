@@ -117,19 +117,23 @@ fn greedy(engine: &mut Engine, prompt: &[u32], max_new_tokens: usize, stop: &[u3
     out
 }
 
-fn engine_for(loaded: LoadedModel, path: AttentionPath) -> (Engine, Vec<u32>) {
-    let stop = loaded.tokenizer.end_of_generation_ids();
-    let config = EngineConfig {
+fn engine_config(attention: AttentionPolicy) -> EngineConfig {
+    EngineConfig {
         page_size: 16,
         num_pages: 128,
         max_batch_tokens: 512,
         max_context: 2048,
-        attention: AttentionPolicy::Force(path),
+        attention,
         sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
         cuda_graphs: true,
         paged_decode: Default::default(),
         kv_types: Default::default(),
-    };
+    }
+}
+
+fn engine_for(loaded: LoadedModel, path: AttentionPath) -> (Engine, Vec<u32>) {
+    let stop = loaded.tokenizer.end_of_generation_ids();
+    let config = engine_config(AttentionPolicy::Force(path));
     (Engine::new(loaded.model, config).unwrap(), stop)
 }
 
@@ -228,17 +232,7 @@ fn exact_mode_greedy_with_speculation_matches_llama_cpp_on_f32_weights() {
         };
         let loaded = load(WeightPrecision::F32).unwrap();
         let stop = loaded.tokenizer.end_of_generation_ids();
-        let config = EngineConfig {
-            page_size: 16,
-            num_pages: 128,
-            max_batch_tokens: 512,
-            max_context: 2048,
-            attention: AttentionPolicy::Auto,
-            sampler: pagoda_ops::sampling::SamplerKind::DEFAULT,
-            cuda_graphs: true,
-            paged_decode: Default::default(),
-            kv_types: Default::default(),
-        };
+        let config = engine_config(AttentionPolicy::Auto);
         let mut engine =
             Engine::with_settings(loaded.model, config.clone(), settings(mode)).unwrap();
         if mode == SpeculationMode::Draft {

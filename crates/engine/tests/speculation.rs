@@ -5,11 +5,9 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-
 use common::{default_model, engine_config};
 use pagoda_engine::speculation::{SpeculationMode, SpeculationSettings};
-use pagoda_engine::{Engine, EngineSettings, RequestId};
+use pagoda_engine::{Engine, EngineSettings};
 use pagoda_models::llama::AttentionPolicy;
 use pagoda_ops::sampling::SamplingParams;
 
@@ -43,8 +41,7 @@ fn engine(speculation: SpeculationMode, max_batch: usize) -> Option<(Engine, Vec
     ))
 }
 
-/// Per request: its tokens and the bits of its log-probabilities at every position.
-type Output = BTreeMap<RequestId, (Vec<u32>, Vec<Vec<u32>>)>;
+use common::Output;
 
 fn params(kind: usize) -> SamplingParams {
     match kind % 3 {
@@ -82,20 +79,7 @@ fn run(engine: &mut Engine, prompts: &[Vec<u32>], copies: usize) -> Output {
             output.insert(id, (Vec::new(), Vec::new()));
         }
     }
-    while engine.num_running() + engine.num_waiting() > 0 {
-        for event in engine.step().unwrap() {
-            let entry = output.get_mut(&event.request).unwrap();
-            entry.0.push(event.token);
-            entry.1.push(
-                event
-                    .logprobs
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect(),
-            );
-        }
-    }
+    common::run_to_end(engine, &mut output);
     output
 }
 

@@ -7,30 +7,14 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
-
 use common::engine_config;
 use pagoda_engine::speculation::{
     check_vocabularies, DraftModel, SpeculationMode, SpeculationSettings, VerifyRule,
 };
-use pagoda_engine::{load_model, Engine, EngineSettings, LoadOptions, ModelSource, RequestId};
+use pagoda_engine::{load_model, Engine, EngineSettings, LoadOptions, ModelSource};
 use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
 use pagoda_models::tokenizer::Tokenizer;
 use pagoda_ops::sampling::SamplingParams;
-
-fn model_path() -> Option<PathBuf> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !path.is_file() {
-        eprintln!(
-            "skipping: {} is missing (run scripts/fetch-model.sh)",
-            path.display()
-        );
-        return None;
-    }
-    Some(path)
-}
 
 fn settings(mode: SpeculationMode, rule: VerifyRule) -> EngineSettings {
     EngineSettings {
@@ -52,7 +36,7 @@ fn settings(mode: SpeculationMode, rule: VerifyRule) -> EngineSettings {
 /// The exact-mode target, with the as-stored model drafting for it under `rule` (`None`:
 /// no speculation), and the tokenizer.
 fn engine(rule: Option<VerifyRule>) -> Option<(Engine, Tokenizer)> {
-    let path = model_path()?;
+    let path = common::default_model_path()?;
     let load = |precision| {
         load_model(
             &ModelSource::Gguf(path.clone()),
@@ -91,7 +75,7 @@ fn engine(rule: Option<VerifyRule>) -> Option<(Engine, Tokenizer)> {
     Some((engine, target.tokenizer))
 }
 
-type Output = BTreeMap<RequestId, (Vec<u32>, Vec<Vec<u32>>)>;
+use common::Output;
 
 fn params(kind: usize) -> SamplingParams {
     match kind % 3 {
@@ -132,20 +116,7 @@ fn run(engine: &mut Engine, prompts: &[Vec<u32>], kinds: impl Fn(usize) -> usize
             .unwrap();
         output.insert(id, (Vec::new(), Vec::new()));
     }
-    while engine.num_running() + engine.num_waiting() > 0 {
-        for event in engine.step().unwrap() {
-            let entry = output.get_mut(&event.request).unwrap();
-            entry.0.push(event.token);
-            entry.1.push(
-                event
-                    .logprobs
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect(),
-            );
-        }
-    }
+    common::run_to_end(engine, &mut output);
     output
 }
 

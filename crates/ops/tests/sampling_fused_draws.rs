@@ -3,6 +3,9 @@
 //! row), support equality (zero-mass and `-inf` tokens never drawn), a separated winner drawn
 //! on every one of 1e6 draws, the counted fallback path, and the power of the test itself.
 
+#[path = "common/chi_square.rs"]
+mod chi_square;
+
 use std::time::Instant;
 
 use pagoda_ops::sampling::{effective_distribution, FusedSampler, SamplingParams};
@@ -13,45 +16,14 @@ const DRAWS: usize = 1_000_000;
 /// Upper-tail standard normal quantile at p = 1e-4.
 const Z_AT_ONE_IN_TEN_THOUSAND: f64 = 3.7190;
 
-/// Wilson-Hilferty approximation of the chi-square upper quantile at p = 1e-4.
+/// The chi-square quantile with `degrees_of_freedom` at the test's tail probability.
 fn chi_square_critical_value(degrees_of_freedom: f64) -> f64 {
-    let a = 2.0 / (9.0 * degrees_of_freedom);
-    degrees_of_freedom * (1.0 - a + Z_AT_ONE_IN_TEN_THOUSAND * a.sqrt()).powi(3)
+    chi_square::critical_value(degrees_of_freedom, Z_AT_ONE_IN_TEN_THOUSAND)
 }
 
-/// Pearson statistic and degrees of freedom, pooling cells (smallest expected first) until
-/// each bin expects >= 5 draws. Panics if a zero-probability token was drawn.
+/// Pearson statistic and degrees of freedom, cells pooled until each expects >= 5 draws.
 fn chi_square(name: &str, counts: &[u64], probabilities: &[f64]) -> (f64, f64) {
-    let draws: u64 = counts.iter().sum();
-    let mut cells: Vec<(f64, f64)> = Vec::new();
-    for (token, (&count, &probability)) in counts.iter().zip(probabilities).enumerate() {
-        if probability == 0.0 {
-            assert_eq!(
-                count, 0,
-                "{name}: zero-mass token {token} drawn {count} times"
-            );
-        } else {
-            cells.push((count as f64, probability * draws as f64));
-        }
-    }
-    cells.sort_by(|a, b| a.1.total_cmp(&b.1));
-    let mut bins: Vec<(f64, f64)> = Vec::new();
-    let mut pool = (0.0, 0.0);
-    for (observed, expected) in cells {
-        pool = (pool.0 + observed, pool.1 + expected);
-        if pool.1 >= 5.0 {
-            bins.push(pool);
-            pool = (0.0, 0.0);
-        }
-    }
-    if pool.1 > 0.0 {
-        match bins.last_mut() {
-            Some(last) => *last = (last.0 + pool.0, last.1 + pool.1),
-            None => bins.push(pool),
-        }
-    }
-    let statistic = bins.iter().map(|(o, e)| (o - e) * (o - e) / e).sum();
-    (statistic, bins.len() as f64 - 1.0)
+    chi_square::statistic(name, counts, probabilities, 5.0)
 }
 
 fn draw_counts(

@@ -10,6 +10,9 @@
 //! run used 1,000,000: `PAGODA_SPEC_DRAWS=1000000 cargo test --release -p pagoda-ops --test
 //! speculative_draws`).
 
+#[path = "common/chi_square.rs"]
+mod chi_square;
+
 use pagoda_ops::sampling::philox::key_from_seed;
 use pagoda_ops::sampling::speculative::{verify_guess, Verdict};
 use pagoda_ops::sampling::{effective_distribution, inverse_cdf, SamplingParams};
@@ -26,46 +29,15 @@ fn draws() -> usize {
         .unwrap_or(20_000)
 }
 
-/// Wilson-Hilferty approximation of the chi-square upper quantile at p = 1e-4.
+/// The chi-square quantile at p = 1e-4 with `degrees_of_freedom`.
 fn chi_square_critical_value(degrees_of_freedom: f64) -> f64 {
-    let a = 2.0 / (9.0 * degrees_of_freedom);
-    degrees_of_freedom * (1.0 - a + Z_AT_ONE_IN_TEN_THOUSAND * a.sqrt()).powi(3)
+    chi_square::critical_value(degrees_of_freedom, Z_AT_ONE_IN_TEN_THOUSAND)
 }
 
-/// Pearson statistic and its critical value, cells pooled (smallest expected first) until
-/// each expects >= 5 draws. Panics if a zero-probability token was drawn.
+/// Pearson statistic and its critical value, cells pooled until each expects >= 5 draws.
 fn chi_square(name: &str, counts: &[u64], probabilities: &[f64]) -> (f64, f64) {
-    let draws: u64 = counts.iter().sum();
-    let mut cells: Vec<(f64, f64)> = Vec::new();
-    for (token, (&count, &probability)) in counts.iter().zip(probabilities).enumerate() {
-        if probability == 0.0 {
-            assert_eq!(
-                count, 0,
-                "{name}: zero-mass token {token} emitted {count} times"
-            );
-        } else {
-            cells.push((count as f64, probability * draws as f64));
-        }
-    }
-    cells.sort_by(|a, b| a.1.total_cmp(&b.1));
-    let mut bins: Vec<(f64, f64)> = Vec::new();
-    let mut pool = (0.0, 0.0);
-    for (observed, expected) in cells {
-        pool = (pool.0 + observed, pool.1 + expected);
-        if pool.1 >= 5.0 {
-            bins.push(pool);
-            pool = (0.0, 0.0);
-        }
-    }
-    if pool.1 > 0.0 {
-        match bins.last_mut() {
-            Some(last) => *last = (last.0 + pool.0, last.1 + pool.1),
-            None => bins.push(pool),
-        }
-    }
-    let statistic: f64 = bins.iter().map(|(o, e)| (o - e) * (o - e) / e).sum();
-    let dof = (bins.len() as f64 - 1.0).max(1.0);
-    (statistic, chi_square_critical_value(dof))
+    let (statistic, dof) = chi_square::statistic(name, counts, probabilities, 5.0);
+    (statistic, chi_square_critical_value(dof.max(1.0)))
 }
 
 /// The drafters: `(name, q)`, `None` for a deterministic guess of `unlikely`.

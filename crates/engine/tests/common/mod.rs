@@ -2,15 +2,18 @@
 
 #![allow(dead_code)]
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use pagoda_engine::{load_model, EngineConfig, LoadOptions, LoadedModel, ModelSource};
+use pagoda_engine::{
+    load_model, Engine, EngineConfig, LoadOptions, LoadedModel, ModelSource, RequestId,
+};
 use pagoda_models::llama::{AttentionPolicy, WeightPrecision};
 
-/// The default model, loaded for the CPU with its weights as stored, or `None` with a line
-/// saying so when the file is missing (`scripts/fetch-model.sh` fetches it).
-pub fn default_model() -> Option<LoadedModel> {
+/// The default model's file, or `None` with a line saying so when it is missing
+/// (`scripts/fetch-model.sh` fetches it).
+pub fn default_model_path() -> Option<PathBuf> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     if !path.is_file() {
@@ -20,6 +23,12 @@ pub fn default_model() -> Option<LoadedModel> {
         );
         return None;
     }
+    Some(path)
+}
+
+/// The default model, loaded for the CPU with its weights as stored (`None` when missing).
+pub fn default_model() -> Option<LoadedModel> {
+    let path = default_model_path()?;
     let options = LoadOptions::cpu(WeightPrecision::AsStored);
     Some(load_model(&ModelSource::Gguf(path), options, &mut |_, _| {}).unwrap())
 }
@@ -41,6 +50,24 @@ pub fn engine_config(
         cuda_graphs: true,
         paged_decode: Default::default(),
         kv_types: Default::default(),
+    }
+}
+
+/// Per request: its tokens and the bits of its log-probabilities at every position (when
+/// it asked for them).
+pub type Output = BTreeMap<RequestId, (Vec<u32>, Vec<Vec<u32>>)>;
+
+/// Steps `engine` until every request has finished, recording each event in `output`
+/// (which holds an entry per request).
+pub fn run_to_end(engine: &mut Engine, output: &mut Output) {
+    while engine.num_running() + engine.num_waiting() > 0 {
+        for event in engine.step().unwrap() {
+            let entry = output.get_mut(&event.request).unwrap();
+            entry.0.push(event.token);
+            if let Some(values) = event.logprobs {
+                entry.1.push(values.iter().map(|v| v.to_bits()).collect());
+            }
+        }
     }
 }
 

@@ -59,6 +59,7 @@
 mod cluster;
 mod entries;
 mod params;
+mod splits;
 
 pub use params::{
     decode_row_stats, default_fast_rounds, encode_row_params, filter_splits, plan_sampling,

@@ -95,7 +95,10 @@ fn announce(path: &'static str) {
         _ => &PREFILL,
     };
     once.call_once(|| match path {
-        "graphs" => tracing::info!("CUDA decode steps: replayed from CUDA graphs per batch bucket"),
+        "graphs" => tracing::info!(
+            "CUDA decode steps: replayed from CUDA graphs per batch bucket (speculative \
+             verification steps per batch bucket and rows per request)"
+        ),
         "eager" => tracing::info!("CUDA steps: kernels launched from the host (no graph)"),
         "gather" => {
             tracing::info!("CUDA decode attention: gather the pages, then attend (split keys)")

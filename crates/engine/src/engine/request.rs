@@ -93,23 +93,6 @@ impl Engine {
         stop_tokens: Vec<u32>,
         want_logprobs: bool,
     ) -> Result<RequestId, EngineError> {
-        if prompt.is_empty() {
-            return Err(EngineError::EmptyPrompt);
-        }
-        if max_new_tokens == 0 {
-            return Err(EngineError::NoNewTokens);
-        }
-        let vocab_size = self.runner.config().vocab_size;
-        if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab_size) {
-            return Err(EngineError::TokenOutOfRange { token, vocab_size });
-        }
-        if prompt.len() + max_new_tokens > self.config.max_context {
-            return Err(EngineError::ContextOverflow {
-                prompt: prompt.len(),
-                max_new_tokens,
-                context: self.config.max_context,
-            });
-        }
         let sampler =
             AnySampler::new(params, self.config.sampler).map_err(EngineError::Sampling)?;
         self.admit(
@@ -138,20 +121,6 @@ impl Engine {
         max_new_tokens: usize,
         keep_q: bool,
     ) -> Result<RequestId, EngineError> {
-        if tokens.is_empty() || max_new_tokens == 0 {
-            return Err(EngineError::Internal("an empty draft request".into()));
-        }
-        let vocab_size = self.runner.config().vocab_size;
-        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= vocab_size) {
-            return Err(EngineError::TokenOutOfRange { token, vocab_size });
-        }
-        if tokens.len() + max_new_tokens > self.config.max_context {
-            return Err(EngineError::ContextOverflow {
-                prompt: tokens.len(),
-                max_new_tokens,
-                context: self.config.max_context,
-            });
-        }
         self.admit(
             tokens,
             max_new_tokens,
@@ -172,13 +141,31 @@ impl Engine {
         self.requests.get_mut(&id)?.draws_q.as_mut()?.pop()
     }
 
-    /// Hands a checked request to the scheduler.
+    /// Checks a request (a prompt, new tokens, ids in the vocabulary, the context) and hands
+    /// it to the scheduler.
     fn admit(
         &mut self,
         prompt: Vec<u32>,
         max_new_tokens: usize,
         state: RequestState,
     ) -> Result<RequestId, EngineError> {
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if max_new_tokens == 0 {
+            return Err(EngineError::NoNewTokens);
+        }
+        let vocab_size = self.runner.config().vocab_size;
+        if let Some(&token) = prompt.iter().find(|&&t| t as usize >= vocab_size) {
+            return Err(EngineError::TokenOutOfRange { token, vocab_size });
+        }
+        if prompt.len() + max_new_tokens > self.config.max_context {
+            return Err(EngineError::ContextOverflow {
+                prompt: prompt.len(),
+                max_new_tokens,
+                context: self.config.max_context,
+            });
+        }
         let id = self.next_id;
         let request = SchedulerRequest {
             id,

@@ -167,10 +167,15 @@ impl Engine {
             };
             tracing::info!(
                 "speculative decoding: {proposer}, {}-{} guesses per request, in steps of at \
-                 most {} decoding requests; {rule}",
+                 most {} decoding requests{}; {rule}",
                 spec.draft_min,
                 spec.draft_max,
                 spec.max_batch,
+                if spec.cost_policy {
+                    " where the measured step costs say it pays (PAGODA_SPEC_POLICY=cost)"
+                } else {
+                    " (PAGODA_SPEC_POLICY=always)"
+                },
             )
         });
     }

@@ -33,6 +33,9 @@ enum Command {
     Serve(commands::serve::ServeArgs),
     /// Print the settings (PAGODA_* variables and their flags) as resolved, and their sources.
     Config(commands::config::ConfigArgs),
+    /// Time the CUDA decode attention's variants per shape bucket and store the fastest
+    /// (the table `serve`, `generate` and `bench` load).
+    Tune(commands::tune::TuneArgs),
 }
 
 impl Command {
@@ -60,7 +63,7 @@ impl Command {
                 flags.extend(api_key(&args.api_key));
                 flags
             }
-            Command::Inspect(_) | Command::Config(_) => Vec::new(),
+            Command::Inspect(_) | Command::Config(_) | Command::Tune(_) => Vec::new(),
         }
     }
 }
@@ -83,6 +86,7 @@ fn main() {
         Command::Bench(args) => commands::bench::run(args),
         Command::Serve(args) => commands::serve::run(args),
         Command::Config(args) => commands::config::run(args),
+        Command::Tune(args) => commands::tune::run(args),
     });
     if let Err(error) = result {
         // The reader of stdout went away (`pagoda generate ... | head`): stop quietly.

@@ -290,6 +290,27 @@ fn bad_chat_inspect_and_bench_flags() {
 }
 
 #[test]
+fn bad_tune_and_attention_bench_flags() {
+    // Checked before any GPU is touched: the same lines with or without one.
+    error_of(&["tune", "-b", "3"], &["powers of two", "3"]);
+    error_of(&["tune", "-l", "128"], &["start at 256"]);
+    error_of(&["tune", "--rounds", "0"], &["--rounds"]);
+    error_of(&["tune", "--page-size", "12"], &["--page-size", "12"]);
+    error_of(
+        &["tune", "--random-weights", "no-such-architecture"],
+        &["no-such-architecture"],
+    );
+    error_of(
+        &["bench", "attention", "--paths", "stream-64x9"],
+        &["unknown path `stream-64x9`", "stream-64x3"],
+    );
+    // Without a GPU (CI), the valid commands say so in one line.
+    if std::env::var_os("PAGODA_GPU_TESTS").is_none() {
+        error_of(&["tune", "-b", "1", "-l", "256"], &["CUDA GPU"]);
+    }
+}
+
+#[test]
 fn bad_serve_security_flags() {
     let model = tiny_model("tiny-qwen2");
     let m = model.to_str().unwrap();

@@ -231,12 +231,12 @@ settings! {
     "PAGODA_PAGED_DECODE", Some("--paged-decode"), Values::Choice(&["auto", "fused", "gather"]), "auto", Cuda,
         "models llama_cuda::decode_path",
         "CUDA decode attention: fused split-KV over the page table, or gather-then-attend.";
-    "PAGODA_PAGED_DECODE_KERNEL", None, Values::Choice(&["auto", "mma", "cuda-core"]), "auto", Cuda,
+    "PAGODA_PAGED_DECODE_KERNEL", None, Values::Choice(&["auto", "stream", "mma", "cuda-core"]), "auto", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
-        "Partial kernel of the fused decode (auto: tensor cores where bf16 and head_dim 64/128/256).";
-    "PAGODA_PAGED_DECODE_MERGE", None, Values::Choice(&["separate", "kernel"]), "separate", Cuda,
+        "Partial kernel of the fused decode (auto: the tuning table's, else streaming tensor cores where bf16 and head_dim 64/128/256).";
+    "PAGODA_PAGED_DECODE_MERGE", None, Values::Choice(&["auto", "separate", "kernel"]), "auto", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
-        "Merge the fused decode's chunks in a second launch (separate) or in the kernel.";
+        "Merge the fused decode's chunks in a second launch (separate) or in the kernel (auto: the tuning table's, else separate).";
     "PAGODA_CUDA_PREFILL", None, Values::Choice(&["mma", "tiled", "reference"]), "mma", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "CUDA prefill attention kernel (mma falls back to tiled where it does not apply).";
@@ -261,7 +261,7 @@ settings! {
         "Tokens per CPU split-KV chunk (auto: 256; outputs depend on it).";
     "PAGODA_PAGED_DECODE_TARGET_CTAS", None, Values::Number { min: 1, max: 1 << 20, words: AUTO }, "auto", Tuning,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
-        "CTAs the fused decode plan aims for (auto: twice the SM count).";
+        "CTAs the fused decode plan aims for (auto: the tuning table's, else twice the SM count).";
     "PAGODA_PAGED_DECODE_CHUNK", None, Values::Number { min: 1, max: 1 << 20, words: AUTO }, "auto", Tuning,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Pages per fused decode chunk (auto: the plan searches).";
@@ -275,6 +275,9 @@ settings! {
     "PAGODA_KERNEL_CACHE", None, TEXT, "(~/.cache/pagoda/kernels)", Paths,
         "cuda key::kernel_cache_dir",
         "Folder of compiled CUDA kernels (off: no cache on disk).";
+    "PAGODA_TUNING_TABLE", None, TEXT, "(~/.cache/pagoda/tuning-<gpu>.json)", Paths,
+        "cuda key::tuning_table_path",
+        "The autotuner's table (`pagoda tune` writes it, CUDA decode reads it; off: none).";
     "PAGODA_CUDA_INCLUDE", None, TEXT, "(searched)", Paths,
         "cuda key::cuda_include_dirs",
         "Folder with cuda_bf16.h for NVRTC, searched first.";

@@ -234,25 +234,47 @@ fn fnv1a(parts: &[&[u8]], offset: u64) -> u64 {
 }
 
 /// The on-disk kernel cache directory: the `PAGODA_KERNEL_CACHE` setting if set (`off`
-/// disables the disk cache: `None`), else `$XDG_CACHE_HOME/pagoda/kernels`, else
-/// `$HOME/.cache/pagoda/kernels`; `None` if none of these is set.
+/// disables the disk cache: `None`), else `kernels` under [`cache_root`].
 pub fn kernel_cache_dir() -> Option<PathBuf> {
     match pagoda_config::global().text("PAGODA_KERNEL_CACHE") {
         Some(value) if value.eq_ignore_ascii_case("off") => return None,
         Some(value) => return Some(PathBuf::from(value)),
         None => {}
     }
+    cache_root().map(|root| root.join("kernels"))
+}
+
+/// pagoda's cache folder: `$XDG_CACHE_HOME/pagoda`, else `$HOME/.cache/pagoda`; `None` if
+/// neither is set.
+pub fn cache_root() -> Option<PathBuf> {
     if let Some(cache) = std::env::var_os("XDG_CACHE_HOME").filter(|value| !value.is_empty()) {
-        return Some(PathBuf::from(cache).join("pagoda").join("kernels"));
+        return Some(PathBuf::from(cache).join("pagoda"));
     }
     std::env::var_os("HOME")
         .filter(|value| !value.is_empty())
-        .map(|home| {
-            PathBuf::from(home)
-                .join(".cache")
-                .join("pagoda")
-                .join("kernels")
+        .map(|home| PathBuf::from(home).join(".cache").join("pagoda"))
+}
+
+/// The autotuner's table for a GPU named `gpu` (`pagoda tune` writes it, the CUDA model reads
+/// it): the `PAGODA_TUNING_TABLE` setting if set (`off`: no table, `None`), else
+/// `tuning-<gpu>.json` under [`cache_root`].
+pub fn tuning_table_path(gpu: &str) -> Option<PathBuf> {
+    match pagoda_config::global().text("PAGODA_TUNING_TABLE") {
+        Some(value) if value.eq_ignore_ascii_case("off") => return None,
+        Some(value) => return Some(PathBuf::from(value)),
+        None => {}
+    }
+    let name: String = gpu
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '-'
+            }
         })
+        .collect();
+    cache_root().map(|root| root.join(format!("tuning-{name}.json")))
 }
 
 /// Directories searched for `cuda_bf16.h`, in order: the `PAGODA_CUDA_INCLUDE` setting,

@@ -42,7 +42,8 @@ pub use backend::{
 };
 pub use error::{check_len, check_min_len, to_u32, CudaError};
 pub use key::{
-    cuda_include_dirs, kernel_cache_dir, Arch, DType, KernelKey, KernelSource, KernelSpec,
+    cache_root, cuda_include_dirs, kernel_cache_dir, tuning_table_path, Arch, DType, KernelKey,
+    KernelSource, KernelSpec,
 };
 pub use loads::{KernelLoads, Prepared};
 pub use memory::{

@@ -151,6 +151,11 @@ engine_counters! {
     /// CUDA steps whose attention ran the fused split-KV paged decode.
     steps_cuda_decode_fused: "pagoda_cuda_decode_fused_steps_total", Counter,
         "CUDA steps whose attention ran the fused split-KV paged decode.";
+    /// Fused decode steps whose variant came from the tuning table (`pagoda tune`).
+    steps_cuda_decode_tuned: "pagoda_cuda_decode_variant_steps_total" ["source" = "tuned"], Counter,
+        "Fused decode steps by where their variant (kernel, merge, CTA target) came from (tuned: the tuning table's row for the step's bucket; heuristic: no row, the built-in choice).";
+    /// Fused decode steps whose bucket has no table row (the built-in heuristic ran).
+    steps_cuda_decode_heuristic: "pagoda_cuda_decode_variant_steps_total" ["source" = "heuristic"], Counter, "";
     /// Fused decode steps whose plan merged chunks.
     steps_cuda_decode_fused_merged: "pagoda_cuda_decode_fused_merged_steps_total", Counter,
         "Fused decode steps whose plan split some request into chunks merged by log-sum-exp.";

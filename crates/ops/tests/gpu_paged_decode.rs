@@ -14,6 +14,7 @@ use pagoda_cuda::{whole, DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{
     self as ops, DevicePageTable, MergeMode, PagedDecodeKernel, PagedDecodePlan,
     PagedDecodeWorkspace, PagedKv, Partials, PlanCapacity, PlanPolicy, PoolLayout, Queries,
+    StreamTiling,
 };
 
 const NUM_KV_HEADS: usize = 2;
@@ -73,11 +74,14 @@ fn fused<T: TestFloat>(
     (download(gpu, &out), plan)
 }
 
-/// The (kernel, merge) pairs the matrix runs for `T`: tensor cores for bf16 only.
-fn paths<T: TestFloat>() -> Vec<(PagedDecodeKernel, MergeMode)> {
+/// The (kernel, merge) pairs the matrix runs for `T` at `head_dim`: tensor cores (both
+/// kernels, every streaming tiling) for bf16 only.
+fn paths<T: TestFloat>(head_dim: usize) -> Vec<(PagedDecodeKernel, MergeMode)> {
     let mut kernels = vec![PagedDecodeKernel::CudaCore];
     if T::NAME == "bf16" {
         kernels.push(PagedDecodeKernel::TensorCore);
+        let tilings = StreamTiling::ALL.into_iter().filter(|t| t.fits(head_dim));
+        kernels.extend(tilings.map(PagedDecodeKernel::Streaming));
     }
     kernels
         .into_iter()
@@ -169,11 +173,13 @@ fn matrix<T: TestFloat>(gpu: &Gpu, quick: bool) -> (usize, f32) {
                             target_ctas: 2 * sm,
                             pages_per_chunk: None,
                             min_pages_per_chunk: 1,
+                            resident_ctas: None,
                         };
                         let forced = PlanPolicy {
                             target_ctas: 1,
                             pages_per_chunk: Some(1),
                             min_pages_per_chunk: 1,
+                            resident_ctas: None,
                         };
                         // The forced merge (one page per chunk) on the smaller cases.
                         let policies: &[PlanPolicy] = if b * context <= 65536 {
@@ -182,7 +188,7 @@ fn matrix<T: TestFloat>(gpu: &Gpu, quick: bool) -> (usize, f32) {
                             &[searched]
                         };
                         for &policy in policies {
-                            for path in paths::<T>() {
+                            for path in paths::<T>(head_dim) {
                                 let (actual, plan) = fused(&case, &q, pools, policy, path);
                                 let error = peak_error(&actual, &expected);
                                 worst = worst.max(error);
@@ -289,6 +295,7 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
                 target_ctas: 264,
                 pages_per_chunk: ppc,
                 min_pages_per_chunk: 1,
+                resident_ctas: None,
             };
             for merge in [MergeMode::InKernel, MergeMode::Separate] {
                 let (actual, _) = fused(
@@ -330,6 +337,15 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
                     error <= 2e-2,
                     "bf16 tensor cores D{head_dim} G{group} ppc {ppc:?} {merge:?}: {error:e}"
                 );
+                for tiling in StreamTiling::ALL.into_iter().filter(|t| t.fits(head_dim)) {
+                    let kernel = PagedDecodeKernel::Streaming(tiling);
+                    let (streamed, _) = fused(&case, &qb, (&kb, &vb), policy, (kernel, merge));
+                    let error = peak_error(&streamed, &expected_bf16);
+                    assert!(
+                        error <= 2e-2,
+                        "bf16 {tiling} D{head_dim} G{group} ppc {ppc:?} {merge:?}: {error:e}"
+                    );
+                }
             }
         }
         // The empty last request reads as zeros.
@@ -341,6 +357,7 @@ fn fused_decode_matches_f64_reference_at_every_chunk_size() {
                 target_ctas: 1,
                 pages_per_chunk: Some(1),
                 min_pages_per_chunk: 1,
+                resident_ctas: None,
             },
             (PagedDecodeKernel::CudaCore, MergeMode::InKernel),
         );
@@ -493,7 +510,8 @@ fn fused_decode_replays_from_a_graph_with_new_plans() {
     let capacity = PlanCapacity::for_batch(b, NUM_KV_HEADS, 264);
     let mut workspace =
         PagedDecodeWorkspace::new(&gpu, capacity, num_q_heads, NUM_KV_HEADS, 128).unwrap();
-    workspace.set_kernel(PagedDecodeKernel::TensorCore);
+    // The streaming kernel (the production default) with in-kernel merges.
+    workspace.set_kernel(PagedDecodeKernel::Streaming(StreamTiling::ALL[0]));
     let mut indptr = gpu.zeros::<u32>(b + 1).unwrap();
     let mut indices = gpu.zeros::<u32>(max_pages).unwrap();
     let mut last = gpu.zeros::<u32>(b).unwrap();
@@ -525,6 +543,7 @@ fn fused_decode_replays_from_a_graph_with_new_plans() {
                 target_ctas: 264,
                 pages_per_chunk: None,
                 min_pages_per_chunk: 1,
+                resident_ctas: None,
             },
             capacity,
         )

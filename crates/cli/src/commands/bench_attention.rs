@@ -8,23 +8,20 @@
 //!
 //! Paths: `gather` (copy the pages, then attend: the baseline), `fused` (split-KV over the
 //! page table on CUDA cores, merged in the same launch), `fused-separate` (merged by a second
-//! launch), `fused-mma` and `fused-mma-separate` (the same on tensor cores).
+//! launch), `fused-mma` and `fused-mma-separate` (the same on WMMA tensor cores),
+//! `stream-64x3` ... (the streaming tensor-core kernel, tiles of 64 or 128 keys in 2 to 6
+//! stages; `-separate` merges by a second launch), `tuned` (what `pagoda tune`'s table, or the
+//! built-in heuristic where it has no row, runs for the case).
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::Args;
-use half::bf16;
-use pagoda_cuda::{view_mut, DeviceBuffer, Gpu};
-use pagoda_ops::cuda::{
-    self as ops, DecodeWorkspace, DevicePageTable, MergeMode, PagedDecodeKernel, PagedDecodePlan,
-    PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, PoolLayout, Queries,
-};
-use rand::{Rng, SeedableRng};
+use pagoda_ops::cuda::{DecodeVariant, MergeMode, PagedDecodeKernel, StreamTiling};
 use serde::Serialize;
+
+use super::decode_rig::{DecodePath, Geometry, Rig};
 
 /// The H200's measured device copy rate (anchors, table A), bytes per microsecond.
 const COPY_BYTES_PER_US: f64 = 4203e3;
-/// The L2 of an H200; rotating inputs add up to at least four times this.
-const L2_BYTES: usize = 60 << 20;
 
 /// Flags of `pagoda bench attention`.
 #[derive(Args, Debug)]
@@ -45,11 +42,13 @@ pub struct BenchAttentionArgs {
         default_value = "1024,4096,16384,32768"
     )]
     pub context: Vec<usize>,
-    /// Paths to time: gather, fused, fused-separate, fused-mma, fused-mma-separate.
+    /// Paths to time: gather, tuned (the tuning table's choice for each case, else the
+    /// built-in heuristic), fused, fused-mma, stream-64x3, stream-64x2, stream-64x4,
+    /// stream-64x6, stream-128x3, each fused one also with `-separate`.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "gather,fused-separate,fused-mma,fused-mma-separate"
+        default_value = "gather,fused-mma-separate,stream-64x3-separate,tuned"
     )]
     pub paths: Vec<String>,
     /// Query heads (Llama-3.1-8B: 32).
@@ -64,9 +63,13 @@ pub struct BenchAttentionArgs {
     /// Tokens per page.
     #[arg(long, default_value_t = 16)]
     pub page_size: usize,
-    /// CTAs the fused plan aims for (default: twice the SM count).
+    /// CTAs the fused plan aims for (default: `--waves`, or the tuned variant's).
     #[arg(long)]
     pub target_ctas: Option<usize>,
+    /// The named paths' CTA target in waves of one CTA per SM (0: the plan fitted to the
+    /// kernel's resident CTAs, the streaming kernels' default).
+    #[arg(long, default_value_t = 0)]
+    pub waves: usize,
     /// The smallest chunk the plan's search may choose, in keys (the model uses 64).
     #[arg(long, default_value_t = 64)]
     pub min_chunk_keys: usize,
@@ -84,6 +87,8 @@ pub struct BenchAttentionArgs {
 #[derive(Serialize)]
 struct PathResult {
     path: String,
+    /// The fused variant run (for `tuned`: the table's or the heuristic's choice).
+    variant: Option<String>,
     median_us: f64,
     min_us: f64,
     gb_per_s: f64,
@@ -102,186 +107,89 @@ struct CaseResult {
     paths: Vec<PathResult>,
 }
 
-/// One rotating input set: a page table and queries.
-struct InputSet {
-    arrays: [DeviceBuffer<u32>; 4],
-    q: DeviceBuffer<bf16>,
-}
-
 /// Runs `pagoda bench attention`.
 pub fn run(args: BenchAttentionArgs) -> Result<()> {
     if args.batch.contains(&0) || args.context.contains(&0) || args.replays == 0 {
         bail!("--batch, --context and --replays must be at least 1");
     }
     for path in &args.paths {
-        if !matches!(
-            path.as_str(),
-            "gather" | "fused" | "fused-separate" | "fused-mma" | "fused-mma-separate"
-        ) {
-            bail!(
-                "unknown path `{path}`: use gather, fused, fused-separate, fused-mma or \
-                 fused-mma-separate"
-            );
+        if path != "gather" && path != "tuned" {
+            fused_path(path)?;
         }
     }
-    let gpu = Gpu::new(0).context("pagoda bench attention needs a CUDA GPU")?;
-    let layout_for = |num_pages| PoolLayout {
-        num_pages,
-        page_size: args.page_size,
-        num_kv_heads: args.kv_heads,
+    let geometry = Geometry {
+        q_heads: args.q_heads,
+        kv_heads: args.kv_heads,
         head_dim: args.head_dim,
+        page_size: args.page_size,
     };
-    if let Some(reason) =
-        ops::paged_decode_unsupported(pagoda_cuda::DType::BF16, &layout_for(1), args.q_heads)
-    {
-        bail!("the fused decode does not support this shape: {reason}");
-    }
-    let page_bytes = args.page_size * args.kv_heads * args.head_dim * 2;
-    let kv_bytes = |b: usize, l: usize| b * l.div_ceil(args.page_size) * page_bytes * 2;
     let largest = args
         .batch
         .iter()
-        .flat_map(|&b| args.context.iter().map(move |&l| kv_bytes(b, l)))
+        .flat_map(|&b| args.context.iter().map(move |&l| geometry.kv_bytes(b, l)))
         .max()
         .unwrap_or(0);
-    // A pool larger than any one case (per side), at least 1 GB, so pages rarely repeat.
-    let pool_pages = (largest / 2 + (1 << 30)).div_ceil(page_bytes);
-    let layout = layout_for(pool_pages);
-    eprintln!(
-        "pool: {pool_pages} pages of {} tokens ({:.1} GB for K and V)",
-        args.page_size,
-        2.0 * (pool_pages * page_bytes) as f64 / 1e9
-    );
-    let k_pool = random_pool(&gpu, layout.pool_len(), 1)?;
-    let v_pool = random_pool(&gpu, layout.pool_len(), 2)?;
-    let sm = gpu.info().sm_count as usize;
-    let target_ctas = args.target_ctas.unwrap_or(2 * sm);
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    let mut rig = Rig::new(geometry, largest)?;
+    let table = if args.paths.iter().any(|p| p == "tuned") {
+        Some(super::tune::load_table(&rig.gpu)?)
+    } else {
+        None
+    };
     let mut results = Vec::new();
     for &b in &args.batch {
         for &l in &args.context {
-            let bytes = kv_bytes(b, l);
-            let sets = (4 * L2_BYTES).div_ceil(bytes).clamp(1, 32);
-            let pages = l.div_ceil(args.page_size);
-            let indptr: Vec<u32> = (0..=b).map(|r| (r * pages) as u32).collect();
-            let last = vec![(l - (pages - 1) * args.page_size) as u32; b];
-            let inputs: Vec<InputSet> = (0..sets)
-                .map(|_| {
-                    let indices: Vec<u32> = (0..b * pages)
-                        .map(|_| rng.random_range(0..pool_pages) as u32)
-                        .collect();
-                    let q: Vec<bf16> = (0..b * args.q_heads * args.head_dim)
-                        .map(|_| bf16::from_f32(rng.random_range(-2.0..2.0)))
-                        .collect();
-                    Ok(InputSet {
-                        arrays: [
-                            gpu.upload(&indptr)?,
-                            gpu.upload(&indices)?,
-                            gpu.upload(&last)?,
-                            gpu.zeros(b)?,
-                        ],
-                        q: gpu.upload(&q)?,
-                    })
-                })
-                .collect::<Result<_, pagoda_cuda::CudaError>>()?;
-            let policy = PlanPolicy {
-                target_ctas,
-                pages_per_chunk: args.pages_per_chunk,
-                min_pages_per_chunk: args.min_chunk_keys.div_ceil(args.page_size),
-            };
-            let mut capacity = PlanCapacity::for_batch(b, args.kv_heads, target_ctas);
-            if let Some(fixed) = args.pages_per_chunk {
-                capacity.max_chunks = capacity.max_chunks.max(b * pages.div_ceil(fixed));
-            }
-            let plan = PagedDecodePlan::new(&indptr, args.kv_heads, policy, capacity)?;
-            let mut fused = PagedDecodeWorkspace::new(
-                &gpu,
-                capacity,
-                args.q_heads,
-                args.kv_heads,
-                args.head_dim,
-            )?;
-            fused.upload_plan(&gpu, &plan)?;
-            let mut out = gpu.zeros::<bf16>(b * args.q_heads * args.head_dim)?;
-            let scale = 1.0 / (args.head_dim as f32).sqrt();
-            let floor_us = bytes as f64 / COPY_BYTES_PER_US;
+            let case = rig.case(b, l)?;
+            let floor_us = case.bytes as f64 / COPY_BYTES_PER_US;
             let mut paths = Vec::new();
-            for path in &args.paths {
-                let mut gather = if path == "gather" {
-                    Some(DecodeWorkspace::<bf16>::new(
-                        &gpu,
-                        &layout,
-                        args.q_heads,
-                        b,
-                        b * pages,
-                    )?)
-                } else {
-                    None
-                };
-                let splits = ops::decode_splits(b, args.kv_heads, sm);
-                fused.set_kernel(if path.starts_with("fused-mma") {
-                    PagedDecodeKernel::TensorCore
-                } else {
-                    PagedDecodeKernel::CudaCore
-                });
-                let mut record = |gpu: &Gpu| -> Result<(), pagoda_cuda::CudaError> {
-                    for set in &inputs {
-                        let [a, i, lp, f] = &set.arrays;
-                        let table = DevicePageTable::new(a, i, lp, f)?;
-                        let queries =
-                            Queries::new(&set.q, args.q_heads, args.q_heads * args.head_dim);
-                        let kv = PagedKv::new(&k_pool, &v_pool, layout, table);
-                        match (path.as_str(), gather.as_mut()) {
-                            ("gather", Some(workspace)) => ops::decode_attention_gathered(
-                                gpu, &queries, &kv, workspace, splits, scale, &mut out,
-                            )?,
-                            (other, _) => ops::paged_decode_attention(
-                                gpu,
-                                &queries,
-                                &kv,
-                                &mut fused,
-                                if other.ends_with("separate") {
-                                    MergeMode::Separate
-                                } else {
-                                    MergeMode::InKernel
-                                },
-                                scale,
-                                &mut out,
-                            )?,
-                        }
+            let (mut chunks, mut pages_per_chunk) = (0, 0);
+            for name in &args.paths {
+                let variant = match name.as_str() {
+                    "gather" => None,
+                    "tuned" => Some(super::tune::table_variant(table.as_ref(), &geometry, b, l)),
+                    other => {
+                        let (kernel, merge) = fused_path(other)?;
+                        Some(DecodeVariant {
+                            kernel,
+                            merge,
+                            waves: args.waves,
+                        })
                     }
-                    Ok(())
                 };
-                // Warm up (compiles the kernels outside the capture), then capture.
-                record(&gpu)?;
-                gpu.synchronize()?;
-                let graph = gpu.capture(&mut record)?;
-                graph.launch()?;
-                gpu.synchronize()?;
-                let mut times = Vec::with_capacity(args.replays);
-                for _ in 0..args.replays {
-                    let start = gpu.record_event()?;
-                    graph.launch()?;
-                    let end = gpu.record_event()?;
-                    times.push(start.elapsed_ms(&end)? as f64 * 1e3 / sets as f64);
+                let path = match variant {
+                    None => DecodePath::Gather,
+                    Some(variant) => {
+                        let min_pages = args.min_chunk_keys.div_ceil(args.page_size);
+                        let mut policy = rig.policy(&variant, min_pages);
+                        if let Some(target) = args.target_ctas {
+                            (policy.target_ctas, policy.resident_ctas) = (target, None);
+                        }
+                        policy.pages_per_chunk = args.pages_per_chunk;
+                        DecodePath::Fused(variant, policy)
+                    }
+                };
+                let captured = rig.capture(&case, path)?;
+                if captured.chunks > 0 && chunks == 0 {
+                    (chunks, pages_per_chunk) = (captured.chunks, captured.pages_per_chunk);
                 }
+                let mut times = captured.time(&rig.gpu, args.replays)?;
                 let (median_us, min_us) = super::bench_sampling::median_and_min(&mut times);
                 paths.push(PathResult {
-                    path: path.clone(),
+                    path: name.clone(),
+                    variant: variant.map(|v| v.to_string()),
                     median_us,
                     min_us,
-                    gb_per_s: bytes as f64 / median_us / 1e3,
+                    gb_per_s: case.bytes as f64 / median_us / 1e3,
                     percent_of_copy: 100.0 * floor_us / median_us,
                 });
             }
             let case = CaseResult {
                 batch: b,
                 context: l,
-                kv_mb: bytes as f64 / 1e6,
+                kv_mb: case.bytes as f64 / 1e6,
                 floor_us,
-                rotating_sets: sets,
-                chunks: plan.num_chunks(),
-                pages_per_chunk: plan.pages_per_chunk,
+                rotating_sets: case.sets,
+                chunks,
+                pages_per_chunk,
                 paths,
             };
             if !args.json {
@@ -296,27 +204,37 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
     Ok(())
 }
 
-/// A pool of `len` bf16 values: a 32 MB block of uniform values in [-1, 1) uploaded once and
-/// copied over the whole pool on the device (the timing does not depend on the values, only
-/// on them being ordinary numbers).
-fn random_pool(gpu: &Gpu, len: usize, seed: u64) -> Result<DeviceBuffer<bf16>> {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-    let block_len = (16usize << 20).min(len);
-    let block: Vec<bf16> = (0..block_len)
-        .map(|_| bf16::from_f32(rng.random_range(-1.0..1.0)))
-        .collect();
-    let block = gpu.upload(&block)?;
-    let mut pool = gpu.alloc::<bf16>(len)?;
-    let mut start = 0;
-    while start < len {
-        let end = (start + block_len).min(len);
-        let mut target = view_mut(&mut pool, start..end)?;
-        let source = pagoda_cuda::view(&block, 0..end - start)?;
-        gpu.copy(&source, &mut target)?;
-        start = end;
-    }
-    gpu.synchronize()?;
-    Ok(pool)
+/// The kernel and merge of a fused path's name: `fused` (CUDA cores), `fused-mma` (WMMA
+/// tensor cores) or `stream-KxS` (the streaming kernel, tiles of K keys in S stages), each
+/// merged in the same launch, or by a second one with `-separate`.
+fn fused_path(path: &str) -> Result<(PagedDecodeKernel, MergeMode)> {
+    let (name, merge) = match path.strip_suffix("-separate") {
+        Some(name) => (name, MergeMode::Separate),
+        None => (path, MergeMode::InKernel),
+    };
+    let kernel = match name {
+        "fused" => PagedDecodeKernel::CudaCore,
+        "fused-mma" => PagedDecodeKernel::TensorCore,
+        _ => {
+            let tiling = name.strip_prefix("stream-").and_then(|shape| {
+                let (keys, stages) = shape.split_once('x')?;
+                let (keys, stages) = (keys.parse::<usize>().ok()?, stages.parse().ok()?);
+                let tiling = StreamTiling::new(keys / 4, stages);
+                (keys % 4 == 0 && StreamTiling::ALL.contains(&tiling)).then_some(tiling)
+            });
+            let Some(tiling) = tiling else {
+                let streams: Vec<String> =
+                    StreamTiling::ALL.iter().map(|t| t.to_string()).collect();
+                bail!(
+                    "unknown path `{path}`: use gather, fused, fused-mma or one of {} \
+                     (each with -separate for a second merge launch)",
+                    streams.join(", ")
+                );
+            };
+            PagedDecodeKernel::Streaming(tiling)
+        }
+    };
+    Ok((kernel, merge))
 }
 
 fn print_row(case: &CaseResult, header: bool) {
@@ -348,8 +266,14 @@ fn print_row(case: &CaseResult, header: bool) {
             )
         })
         .collect();
+    let tuned = case
+        .paths
+        .iter()
+        .find(|p| p.path == "tuned")
+        .and_then(|p| p.variant.as_deref())
+        .map_or(String::new(), |variant| format!("  tuned: {variant}"));
     println!(
-        "{:>3} {:>6} {:>8.1} {:>8.1} {:>3} {:>6} {:>4} {}",
+        "{:>3} {:>6} {:>8.1} {:>8.1} {:>3} {:>6} {:>4} {}{tuned}",
         case.batch,
         case.context,
         case.kv_mb,

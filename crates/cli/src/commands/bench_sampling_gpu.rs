@@ -359,13 +359,7 @@ fn measure(
             }
             Ok(())
         };
-        // Warm up eagerly (compiles and loads the kernels outside the capture), capture, and
-        // replay once before timing.
-        record(gpu)?;
-        gpu.synchronize()?;
-        let graph = gpu.capture(&mut record)?;
-        graph.launch()?;
-        gpu.synchronize()?;
+        let graph = super::decode_rig::warm_capture(gpu, &mut record)?;
         let mut events = Vec::with_capacity(replays);
         for _ in 0..replays {
             let start = gpu.record_event()?;

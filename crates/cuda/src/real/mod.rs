@@ -263,14 +263,16 @@ impl Gpu {
     }
 
     /// Opts `function` into the dynamic shared memory and carveout `dims` asks for, once per
-    /// function (dynamic shared memory beyond 48 KB must be opted into; so is the carveout).
+    /// function (dynamic plus static shared memory beyond 48 KB must be opted into, so every
+    /// launch with dynamic shared memory opts in: exactly 48 KB of dynamic memory next to a
+    /// few static bytes failed with `CUDA_ERROR_INVALID_VALUE`; so is the carveout).
     fn opt_in(
         &self,
         spec: &KernelSpec,
         function: &CudaFunction,
         dims: &LaunchDims,
     ) -> Result<(), CudaError> {
-        if dims.shared_mem_bytes <= 48 * 1024 && !dims.prefer_shared {
+        if dims.shared_mem_bytes == 0 && !dims.prefer_shared {
             return Ok(());
         }
         let handle = function.cu_function() as usize;
@@ -285,7 +287,7 @@ impl Gpu {
             return Ok(());
         }
         use sys::CUfunction_attribute_enum as Attribute;
-        if dims.shared_mem_bytes > 48 * 1024 {
+        if dims.shared_mem_bytes > 0 {
             function
                 .set_attribute(
                     Attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -135,14 +135,20 @@ impl<T: HostFloat> TypedRunner<T> {
         upload(first_page_offset, &mut s.first_page_offset)?;
         upload(logits_rows, &mut s.logits_rows)?;
         upload(page_indices, &mut s.page_indices)?;
-        if let Attention::Fused { grid_chunks } = shape.attention {
+        if let Attention::Fused {
+            grid_chunks,
+            variant,
+        } = shape.attention
+        {
             let fused = cache
                 .buffers
                 .fused
                 .as_mut()
                 .ok_or_else(|| CudaError::invalid("fused decode without its workspace"))?;
             let indptr = &cache.staging.words.as_slice()?[page_indptr_range];
-            merged = fused.stage(gpu, indptr, grid_chunks)?.needs_merge();
+            merged = fused
+                .stage(gpu, indptr, grid_chunks, &variant)?
+                .needs_merge();
         }
         gpu.upload_pinned_range(
             &cache.staging.slots,

@@ -14,7 +14,7 @@ use std::sync::Once;
 
 use pagoda_cuda::{view, CudaError, DeviceRead, GraphCache};
 use pagoda_models::llama::ForwardBatch;
-use pagoda_models::llama_cuda::{Attention, HostFloat, StepBuffers, StepShape};
+use pagoda_models::llama_cuda::{Attention, HostFloat, StepBuffers, StepShape, VariantSource};
 use pagoda_ops::cuda::{self as ops, PoolLayout};
 
 use super::sampling::Output;
@@ -60,12 +60,17 @@ fn verify_bucket(
 }
 
 /// The graph cache's key of a step shape: the bucket for decode steps (one row per
-/// request), `(requests << 32) | rows` for verification steps.
-fn graph_key(num_requests: usize, num_tokens: usize) -> usize {
-    if num_requests == num_tokens {
+/// request), `(requests << 32) | rows` for verification steps; a fused decode's variant
+/// code above both (a bucket holds one graph per variant its steps ran).
+fn graph_key(num_requests: usize, num_tokens: usize, attention: &Attention) -> usize {
+    let rows = if num_requests == num_tokens {
         num_tokens
     } else {
         (num_requests << 32) | num_tokens
+    };
+    match attention {
+        Attention::Fused { variant, .. } => rows | ((variant.code() as usize) << 48),
+        _ => rows,
     }
 }
 
@@ -190,14 +195,16 @@ impl<T: HostFloat> TypedRunner<T> {
         };
         let mut outcome = Ok(());
         for bucket in graph_buckets(limit) {
-            if cache.graphs.contains(&bucket) {
+            let attention = self.decode_attention(&cache, bucket, 0, sm_count);
+            let key = graph_key(bucket, bucket, &attention);
+            if cache.graphs.contains(&key) {
                 continue;
             }
             let shape = StepShape {
                 num_tokens: bucket,
                 num_requests: bucket,
                 num_logits: bucket,
-                attention: self.decode_attention(&cache, bucket, sm_count),
+                attention,
                 hidden_only: false,
             };
             outcome = self.stage(&mut cache, &empty, &shape).and_then(|_| {
@@ -209,7 +216,7 @@ impl<T: HostFloat> TypedRunner<T> {
                 } = &mut cache;
                 let this = &*self;
                 graphs
-                    .get_or_capture(&gpu, bucket, |gpu| {
+                    .get_or_capture(&gpu, key, |gpu| {
                         this.model.run(gpu, buffers, layout, &shape)
                     })
                     .map(|_| ())
@@ -237,17 +244,28 @@ impl<T: HostFloat> TypedRunner<T> {
         self.counters.cuda_kernels_from_cache = loads.from_cache as u64;
     }
 
-    /// The attention of a decode step of `requests` rows: fused when the cache has it,
-    /// else the gather baseline with its split count; in deterministic mode the prefill
-    /// kernel, as for every other row.
-    fn decode_attention(&self, cache: &GpuCache<T>, requests: usize, sm_count: usize) -> Attention {
+    /// The attention of a decode step of `requests` rows whose longest request has `context`
+    /// tokens: fused when the cache has it (the variant the tuning table or the heuristic
+    /// picks for the bucket), else the gather baseline with its split count; in
+    /// deterministic mode the prefill kernel, as for every other row.
+    fn decode_attention(
+        &self,
+        cache: &GpuCache<T>,
+        requests: usize,
+        context: usize,
+        sm_count: usize,
+    ) -> Attention {
         if cache.options.kernels.deterministic {
             return Attention::Prefill;
         }
         match &cache.buffers.fused {
-            Some(fused) => Attention::Fused {
-                grid_chunks: fused.grid_chunks(requests),
-            },
+            Some(fused) => {
+                let (variant, _) = fused.variant(requests, context);
+                Attention::Fused {
+                    grid_chunks: fused.grid_chunks(requests, &variant),
+                    variant,
+                }
+            }
             None => Attention::Gather {
                 num_splits: ops::decode_splits(
                     requests,
@@ -327,12 +345,18 @@ impl<T: HostFloat> TypedRunner<T> {
                 )
             })
             .flatten();
+        let context = batch
+            .page_table
+            .seq_lens
+            .iter()
+            .max()
+            .map_or(0, |&l| l as usize);
         let shape = match (graph_rows, verify_rows) {
             (Some(padded), _) => StepShape {
                 num_tokens: padded,
                 num_requests: padded,
                 num_logits: padded,
-                attention: self.decode_attention(cache, padded, sm_count),
+                attention: self.decode_attention(cache, padded, context, sm_count),
                 hidden_only: false,
             },
             (None, Some((requests, rows))) => StepShape {
@@ -348,7 +372,7 @@ impl<T: HostFloat> TypedRunner<T> {
                 num_logits,
                 hidden_only,
                 attention: if decode_rows && fits_decode {
-                    self.decode_attention(cache, num_requests, sm_count)
+                    self.decode_attention(cache, num_requests, context, sm_count)
                 } else {
                     Attention::Prefill
                 },
@@ -369,6 +393,15 @@ impl<T: HostFloat> TypedRunner<T> {
             Attention::Fused { .. } => {
                 announce("fused");
                 self.counters.steps_cuda_decode_fused += 1;
+                let fused = cache.buffers.fused.as_ref();
+                let source = fused.map(|f| f.variant(shape.num_requests, context).1);
+                match source {
+                    Some(VariantSource::Tuned) => self.counters.steps_cuda_decode_tuned += 1,
+                    Some(VariantSource::Heuristic) => {
+                        self.counters.steps_cuda_decode_heuristic += 1
+                    }
+                    _ => {}
+                }
             }
             Attention::Prefill => {
                 announce("prefill");
@@ -388,7 +421,7 @@ impl<T: HostFloat> TypedRunner<T> {
             } = cache;
             let before = graphs.len();
             let this = &*self;
-            let key = graph_key(shape.num_requests, shape.num_tokens);
+            let key = graph_key(shape.num_requests, shape.num_tokens, &shape.attention);
             let replay = graphs.get_or_capture(&gpu, key, |gpu| {
                 this.model.run(gpu, buffers, layout, &shape)
             })?;
@@ -514,7 +547,17 @@ mod tests {
         assert_eq!(verify_bucket(&[0, 18], 64, 512), None);
         assert_eq!(verify_bucket(&[0, 9, 18], 64, 16), None);
         assert_eq!(verify_bucket(&[0, 2, 3, 4, 5], 4, 512), None);
-        assert_ne!(graph_key(4, 20), graph_key(20, 20));
+        let prefill = Attention::Prefill;
+        assert_ne!(graph_key(4, 20, &prefill), graph_key(20, 20, &prefill));
+        let fused = |waves| Attention::Fused {
+            grid_chunks: 64,
+            variant: pagoda_ops::cuda::DecodeVariant {
+                waves,
+                ..pagoda_ops::cuda::DecodeVariant::heuristic(true, 128)
+            },
+        };
+        assert_ne!(graph_key(4, 4, &fused(2)), graph_key(4, 4, &fused(4)));
+        assert_ne!(graph_key(4, 4, &fused(2)), graph_key(4, 4, &prefill));
     }
 
     #[test]

@@ -18,8 +18,12 @@ pub enum Attention {
     Prefill,
     /// The baseline decode: one query per request, keys cut into `num_splits` ranges.
     Gather { num_splits: usize },
-    /// The fused decode, with a grid of `grid_chunks` chunks (the plan is staged per step).
-    Fused { grid_chunks: usize },
+    /// The fused decode's `variant`, with a grid of `grid_chunks` chunks (the plan is staged
+    /// per step).
+    Fused {
+        grid_chunks: usize,
+        variant: pagoda_ops::cuda::DecodeVariant,
+    },
 }
 
 /// The sizes a step's kernels are launched with (padded for a graph bucket).

@@ -8,7 +8,9 @@
 //! (it measured faster than gather in every cell of the op-level benchmark and every
 //! end-to-end scenario on the H200: `docs/benchmark_results/paged-decode-h200-*.md`).
 
+use std::collections::HashSet;
 use std::str::FromStr;
+use std::sync::Mutex;
 
 use pagoda_cuda::{CudaError, DType, Gpu, PinnedBuffer};
 use pagoda_ops::cuda::{
@@ -69,13 +71,51 @@ impl PagedDecodeMode {
     }
 }
 
-/// The fused decode's device workspace and the pinned staging of its plan.
+/// Where a step's decode variant came from (for the counters and the one-time log lines).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VariantSource {
+    /// The tuning table's row for the step's bucket.
+    Tuned,
+    /// The built-in heuristic (no table row for the bucket).
+    Heuristic,
+    /// The configuration fixed the kernel, merge or CTA target (no table consulted).
+    Configured,
+}
+
+/// The choices the configuration fixes (`None`: the table or the heuristic decides).
+#[derive(Clone, Copy, Debug)]
+struct Forced {
+    kernel: Option<ops::PagedDecodeKernel>,
+    merge: Option<ops::MergeMode>,
+    target_ctas: Option<usize>,
+    pages_per_chunk: Option<usize>,
+}
+
+impl Forced {
+    fn any(&self) -> bool {
+        self.kernel.is_some()
+            || self.merge.is_some()
+            || self.target_ctas.is_some()
+            || self.pages_per_chunk.is_some()
+    }
+}
+
+/// The fused decode's device workspace, the pinned staging of its plan, and the per-bucket
+/// choice of variant (the tuning table's row, else the heuristic; the configuration's forced
+/// choices win over both).
 pub struct FusedDecode {
     workspace: PagedDecodeWorkspace,
     staging: PinnedBuffer<u32>,
-    policy: PlanPolicy,
     num_kv_heads: usize,
-    merge: ops::MergeMode,
+    sm_count: usize,
+    smem_per_sm: usize,
+    min_pages_per_chunk: usize,
+    forced: Forced,
+    heuristic: ops::DecodeVariant,
+    geometry: ops::DecodeGeometry,
+    table: Option<ops::TuningTable>,
+    /// Buckets whose choice was logged (once each).
+    logged: Mutex<HashSet<ops::DecodeBucket>>,
 }
 
 impl FusedDecode {
@@ -109,25 +149,22 @@ impl FusedDecode {
             tracing::info!("CUDA decode attention: fused path unavailable ({reason}); gather");
             return Ok(None);
         }
-        // Two waves of CTAs by default (`docs/benchmark_results/paged-decode-h200-*.md`);
-        // the chunk size can be pinned (the autotuner's hook).
         let kernels = &options.kernels;
-        let target_ctas = kernels
-            .target_ctas
-            .unwrap_or(2 * gpu.info().sm_count.max(1) as usize);
-        let policy = PlanPolicy {
-            target_ctas,
+        let forced = Forced {
+            kernel: kernels.decode_kernel(dtype, config.head_dim)?,
+            merge: kernels.merge,
+            target_ctas: kernels.target_ctas,
             pages_per_chunk: kernels.pages_per_chunk,
-            // At least one 64-key tile per chunk: smaller chunks only add merge work
-            // (measured at batch 1, 1K context on the H200).
-            min_pages_per_chunk: 64usize.div_ceil(options.page_size.max(1)),
         };
+        let sm_count = gpu.info().sm_count.max(1) as usize;
+        // Room for the largest CTA target any variant may ask for.
+        let widest = ops::CANDIDATE_WAVES.iter().max().copied().unwrap_or(2) * sm_count;
         let mut capacity = PlanCapacity::for_batch(
             options.max_batch_requests.max(1),
             config.num_kv_heads,
-            target_ctas,
+            forced.target_ctas.unwrap_or(0).max(widest),
         );
-        if let Some(fixed) = policy.pages_per_chunk {
+        if let Some(fixed) = forced.pages_per_chunk {
             // Every request may hold a full context of pages.
             let pages = options.max_context.div_ceil(options.page_size.max(1)) + 1;
             capacity.max_chunks = capacity
@@ -135,70 +172,204 @@ impl FusedDecode {
                 .max(capacity.max_requests * pages.div_ceil(fixed))
                 .min(ops::MAX_CHUNKS);
         }
-        let mut workspace = PagedDecodeWorkspace::new(
+        let workspace = PagedDecodeWorkspace::new(
             gpu,
             capacity,
             config.num_attention_heads,
             config.num_kv_heads,
             config.head_dim,
         )?;
-        let kernel = kernels.decode_kernel(dtype, config.head_dim)?;
-        workspace.set_kernel(kernel);
-        let merge = kernels.merge;
-        tracing::info!("CUDA fused decode: {kernel:?} partial kernel, {merge:?} merge");
+        let geometry = ops::DecodeGeometry {
+            q_heads: config.num_attention_heads,
+            kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+            page_size: options.page_size,
+            dtype: dtype.to_string(),
+        };
+        let table = if forced.any() {
+            tracing::info!(
+                "CUDA fused decode: kernel, merge or CTA target set by the configuration; \
+                 the tuning table is not used"
+            );
+            None
+        } else {
+            load_table(gpu, &geometry)
+        };
         let staging = gpu.alloc_pinned(capacity.encoded_len())?;
         tracing::debug!(
-            "CUDA fused decode: {} target CTAs, up to {} chunks, {:.1} MB of workspace",
-            policy.target_ctas,
+            "CUDA fused decode: up to {} chunks, {:.1} MB of workspace",
             capacity.max_chunks,
             workspace.bytes() as f64 / 1e6
         );
         Ok(Some(FusedDecode {
             workspace,
             staging,
-            policy,
             num_kv_heads: config.num_kv_heads,
-            merge,
+            sm_count,
+            smem_per_sm: gpu.info().shared_memory_per_sm as usize,
+            // At least one 64-key tile per chunk: smaller chunks only add merge work
+            // (measured at batch 1, 1K context on the H200).
+            min_pages_per_chunk: 64usize.div_ceil(options.page_size.max(1)),
+            forced,
+            heuristic: ops::DecodeVariant::heuristic(dtype == DType::BF16, config.head_dim),
+            geometry,
+            table,
+            logged: Mutex::new(HashSet::new()),
         }))
     }
 
-    /// The plan capacity of a batch bucket of `requests` rows: its grid width.
-    pub fn grid_chunks(&self, requests: usize) -> usize {
-        if self.policy.pages_per_chunk.is_some() {
+    /// The variant of a step of `requests` rows whose longest request has `context`
+    /// tokens, and where it came from. The first step of each bucket logs the choice.
+    pub fn variant(&self, requests: usize, context: usize) -> (ops::DecodeVariant, VariantSource) {
+        let bucket = ops::DecodeBucket::of(requests, context);
+        let (variant, source) = if self.forced.any() {
+            let kernel = self.forced.kernel.unwrap_or(self.heuristic.kernel);
+            let variant = ops::DecodeVariant {
+                kernel,
+                merge: self.forced.merge.unwrap_or(self.heuristic.merge),
+                // A forced non-streaming kernel aims for two waves, as it always did.
+                waves: match kernel {
+                    ops::PagedDecodeKernel::Streaming(_) => self.heuristic.waves,
+                    _ => 2,
+                },
+            };
+            (variant, VariantSource::Configured)
+        } else {
+            match self
+                .table
+                .as_ref()
+                .and_then(|t| t.decode_variant(&self.geometry, bucket))
+            {
+                Some(variant) => (variant, VariantSource::Tuned),
+                None => (self.heuristic, VariantSource::Heuristic),
+            }
+        };
+        let mut logged = self.logged.lock().unwrap_or_else(|e| e.into_inner());
+        if logged.insert(bucket) {
+            let how = match source {
+                VariantSource::Tuned => "tuned",
+                VariantSource::Heuristic => "heuristic (no tuned row)",
+                VariantSource::Configured => "configured",
+            };
+            tracing::info!(
+                "CUDA fused decode, batch <= {} and context <= {}: {variant} ({how})",
+                bucket.batch,
+                bucket.context
+            );
+        }
+        (variant, source)
+    }
+
+    /// The plan policy of `variant` (the configuration's CTA target or chunk size win).
+    fn policy(&self, variant: &ops::DecodeVariant) -> PlanPolicy {
+        let (head_dim, group) = (
+            self.geometry.head_dim,
+            self.geometry.q_heads / self.num_kv_heads,
+        );
+        let policy = variant.policy(
+            head_dim,
+            group,
+            self.sm_count,
+            self.smem_per_sm,
+            self.min_pages_per_chunk,
+        );
+        match self.forced.target_ctas {
+            Some(target) => PlanPolicy {
+                target_ctas: target,
+                resident_ctas: None,
+                pages_per_chunk: self.forced.pages_per_chunk,
+                ..policy
+            },
+            None => PlanPolicy {
+                pages_per_chunk: self.forced.pages_per_chunk,
+                ..policy
+            },
+        }
+    }
+
+    /// The plan capacity of a batch bucket of `requests` rows running `variant`: its grid
+    /// width.
+    pub fn grid_chunks(&self, requests: usize, variant: &ops::DecodeVariant) -> usize {
+        if self.forced.pages_per_chunk.is_some() {
             return self.workspace.capacity().max_chunks;
         }
-        PlanCapacity::for_batch(requests, self.num_kv_heads, self.policy.target_ctas)
+        let target = self.policy(variant).target_ctas;
+        PlanCapacity::for_batch(requests, self.num_kv_heads, target)
             .max_chunks
             .min(self.workspace.capacity().max_chunks)
     }
 
     /// Plans the step whose (padded) page table has the row pointer `indptr`, within
-    /// `grid_chunks` chunks, and queues the plan's upload from pinned memory.
+    /// `grid_chunks` chunks, for `variant`, and queues the plan's upload from pinned memory.
     pub fn stage(
         &mut self,
         gpu: &Gpu,
         indptr: &[u32],
         grid_chunks: usize,
+        variant: &ops::DecodeVariant,
     ) -> Result<PagedDecodePlan, CudaError> {
         let capacity = self.workspace.capacity();
         let bucket = PlanCapacity {
             max_chunks: grid_chunks,
             max_requests: capacity.max_requests,
         };
-        let plan = PagedDecodePlan::new(indptr, self.num_kv_heads, self.policy, bucket)?;
+        let policy = self.policy(variant);
+        let plan = PagedDecodePlan::new(indptr, self.num_kv_heads, policy, bucket)?;
         plan.encode_into(capacity, self.staging.as_mut_slice()?)?;
         gpu.upload_pinned(&self.staging, self.workspace.plan_buffer_mut())?;
         Ok(plan)
     }
 
-    /// Where the chunks are merged.
-    pub(super) fn merge(&self) -> ops::MergeMode {
-        self.merge
-    }
-
     /// The workspace, for the launch.
     pub(super) fn workspace_mut(&mut self) -> &mut PagedDecodeWorkspace {
         &mut self.workspace
+    }
+}
+
+/// The tuning table for `geometry` on `gpu`, logged once: `None` when there is none, it is
+/// unreadable, or it was tuned for another GPU, driver or kernel sources.
+fn load_table(gpu: &Gpu, geometry: &ops::DecodeGeometry) -> Option<ops::TuningTable> {
+    let info = gpu.info();
+    let path = pagoda_cuda::tuning_table_path(&info.name)?;
+    let key = ops::TableKey {
+        gpu: info.name.clone(),
+        driver: info.driver_version,
+        sources: ops::decode_sources_hash(),
+    };
+    match ops::TuningTable::read(&path) {
+        Ok(Some(table)) if table.key == key => {
+            let rows = table
+                .decode
+                .iter()
+                .filter(|row| &row.geometry == geometry)
+                .count();
+            tracing::info!(
+                "CUDA fused decode: tuning table {} ({rows} tuned buckets for this model; \
+                 the others use the built-in heuristic)",
+                path.display()
+            );
+            Some(table)
+        }
+        Ok(Some(_)) => {
+            tracing::info!(
+                "CUDA fused decode: tuning table {} was tuned for another GPU, driver or \
+                 kernels; ignored (run `pagoda tune` again); the built-in heuristic decides",
+                path.display()
+            );
+            None
+        }
+        Ok(None) => {
+            tracing::info!(
+                "CUDA fused decode: no tuning table at {} (run `pagoda tune`); the built-in \
+                 heuristic decides every bucket",
+                path.display()
+            );
+            None
+        }
+        Err(error) => {
+            tracing::warn!("CUDA fused decode: {error}; the built-in heuristic decides");
+            None
+        }
     }
 }
 

@@ -14,14 +14,14 @@ pub struct CudaKernels {
     /// Measured on the H200 (`docs/benchmark_results/cuda-backend-h200-*.md`): tensor
     /// cores 2.3x (8B, 2K prompt) to 3x (SmolLM2, 4K) faster than the tiled kernel.
     pub prefill: PrefillKernel,
-    /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`).
+    /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
+    /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
-    /// Where the fused decode merges a request's chunks (`PAGODA_PAGED_DECODE_MERGE`): a
-    /// second launch was faster than the in-kernel merge in every cell measured on the H200
-    /// but batch 64 (equal).
-    pub merge: MergeMode,
+    /// Where the fused decode merges a request's chunks (`PAGODA_PAGED_DECODE_MERGE`; `None`:
+    /// the tuning table's choice, else a second launch).
+    pub merge: Option<MergeMode>,
     /// CTAs the fused decode's plan aims for (`PAGODA_PAGED_DECODE_TARGET_CTAS`; `None`:
-    /// two waves, twice the SM count).
+    /// the tuning table's choice, else two waves, twice the SM count).
     pub target_ctas: Option<usize>,
     /// Pages per fused decode chunk (`PAGODA_PAGED_DECODE_CHUNK`; `None`: the plan searches).
     pub pages_per_chunk: Option<usize>,
@@ -70,11 +70,15 @@ impl Default for SamplingKernels {
 /// The fused decode's partial kernel as configured.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum DecodeKernelChoice {
-    /// Tensor cores for bf16 where they support the head size (measured faster on the
-    /// H200), else CUDA cores.
+    /// The tuning table's choice for the step's bucket; else the streaming tensor-core
+    /// kernel for bf16 where it supports the head size (measured fastest on the H200), else
+    /// CUDA cores.
     #[default]
     Auto,
-    /// Tensor cores; an error where they do not apply.
+    /// The streaming tensor-core kernel at its default tiling; an error where it does not
+    /// apply.
+    Streaming,
+    /// The WMMA tensor-core kernel; an error where it does not apply.
     TensorCore,
     /// CUDA cores.
     CudaCore,
@@ -85,7 +89,7 @@ impl Default for CudaKernels {
         CudaKernels {
             prefill: PrefillKernel::Mma,
             decode: DecodeKernelChoice::Auto,
-            merge: MergeMode::Separate,
+            merge: None,
             target_ctas: None,
             pages_per_chunk: None,
             sampling: SamplingKernels::default(),
@@ -105,13 +109,15 @@ impl CudaKernels {
                 _ => PrefillKernel::Mma,
             },
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
+                "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
                 "cuda-core" => DecodeKernelChoice::CudaCore,
                 _ => DecodeKernelChoice::Auto,
             },
             merge: match config.word("PAGODA_PAGED_DECODE_MERGE") {
-                "kernel" => MergeMode::InKernel,
-                _ => MergeMode::Separate,
+                "kernel" => Some(MergeMode::InKernel),
+                "separate" => Some(MergeMode::Separate),
+                _ => None,
             },
             target_ctas: count("PAGODA_PAGED_DECODE_TARGET_CTAS"),
             pages_per_chunk: count("PAGODA_PAGED_DECODE_CHUNK"),
@@ -127,24 +133,34 @@ impl CudaKernels {
         }
     }
 
-    /// The fused decode's partial kernel for `dtype` and `head_dim`.
+    /// The fused decode's partial kernel for `dtype` and `head_dim` when the configuration
+    /// forces one (`None`: auto, the tuning table or the heuristic decides per bucket).
     pub fn decode_kernel(
         &self,
         dtype: DType,
         head_dim: usize,
-    ) -> Result<ops::PagedDecodeKernel, CudaError> {
-        let mma_ok = dtype == DType::BF16 && ops::PAGED_DECODE_MMA_HEAD_DIMS.contains(&head_dim);
-        match self.decode {
-            DecodeKernelChoice::Auto if mma_ok => Ok(ops::PagedDecodeKernel::TensorCore),
-            DecodeKernelChoice::TensorCore if mma_ok => Ok(ops::PagedDecodeKernel::TensorCore),
-            DecodeKernelChoice::TensorCore => Err(CudaError::invalid(format!(
-                "PAGODA_PAGED_DECODE_KERNEL=mma needs bf16 and head_dim in {:?} (have {dtype}, \
-                 {head_dim})",
+    ) -> Result<Option<ops::PagedDecodeKernel>, CudaError> {
+        let bf16 = dtype == DType::BF16;
+        let mma_ok = bf16 && ops::PAGED_DECODE_MMA_HEAD_DIMS.contains(&head_dim);
+        let tiling = ops::StreamTiling::ALL[0];
+        let refuse = |name: &str| {
+            Err(CudaError::invalid(format!(
+                "PAGODA_PAGED_DECODE_KERNEL={name} needs bf16 and head_dim in {:?} (have \
+                 {dtype}, {head_dim})",
                 ops::PAGED_DECODE_MMA_HEAD_DIMS
-            ))),
-            DecodeKernelChoice::Auto | DecodeKernelChoice::CudaCore => {
-                Ok(ops::PagedDecodeKernel::CudaCore)
+            )))
+        };
+        match self.decode {
+            DecodeKernelChoice::Auto => Ok(None),
+            DecodeKernelChoice::Streaming if bf16 && tiling.fits(head_dim) => {
+                Ok(Some(ops::PagedDecodeKernel::Streaming(tiling)))
             }
+            DecodeKernelChoice::Streaming => refuse("stream"),
+            DecodeKernelChoice::TensorCore if mma_ok => {
+                Ok(Some(ops::PagedDecodeKernel::TensorCore))
+            }
+            DecodeKernelChoice::TensorCore => refuse("mma"),
+            DecodeKernelChoice::CudaCore => Ok(Some(ops::PagedDecodeKernel::CudaCore)),
         }
     }
 }
@@ -188,7 +204,7 @@ mod tests {
         let expected = CudaKernels {
             prefill: PrefillKernel::PerToken,
             decode: DecodeKernelChoice::CudaCore,
-            merge: MergeMode::InKernel,
+            merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),
             pages_per_chunk: Some(4),
             sampling: SamplingKernels {
@@ -208,7 +224,18 @@ mod tests {
         assert!(mma.decode_kernel(DType::F32, 64).is_err());
         assert_eq!(
             mma.decode_kernel(DType::BF16, 64).unwrap(),
-            ops::PagedDecodeKernel::TensorCore
+            Some(ops::PagedDecodeKernel::TensorCore)
         );
+        let stream = CudaKernels {
+            decode: DecodeKernelChoice::Streaming,
+            ..expected
+        };
+        assert!(stream.decode_kernel(DType::F16, 128).is_err());
+        assert!(matches!(
+            stream.decode_kernel(DType::BF16, 128),
+            Ok(Some(ops::PagedDecodeKernel::Streaming(_)))
+        ));
+        let auto = CudaKernels::default();
+        assert_eq!(auto.decode_kernel(DType::BF16, 128).unwrap(), None);
     }
 }

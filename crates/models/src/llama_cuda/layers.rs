@@ -250,14 +250,18 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                     gpu, &queries, &kv, workspace, num_splits, scale, out,
                 )
             }
-            Attention::Fused { grid_chunks } => {
+            Attention::Fused {
+                grid_chunks,
+                variant,
+            } => {
                 let fused = self
                     .fused
                     .as_mut()
                     .ok_or_else(|| CudaError::invalid("fused decode without its workspace"))?;
-                let merge = fused.merge();
                 let workspace = fused.workspace_mut();
                 workspace.set_grid_chunks(grid_chunks)?;
+                workspace.set_kernel(variant.kernel);
+                let merge = variant.merge;
                 ops::paged_decode_attention(gpu, &queries, &kv, workspace, merge, scale, out)
             }
             Attention::Prefill => {

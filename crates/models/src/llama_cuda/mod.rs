@@ -30,7 +30,7 @@ use crate::llama::LoadError;
 use crate::weights::TensorSource;
 
 pub use buffers::{Attention, Scratch, StepBuffers, StepShape};
-pub use decode_path::{FusedDecode, PagedDecodeMode, PAGED_DECODE_ENV_VAR};
+pub use decode_path::{FusedDecode, PagedDecodeMode, VariantSource, PAGED_DECODE_ENV_VAR};
 pub use kernels::{CudaKernels, DecodeKernelChoice, SamplingKernels};
 pub use pagoda_ops::cuda::SamplingRowParams;
 

@@ -5,15 +5,22 @@
 //!   the pages, then attend), the device page table and pool layout every launcher takes.
 //! - `prefill` / `prefill_mma`: the query-tiled prefill kernels (CUDA cores, tensor cores).
 //! - `paged_decode` + `decode_plan`: the fused split-KV paged decode with its work plan and
-//!   the log-sum-exp merge, the production batched decode.
+//!   the log-sum-exp merge, the production batched decode; `decode_tuning`: the table of
+//!   which kernel, merge and CTA target runs each shape bucket (`pagoda tune`).
 
 mod decode_plan;
+mod decode_tuning;
 mod gathered;
 mod paged_decode;
 mod prefill;
 mod prefill_mma;
+mod stream_tiling;
 
 pub use decode_plan::{PagedDecodePlan, PlanCapacity, PlanPolicy, MAX_CHUNKS, PLAN_HEADER_WORDS};
+pub use decode_tuning::{
+    decode_sources_hash, kernel_name, parse_kernel, DecodeBucket, DecodeGeometry, DecodeVariant,
+    TableKey, TunedDecode, TuningTable, CANDIDATE_WAVES, MIN_CONTEXT_BUCKET,
+};
 pub use gathered::{
     decode_attention_gathered, decode_splits, prefill_attention, specialize_attention,
     AttentionEntry, DecodeWorkspace, DevicePageTable, PagedKv, PoolLayout, Queries,
@@ -31,6 +38,7 @@ pub use prefill::{
 pub use prefill_mma::{
     prefill_attention_mma, specialize_prefill_mma, MmaPrefillTiling, MMA_PREFILL_HEAD_DIMS,
 };
+pub use stream_tiling::StreamTiling;
 
 use crate::cuda_dtypes::FLOAT_DTYPES;
 use pagoda_cuda::{CudaError, DType, KernelSource, KernelSpec};
@@ -52,6 +60,14 @@ pub(crate) static PAGED_DECODE_MMA: KernelSource = KernelSource::new(
     concat!(
         include_str!("cuda/paged_decode_common.cu"),
         include_str!("cuda/paged_decode_mma.cu")
+    ),
+);
+/// The streaming paged decode on tensor cores (softmax in registers).
+pub(crate) static PAGED_DECODE_STREAM: KernelSource = KernelSource::new(
+    "paged_decode_stream.cu",
+    concat!(
+        include_str!("cuda/paged_decode_common.cu"),
+        include_str!("cuda/paged_decode_stream.cu")
     ),
 );
 /// The query-tiled prefill on CUDA cores.
@@ -98,6 +114,10 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
                     let stages = mma_decode_stages(head_dim);
                     let entry = PagedDecodeEntry::PartialMma { stages };
                     specs.push(specialize_paged_decode(entry, dtype, head_dim, group)?);
+                    for tiling in StreamTiling::ALL.iter().filter(|t| t.fits(head_dim)) {
+                        let entry = PagedDecodeEntry::PartialStream(*tiling);
+                        specs.push(specialize_paged_decode(entry, dtype, head_dim, group)?);
+                    }
                 }
             }
             let merge = PagedDecodeEntry::Merge;

@@ -7,7 +7,7 @@ use pagoda_cuda::{DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{
     self as ops, DevicePageTable, MergeMode, PagedDecodeKernel, PagedDecodePlan,
     PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, PoolLayout, PrefillKernel, Queries,
-    MMA_PREFILL_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
+    StreamTiling, MMA_PREFILL_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
 };
 
 use super::attention::Attention;
@@ -151,6 +151,9 @@ fn decode<T: TestFloat>(
     let mut kernels = vec![PagedDecodeKernel::CudaCore];
     if dtype == GpuDtype::Bf16 && PAGED_DECODE_MMA_HEAD_DIMS.contains(&f.layout.head_dim) {
         kernels.push(PagedDecodeKernel::TensorCore);
+        let tilings = StreamTiling::ALL.into_iter();
+        let fitting = tilings.filter(|t| t.fits(f.layout.head_dim));
+        kernels.extend(fitting.map(PagedDecodeKernel::Streaming));
     }
     let sm_count = gpu.info().sm_count as usize;
     let policies = [
@@ -160,6 +163,7 @@ fn decode<T: TestFloat>(
                 target_ctas: 2 * sm_count,
                 pages_per_chunk: None,
                 min_pages_per_chunk: 1,
+                resident_ctas: None,
             },
         ),
         (
@@ -168,6 +172,7 @@ fn decode<T: TestFloat>(
                 target_ctas: 1,
                 pages_per_chunk: Some(1),
                 min_pages_per_chunk: 1,
+                resident_ctas: None,
             },
         ),
     ];

@@ -13,6 +13,7 @@ pub(super) struct StepCounts {
     cuda_eager: u64,
     cuda_decode_gather: u64,
     cuda_decode_fused: u64,
+    cuda_decode_tuned: u64,
     cuda_prefill_kernel: u64,
     /// GPU time of the CUDA steps (CUDA events), microseconds.
     cuda_gpu_us: u64,
@@ -38,6 +39,7 @@ impl std::ops::AddAssign for StepCounts {
         self.cuda_eager += other.cuda_eager;
         self.cuda_decode_gather += other.cuda_decode_gather;
         self.cuda_decode_fused += other.cuda_decode_fused;
+        self.cuda_decode_tuned += other.cuda_decode_tuned;
         self.cuda_prefill_kernel += other.cuda_prefill_kernel;
         self.cuda_gpu_us += other.cuda_gpu_us;
         self.sampled_gpu += other.sampled_gpu;
@@ -67,10 +69,12 @@ impl std::fmt::Display for StepCounts {
             let steps = self.cuda_graph + self.cuda_eager;
             write!(
                 f,
-                "cuda graph {} eager {} (decode fused {} gather {} prefill {}), gpu {:.3} ms/step",
+                "cuda graph {} eager {} (decode fused {} [{} tuned] gather {} prefill {}), gpu \
+                 {:.3} ms/step",
                 self.cuda_graph,
                 self.cuda_eager,
                 self.cuda_decode_fused,
+                self.cuda_decode_tuned,
                 self.cuda_decode_gather,
                 self.cuda_prefill_kernel,
                 self.cuda_gpu_us as f64 / 1e3 / steps as f64
@@ -100,6 +104,7 @@ pub(super) fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCount
         cuda_eager: now.steps_cuda_eager - before.steps_cuda_eager,
         cuda_decode_gather: now.steps_cuda_decode_gather - before.steps_cuda_decode_gather,
         cuda_decode_fused: now.steps_cuda_decode_fused - before.steps_cuda_decode_fused,
+        cuda_decode_tuned: now.steps_cuda_decode_tuned - before.steps_cuda_decode_tuned,
         cuda_prefill_kernel: now.steps_cuda_prefill_kernel - before.steps_cuda_prefill_kernel,
         cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,
         sampled_gpu: now.sampled_tokens_gpu - before.sampled_tokens_gpu,

@@ -65,6 +65,13 @@ pub struct PlanPolicy {
     /// The smallest chunk the search may choose, in pages (e.g. one kernel tile of keys:
     /// smaller chunks only add merge work). At least 1.
     pub min_pages_per_chunk: usize,
+    /// CTAs the GPU holds at once (SMs x the kernel's CTAs per SM). When set, the search
+    /// minimises the estimated time instead of reaching `target_ctas`: the waves of CTAs
+    /// (`ceil(CTAs / resident)`) times the pages of a chunk plus `min_pages_per_chunk` (a
+    /// chunk's fixed cost: its pipeline's fill and its partial), so a plan never spills a
+    /// few CTAs into a second wave; ties go to the larger chunk (fewer merges).
+    /// `target_ctas` then only sizes the capacity.
+    pub resident_ctas: Option<usize>,
 }
 
 /// The split of one batch: which chunk serves which pages of which request.
@@ -127,21 +134,34 @@ impl PagedDecodePlan {
                     }
                 }
                 let floor = low.max(policy.min_pages_per_chunk.clamp(1, largest));
-                // Largest chunk size in floor..=largest still reaching the target.
-                let reaches = |ppc: usize| total(ppc) * num_kv_heads.max(1) >= policy.target_ctas;
-                if !reaches(floor) {
-                    floor
-                } else {
-                    let (mut low, mut high) = (floor, largest);
-                    while low < high {
-                        let mid = low + (high - low).div_ceil(2);
-                        if reaches(mid) {
-                            low = mid;
+                match policy.resident_ctas {
+                    Some(resident) => fitted_chunk(
+                        &total,
+                        largest,
+                        floor,
+                        num_kv_heads.max(1),
+                        resident.max(1),
+                        policy.min_pages_per_chunk.max(1),
+                    ),
+                    None => {
+                        // Largest chunk size in floor..=largest still reaching the target.
+                        let reaches =
+                            |ppc: usize| total(ppc) * num_kv_heads.max(1) >= policy.target_ctas;
+                        if !reaches(floor) {
+                            floor
                         } else {
-                            high = mid - 1;
+                            let (mut low, mut high) = (floor, largest);
+                            while low < high {
+                                let mid = low + (high - low).div_ceil(2);
+                                if reaches(mid) {
+                                    low = mid;
+                                } else {
+                                    high = mid - 1;
+                                }
+                            }
+                            low
                         }
                     }
-                    low
                 }
             }
         };
@@ -236,6 +256,32 @@ impl PagedDecodePlan {
     }
 }
 
+/// The chunk size (in `floor..=largest`) with the smallest estimated time, `waves x (pages
+/// + overhead)`, trying the sizes at which the longest request's chunk count changes (at
+/// most 256 of them); ties go to the larger chunk. `total(ppc)` is the plan's chunk count.
+fn fitted_chunk(
+    total: &impl Fn(usize) -> usize,
+    largest: usize,
+    floor: usize,
+    heads: usize,
+    resident: usize,
+    overhead: usize,
+) -> usize {
+    let mut best = (usize::MAX, largest);
+    for chunks in 1..=largest.min(256) {
+        let ppc = largest.div_ceil(chunks).max(floor);
+        let waves = (total(ppc) * heads).div_ceil(resident);
+        let cost = waves.saturating_mul(ppc + overhead);
+        if cost < best.0 {
+            best = (cost, ppc);
+        }
+        if ppc == floor {
+            break;
+        }
+    }
+    best.1
+}
+
 /// Pages per request from a CSR row pointer, checked: starts at 0, never decreases.
 fn page_counts(indptr: &[u32]) -> Result<Vec<usize>, CudaError> {
     if indptr.first() != Some(&0) {
@@ -273,8 +319,19 @@ mod tests {
             target_ctas: target,
             pages_per_chunk: None,
             min_pages_per_chunk: 1,
+            resident_ctas: None,
         };
         PagedDecodePlan::new(&indptr(pages), heads, policy, capacity).unwrap()
+    }
+
+    /// A xorshift stream: `next(n)` is uniform-ish in `0..n`.
+    fn xorshift(mut state: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state % n
+        }
     }
 
     /// Brute force: the largest chunk size in 1..=max pages whose chunks fit the capacity
@@ -298,13 +355,7 @@ mod tests {
 
     #[test]
     fn search_matches_brute_force() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = |n: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % n
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         for _ in 0..500 {
             let b = 1 + next(12) as usize;
             let pages: Vec<u32> = (0..b).map(|_| next(300) as u32).collect();
@@ -363,6 +414,7 @@ mod tests {
             target_ctas: 264,
             pages_per_chunk: None,
             min_pages_per_chunk: 4,
+            resident_ctas: None,
         };
         // 264 CTAs would want one page per chunk; the floor keeps 4 (16 chunks).
         let p = PagedDecodePlan::new(&indptr(&[64]), 8, policy, capacity).unwrap();
@@ -375,6 +427,65 @@ mod tests {
     }
 
     #[test]
+    fn fitted_plans_fill_whole_waves() {
+        let capacity = PlanCapacity::for_batch(64, 8, 1056);
+        let fitted = |pages: &[u32], resident| {
+            let policy = PlanPolicy {
+                target_ctas: 1056,
+                pages_per_chunk: None,
+                min_pages_per_chunk: 4,
+                resident_ctas: Some(resident),
+            };
+            PagedDecodePlan::new(&indptr(pages), 8, policy, capacity).unwrap()
+        };
+        // 16 requests of 256 pages, 8 heads, 264 resident CTAs: 2 chunks each (256 CTAs, one
+        // wave of 128 pages) beat 3 (384 CTAs: two waves of 86) and 4 (two waves of 64).
+        let p = fitted(&[256; 16], 264);
+        assert_eq!((p.pages_per_chunk, p.num_chunks()), (128, 32));
+        // One request of 64 pages: the floor (4 pages, 16 chunks: one wave).
+        let p = fitted(&[64], 264);
+        assert_eq!((p.pages_per_chunk, p.num_chunks()), (4, 16));
+        // 64 requests of 2048 pages already fill two waves: one chunk each, no merge.
+        let p = fitted(&[2048; 64], 264);
+        assert_eq!(p.num_chunks(), 64);
+        assert!(!p.needs_merge());
+        // Against brute force over the chunk sizes at which the longest request's chunk count
+        // changes (waves x (pages + 4)); equal requests have their optimum among them.
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
+        for round in 0..300 {
+            let b = 1 + next(16) as usize;
+            let pages: Vec<u32> = (0..b).map(|_| next(600) as u32).collect();
+            if round % 3 == 0 {
+                // Equal requests: the candidates hold the optimum over every chunk size.
+                let all = vec![pages[0]; b];
+                let p = fitted(&all, 264);
+                let cost =
+                    |c: usize| (b * chunks_of(all[0] as usize, c) * 8).div_ceil(264) * (c + 4);
+                let largest = (all[0] as usize).max(1);
+                let best = (4.min(largest)..=largest).map(cost).min().unwrap();
+                assert_eq!(cost(p.pages_per_chunk), best, "{b} x {}", all[0]);
+            }
+            let resident = 1 + next(600) as usize;
+            let p = fitted(&pages, resident);
+            let largest = pages.iter().copied().max().unwrap_or(0).max(1) as usize;
+            let cost = |c: usize| {
+                let chunks: usize = pages.iter().map(|&q| chunks_of(q as usize, c)).sum();
+                (chunks * 8).div_ceil(resident) * (c + 4)
+            };
+            let floor = 4.min(largest);
+            let best = (1..=largest.min(256))
+                .map(|chunks| cost(largest.div_ceil(chunks).max(floor)))
+                .min()
+                .unwrap();
+            assert_eq!(
+                cost(p.pages_per_chunk),
+                best,
+                "{pages:?} resident {resident}"
+            );
+        }
+    }
+
+    #[test]
     fn fixed_chunk_size_forces_the_merge_or_fails_cleanly() {
         let capacity = PlanCapacity {
             max_chunks: 8,
@@ -384,6 +495,7 @@ mod tests {
             target_ctas: 1,
             pages_per_chunk: Some(c),
             min_pages_per_chunk: 1,
+            resident_ctas: None,
         };
         let p = PagedDecodePlan::new(&indptr(&[3, 4]), 1, policy(1), capacity).unwrap();
         assert_eq!(p.num_chunks(), 7);
@@ -399,6 +511,7 @@ mod tests {
             target_ctas: 1,
             pages_per_chunk: None,
             min_pages_per_chunk: 1,
+            resident_ctas: None,
         };
         assert!(PagedDecodePlan::new(&[], 1, policy, capacity).is_err());
         assert!(PagedDecodePlan::new(&[1, 2], 1, policy, capacity).is_err());
@@ -416,6 +529,7 @@ mod tests {
             target_ctas: 1,
             pages_per_chunk: Some(2),
             min_pages_per_chunk: 1,
+            resident_ctas: None,
         };
         let p = PagedDecodePlan::new(&indptr(&[3, 1]), 1, policy, capacity).unwrap();
         let words = p.encode(capacity).unwrap();

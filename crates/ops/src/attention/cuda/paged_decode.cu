@@ -199,6 +199,10 @@ extern "C" __global__ void merge_attention_partials(
     __shared__ float s_stats[2];
     __shared__ unsigned int s_head[1];
     __shared__ float s_weights[MERGE_BLOCK];
+#if __CUDA_ARCH__ >= 900
+    // Launched programmatically after a partial kernel: its partials are complete from here.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const unsigned int o = blockIdx.x;
     const unsigned int head = blockIdx.y;
     const unsigned int num_heads = gridDim.y;

@@ -5,7 +5,8 @@
 
 use super::decode_plan::{PagedDecodePlan, PlanCapacity};
 use super::gathered::{check_decode_io, PagedKv, PoolLayout, Queries};
-use super::{PAGED_DECODE, PAGED_DECODE_MMA};
+use super::stream_tiling::StreamTiling;
+use super::{PAGED_DECODE, PAGED_DECODE_MMA, PAGED_DECODE_STREAM};
 use crate::cuda_dtypes::check_float;
 use pagoda_cuda::{
     check_len, ptr, to_u32, whole, CudaError, DType, DeviceBuffer, DeviceRead, DeviceView,
@@ -51,6 +52,9 @@ pub enum PagedDecodeEntry {
     /// `paged_decode_partial_mma`: the same on tensor cores (bf16) with `stages` pipeline
     /// stages (2 or 3).
     PartialMma { stages: usize },
+    /// `paged_decode_partial_stream`: tensor cores with the softmax in registers
+    /// (`paged_decode_stream.cu`), tiled as `tiling` says.
+    PartialStream(StreamTiling),
     /// `merge_attention_partials`: the generic merge over `o_indptr`.
     Merge,
 }
@@ -62,6 +66,9 @@ pub enum PagedDecodeKernel {
     CudaCore,
     /// Tensor cores (WMMA bf16, f32 accumulation): bf16 KV, head_dim 64/128/256.
     TensorCore,
+    /// Tensor cores with raw MMA and the softmax in registers, only K/V in shared memory
+    /// (`paged_decode_stream.cu`): bf16 KV, head_dim 64/128/256.
+    Streaming(StreamTiling),
 }
 
 /// Head sizes of the tensor-core kernel.
@@ -148,6 +155,27 @@ pub fn specialize_paged_decode(
                     ("HEAD_DIM", head_dim as i64),
                     ("GROUP", group as i64),
                     ("STAGES", stages as i64),
+                ],
+                dtypes: vec![("T", dtype)],
+            });
+        }
+        PagedDecodeEntry::PartialStream(tiling) => {
+            if dtype != DType::BF16 || !tiling.fits(head_dim) {
+                return Err(CudaError::invalid(format!(
+                    "the streaming paged decode runs bf16 at head_dim {PAGED_DECODE_MMA_HEAD_DIMS:?} \
+                     with a tiling of {:?} that fits shared memory, not {dtype} at {head_dim} \
+                     with {tiling:?}",
+                    StreamTiling::ALL
+                )));
+            }
+            return Ok(KernelSpec {
+                source: &PAGED_DECODE_STREAM,
+                entry: "paged_decode_partial_stream",
+                params: vec![
+                    ("HEAD_DIM", head_dim as i64),
+                    ("GROUP", group as i64),
+                    ("KEYS_PER_WARP", tiling.keys_per_warp as i64),
+                    ("STAGES", tiling.stages as i64),
                 ],
                 dtypes: vec![("T", dtype)],
             });
@@ -340,6 +368,15 @@ pub fn paged_decode_attention<T: Element>(
                 mma_shared_bytes(layout.head_dim, group, stages),
             )
         }
+        PagedDecodeKernel::Streaming(tiling) => (
+            specialize_paged_decode(
+                PagedDecodeEntry::PartialStream(tiling),
+                T::DTYPE,
+                layout.head_dim,
+                group,
+            )?,
+            tiling.shared_bytes(layout.head_dim, group),
+        ),
     };
     let num_requests = page_table.num_requests();
     check_decode_io(
@@ -391,14 +428,21 @@ pub fn paged_decode_attention<T: Element>(
     // SAFETY: arguments match `paged_decode_partial`; the plan buffer holds the capacity's
     // encoded length, the partials max_chunks x num_q_heads rows, the semaphores
     // max_requests x num_kv_heads; pool, q and out extents validated above.
+    let streaming = matches!(workspace.kernel, PagedDecodeKernel::Streaming(_));
     let dims = LaunchDims {
         shared_mem_bytes: shared_bytes as u32,
+        // CTAs per SM are bounded by shared memory: ask for the largest carveout.
+        prefer_shared: streaming,
         ..LaunchDims::new(grid, PARTIAL_THREADS as u32)
     };
     unsafe { gpu.launch(&partial, dims, &args)? };
     if merge == MergeMode::InKernel {
         return Ok(());
     }
+    // After the streaming kernel (which lets its dependents launch once its CTAs leave their
+    // loops) the merge launches programmatically on compute capability 9.0+ and waits for
+    // the partials itself, which hides its launch behind the partial kernel's tail.
+    let programmatic = streaming && gpu.info().compute_capability.0 >= 9;
     let partials = Partials {
         out: whole(&workspace.partial_out),
         lse: whole(&workspace.partial_lse),
@@ -406,7 +450,7 @@ pub fn paged_decode_attention<T: Element>(
         num_heads: num_q_heads,
         head_dim: layout.head_dim,
     };
-    merge_attention_partials(gpu, &partials, true, out, None)
+    merge_partials_launch(gpu, &partials, true, out, None, programmatic)
 }
 
 /// Attention states to merge by log-sum-exp: partial rows `o_indptr[o] .. o_indptr[o + 1]`
@@ -438,6 +482,19 @@ pub fn merge_attention_partials<T: Element>(
     skip_single: bool,
     out: &mut impl DeviceWrite<T>,
     lse_out: Option<&mut DeviceBuffer<f32>>,
+) -> Result<(), CudaError> {
+    merge_partials_launch(gpu, partials, skip_single, out, lse_out, false)
+}
+
+/// [`merge_attention_partials`], launched programmatically when `programmatic` (the kernel
+/// waits for the previous one with `griddepcontrol.wait`).
+fn merge_partials_launch<T: Element>(
+    gpu: &Gpu,
+    partials: &Partials<'_>,
+    skip_single: bool,
+    out: &mut impl DeviceWrite<T>,
+    lse_out: Option<&mut DeviceBuffer<f32>>,
+    programmatic: bool,
 ) -> Result<(), CudaError> {
     let Partials {
         out: partial,
@@ -492,6 +549,10 @@ pub fn merge_attention_partials<T: Element>(
     // The partial row ids in o_indptr live on the device: the kernel trusts them to be
     // < N (the fused decode's plan guarantees it; other callers build them on the host).
     let grid = (to_u32("merge rows", rows)?, num_heads as u32);
+    let dims = LaunchDims {
+        programmatic,
+        ..LaunchDims::new(grid, 128)
+    };
     // SAFETY: arguments match `merge_attention_partials`; out and lse_out extents checked.
-    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 128), &args) }
+    unsafe { gpu.launch(&spec, dims, &args) }
 }

@@ -1,0 +1,242 @@
+//! `pagoda tune`: the shape-bucketed autotuner of the fused decode attention.
+//!
+//! For every bucket (batch x context, powers of two) of one model's head geometry, every
+//! candidate variant (partial kernel and tiling, merge placement, CTA target in waves) is
+//! captured in a CUDA graph over rotating inputs of at least 4x the L2 (cold L2: a set's pages
+//! are never cached when its turn comes), and the candidates are replayed in alternating
+//! rounds, so drift hits them alike. The fastest median wins the bucket, unless it is not
+//! faster than the built-in heuristic measured in the same rounds: then nothing is stored and
+//! the heuristic keeps the bucket. The table is written to the cache folder, keyed by GPU name,
+//! driver and a hash of the kernel sources; `serve`, `generate` and `bench` load it at start.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use pagoda_cuda::Gpu;
+use pagoda_ops::cuda::{
+    self as ops, DecodeBucket, DecodeVariant, TableKey, TunedDecode, TuningTable,
+};
+
+use super::decode_rig::{DecodePath, Geometry, Rig};
+use super::stats::Summary;
+
+/// Flags of `pagoda tune`.
+#[derive(Args, Debug)]
+pub struct TuneArgs {
+    /// The model whose attention geometry to tune (GGUF file or Hugging Face folder).
+    #[arg(short = 'm', long)]
+    pub model: Option<PathBuf>,
+    /// Or a random-weights preset or config.json of the shapes (default: llama-3.1-8b).
+    #[arg(long, conflicts_with = "model")]
+    pub random_weights: Option<String>,
+    /// Tokens per KV page (the server's `--page-size`).
+    #[arg(long, default_value_t = 16)]
+    pub page_size: usize,
+    /// Batch buckets to tune (powers of two).
+    #[arg(
+        short = 'b',
+        long = "batch",
+        value_delimiter = ',',
+        default_value = "1,2,4,8,16,32,64"
+    )]
+    pub batch: Vec<usize>,
+    /// Context buckets to tune (powers of two, at least 256).
+    #[arg(
+        short = 'l',
+        long = "context",
+        value_delimiter = ',',
+        default_value = "512,1024,2048,4096,8192,16384,32768"
+    )]
+    pub context: Vec<usize>,
+    /// Alternating rounds over the candidates.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Graph replays per candidate per round.
+    #[arg(long, default_value_t = 4)]
+    pub replays: usize,
+    /// Where to write the table (default: the tuning table path `serve` reads).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+    /// Measure and print, but write nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+/// The table key of the running device and kernel sources.
+pub fn table_key(gpu: &Gpu) -> TableKey {
+    TableKey {
+        gpu: gpu.info().name.clone(),
+        driver: gpu.info().driver_version,
+        sources: ops::decode_sources_hash(),
+    }
+}
+
+/// The table `serve` would load on `gpu` (an empty one when there is none, or it is stale).
+pub fn load_table(gpu: &Gpu) -> Result<TuningTable> {
+    let key = table_key(gpu);
+    let Some(path) = pagoda_cuda::tuning_table_path(&key.gpu) else {
+        return Ok(TuningTable::new(key));
+    };
+    match TuningTable::read(&path).map_err(anyhow::Error::msg)? {
+        Some(table) if table.key == key => Ok(table),
+        _ => Ok(TuningTable::new(key)),
+    }
+}
+
+/// The variant `table` (or the heuristic) picks for `b` requests of `l` tokens.
+pub fn table_variant(
+    table: Option<&TuningTable>,
+    geometry: &Geometry,
+    b: usize,
+    l: usize,
+) -> DecodeVariant {
+    let bucket = DecodeBucket::of(b, l);
+    table
+        .and_then(|table| table.decode_variant(&geometry.tuning(), bucket))
+        .unwrap_or_else(|| DecodeVariant::heuristic(true, geometry.head_dim))
+}
+
+fn geometry(args: &TuneArgs) -> Result<Geometry> {
+    let config = match (&args.model, &args.random_weights) {
+        (Some(path), _) if path.is_dir() => {
+            pagoda_models::hf::HfModelDir::open(path)
+                .with_context(|| format!("reading {}", path.display()))?
+                .config
+        }
+        (Some(path), _) => {
+            let file = pagoda_models::formats::gguf::GgufFile::open(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            pagoda_models::gguf_model::config_from_gguf(&file).map_err(anyhow::Error::msg)?
+        }
+        (None, spec) => {
+            pagoda_models::random::random_config(spec.as_deref().unwrap_or("llama-3.1-8b"))
+                .map_err(|e| anyhow::anyhow!("{e}"))?
+        }
+    };
+    Ok(Geometry {
+        q_heads: config.num_attention_heads,
+        kv_heads: config.num_kv_heads,
+        head_dim: config.head_dim,
+        page_size: args.page_size,
+    })
+}
+
+/// Runs `pagoda tune`.
+pub fn run(args: TuneArgs) -> Result<()> {
+    if args.rounds == 0 || args.replays == 0 {
+        bail!("--rounds and --replays must be at least 1");
+    }
+    for &n in args.batch.iter().chain(&args.context) {
+        if !n.is_power_of_two() {
+            bail!("--batch and --context take powers of two (buckets), not {n}");
+        }
+    }
+    if args.context.iter().any(|&l| l < ops::MIN_CONTEXT_BUCKET) {
+        bail!("--context buckets start at {}", ops::MIN_CONTEXT_BUCKET);
+    }
+    if !args.page_size.is_power_of_two() {
+        bail!("--page-size must be a power of two, not {}", args.page_size);
+    }
+    let geometry = geometry(&args)?;
+    let largest = args
+        .batch
+        .iter()
+        .flat_map(|&b| args.context.iter().map(move |&l| geometry.kv_bytes(b, l)))
+        .max()
+        .unwrap_or(0);
+    let mut rig = Rig::new(geometry, largest)?;
+    let key = table_key(&rig.gpu);
+    let path = match &args.output {
+        Some(path) => path.clone(),
+        None => pagoda_cuda::tuning_table_path(&key.gpu).context(
+            "no cache folder for the tuning table (set HOME, XDG_CACHE_HOME or \
+             PAGODA_TUNING_TABLE, or pass --output)",
+        )?,
+    };
+    let mut table = match TuningTable::read(&path).map_err(anyhow::Error::msg)? {
+        Some(table) if table.key == key => table,
+        Some(_) => {
+            eprintln!(
+                "{}: tuned for another GPU, driver or kernels; starting afresh",
+                path.display()
+            );
+            TuningTable::new(key)
+        }
+        None => TuningTable::new(key),
+    };
+    let candidates = DecodeVariant::candidates(true, geometry.head_dim);
+    eprintln!(
+        "tuning {} candidates over {} buckets ({} query heads, {} KV heads, head_dim {}, page {})",
+        candidates.len(),
+        args.batch.len() * args.context.len(),
+        geometry.q_heads,
+        geometry.kv_heads,
+        geometry.head_dim,
+        geometry.page_size
+    );
+    println!(
+        "{:>3} {:>6} {:>12} {:>10} {:>8}  winner",
+        "B", "L", "heuristic us", "tuned us", "speedup"
+    );
+    for &b in &args.batch {
+        for &l in &args.context {
+            let case = rig.case(b, l)?;
+            let captured = candidates
+                .iter()
+                .map(|&variant| {
+                    let policy = rig.policy(&variant, 64usize.div_ceil(geometry.page_size));
+                    rig.capture(&case, DecodePath::Fused(variant, policy))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let mut samples = vec![Vec::new(); candidates.len()];
+            for _ in 0..args.rounds {
+                for (graph, times) in captured.iter().zip(&mut samples) {
+                    times.extend(graph.time(&rig.gpu, args.replays)?);
+                }
+            }
+            let medians: Vec<f64> = samples
+                .iter()
+                .map(|times| Summary::of(times).map_or(f64::INFINITY, |s| s.median))
+                .collect();
+            // candidates[0] is the heuristic.
+            let (best, &best_us) = medians
+                .iter()
+                .enumerate()
+                .min_by(|a, b| a.1.total_cmp(b.1))
+                .expect("at least the heuristic");
+            let heuristic_us = medians[0];
+            let bucket = DecodeBucket::of(b, l);
+            let winner = candidates[best];
+            if best != 0 && best_us < heuristic_us {
+                table.insert(TunedDecode::new(
+                    geometry.tuning(),
+                    bucket,
+                    winner,
+                    best_us,
+                    heuristic_us,
+                ));
+            }
+            println!(
+                "{b:>3} {l:>6} {heuristic_us:>12.1} {best_us:>10.1} {:>7.3}x  {}",
+                heuristic_us / best_us,
+                if best == 0 {
+                    "the heuristic".to_string()
+                } else {
+                    winner.to_string()
+                }
+            );
+        }
+    }
+    if args.dry_run {
+        eprintln!("dry run: the table was not written");
+    } else {
+        table.write(&path).map_err(anyhow::Error::msg)?;
+        eprintln!(
+            "wrote {} ({} tuned buckets)",
+            path.display(),
+            table.decode.len()
+        );
+    }
+    Ok(())
+}

@@ -237,9 +237,9 @@ settings! {
     "PAGODA_PAGED_DECODE_MERGE", None, Values::Choice(&["auto", "separate", "kernel"]), "auto", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Merge the fused decode's chunks in a second launch (separate) or in the kernel (auto: the tuning table's, else separate).";
-    "PAGODA_CUDA_PREFILL", None, Values::Choice(&["mma", "tiled", "reference"]), "mma", Cuda,
+    "PAGODA_CUDA_PREFILL", None, Values::Choice(&["stream", "mma", "tiled", "reference"]), "stream", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
-        "CUDA prefill attention kernel (mma falls back to tiled where it does not apply).";
+        "CUDA prefill attention kernel (stream falls back to mma, mma to tiled, where they do not apply).";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Filtered rows on the GPU: fast, or exact (f64, the oracle).";

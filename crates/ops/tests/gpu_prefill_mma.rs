@@ -20,17 +20,19 @@ const TOLERANCE: f32 = 2e-2;
 fn mma_prefill_matches_reference_and_per_token_kernel() {
     let gpu = gpu();
     let mut seed = 300;
-    for head_dim in [64, 128] {
-        for group in [1, 3, 4, 8] {
-            for page_size in [16, 32] {
-                seed += 1;
-                check_against_oracles::<bf16>(
-                    &gpu,
-                    Kernel::Mma,
-                    (head_dim, group, page_size),
-                    seed,
-                    TOLERANCE,
-                );
+    for kernel in [Kernel::Mma, Kernel::Stream] {
+        for head_dim in [64, 128] {
+            for group in [1, 3, 4, 8] {
+                for page_size in [16, 32] {
+                    seed += 1;
+                    check_against_oracles::<bf16>(
+                        &gpu,
+                        kernel,
+                        (head_dim, group, page_size),
+                        seed,
+                        TOLERANCE,
+                    );
+                }
             }
         }
     }
@@ -59,6 +61,11 @@ fn mma_prefill_head_dim_256_and_every_group() {
             seed,
             TOLERANCE,
         );
+        if head_dim != 256 {
+            let kernel = Kernel::Stream;
+            let shape = (head_dim, group, page_size);
+            check_against_oracles::<bf16>(&gpu, kernel, shape, seed + 1, TOLERANCE);
+        }
     }
 }
 
@@ -69,7 +76,9 @@ fn mma_prefill_head_dim_256_and_every_group() {
 fn mma_prefill_edge_rows() {
     let gpu = gpu();
     for (head_dim, group) in [(64, 4), (128, 3)] {
-        check_edge_rows::<bf16>(&gpu, Kernel::Mma, (head_dim, group, 4), (2, 70), TOLERANCE);
+        for kernel in [Kernel::Mma, Kernel::Stream] {
+            check_edge_rows::<bf16>(&gpu, kernel, (head_dim, group, 4), (2, 70), TOLERANCE);
+        }
     }
 }
 
@@ -119,6 +128,7 @@ fn mma_prefill_misaligned_views_match() {
 fn mma_prefill_replays_from_a_graph() {
     let gpu = gpu();
     check_graph_replay::<bf16>(&gpu, Kernel::Mma, 128);
+    check_graph_replay::<bf16>(&gpu, Kernel::Stream, 128);
 }
 
 #[test]

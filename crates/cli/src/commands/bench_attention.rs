@@ -15,13 +15,16 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
-use pagoda_ops::cuda::{DecodeVariant, MergeMode, PagedDecodeKernel, StreamTiling};
+use pagoda_ops::cuda::{DecodeVariant, MergeMode, PagedDecodeKernel, PrefillKernel, StreamTiling};
 use serde::Serialize;
 
-use super::decode_rig::{DecodePath, Geometry, Rig};
+use super::decode_rig::{DecodePath, Geometry, QueryRows, Rig};
 
 /// The H200's measured device copy rate (anchors, table A), bytes per microsecond.
 const COPY_BYTES_PER_US: f64 = 4203e3;
+
+/// The decode paths timed when `--paths` is not given.
+const DEFAULT_PATHS: &str = "gather,fused-mma-separate,stream-64x3-separate,tuned";
 
 /// Flags of `pagoda bench attention`.
 #[derive(Args, Debug)]
@@ -48,7 +51,7 @@ pub struct BenchAttentionArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "gather,fused-mma-separate,stream-64x3-separate,tuned"
+        default_value = DEFAULT_PATHS
     )]
     pub paths: Vec<String>,
     /// Query heads (Llama-3.1-8B: 32).
@@ -79,6 +82,11 @@ pub struct BenchAttentionArgs {
     /// Graph replays per case (the median is reported).
     #[arg(short = 'n', long, default_value_t = 50)]
     pub replays: usize,
+    /// Time the prefill attention instead: every token of every request queries its prompt
+    /// (causal), paths `prefill-stream` and `prefill-mma` (tensor cores, the default pair) and
+    /// `prefill-tiled`.
+    #[arg(long)]
+    pub prefill: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -93,6 +101,8 @@ struct PathResult {
     min_us: f64,
     gb_per_s: f64,
     percent_of_copy: f64,
+    /// Prefill: attention TFLOP/s (4 x the causal query-key pairs x heads x head_dim).
+    tflops: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -112,9 +122,22 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
     if args.batch.contains(&0) || args.context.contains(&0) || args.replays == 0 {
         bail!("--batch, --context and --replays must be at least 1");
     }
-    for path in &args.paths {
-        if path != "gather" && path != "tuned" {
-            fused_path(path)?;
+    let paths: Vec<String> = if args.prefill && args.paths.join(",") == DEFAULT_PATHS {
+        vec!["prefill-stream".into(), "prefill-mma".into()]
+    } else {
+        args.paths.clone()
+    };
+    for path in &paths {
+        match (args.prefill, prefill_kernel(path)) {
+            (true, Some(_)) => {}
+            (true, None) => {
+                bail!("--prefill times prefill-stream, prefill-mma or prefill-tiled, not `{path}`")
+            }
+            (false, Some(_)) => bail!("`{path}` is a prefill path: add --prefill"),
+            (false, None) if path == "gather" || path == "tuned" => {}
+            (false, None) => {
+                fused_path(path)?;
+            }
         }
     }
     let geometry = Geometry {
@@ -130,7 +153,7 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
         .max()
         .unwrap_or(0);
     let mut rig = Rig::new(geometry, largest)?;
-    let table = if args.paths.iter().any(|p| p == "tuned") {
+    let table = if paths.iter().any(|p| p == "tuned") {
         Some(super::tune::load_table(&rig.gpu)?)
     } else {
         None
@@ -138,13 +161,19 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
     let mut results = Vec::new();
     for &b in &args.batch {
         for &l in &args.context {
-            let case = rig.case(b, l)?;
+            let kind = if args.prefill {
+                QueryRows::Prefill
+            } else {
+                QueryRows::Decode
+            };
+            let case = rig.case(b, l, kind)?;
             let floor_us = case.bytes as f64 / COPY_BYTES_PER_US;
-            let mut paths = Vec::new();
+            let mut results_of_case = Vec::new();
             let (mut chunks, mut pages_per_chunk) = (0, 0);
-            for name in &args.paths {
+            for name in &paths {
                 let variant = match name.as_str() {
                     "gather" => None,
+                    _ if args.prefill => None,
                     "tuned" => Some(super::tune::table_variant(table.as_ref(), &geometry, b, l)),
                     other => {
                         let (kernel, merge) = fused_path(other)?;
@@ -155,9 +184,10 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
                         })
                     }
                 };
-                let path = match variant {
-                    None => DecodePath::Gather,
-                    Some(variant) => {
+                let path = match (variant, prefill_kernel(name)) {
+                    (_, Some(kernel)) => DecodePath::Prefill(kernel),
+                    (None, None) => DecodePath::Gather,
+                    (Some(variant), None) => {
                         let min_pages = args.min_chunk_keys.div_ceil(args.page_size);
                         let mut policy = rig.policy(&variant, min_pages);
                         if let Some(target) = args.target_ctas {
@@ -173,13 +203,16 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
                 }
                 let mut times = captured.time(&rig.gpu, args.replays)?;
                 let (median_us, min_us) = super::bench_sampling::median_and_min(&mut times);
-                paths.push(PathResult {
+                let pairs = (b * l * (l + 1) / 2) as f64;
+                let flops = 4.0 * pairs * (args.q_heads * args.head_dim) as f64;
+                results_of_case.push(PathResult {
                     path: name.clone(),
                     variant: variant.map(|v| v.to_string()),
                     median_us,
                     min_us,
                     gb_per_s: case.bytes as f64 / median_us / 1e3,
                     percent_of_copy: 100.0 * floor_us / median_us,
+                    tflops: args.prefill.then(|| flops / median_us / 1e6),
                 });
             }
             let case = CaseResult {
@@ -190,7 +223,7 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
                 rotating_sets: case.sets,
                 chunks,
                 pages_per_chunk,
-                paths,
+                paths: results_of_case,
             };
             if !args.json {
                 print_row(&case, results.is_empty());
@@ -202,6 +235,16 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&results)?);
     }
     Ok(())
+}
+
+/// The prefill kernel of a `prefill-mma` or `prefill-tiled` path.
+fn prefill_kernel(path: &str) -> Option<PrefillKernel> {
+    match path {
+        "prefill-stream" => Some(PrefillKernel::Stream),
+        "prefill-mma" => Some(PrefillKernel::Mma),
+        "prefill-tiled" => Some(PrefillKernel::Tiled),
+        _ => None,
+    }
 }
 
 /// The kernel and merge of a fused path's name: `fused` (CUDA cores), `fused-mma` (WMMA
@@ -242,7 +285,10 @@ fn print_row(case: &CaseResult, header: bool) {
         let names: Vec<String> = case
             .paths
             .iter()
-            .map(|p| format!("{:>14} {:>6} {:>5}", format!("{} us", p.path), "GB/s", "%"))
+            .map(|p| match p.tflops {
+                Some(_) => format!("{:>14} {:>7}", format!("{} us", p.path), "TFLOP/s"),
+                None => format!("{:>14} {:>6} {:>5}", format!("{} us", p.path), "GB/s", "%"),
+            })
             .collect();
         println!(
             "{:>3} {:>6} {:>8} {:>8} {:>3} {:>6} {:>4} {}",
@@ -259,11 +305,12 @@ fn print_row(case: &CaseResult, header: bool) {
     let cells: Vec<String> = case
         .paths
         .iter()
-        .map(|p| {
-            format!(
+        .map(|p| match p.tflops {
+            Some(tflops) => format!("{:>14.1} {:>7.1}", p.median_us, tflops),
+            None => format!(
                 "{:>14.1} {:>6.0} {:>5.0}",
                 p.median_us, p.gb_per_s, p.percent_of_copy
-            )
+            ),
         })
         .collect();
     let tuned = case

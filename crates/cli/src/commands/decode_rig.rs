@@ -1,15 +1,17 @@
-//! The decode-attention test rig `pagoda bench attention` and `pagoda tune` share: bf16 KV
-//! pools with random contents, a case per (batch, context) whose every request draws its pages
-//! at random from a pool larger than any case, R rotating input sets of at least 4x the L2
+//! The attention test rig `pagoda bench attention` and `pagoda tune` share: bf16 KV pools
+//! with random contents, a case per (batch, context) whose every request draws its pages at
+//! random from a pool larger than any case, R rotating input sets of at least 4x the L2
 //! (different page tables and queries), and a path captured in one CUDA graph over all R sets.
-//! A replay's time / R is one sample; the L2 never holds a set when its turn comes.
+//! A replay's time / R is one sample; the L2 never holds a set when its turn comes. A decode
+//! case has one query per request; a prefill case queries every token of every request
+//! (causal: the whole prompt attends to itself).
 
 use anyhow::{bail, Result};
 use half::bf16;
 use pagoda_cuda::{view_mut, CapturedGraph, DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{
     self as ops, DecodeVariant, DecodeWorkspace, DevicePageTable, PagedDecodePlan,
-    PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, PoolLayout, Queries,
+    PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, PoolLayout, PrefillKernel, Queries,
 };
 use rand::{Rng, SeedableRng};
 
@@ -48,11 +50,13 @@ impl Geometry {
     }
 }
 
-/// A path through the decode: the gather baseline, or a fused variant with its plan policy.
+/// A path through the attention: the gather decode baseline, a fused decode variant with
+/// its plan policy, or a prefill kernel (prefill cases only).
 #[derive(Clone, Copy, Debug)]
 pub enum DecodePath {
     Gather,
     Fused(DecodeVariant, PlanPolicy),
+    Prefill(PrefillKernel),
 }
 
 /// The pools and the device.
@@ -71,12 +75,22 @@ struct InputSet {
     q: DeviceBuffer<bf16>,
 }
 
+/// What a case's queries are: one per request (decode) or every prompt token (prefill).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QueryRows {
+    Decode,
+    Prefill,
+}
+
 /// The inputs of one (batch, context) case.
 pub struct Case {
     pub batch: usize,
     pub bytes: usize,
     pub sets: usize,
+    /// Query rows per request (1 for decode, the context for prefill).
+    pub rows_per_request: usize,
     indptr: Vec<u32>,
+    qo_indptr: DeviceBuffer<u32>,
     inputs: Vec<InputSet>,
 }
 
@@ -159,11 +173,13 @@ impl Rig {
         )
     }
 
-    /// The inputs of `b` requests of `l` tokens each.
-    pub fn case(&mut self, b: usize, l: usize) -> Result<Case> {
+    /// The inputs of `b` requests of `l` tokens each, queried as `kind` says.
+    pub fn case(&mut self, b: usize, l: usize, kind: QueryRows) -> Result<Case> {
         let g = self.geometry;
         let bytes = g.kv_bytes(b, l);
-        let sets = (4 * L2_BYTES).div_ceil(bytes).clamp(1, 32);
+        let rows_per_request = if kind == QueryRows::Prefill { l } else { 1 };
+        let q_bytes = b * rows_per_request * g.q_heads * g.head_dim * 2;
+        let sets = (4 * L2_BYTES).div_ceil(bytes + q_bytes).clamp(1, 32);
         let pages = l.div_ceil(g.page_size);
         let indptr: Vec<u32> = (0..=b).map(|r| (r * pages) as u32).collect();
         let last = vec![(l - (pages - 1) * g.page_size) as u32; b];
@@ -172,7 +188,7 @@ impl Rig {
             let indices: Vec<u32> = (0..b * pages)
                 .map(|_| self.rng.random_range(0..self.layout.num_pages) as u32)
                 .collect();
-            let q: Vec<bf16> = (0..b * g.q_heads * g.head_dim)
+            let q: Vec<bf16> = (0..b * rows_per_request * g.q_heads * g.head_dim)
                 .map(|_| bf16::from_f32(self.rng.random_range(-2.0..2.0)))
                 .collect();
             inputs.push(InputSet {
@@ -185,11 +201,14 @@ impl Rig {
                 q: self.gpu.upload(&q)?,
             });
         }
+        let qo_indptr: Vec<u32> = (0..=b).map(|r| (r * rows_per_request) as u32).collect();
         Ok(Case {
             batch: b,
             bytes,
             sets,
+            rows_per_request,
             indptr,
+            qo_indptr: self.gpu.upload(&qo_indptr)?,
             inputs,
         })
     }
@@ -200,10 +219,11 @@ impl Rig {
         let (gpu, g) = (&self.gpu, self.geometry);
         let b = case.batch;
         let pages = case.indptr[b] as usize;
-        let mut out = gpu.zeros::<bf16>(b * g.q_heads * g.head_dim)?;
+        let mut out = gpu.zeros::<bf16>(b * case.rows_per_request * g.q_heads * g.head_dim)?;
         let scale = 1.0 / (g.head_dim as f32).sqrt();
         let (mut fused, mut gather, mut plan_shape) = (None, None, (0, 0));
         match path {
+            DecodePath::Prefill(_) => {}
             DecodePath::Gather => {
                 gather = Some(DecodeWorkspace::<bf16>::new(
                     gpu,
@@ -243,6 +263,12 @@ impl Rig {
                         let merge = variant.merge;
                         ops::paged_decode_attention(
                             gpu, &queries, &kv, workspace, merge, scale, &mut out,
+                        )?
+                    }
+                    (DecodePath::Prefill(kernel), _, _) => {
+                        let qo = &case.qo_indptr;
+                        ops::prefill_attention_with(
+                            kernel, gpu, &queries, &kv, qo, scale, &mut out,
                         )?
                     }
                     _ => unreachable!("the workspace matches the path"),

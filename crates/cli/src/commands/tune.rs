@@ -18,7 +18,7 @@ use pagoda_ops::cuda::{
     self as ops, DecodeBucket, DecodeVariant, TableKey, TunedDecode, TuningTable,
 };
 
-use super::decode_rig::{DecodePath, Geometry, Rig};
+use super::decode_rig::{DecodePath, Geometry, QueryRows, Rig};
 use super::stats::Summary;
 
 /// Flags of `pagoda tune`.
@@ -181,7 +181,7 @@ pub fn run(args: TuneArgs) -> Result<()> {
     );
     for &b in &args.batch {
         for &l in &args.context {
-            let case = rig.case(b, l)?;
+            let case = rig.case(b, l, QueryRows::Decode)?;
             let captured = candidates
                 .iter()
                 .map(|&variant| {

@@ -9,10 +9,10 @@ use pagoda_ops::cuda::{self as ops, FilteredSampling, MergeMode, PrefillKernel};
 /// measured fastest on the H200; the others stay as fallbacks and oracles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudaKernels {
-    /// Prefill attention (`PAGODA_CUDA_PREFILL`): tensor cores (`Mma`, which falls back to
-    /// `Tiled` where it does not apply), query-tiled, or one CTA per token (the oracle).
-    /// Measured on the H200 (`docs/benchmark_results/cuda-backend-h200-*.md`): tensor
-    /// cores 2.3x (8B, 2K prompt) to 3x (SmolLM2, 4K) faster than the tiled kernel.
+    /// Prefill attention (`PAGODA_CUDA_PREFILL`): the streaming tensor-core kernel
+    /// (`Stream`, falling back to `Mma` at head_dim 256 and to `Tiled` where neither
+    /// applies), the WMMA kernel, query-tiled, or one CTA per token (the oracle).
+    /// Measured on the H200 (`docs/benchmark_results/decode-tuning-h200-2026-12-04.md`).
     pub prefill: PrefillKernel,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
@@ -87,7 +87,7 @@ pub enum DecodeKernelChoice {
 impl Default for CudaKernels {
     fn default() -> Self {
         CudaKernels {
-            prefill: PrefillKernel::Mma,
+            prefill: PrefillKernel::Stream,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -104,9 +104,10 @@ impl CudaKernels {
         let count = |name| config.number(name).map(|n| n as usize);
         CudaKernels {
             prefill: match config.word("PAGODA_CUDA_PREFILL") {
+                "mma" => PrefillKernel::Mma,
                 "tiled" => PrefillKernel::Tiled,
                 "reference" => PrefillKernel::PerToken,
-                _ => PrefillKernel::Mma,
+                _ => PrefillKernel::Stream,
             },
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,

@@ -59,16 +59,20 @@ impl<T: HostFloat> GpuModel<T> {
             &last_page_len,
             &first_page_offset,
         )?;
-        // The tensor-core kernel runs bf16 at its head dims, where it compiles; else tiled.
+        // The tensor-core kernels run bf16 at their head dims, where they compile: the
+        // streaming kernel falls back to WMMA (head_dim 256), WMMA to the tiled kernel.
+        let bf16 = T::DTYPE == pagoda_cuda::DType::BF16;
+        let mma = bf16
+            && ops::MMA_PREFILL_HEAD_DIMS.contains(&c.head_dim)
+            && mma_compiles(gpu, c.head_dim);
         let prefill = match *prefill {
-            PrefillKernel::Mma
-                if T::DTYPE == pagoda_cuda::DType::BF16
-                    && ops::MMA_PREFILL_HEAD_DIMS.contains(&c.head_dim)
-                    && mma_compiles(gpu, c.head_dim) =>
+            PrefillKernel::Stream
+                if bf16 && ops::STREAM_PREFILL_HEAD_DIMS.contains(&c.head_dim) =>
             {
-                PrefillKernel::Mma
+                PrefillKernel::Stream
             }
-            PrefillKernel::Mma => PrefillKernel::Tiled,
+            PrefillKernel::Stream | PrefillKernel::Mma if mma => PrefillKernel::Mma,
+            PrefillKernel::Stream | PrefillKernel::Mma => PrefillKernel::Tiled,
             other => other,
         };
         let mut step = GpuStep {

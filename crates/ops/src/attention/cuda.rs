@@ -29,16 +29,19 @@ pub use gathered::{
 pub use paged_decode::{
     merge_attention_partials, mma_decode_stages, paged_decode_attention, paged_decode_unsupported,
     specialize_paged_decode, MergeMode, PagedDecodeEntry, PagedDecodeKernel, PagedDecodeWorkspace,
-    Partials, MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
+    Partials,
 };
 pub use prefill::{
     prefill_attention_tiled, prefill_attention_with, specialize_prefill, PrefillKernel,
     PrefillTiling,
 };
 pub use prefill_mma::{
-    prefill_attention_mma, specialize_prefill_mma, MmaPrefillTiling, MMA_PREFILL_HEAD_DIMS,
+    prefill_attention_mma, prefill_attention_stream, specialize_prefill_mma,
+    specialize_prefill_stream, MmaPrefillTiling, MMA_PREFILL_HEAD_DIMS, STREAM_PREFILL_HEAD_DIMS,
 };
-pub use stream_tiling::StreamTiling;
+pub use stream_tiling::{
+    StreamTiling, MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
+};
 
 use crate::cuda_dtypes::FLOAT_DTYPES;
 use pagoda_cuda::{CudaError, DType, KernelSource, KernelSpec};
@@ -50,6 +53,7 @@ pub(crate) static ATTENTION: KernelSource =
 pub(crate) static PAGED_DECODE: KernelSource = KernelSource::new(
     "paged_decode.cu",
     concat!(
+        include_str!("cuda/tensor_core.cu"),
         include_str!("cuda/paged_decode_common.cu"),
         include_str!("cuda/paged_decode.cu")
     ),
@@ -58,6 +62,7 @@ pub(crate) static PAGED_DECODE: KernelSource = KernelSource::new(
 pub(crate) static PAGED_DECODE_MMA: KernelSource = KernelSource::new(
     "paged_decode_mma.cu",
     concat!(
+        include_str!("cuda/tensor_core.cu"),
         include_str!("cuda/paged_decode_common.cu"),
         include_str!("cuda/paged_decode_mma.cu")
     ),
@@ -66,6 +71,7 @@ pub(crate) static PAGED_DECODE_MMA: KernelSource = KernelSource::new(
 pub(crate) static PAGED_DECODE_STREAM: KernelSource = KernelSource::new(
     "paged_decode_stream.cu",
     concat!(
+        include_str!("cuda/tensor_core.cu"),
         include_str!("cuda/paged_decode_common.cu"),
         include_str!("cuda/paged_decode_stream.cu")
     ),
@@ -73,6 +79,14 @@ pub(crate) static PAGED_DECODE_STREAM: KernelSource = KernelSource::new(
 /// The query-tiled prefill on CUDA cores.
 pub(crate) static PREFILL: KernelSource =
     KernelSource::new("prefill.cu", include_str!("cuda/prefill.cu"));
+/// The streaming prefill on tensor cores (softmax in registers).
+pub(crate) static PREFILL_STREAM: KernelSource = KernelSource::new(
+    "prefill_stream.cu",
+    concat!(
+        include_str!("cuda/tensor_core.cu"),
+        include_str!("cuda/prefill_stream.cu")
+    ),
+);
 /// The query-tiled prefill on tensor cores.
 pub(crate) static PREFILL_MMA: KernelSource =
     KernelSource::new("prefill_mma.cu", include_str!("cuda/prefill_mma.cu"));
@@ -126,6 +140,9 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     }
     for &head_dim in &MMA_PREFILL_HEAD_DIMS {
         specs.push(specialize_prefill_mma(DType::BF16, head_dim)?);
+    }
+    for &head_dim in &STREAM_PREFILL_HEAD_DIMS {
+        specs.push(specialize_prefill_stream(DType::BF16, head_dim)?);
     }
     Ok(specs)
 }

@@ -7,7 +7,7 @@ use pagoda_cuda::{DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{
     self as ops, DevicePageTable, MergeMode, PagedDecodeKernel, PagedDecodePlan,
     PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, PoolLayout, PrefillKernel, Queries,
-    StreamTiling, MMA_PREFILL_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
+    StreamTiling, MMA_PREFILL_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS, STREAM_PREFILL_HEAD_DIMS,
 };
 
 use super::attention::Attention;
@@ -83,6 +83,9 @@ fn prefill<T: TestFloat>(
     let mut kernels = vec![PrefillKernel::PerToken, PrefillKernel::Tiled];
     if dtype == GpuDtype::Bf16 && MMA_PREFILL_HEAD_DIMS.contains(&f.layout.head_dim) {
         kernels.push(PrefillKernel::Mma);
+    }
+    if dtype == GpuDtype::Bf16 && STREAM_PREFILL_HEAD_DIMS.contains(&f.layout.head_dim) {
+        kernels.push(PrefillKernel::Stream);
     }
     kernels
         .into_iter()

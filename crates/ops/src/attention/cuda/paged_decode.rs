@@ -6,18 +6,15 @@
 use super::decode_plan::{PagedDecodePlan, PlanCapacity};
 use super::gathered::{check_decode_io, PagedKv, PoolLayout, Queries};
 use super::stream_tiling::StreamTiling;
+pub use super::stream_tiling::{
+    MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
+};
 use super::{PAGED_DECODE, PAGED_DECODE_MMA, PAGED_DECODE_STREAM};
 use crate::cuda_dtypes::check_float;
 use pagoda_cuda::{
     check_len, ptr, to_u32, whole, CudaError, DType, DeviceBuffer, DeviceRead, DeviceView,
     DeviceWrite, Element, Gpu, KernelArg, KernelSpec, LaunchDims,
 };
-
-/// Head sizes the fused decode is instantiated for (`head_dim / 8` a power of two <= 32).
-pub const PAGED_DECODE_HEAD_DIMS: [usize; 4] = [32, 64, 128, 256];
-
-/// Largest GQA group (query heads per KV head) one CTA serves.
-pub const MAX_DECODE_GROUP: usize = 8;
 
 /// Threads per CTA of the partial kernel (`THREADS` in `paged_decode.cu`).
 const PARTIAL_THREADS: usize = 128;
@@ -70,9 +67,6 @@ pub enum PagedDecodeKernel {
     /// (`paged_decode_stream.cu`): bf16 KV, head_dim 64/128/256.
     Streaming(StreamTiling),
 }
-
-/// Head sizes of the tensor-core kernel.
-pub const PAGED_DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
 /// Pipeline stages of the tensor-core kernel by head size: K/V tiles of 64 keys, so two
 /// stages keep two CTAs per SM at head_dim 128 (`PAGODA_PAGED_DECODE_STAGES=2|3` overrides;

@@ -1,5 +1,5 @@
 // Shared by the fused paged decode kernels (paged_decode.cu: CUDA cores, paged_decode_mma.cu:
-// tensor cores): the chunk a CTA serves, the cp.async helpers, the log-sum-exp merge and the
+// tensor cores, paged_decode_stream.cu; after tensor_core.cu): the chunk a CTA serves, the log-sum-exp merge and the
 // epilogue that turns a CTA's per-warp softmax states into the request's output or a partial.
 //
 // Pools: [num_pages, page_size, num_kv_heads, HEAD_DIM] per side; page_size a power of two.
@@ -22,14 +22,6 @@ typedef PAGODA_T T;
 #define WEIGHTS_BYTES (GROUP * (MERGE_BLOCK + 3) * 4)
 #define MAX2(a, b) ((a) > (b) ? (a) : (b))
 #define ELEMS_PER_THREAD ((GROUP * HEAD_DIM + THREADS - 1) / THREADS)
-
-PAGODA_DEVICE void cp_async16(void* shared_dst, const void* global_src, bool valid) {
-    const unsigned int dst = (unsigned int)__cvta_generic_to_shared(shared_dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global_src),
-                 "r"(valid ? 16 : 0));
-}
-PAGODA_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> PAGODA_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Base-2 log-sum-exp statistics of partial rows begin..end of `head`, computed by one warp:
 // the max LSE and 1 / sum 2^(lse - max) (0 when no partial is finite).

@@ -47,43 +47,15 @@ static_assert(STAGES >= 2 && STAGES <= 6, "pipeline stages");
 static_assert(GROUP <= 8, "the query heads of a KV head fill at most the upper 8 MMA rows");
 static_assert(ROW_CHUNKS <= 32 && 32 % ROW_CHUNKS == 0 && KW % KEY_STEP == 0, "tile copy layout");
 
-PAGODA_DEVICE unsigned int smem_addr(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
-
 // Shared-memory byte offset of 16-byte piece `piece` of key row `row` in a tile (swizzled).
 PAGODA_DEVICE unsigned int piece_offset(unsigned int row, unsigned int piece) {
     return row * ROW_BYTES + ((piece ^ (row & 7)) << 4);
 }
 
-// cp.async of 16 bytes (zero-filled unless `valid`), with a hint that the whole 128-byte line
-// will be read (a key row's pieces are copied by neighbouring threads).
-PAGODA_DEVICE void cp_async16_line(void* shared_dst, const void* global_src, bool valid) {
-    const unsigned int dst = (unsigned int)__cvta_generic_to_shared(shared_dst);
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global_src),
-                 "r"(valid ? 16 : 0));
-}
-
-PAGODA_DEVICE void ldmatrix_x4(unsigned int addr, unsigned int (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-PAGODA_DEVICE void ldmatrix_x4_trans(unsigned int addr, unsigned int (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-// d += a b with the upper eight rows of a zero (a1 = a3 = 0): m16n8k16, bf16 in, f32 out.
+// d += a b with the upper eight rows of a zero.
 PAGODA_DEVICE void mma_upper(float (&d)[4], unsigned int a0, unsigned int a2, unsigned int b0,
                              unsigned int b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
-}
-PAGODA_DEVICE unsigned int pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned int*>(&v);
+    mma_bf16(d, a0, 0u, a2, 0u, b0, b1);
 }
 }  // namespace stream_decode
 
@@ -198,8 +170,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, stream_decode::MIN_BLOCKS)
         }
         cp_async_commit();
         const int stage = t % STAGES;
-        const unsigned int k_base = smem_addr(smem + (size_t)stage * SIDE_BYTES);
-        const unsigned int v_base = smem_addr(smem + (size_t)(STAGES + stage) * SIDE_BYTES);
+        const unsigned int k_base = shared_address(smem + (size_t)stage * SIDE_BYTES);
+        const unsigned int v_base = shared_address(smem + (size_t)(STAGES + stage) * SIDE_BYTES);
         // 1. S = Q K^T: s[j] is key block j (keys 8j .. 8j + 7 of the warp's KW), summed from
         // two accumulators (even and odd 16-wide steps) to halve the MMA dependency chain.
         float s[N_BLOCKS][4], s_odd[N_BLOCKS][4];

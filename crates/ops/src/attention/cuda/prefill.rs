@@ -119,8 +119,11 @@ pub enum PrefillKernel {
     PerToken,
     /// [`prefill_attention_tiled`]: query tiles on CUDA cores.
     Tiled,
-    /// [`super::prefill_attention_mma`]: query tiles on tensor cores (bf16 only).
+    /// [`super::prefill_attention_mma`]: query tiles on tensor cores, WMMA (bf16 only).
     Mma,
+    /// [`super::prefill_attention_stream`]: query tiles on tensor cores, raw MMA with the
+    /// softmax in registers (bf16 at head_dim 64 and 128).
+    Stream,
 }
 
 /// Runs the prefill attention `kernel` (same contract as [`super::prefill_attention`]).
@@ -137,6 +140,7 @@ pub fn prefill_attention_with<T: Element>(
         PrefillKernel::PerToken => super::prefill_attention,
         PrefillKernel::Tiled => prefill_attention_tiled,
         PrefillKernel::Mma => super::prefill_attention_mma,
+        PrefillKernel::Stream => super::prefill_attention_stream,
     };
     run(gpu, queries, kv, qo_indptr, scale, out)
 }

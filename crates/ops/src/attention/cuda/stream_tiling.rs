@@ -1,7 +1,14 @@
-//! The streaming paged decode's tile shapes (`paged_decode_stream.cu`): the autotuner's
-//! candidates, their shared memory and occupancy.
+//! The fused paged decode's geometry limits and the streaming kernel's tile shapes
+//! (`paged_decode_stream.cu`): the autotuner's candidates, their shared memory and occupancy.
 
-use super::paged_decode::{MAX_DECODE_GROUP, PAGED_DECODE_MMA_HEAD_DIMS};
+/// Head sizes the fused decode is instantiated for (`head_dim / 8` a power of two <= 32).
+pub const PAGED_DECODE_HEAD_DIMS: [usize; 4] = [32, 64, 128, 256];
+
+/// Largest GQA group (query heads per KV head) one CTA serves.
+pub const MAX_DECODE_GROUP: usize = 8;
+
+/// Head sizes of the tensor-core kernels (WMMA and streaming).
+pub const PAGED_DECODE_MMA_HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
 /// The tile shape of the streaming kernel: keys per warp per tile (16 or 32; a tile is four
 /// warps' keys) and the cp.async ring's depth (2..=6).

@@ -63,18 +63,9 @@ pub struct TuneArgs {
     pub dry_run: bool,
 }
 
-/// The table key of the running device and kernel sources.
-pub fn table_key(gpu: &Gpu) -> TableKey {
-    TableKey {
-        gpu: gpu.info().name.clone(),
-        driver: gpu.info().driver_version,
-        sources: ops::decode_sources_hash(),
-    }
-}
-
 /// The table `serve` would load on `gpu` (an empty one when there is none, or it is stale).
 pub fn load_table(gpu: &Gpu) -> Result<TuningTable> {
-    let key = table_key(gpu);
+    let key = TableKey::of(gpu);
     let Some(path) = pagoda_cuda::tuning_table_path(&key.gpu) else {
         return Ok(TuningTable::new(key));
     };
@@ -146,7 +137,7 @@ pub fn run(args: TuneArgs) -> Result<()> {
         .max()
         .unwrap_or(0);
     let mut rig = Rig::new(geometry, largest)?;
-    let key = table_key(&rig.gpu);
+    let key = TableKey::of(&rig.gpu);
     let path = match &args.output {
         Some(path) => path.clone(),
         None => pagoda_cuda::tuning_table_path(&key.gpu).context(

@@ -138,6 +138,7 @@ impl<T: HostFloat> TypedRunner<T> {
         if let Attention::Fused {
             grid_chunks,
             variant,
+            ..
         } = shape.attention
         {
             let fused = cache

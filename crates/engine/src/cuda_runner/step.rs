@@ -260,10 +260,11 @@ impl<T: HostFloat> TypedRunner<T> {
         }
         match &cache.buffers.fused {
             Some(fused) => {
-                let (variant, _) = fused.variant(requests, context);
+                let (variant, source) = fused.variant(requests, context);
                 Attention::Fused {
                     grid_chunks: fused.grid_chunks(requests, &variant),
                     variant,
+                    source,
                 }
             }
             None => Attention::Gather {
@@ -390,17 +391,13 @@ impl<T: HostFloat> TypedRunner<T> {
                 announce("gather");
                 self.counters.steps_cuda_decode_gather += 1;
             }
-            Attention::Fused { .. } => {
+            Attention::Fused { source, .. } => {
                 announce("fused");
                 self.counters.steps_cuda_decode_fused += 1;
-                let fused = cache.buffers.fused.as_ref();
-                let source = fused.map(|f| f.variant(shape.num_requests, context).1);
                 match source {
-                    Some(VariantSource::Tuned) => self.counters.steps_cuda_decode_tuned += 1,
-                    Some(VariantSource::Heuristic) => {
-                        self.counters.steps_cuda_decode_heuristic += 1
-                    }
-                    _ => {}
+                    VariantSource::Tuned => self.counters.steps_cuda_decode_tuned += 1,
+                    VariantSource::Heuristic => self.counters.steps_cuda_decode_heuristic += 1,
+                    VariantSource::Configured => {}
                 }
             }
             Attention::Prefill => {
@@ -550,6 +547,7 @@ mod tests {
         let prefill = Attention::Prefill;
         assert_ne!(graph_key(4, 20, &prefill), graph_key(20, 20, &prefill));
         let fused = |waves| Attention::Fused {
+            source: VariantSource::Heuristic,
             grid_chunks: 64,
             variant: pagoda_ops::cuda::DecodeVariant {
                 waves,

@@ -23,6 +23,8 @@ pub enum Attention {
     Fused {
         grid_chunks: usize,
         variant: pagoda_ops::cuda::DecodeVariant,
+        /// Where the variant came from (the step counters read it).
+        source: super::VariantSource,
     },
 }
 

@@ -329,13 +329,8 @@ impl FusedDecode {
 /// The tuning table for `geometry` on `gpu`, logged once: `None` when there is none, it is
 /// unreadable, or it was tuned for another GPU, driver or kernel sources.
 fn load_table(gpu: &Gpu, geometry: &ops::DecodeGeometry) -> Option<ops::TuningTable> {
-    let info = gpu.info();
-    let path = pagoda_cuda::tuning_table_path(&info.name)?;
-    let key = ops::TableKey {
-        gpu: info.name.clone(),
-        driver: info.driver_version,
-        sources: ops::decode_sources_hash(),
-    };
+    let key = ops::TableKey::of(gpu);
+    let path = pagoda_cuda::tuning_table_path(&key.gpu)?;
     match ops::TuningTable::read(&path) {
         Ok(Some(table)) if table.key == key => {
             let rows = table

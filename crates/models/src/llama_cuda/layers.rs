@@ -257,6 +257,7 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
             Attention::Fused {
                 grid_chunks,
                 variant,
+                ..
             } => {
                 let fused = self
                     .fused

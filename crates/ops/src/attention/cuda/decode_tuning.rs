@@ -26,6 +26,17 @@ pub struct TableKey {
     pub sources: String,
 }
 
+impl TableKey {
+    /// The key of tables tuned on `gpu` against this build's decode kernels.
+    pub fn of(gpu: &pagoda_cuda::Gpu) -> Self {
+        TableKey {
+            gpu: gpu.info().name.clone(),
+            driver: gpu.info().driver_version,
+            sources: decode_sources_hash(),
+        }
+    }
+}
+
 /// The head geometry, dtype and page size a table row applies to.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DecodeGeometry {

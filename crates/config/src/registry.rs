@@ -240,6 +240,9 @@ settings! {
     "PAGODA_CUDA_PREFILL", None, Values::Choice(&["stream", "mma", "tiled", "reference"]), "stream", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "CUDA prefill attention kernel (stream falls back to mma, mma to tiled, where they do not apply).";
+    "PAGODA_CUDA_PREFILL_TILING", None, Values::Choice(&["auto", "128x64x2", "128x32x2", "64x64x2", "64x64x3", "64x32x2"]), "auto", Cuda,
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
+        "Streaming prefill tiling, rows x keys x stages (auto: the tuning table's for the step's bucket, else 64x64x2 up to 2048 tokens, 128x64x2 above).";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Filtered rows on the GPU: fast, or exact (f64, the oracle).";

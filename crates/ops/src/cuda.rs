@@ -13,17 +13,17 @@ pub use crate::activation::cuda::{
     add_in_place, argmax_rows, silu_mul, specialize_elementwise, ElementwiseEntry,
 };
 pub use crate::attention::cuda::{
-    decode_attention_gathered, decode_sources_hash, decode_splits, kernel_name,
-    merge_attention_partials, mma_decode_stages, paged_decode_attention, paged_decode_unsupported,
-    parse_kernel, prefill_attention, prefill_attention_mma, prefill_attention_stream,
-    prefill_attention_tiled, prefill_attention_with, specialize_attention, specialize_paged_decode,
-    specialize_prefill, specialize_prefill_mma, specialize_prefill_stream, AttentionEntry,
+    decode_attention_gathered, decode_splits, kernel_name, merge_attention_partials,
+    mma_decode_stages, paged_decode_attention, paged_decode_unsupported, parse_kernel,
+    prefill_attention, prefill_attention_mma, prefill_attention_stream, prefill_attention_tiled,
+    prefill_attention_with, specialize_attention, specialize_paged_decode, specialize_prefill,
+    specialize_prefill_mma, specialize_prefill_stream, tuned_sources_hash, AttentionEntry,
     DecodeBucket, DecodeGeometry, DecodeVariant, DecodeWorkspace, DevicePageTable, MergeMode,
     MmaPrefillTiling, PagedDecodeEntry, PagedDecodeKernel, PagedDecodePlan, PagedDecodeWorkspace,
-    PagedKv, Partials, PlanCapacity, PlanPolicy, PoolLayout, PrefillKernel, PrefillTiling, Queries,
-    StreamTiling, TableKey, TunedDecode, TuningTable, CANDIDATE_WAVES, MAX_CHUNKS,
-    MAX_DECODE_GROUP, MAX_DECODE_SPLITS, MIN_CONTEXT_BUCKET, MMA_PREFILL_HEAD_DIMS,
-    PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS, PLAN_HEADER_WORDS,
+    PagedKv, Partials, PlanCapacity, PlanPolicy, PoolLayout, PrefillKernel, PrefillStreamTiling,
+    PrefillTiling, Queries, StreamTiling, TableKey, TunedDecode, TunedPrefill, TuningTable,
+    CANDIDATE_WAVES, MAX_CHUNKS, MAX_DECODE_GROUP, MAX_DECODE_SPLITS, MIN_CONTEXT_BUCKET,
+    MMA_PREFILL_HEAD_DIMS, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS, PLAN_HEADER_WORDS,
     STREAM_PREFILL_HEAD_DIMS, SUPPORTED_HEAD_DIMS,
 };
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};

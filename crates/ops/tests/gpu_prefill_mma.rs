@@ -9,7 +9,9 @@ use common::prefill_batch::*;
 use common::*;
 use half::bf16;
 use pagoda_cuda::{view, view_mut, DeviceRead};
-use pagoda_ops::cuda::{self as ops, DevicePageTable, PagedKv, PoolLayout, Queries};
+use pagoda_ops::cuda::{
+    self as ops, DevicePageTable, PagedKv, PoolLayout, PrefillStreamTiling, Queries,
+};
 
 /// bf16 inputs and outputs, f32 accumulation, bf16 probabilities: error bound relative to
 /// `1 + |expected|` (outputs are convex combinations of values in `[-1, 1]`).
@@ -20,7 +22,8 @@ const TOLERANCE: f32 = 2e-2;
 fn mma_prefill_matches_reference_and_per_token_kernel() {
     let gpu = gpu();
     let mut seed = 300;
-    for kernel in [Kernel::Mma, Kernel::Stream] {
+    let kernels = std::iter::once(Kernel::Mma).chain(PrefillStreamTiling::ALL.map(Kernel::Stream));
+    for kernel in kernels {
         for head_dim in [64, 128] {
             for group in [1, 3, 4, 8] {
                 for page_size in [16, 32] {
@@ -62,7 +65,7 @@ fn mma_prefill_head_dim_256_and_every_group() {
             TOLERANCE,
         );
         if head_dim != 256 {
-            let kernel = Kernel::Stream;
+            let kernel = Kernel::Stream(PrefillStreamTiling::DEFAULT);
             let shape = (head_dim, group, page_size);
             check_against_oracles::<bf16>(&gpu, kernel, shape, seed + 1, TOLERANCE);
         }
@@ -76,7 +79,11 @@ fn mma_prefill_head_dim_256_and_every_group() {
 fn mma_prefill_edge_rows() {
     let gpu = gpu();
     for (head_dim, group) in [(64, 4), (128, 3)] {
-        for kernel in [Kernel::Mma, Kernel::Stream] {
+        let stream = [
+            PrefillStreamTiling::DEFAULT,
+            PrefillStreamTiling::new(64, 32, 2),
+        ];
+        for kernel in std::iter::once(Kernel::Mma).chain(stream.map(Kernel::Stream)) {
             check_edge_rows::<bf16>(&gpu, kernel, (head_dim, group, 4), (2, 70), TOLERANCE);
         }
     }
@@ -120,6 +127,21 @@ fn mma_prefill_misaligned_views_match() {
     }
     let misaligned = download(&gpu, &out);
     assert_eq!(&misaligned[1..], &aligned[..], "misaligned views");
+    // The streaming kernel needs 16-byte aligned views: on these it runs the WMMA kernel.
+    let mut out = poisoned::<bf16>(&gpu, len + 1);
+    {
+        let q = view(&qkv, 1..qkv.len()).unwrap();
+        let k = view(&k_pool, 1..k_pool.len()).unwrap();
+        let v = view(&v_pool, 1..v_pool.len()).unwrap();
+        let mut out_view = view_mut(&mut out, 1..len + 1).unwrap();
+        let stream = Kernel::Stream(PrefillStreamTiling::DEFAULT);
+        device.launch(&gpu, &batch, (stream, 0.1), (&q, &k, &v), &mut out_view);
+    }
+    assert_eq!(
+        &download(&gpu, &out)[1..],
+        &aligned[..],
+        "stream falls back"
+    );
 }
 
 /// The launch replays from a CUDA graph with the same result.
@@ -128,7 +150,7 @@ fn mma_prefill_misaligned_views_match() {
 fn mma_prefill_replays_from_a_graph() {
     let gpu = gpu();
     check_graph_replay::<bf16>(&gpu, Kernel::Mma, 128);
-    check_graph_replay::<bf16>(&gpu, Kernel::Stream, 128);
+    check_graph_replay::<bf16>(&gpu, Kernel::Stream(PrefillStreamTiling::DEFAULT), 128);
 }
 
 #[test]

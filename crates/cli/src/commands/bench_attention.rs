@@ -15,7 +15,9 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
-use pagoda_ops::cuda::{DecodeVariant, MergeMode, PagedDecodeKernel, PrefillKernel, StreamTiling};
+use pagoda_ops::cuda::{
+    DecodeVariant, MergeMode, PagedDecodeKernel, PrefillKernel, PrefillStreamTiling, StreamTiling,
+};
 use serde::Serialize;
 
 use super::decode_rig::{DecodePath, Geometry, QueryRows, Rig};
@@ -83,7 +85,8 @@ pub struct BenchAttentionArgs {
     #[arg(short = 'n', long, default_value_t = 50)]
     pub replays: usize,
     /// Time the prefill attention instead: every token of every request queries its prompt
-    /// (causal), paths `prefill-stream` and `prefill-mma` (tensor cores, the default pair) and
+    /// (causal), paths `prefill-stream` and `prefill-mma` (tensor cores, the default pair),
+    /// `prefill-stream-RxKxS` (a streaming tiling: R rows, K-key tiles, S stages) and
     /// `prefill-tiled`.
     #[arg(long)]
     pub prefill: bool,
@@ -131,7 +134,11 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
         match (args.prefill, prefill_kernel(path)) {
             (true, Some(_)) => {}
             (true, None) => {
-                bail!("--prefill times prefill-stream, prefill-mma or prefill-tiled, not `{path}`")
+                let tilings = PrefillStreamTiling::ALL.map(|t| format!("prefill-stream-{t}"));
+                bail!(
+                    "--prefill times prefill-stream, {}, prefill-mma or prefill-tiled, not `{path}`",
+                    tilings.join(", ")
+                )
             }
             (false, Some(_)) => bail!("`{path}` is a prefill path: add --prefill"),
             (false, None) if path == "gather" || path == "tuned" => {}
@@ -240,10 +247,13 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
 /// The prefill kernel of a `prefill-mma` or `prefill-tiled` path.
 fn prefill_kernel(path: &str) -> Option<PrefillKernel> {
     match path {
-        "prefill-stream" => Some(PrefillKernel::Stream),
+        "prefill-stream" => Some(PrefillKernel::Stream(PrefillStreamTiling::DEFAULT)),
         "prefill-mma" => Some(PrefillKernel::Mma),
         "prefill-tiled" => Some(PrefillKernel::Tiled),
-        _ => None,
+        _ => path
+            .strip_prefix("prefill-stream-")
+            .and_then(PrefillStreamTiling::parse)
+            .map(PrefillKernel::Stream),
     }
 }
 

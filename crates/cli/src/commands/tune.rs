@@ -1,13 +1,15 @@
-//! `pagoda tune`: the shape-bucketed autotuner of the fused decode attention.
+//! `pagoda tune`: the shape-bucketed autotuner of the fused decode attention and the
+//! streaming prefill attention.
 //!
 //! For every bucket (batch x context, powers of two) of one model's head geometry, every
-//! candidate variant (partial kernel and tiling, merge placement, CTA target in waves) is
-//! captured in a CUDA graph over rotating inputs of at least 4x the L2 (cold L2: a set's pages
-//! are never cached when its turn comes), and the candidates are replayed in alternating
-//! rounds, so drift hits them alike. The fastest median wins the bucket, unless it is not
-//! faster than the built-in heuristic measured in the same rounds: then nothing is stored and
-//! the heuristic keeps the bucket. The table is written to the cache folder, keyed by GPU name,
-//! driver and a hash of the kernel sources; `serve`, `generate` and `bench` load it at start.
+//! candidate variant (decode: partial kernel and tiling, merge placement, CTA target in waves;
+//! prefill: the tiling, for batch x prompt tokens per request) is captured in a CUDA graph
+//! over rotating inputs of at least 4x the L2 (cold L2: a set's pages are never cached when
+//! its turn comes), and the candidates are replayed in alternating rounds, so drift hits them
+//! alike. The fastest median wins the bucket, unless it is not at least 1% faster than the
+//! built-in heuristic measured in the same rounds: then nothing is stored and the heuristic
+//! keeps the bucket. The table is written to the cache folder, keyed by GPU name, driver and a
+//! hash of the kernel sources; `serve`, `generate` and `bench` load it at start.
 
 use std::path::PathBuf;
 
@@ -15,7 +17,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use pagoda_cuda::Gpu;
 use pagoda_ops::cuda::{
-    self as ops, DecodeBucket, DecodeVariant, TableKey, TunedDecode, TuningTable,
+    self as ops, DecodeBucket, DecodeVariant, PrefillKernel, PrefillStreamTiling, TableKey,
+    TunedDecode, TunedPrefill, TuningTable,
 };
 
 use super::decode_rig::{DecodePath, Geometry, QueryRows, Rig};
@@ -49,6 +52,19 @@ pub struct TuneArgs {
         default_value = "512,1024,2048,4096,8192,16384,32768"
     )]
     pub context: Vec<usize>,
+    /// What to tune: `decode`, `prefill` or both.
+    #[arg(long, value_delimiter = ',', default_value = "decode,prefill")]
+    pub kernels: Vec<TunedKernel>,
+    /// Prefill batch buckets (requests, powers of two).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    pub prefill_batch: Vec<usize>,
+    /// Prefill prompt buckets (tokens per request, powers of two, at least 256).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "512,1024,2048,4096,8192,16384"
+    )]
+    pub prefill_context: Vec<usize>,
     /// Alternating rounds over the candidates.
     #[arg(long, default_value_t = 5)]
     pub rounds: usize,
@@ -61,6 +77,19 @@ pub struct TuneArgs {
     /// Measure and print, but write nothing.
     #[arg(long)]
     pub dry_run: bool,
+}
+
+/// A candidate replaces the heuristic only when at least this much faster (1%): near-ties
+/// are noise and would flip between runs.
+const MIN_GAIN: f64 = 0.01;
+
+/// A kernel `pagoda tune` tunes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TunedKernel {
+    /// The fused paged decode.
+    Decode,
+    /// The streaming prefill.
+    Prefill,
 }
 
 /// The table `serve` would load on `gpu` (an empty one when there is none, or it is stale).
@@ -118,22 +147,38 @@ pub fn run(args: TuneArgs) -> Result<()> {
     if args.rounds == 0 || args.replays == 0 {
         bail!("--rounds and --replays must be at least 1");
     }
-    for &n in args.batch.iter().chain(&args.context) {
+    let buckets = args.batch.iter().chain(&args.context);
+    for &n in buckets
+        .chain(&args.prefill_batch)
+        .chain(&args.prefill_context)
+    {
         if !n.is_power_of_two() {
-            bail!("--batch and --context take powers of two (buckets), not {n}");
+            bail!("--batch, --context and the --prefill- buckets take powers of two, not {n}");
         }
     }
-    if args.context.iter().any(|&l| l < ops::MIN_CONTEXT_BUCKET) {
+    if args
+        .context
+        .iter()
+        .chain(&args.prefill_context)
+        .any(|&l| l < ops::MIN_CONTEXT_BUCKET)
+    {
         bail!("--context buckets start at {}", ops::MIN_CONTEXT_BUCKET);
     }
+    let decode = args.kernels.contains(&TunedKernel::Decode);
+    let prefill = args.kernels.contains(&TunedKernel::Prefill);
     if !args.page_size.is_power_of_two() {
         bail!("--page-size must be a power of two, not {}", args.page_size);
     }
     let geometry = geometry(&args)?;
-    let largest = args
+    let decode_cases = args
         .batch
         .iter()
-        .flat_map(|&b| args.context.iter().map(move |&l| geometry.kv_bytes(b, l)))
+        .flat_map(|&b| args.context.iter().map(move |&l| (b, l)));
+    let prefill_cases = (args.prefill_batch.iter())
+        .flat_map(|&b| args.prefill_context.iter().map(move |&l| (b, l)));
+    let largest = (decode_cases.filter(|_| decode))
+        .chain(prefill_cases.filter(|_| prefill))
+        .map(|(b, l)| geometry.kv_bytes(b, l))
         .max()
         .unwrap_or(0);
     let mut rig = Rig::new(geometry, largest)?;
@@ -156,6 +201,29 @@ pub fn run(args: TuneArgs) -> Result<()> {
         }
         None => TuningTable::new(key),
     };
+    if decode {
+        tune_decode(&args, &mut rig, &mut table)?;
+    }
+    if prefill {
+        tune_prefill(&args, &mut rig, &mut table)?;
+    }
+    if args.dry_run {
+        eprintln!("dry run: the table was not written");
+    } else {
+        table.write(&path).map_err(anyhow::Error::msg)?;
+        eprintln!(
+            "wrote {} ({} decode and {} prefill buckets tuned)",
+            path.display(),
+            table.decode.len(),
+            table.prefill.len()
+        );
+    }
+    Ok(())
+}
+
+/// Times every decode candidate per bucket and stores the winners that beat the heuristic.
+fn tune_decode(args: &TuneArgs, rig: &mut Rig, table: &mut TuningTable) -> Result<()> {
+    let geometry = rig.geometry;
     let candidates = DecodeVariant::candidates(true, geometry.head_dim);
     eprintln!(
         "tuning {} candidates over {} buckets ({} query heads, {} KV heads, head_dim {}, page {})",
@@ -180,16 +248,7 @@ pub fn run(args: TuneArgs) -> Result<()> {
                     rig.capture(&case, DecodePath::Fused(variant, policy))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let mut samples = vec![Vec::new(); candidates.len()];
-            for _ in 0..args.rounds {
-                for (graph, times) in captured.iter().zip(&mut samples) {
-                    times.extend(graph.time(&rig.gpu, args.replays)?);
-                }
-            }
-            let medians: Vec<f64> = samples
-                .iter()
-                .map(|times| Summary::of(times).map_or(f64::INFINITY, |s| s.median))
-                .collect();
+            let medians = alternate(rig, &captured, args.rounds, args.replays)?;
             // candidates[0] is the heuristic.
             let (best, &best_us) = medians
                 .iter()
@@ -199,7 +258,8 @@ pub fn run(args: TuneArgs) -> Result<()> {
             let heuristic_us = medians[0];
             let bucket = DecodeBucket::of(b, l);
             let winner = candidates[best];
-            if best != 0 && best_us < heuristic_us {
+            let stored = best != 0 && best_us < heuristic_us * (1.0 - MIN_GAIN);
+            if stored {
                 table.insert(TunedDecode::new(
                     geometry.tuning(),
                     bucket,
@@ -211,23 +271,109 @@ pub fn run(args: TuneArgs) -> Result<()> {
             println!(
                 "{b:>3} {l:>6} {heuristic_us:>12.1} {best_us:>10.1} {:>7.3}x  {}",
                 heuristic_us / best_us,
-                if best == 0 {
-                    "the heuristic".to_string()
-                } else {
-                    winner.to_string()
-                }
+                winner_label(best, stored, "the heuristic".into(), winner.to_string())
             );
         }
     }
-    if args.dry_run {
-        eprintln!("dry run: the table was not written");
-    } else {
-        table.write(&path).map_err(anyhow::Error::msg)?;
+    Ok(())
+}
+
+/// Times every streaming-prefill tiling per bucket (batch x prompt tokens per request) and
+/// stores the winners that beat the heuristic.
+fn tune_prefill(args: &TuneArgs, rig: &mut Rig, table: &mut TuningTable) -> Result<()> {
+    let geometry = rig.geometry;
+    if !ops::STREAM_PREFILL_HEAD_DIMS.contains(&geometry.head_dim) {
         eprintln!(
-            "wrote {} ({} tuned buckets)",
-            path.display(),
-            table.decode.len()
+            "prefill: no streaming prefill at head_dim {} (the WMMA kernel runs); nothing to tune",
+            geometry.head_dim
         );
+        return Ok(());
+    }
+    eprintln!(
+        "tuning {} prefill tilings over {} buckets",
+        PrefillStreamTiling::ALL.len(),
+        args.prefill_batch.len() * args.prefill_context.len()
+    );
+    println!(
+        "{:>3} {:>6} {:>12} {:>10} {:>8}  winner (prefill)",
+        "B", "L", "heuristic us", "tuned us", "speedup"
+    );
+    for &b in &args.prefill_batch {
+        for &l in &args.prefill_context {
+            let heuristic = PrefillStreamTiling::heuristic(b, l);
+            // The heuristic first, then the other tilings.
+            let candidates: Vec<PrefillStreamTiling> = std::iter::once(heuristic)
+                .chain(
+                    PrefillStreamTiling::ALL
+                        .into_iter()
+                        .filter(|t| *t != heuristic),
+                )
+                .collect();
+            let case = rig.case(b, l, QueryRows::Prefill)?;
+            let captured = candidates
+                .iter()
+                .map(|&tiling| {
+                    rig.capture(&case, DecodePath::Prefill(PrefillKernel::Stream(tiling)))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let medians = alternate(rig, &captured, args.rounds, args.replays)?;
+            let (best, &best_us) = medians
+                .iter()
+                .enumerate()
+                .min_by(|a, b| a.1.total_cmp(b.1))
+                .expect("at least the heuristic");
+            let heuristic_us = medians[0];
+            let stored = best != 0 && best_us < heuristic_us * (1.0 - MIN_GAIN);
+            if stored {
+                table.insert_prefill(TunedPrefill {
+                    geometry: geometry.tuning(),
+                    bucket: DecodeBucket::of(b, l),
+                    tiling: candidates[best].to_string(),
+                    tuned_us: best_us,
+                    heuristic_us,
+                });
+            }
+            println!(
+                "{b:>3} {l:>6} {heuristic_us:>12.1} {best_us:>10.1} {:>7.3}x  {}",
+                heuristic_us / best_us,
+                winner_label(
+                    best,
+                    stored,
+                    format!("the heuristic ({heuristic})"),
+                    candidates[best].to_string()
+                )
+            );
+        }
     }
     Ok(())
+}
+
+/// The last column of a bucket's line: the heuristic, the stored winner, or a winner within
+/// the margin (not stored).
+fn winner_label(best: usize, stored: bool, heuristic: String, winner: String) -> String {
+    match (best, stored) {
+        (0, _) => heuristic,
+        (_, true) => winner,
+        (_, false) => format!("{heuristic}; {winner} less than 1% faster, not stored"),
+    }
+}
+
+/// Replays every captured candidate in `rounds` alternating rounds of `replays` each; the
+/// median per candidate, microseconds.
+fn alternate(
+    rig: &Rig,
+    captured: &[super::decode_rig::Captured],
+    rounds: usize,
+    replays: usize,
+) -> Result<Vec<f64>> {
+    let mut samples = vec![Vec::new(); captured.len()];
+    for _ in 0..rounds {
+        for (graph, times) in captured.iter().zip(&mut samples) {
+            times.extend(graph.time(&rig.gpu, replays)?);
+        }
+    }
+    Ok(samples
+        .iter()
+        .map(|times| Summary::of(times).map_or(f64::INFINITY, |s| s.median))
+        .collect())
 }

@@ -403,6 +403,13 @@ impl<T: HostFloat> TypedRunner<T> {
             Attention::Prefill => {
                 announce("prefill");
                 self.counters.steps_cuda_prefill_kernel += 1;
+                // The choice the step ran (made once per bucket, cached).
+                let prefill = &cache.buffers.prefill;
+                match prefill.choose(shape.num_requests, shape.num_tokens).1 {
+                    VariantSource::Tuned => self.counters.steps_cuda_prefill_tuned += 1,
+                    VariantSource::Heuristic => self.counters.steps_cuda_prefill_heuristic += 1,
+                    VariantSource::Configured => {}
+                }
             }
         }
         if options.kernels.deterministic {

@@ -7,7 +7,8 @@
 use pagoda_cuda::{CudaError, DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{self as ops, DecodeWorkspace, PoolLayout};
 
-use super::decode_path::FusedDecode;
+use super::decode_path::{load_table, tuning_geometry, FusedDecode};
+use super::prefill_path::PrefillChoice;
 use super::{CudaCacheOptions, HostFloat};
 use crate::config::ModelConfig;
 
@@ -49,8 +50,9 @@ pub struct StepBuffers<T> {
     pub decode: Option<DecodeWorkspace<T>>,
     /// The fused decode (absent when the mode or the geometry selects gather).
     pub fused: Option<FusedDecode>,
-    /// The prefill attention kernel asked for (`Mma` runs where it applies, else `Tiled`).
-    pub prefill: ops::PrefillKernel,
+    /// The prefill attention kernel asked for and the streaming kernel's tiling per step
+    /// (`Stream` falls back to `Mma`, `Mma` to `Tiled`, where they do not apply).
+    pub prefill: PrefillChoice,
 }
 
 impl<T: HostFloat> StepBuffers<T> {
@@ -71,7 +73,14 @@ impl<T: HostFloat> StepBuffers<T> {
             v_pools.push(gpu.zeros(layout.pool_len())?);
         }
         let scratch = Scratch::new(gpu, c, options)?;
-        let fused = FusedDecode::new(gpu, c, options, T::DTYPE)?;
+        let geometry = tuning_geometry(c, options, T::DTYPE);
+        // Deterministic steps run one attention kernel and consult no table.
+        let table = if options.kernels.deterministic {
+            None
+        } else {
+            load_table(gpu, &geometry)
+        };
+        let fused = FusedDecode::new(gpu, c, options, T::DTYPE, table.as_ref())?;
         // Deterministic steps attend every row with the per-token kernel: no decode workspace.
         let decode = if fused.is_none() && !options.kernels.deterministic {
             Some(DecodeWorkspace::new(
@@ -90,7 +99,13 @@ impl<T: HostFloat> StepBuffers<T> {
             options.kernels.prefill
         };
         static LOGGED: std::sync::Once = std::sync::Once::new();
-        LOGGED.call_once(|| tracing::info!("CUDA prefill attention: {prefill:?}"));
+        LOGGED.call_once(|| match prefill {
+            ops::PrefillKernel::Stream(_) => tracing::info!(
+                "CUDA prefill attention: the streaming kernel, its tiling chosen per bucket"
+            ),
+            other => tracing::info!("CUDA prefill attention: {other:?}"),
+        });
+        let prefill = PrefillChoice::new(prefill, options.kernels.prefill_tiling, geometry, table);
         Ok(StepBuffers {
             k_pools,
             v_pools,

@@ -127,6 +127,7 @@ impl FusedDecode {
         config: &ModelConfig,
         options: &CudaCacheOptions,
         dtype: DType,
+        table: Option<&ops::TuningTable>,
     ) -> Result<Option<Self>, CudaError> {
         if options.paged_decode == PagedDecodeMode::Gather || options.kernels.deterministic {
             return Ok(None);
@@ -179,13 +180,7 @@ impl FusedDecode {
             config.num_kv_heads,
             config.head_dim,
         )?;
-        let geometry = ops::DecodeGeometry {
-            q_heads: config.num_attention_heads,
-            kv_heads: config.num_kv_heads,
-            head_dim: config.head_dim,
-            page_size: options.page_size,
-            dtype: dtype.to_string(),
-        };
+        let geometry = tuning_geometry(config, options, dtype);
         let table = if forced.any() {
             tracing::info!(
                 "CUDA fused decode: kernel, merge or CTA target set by the configuration; \
@@ -193,7 +188,7 @@ impl FusedDecode {
             );
             None
         } else {
-            load_table(gpu, &geometry)
+            table.cloned()
         };
         let staging = gpu.alloc_pinned(capacity.encoded_len())?;
         tracing::debug!(
@@ -326,43 +321,63 @@ impl FusedDecode {
     }
 }
 
+/// The head geometry, dtype and page size the tuning table's rows are keyed by.
+pub(super) fn tuning_geometry(
+    config: &ModelConfig,
+    options: &CudaCacheOptions,
+    dtype: DType,
+) -> ops::DecodeGeometry {
+    ops::DecodeGeometry {
+        q_heads: config.num_attention_heads,
+        kv_heads: config.num_kv_heads,
+        head_dim: config.head_dim,
+        page_size: options.page_size,
+        dtype: dtype.to_string(),
+    }
+}
+
 /// The tuning table for `geometry` on `gpu`, logged once: `None` when there is none, it is
 /// unreadable, or it was tuned for another GPU, driver or kernel sources.
-fn load_table(gpu: &Gpu, geometry: &ops::DecodeGeometry) -> Option<ops::TuningTable> {
+pub(super) fn load_table(gpu: &Gpu, geometry: &ops::DecodeGeometry) -> Option<ops::TuningTable> {
     let key = ops::TableKey::of(gpu);
     let path = pagoda_cuda::tuning_table_path(&key.gpu)?;
     match ops::TuningTable::read(&path) {
         Ok(Some(table)) if table.key == key => {
-            let rows = table
+            let decode = table
                 .decode
                 .iter()
                 .filter(|row| &row.geometry == geometry)
                 .count();
+            let prefill = table
+                .prefill
+                .iter()
+                .filter(|row| &row.geometry == geometry)
+                .count();
             tracing::info!(
-                "CUDA fused decode: tuning table {} ({rows} tuned buckets for this model; \
-                 the others use the built-in heuristic)",
+                "CUDA tuning table {} ({decode} decode and {prefill} prefill buckets tuned for \
+                 this model; the others use the built-in heuristics)",
                 path.display()
             );
             Some(table)
         }
         Ok(Some(_)) => {
             tracing::info!(
-                "CUDA fused decode: tuning table {} was tuned for another GPU, driver or \
-                 kernels; ignored (run `pagoda tune` again); the built-in heuristic decides",
+                "CUDA tuning table {} was tuned for another GPU, driver or kernels; ignored \
+                 (run `pagoda tune` again); the built-in heuristics decide",
                 path.display()
             );
             None
         }
         Ok(None) => {
             tracing::info!(
-                "CUDA fused decode: no tuning table at {} (run `pagoda tune`); the built-in \
-                 heuristic decides every bucket",
+                "CUDA tuning: no table at {} (run `pagoda tune`); the built-in heuristics \
+                 decide every bucket",
                 path.display()
             );
             None
         }
         Err(error) => {
-            tracing::warn!("CUDA fused decode: {error}; the built-in heuristic decides");
+            tracing::warn!("CUDA tuning table: {error}; the built-in heuristics decide");
             None
         }
     }

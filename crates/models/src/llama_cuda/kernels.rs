@@ -14,6 +14,10 @@ pub struct CudaKernels {
     /// applies), the WMMA kernel, query-tiled, or one CTA per token (the oracle).
     /// Measured on the H200 (`docs/benchmark_results/decode-tuning-h200-2026-12-04.md`).
     pub prefill: PrefillKernel,
+    /// The streaming prefill's tiling (`PAGODA_CUDA_PREFILL_TILING`; `None`: the tuning
+    /// table's choice for the step's bucket, else [`ops::PrefillStreamTiling::heuristic`]).
+    /// The tiling inside `prefill` is replaced per step by this choice.
+    pub prefill_tiling: Option<ops::PrefillStreamTiling>,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -87,7 +91,8 @@ pub enum DecodeKernelChoice {
 impl Default for CudaKernels {
     fn default() -> Self {
         CudaKernels {
-            prefill: PrefillKernel::Stream,
+            prefill: PrefillKernel::Stream(ops::PrefillStreamTiling::DEFAULT),
+            prefill_tiling: None,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -107,8 +112,11 @@ impl CudaKernels {
                 "mma" => PrefillKernel::Mma,
                 "tiled" => PrefillKernel::Tiled,
                 "reference" => PrefillKernel::PerToken,
-                _ => PrefillKernel::Stream,
+                _ => PrefillKernel::Stream(ops::PrefillStreamTiling::DEFAULT),
             },
+            prefill_tiling: ops::PrefillStreamTiling::parse(
+                config.word("PAGODA_CUDA_PREFILL_TILING"),
+            ),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -191,6 +199,7 @@ mod tests {
     fn every_setting_reaches_its_field() {
         let kernels = CudaKernels::from_config(&config(&[
             ("PAGODA_CUDA_PREFILL", "reference"),
+            ("PAGODA_CUDA_PREFILL_TILING", "64x32x2"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -204,6 +213,7 @@ mod tests {
         ]));
         let expected = CudaKernels {
             prefill: PrefillKernel::PerToken,
+            prefill_tiling: Some(ops::PrefillStreamTiling::new(64, 32, 2)),
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),
@@ -238,5 +248,30 @@ mod tests {
         ));
         let auto = CudaKernels::default();
         assert_eq!(auto.decode_kernel(DType::BF16, 128).unwrap(), None);
+    }
+
+    /// The registry's tiling words are exactly the kernel's tilings.
+    #[test]
+    fn the_tiling_setting_lists_every_tiling() {
+        let words: Vec<String> = ops::PrefillStreamTiling::ALL
+            .iter()
+            .map(|t| t.to_string())
+            .collect();
+        for word in &words {
+            let kernels =
+                CudaKernels::from_config(&config(&[("PAGODA_CUDA_PREFILL_TILING", word)]));
+            assert_eq!(
+                kernels.prefill_tiling.map(|t| t.to_string()).as_ref(),
+                Some(word)
+            );
+        }
+        let setting = pagoda_config::setting("PAGODA_CUDA_PREFILL_TILING").unwrap();
+        match setting.values {
+            pagoda_config::Values::Choice(choices) => {
+                assert_eq!(choices[0], "auto");
+                assert_eq!(&choices[1..], words.as_slice());
+            }
+            _ => panic!("a choice"),
+        }
     }
 }

@@ -65,14 +65,14 @@ impl<T: HostFloat> GpuModel<T> {
         let mma = bf16
             && ops::MMA_PREFILL_HEAD_DIMS.contains(&c.head_dim)
             && mma_compiles(gpu, c.head_dim);
-        let prefill = match *prefill {
-            PrefillKernel::Stream
+        let prefill = match prefill.choose(num_requests, num_tokens).0 {
+            PrefillKernel::Stream(tiling)
                 if bf16 && ops::STREAM_PREFILL_HEAD_DIMS.contains(&c.head_dim) =>
             {
-                PrefillKernel::Stream
+                PrefillKernel::Stream(tiling)
             }
-            PrefillKernel::Stream | PrefillKernel::Mma if mma => PrefillKernel::Mma,
-            PrefillKernel::Stream | PrefillKernel::Mma => PrefillKernel::Tiled,
+            PrefillKernel::Stream(_) | PrefillKernel::Mma if mma => PrefillKernel::Mma,
+            PrefillKernel::Stream(_) | PrefillKernel::Mma => PrefillKernel::Tiled,
             other => other,
         };
         let mut step = GpuStep {

@@ -13,8 +13,9 @@
 //!
 //! Layout: this file holds the types and the public [`CudaModel`]; `weights.rs` uploads the
 //! weights; `buffers.rs` sizes the step buffers; `layers.rs` queues one step's kernels;
-//! `decode_path.rs` picks the decode attention; `kernels.rs` holds the
-//! configured kernel choices.
+//! `decode_path.rs` picks the decode attention (and loads the tuning table);
+//! `prefill_path.rs` picks the streaming prefill's tiling; `kernels.rs` holds the configured
+//! kernel choices.
 //!
 //! Architectures: llama (Llama 2/3, SmolLM2, Mistral), Qwen2 (q/k/v bias, added after the
 //! QKV GEMM) and Qwen3 (per-head q/k RMSNorm before RoPE).
@@ -33,11 +34,13 @@ pub use buffers::{Attention, Scratch, StepBuffers, StepShape};
 pub use decode_path::{FusedDecode, PagedDecodeMode, VariantSource, PAGED_DECODE_ENV_VAR};
 pub use kernels::{CudaKernels, DecodeKernelChoice, SamplingKernels};
 pub use pagoda_ops::cuda::SamplingRowParams;
+pub use prefill_path::PrefillChoice;
 
 mod buffers;
 mod decode_path;
 mod kernels;
 mod layers;
+mod prefill_path;
 mod weights;
 
 /// Element type of weights, activations and the KV cache on the GPU: [`DType::BF16`] (bf16

@@ -3,7 +3,8 @@
 //!
 //! - [`gathered`](self): causal ragged prefill (per token) and the baseline decode (gather
 //!   the pages, then attend), the device page table and pool layout every launcher takes.
-//! - `prefill` / `prefill_mma`: the query-tiled prefill kernels (CUDA cores, tensor cores).
+//! - `prefill` / `prefill_mma` / `prefill_stream`: the query-tiled prefill kernels (CUDA
+//!   cores, WMMA tensor cores, raw-MMA streaming with its tilings).
 //! - `paged_decode` + `decode_plan`: the fused split-KV paged decode with its work plan and
 //!   the log-sum-exp merge, the production batched decode; `decode_tuning`: the table of
 //!   which kernel, merge and CTA target runs each shape bucket (`pagoda tune`).
@@ -14,12 +15,13 @@ mod gathered;
 mod paged_decode;
 mod prefill;
 mod prefill_mma;
+mod prefill_stream;
 mod stream_tiling;
 
 pub use decode_plan::{PagedDecodePlan, PlanCapacity, PlanPolicy, MAX_CHUNKS, PLAN_HEADER_WORDS};
 pub use decode_tuning::{
-    decode_sources_hash, kernel_name, parse_kernel, DecodeBucket, DecodeGeometry, DecodeVariant,
-    TableKey, TunedDecode, TuningTable, CANDIDATE_WAVES, MIN_CONTEXT_BUCKET,
+    kernel_name, parse_kernel, tuned_sources_hash, DecodeBucket, DecodeGeometry, DecodeVariant,
+    TableKey, TunedDecode, TunedPrefill, TuningTable, CANDIDATE_WAVES, MIN_CONTEXT_BUCKET,
 };
 pub use gathered::{
     decode_attention_gathered, decode_splits, prefill_attention, specialize_attention,
@@ -36,8 +38,11 @@ pub use prefill::{
     PrefillTiling,
 };
 pub use prefill_mma::{
-    prefill_attention_mma, prefill_attention_stream, specialize_prefill_mma,
-    specialize_prefill_stream, MmaPrefillTiling, MMA_PREFILL_HEAD_DIMS, STREAM_PREFILL_HEAD_DIMS,
+    prefill_attention_mma, specialize_prefill_mma, MmaPrefillTiling, MMA_PREFILL_HEAD_DIMS,
+};
+pub use prefill_stream::{
+    prefill_attention_stream, specialize_prefill_stream, PrefillStreamTiling,
+    STREAM_PREFILL_HEAD_DIMS,
 };
 pub use stream_tiling::{
     StreamTiling, MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
@@ -142,7 +147,9 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
         specs.push(specialize_prefill_mma(DType::BF16, head_dim)?);
     }
     for &head_dim in &STREAM_PREFILL_HEAD_DIMS {
-        specs.push(specialize_prefill_stream(DType::BF16, head_dim)?);
+        for tiling in PrefillStreamTiling::ALL {
+            specs.push(specialize_prefill_stream(DType::BF16, head_dim, tiling)?);
+        }
     }
     Ok(specs)
 }

@@ -6,8 +6,9 @@
 use pagoda_cuda::{DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{
     self as ops, DevicePageTable, MergeMode, PagedDecodeKernel, PagedDecodePlan,
-    PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, PoolLayout, PrefillKernel, Queries,
-    StreamTiling, MMA_PREFILL_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS, STREAM_PREFILL_HEAD_DIMS,
+    PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, PoolLayout, PrefillKernel,
+    PrefillStreamTiling, Queries, StreamTiling, MMA_PREFILL_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
+    STREAM_PREFILL_HEAD_DIMS,
 };
 
 use super::attention::Attention;
@@ -85,7 +86,7 @@ fn prefill<T: TestFloat>(
         kernels.push(PrefillKernel::Mma);
     }
     if dtype == GpuDtype::Bf16 && STREAM_PREFILL_HEAD_DIMS.contains(&f.layout.head_dim) {
-        kernels.push(PrefillKernel::Stream);
+        kernels.extend(PrefillStreamTiling::ALL.map(PrefillKernel::Stream));
     }
     kernels
         .into_iter()

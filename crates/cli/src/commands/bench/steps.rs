@@ -15,6 +15,7 @@ pub(super) struct StepCounts {
     cuda_decode_fused: u64,
     cuda_decode_tuned: u64,
     cuda_prefill_kernel: u64,
+    cuda_prefill_tuned: u64,
     /// GPU time of the CUDA steps (CUDA events), microseconds.
     cuda_gpu_us: u64,
     /// Tokens drawn by the GPU sampler / on the CPU, and GPU sampler fallbacks.
@@ -41,6 +42,7 @@ impl std::ops::AddAssign for StepCounts {
         self.cuda_decode_fused += other.cuda_decode_fused;
         self.cuda_decode_tuned += other.cuda_decode_tuned;
         self.cuda_prefill_kernel += other.cuda_prefill_kernel;
+        self.cuda_prefill_tuned += other.cuda_prefill_tuned;
         self.cuda_gpu_us += other.cuda_gpu_us;
         self.sampled_gpu += other.sampled_gpu;
         self.sampled_cpu += other.sampled_cpu;
@@ -69,14 +71,15 @@ impl std::fmt::Display for StepCounts {
             let steps = self.cuda_graph + self.cuda_eager;
             write!(
                 f,
-                "cuda graph {} eager {} (decode fused {} [{} tuned] gather {} prefill {}), gpu \
-                 {:.3} ms/step",
+                "cuda graph {} eager {} (decode fused {} [{} tuned] gather {} prefill {} [{} \
+                 tuned]), gpu {:.3} ms/step",
                 self.cuda_graph,
                 self.cuda_eager,
                 self.cuda_decode_fused,
                 self.cuda_decode_tuned,
                 self.cuda_decode_gather,
                 self.cuda_prefill_kernel,
+                self.cuda_prefill_tuned,
                 self.cuda_gpu_us as f64 / 1e3 / steps as f64
             )?;
             write!(
@@ -106,6 +109,7 @@ pub(super) fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCount
         cuda_decode_fused: now.steps_cuda_decode_fused - before.steps_cuda_decode_fused,
         cuda_decode_tuned: now.steps_cuda_decode_tuned - before.steps_cuda_decode_tuned,
         cuda_prefill_kernel: now.steps_cuda_prefill_kernel - before.steps_cuda_prefill_kernel,
+        cuda_prefill_tuned: now.steps_cuda_prefill_tuned - before.steps_cuda_prefill_tuned,
         cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,
         sampled_gpu: now.sampled_tokens_gpu - before.sampled_tokens_gpu,
         sampled_cpu: now.sampled_tokens_cpu - before.sampled_tokens_cpu,

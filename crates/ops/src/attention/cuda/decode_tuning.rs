@@ -1,6 +1,7 @@
-//! The fused decode's tuning table: which kernel, merge placement and CTA target
-//! ([`DecodeVariant`]) runs a decode step, by shape bucket ([`DecodeBucket`]: batch and
-//! context rounded up to powers of two, for one head geometry, dtype and page size).
+//! The tuning table: which kernel, merge placement and CTA target ([`DecodeVariant`]) runs a
+//! decode step, and which tiling ([`PrefillStreamTiling`]) runs the streaming prefill, by
+//! shape bucket ([`DecodeBucket`]: batch and context, or prompt tokens per request, rounded
+//! up to powers of two, for one head geometry, dtype and page size).
 //!
 //! `pagoda tune` times every candidate of a bucket with cold L2 and stores the winner,
 //! but only where it beat the built-in heuristic ([`DecodeVariant::heuristic`]) in the same
@@ -12,27 +13,27 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::{MergeMode, PagedDecodeKernel, PlanPolicy, StreamTiling};
+use super::{MergeMode, PagedDecodeKernel, PlanPolicy, PrefillStreamTiling, StreamTiling};
 
 /// What a tuned table is valid for: the GPU's name, the driver's CUDA version and a hash of
-/// the decode kernels' sources.
+/// the tuned kernels' sources.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TableKey {
     /// `NVIDIA H200`.
     pub gpu: String,
     /// `cuDriverGetVersion` (1000 x major + 10 x minor).
     pub driver: i32,
-    /// FNV-1a of the decode kernels' sources, hex.
+    /// FNV-1a of the tuned kernels' sources, hex.
     pub sources: String,
 }
 
 impl TableKey {
-    /// The key of tables tuned on `gpu` against this build's decode kernels.
+    /// The key of tables tuned on `gpu` against this build's kernels.
     pub fn of(gpu: &pagoda_cuda::Gpu) -> Self {
         TableKey {
             gpu: gpu.info().name.clone(),
             driver: gpu.info().driver_version,
-            sources: decode_sources_hash(),
+            sources: tuned_sources_hash(),
         }
     }
 }
@@ -295,6 +296,21 @@ impl TunedDecode {
     }
 }
 
+/// One tuned prefill bucket (requests x prompt tokens per request).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TunedPrefill {
+    /// The geometry.
+    pub geometry: DecodeGeometry,
+    /// The bucket: `batch` requests, `context` prompt tokens each (powers of two).
+    pub bucket: DecodeBucket,
+    /// The winner's tiling (`128x64x2`).
+    pub tiling: String,
+    /// The winner's median, microseconds.
+    pub tuned_us: f64,
+    /// The heuristic's median in the same run, microseconds.
+    pub heuristic_us: f64,
+}
+
 /// The tuning table: its key and the tuned buckets.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TuningTable {
@@ -302,6 +318,9 @@ pub struct TuningTable {
     pub key: TableKey,
     /// Tuned decode buckets.
     pub decode: Vec<TunedDecode>,
+    /// Tuned prefill buckets.
+    #[serde(default)]
+    pub prefill: Vec<TunedPrefill>,
 }
 
 impl TuningTable {
@@ -310,7 +329,28 @@ impl TuningTable {
         TuningTable {
             key,
             decode: Vec::new(),
+            prefill: Vec::new(),
         }
+    }
+
+    /// The tuned streaming-prefill tiling of `bucket` at `geometry`, if the table has one.
+    pub fn prefill_tiling(
+        &self,
+        geometry: &DecodeGeometry,
+        bucket: DecodeBucket,
+    ) -> Option<PrefillStreamTiling> {
+        self.prefill
+            .iter()
+            .find(|row| &row.geometry == geometry && row.bucket == bucket)
+            .and_then(|row| PrefillStreamTiling::parse(&row.tiling))
+    }
+
+    /// Adds `row`, replacing an earlier row of the same geometry and bucket.
+    pub fn insert_prefill(&mut self, row: TunedPrefill) {
+        self.prefill
+            .retain(|old| !(old.geometry == row.geometry && old.bucket == row.bucket));
+        self.prefill.push(row);
+        self.prefill.sort_by_key(|row| row.bucket);
     }
 
     /// The tuned variant of `bucket` at `geometry`, if the table has one.
@@ -360,13 +400,14 @@ impl TuningTable {
     }
 }
 
-/// FNV-1a of the fused decode's kernel sources, hex: a table tuned against other sources
-/// is stale.
-pub fn decode_sources_hash() -> String {
+/// FNV-1a of the tuned kernels' sources (the fused decode's and the streaming prefill's),
+/// hex: a table tuned against other sources is stale.
+pub fn tuned_sources_hash() -> String {
     let hashes = [
         super::PAGED_DECODE.source_hash(),
         super::PAGED_DECODE_MMA.source_hash(),
         super::PAGED_DECODE_STREAM.source_hash(),
+        super::PREFILL_STREAM.source_hash(),
     ];
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for byte in hashes.iter().flat_map(|h| h.to_le_bytes()) {
@@ -448,7 +489,7 @@ mod tests {
         let key = TableKey {
             gpu: "NVIDIA H200".into(),
             driver: 13000,
-            sources: decode_sources_hash(),
+            sources: tuned_sources_hash(),
         };
         let mut table = TuningTable::new(key);
         let bucket = DecodeBucket::of(4, 4096);
@@ -476,7 +517,25 @@ mod tests {
         let path = dir.join("tuning.json");
         assert_eq!(TuningTable::read(&path), Ok(None));
         table.write(&path).unwrap();
-        assert_eq!(TuningTable::read(&path), Ok(Some(table)));
+        assert_eq!(TuningTable::read(&path), Ok(Some(table.clone())));
+        // Prefill rows, and tables written before there were any.
+        let tiling = PrefillStreamTiling::new(64, 64, 2);
+        table.insert_prefill(TunedPrefill {
+            geometry: geometry(),
+            bucket,
+            tiling: tiling.to_string(),
+            tuned_us: 5.0,
+            heuristic_us: 6.0,
+        });
+        assert_eq!(table.prefill_tiling(&geometry(), bucket), Some(tiling));
+        assert_eq!(table.prefill_tiling(&other, bucket), None);
+        table.write(&path).unwrap();
+        assert_eq!(TuningTable::read(&path), Ok(Some(table.clone())));
+        let mut old: serde_json::Value = serde_json::to_value(&table).unwrap();
+        old.as_object_mut().unwrap().remove("prefill");
+        std::fs::write(&path, old.to_string()).unwrap();
+        let read = TuningTable::read(&path).unwrap().unwrap();
+        assert!(read.prefill.is_empty() && read.decode == table.decode);
         std::fs::write(&path, "{").unwrap();
         assert!(TuningTable::read(&path)
             .unwrap_err()

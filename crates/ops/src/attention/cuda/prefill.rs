@@ -107,6 +107,7 @@ pub fn prefill_attention_tiled<T: Element>(
         spec: &spec,
         block_rows: tiling.block_rows,
         threads: tiling.threads,
+        shared_bytes: 0,
     };
     kernel.launch(gpu, queries, kv, qo_indptr, scale, out)
 }
@@ -122,8 +123,8 @@ pub enum PrefillKernel {
     /// [`super::prefill_attention_mma`]: query tiles on tensor cores, WMMA (bf16 only).
     Mma,
     /// [`super::prefill_attention_stream`]: query tiles on tensor cores, raw MMA with the
-    /// softmax in registers (bf16 at head_dim 64 and 128).
-    Stream,
+    /// softmax in registers (bf16 at head_dim 64 and 128), at this tiling.
+    Stream(super::PrefillStreamTiling),
 }
 
 /// Runs the prefill attention `kernel` (same contract as [`super::prefill_attention`]).
@@ -140,7 +141,9 @@ pub fn prefill_attention_with<T: Element>(
         PrefillKernel::PerToken => super::prefill_attention,
         PrefillKernel::Tiled => prefill_attention_tiled,
         PrefillKernel::Mma => super::prefill_attention_mma,
-        PrefillKernel::Stream => super::prefill_attention_stream,
+        PrefillKernel::Stream(tiling) => {
+            return super::prefill_attention_stream(gpu, tiling, queries, kv, qo_indptr, scale, out)
+        }
     };
     run(gpu, queries, kv, qo_indptr, scale, out)
 }
@@ -156,6 +159,8 @@ pub(crate) struct QueryTiledKernel<'a> {
     pub block_rows: usize,
     /// Threads per CTA.
     pub threads: usize,
+    /// Dynamic shared memory per CTA (0 for kernels with static shared memory only).
+    pub shared_bytes: usize,
 }
 
 impl QueryTiledKernel<'_> {
@@ -253,11 +258,16 @@ impl QueryTiledKernel<'_> {
             )));
         }
         let grid = (tiles, layout.num_kv_heads as u32);
-        let block = to_u32("threads", self.threads)?;
+        let dims = LaunchDims {
+            shared_mem_bytes: to_u32("shared memory", self.shared_bytes)?,
+            // CTAs per SM are bounded by the dynamic shared memory: the largest carveout.
+            prefer_shared: self.shared_bytes > 0,
+            ..LaunchDims::new(grid, to_u32("threads", self.threads)?)
+        };
         // SAFETY: both kernels take exactly these arguments (prefill.cu, prefill_mma.cu);
         // extents validated above; the kernels bound every access by num_tokens, num_indices
         // and num_pages.
-        unsafe { gpu.launch(self.spec, LaunchDims::new(grid, block), &args) }
+        unsafe { gpu.launch(self.spec, dims, &args) }
     }
 }
 

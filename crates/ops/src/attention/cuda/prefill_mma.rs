@@ -3,60 +3,11 @@
 //! rows of one request and one KV head, K/V tiles staged once per CTA) with `S = Q K^T` and
 //! `O += P V` on WMMA 16x16x16 bf16 fragments and f32 accumulators. bf16 only.
 
-use super::{PagedKv, Queries, PREFILL_MMA, PREFILL_STREAM};
+use super::{PagedKv, Queries, PREFILL_MMA};
 use pagoda_cuda::{CudaError, DType, DeviceRead, DeviceWrite, Element, Gpu, KernelSpec};
 
 /// Head sizes `prefill_attention_mma` is specialised for.
 pub const MMA_PREFILL_HEAD_DIMS: [usize; 3] = [64, 128, 256];
-
-/// Head sizes `prefill_attention_stream` (`prefill_stream.cu`) is specialised for.
-pub const STREAM_PREFILL_HEAD_DIMS: [usize; 2] = [64, 128];
-
-/// The specialisation of `prefill_attention_stream` for `dtype` (bf16 only) and `head_dim`
-/// (one of [`STREAM_PREFILL_HEAD_DIMS`]): key tiles of 64 keys at head_dim 64, 32 at 128 (two
-/// stages of K and V in 32 KB of static shared memory).
-pub fn specialize_prefill_stream(dtype: DType, head_dim: usize) -> Result<KernelSpec, CudaError> {
-    if dtype != DType::BF16 || !STREAM_PREFILL_HEAD_DIMS.contains(&head_dim) {
-        return Err(CudaError::invalid(format!(
-            "streaming prefill: bf16 at head_dim {STREAM_PREFILL_HEAD_DIMS:?}, not {dtype} at \
-             {head_dim}"
-        )));
-    }
-    Ok(KernelSpec {
-        source: &PREFILL_STREAM,
-        entry: "prefill_attention_stream",
-        params: vec![
-            ("HEAD_DIM", head_dim as i64),
-            ("BLOCK_KEYS", if head_dim == 64 { 64 } else { 32 }),
-        ],
-        dtypes: vec![("T", dtype), ("INDEX_T", DType::U32)],
-    })
-}
-
-/// [`prefill_attention_mma`]'s contract on the streaming kernel: raw MMA with the softmax in
-/// registers and double-buffered, swizzled K/V tiles (`prefill_stream.cu`); bf16 at
-/// [`STREAM_PREFILL_HEAD_DIMS`], 64 query rows a CTA (`num_q_heads / num_kv_heads` at most 64).
-/// Its cp.async copies need 16-byte aligned pools: views that are not run the WMMA kernel.
-pub fn prefill_attention_stream<T: Element>(
-    gpu: &Gpu,
-    queries: &Queries<'_, T>,
-    kv: &PagedKv<'_, T>,
-    qo_indptr: &impl DeviceRead<u32>,
-    scale: f32,
-    out: &mut impl DeviceWrite<T>,
-) -> Result<(), CudaError> {
-    if (kv.k_pool.device_ptr() | kv.v_pool.device_ptr()) % 16 != 0 {
-        return prefill_attention_mma(gpu, queries, kv, qo_indptr, scale, out);
-    }
-    let spec = specialize_prefill_stream(T::DTYPE, kv.layout.head_dim)?;
-    let kernel = super::prefill::QueryTiledKernel {
-        what: "streaming prefill",
-        spec: &spec,
-        block_rows: 64,
-        threads: 128,
-    };
-    kernel.launch(gpu, queries, kv, qo_indptr, scale, out)
-}
 
 /// Tile geometry of one `prefill_attention_mma` specialisation (per head size).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,6 +127,7 @@ pub fn prefill_attention_mma<T: Element>(
         spec: &spec,
         block_rows: tiling.block_rows,
         threads: tiling.threads(),
+        shared_bytes: 0,
     };
     kernel.launch(gpu, queries, kv, qo_indptr, scale, out)
 }

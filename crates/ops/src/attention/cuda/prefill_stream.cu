@@ -1,43 +1,61 @@
 // Query-tiled causal prefill attention over the paged KV cache on tensor cores, streaming
 // (FlashAttention-2 style with raw MMA; bf16 operands, f32 accumulators, base-2 softmax).
 //
-// Same contract, grid and slot mapping as prefill_attention_mma (prefill_mma.cu): one CTA of
-// four warps per (query tile of ONE request, KV head); the tile's 64 rows are
-// token_in_tile * group + head_in_group, warp w owning rows 16w .. 16w + 15. Unlike the WMMA
-// kernel, only K and V go through shared memory:
-//   - each lane loads its rows' Q A-fragments from global memory once;
+// Same contract and slot mapping as prefill_attention_mma (prefill_mma.cu): one CTA of four
+// warps per (query tile of ONE request, KV head); the tile's BLOCK_ROWS rows are
+// token_in_tile * group + head_in_group, warp w owning rows ROW_TILES * 16 consecutive rows
+// (one or two 16-row MMA tiles: with two, every K/V fragment read from shared memory feeds
+// two MMAs). The grid runs its slots in reverse, so a request's last (longest) query tiles
+// start first and the short ones fill the tail.
+//   - the Q tile is copied once into shared memory (cp.async, swizzled) and read as MMA A
+//     fragments with ldmatrix;
 //   - S = Q K^T and O += P V are mma.sync.m16n8k16 with ldmatrix (V transposed); the online
 //     softmax runs on the S accumulators in registers (a row's values live in the four lanes
-//     of a quad), whose layout is the A fragment P needs;
-//   - K/V tiles of BLOCK_KEYS keys are double-buffered through cp.async (the next tile's
-//     copies fly while this one is computed), unpadded and XOR-swizzled (piece c of key row
-//     r at piece c ^ (r % 8)) so ldmatrix's eight rows hit eight bank groups.
+//     of a quad), whose layout is the A fragment P needs; p = 2^(s scale - m scale) is one
+//     FFMA and one EX2, and the running maximum m only moves (rescaling O) when a tile's
+//     exceeds it by 2^RESCALE_SLACK, so later tiles rarely rescale;
+//   - K/V tiles of BLOCK_KEYS keys stream through STAGES cp.async stages in dynamic shared
+//     memory, unpadded and XOR-swizzled (piece c of row r at piece c ^ (r % 8)) so ldmatrix's
+//     eight rows hit eight bank groups;
+//   - only tiles that cross a warp's causal diagonal, the end of the keys or an unreadable
+//     page are masked; the others skip the per-element tests.
 // Key tiles above a warp's causal diagonal are skipped by that warp. Edge rules as in
 // prefill.cu: a request with more queries than visible tokens writes NaN rows.
 //
 // Specialisation: PAGODA_T (__nv_bfloat16), PAGODA_HEAD_DIM (64 or 128), PAGODA_BLOCK_KEYS
-// (32 or 64). Static shared memory within 48 KiB (asserted). Prepended: tensor_core.cu.
+// (32 or 64), PAGODA_ROW_TILES (1 or 2), PAGODA_STAGES (2 or 3). Dynamic shared memory:
+// SHARED_BYTES below (mirrored by PrefillStreamTiling::shared_bytes). One barrier per tile.
+// Prepended: tensor_core.cu.
 typedef PAGODA_T T;
 static_assert(sizeof(T) == 2, "prefill_attention_stream is bf16 only");
 
 namespace stream_prefill {
 constexpr int HEAD_DIM = PAGODA_HEAD_DIM;
 constexpr int BLOCK_KEYS = PAGODA_BLOCK_KEYS;
-constexpr int BLOCK_ROWS = 64;
+constexpr int ROW_TILES = PAGODA_ROW_TILES;  // 16-row MMA tiles per warp
+constexpr int STAGES = PAGODA_STAGES;
 constexpr int WARPS = 4;
+constexpr int BLOCK_ROWS = WARPS * 16 * ROW_TILES;
 constexpr int THREADS = WARPS * 32;
 constexpr int ROW_BYTES = HEAD_DIM * 2;
-constexpr int ROW_CHUNKS = HEAD_DIM / 8;  // 16-byte pieces of a key row
+constexpr int ROW_CHUNKS = HEAD_DIM / 8;  // 16-byte pieces of a row
 constexpr int TILE_BYTES = BLOCK_KEYS * ROW_BYTES;
-constexpr int PIECES_PER_THREAD = BLOCK_KEYS * ROW_CHUNKS / THREADS;
+constexpr int Q_BYTES = BLOCK_ROWS * ROW_BYTES;
+constexpr int KEYS_PER_THREAD = BLOCK_KEYS * ROW_CHUNKS / THREADS;  // pieces a thread copies a tile
+constexpr int Q_PIECES_PER_THREAD = BLOCK_ROWS * ROW_CHUNKS / THREADS;
 constexpr int KEY_STEP = THREADS / ROW_CHUNKS;
 constexpr int N_BLOCKS = BLOCK_KEYS / 8;  // 8-key column blocks of S
 constexpr int D_BLOCKS = HEAD_DIM / 8;    // 8-wide column blocks of O
+constexpr int KEY_LIMIT = 0x7fffffff;    // key positions are clamped to int
+constexpr float RESCALE_SLACK = 8.0f;    // log2 of the largest unnormalised p
+// Q tile, STAGES K tiles, STAGES V tiles, STAGES key flags.
+constexpr int SHARED_BYTES = Q_BYTES + 2 * STAGES * TILE_BYTES + STAGES * BLOCK_KEYS;
 
 static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
 static_assert(BLOCK_KEYS == 32 || BLOCK_KEYS == 64, "BLOCK_KEYS: 32 or 64");
-static_assert(THREADS % ROW_CHUNKS == 0 && BLOCK_KEYS % KEY_STEP == 0, "tile copy layout");
-static_assert(4 * TILE_BYTES + 2 * BLOCK_KEYS <= 48 * 1024, "static shared memory above 48 KiB");
+static_assert(ROW_TILES == 1 || ROW_TILES == 2, "ROW_TILES: 1 or 2");
+static_assert(STAGES == 2 || STAGES == 3, "STAGES: 2 or 3");
+static_assert(THREADS % ROW_CHUNKS == 0 && KEY_STEP * KEYS_PER_THREAD == BLOCK_KEYS, "tile copy layout");
 
 PAGODA_DEVICE unsigned int piece_offset(unsigned int row, unsigned int piece) {
     return row * ROW_BYTES + ((piece ^ (row & 7)) << 4);
@@ -46,15 +64,12 @@ PAGODA_DEVICE unsigned int piece_offset(unsigned int row, unsigned int piece) {
 PAGODA_DEVICE void mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
     mma_bf16(d, a[0], a[1], a[2], a[3], b0, b1);
 }
-// Two consecutive bf16 of q as one register (no alignment assumed).
-PAGODA_DEVICE unsigned int load_pair(const T* p) {
-    const unsigned short* s = reinterpret_cast<const unsigned short*>(p);
-    return (unsigned int)s[0] | ((unsigned int)s[1] << 16);
-}
 }  // namespace stream_prefill
 
-// Arguments and grid as prefill_attention_mma; block 128 threads.
-extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS) prefill_attention_stream(
+// Arguments and grid as prefill_attention_mma; block 128 threads; dynamic shared memory
+// stream_prefill::SHARED_BYTES. q must be 16-byte aligned with a row stride of a multiple of
+// 8 elements, like the pools (the launcher falls back to the WMMA kernel otherwise).
+extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill_attention_stream(
     const T* __restrict__ q, const T* __restrict__ k_pool, const T* __restrict__ v_pool,
     const unsigned int* __restrict__ qo_indptr, const unsigned int* __restrict__ kv_indptr,
     const unsigned int* __restrict__ kv_indices, const unsigned int* __restrict__ last_page_len,
@@ -63,14 +78,17 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS) prefill_at
     unsigned int num_q_heads, unsigned int num_kv_heads, unsigned int page_size,
     unsigned int num_pages, unsigned int q_row_stride, unsigned int block_q, float scale_log2) {
     using namespace stream_prefill;
-    __shared__ __align__(128) unsigned char tiles[4 * TILE_BYTES];  // K stage 0, 1, V stage 0, 1
-    __shared__ unsigned char key_ok[2][BLOCK_KEYS];
+    extern __shared__ __align__(128) unsigned char shared[];
+    unsigned char* q_tile = shared;
+    unsigned char* k_tiles = shared + Q_BYTES;
+    unsigned char* v_tiles = k_tiles + STAGES * TILE_BYTES;
+    unsigned char* key_ok = v_tiles + STAGES * TILE_BYTES;  // [STAGES][BLOCK_KEYS]
 
     const unsigned int tid = threadIdx.x;
     const int warp = (int)(tid / 32);
     const int lane = (int)(tid % 32);
     const unsigned int kv_head = blockIdx.y;
-    const unsigned int slot = blockIdx.x;
+    const unsigned int slot = gridDim.x - 1 - blockIdx.x;
     const unsigned int group = num_q_heads / num_kv_heads;
     const size_t out_token_elems = (size_t)num_q_heads * HEAD_DIM;
     const size_t group_elems = (size_t)group * HEAD_DIM;
@@ -97,183 +115,297 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS) prefill_at
     const unsigned char* k_bytes = reinterpret_cast<const unsigned char*>(k_pool);
     const unsigned char* v_bytes = reinterpret_cast<const unsigned char*>(v_pool);
 
-    // Thread tid copies piece `part` of keys first_key + i * KEY_STEP of every tile.
+    // The Q tile (rows past the tile's tokens zero-filled), in the first copy group.
     const int part = (int)(tid % ROW_CHUNKS);
     const int first_key = (int)(tid / ROW_CHUNKS);
-    auto issue = [&](int t) {
-        const int stage = t & 1;
-        unsigned char* k_dst = tiles + stage * TILE_BYTES;
-        unsigned char* v_dst = tiles + (2 + stage) * TILE_BYTES;
 #pragma unroll
-        for (int i = 0; i < PIECES_PER_THREAD; ++i) {
-            const int key_local = first_key + i * KEY_STEP;
-            const long long key = (long long)t * BLOCK_KEYS + key_local;
+    for (int i = 0; i < Q_PIECES_PER_THREAD; ++i) {
+        const int row = first_key + i * KEY_STEP;
+        const long long token = token0 + row / (int)group;
+        const bool live = row < active_rows && token < (long long)num_tokens && !bad;
+        const T* src = live ? q + (size_t)token * q_row_stride +
+                                  (size_t)(kv_head * group + row % group) * HEAD_DIM + part * 8
+                            : q;
+        cp_async16(q_tile + piece_offset(row, part), src, live);
+    }
+
+    // Thread tid copies piece `part` of the KEYS_PER_THREAD consecutive keys
+    // key_group * KEYS_PER_THREAD + i of every tile. When pages and the first offset are
+    // multiples of KEYS_PER_THREAD (pages of 16 or more, the usual case), those keys share one
+    // page: one page-table lookup a tile and a fixed stride. Otherwise one lookup per page the
+    // keys touch (at most two when page_size >= KEYS_PER_THREAD), or per key.
+    const int key_group = (int)(tid / ROW_CHUNKS);
+    const size_t row_bytes = row_elems * 2;
+    const size_t head_bytes = (size_t)kv_head * ROW_BYTES + part * 16;
+    const bool one_page = page_size % KEYS_PER_THREAD == 0 && first_offset % KEYS_PER_THREAD == 0;
+    const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs((int)page_size) - 1 : -1;
+    auto page_row = [&](unsigned long long index, bool& ok) -> unsigned int {
+        ok = false;
+        if (index >= num_indices) return 0;
+        const unsigned int page = kv_indices[index];
+        ok = page < num_pages;
+        return page * page_size;
+    };
+    auto issue = [&](int t) {
+        const int stage = t % STAGES;
+        unsigned char* k_dst = k_tiles + stage * TILE_BYTES;
+        unsigned char* v_dst = v_tiles + stage * TILE_BYTES;
+        unsigned char* ok_dst = key_ok + stage * BLOCK_KEYS;
+        const int key_local0 = key_group * KEYS_PER_THREAD;
+        const long long key0 = (long long)t * BLOCK_KEYS + key_local0;
+        // This thread's keys before kv_end (0 ..= KEYS_PER_THREAD).
+        const int keys = (int)max(0LL, min(kv_end - key0, (long long)KEYS_PER_THREAD));
+        const unsigned int logical0 = (unsigned int)(first_offset + key0);
+        const unsigned int page_index = page_shift >= 0 ? logical0 >> page_shift : logical0 / page_size;
+        const unsigned int offset0 = logical0 - page_index * page_size;
+        if (one_page) {
+            bool ok = false;
+            unsigned int row = 0;
+            if (keys > 0) row = page_row(page_base + page_index, ok) + offset0;
+            const size_t first = ok ? (size_t)row * row_bytes + head_bytes : 0;
+            const size_t step = ok ? row_bytes : 0;
+#pragma unroll
+            for (int i = 0; i < KEYS_PER_THREAD; ++i) {
+                const bool readable = ok && i < keys;
+                const unsigned int dst = piece_offset(key_local0 + i, part);
+                cp_async16(k_dst + dst, k_bytes + first + i * step, readable);
+                cp_async16(v_dst + dst, v_bytes + first + i * step, readable);
+                if (part == 0) ok_dst[key_local0 + i] = readable;
+            }
+            return;
+        }
+        const bool few_pages = page_size >= KEYS_PER_THREAD;
+        bool ok0 = false, ok1 = false;
+        unsigned int row0 = 0, row1 = 0;
+        if (few_pages && keys > 0) {
+            row0 = page_row(page_base + page_index, ok0);
+            if (offset0 + KEYS_PER_THREAD > page_size && (int)(page_size - offset0) < keys)
+                row1 = page_row(page_base + page_index + 1, ok1) - page_size;
+        }
+#pragma unroll
+        for (int i = 0; i < KEYS_PER_THREAD; ++i) {
             bool readable = false;
-            size_t offset = 0;
-            if (key < kv_end) {
-                const long long logical = first_offset + key;
-                const unsigned long long index = page_base + (unsigned long long)(logical / page_size);
-                if (index < num_indices) {
-                    const unsigned int page = kv_indices[index];
-                    if (page < num_pages) {
-                        const size_t row = (size_t)page * page_size + (size_t)(logical % page_size);
-                        offset = (row * row_elems + (size_t)kv_head * HEAD_DIM) * 2 + part * 16;
-                        readable = true;
-                    }
+            unsigned int row = 0;
+            if (i < keys) {
+                if (few_pages) {
+                    // row1 is the next page's first row less page_size (wrapping).
+                    const bool next = offset0 + i >= page_size;
+                    readable = next ? ok1 : ok0;
+                    row = (next ? row1 : row0) + offset0 + i;
+                } else {
+                    const unsigned int logical = logical0 + i;
+                    const unsigned int index = logical / page_size;
+                    row = page_row(page_base + index, readable) + (logical - index * page_size);
                 }
             }
-            const unsigned int dst = piece_offset(key_local, part);
+            const size_t offset = readable ? (size_t)row * row_bytes + head_bytes : 0;
+            const unsigned int dst = piece_offset(key_local0 + i, part);
             cp_async16(k_dst + dst, k_bytes + offset, readable);
             cp_async16(v_dst + dst, v_bytes + offset, readable);
-            if (part == 0) key_ok[stage][key_local] = readable;
+            if (part == 0) ok_dst[key_local0 + i] = readable;
         }
     };
-    if (num_tiles > 0) issue(0);
-    cp_async_commit();
-
-    // This lane's rows: r0 = lane / 4 and r1 = r0 + 8 of the warp's 16; columns 2 (lane % 4).
-    const int quad_col = 2 * (lane % 4);
-    int row_of[2], token_of[2];
-    bool live[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        row_of[h] = warp * 16 + lane / 4 + 8 * h;
-        token_of[h] = row_of[h] / (int)group;
-        live[h] = row_of[h] < active_rows && token0 + token_of[h] < (long long)num_tokens && !bad;
+    for (int t = 0; t < STAGES - 1; ++t) {
+        if (t < num_tiles) issue(t);
+        cp_async_commit();
     }
-    unsigned int qa[HEAD_DIM / 16][4];
+
+    // This lane's rows: per 16-row MMA tile i, g = lane / 4 and g + 8; columns 2 (lane % 4).
+    // diag[i][h]: the last key the row sees (-1 for rows without a query), clamped to int.
+    const int quad_col = 2 * (lane % 4);
+    const int warp_first_row = warp * 16 * ROW_TILES;
+    int diag[ROW_TILES][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const T* q_row = q + (size_t)(token0 + token_of[h]) * q_row_stride +
-                         (size_t)(kv_head * group + row_of[h] % group) * HEAD_DIM;
+    for (int i = 0; i < ROW_TILES; ++i) {
 #pragma unroll
-        for (int k = 0; k < HEAD_DIM / 16; ++k) {
-            qa[k][h] = live[h] ? load_pair(q_row + 16 * k + quad_col) : 0u;
-            qa[k][2 + h] = live[h] ? load_pair(q_row + 16 * k + 8 + quad_col) : 0u;
+        for (int h = 0; h < 2; ++h) {
+            const int row = warp_first_row + 16 * i + lane / 4 + 8 * h;
+            const long long token = row / (int)group;
+            const bool live = row < active_rows && token0 + token < (long long)num_tokens && !bad;
+            diag[i][h] = live ? (int)min(causal_base + token, (long long)KEY_LIMIT) : -1;
         }
     }
-    float o[D_BLOCKS][4];
+    float o[ROW_TILES][D_BLOCKS][4];
 #pragma unroll
-    for (int n = 0; n < D_BLOCKS; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    const int warp_first_row = warp * 16;
+    for (int i = 0; i < ROW_TILES; ++i)
+#pragma unroll
+        for (int n = 0; n < D_BLOCKS; ++n) o[i][n][0] = o[i][n][1] = o[i][n][2] = o[i][n][3] = 0.0f;
+    float m[ROW_TILES][2], l[ROW_TILES][2];
+#pragma unroll
+    for (int i = 0; i < ROW_TILES; ++i) m[i][0] = m[i][1] = -INFINITY, l[i][0] = l[i][1] = 0.0f;
     const bool warp_active = warp_first_row < active_rows && !bad;
-    const long long warp_last_key =
-        warp_active ? causal_base + min(warp_first_row + 15, active_rows - 1) / (int)group : -1;
+    // Tiles every row of the warp sees whole (below its first row's diagonal), and the last
+    // tile any of its rows sees.
+    const long long warp_first_key = causal_base + warp_first_row / (int)group;
+    const int full_tiles = warp_active ? (int)min((warp_first_key + 1) / BLOCK_KEYS, (long long)KEY_LIMIT) : 0;
+    const int warp_tiles =
+        warp_active ? (int)((causal_base + min(warp_first_row + 16 * ROW_TILES - 1, active_rows - 1) / (int)group) /
+                                BLOCK_KEYS + 1)
+                    : 0;
     const unsigned int mat = lane / 8, mat_row = lane % 8;
+    const unsigned int q_base = shared_address(q_tile);
 
+    // One barrier a tile: after it, tile t has landed for every thread and every warp is done
+    // with tile t - 1, whose stage the copies of tile t + STAGES - 1 then refill.
     for (int t = 0; t < num_tiles; ++t) {
-        if (t + 1 < num_tiles) issue(t + 1);
-        cp_async_commit();
-        cp_async_wait<1>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();
-        const int stage = t & 1;
-        const long long start = (long long)t * BLOCK_KEYS;
-        if (warp_active && start <= warp_last_key) {
-            const unsigned int k_base = shared_address(tiles + stage * TILE_BYTES);
-            const unsigned int v_base = shared_address(tiles + (2 + stage) * TILE_BYTES);
+        if (t + STAGES - 1 < num_tiles) issue(t + STAGES - 1);
+        cp_async_commit();
+        const int stage = t % STAGES;
+        if (t < warp_tiles) {
+            const unsigned int k_base = shared_address(k_tiles + stage * TILE_BYTES);
+            const unsigned int v_base = shared_address(v_tiles + stage * TILE_BYTES);
             // 1. S = Q K^T.
-            float s[N_BLOCKS][4];
+            float s[ROW_TILES][N_BLOCKS][4];
 #pragma unroll
-            for (int j = 0; j < N_BLOCKS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+            for (int i = 0; i < ROW_TILES; ++i)
+#pragma unroll
+                for (int j = 0; j < N_BLOCKS; ++j) s[i][j][0] = s[i][j][1] = s[i][j][2] = s[i][j][3] = 0.0f;
 #pragma unroll
             for (int k = 0; k < HEAD_DIM / 16; ++k) {
+                unsigned int qa[ROW_TILES][4];
+#pragma unroll
+                for (int i = 0; i < ROW_TILES; ++i) {
+                    const unsigned int row = warp_first_row + 16 * i + (mat % 2) * 8 + mat_row;
+                    ldmatrix_x4(q_base + piece_offset(row, 2 * k + mat / 2), qa[i]);
+                }
 #pragma unroll
                 for (int j = 0; j < N_BLOCKS; j += 2) {
                     unsigned int b[4];
                     const unsigned int key = 8 * j + (mat / 2) * 8 + mat_row;
                     ldmatrix_x4(k_base + piece_offset(key, 2 * k + mat % 2), b);
-                    mma(s[j], qa[k], b[0], b[1]);
-                    mma(s[j + 1], qa[k], b[2], b[3]);
-                }
-            }
-            // 2. Mask (readable, causal) and online softmax of rows r0 (h = 0) and r1 (h = 1).
-            float factor[2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const long long last = live[h] ? causal_base + token_of[h] - start : -1;
-                float tile_max = -INFINITY;
-#pragma unroll
-                for (int j = 0; j < N_BLOCKS; ++j) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = 8 * j + quad_col + e;
-                        const bool visible = key <= last && key_ok[stage][key];
-                        float& v = s[j][2 * h + e];
-                        v = visible ? v * scale_log2 : -INFINITY;
-                        tile_max = fmaxf(tile_max, v);
+                    for (int i = 0; i < ROW_TILES; ++i) {
+                        mma(s[i][j], qa[i], b[0], b[1]);
+                        mma(s[i][j + 1], qa[i], b[2], b[3]);
                     }
                 }
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-                const float new_max = fmaxf(m[h], tile_max);
-                const float base = new_max == -INFINITY ? 0.0f : new_max;
-                factor[h] = exp2f(m[h] - base);
-                float sum = 0.0f;
+            }
+            // 2. Mask where needed, online softmax of each lane's rows.
+            const unsigned int ok_word =
+                reinterpret_cast<const unsigned int*>(key_ok + stage * BLOCK_KEYS)[lane % (BLOCK_KEYS / 4)];
+            const bool full = __all_sync(0xffffffffu, ok_word == 0x01010101u) && t < full_tiles;
+            // m and the masking are in raw scores (scale_log2 > 0): p = 2^(s scale - m scale),
+            // one FFMA and one EX2 an element.
+            float factor[ROW_TILES][2];
+            bool rescale = false;
 #pragma unroll
-                for (int j = 0; j < N_BLOCKS; ++j) {
+            for (int i = 0; i < ROW_TILES; ++i) {
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& v = s[j][2 * h + e];
-                        v = exp2f(v - base);
-                        sum += v;
+                for (int h = 0; h < 2; ++h) {
+                    if (!full) {
+                        const int last = diag[i][h] - t * BLOCK_KEYS;
+                        const unsigned char* ok = key_ok + stage * BLOCK_KEYS;
+#pragma unroll
+                        for (int j = 0; j < N_BLOCKS; ++j) {
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                const int key = 8 * j + quad_col + e;
+                                float& v = s[i][j][2 * h + e];
+                                v = key <= last && ok[key] ? v : -INFINITY;
+                            }
+                        }
+                    }
+                    // Tree reductions (short dependency chains).
+                    float partial[N_BLOCKS];
+#pragma unroll
+                    for (int j = 0; j < N_BLOCKS; ++j) partial[j] = fmaxf(s[i][j][2 * h], s[i][j][2 * h + 1]);
+#pragma unroll
+                    for (int w = N_BLOCKS / 2; w >= 1; w /= 2)
+#pragma unroll
+                        for (int j = 0; j < w; ++j) partial[j] = fmaxf(partial[j], partial[j + w]);
+                    float tile_max = partial[0];
+                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+                    // The running maximum moves only when the tile's exceeds it by more than
+                    // 2^RESCALE_SLACK (then O and l are rescaled); otherwise p may reach
+                    // 2^RESCALE_SLACK, harmless in f32 sums and bf16 P, and O keeps its scale.
+                    const bool grow = tile_max * scale_log2 > m[i][h] * scale_log2 + RESCALE_SLACK;
+                    const float new_max = grow ? tile_max : m[i][h];
+                    const float base = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
+                    factor[i][h] = grow ? fast_exp2(m[i][h] * scale_log2 - base) : 1.0f;
+                    rescale |= grow;
+#pragma unroll
+                    for (int j = 0; j < N_BLOCKS; ++j) {
+                        s[i][j][2 * h] = fast_exp2(fmaf(s[i][j][2 * h], scale_log2, -base));
+                        s[i][j][2 * h + 1] = fast_exp2(fmaf(s[i][j][2 * h + 1], scale_log2, -base));
+                        partial[j] = s[i][j][2 * h] + s[i][j][2 * h + 1];
+                    }
+#pragma unroll
+                    for (int w = N_BLOCKS / 2; w >= 1; w /= 2)
+#pragma unroll
+                        for (int j = 0; j < w; ++j) partial[j] += partial[j + w];
+                    const float sum = partial[0];
+                    l[i][h] = l[i][h] * factor[i][h] + sum;
+                    m[i][h] = new_max;
+                }
+            }
+            // 3. O = O * factor (skipped while no row of the warp moved its maximum) + P V.
+            if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+                for (int i = 0; i < ROW_TILES; ++i) {
+#pragma unroll
+                    for (int n = 0; n < D_BLOCKS; ++n) {
+                        o[i][n][0] *= factor[i][0];
+                        o[i][n][1] *= factor[i][0];
+                        o[i][n][2] *= factor[i][1];
+                        o[i][n][3] *= factor[i][1];
                     }
                 }
-                l[h] = l[h] * factor[h] + sum;
-                m[h] = new_max;
-            }
-            // 3. O = O * factor + P V.
-#pragma unroll
-            for (int n = 0; n < D_BLOCKS; ++n) {
-                o[n][0] *= factor[0];
-                o[n][1] *= factor[0];
-                o[n][2] *= factor[1];
-                o[n][3] *= factor[1];
             }
 #pragma unroll
             for (int kk = 0; kk < BLOCK_KEYS / 16; ++kk) {
-                const unsigned int pa[4] = {
-                    pack_bf16(s[2 * kk][0], s[2 * kk][1]), pack_bf16(s[2 * kk][2], s[2 * kk][3]),
-                    pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                    pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+                unsigned int pa[ROW_TILES][4];
+#pragma unroll
+                for (int i = 0; i < ROW_TILES; ++i) {
+                    pa[i][0] = pack_bf16(s[i][2 * kk][0], s[i][2 * kk][1]);
+                    pa[i][1] = pack_bf16(s[i][2 * kk][2], s[i][2 * kk][3]);
+                    pa[i][2] = pack_bf16(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
+                    pa[i][3] = pack_bf16(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
+                }
 #pragma unroll
                 for (int n = 0; n < D_BLOCKS; n += 2) {
                     unsigned int b[4];
                     const unsigned int key = 16 * kk + (mat % 2) * 8 + mat_row;
                     ldmatrix_x4_trans(v_base + piece_offset(key, n + mat / 2), b);
-                    mma(o[n], pa, b[0], b[1]);
-                    mma(o[n + 1], pa, b[2], b[3]);
+#pragma unroll
+                    for (int i = 0; i < ROW_TILES; ++i) {
+                        mma(o[i][n], pa[i], b[0], b[1]);
+                        mma(o[i][n + 1], pa[i], b[2], b[3]);
+                    }
                 }
             }
         }
-        __syncthreads();  // stage t & 1 is rewritten by the next iteration's copies
     }
     cp_async_wait<0>();
 
     // Epilogue: normalise by the row sums (reduced over the quad) and store bf16 pairs.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    }
+    for (int i = 0; i < ROW_TILES; ++i) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = row_of[h];
-        const long long token = token0 + token_of[h];
-        if (row >= active_rows || token >= (long long)num_tokens) continue;
-        const float inverse = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
-        T* destination = out + (size_t)token * out_token_elems +
-                         (size_t)(kv_head * group + row % group) * HEAD_DIM + quad_col;
+        for (int h = 0; h < 2; ++h) {
+            float sum = l[i][h];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const int row = warp_first_row + 16 * i + lane / 4 + 8 * h;
+            const long long token = token0 + row / (int)group;
+            if (row >= active_rows || token >= (long long)num_tokens) continue;
+            const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
+            T* destination = out + (size_t)token * out_token_elems +
+                             (size_t)(kv_head * group + row % group) * HEAD_DIM + quad_col;
 #pragma unroll
-        for (int n = 0; n < D_BLOCKS; ++n) {
-            const float x = bad ? quiet_nan() : o[n][2 * h] * inverse;
-            const float y = bad ? quiet_nan() : o[n][2 * h + 1] * inverse;
-            T* d = destination + 8 * n;
-            if ((reinterpret_cast<size_t>(d) & 3) == 0) {
-                *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(x, y);
-            } else {
-                d[0] = __float2bfloat16_rn(x);
-                d[1] = __float2bfloat16_rn(y);
+            for (int n = 0; n < D_BLOCKS; ++n) {
+                const float x = bad ? quiet_nan() : o[i][n][2 * h] * inverse;
+                const float y = bad ? quiet_nan() : o[i][n][2 * h + 1] * inverse;
+                T* d = destination + 8 * n;
+                if ((reinterpret_cast<size_t>(d) & 3) == 0) {
+                    *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(x, y);
+                } else {
+                    d[0] = __float2bfloat16_rn(x);
+                    d[1] = __float2bfloat16_rn(y);
+                }
             }
         }
     }

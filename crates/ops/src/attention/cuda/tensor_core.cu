@@ -46,3 +46,9 @@ PAGODA_DEVICE unsigned int pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<unsigned int*>(&v);
 }
+// 2^x on the special-function unit (flushes denormals; 2^-inf = 0).
+PAGODA_DEVICE float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}

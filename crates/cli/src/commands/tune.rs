@@ -21,7 +21,7 @@ use pagoda_ops::cuda::{
     TunedDecode, TunedPrefill, TuningTable,
 };
 
-use super::decode_rig::{DecodePath, Geometry, QueryRows, Rig};
+use super::decode_rig::{Captured, DecodePath, Geometry, QueryRows, Rig};
 use super::stats::Summary;
 
 /// Flags of `pagoda tune`.
@@ -248,17 +248,13 @@ fn tune_decode(args: &TuneArgs, rig: &mut Rig, table: &mut TuningTable) -> Resul
                     rig.capture(&case, DecodePath::Fused(variant, policy))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let medians = alternate(rig, &captured, args.rounds, args.replays)?;
             // candidates[0] is the heuristic.
-            let (best, &best_us) = medians
-                .iter()
-                .enumerate()
-                .min_by(|a, b| a.1.total_cmp(b.1))
-                .expect("at least the heuristic");
-            let heuristic_us = medians[0];
+            let verdict = race(rig, &captured, args.rounds, args.replays)?;
+            let (best, best_us, heuristic_us) =
+                (verdict.best, verdict.best_us, verdict.heuristic_us);
+            let stored = verdict.stored;
             let bucket = DecodeBucket::of(b, l);
             let winner = candidates[best];
-            let stored = best != 0 && best_us < heuristic_us * (1.0 - MIN_GAIN);
             if stored {
                 table.insert(TunedDecode::new(
                     geometry.tuning(),
@@ -316,14 +312,10 @@ fn tune_prefill(args: &TuneArgs, rig: &mut Rig, table: &mut TuningTable) -> Resu
                     rig.capture(&case, DecodePath::Prefill(PrefillKernel::Stream(tiling)))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let medians = alternate(rig, &captured, args.rounds, args.replays)?;
-            let (best, &best_us) = medians
-                .iter()
-                .enumerate()
-                .min_by(|a, b| a.1.total_cmp(b.1))
-                .expect("at least the heuristic");
-            let heuristic_us = medians[0];
-            let stored = best != 0 && best_us < heuristic_us * (1.0 - MIN_GAIN);
+            let verdict = race(rig, &captured, args.rounds, args.replays)?;
+            let (best, best_us, heuristic_us) =
+                (verdict.best, verdict.best_us, verdict.heuristic_us);
+            let stored = verdict.stored;
             if stored {
                 table.insert_prefill(TunedPrefill {
                     geometry: geometry.tuning(),
@@ -358,22 +350,39 @@ fn winner_label(best: usize, stored: bool, heuristic: String, winner: String) ->
     }
 }
 
-/// Replays every captured candidate in `rounds` alternating rounds of `replays` each; the
-/// median per candidate, microseconds.
-fn alternate(
-    rig: &Rig,
-    captured: &[super::decode_rig::Captured],
-    rounds: usize,
-    replays: usize,
-) -> Result<Vec<f64>> {
+/// The outcome of one bucket's race: the fastest candidate, its median, the heuristic's
+/// (candidate 0) median, and whether the winner goes in the table.
+struct Race {
+    best: usize,
+    best_us: f64,
+    heuristic_us: f64,
+    stored: bool,
+}
+
+/// Replays every captured candidate in `rounds` alternating rounds of `replays` each and
+/// compares the medians; candidate 0 is the heuristic, which a winner must beat by
+/// [`MIN_GAIN`] to be stored.
+fn race(rig: &Rig, captured: &[Captured], rounds: usize, replays: usize) -> Result<Race> {
     let mut samples = vec![Vec::new(); captured.len()];
     for _ in 0..rounds {
         for (graph, times) in captured.iter().zip(&mut samples) {
             times.extend(graph.time(&rig.gpu, replays)?);
         }
     }
-    Ok(samples
+    let medians: Vec<f64> = samples
         .iter()
         .map(|times| Summary::of(times).map_or(f64::INFINITY, |s| s.median))
-        .collect())
+        .collect();
+    let (best, &best_us) = medians
+        .iter()
+        .enumerate()
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .expect("at least the heuristic");
+    let heuristic_us = medians[0];
+    Ok(Race {
+        best,
+        best_us,
+        heuristic_us,
+        stored: best != 0 && best_us < heuristic_us * (1.0 - MIN_GAIN),
+    })
 }

@@ -243,6 +243,9 @@ settings! {
     "PAGODA_CUDA_PREFILL_TILING", None, Values::Choice(&["auto", "128x64x2", "128x32x2", "64x64x2", "64x64x3", "64x32x2"]), "auto", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Streaming prefill tiling, rows x keys x stages (auto: the tuning table's for the step's bucket, else 64x64x2 up to 2048 tokens, 128x64x2 above).";
+    "PAGODA_CUDA_FUSED_ROPE_APPEND", None, ON_OFF, "on", Cuda,
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
+        "RoPE of q and k and the KV append into the paged pool in one launch per layer (the same bits as two).";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Filtered rows on the GPU: fast, or exact (f64, the oracle).";

@@ -156,6 +156,9 @@ engine_counters! {
         "Fused decode steps by where their variant (kernel, merge, CTA target) came from (tuned: the tuning table's row for the step's bucket; heuristic: no row, the built-in choice).";
     /// Fused decode steps whose bucket has no table row (the built-in heuristic ran).
     steps_cuda_decode_heuristic: "pagoda_cuda_decode_variant_steps_total" ["source" = "heuristic"], Counter, "";
+    /// CUDA steps whose layers ran RoPE and the KV append in one launch.
+    steps_cuda_fused_rope_append: "pagoda_cuda_fused_rope_append_steps_total", Counter,
+        "CUDA steps whose layers ran RoPE and the KV append in one launch (PAGODA_CUDA_FUSED_ROPE_APPEND).";
     /// Streaming prefill steps whose tiling came from the tuning table (`pagoda tune`).
     steps_cuda_prefill_tuned: "pagoda_cuda_prefill_tiling_steps_total" ["source" = "tuned"], Counter,
         "Streaming prefill steps by where their tiling came from (tuned: the tuning table's row for the step's bucket; heuristic: no row, the built-in choice).";

@@ -33,6 +33,12 @@ pub(crate) trait DecoderStep {
     fn rope(&mut self) -> Result<(), Self::Error>;
     /// Writes k and v of the new tokens into layer `index`'s KV cache at the batch's slots.
     fn append_kv(&mut self, index: usize) -> Result<(), Self::Error>;
+    /// [`rope`](Self::rope) then [`append_kv`](Self::append_kv): one step, so a device may
+    /// fuse the two (CUDA does, behind `PAGODA_CUDA_FUSED_ROPE_APPEND`).
+    fn rope_append_kv(&mut self, index: usize) -> Result<(), Self::Error> {
+        self.rope()?;
+        self.append_kv(index)
+    }
     /// `attn <- attention(q, layer index's KV cache)`, causal over each request's tokens.
     fn attention(&mut self, index: usize) -> Result<(), Self::Error>;
     /// `x += attn · Wo^T`.
@@ -60,8 +66,7 @@ pub(crate) fn llama_layers<S: DecoderStep>(
         step.attention_norm(layer)?;
         step.qkv_projection(layer)?;
         step.qk_norm(layer)?;
-        step.rope()?;
-        step.append_kv(index)?;
+        step.rope_append_kv(index)?;
         step.attention(index)?;
         step.output_projection(layer)?;
         step.mlp_norm(layer)?;

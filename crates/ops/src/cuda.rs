@@ -33,7 +33,8 @@ pub use crate::norm::cuda::{
     NormEntry, QkvEntry,
 };
 pub use crate::rope::cuda::{
-    kv_append, rope, specialize_kv_append, specialize_rope, NewKv, RopeStyle,
+    kv_append, rope, rope_kv_append, specialize_kv_append, specialize_rope,
+    specialize_rope_kv_append, NewKv, RopeStyle,
 };
 pub use crate::sampling::cuda::{
     decode_row_stats, default_fast_rounds, encode_row_params, filter_splits, plan_sampling,

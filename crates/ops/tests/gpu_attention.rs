@@ -395,3 +395,120 @@ fn attention_rejects_bad_geometry() {
     .unwrap_err();
     assert!(error.to_string().contains("head_dim 48"), "{error}");
 }
+
+/// `rope_kv_append` gives the bits of `rope` over the q and k heads followed by `kv_append`:
+/// both pairings, full and partial rotation, GQA, padding slots (-1 and past the pool).
+fn check_rope_kv_append<T: TestFloat>(
+    gpu: &Gpu,
+    style: ops::RopeStyle,
+    rope_dim: usize,
+    seed: u64,
+) {
+    let mut rng = rng(seed);
+    let (num_q_heads, head_dim, page_size) = (8, 64, 16);
+    let layout = PoolLayout {
+        num_pages: 12,
+        page_size,
+        num_kv_heads: 2,
+        head_dim,
+    };
+    let kv_width = layout.token_stride();
+    let row_stride = num_q_heads * head_dim + 2 * kv_width + 8; // a padded QKV row
+    let num_tokens = 37;
+    let qkv = round::<T>(&random_vec(&mut rng, num_tokens * row_stride, 2.0));
+    let positions: Vec<u32> = (0..num_tokens as u32).map(|t| 3 * t + 500).collect();
+    let inv_freq: Vec<f32> = (0..rope_dim / 2)
+        .map(|i| 10_000f32.powf(-2.0 * i as f32 / rope_dim as f32))
+        .collect();
+    let num_slots = (layout.num_pages * page_size) as i32;
+    let mut slots: Vec<i32> = (0..num_slots).collect();
+    slots.shuffle(&mut rng);
+    slots.truncate(num_tokens);
+    slots[5] = -1;
+    slots[11] = num_slots + 3;
+    let pool = round::<T>(&random_vec(&mut rng, layout.pool_len(), 1.0));
+    let (positions_d, inv_freq_d, slots_d) = (
+        gpu.upload(&positions).unwrap(),
+        gpu.upload(&inv_freq).unwrap(),
+        gpu.upload(&slots).unwrap(),
+    );
+    // Two launches: rope over the q and k heads, then the append of k and v.
+    let mut qkv_two = upload::<T>(gpu, &qkv);
+    let (mut k_two, mut v_two) = (upload::<T>(gpu, &pool), upload::<T>(gpu, &pool));
+    let heads = (num_q_heads + layout.num_kv_heads, head_dim, row_stride);
+    ops::rope(gpu, &mut qkv_two, &positions_d, &inv_freq_d, heads, style).unwrap();
+    let q_width = num_q_heads * head_dim;
+    let new = ops::NewKv {
+        k: view(&qkv_two, q_width..qkv.len()).unwrap(),
+        v: view(&qkv_two, q_width + kv_width..qkv.len()).unwrap(),
+        row_strides: (row_stride, row_stride),
+        slots: whole(&slots_d),
+    };
+    ops::kv_append(gpu, &new, &mut k_two, &mut v_two, &layout).unwrap();
+    // One launch.
+    let mut qkv_one = upload::<T>(gpu, &qkv);
+    let (mut k_one, mut v_one) = (upload::<T>(gpu, &pool), upload::<T>(gpu, &pool));
+    ops::rope_kv_append(
+        gpu,
+        &mut qkv_one,
+        (&positions_d, &inv_freq_d, style),
+        (num_q_heads, row_stride),
+        (&slots_d, &mut k_one, &mut v_one),
+        &layout,
+    )
+    .unwrap();
+    let what = format!("{} {style:?} rope_dim {rope_dim}", T::NAME);
+    let two = download(gpu, &qkv_two);
+    assert_ne!(
+        two,
+        download(gpu, &upload::<T>(gpu, &qkv)),
+        "rope moved q ({what})"
+    );
+    assert_eq!(download(gpu, &qkv_one), two, "rotated q and k ({what})");
+    assert_eq!(
+        download(gpu, &k_one),
+        download(gpu, &k_two),
+        "K pool ({what})"
+    );
+    assert_eq!(
+        download(gpu, &v_one),
+        download(gpu, &v_two),
+        "V pool ({what})"
+    );
+    // The padding rows wrote nothing: the pool row of the slot that was not used is intact.
+    let untouched = (0..num_slots as usize)
+        .find(|row| !slots.contains(&(*row as i32)))
+        .unwrap();
+    let row = untouched * kv_width..(untouched + 1) * kv_width;
+    assert_eq!(
+        download(gpu, &k_one)[row.clone()],
+        pool[row],
+        "an unused pool row ({what})"
+    );
+    // A slot list of the wrong length is refused.
+    let short = gpu.upload(&slots[..3]).unwrap();
+    let error = ops::rope_kv_append(
+        gpu,
+        &mut qkv_one,
+        (&positions_d, &inv_freq_d, style),
+        (num_q_heads, row_stride),
+        (&short, &mut k_one, &mut v_one),
+        &layout,
+    )
+    .unwrap_err();
+    assert!(error.to_string().contains("slots"), "{error}");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn rope_kv_append_equals_rope_then_append() {
+    let gpu = gpu();
+    let mut seed = 900;
+    for style in [ops::RopeStyle::Interleaved, ops::RopeStyle::Halves] {
+        for rope_dim in [64, 32] {
+            seed += 1;
+            check_rope_kv_append::<f32>(&gpu, style, rope_dim, seed);
+            check_rope_kv_append::<bf16>(&gpu, style, rope_dim, seed);
+        }
+    }
+}

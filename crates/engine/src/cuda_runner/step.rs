@@ -415,6 +415,9 @@ impl<T: HostFloat> TypedRunner<T> {
         if options.kernels.deterministic {
             self.counters.steps_cuda_deterministic += 1;
         }
+        if options.kernels.fused_rope_append {
+            self.counters.steps_cuda_fused_rope_append += 1;
+        }
         if graph {
             announce("graphs");
             let GpuCache {

@@ -53,6 +53,8 @@ pub struct StepBuffers<T> {
     /// The prefill attention kernel asked for and the streaming kernel's tiling per step
     /// (`Stream` falls back to `Mma`, `Mma` to `Tiled`, where they do not apply).
     pub prefill: PrefillChoice,
+    /// RoPE and the KV append in one launch (`PAGODA_CUDA_FUSED_ROPE_APPEND`).
+    pub fused_rope_append: bool,
 }
 
 impl<T: HostFloat> StepBuffers<T> {
@@ -106,6 +108,15 @@ impl<T: HostFloat> StepBuffers<T> {
             other => tracing::info!("CUDA prefill attention: {other:?}"),
         });
         let prefill = PrefillChoice::new(prefill, options.kernels.prefill_tiling, geometry, table);
+        static FUSED: std::sync::Once = std::sync::Once::new();
+        FUSED.call_once(|| {
+            let how = if options.kernels.fused_rope_append {
+                "one launch"
+            } else {
+                "two launches"
+            };
+            tracing::info!("CUDA RoPE and KV append: {how} (PAGODA_CUDA_FUSED_ROPE_APPEND)");
+        });
         Ok(StepBuffers {
             k_pools,
             v_pools,
@@ -113,6 +124,7 @@ impl<T: HostFloat> StepBuffers<T> {
             decode,
             fused,
             prefill,
+            fused_rope_append: options.kernels.fused_rope_append,
         })
     }
 }

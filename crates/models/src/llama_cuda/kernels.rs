@@ -18,6 +18,9 @@ pub struct CudaKernels {
     /// table's choice for the step's bucket, else [`ops::PrefillStreamTiling::heuristic`]).
     /// The tiling inside `prefill` is replaced per step by this choice.
     pub prefill_tiling: Option<ops::PrefillStreamTiling>,
+    /// RoPE and the KV append in one launch per layer (`PAGODA_CUDA_FUSED_ROPE_APPEND`; the
+    /// same bits as the two kernels).
+    pub fused_rope_append: bool,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -93,6 +96,7 @@ impl Default for CudaKernels {
         CudaKernels {
             prefill: PrefillKernel::Stream(ops::PrefillStreamTiling::DEFAULT),
             prefill_tiling: None,
+            fused_rope_append: true,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -117,6 +121,7 @@ impl CudaKernels {
             prefill_tiling: ops::PrefillStreamTiling::parse(
                 config.word("PAGODA_CUDA_PREFILL_TILING"),
             ),
+            fused_rope_append: config.on("PAGODA_CUDA_FUSED_ROPE_APPEND"),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -200,6 +205,7 @@ mod tests {
         let kernels = CudaKernels::from_config(&config(&[
             ("PAGODA_CUDA_PREFILL", "reference"),
             ("PAGODA_CUDA_PREFILL_TILING", "64x32x2"),
+            ("PAGODA_CUDA_FUSED_ROPE_APPEND", "off"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -214,6 +220,7 @@ mod tests {
         let expected = CudaKernels {
             prefill: PrefillKernel::PerToken,
             prefill_tiling: Some(ops::PrefillStreamTiling::new(64, 32, 2)),
+            fused_rope_append: false,
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),

@@ -32,6 +32,7 @@ impl<T: HostFloat> GpuModel<T> {
             decode,
             fused,
             prefill,
+            fused_rope_append,
         } = buffers;
         let StepShape {
             num_tokens,
@@ -85,6 +86,7 @@ impl<T: HostFloat> GpuModel<T> {
             fused,
             attention,
             prefill,
+            fused_rope_append: *fused_rope_append,
             page_table,
             num_tokens,
             num_logits,
@@ -122,6 +124,8 @@ struct GpuStep<'a, T> {
     fused: &'a mut Option<FusedDecode>,
     attention: Attention,
     prefill: PrefillKernel,
+    /// RoPE and the KV append in one launch (`PAGODA_CUDA_FUSED_ROPE_APPEND`).
+    fused_rope_append: bool,
     page_table: DevicePageTable<'a>,
     num_tokens: usize,
     num_logits: usize,
@@ -234,6 +238,23 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
         };
         let (k_pool, v_pool) = (&mut self.k_pools[index], &mut self.v_pools[index]);
         ops::kv_append(self.gpu, &new, k_pool, v_pool, self.layout)
+    }
+
+    fn rope_append_kv(&mut self, index: usize) -> Result<(), CudaError> {
+        if !self.fused_rope_append {
+            self.rope()?;
+            return self.append_kv(index);
+        }
+        let c = &self.model.config;
+        let (_, _, qkv_dim) = self.qkv_dims();
+        let rope = (&self.positions, &self.model.inv_freq, self.model.rope_style);
+        let pools = (
+            &self.slots,
+            &mut self.k_pools[index],
+            &mut self.v_pools[index],
+        );
+        let geometry = (c.num_attention_heads, qkv_dim);
+        ops::rope_kv_append(self.gpu, &mut self.qkv, rope, geometry, pools, self.layout)
     }
 
     fn attention(&mut self, index: usize) -> Result<(), CudaError> {

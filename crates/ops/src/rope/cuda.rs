@@ -1,4 +1,4 @@
-//! RoPE and the KV append into the paged pool.
+//! RoPE and the KV append into the paged pool, apart or in one launch (`rope_kv_append`).
 
 use crate::attention::cuda::PoolLayout;
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
@@ -13,6 +13,10 @@ pub(crate) static ROPE: KernelSource = KernelSource::new("rope.cu", include_str!
 /// The CUDA source of this op's `kv_append.cu` kernels.
 pub(crate) static KV_APPEND: KernelSource =
     KernelSource::new("kv_append.cu", include_str!("cuda/kv_append.cu"));
+
+/// The CUDA source of this op's `rope_kv_append.cu` kernel (the two above in one launch).
+pub(crate) static ROPE_KV_APPEND: KernelSource =
+    KernelSource::new("rope_kv_append.cu", include_str!("cuda/rope_kv_append.cu"));
 
 /// Which dims of a head rotate together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -75,15 +79,7 @@ pub fn rope<T: Element>(
         KernelArg::U32(to_u32("rope_dim", rope_dim)?),
         KernelArg::U32(to_u32("row_stride", row_stride)?),
     ];
-    // Whole groups of `rope_dim / 2` threads (one per pair), up to 256 threads.
-    let half = rope_dim / 2;
-    let groups = (256 / half).clamp(1, num_heads);
-    let block = to_u32("rope block", (groups * half).next_multiple_of(32).min(1024))?;
-    if half > 1024 {
-        return Err(CudaError::invalid(format!(
-            "rope_dim {rope_dim} is above 2048"
-        )));
-    }
+    let block = rope_block(rope_dim, num_heads)?;
     // SAFETY: arguments match `rope`; extents validated.
     unsafe {
         gpu.launch(
@@ -92,6 +88,19 @@ pub fn rope<T: Element>(
             &args,
         )
     }
+}
+
+/// Threads of a RoPE block: whole groups of `rope_dim / 2` threads (one per pair), up to 256
+/// threads, rounded up to whole warps.
+fn rope_block(rope_dim: usize, num_heads: usize) -> Result<u32, CudaError> {
+    let half = rope_dim / 2;
+    if half > 1024 {
+        return Err(CudaError::invalid(format!(
+            "rope_dim {rope_dim} is above 2048"
+        )));
+    }
+    let groups = (256 / half).clamp(1, num_heads);
+    to_u32("rope block", (groups * half).next_multiple_of(32).min(1024))
 }
 
 /// The `kv_append` specialisation for pool/new-row dtype `dtype`.
@@ -189,12 +198,105 @@ pub fn kv_append<T: Element>(
     }
 }
 
+/// The `rope_kv_append` specialisation for `dtype` and `style`.
+pub fn specialize_rope_kv_append(dtype: DType, style: RopeStyle) -> Result<KernelSpec, CudaError> {
+    check_float("rope_kv_append", dtype)?;
+    Ok(KernelSpec {
+        source: &ROPE_KV_APPEND,
+        entry: "rope_kv_append",
+        params: vec![("ROPE_HALVES", (style == RopeStyle::Halves) as i64)],
+        dtypes: vec![
+            ("T", dtype),
+            ("POSITIONS_T", DType::U32),
+            ("INV_FREQ_T", DType::F32),
+            ("SLOTS_T", DType::I32),
+        ],
+    })
+}
+
+/// [`rope`] over the q and k heads of a fused QKV buffer (at `positions`, with `inv_freq` and
+/// `style`), then [`kv_append`] of its k and v rows, in one launch with the same results:
+/// `qkv` holds `num_tokens = positions.len()`
+/// rows `row_stride` apart of `num_q_heads` q heads, `num_kv_heads` k heads and
+/// `num_kv_heads` v heads of `layout.head_dim`; token `t`'s rotated k and its v go to pool
+/// row `slots[t]` (negative or out-of-pool slots skipped).
+pub fn rope_kv_append<T: Element>(
+    gpu: &Gpu,
+    qkv: &mut impl DeviceWrite<T>,
+    (positions, inv_freq, style): (&impl DeviceRead<u32>, &impl DeviceRead<f32>, RopeStyle),
+    (num_q_heads, row_stride): (usize, usize),
+    (slots, k_pool, v_pool): (
+        &impl DeviceRead<i32>,
+        &mut impl DeviceWrite<T>,
+        &mut impl DeviceWrite<T>,
+    ),
+    layout: &PoolLayout,
+) -> Result<(), CudaError> {
+    let spec = specialize_rope_kv_append(T::DTYPE, style)?;
+    layout.validate()?;
+    let (num_kv_heads, head_dim) = (layout.num_kv_heads, layout.head_dim);
+    let rope_dim = 2 * inv_freq.len();
+    let width = (num_q_heads + 2 * num_kv_heads) * head_dim;
+    if num_q_heads == 0 || rope_dim == 0 || rope_dim > head_dim || width > row_stride {
+        return Err(CudaError::invalid(format!(
+            "rope_kv_append geometry: {num_q_heads} q heads, {num_kv_heads} kv heads, head_dim \
+             {head_dim}, rope_dim {rope_dim} (2 * inv_freq), row_stride {row_stride}: need 0 < \
+             rope_dim <= head_dim and (q + 2 kv heads) * head_dim <= row_stride"
+        )));
+    }
+    for (name, pool) in [("k_pool", k_pool.len()), ("v_pool", v_pool.len())] {
+        check_len(
+            &format!("rope_kv_append {name} [num_pages, page_size, num_kv_heads, head_dim]"),
+            layout.pool_len(),
+            pool,
+        )?;
+    }
+    let num_tokens = positions.len();
+    check_len(
+        "rope_kv_append slots (one per token)",
+        num_tokens,
+        slots.len(),
+    )?;
+    if num_tokens > 0 {
+        check_min_len(
+            "rope_kv_append qkv",
+            (num_tokens - 1) * row_stride + width,
+            qkv.len(),
+        )?;
+    }
+    let args = [
+        ptr(qkv),
+        ptr(positions),
+        ptr(inv_freq),
+        ptr(slots),
+        ptr(k_pool),
+        ptr(v_pool),
+        KernelArg::U32(to_u32("num_q_heads", num_q_heads)?),
+        KernelArg::U32(to_u32("num_kv_heads", num_kv_heads)?),
+        KernelArg::U32(to_u32("head_dim", head_dim)?),
+        KernelArg::U32(to_u32("rope_dim", rope_dim)?),
+        KernelArg::U32(to_u32("row_stride", row_stride)?),
+        KernelArg::I64((layout.num_pages * layout.page_size) as i64),
+    ];
+    let block = rope_block(rope_dim, num_q_heads + num_kv_heads)?;
+    // SAFETY: arguments match `rope_kv_append`; extents validated, slots bounds-checked on
+    // the device.
+    unsafe {
+        gpu.launch(
+            &spec,
+            LaunchDims::new((to_u32("num_tokens", num_tokens)?, 1), block),
+            &args,
+        )
+    }
+}
+
 /// Every specialisation the RoPE and KV-append launchers can request.
 pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     let mut specs = Vec::new();
     for &dtype in &FLOAT_DTYPES {
         for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
             specs.push(specialize_rope(dtype, style)?);
+            specs.push(specialize_rope_kv_append(dtype, style)?);
         }
         specs.push(specialize_kv_append(dtype)?);
     }

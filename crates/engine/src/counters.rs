@@ -159,6 +159,9 @@ engine_counters! {
     /// CUDA steps whose layers ran RoPE and the KV append in one launch.
     steps_cuda_fused_rope_append: "pagoda_cuda_fused_rope_append_steps_total", Counter,
         "CUDA steps whose layers ran RoPE and the KV append in one launch (PAGODA_CUDA_FUSED_ROPE_APPEND).";
+    /// CUDA steps whose linear layers ran the small-batch kernel (at most 8 rows).
+    steps_cuda_gemv: "pagoda_cuda_gemv_steps_total", Counter,
+        "CUDA steps whose linear layers ran the small-batch kernel instead of cuBLAS (PAGODA_CUDA_GEMV, steps of at most 8 rows).";
     /// Streaming prefill steps whose tiling came from the tuning table (`pagoda tune`).
     steps_cuda_prefill_tuned: "pagoda_cuda_prefill_tiling_steps_total" ["source" = "tuned"], Counter,
         "Streaming prefill steps by where their tiling came from (tuned: the tuning table's row for the step's bucket; heuristic: no row, the built-in choice).";

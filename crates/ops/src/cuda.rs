@@ -27,7 +27,10 @@ pub use crate::attention::cuda::{
     STREAM_PREFILL_HEAD_DIMS, SUPPORTED_HEAD_DIMS,
 };
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
-pub use crate::linear::cuda::{dequantize, specialize_dequantize, QuantFormat};
+pub use crate::linear::cuda::{
+    dequantize, gemv_small, gemv_small_applies, specialize_dequantize, specialize_gemv_small,
+    QuantFormat, GEMV_MAX_ROWS,
+};
 pub use crate::norm::cuda::{
     add_bias_rows, add_rms_norm, rms_norm, rms_norm_heads, specialize_norm, specialize_qkv,
     NormEntry, QkvEntry,

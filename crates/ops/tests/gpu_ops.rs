@@ -240,3 +240,72 @@ fn pinned_copies_and_event_timing() {
     );
     assert!(blocks >= 1);
 }
+
+/// The small-batch linear kernel against an f64 host reference and against cuBLAS's GEMM,
+/// every row count it takes, f32 and bf16 outputs, beta 0 and 1, a row count not a multiple
+/// of its 16-row CTAs and a k not a multiple of 256; bad shapes are refused.
+#[test]
+#[ignore = "needs a GPU"]
+fn small_batch_linear_matches_reference_and_gemm() {
+    let gpu = gpu();
+    let mut rng = rng(77);
+    let (n, k) = (37, 264);
+    let w = round::<bf16>(&random_vec(&mut rng, n * k, 1.0));
+    let w_d = upload::<bf16>(&gpu, &w);
+    for m in 1..=ops::GEMV_MAX_ROWS {
+        let x = round::<bf16>(&random_vec(&mut rng, m * k, 1.0));
+        let start = round::<bf16>(&random_vec(&mut rng, m * n, 1.0));
+        let x_d = upload::<bf16>(&gpu, &x);
+        assert!(ops::gemv_small_applies(&x_d, &w_d, (m, n, k)));
+        for beta in [0.0f32, 1.0] {
+            let expected: Vec<f32> = (0..m * n)
+                .map(|e| {
+                    let (i, j) = (e / n, e % n);
+                    let dot: f64 = (0..k)
+                        .map(|c| x[i * k + c] as f64 * w[j * k + c] as f64)
+                        .sum();
+                    (dot + beta as f64 * start[e] as f64) as f32
+                })
+                .collect();
+            let what = format!("m {m} beta {beta}");
+            // f32 out.
+            let mut out = upload::<f32>(&gpu, &start);
+            ops::gemv_small(&gpu, &x_d, &w_d, &mut out, (m, n, k), beta).unwrap();
+            let got = download(&gpu, &out);
+            assert_close(&format!("{what} f32 vs f64"), &got, &expected, 1e-4);
+            let mut cublas = upload::<f32>(&gpu, &start);
+            gpu.gemm(&x_d, &w_d, &mut cublas, (m, n, k), beta).unwrap();
+            assert_close(
+                &format!("{what} f32 vs cuBLAS"),
+                &got,
+                &download(&gpu, &cublas),
+                1e-4,
+            );
+            // bf16 out.
+            let mut out = upload::<bf16>(&gpu, &start);
+            ops::gemv_small(&gpu, &x_d, &w_d, &mut out, (m, n, k), beta).unwrap();
+            assert_close(
+                &format!("{what} bf16 vs f64"),
+                &download(&gpu, &out),
+                &expected,
+                1e-2,
+            );
+        }
+    }
+    // Refused: too many rows, k not a multiple of 8, f32 inputs.
+    let x = upload::<bf16>(&gpu, &vec![0.0; 9 * k]);
+    let mut out = poisoned::<f32>(&gpu, 9 * n);
+    assert!(ops::gemv_small(&gpu, &x, &w_d, &mut out, (9, n, k), 0.0).is_err());
+    let odd = upload::<bf16>(&gpu, &[0.0; 2 * 12]);
+    let w12 = upload::<bf16>(&gpu, &[0.0; 3 * 12]);
+    assert!(!ops::gemv_small_applies(&odd, &w12, (2, 3, 12)));
+    assert!(ops::gemv_small(
+        &gpu,
+        &odd,
+        &w12,
+        &mut poisoned::<f32>(&gpu, 6),
+        (2, 3, 12),
+        0.0
+    )
+    .is_err());
+}

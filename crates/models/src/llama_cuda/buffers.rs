@@ -55,6 +55,9 @@ pub struct StepBuffers<T> {
     pub prefill: PrefillChoice,
     /// RoPE and the KV append in one launch (`PAGODA_CUDA_FUSED_ROPE_APPEND`).
     pub fused_rope_append: bool,
+    /// Linear layers of at most `ops::GEMV_MAX_ROWS` rows on the small-batch kernel
+    /// (`PAGODA_CUDA_GEMV`; off in deterministic mode, whose GEMMs are batch-invariant).
+    pub gemv: bool,
 }
 
 impl<T: HostFloat> StepBuffers<T> {
@@ -116,6 +119,16 @@ impl<T: HostFloat> StepBuffers<T> {
                 "two launches"
             };
             tracing::info!("CUDA RoPE and KV append: {how} (PAGODA_CUDA_FUSED_ROPE_APPEND)");
+            let gemv = options.kernels.gemv && !options.kernels.deterministic;
+            tracing::info!(
+                "CUDA linear layers of 1-{} rows: {} (PAGODA_CUDA_GEMV)",
+                ops::GEMV_MAX_ROWS,
+                if gemv {
+                    "the small-batch kernel"
+                } else {
+                    "cuBLAS"
+                }
+            );
         });
         Ok(StepBuffers {
             k_pools,
@@ -125,6 +138,7 @@ impl<T: HostFloat> StepBuffers<T> {
             fused,
             prefill,
             fused_rope_append: options.kernels.fused_rope_append,
+            gemv: options.kernels.gemv && !options.kernels.deterministic,
         })
     }
 }

@@ -21,6 +21,10 @@ pub struct CudaKernels {
     /// RoPE and the KV append in one launch per layer (`PAGODA_CUDA_FUSED_ROPE_APPEND`; the
     /// same bits as the two kernels).
     pub fused_rope_append: bool,
+    /// Linear layers of at most `ops::GEMV_MAX_ROWS` rows (decode steps, small batches) on
+    /// the small-batch kernel instead of cuBLAS (`PAGODA_CUDA_GEMV`; off: slower than cuBLAS
+    /// on the H200 so far, `docs/benchmark_results/gemv-small-h200-2026-12-04.md`).
+    pub gemv: bool,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -97,6 +101,7 @@ impl Default for CudaKernels {
             prefill: PrefillKernel::Stream(ops::PrefillStreamTiling::DEFAULT),
             prefill_tiling: None,
             fused_rope_append: true,
+            gemv: false,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -122,6 +127,7 @@ impl CudaKernels {
                 config.word("PAGODA_CUDA_PREFILL_TILING"),
             ),
             fused_rope_append: config.on("PAGODA_CUDA_FUSED_ROPE_APPEND"),
+            gemv: config.on("PAGODA_CUDA_GEMV"),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -206,6 +212,7 @@ mod tests {
             ("PAGODA_CUDA_PREFILL", "reference"),
             ("PAGODA_CUDA_PREFILL_TILING", "64x32x2"),
             ("PAGODA_CUDA_FUSED_ROPE_APPEND", "off"),
+            ("PAGODA_CUDA_GEMV", "on"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -221,6 +228,7 @@ mod tests {
             prefill: PrefillKernel::PerToken,
             prefill_tiling: Some(ops::PrefillStreamTiling::new(64, 32, 2)),
             fused_rope_append: false,
+            gemv: true,
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),

@@ -33,6 +33,7 @@ impl<T: HostFloat> GpuModel<T> {
             fused,
             prefill,
             fused_rope_append,
+            gemv,
         } = buffers;
         let StepShape {
             num_tokens,
@@ -87,6 +88,7 @@ impl<T: HostFloat> GpuModel<T> {
             attention,
             prefill,
             fused_rope_append: *fused_rope_append,
+            gemv: *gemv,
             page_table,
             num_tokens,
             num_logits,
@@ -126,6 +128,8 @@ struct GpuStep<'a, T> {
     prefill: PrefillKernel,
     /// RoPE and the KV append in one launch (`PAGODA_CUDA_FUSED_ROPE_APPEND`).
     fused_rope_append: bool,
+    /// Linear layers of a few rows on the small-batch kernel (`PAGODA_CUDA_GEMV`).
+    gemv: bool,
     page_table: DevicePageTable<'a>,
     num_tokens: usize,
     num_logits: usize,
@@ -186,8 +190,8 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
         let (num_tokens, hidden) = (self.num_tokens, self.model.config.hidden_size);
         let (_, _, qkv_dim) = self.qkv_dims();
         let shape = (num_tokens, qkv_dim, hidden);
-        self.gpu
-            .gemm(&self.normed, &layer.wqkv, &mut self.qkv, shape, 0.0)?;
+        let (a, w) = (&self.normed, &layer.wqkv);
+        linear(self.gpu, self.gemv, a, w, &mut self.qkv, shape, 0.0)?;
         if let Some(bias) = &layer.qkv_bias {
             ops::add_bias_rows(self.gpu, &mut self.qkv, bias, num_tokens, qkv_dim)?;
         }
@@ -300,8 +304,15 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     fn output_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
         let (q_dim, _, _) = self.qkv_dims();
         let shape = (self.num_tokens, self.model.config.hidden_size, q_dim);
-        self.gpu
-            .gemm(&self.attn, &layer.wo, &mut self.x, shape, 1.0)
+        linear(
+            self.gpu,
+            self.gemv,
+            &self.attn,
+            &layer.wo,
+            &mut self.x,
+            shape,
+            1.0,
+        )
     }
 
     fn mlp_norm(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
@@ -312,13 +323,8 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     fn gate_up_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
         let c = &self.model.config;
         let shape = (self.num_tokens, 2 * c.intermediate_size, c.hidden_size);
-        self.gpu.gemm(
-            &self.normed,
-            &layer.w_gate_up,
-            &mut self.gate_up,
-            shape,
-            0.0,
-        )
+        let (a, w) = (&self.normed, &layer.w_gate_up);
+        linear(self.gpu, self.gemv, a, w, &mut self.gate_up, shape, 0.0)
     }
 
     fn silu_mul(&mut self) -> Result<(), CudaError> {
@@ -332,8 +338,15 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     fn down_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
         let c = &self.model.config;
         let shape = (self.num_tokens, c.hidden_size, c.intermediate_size);
-        self.gpu
-            .gemm(&self.act, &layer.w_down, &mut self.x, shape, 1.0)
+        linear(
+            self.gpu,
+            self.gemv,
+            &self.act,
+            &layer.w_down,
+            &mut self.x,
+            shape,
+            1.0,
+        )
     }
 
     fn logits(&mut self) -> Result<(), CudaError> {
@@ -355,7 +368,26 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
         }
         let head = model.lm_head.as_ref().unwrap_or(&model.embedding);
         let shape = (self.num_logits, c.vocab_size, hidden);
-        gpu.gemm(&self.selected_normed, head, &mut self.logits, shape, 0.0)
+        let a = &self.selected_normed;
+        linear(gpu, self.gemv, a, head, &mut self.logits, shape, 0.0)
+    }
+}
+
+/// `out = beta * out + a w^T`: the small-batch kernel for a few bf16 rows when `small`
+/// (`PAGODA_CUDA_GEMV`; the layouts it takes), else cuBLAS.
+fn linear<TIn: pagoda_cuda::Element, TOut: pagoda_cuda::Element>(
+    gpu: &Gpu,
+    small: bool,
+    a: &impl pagoda_cuda::DeviceRead<TIn>,
+    w: &impl pagoda_cuda::DeviceRead<TIn>,
+    out: &mut impl pagoda_cuda::DeviceWrite<TOut>,
+    shape: (usize, usize, usize),
+    beta: f32,
+) -> Result<(), CudaError> {
+    if small && ops::gemv_small_applies(a, w, shape) {
+        ops::gemv_small(gpu, a, w, out, shape, beta)
+    } else {
+        gpu.gemm(a, w, out, shape, beta)
     }
 }
 

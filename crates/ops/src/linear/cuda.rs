@@ -1,4 +1,9 @@
-//! GGUF dequantization to bf16/f32 at load time.
+//! GGUF dequantization to bf16/f32 at load time, and the small-batch linear layer
+//! (`gemv_small`: a few activation rows against a bf16 weight matrix at its read rate).
+
+mod gemv;
+
+pub use gemv::{gemv_small, gemv_small_applies, specialize_gemv_small, GEMV_MAX_ROWS};
 
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
 use pagoda_cuda::{
@@ -109,9 +114,9 @@ pub fn dequantize<T: Element>(
     unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }
 }
 
-/// Every specialisation the dequantisation launcher can request.
+/// Every specialisation the dequantisation and small-batch launchers can request.
 pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
-    let mut specs = Vec::new();
+    let mut specs = gemv::specializations()?;
     for &dtype in &FLOAT_DTYPES {
         for format in QuantFormat::ALL {
             specs.push(specialize_dequantize(format, dtype)?);

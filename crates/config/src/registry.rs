@@ -248,7 +248,7 @@ settings! {
         "RoPE of q and k and the KV append into the paged pool in one launch per layer (the same bits as two).";
     "PAGODA_CUDA_GEMV", None, ON_OFF, "off", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
-        "Linear layers of 1-8 bf16 rows on the small-batch CUDA-core kernel instead of cuBLAS (off: measured slower, 8B decode 1.11x the step time at batch 1; never in deterministic mode).";
+        "Linear layers of 1-8 bf16 rows on the small-batch CUDA-core kernel instead of cuBLAS (off: measured level with cuBLAS at 1 row and slower from 2 in 8B decode; never in deterministic mode).";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Filtered rows on the GPU: fast, or exact (f64, the oracle).";

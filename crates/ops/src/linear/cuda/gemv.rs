@@ -14,8 +14,8 @@ pub(crate) static GEMV_SMALL: KernelSource =
 /// Activation rows the small-batch kernel takes at most.
 pub const GEMV_MAX_ROWS: usize = 8;
 
-/// Weight rows (outputs) per CTA: four warps of four rows (`WARPS * ROWS` in the kernel).
-const ROWS_PER_CTA: usize = 16;
+/// Weight rows (outputs) per CTA: eight warps of four rows (`WARPS * ROWS` in the kernel).
+const ROWS_PER_CTA: usize = 32;
 
 /// The `gemv_small` specialisation for `rows` activation rows (1..=[`GEMV_MAX_ROWS`], rounded
 /// up to a power of two) writing `out` (f32 or bf16).
@@ -86,7 +86,7 @@ pub fn gemv_small<TIn: Element, TOut: Element>(
         1,
     );
     // SAFETY: arguments match `gemv_small`; lengths, alignment and k validated.
-    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 128), &args) }
+    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }
 }
 
 /// Every specialisation the small-batch launcher can request.

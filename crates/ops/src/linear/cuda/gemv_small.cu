@@ -5,17 +5,19 @@
 // vector serves all m rows.
 //
 // Each warp owns ROWS consecutive weight rows; its lanes stride over k in 16-byte pieces (8
-// bf16): lane l reads pieces l, l + 32, ... of each of its rows (streamed past L1) and the same
-// pieces of the m activation rows (small, shared by every warp: cached), converts them to f32
-// by shifts and accumulates ROWS x m dot products, then reduces them over the warp.
+// bf16): lane l reads pieces l, l + 32, ... of each of its rows, UNROLL pieces a row issued
+// before any is used (the bytes in flight a read at the memory's rate needs), streamed past
+// L1; the same pieces of the m activation rows come from cache. Pieces are widened to f32 by
+// shifts and the ROWS x m dot products reduced over the warp at the end.
 // Requirements (checked by the launcher): k a multiple of 8, x and w 16-byte aligned.
 // Specialisation: PAGODA_T_OUT (float or __nv_bfloat16), PAGODA_M_TILE (1, 2, 4 or 8).
 typedef PAGODA_T_OUT TO;
 
 namespace gemv_small_detail {
 constexpr int M_TILE = PAGODA_M_TILE;
-constexpr int ROWS = 4;   // weight rows per warp
-constexpr int WARPS = 4;  // warps per block
+constexpr int ROWS = 4;    // weight rows per warp
+constexpr int WARPS = 8;   // warps per block
+constexpr int UNROLL = 4;  // pieces per row in flight per lane
 static_assert(M_TILE == 1 || M_TILE == 2 || M_TILE == 4 || M_TILE == 8, "M_TILE: 1, 2, 4 or 8");
 
 // 16 bytes that are read once: no L1 allocation.
@@ -58,20 +60,32 @@ extern "C" __global__ void __launch_bounds__(gemv_small_detail::WARPS * 32)
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc[i][r] = 0.0f;
 
-#pragma unroll 2
-    for (unsigned int p = lane; p < pieces; p += 32) {
-        float wf[ROWS][8];
+    for (unsigned int base = lane; base < pieces; base += 32 * UNROLL) {
+        uint4 wv[UNROLL][ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) widen(load_stream(w_rows[r] + p), wf[r]);
+        for (int u = 0; u < UNROLL; ++u) {
+            const unsigned int p = base + 32 * u;
 #pragma unroll
-        for (int i = 0; i < M_TILE; ++i) {
-            if (i < (int)m) {
-                float xf[8];
-                widen(__ldg(x_rows + (size_t)i * pieces + p), xf);
+            for (int r = 0; r < ROWS; ++r)
+                wv[u][r] = p < pieces ? load_stream(w_rows[r] + p) : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r)
+        for (int u = 0; u < UNROLL; ++u) {
+            const unsigned int p = base + 32 * u;
+            if (p >= pieces) break;
+            float wf[ROWS][8];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[i][r] = fmaf(xf[e], wf[r][e], acc[i][r]);
+            for (int r = 0; r < ROWS; ++r) widen(wv[u][r], wf[r]);
+#pragma unroll
+            for (int i = 0; i < M_TILE; ++i) {
+                if (i < (int)m) {
+                    float xf[8];
+                    widen(__ldg(x_rows + (size_t)i * pieces + p), xf);
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) acc[i][r] = fmaf(xf[e], wf[r][e], acc[i][r]);
+                }
             }
         }
     }

@@ -132,8 +132,8 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
     // Thread tid copies piece `part` of the KEYS_PER_THREAD consecutive keys
     // key_group * KEYS_PER_THREAD + i of every tile. When pages and the first offset are
     // multiples of KEYS_PER_THREAD (pages of 16 or more, the usual case), those keys share one
-    // page: one page-table lookup a tile and a fixed stride. Otherwise one lookup per page the
-    // keys touch (at most two when page_size >= KEYS_PER_THREAD), or per key.
+    // page: one page-table lookup a tile and a fixed stride. Otherwise (pages smaller than that,
+    // or an unaligned first offset: rare) one lookup per key.
     const int key_group = (int)(tid / ROW_CHUNKS);
     const size_t row_bytes = row_elems * 2;
     const size_t head_bytes = (size_t)kv_head * ROW_BYTES + part * 16;
@@ -174,29 +174,14 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
             }
             return;
         }
-        const bool few_pages = page_size >= KEYS_PER_THREAD;
-        bool ok0 = false, ok1 = false;
-        unsigned int row0 = 0, row1 = 0;
-        if (few_pages && keys > 0) {
-            row0 = page_row(page_base + page_index, ok0);
-            if (offset0 + KEYS_PER_THREAD > page_size && (int)(page_size - offset0) < keys)
-                row1 = page_row(page_base + page_index + 1, ok1) - page_size;
-        }
 #pragma unroll
         for (int i = 0; i < KEYS_PER_THREAD; ++i) {
             bool readable = false;
             unsigned int row = 0;
             if (i < keys) {
-                if (few_pages) {
-                    // row1 is the next page's first row less page_size (wrapping).
-                    const bool next = offset0 + i >= page_size;
-                    readable = next ? ok1 : ok0;
-                    row = (next ? row1 : row0) + offset0 + i;
-                } else {
-                    const unsigned int logical = logical0 + i;
-                    const unsigned int index = logical / page_size;
-                    row = page_row(page_base + index, readable) + (logical - index * page_size);
-                }
+                const unsigned int logical = logical0 + i;
+                const unsigned int index = logical / page_size;
+                row = page_row(page_base + index, readable) + (logical - index * page_size);
             }
             const size_t offset = readable ? (size_t)row * row_bytes + head_bytes : 0;
             const unsigned int dst = piece_offset(key_local0 + i, part);

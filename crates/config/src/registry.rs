@@ -249,6 +249,12 @@ settings! {
     "PAGODA_CUDA_GEMV", None, ON_OFF, "off", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Linear layers of 1-8 bf16 rows on the small-batch CUDA-core kernel instead of cuBLAS (off: measured level with cuBLAS at 1 row and slower from 2 in 8B decode; never in deterministic mode).";
+    "PAGODA_CUDA_QUANT_WEIGHTS", None, ON_OFF, "on", Cuda,
+        "engine load_backend (models llama_cuda::CudaModel::load_with)",
+        "GGUF matrices in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K stay in their blocks on the GPU (device memory the file's size); off: dequantized to the --dtype at load.";
+    "PAGODA_CUDA_QUANT_GEMV_ROWS", None, Values::Number { min: 0, max: 256, words: &[] }, "8", Tuning,
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
+        "Steps of up to this many rows multiply quantized matrices in place (activations quantized to 8 bits, integer dots); more rows decode each matrix for cuBLAS (8: measured faster than 16 at 16 rows, 8B Q4_K_M on the H200); 0: always decode (as deterministic mode does).";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Filtered rows on the GPU: fast, or exact (f64, the oracle).";

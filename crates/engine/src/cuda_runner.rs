@@ -117,8 +117,7 @@ impl CudaRunner {
 
     /// Bytes of the weights on the device.
     pub fn weight_bytes(&self) -> usize {
-        let elements = typed!(&self.inner, runner => runner.model.weight_elements());
-        elements * self.dtype().size_bytes()
+        typed!(&self.inner, runner => runner.model.weight_bytes())
     }
 
     /// The device the model lives on.

@@ -213,7 +213,8 @@ pub fn load_backend(
             .map_err(ModelLoadError::Build),
         Device::Cuda { dtype } => {
             let gpu = Gpu::new(0)?;
-            CudaModel::load(config, tensors, Arc::new(gpu), dtype, progress)
+            let keep = pagoda_config::global().on("PAGODA_CUDA_QUANT_WEIGHTS");
+            CudaModel::load_with(config, tensors, Arc::new(gpu), dtype, keep, progress)
                 .map(Backend::from)
                 .map_err(ModelLoadError::Build)
         }

@@ -96,12 +96,40 @@ fn log_softmax(row: &[f32]) -> Vec<f64> {
     row.iter().map(|&v| v as f64 - max - sum.ln()).collect()
 }
 
+/// (max relative logit error, max logprob error over each row's top 10) of `got` against
+/// `expected`, rows of `vocab` logits.
+fn errors(expected: &[Vec<f32>], got: &[Vec<f32>], vocab: usize) -> (f64, f64) {
+    let mut worst_relative = 0f64;
+    let mut worst_logprob = 0f64;
+    for (step, (e, g)) in expected.iter().zip(got).enumerate() {
+        assert_eq!(e.len(), g.len(), "step {step}");
+        assert!(
+            g.iter().all(|v| v.is_finite()),
+            "non-finite logits at step {step}"
+        );
+        for (e_row, g_row) in e.chunks(vocab).zip(g.chunks(vocab)) {
+            let peak = e_row.iter().fold(0f32, |a, &b| a.max(b.abs())) as f64;
+            let diff = e_row
+                .iter()
+                .zip(g_row)
+                .fold(0f64, |a, (&x, &y)| a.max((x as f64 - y as f64).abs()));
+            worst_relative = worst_relative.max(diff / peak.max(1e-6));
+            let (le, lg) = (log_softmax(e_row), log_softmax(g_row));
+            let mut order: Vec<usize> = (0..vocab).collect();
+            order.sort_by(|&a, &b| le[b].total_cmp(&le[a]));
+            for &i in &order[..10] {
+                worst_logprob = worst_logprob.max((le[i] - lg[i]).abs());
+            }
+        }
+    }
+    (worst_relative, worst_logprob)
+}
+
 /// Compares CPU and GPU on one geometry; returns (max relative logit error in f32, max
 /// logprob error in bf16 over each row's top 10).
-fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
-    let weights = RandomWeights::new(&config, 11, 4 << 30).unwrap();
-    let cpu = Model::load(config.clone(), &weights, WeightPrecision::F32).unwrap();
-    let vocab = config.vocab_size;
+/// Three prompts of `vocab` ids and a schedule of ragged prefill chunks mixed with decode
+/// tokens, then batched decode of 3 (graph bucket 4), 2 and 1 rows: 10 decode steps.
+fn ragged_workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
     let prompts: Vec<Vec<u32>> = (0..3)
         .map(|r| {
             (0..80)
@@ -109,17 +137,28 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
                 .collect()
         })
         .collect();
-    // Ragged prefill chunks mixed with decode tokens, then batched decode.
     let mut schedule: Schedule = vec![vec![37, 5, 0], vec![1, 20, 19], vec![1, 1, 1]];
     schedule.extend((0..6).map(|_| vec![1, 1, 1]));
-    // Decode batches of 2 and 1 (graph buckets 2 and 1; 3 rows above pad to bucket 4).
     schedule.extend([vec![1, 0, 1], vec![0, 1, 0], vec![1, 1, 1]]);
-    let mut kv = KvCache::new(config.num_layers, cpu.kv_layout(NUM_PAGES, PAGE_SIZE));
-    let expected = run_schedule(&prompts, &schedule, &mut |batch| {
+    (prompts, schedule)
+}
+
+/// The CPU model's logits (the oracle) over `ragged_workload`.
+fn cpu_logits(cpu: &Model, prompts: &[Vec<u32>], schedule: &Schedule) -> Vec<Vec<f32>> {
+    let mut kv = KvCache::new(cpu.config().num_layers, cpu.kv_layout(NUM_PAGES, PAGE_SIZE));
+    run_schedule(prompts, schedule, &mut |batch| {
         cpu.forward(batch, &mut kv, AttentionPolicy::Auto)
             .unwrap()
             .logits
-    });
+    })
+}
+
+fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
+    let weights = RandomWeights::new(&config, 11, 4 << 30).unwrap();
+    let cpu = Model::load(config.clone(), &weights, WeightPrecision::F32).unwrap();
+    let vocab = config.vocab_size;
+    let (prompts, schedule) = ragged_workload(vocab);
+    let expected = cpu_logits(&cpu, &prompts, &schedule);
     let mut results = Vec::new();
     for (dtype, cuda_graphs, paged_decode) in [
         (DType::F32, true, PagedDecodeMode::Fused),
@@ -153,29 +192,7 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
             loaded,
             "a kernel was loaded after the warm-up"
         );
-        let mut worst_relative = 0f64;
-        let mut worst_logprob = 0f64;
-        for (step, (e, g)) in expected.iter().zip(&got).enumerate() {
-            assert_eq!(e.len(), g.len(), "step {step}");
-            assert!(
-                g.iter().all(|v| v.is_finite()),
-                "{dtype}: non-finite logits at step {step}"
-            );
-            for (e_row, g_row) in e.chunks(vocab).zip(g.chunks(vocab)) {
-                let peak = e_row.iter().fold(0f32, |a, &b| a.max(b.abs())) as f64;
-                let diff = e_row
-                    .iter()
-                    .zip(g_row)
-                    .fold(0f64, |a, (&x, &y)| a.max((x as f64 - y as f64).abs()));
-                worst_relative = worst_relative.max(diff / peak.max(1e-6));
-                let (le, lg) = (log_softmax(e_row), log_softmax(g_row));
-                let mut order: Vec<usize> = (0..vocab).collect();
-                order.sort_by(|&a, &b| le[b].total_cmp(&le[a]));
-                for &i in &order[..10] {
-                    worst_logprob = worst_logprob.max((le[i] - lg[i]).abs());
-                }
-            }
-        }
+        let (worst_relative, worst_logprob) = errors(&expected, &got, vocab);
         let counters = model.counters();
         eprintln!("{dtype} graphs {cuda_graphs} {paged_decode}: max relative logit error {worst_relative:.2e}, max top-10 logprob error {worst_logprob:.4}; {counters:?}");
         // The decode steps took the path asked for, replayed from graphs when on.
@@ -277,8 +294,16 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
         (DType::F32, PagedDecodeMode::Gather),
         (DType::BF16, PagedDecodeMode::Fused),
     ] {
-        let loaded =
-            CudaModel::load(config.clone(), source, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
+        // Dense weights: the quantized path has its own test (q8 activations are not exact).
+        let loaded = CudaModel::load_with(
+            config.clone(),
+            source,
+            gpu.clone(),
+            dtype,
+            false,
+            &mut |_, _| {},
+        )
+        .unwrap();
         let mut model = CudaRunner::new(
             loaded,
             CudaCacheOptions {
@@ -371,4 +396,87 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
         "bf16 vs CPU exact: chosen token max logprob error {worst_bf16:.4}, top-5 {worst_top5:.4}"
     );
     assert!(worst_bf16 < 0.1, "bf16 top-5 logprob error {worst_bf16}");
+}
+
+/// GGUF files of quantized random weights (`scripts/random-gguf.py --preset tiny --type ...`,
+/// written on the GPU machine into the folder `PAGODA_GPU_TEST_GGUFS` names): the GPU with the
+/// blocks kept on the device (bf16; decode rows multiplied in place, prefill chunks decoded
+/// for cuBLAS; or every step decoded, `quant_gemv_rows` 0) against the CPU's exact f32 model
+/// on the ragged workload, beside the GPU with the weights dequantized at load. The in-place
+/// path quantizes activations to 8 bits: its logits stay within 5% of the peak logit (a wrong
+/// decoder moves them by the peak itself), and device memory for weights is the file's size.
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_quantized_weights_track_the_cpu_exact_model() {
+    let gpu = gpu();
+    let Some(dir) = std::env::var_os("PAGODA_GPU_TEST_GGUFS") else {
+        eprintln!("SKIP: PAGODA_GPU_TEST_GGUFS names no folder of quantized GGUF files");
+        return;
+    };
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no .gguf file in {dir:?}");
+    for path in files {
+        let file = pagoda_models::formats::gguf::GgufFile::open(&path).unwrap();
+        let config = pagoda_models::gguf_model::config_from_gguf(&file).unwrap();
+        let cpu = Model::load(config.clone(), &file, WeightPrecision::F32).unwrap();
+        let (prompts, schedule) = ragged_workload(config.vocab_size);
+        let expected = cpu_logits(&cpu, &prompts, &schedule);
+        let file_bytes = std::fs::metadata(&path).unwrap().len() as usize;
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let mut dense_error = 0.0;
+        for (keep, gemv_rows) in [(false, 16), (true, 16), (true, 0)] {
+            let loaded = CudaModel::load_with(
+                config.clone(),
+                &file,
+                gpu.clone(),
+                DType::BF16,
+                keep,
+                &mut |_, _| {},
+            )
+            .unwrap();
+            let weight_bytes = loaded.weight_bytes();
+            let mut options = cache_options();
+            options.kernels.quant_gemv_rows = gemv_rows;
+            let mut model = CudaRunner::new(loaded, options).unwrap();
+            model.warm_up(&mut |_| {}).unwrap();
+            let before = model.counters().clone();
+            let got = run_schedule(&prompts, &schedule, &mut |batch| {
+                model.forward(batch).unwrap()
+            });
+            let (relative, logprob) = errors(&expected, &got, config.vocab_size);
+            let counters = model.counters();
+            let in_place = counters.steps_cuda_quant_in_place - before.steps_cuda_quant_in_place;
+            let decoded = counters.steps_cuda_quant_decoded - before.steps_cuda_quant_decoded;
+            eprintln!(
+                "{name} keep {keep} rows {gemv_rows}: weights {weight_bytes} B (file {file_bytes}), \
+                 max relative logit error {relative:.2e}, top-10 logprob error {logprob:.4}, \
+                 steps in place {in_place} decoded {decoded}"
+            );
+            match (keep, gemv_rows) {
+                (false, _) => {
+                    dense_error = relative;
+                    assert_eq!((in_place, decoded), (0, 0));
+                }
+                (true, 16) => {
+                    assert!(
+                        weight_bytes <= file_bytes * 105 / 100,
+                        "{name}: {weight_bytes} B"
+                    );
+                    // The 10 decode steps in place; the 2 steps with prefill chunks decoded.
+                    assert_eq!((in_place, decoded), (10, 2), "{name}");
+                }
+                _ => assert_eq!((in_place, decoded), (0, 12), "{name}"),
+            }
+            assert!(
+                relative < 0.05,
+                "{name} keep {keep} rows {gemv_rows}: {relative}"
+            );
+        }
+        assert!(dense_error < 0.05, "{name}: dense bf16 {dense_error}");
+    }
 }

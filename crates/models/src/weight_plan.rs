@@ -133,6 +133,28 @@ impl ModelPlan {
     }
 }
 
+/// GGUF block formats the CUDA model keeps in device memory and multiplies in place
+/// (`PAGODA_CUDA_QUANT_WEIGHTS`); any other format is dequantized to the model's dtype at load.
+pub const GPU_IN_PLACE_FORMATS: [pagoda_tensor::GgmlType; 8] = {
+    use pagoda_tensor::GgmlType as T;
+    [
+        T::Q4_0,
+        T::Q4_1,
+        T::Q5_0,
+        T::Q5_1,
+        T::Q8_0,
+        T::Q4K,
+        T::Q5K,
+        T::Q6K,
+    ]
+};
+
+/// Whether the CUDA model keeps a `[rows, cols]` matrix of `ty` in its blocks: a format of
+/// [`GPU_IN_PLACE_FORMATS`] whose blocks tile each row.
+pub fn gpu_keeps_blocks(ty: pagoda_tensor::GgmlType, cols: usize) -> bool {
+    GPU_IN_PLACE_FORMATS.contains(&ty) && ty.block_size().is_some_and(|b| cols.is_multiple_of(b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -223,5 +245,16 @@ mod tests {
         let weights = RandomWeights::new(&untied, 1, 1 << 30).unwrap();
         let plan = ModelPlan::new(&untied, &weights).unwrap();
         assert_eq!(plan.lm_head.unwrap().shape, [512, 576]);
+    }
+
+    #[test]
+    fn the_gpu_keeps_its_block_formats_when_blocks_tile_the_rows() {
+        use pagoda_tensor::GgmlType;
+        assert!(gpu_keeps_blocks(GgmlType::Q4K, 4096));
+        assert!(gpu_keeps_blocks(GgmlType::Q4_1, 576));
+        // A K-quant row of 576 values is not a whole number of 256-value blocks.
+        assert!(!gpu_keeps_blocks(GgmlType::Q6K, 576));
+        assert!(!gpu_keeps_blocks(GgmlType::Q3K, 4096));
+        assert!(!gpu_keeps_blocks(GgmlType::F16, 4096));
     }
 }

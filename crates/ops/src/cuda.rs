@@ -28,8 +28,9 @@ pub use crate::attention::cuda::{
 };
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
 pub use crate::linear::cuda::{
-    dequantize, gemv_small, gemv_small_applies, specialize_dequantize, specialize_gemv_small,
-    QuantFormat, GEMV_MAX_ROWS,
+    dequantize, dequantize_fast, gather_dequantized, gemv_quant, gemv_small, gemv_small_applies,
+    quantize_rows_q8, specialize_dequantize, specialize_gemv_quant, specialize_gemv_small,
+    specialize_quantize_q8, Q8Rows, QuantFormat, GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS, QUANT_PADDING,
 };
 pub use crate::norm::cuda::{
     add_bias_rows, add_rms_norm, rms_norm, rms_norm_heads, specialize_norm, specialize_qkv,

@@ -43,6 +43,8 @@ mod attention_cuda;
 mod embedding;
 #[path = "backend_ops/linear.rs"]
 mod linear;
+#[path = "backend_ops/linear_quant.rs"]
+mod linear_quant;
 #[path = "backend_ops/norm.rs"]
 mod norm;
 #[path = "backend_ops/rope.rs"]
@@ -58,6 +60,7 @@ fn cases() -> Vec<Box<dyn OpCase>> {
     cases.extend(activation::cases());
     cases.extend(embedding::cases());
     cases.extend(linear::cases());
+    cases.extend(linear_quant::cases());
     cases.extend(attention::cases());
     cases
 }

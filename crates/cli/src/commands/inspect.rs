@@ -8,6 +8,7 @@ use pagoda_engine::ModelSource;
 use pagoda_models::formats::gguf::{GgufFile, MetadataValue};
 use pagoda_models::gguf_model::config_from_gguf;
 use pagoda_models::hf::HfModelDir;
+use pagoda_tensor::GgmlType;
 
 use crate::common;
 
@@ -53,13 +54,13 @@ pub fn run(args: InspectArgs) -> Result<()> {
                 say!("  {key} = {}", summarize(value));
             }
             let config = config_from_gguf(&file).map_err(anyhow::Error::msg)?;
-            let tensors: Vec<(String, String, Vec<usize>, usize)> = file
+            let tensors: Vec<(String, GgmlType, Vec<usize>, usize)> = file
                 .tensors
                 .iter()
                 .map(|t| {
                     (
                         t.name.clone(),
-                        t.ty.name(),
+                        t.ty,
                         t.dims.iter().rev().map(|&d| d as usize).collect(),
                         t.n_bytes as usize,
                     )
@@ -97,7 +98,7 @@ pub fn run(args: InspectArgs) -> Result<()> {
             let mut tensors = Vec::new();
             for name in pagoda_models::weights::TensorSource::tensor_names(&hf.weights) {
                 if let Some(t) = pagoda_models::weights::TensorSource::tensor(&hf.weights, &name) {
-                    tensors.push((name, t.ty.name(), t.shape.clone(), t.data.len()));
+                    tensors.push((name, t.ty, t.shape.clone(), t.data.len()));
                 }
             }
             (hf.config, tensors)
@@ -135,7 +136,7 @@ pub fn run(args: InspectArgs) -> Result<()> {
     let mut parameters = 0usize;
     let mut bytes = 0usize;
     for (_, ty, shape, n_bytes) in &tensors {
-        let entry = by_type.entry(ty.clone()).or_default();
+        let entry = by_type.entry(ty.name()).or_default();
         entry.0 += 1;
         entry.1 += n_bytes;
         parameters += shape.iter().product::<usize>();
@@ -157,6 +158,22 @@ pub fn run(args: InspectArgs) -> Result<()> {
         mib(bytes),
         mib(parameters * 4)
     );
+    // The CUDA model in bf16: matrices in a GPU block format stay as stored, the rest bf16.
+    let (mut kept, mut gpu_bytes) = (0, 0);
+    for (_, ty, shape, n_bytes) in &tensors {
+        if shape.len() == 2 && pagoda_models::weight_plan::gpu_keeps_blocks(*ty, shape[1]) {
+            kept += 1;
+            gpu_bytes += n_bytes;
+        } else {
+            gpu_bytes += 2 * shape.iter().product::<usize>();
+        }
+    }
+    say!(
+        "on CUDA (bf16): {:.1} MiB of weights, {kept} matrices kept in their GGUF blocks and \
+         multiplied in place, the rest as bf16 (PAGODA_CUDA_QUANT_WEIGHTS=off: all bf16, {:.1} MiB)",
+        mib(gpu_bytes),
+        mib(parameters * 2)
+    );
     let kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4;
     say!(
         "KV cache (f32): {} bytes per token, {:.1} MiB for a context of {}",
@@ -171,7 +188,7 @@ pub fn run(args: InspectArgs) -> Result<()> {
     );
     if args.tensors {
         for (name, ty, shape, n_bytes) in &tensors {
-            say!("  {name:40} {ty:6} {shape:?} {n_bytes} bytes");
+            say!("  {name:40} {:6} {shape:?} {n_bytes} bytes", ty.name());
         }
     }
     print!("{report}");

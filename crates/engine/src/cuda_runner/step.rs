@@ -142,7 +142,8 @@ impl<T: HostFloat> TypedRunner<T> {
                 )
             });
         }
-        let buffers = StepBuffers::new(gpu, c, &options, &layout)?;
+        let quantized = self.model.largest_quantized();
+        let buffers = StepBuffers::new(gpu, c, &options, &layout, quantized)?;
         let tokens = options.max_batch_tokens.max(1);
         let requests = options.max_batch_requests.max(1);
         let staging = Staging {
@@ -420,6 +421,13 @@ impl<T: HostFloat> TypedRunner<T> {
         }
         if cache.buffers.gemv && shape.num_tokens <= pagoda_ops::cuda::GEMV_MAX_ROWS {
             self.counters.steps_cuda_gemv += 1;
+        }
+        if cache.buffers.quant.dense.is_some() {
+            if cache.buffers.quant.in_place(shape.num_tokens) {
+                self.counters.steps_cuda_quant_in_place += 1;
+            } else {
+                self.counters.steps_cuda_quant_decoded += 1;
+            }
         }
         if graph {
             announce("graphs");

@@ -8,6 +8,7 @@ use pagoda_cuda::{CudaError, DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{self as ops, DecodeWorkspace, PoolLayout};
 
 use super::decode_path::{load_table, tuning_geometry, FusedDecode};
+use super::matrix::QuantScratch;
 use super::prefill_path::PrefillChoice;
 use super::{CudaCacheOptions, HostFloat};
 use crate::config::ModelConfig;
@@ -58,18 +59,22 @@ pub struct StepBuffers<T> {
     /// Linear layers of at most `ops::GEMV_MAX_ROWS` rows on the small-batch kernel
     /// (`PAGODA_CUDA_GEMV`; off in deterministic mode, whose GEMMs are batch-invariant).
     pub gemv: bool,
+    /// The quantized matrices' activations and dense scratch (empty for a dense model).
+    pub quant: QuantScratch<T>,
 }
 
 impl<T: HostFloat> StepBuffers<T> {
     /// The KV pools of `layout` (one K and one V per layer, zeroed), the activations and
     /// inputs for `options`' largest step, and the decode workspace its path needs: the
     /// fused decode's, or, where that is off, the gather baseline's (large: every request's
-    /// pages at full context).
+    /// pages at full context); and, for a model whose largest quantized matrix holds
+    /// `largest_quantized` values, the quantized linear layers' scratch.
     pub fn new(
         gpu: &Gpu,
         c: &ModelConfig,
         options: &CudaCacheOptions,
         layout: &PoolLayout,
+        largest_quantized: usize,
     ) -> Result<Self, CudaError> {
         let mut k_pools = Vec::with_capacity(c.num_layers);
         let mut v_pools = Vec::with_capacity(c.num_layers);
@@ -78,6 +83,26 @@ impl<T: HostFloat> StepBuffers<T> {
             v_pools.push(gpu.zeros(layout.pool_len())?);
         }
         let scratch = Scratch::new(gpu, c, options)?;
+        // Deterministic steps decode every quantized matrix for the batch-invariant GEMM.
+        let gemv_rows = if options.kernels.deterministic {
+            0
+        } else {
+            options.kernels.quant_gemv_rows
+        };
+        let width = c
+            .hidden_size
+            .max(c.intermediate_size)
+            .max(c.num_attention_heads * c.head_dim);
+        let quant = QuantScratch::new(gpu, largest_quantized, width, gemv_rows)?;
+        if largest_quantized > 0 {
+            static QUANT: std::sync::Once = std::sync::Once::new();
+            QUANT.call_once(|| {
+                tracing::info!(
+                    "CUDA quantized linear layers: 1-{gemv_rows} rows on the in-place kernel \
+                     (q8 activations), more decoded for cuBLAS (PAGODA_CUDA_QUANT_GEMV_ROWS)"
+                )
+            });
+        }
         let geometry = tuning_geometry(c, options, T::DTYPE);
         // Deterministic steps run one attention kernel and consult no table.
         let table = if options.kernels.deterministic {
@@ -139,6 +164,7 @@ impl<T: HostFloat> StepBuffers<T> {
             prefill,
             fused_rope_append: options.kernels.fused_rope_append,
             gemv: options.kernels.gemv && !options.kernels.deterministic,
+            quant,
         })
     }
 }

@@ -25,6 +25,9 @@ pub struct CudaKernels {
     /// the small-batch kernel instead of cuBLAS (`PAGODA_CUDA_GEMV`; off: slower than cuBLAS
     /// on the H200 so far, `docs/benchmark_results/gemv-small-h200-2026-12-04.md`).
     pub gemv: bool,
+    /// Rows up to which a step multiplies quantized matrices in place (`gemv_quant`), more
+    /// decoding each matrix for cuBLAS (`PAGODA_CUDA_QUANT_GEMV_ROWS`).
+    pub quant_gemv_rows: usize,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -102,6 +105,7 @@ impl Default for CudaKernels {
             prefill_tiling: None,
             fused_rope_append: true,
             gemv: false,
+            quant_gemv_rows: 8,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -128,6 +132,7 @@ impl CudaKernels {
             ),
             fused_rope_append: config.on("PAGODA_CUDA_FUSED_ROPE_APPEND"),
             gemv: config.on("PAGODA_CUDA_GEMV"),
+            quant_gemv_rows: count("PAGODA_CUDA_QUANT_GEMV_ROWS").unwrap_or(8),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -213,6 +218,7 @@ mod tests {
             ("PAGODA_CUDA_PREFILL_TILING", "64x32x2"),
             ("PAGODA_CUDA_FUSED_ROPE_APPEND", "off"),
             ("PAGODA_CUDA_GEMV", "on"),
+            ("PAGODA_CUDA_QUANT_GEMV_ROWS", "3"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -229,6 +235,7 @@ mod tests {
             prefill_tiling: Some(ops::PrefillStreamTiling::new(64, 32, 2)),
             fused_rope_append: false,
             gemv: true,
+            quant_gemv_rows: 3,
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),

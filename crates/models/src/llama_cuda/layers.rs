@@ -11,6 +11,7 @@ use pagoda_ops::cuda::{
 
 use super::buffers::{Attention, StepShape};
 use super::decode_path::FusedDecode;
+use super::matrix::{Linear, Matrix, QuantScratch};
 use super::{GpuLayer, GpuModel, HostFloat, StepBuffers};
 use crate::decoder::{llama_layers, DecoderStep};
 
@@ -34,6 +35,7 @@ impl<T: HostFloat> GpuModel<T> {
             prefill,
             fused_rope_append,
             gemv,
+            quant,
         } = buffers;
         let StepShape {
             num_tokens,
@@ -89,6 +91,7 @@ impl<T: HostFloat> GpuModel<T> {
             prefill,
             fused_rope_append: *fused_rope_append,
             gemv: *gemv,
+            quant,
             page_table,
             num_tokens,
             num_logits,
@@ -130,6 +133,8 @@ struct GpuStep<'a, T> {
     fused_rope_append: bool,
     /// Linear layers of a few rows on the small-batch kernel (`PAGODA_CUDA_GEMV`).
     gemv: bool,
+    /// What linear layers over quantized matrices need.
+    quant: &'a mut QuantScratch<T>,
     page_table: DevicePageTable<'a>,
     num_tokens: usize,
     num_logits: usize,
@@ -170,15 +175,19 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
 
     fn embed(&mut self) -> Result<(), CudaError> {
         let c = &self.model.config;
-        let (table, tokens) = (&self.model.embedding, &self.tokens);
-        ops::embedding_gather(
-            self.gpu,
-            table,
-            tokens,
-            &mut self.x,
-            c.vocab_size,
-            c.hidden_size,
-        )
+        let (gpu, tokens, x) = (self.gpu, &self.tokens, &mut self.x);
+        let shape = (c.vocab_size, c.hidden_size);
+        match &self.model.embedding {
+            Matrix::Dense(table) => ops::embedding_gather(gpu, table, tokens, x, shape.0, shape.1),
+            Matrix::Quantized(q) => {
+                let [part] = &q.parts[..] else {
+                    return Err(CudaError::invalid(
+                        "a quantized embedding table of one part",
+                    ));
+                };
+                ops::gather_dequantized(gpu, part.format, &part.blocks, tokens, x, shape)
+            }
+        }
     }
 
     fn attention_norm(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
@@ -190,8 +199,12 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
         let (num_tokens, hidden) = (self.num_tokens, self.model.config.hidden_size);
         let (_, _, qkv_dim) = self.qkv_dims();
         let shape = (num_tokens, qkv_dim, hidden);
-        let (a, w) = (&self.normed, &layer.wqkv);
-        linear(self.gpu, self.gemv, a, w, &mut self.qkv, shape, 0.0)?;
+        let mut linear = Linear {
+            gpu: self.gpu,
+            small: self.gemv,
+            quant: &mut *self.quant,
+        };
+        linear.run(&self.normed, &layer.wqkv, &mut self.qkv, shape, 0.0)?;
         if let Some(bias) = &layer.qkv_bias {
             ops::add_bias_rows(self.gpu, &mut self.qkv, bias, num_tokens, qkv_dim)?;
         }
@@ -304,15 +317,12 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     fn output_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
         let (q_dim, _, _) = self.qkv_dims();
         let shape = (self.num_tokens, self.model.config.hidden_size, q_dim);
-        linear(
-            self.gpu,
-            self.gemv,
-            &self.attn,
-            &layer.wo,
-            &mut self.x,
-            shape,
-            1.0,
-        )
+        let mut linear = Linear {
+            gpu: self.gpu,
+            small: self.gemv,
+            quant: &mut *self.quant,
+        };
+        linear.run(&self.attn, &layer.wo, &mut self.x, shape, 1.0)
     }
 
     fn mlp_norm(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
@@ -323,8 +333,18 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     fn gate_up_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
         let c = &self.model.config;
         let shape = (self.num_tokens, 2 * c.intermediate_size, c.hidden_size);
-        let (a, w) = (&self.normed, &layer.w_gate_up);
-        linear(self.gpu, self.gemv, a, w, &mut self.gate_up, shape, 0.0)
+        let mut linear = Linear {
+            gpu: self.gpu,
+            small: self.gemv,
+            quant: &mut *self.quant,
+        };
+        linear.run(
+            &self.normed,
+            &layer.w_gate_up,
+            &mut self.gate_up,
+            shape,
+            0.0,
+        )
     }
 
     fn silu_mul(&mut self) -> Result<(), CudaError> {
@@ -338,15 +358,12 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     fn down_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
         let c = &self.model.config;
         let shape = (self.num_tokens, c.hidden_size, c.intermediate_size);
-        linear(
-            self.gpu,
-            self.gemv,
-            &self.act,
-            &layer.w_down,
-            &mut self.x,
-            shape,
-            1.0,
-        )
+        let mut linear = Linear {
+            gpu: self.gpu,
+            small: self.gemv,
+            quant: &mut *self.quant,
+        };
+        linear.run(&self.act, &layer.w_down, &mut self.x, shape, 1.0)
     }
 
     fn logits(&mut self) -> Result<(), CudaError> {
@@ -368,26 +385,12 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
         }
         let head = model.lm_head.as_ref().unwrap_or(&model.embedding);
         let shape = (self.num_logits, c.vocab_size, hidden);
-        let a = &self.selected_normed;
-        linear(gpu, self.gemv, a, head, &mut self.logits, shape, 0.0)
-    }
-}
-
-/// `out = beta * out + a w^T`: the small-batch kernel for a few bf16 rows when `small`
-/// (`PAGODA_CUDA_GEMV`; the layouts it takes), else cuBLAS.
-fn linear<TIn: pagoda_cuda::Element, TOut: pagoda_cuda::Element>(
-    gpu: &Gpu,
-    small: bool,
-    a: &impl pagoda_cuda::DeviceRead<TIn>,
-    w: &impl pagoda_cuda::DeviceRead<TIn>,
-    out: &mut impl pagoda_cuda::DeviceWrite<TOut>,
-    shape: (usize, usize, usize),
-    beta: f32,
-) -> Result<(), CudaError> {
-    if small && ops::gemv_small_applies(a, w, shape) {
-        ops::gemv_small(gpu, a, w, out, shape, beta)
-    } else {
-        gpu.gemm(a, w, out, shape, beta)
+        let mut linear = Linear {
+            gpu,
+            small: self.gemv,
+            quant: &mut *self.quant,
+        };
+        linear.run(&self.selected_normed, head, &mut self.logits, shape, 0.0)
     }
 }
 

@@ -6,13 +6,15 @@
 //! step buffers ([`StepBuffers`]), stages each step's inputs, replays decode graphs and
 //! samples on the device.
 //!
-//! Weights are held in bf16 (default) or f32 ([`DType`]); GGUF quantized tensors are
-//! uploaded as blocks and dequantized on the device at load. Q/K/V and gate/up are fused into
-//! one matrix each, so a layer runs four GEMMs; the residual adds ride on the GEMMs
-//! (`beta = 1`) into an f32 residual stream (only GEMM inputs are rounded to bf16).
+//! Weights are held in bf16 (default) or f32 ([`DType`]); GGUF quantized matrices stay in
+//! their blocks (`matrix.rs`: multiplied in place for a few rows, decoded into a scratch for
+//! the GEMM of more; `PAGODA_CUDA_QUANT_WEIGHTS=off` dequantizes them at load instead). Q/K/V
+//! and gate/up are fused into one matrix each, so a layer runs four GEMMs; the residual adds
+//! ride on the GEMMs (`beta = 1`) into an f32 residual stream (only GEMM inputs are rounded to
+//! bf16).
 //!
 //! Layout: this file holds the types and the public [`CudaModel`]; `weights.rs` uploads the
-//! weights; `buffers.rs` sizes the step buffers; `layers.rs` queues one step's kernels;
+//! weights; `matrix.rs` holds a weight matrix and the linear layer over it; `buffers.rs` sizes the step buffers; `layers.rs` queues one step's kernels;
 //! `decode_path.rs` picks the decode attention (and loads the tuning table);
 //! `prefill_path.rs` picks the streaming prefill's tiling; `kernels.rs` holds the configured
 //! kernel choices.
@@ -29,10 +31,12 @@ use pagoda_ops::cuda::{self as ops, RopeStyle as GpuRopeStyle};
 use crate::config::ModelConfig;
 use crate::llama::LoadError;
 use crate::weights::TensorSource;
+use matrix::Matrix;
 
 pub use buffers::{Attention, Scratch, StepBuffers, StepShape};
 pub use decode_path::{FusedDecode, PagedDecodeMode, VariantSource, PAGED_DECODE_ENV_VAR};
 pub use kernels::{CudaKernels, DecodeKernelChoice, SamplingKernels};
+pub use matrix::QuantScratch;
 pub use pagoda_ops::cuda::SamplingRowParams;
 pub use prefill_path::PrefillChoice;
 
@@ -40,6 +44,7 @@ mod buffers;
 mod decode_path;
 mod kernels;
 mod layers;
+mod matrix;
 mod prefill_path;
 mod weights;
 
@@ -107,25 +112,25 @@ impl HostFloat for bf16 {
 struct GpuLayer<T> {
     attn_norm: DeviceBuffer<T>,
     /// `[q_dim + 2 * kv_dim, hidden]`: Q, K and V stacked.
-    wqkv: DeviceBuffer<T>,
+    wqkv: Matrix<T>,
     /// Qwen2: `[q_dim + 2 * kv_dim]`, the q, k and v biases stacked like `wqkv`'s rows.
     qkv_bias: Option<DeviceBuffer<T>>,
     /// Qwen3: per-head RMSNorm weights `[head_dim]` of q and k, applied before RoPE.
     q_norm: Option<DeviceBuffer<T>>,
     k_norm: Option<DeviceBuffer<T>>,
-    wo: DeviceBuffer<T>,
+    wo: Matrix<T>,
     ffn_norm: DeviceBuffer<T>,
     /// `[2 * intermediate, hidden]`: gate then up.
-    w_gate_up: DeviceBuffer<T>,
-    w_down: DeviceBuffer<T>,
+    w_gate_up: Matrix<T>,
+    w_down: Matrix<T>,
 }
 
 /// A model's weights on the GPU in element type `T`.
 pub struct GpuModel<T> {
     gpu: Arc<Gpu>,
     config: ModelConfig,
-    embedding: DeviceBuffer<T>,
-    lm_head: Option<DeviceBuffer<T>>,
+    embedding: Matrix<T>,
+    lm_head: Option<Matrix<T>>,
     output_norm: DeviceBuffer<T>,
     inv_freq: DeviceBuffer<f32>,
     rope_style: GpuRopeStyle,
@@ -145,14 +150,28 @@ impl<T> GpuModel<T> {
 }
 
 impl CudaModel {
-    /// Uploads the model's weights to `gpu` in `dtype` (quantized tensors are dequantized
-    /// there). `progress(done, total)` is called per layer. The engine's GPU runner sizes
-    /// the KV cache and step buffers before the first step.
+    /// Uploads the model's weights to `gpu` in `dtype`, quantized matrices kept in their
+    /// blocks ([`CudaModel::load_with`]). `progress(done, total)` is called per layer. The
+    /// engine's GPU runner sizes the KV cache and step buffers before the first step.
     pub fn load(
         config: ModelConfig,
         source: &dyn TensorSource,
         gpu: Arc<Gpu>,
         dtype: DType,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<CudaModel, LoadError> {
+        CudaModel::load_with(config, source, gpu, dtype, true, progress)
+    }
+
+    /// [`CudaModel::load`], with quantized matrices kept in their GGUF blocks where the GPU
+    /// multiplies them in place (`keep_quantized`, `PAGODA_CUDA_QUANT_WEIGHTS`; bf16 only:
+    /// f32 is the exact dtype of parity checks) or dequantized to `dtype` at load.
+    pub fn load_with(
+        config: ModelConfig,
+        source: &dyn TensorSource,
+        gpu: Arc<Gpu>,
+        dtype: DType,
+        keep_quantized: bool,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel, LoadError> {
         config.validate().map_err(|e| LoadError(e.to_string()))?;
@@ -163,24 +182,39 @@ impl CudaModel {
                 config.head_dim
             )));
         }
-        match dtype {
-            DType::BF16 => Ok(CudaModel::Bf16(GpuModel::load(
-                &config, source, gpu, progress,
-            )?)),
-            DType::F32 => Ok(CudaModel::F32(GpuModel::load(
-                &config, source, gpu, progress,
-            )?)),
-            other => Err(LoadError(format!(
-                "the CUDA model runs in bf16 or f32, not {other}"
-            ))),
+        let keep = keep_quantized && dtype == DType::BF16;
+        let model = match dtype {
+            DType::BF16 => CudaModel::Bf16(GpuModel::load(&config, source, gpu, keep, progress)?),
+            DType::F32 => CudaModel::F32(GpuModel::load(&config, source, gpu, keep, progress)?),
+            other => {
+                return Err(LoadError(format!(
+                    "the CUDA model runs in bf16 or f32, not {other}"
+                )))
+            }
+        };
+        let formats = match &model {
+            CudaModel::Bf16(m) => m.quantized_formats(),
+            CudaModel::F32(m) => m.quantized_formats(),
+        };
+        let gib = model.weight_bytes() as f64 / (1u64 << 30) as f64;
+        if formats.is_empty() {
+            tracing::info!("CUDA weights: {dtype}, {gib:.2} GiB");
+        } else {
+            let list: Vec<String> = formats.iter().map(|(f, n)| format!("{f} x{n}")).collect();
+            tracing::info!(
+                "CUDA weights: GGUF blocks kept on the device ({}), the rest {dtype}, {gib:.2} GiB \
+                 (PAGODA_CUDA_QUANT_WEIGHTS)",
+                list.join(", ")
+            );
         }
+        Ok(model)
     }
 
     /// Bytes of the weights on the device.
     pub fn weight_bytes(&self) -> usize {
         match self {
-            CudaModel::Bf16(model) => model.weight_elements() * DType::BF16.size_bytes(),
-            CudaModel::F32(model) => model.weight_elements() * DType::F32.size_bytes(),
+            CudaModel::Bf16(model) => model.weight_bytes(),
+            CudaModel::F32(model) => model.weight_bytes(),
         }
     }
 

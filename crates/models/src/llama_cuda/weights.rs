@@ -1,5 +1,6 @@
 //! Uploading a model's weights to the GPU: float tensors converted on the host, quantized GGUF
-//! tensors dequantized on the device, Q/K/V and gate/up stacked into one matrix each.
+//! matrices kept in their blocks (`PAGODA_CUDA_QUANT_WEIGHTS`, [`Matrix::Quantized`]) or
+//! dequantized on the device, Q/K/V and gate/up stacked into one matrix each.
 
 use std::sync::Arc;
 
@@ -8,10 +9,11 @@ use pagoda_ops::cuda::{self as ops, QuantFormat, RopeStyle as GpuRopeStyle};
 use pagoda_tensor::GgmlType;
 use rayon::prelude::*;
 
+use super::matrix::{Matrix, QuantMatrix, QuantPart};
 use super::{GpuLayer, GpuModel, HostFloat};
 use crate::config::{ModelConfig, RopeStyle};
 use crate::llama::LoadError;
-use crate::weight_plan::{LayerPlan, ModelPlan, TensorSpec};
+use crate::weight_plan::{gpu_keeps_blocks, LayerPlan, ModelPlan, TensorSpec};
 use crate::weights::TensorSource;
 
 fn gpu_error(context: &str) -> impl Fn(CudaError) -> LoadError + '_ {
@@ -23,6 +25,7 @@ impl<T: HostFloat> GpuModel<T> {
         config: &ModelConfig,
         source: &dyn TensorSource,
         gpu: Arc<Gpu>,
+        keep_quantized: bool,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self, LoadError> {
         let c = config;
@@ -30,23 +33,24 @@ impl<T: HostFloat> GpuModel<T> {
         let g = &gpu;
         let upload = |spec: &TensorSpec| upload_tensor::<T>(g, source, &spec.name, &spec.shape);
         let optional = |spec: &Option<TensorSpec>| spec.as_ref().map(upload).transpose();
+        let matrix = |parts: &[&TensorSpec]| matrix::<T>(g, source, parts, keep_quantized);
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, l) in plan.layers.iter().enumerate() {
             layers.push(GpuLayer {
                 attn_norm: upload(&l.attn_norm)?,
-                wqkv: stacked::<T>(g, source, &[&l.q, &l.k, &l.v])?,
+                wqkv: matrix(&[&l.q, &l.k, &l.v])?,
                 qkv_bias: qkv_bias::<T>(g, source, l)?,
                 q_norm: optional(&l.q_norm)?,
                 k_norm: optional(&l.k_norm)?,
-                wo: upload(&l.attn_output)?,
+                wo: matrix(&[&l.attn_output])?,
                 ffn_norm: upload(&l.ffn_norm)?,
-                w_gate_up: stacked::<T>(g, source, &[&l.gate, &l.up])?,
-                w_down: upload(&l.down)?,
+                w_gate_up: matrix(&[&l.gate, &l.up])?,
+                w_down: matrix(&[&l.down])?,
             });
             progress(i + 1, c.num_layers + 1);
         }
-        let embedding = upload(&plan.embedding)?;
-        let lm_head = optional(&plan.lm_head)?;
+        let embedding = matrix(&[&plan.embedding])?;
+        let lm_head = plan.lm_head.as_ref().map(|h| matrix(&[h])).transpose()?;
         let output_norm = upload(&plan.output_norm)?;
         let inv_freq = upload_inv_freq(g, source, c)?;
         let rope_style = match c.rope_style {
@@ -66,27 +70,134 @@ impl<T: HostFloat> GpuModel<T> {
         })
     }
 
-    pub fn weight_elements(&self) -> usize {
-        let layers: usize = self
+    /// The model's matrices: every layer's four, the embedding and the LM head.
+    pub(super) fn matrices(&self) -> impl Iterator<Item = &Matrix<T>> {
+        let layers = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]);
+        layers.chain([&self.embedding]).chain(self.lm_head.as_ref())
+    }
+
+    /// Bytes of the weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        let vectors: usize = self
             .layers
             .iter()
             .map(|l| {
                 l.attn_norm.len()
-                    + l.wqkv.len()
                     + l.qkv_bias.as_ref().map_or(0, |b| b.len())
                     + l.q_norm.as_ref().map_or(0, |b| b.len())
                     + l.k_norm.as_ref().map_or(0, |b| b.len())
-                    + l.wo.len()
                     + l.ffn_norm.len()
-                    + l.w_gate_up.len()
-                    + l.w_down.len()
             })
-            .sum();
-        layers
-            + self.embedding.len()
-            + self.lm_head.as_ref().map_or(0, |h| h.len())
-            + self.output_norm.len()
+            .sum::<usize>()
+            + self.output_norm.len();
+        let matrices: usize = self.matrices().map(Matrix::bytes).sum();
+        vectors * std::mem::size_of::<T>() + matrices
     }
+
+    /// The largest dense copy a quantized matrix decodes into (0: none is quantized): what
+    /// [`super::StepBuffers::new`] sizes its scratch for.
+    pub fn largest_quantized(&self) -> usize {
+        self.matrices()
+            .map(Matrix::quantized_values)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// `(format, matrices)` of the quantized matrices' parts, for the load log.
+    pub(super) fn quantized_formats(&self) -> Vec<(QuantFormat, usize)> {
+        let mut counts: Vec<(QuantFormat, usize)> = Vec::new();
+        for format in self.matrices().flat_map(Matrix::formats) {
+            match counts.iter_mut().find(|(f, _)| *f == format) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((format, 1)),
+            }
+        }
+        counts
+    }
+}
+
+/// The GPU's in-place format of a GGUF type, if it has one (the types of
+/// [`crate::weight_plan::GPU_IN_PLACE_FORMATS`]).
+fn quant_format(ty: GgmlType) -> Option<QuantFormat> {
+    Some(match ty {
+        GgmlType::Q4_0 => QuantFormat::Q4_0,
+        GgmlType::Q4_1 => QuantFormat::Q4_1,
+        GgmlType::Q5_0 => QuantFormat::Q5_0,
+        GgmlType::Q5_1 => QuantFormat::Q5_1,
+        GgmlType::Q8_0 => QuantFormat::Q8_0,
+        GgmlType::Q4K => QuantFormat::Q4K,
+        GgmlType::Q5K => QuantFormat::Q5K,
+        GgmlType::Q6K => QuantFormat::Q6K,
+        _ => return None,
+    })
+}
+
+/// `parts` stacked into one matrix: kept in their blocks when `keep_quantized` and every part
+/// is in a format the GPU multiplies in place (consecutive parts of one format share a
+/// buffer), else dense in `T`.
+fn matrix<T: HostFloat>(
+    gpu: &Gpu,
+    source: &dyn TensorSource,
+    parts: &[&TensorSpec],
+    keep_quantized: bool,
+) -> Result<Matrix<T>, LoadError> {
+    let cols = parts[0].cols();
+    let raws = parts
+        .iter()
+        .map(|spec| {
+            let raw = source.tensor(&spec.name).ok_or_else(|| {
+                LoadError(format!(
+                    "tensor {} is missing from the model file",
+                    spec.name
+                ))
+            })?;
+            Ok((spec, raw))
+        })
+        .collect::<Result<Vec<_>, LoadError>>()?;
+    let formats: Option<Vec<QuantFormat>> = raws
+        .iter()
+        .map(|(spec, raw)| {
+            quant_format(raw.ty)
+                .filter(|_| raw.shape == spec.shape && spec.shape.len() == 2)
+                .filter(|_| gpu_keeps_blocks(raw.ty, cols))
+        })
+        .collect();
+    let Some(formats) = formats.filter(|_| keep_quantized) else {
+        return stacked::<T>(gpu, source, parts).map(Matrix::Dense);
+    };
+    let mut quantized = QuantMatrix {
+        parts: Vec::new(),
+        cols,
+    };
+    let mut i = 0;
+    while i < raws.len() {
+        let format = formats[i];
+        let mut bytes = Vec::new();
+        let mut rows = 0;
+        while i < raws.len() && formats[i] == format {
+            bytes.extend_from_slice(&raws[i].1.data);
+            rows += raws[i].0.rows();
+            i += 1;
+        }
+        if bytes.len() != rows * format.row_bytes(cols) {
+            return Err(LoadError(format!(
+                "tensor {}: {} bytes of {format} blocks for [{rows}, {cols}]",
+                raws[i - 1].0.name,
+                bytes.len()
+            )));
+        }
+        bytes.resize(bytes.len() + ops::QUANT_PADDING, 0);
+        let blocks = gpu.upload(&bytes).map_err(gpu_error(&raws[i - 1].0.name))?;
+        quantized.parts.push(QuantPart {
+            format,
+            rows,
+            blocks,
+        });
+    }
+    Ok(Matrix::Quantized(quantized))
 }
 
 /// The q, k and v biases stacked like the fused QKV rows, or `None` when the layer has
@@ -149,20 +260,9 @@ fn upload_tensor_into<T: HostFloat>(
         )));
     }
     let format = match raw.ty {
-        GgmlType::Q4_0 => Some(QuantFormat::Q4_0),
-        GgmlType::Q4_1 => Some(QuantFormat::Q4_1),
-        GgmlType::Q8_0 => Some(QuantFormat::Q8_0),
-        GgmlType::Q4K => Some(QuantFormat::Q4K),
-        GgmlType::Q5K => Some(QuantFormat::Q5K),
-        GgmlType::Q6K => Some(QuantFormat::Q6K),
+        ty if quant_format(ty).is_some() => quant_format(ty),
         // No GPU dequantizer: decoded on the CPU (bit-exact) and uploaded as floats.
-        GgmlType::F32
-        | GgmlType::F16
-        | GgmlType::BF16
-        | GgmlType::Q5_0
-        | GgmlType::Q5_1
-        | GgmlType::Q2K
-        | GgmlType::Q3K => None,
+        GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q2K | GgmlType::Q3K => None,
         other => {
             return Err(LoadError(format!(
                 "tensor {name} has type {other}, which the CUDA backend cannot load yet"

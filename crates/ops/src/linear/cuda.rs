@@ -1,9 +1,15 @@
-//! GGUF dequantization to bf16/f32 at load time, and the small-batch linear layer
-//! (`gemv_small`: a few activation rows against a bf16 weight matrix at its read rate).
+//! GGUF dequantization to bf16/f32 (whole tensors, or the rows of an embedding table kept
+//! quantized), and the small-batch linear layers: `gemv_small` (a few activation rows against
+//! a bf16 weight matrix at its read rate) and `gemv_quant` (against GGUF blocks in place).
 
 mod gemv;
+mod gemv_quant;
 
 pub use gemv::{gemv_small, gemv_small_applies, specialize_gemv_small, GEMV_MAX_ROWS};
+pub use gemv_quant::{
+    dequantize_fast, gemv_quant, quantize_rows_q8, specialize_dequant_groups,
+    specialize_gemv_quant, specialize_quantize_q8, Q8Rows, QUANT_GEMV_MAX_ROWS, QUANT_PADDING,
+};
 
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
 use pagoda_cuda::{
@@ -22,6 +28,10 @@ pub enum QuantFormat {
     Q4_0,
     /// 32 values, f16 scale and min, 4-bit.
     Q4_1,
+    /// 32 values, f16 scale, 5-bit (a 32-bit word of fifth bits).
+    Q5_0,
+    /// 32 values, f16 scale and min, 5-bit.
+    Q5_1,
     /// 32 values, f16 scale, 8-bit.
     Q8_0,
     /// 256-value super-block, 4-bit with 6-bit sub-scales/mins.
@@ -34,9 +44,11 @@ pub enum QuantFormat {
 
 impl QuantFormat {
     /// Every format.
-    pub const ALL: [QuantFormat; 6] = [
+    pub const ALL: [QuantFormat; 8] = [
         QuantFormat::Q4_0,
         QuantFormat::Q4_1,
+        QuantFormat::Q5_0,
+        QuantFormat::Q5_1,
         QuantFormat::Q8_0,
         QuantFormat::Q4K,
         QuantFormat::Q5K,
@@ -46,7 +58,11 @@ impl QuantFormat {
     /// Values per block.
     pub fn block_values(self) -> usize {
         match self {
-            QuantFormat::Q4_0 | QuantFormat::Q4_1 | QuantFormat::Q8_0 => 32,
+            QuantFormat::Q4_0
+            | QuantFormat::Q4_1
+            | QuantFormat::Q5_0
+            | QuantFormat::Q5_1
+            | QuantFormat::Q8_0 => 32,
             QuantFormat::Q4K | QuantFormat::Q5K | QuantFormat::Q6K => 256,
         }
     }
@@ -56,6 +72,8 @@ impl QuantFormat {
         match self {
             QuantFormat::Q4_0 => 18,
             QuantFormat::Q4_1 => 20,
+            QuantFormat::Q5_0 => 22,
+            QuantFormat::Q5_1 => 24,
             QuantFormat::Q8_0 => 34,
             QuantFormat::Q4K => 144,
             QuantFormat::Q5K => 176,
@@ -63,24 +81,72 @@ impl QuantFormat {
         }
     }
 
-    fn entry(self) -> &'static str {
+    /// Bytes of a row of `values` values (a whole number of blocks).
+    pub fn row_bytes(self, values: usize) -> usize {
+        values / self.block_values() * self.block_bytes()
+    }
+
+    /// The format's name in kernel entries (`dequant_q4_k`, ...).
+    fn suffix(self) -> &'static str {
         match self {
-            QuantFormat::Q4_0 => "dequant_q4_0",
-            QuantFormat::Q4_1 => "dequant_q4_1",
-            QuantFormat::Q8_0 => "dequant_q8_0",
-            QuantFormat::Q4K => "dequant_q4_k",
-            QuantFormat::Q5K => "dequant_q5_k",
-            QuantFormat::Q6K => "dequant_q6_k",
+            QuantFormat::Q4_0 => "q4_0",
+            QuantFormat::Q4_1 => "q4_1",
+            QuantFormat::Q5_0 => "q5_0",
+            QuantFormat::Q5_1 => "q5_1",
+            QuantFormat::Q8_0 => "q8_0",
+            QuantFormat::Q4K => "q4_k",
+            QuantFormat::Q5K => "q5_k",
+            QuantFormat::Q6K => "q6_k",
         }
+    }
+
+    /// The format's number in `gemv_quant.cu` (`PAGODA_FORMAT`).
+    fn code(self) -> i64 {
+        QuantFormat::ALL
+            .iter()
+            .position(|&f| f == self)
+            .expect("every format is in ALL") as i64
     }
 }
 
-/// The dequantization specialisation of `format` to `out` dtype.
-pub fn specialize_dequantize(format: QuantFormat, out: DType) -> Result<KernelSpec, CudaError> {
+impl std::fmt::Display for QuantFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.suffix().to_uppercase())
+    }
+}
+
+/// The dequantization entries: a whole tensor, or rows gathered from a table.
+fn entry(format: QuantFormat, gather: bool) -> &'static str {
+    macro_rules! entries {
+        ($($format:ident => $dequant:literal, $gather:literal;)*) => {
+            match format {
+                $(QuantFormat::$format => if gather { $gather } else { $dequant },)*
+            }
+        };
+    }
+    entries! {
+        Q4_0 => "dequant_q4_0", "gather_q4_0";
+        Q4_1 => "dequant_q4_1", "gather_q4_1";
+        Q5_0 => "dequant_q5_0", "gather_q5_0";
+        Q5_1 => "dequant_q5_1", "gather_q5_1";
+        Q8_0 => "dequant_q8_0", "gather_q8_0";
+        Q4K => "dequant_q4_k", "gather_q4_k";
+        Q5K => "dequant_q5_k", "gather_q5_k";
+        Q6K => "dequant_q6_k", "gather_q6_k";
+    }
+}
+
+/// The dequantization specialisation of `format` to `out` dtype: a whole tensor, or (`gather`)
+/// rows of a table.
+pub fn specialize_dequantize(
+    format: QuantFormat,
+    out: DType,
+    gather: bool,
+) -> Result<KernelSpec, CudaError> {
     check_float("dequantize output", out)?;
     Ok(KernelSpec {
         source: &DEQUANT,
-        entry: format.entry(),
+        entry: entry(format, gather),
         params: vec![],
         dtypes: vec![("T", out), ("BLOCKS_T", DType::U8)],
     })
@@ -95,7 +161,7 @@ pub fn dequantize<T: Element>(
     blocks: &impl DeviceRead<u8>,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
-    let spec = specialize_dequantize(format, T::DTYPE)?;
+    let spec = specialize_dequantize(format, T::DTYPE, false)?;
     let num_values = out.len();
     if num_values % format.block_values() != 0 {
         return Err(CudaError::invalid(format!(
@@ -103,13 +169,53 @@ pub fn dequantize<T: Element>(
             format.block_values()
         )));
     }
-    check_len(
-        "dequantize blocks (bytes)",
-        num_values / format.block_values() * format.block_bytes(),
-        blocks.len(),
-    )?;
+    let bytes = format.row_bytes(num_values);
+    if blocks.len() != bytes && blocks.len() != bytes + QUANT_PADDING {
+        check_len("dequantize blocks (bytes)", bytes, blocks.len())?;
+    }
     let args = [ptr(blocks), ptr(out), KernelArg::U64(num_values as u64)];
     let grid = (to_u32("blocks", num_values.div_ceil(256))?, 1);
+    // SAFETY: arguments match the entry; lengths validated.
+    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }
+}
+
+/// `out[t, :] = table[ids[t], :]` decoded from a `[num_rows, width]` table of `format` blocks
+/// (`width` a whole number of blocks; the table may carry [`QUANT_PADDING`]); an id
+/// `>= num_rows` gives a NaN row.
+pub fn gather_dequantized<T: Element>(
+    gpu: &Gpu,
+    format: QuantFormat,
+    table: &impl DeviceRead<u8>,
+    ids: &impl DeviceRead<u32>,
+    out: &mut impl DeviceWrite<T>,
+    (num_rows, width): (usize, usize),
+) -> Result<(), CudaError> {
+    let spec = specialize_dequantize(format, T::DTYPE, true)?;
+    if width == 0 || width % format.block_values() != 0 {
+        return Err(CudaError::invalid(format!(
+            "gather {format}: width {width} is not a whole number of {}-value blocks",
+            format.block_values()
+        )));
+    }
+    let bytes = num_rows * format.row_bytes(width);
+    if table.len() != bytes && table.len() != bytes + QUANT_PADDING {
+        check_len("gather table (bytes)", bytes, table.len())?;
+    }
+    check_len("gather out [tokens, width]", ids.len() * width, out.len())?;
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let args = [
+        ptr(table),
+        ptr(ids),
+        ptr(out),
+        KernelArg::U32(to_u32("width", width)?),
+        KernelArg::U32(to_u32("num_rows", num_rows)?),
+    ];
+    let grid = (
+        to_u32("gather blocks", width.div_ceil(256))?,
+        to_u32("gather tokens", ids.len())?,
+    );
     // SAFETY: arguments match the entry; lengths validated.
     unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }
 }
@@ -117,9 +223,12 @@ pub fn dequantize<T: Element>(
 /// Every specialisation the dequantisation and small-batch launchers can request.
 pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     let mut specs = gemv::specializations()?;
+    specs.extend(gemv_quant::specializations()?);
     for &dtype in &FLOAT_DTYPES {
         for format in QuantFormat::ALL {
-            specs.push(specialize_dequantize(format, dtype)?);
+            for gather in [false, true] {
+                specs.push(specialize_dequantize(format, dtype, gather)?);
+            }
         }
     }
     Ok(specs)

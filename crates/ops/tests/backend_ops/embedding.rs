@@ -53,8 +53,8 @@ fn negate_some_scales(ty: GgmlType, bytes: &mut [u8], rng: &mut ChaCha8Rng) {
         return;
     };
     let half_offsets: &[usize] = match format {
-        QuantFormat::Q4_0 | QuantFormat::Q8_0 => &[0],
-        QuantFormat::Q4_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
+        QuantFormat::Q4_0 | QuantFormat::Q5_0 | QuantFormat::Q8_0 => &[0],
+        QuantFormat::Q4_1 | QuantFormat::Q5_1 | QuantFormat::Q4K | QuantFormat::Q5K => &[0, 2],
         QuantFormat::Q6K => &[208],
     };
     for block in bytes.chunks_mut(format.block_bytes()) {
@@ -117,11 +117,23 @@ impl Rows {
         gpu: &Gpu,
         table: &DeviceBuffer<TTable>,
     ) -> Vec<f32> {
+        self.gather_with(gpu, |ids, out: &mut DeviceBuffer<T>| {
+            ops::embedding_gather(gpu, table, ids, out, self.rows, self.cols).unwrap()
+        })
+    }
+
+    /// Runs a gather of `self.ids` and one id past the vocabulary into `T` rows (see
+    /// [`Rows::gather`]).
+    fn gather_with<T: TestFloat>(
+        &self,
+        gpu: &Gpu,
+        gather: impl FnOnce(&DeviceBuffer<u32>, &mut DeviceBuffer<T>),
+    ) -> Vec<f32> {
         let mut ids = self.ids.clone();
         ids.push(self.rows as u32 + 100);
         let mut out = poisoned::<T>(gpu, ids.len() * self.cols);
         let ids = gpu.upload(&ids).unwrap();
-        ops::embedding_gather(gpu, table, &ids, &mut out, self.rows, self.cols).unwrap();
+        gather(&ids, &mut out);
         let mut values = download(gpu, &out);
         let past_vocabulary = &mut values[self.ids.len() * self.cols..];
         if past_vocabulary.iter().all(|v| v.is_nan()) {
@@ -186,7 +198,17 @@ impl OpCase for Rows {
                 GgmlType::BF16 => self.gather::<bf16, T>(gpu, &upload::<bf16>(gpu, &self.values)),
                 ty => {
                     let table = upload_weight::<T>(gpu, ty, &self.bytes, &self.values);
-                    self.gather::<T, T>(gpu, &table)
+                    let dense = Output { variant: String::new(), values: self.gather::<T, T>(gpu, &table) };
+                    let Some(format) = quant_format(ty) else {
+                        return Some(vec![dense]);
+                    };
+                    // The table kept in its blocks: rows decoded as they are gathered.
+                    let blocks = gpu.upload(&self.bytes).unwrap();
+                    let gathered = self.gather_with(gpu, |ids, out: &mut DeviceBuffer<T>| {
+                        let shape = (self.rows, self.cols);
+                        ops::gather_dequantized(gpu, format, &blocks, ids, out, shape).unwrap()
+                    });
+                    return Some(vec![dense, Output { variant: "blocks".into(), values: gathered }]);
                 }
             })),
             _ => None,

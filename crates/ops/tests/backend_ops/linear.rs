@@ -87,6 +87,8 @@ pub fn quant_format(ty: GgmlType) -> Option<QuantFormat> {
     match ty {
         GgmlType::Q4_0 => Some(QuantFormat::Q4_0),
         GgmlType::Q4_1 => Some(QuantFormat::Q4_1),
+        GgmlType::Q5_0 => Some(QuantFormat::Q5_0),
+        GgmlType::Q5_1 => Some(QuantFormat::Q5_1),
         GgmlType::Q8_0 => Some(QuantFormat::Q8_0),
         GgmlType::Q4K => Some(QuantFormat::Q4K),
         GgmlType::Q5K => Some(QuantFormat::Q5K),
@@ -113,18 +115,20 @@ pub fn upload_weight<T: TestFloat>(
     }
 }
 
-struct Linear {
-    ty: GgmlType,
-    tokens: usize,
-    rows: usize,
-    cols: usize,
-    bytes: Vec<u8>,
-    weights: Vec<f32>,
-    x: Vec<f32>,
+/// `x [tokens, cols] W [rows, cols]^T` of random stored rows (also the quantized GPU kernel's
+/// case, `linear_quant.rs`).
+pub struct Linear {
+    pub ty: GgmlType,
+    pub tokens: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub bytes: Vec<u8>,
+    pub weights: Vec<f32>,
+    pub x: Vec<f32>,
 }
 
 impl Linear {
-    fn new(ty: GgmlType, (tokens, rows, cols): (usize, usize, usize), seed: u64) -> Linear {
+    pub fn new(ty: GgmlType, (tokens, rows, cols): (usize, usize, usize), seed: u64) -> Linear {
         let mut rng = rng(seed);
         let bytes = weight_bytes(ty, rows, cols, &mut rng);
         Linear {
@@ -138,6 +142,26 @@ impl Linear {
             // blocks differ in scale; bf16 values, so every backend sees the same inputs.
             x: round::<bf16>(&random_activations(tokens, cols, &mut rng)),
         }
+    }
+
+    /// The f64 dots of the dequantized weights with the activations, or (`q8`) with the Q8
+    /// rows the integer kernels quantize them to; each value's scale the sum of |products|
+    /// (assert_f64_dots' bound, 1e-5 * sum + 1e-6, as one scale per value).
+    pub fn expected(&self, q8: bool) -> Expected {
+        let seen = if q8 {
+            let q = Q8Rows::quantize(&self.x, self.cols).unwrap();
+            let mut seen = vec![0f32; self.x.len()];
+            for (t, row) in seen.chunks_mut(self.cols).enumerate() {
+                q.dequantize_row(t, row);
+            }
+            seen
+        } else {
+            self.x.clone()
+        };
+        let dots = f64_dots(&self.weights, &seen, self.cols);
+        let values = dots.iter().map(|&(dot, _)| dot as f32).collect();
+        let scales = dots.iter().map(|&(_, sum)| (sum + 0.1) as f32).collect();
+        Expected { values, scales }
     }
 
     /// Whether `set` runs this weight on Q8 activations (a repacked integer weight).
@@ -187,22 +211,8 @@ impl OpCase for Linear {
     }
 
     fn reference(&self, backend: &Backend<'_>) -> Expected {
-        let seen = match backend {
-            Backend::CpuLinear(set) if self.quantizes(*set) && !self.bf16_tiles(*set) => {
-                let q = Q8Rows::quantize(&self.x, self.cols).unwrap();
-                let mut seen = vec![0f32; self.x.len()];
-                for (t, row) in seen.chunks_mut(self.cols).enumerate() {
-                    q.dequantize_row(t, row);
-                }
-                seen
-            }
-            _ => self.x.clone(),
-        };
-        let dots = f64_dots(&self.weights, &seen, self.cols);
-        let values = dots.iter().map(|&(dot, _)| dot as f32).collect();
-        // assert_f64_dots' bound, 1e-5 * sum |products| + 1e-6, as one scale per value.
-        let scales = dots.iter().map(|&(_, sum)| (sum + 0.1) as f32).collect();
-        Expected { values, scales }
+        let q8 = matches!(backend, Backend::CpuLinear(set) if self.quantizes(*set) && !self.bf16_tiles(*set));
+        self.expected(q8)
     }
 
     fn run(&self, backend: &Backend<'_>) -> Option<Vec<Output>> {

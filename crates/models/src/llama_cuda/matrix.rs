@@ -1,0 +1,157 @@
+//! A weight matrix on the GPU ([`Matrix`]): dense in the model's dtype, or GGUF blocks kept
+//! as the file stores them (`PAGODA_CUDA_QUANT_WEIGHTS`), so device memory is the file's size.
+//! A quantized matrix multiplies a few rows in place (`gemv_quant`: activations quantized to
+//! 8 bits per 32 values, integer dots against the blocks) and more rows by decoding itself
+//! into a dense scratch for the GEMM ([`Linear`]).
+
+use pagoda_cuda::{view, view_mut, CudaError, DeviceBuffer, DeviceRead, DeviceWrite, Element, Gpu};
+use pagoda_ops::cuda::{self as ops, Q8Rows, QuantFormat};
+
+/// A `[rows, cols]` weight matrix on the device.
+pub(crate) enum Matrix<T> {
+    Dense(DeviceBuffer<T>),
+    Quantized(QuantMatrix),
+}
+
+/// Rows in GGUF blocks: consecutive parts of one format each (a stacked QKV of Q4_K q and k
+/// and a Q6_K v is two parts), each buffer padded by [`ops::QUANT_PADDING`] bytes.
+pub(crate) struct QuantMatrix {
+    pub parts: Vec<QuantPart>,
+    pub cols: usize,
+}
+
+pub(crate) struct QuantPart {
+    pub format: QuantFormat,
+    pub rows: usize,
+    pub blocks: DeviceBuffer<u8>,
+}
+
+impl<T> Matrix<T> {
+    /// Bytes on the device.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Matrix::Dense(buffer) => buffer.len() * std::mem::size_of::<T>(),
+            Matrix::Quantized(q) => q.parts.iter().map(|p| p.blocks.len()).sum(),
+        }
+    }
+
+    /// Values a dense copy holds (`rows * cols`) if the matrix is quantized, else 0: the
+    /// size of the scratch the GEMM path decodes it into.
+    pub fn quantized_values(&self) -> usize {
+        match self {
+            Matrix::Dense(_) => 0,
+            Matrix::Quantized(q) => q.parts.iter().map(|p| p.rows).sum::<usize>() * q.cols,
+        }
+    }
+
+    /// The formats of its quantized parts (none when dense).
+    pub fn formats(&self) -> Vec<QuantFormat> {
+        match self {
+            Matrix::Dense(_) => Vec::new(),
+            Matrix::Quantized(q) => q.parts.iter().map(|p| p.format).collect(),
+        }
+    }
+}
+
+/// What a linear layer over a quantized matrix needs besides its input and output: the
+/// quantized activations, the dense scratch and the largest row count the in-place kernel
+/// takes (`PAGODA_CUDA_QUANT_GEMV_ROWS`; 0 in deterministic mode, whose GEMMs are
+/// batch-invariant).
+pub struct QuantScratch<T> {
+    pub q8: Option<Q8Rows>,
+    pub dense: Option<DeviceBuffer<T>>,
+    pub gemv_rows: usize,
+}
+
+impl<T: Element> QuantScratch<T> {
+    /// Scratch for a model whose quantized matrices hold at most `values` values (0: none
+    /// quantized, nothing allocated) with inputs of at most `width` values.
+    pub fn new(
+        gpu: &Gpu,
+        values: usize,
+        width: usize,
+        gemv_rows: usize,
+    ) -> Result<Self, CudaError> {
+        if values == 0 {
+            return Ok(QuantScratch {
+                q8: None,
+                dense: None,
+                gemv_rows: 0,
+            });
+        }
+        Ok(QuantScratch {
+            q8: if gemv_rows > 0 {
+                Some(Q8Rows::new(gpu, gemv_rows, width)?)
+            } else {
+                None
+            },
+            dense: Some(gpu.alloc::<T>(values)?),
+            gemv_rows,
+        })
+    }
+
+    /// Whether a step of `rows` rows multiplies quantized matrices in place.
+    pub fn in_place(&self, rows: usize) -> bool {
+        self.q8.is_some() && rows <= self.gemv_rows
+    }
+}
+
+/// The linear layers of one step: `out = beta * out + a w^T`, dense weights on cuBLAS (or the
+/// small-batch bf16 kernel, `PAGODA_CUDA_GEMV`), quantized ones as [`QuantScratch`] says.
+pub(crate) struct Linear<'a, T> {
+    pub gpu: &'a Gpu,
+    /// `PAGODA_CUDA_GEMV`: dense bf16 rows on the small-batch kernel.
+    pub small: bool,
+    pub quant: &'a mut QuantScratch<T>,
+}
+
+impl<T: Element> Linear<'_, T> {
+    pub fn run<TOut: Element>(
+        &mut self,
+        a: &impl DeviceRead<T>,
+        w: &Matrix<T>,
+        out: &mut impl DeviceWrite<TOut>,
+        (m, n, k): (usize, usize, usize),
+        beta: f32,
+    ) -> Result<(), CudaError> {
+        let gpu = self.gpu;
+        let q = match w {
+            Matrix::Dense(w) if self.small && ops::gemv_small_applies(a, w, (m, n, k)) => {
+                return ops::gemv_small(gpu, a, w, out, (m, n, k), beta);
+            }
+            Matrix::Dense(w) => return gpu.gemm(a, w, out, (m, n, k), beta),
+            Matrix::Quantized(q) => q,
+        };
+        if self.quant.in_place(m) {
+            let q8 = self.quant.q8.as_mut().expect("in_place checked it");
+            ops::quantize_rows_q8(gpu, a, q8, (m, k))?;
+            let mut column = 0;
+            for part in &q.parts {
+                let mut slice = view_mut(out, column..m * n)?;
+                ops::gemv_quant(
+                    gpu,
+                    part.format,
+                    &part.blocks,
+                    q8,
+                    &mut slice,
+                    part.rows,
+                    n,
+                    beta,
+                )?;
+                column += part.rows;
+            }
+            return Ok(());
+        }
+        let dense =
+            self.quant.dense.as_mut().ok_or_else(|| {
+                CudaError::invalid("a quantized matrix without its dense scratch")
+            })?;
+        let mut row = 0;
+        for part in &q.parts {
+            let mut rows = view_mut(dense, row * k..(row + part.rows) * k)?;
+            ops::dequantize_fast(gpu, part.format, &part.blocks, &mut rows, (part.rows, k))?;
+            row += part.rows;
+        }
+        gpu.gemm(a, &view(dense, 0..n * k)?, out, (m, n, k), beta)
+    }
+}

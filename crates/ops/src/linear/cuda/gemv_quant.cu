@@ -1,0 +1,327 @@
+// Small-batch linear layer over GGUF-quantized weights, read in their block format:
+// out[i, j] = beta * out[i, j] + sum_k x[i, k] * w[j, k] for m <= M_TILE activation rows.
+//
+// The activations come quantized to 8 bits per 32-value block (`quantize_q8_rows`: q, the
+// block's scale d and d * sum(q), as ggml's q8_1), so every product is an integer dot of four
+// bytes (dp4a) and each weight group's scale and offset apply once per 32 values:
+//   sum_k x w = sum_groups dx * dw * sum(qx * qw) + mw * (dx * sum(qx)),
+// where a group's weights are dw * qw + mw (Q4_0: dw = d, mw = -8d; Q4_1: mw = m; K-quants: a
+// sub-block's d * scale and -dmin * min). Q6_K's scales change every 16 values: its two
+// halves are scaled apart and its values are centred (mw = 0).
+//
+// A CTA of WARPS warps owns ROWS weight rows; its threads stride over the rows' 32-value groups
+// (thread t decodes groups t, t + 32 * WARPS, ...), so a warp reads consecutive bytes and
+// every row is spread over the whole CTA: many small CTAs keep the memory busy whatever the
+// matrix's shape. Partial sums meet in shared memory. Weights are read through L1 (a K-quant
+// group's neighbours share its header and bytes); the quantized activations come from cache.
+// Requirements (checked by the launcher): k a multiple of the format's block, m <= M_TILE.
+// Specialisation: PAGODA_FORMAT (0-7, below), PAGODA_M_TILE (1, 2, 4 or 8), PAGODA_T_OUT.
+typedef PAGODA_T_OUT TO;
+
+namespace gemv_quant_detail {
+enum Format { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K };
+constexpr int FORMAT = PAGODA_FORMAT;
+constexpr int M_TILE = PAGODA_M_TILE;
+// Weight rows per CTA (the launcher's cta_shape): one for a single activation row (more rows
+// raise the registers past 4 CTAs an SM, measured slower on the H200), two otherwise.
+constexpr int ROWS = M_TILE == 1 ? 1 : 2;
+constexpr int WARPS = 4;                    // warps per CTA
+constexpr bool K_QUANT = FORMAT >= Q4_K;
+constexpr int BLOCK_VALUES = K_QUANT ? 256 : 32;
+constexpr int BLOCK_BYTES = FORMAT == Q4_0   ? 18
+                            : FORMAT == Q4_1 ? 20
+                            : FORMAT == Q5_0 ? 22
+                            : FORMAT == Q5_1 ? 24
+                            : FORMAT == Q8_0 ? 34
+                            : FORMAT == Q4_K ? 144
+                            : FORMAT == Q5_K ? 176
+                                             : 210;
+constexpr int GROUPS_PER_BLOCK = BLOCK_VALUES / 32;
+constexpr bool SPLIT16 = FORMAT == Q6_K;
+static_assert(M_TILE == 1 || M_TILE == 2 || M_TILE == 4 || M_TILE == 8, "M_TILE: 1, 2, 4 or 8");
+static_assert(FORMAT >= Q4_0 && FORMAT <= Q6_K, "FORMAT: 0-7");
+
+// One 32-value group of weights: 4 values a word (byte j of word i is value 4i + j), the
+// scales of its 16-value halves (dw[0], dw[1]; equal unless SPLIT16) and its offset.
+struct Group {
+    int q[8];
+    float dw[2];
+    float mw;
+};
+PAGODA_DEVICE float half_bits(unsigned int bits) {
+    return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
+}
+
+// N little-endian words from a 2-byte aligned address: aligned loads realigned by a funnel
+// shift (the word past the end is read only when the address is not 4-byte aligned).
+template <int N>
+PAGODA_DEVICE void load_words(const unsigned char* p, unsigned int (&w)[N]) {
+    const size_t address = reinterpret_cast<size_t>(p);
+    const unsigned int* base = reinterpret_cast<const unsigned int*>(address & ~(size_t)3);
+    const unsigned int shift = (unsigned int)(address & 3) * 8;
+    unsigned int raw[N + 1];
+#pragma unroll
+    for (int i = 0; i < N; ++i) raw[i] = __ldg(base + i);
+    raw[N] = shift != 0 ? __ldg(base + N) : 0u;
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = __funnelshift_r(raw[i], raw[i + 1], shift);
+}
+
+template <int N>
+PAGODA_DEVICE void load_aligned(const unsigned char* p, unsigned int (&w)[N]) {
+    static_assert(N % 4 == 0, "16-byte pieces");
+    const uint4* v = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+        const uint4 piece = __ldg(v + i);
+        w[4 * i] = piece.x;
+        w[4 * i + 1] = piece.y;
+        w[4 * i + 2] = piece.z;
+        w[4 * i + 3] = piece.w;
+    }
+}
+
+// Bits 0-3 of h at bit 4 of bytes 0-3 (the fifth bit of four 5-bit values).
+PAGODA_DEVICE int spread_bits(unsigned int h) {
+    return (int)((((h & 0xfu) * 0x00204081u) & 0x01010101u) << 4);
+}
+
+// Nibble `high` of each byte of the four words.
+PAGODA_DEVICE void nibbles(const unsigned int (&qs)[4], bool high, int* q) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q[i] = (int)((high ? qs[i] >> 4 : qs[i]) & 0x0f0f0f0fu);
+}
+
+// Byte i (0-11) of the three scale words, by selects (a dynamic index into a register array
+// would put the header in local memory).
+PAGODA_DEVICE unsigned int byte_of(const unsigned int* words, unsigned int i) {
+    const unsigned int word = i < 4 ? words[0] : (i < 8 ? words[1] : words[2]);
+    return (word >> (8 * (i % 4))) & 0xffu;
+}
+
+// ggml's get_scale_min_k4 over the 12 scale bytes (three words).
+PAGODA_DEVICE void scale_min_k4(unsigned int j, const unsigned int* s, float& scale, float& min) {
+    unsigned int sc, mn;
+    if (j < 4) {
+        sc = byte_of(s, j) & 63;
+        mn = byte_of(s, j + 4) & 63;
+    } else {
+        sc = (byte_of(s, j + 4) & 0x0f) | ((byte_of(s, j - 4) >> 6) << 4);
+        mn = (byte_of(s, j + 4) >> 4) | ((byte_of(s, j) >> 6) << 4);
+    }
+    scale = (float)sc;
+    min = (float)mn;
+}
+
+// Decodes group g (0 .. GROUPS_PER_BLOCK - 1) of the weight block at `b`: values 32g .. 32g + 31.
+PAGODA_DEVICE void decode(const unsigned char* b, unsigned int g, Group& u) {
+    if (FORMAT == Q4_0 || FORMAT == Q4_1 || FORMAT == Q5_0 || FORMAT == Q5_1) {
+        // d [, m] [, qh: 4 bytes] and 16 bytes of nibbles (values j and j + 16 share byte j).
+        constexpr bool MIN = FORMAT == Q4_1 || FORMAT == Q5_1;
+        constexpr bool FIFTH = FORMAT == Q5_0 || FORMAT == Q5_1;
+        constexpr int WORDS = (BLOCK_BYTES + 3) / 4;
+        unsigned int w[WORDS], qs[4], qh = 0, dm;
+        if (FORMAT == Q4_1 || FORMAT == Q5_1) {  // 4-byte aligned blocks
+            const unsigned int* p = reinterpret_cast<const unsigned int*>(b);
+#pragma unroll
+            for (int i = 0; i < WORDS; ++i) w[i] = __ldg(p + i);
+            dm = w[0];
+            if (FIFTH) qh = w[1];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) qs[i] = w[(FIFTH ? 2 : 1) + i];
+        } else {  // 2-byte aligned: the words after the f16 scale, realigned
+            load_words(b, w);
+            dm = w[0];
+            if (FIFTH) qh = __funnelshift_r(w[0], w[1], 16);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                qs[i] = __funnelshift_r(w[(FIFTH ? 1 : 0) + i], w[(FIFTH ? 2 : 1) + i], 16);
+        }
+        nibbles(qs, false, u.q);
+        nibbles(qs, true, u.q + 4);
+        if (FIFTH) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                u.q[i] |= spread_bits(qh >> (4 * i));
+                u.q[4 + i] |= spread_bits(qh >> (16 + 4 * i));
+            }
+        }
+        const float d = half_bits(dm);
+        u.dw[0] = u.dw[1] = d;
+        u.mw = MIN ? half_bits(dm >> 16) : (FIFTH ? -16.0f : -8.0f) * d;
+    } else if (FORMAT == Q8_0) {
+        unsigned int w[9];
+        load_words(b, w);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) u.q[i] = (int)__funnelshift_r(w[i], w[i + 1], 16);
+        u.dw[0] = u.dw[1] = half_bits(w[0]);
+        u.mw = 0.0f;
+    } else if (FORMAT == Q4_K || FORMAT == Q5_K) {
+        // Groups 2c and 2c + 1 are the low and high nibbles of the 32 bytes of chunk c.
+        unsigned int head[4], qs[8];
+        load_aligned(b, head);
+        load_aligned(b + (FORMAT == Q4_K ? 16 : 48) + 32 * (g / 2), qs);
+        const bool high = g % 2;
+        nibbles(*reinterpret_cast<const unsigned int(*)[4]>(qs), high, u.q);
+        nibbles(*reinterpret_cast<const unsigned int(*)[4]>(qs + 4), high, u.q + 4);
+        if (FORMAT == Q5_K) {  // the fifth bit of value l of group g: bit g of qh[l]
+            unsigned int qh[8];
+            load_aligned(b + 16, qh);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) u.q[i] |= (int)(((qh[i] >> g) & 0x01010101u) << 4);
+        }
+        float scale, min;
+        scale_min_k4(g, head + 1, scale, min);
+        u.dw[0] = u.dw[1] = half_bits(head[0]) * scale;
+        u.mw = -half_bits(head[0] >> 16) * min;
+    } else {  // Q6_K: group g = (half h, k): low nibbles of ql[32 (k & 1)..] when k < 2,
+              // high ones when k >= 2; two high bits from qh[l] >> 2k; 16-value scales.
+        const unsigned int h = g / 4, k = g % 4;
+        unsigned int ql[8], qh[8], sc[1];
+        load_words(b + 64 * h + 32 * (k & 1), ql);
+        load_words(b + 128 + 32 * h, qh);
+        load_words(b + 192 + 8 * h + 2 * k, sc);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const unsigned int low = (k >= 2 ? ql[i] >> 4 : ql[i]) & 0x0f0f0f0fu;
+            const unsigned int value = low | (((qh[i] >> (2 * k)) & 0x03030303u) << 4);
+            u.q[i] = (int)__vsub4(value, 0x20202020u);
+        }
+        const float d = __half2float(*reinterpret_cast<const __half*>(b + 208));
+        u.dw[0] = d * (float)(signed char)(sc[0] & 0xff);
+        u.dw[1] = d * (float)(signed char)((sc[0] >> 8) & 0xff);
+        u.mw = 0.0f;
+    }
+}
+}  // namespace gemv_quant_detail
+
+extern "C" __global__ void __launch_bounds__(gemv_quant_detail::WARPS * 32)
+    gemv_quant(const unsigned char* __restrict__ w, const int* __restrict__ xq,
+               const float2* __restrict__ xds, TO* __restrict__ out, unsigned int m,
+               unsigned int n, unsigned int k, unsigned int ldo, float beta) {
+    using namespace gemv_quant_detail;
+    constexpr int THREADS = WARPS * 32;
+    const unsigned int row0 = blockIdx.x * ROWS;
+    const unsigned int groups = k / 32;
+    const size_t row_bytes = (size_t)(k / BLOCK_VALUES) * BLOCK_BYTES;
+    const unsigned char* rows[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) rows[r] = w + (size_t)min(row0 + r, n - 1) * row_bytes;
+    float acc[M_TILE][ROWS];
+#pragma unroll
+    for (int i = 0; i < M_TILE; ++i)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[i][r] = 0.0f;
+
+    for (unsigned int group = threadIdx.x; group < groups; group += THREADS) {
+        const unsigned int block = group / GROUPS_PER_BLOCK, g = group % GROUPS_PER_BLOCK;
+        Group u[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) decode(rows[r] + (size_t)block * BLOCK_BYTES, g, u[r]);
+#pragma unroll
+        for (int i = 0; i < M_TILE; ++i) {
+            if (i >= (int)m) break;
+            const int4* xp = reinterpret_cast<const int4*>(xq + ((size_t)i * groups + group) * 8);
+            const int4 a = __ldg(xp), c = __ldg(xp + 1);
+            const float2 ds = __ldg(xds + (size_t)i * groups + group);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+                const int* q = u[r].q;
+                int lo = __dp4a(q[0], a.x, 0);
+                lo = __dp4a(q[1], a.y, lo);
+                lo = __dp4a(q[2], a.z, lo);
+                lo = __dp4a(q[3], a.w, lo);
+                int hi = __dp4a(q[4], c.x, 0);
+                hi = __dp4a(q[5], c.y, hi);
+                hi = __dp4a(q[6], c.z, hi);
+                hi = __dp4a(q[7], c.w, hi);
+                const float dot = SPLIT16 ? u[r].dw[0] * (float)lo + u[r].dw[1] * (float)hi
+                                          : u[r].dw[0] * (float)(lo + hi);
+                acc[i][r] += ds.x * dot + u[r].mw * ds.y;
+            }
+        }
+    }
+    // Warp sums, then the warps' partials in shared memory.
+    __shared__ float partial[WARPS][M_TILE][ROWS];
+    const unsigned int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+    for (int i = 0; i < M_TILE; ++i)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float v = warp_sum(acc[i][r]);
+            if (lane == 0) partial[warp][i][r] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x >= (unsigned int)(M_TILE * ROWS)) return;
+    const unsigned int i = threadIdx.x / ROWS, r = threadIdx.x % ROWS, row = row0 + r;
+    if (i >= m || row >= n) return;
+    float v = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < WARPS; ++wi) v += partial[wi][i][r];
+    TO* o = out + (size_t)i * ldo + row;
+    const float previous = beta != 0.0f ? beta * to_f32(*o) : 0.0f;
+    *o = from_f32<TO>(previous + v);
+}
+
+// The dense copy of a quantized matrix for the GEMM of a larger batch: `rows` rows of k
+// values from their blocks into `out` [rows, k] (PAGODA_T_OUT), one thread per 32-value group
+// through gemv_quant's decoder (values dw * q + mw, rounded once to the output type; the
+// load-time `dequant_*` entries are the bit-exact ones).
+extern "C" __global__ void dequant_groups(const unsigned char* __restrict__ w, TO* __restrict__ out,
+                                          unsigned long long total_groups, unsigned int k) {
+    using namespace gemv_quant_detail;
+    const unsigned long long id = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    // A warp past the end leaves; a partial warp decodes its last group again (unused).
+    if (id - threadIdx.x % 32 >= total_groups) return;
+    const unsigned long long group_id = min(id, total_groups - 1);
+    const unsigned int groups = k / 32;
+    const unsigned long long row = group_id / groups;
+    const unsigned int group = (unsigned int)(group_id % groups);
+    const unsigned int block = group / GROUPS_PER_BLOCK, g = group % GROUPS_PER_BLOCK;
+    Group u;
+    decode(w + row * ((size_t)(k / BLOCK_VALUES) * BLOCK_BYTES) + (size_t)block * BLOCK_BYTES, g, u);
+    // Through shared memory, so that each store of the warp writes 512 contiguous bytes (a
+    // warp's groups are consecutive: its output is one run of 32 * 32 values).
+    constexpr int PIECES = 32 * sizeof(TO) / 16;  // 16-byte pieces of one group's values
+    __shared__ uint4 staged[256 / 32][32 * PIECES + 1];
+    TO values[32];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            // The byte as a float without I2F (a quarter-rate instruction): 1.5 * 2^23 + x.
+            const int x = (int)(signed char)((u.q[i] >> (8 * j)) & 0xff);
+            const float q = __int_as_float(0x4B400000 + x) - 12582912.0f;
+            values[4 * i + j] = from_f32<TO>(fmaf(u.dw[i / 4], q, u.mw));
+        }
+    const unsigned int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const uint4* v = reinterpret_cast<const uint4*>(values);
+#pragma unroll
+    for (int p = 0; p < PIECES; ++p) staged[warp][lane * PIECES + p] = v[p];
+    __syncwarp();
+    const unsigned long long first = id - lane;  // the warp's first group
+    const unsigned long long live = min(32ull, total_groups - first);
+    uint4* o = reinterpret_cast<uint4*>(out + first * 32);
+    for (unsigned int p = lane; p < live * PIECES; p += 32) o[p] = staged[warp][p];
+}
+
+// The activations of gemv_quant: rows of x [m, k] (k a multiple of 32) quantized per 32-value
+// block as ggml's q8_1 and the CPU's Q8Rows: d = amax / 127, q = round(x * (1 / d)) to nearest
+// even within +-127, and (d, d * sum q).
+// One warp a block, one value a lane. Specialisation: PAGODA_T_IN (float or __nv_bfloat16).
+extern "C" __global__ void quantize_q8_rows(const PAGODA_T_IN* __restrict__ x,
+                                            signed char* __restrict__ xq,
+                                            float2* __restrict__ xds, unsigned int blocks) {
+    const unsigned int block = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    if (block >= blocks) return;
+    const unsigned int lane = threadIdx.x % 32;
+    const size_t index = (size_t)block * 32 + lane;
+    const float value = to_f32(x[index]);
+    const float amax = warp_max(fabsf(value));
+    const float d = amax / 127.0f;
+    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
+    const int q = max(-127, min(127, __float2int_rn(value * inverse)));
+    xq[index] = (signed char)q;
+    const int sum = __reduce_add_sync(0xffffffffu, q);
+    if (lane == 0) xds[block] = make_float2(d, d * (float)sum);
+}

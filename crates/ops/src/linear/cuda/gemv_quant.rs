@@ -1,0 +1,255 @@
+//! The small-batch linear layer over GGUF blocks in place (`gemv_quant.cu`): the activation
+//! rows are quantized to 8 bits per 32 values once ([`quantize_rows_q8`], as ggml's q8_1),
+//! then every weight matrix of that input multiplies them as integer dots of four bytes with
+//! the blocks' scales applied per group ([`gemv_quant`]), reading each weight byte once per
+//! eight rows.
+
+use super::QuantFormat;
+use pagoda_cuda::{
+    check_len, ptr, to_u32, view, view_mut, CudaError, DType, DeviceBuffer, DeviceRead,
+    DeviceWrite, Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims,
+};
+
+/// The CUDA source of the quantized small-batch kernel and its activation quantizer.
+pub(crate) static GEMV_QUANT: KernelSource =
+    KernelSource::new("gemv_quant.cu", include_str!("gemv_quant.cu"));
+
+/// Activation rows one `gemv_quant` launch takes; more rows run in launches of this many.
+pub const QUANT_GEMV_MAX_ROWS: usize = 8;
+
+/// Bytes a quantized weight buffer carries past its last block: the kernel reads whole
+/// aligned words around blocks of 18, 22, 34 or 210 bytes, up to 4 bytes past a block's end.
+pub const QUANT_PADDING: usize = 16;
+
+/// `(weight rows, threads)` of a CTA of the `gemv_quant` specialisation for `m_tile` rows
+/// (`ROWS` and `WARPS * 32` in the kernel).
+fn cta_shape(m_tile: usize) -> (usize, u32) {
+    let rows = if m_tile == 1 { 1 } else { 2 };
+    (rows, 128)
+}
+
+/// Activation rows quantized for [`gemv_quant`]: per 32-value block, 32 signed bytes and the
+/// pair (scale, scale times the sum of the bytes).
+pub struct Q8Rows {
+    values: DeviceBuffer<i32>,
+    scales: DeviceBuffer<f32>,
+    capacity: (usize, usize),
+    shape: (usize, usize),
+}
+
+impl Q8Rows {
+    /// Room for up to `rows` rows of up to `width` values (a multiple of 32).
+    pub fn new(gpu: &Gpu, rows: usize, width: usize) -> Result<Q8Rows, CudaError> {
+        let width = width.next_multiple_of(32);
+        Ok(Q8Rows {
+            values: gpu.zeros::<i32>((rows * width / 4).max(1))?,
+            scales: gpu.zeros::<f32>((rows * width / 16).max(1))?,
+            capacity: (rows, width),
+            shape: (0, 0),
+        })
+    }
+
+    /// `(rows, width)` of the activations quantized last.
+    pub fn shape(&self) -> (usize, usize) {
+        self.shape
+    }
+}
+
+/// The `quantize_q8_rows` specialisation for activations of dtype `input`.
+pub fn specialize_quantize_q8(input: DType) -> Result<KernelSpec, CudaError> {
+    if !matches!(input, DType::F32 | DType::BF16) {
+        return Err(CudaError::invalid(format!(
+            "q8 activations are quantized from f32 or bf16, not {input}"
+        )));
+    }
+    Ok(KernelSpec {
+        source: &GEMV_QUANT,
+        entry: "quantize_q8_rows",
+        params: vec![("FORMAT", 0), ("M_TILE", 1)],
+        dtypes: vec![("T_IN", input), ("T_OUT", DType::F32)],
+    })
+}
+
+/// The `gemv_quant` specialisation of `format` for `rows` activation rows (1..=8, rounded up
+/// to a power of two) writing `out` (f32 or bf16).
+pub fn specialize_gemv_quant(
+    format: QuantFormat,
+    out: DType,
+    rows: usize,
+) -> Result<KernelSpec, CudaError> {
+    if !matches!(out, DType::F32 | DType::BF16) {
+        return Err(CudaError::invalid(format!(
+            "quantized linear writes f32 or bf16, not {out}"
+        )));
+    }
+    if !(1..=QUANT_GEMV_MAX_ROWS).contains(&rows) {
+        return Err(CudaError::invalid(format!(
+            "quantized linear takes 1..={QUANT_GEMV_MAX_ROWS} rows a launch, not {rows}"
+        )));
+    }
+    Ok(KernelSpec {
+        source: &GEMV_QUANT,
+        entry: "gemv_quant",
+        params: vec![
+            ("FORMAT", format.code()),
+            ("M_TILE", rows.next_power_of_two() as i64),
+        ],
+        dtypes: vec![("T_IN", DType::F32), ("T_OUT", out)],
+    })
+}
+
+/// Quantizes `x [m, k]` (k a multiple of 32) into `q8` for [`gemv_quant`].
+pub fn quantize_rows_q8<T: Element>(
+    gpu: &Gpu,
+    x: &impl DeviceRead<T>,
+    q8: &mut Q8Rows,
+    (m, k): (usize, usize),
+) -> Result<(), CudaError> {
+    let spec = specialize_quantize_q8(T::DTYPE)?;
+    if k % 32 != 0 || m > q8.capacity.0 || k > q8.capacity.1 {
+        return Err(CudaError::invalid(format!(
+            "q8 activations: [{m}, {k}] needs k a multiple of 32 and at most [{}, {}]",
+            q8.capacity.0, q8.capacity.1
+        )));
+    }
+    check_len("q8 activations x [m, k]", m * k, x.len())?;
+    q8.shape = (m, k);
+    let blocks = m * k / 32;
+    if blocks == 0 {
+        return Ok(());
+    }
+    let args = [
+        ptr(x),
+        ptr(&q8.values),
+        ptr(&q8.scales),
+        KernelArg::U32(to_u32("q8 blocks", blocks)?),
+    ];
+    let grid = (to_u32("q8 CTAs", blocks.div_ceil(8))?, 1);
+    // SAFETY: arguments match `quantize_q8_rows`; the buffers hold m * k bytes and m * k / 16
+    // floats (capacity checked above).
+    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }
+}
+
+/// `out [m, n] = beta * out + x w^T` for the activations last quantized into `q8` (`[m, k]`)
+/// against `w`: `n` rows of `k` values in `format`'s blocks, followed by [`QUANT_PADDING`]
+/// bytes. Row `i` of the output starts at `i * ldo` (`ldo >= n`: a column slice of a wider
+/// output). Launches of up to [`QUANT_GEMV_MAX_ROWS`] rows, each reading the weights once.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_quant<TOut: Element>(
+    gpu: &Gpu,
+    format: QuantFormat,
+    w: &impl DeviceRead<u8>,
+    q8: &Q8Rows,
+    out: &mut impl DeviceWrite<TOut>,
+    n: usize,
+    ldo: usize,
+    beta: f32,
+) -> Result<(), CudaError> {
+    let (m, k) = q8.shape;
+    if n == 0 || m == 0 || k % format.block_values() != 0 || ldo < n {
+        return Err(CudaError::invalid(format!(
+            "quantized linear {format}: needs n >= 1, m >= 1, k a multiple of {} and ldo >= n \
+             (have m {m} n {n} k {k} ldo {ldo})",
+            format.block_values()
+        )));
+    }
+    check_len(
+        "quantized linear w (bytes, padded)",
+        n * format.row_bytes(k) + QUANT_PADDING,
+        w.len(),
+    )?;
+    if out.len() < (m - 1) * ldo + n {
+        return Err(CudaError::invalid(format!(
+            "quantized linear out [{m}, {n}] with row stride {ldo} needs {} elements, has {}",
+            (m - 1) * ldo + n,
+            out.len()
+        )));
+    }
+    for first in (0..m).step_by(QUANT_GEMV_MAX_ROWS) {
+        let rows = (m - first).min(QUANT_GEMV_MAX_ROWS);
+        let spec = specialize_gemv_quant(format, TOut::DTYPE, rows)?;
+        let (cta_rows, threads) = cta_shape(rows.next_power_of_two());
+        let grid = (to_u32("quantized linear CTAs", n.div_ceil(cta_rows))?, 1);
+        let values = view(&q8.values, first * k / 4..m * k / 4)?;
+        let scales = view(&q8.scales, first * k / 16..m * k / 16)?;
+        let o = view_mut(out, first * ldo..(m - 1) * ldo + n)?;
+        let args = [
+            ptr(w),
+            ptr(&values),
+            ptr(&scales),
+            ptr(&o),
+            KernelArg::U32(to_u32("m", rows)?),
+            KernelArg::U32(to_u32("n", n)?),
+            KernelArg::U32(to_u32("k", k)?),
+            KernelArg::U32(to_u32("ldo", ldo)?),
+            KernelArg::F32(beta),
+        ];
+        // SAFETY: arguments match `gemv_quant`; the weights hold n padded rows of k values,
+        // the activations `rows` rows of k, the output (rows - 1) * ldo + n values.
+        unsafe { gpu.launch(&spec, LaunchDims::new(grid, threads), &args)? };
+    }
+    Ok(())
+}
+
+/// The `dequant_groups` specialisation of `format` writing `out` (f32 or bf16).
+pub fn specialize_dequant_groups(format: QuantFormat, out: DType) -> Result<KernelSpec, CudaError> {
+    let mut spec = specialize_gemv_quant(format, out, 1)?;
+    spec.entry = "dequant_groups";
+    Ok(spec)
+}
+
+/// `out [n, k]` decoded from `w`'s `n` rows of `format` blocks (followed by
+/// [`QUANT_PADDING`] bytes, or not), for the GEMM of a batch too large for [`gemv_quant`]:
+/// one thread per 32 values, each value `dw * q + mw` rounded once to `T` (within one
+/// rounding of the bit-exact [`super::dequantize`]).
+pub fn dequantize_fast<T: Element>(
+    gpu: &Gpu,
+    format: QuantFormat,
+    w: &impl DeviceRead<u8>,
+    out: &mut impl DeviceWrite<T>,
+    (n, k): (usize, usize),
+) -> Result<(), CudaError> {
+    let spec = specialize_dequant_groups(format, T::DTYPE)?;
+    if k % format.block_values() != 0 {
+        return Err(CudaError::invalid(format!(
+            "dequantize {format}: k {k} is not a whole number of {}-value blocks",
+            format.block_values()
+        )));
+    }
+    let bytes = n * format.row_bytes(k);
+    if w.len() != bytes && w.len() != bytes + QUANT_PADDING {
+        check_len("dequantize blocks (bytes)", bytes, w.len())?;
+    }
+    check_len("dequantize out [n, k]", n * k, out.len())?;
+    let groups = n * k / 32;
+    if groups == 0 {
+        return Ok(());
+    }
+    let args = [
+        ptr(w),
+        ptr(out),
+        KernelArg::U64(groups as u64),
+        KernelArg::U32(to_u32("k", k)?),
+    ];
+    let grid = (to_u32("dequantize CTAs", groups.div_ceil(256))?, 1);
+    // SAFETY: arguments match `dequant_groups`; the blocks hold n rows of k values (checked),
+    // the output n * k values.
+    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }
+}
+
+/// Every specialisation the quantized small-batch launchers can request.
+pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
+    let mut specs = vec![
+        specialize_quantize_q8(DType::F32)?,
+        specialize_quantize_q8(DType::BF16)?,
+    ];
+    for format in QuantFormat::ALL {
+        for out in [DType::F32, DType::BF16] {
+            for rows in [1, 2, 4, 8] {
+                specs.push(specialize_gemv_quant(format, out, rows)?);
+            }
+            specs.push(specialize_dequant_groups(format, out)?);
+        }
+    }
+    Ok(specs)
+}

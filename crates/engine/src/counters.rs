@@ -167,7 +167,7 @@ engine_counters! {
         "CUDA steps of a model with GGUF blocks on the device, by how its quantized matrices ran: in place (at most PAGODA_CUDA_QUANT_GEMV_ROWS rows) or decoded for cuBLAS.";
     /// CUDA steps that decoded quantized matrices into a scratch for cuBLAS.
     steps_cuda_quant_decoded: "pagoda_cuda_quant_linear_steps_total" ["path" = "decoded"], Counter,
-        "CUDA steps of a model with GGUF blocks on the device, by how its quantized matrices ran: in place (at most PAGODA_CUDA_QUANT_GEMV_ROWS rows) or decoded for cuBLAS.";
+        "";
     /// Streaming prefill steps whose tiling came from the tuning table (`pagoda tune`).
     steps_cuda_prefill_tuned: "pagoda_cuda_prefill_tiling_steps_total" ["source" = "tuned"], Counter,
         "Streaming prefill steps by where their tiling came from (tuned: the tuning table's row for the step's bucket; heuristic: no row, the built-in choice).";

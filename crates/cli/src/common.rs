@@ -212,13 +212,7 @@ pub fn policy_name(policy: AttentionPolicy) -> &'static str {
 pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
     configure_threads(args.threads)?;
     // Read before the (slow) load, so a wrong path fails at once.
-    let template_source = match &args.chat_template_file {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .map_err(|e| anyhow::anyhow!("--chat-template-file {}: {e}", path.display()))?,
-        ),
-        None => None,
-    };
+    let template_source = read_chat_template_file(args)?;
     let source = resolve_model(&args.model)?;
     let started = Instant::now();
     let bar = ProgressBar::new(0);
@@ -264,19 +258,71 @@ pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
     };
     bar.finish_and_clear();
     let mut loaded = loaded;
-    if let (Some(template), Some(path)) = (template_source, &args.chat_template_file) {
-        let (bos, eos) = (loaded.tokenizer.bos_token(), loaded.tokenizer.eos_token());
-        loaded.chat_template = ChatTemplate::new(&template, bos.as_deref(), eos.as_deref())
-            .map_err(|e| anyhow::anyhow!("--chat-template-file {}: {e}", path.display()))?;
-        loaded.chat_template_from_model = false;
-        tracing::info!("chat template: {}", path.display());
-    }
+    apply_chat_template_file(args, &mut loaded, template_source)?;
     tracing::info!(
         "loaded {} on {} in {:.2}s ({} weights, {:.1} MiB)",
         source.path().display(),
         loaded.model.device_name(),
         started.elapsed().as_secs_f64(),
         if args.exact { "f32" } else { "as stored" },
+        loaded.model.weight_bytes() as f64 / (1 << 20) as f64
+    );
+    Ok(loaded)
+}
+
+/// `--chat-template-file`'s text, read before the (slow) load so a wrong path fails at once.
+fn read_chat_template_file(args: &ModelArgs) -> Result<Option<String>> {
+    args.chat_template_file
+        .as_ref()
+        .map(|path| {
+            std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("--chat-template-file {}: {e}", path.display()))
+        })
+        .transpose()
+}
+
+/// `--chat-template-file`'s template (read before loading: `source`) in place of the model's.
+fn apply_chat_template_file(
+    args: &ModelArgs,
+    loaded: &mut LoadedModel,
+    source: Option<String>,
+) -> Result<()> {
+    if let (Some(template), Some(path)) = (source, &args.chat_template_file) {
+        let (bos, eos) = (loaded.tokenizer.bos_token(), loaded.tokenizer.eos_token());
+        loaded.chat_template = ChatTemplate::new(&template, bos.as_deref(), eos.as_deref())
+            .map_err(|e| anyhow::anyhow!("--chat-template-file {}: {e}", path.display()))?;
+        loaded.chat_template_from_model = false;
+        tracing::info!("chat template: {}", path.display());
+    }
+    Ok(())
+}
+
+/// Random weights of `spec` (a built-in architecture or a config.json) served with the
+/// tokenizer and chat template of the model `args` names (the default model when none), whose
+/// vocabulary replaces the architecture's (`pagoda serve --random-weights`).
+pub fn load_random_served(args: &ModelArgs, spec: &str) -> Result<LoadedModel> {
+    configure_threads(args.threads)?;
+    if args.exact {
+        bail!("--exact and --random-weights do not go together: random weights are f32 on the CPU already");
+    }
+    let template_source = read_chat_template_file(args)?;
+    let source = resolve_model(&args.model)?;
+    let device = resolve_device(args)?;
+    let options = LoadOptions {
+        precision: WeightPrecision::F32,
+        device,
+    };
+    let started = Instant::now();
+    let mut loaded = pagoda_engine::load_random_served(spec, 1, &source, options, &mut |_, _| {})
+        .map_err(anyhow::Error::msg)?;
+    apply_chat_template_file(args, &mut loaded, template_source)?;
+    tracing::info!(
+        "random weights of {spec} (vocabulary {} from {}'s tokenizer) on {} in {:.2}s \
+         ({:.1} MiB)",
+        loaded.model.config().vocab_size,
+        source.path().display(),
+        loaded.model.device_name(),
+        started.elapsed().as_secs_f64(),
         loaded.model.weight_bytes() as f64 / (1 << 20) as f64
     );
     Ok(loaded)

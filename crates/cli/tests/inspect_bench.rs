@@ -306,8 +306,14 @@ struct Server {
 
 impl Server {
     fn start(model: &Path) -> Server {
+        Server::start_with(model, &[])
+    }
+
+    /// A server of `model` with more flags.
+    fn start_with(model: &Path, flags: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_pagoda"))
             .args(["serve", "-m", model.to_str().unwrap(), "--port", "0"])
+            .args(flags)
             .current_dir(repo_root())
             .env_remove("PAGODA_MODEL")
             .env_remove("RUST_LOG")
@@ -344,6 +350,33 @@ impl Drop for Server {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// `serve --random-weights`: random weights of a config.json's shapes, served with the model's
+/// tokenizer under the name `random-<folder>` (a wrong name is refused by the server), answer
+/// streamed completions of exactly the tokens asked for.
+#[test]
+fn serve_random_weights_answers_under_its_own_name() {
+    let dir = tiny_model("tiny-qwen2");
+    let config = dir.join("config.json");
+    let server = Server::start_with(&dir, &["--random-weights", config.to_str().unwrap()]);
+    let args = |model: &'static str| {
+        let mut args = vec!["bench", "serve", "--url", &server.url, "--model", model];
+        args.extend(["--scenarios", "single", "-n", "4", "-r", "1"]);
+        args.extend(["--prompt-words", "4", "--json", "--no-warmup"]);
+        args
+    };
+    let out = pagoda(&args("random-tiny-qwen2"), None);
+    out.assert_success();
+    let stdout = out.stdout_text();
+    let report: serde_json::Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("bad JSON ({e}):\n{stdout}"));
+    assert_eq!(
+        report["results"][0]["repetitions"][0]["completion_tokens"], 4,
+        "{report}"
+    );
+    // The tokenizer's file is not the served model.
+    assert_ne!(pagoda(&args("tiny-qwen2"), None).code, Some(0));
 }
 
 #[test]

@@ -24,6 +24,6 @@ pub use engine::{
     Engine, EngineConfig, EngineError, EngineSettings, FinishReason, RequestId, StepEvent,
 };
 pub use load::{
-    load_backend, load_model, load_random, Device, LoadOptions, LoadedModel, ModelLoadError,
-    ModelSource,
+    load_backend, load_model, load_random, load_random_served, Device, LoadOptions, LoadedModel,
+    ModelLoadError, ModelSource,
 };

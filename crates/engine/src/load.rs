@@ -125,16 +125,18 @@ pub struct LoadedModel {
     pub source: ModelSource,
 }
 
+/// The error of a tokenizer read from `path`.
+fn tokenizer_error(path: &Path) -> impl FnOnce(TokenizerError) -> ModelLoadError {
+    let path = path.to_path_buf();
+    move |source| ModelLoadError::Tokenizer { path, source }
+}
+
 /// Loads a model. `progress(done, total)` is called as layers load.
 pub fn load_model(
     source: &ModelSource,
     options: LoadOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<LoadedModel, ModelLoadError> {
-    let tokenizer_error = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| ModelLoadError::Tokenizer { path, source }
-    };
     let (model, tokenizer, generation) = match source {
         ModelSource::Gguf(path) => {
             let file = GgufFile::open(path)?;
@@ -163,6 +165,17 @@ pub fn load_model(
             model: model.config().vocab_size,
         });
     }
+    with_tokenizer(model, tokenizer, generation, source)
+}
+
+/// A loaded model with its tokenizer, and the tokenizer's chat template (the ChatML fallback
+/// when it has none).
+fn with_tokenizer(
+    model: Backend,
+    tokenizer: Tokenizer,
+    generation: GenerationDefaults,
+    source: &ModelSource,
+) -> Result<LoadedModel, ModelLoadError> {
     let bos = tokenizer.bos_token();
     let eos = tokenizer.eos_token();
     let (chat_template, chat_template_from_model) = match tokenizer.chat_template() {
@@ -229,11 +242,59 @@ pub fn load_random(
     options: LoadOptions,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Backend, ModelLoadError> {
+    let config = random_config(spec).map_err(|source| ModelLoadError::Random {
+        spec: spec.to_owned(),
+        source,
+    })?;
+    load_random_config(spec, config, seed, options, progress)
+}
+
+/// [`load_random`] of `spec`'s shapes served with the tokenizer, chat template and generation
+/// defaults of `tokenizer_source` (its weights are not read) and the tokenizer's vocabulary
+/// in place of the architecture's: serving measured at shapes whose weights are not on the
+/// machine (vLLM's `--load-format dummy`). The text it writes is noise.
+pub fn load_random_served(
+    spec: &str,
+    seed: u64,
+    tokenizer_source: &ModelSource,
+    options: LoadOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<LoadedModel, ModelLoadError> {
+    let (tokenizer, generation) = match tokenizer_source {
+        ModelSource::Gguf(path) => {
+            let file = GgufFile::open(path)?;
+            let tokenizer = Tokenizer::from_gguf(&file).map_err(tokenizer_error(path))?;
+            (tokenizer, GenerationDefaults::default())
+        }
+        ModelSource::HfDir(dir) => {
+            let hf = HfModelDir::open(dir)?;
+            if hf.tokenizer_path.is_none() {
+                return Err(ModelLoadError::NoTokenizer(dir.clone()));
+            }
+            let tokenizer = Tokenizer::from_hf_dir(dir).map_err(tokenizer_error(dir))?;
+            (tokenizer, hf.generation)
+        }
+    };
+    let mut config = random_config(spec).map_err(|source| ModelLoadError::Random {
+        spec: spec.to_owned(),
+        source,
+    })?;
+    config.vocab_size = tokenizer.vocab_size();
+    let model = load_random_config(spec, config, seed, options, progress)?;
+    with_tokenizer(model, tokenizer, generation, tokenizer_source)
+}
+
+fn load_random_config(
+    spec: &str,
+    config: ModelConfig,
+    seed: u64,
+    options: LoadOptions,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Backend, ModelLoadError> {
     let random = |source| ModelLoadError::Random {
         spec: spec.to_owned(),
         source,
     };
-    let config = random_config(spec).map_err(random)?;
     // The CPU keeps every weight in f32; the GPU converts one tensor at a time.
     let limit = match options.device {
         Device::Cpu => 16usize << 30,

@@ -85,9 +85,17 @@ pub struct ServeArgs {
     /// KV pool size as a fraction of the memory left after the weights (0 < f <= 0.9).
     #[arg(long, allow_negative_numbers = true)]
     pub kv_memory_fraction: Option<f64>,
-    /// Model name served in /v1/models and answers. Default: the model file's stem.
+    /// Model name served in /v1/models and answers. Default: the model file's stem
+    /// (`random-<ARCH>` with `--random-weights`).
     #[arg(short = 'a', long)]
     pub alias: Option<String>,
+    /// Serve random weights of a built-in architecture (llama-3.1-8b, qwen2.5-7b,
+    /// smollm2-135m) or of a config.json's shapes instead of the model's weights, with the
+    /// model's tokenizer and chat template (`-m`, default the default model) and its
+    /// vocabulary in place of the architecture's: serving measured at shapes whose weights are
+    /// not on the machine (vLLM's `--load-format dummy`). The text is noise.
+    #[arg(long, value_name = "ARCH|CONFIG")]
+    pub random_weights: Option<String>,
     /// Largest request body in bytes (larger: 413).
     #[arg(long, default_value_t = 4 << 20, allow_negative_numbers = true)]
     pub max_body_bytes: usize,
@@ -163,7 +171,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
     }
     pagoda_server::check_cors_origins(&args.cors).map_err(anyhow::Error::msg)?;
     args.sampling.params()?; // fail fast on bad flags, before loading
-    let loaded = common::load(&args.model)?;
+    let loaded = match &args.random_weights {
+        Some(spec) => common::load_random_served(&args.model, spec)?,
+        None => common::load(&args.model)?,
+    };
     let ctx = common::context_size(&args.model, &loaded)?;
     let sampling_defaults = args.sampling.resolve(&loaded.generation)?;
     let stop_tokens = common::stop_tokens(&loaded.tokenizer, &loaded.generation);
@@ -177,8 +188,31 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .strip_suffix(".gguf")
         .unwrap_or(&file_name)
         .to_owned();
+    let (file_name, stem) = match &args.random_weights {
+        // Named after the architecture (a config.json after its folder), not the tokenizer's file.
+        Some(spec) => {
+            let path = std::path::Path::new(spec);
+            let arch = match path.file_name().and_then(|n| n.to_str()) {
+                Some("config.json") => path.parent().and_then(|p| p.file_name()),
+                _ => path.file_stem(),
+            };
+            let name = format!(
+                "random-{}",
+                arch.map_or(spec.into(), |a| a.to_string_lossy())
+            );
+            (name.clone(), name)
+        }
+        None => (file_name, stem),
+    };
     let model_name = args.alias.clone().unwrap_or_else(|| stem.clone());
-    let source_path = loaded.source.path().display().to_string();
+    let source_path = match &args.random_weights {
+        Some(spec) => format!(
+            "random weights of {spec}, tokenizer of {} (vocabulary {})",
+            loaded.source.path().display(),
+            loaded.model.config().vocab_size
+        ),
+        None => loaded.source.path().display().to_string(),
+    };
 
     // The engine: sized like `common::engine`, with the server's budget and pool flags.
     let page_size = args.model.page_size;

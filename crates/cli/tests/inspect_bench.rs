@@ -379,6 +379,88 @@ fn serve_random_weights_answers_under_its_own_name() {
     assert_ne!(pagoda(&args("tiny-qwen2"), None).code, Some(0));
 }
 
+/// `bench serve --request-rate`: a seeded Poisson workload of ShareGPT-like requests against a
+/// real server; every request completes, and the figures are consistent with their
+/// definitions (request throughput = completed / duration, percentiles ordered, goodput only
+/// with an SLO, and at most the request throughput).
+#[test]
+fn bench_serve_runs_a_poisson_workload_with_goodput() {
+    let server = Server::start(&tiny_model("tiny-qwen2"));
+    // The user's prompts (three, used in turn): the tiny model's context is short.
+    let dataset = std::env::temp_dir().join(format!("pagoda-prompts-{}.jsonl", std::process::id()));
+    let lines = [
+        r#"{"prompt": "the river and the stone", "max_tokens": 3}"#,
+        r#"{"prompt": "a quiet morning in the city"}"#,
+        r#"{"prompt": "winter light", "max_tokens": 5}"#,
+    ];
+    std::fs::write(
+        &dataset,
+        lines.join(
+            "
+",
+        ),
+    )
+    .unwrap();
+    let out = pagoda(
+        &[
+            "bench",
+            "serve",
+            "--url",
+            &server.url,
+            "--request-rate",
+            "20",
+            "--num-prompts",
+            "12",
+            "--dataset",
+            dataset.to_str().unwrap(),
+            "-n",
+            "4",
+            "--max-concurrency",
+            "4",
+            "--slo-ttft",
+            "60000",
+            "--slo-tpot",
+            "60000",
+            "--json",
+            "--no-warmup",
+        ],
+        None,
+    );
+    out.assert_success();
+    let stdout = out.stdout_text();
+    let report: serde_json::Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("bad JSON ({e}):\n{stdout}"));
+    assert_eq!(report["completed"], 12, "{report}");
+    assert_eq!(report["request_rate"], 20.0);
+    let number = |key: &str| {
+        report[key]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{key}: {report}"))
+    };
+    let throughput = number("request_throughput");
+    assert!((throughput - 12.0 / number("duration_s")).abs() < 1e-6 * throughput);
+    for metric in ["ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"] {
+        let d = &report[metric];
+        let (median, p90, p99) = (
+            d["median"].as_f64().unwrap(),
+            d["p90"].as_f64().unwrap(),
+            d["p99"].as_f64().unwrap(),
+        );
+        assert!(
+            0.0 <= median && median <= p90 && p90 <= p99,
+            "{metric}: {d}"
+        );
+    }
+    // Generous bounds: every request is good.
+    assert!(
+        (number("goodput") - throughput).abs() < 1e-9 * throughput,
+        "{report}"
+    );
+    // 4 times each of 3, 4 (--n-gen) and 5 tokens.
+    let output = number("output_token_throughput") * number("duration_s");
+    assert!((output - 48.0).abs() < 1e-6, "{report}");
+}
+
 #[test]
 fn bench_serve_reports_every_repetition() {
     let server = Server::start(&tiny_model("tiny-qwen2"));

@@ -192,9 +192,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
         // Named after the architecture (a config.json after its folder), not the tokenizer's file.
         Some(spec) => {
             let path = std::path::Path::new(spec);
+            // A preset's name as given (`llama-3.1-8b` has no extension to strip).
             let arch = match path.file_name().and_then(|n| n.to_str()) {
                 Some("config.json") => path.parent().and_then(|p| p.file_name()),
-                _ => path.file_stem(),
+                Some(name) if name.ends_with(".json") => path.file_stem(),
+                _ => None,
             };
             let name = format!(
                 "random-{}",

@@ -430,7 +430,11 @@ fn bench_serve_runs_a_poisson_workload_with_goodput() {
     let stdout = out.stdout_text();
     let report: serde_json::Value =
         serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("bad JSON ({e}):\n{stdout}"));
-    assert_eq!(report["completed"], 12, "{report}");
+    assert_eq!(
+        (&report["completed"], &report["failed"]),
+        (&12.into(), &0.into()),
+        "{report}"
+    );
     assert_eq!(report["request_rate"], 20.0);
     let number = |key: &str| {
         report[key]

@@ -276,13 +276,24 @@ async fn run_workload(
     }
     let url = format!("{base}/v1/completions");
     let api_key = args.api_key.as_deref();
-    let (outcomes, duration) =
+    let (outcomes, errors, duration) =
         workload::send(client, &url, model, api_key, planned, args.max_concurrency).await?;
+    if let Some(first) = errors.first() {
+        if outcomes.is_empty() {
+            bail!("every request failed; the first: {first}");
+        }
+        eprintln!(
+            "{}: {} of {} requests failed (counted, not timed); the first: {first}",
+            args.label,
+            errors.len(),
+            args.num_prompts
+        );
+    }
     let slo = workload::Slo {
         ttft_ms: args.slo_ttft,
         tpot_ms: args.slo_tpot,
     };
-    let metrics = workload::measure(&outcomes, duration, slo);
+    let metrics = workload::measure(&outcomes, errors.len(), duration, slo);
     if args.json {
         let report = WorkloadReport {
             label: args.label.clone(),

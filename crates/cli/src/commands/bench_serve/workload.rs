@@ -209,6 +209,9 @@ pub(super) struct Slo {
 #[derive(Debug, Clone, Serialize)]
 pub(super) struct Metrics {
     pub completed: usize,
+    /// Requests the server refused or broke off (a 429 from a full queue, a dropped stream):
+    /// in no other figure.
+    pub failed: usize,
     pub duration_s: f64,
     pub ttft_ms: Distribution,
     pub tpot_ms: Distribution,
@@ -222,8 +225,14 @@ pub(super) struct Metrics {
     pub goodput: Option<f64>,
 }
 
-/// The figures of `outcomes`, which took `duration` from the first arrival to the last answer.
-pub(super) fn measure(outcomes: &[Outcome], duration: Duration, slo: Slo) -> Metrics {
+/// The figures of `outcomes` (and `failed` requests), which took `duration` from the first
+/// arrival to the last answer.
+pub(super) fn measure(
+    outcomes: &[Outcome],
+    failed: usize,
+    duration: Duration,
+    slo: Slo,
+) -> Metrics {
     let seconds = duration.as_secs_f64().max(1e-9);
     let ttfts: Vec<f64> = outcomes.iter().map(|o| millis(o.timing.ttft)).collect();
     let tpots: Vec<f64> = outcomes.iter().filter_map(Outcome::tpot_ms).collect();
@@ -247,6 +256,7 @@ pub(super) fn measure(outcomes: &[Outcome], duration: Duration, slo: Slo) -> Met
     let any_slo = slo.ttft_ms.is_some() || slo.tpot_ms.is_some();
     Metrics {
         completed: outcomes.len(),
+        failed,
         duration_s: seconds,
         ttft_ms: Distribution::of(&ttfts),
         tpot_ms: Distribution::of(&tpots),
@@ -259,8 +269,12 @@ pub(super) fn measure(outcomes: &[Outcome], duration: Duration, slo: Slo) -> Met
     }
 }
 
-/// Sends `requests` at their `arrivals` (at most `max_concurrency` in flight) and returns what
-/// each measured and the time from the start to the last answer.
+/// What a workload's requests gave: the completed ones' measurements, the failed ones' errors,
+/// and the time from the start to the last answer.
+pub(super) type Sent = (Vec<Outcome>, Vec<String>, Duration);
+
+/// Sends `requests` at their `arrivals` (at most `max_concurrency` in flight); a request the
+/// server refuses or breaks off is counted, not fatal.
 pub(super) async fn send(
     client: &reqwest::Client,
     url: &str,
@@ -268,7 +282,7 @@ pub(super) async fn send(
     api_key: Option<&str>,
     (requests, arrivals): Planned,
     max_concurrency: Option<usize>,
-) -> Result<(Vec<Outcome>, Duration)> {
+) -> Result<Sent> {
     let permits = max_concurrency.unwrap_or(tokio::sync::Semaphore::MAX_PERMITS);
     let gate = Arc::new(tokio::sync::Semaphore::new(permits));
     let start = tokio::time::Instant::now();
@@ -289,14 +303,14 @@ pub(super) async fn send(
             })
         }));
     }
-    let mut outcomes = Vec::with_capacity(tasks.len());
+    let (mut outcomes, mut errors) = (Vec::with_capacity(tasks.len()), Vec::new());
     for task in tasks {
-        outcomes.push(
-            task.await
-                .map_err(|e| anyhow!("client task failed: {e}"))??,
-        );
+        match task.await.map_err(|e| anyhow!("client task failed: {e}"))? {
+            Ok(outcome) => outcomes.push(outcome),
+            Err(error) => errors.push(format!("{error:#}")),
+        }
     }
-    Ok((outcomes, start.elapsed()))
+    Ok((outcomes, errors, start.elapsed()))
 }
 
 /// A workload's requests and their arrival offsets.
@@ -323,8 +337,8 @@ pub(super) fn print(label: &str, rate: f64, m: &Metrics, slo: Slo) {
         "all at once".to_owned()
     };
     println!(
-        "{label}: {} requests, {rate}, {:.2} s",
-        m.completed, m.duration_s
+        "{label}: {} requests completed, {} failed, {rate}, {:.2} s",
+        m.completed, m.failed, m.duration_s
     );
     println!("| metric | mean | median | p90 | p99 |");
     println!("| --- | ---: | ---: | ---: | ---: |");
@@ -428,8 +442,8 @@ mod tests {
             ttft_ms: Some(200.0),
             tpot_ms: Some(80.0),
         };
-        let m = measure(&outcomes, Duration::from_secs(2), slo);
-        assert_eq!(m.completed, 3);
+        let m = measure(&outcomes, 1, Duration::from_secs(2), slo);
+        assert_eq!((m.completed, m.failed), (3, 1));
         assert!((m.tpot_ms.mean - 75.0).abs() < 1e-9, "{:?}", m.tpot_ms);
         assert!((m.ttft_ms.median - 100.0).abs() < 1e-9);
         assert!((m.itl_ms.mean - 87.5).abs() < 1e-9);
@@ -438,9 +452,7 @@ mod tests {
         assert!((m.total_token_throughput - 18.5).abs() < 1e-9);
         // a fails TPOT (100 > 80), b fails TTFT (300 > 200), c meets both.
         assert_eq!(m.goodput, Some(0.5));
-        assert_eq!(
-            measure(&outcomes, Duration::from_secs(2), Slo::default()).goodput,
-            None
-        );
+        let no_slo = measure(&outcomes, 0, Duration::from_secs(2), Slo::default());
+        assert_eq!(no_slo.goodput, None);
     }
 }

@@ -23,6 +23,7 @@ pub use pagoda_models::llama_cuda::{
 pub use sampling::SampledRow;
 pub use warmup::{WarmupReport, WARMUP_STAGES};
 
+mod buckets;
 mod sampling;
 mod staging;
 mod step;

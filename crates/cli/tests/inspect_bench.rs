@@ -465,6 +465,63 @@ fn bench_serve_runs_a_poisson_workload_with_goodput() {
     assert!((output - 48.0).abs() < 1e-6, "{report}");
 }
 
+/// `bench serve --sweep 4,inf --plot`: the workload at each rate, every rate's figures in the
+/// JSON with the sustained rate (all at once, under generous SLOs), and the SVG plot; bad
+/// sweeps and plot files are refused before any server is contacted.
+#[test]
+fn bench_serve_sweeps_rates_and_plots_them() {
+    let server = Server::start(&tiny_model("tiny-qwen2"));
+    let plot = std::env::temp_dir().join(format!("pagoda-sweep-{}.svg", std::process::id()));
+    let plot_arg = plot.to_str().unwrap();
+    let mut args = vec!["bench", "serve", "--url", &server.url, "--dataset", "fixed"];
+    args.extend(["--prompt-words", "4", "-n", "3", "--num-prompts", "4"]);
+    args.extend(["--slo-ttft", "60000", "--slo-tpot", "60000", "--no-warmup"]);
+    let bad = |extra: &[&str], says: &str| {
+        let out = pagoda(&[&args[..], extra].concat(), None);
+        let error = out.assert_clean_error();
+        assert!(error.contains(says), "{extra:?}: {error}");
+    };
+    bad(&["--sweep", "4,0"], "above 0");
+    bad(&["--sweep", "4,,8"], "empty");
+    bad(
+        &["--sweep", "4", "--request-rate", "4"],
+        "cannot be used with",
+    );
+    bad(&["--sweep", "4", "--plot", "latency.png"], "only SVG");
+    let out = pagoda(
+        &[
+            &args[..],
+            &["--sweep", "4,inf", "--plot", plot_arg, "--json"],
+        ]
+        .concat(),
+        None,
+    );
+    out.assert_success();
+    let stdout = out.stdout_text();
+    let report: serde_json::Value =
+        serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("bad JSON ({e}):\n{stdout}"));
+    let rates = report["rates"].as_array().expect("rates array");
+    assert_eq!(rates.len(), 2, "{report}");
+    assert_eq!(rates[0]["request_rate"], 4.0);
+    assert!(rates[1]["request_rate"].is_null(), "all at once: {report}");
+    for rate in rates {
+        assert_eq!(
+            (&rate["completed"], &rate["failed"]),
+            (&4.into(), &0.into())
+        );
+        assert_eq!(rate["within_slo"], true, "{rate}");
+        assert!(rate["ttft_ms"]["p99"].as_f64().unwrap() > 0.0, "{rate}");
+    }
+    assert_eq!(report["sustained_rate"], "inf", "{report}");
+    let svg = std::fs::read_to_string(&plot).expect("the plot was written");
+    let _ = std::fs::remove_file(&plot);
+    assert!(
+        svg.starts_with("<svg") && svg.contains("<polyline"),
+        "{svg}"
+    );
+    assert!(svg.contains("SLO TTFT"), "{svg}");
+}
+
 #[test]
 fn bench_serve_reports_every_repetition() {
     let server = Server::start(&tiny_model("tiny-qwen2"));

@@ -246,6 +246,12 @@ settings! {
     "PAGODA_CUDA_FUSED_ROPE_APPEND", None, ON_OFF, "on", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "RoPE of q and k and the KV append into the paged pool in one launch per layer (the same bits as two).";
+    "PAGODA_CUDA_MIXED_STEPS", None, Values::Choice(&["split", "prefill"]), "split", Cuda,
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
+        "Steps holding decode rows and prefill chunks: split (decode rows on the fused paged decode, chunks on the prefill kernel) or prefill (every row on the prefill kernel, as before).";
+    "PAGODA_CUDA_PIECEWISE_TOKENS", None, Values::Number { min: 0, max: 1048576, words: &[] }, "256", Tuning,
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
+        "Prefill and mixed steps of up to this many tokens run everything but attention and the LM head from CUDA graphs captured per 16-token bucket (piecewise graphs; with CUDA graphs on, not in deterministic mode); 0: launched from the host.";
     "PAGODA_CUDA_GEMV", None, ON_OFF, "off", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Linear layers of 1-8 bf16 rows on the small-batch CUDA-core kernel instead of cuBLAS (off: measured level with cuBLAS at 1 row and slower from 2 in 8B decode; never in deterministic mode).";

@@ -47,6 +47,18 @@ impl<T> DeviceRead<T> for DeviceView<'_, T> {
     }
 }
 
+impl<'a, T> DeviceView<'a, T> {
+    /// The part `range` of this view, borrowed for as long as the view is.
+    pub fn slice(self, range: Range<usize>) -> Result<DeviceView<'a, T>, CudaError> {
+        let offset = window::<T>(&range, self.len)?;
+        Ok(DeviceView {
+            ptr: self.ptr + offset,
+            len: range.end - range.start,
+            marker: PhantomData,
+        })
+    }
+}
+
 impl<T> DeviceRead<T> for DeviceViewMut<'_, T> {
     fn device_ptr(&self) -> u64 {
         self.ptr

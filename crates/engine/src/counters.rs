@@ -156,6 +156,22 @@ engine_counters! {
         "Fused decode steps by where their variant (kernel, merge, CTA target) came from (tuned: the tuning table's row for the step's bucket; heuristic: no row, the built-in choice).";
     /// Fused decode steps whose bucket has no table row (the built-in heuristic ran).
     steps_cuda_decode_heuristic: "pagoda_cuda_decode_variant_steps_total" ["source" = "heuristic"], Counter, "";
+    /// Prefill and mixed CUDA steps replayed (or captured) as piecewise graphs.
+    steps_cuda_piecewise: "pagoda_cuda_piecewise_steps_total", Counter,
+        "CUDA prefill and mixed steps whose kernels between attentions ran from piecewise graphs per token bucket (PAGODA_CUDA_PIECEWISE_TOKENS).";
+    /// Piecewise graphs captured (pieces, over every token bucket).
+    cuda_piece_graphs_captured: "pagoda_cuda_piece_graphs_captured_total", Counter,
+        "Piecewise graphs captured (one per piece of a token bucket's steps: layers + 1).";
+    /// Mixed CUDA steps whose decode rows ran the fused decode and chunks the prefill kernel.
+    steps_cuda_mixed_split: "pagoda_cuda_mixed_steps_total" ["path" = "split"], Counter,
+        "CUDA steps holding decode rows and prefill chunks, by their attention (split: decode rows on the fused decode, chunks on the prefill kernel; prefill: every row on the prefill kernel, PAGODA_CUDA_MIXED_STEPS).";
+    /// Mixed CUDA steps whose rows all ran the prefill kernel.
+    steps_cuda_mixed_prefill: "pagoda_cuda_mixed_steps_total" ["path" = "prefill"], Counter, "";
+    /// Decode rows of mixed CUDA steps.
+    cuda_mixed_decode_rows: "pagoda_cuda_mixed_step_tokens_total" ["kind" = "decode"], Counter,
+        "Tokens of mixed CUDA steps, by kind (decode: one-token rows; prefill: the chunks' tokens).";
+    /// Prefill tokens of mixed CUDA steps.
+    cuda_mixed_prefill_tokens: "pagoda_cuda_mixed_step_tokens_total" ["kind" = "prefill"], Counter, "";
     /// CUDA steps whose layers ran RoPE and the KV append in one launch.
     steps_cuda_fused_rope_append: "pagoda_cuda_fused_rope_append_steps_total", Counter,
         "CUDA steps whose layers ran RoPE and the KV append in one launch (PAGODA_CUDA_FUSED_ROPE_APPEND).";

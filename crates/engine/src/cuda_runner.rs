@@ -24,6 +24,7 @@ pub use sampling::SampledRow;
 pub use warmup::{WarmupReport, WARMUP_STAGES};
 
 mod buckets;
+mod pieces;
 mod sampling;
 mod staging;
 mod step;
@@ -38,6 +39,8 @@ struct GpuCache<T> {
     staging: Staging,
     /// Decode graphs by padded batch size; they replay `buffers`' addresses.
     graphs: GraphCache<usize>,
+    /// Piecewise graphs of prefill and mixed steps by token bucket.
+    pieces: pieces::PieceGraphs,
     /// The device sampler of `forward_sampled`, allocated on its first step.
     sampler: Option<sampling::DeviceSampler>,
 }

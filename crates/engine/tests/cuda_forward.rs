@@ -128,7 +128,8 @@ fn errors(expected: &[Vec<f32>], got: &[Vec<f32>], vocab: usize) -> (f64, f64) {
 /// Compares CPU and GPU on one geometry; returns (max relative logit error in f32, max
 /// logprob error in bf16 over each row's top 10).
 /// Three prompts of `vocab` ids and a schedule of ragged prefill chunks mixed with decode
-/// tokens, then batched decode of 3 (graph bucket 4), 2 and 1 rows: 10 decode steps.
+/// tokens (two mixed steps), then batched decode of 3 (graph bucket 4), 2 and 1 rows: 10
+/// decode steps.
 fn ragged_workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
     let prompts: Vec<Vec<u32>> = (0..3)
         .map(|r| {
@@ -137,7 +138,18 @@ fn ragged_workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
                 .collect()
         })
         .collect();
-    let mut schedule: Schedule = vec![vec![37, 5, 0], vec![1, 20, 19], vec![1, 1, 1]];
+    // Steps 2 to 5 are mixed: one or two one-token rows first, then chunks. With graphs on,
+    // steps 1 and 2 fall in the 48-token piecewise bucket (which the warm-up's prefill
+    // opened: step 1 captures, step 2 replays), steps 3 to 5 in the 32-token one (eager,
+    // capture, replay).
+    let mut schedule: Schedule = vec![
+        vec![37, 5, 0],
+        vec![1, 20, 19],
+        vec![1, 1, 30],
+        vec![1, 1, 20],
+        vec![1, 1, 18],
+        vec![1, 1, 1],
+    ];
     schedule.extend((0..6).map(|_| vec![1, 1, 1]));
     schedule.extend([vec![1, 0, 1], vec![0, 1, 0], vec![1, 1, 1]]);
     (prompts, schedule)
@@ -202,6 +214,35 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
         };
         assert_eq!(counters.steps_cuda_decode_fused, fused, "{counters:?}");
         assert_eq!(counters.steps_cuda_decode_gather, gathered, "{counters:?}");
+        // The mixed steps split their rows between the fused decode and the prefill kernel
+        // where the fused decode runs (PAGODA_CUDA_MIXED_STEPS=split, the default).
+        let (split, unsplit) = match paged_decode {
+            PagedDecodeMode::Gather => (0, 4),
+            _ => (4, 0),
+        };
+        assert_eq!(counters.steps_cuda_mixed_split, split, "{counters:?}");
+        assert_eq!(counters.steps_cuda_mixed_prefill, unsplit, "{counters:?}");
+        assert_eq!(counters.cuda_mixed_decode_rows, 7, "{counters:?}");
+        assert_eq!(
+            counters.cuda_mixed_prefill_tokens,
+            20 + 19 + 30 + 20 + 18,
+            "{counters:?}"
+        );
+        // The prefill and mixed steps ran as piecewise graphs where graphs are on (each
+        // bucket's first step eagerly), else eagerly.
+        let layers = config.num_layers as u64;
+        if cuda_graphs {
+            assert_eq!(counters.steps_cuda_piecewise, 4, "{counters:?}");
+            assert_eq!(counters.steps_cuda_eager, 1, "{counters:?}");
+            assert_eq!(
+                counters.cuda_piece_graphs_captured,
+                2 * (layers + 1),
+                "{counters:?}"
+            );
+        } else {
+            assert_eq!(counters.steps_cuda_piecewise, 0, "{counters:?}");
+            assert_eq!(counters.steps_cuda_eager, 15, "{counters:?}");
+        }
         if cuda_graphs {
             assert_eq!(counters.steps_cuda_graph, 10, "{counters:?}");
             assert_eq!(

@@ -127,13 +127,23 @@ impl AppState {
         text: TextModel,
         backend: B,
     ) -> std::io::Result<Arc<AppState>> {
+        Self::start_joinable(config, text, backend).map(|(state, _thread)| state)
+    }
+
+    /// [`AppState::start`], with the engine thread, which ends (dropping the model) once
+    /// every clone of the state is dropped and its running requests are done.
+    pub fn start_joinable<B: EngineBackend>(
+        config: ServerConfig,
+        text: TextModel,
+        backend: B,
+    ) -> std::io::Result<(Arc<AppState>, std::thread::JoinHandle<()>)> {
         let metrics = Arc::new(Metrics::default());
-        let (worker, _thread) =
+        let (worker, thread) =
             spawn_worker(backend, config.parallel, config.max_queue, metrics.clone())?;
         let since_epoch = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
-        Ok(Arc::new(AppState {
+        let state = Arc::new(AppState {
             config,
             tokenizer: Arc::new(text.tokenizer),
             chat_template: text.chat_template,
@@ -144,7 +154,8 @@ impl AppState {
             start_nanos: since_epoch.as_nanos(),
             next_id: AtomicU64::new(0),
             drain: Arc::new(drain::Drain::default()),
-        }))
+        });
+        Ok((state, thread))
     }
 
     /// A fresh response id: the server's start (nanoseconds, hex) and a counter, so ids do not
@@ -272,14 +283,14 @@ where
     let address = format!("{}:{}", config.host, config.port);
     let tls = config.tls.clone();
     let timeout = config.shutdown_timeout;
-    let state = AppState::start(config, text, backend)
+    let (state, engine) = AppState::start_joinable(config, text, backend)
         .map_err(|e| format!("starting the engine thread: {e}"))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .map_err(|e| format!("starting the async runtime: {e}"))?;
-    runtime.block_on(async move {
+    let served = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(&address)
             .await
             .map_err(|e| format!("binding {address}: {e}"))?;
@@ -316,5 +327,23 @@ where
             }
         }
         Ok(())
-    })
+    });
+    // The connection tasks hold the state, whose handle keeps the engine loop running: end
+    // them, then let the engine thread drop the model before the process exits (a GPU
+    // model's graphs, memory and context freed in order, not raced by the exit handlers of
+    // the CUDA libraries, which crashed the process on SIGTERM).
+    runtime.shutdown_timeout(ENGINE_STOP_TIMEOUT);
+    let deadline = std::time::Instant::now() + ENGINE_STOP_TIMEOUT;
+    while !engine.is_finished() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    if engine.is_finished() {
+        let _ = engine.join();
+    } else {
+        tracing::warn!("shutdown: the engine thread did not stop in time; exiting anyway");
+    }
+    served
 }
+
+/// How long shutdown waits for the connection tasks, then for the engine thread.
+const ENGINE_STOP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);

@@ -13,7 +13,15 @@
 //!
 //! With `--request-rate R` it runs a serving workload instead (`workload.rs`: Poisson arrivals,
 //! ShareGPT-like or fixed or the user's prompts, TTFT/TPOT/ITL/E2E percentiles, throughput and
-//! goodput against `--slo-ttft` / `--slo-tpot`), as `vllm bench serve` does.
+//! goodput against `--slo-ttft` / `--slo-tpot`), as `vllm bench serve` does. With
+//! `--sweep 2,4,8,16,inf` it runs that workload once per rate, in the order given, with the
+//! same seeded lengths each time but other words (so no rate finds another's prompts in the
+//! server's prefix cache; only the arrival times scale with the rate), prints each
+//! rate's summary and then one row per rate, and names the sustained rate: the highest rate
+//! whose p99 TTFT and p99 TPOT are within `--slo-ttft` and `--slo-tpot` with no request failed
+//! (`sweep.rs`). `--plot FILE.svg` draws median and p99 TTFT, TPOT and ITL against the offered
+//! rate, the SLOs dashed (`plot.rs`; SVG only, with `--sweep`, or one point with
+//! `--request-rate`).
 //!
 //! One short untimed request warms the server up once, before the first scenario (unless
 //! `--no-warmup`), so that its first-request costs are in no scenario's timings. Each scenario
@@ -31,7 +39,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
+mod plot;
 mod report;
+mod sweep;
 mod workload;
 use report::{print_table, summarize, ScenarioResult};
 
@@ -98,7 +108,22 @@ pub struct BenchServeArgs {
     /// (`vllm bench serve`'s figures).
     #[arg(long, value_name = "R")]
     pub request_rate: Option<f64>,
-    /// Requests of the workload (`--request-rate`).
+    /// Run the workload once per rate, comma-separated requests per second in the order given
+    /// (`inf`: all at once), e.g. `2,4,8,16,inf`: the same lengths at every rate (other
+    /// words, so the prefix cache does not flatter a later rate), a row per rate, and the
+    /// sustained rate (the highest with p99 TTFT and p99 TPOT within the SLOs).
+    #[arg(
+        long,
+        value_name = "RATES",
+        conflicts_with = "request_rate",
+        value_parser = sweep::parse_rates
+    )]
+    pub sweep: Option<sweep::Rates>,
+    /// Write a plot of median and p99 TTFT, TPOT and ITL against the request rate to this SVG
+    /// file (with `--sweep`; with `--request-rate`, one point).
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<std::path::PathBuf>,
+    /// Requests of the workload (`--request-rate`, `--sweep`).
     #[arg(long, default_value_t = 200)]
     pub num_prompts: usize,
     /// The workload's requests: `sharegpt-like` (log-normal lengths, about 200 tokens in and
@@ -119,22 +144,6 @@ pub struct BenchServeArgs {
     /// Goodput counts requests whose time per output token is at most this (milliseconds).
     #[arg(long, value_name = "MS")]
     pub slo_tpot: Option<f64>,
-}
-
-/// The JSON of a workload run (`--request-rate --json`).
-#[derive(Debug, Serialize)]
-struct WorkloadReport {
-    label: String,
-    url: String,
-    dataset: String,
-    num_prompts: usize,
-    /// Requests per second; `null`: all at once.
-    request_rate: Option<f64>,
-    max_concurrency: Option<usize>,
-    slo_ttft_ms: Option<f64>,
-    slo_tpot_ms: Option<f64>,
-    #[serde(flatten)]
-    metrics: workload::Metrics,
 }
 
 /// What one streamed request measured.
@@ -172,6 +181,16 @@ pub fn run(mut args: BenchServeArgs) -> Result<()> {
         if rate.is_nan() || rate <= 0.0 {
             bail!("--request-rate must be above 0 (inf: all at once), got {rate}");
         }
+    }
+    if let Some(path) = &args.plot {
+        if workload_rates(&args).is_none() {
+            bail!(
+                "--plot draws latency against request rate: it needs --sweep (or --request-rate)"
+            );
+        }
+        plot::check_path(path)?;
+    }
+    if workload_rates(&args).is_some() {
         if args.num_prompts == 0 || args.max_concurrency == Some(0) {
             bail!("--num-prompts and --max-concurrency must be at least 1");
         }
@@ -203,8 +222,8 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         .build()?;
     let base = args.url.trim_end_matches('/').to_string();
     // The workload's requests first: a bad --dataset fails before the server is contacted.
-    let planned = match args.request_rate {
-        Some(rate) => Some(workload::plan(&args, rate)?),
+    let planned = match workload_rates(&args) {
+        Some(rates) => Some(sweep::plan(&args, &rates)?),
         None => None,
     };
     let listed = check_server(&client, &base, args.api_key.as_deref()).await?;
@@ -216,8 +235,8 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         }
         warm_up(&client, &base, &args, &model).await?;
     }
-    if let (Some(rate), Some(planned)) = (args.request_rate, planned) {
-        return run_workload(&client, &base, &args, &model, (rate, planned)).await;
+    if let Some(planned) = planned {
+        return sweep::run(&client, &base, &args, &model, planned).await;
     }
     let load_before = super::host::load_average();
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
@@ -260,57 +279,13 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
     Ok(())
 }
 
-/// The serving workload of `--request-rate` ([`workload`]).
-async fn run_workload(
-    client: &reqwest::Client,
-    base: &str,
-    args: &BenchServeArgs,
-    model: &str,
-    (rate, planned): (f64, workload::Planned),
-) -> Result<()> {
-    if !args.json {
-        eprintln!(
-            "{}: {} requests from {} at {rate} req/s ...",
-            args.label, args.num_prompts, args.dataset
-        );
+/// The rates of the workload mode: `--sweep`'s, or `--request-rate` alone; `None`: the
+/// scenarios.
+fn workload_rates(args: &BenchServeArgs) -> Option<Vec<f64>> {
+    match (&args.sweep, args.request_rate) {
+        (Some(rates), _) => Some(rates.0.clone()),
+        (None, rate) => rate.map(|rate| vec![rate]),
     }
-    let url = format!("{base}/v1/completions");
-    let api_key = args.api_key.as_deref();
-    let (outcomes, errors, duration) =
-        workload::send(client, &url, model, api_key, planned, args.max_concurrency).await?;
-    if let Some(first) = errors.first() {
-        if outcomes.is_empty() {
-            bail!("every request failed; the first: {first}");
-        }
-        eprintln!(
-            "{}: {} of {} requests failed (counted, not timed); the first: {first}",
-            args.label,
-            errors.len(),
-            args.num_prompts
-        );
-    }
-    let slo = workload::Slo {
-        ttft_ms: args.slo_ttft,
-        tpot_ms: args.slo_tpot,
-    };
-    let metrics = workload::measure(&outcomes, errors.len(), duration, slo);
-    if args.json {
-        let report = WorkloadReport {
-            label: args.label.clone(),
-            url: base.to_owned(),
-            dataset: args.dataset.clone(),
-            num_prompts: args.num_prompts,
-            request_rate: rate.is_finite().then_some(rate),
-            max_concurrency: args.max_concurrency,
-            slo_ttft_ms: args.slo_ttft,
-            slo_tpot_ms: args.slo_tpot,
-            metrics,
-        };
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        workload::print(&args.label, rate, &metrics, slo);
-    }
-    Ok(())
 }
 
 /// Waits while the server's `/health` answers 503 (loading, or warming up its kernels: what

@@ -22,8 +22,9 @@ struct StagedLengths {
 impl<T: HostFloat> TypedRunner<T> {
     /// Writes the step's inputs, padded to `shape`, into the pinned staging buffers and
     /// queues their uploads. Padding rows: token 0 at position 0, slot -1 (no KV write),
-    /// no pages, logits of row `i` for padding row `i`. A fused decode step also plans its
-    /// split here; returns whether that plan merges chunks.
+    /// no pages, logits of row `i` for padding row `i`. A fused decode step (or a mixed
+    /// step's decode rows) also plans its split here; returns whether that plan merges
+    /// chunks.
     pub(super) fn stage(
         &self,
         cache: &mut GpuCache<T>,
@@ -135,18 +136,28 @@ impl<T: HostFloat> TypedRunner<T> {
         upload(first_page_offset, &mut s.first_page_offset)?;
         upload(logits_rows, &mut s.logits_rows)?;
         upload(page_indices, &mut s.page_indices)?;
-        if let Attention::Fused {
-            grid_chunks,
-            variant,
-            ..
-        } = shape.attention
-        {
+        let fused_plan = match shape.attention {
+            Attention::Fused {
+                grid_chunks,
+                variant,
+                ..
+            } => Some((r, grid_chunks, variant)),
+            Attention::Mixed {
+                decode_rows,
+                grid_chunks,
+                variant,
+                ..
+            } => Some((decode_rows, grid_chunks, variant)),
+            _ => None,
+        };
+        if let Some((rows, grid_chunks, variant)) = fused_plan {
             let fused = cache
                 .buffers
                 .fused
                 .as_mut()
                 .ok_or_else(|| CudaError::invalid("fused decode without its workspace"))?;
             let indptr = &cache.staging.words.as_slice()?[page_indptr_range];
+            let indptr = &indptr[..=rows];
             merged = fused
                 .stage(gpu, indptr, grid_chunks, &variant)?
                 .needs_merge();

@@ -8,7 +8,9 @@
 //! split-KV paged decode, or the gather baseline (`decode_path`). With CUDA graphs on, they are
 //! padded to a batch-size bucket and replayed from a graph captured once per bucket: every
 //! count the kernels need is read on the device, padding rows have no pages and a slot of
-//! -1. Prefill and mixed steps run the ragged prefill kernel, launched from the host.
+//! -1. Prefill steps run the ragged prefill kernel, launched from the host; mixed steps
+//! (decode rows first, then chunks) split their rows between the fused decode and the
+//! prefill kernel (`PAGODA_CUDA_MIXED_STEPS`).
 
 use std::sync::Once;
 
@@ -18,6 +20,7 @@ use pagoda_models::llama_cuda::{Attention, HostFloat, StepBuffers, StepShape, Va
 use pagoda_ops::cuda::{self as ops, PoolLayout};
 
 use super::buckets::{graph_bucket, graph_buckets, graph_key, verify_bucket};
+use super::pieces::piece_bucket;
 use super::sampling::Output;
 use super::{CudaCacheOptions, GpuCache, Staging, TypedRunner};
 
@@ -27,7 +30,11 @@ fn announce(path: &'static str) {
     static GATHER: Once = Once::new();
     static FUSED: Once = Once::new();
     static PREFILL: Once = Once::new();
+    static MIXED: Once = Once::new();
+    static PIECES: Once = Once::new();
     let once = match path {
+        "pieces" => &PIECES,
+        "mixed" => &MIXED,
         "graphs" => &GRAPHS,
         "eager" => &EAGER,
         "gather" => &GATHER,
@@ -47,10 +54,28 @@ fn announce(path: &'static str) {
             "CUDA decode attention: fused split-KV paged decode (pages read in place, chunks \
              merged in the same launch)"
         ),
+        "pieces" => tracing::info!(
+            "CUDA prefill and mixed steps of up to PAGODA_CUDA_PIECEWISE_TOKENS tokens: \
+             piecewise graphs per 16-token bucket (attention and the LM head launched between \
+             the pieces)"
+        ),
+        "mixed" => tracing::info!(
+            "CUDA mixed steps: decode rows on the fused paged decode, prefill chunks on the \
+             prefill kernel (PAGODA_CUDA_MIXED_STEPS=split)"
+        ),
         _ => tracing::info!(
-            "CUDA attention: ragged prefill kernel over the paged cache (prefill and mixed steps)"
+            "CUDA attention: ragged prefill kernel over the paged cache (prefill steps, and \
+             mixed steps where they are not split)"
         ),
     });
+}
+
+/// How many of a step's requests, from the first, hold one query row each.
+fn single_rows(qo_indptr: &[u32]) -> usize {
+    qo_indptr
+        .windows(2)
+        .take_while(|pair| pair[1] - pair[0] == 1)
+        .count()
 }
 
 impl<T: HostFloat> TypedRunner<T> {
@@ -92,6 +117,7 @@ impl<T: HostFloat> TypedRunner<T> {
             buffers,
             staging,
             graphs: GraphCache::new(),
+            pieces: Default::default(),
             sampler: None,
         });
         Ok(())
@@ -213,6 +239,47 @@ impl<T: HostFloat> TypedRunner<T> {
         }
     }
 
+    /// The attention of a step that is not all decode rows: a mixed step (one-token rows
+    /// first, as the scheduler orders them, then chunks) splits them between the fused
+    /// decode and the prefill kernel (`PAGODA_CUDA_MIXED_STEPS=split`); any other step, or
+    /// a mixed one without the fused decode or in deterministic mode, runs the prefill
+    /// kernel over every row.
+    fn mixed_attention(
+        &self,
+        cache: &GpuCache<T>,
+        batch: &ForwardBatch<'_>,
+        sm_count: usize,
+    ) -> Attention {
+        let requests = batch.qo_indptr.len() - 1;
+        let decode_rows = single_rows(batch.qo_indptr);
+        let kernels = cache.options.kernels;
+        if decode_rows == 0
+            || decode_rows == requests
+            || !kernels.mixed_split
+            || kernels.deterministic
+            || cache.buffers.fused.is_none()
+        {
+            return Attention::Prefill;
+        }
+        let context = batch.page_table.seq_lens[..decode_rows]
+            .iter()
+            .max()
+            .map_or(0, |&l| l as usize);
+        match self.decode_attention(cache, decode_rows, context, sm_count) {
+            Attention::Fused {
+                grid_chunks,
+                variant,
+                source,
+            } => Attention::Mixed {
+                decode_rows,
+                grid_chunks,
+                variant,
+                source,
+            },
+            _ => Attention::Prefill,
+        }
+    }
+
     pub(super) fn forward(&mut self, batch: &ForwardBatch<'_>) -> Result<Vec<f32>, CudaError> {
         self.forward_cached(batch, Output::Logits)
     }
@@ -288,6 +355,16 @@ impl<T: HostFloat> TypedRunner<T> {
             .iter()
             .max()
             .map_or(0, |&l| l as usize);
+        // Prefill and mixed steps of a few tokens: piecewise graphs, padded to their bucket.
+        let kernels = options.kernels;
+        let decode_step = decode_rows && fits_decode;
+        let piece_tokens = (options.cuda_graphs
+            && !hidden_only
+            && !kernels.deterministic
+            && !decode_step
+            && verify_rows.is_none()
+            && num_tokens <= kernels.piecewise_tokens)
+            .then(|| piece_bucket(num_tokens, options.max_batch_tokens));
         let shape = match (graph_rows, verify_rows) {
             (Some(padded), _) => StepShape {
                 num_tokens: padded,
@@ -304,14 +381,14 @@ impl<T: HostFloat> TypedRunner<T> {
                 hidden_only: false,
             },
             (None, None) => StepShape {
-                num_tokens,
+                num_tokens: piece_tokens.unwrap_or(num_tokens),
                 num_requests,
                 num_logits,
                 hidden_only,
                 attention: if decode_rows && fits_decode {
                     self.decode_attention(cache, num_requests, context, sm_count)
                 } else {
-                    Attention::Prefill
+                    self.mixed_attention(cache, batch, sm_count)
                 },
             },
         };
@@ -336,8 +413,30 @@ impl<T: HostFloat> TypedRunner<T> {
                     VariantSource::Configured => {}
                 }
             }
+            Attention::Mixed {
+                decode_rows,
+                source,
+                ..
+            } => {
+                announce("mixed");
+                self.counters.steps_cuda_mixed_split += 1;
+                self.counters.cuda_mixed_decode_rows += decode_rows as u64;
+                self.counters.cuda_mixed_prefill_tokens += (num_tokens - decode_rows) as u64;
+                self.counters.steps_cuda_prefill_kernel += 1;
+                match source {
+                    VariantSource::Tuned => self.counters.steps_cuda_decode_tuned += 1,
+                    VariantSource::Heuristic => self.counters.steps_cuda_decode_heuristic += 1,
+                    VariantSource::Configured => {}
+                }
+            }
             Attention::Prefill => {
                 announce("prefill");
+                let leading = single_rows(batch.qo_indptr);
+                if leading > 0 && leading < num_requests && !options.kernels.deterministic {
+                    self.counters.steps_cuda_mixed_prefill += 1;
+                    self.counters.cuda_mixed_decode_rows += leading as u64;
+                    self.counters.cuda_mixed_prefill_tokens += (num_tokens - leading) as u64;
+                }
                 self.counters.steps_cuda_prefill_kernel += 1;
                 // The choice the step ran (made once per bucket, cached).
                 let prefill = &cache.buffers.prefill;
@@ -388,6 +487,16 @@ impl<T: HostFloat> TypedRunner<T> {
             if verify_rows.is_some() {
                 self.counters.steps_cuda_verify_graph += 1;
             }
+        } else if piece_tokens.is_some() {
+            announce("pieces");
+            let GpuCache {
+                layout,
+                buffers,
+                pieces,
+                ..
+            } = cache;
+            let counters = &mut self.counters;
+            pieces.run(&self.model, &gpu, buffers, layout, &shape, counters)?;
         } else {
             announce("eager");
             self.model

@@ -28,6 +28,15 @@ pub enum Attention {
         /// Where the variant came from (the step counters read it).
         source: super::VariantSource,
     },
+    /// A mixed step (`PAGODA_CUDA_MIXED_STEPS=split`): its first `decode_rows` requests hold
+    /// one query each and attend through the fused decode (`grid_chunks`, `variant`, as
+    /// [`Attention::Fused`]); the chunks after them through the prefill kernel.
+    Mixed {
+        decode_rows: usize,
+        grid_chunks: usize,
+        variant: pagoda_ops::cuda::DecodeVariant,
+        source: super::VariantSource,
+    },
 }
 
 /// The sizes a step's kernels are launched with (padded for a graph bucket).

@@ -21,6 +21,14 @@ pub struct CudaKernels {
     /// RoPE and the KV append in one launch per layer (`PAGODA_CUDA_FUSED_ROPE_APPEND`; the
     /// same bits as the two kernels).
     pub fused_rope_append: bool,
+    /// A mixed step's decode rows attend through the fused decode, its chunks through the
+    /// prefill kernel (`PAGODA_CUDA_MIXED_STEPS=split`); off: every row through the prefill
+    /// kernel.
+    pub mixed_split: bool,
+    /// Prefill and mixed steps of up to this many tokens replay their kernels between
+    /// attentions from piecewise graphs per token bucket (`PAGODA_CUDA_PIECEWISE_TOKENS`;
+    /// 0: off).
+    pub piecewise_tokens: usize,
     /// Linear layers of at most `ops::GEMV_MAX_ROWS` rows (decode steps, small batches) on
     /// the small-batch kernel instead of cuBLAS (`PAGODA_CUDA_GEMV`; off: slower than cuBLAS
     /// on the H200 so far, `docs/benchmark_results/gemv-small-h200-2026-12-04.md`).
@@ -104,6 +112,8 @@ impl Default for CudaKernels {
             prefill: PrefillKernel::Stream(ops::PrefillStreamTiling::DEFAULT),
             prefill_tiling: None,
             fused_rope_append: true,
+            mixed_split: true,
+            piecewise_tokens: 256,
             gemv: false,
             quant_gemv_rows: 8,
             decode: DecodeKernelChoice::Auto,
@@ -131,6 +141,8 @@ impl CudaKernels {
                 config.word("PAGODA_CUDA_PREFILL_TILING"),
             ),
             fused_rope_append: config.on("PAGODA_CUDA_FUSED_ROPE_APPEND"),
+            mixed_split: config.word("PAGODA_CUDA_MIXED_STEPS") == "split",
+            piecewise_tokens: count("PAGODA_CUDA_PIECEWISE_TOKENS").unwrap_or(256),
             gemv: config.on("PAGODA_CUDA_GEMV"),
             quant_gemv_rows: count("PAGODA_CUDA_QUANT_GEMV_ROWS").unwrap_or(8),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
@@ -217,6 +229,8 @@ mod tests {
             ("PAGODA_CUDA_PREFILL", "reference"),
             ("PAGODA_CUDA_PREFILL_TILING", "64x32x2"),
             ("PAGODA_CUDA_FUSED_ROPE_APPEND", "off"),
+            ("PAGODA_CUDA_MIXED_STEPS", "prefill"),
+            ("PAGODA_CUDA_PIECEWISE_TOKENS", "32"),
             ("PAGODA_CUDA_GEMV", "on"),
             ("PAGODA_CUDA_QUANT_GEMV_ROWS", "3"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
@@ -234,6 +248,8 @@ mod tests {
             prefill: PrefillKernel::PerToken,
             prefill_tiling: Some(ops::PrefillStreamTiling::new(64, 32, 2)),
             fused_rope_append: false,
+            mixed_split: false,
+            piecewise_tokens: 32,
             gemv: true,
             quant_gemv_rows: 3,
             decode: DecodeKernelChoice::CudaCore,

@@ -4,7 +4,7 @@
 //! token row) and the residual adds ride on the output GEMMs (`beta = 1` into the f32
 //! residual stream).
 
-use pagoda_cuda::{view, view_mut, whole, CudaError, DeviceBuffer, DeviceView, DeviceViewMut, Gpu};
+use pagoda_cuda::{view, view_mut, CudaError, DeviceBuffer, DeviceView, DeviceViewMut, Gpu};
 use pagoda_ops::cuda::{
     self as ops, DecodeWorkspace, DevicePageTable, PagedKv, PoolLayout, PrefillKernel, Queries,
 };
@@ -25,6 +25,18 @@ impl<T: HostFloat> GpuModel<T> {
         layout: &PoolLayout,
         shape: &StepShape,
     ) -> Result<(), CudaError> {
+        let mut step = self.step(gpu, buffers, layout, shape)?;
+        llama_layers(&mut step, &self.layers)
+    }
+
+    /// The step of `shape` over `buffers`, ready to queue its kernels.
+    pub(super) fn step<'a>(
+        &'a self,
+        gpu: &'a Gpu,
+        buffers: &'a mut StepBuffers<T>,
+        layout: &'a PoolLayout,
+        shape: &StepShape,
+    ) -> Result<GpuStep<'a, T>, CudaError> {
         let c = &self.config;
         let StepBuffers {
             k_pools,
@@ -52,17 +64,15 @@ impl<T: HostFloat> GpuModel<T> {
         let qkv_dim = q_dim + 2 * kv_dim;
         let inter = c.intermediate_size;
 
-        let page_indptr = view(&s.page_indptr, 0..num_requests + 1)?;
-        // The whole buffer: the kernels read the page count from the indptr on the device.
-        let page_indices = whole(&s.page_indices);
-        let last_page_len = view(&s.last_page_len, 0..num_requests)?;
-        let first_page_offset = view(&s.first_page_offset, 0..num_requests)?;
+        // The whole indices buffer: the kernels read the page count from the indptr on the
+        // device; the other arrays cut to the step's requests.
         let page_table = DevicePageTable::new(
-            &page_indptr,
-            &page_indices,
-            &last_page_len,
-            &first_page_offset,
-        )?;
+            &s.page_indptr,
+            &s.page_indices,
+            &s.last_page_len,
+            &s.first_page_offset,
+        )?
+        .requests(0..num_requests)?;
         // The tensor-core kernels run bf16 at their head dims, where they compile: the
         // streaming kernel falls back to WMMA (head_dim 256), WMMA to the tiled kernel.
         let bf16 = T::DTYPE == pagoda_cuda::DType::BF16;
@@ -79,7 +89,7 @@ impl<T: HostFloat> GpuModel<T> {
             PrefillKernel::Stream(_) | PrefillKernel::Mma => PrefillKernel::Tiled,
             other => other,
         };
-        let mut step = GpuStep {
+        Ok(GpuStep {
             model: self,
             gpu,
             layout,
@@ -111,15 +121,14 @@ impl<T: HostFloat> GpuModel<T> {
             selected: view_mut(&mut s.selected, 0..num_logits * hidden)?,
             selected_normed: view_mut(&mut s.selected_normed, 0..num_logits * hidden)?,
             logits: view_mut(&mut s.logits, 0..num_logits * c.vocab_size)?,
-        };
-        llama_layers(&mut step, &self.layers)
+        })
     }
 }
 
 /// One step on the GPU: the model, the KV pools, the decode workspaces, the step's inputs
 /// (staged and uploaded before) and its activations, each a view of the step buffers sized
 /// for this step.
-struct GpuStep<'a, T> {
+pub(super) struct GpuStep<'a, T> {
     model: &'a GpuModel<T>,
     gpu: &'a Gpu,
     layout: &'a PoolLayout,
@@ -310,6 +319,35 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
             Attention::Prefill => {
                 let qo = &self.qo_indptr;
                 ops::prefill_attention_with(self.prefill, gpu, &queries, &kv, qo, scale, out)
+            }
+            Attention::Mixed {
+                decode_rows,
+                grid_chunks,
+                variant,
+                ..
+            } => {
+                // The chunks first: the prefill kernel zeroes the output rows outside its
+                // queries' range, the decode rows, which the fused decode then writes.
+                let requests = self.page_table.num_requests();
+                let chunks = self.page_table.requests(decode_rows..requests)?;
+                let kv = PagedKv::new(k_pool, v_pool, *self.layout, chunks);
+                let qo = self.qo_indptr.slice(decode_rows..requests + 1)?;
+                ops::prefill_attention_with(self.prefill, gpu, &queries, &kv, &qo, scale, out)?;
+                let rows = view(&self.qkv, 0..decode_rows * qkv_dim)?;
+                let queries = Queries::new(&rows, heads, qkv_dim);
+                let decodes = self.page_table.requests(0..decode_rows)?;
+                let kv = PagedKv::new(k_pool, v_pool, *self.layout, decodes);
+                let q_dim = heads * self.model.config.head_dim;
+                let mut out = view_mut(out, 0..decode_rows * q_dim)?;
+                let fused = self
+                    .fused
+                    .as_mut()
+                    .ok_or_else(|| CudaError::invalid("a mixed step without the fused decode"))?;
+                let workspace = fused.workspace_mut();
+                workspace.set_grid_chunks(grid_chunks)?;
+                workspace.set_kernel(variant.kernel);
+                let merge = variant.merge;
+                ops::paged_decode_attention(gpu, &queries, &kv, workspace, merge, scale, &mut out)
             }
         }
     }

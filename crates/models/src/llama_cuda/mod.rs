@@ -15,6 +15,7 @@
 //!
 //! Layout: this file holds the types and the public [`CudaModel`]; `weights.rs` uploads the
 //! weights; `matrix.rs` holds a weight matrix and the linear layer over it; `buffers.rs` sizes the step buffers; `layers.rs` queues one step's kernels;
+//! `pieces.rs` runs a step as piecewise graphs (everything but attention and the LM head);
 //! `decode_path.rs` picks the decode attention (and loads the tuning table);
 //! `prefill_path.rs` picks the streaming prefill's tiling; `kernels.rs` holds the configured
 //! kernel choices.
@@ -38,6 +39,7 @@ pub use decode_path::{FusedDecode, PagedDecodeMode, VariantSource, PAGED_DECODE_
 pub use kernels::{CudaKernels, DecodeKernelChoice, SamplingKernels};
 pub use matrix::QuantScratch;
 pub use pagoda_ops::cuda::SamplingRowParams;
+pub use pieces::Pieces;
 pub use prefill_path::PrefillChoice;
 
 mod buffers;
@@ -45,6 +47,7 @@ mod decode_path;
 mod kernels;
 mod layers;
 mod matrix;
+mod pieces;
 mod prefill_path;
 mod weights;
 

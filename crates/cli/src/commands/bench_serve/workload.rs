@@ -68,25 +68,29 @@ pub(super) fn sharegpt_like_lengths(rng: &mut ChaCha8Rng, count: usize) -> Vec<(
         .collect()
 }
 
-/// The workload's `count` requests.
+/// Mixed into `--seed` (times the round) for the generated prompts' words.
+const WORDS_SEED: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// The workload's `count` requests: lengths drawn from `rng`, the generated prompts' words
+/// from `words`.
 pub(super) fn requests(
     dataset: &Dataset,
     args: &BenchServeArgs,
     rng: &mut ChaCha8Rng,
+    words: &mut ChaCha8Rng,
     count: usize,
 ) -> Result<Vec<Request>> {
-    let words = |rng: &mut ChaCha8Rng, n| random_words(rng, n);
     Ok(match dataset {
         Dataset::ShareGptLike => sharegpt_like_lengths(rng, count)
             .into_iter()
             .map(|(input, output)| Request {
-                prompt: words(rng, input),
+                prompt: random_words(words, input),
                 max_tokens: output,
             })
             .collect(),
         Dataset::Fixed => (0..count)
             .map(|_| Request {
-                prompt: words(rng, args.prompt_words),
+                prompt: random_words(words, args.prompt_words),
                 max_tokens: args.generated_tokens,
             })
             .collect(),
@@ -317,12 +321,19 @@ pub(super) async fn send(
 pub(super) type Planned = (Vec<Request>, Vec<Duration>);
 
 /// The seeded requests and arrival times of `args`' workload.
-pub(super) fn plan(args: &BenchServeArgs, rate: f64) -> Result<Planned> {
+///
+/// `round` (a sweep's rate index) seeds the generated prompts' words only: every round has
+/// the same lengths and arrival draws, but no prompt of one round is a prefix of another's, so
+/// the server's prefix cache does not flatter the later rates of a sweep (a `--dataset` file's
+/// prompts are the file's in every round).
+pub(super) fn plan(args: &BenchServeArgs, rate: f64, round: u64) -> Result<Planned> {
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    let mut words = ChaCha8Rng::seed_from_u64(args.seed ^ WORDS_SEED.wrapping_mul(round + 1));
     let requests = requests(
         &Dataset::parse(&args.dataset),
         args,
         &mut rng,
+        &mut words,
         args.num_prompts,
     )?;
     let arrivals = arrivals(&mut rng, requests.len(), rate);

@@ -99,6 +99,18 @@ impl<'a> DevicePageTable<'a> {
     pub fn num_requests(&self) -> usize {
         self.indptr.len() - 1
     }
+
+    /// The table of requests `range` only (their rows of `indptr`, `last_page_len` and
+    /// `first_page_offset`; `indptr`'s values index the same `indices`): a mixed step's decode
+    /// rows and prefill chunks attend through their own parts of the step's table.
+    pub fn requests(&self, range: std::ops::Range<usize>) -> Result<Self, CudaError> {
+        Ok(DevicePageTable {
+            indptr: self.indptr.slice(range.start..range.end + 1)?,
+            indices: self.indices,
+            last_page_len: self.last_page_len.slice(range.clone())?,
+            first_page_offset: self.first_page_offset.slice(range)?,
+        })
+    }
 }
 
 /// The queries of an attention launch: rows `row_stride` elements apart in `data`, each

@@ -32,13 +32,13 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV"
 fi
 # numpy and gguf run the embedding test's oracle (a numpy forward pass of the model).
-if ! "$VENV/bin/python" -c "import openai, requests, pytest, numpy, gguf" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import openai, requests, pytest, numpy, gguf, jsonschema" 2>/dev/null; then
     if [[ -n "${PAGODA_WHEELS:-}" ]]; then
         # Offline machines (the GPU machine): wheels downloaded beforehand.
         "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-index \
-            --find-links "$PAGODA_WHEELS" openai requests pytest numpy gguf
+            --find-links "$PAGODA_WHEELS" openai requests pytest numpy gguf jsonschema
     else
-        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir openai requests pytest numpy gguf
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-cache-dir openai requests pytest numpy gguf jsonschema
     fi
 fi
 

@@ -137,6 +137,19 @@ fn bad_generation_flags() {
         (&["-n", "-3"], &["-n -3", "or -1"]),
         (&["-s", "-2"], &["-2", "-1 (random)"]),
         (&["--bogus-flag"], &["--bogus-flag"]),
+        (&["-j", "{bad"], &["--json-schema", "not a JSON schema"]),
+        (
+            &["-j", r#"{"type": "object", "not": {}}"#],
+            &["--json-schema", "unsupported", "not"],
+        ),
+        (
+            &["--grammar", "root ::= missing"],
+            &["--grammar", "undefined rule `missing`"],
+        ),
+        (
+            &["-j", "{}", "--grammar", "root ::= \"a\""],
+            &["--grammar", "cannot be used with"],
+        ),
     ];
     for (flags, needles) in cases {
         let mut args = vec!["generate", "-m", m, "-p", "hi"];

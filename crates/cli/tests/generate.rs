@@ -439,3 +439,60 @@ fn kv_cache_types_are_logged_once() {
         out.stderr
     );
 }
+
+#[test]
+fn json_schema_and_grammar_constrain_the_output() {
+    let Some(model) = default_model() else { return };
+    let model = model.to_str().unwrap();
+    let schema = r#"{"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"], "additionalProperties": false}"#;
+    for seed in ["1", "2", "3"] {
+        let args = [
+            "generate",
+            "-m",
+            model,
+            "--chat",
+            "-p",
+            "A person, please.",
+            "-n",
+            "120",
+            "--temp",
+            "1",
+            "-s",
+            seed,
+            "-j",
+            schema,
+        ];
+        let out = pagoda(&args, None);
+        out.assert_success();
+        let value: serde_json::Value = serde_json::from_str(out.stdout_text().trim())
+            .unwrap_or_else(|e| panic!("seed {seed}: {e}: {:?}", out.stdout_text()));
+        let object = value.as_object().expect("an object");
+        assert!(object["name"]
+            .as_str()
+            .is_some_and(|n| n.chars().count() <= 12));
+        assert!(object["age"].as_u64().is_some_and(|a| a <= 120), "{value}");
+        assert_eq!(object.len(), 2, "{value}");
+    }
+    let out = pagoda(
+        &[
+            "generate",
+            "-m",
+            model,
+            "-p",
+            "Pick:",
+            "-n",
+            "10",
+            "--grammar",
+            r#"root ::= "cat" | "dog""#,
+        ],
+        None,
+    );
+    out.assert_success();
+    assert!(
+        ["cat", "dog"].contains(&out.stdout_text().as_str()),
+        "{:?}",
+        out.stdout_text()
+    );
+}

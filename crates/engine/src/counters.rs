@@ -156,6 +156,9 @@ engine_counters! {
         "Fused decode steps by where their variant (kernel, merge, CTA target) came from (tuned: the tuning table's row for the step's bucket; heuristic: no row, the built-in choice).";
     /// Fused decode steps whose bucket has no table row (the built-in heuristic ran).
     steps_cuda_decode_heuristic: "pagoda_cuda_decode_variant_steps_total" ["source" = "heuristic"], Counter, "";
+    /// Requests constrained by a grammar (structured output).
+    constrained_requests: "pagoda_constrained_requests_total", Counter,
+        "Requests whose tokens were constrained by a grammar (JSON schema, JSON object, Lark, GBNF, regex or choice), sampled on the host.";
     /// Prefill and mixed CUDA steps replayed (or captured) as piecewise graphs.
     steps_cuda_piecewise: "pagoda_cuda_piecewise_steps_total", Counter,
         "CUDA prefill and mixed steps whose kernels between attentions ran from piecewise graphs per token bucket (PAGODA_CUDA_PIECEWISE_TOKENS).";

@@ -73,6 +73,9 @@ pub struct StepEvent {
     pub logprobs: Option<Vec<f32>>,
     /// Set when this token ends the request.
     pub finished: Option<FinishReason>,
+    /// With `finished`: why the request ended early beside its finish reason (its grammar
+    /// allowed no token: the message).
+    pub note: Option<String>,
 }
 
 /// Errors the caller can act on.
@@ -158,7 +161,11 @@ impl Engine {
                 // the Leviathan rule needs the target's distributions: those rows sample on
                 // the host.
                 let needs_p = draft > 0 && leviathan && !state.sampler.params().is_greedy();
-                if !state.logit_bias.is_empty() || state.draws_q.is_some() || needs_p {
+                if !state.logit_bias.is_empty()
+                    || state.draws_q.is_some()
+                    || needs_p
+                    || state.constraint.is_some()
+                {
                     return None;
                 }
                 device_row_params(&state.sampler, state.want_logprobs)
@@ -448,7 +455,7 @@ impl Engine {
             sampled.push(SampledToken {
                 id,
                 token,
-                stop: state.stop_tokens.contains(&token),
+                stop: state.stop_tokens.contains(&token) || state.constraint_finished(),
                 accepted: verified.tokens.len() - 1,
             });
             outputs.push(verified);
@@ -474,9 +481,9 @@ impl Engine {
                     pagoda_scheduler::FinishReason::Stop => FinishReason::Stop,
                     pagoda_scheduler::FinishReason::Length => FinishReason::Length,
                 });
-            if finished.is_some() {
-                self.requests.remove(&sample.id);
-            }
+            let note = finished
+                .and_then(|_| self.requests.remove(&sample.id))
+                .and_then(|state| state.constraint_error);
             let last = verified.tokens.len() - 1;
             for (index, (token, logprobs)) in verified
                 .tokens
@@ -489,6 +496,7 @@ impl Engine {
                     token,
                     logprobs,
                     finished: if index == last { finished } else { None },
+                    note: if index == last { note.clone() } else { None },
                 });
             }
         }

@@ -13,6 +13,7 @@ mod engine;
 mod load;
 mod logit_bias;
 pub mod speculation;
+mod structured;
 
 pub use backend::Backend;
 pub use counters::{CounterInfo, EngineCounters, MetricKind};
@@ -27,3 +28,4 @@ pub use load::{
     load_backend, load_model, load_random, load_random_served, Device, LoadOptions, LoadedModel,
     ModelLoadError, ModelSource,
 };
+pub use structured::grammar_vocabulary;

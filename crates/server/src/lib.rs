@@ -22,6 +22,7 @@ pub mod request;
 pub mod routes;
 pub mod session;
 pub mod stop;
+pub mod structured;
 pub mod tls;
 pub mod tokenize;
 pub mod unsupported;
@@ -118,6 +119,8 @@ pub struct AppState {
     next_id: AtomicU64,
     /// Graceful shutdown: whether the server drains, and the requests in flight.
     pub drain: Arc<drain::Drain>,
+    /// The grammar engine of structured output, built at the first constrained request.
+    pub grammars: structured::LazyGrammars,
 }
 
 impl AppState {
@@ -154,6 +157,7 @@ impl AppState {
             start_nanos: since_epoch.as_nanos(),
             next_id: AtomicU64::new(0),
             drain: Arc::new(drain::Drain::default()),
+            grammars: structured::LazyGrammars::default(),
         });
         Ok((state, thread))
     }

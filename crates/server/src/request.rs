@@ -4,6 +4,7 @@
 //! is read with its type checked, so an error names the field. Unknown fields are ignored
 //! (clients send many).
 
+use pagoda_grammar::GrammarSpec;
 use pagoda_ops::sampling::SamplingParams;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -79,6 +80,9 @@ pub struct Options {
     /// Completions' `best_of`: candidates to generate (`n..=MAX_CHOICES`), of which the `n`
     /// with the highest log-probability per token are returned; `n` when not given.
     pub best_of: usize,
+    /// Structured output: the grammar the answer must follow and the field that asked for it
+    /// (`response_format`, `json_schema`, `grammar`, vLLM's fields; see `structured.rs`).
+    pub grammar: Option<(GrammarSpec, &'static str)>,
 }
 
 /// A parsed `POST /v1/chat/completions` body.
@@ -352,6 +356,7 @@ fn parse_options(
         ApiError::invalid(error.to_string(), Some(param))
     })?;
     let logit_bias = parse_logit_bias(object)?;
+    let grammar = crate::structured::parse(object)?;
     Ok(Options {
         model,
         stream,
@@ -365,6 +370,7 @@ fn parse_options(
         echo: None,
         n,
         best_of: n,
+        grammar,
     })
 }
 

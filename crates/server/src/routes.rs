@@ -302,8 +302,22 @@ async fn generate(
     } else {
         state.stop_tokens.clone()
     };
+    // One constraint per choice, compiled (or cloned from the cache) before anything runs,
+    // so a bad schema is a 400.
+    let grammars = match &options.grammar {
+        Some(_) => Some(state.grammars.get(&state.tokenizer)?),
+        None => None,
+    };
     let mut choices = Choices::new(options.n);
     for index in 0..count {
+        let constraint = match (&grammars, &options.grammar) {
+            (Some(grammars), Some((spec, field))) => Some(Box::new(
+                grammars
+                    .constraint(spec)
+                    .map_err(|e| crate::structured::compile_error(field, e))?,
+            )),
+            _ => None,
+        };
         let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
         let mut params = options.sampling;
         params.seed = params.seed.map(|seed| seed.wrapping_add(index as u64));
@@ -314,6 +328,7 @@ async fn generate(
             stop_tokens: stop_tokens.clone(),
             top_logprobs,
             logit_bias: options.logit_bias.clone(),
+            constraint,
             events: sender,
         })?;
         let session = Session::new(

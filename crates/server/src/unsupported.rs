@@ -44,10 +44,6 @@ fn non_empty(value: &Value) -> bool {
     }
 }
 
-fn not_text_format(value: &Value) -> bool {
-    !value.is_null() && value.get("type").and_then(Value::as_str) != Some("text")
-}
-
 fn not_none_choice(value: &Value) -> bool {
     !value.is_null() && value.as_str() != Some("none")
 }
@@ -67,12 +63,6 @@ pub const UNSUPPORTED: &[Unsupported] = &[
         endpoint: Endpoint::Completion,
         is_set: non_empty,
         note: "insertion (a suffix after the completion) is not implemented",
-    },
-    Unsupported {
-        name: "response_format",
-        endpoint: Endpoint::Chat,
-        is_set: not_text_format,
-        note: "structured output (JSON mode, JSON schema) is not implemented yet; only {\"type\": \"text\"}",
     },
     Unsupported {
         name: "tools",
@@ -116,42 +106,6 @@ pub const UNSUPPORTED: &[Unsupported] = &[
         is_set: not_null,
         note: "predicted outputs are not supported",
     },
-    Unsupported {
-        name: "grammar",
-        endpoint: Endpoint::Both,
-        is_set: non_empty,
-        note: "grammars (llama.cpp's extension) are not implemented yet",
-    },
-    Unsupported {
-        name: "json_schema",
-        endpoint: Endpoint::Both,
-        is_set: non_empty,
-        note: "JSON schemas (llama.cpp's extension) are not implemented yet",
-    },
-    Unsupported {
-        name: "guided_json",
-        endpoint: Endpoint::Both,
-        is_set: non_empty,
-        note: "guided decoding (vLLM's extension) is not implemented yet",
-    },
-    Unsupported {
-        name: "guided_regex",
-        endpoint: Endpoint::Both,
-        is_set: non_empty,
-        note: "guided decoding (vLLM's extension) is not implemented yet",
-    },
-    Unsupported {
-        name: "guided_choice",
-        endpoint: Endpoint::Both,
-        is_set: non_empty,
-        note: "guided decoding (vLLM's extension) is not implemented yet",
-    },
-    Unsupported {
-        name: "guided_grammar",
-        endpoint: Endpoint::Both,
-        is_set: non_empty,
-        note: "guided decoding (vLLM's extension) is not implemented yet",
-    },
 ];
 
 /// A 400 for the first refused field `object` sets on an endpoint of kind `chat`.
@@ -193,14 +147,14 @@ mod tests {
     #[test]
     fn set_fields_are_refused_and_neutral_values_pass() {
         assert!(check(json!({"logit_bias": {"50256": -100}}), true).is_ok());
-        assert!(check(json!({"response_format": {"type": "json_object"}}), true).is_err());
-        assert!(check(json!({"response_format": {"type": "text"}}), true).is_ok());
+        // Structured output is read by `structured.rs`, not refused.
+        assert!(check(json!({"response_format": {"type": "json_object"}}), true).is_ok());
         assert!(check(json!({"tools": [{"type": "function"}]}), true).is_err());
         assert!(check(json!({"tools": []}), true).is_ok());
         assert!(check(json!({"tool_choice": "none"}), true).is_ok());
         assert!(check(json!({"modalities": ["text"]}), true).is_ok());
         assert!(check(json!({"modalities": ["text", "audio"]}), true).is_err());
-        assert!(check(json!({"grammar": "root ::= \"a\""}), false).is_err());
+        assert!(check(json!({"grammar": "root ::= \"a\""}), false).is_ok());
         // Endpoint-specific fields are only refused where they mean something.
         assert!(check(json!({"echo": true}), true).is_ok());
         assert!(check(json!({"tools": [{"type": "function"}]}), false).is_ok());

@@ -40,6 +40,8 @@ pub struct Job {
     pub top_logprobs: Option<usize>,
     /// `(token, bias)` pairs added to the logits before each draw (OpenAI's `logit_bias`).
     pub logit_bias: Vec<(u32, f32)>,
+    /// Structured output: the grammar the tokens must follow (boxed: a matcher is large).
+    pub constraint: Option<Box<pagoda_grammar::Constraint>>,
     /// Where the loop sends this request's events; dropping the receiver cancels it.
     pub events: UnboundedSender<WorkerEvent>,
 }
@@ -388,11 +390,16 @@ impl<B: EngineBackend> Worker<B> {
                 job.top_logprobs.is_some(),
             );
             let added = added.and_then(|id| {
-                if job.logit_bias.is_empty() {
-                    return Ok(id);
-                }
-                self.backend
-                    .set_logit_bias(id, job.logit_bias)
+                let biased = if job.logit_bias.is_empty() {
+                    Ok(())
+                } else {
+                    self.backend.set_logit_bias(id, job.logit_bias)
+                };
+                biased
+                    .and_then(|()| match job.constraint {
+                        Some(constraint) => self.backend.set_constraint(id, *constraint),
+                        None => Ok(()),
+                    })
                     .inspect_err(|_| self.backend.cancel(id))
                     .map(|()| id)
             });
@@ -481,6 +488,10 @@ impl<B: EngineBackend> Worker<B> {
                 logprob,
                 finished: event.finished,
             });
+            if let Some(note) = &event.note {
+                // Finished with `stop` (the OpenAI shapes have no place for it): say why.
+                tracing::warn!("request {} ended early: {note}", event.request);
+            }
             if event.finished.is_some() {
                 self.running.remove(&event.request);
             } else if sent.is_err() {

@@ -129,6 +129,7 @@ pub fn run(args: ChatArgs) -> Result<()> {
             params,
             max_tokens,
             stop: stop_tokens.clone(),
+            constraint: None,
         };
         let stats = stream_completion(
             &mut engine,

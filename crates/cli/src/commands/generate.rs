@@ -7,6 +7,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use pagoda_engine::Engine;
+use pagoda_grammar::GrammarSpec;
 use pagoda_models::chat_template::ChatMessage;
 use pagoda_models::tokenizer::Tokenizer;
 use pagoda_ops::sampling::SamplingParams;
@@ -36,6 +37,75 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Constrain the output to JSON valid against this JSON schema: the schema itself, or a
+    /// file holding it (llama.cpp's `-j`; `--json-schema-file` works too).
+    #[arg(
+        short = 'j',
+        long,
+        alias = "json-schema-file",
+        value_name = "SCHEMA|FILE",
+        conflicts_with = "grammar"
+    )]
+    pub json_schema: Option<String>,
+    /// Constrain the output to a GBNF grammar (start rule `root`): the grammar itself, or a
+    /// file holding it (`--grammar-file` works too; a `.lark` file is read as Lark).
+    #[arg(long, alias = "grammar-file", value_name = "GRAMMAR|FILE")]
+    pub grammar: Option<String>,
+}
+
+/// The grammar `--json-schema` or `--grammar` asks for: the text given, or a file's.
+pub fn grammar_spec(
+    json_schema: Option<&str>,
+    grammar: Option<&str>,
+) -> Result<Option<GrammarSpec>> {
+    let read = |flag: &str, value: &str| -> Result<(String, bool)> {
+        let path = std::path::Path::new(value);
+        if path.is_file() {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("{flag} {value}: {e}"))?;
+            let lark = path.extension().is_some_and(|e| e == "lark");
+            Ok((text, lark))
+        } else {
+            Ok((value.to_owned(), false))
+        }
+    };
+    if let Some(value) = json_schema {
+        let (text, _) = read("--json-schema", value)?;
+        let schema: serde_json::Value = serde_json::from_str(&text).map_err(|e| {
+            anyhow::anyhow!(
+                "--json-schema: not a JSON schema ({e}); give the schema's JSON or a file holding it"
+            )
+        })?;
+        return Ok(Some(GrammarSpec::JsonSchema(schema)));
+    }
+    if let Some(value) = grammar {
+        let (text, lark) = read("--grammar", value)?;
+        return Ok(Some(if lark {
+            GrammarSpec::Lark(text)
+        } else {
+            GrammarSpec::Gbnf(text)
+        }));
+    }
+    Ok(None)
+}
+
+/// The constraint of `spec` over `tokenizer`'s vocabulary, or a one-line error naming the
+/// flag and the problem.
+pub fn constraint_for(
+    spec: &GrammarSpec,
+    tokenizer: &Tokenizer,
+) -> Result<pagoda_grammar::Constraint> {
+    let flag = match spec {
+        GrammarSpec::JsonSchema(_) => "--json-schema",
+        _ => "--grammar",
+    };
+    let vocabulary =
+        pagoda_engine::grammar_vocabulary(tokenizer).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+    let grammars =
+        pagoda_grammar::Grammars::new(vocabulary).map_err(|e| anyhow::anyhow!("{flag}: {e}"))?;
+    grammars
+        .constraint(spec)
+        .map_err(|e| anyhow::anyhow!("{flag}: {e}"))
 }
 
 /// Runs `pagoda generate`.
@@ -47,6 +117,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         _ => {}
     }
     args.sampling.params()?; // fail fast on bad flags, before loading
+    let grammar = grammar_spec(args.json_schema.as_deref(), args.grammar.as_deref())?;
     let prompt = match &args.prompt {
         Some(p) => p.clone(),
         None => read_stdin_prompt()?,
@@ -86,11 +157,16 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         stop_tokens.clone()
     };
+    let constraint = match &grammar {
+        Some(spec) => Some(constraint_for(spec, &tokenizer)?),
+        None => None,
+    };
     let completion = Completion {
         prompt_ids,
         params,
         max_tokens,
         stop,
+        constraint,
     };
     let stats = stream_completion(
         &mut engine,
@@ -202,6 +278,8 @@ pub struct Completion {
     pub max_tokens: usize,
     /// Tokens that end the reply (not printed).
     pub stop: Vec<u32>,
+    /// The grammar the reply must follow (`--json-schema`, `--grammar`).
+    pub constraint: Option<pagoda_grammar::Constraint>,
 }
 
 /// Runs one request to completion, writing text to `out` as it is produced; a set
@@ -218,9 +296,13 @@ pub fn stream_completion(
         params,
         max_tokens,
         stop,
+        constraint,
     } = completion;
     let prompt_tokens = prompt_ids.len();
     let request = engine.add_request(prompt_ids, params, max_tokens, stop.clone(), false)?;
+    if let Some(constraint) = constraint {
+        engine.set_constraint(request, constraint)?;
+    }
     let mut interrupted = false;
     if let Some(seed) = engine.seed_of(request) {
         tracing::info!("sampling seed: {seed}");

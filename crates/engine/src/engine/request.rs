@@ -1,6 +1,7 @@
 //! Admitting and cancelling requests; what the engine keeps per request, and how it draws a
 //! request's token on the host.
 
+use pagoda_grammar::Constraint;
 use pagoda_ops::sampling::{effective_distribution, AnySampler, SamplingParams};
 use pagoda_scheduler::{Request as SchedulerRequest, SchedulerError};
 
@@ -22,17 +23,27 @@ pub(super) struct RequestState {
     /// The distributions the current guesses were drawn from (`None`: deterministic
     /// guesses, or none).
     pub(super) guess_q: Option<Vec<Vec<f32>>>,
+    /// Structured output: the grammar the tokens must follow ([`Engine::set_constraint`](super::Engine::set_constraint));
+    /// such a request samples on the host and is never speculated.
+    pub(super) constraint: Option<Box<Constraint>>,
+    /// Why the constraint ended the request early (a grammar that allows no token).
+    pub(super) constraint_error: Option<String>,
 }
 
 impl RequestState {
     /// Draws the next token on the host from `logits` (with the request's logit biases), and
     /// the log-softmax of the logits it drew from when the request wants them.
     pub(super) fn sample_on_host(&mut self, logits: &[f32]) -> (u32, Option<Vec<f32>>) {
-        let biased;
-        let logits = if self.logit_bias.is_empty() {
+        let mut biased;
+        let logits = if self.logit_bias.is_empty() && self.constraint.is_none() {
             logits
         } else {
             biased = logit_bias::apply(logits, &self.logit_bias);
+            if let Some(constraint) = &mut self.constraint {
+                if let Err(error) = constraint.apply(&mut biased) {
+                    return self.end_constrained(error);
+                }
+            }
             &biased[..]
         };
         if let Some(draws) = &mut self.draws_q {
@@ -43,7 +54,34 @@ impl RequestState {
         let logprobs = self
             .want_logprobs
             .then(|| pagoda_ops::sampling::log_softmax(logits));
+        if let Some(constraint) = &mut self.constraint {
+            if let Err(error) = constraint.accept(token) {
+                return self.end_constrained(error);
+            }
+        }
         (token, logprobs)
+    }
+
+    /// Ends a constrained request whose grammar allows no token (or refused the drawn one):
+    /// the error is kept for the caller and the request's first stop token (or the
+    /// grammar's end token) is emitted, so it finishes now instead of running on unconstrained.
+    fn end_constrained(&mut self, error: pagoda_grammar::GrammarError) -> (u32, Option<Vec<f32>>) {
+        tracing::warn!("structured output: {error}; the request ends here");
+        self.constraint_error = Some(error.to_string());
+        let end = self
+            .constraint
+            .take()
+            .and_then(|c| c.eos().first().copied());
+        let token = self.stop_tokens.first().copied().or(end).unwrap_or(0);
+        if !self.stop_tokens.contains(&token) {
+            self.stop_tokens.push(token);
+        }
+        (token, None)
+    }
+
+    /// Whether the request's grammar is complete (its last token ends the request).
+    pub(super) fn constraint_finished(&self) -> bool {
+        self.constraint.as_ref().is_some_and(|c| c.is_finished())
     }
 
     /// Records a token the GPU sampler drew from this request's stream.
@@ -83,6 +121,35 @@ impl Engine {
         Ok(())
     }
 
+    /// Constrains request `id`'s tokens to a grammar (structured output; the constraint
+    /// from [`pagoda_grammar::Grammars::constraint`] over this model's tokenizer): before each
+    /// draw the disallowed tokens are masked, each drawn token advances the grammar, and the
+    /// request stops when the grammar is complete. Its rows sample on the host and it is never
+    /// speculated. Errors: an unknown request, or one that has generated already.
+    pub fn set_constraint(
+        &mut self,
+        id: RequestId,
+        constraint: Constraint,
+    ) -> Result<(), EngineError> {
+        let state = self
+            .requests
+            .get_mut(&id)
+            .ok_or_else(|| EngineError::Internal(format!("request {id} is not running")))?;
+        if !state.generated.is_empty() {
+            return Err(EngineError::Internal(format!(
+                "request {id} has generated tokens already; constrain it before its first step"
+            )));
+        }
+        state.constraint = Some(Box::new(constraint));
+        self.counters.constrained_requests += 1;
+        Ok(())
+    }
+
+    /// Why the grammar of request `id` ended it early (no token was allowed), if it did.
+    pub fn constraint_error(&self, id: RequestId) -> Option<&str> {
+        self.requests.get(&id)?.constraint_error.as_deref()
+    }
+
     /// Admits a request. `stop_tokens` end generation (the end-of-generation ids of the
     /// tokenizer, usually).
     pub fn add_request(
@@ -106,6 +173,8 @@ impl Engine {
                 logit_bias: Vec::new(),
                 draws_q: None,
                 guess_q: None,
+                constraint: None,
+                constraint_error: None,
             },
         )
     }
@@ -132,6 +201,8 @@ impl Engine {
                 logit_bias: Vec::new(),
                 draws_q: keep_q.then(Vec::new),
                 guess_q: None,
+                constraint: None,
+                constraint_error: None,
             },
         )
     }

@@ -214,6 +214,11 @@ impl Engine {
             else {
                 continue;
             };
+            // Guesses are not checked against a grammar yet: constrained requests decode
+            // plainly.
+            if state.constraint.is_some() {
+                continue;
+            }
             ids.push(id);
             requests.push(DraftRequest {
                 tokens,

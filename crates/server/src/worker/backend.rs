@@ -25,6 +25,16 @@ pub trait EngineBackend: Send + 'static {
     fn seed_of(&self, id: RequestId) -> Option<u64>;
     /// Sets a running request's logit biases (see [`Engine::set_logit_bias`]).
     fn set_logit_bias(&mut self, id: RequestId, bias: Vec<(u32, f32)>) -> Result<(), EngineError>;
+    /// Constrains a running request's tokens to a grammar (see [`Engine::set_constraint`]).
+    fn set_constraint(
+        &mut self,
+        _id: RequestId,
+        _constraint: pagoda_grammar::Constraint,
+    ) -> Result<(), EngineError> {
+        Err(EngineError::Internal(
+            "this engine does not constrain output".into(),
+        ))
+    }
     /// A snapshot of the engine's gauges and counters.
     fn snapshot(&self) -> EngineSnapshot;
     /// The embedding of `tokens` (see [`Engine::embed`]).
@@ -74,6 +84,13 @@ impl EngineBackend for Engine {
     }
     fn set_logit_bias(&mut self, id: RequestId, bias: Vec<(u32, f32)>) -> Result<(), EngineError> {
         Engine::set_logit_bias(self, id, bias)
+    }
+    fn set_constraint(
+        &mut self,
+        id: RequestId,
+        constraint: pagoda_grammar::Constraint,
+    ) -> Result<(), EngineError> {
+        Engine::set_constraint(self, id, constraint)
     }
     fn snapshot(&self) -> EngineSnapshot {
         EngineSnapshot {

@@ -113,6 +113,7 @@ impl EngineBackend for Scripted {
                 token,
                 logprobs,
                 finished,
+                note: None,
             });
         }
         for event in events.iter().filter(|e| e.finished.is_some()) {

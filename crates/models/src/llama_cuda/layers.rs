@@ -306,15 +306,8 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                 variant,
                 ..
             } => {
-                let fused = self
-                    .fused
-                    .as_mut()
-                    .ok_or_else(|| CudaError::invalid("fused decode without its workspace"))?;
-                let workspace = fused.workspace_mut();
-                workspace.set_grid_chunks(grid_chunks)?;
-                workspace.set_kernel(variant.kernel);
-                let merge = variant.merge;
-                ops::paged_decode_attention(gpu, &queries, &kv, workspace, merge, scale, out)
+                let plan = (grid_chunks, variant, scale);
+                fused_decode(self.fused, gpu, &queries, &kv, plan, out)
             }
             Attention::Prefill => {
                 let qo = &self.qo_indptr;
@@ -339,15 +332,8 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                 let kv = PagedKv::new(k_pool, v_pool, *self.layout, decodes);
                 let q_dim = heads * self.model.config.head_dim;
                 let mut out = view_mut(out, 0..decode_rows * q_dim)?;
-                let fused = self
-                    .fused
-                    .as_mut()
-                    .ok_or_else(|| CudaError::invalid("a mixed step without the fused decode"))?;
-                let workspace = fused.workspace_mut();
-                workspace.set_grid_chunks(grid_chunks)?;
-                workspace.set_kernel(variant.kernel);
-                let merge = variant.merge;
-                ops::paged_decode_attention(gpu, &queries, &kv, workspace, merge, scale, &mut out)
+                let plan = (grid_chunks, variant, scale);
+                fused_decode(self.fused, gpu, &queries, &kv, plan, &mut out)
             }
         }
     }
@@ -430,6 +416,25 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
         };
         linear.run(&self.selected_normed, head, &mut self.logits, shape, 0.0)
     }
+}
+
+/// The fused split-KV paged decode of `queries` (one row per request of `kv`'s table) with
+/// `plan`'s grid, variant and softmax scale, the plan staged before the step.
+fn fused_decode<T: HostFloat>(
+    fused: &mut Option<FusedDecode>,
+    gpu: &Gpu,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, T>,
+    (grid_chunks, variant, scale): (usize, ops::DecodeVariant, f32),
+    out: &mut DeviceViewMut<'_, T>,
+) -> Result<(), CudaError> {
+    let fused = fused
+        .as_mut()
+        .ok_or_else(|| CudaError::invalid("a fused decode without its workspace"))?;
+    let workspace = fused.workspace_mut();
+    workspace.set_grid_chunks(grid_chunks)?;
+    workspace.set_kernel(variant.kernel);
+    ops::paged_decode_attention(gpu, queries, kv, workspace, variant.merge, scale, out)
 }
 
 /// Whether the tensor-core prefill compiles here (its `<mma.h>` needs the CUDA `crt` headers,

@@ -12,8 +12,7 @@ use plotters::coord::Shift;
 use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 
-use super::sweep::{rate_label, RatePoint};
-use super::workload::{Distribution, Metrics, Slo};
+use super::workload::{rate_label, Distribution, Metrics, RatePoint, Slo};
 
 /// The plot's size in pixels.
 const SIZE: (u32, u32) = (1500, 520);
@@ -159,7 +158,7 @@ fn draw_panel(
 
 #[cfg(test)]
 mod tests {
-    use super::super::sweep::within_slo;
+    use super::super::workload::within_slo;
     use super::*;
 
     fn point(rate: f64, ttft: f64, tpot: f64, itl: f64) -> RatePoint {

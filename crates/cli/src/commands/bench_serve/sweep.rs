@@ -9,9 +9,11 @@
 //! them ([`super::plot`]).
 
 use anyhow::{bail, Result};
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 
-use super::workload::{self, Distribution, Metrics, Planned, Slo};
+use super::workload::{
+    self, rate_label, within_slo, Distribution, Metrics, Planned, RatePoint, Slo,
+};
 use super::{plot, BenchServeArgs};
 
 /// `--sweep`'s request rates (requests per second, infinite: all at once), in the order given.
@@ -39,46 +41,6 @@ pub fn parse_rates(text: &str) -> Result<Rates, String> {
         rates.push(rate);
     }
     Ok(Rates(rates))
-}
-
-/// A rate as a table or plot shows it: `2`, `0.5`, `inf`.
-pub(super) fn rate_label(rate: f64) -> String {
-    if rate.is_finite() {
-        format!("{rate}")
-    } else {
-        "inf".to_owned()
-    }
-}
-
-/// What one rate of the sweep measured.
-#[derive(Debug, Clone, Serialize)]
-pub(super) struct RatePoint {
-    /// Requests per second offered; in JSON `request_rate`, `null` for all at once.
-    #[serde(rename = "request_rate", serialize_with = "finite_or_null")]
-    pub rate: f64,
-    /// Whether p99 TTFT and p99 TPOT are within the SLOs given, with at least one request
-    /// completed and none failed; `None` without any SLO.
-    pub within_slo: Option<bool>,
-    #[serde(flatten)]
-    pub metrics: Metrics,
-}
-
-fn finite_or_null<S: Serializer>(rate: &f64, serializer: S) -> Result<S::Ok, S::Error> {
-    rate.is_finite().then_some(*rate).serialize(serializer)
-}
-
-/// Whether `m` is within `slo` ([`RatePoint::within_slo`]).
-pub(super) fn within_slo(m: &Metrics, slo: Slo) -> Option<bool> {
-    if slo.ttft_ms.is_none() && slo.tpot_ms.is_none() {
-        return None;
-    }
-    let meets = |bound: Option<f64>, p99: f64| bound.is_none_or(|bound| p99 <= bound);
-    Some(
-        m.completed > 0
-            && m.failed == 0
-            && meets(slo.ttft_ms, m.ttft_ms.p99)
-            && meets(slo.tpot_ms, m.tpot_ms.p99),
-    )
 }
 
 /// The highest rate within the SLOs (infinite above every finite one); `None` when no rate is.

@@ -165,6 +165,9 @@ engine_counters! {
     /// Piecewise graphs captured (pieces, over every token bucket).
     cuda_piece_graphs_captured: "pagoda_cuda_piece_graphs_captured_total", Counter,
         "Piecewise graphs captured (one per piece of a token bucket's steps: layers + 1).";
+    /// Piecewise captures that failed (the bucket then runs eagerly).
+    cuda_piece_capture_failures: "pagoda_cuda_piece_capture_failures_total", Counter,
+        "Piecewise graph captures that failed; the step reran eagerly and its token bucket stays eager (the warning names the error).";
     /// Mixed CUDA steps whose decode rows ran the fused decode and chunks the prefill kernel.
     steps_cuda_mixed_split: "pagoda_cuda_mixed_steps_total" ["path" = "split"], Counter,
         "CUDA steps holding decode rows and prefill chunks, by their attention (split: decode rows on the fused decode, chunks on the prefill kernel; prefill: every row on the prefill kernel, PAGODA_CUDA_MIXED_STEPS).";

@@ -21,12 +21,16 @@ enum Bucket {
     Seen,
     /// The pieces, in step order.
     Captured(Vec<CapturedGraph>),
+    /// Its capture failed: the bucket runs eagerly from now on.
+    Eager,
 }
 
 /// Piecewise graphs by token bucket.
 #[derive(Default)]
 pub(super) struct PieceGraphs {
     buckets: HashMap<usize, Bucket>,
+    /// A capture has failed (logged once).
+    warned: bool,
 }
 
 /// The bucket a step of `num_tokens` tokens is padded to: the next multiple of
@@ -61,11 +65,33 @@ impl PieceGraphs {
                 let mut graphs = Vec::new();
                 let captured =
                     model.run_pieces(gpu, buffers, layout, shape, Pieces::Capture(&mut graphs));
-                // A failed capture leaves the bucket eager (it is tried again next time).
-                captured?;
-                counters.cuda_piece_graphs_captured += graphs.len() as u64;
-                counters.steps_cuda_piecewise += 1;
-                self.buckets.insert(bucket, Bucket::Captured(graphs));
+                match captured {
+                    Ok(()) => {
+                        counters.cuda_piece_graphs_captured += graphs.len() as u64;
+                        counters.steps_cuda_piecewise += 1;
+                        self.buckets.insert(bucket, Bucket::Captured(graphs));
+                    }
+                    Err(error) => {
+                        // The capture ended (run_pieces closes it), so the stream is usable:
+                        // the step runs again eagerly from its embedding (its KV writes are
+                        // the same values), and the bucket stays eager.
+                        if !self.warned {
+                            self.warned = true;
+                            tracing::warn!(
+                                "CUDA: capturing the piecewise graphs of a {bucket}-token step \
+                                 failed ({error}); that bucket runs eagerly"
+                            );
+                        }
+                        counters.cuda_piece_capture_failures += 1;
+                        model.run(gpu, buffers, layout, shape)?;
+                        counters.steps_cuda_eager += 1;
+                        self.buckets.insert(bucket, Bucket::Eager);
+                    }
+                }
+            }
+            Some(Bucket::Eager) => {
+                model.run(gpu, buffers, layout, shape)?;
+                counters.steps_cuda_eager += 1;
             }
             Some(Bucket::Captured(graphs)) => {
                 model.run_pieces(gpu, buffers, layout, shape, Pieces::Replay(graphs))?;

@@ -110,8 +110,8 @@ pub struct ModelArgs {
     #[arg(long, value_name = "N")]
     pub spec_ngram_max: Option<String>,
     /// Render chats with the Jinja template in FILE instead of the model's (llama.cpp's
-    /// spelling; the template sees `messages`, `add_generation_prompt`, `bos_token` and
-    /// `eos_token`).
+    /// spelling; the template sees `messages`, `tools`, `add_generation_prompt`,
+    /// `bos_token` and `eos_token`, as transformers passes them).
     #[arg(long, value_name = "FILE")]
     pub chat_template_file: Option<PathBuf>,
 }

@@ -9,15 +9,35 @@
 
 use std::sync::Arc;
 
-use minijinja::value::{Enumerator, Kwargs, Object, ObjectRepr, Value, ValueKind};
+use minijinja::value::{Enumerator, Kwargs, Object, ObjectRepr, Serde, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 
-/// One chat message: `role` ("system", "user", "assistant", ...) and its text.
+/// One chat message: `role` ("system", "user", "assistant", "tool", ...), its text, and
+/// for tool use, the calls an assistant message made or the call a tool message answers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant message's tool calls (empty: none; templates see no `tool_calls` key).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A tool message's answer to the call of this id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The name of the tool (tool messages) or of the speaker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+/// A tool call of an assistant message, as templates see it: `{id, type: "function",
+/// function: {name, arguments}}` with the arguments as JSON (an object, as transformers
+/// passes them), so `arguments | tojson` writes them back.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: serde_json::Value,
 }
 
 impl ChatMessage {
@@ -26,11 +46,15 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
         }
     }
 
-    /// The message as a template value: a map with `role` and `content`, in that order (as
-    /// a Python dict would iterate, which `tojson` and `.items()` show).
+    /// The message as a template value: a map with `role` and `content` first, in that
+    /// order (as a Python dict would iterate, which `tojson` and `.items()` show), then the
+    /// tool fields it has.
     fn to_value(&self) -> Value {
         Value::from_object(self.clone())
     }
@@ -45,12 +69,38 @@ impl Object for ChatMessage {
         match key.as_str()? {
             "role" => Some(Value::from(self.role.as_str())),
             "content" => Some(Value::from(self.content.as_str())),
+            "tool_calls" if !self.tool_calls.is_empty() => {
+                let calls: Vec<serde_json::Value> = self
+                    .tool_calls
+                    .iter()
+                    .map(|call| {
+                        serde_json::json!({
+                            "id": call.id,
+                            "type": "function",
+                            "function": { "name": call.name, "arguments": call.arguments },
+                        })
+                    })
+                    .collect();
+                Some(Value::from(Serde(calls)))
+            }
+            "tool_call_id" => self.tool_call_id.as_deref().map(Value::from),
+            "name" => self.name.as_deref().map(Value::from),
             _ => None,
         }
     }
 
     fn enumerate(self: &Arc<Self>) -> Enumerator {
-        Enumerator::Str(&["role", "content"])
+        let mut keys = vec![Value::from("role"), Value::from("content")];
+        if !self.tool_calls.is_empty() {
+            keys.push(Value::from("tool_calls"));
+        }
+        if self.tool_call_id.is_some() {
+            keys.push(Value::from("tool_call_id"));
+        }
+        if self.name.is_some() {
+            keys.push(Value::from("name"));
+        }
+        Enumerator::Values(keys)
     }
 }
 
@@ -154,20 +204,41 @@ impl ChatTemplate {
 
     /// Renders `messages`; with `add_generation_prompt` the template appends the opening of
     /// the assistant's turn. Template variables: `messages`, `add_generation_prompt`,
-    /// `bos_token`, `eos_token`.
+    /// `bos_token`, `eos_token`, and `tools` (none).
     pub fn render(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`render`](Self::render) with the request's `tools` (the OpenAI list of `{type:
+    /// "function", function: {name, description, parameters}}`, keys in the client's order),
+    /// as transformers passes them to the template.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatTemplateError> {
         let template = self.environment.get_template(TEMPLATE_NAME)?;
         let context = minijinja::context! {
             messages => messages.iter().map(ChatMessage::to_value).collect::<Vec<_>>(),
+            tools => tools.map(|tools| Value::from(Serde(tools))),
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
         };
         Ok(template.render(context)?)
+    }
+
+    /// Whether the template reads the top-level variable `name`, e.g. `tools`: a
+    /// template that never reads `tools` cannot show the model its tools.
+    pub fn reads_variable(&self, name: &str) -> bool {
+        self.environment
+            .get_template(TEMPLATE_NAME)
+            .is_ok_and(|template| template.undeclared_variables(false).contains(name))
     }
 }
 

@@ -115,3 +115,41 @@ fn broken_templates_are_errors_not_panics() {
     let template = ChatTemplate::new("{{ 1 + messages }}", None, None).unwrap();
     assert!(template.render(&conversation(), false).is_err());
 }
+
+#[test]
+fn tools_and_tool_calls_reach_the_template_as_transformers_passes_them() {
+    use pagoda_models::chat_template::ToolCall;
+    let source = "{% for t in tools %}{{ t | tojson }}\n{% endfor %}\
+        {% for m in messages %}{{ m.role }}:{% if m.tool_calls %}\
+        {% for c in m.tool_calls %}{{ c.id }} {{ c.function.name }} {{ c.function.arguments | tojson }}\
+        {% endfor %}{% else %}{{ m.content }}{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}\
+        {% endif %}\n{% endfor %}";
+    let template = ChatTemplate::new(source, None, None).unwrap();
+    assert!(template.reads_variable("tools"));
+    assert!(!ChatTemplate::chatml().reads_variable("tools"));
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "f", "parameters": {"z": 1, "a": 2}}}]);
+    let mut call = ChatMessage::new("assistant", "");
+    call.tool_calls.push(ToolCall {
+        id: "call_1".into(),
+        name: "f".into(),
+        arguments: serde_json::json!({"city": "Oslo", "days": 2}),
+    });
+    let mut result = ChatMessage::new("tool", "21C");
+    result.tool_call_id = Some("call_1".into());
+    let rendered = template
+        .render_with_tools(
+            &[ChatMessage::new("user", "hi"), call, result],
+            Some(&tools),
+            false,
+        )
+        .unwrap();
+    // Keys keep the client's order (a Python dict's), as transformers renders them.
+    assert_eq!(
+        rendered,
+        "{\"type\": \"function\", \"function\": {\"name\": \"f\", \"parameters\": {\"z\": 1, \"a\": 2}}}\n\
+         user:hiassistant:call_1 f {\"city\": \"Oslo\", \"days\": 2}tool:21C (call_1)"
+    );
+    // Without tools, `tools` is none (transformers passes None).
+    let plain = ChatTemplate::new("{{ tools is none }}", None, None).unwrap();
+    assert_eq!(plain.render(&[], false).unwrap(), "True");
+}

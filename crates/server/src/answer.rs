@@ -18,7 +18,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::access::AccessLog;
 use crate::drain::InFlight;
 use crate::error::ApiError;
-use crate::format::{chunk, final_body, usage, FinalChoice, Kind, Reply};
+use crate::format::{chunk, final_body, tool_call_chunk, usage, FinalChoice, Kind, Reply};
 use crate::session::{LogprobEntry, Session};
 use crate::worker::WorkerEvent;
 
@@ -85,6 +85,7 @@ pub(crate) async fn whole(
     let mut finals: Vec<FinalChoice> = (0..count)
         .map(|_| FinalChoice {
             text: reply.echo.clone(),
+            tool_calls: Vec::new(),
             logprobs: Vec::new(),
             finish_reason: "",
         })
@@ -103,6 +104,9 @@ pub(crate) async fn whole(
         if let Some(delta) = delta {
             let choice = &mut finals[index];
             choice.text.push_str(&delta.text);
+            for piece in delta.tool_calls {
+                choice.push_tool_piece(piece);
+            }
             choice.logprobs.extend(delta.logprobs);
             if let Some(reason) = delta.finish_reason {
                 choice.finish_reason = reason;
@@ -212,9 +216,13 @@ pub(crate) fn event_stream(
                 Ok(None) => {}
                 Ok(Some((index, delta))) => {
                     let reply = &state.reply;
+                    // Content first, then the tool calls' pieces, then the finish (on the
+                    // content chunk when there are no pieces).
+                    let calls = !delta.tool_calls.is_empty();
+                    let finish_with_text = delta.finish_reason.filter(|_| !calls);
                     if !delta.text.is_empty()
                         || !delta.logprobs.is_empty()
-                        || delta.finish_reason.is_some()
+                        || finish_with_text.is_some()
                     {
                         let value = chunk(
                             reply,
@@ -222,6 +230,22 @@ pub(crate) fn event_stream(
                             None,
                             &delta.text,
                             &delta.logprobs,
+                            finish_with_text,
+                            state.include_usage,
+                        );
+                        state.pending.push_back(data(&value));
+                    }
+                    for piece in &delta.tool_calls {
+                        let value = tool_call_chunk(reply, index, piece, state.include_usage);
+                        state.pending.push_back(data(&value));
+                    }
+                    if calls && delta.finish_reason.is_some() {
+                        let value = chunk(
+                            reply,
+                            index,
+                            None,
+                            "",
+                            &[],
                             delta.finish_reason,
                             state.include_usage,
                         );

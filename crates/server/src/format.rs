@@ -4,6 +4,7 @@
 use serde_json::{json, Value};
 
 use crate::session::LogprobEntry;
+use crate::tools::parser::Piece;
 
 /// Which endpoint an answer is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,15 +156,93 @@ pub fn chunk(
     value
 }
 
+/// A stream chunk of choice `index` carrying one tool-call piece as OpenAI streams them: a
+/// call's start is `{index, id, type: "function", function: {name, arguments: ""}}`, its
+/// arguments follow as `{index, function: {arguments: TEXT}}` deltas.
+pub fn tool_call_chunk(reply: &Reply, index: usize, piece: &Piece, include_usage: bool) -> Value {
+    let call = match piece {
+        Piece::CallStart { index, id, name } => json!({
+            "index": index,
+            "id": id,
+            "type": "function",
+            "function": { "name": name, "arguments": "" },
+        }),
+        Piece::Arguments { index, text } => json!({
+            "index": index,
+            "function": { "arguments": text },
+        }),
+        Piece::Content(text) => return chunk(reply, index, None, text, &[], None, include_usage),
+    };
+    let mut value = chunk(reply, index, None, "", &[], None, include_usage);
+    value["choices"][0]["delta"] = json!({ "tool_calls": [call] });
+    value
+}
+
+/// A tool call of a whole answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinalToolCall {
+    /// `call_...`.
+    pub id: String,
+    /// The function's name.
+    pub name: String,
+    /// The arguments' JSON text, as the model wrote it.
+    pub arguments: String,
+}
+
 /// One finished choice of a whole answer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FinalChoice {
     /// The text (after `echo`'s prompt text, when asked).
     pub text: String,
+    /// The tool calls the answer made (chat requests with tools).
+    pub tool_calls: Vec<FinalToolCall>,
     /// The tokens' log-probabilities (shown when asked for).
     pub logprobs: Vec<LogprobEntry>,
-    /// `stop` or `length`.
+    /// `stop`, `length` or `tool_calls`.
     pub finish_reason: &'static str,
+}
+
+impl FinalChoice {
+    /// Adds a tool-call piece of the answer.
+    pub fn push_tool_piece(&mut self, piece: Piece) {
+        match piece {
+            Piece::CallStart { id, name, .. } => self.tool_calls.push(FinalToolCall {
+                id,
+                name,
+                arguments: String::new(),
+            }),
+            Piece::Arguments { index, text } => {
+                if let Some(call) = self.tool_calls.get_mut(index) {
+                    call.arguments.push_str(&text);
+                }
+            }
+            Piece::Content(text) => self.text.push_str(&text),
+        }
+    }
+
+    /// The chat `message`: `content` (null when the answer is only tool calls) and its
+    /// `tool_calls` when it made any.
+    fn message(&self) -> Value {
+        if self.tool_calls.is_empty() {
+            return json!({ "role": "assistant", "content": self.text });
+        }
+        let calls: Vec<Value> = self
+            .tool_calls
+            .iter()
+            .map(|call| {
+                json!({
+                    "id": call.id,
+                    "type": "function",
+                    "function": { "name": call.name, "arguments": call.arguments },
+                })
+            })
+            .collect();
+        let content = match self.text.trim() {
+            "" => Value::Null,
+            _ => json!(self.text),
+        };
+        json!({ "role": "assistant", "content": content, "tool_calls": calls })
+    }
 }
 
 /// The whole (non-streamed) response: `choices` in order, indexed from 0.
@@ -176,7 +255,7 @@ pub fn final_body(reply: &Reply, choices: &[FinalChoice], completion_tokens: usi
             match reply.kind {
                 Kind::Chat => json!({
                     "index": index,
-                    "message": { "role": "assistant", "content": choice.text },
+                    "message": choice.message(),
                     "logprobs": logprobs,
                     "finish_reason": choice.finish_reason,
                 }),

@@ -25,6 +25,7 @@ pub mod stop;
 pub mod structured;
 pub mod tls;
 pub mod tokenize;
+pub mod tools;
 pub mod unsupported;
 pub mod worker;
 
@@ -79,6 +80,9 @@ pub struct ServerConfig {
     /// Connections open at once and how long a client may take to send a request
     /// (`--max-connections`, `--timeout`).
     pub limits: ConnectionLimits,
+    /// How the model writes tool calls (`--tool-call-parser`); `None`: read from the chat
+    /// template ([`tools::ToolFormat::detect`]).
+    pub tool_call_parser: Option<tools::ToolFormat>,
 }
 
 impl ServerConfig {
@@ -121,6 +125,9 @@ pub struct AppState {
     pub drain: Arc<drain::Drain>,
     /// The grammar engine of structured output, built at the first constrained request.
     pub grammars: structured::LazyGrammars,
+    /// How the model writes tool calls, when its template can show it tools (it reads
+    /// `tools`) and the format is known; `None`: requests with tools are a 400.
+    pub tool_format: Option<tools::ToolFormat>,
 }
 
 impl AppState {
@@ -146,6 +153,7 @@ impl AppState {
         let since_epoch = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap_or_default();
+        let tool_format = tools::resolve(config.tool_call_parser, &text.chat_template);
         let state = Arc::new(AppState {
             config,
             tokenizer: Arc::new(text.tokenizer),
@@ -158,6 +166,7 @@ impl AppState {
             next_id: AtomicU64::new(0),
             drain: Arc::new(drain::Drain::default()),
             grammars: structured::LazyGrammars::default(),
+            tool_format,
         });
         Ok((state, thread))
     }

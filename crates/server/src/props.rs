@@ -83,7 +83,7 @@ pub async fn apply_template(
         let object = parse_object(&body)?;
         let request = parse_chat(&body, &state.config.sampling_defaults)?;
         let opening = field::<bool>(&object, "add_generation_prompt")?.unwrap_or(true);
-        let prompt = render_chat(&state, &request.messages, opening)?;
+        let prompt = render_chat(&state, &request.messages, request.tools.as_ref(), opening)?;
         Ok::<_, ApiError>(Json(json!({ "prompt": prompt })))
     }
     .await;

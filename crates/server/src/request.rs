@@ -41,14 +41,9 @@ pub enum Prompt {
     Tokens(Vec<u32>),
 }
 
-/// One chat message: role and text content.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Message {
-    /// `system`, `user`, `assistant`, ...
-    pub role: String,
-    /// The text (content parts of type `text` joined).
-    pub content: String,
-}
+/// One chat message: role, text content (parts of type `text` joined), and an assistant's
+/// tool calls or the call a tool message answers.
+pub use pagoda_models::chat_template::ChatMessage as Message;
 
 /// The options shared by both endpoints, validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,6 +78,8 @@ pub struct Options {
     /// Structured output: the grammar the answer must follow and the field that asked for it
     /// (`response_format`, `json_schema`, `grammar`, vLLM's fields; see `structured.rs`).
     pub grammar: Option<(GrammarSpec, &'static str)>,
+    /// Read tool calls out of the answer in this format (chat requests with `tools`).
+    pub tool_format: Option<crate::tools::ToolFormat>,
 }
 
 /// A parsed `POST /v1/chat/completions` body.
@@ -90,6 +87,8 @@ pub struct Options {
 pub struct ChatRequest {
     /// The conversation (at least one message).
     pub messages: Vec<Message>,
+    /// The tools the model may call (`tools`, `tool_choice`, `parallel_tool_calls`).
+    pub tools: Option<crate::tools::Tools>,
     /// Everything else.
     pub options: Options,
 }
@@ -143,7 +142,24 @@ pub fn parse_chat(body: &[u8], defaults: &SamplingParams) -> Result<ChatRequest,
     if let Some(n) = field::<i64>(&object, "max_completion_tokens")? {
         options.max_tokens = Some(check_max_tokens(n, "max_completion_tokens")?);
     }
-    Ok(ChatRequest { messages, options })
+    let tools = crate::tools::parse(&object)?;
+    if let (Some(tools), Some((_, field))) = (&tools, &options.grammar) {
+        if tools.parses() {
+            return Err(ApiError::invalid(
+                format!(
+                    "`{field}` with `tools` is not supported: a tool call and a constrained \
+                     answer need one grammar of both; drop one, or set `tool_choice: \"none\"`"
+                ),
+                Some(field),
+            )
+            .with_code("unsupported_field"));
+        }
+    }
+    Ok(ChatRequest {
+        messages,
+        tools,
+        options,
+    })
 }
 
 /// Parses a completions request; `defaults` are the server's sampling defaults.
@@ -371,6 +387,7 @@ fn parse_options(
         n,
         best_of: n,
         grammar,
+        tool_format: None,
     })
 }
 
@@ -471,6 +488,28 @@ struct RawMessage {
     role: String,
     #[serde(default)]
     content: Option<Content>,
+    #[serde(default)]
+    tool_calls: Option<Vec<RawToolCall>>,
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+}
+
+/// An assistant message's tool call: `{id, type: "function", function: {name, arguments}}`,
+/// the arguments a JSON string (OpenAI) or an object.
+#[derive(Deserialize)]
+struct RawToolCall {
+    #[serde(default)]
+    id: Option<String>,
+    function: RawFunctionCall,
+}
+
+#[derive(Deserialize)]
+struct RawFunctionCall {
+    name: String,
+    #[serde(default)]
+    arguments: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -519,9 +558,34 @@ impl RawMessage {
                 text
             }
         };
+        let tool_calls = self
+            .tool_calls
+            .unwrap_or_default()
+            .into_iter()
+            .enumerate()
+            .map(|(call, raw)| {
+                // Templates write the arguments back with `tojson`: they get the JSON value
+                // of OpenAI's string (a string that is not JSON stays a string).
+                let arguments = match raw.function.arguments {
+                    Some(Value::String(text)) => {
+                        serde_json::from_str(&text).unwrap_or(Value::String(text))
+                    }
+                    Some(value) => value,
+                    None => Value::Object(Map::new()),
+                };
+                pagoda_models::chat_template::ToolCall {
+                    id: raw.id.unwrap_or_else(|| format!("call_{index}_{call}")),
+                    name: raw.function.name,
+                    arguments,
+                }
+            })
+            .collect();
         Ok(Message {
             role: self.role,
             content,
+            tool_calls,
+            tool_call_id: self.tool_call_id,
+            name: self.name,
         })
     }
 }

@@ -13,7 +13,6 @@ use axum::response::sse::Sse;
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use axum::Json;
-use pagoda_models::chat_template::ChatMessage;
 use serde_json::{json, Value};
 
 use crate::access::{self, AccessLog, Client};
@@ -23,6 +22,8 @@ use crate::error::ApiError;
 use crate::format::{Kind, Reply};
 use crate::request::{parse_chat, parse_completion, Message, Options, Prompt};
 use crate::session::Session;
+use crate::tools::parser::ToolCallParser;
+use crate::tools::{ToolFormat, Tools};
 use crate::worker::Job;
 use crate::AppState;
 
@@ -36,8 +37,17 @@ pub async fn chat_completions(
 ) -> Response {
     let result = async {
         let body = body.map_err(body_error)?;
-        let request = parse_chat(&body, &state.config.sampling_defaults)?;
-        let prompt = chat_prompt(&state, &request.messages, true)?;
+        let mut request = parse_chat(&body, &state.config.sampling_defaults)?;
+        if let Some(tools) = &request.tools {
+            let format = tool_format(&state)?;
+            if tools.parses() {
+                request.options.tool_format = Some(format);
+            }
+            if let Some(grammar) = tools.grammar(format) {
+                request.options.grammar = Some((grammar, "tool_choice"));
+            }
+        }
+        let prompt = chat_prompt(&state, &request.messages, request.tools.as_ref(), true)?;
         let client = client.as_ref().map(|c| &c.0);
         generate(&state, (Kind::Chat, client), prompt, request.options).await
     }
@@ -45,33 +55,51 @@ pub async fn chat_completions(
     result.unwrap_or_else(IntoResponse::into_response)
 }
 
-/// The prompt tokens of `messages`: rendered by the chat template (with the assistant's
-/// opening when `opening`), then encoded as a chat prompt.
+/// How the served model writes tool calls; a 400 saying how to give it tools when its chat
+/// template shows none.
+fn tool_format(state: &AppState) -> Result<ToolFormat, ApiError> {
+    state.tool_format.ok_or_else(|| {
+        let why = if state.chat_template.reads_variable("tools") {
+            "its tool-call format is not known; start the server with `--tool-call-parser \
+             hermes` or `llama3_json`"
+        } else {
+            "its chat template does not show tools to the model; start the server with \
+             `--chat-template-file` of a tool-capable template"
+        };
+        ApiError::invalid(
+            format!("this model cannot take `tools`: {why}"),
+            Some("tools"),
+        )
+        .with_code("unsupported_field")
+    })
+}
+
+/// The prompt tokens of `messages`: rendered by the chat template with the request's tools
+/// (and the assistant's opening when `opening`), then encoded as a chat prompt.
 pub(crate) fn chat_prompt(
     state: &AppState,
     messages: &[Message],
+    tools: Option<&Tools>,
     opening: bool,
 ) -> Result<Vec<u32>, ApiError> {
-    let rendered = render_chat(state, messages, opening)?;
+    let rendered = render_chat(state, messages, tools, opening)?;
     state
         .tokenizer
         .encode_chat(&rendered)
         .map_err(|e| ApiError::invalid(format!("tokenizing the messages: {e}"), Some("messages")))
 }
 
-/// `messages` rendered by the chat template (with the assistant's opening when `opening`).
+/// `messages` rendered by the chat template with the request's tools (with the assistant's
+/// opening when `opening`).
 pub(crate) fn render_chat(
     state: &AppState,
     messages: &[Message],
+    tools: Option<&Tools>,
     opening: bool,
 ) -> Result<String, ApiError> {
-    let messages: Vec<ChatMessage> = messages
-        .iter()
-        .map(|m| ChatMessage::new(m.role.as_str(), m.content.as_str()))
-        .collect();
     state
         .chat_template
-        .render(&messages, opening)
+        .render_with_tools(messages, tools.map(|tools| &tools.list), opening)
         .map_err(|e| ApiError::invalid(format!("the chat template failed: {e}"), Some("messages")))
 }
 
@@ -331,11 +359,14 @@ async fn generate(
             constraint,
             events: sender,
         })?;
-        let session = Session::new(
+        let mut session = Session::new(
             state.tokenizer.clone(),
             stop_tokens.clone(),
             options.stop.clone(),
         );
+        if let Some(format) = options.tool_format {
+            session = session.with_tools(ToolCallParser::new(format, call_id_prefix(index)));
+        }
         choices.push(receiver, session);
     }
     state.metrics.prompt_tokens.add(prompt_tokens as u64);
@@ -359,6 +390,15 @@ async fn generate(
     } else {
         whole(reply, choices, (in_flight, log)).await
     }
+}
+
+/// The prefix of the tool-call ids of choice `index`: random (ids must not repeat across
+/// requests; they name calls in the conversation), then the choice.
+fn call_id_prefix(index: usize) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_usize(index);
+    format!("{:012x}{index}", hasher.finish() & 0xffff_ffff_ffff)
 }
 
 fn now_seconds() -> u64 {

@@ -9,6 +9,7 @@ use pagoda_models::tokenizer::{StreamDecoder, Tokenizer};
 
 use crate::error::ApiError;
 use crate::stop::StopMatcher;
+use crate::tools::parser::{Piece, ToolCallParser};
 use crate::worker::{TokenLogprob, WorkerEvent};
 
 /// A sampled token's log-probability in API terms.
@@ -33,7 +34,10 @@ pub struct Delta {
     pub text: String,
     /// Log-probabilities of the tokens of this delta (when asked for).
     pub logprobs: Vec<LogprobEntry>,
-    /// `"stop"` or `"length"` on the last delta.
+    /// Tool-call pieces (call starts and argument text) of this delta, when the request
+    /// has tools; never [`Piece::Content`] (content is `text`).
+    pub tool_calls: Vec<Piece>,
+    /// `"stop"`, `"length"` or `"tool_calls"` on the last delta.
     pub finish_reason: Option<&'static str>,
 }
 
@@ -51,6 +55,8 @@ pub struct Session {
     pub finish_reason: Option<&'static str>,
     /// The sampler's seed, once admitted.
     pub seed: Option<u64>,
+    /// Reads tool calls out of the text (requests with tools).
+    tools: Option<ToolCallParser>,
 }
 
 impl Session {
@@ -69,7 +75,15 @@ impl Session {
             decoded_chars: 0,
             finish_reason: None,
             seed: None,
+            tools: None,
         }
+    }
+
+    /// The session, reading tool calls out of the answer with `parser`: its text is then the
+    /// content outside calls, and the answer finishes with `tool_calls` when it made one.
+    pub fn with_tools(mut self, parser: ToolCallParser) -> Self {
+        self.tools = Some(parser);
+        self
     }
 
     /// Applies one event: `Ok(None)` when it adds nothing to the answer, an error when the
@@ -130,6 +144,21 @@ impl Session {
                 Some(FinishReason::Length) if !out.stopped && !end_of_generation => "length",
                 _ => "stop",
             });
+        }
+        if let Some(parser) = &mut self.tools {
+            let mut pieces = parser.push(&std::mem::take(&mut delta.text));
+            if delta.finish_reason.is_some() {
+                pieces.extend(parser.finish());
+                if delta.finish_reason == Some("stop") && parser.calls() > 0 {
+                    delta.finish_reason = Some("tool_calls");
+                }
+            }
+            for piece in pieces {
+                match piece {
+                    Piece::Content(text) => delta.text.push_str(&text),
+                    call => delta.tool_calls.push(call),
+                }
+            }
         }
         self.finish_reason = delta.finish_reason;
         delta

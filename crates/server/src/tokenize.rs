@@ -31,7 +31,7 @@ pub async fn tokenize(
         let tokens = if object.contains_key("messages") {
             let request = parse_chat(&body, &state.config.sampling_defaults)?;
             let opening = field::<bool>(&object, "add_generation_prompt")?.unwrap_or(true);
-            chat_prompt(&state, &request.messages, opening)?
+            chat_prompt(&state, &request.messages, request.tools.as_ref(), opening)?
         } else {
             let (text, add_special) = match (
                 field::<String>(&object, "content")?,

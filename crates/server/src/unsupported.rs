@@ -65,28 +65,16 @@ pub const UNSUPPORTED: &[Unsupported] = &[
         note: "insertion (a suffix after the completion) is not implemented",
     },
     Unsupported {
-        name: "tools",
-        endpoint: Endpoint::Chat,
-        is_set: non_empty,
-        note: "tool calling is not implemented yet",
-    },
-    Unsupported {
-        name: "tool_choice",
-        endpoint: Endpoint::Chat,
-        is_set: not_none_choice,
-        note: "tool calling is not implemented yet",
-    },
-    Unsupported {
         name: "functions",
         endpoint: Endpoint::Chat,
         is_set: non_empty,
-        note: "function calling is not implemented yet",
+        note: "the deprecated `functions` API is not supported; send them as `tools`",
     },
     Unsupported {
         name: "function_call",
         endpoint: Endpoint::Chat,
         is_set: not_none_choice,
-        note: "function calling is not implemented yet",
+        note: "the deprecated `function_call` is not supported; use `tool_choice`",
     },
     Unsupported {
         name: "modalities",
@@ -149,15 +137,16 @@ mod tests {
         assert!(check(json!({"logit_bias": {"50256": -100}}), true).is_ok());
         // Structured output is read by `structured.rs`, not refused.
         assert!(check(json!({"response_format": {"type": "json_object"}}), true).is_ok());
-        assert!(check(json!({"tools": [{"type": "function"}]}), true).is_err());
-        assert!(check(json!({"tools": []}), true).is_ok());
-        assert!(check(json!({"tool_choice": "none"}), true).is_ok());
+        // Tools are read by `tools/`; the deprecated `functions` API is refused.
+        assert!(check(json!({"tools": [{"type": "function"}]}), true).is_ok());
+        assert!(check(json!({"functions": [{"name": "f"}]}), true).is_err());
+        assert!(check(json!({"function_call": "none"}), true).is_ok());
         assert!(check(json!({"modalities": ["text"]}), true).is_ok());
         assert!(check(json!({"modalities": ["text", "audio"]}), true).is_err());
         assert!(check(json!({"grammar": "root ::= \"a\""}), false).is_ok());
         // Endpoint-specific fields are only refused where they mean something.
         assert!(check(json!({"echo": true}), true).is_ok());
-        assert!(check(json!({"tools": [{"type": "function"}]}), false).is_ok());
+        assert!(check(json!({"functions": [{"name": "f"}]}), false).is_ok());
         // Fields no API defines stay ignored.
         assert!(check(json!({"x_client_trace": "abc"}), true).is_ok());
     }

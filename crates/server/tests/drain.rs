@@ -60,6 +60,7 @@ fn start(tokens: usize, shutdown_timeout: Duration) -> Option<Server> {
         shutdown_timeout,
         cors_origins: Vec::new(),
         limits: Default::default(),
+        tool_call_parser: None,
     };
     let text = TextModel {
         tokenizer,

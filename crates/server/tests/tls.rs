@@ -63,6 +63,7 @@ fn start(files: &TlsFiles) -> Option<u16> {
         shutdown_timeout: std::time::Duration::from_secs(30),
         cors_origins: Vec::new(),
         limits: Default::default(),
+        tool_call_parser: None,
     };
     let text = TextModel {
         tokenizer,

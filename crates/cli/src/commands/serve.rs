@@ -104,6 +104,11 @@ pub struct ServeArgs {
     /// none, so browsers refuse cross-origin calls.
     #[arg(long, value_delimiter = ',', value_name = "ORIGINS")]
     pub cors: Vec<String>,
+    /// How the model writes tool calls: `hermes` (`<tool_call>` JSON: Qwen2.5/Qwen3,
+    /// Hermes) or `llama3_json` (Llama 3.1-3.3), vLLM's names. Default: read from the chat
+    /// template; a template that never reads `tools` takes no tools either way.
+    #[arg(long, value_name = "FORMAT", value_parser = parse_tool_format)]
+    pub tool_call_parser: Option<pagoda_server::tools::ToolFormat>,
     /// Connections open at once; more wait until one closes (a guard against clients that
     /// open many and send nothing).
     #[arg(
@@ -319,6 +324,13 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if !args.cors.is_empty() {
         eprintln!("  cors         {}", args.cors.join(", "));
     }
+    eprintln!(
+        "  tool calls   {}",
+        match pagoda_server::tools::resolve(args.tool_call_parser, &loaded.chat_template) {
+            Some(format) => format.name(),
+            None => "none (the chat template shows no tools; --chat-template-file)",
+        }
+    );
 
     let server_config = ServerConfig {
         host: args.host.clone(),
@@ -339,6 +351,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             max_connections: args.max_connections,
             timeout: std::time::Duration::from_secs_f64(args.timeout),
         },
+        tool_call_parser: args.tool_call_parser,
     };
     let text = TextModel {
         tokenizer: loaded.tokenizer,
@@ -349,6 +362,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         eprintln!("listening on {url} (OpenAI API at {url}/v1)");
     })
     .map_err(anyhow::Error::msg)
+}
+
+fn parse_tool_format(name: &str) -> Result<pagoda_server::tools::ToolFormat, String> {
+    pagoda_server::tools::ToolFormat::from_name(name).ok_or_else(|| {
+        format!(
+            "unknown tool-call format {name:?}; use one of {}",
+            pagoda_server::tools::ToolFormat::NAMES.join(", ")
+        )
+    })
 }
 
 /// The keys of `--api-key` (or `$PAGODA_API_KEY`) and `--api-key-file`, refusing an empty

@@ -202,6 +202,7 @@ pub fn test_config() -> ServerConfig {
         shutdown_timeout: Duration::from_secs(30),
         cors_origins: Vec::new(),
         limits: Default::default(),
+        tool_call_parser: None,
     }
 }
 

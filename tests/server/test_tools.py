@@ -48,8 +48,11 @@ def start_server(template, *extra):
         pytest.skip("PAGODA_BIN is not set; run bash scripts/test-server.sh")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"}
+    # PAGODA_SERVE_ARGS: the suite's extra flags (on the GPU machine: `--device cuda` and
+    # random weights with the default model's tokenizer).
     args = [binary, "serve", "--port", str(port), "-c", "4096", "-np", "4",
-            "--chat-template-file", str(TEMPLATES / template), *extra]
+            "--chat-template-file", str(TEMPLATES / template), *extra,
+            *os.environ.get("PAGODA_SERVE_ARGS", "").split()]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 60

@@ -143,6 +143,9 @@ settings! {
     "PAGODA_PREFIX_CACHING", None, ON_OFF, "on", Engine,
         "engine EngineSettings",
         "Reuse the KV pages of a prompt prefix seen before.";
+    "PAGODA_STRUCTURED_MASKS_BESIDE", None, ON_OFF, "on", Engine,
+        "engine EngineSettings",
+        "Structured output: compute the token masks of a step's constrained requests on a thread beside the forward (off: each when its row is sampled).";
     "PAGODA_SPEC", Some("--spec"), Values::Choice(&["off", "ngram", "draft"]), "off", Engine,
         "engine EngineSettings (speculation)",
         "Speculative decoding: off, ngram (prompt lookup) or draft (a draft model, --model-draft).";
@@ -252,6 +255,9 @@ settings! {
     "PAGODA_CUDA_PIECEWISE_TOKENS", None, Values::Number { min: 0, max: 1048576, words: &[] }, "256", Tuning,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Prefill and mixed steps of up to this many tokens run everything but attention and the LM head from CUDA graphs captured per 16-token bucket (piecewise graphs; with CUDA graphs on, not in deterministic mode); 0: launched from the host.";
+    "PAGODA_CUDA_DEVICE_MASKS", None, ON_OFF, "off", Cuda,
+        "engine EngineSettings",
+        "Structured output on CUDA: constrained rows sample on the GPU, their token masks uploaded and applied to the logits on the device (off, until measured on the H200: their logits are downloaded and sampled on the host).";
     "PAGODA_CUDA_GEMV", None, ON_OFF, "off", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Linear layers of 1-8 bf16 rows on the small-batch CUDA-core kernel instead of cuBLAS (off: measured level with cuBLAS at 1 row and slower from 2 in 8B decode; never in deterministic mode).";

@@ -233,12 +233,14 @@ impl Runner {
 
     /// Runs `batch`. With `device_rows` (CUDA only: one entry per `logits_for` row, see
     /// [`CudaRunner::forward_sampled`]) the rows are sampled on the GPU and
-    /// [`StepOutput::sampled`] is set; otherwise the logits come back whole.
+    /// [`StepOutput::sampled`] is set, `masks` giving the token masks of constrained rows
+    /// once the forward is enqueued; otherwise the logits come back whole.
     pub(crate) fn forward(
         &mut self,
         batch: &ForwardBatch<'_>,
         policy: AttentionPolicy,
         device_rows: Option<&[Option<SamplingRowParams>]>,
+        masks: Option<crate::cuda_runner::MaskSource<'_>>,
     ) -> Result<StepOutput, String> {
         match self {
             Runner::Cpu { model, kv, pools } => {
@@ -264,7 +266,7 @@ impl Runner {
                         Vec::new(),
                         Some(
                             model
-                                .forward_sampled(batch, rows)
+                                .forward_sampled_masked(batch, rows, masks)
                                 .map_err(|e| e.to_string())?,
                         ),
                     ),

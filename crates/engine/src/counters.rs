@@ -159,6 +159,9 @@ engine_counters! {
     /// Requests constrained by a grammar (structured output).
     constrained_requests: "pagoda_constrained_requests_total", Counter,
         "Requests whose tokens were constrained by a grammar (JSON schema, JSON object, Lark, GBNF, regex or choice), sampled on the host.";
+    /// Constrained rows whose token mask was applied on the device (sampled there).
+    cuda_masked_rows: "pagoda_cuda_masked_rows_total", Counter,
+        "Rows of constrained requests (structured output) sampled on the GPU: the grammar's packed token mask, computed on the host during the forward, applied to the row's logits on the device.";
     /// Prefill and mixed CUDA steps replayed (or captured) as piecewise graphs.
     steps_cuda_piecewise: "pagoda_cuda_piecewise_steps_total", Counter,
         "CUDA prefill and mixed steps whose kernels between attentions ran from piecewise graphs per token bucket (PAGODA_CUDA_PIECEWISE_TOKENS).";

@@ -20,7 +20,7 @@ use std::sync::Arc;
 pub use pagoda_models::llama_cuda::{
     CudaCacheOptions, CudaModel, DType, PagedDecodeMode, SamplingRowParams,
 };
-pub use sampling::SampledRow;
+pub use sampling::{MaskSource, SampledRow, TokenMasks};
 pub use warmup::{WarmupReport, WARMUP_STAGES};
 
 mod buckets;
@@ -178,6 +178,19 @@ impl CudaRunner {
         batch: &ForwardBatch<'_>,
         rows: &[Option<SamplingRowParams>],
     ) -> Result<Vec<SampledRow>, CudaError> {
-        typed!(&mut self.inner, runner => runner.forward_sampled(batch, rows))
+        typed!(&mut self.inner, runner => runner.forward_sampled(batch, rows, None))
+    }
+
+    /// [`forward_sampled`](Self::forward_sampled) with structured output's token masks:
+    /// `masks` is called once the forward is enqueued, and its masks are applied to their
+    /// rows' logits on the device before the sampler runs (disallowed tokens are never
+    /// drawn).
+    pub fn forward_sampled_masked(
+        &mut self,
+        batch: &ForwardBatch<'_>,
+        rows: &[Option<SamplingRowParams>],
+        masks: Option<MaskSource<'_>>,
+    ) -> Result<Vec<SampledRow>, CudaError> {
+        typed!(&mut self.inner, runner => runner.forward_sampled(batch, rows, masks))
     }
 }

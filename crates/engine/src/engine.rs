@@ -4,7 +4,7 @@ use std::collections::HashMap;
 
 use rayon::prelude::*;
 
-use crate::cuda_runner::{PagedDecodeMode, SampledRow, SamplingRowParams};
+use crate::cuda_runner::{MaskSource, PagedDecodeMode, SampledRow, SamplingRowParams};
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch};
 use pagoda_ops::attention::KvCacheTypes;
@@ -18,6 +18,7 @@ use request::RequestState;
 use speculate::Verified;
 
 mod embed;
+mod masks;
 mod request;
 mod settings;
 mod speculate;
@@ -159,12 +160,14 @@ impl Engine {
             let params = self.requests.get(id).and_then(|state| {
                 // The device sampler takes no logit biases and keeps no distributions, and
                 // the Leviathan rule needs the target's distributions: those rows sample on
-                // the host.
+                // the host. Constrained rows sample there with their token masks unless
+                // `PAGODA_CUDA_DEVICE_MASKS` is off.
                 let needs_p = draft > 0 && leviathan && !state.sampler.params().is_greedy();
+                let host_constrained = state.constraint.is_some() && !self.settings.device_masks;
                 if !state.logit_bias.is_empty()
                     || state.draws_q.is_some()
                     || needs_p
-                    || state.constraint.is_some()
+                    || host_constrained
                 {
                     return None;
                 }
@@ -332,6 +335,18 @@ impl Engine {
             .map(|s| s.draft)
             .collect();
         let device_rows = self.device_rows(&ids, &drafts);
+        let rows_of: Vec<usize> = drafts
+            .iter()
+            .scan(0, |next, &draft| {
+                let row = *next;
+                *next += 1 + draft;
+                Some(row)
+            })
+            .collect();
+        let mut step_masks = self.take_constraints(&ids, &rows_of, device_rows.as_deref());
+        let beside = self.settings.masks_beside && !step_masks.is_empty();
+        let attention = self.config.attention;
+        let runner = &mut self.runner;
         let output = plan
             .page_table()
             .map_err(|e| e.to_string())
@@ -344,9 +359,31 @@ impl Engine {
                     page_table: &page_table,
                     logits_for: &logits_for,
                 };
-                self.runner
-                    .forward(&batch, self.config.attention, device_rows.as_deref())
+                let rows = device_rows.as_deref();
+                if !beside {
+                    // Masks now (device rows need theirs before the sampler), or at sampling.
+                    let masks = step_masks.on_device().then(|| step_masks.compute());
+                    let source = || masks.clone().unwrap_or_default();
+                    let source: Option<MaskSource> = masks.is_some().then_some(&source);
+                    return runner.forward(&batch, attention, rows, source);
+                }
+                let on_device = step_masks.on_device();
+                let masks = &mut step_masks;
+                std::thread::scope(|scope| {
+                    let (sender, receiver) = std::sync::mpsc::channel();
+                    let worker = scope.spawn(move || {
+                        let _ = sender.send(masks.compute());
+                    });
+                    let source = || receiver.recv().unwrap_or_default();
+                    let source: Option<MaskSource> = on_device.then_some(&source);
+                    let output = runner.forward(&batch, attention, rows, source);
+                    worker
+                        .join()
+                        .map_err(|_| "the token-mask thread panicked".to_string())?;
+                    output
+                })
             });
+        self.restore_constraints(step_masks);
         let output = match output {
             Ok(output) => output,
             Err(error) => {

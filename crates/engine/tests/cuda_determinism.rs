@@ -71,6 +71,8 @@ impl Setup<'_> {
                 deterministic: self.deterministic,
                 ..CudaKernels::default()
             },
+            masks_beside: true,
+            device_masks: true,
         };
         Engine::with_settings(model, config, settings).unwrap()
     }

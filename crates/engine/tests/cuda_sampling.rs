@@ -403,3 +403,93 @@ fn bad_rows_are_refused_before_the_step_runs() {
     assert!(rows[0].token().is_some() && rows[1].logits().is_some());
     assert!((rows[0].token().unwrap() as usize) < config.vocab_size);
 }
+
+/// Whether token `v` is allowed by the mask of (`step`, `request`): about one id in seven,
+/// a different set per step and request.
+fn allowed(v: usize, step: usize, request: usize) -> bool {
+    (v.wrapping_mul(2_654_435_761) ^ (step * 31 + request * 7)) % 7 == 0
+}
+
+fn packed_mask(vocab: usize, step: usize, request: usize) -> Vec<u32> {
+    let mut words = vec![0u32; vocab.div_ceil(32)];
+    for v in (0..vocab).filter(|&v| allowed(v, step, request)) {
+        words[v / 32] |= 1 << (v % 32);
+    }
+    words
+}
+
+/// Structured output's masks on the device: rows given a packed token mask
+/// (`forward_sampled_masked`) draw exactly the token the CPU fused sampler draws from the same
+/// logits with the disallowed ids at `-inf` (whose masked draws are chi-square tested against
+/// the renormalised distribution in `structured_sampling.rs`), for every sampling chain;
+/// unmasked rows of the same batches are unaffected.
+#[test]
+#[ignore = "needs a GPU"]
+fn masked_rows_draw_what_the_cpu_sampler_draws_from_masked_logits() {
+    use pagoda_engine::cuda_runner::TokenMasks;
+    let gpu = gpu();
+    let config = config();
+    let vocab = config.vocab_size;
+    let weights = RandomWeights::new(&config, 29, 4 << 30).unwrap();
+    for (dtype, graphs) in [(DType::F32, true), (DType::BF16, false)] {
+        let mut model_a = load(&gpu, &weights, dtype, graphs);
+        let mut model_b = load(&gpu, &weights, dtype, graphs);
+        let requests = requests();
+        let mut samplers: Vec<FusedSampler> = requests
+            .iter()
+            .map(|(params, _)| FusedSampler::new(*params).unwrap())
+            .collect();
+        let mut driver = Driver::new(requests.len(), vocab);
+        let mut masked_rows = 0u64;
+        for (step_index, counts) in schedule().iter().enumerate() {
+            let step = driver.step(counts);
+            let logits = model_a.forward(&step.batch()).unwrap();
+            let rows: Vec<Option<SamplingRowParams>> = step
+                .sampling
+                .iter()
+                .map(|&r| Some(device_params(&samplers[r])))
+                .collect();
+            // Every request but the last is constrained.
+            let mut masks = TokenMasks {
+                words: vocab.div_ceil(32),
+                ..TokenMasks::default()
+            };
+            for (row, &request) in step.sampling.iter().enumerate() {
+                if request + 1 < requests.len() {
+                    masks.rows.push(row as u32);
+                    masks.bits.extend(packed_mask(vocab, step_index, request));
+                }
+            }
+            masked_rows += masks.rows.len() as u64;
+            let source = || masks.clone();
+            let got = model_b
+                .forward_sampled_masked(&step.batch(), &rows, Some(&source))
+                .unwrap();
+            for (row, (&request, result)) in step.sampling.iter().zip(&got).enumerate() {
+                let mut expected_logits = logits[row * vocab..(row + 1) * vocab].to_vec();
+                let constrained = request + 1 < requests.len();
+                if constrained {
+                    for (v, logit) in expected_logits.iter_mut().enumerate() {
+                        if !allowed(v, step_index, request) {
+                            *logit = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                let expected = samplers[request].sample(&expected_logits, &[]);
+                let context = format!(
+                    "{dtype} graphs {graphs}: step {step_index} row {row} request {request} ({:?})",
+                    requests[request]
+                );
+                let SampledRow::Token(token) = result else {
+                    panic!("{context}: {result:?}");
+                };
+                assert_eq!(*token, expected, "{context}: GPU vs CPU on masked logits");
+                if constrained {
+                    assert!(allowed(*token as usize, step_index, request), "{context}");
+                }
+            }
+        }
+        assert!(masked_rows > 50, "{masked_rows}");
+        assert_eq!(model_b.counters().cuda_masked_rows, masked_rows);
+    }
+}

@@ -80,6 +80,8 @@ fn engine(
             deterministic: true,
             ..CudaKernels::default()
         },
+        masks_beside: true,
+        device_masks: true,
     };
     let load =
         |dtype| CudaModel::load(config(), weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();

@@ -41,10 +41,10 @@ pub use crate::rope::cuda::{
     specialize_rope_kv_append, NewKv, RopeStyle,
 };
 pub use crate::sampling::cuda::{
-    decode_row_stats, default_fast_rounds, encode_row_params, filter_splits, plan_sampling,
-    sample_rows, sample_rows_with, sampling_splits, specialize_cluster, specialize_sampling,
-    ClusterShape, FilteredSampling, RowPath, RowSamplingStats, SamplingEntry, SamplingMix,
-    SamplingOptions, SamplingPlan, SamplingRowParams, SamplingShapes, SamplingTotals,
+    apply_token_masks, decode_row_stats, default_fast_rounds, encode_row_params, filter_splits,
+    plan_sampling, sample_rows, sample_rows_with, sampling_splits, specialize_cluster,
+    specialize_sampling, ClusterShape, FilteredSampling, RowPath, RowSamplingStats, SamplingEntry,
+    SamplingMix, SamplingOptions, SamplingPlan, SamplingRowParams, SamplingShapes, SamplingTotals,
     SamplingWorkspace, SmBudget, DEFAULT_MAX_REJECTION_ROUNDS, MAX_SAMPLING_ROWS,
     MAX_SAMPLING_SPLITS, SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
 };

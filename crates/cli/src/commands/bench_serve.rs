@@ -144,6 +144,33 @@ pub struct BenchServeArgs {
     /// Goodput counts requests whose time per output token is at most this (milliseconds).
     #[arg(long, value_name = "MS")]
     pub slo_tpot: Option<f64>,
+    /// Constrain every request of the scenarios (and the warm-up) to this JSON schema (a
+    /// JSON text, or a file holding one) as an OpenAI `json_schema` `response_format`: the
+    /// cost of structured output. A request ends early if its schema completes, so give one
+    /// longer than `--n-gen` tokens (e.g. an array with a large `minItems`).
+    #[arg(long, value_name = "SCHEMA|FILE", value_parser = parse_schema)]
+    pub json_schema: Option<Box<serde_json::Value>>,
+}
+
+/// `--json-schema`: JSON text, or the path of a file holding it.
+fn parse_schema(value: &str) -> Result<Box<serde_json::Value>, String> {
+    let text = if value.trim_start().starts_with('{') {
+        value.to_owned()
+    } else {
+        std::fs::read_to_string(value).map_err(|e| format!("reading {value}: {e}"))?
+    };
+    serde_json::from_str(&text).map_err(|e| format!("not a JSON schema: {e}"))
+}
+
+/// `body` constrained to `--json-schema`, when given.
+fn with_schema(mut body: serde_json::Value, args: &BenchServeArgs) -> serde_json::Value {
+    if let Some(schema) = &args.json_schema {
+        body["response_format"] = serde_json::json!({
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": schema},
+        });
+    }
+    body
 }
 
 /// What one streamed request measured.
@@ -355,6 +382,7 @@ async fn warm_up(
     let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ WARMUP_SEED);
     let prompt = random_words(&mut rng, args.prompt_words);
     let body = completion_body(model, &prompt, args.generated_tokens.min(WARMUP_TOKENS));
+    let body = with_schema(body, args);
     let url = format!("{base}/v1/completions");
     stream_one(client, &url, &body, args.api_key.as_deref())
         .await
@@ -389,7 +417,7 @@ async fn run_repetition(
         .map(|prompt| {
             let client = client.clone();
             let url = format!("{base}/v1/completions");
-            let body = completion_body(model, &prompt, args.generated_tokens);
+            let body = with_schema(completion_body(model, &prompt, args.generated_tokens), args);
             let api_key = args.api_key.clone();
             tokio::spawn(async move { stream_one(&client, &url, &body, api_key.as_deref()).await })
         })

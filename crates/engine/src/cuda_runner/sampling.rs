@@ -14,11 +14,12 @@
 //! and one download of both (the step's only synchronisation, as before).
 
 use pagoda_cuda::{
-    view, view_mut, CudaError, DeviceBuffer, DeviceRead, Gpu, GpuEvent, PinnedBuffer,
+    view, view_mut, CudaError, DeviceBuffer, DeviceRead, DeviceWrite, Gpu, GpuEvent, PinnedBuffer,
 };
 use pagoda_ops::cuda::{
-    sample_rows_with, SamplingMix, SamplingOptions, SamplingRowParams, SamplingTotals,
-    SamplingWorkspace, MAX_SAMPLING_ROWS, SAMPLING_PARAM_WORDS, SAMPLING_TOTALS_WORDS,
+    apply_token_masks, sample_rows_with, SamplingMix, SamplingOptions, SamplingRowParams,
+    SamplingTotals, SamplingWorkspace, MAX_SAMPLING_ROWS, SAMPLING_PARAM_WORDS,
+    SAMPLING_TOTALS_WORDS,
 };
 
 use pagoda_models::llama::ForwardBatch;
@@ -54,6 +55,25 @@ impl SampledRow {
         }
     }
 }
+
+/// Structured output's token masks of one step's device rows: mask `m` is `words` u32
+/// words of `bits` (bit `v % 32` of word `v / 32` set when token `v` is allowed) for logits
+/// row `rows[m]`. Computed on the host while the step's forward runs, and handed over just
+/// before the sampler is launched (see [`MaskSource`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenMasks {
+    /// Words per mask: `ceil(vocab_size / 32)` (shorter masks are padded with zero words).
+    pub words: usize,
+    /// The logits row of each mask.
+    pub rows: Vec<u32>,
+    /// `rows.len() * words` words.
+    pub bits: Vec<u32>,
+}
+
+/// Where a sampled step gets its token masks: called once, after the forward is enqueued
+/// and before the sampler runs, so the host computes the masks while the GPU runs the
+/// forward.
+pub type MaskSource<'a> = &'a dyn Fn() -> TokenMasks;
 
 /// Checks the per-row parameters of a sampled step before anything runs: one entry per
 /// `logits_for` row, at most [`MAX_SAMPLING_ROWS`], every record within the sampler's ranges.
@@ -100,6 +120,8 @@ pub(super) enum Output<'a> {
 pub(super) struct DeviceSampling<'a> {
     pub(super) rows: &'a [Option<SamplingRowParams>],
     pub(super) out: &'a mut Vec<SampledRow>,
+    /// The token masks of constrained device rows.
+    pub(super) masks: Option<MaskSource<'a>>,
 }
 
 /// The device-side sampler state of a prepared cache, allocated on the first sampled step
@@ -117,6 +139,9 @@ pub(super) struct DeviceSampler {
     last_totals: SamplingTotals,
     /// The paths configured when the sampler was made.
     switches: SamplingKernels,
+    /// Token masks: pinned `[rows..., bits...]` words and their device copy, allocated at
+    /// the first masked step (`max_rows * (1 + words)` words).
+    mask_staging: Option<(PinnedBuffer<u32>, DeviceBuffer<u32>)>,
 }
 
 /// Logs the device sampler's paths once per process.
@@ -156,7 +181,62 @@ impl DeviceSampler {
             readback: gpu.zeros(SAMPLING_TOTALS_WORDS + max_rows)?,
             last_totals: SamplingTotals::default(),
             switches,
+            mask_staging: None,
         })
+    }
+
+    /// Uploads `masks` and applies them to the rows of `logits` (`[rows, vocab]`). The
+    /// pinned words stay unchanged until the step's download synchronises the stream.
+    fn apply_masks(
+        &mut self,
+        gpu: &Gpu,
+        logits: &mut impl DeviceWrite<f32>,
+        vocab: usize,
+        masks: &TokenMasks,
+    ) -> Result<(), CudaError> {
+        let count = masks.rows.len();
+        let words = vocab.div_ceil(32);
+        let max_rows = self.workspace.max_rows();
+        if count == 0 {
+            return Ok(());
+        }
+        if count > max_rows || masks.words != words || masks.bits.len() != count * words {
+            return Err(CudaError::invalid(format!(
+                "token masks: {count} masks of {} words ({} in all) for at most {max_rows} rows \
+                 of {words} words",
+                masks.words,
+                masks.bits.len()
+            )));
+        }
+        let rows_in_range = logits.len() / vocab.max(1);
+        if let Some(&row) = masks
+            .rows
+            .iter()
+            .find(|&&row| row as usize >= rows_in_range)
+        {
+            return Err(CudaError::invalid(format!(
+                "token masks: row {row} is outside the step's {rows_in_range} logits rows"
+            )));
+        }
+        if self.mask_staging.is_none() {
+            let len = max_rows * (1 + words);
+            self.mask_staging = Some((gpu.alloc_pinned(len)?, gpu.zeros(len)?));
+        }
+        let Some((staging, device)) = self.mask_staging.as_mut() else {
+            return Err(CudaError::invalid("mask staging missing"));
+        };
+        let used = count * (1 + words);
+        let host = &mut staging.as_mut_slice()?[..used];
+        host[..count].copy_from_slice(&masks.rows);
+        host[count..].copy_from_slice(&masks.bits);
+        gpu.upload_pinned_range(staging, 0..used, &mut view_mut(device, 0..used)?)?;
+        apply_token_masks(
+            gpu,
+            logits,
+            vocab,
+            &view(device, count..used)?,
+            &view(device, 0..count)?,
+        )
     }
 
     /// Samples the rows of `logits` (`[rows.len(), vocab]` on the device) whose parameters
@@ -285,6 +365,7 @@ impl<T: HostFloat> TypedRunner<T> {
         &mut self,
         batch: &ForwardBatch<'_>,
         rows: &[Option<SamplingRowParams>],
+        masks: Option<MaskSource<'_>>,
     ) -> Result<Vec<SampledRow>, CudaError> {
         validate_rows(batch, rows)?;
         let Some(mut cache) = self.cache.take() else {
@@ -299,6 +380,7 @@ impl<T: HostFloat> TypedRunner<T> {
             Output::Sampled(DeviceSampling {
                 rows,
                 out: &mut out,
+                masks,
             }),
         );
         self.cache = Some(cache);
@@ -332,6 +414,13 @@ impl<T: HostFloat> TypedRunner<T> {
         let Some(sampler) = cache.sampler.as_mut() else {
             return Err(CudaError::invalid("device sampler missing"));
         };
+        if let Some(source) = request.masks {
+            // The forward is enqueued: the host's masks are (nearly) done by now.
+            let masks = source();
+            let mut logits = view_mut(&mut cache.buffers.scratch.logits, 0..num_logits * vocab)?;
+            sampler.apply_masks(gpu, &mut logits, vocab, &masks)?;
+            self.counters.cuda_masked_rows += masks.rows.len() as u64;
+        }
         let logits = view(&cache.buffers.scratch.logits, 0..num_logits * vocab)?;
         let (rows, gained, drawn) = sampler.sample(gpu, &logits, vocab, request.rows)?;
         let device_rows = rows.iter().filter(|row| row.token().is_some()).count() as u64;

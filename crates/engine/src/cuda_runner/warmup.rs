@@ -202,6 +202,6 @@ impl<T: HostFloat> TypedRunner<T> {
             .take(feed.len())
             .map(|row| Some(row.with_step(step as u64)))
             .collect();
-        self.forward_sampled(&batch, &rows).map(|_| ())
+        self.forward_sampled(&batch, &rows, None).map(|_| ())
     }
 }

@@ -65,7 +65,10 @@ impl RequestState {
     /// Ends a constrained request whose grammar allows no token (or refused the drawn one):
     /// the error is kept for the caller and the request's first stop token (or the
     /// grammar's end token) is emitted, so it finishes now instead of running on unconstrained.
-    fn end_constrained(&mut self, error: pagoda_grammar::GrammarError) -> (u32, Option<Vec<f32>>) {
+    pub(super) fn end_constrained(
+        &mut self,
+        error: pagoda_grammar::GrammarError,
+    ) -> (u32, Option<Vec<f32>>) {
         tracing::warn!("structured output: {error}; the request ends here");
         self.constraint_error = Some(error.to_string());
         let end = self

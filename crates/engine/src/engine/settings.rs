@@ -31,6 +31,12 @@ pub struct EngineSettings {
     /// On CUDA, which kernels run where several do the job (prefill and decode attention,
     /// the device sampler's paths).
     pub cuda_kernels: CudaKernels,
+    /// Structured output: token masks computed beside the forward
+    /// (`PAGODA_STRUCTURED_MASKS_BESIDE`, default on).
+    pub masks_beside: bool,
+    /// Structured output on CUDA: constrained rows sample on the device
+    /// (`PAGODA_CUDA_DEVICE_MASKS`, default off until measured on the GPU).
+    pub device_masks: bool,
 }
 
 impl EngineSettings {
@@ -43,6 +49,8 @@ impl EngineSettings {
             split_kv_chunk_tokens: split_kv_chunk_tokens(config),
             speculation: SpeculationSettings::from_config(config),
             cuda_kernels: CudaKernels::from_config(config),
+            masks_beside: config.on("PAGODA_STRUCTURED_MASKS_BESIDE"),
+            device_masks: config.on("PAGODA_CUDA_DEVICE_MASKS"),
         }
     }
 }
@@ -173,6 +181,8 @@ mod tests {
                 ..SpeculationSettings::default()
             },
             cuda_kernels: CudaKernels::default(),
+            masks_beside: true,
+            device_masks: false,
         };
         assert_eq!(settings, expected);
 

@@ -30,6 +30,17 @@ impl RequestState {
         };
         for (index, &token) in drawn.iter().enumerate() {
             self.record_device_draw();
+            // A constrained row drew under its mask; the grammar advances (a refusal, from a
+            // grammar that allowed nothing, ends the request with its error).
+            if let Some(constraint) = &mut self.constraint {
+                if let Err(error) = constraint.accept(token) {
+                    let (end, _) = self.end_constrained(error);
+                    self.generated.push(end);
+                    verified.tokens.push(end);
+                    verified.logprobs.push(None);
+                    break;
+                }
+            }
             self.generated.push(token);
             verified.tokens.push(token);
             verified.logprobs.push(None);

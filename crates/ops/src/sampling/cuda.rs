@@ -58,6 +58,7 @@
 
 mod cluster;
 mod entries;
+mod mask;
 mod params;
 mod splits;
 
@@ -71,6 +72,7 @@ pub use params::{
 
 pub use cluster::{specialize_cluster, ClusterShape, SmBudget};
 pub use entries::{specializations, specialize_sampling, SamplingEntry};
+pub use mask::apply_token_masks;
 
 use cluster::{launch_cluster, ClusterLaunch};
 

@@ -16,7 +16,8 @@ pub(crate) static SAMPLING: KernelSource = KernelSource::new(
         include_str!("sampling_list.cu"),
         include_str!("sampling_cluster_steps.cu"),
         include_str!("sampling_cluster.cu"),
-        include_str!("sampling_rejection.cu")
+        include_str!("sampling_rejection.cu"),
+        include_str!("sampling_mask.cu")
     ),
 );
 
@@ -43,11 +44,15 @@ pub enum SamplingEntry {
     Cluster,
     /// `sampling_finish`: greedy / Gumbel tokens and the exact filtered kernel.
     Finish,
+    /// `sampling_token_mask`: structured output's packed token masks applied to the logits
+    /// (disallowed ids become NaN) before the other entries run.
+    TokenMask,
 }
 
 impl SamplingEntry {
     /// Every entry, in launch order.
-    pub const ALL: [SamplingEntry; 9] = [
+    pub const ALL: [SamplingEntry; 10] = [
+        SamplingEntry::TokenMask,
         SamplingEntry::RowMax,
         SamplingEntry::Cluster,
         SamplingEntry::TopKDigit,
@@ -72,6 +77,7 @@ pub fn specialize_sampling(entry: SamplingEntry) -> KernelSpec {
         SamplingEntry::Round => "sampling_round",
         SamplingEntry::Cluster => "sampling_cluster",
         SamplingEntry::Finish => "sampling_finish",
+        SamplingEntry::TokenMask => "sampling_token_mask",
     };
     KernelSpec {
         source: &SAMPLING,

@@ -159,6 +159,10 @@ engine_counters! {
     /// Requests constrained by a grammar (structured output).
     constrained_requests: "pagoda_constrained_requests_total", Counter,
         "Requests whose tokens were constrained by a grammar (JSON schema, JSON object, Lark, GBNF, regex or choice), sampled on the host.";
+    /// Guesses of constrained requests dropped because the grammar refused them (or one
+    /// before them) before verification.
+    spec_grammar_cut: "pagoda_spec_grammar_cut_tokens_total", Counter,
+        "Drafted tokens of constrained requests cut before verification because the grammar refused them or a guess before them.";
     /// Constrained rows whose token mask was applied on the device (sampled there).
     cuda_masked_rows: "pagoda_cuda_masked_rows_total", Counter,
         "Rows of constrained requests (structured output) sampled on the GPU: the grammar's packed token mask, computed on the host during the forward, applied to the row's logits on the device.";

@@ -163,7 +163,9 @@ impl Engine {
                 // the host. Constrained rows sample there with their token masks unless
                 // `PAGODA_CUDA_DEVICE_MASKS` is off.
                 let needs_p = draft > 0 && leviathan && !state.sampler.params().is_greedy();
-                let host_constrained = state.constraint.is_some() && !self.settings.device_masks;
+                // (A constrained row with guesses needs a mask per guess: the host's.)
+                let host_constrained =
+                    state.constraint.is_some() && (!self.settings.device_masks || draft > 0);
                 if !state.logit_bias.is_empty()
                     || state.draws_q.is_some()
                     || needs_p

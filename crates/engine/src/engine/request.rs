@@ -24,7 +24,7 @@ pub(super) struct RequestState {
     /// guesses, or none).
     pub(super) guess_q: Option<Vec<Vec<f32>>>,
     /// Structured output: the grammar the tokens must follow ([`Engine::set_constraint`](super::Engine::set_constraint));
-    /// such a request samples on the host and is never speculated.
+    /// its guesses are cut where the grammar refuses them, and verified by the invariant rule.
     pub(super) constraint: Option<Box<Constraint>>,
     /// Why the constraint ended the request early (a grammar that allows no token).
     pub(super) constraint_error: Option<String>,
@@ -127,8 +127,10 @@ impl Engine {
     /// Constrains request `id`'s tokens to a grammar (structured output; the constraint
     /// from [`pagoda_grammar::Grammars::constraint`] over this model's tokenizer): before each
     /// draw the disallowed tokens are masked, each drawn token advances the grammar, and the
-    /// request stops when the grammar is complete. Its rows sample on the host and it is never
-    /// speculated. Errors: an unknown request, or one that has generated already.
+    /// request stops when the grammar is complete. Its masks are computed beside the forward;
+    /// its rows sample on the host (on CUDA with `PAGODA_CUDA_DEVICE_MASKS`, on the device); a
+    /// speculated draft is cut at the first guess the grammar refuses. Errors: an unknown
+    /// request, or one that has generated already.
     pub fn set_constraint(
         &mut self,
         id: RequestId,

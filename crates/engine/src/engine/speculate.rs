@@ -57,9 +57,12 @@ impl RequestState {
     /// reference sampler verify by the invariant rule.
     pub(super) fn verify(&mut self, rows: &[&[f32]], draft: &[u32], rule: VerifyRule) -> Verified {
         let guess_q = self.guess_q.take();
+        // Constrained requests verify by the invariant rule: each row's own draw under the
+        // grammar's mask at that row (`sample_on_host` masks, then advances the grammar).
         let leviathan = rule == VerifyRule::Leviathan
             && matches!(self.sampler, AnySampler::Fused(_))
-            && !self.sampler.params().is_greedy();
+            && !self.sampler.params().is_greedy()
+            && self.constraint.is_none();
         let mut verified = Verified {
             tokens: Vec::with_capacity(draft.len() + 1),
             logprobs: Vec::with_capacity(draft.len() + 1),
@@ -225,11 +228,6 @@ impl Engine {
             else {
                 continue;
             };
-            // Guesses are not checked against a grammar yet: constrained requests decode
-            // plainly.
-            if state.constraint.is_some() {
-                continue;
-            }
             ids.push(id);
             requests.push(DraftRequest {
                 tokens,
@@ -241,7 +239,20 @@ impl Engine {
         }
         let drafts = proposer.propose(&requests);
         drop(requests);
-        for (id, draft) in ids.into_iter().zip(drafts) {
+        for (id, mut draft) in ids.into_iter().zip(drafts) {
+            // A constrained request's guesses are cut at the first the grammar refuses.
+            if let Some(constraint) = self
+                .requests
+                .get_mut(&id)
+                .and_then(|s| s.constraint.as_mut())
+            {
+                let allowed = grammar_prefix(constraint, &draft.tokens);
+                if allowed < draft.tokens.len() {
+                    self.counters.spec_grammar_cut += (draft.tokens.len() - allowed) as u64;
+                    draft.tokens.truncate(allowed);
+                    draft.q = None;
+                }
+            }
             if draft.tokens.len() < spec.draft_min.max(1) {
                 continue;
             }
@@ -323,4 +334,25 @@ impl Engine {
             *accepted_at += count(accepted) as u64;
         }
     }
+}
+
+/// How many of `guesses` the grammar takes in a row from its current state (stopping where it
+/// finishes); the grammar is left as it was.
+fn grammar_prefix(constraint: &mut pagoda_grammar::Constraint, guesses: &[u32]) -> usize {
+    let mut taken = 0;
+    for &guess in guesses {
+        if constraint.is_finished() || !constraint.is_allowed(guess).unwrap_or(false) {
+            break;
+        }
+        if constraint.accept(guess).is_err() {
+            break;
+        }
+        taken += 1;
+    }
+    if taken > 0 && constraint.rollback(taken).is_err() {
+        // The grammar could not be restored: guess nothing (verification then advances it
+        // from where the rollback left it, which the request's draws check).
+        return 0;
+    }
+    taken
 }

@@ -88,6 +88,7 @@ pub(crate) async fn whole(
             tool_calls: Vec::new(),
             logprobs: Vec::new(),
             finish_reason: "",
+            note: None,
         })
         .collect();
     log.outcome = "error";
@@ -110,6 +111,7 @@ pub(crate) async fn whole(
             choice.logprobs.extend(delta.logprobs);
             if let Some(reason) = delta.finish_reason {
                 choice.finish_reason = reason;
+                choice.note = delta.note;
             }
         }
     }
@@ -224,7 +226,7 @@ pub(crate) fn event_stream(
                         || !delta.logprobs.is_empty()
                         || finish_with_text.is_some()
                     {
-                        let value = chunk(
+                        let mut value = chunk(
                             reply,
                             index,
                             None,
@@ -233,6 +235,9 @@ pub(crate) fn event_stream(
                             finish_with_text,
                             state.include_usage,
                         );
+                        if let (Some(note), Some(_)) = (&delta.note, finish_with_text) {
+                            value["choices"][0]["stop_reason"] = json!(note);
+                        }
                         state.pending.push_back(data(&value));
                     }
                     for piece in &delta.tool_calls {
@@ -240,7 +245,7 @@ pub(crate) fn event_stream(
                         state.pending.push_back(data(&value));
                     }
                     if calls && delta.finish_reason.is_some() {
-                        let value = chunk(
+                        let mut value = chunk(
                             reply,
                             index,
                             None,
@@ -249,6 +254,9 @@ pub(crate) fn event_stream(
                             delta.finish_reason,
                             state.include_usage,
                         );
+                        if let Some(note) = &delta.note {
+                            value["choices"][0]["stop_reason"] = json!(note);
+                        }
                         state.pending.push_back(data(&value));
                     }
                     if delta.finish_reason.is_some() && !state.choices.unfinished() {

@@ -200,6 +200,8 @@ pub struct FinalChoice {
     pub logprobs: Vec<LogprobEntry>,
     /// `stop`, `length` or `tool_calls`.
     pub finish_reason: &'static str,
+    /// Why the answer ended early (a grammar's dead end), shown as `stop_reason`.
+    pub note: Option<String>,
 }
 
 impl FinalChoice {
@@ -267,6 +269,13 @@ pub fn final_body(reply: &Reply, choices: &[FinalChoice], completion_tokens: usi
                 }),
             }
         })
+        .zip(choices)
+        .map(|(mut value, choice)| {
+            if let Some(note) = &choice.note {
+                value["stop_reason"] = json!(note);
+            }
+            value
+        })
         .collect();
     let object = match reply.kind {
         Kind::Chat => "chat.completion",
@@ -281,4 +290,78 @@ pub fn final_body(reply: &Reply, choices: &[FinalChoice], completion_tokens: usi
         "choices": choices,
         "usage": usage(reply.prompt_tokens, completion_tokens),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reply() -> Reply {
+        Reply {
+            kind: Kind::Chat,
+            id: "chatcmpl-1".into(),
+            created: 0,
+            model: "m".into(),
+            prompt_tokens: 3,
+            want_logprobs: false,
+            echo: String::new(),
+        }
+    }
+
+    #[test]
+    fn tool_calls_and_dead_ends_shape_the_message() {
+        let mut choice = FinalChoice {
+            text: "\n".into(),
+            tool_calls: Vec::new(),
+            logprobs: Vec::new(),
+            finish_reason: "tool_calls",
+            note: None,
+        };
+        choice.push_tool_piece(Piece::CallStart {
+            index: 0,
+            id: "call_a0".into(),
+            name: "f".into(),
+        });
+        for text in ["{\"x\"", ": 1}"] {
+            choice.push_tool_piece(Piece::Arguments {
+                index: 0,
+                text: text.into(),
+            });
+        }
+        let body = final_body(&reply(), std::slice::from_ref(&choice), 9);
+        let message = &body["choices"][0]["message"];
+        assert_eq!(message["content"], Value::Null);
+        assert_eq!(message["tool_calls"][0]["id"], "call_a0");
+        assert_eq!(
+            message["tool_calls"][0]["function"]["arguments"],
+            "{\"x\": 1}"
+        );
+        assert!(body["choices"][0].get("stop_reason").is_none());
+        let ended = FinalChoice {
+            text: "{\"a\":".into(),
+            tool_calls: Vec::new(),
+            finish_reason: "stop",
+            note: Some("the grammar allows no token".into()),
+            ..choice
+        };
+        let body = final_body(&reply(), &[ended], 9);
+        assert_eq!(
+            body["choices"][0]["stop_reason"],
+            "the grammar allows no token"
+        );
+        assert_eq!(body["choices"][0]["message"]["content"], "{\"a\":");
+        let streamed = tool_call_chunk(
+            &reply(),
+            0,
+            &Piece::Arguments {
+                index: 0,
+                text: "1}".into(),
+            },
+            false,
+        );
+        assert_eq!(
+            streamed["choices"][0]["delta"],
+            json!({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]})
+        );
+    }
 }

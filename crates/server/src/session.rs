@@ -39,6 +39,9 @@ pub struct Delta {
     pub tool_calls: Vec<Piece>,
     /// `"stop"`, `"length"` or `"tool_calls"` on the last delta.
     pub finish_reason: Option<&'static str>,
+    /// Why the request ended early, on the last delta (a grammar's dead end): the choice's
+    /// `stop_reason`.
+    pub note: Option<String>,
 }
 
 /// The text state of one request.
@@ -105,7 +108,14 @@ impl Session {
                 token,
                 logprob,
                 finished,
-            } => Ok(Some(self.on_token(token, logprob, finished))),
+                note,
+            } => {
+                let mut delta = self.on_token(token, logprob, finished);
+                if delta.finish_reason.is_some() {
+                    delta.note = note;
+                }
+                Ok(Some(delta))
+            }
         }
     }
 

@@ -90,11 +90,13 @@ pub struct TokenLogprob {
 pub enum WorkerEvent {
     /// The request was admitted to the engine; `seed` is its sampler's seed.
     Started { seed: Option<u64> },
-    /// A token was sampled; `finished` is set on the last one.
+    /// A token was sampled; `finished` is set on the last one, and `note` when the request
+    /// ended early for a reason the finish reason does not say (a grammar's dead end).
     Token {
         token: u32,
         logprob: Option<TokenLogprob>,
         finished: Option<FinishReason>,
+        note: Option<String>,
     },
     /// The request failed; `client_error` when the request itself was at fault (400).
     Failed { message: String, client_error: bool },
@@ -483,15 +485,15 @@ impl<B: EngineBackend> Worker<B> {
                 (Some(row), Some(n)) => Some(token_logprob(row, event.token, n)),
                 _ => None,
             };
+            if let Some(note) = &event.note {
+                tracing::warn!("request {} ended early: {note}", event.request);
+            }
             let sent = slot.events.send(WorkerEvent::Token {
                 token: event.token,
                 logprob,
                 finished: event.finished,
+                note: event.note.clone(),
             });
-            if let Some(note) = &event.note {
-                // Finished with `stop` (the OpenAI shapes have no place for it): say why.
-                tracing::warn!("request {} ended early: {note}", event.request);
-            }
             if event.finished.is_some() {
                 self.running.remove(&event.request);
             } else if sent.is_err() {

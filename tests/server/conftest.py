@@ -2,10 +2,44 @@
 PAGODA_URL and PAGODA_API_KEY."""
 
 import os
+import socket
+import subprocess
+import time
 
 import openai
 import pytest
 import requests
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_pagoda(args, name):
+    """Starts `$PAGODA_BIN serve --port P *args` (no API key; PAGODA_SERVE_ARGS appended) and
+    waits for /health; returns (process, url). Skips the test when PAGODA_BIN is not set."""
+    binary = os.environ.get("PAGODA_BIN")
+    if not binary:
+        pytest.skip("PAGODA_BIN is not set; run bash scripts/test-server.sh")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"}
+    command = [binary, "serve", "--port", str(port), *args,
+               *os.environ.get("PAGODA_SERVE_ARGS", "").split()]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except requests.ConnectionError:
+            pass
+        assert process.poll() is None, f"the {name} server exited during start-up"
+        time.sleep(0.2)
+    process.kill()
+    raise AssertionError(f"the {name} server did not become ready")
 
 
 @pytest.fixture(scope="session")

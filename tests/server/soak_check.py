@@ -11,23 +11,17 @@ import json
 import os
 import random
 import signal
-import socket
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
+from conftest import start_pagoda
+
 CLIENTS = 64
 ROUNDS = int(os.environ.get("PAGODA_SOAK_ROUNDS", "2"))
 WORDS = ["river", "stone", "lamp", "cloud", "bread", "glass", "wind", "paper"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(url, name):
@@ -39,25 +33,9 @@ def metric(url, name):
 
 
 def start_server():
-    binary = os.environ["PAGODA_BIN"]
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"}
     # 48 pages of 16 tokens for 16 sequences of up to ~80 tokens: preemption under load.
-    process = subprocess.Popen(
-        [binary, "serve", "--port", str(port), "-c", "512", "-np", "16", "--kv-pages", "48",
-         "--max-queue", "128", "--shutdown-timeout", "60"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except requests.ConnectionError:
-            pass
-        assert process.poll() is None, "the soak server exited during start-up"
-        time.sleep(0.2)
-    raise AssertionError("the soak server did not become ready")
+    return start_pagoda(["-c", "512", "-np", "16", "--kv-pages", "48", "--max-queue", "128",
+                         "--shutdown-timeout", "60"], "soak")
 
 
 def one_request(url, model, rng):

@@ -3,17 +3,13 @@ load, and preempted (issue 43): byte for byte on the CPU backend, whose kernels 
 batch-invariant by default. The preemption case runs on a second server with a KV pool too
 small for its four concurrent requests."""
 
-import os
-import socket
-import subprocess
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from conftest import metric
+from conftest import metric, start_pagoda
 from test_api import skip_unless_batch_invariant
 
 SAMPLING = dict(temperature=1.0, top_p=0.95, top_k=40, max_tokens=24)
@@ -52,34 +48,11 @@ def test_seeded_request_is_the_same_cold_warm_and_under_load(base_url, headers, 
         assert loaded.result() == cold
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def small_pool_server():
-    binary = os.environ.get("PAGODA_BIN")
-    if not binary:
-        pytest.skip("PAGODA_BIN is not set; run bash scripts/test-server.sh")
-    port = free_port()
     # 14 pages of 16 tokens: one request (about 40 prompt + 48 new tokens, 6 pages) fits,
     # four at once do not, so the scheduler preempts and recomputes.
-    env = {k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"}  # no key here
-    process = subprocess.Popen(
-        [binary, "serve", "--port", str(port), "-c", "256", "-np", "4", "--kv-pages", "14"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except requests.ConnectionError:
-            pass
-        assert process.poll() is None, "the small-pool server exited during start-up"
-        time.sleep(0.2)
+    process, url = start_pagoda(["-c", "256", "-np", "4", "--kv-pages", "14"], "small-pool")
     yield url
     process.terminate()
     process.wait(timeout=30)

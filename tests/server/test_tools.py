@@ -8,10 +8,6 @@ and at temperature 1; `finish_reason` must be "tool_calls". The round trip sends
 and the tools' results back as `tool` messages."""
 
 import json
-import os
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import jsonschema
@@ -20,6 +16,7 @@ import pydantic
 import pytest
 import requests
 
+from conftest import start_pagoda
 from test_structured import SCHEMAS
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -36,36 +33,11 @@ SCHEMA_OF = {tool["function"]["name"]: tool["function"].get("parameters", {"type
 PROMPT = "Record an item for me, then check the service."
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(template, *extra):
-    binary = os.environ.get("PAGODA_BIN")
-    if not binary:
-        pytest.skip("PAGODA_BIN is not set; run bash scripts/test-server.sh")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "PAGODA_API_KEY"}
-    # PAGODA_SERVE_ARGS: the suite's extra flags (on the GPU machine: `--device cuda` and
-    # random weights with the default model's tokenizer).
-    args = [binary, "serve", "--port", str(port), "-c", "4096", "-np", "4",
-            "--chat-template-file", str(TEMPLATES / template), *extra,
-            *os.environ.get("PAGODA_SERVE_ARGS", "").split()]
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except requests.ConnectionError:
-            pass
-        assert process.poll() is None, f"the {template} server exited during start-up"
-        time.sleep(0.2)
-    process.kill()
-    pytest.fail(f"the {template} server did not start")
+def start_server(template):
+    # PAGODA_SERVE_ARGS (appended by start_pagoda): the suite's extra flags (on the GPU machine,
+    # `--device cuda` and random weights with the default model's tokenizer).
+    return start_pagoda(["-c", "4096", "-np", "4", "--chat-template-file", str(TEMPLATES / template)],
+                        template)
 
 
 @pytest.fixture(scope="module", params=["hermes-tools.jinja", "llama3-tools.jinja"])

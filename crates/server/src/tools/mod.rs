@@ -18,7 +18,6 @@ use pagoda_grammar::GrammarSpec;
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
-use crate::request::field;
 
 /// How a model family writes tool calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -148,7 +147,16 @@ pub fn parse(object: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
         }
     }
     let choice = parse_choice(object.get("tool_choice"), &functions)?;
-    let parallel = field::<bool>(object, "parallel_tool_calls")?.unwrap_or(true);
+    let parallel = match object.get("parallel_tool_calls") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(parallel)) => *parallel,
+        Some(_) => {
+            return Err(invalid(
+                "parallel_tool_calls",
+                "`parallel_tool_calls` must be a boolean",
+            ))
+        }
+    };
     if functions.is_empty() {
         return match choice {
             ToolChoice::None | ToolChoice::Auto => Ok(None),

@@ -6,7 +6,7 @@
 //! attends), which stays as the fallback and the oracle. `PAGODA_PAGED_DECODE` or
 //! `--paged-decode` force either; `auto` runs the fused path wherever the geometry allows
 //! (it measured faster than gather in every cell of the op-level benchmark and every
-//! end-to-end scenario on the H200: `docs/benchmark_results/paged-decode-h200-*.md`).
+//! end-to-end scenario on the H200: `docs/benchmark_results/archive/paged-decode-h200-*.md`).
 
 use std::collections::HashSet;
 use std::str::FromStr;

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use crate::config::{Architecture, ModelConfig, MoeConfig, RopeStyle, TopKWeights};
 use crate::formats::gguf::{GgufFile, MetadataValue};
 use crate::llama::LoadError;
-use crate::weights::{RawTensor, TensorSource};
+use crate::weights::{names, RawTensor, TensorSource};
 
 /// Reads the architecture and shapes from GGUF metadata (`{arch}.block_count`, ...).
 ///
@@ -76,6 +76,7 @@ fn read_config(file: &GgufFile) -> Result<ModelConfig, String> {
         None => 0,
     };
     let intermediate_size = required("feed_forward_length")?;
+    let num_layers = required("block_count")?;
     let moe = match architecture {
         Architecture::Mixtral | Architecture::Qwen3Moe => Some(MoeConfig {
             num_experts: required("expert_count")?,
@@ -88,8 +89,14 @@ fn read_config(file: &GgufFile) -> Result<ModelConfig, String> {
                 Some(MetadataValue::Bool(false)) => TopKWeights::Softmax,
                 _ => TopKWeights::Normalized,
             },
-            // GGUF has no dense layers in these architectures.
-            dense_layers: Vec::new(),
+            // llama.cpp writes every layer with experts; a layer without a router (a
+            // converted Qwen3-MoE `mlp_only_layers` entry) is dense.
+            dense_layers: (0..num_layers)
+                .filter(|&layer| {
+                    let router = names::layer(layer, names::FFN_GATE_INP);
+                    file.tensor(&router).is_none()
+                })
+                .collect(),
         }),
         _ => None,
     };
@@ -103,7 +110,7 @@ fn read_config(file: &GgufFile) -> Result<ModelConfig, String> {
     let config = ModelConfig {
         architecture,
         hidden_size,
-        num_layers: required("block_count")?,
+        num_layers,
         num_attention_heads,
         num_kv_heads,
         head_dim,

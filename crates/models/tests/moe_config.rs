@@ -79,6 +79,24 @@ fn qwen3_moe_dense_layers_follow_transformers() {
 }
 
 #[test]
+fn transformers_5_spelling_of_the_expert_count_is_read() {
+    // transformers 5 saves Qwen3-MoE's `num_experts` as `num_local_experts`.
+    let json = edited(QWEN3_30B_A3B, |map| {
+        let count = map.remove("num_experts").unwrap();
+        map.insert("num_local_experts".into(), count);
+    });
+    assert_eq!(
+        config_from_hf_json(&json).unwrap(),
+        preset("qwen3-30b-a3b").unwrap()
+    );
+    let json = edited(QWEN3_30B_A3B, |map| {
+        map.remove("num_experts");
+    });
+    let error = config_from_hf_json(&json).unwrap_err().to_string();
+    assert!(error.contains("`num_experts` is missing"), "{error}");
+}
+
+#[test]
 fn moe_config_errors_name_the_field() {
     let cases: [(&str, serde_json::Value, &str); 5] = [
         ("decoder_sparse_step", 0.into(), "decoder_sparse_step"),

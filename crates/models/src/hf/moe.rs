@@ -17,12 +17,19 @@ pub(super) fn moe_of(
             value => Ok(value),
         }
     };
+    // transformers 5 writes either model's expert count as `num_local_experts` (its
+    // attribute map aliases Qwen3-MoE's `num_experts`); released Qwen3-MoE configs say
+    // `num_experts`.
+    let num_experts = |key: &str, alias: &str| match fields.usize(alias)? {
+        Some(_) if fields.get(key).is_none() => positive(alias),
+        _ => positive(key),
+    };
     let moe = match architecture {
         Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => return Ok(None),
         // Mixtral: every layer sparse, the top-k always renormalised, `intermediate_size`
         // is the experts' width.
         Architecture::Mixtral => MoeConfig {
-            num_experts: positive("num_local_experts")?,
+            num_experts: num_experts("num_local_experts", "num_experts")?,
             experts_per_token: positive("num_experts_per_tok")?,
             expert_intermediate_size: positive("intermediate_size")?,
             top_k_weights: TopKWeights::Normalized,
@@ -43,7 +50,7 @@ pub(super) fn moe_of(
                 ));
             }
             MoeConfig {
-                num_experts: positive("num_experts")?,
+                num_experts: num_experts("num_experts", "num_local_experts")?,
                 experts_per_token: positive("num_experts_per_tok")?,
                 expert_intermediate_size: positive("moe_intermediate_size")?,
                 top_k_weights: match fields.bool("norm_topk_prob")?.unwrap_or(false) {

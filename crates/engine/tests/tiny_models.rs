@@ -202,6 +202,17 @@ fn tiny_qwen3_moe_with_a_dense_layer_and_softmax_weights_matches_oracle() {
 }
 
 #[test]
+fn tiny_qwen3_moe_gguf_with_a_dense_layer_matches_oracle() {
+    // The dense layer has no router in the file; `expert_weights_norm = false` keeps the
+    // softmax weights unnormalised.
+    check(
+        ModelSource::Gguf(fixture("tiny-qwen3-moe/model.gguf")),
+        "tiny-qwen3-moe",
+        1e-4,
+    );
+}
+
+#[test]
 fn tiny_mixtral_bf16_matches_oracle() {
     check(
         ModelSource::HfDir(fixture("tiny-mixtral")),

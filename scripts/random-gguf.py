@@ -25,7 +25,13 @@ Llama-3-style byte-level BPE: the 256 byte tokens, two-character merges, fillers
 control tokens at the end (<|begin_of_text|>, <|eot_id|>, ...) and a Llama 3 chat template.
 It is the default unless a tokenizer source is given, or the default model is present and
 neither --vocab nor the preset sets a vocabulary size. Presets: default, llama-3.1-8b (with
-Llama 3.1's rope_freqs.weight), tiny; explicit flags override them. Tensors are generated
+Llama 3.1's rope_freqs.weight), tiny, and the mixture-of-experts qwen3-30b-a3b and
+tiny-qwen3moe (--arch qwen3moe: Qwen3's per-head q/k norms, an F32 router `ffn_gate_inp` and
+the experts stacked in 3-D `ffn_{gate,up,down}_exps` tensors, as llama.cpp writes them;
+--arch llama with --experts is Mixtral's layout); explicit flags override them:
+
+    python3 scripts/random-gguf.py /tmp/tiny-moe.gguf --preset tiny-qwen3moe --type q8_0
+    python3 scripts/random-gguf.py /tmp/tiny-mixtral.gguf --preset tiny --experts 4 --experts-used 2 Tensors are generated
 and written one at a time (peak memory about 1.5 GB for 8B).
 Deterministic (fixed seed). Needs `pip install gguf numpy`.
 """
@@ -43,14 +49,23 @@ DEFAULT_MODEL = ROOT / "models/SmolLM2-135M-Instruct.Q4_1.gguf"
 T = gguf.GGMLQuantizationType
 STD = 0.02  # the standard deviation every weight matrix aims at
 
+DENSE = dict(arch="llama", experts=0, experts_used=0, expert_ffn=0, head_dim=None)
 PRESETS = {
     # vocab None: the copied tokenizer's size (49152 for a minimal tokenizer).
     "default": dict(hidden=768, ffn=2048, layers=24, heads=12, kv_heads=4, vocab=None,
-                    rope_theta=100000.0, context=8192, tied=True, rope_freqs=False),
+                    rope_theta=100000.0, context=8192, tied=True, rope_freqs=False, **DENSE),
     "llama-3.1-8b": dict(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, vocab=128256,
-                         rope_theta=500000.0, context=131072, tied=False, rope_freqs=True),
+                         rope_theta=500000.0, context=131072, tied=False, rope_freqs=True, **DENSE),
     "tiny": dict(hidden=256, ffn=512, layers=2, heads=4, kv_heads=2, vocab=2048,
-                 rope_theta=10000.0, context=4096, tied=False, rope_freqs=False),
+                 rope_theta=10000.0, context=4096, tied=False, rope_freqs=False, **DENSE),
+    "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, ffn=6144, layers=48, heads=32,
+                          kv_heads=4, head_dim=128, vocab=151936, rope_theta=1000000.0,
+                          context=40960, tied=False, rope_freqs=False, experts=128,
+                          experts_used=8, expert_ffn=768),
+    "tiny-qwen3moe": dict(arch="qwen3moe", hidden=256, ffn=512, layers=2, heads=4, kv_heads=2,
+                          head_dim=64, vocab=2048, rope_theta=1000000.0, context=4096,
+                          tied=False, rope_freqs=False, experts=8, experts_used=2,
+                          expert_ffn=256),
 }
 FILE_TYPES = {
     "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
@@ -73,7 +88,7 @@ def tensor_type(ftype, name, layer, n_layers, tied):
         return T.Q6_K
     if ftype == "q4_0":
         return T.Q4_0
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(layer, n_layers):
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")) and use_more_bits(layer, n_layers):
         return T.Q6_K
     return T.Q4_K
 
@@ -205,9 +220,10 @@ def verify(path):
     for t in reader.tensors:
         block, size = gguf.GGML_QUANT_SIZES[t.tensor_type]
         assert t.n_bytes == t.n_elements // block * size, t.name
-    picks = {t.tensor_type: t for t in reader.tensors if len(t.shape) == 2}
+    picks = {t.tensor_type: t for t in reader.tensors if len(t.shape) >= 2}
     for t in picks.values():
-        rows = np.asarray(t.data)[:64]
+        data = np.asarray(t.data)
+        rows = data.reshape(-1, data.shape[-1])[:64]
         values = gguf.quants.dequantize(rows, t.tensor_type)
         assert np.isfinite(values).all(), t.name
         print(f"  {t.name} {t.tensor_type.name}: mean {values.mean():+.5f} std {values.std():.5f}")
@@ -218,12 +234,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
     p.add_argument("--preset", choices=PRESETS, default="default")
+    p.add_argument("--arch", choices=["llama", "qwen3moe"])
     p.add_argument("--type", choices=FILE_TYPES, default="f16")
     p.add_argument("--tokenizer", choices=["auto", "minimal", "copy"], default="auto",
                    help="copy: from --tokenizer-from; auto: copy when --tokenizer-from is "
                    "given, or the default model exists and neither --vocab nor the preset sets a size")
     p.add_argument("--tokenizer-from", type=Path)
-    for flag in ["hidden", "ffn", "layers", "heads", "kv-heads", "vocab", "context"]:
+    for flag in ["hidden", "ffn", "layers", "heads", "kv-heads", "vocab", "context", "head-dim",
+                 "experts", "experts-used", "expert-ffn"]:
         p.add_argument(f"--{flag}", type=int)
     p.add_argument("--rope-theta", type=float)
     p.add_argument("--tied", action=argparse.BooleanOptionalAction,
@@ -235,18 +253,25 @@ def main():
     for key, value in PRESETS[a.preset].items():
         if getattr(a, key, None) is None:
             setattr(a, key, value)
-    if a.hidden % a.heads or a.heads % a.kv_heads:
-        p.error("hidden must divide by heads, and heads by kv-heads")
+    if (a.head_dim is None and a.hidden % a.heads) or a.heads % a.kv_heads:
+        p.error("hidden must divide by heads (or give --head-dim), and heads by kv-heads")
+    moe = a.arch == "qwen3moe" or a.experts > 0  # llama with experts: Mixtral's layout
+    if moe and not 0 < a.experts_used <= a.experts:
+        p.error("experts need --experts and 1 <= --experts-used <= --experts")
+    if moe and not a.expert_ffn:
+        a.expert_ffn = a.ffn
+    head_dim = a.head_dim or a.hidden // a.heads
     block = 32 if a.type in ("q8_0", "q4_0") else 256 if a.type != "f16" else 1
-    if a.hidden % block or a.ffn % block:
-        p.error(f"--type {a.type} needs hidden and ffn to be multiples of {block}")
+    widths = [a.hidden, head_dim * a.heads] + ([a.expert_ffn] if moe else [a.ffn])
+    if any(width % block for width in widths):
+        p.error(f"--type {a.type} needs every matrix width (hidden, heads x head_dim, "
+                f"ffn or expert-ffn) to be a multiple of {block}")
     source = a.tokenizer_from or DEFAULT_MODEL
     copy = a.tokenizer == "copy" or (a.tokenizer == "auto" and (
         a.tokenizer_from is not None or (DEFAULT_MODEL.exists() and a.vocab is None)))
-    head_dim = a.hidden // a.heads
 
-    w = gguf.GGUFWriter(a.out, "llama")
-    w.add_name(f"random llama {a.hidden}x{a.layers}")
+    w = gguf.GGUFWriter(a.out, a.arch)
+    w.add_name(f"random {a.arch} {a.hidden}x{a.layers}")
     w.add_context_length(a.context)
     w.add_embedding_length(a.hidden)
     w.add_block_count(a.layers)
@@ -254,6 +279,13 @@ def main():
     w.add_head_count(a.heads)
     w.add_head_count_kv(a.kv_heads)
     w.add_rope_dimension_count(head_dim)
+    if a.head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if moe:
+        w.add_expert_count(a.experts)
+        w.add_expert_used_count(a.experts_used)
+        w.add_expert_feed_forward_length(a.expert_ffn)
     w.add_rope_freq_base(a.rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(FILE_TYPES[a.type])
@@ -269,7 +301,7 @@ def main():
     w.add_vocab_size(vocab)
 
     # The plan: (name, numpy shape, type); generated and written one at a time below.
-    kv = a.kv_heads * head_dim
+    kv, q = a.kv_heads * head_dim, a.heads * head_dim
     plan = [("token_embd.weight", (vocab, a.hidden)), ("output_norm.weight", (a.hidden,))]
     if not a.tied:
         plan.append(("output.weight", (vocab, a.hidden)))
@@ -277,22 +309,33 @@ def main():
         plan.append(("rope_freqs.weight", (head_dim // 2,)))
     for i in range(a.layers):
         plan += [(f"blk.{i}.{n}", s) for n, s in [
-            ("attn_norm.weight", (a.hidden,)), ("attn_q.weight", (a.hidden, a.hidden)),
+            ("attn_norm.weight", (a.hidden,)), ("attn_q.weight", (q, a.hidden)),
             ("attn_k.weight", (kv, a.hidden)), ("attn_v.weight", (kv, a.hidden)),
-            ("attn_output.weight", (a.hidden, a.hidden)), ("ffn_norm.weight", (a.hidden,)),
-            ("ffn_gate.weight", (a.ffn, a.hidden)), ("ffn_up.weight", (a.ffn, a.hidden)),
-            ("ffn_down.weight", (a.hidden, a.ffn))]]
+            ("attn_output.weight", (a.hidden, q)), ("ffn_norm.weight", (a.hidden,))]]
+        if a.arch == "qwen3moe":  # Qwen3's per-head q/k norms
+            plan += [(f"blk.{i}.{n}", (head_dim,)) for n in ["attn_q_norm.weight", "attn_k_norm.weight"]]
+        if moe:  # the router, the stacked experts
+            e, f = a.experts, a.expert_ffn
+            plan += [(f"blk.{i}.{n}", s) for n, s in [
+                ("ffn_gate_inp.weight", (e, a.hidden)), ("ffn_gate_exps.weight", (e, f, a.hidden)),
+                ("ffn_up_exps.weight", (e, f, a.hidden)), ("ffn_down_exps.weight", (e, a.hidden, f))]]
+        else:
+            plan += [(f"blk.{i}.{n}", s) for n, s in [
+                ("ffn_gate.weight", (a.ffn, a.hidden)), ("ffn_up.weight", (a.ffn, a.hidden)),
+                ("ffn_down.weight", (a.hidden, a.ffn))]]
     typed = []
     for name, shape in plan:
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
-        qtype = T.F32 if len(shape) == 1 else tensor_type(a.type, name, layer, a.layers, a.tied)
+        # llama-quantize keeps norms and the MoE router in F32.
+        keep_f32 = len(shape) == 1 or name.endswith("ffn_gate_inp.weight")
+        qtype = T.F32 if keep_f32 else tensor_type(a.type, name, layer, a.layers, a.tied)
         typed.append((name, shape, qtype))
         block, size = gguf.GGML_QUANT_SIZES[qtype]
         nbytes = math.prod(shape) // block * size
         if qtype in (T.F32, T.F16):
             w.add_tensor_info(name, shape, np.dtype(np.float32 if qtype == T.F32 else np.float16), nbytes)
-        else:  # raw blocks: numpy byte shape (rows, bytes per row), converted by the writer
-            w.add_tensor_info(name, (shape[0], shape[1] // block * size), np.dtype(np.uint8),
+        else:  # raw blocks: numpy byte shape (..., rows, bytes per row), converted by the writer
+            w.add_tensor_info(name, (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8),
                               nbytes, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -304,17 +347,20 @@ def main():
     for name, shape, qtype in typed:
         if name == "rope_freqs.weight":
             data = llama31_rope_freqs(head_dim, a.rope_theta)
+        elif name.endswith("ffn_gate_inp.weight"):  # router logits of std ~1 on normed rows
+            data = rng.standard_normal(shape, dtype=np.float32) / math.sqrt(shape[-1])
         elif qtype == T.F32:
             data = np.ones(shape, dtype=np.float32)
         elif qtype == T.F16:  # by row chunks (same values as one draw), less memory
             data = np.empty(shape, dtype=np.float16)
-            step = max(1, (1 << 26) // shape[1])
-            for r in range(0, shape[0], step):
-                n = min(step, shape[0] - r)
-                data[r:r + n] = rng.standard_normal((n, shape[1]), dtype=np.float32) * STD
+            rows = data.reshape(-1, shape[-1])
+            step = max(1, (1 << 26) // shape[-1])
+            for r in range(0, rows.shape[0], step):
+                n = min(step, rows.shape[0] - r)
+                rows[r:r + n] = rng.standard_normal((n, shape[-1]), dtype=np.float32) * STD
         else:
             block, size = gguf.GGML_QUANT_SIZES[qtype]
-            data = blocks.make(qtype, math.prod(shape) // block).reshape(shape[0], -1)
+            data = blocks.make(qtype, math.prod(shape) // block).reshape(*shape[:-1], -1)
         w.write_tensor_data(data)
         total += data.nbytes
         counts[qtype.name] = counts.get(qtype.name, 0) + 1

@@ -58,6 +58,16 @@ impl Backend {
         }
     }
 
+    /// Weight bytes a decode step of `rows` rows reads (a mixture-of-experts model's idle
+    /// experts left out: [`Model::step_weight_bytes`]; every weight on the GPU, which runs
+    /// no such model yet).
+    pub fn step_weight_bytes(&self, rows: usize) -> f64 {
+        match self {
+            Backend::Cpu(model) => model.step_weight_bytes(rows),
+            Backend::Cuda(model) => model.weight_bytes() as f64,
+        }
+    }
+
     /// Memory free now where the KV cache would live, in bytes: the host's available memory
     /// (`MemAvailable` of /proc/meminfo) for the CPU, the device's for CUDA; `None` when it
     /// cannot be read.

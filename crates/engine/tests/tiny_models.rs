@@ -2,7 +2,9 @@
 //! (`scripts/fixtures/tiny_models.py`) on tiny random models: llama with llama3 RoPE scaling
 //! (HF layout in bf16, and the same weights as a llama.cpp-layout GGUF with permuted q/k rows
 //! and `rope_freqs`), Qwen2 with q/k/v biases and tied embeddings, Qwen3 with q/k norms and a
-//! head_dim that differs from hidden/heads. Logits at every position, prefill in one pass and
+//! head_dim that differs from hidden/heads; the mixture-of-experts Qwen3-MoE (a dense layer
+//! among MoE layers, unnormalised top-k weights; and as llama.cpp's GGUF with stacked experts)
+//! and Mixtral (bf16). Logits at every position, prefill in one pass and
 //! token by token (split-KV decode), must agree with the oracle.
 
 use std::path::PathBuf;
@@ -188,4 +190,63 @@ fn tiny_qwen3_qk_norm_matches_oracle() {
         "tiny-qwen3",
         1e-4,
     );
+}
+
+#[test]
+fn tiny_qwen3_moe_with_a_dense_layer_and_softmax_weights_matches_oracle() {
+    check(
+        ModelSource::HfDir(fixture("tiny-qwen3-moe")),
+        "tiny-qwen3-moe",
+        1e-4,
+    );
+}
+
+#[test]
+fn tiny_qwen3_moe_gguf_with_a_dense_layer_matches_oracle() {
+    // The dense layer has no router in the file; `expert_weights_norm = false` keeps the
+    // softmax weights unnormalised.
+    check(
+        ModelSource::Gguf(fixture("tiny-qwen3-moe/model.gguf")),
+        "tiny-qwen3-moe",
+        1e-4,
+    );
+}
+
+#[test]
+fn tiny_mixtral_bf16_matches_oracle() {
+    check(
+        ModelSource::HfDir(fixture("tiny-mixtral")),
+        "tiny-mixtral",
+        1e-4,
+    );
+}
+
+#[test]
+fn tiny_qwen3_moe_gguf_stacked_experts_match_oracle() {
+    check(
+        ModelSource::Gguf(fixture("tiny-qwen3-moe-gguf/model.gguf")),
+        "tiny-qwen3-moe-gguf",
+        1e-4,
+    );
+}
+
+#[test]
+fn moe_models_on_cuda_are_declined_in_one_line() {
+    let config = pagoda_models::random::preset("qwen3-moe-tiny").unwrap();
+    let weights = pagoda_models::random::RandomWeights::new(&config, 1, 1 << 30).unwrap();
+    let options = LoadOptions {
+        precision: WeightPrecision::AsStored,
+        device: pagoda_engine::Device::Cuda {
+            dtype: pagoda_models::llama_cuda::DType::BF16,
+        },
+    };
+    let Err(error) = pagoda_engine::load_backend(config, &weights, options, &mut |_, _| {}) else {
+        panic!("a MoE model loaded on CUDA");
+    };
+    let message = error.to_string();
+    assert!(
+        message.contains("MoE models run on the CPU for now"),
+        "{message}"
+    );
+    assert!(!message.contains('\n'), "{message}");
 }

@@ -10,8 +10,11 @@
 //! adds the residual inside the output projections), never across steps, so both devices
 //! compute the same function and every step is a place to measure.
 //!
-//! Adding an architecture of this shape (another norm placement, a gated MLP variant, an MoE
-//! MLP) is a new sequence here plus the steps it needs on each device.
+//! Adding an architecture of this shape (another norm placement, a gated MLP variant) is a new
+//! sequence here plus the steps it needs on each device. The mixture-of-experts MLP block
+//! (Qwen3-MoE, Mixtral) is such a sequence, [`llama_moe_layers`]: its steps form the optional
+//! capability [`MoeStep`], which the CPU has and CUDA does not have yet (its loader declines
+//! MoE models).
 
 /// One forward step of a ragged batch on a device: the operations the layer sequence is
 /// made of. Every method acts on the step's own buffers.
@@ -55,6 +58,40 @@ pub(crate) trait DecoderStep {
     fn logits(&mut self) -> Result<(), Self::Error>;
 }
 
+/// The steps of a mixture-of-experts MLP block, on a device that runs one.
+pub(crate) trait MoeStep: DecoderStep {
+    /// Whether `layer`'s MLP block is a mixture of experts (else it is dense).
+    fn is_moe(layer: &Self::Layer) -> bool;
+    /// `router_logits <- normed · Wrouter^T`, then each row's top-k experts and their weights.
+    fn route(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+    /// `x += Σ_k weight_k · down_k(silu(gate_k(normed)) * up_k(normed))` over each row's
+    /// routed experts, summed in ascending expert order whatever the batch.
+    fn experts(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+}
+
+/// The attention block of layer `index`: pre-norm, q/k/v, q/k norm, RoPE, KV append,
+/// attention, output projection with the residual add.
+fn attention_block<S: DecoderStep>(
+    step: &mut S,
+    index: usize,
+    layer: &S::Layer,
+) -> Result<(), S::Error> {
+    step.attention_norm(layer)?;
+    step.qkv_projection(layer)?;
+    step.qk_norm(layer)?;
+    step.rope_append_kv(index)?;
+    step.attention(index)?;
+    step.output_projection(layer)
+}
+
+/// The dense MLP block: pre-norm, gate/up, SiLU gating, down projection with the residual add.
+fn dense_mlp_block<S: DecoderStep>(step: &mut S, layer: &S::Layer) -> Result<(), S::Error> {
+    step.mlp_norm(layer)?;
+    step.gate_up_projection(layer)?;
+    step.silu_mul()?;
+    step.down_projection(layer)
+}
+
 /// The llama family's forward pass: embedding, every layer (attention block, then gated
 /// MLP block, each with a pre-norm and a residual add), the final norm and the LM head.
 pub(crate) fn llama_layers<S: DecoderStep>(
@@ -63,16 +100,28 @@ pub(crate) fn llama_layers<S: DecoderStep>(
 ) -> Result<(), S::Error> {
     step.embed()?;
     for (index, layer) in layers.iter().enumerate() {
-        step.attention_norm(layer)?;
-        step.qkv_projection(layer)?;
-        step.qk_norm(layer)?;
-        step.rope_append_kv(index)?;
-        step.attention(index)?;
-        step.output_projection(layer)?;
-        step.mlp_norm(layer)?;
-        step.gate_up_projection(layer)?;
-        step.silu_mul()?;
-        step.down_projection(layer)?;
+        attention_block(step, index, layer)?;
+        dense_mlp_block(step, layer)?;
+    }
+    step.logits()
+}
+
+/// [`llama_layers`] with mixture-of-experts MLP blocks where a layer has one (Qwen3-MoE,
+/// Mixtral): pre-norm, routing, the experts with the residual add.
+pub(crate) fn llama_moe_layers<S: MoeStep>(
+    step: &mut S,
+    layers: &[S::Layer],
+) -> Result<(), S::Error> {
+    step.embed()?;
+    for (index, layer) in layers.iter().enumerate() {
+        attention_block(step, index, layer)?;
+        if S::is_moe(layer) {
+            step.mlp_norm(layer)?;
+            step.route(layer)?;
+            step.experts(layer)?;
+        } else {
+            dense_mlp_block(step, layer)?;
+        }
     }
     step.logits()
 }

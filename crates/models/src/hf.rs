@@ -2,7 +2,7 @@
 //! `generation_config.json` -> [`GenerationDefaults`], and the safetensors weights.
 //!
 //! Supported `model_type`s (or, when it is absent, `architectures[0]`): `llama` (Llama 2/3,
-//! SmolLM/SmolLM2), `mistral`, `qwen2`, `qwen3`. HF checkpoints keep q/k rows in rotate-half
+//! SmolLM/SmolLM2), `mistral`, `qwen2`, `qwen3`, `qwen3_moe`, `mixtral`. HF checkpoints keep q/k rows in rotate-half
 //! order, so every config from here has `RopeStyle::Halves`.
 
 use std::path::{Path, PathBuf};
@@ -11,7 +11,10 @@ use serde_json::{Map, Value};
 
 use crate::config::{Architecture, Llama3RopeScaling, ModelConfig, RopeStyle};
 use crate::formats::safetensors::{SafetensorsError, SafetensorsWeights};
-use crate::weights::{names, TensorSource};
+use crate::weights::names;
+
+mod moe;
+use moe::moe_of;
 
 /// File name of the model config inside a HF directory.
 pub const CONFIG_FILE_NAME: &str = "config.json";
@@ -236,6 +239,28 @@ impl Fields<'_> {
         }
     }
 
+    /// A list of non-negative integers; absent gives an empty list.
+    fn usize_list(&self, key: &str) -> Result<Vec<usize>, HfError> {
+        let invalid = |value: &Value| {
+            self.error(
+                key,
+                &format!("must be a list of non-negative integers, found {value}"),
+            )
+        };
+        match self.get(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|item| {
+                    item.as_u64()
+                        .and_then(|number| usize::try_from(number).ok())
+                        .ok_or_else(|| invalid(item))
+                })
+                .collect(),
+            Some(value) => Err(invalid(value)),
+        }
+    }
+
     /// An int or a list of ints (HF's `eos_token_id`); absent gives an empty list.
     fn token_ids(&self, key: &str) -> Result<Vec<u32>, HfError> {
         let as_id = |value: &Value| value.as_u64().and_then(|id| u32::try_from(id).ok());
@@ -264,9 +289,11 @@ fn architecture_of(fields: &Fields<'_>) -> Result<Architecture, HfError> {
             "llama" | "mistral" => Ok(Architecture::Llama),
             "qwen2" => Ok(Architecture::Qwen2),
             "qwen3" => Ok(Architecture::Qwen3),
+            "qwen3_moe" => Ok(Architecture::Qwen3Moe),
+            "mixtral" => Ok(Architecture::Mixtral),
             other => Err(fields.error(
                 "model_type",
-                &format!("is `{other}`, which pagoda does not support (supported: llama, mistral, qwen2, qwen3)"),
+                &format!("is `{other}`, which pagoda does not support (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral)"),
             )),
         };
     }
@@ -285,6 +312,8 @@ fn architecture_of(fields: &Fields<'_>) -> Result<Architecture, HfError> {
         "LlamaForCausalLM" | "MistralForCausalLM" => Ok(Architecture::Llama),
         "Qwen2ForCausalLM" => Ok(Architecture::Qwen2),
         "Qwen3ForCausalLM" => Ok(Architecture::Qwen3),
+        "Qwen3MoeForCausalLM" => Ok(Architecture::Qwen3Moe),
+        "MixtralForCausalLM" => Ok(Architecture::Mixtral),
         other => Err(fields.error(
             "architectures",
             &format!("names `{other}`, which pagoda does not support"),
@@ -342,7 +371,10 @@ fn config_from_object(map: &Map<String, Value>, path: &Path) -> Result<ModelConf
         prefix: "",
     };
     let architecture = architecture_of(&fields)?;
-    let model_type = fields.str("model_type")?.unwrap_or(architecture.name());
+    let model_type = fields.str("model_type")?.unwrap_or(match architecture {
+        Architecture::Qwen3Moe => "qwen3_moe",
+        other => other.name(),
+    });
 
     if let Some(activation) = fields.str("hidden_act")? {
         if activation != "silu" {
@@ -384,10 +416,10 @@ fn config_from_object(map: &Map<String, Value>, path: &Path) -> Result<ModelConf
     // transformers' per-class defaults where the field is absent.
     let default_max_positions = match model_type {
         "mistral" => 131_072,
-        "qwen2" | "qwen3" => 32_768,
+        "qwen2" | "qwen3" | "qwen3_moe" | "mixtral" => 32_768,
         _ => 2_048,
     };
-    if model_type == "mistral" {
+    if model_type == "mistral" || model_type == "mixtral" {
         if let Some(window) = fields.usize("sliding_window")? {
             tracing::warn!(
                 "{}: sliding_window {window} is ignored; attention is full-context",
@@ -402,10 +434,11 @@ fn config_from_object(map: &Map<String, Value>, path: &Path) -> Result<ModelConf
         );
     }
 
+    let num_layers = fields.required_usize("num_hidden_layers")?;
     let config = ModelConfig {
         architecture,
         hidden_size,
-        num_layers: fields.required_usize("num_hidden_layers")?,
+        num_layers,
         num_attention_heads,
         num_kv_heads: fields
             .usize("num_key_value_heads")?
@@ -422,6 +455,7 @@ fn config_from_object(map: &Map<String, Value>, path: &Path) -> Result<ModelConf
             .usize("max_position_embeddings")?
             .unwrap_or(default_max_positions),
         tie_word_embeddings: fields.bool("tie_word_embeddings")?.unwrap_or(false),
+        moe: moe_of(&fields, architecture, num_layers)?,
     };
     config
         .validate()
@@ -483,22 +517,26 @@ pub fn expected_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>, bool)>
         add(names::ATTN_Q_BIAS, vec![q_width], biases_required);
         add(names::ATTN_K_BIAS, vec![kv_width], biases_required);
         add(names::ATTN_V_BIAS, vec![kv_width], biases_required);
-        if config.architecture == Architecture::Qwen3 {
+        if config.architecture.has_qk_norm() {
             add(names::ATTN_Q_NORM, vec![config.head_dim], true);
             add(names::ATTN_K_NORM, vec![config.head_dim], true);
         }
         add(names::FFN_NORM, vec![hidden], true);
-        add(
-            names::FFN_GATE,
-            vec![config.intermediate_size, hidden],
-            true,
-        );
-        add(names::FFN_UP, vec![config.intermediate_size, hidden], true);
-        add(
-            names::FFN_DOWN,
-            vec![hidden, config.intermediate_size],
-            true,
-        );
+        match &config.moe {
+            Some(moe) if moe.is_moe_layer(layer) => {
+                let (experts, width) = (moe.num_experts, moe.expert_intermediate_size);
+                add(names::FFN_GATE_INP, vec![experts, hidden], true);
+                add(names::FFN_GATE_EXPS, vec![experts, width, hidden], true);
+                add(names::FFN_UP_EXPS, vec![experts, width, hidden], true);
+                add(names::FFN_DOWN_EXPS, vec![experts, hidden, width], true);
+            }
+            _ => {
+                let width = config.intermediate_size;
+                add(names::FFN_GATE, vec![width, hidden], true);
+                add(names::FFN_UP, vec![width, hidden], true);
+                add(names::FFN_DOWN, vec![hidden, width], true);
+            }
+        }
     }
     expected
 }
@@ -510,7 +548,7 @@ fn check_weights(
     dir: &Path,
 ) -> Result<(), HfError> {
     for (name, shape, required) in expected_tensors(config) {
-        match weights.tensor(&name) {
+        match weights.shape(&name) {
             None if required => {
                 return Err(HfError::new(
                     dir,
@@ -520,14 +558,11 @@ fn check_weights(
                 ))
             }
             None => {}
-            Some(tensor) if tensor.shape != shape => {
+            Some(found) if found != shape => {
                 let hf_name = weights.hf_name(&name).unwrap_or(&name);
                 return Err(HfError::new(
                     dir,
-                    format!(
-                        "tensor `{hf_name}` has shape {:?}, the config implies {shape:?}",
-                        tensor.shape
-                    ),
+                    format!("tensor `{hf_name}` has shape {found:?}, the config implies {shape:?}"),
                 ));
             }
             Some(_) => {}

@@ -1,5 +1,6 @@
 //! The llama family forward pass (Llama 2/3, SmolLM2, Mistral) and its Qwen2 (q/k/v bias) and
-//! Qwen3 (per-head q/k RMSNorm) variants, on the CPU, over the paged KV cache.
+//! Qwen3 (per-head q/k RMSNorm) variants, and their mixture-of-experts forms (Qwen3-MoE,
+//! Mixtral: `moe.rs`), on the CPU, over the paged KV cache.
 //!
 //! One call runs a ragged batch: several requests, each contributing one or more new tokens
 //! (prefill chunks and decode tokens alike), all through the same CSR page table.
@@ -14,12 +15,14 @@ use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
 use pagoda_tensor::GgmlType;
 
 use crate::config::{ModelConfig, RopeStyle};
-use crate::decoder::llama_layers;
-use crate::weight_plan::{ModelPlan, TensorSpec};
+use crate::decoder::{llama_layers, llama_moe_layers};
+use crate::weight_plan::{MlpPlan, ModelPlan, TensorSpec};
 use crate::weights::{RawTensor, TensorSource};
 
+mod moe;
 mod policy;
 mod step;
+use moe::{Experts, Mlp};
 pub use policy::{
     split_kv_chunk_tokens, AttentionPolicy, AUTO_MIN_SPLIT_KV_TOKENS, SPLIT_KV_CHUNK_ENV_VAR,
 };
@@ -46,9 +49,7 @@ struct Layer {
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
-    w_gate: Weight,
-    w_up: Weight,
-    w_down: Weight,
+    mlp: Mlp,
 }
 
 /// A loaded model, ready to run forward passes.
@@ -186,9 +187,16 @@ impl Model {
                 q_norm: optional(&l.q_norm)?,
                 k_norm: optional(&l.k_norm)?,
                 ffn_norm: vector(&l.ffn_norm)?,
-                w_gate: matrix(&l.gate)?,
-                w_up: matrix(&l.up)?,
-                w_down: matrix(&l.down)?,
+                mlp: match &l.mlp {
+                    MlpPlan::Dense { gate, up, down } => Mlp::Dense {
+                        gate: matrix(gate)?,
+                        up: matrix(up)?,
+                        down: matrix(down)?,
+                    },
+                    MlpPlan::Experts(plan) => {
+                        Mlp::Experts(Experts::load(source, plan, i, c, precision)?)
+                    }
+                },
             });
             progress(i + 1, c.num_layers + 1);
         }
@@ -226,8 +234,9 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                    .iter()
+                [&l.wq, &l.wk, &l.wv, &l.wo]
+                    .into_iter()
+                    .chain(l.mlp.weights())
                     .map(|w| w.size_bytes())
                     .sum::<usize>()
             })
@@ -235,6 +244,20 @@ impl Model {
         layer_bytes
             + self.embedding.size_bytes()
             + self.lm_head.as_ref().map_or(0, |w| w.size_bytes())
+    }
+
+    /// Weight bytes a decode step of `rows` rows reads: [`Model::weight_bytes`] less the
+    /// experts no row is routed to, for the bandwidth figure of a mixture-of-experts model.
+    /// Assumes uniform routing, which is exact for one row (its top-k experts): a layer of
+    /// `E` experts, `k` per row, runs `E·(1 − (1 − k/E)^rows)` of them on average.
+    pub fn step_weight_bytes(&self, rows: usize) -> f64 {
+        let all = self.weight_bytes() as f64;
+        let idle: f64 = self
+            .layers
+            .iter()
+            .map(|l| l.mlp.idle_expert_bytes(rows))
+            .sum();
+        all - idle
     }
 
     /// The KV layout this model needs for a pool of `num_pages` pages.
@@ -300,7 +323,11 @@ impl Model {
             )));
         }
         let mut step = step::CpuStep::new(self, batch, kv, &plan, head);
-        llama_layers(&mut step, &self.layers)?;
+        if c.moe.is_some() {
+            llama_moe_layers(&mut step, &self.layers)?;
+        } else {
+            llama_layers(&mut step, &self.layers)?;
+        }
         let logits = step.logits;
         Ok(ForwardOutput {
             logits,
@@ -430,18 +457,25 @@ fn load_matrix(
             raw.shape
         )));
     }
+    weight_from_bytes(name, raw.ty, [rows, cols], raw.data.into_owned(), precision)
+        .map_err(|e| LoadError(format!("tensor {name}: {e}")))
+}
+
+/// A `[rows, cols]` matrix of `ty` from its stored bytes, with the kernels the CPU kernel
+/// policy gives the tensor named `name` (an expert gets its dense role's name).
+fn weight_from_bytes(
+    name: &str,
+    ty: GgmlType,
+    [rows, cols]: [usize; 2],
+    data: Vec<u8>,
+    precision: WeightPrecision,
+) -> Result<Weight, String> {
     // The per-weight kernel policy (`auto`: ffn_down on Q15 or f32 activations, see
     // `pagoda_ops::linear::cpu::kernels`); exact mode then decodes every weight to f32 anyway.
     let policy = CpuKernelPolicy::selected();
-    let weight = Weight::with_kernels(
-        raw.ty,
-        rows,
-        cols,
-        raw.data.into_owned(),
-        policy.for_tensor(name),
-    )
-    .map_err(|e| LoadError(format!("tensor {name}: {e}")))?
-    .with_q15_activations(policy.q15_for_tensor(name));
+    let weight = Weight::with_kernels(ty, rows, cols, data, policy.for_tensor(name))
+        .map_err(|e| e.to_string())?
+        .with_q15_activations(policy.q15_for_tensor(name));
     Ok(match precision {
         WeightPrecision::AsStored => weight,
         WeightPrecision::F32 => weight.to_f32(),

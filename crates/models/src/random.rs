@@ -2,7 +2,9 @@
 //! cannot be had on the machine (throughput does not depend on the weight values).
 //!
 //! [`preset`] names the built-in configurations (`llama-3.1-8b`, `qwen2.5-7b`,
-//! `smollm2-135m`); [`random_config`] also accepts the path of a Hugging Face `config.json`.
+//! `smollm2-135m`, the mixture-of-experts `qwen3-30b-a3b` and `mixtral-8x7b`, and the tiny
+//! `qwen3-moe-tiny` and `mixtral-tiny` for tests); [`random_config`] also accepts the path of
+//! a Hugging Face `config.json`.
 //! [`RandomWeights`] is a [`TensorSource`] with every tensor the llama-family loader asks for,
 //! filled deterministically from a seed, in f32, one tensor at a time as the loader asks.
 
@@ -13,13 +15,23 @@ use std::path::Path;
 use pagoda_tensor::GgmlType;
 use rayon::prelude::*;
 
-use crate::config::{Architecture, Llama3RopeScaling, ModelConfig, RopeStyle};
+use crate::config::{
+    Architecture, Llama3RopeScaling, ModelConfig, MoeConfig, RopeStyle, TopKWeights,
+};
 use crate::hf::config_from_hf_json;
 use crate::llama::LoadError;
 use crate::weights::{names, RawTensor, TensorSource};
 
 /// Names accepted by [`preset`], for error messages and `--help`.
-pub const PRESET_NAMES: &[&str] = &["llama-3.1-8b", "qwen2.5-7b", "smollm2-135m"];
+pub const PRESET_NAMES: &[&str] = &[
+    "llama-3.1-8b",
+    "qwen2.5-7b",
+    "smollm2-135m",
+    "qwen3-30b-a3b",
+    "mixtral-8x7b",
+    "qwen3-moe-tiny",
+    "mixtral-tiny",
+];
 
 /// The configuration of a built-in architecture preset, by name (case-insensitive).
 pub fn preset(name: &str) -> Option<ModelConfig> {
@@ -45,6 +57,7 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
             }),
             max_position_embeddings: 131072,
             tie_word_embeddings: false,
+            moe: None,
         },
         "qwen2.5-7b" => ModelConfig {
             architecture: Architecture::Qwen2,
@@ -62,6 +75,7 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
             rope_scaling: None,
             max_position_embeddings: 32768,
             tie_word_embeddings: false,
+            moe: None,
         },
         "smollm2-135m" => ModelConfig {
             architecture: Architecture::Llama,
@@ -79,6 +93,106 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
             rope_scaling: None,
             max_position_embeddings: 8192,
             tie_word_embeddings: true,
+            moe: None,
+        },
+        // 30.5B parameters, 3.3B active per token.
+        "qwen3-30b-a3b" => ModelConfig {
+            architecture: Architecture::Qwen3Moe,
+            hidden_size: 2048,
+            num_layers: 48,
+            num_attention_heads: 32,
+            num_kv_heads: 4,
+            head_dim: 128,
+            intermediate_size: 6144,
+            vocab_size: 151936,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1000000.0,
+            rope_dim: 128,
+            rope_style: RopeStyle::Halves,
+            rope_scaling: None,
+            max_position_embeddings: 40960,
+            tie_word_embeddings: false,
+            moe: Some(MoeConfig {
+                num_experts: 128,
+                experts_per_token: 8,
+                expert_intermediate_size: 768,
+                top_k_weights: TopKWeights::Normalized,
+                dense_layers: Vec::new(),
+            }),
+        },
+        // 46.7B parameters, 12.9B active per token.
+        "mixtral-8x7b" => ModelConfig {
+            architecture: Architecture::Mixtral,
+            hidden_size: 4096,
+            num_layers: 32,
+            num_attention_heads: 32,
+            num_kv_heads: 8,
+            head_dim: 128,
+            intermediate_size: 14336,
+            vocab_size: 32000,
+            rms_norm_eps: 1e-5,
+            rope_theta: 1000000.0,
+            rope_dim: 128,
+            rope_style: RopeStyle::Halves,
+            rope_scaling: None,
+            max_position_embeddings: 32768,
+            tie_word_embeddings: false,
+            moe: Some(MoeConfig {
+                num_experts: 8,
+                experts_per_token: 2,
+                expert_intermediate_size: 14336,
+                top_k_weights: TopKWeights::Normalized,
+                dense_layers: Vec::new(),
+            }),
+        },
+        // Tests: a dense layer between two MoE layers, softmax weights not renormalised.
+        "qwen3-moe-tiny" => ModelConfig {
+            architecture: Architecture::Qwen3Moe,
+            hidden_size: 64,
+            num_layers: 3,
+            num_attention_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            intermediate_size: 96,
+            vocab_size: 512,
+            rms_norm_eps: 1e-6,
+            rope_theta: 1000000.0,
+            rope_dim: 16,
+            rope_style: RopeStyle::Halves,
+            rope_scaling: None,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: false,
+            moe: Some(MoeConfig {
+                num_experts: 8,
+                experts_per_token: 3,
+                expert_intermediate_size: 32,
+                top_k_weights: TopKWeights::Softmax,
+                dense_layers: vec![1],
+            }),
+        },
+        "mixtral-tiny" => ModelConfig {
+            architecture: Architecture::Mixtral,
+            hidden_size: 64,
+            num_layers: 2,
+            num_attention_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 16,
+            intermediate_size: 64,
+            vocab_size: 512,
+            rms_norm_eps: 1e-5,
+            rope_theta: 1000000.0,
+            rope_dim: 16,
+            rope_style: RopeStyle::Halves,
+            rope_scaling: None,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: false,
+            moe: Some(MoeConfig {
+                num_experts: 4,
+                experts_per_token: 2,
+                expert_intermediate_size: 64,
+                top_k_weights: TopKWeights::Normalized,
+                dense_layers: Vec::new(),
+            }),
         },
         _ => return None,
     };
@@ -135,15 +249,27 @@ pub fn tensor_shapes(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             shapes.push((n(names::ATTN_K_BIAS), vec![kv_dim]));
             shapes.push((n(names::ATTN_V_BIAS), vec![kv_dim]));
         }
-        if c.architecture == Architecture::Qwen3 {
+        if c.architecture.has_qk_norm() {
             shapes.push((n(names::ATTN_Q_NORM), vec![c.head_dim]));
             shapes.push((n(names::ATTN_K_NORM), vec![c.head_dim]));
         }
         shapes.push((n(names::ATTN_OUTPUT), vec![c.hidden_size, q_dim]));
         shapes.push((n(names::FFN_NORM), vec![c.hidden_size]));
-        shapes.push((n(names::FFN_GATE), vec![c.intermediate_size, c.hidden_size]));
-        shapes.push((n(names::FFN_UP), vec![c.intermediate_size, c.hidden_size]));
-        shapes.push((n(names::FFN_DOWN), vec![c.hidden_size, c.intermediate_size]));
+        match &c.moe {
+            Some(moe) if moe.is_moe_layer(layer) => {
+                let (experts, width) = (moe.num_experts, moe.expert_intermediate_size);
+                shapes.push((n(names::FFN_GATE_INP), vec![experts, c.hidden_size]));
+                shapes.push((n(names::FFN_GATE_EXPS), vec![experts, width, c.hidden_size]));
+                shapes.push((n(names::FFN_UP_EXPS), vec![experts, width, c.hidden_size]));
+                shapes.push((n(names::FFN_DOWN_EXPS), vec![experts, c.hidden_size, width]));
+            }
+            _ => {
+                let width = c.intermediate_size;
+                shapes.push((n(names::FFN_GATE), vec![width, c.hidden_size]));
+                shapes.push((n(names::FFN_UP), vec![width, c.hidden_size]));
+                shapes.push((n(names::FFN_DOWN), vec![c.hidden_size, width]));
+            }
+        }
     }
     shapes
 }
@@ -267,6 +393,17 @@ mod tests {
             .map(|(_, s)| s.iter().product::<usize>())
             .sum();
         assert!((7_600_000_000..7_650_000_000).contains(&params), "{params}");
+        // Qwen3-30B-A3B has 30.5 billion, Mixtral-8x7B 46.7 billion.
+        for (name, range) in [
+            ("qwen3-30b-a3b", 30_400_000_000..30_600_000_000usize),
+            ("mixtral-8x7b", 46_600_000_000..46_800_000_000),
+        ] {
+            let params: usize = tensor_shapes(&preset(name).unwrap())
+                .iter()
+                .map(|(_, s)| s.iter().product::<usize>())
+                .sum();
+            assert!(range.contains(&params), "{name}: {params}");
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! Adding an architecture of the llama family's shape is a plan here (which optional tensors
 //! it has or requires) plus its layer sequence in `decoder.rs`.
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::weights::{names, LoadError, TensorSource};
 
 /// One tensor the model reads.
@@ -48,6 +48,33 @@ impl TensorSpec {
     }
 }
 
+/// A layer's MLP block: dense, or a mixture of experts.
+#[derive(Debug, Clone)]
+pub enum MlpPlan {
+    /// One SiLU-gated MLP: gate and up `[intermediate, hidden]`, down `[hidden, intermediate]`.
+    Dense {
+        gate: TensorSpec,
+        up: TensorSpec,
+        down: TensorSpec,
+    },
+    /// A router and stacked experts.
+    Experts(ExpertsPlan),
+}
+
+/// A mixture-of-experts MLP block's tensors (GGUF's stacked layout; a safetensors
+/// checkpoint's per-expert tensors are served stacked).
+#[derive(Debug, Clone)]
+pub struct ExpertsPlan {
+    /// The router, `[num_experts, hidden]`.
+    pub router: TensorSpec,
+    /// `[num_experts, expert_intermediate, hidden]`.
+    pub gate: TensorSpec,
+    /// `[num_experts, expert_intermediate, hidden]`.
+    pub up: TensorSpec,
+    /// `[num_experts, hidden, expert_intermediate]`.
+    pub down: TensorSpec,
+}
+
 /// A decoder layer's tensors in the llama family's roles. Optional tensors are `Some` when
 /// the architecture requires them or the model file holds them.
 #[derive(Debug, Clone)]
@@ -65,9 +92,7 @@ pub struct LayerPlan {
     pub k_norm: Option<TensorSpec>,
     pub attn_output: TensorSpec,
     pub ffn_norm: TensorSpec,
-    pub gate: TensorSpec,
-    pub up: TensorSpec,
-    pub down: TensorSpec,
+    pub mlp: MlpPlan,
 }
 
 /// Every tensor of a model, in load order.
@@ -89,7 +114,7 @@ impl ModelPlan {
         let (hidden, inter, head) = (c.hidden_size, c.intermediate_size, c.head_dim);
         let q_dim = c.num_attention_heads * head;
         let kv_dim = c.num_kv_heads * head;
-        let requires_qk_norm = c.architecture == Architecture::Qwen3;
+        let requires_qk_norm = c.architecture.has_qk_norm();
         let present = |name: &str| source.tensor(name).is_some();
         let layers = (0..c.num_layers)
             .map(|i| {
@@ -110,13 +135,28 @@ impl ModelPlan {
                     k_norm: optional(names::ATTN_K_NORM, &[head]),
                     attn_output: spec(names::ATTN_OUTPUT, &[hidden, q_dim]),
                     ffn_norm: spec(names::FFN_NORM, &[hidden]),
-                    gate: spec(names::FFN_GATE, &[inter, hidden]),
-                    up: spec(names::FFN_UP, &[inter, hidden]),
-                    down: spec(names::FFN_DOWN, &[hidden, inter]),
+                    mlp: match &c.moe {
+                        Some(moe) if moe.is_moe_layer(i) => {
+                            let (experts, expert_inter) =
+                                (moe.num_experts, moe.expert_intermediate_size);
+                            MlpPlan::Experts(ExpertsPlan {
+                                router: spec(names::FFN_GATE_INP, &[experts, hidden]),
+                                gate: spec(names::FFN_GATE_EXPS, &[experts, expert_inter, hidden]),
+                                up: spec(names::FFN_UP_EXPS, &[experts, expert_inter, hidden]),
+                                down: spec(names::FFN_DOWN_EXPS, &[experts, hidden, expert_inter]),
+                            })
+                        }
+                        _ => MlpPlan::Dense {
+                            gate: spec(names::FFN_GATE, &[inter, hidden]),
+                            up: spec(names::FFN_UP, &[inter, hidden]),
+                            down: spec(names::FFN_DOWN, &[hidden, inter]),
+                        },
+                    },
                 };
                 if requires_qk_norm && (layer.q_norm.is_none() || layer.k_norm.is_none()) {
                     return Err(LoadError(format!(
-                        "qwen3 layer {i} lacks attn_q_norm/attn_k_norm"
+                        "{} layer {i} lacks attn_q_norm/attn_k_norm",
+                        c.architecture.name()
                     )));
                 }
                 Ok(layer)
@@ -158,6 +198,7 @@ pub fn gpu_keeps_blocks(ty: pagoda_tensor::GgmlType, cols: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Architecture;
     use crate::random::{preset, tensor_shapes, RandomWeights};
     use crate::weights::RawTensor;
 
@@ -175,7 +216,10 @@ mod tests {
         specs.extend(plan.lm_head.as_ref());
         for l in &plan.layers {
             specs.extend([&l.attn_norm, &l.q, &l.k, &l.v, &l.attn_output, &l.ffn_norm]);
-            specs.extend([&l.gate, &l.up, &l.down]);
+            match &l.mlp {
+                MlpPlan::Dense { gate, up, down } => specs.extend([gate, up, down]),
+                MlpPlan::Experts(e) => specs.extend([&e.router, &e.gate, &e.up, &e.down]),
+            }
             let optional = [&l.q_bias, &l.k_bias, &l.v_bias, &l.q_norm, &l.k_norm];
             specs.extend(optional.into_iter().flatten());
         }
@@ -186,12 +230,19 @@ mod tests {
     /// names and shapes) makes for each architecture, with the same shapes.
     #[test]
     fn plans_list_every_tensor_of_each_architecture_with_its_shape() {
-        for architecture in [
-            Architecture::Llama,
-            Architecture::Qwen2,
-            Architecture::Qwen3,
-        ] {
-            let config = small(architecture);
+        let moe = |name: &str| ModelConfig {
+            vocab_size: 512,
+            ..preset(name).unwrap()
+        };
+        let configs = [
+            small(Architecture::Llama),
+            small(Architecture::Qwen2),
+            small(Architecture::Qwen3),
+            moe("qwen3-moe-tiny"),
+            moe("mixtral-tiny"),
+        ];
+        for config in configs {
+            let architecture = config.architecture;
             let weights = RandomWeights::new(&config, 1, 1 << 30).unwrap();
             let plan = ModelPlan::new(&config, &weights).unwrap();
             let mut got: Vec<(String, Vec<usize>)> = listed(&plan)

@@ -57,4 +57,11 @@ pub mod names {
     pub const FFN_GATE: &str = "ffn_gate.weight";
     pub const FFN_UP: &str = "ffn_up.weight";
     pub const FFN_DOWN: &str = "ffn_down.weight";
+
+    /// Mixture-of-experts suffixes: the router `[num_experts, hidden]` and the experts' gate,
+    /// up and down projections stacked expert by expert, `[num_experts, out, in]`.
+    pub const FFN_GATE_INP: &str = "ffn_gate_inp.weight";
+    pub const FFN_GATE_EXPS: &str = "ffn_gate_exps.weight";
+    pub const FFN_UP_EXPS: &str = "ffn_up_exps.weight";
+    pub const FFN_DOWN_EXPS: &str = "ffn_down_exps.weight";
 }

@@ -96,6 +96,7 @@ fn config(
         rope_scaling: None,
         max_position_embeddings: 0,
         tie_word_embeddings: false,
+        moe: None,
     }
 }
 

@@ -10,6 +10,7 @@ pub mod embedding;
 mod kernel_choice;
 pub use kernel_choice::UnknownChoice;
 pub mod linear;
+pub mod moe;
 pub mod norm;
 pub mod profile;
 pub mod rope;

@@ -31,6 +31,11 @@ pub enum Op {
     SiluMul,
     /// The MLP down projection.
     Down,
+    /// Mixture-of-experts routing: the router logits and each row's top-k experts.
+    Router,
+    /// The mixture-of-experts experts: rows gathered per expert, each expert's gate/up,
+    /// SiLU-mul and down projection, the outputs weighed and summed.
+    ExpertMix,
     /// Residual additions.
     Residual,
     /// The LM head.
@@ -38,7 +43,7 @@ pub enum Op {
 }
 
 /// Every op, in table order.
-pub const OPS: [Op; 12] = [
+pub const OPS: [Op; 14] = [
     Op::Embed,
     Op::Norm,
     Op::QkvProj,
@@ -49,6 +54,8 @@ pub const OPS: [Op; 12] = [
     Op::GateUp,
     Op::SiluMul,
     Op::Down,
+    Op::Router,
+    Op::ExpertMix,
     Op::Residual,
     Op::LmHead,
 ];
@@ -67,6 +74,8 @@ impl Op {
             Op::GateUp => "gate_up",
             Op::SiluMul => "silu_mul",
             Op::Down => "down",
+            Op::Router => "router",
+            Op::ExpertMix => "expert_mix",
             Op::Residual => "residual",
             Op::LmHead => "lm_head",
         }

@@ -74,7 +74,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: bool,
     /// Benchmark random weights of a built-in architecture (llama-3.1-8b, qwen2.5-7b,
-    /// smollm2-135m) or of a config.json instead of a model file (no tokenizer needed).
+    /// smollm2-135m, qwen3-30b-a3b, mixtral-8x7b, qwen3-moe-tiny, mixtral-tiny) or of a
+    /// config.json instead of a model file (no tokenizer needed).
     #[arg(long, value_name = "ARCH|CONFIG")]
     pub random_weights: Option<String>,
     /// Decode tests: every sequence of a batch shares its first `depth` tokens (one
@@ -220,7 +221,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
     };
     let device = backend.device_name();
     let vocab = backend.config().vocab_size;
-    let weight_bytes = backend.weight_bytes() as f64;
     let kv_token_bytes = backend.kv_page_bytes(1, common::kv_cache_types()) as f64;
     let longest_prompt = args.prompt_lengths.iter().copied().max().unwrap_or(0);
     let base_need = longest_prompt.max(max_depth + 1) + args.decode_tokens + 1;
@@ -268,6 +268,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
         },
         Some(p) => bail!("--top-p {p} is outside (0, 1]"),
     };
+    // The weight bytes a decode step of each batch size reads (a mixture-of-experts model
+    // leaves its unrouted experts unread).
+    let step_weight_bytes: std::collections::BTreeMap<usize, f64> = args
+        .batch
+        .iter()
+        .map(|&batch| (batch, backend.step_weight_bytes(batch)))
+        .collect();
     let mut engine = common::engine(backend, &args.model, ctx, max_batch, tokenizer.as_ref())?;
     let warmup = !args.model.no_warmup;
     let mut results = Vec::new();
@@ -362,8 +369,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             progress(&name, repetition, args.repetitions, &rates);
         }
         print_profile(&name, args.repetitions);
-        let step_bytes =
-            weight_bytes + (batch * (depth + args.decode_tokens / 2)) as f64 * kv_token_bytes;
+        let step_bytes = step_weight_bytes[&batch]
+            + (batch * (depth + args.decode_tokens / 2)) as f64 * kv_token_bytes;
         results.push(summarize(name, rates, steps, Some((batch, step_bytes)))?);
     }
     let report = Report {

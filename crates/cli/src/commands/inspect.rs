@@ -132,6 +132,16 @@ pub fn run(args: InspectArgs) -> Result<()> {
         config.vocab_size,
         config.max_position_embeddings
     );
+    if let Some(moe) = &config.moe {
+        say!(
+            "experts: {} per MoE layer, {} per token, FFN {} each, top-k weights {:?}, dense layers {:?}",
+            moe.num_experts,
+            moe.experts_per_token,
+            moe.expert_intermediate_size,
+            moe.top_k_weights,
+            moe.dense_layers
+        );
+    }
     let mut by_type: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     let mut parameters = 0usize;
     let mut bytes = 0usize;

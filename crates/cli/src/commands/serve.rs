@@ -90,7 +90,7 @@ pub struct ServeArgs {
     #[arg(short = 'a', long)]
     pub alias: Option<String>,
     /// Serve random weights of a built-in architecture (llama-3.1-8b, qwen2.5-7b,
-    /// smollm2-135m) or of a config.json's shapes instead of the model's weights, with the
+    /// smollm2-135m, qwen3-30b-a3b, mixtral-8x7b, qwen3-moe-tiny, mixtral-tiny) or of a config.json's shapes instead of the model's weights, with the
     /// model's tokenizer and chat template (`-m`, default the default model) and its
     /// vocabulary in place of the architecture's: serving measured at shapes whose weights are
     /// not on the machine (vLLM's `--load-format dummy`). The text is noise.

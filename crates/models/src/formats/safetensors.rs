@@ -59,6 +59,24 @@ struct TensorEntry {
     end: usize,
 }
 
+/// A canonical tensor stacked from one HF tensor per expert (`[num_experts, out, in]`, as
+/// GGUF stores `ffn_{gate,up,down}_exps`); served as an owned copy of the parts in order.
+#[derive(Debug, Clone)]
+struct StackedEntry {
+    /// The HF names with the expert index as `*`, for messages.
+    hf_pattern: String,
+    /// Expert `e`'s part at index `e`; all of one dtype and shape.
+    parts: Vec<TensorEntry>,
+}
+
+impl StackedEntry {
+    fn shape(&self) -> Vec<usize> {
+        let mut shape = vec![self.parts.len()];
+        shape.extend(&self.parts[0].shape);
+        shape
+    }
+}
+
 /// A loaded safetensors checkpoint (one file or all shards), memory-mapped.
 ///
 /// Only tensors whose HF name has a canonical equivalent ([`canonical_name`]) are served;
@@ -70,6 +88,10 @@ struct TensorEntry {
 pub struct SafetensorsWeights {
     shards: Vec<Shard>,
     tensors: BTreeMap<String, TensorEntry>,
+    /// Mixture-of-experts tensors, stacked from their per-expert parts ([`canonical_expert_name`]).
+    stacked: BTreeMap<String, StackedEntry>,
+    /// Per-expert parts by canonical stacked name and expert index, until [`Self::stack_experts`].
+    expert_parts: BTreeMap<String, BTreeMap<usize, TensorEntry>>,
     unmapped: Vec<String>,
 }
 
@@ -106,12 +128,9 @@ impl SafetensorsWeights {
 
     /// Loads a single `.safetensors` file.
     pub fn open_file(path: impl AsRef<Path>) -> Result<SafetensorsWeights, SafetensorsError> {
-        let mut weights = SafetensorsWeights {
-            shards: Vec::new(),
-            tensors: BTreeMap::new(),
-            unmapped: Vec::new(),
-        };
+        let mut weights = SafetensorsWeights::empty();
         weights.add_shard(path.as_ref(), None)?;
+        weights.stack_experts(path.as_ref())?;
         Ok(weights)
     }
 
@@ -159,11 +178,7 @@ impl SafetensorsWeights {
             ));
         }
         let dir = index_path.parent().unwrap_or(Path::new("."));
-        let mut weights = SafetensorsWeights {
-            shards: Vec::new(),
-            tensors: BTreeMap::new(),
-            unmapped: Vec::new(),
-        };
+        let mut weights = SafetensorsWeights::empty();
         for (shard, listed) in &by_shard {
             let shard_path = dir.join(shard);
             if !shard_path.is_file() {
@@ -177,7 +192,63 @@ impl SafetensorsWeights {
             }
             weights.add_shard(&shard_path, Some(listed))?;
         }
+        weights.stack_experts(index_path)?;
         Ok(weights)
+    }
+
+    fn empty() -> SafetensorsWeights {
+        SafetensorsWeights {
+            shards: Vec::new(),
+            tensors: BTreeMap::new(),
+            stacked: BTreeMap::new(),
+            expert_parts: BTreeMap::new(),
+            unmapped: Vec::new(),
+        }
+    }
+
+    /// Turns the per-expert parts gathered from every shard into stacked tensors: each needs
+    /// every expert from 0 up, all of one dtype and 2-D shape. Errors name `path`.
+    fn stack_experts(&mut self, path: &Path) -> Result<(), SafetensorsError> {
+        for (canonical, parts) in std::mem::take(&mut self.expert_parts) {
+            let parts: Vec<TensorEntry> = parts
+                .into_iter()
+                .enumerate()
+                .map(|(expected, (expert, part))| {
+                    if expert == expected {
+                        Ok(part)
+                    } else {
+                        Err(SafetensorsError::new(
+                            path,
+                            format!("expert {expected} of `{canonical}` is missing (found expert {expert})"),
+                        ))
+                    }
+                })
+                .collect::<Result<_, _>>()?;
+            let first = &parts[0];
+            if let Some(odd) = parts.iter().find(|part| {
+                part.ty != first.ty || part.shape != first.shape || part.shape.len() != 2
+            }) {
+                return Err(SafetensorsError::new(
+                    path,
+                    format!(
+                        "tensor `{}` has dtype {} and shape {:?}, but `{}` has {} and {:?} (experts must be 2-D and alike)",
+                        odd.hf_name, odd.ty, odd.shape, first.hf_name, first.ty, first.shape
+                    ),
+                ));
+            }
+            let hf_pattern = expert_pattern(&first.hf_name);
+            self.stacked
+                .insert(canonical, StackedEntry { hf_pattern, parts });
+        }
+        Ok(())
+    }
+
+    /// The row-major shape of a canonical tensor, without reading (or stacking) its bytes.
+    pub fn shape(&self, canonical: &str) -> Option<Vec<usize>> {
+        match self.tensors.get(canonical) {
+            Some(entry) => Some(entry.shape.clone()),
+            None => self.stacked.get(canonical).map(StackedEntry::shape),
+        }
     }
 
     /// Maps one file and registers its tensors. With `listed`, every listed name must be
@@ -211,9 +282,15 @@ impl SafetensorsWeights {
         hf_names.sort();
         for hf_name in hf_names {
             let info = infos[hf_name];
-            let Some(canonical) = canonical_name(hf_name) else {
-                self.unmapped.push(hf_name.clone());
-                continue;
+            let (canonical, expert) = match canonical_name(hf_name) {
+                Some(canonical) => (canonical, None),
+                None => match canonical_expert_name(hf_name) {
+                    Some((canonical, expert)) => (canonical, Some(expert)),
+                    None => {
+                        self.unmapped.push(hf_name.clone());
+                        continue;
+                    }
+                },
             };
             let ty = ggml_type(info.dtype).ok_or_else(|| {
                 SafetensorsError::new(
@@ -233,7 +310,15 @@ impl SafetensorsWeights {
                 start: data_start + start,
                 end: data_start + end,
             };
-            if let Some(previous) = self.tensors.insert(canonical.clone(), entry) {
+            let previous = match expert {
+                Some(expert) => self
+                    .expert_parts
+                    .entry(canonical.clone())
+                    .or_default()
+                    .insert(expert, entry),
+                None => self.tensors.insert(canonical.clone(), entry),
+            };
+            if let Some(previous) = previous {
                 return Err(SafetensorsError::new(
                     path,
                     format!(
@@ -250,11 +335,16 @@ impl SafetensorsWeights {
         Ok(())
     }
 
-    /// The HF name a canonical tensor was stored under.
+    /// The HF name a canonical tensor was stored under (a stacked expert tensor: its parts'
+    /// names with `*` for the expert index).
     pub fn hf_name(&self, canonical: &str) -> Option<&str> {
-        self.tensors
-            .get(canonical)
-            .map(|entry| entry.hf_name.as_str())
+        match self.tensors.get(canonical) {
+            Some(entry) => Some(&entry.hf_name),
+            None => self
+                .stacked
+                .get(canonical)
+                .map(|entry| entry.hf_pattern.as_str()),
+        }
     }
 
     /// HF tensor names with no canonical equivalent; they are not served.
@@ -272,29 +362,43 @@ impl SafetensorsWeights {
 
     /// Number of served (canonical) tensors.
     pub fn len(&self) -> usize {
-        self.tensors.len()
+        self.tensors.len() + self.stacked.len()
     }
 
     /// Whether no tensor is served.
     pub fn is_empty(&self) -> bool {
-        self.tensors.is_empty()
+        self.len() == 0
     }
 }
 
 impl TensorSource for SafetensorsWeights {
     fn tensor(&self, name: &str) -> Option<RawTensor<'_>> {
-        let entry = self.tensors.get(name)?;
         // In bounds: the safetensors crate checked every offset against the buffer length.
-        let data = &self.shards[entry.shard].mmap[entry.start..entry.end];
+        let bytes = |entry: &TensorEntry| &self.shards[entry.shard].mmap[entry.start..entry.end];
+        if let Some(entry) = self.tensors.get(name) {
+            return Some(RawTensor {
+                ty: entry.ty,
+                shape: entry.shape.clone(),
+                data: Cow::Borrowed(bytes(entry)),
+            });
+        }
+        let stacked = self.stacked.get(name)?;
         Some(RawTensor {
-            ty: entry.ty,
-            shape: entry.shape.clone(),
-            data: Cow::Borrowed(data),
+            ty: stacked.parts[0].ty,
+            shape: stacked.shape(),
+            data: Cow::Owned(stacked.parts.iter().flat_map(bytes).copied().collect()),
         })
     }
 
     fn tensor_names(&self) -> Vec<String> {
-        self.tensors.keys().cloned().collect()
+        let mut names: Vec<String> = self
+            .tensors
+            .keys()
+            .chain(self.stacked.keys())
+            .cloned()
+            .collect();
+        names.sort();
+        names
     }
 }
 
@@ -318,13 +422,7 @@ pub fn canonical_name(hf_name: &str) -> Option<String> {
         "lm_head.weight" => return Some(names::OUTPUT.to_string()),
         _ => {}
     }
-    let rest = hf_name.strip_prefix("model.layers.")?;
-    let (layer_text, suffix) = rest.split_once('.')?;
-    let layer: usize = layer_text.parse().ok()?;
-    // Reject spellings such as `01` or `+1` that would alias another layer.
-    if layer.to_string() != layer_text {
-        return None;
-    }
+    let (layer, suffix) = split_index(hf_name.strip_prefix("model.layers.")?)?;
     let canonical_suffix = match suffix {
         "input_layernorm.weight" => names::ATTN_NORM,
         "self_attn.q_proj.weight" => names::ATTN_Q,
@@ -341,9 +439,51 @@ pub fn canonical_name(hf_name: &str) -> Option<String> {
         "mlp.gate_proj.weight" => names::FFN_GATE,
         "mlp.up_proj.weight" => names::FFN_UP,
         "mlp.down_proj.weight" => names::FFN_DOWN,
+        // The mixture-of-experts router: Qwen3-MoE's, Mixtral's.
+        "mlp.gate.weight" | "block_sparse_moe.gate.weight" => names::FFN_GATE_INP,
         _ => return None,
     };
     Some(names::layer(layer, canonical_suffix))
+}
+
+/// The canonical stacked tensor and the expert index of one expert's HF tensor, or `None`:
+/// `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight` (Qwen3-MoE) and
+/// `model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` (Mixtral: w1 is the gate,
+/// w3 the up, w2 the down projection) -> (`blk.{i}.ffn_{gate,up,down}_exps.weight`, e).
+pub fn canonical_expert_name(hf_name: &str) -> Option<(String, usize)> {
+    let (layer, rest) = split_index(hf_name.strip_prefix("model.layers.")?)?;
+    let experts = rest
+        .strip_prefix("mlp.experts.")
+        .or_else(|| rest.strip_prefix("block_sparse_moe.experts."))?;
+    let (expert, suffix) = split_index(experts)?;
+    let canonical_suffix = match suffix {
+        "gate_proj.weight" | "w1.weight" => names::FFN_GATE_EXPS,
+        "up_proj.weight" | "w3.weight" => names::FFN_UP_EXPS,
+        "down_proj.weight" | "w2.weight" => names::FFN_DOWN_EXPS,
+        _ => return None,
+    };
+    Some((names::layer(layer, canonical_suffix), expert))
+}
+
+/// `"12.rest"` -> `(12, "rest")`; rejects spellings such as `01` or `+1` that would alias
+/// another index.
+fn split_index(text: &str) -> Option<(usize, &str)> {
+    let (index_text, rest) = text.split_once('.')?;
+    let index: usize = index_text.parse().ok()?;
+    (index.to_string() == index_text).then_some((index, rest))
+}
+
+/// An expert part's HF name with its expert index replaced by `*`.
+fn expert_pattern(hf_name: &str) -> String {
+    for marker in [".mlp.experts.", ".block_sparse_moe.experts."] {
+        if let Some(at) = hf_name.find(marker) {
+            let (head, tail) = hf_name.split_at(at + marker.len());
+            if let Some((_, rest)) = tail.split_once('.') {
+                return format!("{head}*.{rest}");
+            }
+        }
+    }
+    hf_name.to_string()
 }
 
 #[cfg(test)]
@@ -374,5 +514,32 @@ mod tests {
             None
         );
         assert_eq!(canonical_name("model.layers.x.mlp.up_proj.weight"), None);
+        assert_eq!(
+            canonical_name("model.layers.2.block_sparse_moe.gate.weight").as_deref(),
+            Some("blk.2.ffn_gate_inp.weight")
+        );
+    }
+
+    #[test]
+    fn maps_expert_tensors_to_their_stacked_names() {
+        let name = |hf: &str| canonical_expert_name(hf);
+        assert_eq!(
+            name("model.layers.3.mlp.experts.17.down_proj.weight"),
+            Some(("blk.3.ffn_down_exps.weight".into(), 17))
+        );
+        assert_eq!(
+            name("model.layers.0.block_sparse_moe.experts.7.w1.weight"),
+            Some(("blk.0.ffn_gate_exps.weight".into(), 7))
+        );
+        assert_eq!(
+            name("model.layers.0.block_sparse_moe.experts.7.w3.weight"),
+            Some(("blk.0.ffn_up_exps.weight".into(), 7))
+        );
+        assert_eq!(name("model.layers.0.mlp.experts.07.up_proj.weight"), None);
+        assert_eq!(name("model.layers.0.mlp.gate_proj.weight"), None);
+        assert_eq!(
+            expert_pattern("model.layers.0.mlp.experts.3.up_proj.weight"),
+            "model.layers.0.mlp.experts.*.up_proj.weight"
+        );
     }
 }

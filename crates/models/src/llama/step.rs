@@ -1,15 +1,18 @@
-//! The CPU's steps of the decoder sequence ([`crate::decoder`]): f32 activations in host
-//! memory, the weights in their stored formats, each step timed under its profile op.
+//! The CPU's steps of the decoder sequence ([`crate::decoder`]), the mixture-of-experts steps
+//! included: f32 activations in host memory, the weights in their stored formats, each step
+//! timed under its profile op.
 
 use pagoda_ops::activation::{add_bias, add_in_place, silu_mul_in_place};
 use pagoda_ops::attention::{self, PagedKv, QueryBatch, StepAttentionPlan, StepWorkspace};
-use pagoda_ops::linear::matmul_shared;
+use pagoda_ops::linear::{matmul_shared, Weight};
+use pagoda_ops::moe::ExpertRouting;
 use pagoda_ops::norm::{rms_norm, rms_norm_in_place};
 use pagoda_ops::profile::{self, Op};
 use pagoda_ops::rope::RopeTable;
 
+use super::moe::{ExpertScratch, Experts, Mlp};
 use super::{ForwardBatch, ForwardError, KvCache, Layer, Model};
-use crate::decoder::DecoderStep;
+use crate::decoder::{DecoderStep, MoeStep};
 
 /// What the last step computes for the rows of `batch.logits_for`.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -42,6 +45,11 @@ pub(super) struct CpuStep<'a> {
     proj: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    /// `[num_tokens, num_experts]`: the MoE router's logits of the current layer.
+    router_logits: Vec<f32>,
+    /// The current MoE layer's routing.
+    routing: ExpertRouting,
+    expert_scratch: ExpertScratch,
     /// `[logits_for.len(), vocab_size]` (or `hidden_size` with [`Head::Hidden`]), written by
     /// the last step.
     pub(super) logits: Vec<f32>,
@@ -64,6 +72,9 @@ impl<'a> CpuStep<'a> {
         workspace.fit(plan, c.num_attention_heads, c.head_dim);
         let rope_table = profile::time(Op::Rope, || model.rope.table(batch.positions));
         let zeros = |len: usize| vec![0f32; num_tokens * len];
+        // A model whose every MLP block is a mixture of experts needs no dense buffers.
+        let any_dense = (0..c.num_layers).any(|layer| !c.is_moe_layer(layer));
+        let dense_width = if any_dense { c.intermediate_size } else { 0 };
         CpuStep {
             model,
             head,
@@ -80,8 +91,11 @@ impl<'a> CpuStep<'a> {
             v: zeros(kv_dim),
             attn_out: zeros(q_dim),
             proj: zeros(c.hidden_size),
-            gate: zeros(c.intermediate_size),
-            up: zeros(c.intermediate_size),
+            gate: zeros(dense_width),
+            up: zeros(dense_width),
+            router_logits: Vec::new(),
+            routing: ExpertRouting::default(),
+            expert_scratch: ExpertScratch::default(),
             logits: Vec::new(),
         }
     }
@@ -208,13 +222,10 @@ impl DecoderStep for CpuStep<'_> {
 
     fn gate_up_projection(&mut self, layer: &Layer) -> Result<(), ForwardError> {
         let num_tokens = self.num_tokens();
+        let (w_gate, w_up, _) = dense(layer)?;
         let (normed, gate, up) = (&self.normed, &mut self.gate, &mut self.up);
         profile::time(Op::GateUp, || {
-            matmul_shared(
-                normed,
-                num_tokens,
-                &mut [(&layer.w_gate, gate), (&layer.w_up, up)],
-            )
+            matmul_shared(normed, num_tokens, &mut [(w_gate, gate), (w_up, up)])
         });
         Ok(())
     }
@@ -227,8 +238,9 @@ impl DecoderStep for CpuStep<'_> {
 
     fn down_projection(&mut self, layer: &Layer) -> Result<(), ForwardError> {
         let num_tokens = self.num_tokens();
+        let (_, _, w_down) = dense(layer)?;
         let (gate, proj) = (&self.gate, &mut self.proj);
-        profile::time(Op::Down, || layer.w_down.matmul(gate, num_tokens, proj));
+        profile::time(Op::Down, || w_down.matmul(gate, num_tokens, proj));
         profile::time(Op::Residual, || add_in_place(&mut self.x, &self.proj));
         Ok(())
     }
@@ -262,5 +274,48 @@ impl DecoderStep for CpuStep<'_> {
         });
         self.logits = logits;
         Ok(())
+    }
+}
+
+impl MoeStep for CpuStep<'_> {
+    fn is_moe(layer: &Layer) -> bool {
+        matches!(layer.mlp, Mlp::Experts(_))
+    }
+
+    fn route(&mut self, layer: &Layer) -> Result<(), ForwardError> {
+        let num_tokens = self.num_tokens();
+        let experts = experts(layer)?;
+        let (normed, logits) = (&self.normed, &mut self.router_logits);
+        self.routing = profile::time(Op::Router, || experts.route(normed, num_tokens, logits));
+        Ok(())
+    }
+
+    fn experts(&mut self, layer: &Layer) -> Result<(), ForwardError> {
+        let experts = experts(layer)?;
+        let (normed, routing) = (&self.normed, &self.routing);
+        let (scratch, mix) = (&mut self.expert_scratch, &mut self.proj);
+        profile::time(Op::ExpertMix, || experts.mix(normed, routing, scratch, mix));
+        profile::time(Op::Residual, || add_in_place(&mut self.x, &self.proj));
+        Ok(())
+    }
+}
+
+/// The gate, up and down weights of a dense MLP block.
+fn dense(layer: &Layer) -> Result<(&Weight, &Weight, &Weight), ForwardError> {
+    match &layer.mlp {
+        Mlp::Dense { gate, up, down } => Ok((gate, up, down)),
+        Mlp::Experts(_) => Err(ForwardError::Batch(
+            "a dense MLP step ran on a mixture-of-experts layer".into(),
+        )),
+    }
+}
+
+/// The experts of a mixture-of-experts MLP block.
+fn experts(layer: &Layer) -> Result<&Experts, ForwardError> {
+    match &layer.mlp {
+        Mlp::Experts(experts) => Ok(experts),
+        Mlp::Dense { .. } => Err(ForwardError::Batch(
+            "a mixture-of-experts step ran on a dense layer".into(),
+        )),
     }
 }

@@ -10,10 +10,10 @@ use pagoda_tensor::GgmlType;
 use rayon::prelude::*;
 
 use super::matrix::{Matrix, QuantMatrix, QuantPart};
-use super::{GpuLayer, GpuModel, HostFloat};
+use super::{GpuLayer, GpuModel, HostFloat, MOE_ON_CPU_ONLY};
 use crate::config::{ModelConfig, RopeStyle};
 use crate::llama::LoadError;
-use crate::weight_plan::{gpu_keeps_blocks, LayerPlan, ModelPlan, TensorSpec};
+use crate::weight_plan::{gpu_keeps_blocks, LayerPlan, MlpPlan, ModelPlan, TensorSpec};
 use crate::weights::TensorSource;
 
 fn gpu_error(context: &str) -> impl Fn(CudaError) -> LoadError + '_ {
@@ -36,6 +36,9 @@ impl<T: HostFloat> GpuModel<T> {
         let matrix = |parts: &[&TensorSpec]| matrix::<T>(g, source, parts, keep_quantized);
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, l) in plan.layers.iter().enumerate() {
+            let MlpPlan::Dense { gate, up, down } = &l.mlp else {
+                return Err(LoadError(MOE_ON_CPU_ONLY.into()));
+            };
             layers.push(GpuLayer {
                 attn_norm: upload(&l.attn_norm)?,
                 wqkv: matrix(&[&l.q, &l.k, &l.v])?,
@@ -44,8 +47,8 @@ impl<T: HostFloat> GpuModel<T> {
                 k_norm: optional(&l.k_norm)?,
                 wo: matrix(&[&l.attn_output])?,
                 ffn_norm: upload(&l.ffn_norm)?,
-                w_gate_up: matrix(&[&l.gate, &l.up])?,
-                w_down: matrix(&[&l.down])?,
+                w_gate_up: matrix(&[gate, up])?,
+                w_down: matrix(&[down])?,
             });
             progress(i + 1, c.num_layers + 1);
         }

@@ -1,10 +1,11 @@
-//! The tiny random llama end to end: every request of a mixed schedule built around the
-//! threshold against the same request run alone.
+//! The tiny random llama, and the tiny random Qwen3-MoE and Mixtral presets, end to end:
+//! every request of a mixed schedule built around the threshold against the same request run
+//! alone.
 
 use pagoda_kv::{BlockPool, BlockTable};
 use pagoda_models::config::{Architecture, ModelConfig, RopeStyle};
 use pagoda_models::llama::{AttentionPolicy, KvCache, Model, WeightPrecision};
-use pagoda_models::random::RandomWeights;
+use pagoda_models::random::{preset, RandomWeights};
 
 use super::{
     assert_runs_equal, chunks_at, sequence, step, Requests, Work, PAGE_SIZE, POLICIES, THRESHOLD,
@@ -27,6 +28,7 @@ fn tiny_config() -> ModelConfig {
         rope_scaling: None,
         max_position_embeddings: 4096,
         tie_word_embeddings: false,
+        moe: None,
     }
 }
 
@@ -115,7 +117,19 @@ fn run_schedule(
 
 #[test]
 fn tiny_model_requests_are_bit_identical_alone_and_batched_end_to_end() {
-    let config = tiny_config();
+    requests_are_bit_identical_alone_and_batched(tiny_config());
+}
+
+/// The same for mixture-of-experts models: a row's experts, and the order their outputs are
+/// summed in, must not depend on the other rows routed with it.
+#[test]
+fn tiny_moe_requests_are_bit_identical_alone_and_batched_end_to_end() {
+    for name in ["qwen3-moe-tiny", "mixtral-tiny"] {
+        requests_are_bit_identical_alone_and_batched(preset(name).unwrap());
+    }
+}
+
+fn requests_are_bit_identical_alone_and_batched(config: ModelConfig) {
     let weights = RandomWeights::new(&config, 5, 1 << 30).unwrap();
     let model = Model::load(config.clone(), &weights, WeightPrecision::AsStored).unwrap();
     let requests = tiny_requests(config.vocab_size);
@@ -151,7 +165,10 @@ fn tiny_model_requests_are_bit_identical_alone_and_batched_end_to_end() {
                 .collect();
             let expected = run_schedule(&model, &requests, &alone, policy);
             assert_eq!(expected[r].len(), total);
-            let context = format!("{policy:?}: tiny request {r} (T = {THRESHOLD})");
+            let context = format!(
+                "{policy:?}: tiny {} request {r} (T = {THRESHOLD})",
+                config.architecture.name()
+            );
             assert_runs_equal(&expected[r], &got[r], &context);
         }
     }

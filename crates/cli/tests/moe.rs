@@ -1,0 +1,85 @@
+//! Mixture-of-experts models through the binary: `generate` on the tiny Qwen3-MoE GGUF
+//! (stacked experts) and the tiny Mixtral HF directory, `bench` on random weights of the tiny
+//! presets. Their numbers are checked against the numpy oracle in the engine's
+//! `tiny_models.rs`; here they must run end to end.
+
+mod support;
+
+use support::{pagoda, throughput_line, tiny_model};
+
+#[test]
+fn generate_runs_moe_models_from_gguf_and_hf_directories() {
+    let gguf = tiny_model("tiny-qwen3-moe-gguf/model.gguf");
+    let mixtral = tiny_model("tiny-mixtral");
+    for model in [gguf, mixtral] {
+        for extra in [&[][..], &["--exact"][..]] {
+            let mut args = vec![
+                "generate",
+                "-m",
+                model.to_str().unwrap(),
+                "--device",
+                "cpu",
+                "-n",
+                "6",
+                "--temp",
+                "0",
+                "-p",
+                "Hello",
+            ];
+            args.extend_from_slice(extra);
+            let out = pagoda(&args, None);
+            out.assert_success();
+            let (_, _, decoded, _) = throughput_line(&out.stderr);
+            assert!(decoded > 0, "{}: {}", model.display(), out.stderr);
+        }
+    }
+}
+
+#[test]
+fn bench_runs_random_moe_presets() {
+    for preset in ["qwen3-moe-tiny", "mixtral-tiny"] {
+        let out = pagoda(
+            &[
+                "bench",
+                "--random-weights",
+                preset,
+                "--device",
+                "cpu",
+                "-p",
+                "16",
+                "-n",
+                "4",
+                "-b",
+                "1,2",
+                "-r",
+                "1",
+            ],
+            None,
+        );
+        out.assert_success();
+        let table = out.stdout_text();
+        for test in ["| pp16 |", "| tg4 |", "| tg4 x2 |"] {
+            assert!(table.contains(test), "{preset}: no {test} row in\n{table}");
+        }
+    }
+}
+
+#[test]
+fn random_weights_of_a_large_moe_preset_are_refused_with_their_size() {
+    let out = pagoda(
+        &[
+            "bench",
+            "--random-weights",
+            "qwen3-30b-a3b",
+            "--device",
+            "cpu",
+            "-p",
+            "16",
+            "-n",
+            "0",
+        ],
+        None,
+    );
+    let error = out.assert_clean_error();
+    assert!(error.contains("GiB"), "{error}");
+}

@@ -42,6 +42,29 @@ if ! "$VENV/bin/python" -c "import openai, requests, pytest, numpy, gguf, jsonsc
     fi
 fi
 
+# The chat page's browser test (tests/server/test_webui.py) drives Debian's headless Chromium
+# with selenium; without them it skips. Installed here when possible (root and apt-get).
+if ! "$VENV/bin/python" -c "import selenium" 2>/dev/null; then
+    if [[ -n "${PAGODA_WHEELS:-}" ]]; then
+        pip_source=(--no-index --find-links "$PAGODA_WHEELS")
+    else
+        pip_source=(--no-cache-dir)
+    fi
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${pip_source[@]}" selenium \
+        || echo "test-server: selenium could not be installed; the browser test will skip" >&2
+fi
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        echo "test-server: installing chromium and chromium-driver for the browser test" >&2
+        (apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 \
+                 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; }) \
+            || echo "test-server: apt-get could not install chromium; the browser test will skip" >&2
+    else
+        echo "test-server: no chromium/chromedriver and no apt-get as root; the browser test will skip" >&2
+    fi
+fi
+
 free_port() {
     "$VENV/bin/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1]); s.close()'
 }

@@ -22,9 +22,9 @@ use subtle::{Choice, ConstantTimeEq};
 use crate::error::ApiError;
 use crate::AppState;
 
-/// Paths answered without a key: the load balancer's health probe. (The chat page's static
-/// files join this list when the page lands; its API calls send the key.)
-pub const PUBLIC_PATHS: &[&str] = &["/health"];
+/// Paths answered without a key: the load balancer's health probe and the chat page (it
+/// holds no data; its API calls send the key the user types in).
+pub const PUBLIC_PATHS: &[&str] = &["/health", "/"];
 
 /// The accepted API keys, as SHA-256 digests.
 #[derive(Clone, Default)]

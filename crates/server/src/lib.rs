@@ -5,7 +5,7 @@
 //! token events into text ([`session`], with stop strings held back by [`stop`]) answered as
 //! whole JSON or server-sent events ([`format`]). Errors use the OpenAI body ([`error`]);
 //! `/metrics` is Prometheus text ([`metrics`]). API keys are checked by [`auth`]; HTTPS is
-//! terminated by [`tls`].
+//! terminated by [`tls`]. `/` is a chat page for browsers ([`webui`]).
 
 pub mod access;
 mod answer;
@@ -27,6 +27,7 @@ pub mod tls;
 pub mod tokenize;
 pub mod tools;
 pub mod unsupported;
+pub mod webui;
 pub mod worker;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -83,6 +84,8 @@ pub struct ServerConfig {
     /// How the model writes tool calls (`--tool-call-parser`); `None`: read from the chat
     /// template ([`tools::ToolFormat::detect`]).
     pub tool_call_parser: Option<tools::ToolFormat>,
+    /// Serve the chat page at `/` ([`webui`]; off with `--no-webui`: `/` is a 404).
+    pub webui: bool,
 }
 
 impl ServerConfig {
@@ -186,7 +189,11 @@ impl AppState {
 /// The router with every endpoint and middleware.
 pub fn router(state: Arc<AppState>) -> Router {
     let cors = cors_layer(&state.config.cors_origins);
-    let router = Router::new()
+    let mut router = Router::new();
+    if state.config.webui {
+        router = router.route("/", get(webui::page));
+    }
+    let router = router
         .route("/v1/chat/completions", post(routes::chat_completions))
         .route("/v1/completions", post(routes::completions))
         .route("/v1/models", get(routes::models))

@@ -42,7 +42,7 @@ pub async fn slots(State(state): State<Arc<AppState>>) -> Json<Value> {
 }
 
 /// `GET /props`: the request defaults (`default_generation_settings`, with the context size
-/// as `n_ctx`), the sequences run at once (`total_slots`), the served name, the chat
+/// as `n_ctx` and `params.n_predict` -1: no max_tokens), the sequences run at once (`total_slots`), the served name, the chat
 /// template's source and its BOS/EOS texts, in llama-server's field names.
 pub async fn props(State(state): State<Arc<AppState>>) -> Json<Value> {
     let config = &state.config;
@@ -60,6 +60,9 @@ pub async fn props(State(state): State<Arc<AppState>>) -> Json<Value> {
                 "frequency_penalty": defaults.frequency_penalty,
                 "presence_penalty": defaults.presence_penalty,
                 "seed": defaults.seed,
+                // llama-server's "until the context ends": a request without max_tokens
+                // generates up to the rest of the context.
+                "n_predict": -1,
             },
         },
         "total_slots": config.parallel,

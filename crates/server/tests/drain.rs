@@ -61,6 +61,7 @@ fn start(tokens: usize, shutdown_timeout: Duration) -> Option<Server> {
         cors_origins: Vec::new(),
         limits: Default::default(),
         tool_call_parser: None,
+        webui: true,
     };
     let text = TextModel {
         tokenizer,

@@ -26,6 +26,10 @@ async fn props_report_the_served_settings() {
     assert_eq!(settings["n_ctx"], 64);
     assert!((settings["params"]["temperature"].as_f64().unwrap() - 0.6).abs() < 1e-6);
     assert_eq!(settings["params"]["top_k"], 20);
+    assert_eq!(
+        settings["params"]["n_predict"], -1,
+        "no max_tokens by default"
+    );
     assert_eq!(props["total_slots"], 2);
     assert_eq!(props["model_alias"], "test-model");
     assert_eq!(props["chat_template"], ChatTemplate::chatml().source());

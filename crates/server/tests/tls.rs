@@ -64,6 +64,7 @@ fn start(files: &TlsFiles) -> Option<u16> {
         cors_origins: Vec::new(),
         limits: Default::default(),
         tool_call_parser: None,
+        webui: true,
     };
     let text = TextModel {
         tokenizer,

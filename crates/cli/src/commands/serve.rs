@@ -40,8 +40,9 @@ pub struct ServeArgs {
     /// at once.
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
     pub shutdown_timeout: f64,
-    /// Require `Authorization: Bearer KEY` on every endpoint but /health. Also
-    /// $PAGODA_API_KEY. Prefer --api-key-file: a key on the command line shows in `ps`.
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health and the chat page
+    /// (/). Also $PAGODA_API_KEY. Prefer --api-key-file: a key on the command line shows in
+    /// `ps`.
     #[arg(long)]
     pub api_key: Option<String>,
     /// Accept the keys in FILE (one per line; blank lines and `#` comments skipped), with
@@ -128,6 +129,9 @@ pub struct ServeArgs {
         value_name = "SECONDS"
     )]
     pub timeout: f64,
+    /// Do not serve the chat page at `/` (llama-server's flag); the API is unchanged.
+    #[arg(long)]
+    pub no_webui: bool,
 }
 
 /// Runs `pagoda serve`.
@@ -332,6 +336,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         }
     );
 
+    let webui = !args.no_webui;
     let server_config = ServerConfig {
         host: args.host.clone(),
         port: args.port,
@@ -352,6 +357,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
             timeout: std::time::Duration::from_secs_f64(args.timeout),
         },
         tool_call_parser: args.tool_call_parser,
+        webui,
     };
     let text = TextModel {
         tokenizer: loaded.tokenizer,
@@ -359,7 +365,11 @@ pub fn run(args: ServeArgs) -> Result<()> {
         stop_tokens,
     };
     pagoda_server::serve(server_config, text, engine, |url| {
-        eprintln!("listening on {url} (OpenAI API at {url}/v1)");
+        if webui {
+            eprintln!("listening on {url} (chat page at {url}/, OpenAI API at {url}/v1)");
+        } else {
+            eprintln!("listening on {url} (OpenAI API at {url}/v1)");
+        }
     })
     .map_err(anyhow::Error::msg)
 }

@@ -203,6 +203,7 @@ pub fn test_config() -> ServerConfig {
         cors_origins: Vec::new(),
         limits: Default::default(),
         tool_call_parser: None,
+        webui: true,
     }
 }
 

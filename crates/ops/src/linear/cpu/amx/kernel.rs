@@ -429,6 +429,7 @@ struct Step<'a> {
     min: &'a [f32; TILE_ROWS],
     /// Whether any start is non-zero (adding a zero start is exact, so skipping it keeps the
     /// bits).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     starts: bool,
     /// The tokens' scales, sums and integer starts.
     da: &'a [f32; TILE_TOKENS],

@@ -390,6 +390,11 @@ fn issue<U: TileUnit>(
 /// Block `block`'s f32 step on the tile dot `c` (Q15: `c` of the `hi` plane and `lo` of the
 /// `lo` plane), on the AVX-512 combine where the unit runs on such a CPU.
 #[inline(always)]
+// `U` picks the x86 combine only.
+#[cfg_attr(
+    not(target_arch = "x86_64"),
+    allow(clippy::extra_unused_type_parameters)
+)]
 fn step<U: TileUnit>(
     acc: &mut [[f32; TILE_ROWS]; TILE_TOKENS],
     c: &CTile,

@@ -8,7 +8,7 @@
 mod common;
 
 use common::random_rows;
-use pagoda_ops::linear::cpu::amx::bf16::{self, pack};
+use pagoda_ops::linear::cpu::amx::bf16::pack;
 use pagoda_ops::linear::cpu::interleaved::Interleaved;
 use pagoda_tensor::quant::repack::repack;
 use pagoda_tensor::GgmlType;
@@ -51,7 +51,7 @@ fn fill_timing() {
 /// lines and 16 bytes off.
 #[cfg(target_arch = "x86_64")]
 fn tile_schedules() {
-    use bf16::unit::{Bf16Unit, HardwareBf16};
+    use pagoda_ops::linear::cpu::amx::bf16::unit::{Bf16Unit, HardwareBf16};
     let Some(mut unit) = HardwareBf16::new() else {
         println!("AMX-BF16 not available on this CPU: probe skipped");
         return;

@@ -17,6 +17,12 @@ pub const CONFIGURATION_ENV_VAR: &str = "PAGODA_TEST_CPU_CONFIGURATION";
 /// binary. CI leaves it unset.
 pub const SLOW_ENV_VAR: &str = "PAGODA_TEST_SLOW_CPU_CONFIGURATIONS";
 
+/// The command that runs a test binary built for another CPU (Cargo's target runner, such as
+/// `qemu-aarch64-static -L /usr/aarch64-linux-gnu`, its words split at spaces): the re-runs go
+/// through it, since an emulated process cannot start a foreign binary itself. Unset: run the
+/// binary directly.
+pub const RUNNER_ENV_VAR: &str = "PAGODA_TEST_RUNNER";
+
 /// Every variable of the environment that starts with this is cleared in a child before its
 /// configuration's are set, so that a configuration means the same on every machine.
 const SWITCH_PREFIX: &str = "PAGODA_CPU_";
@@ -173,7 +179,15 @@ fn rerun(this_test: &str, tests: &[&str], widest: Kind) {
             ));
             continue;
         }
-        let mut command = Command::new(&exe);
+        let runner = std::env::var(RUNNER_ENV_VAR).unwrap_or_default();
+        let mut command = match runner.split_whitespace().collect::<Vec<_>>().split_first() {
+            Some((program, args)) => {
+                let mut command = Command::new(program);
+                command.args(args).arg(&exe);
+                command
+            }
+            None => Command::new(&exe),
+        };
         command.args(["--skip", this_test]).args(tests);
         for (var, _) in std::env::vars() {
             if var.starts_with(SWITCH_PREFIX) {

@@ -31,7 +31,9 @@
 //! bit; keep it so (`tests/linear_batch_invariance.rs` checks it through `Weight::matmul`).
 
 use pagoda_tensor::quant::q8::Q8Rows;
-use pagoda_tensor::quant::repack::{dot_scalar, QuantWidth, RepackedRows, RowFactors};
+use pagoda_tensor::quant::repack::{dot_scalar, RepackedRows};
+#[cfg(target_arch = "x86_64")]
+use pagoda_tensor::quant::repack::{QuantWidth, RowFactors};
 
 /// An instruction set for the integer tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,6 +208,7 @@ pub fn tile<const R: usize, const T: usize>(
 }
 
 /// Cached [`IntIsa::is_supported`].
+#[cfg(target_arch = "x86_64")]
 fn supported(isa: IntIsa) -> bool {
     use std::sync::OnceLock;
     static VNNI: OnceLock<bool> = OnceLock::new();

@@ -9,7 +9,7 @@
 //! [`AMX_MIN_TOKENS`] tokens run on the AMX tiles ([`crate::linear::cpu::amx::matmul`], the same
 //! bits) where the CPU and OS allow it.
 
-use pagoda_tensor::quant::q8::{quantize_block, quantize_block_q15, Q8Rows, Q15_MAX, Q8_BLOCK};
+use pagoda_tensor::quant::q8::{quantize_block, quantize_block_q15, Q8Rows, Q8_BLOCK};
 use pagoda_tensor::quant::repack::RepackedRows;
 use rayon::prelude::*;
 
@@ -196,7 +196,11 @@ unsafe fn quantize_slice_avx2<const Q15: bool>(
     let blocks = x.len() / Q8_BLOCK;
     assert!(qs.len() == x.len() && scales.len() == blocks && sums.len() == blocks);
     assert!(!Q15 || lo.len() == x.len());
-    let limit = if Q15 { Q15_MAX as f32 } else { 127.0 };
+    let limit = if Q15 {
+        pagoda_tensor::quant::q8::Q15_MAX as f32
+    } else {
+        127.0
+    };
     let sign = _mm256_set1_ps(-0.0);
     let (low, high) = (_mm256_set1_ps(-limit), _mm256_set1_ps(limit));
     // i32 -> i16 -> i8 packs work per 128-bit lane; this restores the value order.
@@ -400,7 +404,8 @@ pub fn with_scratch<R>(f: impl FnOnce(&mut Q8Rows) -> R) -> R {
     result
 }
 
-#[cfg(test)]
+// Tests of the AVX2 quantizer only.
+#[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
     use super::*;
 

@@ -36,7 +36,6 @@
 use pagoda_tensor::quant::q8::Q8Rows;
 
 use crate::linear::cpu::tasks::Columns;
-use pagoda_tensor::quant::repack::SUPER_BLOCKS;
 use rayon::prelude::*;
 
 mod layout;
@@ -54,17 +53,23 @@ pub use width::{
 pub const GROUP: usize = 8;
 
 /// The factor layouts of a record, the kernels' `FACTORS` parameter: f32 scales and mins.
+#[cfg(target_arch = "x86_64")]
 pub(crate) const F32_FACTORS: u8 = 0;
 /// f16 scales and mins.
+#[cfg(target_arch = "x86_64")]
 pub(crate) const HALF_FACTORS: u8 = 1;
 /// f16 scales and the sub-scales (Q6_K, Q3_K).
+#[cfg(target_arch = "x86_64")]
 pub(crate) const SUB_FACTORS: u8 = 2;
 /// The K-quants' stored factors (bytes in the record, `d`/`dmin` per super-block apart).
+#[cfg(target_arch = "x86_64")]
 pub(crate) const KQUANT_FACTORS: u8 = 3;
 /// f16 scales and mins, sub-scales and sub-mins (Q2_K).
+#[cfg(target_arch = "x86_64")]
 pub(crate) const SUBMIN_FACTORS: u8 = 4;
 
 /// `$kernel::<NIBBLE, FACTORS, Q15, PLANES>` for `$weights`' layout and `$q15`.
+#[cfg(target_arch = "x86_64")]
 macro_rules! for_layout {
     ($($kernel:ident)::+, $weights:expr, $q15:expr) => {
         for_layout!(@with [] $($kernel)::+, $weights, $q15)
@@ -160,12 +165,7 @@ pub fn matmul(weights: &Interleaved, activations: &Q8Rows, y: &mut [f32]) {
     crate::linear::cpu::tasks::by_row_tasks_in_place(rows, tokens, 2 * GROUP, y, |range, out| {
         if wide && range.len() == 2 * GROUP {
             let group = range.start / GROUP;
-            if weights.planes > 0 {
-                let bytes = weights.groups_as_bytes(group, 2);
-                pair_tile_dots(&bytes, 0, activations, &starts, out, range.start);
-            } else {
-                pair_tile_dots(weights, group, activations, &starts, out, range.start);
-            }
+            pair_tile_dots(weights, group, activations, &starts, out, range.start);
             return;
         }
         for index in 0..range.len().div_ceil(GROUP) {
@@ -185,6 +185,12 @@ fn pair_tile_dots(
     out: &mut Columns,
     col: usize,
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if weights.planes > 0 {
+        // The planes unpacked once for all the tokens, not once per tile.
+        let bytes = weights.groups_as_bytes(group, 2);
+        return pair_tile_dots(&bytes, 0, activations, starts, out, col);
+    }
     let tokens = activations.num_rows();
     let mut t = 0;
     while t < tokens {

@@ -5,11 +5,18 @@
 //! where [`super::detect::is_available`] holds, and it checks every slice against the configured tile shape
 //! before an instruction touches memory, so its methods are safe to call.
 
-use super::kernel::{self, Activations};
-use super::tiles::{span, CTile, TileConfig, TileUnit, SLOTS, TILE_A, TILE_B, TILE_C};
+use super::kernel::Activations;
+use super::tiles::{CTile, TileConfig, TileUnit};
+#[cfg(target_arch = "x86_64")]
+use super::{
+    kernel,
+    tiles::{span, SLOTS, TILE_A, TILE_B, TILE_C},
+};
 use crate::linear::cpu::interleaved::Interleaved;
 
 /// The hardware tile unit; exists only where [`super::detect::is_available`] is true.
+// Off x86-64 the unit is never built (`new` gives `None`): its state goes unread.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub struct HardwareTiles {
     config: Option<TileConfig>,
 }
@@ -21,6 +28,7 @@ impl HardwareTiles {
     }
 
     /// The configuration [`TileUnit::configure`] validated (every slot's dot shapes).
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn configured(&self) -> &TileConfig {
         self.config
@@ -29,6 +37,7 @@ impl HardwareTiles {
     }
 
     /// Bytes a load of tile `tile` reads at `stride` (its shape was validated at configure).
+    #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     fn load_span(&self, tile: usize, stride: usize) -> usize {
         let config = self.configured();
@@ -175,7 +184,7 @@ impl Drop for HardwareTiles {
     }
 }
 
-/// [`kernel::row_chunk`] on the hardware tiles, its f32 combine compiled with AVX-512 (present
+/// [`super::kernel::row_chunk`] on the hardware tiles, its f32 combine compiled with AVX-512 (present
 /// wherever AMX is). Panics if AMX is unavailable (the caller checks).
 pub fn row_chunk(weights: &Interleaved, activations: &Activations, chunk: usize, out: &mut [f32]) {
     let mut unit = HardwareTiles::new().expect("AMX-INT8 availability checked by the caller");

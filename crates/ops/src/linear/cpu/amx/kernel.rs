@@ -390,6 +390,11 @@ fn issue<U: TileUnit>(
 /// Block `block`'s f32 step on the tile dot `c` (Q15: `c` of the `hi` plane and `lo` of the
 /// `lo` plane), on the AVX-512 combine where the unit runs on such a CPU.
 #[inline(always)]
+// `U` picks the x86 combine only.
+#[cfg_attr(
+    not(target_arch = "x86_64"),
+    allow(clippy::extra_unused_type_parameters)
+)]
 fn step<U: TileUnit>(
     acc: &mut [[f32; TILE_ROWS]; TILE_TOKENS],
     c: &CTile,
@@ -429,6 +434,7 @@ struct Step<'a> {
     min: &'a [f32; TILE_ROWS],
     /// Whether any start is non-zero (adding a zero start is exact, so skipping it keeps the
     /// bits).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     starts: bool,
     /// The tokens' scales, sums and integer starts.
     da: &'a [f32; TILE_TOKENS],

@@ -5,9 +5,9 @@ use pagoda_tensor::quant::blocks::f16_bits_to_f32;
 use pagoda_tensor::quant::repack::{QuantWidth, RepackedRows, RowFactors, SUPER_BLOCKS};
 use rayon::prelude::*;
 
-use super::{
-    planes, F32_FACTORS, GROUP, HALF_FACTORS, KQUANT_FACTORS, SUBMIN_FACTORS, SUB_FACTORS,
-};
+use super::{planes, GROUP};
+#[cfg(target_arch = "x86_64")]
+use super::{F32_FACTORS, HALF_FACTORS, KQUANT_FACTORS, SUBMIN_FACTORS, SUB_FACTORS};
 
 /// Weights in the row-interleaved layout (see the module docs).
 #[derive(Debug, Clone)]
@@ -281,6 +281,7 @@ impl Interleaved {
     }
 
     /// The record's factor layout (`F32_FACTORS`, ...).
+    #[cfg(target_arch = "x86_64")]
     pub(super) fn factor_layout(&self) -> u8 {
         match (self.kquant, self.sub, self.half) {
             _ if self.submin => SUBMIN_FACTORS,
@@ -377,6 +378,7 @@ impl Interleaved {
     /// its factor bytes, and for K-quants its super-block's `d` and `dmin` ([`SUPER_BYTES`];
     /// empty otherwise): what [`Interleaved::block_factors`] decodes, for vector decoders.
     #[inline]
+    #[cfg(target_arch = "x86_64")]
     pub(crate) fn block_factor_bytes(&self, group: usize, block: usize) -> (u8, &[u8], &[u8]) {
         let factors = &self.record(group, block)[self.weight_bytes()..];
         let supers = if self.kquant {

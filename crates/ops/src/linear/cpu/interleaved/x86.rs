@@ -1,6 +1,7 @@
 //! The AVX-512 VNNI kernels of the interleaved set (the 8-row group tiles); see [`super`].
 
 use super::*;
+use pagoda_tensor::quant::repack::SUPER_BLOCKS;
 use std::arch::x86_64::*;
 
 /// The dots of group `group` with every token, token `t`'s first `lanes` at `out`'s

@@ -31,6 +31,11 @@ impl ApiError {
         }
     }
 
+    /// A 400 `invalid_request_error` about the request field `field`.
+    pub fn invalid_field(field: &str, message: impl Into<String>) -> ApiError {
+        ApiError::invalid(message, Some(field))
+    }
+
     /// A 401 for a missing or wrong API key.
     pub fn unauthorized(message: impl Into<String>) -> ApiError {
         ApiError {

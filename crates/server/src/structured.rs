@@ -53,15 +53,11 @@ pub fn parse(object: &Map<String, Value>) -> Result<Option<(GrammarSpec, &'stati
     Ok(found)
 }
 
-fn invalid(field: &str, message: impl Into<String>) -> ApiError {
-    ApiError::invalid(message.into(), Some(field))
-}
-
 /// A non-empty string field's text.
 fn text(field: &str, value: &Value) -> Result<String, ApiError> {
     match value.as_str() {
         Some(text) if !text.is_empty() => Ok(text.to_owned()),
-        _ => Err(invalid(
+        _ => Err(ApiError::invalid_field(
             field,
             format!("`{field}` must be a non-empty string"),
         )),
@@ -72,9 +68,10 @@ fn text(field: &str, value: &Value) -> Result<String, ApiError> {
 fn schema(field: &str, value: &Value) -> Result<Value, ApiError> {
     match value {
         Value::Object(_) | Value::Bool(_) => Ok(value.clone()),
-        Value::String(text) => serde_json::from_str(text)
-            .map_err(|e| invalid(field, format!("`{field}` is not valid JSON: {e}"))),
-        _ => Err(invalid(
+        Value::String(text) => serde_json::from_str(text).map_err(|e| {
+            ApiError::invalid_field(field, format!("`{field}` is not valid JSON: {e}"))
+        }),
+        _ => Err(ApiError::invalid_field(
             field,
             format!("`{field}` must be a JSON schema object"),
         )),
@@ -86,7 +83,7 @@ fn choices(field: &str, value: &Value) -> Result<Vec<String>, ApiError> {
         .as_array()
         .filter(|items| !items.is_empty())
         .ok_or_else(|| {
-            invalid(
+            ApiError::invalid_field(
                 field,
                 format!("`{field}` must be a non-empty array of strings"),
             )
@@ -94,9 +91,9 @@ fn choices(field: &str, value: &Value) -> Result<Vec<String>, ApiError> {
     items
         .iter()
         .map(|item| {
-            item.as_str()
-                .map(str::to_owned)
-                .ok_or_else(|| invalid(field, format!("`{field}` must hold strings only")))
+            item.as_str().map(str::to_owned).ok_or_else(|| {
+                ApiError::invalid_field(field, format!("`{field}` must hold strings only"))
+            })
         })
         .collect()
 }
@@ -119,23 +116,23 @@ fn response_format(value: &Value) -> Result<Option<GrammarSpec>, ApiError> {
     let kind = value
         .get("type")
         .and_then(Value::as_str)
-        .ok_or_else(|| invalid(FIELD, "`response_format` needs a `type`"))?;
+        .ok_or_else(|| ApiError::invalid_field(FIELD, "`response_format` needs a `type`"))?;
     match kind {
         "text" => Ok(None),
         "json_object" => Ok(Some(GrammarSpec::JsonObject)),
         "json_schema" => {
             let described = value.get("json_schema").ok_or_else(|| {
-                invalid(
+                ApiError::invalid_field(
                     FIELD,
                     "`response_format` of type `json_schema` needs a `json_schema` object",
                 )
             })?;
             let schema_value = described.get("schema").ok_or_else(|| {
-                invalid(FIELD, "`response_format.json_schema` needs a `schema`")
+                ApiError::invalid_field(FIELD, "`response_format.json_schema` needs a `schema`")
             })?;
             Ok(Some(GrammarSpec::JsonSchema(schema(FIELD, schema_value)?)))
         }
-        other => Err(invalid(
+        other => Err(ApiError::invalid_field(
             FIELD,
             format!(
                 "`response_format.type` must be `text`, `json_object` or `json_schema`, got `{other}`"
@@ -149,7 +146,7 @@ fn structured_outputs(value: &Value) -> Result<Option<GrammarSpec>, ApiError> {
     const FIELD: &str = "structured_outputs";
     let object = value
         .as_object()
-        .ok_or_else(|| invalid(FIELD, "`structured_outputs` must be an object"))?;
+        .ok_or_else(|| ApiError::invalid_field(FIELD, "`structured_outputs` must be an object"))?;
     let mut specs = Vec::new();
     for (key, item) in object.iter().filter(|(_, v)| !v.is_null()) {
         let spec = match key.as_str() {
@@ -160,7 +157,7 @@ fn structured_outputs(value: &Value) -> Result<Option<GrammarSpec>, ApiError> {
             "json_object" if item.as_bool() == Some(true) => GrammarSpec::JsonObject,
             "json_object" => continue,
             other => {
-                return Err(invalid(
+                return Err(ApiError::invalid_field(
                     FIELD,
                     format!(
                         "`structured_outputs.{other}` is not supported (json, regex, choice, grammar, json_object)"
@@ -173,7 +170,7 @@ fn structured_outputs(value: &Value) -> Result<Option<GrammarSpec>, ApiError> {
     match specs.len() {
         0 => Ok(None),
         1 => Ok(specs.pop()),
-        _ => Err(invalid(
+        _ => Err(ApiError::invalid_field(
             FIELD,
             "`structured_outputs` must set one of json, regex, choice, grammar",
         )),

@@ -118,17 +118,18 @@ pub struct Tools {
     pub parallel: bool,
 }
 
-fn invalid(field: &str, message: impl Into<String>) -> ApiError {
-    ApiError::invalid(message.into(), Some(field))
-}
-
 /// The request's tools: `None` when it sends none (or an empty list); a 400 naming the
 /// field for a malformed tool, an unknown `tool_choice`, or a choice without tools.
 pub fn parse(object: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
     let list = match object.get("tools") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(items)) => items.clone(),
-        Some(_) => return Err(invalid("tools", "`tools` must be an array of tools")),
+        Some(_) => {
+            return Err(ApiError::invalid_field(
+                "tools",
+                "`tools` must be an array of tools",
+            ))
+        }
     };
     let functions = list
         .iter()
@@ -137,7 +138,7 @@ pub fn parse(object: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
         .collect::<Result<Vec<_>, _>>()?;
     for (index, function) in functions.iter().enumerate() {
         if functions[..index].iter().any(|f| f.name == function.name) {
-            return Err(invalid(
+            return Err(ApiError::invalid_field(
                 "tools",
                 format!(
                     "tools[{index}]: the function name `{}` is given twice",
@@ -151,7 +152,7 @@ pub fn parse(object: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
         None | Some(Value::Null) => true,
         Some(Value::Bool(parallel)) => *parallel,
         Some(_) => {
-            return Err(invalid(
+            return Err(ApiError::invalid_field(
                 "parallel_tool_calls",
                 "`parallel_tool_calls` must be a boolean",
             ))
@@ -160,7 +161,7 @@ pub fn parse(object: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
     if functions.is_empty() {
         return match choice {
             ToolChoice::None | ToolChoice::Auto => Ok(None),
-            _ => Err(invalid(
+            _ => Err(ApiError::invalid_field(
                 "tool_choice",
                 "`tool_choice` asks for a tool call, but `tools` is empty; send the tools",
             )),
@@ -177,7 +178,7 @@ pub fn parse(object: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
 /// `tools[index]`: `{"type": "function", "function": {"name", "description"?,
 /// "parameters"?}}`.
 fn function(index: usize, tool: &Value) -> Result<Function, ApiError> {
-    let at = |message: &str| invalid("tools", format!("tools[{index}]: {message}"));
+    let at = |message: &str| ApiError::invalid_field("tools", format!("tools[{index}]: {message}"));
     let kind = tool.get("type").and_then(Value::as_str);
     if kind != Some("function") {
         return Err(at("only tools of `type: \"function\"` are supported"));
@@ -220,7 +221,7 @@ fn parse_choice(value: Option<&Value>, functions: &[Function]) -> Result<ToolCho
         if functions.iter().any(|f| f.name == name) {
             Ok(ToolChoice::Named(name.to_owned()))
         } else {
-            Err(invalid(
+            Err(ApiError::invalid_field(
                 FIELD,
                 format!("`tool_choice` names the function `{name}`, which is not in `tools`"),
             ))
@@ -232,7 +233,7 @@ fn parse_choice(value: Option<&Value>, functions: &[Function]) -> Result<ToolCho
             "none" => Ok(ToolChoice::None),
             "auto" => Ok(ToolChoice::Auto),
             "required" => Ok(ToolChoice::Required),
-            other => Err(invalid(
+            other => Err(ApiError::invalid_field(
                 FIELD,
                 format!(
                     "`tool_choice` must be \"none\", \"auto\", \"required\" or \
@@ -246,7 +247,7 @@ fn parse_choice(value: Option<&Value>, functions: &[Function]) -> Result<ToolCho
                 .and_then(|f| f.get("name"))
                 .and_then(Value::as_str)
                 .ok_or_else(|| {
-                    invalid(
+                    ApiError::invalid_field(
                         FIELD,
                         "`tool_choice` as an object must be {\"type\": \"function\", \
                          \"function\": {\"name\": ...}}",
@@ -254,7 +255,7 @@ fn parse_choice(value: Option<&Value>, functions: &[Function]) -> Result<ToolCho
                 })?;
             named(name)
         }
-        Some(_) => Err(invalid(
+        Some(_) => Err(ApiError::invalid_field(
             FIELD,
             "`tool_choice` must be a string or an object",
         )),

@@ -1,17 +1,34 @@
 #!/usr/bin/env python3
-"""Plot decode tok/s from `pagoda bench --json` output, as SVG.
+"""Plot the `--json` output of pagoda's benches as SVG.
 
     pagoda bench --json -p 0 -n 64 -b 1,2,4,8 -d 0,512 > decode.json
     python3 scripts/plot-bench.py decode.json -o decode.svg                 # tok/s against batch
     python3 scripts/plot-bench.py decode.json --x depth -o depth.svg        # tok/s against context
     python3 scripts/plot-bench.py a.json b.json --label before --label after -o ab.svg
 
-One line per input file and per value of the other axis (context depth when x is the batch,
-batch when x is the depth); each point is the median of the repetitions, with a bar from the
-slowest to the fastest. Only plain decode tests are drawn (`tgN[ @ dD][ xB]`); prefill,
-shared-prefix, top-p and verification tests are skipped. Needs matplotlib
-(`pip install matplotlib`). The SVG is written without a date, so a rerun on the same JSON
-gives the same file.
+    pagoda bench attention --json -b 1,4,16,64 -c 1024,4096,16384,32768 > attention.json
+    python3 scripts/plot-bench.py attention.json --peer $OUT/decode.json -o attention.svg
+
+    pagoda bench sampling --json > sampling.json          # CPU or --device cuda
+    python3 scripts/plot-bench.py sampling.json -o sampling.svg
+
+The kind of report is read from its JSON:
+- decode (`pagoda bench --json`): tok/s against batch (or context depth with `--x depth`), one
+  line per input file and per value of the other axis; each point is the median of the
+  repetitions, with a bar from the slowest to the fastest. Only plain decode tests are drawn
+  (`tgN[ @ dD][ xB]`); prefill, shared-prefix, top-p and verification tests are skipped.
+- attention (`pagoda bench attention --json`): GB/s of KV read against the KV cache's size,
+  one line per path and batch; `--peer` adds FlashInfer's decode wrappers from the GPU
+  anchor kit's `decode.json` (`../shared/anchors/gpu/bench_anchors.py decode`) as dashed
+  lines, and the copy rate when the kit measured it.
+- sampling, GPU (`pagoda bench sampling --device cuda --json`): microseconds per call against
+  batch, one panel per configuration, one line per vocabulary, with FlashInfer's number for the
+  same cell (the anchors the bench carries) dashed.
+- sampling, CPU (`pagoda bench sampling --json`): microseconds per draw against vocabulary,
+  one panel per configuration, the fused sampler and the reference.
+
+Needs matplotlib (`pip install matplotlib`). The SVG is written without a date, so a rerun
+on the same JSON gives the same file.
 """
 
 import argparse
@@ -20,6 +37,19 @@ import re
 import sys
 
 TEST = re.compile(r"^tg(?P<tokens>\d+)(?: @ d(?P<depth>\d+))?(?: x(?P<batch>\d+))?$")
+
+
+def kind_of(report):
+    """decode, attention, sampling-gpu or sampling-cpu, from the JSON's shape."""
+    if isinstance(report, dict) and "results" in report:
+        return "decode"
+    if isinstance(report, dict) and "cases" in report:
+        return "sampling-gpu"
+    if isinstance(report, list) and report and "paths" in report[0]:
+        return "attention"
+    if isinstance(report, list) and report and "fused" in report[0]:
+        return "sampling-cpu"
+    sys.exit("not a `pagoda bench [attention|sampling] --json` report (or an empty one)")
 
 
 def decode_points(report):
@@ -35,19 +65,32 @@ def decode_points(report):
     return points
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("inputs", nargs="+", help="`pagoda bench --json` output files")
-    parser.add_argument("-o", "--output", required=True, help="the SVG file to write")
-    parser.add_argument("--x", choices=["batch", "depth"], default="batch")
-    parser.add_argument("--label", action="append", default=[], help="a label per input")
-    parser.add_argument("--title", help="default: from the first report's model and device")
-    args = parser.parse_args()
-    if not args.output.endswith(".svg"):
-        sys.exit("--output: only SVG is written; give a file name ending in .svg")
-    if args.label and len(args.label) != len(args.inputs):
-        sys.exit("--label: give one per input file, or none")
+def attention_lines(report, label):
+    """{name: [(kv_mb, gb_per_s)]}: one line per path and batch of an attention report."""
+    lines = {}
+    for case in report:
+        for path in case["paths"]:
+            name = f"{path['path']}, B={case['batch']}" + (f", {label}" if label else "")
+            lines.setdefault(name, []).append((case["kv_mb"], path["gb_per_s"]))
+    return {name: sorted(points) for name, points in lines.items()}
 
+
+def peer_attention_lines(peer):
+    """FlashInfer's decode lines from the anchor kit's decode.json, and the copy rate."""
+    lines, copy = {}, None
+    for row in peer.get("rows", []):
+        if "B" not in row or "kv_bytes" not in row:
+            continue
+        for impl in ("fi_decode", "fi_decode_tc"):
+            if f"{impl}_GBps" in row:
+                name = f"FlashInfer {impl[3:]}, B={row['B']}"
+                lines.setdefault(name, []).append((row["kv_bytes"] / 1e6, row[f"{impl}_GBps"]))
+            if f"{impl}_frac_copy" in row and row[f"{impl}_frac_copy"]:
+                copy = row[f"{impl}_GBps"] / row[f"{impl}_frac_copy"]
+    return {name: sorted(points) for name, points in lines.items()}, copy
+
+
+def setup_matplotlib():
     import matplotlib
 
     matplotlib.use("svg")
@@ -55,13 +98,22 @@ def main():
     matplotlib.rcParams["svg.fonttype"] = "none"  # text as <text>: small, searchable files
     import matplotlib.pyplot as plt
 
-    reports = []
-    for path in args.inputs:
-        with open(path) as file:
-            reports.append(json.load(file))
-    labels = args.label or [""] * len(reports)
-    other = "depth" if args.x == "batch" else "batch"
+    return plt
 
+
+def log2_ticks(axes, xs):
+    xs = sorted(set(xs))
+    if 0 in xs:
+        positive = [x for x in xs if x > 0]
+        axes.set_xscale("symlog", base=2, linthresh=min(positive) if positive else 1)
+    else:
+        axes.set_xscale("log", base=2)
+    axes.set_xticks(xs)
+    axes.set_xticklabels([str(x) for x in xs])
+
+
+def plot_decode(plt, reports, labels, args):
+    other = "depth" if args.x == "batch" else "batch"
     figure, axes = plt.subplots(figsize=(8, 5))
     drawn = 0
     for report, label in zip(reports, labels):
@@ -72,8 +124,6 @@ def main():
                 for p in points
                 if (p[0] if other == "batch" else p[1]) == key
             )
-            if not line:
-                continue
             xs = [p[0] for p in line]
             medians = [p[1] for p in line]
             below = [p[1] - p[2] for p in line]
@@ -83,27 +133,155 @@ def main():
             drawn += 1
     if drawn == 0:
         sys.exit("no plain decode tests (tgN[ @ dD][ xB]) in the input")
-
     first = reports[0]
-    title = args.title or (
+    axes.set_title(args.title or (
         f"pagoda bench: decode tok/s against {args.x}, {first['model']} on {first['device']}"
-    )
-    axes.set_title(title, fontsize=11)
+    ), fontsize=11)
     axes.set_xlabel("sequences decoding together (batch)" if args.x == "batch" else
                     "tokens already in the KV cache (context depth)")
     axes.set_ylabel("decode tokens per second (median; bar: min to max)")
-    axes.set_xscale("log", base=2)
-    xs = sorted({p[0] if args.x == "batch" else p[1] for r in reports for p in decode_points(r)})
-    if 0 in xs:
-        axes.set_xscale("symlog", base=2, linthresh=max(1, min(x for x in xs if x > 0) if any(xs) else 1))
-    axes.set_xticks(xs)
-    axes.set_xticklabels([str(x) for x in xs])
+    log2_ticks(axes, [p[0] if args.x == "batch" else p[1]
+                      for r in reports for p in decode_points(r)])
     axes.set_ylim(bottom=0)
-    axes.grid(True, alpha=0.3)
-    axes.legend()
+    return figure, axes, drawn
+
+
+def plot_attention(plt, reports, labels, args):
+    figure, axes = plt.subplots(figsize=(9, 5.5))
+    drawn = 0
+    for report, label in zip(reports, labels):
+        for name, points in attention_lines(report, label).items():
+            axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+            drawn += 1
+    if args.peer:
+        with open(args.peer) as file:
+            lines, copy = peer_attention_lines(json.load(file))
+        for name, points in lines.items():
+            axes.plot([p[0] for p in points], [p[1] for p in points], marker="x",
+                      linestyle="--", label=name)
+            drawn += 1
+        if copy:
+            axes.axhline(copy, color="grey", linestyle=":", label=f"copy rate {copy:.0f} GB/s")
+    if drawn == 0:
+        sys.exit("no attention cases in the input")
+    axes.set_title(args.title or "decode attention: KV bytes read per second against KV size",
+                   fontsize=11)
+    axes.set_xlabel("KV cache read per call (MB)")
+    axes.set_ylabel("GB/s of KV (median of graph replays)")
+    axes.set_xscale("log")
+    axes.set_ylim(bottom=0)
+    return figure, axes, drawn
+
+
+def plot_sampling_gpu(plt, reports, labels, args):
+    cases = [(case, label) for report, label in zip(reports, labels) for case in report["cases"]]
+    configurations = sorted({(c["configuration"], c["filtered"]) for c, _ in cases})
+    if not configurations:
+        sys.exit("no sampling cases in the input")
+    columns = min(3, len(configurations))
+    rows = -(-len(configurations) // columns)
+    figure, grid = plt.subplots(rows, columns, figsize=(5 * columns, 3.8 * rows), squeeze=False)
+    drawn = 0
+    for index, (configuration, filtered) in enumerate(configurations):
+        axes = grid[index // columns][index % columns]
+        chosen = [(c, label) for c, label in cases
+                  if c["configuration"] == configuration and c["filtered"] == filtered]
+        for vocab in sorted({c["vocab"] for c, _ in chosen}):
+            for label in dict.fromkeys(label for _, label in chosen):
+                line = sorted((c["batch"], c["median_us"], c.get("anchor")) for c, lb in chosen
+                              if c["vocab"] == vocab and lb == label)
+                suffix = f", {label}" if label else ""
+                axes.plot([p[0] for p in line], [p[1] for p in line], marker="o",
+                          label=f"pagoda V={vocab}{suffix}")
+                drawn += 1
+                peer = [(p[0], p[2]["us"], p[2]["name"]) for p in line if p[2]]
+                if peer and label == labels[0]:  # the peer's number is the same in every file
+                    axes.plot([p[0] for p in peer], [p[1] for p in peer], marker="x",
+                              linestyle="--", label=f"{peer[0][2]} V={vocab}")
+        axes.set_title(configuration + (f" ({filtered})" if filtered != "-" else ""), fontsize=10)
+        axes.set_xlabel("rows sampled together (batch)")
+        axes.set_ylabel("us per call")
+        log2_ticks(axes, [c["batch"] for c, _ in chosen])
+        axes.set_ylim(bottom=0)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=7)
+    for index in range(len(configurations), rows * columns):
+        grid[index // columns][index % columns].axis("off")
+    figure.suptitle(args.title or f"GPU sampling, us per call, on {reports[0].get('device', '?')}",
+                    fontsize=11)
+    return figure, None, drawn
+
+
+def plot_sampling_cpu(plt, reports, labels, args):
+    cases = [(case, label) for report, label in zip(reports, labels) for case in report]
+    configurations = list(dict.fromkeys(c["configuration"] for c, _ in cases))
+    columns = min(3, len(configurations))
+    rows = -(-len(configurations) // columns)
+    figure, grid = plt.subplots(rows, columns, figsize=(5 * columns, 3.8 * rows), squeeze=False)
+    drawn = 0
+    for index, configuration in enumerate(configurations):
+        axes = grid[index // columns][index % columns]
+        for label in dict.fromkeys(label for _, label in cases):
+            line = sorted((c["vocab"], c["fused"]["median_us_per_draw"],
+                           c["reference"]["median_us_per_draw"]) for c, lb in cases
+                          if c["configuration"] == configuration and lb == label)
+            suffix = f", {label}" if label else ""
+            axes.plot([p[0] for p in line], [p[1] for p in line], marker="o",
+                      label="fused" + suffix)
+            axes.plot([p[0] for p in line], [p[2] for p in line], marker="x", linestyle="--",
+                      label="reference" + suffix)
+            drawn += 2
+        axes.set_title(configuration, fontsize=10)
+        axes.set_xlabel("vocabulary")
+        axes.set_ylabel("us per draw (median)")
+        axes.set_xscale("log")
+        axes.set_ylim(bottom=0)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=7)
+    for index in range(len(configurations), rows * columns):
+        grid[index // columns][index % columns].axis("off")
+    figure.suptitle(args.title or "CPU sampling, us per draw: fused sampler against the reference",
+                    fontsize=11)
+    return figure, None, drawn
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("inputs", nargs="+", help="`pagoda bench ... --json` output files")
+    parser.add_argument("-o", "--output", required=True, help="the SVG file to write")
+    parser.add_argument("--x", choices=["batch", "depth"], default="batch",
+                        help="decode reports: the x axis")
+    parser.add_argument("--label", action="append", default=[], help="a label per input")
+    parser.add_argument("--peer", help="attention reports: FlashInfer's decode.json (anchor kit)")
+    parser.add_argument("--title", help="default: from the report")
+    args = parser.parse_args()
+    if not args.output.endswith(".svg"):
+        sys.exit("--output: only SVG is written; give a file name ending in .svg")
+    if args.label and len(args.label) != len(args.inputs):
+        sys.exit("--label: give one per input file, or none")
+
+    reports = []
+    for path in args.inputs:
+        with open(path) as file:
+            reports.append(json.load(file))
+    kinds = {kind_of(report) for report in reports}
+    if len(kinds) != 1:
+        sys.exit(f"the inputs are reports of different kinds: {sorted(kinds)}")
+    kind = kinds.pop()
+    if args.peer and kind != "attention":
+        sys.exit("--peer goes with `pagoda bench attention --json` reports")
+    labels = args.label or [""] * len(reports)
+
+    plt = setup_matplotlib()
+    draw = {"decode": plot_decode, "attention": plot_attention,
+            "sampling-gpu": plot_sampling_gpu, "sampling-cpu": plot_sampling_cpu}[kind]
+    figure, axes, drawn = draw(plt, reports, labels, args)
+    if axes is not None:
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(args.output, metadata={"Date": None})
-    print(f"wrote {args.output}: {drawn} line(s)")
+    print(f"wrote {args.output}: {kind}, {drawn} line(s)")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,21 @@ fn logits(
 }
 
 fn check(source: ModelSource, oracle_dir: &str, tolerance: f32) {
+    let runs = [
+        (false, AttentionPath::Gather),
+        (true, AttentionPath::SplitKv),
+        (true, AttentionPath::Gather),
+    ];
+    check_runs(source, oracle_dir, tolerance, &runs);
+}
+
+/// [`check`] over the given (token by token, attention path) runs.
+fn check_runs(
+    source: ModelSource,
+    oracle_dir: &str,
+    tolerance: f32,
+    runs: &[(bool, AttentionPath)],
+) {
     let loaded = load_model(
         &source,
         LoadOptions::cpu(WeightPrecision::AsStored),
@@ -116,11 +131,7 @@ fn check(source: ModelSource, oracle_dir: &str, tolerance: f32) {
     let (sequences, expected) = expected(oracle_dir);
     let mut worst = 0f32;
     for (tokens, expected) in sequences.iter().zip(&expected) {
-        for (one_at_a_time, path) in [
-            (false, AttentionPath::Gather),
-            (true, AttentionPath::SplitKv),
-            (true, AttentionPath::Gather),
-        ] {
+        for &(one_at_a_time, path) in runs {
             let got = logits(loaded.model.as_cpu().unwrap(), tokens, one_at_a_time, path);
             assert_eq!(got.len(), expected.len());
             for (position, (g, e)) in got.iter().zip(expected).enumerate() {
@@ -228,6 +239,35 @@ fn tiny_qwen3_moe_gguf_stacked_experts_match_oracle() {
         "tiny-qwen3-moe-gguf",
         1e-4,
     );
+}
+
+/// Latent attention has one path (absorbed, over the latent cache): a prefill in one pass
+/// and token by token.
+const MLA_RUNS: [(bool, AttentionPath); 2] = [
+    (false, AttentionPath::Gather),
+    (true, AttentionPath::Gather),
+];
+
+#[test]
+fn tiny_deepseek_v2_matches_oracle_from_safetensors_and_gguf() {
+    // No query compression, softmax group-limited routing, shared expert, YaRN.
+    for source in [
+        ModelSource::HfDir(fixture("tiny-deepseek-v2")),
+        ModelSource::Gguf(fixture("tiny-deepseek-v2/model.gguf")),
+    ] {
+        check_runs(source, "tiny-deepseek-v2", 1e-4, &MLA_RUNS);
+    }
+}
+
+#[test]
+fn tiny_deepseek_v3_matches_oracle_from_safetensors_and_gguf() {
+    // q_lora, sigmoid routing with the selection bias and top-two group scores.
+    for source in [
+        ModelSource::HfDir(fixture("tiny-deepseek-v3")),
+        ModelSource::Gguf(fixture("tiny-deepseek-v3/model.gguf")),
+    ] {
+        check_runs(source, "tiny-deepseek-v3", 1e-4, &MLA_RUNS);
+    }
 }
 
 #[test]

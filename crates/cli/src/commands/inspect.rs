@@ -184,7 +184,9 @@ pub fn run(args: InspectArgs) -> Result<()> {
         mib(gpu_bytes),
         mib(parameters * 2)
     );
-    let kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4;
+    // A latent cache (DeepSeek) stores one row per token and layer, no separate V.
+    let sides = if config.mla.is_some() { 1 } else { 2 };
+    let kv_per_token = sides * config.num_layers * config.num_kv_heads * config.head_dim * 4;
     say!(
         "KV cache (f32): {} bytes per token, {:.1} MiB for a context of {}",
         kv_per_token,

@@ -58,7 +58,8 @@ pub use pagoda_tensor::DType;
 
 /// Why the CUDA model declines a mixture-of-experts model: its expert steps (a grouped GEMM
 /// over per-expert token lists) are not written yet.
-pub const MOE_ON_CPU_ONLY: &str = "MoE models run on the CPU for now (use --device cpu)";
+pub const MOE_ON_CPU_ONLY: &str =
+    "MoE models run on the CPU for now, DeepSeek's latent attention too (use --device cpu)";
 
 /// Sizes of the KV pool and the step buffers ([`StepBuffers::new`]).
 #[derive(Debug, Clone, Copy)]

@@ -29,6 +29,7 @@ fn tiny_config() -> ModelConfig {
         max_position_embeddings: 4096,
         tie_word_embeddings: false,
         moe: None,
+        mla: None,
     }
 }
 

@@ -186,6 +186,10 @@ impl Runner {
         static LOGGED: std::sync::Once = std::sync::Once::new();
         LOGGED.call_once(|| {
             let mib = self.kv_bytes() as f64 / (1u64 << 20) as f64;
+            let types = match self.config().mla {
+                Some(_) => format!("latent {}", types.k),
+                None => types.to_string(),
+            };
             tracing::info!("KV cache: {types} ({mib:.1} MiB, {pages} pages of {page_size} tokens)")
         });
     }

@@ -272,21 +272,24 @@ fn tiny_deepseek_v3_matches_oracle_from_safetensors_and_gguf() {
 
 #[test]
 fn moe_models_on_cuda_are_declined_in_one_line() {
-    let config = pagoda_models::random::preset("qwen3-moe-tiny").unwrap();
-    let weights = pagoda_models::random::RandomWeights::new(&config, 1, 1 << 30).unwrap();
-    let options = LoadOptions {
-        precision: WeightPrecision::AsStored,
-        device: pagoda_engine::Device::Cuda {
-            dtype: pagoda_models::llama_cuda::DType::BF16,
-        },
-    };
-    let Err(error) = pagoda_engine::load_backend(config, &weights, options, &mut |_, _| {}) else {
-        panic!("a MoE model loaded on CUDA");
-    };
-    let message = error.to_string();
-    assert!(
-        message.contains("MoE models run on the CPU for now"),
-        "{message}"
-    );
-    assert!(!message.contains('\n'), "{message}");
+    for preset in ["qwen3-moe-tiny", "deepseek-v3-tiny"] {
+        let config = pagoda_models::random::preset(preset).unwrap();
+        let weights = pagoda_models::random::RandomWeights::new(&config, 1, 1 << 30).unwrap();
+        let options = LoadOptions {
+            precision: WeightPrecision::AsStored,
+            device: pagoda_engine::Device::Cuda {
+                dtype: pagoda_models::llama_cuda::DType::BF16,
+            },
+        };
+        let Err(error) = pagoda_engine::load_backend(config, &weights, options, &mut |_, _| {})
+        else {
+            panic!("{preset} loaded on CUDA");
+        };
+        let message = error.to_string();
+        assert!(
+            message.contains("MoE models run on the CPU for now"),
+            "{message}"
+        );
+        assert!(!message.contains('\n'), "{message}");
+    }
 }

@@ -95,6 +95,9 @@ pub(super) fn deepseek_config(fields: &Fields<'_>, path: &Path) -> Result<ModelC
             .filter(|&layer| layer < first_dense || !layer.is_multiple_of(layer_freq))
             .collect(),
         scoring,
+        // Applied after any renormalisation, as V3's gate and llama.cpp do. V2's remote code
+        // skips it when it renormalises; no released V2 config combines the two
+        // (`norm_topk_prob: false` throughout).
         routed_scaling_factor: fields.f32("routed_scaling_factor")?.unwrap_or(1.0),
         group_limit,
         selection_bias,

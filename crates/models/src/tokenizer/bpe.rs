@@ -55,6 +55,28 @@ pub const SUPPORTED_PRE_TOKENIZERS: &[&str] = &[
     "deepseek-r1-qwen",
     "stablelm2",
     "megrez",
+    "deepseek-llm",
+    "deepseek-v3",
+];
+
+/// llama.cpp's `deepseek-llm` pre-tokenizer (DeepSeek LLM, V2, V2-Lite): newlines apart,
+/// runs of Latin/Greek/Cyrillic/... letters and of ASCII/full-width punctuation (each with one
+/// leading space), trailing whitespace, CJK runs, digit runs.
+const DEEPSEEK_LLM_REGEXES: [&str; 6] = [
+    "[\r\n]",
+    "\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+",
+    "\\s?[!-/:-~！-／：-～‘-‟　-。]+",
+    "\\s+$",
+    "[一-龥ࠀ-一가-퟿]+",
+    "\\p{N}+",
+];
+
+/// llama.cpp's `deepseek-v3` pre-tokenizer (DeepSeek-V3, R1): digits in threes, CJK kana
+/// runs, then a GPT-4-like split over letters, marks, punctuation and symbols.
+const DEEPSEEK_V3_REGEXES: [&str; 3] = [
+    "\\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
 ];
 
 /// The regex list and `ignore_merges` flag llama.cpp uses for pre-tokenizer `pre`.
@@ -80,6 +102,8 @@ pub(crate) fn pre_tokenizer_regexes(
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" => (vec![LLAMA3_REGEX], true),
         "dbrx" | "smaug-bpe" => (vec![LLAMA3_REGEX], false),
         "qwen2" | "deepseek-r1-qwen" | "stablelm2" | "megrez" => (vec![QWEN2_REGEX], false),
+        "deepseek-llm" => (DEEPSEEK_LLM_REGEXES.to_vec(), false),
+        "deepseek-v3" => (DEEPSEEK_V3_REGEXES.to_vec(), false),
         other => {
             return Err(TokenizerError::Unsupported(format!(
                 "pre-tokenizer `tokenizer.ggml.pre` = {other:?}; supported: {}",

@@ -163,3 +163,55 @@ fn a_latent_cache_with_other_geometry_is_refused() {
     let error = mla_attention(&kv, &[], &[0], HEADS, LATENT, 1.0, &mut []).unwrap_err();
     assert!(error.to_string().contains("one head"), "{error}");
 }
+
+#[test]
+fn an_f16_latent_pool_attends_like_the_f32_one_to_its_rounding() {
+    let mut rng = ChaCha8Rng::seed_from_u64(37);
+    let (page_size, num_pages, len) = (4, 4, 11);
+    let layout = KvLayout {
+        num_pages,
+        page_size,
+        num_kv_heads: 1,
+        head_dim: ROW,
+    };
+    let pages = [PageId(3), PageId(1), PageId(0)];
+    let slots: Vec<Slot> = (0..len)
+        .map(|t| Slot {
+            page: pages[t / page_size],
+            offset: (t % page_size) as u32,
+        })
+        .collect();
+    let rows = random(len * ROW, &mut rng);
+    let table = PageTable::build(
+        &[PageTableRequest {
+            pages: &pages,
+            num_tokens: len,
+            logical_start: 0,
+        }],
+        num_pages,
+        page_size,
+    )
+    .unwrap();
+    let q = random(HEADS * ROW, &mut rng);
+    let mut outputs = Vec::new();
+    for kv_type in [KvType::F32, KvType::F16] {
+        let mut pool = KvPool::zeros(kv_type, layout.pool_len());
+        append_latent(&mut pool, &layout, &slots, &rows).unwrap();
+        let kv = LatentKv {
+            pool: pool.as_slice(),
+            layout,
+            page_table: &table,
+        };
+        let mut out = vec![0f32; HEADS * LATENT];
+        mla_attention(&kv, &q, &[0, 1], HEADS, LATENT, 0.2, &mut out).unwrap();
+        outputs.push(out);
+    }
+    let worst = outputs[0]
+        .iter()
+        .zip(&outputs[1])
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    // f16 keeps 11 bits: values in [-1, 1) move by at most 2^-11.
+    assert!(worst < 4e-3, "f16 latent pool off by {worst}");
+    assert!(worst > 0.0, "the f16 pool did not round anything");
+}

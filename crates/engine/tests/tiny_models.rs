@@ -250,10 +250,13 @@ const MLA_RUNS: [(bool, AttentionPath); 2] = [
 
 #[test]
 fn tiny_deepseek_v2_matches_oracle_from_safetensors_and_gguf() {
-    // No query compression, softmax group-limited routing, shared expert, YaRN.
+    // No query compression, softmax group-limited routing, shared expert, YaRN; the GGUF in
+    // llama.cpp's layouts after (split attn_k_b/attn_v_b) and before (joint attn_kv_b) its
+    // MLA change.
     for source in [
         ModelSource::HfDir(fixture("tiny-deepseek-v2")),
         ModelSource::Gguf(fixture("tiny-deepseek-v2/model.gguf")),
+        ModelSource::Gguf(fixture("tiny-deepseek-v2/model-kv-b.gguf")),
     ] {
         check_runs(source, "tiny-deepseek-v2", 1e-4, &MLA_RUNS);
     }

@@ -63,10 +63,14 @@ fn deepseek_v2_lite_config_is_the_preset() {
 
 #[test]
 fn the_tiny_fixtures_read_the_same_from_config_json_and_gguf() {
-    for name in ["tiny-deepseek-v2", "tiny-deepseek-v3"] {
+    for (name, gguf) in [
+        ("tiny-deepseek-v2", "model.gguf"),
+        ("tiny-deepseek-v2", "model-kv-b.gguf"),
+        ("tiny-deepseek-v3", "model.gguf"),
+    ] {
         let json = std::fs::read_to_string(fixture(&format!("{name}/config.json"))).unwrap();
         let hf = config_from_hf_json(&json).unwrap();
-        let file = GgufFile::open(fixture(&format!("{name}/model.gguf"))).unwrap();
+        let file = GgufFile::open(fixture(&format!("{name}/{gguf}"))).unwrap();
         let gguf = config_from_gguf(&file).unwrap();
         // llama.cpp stores `0.1 * mscale_all_dim`; compare YaRN to f32 rounding, the rest
         // exactly.

@@ -156,11 +156,18 @@ impl Default for MoeConfig {
 /// `s <= 1`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct YarnScaling {
+    /// Context extension factor (`factor`; 40 in V2/V3).
     pub factor: f32,
+    /// The context the model was trained on before the extension.
     pub original_max_position_embeddings: u32,
+    /// Rotations bounding the ramp at the high-frequency end (32).
     pub beta_fast: f32,
+    /// Rotations bounding the ramp at the low-frequency end (1).
     pub beta_slow: f32,
+    /// The rotation's magnitude coefficient (`mscale`).
     pub mscale: f32,
+    /// The softmax scale's coefficient, also dividing the rotation's (`mscale_all_dim`; 0
+    /// leaves both alone).
     pub mscale_all_dim: f32,
 }
 
@@ -206,10 +213,15 @@ impl YarnScaling {
 /// through a `q_lora_rank` bottleneck with its own RMSNorm.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MlaConfig {
+    /// The query bottleneck's width; `None` projects the query directly (V2-Lite).
     pub q_lora_rank: Option<usize>,
+    /// The cached latent's width (512 in V2/V3).
     pub kv_lora_rank: usize,
+    /// Each head's key/query part without RoPE (128).
     pub qk_nope_head_dim: usize,
+    /// The rotated part, shared by every head's key (64).
     pub qk_rope_head_dim: usize,
+    /// Each head's value width (128).
     pub v_head_dim: usize,
     /// YaRN scaling of the RoPE part, if any.
     pub yarn: Option<YarnScaling>,

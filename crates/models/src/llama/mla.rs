@@ -2,14 +2,15 @@
 //! latent down-projection with its norm, the key/value up-projections cut per head for the
 //! absorbed form, and the output projection.
 //!
-//! The up-projections are held in f32 per head (whatever the file stores): `k_up_t[h]`
-//! `[kv_lora_rank, qk_nope_head_dim]` absorbs a query head into latent space
-//! (`q_latent = W_UK_h^T q_nope`), `v_up[h]` `[v_head_dim, kv_lora_rank]` takes a head's
-//! latent output to its value space. GGUF's split `attn_k_b` is already `W_UK_h^T`; HF's
-//! joint `kv_b_proj` is transposed here, once.
+//! The up-projections are held per head: `k_up_t[h]` `[kv_lora_rank, qk_nope_head_dim]`
+//! absorbs a query head into latent space (`q_latent = W_UK_h^T q_nope`), `v_up[h]`
+//! `[v_head_dim, kv_lora_rank]` takes a head's latent output to its value space. GGUF's split
+//! `attn_k_b` is already `W_UK_h^T` and stays in its stored format; HF's (and older GGUF
+//! files') joint `kv_b_proj` is decoded to f32 and transposed here, once.
 
 use pagoda_ops::linear::Weight;
 
+use super::moe::load_stacked;
 use super::{fetch, load_matrix, load_vector, WeightPrecision};
 use crate::config::ModelConfig;
 use crate::weight_plan::{KvUpPlan, MlaPlan, MlaQueryPlan, TensorSpec};
@@ -88,19 +89,12 @@ impl MlaWeights {
                 }
                 (k_up_t, v_up)
             }
-            KvUpPlan::Split { k_b, v_b } => {
-                let keys = f32_values(source, k_b)?;
-                let values = f32_values(source, v_b)?;
-                (
-                    keys.chunks_exact(latent * nope)
-                        .map(|head| Weight::from_f32(latent, nope, head))
-                        .collect(),
-                    values
-                        .chunks_exact(v * latent)
-                        .map(|head| Weight::from_f32(v, latent, head))
-                        .collect(),
-                )
-            }
+            // Already per head and in the absorbed orientation: cut head by head, in the
+            // stored format (a quantized file's heads run on the integer kernels).
+            KvUpPlan::Split { k_b, v_b } => (
+                load_stacked(source, k_b, &k_b.name, precision)?,
+                load_stacked(source, v_b, &v_b.name, precision)?,
+            ),
         };
         Ok(MlaWeights {
             query,

@@ -272,9 +272,10 @@ impl ExpertScratch {
     }
 }
 
-/// A stacked `[num_experts, rows, cols]` tensor as one [`Weight`] per expert, each with the
-/// kernel policy of the tensor named `role` (the dense projection the expert stands in for).
-fn load_stacked(
+/// A stacked `[num_experts, rows, cols]` tensor as one [`Weight`] per expert (or per head:
+/// DeepSeek's `attn_k_b` / `attn_v_b`), in its stored format, each with the kernel policy of
+/// the tensor named `role` (the dense projection the expert stands in for).
+pub(super) fn load_stacked(
     source: &dyn TensorSource,
     spec: &TensorSpec,
     role: &str,

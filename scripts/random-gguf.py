@@ -31,7 +31,16 @@ the experts stacked in 3-D `ffn_{gate,up,down}_exps` tensors, as llama.cpp write
 --arch llama with --experts is Mixtral's layout); explicit flags override them:
 
     python3 scripts/random-gguf.py /tmp/tiny-moe.gguf --preset tiny-qwen3moe --type q8_0
-    python3 scripts/random-gguf.py /tmp/tiny-mixtral.gguf --preset tiny --experts 4 --experts-used 2 Tensors are generated
+    python3 scripts/random-gguf.py /tmp/tiny-mixtral.gguf --preset tiny --experts 4 --experts-used 2
+
+and DeepSeek's `deepseek2` (deepseek-v2-lite, tiny-deepseek2): latent attention as llama.cpp
+writes it since its MLA change (attn_kv_a_mqa, attn_kv_a_norm, attn_k_b / attn_v_b per head,
+attn_q or attn_q_a/attn_q_a_norm/attn_q_b, head_count_kv 1, key_length_mla), leading dense
+layers, shared experts (ffn_*_shexp) and V2-Lite's YaRN keys:
+
+    python3 scripts/random-gguf.py /tmp/v2-lite-q8.gguf --preset deepseek-v2-lite --type q8_0
+
+Tensors are generated
 and written one at a time (peak memory about 1.5 GB for 8B).
 Deterministic (fixed seed). Needs `pip install gguf numpy`.
 """
@@ -50,6 +59,10 @@ T = gguf.GGMLQuantizationType
 STD = 0.02  # the standard deviation every weight matrix aims at
 
 DENSE = dict(arch="llama", experts=0, experts_used=0, expert_ffn=0, head_dim=None)
+# DeepSeek's latent attention and shared experts (--arch deepseek2 only).
+NO_MLA = dict(q_lora=0, kv_lora=0, qk_nope=0, qk_rope=0, v_dim=0, shared_experts=0, dense_lead=0,
+              yarn_factor=0.0)
+DENSE.update(NO_MLA)
 PRESETS = {
     # vocab None: the copied tokenizer's size (49152 for a minimal tokenizer).
     "default": dict(hidden=768, ffn=2048, layers=24, heads=12, kv_heads=4, vocab=None,
@@ -61,11 +74,23 @@ PRESETS = {
     "qwen3-30b-a3b": dict(arch="qwen3moe", hidden=2048, ffn=6144, layers=48, heads=32,
                           kv_heads=4, head_dim=128, vocab=151936, rope_theta=1000000.0,
                           context=40960, tied=False, rope_freqs=False, experts=128,
-                          experts_used=8, expert_ffn=768),
+                          experts_used=8, expert_ffn=768, **NO_MLA),
     "tiny-qwen3moe": dict(arch="qwen3moe", hidden=256, ffn=512, layers=2, heads=4, kv_heads=2,
                           head_dim=64, vocab=2048, rope_theta=1000000.0, context=4096,
                           tied=False, rope_freqs=False, experts=8, experts_used=2,
-                          expert_ffn=256),
+                          expert_ffn=256, **NO_MLA),
+    # DeepSeek-V2-Lite: 15.7B parameters, 2.4B active; YaRN factor 40 over 4096 positions.
+    "deepseek-v2-lite": dict(arch="deepseek2", hidden=2048, ffn=10944, layers=27, heads=16,
+                             kv_heads=1, head_dim=None, vocab=102400, rope_theta=10000.0,
+                             context=163840, tied=False, rope_freqs=False, experts=64,
+                             experts_used=6, expert_ffn=1408, q_lora=0, kv_lora=512,
+                             qk_nope=128, qk_rope=64, v_dim=128, shared_experts=2,
+                             dense_lead=1, yarn_factor=40.0),
+    "tiny-deepseek2": dict(arch="deepseek2", hidden=256, ffn=512, layers=3, heads=4, kv_heads=1,
+                           head_dim=None, vocab=2048, rope_theta=10000.0, context=4096,
+                           tied=False, rope_freqs=False, experts=8, experts_used=2,
+                           expert_ffn=256, q_lora=128, kv_lora=256, qk_nope=64, qk_rope=32,
+                           v_dim=64, shared_experts=1, dense_lead=1, yarn_factor=0.0),
 }
 FILE_TYPES = {
     "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
@@ -230,11 +255,38 @@ def verify(path):
     print(f"verified {len(reader.tensors)} tensors")
 
 
+def mla_layer_plan(a, i):
+    """A deepseek2 layer's tensors (name, numpy shape): latent attention, then a dense MLP
+    (the leading layers) or the router, the stacked experts and the shared experts."""
+    h, heads, q_rows = a.hidden, a.heads, a.heads * (a.qk_nope + a.qk_rope)
+    shapes = [("attn_norm.weight", (h,))]
+    if a.q_lora:
+        shapes += [("attn_q_a.weight", (a.q_lora, h)), ("attn_q_a_norm.weight", (a.q_lora,)),
+                   ("attn_q_b.weight", (q_rows, a.q_lora))]
+    else:
+        shapes += [("attn_q.weight", (q_rows, h))]
+    shapes += [("attn_kv_a_mqa.weight", (a.kv_lora + a.qk_rope, h)),
+               ("attn_kv_a_norm.weight", (a.kv_lora,)),
+               ("attn_k_b.weight", (heads, a.kv_lora, a.qk_nope)),
+               ("attn_v_b.weight", (heads, a.v_dim, a.kv_lora)),
+               ("attn_output.weight", (h, heads * a.v_dim)), ("ffn_norm.weight", (h,))]
+    if i < a.dense_lead:
+        shapes += [("ffn_gate.weight", (a.ffn, h)), ("ffn_up.weight", (a.ffn, h)),
+                   ("ffn_down.weight", (h, a.ffn))]
+    else:
+        e, f, s = a.experts, a.expert_ffn, a.shared_experts * a.expert_ffn
+        shapes += [("ffn_gate_inp.weight", (e, h)), ("ffn_gate_exps.weight", (e, f, h)),
+                   ("ffn_up_exps.weight", (e, f, h)), ("ffn_down_exps.weight", (e, h, f)),
+                   ("ffn_gate_shexp.weight", (s, h)), ("ffn_up_shexp.weight", (s, h)),
+                   ("ffn_down_shexp.weight", (h, s))]
+    return [(f"blk.{i}.{n}", shape) for n, shape in shapes]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out", type=Path)
     p.add_argument("--preset", choices=PRESETS, default="default")
-    p.add_argument("--arch", choices=["llama", "qwen3moe"])
+    p.add_argument("--arch", choices=["llama", "qwen3moe", "deepseek2"])
     p.add_argument("--type", choices=FILE_TYPES, default="f16")
     p.add_argument("--tokenizer", choices=["auto", "minimal", "copy"], default="auto",
                    help="copy: from --tokenizer-from; auto: copy when --tokenizer-from is "
@@ -255,7 +307,10 @@ def main():
             setattr(a, key, value)
     if (a.head_dim is None and a.hidden % a.heads) or a.heads % a.kv_heads:
         p.error("hidden must divide by heads (or give --head-dim), and heads by kv-heads")
-    moe = a.arch == "qwen3moe" or a.experts > 0  # llama with experts: Mixtral's layout
+    mla = a.arch == "deepseek2"
+    if mla and not (a.kv_lora and a.qk_nope and a.qk_rope and a.v_dim):
+        p.error("--arch deepseek2 takes its latent shapes from a deepseek preset")
+    moe = a.arch in ("qwen3moe", "deepseek2") or a.experts > 0  # llama with experts: Mixtral's layout
     if moe and not 0 < a.experts_used <= a.experts:
         p.error("experts need --experts and 1 <= --experts-used <= --experts")
     if moe and not a.expert_ffn:
@@ -263,6 +318,8 @@ def main():
     head_dim = a.head_dim or a.hidden // a.heads
     block = 32 if a.type in ("q8_0", "q4_0") else 256 if a.type != "f16" else 1
     widths = [a.hidden, head_dim * a.heads] + ([a.expert_ffn] if moe else [a.ffn])
+    if mla:
+        widths = [a.hidden, a.expert_ffn, a.ffn, a.kv_lora, a.qk_nope, a.heads * a.v_dim] + [a.q_lora] * bool(a.q_lora)
     if any(width % block for width in widths):
         p.error(f"--type {a.type} needs every matrix width (hidden, heads x head_dim, "
                 f"ffn or expert-ffn) to be a multiple of {block}")
@@ -277,9 +334,26 @@ def main():
     w.add_block_count(a.layers)
     w.add_feed_forward_length(a.ffn)
     w.add_head_count(a.heads)
-    w.add_head_count_kv(a.kv_heads)
-    w.add_rope_dimension_count(head_dim)
-    if a.head_dim is not None:
+    w.add_head_count_kv(1 if mla else a.kv_heads)
+    w.add_rope_dimension_count(a.qk_rope if mla else head_dim)
+    if mla:  # as llama.cpp's converter writes it since its MLA change
+        w.add_kv_lora_rank(a.kv_lora)
+        if a.q_lora:
+            w.add_q_lora_rank(a.q_lora)
+        w.add_key_length(a.kv_lora + a.qk_rope)
+        w.add_value_length(a.kv_lora)
+        w.add_key_length_mla(a.qk_nope + a.qk_rope)
+        w.add_value_length_mla(a.v_dim)
+        w.add_leading_dense_block_count(a.dense_lead)
+        w.add_expert_shared_count(a.shared_experts)
+        w.add_expert_weights_scale(1.0)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+        if a.yarn_factor:
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(a.yarn_factor)
+            w.add_rope_scaling_orig_ctx_len(4096)
+            w.add_rope_scaling_yarn_log_mul(0.1 * 0.707)
+    elif a.head_dim is not None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if moe:
@@ -308,6 +382,9 @@ def main():
     if a.rope_freqs:
         plan.append(("rope_freqs.weight", (head_dim // 2,)))
     for i in range(a.layers):
+        if mla:
+            plan += mla_layer_plan(a, i)
+            continue
         plan += [(f"blk.{i}.{n}", s) for n, s in [
             ("attn_norm.weight", (a.hidden,)), ("attn_q.weight", (q, a.hidden)),
             ("attn_k.weight", (kv, a.hidden)), ("attn_v.weight", (kv, a.hidden)),

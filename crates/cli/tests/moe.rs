@@ -1,7 +1,8 @@
 //! Mixture-of-experts models through the binary: `generate` on the tiny Qwen3-MoE GGUF
 //! (stacked experts) and the tiny Mixtral HF directory, `bench` on random weights of the tiny
-//! presets. Their numbers are checked against the numpy oracle in the engine's
-//! `tiny_models.rs`; here they must run end to end.
+//! presets, DeepSeek's included. Their numbers are checked against the numpy oracle in the
+//! engine's `tiny_models.rs`; here they must run end to end, and a DeepSeek model's greedy
+//! text must not depend on the file format it came in.
 
 mod support;
 
@@ -37,7 +38,12 @@ fn generate_runs_moe_models_from_gguf_and_hf_directories() {
 
 #[test]
 fn bench_runs_random_moe_presets() {
-    for preset in ["qwen3-moe-tiny", "mixtral-tiny"] {
+    for preset in [
+        "qwen3-moe-tiny",
+        "mixtral-tiny",
+        "deepseek-v2-tiny",
+        "deepseek-v3-tiny",
+    ] {
         let out = pagoda(
             &[
                 "bench",
@@ -61,6 +67,39 @@ fn bench_runs_random_moe_presets() {
         for test in ["| pp16 |", "| tg4 |", "| tg4 x2 |"] {
             assert!(table.contains(test), "{preset}: no {test} row in\n{table}");
         }
+    }
+}
+
+#[test]
+fn deepseek_greedy_generation_is_the_same_from_gguf_and_safetensors() {
+    for name in ["tiny-deepseek-v2", "tiny-deepseek-v3"] {
+        let generate = |model: std::path::PathBuf| {
+            let out = pagoda(
+                &[
+                    "generate",
+                    "-m",
+                    model.to_str().unwrap(),
+                    "--device",
+                    "cpu",
+                    "-n",
+                    "16",
+                    "--temp",
+                    "0",
+                    "-p",
+                    "Hello",
+                ],
+                None,
+            );
+            out.assert_success();
+            let (_, _, decoded, _) = throughput_line(&out.stderr);
+            assert!(decoded > 0, "{name}: {}", out.stderr);
+            out.stdout
+        };
+        // The tokenizer is byte-level, so equal bytes are equal token ids.
+        let safetensors = generate(tiny_model(name));
+        let gguf = generate(tiny_model(&format!("{name}/model.gguf")));
+        assert!(!safetensors.is_empty(), "{name}: nothing generated");
+        assert_eq!(safetensors, gguf, "{name}: GGUF and safetensors differ");
     }
 }
 

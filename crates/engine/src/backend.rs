@@ -92,6 +92,8 @@ impl Backend {
         let c = self.config();
         let row = page_size * c.num_kv_heads * c.head_dim;
         match self {
+            // A latent cache (DeepSeek) holds one pool per layer, of the K type.
+            Backend::Cpu(_) if c.mla.is_some() => c.num_layers * types.k.bytes(row),
             Backend::Cpu(_) => c.num_layers * types.row_bytes(row),
             Backend::Cuda(model) => 2 * c.num_layers * row * model.dtype().size_bytes(),
         }
@@ -168,13 +170,9 @@ impl Runner {
                 }
                 model.set_split_kv_chunk_tokens(tokens);
                 let pools = CpuPools::new(cpu_threads);
-                let kv = KvCache::with_types(
-                    model.config().num_layers,
-                    model.kv_layout(cache.num_pages, cache.page_size),
-                    kv_types.k,
-                    kv_types.v,
-                )
-                .expect("the engine checked the KV types (Backend::check_kv_types)");
+                let kv = model
+                    .new_kv_cache(cache.num_pages, cache.page_size, kv_types.k, kv_types.v)
+                    .expect("the engine checked the KV types (Backend::check_kv_types)");
                 Ok(Runner::Cpu { model, kv, pools })
             }
             Backend::Cuda(model) => Ok(Runner::Cuda {
@@ -188,6 +186,10 @@ impl Runner {
         static LOGGED: std::sync::Once = std::sync::Once::new();
         LOGGED.call_once(|| {
             let mib = self.kv_bytes() as f64 / (1u64 << 20) as f64;
+            let types = match self.config().mla {
+                Some(_) => format!("latent {}", types.k),
+                None => types.to_string(),
+            };
             tracing::info!("KV cache: {types} ({mib:.1} MiB, {pages} pages of {page_size} tokens)")
         });
     }

@@ -107,6 +107,21 @@ fn logits(
 }
 
 fn check(source: ModelSource, oracle_dir: &str, tolerance: f32) {
+    let runs = [
+        (false, AttentionPath::Gather),
+        (true, AttentionPath::SplitKv),
+        (true, AttentionPath::Gather),
+    ];
+    check_runs(source, oracle_dir, tolerance, &runs);
+}
+
+/// [`check`] over the given (token by token, attention path) runs.
+fn check_runs(
+    source: ModelSource,
+    oracle_dir: &str,
+    tolerance: f32,
+    runs: &[(bool, AttentionPath)],
+) {
     let loaded = load_model(
         &source,
         LoadOptions::cpu(WeightPrecision::AsStored),
@@ -116,11 +131,7 @@ fn check(source: ModelSource, oracle_dir: &str, tolerance: f32) {
     let (sequences, expected) = expected(oracle_dir);
     let mut worst = 0f32;
     for (tokens, expected) in sequences.iter().zip(&expected) {
-        for (one_at_a_time, path) in [
-            (false, AttentionPath::Gather),
-            (true, AttentionPath::SplitKv),
-            (true, AttentionPath::Gather),
-        ] {
+        for &(one_at_a_time, path) in runs {
             let got = logits(loaded.model.as_cpu().unwrap(), tokens, one_at_a_time, path);
             assert_eq!(got.len(), expected.len());
             for (position, (g, e)) in got.iter().zip(expected).enumerate() {
@@ -230,23 +241,58 @@ fn tiny_qwen3_moe_gguf_stacked_experts_match_oracle() {
     );
 }
 
+/// Latent attention has one path (absorbed, over the latent cache): a prefill in one pass
+/// and token by token.
+const MLA_RUNS: [(bool, AttentionPath); 2] = [
+    (false, AttentionPath::Gather),
+    (true, AttentionPath::Gather),
+];
+
+#[test]
+fn tiny_deepseek_v2_matches_oracle_from_safetensors_and_gguf() {
+    // No query compression, softmax group-limited routing, shared expert, YaRN; the GGUF in
+    // llama.cpp's layouts after (split attn_k_b/attn_v_b) and before (joint attn_kv_b) its
+    // MLA change.
+    for source in [
+        ModelSource::HfDir(fixture("tiny-deepseek-v2")),
+        ModelSource::Gguf(fixture("tiny-deepseek-v2/model.gguf")),
+        ModelSource::Gguf(fixture("tiny-deepseek-v2/model-kv-b.gguf")),
+    ] {
+        check_runs(source, "tiny-deepseek-v2", 1e-4, &MLA_RUNS);
+    }
+}
+
+#[test]
+fn tiny_deepseek_v3_matches_oracle_from_safetensors_and_gguf() {
+    // q_lora, sigmoid routing with the selection bias and top-two group scores.
+    for source in [
+        ModelSource::HfDir(fixture("tiny-deepseek-v3")),
+        ModelSource::Gguf(fixture("tiny-deepseek-v3/model.gguf")),
+    ] {
+        check_runs(source, "tiny-deepseek-v3", 1e-4, &MLA_RUNS);
+    }
+}
+
 #[test]
 fn moe_models_on_cuda_are_declined_in_one_line() {
-    let config = pagoda_models::random::preset("qwen3-moe-tiny").unwrap();
-    let weights = pagoda_models::random::RandomWeights::new(&config, 1, 1 << 30).unwrap();
-    let options = LoadOptions {
-        precision: WeightPrecision::AsStored,
-        device: pagoda_engine::Device::Cuda {
-            dtype: pagoda_models::llama_cuda::DType::BF16,
-        },
-    };
-    let Err(error) = pagoda_engine::load_backend(config, &weights, options, &mut |_, _| {}) else {
-        panic!("a MoE model loaded on CUDA");
-    };
-    let message = error.to_string();
-    assert!(
-        message.contains("MoE models run on the CPU for now"),
-        "{message}"
-    );
-    assert!(!message.contains('\n'), "{message}");
+    for preset in ["qwen3-moe-tiny", "deepseek-v3-tiny"] {
+        let config = pagoda_models::random::preset(preset).unwrap();
+        let weights = pagoda_models::random::RandomWeights::new(&config, 1, 1 << 30).unwrap();
+        let options = LoadOptions {
+            precision: WeightPrecision::AsStored,
+            device: pagoda_engine::Device::Cuda {
+                dtype: pagoda_models::llama_cuda::DType::BF16,
+            },
+        };
+        let Err(error) = pagoda_engine::load_backend(config, &weights, options, &mut |_, _| {})
+        else {
+            panic!("{preset} loaded on CUDA");
+        };
+        let message = error.to_string();
+        assert!(
+            message.contains("MoE models run on the CPU for now"),
+            "{message}"
+        );
+        assert!(!message.contains('\n'), "{message}");
+    }
 }

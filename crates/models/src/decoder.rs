@@ -14,7 +14,8 @@
 //! sequence here plus the steps it needs on each device. The mixture-of-experts MLP block
 //! (Qwen3-MoE, Mixtral) is such a sequence, [`llama_moe_layers`]: its steps form the optional
 //! capability [`MoeStep`], which the CPU has and CUDA does not have yet (its loader declines
-//! MoE models).
+//! MoE models). DeepSeek's sequence, [`deepseek_layers`], adds the latent attention steps of
+//! [`MlaStep`] (CPU only as well).
 
 /// One forward step of a ragged batch on a device: the operations the layer sequence is
 /// made of. Every method acts on the step's own buffers.
@@ -65,7 +66,8 @@ pub(crate) trait MoeStep: DecoderStep {
     /// `router_logits <- normed · Wrouter^T`, then each row's top-k experts and their weights.
     fn route(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
     /// `x += Σ_k weight_k · down_k(silu(gate_k(normed)) * up_k(normed))` over each row's
-    /// routed experts, summed in ascending expert order whatever the batch.
+    /// routed experts, summed in ascending expert order whatever the batch, plus the shared
+    /// experts' dense MLP where the layer has them.
     fn experts(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
 }
 
@@ -115,6 +117,50 @@ pub(crate) fn llama_moe_layers<S: MoeStep>(
     step.embed()?;
     for (index, layer) in layers.iter().enumerate() {
         attention_block(step, index, layer)?;
+        if S::is_moe(layer) {
+            step.mlp_norm(layer)?;
+            step.route(layer)?;
+            step.experts(layer)?;
+        } else {
+            dense_mlp_block(step, layer)?;
+        }
+    }
+    step.logits()
+}
+
+/// The steps of DeepSeek's multi-head latent attention block, on a device that runs one. The
+/// cache holds one row per token: the normalised latent `c` then the rotated RoPE key.
+pub(crate) trait MlaStep: MoeStep {
+    /// `q <- normed · Wq^T` (or `rms_norm(normed · Wq_a^T) · Wq_b^T`), `[T, heads, nope +
+    /// rope]`; `row <- normed · Wkv_a^T`, `[T, latent + rope]`, its latent part RMSNormed.
+    fn mla_projection(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+    /// RoPE (YaRN-scaled where configured) on q's rope parts and the rows' rope keys, then
+    /// the rows into layer `index`'s latent cache at the batch's slots.
+    fn mla_rope_append(&mut self, index: usize) -> Result<(), Self::Error>;
+    /// The absorbed query: per head `[W_UK_h^T q_nope_h, q_rope_h]`, `[T, heads, latent +
+    /// rope]`.
+    fn mla_absorb(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+    /// The latent output of each head: softmax attention of the absorbed query over layer
+    /// `index`'s latent cache, `[T, heads, latent]`.
+    fn mla_attention(&mut self, index: usize) -> Result<(), Self::Error>;
+    /// `x += concat_h(W_UV_h · latent_h) · Wo^T`.
+    fn mla_output(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
+}
+
+/// DeepSeek-V2/V3's forward pass: every layer's latent attention block, then its dense MLP
+/// block (the leading layers) or its mixture of experts with the shared experts.
+pub(crate) fn deepseek_layers<S: MlaStep>(
+    step: &mut S,
+    layers: &[S::Layer],
+) -> Result<(), S::Error> {
+    step.embed()?;
+    for (index, layer) in layers.iter().enumerate() {
+        step.attention_norm(layer)?;
+        step.mla_projection(layer)?;
+        step.mla_rope_append(index)?;
+        step.mla_absorb(layer)?;
+        step.mla_attention(index)?;
+        step.mla_output(layer)?;
         if S::is_moe(layer) {
             step.mlp_norm(layer)?;
             step.route(layer)?;

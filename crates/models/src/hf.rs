@@ -13,6 +13,7 @@ use crate::config::{Architecture, Llama3RopeScaling, ModelConfig, RopeStyle};
 use crate::formats::safetensors::{SafetensorsError, SafetensorsWeights};
 use crate::weights::names;
 
+mod deepseek;
 mod moe;
 use moe::moe_of;
 
@@ -291,9 +292,10 @@ fn architecture_of(fields: &Fields<'_>) -> Result<Architecture, HfError> {
             "qwen3" => Ok(Architecture::Qwen3),
             "qwen3_moe" => Ok(Architecture::Qwen3Moe),
             "mixtral" => Ok(Architecture::Mixtral),
+            "deepseek_v2" | "deepseek_v3" => Ok(Architecture::DeepSeek2),
             other => Err(fields.error(
                 "model_type",
-                &format!("is `{other}`, which pagoda does not support (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral)"),
+                &format!("is `{other}`, which pagoda does not support (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v2, deepseek_v3)"),
             )),
         };
     }
@@ -314,6 +316,7 @@ fn architecture_of(fields: &Fields<'_>) -> Result<Architecture, HfError> {
         "Qwen3ForCausalLM" => Ok(Architecture::Qwen3),
         "Qwen3MoeForCausalLM" => Ok(Architecture::Qwen3Moe),
         "MixtralForCausalLM" => Ok(Architecture::Mixtral),
+        "DeepseekV2ForCausalLM" | "DeepseekV3ForCausalLM" => Ok(Architecture::DeepSeek2),
         other => Err(fields.error(
             "architectures",
             &format!("names `{other}`, which pagoda does not support"),
@@ -371,6 +374,9 @@ fn config_from_object(map: &Map<String, Value>, path: &Path) -> Result<ModelConf
         prefix: "",
     };
     let architecture = architecture_of(&fields)?;
+    if architecture == Architecture::DeepSeek2 {
+        return deepseek::deepseek_config(&fields, path);
+    }
     let model_type = fields.str("model_type")?.unwrap_or(match architecture {
         Architecture::Qwen3Moe => "qwen3_moe",
         other => other.name(),
@@ -456,6 +462,7 @@ fn config_from_object(map: &Map<String, Value>, path: &Path) -> Result<ModelConf
             .unwrap_or(default_max_positions),
         tie_word_embeddings: fields.bool("tie_word_embeddings")?.unwrap_or(false),
         moe: moe_of(&fields, architecture, num_layers)?,
+        mla: None,
     };
     config
         .validate()
@@ -506,6 +513,11 @@ pub fn expected_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>, bool)>
     ];
     let biases_required = config.architecture == Architecture::Qwen2;
     for layer in 0..config.num_layers {
+        if config.mla.is_some() {
+            let tensors = crate::random::deepseek_layer_tensors(config, layer);
+            expected.extend(tensors.into_iter().map(|(name, shape)| (name, shape, true)));
+            continue;
+        }
         let mut add = |suffix: &str, shape: Vec<usize>, required: bool| {
             expected.push((names::layer(layer, suffix), shape, required));
         };

@@ -15,13 +15,15 @@ use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
 use pagoda_tensor::GgmlType;
 
 use crate::config::{ModelConfig, RopeStyle};
-use crate::decoder::{llama_layers, llama_moe_layers};
-use crate::weight_plan::{MlpPlan, ModelPlan, TensorSpec};
+use crate::decoder::{deepseek_layers, llama_layers, llama_moe_layers};
+use crate::weight_plan::{AttentionPlan, MlpPlan, ModelPlan, TensorSpec};
 use crate::weights::{RawTensor, TensorSource};
 
+mod mla;
 mod moe;
 mod policy;
 mod step;
+use mla::MlaWeights;
 use moe::{Experts, Mlp};
 pub use policy::{
     split_kv_chunk_tokens, AttentionPolicy, AUTO_MIN_SPLIT_KV_TOKENS, SPLIT_KV_CHUNK_ENV_VAR,
@@ -39,6 +41,24 @@ pub enum WeightPrecision {
 /// The weights of one decoder layer.
 struct Layer {
     attn_norm: Vec<f32>,
+    attention: Attention,
+    ffn_norm: Vec<f32>,
+    mlp: Mlp,
+}
+
+/// A layer's attention weights.
+// One per layer, built once: boxing a variant to even out the sizes would only add an
+// indirection.
+#[allow(clippy::large_enum_variant)]
+enum Attention {
+    /// Grouped-query attention.
+    Gqa(GqaWeights),
+    /// DeepSeek's multi-head latent attention.
+    Mla(MlaWeights),
+}
+
+/// Grouped-query attention's weights.
+struct GqaWeights {
     wq: Weight,
     wk: Weight,
     wv: Weight,
@@ -48,8 +68,15 @@ struct Layer {
     v_bias: Option<Vec<f32>>,
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
-    ffn_norm: Vec<f32>,
-    mlp: Mlp,
+}
+
+impl Attention {
+    fn weights(&self) -> Vec<&Weight> {
+        match self {
+            Attention::Gqa(a) => vec![&a.wq, &a.wk, &a.wv, &a.wo],
+            Attention::Mla(m) => m.weights(),
+        }
+    }
 }
 
 /// A loaded model, ready to run forward passes.
@@ -101,6 +128,23 @@ impl KvCache {
             v: (0..num_layers)
                 .map(|_| KvPool::zeros(v_type, elements))
                 .collect(),
+        })
+    }
+
+    /// A latent cache (DeepSeek's MLA): one pool of `k_type` per layer holding one row of
+    /// `layout.head_dim` values per token, and no V pools.
+    pub fn latent(
+        num_layers: usize,
+        layout: KvLayout,
+        k_type: KvType,
+    ) -> Result<KvCache, AttentionError> {
+        k_type.check_head_dim(layout.head_dim)?;
+        Ok(KvCache {
+            layout,
+            k: (0..num_layers)
+                .map(|_| KvPool::zeros(k_type, layout.pool_len()))
+                .collect(),
+            v: Vec::new(),
         })
     }
 
@@ -177,15 +221,22 @@ impl Model {
         for (i, l) in plan.layers.iter().enumerate() {
             layers.push(Layer {
                 attn_norm: vector(&l.attn_norm)?,
-                wq: matrix(&l.q)?,
-                wk: matrix(&l.k)?,
-                wv: matrix(&l.v)?,
-                wo: matrix(&l.attn_output)?,
-                q_bias: optional(&l.q_bias)?,
-                k_bias: optional(&l.k_bias)?,
-                v_bias: optional(&l.v_bias)?,
-                q_norm: optional(&l.q_norm)?,
-                k_norm: optional(&l.k_norm)?,
+                attention: match &l.attention {
+                    AttentionPlan::Gqa(a) => Attention::Gqa(GqaWeights {
+                        wq: matrix(&a.q)?,
+                        wk: matrix(&a.k)?,
+                        wv: matrix(&a.v)?,
+                        wo: matrix(&a.attn_output)?,
+                        q_bias: optional(&a.q_bias)?,
+                        k_bias: optional(&a.k_bias)?,
+                        v_bias: optional(&a.v_bias)?,
+                        q_norm: optional(&a.q_norm)?,
+                        k_norm: optional(&a.k_norm)?,
+                    }),
+                    AttentionPlan::Mla(m) => {
+                        Attention::Mla(MlaWeights::load(source, m, c, precision)?)
+                    }
+                },
                 ffn_norm: vector(&l.ffn_norm)?,
                 mlp: match &l.mlp {
                     MlpPlan::Dense { gate, up, down } => Mlp::Dense {
@@ -234,7 +285,8 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                [&l.wq, &l.wk, &l.wv, &l.wo]
+                l.attention
+                    .weights()
                     .into_iter()
                     .chain(l.mlp.weights())
                     .map(|w| w.size_bytes())
@@ -258,6 +310,22 @@ impl Model {
             .map(|l| l.mlp.idle_expert_bytes(rows))
             .sum();
         all - idle
+    }
+
+    /// An empty KV cache of `num_pages` pages for this model: K and V pools of `k_type` and
+    /// `v_type`, or for latent attention one latent pool of `k_type` per layer.
+    pub fn new_kv_cache(
+        &self,
+        num_pages: usize,
+        page_size: usize,
+        k_type: KvType,
+        v_type: KvType,
+    ) -> Result<KvCache, AttentionError> {
+        let (layers, layout) = (self.config.num_layers, self.kv_layout(num_pages, page_size));
+        match self.config.mla {
+            Some(_) => KvCache::latent(layers, layout, k_type),
+            None => KvCache::with_types(layers, layout, k_type, v_type),
+        }
     }
 
     /// The KV layout this model needs for a pool of `num_pages` pages.
@@ -323,7 +391,9 @@ impl Model {
             )));
         }
         let mut step = step::CpuStep::new(self, batch, kv, &plan, head);
-        if c.moe.is_some() {
+        if c.mla.is_some() {
+            deepseek_layers(&mut step, &self.layers)?;
+        } else if c.moe.is_some() {
             llama_moe_layers(&mut step, &self.layers)?;
         } else {
             llama_layers(&mut step, &self.layers)?;
@@ -365,7 +435,8 @@ impl Model {
         kv: &KvCache,
         policy: AttentionPolicy,
     ) -> Result<StepAttentionPlan, ForwardError> {
-        let (Some(k_pool), Some(v_pool)) = (kv.k.first(), kv.v.first()) else {
+        // A latent cache has no V pools; its attention reads the latent rows only.
+        let (Some(k_pool), Some(v_pool)) = (kv.k.first(), kv.v.first().or(kv.k.first())) else {
             return Err(ForwardError::Batch("the KV cache has no layers".into()));
         };
         let paged = PagedKv {
@@ -376,7 +447,12 @@ impl Model {
         };
         let config = StepAttentionConfig {
             chunking: SplitKvChunking::new(self.config.num_kv_heads, self.split_kv_chunk_tokens),
-            min_split_kv_tokens: policy.min_split_kv_tokens(),
+            // Latent attention has one path (`pagoda_ops::attention::mla_attention`); the plan
+            // only routes every row to gather, for the step's report.
+            min_split_kv_tokens: match self.config.mla {
+                Some(_) => usize::MAX,
+                None => policy.min_split_kv_tokens(),
+            },
         };
         Ok(plan_step(
             &paged,
@@ -413,8 +489,10 @@ pub enum ForwardError {
 /// The rotary embedding of `config`: llama3 scaling from the config, or the per-pair factors
 /// of GGUF's `rope_freqs.weight` when the file has them.
 pub(crate) fn rope_for(c: &ModelConfig, source: &dyn TensorSource) -> Result<Rope, LoadError> {
+    let yarn = c.mla.as_ref().and_then(|mla| mla.yarn);
     let frequency_factors = match source.tensor("rope_freqs.weight") {
         Some(_) => Some(load_vector(source, "rope_freqs.weight", c.rope_dim / 2)?),
+        None if yarn.is_some() => yarn.map(|y| y.frequency_factors(c.rope_theta, c.rope_dim)),
         None => c.rope_scaling.map(|s| {
             Llama3Scaling {
                 factor: s.factor,

@@ -3,8 +3,9 @@
 //!
 //! [`preset`] names the built-in configurations (`llama-3.1-8b`, `qwen2.5-7b`,
 //! `smollm2-135m`, the mixture-of-experts `qwen3-30b-a3b` and `mixtral-8x7b`, and the tiny
-//! `qwen3-moe-tiny` and `mixtral-tiny` for tests); [`random_config`] also accepts the path of
-//! a Hugging Face `config.json`.
+//! `qwen3-moe-tiny` and `mixtral-tiny` for tests, DeepSeek's `deepseek-v2-lite` and the tiny
+//! `deepseek-v2-tiny` and `deepseek-v3-tiny`); [`random_config`] also accepts the path of a
+//! Hugging Face `config.json`.
 //! [`RandomWeights`] is a [`TensorSource`] with every tensor the llama-family loader asks for,
 //! filled deterministically from a seed, in f32, one tensor at a time as the loader asks.
 
@@ -31,7 +32,13 @@ pub const PRESET_NAMES: &[&str] = &[
     "mixtral-8x7b",
     "qwen3-moe-tiny",
     "mixtral-tiny",
+    "deepseek-v2-lite",
+    "deepseek-v2-tiny",
+    "deepseek-v3-tiny",
 ];
+
+mod deepseek;
+pub use deepseek::deepseek_layer_tensors;
 
 /// The configuration of a built-in architecture preset, by name (case-insensitive).
 pub fn preset(name: &str) -> Option<ModelConfig> {
@@ -58,6 +65,7 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
             max_position_embeddings: 131072,
             tie_word_embeddings: false,
             moe: None,
+            mla: None,
         },
         "qwen2.5-7b" => ModelConfig {
             architecture: Architecture::Qwen2,
@@ -76,6 +84,7 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
             max_position_embeddings: 32768,
             tie_word_embeddings: false,
             moe: None,
+            mla: None,
         },
         "smollm2-135m" => ModelConfig {
             architecture: Architecture::Llama,
@@ -94,6 +103,7 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
             max_position_embeddings: 8192,
             tie_word_embeddings: true,
             moe: None,
+            mla: None,
         },
         // 30.5B parameters, 3.3B active per token.
         "qwen3-30b-a3b" => ModelConfig {
@@ -118,7 +128,9 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
                 expert_intermediate_size: 768,
                 top_k_weights: TopKWeights::Normalized,
                 dense_layers: Vec::new(),
+                ..MoeConfig::default()
             }),
+            mla: None,
         },
         // 46.7B parameters, 12.9B active per token.
         "mixtral-8x7b" => ModelConfig {
@@ -143,7 +155,9 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
                 expert_intermediate_size: 14336,
                 top_k_weights: TopKWeights::Normalized,
                 dense_layers: Vec::new(),
+                ..MoeConfig::default()
             }),
+            mla: None,
         },
         // Tests: a dense layer between two MoE layers, softmax weights not renormalised.
         "qwen3-moe-tiny" => ModelConfig {
@@ -168,7 +182,9 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
                 expert_intermediate_size: 32,
                 top_k_weights: TopKWeights::Softmax,
                 dense_layers: vec![1],
+                ..MoeConfig::default()
             }),
+            mla: None,
         },
         "mixtral-tiny" => ModelConfig {
             architecture: Architecture::Mixtral,
@@ -192,9 +208,11 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
                 expert_intermediate_size: 64,
                 top_k_weights: TopKWeights::Normalized,
                 dense_layers: Vec::new(),
+                ..MoeConfig::default()
             }),
+            mla: None,
         },
-        _ => return None,
+        other => return deepseek::preset(other),
     };
     Some(config)
 }
@@ -239,6 +257,10 @@ pub fn tensor_shapes(config: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         shapes.push((names::OUTPUT.to_string(), vec![c.vocab_size, c.hidden_size]));
     }
     for layer in 0..c.num_layers {
+        if c.mla.is_some() {
+            shapes.extend(deepseek_layer_tensors(c, layer));
+            continue;
+        }
         let n = |suffix: &str| names::layer(layer, suffix);
         shapes.push((n(names::ATTN_NORM), vec![c.hidden_size]));
         shapes.push((n(names::ATTN_Q), vec![q_dim, c.hidden_size]));
@@ -393,10 +415,11 @@ mod tests {
             .map(|(_, s)| s.iter().product::<usize>())
             .sum();
         assert!((7_600_000_000..7_650_000_000).contains(&params), "{params}");
-        // Qwen3-30B-A3B has 30.5 billion, Mixtral-8x7B 46.7 billion.
+        // Qwen3-30B-A3B has 30.5 billion, Mixtral-8x7B 46.7 billion, DeepSeek-V2-Lite 15.7.
         for (name, range) in [
             ("qwen3-30b-a3b", 30_400_000_000..30_600_000_000usize),
             ("mixtral-8x7b", 46_600_000_000..46_800_000_000),
+            ("deepseek-v2-lite", 15_600_000_000..15_800_000_000),
         ] {
             let params: usize = tensor_shapes(&preset(name).unwrap())
                 .iter()

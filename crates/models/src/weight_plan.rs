@@ -7,7 +7,7 @@
 //! Adding an architecture of the llama family's shape is a plan here (which optional tensors
 //! it has or requires) plus its layer sequence in `decoder.rs`.
 
-use crate::config::ModelConfig;
+use crate::config::{MlaConfig, ModelConfig};
 use crate::weights::{names, LoadError, TensorSource};
 
 /// One tensor the model reads.
@@ -49,6 +49,8 @@ impl TensorSpec {
 }
 
 /// A layer's MLP block: dense, or a mixture of experts.
+// A plan is built once per load: boxing a variant would only add an indirection.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum MlpPlan {
     /// One SiLU-gated MLP: gate and up `[intermediate, hidden]`, down `[hidden, intermediate]`.
@@ -65,6 +67,11 @@ pub enum MlpPlan {
 /// checkpoint's per-expert tensors are served stacked).
 #[derive(Debug, Clone)]
 pub struct ExpertsPlan {
+    /// `[num_experts]`: the selection bias (DeepSeek-V3).
+    pub selection_bias: Option<TensorSpec>,
+    /// The shared experts' dense MLP (DeepSeek): gate, up `[shared_width, hidden]`, down
+    /// `[hidden, shared_width]`.
+    pub shared: Option<[TensorSpec; 3]>,
     /// The router, `[num_experts, hidden]`.
     pub router: TensorSpec,
     /// `[num_experts, expert_intermediate, hidden]`.
@@ -75,11 +82,66 @@ pub struct ExpertsPlan {
     pub down: TensorSpec,
 }
 
-/// A decoder layer's tensors in the llama family's roles. Optional tensors are `Some` when
-/// the architecture requires them or the model file holds them.
+/// A decoder layer's tensors in the llama family's roles.
 #[derive(Debug, Clone)]
 pub struct LayerPlan {
     pub attn_norm: TensorSpec,
+    pub attention: AttentionPlan,
+    pub ffn_norm: TensorSpec,
+    pub mlp: MlpPlan,
+}
+
+/// A layer's attention block: grouped-query or latent.
+#[derive(Debug, Clone)]
+pub enum AttentionPlan {
+    /// Grouped-query attention (the llama family).
+    Gqa(GqaPlan),
+    /// Multi-head latent attention (DeepSeek).
+    Mla(MlaPlan),
+}
+
+/// The query path of latent attention.
+#[derive(Debug, Clone)]
+pub enum MlaQueryPlan {
+    /// `q = normed · Wq^T`, `[num_heads * q_head_dim, hidden]` (V2-Lite).
+    Direct(TensorSpec),
+    /// `q = rms_norm(normed · Wq_a^T) · Wq_b^T`: `q_a` `[q_lora_rank, hidden]`, its norm
+    /// `[q_lora_rank]`, `q_b` `[num_heads * q_head_dim, q_lora_rank]`.
+    Compressed {
+        q_a: TensorSpec,
+        q_a_norm: TensorSpec,
+        q_b: TensorSpec,
+    },
+}
+
+/// The key/value up-projection of latent attention, as the file stores it.
+#[derive(Debug, Clone)]
+pub enum KvUpPlan {
+    /// `[num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]`: per head its key rows
+    /// then its value rows (HF's `kv_b_proj`, GGUF files before llama.cpp's MLA change).
+    Joint(TensorSpec),
+    /// `k_b` `[num_heads, kv_lora_rank, qk_nope_head_dim]` (transposed key rows) and `v_b`
+    /// `[num_heads, v_head_dim, kv_lora_rank]` (newer GGUF files).
+    Split { k_b: TensorSpec, v_b: TensorSpec },
+}
+
+/// A latent attention block's tensors.
+#[derive(Debug, Clone)]
+pub struct MlaPlan {
+    pub query: MlaQueryPlan,
+    /// `[kv_lora_rank + qk_rope_head_dim, hidden]`: the latent then the shared RoPE key.
+    pub kv_a: TensorSpec,
+    /// `[kv_lora_rank]`.
+    pub kv_a_norm: TensorSpec,
+    pub kv_up: KvUpPlan,
+    /// `[hidden, num_heads * v_head_dim]`.
+    pub attn_output: TensorSpec,
+}
+
+/// A grouped-query attention block's tensors. Optional tensors are `Some` when the
+/// architecture requires them or the model file holds them.
+#[derive(Debug, Clone)]
+pub struct GqaPlan {
     pub q: TensorSpec,
     pub k: TensorSpec,
     pub v: TensorSpec,
@@ -91,8 +153,6 @@ pub struct LayerPlan {
     pub q_norm: Option<TensorSpec>,
     pub k_norm: Option<TensorSpec>,
     pub attn_output: TensorSpec,
-    pub ffn_norm: TensorSpec,
-    pub mlp: MlpPlan,
 }
 
 /// Every tensor of a model, in load order.
@@ -123,23 +183,43 @@ impl ModelPlan {
                 let optional = |suffix: &str, shape: &[usize]| {
                     present(&n(suffix)).then(|| spec(suffix, shape))
                 };
+                let attention = match &c.mla {
+                    Some(mla) => {
+                        let split = present(&n(names::ATTN_K_B));
+                        AttentionPlan::Mla(mla_plan(c, mla, &spec, split))
+                    }
+                    None => AttentionPlan::Gqa(GqaPlan {
+                        q: spec(names::ATTN_Q, &[q_dim, hidden]),
+                        k: spec(names::ATTN_K, &[kv_dim, hidden]),
+                        v: spec(names::ATTN_V, &[kv_dim, hidden]),
+                        q_bias: optional(names::ATTN_Q_BIAS, &[q_dim]),
+                        k_bias: optional(names::ATTN_K_BIAS, &[kv_dim]),
+                        v_bias: optional(names::ATTN_V_BIAS, &[kv_dim]),
+                        q_norm: optional(names::ATTN_Q_NORM, &[head]),
+                        k_norm: optional(names::ATTN_K_NORM, &[head]),
+                        attn_output: spec(names::ATTN_OUTPUT, &[hidden, q_dim]),
+                    }),
+                };
                 let layer = LayerPlan {
                     attn_norm: spec(names::ATTN_NORM, &[hidden]),
-                    q: spec(names::ATTN_Q, &[q_dim, hidden]),
-                    k: spec(names::ATTN_K, &[kv_dim, hidden]),
-                    v: spec(names::ATTN_V, &[kv_dim, hidden]),
-                    q_bias: optional(names::ATTN_Q_BIAS, &[q_dim]),
-                    k_bias: optional(names::ATTN_K_BIAS, &[kv_dim]),
-                    v_bias: optional(names::ATTN_V_BIAS, &[kv_dim]),
-                    q_norm: optional(names::ATTN_Q_NORM, &[head]),
-                    k_norm: optional(names::ATTN_K_NORM, &[head]),
-                    attn_output: spec(names::ATTN_OUTPUT, &[hidden, q_dim]),
+                    attention,
                     ffn_norm: spec(names::FFN_NORM, &[hidden]),
                     mlp: match &c.moe {
                         Some(moe) if moe.is_moe_layer(i) => {
                             let (experts, expert_inter) =
                                 (moe.num_experts, moe.expert_intermediate_size);
+                            let shared_width = moe.num_shared_experts * expert_inter;
                             MlpPlan::Experts(ExpertsPlan {
+                                selection_bias: moe
+                                    .selection_bias
+                                    .then(|| spec(names::FFN_EXP_PROBS_B, &[experts])),
+                                shared: (shared_width > 0).then(|| {
+                                    [
+                                        spec(names::FFN_GATE_SHEXP, &[shared_width, hidden]),
+                                        spec(names::FFN_UP_SHEXP, &[shared_width, hidden]),
+                                        spec(names::FFN_DOWN_SHEXP, &[hidden, shared_width]),
+                                    ]
+                                }),
                                 router: spec(names::FFN_GATE_INP, &[experts, hidden]),
                                 gate: spec(names::FFN_GATE_EXPS, &[experts, expert_inter, hidden]),
                                 up: spec(names::FFN_UP_EXPS, &[experts, expert_inter, hidden]),
@@ -153,7 +233,11 @@ impl ModelPlan {
                         },
                     },
                 };
-                if requires_qk_norm && (layer.q_norm.is_none() || layer.k_norm.is_none()) {
+                let lacks_qk_norm = match &layer.attention {
+                    AttentionPlan::Gqa(a) => a.q_norm.is_none() || a.k_norm.is_none(),
+                    AttentionPlan::Mla(_) => false,
+                };
+                if requires_qk_norm && lacks_qk_norm {
                     return Err(LoadError(format!(
                         "{} layer {i} lacks attn_q_norm/attn_k_norm",
                         c.architecture.name()
@@ -170,6 +254,40 @@ impl ModelPlan {
             lm_head: (!tied).then(|| TensorSpec::new(names::OUTPUT, &vocab)),
             output_norm: TensorSpec::new(names::OUTPUT_NORM, &[hidden]),
         })
+    }
+}
+
+/// The latent attention tensors of one layer: the query path the config implies, and the
+/// split `k_b`/`v_b` up-projections when the file has them (`split`), else the joint `kv_b`.
+fn mla_plan(
+    c: &ModelConfig,
+    mla: &MlaConfig,
+    spec: &dyn Fn(&str, &[usize]) -> TensorSpec,
+    split: bool,
+) -> MlaPlan {
+    let (hidden, heads) = (c.hidden_size, c.num_attention_heads);
+    let (latent, nope, v) = (mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim);
+    let q_rows = heads * mla.q_head_dim();
+    MlaPlan {
+        query: match mla.q_lora_rank {
+            None => MlaQueryPlan::Direct(spec(names::ATTN_Q, &[q_rows, hidden])),
+            Some(rank) => MlaQueryPlan::Compressed {
+                q_a: spec(names::ATTN_Q_A, &[rank, hidden]),
+                q_a_norm: spec(names::ATTN_Q_A_NORM, &[rank]),
+                q_b: spec(names::ATTN_Q_B, &[q_rows, rank]),
+            },
+        },
+        kv_a: spec(names::ATTN_KV_A_MQA, &[mla.cache_row(), hidden]),
+        kv_a_norm: spec(names::ATTN_KV_A_NORM, &[latent]),
+        kv_up: if split {
+            KvUpPlan::Split {
+                k_b: spec(names::ATTN_K_B, &[heads, latent, nope]),
+                v_b: spec(names::ATTN_V_B, &[heads, v, latent]),
+            }
+        } else {
+            KvUpPlan::Joint(spec(names::ATTN_KV_B, &[heads * (nope + v), latent]))
+        },
+        attn_output: spec(names::ATTN_OUTPUT, &[hidden, heads * v]),
     }
 }
 
@@ -215,13 +333,35 @@ mod tests {
         let mut specs = vec![&plan.embedding, &plan.output_norm];
         specs.extend(plan.lm_head.as_ref());
         for l in &plan.layers {
-            specs.extend([&l.attn_norm, &l.q, &l.k, &l.v, &l.attn_output, &l.ffn_norm]);
+            specs.extend([&l.attn_norm, &l.ffn_norm]);
+            match &l.attention {
+                AttentionPlan::Gqa(a) => {
+                    specs.extend([&a.q, &a.k, &a.v, &a.attn_output]);
+                    let optional = [&a.q_bias, &a.k_bias, &a.v_bias, &a.q_norm, &a.k_norm];
+                    specs.extend(optional.into_iter().flatten());
+                }
+                AttentionPlan::Mla(m) => {
+                    specs.extend([&m.kv_a, &m.kv_a_norm, &m.attn_output]);
+                    match &m.query {
+                        MlaQueryPlan::Direct(q) => specs.push(q),
+                        MlaQueryPlan::Compressed { q_a, q_a_norm, q_b } => {
+                            specs.extend([q_a, q_a_norm, q_b])
+                        }
+                    }
+                    match &m.kv_up {
+                        KvUpPlan::Joint(kv_b) => specs.push(kv_b),
+                        KvUpPlan::Split { k_b, v_b } => specs.extend([k_b, v_b]),
+                    }
+                }
+            }
             match &l.mlp {
                 MlpPlan::Dense { gate, up, down } => specs.extend([gate, up, down]),
-                MlpPlan::Experts(e) => specs.extend([&e.router, &e.gate, &e.up, &e.down]),
+                MlpPlan::Experts(e) => {
+                    specs.extend([&e.router, &e.gate, &e.up, &e.down]);
+                    specs.extend(e.selection_bias.as_ref());
+                    specs.extend(e.shared.iter().flatten());
+                }
             }
-            let optional = [&l.q_bias, &l.k_bias, &l.v_bias, &l.q_norm, &l.k_norm];
-            specs.extend(optional.into_iter().flatten());
         }
         specs
     }
@@ -240,6 +380,8 @@ mod tests {
             small(Architecture::Qwen3),
             moe("qwen3-moe-tiny"),
             moe("mixtral-tiny"),
+            moe("deepseek-v2-tiny"),
+            moe("deepseek-v3-tiny"),
         ];
         for config in configs {
             let architecture = config.architecture;

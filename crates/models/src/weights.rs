@@ -64,4 +64,32 @@ pub mod names {
     pub const FFN_GATE_EXPS: &str = "ffn_gate_exps.weight";
     pub const FFN_UP_EXPS: &str = "ffn_up_exps.weight";
     pub const FFN_DOWN_EXPS: &str = "ffn_down_exps.weight";
+    // DeepSeek's latent attention (llama.cpp's `deepseek2` names).
+    /// `[num_heads * q_head_dim, hidden]` with no query compression is [`ATTN_Q`]; else:
+    /// `[q_lora_rank, hidden]`.
+    pub const ATTN_Q_A: &str = "attn_q_a.weight";
+    /// `[q_lora_rank]`.
+    pub const ATTN_Q_A_NORM: &str = "attn_q_a_norm.weight";
+    /// `[num_heads * q_head_dim, q_lora_rank]`.
+    pub const ATTN_Q_B: &str = "attn_q_b.weight";
+    /// `[kv_lora_rank + qk_rope_head_dim, hidden]`.
+    pub const ATTN_KV_A_MQA: &str = "attn_kv_a_mqa.weight";
+    /// `[kv_lora_rank]`.
+    pub const ATTN_KV_A_NORM: &str = "attn_kv_a_norm.weight";
+    /// `[num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank]` (HF's `kv_b_proj`, older
+    /// GGUF files).
+    pub const ATTN_KV_B: &str = "attn_kv_b.weight";
+    /// `[num_heads, kv_lora_rank, qk_nope_head_dim]`: `kv_b`'s key rows per head, transposed
+    /// (GGUF files since llama.cpp's MLA change).
+    pub const ATTN_K_B: &str = "attn_k_b.weight";
+    /// `[num_heads, v_head_dim, kv_lora_rank]`: `kv_b`'s value rows per head.
+    pub const ATTN_V_B: &str = "attn_v_b.weight";
+    /// `[num_experts]`: DeepSeek-V3's expert selection bias.
+    pub const FFN_EXP_PROBS_B: &str = "exp_probs_b.bias";
+    /// The shared experts' MLP: `[shared_width, hidden]`.
+    pub const FFN_GATE_SHEXP: &str = "ffn_gate_shexp.weight";
+    /// `[shared_width, hidden]`.
+    pub const FFN_UP_SHEXP: &str = "ffn_up_shexp.weight";
+    /// `[hidden, shared_width]`.
+    pub const FFN_DOWN_SHEXP: &str = "ffn_down_shexp.weight";
 }

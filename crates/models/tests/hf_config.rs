@@ -97,6 +97,7 @@ fn config(
         max_position_embeddings: 0,
         tie_word_embeddings: false,
         moe: None,
+        mla: None,
     }
 }
 

@@ -72,6 +72,7 @@ fn tiny_llama_config() -> ModelConfig {
         max_position_embeddings: 256,
         tie_word_embeddings: false,
         moe: None,
+        mla: None,
     }
 }
 

@@ -52,55 +52,264 @@ impl ExpertRouting {
     }
 }
 
+/// How a router turns a row's logits into expert scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    /// The softmax over every expert (Qwen3-MoE, Mixtral, DeepSeek-V2). Experts are chosen
+    /// by logit, which orders them as their probabilities do.
+    Softmax,
+    /// Each expert's own sigmoid (DeepSeek-V3); the picked experts weigh their unbiased
+    /// sigmoid scores.
+    Sigmoid,
+}
+
+/// How a group of experts is scored when routing is group-limited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupScore {
+    /// The best expert of the group (DeepSeek-V2's `group_limited_greedy`: the highest
+    /// softmax probability, so the highest logit).
+    Max,
+    /// The sum of the group's two best selection scores, bias included (DeepSeek-V3's
+    /// `noaux_tc`). Sigmoid scoring only.
+    TopTwoSum,
+}
+
+/// Group-limited routing: the experts are cut into `num_groups` equal, contiguous groups;
+/// a row first keeps its `groups_per_row` best groups ([`GroupScore`], ties: the lower
+/// group index), then picks its top-k among their experts only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupLimit {
+    /// Groups the experts are cut into; divides the expert count.
+    pub num_groups: usize,
+    /// Groups a row may pick from; their experts number at least `top_k`.
+    pub groups_per_row: usize,
+    /// How a group ranks.
+    pub score: GroupScore,
+}
+
+/// Everything a router needs besides the logits. [`route`] is the plain softmax router;
+/// DeepSeek's adds sigmoid scoring, a selection bias, group limits and a scaling factor.
+#[derive(Debug, Clone, Copy)]
+pub struct Router<'a> {
+    /// Experts per row of logits.
+    pub num_experts: usize,
+    /// Experts each row is routed to.
+    pub top_k: usize,
+    /// How logits become scores.
+    pub scoring: Scoring,
+    /// Whether the picked weights are divided by their sum.
+    pub renormalize: Renormalize,
+    /// Group-limited routing, if any.
+    pub group_limit: Option<GroupLimit>,
+    /// `[num_experts]`: added to the sigmoid scores to choose experts, never to weigh them
+    /// (DeepSeek-V3's `e_score_correction_bias`, GGUF's `exp_probs_b`). Sigmoid scoring only.
+    pub selection_bias: Option<&'a [f32]>,
+    /// Every picked weight is multiplied by it, after any renormalisation
+    /// (`routed_scaling_factor`, GGUF's `expert_weights_scale`; 1 for most models).
+    pub scale: f32,
+}
+
+impl Router<'_> {
+    fn check(&self, logits: &[f32]) {
+        let (num_experts, top_k) = (self.num_experts, self.top_k);
+        assert!(
+            top_k >= 1 && top_k <= num_experts,
+            "top_k {top_k} of {num_experts} experts"
+        );
+        assert!(
+            logits.len().is_multiple_of(num_experts),
+            "logits are not [rows, experts]"
+        );
+        if let Some(bias) = self.selection_bias {
+            assert!(
+                self.scoring == Scoring::Sigmoid && bias.len() == num_experts,
+                "a selection bias needs sigmoid scoring and one value per expert"
+            );
+        }
+        if let Some(limit) = self.group_limit {
+            assert!(
+                limit.num_groups >= 1
+                    && num_experts.is_multiple_of(limit.num_groups)
+                    && limit.groups_per_row >= 1
+                    && limit.groups_per_row <= limit.num_groups
+                    && limit.groups_per_row * (num_experts / limit.num_groups) >= top_k,
+                "group limit {limit:?} does not fit {num_experts} experts, top-{top_k}"
+            );
+            assert!(
+                !(limit.score == GroupScore::TopTwoSum && self.scoring == Scoring::Softmax),
+                "top-two group scores need sigmoid scoring"
+            );
+        }
+    }
+}
+
 /// Routes `num_rows` rows of router `logits` (`[num_rows, num_experts]`) to their `top_k`
-/// experts. Panics if `top_k` is 0 or above `num_experts`, or if `logits` has another length
-/// (callers validate the configuration once, at load). A NaN logit ranks below every number.
+/// experts, weighed by the softmax. Panics if `top_k` is 0 or above `num_experts`, or if
+/// `logits` has another length (callers validate the configuration once, at load). A NaN
+/// logit ranks below every number.
 pub fn route(
     logits: &[f32],
     num_experts: usize,
     top_k: usize,
     renormalize: Renormalize,
 ) -> ExpertRouting {
-    assert!(
-        top_k >= 1 && top_k <= num_experts,
-        "top_k {top_k} of {num_experts} experts"
-    );
-    assert!(
-        logits.len().is_multiple_of(num_experts),
-        "logits are not [rows, experts]"
-    );
+    route_with(
+        logits,
+        &Router {
+            num_experts,
+            top_k,
+            scoring: Scoring::Softmax,
+            renormalize,
+            group_limit: None,
+            selection_bias: None,
+            scale: 1.0,
+        },
+    )
+}
+
+/// Routes every row of `logits` (`[num_rows, router.num_experts]`) with `router`, each row
+/// on its own:
+///
+/// 1. selection scores: the logit (softmax) or `sigmoid(logit) + bias` (sigmoid), NaN
+///    ranking last;
+/// 2. with a [`GroupLimit`], every expert outside the row's best groups drops out;
+/// 3. the `top_k` best remaining experts, best first (ties: the lower expert index);
+/// 4. weights: the softmax probability over every expert or the unbiased sigmoid score,
+///    divided by the picked ones' sum when renormalising, times `router.scale`.
+///
+/// Panics on a router that [`Router`]'s documented constraints reject (callers validate
+/// the configuration once, at load).
+pub fn route_with(logits: &[f32], router: &Router<'_>) -> ExpertRouting {
+    router.check(logits);
+    let (num_experts, top_k) = (router.num_experts, router.top_k);
     let num_rows = logits.len() / num_experts;
     let mut experts = Vec::with_capacity(num_rows * top_k);
     let mut weights = Vec::with_capacity(num_rows * top_k);
     let mut order: Vec<u32> = Vec::with_capacity(num_experts);
+    let mut choice = vec![0f32; num_experts];
+    let mut group_order: Vec<u32> = Vec::new();
+    let mut group_scores: Vec<f32> = Vec::new();
     for row in logits.chunks_exact(num_experts) {
-        // Stable sort by descending logit: equal logits keep ascending expert order.
-        order.clear();
-        order.extend(0..num_experts as u32);
-        let key = |e: &u32| {
-            let value = row[*e as usize];
+        let finite = |value: f32| {
             if value.is_nan() {
                 f32::NEG_INFINITY
             } else {
                 value
             }
         };
-        order.sort_by(|a, b| key(b).total_cmp(&key(a)));
+        for (e, c) in choice.iter_mut().enumerate() {
+            *c = match router.scoring {
+                Scoring::Softmax => finite(row[e]),
+                Scoring::Sigmoid => {
+                    let bias = router.selection_bias.map_or(0.0, |b| b[e]);
+                    finite(sigmoid(row[e]) + bias)
+                }
+            };
+        }
+        if let Some(limit) = router.group_limit {
+            limit_groups(&limit, &mut choice, &mut group_scores, &mut group_order);
+        }
+        // Stable sort by descending choice: equal scores keep ascending expert order.
+        order.clear();
+        order.extend(0..num_experts as u32);
+        order.sort_by(|a, b| choice[*b as usize].total_cmp(&choice[*a as usize]));
         let picked = &order[..top_k];
-        let max = key(&picked[0]);
-        let exp = |e: &u32| (key(e) - max).exp();
-        let denominator: f32 = match renormalize {
-            Renormalize::No => row
-                .iter()
-                .map(|&l| (l - max).exp())
-                .filter(|v| !v.is_nan())
-                .sum(),
-            Renormalize::Yes => picked.iter().map(exp).sum(),
-        };
         experts.extend_from_slice(picked);
-        weights.extend(picked.iter().map(|e| exp(e) / denominator));
+        let first = weights.len();
+        match router.scoring {
+            Scoring::Softmax => {
+                let max = row
+                    .iter()
+                    .map(|&l| finite(l))
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let exp = |e: &u32| (finite(row[*e as usize]) - max).exp();
+                let denominator: f32 = match router.renormalize {
+                    Renormalize::No => row
+                        .iter()
+                        .map(|&l| (l - max).exp())
+                        .filter(|v| !v.is_nan())
+                        .sum(),
+                    Renormalize::Yes => picked.iter().map(exp).sum(),
+                };
+                weights.extend(picked.iter().map(|e| exp(e) / denominator));
+            }
+            Scoring::Sigmoid => {
+                let score = |e: &u32| {
+                    let s = sigmoid(row[*e as usize]);
+                    if s.is_nan() {
+                        0.0
+                    } else {
+                        s
+                    }
+                };
+                weights.extend(picked.iter().map(score));
+                if router.renormalize == Renormalize::Yes {
+                    // DeepSeek-V3's guard against an all-zero pick.
+                    let sum: f32 = weights[first..].iter().sum::<f32>() + 1e-20;
+                    weights[first..].iter_mut().for_each(|w| *w /= sum);
+                }
+            }
+        }
+        if router.scale != 1.0 {
+            weights[first..].iter_mut().for_each(|w| *w *= router.scale);
+        }
     }
-    // Counting sort by expert; rows stay ascending within each expert.
+    csr_by_expert(num_experts, top_k, experts, weights)
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Sets the selection score of every expert outside the row's best groups to -inf.
+fn limit_groups(
+    limit: &GroupLimit,
+    choice: &mut [f32],
+    group_scores: &mut Vec<f32>,
+    group_order: &mut Vec<u32>,
+) {
+    let group_size = choice.len() / limit.num_groups;
+    group_scores.clear();
+    group_scores.extend(
+        choice
+            .chunks_exact(group_size)
+            .map(|group| match limit.score {
+                GroupScore::Max => group.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+                GroupScore::TopTwoSum => {
+                    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                    for &value in group {
+                        if value > first {
+                            (first, second) = (value, first);
+                        } else if value > second {
+                            second = value;
+                        }
+                    }
+                    // A group of one expert counts it once.
+                    if group_size == 1 {
+                        first
+                    } else {
+                        first + second
+                    }
+                }
+            }),
+    );
+    group_order.clear();
+    group_order.extend(0..limit.num_groups as u32);
+    group_order.sort_by(|a, b| group_scores[*b as usize].total_cmp(&group_scores[*a as usize]));
+    for &dropped in &group_order[limit.groups_per_row..] {
+        let start = dropped as usize * group_size;
+        choice[start..start + group_size].fill(f32::NEG_INFINITY);
+    }
+}
+
+/// The routing of `experts`/`weights` (`[num_rows * top_k]`) with each expert's rows listed
+/// (counting sort by expert; rows stay ascending within each expert).
+fn csr_by_expert(
+    num_experts: usize,
+    top_k: usize,
+    experts: Vec<u32>,
+    weights: Vec<f32>,
+) -> ExpertRouting {
     let mut expert_offsets = vec![0usize; num_experts + 1];
     for &e in &experts {
         expert_offsets[e as usize + 1] += 1;

@@ -74,7 +74,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: bool,
     /// Benchmark random weights of a built-in architecture (llama-3.1-8b, qwen2.5-7b,
-    /// smollm2-135m, qwen3-30b-a3b, mixtral-8x7b, qwen3-moe-tiny, mixtral-tiny) or of a
+    /// smollm2-135m, qwen3-30b-a3b, mixtral-8x7b, qwen3-moe-tiny, mixtral-tiny, deepseek-v2-lite,
+    /// deepseek-v2-tiny, deepseek-v3-tiny) or of a
     /// config.json instead of a model file (no tokenizer needed).
     #[arg(long, value_name = "ARCH|CONFIG")]
     pub random_weights: Option<String>,
@@ -383,7 +384,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         },
         threads: rayon::current_num_threads(),
         attention: common::policy_name(engine.config().attention).to_string(),
-        kv_cache: engine.config().kv_types.to_string(),
+        kv_cache: common::kv_cache_name(engine.config().kv_types, engine.model_config()),
         cpu_kernels: pagoda_ops::linear::cpu_kernels_name().to_string(),
         f32_decode: pagoda_ops::linear::cpu::f32_decode::F32Decode::selected()
             .name()

@@ -141,6 +141,29 @@ pub fn run(args: InspectArgs) -> Result<()> {
             moe.top_k_weights,
             moe.dense_layers
         );
+        if config.mla.is_some() {
+            say!(
+                "router: {:?} scores, groups {:?}, selection bias {}, scaling {}, {} shared experts",
+                moe.scoring,
+                moe.group_limit,
+                moe.selection_bias,
+                moe.routed_scaling_factor,
+                moe.num_shared_experts
+            );
+        }
+    }
+    if let Some(mla) = &config.mla {
+        say!(
+            "latent attention: q_lora_rank {:?}, kv_lora_rank {}, heads of {} + {} (values {}), one cached row of {} per token, softmax scale {:.5}, YaRN {:?}",
+            mla.q_lora_rank,
+            mla.kv_lora_rank,
+            mla.qk_nope_head_dim,
+            mla.qk_rope_head_dim,
+            mla.v_head_dim,
+            mla.cache_row(),
+            mla.softmax_scale(),
+            mla.yarn
+        );
     }
     let mut by_type: BTreeMap<String, (usize, usize)> = BTreeMap::new();
     let mut parameters = 0usize;
@@ -184,7 +207,9 @@ pub fn run(args: InspectArgs) -> Result<()> {
         mib(gpu_bytes),
         mib(parameters * 2)
     );
-    let kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4;
+    // A latent cache (DeepSeek) stores one row per token and layer, no separate V.
+    let sides = if config.mla.is_some() { 1 } else { 2 };
+    let kv_per_token = sides * config.num_layers * config.num_kv_heads * config.head_dim * 4;
     say!(
         "KV cache (f32): {} bytes per token, {:.1} MiB for a context of {}",
         kv_per_token,

@@ -91,7 +91,8 @@ pub struct ServeArgs {
     #[arg(short = 'a', long)]
     pub alias: Option<String>,
     /// Serve random weights of a built-in architecture (llama-3.1-8b, qwen2.5-7b,
-    /// smollm2-135m, qwen3-30b-a3b, mixtral-8x7b, qwen3-moe-tiny, mixtral-tiny) or of a config.json's shapes instead of the model's weights, with the
+    /// smollm2-135m, qwen3-30b-a3b, mixtral-8x7b, qwen3-moe-tiny, mixtral-tiny, deepseek-v2-lite,
+    /// deepseek-v2-tiny, deepseek-v3-tiny) or of a config.json's shapes instead of the model's weights, with the
     /// model's tokenizer and chat template (`-m`, default the default model) and its
     /// vocabulary in place of the architecture's: serving measured at shapes whose weights are
     /// not on the machine (vLLM's `--load-format dummy`). The text is noise.
@@ -298,7 +299,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         "  kv cache     {} pages x {} tokens, {} ({:.1} MiB)",
         config.num_pages,
         config.page_size,
-        config.kv_types,
+        common::kv_cache_name(config.kv_types, engine.model_config()),
         engine.kv_bytes() as f64 / (1 << 20) as f64
     );
     eprintln!("  attention    {}", common::policy_name(config.attention));

@@ -25,7 +25,10 @@ pub(super) fn moe_of(
         _ => positive(key),
     };
     let moe = match architecture {
-        Architecture::Llama | Architecture::Qwen2 | Architecture::Qwen3 => return Ok(None),
+        Architecture::Llama
+        | Architecture::Qwen2
+        | Architecture::Qwen3
+        | Architecture::DeepSeek2 => return Ok(None),
         // Mixtral: every layer sparse, the top-k always renormalised, `intermediate_size`
         // is the experts' width.
         Architecture::Mixtral => MoeConfig {
@@ -34,6 +37,7 @@ pub(super) fn moe_of(
             expert_intermediate_size: positive("intermediate_size")?,
             top_k_weights: TopKWeights::Normalized,
             dense_layers: Vec::new(),
+            ..MoeConfig::default()
         },
         // Qwen3-MoE: layer `i` is sparse unless listed in `mlp_only_layers` or
         // `(i + 1) % decoder_sparse_step != 0`.
@@ -62,6 +66,7 @@ pub(super) fn moe_of(
                         mlp_only_layers.contains(&layer) || (layer + 1) % sparse_step != 0
                     })
                     .collect(),
+                ..MoeConfig::default()
             }
         }
     };

@@ -10,10 +10,10 @@
 
 use pagoda_ops::activation::silu_mul_in_place;
 use pagoda_ops::linear::{matmul_shared, Weight};
-use pagoda_ops::moe::{self, ExpertRouting, Renormalize};
+use pagoda_ops::moe::{self, ExpertRouting, GroupLimit, GroupScore, Renormalize, Router, Scoring};
 
-use super::{fetch, load_matrix, weight_from_bytes, WeightPrecision};
-use crate::config::{ModelConfig, TopKWeights};
+use super::{fetch, load_matrix, load_vector, weight_from_bytes, WeightPrecision};
+use crate::config::{ExpertScoring, GroupScoring, ModelConfig, TopKWeights};
 use crate::weight_plan::{ExpertsPlan, TensorSpec};
 use crate::weights::{names, LoadError, TensorSource};
 
@@ -41,6 +41,7 @@ impl Mlp {
                 .chain(&e.gate)
                 .chain(&e.up)
                 .chain(&e.down)
+                .chain(e.shared.iter().flatten())
                 .collect(),
         }
     }
@@ -74,6 +75,14 @@ pub(super) struct Experts {
     down: Vec<Weight>,
     top_k: usize,
     renormalize: Renormalize,
+    scoring: Scoring,
+    group_limit: Option<GroupLimit>,
+    /// `[num_experts]`: DeepSeek-V3's selection bias.
+    selection_bias: Option<Vec<f32>>,
+    routed_scaling_factor: f32,
+    /// The shared experts' gate, up (`[shared_width, hidden]`) and down (`[hidden,
+    /// shared_width]`).
+    shared: Option<[Weight; 3]>,
 }
 
 impl Experts {
@@ -95,7 +104,33 @@ impl Experts {
             load_stacked(source, spec, &names::layer(layer, role), precision)
         };
         let router = &plan.router;
+        let matrix = |spec: &TensorSpec| {
+            load_matrix(source, &spec.name, spec.rows(), spec.cols(), precision)
+        };
+        let shared = match &plan.shared {
+            Some([gate, up, down]) => Some([matrix(gate)?, matrix(up)?, matrix(down)?]),
+            None => None,
+        };
+        let selection_bias = match &plan.selection_bias {
+            Some(spec) => Some(load_vector(source, &spec.name, spec.len())?),
+            None => None,
+        };
         Ok(Experts {
+            scoring: match moe.scoring {
+                ExpertScoring::Softmax => Scoring::Softmax,
+                ExpertScoring::Sigmoid => Scoring::Sigmoid,
+            },
+            group_limit: moe.group_limit.map(|limit| GroupLimit {
+                num_groups: limit.num_groups,
+                groups_per_row: limit.groups_per_token,
+                score: match limit.score {
+                    GroupScoring::Max => GroupScore::Max,
+                    GroupScoring::TopTwoSum => GroupScore::TopTwoSum,
+                },
+            }),
+            selection_bias,
+            routed_scaling_factor: moe.routed_scaling_factor,
+            shared,
             router: load_matrix(
                 source,
                 &router.name,
@@ -128,11 +163,21 @@ impl Experts {
     ) -> ExpertRouting {
         logits.resize(num_tokens * self.num_experts(), 0.0);
         self.router.matmul(normed, num_tokens, logits);
-        moe::route(logits, self.num_experts(), self.top_k, self.renormalize)
+        let router = Router {
+            num_experts: self.num_experts(),
+            top_k: self.top_k,
+            scoring: self.scoring,
+            renormalize: self.renormalize,
+            group_limit: self.group_limit,
+            selection_bias: self.selection_bias.as_deref(),
+            scale: self.routed_scaling_factor,
+        };
+        moe::route_with(logits, &router)
     }
 
     /// `mix <- Σ weight · down(silu(gate(normed)) * up(normed))` over each row's experts of
-    /// `routing`, experts in ascending index; `normed` and `mix` are `[num_tokens, hidden]`.
+    /// `routing`, experts in ascending index, then `+ shared(normed)` where the block has
+    /// shared experts; `normed` and `mix` are `[num_tokens, hidden]`.
     pub(super) fn mix(
         &self,
         normed: &[f32],
@@ -169,6 +214,19 @@ impl Experts {
                     *m += weight * o;
                 }
             }
+        }
+        // The shared experts: every row, after the routed ones.
+        if let Some([gate, up, down]) = &self.shared {
+            let num_tokens = normed.len() / hidden;
+            let s = scratch.fit(num_tokens, hidden, gate.out_features());
+            matmul_shared(
+                normed,
+                num_tokens,
+                &mut [(gate, &mut *s.gate), (up, &mut *s.up)],
+            );
+            silu_mul_in_place(s.gate, s.up);
+            down.matmul(s.gate, num_tokens, s.output);
+            mix.iter_mut().zip(&*s.output).for_each(|(m, o)| *m += o);
         }
     }
 }
@@ -214,9 +272,10 @@ impl ExpertScratch {
     }
 }
 
-/// A stacked `[num_experts, rows, cols]` tensor as one [`Weight`] per expert, each with the
-/// kernel policy of the tensor named `role` (the dense projection the expert stands in for).
-fn load_stacked(
+/// A stacked `[num_experts, rows, cols]` tensor as one [`Weight`] per expert (or per head:
+/// DeepSeek's `attn_k_b` / `attn_v_b`), in its stored format, each with the kernel policy of
+/// the tensor named `role` (the dense projection the expert stands in for).
+pub(super) fn load_stacked(
     source: &dyn TensorSource,
     spec: &TensorSpec,
     role: &str,

@@ -11,8 +11,10 @@ use pagoda_ops::profile::{self, Op};
 use pagoda_ops::rope::RopeTable;
 
 use super::moe::{ExpertScratch, Experts, Mlp};
-use super::{ForwardBatch, ForwardError, KvCache, Layer, Model};
+use super::{Attention, ForwardBatch, ForwardError, GqaWeights, KvCache, Layer, Model};
 use crate::decoder::{DecoderStep, MoeStep};
+
+mod mla;
 
 /// What the last step computes for the rows of `batch.logits_for`.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -50,6 +52,8 @@ pub(super) struct CpuStep<'a> {
     /// The current MoE layer's routing.
     routing: ExpertRouting,
     expert_scratch: ExpertScratch,
+    /// Latent attention's buffers (DeepSeek), sized by its first step.
+    mla: mla::MlaScratch,
     /// `[logits_for.len(), vocab_size]` (or `hidden_size` with [`Head::Hidden`]), written by
     /// the last step.
     pub(super) logits: Vec<f32>,
@@ -66,10 +70,18 @@ impl<'a> CpuStep<'a> {
     ) -> Self {
         let c = &model.config;
         let num_tokens = batch.tokens.len();
-        let q_dim = c.num_attention_heads * c.head_dim;
-        let kv_dim = c.num_kv_heads * c.head_dim;
+        // Latent attention keeps its own buffers (`mla.rs`): no grouped-query ones.
+        let gqa = c.mla.is_none();
+        let q_dim = if gqa {
+            c.num_attention_heads * c.head_dim
+        } else {
+            0
+        };
+        let kv_dim = if gqa { c.num_kv_heads * c.head_dim } else { 0 };
         let mut workspace = StepWorkspace::default();
-        workspace.fit(plan, c.num_attention_heads, c.head_dim);
+        if gqa {
+            workspace.fit(plan, c.num_attention_heads, c.head_dim);
+        }
         let rope_table = profile::time(Op::Rope, || model.rope.table(batch.positions));
         let zeros = |len: usize| vec![0f32; num_tokens * len];
         // A model whose every MLP block is a mixture of experts needs no dense buffers.
@@ -96,6 +108,7 @@ impl<'a> CpuStep<'a> {
             router_logits: Vec::new(),
             routing: ExpertRouting::default(),
             expert_scratch: ExpertScratch::default(),
+            mla: mla::MlaScratch::default(),
             logits: Vec::new(),
         }
     }
@@ -130,6 +143,7 @@ impl DecoderStep for CpuStep<'_> {
     fn qkv_projection(&mut self, layer: &Layer) -> Result<(), ForwardError> {
         // q, k and v share their input: quantized once, one parallel region for decode.
         let num_tokens = self.num_tokens();
+        let layer = gqa(layer)?;
         let (normed, q, k, v) = (&self.normed, &mut self.q, &mut self.k, &mut self.v);
         profile::time(Op::QkvProj, || {
             matmul_shared(
@@ -152,6 +166,7 @@ impl DecoderStep for CpuStep<'_> {
 
     fn qk_norm(&mut self, layer: &Layer) -> Result<(), ForwardError> {
         let eps = self.model.config.rms_norm_eps;
+        let layer = gqa(layer)?;
         let (q, k) = (&mut self.q, &mut self.k);
         profile::time(Op::Norm, || {
             if let Some(w) = &layer.q_norm {
@@ -208,7 +223,8 @@ impl DecoderStep for CpuStep<'_> {
     fn output_projection(&mut self, layer: &Layer) -> Result<(), ForwardError> {
         let num_tokens = self.num_tokens();
         let (attn_out, proj) = (&self.attn_out, &mut self.proj);
-        profile::time(Op::OutProj, || layer.wo.matmul(attn_out, num_tokens, proj));
+        let wo = &gqa(layer)?.wo;
+        profile::time(Op::OutProj, || wo.matmul(attn_out, num_tokens, proj));
         profile::time(Op::Residual, || add_in_place(&mut self.x, &self.proj));
         Ok(())
     }
@@ -297,6 +313,16 @@ impl MoeStep for CpuStep<'_> {
         profile::time(Op::ExpertMix, || experts.mix(normed, routing, scratch, mix));
         profile::time(Op::Residual, || add_in_place(&mut self.x, &self.proj));
         Ok(())
+    }
+}
+
+/// The grouped-query attention weights of a layer.
+fn gqa(layer: &Layer) -> Result<&GqaWeights, ForwardError> {
+    match &layer.attention {
+        Attention::Gqa(weights) => Ok(weights),
+        Attention::Mla(_) => Err(ForwardError::Batch(
+            "a grouped-query attention step ran on a latent attention layer".into(),
+        )),
     }
 }
 

@@ -56,9 +56,10 @@ mod weights;
 /// checks against the CPU's exact mode).
 pub use pagoda_tensor::DType;
 
-/// Why the CUDA model declines a mixture-of-experts model: its expert steps (a grouped GEMM
-/// over per-expert token lists) are not written yet.
-pub const MOE_ON_CPU_ONLY: &str = "MoE models run on the CPU for now (use --device cpu)";
+/// Why the CUDA model declines a mixture-of-experts model (its expert steps, a grouped GEMM
+/// over per-expert token lists, are not written yet) and DeepSeek's latent attention.
+pub const MOE_ON_CPU_ONLY: &str =
+    "MoE models run on the CPU for now, DeepSeek's latent attention too (use --device cpu)";
 
 /// Sizes of the KV pool and the step buffers ([`StepBuffers::new`]).
 #[derive(Debug, Clone, Copy)]
@@ -182,7 +183,7 @@ impl CudaModel {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel, LoadError> {
         config.validate().map_err(|e| LoadError(e.to_string()))?;
-        if config.moe.is_some() {
+        if config.moe.is_some() || config.mla.is_some() {
             return Err(LoadError(MOE_ON_CPU_ONLY.into()));
         }
         if !ops::SUPPORTED_HEAD_DIMS.contains(&config.head_dim) {

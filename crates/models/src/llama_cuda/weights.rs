@@ -13,7 +13,9 @@ use super::matrix::{Matrix, QuantMatrix, QuantPart};
 use super::{GpuLayer, GpuModel, HostFloat, MOE_ON_CPU_ONLY};
 use crate::config::{ModelConfig, RopeStyle};
 use crate::llama::LoadError;
-use crate::weight_plan::{gpu_keeps_blocks, LayerPlan, MlpPlan, ModelPlan, TensorSpec};
+use crate::weight_plan::{
+    gpu_keeps_blocks, AttentionPlan, GqaPlan, MlpPlan, ModelPlan, TensorSpec,
+};
 use crate::weights::TensorSource;
 
 fn gpu_error(context: &str) -> impl Fn(CudaError) -> LoadError + '_ {
@@ -39,13 +41,16 @@ impl<T: HostFloat> GpuModel<T> {
             let MlpPlan::Dense { gate, up, down } = &l.mlp else {
                 return Err(LoadError(MOE_ON_CPU_ONLY.into()));
             };
+            let AttentionPlan::Gqa(a) = &l.attention else {
+                return Err(LoadError(MOE_ON_CPU_ONLY.into()));
+            };
             layers.push(GpuLayer {
                 attn_norm: upload(&l.attn_norm)?,
-                wqkv: matrix(&[&l.q, &l.k, &l.v])?,
-                qkv_bias: qkv_bias::<T>(g, source, l)?,
-                q_norm: optional(&l.q_norm)?,
-                k_norm: optional(&l.k_norm)?,
-                wo: matrix(&[&l.attn_output])?,
+                wqkv: matrix(&[&a.q, &a.k, &a.v])?,
+                qkv_bias: qkv_bias::<T>(g, source, a)?,
+                q_norm: optional(&a.q_norm)?,
+                k_norm: optional(&a.k_norm)?,
+                wo: matrix(&[&a.attn_output])?,
                 ffn_norm: upload(&l.ffn_norm)?,
                 w_gate_up: matrix(&[gate, up])?,
                 w_down: matrix(&[down])?,
@@ -208,7 +213,7 @@ fn matrix<T: HostFloat>(
 fn qkv_bias<T: HostFloat>(
     gpu: &Gpu,
     source: &dyn TensorSource,
-    layer: &LayerPlan,
+    layer: &GqaPlan,
 ) -> Result<Option<DeviceBuffer<T>>, LoadError> {
     let parts = [
         (&layer.q_bias, layer.q.rows()),

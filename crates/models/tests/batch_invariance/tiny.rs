@@ -1,4 +1,5 @@
-//! The tiny random llama, and the tiny random Qwen3-MoE and Mixtral presets, end to end:
+//! The tiny random llama, and the tiny random Qwen3-MoE, Mixtral and DeepSeek presets (latent
+//! attention and its router), end to end:
 //! every request of a mixed schedule built around the threshold against the same request run
 //! alone.
 
@@ -29,6 +30,7 @@ fn tiny_config() -> ModelConfig {
         max_position_embeddings: 4096,
         tie_word_embeddings: false,
         moe: None,
+        mla: None,
     }
 }
 
@@ -124,7 +126,9 @@ fn tiny_model_requests_are_bit_identical_alone_and_batched_end_to_end() {
 /// summed in, must not depend on the other rows routed with it.
 #[test]
 fn tiny_moe_requests_are_bit_identical_alone_and_batched_end_to_end() {
-    for name in ["qwen3-moe-tiny", "mixtral-tiny"] {
+    // One DeepSeek preset (its latent attention, q_lora and group-limited, bias-corrected
+    // router) keeps the test fast; deepseek-v2-tiny differs only in code the oracle covers.
+    for name in ["qwen3-moe-tiny", "mixtral-tiny", "deepseek-v3-tiny"] {
         requests_are_bit_identical_alone_and_batched(preset(name).unwrap());
     }
 }

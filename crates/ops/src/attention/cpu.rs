@@ -9,6 +9,7 @@ pub(crate) mod gather;
 pub(crate) mod kernel;
 mod math;
 pub(crate) mod merge;
+pub(crate) mod mla;
 #[cfg(target_arch = "x86_64")]
 mod simd_x86;
 pub(crate) mod step;

@@ -72,7 +72,7 @@ pub fn append_kv_pool(
 }
 
 /// The new rows' lengths and every slot against the layout.
-fn check_slots(
+pub(crate) fn check_slots(
     layout: &KvLayout,
     slots: &[Slot],
     k_new: &[f32],

@@ -1,0 +1,183 @@
+//! The fields of a DeepSeek-V2/V3 `config.json` (`deepseek_v2`, `deepseek_v3`): latent
+//! attention, YaRN, and the router with shared experts, group limits and V3's bias.
+
+use std::path::Path;
+
+use super::{Fields, HfError};
+use crate::config::{
+    Architecture, ExpertGroupLimit, ExpertScoring, GroupScoring, MlaConfig, ModelConfig, MoeConfig,
+    RopeStyle, TopKWeights, YarnScaling,
+};
+
+/// The whole configuration of a DeepSeek checkpoint. Shapes are required (no silent fall
+/// back to the 236B model's defaults); routing fields take transformers' per-version
+/// defaults (V2: softmax, greedy; V3: sigmoid, `noaux_tc`).
+pub(super) fn deepseek_config(fields: &Fields<'_>, path: &Path) -> Result<ModelConfig, HfError> {
+    let v3 = matches!(fields.str("model_type")?, Some("deepseek_v3"))
+        || first_architecture(fields) == Some("DeepseekV3ForCausalLM");
+    let positive = |key: &str| -> Result<usize, HfError> {
+        match fields.required_usize(key)? {
+            0 => Err(fields.error(key, "must be positive")),
+            value => Ok(value),
+        }
+    };
+    let num_layers = positive("num_hidden_layers")?;
+    let mla = MlaConfig {
+        q_lora_rank: fields.usize("q_lora_rank")?.filter(|&rank| rank > 0),
+        kv_lora_rank: positive("kv_lora_rank")?,
+        qk_nope_head_dim: positive("qk_nope_head_dim")?,
+        qk_rope_head_dim: positive("qk_rope_head_dim")?,
+        v_head_dim: positive("v_head_dim")?,
+        yarn: yarn_of(fields)?,
+    };
+    let scoring =
+        match fields
+            .str("scoring_func")?
+            .unwrap_or(if v3 { "sigmoid" } else { "softmax" })
+        {
+            "softmax" => ExpertScoring::Softmax,
+            "sigmoid" => ExpertScoring::Sigmoid,
+            other => {
+                return Err(fields.error(
+                    "scoring_func",
+                    &format!("is `{other}`; only softmax and sigmoid are supported"),
+                ))
+            }
+        };
+    let topk_method = fields
+        .str("topk_method")?
+        .unwrap_or(if v3 { "noaux_tc" } else { "greedy" });
+    let groups = |score| -> Result<Option<ExpertGroupLimit>, HfError> {
+        let num_groups = fields.usize("n_group")?.unwrap_or(1);
+        Ok((num_groups > 1).then_some(()).map(|_| ExpertGroupLimit {
+            num_groups,
+            groups_per_token: fields
+                .usize("topk_group")
+                .ok()
+                .flatten()
+                .unwrap_or(num_groups),
+            score,
+        }))
+    };
+    let (group_limit, selection_bias) = match topk_method {
+        "greedy" => (None, false),
+        "group_limited_greedy" => (groups(GroupScoring::Max)?, false),
+        "noaux_tc" if scoring == ExpertScoring::Sigmoid => (groups(GroupScoring::TopTwoSum)?, true),
+        "noaux_tc" => {
+            return Err(fields.error(
+                "topk_method",
+                "is `noaux_tc`, which needs scoring_func `sigmoid`",
+            ))
+        }
+        other => {
+            return Err(fields.error(
+                "topk_method",
+                &format!("is `{other}`; supported: greedy, group_limited_greedy, noaux_tc"),
+            ))
+        }
+    };
+    let first_dense = fields.usize("first_k_dense_replace")?.unwrap_or(0);
+    let layer_freq = fields.usize("moe_layer_freq")?.unwrap_or(1);
+    if layer_freq == 0 {
+        return Err(fields.error("moe_layer_freq", "must be positive"));
+    }
+    let moe = MoeConfig {
+        num_experts: positive("n_routed_experts")?,
+        experts_per_token: positive("num_experts_per_tok")?,
+        expert_intermediate_size: positive("moe_intermediate_size")?,
+        top_k_weights: match fields.bool("norm_topk_prob")?.unwrap_or(false) {
+            true => TopKWeights::Normalized,
+            false => TopKWeights::Softmax,
+        },
+        // DeepSeek's rule: layer `i` is MoE when `i >= first_k_dense_replace` and
+        // `i % moe_layer_freq == 0`.
+        dense_layers: (0..num_layers)
+            .filter(|&layer| layer < first_dense || !layer.is_multiple_of(layer_freq))
+            .collect(),
+        scoring,
+        // Applied after any renormalisation, as V3's gate and llama.cpp do. V2's remote code
+        // skips it when it renormalises; no released V2 config combines the two
+        // (`norm_topk_prob: false` throughout).
+        routed_scaling_factor: fields.f32("routed_scaling_factor")?.unwrap_or(1.0),
+        group_limit,
+        selection_bias,
+        num_shared_experts: fields.usize("n_shared_experts")?.unwrap_or(0),
+    };
+    let config = ModelConfig {
+        architecture: Architecture::DeepSeek2,
+        hidden_size: positive("hidden_size")?,
+        num_layers,
+        num_attention_heads: positive("num_attention_heads")?,
+        // One latent row per token: the cache is one "head" of kv_lora_rank + rope values.
+        num_kv_heads: 1,
+        head_dim: mla.cache_row(),
+        intermediate_size: positive("intermediate_size")?,
+        vocab_size: positive("vocab_size")?,
+        rms_norm_eps: fields.f32("rms_norm_eps")?.unwrap_or(1e-6),
+        rope_theta: fields.f32("rope_theta")?.unwrap_or(10_000.0),
+        rope_dim: mla.qk_rope_head_dim,
+        // HF DeepSeek de-interleaves q_pe and k_pe before rotate-half; rotating adjacent
+        // pairs in place gives the same scores.
+        rope_style: RopeStyle::Interleaved,
+        rope_scaling: None,
+        max_position_embeddings: fields.usize("max_position_embeddings")?.unwrap_or(2048),
+        tie_word_embeddings: fields.bool("tie_word_embeddings")?.unwrap_or(false),
+        moe: Some(moe),
+        mla: Some(mla),
+    };
+    config
+        .validate()
+        .map_err(|message| HfError::new(path, format!("invalid config: {message}")))?;
+    Ok(config)
+}
+
+fn first_architecture<'a>(fields: &'a Fields<'_>) -> Option<&'a str> {
+    fields.get("architectures")?.as_array()?.first()?.as_str()
+}
+
+/// `rope_scaling` (or transformers 5's `rope_parameters`) of type `yarn`, with DeepSeek's
+/// defaults; `None` without scaling.
+fn yarn_of(fields: &Fields<'_>) -> Result<Option<YarnScaling>, HfError> {
+    let (key, scaling) = match fields.object("rope_scaling")? {
+        Some(scaling) => ("rope_scaling", scaling),
+        None => match fields.object("rope_parameters")? {
+            Some(scaling) => ("rope_parameters", scaling),
+            None => return Ok(None),
+        },
+    };
+    let prefix = format!("{key}.");
+    let scaling = Fields {
+        map: scaling,
+        path: fields.path,
+        prefix: &prefix,
+    };
+    let rope_type = match scaling.str("rope_type")? {
+        Some(rope_type) => rope_type,
+        None => scaling.str("type")?.unwrap_or("default"),
+    };
+    match rope_type {
+        "default" => Ok(None),
+        "yarn" => Ok(Some(YarnScaling {
+            factor: scaling.required_f32("factor")?,
+            original_max_position_embeddings: u32::try_from(
+                scaling
+                    .usize("original_max_position_embeddings")?
+                    .unwrap_or(4096),
+            )
+            .map_err(|_| {
+                scaling.error(
+                    "original_max_position_embeddings",
+                    "does not fit in 32 bits",
+                )
+            })?,
+            beta_fast: scaling.f32("beta_fast")?.unwrap_or(32.0),
+            beta_slow: scaling.f32("beta_slow")?.unwrap_or(1.0),
+            mscale: scaling.f32("mscale")?.unwrap_or(1.0),
+            mscale_all_dim: scaling.f32("mscale_all_dim")?.unwrap_or(0.0),
+        })),
+        other => Err(scaling.error(
+            "rope_type",
+            &format!("is `{other}`; DeepSeek models support `default` and `yarn` RoPE scaling"),
+        )),
+    }
+}

@@ -1,0 +1,211 @@
+//! DeepSeek presets of [`super::preset`] and the tensors of a DeepSeek layer in the layout
+//! the safetensors loader serves (HF's joint `kv_b_proj`), for random weights and for the
+//! safetensors check.
+
+use crate::config::{
+    Architecture, ExpertGroupLimit, ExpertScoring, GroupScoring, MlaConfig, ModelConfig, MoeConfig,
+    RopeStyle, TopKWeights, YarnScaling,
+};
+use crate::weights::names;
+
+/// A DeepSeek model of `mla`'s latent attention (the cache shapes follow from it).
+fn deepseek(base: ModelConfig, mla: MlaConfig, moe: MoeConfig) -> ModelConfig {
+    ModelConfig {
+        num_kv_heads: 1,
+        head_dim: mla.cache_row(),
+        rope_dim: mla.qk_rope_head_dim,
+        rope_style: RopeStyle::Interleaved,
+        moe: Some(moe),
+        mla: Some(mla),
+        ..base
+    }
+}
+
+/// A tiny DeepSeek shell: hidden 64, 3 layers (the first dense), 4 heads.
+fn tiny_base() -> ModelConfig {
+    ModelConfig {
+        architecture: Architecture::DeepSeek2,
+        hidden_size: 64,
+        num_layers: 3,
+        num_attention_heads: 4,
+        num_kv_heads: 1,
+        head_dim: 0,
+        intermediate_size: 96,
+        vocab_size: 512,
+        rms_norm_eps: 1e-6,
+        rope_theta: 10000.0,
+        rope_dim: 0,
+        rope_style: RopeStyle::Interleaved,
+        rope_scaling: None,
+        max_position_embeddings: 4096,
+        tie_word_embeddings: false,
+        moe: None,
+        mla: None,
+    }
+}
+
+/// The DeepSeek preset `name` (lowercase), if it is one.
+pub(super) fn preset(name: &str) -> Option<ModelConfig> {
+    Some(match name {
+        // DeepSeek-V2-Lite: 15.7B parameters, 2.4B active per token.
+        "deepseek-v2-lite" => deepseek(
+            ModelConfig {
+                hidden_size: 2048,
+                num_layers: 27,
+                num_attention_heads: 16,
+                intermediate_size: 10944,
+                vocab_size: 102400,
+                max_position_embeddings: 163840,
+                ..tiny_base()
+            },
+            MlaConfig {
+                q_lora_rank: None,
+                kv_lora_rank: 512,
+                qk_nope_head_dim: 128,
+                qk_rope_head_dim: 64,
+                v_head_dim: 128,
+                yarn: Some(YarnScaling {
+                    factor: 40.0,
+                    original_max_position_embeddings: 4096,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    mscale: 0.707,
+                    mscale_all_dim: 0.707,
+                }),
+            },
+            MoeConfig {
+                num_experts: 64,
+                experts_per_token: 6,
+                expert_intermediate_size: 1408,
+                top_k_weights: TopKWeights::Softmax,
+                dense_layers: vec![0],
+                num_shared_experts: 2,
+                ..MoeConfig::default()
+            },
+        ),
+        // Tests, V2-style: no query compression, softmax with group-limited greedy routing,
+        // an unnormalised scaled top-k, YaRN with a rope scale other than 1.
+        "deepseek-v2-tiny" => deepseek(
+            tiny_base(),
+            MlaConfig {
+                q_lora_rank: None,
+                kv_lora_rank: 32,
+                qk_nope_head_dim: 16,
+                qk_rope_head_dim: 8,
+                v_head_dim: 16,
+                yarn: Some(YarnScaling {
+                    factor: 4.0,
+                    original_max_position_embeddings: 32,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    mscale: 1.0,
+                    mscale_all_dim: 0.8,
+                }),
+            },
+            MoeConfig {
+                num_experts: 8,
+                experts_per_token: 2,
+                expert_intermediate_size: 32,
+                top_k_weights: TopKWeights::Softmax,
+                dense_layers: vec![0],
+                routed_scaling_factor: 1.5,
+                group_limit: Some(ExpertGroupLimit {
+                    num_groups: 4,
+                    groups_per_token: 2,
+                    score: GroupScoring::Max,
+                }),
+                num_shared_experts: 1,
+                ..MoeConfig::default()
+            },
+        ),
+        // Tests, V3-style: query compression, sigmoid scores with the selection bias and
+        // top-two group scores (`noaux_tc`), normalised then scaled.
+        "deepseek-v3-tiny" => deepseek(
+            tiny_base(),
+            MlaConfig {
+                q_lora_rank: Some(24),
+                kv_lora_rank: 32,
+                qk_nope_head_dim: 16,
+                qk_rope_head_dim: 8,
+                v_head_dim: 16,
+                yarn: None,
+            },
+            MoeConfig {
+                num_experts: 8,
+                experts_per_token: 3,
+                expert_intermediate_size: 32,
+                top_k_weights: TopKWeights::Normalized,
+                dense_layers: vec![0],
+                scoring: ExpertScoring::Sigmoid,
+                routed_scaling_factor: 2.5,
+                group_limit: Some(ExpertGroupLimit {
+                    num_groups: 4,
+                    groups_per_token: 2,
+                    score: GroupScoring::TopTwoSum,
+                }),
+                selection_bias: true,
+                num_shared_experts: 1,
+            },
+        ),
+        _ => return None,
+    })
+}
+
+/// The attention and MLP tensors of DeepSeek layer `layer` (HF's layout under canonical
+/// names: the joint `attn_kv_b`), with their row-major shapes.
+pub fn deepseek_layer_tensors(config: &ModelConfig, layer: usize) -> Vec<(String, Vec<usize>)> {
+    let (Some(mla), Some(moe)) = (&config.mla, &config.moe) else {
+        return Vec::new();
+    };
+    let (hidden, heads) = (config.hidden_size, config.num_attention_heads);
+    let q_rows = heads * mla.q_head_dim();
+    let n = |suffix: &str| names::layer(layer, suffix);
+    let mut shapes = vec![(n(names::ATTN_NORM), vec![hidden])];
+    match mla.q_lora_rank {
+        None => shapes.push((n(names::ATTN_Q), vec![q_rows, hidden])),
+        Some(rank) => shapes.extend([
+            (n(names::ATTN_Q_A), vec![rank, hidden]),
+            (n(names::ATTN_Q_A_NORM), vec![rank]),
+            (n(names::ATTN_Q_B), vec![q_rows, rank]),
+        ]),
+    }
+    let latent = mla.kv_lora_rank;
+    shapes.extend([
+        (n(names::ATTN_KV_A_MQA), vec![mla.cache_row(), hidden]),
+        (n(names::ATTN_KV_A_NORM), vec![latent]),
+        (
+            n(names::ATTN_KV_B),
+            vec![heads * (mla.qk_nope_head_dim + mla.v_head_dim), latent],
+        ),
+        (n(names::ATTN_OUTPUT), vec![hidden, heads * mla.v_head_dim]),
+        (n(names::FFN_NORM), vec![hidden]),
+    ]);
+    if moe.is_moe_layer(layer) {
+        let (experts, width) = (moe.num_experts, moe.expert_intermediate_size);
+        shapes.extend([
+            (n(names::FFN_GATE_INP), vec![experts, hidden]),
+            (n(names::FFN_GATE_EXPS), vec![experts, width, hidden]),
+            (n(names::FFN_UP_EXPS), vec![experts, width, hidden]),
+            (n(names::FFN_DOWN_EXPS), vec![experts, hidden, width]),
+        ]);
+        if moe.selection_bias {
+            shapes.push((n(names::FFN_EXP_PROBS_B), vec![experts]));
+        }
+        let shared = moe.num_shared_experts * width;
+        if shared > 0 {
+            shapes.extend([
+                (n(names::FFN_GATE_SHEXP), vec![shared, hidden]),
+                (n(names::FFN_UP_SHEXP), vec![shared, hidden]),
+                (n(names::FFN_DOWN_SHEXP), vec![hidden, shared]),
+            ]);
+        }
+    } else {
+        let width = config.intermediate_size;
+        shapes.extend([
+            (n(names::FFN_GATE), vec![width, hidden]),
+            (n(names::FFN_UP), vec![width, hidden]),
+            (n(names::FFN_DOWN), vec![hidden, width]),
+        ]);
+    }
+    shapes
+}

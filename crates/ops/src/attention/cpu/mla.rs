@@ -1,0 +1,150 @@
+//! Multi-head latent attention (DeepSeek-V2/V3's MLA) in its absorbed form, over a latent
+//! paged cache.
+//!
+//! The cache holds ONE row per token, `[latent_dim + rope_dim]`: the compressed KV latent
+//! `c` (after its RMSNorm) then the shared, rotated RoPE key `k_rope`. It is a pool of the
+//! usual [`KvLayout`] with `num_kv_heads = 1` and `head_dim = latent_dim + rope_dim`, read
+//! through the same CSR page table as every other cache. Every query head reads that one row:
+//! the query arrives absorbed, `q = [W_UK_h^T q_nope_h, q_rope_h]` per head, so a score is one
+//! dot product `q·row = q_latent·c + q_rope·k_rope`, and the output is the latent
+//! `Σ p · c` (`[latent_dim]` per head), which the caller takes through `W_UV_h` and the
+//! output projection.
+
+use rayon::prelude::*;
+
+use super::append::check_slots;
+use super::math::{add_scaled, dot, LOG2_E};
+use crate::attention::{validate, AttentionError, KvLayout, KvPool, KvSlice};
+use pagoda_kv::{PageTable, Slot};
+
+/// One layer's latent cache as this step's batch sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct LatentKv<'a> {
+    /// `[num_pages, page_size, 1, latent_dim + rope_dim]` values.
+    pub pool: KvSlice<'a>,
+    /// The pool's shape (`num_kv_heads` 1, `head_dim = latent_dim + rope_dim`).
+    pub layout: KvLayout,
+    /// The batch's CSR page table over this pool.
+    pub page_table: &'a PageTable,
+}
+
+/// Ragged causal absorbed MLA over the latent cache.
+///
+/// Shapes: `q` `[T, num_heads, latent_dim + rope_dim]` grouped by `qo_indptr [B + 1]`;
+/// `out` `[T, num_heads, latent_dim]`, fully overwritten. Query `j` of request `r` (of
+/// `q_len` queries) attends to visible tokens `0..=seq_len - q_len + j`. Scores are
+/// `scale * q·row`. Each (query, head) runs on its own over the visible tokens in order, so
+/// a row's result never depends on the batch or the thread count.
+pub fn mla_attention(
+    kv: &LatentKv<'_>,
+    q: &[f32],
+    qo_indptr: &[u32],
+    num_heads: usize,
+    latent_dim: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
+    let layout = &kv.layout;
+    let row_width = layout.head_dim;
+    if layout.num_kv_heads != 1 || latent_dim == 0 || latent_dim > row_width || num_heads == 0 {
+        return Err(AttentionError::Geometry(format!(
+            "a latent cache has one head of latent_dim + rope_dim values; got {} heads of {}, latent_dim {latent_dim}, {num_heads} query heads",
+            layout.num_kv_heads, layout.head_dim
+        )));
+    }
+    validate::geometry(layout, num_heads)?;
+    validate::length(
+        "latent pool [num_pages, page_size, 1, latent_dim + rope_dim]",
+        layout.pool_len(),
+        kv.pool.len(),
+    )?;
+    let table = kv.page_table;
+    table.validate(layout.num_pages, layout.page_size)?;
+    let num_tokens = qo_indptr.last().copied().unwrap_or(0) as usize;
+    validate::query_indptr(qo_indptr, &table.seq_lens, num_tokens)?;
+    validate::length(
+        "q [T, num_heads, latent_dim + rope_dim]",
+        num_tokens * num_heads * row_width,
+        q.len(),
+    )?;
+    validate::length(
+        "out [T, num_heads, latent_dim]",
+        num_tokens * num_heads * latent_dim,
+        out.len(),
+    )?;
+    let scale_log2 = scale * LOG2_E;
+    for request in 0..table.num_requests() {
+        let (first, last) = (qo_indptr[request] as usize, qo_indptr[request + 1] as usize);
+        if first == last {
+            continue;
+        }
+        let q_len = last - first;
+        let seq_len = table.seq_lens[request] as usize;
+        let rows = gather_rows(kv, request, seq_len);
+        let out_request = &mut out[first * num_heads * latent_dim..last * num_heads * latent_dim];
+        let q_request = &q[first * num_heads * row_width..last * num_heads * row_width];
+        out_request
+            .par_chunks_mut(latent_dim)
+            .enumerate()
+            .for_each(|(query_head, out_head)| {
+                let query = query_head / num_heads;
+                let visible = seq_len - q_len + query + 1;
+                let q_head = &q_request[query_head * row_width..][..row_width];
+                let scores: Vec<f32> = rows
+                    .chunks_exact(row_width)
+                    .take(visible)
+                    .map(|row| dot(q_head, row) * scale_log2)
+                    .collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                out_head.fill(0.0);
+                let mut denominator = 0.0f32;
+                for (row, &score) in rows.chunks_exact(row_width).zip(&scores) {
+                    let weight = (score - max).exp2();
+                    denominator += weight;
+                    add_scaled(out_head, weight, &row[..latent_dim]);
+                }
+                let inverse = 1.0 / denominator;
+                out_head.iter_mut().for_each(|value| *value *= inverse);
+            });
+    }
+    Ok(())
+}
+
+/// The first `seq_len` visible rows of request `request`, `[seq_len, row_width]` f32.
+fn gather_rows(kv: &LatentKv<'_>, request: usize, seq_len: usize) -> Vec<f32> {
+    let (layout, table) = (&kv.layout, kv.page_table);
+    let first_page = table.indptr[request] as usize;
+    let first_page_offset = table.first_page_offset[request] as usize;
+    let mut rows = Vec::with_capacity(seq_len * layout.head_dim);
+    for visible in 0..seq_len {
+        let absolute = first_page_offset + visible;
+        let page = table.indices[first_page + absolute / layout.page_size] as usize;
+        let offset = layout.head_offset(page, absolute % layout.page_size, 0);
+        kv.pool.extend_into(offset, layout.head_dim, &mut rows);
+    }
+    rows
+}
+
+/// Writes the new tokens' latent rows (`rows` `[slots.len(), latent_dim + rope_dim]`) into
+/// the latent pool at their slots, in the pool's type (f32, f16 or q8_0; q8_0 needs a row
+/// width that 32 divides). All or nothing: every slot is checked first.
+pub fn append_latent(
+    pool: &mut KvPool,
+    layout: &KvLayout,
+    slots: &[Slot],
+    rows: &[f32],
+) -> Result<(), AttentionError> {
+    pool.kv_type().check_head_dim(layout.head_dim)?;
+    validate::length(
+        "latent pool [num_pages, page_size, 1, latent_dim + rope_dim]",
+        layout.pool_len(),
+        pool.len(),
+    )?;
+    check_slots(layout, slots, rows, rows)?;
+    let stride = layout.token_stride();
+    for (token, slot) in slots.iter().enumerate() {
+        let offset = slot.physical_index(layout.page_size) * stride;
+        pool.write(offset, &rows[token * stride..(token + 1) * stride]);
+    }
+    Ok(())
+}

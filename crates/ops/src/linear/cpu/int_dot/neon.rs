@@ -1,0 +1,197 @@
+//! The aarch64 kernels of the per-row integer tiles (NEON, with `SDOT` where the CPU has the
+//! dotprod extension); see [`super`].
+//!
+//! Every (row, token) pair of a tile runs exactly [`dot_scalar`]'s chain, so the result equals
+//! the scalar kernel bit for bit whatever `R` and `T` are:
+//!
+//! - the block's integer part, exact: `u - zero` fits an i8 for every repacked format (at
+//!   most -128..127, Q8_0), so it is a signed-by-signed dot of 32 bytes, into four i32 lanes
+//!   with `SDOT` (`vdotq_s32`) or, without dotprod, `SMULL`/`SMULL2` (i16 products, exact)
+//!   and `SADALP` (pairwise widening adds); the lanes are summed with `ADDV` (integers: any
+//!   order gives the same value). With sub-scales (Q3_K, Q6_K, Q2_K) each 16-value half is
+//!   summed apart and times its sub-scale, `wrapping_add`ed as the scalar kernel does; Q2_K's
+//!   min integer sums each half's activation bytes (`SADDLV`);
+//! - then the scalar kernel's float step, unfused and blocks in order:
+//!   `total += d * d_a * integer + min * s_a` (Q2_K: `+ min * d_a * min_integer`).
+//!
+//! One activation block loaded feeds `R` rows and one weight block `T` tokens, as on x86.
+
+use super::*;
+use pagoda_tensor::quant::blocks::QK;
+use std::arch::aarch64::*;
+
+/// The signed values `u - zero` of block `block` of a row starting at `qs`, as the two
+/// 16-value halves (values 0..16 and 16..32). SAFETY (caller): the row holds the block.
+#[inline(always)]
+unsafe fn signed_block<const NIBBLE: bool>(
+    qs: *const u8,
+    block: usize,
+    zero: uint8x16_t,
+) -> [int8x16_t; 2] {
+    unsafe {
+        let (low, high) = if NIBBLE {
+            // Byte `j` holds value `j` (low nibble) and value `j + 16` (high nibble).
+            let packed = vld1q_u8(qs.add(block * QK / 2));
+            (vandq_u8(packed, vdupq_n_u8(0x0F)), vshrq_n_u8::<4>(packed))
+        } else {
+            let at = qs.add(block * QK);
+            (vld1q_u8(at), vld1q_u8(at.add(QK / 2)))
+        };
+        // Wrapping byte subtraction: `u - zero` lies in -128..127, so the i8 is exact.
+        [
+            vreinterpretq_s8_u8(vsubq_u8(low, zero)),
+            vreinterpretq_s8_u8(vsubq_u8(high, zero)),
+        ]
+    }
+}
+
+/// The four i32 lanes of `w . a` over one 16-byte half, with `SDOT`: lane `i` adds the
+/// products of bytes `4 i .. 4 i + 4` to `start`'s. Inline assembly, since `vdotq_s32` is not
+/// stable Rust yet (`stdarch_neon_dotprod`); the instruction is the one it emits.
+/// SAFETY: NEON + dotprod.
+#[target_feature(enable = "neon,dotprod")]
+#[inline]
+unsafe fn half_sdot(start: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
+    let mut lanes = start;
+    // SAFETY: a register-only instruction the caller's CPU has.
+    unsafe {
+        std::arch::asm!(
+            "sdot {lanes:v}.4s, {w:v}.16b, {a:v}.16b",
+            lanes = inout(vreg) lanes,
+            w = in(vreg) w,
+            a = in(vreg) a,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+    }
+    lanes
+}
+
+/// The four i32 lanes of `w . a` over one 16-byte half, without dotprod: the 16 products as
+/// i16 (`SMULL`, `SMULL2`; at most 128 * 128 in magnitude, exact), pairwise-added into i32
+/// lanes (`SADALP`). SAFETY: NEON.
+#[target_feature(enable = "neon")]
+#[inline]
+unsafe fn half_smull(start: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
+    let low = vmull_s8(vget_low_s8(w), vget_low_s8(a));
+    let high = vmull_high_s8(w, a);
+    vpadalq_s16(vpadalq_s16(start, low), high)
+}
+
+/// One half's integer lanes with the kernel `DOT` names (`SDOT` when true).
+/// SAFETY (caller): NEON, and dotprod when `DOT`.
+#[inline(always)]
+unsafe fn half_dot<const DOT: bool>(start: int32x4_t, w: int8x16_t, a: int8x16_t) -> int32x4_t {
+    unsafe {
+        if DOT {
+            half_sdot(start, w, a)
+        } else {
+            half_smull(start, w, a)
+        }
+    }
+}
+
+/// The tile (see [`super::tile`]) with `SDOT`.
+/// SAFETY (caller): NEON and dotprod; indices in range; `NIBBLE` and `SUB` as the rows are.
+#[target_feature(enable = "neon,dotprod")]
+pub(super) unsafe fn tile_sdot<
+    const R: usize,
+    const T: usize,
+    const NIBBLE: bool,
+    const SUB: bool,
+>(
+    weights: &RepackedRows,
+    rows: [usize; R],
+    activations: &Q8Rows,
+    tokens: [usize; T],
+) -> [[f32; T]; R] {
+    unsafe { tile_with::<R, T, NIBBLE, SUB, true>(weights, rows, activations, tokens) }
+}
+
+/// The tile (see [`super::tile`]) with `SMULL` + `SADALP`.
+/// SAFETY (caller): NEON; indices in range; `NIBBLE` and `SUB` as the rows are.
+#[target_feature(enable = "neon")]
+pub(super) unsafe fn tile_smull<
+    const R: usize,
+    const T: usize,
+    const NIBBLE: bool,
+    const SUB: bool,
+>(
+    weights: &RepackedRows,
+    rows: [usize; R],
+    activations: &Q8Rows,
+    tokens: [usize; T],
+) -> [[f32; T]; R] {
+    unsafe { tile_with::<R, T, NIBBLE, SUB, false>(weights, rows, activations, tokens) }
+}
+
+/// The body of both kernels. SAFETY (caller): as [`tile_sdot`] (`DOT`) or [`tile_smull`].
+#[inline(always)]
+unsafe fn tile_with<
+    const R: usize,
+    const T: usize,
+    const NIBBLE: bool,
+    const SUB: bool,
+    const DOT: bool,
+>(
+    weights: &RepackedRows,
+    rows: [usize; R],
+    activations: &Q8Rows,
+    tokens: [usize; T],
+) -> [[f32; T]; R] {
+    // SAFETY: the caller's features and indices (see `tile_sdot`, `tile_smull`).
+    unsafe {
+        let blocks = weights.blocks_per_row();
+        let zero = vdupq_n_u8(weights.zero() as u8);
+        let qs: [*const u8; R] = rows.map(|r| weights.row_qs(r).as_ptr());
+        let factors = rows.map(|r| weights.row_factors(r));
+        let subs = rows.map(|r| weights.sub_scales(r));
+        let sub_mins = rows.map(|r| weights.sub_mins(r));
+        let has_sub_mins = weights.has_sub_mins();
+        let qa: [*const i8; T] = tokens.map(|t| activations.row_qs(t).as_ptr());
+        let da = tokens.map(|t| activations.row_scales(t));
+        let sa = tokens.map(|t| activations.row_sums(t));
+        let mut total = [[0f32; T]; R];
+        for block in 0..blocks {
+            // Every activation row holds `blocks` blocks of 32 bytes.
+            let a: [[int8x16_t; 2]; T] = qa.map(|row| {
+                let at = row.add(block * QK);
+                [vld1q_s8(at), vld1q_s8(at.add(QK / 2))]
+            });
+            // Q2_K's `sum(qa[..16])`, `sum(qa[16..])` per token (at most 2048 in magnitude).
+            let half_sums: [[i32; 2]; T] = if has_sub_mins {
+                a.map(|[low, high]| [vaddlvq_s8(low) as i32, vaddlvq_s8(high) as i32])
+            } else {
+                [[0; 2]; T]
+            };
+            for r in 0..R {
+                // The row holds `blocks` blocks of the width `NIBBLE` names.
+                let w = signed_block::<NIBBLE>(qs[r], block, zero);
+                let (d, min) = (factors[r].scale(block), factors[r].min(block));
+                for t in 0..T {
+                    let start = vdupq_n_s32(0);
+                    let integer = {
+                        if SUB {
+                            let [s0, s1] = subs[r][block];
+                            let low = vaddvq_s32(half_dot::<DOT>(start, w[0], a[t][0]));
+                            let high = vaddvq_s32(half_dot::<DOT>(start, w[1], a[t][1]));
+                            (s0 as i32 * low).wrapping_add(s1 as i32 * high)
+                        } else {
+                            let lanes = half_dot::<DOT>(start, w[0], a[t][0]);
+                            vaddvq_s32(half_dot::<DOT>(lanes, w[1], a[t][1]))
+                        }
+                    };
+                    let scale = d * da[t][block] * integer as f32;
+                    total[r][t] += if has_sub_mins {
+                        let [m0, m1] = sub_mins[r][block];
+                        let [low, high] = half_sums[t];
+                        let min_integer = m0 as i32 * low + m1 as i32 * high;
+                        scale + min * da[t][block] * min_integer as f32
+                    } else {
+                        scale + min * sa[t][block]
+                    };
+                }
+            }
+        }
+        total
+    }
+}

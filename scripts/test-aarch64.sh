@@ -65,14 +65,22 @@ export PAGODA_TEST_RUNNER="$CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER"
 # build, as in CI; 93 s cross-building, 42 s and 2 s of tests; one cargo job on 2 shared
 # cores): every pagoda-ops test binary cross-built, then
 #   1. under `-cpu max` (NEON, dotprod, i8mm: `auto` is neon_dotprod+f32_ffn_down, the NEON
-#      attention) every pagoda-ops test except the statistical sampling ones (SLOW_UNDER_QEMU:
-#      millions of draws, minutes each under emulation; they check portable code that the
-#      x86 run of scripts/test.sh covers bit for bit, and the full run here still runs them);
+#      attention) every pagoda-ops test except two statistical sampling binaries
+#      (SLOW_UNDER_QEMU: millions of draws; under qemu sampling_draws took 116 s and
+#      sampling_fused_draws more than 240 s, against 31 s for speculative_draws, which stays;
+#      they check portable code that the x86 run of scripts/test.sh covers, and the full run
+#      here still runs them);
 #   2. under `-cpu cortex-a53` (no dotprod: the plain `neon` set) the kernel tests against
 #      their scalar oracles (linear_neon_kernels, linear_int_kernels, attention_simd_kernels),
-#      which must find exactly the sets each CPU model has.
-# Not here: pagoda-cli's build and the greedy generation on the default model (the full run).
-SLOW_UNDER_QEMU=(sampling_draws sampling_fused_draws speculative_draws)
+#      which must find exactly the sets each CPU model has;
+#   3. 16 greedy tokens on the default model (Q4_1 weights, Q8 activations) with
+#      `neon_dotprod` under `-cpu max` and `neon` under `-cpu cortex-a53`, each equal to the
+#      native build's text with the `scalar` set (the NEON dots give the scalar kernel's bits;
+#      the attention and f32 kernels are the portable ones on both sides). Skipped with a
+#      message without the model or the native binary (`target/debug/pagoda`, which
+#      scripts/test.sh has built by then).
+# Not here: the exact-mode generation and the statistical sampling tests (the full run).
+SLOW_UNDER_QEMU=(sampling_draws sampling_fused_draws)
 ci_subset() {
   cargo test --no-run --target "$target" -p pagoda-ops
   step "cross-building the pagoda-ops tests"
@@ -89,6 +97,35 @@ ci_subset() {
     cargo test --target "$target" -p pagoda-ops \
     --test linear_neon_kernels --test linear_int_kernels --test attention_simd_kernels
   step "the kernel tests under qemu -cpu cortex-a53 (no dotprod)"
+  local model=models/SmolLM2-135M-Instruct.Q4_1.gguf target_dir="${CARGO_TARGET_DIR:-target}"
+  if [ ! -f "$model" ] || [ ! -x "$target_dir/debug/pagoda" ]; then
+    echo "test-aarch64.sh: no default model or native build; skipping the NEON generation" >&2
+    return
+  fi
+  cargo build --target "$target" -p pagoda-cli
+  step "cross-building pagoda-cli"
+  local native arm cpu_and_set
+  native="$(quantized_generate scalar "$target_dir/debug/pagoda")"
+  for cpu_and_set in max:neon_dotprod cortex-a53:neon; do
+    arm="$(QEMU_CPU="${cpu_and_set%%:*}" quantized_generate "${cpu_and_set#*:}" \
+      qemu-aarch64-static -L /usr/aarch64-linux-gnu "$target_dir/$target/debug/pagoda")"
+    printf '%s: %q\nnative scalar: %q\n' "$cpu_and_set" "$arm" "$native" >&2
+    if [ "$arm" != "$native" ]; then
+      echo "test-aarch64.sh: the $cpu_and_set generation differs from the native one" >&2
+      exit 1
+    fi
+  done
+  step "16 greedy tokens with neon_dotprod and neon under qemu, and natively with scalar"
+}
+
+# 16 greedy tokens on the default model as stored (Q8 activations) with kernel set $1, the
+# portable attention and f32 kernels, run by the command that follows.
+quantized_generate() {
+  local set="$1"
+  shift
+  PAGODA_CPU_KERNELS="$set" PAGODA_CPU_ATTENTION=scalar PAGODA_CPU_F32_DECODE=tile \
+    "$@" generate -m models/SmolLM2-135M-Instruct.Q4_1.gguf --temp 0 -n 16 -t 2 \
+    -p "The capital of France is" 2>/dev/null
 }
 
 if [ "$mode" = ci ]; then

@@ -246,33 +246,49 @@ pub fn tile<const R: usize, const T: usize>(
     {
         if isa.is_neon() && supported(isa) && !activations.is_q15() {
             let nibble = weights.width() == QuantWidth::Nibble;
+            let half = weights.has_half_factors();
             let sub = weights.has_sub_scales();
             macro_rules! run {
                 ($kernel:ident) => {
                     // SAFETY: the CPU has the features (checked above); indices were checked,
                     // and every row slice holds `blocks_per_row` blocks of the layout `width`
-                    // names, with sub-scales where `has_sub_scales` says.
+                    // names, with factors of the kind `half` names and sub-scales where
+                    // `has_sub_scales` says (they come with byte values and half factors).
                     unsafe {
-                        match (nibble, sub) {
-                            (true, false) => neon::$kernel::<R, T, true, false>(
+                        match (nibble, half, sub) {
+                            (true, true, false) => neon::$kernel::<R, T, true, true, false>(
                                 weights,
                                 rows,
                                 activations,
                                 tokens,
                             ),
-                            (true, true) => unreachable!("sub-scales come with byte values"),
-                            (false, false) => neon::$kernel::<R, T, false, false>(
+                            (true, false, false) => neon::$kernel::<R, T, true, false, false>(
                                 weights,
                                 rows,
                                 activations,
                                 tokens,
                             ),
-                            (false, true) => neon::$kernel::<R, T, false, true>(
+                            (false, true, false) => neon::$kernel::<R, T, false, true, false>(
                                 weights,
                                 rows,
                                 activations,
                                 tokens,
                             ),
+                            (false, false, false) => neon::$kernel::<R, T, false, false, false>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                            (false, true, true) => neon::$kernel::<R, T, false, true, true>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                            (_, _, true) => {
+                                unreachable!("sub-scales come with byte values, half factors")
+                            }
                         }
                     }
                 };

@@ -12,12 +12,15 @@
 //!   summed apart and times its sub-scale, `wrapping_add`ed as the scalar kernel does; Q2_K's
 //!   min integer sums each half's activation bytes (`SADDLV`);
 //! - then the scalar kernel's float step, unfused and blocks in order:
-//!   `total += d * d_a * integer + min * s_a` (Q2_K: `+ min * d_a * min_integer`).
+//!   `total += d * d_a * integer + min * s_a` (Q2_K: `+ min * d_a * min_integer`), with the
+//!   half factors widened by `FCVT` (exact, as `f16_bits_to_f32`; only a signalling NaN
+//!   would come out quieted).
 //!
 //! One activation block loaded feeds `R` rows and one weight block `T` tokens, as on x86.
 
 use super::*;
 use pagoda_tensor::quant::blocks::QK;
+use pagoda_tensor::quant::repack::RowFactors;
 use std::arch::aarch64::*;
 
 /// The signed values `u - zero` of block `block` of a row starting at `qs`, as the two
@@ -90,13 +93,80 @@ unsafe fn half_dot<const DOT: bool>(start: int32x4_t, w: int8x16_t, a: int8x16_t
     }
 }
 
+/// The half at `pointer` widened to f32 (`LDR Hn`, `FCVT`; base ARMv8, exact).
+/// SAFETY (caller): `pointer` points at two readable bytes.
+#[inline(always)]
+unsafe fn load_half(pointer: *const u16) -> f32 {
+    let value: f32;
+    // SAFETY: reads the two bytes the caller vouches for; registers only otherwise.
+    unsafe {
+        std::arch::asm!(
+            "ldr {half:h}, [{pointer}]",
+            "fcvt {value:s}, {half:h}",
+            pointer = in(reg) pointer,
+            half = out(vreg) _,
+            value = lateout(vreg) value,
+            options(pure, readonly, nostack, preserves_flags)
+        );
+    }
+    value
+}
+
+/// One row's per-block factors as raw pointers: half bits when `HALF`, else f32; `mins` is
+/// null when the format has none (every min 0).
+#[derive(Clone, Copy)]
+struct FactorPointers {
+    scales: *const u8,
+    mins: *const u8,
+}
+
+impl FactorPointers {
+    fn of(factors: RowFactors<'_>) -> FactorPointers {
+        let pointer = |empty: bool, at: *const u8| if empty { std::ptr::null() } else { at };
+        match factors {
+            RowFactors::Half { scales, mins } => FactorPointers {
+                scales: scales.as_ptr() as *const u8,
+                mins: pointer(mins.is_empty(), mins.as_ptr() as *const u8),
+            },
+            RowFactors::Single { scales, mins } => FactorPointers {
+                scales: scales.as_ptr() as *const u8,
+                mins: pointer(mins.is_empty(), mins.as_ptr() as *const u8),
+            },
+        }
+    }
+
+    /// Block `block`'s scale and min, widened exactly (the min 0 without mins).
+    /// SAFETY (caller): `block` is in the row; `HALF` matches the factors' kind.
+    #[inline(always)]
+    unsafe fn get<const HALF: bool>(self, block: usize) -> (f32, f32) {
+        // SAFETY: as the caller vouches.
+        unsafe {
+            let read = |base: *const u8| {
+                if HALF {
+                    load_half((base as *const u16).add(block))
+                } else {
+                    *(base as *const f32).add(block)
+                }
+            };
+            let min = if self.mins.is_null() {
+                0.0
+            } else {
+                read(self.mins)
+            };
+            (read(self.scales), min)
+        }
+    }
+}
+
 /// The tile (see [`super::tile`]) with `SDOT`.
-/// SAFETY (caller): NEON and dotprod; indices in range; `NIBBLE` and `SUB` as the rows are.
+/// SAFETY (caller): NEON and dotprod; indices in range; `NIBBLE`, `HALF` and `SUB` as the
+/// rows are.
 #[target_feature(enable = "neon,dotprod")]
 pub(super) unsafe fn tile_sdot<
     const R: usize,
     const T: usize,
     const NIBBLE: bool,
+    const HALF: bool,
     const SUB: bool,
 >(
     weights: &RepackedRows,
@@ -104,16 +174,17 @@ pub(super) unsafe fn tile_sdot<
     activations: &Q8Rows,
     tokens: [usize; T],
 ) -> [[f32; T]; R] {
-    unsafe { tile_with::<R, T, NIBBLE, SUB, true>(weights, rows, activations, tokens) }
+    unsafe { tile_with::<R, T, NIBBLE, HALF, SUB, true>(weights, rows, activations, tokens) }
 }
 
 /// The tile (see [`super::tile`]) with `SMULL` + `SADALP`.
-/// SAFETY (caller): NEON; indices in range; `NIBBLE` and `SUB` as the rows are.
+/// SAFETY (caller): NEON; indices in range; `NIBBLE`, `HALF` and `SUB` as the rows are.
 #[target_feature(enable = "neon")]
 pub(super) unsafe fn tile_smull<
     const R: usize,
     const T: usize,
     const NIBBLE: bool,
+    const HALF: bool,
     const SUB: bool,
 >(
     weights: &RepackedRows,
@@ -121,7 +192,7 @@ pub(super) unsafe fn tile_smull<
     activations: &Q8Rows,
     tokens: [usize; T],
 ) -> [[f32; T]; R] {
-    unsafe { tile_with::<R, T, NIBBLE, SUB, false>(weights, rows, activations, tokens) }
+    unsafe { tile_with::<R, T, NIBBLE, HALF, SUB, false>(weights, rows, activations, tokens) }
 }
 
 /// The body of both kernels. SAFETY (caller): as [`tile_sdot`] (`DOT`) or [`tile_smull`].
@@ -130,6 +201,7 @@ unsafe fn tile_with<
     const R: usize,
     const T: usize,
     const NIBBLE: bool,
+    const HALF: bool,
     const SUB: bool,
     const DOT: bool,
 >(
@@ -138,56 +210,56 @@ unsafe fn tile_with<
     activations: &Q8Rows,
     tokens: [usize; T],
 ) -> [[f32; T]; R] {
-    // SAFETY: the caller's features and indices (see `tile_sdot`, `tile_smull`).
+    // SAFETY: the caller's features and indices (see `tile_sdot`, `tile_smull`); every row
+    // slice holds `blocks` blocks of values, factors, sub-scales and sub-mins, every
+    // activation row `blocks` blocks of 32 bytes, scales and sums.
     unsafe {
         let blocks = weights.blocks_per_row();
         let zero = vdupq_n_u8(weights.zero() as u8);
         let qs: [*const u8; R] = rows.map(|r| weights.row_qs(r).as_ptr());
-        let factors = rows.map(|r| weights.row_factors(r));
-        let subs = rows.map(|r| weights.sub_scales(r));
-        let sub_mins = rows.map(|r| weights.sub_mins(r));
+        let factors = rows.map(|r| FactorPointers::of(weights.row_factors(r)));
+        let subs = rows.map(|r| weights.sub_scales(r).as_ptr());
+        let sub_mins = rows.map(|r| weights.sub_mins(r).as_ptr());
         let has_sub_mins = weights.has_sub_mins();
         let qa: [*const i8; T] = tokens.map(|t| activations.row_qs(t).as_ptr());
-        let da = tokens.map(|t| activations.row_scales(t));
-        let sa = tokens.map(|t| activations.row_sums(t));
+        let da = tokens.map(|t| activations.row_scales(t).as_ptr());
+        let sa = tokens.map(|t| activations.row_sums(t).as_ptr());
         let mut total = [[0f32; T]; R];
         for block in 0..blocks {
-            // Every activation row holds `blocks` blocks of 32 bytes.
             let a: [[int8x16_t; 2]; T] = qa.map(|row| {
                 let at = row.add(block * QK);
                 [vld1q_s8(at), vld1q_s8(at.add(QK / 2))]
             });
+            let d_a: [f32; T] = da.map(|scales| *scales.add(block));
+            let s_a: [f32; T] = sa.map(|sums| *sums.add(block));
             // Q2_K's `sum(qa[..16])`, `sum(qa[16..])` per token (at most 2048 in magnitude).
-            let half_sums: [[i32; 2]; T] = if has_sub_mins {
+            let half_sums: [[i32; 2]; T] = if SUB && has_sub_mins {
                 a.map(|[low, high]| [vaddlvq_s8(low) as i32, vaddlvq_s8(high) as i32])
             } else {
                 [[0; 2]; T]
             };
             for r in 0..R {
-                // The row holds `blocks` blocks of the width `NIBBLE` names.
                 let w = signed_block::<NIBBLE>(qs[r], block, zero);
-                let (d, min) = (factors[r].scale(block), factors[r].min(block));
+                let (d, min) = factors[r].get::<HALF>(block);
                 for t in 0..T {
                     let start = vdupq_n_s32(0);
-                    let integer = {
-                        if SUB {
-                            let [s0, s1] = subs[r][block];
-                            let low = vaddvq_s32(half_dot::<DOT>(start, w[0], a[t][0]));
-                            let high = vaddvq_s32(half_dot::<DOT>(start, w[1], a[t][1]));
-                            (s0 as i32 * low).wrapping_add(s1 as i32 * high)
-                        } else {
-                            let lanes = half_dot::<DOT>(start, w[0], a[t][0]);
-                            vaddvq_s32(half_dot::<DOT>(lanes, w[1], a[t][1]))
-                        }
+                    let integer = if SUB {
+                        let [s0, s1] = *subs[r].add(block);
+                        let low = vaddvq_s32(half_dot::<DOT>(start, w[0], a[t][0]));
+                        let high = vaddvq_s32(half_dot::<DOT>(start, w[1], a[t][1]));
+                        (s0 as i32 * low).wrapping_add(s1 as i32 * high)
+                    } else {
+                        let lanes = half_dot::<DOT>(start, w[0], a[t][0]);
+                        vaddvq_s32(half_dot::<DOT>(lanes, w[1], a[t][1]))
                     };
-                    let scale = d * da[t][block] * integer as f32;
-                    total[r][t] += if has_sub_mins {
-                        let [m0, m1] = sub_mins[r][block];
+                    let scale = d * d_a[t] * integer as f32;
+                    total[r][t] += if SUB && has_sub_mins {
+                        let [m0, m1] = *sub_mins[r].add(block);
                         let [low, high] = half_sums[t];
                         let min_integer = m0 as i32 * low + m1 as i32 * high;
-                        scale + min * da[t][block] * min_integer as f32
+                        scale + min * d_a[t] * min_integer as f32
                     } else {
-                        scale + min * sa[t][block]
+                        scale + min * s_a[t]
                     };
                 }
             }

@@ -72,7 +72,9 @@ export PAGODA_TEST_RUNNER="$CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER"
 #      here still runs them);
 #   2. under `-cpu cortex-a53` (no dotprod: the plain `neon` set) the kernel tests against
 #      their scalar oracles (linear_neon_kernels, linear_int_kernels, attention_simd_kernels),
-#      which must find exactly the sets each CPU model has;
+#      which must find exactly the sets each CPU model has, and under `-cpu neoverse-n1`
+#      (dotprod without i8mm) linear_neon_kernels again, for the `SDOT` prefill tiles that
+#      `-cpu max` runs on `SMMLA`;
 #   3. 16 greedy tokens on the default model (Q4_1 weights, Q8 activations) with
 #      `neon_dotprod` under `-cpu max` and `neon` under `-cpu cortex-a53`, each equal to the
 #      native build's text with the `scalar` set (the NEON dots give the scalar kernel's bits;
@@ -97,6 +99,9 @@ ci_subset() {
     cargo test --target "$target" -p pagoda-ops \
     --test linear_neon_kernels --test linear_int_kernels --test attention_simd_kernels
   step "the kernel tests under qemu -cpu cortex-a53 (no dotprod)"
+  QEMU_CPU=neoverse-n1 PAGODA_TEST_EXPECT_INT_ISAS=NeonDot,Neon \
+    cargo test --target "$target" -p pagoda-ops --test linear_neon_kernels
+  step "the NEON kernel tests under qemu -cpu neoverse-n1 (dotprod without i8mm: SDOT prefill tiles)"
   local model=models/SmolLM2-135M-Instruct.Q4_1.gguf target_dir="${CARGO_TARGET_DIR:-target}"
   if [ ! -f "$model" ] || [ ! -x "$target_dir/debug/pagoda" ]; then
     echo "test-aarch64.sh: no default model or native build; skipping the NEON generation" >&2

@@ -5,8 +5,12 @@
 //! and prefill, with row and token counts that leave partial tiles, against `dot_scalar` on
 //! the same Q8 rows, and the set's counter.
 //!
+//! The `neon_dotprod` set runs its even tiles without sub-scales (`2 x 2` to `4 x 4`, the
+//! prefill tiles) on `SMMLA` where the CPU has i8mm, the rest on `SDOT`.
+//!
 //! On a CPU without NEON (x86) nothing runs and the test says so. Under qemu, `-cpu max`
-//! runs both sets and `-cpu cortex-a53` (no dotprod) the plain one.
+//! runs both sets (and SMMLA), `-cpu neoverse-n1` the `SDOT` tiles without i8mm and
+//! `-cpu cortex-a53` (no dotprod) the plain set.
 //! `PAGODA_TEST_EXPECT_INT_ISAS=NeonDot,Neon` (or `Neon`) makes the test fail unless exactly
 //! those sets ran, so a CI step cannot pass by skipping.
 
@@ -32,7 +36,11 @@ fn neon_sets() -> Vec<(IntIsa, CpuKernels)> {
     .filter(|(isa, _)| isa.is_supported())
     .collect();
     let names: Vec<String> = sets.iter().map(|(isa, _)| format!("{isa:?}")).collect();
-    println!("NEON integer kernels tested on this CPU: {names:?}");
+    #[cfg(target_arch = "aarch64")]
+    let i8mm = std::arch::is_aarch64_feature_detected!("i8mm");
+    #[cfg(not(target_arch = "aarch64"))]
+    let i8mm = false;
+    println!("NEON integer kernels tested on this CPU: {names:?} (i8mm: {i8mm})");
     if let Ok(expected) = std::env::var("PAGODA_TEST_EXPECT_INT_ISAS") {
         let expected: Vec<&str> = expected.split(',').map(str::trim).collect();
         assert_eq!(names, expected, "PAGODA_TEST_EXPECT_INT_ISAS");
@@ -109,7 +117,10 @@ fn neon_tiles_equal_the_scalar_kernel_bit_for_bit() {
                     check_tile::<1, 1>(isa, ty, &packed, &q, &mut rng);
                     check_tile::<2, 3>(isa, ty, &packed, &q, &mut rng);
                     check_tile::<3, 2>(isa, ty, &packed, &q, &mut rng);
-                    cases += 6;
+                    check_tile::<2, 2>(isa, ty, &packed, &q, &mut rng);
+                    check_tile::<4, 2>(isa, ty, &packed, &q, &mut rng);
+                    check_tile::<2, 4>(isa, ty, &packed, &q, &mut rng);
+                    cases += 9;
                 }
             }
         }

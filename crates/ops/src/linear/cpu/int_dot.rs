@@ -50,7 +50,9 @@ pub enum IntIsa {
     /// bit-identical to the interleaved VNNI kernel); decode and these per-row tiles run VNNI.
     Amx,
     /// aarch64 NEON with the dotprod extension: `SDOT` (`vdotq_s32`), bit-identical to
-    /// [`dot_scalar`] (`neon::tile_sdot`).
+    /// [`dot_scalar`] (`neon::tile_sdot`); the even prefill tiles (`2 x 2` to `4 x 4`,
+    /// weights without sub-scales) on `SMMLA` where the CPU also has i8mm
+    /// (`neon::tile_smmla`, the same bits).
     NeonDot,
     /// aarch64 NEON without dotprod (Cortex-A53, A72): `SMULL` + `SADALP`, bit-identical to
     /// [`dot_scalar`] (`neon::tile_smull`).
@@ -290,6 +292,42 @@ pub fn tile<const R: usize, const T: usize>(
                                 unreachable!("sub-scales come with byte values, half factors")
                             }
                         }
+                    }
+                };
+            }
+            if isa == IntIsa::NeonDot
+                && !sub
+                && R.is_multiple_of(2)
+                && T.is_multiple_of(2)
+                && R <= 4
+                && T <= 4
+                && neon::has_i8mm()
+            {
+                // SAFETY: the CPU has i8mm (checked); R and T even and at most 4; no
+                // sub-scales; the rows as above.
+                return unsafe {
+                    match (nibble, half) {
+                        (true, true) => {
+                            neon::tile_smmla::<R, T, true, true>(weights, rows, activations, tokens)
+                        }
+                        (true, false) => neon::tile_smmla::<R, T, true, false>(
+                            weights,
+                            rows,
+                            activations,
+                            tokens,
+                        ),
+                        (false, true) => neon::tile_smmla::<R, T, false, true>(
+                            weights,
+                            rows,
+                            activations,
+                            tokens,
+                        ),
+                        (false, false) => neon::tile_smmla::<R, T, false, false>(
+                            weights,
+                            rows,
+                            activations,
+                            tokens,
+                        ),
                     }
                 };
             }

@@ -4,7 +4,8 @@
 //! `amx`, `vnni8`, `vnni`, `avx2`, `neon_dotprod`, `neon` and `scalar` quantize activations to
 //! Q8 and use integer dots on weights repacked at load, for every weight. The two aarch64
 //! sets (`neon_dotprod` where the CPU has the dotprod extension, `SDOT`; `neon` on any
-//! aarch64 CPU) run the scalar kernel's chain bit for bit ([`crate::linear::cpu::int_dot`]). `amx` is `vnni8` with prefills of at least
+//! aarch64 CPU) run the scalar kernel's chain bit for bit ([`crate::linear::cpu::int_dot`]);
+//! `neon_dotprod` runs its prefill tiles on `SMMLA` where the CPU has i8mm (the same bits). `amx` is `vnni8` with prefills of at least
 //! [`crate::linear::cpu::amx::AMX_MIN_TOKENS`] tokens on AMX-INT8 tiles (bit-identical to `vnni8`),
 //! where CPUID reports `amx_tile` + `amx_int8` and Linux grants tile data (or, for tests, on
 //! emulated tiles: `PAGODA_CPU_AMX_TILES=emulated`, [`crate::linear::cpu::amx::backend`]).

@@ -267,3 +267,133 @@ unsafe fn tile_with<
         total
     }
 }
+
+/// Whether this CPU has the i8mm extension (`SMMLA`), detected once.
+pub(super) fn has_i8mm() -> bool {
+    use std::sync::OnceLock;
+    static I8MM: OnceLock<bool> = OnceLock::new();
+    *I8MM.get_or_init(|| std::arch::is_aarch64_feature_detected!("i8mm"))
+}
+
+/// `acc += a * b^T` on 2 x 8 signed byte matrices (`a`: two rows of 8 bytes, `b` likewise):
+/// lanes `[a0.b0, a0.b1, a1.b0, a1.b1]`, exact. Inline assembly, since `vmmlaq_s32` is not
+/// stable Rust yet. SAFETY: NEON + i8mm.
+#[target_feature(enable = "neon,i8mm")]
+#[inline]
+unsafe fn smmla(acc: int32x4_t, a: int8x16_t, b: int8x16_t) -> int32x4_t {
+    let mut lanes = acc;
+    // SAFETY: a register-only instruction the caller's CPU has.
+    unsafe {
+        std::arch::asm!(
+            "smmla {lanes:v}.4s, {a:v}.16b, {b:v}.16b",
+            lanes = inout(vreg) lanes,
+            a = in(vreg) a,
+            b = in(vreg) b,
+            options(pure, nomem, nostack, preserves_flags)
+        );
+    }
+    lanes
+}
+
+/// Two 32-byte blocks (halves `[low, high]` each) as the four 2 x 8 operands of `SMMLA`:
+/// operand `c` holds bytes `8 c .. 8 c + 8` of the first block, then of the second.
+/// SAFETY (caller): NEON.
+#[inline(always)]
+unsafe fn pair_operands(first: [int8x16_t; 2], second: [int8x16_t; 2]) -> [int8x16_t; 4] {
+    // SAFETY: register-only NEON instructions.
+    unsafe {
+        let mut out = [vdupq_n_s8(0); 4];
+        for h in 0..2 {
+            let (x, y) = (
+                vreinterpretq_s64_s8(first[h]),
+                vreinterpretq_s64_s8(second[h]),
+            );
+            out[2 * h] = vreinterpretq_s8_s64(vzip1q_s64(x, y));
+            out[2 * h + 1] = vreinterpretq_s8_s64(vzip2q_s64(x, y));
+        }
+        out
+    }
+}
+
+/// The tile (see [`super::tile`]) with `SMMLA` (i8mm) for weights without sub-scales and even
+/// `R` and `T` (the prefill tiles): each 2 rows x 2 tokens of a block take four `SMMLA` into
+/// one vector whose lanes are the four pairs' exact block integers (no horizontal sums),
+/// then the scalar kernel's float step lane by lane (`FMUL`, `FADD`, unfused, blocks in
+/// order): the same bits as [`dot_scalar`].
+/// SAFETY (caller): NEON and i8mm; indices in range; `R` and `T` even; no sub-scales;
+/// `NIBBLE` and `HALF` as the rows are.
+#[target_feature(enable = "neon,i8mm")]
+pub(super) unsafe fn tile_smmla<
+    const R: usize,
+    const T: usize,
+    const NIBBLE: bool,
+    const HALF: bool,
+>(
+    weights: &RepackedRows,
+    rows: [usize; R],
+    activations: &Q8Rows,
+    tokens: [usize; T],
+) -> [[f32; T]; R] {
+    debug_assert!(R.is_multiple_of(2) && T.is_multiple_of(2) && !weights.has_sub_scales());
+    // SAFETY: as `tile_with`; the caller vouches for i8mm and the shapes.
+    unsafe {
+        let blocks = weights.blocks_per_row();
+        let zero = vdupq_n_u8(weights.zero() as u8);
+        let qs: [*const u8; R] = rows.map(|r| weights.row_qs(r).as_ptr());
+        let factors = rows.map(|r| FactorPointers::of(weights.row_factors(r)));
+        let qa: [*const i8; T] = tokens.map(|t| activations.row_qs(t).as_ptr());
+        let da = tokens.map(|t| activations.row_scales(t).as_ptr());
+        let sa = tokens.map(|t| activations.row_sums(t).as_ptr());
+        // Lanes of pair (row pair i, token pair j): rows 2i, 2i, 2i+1, 2i+1 by tokens 2j,
+        // 2j+1, 2j, 2j+1. Up to 4 x 4 tiles: at most 2 x 2 vectors.
+        let mut total = [[vdupq_n_f32(0.0); 2]; 2];
+        for block in 0..blocks {
+            let mut b = [[vdupq_n_s8(0); 4]; 2];
+            let (mut d_a, mut s_a) = ([vdupq_n_f32(0.0); 2], [vdupq_n_f32(0.0); 2]);
+            for j in 0..T / 2 {
+                let load = |t: usize| {
+                    let at = qa[t].add(block * QK);
+                    [vld1q_s8(at), vld1q_s8(at.add(QK / 2))]
+                };
+                b[j] = pair_operands(load(2 * j), load(2 * j + 1));
+                let (t0, t1) = (2 * j, 2 * j + 1);
+                let lanes = |values: [*const f32; T]| {
+                    let (x, y) = (*values[t0].add(block), *values[t1].add(block));
+                    vld1q_f32([x, y, x, y].as_ptr())
+                };
+                (d_a[j], s_a[j]) = (lanes(da), lanes(sa));
+            }
+            for i in 0..R / 2 {
+                let a = pair_operands(
+                    signed_block::<NIBBLE>(qs[2 * i], block, zero),
+                    signed_block::<NIBBLE>(qs[2 * i + 1], block, zero),
+                );
+                let (d0, min0) = factors[2 * i].get::<HALF>(block);
+                let (d1, min1) = factors[2 * i + 1].get::<HALF>(block);
+                let d = vld1q_f32([d0, d0, d1, d1].as_ptr());
+                let min = vld1q_f32([min0, min0, min1, min1].as_ptr());
+                for j in 0..T / 2 {
+                    let mut integer = vdupq_n_s32(0);
+                    for c in 0..4 {
+                        integer = smmla(integer, a[c], b[j][c]);
+                    }
+                    let scale = vmulq_f32(vmulq_f32(d, d_a[j]), vcvtq_f32_s32(integer));
+                    let step = vaddq_f32(scale, vmulq_f32(min, s_a[j]));
+                    total[i][j] = vaddq_f32(total[i][j], step);
+                }
+            }
+        }
+        let mut out = [[0f32; T]; R];
+        for i in 0..R / 2 {
+            for j in 0..T / 2 {
+                let mut lanes = [0f32; 4];
+                vst1q_f32(lanes.as_mut_ptr(), total[i][j]);
+                out[2 * i][2 * j] = lanes[0];
+                out[2 * i][2 * j + 1] = lanes[1];
+                out[2 * i + 1][2 * j] = lanes[2];
+                out[2 * i + 1][2 * j + 1] = lanes[3];
+            }
+        }
+        out
+    }
+}

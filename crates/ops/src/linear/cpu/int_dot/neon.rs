@@ -17,6 +17,9 @@
 //!   would come out quieted).
 //!
 //! One activation block loaded feeds `R` rows and one weight block `T` tokens, as on x86.
+//! Where the CPU also has i8mm, the even tiles of weights without sub-scales (the prefill
+//! tiles) run [`tile_smmla`]: `SMMLA` gives four pairs' block integers in one vector, and the
+//! same float step runs lane by lane.
 
 use super::*;
 use pagoda_tensor::quant::blocks::QK;

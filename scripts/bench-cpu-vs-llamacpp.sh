@@ -6,7 +6,8 @@
 #
 # LLAMA_BENCH: path of llama-bench (default: $LLAMA_BENCH or llama-bench on PATH).
 # ROUNDS: how many times the pair is alternated per thread count (default 3).
-# Env: THREADS="1 2" (thread counts), KERNELS="auto vnni f32" (pagoda's PAGODA_CPU_KERNELS values,
+# Env: THREADS="1 2" (thread counts), KERNELS="auto vnni f32" (on aarch64 "auto neon f32": the
+# NEON sets, issue 48; pagoda's PAGODA_CPU_KERNELS values,
 # each a separate row; "auto/int8" also sets PAGODA_CPU_AMX_PREFILL=int8), BUSY=1 also runs every pair with one busy process (a shell spin loop)
 # competing for the CPUs, to measure behaviour when oversubscribed. PIN="taskset -c 0,1" runs
 # every benchmark under that prefix (a 2-core slice of a larger machine), MODEL another model,
@@ -22,7 +23,12 @@ cd "$(dirname "$0")/.."
 LLAMA_BENCH=${1:-${LLAMA_BENCH:-llama-bench}}
 ROUNDS=${2:-3}
 THREADS=${THREADS:-"1 2"}
-KERNELS=${KERNELS:-"auto vnni f32"}
+if [ "$(uname -m)" = aarch64 ]; then
+  # auto is neon_dotprod+f32_ffn_down where the CPU has dotprod; `neon` is the set without it.
+  KERNELS=${KERNELS:-"auto neon f32"}
+else
+  KERNELS=${KERNELS:-"auto vnni f32"}
+fi
 MODEL=${MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
 PIN=${PIN:-}
 PAGODA=${PAGODA:-target/release/pagoda}

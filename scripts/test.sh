@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test of the workspace. Fetches the default model first (idempotent) so the parity
 # tests against llama.cpp's reference outputs run; they skip with a message if it is missing.
-# Then: the live-server tests with the official `openai` client, and the NVRTC compile check of
-# every CUDA kernel specialisation (no GPU needed). GPU tests print SKIP here; they run on the
-# GPU machine (see docs/architecture.md, "Tests").
+# Then: the live-server tests with the official `openai` client, the NVRTC compile check of
+# every CUDA kernel specialisation (no GPU needed), and the aarch64 subset under qemu. GPU
+# tests print SKIP here; they run on the GPU machine (see docs/architecture.md, "Tests").
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -23,4 +23,12 @@ else
   echo "warning: no default model; skipping the live-server tests" >&2
 fi
 bash scripts/nvrtc-check.sh
+# aarch64 (issue 48): the pagoda-ops tests cross-built and run under qemu-aarch64, `-cpu max`
+# (the `neon_dotprod` set) without the statistical sampling tests, the kernel tests under
+# `-cpu neoverse-n1` and `-cpu cortex-a53` (the plain `neon` set), and a short greedy
+# generation per NEON set against the native text: the subset that fits CI's budget (about
+# 8 minutes after the x86 build); scripts/test-aarch64.sh says what and why, and without
+# `--ci` runs every ops test (about 30 minutes). Installs the cross tools if missing; skips
+# with a message where it cannot.
+bash scripts/test-aarch64.sh --ci
 echo "test.sh: done; target/ holds $(du -sh target 2>/dev/null | cut -f1)"

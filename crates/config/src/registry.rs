@@ -182,13 +182,13 @@ settings! {
 
     "PAGODA_CPU_KERNELS", None,
         Values::Composite {
-            words: &["auto", "amx", "vnni8", "vnni", "avx2", "scalar", "f32"],
+            words: &["auto", "amx", "vnni8", "vnni", "avx2", "neon_dotprod", "neon", "scalar", "f32"],
             suffixes: &["q15_ffn_down", "f32_ffn_down"],
         },
         "auto", Cpu,
         "ops linear::CpuKernelPolicy",
         "CPU matmul kernel set; `+q15_ffn_down` / `+f32_ffn_down` pick ffn_down's activations.";
-    "PAGODA_CPU_ATTENTION", None, Values::Choice(&["auto", "simd", "avx512", "avx2", "scalar"]), "auto", Cpu,
+    "PAGODA_CPU_ATTENTION", None, Values::Choice(&["auto", "simd", "avx512", "avx2", "neon", "scalar"]), "auto", Cpu,
         "ops attention::AttentionKernel",
         "Instruction set of the CPU attention kernel (auto and simd: the widest the CPU has).";
     "PAGODA_CPU_F32_DECODE", None, Values::Choice(&["auto", "avx512", "avx2", "tile"]), "auto", Cpu,

@@ -1,4 +1,4 @@
-//! The SIMD split-KV chunk kernels (AVX-512F, AVX2+FMA) against the scalar kernel and against
+//! The SIMD split-KV chunk kernels (AVX-512F, AVX2+FMA, NEON) against the scalar kernel and against
 //! the naive f64 attention of `attention_reference.rs`, over random paged caches: page sizes
 //! 16 and 32, partial first and last pages, GQA groups 1/3/4 (and 10, and 50: more than one
 //! head pass), head_dim 64/128 (and 40/36, the fallbacks), contexts 1..5000, peaked softmaxes.
@@ -17,7 +17,11 @@ use reference::{max_relative_error, request, Fixture, PageOrder, RequestSpec};
 /// Max error relative to the output peak (at least 1), against either oracle.
 const TOLERANCE: f64 = 1e-5;
 
-const SIMD_KERNELS: [AttentionKernel; 2] = [AttentionKernel::Avx512, AttentionKernel::Avx2];
+const SIMD_KERNELS: [AttentionKernel; 3] = [
+    AttentionKernel::Avx512,
+    AttentionKernel::Avx2,
+    AttentionKernel::Neon,
+];
 
 /// Every row split-KV, chunks of `chunk_tokens` visible tokens.
 fn run(fixture: &Fixture, kernel: AttentionKernel, chunk_tokens: usize) -> Vec<f32> {

@@ -104,6 +104,8 @@ fn kernel_sets() -> Vec<CpuKernels> {
         CpuKernels::Vnni8,
         CpuKernels::Vnni,
         CpuKernels::Avx2,
+        CpuKernels::NeonDot,
+        CpuKernels::Neon,
         CpuKernels::Scalar,
     ]
     .into_iter()

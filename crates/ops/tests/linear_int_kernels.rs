@@ -29,10 +29,16 @@ fn dequantized(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> Vec<f32>
 }
 
 fn supported_isas() -> Vec<IntIsa> {
-    let isas: Vec<IntIsa> = [IntIsa::Vnni, IntIsa::Avx2, IntIsa::Scalar]
-        .into_iter()
-        .filter(|isa| isa.is_supported())
-        .collect();
+    let isas: Vec<IntIsa> = [
+        IntIsa::Vnni,
+        IntIsa::Avx2,
+        IntIsa::NeonDot,
+        IntIsa::Neon,
+        IntIsa::Scalar,
+    ]
+    .into_iter()
+    .filter(|isa| isa.is_supported())
+    .collect();
     println!("integer kernels tested on this CPU: {isas:?}");
     isas
 }
@@ -216,7 +222,13 @@ fn every_supported_tile_matches_the_scalar_kernel() {
 fn matmul_with_every_kernel_set_matches_the_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     let mut sets = vec![CpuKernels::F32, CpuKernels::Scalar];
-    for set in [CpuKernels::Avx2, CpuKernels::Vnni, CpuKernels::Vnni8] {
+    for set in [
+        CpuKernels::Avx2,
+        CpuKernels::Vnni,
+        CpuKernels::Vnni8,
+        CpuKernels::NeonDot,
+        CpuKernels::Neon,
+    ] {
         if set.is_supported() {
             sets.push(set);
         }
@@ -257,6 +269,9 @@ fn kernel_switch_parses_every_name() {
         ("vnni", CpuKernels::Vnni),
         ("vnni8", CpuKernels::Vnni8),
         ("AVX2", CpuKernels::Avx2),
+        ("neon_dotprod", CpuKernels::NeonDot),
+        ("Neon-DotProd", CpuKernels::NeonDot),
+        ("neon", CpuKernels::Neon),
         ("scalar", CpuKernels::Scalar),
         ("f32", CpuKernels::F32),
     ] {

@@ -13,6 +13,13 @@ pub(super) fn render(out: &mut String) {
     );
     let _ = writeln!(
         out,
+        "# HELP pagoda_cpu_neon_matmuls_total Integer matmuls (or shared decode regions) run \
+         on the NEON kernels (PAGODA_CPU_KERNELS=neon_dotprod|neon, aarch64).\n\
+         # TYPE pagoda_cpu_neon_matmuls_total counter\npagoda_cpu_neon_matmuls_total {}",
+        pagoda_ops::linear::cpu::int_dot::neon_matmul_count()
+    );
+    let _ = writeln!(
+        out,
         "# HELP pagoda_cpu_amx_matmuls_total Integer matmuls run on the AMX-INT8 tiles \
          (PAGODA_CPU_KERNELS=amx).\n\
          # TYPE pagoda_cpu_amx_matmuls_total counter\npagoda_cpu_amx_matmuls_total {}",

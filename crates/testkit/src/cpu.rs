@@ -80,8 +80,9 @@ impl CpuConfiguration {
 /// - what `auto` picks on each CPU family this one can stand in for: `amx+q15_ffn_down` with
 ///   the Intel decode kernels (an AMX Xeon; on emulated tiles where the CPU has AVX-512 VNNI
 ///   but no AMX), `vnni8+q15_ffn_down` (AVX-512 VNNI), `avx2+f32_ffn_down` with the AVX2
-///   attention, f32 decode and integer kernels (AVX2 without AVX-512, an older AMD), `f32`
-///   (neither);
+///   attention, f32 decode and integer kernels (AVX2 without AVX-512, an older AMD),
+///   `neon_dotprod+f32_ffn_down` (aarch64 with dotprod), `neon+f32_ffn_down` (aarch64
+///   without it), `f32` (none of these);
 /// - each kernel set forced for every weight: `amx` (emulated where needed), `vnni8`,
 ///   `vnni`, and `scalar` ([`Kind::Slow`]).
 pub fn cpu_configurations() -> Vec<CpuConfiguration> {
@@ -118,6 +119,20 @@ pub fn cpu_configurations() -> Vec<CpuConfiguration> {
                 (INT_DECODE_ENV_VAR, "avx2"),
                 (INT_PREFILL_ENV_VAR, "avx2"),
             ],
+        ));
+    }
+    if IntIsa::NeonDot.is_supported() {
+        configurations.push(CpuConfiguration::new(
+            "neon_dotprod+f32_ffn_down",
+            Auto,
+            &[(KERNELS, "neon_dotprod+f32_ffn_down")],
+        ));
+    }
+    if IntIsa::Neon.is_supported() {
+        configurations.push(CpuConfiguration::new(
+            "neon+f32_ffn_down (an Arm CPU without dotprod)",
+            Auto,
+            &[(KERNELS, "neon+f32_ffn_down")],
         ));
     }
     configurations.push(CpuConfiguration::new("f32", Auto, &[(KERNELS, "f32")]));

@@ -141,6 +141,8 @@ struct Report {
     cpu_kernels: String,
     f32_decode: String,
     f32_wide_matmuls: u64,
+    /// Integer matmuls that ran on the NEON sets (`neon_dotprod`, `neon`; aarch64).
+    neon_matmuls: u64,
     /// Integer matmuls that ran on the AMX-INT8 tiles (`PAGODA_CPU_KERNELS=amx`).
     amx_matmuls: u64,
     /// The AMX prefill tiles (`PAGODA_CPU_AMX_PREFILL`) and the matmuls that ran on the
@@ -390,6 +392,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .name()
             .to_string(),
         f32_wide_matmuls: pagoda_ops::linear::cpu::f32_decode::wide_matmul_count(),
+        neon_matmuls: pagoda_ops::linear::cpu::int_dot::neon_matmul_count(),
         amx_matmuls: pagoda_ops::linear::cpu::amx::hardware_matmul_count(),
         amx_prefill: pagoda_ops::linear::cpu::amx::bf16::AmxPrefill::selected().name(),
         amx_bf16_matmuls: pagoda_ops::linear::cpu::amx::bf16::matmul_count(),

@@ -152,6 +152,8 @@ fn kernel_sets(args: &BenchKernelsArgs) -> Result<Vec<CpuKernels>> {
             CpuKernels::Vnni8,
             CpuKernels::Vnni,
             CpuKernels::Avx2,
+            CpuKernels::NeonDot,
+            CpuKernels::Neon,
             CpuKernels::Scalar,
             CpuKernels::F32,
         ]

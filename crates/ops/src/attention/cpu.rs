@@ -1,6 +1,6 @@
 //! The CPU implementation of attention (f32): K/V append, the gather baseline, split-KV
 //! decode with its LSE merge, the batch-invariant step, and the chunk kernels (scalar,
-//! AVX2, AVX-512) chosen by [`kernel::AttentionKernel`].
+//! AVX2, AVX-512, NEON) chosen by [`kernel::AttentionKernel`].
 
 pub(crate) mod append;
 mod chunk;
@@ -10,6 +10,6 @@ pub(crate) mod kernel;
 mod math;
 pub(crate) mod merge;
 pub(crate) mod mla;
-#[cfg(target_arch = "x86_64")]
-mod simd_x86;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+mod simd;
 pub(crate) mod step;

@@ -11,11 +11,13 @@ pub(super) fn print_report(report: &Report, json: bool) -> Result<()> {
     }
     println!("model: {} | device: {}", report.model, report.device);
     println!(
-        "cpu kernels: {} ({} matmuls on AMX-INT8 tiles, {} on AMX-BF16 tiles (AMX prefill: {}), \
+        "cpu kernels: {} ({} matmuls on NEON, {} on AMX-INT8 tiles, {} on AMX-BF16 tiles \
+         (AMX prefill: {}), \
          {} on Q15 activations) | f32 decode matmuls: {} ({} ran eight rows \
          at a time) | integer decode: {} ({} ran 16 rows per register) | integer prefill: {} \
          ({} ran 16 rows per register)",
         report.cpu_kernels,
+        report.neon_matmuls,
         report.amx_matmuls,
         report.amx_bf16_matmuls,
         report.amx_prefill,

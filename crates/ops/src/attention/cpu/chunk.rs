@@ -55,7 +55,7 @@ pub(crate) fn scalar(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_>]) {
 /// `v_group [n_rep, head_dim]` (normalized) and `lse_group [n_rep]` (log2; `-inf` and zeros
 /// when the range is empty). Depends only on its arguments and the cache, so a row's partials
 /// are the same whatever else runs in the step. The scalar kernel: the portable fallback and
-/// the oracle of the SIMD kernels (`super::simd_x86`).
+/// the oracle of the SIMD kernels (`super::simd`).
 fn chunk_attention(
     args: &ChunkArgs<'_, '_>,
     tokens: std::ops::Range<usize>,

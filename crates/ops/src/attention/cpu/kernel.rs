@@ -2,8 +2,9 @@
 //! work item: the query heads of one KV head, from one or more query rows, over one chunk),
 //! chosen once per process.
 //!
-//! `PAGODA_CPU_ATTENTION=auto|simd|avx512|avx2|scalar` (unset or empty: `auto`). `auto` and
-//! `simd` pick the widest kernel this CPU runs (AVX-512F, else AVX2+FMA, else scalar);
+//! `PAGODA_CPU_ATTENTION=auto|simd|avx512|avx2|neon|scalar` (unset or empty: `auto`). `auto`
+//! and `simd` pick the widest kernel this CPU runs (AVX-512F, else AVX2+FMA; NEON on aarch64;
+//! else scalar);
 //! `scalar` forces the portable kernel (the oracle of the SIMD ones). A kernel the CPU lacks,
 //! or an unknown value, falls back to `auto` with a warning. The choice is logged once at
 //! INFO. Every kernel is deterministic for a given row, so batch invariance holds under each
@@ -29,10 +30,14 @@ pub enum AttentionKernel {
     /// 16-lane AVX-512F, same recipe as [`AttentionKernel::Avx2`]. Needs `head_dim % 16 == 0`
     /// (otherwise that call runs the AVX2 kernel, or scalar when `head_dim % 8 != 0`).
     Avx512,
+    /// 4-lane NEON (aarch64), same recipe as [`AttentionKernel::Avx2`]. Needs
+    /// `head_dim % 4 == 0` (otherwise that call runs [`AttentionKernel::Scalar`]).
+    Neon,
 }
 
 impl AttentionKernel {
-    /// Lower-case name, as [`ATTENTION_KERNEL_ENV_VAR`] spells it: `scalar`, `avx2`, `avx512`.
+    /// Lower-case name, as [`ATTENTION_KERNEL_ENV_VAR`] spells it: `scalar`, `avx2`, `avx512`,
+    /// `neon`.
     pub fn name(self) -> &'static str {
         crate::kernel_choice::word(self)
     }
@@ -43,20 +48,25 @@ impl AttentionKernel {
             AttentionKernel::Scalar => true,
             AttentionKernel::Avx2 => cpu_features().0,
             AttentionKernel::Avx512 => cpu_features().1,
+            AttentionKernel::Neon => cpu_features().2,
         }
     }
 
-    /// The widest supported kernel: AVX-512F, else AVX2+FMA, else scalar.
+    /// The widest supported kernel: AVX-512F, else AVX2+FMA, else NEON, else scalar.
     pub fn best() -> AttentionKernel {
-        [AttentionKernel::Avx512, AttentionKernel::Avx2]
-            .into_iter()
-            .find(|kernel| kernel.is_supported())
-            .unwrap_or(AttentionKernel::Scalar)
+        [
+            AttentionKernel::Avx512,
+            AttentionKernel::Avx2,
+            AttentionKernel::Neon,
+        ]
+        .into_iter()
+        .find(|kernel| kernel.is_supported())
+        .unwrap_or(AttentionKernel::Scalar)
     }
 
     /// Parses an [`ATTENTION_KERNEL_ENV_VAR`] value (ASCII case and surrounding spaces
     /// ignored): `auto`, `simd` or empty give `Ok(None)` (use [`AttentionKernel::best`]);
-    /// `scalar`, `avx2`, `avx512` give that kernel; anything else is an error naming the value
+    /// `scalar`, `avx2`, `avx512`, `neon` give that kernel; anything else is an error naming the value
     /// and the accepted ones.
     pub fn parse(text: &str) -> Result<Option<AttentionKernel>, crate::UnknownChoice> {
         crate::kernel_choice::parse(text)
@@ -83,6 +93,7 @@ impl KernelChoice for AttentionKernel {
     const WORDS: &'static [(&'static str, Self)] = &[
         ("avx512", AttentionKernel::Avx512),
         ("avx2", AttentionKernel::Avx2),
+        ("neon", AttentionKernel::Neon),
         ("scalar", AttentionKernel::Scalar),
     ];
     const AUTO_WORDS: &'static [&'static str] = &["simd"];
@@ -100,18 +111,26 @@ impl std::fmt::Display for AttentionKernel {
     }
 }
 
-/// `(avx2 && fma, avx512f && avx2 && fma)`, detected once.
-fn cpu_features() -> (bool, bool) {
-    static FEATURES: OnceLock<(bool, bool)> = OnceLock::new();
+/// `(avx2 && fma, avx512f && avx2 && fma, neon)`, detected once.
+fn cpu_features() -> (bool, bool, bool) {
+    static FEATURES: OnceLock<(bool, bool, bool)> = OnceLock::new();
     *FEATURES.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
             let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-            (avx2, avx2 && is_x86_feature_detected!("avx512f"))
+            (avx2, avx2 && is_x86_feature_detected!("avx512f"), false)
         }
-        #[cfg(not(target_arch = "x86_64"))]
+        #[cfg(target_arch = "aarch64")]
         {
-            (false, false)
+            (
+                false,
+                false,
+                std::arch::is_aarch64_feature_detected!("neon"),
+            )
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+        {
+            (false, false, false)
         }
     })
 }
@@ -143,8 +162,9 @@ pub(crate) fn attend_heads(
     };
     #[cfg(target_arch = "x86_64")]
     {
-        use super::simd_x86::{chunk_avx2, chunk_avx512, MAX_HEAD_DIM};
-        let (avx2, avx512) = cpu_features();
+        use super::simd::x86::{chunk_avx2, chunk_avx512};
+        use super::simd::MAX_HEAD_DIM;
+        let (avx2, avx512, _) = cpu_features();
         if head_dim <= MAX_HEAD_DIM {
             match kernel {
                 AttentionKernel::Avx512 if avx512 && head_dim.is_multiple_of(16) => {
@@ -159,6 +179,18 @@ pub(crate) fn attend_heads(
                 }
                 _ => {}
             }
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        use super::simd::{neon::chunk_neon, MAX_HEAD_DIM};
+        if kernel == AttentionKernel::Neon
+            && cpu_features().2
+            && head_dim <= MAX_HEAD_DIM
+            && head_dim.is_multiple_of(4)
+        {
+            // SAFETY: the CPU supports NEON (detected above).
+            return unsafe { chunk_neon(&args, tasks) };
         }
     }
     let _ = (kernel, head_dim);

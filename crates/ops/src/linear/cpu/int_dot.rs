@@ -31,9 +31,11 @@
 //! bit; keep it so (`tests/linear_batch_invariance.rs` checks it through `Weight::matmul`).
 
 use pagoda_tensor::quant::q8::Q8Rows;
-use pagoda_tensor::quant::repack::{dot_scalar, RepackedRows};
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+use pagoda_tensor::quant::repack::QuantWidth;
 #[cfg(target_arch = "x86_64")]
-use pagoda_tensor::quant::repack::{QuantWidth, RowFactors};
+use pagoda_tensor::quant::repack::RowFactors;
+use pagoda_tensor::quant::repack::{dot_scalar, RepackedRows};
 
 /// An instruction set for the integer tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +49,14 @@ pub enum IntIsa {
     /// AMX-INT8 tiles for prefills over interleaved weights ([`crate::linear::cpu::amx`],
     /// bit-identical to the interleaved VNNI kernel); decode and these per-row tiles run VNNI.
     Amx,
+    /// aarch64 NEON with the dotprod extension: `SDOT` (`vdotq_s32`), bit-identical to
+    /// [`dot_scalar`] (`neon::tile_sdot`); the even prefill tiles (`2 x 2` to `4 x 4`,
+    /// weights without sub-scales) on `SMMLA` where the CPU also has i8mm
+    /// (`neon::tile_smmla`, the same bits).
+    NeonDot,
+    /// aarch64 NEON without dotprod (Cortex-A53, A72): `SMULL` + `SADALP`, bit-identical to
+    /// [`dot_scalar`] (`neon::tile_smull`).
+    Neon,
 }
 
 impl IntIsa {
@@ -69,10 +79,43 @@ impl IntIsa {
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
             }
+            #[cfg(target_arch = "aarch64")]
+            IntIsa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[cfg(target_arch = "aarch64")]
+            IntIsa::NeonDot => {
+                std::arch::is_aarch64_feature_detected!("neon")
+                    && std::arch::is_aarch64_feature_detected!("dotprod")
+            }
+            #[cfg(target_arch = "x86_64")]
+            IntIsa::Neon | IntIsa::NeonDot => false,
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
     }
+
+    /// Whether this is one of the aarch64 sets ([`IntIsa::Neon`], [`IntIsa::NeonDot`]).
+    pub fn is_neon(self) -> bool {
+        matches!(self, IntIsa::Neon | IntIsa::NeonDot)
+    }
+}
+
+/// Counts one matmul (or shared decode region) on `isa`'s SIMD kernels: for the NEON sets
+/// [`neon_matmul_count`], for the x86 ones (which prefetch) the prefetch counter; the scalar
+/// kernel counts nowhere.
+pub(crate) fn count_simd_matmul(isa: IntIsa) {
+    if isa.is_neon() {
+        NEON_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    } else if isa != IntIsa::Scalar {
+        crate::linear::cpu::prefetch::count_matmul();
+    }
+}
+
+static NEON_MATMULS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Integer matmuls (or shared decode regions) run on a NEON kernel set (`neon`,
+/// `neon_dotprod`) since the process started.
+pub fn neon_matmul_count() -> u64 {
+    NEON_MATMULS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// `out[r][t] = dot(weights[rows[r]], activations[tokens[t]])` for an `R x T` tile.
@@ -201,6 +244,100 @@ pub fn tile<const R: usize, const T: usize>(
             return if half { run!(true) } else { run!(false) };
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if isa.is_neon() && supported(isa) && !activations.is_q15() {
+            let nibble = weights.width() == QuantWidth::Nibble;
+            let half = weights.has_half_factors();
+            let sub = weights.has_sub_scales();
+            macro_rules! run {
+                ($kernel:ident) => {
+                    // SAFETY: the CPU has the features (checked above); indices were checked,
+                    // and every row slice holds `blocks_per_row` blocks of the layout `width`
+                    // names, with factors of the kind `half` names and sub-scales where
+                    // `has_sub_scales` says (they come with byte values and half factors).
+                    unsafe {
+                        match (nibble, half, sub) {
+                            (true, true, false) => neon::$kernel::<R, T, true, true, false>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                            (true, false, false) => neon::$kernel::<R, T, true, false, false>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                            (false, true, false) => neon::$kernel::<R, T, false, true, false>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                            (false, false, false) => neon::$kernel::<R, T, false, false, false>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                            (false, true, true) => neon::$kernel::<R, T, false, true, true>(
+                                weights,
+                                rows,
+                                activations,
+                                tokens,
+                            ),
+                            (_, _, true) => {
+                                unreachable!("sub-scales come with byte values, half factors")
+                            }
+                        }
+                    }
+                };
+            }
+            if isa == IntIsa::NeonDot
+                && !sub
+                && R.is_multiple_of(2)
+                && T.is_multiple_of(2)
+                && R <= 4
+                && T <= 4
+                && neon::has_i8mm()
+            {
+                // SAFETY: the CPU has i8mm (checked); R and T even and at most 4; no
+                // sub-scales; the rows as above.
+                return unsafe {
+                    match (nibble, half) {
+                        (true, true) => {
+                            neon::tile_smmla::<R, T, true, true>(weights, rows, activations, tokens)
+                        }
+                        (true, false) => neon::tile_smmla::<R, T, true, false>(
+                            weights,
+                            rows,
+                            activations,
+                            tokens,
+                        ),
+                        (false, true) => neon::tile_smmla::<R, T, false, true>(
+                            weights,
+                            rows,
+                            activations,
+                            tokens,
+                        ),
+                        (false, false) => neon::tile_smmla::<R, T, false, false>(
+                            weights,
+                            rows,
+                            activations,
+                            tokens,
+                        ),
+                    }
+                };
+            }
+            return if isa == IntIsa::NeonDot {
+                run!(tile_sdot)
+            } else {
+                run!(tile_smull)
+            };
+        }
+    }
     let _ = isa;
     std::array::from_fn(|r| {
         std::array::from_fn(|t| dot_scalar(weights, rows[r], activations, tokens[t]))
@@ -218,8 +355,26 @@ fn supported(isa: IntIsa) -> bool {
         IntIsa::Avx2 => *AVX2.get_or_init(|| IntIsa::Avx2.is_supported()),
         IntIsa::Scalar => true,
         IntIsa::Amx => supported(IntIsa::Vnni),
+        IntIsa::Neon | IntIsa::NeonDot => false,
+    }
+}
+
+/// Cached [`IntIsa::is_supported`].
+#[cfg(target_arch = "aarch64")]
+fn supported(isa: IntIsa) -> bool {
+    use std::sync::OnceLock;
+    static NEON: OnceLock<bool> = OnceLock::new();
+    static NEON_DOT: OnceLock<bool> = OnceLock::new();
+    match isa {
+        IntIsa::Neon => *NEON.get_or_init(|| IntIsa::Neon.is_supported()),
+        IntIsa::NeonDot => *NEON_DOT.get_or_init(|| IntIsa::NeonDot.is_supported()),
+        IntIsa::Scalar => true,
+        IntIsa::Vnni | IntIsa::Avx2 | IntIsa::Amx => false,
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+#[cfg(target_arch = "aarch64")]
+mod neon;

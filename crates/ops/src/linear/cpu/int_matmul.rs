@@ -54,9 +54,7 @@ impl IntRows {
                     !activations.is_q15(),
                     "per-row integer kernels take Q8 rows"
                 );
-                if isa != IntIsa::Scalar {
-                    crate::linear::cpu::prefetch::count_matmul();
-                }
+                crate::linear::cpu::int_dot::count_simd_matmul(isa);
                 matmul(isa, rows, activations, y)
             }
             IntRows::Interleaved(rows) => {

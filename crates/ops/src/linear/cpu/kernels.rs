@@ -1,23 +1,28 @@
 //! Which CPU kernel set the quantized linear layers use, chosen once per process.
 //!
-//! `PAGODA_CPU_KERNELS=auto|amx|vnni8|vnni|avx2|scalar|f32` (unset: `auto`). `amx`, `vnni8`,
-//! `vnni`, `avx2` and `scalar` quantize activations to Q8 and use integer dots on weights
-//! repacked at load, for every weight. `amx` is `vnni8` with prefills of at least
+//! `PAGODA_CPU_KERNELS=auto|amx|vnni8|vnni|avx2|neon_dotprod|neon|scalar|f32` (unset: `auto`).
+//! `amx`, `vnni8`, `vnni`, `avx2`, `neon_dotprod`, `neon` and `scalar` quantize activations to
+//! Q8 and use integer dots on weights repacked at load, for every weight. The two aarch64
+//! sets (`neon_dotprod` where the CPU has the dotprod extension, `SDOT`; `neon` on any
+//! aarch64 CPU) run the scalar kernel's chain bit for bit ([`crate::linear::cpu::int_dot`]);
+//! `neon_dotprod` runs its prefill tiles on `SMMLA` where the CPU has i8mm (the same bits). `amx` is `vnni8` with prefills of at least
 //! [`crate::linear::cpu::amx::AMX_MIN_TOKENS`] tokens on AMX-INT8 tiles (bit-identical to `vnni8`),
 //! where CPUID reports `amx_tile` + `amx_int8` and Linux grants tile data (or, for tests, on
 //! emulated tiles: `PAGODA_CPU_AMX_TILES=emulated`, [`crate::linear::cpu::amx::backend`]).
 //! `f32` keeps the stored blocks and f32 activations (the fused decode-in-registers path of
 //! ADR 0001) for every weight. `auto` is a per-weight policy ([`CpuKernelPolicy`]): the best
-//! integer set the CPU runs (`amx`, then `vnni8`, `avx2`) for every weight, with one
+//! integer set the CPU runs (`amx`, then `vnni8`, `avx2`; on aarch64 `neon_dotprod`, then
+//! `neon`) for every weight, with one
 //! exception for `ffn_down`, whose input (the SiLU-gated product) has the widest dynamic range
 //! of the model's matmul inputs. With `amx` and `vnni8` it takes Q15 activations
 //! (`+q15_ffn_down`: 128 times finer than Q8, two integer dots per block, see
-//! [`pagoda_tensor::quant::q8`]); with `avx2` it keeps the f32 kernels (`+f32_ffn_down`). Q8
+//! [`pagoda_tensor::quant::q8`]); with `avx2`, `neon_dotprod` and `neon` it keeps the f32
+//! kernels (`+f32_ffn_down`). Q8
 //! there has the widest llama.cpp parity tail of the sets measured (99th percentile 0.534
 //! against 0.40-0.46 for Q15 and f32); Q15 matches f32's and, on the Xeon host, halves
 //! `ffn_down` in prefill and decode against f32
-//! (`docs/benchmark_results/cpu-q15-ffn-down-epyc-h200host-2026-12-01.md`). On a CPU without
-//! AVX2 `auto` is `f32` everywhere. A set the CPU lacks, or an unknown value, falls back to
+//! (`docs/benchmark_results/cpu-q15-ffn-down-epyc-h200host-2026-12-01.md`). On an x86 CPU
+//! without AVX2 `auto` is `f32` everywhere. A set the CPU lacks, or an unknown value, falls back to
 //! `auto` with a warning.
 
 use std::sync::OnceLock;
@@ -39,6 +44,12 @@ pub enum CpuKernels {
     Vnni,
     /// Q8 activations, integer dots with AVX2.
     Avx2,
+    /// Q8 activations, integer dots with NEON `SDOT` (aarch64 with dotprod), bit-identical to
+    /// [`CpuKernels::Scalar`].
+    NeonDot,
+    /// Q8 activations, integer dots with plain NEON (aarch64 without dotprod), bit-identical
+    /// to [`CpuKernels::Scalar`].
+    Neon,
     /// Q8 activations, portable integer dots.
     Scalar,
     /// f32 activations, weights decoded in registers (exact up to summation order).
@@ -55,6 +66,10 @@ impl CpuKernels {
             CpuKernels::Vnni8
         } else if IntIsa::Avx2.is_supported() {
             CpuKernels::Avx2
+        } else if IntIsa::NeonDot.is_supported() {
+            CpuKernels::NeonDot
+        } else if IntIsa::Neon.is_supported() {
+            CpuKernels::Neon
         } else {
             CpuKernels::Scalar
         }
@@ -79,6 +94,8 @@ impl CpuKernels {
             CpuKernels::Amx => Some(IntIsa::Amx),
             CpuKernels::Vnni8 | CpuKernels::Vnni => Some(IntIsa::Vnni),
             CpuKernels::Avx2 => Some(IntIsa::Avx2),
+            CpuKernels::NeonDot => Some(IntIsa::NeonDot),
+            CpuKernels::Neon => Some(IntIsa::Neon),
             CpuKernels::Scalar => Some(IntIsa::Scalar),
             CpuKernels::F32 => None,
         }
@@ -138,7 +155,8 @@ impl CpuKernelPolicy {
     }
 
     /// What `auto` means on this CPU: [`CpuKernels::best`], with `ffn_down` on Q15
-    /// activations for the `amx` and `vnni8` sets and on the f32 kernels for `avx2`; f32
+    /// activations for the `amx` and `vnni8` sets and on the f32 kernels for `avx2`,
+    /// `neon_dotprod` and `neon` (per-row layouts take no Q15 rows); f32
     /// everywhere on a CPU without a SIMD integer set (the portable integer dots are not
     /// faster than the f32 decode path).
     pub fn auto() -> CpuKernelPolicy {
@@ -179,7 +197,7 @@ impl CpuKernelPolicy {
     }
 
     /// The name for logs and metrics: the set's name (`amx`, `vnni8`, `vnni`, `avx2`,
-    /// `scalar`, `f32`), with `+f32_ffn_down` or `+q15_ffn_down` appended for the `ffn_down`
+    /// `neon_dotprod`, `neon`, `scalar`, `f32`), with `+f32_ffn_down` or `+q15_ffn_down` appended for the `ffn_down`
     /// exception (`amx+q15_ffn_down`).
     pub fn name(self) -> &'static str {
         use CpuKernels::*;
@@ -189,11 +207,15 @@ impl CpuKernelPolicy {
             (Vnni8, FfnDown::F32) => "vnni8+f32_ffn_down",
             (Vnni, FfnDown::F32) => "vnni+f32_ffn_down",
             (Avx2, FfnDown::F32) => "avx2+f32_ffn_down",
+            (NeonDot, FfnDown::F32) => "neon_dotprod+f32_ffn_down",
+            (Neon, FfnDown::F32) => "neon+f32_ffn_down",
             (Scalar, FfnDown::F32) => "scalar+f32_ffn_down",
             (Amx, FfnDown::Q15) => "amx+q15_ffn_down",
             (Vnni8, FfnDown::Q15) => "vnni8+q15_ffn_down",
             // `parse_choice` builds Q15 only for the interleaved sets.
-            (Vnni | Avx2 | Scalar, FfnDown::Q15) => unreachable!("Q15 needs vnni8 or amx"),
+            (Vnni | Avx2 | NeonDot | Neon | Scalar, FfnDown::Q15) => {
+                unreachable!("Q15 needs vnni8 or amx")
+            }
         }
     }
 
@@ -238,6 +260,11 @@ impl KernelChoice for CpuKernelPolicy {
         ("vnni8", CpuKernelPolicy::uniform(CpuKernels::Vnni8)),
         ("vnni", CpuKernelPolicy::uniform(CpuKernels::Vnni)),
         ("avx2", CpuKernelPolicy::uniform(CpuKernels::Avx2)),
+        (
+            "neon_dotprod",
+            CpuKernelPolicy::uniform(CpuKernels::NeonDot),
+        ),
+        ("neon", CpuKernelPolicy::uniform(CpuKernels::Neon)),
         ("scalar", CpuKernelPolicy::uniform(CpuKernels::Scalar)),
         ("f32", CpuKernelPolicy::uniform(CpuKernels::F32)),
     ];
@@ -397,7 +424,7 @@ mod tests {
                 assert_eq!(auto.kernels, CpuKernels::best());
                 assert_eq!(auto.ffn_down, FfnDown::Q15);
             }
-            CpuKernels::Vnni | CpuKernels::Avx2 => {
+            CpuKernels::Vnni | CpuKernels::Avx2 | CpuKernels::NeonDot | CpuKernels::Neon => {
                 assert_eq!(auto.kernels, CpuKernels::best());
                 assert_eq!(auto.ffn_down, FfnDown::F32);
             }

@@ -13,7 +13,6 @@ use rayon::prelude::*;
 
 use super::int_matmul::{self, decode_rows, IntRows};
 use super::tasks::decode_rows_per_task;
-use crate::linear::cpu::int_dot::IntIsa;
 use crate::linear::cpu::interleaved;
 use crate::linear::{Storage, Weight};
 
@@ -85,10 +84,8 @@ pub fn matmul_shared(x: &[f32], num_tokens: usize, outputs: &mut [(&Weight, &mut
         }) {
             interleaved::planes::count_matmul();
         }
-        // Every SIMD kernel of the region prefetches (the scalar per-row one does not).
-        if isa != IntIsa::Scalar {
-            crate::linear::cpu::prefetch::count_matmul();
-        }
+        // Every x86 SIMD kernel of the region prefetches (the scalar and NEON ones do not).
+        crate::linear::cpu::int_dot::count_simd_matmul(isa);
         // The interleaved kernels' block starts, one list per weight, computed once.
         let starts: Vec<Vec<i32>> = outputs
             .iter()

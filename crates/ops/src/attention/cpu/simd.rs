@@ -1,5 +1,5 @@
-//! AVX2+FMA and AVX-512F split-KV chunk kernels (x86-64 only; selected at run time by
-//! `super::kernel`).
+//! The SIMD split-KV chunk kernels: AVX2+FMA and AVX-512F on x86-64 ([`x86`]), NEON on
+//! aarch64 ([`neon`]); selected at run time by `super::kernel`.
 //!
 //! Same contract and the same base-2 online softmax as the scalar `chunk::scalar`,
 //! restructured for vectors. A work item is a set of query heads of ONE KV head (the GQA
@@ -20,54 +20,32 @@
 //! A head's arithmetic is the same whichever other heads share its work item, so a prefill
 //! row (many rows per item) and a decode row (one) give the same bits.
 //!
-//! The generic body is `#[inline(always)]` into two `#[target_feature]` entry points, so each
-//! is compiled for its instruction set whatever the crate's baseline target.
+//! The generic body is `#[inline(always)]` into one `#[target_feature]` entry point per
+//! instruction set, so each is compiled for its instruction set whatever the crate's baseline
+//! target.
 
-use std::arch::x86_64::*;
-
-use super::chunk::{ChunkArgs, HeadTask, MAX_ITEM_HEADS};
+use super::chunk::MAX_ITEM_HEADS;
+pub(crate) use super::chunk::{ChunkArgs, HeadTask};
 use super::math::LOG2_E;
 
 mod lanes;
-use lanes::{Lanes, Ymm, Zmm};
+use lanes::Lanes;
+
+#[cfg(target_arch = "aarch64")]
+pub(crate) mod neon;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod x86;
 
 /// Tokens per tile (a multiple of every vector width).
 const TILE: usize = 32;
 /// Query heads per pass over the chunk (the work item's cap); more heads run several passes.
-const MAX_TASKS: usize = MAX_ITEM_HEADS;
+pub(crate) const MAX_TASKS: usize = MAX_ITEM_HEADS;
 /// Largest `head_dim` of the SIMD kernels (the transposed K tile lives on the stack).
 pub(crate) const MAX_HEAD_DIM: usize = 256;
 
-/// The AVX2+FMA kernel: each task's normalized partial output and LSE (log2; zeros and
-/// `-inf` for an empty range), [`MAX_TASKS`] tasks per pass over the chunk.
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA; `head_dim % 8 == 0` and `head_dim <= MAX_HEAD_DIM`;
-/// the caller validated the pool, the page table and the tasks (each `query` and `v` holds
-/// `head_dim` floats, each `end` is within the request's visible tokens).
-#[target_feature(enable = "avx2,fma")]
-pub(crate) unsafe fn chunk_avx2(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_>]) {
-    for pass in tasks.chunks_mut(MAX_TASKS) {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { pass_body::<Ymm>(args, pass) }
-    }
-}
-
-/// The AVX-512F kernel; as [`chunk_avx2`] with `head_dim % 16 == 0`.
-///
-/// # Safety
-/// The CPU must support AVX-512F, AVX2 and FMA; otherwise as [`chunk_avx2`].
-#[target_feature(enable = "avx512f,avx2,fma")]
-pub(crate) unsafe fn chunk_avx512(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_>]) {
-    for pass in tasks.chunks_mut(MAX_TASKS) {
-        // SAFETY: forwarded from this function's contract.
-        unsafe { pass_body::<Zmm>(args, pass) }
-    }
-}
-
 /// One pass: up to [`MAX_TASKS`] heads over the chunk, tile by tile (see the module docs).
 #[inline(always)]
-unsafe fn pass_body<V: Lanes>(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_>]) {
+pub(crate) unsafe fn pass_body<V: Lanes>(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_>]) {
     let kv = args.kv;
     let layout = &kv.layout;
     let table = kv.page_table;
@@ -144,12 +122,12 @@ unsafe fn pass_body<V: Lanes>(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_
         let prefetch = if quantized { 0 } else { next_count };
         for &row in &next_rows[..prefetch] {
             for line in (0..head_dim).step_by(16) {
-                let key = k_pool.as_ptr().wrapping_add(row + line) as *const i8;
-                let value = v_pool.as_ptr().wrapping_add(row + line) as *const i8;
+                let key = k_pool.as_ptr().wrapping_add(row + line);
+                let value = v_pool.as_ptr().wrapping_add(row + line);
                 // SAFETY: a prefetch is a hint; it never faults or reads into Rust values.
                 unsafe {
-                    _mm_prefetch::<_MM_HINT_T0>(key);
-                    _mm_prefetch::<_MM_HINT_T0>(value);
+                    V::prefetch(key);
+                    V::prefetch(value);
                 }
             }
         }
@@ -280,6 +258,8 @@ unsafe fn pass_body<V: Lanes>(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_
                     4 => tile.accumulate::<V, 4, 1>(block),
                     8 if wide && left >= 2 => tile.accumulate::<V, 8, 2>(block),
                     8 => tile.accumulate::<V, 8, 1>(block),
+                    // head_dim 64 on NEON's 4 lanes (16 accumulators, 16 values: 32 registers).
+                    16 if V::LANES == 4 => tile.accumulate::<V, 16, 1>(block),
                     _ => tile.accumulate_any::<V>(block[0], head_dim),
                 }
             };
@@ -316,7 +296,8 @@ unsafe fn score_block<V: Lanes, const RB: usize>(
     scale_log2: f32,
     scores: &mut [[f32; TILE]; MAX_TASKS],
 ) -> usize {
-    const MAX_KEY_VECTORS: usize = TILE / 8;
+    // The narrowest lanes (NEON's 4) take the most vectors per tile.
+    const MAX_KEY_VECTORS: usize = TILE / 4;
     let key_vectors = TILE / V::LANES;
     // SAFETY: the caller's contract; the arrays are plain locals (loops, not closures, so
     // the vectors stay in this function's registers).

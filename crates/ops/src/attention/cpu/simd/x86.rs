@@ -1,52 +1,40 @@
-//! The vector lanes of the split-KV kernels: 8 (AVX2+FMA) or 16 (AVX-512F) f32 lanes with
-//! the operations the kernel body needs, a vector `exp2` and a register transpose.
+//! The x86-64 lanes of the split-KV chunk kernels (8 with AVX2+FMA, 16 with AVX-512F) and
+//! their `#[target_feature]` entry points; see [`super`].
 
 use std::arch::x86_64::*;
 
-/// A vector of f32 lanes. Every method is `unsafe` because it executes instructions of the
-/// implementor's instruction set: call them only on a CPU that has it. The impls carry
-/// `#[target_feature]` (not `#[inline(always)]` wrappers around intrinsics), so once inlined
-/// into the kernel entry points the vectors stay in registers.
-pub(super) trait Lanes: Copy {
-    const LANES: usize;
-    /// Vector registers of the instruction set (sizes the register blocks).
-    const REGISTERS: usize;
-    unsafe fn splat(value: f32) -> Self;
-    /// Reads `LANES` floats at `pointer`.
-    unsafe fn load(pointer: *const f32) -> Self;
-    /// Writes `LANES` floats at `pointer`.
-    unsafe fn store(self, pointer: *mut f32);
-    unsafe fn add(self, other: Self) -> Self;
-    unsafe fn sub(self, other: Self) -> Self;
-    unsafe fn mul(self, other: Self) -> Self;
-    /// `self * factor + addend`, fused.
-    unsafe fn mul_add(self, factor: Self, addend: Self) -> Self;
-    /// Lane-wise max; a NaN lane of `self` yields `other`'s lane (as `f32::max` ignores NaN).
-    unsafe fn max(self, other: Self) -> Self;
-    unsafe fn reduce_add(self) -> f32;
-    unsafe fn reduce_max(self) -> f32;
-    /// `2^x` per lane for `x <= 0` (the softmax case): Cephes' degree-6 polynomial on the
-    /// fraction after rounding to the nearest integer (relative error ~2e-7); lanes below
-    /// -126 (including `-inf`) give exactly 0.
-    unsafe fn exp2(self) -> Self;
-    /// Transposes a `LANES x LANES` block: reads `LANES` floats at `rows[i] + column` for
-    /// each of the `LANES` row pointers and writes float `j` of row `i` to
-    /// `out[j * stride + i]`.
-    unsafe fn transpose(rows: &[*const f32], column: usize, out: *mut f32, stride: usize);
+use super::lanes::{Lanes, EXP2_POLY};
+use super::{pass_body, ChunkArgs, HeadTask, MAX_TASKS};
+
+/// The AVX2+FMA kernel: each task's normalized partial output and LSE (log2; zeros and
+/// `-inf` for an empty range), [`MAX_TASKS`] tasks per pass over the chunk.
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA; `head_dim % 8 == 0` and `head_dim <= MAX_HEAD_DIM`;
+/// the caller validated the pool, the page table and the tasks (each `query` and `v` holds
+/// `head_dim` floats, each `end` is within the request's visible tokens).
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn chunk_avx2(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_>]) {
+    for pass in tasks.chunks_mut(MAX_TASKS) {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { pass_body::<Ymm>(args, pass) }
+    }
 }
 
-/// Cephes `exp2f` coefficients, highest degree first: `2^f = 1 + f * P(f)`, `|f| <= 0.5`.
-const EXP2_POLY: [f32; 6] = [
-    1.535_336_2e-4,
-    1.339_887_4e-3,
-    9.618_437e-3,
-    5.550_332_5e-2,
-    2.402_264_8e-1,
-    6.931_472e-1,
-];
+/// The AVX-512F kernel; as [`chunk_avx2`] with `head_dim % 16 == 0`.
+///
+/// # Safety
+/// The CPU must support AVX-512F, AVX2 and FMA; otherwise as [`chunk_avx2`].
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub(crate) unsafe fn chunk_avx512(args: &ChunkArgs<'_, '_>, tasks: &mut [HeadTask<'_>]) {
+    for pass in tasks.chunks_mut(MAX_TASKS) {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { pass_body::<Zmm>(args, pass) }
+    }
+}
 
 #[derive(Clone, Copy)]
-pub(super) struct Ymm(__m256);
+pub(crate) struct Ymm(__m256);
 
 impl Lanes for Ymm {
     const LANES: usize = 8;
@@ -135,6 +123,12 @@ impl Lanes for Ymm {
     }
     #[inline]
     #[target_feature(enable = "avx2,fma")]
+    unsafe fn prefetch(pointer: *const f32) {
+        // A prefetch is a hint: it never faults or reads into Rust values.
+        _mm_prefetch::<_MM_HINT_T0>(pointer as *const i8)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
     unsafe fn transpose(rows: &[*const f32], column: usize, out: *mut f32, stride: usize) {
         // SAFETY: the caller guarantees 8 row pointers with 8 readable floats at `column`
         // and 8 writable rows of `out`.
@@ -175,7 +169,7 @@ impl Lanes for Ymm {
 }
 
 #[derive(Clone, Copy)]
-pub(super) struct Zmm(__m512);
+pub(crate) struct Zmm(__m512);
 
 impl Lanes for Zmm {
     const LANES: usize = 16;
@@ -260,6 +254,12 @@ impl Lanes for Zmm {
         let value = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(mantissa), exponent));
         let underflow = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(self.0, _mm512_set1_ps(-126.0));
         Zmm(_mm512_maskz_mov_ps(!underflow, value))
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn prefetch(pointer: *const f32) {
+        // A prefetch is a hint: it never faults or reads into Rust values.
+        _mm_prefetch::<_MM_HINT_T0>(pointer as *const i8)
     }
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma")]

@@ -14,6 +14,7 @@ use crate::formats::safetensors::{SafetensorsError, SafetensorsWeights};
 use crate::weights::names;
 
 mod deepseek;
+pub(crate) use deepseek::deepseek_layer_tensors;
 mod moe;
 use moe::moe_of;
 
@@ -514,7 +515,7 @@ pub fn expected_tensors(config: &ModelConfig) -> Vec<(String, Vec<usize>, bool)>
     let biases_required = config.architecture == Architecture::Qwen2;
     for layer in 0..config.num_layers {
         if config.mla.is_some() {
-            let tensors = crate::random::deepseek_layer_tensors(config, layer);
+            let tensors = deepseek_layer_tensors(config, layer);
             expected.extend(tensors.into_iter().map(|(name, shape)| (name, shape, true)));
             continue;
         }

@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use crate::config::{
     Architecture, Llama3RopeScaling, ModelConfig, MoeConfig, RopeStyle, TopKWeights,
 };
-use crate::hf::config_from_hf_json;
+use crate::hf::{config_from_hf_json, deepseek_layer_tensors};
 use crate::llama::LoadError;
 use crate::weights::{names, RawTensor, TensorSource};
 
@@ -38,7 +38,6 @@ pub const PRESET_NAMES: &[&str] = &[
 ];
 
 mod deepseek;
-pub use deepseek::deepseek_layer_tensors;
 
 /// The configuration of a built-in architecture preset, by name (case-insensitive).
 pub fn preset(name: &str) -> Option<ModelConfig> {

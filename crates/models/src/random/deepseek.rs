@@ -1,12 +1,9 @@
-//! DeepSeek presets of [`super::preset`] and the tensors of a DeepSeek layer in the layout
-//! the safetensors loader serves (HF's joint `kv_b_proj`), for random weights and for the
-//! safetensors check.
+//! DeepSeek presets of [`super::preset`] (their tensors: `hf::deepseek_layer_tensors`).
 
 use crate::config::{
     Architecture, ExpertGroupLimit, ExpertScoring, GroupScoring, MlaConfig, ModelConfig, MoeConfig,
     RopeStyle, TopKWeights, YarnScaling,
 };
-use crate::weights::names;
 
 /// A DeepSeek model of `mla`'s latent attention (the cache shapes follow from it).
 fn deepseek(base: ModelConfig, mla: MlaConfig, moe: MoeConfig) -> ModelConfig {
@@ -149,63 +146,4 @@ pub(super) fn preset(name: &str) -> Option<ModelConfig> {
         ),
         _ => return None,
     })
-}
-
-/// The attention and MLP tensors of DeepSeek layer `layer` (HF's layout under canonical
-/// names: the joint `attn_kv_b`), with their row-major shapes.
-pub fn deepseek_layer_tensors(config: &ModelConfig, layer: usize) -> Vec<(String, Vec<usize>)> {
-    let (Some(mla), Some(moe)) = (&config.mla, &config.moe) else {
-        return Vec::new();
-    };
-    let (hidden, heads) = (config.hidden_size, config.num_attention_heads);
-    let q_rows = heads * mla.q_head_dim();
-    let n = |suffix: &str| names::layer(layer, suffix);
-    let mut shapes = vec![(n(names::ATTN_NORM), vec![hidden])];
-    match mla.q_lora_rank {
-        None => shapes.push((n(names::ATTN_Q), vec![q_rows, hidden])),
-        Some(rank) => shapes.extend([
-            (n(names::ATTN_Q_A), vec![rank, hidden]),
-            (n(names::ATTN_Q_A_NORM), vec![rank]),
-            (n(names::ATTN_Q_B), vec![q_rows, rank]),
-        ]),
-    }
-    let latent = mla.kv_lora_rank;
-    shapes.extend([
-        (n(names::ATTN_KV_A_MQA), vec![mla.cache_row(), hidden]),
-        (n(names::ATTN_KV_A_NORM), vec![latent]),
-        (
-            n(names::ATTN_KV_B),
-            vec![heads * (mla.qk_nope_head_dim + mla.v_head_dim), latent],
-        ),
-        (n(names::ATTN_OUTPUT), vec![hidden, heads * mla.v_head_dim]),
-        (n(names::FFN_NORM), vec![hidden]),
-    ]);
-    if moe.is_moe_layer(layer) {
-        let (experts, width) = (moe.num_experts, moe.expert_intermediate_size);
-        shapes.extend([
-            (n(names::FFN_GATE_INP), vec![experts, hidden]),
-            (n(names::FFN_GATE_EXPS), vec![experts, width, hidden]),
-            (n(names::FFN_UP_EXPS), vec![experts, width, hidden]),
-            (n(names::FFN_DOWN_EXPS), vec![experts, hidden, width]),
-        ]);
-        if moe.selection_bias {
-            shapes.push((n(names::FFN_EXP_PROBS_B), vec![experts]));
-        }
-        let shared = moe.num_shared_experts * width;
-        if shared > 0 {
-            shapes.extend([
-                (n(names::FFN_GATE_SHEXP), vec![shared, hidden]),
-                (n(names::FFN_UP_SHEXP), vec![shared, hidden]),
-                (n(names::FFN_DOWN_SHEXP), vec![hidden, shared]),
-            ]);
-        }
-    } else {
-        let width = config.intermediate_size;
-        shapes.extend([
-            (n(names::FFN_GATE), vec![width, hidden]),
-            (n(names::FFN_UP), vec![width, hidden]),
-            (n(names::FFN_DOWN), vec![hidden, width]),
-        ]);
-    }
-    shapes
 }

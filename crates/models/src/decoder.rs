@@ -117,15 +117,20 @@ pub(crate) fn llama_moe_layers<S: MoeStep>(
     step.embed()?;
     for (index, layer) in layers.iter().enumerate() {
         attention_block(step, index, layer)?;
-        if S::is_moe(layer) {
-            step.mlp_norm(layer)?;
-            step.route(layer)?;
-            step.experts(layer)?;
-        } else {
-            dense_mlp_block(step, layer)?;
-        }
+        moe_or_dense_mlp_block(step, layer)?;
     }
     step.logits()
+}
+
+/// A layer's MLP block on a MoE-capable device: pre-norm, routing and the experts (with the
+/// residual add) for a MoE layer, the dense block otherwise.
+fn moe_or_dense_mlp_block<S: MoeStep>(step: &mut S, layer: &S::Layer) -> Result<(), S::Error> {
+    if !S::is_moe(layer) {
+        return dense_mlp_block(step, layer);
+    }
+    step.mlp_norm(layer)?;
+    step.route(layer)?;
+    step.experts(layer)
 }
 
 /// The steps of DeepSeek's multi-head latent attention block, on a device that runs one. The
@@ -161,13 +166,7 @@ pub(crate) fn deepseek_layers<S: MlaStep>(
         step.mla_absorb(layer)?;
         step.mla_attention(index)?;
         step.mla_output(layer)?;
-        if S::is_moe(layer) {
-            step.mlp_norm(layer)?;
-            step.route(layer)?;
-            step.experts(layer)?;
-        } else {
-            dense_mlp_block(step, layer)?;
-        }
+        moe_or_dense_mlp_block(step, layer)?;
     }
     step.logits()
 }

@@ -325,19 +325,23 @@ fn architecture_of(fields: &Fields<'_>) -> Result<Architecture, HfError> {
     }
 }
 
-/// `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5); `None` for no
-/// scaling or `rope_type: "default"`.
-fn rope_scaling_of(fields: &Fields<'_>) -> Result<Option<Llama3RopeScaling>, HfError> {
-    let (key, scaling) = match fields.object("rope_scaling")? {
-        Some(scaling) => ("rope_scaling", scaling),
+/// The RoPE scaling section, `rope_scaling` (transformers 4) or `rope_parameters`
+/// (transformers 5), read by `read` with its fields and its type (`rope_type`, or the older
+/// `type`); `None` without a section or for type `default`.
+fn rope_scaling_section<T>(
+    fields: &Fields<'_>,
+    read: impl FnOnce(&Fields<'_>, &str) -> Result<T, HfError>,
+) -> Result<Option<T>, HfError> {
+    let (key, map) = match fields.object("rope_scaling")? {
+        Some(map) => ("rope_scaling", map),
         None => match fields.object("rope_parameters")? {
-            Some(scaling) => ("rope_parameters", scaling),
+            Some(map) => ("rope_parameters", map),
             None => return Ok(None),
         },
     };
     let prefix = format!("{key}.");
     let scaling = Fields {
-        map: scaling,
+        map,
         path: fields.path,
         prefix: &prefix,
     };
@@ -345,9 +349,16 @@ fn rope_scaling_of(fields: &Fields<'_>) -> Result<Option<Llama3RopeScaling>, HfE
         Some(rope_type) => rope_type,
         None => scaling.str("type")?.unwrap_or("default"),
     };
-    match rope_type {
-        "default" => Ok(None),
-        "llama3" => Ok(Some(Llama3RopeScaling {
+    if rope_type == "default" {
+        return Ok(None);
+    }
+    read(&scaling, rope_type).map(Some)
+}
+
+/// Llama 3's RoPE scaling; `None` for no scaling or `rope_type: "default"`.
+fn rope_scaling_of(fields: &Fields<'_>) -> Result<Option<Llama3RopeScaling>, HfError> {
+    rope_scaling_section(fields, |scaling, rope_type| match rope_type {
+        "llama3" => Ok(Llama3RopeScaling {
             factor: scaling.required_f32("factor")?,
             low_freq_factor: scaling.required_f32("low_freq_factor")?,
             high_freq_factor: scaling.required_f32("high_freq_factor")?,
@@ -360,12 +371,12 @@ fn rope_scaling_of(fields: &Fields<'_>) -> Result<Option<Llama3RopeScaling>, HfE
                     "does not fit in 32 bits",
                 )
             })?,
-        })),
+        }),
         other => Err(scaling.error(
             "rope_type",
             &format!("is `{other}`; only `default` and `llama3` RoPE scaling are supported"),
         )),
-    }
+    })
 }
 
 fn config_from_object(map: &Map<String, Value>, path: &Path) -> Result<ModelConfig, HfError> {

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use super::{Fields, HfError};
+use super::{rope_scaling_section, Fields, HfError};
 use crate::config::{
     Architecture, ExpertGroupLimit, ExpertScoring, GroupScoring, MlaConfig, ModelConfig, MoeConfig,
     RopeStyle, TopKWeights, YarnScaling,
@@ -139,26 +139,8 @@ fn first_architecture<'a>(fields: &'a Fields<'_>) -> Option<&'a str> {
 /// `rope_scaling` (or transformers 5's `rope_parameters`) of type `yarn`, with DeepSeek's
 /// defaults; `None` without scaling.
 fn yarn_of(fields: &Fields<'_>) -> Result<Option<YarnScaling>, HfError> {
-    let (key, scaling) = match fields.object("rope_scaling")? {
-        Some(scaling) => ("rope_scaling", scaling),
-        None => match fields.object("rope_parameters")? {
-            Some(scaling) => ("rope_parameters", scaling),
-            None => return Ok(None),
-        },
-    };
-    let prefix = format!("{key}.");
-    let scaling = Fields {
-        map: scaling,
-        path: fields.path,
-        prefix: &prefix,
-    };
-    let rope_type = match scaling.str("rope_type")? {
-        Some(rope_type) => rope_type,
-        None => scaling.str("type")?.unwrap_or("default"),
-    };
-    match rope_type {
-        "default" => Ok(None),
-        "yarn" => Ok(Some(YarnScaling {
+    rope_scaling_section(fields, |scaling, rope_type| match rope_type {
+        "yarn" => Ok(YarnScaling {
             factor: scaling.required_f32("factor")?,
             original_max_position_embeddings: u32::try_from(
                 scaling
@@ -175,12 +157,12 @@ fn yarn_of(fields: &Fields<'_>) -> Result<Option<YarnScaling>, HfError> {
             beta_slow: scaling.f32("beta_slow")?.unwrap_or(1.0),
             mscale: scaling.f32("mscale")?.unwrap_or(1.0),
             mscale_all_dim: scaling.f32("mscale_all_dim")?.unwrap_or(0.0),
-        })),
+        }),
         other => Err(scaling.error(
             "rope_type",
             &format!("is `{other}`; DeepSeek models support `default` and `yarn` RoPE scaling"),
         )),
-    }
+    })
 }
 
 /// The attention and MLP tensors of DeepSeek layer `layer` (HF's layout under canonical

@@ -274,6 +274,15 @@ fn tiny_deepseek_v3_matches_oracle_from_safetensors_and_gguf() {
 }
 
 #[test]
+fn tiny_deepseek_v3_with_block_scaled_fp8_weights_matches_oracle() {
+    // DeepSeek-V3's release format: every projection F8_E4M3 with `_scale_inv` block
+    // factors (16 x 16 here, partial blocks included); the oracle runs on the dequantized
+    // weights in float64.
+    let source = ModelSource::HfDir(fixture("tiny-deepseek-v3-fp8"));
+    check_runs(source, "tiny-deepseek-v3-fp8", 1e-4, &MLA_RUNS);
+}
+
+#[test]
 fn moe_models_on_cuda_are_declined_in_one_line() {
     for preset in ["qwen3-moe-tiny", "deepseek-v3-tiny"] {
         let config = pagoda_models::random::preset(preset).unwrap();

@@ -2,8 +2,8 @@
 //! `generation_config.json` -> [`GenerationDefaults`], and the safetensors weights.
 //!
 //! Supported `model_type`s (or, when it is absent, `architectures[0]`): `llama` (Llama 2/3,
-//! SmolLM/SmolLM2), `mistral`, `qwen2`, `qwen3`, `qwen3_moe`, `mixtral`. HF checkpoints keep q/k rows in rotate-half
-//! order, so every config from here has `RopeStyle::Halves`.
+//! SmolLM/SmolLM2), `mistral`, `qwen2`, `qwen3`, `qwen3_moe`, `mixtral`, `deepseek_v2` and
+//! `deepseek_v3`. q/k rows are in rotate-half order: every config has `RopeStyle::Halves`.
 
 use std::path::{Path, PathBuf};
 
@@ -14,8 +14,9 @@ use crate::formats::safetensors::{SafetensorsError, SafetensorsWeights};
 use crate::weights::names;
 
 mod deepseek;
-pub(crate) use deepseek::deepseek_layer_tensors;
 mod moe;
+mod quantization;
+pub(crate) use deepseek::deepseek_layer_tensors;
 use moe::moe_of;
 
 /// File name of the model config inside a HF directory.
@@ -386,6 +387,7 @@ fn config_from_object(map: &Map<String, Value>, path: &Path) -> Result<ModelConf
         prefix: "",
     };
     let architecture = architecture_of(&fields)?;
+    quantization::check_quantization(&fields)?;
     if architecture == Architecture::DeepSeek2 {
         return deepseek::deepseek_config(&fields, path);
     }

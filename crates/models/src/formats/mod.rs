@@ -1,4 +1,5 @@
 //! On-disk model formats.
 
+pub mod fp8;
 pub mod gguf;
 pub mod safetensors;

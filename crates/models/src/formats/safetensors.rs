@@ -15,7 +15,12 @@ use memmap2::Mmap;
 use pagoda_tensor::GgmlType;
 use safetensors::{Dtype, SafeTensors};
 
-use crate::weights::{names, RawTensor, TensorSource};
+use super::fp8;
+use crate::weights::{RawTensor, TensorSource};
+
+mod hf_names;
+use hf_names::expert_pattern;
+pub use hf_names::{canonical_expert_name, canonical_name};
 
 /// File name of a single-file checkpoint inside a model directory.
 pub const SINGLE_FILE_NAME: &str = "model.safetensors";
@@ -57,6 +62,10 @@ struct TensorEntry {
     /// Byte range inside the shard's memory map (header already skipped).
     start: usize,
     end: usize,
+    /// Stored as `F8_E4M3` (served dequantized to F32 with its block factors).
+    fp8: bool,
+    /// An FP8 weight's block factors (`<name>_scale_inv`), paired after every shard is read.
+    fp8_scales: Option<Box<TensorEntry>>,
 }
 
 /// A canonical tensor stacked from one HF tensor per expert (`[num_experts, out, in]`, as
@@ -93,6 +102,8 @@ pub struct SafetensorsWeights {
     /// Per-expert parts by canonical stacked name and expert index, until [`Self::stack_experts`].
     expert_parts: BTreeMap<String, BTreeMap<usize, TensorEntry>>,
     unmapped: Vec<String>,
+    /// `<weight>_scale_inv` tensors by their weight's HF name, until [`Self::pair_fp8_scales`].
+    fp8_scales: BTreeMap<String, TensorEntry>,
 }
 
 impl std::fmt::Debug for SafetensorsWeights {
@@ -112,7 +123,7 @@ impl SafetensorsWeights {
         let dir = dir.as_ref();
         let single = dir.join(SINGLE_FILE_NAME);
         let index = dir.join(INDEX_FILE_NAME);
-        if single.is_file() {
+        let weights = if single.is_file() {
             SafetensorsWeights::open_file(&single)
         } else if index.is_file() {
             SafetensorsWeights::open_index(&index)
@@ -123,13 +134,19 @@ impl SafetensorsWeights {
                     "no weights found: neither {SINGLE_FILE_NAME} nor {INDEX_FILE_NAME} exists"
                 ),
             ))
+        }?;
+        let (fp8, shown) = (weights.fp8_tensors(), dir.display());
+        if fp8 > 0 {
+            tracing::info!("{shown}: {fp8} FP8 (e4m3, block-scaled) weights dequantized at load");
         }
+        Ok(weights)
     }
 
     /// Loads a single `.safetensors` file.
     pub fn open_file(path: impl AsRef<Path>) -> Result<SafetensorsWeights, SafetensorsError> {
         let mut weights = SafetensorsWeights::empty();
         weights.add_shard(path.as_ref(), None)?;
+        weights.pair_fp8_scales(path.as_ref())?;
         weights.stack_experts(path.as_ref())?;
         Ok(weights)
     }
@@ -192,6 +209,7 @@ impl SafetensorsWeights {
             }
             weights.add_shard(&shard_path, Some(listed))?;
         }
+        weights.pair_fp8_scales(index_path)?;
         weights.stack_experts(index_path)?;
         Ok(weights)
     }
@@ -203,6 +221,7 @@ impl SafetensorsWeights {
             stacked: BTreeMap::new(),
             expert_parts: BTreeMap::new(),
             unmapped: Vec::new(),
+            fp8_scales: BTreeMap::new(),
         }
     }
 
@@ -240,6 +259,44 @@ impl SafetensorsWeights {
             self.stacked
                 .insert(canonical, StackedEntry { hf_pattern, parts });
         }
+        Ok(())
+    }
+
+    /// Gives every `F8_E4M3` weight its `<name>_scale_inv` factors, checking that their
+    /// shape fits a block size; scales of weights that are not served are listed unmapped.
+    /// Errors name `path`.
+    fn pair_fp8_scales(&mut self, path: &Path) -> Result<(), SafetensorsError> {
+        let mut scales = std::mem::take(&mut self.fp8_scales);
+        let entries = self.tensors.values_mut().chain(
+            self.expert_parts
+                .values_mut()
+                .flat_map(|parts| parts.values_mut()),
+        );
+        for entry in entries.filter(|entry| entry.fp8) {
+            let scale = scales.remove(&entry.hf_name).ok_or_else(|| {
+                SafetensorsError::new(
+                    path,
+                    format!(
+                        "FP8 tensor `{}` has no `{}_scale_inv` block factors",
+                        entry.hf_name, entry.hf_name
+                    ),
+                )
+            })?;
+            let bytes = entry.end - entry.start;
+            let fits = entry.shape.iter().product::<usize>() == bytes;
+            fp8::block_shape(&entry.shape, &scale.shape)
+                .map_err(|error| error.to_string())
+                .and_then(|_| {
+                    fits.then_some(())
+                        .ok_or_else(|| "not one byte per element".into())
+                })
+                .map_err(|error| {
+                    SafetensorsError::new(path, format!("FP8 tensor `{}`: {error}", entry.hf_name))
+                })?;
+            entry.fp8_scales = Some(Box::new(scale));
+        }
+        self.unmapped
+            .extend(scales.into_values().map(|scale| scale.hf_name));
         Ok(())
     }
 
@@ -282,6 +339,30 @@ impl SafetensorsWeights {
         hf_names.sort();
         for hf_name in hf_names {
             let info = infos[hf_name];
+            let (start, end) = info.data_offsets;
+            if let Some(weight) = hf_name.strip_suffix("_scale_inv") {
+                let ty = ggml_type(info.dtype).filter(|ty| *ty != GgmlType::F16);
+                let entry = TensorEntry {
+                    hf_name: hf_name.clone(),
+                    shard: shard_index,
+                    ty: ty.ok_or_else(|| {
+                        SafetensorsError::new(
+                            path,
+                            format!(
+                                "FP8 scale tensor `{hf_name}` has dtype {}; F32 or BF16 expected",
+                                info.dtype
+                            ),
+                        )
+                    })?,
+                    shape: info.shape.clone(),
+                    start: data_start + start,
+                    end: data_start + end,
+                    fp8: false,
+                    fp8_scales: None,
+                };
+                self.fp8_scales.insert(weight.to_string(), entry);
+                continue;
+            }
             let (canonical, expert) = match canonical_name(hf_name) {
                 Some(canonical) => (canonical, None),
                 None => match canonical_expert_name(hf_name) {
@@ -292,16 +373,20 @@ impl SafetensorsWeights {
                     }
                 },
             };
-            let ty = ggml_type(info.dtype).ok_or_else(|| {
-                SafetensorsError::new(
-                    path,
-                    format!(
-                        "tensor `{hf_name}` has dtype {}; supported dtypes are F32, F16 and BF16",
-                        info.dtype
-                    ),
-                )
-            })?;
-            let (start, end) = info.data_offsets;
+            // An FP8 weight is served dequantized to F32 once its scales are paired.
+            let fp8 = info.dtype == Dtype::F8_E4M3;
+            let ty = ggml_type(info.dtype)
+                .or(fp8.then_some(GgmlType::F32))
+                .ok_or_else(|| {
+                    SafetensorsError::new(
+                        path,
+                        format!(
+                            "tensor `{hf_name}` has dtype {}; supported dtypes are F32, F16, BF16 \
+                             and block-scaled F8_E4M3",
+                            info.dtype
+                        ),
+                    )
+                })?;
             let entry = TensorEntry {
                 hf_name: hf_name.clone(),
                 shard: shard_index,
@@ -309,6 +394,8 @@ impl SafetensorsWeights {
                 shape: info.shape.clone(),
                 start: data_start + start,
                 end: data_start + end,
+                fp8,
+                fp8_scales: None,
             };
             let previous = match expert {
                 Some(expert) => self
@@ -360,6 +447,12 @@ impl SafetensorsWeights {
             .collect()
     }
 
+    /// Number of stored `F8_E4M3` weights (expert parts counted one by one).
+    pub fn fp8_tensors(&self) -> usize {
+        let parts = self.stacked.values().flat_map(|stacked| &stacked.parts);
+        self.tensors.values().chain(parts).filter(|e| e.fp8).count()
+    }
+
     /// Number of served (canonical) tensors.
     pub fn len(&self) -> usize {
         self.tensors.len() + self.stacked.len()
@@ -374,19 +467,32 @@ impl SafetensorsWeights {
 impl TensorSource for SafetensorsWeights {
     fn tensor(&self, name: &str) -> Option<RawTensor<'_>> {
         // In bounds: the safetensors crate checked every offset against the buffer length.
-        let bytes = |entry: &TensorEntry| &self.shards[entry.shard].mmap[entry.start..entry.end];
+        let stored = |entry: &TensorEntry| &self.shards[entry.shard].mmap[entry.start..entry.end];
+        let bytes = |entry: &TensorEntry| match &entry.fp8_scales {
+            None => Cow::Borrowed(stored(entry)),
+            Some(scales) => {
+                let factors = read_f32(scales.ty, stored(scales));
+                let data = fp8::dequantize(stored(entry), &entry.shape, &factors, &scales.shape);
+                // The shapes were checked when the scales were paired.
+                Cow::Owned(data.expect("FP8 shapes checked at open"))
+            }
+        };
         if let Some(entry) = self.tensors.get(name) {
             return Some(RawTensor {
                 ty: entry.ty,
                 shape: entry.shape.clone(),
-                data: Cow::Borrowed(bytes(entry)),
+                data: bytes(entry),
             });
         }
         let stacked = self.stacked.get(name)?;
+        let mut data = Vec::new();
+        for part in &stacked.parts {
+            data.extend_from_slice(&bytes(part));
+        }
         Some(RawTensor {
             ty: stacked.parts[0].ty,
             shape: stacked.shape(),
-            data: Cow::Owned(stacked.parts.iter().flat_map(bytes).copied().collect()),
+            data: Cow::Owned(data),
         })
     }
 
@@ -412,88 +518,18 @@ pub fn ggml_type(dtype: Dtype) -> Option<GgmlType> {
     }
 }
 
-/// The canonical (GGUF) name of a HF llama/mistral/qwen2/qwen3 tensor name, or `None` for a
-/// name pagoda does not use. E.g. `model.layers.3.self_attn.q_proj.weight` ->
-/// `blk.3.attn_q.weight`.
-pub fn canonical_name(hf_name: &str) -> Option<String> {
-    match hf_name {
-        "model.embed_tokens.weight" => return Some(names::TOKEN_EMBEDDING.to_string()),
-        "model.norm.weight" => return Some(names::OUTPUT_NORM.to_string()),
-        "lm_head.weight" => return Some(names::OUTPUT.to_string()),
-        _ => {}
+/// F32 or BF16 little-endian bytes (an FP8 scale tensor) as f32 values.
+fn read_f32(ty: GgmlType, bytes: &[u8]) -> Vec<f32> {
+    match ty {
+        GgmlType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
+            .collect(),
+        _ => bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
     }
-    let (layer, suffix) = split_index(hf_name.strip_prefix("model.layers.")?)?;
-    let canonical_suffix = match suffix {
-        "input_layernorm.weight" => names::ATTN_NORM,
-        "self_attn.q_proj.weight" => names::ATTN_Q,
-        "self_attn.k_proj.weight" => names::ATTN_K,
-        "self_attn.v_proj.weight" => names::ATTN_V,
-        "self_attn.o_proj.weight" => names::ATTN_OUTPUT,
-        "self_attn.q_proj.bias" => names::ATTN_Q_BIAS,
-        "self_attn.k_proj.bias" => names::ATTN_K_BIAS,
-        "self_attn.v_proj.bias" => names::ATTN_V_BIAS,
-        "self_attn.o_proj.bias" => "attn_output.bias",
-        "self_attn.q_norm.weight" => names::ATTN_Q_NORM,
-        "self_attn.k_norm.weight" => names::ATTN_K_NORM,
-        "self_attn.q_a_proj.weight" => names::ATTN_Q_A,
-        "self_attn.q_a_layernorm.weight" => names::ATTN_Q_A_NORM,
-        "self_attn.q_b_proj.weight" => names::ATTN_Q_B,
-        "self_attn.kv_a_proj_with_mqa.weight" => names::ATTN_KV_A_MQA,
-        "self_attn.kv_a_layernorm.weight" => names::ATTN_KV_A_NORM,
-        "self_attn.kv_b_proj.weight" => names::ATTN_KV_B,
-        "mlp.gate.e_score_correction_bias" => names::FFN_EXP_PROBS_B,
-        "mlp.shared_experts.gate_proj.weight" => names::FFN_GATE_SHEXP,
-        "mlp.shared_experts.up_proj.weight" => names::FFN_UP_SHEXP,
-        "mlp.shared_experts.down_proj.weight" => names::FFN_DOWN_SHEXP,
-        "post_attention_layernorm.weight" => names::FFN_NORM,
-        "mlp.gate_proj.weight" => names::FFN_GATE,
-        "mlp.up_proj.weight" => names::FFN_UP,
-        "mlp.down_proj.weight" => names::FFN_DOWN,
-        // The mixture-of-experts router: Qwen3-MoE's, Mixtral's.
-        "mlp.gate.weight" | "block_sparse_moe.gate.weight" => names::FFN_GATE_INP,
-        _ => return None,
-    };
-    Some(names::layer(layer, canonical_suffix))
-}
-
-/// The canonical stacked tensor and the expert index of one expert's HF tensor, or `None`:
-/// `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight` (Qwen3-MoE) and
-/// `model.layers.{i}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight` (Mixtral: w1 is the gate,
-/// w3 the up, w2 the down projection) -> (`blk.{i}.ffn_{gate,up,down}_exps.weight`, e).
-pub fn canonical_expert_name(hf_name: &str) -> Option<(String, usize)> {
-    let (layer, rest) = split_index(hf_name.strip_prefix("model.layers.")?)?;
-    let experts = rest
-        .strip_prefix("mlp.experts.")
-        .or_else(|| rest.strip_prefix("block_sparse_moe.experts."))?;
-    let (expert, suffix) = split_index(experts)?;
-    let canonical_suffix = match suffix {
-        "gate_proj.weight" | "w1.weight" => names::FFN_GATE_EXPS,
-        "up_proj.weight" | "w3.weight" => names::FFN_UP_EXPS,
-        "down_proj.weight" | "w2.weight" => names::FFN_DOWN_EXPS,
-        _ => return None,
-    };
-    Some((names::layer(layer, canonical_suffix), expert))
-}
-
-/// `"12.rest"` -> `(12, "rest")`; rejects spellings such as `01` or `+1` that would alias
-/// another index.
-fn split_index(text: &str) -> Option<(usize, &str)> {
-    let (index_text, rest) = text.split_once('.')?;
-    let index: usize = index_text.parse().ok()?;
-    (index.to_string() == index_text).then_some((index, rest))
-}
-
-/// An expert part's HF name with its expert index replaced by `*`.
-fn expert_pattern(hf_name: &str) -> String {
-    for marker in [".mlp.experts.", ".block_sparse_moe.experts."] {
-        if let Some(at) = hf_name.find(marker) {
-            let (head, tail) = hf_name.split_at(at + marker.len());
-            if let Some((_, rest)) = tail.split_once('.') {
-                return format!("{head}*.{rest}");
-            }
-        }
-    }
-    hf_name.to_string()
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@
     python3 scripts/plot-bench.py a.json b.json --label before --label after -o ab.svg
 
     pagoda bench attention --json -b 1,4,16,64 -c 1024,4096,16384,32768 > attention.json
-    python3 scripts/plot-bench.py attention.json --peer $OUT/decode.json -o attention.svg
+    python3 scripts/plot-bench.py attention.json --peer $OUT/decode.json --peer $OUT/decode_tc.json -o attention.svg
 
     pagoda bench sampling --json > sampling.json          # CPU or --device cuda
     python3 scripts/plot-bench.py sampling.json -o sampling.svg
@@ -33,6 +33,7 @@ on the same JSON gives the same file.
 
 import argparse
 import json
+import math
 import re
 import sys
 
@@ -65,14 +66,25 @@ def decode_points(report):
     return points
 
 
-def attention_lines(report, label):
-    """{name: [(kv_mb, gb_per_s)]}: one line per path and batch of an attention report."""
+def attention_lines(report, label, paths=None):
+    """{name: [(kv_mb, gb_per_s)]}: one line per path (of `paths`, if given) and batch of an
+    attention report."""
     lines = {}
     for case in report:
         for path in case["paths"]:
+            if paths and path["path"] not in paths:
+                continue
             name = f"{path['path']}, B={case['batch']}" + (f", {label}" if label else "")
             lines.setdefault(name, []).append((case["kv_mb"], path["gb_per_s"]))
     return {name: sorted(points) for name, points in lines.items()}
+
+
+def batch_color(name):
+    """One colour per batch size (`..., B=16...`), so each implementation's line of a batch
+    shares it and the line style tells the implementations apart."""
+    match = re.search(r"B=(\d+)", name)
+    batch = int(match[1]) if match else 0
+    return f"C{max(batch.bit_length() - 1, 0) // 2 % 10}"
 
 
 def peer_attention_lines(peer):
@@ -82,7 +94,8 @@ def peer_attention_lines(peer):
         if "B" not in row or "kv_bytes" not in row:
             continue
         for impl in ("fi_decode", "fi_decode_tc"):
-            if f"{impl}_GBps" in row:
+            rate = row.get(f"{impl}_GBps")
+            if rate is not None and not math.isnan(rate):  # a section times one wrapper
                 name = f"FlashInfer {impl[3:]}, B={row['B']}"
                 lines.setdefault(name, []).append((row["kv_bytes"] / 1e6, row[f"{impl}_GBps"]))
             if f"{impl}_frac_copy" in row and row[f"{impl}_frac_copy"]:
@@ -150,15 +163,25 @@ def plot_attention(plt, reports, labels, args):
     figure, axes = plt.subplots(figsize=(9, 5.5))
     drawn = 0
     for report, label in zip(reports, labels):
-        for name, points in attention_lines(report, label).items():
-            axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        paths = set(args.paths.split(",")) if args.paths else None
+        styles = ["-", "-.", ":", (0, (5, 1))]
+        for name, points in attention_lines(report, label, paths).items():
+            style = styles[sorted(paths or [name.split(",")[0]]).index(name.split(",")[0])
+                           % len(styles)] if paths else "-"
+            axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name,
+                      color=batch_color(name), linestyle=style)
             drawn += 1
-    if args.peer:
-        with open(args.peer) as file:
-            lines, copy = peer_attention_lines(json.load(file))
+    lines, copy = {}, None
+    for peer in args.peer:
+        with open(peer) as file:
+            more, rate = peer_attention_lines(json.load(file))
+        lines.update(more)
+        copy = copy or rate
+    if lines:
         for name, points in lines.items():
             axes.plot([p[0] for p in points], [p[1] for p in points], marker="x",
-                      linestyle="--", label=name)
+                      linestyle="--", label=name, color=batch_color(name),
+                      alpha=1.0 if "decode_tc" in name else 0.5)
             drawn += 1
         if copy:
             axes.axhline(copy, color="grey", linestyle=":", label=f"copy rate {copy:.0f} GB/s")
@@ -252,7 +275,11 @@ def main():
     parser.add_argument("--x", choices=["batch", "depth"], default="batch",
                         help="decode reports: the x axis")
     parser.add_argument("--label", action="append", default=[], help="a label per input")
-    parser.add_argument("--peer", help="attention reports: FlashInfer's decode.json (anchor kit)")
+    parser.add_argument("--peer", action="append", default=[],
+                        help="attention reports: the anchor kit's decode.json or decode_tc.json "
+                             "(FlashInfer's decode wrappers; repeat for both)")
+    parser.add_argument("--paths", help="attention reports: the paths to draw, comma-separated "
+                                        "(default: every path)")
     parser.add_argument("--title", help="default: from the report")
     args = parser.parse_args()
     if not args.output.endswith(".svg"):

@@ -255,9 +255,9 @@ settings! {
     "PAGODA_CUDA_PIECEWISE_TOKENS", None, Values::Number { min: 0, max: 1048576, words: &[] }, "256", Tuning,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Prefill and mixed steps of up to this many tokens run everything but attention and the LM head from CUDA graphs captured per 16-token bucket (piecewise graphs; with CUDA graphs on, not in deterministic mode); 0: launched from the host.";
-    "PAGODA_CUDA_DEVICE_MASKS", None, ON_OFF, "off", Cuda,
+    "PAGODA_CUDA_DEVICE_MASKS", None, ON_OFF, "on", Cuda,
         "engine EngineSettings",
-        "Structured output on CUDA: constrained rows sample on the GPU, their token masks uploaded and applied to the logits on the device (off, until measured on the H200: their logits are downloaded and sampled on the host).";
+        "Structured output on CUDA: constrained rows sample on the GPU, their token masks uploaded and applied to the logits on the device (on: a JSON schema costs 5.6% of decode tok/s at 16 clients and 11% at 64 on the H200, against 15% and 26% when off, where their logits are downloaded and sampled on the host).";
     "PAGODA_CUDA_GEMV", None, ON_OFF, "off", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Linear layers of 1-8 bf16 rows on the small-batch CUDA-core kernel instead of cuBLAS (off: measured level with cuBLAS at 1 row and slower from 2 in 8B decode; never in deterministic mode).";

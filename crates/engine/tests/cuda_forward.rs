@@ -139,9 +139,8 @@ fn ragged_workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
         })
         .collect();
     // Steps 2 to 5 are mixed: one or two one-token rows first, then chunks. With graphs on,
-    // steps 1 and 2 fall in the 48-token piecewise bucket (which the warm-up's prefill
-    // opened: step 1 captures, step 2 replays), steps 3 to 5 in the 32-token one (eager,
-    // capture, replay).
+    // steps 1 and 2 fall in the 48-token piecewise bucket, steps 3 to 5 in the 32-token one,
+    // both captured by the warm-up (every step replays).
     let mut schedule: Schedule = vec![
         vec![37, 5, 0],
         vec![1, 20, 19],
@@ -195,6 +194,9 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
         // them (every logit is still compared with the CPU), nor load another kernel.
         let warmed = model.warm_up(&mut |_| {}).unwrap();
         assert_eq!(warmed.steps, 3, "{warmed:?}");
+        // Every 16-token bucket up to the step buffers' 256 tokens: its pieces captured.
+        let piece_buckets = if cuda_graphs { 256 / 16 } else { 0 };
+        assert_eq!(warmed.piece_buckets, piece_buckets, "{warmed:?}");
         let loaded = gpu.loaded_kernels();
         let got = run_schedule(&prompts, &schedule, &mut |batch| {
             model.forward(batch).unwrap()
@@ -228,15 +230,15 @@ fn compare(gpu: &Arc<Gpu>, config: ModelConfig) -> (f64, f64) {
             20 + 19 + 30 + 20 + 18,
             "{counters:?}"
         );
-        // The prefill and mixed steps ran as piecewise graphs where graphs are on (each
-        // bucket's first step eagerly), else eagerly.
+        // The prefill and mixed steps replayed piecewise graphs the warm-up captured where
+        // graphs are on, else ran eagerly.
         let layers = config.num_layers as u64;
         if cuda_graphs {
-            assert_eq!(counters.steps_cuda_piecewise, 4, "{counters:?}");
-            assert_eq!(counters.steps_cuda_eager, 1, "{counters:?}");
+            assert_eq!(counters.steps_cuda_piecewise, 5, "{counters:?}");
+            assert_eq!(counters.steps_cuda_eager, 0, "{counters:?}");
             assert_eq!(
                 counters.cuda_piece_graphs_captured,
-                2 * (layers + 1),
+                piece_buckets as u64 * (layers + 1),
                 "{counters:?}"
             );
         } else {

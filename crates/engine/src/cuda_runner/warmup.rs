@@ -4,8 +4,10 @@
 //! graph of every batch bucket; (3) run a small prefill and two decode steps whose rows take
 //! every sampling path (greedy, temperature, top-k, top-p, min-p, all three; on the device
 //! and through downloaded logits), which also creates the GEMM plans and the device
-//! sampler's workspace. The warm-up steps write only into pages no request holds yet and are
-//! not counted as steps.
+//! sampler's workspace, then a prefill of every piecewise bucket's size twice (its first
+//! step runs eagerly, its second captures the pieces), so a serving step never pauses to
+//! capture them either. The warm-up steps write only into pages no request holds yet and
+//! are not counted as steps.
 
 use std::time::Instant;
 
@@ -15,6 +17,7 @@ use pagoda_models::llama::ForwardBatch;
 use pagoda_models::llama_cuda::HostFloat;
 use pagoda_ops::cuda as ops;
 
+use super::pieces::PIECE_BUCKET_TOKENS;
 use super::{CudaRunner, Inner, SamplingRowParams, TypedRunner};
 
 /// The warm-up's stages, in order (for progress lines and `/health`).
@@ -33,6 +36,8 @@ pub struct WarmupReport {
     pub graphs: usize,
     /// Warm-up steps run (0 when the cache is too small for them).
     pub steps: usize,
+    /// Piecewise token buckets whose graphs were captured.
+    pub piece_buckets: usize,
     /// Seconds of each stage, in [`WARMUP_STAGES`] order.
     pub stage_seconds: [f64; 3],
 }
@@ -97,10 +102,15 @@ impl<T: HostFloat> TypedRunner<T> {
         let started = Instant::now();
         let counted = self.counters.clone();
         report.steps = self.warmup_steps();
+        report.piece_buckets = self.warmup_pieces();
         // The warm-up's steps are not the server's: only graphs and kernel loads stay counted.
-        let graphs = self.counters.cuda_graphs_captured;
+        let (graphs, pieces) = (
+            self.counters.cuda_graphs_captured,
+            self.counters.cuda_piece_graphs_captured,
+        );
         self.counters = counted;
         self.counters.cuda_graphs_captured = graphs;
+        self.counters.cuda_piece_graphs_captured = pieces;
         self.count_kernel_loads();
         report.stage_seconds[2] = started.elapsed().as_secs_f64();
         Ok(report)
@@ -203,5 +213,76 @@ impl<T: HostFloat> TypedRunner<T> {
             .map(|row| Some(row.with_step(step as u64)))
             .collect();
         self.forward_sampled(&batch, &rows, None).map(|_| ())
+    }
+    /// Captures the piecewise graphs of every token bucket up to
+    /// `PAGODA_CUDA_PIECEWISE_TOKENS`: a one-request prefill of the bucket's size, run twice
+    /// (eager, then captured) into pages no request holds. Returns the buckets captured.
+    fn warmup_pieces(&mut self) -> usize {
+        let Some(options) = self.cache.as_ref().map(|cache| cache.options) else {
+            return 0;
+        };
+        let kernels = options.kernels;
+        if !options.cuda_graphs || kernels.deterministic {
+            return 0;
+        }
+        let started = Instant::now();
+        let limit = kernels.piecewise_tokens.min(options.max_batch_tokens);
+        let buckets = (1..)
+            .map(|i| i * PIECE_BUCKET_TOKENS)
+            .take_while(|&bucket| bucket <= limit);
+        let vocab = self.model.config().vocab_size as u32;
+        let mut captured = 0;
+        for bucket in buckets {
+            let Ok(mut pool) = BlockPool::new(options.num_pages, options.page_size) else {
+                break;
+            };
+            if bucket.div_ceil(options.page_size) > options.num_pages {
+                break;
+            }
+            let mut table = BlockTable::new();
+            let Ok(slots) = table.append_slots(&mut pool, bucket) else {
+                break;
+            };
+            let Ok(page_table) = PageTable::from_block_tables(&[&table], &pool) else {
+                break;
+            };
+            let tokens: Vec<u32> = (0..bucket as u32).map(|p| (p * 7 + 1) % vocab).collect();
+            let positions: Vec<u32> = (0..bucket as u32).collect();
+            let batch = ForwardBatch {
+                tokens: &tokens,
+                positions: &positions,
+                slots: &slots,
+                qo_indptr: &[0, bucket as u32],
+                page_table: &page_table,
+                logits_for: &[bucket - 1],
+            };
+            let Some(mut cache) = self.cache.take() else {
+                return captured;
+            };
+            let before = self.counters.cuda_piece_graphs_captured;
+            let mut outcome = Ok(());
+            for _ in 0..2 {
+                outcome = self
+                    .forward_in(&mut cache, &batch, super::sampling::Output::Logits)
+                    .map(|_| ());
+                if outcome.is_err() {
+                    break;
+                }
+            }
+            self.cache = Some(cache);
+            if let Err(error) = outcome {
+                tracing::warn!("warm-up: the {bucket}-token piecewise step failed: {error}");
+                break;
+            }
+            captured += usize::from(self.counters.cuda_piece_graphs_captured > before);
+        }
+        if captured > 0 {
+            tracing::info!(
+                "CUDA graphs: captured the pieces of {captured} prefill buckets (up to {limit} \
+                 tokens) in {:.2} s",
+                started.elapsed().as_secs_f64()
+            );
+        }
+        captured
     }
 }

@@ -5,9 +5,11 @@
 //! constraint keeps its mask for the position, so a row sampled on the host applies it at no
 //! further cost; rows sampled on the GPU get theirs packed into [`TokenMasks`], which the
 //! CUDA runner asks for once the forward is enqueued and applies on the device before its
-//! sampler runs.
+//! sampler runs. On CUDA the rows' masks are computed in parallel (one rayon task each): at
+//! batch 64 one after another they outlast the forward.
 
 use pagoda_grammar::Constraint;
+use rayon::prelude::*;
 
 use super::{Engine, RequestId};
 use crate::cuda_runner::{SamplingRowParams, TokenMasks};
@@ -19,6 +21,9 @@ pub(super) struct StepMasks {
     taken: Vec<(RequestId, Box<Constraint>, Option<u32>)>,
     /// Words of a device mask: `ceil(vocab_size / 32)`.
     words: usize,
+    /// Compute the masks on the rayon pool, one task per row (on CUDA, where the host's
+    /// cores are idle during the forward; the CPU's forward needs them).
+    parallel: bool,
 }
 
 impl StepMasks {
@@ -42,6 +47,12 @@ impl StepMasks {
             words,
             ..TokenMasks::default()
         };
+        if self.parallel && self.taken.len() > 1 {
+            // Each constraint keeps its mask: the loop below reads it back.
+            self.taken.par_iter_mut().for_each(|(_, constraint, _)| {
+                let _ = constraint.allowed();
+            });
+        }
         for (_, constraint, row) in &mut self.taken {
             let allowed = constraint.allowed();
             let Some(row) = row else { continue };
@@ -105,7 +116,12 @@ impl Engine {
                 )
             });
         }
-        StepMasks { taken, words }
+        let parallel = self.runner.is_cuda();
+        StepMasks {
+            taken,
+            words,
+            parallel,
+        }
     }
 
     /// Puts the constraints back into their requests' states.

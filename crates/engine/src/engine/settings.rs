@@ -35,7 +35,7 @@ pub struct EngineSettings {
     /// (`PAGODA_STRUCTURED_MASKS_BESIDE`, default on).
     pub masks_beside: bool,
     /// Structured output on CUDA: constrained rows sample on the device
-    /// (`PAGODA_CUDA_DEVICE_MASKS`, default off until measured on the GPU).
+    /// (`PAGODA_CUDA_DEVICE_MASKS`, default on, measured on the H200).
     pub device_masks: bool,
 }
 
@@ -182,7 +182,7 @@ mod tests {
             },
             cuda_kernels: CudaKernels::default(),
             masks_beside: true,
-            device_masks: false,
+            device_masks: true,
         };
         assert_eq!(settings, expected);
 

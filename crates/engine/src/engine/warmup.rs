@@ -50,7 +50,7 @@ impl Engine {
             target: "pagoda_progress",
             "warm-up: done in {:.2} s: {} kernels in {compile:.2} s ({} compiled, {} from the \
              disk cache, {} already loaded); {} decode graphs in {capture:.2} s; {} warm-up steps \
-             in {steps:.2} s",
+             and the pieces of {} prefill buckets in {steps:.2} s",
             started.elapsed().as_secs_f64(),
             kernels.requested - kernels.failed.len(),
             kernels.compiled,
@@ -58,6 +58,7 @@ impl Engine {
             kernels.already_loaded,
             report.graphs,
             report.steps,
+            report.piece_buckets,
         );
         self.absorb_runner_counters();
         Ok(Some(report))

@@ -8,13 +8,13 @@
 //!
 //! Then `Weight::matmul` with the `f32` set (decode, small batches and prefills, with row and
 //! token counts that leave partial tiles), which must give the oracle's bits through every
-//! path that this CPU's f32 kernels take.
+//! path that this CPU's f32 kernels take, and counts in `neon_matmul_count` on aarch64.
 
 mod common;
 
 use common::{random_activations, random_rows};
 
-use pagoda_ops::linear::cpu::f32_tile::{fused, quantized_tile, tile};
+use pagoda_ops::linear::cpu::f32_tile::{fused, neon_matmul_count, quantized_tile, tile};
 use pagoda_ops::linear::{CpuKernels, Weight};
 use pagoda_tensor::{quant, GgmlType};
 use rand::{Rng, SeedableRng};
@@ -188,7 +188,14 @@ fn f32_matmuls_equal_the_fused_oracle_bit_for_bit() {
         for num_tokens in [1, 3, 9, 14] {
             let x = random_activations(num_tokens, cols, &mut rng);
             let mut y = vec![f32::NAN; num_tokens * num_rows];
+            let before = neon_matmul_count();
             weight.matmul(&x, num_tokens, &mut y);
+            let counted = neon_matmul_count() > before;
+            assert_eq!(
+                counted,
+                cfg!(target_arch = "aarch64"),
+                "{ty}: NEON f32 counter"
+            );
             for t in 0..num_tokens {
                 for r in 0..num_rows {
                     let want = fused_dot(

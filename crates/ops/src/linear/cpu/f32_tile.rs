@@ -487,6 +487,20 @@ pub fn fused() -> bool {
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
+static NEON_MATMULS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// f32 matmuls run on the NEON tiles ([`neon`], aarch64) since the process started.
+pub fn neon_matmul_count() -> u64 {
+    NEON_MATMULS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Counts one f32 matmul for [`neon_matmul_count`] when the tiles run NEON.
+pub(crate) fn count_matmul() {
+    if cfg!(target_arch = "aarch64") && fused() {
+        NEON_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// Whether the CPU has AVX2, FMA and F16C (the x86 form of the tiles), checked once.
 #[cfg(target_arch = "x86_64")]
 fn has_avx2_fma() -> bool {

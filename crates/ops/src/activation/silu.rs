@@ -4,10 +4,10 @@
 //! About 1 ulp from libm's `expf`; the gated product `g / (1 + e) * u` is then computed as
 //! before.
 //!
-//! The AVX-512 (16 lanes, masked tail), AVX2 (8 lanes), NEON (4 lanes, aarch64: [`neon`])
-//! and portable versions run the same operations per element (fused multiply-adds as
-//! `f32::mul_add`), so they give the same bits, whatever the slice length or an element's
-//! position: prefill and decode agree.
+//! The AVX-512 (16 lanes, masked tail), AVX2 (8 lanes), NEON (4 lanes, aarch64:
+//! `silu/neon.rs`) and portable versions run the same operations per element (fused
+//! multiply-adds as `f32::mul_add`), so they give the same bits, whatever the slice length or
+//! an element's position: prefill and decode agree.
 //!
 //! `PAGODA_CPU_SILU=auto|polynomial|libm` (unset or empty: `auto` = `polynomial`; `libm`, the
 //! scalar `expf` formula, is the reference). The polynomial cuts SiLU from 20 to 6 ms per

@@ -6,8 +6,8 @@
 //!
 //! 1. one 8-lane accumulator starting at zero; for `i` in `0, 8, .. k / 8 * 8` (in order),
 //!    `acc[l] = w[i + l] * x[i + l] + acc[l]` (a fused multiply-add with AVX2+FMA on x86-64
-//!    and with NEON on aarch64 ([`neon`]: the same bits as AVX2+FMA), a multiply then an add
-//!    in the portable path; the choice is per process, see [`fused`]);
+//!    and with NEON on aarch64, `f32_tile/neon.rs`, the same bits; a multiply then an add in
+//!    the portable path; the choice is per process, see [`fused`]);
 //! 2. the lanes reduced as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`;
 //! 3. the `k % 8` tail values added one by one, in order, as `sum + w * x` (multiply, then add).
 //!
@@ -489,7 +489,7 @@ mod neon;
 
 static NEON_MATMULS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// f32 matmuls run on the NEON tiles ([`neon`], aarch64) since the process started.
+/// f32 matmuls run on the NEON tiles (`f32_tile/neon.rs`, aarch64) since the process started.
 pub fn neon_matmul_count() -> u64 {
     NEON_MATMULS.load(std::sync::atomic::Ordering::Relaxed)
 }

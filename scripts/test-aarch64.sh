@@ -71,14 +71,18 @@ export PAGODA_TEST_RUNNER="$CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER"
 #      they check portable code that the x86 run of scripts/test.sh covers, and the full run
 #      here still runs them);
 #   2. under `-cpu cortex-a53` (no dotprod: the plain `neon` set) the kernel tests against
-#      their scalar oracles (linear_neon_kernels, linear_int_kernels, attention_simd_kernels),
+#      their scalar oracles (linear_neon_kernels with the NEON activation quantizer,
+#      linear_int_kernels, attention_simd_kernels, linear_neon_f32: the NEON f32 tiles),
 #      which must find exactly the sets each CPU model has, and under `-cpu neoverse-n1`
 #      (dotprod without i8mm) linear_neon_kernels again, for the `SDOT` prefill tiles that
 #      `-cpu max` runs on `SMMLA`;
 #   3. 16 greedy tokens on the default model (Q4_1 weights, Q8 activations) with
 #      `neon_dotprod` under `-cpu max` and `neon` under `-cpu cortex-a53`, each equal to the
-#      native build's text with the `scalar` set (the NEON dots give the scalar kernel's bits;
-#      the attention and f32 kernels are the portable ones on both sides). Skipped with a
+#      native build's text with the `scalar` set (the NEON dots and activation quantizer give
+#      the scalar kernels' bits; the attention is the portable one on both sides), and with
+#      `neon_dotprod+f32_ffn_down` under `-cpu max` equal to the native
+#      `scalar+f32_ffn_down` (`ffn_down` on the NEON f32 tiles there, on the AVX2+FMA tiles
+#      natively: the same fused recipe, the same bits). Skipped with a
 #      message without the model or the native binary (`target/debug/pagoda`, which
 #      scripts/test.sh has built by then).
 # Not here: the exact-mode generation and the statistical sampling tests (the full run).
@@ -97,7 +101,8 @@ ci_subset() {
   step "the pagoda-ops tests under qemu -cpu max (all but ${SLOW_UNDER_QEMU[*]})"
   QEMU_CPU=cortex-a53 PAGODA_TEST_EXPECT_INT_ISAS=Neon \
     cargo test --target "$target" -p pagoda-ops \
-    --test linear_neon_kernels --test linear_int_kernels --test attention_simd_kernels
+    --test linear_neon_kernels --test linear_int_kernels --test attention_simd_kernels \
+    --test linear_neon_f32
   step "the kernel tests under qemu -cpu cortex-a53 (no dotprod)"
   QEMU_CPU=neoverse-n1 PAGODA_TEST_EXPECT_INT_ISAS=NeonDot,Neon \
     cargo test --target "$target" -p pagoda-ops --test linear_neon_kernels
@@ -109,22 +114,25 @@ ci_subset() {
   fi
   cargo build --target "$target" -p pagoda-cli
   step "cross-building pagoda-cli"
-  local native arm cpu_and_set
+  local native native_f32_down arm cpu_and_set
   native="$(quantized_generate scalar "$target_dir/debug/pagoda")"
-  for cpu_and_set in max:neon_dotprod cortex-a53:neon; do
+  native_f32_down="$(quantized_generate scalar+f32_ffn_down "$target_dir/debug/pagoda")"
+  for cpu_and_set in max:neon_dotprod cortex-a53:neon max:neon_dotprod+f32_ffn_down; do
     arm="$(QEMU_CPU="${cpu_and_set%%:*}" quantized_generate "${cpu_and_set#*:}" \
       qemu-aarch64-static -L /usr/aarch64-linux-gnu "$target_dir/$target/debug/pagoda")"
-    printf '%s: %q\nnative scalar: %q\n' "$cpu_and_set" "$arm" "$native" >&2
-    if [ "$arm" != "$native" ]; then
+    local want="$native" want_set=scalar
+    case "$cpu_and_set" in *+f32_ffn_down) want="$native_f32_down" want_set=scalar+f32_ffn_down ;; esac
+    printf '%s: %q\nnative %s: %q\n' "$cpu_and_set" "$arm" "$want_set" "$want" >&2
+    if [ "$arm" != "$want" ]; then
       echo "test-aarch64.sh: the $cpu_and_set generation differs from the native one" >&2
       exit 1
     fi
   done
-  step "16 greedy tokens with neon_dotprod and neon under qemu, and natively with scalar"
+  step "16 greedy tokens with neon_dotprod, neon and neon_dotprod+f32_ffn_down under qemu, and natively"
 }
 
 # 16 greedy tokens on the default model as stored (Q8 activations) with kernel set $1, the
-# portable attention and f32 kernels, run by the command that follows.
+# portable attention and the two-row f32 tiles, run by the command that follows.
 quantized_generate() {
   local set="$1"
   shift

@@ -460,6 +460,7 @@ impl Weight {
             });
             return;
         }
+        f32_tile::count_matmul();
         if num_tokens == 1 {
             // Decode: rows are streamed DECODE_ROWS (or WIDE_ROWS) at a time past the one
             // activation row, decoded block by block in registers (see `f32_tile` and

@@ -160,3 +160,73 @@ fn neon_matmuls_equal_the_scalar_kernel_bit_for_bit() {
         }
     }
 }
+
+/// 32-value blocks that stress the quantizer's rounding and range: exact ties at every
+/// half step (`amax` 127 or 16256 with `.5` values), zeros, one value, huge and tiny
+/// magnitudes, infinities and NaN, then random blocks of wide range.
+fn quantizer_blocks(rng: &mut ChaCha8Rng) -> Vec<f32> {
+    let mut x = Vec::new();
+    for limit in [127.0f32, 16256.0] {
+        let ties: Vec<f32> = (0..32).map(|i| i as f32 - 15.5).collect();
+        x.extend(&ties);
+        x.extend(std::iter::once(limit).chain(ties[1..].iter().copied()));
+        x.extend(std::iter::once(-limit).chain(ties[1..].iter().map(|v| v * 3.0)));
+    }
+    x.extend([0.0f32; 32]);
+    x.extend([-0.0f32; 32]);
+    x.extend(std::iter::once(1.0).chain([0.0; 31]));
+    x.extend((0..32).map(|i| {
+        if i % 2 == 0 {
+            3e38
+        } else {
+            -1e38 * i as f32 / 32.0
+        }
+    }));
+    x.extend((0..32).map(|i| (i as f32 - 16.0) * 1e-42));
+    x.extend((0..32).map(|i| match i {
+        3 => f32::INFINITY,
+        7 => f32::NEG_INFINITY,
+        _ => i as f32,
+    }));
+    x.extend((0..32).map(|i| if i == 5 { f32::NAN } else { i as f32 - 9.25 }));
+    x.extend([f32::NAN; 32]);
+    for _ in 0..200 {
+        let scale = 10f32.powi(rng.random_range(-6..7));
+        x.extend((0..32).map(|_| rng.random_range(-1.0f32..1.0) * scale));
+    }
+    x
+}
+
+/// The NEON activation quantizer (Q8 for the NEON sets, Q15 in the same code) against the
+/// scalar `quantize_block`: the same bytes, scales and sums, bit for bit, on one row and on
+/// many rows (the parallel split).
+#[test]
+fn neon_activation_quantizer_equals_the_scalar_one_bit_for_bit() {
+    use pagoda_ops::linear::cpu::int_matmul::{quantize_activations, quantize_activations_q15};
+    let sets = neon_sets();
+    let mut rng = ChaCha8Rng::seed_from_u64(4835);
+    let blocks = quantizer_blocks(&mut rng);
+    for &(isa, _) in &sets {
+        for (cols, num_tokens) in [(blocks.len(), 1), (64, blocks.len() / 64)] {
+            let x = &blocks[..cols * num_tokens];
+            for q15 in [false, true] {
+                let mut got = Q8Rows::default();
+                let want = if q15 {
+                    quantize_activations_q15(isa, x, cols, &mut got);
+                    Q8Rows::quantize_q15(x, cols).unwrap()
+                } else {
+                    quantize_activations(isa, x, cols, &mut got);
+                    Q8Rows::quantize(x, cols).unwrap()
+                };
+                let what = format!("{isa:?} q15 {q15} {num_tokens} rows of {cols}");
+                assert_eq!(got.qs(), want.qs(), "{what}: values");
+                assert_eq!(got.lo(), want.lo(), "{what}: lo plane");
+                for t in 0..num_tokens {
+                    let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(got.row_scales(t)), bits(want.row_scales(t)), "{what}");
+                    assert_eq!(bits(got.row_sums(t)), bits(want.row_sums(t)), "{what}");
+                }
+            }
+        }
+    }
+}

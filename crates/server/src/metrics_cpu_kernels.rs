@@ -20,6 +20,13 @@ pub(super) fn render(out: &mut String) {
     );
     let _ = writeln!(
         out,
+        "# HELP pagoda_cpu_neon_f32_matmuls_total f32-activation matmuls run on the NEON f32 \
+         tiles (aarch64: ffn_down under auto, PAGODA_CPU_KERNELS=f32, f32/f16 weights).\n\
+         # TYPE pagoda_cpu_neon_f32_matmuls_total counter\npagoda_cpu_neon_f32_matmuls_total {}",
+        pagoda_ops::linear::cpu::f32_tile::neon_matmul_count()
+    );
+    let _ = writeln!(
+        out,
         "# HELP pagoda_cpu_amx_matmuls_total Integer matmuls run on the AMX-INT8 tiles \
          (PAGODA_CPU_KERNELS=amx).\n\
          # TYPE pagoda_cpu_amx_matmuls_total counter\npagoda_cpu_amx_matmuls_total {}",

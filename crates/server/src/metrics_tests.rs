@@ -45,6 +45,14 @@ fn gauges_follow_the_snapshot() {
         pagoda_ops::linear::cpu::amx::hardware_matmul_count()
     );
     assert!(text.contains("# TYPE pagoda_cpu_amx_matmuls_total counter\n"));
+    let neon_f32 = text
+        .lines()
+        .find_map(|line| line.strip_prefix("pagoda_cpu_neon_f32_matmuls_total "))
+        .expect("the NEON f32 counter line");
+    assert_eq!(
+        neon_f32.parse::<u64>().unwrap(),
+        pagoda_ops::linear::cpu::f32_tile::neon_matmul_count()
+    );
     let q15 = text
         .lines()
         .find_map(|line| line.strip_prefix("pagoda_cpu_q15_matmuls_total "))

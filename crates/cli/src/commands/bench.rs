@@ -143,6 +143,8 @@ struct Report {
     f32_wide_matmuls: u64,
     /// Integer matmuls that ran on the NEON sets (`neon_dotprod`, `neon`; aarch64).
     neon_matmuls: u64,
+    /// f32-activation matmuls that ran on the NEON f32 tiles (aarch64).
+    neon_f32_matmuls: u64,
     /// Integer matmuls that ran on the AMX-INT8 tiles (`PAGODA_CPU_KERNELS=amx`).
     amx_matmuls: u64,
     /// The AMX prefill tiles (`PAGODA_CPU_AMX_PREFILL`) and the matmuls that ran on the
@@ -393,6 +395,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .to_string(),
         f32_wide_matmuls: pagoda_ops::linear::cpu::f32_decode::wide_matmul_count(),
         neon_matmuls: pagoda_ops::linear::cpu::int_dot::neon_matmul_count(),
+        neon_f32_matmuls: pagoda_ops::linear::cpu::f32_tile::neon_matmul_count(),
         amx_matmuls: pagoda_ops::linear::cpu::amx::hardware_matmul_count(),
         amx_prefill: pagoda_ops::linear::cpu::amx::bf16::AmxPrefill::selected().name(),
         amx_bf16_matmuls: pagoda_ops::linear::cpu::amx::bf16::matmul_count(),

@@ -2,9 +2,11 @@
 //! kernel) this CPU runs side by side on the same inputs.
 //!
 //! - `matmul`: `Weight::matmul` of random weights in each stored format and shape, for each
-//!   kernel set (`amx`, `vnni8`, `vnni`, `avx2`, `scalar`, `f32`), at several token counts.
+//!   kernel set (`amx`, `vnni8`, `vnni`, `avx2`, `neon_dotprod`, `neon`, `scalar`, `f32`), at
+//!   several token counts; the `f32` column is headed `f32 (NEON tiles)` where the f32 tiles
+//!   run NEON (aarch64).
 //! - `attention`: one decode row of the default model's geometry over the paged cache at
-//!   several depths, on each chunk kernel (`avx512`, `avx2`, `scalar`).
+//!   several depths, on each chunk kernel (`avx512`, `avx2`, `neon`, `scalar`).
 //!
 //! Inputs rotate over copies (weights over [`COPIES`], the KV pool over 30 layer copies, as a
 //! decode step reads them) so that no call finds the previous one's data in cache; each
@@ -191,7 +193,14 @@ fn matmul(args: &BenchKernelsArgs) -> Result<()> {
          (one token: GB/s of weights read; more: GFLOP/s)",
         args.rounds
     );
-    let header: Vec<String> = sets.iter().map(|set| set.name().to_string()).collect();
+    let neon_f32 = cfg!(target_arch = "aarch64") && pagoda_ops::linear::cpu::f32_tile::fused();
+    let header: Vec<String> = sets
+        .iter()
+        .map(|&set| match set {
+            CpuKernels::F32 if neon_f32 => "f32 (NEON tiles)".to_string(),
+            set => set.name().to_string(),
+        })
+        .collect();
     println!("| weight | shape | tokens | {} |", header.join(" | "));
     println!("| --- | --- | ---: |{}", " ---: |".repeat(sets.len()));
     for &ty in &types {
@@ -269,6 +278,7 @@ fn attention(args: &BenchKernelsArgs) -> Result<()> {
     let kernels: Vec<AttentionKernel> = [
         AttentionKernel::Avx512,
         AttentionKernel::Avx2,
+        AttentionKernel::Neon,
         AttentionKernel::Scalar,
     ]
     .into_iter()

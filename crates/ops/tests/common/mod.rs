@@ -57,6 +57,7 @@ pub fn assert_f64_dots(what: &str, y: &[f32], weights: &[f32], activations: &[f3
 }
 
 /// The weight types with repacked integer kernels.
+#[allow(dead_code)]
 pub const REPACKED: [GgmlType; 10] = [
     GgmlType::Q4_0,
     GgmlType::Q4_1,

@@ -11,13 +11,14 @@ pub(super) fn print_report(report: &Report, json: bool) -> Result<()> {
     }
     println!("model: {} | device: {}", report.model, report.device);
     println!(
-        "cpu kernels: {} ({} matmuls on NEON, {} on AMX-INT8 tiles, {} on AMX-BF16 tiles \
+        "cpu kernels: {} ({} matmuls on NEON, {} f32 on NEON tiles, {} on AMX-INT8 tiles, {} on AMX-BF16 tiles \
          (AMX prefill: {}), \
          {} on Q15 activations) | f32 decode matmuls: {} ({} ran eight rows \
          at a time) | integer decode: {} ({} ran 16 rows per register) | integer prefill: {} \
          ({} ran 16 rows per register)",
         report.cpu_kernels,
         report.neon_matmuls,
+        report.neon_f32_matmuls,
         report.amx_matmuls,
         report.amx_bf16_matmuls,
         report.amx_prefill,

@@ -86,6 +86,8 @@ impl F32Decode {
                 kernel.name(),
                 if kernel == F32Decode::Avx512 {
                     "two tokens per 512-bit register"
+                } else if cfg!(target_arch = "aarch64") && super::f32_tile::fused() {
+                    "NEON tiles (FMLA, the AVX2+FMA tiles' bits)"
                 } else {
                     "256-bit tiles"
                 }

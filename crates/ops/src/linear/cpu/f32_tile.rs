@@ -5,8 +5,9 @@
 //! decoded whole (prefill) or in [`DECODE_CHUNK`]-value pieces (decode):
 //!
 //! 1. one 8-lane accumulator starting at zero; for `i` in `0, 8, .. k / 8 * 8` (in order),
-//!    `acc[l] = w[i + l] * x[i + l] + acc[l]` (a fused multiply-add with AVX2+FMA, a multiply
-//!    then an add in the portable path; the choice is per process);
+//!    `acc[l] = w[i + l] * x[i + l] + acc[l]` (a fused multiply-add with AVX2+FMA on x86-64
+//!    and with NEON on aarch64, `f32_tile/neon.rs`, the same bits; a multiply then an add in
+//!    the portable path; the choice is per process, see [`fused`]);
 //! 2. the lanes reduced as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`;
 //! 3. the `k % 8` tail values added one by one, in order, as `sum + w * x` (multiply, then add).
 //!
@@ -42,6 +43,13 @@ pub fn tile<const R: usize, const T: usize>(
             return unsafe { x86::tile(weights, activations) };
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if fused() {
+            // SAFETY: the CPU supports NEON (checked above); lengths checked.
+            return unsafe { neon::tile(weights, activations) };
+        }
+    }
     let mut acc = [[[0f32; LANES]; T]; R];
     let full = k / LANES * LANES;
     accumulate_portable(&mut acc, weights, activations, 0, full);
@@ -72,6 +80,13 @@ pub fn quantized_tile<const R: usize>(ty: GgmlType, rows: [&[u8]; R], x: &[f32])
         if has_avx2_fma() {
             // SAFETY: the CPU supports AVX2, FMA and F16C (checked above); lengths checked.
             return unsafe { x86::quantized_tile(ty, rows, x) };
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if fused() {
+            // SAFETY: the CPU supports NEON (checked above); lengths checked.
+            return unsafe { neon::quantized_tile(ty, rows, x) };
         }
     }
     let mut acc = [[[0f32; LANES]; 1]; R];
@@ -449,6 +464,41 @@ mod x86 {
     by_blocks_fn!(by_blocks_q4_k, b::q4_k, b::Q4_K_BYTES, b::QK_K);
     by_blocks_fn!(by_blocks_q5_k, b::q5_k, b::Q5_K_BYTES, b::QK_K);
     by_blocks_fn!(by_blocks_q6_k, b::q6_k, b::Q6_K_BYTES, b::QK_K);
+}
+
+/// Whether this process's tiles run the recipe's fused multiply-adds (AVX2+FMA+F16C on
+/// x86-64, NEON on aarch64; the two give the same bits) rather than the portable multiply
+/// then add. Detected once.
+pub fn fused() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        has_avx2_fma()
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        std::arch::is_aarch64_feature_detected!("neon")
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        false
+    }
+}
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
+
+static NEON_MATMULS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// f32 matmuls run on the NEON tiles (`f32_tile/neon.rs`, aarch64) since the process started.
+pub fn neon_matmul_count() -> u64 {
+    NEON_MATMULS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Counts one f32 matmul for [`neon_matmul_count`] when the tiles run NEON.
+pub(crate) fn count_matmul() {
+    if cfg!(target_arch = "aarch64") && fused() {
+        NEON_MATMULS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Whether the CPU has AVX2, FMA and F16C (the x86 form of the tiles), checked once.

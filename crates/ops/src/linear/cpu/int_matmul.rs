@@ -146,9 +146,26 @@ fn quantize_slice(
             return;
         }
     }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if isa != IntIsa::Scalar && std::arch::is_aarch64_feature_detected!("neon") {
+            // SAFETY: the CPU supports NEON (checked above).
+            unsafe {
+                if lo.is_empty() {
+                    neon::quantize_slice::<false>(x, qs, lo, scales, sums)
+                } else {
+                    neon::quantize_slice::<true>(x, qs, lo, scales, sums)
+                }
+            };
+            return;
+        }
+    }
     let _ = isa;
     quantize_slice_portable(x, qs, lo, scales, sums);
 }
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 #[inline(always)]
 fn quantize_slice_portable(

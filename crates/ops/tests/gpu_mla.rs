@@ -250,8 +250,11 @@ fn mla_decode_bf16_cuda_cores_matches_the_cpu_op() {
 #[ignore = "needs a GPU"]
 fn mla_decode_bf16_tensor_cores_matches_the_cpu_op() {
     let gpu = gpu();
-    let (cases, worst) = decode_matrix::<bf16>(&gpu, MlaKernel::TensorCore, 2e-2);
-    println!("mla decode bf16 (tensor cores): {cases} cases, worst {worst:.2e} of the peak");
+    for stages in [2, 3] {
+        let kernel = MlaKernel::TensorCore { stages };
+        let (cases, worst) = decode_matrix::<bf16>(&gpu, kernel, 2e-2);
+        println!("mla decode bf16 (tensor cores, {stages} stages): {cases} cases, worst {worst:.2e} of the peak");
+    }
 }
 
 /// The causal prefill: ragged query counts (1, 5, 17, 0) over contexts of their own.

@@ -94,8 +94,9 @@ pub struct BenchAttentionArgs {
     #[arg(long)]
     pub prefill: bool,
     /// Time DeepSeek's absorbed MLA decode instead: a bf16 latent pool of 512 + 64 values per
-    /// token, `--q-heads` heads (DeepSeek-V2-Lite: 16), paths `mla` (CUDA cores) and
-    /// `mla-mma` (tensor cores, the default pair); `--kv-heads` and `--head-dim` do not apply.
+    /// token, `--q-heads` heads (DeepSeek-V2-Lite: 16), paths `mla` (CUDA cores),
+    /// `mla-mma` (tensor cores, the default pair with `mla`) and `mla-mma3` (3 stages);
+    /// `--kv-heads` and `--head-dim` do not apply.
     #[arg(long)]
     pub mla: bool,
     /// Print JSON instead of a table.
@@ -134,6 +135,9 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
         bail!("--batch, --context and --replays must be at least 1");
     }
     if args.mla {
+        if args.prefill {
+            bail!("--mla times the decode only");
+        }
         let paths: Vec<String> = if args.paths.join(",") == DEFAULT_PATHS {
             vec!["mla".into(), "mla-mma".into()]
         } else {

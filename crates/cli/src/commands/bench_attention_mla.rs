@@ -6,15 +6,16 @@
 //! R <= 32) captured in one CUDA graph; the median replay time / R reported, with the
 //! latent-cache bytes read per call (visible tokens x 1152 bytes) over that time.
 //!
-//! Paths: `mla` (CUDA cores) and `mla-mma` (tensor cores: the heads are the MMA rows), each
-//! with its chunks merged by the generic log-sum-exp merge.
+//! Paths: `mla` (CUDA cores), `mla-mma` (tensor cores: the heads are the MMA rows; two
+//! tiles of 32 rows in flight, two CTAs per SM) and `mla-mma3` (three tiles, one CTA per SM),
+//! each with its chunks merged by the generic log-sum-exp merge.
 
 use anyhow::{bail, Result};
 use half::bf16;
 use pagoda_cuda::{DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{
     self as ops, DevicePageTable, LatentPool, MlaDecodeWorkspace, MlaKernel, PagedDecodePlan,
-    PlanCapacity, PlanPolicy, PoolLayout, Queries, MLA_ROPE_DIM,
+    PlanCapacity, PlanPolicy, PoolLayout, Queries, MLA_MMA_STAGES, MLA_ROPE_DIM,
 };
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -32,8 +33,14 @@ const COPY_BYTES_PER_US: f64 = 4203e3;
 pub fn mla_kernel(path: &str) -> Result<MlaKernel> {
     match path {
         "mla" => Ok(MlaKernel::CudaCore),
-        "mla-mma" => Ok(MlaKernel::TensorCore),
-        _ => bail!("unknown MLA path `{path}`: use mla (CUDA cores) or mla-mma (tensor cores)"),
+        "mla-mma" => Ok(MlaKernel::TensorCore {
+            stages: MLA_MMA_STAGES,
+        }),
+        "mla-mma3" => Ok(MlaKernel::TensorCore { stages: 3 }),
+        _ => bail!(
+            "unknown MLA path `{path}`: use mla (CUDA cores), mla-mma (tensor cores, 2 stages) \
+             or mla-mma3 (3 stages)"
+        ),
     }
 }
 
@@ -138,8 +145,11 @@ pub fn run(args: &BenchAttentionArgs, paths: &[String]) -> Result<()> {
                     target_ctas: args.target_ctas.unwrap_or(2 * sm),
                     pages_per_chunk: args.pages_per_chunk,
                     min_pages_per_chunk: args.min_chunk_keys.div_ceil(page_size).max(1),
-                    // Two CTAs of either kernel fit an SM (shared memory and registers).
-                    resident_ctas: args.target_ctas.is_none().then_some(2 * sm),
+                    // CTAs an SM holds: two of the CUDA-core kernel or the 2-stage MMA one.
+                    resident_ctas: args.target_ctas.is_none().then_some(match kernel {
+                        MlaKernel::TensorCore { stages: 3 } => sm,
+                        _ => 2 * sm,
+                    }),
                 };
                 let mut capacity = PlanCapacity::for_batch(b, tiles, policy.target_ctas);
                 if let Some(fixed) = policy.pages_per_chunk {

@@ -57,10 +57,13 @@ pub enum MlaKernel {
     CudaCore,
     /// Tensor cores (mma.sync m16n8k16 bf16, f32 accumulation): bf16 pools; the heads are
     /// the MMA rows, each latent tile is loaded once into shared memory for 16 heads.
-    TensorCore,
+    TensorCore {
+        /// Tiles of 32 latent rows in flight (2: two CTAs per SM; 3: one).
+        stages: usize,
+    },
 }
 
-/// Pipeline stages of the tensor-core kernel the launcher uses.
+/// The default pipeline depth of [`MlaKernel::TensorCore`].
 pub const MLA_MMA_STAGES: usize = 2;
 
 /// The specialisation of `entry` for pool/query/output `dtype` and the row split

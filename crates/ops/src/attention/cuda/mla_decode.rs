@@ -6,7 +6,7 @@ use super::decode_plan::{PagedDecodePlan, PlanCapacity};
 use super::gathered::Queries;
 use super::mla::{
     check_query_rows, cuda_core_shared_bytes, mla_head_tiles, specialize_mla, LatentPool, MlaEntry,
-    MlaKernel, CC_THREADS, MLA_HEAD_TILE, MLA_MMA_STAGES,
+    MlaKernel, CC_THREADS, MLA_HEAD_TILE,
 };
 use super::paged_decode::{merge_attention_partials, Partials};
 use pagoda_cuda::{
@@ -131,17 +131,15 @@ pub fn mla_decode<T: Element>(
             CC_THREADS,
             cuda_core_shared_bytes(std::mem::size_of::<T>(), layout.head_dim),
         ),
-        MlaKernel::TensorCore => (
+        MlaKernel::TensorCore { stages } => (
             specialize_mla(
-                MlaEntry::DecodePartialMma {
-                    stages: MLA_MMA_STAGES,
-                },
+                MlaEntry::DecodePartialMma { stages },
                 T::DTYPE,
                 latent_dim,
                 rope_dim,
             )?,
             MMA_THREADS,
-            mma_shared_bytes(layout.head_dim, MLA_MMA_STAGES),
+            mma_shared_bytes(layout.head_dim, stages),
         ),
     };
     workspace.num_requests = num_requests;
@@ -167,7 +165,7 @@ pub fn mla_decode<T: Element>(
     let grid = workspace.grid_chunks * mla_head_tiles(num_heads);
     let dims = LaunchDims {
         shared_mem_bytes: shared_bytes as u32,
-        prefer_shared: workspace.kernel == MlaKernel::TensorCore,
+        prefer_shared: matches!(workspace.kernel, MlaKernel::TensorCore { .. }),
         ..LaunchDims::new((to_u32("MLA decode grid", grid)?, 1), threads)
     };
     // SAFETY: arguments match `mla_decode_partial(_mma)`; the plan buffer holds the

@@ -6,6 +6,7 @@
 // through shared memory (CC_STAGES tiles of CC_TILE_KEYS rows, cp.async) and every warp reads
 // every row: lane l owns dims l + 32 i of the row (conflict-free shared reads), so a score is
 // a warp reduction and the lane accumulates the output dims l + 32 i (i < LATENT_DIM / 32).
+// The latent dims come first in a row, so x[i] for i < LATENT_DIM / 32 is also the value.
 #define CC_THREADS 256
 #define CC_WARPS (CC_THREADS / 32)
 #define HEADS_PER_WARP (HEAD_TILE / CC_WARPS)
@@ -60,48 +61,28 @@ PAGODA_DEVICE void attend_cuda_core(const LatentChunk& c, const T* q_tile, const
         cp_async_commit();
         const int stage = t % CC_STAGES;
         const T* tile = reinterpret_cast<const T*>(smem + (size_t)stage * CC_TILE_KEYS * ROW_BYTES);
-        float scores[HEADS_PER_WARP][CC_TILE_KEYS];
-#pragma unroll
+        // Key by key (online softmax per key: a rescale only when the maximum moves, and
+        // few registers live, so the kernel does not spill).
+#pragma unroll 2
         for (int k = 0; k < CC_TILE_KEYS; ++k) {
+            if (!valid[stage][k]) continue;  // the same for the whole CTA
             const T* row = tile + k * ROW_DIM;
             float x[LANE_ROW];
 #pragma unroll
             for (int i = 0; i < LANE_ROW; ++i) x[i] = to_f32(row[lane + 32 * i]);
-            const bool readable = valid[stage][k];
 #pragma unroll
             for (int h = 0; h < HEADS_PER_WARP; ++h) {
                 float s = 0.0f;
 #pragma unroll
                 for (int i = 0; i < LANE_ROW; ++i) s += qv[h][i] * x[i];
                 s = warp_sum(s);
-                scores[h][k] = readable ? s : -INFINITY;
-            }
-        }
+                const float new_max = fmaxf(m[h], s);
+                const float correction = exp2f(m[h] - new_max);
+                const float w = exp2f(s - new_max);
+                l[h] = l[h] * correction + w;
 #pragma unroll
-        for (int h = 0; h < HEADS_PER_WARP; ++h) {
-            float tile_max = -INFINITY;
-#pragma unroll
-            for (int k = 0; k < CC_TILE_KEYS; ++k) tile_max = fmaxf(tile_max, scores[h][k]);
-            const float new_max = fmaxf(m[h], tile_max);
-            if (new_max == -INFINITY) continue;
-            const float correction = exp2f(m[h] - new_max);
-            l[h] *= correction;
-#pragma unroll
-            for (int i = 0; i < LANE_LATENT; ++i) acc[h][i] *= correction;
-            m[h] = new_max;
-        }
-#pragma unroll
-        for (int k = 0; k < CC_TILE_KEYS; ++k) {
-            const T* row = tile + k * ROW_DIM;
-            float x[LANE_LATENT];
-#pragma unroll
-            for (int i = 0; i < LANE_LATENT; ++i) x[i] = to_f32(row[lane + 32 * i]);
-#pragma unroll
-            for (int h = 0; h < HEADS_PER_WARP; ++h) {
-                const float w = scores[h][k] == -INFINITY ? 0.0f : exp2f(scores[h][k] - m[h]);
-                l[h] += w;
-#pragma unroll
-                for (int i = 0; i < LANE_LATENT; ++i) acc[h][i] += w * x[i];
+                for (int i = 0; i < LANE_LATENT; ++i) acc[h][i] = acc[h][i] * correction + w * x[i];
+                m[h] = new_max;
             }
         }
     }

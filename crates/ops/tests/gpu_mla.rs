@@ -2,7 +2,8 @@
 //! (`pagoda_ops::attention::mla_attention`): the absorbed decode (CUDA cores in f32 and bf16,
 //! tensor cores in bf16) over heads 16 and 128, contexts 1 to 4096, pages of 16 and 1 token,
 //! uneven page tables, batches 1/3/8, split and unsplit; the causal prefill; the latent append
-//! bit for bit (ignored without `--include-ignored`: they need a GPU).
+//! bit for bit; CUDA graph replay with new plans (ignored without `--include-ignored`: they
+//! need a GPU).
 
 #[path = "gpu_common/mod.rs"]
 mod common;
@@ -390,4 +391,75 @@ fn mla_append_writes_the_hosts_rows_bit_for_bit() {
     let gpu = gpu();
     append_case::<f32>(&gpu);
     append_case::<bf16>(&gpu);
+}
+
+/// A CUDA graph of the decode (tensor cores, then the merge) captured once replays with new
+/// plans, page tables and queries written into the same buffers, as the model's graphs do.
+#[test]
+#[ignore = "needs a GPU"]
+fn mla_decode_replays_from_a_graph_with_new_plans() {
+    let gpu = gpu();
+    let mut rng = rng(12);
+    let (num_heads, page_size, b) = (16, 16, 3);
+    let pool_values = random_vec(&mut rng, POOL_ROWS * ROW, 1.0);
+    let pool = upload::<bf16>(&gpu, &pool_values);
+    let tiles = ops::mla_head_tiles(num_heads);
+    let capacity = PlanCapacity::for_batch(b, tiles, 264);
+    let mut workspace = MlaDecodeWorkspace::new(&gpu, capacity, num_heads, LATENT).unwrap();
+    workspace.set_kernel(MlaKernel::TensorCore { stages: 2 });
+    let max_pages = b * 4096 / page_size + b;
+    let mut indptr = gpu.zeros::<u32>(b + 1).unwrap();
+    let mut indices = gpu.zeros::<u32>(max_pages).unwrap();
+    let mut last = gpu.zeros::<u32>(b).unwrap();
+    let mut first = gpu.zeros::<u32>(b).unwrap();
+    let mut q_d = gpu.zeros::<bf16>(b * num_heads * ROW).unwrap();
+    let mut out = gpu.zeros::<bf16>(b * num_heads * LATENT).unwrap();
+    let graph = {
+        let table = DevicePageTable::new(&indptr, &indices, &last, &first).unwrap();
+        let kv = LatentPool::new(&pool, pool_layout(page_size), table, LATENT);
+        let queries = Queries::new(&q_d, num_heads, num_heads * ROW);
+        gpu.capture(|gpu| ops::mla_decode(gpu, &queries, &kv, &mut workspace, scale(), &mut out))
+            .unwrap()
+    };
+    for (replay, lens) in [[100usize, 3000, 17], [1, 4000, 640], [2048, 16, 1]]
+        .into_iter()
+        .enumerate()
+    {
+        let table = page_table(&mut rng, &lens, page_size, replay % 2 == 0);
+        let policy = PlanPolicy {
+            target_ctas: 264,
+            pages_per_chunk: None,
+            min_pages_per_chunk: 1,
+            resident_ctas: None,
+        };
+        let plan = PagedDecodePlan::new(&table.indptr, tiles, policy, capacity).unwrap();
+        workspace.upload_plan(&gpu, &plan).unwrap();
+        let mut padded = table.indices.clone();
+        padded.resize(max_pages, 0);
+        gpu.upload_into(&table.indptr, &mut indptr).unwrap();
+        gpu.upload_into(&padded, &mut indices).unwrap();
+        gpu.upload_into(&table.last_page_len, &mut last).unwrap();
+        gpu.upload_into(&table.first_page_offset, &mut first)
+            .unwrap();
+        let q = round::<bf16>(&random_vec(&mut rng, b * num_heads * ROW, 2.0));
+        let q_host: Vec<bf16> = q.iter().map(|&x| bf16::from_f32(x)).collect();
+        gpu.upload_into(&q_host, &mut q_d).unwrap();
+        graph.launch().unwrap();
+        gpu.synchronize().unwrap();
+        let qo_indptr: Vec<u32> = (0..=b as u32).collect();
+        let expected = reference(
+            &table,
+            page_size,
+            &round::<bf16>(&pool_values),
+            &q,
+            &qo_indptr,
+            num_heads,
+        );
+        let error = peak_error(&download(&gpu, &out), &expected);
+        assert!(
+            error <= 2e-2,
+            "replay {replay} ({lens:?}, {} chunks): {error:e}",
+            plan.num_chunks()
+        );
+    }
 }

@@ -26,6 +26,11 @@ pub use crate::attention::cuda::{
     MMA_PREFILL_HEAD_DIMS, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS, PLAN_HEADER_WORDS,
     STREAM_PREFILL_HEAD_DIMS, SUPPORTED_HEAD_DIMS,
 };
+pub use crate::attention::cuda::{
+    mla_append, mla_decode, mla_head_tiles, mla_prefill, mla_unsupported, specialize_mla,
+    LatentPool, MlaDecodeWorkspace, MlaEntry, MlaKernel, NewLatent, MLA_HEAD_TILE, MLA_LATENT_DIMS,
+    MLA_MMA_STAGES, MLA_ROPE_DIM,
+};
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
 pub use crate::linear::cuda::{
     dequantize, dequantize_fast, gather_dequantized, gemv_quant, gemv_small, gemv_small_applies,
@@ -83,6 +88,8 @@ pub fn model_specializations(dtype: DType, head_dim: usize, group: usize) -> Vec
         let params = spec.params.iter().all(|&(name, value)| match name {
             "HEAD_DIM" => value == head_dim as i64,
             "GROUP" => value == group as i64 || value == 1,
+            // MLA's attention: no MLA model runs on CUDA yet (ADR 0009).
+            "LATENT_DIM" => false,
             _ => true,
         });
         let dtypes = spec

@@ -45,6 +45,8 @@ mod embedding;
 mod linear;
 #[path = "backend_ops/linear_quant.rs"]
 mod linear_quant;
+#[path = "backend_ops/mla.rs"]
+mod mla;
 #[path = "backend_ops/norm.rs"]
 mod norm;
 #[path = "backend_ops/rope.rs"]
@@ -62,6 +64,7 @@ fn cases() -> Vec<Box<dyn OpCase>> {
     cases.extend(linear::cases());
     cases.extend(linear_quant::cases());
     cases.extend(attention::cases());
+    cases.extend(mla::cases());
     cases
 }
 

@@ -12,6 +12,9 @@
 //! `stream-64x3` ... (the streaming tensor-core kernel, tiles of 64 or 128 keys in 2 to 6
 //! stages; `-separate` merges by a second launch), `tuned` (what `pagoda tune`'s table, or the
 //! built-in heuristic where it has no row, runs for the case).
+//!
+//! With `--mla`: DeepSeek's latent-attention decode instead (`bench_attention_mla`), paths
+//! `mla` and `mla-mma`.
 
 use anyhow::{bail, Result};
 use clap::Args;
@@ -90,6 +93,12 @@ pub struct BenchAttentionArgs {
     /// `prefill-tiled`.
     #[arg(long)]
     pub prefill: bool,
+    /// Time DeepSeek's absorbed MLA decode instead: a bf16 latent pool of 512 + 64 values per
+    /// token, `--q-heads` heads (DeepSeek-V2-Lite: 16), paths `mla` (CUDA cores),
+    /// `mla-mma` (tensor cores, the default pair with `mla`) and `mla-mma3` (3 stages);
+    /// `--kv-heads` and `--head-dim` do not apply.
+    #[arg(long)]
+    pub mla: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -124,6 +133,17 @@ struct CaseResult {
 pub fn run(args: BenchAttentionArgs) -> Result<()> {
     if args.batch.contains(&0) || args.context.contains(&0) || args.replays == 0 {
         bail!("--batch, --context and --replays must be at least 1");
+    }
+    if args.mla {
+        if args.prefill {
+            bail!("--mla times the decode only");
+        }
+        let paths: Vec<String> = if args.paths.join(",") == DEFAULT_PATHS {
+            vec!["mla".into(), "mla-mma".into()]
+        } else {
+            args.paths.clone()
+        };
+        return super::bench_attention_mla::run(&args, &paths);
     }
     let paths: Vec<String> = if args.prefill && args.paths.join(",") == DEFAULT_PATHS {
         vec!["prefill-stream".into(), "prefill-mma".into()]

@@ -16,7 +16,7 @@ use pagoda_ops::cuda::{
 use rand::{Rng, SeedableRng};
 
 /// The L2 of an H200; rotating inputs add up to at least four times this.
-const L2_BYTES: usize = 60 << 20;
+pub const L2_BYTES: usize = 60 << 20;
 
 /// The head geometry and page size of the rig.
 #[derive(Clone, Copy, Debug)]
@@ -306,7 +306,7 @@ pub fn warm_capture(
 /// A pool of `len` bf16 values: a 32 MB block of uniform values in [-1, 1) uploaded once and
 /// copied over the whole pool on the device (the timing does not depend on the values, only
 /// on them being ordinary numbers).
-fn random_pool(gpu: &Gpu, len: usize, seed: u64) -> Result<DeviceBuffer<bf16>> {
+pub fn random_pool(gpu: &Gpu, len: usize, seed: u64) -> Result<DeviceBuffer<bf16>> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let block_len = (16usize << 20).min(len);
     let block: Vec<bf16> = (0..block_len)

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod bench_attention;
+mod bench_attention_mla;
 pub mod bench_kernels;
 pub mod bench_sampling;
 pub mod bench_sampling_anchors;

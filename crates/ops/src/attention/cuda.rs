@@ -8,10 +8,14 @@
 //! - `paged_decode` + `decode_plan`: the fused split-KV paged decode with its work plan and
 //!   the log-sum-exp merge, the production batched decode; `decode_tuning`: the table of
 //!   which kernel, merge and CTA target runs each shape bucket (`pagoda tune`).
+//! - `mla`: DeepSeek's latent attention (absorbed decode and prefill over the latent pool,
+//!   the latent append), on the same plan and merge.
 
 mod decode_plan;
 mod decode_tuning;
 mod gathered;
+mod mla;
+mod mla_decode;
 mod paged_decode;
 mod prefill;
 mod prefill_mma;
@@ -27,6 +31,11 @@ pub use gathered::{
     decode_attention_gathered, decode_splits, prefill_attention, specialize_attention,
     AttentionEntry, DecodeWorkspace, DevicePageTable, PagedKv, PoolLayout, Queries,
     MAX_DECODE_SPLITS, SUPPORTED_HEAD_DIMS,
+};
+pub use mla::{
+    mla_append, mla_decode, mla_head_tiles, mla_prefill, mla_unsupported, specialize_mla,
+    LatentPool, MlaDecodeWorkspace, MlaEntry, MlaKernel, NewLatent, MLA_HEAD_TILE, MLA_LATENT_DIMS,
+    MLA_MMA_STAGES, MLA_ROPE_DIM,
 };
 pub use paged_decode::{
     merge_attention_partials, mma_decode_stages, paged_decode_attention, paged_decode_unsupported,
@@ -60,7 +69,39 @@ pub(crate) static PAGED_DECODE: KernelSource = KernelSource::new(
     concat!(
         include_str!("cuda/tensor_core.cu"),
         include_str!("cuda/paged_decode_common.cu"),
-        include_str!("cuda/paged_decode.cu")
+        include_str!("cuda/paged_decode.cu"),
+        include_str!("cuda/paged_decode_merge.cu")
+    ),
+);
+/// The log-sum-exp merge alone, for head sizes the partial kernels of `paged_decode.cu` are
+/// not built for (MLA's latent widths).
+pub(crate) static PAGED_DECODE_MERGE: KernelSource = KernelSource::new(
+    "paged_decode_merge.cu",
+    concat!(
+        include_str!("cuda/tensor_core.cu"),
+        include_str!("cuda/paged_decode_common.cu"),
+        include_str!("cuda/paged_decode_merge.cu")
+    ),
+);
+/// The MLA latent append.
+pub(crate) static MLA_APPEND: KernelSource =
+    KernelSource::new("mla_append.cu", include_str!("cuda/mla_append.cu"));
+/// The MLA decode and prefill on CUDA cores.
+pub(crate) static MLA_DECODE: KernelSource = KernelSource::new(
+    "mla_decode.cu",
+    concat!(
+        include_str!("cuda/tensor_core.cu"),
+        include_str!("cuda/mla_common.cu"),
+        include_str!("cuda/mla_decode.cu")
+    ),
+);
+/// The MLA decode on tensor cores.
+pub(crate) static MLA_DECODE_MMA: KernelSource = KernelSource::new(
+    "mla_decode_mma.cu",
+    concat!(
+        include_str!("cuda/tensor_core.cu"),
+        include_str!("cuda/mla_common.cu"),
+        include_str!("cuda/mla_decode_mma.cu")
     ),
 );
 /// The fused paged decode on tensor cores.
@@ -151,5 +192,12 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
             specs.push(specialize_prefill_stream(DType::BF16, head_dim, tiling)?);
         }
     }
+    for &latent_dim in &MLA_LATENT_DIMS {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let merge = PagedDecodeEntry::Merge;
+            specs.push(specialize_paged_decode(merge, dtype, latent_dim, 1)?);
+        }
+    }
+    specs.extend(mla::specializations()?);
     Ok(specs)
 }

@@ -5,11 +5,12 @@
 
 use super::decode_plan::{PagedDecodePlan, PlanCapacity};
 use super::gathered::{check_decode_io, PagedKv, PoolLayout, Queries};
+use super::mla::MLA_LATENT_DIMS;
 use super::stream_tiling::StreamTiling;
 pub use super::stream_tiling::{
     MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
 };
-use super::{PAGED_DECODE, PAGED_DECODE_MMA, PAGED_DECODE_STREAM};
+use super::{PAGED_DECODE, PAGED_DECODE_MERGE, PAGED_DECODE_MMA, PAGED_DECODE_STREAM};
 use crate::cuda_dtypes::check_float;
 use pagoda_cuda::{
     check_len, ptr, to_u32, whole, CudaError, DType, DeviceBuffer, DeviceRead, DeviceView,
@@ -110,7 +111,8 @@ pub enum MergeMode {
 }
 
 /// The specialisation of `entry` for `dtype` (KV, query and output), `head_dim` and `group`
-/// (query heads per KV head; the merge ignores it and uses 1).
+/// (query heads per KV head; the merge ignores it and uses 1). The merge also serves MLA's
+/// latent widths ([`MLA_LATENT_DIMS`]), from a source without the partial kernels.
 pub fn specialize_paged_decode(
     entry: PagedDecodeEntry,
     dtype: DType,
@@ -119,6 +121,14 @@ pub fn specialize_paged_decode(
 ) -> Result<KernelSpec, CudaError> {
     if dtype != DType::F16 {
         check_float("paged decode", dtype)?;
+    }
+    if entry == PagedDecodeEntry::Merge && MLA_LATENT_DIMS.contains(&head_dim) {
+        return Ok(KernelSpec {
+            source: &PAGED_DECODE_MERGE,
+            entry: "merge_attention_partials",
+            params: vec![("HEAD_DIM", head_dim as i64), ("GROUP", 1)],
+            dtypes: vec![("T", dtype)],
+        });
     }
     if !PAGED_DECODE_HEAD_DIMS.contains(&head_dim) {
         return Err(CudaError::invalid(format!(

@@ -188,6 +188,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 super::bench_sampling::run(sampling_args)
             };
         }
+        Some(BenchKind::Attention(attention_args)) if attention_args.mla => {
+            return super::bench_attention_mla::run_args(&attention_args)
+        }
         Some(BenchKind::Attention(attention_args)) => {
             return super::bench_attention::run(attention_args)
         }

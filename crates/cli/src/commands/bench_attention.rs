@@ -13,7 +13,8 @@
 //! stages; `-separate` merges by a second launch), `tuned` (what `pagoda tune`'s table, or the
 //! built-in heuristic where it has no row, runs for the case).
 //!
-//! With `--mla`: DeepSeek's latent-attention decode instead (`bench_attention_mla`), paths
+//! With `--mla`, `pagoda bench` runs DeepSeek's latent-attention decode instead
+//! (`bench_attention_mla`), paths
 //! `mla` and `mla-mma`.
 
 use anyhow::{bail, Result};
@@ -29,7 +30,7 @@ use super::decode_rig::{DecodePath, Geometry, QueryRows, Rig};
 const COPY_BYTES_PER_US: f64 = 4203e3;
 
 /// The decode paths timed when `--paths` is not given.
-const DEFAULT_PATHS: &str = "gather,fused-mma-separate,stream-64x3-separate,tuned";
+pub(super) const DEFAULT_PATHS: &str = "gather,fused-mma-separate,stream-64x3-separate,tuned";
 
 /// Flags of `pagoda bench attention`.
 #[derive(Args, Debug)]
@@ -133,17 +134,6 @@ struct CaseResult {
 pub fn run(args: BenchAttentionArgs) -> Result<()> {
     if args.batch.contains(&0) || args.context.contains(&0) || args.replays == 0 {
         bail!("--batch, --context and --replays must be at least 1");
-    }
-    if args.mla {
-        if args.prefill {
-            bail!("--mla times the decode only");
-        }
-        let paths: Vec<String> = if args.paths.join(",") == DEFAULT_PATHS {
-            vec!["mla".into(), "mla-mma".into()]
-        } else {
-            args.paths.clone()
-        };
-        return super::bench_attention_mla::run(&args, &paths);
     }
     let paths: Vec<String> = if args.prefill && args.paths.join(",") == DEFAULT_PATHS {
         vec!["prefill-stream".into(), "prefill-mma".into()]

@@ -20,7 +20,7 @@ use pagoda_ops::cuda::{
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
-use super::bench_attention::BenchAttentionArgs;
+use super::bench_attention::{BenchAttentionArgs, DEFAULT_PATHS};
 use super::decode_rig::{random_pool, warm_capture, L2_BYTES};
 
 /// DeepSeek-V2/V3's latent width.
@@ -72,7 +72,23 @@ struct InputSet {
 }
 
 /// Runs the MLA decode cases of `args` over `paths` (`mla`, `mla-mma`).
-pub fn run(args: &BenchAttentionArgs, paths: &[String]) -> Result<()> {
+/// Runs `pagoda bench attention --mla`: the MLA paths (`mla`, `mla-mma` by default).
+pub fn run_args(args: &BenchAttentionArgs) -> Result<()> {
+    if args.batch.contains(&0) || args.context.contains(&0) || args.replays == 0 {
+        bail!("--batch, --context and --replays must be at least 1");
+    }
+    if args.prefill {
+        bail!("--mla times the decode only");
+    }
+    let paths: Vec<String> = if args.paths.join(",") == DEFAULT_PATHS {
+        vec!["mla".into(), "mla-mma".into()]
+    } else {
+        args.paths.clone()
+    };
+    run(args, &paths)
+}
+
+fn run(args: &BenchAttentionArgs, paths: &[String]) -> Result<()> {
     let kernels = paths
         .iter()
         .map(|p| mla_kernel(p))

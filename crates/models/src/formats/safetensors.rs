@@ -471,7 +471,12 @@ impl TensorSource for SafetensorsWeights {
         let bytes = |entry: &TensorEntry| match &entry.fp8_scales {
             None => Cow::Borrowed(stored(entry)),
             Some(scales) => {
-                let factors = read_f32(scales.ty, stored(scales));
+                // F32 or BF16 (checked when the scales were read).
+                let stored_scales = stored(scales);
+                let width = if scales.ty == GgmlType::BF16 { 2 } else { 4 };
+                let mut factors = vec![0f32; stored_scales.len() / width];
+                pagoda_tensor::quant::dequantize(scales.ty, stored_scales, &mut factors)
+                    .expect("FP8 scales are F32 or BF16");
                 let data = fp8::dequantize(stored(entry), &entry.shape, &factors, &scales.shape);
                 // The shapes were checked when the scales were paired.
                 Cow::Owned(data.expect("FP8 shapes checked at open"))
@@ -515,20 +520,6 @@ pub fn ggml_type(dtype: Dtype) -> Option<GgmlType> {
         Dtype::F16 => Some(GgmlType::F16),
         Dtype::BF16 => Some(GgmlType::BF16),
         _ => None,
-    }
-}
-
-/// F32 or BF16 little-endian bytes (an FP8 scale tensor) as f32 values.
-fn read_f32(ty: GgmlType, bytes: &[u8]) -> Vec<f32> {
-    match ty {
-        GgmlType::BF16 => bytes
-            .chunks_exact(2)
-            .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
-            .collect(),
-        _ => bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
     }
 }
 

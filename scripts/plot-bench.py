@@ -5,6 +5,8 @@
     python3 scripts/plot-bench.py decode.json -o decode.svg                 # tok/s against batch
     python3 scripts/plot-bench.py decode.json --x depth -o depth.svg        # tok/s against context
     python3 scripts/plot-bench.py a.json b.json --label before --label after -o ab.svg
+    llama-bench -p 0 -n 64 -d 0,512 -o json > llama.json   # llama.cpp beside pagoda
+    python3 scripts/plot-bench.py decode.json llama.json --x depth --label pagoda --label llama.cpp -o cpu.svg
 
     pagoda bench attention --json -b 1,4,16,64 -c 1024,4096,16384,32768 > attention.json
     python3 scripts/plot-bench.py attention.json --peer $OUT/decode.json --peer $OUT/decode_tc.json -o attention.svg
@@ -12,11 +14,18 @@
     pagoda bench sampling --json > sampling.json          # CPU or --device cuda
     python3 scripts/plot-bench.py sampling.json -o sampling.svg
 
+    SWEEP=0.5,1,2,4 scripts/bench-serve-vs-llamacpp.sh llama-server   # pagoda and llama-server
+    python3 scripts/plot-bench.py target/bench-serve-sweep/pagoda-1.json \
+        target/bench-serve-sweep/llama-server-1.json -o serve.svg
+
 The kind of report is read from its JSON:
 - decode (`pagoda bench --json`): tok/s against batch (or context depth with `--x depth`), one
   line per input file and per value of the other axis; each point is the median of the
   repetitions, with a bar from the slowest to the fastest. Only plain decode tests are drawn
   (`tgN[ @ dD][ xB]`); prefill, shared-prefix, top-p and verification tests are skipped.
+  llama.cpp's `llama-bench -o json` output (its `-n N -d D` runs) is read as a decode report,
+  so pagoda and llama.cpp can share one plot; files given the same `--label` (alternated
+  rounds of one tool) are pooled into one line.
 - attention (`pagoda bench attention --json`): GB/s of KV read against the KV cache's size,
   one line per path and batch; `--peer` adds FlashInfer's decode wrappers from the GPU
   anchor kit's `decode.json` (`../shared/anchors/gpu/bench_anchors.py decode`) as dashed
@@ -26,6 +35,9 @@ The kind of report is read from its JSON:
   same cell (the anchors the bench carries) dashed.
 - sampling, CPU (`pagoda bench sampling --json`): microseconds per draw against vocabulary,
   one panel per configuration, the fused sampler and the reference.
+- serving sweep (`pagoda bench serve --sweep RATES --json`): TTFT, TPOT and ITL (median and
+  p99) against the offered request rate, one colour per input, so two servers swept by
+  `scripts/bench-serve-vs-llamacpp.sh` share one picture; the SLOs as dotted lines.
 
 Needs matplotlib (`pip install matplotlib`). The SVG is written without a date, so a rerun
 on the same JSON gives the same file.
@@ -40,10 +52,51 @@ import sys
 TEST = re.compile(r"^tg(?P<tokens>\d+)(?: @ d(?P<depth>\d+))?(?: x(?P<batch>\d+))?$")
 
 
+def from_llama_bench(report):
+    """A `llama-bench -o json` report as a decode report: its `tgN` runs (at depth `-d`) with
+    every repetition's tok/s; prompt-processing runs are left out."""
+    results = [{"test": f"tg{run['n_gen']}"
+                        + (f" @ d{run['n_depth']}" if run.get("n_depth") else ""),
+                "tokens_per_second": run["samples_ts"]}
+               for run in report if run.get("n_gen") and not run.get("n_prompt")]
+    first = report[0]
+    return {"model": first.get("model_filename", "?"), "device": first.get("cpu_info", "cpu"),
+            "results": results}
+
+
+def pooled(reports, labels):
+    """Decode reports that share a label (rounds of one tool alternated with another's) as one
+    report: every repetition of a test pooled, then its median, min and max."""
+    merged, order = {}, []
+    for report, label in zip(reports, labels):
+        if label not in merged:
+            merged[label] = {**report, "results": []}
+            order.append(label)
+        tests = {r["test"]: r for r in merged[label]["results"]}
+        for result in report["results"]:
+            if result["test"] in tests:
+                tests[result["test"]]["tokens_per_second"] += result["tokens_per_second"]
+            else:
+                merged[label]["results"].append(dict(result, tokens_per_second=list(
+                    result["tokens_per_second"])))
+    for report in merged.values():
+        for result in report["results"]:
+            samples = sorted(result["tokens_per_second"])
+            middle = len(samples) // 2
+            result["median"] = (samples[middle] if len(samples) % 2 else
+                                (samples[middle - 1] + samples[middle]) / 2)
+            result["min"], result["max"] = samples[0], samples[-1]
+    return [merged[label] for label in order], order
+
+
 def kind_of(report):
     """decode, attention, sampling-gpu or sampling-cpu, from the JSON's shape."""
+    if isinstance(report, list) and report and "n_gen" in report[0]:
+        return "llama-bench"
     if isinstance(report, dict) and "results" in report:
         return "decode"
+    if isinstance(report, dict) and "rates" in report:
+        return "serve-sweep"
     if isinstance(report, dict) and "cases" in report:
         return "sampling-gpu"
     if isinstance(report, list) and report and "paths" in report[0]:
@@ -268,6 +321,39 @@ def plot_sampling_cpu(plt, reports, labels, args):
     return figure, None, drawn
 
 
+def plot_serve_sweep(plt, reports, labels, args):
+    """TTFT, TPOT and ITL (median solid, p99 dashed) against the offered request rate, one
+    colour per server; the SLOs as grey lines."""
+    figure, grid = plt.subplots(1, 3, figsize=(15, 4.6), squeeze=False)
+    drawn = 0
+    for index, (report, label) in enumerate(zip(reports, labels)):
+        name = label or report.get("label", f"input {index + 1}")
+        rates = [r for r in report["rates"] if r["completed"]]
+        xs = [r["request_rate"] if r["request_rate"] != "inf" else math.inf for r in rates]
+        finite = [x for x in xs if x != math.inf]
+        xs = [x if x != math.inf else (max(finite) * 2 if finite else 1) for x in xs]
+        for axes, metric in zip(grid[0], ("ttft_ms", "tpot_ms", "itl_ms")):
+            for stat, style in (("median", "-"), ("p99", "--")):
+                axes.plot(xs, [r[metric][stat] for r in rates], marker="o", linestyle=style,
+                          color=f"C{index % 10}", label=f"{name} {stat}")
+            drawn += 1
+    slos = {"ttft_ms": reports[0].get("slo_ttft_ms"), "tpot_ms": reports[0].get("slo_tpot_ms")}
+    for axes, metric in zip(grid[0], ("ttft_ms", "tpot_ms", "itl_ms")):
+        if slos.get(metric):
+            axes.axhline(slos[metric], color="grey", linestyle=":",
+                         label=f"SLO {slos[metric]:g} ms (p99)")
+        axes.set_title(metric.split("_")[0].upper() + " (ms, log scale)", fontsize=10)
+        axes.set_xlabel("offered request rate (requests/s)")
+        axes.set_yscale("log")
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=7)
+    first = reports[0]
+    figure.suptitle(args.title or (
+        f"serving latency against request rate: {first.get('model', '?')}, "
+        f"{first.get('dataset', '?')} requests"), fontsize=11)
+    return figure, None, drawn
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", help="`pagoda bench ... --json` output files")
@@ -291,6 +377,7 @@ def main():
     for path in args.inputs:
         with open(path) as file:
             reports.append(json.load(file))
+    reports = [from_llama_bench(r) if kind_of(r) == "llama-bench" else r for r in reports]
     kinds = {kind_of(report) for report in reports}
     if len(kinds) != 1:
         sys.exit(f"the inputs are reports of different kinds: {sorted(kinds)}")
@@ -298,10 +385,13 @@ def main():
     if args.peer and kind != "attention":
         sys.exit("--peer goes with `pagoda bench attention --json` reports")
     labels = args.label or [""] * len(reports)
+    if kind == "decode" and len(set(labels)) < len(labels):
+        reports, labels = pooled(reports, labels)
 
     plt = setup_matplotlib()
     draw = {"decode": plot_decode, "attention": plot_attention,
-            "sampling-gpu": plot_sampling_gpu, "sampling-cpu": plot_sampling_cpu}[kind]
+            "sampling-gpu": plot_sampling_gpu, "sampling-cpu": plot_sampling_cpu,
+            "serve-sweep": plot_serve_sweep}[kind]
     figure, axes, drawn = draw(plt, reports, labels, args)
     if axes is not None:
         axes.grid(True, alpha=0.3)

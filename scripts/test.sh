@@ -3,7 +3,7 @@
 # tests against llama.cpp's reference outputs run; they skip with a message if it is missing.
 # Then: the live-server tests with the official `openai` client, the NVRTC compile check of
 # every CUDA kernel specialisation (no GPU needed), and the aarch64 subset under qemu. GPU
-# tests print SKIP here; they run on the GPU machine (see docs/architecture.md, "Tests").
+# tests print SKIP here; they run on the GPU machine (see docs/internals.md, "Tests and their oracles").
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

@@ -22,7 +22,8 @@
 #   libraries with readelf. Prints the paths of the two stripped binaries.
 # native and amx need clang (clang-19 or newer; GCC 12 miscompiles the AMX tile configuration,
 # see ../shared/anchors/cpu-anchors.md); all modes need cmake and pip (for the source
-# package). Prints the path of the stripped llama-bench. A clean CPU build takes 5-10 minutes
+# package). Prints the paths of the stripped llama-bench and llama-server (the peer of
+# `scripts/bench-serve-vs-llamacpp.sh`). A clean CPU build takes 5-10 minutes
 # on 2 cores.
 set -euo pipefail
 OUT=${1:-/tmp/llamacpp}
@@ -111,11 +112,14 @@ case "$MODE" in
     -DCMAKE_EXE_LINKER_FLAGS="-static-libstdc++ -static-libgcc") ;;
 esac
 cmake -S "$SRC" -B "$BUILD" "${common[@]}" "${flags[@]}" >"$OUT/cmake-$MODE.log"
-cmake --build "$BUILD" --target llama-bench -j "$(nproc)" >"$OUT/build-$MODE.log"
+cmake --build "$BUILD" --target llama-bench llama-server -j "$(nproc)" >"$OUT/build-$MODE.log"
 cp "$BUILD/bin/llama-bench" "$OUT/llama-bench-$MODE"
 strip "$OUT/llama-bench-$MODE"
+cp "$BUILD/bin/llama-server" "$OUT/llama-server-$MODE"
+strip "$OUT/llama-server-$MODE"
 tiles=$(objdump -d "$OUT/llama-bench-$MODE" | grep -c tdpbssd || true)
 if [ "$MODE" = amx ] && [ "$tiles" = 0 ]; then
   echo "warning: no AMX instructions in the binary" >&2
 fi
 echo "$OUT/llama-bench-$MODE"
+echo "$OUT/llama-server-$MODE"

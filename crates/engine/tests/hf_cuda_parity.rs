@@ -402,9 +402,11 @@ fn check_gpu(
     let mode = if cuda_graphs { "graphs" } else { "eager" };
     let device = format!("gpu-{dtype}-{mode}");
     let config = checkpoint.dir.config.clone();
-    if config.moe.is_some() {
+    // The CUDA model declines latent attention (DeepSeek) and mixtures of experts.
+    if config.mla.is_some() || config.moe.is_some() {
+        let kind = if config.mla.is_some() { "MLA" } else { "MoE" };
         report.push(format!(
-            "{} {device}: skipped (MoE models run on the CPU for now)",
+            "{} {device}: skipped ({kind} models run on the CPU for now)",
             checkpoint.name
         ));
         return;

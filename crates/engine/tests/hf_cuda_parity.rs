@@ -1,10 +1,22 @@
 //! The whole model against Hugging Face transformers: random-weight checkpoints written by
 //! `scripts/fixtures/hf_random_checkpoint.py OUT_DIR` (llama with llama3 RoPE scaling and
-//! GQA, qwen2 with q/k/v bias and tied embeddings, qwen3 with q/k norm, and the
-//! mixture-of-experts qwen3_moe and mixtral, which the GPU skips for now), each with
-//! transformers' float32 logits of a few fixed token sequences. Where
+//! GQA, qwen2 with q/k/v bias and tied embeddings, qwen3 with q/k norm, the
+//! mixture-of-experts qwen3_moe and mixtral, and DeepSeek's latent attention with YaRN and
+//! routed plus shared experts: deepseek_v2 (V2-Lite's shape, group-limited softmax routing),
+//! deepseek_v3 (q_lora_rank, sigmoid + selection bias, noaux_tc) and deepseek_v3_halves
+//! (`rope_interleave: false`, mscale != mscale_all_dim); the GPU skips MoE and MLA for now),
+//! each with transformers' float32 logits of a few fixed token sequences. Where
 //! `scripts/fixtures/llamacpp_convert.py` has written a checkpoint's `model.gguf` (llama.cpp's
-//! own conversion of it), the CPU model also runs from that file against the same logits.
+//! own conversion of it; every one but deepseek_v3_halves, which GGUF cannot describe), the
+//! CPU model also runs from that file against the same logits.
+//!
+//! On a machine without a GPU:
+//! `python3 scripts/fixtures/hf_random_checkpoint.py /tmp/hf --device cpu`, then
+//! `python3 scripts/fixtures/llamacpp_convert.py LLAMA_CPP_DIR /tmp/hf`, then
+//! `PAGODA_HF_PARITY_DIR=/tmp/hf PAGODA_HF_PARITY_CPU_ONLY=1 cargo test -p pagoda-engine
+//! --test hf_cuda_parity -- --include-ignored --nocapture`. Measured (transformers 5.25,
+//! torch CPU): the DeepSeek checkpoints within 7.3e-7 relative from safetensors and from
+//! llama.cpp's GGUF, every argmax agreeing.
 //!
 //! Ignored unless run with `--include-ignored` and `PAGODA_HF_PARITY_DIR=OUT_DIR`. For every checkpoint, the CPU
 //! model (exact f32 weights) and, unless `PAGODA_HF_PARITY_CPU_ONLY=1`, the [`CudaModel`] in
@@ -23,7 +35,10 @@
 //! checkpoints, CPU): rounding only the weights to bf16 gives top-10 errors 0.06-0.09, the
 //! whole model in bf16 (bf16 residual stream too, which pagoda keeps in f32) 0.12-0.17 and
 //! 95-97% raw argmax agreement but 100% on clear-margin positions; a wrong RoPE scaling or
-//! norm eps gives relative errors of 0.08-0.8 (logit errors of 1-7).
+//! norm eps gives relative errors of 0.08-0.8 (logit errors of 1-7); on the DeepSeek
+//! checkpoints, the 10000 default in place of `rope_parameters.rope_theta` 0.15-0.25, the
+//! latent norms with `rms_norm_eps` (5e-4 in deepseek_v2) instead of 1e-6 7.6e-4, and
+//! interleaved RoPE where `rope_interleave` is false 0.43.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -402,9 +417,11 @@ fn check_gpu(
     let mode = if cuda_graphs { "graphs" } else { "eager" };
     let device = format!("gpu-{dtype}-{mode}");
     let config = checkpoint.dir.config.clone();
-    if config.moe.is_some() {
+    // The CUDA model declines latent attention (DeepSeek) and mixtures of experts.
+    if config.mla.is_some() || config.moe.is_some() {
+        let kind = if config.mla.is_some() { "MLA" } else { "MoE" };
         report.push(format!(
-            "{} {device}: skipped (MoE models run on the CPU for now)",
+            "{} {device}: skipped ({kind} models run on the CPU for now)",
             checkpoint.name
         ));
         return;

@@ -228,6 +228,11 @@ pub struct MlaConfig {
 }
 
 impl MlaConfig {
+    /// The eps of the latent RMSNorms (`q_a_layernorm`, `kv_a_layernorm`): their modules'
+    /// default in DeepSeek's and transformers' code, whatever `rms_norm_eps` says (llama.cpp
+    /// uses `rms_norm_eps`; every released DeepSeek config has 1e-6 there too).
+    pub const LATENT_NORM_EPS: f32 = 1e-6;
+
     /// A query (and expanded key) head's width, `qk_nope_head_dim + qk_rope_head_dim`.
     pub fn q_head_dim(&self) -> usize {
         self.qk_nope_head_dim + self.qk_rope_head_dim

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use pagoda_models::config::{ExpertScoring, GroupScoring, ModelConfig, TopKWeights};
+use pagoda_models::config::{ExpertScoring, GroupScoring, ModelConfig, RopeStyle, TopKWeights};
 use pagoda_models::formats::gguf::GgufFile;
 use pagoda_models::gguf_model::config_from_gguf;
 use pagoda_models::hf::config_from_hf_json;
@@ -59,6 +59,33 @@ fn deepseek_v2_lite_config_is_the_preset() {
     assert_eq!(mla.rope_scale(), 1.0);
     let m = 0.1f32 * 0.707 * 40f32.ln() + 1.0;
     assert!((mla.softmax_scale() - m * m / 192f32.sqrt()).abs() < 1e-7);
+}
+
+/// transformers 5 writes `rope_theta` only inside `rope_parameters` (with the YaRN fields),
+/// and V3's `rope_interleave: false` rotates the stored halves.
+#[test]
+fn transformers_5_rope_parameters_and_rope_interleave_are_read() {
+    let v2 = config_from_hf_json(&edited(|c| {
+        let mut parameters = c.remove("rope_scaling").unwrap();
+        parameters["rope_theta"] = 20000.0.into();
+        c.remove("rope_theta");
+        c.insert("rope_parameters".into(), parameters);
+    }))
+    .unwrap();
+    assert_eq!(v2.rope_theta, 20000.0);
+    assert_eq!(v2.mla.as_ref().unwrap().yarn.unwrap().factor, 40.0);
+    assert_eq!(v2.rope_style, RopeStyle::Interleaved);
+    let v3 = |interleave: serde_json::Value| {
+        config_from_hf_json(&edited(|c| {
+            c.insert("model_type".into(), "deepseek_v3".into());
+            c.insert("rope_interleave".into(), interleave);
+        }))
+        .unwrap()
+        .rope_style
+    };
+    assert_eq!(v3(true.into()), RopeStyle::Interleaved);
+    assert_eq!(v3(serde_json::Value::Null), RopeStyle::Interleaved);
+    assert_eq!(v3(false.into()), RopeStyle::Halves);
 }
 
 #[test]

@@ -115,11 +115,16 @@ pub(super) fn deepseek_config(fields: &Fields<'_>, path: &Path) -> Result<ModelC
         intermediate_size: positive("intermediate_size")?,
         vocab_size: positive("vocab_size")?,
         rms_norm_eps: fields.f32("rms_norm_eps")?.unwrap_or(1e-6),
-        rope_theta: fields.f32("rope_theta")?.unwrap_or(10_000.0),
+        rope_theta: rope_theta_of(fields)?,
         rope_dim: mla.qk_rope_head_dim,
-        // HF DeepSeek de-interleaves q_pe and k_pe before rotate-half; rotating adjacent
-        // pairs in place gives the same scores.
-        rope_style: RopeStyle::Interleaved,
+        // DeepSeek's rotary dims are interleaved pairs: HF's V2 rotates them as complex
+        // numbers, its V3 (`rope_interleave`, default true) and DeepSeek's own code
+        // de-interleave before rotate-half, which gives the same scores. transformers' V3
+        // with `rope_interleave: false` applies rotate-half to the rows as stored.
+        rope_style: match v3 && fields.bool("rope_interleave")? == Some(false) {
+            true => RopeStyle::Halves,
+            false => RopeStyle::Interleaved,
+        },
         rope_scaling: None,
         max_position_embeddings: fields.usize("max_position_embeddings")?.unwrap_or(2048),
         tie_word_embeddings: fields.bool("tie_word_embeddings")?.unwrap_or(false),
@@ -130,6 +135,23 @@ pub(super) fn deepseek_config(fields: &Fields<'_>, path: &Path) -> Result<ModelC
         .validate()
         .map_err(|message| HfError::new(path, format!("invalid config: {message}")))?;
     Ok(config)
+}
+
+/// `rope_theta`, or transformers 5's `rope_parameters.rope_theta` (where 5.x writes it);
+/// 10000 without either.
+fn rope_theta_of(fields: &Fields<'_>) -> Result<f32, HfError> {
+    if let Some(theta) = fields.f32("rope_theta")? {
+        return Ok(theta);
+    }
+    let Some(parameters) = fields.object("rope_parameters")? else {
+        return Ok(10_000.0);
+    };
+    let parameters = Fields {
+        map: parameters,
+        path: fields.path,
+        prefix: "rope_parameters.",
+    };
+    Ok(parameters.f32("rope_theta")?.unwrap_or(10_000.0))
 }
 
 fn first_architecture<'a>(fields: &'a Fields<'_>) -> Option<&'a str> {

@@ -87,7 +87,9 @@ impl MlaStep for CpuStep<'_> {
         let c = &self.model.config;
         let m = mla_config(self.model)?;
         let num_tokens = self.num_tokens();
-        let (eps, latent, row_width) = (c.rms_norm_eps, m.kv_lora_rank, m.cache_row());
+        // The latent norms (`q_a_layernorm`, `kv_a_layernorm`) are built with RMSNorm's
+        // default eps in DeepSeek's modelling code and transformers', not `rms_norm_eps`.
+        let (eps, latent, row_width) = (MlaConfig::LATENT_NORM_EPS, m.kv_lora_rank, m.cache_row());
         let s = &mut self.mla;
         let q = fit(
             &mut s.q,

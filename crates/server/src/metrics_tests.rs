@@ -59,8 +59,7 @@ fn gauges_follow_the_snapshot() {
         .find_map(|line| line.strip_prefix("pagoda_cpu_sparse_attention_rows_total "))
         .expect("the sparse attention rows line");
     assert!(
-        sparse_rows.parse::<u64>().unwrap()
-            <= pagoda_ops::attention::sparse_selection_counts().1
+        sparse_rows.parse::<u64>().unwrap() <= pagoda_ops::attention::sparse_selection_counts().1
     );
     assert!(text.contains("# TYPE pagoda_cpu_sparse_attention_kept_tokens_total counter\n"));
     assert!(text.contains("pagoda_cpu_sparse_attention_visible_tokens_total "));

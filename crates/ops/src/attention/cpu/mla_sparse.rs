@@ -63,10 +63,10 @@ impl TokenSelection {
                 num_tokens
             )));
         }
-        for request in 0..seq_lens.len() {
+        for (request, &seq_len) in seq_lens.iter().enumerate() {
             let (first, last) = (qo_indptr[request] as usize, qo_indptr[request + 1] as usize);
             for t in first..last {
-                let visible = seq_lens[request] as usize - (last - first) + (t - first) + 1;
+                let visible = seq_len as usize - (last - first) + (t - first) + 1;
                 let row = self.row(t);
                 if row.windows(2).any(|w| w[0] >= w[1])
                     || row.last().is_some_and(|&s| s as usize >= visible)

@@ -49,6 +49,9 @@ fn edited(edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>)) ->
     value.to_string()
 }
 
+/// An edit of the V3.2-Exp config.
+type Edit = Box<dyn FnOnce(&mut serde_json::Map<String, serde_json::Value>)>;
+
 #[test]
 fn the_released_v32_config_has_its_indexer_in_the_cache_row() {
     let config = config_from_hf_json(DEEPSEEK_V32_EXP).unwrap();
@@ -89,7 +92,7 @@ fn the_released_v32_config_has_its_indexer_in_the_cache_row() {
 
 #[test]
 fn bad_v32_fields_are_named() {
-    let cases: Vec<(Box<dyn FnOnce(&mut serde_json::Map<_, _>)>, &str)> = vec![
+    let cases: Vec<(Edit, &str)> = vec![
         (
             Box::new(|m| {
                 m.insert("index_topk".into(), 0.into());

@@ -164,7 +164,7 @@ fn indexer_of(
             &format!("({}) must be at least qk_rope_head_dim ({rope}): the indexer rotates its first qk_rope_head_dim dims", indexer.head_dim),
         ));
     }
-    if !fields.usize("q_lora_rank")?.is_some_and(|rank| rank > 0) {
+    if fields.usize("q_lora_rank")?.is_none_or(|rank| rank == 0) {
         return Err(fields.error(
             "q_lora_rank",
             "must be positive for deepseek_v32: the indexer's query reads the compressed query",

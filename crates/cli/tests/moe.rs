@@ -43,6 +43,7 @@ fn bench_runs_random_moe_presets() {
         "mixtral-tiny",
         "deepseek-v2-tiny",
         "deepseek-v3-tiny",
+        "deepseek-v32-tiny",
     ] {
         let out = pagoda(
             &[

@@ -19,7 +19,7 @@ pub enum Architecture {
     /// Mixtral: llama's attention with mixture-of-experts MLP blocks in every layer (GGUF
     /// stores it as `llama` with `llama.expert_count`).
     Mixtral,
-    /// DeepSeek-V2, V2-Lite and V3 (GGUF `deepseek2`): multi-head latent attention
+    /// DeepSeek-V2, V2-Lite, V3 and V3.2 (GGUF `deepseek2`): multi-head latent attention
     /// ([`MlaConfig`]) and mixture-of-experts blocks with shared experts after leading dense
     /// layers.
     DeepSeek2,
@@ -210,7 +210,8 @@ impl YarnScaling {
 /// (after their RMSNorm) and one shared `qk_rope_head_dim` RoPE key are cached; each head's
 /// key is `[W_UK_h c, k_rope]` (`qk_nope_head_dim + qk_rope_head_dim`) and its value
 /// `W_UV_h c` (`v_head_dim`). The query is projected directly (`q_lora_rank` none) or
-/// through a `q_lora_rank` bottleneck with its own RMSNorm.
+/// through a `q_lora_rank` bottleneck with its own RMSNorm. V3.2 adds the sparse-attention
+/// [`IndexerConfig`], whose key is cached after the latent row.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MlaConfig {
     /// The query bottleneck's width; `None` projects the query directly (V2-Lite).
@@ -225,6 +226,23 @@ pub struct MlaConfig {
     pub v_head_dim: usize,
     /// YaRN scaling of the RoPE part, if any.
     pub yarn: Option<YarnScaling>,
+    /// DeepSeek-V3.2's lightning indexer (sparse attention); `None` attends densely.
+    #[serde(default)]
+    pub indexer: Option<IndexerConfig>,
+}
+
+/// DeepSeek-V3.2's lightning indexer: per token an `head_dim` key (`LayerNorm(wk x)`), per
+/// query `num_heads` heads of `head_dim` (`wq_b` of the compressed query) and their weights
+/// (`weights_proj x`); the first `qk_rope_head_dim` dims of each rotate (rotate-half). A
+/// query that sees more than `top_k` tokens attends to its `top_k` best-scored ones only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexerConfig {
+    /// `index_n_heads` (64 in V3.2).
+    pub num_heads: usize,
+    /// `index_head_dim` (128), cached per token after the latent row.
+    pub head_dim: usize,
+    /// `index_topk` (2048).
+    pub top_k: usize,
 }
 
 impl MlaConfig {
@@ -238,9 +256,16 @@ impl MlaConfig {
         self.qk_nope_head_dim + self.qk_rope_head_dim
     }
 
-    /// One cached row per token: `kv_lora_rank + qk_rope_head_dim`.
-    pub fn cache_row(&self) -> usize {
+    /// The latent row of a token, `kv_lora_rank + qk_rope_head_dim`: `kv_a`'s output and the
+    /// absorbed query's width.
+    pub fn latent_row(&self) -> usize {
         self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    /// One cached row per token: the latent row, then the indexer key where the model has
+    /// one (V3.2: `+ index_head_dim`).
+    pub fn cache_row(&self) -> usize {
+        self.latent_row() + self.indexer.map_or(0, |indexer| indexer.head_dim)
     }
 
     /// The softmax scale: `1 / sqrt(q_head_dim)`, times `mscale(factor, mscale_all_dim)^2`
@@ -425,7 +450,7 @@ impl ModelConfig {
             || self.rope_dim != mla.qk_rope_head_dim
         {
             return fail(format!(
-                "latent attention caches one row of kv_lora_rank + qk_rope_head_dim ({}) per token: num_kv_heads must be 1, head_dim {} and rope_dim {} (got {}, {}, {})",
+                "latent attention caches one row of kv_lora_rank + qk_rope_head_dim (+ index_head_dim) ({}) per token: num_kv_heads must be 1, head_dim {} and rope_dim {} (got {}, {}, {})",
                 mla.cache_row(),
                 mla.cache_row(),
                 mla.qk_rope_head_dim,
@@ -433,6 +458,25 @@ impl ModelConfig {
                 self.head_dim,
                 self.rope_dim
             ));
+        }
+        if let Some(indexer) = &mla.indexer {
+            if indexer.num_heads == 0 || indexer.top_k == 0 {
+                return fail(format!(
+                    "index_n_heads ({}) and index_topk ({}) must be positive",
+                    indexer.num_heads, indexer.top_k
+                ));
+            }
+            if indexer.head_dim < mla.qk_rope_head_dim {
+                return fail(format!(
+                    "index_head_dim ({}) must be at least qk_rope_head_dim ({}): the indexer rotates its first qk_rope_head_dim dims",
+                    indexer.head_dim, mla.qk_rope_head_dim
+                ));
+            }
+            if mla.q_lora_rank.is_none() {
+                return fail(
+                    "the sparse-attention indexer (index_topk) needs q_lora_rank: its query reads the compressed query".into(),
+                );
+            }
         }
         if let Some(yarn) = &mla.yarn {
             let values = [yarn.factor, yarn.beta_fast, yarn.beta_slow];

@@ -137,7 +137,8 @@ fn moe_or_dense_mlp_block<S: MoeStep>(step: &mut S, layer: &S::Layer) -> Result<
 /// cache holds one row per token: the normalised latent `c` then the rotated RoPE key.
 pub(crate) trait MlaStep: MoeStep {
     /// `q <- normed · Wq^T` (or `rms_norm(normed · Wq_a^T) · Wq_b^T`), `[T, heads, nope +
-    /// rope]`; `row <- normed · Wkv_a^T`, `[T, latent + rope]`, its latent part RMSNormed.
+    /// rope]`; `row <- normed · Wkv_a^T`, `[T, latent + rope]`, its latent part RMSNormed;
+    /// V3.2's index queries, keys and head weights.
     fn mla_projection(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
     /// RoPE (YaRN-scaled where configured) on q's rope parts and the rows' rope keys, then
     /// the rows into layer `index`'s latent cache at the batch's slots.
@@ -146,13 +147,13 @@ pub(crate) trait MlaStep: MoeStep {
     /// rope]`.
     fn mla_absorb(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
     /// The latent output of each head: softmax attention of the absorbed query over layer
-    /// `index`'s latent cache, `[T, heads, latent]`.
+    /// `index`'s latent cache (V3.2: over each row's top-k index scores), `[T, heads, latent]`.
     fn mla_attention(&mut self, index: usize) -> Result<(), Self::Error>;
     /// `x += concat_h(W_UV_h · latent_h) · Wo^T`.
     fn mla_output(&mut self, layer: &Self::Layer) -> Result<(), Self::Error>;
 }
 
-/// DeepSeek-V2/V3's forward pass: every layer's latent attention block, then its dense MLP
+/// DeepSeek-V2/V3/V3.2's forward pass: every layer's latent attention block, then its dense MLP
 /// block (the leading layers) or its mixture of experts with the shared experts.
 pub(crate) fn deepseek_layers<S: MlaStep>(
     step: &mut S,

@@ -242,6 +242,8 @@ impl DeepSeekKeys<'_> {
             qk_rope_head_dim,
             v_head_dim,
             yarn,
+            // llama.cpp at our anchor has no DeepSeek-V3.2 (sparse attention) layout.
+            indexer: None,
         };
         let num_experts = required("expert_count")?;
         let scoring = match uint("expert_gating_func")? {

@@ -2,8 +2,8 @@
 //! `generation_config.json` -> [`GenerationDefaults`], and the safetensors weights.
 //!
 //! Supported `model_type`s (or, when it is absent, `architectures[0]`): `llama` (Llama 2/3,
-//! SmolLM/SmolLM2), `mistral`, `qwen2`, `qwen3`, `qwen3_moe`, `mixtral`, `deepseek_v2` and
-//! `deepseek_v3`. q/k rows are in rotate-half order: every config has `RopeStyle::Halves`.
+//! SmolLM/SmolLM2), `mistral`, `qwen2`, `qwen3`, `qwen3_moe`, `mixtral`, `deepseek_v2`,
+//! `deepseek_v3`, `deepseek_v32`. q/k rows are in rotate-half order (DeepSeek: interleaved).
 
 use std::path::{Path, PathBuf};
 
@@ -294,10 +294,10 @@ fn architecture_of(fields: &Fields<'_>) -> Result<Architecture, HfError> {
             "qwen3" => Ok(Architecture::Qwen3),
             "qwen3_moe" => Ok(Architecture::Qwen3Moe),
             "mixtral" => Ok(Architecture::Mixtral),
-            "deepseek_v2" | "deepseek_v3" => Ok(Architecture::DeepSeek2),
+            "deepseek_v2" | "deepseek_v3" | "deepseek_v32" => Ok(Architecture::DeepSeek2),
             other => Err(fields.error(
                 "model_type",
-                &format!("is `{other}`, which pagoda does not support (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v2, deepseek_v3)"),
+                &format!("is `{other}`, which pagoda does not support (supported: llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, deepseek_v2, deepseek_v3, deepseek_v32)"),
             )),
         };
     }
@@ -319,6 +319,7 @@ fn architecture_of(fields: &Fields<'_>) -> Result<Architecture, HfError> {
         "Qwen3MoeForCausalLM" => Ok(Architecture::Qwen3Moe),
         "MixtralForCausalLM" => Ok(Architecture::Mixtral),
         "DeepseekV2ForCausalLM" | "DeepseekV3ForCausalLM" => Ok(Architecture::DeepSeek2),
+        "DeepseekV32ForCausalLM" => Ok(Architecture::DeepSeek2),
         other => Err(fields.error(
             "architectures",
             &format!("names `{other}`, which pagoda does not support"),

@@ -4,7 +4,7 @@
 //! [`preset`] names the built-in configurations (`llama-3.1-8b`, `qwen2.5-7b`,
 //! `smollm2-135m`, the mixture-of-experts `qwen3-30b-a3b` and `mixtral-8x7b`, and the tiny
 //! `qwen3-moe-tiny` and `mixtral-tiny` for tests, DeepSeek's `deepseek-v2-lite` and the tiny
-//! `deepseek-v2-tiny` and `deepseek-v3-tiny`); [`random_config`] also accepts the path of a
+//! `deepseek-v2-tiny`, `deepseek-v3-tiny` and `deepseek-v32-tiny`); [`random_config`] also accepts the path of a
 //! Hugging Face `config.json`.
 //! [`RandomWeights`] is a [`TensorSource`] with every tensor the llama-family loader asks for,
 //! filled deterministically from a seed, in f32, one tensor at a time as the loader asks.
@@ -35,6 +35,7 @@ pub const PRESET_NAMES: &[&str] = &[
     "deepseek-v2-lite",
     "deepseek-v2-tiny",
     "deepseek-v3-tiny",
+    "deepseek-v32-tiny",
 ];
 
 mod deepseek;

@@ -136,6 +136,20 @@ pub struct MlaPlan {
     pub kv_up: KvUpPlan,
     /// `[hidden, num_heads * v_head_dim]`.
     pub attn_output: TensorSpec,
+    /// DeepSeek-V3.2's sparse-attention indexer.
+    pub indexer: Option<IndexerPlan>,
+}
+
+/// DeepSeek-V3.2's lightning indexer: `q_b` `[index_n_heads * index_head_dim,
+/// q_lora_rank]`, `k` `[index_head_dim, hidden]` with its LayerNorm weight and bias
+/// `[index_head_dim]`, `proj` `[index_n_heads, hidden]` (the heads' weights).
+#[derive(Debug, Clone)]
+pub struct IndexerPlan {
+    pub q_b: TensorSpec,
+    pub k: TensorSpec,
+    pub k_norm: TensorSpec,
+    pub k_norm_bias: TensorSpec,
+    pub proj: TensorSpec,
 }
 
 /// A grouped-query attention block's tensors. Optional tensors are `Some` when the
@@ -277,7 +291,7 @@ fn mla_plan(
                 q_b: spec(names::ATTN_Q_B, &[q_rows, rank]),
             },
         },
-        kv_a: spec(names::ATTN_KV_A_MQA, &[mla.cache_row(), hidden]),
+        kv_a: spec(names::ATTN_KV_A_MQA, &[mla.latent_row(), hidden]),
         kv_a_norm: spec(names::ATTN_KV_A_NORM, &[latent]),
         kv_up: if split {
             KvUpPlan::Split {
@@ -288,6 +302,16 @@ fn mla_plan(
             KvUpPlan::Joint(spec(names::ATTN_KV_B, &[heads * (nope + v), latent]))
         },
         attn_output: spec(names::ATTN_OUTPUT, &[hidden, heads * v]),
+        indexer: mla.indexer.zip(mla.q_lora_rank).map(|(indexer, rank)| {
+            let (index_heads, dim) = (indexer.num_heads, indexer.head_dim);
+            IndexerPlan {
+                q_b: spec(names::INDEXER_ATTN_Q_B, &[index_heads * dim, rank]),
+                k: spec(names::INDEXER_ATTN_K, &[dim, hidden]),
+                k_norm: spec(names::INDEXER_K_NORM, &[dim]),
+                k_norm_bias: spec(names::INDEXER_K_NORM_BIAS, &[dim]),
+                proj: spec(names::INDEXER_PROJ, &[index_heads, hidden]),
+            }
+        }),
     }
 }
 
@@ -352,6 +376,9 @@ mod tests {
                         KvUpPlan::Joint(kv_b) => specs.push(kv_b),
                         KvUpPlan::Split { k_b, v_b } => specs.extend([k_b, v_b]),
                     }
+                    if let Some(i) = &m.indexer {
+                        specs.extend([&i.q_b, &i.k, &i.k_norm, &i.k_norm_bias, &i.proj]);
+                    }
                 }
             }
             match &l.mlp {
@@ -382,6 +409,7 @@ mod tests {
             moe("mixtral-tiny"),
             moe("deepseek-v2-tiny"),
             moe("deepseek-v3-tiny"),
+            moe("deepseek-v32-tiny"),
         ];
         for config in configs {
             let architecture = config.architecture;

@@ -92,4 +92,14 @@ pub mod names {
     pub const FFN_UP_SHEXP: &str = "ffn_up_shexp.weight";
     /// `[hidden, shared_width]`.
     pub const FFN_DOWN_SHEXP: &str = "ffn_down_shexp.weight";
+    // DeepSeek-V3.2's sparse-attention indexer (HF `self_attn.indexer.*`).
+    /// `[index_n_heads * index_head_dim, q_lora_rank]` (`wq_b`).
+    pub const INDEXER_ATTN_Q_B: &str = "indexer.attn_q_b.weight";
+    /// `[index_head_dim, hidden]` (`wk`).
+    pub const INDEXER_ATTN_K: &str = "indexer.attn_k.weight";
+    /// `[index_head_dim]`: the key's LayerNorm weight and bias (`k_norm`).
+    pub const INDEXER_K_NORM: &str = "indexer.k_norm.weight";
+    pub const INDEXER_K_NORM_BIAS: &str = "indexer.k_norm.bias";
+    /// `[index_n_heads, hidden]` (`weights_proj`).
+    pub const INDEXER_PROJ: &str = "indexer.proj.weight";
 }

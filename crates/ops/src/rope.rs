@@ -114,6 +114,20 @@ impl Rope {
     /// [`Rope::apply`] with the angles of `table` (made by [`Rope::table`] for this batch's
     /// positions): the same values, so the same bits. Prefills run in parallel over tokens.
     pub fn apply_table(&self, table: &RopeTable, x: &mut [f32], num_heads: usize, head_dim: usize) {
+        self.apply_table_paired(table, x, num_heads, head_dim, self.pairing);
+    }
+
+    /// [`Rope::apply_table`] with `pairing` instead of the model's: the same frequencies and
+    /// angles over other dimension pairs (DeepSeek-V3.2's indexer rotates halves where its
+    /// attention rotates adjacent pairs).
+    pub fn apply_table_paired(
+        &self,
+        table: &RopeTable,
+        x: &mut [f32],
+        num_heads: usize,
+        head_dim: usize,
+        pairing: RopePairing,
+    ) {
         let half = self.inverse_frequencies.len();
         let row = num_heads * head_dim;
         assert!(
@@ -123,7 +137,7 @@ impl Rope {
         let rotate = |(token, angles): (&mut [f32], &[(f32, f32)])| {
             for head in token.chunks_exact_mut(head_dim) {
                 for (i, &(cos, sin)) in angles.iter().enumerate() {
-                    let (a, b) = match self.pairing {
+                    let (a, b) = match pairing {
                         RopePairing::Interleaved => (2 * i, 2 * i + 1),
                         RopePairing::Halves => (i, i + half),
                     };

@@ -104,6 +104,24 @@ pub(super) fn render(out: &mut String) {
          pagoda_cpu_silu_polynomial_calls_total {}",
         pagoda_ops::activation::silu_polynomial_calls()
     );
+    let (calls, rows, kept, visible) = pagoda_ops::attention::sparse_selection_counts();
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_sparse_attention_calls_total Layer attention passes with at least one \
+         query row on DeepSeek-V3.2's top-k token selection (index_topk).\n\
+         # TYPE pagoda_cpu_sparse_attention_calls_total counter\n\
+         pagoda_cpu_sparse_attention_calls_total {calls}\n\
+         # HELP pagoda_cpu_sparse_attention_rows_total Query rows (per layer) that saw more than \
+         index_topk tokens and attended to the indexer's selection.\n\
+         # TYPE pagoda_cpu_sparse_attention_rows_total counter\n\
+         pagoda_cpu_sparse_attention_rows_total {rows}\n\
+         # HELP pagoda_cpu_sparse_attention_kept_tokens_total Tokens those rows attended to.\n\
+         # TYPE pagoda_cpu_sparse_attention_kept_tokens_total counter\n\
+         pagoda_cpu_sparse_attention_kept_tokens_total {kept}\n\
+         # HELP pagoda_cpu_sparse_attention_visible_tokens_total Tokens those rows could see.\n\
+         # TYPE pagoda_cpu_sparse_attention_visible_tokens_total counter\n\
+         pagoda_cpu_sparse_attention_visible_tokens_total {visible}"
+    );
     let _ = writeln!(
         out,
         "# HELP pagoda_cpu_attention_kernel_info The CPU attention kernel in use \

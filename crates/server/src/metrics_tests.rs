@@ -53,6 +53,16 @@ fn gauges_follow_the_snapshot() {
         neon_f32.parse::<u64>().unwrap(),
         pagoda_ops::linear::cpu::f32_tile::neon_matmul_count()
     );
+    // DeepSeek-V3.2's sparse attention counters, from pagoda_ops' process-wide counts.
+    let sparse_rows = text
+        .lines()
+        .find_map(|line| line.strip_prefix("pagoda_cpu_sparse_attention_rows_total "))
+        .expect("the sparse attention rows line");
+    assert!(
+        sparse_rows.parse::<u64>().unwrap() <= pagoda_ops::attention::sparse_selection_counts().1
+    );
+    assert!(text.contains("# TYPE pagoda_cpu_sparse_attention_kept_tokens_total counter\n"));
+    assert!(text.contains("pagoda_cpu_sparse_attention_visible_tokens_total "));
     let q15 = text
         .lines()
         .find_map(|line| line.strip_prefix("pagoda_cpu_q15_matmuls_total "))

@@ -75,7 +75,7 @@ pub struct BenchArgs {
     pub json: bool,
     /// Benchmark random weights of a built-in architecture (llama-3.1-8b, qwen2.5-7b,
     /// smollm2-135m, qwen3-30b-a3b, mixtral-8x7b, qwen3-moe-tiny, mixtral-tiny, deepseek-v2-lite,
-    /// deepseek-v2-tiny, deepseek-v3-tiny) or of a
+    /// deepseek-v2-tiny, deepseek-v3-tiny, deepseek-v32-tiny) or of a
     /// config.json instead of a model file (no tokenizer needed).
     #[arg(long, value_name = "ARCH|CONFIG")]
     pub random_weights: Option<String>,

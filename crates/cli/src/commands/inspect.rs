@@ -154,7 +154,7 @@ pub fn run(args: InspectArgs) -> Result<()> {
     }
     if let Some(mla) = &config.mla {
         say!(
-            "latent attention: q_lora_rank {:?}, kv_lora_rank {}, heads of {} + {} (values {}), one cached row of {} per token, softmax scale {:.5}, YaRN {:?}",
+            "latent attention: q_lora_rank {:?}, kv_lora_rank {}, heads of {} + {} (values {}), one cached row of {} per token, softmax scale {:.5}, YaRN {:?}, sparse-attention indexer {:?}",
             mla.q_lora_rank,
             mla.kv_lora_rank,
             mla.qk_nope_head_dim,
@@ -162,7 +162,8 @@ pub fn run(args: InspectArgs) -> Result<()> {
             mla.v_head_dim,
             mla.cache_row(),
             mla.softmax_scale(),
-            mla.yarn
+            mla.yarn,
+            mla.indexer
         );
     }
     let mut by_type: BTreeMap<String, (usize, usize)> = BTreeMap::new();

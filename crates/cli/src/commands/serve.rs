@@ -92,7 +92,7 @@ pub struct ServeArgs {
     pub alias: Option<String>,
     /// Serve random weights of a built-in architecture (llama-3.1-8b, qwen2.5-7b,
     /// smollm2-135m, qwen3-30b-a3b, mixtral-8x7b, qwen3-moe-tiny, mixtral-tiny, deepseek-v2-lite,
-    /// deepseek-v2-tiny, deepseek-v3-tiny) or of a config.json's shapes instead of the model's weights, with the
+    /// deepseek-v2-tiny, deepseek-v3-tiny, deepseek-v32-tiny) or of a config.json's shapes instead of the model's weights, with the
     /// model's tokenizer and chat template (`-m`, default the default model) and its
     /// vocabulary in place of the architecture's: serving measured at shapes whose weights are
     /// not on the machine (vLLM's `--load-format dummy`). The text is noise.

@@ -1,12 +1,13 @@
-//! The fields of a DeepSeek-V2/V3 `config.json` (`deepseek_v2`, `deepseek_v3`): latent
-//! attention, YaRN, and the router with shared experts, group limits and V3's bias.
+//! The fields of a DeepSeek-V2/V3/V3.2 `config.json` (`deepseek_v2`, `deepseek_v3`,
+//! `deepseek_v32`): latent attention, YaRN, the router with shared experts, group limits and
+//! V3's bias, and V3.2's sparse-attention indexer.
 
 use std::path::Path;
 
 use super::{rope_scaling_section, Fields, HfError};
 use crate::config::{
-    Architecture, ExpertGroupLimit, ExpertScoring, GroupScoring, MlaConfig, ModelConfig, MoeConfig,
-    RopeStyle, TopKWeights, YarnScaling,
+    Architecture, ExpertGroupLimit, ExpertScoring, GroupScoring, IndexerConfig, MlaConfig,
+    ModelConfig, MoeConfig, RopeStyle, TopKWeights, YarnScaling,
 };
 use crate::weights::names;
 
@@ -14,7 +15,10 @@ use crate::weights::names;
 /// back to the 236B model's defaults); routing fields take transformers' per-version
 /// defaults (V2: softmax, greedy; V3: sigmoid, `noaux_tc`).
 pub(super) fn deepseek_config(fields: &Fields<'_>, path: &Path) -> Result<ModelConfig, HfError> {
-    let v3 = matches!(fields.str("model_type")?, Some("deepseek_v3"))
+    let v32 = matches!(fields.str("model_type")?, Some("deepseek_v32"))
+        || first_architecture(fields) == Some("DeepseekV32ForCausalLM");
+    let v3 = v32
+        || matches!(fields.str("model_type")?, Some("deepseek_v3"))
         || first_architecture(fields) == Some("DeepseekV3ForCausalLM");
     let positive = |key: &str| -> Result<usize, HfError> {
         match fields.required_usize(key)? {
@@ -30,6 +34,11 @@ pub(super) fn deepseek_config(fields: &Fields<'_>, path: &Path) -> Result<ModelC
         qk_rope_head_dim: positive("qk_rope_head_dim")?,
         v_head_dim: positive("v_head_dim")?,
         yarn: yarn_of(fields)?,
+        indexer: if v32 {
+            Some(indexer_of(fields, &positive)?)
+        } else {
+            None
+        },
     };
     let scoring =
         match fields
@@ -82,6 +91,7 @@ pub(super) fn deepseek_config(fields: &Fields<'_>, path: &Path) -> Result<ModelC
     if layer_freq == 0 {
         return Err(fields.error("moe_layer_freq", "must be positive"));
     }
+    let layer_types = mlp_layer_types(fields, num_layers)?;
     let moe = MoeConfig {
         num_experts: positive("n_routed_experts")?,
         experts_per_token: positive("num_experts_per_tok")?,
@@ -92,9 +102,12 @@ pub(super) fn deepseek_config(fields: &Fields<'_>, path: &Path) -> Result<ModelC
         },
         // DeepSeek's rule: layer `i` is MoE when `i >= first_k_dense_replace` and
         // `i % moe_layer_freq == 0`.
-        dense_layers: (0..num_layers)
-            .filter(|&layer| layer < first_dense || !layer.is_multiple_of(layer_freq))
-            .collect(),
+        dense_layers: match layer_types {
+            Some(sparse) => (0..num_layers).filter(|&layer| !sparse[layer]).collect(),
+            None => (0..num_layers)
+                .filter(|&layer| layer < first_dense || !layer.is_multiple_of(layer_freq))
+                .collect(),
+        },
         scoring,
         // Applied after any renormalisation, as V3's gate and llama.cpp do. V2's remote code
         // skips it when it renormalises; no released V2 config combines the two
@@ -109,13 +122,14 @@ pub(super) fn deepseek_config(fields: &Fields<'_>, path: &Path) -> Result<ModelC
         hidden_size: positive("hidden_size")?,
         num_layers,
         num_attention_heads: positive("num_attention_heads")?,
-        // One latent row per token: the cache is one "head" of kv_lora_rank + rope values.
+        // One latent row per token: the cache is one "head" of kv_lora_rank + rope values
+        // (and V3.2's indexer key).
         num_kv_heads: 1,
         head_dim: mla.cache_row(),
         intermediate_size: positive("intermediate_size")?,
         vocab_size: positive("vocab_size")?,
         rms_norm_eps: fields.f32("rms_norm_eps")?.unwrap_or(1e-6),
-        rope_theta: rope_theta_of(fields)?,
+        rope_theta: rope_theta(fields)?,
         rope_dim: mla.qk_rope_head_dim,
         // DeepSeek's rotary dims are interleaved pairs: HF's V2 rotates them as complex
         // numbers, its V3 (`rope_interleave`, default true) and DeepSeek's own code
@@ -137,17 +151,69 @@ pub(super) fn deepseek_config(fields: &Fields<'_>, path: &Path) -> Result<ModelC
     Ok(config)
 }
 
-/// `rope_theta`, or transformers 5's `rope_parameters.rope_theta` (where 5.x writes it);
-/// 10000 without either.
-fn rope_theta_of(fields: &Fields<'_>) -> Result<f32, HfError> {
+/// V3.2's indexer fields (`index_n_heads`, `index_head_dim`, `index_topk`), required: the
+/// config class's defaults are the 671B model's.
+fn indexer_of(
+    fields: &Fields<'_>,
+    positive: &dyn Fn(&str) -> Result<usize, HfError>,
+) -> Result<IndexerConfig, HfError> {
+    let indexer = IndexerConfig {
+        num_heads: positive("index_n_heads")?,
+        head_dim: positive("index_head_dim")?,
+        top_k: positive("index_topk")?,
+    };
+    let rope = fields.required_usize("qk_rope_head_dim")?;
+    if indexer.head_dim < rope {
+        return Err(fields.error(
+            "index_head_dim",
+            &format!("({}) must be at least qk_rope_head_dim ({rope}): the indexer rotates its first qk_rope_head_dim dims", indexer.head_dim),
+        ));
+    }
+    if fields.usize("q_lora_rank")?.is_none_or(|rank| rank == 0) {
+        return Err(fields.error(
+            "q_lora_rank",
+            "must be positive for deepseek_v32: the indexer's query reads the compressed query",
+        ));
+    }
+    Ok(indexer)
+}
+
+/// transformers 5's `mlp_layer_types` (`"dense"` or `"sparse"` per layer), which overrides
+/// `first_k_dense_replace` and `moe_layer_freq` where present: `true` marks a MoE layer.
+fn mlp_layer_types(fields: &Fields<'_>, num_layers: usize) -> Result<Option<Vec<bool>>, HfError> {
+    let Some(value) = fields.get("mlp_layer_types").filter(|v| !v.is_null()) else {
+        return Ok(None);
+    };
+    let wrong = || {
+        fields.error(
+            "mlp_layer_types",
+            &format!("must list `dense` or `sparse` for each of the {num_layers} layers"),
+        )
+    };
+    let list = value
+        .as_array()
+        .filter(|list| list.len() == num_layers)
+        .ok_or_else(wrong)?;
+    list.iter()
+        .map(|kind| match kind.as_str() {
+            Some("dense") => Ok(false),
+            Some("sparse") => Ok(true),
+            _ => Err(wrong()),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Some)
+}
+
+/// `rope_theta`, or transformers 5's `rope_parameters.rope_theta`; 10000 without either.
+fn rope_theta(fields: &Fields<'_>) -> Result<f32, HfError> {
     if let Some(theta) = fields.f32("rope_theta")? {
         return Ok(theta);
     }
-    let Some(parameters) = fields.object("rope_parameters")? else {
+    let Some(map) = fields.object("rope_parameters")? else {
         return Ok(10_000.0);
     };
     let parameters = Fields {
-        map: parameters,
+        map,
         path: fields.path,
         prefix: "rope_parameters.",
     };
@@ -210,7 +276,7 @@ pub(crate) fn deepseek_layer_tensors(
     }
     let latent = mla.kv_lora_rank;
     shapes.extend([
-        (n(names::ATTN_KV_A_MQA), vec![mla.cache_row(), hidden]),
+        (n(names::ATTN_KV_A_MQA), vec![mla.latent_row(), hidden]),
         (n(names::ATTN_KV_A_NORM), vec![latent]),
         (
             n(names::ATTN_KV_B),
@@ -219,6 +285,16 @@ pub(crate) fn deepseek_layer_tensors(
         (n(names::ATTN_OUTPUT), vec![hidden, heads * mla.v_head_dim]),
         (n(names::FFN_NORM), vec![hidden]),
     ]);
+    if let (Some(indexer), Some(rank)) = (mla.indexer, mla.q_lora_rank) {
+        let (index_heads, dim) = (indexer.num_heads, indexer.head_dim);
+        shapes.extend([
+            (n(names::INDEXER_ATTN_Q_B), vec![index_heads * dim, rank]),
+            (n(names::INDEXER_ATTN_K), vec![dim, hidden]),
+            (n(names::INDEXER_K_NORM), vec![dim]),
+            (n(names::INDEXER_K_NORM_BIAS), vec![dim]),
+            (n(names::INDEXER_PROJ), vec![index_heads, hidden]),
+        ]);
+    }
     if moe.is_moe_layer(layer) {
         let (experts, width) = (moe.num_experts, moe.expert_intermediate_size);
         shapes.extend([

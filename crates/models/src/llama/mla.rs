@@ -44,6 +44,21 @@ pub(super) struct MlaWeights {
     pub(super) v_up: Vec<Weight>,
     /// `[hidden, num_heads * v_head_dim]`.
     pub(super) wo: Weight,
+    /// DeepSeek-V3.2's sparse-attention indexer.
+    pub(super) indexer: Option<IndexerWeights>,
+}
+
+/// DeepSeek-V3.2's lightning indexer ([`crate::config::IndexerConfig`]).
+pub(super) struct IndexerWeights {
+    /// `[index_n_heads * index_head_dim, q_lora_rank]`: the index queries from the
+    /// compressed (normed) query.
+    pub(super) q_b: Weight,
+    /// `[index_head_dim, hidden]`: the index key, then its LayerNorm (weight and bias).
+    pub(super) k: Weight,
+    pub(super) k_norm: Vec<f32>,
+    pub(super) k_norm_bias: Vec<f32>,
+    /// `[index_n_heads, hidden]`: each index head's weight.
+    pub(super) proj: Weight,
 }
 
 impl MlaWeights {
@@ -96,13 +111,25 @@ impl MlaWeights {
                 load_stacked(source, v_b, &v_b.name, precision)?,
             ),
         };
+        let vector = |spec: &TensorSpec| load_vector(source, &spec.name, spec.len());
+        let indexer = match &plan.indexer {
+            Some(i) => Some(IndexerWeights {
+                q_b: matrix(&i.q_b)?,
+                k: matrix(&i.k)?,
+                k_norm: vector(&i.k_norm)?,
+                k_norm_bias: vector(&i.k_norm_bias)?,
+                proj: matrix(&i.proj)?,
+            }),
+            None => None,
+        };
         Ok(MlaWeights {
             query,
             kv_a: matrix(&plan.kv_a)?,
-            kv_a_norm: load_vector(source, &plan.kv_a_norm.name, plan.kv_a_norm.len())?,
+            kv_a_norm: vector(&plan.kv_a_norm)?,
             k_up_t,
             v_up,
             wo: matrix(&plan.attn_output)?,
+            indexer,
         })
     }
 
@@ -113,6 +140,9 @@ impl MlaWeights {
             MlaQuery::Compressed { q_a, q_b, .. } => vec![q_a, q_b],
         };
         weights.extend([&self.kv_a, &self.wo]);
+        if let Some(i) = &self.indexer {
+            weights.extend([&i.q_b, &i.k, &i.proj]);
+        }
         weights.extend(&self.k_up_t);
         weights.extend(&self.v_up);
         weights

@@ -15,6 +15,7 @@ use super::{Attention, ForwardBatch, ForwardError, GqaWeights, KvCache, Layer, M
 use crate::decoder::{DecoderStep, MoeStep};
 
 mod mla;
+mod mla_index;
 
 /// What the last step computes for the rows of `batch.logits_for`.
 #[derive(Clone, Copy, PartialEq, Eq)]

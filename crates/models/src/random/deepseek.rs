@@ -1,8 +1,8 @@
 //! DeepSeek presets of [`super::preset`] (their tensors: `hf::deepseek_layer_tensors`).
 
 use crate::config::{
-    Architecture, ExpertGroupLimit, ExpertScoring, GroupScoring, MlaConfig, ModelConfig, MoeConfig,
-    RopeStyle, TopKWeights, YarnScaling,
+    Architecture, ExpertGroupLimit, ExpertScoring, GroupScoring, IndexerConfig, MlaConfig,
+    ModelConfig, MoeConfig, RopeStyle, TopKWeights, YarnScaling,
 };
 
 /// A DeepSeek model of `mla`'s latent attention (the cache shapes follow from it).
@@ -69,6 +69,7 @@ pub(super) fn preset(name: &str) -> Option<ModelConfig> {
                     mscale: 0.707,
                     mscale_all_dim: 0.707,
                 }),
+                indexer: None,
             },
             MoeConfig {
                 num_experts: 64,
@@ -98,6 +99,7 @@ pub(super) fn preset(name: &str) -> Option<ModelConfig> {
                     mscale: 1.0,
                     mscale_all_dim: 0.8,
                 }),
+                indexer: None,
             },
             MoeConfig {
                 num_experts: 8,
@@ -117,33 +119,62 @@ pub(super) fn preset(name: &str) -> Option<ModelConfig> {
         ),
         // Tests, V3-style: query compression, sigmoid scores with the selection bias and
         // top-two group scores (`noaux_tc`), normalised then scaled.
-        "deepseek-v3-tiny" => deepseek(
-            tiny_base(),
-            MlaConfig {
-                q_lora_rank: Some(24),
-                kv_lora_rank: 32,
-                qk_nope_head_dim: 16,
-                qk_rope_head_dim: 8,
-                v_head_dim: 16,
-                yarn: None,
-            },
-            MoeConfig {
-                num_experts: 8,
-                experts_per_token: 3,
-                expert_intermediate_size: 32,
-                top_k_weights: TopKWeights::Normalized,
-                dense_layers: vec![0],
-                scoring: ExpertScoring::Sigmoid,
-                routed_scaling_factor: 2.5,
-                group_limit: Some(ExpertGroupLimit {
-                    num_groups: 4,
-                    groups_per_token: 2,
-                    score: GroupScoring::TopTwoSum,
+        "deepseek-v3-tiny" => deepseek(tiny_base(), v3_tiny_mla(None), v3_tiny_moe()),
+        // Tests, V3.2-style: deepseek-v3-tiny's shapes with the sparse-attention indexer (8
+        // heads of 24, top 5 tokens: rows past 5 tokens attend sparsely; a cache row of 64
+        // fits q8_0) and YaRN with a rope scale other than 1.
+        "deepseek-v32-tiny" => {
+            let indexer = IndexerConfig {
+                num_heads: 8,
+                head_dim: 24,
+                top_k: 5,
+            };
+            let mla = MlaConfig {
+                yarn: Some(YarnScaling {
+                    factor: 4.0,
+                    original_max_position_embeddings: 32,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    mscale: 1.0,
+                    mscale_all_dim: 0.8,
                 }),
-                selection_bias: true,
-                num_shared_experts: 1,
-            },
-        ),
+                ..v3_tiny_mla(Some(indexer))
+            };
+            deepseek(tiny_base(), mla, v3_tiny_moe())
+        }
         _ => return None,
     })
+}
+
+/// deepseek-v3-tiny's latent attention, with `indexer`.
+fn v3_tiny_mla(indexer: Option<IndexerConfig>) -> MlaConfig {
+    MlaConfig {
+        q_lora_rank: Some(24),
+        kv_lora_rank: 32,
+        qk_nope_head_dim: 16,
+        qk_rope_head_dim: 8,
+        v_head_dim: 16,
+        yarn: None,
+        indexer,
+    }
+}
+
+/// deepseek-v3-tiny's router and experts.
+fn v3_tiny_moe() -> MoeConfig {
+    MoeConfig {
+        num_experts: 8,
+        experts_per_token: 3,
+        expert_intermediate_size: 32,
+        top_k_weights: TopKWeights::Normalized,
+        dense_layers: vec![0],
+        scoring: ExpertScoring::Sigmoid,
+        routed_scaling_factor: 2.5,
+        group_limit: Some(ExpertGroupLimit {
+            num_groups: 4,
+            groups_per_token: 2,
+            score: GroupScoring::TopTwoSum,
+        }),
+        selection_bias: true,
+        num_shared_experts: 1,
+    }
 }

@@ -10,6 +10,7 @@ pub(crate) mod kernel;
 mod math;
 pub(crate) mod merge;
 pub(crate) mod mla;
+pub(crate) mod mla_sparse;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod simd;
 pub(crate) mod step;

@@ -43,7 +43,11 @@ pub use cpu::decode::{decode_partial, split_kv_decode, split_kv_decode_into, Dec
 pub use cpu::gather::gather_attention;
 pub use cpu::kernel::{AttentionKernel, ATTENTION_KERNEL_ENV_VAR};
 pub use cpu::merge::{merge_states, merge_states_into, MergedStates};
-pub use cpu::mla::{append_latent, mla_attention, LatentKv};
+pub use cpu::mla::{append_latent, mla_attention, AbsorbedQuery, LatentKv};
+pub use cpu::mla_sparse::{
+    index_scores, mla_attention_selected, select_tokens, sparse_selection_counts, top_k_tokens,
+    IndexerQuery, SelectionStats, TokenSelection,
+};
 pub use cpu::step::{
     plan_step, step_attention, SplitKvChunking, StepAttentionConfig, StepAttentionPlan,
     StepWorkspace, DEFAULT_CHUNK_TOKENS,

@@ -1,15 +1,18 @@
 //! The CPU's steps of DeepSeek's latent attention block ([`MlaStep`]): projections, RoPE and
 //! the latent cache append, the absorbed query, attention over the latent rows, and the value
 //! and output projections. Every step keeps rows independent (row-wise matmuls and norms, a
-//! per-(query, head) attention), so a row's bits do not depend on its batch.
+//! per-(query, head) attention), so a row's bits do not depend on its batch. DeepSeek-V3.2's
+//! indexer (`mla_index.rs`) rides along: its projections with the query's, its RoPE with
+//! the latent's, its key in the cache row, its top-k selection before the attention.
 
 use pagoda_ops::activation::add_in_place;
-use pagoda_ops::attention::{self, LatentKv};
+use pagoda_ops::attention::{self, AbsorbedQuery, IndexerQuery, LatentKv};
 use pagoda_ops::linear::{matmul_shared, Weight};
 use pagoda_ops::norm::rms_norm_in_place;
 use pagoda_ops::profile::{self, Op};
 
 use super::super::mla::{MlaQuery, MlaWeights};
+use super::mla_index::{self, IndexScratch};
 use super::{CpuStep, ForwardError};
 use crate::config::MlaConfig;
 use crate::decoder::MlaStep;
@@ -22,7 +25,8 @@ pub(super) struct MlaScratch {
     q: Vec<f32>,
     /// `[T, q_lora_rank]`.
     q_compressed: Vec<f32>,
-    /// `[T, latent + rope]`: the rows the cache stores.
+    /// `[T, latent + rope]`: the latent rows (the rows the cache stores, but for V3.2's
+    /// index key).
     rows: Vec<f32>,
     /// `[T, heads, latent + rope]`.
     q_absorbed: Vec<f32>,
@@ -33,9 +37,11 @@ pub(super) struct MlaScratch {
     /// One head's strided columns gathered contiguously, `[T, width]`, and its product.
     head_in: Vec<f32>,
     head_out: Vec<f32>,
+    /// DeepSeek-V3.2's indexer.
+    index: IndexScratch,
 }
 
-fn fit(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+pub(super) fn fit(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
     buffer.resize(len, 0.0);
     &mut buffer[..]
 }
@@ -89,7 +95,7 @@ impl MlaStep for CpuStep<'_> {
         let num_tokens = self.num_tokens();
         // The latent norms (`q_a_layernorm`, `kv_a_layernorm`) are built with RMSNorm's
         // default eps in DeepSeek's modelling code and transformers', not `rms_norm_eps`.
-        let (eps, latent, row_width) = (MlaConfig::LATENT_NORM_EPS, m.kv_lora_rank, m.cache_row());
+        let (eps, latent, row_width) = (MlaConfig::LATENT_NORM_EPS, m.kv_lora_rank, m.latent_row());
         let s = &mut self.mla;
         let q = fit(
             &mut s.q,
@@ -97,24 +103,48 @@ impl MlaStep for CpuStep<'_> {
         );
         let rows = fit(&mut s.rows, num_tokens * row_width);
         let normed = &self.normed;
+        let index = &mut s.index;
+        let indexer = weights.indexer.as_ref().zip(m.indexer.as_ref());
         profile::time(Op::QkvProj, || match &weights.query {
             MlaQuery::Direct(wq) => {
                 matmul_shared(normed, num_tokens, &mut [(wq, q), (&weights.kv_a, rows)])
             }
             MlaQuery::Compressed { q_a, q_a_norm, q_b } => {
                 let compressed = fit(&mut s.q_compressed, num_tokens * q_a.out_features());
-                matmul_shared(
-                    normed,
-                    num_tokens,
-                    &mut [(q_a, &mut *compressed), (&weights.kv_a, &mut *rows)],
-                );
+                match indexer {
+                    None => matmul_shared(
+                        normed,
+                        num_tokens,
+                        &mut [(q_a, &mut *compressed), (&weights.kv_a, &mut *rows)],
+                    ),
+                    Some((iw, config)) => {
+                        let (keys, head_weights) = index.keys_and_weights(num_tokens, config);
+                        matmul_shared(
+                            normed,
+                            num_tokens,
+                            &mut [
+                                (q_a, &mut *compressed),
+                                (&weights.kv_a, &mut *rows),
+                                (&iw.k, keys),
+                                (&iw.proj, head_weights),
+                            ],
+                        );
+                    }
+                }
                 rms_norm_in_place(compressed, q_a_norm, eps);
                 q_b.matmul(compressed, num_tokens, q);
+                if let Some((iw, config)) = indexer {
+                    let queries = index.queries(num_tokens, config);
+                    iw.q_b.matmul(compressed, num_tokens, queries);
+                }
             }
         });
         profile::time(Op::Norm, || {
             for row in rows.chunks_exact_mut(row_width) {
                 rms_norm_in_place(&mut row[..latent], &weights.kv_a_norm, eps);
+            }
+            if let Some((iw, config)) = indexer {
+                mla_index::normalize(iw, config, index);
             }
         });
         Ok(())
@@ -130,7 +160,7 @@ impl MlaStep for CpuStep<'_> {
             m.qk_nope_head_dim,
             m.qk_rope_head_dim,
         );
-        let (latent, row_width, scale) = (m.kv_lora_rank, m.cache_row(), m.rope_scale());
+        let (latent, row_width, scale) = (m.kv_lora_rank, m.latent_row(), m.rope_scale());
         let (rope, table) = (&self.model.rope, &self.rope_table);
         let s = &mut self.mla;
         profile::time(Op::Rope, || {
@@ -171,8 +201,17 @@ impl MlaStep for CpuStep<'_> {
                     .for_each(|(r, k)| *r = k * scale);
             }
         });
+        let rows = match &m.indexer {
+            Some(config) => {
+                profile::time(Op::Rope, || {
+                    mla_index::rotate((rope, table), config, rope_dim, scale, &mut s.index)
+                });
+                mla_index::cache_rows(&s.rows, row_width, config.head_dim, &mut s.index)
+            }
+            None => &s.rows,
+        };
         let kv = &mut *self.kv;
-        let (pool, layout, slots, rows) = (&mut kv.k[index], &kv.layout, self.batch.slots, &s.rows);
+        let (pool, layout, slots) = (&mut kv.k[index], &kv.layout, self.batch.slots);
         profile::time(Op::KvAppend, || {
             attention::append_latent(pool, layout, slots, rows)
         })?;
@@ -189,7 +228,7 @@ impl MlaStep for CpuStep<'_> {
             m.q_head_dim(),
             m.qk_nope_head_dim,
             m.kv_lora_rank,
-            m.cache_row(),
+            m.latent_row(),
         );
         let s = &mut self.mla;
         let absorbed = fit(&mut s.q_absorbed, num_tokens * heads * row_width);
@@ -229,8 +268,38 @@ impl MlaStep for CpuStep<'_> {
         let s = &mut self.mla;
         let out = fit(&mut s.latent_out, self.batch.tokens.len() * heads * latent);
         let (q, qo_indptr) = (&s.q_absorbed, self.batch.qo_indptr);
+        let Some(config) = &m.indexer else {
+            profile::time(Op::Attention, || {
+                attention::mla_attention(&kv, q, qo_indptr, heads, latent, scale, out)
+            })?;
+            return Ok(());
+        };
+        // V3.2: each row that sees more than index_topk tokens keeps its best-scored ones.
+        let index = &mut s.index;
+        let query = IndexerQuery {
+            q: &index.q,
+            weights: &index.weights,
+            num_heads: config.num_heads,
+            head_dim: config.head_dim,
+        };
+        let absorbed = AbsorbedQuery {
+            q,
+            num_heads: heads,
+            latent_dim: latent,
+            width: m.latent_row(),
+        };
+        let selection = &mut index.selection;
         profile::time(Op::Attention, || {
-            attention::mla_attention(&kv, q, qo_indptr, heads, latent, scale, out)
+            let stats = attention::select_tokens(
+                &kv,
+                m.latent_row(),
+                &query,
+                qo_indptr,
+                config.top_k,
+                selection,
+            )?;
+            let selection = (stats.sparse_rows > 0).then_some(&*selection);
+            attention::mla_attention_selected(&kv, &absorbed, qo_indptr, scale, selection, out)
         })?;
         Ok(())
     }

@@ -8,12 +8,14 @@
 //! the query arrives absorbed, `q = [W_UK_h^T q_nope_h, q_rope_h]` per head, so a score is one
 //! dot product `q·row = q_latent·c + q_rope·k_rope`, and the output is the latent
 //! `Σ p · c` (`[latent_dim]` per head), which the caller takes through `W_UV_h` and the
-//! output projection.
+//! output projection. DeepSeek-V3.2's row also holds the token's indexer key after
+//! `k_rope` (`mla_sparse.rs`); attention reads the row's first `latent_dim + rope_dim`.
 
 use rayon::prelude::*;
 
 use super::append::check_slots;
 use super::math::{add_scaled, dot, LOG2_E};
+use super::mla_sparse::TokenSelection;
 use crate::attention::{validate, AttentionError, KvLayout, KvPool, KvSlice};
 use pagoda_kv::{PageTable, Slot};
 
@@ -44,11 +46,53 @@ pub fn mla_attention(
     scale: f32,
     out: &mut [f32],
 ) -> Result<(), AttentionError> {
+    let query = AbsorbedQuery {
+        q,
+        num_heads,
+        latent_dim,
+        width: kv.layout.head_dim,
+    };
+    attend(kv, &query, qo_indptr, scale, None, out)
+}
+
+/// A step's absorbed queries: `q` `[T, num_heads, width]`, each head `[W_UK_h^T q_nope_h,
+/// q_rope_h]`. `width` (`latent_dim + rope_dim`) is a prefix of the cache row: a
+/// DeepSeek-V3.2 row also holds its token's indexer key after it, which attention does not
+/// read.
+#[derive(Clone, Copy, Debug)]
+pub struct AbsorbedQuery<'a> {
+    /// `[T, num_heads, width]`.
+    pub q: &'a [f32],
+    /// Query heads.
+    pub num_heads: usize,
+    /// The latent part of the row (the value each head reads), `kv_lora_rank`.
+    pub latent_dim: usize,
+    /// `latent_dim + rope_dim`: the row prefix a score is taken over.
+    pub width: usize,
+}
+
+/// The shared body of [`mla_attention`] and [`super::mla_sparse::mla_attention_selected`]:
+/// every (query, head) over its visible tokens in order, or over its `selection` (ascending
+/// visible indices) where it has one.
+pub(crate) fn attend(
+    kv: &LatentKv<'_>,
+    query: &AbsorbedQuery<'_>,
+    qo_indptr: &[u32],
+    scale: f32,
+    selection: Option<&TokenSelection>,
+    out: &mut [f32],
+) -> Result<(), AttentionError> {
     let layout = &kv.layout;
-    let row_width = layout.head_dim;
-    if layout.num_kv_heads != 1 || latent_dim == 0 || latent_dim > row_width || num_heads == 0 {
+    let (row_width, width) = (layout.head_dim, query.width);
+    let (num_heads, latent_dim, q) = (query.num_heads, query.latent_dim, query.q);
+    if layout.num_kv_heads != 1
+        || latent_dim == 0
+        || latent_dim > width
+        || width > row_width
+        || num_heads == 0
+    {
         return Err(AttentionError::Geometry(format!(
-            "a latent cache has one head of latent_dim + rope_dim values; got {} heads of {}, latent_dim {latent_dim}, {num_heads} query heads",
+            "a latent cache has one head of latent_dim + rope_dim (+ index key) values; got {} heads of {}, latent_dim {latent_dim}, query width {width}, {num_heads} query heads",
             layout.num_kv_heads, layout.head_dim
         )));
     }
@@ -64,7 +108,7 @@ pub fn mla_attention(
     validate::query_indptr(qo_indptr, &table.seq_lens, num_tokens)?;
     validate::length(
         "q [T, num_heads, latent_dim + rope_dim]",
-        num_tokens * num_heads * row_width,
+        num_tokens * num_heads * width,
         q.len(),
     )?;
     validate::length(
@@ -72,6 +116,9 @@ pub fn mla_attention(
         num_tokens * num_heads * latent_dim,
         out.len(),
     )?;
+    if let Some(selection) = selection {
+        selection.validate(qo_indptr, &table.seq_lens)?;
+    }
     let scale_log2 = scale * LOG2_E;
     for request in 0..table.num_requests() {
         let (first, last) = (qo_indptr[request] as usize, qo_indptr[request + 1] as usize);
@@ -82,36 +129,53 @@ pub fn mla_attention(
         let seq_len = table.seq_lens[request] as usize;
         let rows = gather_rows(kv, request, seq_len);
         let out_request = &mut out[first * num_heads * latent_dim..last * num_heads * latent_dim];
-        let q_request = &q[first * num_heads * row_width..last * num_heads * row_width];
+        let q_request = &q[first * num_heads * width..last * num_heads * width];
         out_request
             .par_chunks_mut(latent_dim)
             .enumerate()
             .for_each(|(query_head, out_head)| {
                 let query = query_head / num_heads;
                 let visible = seq_len - q_len + query + 1;
-                let q_head = &q_request[query_head * row_width..][..row_width];
-                let scores: Vec<f32> = rows
-                    .chunks_exact(row_width)
-                    .take(visible)
-                    .map(|row| dot(q_head, row) * scale_log2)
-                    .collect();
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                out_head.fill(0.0);
-                let mut denominator = 0.0f32;
-                for (row, &score) in rows.chunks_exact(row_width).zip(&scores) {
-                    let weight = (score - max).exp2();
-                    denominator += weight;
-                    add_scaled(out_head, weight, &row[..latent_dim]);
+                let q_head = &q_request[query_head * width..][..width];
+                let row = |token: usize| &rows[token * row_width..][..row_width];
+                let kept = selection.map_or(&[][..], |s| s.row(first + query));
+                if kept.is_empty() {
+                    softmax_rows(q_head, (0..visible).map(row), scale_log2, out_head);
+                } else {
+                    let tokens = kept.iter().map(|&token| row(token as usize));
+                    softmax_rows(q_head, tokens, scale_log2, out_head);
                 }
-                let inverse = 1.0 / denominator;
-                out_head.iter_mut().for_each(|value| *value *= inverse);
             });
     }
     Ok(())
 }
 
+/// `out <- Σ softmax(scale · q·row[..width]) row[..latent]` over `rows` in order (base 2).
+fn softmax_rows<'r>(
+    q_head: &[f32],
+    rows: impl Iterator<Item = &'r [f32]> + Clone,
+    scale_log2: f32,
+    out_head: &mut [f32],
+) {
+    let (width, latent_dim) = (q_head.len(), out_head.len());
+    let scores: Vec<f32> = rows
+        .clone()
+        .map(|row| dot(q_head, &row[..width]) * scale_log2)
+        .collect();
+    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    out_head.fill(0.0);
+    let mut denominator = 0.0f32;
+    for (row, &score) in rows.zip(&scores) {
+        let weight = (score - max).exp2();
+        denominator += weight;
+        add_scaled(out_head, weight, &row[..latent_dim]);
+    }
+    let inverse = 1.0 / denominator;
+    out_head.iter_mut().for_each(|value| *value *= inverse);
+}
+
 /// The first `seq_len` visible rows of request `request`, `[seq_len, row_width]` f32.
-fn gather_rows(kv: &LatentKv<'_>, request: usize, seq_len: usize) -> Vec<f32> {
+pub(crate) fn gather_rows(kv: &LatentKv<'_>, request: usize, seq_len: usize) -> Vec<f32> {
     let (layout, table) = (&kv.layout, kv.page_table);
     let first_page = table.indptr[request] as usize;
     let first_page_offset = table.first_page_offset[request] as usize;

@@ -11,6 +11,7 @@ mod math;
 pub(crate) mod merge;
 pub(crate) mod mla;
 pub(crate) mod mla_sparse;
+pub(crate) mod selection;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod simd;
 pub(crate) mod step;

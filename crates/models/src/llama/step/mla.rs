@@ -12,7 +12,7 @@ use pagoda_ops::norm::rms_norm_in_place;
 use pagoda_ops::profile::{self, Op};
 
 use super::super::mla::{MlaQuery, MlaWeights};
-use super::mla_index::{self, IndexScratch};
+use super::mla_index::{self, fit, IndexScratch};
 use super::{CpuStep, ForwardError};
 use crate::config::MlaConfig;
 use crate::decoder::MlaStep;
@@ -39,11 +39,6 @@ pub(super) struct MlaScratch {
     head_out: Vec<f32>,
     /// DeepSeek-V3.2's indexer.
     index: IndexScratch,
-}
-
-pub(super) fn fit(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
-    buffer.resize(len, 0.0);
-    &mut buffer[..]
 }
 
 /// `out[t] <- weight · x[t, offset..offset + weight.in_features]` for the `T` rows of `x`

@@ -12,7 +12,6 @@ use pagoda_ops::attention::TokenSelection;
 use pagoda_ops::rope::{Rope, RopePairing, RopeTable};
 
 use super::super::mla::IndexerWeights;
-use super::mla::fit;
 use crate::config::IndexerConfig;
 
 /// The indexer key's LayerNorm epsilon (`nn.LayerNorm(index_head_dim, eps=1e-6)`).
@@ -107,4 +106,10 @@ pub(super) fn cache_rows<'a>(
         row[latent_width..].copy_from_slice(key);
     }
     rows
+}
+
+/// `buffer` resized to `len` values (a step's scratch, reused across steps and layers).
+pub(super) fn fit(buffer: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buffer.resize(len, 0.0);
+    &mut buffer[..]
 }

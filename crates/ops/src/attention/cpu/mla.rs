@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use super::append::check_slots;
 use super::math::{add_scaled, dot, LOG2_E};
-use super::mla_sparse::TokenSelection;
+use super::selection::TokenSelection;
 use crate::attention::{validate, AttentionError, KvLayout, KvPool, KvSlice};
 use pagoda_kv::{PageTable, Slot};
 
@@ -71,6 +71,25 @@ pub struct AbsorbedQuery<'a> {
     pub width: usize,
 }
 
+/// Checks a step over a latent cache: the pool's length against its layout, the page table,
+/// and the query rows' indptr against the table; returns the step's query rows.
+pub(crate) fn validate_latent_step(
+    kv: &LatentKv<'_>,
+    qo_indptr: &[u32],
+) -> Result<usize, AttentionError> {
+    let layout = &kv.layout;
+    validate::length(
+        "latent pool [num_pages, page_size, 1, latent_dim + rope_dim (+ index key)]",
+        layout.pool_len(),
+        kv.pool.len(),
+    )?;
+    let table = kv.page_table;
+    table.validate(layout.num_pages, layout.page_size)?;
+    let num_tokens = qo_indptr.last().copied().unwrap_or(0) as usize;
+    validate::query_indptr(qo_indptr, &table.seq_lens, num_tokens)?;
+    Ok(num_tokens)
+}
+
 /// The shared body of [`mla_attention`] and [`super::mla_sparse::mla_attention_selected`]:
 /// every (query, head) over its visible tokens in order, or over its `selection` (ascending
 /// visible indices) where it has one.
@@ -97,15 +116,8 @@ pub(crate) fn attend(
         )));
     }
     validate::geometry(layout, num_heads)?;
-    validate::length(
-        "latent pool [num_pages, page_size, 1, latent_dim + rope_dim]",
-        layout.pool_len(),
-        kv.pool.len(),
-    )?;
+    let num_tokens = validate_latent_step(kv, qo_indptr)?;
     let table = kv.page_table;
-    table.validate(layout.num_pages, layout.page_size)?;
-    let num_tokens = qo_indptr.last().copied().unwrap_or(0) as usize;
-    validate::query_indptr(qo_indptr, &table.seq_lens, num_tokens)?;
     validate::length(
         "q [T, num_heads, latent_dim + rope_dim]",
         num_tokens * num_heads * width,

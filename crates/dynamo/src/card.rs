@@ -133,7 +133,7 @@ pub fn tokenizer_json(tokenizer: &Tokenizer, merges: &[&str], pre_tokenizer: Val
             "pair": [{ "SpecialToken": { "id": token, "type_id": 0 } },
                      { "Sequence": { "id": "A", "type_id": 0 } },
                      { "Sequence": { "id": "B", "type_id": 1 } }],
-            "special_tokens": { token.clone(): { "id": token, "ids": [id], "tokens": [token] } },
+            "special_tokens": { (token.clone()): { "id": token, "ids": [id], "tokens": [token] } },
         }),
         _ => Value::Null,
     };

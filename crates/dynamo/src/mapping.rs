@@ -62,7 +62,7 @@ pub fn sampling_defaults(generation: &GenerationDefaults) -> SamplingParams {
 /// Maps `request`, or says which field is not supported or out of range.
 pub fn map_request(request: &PreprocessedRequest, limits: &Limits) -> Result<Mapped, String> {
     refuse_unsupported_inputs(request)?;
-    let prompt: Vec<u32> = request.token_ids.as_ref().clone();
+    let prompt: Vec<u32> = request.token_ids.to_vec();
     if prompt.is_empty() {
         return Err("the prompt has no tokens".into());
     }

@@ -75,7 +75,7 @@ echo "frontend on 127.0.0.1:$port, two workers, discovery in $DYN_FILE_KV"
 
 # Both workers serving (their engines started and registered).
 for _ in $(seq 600); do
-    ready=$(grep -l "pagoda engine ready" "$work"/worker*.log 2>/dev/null | wc -l)
+    ready=$( (grep -l "pagoda engine ready" "$work"/worker*.log 2>/dev/null || true) | wc -l)
     [[ $ready -eq 2 ]] && break
     for pid in "${pids[@]:1}"; do
         kill -0 "$pid" 2>/dev/null || { echo "error: a process exited early" >&2; exit 1; }

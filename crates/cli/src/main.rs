@@ -36,6 +36,18 @@ enum Command {
     /// Time the CUDA decode attention's variants per shape bucket and store the fastest
     /// (the table `serve`, `generate` and `bench` load).
     Tune(commands::tune::TuneArgs),
+    /// Serve as a worker of NVIDIA Dynamo: runs the separately built `pagoda-dynamo` binary
+    /// (next to pagoda or on PATH) with ARGS; `pagoda dynamo-worker --help` shows its flags.
+    #[command(disable_help_flag = true)]
+    DynamoWorker {
+        /// Passed to `pagoda-dynamo` as they are.
+        #[arg(
+            trailing_var_arg = true,
+            allow_hyphen_values = true,
+            value_name = "ARGS"
+        )]
+        args: Vec<std::ffi::OsString>,
+    },
 }
 
 impl Command {
@@ -63,12 +75,27 @@ impl Command {
                 flags.extend(api_key(&args.api_key));
                 flags
             }
-            Command::Inspect(_) | Command::Config(_) | Command::Tune(_) => Vec::new(),
+            Command::Inspect(_)
+            | Command::Config(_)
+            | Command::Tune(_)
+            | Command::DynamoWorker { .. } => Vec::new(),
         }
     }
 }
 
 fn main() {
+    // `pagoda dynamo-worker ARGS`: hand ARGS over untouched (no short-flag expansion, no
+    // parsing here), and exit with the worker's status.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if argv.get(1).is_some_and(|a| a == "dynamo-worker") {
+        match commands::dynamo_worker::run(&argv[2..]) {
+            Ok(code) => std::process::exit(code),
+            Err(error) => {
+                eprintln!("error: {error:#}");
+                std::process::exit(1);
+            }
+        }
+    }
     let args = match pagoda_config::expand_short_flags(std::env::args_os()) {
         Ok(args) => args,
         Err(error) => {
@@ -87,6 +114,11 @@ fn main() {
         Command::Serve(args) => commands::serve::run(args),
         Command::Config(args) => commands::config::run(args),
         Command::Tune(args) => commands::tune::run(args),
+        // Handled at the top of `main` (reached only after global flags such as `-v`).
+        Command::DynamoWorker { args } => match commands::dynamo_worker::run(&args) {
+            Ok(code) => std::process::exit(code),
+            Err(error) => Err(error),
+        },
     });
     if let Err(error) = result {
         // The reader of stdout went away (`pagoda generate ... | head`): stop quietly.

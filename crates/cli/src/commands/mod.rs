@@ -11,6 +11,7 @@ pub mod bench_serve;
 pub mod chat;
 pub mod config;
 mod decode_rig;
+pub mod dynamo_worker;
 pub mod generate;
 mod host;
 pub mod inspect;

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# pagoda behind NVIDIA Dynamo (issue 41): Dynamo's OpenAI frontend from PyPI in front of two
+# pagoda workers on the default model, on loopback, with file discovery, the TCP request plane
+# and ZMQ events (no etcd, no NATS). Checks with the official `openai` client: /v1/models, a
+# chat completion, a completion, streaming, greedy determinism, and cancellation (a stream
+# closed early; the workers keep serving). Everything started here is killed on exit.
+#
+# Not in CI: it needs Dynamo's Python frontend and the worker's own ~880-crate build.
+#   PAGODA_DYNAMO   the worker binary (default crates/dynamo/target/release/pagoda-dynamo;
+#                   build: cd crates/dynamo && cargo build --release)
+#   DYNAMO_PYTHON   a Python with ai-dynamo 1.6.1 and openai (default: the venv in
+#                   $DYNAMO_VENV, /tmp/dynvenv unless set, created when missing)
+#   PAGODA_MODEL    the model (default models/SmolLM2-135M-Instruct.Q4_1.gguf)
+#   DYNAMO_TEST_TIMEOUT  seconds for the whole run (default 900)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+worker=${PAGODA_DYNAMO:-crates/dynamo/target/release/pagoda-dynamo}
+model=${PAGODA_MODEL:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
+if [[ ! -x $worker ]]; then
+    echo "error: no worker binary at $worker; build it: cd crates/dynamo && cargo build --release" >&2
+    exit 1
+fi
+[[ -f $model ]] || { echo "error: no model at $model (scripts/fetch-model.sh)" >&2; exit 1; }
+
+python=${DYNAMO_PYTHON:-}
+if [[ -z $python ]]; then
+    venv=${DYNAMO_VENV:-/tmp/dynvenv}
+    if [[ ! -x $venv/bin/python ]]; then
+        echo "creating the Dynamo venv in $venv"
+        python3 -m venv "$venv"
+        # ai-dynamo's `aisimulate` dependency is a stub that needs pypi.nvidia.com, and the
+        # frontend does not use it: install ai-dynamo without it, its other dependencies first.
+        "$venv/bin/pip" install -q ai-dynamo-runtime==1.6.1 'aiohttp>=3.14.3,<4' \
+            'certifi>=2026.10.19' 'kubernetes>=32.0.1,<33' 'msgspec>=0.19' \
+            'prometheus-client>=0.23.1,<1' 'pyzmq>=26' 'redis>=6.2,<9' tqdm \
+            'transformers>=4.56' 'typing-extensions>=4.10' 'zstandard>=0.23,<1' openai
+        "$venv/bin/pip" install -q --no-deps ai-dynamo==1.6.1
+    fi
+    python=$venv/bin/python
+fi
+
+work=$(mktemp -d)
+pids=()
+cleanup() {
+    local status=$?
+    for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+    sleep 1
+    for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+    if [[ $status -ne 0 ]]; then
+        for log in "$work"/*.log; do echo "--- $log (last lines)"; tail -n 25 "$log"; done
+    fi
+    rm -rf "$work"
+    exit "$status"
+}
+trap cleanup EXIT
+# The whole run is bounded: a watchdog ends this script (and so everything it started).
+( sleep "${DYNAMO_TEST_TIMEOUT:-900}"; echo "error: timed out" >&2; kill -TERM $$ ) &
+pids+=($!)
+
+port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+export DYN_DISCOVERY_BACKEND=file DYN_FILE_KV=$work/discovery DYN_REQUEST_PLANE=tcp \
+    DYN_EVENT_PLANE=zmq DYN_NAMESPACE=pagoda-test-$$ DYN_TCP_RPC_HOST=127.0.0.1 \
+    DYN_TCP_RESPONSE_STREAM_HOST=127.0.0.1
+mkdir -p "$DYN_FILE_KV"
+
+"$python" -m dynamo.frontend --http-port "$port" >"$work/frontend.log" 2>&1 &
+pids+=($!)
+for i in 1 2; do
+    "$worker" -m "$model" --threads 1 --parallel 2 -c 1024 --card-dir "$work/card" \
+        >"$work/worker$i.log" 2>&1 &
+    pids+=($!)
+done
+echo "frontend on 127.0.0.1:$port, two workers, discovery in $DYN_FILE_KV"
+
+# Both workers serving (their engines started and registered).
+for _ in $(seq 600); do
+    ready=$( (grep -l "pagoda engine ready" "$work"/worker*.log 2>/dev/null || true) | wc -l)
+    [[ $ready -eq 2 ]] && break
+    for pid in "${pids[@]:1}"; do
+        kill -0 "$pid" 2>/dev/null || { echo "error: a process exited early" >&2; exit 1; }
+    done
+    sleep 0.5
+done
+[[ $ready -eq 2 ]] || { echo "error: the workers did not start" >&2; exit 1; }
+
+served=$(basename "$model" .gguf)
+PORT=$port MODEL=$served timeout 600 "$python" - <<'EOF'
+import os, time
+import openai
+
+base = f"http://127.0.0.1:{os.environ['PORT']}/v1"
+model = os.environ["MODEL"]
+client = openai.OpenAI(base_url=base, api_key="unused", timeout=120, max_retries=0)
+
+deadline = time.time() + 120
+while True:
+    try:
+        ids = [m.id for m in client.models.list().data]
+        if model in ids:
+            break
+    except openai.APIConnectionError:
+        ids = []
+    if time.time() > deadline:
+        raise SystemExit(f"the frontend does not list {model}: {ids}")
+    time.sleep(0.5)
+print(f"ok   /v1/models lists {ids}")
+
+chat = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+    max_tokens=24, temperature=0)
+text = chat.choices[0].message.content
+assert text and text.strip(), chat
+assert chat.usage.completion_tokens > 0, chat.usage
+print(f"ok   chat: {text!r} ({chat.choices[0].finish_reason}, {chat.usage.prompt_tokens}+"
+      f"{chat.usage.completion_tokens} tokens)")
+
+completion = client.completions.create(
+    model=model, prompt="The capital of France is", max_tokens=12, temperature=0)
+assert completion.choices[0].text.strip(), completion
+assert completion.choices[0].finish_reason == "length", completion
+print(f"ok   completion: {completion.choices[0].text!r}")
+
+pieces = []
+stream = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Count from one to ten."}],
+    max_tokens=32, temperature=0, stream=True)
+finish = None
+for chunk in stream:
+    if chunk.choices:
+        pieces.append(chunk.choices[0].delta.content or "")
+        finish = chunk.choices[0].finish_reason or finish
+assert len([p for p in pieces if p]) > 3 and finish, (pieces, finish)
+print(f"ok   streaming: {len(pieces)} chunks, {''.join(pieces)!r} ({finish})")
+
+def greedy():
+    return client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=24, temperature=0).choices[0].text
+first, second = greedy(), greedy()
+assert first == second, (first, second)
+print(f"ok   greedy determinism: {first!r} twice")
+
+stream = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
+    max_tokens=400, temperature=0.8, stream=True)
+received = 0
+for chunk in stream:
+    received += 1
+    if received == 3:
+        break
+stream.close()
+print(f"ok   cancellation: stream closed after {received} chunks")
+for i in range(4):  # the workers keep serving (round-robin reaches both)
+    again = client.completions.create(
+        model=model, prompt=f"Question {i}: two plus two is", max_tokens=8, temperature=0)
+    assert again.choices[0].text, again
+print("ok   after the cancellation, 4 more requests answered")
+
+try:
+    client.completions.create(model=model, prompt="hi", max_tokens=4, n=2)
+    print("note n=2 was not refused")
+except openai.APIError as error:
+    print(f"ok   n=2 refused: {str(error)[:120]}")
+EOF
+echo "--- workers' logs mention:"
+grep -h -c "pagoda engine ready" "$work"/worker*.log | paste -sd' ' | sed 's/^/ready lines per worker: /'
+echo "PASS: Dynamo frontend + 2 pagoda workers"

@@ -12,20 +12,8 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use pagoda_models::formats::gguf::GgufFile;
-use pagoda_models::tokenizer::Tokenizer;
+use pagoda_models::tokenizer::{byte_level_split, ByteLevelSplit, Tokenizer};
 use serde_json::{json, Value};
-
-/// Pre-tokenizers written as the GPT-2 byte-level split.
-const GPT2_FAMILY: &[&str] = &["gpt2", "gpt-2", "phi-2", "mpt", "olmo", "jais"];
-/// Pre-tokenizers written as single digits, then the GPT-2 byte-level split.
-const DIGITS_FAMILY: &[&str] = &[
-    "smollm",
-    "starcoder",
-    "refact",
-    "command-r",
-    "codeshell",
-    "exaone",
-];
 
 /// What the card says beyond the tokenizer.
 pub struct CardFacts<'a> {
@@ -92,16 +80,13 @@ pub fn pre_tokenizer(pre: &str) -> Option<Value> {
     let byte_level = json!({
         "type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true
     });
-    if GPT2_FAMILY.contains(&pre) {
-        Some(byte_level)
-    } else if DIGITS_FAMILY.contains(&pre) {
-        Some(json!({
+    Some(match byte_level_split(pre)? {
+        ByteLevelSplit::Gpt2 => byte_level,
+        ByteLevelSplit::DigitsThenGpt2 => json!({
             "type": "Sequence",
             "pretokenizers": [{ "type": "Digits", "individual_digits": true }, byte_level],
-        }))
-    } else {
-        None
-    }
+        }),
+    })
 }
 
 /// tokenizer.json: byte-level BPE over the GGUF's vocabulary and merges, its special tokens as

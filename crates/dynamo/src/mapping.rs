@@ -284,9 +284,12 @@ mod tests {
         assert_eq!(sampling_defaults(&generation).temperature, 0.0);
     }
 
+    /// A change to a request, and the words its refusal must hold.
+    type Case = (Box<dyn Fn(&mut PreprocessedRequest)>, &'static str);
+
     #[test]
     fn refuses_what_it_does_not_do() {
-        let cases: Vec<(Box<dyn Fn(&mut PreprocessedRequest)>, &str)> = vec![
+        let cases: Vec<Case> = vec![
             (Box::new(|r| r.sampling_options.n = Some(2)), "n > 1"),
             (
                 Box::new(|r| r.sampling_options.use_beam_search = Some(true)),

@@ -125,6 +125,26 @@ pub(crate) fn pre_tokenizer_regexes(
     })
 }
 
+/// A GGUF pre-tokenizer that a Hugging Face `tokenizer.json` can state with its own
+/// pre-tokenizers (for tools that write one from a GGUF vocabulary).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ByteLevelSplit {
+    /// The GPT-2 byte-level split alone.
+    Gpt2,
+    /// Every digit isolated, then the GPT-2 split.
+    DigitsThenGpt2,
+}
+
+/// How pre-tokenizer `pre` splits, if it is one of the [`ByteLevelSplit`] forms; read from
+/// the same regex lists the tokenizer runs, so the two cannot disagree.
+pub fn byte_level_split(pre: &str) -> Option<ByteLevelSplit> {
+    match pre_tokenizer_regexes(pre).ok()?.0.as_slice() {
+        [GPT2_REGEX] => Some(ByteLevelSplit::Gpt2),
+        [r"\p{N}", GPT2_REGEX] => Some(ByteLevelSplit::DigitsThenGpt2),
+        _ => None,
+    }
+}
+
 /// Whether llama.cpp adds BOS by default for this pre-tokenizer (before
 /// `tokenizer.ggml.add_bos_token` overrides it).
 pub(crate) fn default_add_bos(pre: &str) -> bool {
@@ -312,5 +332,18 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("merges[3]"));
+    }
+
+    #[test]
+    fn byte_level_splits_follow_the_regex_lists() {
+        assert_eq!(byte_level_split("gpt2"), Some(ByteLevelSplit::Gpt2));
+        assert_eq!(byte_level_split("olmo"), Some(ByteLevelSplit::Gpt2));
+        assert_eq!(
+            byte_level_split("smollm"),
+            Some(ByteLevelSplit::DigitsThenGpt2)
+        );
+        assert_eq!(byte_level_split("llama-bpe"), None);
+        assert_eq!(byte_level_split("default"), None);
+        assert_eq!(byte_level_split("no-such-pre"), None);
     }
 }

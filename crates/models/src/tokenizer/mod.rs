@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use crate::formats::gguf::GgufFile;
 
-pub use bpe::{pre_tokenize, SUPPORTED_PRE_TOKENIZERS};
+pub use bpe::{byte_level_split, pre_tokenize, ByteLevelSplit, SUPPORTED_PRE_TOKENIZERS};
 pub use stream::StreamDecoder;
 
 /// Why a tokenizer could not be built or could not encode. The message names the metadata

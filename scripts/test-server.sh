@@ -8,7 +8,8 @@
 # Environment: PAGODA_BIN (default target/debug/pagoda; built with `cargo build -p pagoda-cli`
 # when missing), PAGODA_TEST_VENV (default target/server-test-venv), PYTHON (default python3),
 # PAGODA_WHEELS (install the Python clients offline from this folder of wheels),
-# PAGODA_SERVE_ARGS (extra `pagoda serve` flags), PAGODA_SERVER_LOG (keep the server log here).
+# PAGODA_SERVE_ARGS (extra `pagoda serve` flags), PAGODA_SERVER_LOG (keep the server log here),
+# PAGODA_NO_BROWSER (do not try to install the browser test's selenium and Chromium).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,8 +44,11 @@ if ! "$VENV/bin/python" -c "import openai, requests, pytest, numpy, gguf, jsonsc
 fi
 
 # The chat page's browser test (tests/server/test_webui.py) drives Debian's headless Chromium
-# with selenium; without them it skips. Installed here when possible (root and apt-get).
-if ! "$VENV/bin/python" -c "import selenium" 2>/dev/null; then
+# with selenium; without them it skips. Installed here when possible (root and apt-get);
+# PAGODA_NO_BROWSER=1 skips the attempt (machines without a package mirror).
+if [[ -n "${PAGODA_NO_BROWSER:-}" ]]; then
+    :
+elif ! "$VENV/bin/python" -c "import selenium" 2>/dev/null; then
     if [[ -n "${PAGODA_WHEELS:-}" ]]; then
         pip_source=(--no-index --find-links "$PAGODA_WHEELS")
     else
@@ -53,7 +57,7 @@ if ! "$VENV/bin/python" -c "import selenium" 2>/dev/null; then
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "${pip_source[@]}" selenium \
         || echo "test-server: selenium could not be installed; the browser test will skip" >&2
 fi
-if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+if [[ -z "${PAGODA_NO_BROWSER:-}" ]] && { ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; }; then
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
         echo "test-server: installing chromium and chromium-driver for the browser test" >&2
         (apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \

@@ -24,6 +24,7 @@ mod settings;
 mod speculate;
 mod warmup;
 
+use pagoda_kv::CacheEvent;
 use pagoda_scheduler::{SampledToken, Scheduler, SchedulerError, SchedulerStats};
 pub use settings::EngineSettings;
 
@@ -279,6 +280,18 @@ impl Engine {
     /// Pages on the free list.
     pub fn pages_free(&self) -> usize {
         self.scheduler.stats().pages_free
+    }
+
+    /// Starts (or stops) recording the prefix cache's changes for a KV-aware router outside
+    /// the engine (NVIDIA Dynamo's KV events); [`take_kv_events`](Self::take_kv_events)
+    /// drains them.
+    pub fn record_kv_events(&mut self, on: bool) {
+        self.scheduler.record_cache_events(on);
+    }
+
+    /// The prefix cache's changes since the last call, oldest first.
+    pub fn take_kv_events(&mut self) -> Vec<CacheEvent> {
+        self.scheduler.take_cache_events()
     }
 
     /// Pages registered in the prefix cache (shared with requests or evictable).

@@ -28,4 +28,5 @@ pub use load::{
     load_backend, load_model, load_random, load_random_served, Device, LoadOptions, LoadedModel,
     ModelLoadError, ModelSource,
 };
+pub use pagoda_kv::CacheEvent;
 pub use structured::grammar_vocabulary;

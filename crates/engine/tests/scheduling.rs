@@ -154,6 +154,86 @@ fn a_repeated_long_prompt_reports_its_full_pages_as_hits() {
     assert_eq!(engine.counters().prefix_hit_tokens, expected as u64);
 }
 
+/// The KV events a router outside the engine mirrors (NVIDIA Dynamo's): a prompt's full pages
+/// are reported stored in order, each chained to its parent with its tokens; pages evicted to
+/// make room are reported removed; replaying the events gives as many pages as the cache holds.
+#[test]
+fn kv_events_report_a_prompts_pages_and_their_eviction() {
+    use pagoda_engine::CacheEvent;
+    use pagoda_kv::{hash_page, ROOT_HASH};
+    use std::collections::HashSet;
+
+    // 12 pages of 16 tokens: the second prompt cannot fit beside the first one's cached pages.
+    let Some((mut engine, tokenizer)) = engine(AttentionPath::SplitKv, 12, 512, true) else {
+        return;
+    };
+    engine.record_kv_events(true);
+    let first = tokenizer
+        .encode(&format!("{SYSTEM}the history of printing."), true)
+        .unwrap();
+    run_all(
+        &mut engine,
+        std::slice::from_ref(&first),
+        &SamplingParams::greedy(),
+        2,
+    );
+    let events = engine.take_kv_events();
+    let full_pages = first.len() / 16;
+    assert!(full_pages >= 2, "prompt of {} tokens", first.len());
+    let mut parent = ROOT_HASH;
+    let mut mirror = HashSet::new();
+    for (page, event) in first.chunks_exact(16).zip(&events) {
+        let key = hash_page(parent, page);
+        let expected = CacheEvent::Stored {
+            key,
+            parent: (parent != ROOT_HASH).then_some(parent),
+            tokens: page.to_vec(),
+        };
+        assert_eq!(event, &expected);
+        mirror.insert(key);
+        parent = key;
+    }
+    assert_eq!(events.len(), full_pages, "{events:?}");
+    assert_eq!(mirror.len(), engine.pages_cached());
+
+    // A longer, different prompt needs the pool: the first prompt's pages are evicted.
+    let second = tokenizer
+        .encode(
+            &"a completely different request about ships and harbours. ".repeat(16),
+            true,
+        )
+        .unwrap();
+    assert!(
+        (second.len() + 2).div_ceil(16) + full_pages > 12,
+        "prompt of {} tokens",
+        second.len()
+    );
+    run_all(
+        &mut engine,
+        std::slice::from_ref(&second),
+        &SamplingParams::greedy(),
+        2,
+    );
+    let mut removed = 0;
+    for event in engine.take_kv_events() {
+        match event {
+            CacheEvent::Stored { key, .. } => assert!(mirror.insert(key), "stored twice"),
+            CacheEvent::Removed { key } => {
+                assert!(mirror.remove(&key), "removed an unknown page");
+                removed += 1;
+            }
+        }
+    }
+    assert!(
+        removed > 0,
+        "nothing evicted: {} + {} tokens, {} cached",
+        first.len(),
+        second.len(),
+        engine.pages_cached()
+    );
+    assert_eq!(mirror.len(), engine.pages_cached());
+}
+
 fn check_preemption(path: AttentionPath) {
     // 7 pages of 16 tokens for three 24-token prompts generating 12 tokens each: all three
     // are admitted with two pages each, then all need a third page at their ninth token

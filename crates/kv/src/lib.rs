@@ -17,4 +17,4 @@ pub mod prefix_cache;
 pub use block_table::{AppendError, BlockTable, BlockTableError, PageCopy, Slot};
 pub use page_table::{PageTable, PageTableError, PageTableRequest};
 pub use pool::{BlockPool, PageId, PoolError, DEFAULT_PAGE_SIZE};
-pub use prefix_cache::{hash_page, PrefixCache, PrefixMatch, ROOT_HASH};
+pub use prefix_cache::{hash_page, CacheEvent, PrefixCache, PrefixMatch, ROOT_HASH};

@@ -56,6 +56,22 @@ struct CachedPage {
     evictable_since: Option<u64>,
 }
 
+/// A change to the set of cached pages, in the order it happened: what an external KV-aware
+/// router (NVIDIA Dynamo's KV events) needs to mirror which prefixes this cache holds.
+/// Recorded only after [`PrefixCache::record_events`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// A full page was registered under `key`, after the page registered under `parent`
+    /// (`None`: the sequence's first page), holding `tokens`.
+    Stored {
+        key: u64,
+        parent: Option<u64>,
+        tokens: Vec<u32>,
+    },
+    /// The page registered under `key` was evicted.
+    Removed { key: u64 },
+}
+
 /// A prefix match: the cached pages covering a token sequence's first full pages.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PrefixMatch {
@@ -76,6 +92,8 @@ pub struct PrefixCache {
     lru: BTreeMap<u64, PageId>,
     next_tick: u64,
     next_serial: u64,
+    /// Changes not yet taken by [`PrefixCache::take_events`]; `None`: not recording.
+    events: Option<Vec<CacheEvent>>,
 }
 
 impl PrefixCache {
@@ -88,7 +106,19 @@ impl PrefixCache {
             lru: BTreeMap::new(),
             next_tick: 0,
             next_serial: 0,
+            events: None,
         }
+    }
+
+    /// Starts (or stops, dropping what is pending) recording [`CacheEvent`]s. Pages
+    /// registered before recording starts are not reported.
+    pub fn record_events(&mut self, on: bool) {
+        self.events = on.then(|| self.events.take().unwrap_or_default());
+    }
+
+    /// The events recorded since the last call, oldest first (empty when not recording).
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// Tokens per page.
@@ -119,6 +149,11 @@ impl PrefixCache {
     /// Registered pages, in no particular order.
     pub fn cached_pages(&self) -> impl Iterator<Item = PageId> + '_ {
         self.entries.keys().copied()
+    }
+
+    /// The keys of the registered pages, in no particular order.
+    pub fn keys(&self) -> impl Iterator<Item = u64> + '_ {
+        self.by_key.keys().copied()
     }
 
     /// Evictable pages, oldest first.
@@ -215,6 +250,13 @@ impl PrefixCache {
             },
         );
         self.next_serial += 1;
+        if let Some(events) = &mut self.events {
+            events.push(CacheEvent::Stored {
+                key,
+                parent: (parent_key != ROOT_HASH).then_some(parent_key),
+                tokens: page_tokens.to_vec(),
+            });
+        }
         self.mark_if_evictable(pool, page);
         Ok(Some(key))
     }
@@ -259,6 +301,9 @@ impl PrefixCache {
         if let Some(entry) = self.entries.remove(&page) {
             if self.by_key.get(&entry.key) == Some(&page) {
                 self.by_key.remove(&entry.key);
+            }
+            if let Some(events) = &mut self.events {
+                events.push(CacheEvent::Removed { key: entry.key });
             }
         }
         let _ = pool.decref(page);
@@ -404,5 +449,69 @@ mod tests {
             Ok(None)
         );
         assert_eq!(cache.num_cached(), 0);
+    }
+
+    #[test]
+    fn events_mirror_the_registered_keys() {
+        let mut pool = BlockPool::new(4, 2).unwrap();
+        let mut cache = PrefixCache::new(2);
+        let mut early = table_with(&mut pool, 2);
+        cache
+            .insert(&mut pool, early.pages()[0], ROOT_HASH, &[5, 6])
+            .unwrap()
+            .unwrap();
+        cache.release(&mut pool, &mut early).unwrap();
+        cache.record_events(true);
+        let mut table = table_with(&mut pool, 4);
+        let first = cache
+            .insert(&mut pool, table.pages()[0], ROOT_HASH, &[1, 2])
+            .unwrap()
+            .unwrap();
+        let second = cache
+            .insert(&mut pool, table.pages()[1], first, &[3, 4])
+            .unwrap()
+            .unwrap();
+        // Refused registrations report nothing.
+        assert_eq!(
+            cache.insert(&mut pool, table.pages()[1], first, &[3, 4]),
+            Ok(None)
+        );
+        assert_eq!(
+            cache.take_events(),
+            vec![
+                CacheEvent::Stored {
+                    key: first,
+                    parent: None,
+                    tokens: vec![1, 2]
+                },
+                CacheEvent::Stored {
+                    key: second,
+                    parent: Some(first),
+                    tokens: vec![3, 4]
+                },
+            ]
+        );
+        assert!(cache.take_events().is_empty());
+        // Released tail first: the page registered before recording goes first (oldest), then
+        // the chain's tail, then its head.
+        cache.release(&mut pool, &mut table).unwrap();
+        cache.evict_all(&mut pool);
+        let early_key = hash_page(ROOT_HASH, &[5, 6]);
+        assert_eq!(
+            cache.take_events(),
+            vec![
+                CacheEvent::Removed { key: early_key },
+                CacheEvent::Removed { key: second },
+                CacheEvent::Removed { key: first },
+            ]
+        );
+        cache.record_events(false);
+        let table = table_with(&mut pool, 2);
+        cache
+            .insert(&mut pool, table.pages()[0], ROOT_HASH, &[1, 2])
+            .unwrap()
+            .unwrap();
+        assert!(cache.take_events().is_empty());
+        assert_eq!(cache.keys().collect::<Vec<_>>(), vec![first]);
     }
 }

@@ -127,6 +127,17 @@ impl Scheduler {
         &self.cache
     }
 
+    /// Starts (or stops) recording the prefix cache's changes for an external KV-aware router
+    /// ([`PrefixCache::record_events`]).
+    pub fn record_cache_events(&mut self, on: bool) {
+        self.cache.record_events(on);
+    }
+
+    /// The prefix cache's changes since the last call, oldest first.
+    pub fn take_cache_events(&mut self) -> Vec<pagoda_kv::CacheEvent> {
+        self.cache.take_events()
+    }
+
     /// Queues a request at the back. Errors on an empty prompt, zero `max_new_tokens`, a live
     /// duplicate id, or a request whose longest state (`prompt + max_new_tokens - 1` stored
     /// tokens) needs more pages than the whole pool.

@@ -7,9 +7,10 @@
 
 mod common;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use common::{check_cache, check_pool, config, draft, reference_generation, ShadowKv};
+use pagoda_kv::CacheEvent;
 use pagoda_scheduler::{Request, Scheduler, SchedulerError};
 use proptest::prelude::*;
 
@@ -111,6 +112,9 @@ fn run_workload(workload: &Workload) {
         workload.caching,
     ))
     .unwrap();
+    scheduler.record_cache_events(true);
+    // What a KV-aware router would know: the registered keys, rebuilt from the events alone.
+    let mut mirror: HashSet<u64> = HashSet::new();
     let mut shadow = ShadowKv::default();
     let mut added = 0;
     let mut finished: HashMap<u64, Vec<u32>> = HashMap::new();
@@ -174,6 +178,9 @@ fn run_workload(workload: &Workload) {
         }
         check_pool(&scheduler);
         check_cache(&shadow, &scheduler);
+        replay_events(&mut mirror, scheduler.take_cache_events());
+        let keys: HashSet<u64> = scheduler.prefix_cache().keys().collect();
+        assert_eq!(mirror, keys, "the events do not mirror the cache");
         step += 1;
         assert!(step < 5000, "no progress: {:?}", scheduler.stats());
     }
@@ -197,6 +204,22 @@ fn run_workload(workload: &Workload) {
     if !workload.caching {
         assert_eq!(stats.pages_cached, 0);
         assert_eq!(stats.prefix_hit_tokens, 0);
+    }
+}
+
+/// Applies cache events to a router's view: a stored page's parent is known and the page is
+/// new; a removed page was known.
+fn replay_events(mirror: &mut HashSet<u64>, events: Vec<CacheEvent>) {
+    for event in events {
+        match event {
+            CacheEvent::Stored { key, parent, .. } => {
+                if let Some(parent) = parent {
+                    assert!(mirror.contains(&parent), "stored under an unknown parent");
+                }
+                assert!(mirror.insert(key), "stored twice");
+            }
+            CacheEvent::Removed { key } => assert!(mirror.remove(&key), "removed unknown"),
+        }
     }
 }
 

@@ -22,7 +22,9 @@ use crate::metrics::Metrics;
 use crate::readiness::Readiness;
 
 mod backend;
+mod feed;
 pub use backend::EngineBackend;
+pub use feed::{WorkerLoad, WorkerOptions};
 
 /// One request for the loop.
 #[derive(Debug)]
@@ -121,6 +123,7 @@ pub struct WorkerHandle {
     max_queue: usize,
     readiness: Arc<Readiness>,
     slots: Arc<Mutex<Vec<SlotState>>>,
+    load: Arc<Mutex<WorkerLoad>>,
 }
 
 impl WorkerHandle {
@@ -168,6 +171,11 @@ impl WorkerHandle {
         self.slots.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// The loop's load after its last turn.
+    pub fn load(&self) -> WorkerLoad {
+        *self.load.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Whether the engine is ready (its warm-up done).
     pub fn readiness(&self) -> &Readiness {
         &self.readiness
@@ -183,6 +191,26 @@ pub fn spawn_worker<B: EngineBackend>(
     max_queue: usize,
     metrics: Arc<Metrics>,
 ) -> std::io::Result<(WorkerHandle, std::thread::JoinHandle<()>)> {
+    spawn_worker_with(
+        backend,
+        parallel,
+        max_queue,
+        metrics,
+        WorkerOptions::default(),
+    )
+}
+
+/// [`spawn_worker`] with the options a router-facing worker needs.
+pub fn spawn_worker_with<B: EngineBackend>(
+    mut backend: B,
+    parallel: usize,
+    max_queue: usize,
+    metrics: Arc<Metrics>,
+    options: WorkerOptions,
+) -> std::io::Result<(WorkerHandle, std::thread::JoinHandle<()>)> {
+    if options.kv_events.is_some() {
+        backend.record_kv_events(true);
+    }
     let (sender, receiver) = mpsc::channel();
     let queued = Arc::new(AtomicUsize::new(0));
     let readiness = Arc::new(if backend.needs_warmup() {
@@ -192,12 +220,14 @@ pub fn spawn_worker<B: EngineBackend>(
     });
     let parallel = parallel.max(1);
     let slots = Arc::new(Mutex::new(idle_slots(parallel)));
+    let load = Arc::new(Mutex::new(WorkerLoad::default()));
     let handle = WorkerHandle {
         sender,
         queued: queued.clone(),
         max_queue,
         readiness: readiness.clone(),
         slots: slots.clone(),
+        load: load.clone(),
     };
     let mut worker = Worker {
         backend,
@@ -209,6 +239,8 @@ pub fn spawn_worker<B: EngineBackend>(
         running: HashMap::new(),
         metrics,
         slots,
+        load,
+        kv_events: options.kv_events,
     };
     let thread = std::thread::Builder::new()
         .name("pagoda-engine".into())
@@ -261,6 +293,8 @@ struct Worker<B> {
     running: HashMap<RequestId, Slot>,
     metrics: Arc<Metrics>,
     slots: Arc<Mutex<Vec<SlotState>>>,
+    load: Arc<Mutex<WorkerLoad>>,
+    kv_events: Option<UnboundedSender<Vec<pagoda_engine::CacheEvent>>>,
 }
 
 impl<B: EngineBackend> Worker<B> {
@@ -269,6 +303,7 @@ impl<B: EngineBackend> Worker<B> {
             if self.running.is_empty() && self.waiting.is_empty() && self.embeds.is_empty() {
                 self.publish_gauges();
                 self.publish_slots();
+                self.publish_kv_events();
                 match self.receiver.recv() {
                     Ok(work) => self.receive(work),
                     Err(_) => return, // every handle is gone and nothing runs
@@ -287,6 +322,7 @@ impl<B: EngineBackend> Worker<B> {
             }
             // Once per turn: what admission and the step changed.
             self.publish_slots();
+            self.publish_kv_events();
         }
     }
 
@@ -522,8 +558,26 @@ impl<B: EngineBackend> Worker<B> {
 
     fn publish_gauges(&self) {
         let snapshot = self.backend.snapshot();
-        self.metrics
-            .update_engine(&snapshot, self.waiting.len() + self.embeds.len());
+        let waiting = self.waiting.len() + self.embeds.len();
+        self.metrics.update_engine(&snapshot, waiting);
+        *self.load.lock().unwrap_or_else(|e| e.into_inner()) = WorkerLoad {
+            running: self.running.len(),
+            waiting,
+            pages_used: snapshot.pages_used,
+            pages_total: snapshot.pages_total,
+        };
+    }
+
+    /// Sends the prefix cache's changes of this turn to the router feed, if there is one.
+    fn publish_kv_events(&mut self) {
+        let Some(sink) = &self.kv_events else {
+            return;
+        };
+        let events = self.backend.take_kv_events();
+        if !events.is_empty() && sink.send(events).is_err() {
+            self.kv_events = None;
+            self.backend.record_kv_events(false);
+        }
     }
 
     /// What each slot runs, for `GET /slots`.

@@ -1,6 +1,6 @@
 //! What the engine loop needs from an engine, and the real engine's side of it.
 
-use pagoda_engine::{Engine, EngineError, RequestId, StepEvent};
+use pagoda_engine::{CacheEvent, Engine, EngineError, RequestId, StepEvent};
 use pagoda_ops::sampling::SamplingParams;
 
 use super::EngineSnapshot;
@@ -42,6 +42,13 @@ pub trait EngineBackend: Send + 'static {
         Err(EngineError::Internal(
             "this engine computes no embeddings".into(),
         ))
+    }
+    /// Starts (or stops) recording the prefix cache's changes (see
+    /// [`Engine::record_kv_events`]); engines without a prefix cache record nothing.
+    fn record_kv_events(&mut self, _on: bool) {}
+    /// The prefix cache's changes since the last call, oldest first.
+    fn take_kv_events(&mut self) -> Vec<CacheEvent> {
+        Vec::new()
     }
     /// Whether [`warm_up`](Self::warm_up) has work to do (asked once, before the loop
     /// starts; when false the server is ready at once).
@@ -105,6 +112,12 @@ impl EngineBackend for Engine {
     }
     fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
         Engine::embed(self, tokens)
+    }
+    fn record_kv_events(&mut self, on: bool) {
+        Engine::record_kv_events(self, on)
+    }
+    fn take_kv_events(&mut self) -> Vec<CacheEvent> {
+        Engine::take_kv_events(self)
     }
     fn needs_warmup(&self) -> bool {
         Engine::needs_warmup(self)

@@ -142,6 +142,41 @@ pub(super) fn preset(name: &str) -> Option<ModelConfig> {
             };
             deepseek(tiny_base(), mla, v3_tiny_moe())
         }
+        // Tests of the CUDA latent attention: the MLA kernels' row (512 + 64) and a head
+        // tile of 16 heads, small elsewhere; every MLP dense (`dense_layers` lists every
+        // layer), query compression, YaRN with a rope scale other than 1.
+        "deepseek-mla-dense-tiny" => deepseek(
+            ModelConfig {
+                hidden_size: 128,
+                num_layers: 2,
+                num_attention_heads: 16,
+                intermediate_size: 256,
+                ..tiny_base()
+            },
+            MlaConfig {
+                q_lora_rank: Some(64),
+                kv_lora_rank: 512,
+                qk_nope_head_dim: 32,
+                qk_rope_head_dim: 64,
+                v_head_dim: 32,
+                yarn: Some(YarnScaling {
+                    factor: 4.0,
+                    original_max_position_embeddings: 64,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    mscale: 1.0,
+                    mscale_all_dim: 0.8,
+                }),
+                indexer: None,
+            },
+            MoeConfig {
+                num_experts: 2,
+                experts_per_token: 1,
+                expert_intermediate_size: 32,
+                dense_layers: vec![0, 1],
+                ..MoeConfig::default()
+            },
+        ),
         _ => return None,
     })
 }

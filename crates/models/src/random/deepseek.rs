@@ -213,3 +213,42 @@ fn v3_tiny_moe() -> MoeConfig {
         num_shared_experts: 1,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use pagoda_kv::{BlockPool, BlockTable, PageTable};
+    use pagoda_ops::attention::KvType;
+
+    use super::preset;
+    use crate::llama::{AttentionPolicy, ForwardBatch, Model, WeightPrecision};
+    use crate::random::RandomWeights;
+
+    /// The CUDA tests' model (`crates/engine/tests/cuda_mla.rs`) has no expert layer and runs
+    /// on the CPU, their oracle.
+    #[test]
+    fn the_dense_mla_preset_runs_on_the_cpu() {
+        let config = preset("deepseek-mla-dense-tiny").unwrap();
+        assert!(!config.has_expert_layers());
+        let weights = RandomWeights::new(&config, 3, 1 << 30).unwrap();
+        let model = Model::load(config.clone(), &weights, WeightPrecision::F32).unwrap();
+        let mut kv = model.new_kv_cache(4, 16, KvType::F32, KvType::F32).unwrap();
+        let mut pool = BlockPool::new(4, 16).unwrap();
+        let mut table = BlockTable::new();
+        let slots = table.append_slots(&mut pool, 5).unwrap();
+        let page_table = PageTable::from_block_tables(&[&table], &pool).unwrap();
+        let batch = ForwardBatch {
+            tokens: &[1, 2, 3, 4, 5],
+            positions: &[0, 1, 2, 3, 4],
+            slots: &slots,
+            qo_indptr: &[0, 5],
+            page_table: &page_table,
+            logits_for: &[4],
+        };
+        let logits = model
+            .forward(&batch, &mut kv, AttentionPolicy::Auto)
+            .unwrap()
+            .logits;
+        assert_eq!(logits.len(), config.vocab_size);
+        assert!(logits.iter().all(|v| v.is_finite()));
+    }
+}

@@ -6,7 +6,8 @@
 //!   device ([`DeviceInfo`]); `--device auto` falls back to the CPU on its error.
 //! - [`Gpu`]: a context with its own created stream (graph capture needs a non-default
 //!   stream), device and pinned buffers, events, occupancy queries, the kernel registry, the
-//!   cuBLASLt GEMM ([`Gpu::gemm`]) with plans cached per shape, and CUDA-graph capture
+//!   cuBLASLt GEMM ([`Gpu::gemm`], strided batched [`Gpu::gemm_batched`]) with plans
+//!   cached per shape, and CUDA-graph capture
 //!   ([`Gpu::begin_capture`], [`GraphCache`]).
 //! - The kernel registry: CUDA C++ sources (a [`KernelSource`] each, embedded by the op
 //!   that owns them, after the shared `prelude.cuh`) are specialised by
@@ -50,6 +51,49 @@ pub use memory::{
     ptr, view, view_mut, whole, DeviceRead, DeviceView, DeviceViewMut, DeviceWrite, KernelArg,
     LaunchDims,
 };
+
+/// The layout of a strided batched GEMM ([`Gpu::gemm_batched`]): `batch` products whose
+/// operands sit at fixed offsets of one buffer each, rows strided (a per-head product over
+/// the heads of a `[tokens, heads, width]` activation, say). Weights are `[batch, n, k]`,
+/// contiguous.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct GemmBatch {
+    /// Products.
+    pub batch: usize,
+    /// Elements from one activation row to the next (`>= k`).
+    pub activations_row_stride: usize,
+    /// Elements from one product's activations to the next's.
+    pub activations_batch_stride: usize,
+    /// Elements from one output row to the next (`>= n`).
+    pub out_row_stride: usize,
+    /// Elements from one product's output to the next's.
+    pub out_batch_stride: usize,
+}
+
+impl GemmBatch {
+    /// Elements a `[m, k]` activation operand of every product spans (0 for `m == 0`).
+    pub fn activations_len(&self, m: usize, k: usize) -> usize {
+        span(
+            self.batch,
+            self.activations_batch_stride,
+            m,
+            self.activations_row_stride,
+            k,
+        )
+    }
+
+    /// Elements a `[m, n]` output of every product spans (0 for `m == 0`).
+    pub fn out_len(&self, m: usize, n: usize) -> usize {
+        span(self.batch, self.out_batch_stride, m, self.out_row_stride, n)
+    }
+}
+
+fn span(batch: usize, batch_stride: usize, rows: usize, row_stride: usize, width: usize) -> usize {
+    if batch == 0 || rows == 0 {
+        return 0;
+    }
+    (batch - 1) * batch_stride + (rows - 1) * row_stride + width
+}
 
 /// What [`available`] found: the device pagoda would run on.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -355,6 +355,18 @@ impl Gpu {
         match self.never {}
     }
     /// Unreachable.
+    pub fn gemm_batched<TIn: Element, TOut: Element>(
+        &self,
+        _activations: &impl DeviceRead<TIn>,
+        _weights: &impl DeviceRead<TIn>,
+        _out: &mut impl DeviceWrite<TOut>,
+        _shape: (usize, usize, usize),
+        _layout: crate::GemmBatch,
+        _beta: f32,
+    ) -> Result<(), CudaError> {
+        match self.never {}
+    }
+    /// Unreachable.
     pub fn gemm_plans(&self) -> usize {
         match self.never {}
     }

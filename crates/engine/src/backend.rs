@@ -95,6 +95,10 @@ impl Backend {
             // A latent cache (DeepSeek) holds one pool per layer, of the K type.
             Backend::Cpu(_) if c.mla.is_some() => c.num_layers * types.k.bytes(row),
             Backend::Cpu(_) => c.num_layers * types.row_bytes(row),
+            // A latent cache on the GPU: one pool per layer as well, in the model's dtype.
+            Backend::Cuda(model) if c.mla.is_some() => {
+                c.num_layers * row * model.dtype().size_bytes()
+            }
             Backend::Cuda(model) => 2 * c.num_layers * row * model.dtype().size_bytes(),
         }
     }

@@ -116,7 +116,9 @@ impl CudaRunner {
         let element = self.dtype().size_bytes();
         let pool =
             typed!(&self.inner, runner => runner.cache.as_ref().map_or(0, |c| c.layout.pool_len()));
-        2 * self.config().num_layers * pool * element
+        // A latent attention model keeps one pool per layer (no V).
+        let pools = if self.config().mla.is_some() { 1 } else { 2 };
+        pools * self.config().num_layers * pool * element
     }
 
     /// Bytes of the weights on the device.

@@ -225,7 +225,7 @@ pub fn load_backend(
             .map(Backend::Cpu)
             .map_err(ModelLoadError::Build),
         // Declined before the device is opened, so the reason is the same on any machine.
-        Device::Cuda { .. } if config.moe.is_some() || config.mla.is_some() => {
+        Device::Cuda { .. } if config.has_expert_layers() => {
             Err(ModelLoadError::Build(LoadError(MOE_ON_CPU_ONLY.into())))
         }
         Device::Cuda { dtype } => {

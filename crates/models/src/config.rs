@@ -359,6 +359,12 @@ impl ModelConfig {
         self.moe.as_ref().is_some_and(|moe| moe.is_moe_layer(layer))
     }
 
+    /// Whether any layer's MLP block is a mixture of experts (a DeepSeek configuration whose
+    /// `dense_layers` list every layer has none).
+    pub fn has_expert_layers(&self) -> bool {
+        (0..self.num_layers).any(|layer| self.is_moe_layer(layer))
+    }
+
     /// Checks the shape relations the forward pass relies on; the error names the field.
     pub fn validate(&self) -> Result<(), InvalidModelConfig> {
         let positive = [

@@ -15,7 +15,8 @@
 //! (Qwen3-MoE, Mixtral) is such a sequence, [`llama_moe_layers`]: its steps form the optional
 //! capability [`MoeStep`], which the CPU has and CUDA does not have yet (its loader declines
 //! MoE models). DeepSeek's sequence, [`deepseek_layers`], adds the latent attention steps of
-//! [`MlaStep`] (CPU only as well).
+//! [`MlaStep`], which CUDA has too: it runs DeepSeek-shaped models with dense MLPs through
+//! [`deepseek_dense_layers`].
 
 /// One forward step of a ragged batch on a device: the operations the layer sequence is
 /// made of. Every method acts on the step's own buffers.
@@ -135,7 +136,7 @@ fn moe_or_dense_mlp_block<S: MoeStep>(step: &mut S, layer: &S::Layer) -> Result<
 
 /// The steps of DeepSeek's multi-head latent attention block, on a device that runs one. The
 /// cache holds one row per token: the normalised latent `c` then the rotated RoPE key.
-pub(crate) trait MlaStep: MoeStep {
+pub(crate) trait MlaStep: DecoderStep {
     /// `q <- normed · Wq^T` (or `rms_norm(normed · Wq_a^T) · Wq_b^T`), `[T, heads, nope +
     /// rope]`; `row <- normed · Wkv_a^T`, `[T, latent + rope]`, its latent part RMSNormed;
     /// V3.2's index queries, keys and head weights.
@@ -155,19 +156,45 @@ pub(crate) trait MlaStep: MoeStep {
 
 /// DeepSeek-V2/V3/V3.2's forward pass: every layer's latent attention block, then its dense MLP
 /// block (the leading layers) or its mixture of experts with the shared experts.
-pub(crate) fn deepseek_layers<S: MlaStep>(
+pub(crate) fn deepseek_layers<S: MlaStep + MoeStep>(
     step: &mut S,
     layers: &[S::Layer],
 ) -> Result<(), S::Error> {
     step.embed()?;
     for (index, layer) in layers.iter().enumerate() {
-        step.attention_norm(layer)?;
-        step.mla_projection(layer)?;
-        step.mla_rope_append(index)?;
-        step.mla_absorb(layer)?;
-        step.mla_attention(index)?;
-        step.mla_output(layer)?;
+        latent_attention_block(step, index, layer)?;
         moe_or_dense_mlp_block(step, layer)?;
     }
     step.logits()
+}
+
+/// [`deepseek_layers`] on a device without mixture-of-experts steps: every layer's MLP
+/// block dense (a DeepSeek-shaped model whose configuration has no experts; CUDA until its
+/// expert steps land).
+pub(crate) fn deepseek_dense_layers<S: MlaStep>(
+    step: &mut S,
+    layers: &[S::Layer],
+) -> Result<(), S::Error> {
+    step.embed()?;
+    for (index, layer) in layers.iter().enumerate() {
+        latent_attention_block(step, index, layer)?;
+        dense_mlp_block(step, layer)?;
+    }
+    step.logits()
+}
+
+/// The latent attention block of layer `index`: pre-norm, the projections and latent norms,
+/// RoPE and the latent cache append, the absorbed query, attention over the latent rows, the
+/// value and output projections with the residual add.
+fn latent_attention_block<S: MlaStep>(
+    step: &mut S,
+    index: usize,
+    layer: &S::Layer,
+) -> Result<(), S::Error> {
+    step.attention_norm(layer)?;
+    step.mla_projection(layer)?;
+    step.mla_rope_append(index)?;
+    step.mla_absorb(layer)?;
+    step.mla_attention(index)?;
+    step.mla_output(layer)
 }

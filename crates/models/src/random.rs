@@ -36,6 +36,7 @@ pub const PRESET_NAMES: &[&str] = &[
     "deepseek-v2-tiny",
     "deepseek-v3-tiny",
     "deepseek-v32-tiny",
+    "deepseek-mla-dense-tiny",
 ];
 
 mod deepseek;

@@ -88,8 +88,8 @@ pub fn model_specializations(dtype: DType, head_dim: usize, group: usize) -> Vec
         let params = spec.params.iter().all(|&(name, value)| match name {
             "HEAD_DIM" => value == head_dim as i64,
             "GROUP" => value == group as i64 || value == 1,
-            // MLA's attention: no MLA model runs on CUDA yet (ADR 0009).
-            "LATENT_DIM" => false,
+            // MLA's attention: a latent model's `head_dim` is its latent row (ADR 0009).
+            "LATENT_DIM" => value as usize + MLA_ROPE_DIM == head_dim,
             _ => true,
         });
         let dtypes = spec

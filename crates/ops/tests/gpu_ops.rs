@@ -1,8 +1,8 @@
 //! GPU tests of what the op harness (`backend_ops.rs`, which compares every op's values on
 //! every backend with the CPU reference) does not check: the device report, the kernel
-//! registry, argmax, the GEMM's plan cache, graph replay, pinned copies and occupancy. Ignored
-//! without `--include-ignored`: they need the GPU machine. Outputs are poisoned with NaN before
-//! every launch.
+//! registry, argmax, the GEMM's plan cache, the strided batched GEMM, graph replay, pinned
+//! copies and occupancy. Ignored without `--include-ignored`: they need the GPU machine.
+//! Outputs are poisoned with NaN before every launch.
 
 #[path = "gpu_common/mod.rs"]
 mod common;
@@ -308,4 +308,80 @@ fn small_batch_linear_matches_reference_and_gemm() {
         0.0
     )
     .is_err());
+}
+
+/// The strided batched GEMM (DeepSeek's per-head up-projections) against an f64 loop over
+/// the heads: activations `[m, heads, width]` of which each head's first `k` columns are its
+/// product's, one `[n, k]` weight per head, an output `[m, heads, out_width]` whose columns
+/// past each head's `n` keep their values; f32 and bf16 inputs, beta 0 and 1, several row
+/// counts; row strides below the product's width refused.
+#[test]
+#[ignore = "needs a GPU"]
+fn gemm_batched_matches_a_per_head_reference() {
+    let gpu = gpu();
+    let mut rng = rng(91);
+    let (heads, width, out_width, n, k) = (4, 40, 24, 16, 32);
+    let layout = pagoda_cuda::GemmBatch {
+        batch: heads,
+        activations_row_stride: heads * width,
+        activations_batch_stride: width,
+        out_row_stride: heads * out_width,
+        out_batch_stride: out_width,
+    };
+    for m in [1, 3, 17] {
+        let x = round::<bf16>(&random_vec(&mut rng, m * heads * width, 1.0));
+        let w = round::<bf16>(&random_vec(&mut rng, heads * n * k, 1.0));
+        let start = round::<bf16>(&random_vec(&mut rng, m * heads * out_width, 1.0));
+        for beta in [0.0f32, 1.0] {
+            let expected: Vec<f32> = (0..m * heads * out_width)
+                .map(|e| {
+                    let (t, h, j) = (
+                        e / (heads * out_width),
+                        e / out_width % heads,
+                        e % out_width,
+                    );
+                    if j >= n {
+                        return start[e];
+                    }
+                    let dot: f64 = (0..k)
+                        .map(|c| {
+                            x[(t * heads + h) * width + c] as f64 * w[(h * n + j) * k + c] as f64
+                        })
+                        .sum();
+                    (dot + beta as f64 * start[e] as f64) as f32
+                })
+                .collect();
+            let what = format!("m {m} beta {beta}");
+            let mut out = upload::<f32>(&gpu, &start);
+            let (x32, w32) = (upload::<f32>(&gpu, &x), upload::<f32>(&gpu, &w));
+            gpu.gemm_batched(&x32, &w32, &mut out, (m, n, k), layout, beta)
+                .unwrap();
+            assert_close(
+                &format!("{what} f32"),
+                &download(&gpu, &out),
+                &expected,
+                1e-4,
+            );
+            let mut out = upload::<f32>(&gpu, &start);
+            let (x16, w16) = (upload::<bf16>(&gpu, &x), upload::<bf16>(&gpu, &w));
+            gpu.gemm_batched(&x16, &w16, &mut out, (m, n, k), layout, beta)
+                .unwrap();
+            assert_close(
+                &format!("{what} bf16"),
+                &download(&gpu, &out),
+                &expected,
+                1e-4,
+            );
+        }
+    }
+    let x = upload::<f32>(&gpu, &vec![0.0; heads * width]);
+    let w = upload::<f32>(&gpu, &vec![0.0; heads * n * k]);
+    let mut out = poisoned::<f32>(&gpu, heads * out_width);
+    let narrow = pagoda_cuda::GemmBatch {
+        activations_row_stride: k - 1,
+        ..layout
+    };
+    assert!(gpu
+        .gemm_batched(&x, &w, &mut out, (1, n, k), narrow, 0.0)
+        .is_err());
 }

@@ -23,6 +23,8 @@ use crate::key::DType;
 use crate::memory::{DeviceRead, DeviceWrite};
 use crate::CudaError;
 
+mod batched;
+
 /// Identifies a cached GEMM plan: the shape, the dtypes and whether `beta != 0`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GemmPlanKey {
@@ -68,6 +70,8 @@ pub(crate) struct Blas {
     workspace: CudaSlice<u8>,
     workspace_ptr: u64,
     plans: HashMap<GemmPlanKey, Plan>,
+    /// Strided batched plans ([`Gpu::gemm_batched`]).
+    batched: HashMap<batched::BatchedKey, Plan>,
     /// Batch-invariant mode: the one algorithm per weight shape.
     batch_invariant: bool,
     fixed: HashMap<FixedKey, sys::cublasLtMatmulAlgo_t>,
@@ -87,7 +91,8 @@ impl Drop for Blas {
 
 impl Blas {
     fn clear_plans(&mut self) {
-        for (_, plan) in self.plans.drain() {
+        let batched = self.batched.drain().map(|(_, plan)| plan);
+        for plan in self.plans.drain().map(|(_, plan)| plan).chain(batched) {
             // SAFETY: created by us, destroyed once.
             unsafe {
                 let _ = lt::destroy_matrix_layout(plan.weights_layout);
@@ -135,6 +140,7 @@ impl Blas {
             workspace,
             workspace_ptr,
             plans: HashMap::new(),
+            batched: HashMap::new(),
             batch_invariant: false,
             fixed: HashMap::new(),
         })
@@ -152,22 +158,7 @@ impl Blas {
         let input = data_type(key.input)?;
         let output = data_type(key.output)?;
         let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
-        let desc = lt::create_matmul_desc(
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            sys::cudaDataType::CUDA_R_32F,
-        )
-        .map_err(blas_error("cublasLtMatmulDescCreate"))?;
-        let transpose: i32 = 1;
-        // SAFETY: desc is live; the attribute is an i32 (cublasOperation_t).
-        unsafe {
-            lt::set_matmul_desc_attribute(
-                desc,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                &transpose as *const i32 as *const c_void,
-                std::mem::size_of::<i32>(),
-            )
-        }
-        .map_err(blas_error("CUBLASLT_MATMUL_DESC_TRANSA"))?;
+        let desc = self.transposed_desc()?;
         let weights_layout = lt::create_matrix_layout(input, k, n, k as i64)
             .map_err(blas_error("weights layout"))?;
         let activations_layout = lt::create_matrix_layout(input, k, m, k as i64)
@@ -201,6 +192,31 @@ impl Blas {
         })
     }
 
+    /// A matmul descriptor of f32 compute with the weights transposed (`op_T(W)`).
+    fn transposed_desc(&self) -> Result<sys::cublasLtMatmulDesc_t, CudaError> {
+        let desc = lt::create_matmul_desc(
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cudaDataType::CUDA_R_32F,
+        )
+        .map_err(blas_error("cublasLtMatmulDescCreate"))?;
+        let transpose: i32 = 1;
+        // SAFETY: desc is live; the attribute is an i32 (cublasOperation_t).
+        unsafe {
+            lt::set_matmul_desc_attribute(
+                desc,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &transpose as *const i32 as *const c_void,
+                std::mem::size_of::<i32>(),
+            )
+        }
+        .map_err(|error| {
+            // SAFETY: created above, not used after.
+            let _ = unsafe { lt::destroy_matmul_desc(desc) };
+            blas_error("CUBLASLT_MATMUL_DESC_TRANSA")(error)
+        })?;
+        Ok(desc)
+    }
+
     /// The heuristic's first algorithm for these descriptors.
     fn heuristic(
         &self,
@@ -209,9 +225,46 @@ impl Blas {
         activations_layout: sys::cublasLtMatrixLayout_t,
         out_layout: sys::cublasLtMatrixLayout_t,
     ) -> Result<sys::cublasLtMatmulAlgo_t, CudaError> {
+        let layouts = (weights_layout, activations_layout, out_layout);
+        self.heuristic_aligned(desc, layouts, None)
+    }
+
+    /// [`Blas::heuristic`], its algorithms limited to operands aligned to `alignment` bytes
+    /// where given (cuBLASLt assumes 256 otherwise).
+    fn heuristic_aligned(
+        &self,
+        desc: sys::cublasLtMatmulDesc_t,
+        (weights_layout, activations_layout, out_layout): (
+            sys::cublasLtMatrixLayout_t,
+            sys::cublasLtMatrixLayout_t,
+            sys::cublasLtMatrixLayout_t,
+        ),
+        alignment: Option<u32>,
+    ) -> Result<sys::cublasLtMatmulAlgo_t, CudaError> {
         let preference =
             lt::create_matmul_pref().map_err(blas_error("cublasLtMatmulPreferenceCreate"))?;
         let workspace_size = self.workspace.len();
+        use sys::cublasLtMatmulPreferenceAttributes_t as Preference;
+        let aligned = [
+            Preference::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+            Preference::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            Preference::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            Preference::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+        ];
+        let set_alignment = |bytes: u32| {
+            aligned.iter().try_for_each(|&attribute| {
+                // SAFETY: live preference; the alignment attributes are u32.
+                unsafe {
+                    lt::set_matmul_pref_attribute(
+                        preference,
+                        attribute,
+                        &bytes as *const u32 as *const c_void,
+                        std::mem::size_of::<u32>(),
+                    )
+                }
+                .map_err(blas_error("CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT"))
+            })
+        };
         // SAFETY: live preference; the attribute is a usize.
         let result = unsafe {
             lt::set_matmul_pref_attribute(
@@ -221,6 +274,7 @@ impl Blas {
                 std::mem::size_of::<usize>(),
             )
             .map_err(blas_error("CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES"))
+            .and_then(|()| alignment.map_or(Ok(()), set_alignment))
             .and_then(|()| {
                 lt::get_matmul_algo_heuristic(
                     self.handle,

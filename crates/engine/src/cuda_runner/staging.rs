@@ -136,6 +136,13 @@ impl<T: HostFloat> TypedRunner<T> {
         upload(first_page_offset, &mut s.first_page_offset)?;
         upload(logits_rows, &mut s.logits_rows)?;
         upload(page_indices, &mut s.page_indices)?;
+        if let Some(mla) = cache.buffers.mla_decode.as_mut() {
+            // A decode step (one row per request) attends through the split-KV MLA decode,
+            // any other through the MLA prefill kernel.
+            let decode = n == r && real_tokens == n && real_requests == r;
+            let indptr = &cache.staging.words.as_slice()?[page_indptr_range.clone()];
+            mla.stage(gpu, decode.then_some(indptr))?;
+        }
         let fused_plan = match shape.attention {
             Attention::Fused {
                 grid_chunks,

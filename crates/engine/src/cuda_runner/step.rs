@@ -79,8 +79,10 @@ fn single_rows(qo_indptr: &[u32]) -> usize {
 }
 
 impl<T: HostFloat> TypedRunner<T> {
-    pub(super) fn prepare(&mut self, options: CudaCacheOptions) -> Result<(), CudaError> {
+    pub(super) fn prepare(&mut self, mut options: CudaCacheOptions) -> Result<(), CudaError> {
         let c = self.model.config();
+        // A latent attention model's pool: one row of latent + rope per token (its config's
+        // one KV head of `head_dim` = the latent row).
         let layout = PoolLayout {
             num_pages: options.num_pages,
             page_size: options.page_size,
@@ -88,6 +90,24 @@ impl<T: HostFloat> TypedRunner<T> {
             head_dim: c.head_dim,
         };
         layout.validate()?;
+        if let Some(mla) = &c.mla {
+            let heads = c.num_attention_heads;
+            if let Some(reason) = ops::mla_unsupported(T::DTYPE, &layout, heads, mla.kv_lora_rank) {
+                return Err(CudaError::invalid(format!(
+                    "the CUDA latent attention does not support {reason}"
+                )));
+            }
+            // Its decode plan is uploaded per step from the host (ADR 0009).
+            if options.cuda_graphs {
+                static EAGER: Once = Once::new();
+                EAGER.call_once(|| {
+                    tracing::info!(
+                        "CUDA latent attention (MLA): every step runs eagerly (its decode plan                          is uploaded from the host per step; no decode or piecewise graphs yet)"
+                    )
+                });
+            }
+            options.cuda_graphs = false;
+        }
         // Free the old cache (and the graphs holding its addresses) before allocating.
         self.cache = None;
         let gpu = self.model.gpu().as_ref();

@@ -9,6 +9,7 @@ use pagoda_ops::cuda::{self as ops, DecodeWorkspace, PoolLayout};
 
 use super::decode_path::{load_table, tuning_geometry, FusedDecode};
 use super::matrix::QuantScratch;
+use super::mla_decode::MlaDecode;
 use super::prefill_path::PrefillChoice;
 use super::{CudaCacheOptions, HostFloat};
 use crate::config::ModelConfig;
@@ -58,8 +59,11 @@ pub struct StepBuffers<T> {
     pub scratch: Scratch<T>,
     /// The gather decode's workspace (absent when every decode step runs fused).
     pub decode: Option<DecodeWorkspace<T>>,
-    /// The fused decode (absent when the mode or the geometry selects gather).
+    /// The fused decode (absent when the mode or the geometry selects gather, and for a
+    /// latent attention model).
     pub fused: Option<FusedDecode>,
+    /// The latent attention's decode (a DeepSeek model outside deterministic mode).
+    pub mla_decode: Option<MlaDecode>,
     /// The prefill attention kernel asked for and the streaming kernel's tiling per step
     /// (`Stream` falls back to `Mma`, `Mma` to `Tiled`, where they do not apply).
     pub prefill: PrefillChoice,
@@ -85,11 +89,15 @@ impl<T: HostFloat> StepBuffers<T> {
         layout: &PoolLayout,
         largest_quantized: usize,
     ) -> Result<Self, CudaError> {
+        // A latent attention model caches one latent row per token in its K pool, no V.
+        let latent = c.mla.is_some();
         let mut k_pools = Vec::with_capacity(c.num_layers);
         let mut v_pools = Vec::with_capacity(c.num_layers);
         for _ in 0..c.num_layers {
             k_pools.push(gpu.zeros(layout.pool_len())?);
-            v_pools.push(gpu.zeros(layout.pool_len())?);
+            if !latent {
+                v_pools.push(gpu.zeros(layout.pool_len())?);
+            }
         }
         let scratch = Scratch::new(gpu, c, options)?;
         // Deterministic steps decode every quantized matrix for the batch-invariant GEMM.
@@ -114,14 +122,22 @@ impl<T: HostFloat> StepBuffers<T> {
         }
         let geometry = tuning_geometry(c, options, T::DTYPE);
         // Deterministic steps run one attention kernel and consult no table.
-        let table = if options.kernels.deterministic {
+        let table = if options.kernels.deterministic || latent {
             None
         } else {
             load_table(gpu, &geometry)
         };
-        let fused = FusedDecode::new(gpu, c, options, T::DTYPE, table.as_ref())?;
+        let (fused, mla_decode) = match latent {
+            false => (
+                FusedDecode::new(gpu, c, options, T::DTYPE, table.as_ref())?,
+                None,
+            ),
+            // Deterministic steps attend every row with the MLA prefill kernel.
+            true if options.kernels.deterministic => (None, None),
+            true => (None, MlaDecode::new(gpu, c, options, T::DTYPE)?),
+        };
         // Deterministic steps attend every row with the per-token kernel: no decode workspace.
-        let decode = if fused.is_none() && !options.kernels.deterministic {
+        let decode = if fused.is_none() && !options.kernels.deterministic && !latent {
             Some(DecodeWorkspace::new(
                 gpu,
                 layout,
@@ -134,11 +150,16 @@ impl<T: HostFloat> StepBuffers<T> {
         };
         let prefill = if options.kernels.deterministic {
             ops::PrefillKernel::PerToken
+        } else if latent {
+            // Unused: a latent attention model attends with the MLA kernels (logged by
+            // `MlaDecode`).
+            ops::PrefillKernel::Tiled
         } else {
             options.kernels.prefill
         };
         static LOGGED: std::sync::Once = std::sync::Once::new();
         LOGGED.call_once(|| match prefill {
+            _ if latent => {}
             ops::PrefillKernel::Stream(_) => tracing::info!(
                 "CUDA prefill attention: the streaming kernel, its tiling chosen per bucket"
             ),
@@ -170,6 +191,7 @@ impl<T: HostFloat> StepBuffers<T> {
             scratch,
             decode,
             fused,
+            mla_decode,
             prefill,
             fused_rope_append: options.kernels.fused_rope_append,
             gemv: options.kernels.gemv && !options.kernels.deterministic,
@@ -200,6 +222,19 @@ pub struct Scratch<T> {
     pub last_page_len: DeviceBuffer<u32>,
     pub first_page_offset: DeviceBuffer<u32>,
     pub logits_rows: DeviceBuffer<u32>,
+    /// A latent attention model's activations besides the shared ones (its absorbed queries
+    /// live in `qkv`, its latent rows after them, its latent outputs in `attn`).
+    pub mla: Option<MlaScratch<T>>,
+}
+
+/// A latent attention step's own activations, for its largest step.
+pub struct MlaScratch<T> {
+    /// `[T, q_lora_rank]`: the compressed query (when the model compresses it).
+    pub q_compressed: Option<DeviceBuffer<T>>,
+    /// `[T, heads * (rope + nope)]`.
+    pub q: DeviceBuffer<T>,
+    /// `[T, heads * v_head_dim]`.
+    pub values: DeviceBuffer<T>,
 }
 
 /// Page-table positions the decode's gather workspace holds: every request's pages once
@@ -240,6 +275,14 @@ impl<T: HostFloat> Scratch<T> {
             last_page_len: gpu.zeros(requests)?,
             first_page_offset: gpu.zeros(requests)?,
             logits_rows: gpu.zeros(tokens)?,
+            mla: match &c.mla {
+                Some(m) => Some(MlaScratch {
+                    q_compressed: m.q_lora_rank.map(|r| gpu.zeros(tokens * r)).transpose()?,
+                    q: gpu.zeros(tokens * c.num_attention_heads * m.q_head_dim())?,
+                    values: gpu.zeros(tokens * c.num_attention_heads * m.v_head_dim)?,
+                }),
+                None => None,
+            },
         })
     }
 }

@@ -12,8 +12,10 @@ use pagoda_ops::cuda::{
 use super::buffers::{Attention, StepShape};
 use super::decode_path::FusedDecode;
 use super::matrix::{Linear, Matrix, QuantScratch};
-use super::{GpuLayer, GpuModel, HostFloat, StepBuffers};
-use crate::decoder::{llama_layers, DecoderStep};
+use super::{GpuLayer, GpuModel, GqaWeights, HostFloat, LayerAttention, StepBuffers};
+use crate::decoder::{deepseek_dense_layers, llama_layers, DecoderStep};
+
+mod mla;
 
 impl<T: HostFloat> GpuModel<T> {
     /// Queues every kernel of one step of `shape` on the stream (this is what a graph
@@ -26,7 +28,10 @@ impl<T: HostFloat> GpuModel<T> {
         shape: &StepShape,
     ) -> Result<(), CudaError> {
         let mut step = self.step(gpu, buffers, layout, shape)?;
-        llama_layers(&mut step, &self.layers)
+        match self.config.mla {
+            Some(_) => deepseek_dense_layers(&mut step, &self.layers),
+            None => llama_layers(&mut step, &self.layers),
+        }
     }
 
     /// The step of `shape` over `buffers`, ready to queue its kernels.
@@ -44,6 +49,7 @@ impl<T: HostFloat> GpuModel<T> {
             scratch: s,
             decode,
             fused,
+            mla_decode,
             prefill,
             fused_rope_append,
             gemv,
@@ -79,7 +85,12 @@ impl<T: HostFloat> GpuModel<T> {
         let mma = bf16
             && ops::MMA_PREFILL_HEAD_DIMS.contains(&c.head_dim)
             && mma_compiles(gpu, c.head_dim);
-        let prefill = match prefill.choose(num_requests, num_tokens).0 {
+        // A latent attention model attends with its own kernels (`layers/mla.rs`).
+        let asked = match c.mla {
+            Some(_) => PrefillKernel::Tiled,
+            None => prefill.choose(num_requests, num_tokens).0,
+        };
+        let prefill = match asked {
             PrefillKernel::Stream(tiling)
                 if bf16 && ops::STREAM_PREFILL_HEAD_DIMS.contains(&c.head_dim) =>
             {
@@ -97,6 +108,7 @@ impl<T: HostFloat> GpuModel<T> {
             v_pools,
             decode,
             fused,
+            mla: mla::MlaStepBuffers::new(c, s.mla.as_mut(), mla_decode, num_tokens)?,
             attention,
             prefill,
             fused_rope_append: *fused_rope_append,
@@ -136,6 +148,8 @@ pub(super) struct GpuStep<'a, T> {
     v_pools: &'a mut [DeviceBuffer<T>],
     decode: &'a mut Option<DecodeWorkspace<T>>,
     fused: &'a mut Option<FusedDecode>,
+    /// A latent attention model's own activations and decode (`None` for the others).
+    mla: Option<mla::MlaStepBuffers<'a, T>>,
     attention: Attention,
     prefill: PrefillKernel,
     /// RoPE and the KV append in one launch (`PAGODA_CUDA_FUSED_ROPE_APPEND`).
@@ -164,6 +178,18 @@ pub(super) struct GpuStep<'a, T> {
     selected: DeviceViewMut<'a, f32>,
     selected_normed: DeviceViewMut<'a, T>,
     logits: DeviceViewMut<'a, f32>,
+}
+
+impl<T> GpuLayer<T> {
+    /// The layer's grouped-query attention weights (an error on a latent attention layer).
+    fn gqa(&self) -> Result<&GqaWeights<T>, CudaError> {
+        match &self.attention {
+            LayerAttention::Gqa(weights) => Ok(weights),
+            LayerAttention::Mla(_) => Err(CudaError::invalid(
+                "a grouped-query attention step ran on a latent attention layer",
+            )),
+        }
+    }
 }
 
 impl<T: HostFloat> GpuStep<'_, T> {
@@ -213,6 +239,7 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
             small: self.gemv,
             quant: &mut *self.quant,
         };
+        let layer = layer.gqa()?;
         linear.run(&self.normed, &layer.wqkv, &mut self.qkv, shape, 0.0)?;
         if let Some(bias) = &layer.qkv_bias {
             ops::add_bias_rows(self.gpu, &mut self.qkv, bias, num_tokens, qkv_dim)?;
@@ -224,6 +251,7 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
         let c = &self.model.config;
         let num_tokens = self.num_tokens;
         let (q_dim, _, qkv_dim) = self.qkv_dims();
+        let layer = layer.gqa()?;
         if let Some(q_norm) = &layer.q_norm {
             let mut q = view_mut(&mut self.qkv, 0..num_tokens * qkv_dim)?;
             let geometry = (num_tokens, c.num_attention_heads, qkv_dim);
@@ -346,7 +374,7 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
             small: self.gemv,
             quant: &mut *self.quant,
         };
-        linear.run(&self.attn, &layer.wo, &mut self.x, shape, 1.0)
+        linear.run(&self.attn, &layer.gqa()?.wo, &mut self.x, shape, 1.0)
     }
 
     fn mlp_norm(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {

@@ -21,7 +21,8 @@
 //! kernel choices.
 //!
 //! Architectures: llama (Llama 2/3, SmolLM2, Mistral), Qwen2 (q/k/v bias, added after the
-//! QKV GEMM) and Qwen3 (per-head q/k RMSNorm before RoPE).
+//! QKV GEMM), Qwen3 (per-head q/k RMSNorm before RoPE) and DeepSeek's latent attention
+//! (`mla_weights.rs`, `layers/mla.rs`, `mla_decode.rs`; ADR 0009) with dense MLPs.
 
 use std::sync::Arc;
 
@@ -34,10 +35,11 @@ use crate::llama::LoadError;
 use crate::weights::TensorSource;
 use matrix::Matrix;
 
-pub use buffers::{Attention, Scratch, StepBuffers, StepShape};
+pub use buffers::{Attention, MlaScratch, Scratch, StepBuffers, StepShape};
 pub use decode_path::{FusedDecode, PagedDecodeMode, VariantSource, PAGED_DECODE_ENV_VAR};
 pub use kernels::{CudaKernels, DecodeKernelChoice, SamplingKernels};
 pub use matrix::QuantScratch;
+pub use mla_decode::MlaDecode;
 pub use pagoda_ops::cuda::SamplingRowParams;
 pub use pieces::Pieces;
 pub use prefill_path::PrefillChoice;
@@ -47,6 +49,8 @@ mod decode_path;
 mod kernels;
 mod layers;
 mod matrix;
+mod mla_decode;
+mod mla_weights;
 mod pieces;
 mod prefill_path;
 mod weights;
@@ -57,9 +61,9 @@ mod weights;
 pub use pagoda_tensor::DType;
 
 /// Why the CUDA model declines a mixture-of-experts model (its expert steps, a grouped GEMM
-/// over per-expert token lists, are not written yet) and DeepSeek's latent attention.
-pub const MOE_ON_CPU_ONLY: &str =
-    "MoE models run on the CPU for now, DeepSeek's latent attention too (use --device cpu)";
+/// over per-expert token lists, are not written yet). DeepSeek's latent attention runs
+/// (with dense MLPs).
+pub const MOE_ON_CPU_ONLY: &str = "MoE models run on the CPU for now (use --device cpu)";
 
 /// Sizes of the KV pool and the step buffers ([`StepBuffers::new`]).
 #[derive(Debug, Clone, Copy)]
@@ -119,6 +123,24 @@ impl HostFloat for bf16 {
 
 struct GpuLayer<T> {
     attn_norm: DeviceBuffer<T>,
+    attention: LayerAttention<T>,
+    ffn_norm: DeviceBuffer<T>,
+    /// `[2 * intermediate, hidden]`: gate then up.
+    w_gate_up: Matrix<T>,
+    w_down: Matrix<T>,
+}
+
+/// A layer's attention block: grouped-query (the llama family) or DeepSeek's latent
+/// attention.
+// One per layer, built once: boxing a variant would only add an indirection.
+#[allow(clippy::large_enum_variant)]
+enum LayerAttention<T> {
+    Gqa(GqaWeights<T>),
+    Mla(mla_weights::MlaWeights<T>),
+}
+
+/// A grouped-query attention block's weights.
+struct GqaWeights<T> {
     /// `[q_dim + 2 * kv_dim, hidden]`: Q, K and V stacked.
     wqkv: Matrix<T>,
     /// Qwen2: `[q_dim + 2 * kv_dim]`, the q, k and v biases stacked like `wqkv`'s rows.
@@ -127,10 +149,6 @@ struct GpuLayer<T> {
     q_norm: Option<DeviceBuffer<T>>,
     k_norm: Option<DeviceBuffer<T>>,
     wo: Matrix<T>,
-    ffn_norm: DeviceBuffer<T>,
-    /// `[2 * intermediate, hidden]`: gate then up.
-    w_gate_up: Matrix<T>,
-    w_down: Matrix<T>,
 }
 
 /// A model's weights on the GPU in element type `T`.
@@ -183,10 +201,13 @@ impl CudaModel {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel, LoadError> {
         config.validate().map_err(|e| LoadError(e.to_string()))?;
-        if config.moe.is_some() || config.mla.is_some() {
+        if config.has_expert_layers() {
             return Err(LoadError(MOE_ON_CPU_ONLY.into()));
         }
-        if !ops::SUPPORTED_HEAD_DIMS.contains(&config.head_dim) {
+        if let Some(reason) = mla_weights::mla_unsupported_config(&config) {
+            return Err(LoadError(format!("{reason} (use --device cpu)")));
+        }
+        if config.mla.is_none() && !ops::SUPPORTED_HEAD_DIMS.contains(&config.head_dim) {
             return Err(LoadError(format!(
                 "the CUDA attention kernels support head_dim {:?}, not {}",
                 ops::SUPPORTED_HEAD_DIMS,

@@ -35,6 +35,11 @@ impl<T: HostFloat> GpuModel<T> {
         shape: &StepShape,
         pieces: Pieces<'_>,
     ) -> Result<(), CudaError> {
+        if self.config.mla.is_some() {
+            return Err(CudaError::invalid(
+                "latent attention steps run eagerly, not as pieces",
+            ));
+        }
         if let Pieces::Capture(graphs) = &pieces {
             if !graphs.is_empty() {
                 return Err(CudaError::invalid("capturing pieces into a non-empty list"));

@@ -10,7 +10,8 @@ use pagoda_tensor::GgmlType;
 use rayon::prelude::*;
 
 use super::matrix::{Matrix, QuantMatrix, QuantPart};
-use super::{GpuLayer, GpuModel, HostFloat, MOE_ON_CPU_ONLY};
+use super::mla_weights::load_mla;
+use super::{GpuLayer, GpuModel, GqaWeights, HostFloat, LayerAttention, MOE_ON_CPU_ONLY};
 use crate::config::{ModelConfig, RopeStyle};
 use crate::llama::LoadError;
 use crate::weight_plan::{
@@ -41,16 +42,21 @@ impl<T: HostFloat> GpuModel<T> {
             let MlpPlan::Dense { gate, up, down } = &l.mlp else {
                 return Err(LoadError(MOE_ON_CPU_ONLY.into()));
             };
-            let AttentionPlan::Gqa(a) = &l.attention else {
-                return Err(LoadError(MOE_ON_CPU_ONLY.into()));
+            let attention = match &l.attention {
+                AttentionPlan::Gqa(a) => LayerAttention::Gqa(GqaWeights {
+                    wqkv: matrix(&[&a.q, &a.k, &a.v])?,
+                    qkv_bias: qkv_bias::<T>(g, source, a)?,
+                    q_norm: optional(&a.q_norm)?,
+                    k_norm: optional(&a.k_norm)?,
+                    wo: matrix(&[&a.attn_output])?,
+                }),
+                AttentionPlan::Mla(a) => {
+                    LayerAttention::Mla(load_mla::<T>(g, source, a, c, keep_quantized)?)
+                }
             };
             layers.push(GpuLayer {
                 attn_norm: upload(&l.attn_norm)?,
-                wqkv: matrix(&[&a.q, &a.k, &a.v])?,
-                qkv_bias: qkv_bias::<T>(g, source, a)?,
-                q_norm: optional(&a.q_norm)?,
-                k_norm: optional(&a.k_norm)?,
-                wo: matrix(&[&a.attn_output])?,
+                attention,
                 ffn_norm: upload(&l.ffn_norm)?,
                 w_gate_up: matrix(&[gate, up])?,
                 w_down: matrix(&[down])?,
@@ -78,12 +84,17 @@ impl<T: HostFloat> GpuModel<T> {
         })
     }
 
-    /// The model's matrices: every layer's four, the embedding and the LM head.
+    /// The model's matrices: every layer's (attention's and MLP's), the embedding and the
+    /// LM head.
     pub(super) fn matrices(&self) -> impl Iterator<Item = &Matrix<T>> {
-        let layers = self
-            .layers
-            .iter()
-            .flat_map(|l| [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]);
+        let layers = self.layers.iter().flat_map(|l| {
+            let mut matrices = match &l.attention {
+                LayerAttention::Gqa(a) => vec![&a.wqkv, &a.wo],
+                LayerAttention::Mla(a) => a.matrices(),
+            };
+            matrices.extend([&l.w_gate_up, &l.w_down]);
+            matrices
+        });
         layers.chain([&self.embedding]).chain(self.lm_head.as_ref())
     }
 
@@ -93,11 +104,15 @@ impl<T: HostFloat> GpuModel<T> {
             .layers
             .iter()
             .map(|l| {
-                l.attn_norm.len()
-                    + l.qkv_bias.as_ref().map_or(0, |b| b.len())
-                    + l.q_norm.as_ref().map_or(0, |b| b.len())
-                    + l.k_norm.as_ref().map_or(0, |b| b.len())
-                    + l.ffn_norm.len()
+                let attention = match &l.attention {
+                    LayerAttention::Gqa(a) => {
+                        a.qkv_bias.as_ref().map_or(0, |b| b.len())
+                            + a.q_norm.as_ref().map_or(0, |b| b.len())
+                            + a.k_norm.as_ref().map_or(0, |b| b.len())
+                    }
+                    LayerAttention::Mla(a) => a.dense_elements(),
+                };
+                l.attn_norm.len() + attention + l.ffn_norm.len()
             })
             .sum::<usize>()
             + self.output_norm.len();
@@ -146,7 +161,7 @@ fn quant_format(ty: GgmlType) -> Option<QuantFormat> {
 /// `parts` stacked into one matrix: kept in their blocks when `keep_quantized` and every part
 /// is in a format the GPU multiplies in place (consecutive parts of one format share a
 /// buffer), else dense in `T`.
-fn matrix<T: HostFloat>(
+pub(super) fn matrix<T: HostFloat>(
     gpu: &Gpu,
     source: &dyn TensorSource,
     parts: &[&TensorSpec],
@@ -238,7 +253,7 @@ fn qkv_bias<T: HostFloat>(
 }
 
 /// Uploads one float or quantized tensor as `T`, checking its shape.
-fn upload_tensor<T: HostFloat>(
+pub(super) fn upload_tensor<T: HostFloat>(
     gpu: &Gpu,
     source: &dyn TensorSource,
     name: &str,

@@ -142,6 +142,41 @@ pub(super) fn preset(name: &str) -> Option<ModelConfig> {
             };
             deepseek(tiny_base(), mla, v3_tiny_moe())
         }
+        // Tests of the CUDA latent attention: the MLA kernels' row (512 + 64) and a head
+        // tile of 16 heads, small elsewhere; every MLP dense (`dense_layers` lists every
+        // layer), query compression, YaRN with a rope scale other than 1.
+        "deepseek-mla-dense-tiny" => deepseek(
+            ModelConfig {
+                hidden_size: 128,
+                num_layers: 2,
+                num_attention_heads: 16,
+                intermediate_size: 256,
+                ..tiny_base()
+            },
+            MlaConfig {
+                q_lora_rank: Some(64),
+                kv_lora_rank: 512,
+                qk_nope_head_dim: 32,
+                qk_rope_head_dim: 64,
+                v_head_dim: 32,
+                yarn: Some(YarnScaling {
+                    factor: 4.0,
+                    original_max_position_embeddings: 64,
+                    beta_fast: 32.0,
+                    beta_slow: 1.0,
+                    mscale: 1.0,
+                    mscale_all_dim: 0.8,
+                }),
+                indexer: None,
+            },
+            MoeConfig {
+                num_experts: 2,
+                experts_per_token: 1,
+                expert_intermediate_size: 32,
+                dense_layers: vec![0, 1],
+                ..MoeConfig::default()
+            },
+        ),
         _ => return None,
     })
 }
@@ -176,5 +211,44 @@ fn v3_tiny_moe() -> MoeConfig {
         }),
         selection_bias: true,
         num_shared_experts: 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use pagoda_kv::{BlockPool, BlockTable, PageTable};
+    use pagoda_ops::attention::KvType;
+
+    use super::preset;
+    use crate::llama::{AttentionPolicy, ForwardBatch, Model, WeightPrecision};
+    use crate::random::RandomWeights;
+
+    /// The CUDA tests' model (`crates/engine/tests/cuda_mla.rs`) has no expert layer and runs
+    /// on the CPU, their oracle.
+    #[test]
+    fn the_dense_mla_preset_runs_on_the_cpu() {
+        let config = preset("deepseek-mla-dense-tiny").unwrap();
+        assert!(!config.has_expert_layers());
+        let weights = RandomWeights::new(&config, 3, 1 << 30).unwrap();
+        let model = Model::load(config.clone(), &weights, WeightPrecision::F32).unwrap();
+        let mut kv = model.new_kv_cache(4, 16, KvType::F32, KvType::F32).unwrap();
+        let mut pool = BlockPool::new(4, 16).unwrap();
+        let mut table = BlockTable::new();
+        let slots = table.append_slots(&mut pool, 5).unwrap();
+        let page_table = PageTable::from_block_tables(&[&table], &pool).unwrap();
+        let batch = ForwardBatch {
+            tokens: &[1, 2, 3, 4, 5],
+            positions: &[0, 1, 2, 3, 4],
+            slots: &slots,
+            qo_indptr: &[0, 5],
+            page_table: &page_table,
+            logits_for: &[4],
+        };
+        let logits = model
+            .forward(&batch, &mut kv, AttentionPolicy::Auto)
+            .unwrap()
+            .logits;
+        assert_eq!(logits.len(), config.vocab_size);
+        assert!(logits.iter().all(|v| v.is_finite()));
     }
 }

@@ -83,6 +83,12 @@ impl MlaDecodeWorkspace {
         (self.plan.len() + self.partial_out.len() + self.partial_lse.len()) * 4
     }
 
+    /// The encoded plan's device buffer, for callers that stage it themselves (pinned
+    /// uploads); `capacity().encoded_len()` words.
+    pub fn plan_buffer_mut(&mut self) -> &mut DeviceBuffer<u32> {
+        &mut self.plan
+    }
+
     /// Uploads `plan` (synchronously, from pageable memory: not inside a graph capture).
     pub fn upload_plan(&mut self, gpu: &Gpu, plan: &PagedDecodePlan) -> Result<(), CudaError> {
         let words = plan.encode(self.capacity)?;

@@ -1,0 +1,379 @@
+//! DeepSeek's latent attention (MLA) on CUDA against the CPU model, on the GPU machine only
+//! (elsewhere every test shows as ignored; run there with `--include-ignored` and a binary
+//! built with `--features cuda`).
+//!
+//! The model is the `deepseek-mla-dense-tiny` preset: the MLA kernels' latent row (512 + 64)
+//! and one head tile (16 heads), YaRN with a rope scale other than 1 and the softmax scale
+//! correction, every MLP dense (CUDA has no expert steps yet); with and without the query
+//! compression (`q_lora_rank`). Covered: ragged prefill chunks, mixed steps and batched
+//! decode steps over scattered pages, f32 (relative logit error < 2e-3, the bound of the
+//! llama geometries) and bf16 (top-10 log-probability error < 0.15), greedy ids; in
+//! deterministic mode as well (every row on the MLA prefill kernel); and through the engine:
+//! a greedy request alone, beside others, and with its prompt's pages from the prefix cache
+//! gives the same tokens.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::gpu;
+
+use pagoda_cuda::Gpu;
+use pagoda_engine::cuda_runner::{CudaCacheOptions, CudaModel, CudaRunner, DType};
+use pagoda_engine::{CpuThreadsMode, Engine, EngineSettings};
+use pagoda_kv::{BlockPool, BlockTable, PageTable};
+use pagoda_models::config::{MlaConfig, ModelConfig};
+use pagoda_models::llama::{AttentionPolicy, ForwardBatch, Model, WeightPrecision};
+use pagoda_models::llama_cuda::CudaKernels;
+use pagoda_models::random::{preset, RandomWeights};
+use pagoda_ops::attention::KvType;
+use pagoda_ops::sampling::SamplingParams;
+
+const PAGE_SIZE: usize = 16;
+const NUM_PAGES: usize = 64;
+
+/// The preset, its query compressed (`Some(64)`) or projected directly (`None`).
+fn config(q_lora_rank: Option<usize>) -> ModelConfig {
+    let base = preset("deepseek-mla-dense-tiny").unwrap();
+    let mla = MlaConfig {
+        q_lora_rank,
+        ..base.mla.clone().unwrap()
+    };
+    ModelConfig {
+        mla: Some(mla),
+        ..base
+    }
+}
+
+/// One step of a schedule: for each request, how many new tokens it runs.
+type Schedule = Vec<Vec<usize>>;
+
+/// Three prompts; ragged prefill chunks, mixed steps (one-token rows first), then batched
+/// decode of 3, 2 and 1 rows.
+fn workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|r| {
+            (0..80)
+                .map(|i| ((i * 31 + r * 7 + 3) % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    let mut schedule: Schedule = vec![
+        vec![37, 5, 0],
+        vec![1, 20, 19],
+        vec![1, 1, 30],
+        vec![1, 1, 18],
+    ];
+    schedule.extend((0..6).map(|_| vec![1, 1, 1]));
+    schedule.extend([vec![1, 0, 1], vec![0, 1, 0], vec![1, 1, 1]]);
+    (prompts, schedule)
+}
+
+/// Runs `schedule` over `prompts` (each request's tokens fed in order, cycling), calling
+/// `forward` per step; returns every step's logits (the last token of each active request).
+fn run_schedule(
+    prompts: &[Vec<u32>],
+    schedule: &Schedule,
+    forward: &mut dyn FnMut(&ForwardBatch<'_>) -> Vec<f32>,
+) -> Vec<Vec<f32>> {
+    let mut pool = BlockPool::new(NUM_PAGES, PAGE_SIZE).unwrap();
+    // Burn pages so physical pages are scattered.
+    let _burned: Vec<_> = (0..3).map(|_| pool.allocate().unwrap()).collect();
+    let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::new()).collect();
+    let mut fed = vec![0usize; prompts.len()];
+    let mut steps = Vec::new();
+    for step in schedule {
+        let (mut tokens, mut positions, mut slots, mut qo_indptr, mut logits_for) =
+            (vec![], vec![], vec![], vec![0u32], vec![]);
+        let mut active = Vec::new();
+        for (request, &count) in step.iter().enumerate() {
+            if count == 0 {
+                continue;
+            }
+            slots.extend(tables[request].append_slots(&mut pool, count).unwrap());
+            for i in 0..count {
+                let position = fed[request] + i;
+                let prompt = &prompts[request];
+                tokens.push(prompt[position % prompt.len()]);
+                positions.push(position as u32);
+            }
+            fed[request] += count;
+            qo_indptr.push(tokens.len() as u32);
+            logits_for.push(tokens.len() - 1);
+            active.push(request);
+        }
+        let table_refs: Vec<&BlockTable> = active.iter().map(|&r| &tables[r]).collect();
+        let page_table = PageTable::from_block_tables(&table_refs, &pool).unwrap();
+        let batch = ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            slots: &slots,
+            qo_indptr: &qo_indptr,
+            page_table: &page_table,
+            logits_for: &logits_for,
+        };
+        steps.push(forward(&batch));
+    }
+    steps
+}
+
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+    row.iter().map(|&v| v as f64 - max - sum.ln()).collect()
+}
+
+fn argmax(row: &[f32]) -> usize {
+    (0..row.len())
+        .max_by(|&a, &b| row[a].total_cmp(&row[b]).then(b.cmp(&a)))
+        .unwrap()
+}
+
+/// What one device run gave against the CPU: the largest relative logit error (by each row's
+/// peak), the largest top-10 log-probability error, and the rows whose greedy id differs
+/// although the CPU's top two are further apart than twice the row's largest error.
+struct Errors {
+    relative: f64,
+    logprob: f64,
+    greedy_mismatches: usize,
+}
+
+fn errors(expected: &[Vec<f32>], got: &[Vec<f32>], vocab: usize) -> Errors {
+    let mut errors = Errors {
+        relative: 0.0,
+        logprob: 0.0,
+        greedy_mismatches: 0,
+    };
+    for (step, (e, g)) in expected.iter().zip(got).enumerate() {
+        assert_eq!(e.len(), g.len(), "step {step}");
+        assert!(
+            g.iter().all(|v| v.is_finite()),
+            "non-finite logits, step {step}"
+        );
+        for (e_row, g_row) in e.chunks(vocab).zip(g.chunks(vocab)) {
+            let peak = e_row.iter().fold(0f32, |a, &b| a.max(b.abs())) as f64;
+            let diff = e_row
+                .iter()
+                .zip(g_row)
+                .fold(0f64, |a, (&x, &y)| a.max((x as f64 - y as f64).abs()));
+            errors.relative = errors.relative.max(diff / peak.max(1e-6));
+            let (le, lg) = (log_softmax(e_row), log_softmax(g_row));
+            let mut order: Vec<usize> = (0..vocab).collect();
+            order.sort_by(|&a, &b| le[b].total_cmp(&le[a]));
+            for &i in &order[..10] {
+                errors.logprob = errors.logprob.max((le[i] - lg[i]).abs());
+            }
+            let margin = (e_row[order[0]] - e_row[order[1]]) as f64;
+            if margin > 2.0 * diff && argmax(e_row) != argmax(g_row) {
+                errors.greedy_mismatches += 1;
+            }
+        }
+    }
+    errors
+}
+
+fn cpu_logits(config: &ModelConfig, weights: &RandomWeights) -> Vec<Vec<f32>> {
+    let cpu = Model::load(config.clone(), weights, WeightPrecision::F32).unwrap();
+    let mut kv = cpu
+        .new_kv_cache(NUM_PAGES, PAGE_SIZE, KvType::F32, KvType::F32)
+        .unwrap();
+    let (prompts, schedule) = workload(config.vocab_size);
+    run_schedule(&prompts, &schedule, &mut |batch| {
+        cpu.forward(batch, &mut kv, AttentionPolicy::Auto)
+            .unwrap()
+            .logits
+    })
+}
+
+fn gpu_logits(
+    gpu: &Arc<Gpu>,
+    config: &ModelConfig,
+    weights: &RandomWeights,
+    dtype: DType,
+    deterministic: bool,
+) -> Vec<Vec<f32>> {
+    let loaded =
+        CudaModel::load(config.clone(), weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
+    let options = CudaCacheOptions {
+        num_pages: NUM_PAGES,
+        page_size: PAGE_SIZE,
+        max_batch_tokens: 256,
+        max_batch_requests: 8,
+        max_context: NUM_PAGES * PAGE_SIZE,
+        cuda_graphs: true,
+        paged_decode: Default::default(),
+        kernels: CudaKernels {
+            deterministic,
+            ..CudaKernels::default()
+        },
+    };
+    let mut model = CudaRunner::new(loaded, options).unwrap();
+    let (prompts, schedule) = workload(config.vocab_size);
+    let logits = run_schedule(&prompts, &schedule, &mut |batch| {
+        model.forward(batch).unwrap()
+    });
+    let counters = model.counters();
+    // MLA steps run eagerly (their decode plan is uploaded from the host).
+    assert_eq!(counters.steps_cuda_graph, 0, "{counters:?}");
+    assert_eq!(
+        counters.steps_cuda_eager,
+        schedule.len() as u64,
+        "{counters:?}"
+    );
+    logits
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_mla_forward_matches_cpu() {
+    let gpu = gpu();
+    for q_lora_rank in [Some(64), None] {
+        let config = config(q_lora_rank);
+        let weights = RandomWeights::new(&config, 13, 1 << 30).unwrap();
+        let expected = cpu_logits(&config, &weights);
+        let vocab = config.vocab_size;
+        for (dtype, deterministic) in [
+            (DType::F32, false),
+            (DType::F32, true),
+            (DType::BF16, false),
+            (DType::BF16, true),
+        ] {
+            let got = gpu_logits(&gpu, &config, &weights, dtype, deterministic);
+            let e = errors(&expected, &got, vocab);
+            eprintln!(
+                "q_lora_rank {q_lora_rank:?} {dtype} deterministic {deterministic}: max relative \
+                 logit error {:.2e}, max top-10 logprob error {:.4}, greedy mismatches {}",
+                e.relative, e.logprob, e.greedy_mismatches
+            );
+            if dtype == DType::F32 {
+                assert!(e.relative < 2e-3, "f32 relative logit error {}", e.relative);
+                assert_eq!(e.greedy_mismatches, 0, "f32 greedy ids differ");
+            } else {
+                assert!(e.logprob < 0.15, "bf16 top-10 logprob error {}", e.logprob);
+            }
+        }
+    }
+}
+
+const VOCAB: usize = 512;
+
+fn prompt(len: usize, salt: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| ((i * 7919 + salt * 104_729) % VOCAB) as u32)
+        .collect()
+}
+
+fn engine(
+    gpu: &Arc<Gpu>,
+    weights: &RandomWeights,
+    dtype: DType,
+    deterministic: bool,
+    prefix_caching: bool,
+) -> Engine {
+    let model = CudaModel::load(
+        config(Some(64)),
+        weights,
+        gpu.clone(),
+        dtype,
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let config = common::engine_config(128, 96, 1024, AttentionPolicy::Auto);
+    let settings = EngineSettings {
+        prefix_caching,
+        cuda_warmup: true,
+        cpu_threads: CpuThreadsMode::Auto,
+        split_kv_chunk_tokens: 256,
+        speculation: Default::default(),
+        cuda_kernels: CudaKernels {
+            deterministic,
+            ..CudaKernels::default()
+        },
+        masks_beside: true,
+        device_masks: true,
+    };
+    Engine::with_settings(model, config, settings).unwrap()
+}
+
+const TARGET_TOKENS: usize = 20;
+
+/// Adds a greedy request of `prompt(45, 1)` after `others` and runs the engine until every
+/// request finishes; returns the target's tokens.
+fn greedy_tokens(engine: &mut Engine, others: &[(usize, usize, usize)]) -> Vec<u32> {
+    for &(len, salt, tokens) in others {
+        engine
+            .add_request(
+                prompt(len, salt),
+                SamplingParams::greedy(),
+                tokens,
+                vec![],
+                false,
+            )
+            .unwrap();
+    }
+    let target = engine
+        .add_request(
+            prompt(45, 1),
+            SamplingParams::greedy(),
+            TARGET_TOKENS,
+            vec![],
+            false,
+        )
+        .unwrap();
+    let mut tokens = Vec::new();
+    let mut steps = 0;
+    while engine.num_running() + engine.num_waiting() > 0 {
+        for event in engine.step().unwrap() {
+            if event.request == target {
+                tokens.push(event.token);
+            }
+        }
+        steps += 1;
+        assert!(steps < 10_000, "the engine did not finish");
+    }
+    assert_eq!(tokens.len(), TARGET_TOKENS);
+    tokens
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_mla_request_gives_the_same_tokens_alone_batched_and_from_the_prefix_cache() {
+    let gpu = gpu();
+    let weights = RandomWeights::new(&config(Some(64)), 17, 1 << 30).unwrap();
+    // Chunked prompts beside running decodes (a 96-token budget), batches growing and
+    // shrinking.
+    let others = [
+        (3, 2, 30),
+        (17, 3, 12),
+        (64, 4, 25),
+        (129, 5, 8),
+        (31, 7, 16),
+    ];
+    for (dtype, deterministic) in [(DType::F32, true), (DType::BF16, true), (DType::F32, false)] {
+        let alone = greedy_tokens(
+            &mut engine(&gpu, &weights, dtype, deterministic, false),
+            &[],
+        );
+        let batched = greedy_tokens(
+            &mut engine(&gpu, &weights, dtype, deterministic, false),
+            &others,
+        );
+        assert_eq!(
+            batched, alone,
+            "{dtype} deterministic {deterministic}: batched"
+        );
+        // The same prompt again on a warm prefix cache: its full pages are reused.
+        let mut cached = engine(&gpu, &weights, dtype, deterministic, true);
+        greedy_tokens(&mut cached, &[]);
+        let warm = greedy_tokens(&mut cached, &[]);
+        assert!(
+            cached.counters().prefix_hit_tokens > 0,
+            "the prompt did not hit the prefix cache"
+        );
+        assert_eq!(
+            warm, alone,
+            "{dtype} deterministic {deterministic}: prefix cache"
+        );
+        eprintln!("{dtype} deterministic {deterministic}: alone, batched and cached agree");
+    }
+}

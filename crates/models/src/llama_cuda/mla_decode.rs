@@ -1,0 +1,105 @@
+//! The absorbed MLA decode's plan and workspace ([`MlaDecode`]): the fused decode's
+//! [`PagedDecodePlan`] over the head tiles ([`ops::mla_head_tiles`], the "KV heads" of the
+//! plan), made on the host for each decode step before it runs and uploaded into the
+//! [`MlaDecodeWorkspace`], whose chunks [`ops::mla_decode`] merges by log-sum-exp.
+//!
+//! A step whose rows are not all decode rows (a prefill or a mixed step) stages no plan: its
+//! latent attention runs [`ops::mla_prefill`] over every row. The plan is uploaded from pinned
+//! memory, queued before the step's kernels; the launch's grid is the plan's own chunks, so
+//! MLA steps run eagerly, not from CUDA graphs (ADR 0009).
+
+use pagoda_cuda::{CudaError, Gpu, PinnedBuffer};
+use pagoda_ops::cuda::{
+    self as ops, MlaDecodeWorkspace, MlaKernel, PagedDecodePlan, PlanCapacity, PlanPolicy,
+};
+
+use super::CudaCacheOptions;
+use crate::config::ModelConfig;
+
+/// The MLA decode of a model's step buffers.
+pub struct MlaDecode {
+    workspace: MlaDecodeWorkspace,
+    /// The encoded plan in pinned memory (rewritten by the next step's staging only after
+    /// the step has finished: every step ends with a synchronization).
+    staging: PinnedBuffer<u32>,
+    policy: PlanPolicy,
+    tiles: usize,
+    /// Requests of the plan staged for the coming step (`None`: the step runs the prefill
+    /// kernel over every row).
+    staged: Option<usize>,
+}
+
+impl MlaDecode {
+    /// The decode of `config`'s latent attention for steps of at most
+    /// `options.max_batch_requests` requests: the tensor-core partial kernel for bf16, the
+    /// CUDA-core one otherwise (f32, the exact path).
+    pub(super) fn new(
+        gpu: &Gpu,
+        config: &ModelConfig,
+        options: &CudaCacheOptions,
+        dtype: pagoda_cuda::DType,
+    ) -> Result<Option<Self>, CudaError> {
+        let Some(mla) = &config.mla else {
+            return Ok(None);
+        };
+        let heads = config.num_attention_heads;
+        let tiles = ops::mla_head_tiles(heads);
+        let sm_count = gpu.info().sm_count.max(1) as usize;
+        let policy = PlanPolicy {
+            target_ctas: 2 * sm_count,
+            pages_per_chunk: None,
+            // At least one 64-key tile per chunk, as the fused decode.
+            min_pages_per_chunk: 64usize.div_ceil(options.page_size.max(1)),
+            // Two CTAs per SM: the CUDA-core kernel and the 2-stage tensor-core one.
+            resident_ctas: Some(2 * sm_count),
+        };
+        let capacity =
+            PlanCapacity::for_batch(options.max_batch_requests.max(1), tiles, policy.target_ctas);
+        let mut workspace = MlaDecodeWorkspace::new(gpu, capacity, heads, mla.kv_lora_rank)?;
+        let kernel = if dtype == pagoda_cuda::DType::BF16 {
+            MlaKernel::TensorCore {
+                stages: ops::MLA_MMA_STAGES,
+            }
+        } else {
+            MlaKernel::CudaCore
+        };
+        workspace.set_kernel(kernel);
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        LOGGED.call_once(|| {
+            tracing::info!(
+                "CUDA latent attention (MLA): decode steps on the split-KV absorbed decode \
+                 ({kernel:?}), prefill and mixed steps on the MLA prefill kernel"
+            )
+        });
+        Ok(Some(MlaDecode {
+            staging: gpu.alloc_pinned(capacity.encoded_len())?,
+            workspace,
+            policy,
+            tiles,
+            staged: None,
+        }))
+    }
+
+    /// Plans the coming step: a decode step (one row per request) whose page table has the
+    /// row pointer `indptr` (`Some`), or a step of any other shape (`None`: the prefill
+    /// kernel attends every row).
+    pub fn stage(&mut self, gpu: &Gpu, indptr: Option<&[u32]>) -> Result<(), CudaError> {
+        self.staged = None;
+        let Some(indptr) = indptr else {
+            return Ok(());
+        };
+        let capacity = self.workspace.capacity();
+        let plan = PagedDecodePlan::new(indptr, self.tiles, self.policy, capacity)?;
+        plan.encode_into(capacity, self.staging.as_mut_slice()?)?;
+        gpu.upload_pinned(&self.staging, self.workspace.plan_buffer_mut())?;
+        self.workspace.set_grid_chunks(plan.num_chunks().max(1))?;
+        self.staged = Some(indptr.len().saturating_sub(1));
+        Ok(())
+    }
+
+    /// The workspace of a decode step of `num_requests` rows whose plan was staged, else
+    /// `None` (the step runs the prefill kernel).
+    pub(super) fn planned(&mut self, num_requests: usize) -> Option<&mut MlaDecodeWorkspace> {
+        (self.staged == Some(num_requests)).then_some(&mut self.workspace)
+    }
+}

@@ -24,7 +24,7 @@ use crate::readiness::Readiness;
 mod backend;
 mod feed;
 pub use backend::EngineBackend;
-pub use feed::{WorkerLoad, WorkerOptions};
+pub use feed::{LoadGauge, WorkerLoad, WorkerOptions};
 
 /// One request for the loop.
 #[derive(Debug)]
@@ -123,7 +123,7 @@ pub struct WorkerHandle {
     max_queue: usize,
     readiness: Arc<Readiness>,
     slots: Arc<Mutex<Vec<SlotState>>>,
-    load: Arc<Mutex<WorkerLoad>>,
+    load: LoadGauge,
 }
 
 impl WorkerHandle {
@@ -173,7 +173,12 @@ impl WorkerHandle {
 
     /// The loop's load after its last turn.
     pub fn load(&self) -> WorkerLoad {
-        *self.load.lock().unwrap_or_else(|e| e.into_inner())
+        self.load.get()
+    }
+
+    /// The load, for a reader that must not keep the loop alive.
+    pub fn load_gauge(&self) -> LoadGauge {
+        self.load.clone()
     }
 
     /// Whether the engine is ready (its warm-up done).
@@ -220,7 +225,7 @@ pub fn spawn_worker_with<B: EngineBackend>(
     });
     let parallel = parallel.max(1);
     let slots = Arc::new(Mutex::new(idle_slots(parallel)));
-    let load = Arc::new(Mutex::new(WorkerLoad::default()));
+    let load = LoadGauge::default();
     let handle = WorkerHandle {
         sender,
         queued: queued.clone(),
@@ -293,7 +298,7 @@ struct Worker<B> {
     running: HashMap<RequestId, Slot>,
     metrics: Arc<Metrics>,
     slots: Arc<Mutex<Vec<SlotState>>>,
-    load: Arc<Mutex<WorkerLoad>>,
+    load: LoadGauge,
     kv_events: Option<UnboundedSender<Vec<pagoda_engine::CacheEvent>>>,
 }
 
@@ -560,7 +565,7 @@ impl<B: EngineBackend> Worker<B> {
         let snapshot = self.backend.snapshot();
         let waiting = self.waiting.len() + self.embeds.len();
         self.metrics.update_engine(&snapshot, waiting);
-        *self.load.lock().unwrap_or_else(|e| e.into_inner()) = WorkerLoad {
+        *self.load.0.lock().unwrap_or_else(|e| e.into_inner()) = WorkerLoad {
             running: self.running.len(),
             waiting,
             pages_used: snapshot.pages_used,

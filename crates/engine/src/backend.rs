@@ -59,12 +59,12 @@ impl Backend {
     }
 
     /// Weight bytes a decode step of `rows` rows reads (a mixture-of-experts model's idle
-    /// experts left out: [`Model::step_weight_bytes`]; every weight on the GPU, which runs
-    /// no such model yet).
+    /// experts left out, under uniform routing: [`Model::step_weight_bytes`],
+    /// `CudaModel::step_weight_bytes`).
     pub fn step_weight_bytes(&self, rows: usize) -> f64 {
         match self {
             Backend::Cpu(model) => model.step_weight_bytes(rows),
-            Backend::Cuda(model) => model.weight_bytes() as f64,
+            Backend::Cuda(model) => model.step_weight_bytes(rows),
         }
     }
 

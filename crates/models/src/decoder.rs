@@ -13,10 +13,10 @@
 //! Adding an architecture of this shape (another norm placement, a gated MLP variant) is a new
 //! sequence here plus the steps it needs on each device. The mixture-of-experts MLP block
 //! (Qwen3-MoE, Mixtral) is such a sequence, [`llama_moe_layers`]: its steps form the optional
-//! capability [`MoeStep`], which the CPU has and CUDA does not have yet (its loader declines
-//! MoE models). DeepSeek's sequence, [`deepseek_layers`], adds the latent attention steps of
-//! [`MlaStep`], which CUDA has too: it runs DeepSeek-shaped models with dense MLPs through
-//! [`deepseek_dense_layers`].
+//! capability [`MoeStep`], which the CPU and CUDA have (ADR 0008, ADR 0010). DeepSeek's
+//! sequence, [`deepseek_layers`], adds the latent attention steps of [`MlaStep`], which CUDA
+//! has too: it runs DeepSeek-shaped models with dense MLPs through [`deepseek_dense_layers`]
+//! (its loader declines DeepSeek models with expert layers for now).
 
 /// One forward step of a ragged batch on a device: the operations the layer sequence is
 /// made of. Every method acts on the step's own buffers.

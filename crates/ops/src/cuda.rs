@@ -37,6 +37,10 @@ pub use crate::linear::cuda::{
     quantize_rows_q8, specialize_dequantize, specialize_gemv_quant, specialize_gemv_small,
     specialize_quantize_q8, Q8Rows, QuantFormat, GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS, QUANT_PADDING,
 };
+pub use crate::moe::cuda::{
+    moe_combine, moe_experts, moe_route, specialize_moe, DeviceRouter, MoeEntry, MoeWorkspace,
+    MOE_MAX_EXPERTS, MOE_MAX_TOP_K, MOE_TILE_ROWS,
+};
 pub use crate::norm::cuda::{
     add_bias_rows, add_rms_norm, rms_norm, rms_norm_heads, specialize_norm, specialize_qkv,
     NormEntry, QkvEntry,
@@ -68,6 +72,7 @@ pub fn all_specializations() -> Vec<KernelSpec> {
         crate::attention::cuda::specializations(),
         crate::activation::cuda::specializations(),
         crate::linear::cuda::specializations(),
+        crate::moe::cuda::specializations(),
     ];
     let mut specs: Vec<KernelSpec> = per_op
         .into_iter()

@@ -8,6 +8,11 @@
 //! ([`ExpertRouting`]): per row its picks, and per expert its rows in ascending order (a CSR
 //! list, what a grouped GEMM over experts consumes). A row's picks and weights depend on its
 //! own logits only, never on the other rows of the batch.
+//!
+//! The device side ([`cuda`]) routes on the GPU with the same choices and runs the grouped
+//! expert MLP and the combine over the routing it leaves on the device.
+
+pub mod cuda;
 
 /// Whether the picked experts' weights are divided by their sum.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,6 +8,7 @@ use pagoda_cuda::{CudaError, DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{self as ops, DecodeWorkspace, PoolLayout};
 
 use super::decode_path::{load_table, tuning_geometry, FusedDecode};
+use super::experts::MoeBuffers;
 use super::matrix::QuantScratch;
 use super::mla_decode::MlaDecode;
 use super::prefill_path::PrefillChoice;
@@ -74,6 +75,9 @@ pub struct StepBuffers<T> {
     pub gemv: bool,
     /// The quantized matrices' activations and dense scratch (empty for a dense model).
     pub quant: QuantScratch<T>,
+    /// The mixture-of-experts blocks' router logits, routing and expert activations (`None`
+    /// for a dense model).
+    pub moe: Option<MoeBuffers<T>>,
 }
 
 impl<T: HostFloat> StepBuffers<T> {
@@ -106,10 +110,14 @@ impl<T: HostFloat> StepBuffers<T> {
         } else {
             options.kernels.quant_gemv_rows
         };
+        let shared_experts = c.moe.as_ref().map_or(0, |moe| {
+            moe.num_shared_experts * moe.expert_intermediate_size
+        });
         let width = c
             .hidden_size
             .max(c.intermediate_size)
-            .max(c.num_attention_heads * c.head_dim);
+            .max(c.num_attention_heads * c.head_dim)
+            .max(shared_experts);
         let quant = QuantScratch::new(gpu, largest_quantized, width, gemv_rows)?;
         if largest_quantized > 0 {
             static QUANT: std::sync::Once = std::sync::Once::new();
@@ -196,6 +204,7 @@ impl<T: HostFloat> StepBuffers<T> {
             fused_rope_append: options.kernels.fused_rope_append,
             gemv: options.kernels.gemv && !options.kernels.deterministic,
             quant,
+            moe: MoeBuffers::new(gpu, c, options.max_batch_tokens)?,
         })
     }
 }

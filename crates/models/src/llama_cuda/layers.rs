@@ -2,7 +2,8 @@
 //! decode graph captures): embedding, the layers, the final norm and the LM head of the rows
 //! that need logits. q, k and v come out of one GEMM into one QKV buffer (`[q | k | v]` per
 //! token row) and the residual adds ride on the output GEMMs (`beta = 1` into the f32
-//! residual stream).
+//! residual stream). A MoE model's layers run the MoE sequence, whose expert steps live in
+//! `experts.rs`.
 
 use pagoda_cuda::{view, view_mut, CudaError, DeviceBuffer, DeviceView, DeviceViewMut, Gpu};
 use pagoda_ops::cuda::{
@@ -11,9 +12,10 @@ use pagoda_ops::cuda::{
 
 use super::buffers::{Attention, StepShape};
 use super::decode_path::FusedDecode;
+use super::experts::{ExpertStep, GpuExperts, MoeBuffers};
 use super::matrix::{Linear, Matrix, QuantScratch};
-use super::{GpuLayer, GpuModel, GqaWeights, HostFloat, LayerAttention, StepBuffers};
-use crate::decoder::{deepseek_dense_layers, llama_layers, DecoderStep};
+use super::{GpuLayer, GpuMlp, GpuModel, GqaWeights, HostFloat, LayerAttention, StepBuffers};
+use crate::decoder::{deepseek_dense_layers, llama_layers, llama_moe_layers, DecoderStep, MoeStep};
 
 mod mla;
 
@@ -28,10 +30,14 @@ impl<T: HostFloat> GpuModel<T> {
         shape: &StepShape,
     ) -> Result<(), CudaError> {
         let mut step = self.step(gpu, buffers, layout, shape)?;
-        match self.config.mla {
-            Some(_) => deepseek_dense_layers(&mut step, &self.layers),
-            None => llama_layers(&mut step, &self.layers),
+        // The loader declines latent attention with expert layers (DeepSeek's MoE).
+        if self.config.mla.is_some() {
+            return deepseek_dense_layers(&mut step, &self.layers);
         }
+        if self.config.moe.is_some() {
+            return llama_moe_layers(&mut step, &self.layers);
+        }
+        llama_layers(&mut step, &self.layers)
     }
 
     /// The step of `shape` over `buffers`, ready to queue its kernels.
@@ -54,6 +60,7 @@ impl<T: HostFloat> GpuModel<T> {
             fused_rope_append,
             gemv,
             quant,
+            moe,
         } = buffers;
         let StepShape {
             num_tokens,
@@ -114,6 +121,7 @@ impl<T: HostFloat> GpuModel<T> {
             fused_rope_append: *fused_rope_append,
             gemv: *gemv,
             quant,
+            moe: moe.as_mut(),
             page_table,
             num_tokens,
             num_logits,
@@ -158,6 +166,8 @@ pub(super) struct GpuStep<'a, T> {
     gemv: bool,
     /// What linear layers over quantized matrices need.
     quant: &'a mut QuantScratch<T>,
+    /// A MoE model's expert buffers.
+    moe: Option<&'a mut MoeBuffers<T>>,
     page_table: DevicePageTable<'a>,
     num_tokens: usize,
     num_logits: usize,
@@ -383,6 +393,7 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     }
 
     fn gate_up_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
+        let (w_gate_up, _) = dense(layer)?;
         let c = &self.model.config;
         let shape = (self.num_tokens, 2 * c.intermediate_size, c.hidden_size);
         let mut linear = Linear {
@@ -390,13 +401,7 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
             small: self.gemv,
             quant: &mut *self.quant,
         };
-        linear.run(
-            &self.normed,
-            &layer.w_gate_up,
-            &mut self.gate_up,
-            shape,
-            0.0,
-        )
+        linear.run(&self.normed, w_gate_up, &mut self.gate_up, shape, 0.0)
     }
 
     fn silu_mul(&mut self) -> Result<(), CudaError> {
@@ -408,6 +413,7 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     }
 
     fn down_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
+        let (_, w_down) = dense(layer)?;
         let c = &self.model.config;
         let shape = (self.num_tokens, c.hidden_size, c.intermediate_size);
         let mut linear = Linear {
@@ -415,7 +421,7 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
             small: self.gemv,
             quant: &mut *self.quant,
         };
-        linear.run(&self.act, &layer.w_down, &mut self.x, shape, 1.0)
+        linear.run(&self.act, w_down, &mut self.x, shape, 1.0)
     }
 
     fn logits(&mut self) -> Result<(), CudaError> {
@@ -444,6 +450,68 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
         };
         linear.run(&self.selected_normed, head, &mut self.logits, shape, 0.0)
     }
+}
+
+impl<T: HostFloat> MoeStep for GpuStep<'_, T> {
+    fn is_moe(layer: &GpuLayer<T>) -> bool {
+        matches!(layer.mlp, GpuMlp::Experts(_))
+    }
+
+    fn route(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
+        let (experts, buffers) = expert_parts(layer, &mut self.moe)?;
+        let mut step = ExpertStep {
+            gpu: self.gpu,
+            linear: Linear {
+                gpu: self.gpu,
+                small: self.gemv,
+                quant: &mut *self.quant,
+            },
+            num_tokens: self.num_tokens,
+            hidden: self.model.config.hidden_size,
+        };
+        step.route(experts, &self.normed, buffers)
+    }
+
+    fn experts(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
+        let (experts, buffers) = expert_parts(layer, &mut self.moe)?;
+        let mut step = ExpertStep {
+            gpu: self.gpu,
+            linear: Linear {
+                gpu: self.gpu,
+                small: self.gemv,
+                quant: &mut *self.quant,
+            },
+            num_tokens: self.num_tokens,
+            hidden: self.model.config.hidden_size,
+        };
+        step.experts(experts, &self.normed, buffers, &mut self.x)
+    }
+}
+
+/// The gate/up and down matrices of a dense MLP block.
+fn dense<T>(layer: &GpuLayer<T>) -> Result<(&Matrix<T>, &Matrix<T>), CudaError> {
+    match &layer.mlp {
+        GpuMlp::Dense { w_gate_up, w_down } => Ok((w_gate_up, w_down)),
+        GpuMlp::Experts(_) => Err(CudaError::invalid(
+            "a dense MLP step ran on a mixture-of-experts layer",
+        )),
+    }
+}
+
+/// The experts of a MoE layer and the step's expert buffers.
+fn expert_parts<'l, 'b, T>(
+    layer: &'l GpuLayer<T>,
+    buffers: &'b mut Option<&mut MoeBuffers<T>>,
+) -> Result<(&'l GpuExperts<T>, &'b mut MoeBuffers<T>), CudaError> {
+    let GpuMlp::Experts(experts) = &layer.mlp else {
+        return Err(CudaError::invalid(
+            "a mixture-of-experts step ran on a dense layer",
+        ));
+    };
+    let buffers = buffers
+        .as_deref_mut()
+        .ok_or_else(|| CudaError::invalid("a MoE step without its expert buffers"))?;
+    Ok((experts, buffers))
 }
 
 /// The fused split-KV paged decode of `queries` (one row per request of `kv`'s table) with

@@ -18,11 +18,13 @@
 //! `pieces.rs` runs a step as piecewise graphs (everything but attention and the LM head);
 //! `decode_path.rs` picks the decode attention (and loads the tuning table);
 //! `prefill_path.rs` picks the streaming prefill's tiling; `kernels.rs` holds the configured
-//! kernel choices.
+//! kernel choices; `experts.rs` holds the mixture-of-experts blocks.
 //!
 //! Architectures: llama (Llama 2/3, SmolLM2, Mistral), Qwen2 (q/k/v bias, added after the
-//! QKV GEMM), Qwen3 (per-head q/k RMSNorm before RoPE) and DeepSeek's latent attention
-//! (`mla_weights.rs`, `layers/mla.rs`, `mla_decode.rs`; ADR 0009) with dense MLPs.
+//! QKV GEMM), Qwen3 (per-head q/k RMSNorm before RoPE), the mixture-of-experts Qwen3-MoE
+//! and Mixtral (`experts.rs`, ADR 0010: router, expert lists and grouped expert MLP on the
+//! device), and DeepSeek's latent attention (`mla_weights.rs`, `layers/mla.rs`,
+//! `mla_decode.rs`; ADR 0009) with dense MLPs. DeepSeek with expert layers stays on the CPU.
 
 use std::sync::Arc;
 
@@ -37,6 +39,7 @@ use matrix::Matrix;
 
 pub use buffers::{Attention, MlaScratch, Scratch, StepBuffers, StepShape};
 pub use decode_path::{FusedDecode, PagedDecodeMode, VariantSource, PAGED_DECODE_ENV_VAR};
+pub use experts::MoeBuffers;
 pub use kernels::{CudaKernels, DecodeKernelChoice, SamplingKernels};
 pub use matrix::QuantScratch;
 pub use mla_decode::MlaDecode;
@@ -46,6 +49,7 @@ pub use prefill_path::PrefillChoice;
 
 mod buffers;
 mod decode_path;
+mod experts;
 mod kernels;
 mod layers;
 mod matrix;
@@ -60,10 +64,11 @@ mod weights;
 /// checks against the CPU's exact mode).
 pub use pagoda_tensor::DType;
 
-/// Why the CUDA model declines a mixture-of-experts model (its expert steps, a grouped GEMM
-/// over per-expert token lists, are not written yet). DeepSeek's latent attention runs
-/// (with dense MLPs).
-pub const MOE_ON_CPU_ONLY: &str = "MoE models run on the CPU for now (use --device cpu)";
+/// Why the CUDA model declines DeepSeek models with expert layers: latent attention runs with
+/// dense MLPs, and expert layers with grouped-query attention, but the two together (and
+/// DeepSeek's group-limited routing) are not wired yet.
+pub const MLA_MOE_ON_CPU_ONLY: &str =
+    "DeepSeek models with expert layers run on the CPU for now (use --device cpu)";
 
 /// Sizes of the KV pool and the step buffers ([`StepBuffers::new`]).
 #[derive(Debug, Clone, Copy)]
@@ -125,9 +130,7 @@ struct GpuLayer<T> {
     attn_norm: DeviceBuffer<T>,
     attention: LayerAttention<T>,
     ffn_norm: DeviceBuffer<T>,
-    /// `[2 * intermediate, hidden]`: gate then up.
-    w_gate_up: Matrix<T>,
-    w_down: Matrix<T>,
+    mlp: GpuMlp<T>,
 }
 
 /// A layer's attention block: grouped-query (the llama family) or DeepSeek's latent
@@ -149,6 +152,18 @@ struct GqaWeights<T> {
     q_norm: Option<DeviceBuffer<T>>,
     k_norm: Option<DeviceBuffer<T>>,
     wo: Matrix<T>,
+}
+
+/// A layer's MLP block.
+enum GpuMlp<T> {
+    /// One SiLU-gated MLP.
+    Dense {
+        /// `[2 * intermediate, hidden]`: gate then up.
+        w_gate_up: Matrix<T>,
+        w_down: Matrix<T>,
+    },
+    /// A router and its experts.
+    Experts(Box<experts::GpuExperts<T>>),
 }
 
 /// A model's weights on the GPU in element type `T`.
@@ -201,8 +216,11 @@ impl CudaModel {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel, LoadError> {
         config.validate().map_err(|e| LoadError(e.to_string()))?;
-        if config.has_expert_layers() {
-            return Err(LoadError(MOE_ON_CPU_ONLY.into()));
+        if config.mla.is_some() && config.has_expert_layers() {
+            return Err(LoadError(MLA_MOE_ON_CPU_ONLY.into()));
+        }
+        if let Some(moe) = config.moe.as_ref().filter(|_| config.has_expert_layers()) {
+            experts::device_router(moe).map_err(|e| LoadError(e.to_string()))?;
         }
         if let Some(reason) = mla_weights::mla_unsupported_config(&config) {
             return Err(LoadError(format!("{reason} (use --device cpu)")));
@@ -248,6 +266,17 @@ impl CudaModel {
             CudaModel::Bf16(model) => model.weight_bytes(),
             CudaModel::F32(model) => model.weight_bytes(),
         }
+    }
+
+    /// Weight bytes a decode step of `rows` rows reads: [`CudaModel::weight_bytes`] less the
+    /// experts no row is routed to, under uniform routing (as the CPU model's
+    /// `step_weight_bytes`).
+    pub fn step_weight_bytes(&self, rows: usize) -> f64 {
+        let idle = match self {
+            CudaModel::Bf16(model) => model.idle_expert_bytes(rows),
+            CudaModel::F32(model) => model.idle_expert_bytes(rows),
+        };
+        self.weight_bytes() as f64 - idle
     }
 
     /// The device the model lives on.

@@ -5,14 +5,16 @@
 //! projection, MLP, the next layer's norm, QKV and KV append), one after the last; the
 //! attention kernels and the LM head (whose rows vary) run from the host between them. A
 //! piece's kernels depend only on the step's token count, so the pieces are captured once per
-//! token bucket (the step padded with rows that write no KV and produce no logits).
+//! token bucket (the step padded with rows that write no KV and produce no logits). A MoE
+//! layer's routing and experts ride in the pieces like the dense MLP: their grids depend on
+//! the token count only.
 
 use pagoda_cuda::{CapturedGraph, CudaError, Gpu};
 use pagoda_ops::cuda::PoolLayout;
 
 use super::layers::GpuStep;
 use super::{GpuLayer, GpuModel, HostFloat, StepBuffers, StepShape};
-use crate::decoder::{llama_layers, DecoderStep};
+use crate::decoder::{llama_layers, llama_moe_layers, DecoderStep, MoeStep};
 
 /// How [`GpuModel::run_pieces`] runs a step's pieces.
 pub enum Pieces<'a> {
@@ -53,9 +55,14 @@ impl<T: HostFloat> GpuModel<T> {
             next: 0,
             capturing: false,
         };
-        let result = piecewise
-            .open()
-            .and_then(|()| llama_layers(&mut piecewise, &self.layers));
+        let moe = self.config.moe.is_some();
+        let result = piecewise.open().and_then(|()| {
+            if moe {
+                llama_moe_layers(&mut piecewise, &self.layers)
+            } else {
+                llama_layers(&mut piecewise, &self.layers)
+            }
+        });
         if piecewise.capturing {
             // A failure inside a piece: end (and drop) its capture so the stream is usable.
             let _ = gpu.end_capture();
@@ -158,5 +165,16 @@ impl<'a, T: HostFloat> DecoderStep for Piecewise<'a, '_, T> {
     fn logits(&mut self) -> Result<(), CudaError> {
         self.close()?;
         self.step.logits()
+    }
+}
+
+impl<'a, T: HostFloat> MoeStep for Piecewise<'a, '_, T> {
+    fn is_moe(layer: &GpuLayer<T>) -> bool {
+        GpuStep::<'a, T>::is_moe(layer)
+    }
+
+    in_piece! {
+        route(layer: &GpuLayer<T>);
+        experts(layer: &GpuLayer<T>);
     }
 }

@@ -9,9 +9,10 @@ use pagoda_ops::cuda::{self as ops, QuantFormat, RopeStyle as GpuRopeStyle};
 use pagoda_tensor::GgmlType;
 use rayon::prelude::*;
 
+use super::experts::load_experts;
 use super::matrix::{Matrix, QuantMatrix, QuantPart};
 use super::mla_weights::load_mla;
-use super::{GpuLayer, GpuModel, GqaWeights, HostFloat, LayerAttention, MOE_ON_CPU_ONLY};
+use super::{GpuLayer, GpuMlp, GpuModel, GqaWeights, HostFloat, LayerAttention};
 use crate::config::{ModelConfig, RopeStyle};
 use crate::llama::LoadError;
 use crate::weight_plan::{
@@ -37,10 +38,21 @@ impl<T: HostFloat> GpuModel<T> {
         let upload = |spec: &TensorSpec| upload_tensor::<T>(g, source, &spec.name, &spec.shape);
         let optional = |spec: &Option<TensorSpec>| spec.as_ref().map(upload).transpose();
         let matrix = |parts: &[&TensorSpec]| matrix::<T>(g, source, parts, keep_quantized);
+        let upload_f32 =
+            |spec: &TensorSpec| upload_tensor::<f32>(g, source, &spec.name, &spec.shape);
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, l) in plan.layers.iter().enumerate() {
-            let MlpPlan::Dense { gate, up, down } = &l.mlp else {
-                return Err(LoadError(MOE_ON_CPU_ONLY.into()));
+            let mlp = match &l.mlp {
+                MlpPlan::Dense { gate, up, down } => GpuMlp::Dense {
+                    w_gate_up: matrix(&[gate, up])?,
+                    w_down: matrix(&[down])?,
+                },
+                MlpPlan::Experts(experts) => GpuMlp::Experts(Box::new(load_experts(
+                    experts,
+                    &upload,
+                    &upload_f32,
+                    &matrix,
+                )?)),
             };
             let attention = match &l.attention {
                 AttentionPlan::Gqa(a) => LayerAttention::Gqa(GqaWeights {
@@ -58,8 +70,7 @@ impl<T: HostFloat> GpuModel<T> {
                 attn_norm: upload(&l.attn_norm)?,
                 attention,
                 ffn_norm: upload(&l.ffn_norm)?,
-                w_gate_up: matrix(&[gate, up])?,
-                w_down: matrix(&[down])?,
+                mlp,
             });
             progress(i + 1, c.num_layers + 1);
         }
@@ -84,15 +95,18 @@ impl<T: HostFloat> GpuModel<T> {
         })
     }
 
-    /// The model's matrices: every layer's (attention's and MLP's), the embedding and the
-    /// LM head.
+    /// The model's matrices: every layer's attention and MLP matrices (a MoE layer's router
+    /// and shared experts; its stacked experts are buffers), the embedding and the LM head.
     pub(super) fn matrices(&self) -> impl Iterator<Item = &Matrix<T>> {
         let layers = self.layers.iter().flat_map(|l| {
             let mut matrices = match &l.attention {
                 LayerAttention::Gqa(a) => vec![&a.wqkv, &a.wo],
                 LayerAttention::Mla(a) => a.matrices(),
             };
-            matrices.extend([&l.w_gate_up, &l.w_down]);
+            match &l.mlp {
+                GpuMlp::Dense { w_gate_up, w_down } => matrices.extend([w_gate_up, w_down]),
+                GpuMlp::Experts(experts) => matrices.extend(experts.matrices()),
+            }
             matrices
         });
         layers.chain([&self.embedding]).chain(self.lm_head.as_ref())
@@ -117,7 +131,35 @@ impl<T: HostFloat> GpuModel<T> {
             .sum::<usize>()
             + self.output_norm.len();
         let matrices: usize = self.matrices().map(Matrix::bytes).sum();
-        vectors * std::mem::size_of::<T>() + matrices
+        let experts: usize = self
+            .layers
+            .iter()
+            .map(|l| match &l.mlp {
+                GpuMlp::Experts(experts) => experts.expert_bytes() + experts.bias_bytes(),
+                GpuMlp::Dense { .. } => 0,
+            })
+            .sum();
+        vectors * std::mem::size_of::<T>() + matrices + experts
+    }
+
+    /// The expected bytes of the experts a step of `rows` rows leaves idle, under uniform
+    /// routing: a layer of `E` experts, `k` per row, leaves each idle with probability
+    /// `(1 - k/E)^rows` (0 for a dense model).
+    pub(super) fn idle_expert_bytes(&self, rows: usize) -> f64 {
+        let Some(moe) = &self.config.moe else {
+            return 0.0;
+        };
+        let idle_share =
+            (1.0 - moe.experts_per_token as f64 / moe.num_experts as f64).powi(rows as i32);
+        let experts: usize = self
+            .layers
+            .iter()
+            .map(|l| match &l.mlp {
+                GpuMlp::Experts(experts) => experts.expert_bytes(),
+                GpuMlp::Dense { .. } => 0,
+            })
+            .sum();
+        experts as f64 * idle_share
     }
 
     /// The largest dense copy a quantized matrix decodes into (0: none is quantized): what

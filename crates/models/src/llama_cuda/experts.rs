@@ -1,0 +1,231 @@
+//! Mixture-of-experts MLP blocks on the GPU (Qwen3-MoE, Mixtral; ADR 0010): a layer's
+//! router, its experts' weights stacked per projection as GGUF stores them (`[num_experts,
+//! out, in]` in the model's dtype, one buffer each, the experts addressed by offset inside
+//! the kernels) and the shared experts' dense MLP; the step buffers a MoE model adds
+//! ([`MoeBuffers`], allocated only when the configuration has experts); and the two steps
+//! (`route`, `experts`) as functions over them, which `layers.rs` calls from its
+//! [`MoeStep`](crate::decoder::MoeStep) implementation.
+
+use pagoda_cuda::{view, view_mut, CudaError, DeviceBuffer, DeviceRead, DeviceViewMut, Gpu};
+use pagoda_ops::cuda::{self as ops, DeviceRouter, MoeWorkspace};
+use pagoda_ops::moe::{Renormalize, Scoring};
+
+use super::matrix::{Linear, Matrix};
+use super::HostFloat;
+use crate::config::{ExpertScoring, ModelConfig, MoeConfig, TopKWeights};
+use crate::llama::LoadError;
+use crate::weight_plan::{ExpertsPlan, TensorSpec};
+
+/// A MoE layer's weights on the device.
+pub(super) struct GpuExperts<T> {
+    /// `[num_experts, hidden]`; its logits come out in f32.
+    pub router: Matrix<T>,
+    /// `[num_experts]`: the sigmoid router's selection bias.
+    pub selection_bias: Option<DeviceBuffer<f32>>,
+    /// `[num_experts, expert_intermediate, hidden]`.
+    pub gate: DeviceBuffer<T>,
+    /// `[num_experts, expert_intermediate, hidden]`.
+    pub up: DeviceBuffer<T>,
+    /// `[num_experts, hidden, expert_intermediate]`.
+    pub down: DeviceBuffer<T>,
+    /// The shared experts: gate and up stacked (`[2 * shared_width, hidden]`), then down
+    /// (`[hidden, shared_width]`).
+    pub shared: Option<[Matrix<T>; 2]>,
+}
+
+impl<T> GpuExperts<T> {
+    /// The block's matrices the linear layers multiply (the router and the shared experts).
+    pub fn matrices(&self) -> impl Iterator<Item = &Matrix<T>> {
+        std::iter::once(&self.router).chain(self.shared.iter().flatten())
+    }
+
+    /// Bytes of the stacked experts.
+    pub fn expert_bytes(&self) -> usize {
+        (self.gate.len() + self.up.len() + self.down.len()) * std::mem::size_of::<T>()
+    }
+
+    /// Bytes of the selection bias.
+    pub fn bias_bytes(&self) -> usize {
+        self.selection_bias.as_ref().map_or(0, |b| 4 * b.len())
+    }
+}
+
+/// The device router of `moe`, or why the GPU declines it (group-limited routing).
+pub(super) fn device_router(moe: &MoeConfig) -> Result<DeviceRouter, CudaError> {
+    let router = pagoda_ops::moe::Router {
+        num_experts: moe.num_experts,
+        top_k: moe.experts_per_token,
+        scoring: match moe.scoring {
+            ExpertScoring::Softmax => Scoring::Softmax,
+            ExpertScoring::Sigmoid => Scoring::Sigmoid,
+        },
+        renormalize: match moe.top_k_weights {
+            TopKWeights::Softmax => Renormalize::No,
+            TopKWeights::Normalized => Renormalize::Yes,
+        },
+        group_limit: None,
+        selection_bias: None,
+        scale: moe.routed_scaling_factor,
+    };
+    if moe.group_limit.is_some() {
+        return Err(CudaError::invalid(
+            "group-limited expert routing (DeepSeek) runs on the CPU only",
+        ));
+    }
+    DeviceRouter::from_router(&router)
+}
+
+/// Puts a tensor on the device as `U`.
+type Upload<'a, U> = &'a dyn Fn(&TensorSpec) -> Result<DeviceBuffer<U>, LoadError>;
+/// Builds a linear layer's matrix from its stacked parts.
+type MatrixFrom<'a, T> = &'a dyn Fn(&[&TensorSpec]) -> Result<Matrix<T>, LoadError>;
+
+/// Loads a MoE layer's weights: `upload` puts a tensor on the device in `T` (the stacked
+/// experts dequantized or converted, whatever the file's type), `matrix` builds a linear
+/// layer's matrix from its parts (kept in GGUF blocks where the GPU multiplies them in place).
+pub(super) fn load_experts<T: HostFloat>(
+    plan: &ExpertsPlan,
+    upload: Upload<'_, T>,
+    upload_f32: Upload<'_, f32>,
+    matrix: MatrixFrom<'_, T>,
+) -> Result<GpuExperts<T>, LoadError> {
+    let shared = match &plan.shared {
+        Some([gate, up, down]) => Some([matrix(&[gate, up])?, matrix(&[down])?]),
+        None => None,
+    };
+    Ok(GpuExperts {
+        router: matrix(&[&plan.router])?,
+        selection_bias: plan.selection_bias.as_ref().map(upload_f32).transpose()?,
+        gate: upload(&plan.gate)?,
+        up: upload(&plan.up)?,
+        down: upload(&plan.down)?,
+        shared,
+    })
+}
+
+/// The step buffers of a MoE model's expert blocks, for steps of up to the step buffers'
+/// token count.
+pub struct MoeBuffers<T> {
+    /// `[max_tokens, num_experts]`: the router's logits.
+    logits: DeviceBuffer<f32>,
+    /// The routing, the intermediates and the expert outputs.
+    workspace: MoeWorkspace<T>,
+    /// The shared experts' buffers, where the model has them.
+    shared: Option<SharedBuffers<T>>,
+    router: DeviceRouter,
+}
+
+/// The shared experts' activations.
+struct SharedBuffers<T> {
+    /// `[max_tokens, 2 * shared_width]`.
+    gate_up: DeviceBuffer<T>,
+    /// `[max_tokens, shared_width]`.
+    act: DeviceBuffer<T>,
+    /// `[max_tokens, hidden]`, f32: added after the routed experts.
+    out: DeviceBuffer<f32>,
+    /// `num_shared_experts * expert_intermediate_size`.
+    width: usize,
+}
+
+impl<T: HostFloat> MoeBuffers<T> {
+    /// The buffers for `c`'s expert blocks and steps of up to `max_tokens` tokens, or `None`
+    /// for a dense model (nothing allocated).
+    pub fn new(gpu: &Gpu, c: &ModelConfig, max_tokens: usize) -> Result<Option<Self>, CudaError> {
+        let Some(moe) = &c.moe else {
+            return Ok(None);
+        };
+        let router = device_router(moe)?;
+        let tokens = max_tokens.max(1);
+        let inter = moe.expert_intermediate_size;
+        let workspace = MoeWorkspace::new(gpu, &router, tokens, c.hidden_size, inter)?;
+        let shared_width = moe.num_shared_experts * inter;
+        let shared = if shared_width > 0 {
+            Some(SharedBuffers {
+                gate_up: gpu.zeros(tokens * 2 * shared_width)?,
+                act: gpu.zeros(tokens * shared_width)?,
+                out: gpu.zeros(tokens * c.hidden_size)?,
+                width: shared_width,
+            })
+        } else {
+            None
+        };
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        LOGGED.call_once(|| {
+            tracing::info!(
+                "CUDA mixture of experts: router, expert lists and grouped expert MLP on the \
+                 device (CUDA cores, {} entries per tile; no host round trip, graph-capturable)",
+                ops::MOE_TILE_ROWS
+            )
+        });
+        Ok(Some(MoeBuffers {
+            logits: gpu.zeros(tokens * moe.num_experts)?,
+            workspace,
+            shared,
+            router,
+        }))
+    }
+}
+
+/// What the expert steps of one step read besides the layer's weights.
+pub(super) struct ExpertStep<'s, 'a, T> {
+    pub gpu: &'a Gpu,
+    pub linear: Linear<'s, T>,
+    pub num_tokens: usize,
+    pub hidden: usize,
+}
+
+impl<T: HostFloat> ExpertStep<'_, '_, T> {
+    /// `logits <- normed · Wrouter^T`, then each row's experts, each expert's rows and the
+    /// matmul tiles, on the device.
+    pub fn route(
+        &mut self,
+        experts: &GpuExperts<T>,
+        normed: &impl DeviceRead<T>,
+        buffers: &mut MoeBuffers<T>,
+    ) -> Result<(), CudaError> {
+        let n = self.num_tokens;
+        let num_experts = buffers.router.num_experts;
+        let mut logits = view_mut(&mut buffers.logits, 0..n * num_experts)?;
+        let shape = (n, num_experts, self.hidden);
+        self.linear
+            .run(normed, &experts.router, &mut logits, shape, 0.0)?;
+        let (router, bias) = (&buffers.router, experts.selection_bias.as_ref());
+        ops::moe_route(self.gpu, &logits, router, bias, &mut buffers.workspace, n)
+    }
+
+    /// `x += Σ weight · expert(normed)` over each row's experts in ascending index, plus the
+    /// shared experts' MLP where the layer has them.
+    pub fn experts(
+        &mut self,
+        experts: &GpuExperts<T>,
+        normed: &impl DeviceRead<T>,
+        buffers: &mut MoeBuffers<T>,
+        x: &mut DeviceViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        let (gpu, n, hidden) = (self.gpu, self.num_tokens, self.hidden);
+        let weights = [&experts.gate, &experts.up, &experts.down];
+        ops::moe_experts(gpu, normed, weights, &mut buffers.workspace, n)?;
+        let (Some([gate_up, down]), Some(shared)) = (&experts.shared, &mut buffers.shared) else {
+            let none: Option<&DeviceBuffer<f32>> = None;
+            return ops::moe_combine(gpu, &buffers.workspace, none, x, n);
+        };
+        // The shared experts: the dense MLP's steps into their own buffers.
+        let width = shared.width;
+        let mut gate_up_out = view_mut(&mut shared.gate_up, 0..n * 2 * width)?;
+        self.linear.run(
+            normed,
+            gate_up,
+            &mut gate_up_out,
+            (n, 2 * width, hidden),
+            0.0,
+        )?;
+        let gate = view(&shared.gate_up, 0..n * 2 * width)?;
+        let up = view(&shared.gate_up, width..n * 2 * width)?;
+        let mut act = view_mut(&mut shared.act, 0..n * width)?;
+        ops::silu_mul(gpu, &gate, &up, &mut act, width, (2 * width, 2 * width))?;
+        let mut out = view_mut(&mut shared.out, 0..n * hidden)?;
+        self.linear
+            .run(&act, down, &mut out, (n, hidden, width), 0.0)?;
+        ops::moe_combine(gpu, &buffers.workspace, Some(&out), x, n)
+    }
+}

@@ -1,0 +1,215 @@
+// Mixture-of-experts routing on the device, one launch of one CTA (`moe_route`): each row's
+// top-k experts and weights (one warp per row at a time), then each expert's routed entries in
+// row order (a CSR list) and the tiles the expert matmuls of moe_experts.cu run. CPU
+// reference: pagoda_ops::moe::route_with (the same choices; weights within an ulp or two of
+// f32, expf against Rust's exp, and the full softmax sum in another order).
+//
+// The grid is fixed: a decode step's routing is captured in its CUDA graph. A row's choice
+// reads its own logits only (batch invariance).
+//
+// Specialisation: PAGODA_T (float or __nv_bfloat16; unused here, named by the registry).
+typedef PAGODA_T T;
+
+namespace moe_route_detail {
+constexpr int MAX_EXPERTS = 512;    // one word per expert and warp in shared memory
+constexpr int WARPS = 8;            // rows routed at once
+constexpr int MAX_TOP_K = 32;
+constexpr int TILE_ROWS = 8;        // entries per expert-matmul tile (moe_experts.cu's TILE_ROWS)
+constexpr int CHUNK = 1024;         // entries per pass of the CSR scatter
+
+// f32::total_cmp's order as an unsigned key (larger float, larger key; -0 below +0). Key 0 is
+// no float's (it would be a negative NaN, which the router maps to -inf first).
+PAGODA_DEVICE unsigned int order_key(float v) {
+    const unsigned int bits = __float_as_uint(v);
+    return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// NaN (v != v) becomes -inf: it ranks below every number.
+PAGODA_DEVICE float finite_or_neg_inf(float v) { return v != v ? -INFINITY : v; }
+
+PAGODA_DEVICE float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Warp argmax of (key, index): the larger key, on equal keys the lower index.
+PAGODA_DEVICE void warp_best(unsigned int& key, unsigned int& index) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const unsigned int other_key = __shfl_xor_sync(0xffffffffu, key, offset);
+        const unsigned int other_index = __shfl_xor_sync(0xffffffffu, index, offset);
+        if (other_key > key || (other_key == key && other_index < index)) {
+            key = other_key;
+            index = other_index;
+        }
+    }
+}
+
+// Routes one row (`logits_row`, num_experts f32) on the calling warp into row_experts /
+// row_weights [top_k], best first. scoring 0: softmax (choose by logit, weigh by the softmax
+// over every expert, or over the picked when renormalize); 1: sigmoid (choose by sigmoid +
+// bias, weigh by the unbiased sigmoid, divided by the picked sum + 1e-20 when renormalize).
+// NaN ranks last; ties go to the lower expert. Weights times scale. keys/picks: the warp's
+// shared scratch.
+PAGODA_DEVICE void route_row(const float* row, const float* bias, unsigned int num_experts,
+                             unsigned int top_k, unsigned int scoring, unsigned int renormalize,
+                             float scale, unsigned int* row_experts, float* row_weights,
+                             unsigned int* keys, unsigned int* picks) {
+    const unsigned int lane = threadIdx.x % 32;
+    float max_logit = -INFINITY;
+    for (unsigned int e = lane; e < num_experts; e += 32) {
+        const float l = row[e];
+        float choice;
+        if (scoring == 0) {
+            choice = finite_or_neg_inf(l);
+            max_logit = fmaxf(max_logit, choice);
+        } else {
+            choice = finite_or_neg_inf(sigmoid(l) + (bias != nullptr ? bias[e] : 0.0f));
+        }
+        keys[e] = order_key(choice);
+    }
+    max_logit = warp_max(max_logit);
+    __syncwarp();
+    for (unsigned int j = 0; j < top_k; ++j) {
+        unsigned int key = 0, index = 0xffffffffu;
+        for (unsigned int e = lane; e < num_experts; e += 32) {
+            if (keys[e] > key) {  // strided: indices increase per lane, ties keep the first
+                key = keys[e];
+                index = e;
+            }
+        }
+        warp_best(key, index);
+        if (lane == 0) {
+            picks[j] = index;
+            keys[index] = 0;  // below every score: taken
+        }
+        __syncwarp();
+    }
+    // The weights, in pick order, on lane 0 (top_k is small); the softmax's full denominator
+    // over the warp.
+    float denominator = 0.0f;
+    if (scoring == 0 && renormalize == 0) {
+        for (unsigned int e = lane; e < num_experts; e += 32) {
+            const float v = expf(row[e] - max_logit);
+            if (v == v) denominator += v;  // not NaN
+        }
+        denominator = warp_sum(denominator);
+    }
+    if (lane == 0) {
+        float sum = 0.0f;
+        for (unsigned int j = 0; j < top_k; ++j) {
+            const unsigned int e = picks[j];
+            float w;
+            if (scoring == 0) {
+                w = expf(finite_or_neg_inf(row[e]) - max_logit);
+            } else {
+                w = sigmoid(row[e]);
+                if (w != w) w = 0.0f;  // NaN
+            }
+            row_experts[j] = e;
+            row_weights[j] = w;
+            sum += w;
+        }
+        if (scoring == 0 && renormalize != 0) denominator = sum;
+        if (scoring != 0) denominator = renormalize != 0 ? sum + 1e-20f : 1.0f;
+        for (unsigned int j = 0; j < top_k; ++j) {
+            float w = scoring == 0 || renormalize != 0 ? row_weights[j] / denominator
+                                                       : row_weights[j];
+            if (scale != 1.0f) w *= scale;
+            row_weights[j] = w;
+        }
+    }
+    __syncwarp();  // the warp's keys and picks are reused by its next row
+}
+
+// Each expert's routed entries in ascending row order (a counting sort by expert, stable),
+// and the tiles of TILE_ROWS entries the expert matmuls run, by the whole CTA. Reads
+// experts/weights [num_entries] (num_entries = rows * top_k, row-major; written by this CTA
+// before a barrier, so read through the coherent path); writes expert_offsets [num_experts +
+// 1], expert_rows/expert_weights [num_entries] (entry i of expert e at expert_offsets[e] + i),
+// entry_slots [num_entries] (each routed entry's position in that order), tile_offsets
+// [num_experts + 1] (expert e's tiles are tile_offsets[e]..tile_offsets[e + 1]) and per tile
+// its expert and first position.
+PAGODA_DEVICE void expert_rows_of(const unsigned int* experts, const float* weights,
+                                  unsigned int num_entries, unsigned int top_k,
+                                  unsigned int num_experts, unsigned int* expert_offsets,
+                                  unsigned int* expert_rows, float* expert_weights,
+                                  unsigned int* entry_slots, unsigned int* tile_offsets,
+                                  unsigned int* tile_experts, unsigned int* tile_starts) {
+    __shared__ unsigned int counts[MAX_EXPERTS];
+    __shared__ unsigned int cursors[MAX_EXPERTS];
+    __shared__ unsigned int chunk[CHUNK];
+    for (unsigned int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = 0;
+    __syncthreads();
+    for (unsigned int i = threadIdx.x; i < num_entries; i += blockDim.x) {
+        atomicAdd(&counts[experts[i]], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int offset = 0, tiles = 0;
+        for (unsigned int e = 0; e < num_experts; ++e) {
+            const unsigned int count = counts[e];
+            expert_offsets[e] = offset;
+            tile_offsets[e] = tiles;
+            cursors[e] = offset;
+            offset += count;
+            tiles += (count + TILE_ROWS - 1) / TILE_ROWS;
+        }
+        expert_offsets[num_experts] = offset;
+        tile_offsets[num_experts] = tiles;
+    }
+    __syncthreads();
+    for (unsigned int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        const unsigned int first = tile_offsets[e], start = cursors[e];
+        const unsigned int tiles = (counts[e] + TILE_ROWS - 1) / TILE_ROWS;
+        for (unsigned int t = 0; t < tiles; ++t) {
+            tile_experts[first + t] = e;
+            tile_starts[first + t] = start + t * TILE_ROWS;
+        }
+    }
+    // The scatter: each thread walks every entry for its experts, so an expert's entries keep
+    // their (row-major) order.
+    for (unsigned int base = 0; base < num_entries; base += CHUNK) {
+        const unsigned int len = min((unsigned int)CHUNK, num_entries - base);
+        __syncthreads();
+        for (unsigned int i = threadIdx.x; i < len; i += blockDim.x) chunk[i] = experts[base + i];
+        __syncthreads();
+        for (unsigned int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+            unsigned int slot = cursors[e];
+            for (unsigned int i = 0; i < len; ++i) {
+                if (chunk[i] != e) continue;
+                const unsigned int entry = base + i;
+                expert_rows[slot] = entry / top_k;
+                expert_weights[slot] = weights[entry];
+                entry_slots[entry] = slot;
+                ++slot;
+            }
+            cursors[e] = slot;
+        }
+    }
+}
+
+}  // namespace moe_route_detail
+
+// Routes num_rows rows of f32 logits [num_rows, num_experts] (route_row, one warp per row),
+// then lists each expert's entries and the matmul tiles (expert_rows_of). One CTA of
+// WARPS * 32 threads.
+extern "C" __global__ void __launch_bounds__(moe_route_detail::WARPS * 32)
+    moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
+              unsigned int num_rows, unsigned int num_experts, unsigned int top_k,
+              unsigned int scoring, unsigned int renormalize, float scale,
+              unsigned int* experts, float* weights, unsigned int* expert_offsets,
+              unsigned int* expert_rows, float* expert_weights, unsigned int* entry_slots,
+              unsigned int* tile_offsets, unsigned int* tile_experts,
+              unsigned int* tile_starts) {
+    using namespace moe_route_detail;
+    __shared__ unsigned int keys[WARPS][MAX_EXPERTS];
+    __shared__ unsigned int picks[WARPS][MAX_TOP_K];
+    const unsigned int warp = threadIdx.x / 32;
+    for (unsigned int row = warp; row < num_rows; row += WARPS) {
+        route_row(logits + (size_t)row * num_experts, bias, num_experts, top_k, scoring,
+                  renormalize, scale, experts + (size_t)row * top_k,
+                  weights + (size_t)row * top_k, keys[warp], picks[warp]);
+    }
+    __syncthreads();
+    expert_rows_of(experts, weights, num_rows * top_k, top_k, num_experts, expert_offsets,
+                   expert_rows, expert_weights, entry_slots, tile_offsets, tile_experts,
+                   tile_starts);
+}

@@ -83,16 +83,19 @@ fn the_loop_feeds_prefix_cache_changes_and_load_to_a_router() {
     while let Ok(batch) = feed.try_recv() {
         stored.extend(batch);
     }
-    let mut parent = pagoda_kv::ROOT_HASH;
+    // Each full page in order, chained to the one before, with its tokens.
+    let mut parent = None;
     for (page, event) in prompt.chunks_exact(16).zip(&stored) {
-        let key = pagoda_kv::hash_page(parent, page);
-        let expected = CacheEvent::Stored {
+        let CacheEvent::Stored {
             key,
-            parent: (parent != pagoda_kv::ROOT_HASH).then_some(parent),
-            tokens: page.to_vec(),
+            parent: stored_parent,
+            tokens,
+        } = event
+        else {
+            panic!("{event:?}");
         };
-        assert_eq!(event, &expected);
-        parent = key;
+        assert_eq!((*stored_parent, tokens.as_slice()), (parent, page));
+        parent = Some(*key);
     }
     assert_eq!(stored.len(), 2, "{stored:?}");
     let load = handle.load();

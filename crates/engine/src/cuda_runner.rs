@@ -24,6 +24,7 @@ pub use sampling::{MaskSource, SampledRow, TokenMasks};
 pub use warmup::{WarmupReport, WARMUP_STAGES};
 
 mod buckets;
+mod latent;
 mod pieces;
 mod sampling;
 mod staging;

@@ -560,47 +560,6 @@ impl<B: EngineBackend> Worker<B> {
         }
         self.metrics.engine_errors.inc();
     }
-
-    fn publish_gauges(&self) {
-        let snapshot = self.backend.snapshot();
-        let waiting = self.waiting.len() + self.embeds.len();
-        self.metrics.update_engine(&snapshot, waiting);
-        *self.load.0.lock().unwrap_or_else(|e| e.into_inner()) = WorkerLoad {
-            running: self.running.len(),
-            waiting,
-            pages_used: snapshot.pages_used,
-            pages_total: snapshot.pages_total,
-        };
-    }
-
-    /// Sends the prefix cache's changes of this turn to the router feed, if there is one.
-    fn publish_kv_events(&mut self) {
-        let Some(sink) = &self.kv_events else {
-            return;
-        };
-        let events = self.backend.take_kv_events();
-        if !events.is_empty() && sink.send(events).is_err() {
-            self.kv_events = None;
-            self.backend.record_kv_events(false);
-        }
-    }
-
-    /// What each slot runs, for `GET /slots`.
-    fn publish_slots(&self) {
-        let mut slots = idle_slots(self.parallel);
-        for (&id, slot) in &self.running {
-            if let Some(state) = slots.get_mut(slot.number) {
-                *state = SlotState {
-                    id: slot.number,
-                    request: Some(id),
-                    prompt_tokens: slot.prompt_tokens,
-                    decoded: slot.decoded,
-                    seed: slot.seed,
-                };
-            }
-        }
-        *self.slots.lock().unwrap_or_else(|e| e.into_inner()) = slots;
-    }
 }
 
 /// The sampled token's log-probability and the `n` most likely tokens of a log-softmax row.

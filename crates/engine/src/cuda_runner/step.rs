@@ -20,6 +20,7 @@ use pagoda_models::llama_cuda::{Attention, HostFloat, StepBuffers, StepShape, Va
 use pagoda_ops::cuda::{self as ops, PoolLayout};
 
 use super::buckets::{graph_bucket, graph_buckets, graph_key, verify_bucket};
+use super::latent::check_latent_pool;
 use super::pieces::piece_bucket;
 use super::sampling::Output;
 use super::{CudaCacheOptions, GpuCache, Staging, TypedRunner};
@@ -81,8 +82,6 @@ fn single_rows(qo_indptr: &[u32]) -> usize {
 impl<T: HostFloat> TypedRunner<T> {
     pub(super) fn prepare(&mut self, mut options: CudaCacheOptions) -> Result<(), CudaError> {
         let c = self.model.config();
-        // A latent attention model's pool: one row of latent + rope per token (its config's
-        // one KV head of `head_dim` = the latent row).
         let layout = PoolLayout {
             num_pages: options.num_pages,
             page_size: options.page_size,
@@ -90,22 +89,8 @@ impl<T: HostFloat> TypedRunner<T> {
             head_dim: c.head_dim,
         };
         layout.validate()?;
-        if let Some(mla) = &c.mla {
-            let heads = c.num_attention_heads;
-            if let Some(reason) = ops::mla_unsupported(T::DTYPE, &layout, heads, mla.kv_lora_rank) {
-                return Err(CudaError::invalid(format!(
-                    "the CUDA latent attention does not support {reason}"
-                )));
-            }
-            // Its decode plan is uploaded per step from the host (ADR 0009).
-            if options.cuda_graphs {
-                static EAGER: Once = Once::new();
-                EAGER.call_once(|| {
-                    tracing::info!(
-                        "CUDA latent attention (MLA): every step runs eagerly (its decode plan                          is uploaded from the host per step; no decode or piecewise graphs yet)"
-                    )
-                });
-            }
+        if c.mla.is_some() {
+            check_latent_pool(c, T::DTYPE, &layout, options.cuda_graphs)?;
             options.cuda_graphs = false;
         }
         // Free the old cache (and the graphs holding its addresses) before allocating.

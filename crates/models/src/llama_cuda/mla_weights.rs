@@ -19,7 +19,7 @@
 use pagoda_cuda::{DeviceBuffer, DeviceRead, Gpu};
 use pagoda_ops::cuda::{mla_unsupported, PoolLayout};
 
-use super::weights::{matrix, upload_tensor};
+use super::upload::{matrix, upload_tensor};
 use super::{HostFloat, Matrix};
 use crate::config::{MlaConfig, ModelConfig};
 use crate::llama::LoadError;

@@ -57,6 +57,7 @@ mod mla_decode;
 mod mla_weights;
 mod pieces;
 mod prefill_path;
+mod upload;
 mod weights;
 
 /// Element type of weights, activations and the KV cache on the GPU: [`DType::BF16`] (bf16

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # pagoda behind NVIDIA Dynamo (issue 41): Dynamo's OpenAI frontend from PyPI in front of two
 # pagoda workers on the default model, on loopback, with file discovery, the TCP request plane
-# and ZMQ events (no etcd, no NATS). Checks with the official `openai` client: /v1/models, a
-# chat completion, a completion, streaming, greedy determinism, and cancellation (a stream
-# closed early; the workers keep serving). Everything started here is killed on exit.
+# and ZMQ events (no etcd, no NATS), the frontend routing by KV events. Checks with the official
+# `openai` client: /v1/models, a chat completion, a completion, streaming, greedy determinism,
+# cancellation (a stream closed early; the workers keep serving), and KV-aware routing (repeats
+# of a long shared prefix all hit one worker's prefix cache, read from the workers' /metrics).
+# Everything started here is killed on exit.
 #
 # Not in CI: it needs Dynamo's Python frontend and the worker's own ~880-crate build.
 #   PAGODA_DYNAMO   the worker binary (default crates/dynamo/target/release/pagoda-dynamo;
@@ -64,14 +66,19 @@ export DYN_DISCOVERY_BACKEND=file DYN_FILE_KV=$work/discovery DYN_REQUEST_PLANE=
     DYN_TCP_RESPONSE_STREAM_HOST=127.0.0.1
 mkdir -p "$DYN_FILE_KV"
 
-"$python" -m dynamo.frontend --http-port "$port" >"$work/frontend.log" 2>&1 &
+# KV-aware routing: the workers publish their prefix caches' changes (KV events) and load.
+"$python" -m dynamo.frontend --http-port "$port" --router-mode kv --router-kv-events \
+    >"$work/frontend.log" 2>&1 &
 pids+=($!)
+metrics_ports=()
 for i in 1 2; do
-    "$worker" -m "$model" --threads 1 --parallel 2 -c 1024 --card-dir "$work/card" \
-        >"$work/worker$i.log" 2>&1 &
+    metrics_port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    metrics_ports+=("$metrics_port")
+    DYN_SYSTEM_PORT=$metrics_port "$worker" -m "$model" --threads 1 --parallel 2 -c 1024 \
+        --card-dir "$work/card" >"$work/worker$i.log" 2>&1 &
     pids+=($!)
 done
-echo "frontend on 127.0.0.1:$port, two workers, discovery in $DYN_FILE_KV"
+echo "frontend on 127.0.0.1:$port (KV router), two workers (metrics on ports ${metrics_ports[*]}), discovery in $DYN_FILE_KV"
 
 # Both workers serving (their engines started and registered).
 for _ in $(seq 600); do
@@ -85,7 +92,7 @@ done
 [[ $ready -eq 2 ]] || { echo "error: the workers did not start" >&2; exit 1; }
 
 served=$(basename "$model" .gguf)
-PORT=$port MODEL=$served timeout 600 "$python" - <<'EOF'
+METRICS_PORTS="${metrics_ports[*]}" PORT=$port MODEL=$served timeout 600 "$python" - <<'EOF'
 import os, time
 import openai
 
@@ -161,6 +168,40 @@ try:
     print("note n=2 was not refused")
 except openai.APIError as error:
     print(f"ok   n=2 refused: {str(error)[:120]}")
+
+# KV-aware routing: requests sharing a long prefix go to the worker whose prefix cache holds
+# it, as each worker's own counters (bridged into its /metrics) show.
+import re
+import urllib.request
+
+def counters():
+    out = []
+    for p in os.environ["METRICS_PORTS"].split():
+        text = urllib.request.urlopen(f"http://127.0.0.1:{p}/metrics", timeout=10).read().decode()
+        values = {}
+        for name in ("pagoda_prefix_cache_hit_tokens_total", "pagoda_tokens_forwarded_total"):
+            m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+            assert m, f"{name} missing from worker metrics on port {p}"
+            values[name] = float(m.group(1))
+        out.append(values)
+    return out
+
+prefix = " ".join(f"Rule {i}: every answer names its sources and stays short." for i in range(40))
+before = counters()
+for i in range(5):
+    client.completions.create(model=model, prompt=f"{prefix}\nQuestion {i}: what is rule {i}?",
+                              max_tokens=4, temperature=0)
+    time.sleep(0.3)  # the KV events reach the router
+after = counters()
+hits = [a["pagoda_prefix_cache_hit_tokens_total"] - b["pagoda_prefix_cache_hit_tokens_total"]
+        for a, b in zip(after, before)]
+work = [a["pagoda_tokens_forwarded_total"] - b["pagoda_tokens_forwarded_total"]
+        for a, b in zip(after, before)]
+print(f"     shared prefix: hit tokens per worker {hits}, forwarded tokens per worker {work}")
+holder = max(range(len(hits)), key=lambda w: hits[w])
+assert hits[holder] >= 4 * 256, f"the prefix was not reused 4 times on one worker: {hits}"
+assert all(h == 0 for w, h in enumerate(hits) if w != holder), f"split across workers: {hits}"
+print(f"ok   KV-aware routing: the 4 repeats of a shared prefix hit worker {holder + 1}'s cache")
 EOF
 echo "--- workers' logs mention:"
 grep -h -c "pagoda engine ready" "$work"/worker*.log | paste -sd' ' | sed 's/^/ready lines per worker: /'

@@ -3,19 +3,24 @@
 //! events into Dynamo chunks.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use dynamo_backend_common::engine::GenerateContext;
 use dynamo_backend_common::{
-    chunk, usage, BackendError, DynamoError, EngineConfig, ErrorType, LLMEngine, LLMEngineOutput,
-    LLMEngineOutputExt, LlmRegistration, PreprocessedRequest,
+    chunk, usage, BackendError, DynamoError, EngineConfig, ErrorType, KvEventSource, LLMEngine,
+    LLMEngineOutput, LLMEngineOutputExt, LlmRegistration, MetricsBindings, MetricsCtx,
+    PreprocessedRequest,
 };
 use futures::stream::BoxStream;
-use pagoda_engine::FinishReason;
+use pagoda_engine::{CacheEvent, FinishReason};
+use pagoda_server::metrics::Metrics;
 use pagoda_server::worker::{Job, WorkerEvent, WorkerHandle};
+use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::feed::{forward_kv_events, publish_load};
 use crate::mapping::{map_request, Limits, Mapped};
 
 /// What `start` advertises to Dynamo (the router and the planner read it).
@@ -39,6 +44,13 @@ pub struct PagodaEngine {
     worker: Mutex<Option<(WorkerHandle, std::thread::JoinHandle<()>)>>,
     limits: Limits,
     registration: Registration,
+    /// The loop's prefix-cache changes, until Dynamo asks for the KV event source.
+    kv_feed: Mutex<Option<UnboundedReceiver<Vec<CacheEvent>>>>,
+    /// Ends the load publisher at cleanup.
+    stop: Arc<AtomicBool>,
+    /// pagoda's own counters (prefix-cache hits, steps, ...), bridged into the runtime's
+    /// `/metrics` (`DYN_SYSTEM_PORT`).
+    metrics: Arc<Metrics>,
 }
 
 fn error(kind: BackendError, message: impl Into<String>) -> DynamoError {
@@ -54,11 +66,16 @@ impl PagodaEngine {
         thread: std::thread::JoinHandle<()>,
         limits: Limits,
         registration: Registration,
+        kv_feed: UnboundedReceiver<Vec<CacheEvent>>,
+        metrics: Arc<Metrics>,
     ) -> PagodaEngine {
         PagodaEngine {
             worker: Mutex::new(Some((handle, thread))),
             limits,
             registration,
+            kv_feed: Mutex::new(Some(kv_feed)),
+            stop: Arc::new(AtomicBool::new(false)),
+            metrics,
         }
     }
 
@@ -201,7 +218,53 @@ impl LLMEngine for PagodaEngine {
         Ok(Box::pin(stream))
     }
 
+    /// One push source: a thread forwards the loop's prefix-cache changes to Dynamo's
+    /// publisher (KV-aware routing).
+    async fn kv_event_sources(&self) -> Result<Vec<KvEventSource>, DynamoError> {
+        let taken = self
+            .kv_feed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let Some(feed) = taken else {
+            return Ok(Vec::new());
+        };
+        let page_size = self.registration.page_size as u32;
+        let on_ready = Box::new(move |publisher| {
+            std::thread::Builder::new()
+                .name("pagoda-kv-events".into())
+                .spawn(move || forward_kv_events(feed, publisher, page_size))
+                .map(|_| ())
+                .map_err(|e| error(BackendError::Unknown, format!("KV event thread: {e}")))
+        });
+        Ok(vec![KvEventSource::Push {
+            on_ready,
+            dp_rank: 0,
+        }])
+    }
+
+    /// pagoda's counters in the runtime's `/metrics`; rank 0's load (pages in use of the
+    /// pool) for the router and the component gauges.
+    async fn setup_metrics(&self, ctx: MetricsCtx<'_>) -> Result<MetricsBindings, DynamoError> {
+        let metrics = self.metrics.clone();
+        ctx.metrics
+            .add_expfmt_callback(Arc::new(move || Ok::<_, anyhow::Error>(metrics.render())));
+        let gauge = self.handle()?.load_gauge();
+        let stop = self.stop.clone();
+        Ok(MetricsBindings {
+            dp_ranks: vec![0],
+            on_publisher_ready: Some(Box::new(move |publisher| {
+                std::thread::Builder::new()
+                    .name("pagoda-load".into())
+                    .spawn(move || publish_load(gauge, publisher, stop))
+                    .map(|_| ())
+                    .map_err(|e| error(BackendError::Unknown, format!("load thread: {e}")))
+            })),
+        })
+    }
+
     async fn cleanup(&self) -> Result<(), DynamoError> {
+        self.stop.store(true, Ordering::Relaxed);
         let taken = self.worker.lock().unwrap_or_else(|e| e.into_inner()).take();
         // Dropping the last handle ends the loop once its running requests are done.
         if let Some((handle, thread)) = taken {

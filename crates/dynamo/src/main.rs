@@ -27,6 +27,7 @@
 
 mod card;
 mod engine;
+mod feed;
 mod mapping;
 
 use std::path::PathBuf;
@@ -179,11 +180,17 @@ fn main() -> Result<()> {
     let settings = EngineSettings::from_config(pagoda_config::global());
     let engine =
         Engine::with_settings(loaded.model, config, settings).map_err(anyhow::Error::msg)?;
-    let (handle, thread) = pagoda_server::worker::spawn_worker(
+    // The prefix cache's changes feed Dynamo's KV router (see `feed.rs`).
+    let (kv_events, kv_feed) = tokio::sync::mpsc::unbounded_channel();
+    let metrics = Arc::new(Metrics::default());
+    let (handle, thread) = pagoda_server::worker::spawn_worker_with(
         engine,
         args.parallel,
         args.max_queue,
-        Arc::new(Metrics::default()),
+        metrics.clone(),
+        pagoda_server::worker::WorkerOptions {
+            kv_events: Some(kv_events),
+        },
     )?;
     let model_name = args.served_model_name.clone().unwrap_or(stem);
     eprintln!(
@@ -205,7 +212,7 @@ fn main() -> Result<()> {
         parallel: args.parallel,
         batch_tokens: args.batch_size,
     };
-    let engine = engine::PagodaEngine::new(handle, thread, limits, registration);
+    let engine = engine::PagodaEngine::new(handle, thread, limits, registration, kv_feed, metrics);
     let common = args.common;
     let worker = WorkerConfig {
         namespace: common.namespace,

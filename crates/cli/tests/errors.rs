@@ -384,6 +384,7 @@ fn bad_serve_security_flags() {
         ],
         &["--ssl-cert-file", "holds no certificate"],
     );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

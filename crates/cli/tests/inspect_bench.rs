@@ -426,6 +426,7 @@ fn bench_serve_runs_a_poisson_workload_with_goodput() {
         ],
         None,
     );
+    let _ = std::fs::remove_file(&dataset);
     out.assert_success();
     let stdout = out.stdout_text();
     let report: serde_json::Value =

@@ -168,6 +168,7 @@ fn a_missing_or_misshapen_scale_is_a_clear_error() {
         error.contains(name) && error.contains("_scale_inv"),
         "{error}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
 
     let dir = scratch("misshapen");
     rewrite(
@@ -190,6 +191,7 @@ fn a_missing_or_misshapen_scale_is_a_clear_error() {
         error.contains(name) && error.contains("block size"),
         "{error}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -201,8 +203,10 @@ fn other_quantization_methods_are_refused_naming_the_field() {
         error.contains("quantization_config.quant_method") && error.contains("gptq"),
         "{error}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
     let dir = scratch("e5m2");
     rewrite(&dir, |_| {}, |c| c.replace("\"e4m3\"", "\"e5m2\""));
     let error = HfModelDir::open(&dir).unwrap_err().to_string();
     assert!(error.contains("quantization_config.fmt"), "{error}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

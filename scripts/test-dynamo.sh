@@ -3,8 +3,9 @@
 # pagoda workers on the default model, on loopback, with file discovery, the TCP request plane
 # and ZMQ events (no etcd, no NATS), the frontend routing by KV events. Checks with the official
 # `openai` client: /v1/models, a chat completion, a completion, streaming, greedy determinism,
-# cancellation (a stream closed early; the workers keep serving), and KV-aware routing (repeats
-# of a long shared prefix all hit one worker's prefix cache, read from the workers' /metrics).
+# cancellation (a stream closed early; the workers keep serving), KV-aware routing (repeats
+# of a long shared prefix all hit one worker's prefix cache, read from the workers' /metrics),
+# and a worker killed mid-stream (only its streams fail) and restarted (it rejoins).
 # Everything started here is killed on exit.
 #
 # Not in CI: it needs Dynamo's Python frontend and the worker's own ~880-crate build.
@@ -46,6 +47,7 @@ work=$(mktemp -d)
 pids=()
 cleanup() {
     local status=$?
+    [[ -f $work/restarted.pid ]] && pids+=("$(cat "$work/restarted.pid")")
     for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
     sleep 1
     for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
@@ -203,6 +205,96 @@ assert hits[holder] >= 4 * 256, f"the prefix was not reused 4 times on one worke
 assert all(h == 0 for w, h in enumerate(hits) if w != holder), f"split across workers: {hits}"
 print(f"ok   KV-aware routing: the 4 repeats of a shared prefix hit worker {holder + 1}'s cache")
 EOF
+# A worker killed mid-stream fails only its own requests; the other keeps serving; a restarted
+# worker rejoins. The worker's own gauge says how many streams it holds when it is killed.
+victim=${pids[2]}
+METRICS_PORTS="${metrics_ports[*]}" PORT=$port MODEL=$served VICTIM=$victim WORKER=$worker \
+    MODEL_PATH=$model WORK=$work timeout 600 "$python" - <<'EOF2'
+import os, re, signal, subprocess, threading, time, urllib.request
+import openai
+
+base = f"http://127.0.0.1:{os.environ['PORT']}/v1"
+model = os.environ["MODEL"]
+ports = os.environ["METRICS_PORTS"].split()
+client = openai.OpenAI(base_url=base, api_key="unused", timeout=120, max_retries=0)
+
+def gauge(port, name):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert m, f"{name} missing from worker metrics on port {port}"
+    return float(m.group(1))
+
+streams = 5
+outcome = [None] * streams
+chunks = [0] * streams
+def run(i):
+    try:
+        stream = client.completions.create(
+            model=model, prompt=f"Story {i}: once upon a time in a town by the sea,",
+            max_tokens=160, temperature=0.7, seed=i, stream=True)
+        finish = None
+        for chunk in stream:
+            chunks[i] += 1
+            if chunk.choices:
+                finish = chunk.choices[0].finish_reason or finish
+        outcome[i] = f"finished:{finish}" if finish else "ended without a finish reason"
+    except Exception as error:  # the killed worker's streams
+        outcome[i] = f"failed:{type(error).__name__}"
+threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+for t in threads:
+    t.start()
+# Every stream placed (running or queued on a worker) and the running ones streaming.
+def placed():
+    return [(int(gauge(p, "pagoda_running_sequences")), int(gauge(p, "pagoda_queue_length")))
+            for p in ports]
+deadline = time.time() + 120
+while True:
+    loads = placed()
+    running = sum(r for r, _ in loads)
+    if sum(r + q for r, q in loads) == streams and sum(c >= 3 for c in chunks) >= running:
+        break
+    assert time.time() < deadline, f"the streams were not all placed: {loads}, chunks {chunks}"
+    time.sleep(0.05)
+held = sum(loads[0])
+os.kill(int(os.environ["VICTIM"]), signal.SIGKILL)
+for t in threads:
+    t.join(timeout=300)
+assert not any(t.is_alive() for t in threads), f"a stream hung after the kill: {outcome}"
+failed = [o for o in outcome if o.startswith("failed")]
+done = [o for o in outcome if o.startswith("finished")]
+print(f"     worker 1 held {held} streams when killed; outcomes {outcome}")
+assert len(failed) == held and len(done) == streams - held, (held, outcome)
+print(f"ok   kill mid-stream: worker 1's {held} streams failed, the other {streams - held} finished")
+
+for i in range(4):
+    again = client.completions.create(model=model, prompt=f"After the kill {i}: the sky is",
+                                      max_tokens=6, temperature=0)
+    assert again.choices[0].text, again
+print("ok   after the kill, 4 more requests answered by the surviving worker")
+
+env = dict(os.environ, DYN_SYSTEM_PORT=ports[0])
+log = open(os.path.join(os.environ["WORK"], "worker1-restarted.log"), "w")
+restarted = subprocess.Popen(
+    [os.environ["WORKER"], "-m", os.environ["MODEL_PATH"], "--threads", "1", "--parallel", "2",
+     "-c", "1024", "--card-dir", os.path.join(os.environ["WORK"], "card")],
+    env=env, stdout=log, stderr=subprocess.STDOUT)
+open(os.path.join(os.environ["WORK"], "restarted.pid"), "w").write(str(restarted.pid))
+deadline = time.time() + 180
+while "pagoda engine ready" not in open(log.name).read():
+    assert restarted.poll() is None, "the restarted worker exited"
+    assert time.time() < deadline, "the restarted worker did not start"
+    time.sleep(0.5)
+forwarded = 0.0
+for i in range(40):
+    client.completions.create(model=model, prompt=f"Rejoin {i}: the colour of grass is",
+                              max_tokens=4, temperature=0)
+    forwarded = gauge(ports[0], "pagoda_tokens_forwarded_total")
+    if forwarded > 0:
+        break
+assert forwarded > 0, "the restarted worker got no request in 40"
+print(f"ok   the restarted worker rejoined (served a request after {i + 1})")
+EOF2
+
 echo "--- workers' logs mention:"
 grep -h -c "pagoda engine ready" "$work"/worker*.log | paste -sd' ' | sed 's/^/ready lines per worker: /'
 echo "PASS: Dynamo frontend + 2 pagoda workers"

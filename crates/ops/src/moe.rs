@@ -279,7 +279,15 @@ fn limit_groups(
         choice
             .chunks_exact(group_size)
             .map(|group| match limit.score {
-                GroupScore::Max => group.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+                // The largest by `total_cmp` (the scores hold no NaN): `f32::max` may return
+                // either zero of `max(-0, +0)`, which would order groups by platform.
+                GroupScore::Max => group.iter().copied().fold(f32::NEG_INFINITY, |a, b| {
+                    if b.total_cmp(&a).is_gt() {
+                        b
+                    } else {
+                        a
+                    }
+                }),
                 GroupScore::TopTwoSum => {
                     let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
                     for &value in group {

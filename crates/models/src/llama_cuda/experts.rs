@@ -109,9 +109,10 @@ struct SharedBuffers<T> {
 
 impl<T: HostFloat> MoeBuffers<T> {
     /// The buffers for `c`'s expert blocks and steps of up to `max_tokens` tokens, or `None`
-    /// for a dense model (nothing allocated).
+    /// for a model without expert layers (nothing allocated; a DeepSeek configuration may
+    /// list every layer dense).
     pub fn new(gpu: &Gpu, c: &ModelConfig, max_tokens: usize) -> Result<Option<Self>, CudaError> {
-        let Some(moe) = &c.moe else {
+        let Some(moe) = c.moe.as_ref().filter(|_| c.has_expert_layers()) else {
             return Ok(None);
         };
         let router = device_router(moe)?;

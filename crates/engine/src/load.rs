@@ -12,7 +12,7 @@ use pagoda_models::formats::gguf::{GgufError, GgufFile};
 use pagoda_models::gguf_model::config_from_gguf;
 use pagoda_models::hf::{GenerationDefaults, HfError, HfModelDir};
 use pagoda_models::llama::{LoadError, Model, WeightPrecision};
-use pagoda_models::llama_cuda::{CudaModel, DType, MLA_MOE_ON_CPU_ONLY};
+use pagoda_models::llama_cuda::{CudaModel, DType};
 use pagoda_models::random::{random_config, RandomWeights};
 use pagoda_models::tokenizer::{Tokenizer, TokenizerError};
 
@@ -224,11 +224,11 @@ pub fn load_backend(
         Device::Cpu => Model::load_with_progress(config, tensors, options.precision, progress)
             .map(Backend::Cpu)
             .map_err(ModelLoadError::Build),
-        // Declined before the device is opened, so the reason is the same on any machine.
-        Device::Cuda { .. } if config.mla.is_some() && config.has_expert_layers() => {
-            Err(ModelLoadError::Build(LoadError(MLA_MOE_ON_CPU_ONLY.into())))
-        }
         Device::Cuda { dtype } => {
+            // Declined before the device is opened, so the reason is the same on any machine.
+            if let Some(reason) = CudaModel::unsupported(&config) {
+                return Err(ModelLoadError::Build(LoadError(reason)));
+            }
             let gpu = Gpu::new(0)?;
             let keep = pagoda_config::global().on("PAGODA_CUDA_QUANT_WEIGHTS");
             CudaModel::load_with(config, tensors, Arc::new(gpu), dtype, keep, progress)

@@ -4,8 +4,12 @@
 //!
 //! The model is the `deepseek-mla-dense-tiny` preset: the MLA kernels' latent row (512 + 64)
 //! and one head tile (16 heads), YaRN with a rope scale other than 1 and the softmax scale
-//! correction, every MLP dense (CUDA has no expert steps yet); with and without the query
-//! compression (`q_lora_rank`). Covered: ragged prefill chunks, mixed steps and batched
+//! correction, every MLP dense; with and without the query
+//! compression (`q_lora_rank`); and the same attention with DeepSeek's expert layers (the
+//! first layer dense, group-limited routing: V2's softmax with groups by their best expert,
+//! V3's sigmoid plus selection bias with groups by their top-two sum; shared experts; bf16
+//! top-10 log-probabilities within 0.5, as cuda_moe.rs, a near-tied router row may route
+//! otherwise in bf16). Covered: ragged prefill chunks, mixed steps and batched
 //! decode steps over scattered pages, f32 (relative logit error < 2e-3, the bound of the
 //! llama geometries) and bf16 (top-10 log-probability error < 0.15), greedy ids; in
 //! deterministic mode as well (every row on the MLA prefill kernel); and through the engine:
@@ -22,7 +26,9 @@ use pagoda_cuda::Gpu;
 use pagoda_engine::cuda_runner::{CudaCacheOptions, CudaModel, CudaRunner, DType};
 use pagoda_engine::{CpuThreadsMode, Engine, EngineSettings};
 use pagoda_kv::{BlockPool, BlockTable, PageTable};
-use pagoda_models::config::{MlaConfig, ModelConfig};
+use pagoda_models::config::{
+    ExpertGroupLimit, ExpertScoring, GroupScoring, MlaConfig, ModelConfig, MoeConfig, TopKWeights,
+};
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, Model, WeightPrecision};
 use pagoda_models::llama_cuda::CudaKernels;
 use pagoda_models::random::{preset, RandomWeights};
@@ -41,6 +47,48 @@ fn config(q_lora_rank: Option<usize>) -> ModelConfig {
     };
     ModelConfig {
         mla: Some(mla),
+        ..base
+    }
+}
+
+/// The preset's attention with DeepSeek's expert layers: 3 layers, the first dense, 16
+/// experts of width 64 in 4 groups, a row keeping the best 2 groups. `v3`: query compression,
+/// sigmoid scores plus the selection bias, groups by their top-two sum, top-4 normalised then
+/// scaled by 2.5, one shared expert. Else V2's: the query projected directly, softmax,
+/// groups by their best expert, top-3 unnormalised scaled by 1.5, two shared experts.
+fn moe_config(v3: bool) -> ModelConfig {
+    let base = config(if v3 { Some(64) } else { None });
+    let moe = MoeConfig {
+        num_experts: 16,
+        experts_per_token: if v3 { 4 } else { 3 },
+        expert_intermediate_size: 64,
+        top_k_weights: if v3 {
+            TopKWeights::Normalized
+        } else {
+            TopKWeights::Softmax
+        },
+        dense_layers: vec![0],
+        scoring: if v3 {
+            ExpertScoring::Sigmoid
+        } else {
+            ExpertScoring::Softmax
+        },
+        routed_scaling_factor: if v3 { 2.5 } else { 1.5 },
+        group_limit: Some(ExpertGroupLimit {
+            num_groups: 4,
+            groups_per_token: 2,
+            score: if v3 {
+                GroupScoring::TopTwoSum
+            } else {
+                GroupScoring::Max
+            },
+        }),
+        selection_bias: v3,
+        num_shared_experts: if v3 { 1 } else { 2 },
+    };
+    ModelConfig {
+        num_layers: 3,
+        moe: Some(moe),
         ..base
     }
 }
@@ -255,6 +303,40 @@ fn gpu_mla_forward_matches_cpu() {
     }
 }
 
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_mla_with_experts_matches_cpu() {
+    let gpu = gpu();
+    for v3 in [true, false] {
+        let config = moe_config(v3);
+        assert!(config.has_expert_layers() && !config.is_moe_layer(0));
+        let weights = RandomWeights::new(&config, 19, 1 << 30).unwrap();
+        let expected = cpu_logits(&config, &weights);
+        let vocab = config.vocab_size;
+        for (dtype, deterministic) in [
+            (DType::F32, false),
+            (DType::F32, true),
+            (DType::BF16, false),
+            (DType::BF16, true),
+        ] {
+            let got = gpu_logits(&gpu, &config, &weights, dtype, deterministic);
+            let e = errors(&expected, &got, vocab);
+            eprintln!(
+                "experts v3 {v3} {dtype} deterministic {deterministic}: max relative logit \
+                 error {:.2e}, max top-10 logprob error {:.4}, greedy mismatches {}",
+                e.relative, e.logprob, e.greedy_mismatches
+            );
+            if dtype == DType::F32 {
+                assert!(e.relative < 2e-3, "f32 relative logit error {}", e.relative);
+                assert_eq!(e.greedy_mismatches, 0, "f32 greedy ids differ");
+            } else {
+                // As cuda_moe.rs: a near-tied router row may pick other experts in bf16.
+                assert!(e.logprob < 0.5, "bf16 top-10 logprob error {}", e.logprob);
+            }
+        }
+    }
+}
+
 const VOCAB: usize = 512;
 
 fn prompt(len: usize, salt: usize) -> Vec<u32> {
@@ -265,19 +347,14 @@ fn prompt(len: usize, salt: usize) -> Vec<u32> {
 
 fn engine(
     gpu: &Arc<Gpu>,
+    config: &ModelConfig,
     weights: &RandomWeights,
     dtype: DType,
     deterministic: bool,
     prefix_caching: bool,
 ) -> Engine {
-    let model = CudaModel::load(
-        config(Some(64)),
-        weights,
-        gpu.clone(),
-        dtype,
-        &mut |_, _| {},
-    )
-    .unwrap();
+    let model =
+        CudaModel::load(config.clone(), weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
     let config = common::engine_config(128, 96, 1024, AttentionPolicy::Auto);
     let settings = EngineSettings {
         prefix_caching,
@@ -335,11 +412,11 @@ fn greedy_tokens(engine: &mut Engine, others: &[(usize, usize, usize)]) -> Vec<u
     tokens
 }
 
-#[test]
-#[ignore = "needs a GPU"]
-fn gpu_mla_request_gives_the_same_tokens_alone_batched_and_from_the_prefix_cache() {
+/// A greedy request of `config` (weights of `seed`) alone, beside others and from a warm prefix
+/// cache gives the same tokens.
+fn check_alone_batched_cached(config: &ModelConfig, seed: u64) {
     let gpu = gpu();
-    let weights = RandomWeights::new(&config(Some(64)), 17, 1 << 30).unwrap();
+    let weights = RandomWeights::new(config, seed, 1 << 30).unwrap();
     // Chunked prompts beside running decodes (a 96-token budget), batches growing and
     // shrinking.
     let others = [
@@ -350,20 +427,16 @@ fn gpu_mla_request_gives_the_same_tokens_alone_batched_and_from_the_prefix_cache
         (31, 7, 16),
     ];
     for (dtype, deterministic) in [(DType::F32, true), (DType::BF16, true), (DType::F32, false)] {
-        let alone = greedy_tokens(
-            &mut engine(&gpu, &weights, dtype, deterministic, false),
-            &[],
-        );
-        let batched = greedy_tokens(
-            &mut engine(&gpu, &weights, dtype, deterministic, false),
-            &others,
-        );
+        let start =
+            |prefix_caching| engine(&gpu, config, &weights, dtype, deterministic, prefix_caching);
+        let alone = greedy_tokens(&mut start(false), &[]);
+        let batched = greedy_tokens(&mut start(false), &others);
         assert_eq!(
             batched, alone,
             "{dtype} deterministic {deterministic}: batched"
         );
         // The same prompt again on a warm prefix cache: its full pages are reused.
-        let mut cached = engine(&gpu, &weights, dtype, deterministic, true);
+        let mut cached = start(true);
         greedy_tokens(&mut cached, &[]);
         let warm = greedy_tokens(&mut cached, &[]);
         assert!(
@@ -375,5 +448,19 @@ fn gpu_mla_request_gives_the_same_tokens_alone_batched_and_from_the_prefix_cache
             "{dtype} deterministic {deterministic}: prefix cache"
         );
         eprintln!("{dtype} deterministic {deterministic}: alone, batched and cached agree");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_mla_request_gives_the_same_tokens_alone_batched_and_from_the_prefix_cache() {
+    check_alone_batched_cached(&config(Some(64)), 17);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_mla_with_experts_request_gives_the_same_tokens_alone_batched_and_cached() {
+    for v3 in [true, false] {
+        check_alone_batched_cached(&moe_config(v3), 23);
     }
 }

@@ -282,26 +282,89 @@ fn tiny_deepseek_v3_with_block_scaled_fp8_weights_matches_oracle() {
     check_runs(source, "tiny-deepseek-v3-fp8", 1e-4, &MLA_RUNS);
 }
 
+/// `preset` on CUDA through `load_backend`: the error (every test machine has either no GPU
+/// or the reason checked before the device opens).
+fn cuda_load_error(preset: &str) -> String {
+    let config = pagoda_models::random::preset(preset).unwrap();
+    let weights = pagoda_models::random::RandomWeights::new(&config, 1, 1 << 30).unwrap();
+    let options = LoadOptions {
+        precision: WeightPrecision::AsStored,
+        device: pagoda_engine::Device::Cuda {
+            dtype: pagoda_models::llama_cuda::DType::BF16,
+        },
+    };
+    match pagoda_engine::load_backend(config, &weights, options, &mut |_, _| {}) {
+        Ok(_) => panic!("{preset} loaded on CUDA"),
+        Err(error) => error.to_string(),
+    }
+}
+
 #[test]
-fn deepseek_models_with_experts_on_cuda_are_declined_in_one_line() {
-    for preset in ["deepseek-v3-tiny", "deepseek-v32-tiny"] {
-        let config = pagoda_models::random::preset(preset).unwrap();
-        let weights = pagoda_models::random::RandomWeights::new(&config, 1, 1 << 30).unwrap();
-        let options = LoadOptions {
-            precision: WeightPrecision::AsStored,
-            device: pagoda_engine::Device::Cuda {
-                dtype: pagoda_models::llama_cuda::DType::BF16,
-            },
-        };
-        let Err(error) = pagoda_engine::load_backend(config, &weights, options, &mut |_, _| {})
-        else {
-            panic!("{preset} loaded on CUDA");
-        };
-        let message = error.to_string();
+fn deepseek_models_with_experts_pass_the_cuda_checks_where_the_kernels_fit() {
+    use pagoda_models::config::{ExpertGroupLimit, ExpertScoring, GroupScoring, TopKWeights};
+    use pagoda_models::llama_cuda::CudaModel;
+    // V2-Lite: 64 experts, top-6, one group, two shared experts, the dense first layer.
+    let lite = pagoda_models::random::preset("deepseek-v2-lite").unwrap();
+    assert!(lite.has_expert_layers());
+    assert_eq!(CudaModel::unsupported(&lite), None);
+    // V3's router on V2-Lite's attention: 256 experts in 8 groups, the best 4 groups by their
+    // top-two sum, top-8 by sigmoid plus selection bias.
+    let moe = lite.moe.clone().unwrap();
+    let v3_router = pagoda_models::config::MoeConfig {
+        num_experts: 256,
+        experts_per_token: 8,
+        top_k_weights: TopKWeights::Normalized,
+        scoring: ExpertScoring::Sigmoid,
+        routed_scaling_factor: 2.5,
+        group_limit: Some(ExpertGroupLimit {
+            num_groups: 8,
+            groups_per_token: 4,
+            score: GroupScoring::TopTwoSum,
+        }),
+        selection_bias: true,
+        num_shared_experts: 1,
+        ..moe
+    };
+    let v3 = pagoda_models::config::ModelConfig {
+        moe: Some(v3_router.clone()),
+        ..lite.clone()
+    };
+    assert_eq!(CudaModel::unsupported(&v3), None);
+    // More groups than the device router's lanes: declined, in one line, naming the groups.
+    let many_groups = pagoda_models::config::ModelConfig {
+        moe: Some(pagoda_models::config::MoeConfig {
+            group_limit: Some(ExpertGroupLimit {
+                num_groups: 64,
+                groups_per_token: 4,
+                score: GroupScoring::TopTwoSum,
+            }),
+            ..v3_router
+        }),
+        ..lite
+    };
+    let reason = CudaModel::unsupported(&many_groups).expect("64 groups declined");
+    assert!(
+        reason.contains("groups") && !reason.contains('\n'),
+        "{reason}"
+    );
+}
+
+#[test]
+fn deepseek_models_the_cuda_kernels_do_not_fit_are_declined_in_one_line() {
+    // The tiny presets' latent row (32 + 8) is not the MLA kernels' (512 + 64): declined for
+    // the attention, not for their (group-limited) experts.
+    for preset in ["deepseek-v2-tiny", "deepseek-v3-tiny"] {
+        let message = cuda_load_error(preset);
         assert!(
-            message.contains("DeepSeek models with expert layers run on the CPU for now"),
-            "{message}"
+            message.contains("the CUDA latent attention kernels do not support"),
+            "{preset}: {message}"
         );
         assert!(!message.contains('\n'), "{message}");
     }
+    let message = cuda_load_error("deepseek-v32-tiny");
+    assert!(
+        message.contains("indexer runs on the CPU for now"),
+        "{message}"
+    );
+    assert!(!message.contains('\n'), "{message}");
 }

@@ -15,8 +15,8 @@
 //! (Qwen3-MoE, Mixtral) is such a sequence, [`llama_moe_layers`]: its steps form the optional
 //! capability [`MoeStep`], which the CPU and CUDA have (ADR 0008, ADR 0010). DeepSeek's
 //! sequence, [`deepseek_layers`], adds the latent attention steps of [`MlaStep`], which CUDA
-//! has too: it runs DeepSeek-shaped models with dense MLPs through [`deepseek_dense_layers`]
-//! (its loader declines DeepSeek models with expert layers for now).
+//! has too: both devices run every DeepSeek model (dense leading layers, expert layers with
+//! shared experts) through it.
 
 /// One forward step of a ragged batch on a device: the operations the layer sequence is
 /// made of. Every method acts on the step's own buffers.
@@ -164,21 +164,6 @@ pub(crate) fn deepseek_layers<S: MlaStep + MoeStep>(
     for (index, layer) in layers.iter().enumerate() {
         latent_attention_block(step, index, layer)?;
         moe_or_dense_mlp_block(step, layer)?;
-    }
-    step.logits()
-}
-
-/// [`deepseek_layers`] on a device without mixture-of-experts steps: every layer's MLP
-/// block dense (a DeepSeek-shaped model whose configuration has no experts; CUDA until its
-/// expert steps land).
-pub(crate) fn deepseek_dense_layers<S: MlaStep>(
-    step: &mut S,
-    layers: &[S::Layer],
-) -> Result<(), S::Error> {
-    step.embed()?;
-    for (index, layer) in layers.iter().enumerate() {
-        latent_attention_block(step, index, layer)?;
-        dense_mlp_block(step, layer)?;
     }
     step.logits()
 }

@@ -279,7 +279,15 @@ fn limit_groups(
         choice
             .chunks_exact(group_size)
             .map(|group| match limit.score {
-                GroupScore::Max => group.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+                // The largest by `total_cmp` (the scores hold no NaN): `f32::max` may return
+                // either zero of `max(-0, +0)`, which would order groups by platform.
+                GroupScore::Max => group.iter().copied().fold(f32::NEG_INFINITY, |a, b| {
+                    if b.total_cmp(&a).is_gt() {
+                        b
+                    } else {
+                        a
+                    }
+                }),
                 GroupScore::TopTwoSum => {
                     let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
                     for &value in group {
@@ -421,5 +429,29 @@ mod tests {
         let routing = route(&[f32::NAN, 0.0, 1.0], 3, 2, Renormalize::Yes);
         assert_eq!(routing.experts, [2, 1]);
         assert!(routing.weights.iter().all(|w| w.is_finite()));
+    }
+
+    #[test]
+    fn a_groups_best_expert_is_the_largest_by_total_cmp() {
+        // Group 0 holds -0 and +0, group 1 +0: both score +0 (the larger zero, whatever
+        // `f32::max` would return), so the tie keeps the lower group and its +0 expert wins.
+        let router = Router {
+            num_experts: 4,
+            top_k: 1,
+            scoring: Scoring::Softmax,
+            renormalize: Renormalize::Yes,
+            group_limit: Some(GroupLimit {
+                num_groups: 2,
+                groups_per_row: 1,
+                score: GroupScore::Max,
+            }),
+            selection_bias: None,
+            scale: 1.0,
+        };
+        let routing = route_with(&[-0.0, 0.0, 0.0, -1.0], &router);
+        assert_eq!(routing.experts, [1]);
+        // Group 1's best is above group 0's: group 0's experts drop out.
+        let routing = route_with(&[0.5, 0.25, 0.75, -1.0], &router);
+        assert_eq!(routing.experts, [2]);
     }
 }

@@ -1,5 +1,7 @@
 //! The device mixture of experts (`pagoda_ops::moe::cuda`) against the CPU: the router's
-//! choices equal `route_with`'s exactly (ties, NaN, signed zeros included) and its weights
+//! choices equal `route_with`'s exactly (ties, NaN, signed zeros included; DeepSeek's group
+//! limits, Max and TopTwoSum, with the selection bias, at V2's, V2-Lite's and V3's shapes,
+//! groups tied, every expert of a group equal) and its weights
 //! within 1e-5 relative (`expf`, and the full softmax sum in another order); the CSR lists
 //! and tiles equal; the grouped expert MLP and the combine equal a float64 loop over the
 //! CPU's routing within a stated bound (f32: 1e-4, bf16: 2e-2, relative to 1 + |value|), at
@@ -13,7 +15,7 @@ use common::*;
 use half::bf16;
 use pagoda_cuda::{DeviceBuffer, Gpu};
 use pagoda_ops::cuda::{self as ops, DeviceRouter, MoeWorkspace};
-use pagoda_ops::moe::{route_with, Renormalize, Router, Scoring};
+use pagoda_ops::moe::{route_with, GroupLimit, GroupScore, Renormalize, Router, Scoring};
 use rand::Rng;
 
 /// Logits with many exact ties (a few levels), some NaN and signed zeros.
@@ -48,13 +50,79 @@ fn routers(num_experts: usize, top_k: usize) -> Vec<Router<'static>> {
     ]
 }
 
+/// Weights within 1e-5 relative; NaN where the CPU's is NaN (softmax over a row of NaN).
 fn assert_weights(what: &str, got: &[f32], want: &[f32]) {
     assert_eq!(got.len(), want.len(), "{what}");
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         assert!(
-            (g - w).abs() <= 1e-5 * w.abs() + 1e-12,
+            (g - w).abs() <= 1e-5 * w.abs() + 1e-12 || (g.is_nan() && w.is_nan()),
             "{what} {i}: {g} vs {w}"
         );
+    }
+}
+
+/// Routes `rows` rows of `logits` on the device with `router` (and `bias`) and checks every
+/// output against `route_with`: the experts and CSR lists equal, the weights within 1e-5
+/// relative, the tiles cover each expert's entries and each entry's slot holds its row.
+fn check_route(gpu: &Gpu, logits: &[f32], rows: usize, router: &Router<'_>, what: &str) {
+    let (num_experts, top_k) = (router.num_experts, router.top_k);
+    let want = route_with(logits, router);
+    let device = DeviceRouter::from_router(router).unwrap();
+    let mut workspace = MoeWorkspace::<f32>::new(gpu, &device, 64, 64, 32).unwrap();
+    let bias_buffer = router.selection_bias.map(|b| gpu.upload(b).unwrap());
+    let logits_buffer = gpu.upload(logits).unwrap();
+    ops::moe_route(
+        gpu,
+        &logits_buffer,
+        &device,
+        bias_buffer.as_ref(),
+        &mut workspace,
+        rows,
+    )
+    .unwrap();
+    let what = format!("{what}: {num_experts} experts top-{top_k} {rows} rows {router:?}");
+    let entries = rows * top_k;
+    let take = |b: &DeviceBuffer<u32>, n: usize| gpu.download(b).unwrap()[..n].to_vec();
+    let takef = |b: &DeviceBuffer<f32>, n: usize| gpu.download(b).unwrap()[..n].to_vec();
+    assert_eq!(take(&workspace.experts, entries), want.experts, "{what}");
+    assert_weights(&what, &takef(&workspace.weights, entries), &want.weights);
+    let offsets: Vec<usize> = take(&workspace.expert_offsets, num_experts + 1)
+        .into_iter()
+        .map(|o| o as usize)
+        .collect();
+    assert_eq!(offsets, want.expert_offsets, "{what}");
+    assert_eq!(
+        take(&workspace.expert_rows, entries),
+        want.expert_rows,
+        "{what}"
+    );
+    assert_weights(
+        &what,
+        &takef(&workspace.expert_weights, entries),
+        &want.expert_weights,
+    );
+    // Each expert's tiles cover its entries, TILE_ROWS at a time.
+    let tiles = take(&workspace.tile_offsets, num_experts + 1);
+    let starts = gpu.download(&workspace.tile_starts).unwrap();
+    let tile_experts = gpu.download(&workspace.tile_experts).unwrap();
+    for e in 0..num_experts {
+        let count = offsets[e + 1] - offsets[e];
+        let first = tiles[e] as usize;
+        assert_eq!(
+            (tiles[e + 1] - tiles[e]) as usize,
+            count.div_ceil(ops::MOE_TILE_ROWS),
+            "{what}"
+        );
+        for t in 0..count.div_ceil(ops::MOE_TILE_ROWS) {
+            assert_eq!(tile_experts[first + t] as usize, e, "{what}");
+            let start = offsets[e] + t * ops::MOE_TILE_ROWS;
+            assert_eq!(starts[first + t] as usize, start, "{what}");
+        }
+    }
+    // Each entry's slot holds its row.
+    let slots = take(&workspace.entry_slots, entries);
+    for (entry, &slot) in slots.iter().enumerate() {
+        assert_eq!(want.expert_rows[slot as usize] as usize, entry / top_k);
     }
 }
 
@@ -72,76 +140,142 @@ fn the_device_router_chooses_as_route_with() {
                     if with_bias && router.scoring == Scoring::Softmax {
                         continue;
                     }
-                    let cpu_router = Router {
+                    let router = Router {
                         selection_bias: with_bias.then_some(bias.as_slice()),
                         ..router
                     };
-                    let want = route_with(&logits, &cpu_router);
-                    let device = DeviceRouter::from_router(&router).unwrap();
-                    let mut workspace =
-                        MoeWorkspace::<f32>::new(&gpu, &device, 64, 64, 32).unwrap();
-                    let bias_buffer = gpu.upload(&bias).unwrap();
-                    let device_bias = with_bias.then_some(&bias_buffer);
-                    let logits_buffer = gpu.upload(&logits).unwrap();
-                    ops::moe_route(
-                        &gpu,
-                        &logits_buffer,
-                        &device,
-                        device_bias,
-                        &mut workspace,
-                        rows,
-                    )
-                    .unwrap();
-                    let what = format!(
-                        "{num_experts} experts top-{top_k} {rows} rows {router:?} bias {with_bias}"
-                    );
-                    let entries = rows * top_k;
-                    let take =
-                        |b: &DeviceBuffer<u32>, n: usize| gpu.download(b).unwrap()[..n].to_vec();
-                    let takef =
-                        |b: &DeviceBuffer<f32>, n: usize| gpu.download(b).unwrap()[..n].to_vec();
-                    assert_eq!(take(&workspace.experts, entries), want.experts, "{what}");
-                    assert_weights(&what, &takef(&workspace.weights, entries), &want.weights);
-                    let offsets: Vec<usize> = take(&workspace.expert_offsets, num_experts + 1)
-                        .into_iter()
-                        .map(|o| o as usize)
-                        .collect();
-                    assert_eq!(offsets, want.expert_offsets, "{what}");
-                    assert_eq!(
-                        take(&workspace.expert_rows, entries),
-                        want.expert_rows,
-                        "{what}"
-                    );
-                    assert_weights(
-                        &what,
-                        &takef(&workspace.expert_weights, entries),
-                        &want.expert_weights,
-                    );
-                    // Each expert's tiles cover its entries, TILE_ROWS at a time.
-                    let tiles = take(&workspace.tile_offsets, num_experts + 1);
-                    let starts = gpu.download(&workspace.tile_starts).unwrap();
-                    let tile_experts = gpu.download(&workspace.tile_experts).unwrap();
-                    for e in 0..num_experts {
-                        let count = offsets[e + 1] - offsets[e];
-                        let first = tiles[e] as usize;
-                        assert_eq!(
-                            (tiles[e + 1] - tiles[e]) as usize,
-                            count.div_ceil(ops::MOE_TILE_ROWS),
-                            "{what}"
-                        );
-                        for t in 0..count.div_ceil(ops::MOE_TILE_ROWS) {
-                            assert_eq!(tile_experts[first + t] as usize, e, "{what}");
-                            let start = offsets[e] + t * ops::MOE_TILE_ROWS;
-                            assert_eq!(starts[first + t] as usize, start, "{what}");
-                        }
-                    }
-                    // Each entry's slot holds its row.
-                    let slots = take(&workspace.entry_slots, entries);
-                    for (entry, &slot) in slots.iter().enumerate() {
-                        assert_eq!(want.expert_rows[slot as usize] as usize, entry / top_k);
-                    }
+                    check_route(&gpu, &logits, rows, &router, &format!("bias {with_bias}"));
                 }
             }
+        }
+    }
+}
+
+/// Rows that stress the group limit over `num_experts` experts in `num_groups` groups:
+/// every logit equal (every group ties: the first groups, the first experts); each group's
+/// experts equal, groups 1 and 2 tied at the top; every logit NaN; the best group all NaN
+/// beside a group of ties.
+fn group_edge_rows(num_experts: usize, num_groups: usize) -> Vec<f32> {
+    let size = num_experts / num_groups;
+    let group_of = |e: usize| e / size;
+    let mut rows = vec![0.75f32; num_experts];
+    rows.extend((0..num_experts).map(|e| match group_of(e) {
+        1 | 2 => 2.0,
+        g => 0.25 * g as f32 - 1.0,
+    }));
+    rows.extend(std::iter::repeat_n(f32::NAN, num_experts));
+    rows.extend((0..num_experts).map(|e| match group_of(e) {
+        0 => f32::NAN,
+        g if g == num_groups - 1 => 1.5,
+        _ => (e % 3) as f32 * 0.5,
+    }));
+    rows
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn the_device_router_limits_groups_as_route_with() {
+    let gpu = gpu();
+    let mut rng = rng(41);
+    let limit = |num_groups, groups_per_row, score| {
+        Some(GroupLimit {
+            num_groups,
+            groups_per_row,
+            score,
+        })
+    };
+    // (experts, top-k, scoring, renormalise, scale, group limit, selection bias)
+    let cases = [
+        // DeepSeek-V2: group_limited_greedy, unnormalised top-6 scaled by 16, 160 experts.
+        (
+            160,
+            6,
+            Scoring::Softmax,
+            Renormalize::No,
+            16.0,
+            limit(8, 3, GroupScore::Max),
+            false,
+        ),
+        // DeepSeek-V2-Lite: one group, top-6 of 64.
+        (
+            64,
+            6,
+            Scoring::Softmax,
+            Renormalize::No,
+            1.0,
+            limit(1, 1, GroupScore::Max),
+            false,
+        ),
+        // The deepseek-v2-tiny preset's router.
+        (
+            8,
+            2,
+            Scoring::Softmax,
+            Renormalize::No,
+            1.5,
+            limit(4, 2, GroupScore::Max),
+            false,
+        ),
+        // DeepSeek-V3: noaux_tc over 256 experts in 8 groups, top-4 groups, top-8 experts.
+        (
+            256,
+            8,
+            Scoring::Sigmoid,
+            Renormalize::Yes,
+            2.5,
+            limit(8, 4, GroupScore::TopTwoSum),
+            true,
+        ),
+        // The deepseek-v3-tiny preset's router.
+        (
+            8,
+            3,
+            Scoring::Sigmoid,
+            Renormalize::Yes,
+            2.5,
+            limit(4, 2, GroupScore::TopTwoSum),
+            true,
+        ),
+        // Groups of one expert (a group's score is its expert's), without the bias.
+        (
+            16,
+            2,
+            Scoring::Sigmoid,
+            Renormalize::No,
+            1.0,
+            limit(16, 3, GroupScore::TopTwoSum),
+            false,
+        ),
+        // The most groups the device takes; groups scored by their best sigmoid + bias.
+        (
+            64,
+            4,
+            Scoring::Sigmoid,
+            Renormalize::Yes,
+            1.0,
+            limit(32, 5, GroupScore::Max),
+            true,
+        ),
+    ];
+    for (num_experts, top_k, scoring, renormalize, scale, group_limit, with_bias) in cases {
+        let bias = random_vec(&mut rng, num_experts, 0.5);
+        let router = Router {
+            num_experts,
+            top_k,
+            scoring,
+            renormalize,
+            group_limit,
+            selection_bias: with_bias.then_some(bias.as_slice()),
+            scale,
+        };
+        let num_groups = group_limit.map_or(1, |l| l.num_groups);
+        for rows in [1usize, 3, 17, 60] {
+            let mut logits = tied_logits(&mut rng, rows * num_experts);
+            logits.extend(group_edge_rows(num_experts, num_groups));
+            check_route(&gpu, &logits, rows + 4, &router, "group limit");
+            // The edge rows alone: each row's choice is its own.
+            let edges = &logits[rows * num_experts..];
+            check_route(&gpu, edges, 4, &router, "group limit, edge rows");
         }
     }
 }
@@ -356,24 +490,63 @@ fn grouped_experts_and_combine_match_a_float64_loop_in_bf16() {
 /// Host-side validation only: runs everywhere.
 #[test]
 fn the_device_declines_what_it_cannot_route() {
-    let router = Router {
-        num_experts: 8,
-        top_k: 2,
-        scoring: Scoring::Softmax,
+    let v3 = Router {
+        num_experts: 256,
+        top_k: 8,
+        scoring: Scoring::Sigmoid,
         renormalize: Renormalize::Yes,
-        group_limit: Some(pagoda_ops::moe::GroupLimit {
-            num_groups: 2,
-            groups_per_row: 1,
-            score: pagoda_ops::moe::GroupScore::Max,
+        group_limit: Some(GroupLimit {
+            num_groups: 8,
+            groups_per_row: 4,
+            score: GroupScore::TopTwoSum,
         }),
         selection_bias: None,
-        scale: 1.0,
+        scale: 2.5,
     };
-    assert!(DeviceRouter::from_router(&router).is_err());
+    // DeepSeek-V3's and V2's group limits are taken, and kept.
+    let device = DeviceRouter::from_router(&v3).unwrap();
+    assert_eq!(device.group_limit, v3.group_limit);
+    let v2 = Router {
+        num_experts: 160,
+        top_k: 6,
+        scoring: Scoring::Softmax,
+        renormalize: Renormalize::No,
+        group_limit: Some(GroupLimit {
+            num_groups: 8,
+            groups_per_row: 3,
+            score: GroupScore::Max,
+        }),
+        scale: 16.0,
+        ..v3
+    };
+    assert!(DeviceRouter::from_router(&v2).is_ok());
+    let with_limit = |num_groups, groups_per_row, score| Router {
+        group_limit: Some(GroupLimit {
+            num_groups,
+            groups_per_row,
+            score,
+        }),
+        ..v3
+    };
+    // Declined: more groups than lanes, groups that do not divide the experts, fewer kept
+    // experts than top-k, no group kept, top-two sums of softmax scores.
+    assert!(DeviceRouter::from_router(&with_limit(64, 4, GroupScore::Max)).is_err());
+    assert!(DeviceRouter::from_router(&with_limit(6, 2, GroupScore::Max)).is_err());
+    let too_few = Router {
+        top_k: 9,
+        ..with_limit(32, 1, GroupScore::Max)
+    };
+    assert!(DeviceRouter::from_router(&too_few).is_err());
+    assert!(DeviceRouter::from_router(&with_limit(8, 0, GroupScore::Max)).is_err());
+    let softmax_top_two = Router {
+        scoring: Scoring::Softmax,
+        ..v3
+    };
+    assert!(DeviceRouter::from_router(&softmax_top_two).is_err());
     let too_many = Router {
         group_limit: None,
         num_experts: 2048,
-        ..router
+        ..v3
     };
     assert!(DeviceRouter::from_router(&too_many).is_err());
 }

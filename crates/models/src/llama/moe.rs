@@ -13,7 +13,7 @@ use pagoda_ops::linear::{matmul_shared, Weight};
 use pagoda_ops::moe::{self, ExpertRouting, GroupLimit, GroupScore, Renormalize, Router, Scoring};
 
 use super::{fetch, load_matrix, load_vector, weight_from_bytes, WeightPrecision};
-use crate::config::{ExpertScoring, GroupScoring, ModelConfig, TopKWeights};
+use crate::config::{ExpertScoring, GroupScoring, ModelConfig, MoeConfig, TopKWeights};
 use crate::weight_plan::{ExpertsPlan, TensorSpec};
 use crate::weights::{names, LoadError, TensorSource};
 
@@ -60,6 +60,35 @@ impl Mlp {
             .sum();
         let idle_share = (1.0 - e.top_k as f64 / experts).powi(rows as i32);
         expert_bytes as f64 * idle_share
+    }
+}
+
+impl MoeConfig {
+    /// The router of these blocks, without its selection bias (a per-layer weight): what the
+    /// CPU's blocks and CUDA's device router route with.
+    pub(crate) fn router(&self) -> Router<'static> {
+        Router {
+            num_experts: self.num_experts,
+            top_k: self.experts_per_token,
+            scoring: match self.scoring {
+                ExpertScoring::Softmax => Scoring::Softmax,
+                ExpertScoring::Sigmoid => Scoring::Sigmoid,
+            },
+            renormalize: match self.top_k_weights {
+                TopKWeights::Softmax => Renormalize::No,
+                TopKWeights::Normalized => Renormalize::Yes,
+            },
+            group_limit: self.group_limit.map(|limit| GroupLimit {
+                num_groups: limit.num_groups,
+                groups_per_row: limit.groups_per_token,
+                score: match limit.score {
+                    GroupScoring::Max => GroupScore::Max,
+                    GroupScoring::TopTwoSum => GroupScore::TopTwoSum,
+                },
+            }),
+            selection_bias: None,
+            scale: self.routed_scaling_factor,
+        }
     }
 }
 
@@ -115,19 +144,10 @@ impl Experts {
             Some(spec) => Some(load_vector(source, &spec.name, spec.len())?),
             None => None,
         };
+        let settings = moe.router();
         Ok(Experts {
-            scoring: match moe.scoring {
-                ExpertScoring::Softmax => Scoring::Softmax,
-                ExpertScoring::Sigmoid => Scoring::Sigmoid,
-            },
-            group_limit: moe.group_limit.map(|limit| GroupLimit {
-                num_groups: limit.num_groups,
-                groups_per_row: limit.groups_per_token,
-                score: match limit.score {
-                    GroupScoring::Max => GroupScore::Max,
-                    GroupScoring::TopTwoSum => GroupScore::TopTwoSum,
-                },
-            }),
+            scoring: settings.scoring,
+            group_limit: settings.group_limit,
             selection_bias,
             routed_scaling_factor: moe.routed_scaling_factor,
             shared,
@@ -141,11 +161,8 @@ impl Experts {
             gate: stacked(&plan.gate, names::FFN_GATE)?,
             up: stacked(&plan.up, names::FFN_UP)?,
             down: stacked(&plan.down, names::FFN_DOWN)?,
-            top_k: moe.experts_per_token,
-            renormalize: match moe.top_k_weights {
-                TopKWeights::Softmax => Renormalize::No,
-                TopKWeights::Normalized => Renormalize::Yes,
-            },
+            top_k: settings.top_k,
+            renormalize: settings.renormalize,
         })
     }
 

@@ -1,4 +1,4 @@
-//! Mixture-of-experts MLP blocks on the GPU (Qwen3-MoE, Mixtral; ADR 0010): a layer's
+//! Mixture-of-experts MLP blocks on the GPU (Qwen3-MoE, Mixtral, DeepSeek; ADR 0010): a layer's
 //! router, its experts' weights stacked per projection as GGUF stores them (`[num_experts,
 //! out, in]` in the model's dtype, one buffer each, the experts addressed by offset inside
 //! the kernels) and the shared experts' dense MLP; the step buffers a MoE model adds
@@ -8,11 +8,10 @@
 
 use pagoda_cuda::{view, view_mut, CudaError, DeviceBuffer, DeviceRead, DeviceViewMut, Gpu};
 use pagoda_ops::cuda::{self as ops, DeviceRouter, MoeWorkspace};
-use pagoda_ops::moe::{Renormalize, Scoring};
 
 use super::matrix::{Linear, Matrix};
 use super::HostFloat;
-use crate::config::{ExpertScoring, ModelConfig, MoeConfig, TopKWeights};
+use crate::config::{ModelConfig, MoeConfig};
 use crate::llama::LoadError;
 use crate::weight_plan::{ExpertsPlan, TensorSpec};
 
@@ -50,29 +49,10 @@ impl<T> GpuExperts<T> {
     }
 }
 
-/// The device router of `moe`, or why the GPU declines it (group-limited routing).
+/// The device router of `moe` (the CPU's router, group limits included), or why the GPU
+/// declines it (more experts, groups or top-k than the device router takes).
 pub(super) fn device_router(moe: &MoeConfig) -> Result<DeviceRouter, CudaError> {
-    let router = pagoda_ops::moe::Router {
-        num_experts: moe.num_experts,
-        top_k: moe.experts_per_token,
-        scoring: match moe.scoring {
-            ExpertScoring::Softmax => Scoring::Softmax,
-            ExpertScoring::Sigmoid => Scoring::Sigmoid,
-        },
-        renormalize: match moe.top_k_weights {
-            TopKWeights::Softmax => Renormalize::No,
-            TopKWeights::Normalized => Renormalize::Yes,
-        },
-        group_limit: None,
-        selection_bias: None,
-        scale: moe.routed_scaling_factor,
-    };
-    if moe.group_limit.is_some() {
-        return Err(CudaError::invalid(
-            "group-limited expert routing (DeepSeek) runs on the CPU only",
-        ));
-    }
-    DeviceRouter::from_router(&router)
+    DeviceRouter::from_router(&moe.router())
 }
 
 /// Puts a tensor on the device as `U`.
@@ -129,9 +109,10 @@ struct SharedBuffers<T> {
 
 impl<T: HostFloat> MoeBuffers<T> {
     /// The buffers for `c`'s expert blocks and steps of up to `max_tokens` tokens, or `None`
-    /// for a dense model (nothing allocated).
+    /// for a model without expert layers (nothing allocated; a DeepSeek configuration may
+    /// list every layer dense).
     pub fn new(gpu: &Gpu, c: &ModelConfig, max_tokens: usize) -> Result<Option<Self>, CudaError> {
-        let Some(moe) = &c.moe else {
+        let Some(moe) = c.moe.as_ref().filter(|_| c.has_expert_layers()) else {
             return Ok(None);
         };
         let router = device_router(moe)?;

@@ -15,7 +15,7 @@ use super::decode_path::FusedDecode;
 use super::experts::{ExpertStep, GpuExperts, MoeBuffers};
 use super::matrix::{Linear, Matrix, QuantScratch};
 use super::{GpuLayer, GpuMlp, GpuModel, GqaWeights, HostFloat, LayerAttention, StepBuffers};
-use crate::decoder::{deepseek_dense_layers, llama_layers, llama_moe_layers, DecoderStep, MoeStep};
+use crate::decoder::{deepseek_layers, llama_layers, llama_moe_layers, DecoderStep, MoeStep};
 
 mod mla;
 
@@ -30,9 +30,9 @@ impl<T: HostFloat> GpuModel<T> {
         shape: &StepShape,
     ) -> Result<(), CudaError> {
         let mut step = self.step(gpu, buffers, layout, shape)?;
-        // The loader declines latent attention with expert layers (DeepSeek's MoE).
+        // DeepSeek: latent attention, then a dense or expert MLP block per layer.
         if self.config.mla.is_some() {
-            return deepseek_dense_layers(&mut step, &self.layers);
+            return deepseek_layers(&mut step, &self.layers);
         }
         if self.config.moe.is_some() {
             return llama_moe_layers(&mut step, &self.layers);

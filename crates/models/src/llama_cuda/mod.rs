@@ -23,8 +23,9 @@
 //! Architectures: llama (Llama 2/3, SmolLM2, Mistral), Qwen2 (q/k/v bias, added after the
 //! QKV GEMM), Qwen3 (per-head q/k RMSNorm before RoPE), the mixture-of-experts Qwen3-MoE
 //! and Mixtral (`experts.rs`, ADR 0010: router, expert lists and grouped expert MLP on the
-//! device), and DeepSeek's latent attention (`mla_weights.rs`, `layers/mla.rs`,
-//! `mla_decode.rs`; ADR 0009) with dense MLPs. DeepSeek with expert layers stays on the CPU.
+//! device), and DeepSeek-V2/V3 (`mla_weights.rs`, `layers/mla.rs`, `mla_decode.rs`; ADR
+//! 0009): latent attention with the dense leading layers and the expert layers (group-limited
+//! routing, selection bias and shared experts on the device router of `experts.rs`).
 
 use std::sync::Arc;
 
@@ -64,12 +65,6 @@ mod weights;
 /// storage, f32 accumulation; the default) or [`DType::F32`] (f32 everywhere, for parity
 /// checks against the CPU's exact mode).
 pub use pagoda_tensor::DType;
-
-/// Why the CUDA model declines DeepSeek models with expert layers: latent attention runs with
-/// dense MLPs, and expert layers with grouped-query attention, but the two together (and
-/// DeepSeek's group-limited routing) are not wired yet.
-pub const MLA_MOE_ON_CPU_ONLY: &str =
-    "DeepSeek models with expert layers run on the CPU for now (use --device cpu)";
 
 /// Sizes of the KV pool and the step buffers ([`StepBuffers::new`]).
 #[derive(Debug, Clone, Copy)]
@@ -217,21 +212,8 @@ impl CudaModel {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel, LoadError> {
         config.validate().map_err(|e| LoadError(e.to_string()))?;
-        if config.mla.is_some() && config.has_expert_layers() {
-            return Err(LoadError(MLA_MOE_ON_CPU_ONLY.into()));
-        }
-        if let Some(moe) = config.moe.as_ref().filter(|_| config.has_expert_layers()) {
-            experts::device_router(moe).map_err(|e| LoadError(e.to_string()))?;
-        }
-        if let Some(reason) = mla_weights::mla_unsupported_config(&config) {
-            return Err(LoadError(format!("{reason} (use --device cpu)")));
-        }
-        if config.mla.is_none() && !ops::SUPPORTED_HEAD_DIMS.contains(&config.head_dim) {
-            return Err(LoadError(format!(
-                "the CUDA attention kernels support head_dim {:?}, not {}",
-                ops::SUPPORTED_HEAD_DIMS,
-                config.head_dim
-            )));
+        if let Some(reason) = CudaModel::unsupported(&config) {
+            return Err(LoadError(reason));
         }
         let keep = keep_quantized && dtype == DType::BF16;
         let model = match dtype {
@@ -259,6 +241,30 @@ impl CudaModel {
             );
         }
         Ok(model)
+    }
+
+    /// Why the CUDA model declines `config`, or `None` where it runs it: host-side checks
+    /// only (no device is opened), so the reason is the same on any machine. Declined: a
+    /// router the device router does not take, latent attention shapes the MLA kernels do
+    /// not compile for (and DeepSeek-V3.2's indexer), other attention's head dims outside
+    /// the kernels'.
+    pub fn unsupported(config: &ModelConfig) -> Option<String> {
+        if let Some(moe) = config.moe.as_ref().filter(|_| config.has_expert_layers()) {
+            if let Err(error) = experts::device_router(moe) {
+                return Some(format!("{error} (use --device cpu)"));
+            }
+        }
+        if let Some(reason) = mla_weights::mla_unsupported_config(config) {
+            return Some(format!("{reason} (use --device cpu)"));
+        }
+        if config.mla.is_none() && !ops::SUPPORTED_HEAD_DIMS.contains(&config.head_dim) {
+            return Some(format!(
+                "the CUDA attention kernels support head_dim {:?}, not {}",
+                ops::SUPPORTED_HEAD_DIMS,
+                config.head_dim
+            ));
+        }
+        None
     }
 
     /// Bytes of the weights on the device.

@@ -19,7 +19,7 @@ use pagoda_cuda::{
     Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims,
 };
 
-use super::{Renormalize, Router, Scoring};
+use super::{GroupLimit, GroupScore, Renormalize, Router, Scoring};
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
 
 /// The CUDA source of the router and the CSR lists (one entry point).
@@ -37,6 +37,8 @@ pub const MOE_TILE_ROWS: usize = 8;
 pub const MOE_MAX_EXPERTS: usize = 512;
 /// Most experts a row may be routed to.
 pub const MOE_MAX_TOP_K: usize = 32;
+/// Most groups a group-limited router may cut its experts into (one lane per group).
+pub const MOE_MAX_GROUPS: usize = 32;
 /// Output columns per CTA of the expert matmuls (`WARPS * ROWS`).
 const COLUMNS_PER_CTA: usize = 32;
 /// Threads of the router's one CTA (`WARPS * 32` in `moe_route.cu`).
@@ -88,8 +90,8 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     Ok(specs)
 }
 
-/// A router the device runs: [`Router`] without group limits (DeepSeek's, which stays on
-/// the CPU); the selection bias is a device buffer handed to [`moe_route`].
+/// A router the device runs: [`Router`] with its group limit (DeepSeek); the selection bias
+/// is a device buffer handed to [`moe_route`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeviceRouter {
     /// Experts per row of logits, at most [`MOE_MAX_EXPERTS`].
@@ -102,23 +104,21 @@ pub struct DeviceRouter {
     pub renormalize: Renormalize,
     /// Every picked weight is multiplied by it.
     pub scale: f32,
+    /// Group-limited routing, if any: at most [`MOE_MAX_GROUPS`] groups.
+    pub group_limit: Option<GroupLimit>,
 }
 
 impl DeviceRouter {
-    /// The device form of `router`, or why the device declines it (group limits, too many
-    /// experts, top-k out of range).
+    /// The device form of `router`, or why the device declines it (too many experts or
+    /// groups, top-k out of range, a group limit that does not fit).
     pub fn from_router(router: &Router<'_>) -> Result<DeviceRouter, CudaError> {
-        if router.group_limit.is_some() {
-            return Err(CudaError::invalid(
-                "group-limited routing (DeepSeek) runs on the CPU only",
-            ));
-        }
         let device = DeviceRouter {
             num_experts: router.num_experts,
             top_k: router.top_k,
             scoring: router.scoring,
             renormalize: router.renormalize,
             scale: router.scale,
+            group_limit: router.group_limit,
         };
         device.check()?;
         Ok(device)
@@ -137,7 +137,51 @@ impl DeviceRouter {
                 "the device router routes a row to at most {MOE_MAX_TOP_K} experts, not {top_k}"
             )));
         }
+        if let Some(limit) = self.group_limit {
+            let GroupLimit {
+                num_groups,
+                groups_per_row,
+                score,
+            } = limit;
+            let fits = (1..=MOE_MAX_GROUPS).contains(&num_groups)
+                && experts.is_multiple_of(num_groups)
+                && (1..=num_groups).contains(&groups_per_row)
+                && groups_per_row * (experts / num_groups) >= top_k;
+            if !fits {
+                return Err(CudaError::invalid(format!(
+                    "the device router takes 1..={MOE_MAX_GROUPS} groups that divide the \
+                     experts, of which a row's keep at least top-k experts (have {limit:?} for \
+                     {experts} experts, top-{top_k})"
+                )));
+            }
+            if score == GroupScore::TopTwoSum && self.scoring != Scoring::Sigmoid {
+                return Err(CudaError::invalid(
+                    "top-two group scores need sigmoid scoring",
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The kernel's group arguments: groups, groups kept per row, the score (0: no limit,
+    /// 1: max, 2: top-two sum).
+    fn group_args(&self) -> [KernelArg; 3] {
+        let (groups, kept, score) = match self.group_limit {
+            None => (1, 1, 0),
+            Some(limit) => (
+                limit.num_groups as u32,
+                limit.groups_per_row as u32,
+                match limit.score {
+                    GroupScore::Max => 1,
+                    GroupScore::TopTwoSum => 2,
+                },
+            ),
+        };
+        [
+            KernelArg::U32(groups),
+            KernelArg::U32(kept),
+            KernelArg::U32(score),
+        ]
     }
 }
 
@@ -245,7 +289,9 @@ impl<T: Element> MoeWorkspace<T> {
 /// Routes the `num_rows` rows of `logits` (`[num_rows, num_experts]` f32) with `router` (and
 /// `bias`, `[num_experts]`, the sigmoid router's selection bias), as
 /// [`route_with`](super::route_with) does: the same experts in the same order (ties: the lower
-/// index; NaN last), weights within an ulp or two (f32 `expf`). Then lists each expert's
+/// index; NaN last; group limits, group ties to the lower group), weights within an ulp or two
+/// (f32 `expf`; the sigmoid router's selection scores use it too, so two experts or groups
+/// whose scores differ by an ulp or two may order otherwise than on the CPU). Then lists each expert's
 /// entries in row order and the matmul tiles, into `workspace`.
 pub fn moe_route<T: Element>(
     gpu: &Gpu,
@@ -279,6 +325,7 @@ pub fn moe_route<T: Element>(
     }
     let spec = specialize_moe(MoeEntry::Route, DType::F32)?;
     let w = &*workspace;
+    let [groups, kept, group_score] = router.group_args();
     let args = [
         ptr(logits),
         bias.map_or(KernelArg::Ptr(0), ptr),
@@ -291,6 +338,9 @@ pub fn moe_route<T: Element>(
         }),
         KernelArg::U32((router.renormalize == Renormalize::Yes) as u32),
         KernelArg::F32(router.scale),
+        groups,
+        kept,
+        group_score,
         ptr(&w.experts),
         ptr(&w.weights),
         ptr(&w.expert_offsets),

@@ -1,8 +1,10 @@
 // Mixture-of-experts routing on the device, one launch of one CTA (`moe_route`): each row's
-// top-k experts and weights (one warp per row at a time), then each expert's routed entries in
-// row order (a CSR list) and the tiles the expert matmuls of moe_experts.cu run. CPU
-// reference: pagoda_ops::moe::route_with (the same choices; weights within an ulp or two of
-// f32, expf against Rust's exp, and the full softmax sum in another order).
+// top-k experts and weights (one warp per row at a time; DeepSeek's group limits and selection
+// bias included), then each expert's routed entries in row order (a CSR list) and the tiles
+// the expert matmuls of moe_experts.cu run. CPU reference: pagoda_ops::moe::route_with (the
+// same choices; weights within an ulp or two of f32, expf against Rust's exp, and the full
+// softmax sum in another order; the sigmoid's selection scores use expf too, so scores an ulp
+// or two apart may order otherwise).
 //
 // The grid is fixed: a decode step's routing is captured in its CUDA graph. A row's choice
 // reads its own logits only (batch invariance).
@@ -14,6 +16,7 @@ namespace moe_route_detail {
 constexpr int MAX_EXPERTS = 512;    // one word per expert and warp in shared memory
 constexpr int WARPS = 8;            // rows routed at once
 constexpr int MAX_TOP_K = 32;
+constexpr int MAX_GROUPS = 32;      // one lane per group of a group-limited router
 constexpr int TILE_ROWS = 8;        // entries per expert-matmul tile (moe_experts.cu's TILE_ROWS)
 constexpr int CHUNK = 1024;         // entries per pass of the CSR scatter
 
@@ -22,6 +25,11 @@ constexpr int CHUNK = 1024;         // entries per pass of the CSR scatter
 PAGODA_DEVICE unsigned int order_key(float v) {
     const unsigned int bits = __float_as_uint(v);
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The float whose order_key is `key` (the inverse of order_key on every non-NaN float).
+PAGODA_DEVICE float key_value(unsigned int key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
 }
 
 // NaN (v != v) becomes -inf: it ranks below every number.
@@ -42,16 +50,74 @@ PAGODA_DEVICE void warp_best(unsigned int& key, unsigned int& index) {
     }
 }
 
+// Group-limited routing of one row on the calling warp (pagoda_ops::moe::limit_groups): the
+// experts are cut into num_groups contiguous groups; each group is scored from its experts'
+// selection scores (keys, order_key form): group_score 1, the best (the largest by f32's
+// total order); 2, the sum of the two best, taken in expert order with f32 `>` and summed in
+// f32 (a group of one counts its expert once). The groups_per_row best groups stay (ties: the
+// lower group), every expert of the others drops to -inf. One lane per group, num_groups <=
+// MAX_GROUPS; group_keys: the warp's shared scratch.
+PAGODA_DEVICE void limit_groups(unsigned int* keys, unsigned int num_experts,
+                                unsigned int num_groups, unsigned int groups_per_row,
+                                unsigned int group_score, unsigned int* group_keys) {
+    const unsigned int lane = threadIdx.x % 32;
+    const unsigned int group_size = num_experts / num_groups;
+    if (lane < num_groups) {
+        const unsigned int first = lane * group_size;
+        float score;
+        if (group_score == 1) {
+            unsigned int best = 0;
+            for (unsigned int e = first; e < first + group_size; ++e) best = max(best, keys[e]);
+            score = key_value(best);
+        } else {
+            float top = -INFINITY, second = -INFINITY;
+            for (unsigned int e = first; e < first + group_size; ++e) {
+                const float value = key_value(keys[e]);
+                if (value > top) {
+                    second = top;
+                    top = value;
+                } else if (value > second) {
+                    second = value;
+                }
+            }
+            score = group_size == 1 ? top : top + second;
+        }
+        group_keys[lane] = order_key(score);
+    }
+    __syncwarp();
+    // A group's rank: the groups before it in the stable descending order.
+    bool kept = false;
+    if (lane < num_groups) {
+        const unsigned int mine = group_keys[lane];
+        unsigned int rank = 0;
+        for (unsigned int g = 0; g < num_groups; ++g) {
+            const unsigned int other = group_keys[g];
+            rank += other > mine || (other == mine && g < lane);
+        }
+        kept = rank < groups_per_row;
+    }
+    __syncwarp();
+    if (lane < num_groups) group_keys[lane] = kept;
+    __syncwarp();
+    const unsigned int dropped = order_key(-INFINITY);
+    for (unsigned int e = lane; e < num_experts; e += 32) {
+        if (group_keys[e / group_size] == 0) keys[e] = dropped;
+    }
+    __syncwarp();
+}
+
 // Routes one row (`logits_row`, num_experts f32) on the calling warp into row_experts /
 // row_weights [top_k], best first. scoring 0: softmax (choose by logit, weigh by the softmax
 // over every expert, or over the picked when renormalize); 1: sigmoid (choose by sigmoid +
 // bias, weigh by the unbiased sigmoid, divided by the picked sum + 1e-20 when renormalize).
-// NaN ranks last; ties go to the lower expert. Weights times scale. keys/picks: the warp's
-// shared scratch.
+// group_score 0: no group limit; else limit_groups first. NaN ranks last; ties go to the
+// lower expert. Weights times scale. keys/picks/group_keys: the warp's shared scratch.
 PAGODA_DEVICE void route_row(const float* row, const float* bias, unsigned int num_experts,
                              unsigned int top_k, unsigned int scoring, unsigned int renormalize,
-                             float scale, unsigned int* row_experts, float* row_weights,
-                             unsigned int* keys, unsigned int* picks) {
+                             float scale, unsigned int num_groups, unsigned int groups_per_row,
+                             unsigned int group_score, unsigned int* row_experts,
+                             float* row_weights, unsigned int* keys, unsigned int* picks,
+                             unsigned int* group_keys) {
     const unsigned int lane = threadIdx.x % 32;
     float max_logit = -INFINITY;
     for (unsigned int e = lane; e < num_experts; e += 32) {
@@ -67,6 +133,9 @@ PAGODA_DEVICE void route_row(const float* row, const float* bias, unsigned int n
     }
     max_logit = warp_max(max_logit);
     __syncwarp();
+    if (group_score != 0) {
+        limit_groups(keys, num_experts, num_groups, groups_per_row, group_score, group_keys);
+    }
     for (unsigned int j = 0; j < top_k; ++j) {
         unsigned int key = 0, index = 0xffffffffu;
         for (unsigned int e = lane; e < num_experts; e += 32) {
@@ -188,13 +257,15 @@ PAGODA_DEVICE void expert_rows_of(const unsigned int* experts, const float* weig
 
 }  // namespace moe_route_detail
 
-// Routes num_rows rows of f32 logits [num_rows, num_experts] (route_row, one warp per row),
-// then lists each expert's entries and the matmul tiles (expert_rows_of). One CTA of
-// WARPS * 32 threads.
+// Routes num_rows rows of f32 logits [num_rows, num_experts] (route_row, one warp per row;
+// group_score 0 for no group limit, 1 Max, 2 TopTwoSum over num_groups groups, keeping
+// groups_per_row), then lists each expert's entries and the matmul tiles (expert_rows_of).
+// One CTA of WARPS * 32 threads.
 extern "C" __global__ void __launch_bounds__(moe_route_detail::WARPS * 32)
     moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
               unsigned int num_rows, unsigned int num_experts, unsigned int top_k,
               unsigned int scoring, unsigned int renormalize, float scale,
+              unsigned int num_groups, unsigned int groups_per_row, unsigned int group_score,
               unsigned int* experts, float* weights, unsigned int* expert_offsets,
               unsigned int* expert_rows, float* expert_weights, unsigned int* entry_slots,
               unsigned int* tile_offsets, unsigned int* tile_experts,
@@ -202,11 +273,13 @@ extern "C" __global__ void __launch_bounds__(moe_route_detail::WARPS * 32)
     using namespace moe_route_detail;
     __shared__ unsigned int keys[WARPS][MAX_EXPERTS];
     __shared__ unsigned int picks[WARPS][MAX_TOP_K];
+    __shared__ unsigned int group_keys[WARPS][MAX_GROUPS];
     const unsigned int warp = threadIdx.x / 32;
     for (unsigned int row = warp; row < num_rows; row += WARPS) {
         route_row(logits + (size_t)row * num_experts, bias, num_experts, top_k, scoring,
-                  renormalize, scale, experts + (size_t)row * top_k,
-                  weights + (size_t)row * top_k, keys[warp], picks[warp]);
+                  renormalize, scale, num_groups, groups_per_row, group_score,
+                  experts + (size_t)row * top_k, weights + (size_t)row * top_k, keys[warp],
+                  picks[warp], group_keys[warp]);
     }
     __syncthreads();
     expert_rows_of(experts, weights, num_rows * top_k, top_k, num_experts, expert_offsets,

@@ -31,7 +31,15 @@ stop_all() {
     pids=()
 }
 trap 'stop_all; rm -rf "$work"' EXIT
-free_port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+free_port() {
+    # Dynamo reads DYN_SYSTEM_PORT as an i16: a free port below 32768.
+    "$python" -c 'import random, socket
+while True:
+    s = socket.socket(); p = random.randrange(20000, 32768)
+    try:
+        s.bind(("127.0.0.1", p)); print(p); break
+    except OSError: pass'
+}
 
 PREFIXES=$prefixes PROMPTS=$prompts "$python" - > "$work/dataset.jsonl" <<'PY'
 import json, os, random

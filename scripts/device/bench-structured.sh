@@ -24,7 +24,7 @@ for masks in ${MASKS:-on}; do
     for _ in $(seq 240); do curl -sf "$URL/health" > /dev/null && break; sleep 0.5; done
     for r in $(seq "$ROUNDS"); do
         for kind in free schema; do
-            seed=$((2 * r + (kind == "schema" ? 1 : 0)))
+            seed=$((2 * r)); [[ $kind == schema ]] && seed=$((seed + 1))
             extra=()
             [[ $kind == schema ]] && extra=(--json-schema "$S")
             pagoda bench serve --url "$URL" --scenarios single,batch4 --clients 16 -n 128 -r 1 \

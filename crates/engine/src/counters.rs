@@ -166,6 +166,14 @@ engine_counters! {
     /// Constrained rows whose token mask was applied on the device (sampled there).
     cuda_masked_rows: "pagoda_cuda_masked_rows_total", Counter,
         "Rows of constrained requests (structured output) sampled on the GPU: the grammar's packed token mask, computed on the host during the forward, applied to the row's logits on the device.";
+    /// Host time computing the steps' token masks (structured output), in microseconds.
+    structured_mask_compute_us: "pagoda_structured_mask_microseconds_total" ["phase" = "compute"], Counter,
+        "Host time of structured output's token masks, in microseconds, by phase (compute: the step's masks computed beside the forward, wall time; wait: the CUDA sampler blocked for them after the forward was enqueued; accept: the draw stage of steps holding constrained rows, whose tokens are fed to their grammars there).";
+    /// Time the CUDA sampler blocked for the step's masks, in microseconds.
+    structured_mask_wait_us: "pagoda_structured_mask_microseconds_total" ["phase" = "wait"], Counter, "";
+    /// Wall time of the draw stage (tokens drawn, verified and fed to the grammars) of steps
+    /// holding constrained rows, in microseconds.
+    structured_mask_accept_us: "pagoda_structured_mask_microseconds_total" ["phase" = "accept"], Counter, "";
     /// Prefill and mixed CUDA steps replayed (or captured) as piecewise graphs.
     steps_cuda_piecewise: "pagoda_cuda_piecewise_steps_total", Counter,
         "CUDA prefill and mixed steps whose kernels between attentions ran from piecewise graphs per token bucket (PAGODA_CUDA_PIECEWISE_TOKENS).";

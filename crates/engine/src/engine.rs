@@ -398,6 +398,7 @@ impl Engine {
                     output
                 })
             });
+        let constrained_step = !step_masks.is_empty();
         self.restore_constraints(step_masks);
         let output = match output {
             Ok(output) => output,
@@ -450,6 +451,7 @@ impl Engine {
             next_row += 1 + sequence.draft;
         }
         let rule = self.settings.speculation.rule;
+        let drawing = std::time::Instant::now();
         let drawn: Vec<(RequestState, Verified)> = states
             .into_par_iter()
             .zip(rows)
@@ -487,6 +489,9 @@ impl Engine {
                 (state, verified)
             })
             .collect();
+        if constrained_step {
+            self.counters.structured_mask_accept_us += drawing.elapsed().as_micros() as u64;
+        }
         let on_device: usize = drawn
             .iter()
             .filter(|(_, v)| v.on_device)

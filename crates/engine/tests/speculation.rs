@@ -196,7 +196,13 @@ fn constrained_requests_speculate_within_their_grammar() {
         common::run_to_end(&mut engine, &mut output);
         (output, engine.counters().clone())
     };
-    let (plain, _) = run(SpeculationMode::Off);
+    let (plain, plain_counters) = run(SpeculationMode::Off);
+    // The masks' host time is counted (masks beside the forward, then the draw stage).
+    assert!(
+        plain_counters.structured_mask_compute_us > 0
+            && plain_counters.structured_mask_accept_us > 0,
+        "{plain_counters:?}"
+    );
     let (speculative, counters) = run(SpeculationMode::Ngram);
     assert!(
         speculative == plain,

@@ -416,7 +416,9 @@ impl<T: HostFloat> TypedRunner<T> {
         };
         if let Some(source) = request.masks {
             // The forward is enqueued: the host's masks are (nearly) done by now.
+            let waited = std::time::Instant::now();
             let masks = source();
+            self.counters.structured_mask_wait_us += waited.elapsed().as_micros() as u64;
             let mut logits = view_mut(&mut cache.buffers.scratch.logits, 0..num_logits * vocab)?;
             sampler.apply_masks(gpu, &mut logits, vocab, &masks)?;
             self.counters.cuda_masked_rows += masks.rows.len() as u64;

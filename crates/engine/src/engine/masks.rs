@@ -24,6 +24,8 @@ pub(super) struct StepMasks {
     /// Compute the masks on the rayon pool, one task per row (on CUDA, where the host's
     /// cores are idle during the forward; the CPU's forward needs them).
     parallel: bool,
+    /// Wall time of [`StepMasks::compute`], in microseconds.
+    pub(super) compute_us: u64,
 }
 
 impl StepMasks {
@@ -42,6 +44,13 @@ impl StepMasks {
     /// draw is then refused by the grammar when accepted, which ends the request with its
     /// error, as on the host.
     pub(super) fn compute(&mut self) -> TokenMasks {
+        let started = std::time::Instant::now();
+        let masks = self.compute_masks();
+        self.compute_us += started.elapsed().as_micros() as u64;
+        masks
+    }
+
+    fn compute_masks(&mut self) -> TokenMasks {
         let words = self.words;
         let mut masks = TokenMasks {
             words,
@@ -121,11 +130,13 @@ impl Engine {
             taken,
             words,
             parallel,
+            compute_us: 0,
         }
     }
 
     /// Puts the constraints back into their requests' states.
     pub(super) fn restore_constraints(&mut self, masks: StepMasks) {
+        self.counters.structured_mask_compute_us += masks.compute_us;
         for (id, constraint, _) in masks.taken {
             if let Some(state) = self.requests.get_mut(&id) {
                 state.constraint = Some(constraint);

@@ -4,7 +4,7 @@
 # for both: prefix hit rate (prompt tokens served from the workers' prefix caches) and
 # goodput (p99 TTFT <= 2 s, p99 TPOT <= 100 ms).
 #
-#   bash scripts/bench-dynamo-routing.sh [RATE] [NUM_PROMPTS]
+#   [MODES="kv round-robin"] bash scripts/bench-dynamo-routing.sh [RATE] [NUM_PROMPTS]
 #
 # The workload: PREFIXES long system prompts (about 300 tokens each), each followed by short
 # questions, shuffled; each worker's KV pool (KV_PAGES pages of 16 tokens) holds about two
@@ -57,7 +57,7 @@ for n in range(int(os.environ["PROMPTS"])):
 PY
 
 printf '| router | achieved req/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | goodput req/s | prefix hit rate |\n|---|---:|---:|---:|---:|---:|\n' > "$work/table.md"
-for mode in round-robin kv; do
+for mode in ${MODES:-round-robin kv}; do
     port=$(free_port)
     export DYN_DISCOVERY_BACKEND=file DYN_FILE_KV=$work/discovery-$mode DYN_REQUEST_PLANE=tcp \
         DYN_EVENT_PLANE=zmq DYN_NAMESPACE=pagoda-bench-$mode-$$ DYN_TCP_RPC_HOST=127.0.0.1 \

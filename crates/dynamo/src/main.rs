@@ -1,4 +1,4 @@
-//! `pagoda-dynamo`: pagoda as a worker of NVIDIA Dynamo (issue 41, first increment).
+//! `pagoda-dynamo`: pagoda as a worker of NVIDIA Dynamo (issue 41).
 //!
 //! It implements `dynamo-backend-common`'s `LLMEngine` contract over pagoda's engine loop (the
 //! one `pagoda serve` runs) and hands it to Dynamo's `run`, which registers the model with
@@ -20,10 +20,11 @@
 //! search, logprobs, guided decoding, min_tokens, multimodal input, disaggregation) are
 //! refused with an `InvalidArgument` naming them.
 //!
-//! Not yet: KV events from the prefix cache and load metrics (so Dynamo's KV router cannot
-//! route by prefix to this worker: use the round-robin or random router), the etcd/NATS
-//! modes (only tried with file discovery, the TCP request plane and ZMQ events), and testing
-//! on CUDA.
+//! KV-aware routing: the engine loop's prefix-cache changes go to Dynamo's KV event publisher
+//! (`feed.rs`: a page's chained key as the block hash, Dynamo's own hash of its tokens), its load
+//! (pages used of the pool) to the load publisher, and pagoda's counters into the runtime's
+//! `/metrics`. Tried with file discovery, the TCP request plane and ZMQ events
+//! (`scripts/test-dynamo.sh`); not yet with etcd/NATS, nor on CUDA.
 
 mod card;
 mod engine;

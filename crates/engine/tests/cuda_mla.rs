@@ -282,6 +282,13 @@ fn gpu_logits(
         schedule.len() as u64 - graph_steps,
         "{counters:?}"
     );
+    // Decode steps on the split-KV MLA decode (counted as fused decode steps), graphs or
+    // not; none in deterministic mode (every row on the prefill kernel).
+    let latent_decodes = if deterministic { 0 } else { decode_steps };
+    assert_eq!(
+        counters.steps_cuda_decode_fused, latent_decodes,
+        "{counters:?}"
+    );
     logits
 }
 

@@ -101,6 +101,10 @@ mod tests {
         };
         assert_ne!(graph_key(4, 4, &fused(2)), graph_key(4, 4, &fused(4)));
         assert_ne!(graph_key(4, 4, &fused(2)), graph_key(4, 4, &prefill));
+        // A latent attention decode's grid follows its bucket: the bucket is the key.
+        let latent = Attention::Latent { grid_chunks: 40 };
+        assert_eq!(graph_key(4, 4, &latent), 4);
+        assert_ne!(graph_key(4, 4, &latent), graph_key(8, 8, &latent));
     }
 
     #[test]

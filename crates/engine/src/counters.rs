@@ -148,9 +148,10 @@ engine_counters! {
     /// CUDA steps run in deterministic mode (batch-invariant GEMMs, per-token attention).
     steps_cuda_deterministic: "pagoda_cuda_deterministic_steps_total", Counter,
         "CUDA steps run in deterministic mode (batch-invariant GEMMs, per-token attention).";
-    /// CUDA steps whose attention ran the fused split-KV paged decode.
+    /// CUDA steps whose attention ran the fused split-KV paged decode (a latent attention
+    /// model's decode steps: the split-KV MLA decode).
     steps_cuda_decode_fused: "pagoda_cuda_decode_fused_steps_total", Counter,
-        "CUDA steps whose attention ran the fused split-KV paged decode.";
+        "CUDA steps whose attention ran the fused split-KV paged decode (DeepSeek's latent attention: the split-KV MLA decode).";
     /// Fused decode steps whose variant came from the tuning table (`pagoda tune`).
     steps_cuda_decode_tuned: "pagoda_cuda_decode_variant_steps_total" ["source" = "tuned"], Counter,
         "Fused decode steps by where their variant (kernel, merge, CTA target) came from (tuned: the tuning table's row for the step's bucket; heuristic: no row, the built-in choice).";

@@ -23,6 +23,7 @@ pub use pagoda_models::llama_cuda::{
 pub use sampling::{MaskSource, SampledRow, TokenMasks};
 pub use warmup::{WarmupReport, WARMUP_STAGES};
 
+mod announce;
 mod buckets;
 mod latent;
 mod pieces;

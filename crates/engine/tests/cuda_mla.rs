@@ -15,6 +15,12 @@
 //! deterministic mode as well (every row on the MLA prefill kernel); and through the engine:
 //! a greedy request alone, beside others, and with its prompt's pages from the prefix cache
 //! gives the same tokens.
+//!
+//! With CUDA graphs on (as every run here but the eager baselines), decode steps replay from a
+//! graph per batch bucket (3 requests pad to the bucket of 4) and the other steps run eagerly:
+//! graphs on and off give the same logits (bitwise in deterministic mode; within f32 and bf16
+//! noise otherwise: a padded step plans its chunks and picks its GEMMs for the bucket) and,
+//! through the engine, the same greedy tokens.
 
 mod common;
 
@@ -239,6 +245,7 @@ fn gpu_logits(
     weights: &RandomWeights,
     dtype: DType,
     deterministic: bool,
+    graphs: bool,
 ) -> Vec<Vec<f32>> {
     let loaded =
         CudaModel::load(config.clone(), weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
@@ -248,7 +255,7 @@ fn gpu_logits(
         max_batch_tokens: 256,
         max_batch_requests: 8,
         max_context: NUM_PAGES * PAGE_SIZE,
-        cuda_graphs: true,
+        cuda_graphs: graphs,
         paged_decode: Default::default(),
         kernels: CudaKernels {
             deterministic,
@@ -261,11 +268,25 @@ fn gpu_logits(
         model.forward(batch).unwrap()
     });
     let counters = model.counters();
-    // MLA steps run eagerly (their decode plan is uploaded from the host).
-    assert_eq!(counters.steps_cuda_graph, 0, "{counters:?}");
+    // With graphs, the decode steps (every active request one token) replay from their
+    // bucket's graph; prefill and mixed steps run eagerly.
+    let decode_steps = schedule
+        .iter()
+        .filter(|step| step.iter().all(|&count| count <= 1))
+        .count() as u64;
+    let graph_steps = if graphs { decode_steps } else { 0 };
+    assert!(decode_steps > 0);
+    assert_eq!(counters.steps_cuda_graph, graph_steps, "{counters:?}");
     assert_eq!(
         counters.steps_cuda_eager,
-        schedule.len() as u64,
+        schedule.len() as u64 - graph_steps,
+        "{counters:?}"
+    );
+    // Decode steps on the split-KV MLA decode (counted as fused decode steps), graphs or
+    // not; none in deterministic mode (every row on the prefill kernel).
+    let latent_decodes = if deterministic { 0 } else { decode_steps };
+    assert_eq!(
+        counters.steps_cuda_decode_fused, latent_decodes,
         "{counters:?}"
     );
     logits
@@ -286,7 +307,7 @@ fn gpu_mla_forward_matches_cpu() {
             (DType::BF16, false),
             (DType::BF16, true),
         ] {
-            let got = gpu_logits(&gpu, &config, &weights, dtype, deterministic);
+            let got = gpu_logits(&gpu, &config, &weights, dtype, deterministic, true);
             let e = errors(&expected, &got, vocab);
             eprintln!(
                 "q_lora_rank {q_lora_rank:?} {dtype} deterministic {deterministic}: max relative \
@@ -319,7 +340,7 @@ fn gpu_mla_with_experts_matches_cpu() {
             (DType::BF16, false),
             (DType::BF16, true),
         ] {
-            let got = gpu_logits(&gpu, &config, &weights, dtype, deterministic);
+            let got = gpu_logits(&gpu, &config, &weights, dtype, deterministic, true);
             let e = errors(&expected, &got, vocab);
             eprintln!(
                 "experts v3 {v3} {dtype} deterministic {deterministic}: max relative logit \
@@ -332,6 +353,58 @@ fn gpu_mla_with_experts_matches_cpu() {
             } else {
                 // As cuda_moe.rs: a near-tied router row may pick other experts in bf16.
                 assert!(e.logprob < 0.5, "bf16 top-10 logprob error {}", e.logprob);
+            }
+        }
+    }
+}
+
+/// Graphs on and off (decode steps of 3, 2 and 1 requests: buckets 4, 2 and 1): bitwise the
+/// same logits in deterministic mode (batch-invariant GEMMs, every row on the prefill
+/// kernel, padding rows apart), else within the f32 bound with the same greedy ids, and
+/// within the bf16 bounds against the CPU (the bucket's plan and GEMMs differ from the
+/// unpadded step's).
+#[test]
+#[ignore = "needs a GPU"]
+fn gpu_mla_decode_graphs_match_eager_steps() {
+    let gpu = gpu();
+    let models = [
+        ("dense", config(Some(64)), 0.15),
+        ("experts v3", moe_config(true), 0.5),
+        ("experts v2", moe_config(false), 0.5),
+    ];
+    for (name, config, bf16_bound) in models {
+        let weights = RandomWeights::new(&config, 29, 1 << 30).unwrap();
+        let vocab = config.vocab_size;
+        for (dtype, deterministic) in [
+            (DType::F32, false),
+            (DType::F32, true),
+            (DType::BF16, false),
+            (DType::BF16, true),
+        ] {
+            let eager = gpu_logits(&gpu, &config, &weights, dtype, deterministic, false);
+            let graphs = gpu_logits(&gpu, &config, &weights, dtype, deterministic, true);
+            let e = errors(&eager, &graphs, vocab);
+            eprintln!(
+                "{name} {dtype} deterministic {deterministic}, graphs against eager: max \
+                 relative logit error {:.2e}, max top-10 logprob error {:.4}, greedy \
+                 mismatches {}",
+                e.relative, e.logprob, e.greedy_mismatches
+            );
+            if deterministic {
+                assert!(
+                    eager == graphs,
+                    "{name} {dtype}: deterministic logits differ with graphs"
+                );
+            } else if dtype == DType::F32 {
+                // The bound against the CPU: a wrong plan or padding is off by far more.
+                assert!(
+                    e.relative < 2e-3,
+                    "{name}: f32 relative error {}",
+                    e.relative
+                );
+                assert_eq!(e.greedy_mismatches, 0, "{name}: f32 greedy ids differ");
+            } else {
+                assert!(e.logprob < bf16_bound, "{name}: bf16 error {}", e.logprob);
             }
         }
     }
@@ -352,10 +425,14 @@ fn engine(
     dtype: DType,
     deterministic: bool,
     prefix_caching: bool,
+    graphs: bool,
 ) -> Engine {
     let model =
         CudaModel::load(config.clone(), weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();
-    let config = common::engine_config(128, 96, 1024, AttentionPolicy::Auto);
+    let config = pagoda_engine::EngineConfig {
+        cuda_graphs: graphs,
+        ..common::engine_config(128, 96, 1024, AttentionPolicy::Auto)
+    };
     let settings = EngineSettings {
         prefix_caching,
         cuda_warmup: true,
@@ -413,7 +490,7 @@ fn greedy_tokens(engine: &mut Engine, others: &[(usize, usize, usize)]) -> Vec<u
 }
 
 /// A greedy request of `config` (weights of `seed`) alone, beside others and from a warm prefix
-/// cache gives the same tokens.
+/// cache gives the same tokens, with graphs (its decode steps replayed: counted) and without.
 fn check_alone_batched_cached(config: &ModelConfig, seed: u64) {
     let gpu = gpu();
     let weights = RandomWeights::new(config, seed, 1 << 30).unwrap();
@@ -427,13 +504,33 @@ fn check_alone_batched_cached(config: &ModelConfig, seed: u64) {
         (31, 7, 16),
     ];
     for (dtype, deterministic) in [(DType::F32, true), (DType::BF16, true), (DType::F32, false)] {
-        let start =
-            |prefix_caching| engine(&gpu, config, &weights, dtype, deterministic, prefix_caching);
+        let start = |prefix_caching| {
+            engine(
+                &gpu,
+                config,
+                &weights,
+                dtype,
+                deterministic,
+                prefix_caching,
+                true,
+            )
+        };
         let alone = greedy_tokens(&mut start(false), &[]);
-        let batched = greedy_tokens(&mut start(false), &others);
+        let mut with_others = start(false);
+        let batched = greedy_tokens(&mut with_others, &others);
         assert_eq!(
             batched, alone,
             "{dtype} deterministic {deterministic}: batched"
+        );
+        let counters = with_others.counters();
+        assert!(counters.steps_cuda_graph > 0, "{counters:?}");
+        // The same batch without graphs: every step eager, the same tokens.
+        let mut eager = engine(&gpu, config, &weights, dtype, deterministic, false, false);
+        let eager_batched = greedy_tokens(&mut eager, &others);
+        assert_eq!(eager.counters().steps_cuda_graph, 0);
+        assert_eq!(
+            eager_batched, alone,
+            "{dtype} deterministic {deterministic}: batched without graphs"
         );
         // The same prompt again on a warm prefix cache: its full pages are reused.
         let mut cached = start(true);

@@ -44,7 +44,8 @@ pub(super) fn verify_bucket(
 
 /// The graph cache's key of a step shape: the bucket for decode steps (one row per
 /// request), `(requests << 32) | rows` for verification steps; a fused decode's variant
-/// code above both (a bucket holds one graph per variant its steps ran).
+/// code above both (a bucket holds one graph per variant its steps ran). A latent attention
+/// decode's grid is its bucket's ([`Attention::Latent`]): the bucket keys it.
 pub(super) fn graph_key(num_requests: usize, num_tokens: usize, attention: &Attention) -> usize {
     let rows = if num_requests == num_tokens {
         num_tokens
@@ -100,6 +101,10 @@ mod tests {
         };
         assert_ne!(graph_key(4, 4, &fused(2)), graph_key(4, 4, &fused(4)));
         assert_ne!(graph_key(4, 4, &fused(2)), graph_key(4, 4, &prefill));
+        // A latent attention decode's grid follows its bucket: the bucket is the key.
+        let latent = Attention::Latent { grid_chunks: 40 };
+        assert_eq!(graph_key(4, 4, &latent), 4);
+        assert_ne!(graph_key(4, 4, &latent), graph_key(8, 8, &latent));
     }
 
     #[test]

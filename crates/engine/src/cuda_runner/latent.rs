@@ -1,5 +1,6 @@
 //! DeepSeek's latent attention (MLA) on CUDA: its pool is one row of latent + rope key per
-//! token (the config's one KV head of `head_dim` = the latent row), and its steps run eagerly.
+//! token (the config's one KV head of `head_dim` = the latent row); its decode steps replay
+//! from CUDA graphs per batch bucket, its other steps run eagerly.
 
 use std::sync::Once;
 
@@ -7,9 +8,10 @@ use pagoda_cuda::{CudaError, DType};
 use pagoda_models::config::ModelConfig;
 use pagoda_ops::cuda::{self as ops, PoolLayout};
 
-/// Checks a latent attention model's pool against the MLA kernels, and says once that its steps
-/// run eagerly when graphs were asked for (its decode plan is uploaded from the host per step,
-/// ADR 0009; no decode or piecewise graphs yet).
+/// Checks a latent attention model's pool against the MLA kernels, and says once what runs
+/// from graphs when they were asked for: decode steps, per batch bucket (the decode's grid
+/// fixed per bucket, its plan uploaded from pinned memory before each replay, ADR 0009);
+/// prefill, mixed and verification steps eagerly (no piecewise graphs).
 pub(super) fn check_latent_pool(
     c: &ModelConfig,
     dtype: DType,
@@ -29,8 +31,10 @@ pub(super) fn check_latent_pool(
         static EAGER: Once = Once::new();
         EAGER.call_once(|| {
             tracing::info!(
-                "CUDA latent attention (MLA): every step runs eagerly (its decode plan is \
-                 uploaded from the host per step; no decode or piecewise graphs yet)"
+                "CUDA latent attention (MLA): decode steps replay from CUDA graphs per batch \
+                 bucket (the split-KV decode's grid fixed per bucket, its plan uploaded before \
+                 each replay); prefill, mixed and verification steps run eagerly (no piecewise \
+                 graphs)"
             )
         });
     }

@@ -23,8 +23,8 @@ impl<T: HostFloat> TypedRunner<T> {
     /// Writes the step's inputs, padded to `shape`, into the pinned staging buffers and
     /// queues their uploads. Padding rows: token 0 at position 0, slot -1 (no KV write),
     /// no pages, logits of row `i` for padding row `i`. A fused decode step (or a mixed
-    /// step's decode rows) also plans its split here; returns whether that plan merges
-    /// chunks.
+    /// step's decode rows), or a latent attention decode step, also plans its split here;
+    /// returns whether the fused decode's plan merges chunks.
     pub(super) fn stage(
         &self,
         cache: &mut GpuCache<T>,
@@ -137,11 +137,15 @@ impl<T: HostFloat> TypedRunner<T> {
         upload(logits_rows, &mut s.logits_rows)?;
         upload(page_indices, &mut s.page_indices)?;
         if let Some(mla) = cache.buffers.mla_decode.as_mut() {
-            // A decode step (one row per request) attends through the split-KV MLA decode,
-            // any other through the MLA prefill kernel.
-            let decode = n == r && real_tokens == n && real_requests == r;
+            // A decode step (one row per request, padding requests with no pages) attends
+            // through the split-KV MLA decode over its bucket's grid, any other through the
+            // MLA prefill kernel.
             let indptr = &cache.staging.words.as_slice()?[page_indptr_range.clone()];
-            mla.stage(gpu, decode.then_some(indptr))?;
+            let decode = match shape.attention {
+                Attention::Latent { grid_chunks } => Some((indptr, grid_chunks)),
+                _ => None,
+            };
+            mla.stage(gpu, decode)?;
         }
         let fused_plan = match shape.attention {
             Attention::Fused {

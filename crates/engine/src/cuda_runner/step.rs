@@ -8,68 +8,22 @@
 //! split-KV paged decode, or the gather baseline (`decode_path`). With CUDA graphs on, they are
 //! padded to a batch-size bucket and replayed from a graph captured once per bucket: every
 //! count the kernels need is read on the device, padding rows have no pages and a slot of
-//! -1. Prefill steps run the ragged prefill kernel, launched from the host; mixed steps
-//! (decode rows first, then chunks) split their rows between the fused decode and the
-//! prefill kernel (`PAGODA_CUDA_MIXED_STEPS`).
-
-use std::sync::Once;
+//! -1; a latent attention (MLA) model's decode steps too (its split-KV decode's grid fixed
+//! per bucket as the fused decode's), its other steps eagerly. Prefill steps run the ragged
+//! prefill kernel, launched from the host; mixed steps (decode rows first, then chunks) split
+//! their rows between the fused decode and the prefill kernel (`PAGODA_CUDA_MIXED_STEPS`).
 
 use pagoda_cuda::{view, CudaError, DeviceRead, GraphCache};
 use pagoda_models::llama::ForwardBatch;
 use pagoda_models::llama_cuda::{Attention, HostFloat, StepBuffers, StepShape, VariantSource};
 use pagoda_ops::cuda::{self as ops, PoolLayout};
 
+use super::announce::announce;
 use super::buckets::{graph_bucket, graph_buckets, graph_key, verify_bucket};
 use super::latent::check_latent_pool;
 use super::pieces::piece_bucket;
 use super::sampling::Output;
 use super::{CudaCacheOptions, GpuCache, Staging, TypedRunner};
-
-fn announce(path: &'static str) {
-    static GRAPHS: Once = Once::new();
-    static EAGER: Once = Once::new();
-    static GATHER: Once = Once::new();
-    static FUSED: Once = Once::new();
-    static PREFILL: Once = Once::new();
-    static MIXED: Once = Once::new();
-    static PIECES: Once = Once::new();
-    let once = match path {
-        "pieces" => &PIECES,
-        "mixed" => &MIXED,
-        "graphs" => &GRAPHS,
-        "eager" => &EAGER,
-        "gather" => &GATHER,
-        "fused" => &FUSED,
-        _ => &PREFILL,
-    };
-    once.call_once(|| match path {
-        "graphs" => tracing::info!(
-            "CUDA decode steps: replayed from CUDA graphs per batch bucket (speculative \
-             verification steps per batch bucket and rows per request)"
-        ),
-        "eager" => tracing::info!("CUDA steps: kernels launched from the host (no graph)"),
-        "gather" => {
-            tracing::info!("CUDA decode attention: gather the pages, then attend (split keys)")
-        }
-        "fused" => tracing::info!(
-            "CUDA decode attention: fused split-KV paged decode (pages read in place, chunks \
-             merged in the same launch)"
-        ),
-        "pieces" => tracing::info!(
-            "CUDA prefill and mixed steps of up to PAGODA_CUDA_PIECEWISE_TOKENS tokens: \
-             piecewise graphs per 16-token bucket (attention and the LM head launched between \
-             the pieces)"
-        ),
-        "mixed" => tracing::info!(
-            "CUDA mixed steps: decode rows on the fused paged decode, prefill chunks on the \
-             prefill kernel (PAGODA_CUDA_MIXED_STEPS=split)"
-        ),
-        _ => tracing::info!(
-            "CUDA attention: ragged prefill kernel over the paged cache (prefill steps, and \
-             mixed steps where they are not split)"
-        ),
-    });
-}
 
 /// How many of a step's requests, from the first, hold one query row each.
 fn single_rows(qo_indptr: &[u32]) -> usize {
@@ -80,7 +34,7 @@ fn single_rows(qo_indptr: &[u32]) -> usize {
 }
 
 impl<T: HostFloat> TypedRunner<T> {
-    pub(super) fn prepare(&mut self, mut options: CudaCacheOptions) -> Result<(), CudaError> {
+    pub(super) fn prepare(&mut self, options: CudaCacheOptions) -> Result<(), CudaError> {
         let c = self.model.config();
         let layout = PoolLayout {
             num_pages: options.num_pages,
@@ -91,7 +45,6 @@ impl<T: HostFloat> TypedRunner<T> {
         layout.validate()?;
         if c.mla.is_some() {
             check_latent_pool(c, T::DTYPE, &layout, options.cuda_graphs)?;
-            options.cuda_graphs = false;
         }
         // Free the old cache (and the graphs holding its addresses) before allocating.
         self.cache = None;
@@ -213,8 +166,9 @@ impl<T: HostFloat> TypedRunner<T> {
 
     /// The attention of a decode step of `requests` rows whose longest request has `context`
     /// tokens: fused when the cache has it (the variant the tuning table or the heuristic
-    /// picks for the bucket), else the gather baseline with its split count; in
-    /// deterministic mode the prefill kernel, as for every other row.
+    /// picks for the bucket), else the gather baseline with its split count; a latent
+    /// attention model's split-KV MLA decode over the bucket's grid; in deterministic mode
+    /// the prefill kernel, as for every other row.
     fn decode_attention(
         &self,
         cache: &GpuCache<T>,
@@ -224,6 +178,11 @@ impl<T: HostFloat> TypedRunner<T> {
     ) -> Attention {
         if cache.options.kernels.deterministic {
             return Attention::Prefill;
+        }
+        if let Some(mla) = &cache.buffers.mla_decode {
+            return Attention::Latent {
+                grid_chunks: mla.grid_chunks(requests),
+            };
         }
         match &cache.buffers.fused {
             Some(fused) => {
@@ -333,8 +292,10 @@ impl<T: HostFloat> TypedRunner<T> {
                 .iter()
                 .enumerate()
                 .all(|(i, &q)| q == i as u32);
+        let latent = self.model.config().mla.is_some();
         let fits_decode = options.kernels.deterministic
             || cache.buffers.fused.is_some()
+            || cache.buffers.mla_decode.is_some()
             || cache.buffers.decode.as_ref().is_some_and(|workspace| {
                 batch.page_table.indices.len() <= workspace.capacity_pages()
             });
@@ -345,7 +306,8 @@ impl<T: HostFloat> TypedRunner<T> {
         );
         let graphs_on = options.cuda_graphs && !hidden_only && num_logits == num_tokens;
         let graph_rows = bucket.filter(|_| graphs_on && decode_rows && fits_decode);
-        let verify_rows = (graphs_on && !decode_rows)
+        // A latent attention model's verification, prefill and mixed steps run eagerly.
+        let verify_rows = (graphs_on && !decode_rows && !latent)
             .then(|| {
                 verify_bucket(
                     batch.qo_indptr,
@@ -367,6 +329,7 @@ impl<T: HostFloat> TypedRunner<T> {
             && !hidden_only
             && !kernels.deterministic
             && !decode_step
+            && !latent
             && verify_rows.is_none()
             && num_tokens <= kernels.piecewise_tokens)
             .then(|| piece_bucket(num_tokens, options.max_batch_tokens));
@@ -417,6 +380,12 @@ impl<T: HostFloat> TypedRunner<T> {
                     VariantSource::Heuristic => self.counters.steps_cuda_decode_heuristic += 1,
                     VariantSource::Configured => {}
                 }
+            }
+            Attention::Latent { .. } => {
+                // The latent attention's split-KV decode (its chunks merged as the fused
+                // decode's).
+                announce("latent");
+                self.counters.steps_cuda_decode_fused += 1;
             }
             Attention::Mixed {
                 decode_rows,

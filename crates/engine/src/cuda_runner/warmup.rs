@@ -222,7 +222,8 @@ impl<T: HostFloat> TypedRunner<T> {
             return 0;
         };
         let kernels = options.kernels;
-        if !options.cuda_graphs || kernels.deterministic {
+        // A latent attention model's prefill steps run eagerly (no pieces).
+        if !options.cuda_graphs || kernels.deterministic || self.model.config().mla.is_some() {
             return 0;
         }
         let started = Instant::now();

@@ -30,6 +30,10 @@ pub enum Attention {
         /// Where the variant came from (the step counters read it).
         source: super::VariantSource,
     },
+    /// A latent attention (MLA) decode step: the split-KV MLA decode over a grid of
+    /// `grid_chunks` chunks, fixed per batch bucket (the plan is staged per step by
+    /// [`MlaDecode::stage`](super::MlaDecode::stage); chunks past it exit at once).
+    Latent { grid_chunks: usize },
     /// A mixed step (`PAGODA_CUDA_MIXED_STEPS=split`): its first `decode_rows` requests hold
     /// one query each and attend through the fused decode (`grid_chunks`, `variant`, as
     /// [`Attention::Fused`]); the chunks after them through the prefill kernel.

@@ -347,6 +347,9 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                 let plan = (grid_chunks, variant, scale);
                 fused_decode(self.fused, gpu, &queries, &kv, plan, out)
             }
+            Attention::Latent { .. } => Err(CudaError::invalid(
+                "a latent attention decode ran on a grouped-query layer",
+            )),
             Attention::Prefill => {
                 let qo = &self.qo_indptr;
                 ops::prefill_attention_with(self.prefill, gpu, &queries, &kv, qo, scale, out)

@@ -4,9 +4,12 @@
 //! [`MlaDecodeWorkspace`], whose chunks [`ops::mla_decode`] merges by log-sum-exp.
 //!
 //! A step whose rows are not all decode rows (a prefill or a mixed step) stages no plan: its
-//! latent attention runs [`ops::mla_prefill`] over every row. The plan is uploaded from pinned
-//! memory, queued before the step's kernels; the launch's grid is the plan's own chunks, so
-//! MLA steps run eagerly, not from CUDA graphs (ADR 0009).
+//! latent attention runs [`ops::mla_prefill`] over every row. As the fused decode's
+//! (`decode_path.rs`), a decode step's plan is made within the grid of its batch bucket
+//! ([`MlaDecode::grid_chunks`], the launch's width whatever the plan), padding requests with
+//! no pages, and uploaded from pinned memory, queued before the step's kernels: the launches
+//! read nothing from the host that changes within a bucket, so decode steps replay from a
+//! CUDA graph per bucket (ADR 0009); chunks past the plan's exit at once.
 
 use pagoda_cuda::{CudaError, Gpu, PinnedBuffer};
 use pagoda_ops::cuda::{
@@ -23,6 +26,7 @@ pub struct MlaDecode {
     /// the step has finished: every step ends with a synchronization).
     staging: PinnedBuffer<u32>,
     policy: PlanPolicy,
+    /// Head tiles (the plan's "KV heads").
     tiles: usize,
     /// Requests of the plan staged for the coming step (`None`: the step runs the prefill
     /// kernel over every row).
@@ -80,19 +84,33 @@ impl MlaDecode {
         }))
     }
 
-    /// Plans the coming step: a decode step (one row per request) whose page table has the
-    /// row pointer `indptr` (`Some`), or a step of any other shape (`None`: the prefill
-    /// kernel attends every row).
-    pub fn stage(&mut self, gpu: &Gpu, indptr: Option<&[u32]>) -> Result<(), CudaError> {
+    /// The grid width in chunks of a decode step of a batch bucket of `requests` rows (as
+    /// the fused decode's `grid_chunks`): room for every request's chunk and the policy's
+    /// CTA target, within the workspace.
+    pub fn grid_chunks(&self, requests: usize) -> usize {
+        PlanCapacity::for_batch(requests, self.tiles, self.policy.target_ctas)
+            .max_chunks
+            .min(self.workspace.capacity().max_chunks)
+    }
+
+    /// Plans the coming step: a decode step (one row per request, padding requests with no
+    /// pages) whose page table has the row pointer `indptr`, within `grid_chunks` chunks,
+    /// the launch's grid (`Some`, [`MlaDecode::grid_chunks`] of its bucket); or a step of
+    /// any other shape (`None`: the prefill kernel attends every row).
+    pub fn stage(&mut self, gpu: &Gpu, decode: Option<(&[u32], usize)>) -> Result<(), CudaError> {
         self.staged = None;
-        let Some(indptr) = indptr else {
+        let Some((indptr, grid_chunks)) = decode else {
             return Ok(());
         };
         let capacity = self.workspace.capacity();
-        let plan = PagedDecodePlan::new(indptr, self.tiles, self.policy, capacity)?;
+        let bucket = PlanCapacity {
+            max_chunks: grid_chunks,
+            max_requests: capacity.max_requests,
+        };
+        let plan = PagedDecodePlan::new(indptr, self.tiles, self.policy, bucket)?;
         plan.encode_into(capacity, self.staging.as_mut_slice()?)?;
         gpu.upload_pinned(&self.staging, self.workspace.plan_buffer_mut())?;
-        self.workspace.set_grid_chunks(plan.num_chunks().max(1))?;
+        self.workspace.set_grid_chunks(grid_chunks)?;
         self.staged = Some(indptr.len().saturating_sub(1));
         Ok(())
     }

@@ -19,6 +19,14 @@ use pagoda_ops::cuda::{
 use super::CudaCacheOptions;
 use crate::config::ModelConfig;
 
+/// The smallest chunk of the MLA decode's plan, in keys. Each chunk writes a partial of
+/// heads x 512 f32 that the merge reads back, 16 times the fused decode's per head, so chunks
+/// are larger than its 64 keys. Measured on an H100 (`pagoda bench attention --mla --q-heads
+/// 16 --min-chunk-keys K`, docs/benchmark_results/moe-mla-cuda-h100-2026-12-05.md): 256 keys
+/// take B=1 at 16K from 87 to 47 us and B=4 at 4K from 42 to 36 us, cost 2 us at B=1 4K,
+/// and change nothing from B=16 on; 1024 keys lose at small batches.
+const MIN_CHUNK_KEYS: usize = 256;
+
 /// The MLA decode of a model's step buffers.
 pub struct MlaDecode {
     workspace: MlaDecodeWorkspace,
@@ -52,8 +60,8 @@ impl MlaDecode {
         let policy = PlanPolicy {
             target_ctas: 2 * sm_count,
             pages_per_chunk: None,
-            // At least one 64-key tile per chunk, as the fused decode.
-            min_pages_per_chunk: 64usize.div_ceil(options.page_size.max(1)),
+            // Chunks of at least MIN_CHUNK_KEYS keys (a whole number of 64-key tiles).
+            min_pages_per_chunk: MIN_CHUNK_KEYS.div_ceil(options.page_size.max(1)),
             // Two CTAs per SM: the CUDA-core kernel and the 2-stage tensor-core one.
             resident_ctas: Some(2 * sm_count),
         };

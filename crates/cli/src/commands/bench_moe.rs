@@ -124,6 +124,7 @@ enum Stage {
 }
 
 impl Stage {
+    /// The stage's name in the table and the JSON.
     fn name(self) -> &'static str {
         match self {
             Stage::Router => "router",
@@ -155,6 +156,8 @@ struct BatchResult {
     batch: usize,
     sets: usize,
     weight_copies: usize,
+    /// Router copies the router stage's graph rotates through (one call each).
+    router_copies: usize,
     /// Distinct experts the rows of a set hit (mean over the sets).
     distinct_experts: f64,
     /// The stages' medians added up, against the block's.
@@ -237,10 +240,8 @@ fn resolve(args: &BenchMoeArgs) -> Result<Shape> {
     Ok(shape)
 }
 
-/// One full copy of the layer's weights.
+/// One full copy of the layer's expert weights (the routers are apart: [`Block::routers`]).
 struct Weights<T> {
-    /// `[experts, hidden]`.
-    router: DeviceBuffer<T>,
     /// `[experts, inter, hidden]` each.
     gate: DeviceBuffer<T>,
     up: DeviceBuffer<T>,
@@ -275,6 +276,10 @@ struct Block<T> {
     sets: Vec<Set<T>>,
     bias: Option<DeviceBuffer<f32>>,
     shared: Option<SharedScratch<T>>,
+    /// `[router_copies, experts, hidden]`: copies of the router (a few MB at most, so many
+    /// more of them than of the experts rotate through the router stage's graph).
+    routers: DeviceBuffer<T>,
+    router_copies: usize,
     /// `[max_batch, hidden]` f32: the residual stream the combine adds to.
     residual: DeviceBuffer<f32>,
 }
@@ -284,12 +289,8 @@ fn run_typed<T: HostFloat>(args: &BenchMoeArgs, shape: Shape, gpu: Gpu) -> Resul
     let layer_bytes = shape.layer_bytes(element);
     let copies = (WEIGHT_BUDGET / layer_bytes).clamp(1, args.sets);
     let max_batch = args.batch.iter().copied().max().unwrap_or(1);
-    let (h, i, e, width) = (
-        shape.hidden,
-        shape.inter,
-        shape.experts,
-        shape.shared_width(),
-    );
+    let (h, i, e) = (shape.hidden, shape.inter, shape.experts);
+    let width = shape.shared_width();
     eprintln!(
         "moe {}: hidden {h}, {e} experts of {i}, top-{}, {} shared, {}; {} sets, {copies} \
          weight copies of {:.2} GB",
@@ -308,7 +309,6 @@ fn run_typed<T: HostFloat>(args: &BenchMoeArgs, shape: Shape, gpu: Gpu) -> Resul
     let mut weights = Vec::with_capacity(copies);
     for _ in 0..copies {
         weights.push(Weights {
-            router: fill(e * h)?,
             gate: fill(e * i * h)?,
             up: fill(e * i * h)?,
             down: fill(e * h * i)?,
@@ -335,7 +335,13 @@ fn run_typed<T: HostFloat>(args: &BenchMoeArgs, shape: Shape, gpu: Gpu) -> Resul
             out: gpu.zeros(max_batch * h)?,
         }),
     };
+    // Router copies (and calls of the router stage's graph) for 4x the L2 between two reads.
+    let wanted = (4 * L2_BYTES).div_ceil(e * h * element);
+    let router_copies = wanted.clamp(1, 4096).max(args.sets);
+    let routers = fill(router_copies * e * h)?;
     let mut block = Block {
+        routers,
+        router_copies,
         bias: shape.selection_bias.then(|| gpu.zeros(e)).transpose()?,
         residual: gpu.zeros(max_batch * h)?,
         shape,
@@ -368,7 +374,7 @@ fn run_typed<T: HostFloat>(args: &BenchMoeArgs, shape: Shape, gpu: Gpu) -> Resul
 fn linear<T: Element, O: Element>(
     gpu: &Gpu,
     a: &impl DeviceRead<T>,
-    w: &DeviceBuffer<T>,
+    w: &impl DeviceRead<T>,
     out: &mut impl DeviceWrite<O>,
     shape: (usize, usize, usize),
 ) -> Result<(), CudaError> {
@@ -390,18 +396,49 @@ impl<T: HostFloat> Block<T> {
         stages
     }
 
-    /// Runs `stage` for `b` rows of every set, in order.
+    /// Calls of `stage` in its graph: one a set, the router's one a router copy.
+    fn calls(&self, stage: Stage) -> usize {
+        match stage {
+            Stage::Router => self.router_copies,
+            _ => self.sets.len(),
+        }
+    }
+
+    /// The router GEMM of set `set`'s `b` rows through router copy `copy`.
+    fn router_gemm(
+        &mut self,
+        gpu: &Gpu,
+        set: usize,
+        copy: usize,
+        b: usize,
+    ) -> Result<(), CudaError> {
+        let (h, e) = (self.shape.hidden, self.shape.experts);
+        let router = view(&self.routers, copy * e * h..(copy + 1) * e * h)?;
+        let set = &mut self.sets[set];
+        let x = view(&set.x, 0..b * h)?;
+        let mut logits = view_mut(&mut set.logits, 0..b * e)?;
+        linear(gpu, &x, &router, &mut logits, (b, e, h))
+    }
+
+    /// Runs `stage` for `b` rows of every set, in order (the router stage: of every router
+    /// copy, the sets in turn).
     fn record(&mut self, gpu: &Gpu, stage: Stage, b: usize) -> Result<(), CudaError> {
-        let shape = &self.shape;
-        let (h, e) = (shape.hidden, shape.experts);
-        for set in &mut self.sets {
+        if stage == Stage::Router {
+            for call in 0..self.router_copies {
+                self.router_gemm(gpu, call % self.sets.len(), call, b)?;
+            }
+            return Ok(());
+        }
+        for s in 0..self.sets.len() {
+            if stage == Stage::Block {
+                self.router_gemm(gpu, s, s % self.router_copies, b)?;
+            }
+            let shape = &self.shape;
+            let (h, e) = (shape.hidden, shape.experts);
+            let set = &mut self.sets[s];
             let w = &self.weights[set.copy];
             let x = view(&set.x, 0..b * h)?;
-            let run = |s: Stage| s == stage || stage == Stage::Block;
-            if run(Stage::Router) {
-                let mut logits = view_mut(&mut set.logits, 0..b * e)?;
-                linear(gpu, &x, &w.router, &mut logits, (b, e, h))?;
-            }
+            let run = |part: Stage| part == stage || stage == Stage::Block;
             if run(Stage::Route) {
                 let logits = view(&set.logits, 0..b * e)?;
                 let (router, bias) = (&shape.router, self.bias.as_ref());
@@ -468,7 +505,7 @@ impl<T: HostFloat> Block<T> {
         let mut timed = Vec::with_capacity(stages.len());
         for &stage in stages.iter().rev() {
             let graph = warm_capture(gpu, &mut |gpu: &Gpu| self.record(gpu, stage, b))?;
-            let mut times = time_replays(gpu, &graph, replays, sets)?;
+            let mut times = time_replays(gpu, &graph, replays, self.calls(stage))?;
             timed.push((stage, super::bench_sampling::median_and_min(&mut times)));
         }
         timed.reverse();
@@ -518,6 +555,7 @@ impl<T: HostFloat> Block<T> {
             batch: b,
             sets,
             weight_copies: self.weights.len(),
+            router_copies: self.router_copies,
             distinct_experts: mean_distinct,
             stages_sum_us,
             stages: results,
@@ -550,11 +588,12 @@ fn print_rows(result: &BatchResult, header: bool) {
         );
     }
     println!(
-        "| {} | stages summed | {:.1} | | | | | {:.1} distinct experts a set, {} sets, {} weight copies |",
+        "| {} | stages summed | {:.1} | | | | | {:.1} distinct experts a set, {} sets, {} weight copies, {} routers |",
         result.batch,
         result.stages_sum_us,
         result.distinct_experts,
         result.sets,
-        result.weight_copies
+        result.weight_copies,
+        result.router_copies
     );
 }

@@ -4,10 +4,10 @@
 //! as the model with `PAGODA_CUDA_GEMV` on), `moe_route`, `moe_gate_up`, `moe_down`, the
 //! shared experts' dense MLP where the shape has them (GEMM, SiLU-mul, GEMM) and
 //! `moe_combine`; then the whole block. Each stage is captured in its own CUDA graph over
-//! `--sets` rotating input sets (different activations, so different routings; the weights
-//! rotate over as many full copies of the layer as fit in 32 GB, at most one per set), the
-//! graph replayed `--replays` times, each replay timed with CUDA events: the median replay
-//! time / sets is reported.
+//! `--sets` rotating input sets (different activations, so routings; the experts rotate over
+//! as many copies as fit in 32 GB, at most one a set; the router stage over copies of 4x the
+//! L2, a call each), the graph replayed `--replays` times, each replay timed with CUDA events:
+//! the median replay time / calls is reported.
 //!
 //! The routing is the device's own (random weights and activations; read back after the warm
 //! run): the weight bytes a stage reads are the distinct experts the set's rows hit times an

@@ -328,6 +328,36 @@ fn bad_tune_and_attention_bench_flags() {
 }
 
 #[test]
+fn moe_bench_needs_a_gpu_and_good_flags() {
+    // Without a visible GPU (none here, or hidden by CUDA_VISIBLE_DEVICES on a GPU machine),
+    // or without the cuda feature: one line that says so.
+    let hidden = [("CUDA_VISIBLE_DEVICES", "")];
+    let out = support::pagoda_with_env(
+        &support::repo_root(),
+        &["bench", "moe", "-b", "1"],
+        None,
+        &hidden,
+    );
+    let error = out.assert_clean_error();
+    assert!(error.contains("needs a CUDA GPU"), "{error}");
+    // Checked before any GPU is touched.
+    error_of(&["bench", "moe", "-b", "0"], &["--batch"]);
+    error_of(&["bench", "moe", "-n", "0"], &["--replays"]);
+    error_of(
+        &["bench", "moe", "--experts", "4", "--top-k", "8"],
+        &["--top-k", "top-8 of 4"],
+    );
+    error_of(&["bench", "moe", "--experts", "1024"], &["1024"]);
+    error_of(&["bench", "moe", "--dtype", "q8"], &["bf16 or f32", "q8"]);
+    error_of(&["bench", "moe", "--hidden", "100"], &["--hidden", "8"]);
+    error_of(
+        &["bench", "moe", "--shape", "llama-3.1-8b"],
+        &["llama-3.1-8b", "qwen3-30b-a3b"],
+    );
+    error_of(&["bench", "moe", "--copy-tb-s", "0"], &["--copy-tb-s"]);
+}
+
+#[test]
 fn bad_serve_security_flags() {
     let model = tiny_model("tiny-qwen2");
     let m = model.to_str().unwrap();

@@ -106,6 +106,8 @@ pub enum BenchKind {
     Attention(super::bench_attention::BenchAttentionArgs),
     /// Time the CPU kernels (matmul kernel sets, attention kernels) side by side.
     Kernels(super::bench_kernels::BenchKernelsArgs),
+    /// Time a mixture-of-experts block's kernels on the GPU, stage by stage, graph-replayed.
+    Moe(super::bench_moe::BenchMoeArgs),
 }
 
 #[derive(Serialize)]
@@ -188,13 +190,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 super::bench_sampling::run(sampling_args)
             };
         }
-        Some(BenchKind::Attention(attention_args)) if attention_args.mla => {
-            return super::bench_attention_mla::run_args(&attention_args)
-        }
-        Some(BenchKind::Attention(attention_args)) => {
-            return super::bench_attention::run(attention_args)
-        }
+        Some(BenchKind::Attention(a)) if a.mla => return super::bench_attention_mla::run_args(&a),
+        Some(BenchKind::Attention(a)) => return super::bench_attention::run(a),
         Some(BenchKind::Kernels(kernels_args)) => return super::bench_kernels::run(kernels_args),
+        Some(BenchKind::Moe(moe_args)) => return super::bench_moe::run(moe_args),
         None => {}
     }
     let max_batch = args.batch.iter().copied().max().unwrap_or(1);

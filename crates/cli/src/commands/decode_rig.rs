@@ -9,6 +9,7 @@
 use anyhow::{bail, Result};
 use half::bf16;
 use pagoda_cuda::{view_mut, CapturedGraph, DeviceBuffer, Gpu};
+use pagoda_models::llama_cuda::HostFloat;
 use pagoda_ops::cuda::{
     self as ops, DecodeVariant, DecodeWorkspace, DevicePageTable, PagedDecodePlan,
     PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, PoolLayout, PrefillKernel, Queries,
@@ -109,15 +110,26 @@ pub struct Captured {
 impl Captured {
     /// Replays the graph `count` times; microseconds per call (replay time / sets) each.
     pub fn time(&self, gpu: &Gpu, count: usize) -> Result<Vec<f64>> {
-        let mut times = Vec::with_capacity(count);
-        for _ in 0..count {
-            let start = gpu.record_event()?;
-            self.graph.launch()?;
-            let end = gpu.record_event()?;
-            times.push(start.elapsed_ms(&end)? as f64 * 1e3 / self.sets as f64);
-        }
-        Ok(times)
+        time_replays(gpu, &self.graph, count, self.sets)
     }
+}
+
+/// Replays `graph` (which runs `sets` calls) `count` times, each timed with CUDA events:
+/// microseconds per call (replay time / `sets`) each.
+pub fn time_replays(
+    gpu: &Gpu,
+    graph: &CapturedGraph,
+    count: usize,
+    sets: usize,
+) -> Result<Vec<f64>> {
+    let mut times = Vec::with_capacity(count);
+    for _ in 0..count {
+        let start = gpu.record_event()?;
+        graph.launch()?;
+        let end = gpu.record_event()?;
+        times.push(start.elapsed_ms(&end)? as f64 * 1e3 / sets as f64);
+    }
+    Ok(times)
 }
 
 impl Rig {
@@ -303,17 +315,22 @@ pub fn warm_capture(
     Ok(graph)
 }
 
-/// A pool of `len` bf16 values: a 32 MB block of uniform values in [-1, 1) uploaded once and
-/// copied over the whole pool on the device (the timing does not depend on the values, only
-/// on them being ordinary numbers).
+/// A pool of `len` bf16 values: [`random_fill`].
 pub fn random_pool(gpu: &Gpu, len: usize, seed: u64) -> Result<DeviceBuffer<bf16>> {
+    random_fill(gpu, len, seed)
+}
+
+/// A buffer of `len` values of `T`: a block of 16M uniform values in [-1, 1) uploaded once and
+/// copied over the whole buffer on the device (the timing does not depend on the values, only
+/// on them being ordinary numbers).
+pub fn random_fill<T: HostFloat>(gpu: &Gpu, len: usize, seed: u64) -> Result<DeviceBuffer<T>> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let block_len = (16usize << 20).min(len);
-    let block: Vec<bf16> = (0..block_len)
-        .map(|_| bf16::from_f32(rng.random_range(-1.0..1.0)))
+    let block: Vec<T> = (0..block_len)
+        .map(|_| T::from_f32(rng.random_range(-1.0..1.0)))
         .collect();
     let block = gpu.upload(&block)?;
-    let mut pool = gpu.alloc::<bf16>(len)?;
+    let mut pool = gpu.alloc::<T>(len)?;
     let mut start = 0;
     while start < len {
         let end = (start + block_len).min(len);

@@ -66,7 +66,7 @@ impl Mlp {
 impl MoeConfig {
     /// The router of these blocks, without its selection bias (a per-layer weight): what the
     /// CPU's blocks and CUDA's device router route with.
-    pub(crate) fn router(&self) -> Router<'static> {
+    pub fn router(&self) -> Router<'static> {
         Router {
             num_experts: self.num_experts,
             top_k: self.experts_per_token,

@@ -275,6 +275,15 @@ impl<T: Element> MoeWorkspace<T> {
         })
     }
 
+    /// The expert matmuls' dimension arguments: experts, hidden, inter.
+    fn dims(&self) -> Result<[KernelArg; 3], CudaError> {
+        Ok([
+            KernelArg::U32(self.num_experts as u32),
+            KernelArg::U32(to_u32("hidden", self.hidden)?),
+            KernelArg::U32(to_u32("inter", self.inter)?),
+        ])
+    }
+
     fn check_rows(&self, num_rows: usize) -> Result<(), CudaError> {
         if num_rows > self.max_rows {
             return Err(CudaError::invalid(format!(
@@ -369,6 +378,20 @@ pub fn moe_experts<T: Element>(
     workspace: &mut MoeWorkspace<T>,
     num_rows: usize,
 ) -> Result<(), CudaError> {
+    moe_gate_up(gpu, x, [gate, up], workspace, num_rows)?;
+    moe_down(gpu, down, workspace, num_rows)
+}
+
+/// The first half of [`moe_experts`] (one launch): `workspace.act[p] = silu(gate_e(x[row_p]))
+/// * up_e(x[row_p])` for every routed position `p` of expert `e`. Its own function so that
+/// `pagoda bench moe` can time it alone.
+pub fn moe_gate_up<T: Element>(
+    gpu: &Gpu,
+    x: &impl DeviceRead<T>,
+    [gate, up]: [&DeviceBuffer<T>; 2],
+    workspace: &mut MoeWorkspace<T>,
+    num_rows: usize,
+) -> Result<(), CudaError> {
     workspace.check_rows(num_rows)?;
     let w = &*workspace;
     let (experts, hidden, inter) = (w.num_experts, w.hidden, w.inter);
@@ -383,11 +406,6 @@ pub fn moe_experts<T: Element>(
         experts * inter * hidden,
         up.len(),
     )?;
-    check_len(
-        "moe down [experts, hidden, inter]",
-        experts * hidden * inter,
-        down.len(),
-    )?;
     if !x.device_ptr().is_multiple_of(16) {
         return Err(CudaError::invalid(
             "the expert matmuls need a 16-byte aligned x",
@@ -397,27 +415,42 @@ pub fn moe_experts<T: Element>(
         return Ok(());
     }
     let tiles = to_u32("moe tiles", max_tiles(num_rows * w.top_k, experts))?;
-    let routing = [
+    let spec = specialize_moe(MoeEntry::GateUp, T::DTYPE)?;
+    let mut args = vec![ptr(x), ptr(gate), ptr(up)];
+    args.extend([
         ptr(&w.expert_offsets),
         ptr(&w.expert_rows),
         ptr(&w.tile_offsets),
         ptr(&w.tile_experts),
         ptr(&w.tile_starts),
-    ];
-    let dims = [
-        KernelArg::U32(experts as u32),
-        KernelArg::U32(to_u32("hidden", hidden)?),
-        KernelArg::U32(to_u32("inter", inter)?),
-    ];
-    let spec = specialize_moe(MoeEntry::GateUp, T::DTYPE)?;
-    let mut args = vec![ptr(x), ptr(gate), ptr(up)];
-    args.extend(routing);
+    ]);
     args.push(ptr(&w.act));
-    args.extend(dims);
+    args.extend(w.dims()?);
     let grid = (to_u32("moe CTAs", inter.div_ceil(COLUMNS_PER_CTA))?, tiles);
     // SAFETY: arguments match `moe_gate_up`; lengths and alignment validated, the tile list
     // was written by `moe_route` for at most `tiles` tiles.
-    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args)? };
+    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }
+}
+
+/// The second half of [`moe_experts`] (one launch): `workspace.out[p] = down_e(act[p])`.
+pub fn moe_down<T: Element>(
+    gpu: &Gpu,
+    down: &DeviceBuffer<T>,
+    workspace: &mut MoeWorkspace<T>,
+    num_rows: usize,
+) -> Result<(), CudaError> {
+    workspace.check_rows(num_rows)?;
+    let w = &*workspace;
+    let (experts, hidden, inter) = (w.num_experts, w.hidden, w.inter);
+    check_len(
+        "moe down [experts, hidden, inter]",
+        experts * hidden * inter,
+        down.len(),
+    )?;
+    if num_rows == 0 {
+        return Ok(());
+    }
+    let tiles = to_u32("moe tiles", max_tiles(num_rows * w.top_k, experts))?;
     let spec = specialize_moe(MoeEntry::Down, T::DTYPE)?;
     let mut args = vec![ptr(&w.act), ptr(down), ptr(&w.expert_offsets)];
     args.extend([
@@ -426,9 +459,10 @@ pub fn moe_experts<T: Element>(
         ptr(&w.tile_starts),
         ptr(&w.out),
     ]);
-    args.extend(dims);
+    args.extend(w.dims()?);
     let grid = (to_u32("moe CTAs", hidden.div_ceil(COLUMNS_PER_CTA))?, tiles);
-    // SAFETY: arguments match `moe_down`; as above.
+    // SAFETY: arguments match `moe_down`; the lengths validated, the intermediates and the
+    // tile list written for these rows by `moe_gate_up` and `moe_route`.
     unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }
 }
 

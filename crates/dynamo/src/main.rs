@@ -24,7 +24,8 @@
 //! (`feed.rs`: a page's chained key as the block hash, Dynamo's own hash of its tokens), its load
 //! (pages used of the pool) to the load publisher, and pagoda's counters into the runtime's
 //! `/metrics`. Tried with file discovery, the TCP request plane and ZMQ events
-//! (`scripts/test-dynamo.sh`); not yet with etcd/NATS, nor on CUDA.
+//! (`scripts/test-dynamo.sh`), and with requests and events over NATS; not yet with etcd
+//! discovery, nor on CUDA.
 
 mod card;
 mod engine;

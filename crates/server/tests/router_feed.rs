@@ -79,9 +79,20 @@ fn the_loop_feeds_prefix_cache_changes_and_load_to_a_router() {
     // 40 tokens: two full pages of 16 and a partial one.
     let prompt: Vec<u32> = (0..40).map(|i| 100 + i * 7).collect();
     generate(&handle, &prompt);
+    // The loop publishes its turn's cache changes and load after the turn's tokens: wait
+    // (bounded) until both have come.
     let mut stored = Vec::new();
-    while let Ok(batch) = feed.try_recv() {
-        stored.extend(batch);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while stored.len() < 2 || handle.load().running != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{stored:?} {:?}",
+            handle.load()
+        );
+        while let Ok(batch) = feed.try_recv() {
+            stored.extend(batch);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
     }
     // Each full page in order, chained to the one before, with its tokens.
     let mut parent = None;

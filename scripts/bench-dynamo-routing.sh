@@ -31,15 +31,7 @@ stop_all() {
     pids=()
 }
 trap 'stop_all; rm -rf "$work"' EXIT
-free_port() {
-    # Dynamo reads DYN_SYSTEM_PORT as an i16: a free port below 32768.
-    "$python" -c 'import random, socket
-while True:
-    s = socket.socket(); p = random.randrange(20000, 32768)
-    try:
-        s.bind(("127.0.0.1", p)); print(p); break
-    except OSError: pass'
-}
+source scripts/dynamo-ports.sh
 
 PREFIXES=$prefixes PROMPTS=$prompts "$python" - > "$work/dataset.jsonl" <<'PY'
 import json, os, random

@@ -63,15 +63,7 @@ trap cleanup EXIT
 ( sleep "${DYNAMO_TEST_TIMEOUT:-900}"; echo "error: timed out" >&2; kill -TERM $$ ) &
 pids+=($!)
 
-free_port() {
-    # Dynamo reads DYN_SYSTEM_PORT as an i16: a free port below 32768.
-    "$python" -c 'import random, socket
-while True:
-    s = socket.socket(); p = random.randrange(20000, 32768)
-    try:
-        s.bind(("127.0.0.1", p)); print(p); break
-    except OSError: pass'
-}
+source scripts/dynamo-ports.sh
 port=$(free_port)
 export DYN_DISCOVERY_BACKEND=file DYN_FILE_KV=$work/discovery DYN_REQUEST_PLANE=tcp \
     DYN_EVENT_PLANE=zmq DYN_NAMESPACE=pagoda-test-$$ DYN_TCP_RPC_HOST=127.0.0.1 \

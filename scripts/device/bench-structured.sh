@@ -6,6 +6,9 @@
 #
 #   MASKS="on off" ROUNDS=5 TOK=.devc/tok.gguf bash scripts/device/bench-structured.sh
 #
+# SCEN16 (default single,batch4): the scenarios run at 16 clients; C64=0 skips 64 clients
+# (with SCEN16=batch4 the step counters then describe 16-client steps only).
+#
 # Writes $OUT/structured-<masks>-r<R>-<free|schema>-c<clients>.json, the server logs and
 # metrics, and prints the median table last.
 set -uo pipefail
@@ -14,6 +17,8 @@ TOK="${TOK:-.devc/tok.gguf}"
 ROUNDS="${ROUNDS:-5}"
 PORT="${PORT:-8092}"
 PRESET="${PRESET:-llama-3.1-8b}"
+SCEN16="${SCEN16:-single,batch4}"
+C64="${C64:-1}"
 S='{"type":"array","items":{"type":"integer","minimum":0,"maximum":999},"minItems":400}'
 URL="http://127.0.0.1:$PORT"
 mkdir -p "$OUT"
@@ -27,8 +32,9 @@ for masks in ${MASKS:-on}; do
             seed=$((2 * r)); [[ $kind == schema ]] && seed=$((seed + 1))
             extra=()
             [[ $kind == schema ]] && extra=(--json-schema "$S")
-            pagoda bench serve --url "$URL" --scenarios single,batch4 --clients 16 -n 128 -r 1 \
+            pagoda bench serve --url "$URL" --scenarios "$SCEN16" --clients 16 -n 128 -r 1 \
                 --seed "$seed" --json "${extra[@]}" > "$OUT/structured-$masks-r$r-$kind-c16.json" 2>> "$OUT/bench-errors.log"
+            [[ $C64 == 0 ]] && continue
             pagoda bench serve --url "$URL" --scenarios batch4 --clients 64 -n 128 -r 1 \
                 --seed "$((seed + 100))" --json "${extra[@]}" > "$OUT/structured-$masks-r$r-$kind-c64.json" 2>> "$OUT/bench-errors.log"
         done
@@ -58,4 +64,4 @@ for (masks, scen, clients), v in sorted(cells.items()):
     fr = ", ".join(f"{x:.0f}" for x in v["free"]); sr = ", ".join(f"{x:.0f}" for x in v["schema"])
     print(f"| {masks} | {scen} | {clients} | {f:.1f} ({fr}) | {s:.1f} ({sr}) | {s / f:.3f} |")
 PY
-grep -h -E "^pagoda_(constrained_requests_total|cuda_masked_rows_total)" "$OUT"/metrics-*.txt
+grep -h -E "^pagoda_(constrained_requests_total|cuda_masked_rows_total|structured_mask_microseconds_total|draw_stage_microseconds_total|engine_step_microseconds_total|engine_steps_total)" "$OUT"/metrics-*.txt

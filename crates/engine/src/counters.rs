@@ -175,6 +175,22 @@ engine_counters! {
     /// Wall time of the draw stage (tokens drawn, verified and fed to the grammars) of steps
     /// holding constrained rows, in microseconds.
     structured_mask_accept_us: "pagoda_structured_mask_microseconds_total" ["phase" = "accept"], Counter, "";
+    /// Wall time of the draw stage (tokens drawn or verified, fed to grammars) of steps
+    /// without constrained rows, in microseconds.
+    draw_free_us: "pagoda_draw_stage_microseconds_total" ["step" = "free"], Counter,
+        "Wall time of the steps' draw stage (tokens drawn on the host or downloaded from the device, verified, and fed to their grammars), in microseconds, by whether the step held constrained rows (structured output); with pagoda_engine_step_microseconds_total it shows what constraining costs a step.";
+    /// The same for steps holding constrained rows.
+    draw_constrained_us: "pagoda_draw_stage_microseconds_total" ["step" = "constrained"], Counter, "";
+    /// Wall time of whole engine steps without constrained rows, in microseconds.
+    step_free_us: "pagoda_engine_step_microseconds_total" ["step" = "free"], Counter,
+        "Wall time of the engine's steps (schedule, forward, draw, postprocess), in microseconds, by whether the step held constrained rows; pagoda_engine_steps_total counts them.";
+    /// The same for steps holding constrained rows.
+    step_constrained_us: "pagoda_engine_step_microseconds_total" ["step" = "constrained"], Counter, "";
+    /// Engine steps without constrained rows.
+    steps_free: "pagoda_engine_steps_total" ["step" = "free"], Counter,
+        "Engine steps that ran a forward, by whether they held constrained rows (structured output).";
+    /// Engine steps holding constrained rows.
+    steps_constrained: "pagoda_engine_steps_total" ["step" = "constrained"], Counter, "";
     /// Prefill and mixed CUDA steps replayed (or captured) as piecewise graphs.
     steps_cuda_piecewise: "pagoda_cuda_piecewise_steps_total", Counter,
         "CUDA prefill and mixed steps whose kernels between attentions ran from piecewise graphs per token bucket (PAGODA_CUDA_PIECEWISE_TOKENS).";

@@ -489,8 +489,12 @@ impl Engine {
                 (state, verified)
             })
             .collect();
+        let draw_us = drawing.elapsed().as_micros() as u64;
         if constrained_step {
-            self.counters.structured_mask_accept_us += drawing.elapsed().as_micros() as u64;
+            self.counters.structured_mask_accept_us += draw_us;
+            self.counters.draw_constrained_us += draw_us;
+        } else {
+            self.counters.draw_free_us += draw_us;
         }
         let on_device: usize = drawn
             .iter()
@@ -556,6 +560,14 @@ impl Engine {
                     note: if index == last { note.clone() } else { None },
                 });
             }
+        }
+        let step_us = step_started.elapsed().as_micros() as u64;
+        if constrained_step {
+            self.counters.steps_constrained += 1;
+            self.counters.step_constrained_us += step_us;
+        } else {
+            self.counters.steps_free += 1;
+            self.counters.step_free_us += step_us;
         }
         self.record_speculation_step(&plan, step_started.elapsed(), emitted);
         let stats = self.scheduler.stats();

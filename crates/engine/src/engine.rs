@@ -452,43 +452,51 @@ impl Engine {
         }
         let rule = self.settings.speculation.rule;
         let drawing = std::time::Instant::now();
-        let drawn: Vec<(RequestState, Verified)> = states
-            .into_par_iter()
-            .zip(rows)
-            .map(|(mut state, (row, draft))| {
-                // Requests wanting log-probabilities are never sampled on the device; guessed
-                // rows are verified on the host.
-                let verified = match device_sampled.as_ref().map(|rows| &rows[row]) {
-                    Some(SampledRow::Token(_)) => {
-                        let downloaded = device_sampled.as_ref().expect("matched above");
-                        let drawn: Vec<u32> = downloaded[row..=row + draft.len()]
-                            .iter()
-                            .filter_map(SampledRow::token)
-                            .collect();
-                        state.accept_device_draws(&drawn, draft)
-                    }
-                    Some(SampledRow::Logits(_)) => {
-                        let downloaded = device_sampled.as_ref().expect("matched above");
-                        let rows: Vec<&[f32]> = downloaded[row..=row + draft.len()]
-                            .iter()
-                            .map(|r| match r {
-                                SampledRow::Logits(values) => &values[..],
-                                SampledRow::Token(_) => &[],
-                            })
-                            .collect();
-                        state.verify(&rows, draft, rule)
-                    }
-                    None => {
-                        let rows: Vec<&[f32]> = logits
-                            [row * vocab_size..(row + 1 + draft.len()) * vocab_size]
-                            .chunks_exact(vocab_size)
-                            .collect();
-                        state.verify(&rows, draft, rule)
-                    }
-                };
-                (state, verified)
-            })
-            .collect();
+        // Rows drawn on the device leave the host only their grammars to advance (about a
+        // microsecond each): one thread does them faster than waking the pool (on the H100
+        // host 16 such rows took 116 us through rayon, 273 us with grammars).
+        let host_work = match device_sampled.as_ref() {
+            Some(rows) => rows.iter().any(|r| matches!(r, SampledRow::Logits(_))),
+            None => true,
+        };
+        let draw = |(mut state, (row, draft)): (RequestState, (usize, &[u32]))| {
+            // Requests wanting log-probabilities are never sampled on the device; guessed
+            // rows are verified on the host.
+            let verified = match device_sampled.as_ref().map(|rows| &rows[row]) {
+                Some(SampledRow::Token(_)) => {
+                    let downloaded = device_sampled.as_ref().expect("matched above");
+                    let drawn: Vec<u32> = downloaded[row..=row + draft.len()]
+                        .iter()
+                        .filter_map(SampledRow::token)
+                        .collect();
+                    state.accept_device_draws(&drawn, draft)
+                }
+                Some(SampledRow::Logits(_)) => {
+                    let downloaded = device_sampled.as_ref().expect("matched above");
+                    let rows: Vec<&[f32]> = downloaded[row..=row + draft.len()]
+                        .iter()
+                        .map(|r| match r {
+                            SampledRow::Logits(values) => &values[..],
+                            SampledRow::Token(_) => &[],
+                        })
+                        .collect();
+                    state.verify(&rows, draft, rule)
+                }
+                None => {
+                    let rows: Vec<&[f32]> = logits
+                        [row * vocab_size..(row + 1 + draft.len()) * vocab_size]
+                        .chunks_exact(vocab_size)
+                        .collect();
+                    state.verify(&rows, draft, rule)
+                }
+            };
+            (state, verified)
+        };
+        let drawn: Vec<(RequestState, Verified)> = if host_work {
+            states.into_par_iter().zip(rows).map(draw).collect()
+        } else {
+            states.into_iter().zip(rows).map(draw).collect()
+        };
         let draw_us = drawing.elapsed().as_micros() as u64;
         if constrained_step {
             self.counters.structured_mask_accept_us += draw_us;

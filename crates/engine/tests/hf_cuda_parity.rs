@@ -4,9 +4,11 @@
 //! mixture-of-experts qwen3_moe and mixtral, and DeepSeek's latent attention with YaRN and
 //! routed plus shared experts: deepseek_v2 (V2-Lite's shape, group-limited softmax routing),
 //! deepseek_v3 (q_lora_rank, sigmoid + selection bias, noaux_tc) and deepseek_v3_halves
-//! (`rope_interleave: false`, mscale != mscale_all_dim); the GPU skips, with the reason, what
-//! `CudaModel::unsupported` declines: these DeepSeek checkpoints' latent row of 32 + 16 is not
-//! the MLA kernels' 512 + 64),
+//! (`rope_interleave: false`, mscale != mscale_all_dim), and deepseek_v2_kernels (V2-Lite's
+//! latent row of 512 + 64 and 16 heads in a tiny model, so the GPU's latent attention runs
+//! against transformers too); the GPU skips, with the reason, what `CudaModel::unsupported`
+//! declines: the other DeepSeek checkpoints' latent row of 32 + 16 is not the MLA kernels'
+//! 512 + 64),
 //! each with transformers' float32 logits of a few fixed token sequences. Where
 //! `scripts/fixtures/llamacpp_convert.py` has written a checkpoint's `model.gguf` (llama.cpp's
 //! own conversion of it; every one but deepseek_v3_halves, which GGUF cannot describe), the

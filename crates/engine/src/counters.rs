@@ -283,6 +283,11 @@ engine_counters! {
     /// Rows of the cluster kernel whose logits were prefetched into L2 by a resident row.
     gpu_sampler_prefetched_rows: "pagoda_gpu_sampling_prefetched_rows_total", Counter,
         "Rows of the cluster kernel whose logits a resident row asked L2 for, when the batch had more rows than clusters fit on the GPU (PAGODA_GPU_SAMPLING_PREFETCH).";
+    /// GPU sampler launches whose split counts came from the tuning table.
+    gpu_sampler_splits_tuned: "pagoda_gpu_sampling_split_launches_total" ["source" = "tuned"], Counter,
+        "GPU sampler launches (runs of device-sampled rows) by where their CTAs-per-row counts came from: the tuning table (`pagoda tune --kernels sampling`) or the built-in rules. The tokens do not depend on it.";
+    /// GPU sampler launches on the built-in split rules.
+    gpu_sampler_splits_rules: "pagoda_gpu_sampling_split_launches_total" ["source" = "heuristic"], Counter, "";
     /// CPU forward passes run on all configured threads (the adaptive pool,
     /// `PAGODA_CPU_ADAPTIVE_THREADS`).
     steps_cpu_all_threads: "pagoda_cpu_steps_total" ["pool" = "all_threads"], Counter,

@@ -15,3 +15,4 @@ pub mod norm;
 pub mod profile;
 pub mod rope;
 pub mod sampling;
+pub mod tuned_choices;

@@ -19,3 +19,4 @@ pub mod inspect;
 pub mod serve;
 mod stats;
 pub mod tune;
+pub mod tune_sampling;

@@ -1,5 +1,5 @@
-//! `pagoda tune`: the shape-bucketed autotuner of the fused decode attention and the
-//! streaming prefill attention.
+//! `pagoda tune`: the shape-bucketed autotuner of the fused decode attention, the
+//! streaming prefill attention and the GPU samplers' split counts (`tune_sampling.rs`).
 //!
 //! For every bucket (batch x context, powers of two) of one model's head geometry, every
 //! candidate variant (decode: partial kernel and tiling, merge placement, CTA target in waves;
@@ -20,6 +20,8 @@ use pagoda_ops::cuda::{
     self as ops, DecodeBucket, DecodeVariant, PrefillKernel, PrefillStreamTiling, TableKey,
     TunedDecode, TunedPrefill, TuningTable,
 };
+
+use pagoda_ops::tuned_choices::ChoiceFamily;
 
 use super::decode_rig::{Captured, DecodePath, Geometry, QueryRows, Rig};
 use super::stats::Summary;
@@ -52,9 +54,17 @@ pub struct TuneArgs {
         default_value = "512,1024,2048,4096,8192,16384,32768"
     )]
     pub context: Vec<usize>,
-    /// What to tune: `decode`, `prefill` or both.
-    #[arg(long, value_delimiter = ',', default_value = "decode,prefill")]
+    /// What to tune: `decode`, `prefill`, `sampling` (the GPU samplers' CTAs per row), any
+    /// of them comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "decode,prefill,sampling")]
     pub kernels: Vec<TunedKernel>,
+    /// Sampler rows buckets (powers of two, at most 256).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "1,2,4,8,16,32,64,128,256"
+    )]
+    pub sampling_rows: Vec<usize>,
     /// Prefill batch buckets (requests, powers of two).
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     pub prefill_batch: Vec<usize>,
@@ -90,6 +100,8 @@ pub enum TunedKernel {
     Decode,
     /// The streaming prefill.
     Prefill,
+    /// The GPU samplers' split counts (Gumbel-max and filtered).
+    Sampling,
 }
 
 /// The table `serve` would load on `gpu` (an empty one when there is none, or it is stale).
@@ -117,7 +129,7 @@ pub fn table_variant(
         .unwrap_or_else(|| DecodeVariant::heuristic(true, geometry.head_dim))
 }
 
-fn geometry(args: &TuneArgs) -> Result<Geometry> {
+fn geometry(args: &TuneArgs) -> Result<(Geometry, usize)> {
     let config = match (&args.model, &args.random_weights) {
         (Some(path), _) if path.is_dir() => {
             pagoda_models::hf::HfModelDir::open(path)
@@ -134,12 +146,13 @@ fn geometry(args: &TuneArgs) -> Result<Geometry> {
                 .map_err(|e| anyhow::anyhow!("{e}"))?
         }
     };
-    Ok(Geometry {
+    let geometry = Geometry {
         q_heads: config.num_attention_heads,
         kv_heads: config.num_kv_heads,
         head_dim: config.head_dim,
         page_size: args.page_size,
-    })
+    };
+    Ok((geometry, config.vocab_size))
 }
 
 /// Runs `pagoda tune`.
@@ -151,10 +164,24 @@ pub fn run(args: TuneArgs) -> Result<()> {
     for &n in buckets
         .chain(&args.prefill_batch)
         .chain(&args.prefill_context)
+        .chain(&args.sampling_rows)
     {
         if !n.is_power_of_two() {
-            bail!("--batch, --context and the --prefill- buckets take powers of two, not {n}");
+            bail!(
+                "--batch, --context, the --prefill- buckets and --sampling-rows take powers of \
+                 two, not {n}"
+            );
         }
+    }
+    if let Some(&rows) = args
+        .sampling_rows
+        .iter()
+        .find(|&&r| r > ops::MAX_SAMPLING_ROWS)
+    {
+        bail!(
+            "--sampling-rows: {rows} is more than the sampler's {} rows",
+            ops::MAX_SAMPLING_ROWS
+        );
     }
     if args
         .context
@@ -166,10 +193,11 @@ pub fn run(args: TuneArgs) -> Result<()> {
     }
     let decode = args.kernels.contains(&TunedKernel::Decode);
     let prefill = args.kernels.contains(&TunedKernel::Prefill);
+    let sampling = args.kernels.contains(&TunedKernel::Sampling);
     if !args.page_size.is_power_of_two() {
         bail!("--page-size must be a power of two, not {}", args.page_size);
     }
-    let geometry = geometry(&args)?;
+    let (geometry, vocab) = geometry(&args)?;
     let decode_cases = args
         .batch
         .iter()
@@ -207,15 +235,26 @@ pub fn run(args: TuneArgs) -> Result<()> {
     if prefill {
         tune_prefill(&args, &mut rig, &mut table)?;
     }
+    if sampling {
+        super::tune_sampling::tune_sampling(
+            &rig.gpu,
+            vocab,
+            &args.sampling_rows,
+            (args.rounds, args.replays),
+            &mut table,
+        )?;
+    }
     if args.dry_run {
         eprintln!("dry run: the table was not written");
     } else {
         table.write(&path).map_err(anyhow::Error::msg)?;
         eprintln!(
-            "wrote {} ({} decode and {} prefill buckets tuned)",
+            "wrote {} ({} decode, {} prefill and {} sampler buckets tuned)",
             path.display(),
             table.decode.len(),
-            table.prefill.len()
+            table.prefill.len(),
+            table.count_choices(ChoiceFamily::SamplingSplits)
+                + table.count_choices(ChoiceFamily::FilterSplits)
         );
     }
     Ok(())
@@ -249,7 +288,7 @@ fn tune_decode(args: &TuneArgs, rig: &mut Rig, table: &mut TuningTable) -> Resul
                 })
                 .collect::<Result<Vec<_>>>()?;
             // candidates[0] is the heuristic.
-            let verdict = race(rig, &captured, args.rounds, args.replays)?;
+            let verdict = race(&rig.gpu, &captured, args.rounds, args.replays)?;
             let (best, best_us, heuristic_us) =
                 (verdict.best, verdict.best_us, verdict.heuristic_us);
             let stored = verdict.stored;
@@ -312,7 +351,7 @@ fn tune_prefill(args: &TuneArgs, rig: &mut Rig, table: &mut TuningTable) -> Resu
                     rig.capture(&case, DecodePath::Prefill(PrefillKernel::Stream(tiling)))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let verdict = race(rig, &captured, args.rounds, args.replays)?;
+            let verdict = race(&rig.gpu, &captured, args.rounds, args.replays)?;
             let (best, best_us, heuristic_us) =
                 (verdict.best, verdict.best_us, verdict.heuristic_us);
             let stored = verdict.stored;
@@ -342,7 +381,7 @@ fn tune_prefill(args: &TuneArgs, rig: &mut Rig, table: &mut TuningTable) -> Resu
 
 /// The last column of a bucket's line: the heuristic, the stored winner, or a winner within
 /// the margin (not stored).
-fn winner_label(best: usize, stored: bool, heuristic: String, winner: String) -> String {
+pub(super) fn winner_label(best: usize, stored: bool, heuristic: String, winner: String) -> String {
     match (best, stored) {
         (0, _) => heuristic,
         (_, true) => winner,
@@ -352,21 +391,37 @@ fn winner_label(best: usize, stored: bool, heuristic: String, winner: String) ->
 
 /// The outcome of one bucket's race: the fastest candidate, its median, the heuristic's
 /// (candidate 0) median, and whether the winner goes in the table.
-struct Race {
-    best: usize,
-    best_us: f64,
-    heuristic_us: f64,
-    stored: bool,
+pub(super) struct Race {
+    pub best: usize,
+    pub best_us: f64,
+    pub heuristic_us: f64,
+    pub stored: bool,
+}
+
+/// A captured candidate the race can time: microseconds per call of `count` replays.
+pub(super) trait Timed {
+    fn time(&self, gpu: &Gpu, count: usize) -> Result<Vec<f64>>;
+}
+
+impl Timed for Captured {
+    fn time(&self, gpu: &Gpu, count: usize) -> Result<Vec<f64>> {
+        Captured::time(self, gpu, count)
+    }
 }
 
 /// Replays every captured candidate in `rounds` alternating rounds of `replays` each and
 /// compares the medians; candidate 0 is the heuristic, which a winner must beat by
 /// [`MIN_GAIN`] to be stored.
-fn race(rig: &Rig, captured: &[Captured], rounds: usize, replays: usize) -> Result<Race> {
+pub(super) fn race(
+    gpu: &Gpu,
+    captured: &[impl Timed],
+    rounds: usize,
+    replays: usize,
+) -> Result<Race> {
     let mut samples = vec![Vec::new(); captured.len()];
     for _ in 0..rounds {
         for (graph, times) in captured.iter().zip(&mut samples) {
-            times.extend(graph.time(&rig.gpu, replays)?);
+            times.extend(graph.time(gpu, replays)?);
         }
     }
     let medians: Vec<f64> = samples

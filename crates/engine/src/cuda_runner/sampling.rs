@@ -24,6 +24,8 @@ use pagoda_ops::cuda::{
 
 use pagoda_models::llama::ForwardBatch;
 use pagoda_models::llama_cuda::{HostFloat, SamplingKernels};
+use pagoda_ops::cuda::TuningTable;
+use pagoda_ops::tuned_choices::{load_current, ChoiceFamily};
 
 use super::{GpuCache, TypedRunner};
 
@@ -142,6 +144,12 @@ pub(super) struct DeviceSampler {
     /// Token masks: pinned `[rows..., bits...]` words and their device copy, allocated at
     /// the first masked step (`max_rows * (1 + words)` words).
     mask_staging: Option<(PinnedBuffer<u32>, DeviceBuffer<u32>)>,
+    /// Split counts `pagoda tune --kernels sampling` stored for this vocabulary (none: the
+    /// built-in rules). Any split count samples the same tokens.
+    tuned: Option<TuningTable>,
+    /// Sampler launches (runs of device rows) whose split counts came from the table, and
+    /// those on the rules, since the last [`DeviceSampler::take_split_sources`].
+    split_sources: (u64, u64),
 }
 
 /// Logs the device sampler's paths once per process.
@@ -174,6 +182,22 @@ impl DeviceSampler {
     ) -> Result<Self, CudaError> {
         let max_rows = max_rows.clamp(1, MAX_SAMPLING_ROWS);
         log_switches_once(&switches);
+        let tuned = load_current(gpu).filter(|table| {
+            [ChoiceFamily::SamplingSplits, ChoiceFamily::FilterSplits]
+                .iter()
+                .any(|&family| table.count_choices(family) > 0)
+        });
+        static TUNED: std::sync::Once = std::sync::Once::new();
+        TUNED.call_once(|| match &tuned {
+            Some(table) => tracing::info!(
+                "GPU sampling: split counts from the tuning table where it has the rows' bucket                  ({} Gumbel/row-maximum and {} filtered buckets tuned), the built-in rules                  elsewhere",
+                table.count_choices(ChoiceFamily::SamplingSplits),
+                table.count_choices(ChoiceFamily::FilterSplits)
+            ),
+            None => tracing::info!(
+                "GPU sampling: split counts from the built-in rules (no sampler rows tuned:                  `pagoda tune --kernels sampling`)"
+            ),
+        });
         Ok(DeviceSampler {
             workspace: SamplingWorkspace::new(gpu, max_rows, vocab)?,
             staging: gpu.alloc_pinned(max_rows * SAMPLING_PARAM_WORDS)?,
@@ -182,7 +206,32 @@ impl DeviceSampler {
             last_totals: SamplingTotals::default(),
             switches,
             mask_staging: None,
+            tuned,
+            split_sources: (0, 0),
         })
+    }
+
+    /// The tuned split counts (Gumbel/row maxima, filtered) of `rows` rows of `vocab`
+    /// logits, each `None` where the rules decide; counts the launch's source.
+    fn splits_for(&mut self, rows: usize, vocab: usize) -> (Option<usize>, Option<usize>) {
+        let Some(table) = &self.tuned else {
+            self.split_sources.1 += 1;
+            return (None, None);
+        };
+        let splits = (
+            table.tuned_splits(ChoiceFamily::SamplingSplits, rows, vocab),
+            table.tuned_splits(ChoiceFamily::FilterSplits, rows, vocab),
+        );
+        match splits {
+            (None, None) => self.split_sources.1 += 1,
+            _ => self.split_sources.0 += 1,
+        }
+        splits
+    }
+
+    /// Launches on tuned and on rule split counts since the last call.
+    pub(super) fn take_split_sources(&mut self) -> (u64, u64) {
+        std::mem::take(&mut self.split_sources)
     }
 
     /// Uploads `masks` and applies them to the rows of `logits` (`[rows, vocab]`). The
@@ -273,7 +322,10 @@ impl DeviceSampler {
         )?;
         let device_runs = runs(rows, true);
         for run in &device_runs {
+            let (num_splits, filter_splits) = self.splits_for(run.len(), vocab);
             let options = SamplingOptions {
+                num_splits,
+                filter_splits,
                 filtered: self.switches.filtered,
                 gumbel_max: self.switches.gumbel_max,
                 list_rounds: self.switches.list_rounds,
@@ -425,6 +477,9 @@ impl<T: HostFloat> TypedRunner<T> {
         }
         let logits = view(&cache.buffers.scratch.logits, 0..num_logits * vocab)?;
         let (rows, gained, drawn) = sampler.sample(gpu, &logits, vocab, request.rows)?;
+        let (tuned, rules) = sampler.take_split_sources();
+        self.counters.gpu_sampler_splits_tuned += tuned;
+        self.counters.gpu_sampler_splits_rules += rules;
         let device_rows = rows.iter().filter(|row| row.token().is_some()).count() as u64;
         let counters = &mut self.counters;
         counters.steps_cuda_sampled += 1;

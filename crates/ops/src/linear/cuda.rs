@@ -5,6 +5,7 @@
 mod gemv;
 mod gemv_quant;
 
+pub(crate) use gemv::GEMV_SMALL;
 pub use gemv::{gemv_small, gemv_small_applies, specialize_gemv_small, GEMV_MAX_ROWS};
 pub use gemv_quant::{
     dequantize_fast, gemv_quant, quantize_rows_q8, specialize_dequant_groups,

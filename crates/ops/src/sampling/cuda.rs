@@ -72,6 +72,12 @@ pub use params::{
 
 pub use cluster::{specialize_cluster, ClusterShape, SmBudget};
 pub use entries::{specializations, specialize_sampling, SamplingEntry};
+
+/// The hash of the sampling kernels' source, for the tuning table's key (split counts are
+/// tuned against it).
+pub(crate) fn tuned_sources_hash() -> u64 {
+    entries::SAMPLING.source_hash()
+}
 pub use mask::apply_token_masks;
 
 use cluster::{launch_cluster, ClusterLaunch};

@@ -321,6 +321,9 @@ pub struct TuningTable {
     /// Tuned prefill buckets.
     #[serde(default)]
     pub prefill: Vec<TunedPrefill>,
+    /// Tuned sampler splits and linear kernels (`crate::tuned_choices`).
+    #[serde(default)]
+    pub choices: Vec<crate::tuned_choices::TunedChoice>,
 }
 
 impl TuningTable {
@@ -330,6 +333,7 @@ impl TuningTable {
             key,
             decode: Vec::new(),
             prefill: Vec::new(),
+            choices: Vec::new(),
         }
     }
 
@@ -400,14 +404,17 @@ impl TuningTable {
     }
 }
 
-/// FNV-1a of the tuned kernels' sources (the fused decode's and the streaming prefill's),
-/// hex: a table tuned against other sources is stale.
+/// FNV-1a of the tuned kernels' sources (the fused decode's, the streaming prefill's, the
+/// samplers' and the small-batch linear kernel's), hex: a table tuned against other sources
+/// is stale.
 pub fn tuned_sources_hash() -> String {
     let hashes = [
         super::PAGED_DECODE.source_hash(),
         super::PAGED_DECODE_MMA.source_hash(),
         super::PAGED_DECODE_STREAM.source_hash(),
         super::PREFILL_STREAM.source_hash(),
+        crate::sampling::cuda::tuned_sources_hash(),
+        crate::linear::cuda::GEMV_SMALL.source_hash(),
     ];
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for byte in hashes.iter().flat_map(|h| h.to_le_bytes()) {

@@ -81,7 +81,7 @@ fn run(engine: &mut Engine, params: &SamplingParams) -> Traces {
     let mut ids = BTreeMap::new();
     for (index, p) in prompts.iter().enumerate() {
         let id = engine
-            .add_request(p.clone(), params.clone(), NEW_TOKENS, Vec::new(), true)
+            .add_request(p.clone(), *params, NEW_TOKENS, Vec::new(), true)
             .unwrap();
         ids.insert(id, index);
     }

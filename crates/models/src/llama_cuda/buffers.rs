@@ -213,7 +213,8 @@ impl<T: HostFloat> StepBuffers<T> {
             static FP8: std::sync::Once = std::sync::Once::new();
             FP8.call_once(|| {
                 tracing::info!(
-                    "CUDA KV cache: fp8 (e4m3, one f32 scale per token and KV head); decode on                      the CUDA-core fused kernel, prefill on the tiled kernel"
+                    "CUDA KV cache: fp8 (e4m3, one f32 scale per token and KV head); decode on \
+                     the CUDA-core fused kernel, prefill on the tiled kernel"
                 )
             });
         }
@@ -254,7 +255,8 @@ fn check_fp8(
     };
     match reason {
         Some(reason) => Err(CudaError::invalid(format!(
-            "-ctk/-ctv fp8: the CUDA fp8 KV cache does not support {reason}; drop -ctk/-ctv              (or --kv-cache-dtype)"
+            "-ctk/-ctv fp8: the CUDA fp8 KV cache does not support {reason}; drop -ctk/-ctv \
+             (or --kv-cache-dtype)"
         ))),
         None => Ok(()),
     }

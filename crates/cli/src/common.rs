@@ -193,6 +193,13 @@ pub fn attention_policy() -> AttentionPolicy {
 /// were checked against the registry when the configuration was resolved).
 pub fn kv_cache_types() -> KvCacheTypes {
     let config = pagoda_config::global();
+    // --kv-cache-dtype fp8 (vLLM's alias) is both flags at once.
+    if matches!(config.word("PAGODA_KV_CACHE_DTYPE"), "fp8" | "fp8_e4m3") {
+        return KvCacheTypes {
+            k: KvType::Fp8,
+            v: KvType::Fp8,
+        };
+    }
     let kv_type = |setting| KvType::parse(config.word(setting)).unwrap_or_default();
     KvCacheTypes {
         k: kv_type("PAGODA_CACHE_TYPE_K"),

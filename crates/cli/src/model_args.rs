@@ -34,15 +34,19 @@ pub struct ModelArgs {
     /// gather-then-attend reference). Also $PAGODA_ATTENTION.
     #[arg(long)]
     pub attention: Option<String>,
-    /// KV cache type of K (llama.cpp's `-ctk`): `f32` (the default), `f16` (half the bytes)
-    /// or `q8_0` (llama.cpp's 8-bit blocks: 34 bytes per 32 values). CPU only; CUDA refuses
-    /// anything but the default. Also $PAGODA_CACHE_TYPE_K.
-    #[arg(long = "cache-type-k", value_name = "f32|f16|q8_0")]
+    /// KV cache type of K (llama.cpp's `-ctk`): on the CPU `f32` (the default), `f16` (half
+    /// the bytes) or `q8_0` (llama.cpp's 8-bit blocks: 34 bytes per 32 values); on CUDA the
+    /// default (the model's dtype) or `fp8` (e4m3 with per-head scales, with `-ctv fp8`).
+    /// Also $PAGODA_CACHE_TYPE_K.
+    #[arg(long = "cache-type-k", value_name = "f32|f16|q8_0|fp8")]
     pub cache_type_k: Option<String>,
-    /// KV cache type of V (llama.cpp's `-ctv`): `f32`, `f16` or `q8_0`, as for K. Also
-    /// $PAGODA_CACHE_TYPE_V.
-    #[arg(long = "cache-type-v", value_name = "f32|f16|q8_0")]
+    /// KV cache type of V (llama.cpp's `-ctv`): as for K. Also $PAGODA_CACHE_TYPE_V.
+    #[arg(long = "cache-type-v", value_name = "f32|f16|q8_0|fp8")]
     pub cache_type_v: Option<String>,
+    /// vLLM's spelling of the KV cache type: `fp8` (or `fp8_e4m3`) is `-ctk fp8 -ctv fp8`
+    /// (CUDA); `auto` leaves -ctk/-ctv as they are. Also $PAGODA_KV_CACHE_DTYPE.
+    #[arg(long = "kv-cache-dtype", value_name = "auto|fp8|fp8_e4m3")]
+    pub kv_cache_dtype: Option<String>,
     /// Where to run: `auto` (a CUDA GPU when this build has CUDA and one is usable, else the
     /// CPU, saying why in one line), `cpu` or `cuda`.
     #[arg(long, default_value = "auto")]
@@ -144,6 +148,11 @@ pub fn model_flag_values(args: &ModelArgs) -> Vec<FlagValue> {
         "PAGODA_CACHE_TYPE_V",
         "--cache-type-v",
         args.cache_type_v.clone(),
+    );
+    push(
+        "PAGODA_KV_CACHE_DTYPE",
+        "--kv-cache-dtype",
+        args.kv_cache_dtype.clone(),
     );
     push(
         "PAGODA_PAGED_DECODE",

@@ -483,12 +483,30 @@ fn bad_settings_and_llama_short_flags() {
     );
     error_of(
         &["serve", "-m", m, "-ctk", "q4_0"],
-        &["--cache-type-k `q4_0` is not one of f32, f16, q8_0"],
+        &["--cache-type-k `q4_0` is not one of f32, f16, q8_0, fp8"],
     );
     error_of(
         &["generate", "-m", m, "-p", "hi", "-ctv", "bf16"],
-        &["--cache-type-v `bf16` is not one of f32, f16, q8_0"],
+        &["--cache-type-v `bf16` is not one of f32, f16, q8_0, fp8"],
     );
+    error_of(
+        &["serve", "-m", m, "--kv-cache-dtype", "fp8_e5m2"],
+        &["--kv-cache-dtype `fp8_e5m2` is not one of auto, fp8, fp8_e4m3"],
+    );
+    // fp8 is the CUDA cache: the CPU refuses it in one line naming the flags and the device,
+    // spelled either way.
+    for flags in [
+        &["-ctk", "fp8", "-ctv", "fp8"][..],
+        &["--kv-cache-dtype", "fp8"],
+    ] {
+        let mut args = vec!["generate", "-m", m, "-p", "hi", "--device", "cpu"];
+        args.extend_from_slice(flags);
+        let line = error_of(
+            &args,
+            &["-ctk/-ctv (K fp8, V fp8)", "CUDA only", "--device cuda"],
+        );
+        assert_eq!(line.trim().lines().count(), 1, "{line}");
+    }
     // q8_0 blocks run along head_dim: tiny-llama's 16 is refused in one line.
     let tiny = tiny_model("tiny-llama-f32.gguf");
     let line = error_of(

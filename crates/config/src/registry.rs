@@ -131,12 +131,15 @@ settings! {
     "PAGODA_ATTENTION", Some("--attention"), Values::Choice(&["auto", "split-kv", "gather"]), "auto", Engine,
         "cli common::attention_policy",
         "CPU attention per query row: auto is split-KV for rows that see 16+ tokens, gather below.";
-    "PAGODA_CACHE_TYPE_K", Some("-ctk/--cache-type-k"), Values::Choice(&["f32", "f16", "q8_0"]), "f32", Engine,
+    "PAGODA_CACHE_TYPE_K", Some("-ctk/--cache-type-k"), Values::Choice(&["f32", "f16", "q8_0", "fp8"]), "f32", Engine,
         "cli common::kv_cache_types",
-        "CPU KV cache type of K: f32, f16 (half the bytes) or q8_0 (llama.cpp's blocks, 34 bytes per 32 values). CUDA takes only the default.";
-    "PAGODA_CACHE_TYPE_V", Some("-ctv/--cache-type-v"), Values::Choice(&["f32", "f16", "q8_0"]), "f32", Engine,
+        "KV cache type of K: on the CPU f32, f16 (half the bytes) or q8_0 (llama.cpp's blocks, 34 bytes per 32 values); on CUDA the default (the model's dtype) or fp8 (e4m3 with one f32 scale per token and KV head, about half of bf16's bytes; with -ctv fp8, bf16 models).";
+    "PAGODA_CACHE_TYPE_V", Some("-ctv/--cache-type-v"), Values::Choice(&["f32", "f16", "q8_0", "fp8"]), "f32", Engine,
         "cli common::kv_cache_types",
-        "CPU KV cache type of V: f32, f16 or q8_0, as for K. CUDA takes only the default.";
+        "KV cache type of V: as for K (fp8 on CUDA only, together with -ctk fp8).";
+    "PAGODA_KV_CACHE_DTYPE", Some("--kv-cache-dtype"), Values::Choice(&["auto", "fp8", "fp8_e4m3"]), "auto", Engine,
+        "cli common::kv_cache_types",
+        "vLLM's spelling: fp8 (or fp8_e4m3) sets both -ctk and -ctv to fp8 (CUDA); auto leaves them as they are.";
     "PAGODA_SAMPLER", Some("--sampler"), Values::Choice(&["fused", "reference"]), "fused", Engine,
         "ops sampling::SamplerKind",
         "Token sampler: fused (sort-free; on the GPU where it can) or reference (the sorting oracle).";

@@ -87,7 +87,8 @@ impl Backend {
     }
 
     /// Bytes of one KV page over all layers (K and V), with the CPU pools of `types` (the GPU
-    /// cache is in the model's dtype; [`Backend::check_kv_types`] refuses other types there).
+    /// cache is in the model's dtype, or e4m3 bytes plus one f32 scale per token and KV head
+    /// with fp8; [`Backend::check_kv_types`] refuses other types there).
     pub fn kv_page_bytes(&self, page_size: usize, types: KvCacheTypes) -> usize {
         let c = self.config();
         let row = page_size * c.num_kv_heads * c.head_dim;
@@ -99,21 +100,45 @@ impl Backend {
             Backend::Cuda(model) if c.mla.is_some() => {
                 c.num_layers * row * model.dtype().size_bytes()
             }
+            Backend::Cuda(_) if types.is_fp8() => {
+                let heads = page_size * c.num_kv_heads;
+                2 * c.num_layers * pagoda_ops::attention::KvType::Fp8.head_bytes(heads, c.head_dim)
+            }
             Backend::Cuda(model) => 2 * c.num_layers * row * model.dtype().size_bytes(),
         }
     }
 
-    /// Whether this backend can hold a KV cache of `types`: on the CPU, any type whose blocks
-    /// divide the model's `head_dim`; on the GPU only the default (its cache has the model's
-    /// dtype). The error is one line naming the flags.
+    /// Whether this backend can hold a KV cache of `types`: on the CPU, any host type whose
+    /// blocks divide the model's `head_dim` (not fp8); on the GPU the default (the model's
+    /// dtype) or fp8 for both K and V on a bf16 grouped-query model. The error is one line
+    /// naming the flags.
     pub fn check_kv_types(&self, types: KvCacheTypes) -> Result<(), String> {
         match self {
             Backend::Cpu(_) => types
                 .check_head_dim(self.config().head_dim)
                 .map_err(|e| format!("-ctk/-ctv ({types}): {e}")),
+            Backend::Cuda(model) if types.is_fp8() => {
+                let fp8 = pagoda_ops::attention::KvType::Fp8;
+                let reason = if types.k != fp8 || types.v != fp8 {
+                    Some("fp8 for one of K and V only (give both -ctk fp8 -ctv fp8)".to_string())
+                } else if model.dtype() != pagoda_models::llama_cuda::DType::BF16 {
+                    Some(format!("--dtype {} (fp8 needs bf16)", model.dtype()))
+                } else if self.config().mla.is_some() {
+                    Some("a latent (MLA) cache".to_string())
+                } else {
+                    None
+                };
+                match reason {
+                    Some(reason) => Err(format!(
+                        "-ctk/-ctv ({types}): the CUDA fp8 KV cache does not support {reason}"
+                    )),
+                    None => Ok(()),
+                }
+            }
             Backend::Cuda(model) if !types.is_f32() => Err(format!(
                 "-ctk/-ctv ({types}): the CUDA KV cache is stored in the model's dtype ({}); \
-                 f16 and q8_0 KV caches run on the CPU only: drop -ctk/-ctv or use --device cpu",
+                 f16 and q8_0 KV caches run on the CPU only: drop -ctk/-ctv, use fp8 (both) or \
+                 --device cpu",
                 model.dtype()
             )),
             Backend::Cuda(_) => Ok(()),

@@ -213,6 +213,9 @@ engine_counters! {
     /// CUDA steps whose layers ran RoPE and the KV append in one launch.
     steps_cuda_fused_rope_append: "pagoda_cuda_fused_rope_append_steps_total", Counter,
         "CUDA steps whose layers ran RoPE and the KV append in one launch (PAGODA_CUDA_FUSED_ROPE_APPEND).";
+    /// CUDA steps over an fp8 (e4m3) KV cache.
+    steps_cuda_fp8_kv: "pagoda_cuda_fp8_kv_steps_total", Counter,
+        "CUDA steps over an fp8 KV cache (-ctk fp8 -ctv fp8: e4m3 with per-head scales, read by the CUDA-core fused decode and the tiled prefill).";
     /// CUDA steps whose linear layers ran the small-batch kernel (at most 8 rows).
     steps_cuda_gemv: "pagoda_cuda_gemv_steps_total", Counter,
         "CUDA steps whose linear layers ran the small-batch kernel instead of cuBLAS (PAGODA_CUDA_GEMV, steps of at most 8 rows).";

@@ -115,12 +115,7 @@ impl CudaRunner {
 
     /// Bytes of the KV pools.
     pub fn kv_bytes(&self) -> usize {
-        let element = self.dtype().size_bytes();
-        let pool =
-            typed!(&self.inner, runner => runner.cache.as_ref().map_or(0, |c| c.layout.pool_len()));
-        // A latent attention model keeps one pool per layer (no V).
-        let pools = if self.config().mla.is_some() { 1 } else { 2 };
-        pools * self.config().num_layers * pool * element
+        typed!(&self.inner, runner => runner.cache.as_ref().map_or(0, |c| c.buffers.kv_bytes()))
     }
 
     /// Bytes of the weights on the device.

@@ -27,6 +27,11 @@ pub use crate::attention::cuda::{
     STREAM_PREFILL_HEAD_DIMS, SUPPORTED_HEAD_DIMS,
 };
 pub use crate::attention::cuda::{
+    fp8_kv_unsupported, kv_append_fp8, paged_decode_attention_fp8, prefill_attention_tiled_fp8,
+    rope_kv_append_fp8, specialize_kv_append_fp8, specialize_paged_decode_fp8,
+    specialize_prefill_fp8, specialize_rope_kv_append_fp8, Fp8KvLayer, KvScales,
+};
+pub use crate::attention::cuda::{
     mla_append, mla_decode, mla_head_tiles, mla_prefill, mla_unsupported, specialize_mla,
     LatentPool, MlaDecodeWorkspace, MlaEntry, MlaKernel, NewLatent, MLA_HEAD_TILE, MLA_LATENT_DIMS,
     MLA_MMA_STAGES, MLA_ROPE_DIM,

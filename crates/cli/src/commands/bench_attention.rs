@@ -100,6 +100,11 @@ pub struct BenchAttentionArgs {
     /// `--kv-heads` and `--head-dim` do not apply.
     #[arg(long)]
     pub mla: bool,
+    /// KV cache dtype of the decode and prefill paths: `bf16`, or `fp8` (e4m3 with one f32
+    /// scale per token and KV head, quantized from the same random pools; paths `fused`,
+    /// `fused-separate` and `prefill-tiled` only; the floor counts its bytes).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "fp8"])]
+    pub kv_dtype: String,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -170,6 +175,12 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
         .max()
         .unwrap_or(0);
     let mut rig = Rig::new(geometry, largest)?;
+    if args.kv_dtype == "fp8" {
+        if args.mla {
+            bail!("--kv-dtype fp8 applies to the grouped-query kernels, not --mla");
+        }
+        rig.use_fp8()?;
+    }
     let table = if paths.iter().any(|p| p == "tuned") {
         Some(super::tune::load_table(&rig.gpu)?)
     } else {

@@ -67,6 +67,8 @@ pub struct Rig {
     layout: PoolLayout,
     k_pool: DeviceBuffer<bf16>,
     v_pool: DeviceBuffer<bf16>,
+    /// The same pools quantized to e4m3 (`--kv-dtype fp8`): the paths then read these.
+    fp8: Option<ops::Fp8KvLayer>,
     rng: rand_chacha::ChaCha8Rng,
 }
 
@@ -163,8 +165,29 @@ impl Rig {
             layout,
             k_pool,
             v_pool,
+            fp8: None,
             rng: rand_chacha::ChaCha8Rng::seed_from_u64(7),
         })
+    }
+
+    /// Makes every later case read an e4m3 copy of the pools (quantized by the fp8 append):
+    /// only the CUDA-core fused decode and the tiled prefill read it.
+    pub fn use_fp8(&mut self) -> Result<()> {
+        let gpu = &self.gpu;
+        let mut layer = ops::Fp8KvLayer::new(gpu, &self.layout)?;
+        let slots: Vec<i32> = (0..(self.layout.num_pages * self.layout.page_size) as i32).collect();
+        let slots = gpu.upload(&slots)?;
+        let stride = self.layout.token_stride();
+        let new = ops::NewKv {
+            k: pagoda_cuda::whole(&self.k_pool),
+            v: pagoda_cuda::whole(&self.v_pool),
+            row_strides: (stride, stride),
+            slots: pagoda_cuda::whole(&slots),
+        };
+        ops::kv_append_fp8(gpu, &new, &mut layer, &self.layout)?;
+        gpu.synchronize()?;
+        self.fp8 = Some(layer);
+        Ok(())
     }
 
     /// SMs of the device.
@@ -188,7 +211,11 @@ impl Rig {
     /// The inputs of `b` requests of `l` tokens each, queried as `kind` says.
     pub fn case(&mut self, b: usize, l: usize, kind: QueryRows) -> Result<Case> {
         let g = self.geometry;
-        let bytes = g.kv_bytes(b, l);
+        let bytes = match self.fp8 {
+            // One byte a value and an f32 scale a head, against bf16's two bytes a value.
+            Some(_) => g.kv_bytes(b, l) / 2 / g.head_dim * (g.head_dim + 4),
+            None => g.kv_bytes(b, l),
+        };
         let rows_per_request = if kind == QueryRows::Prefill { l } else { 1 };
         let q_bytes = b * rows_per_request * g.q_heads * g.head_dim * 2;
         let sets = (4 * L2_BYTES).div_ceil(bytes + q_bytes).clamp(1, 32);
@@ -266,6 +293,31 @@ impl Rig {
                 let [a, i, lp, f] = &set.arrays;
                 let table = DevicePageTable::new(a, i, lp, f)?;
                 let queries = Queries::new(&set.q, g.q_heads, g.q_heads * g.head_dim);
+                if let Some(layer) = &self.fp8 {
+                    let kv = layer.paged(self.layout, table);
+                    let kv = (&kv.0, &kv.1);
+                    match (path, fused.as_mut()) {
+                        (DecodePath::Fused(variant, _), Some(workspace)) => {
+                            let merge = variant.merge;
+                            ops::paged_decode_attention_fp8(
+                                gpu, &queries, kv, workspace, merge, scale, &mut out,
+                            )?
+                        }
+                        (DecodePath::Prefill(PrefillKernel::Tiled), _) => {
+                            let qo = &case.qo_indptr;
+                            ops::prefill_attention_tiled_fp8(
+                                gpu, &queries, kv, qo, scale, &mut out,
+                            )?
+                        }
+                        _ => {
+                            return Err(pagoda_cuda::CudaError::invalid(
+                                "--kv-dtype fp8 times the fused CUDA-core decode (`fused`, \
+                                 `fused-separate`) and `prefill-tiled` only",
+                            ))
+                        }
+                    }
+                    continue;
+                }
                 let kv = PagedKv::new(&self.k_pool, &self.v_pool, self.layout, table);
                 match (path, gather.as_mut(), fused.as_mut()) {
                     (DecodePath::Gather, Some(workspace), _) => ops::decode_attention_gathered(

@@ -427,6 +427,9 @@ impl<T: HostFloat> TypedRunner<T> {
         if options.kernels.fused_rope_append {
             self.counters.steps_cuda_fused_rope_append += 1;
         }
+        if !cache.buffers.fp8.is_empty() {
+            self.counters.steps_cuda_fp8_kv += 1;
+        }
         if cache.buffers.gemv && shape.num_tokens <= pagoda_ops::cuda::GEMV_MAX_ROWS {
             self.counters.steps_cuda_gemv += 1;
         }

@@ -83,7 +83,10 @@ impl Engine {
             max_context: config.max_context,
             cuda_graphs: config.cuda_graphs,
             paged_decode: config.paged_decode,
-            kernels: settings.cuda_kernels,
+            kernels: CudaKernels {
+                kv_fp8: config.kv_types.is_fp8(),
+                ..settings.cuda_kernels
+            },
         };
         let backend: Backend = model.into();
         backend

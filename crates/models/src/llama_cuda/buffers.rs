@@ -59,8 +59,11 @@ pub struct StepShape {
 
 /// Device memory a step reads and writes (the addresses a captured graph holds).
 pub struct StepBuffers<T> {
+    /// The KV pools in the model's dtype (empty with an fp8 cache).
     pub k_pools: Vec<DeviceBuffer<T>>,
     pub v_pools: Vec<DeviceBuffer<T>>,
+    /// The e4m3 KV cache, one entry per layer (`-ctk fp8 -ctv fp8`; empty otherwise).
+    pub fp8: Vec<ops::Fp8KvLayer>,
     pub scratch: Scratch<T>,
     /// The gather decode's workspace (absent when every decode step runs fused).
     pub decode: Option<DecodeWorkspace<T>>,
@@ -99,9 +102,18 @@ impl<T: HostFloat> StepBuffers<T> {
     ) -> Result<Self, CudaError> {
         // A latent attention model caches one latent row per token in its K pool, no V.
         let latent = c.mla.is_some();
+        let kv_fp8 = options.kernels.kv_fp8;
+        if kv_fp8 {
+            check_fp8(c, options, layout, T::DTYPE)?;
+        }
         let mut k_pools = Vec::with_capacity(c.num_layers);
         let mut v_pools = Vec::with_capacity(c.num_layers);
+        let mut fp8 = Vec::new();
         for _ in 0..c.num_layers {
+            if kv_fp8 {
+                fp8.push(ops::Fp8KvLayer::new(gpu, layout)?);
+                continue;
+            }
             k_pools.push(gpu.zeros(layout.pool_len())?);
             if !latent {
                 v_pools.push(gpu.zeros(layout.pool_len())?);
@@ -162,9 +174,9 @@ impl<T: HostFloat> StepBuffers<T> {
         };
         let prefill = if options.kernels.deterministic {
             ops::PrefillKernel::PerToken
-        } else if latent {
-            // Unused: a latent attention model attends with the MLA kernels (logged by
-            // `MlaDecode`).
+        } else if latent || kv_fp8 {
+            // A latent attention model attends with the MLA kernels (logged by `MlaDecode`);
+            // the tiled kernel is the prefill that reads an fp8 cache.
             ops::PrefillKernel::Tiled
         } else {
             options.kernels.prefill
@@ -197,9 +209,19 @@ impl<T: HostFloat> StepBuffers<T> {
                 }
             );
         });
+        if kv_fp8 {
+            static FP8: std::sync::Once = std::sync::Once::new();
+            FP8.call_once(|| {
+                tracing::info!(
+                    "CUDA KV cache: fp8 (e4m3, one f32 scale per token and KV head); decode on \
+                     the CUDA-core fused kernel, prefill on the tiled kernel"
+                )
+            });
+        }
         Ok(StepBuffers {
             k_pools,
             v_pools,
+            fp8,
             scratch,
             decode,
             fused,
@@ -210,6 +232,48 @@ impl<T: HostFloat> StepBuffers<T> {
             quant,
             moe: MoeBuffers::new(gpu, c, options.max_batch_tokens)?,
         })
+    }
+}
+
+/// Refuses an fp8 KV cache where no kernel reads it: a latent (MLA) cache, f32 activations,
+/// deterministic mode (its per-token kernel reads the model's dtype), the gather decode, a
+/// geometry the fp8 kernels are not built for.
+fn check_fp8(
+    c: &ModelConfig,
+    options: &CudaCacheOptions,
+    layout: &PoolLayout,
+    dtype: pagoda_cuda::DType,
+) -> Result<(), CudaError> {
+    let reason = if c.mla.is_some() {
+        Some("a latent (MLA) cache".to_string())
+    } else if options.kernels.deterministic {
+        Some("--deterministic".to_string())
+    } else if options.paged_decode == super::PagedDecodeMode::Gather {
+        Some("--paged-decode gather".to_string())
+    } else {
+        ops::fp8_kv_unsupported(dtype, layout, c.num_attention_heads)
+    };
+    match reason {
+        Some(reason) => Err(CudaError::invalid(format!(
+            "-ctk/-ctv fp8: the CUDA fp8 KV cache does not support {reason}; drop -ctk/-ctv \
+             (or --kv-cache-dtype)"
+        ))),
+        None => Ok(()),
+    }
+}
+
+impl<T: pagoda_cuda::Element> StepBuffers<T> {
+    /// Device bytes of the KV cache (pools and, for fp8, scales).
+    pub fn kv_bytes(&self) -> usize {
+        use pagoda_cuda::DeviceRead;
+        let element = std::mem::size_of::<T>();
+        let pools: usize = self
+            .k_pools
+            .iter()
+            .chain(&self.v_pools)
+            .map(|p| p.len())
+            .sum();
+        pools * element + self.fp8.iter().map(ops::Fp8KvLayer::bytes).sum::<usize>()
     }
 }
 

@@ -54,6 +54,10 @@ pub struct CudaKernels {
     /// prefill or decode, on the one-CTA-per-token kernel, whose order over a row's keys
     /// depends on nothing but the row. `prefill` and the decode choices are then unused.
     pub deterministic: bool,
+    /// The KV cache in e4m3 with one f32 scale per (token, KV head) (`-ctk fp8 -ctv fp8`,
+    /// `--kv-cache-dtype fp8`): the fused decode runs on CUDA cores and the prefill on the
+    /// tiled kernel, the two that read it (`StepBuffers::new` refuses the rest).
+    pub kv_fp8: bool,
 }
 
 /// The device sampler's paths (every choice gives the same tokens; the defaults measured
@@ -122,6 +126,7 @@ impl Default for CudaKernels {
             pages_per_chunk: None,
             sampling: SamplingKernels::default(),
             deterministic: false,
+            kv_fp8: false,
         }
     }
 }
@@ -167,6 +172,9 @@ impl CudaKernels {
                 cluster_prefetch: config.on("PAGODA_GPU_SAMPLING_PREFETCH"),
             },
             deterministic: config.on("PAGODA_DETERMINISTIC"),
+            kv_fp8: config.word("PAGODA_CACHE_TYPE_K") == "fp8"
+                || config.word("PAGODA_CACHE_TYPE_V") == "fp8"
+                || config.word("PAGODA_KV_CACHE_DTYPE") != "auto",
         }
     }
 
@@ -187,6 +195,16 @@ impl CudaKernels {
                 ops::PAGED_DECODE_MMA_HEAD_DIMS
             )))
         };
+        if self.kv_fp8 {
+            return match self.decode {
+                DecodeKernelChoice::Auto | DecodeKernelChoice::CudaCore => {
+                    Ok(Some(ops::PagedDecodeKernel::CudaCore))
+                }
+                _ => Err(CudaError::invalid(
+                    "PAGODA_PAGED_DECODE_KERNEL: an fp8 KV cache decodes on cuda-core only",
+                )),
+            };
+        }
         match self.decode {
             DecodeKernelChoice::Auto => Ok(None),
             DecodeKernelChoice::Streaming if bf16 && tiling.fits(head_dim) => {
@@ -264,6 +282,7 @@ mod tests {
                 cluster_prefetch: false,
             },
             deterministic: true,
+            kv_fp8: false,
         };
         assert_eq!(kernels, expected);
         let mma = CudaKernels {
@@ -286,6 +305,20 @@ mod tests {
         ));
         let auto = CudaKernels::default();
         assert_eq!(auto.decode_kernel(DType::BF16, 128).unwrap(), None);
+        let fp8 = CudaKernels {
+            kv_fp8: true,
+            ..auto
+        };
+        assert_eq!(
+            fp8.decode_kernel(DType::BF16, 128).unwrap(),
+            Some(ops::PagedDecodeKernel::CudaCore)
+        );
+        assert!(CudaKernels {
+            decode: DecodeKernelChoice::Streaming,
+            ..fp8
+        }
+        .decode_kernel(DType::BF16, 128)
+        .is_err());
     }
 
     /// The registry's tiling words are exactly the kernel's tilings.

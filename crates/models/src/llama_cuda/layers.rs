@@ -17,6 +17,7 @@ use super::matrix::{Linear, Matrix, QuantScratch};
 use super::{GpuLayer, GpuMlp, GpuModel, GqaWeights, HostFloat, LayerAttention, StepBuffers};
 use crate::decoder::{deepseek_layers, llama_layers, llama_moe_layers, DecoderStep, MoeStep};
 
+mod fp8;
 mod mla;
 
 impl<T: HostFloat> GpuModel<T> {
@@ -52,6 +53,7 @@ impl<T: HostFloat> GpuModel<T> {
         let StepBuffers {
             k_pools,
             v_pools,
+            fp8,
             scratch: s,
             decode,
             fused,
@@ -113,6 +115,7 @@ impl<T: HostFloat> GpuModel<T> {
             layout,
             k_pools,
             v_pools,
+            fp8,
             decode,
             fused,
             mla: mla::MlaStepBuffers::new(c, s.mla.as_mut(), mla_decode, num_tokens)?,
@@ -154,6 +157,8 @@ pub(super) struct GpuStep<'a, T> {
     layout: &'a PoolLayout,
     k_pools: &'a mut [DeviceBuffer<T>],
     v_pools: &'a mut [DeviceBuffer<T>],
+    /// The e4m3 cache's layers (empty unless `-ctk fp8 -ctv fp8`; then the pools above are).
+    fp8: &'a mut [ops::Fp8KvLayer],
     decode: &'a mut Option<DecodeWorkspace<T>>,
     fused: &'a mut Option<FusedDecode>,
     /// A latent attention model's own activations and decode (`None` for the others).
@@ -292,6 +297,9 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     }
 
     fn append_kv(&mut self, index: usize) -> Result<(), CudaError> {
+        if !self.fp8.is_empty() {
+            return self.append_kv_fp8(index);
+        }
         let num_tokens = self.num_tokens;
         let (q_dim, kv_dim, qkv_dim) = self.qkv_dims();
         let new = ops::NewKv {
@@ -309,6 +317,9 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
             self.rope()?;
             return self.append_kv(index);
         }
+        if !self.fp8.is_empty() {
+            return self.rope_append_kv_fp8(index);
+        }
         let c = &self.model.config;
         let (_, _, qkv_dim) = self.qkv_dims();
         let rope = (&self.positions, &self.model.inv_freq, self.model.rope_style);
@@ -322,6 +333,9 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     }
 
     fn attention(&mut self, index: usize) -> Result<(), CudaError> {
+        if !self.fp8.is_empty() {
+            return self.attention_fp8(index);
+        }
         let (gpu, scale) = (self.gpu, self.scale);
         let (_, _, qkv_dim) = self.qkv_dims();
         let heads = self.model.config.num_attention_heads;

@@ -14,6 +14,7 @@
 mod decode_plan;
 mod decode_tuning;
 mod gathered;
+mod kv_fp8;
 mod mla;
 mod mla_decode;
 mod paged_decode;
@@ -31,6 +32,11 @@ pub use gathered::{
     decode_attention_gathered, decode_splits, prefill_attention, specialize_attention,
     AttentionEntry, DecodeWorkspace, DevicePageTable, PagedKv, PoolLayout, Queries,
     MAX_DECODE_SPLITS, SUPPORTED_HEAD_DIMS,
+};
+pub use kv_fp8::{
+    fp8_kv_unsupported, kv_append_fp8, paged_decode_attention_fp8, prefill_attention_tiled_fp8,
+    rope_kv_append_fp8, specialize_kv_append_fp8, specialize_paged_decode_fp8,
+    specialize_prefill_fp8, specialize_rope_kv_append_fp8, Fp8KvLayer, KvScales,
 };
 pub use mla::{
     mla_append, mla_decode, mla_head_tiles, mla_prefill, mla_unsupported, specialize_mla,
@@ -68,6 +74,7 @@ pub(crate) static PAGED_DECODE: KernelSource = KernelSource::new(
     "paged_decode.cu",
     concat!(
         include_str!("cuda/tensor_core.cu"),
+        include_str!("cuda/kv_fp8.cu"),
         include_str!("cuda/paged_decode_common.cu"),
         include_str!("cuda/paged_decode.cu"),
         include_str!("cuda/paged_decode_merge.cu")
@@ -123,8 +130,13 @@ pub(crate) static PAGED_DECODE_STREAM: KernelSource = KernelSource::new(
     ),
 );
 /// The query-tiled prefill on CUDA cores.
-pub(crate) static PREFILL: KernelSource =
-    KernelSource::new("prefill.cu", include_str!("cuda/prefill.cu"));
+pub(crate) static PREFILL: KernelSource = KernelSource::new(
+    "prefill.cu",
+    concat!(
+        include_str!("cuda/kv_fp8.cu"),
+        include_str!("cuda/prefill.cu")
+    ),
+);
 /// The streaming prefill on tensor cores (softmax in registers).
 pub(crate) static PREFILL_STREAM: KernelSource = KernelSource::new(
     "prefill_stream.cu",
@@ -199,5 +211,6 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
         }
     }
     specs.extend(mla::specializations()?);
+    specs.extend(kv_fp8::specializations()?);
     Ok(specs)
 }

@@ -63,22 +63,27 @@ pub enum KvType {
     F16,
     /// 34 bytes per 32 values.
     Q8_0,
+    /// e4m3, one byte per value plus one f32 scale per (token, KV head) ([`super::fp8`]):
+    /// the CUDA cache only (`-ctk fp8 -ctv fp8`, `--kv-cache-dtype fp8`).
+    Fp8,
 }
 
 impl KvType {
     /// Every type with its word (llama.cpp's spelling).
-    pub const WORDS: [(&'static str, KvType); 3] = [
+    pub const WORDS: [(&'static str, KvType); 4] = [
         ("f32", KvType::F32),
         ("f16", KvType::F16),
         ("q8_0", KvType::Q8_0),
+        ("fp8", KvType::Fp8),
     ];
 
-    /// The word of the type: `f32`, `f16` or `q8_0`.
+    /// The word of the type: `f32`, `f16`, `q8_0` or `fp8`.
     pub fn name(self) -> &'static str {
         match self {
             KvType::F32 => "f32",
             KvType::F16 => "f16",
             KvType::Q8_0 => "q8_0",
+            KvType::Fp8 => "fp8",
         }
     }
 
@@ -91,21 +96,39 @@ impl KvType {
             .find(|(word, _)| *word == folded)
             .map(|(_, kv_type)| *kv_type)
             .ok_or_else(|| {
-                format!("unknown KV cache type {text:?}: expected one of f32, f16, q8_0")
+                format!("unknown KV cache type {text:?}: expected one of f32, f16, q8_0, fp8")
             })
     }
 
-    /// Bytes that `elements` values take (`elements` a multiple of 32 for q8_0).
+    /// Bytes that `elements` values take (`elements` a multiple of 32 for q8_0; fp8 counts
+    /// its values only: its scales depend on the head size, [`KvType::head_bytes`]).
     pub fn bytes(self, elements: usize) -> usize {
         match self {
+            KvType::Fp8 => elements,
             KvType::F32 => elements * 4,
             KvType::F16 => elements * 2,
             KvType::Q8_0 => elements.div_ceil(Q8_0_BLOCK) * std::mem::size_of::<BlockQ8_0>(),
         }
     }
 
-    /// Checks that a pool of this type can hold heads of `head_dim` values.
+    /// Bytes of `heads` cached heads of `head_dim` values (fp8: the bytes and one f32 scale
+    /// per head).
+    pub fn head_bytes(self, heads: usize, head_dim: usize) -> usize {
+        match self {
+            KvType::Fp8 => heads * (head_dim + 4),
+            other => other.bytes(heads * head_dim),
+        }
+    }
+
+    /// Checks that a host (CPU) pool of this type can hold heads of `head_dim` values; fp8
+    /// lives on the GPU only.
     pub fn check_head_dim(self, head_dim: usize) -> Result<(), AttentionError> {
+        if self == KvType::Fp8 {
+            return Err(AttentionError::Geometry(
+                "an fp8 KV cache runs on CUDA only (use --device cuda, or f16 / q8_0 on the CPU)"
+                    .into(),
+            ));
+        }
         if self == KvType::Q8_0 && !head_dim.is_multiple_of(Q8_0_BLOCK) {
             return Err(AttentionError::Geometry(format!(
                 "a q8_0 KV cache needs a head_dim that {Q8_0_BLOCK} divides; this model's is \
@@ -135,6 +158,11 @@ impl KvCacheTypes {
     /// Whether both are f32 (the default).
     pub fn is_f32(&self) -> bool {
         self.k == KvType::F32 && self.v == KvType::F32
+    }
+
+    /// Whether K or V is fp8 (the CUDA e4m3 cache).
+    pub fn is_fp8(&self) -> bool {
+        self.k == KvType::Fp8 || self.v == KvType::Fp8
     }
 
     /// Bytes of one token row of K and one of V, `elements` values each.
@@ -173,6 +201,8 @@ impl KvPool {
             KvType::F32 => KvPool::F32(vec![0.0; elements]),
             KvType::F16 => KvPool::F16(vec![f16::ZERO; elements]),
             KvType::Q8_0 => KvPool::Q8_0(vec![BlockQ8_0::default(); elements.div_ceil(Q8_0_BLOCK)]),
+            // `check_head_dim` refuses fp8 before any host cache is built.
+            KvType::Fp8 => unreachable!("an fp8 KV cache has no host pool (CUDA only)"),
         }
     }
 
@@ -471,11 +501,33 @@ mod tests {
         assert_eq!(KvType::parse("f32"), Ok(KvType::F32));
         let error = KvType::parse("q4_0").unwrap_err();
         assert!(
-            error.contains("q4_0") && error.contains("f32, f16, q8_0"),
+            error.contains("q4_0") && error.contains("f32, f16, q8_0, fp8"),
             "{error}"
         );
         assert!(KvType::Q8_0.check_head_dim(64).is_ok());
         assert!(KvType::Q8_0.check_head_dim(48).is_err());
         assert!(KvType::F16.check_head_dim(48).is_ok());
+        // fp8 is the CUDA cache: no host pool of any head size.
+        let error = KvType::Fp8.check_head_dim(128).unwrap_err().to_string();
+        assert!(
+            error.contains("CUDA only") && error.contains("--device cuda"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn fp8_parses_and_counts_its_scales() {
+        assert_eq!(KvType::parse("FP8"), Ok(KvType::Fp8));
+        assert_eq!(KvType::Fp8.name(), "fp8");
+        // One byte a value and one f32 scale a head: 132 bytes for a head of 128, against
+        // bf16's 256 (what the GPU pool sizing counts).
+        assert_eq!(KvType::Fp8.head_bytes(1, 128), 132);
+        assert_eq!(KvType::Fp8.head_bytes(16 * 8, 128), 16 * 8 * 132);
+        assert_eq!(KvType::F16.head_bytes(3, 64), 3 * 128);
+        let types = KvCacheTypes {
+            k: KvType::Fp8,
+            v: KvType::Fp8,
+        };
+        assert!(types.is_fp8() && !KvCacheTypes::default().is_fp8());
     }
 }

@@ -34,6 +34,7 @@
 
 mod cpu;
 pub mod cuda;
+pub mod fp8;
 mod kv_pool;
 mod plan;
 mod validate;

@@ -11,12 +11,22 @@ use pagoda_cuda::{
 pub(crate) static ROPE: KernelSource = KernelSource::new("rope.cu", include_str!("cuda/rope.cu"));
 
 /// The CUDA source of this op's `kv_append.cu` kernels.
-pub(crate) static KV_APPEND: KernelSource =
-    KernelSource::new("kv_append.cu", include_str!("cuda/kv_append.cu"));
+pub(crate) static KV_APPEND: KernelSource = KernelSource::new(
+    "kv_append.cu",
+    concat!(
+        include_str!("../attention/cuda/kv_fp8.cu"),
+        include_str!("cuda/kv_append.cu")
+    ),
+);
 
 /// The CUDA source of this op's `rope_kv_append.cu` kernel (the two above in one launch).
-pub(crate) static ROPE_KV_APPEND: KernelSource =
-    KernelSource::new("rope_kv_append.cu", include_str!("cuda/rope_kv_append.cu"));
+pub(crate) static ROPE_KV_APPEND: KernelSource = KernelSource::new(
+    "rope_kv_append.cu",
+    concat!(
+        include_str!("../attention/cuda/kv_fp8.cu"),
+        include_str!("cuda/rope_kv_append.cu")
+    ),
+);
 
 /// Which dims of a head rotate together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -92,7 +102,7 @@ pub fn rope<T: Element>(
 
 /// Threads of a RoPE block: whole groups of `rope_dim / 2` threads (one per pair), up to 256
 /// threads, rounded up to whole warps.
-fn rope_block(rope_dim: usize, num_heads: usize) -> Result<u32, CudaError> {
+pub(crate) fn rope_block(rope_dim: usize, num_heads: usize) -> Result<u32, CudaError> {
     let half = rope_dim / 2;
     if half > 1024 {
         return Err(CudaError::invalid(format!(

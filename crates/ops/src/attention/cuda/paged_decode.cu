@@ -3,11 +3,13 @@
 //
 // K/V tiles stream into shared memory through a STAGES-deep cp.async pipeline. Thread t owns
 // VEC head elements (dims (t % TX) * VEC ..) of key slot t / TX; a score is reduced over the TX
-// threads of its key. Every dtype (f32, bf16, f16).
+// threads of its key. Every dtype (f32, bf16, f16). With PAGODA_KV_FP8 the pools hold e4m3
+// bytes (kv_fp8.cu) and their per-(slot, KV head) scales ride along in shared memory: a
+// score is scale_k * (q . k8), a value weight p * scale_v.
 #define VEC 8
 #define TX (HEAD_DIM / VEC)
 #define KEYS_PER_PASS (THREADS / TX)
-#define ROW_BYTES (HEAD_DIM * (int)sizeof(T))
+#define ROW_BYTES (HEAD_DIM * (int)sizeof(KV_T))
 #define TILE_BYTES 8192
 #define TILE_KEYS (ROW_BYTES * KEYS_PER_PASS >= TILE_BYTES ? KEYS_PER_PASS : TILE_BYTES / ROW_BYTES)
 #define PASSES (TILE_KEYS / KEYS_PER_PASS)
@@ -20,6 +22,16 @@
 static_assert(TX >= 1 && TX <= 32 && (TX & (TX - 1)) == 0, "HEAD_DIM / 8 must be a power of two <= 32");
 static_assert(TILE_KEYS % KEYS_PER_PASS == 0, "tile keys");
 
+#if PAGODA_KV_FP8
+PAGODA_DEVICE void load_vec(const unsigned char* row, float (&out)[VEC]) {
+    const uint2 word = *reinterpret_cast<const uint2*>(row);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        out[j] = fp8_e4m3_to_f32((word.x >> (8 * j)) & 0xffu);
+        out[4 + j] = fp8_e4m3_to_f32((word.y >> (8 * j)) & 0xffu);
+    }
+}
+#else
 PAGODA_DEVICE void load_vec(const unsigned char* row, float (&out)[VEC]) {
     const T* e = reinterpret_cast<const T*>(row);
 #pragma unroll
@@ -31,6 +43,7 @@ PAGODA_DEVICE void load_vec(const unsigned char* row, float (&out)[VEC]) {
     }
     (void)e;
 }
+#endif
 
 // Grid (max_chunks, num_kv_heads), block THREADS. `plan`: see decode_plan.rs. q row r at
 // r * q_row_stride (head h at h * HEAD_DIM); out [B, num_kv_heads * GROUP, HEAD_DIM].
@@ -38,16 +51,23 @@ PAGODA_DEVICE void load_vec(const unsigned char* row, float (&out)[VEC]) {
 // semaphores [max_requests * num_kv_heads], zero between launches (the merging CTA resets
 // its own). Page ids >= num_pages are skipped.
 extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_partial(
-    const T* __restrict__ q, const T* __restrict__ k_pool, const T* __restrict__ v_pool,
+    const T* __restrict__ q, const KV_T* __restrict__ k_pool, const KV_T* __restrict__ v_pool,
     const unsigned int* __restrict__ kv_indptr, const unsigned int* __restrict__ kv_indices,
     const unsigned int* __restrict__ last_page_len, const unsigned int* __restrict__ first_page_offset,
     const unsigned int* __restrict__ plan, T* __restrict__ out, float* __restrict__ partial_out,
     float* __restrict__ partial_lse, unsigned int* __restrict__ semaphores,
     unsigned int num_requests, unsigned int max_chunks, unsigned int num_kv_heads,
     unsigned int page_shift, unsigned int num_pages, unsigned int q_row_stride, float scale_log2,
-    unsigned int merge_in_kernel) {
+    unsigned int merge_in_kernel
+#if PAGODA_KV_FP8
+    , const float* __restrict__ k_scale, const float* __restrict__ v_scale
+#endif
+    ) {
     extern __shared__ __align__(16) unsigned char smem[];
     __shared__ unsigned char tile_valid[STAGES][TILE_KEYS];
+#if PAGODA_KV_FP8
+    __shared__ __align__(16) float tile_scales[2][STAGES][TILE_KEYS];  // [K | V][stage][key]
+#endif
     const unsigned int chunk = blockIdx.x;
     const unsigned int kv_head = blockIdx.y;
     DecodeChunk c;
@@ -78,6 +98,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_partial(
         issue_tile(c, kv_indices, k_pool, v_pool, t, TILE_KEYS, page_shift, num_pages, row_elems, kv_head,
                    k_stage + (size_t)stage * TILE_KEYS * ROW_BYTES, v_stage + (size_t)stage * TILE_KEYS * ROW_BYTES,
                    ROW_BYTES, tile_valid[stage]);
+#if PAGODA_KV_FP8
+        issue_tile_scales(c, kv_indices, k_scale, v_scale, t, TILE_KEYS, page_shift, num_pages, row_elems,
+                          kv_head, tile_scales[0][stage], tile_scales[1][stage]);
+#endif
     };
 
     float m[GROUP], l[GROUP], acc[GROUP][VEC];
@@ -108,8 +132,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_partial(
         for (int p = 0; p < PASSES; ++p) {
             const int key_local = p * KEYS_PER_PASS + ky;
             float kv[VEC];
-            load_vec(k_stage + ((size_t)stage * TILE_KEYS + key_local) * ROW_BYTES + tx * VEC * sizeof(T), kv);
+            load_vec(k_stage + ((size_t)stage * TILE_KEYS + key_local) * ROW_BYTES + tx * VEC * sizeof(KV_T), kv);
             const bool valid = tile_valid[stage][key_local];
+#if PAGODA_KV_FP8
+            const float key_scale = tile_scales[0][stage][key_local];
+#else
+            const float key_scale = 1.0f;
+#endif
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
                 float s = 0.0f;
@@ -117,7 +146,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_partial(
                 for (int i = 0; i < VEC; ++i) s += qv[g][i] * kv[i];
 #pragma unroll
                 for (int offset = TX / 2; offset > 0; offset >>= 1) s += __shfl_xor_sync(0xffffffffu, s, offset);
-                scores[p][g] = valid ? s : -INFINITY;
+                scores[p][g] = valid ? s * key_scale : -INFINITY;
                 tile_max[g] = fmaxf(tile_max[g], scores[p][g]);
             }
         }
@@ -135,13 +164,19 @@ extern "C" __global__ void __launch_bounds__(THREADS) paged_decode_partial(
         for (int p = 0; p < PASSES; ++p) {
             const int key_local = p * KEYS_PER_PASS + ky;
             float vv[VEC];
-            load_vec(v_stage + ((size_t)stage * TILE_KEYS + key_local) * ROW_BYTES + tx * VEC * sizeof(T), vv);
+            load_vec(v_stage + ((size_t)stage * TILE_KEYS + key_local) * ROW_BYTES + tx * VEC * sizeof(KV_T), vv);
+#if PAGODA_KV_FP8
+            const float value_scale = tile_scales[1][stage][key_local];
+#else
+            const float value_scale = 1.0f;
+#endif
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
                 const float w = scores[p][g] == -INFINITY ? 0.0f : exp2f(scores[p][g] - m[g]);
                 l[g] += w;
+                const float wv = w * value_scale;
 #pragma unroll
-                for (int i = 0; i < VEC; ++i) acc[g][i] += w * vv[i];
+                for (int i = 0; i < VEC; ++i) acc[g][i] += wv * vv[i];
             }
         }
     }

@@ -5,6 +5,7 @@
 
 use super::decode_plan::{PagedDecodePlan, PlanCapacity};
 use super::gathered::{check_decode_io, PagedKv, PoolLayout, Queries};
+use super::kv_fp8::{specialize_paged_decode_fp8, KvScales};
 use super::mla::MLA_LATENT_DIMS;
 use super::stream_tiling::StreamTiling;
 pub use super::stream_tiling::{
@@ -24,7 +25,7 @@ const PARTIAL_THREADS: usize = 128;
 /// computes it (the kernel traps when launched with less): the K/V pipeline
 /// (`STAGES` tiles of about `TILE_BYTES` per side), the cross-warp merge, or the merge
 /// weights, whichever is largest.
-fn partial_shared_bytes(element_bytes: usize, head_dim: usize, group: usize) -> usize {
+pub(super) fn partial_shared_bytes(element_bytes: usize, head_dim: usize, group: usize) -> usize {
     const VEC: usize = 8;
     const TILE_BYTES: usize = 8192;
     const STAGES: usize = 4;
@@ -341,6 +342,20 @@ pub fn paged_decode_attention<T: Element>(
     scale: f32,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
+    paged_decode_launch(gpu, queries, kv, None, workspace, (merge, scale), out)
+}
+
+/// [`paged_decode_attention`] over pools of `K` (the model's `T`, or e4m3 bytes with their
+/// `fp8` scales: the CUDA-core kernel only, see [`super::paged_decode_attention_fp8`]).
+pub(super) fn paged_decode_launch<T: Element, K: Element>(
+    gpu: &Gpu,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, K>,
+    fp8: Option<&KvScales<'_>>,
+    workspace: &mut PagedDecodeWorkspace,
+    (merge, scale): (MergeMode, f32),
+    out: &mut impl DeviceWrite<T>,
+) -> Result<(), CudaError> {
     let (q, num_q_heads, q_row_stride) = (&queries.data, queries.num_heads, queries.row_stride);
     let PagedKv {
         k_pool,
@@ -356,6 +371,14 @@ pub fn paged_decode_attention<T: Element>(
     }
     let group = num_q_heads / layout.num_kv_heads;
     let (partial, shared_bytes) = match workspace.kernel {
+        _ if fp8.is_some() || K::DTYPE != T::DTYPE => {
+            let scales = fp8.ok_or_else(|| CudaError::invalid("byte KV pools without scales"))?;
+            scales.check(layout, K::DTYPE, workspace.kernel)?;
+            (
+                specialize_paged_decode_fp8(T::DTYPE, layout.head_dim, group)?,
+                partial_shared_bytes(1, layout.head_dim, group),
+            )
+        }
         PagedDecodeKernel::CudaCore => (
             specialize_paged_decode(PagedDecodeEntry::Partial, T::DTYPE, layout.head_dim, group)?,
             partial_shared_bytes(std::mem::size_of::<T>(), layout.head_dim, group),
@@ -403,7 +426,7 @@ pub fn paged_decode_attention<T: Element>(
         )));
     }
     workspace.num_requests = num_requests;
-    let args = [
+    let mut args = vec![
         ptr(q),
         ptr(k_pool),
         ptr(v_pool),
@@ -425,11 +448,15 @@ pub fn paged_decode_attention<T: Element>(
         KernelArg::F32(scale * std::f32::consts::LOG2_E),
         KernelArg::U32(u32::from(merge == MergeMode::InKernel)),
     ];
+    if let Some(scales) = fp8 {
+        args.extend([ptr(&scales.k), ptr(&scales.v)]);
+    }
     let grid = (
         to_u32("grid chunks", workspace.grid_chunks)?,
         layout.num_kv_heads as u32,
     );
-    // SAFETY: arguments match `paged_decode_partial`; the plan buffer holds the capacity's
+    // SAFETY: arguments match `paged_decode_partial` (its fp8 build takes the two scale
+    // pools last, extents checked by `KvScales::check`); the plan buffer holds the capacity's
     // encoded length, the partials max_chunks x num_q_heads rows, the semaphores
     // max_requests x num_kv_heads; pool, q and out extents validated above.
     let streaming = matches!(workspace.kernel, PagedDecodeKernel::Streaming(_));

@@ -12,6 +12,12 @@
 // finish merges them (merge_in_kernel: one launch, partials never leave L2) or
 // merge_attention_partials does, afterwards.
 typedef PAGODA_T T;
+// The pools' element: T, or e4m3 bytes with PAGODA_KV_FP8 (kv_fp8.cu; CUDA-core kernel only).
+#if PAGODA_KV_FP8
+typedef unsigned char KV_T;
+#else
+typedef T KV_T;
+#endif
 #define HEAD_DIM PAGODA_HEAD_DIM
 #define GROUP PAGODA_GROUP
 #define THREADS 128
@@ -148,7 +154,7 @@ PAGODA_DEVICE bool key_offset(const DecodeChunk& c, const unsigned int* kv_indic
     const unsigned int page = kv_indices[c.page_begin + (unsigned int)(abs >> page_shift)];
     if (page >= num_pages) return false;
     const size_t row = ((size_t)page << page_shift) + (size_t)(abs & ((1ll << page_shift) - 1));
-    offset = (row * row_elems + (size_t)kv_head * HEAD_DIM) * sizeof(T);
+    offset = (row * row_elems + (size_t)kv_head * HEAD_DIM) * sizeof(KV_T);
     return true;
 }
 
@@ -156,12 +162,12 @@ PAGODA_DEVICE bool key_offset(const DecodeChunk& c, const unsigned int* kv_indic
 // row i lands at k_dst / v_dst + i * pitch_bytes, and valid[i] says whether it was readable
 // (unreadable rows are zero-filled). Consecutive threads copy consecutive 16-byte chunks of a
 // row (measured faster on the H200 than one page-table lookup per key and thread).
-PAGODA_DEVICE void issue_tile(const DecodeChunk& c, const unsigned int* kv_indices, const T* k_pool,
-                              const T* v_pool, int t, int tile_keys, unsigned int page_shift,
+PAGODA_DEVICE void issue_tile(const DecodeChunk& c, const unsigned int* kv_indices, const KV_T* k_pool,
+                              const KV_T* v_pool, int t, int tile_keys, unsigned int page_shift,
                               unsigned int num_pages, size_t row_elems, unsigned int kv_head,
                               unsigned char* k_dst, unsigned char* v_dst, int pitch_bytes,
                               unsigned char* valid) {
-    constexpr int ROW_CHUNKS = HEAD_DIM * (int)sizeof(T) / 16;
+    constexpr int ROW_CHUNKS = HEAD_DIM * (int)sizeof(KV_T) / 16;
     for (int i = threadIdx.x; i < tile_keys * ROW_CHUNKS; i += THREADS) {
         const int key_local = i / ROW_CHUNKS;
         const int part = i % ROW_CHUNKS;
@@ -174,6 +180,24 @@ PAGODA_DEVICE void issue_tile(const DecodeChunk& c, const unsigned int* kv_indic
         if (part == 0) valid[key_local] = readable;
     }
 }
+
+#if PAGODA_KV_FP8
+// The fp8 pools' scales of tile t (keys as issue_tile's): key row i's K and V scales land at
+// k_dst[i] / v_dst[i] (zeros where unreadable), in the same cp.async group as the tile.
+PAGODA_DEVICE void issue_tile_scales(const DecodeChunk& c, const unsigned int* kv_indices,
+                                     const float* k_scale, const float* v_scale, int t, int tile_keys,
+                                     unsigned int page_shift, unsigned int num_pages, size_t row_elems,
+                                     unsigned int kv_head, float* k_dst, float* v_dst) {
+    for (int i = threadIdx.x; i < tile_keys; i += THREADS) {
+        size_t offset = 0;
+        const bool readable = key_offset(c, kv_indices, c.key_begin + (long long)t * tile_keys + i, page_shift,
+                                         num_pages, row_elems, kv_head, offset);
+        const size_t head_row = offset / HEAD_DIM;  // (slot * num_kv_heads + kv_head): one byte a value
+        cp_async4(k_dst + i, k_scale + head_row, readable);
+        cp_async4(v_dst + i, v_scale + head_row, readable);
+    }
+}
+#endif
 
 // The epilogue, after every warp published its softmax state for the GROUP heads: unnormalised
 // accumulators s_acc[(w * rows_per_warp + g) * acc_pitch + d], maxima s_m[w * rows_per_warp + g]

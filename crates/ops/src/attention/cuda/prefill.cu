@@ -21,7 +21,16 @@
 // PAGODA_BLOCK_ROWS (query rows per CTA), PAGODA_BLOCK_KEYS (keys per K/V tile, a power of
 // two in 4..64), PAGODA_THREADS (block size). The static_asserts below check the geometry
 // and that the static shared memory stays within 48 KiB.
+//
+// With PAGODA_KV_FP8 (kv_fp8.cu prepended) the pools hold e4m3 bytes and k_scale / v_scale
+// ([num_pages * page_size, num_kv_heads] f32) their per-head scales; the tiles are staged
+// dequantized (scale * e4m3 value), so everything after the staging is unchanged.
 typedef PAGODA_T T;
+#if PAGODA_KV_FP8
+typedef unsigned char KV_T;
+#else
+typedef T KV_T;
+#endif
 #define HEAD_DIM PAGODA_HEAD_DIM
 #define BLOCK_ROWS PAGODA_BLOCK_ROWS
 #define BLOCK_KEYS PAGODA_BLOCK_KEYS
@@ -67,6 +76,13 @@ PAGODA_DEVICE float4 load_chunk(const __nv_bfloat16* p) {
     return make_float4(to_f32(p[0]), to_f32(p[1]), to_f32(p[2]), to_f32(p[3]));
 }
 
+// Four consecutive e4m3 bytes (4-byte aligned), dequantized with `scale`.
+PAGODA_DEVICE float4 load_chunk_fp8(const unsigned char* p, float scale) {
+    const unsigned int word = *reinterpret_cast<const unsigned int*>(p);
+    return make_float4(fp8_e4m3_to_f32(word & 0xffu) * scale, fp8_e4m3_to_f32((word >> 8) & 0xffu) * scale,
+                       fp8_e4m3_to_f32((word >> 16) & 0xffu) * scale, fp8_e4m3_to_f32(word >> 24) * scale);
+}
+
 PAGODA_DEVICE float segment_max(float value) {
 #pragma unroll
     for (int offset = SEGMENT / 2; offset > 0; offset >>= 1) {
@@ -89,13 +105,17 @@ PAGODA_DEVICE float segment_sum(float value) {
 // zeros; q_len > seq_len gets NaN; page ids >= num_pages (or indices past num_indices) are
 // skipped. block_q * (num_q_heads / num_kv_heads) <= BLOCK_ROWS, block_q >= 1.
 extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_tiled(
-    const T* __restrict__ q, const T* __restrict__ k_pool, const T* __restrict__ v_pool,
+    const T* __restrict__ q, const KV_T* __restrict__ k_pool, const KV_T* __restrict__ v_pool,
     const unsigned int* __restrict__ qo_indptr, const unsigned int* __restrict__ kv_indptr,
     const unsigned int* __restrict__ kv_indices, const unsigned int* __restrict__ last_page_len,
     const unsigned int* __restrict__ first_page_offset, T* __restrict__ out,
     unsigned int num_requests, unsigned int num_tokens, unsigned int num_indices,
     unsigned int num_q_heads, unsigned int num_kv_heads, unsigned int page_size,
-    unsigned int num_pages, unsigned int q_row_stride, unsigned int block_q, float scale_log2) {
+    unsigned int num_pages, unsigned int q_row_stride, unsigned int block_q, float scale_log2
+#if PAGODA_KV_FP8
+    , const float* __restrict__ k_scale, const float* __restrict__ v_scale
+#endif
+    ) {
     __shared__ __align__(16) float q_tile[BLOCK_ROWS][PITCH];
     __shared__ __align__(16) float k_tile[BLOCK_KEYS][PITCH];
     __shared__ __align__(16) float v_tile[BLOCK_KEYS][PITCH];
@@ -193,8 +213,14 @@ extern "C" __global__ void __launch_bounds__(THREADS) prefill_attention_tiled(
             float4 v_value = k_value;
             if (row >= 0) {
                 const size_t offset = (size_t)row * row_elems + (size_t)kv_head * HEAD_DIM + chunk * 4;
+#if PAGODA_KV_FP8
+                const size_t head_row = (size_t)row * num_kv_heads + kv_head;
+                k_value = load_chunk_fp8(k_pool + offset, k_scale[head_row]);
+                v_value = load_chunk_fp8(v_pool + offset, v_scale[head_row]);
+#else
                 k_value = load_chunk(k_pool + offset);
                 v_value = load_chunk(v_pool + offset);
+#endif
             }
             *reinterpret_cast<float4*>(&k_tile[key][chunk * 4]) = k_value;
             *reinterpret_cast<float4*>(&v_tile[key][chunk * 4]) = v_value;

@@ -2,6 +2,7 @@
 //! (tile of consecutive queries of one request, KV head), K/V tiles staged in shared memory
 //! once and reused by every query row of the tile and of the GQA group.
 
+use super::kv_fp8::KvScales;
 use super::{PagedKv, Queries, PREFILL, SUPPORTED_HEAD_DIMS};
 use crate::cuda_dtypes::check_float;
 use pagoda_cuda::{
@@ -109,7 +110,7 @@ pub fn prefill_attention_tiled<T: Element>(
         threads: tiling.threads,
         shared_bytes: 0,
     };
-    kernel.launch(gpu, queries, kv, qo_indptr, scale, out)
+    kernel.launch(gpu, queries, kv, None, qo_indptr, scale, out)
 }
 
 /// The prefill attention kernels, all with the arguments and results of
@@ -167,11 +168,16 @@ impl QueryTiledKernel<'_> {
     /// Validates the geometry and launches over `(B + ceil(num_tokens / block_q),
     /// num_kv_heads)` CTAs, `block_q = block_rows / group` (see [`prefill_attention_tiled`]
     /// for the arguments' contract).
-    pub(crate) fn launch<T: Element>(
+    ///
+    /// Pools of `K` other than `T` are e4m3 bytes read with their `fp8` scales (the tiled
+    /// kernel's fp8 build only, [`super::prefill_attention_tiled_fp8`]).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn launch<T: Element, K: Element>(
         &self,
         gpu: &Gpu,
         queries: &Queries<'_, T>,
-        kv: &PagedKv<'_, T>,
+        kv: &PagedKv<'_, K>,
+        fp8: Option<&KvScales<'_>>,
         qo_indptr: &impl DeviceRead<u32>,
         scale: f32,
         out: &mut impl DeviceWrite<T>,
@@ -215,6 +221,16 @@ impl QueryTiledKernel<'_> {
             )));
         }
         let num_tokens = out.len() / row;
+        if fp8.is_some() != (K::DTYPE != T::DTYPE) {
+            return Err(CudaError::invalid(format!(
+                "{what}: {} pools need scales exactly when they are not {}",
+                K::DTYPE,
+                T::DTYPE
+            )));
+        }
+        if let Some(scales) = fp8 {
+            scales.check(layout, K::DTYPE, super::PagedDecodeKernel::CudaCore)?;
+        }
         if q_row_stride < row {
             return Err(CudaError::invalid(format!(
                 "{what} q row_stride {q_row_stride} < num_q_heads * head_dim {row}"
@@ -230,7 +246,7 @@ impl QueryTiledKernel<'_> {
         let num_indices = page_table.indices.len();
         let block_q = self.block_rows / group;
         let max_tiles = num_requests + num_tokens.div_ceil(block_q);
-        let args = [
+        let mut args = vec![
             ptr(q),
             ptr(k_pool),
             ptr(v_pool),
@@ -251,6 +267,9 @@ impl QueryTiledKernel<'_> {
             KernelArg::U32(to_u32("block_q", block_q)?),
             KernelArg::F32(scale * std::f32::consts::LOG2_E),
         ];
+        if let Some(scales) = fp8 {
+            args.extend([ptr(&scales.k), ptr(&scales.v)]);
+        }
         let tiles = to_u32(&format!("{what} tiles"), max_tiles)?;
         if tiles > i32::MAX as u32 {
             return Err(CudaError::invalid(format!(
@@ -264,7 +283,8 @@ impl QueryTiledKernel<'_> {
             prefer_shared: self.shared_bytes > 0,
             ..LaunchDims::new(grid, to_u32("threads", self.threads)?)
         };
-        // SAFETY: both kernels take exactly these arguments (prefill.cu, prefill_mma.cu);
+        // SAFETY: both kernels take exactly these arguments (prefill.cu, prefill_mma.cu; the
+        // fp8 build of prefill.cu the two scale pools last, their extents checked above);
         // extents validated above; the kernels bound every access by num_tokens, num_indices
         // and num_pages.
         unsafe { gpu.launch(self.spec, dims, &args) }

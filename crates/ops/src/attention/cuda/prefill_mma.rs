@@ -129,7 +129,7 @@ pub fn prefill_attention_mma<T: Element>(
         threads: tiling.threads(),
         shared_bytes: 0,
     };
-    kernel.launch(gpu, queries, kv, qo_indptr, scale, out)
+    kernel.launch(gpu, queries, kv, None, qo_indptr, scale, out)
 }
 
 #[cfg(test)]

@@ -139,7 +139,7 @@ pub fn prefill_attention_stream<T: Element>(
         threads: 128,
         shared_bytes: tiling.shared_bytes(kv.layout.head_dim),
     };
-    kernel.launch(gpu, queries, kv, qo_indptr, scale, out)
+    kernel.launch(gpu, queries, kv, None, qo_indptr, scale, out)
 }
 
 #[cfg(test)]

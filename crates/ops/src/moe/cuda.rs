@@ -3,7 +3,8 @@
 //! expert's routed entries in row order and the tiles of the expert matmuls, in one launch of
 //! one CTA), [`moe_experts`] (the SiLU-gated expert MLP of every routed entry, on CUDA cores)
 //! and [`moe_combine`] (each row's experts summed in ascending expert index into the residual
-//! stream).
+//! stream); for decode steps [`moe_gate_up_with`] and [`moe_down_combine`] by [`MoePath`] (a
+//! warp per row and expert, the down projection and the combine in one launch).
 //!
 //! Plan on the device, no host round trip: every launch's grid depends on the step's row
 //! count only, the tile list is read by the matmul CTAs (those past its end return), so a
@@ -20,7 +21,10 @@ use pagoda_cuda::{
 };
 
 use super::{GroupLimit, GroupScore, Renormalize, Router, Scoring};
+
+mod rows;
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
+pub use rows::{moe_down_combine, moe_gate_up_with, MoePath, MOE_PER_ROW_MAX_ROWS};
 
 /// The CUDA source of the router and the CSR lists (one entry point).
 pub(crate) static ROUTE: KernelSource =
@@ -29,6 +33,10 @@ pub(crate) static ROUTE: KernelSource =
 /// The CUDA source of the expert matmuls and the combine.
 pub(crate) static EXPERTS: KernelSource =
     KernelSource::new("moe_experts.cu", include_str!("cuda/moe_experts.cu"));
+
+/// The CUDA source of the per-row expert matmuls ([`MoePath::PerRow`]).
+pub(crate) static ROWS: KernelSource =
+    KernelSource::new("moe_rows.cu", include_str!("cuda/moe_rows.cu"));
 
 /// Routed entries per tile of the expert matmuls (`TILE_ROWS` in both sources).
 pub const MOE_TILE_ROWS: usize = 8;
@@ -55,6 +63,10 @@ pub enum MoeEntry {
     Down,
     /// `moe_combine` (f32; dtype-free).
     Combine,
+    /// `moe_gate_up_rows` ([`MoePath::PerRow`]), activations and weights in the model's dtype.
+    GateUpRows,
+    /// `moe_down_combine` ([`MoePath::PerRow`]), activations and weights in the model's dtype.
+    DownCombine,
 }
 
 /// The specialisation of `entry` for `dtype` (the dtype-free entries are f32 whatever
@@ -67,6 +79,8 @@ pub fn specialize_moe(entry: MoeEntry, dtype: DType) -> Result<KernelSpec, CudaE
         MoeEntry::GateUp => (&EXPERTS, "moe_gate_up", indexed(dtype)),
         MoeEntry::Down => (&EXPERTS, "moe_down", indexed(dtype)),
         MoeEntry::Combine => (&EXPERTS, "moe_combine", indexed(DType::F32)),
+        MoeEntry::GateUpRows => (&ROWS, "moe_gate_up_rows", indexed(dtype)),
+        MoeEntry::DownCombine => (&ROWS, "moe_down_combine", indexed(dtype)),
     };
     Ok(KernelSpec {
         source,
@@ -83,7 +97,13 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
         specs.push(specialize_moe(entry, DType::F32)?);
     }
     for &dtype in &FLOAT_DTYPES {
-        for entry in [MoeEntry::GateUp, MoeEntry::Down] {
+        let entries = [
+            MoeEntry::GateUp,
+            MoeEntry::Down,
+            MoeEntry::GateUpRows,
+            MoeEntry::DownCombine,
+        ];
+        for entry in entries {
             specs.push(specialize_moe(entry, dtype)?);
         }
     }

@@ -2,7 +2,8 @@
 // per tile of an expert's routed entries, the SiLU-gated gate/up product (`moe_gate_up`) and
 // the down projection (`moe_down`), on CUDA cores (a matrix-vector form: each weight row is
 // read once per tile of up to TILE_ROWS entries); then each row's experts summed in ascending
-// expert index into the residual stream (`moe_combine`). CPU reference: the CPU's
+// expert index into the residual stream (`moe_combine`). For steps of a few rows,
+// moe_rows.cu runs the same sums a warp per (row, expert). CPU reference: the CPU's
 // Experts::mix.
 //
 // Every grid depends on the step's row count only (tiles past the step's tile list return),

@@ -68,7 +68,7 @@ fn check_route(gpu: &Gpu, logits: &[f32], rows: usize, router: &Router<'_>, what
     let (num_experts, top_k) = (router.num_experts, router.top_k);
     let want = route_with(logits, router);
     let device = DeviceRouter::from_router(router).unwrap();
-    let mut workspace = MoeWorkspace::<f32>::new(gpu, &device, 64, 64, 32).unwrap();
+    let mut workspace = MoeWorkspace::<f32>::new(gpu, &device, 256, 64, 32).unwrap();
     let bias_buffer = router.selection_bias.map(|b| gpu.upload(b).unwrap());
     let logits_buffer = gpu.upload(logits).unwrap();
     ops::moe_route(
@@ -132,7 +132,7 @@ fn the_device_router_chooses_as_route_with() {
     let gpu = gpu();
     let mut rng = rng(37);
     for (num_experts, top_k) in [(8, 2), (128, 8), (60, 4)] {
-        for rows in [1usize, 3, 17, 64] {
+        for rows in [1usize, 3, 17, 64, 256] {
             let logits = tied_logits(&mut rng, rows * num_experts);
             let bias = random_vec(&mut rng, num_experts, 0.5);
             for router in routers(num_experts, top_k) {

@@ -1,10 +1,11 @@
 //! Mixture-of-experts on the device, the CPU's [`route_with`](super::route_with) and expert
 //! mix side by side with it: [`moe_route`] (each row's top-k experts and weights, then each
-//! expert's routed entries in row order and the tiles of the expert matmuls, in one launch of
-//! one CTA), [`moe_experts`] (the SiLU-gated expert MLP of every routed entry, on CUDA cores)
-//! and [`moe_combine`] (each row's experts summed in ascending expert index into the residual
-//! stream); for decode steps [`moe_gate_up_with`] and [`moe_down_combine`] by [`MoePath`] (a
-//! warp per row and expert, the down projection and the combine in one launch).
+//! expert's routed entries in row order and the tiles of the expert matmuls, in one launch: a
+//! warp a row, the last CTA to finish lists the entries), [`moe_experts`] (the SiLU-gated
+//! expert MLP of every routed entry, on CUDA cores) and [`moe_combine`] (each row's experts
+//! summed in ascending expert index into the residual stream); for decode steps
+//! [`moe_gate_up_with`] and [`moe_down_combine`] by [`MoePath`] (a warp per row and expert,
+//! the down projection and the combine in one launch).
 //!
 //! Plan on the device, no host round trip: every launch's grid depends on the step's row
 //! count only, the tile list is read by the matmul CTAs (those past its end return), so a
@@ -49,8 +50,10 @@ pub const MOE_MAX_TOP_K: usize = 32;
 pub const MOE_MAX_GROUPS: usize = 32;
 /// Output columns per CTA of the expert matmuls (`WARPS * ROWS`).
 const COLUMNS_PER_CTA: usize = 32;
-/// Threads of the router's one CTA (`WARPS * 32` in `moe_route.cu`).
+/// Threads of a router CTA (`WARPS * 32` in `moe_route.cu`).
 const ROUTE_THREADS: u32 = 256;
+/// Rows a router CTA routes (`WARPS`, a warp a row).
+const ROUTE_ROWS_PER_CTA: usize = 8;
 
 /// The entry points of the MoE sources.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,6 +235,8 @@ pub struct MoeWorkspace<T> {
     pub act: DeviceBuffer<T>,
     /// `[max_rows * top_k, hidden]`: the expert outputs in routed order (f32).
     pub out: DeviceBuffer<f32>,
+    /// `[1]`: the router's CTAs done so far (zero between launches; `moe_route.cu`).
+    route_done: DeviceBuffer<u32>,
     max_rows: usize,
     num_experts: usize,
     top_k: usize,
@@ -287,6 +292,7 @@ impl<T: Element> MoeWorkspace<T> {
             tile_starts: gpu.zeros(tiles)?,
             act: gpu.zeros(entries * inter)?,
             out: gpu.zeros(entries * hidden)?,
+            route_done: gpu.zeros(1)?,
             max_rows: max_rows.max(1),
             num_experts: experts,
             top_k,
@@ -379,11 +385,16 @@ pub fn moe_route<T: Element>(
         ptr(&w.tile_offsets),
         ptr(&w.tile_experts),
         ptr(&w.tile_starts),
+        ptr(&w.route_done),
     ];
+    let grid = (
+        to_u32("moe route CTAs", num_rows.div_ceil(ROUTE_ROWS_PER_CTA))?,
+        1,
+    );
     // SAFETY: arguments match `moe_route`; the logits and bias hold num_rows rows and
-    // num_experts values, the workspace max_rows * top_k entries and the most tiles those
-    // entries need.
-    unsafe { gpu.launch(&spec, LaunchDims::new((1, 1), ROUTE_THREADS), &args) }
+    // num_experts values, the workspace max_rows * top_k entries, the most tiles those
+    // entries need and a zero counter (the kernel leaves it zero).
+    unsafe { gpu.launch(&spec, LaunchDims::new(grid, ROUTE_THREADS), &args) }
 }
 
 /// The routed entries' expert outputs, for the routing [`moe_route`] left in `workspace`:

@@ -79,6 +79,10 @@ pub struct BenchMoeArgs {
     /// The device copy rate of the floor, TB/s (2.98: the H100's measured copy rate).
     #[arg(long = "copy-tb-s", default_value_t = 2.98)]
     pub copy_tb_s: f64,
+    /// The experts' path: auto (the model's, `MoePath::for_rows`: per row up to 4 rows, tiled
+    /// above), tiled or per-row (either at every batch; the same bits, other speeds).
+    #[arg(long = "moe-path", default_value = "auto")]
+    pub moe_path: String,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -99,9 +103,20 @@ struct Shape {
     selection_bias: bool,
     #[serde(skip)]
     router: DeviceRouter,
+    /// `--moe-path`: auto, tiled or per-row.
+    moe_path: &'static str,
 }
 
 impl Shape {
+    /// The experts' path at `b` rows (`--moe-path`).
+    fn path(&self, b: usize) -> ops::MoePath {
+        match self.moe_path {
+            "tiled" => ops::MoePath::Tiled,
+            "per-row" => ops::MoePath::PerRow,
+            _ => ops::MoePath::for_rows(b),
+        }
+    }
+
     /// The shared experts' width (their intermediates side by side).
     fn shared_width(&self) -> usize {
         self.shared_experts * self.inter
@@ -203,6 +218,12 @@ fn resolve(args: &BenchMoeArgs) -> Result<Shape> {
         shared_experts: args.shared_experts.unwrap_or(moe.num_shared_experts),
         selection_bias: moe.selection_bias,
         router,
+        moe_path: match args.moe_path.as_str() {
+            "auto" => "auto",
+            "tiled" => "tiled",
+            "per-row" => "per-row",
+            other => bail!("--moe-path takes auto, tiled or per-row, not {other}"),
+        },
     };
     let piece = 16 / element;
     for (flag, value) in [("--hidden", shape.hidden), ("--inter", shape.inter)] {
@@ -364,11 +385,10 @@ fn linear<T: Element, O: Element>(
 }
 
 impl<T: HostFloat> Block<T> {
-    /// The stages of this shape at `b` rows, the block last, on the model's path
-    /// (`MoePath::for_rows`; tiled: down, then combine; per row: down+combine after the shared
-    /// experts).
+    /// The stages of this shape at `b` rows, the block last, on its path (`Shape::path`;
+    /// tiled: down, then combine; per row: down+combine after the shared experts).
     fn stages(&self, b: usize) -> Vec<Stage> {
-        let tiled = ops::MoePath::for_rows(b) == ops::MoePath::Tiled;
+        let tiled = self.shape.path(b) == ops::MoePath::Tiled;
         let mut stages = vec![Stage::Router, Stage::Route, Stage::GateUp];
         stages.extend(tiled.then_some(Stage::Down));
         stages.extend(self.shared.as_ref().map(|_| Stage::Shared));
@@ -423,7 +443,7 @@ impl<T: HostFloat> Block<T> {
             let set = &mut self.sets[s];
             let w = &self.weights[set.copy];
             let x = view(&set.x, 0..b * h)?;
-            let tiled = ops::MoePath::for_rows(b) == ops::MoePath::Tiled;
+            let tiled = shape.path(b) == ops::MoePath::Tiled;
             let in_block = |part: Stage| match part {
                 Stage::Down | Stage::Combine => tiled,
                 Stage::DownCombine => !tiled,
@@ -436,7 +456,7 @@ impl<T: HostFloat> Block<T> {
                 ops::moe_route(gpu, &logits, router, bias, &mut set.workspace, b)?;
             }
             if run(Stage::GateUp) {
-                let (path, gate_up) = (ops::MoePath::for_rows(b), [&w.gate, &w.up]);
+                let (path, gate_up) = (shape.path(b), [&w.gate, &w.up]);
                 ops::moe_gate_up_with(gpu, path, &x, gate_up, &mut set.workspace, b)?;
             }
             if run(Stage::Down) {

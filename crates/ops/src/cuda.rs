@@ -43,8 +43,9 @@ pub use crate::linear::cuda::{
     specialize_quantize_q8, Q8Rows, QuantFormat, GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS, QUANT_PADDING,
 };
 pub use crate::moe::cuda::{
-    moe_combine, moe_down, moe_experts, moe_gate_up, moe_route, specialize_moe, DeviceRouter,
-    MoeEntry, MoeWorkspace, MOE_MAX_EXPERTS, MOE_MAX_TOP_K, MOE_TILE_ROWS,
+    moe_combine, moe_down, moe_down_combine, moe_experts, moe_gate_up, moe_gate_up_with, moe_route,
+    specialize_moe, DeviceRouter, MoeEntry, MoePath, MoeWorkspace, MOE_MAX_EXPERTS, MOE_MAX_TOP_K,
+    MOE_PER_ROW_MAX_ROWS, MOE_TILE_ROWS,
 };
 pub use crate::norm::cuda::{
     add_bias_rows, add_rms_norm, rms_norm, rms_norm_heads, specialize_norm, specialize_qkv,

@@ -68,7 +68,7 @@ fn check_route(gpu: &Gpu, logits: &[f32], rows: usize, router: &Router<'_>, what
     let (num_experts, top_k) = (router.num_experts, router.top_k);
     let want = route_with(logits, router);
     let device = DeviceRouter::from_router(router).unwrap();
-    let mut workspace = MoeWorkspace::<f32>::new(gpu, &device, 64, 64, 32).unwrap();
+    let mut workspace = MoeWorkspace::<f32>::new(gpu, &device, 256, 64, 32).unwrap();
     let bias_buffer = router.selection_bias.map(|b| gpu.upload(b).unwrap());
     let logits_buffer = gpu.upload(logits).unwrap();
     ops::moe_route(
@@ -132,7 +132,7 @@ fn the_device_router_chooses_as_route_with() {
     let gpu = gpu();
     let mut rng = rng(37);
     for (num_experts, top_k) in [(8, 2), (128, 8), (60, 4)] {
-        for rows in [1usize, 3, 17, 64] {
+        for rows in [1usize, 3, 17, 64, 256] {
             let logits = tied_logits(&mut rng, rows * num_experts);
             let bias = random_vec(&mut rng, num_experts, 0.5);
             for router in routers(num_experts, top_k) {
@@ -368,7 +368,9 @@ struct Inputs<'a> {
     shared: Option<&'a [f32]>,
 }
 
-/// The device layer over `rows` rows: route, experts, combine; returns the new residual.
+/// The device layer over `rows` rows: route, experts, combine; returns the new residual. Odd
+/// row counts (a row alone among them) take the model's path (`MoePath::for_rows`: per row up
+/// to `MOE_PER_ROW_MAX_ROWS`), even ones `moe_experts` and `moe_combine`.
 fn device_layer<T: TestFloat>(
     gpu: &Gpu,
     router: &DeviceRouter,
@@ -385,16 +387,20 @@ fn device_layer<T: TestFloat>(
     let rows = residual.len() / hidden;
     let mut workspace = MoeWorkspace::<T>::new(gpu, router, 64, hidden, inter).unwrap();
     let logits = gpu.upload(logits).unwrap();
-    let none: Option<&DeviceBuffer<f32>> = None;
     ops::moe_route(gpu, &logits, router, None, &mut workspace, rows).unwrap();
     let normed = upload::<T>(gpu, normed);
     let [g, u, d] = &layer.device;
-    ops::moe_experts(gpu, &normed, [g, u, d], &mut workspace, rows).unwrap();
     let mut x = gpu.upload(residual).unwrap();
     let shared = shared.map(|s| gpu.upload(s).unwrap());
-    match &shared {
-        Some(s) => ops::moe_combine(gpu, &workspace, Some(s), &mut x, rows).unwrap(),
-        None => ops::moe_combine(gpu, &workspace, none, &mut x, rows).unwrap(),
+    if rows % 2 == 1 {
+        // The model's path: per row up to MOE_PER_ROW_MAX_ROWS rows (a row alone), tiled above.
+        let path = ops::MoePath::for_rows(rows);
+        ops::moe_gate_up_with(gpu, path, &normed, [g, u], &mut workspace, rows).unwrap();
+        ops::moe_down_combine(gpu, path, d, &mut workspace, shared.as_ref(), &mut x, rows).unwrap();
+    } else {
+        // The two-launch path whatever the rows.
+        ops::moe_experts(gpu, &normed, [g, u, d], &mut workspace, rows).unwrap();
+        ops::moe_combine(gpu, &workspace, shared.as_ref(), &mut x, rows).unwrap();
     }
     gpu.download(&x).unwrap()
 }
@@ -415,7 +421,7 @@ fn check_experts<T: TestFloat>(tolerance: f32) {
         };
         let router = DeviceRouter::from_router(&cpu_router).unwrap();
         let mut rng = rng(7 + top_k as u64);
-        for rows in [1usize, 2, 9, 33, 64] {
+        for rows in [1usize, 2, 3, 4, 9, 33, 64] {
             let normed = round::<T>(&random_vec(&mut rng, rows * hidden, 1.0));
             let logits = random_vec(&mut rng, rows * num_experts, 2.0);
             let residual = random_vec(&mut rng, rows * hidden, 1.0);

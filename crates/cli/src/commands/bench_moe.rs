@@ -3,7 +3,9 @@
 //! (`[batch, hidden] x [hidden, experts]`, f32 logits; the small-batch GEMV where it applies,
 //! as the model with `PAGODA_CUDA_GEMV` on), `moe_route`, `moe_gate_up`, `moe_down`, the
 //! shared experts' dense MLP where the shape has them (GEMM, SiLU-mul, GEMM) and
-//! `moe_combine`; then the whole block. Each stage is captured in its own CUDA graph over
+//! `moe_combine` (up to `MOE_PER_ROW_MAX_ROWS` rows the model's per-row path:
+//! `moe_gate_up_rows`, and `moe_down_combine` in place of `moe_down` and `moe_combine`); then
+//! the whole block. Each stage is captured in its own CUDA graph over
 //! `--sets` rotating input sets (different activations, so routings; the experts rotate over
 //! as many copies as fit in 32 GB, at most one a set; the router stage over copies of 4x the
 //! L2, a call each), the graph replayed `--replays` times, each replay timed with CUDA events:
@@ -27,6 +29,7 @@ use pagoda_models::llama_cuda::HostFloat;
 use pagoda_ops::cuda::{self as ops, DeviceRouter, MoeWorkspace};
 use serde::Serialize;
 
+use super::bench_moe_table::{print_rows, BatchResult, StageResult};
 use super::decode_rig::{random_fill, time_replays, warm_capture, L2_BYTES};
 
 /// The weight copies of all sets together stay under this many bytes.
@@ -76,6 +79,10 @@ pub struct BenchMoeArgs {
     /// The device copy rate of the floor, TB/s (2.98: the H100's measured copy rate).
     #[arg(long = "copy-tb-s", default_value_t = 2.98)]
     pub copy_tb_s: f64,
+    /// The experts' path: auto (the model's, `MoePath::for_rows`: per row up to 4 rows, tiled
+    /// above), tiled or per-row (either at every batch; the same bits, other speeds).
+    #[arg(long = "moe-path", default_value = "auto")]
+    pub moe_path: String,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -96,9 +103,20 @@ struct Shape {
     selection_bias: bool,
     #[serde(skip)]
     router: DeviceRouter,
+    /// `--moe-path`: auto, tiled or per-row.
+    moe_path: &'static str,
 }
 
 impl Shape {
+    /// The experts' path at `b` rows (`--moe-path`).
+    fn path(&self, b: usize) -> ops::MoePath {
+        match self.moe_path {
+            "tiled" => ops::MoePath::Tiled,
+            "per-row" => ops::MoePath::PerRow,
+            _ => ops::MoePath::for_rows(b),
+        }
+    }
+
     /// The shared experts' width (their intermediates side by side).
     fn shared_width(&self) -> usize {
         self.shared_experts * self.inter
@@ -120,6 +138,7 @@ enum Stage {
     Down,
     Shared,
     Combine,
+    DownCombine,
     Block,
 }
 
@@ -133,36 +152,10 @@ impl Stage {
             Stage::Down => "down",
             Stage::Shared => "shared",
             Stage::Combine => "combine",
+            Stage::DownCombine => "down+combine",
             Stage::Block => "block",
         }
     }
-}
-
-#[derive(Serialize)]
-struct StageResult {
-    stage: &'static str,
-    median_us: f64,
-    min_us: f64,
-    /// Weight bytes read per call (mean over the sets), for the stages that read weights.
-    weight_mb: Option<f64>,
-    gb_per_s: Option<f64>,
-    /// The weight bytes at the copy rate, and the median over it.
-    floor_us: Option<f64>,
-    times_floor: Option<f64>,
-}
-
-#[derive(Serialize)]
-struct BatchResult {
-    batch: usize,
-    sets: usize,
-    weight_copies: usize,
-    /// Router copies the router stage's graph rotates through (one call each).
-    router_copies: usize,
-    /// Distinct experts the rows of a set hit (mean over the sets).
-    distinct_experts: f64,
-    /// The stages' medians added up, against the block's.
-    stages_sum_us: f64,
-    stages: Vec<StageResult>,
 }
 
 #[derive(Serialize)]
@@ -225,6 +218,12 @@ fn resolve(args: &BenchMoeArgs) -> Result<Shape> {
         shared_experts: args.shared_experts.unwrap_or(moe.num_shared_experts),
         selection_bias: moe.selection_bias,
         router,
+        moe_path: match args.moe_path.as_str() {
+            "auto" => "auto",
+            "tiled" => "tiled",
+            "per-row" => "per-row",
+            other => bail!("--moe-path takes auto, tiled or per-row, not {other}"),
+        },
     };
     let piece = 16 / element;
     for (flag, value) in [("--hidden", shape.hidden), ("--inter", shape.inter)] {
@@ -386,13 +385,19 @@ fn linear<T: Element, O: Element>(
 }
 
 impl<T: HostFloat> Block<T> {
-    /// The stages of this shape, the block last.
-    fn stages(&self) -> Vec<Stage> {
-        let mut stages = vec![Stage::Router, Stage::Route, Stage::GateUp, Stage::Down];
-        if self.shared.is_some() {
-            stages.push(Stage::Shared);
-        }
-        stages.extend([Stage::Combine, Stage::Block]);
+    /// The stages of this shape at `b` rows, the block last, on its path (`Shape::path`;
+    /// tiled: down, then combine; per row: down+combine after the shared experts).
+    fn stages(&self, b: usize) -> Vec<Stage> {
+        let tiled = self.shape.path(b) == ops::MoePath::Tiled;
+        let mut stages = vec![Stage::Router, Stage::Route, Stage::GateUp];
+        stages.extend(tiled.then_some(Stage::Down));
+        stages.extend(self.shared.as_ref().map(|_| Stage::Shared));
+        stages.push(if tiled {
+            Stage::Combine
+        } else {
+            Stage::DownCombine
+        });
+        stages.push(Stage::Block);
         stages
     }
 
@@ -438,14 +443,21 @@ impl<T: HostFloat> Block<T> {
             let set = &mut self.sets[s];
             let w = &self.weights[set.copy];
             let x = view(&set.x, 0..b * h)?;
-            let run = |part: Stage| part == stage || stage == Stage::Block;
+            let tiled = shape.path(b) == ops::MoePath::Tiled;
+            let in_block = |part: Stage| match part {
+                Stage::Down | Stage::Combine => tiled,
+                Stage::DownCombine => !tiled,
+                _ => true,
+            };
+            let run = |part: Stage| part == stage || (stage == Stage::Block && in_block(part));
             if run(Stage::Route) {
                 let logits = view(&set.logits, 0..b * e)?;
                 let (router, bias) = (&shape.router, self.bias.as_ref());
                 ops::moe_route(gpu, &logits, router, bias, &mut set.workspace, b)?;
             }
             if run(Stage::GateUp) {
-                ops::moe_gate_up(gpu, &x, [&w.gate, &w.up], &mut set.workspace, b)?;
+                let (path, gate_up) = (shape.path(b), [&w.gate, &w.up]);
+                ops::moe_gate_up_with(gpu, path, &x, gate_up, &mut set.workspace, b)?;
             }
             if run(Stage::Down) {
                 ops::moe_down(gpu, &w.down, &mut set.workspace, b)?;
@@ -464,18 +476,18 @@ impl<T: HostFloat> Block<T> {
                     linear(gpu, &act, down, &mut out, (b, h, width))?;
                 }
             }
+            let shared = match &self.shared {
+                Some(scratch) => Some(view(&scratch.out, 0..b * h)?),
+                None => None,
+            };
+            let mut residual = view_mut(&mut self.residual, 0..b * h)?;
             if run(Stage::Combine) {
-                let mut residual = view_mut(&mut self.residual, 0..b * h)?;
-                match &self.shared {
-                    Some(scratch) => {
-                        let out = view(&scratch.out, 0..b * h)?;
-                        ops::moe_combine(gpu, &set.workspace, Some(&out), &mut residual, b)?
-                    }
-                    None => {
-                        let none: Option<&DeviceBuffer<f32>> = None;
-                        ops::moe_combine(gpu, &set.workspace, none, &mut residual, b)?
-                    }
-                }
+                ops::moe_combine(gpu, &set.workspace, shared.as_ref(), &mut residual, b)?
+            }
+            if run(Stage::DownCombine) {
+                let (path, workspace) = (ops::MoePath::PerRow, &mut set.workspace);
+                let shared = shared.as_ref();
+                ops::moe_down_combine(gpu, path, &w.down, workspace, shared, &mut residual, b)?
             }
         }
         Ok(())
@@ -500,7 +512,7 @@ impl<T: HostFloat> Block<T> {
         replays: usize,
         copy_bytes_per_us: f64,
     ) -> Result<BatchResult> {
-        let stages = self.stages();
+        let stages = self.stages(b);
         let sets = self.sets.len();
         let mut timed = Vec::with_capacity(stages.len());
         for &stage in stages.iter().rev() {
@@ -520,7 +532,7 @@ impl<T: HostFloat> Block<T> {
             match stage {
                 Stage::Router => Some(router),
                 Stage::GateUp => Some(2.0 * expert * mean_distinct),
-                Stage::Down => Some(expert * mean_distinct),
+                Stage::Down | Stage::DownCombine => Some(expert * mean_distinct),
                 Stage::Shared => Some(shared),
                 Stage::Block => Some(router + 3.0 * expert * mean_distinct + shared),
                 Stage::Route | Stage::Combine => None,
@@ -561,39 +573,4 @@ impl<T: HostFloat> Block<T> {
             stages: results,
         })
     }
-}
-
-/// One markdown row per stage of `result` (the header before the first batch).
-fn print_rows(result: &BatchResult, header: bool) {
-    if header {
-        println!(
-            "| B | stage | median us | min us | weight MB | GB/s | floor us | x floor |\n\
-             |---:|---|---:|---:|---:|---:|---:|---:|"
-        );
-    }
-    let or_dash = |value: Option<f64>, decimals: usize| {
-        value.map_or("-".to_string(), |v| format!("{v:.decimals$}"))
-    };
-    for stage in &result.stages {
-        println!(
-            "| {} | {} | {:.1} | {:.1} | {} | {} | {} | {} |",
-            result.batch,
-            stage.stage,
-            stage.median_us,
-            stage.min_us,
-            or_dash(stage.weight_mb, 1),
-            or_dash(stage.gb_per_s, 0),
-            or_dash(stage.floor_us, 1),
-            or_dash(stage.times_floor, 2),
-        );
-    }
-    println!(
-        "| {} | stages summed | {:.1} | | | | | {:.1} distinct experts a set, {} sets, {} weight copies, {} routers |",
-        result.batch,
-        result.stages_sum_us,
-        result.distinct_experts,
-        result.sets,
-        result.weight_copies,
-        result.router_copies
-    );
 }

@@ -184,11 +184,14 @@ impl<T: HostFloat> ExpertStep<'_, '_, T> {
         x: &mut DeviceViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
         let (gpu, n, hidden) = (self.gpu, self.num_tokens, self.hidden);
-        let weights = [&experts.gate, &experts.up, &experts.down];
-        ops::moe_experts(gpu, normed, weights, &mut buffers.workspace, n)?;
-        let (Some([gate_up, down]), Some(shared)) = (&experts.shared, &mut buffers.shared) else {
+        let path = ops::MoePath::for_rows(n);
+        let gate_up = [&experts.gate, &experts.up];
+        ops::moe_gate_up_with(gpu, path, normed, gate_up, &mut buffers.workspace, n)?;
+        let down = &experts.down;
+        let (Some([gate_up, shared_down]), Some(shared)) = (&experts.shared, &mut buffers.shared)
+        else {
             let none: Option<&DeviceBuffer<f32>> = None;
-            return ops::moe_combine(gpu, &buffers.workspace, none, x, n);
+            return ops::moe_down_combine(gpu, path, down, &mut buffers.workspace, none, x, n);
         };
         // The shared experts: the dense MLP's steps into their own buffers.
         let width = shared.width;
@@ -206,7 +209,8 @@ impl<T: HostFloat> ExpertStep<'_, '_, T> {
         ops::silu_mul(gpu, &gate, &up, &mut act, width, (2 * width, 2 * width))?;
         let mut out = view_mut(&mut shared.out, 0..n * hidden)?;
         self.linear
-            .run(&act, down, &mut out, (n, hidden, width), 0.0)?;
-        ops::moe_combine(gpu, &buffers.workspace, Some(&out), x, n)
+            .run(&act, shared_down, &mut out, (n, hidden, width), 0.0)?;
+        let workspace = &mut buffers.workspace;
+        ops::moe_down_combine(gpu, path, down, workspace, Some(&out), x, n)
     }
 }

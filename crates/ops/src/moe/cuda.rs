@@ -1,9 +1,11 @@
 //! Mixture-of-experts on the device, the CPU's [`route_with`](super::route_with) and expert
 //! mix side by side with it: [`moe_route`] (each row's top-k experts and weights, then each
-//! expert's routed entries in row order and the tiles of the expert matmuls, in one launch of
-//! one CTA), [`moe_experts`] (the SiLU-gated expert MLP of every routed entry, on CUDA cores)
-//! and [`moe_combine`] (each row's experts summed in ascending expert index into the residual
-//! stream).
+//! expert's routed entries in row order and the tiles of the expert matmuls, in one launch: a
+//! warp a row, the last CTA to finish lists the entries), [`moe_experts`] (the SiLU-gated
+//! expert MLP of every routed entry, on CUDA cores) and [`moe_combine`] (each row's experts
+//! summed in ascending expert index into the residual stream); for decode steps
+//! [`moe_gate_up_with`] and [`moe_down_combine`] by [`MoePath`] (a warp per row and expert,
+//! the down projection and the combine in one launch).
 //!
 //! Plan on the device, no host round trip: every launch's grid depends on the step's row
 //! count only, the tile list is read by the matmul CTAs (those past its end return), so a
@@ -20,7 +22,10 @@ use pagoda_cuda::{
 };
 
 use super::{GroupLimit, GroupScore, Renormalize, Router, Scoring};
+
+mod rows;
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
+pub use rows::{moe_down_combine, moe_gate_up_with, MoePath, MOE_PER_ROW_MAX_ROWS};
 
 /// The CUDA source of the router and the CSR lists (one entry point).
 pub(crate) static ROUTE: KernelSource =
@@ -29,6 +34,10 @@ pub(crate) static ROUTE: KernelSource =
 /// The CUDA source of the expert matmuls and the combine.
 pub(crate) static EXPERTS: KernelSource =
     KernelSource::new("moe_experts.cu", include_str!("cuda/moe_experts.cu"));
+
+/// The CUDA source of the per-row expert matmuls ([`MoePath::PerRow`]).
+pub(crate) static ROWS: KernelSource =
+    KernelSource::new("moe_rows.cu", include_str!("cuda/moe_rows.cu"));
 
 /// Routed entries per tile of the expert matmuls (`TILE_ROWS` in both sources).
 pub const MOE_TILE_ROWS: usize = 8;
@@ -41,8 +50,10 @@ pub const MOE_MAX_TOP_K: usize = 32;
 pub const MOE_MAX_GROUPS: usize = 32;
 /// Output columns per CTA of the expert matmuls (`WARPS * ROWS`).
 const COLUMNS_PER_CTA: usize = 32;
-/// Threads of the router's one CTA (`WARPS * 32` in `moe_route.cu`).
+/// Threads of a router CTA (`WARPS * 32` in `moe_route.cu`).
 const ROUTE_THREADS: u32 = 256;
+/// Rows a router CTA routes (`WARPS`, a warp a row).
+const ROUTE_ROWS_PER_CTA: usize = 8;
 
 /// The entry points of the MoE sources.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +66,10 @@ pub enum MoeEntry {
     Down,
     /// `moe_combine` (f32; dtype-free).
     Combine,
+    /// `moe_gate_up_rows` ([`MoePath::PerRow`]), activations and weights in the model's dtype.
+    GateUpRows,
+    /// `moe_down_combine` ([`MoePath::PerRow`]), activations and weights in the model's dtype.
+    DownCombine,
 }
 
 /// The specialisation of `entry` for `dtype` (the dtype-free entries are f32 whatever
@@ -67,6 +82,8 @@ pub fn specialize_moe(entry: MoeEntry, dtype: DType) -> Result<KernelSpec, CudaE
         MoeEntry::GateUp => (&EXPERTS, "moe_gate_up", indexed(dtype)),
         MoeEntry::Down => (&EXPERTS, "moe_down", indexed(dtype)),
         MoeEntry::Combine => (&EXPERTS, "moe_combine", indexed(DType::F32)),
+        MoeEntry::GateUpRows => (&ROWS, "moe_gate_up_rows", indexed(dtype)),
+        MoeEntry::DownCombine => (&ROWS, "moe_down_combine", indexed(dtype)),
     };
     Ok(KernelSpec {
         source,
@@ -83,7 +100,13 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
         specs.push(specialize_moe(entry, DType::F32)?);
     }
     for &dtype in &FLOAT_DTYPES {
-        for entry in [MoeEntry::GateUp, MoeEntry::Down] {
+        let entries = [
+            MoeEntry::GateUp,
+            MoeEntry::Down,
+            MoeEntry::GateUpRows,
+            MoeEntry::DownCombine,
+        ];
+        for entry in entries {
             specs.push(specialize_moe(entry, dtype)?);
         }
     }
@@ -212,6 +235,8 @@ pub struct MoeWorkspace<T> {
     pub act: DeviceBuffer<T>,
     /// `[max_rows * top_k, hidden]`: the expert outputs in routed order (f32).
     pub out: DeviceBuffer<f32>,
+    /// `[1]`: the router's CTAs done so far (zero between launches; `moe_route.cu`).
+    route_done: DeviceBuffer<u32>,
     max_rows: usize,
     num_experts: usize,
     top_k: usize,
@@ -267,6 +292,7 @@ impl<T: Element> MoeWorkspace<T> {
             tile_starts: gpu.zeros(tiles)?,
             act: gpu.zeros(entries * inter)?,
             out: gpu.zeros(entries * hidden)?,
+            route_done: gpu.zeros(1)?,
             max_rows: max_rows.max(1),
             num_experts: experts,
             top_k,
@@ -359,11 +385,16 @@ pub fn moe_route<T: Element>(
         ptr(&w.tile_offsets),
         ptr(&w.tile_experts),
         ptr(&w.tile_starts),
+        ptr(&w.route_done),
     ];
+    let grid = (
+        to_u32("moe route CTAs", num_rows.div_ceil(ROUTE_ROWS_PER_CTA))?,
+        1,
+    );
     // SAFETY: arguments match `moe_route`; the logits and bias hold num_rows rows and
-    // num_experts values, the workspace max_rows * top_k entries and the most tiles those
-    // entries need.
-    unsafe { gpu.launch(&spec, LaunchDims::new((1, 1), ROUTE_THREADS), &args) }
+    // num_experts values, the workspace max_rows * top_k entries, the most tiles those
+    // entries need and a zero counter (the kernel leaves it zero).
+    unsafe { gpu.launch(&spec, LaunchDims::new(grid, ROUTE_THREADS), &args) }
 }
 
 /// The routed entries' expert outputs, for the routing [`moe_route`] left in `workspace`:

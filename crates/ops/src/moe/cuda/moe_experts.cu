@@ -2,7 +2,8 @@
 // per tile of an expert's routed entries, the SiLU-gated gate/up product (`moe_gate_up`) and
 // the down projection (`moe_down`), on CUDA cores (a matrix-vector form: each weight row is
 // read once per tile of up to TILE_ROWS entries); then each row's experts summed in ascending
-// expert index into the residual stream (`moe_combine`). CPU reference: the CPU's
+// expert index into the residual stream (`moe_combine`). For steps of a few rows,
+// moe_rows.cu runs the same sums a warp per (row, expert). CPU reference: the CPU's
 // Experts::mix.
 //
 // Every grid depends on the step's row count only (tiles past the step's tile list return),
@@ -19,6 +20,9 @@ constexpr int TILE_ROWS = 8;        // routed entries per tile (moe_route.cu's T
 constexpr int WARPS = 8;            // warps per expert-matmul CTA
 constexpr int ROWS = 4;             // weight rows per warp
 constexpr int PIECE = 16 / (int)sizeof(T);  // elements per 16-byte load
+// Pieces per weight row in flight per lane in moe_down (its TILE_ROWS accumulators; 4 took
+// 144 registers, one CTA an SM, 2 keep two).
+constexpr int TILED_UNROLL = 2;
 
 // 16 bytes of weights, read once: no L1 allocation.
 PAGODA_DEVICE uint4 load_stream(const void* p) {
@@ -165,23 +169,39 @@ extern "C" __global__ void __launch_bounds__(moe_detail::WARPS * 32)
     for (int i = 0; i < TILE_ROWS; ++i)
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc[i][r] = 0.0f;
-    for (unsigned int p = lane; p < pieces; p += 32) {
-        float wf[ROWS][PIECE];
+    // TILED_UNROLL pieces of each row issued before any is used (gemv_small.cu's form: inter
+    // is short, 96 pieces at 768 bf16, so one piece a row at a time left the lanes waiting on
+    // one load each); each lane still sums its pieces in ascending order.
+    for (unsigned int base = lane; base < pieces; base += 32 * TILED_UNROLL) {
+        uint4 wv[TILED_UNROLL][ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            widen(load_stream(w_rows[r] + (size_t)p * PIECE), wf[r], (const T*)nullptr);
-        }
-#pragma unroll
-        for (int i = 0; i < TILE_ROWS; ++i) {
-            if (i >= (int)m) break;
-            float af[PIECE];
-            const T* a_row = act + (size_t)(start + i) * inter;
-            widen(__ldg(reinterpret_cast<const uint4*>(a_row + (size_t)p * PIECE)), af,
-                  (const T*)nullptr);
+        for (int u = 0; u < TILED_UNROLL; ++u) {
+            const unsigned int p = base + 32 * u;
 #pragma unroll
             for (int r = 0; r < ROWS; ++r)
+                wv[u][r] = p < pieces ? load_stream(w_rows[r] + (size_t)p * PIECE)
+                                      : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
-                for (int e = 0; e < PIECE; ++e) acc[i][r] = fmaf(af[e], wf[r][e], acc[i][r]);
+        for (int u = 0; u < TILED_UNROLL; ++u) {
+            const unsigned int p = base + 32 * u;
+            if (p >= pieces) break;
+            float wf[ROWS][PIECE];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) widen(wv[u][r], wf[r], (const T*)nullptr);
+#pragma unroll
+            for (int i = 0; i < TILE_ROWS; ++i) {
+                if (i >= (int)m) break;
+                float af[PIECE];
+                const T* a_row = act + (size_t)(start + i) * inter;
+                widen(__ldg(reinterpret_cast<const uint4*>(a_row + (size_t)p * PIECE)), af,
+                      (const T*)nullptr);
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+                    for (int e = 0; e < PIECE; ++e)
+                        acc[i][r] = fmaf(af[e], wf[r][e], acc[i][r]);
+            }
         }
     }
 #pragma unroll

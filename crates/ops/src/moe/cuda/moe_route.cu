@@ -1,13 +1,14 @@
-// Mixture-of-experts routing on the device, one launch of one CTA (`moe_route`): each row's
-// top-k experts and weights (one warp per row at a time; DeepSeek's group limits and selection
-// bias included), then each expert's routed entries in row order (a CSR list) and the tiles
-// the expert matmuls of moe_experts.cu run. CPU reference: pagoda_ops::moe::route_with (the
-// same choices; weights within an ulp or two of f32, expf against Rust's exp, and the full
-// softmax sum in another order; the sigmoid's selection scores use expf too, so scores an ulp
-// or two apart may order otherwise).
+// Mixture-of-experts routing on the device, one launch (`moe_route`): each row's top-k
+// experts and weights (one warp per row, WARPS rows per CTA; DeepSeek's group limits and
+// selection bias included), then, in the last CTA to finish, each expert's routed entries in
+// row order (a CSR list) and the tiles the expert matmuls of moe_experts.cu run. CPU
+// reference: pagoda_ops::moe::route_with (the same choices; weights within an ulp or two of
+// f32, expf against Rust's exp, and the full softmax sum in another order; the sigmoid's
+// selection scores use expf too, so scores an ulp or two apart may order otherwise).
 //
-// The grid is fixed: a decode step's routing is captured in its CUDA graph. A row's choice
-// reads its own logits only (batch invariance).
+// The grid depends on the row count only: a decode step's routing is captured in its CUDA
+// graph. A row's choice reads its own logits only (batch invariance); the lists are a
+// function of the choices, whichever CTA finishes last.
 //
 // Specialisation: PAGODA_T (float or __nv_bfloat16; unused here, named by the registry).
 typedef PAGODA_T T;
@@ -18,7 +19,6 @@ constexpr int WARPS = 8;            // rows routed at once
 constexpr int MAX_TOP_K = 32;
 constexpr int MAX_GROUPS = 32;      // one lane per group of a group-limited router
 constexpr int TILE_ROWS = 8;        // entries per expert-matmul tile (moe_experts.cu's TILE_ROWS)
-constexpr int CHUNK = 1024;         // entries per pass of the CSR scatter
 
 // f32::total_cmp's order as an unsigned key (larger float, larger key; -0 below +0). Key 0 is
 // no float's (it would be a negative NaN, which the router maps to -inf first).
@@ -190,77 +190,123 @@ PAGODA_DEVICE void route_row(const float* row, const float* bias, unsigned int n
 
 // Each expert's routed entries in ascending row order (a counting sort by expert, stable),
 // and the tiles of TILE_ROWS entries the expert matmuls run, by the whole CTA. Reads
-// experts/weights [num_entries] (num_entries = rows * top_k, row-major; written by this CTA
-// before a barrier, so read through the coherent path); writes expert_offsets [num_experts +
-// 1], expert_rows/expert_weights [num_entries] (entry i of expert e at expert_offsets[e] + i),
-// entry_slots [num_entries] (each routed entry's position in that order), tile_offsets
-// [num_experts + 1] (expert e's tiles are tile_offsets[e]..tile_offsets[e + 1]) and per tile
-// its expert and first position.
+// experts/weights [num_entries] (num_entries = rows * top_k, row-major; written by this and
+// other CTAs of the launch before a fence, so read through L2); writes expert_offsets
+// [num_experts + 1], expert_rows/expert_weights [num_entries] (entry i of expert e at
+// expert_offsets[e] + i), entry_slots [num_entries] (each routed entry's position in that
+// order), tile_offsets [num_experts + 1] (expert e's tiles are tile_offsets[e]..tile_offsets[e
+// + 1]) and per tile its expert and first position.
+// Parallel throughout: counts by shared atomics (order-free), offsets by a block scan, and the
+// scatter a pass of WARPS * 32 entries at a time, each warp's entries ranked among their
+// equals by __match_any_sync and the warps taking their turn at the cursors in order, so an
+// expert's entries land in entry (so row) order whatever the timing.
 PAGODA_DEVICE void expert_rows_of(const unsigned int* experts, const float* weights,
                                   unsigned int num_entries, unsigned int top_k,
                                   unsigned int num_experts, unsigned int* expert_offsets,
                                   unsigned int* expert_rows, float* expert_weights,
                                   unsigned int* entry_slots, unsigned int* tile_offsets,
                                   unsigned int* tile_experts, unsigned int* tile_starts) {
+    constexpr int THREADS = WARPS * 32;
+    constexpr int PER_THREAD = MAX_EXPERTS / THREADS;  // experts each thread scans
     __shared__ unsigned int counts[MAX_EXPERTS];
     __shared__ unsigned int cursors[MAX_EXPERTS];
-    __shared__ unsigned int chunk[CHUNK];
-    for (unsigned int e = threadIdx.x; e < num_experts; e += blockDim.x) counts[e] = 0;
+    __shared__ unsigned int first_tiles[MAX_EXPERTS];
+    __shared__ unsigned int warp_totals[2][WARPS];
+    const unsigned int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (unsigned int e = threadIdx.x; e < num_experts; e += THREADS) counts[e] = 0;
     __syncthreads();
-    for (unsigned int i = threadIdx.x; i < num_entries; i += blockDim.x) {
-        atomicAdd(&counts[experts[i]], 1u);
+    for (unsigned int i = threadIdx.x; i < num_entries; i += THREADS) {
+        atomicAdd(&counts[__ldcg(experts + i)], 1u);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned int offset = 0, tiles = 0;
-        for (unsigned int e = 0; e < num_experts; ++e) {
-            const unsigned int count = counts[e];
-            expert_offsets[e] = offset;
-            tile_offsets[e] = tiles;
-            cursors[e] = offset;
-            offset += count;
-            tiles += (count + TILE_ROWS - 1) / TILE_ROWS;
+    // Exclusive scans of the entry and tile counts over the experts, PER_THREAD consecutive
+    // experts a thread.
+    unsigned int mine[2] = {0, 0};
+#pragma unroll
+    for (int k = 0; k < PER_THREAD; ++k) {
+        const unsigned int e = threadIdx.x * PER_THREAD + k;
+        const unsigned int count = e < num_experts ? counts[e] : 0;
+        mine[0] += count;
+        mine[1] += (count + TILE_ROWS - 1) / TILE_ROWS;
+    }
+    unsigned int inclusive[2] = {mine[0], mine[1]};
+#pragma unroll
+    for (int offset = 1; offset < 32; offset *= 2) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const unsigned int other = __shfl_up_sync(0xffffffffu, inclusive[q], offset);
+            if (lane >= (unsigned int)offset) inclusive[q] += other;
         }
-        expert_offsets[num_experts] = offset;
-        tile_offsets[num_experts] = tiles;
+    }
+    if (lane == 31) {
+        warp_totals[0][warp] = inclusive[0];
+        warp_totals[1][warp] = inclusive[1];
     }
     __syncthreads();
-    for (unsigned int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-        const unsigned int first = tile_offsets[e], start = cursors[e];
+    unsigned int before[2] = {inclusive[0] - mine[0], inclusive[1] - mine[1]};
+    unsigned int totals[2] = {0, 0};
+    for (unsigned int w = 0; w < WARPS; ++w) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            if (w < warp) before[q] += warp_totals[q][w];
+            totals[q] += warp_totals[q][w];
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < PER_THREAD; ++k) {
+        const unsigned int e = threadIdx.x * PER_THREAD + k;
+        if (e >= num_experts) break;
+        const unsigned int count = counts[e];
+        expert_offsets[e] = cursors[e] = before[0];
+        tile_offsets[e] = first_tiles[e] = before[1];
+        before[0] += count;
+        before[1] += (count + TILE_ROWS - 1) / TILE_ROWS;
+    }
+    if (threadIdx.x == 0) {
+        expert_offsets[num_experts] = totals[0];
+        tile_offsets[num_experts] = totals[1];
+    }
+    __syncthreads();
+    for (unsigned int e = threadIdx.x; e < num_experts; e += THREADS) {
+        const unsigned int first = first_tiles[e], start = cursors[e];
         const unsigned int tiles = (counts[e] + TILE_ROWS - 1) / TILE_ROWS;
         for (unsigned int t = 0; t < tiles; ++t) {
             tile_experts[first + t] = e;
             tile_starts[first + t] = start + t * TILE_ROWS;
         }
     }
-    // The scatter: each thread walks every entry for its experts, so an expert's entries keep
-    // their (row-major) order.
-    for (unsigned int base = 0; base < num_entries; base += CHUNK) {
-        const unsigned int len = min((unsigned int)CHUNK, num_entries - base);
-        __syncthreads();
-        for (unsigned int i = threadIdx.x; i < len; i += blockDim.x) chunk[i] = experts[base + i];
-        __syncthreads();
-        for (unsigned int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-            unsigned int slot = cursors[e];
-            for (unsigned int i = 0; i < len; ++i) {
-                if (chunk[i] != e) continue;
-                const unsigned int entry = base + i;
+    __syncthreads();
+    // The scatter: entry i's slot is its expert's cursor plus the entries of that expert
+    // before it in its warp; the warps of a pass take the cursors in order.
+    for (unsigned int base = 0; base < num_entries; base += THREADS) {
+        const unsigned int entry = base + threadIdx.x;
+        const bool valid = entry < num_entries;
+        const unsigned int e = valid ? __ldcg(experts + entry) : 0xffffffffu;
+        const unsigned int peers = __match_any_sync(0xffffffffu, e);
+        const unsigned int rank = __popc(peers & ((1u << lane) - 1u));
+        const unsigned int valid_lanes = __ballot_sync(0xffffffffu, valid);
+        for (unsigned int w = 0; w < WARPS; ++w) {
+            if (warp == w && valid) {
+                const unsigned int slot = cursors[e] + rank;
+                __syncwarp(valid_lanes);  // every read of a cursor before its update
+                if (rank == (unsigned int)__popc(peers) - 1u) cursors[e] = slot + 1;
                 expert_rows[slot] = entry / top_k;
-                expert_weights[slot] = weights[entry];
+                expert_weights[slot] = __ldcg(weights + entry);
                 entry_slots[entry] = slot;
-                ++slot;
             }
-            cursors[e] = slot;
+            __syncthreads();
         }
     }
 }
 
 }  // namespace moe_route_detail
 
-// Routes num_rows rows of f32 logits [num_rows, num_experts] (route_row, one warp per row;
-// group_score 0 for no group limit, 1 Max, 2 TopTwoSum over num_groups groups, keeping
-// groups_per_row), then lists each expert's entries and the matmul tiles (expert_rows_of).
-// One CTA of WARPS * 32 threads.
+// Routes num_rows rows of f32 logits [num_rows, num_experts] (route_row, one warp per row,
+// WARPS rows per CTA; group_score 0 for no group limit, 1 Max, 2 TopTwoSum over num_groups
+// groups, keeping groups_per_row), then the last CTA to finish lists each expert's entries and
+// the matmul tiles (expert_rows_of). Grid ceil(num_rows / WARPS) CTAs of WARPS * 32 threads;
+// done [1], zero before the launch, counts the CTAs that have routed their rows and is zero
+// again after it, so a captured graph replays.
 extern "C" __global__ void __launch_bounds__(moe_route_detail::WARPS * 32)
     moe_route(const float* __restrict__ logits, const float* __restrict__ bias,
               unsigned int num_rows, unsigned int num_experts, unsigned int top_k,
@@ -269,19 +315,28 @@ extern "C" __global__ void __launch_bounds__(moe_route_detail::WARPS * 32)
               unsigned int* experts, float* weights, unsigned int* expert_offsets,
               unsigned int* expert_rows, float* expert_weights, unsigned int* entry_slots,
               unsigned int* tile_offsets, unsigned int* tile_experts,
-              unsigned int* tile_starts) {
+              unsigned int* tile_starts, unsigned int* done) {
     using namespace moe_route_detail;
     __shared__ unsigned int keys[WARPS][MAX_EXPERTS];
     __shared__ unsigned int picks[WARPS][MAX_TOP_K];
     __shared__ unsigned int group_keys[WARPS][MAX_GROUPS];
+    __shared__ bool last;
     const unsigned int warp = threadIdx.x / 32;
-    for (unsigned int row = warp; row < num_rows; row += WARPS) {
+    const unsigned int row = blockIdx.x * WARPS + warp;
+    if (row < num_rows) {
         route_row(logits + (size_t)row * num_experts, bias, num_experts, top_k, scoring,
                   renormalize, scale, num_groups, groups_per_row, group_score,
                   experts + (size_t)row * top_k, weights + (size_t)row * top_k, keys[warp],
                   picks[warp], group_keys[warp]);
     }
+    // The last CTA to get here sees every CTA's rows (each fenced its writes before counting).
+    __threadfence();
     __syncthreads();
+    // atomicInc wraps to zero at the last CTA: the counter is zero again for the next launch.
+    if (threadIdx.x == 0) last = atomicInc(done, gridDim.x - 1) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
     expert_rows_of(experts, weights, num_rows * top_k, top_k, num_experts, expert_offsets,
                    expert_rows, expert_weights, entry_slots, tile_offsets, tile_experts,
                    tile_starts);

@@ -474,7 +474,7 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
         let file_bytes = std::fs::metadata(&path).unwrap().len() as usize;
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         let mut dense_error = 0.0;
-        let (groups, units) = (QuantGemvKernel::Groups, QuantGemvKernel::Units);
+        let (groups, units) = (QuantGemvKernel::Groups, QuantGemvKernel::UNITS);
         let runs = [
             (false, 16, units),
             (true, 16, groups),

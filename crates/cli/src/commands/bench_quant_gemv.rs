@@ -42,7 +42,7 @@ pub struct BenchQuantGemvArgs {
         default_value = "1,2,4,8"
     )]
     pub batch: Vec<usize>,
-    /// Layouts: groups, units.
+    /// Layouts: groups, units (its rule for a warp's weight rows), units1, units2, units4.
     #[arg(long, value_delimiter = ',', default_value = "groups,units")]
     pub kernels: Vec<String>,
     /// Timed graph replays per figure (the median is reported).
@@ -75,8 +75,13 @@ pub fn run(args: BenchQuantGemvArgs) -> Result<()> {
         .iter()
         .map(|name| match name.as_str() {
             "groups" => Ok(QuantGemvKernel::Groups),
-            "units" => Ok(QuantGemvKernel::Units),
-            other => bail!("--kernels: {other:?} is not one of groups, units"),
+            "units" => Ok(QuantGemvKernel::UNITS),
+            "units1" => Ok(QuantGemvKernel::Units { warp_rows: Some(1) }),
+            "units2" => Ok(QuantGemvKernel::Units { warp_rows: Some(2) }),
+            "units4" => Ok(QuantGemvKernel::Units { warp_rows: Some(4) }),
+            other => {
+                bail!("--kernels: {other:?} is not one of groups, units, units1, units2, units4")
+            }
         })
         .collect::<Result<Vec<_>>>()?;
     if !args.json {

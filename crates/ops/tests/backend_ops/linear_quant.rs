@@ -5,7 +5,8 @@
 //! rounds identically), within 2e-5 (f32 out) or 5e-3 (bf16 out) of the sum of |products|.
 //! Variants: f32 and bf16 outputs, `beta = 1` (the residual fusion), and a column slice of a
 //! wider output (`ldo > n`: the parts of a stacked QKV or gate/up of mixed formats), each in
-//! both layouts (`QuantGemvKernel::Groups` and `Units`). Shapes cover every
+//! both layouts (`QuantGemvKernel::Groups`, and `Units` with its rule for a warp's weight rows,
+//! 1 and 4). Shapes cover every
 //! specialisation (1, 2, 3, 4, 6 and 8 rows), two launches (11 rows), weight row counts that
 //! are not a multiple of a CTA's rows (1, 5, 19, 33, 37, 67, 130), k from one 256-value
 //! super-block to 37 (a K-quant row of 148 units: not a multiple of a warp's 32 lanes) and k
@@ -186,7 +187,9 @@ impl OpCase for QuantLinear {
         let mut outputs = Vec::new();
         for (name, kernel) in [
             ("", QuantGemvKernel::Groups),
-            ("units ", QuantGemvKernel::Units),
+            ("units ", QuantGemvKernel::UNITS),
+            ("units1 ", QuantGemvKernel::Units { warp_rows: Some(1) }),
+            ("units4 ", QuantGemvKernel::Units { warp_rows: Some(4) }),
         ] {
             let run = |beta_one, slice, variant: &str| {
                 with_dtype!(*dtype, T => {

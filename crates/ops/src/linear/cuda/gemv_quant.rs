@@ -27,16 +27,36 @@ pub const QUANT_GEMV_MAX_ROWS: usize = 8;
 pub const QUANT_PADDING: usize = 16;
 
 /// The layout of the in-place kernel (`PAGODA_CUDA_QUANT_GEMV_KERNEL`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QuantGemvKernel {
     /// `gemv_quant`: a CTA per one or two weight rows, a thread per 32-value group (a K-quant
     /// group loads its header and 32 bytes, of which it uses the 16 of its nibble).
     Groups,
-    /// `gemv_quant_units`: a warp per two or four weight rows, each activation load shared by
-    /// the warp's rows; a K-quant lane takes 64 values (both nibbles of the 32 bytes it loads,
-    /// the header once), a lane of the 32-value formats one block.
-    #[default]
-    Units,
+    /// `gemv_quant_units`: a warp per `warp_rows` weight rows (1, 2 or 4; `None`: four from
+    /// four activation rows on except for Q6_K, else two), each activation load shared by the
+    /// warp's rows; a K-quant lane takes 64 values (both nibbles of the 32 bytes it loads, the
+    /// header once), a lane of the 32-value formats one block.
+    Units { warp_rows: Option<usize> },
+}
+
+impl QuantGemvKernel {
+    /// `Units` with its rule for the rows of a warp (the default).
+    pub const UNITS: QuantGemvKernel = QuantGemvKernel::Units { warp_rows: None };
+}
+
+impl Default for QuantGemvKernel {
+    fn default() -> Self {
+        QuantGemvKernel::UNITS
+    }
+}
+
+/// Weight rows a warp of `gemv_quant_units` owns (`WROWS`) for `format` and `m_tile` rows.
+fn warp_rows(warp_rows: Option<usize>, format: QuantFormat, m_tile: usize) -> usize {
+    match warp_rows {
+        Some(rows) => rows,
+        None if m_tile >= 4 && format != QuantFormat::Q6K => 4,
+        None => 2,
+    }
 }
 
 /// `(weight rows, threads)` of a CTA of the in-place `kernel` for `format` and `m_tile` rows
@@ -45,14 +65,7 @@ pub enum QuantGemvKernel {
 fn cta_shape(kernel: QuantGemvKernel, format: QuantFormat, m_tile: usize) -> (usize, u32) {
     match kernel {
         QuantGemvKernel::Groups => (if m_tile == 1 { 1 } else { 2 }, 128),
-        QuantGemvKernel::Units => {
-            let warp_rows = if m_tile >= 4 && format != QuantFormat::Q6K {
-                4
-            } else {
-                2
-            };
-            (4 * warp_rows, 128)
-        }
+        QuantGemvKernel::Units { warp_rows: rows } => (4 * warp_rows(rows, format, m_tile), 128),
     }
 }
 
@@ -116,16 +129,25 @@ pub fn specialize_gemv_quant(
             "quantized linear takes 1..={QUANT_GEMV_MAX_ROWS} rows a launch, not {rows}"
         )));
     }
+    let m_tile = rows.next_power_of_two();
+    let mut params = vec![("FORMAT", format.code()), ("M_TILE", m_tile as i64)];
+    let entry = match kernel {
+        QuantGemvKernel::Groups => "gemv_quant",
+        QuantGemvKernel::Units { warp_rows: rows } => {
+            let rows = warp_rows(rows, format, m_tile);
+            if !matches!(rows, 1 | 2 | 4) {
+                return Err(CudaError::invalid(format!(
+                    "quantized linear: a warp takes 1, 2 or 4 weight rows, not {rows}"
+                )));
+            }
+            params.push(("WROWS", rows as i64));
+            "gemv_quant_units"
+        }
+    };
     Ok(KernelSpec {
         source: &GEMV_QUANT,
-        entry: match kernel {
-            QuantGemvKernel::Groups => "gemv_quant",
-            QuantGemvKernel::Units => "gemv_quant_units",
-        },
-        params: vec![
-            ("FORMAT", format.code()),
-            ("M_TILE", rows.next_power_of_two() as i64),
-        ],
+        entry,
+        params,
         dtypes: vec![("T_IN", DType::F32), ("T_OUT", out)],
     })
 }
@@ -280,7 +302,13 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     for format in QuantFormat::ALL {
         for out in [DType::F32, DType::BF16] {
             for rows in [1, 2, 4, 8] {
-                for kernel in [QuantGemvKernel::Groups, QuantGemvKernel::Units] {
+                for kernel in [
+                    QuantGemvKernel::Groups,
+                    QuantGemvKernel::UNITS,
+                    QuantGemvKernel::Units { warp_rows: Some(1) },
+                    QuantGemvKernel::Units { warp_rows: Some(2) },
+                    QuantGemvKernel::Units { warp_rows: Some(4) },
+                ] {
                     specs.push(specialize_gemv_quant(kernel, format, out, rows)?);
                 }
             }

@@ -25,9 +25,15 @@ using namespace gemv_quant_detail;
 // Groups of a unit, and units of a super-block.
 constexpr int UNIT_GROUPS = K_QUANT ? 2 : 1;
 constexpr int UNITS_PER_BLOCK = GROUPS_PER_BLOCK / UNIT_GROUPS;
-// Weight rows per warp: activation loads are shared by the rows, so more rows from four
-// activation rows on (Q6_K, whose units take more registers, stays at two).
-constexpr int WROWS = (M_TILE >= 4 && FORMAT != Q6_K) ? 4 : 2;
+// Weight rows per warp (PAGODA_WROWS: 1, 2 or 4; the launcher's rule: four from four activation
+// rows on except for Q6_K, whose units take more registers, else two). Activation loads are
+// shared by the rows. Programs of gemv_quant's specialisations leave it undefined.
+#ifdef PAGODA_WROWS
+constexpr int WROWS = PAGODA_WROWS;
+#else
+constexpr int WROWS = 2;
+#endif
+static_assert(WROWS == 1 || WROWS == 2 || WROWS == 4, "WROWS: 1, 2 or 4");
 constexpr int UWARPS = 4;  // warps per CTA
 static_assert(M_TILE * WROWS <= 32, "one lane per output of a warp");
 

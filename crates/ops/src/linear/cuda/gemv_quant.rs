@@ -302,9 +302,9 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     for format in QuantFormat::ALL {
         for out in [DType::F32, DType::BF16] {
             for rows in [1, 2, 4, 8] {
+                // (`UNITS` picks one of these.)
                 for kernel in [
                     QuantGemvKernel::Groups,
-                    QuantGemvKernel::UNITS,
                     QuantGemvKernel::Units { warp_rows: Some(1) },
                     QuantGemvKernel::Units { warp_rows: Some(2) },
                     QuantGemvKernel::Units { warp_rows: Some(4) },

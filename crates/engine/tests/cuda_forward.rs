@@ -20,6 +20,7 @@ use pagoda_models::config::{Llama3RopeScaling, ModelConfig};
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
 use pagoda_models::random::{preset, RandomWeights};
 use pagoda_models::weights::TensorSource;
+use pagoda_ops::cuda::QuantGemvKernel;
 
 const PAGE_SIZE: usize = 16;
 const NUM_PAGES: usize = 64;
@@ -443,8 +444,9 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
 
 /// GGUF files of quantized random weights (`scripts/random-gguf.py --preset tiny --type ...`,
 /// written on the GPU machine into the folder `PAGODA_GPU_TEST_GGUFS` names): the GPU with the
-/// blocks kept on the device (bf16; decode rows multiplied in place, prefill chunks decoded
-/// for cuBLAS; or every step decoded, `quant_gemv_rows` 0) against the CPU's exact f32 model
+/// blocks kept on the device (bf16; decode rows multiplied in place, in both layouts of the
+/// in-place kernel, prefill chunks decoded for cuBLAS; or every step decoded, `quant_gemv_rows`
+/// 0) against the CPU's exact f32 model
 /// on the ragged workload, beside the GPU with the weights dequantized at load. The in-place
 /// path quantizes activations to 8 bits: its logits stay within 5% of the peak logit (a wrong
 /// decoder moves them by the peak itself), and device memory for weights is the file's size.
@@ -472,7 +474,14 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
         let file_bytes = std::fs::metadata(&path).unwrap().len() as usize;
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         let mut dense_error = 0.0;
-        for (keep, gemv_rows) in [(false, 16), (true, 16), (true, 0)] {
+        let (groups, units) = (QuantGemvKernel::Groups, QuantGemvKernel::UNITS);
+        let runs = [
+            (false, 16, units),
+            (true, 16, groups),
+            (true, 16, units),
+            (true, 0, units),
+        ];
+        for (keep, gemv_rows, kernel) in runs {
             let loaded = CudaModel::load_with(
                 config.clone(),
                 &file,
@@ -485,6 +494,7 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
             let weight_bytes = loaded.weight_bytes();
             let mut options = cache_options();
             options.kernels.quant_gemv_rows = gemv_rows;
+            options.kernels.quant_gemv_kernel = kernel;
             let mut model = CudaRunner::new(loaded, options).unwrap();
             model.warm_up(&mut |_| {}).unwrap();
             let before = model.counters().clone();
@@ -496,7 +506,7 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
             let in_place = counters.steps_cuda_quant_in_place - before.steps_cuda_quant_in_place;
             let decoded = counters.steps_cuda_quant_decoded - before.steps_cuda_quant_decoded;
             eprintln!(
-                "{name} keep {keep} rows {gemv_rows}: weights {weight_bytes} B (file {file_bytes}), \
+                "{name} keep {keep} rows {gemv_rows} {kernel:?}: weights {weight_bytes} B (file {file_bytes}), \
                  max relative logit error {relative:.2e}, top-10 logprob error {logprob:.4}, \
                  steps in place {in_place} decoded {decoded}"
             );
@@ -517,7 +527,7 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
             }
             assert!(
                 relative < 0.05,
-                "{name} keep {keep} rows {gemv_rows}: {relative}"
+                "{name} keep {keep} rows {gemv_rows} {kernel:?}: {relative}"
             );
         }
         assert!(dense_error < 0.05, "{name}: dense bf16 {dense_error}");

@@ -108,6 +108,8 @@ pub enum BenchKind {
     Kernels(super::bench_kernels::BenchKernelsArgs),
     /// Time a mixture-of-experts block's kernels on the GPU, stage by stage, graph-replayed.
     Moe(super::bench_moe::BenchMoeArgs),
+    /// Time the in-place quantized linear layer on the GPU per layout, format and rows.
+    QuantGemv(super::bench_quant_gemv::BenchQuantGemvArgs),
 }
 
 #[derive(Serialize)]
@@ -194,6 +196,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Some(BenchKind::Attention(a)) => return super::bench_attention::run(a),
         Some(BenchKind::Kernels(kernels_args)) => return super::bench_kernels::run(kernels_args),
         Some(BenchKind::Moe(moe_args)) => return super::bench_moe::run(moe_args),
+        Some(BenchKind::QuantGemv(quant_args)) => return super::bench_quant_gemv::run(quant_args),
         None => {}
     }
     let max_batch = args.batch.iter().copied().max().unwrap_or(1);

@@ -6,6 +6,7 @@ mod bench_attention_mla;
 pub mod bench_kernels;
 mod bench_moe;
 mod bench_moe_table;
+mod bench_quant_gemv;
 pub mod bench_sampling;
 pub mod bench_sampling_anchors;
 pub mod bench_sampling_gpu;

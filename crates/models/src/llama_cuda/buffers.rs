@@ -134,13 +134,15 @@ impl<T: HostFloat> StepBuffers<T> {
             .max(c.intermediate_size)
             .max(c.num_attention_heads * c.head_dim)
             .max(shared_experts);
-        let quant = QuantScratch::new(gpu, largest_quantized, width, gemv_rows)?;
+        let kernel = options.kernels.quant_gemv_kernel;
+        let quant = QuantScratch::new(gpu, largest_quantized, width, (gemv_rows, kernel))?;
         if largest_quantized > 0 {
             static QUANT: std::sync::Once = std::sync::Once::new();
             QUANT.call_once(|| {
                 tracing::info!(
                     "CUDA quantized linear layers: 1-{gemv_rows} rows on the in-place kernel \
-                     (q8 activations), more decoded for cuBLAS (PAGODA_CUDA_QUANT_GEMV_ROWS)"
+                     (q8 activations, {kernel:?} layout: PAGODA_CUDA_QUANT_GEMV_KERNEL), more \
+                     decoded for cuBLAS (PAGODA_CUDA_QUANT_GEMV_ROWS)"
                 )
             });
         }

@@ -36,6 +36,8 @@ pub struct CudaKernels {
     /// Rows up to which a step multiplies quantized matrices in place (`gemv_quant`), more
     /// decoding each matrix for cuBLAS (`PAGODA_CUDA_QUANT_GEMV_ROWS`).
     pub quant_gemv_rows: usize,
+    /// The layout of the in-place quantized kernel (`PAGODA_CUDA_QUANT_GEMV_KERNEL`).
+    pub quant_gemv_kernel: ops::QuantGemvKernel,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -120,6 +122,7 @@ impl Default for CudaKernels {
             piecewise_tokens: 256,
             gemv: false,
             quant_gemv_rows: 8,
+            quant_gemv_kernel: ops::QuantGemvKernel::default(),
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -150,6 +153,13 @@ impl CudaKernels {
             piecewise_tokens: count("PAGODA_CUDA_PIECEWISE_TOKENS").unwrap_or(256),
             gemv: config.on("PAGODA_CUDA_GEMV"),
             quant_gemv_rows: count("PAGODA_CUDA_QUANT_GEMV_ROWS").unwrap_or(8),
+            quant_gemv_kernel: match config.word("PAGODA_CUDA_QUANT_GEMV_KERNEL") {
+                "groups" => ops::QuantGemvKernel::Groups,
+                "units1" => ops::QuantGemvKernel::Units { warp_rows: Some(1) },
+                "units2" => ops::QuantGemvKernel::Units { warp_rows: Some(2) },
+                "units4" => ops::QuantGemvKernel::Units { warp_rows: Some(4) },
+                _ => ops::QuantGemvKernel::UNITS,
+            },
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -251,6 +261,7 @@ mod tests {
             ("PAGODA_CUDA_PIECEWISE_TOKENS", "32"),
             ("PAGODA_CUDA_GEMV", "on"),
             ("PAGODA_CUDA_QUANT_GEMV_ROWS", "3"),
+            ("PAGODA_CUDA_QUANT_GEMV_KERNEL", "groups"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -270,6 +281,7 @@ mod tests {
             piecewise_tokens: 32,
             gemv: true,
             quant_gemv_rows: 3,
+            quant_gemv_kernel: ops::QuantGemvKernel::Groups,
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),

@@ -56,11 +56,12 @@ impl<T> Matrix<T> {
 /// What a linear layer over a quantized matrix needs besides its input and output: the
 /// quantized activations, the dense scratch and the largest row count the in-place kernel
 /// takes (`PAGODA_CUDA_QUANT_GEMV_ROWS`; 0 in deterministic mode, whose GEMMs are
-/// batch-invariant).
+/// batch-invariant) and its layout (`PAGODA_CUDA_QUANT_GEMV_KERNEL`).
 pub struct QuantScratch<T> {
     pub q8: Option<Q8Rows>,
     pub dense: Option<DeviceBuffer<T>>,
     pub gemv_rows: usize,
+    pub gemv_kernel: ops::QuantGemvKernel,
 }
 
 impl<T: Element> QuantScratch<T> {
@@ -70,13 +71,14 @@ impl<T: Element> QuantScratch<T> {
         gpu: &Gpu,
         values: usize,
         width: usize,
-        gemv_rows: usize,
+        (gemv_rows, gemv_kernel): (usize, ops::QuantGemvKernel),
     ) -> Result<Self, CudaError> {
         if values == 0 {
             return Ok(QuantScratch {
                 q8: None,
                 dense: None,
                 gemv_rows: 0,
+                gemv_kernel,
             });
         }
         Ok(QuantScratch {
@@ -87,6 +89,7 @@ impl<T: Element> QuantScratch<T> {
             },
             dense: Some(gpu.alloc::<T>(values)?),
             gemv_rows,
+            gemv_kernel,
         })
     }
 
@@ -130,6 +133,7 @@ impl<T: Element> Linear<'_, T> {
                 let mut slice = view_mut(out, column..m * n)?;
                 ops::gemv_quant(
                     gpu,
+                    self.quant.gemv_kernel,
                     part.format,
                     &part.blocks,
                     q8,

@@ -9,7 +9,8 @@ pub(crate) use gemv::GEMV_SMALL;
 pub use gemv::{gemv_small, gemv_small_applies, specialize_gemv_small, GEMV_MAX_ROWS};
 pub use gemv_quant::{
     dequantize_fast, gemv_quant, quantize_rows_q8, specialize_dequant_groups,
-    specialize_gemv_quant, specialize_quantize_q8, Q8Rows, QUANT_GEMV_MAX_ROWS, QUANT_PADDING,
+    specialize_gemv_quant, specialize_quantize_q8, Q8Rows, QuantGemvKernel, QUANT_GEMV_MAX_ROWS,
+    QUANT_PADDING,
 };
 
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};

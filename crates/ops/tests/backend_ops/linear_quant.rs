@@ -4,14 +4,18 @@
 //! the CPU's integer kernels quantize the same activations to (`Q8Rows`: the GPU's quantizer
 //! rounds identically), within 2e-5 (f32 out) or 5e-3 (bf16 out) of the sum of |products|.
 //! Variants: f32 and bf16 outputs, `beta = 1` (the residual fusion), and a column slice of a
-//! wider output (`ldo > n`: the parts of a stacked QKV or gate/up of mixed formats). Shapes
-//! cover one launch (1, 3 and 8 rows), two launches (11 rows), row counts that are not a
-//! multiple of a CTA's rows and a k of ten 256-value super-blocks. And the decoder of the
+//! wider output (`ldo > n`: the parts of a stacked QKV or gate/up of mixed formats), each in
+//! both layouts (`QuantGemvKernel::Groups`, and `Units` with its rule for a warp's weight rows,
+//! 1 and 4). Shapes cover every
+//! specialisation (1, 2, 3, 4, 6 and 8 rows), two launches (11 rows), weight row counts that
+//! are not a multiple of a CTA's rows (1, 5, 19, 33, 37, 67, 130), k from one 256-value
+//! super-block to 37 (a K-quant row of 148 units: not a multiple of a warp's 32 lanes) and k
+//! of 3 super-blocks (12 units: most lanes idle). And the decoder of the
 //! larger batches' path (`dequantize_fast`, blocks to a dense copy for the GEMM): within one
 //! rounding of the bit-exact `pagoda_tensor::quant::dequantize`.
 
 use pagoda_cuda::{view_mut, Gpu};
-use pagoda_ops::cuda::{self as ops, Q8Rows as GpuQ8Rows, QUANT_PADDING};
+use pagoda_ops::cuda::{self as ops, Q8Rows as GpuQ8Rows, QuantGemvKernel, QUANT_PADDING};
 use pagoda_tensor::GgmlType;
 
 use crate::framework::{with_dtype, Backend, Expected, Family, GpuDtype, OpCase, Output};
@@ -23,11 +27,21 @@ pub fn cases() -> Vec<Box<dyn OpCase>> {
     // The formats the GPU multiplies in place.
     let formats = FORMATS.into_iter().filter(|&ty| quant_format(ty).is_some());
     for (index, ty) in formats.enumerate() {
-        for (shape_index, shape) in [(1, 67, 512), (3, 37, 2560), (8, 64, 512), (11, 33, 256)]
-            .into_iter()
-            .enumerate()
-        {
-            let seed = 300 + 4 * index as u64 + shape_index as u64;
+        let shapes = [
+            (1, 67, 512),
+            (3, 37, 2560),
+            (8, 64, 512),
+            (11, 33, 256),
+            (2, 5, 768),
+            (4, 1, 9472),
+            (6, 130, 1280),
+            (1, 19, 9472),
+        ];
+        for (shape_index, shape) in shapes.into_iter().enumerate() {
+            let seed = match shape_index {
+                0..4 => 300 + 4 * index as u64 + shape_index as u64,
+                _ => 1000 + 8 * index as u64 + shape_index as u64,
+            };
             cases.push(Box::new(QuantLinear(Linear::new(ty, shape, seed))));
         }
         cases.push(Box::new(QuantDecode::new(
@@ -113,6 +127,7 @@ impl QuantLinear {
     fn run_kernel<TIn: TestFloat, TOut: TestFloat>(
         &self,
         gpu: &Gpu,
+        kernel: QuantGemvKernel,
         beta_one: bool,
         slice: bool,
     ) -> Vec<f32> {
@@ -128,7 +143,7 @@ impl QuantLinear {
         let mut out = poisoned::<TOut>(gpu, l.tokens * ldo);
         let mut run = |beta: f32| {
             let mut o = view_mut(&mut out, first..l.tokens * ldo).unwrap();
-            ops::gemv_quant(gpu, format, &w, &q8, &mut o, n, ldo, beta).unwrap();
+            ops::gemv_quant(gpu, kernel, format, &w, &q8, &mut o, n, ldo, beta).unwrap();
         };
         run(0.0);
         if beta_one {
@@ -169,12 +184,29 @@ impl OpCase for QuantLinear {
             variant: variant.into(),
             values,
         };
-        with_dtype!(*dtype, T => Some(vec![
-            output("", self.run_kernel::<T, T>(gpu, false, false)),
-            output("beta=1", self.run_kernel::<T, T>(gpu, true, false)),
-            output("ldo>n", self.run_kernel::<T, T>(gpu, false, true)),
-            output("out=f32", self.run_kernel::<T, f32>(gpu, false, false)),
-        ]))
+        let mut outputs = Vec::new();
+        for (name, kernel) in [
+            ("", QuantGemvKernel::Groups),
+            ("units ", QuantGemvKernel::UNITS),
+            ("units1 ", QuantGemvKernel::Units { warp_rows: Some(1) }),
+            ("units4 ", QuantGemvKernel::Units { warp_rows: Some(4) }),
+        ] {
+            let run = |beta_one, slice, variant: &str| {
+                with_dtype!(*dtype, T => {
+                    let values = if variant == "out=f32" {
+                        self.run_kernel::<T, f32>(gpu, kernel, beta_one, slice)
+                    } else {
+                        self.run_kernel::<T, T>(gpu, kernel, beta_one, slice)
+                    };
+                    output(&format!("{name}{variant}"), values)
+                })
+            };
+            outputs.push(run(false, false, ""));
+            outputs.push(run(true, false, "beta=1"));
+            outputs.push(run(false, true, "ldo>n"));
+            outputs.push(run(false, false, "out=f32"));
+        }
+        Some(outputs)
     }
 
     fn tolerance(&self, backend: &Backend<'_>) -> f64 {

@@ -10,9 +10,14 @@ use pagoda_cuda::{
     DeviceWrite, Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims,
 };
 
-/// The CUDA source of the quantized small-batch kernel and its activation quantizer.
-pub(crate) static GEMV_QUANT: KernelSource =
-    KernelSource::new("gemv_quant.cu", include_str!("gemv_quant.cu"));
+/// The CUDA source of the quantized small-batch kernels and their activation quantizer.
+pub(crate) static GEMV_QUANT: KernelSource = KernelSource::new(
+    "gemv_quant.cu",
+    concat!(
+        include_str!("gemv_quant.cu"),
+        include_str!("gemv_quant_units.cu")
+    ),
+);
 
 /// Activation rows one `gemv_quant` launch takes; more rows run in launches of this many.
 pub const QUANT_GEMV_MAX_ROWS: usize = 8;
@@ -21,11 +26,47 @@ pub const QUANT_GEMV_MAX_ROWS: usize = 8;
 /// aligned words around blocks of 18, 22, 34 or 210 bytes, up to 4 bytes past a block's end.
 pub const QUANT_PADDING: usize = 16;
 
-/// `(weight rows, threads)` of a CTA of the `gemv_quant` specialisation for `m_tile` rows
-/// (`ROWS` and `WARPS * 32` in the kernel).
-fn cta_shape(m_tile: usize) -> (usize, u32) {
-    let rows = if m_tile == 1 { 1 } else { 2 };
-    (rows, 128)
+/// The layout of the in-place kernel (`PAGODA_CUDA_QUANT_GEMV_KERNEL`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantGemvKernel {
+    /// `gemv_quant`: a CTA per one or two weight rows, a thread per 32-value group (a K-quant
+    /// group loads its header and 32 bytes, of which it uses the 16 of its nibble).
+    Groups,
+    /// `gemv_quant_units`: a warp per `warp_rows` weight rows (1, 2 or 4; `None`: four from
+    /// four activation rows on except for Q6_K, else two), each activation load shared by the
+    /// warp's rows; a K-quant lane takes 64 values (both nibbles of the 32 bytes it loads, the
+    /// header once), a lane of the 32-value formats one block.
+    Units { warp_rows: Option<usize> },
+}
+
+impl QuantGemvKernel {
+    /// `Units` with its rule for the rows of a warp (the default).
+    pub const UNITS: QuantGemvKernel = QuantGemvKernel::Units { warp_rows: None };
+}
+
+impl Default for QuantGemvKernel {
+    fn default() -> Self {
+        QuantGemvKernel::UNITS
+    }
+}
+
+/// Weight rows a warp of `gemv_quant_units` owns (`WROWS`) for `format` and `m_tile` rows.
+fn warp_rows(warp_rows: Option<usize>, format: QuantFormat, m_tile: usize) -> usize {
+    match warp_rows {
+        Some(rows) => rows,
+        None if m_tile >= 4 && format != QuantFormat::Q6K => 4,
+        None => 2,
+    }
+}
+
+/// `(weight rows, threads)` of a CTA of the in-place `kernel` for `format` and `m_tile` rows
+/// (`ROWS` and `WARPS * 32` of `gemv_quant`; `UWARPS * WROWS` and `UWARPS * 32` of
+/// `gemv_quant_units`).
+fn cta_shape(kernel: QuantGemvKernel, format: QuantFormat, m_tile: usize) -> (usize, u32) {
+    match kernel {
+        QuantGemvKernel::Groups => (if m_tile == 1 { 1 } else { 2 }, 128),
+        QuantGemvKernel::Units { warp_rows: rows } => (4 * warp_rows(rows, format, m_tile), 128),
+    }
 }
 
 /// Activation rows quantized for [`gemv_quant`]: per 32-value block, 32 signed bytes and the
@@ -70,9 +111,10 @@ pub fn specialize_quantize_q8(input: DType) -> Result<KernelSpec, CudaError> {
     })
 }
 
-/// The `gemv_quant` specialisation of `format` for `rows` activation rows (1..=8, rounded up
-/// to a power of two) writing `out` (f32 or bf16).
+/// The in-place specialisation of `format` for `rows` activation rows (1..=8, rounded up to a
+/// power of two) writing `out` (f32 or bf16), in the layout `kernel`.
 pub fn specialize_gemv_quant(
+    kernel: QuantGemvKernel,
     format: QuantFormat,
     out: DType,
     rows: usize,
@@ -87,13 +129,25 @@ pub fn specialize_gemv_quant(
             "quantized linear takes 1..={QUANT_GEMV_MAX_ROWS} rows a launch, not {rows}"
         )));
     }
+    let m_tile = rows.next_power_of_two();
+    let mut params = vec![("FORMAT", format.code()), ("M_TILE", m_tile as i64)];
+    let entry = match kernel {
+        QuantGemvKernel::Groups => "gemv_quant",
+        QuantGemvKernel::Units { warp_rows: rows } => {
+            let rows = warp_rows(rows, format, m_tile);
+            if !matches!(rows, 1 | 2 | 4) {
+                return Err(CudaError::invalid(format!(
+                    "quantized linear: a warp takes 1, 2 or 4 weight rows, not {rows}"
+                )));
+            }
+            params.push(("WROWS", rows as i64));
+            "gemv_quant_units"
+        }
+    };
     Ok(KernelSpec {
         source: &GEMV_QUANT,
-        entry: "gemv_quant",
-        params: vec![
-            ("FORMAT", format.code()),
-            ("M_TILE", rows.next_power_of_two() as i64),
-        ],
+        entry,
+        params,
         dtypes: vec![("T_IN", DType::F32), ("T_OUT", out)],
     })
 }
@@ -133,10 +187,12 @@ pub fn quantize_rows_q8<T: Element>(
 /// `out [m, n] = beta * out + x w^T` for the activations last quantized into `q8` (`[m, k]`)
 /// against `w`: `n` rows of `k` values in `format`'s blocks, followed by [`QUANT_PADDING`]
 /// bytes. Row `i` of the output starts at `i * ldo` (`ldo >= n`: a column slice of a wider
-/// output). Launches of up to [`QUANT_GEMV_MAX_ROWS`] rows, each reading the weights once.
+/// output). Launches of up to [`QUANT_GEMV_MAX_ROWS`] rows, each reading the weights once, in
+/// the layout `kernel`.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_quant<TOut: Element>(
     gpu: &Gpu,
+    kernel: QuantGemvKernel,
     format: QuantFormat,
     w: &impl DeviceRead<u8>,
     q8: &Q8Rows,
@@ -167,8 +223,8 @@ pub fn gemv_quant<TOut: Element>(
     }
     for first in (0..m).step_by(QUANT_GEMV_MAX_ROWS) {
         let rows = (m - first).min(QUANT_GEMV_MAX_ROWS);
-        let spec = specialize_gemv_quant(format, TOut::DTYPE, rows)?;
-        let (cta_rows, threads) = cta_shape(rows.next_power_of_two());
+        let spec = specialize_gemv_quant(kernel, format, TOut::DTYPE, rows)?;
+        let (cta_rows, threads) = cta_shape(kernel, format, rows.next_power_of_two());
         let grid = (to_u32("quantized linear CTAs", n.div_ceil(cta_rows))?, 1);
         let values = view(&q8.values, first * k / 4..m * k / 4)?;
         let scales = view(&q8.scales, first * k / 16..m * k / 16)?;
@@ -193,7 +249,7 @@ pub fn gemv_quant<TOut: Element>(
 
 /// The `dequant_groups` specialisation of `format` writing `out` (f32 or bf16).
 pub fn specialize_dequant_groups(format: QuantFormat, out: DType) -> Result<KernelSpec, CudaError> {
-    let mut spec = specialize_gemv_quant(format, out, 1)?;
+    let mut spec = specialize_gemv_quant(QuantGemvKernel::Groups, format, out, 1)?;
     spec.entry = "dequant_groups";
     Ok(spec)
 }
@@ -246,7 +302,15 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     for format in QuantFormat::ALL {
         for out in [DType::F32, DType::BF16] {
             for rows in [1, 2, 4, 8] {
-                specs.push(specialize_gemv_quant(format, out, rows)?);
+                // (`UNITS` picks one of these.)
+                for kernel in [
+                    QuantGemvKernel::Groups,
+                    QuantGemvKernel::Units { warp_rows: Some(1) },
+                    QuantGemvKernel::Units { warp_rows: Some(2) },
+                    QuantGemvKernel::Units { warp_rows: Some(4) },
+                ] {
+                    specs.push(specialize_gemv_quant(kernel, format, out, rows)?);
+                }
             }
             specs.push(specialize_dequant_groups(format, out)?);
         }

@@ -134,8 +134,10 @@ impl<T: HostFloat> MoeBuffers<T> {
         LOGGED.call_once(|| {
             tracing::info!(
                 "CUDA mixture of experts: router, expert lists and grouped expert MLP on the \
-                 device (CUDA cores, {} entries per tile; no host round trip, graph-capturable)",
-                ops::MOE_TILE_ROWS
+                 device (CUDA cores, {} entries per tile; a warp per row and expert up to {} \
+                 rows; no host round trip, graph-capturable)",
+                ops::MOE_TILE_ROWS,
+                ops::MOE_PER_ROW_MAX_ROWS
             )
         });
         Ok(Some(MoeBuffers {

@@ -1,9 +1,10 @@
 // gemv_quant_units: the small-batch linear layer over GGUF blocks with a warp per few weight
-// rows, built for the K-quants (Q4_K, Q5_K, Q6_K) using every loaded byte whole. Same contract and numerics as gemv_quant (above, in the same
-// program): out[i, j] = beta * out[i, j] + sum_k x[i, k] * w[j, k] for m <= M_TILE rows of q8
-// activations, each 32-value group's term dx * dw * sum(qx * qw) + mw * (dx * sum(qx)) with the
-// same integer dots and the same float expression; only the order in which the groups' terms
-// are added differs (so the outputs are not bit-identical to gemv_quant's).
+// rows, built for the K-quants (Q4_K, Q5_K, Q6_K) using every loaded byte whole. Same contract
+// and numerics as gemv_quant (above, in the same program): out[i, j] = beta * out[i, j] +
+// sum_k x[i, k] * w[j, k] for m <= M_TILE rows of q8 activations, each 32-value group's term
+// dx * dw * sum(qx * qw) + mw * (dx * sum(qx)) with the same integer dots and the same float
+// expression; only the order in which the groups' terms are added differs (so the outputs are
+// not bit-identical to gemv_quant's).
 //
 // Layout: a warp owns WROWS weight rows, its lanes stride over the rows' units. A unit is the
 // two 32-value groups that share their quantized bytes (a K-quant packs group 2c in the low
@@ -52,11 +53,15 @@ PAGODA_DEVICE void load_32_realigned(const unsigned char* p, unsigned int (&w)[8
     const size_t address = reinterpret_cast<size_t>(p);
     unsigned int raw[12];
     load_aligned(reinterpret_cast<const unsigned char*>(address & ~(size_t)15), raw);
-    const unsigned int word = (unsigned int)(address & 15) / 4, shift = (unsigned int)(address & 3) * 8;
+    const unsigned int word = (unsigned int)(address & 15) / 4;
+    const unsigned int shift = (unsigned int)(address & 3) * 8;
     unsigned int shifted[9];
 #pragma unroll
     for (int j = 0; j < 9; ++j)
-        shifted[j] = word == 0 ? raw[j] : word == 1 ? raw[j + 1] : word == 2 ? raw[j + 2] : raw[j + 3];
+        shifted[j] = word == 0   ? raw[j]
+                     : word == 1 ? raw[j + 1]
+                     : word == 2 ? raw[j + 2]
+                                 : raw[j + 3];
 #pragma unroll
     for (int i = 0; i < 8; ++i) w[i] = __funnelshift_r(shifted[i], shifted[i + 1], shift);
 }
@@ -145,13 +150,15 @@ extern "C" __global__ void __launch_bounds__(gemv_units_detail::UWARPS * 32)
             const unsigned int block = unit / UNITS_PER_BLOCK, c = unit % UNITS_PER_BLOCK;
             Unit u[WROWS];
 #pragma unroll
-            for (int r = 0; r < WROWS; ++r) load_unit(rows[r] + (size_t)block * BLOCK_BYTES, c, u[r]);
+            for (int r = 0; r < WROWS; ++r)
+                load_unit(rows[r] + (size_t)block * BLOCK_BYTES, c, u[r]);
 #pragma unroll
             for (int i = 0; i < M_TILE; ++i) {
                 if (i >= (int)m) break;
 #pragma unroll
                 for (int g = 0; g < UNIT_GROUPS; ++g) {
-                    const size_t group = (size_t)i * groups + block * GROUPS_PER_BLOCK + group_of(c, g);
+                    const size_t group =
+                        (size_t)i * groups + block * GROUPS_PER_BLOCK + group_of(c, g);
                     const int4* xp = reinterpret_cast<const int4*>(xq + group * 8);
                     const int4 a = __ldg(xp), b = __ldg(xp + 1);
                     const float2 ds = __ldg(xds + group);
@@ -165,9 +172,9 @@ extern "C" __global__ void __launch_bounds__(gemv_units_detail::UWARPS * 32)
                         hi = __dp4a(group_word(u[r], c, g, 5), b.y, hi);
                         hi = __dp4a(group_word(u[r], c, g, 6), b.z, hi);
                         hi = __dp4a(group_word(u[r], c, g, 7), b.w, hi);
-                        const float dot = SPLIT16
-                                              ? u[r].dw[g][0] * (float)lo + u[r].dw[g][1] * (float)hi
-                                              : u[r].dw[g][0] * (float)(lo + hi);
+                        const float dot =
+                            SPLIT16 ? u[r].dw[g][0] * (float)lo + u[r].dw[g][1] * (float)hi
+                                    : u[r].dw[g][0] * (float)(lo + hi);
                         acc[i][r] += ds.x * dot + u[r].mw[g] * ds.y;
                     }
                 }

@@ -154,11 +154,11 @@ impl CudaKernels {
             gemv: config.on("PAGODA_CUDA_GEMV"),
             quant_gemv_rows: count("PAGODA_CUDA_QUANT_GEMV_ROWS").unwrap_or(8),
             quant_gemv_kernel: match config.word("PAGODA_CUDA_QUANT_GEMV_KERNEL") {
-                "groups" => ops::QuantGemvKernel::Groups,
+                "units" => ops::QuantGemvKernel::UNITS,
                 "units1" => ops::QuantGemvKernel::Units { warp_rows: Some(1) },
                 "units2" => ops::QuantGemvKernel::Units { warp_rows: Some(2) },
                 "units4" => ops::QuantGemvKernel::Units { warp_rows: Some(4) },
-                _ => ops::QuantGemvKernel::UNITS,
+                _ => ops::QuantGemvKernel::Groups,
             },
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,

@@ -45,8 +45,9 @@ impl QuantGemvKernel {
 }
 
 impl Default for QuantGemvKernel {
+    /// `Groups`: measured faster than `Units` end to end (8B Q4_K_M on the H100).
     fn default() -> Self {
-        QuantGemvKernel::UNITS
+        QuantGemvKernel::Groups
     }
 }
 

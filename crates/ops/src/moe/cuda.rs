@@ -32,12 +32,22 @@ pub(crate) static ROUTE: KernelSource =
     KernelSource::new("moe_route.cu", include_str!("cuda/moe_route.cu"));
 
 /// The CUDA source of the expert matmuls and the combine.
-pub(crate) static EXPERTS: KernelSource =
-    KernelSource::new("moe_experts.cu", include_str!("cuda/moe_experts.cu"));
+pub(crate) static EXPERTS: KernelSource = KernelSource::new(
+    "moe_experts.cu",
+    concat!(
+        include_str!("cuda/moe_common.cu"),
+        include_str!("cuda/moe_experts.cu")
+    ),
+);
 
 /// The CUDA source of the per-row expert matmuls ([`MoePath::PerRow`]).
-pub(crate) static ROWS: KernelSource =
-    KernelSource::new("moe_rows.cu", include_str!("cuda/moe_rows.cu"));
+pub(crate) static ROWS: KernelSource = KernelSource::new(
+    "moe_rows.cu",
+    concat!(
+        include_str!("cuda/moe_common.cu"),
+        include_str!("cuda/moe_rows.cu")
+    ),
+);
 
 /// Routed entries per tile of the expert matmuls (`TILE_ROWS` in both sources).
 pub const MOE_TILE_ROWS: usize = 8;

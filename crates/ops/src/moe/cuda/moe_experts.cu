@@ -11,43 +11,18 @@
 // entry's dot products run in one order whatever shares its tile, and the combine's order is
 // the expert index, so a row's bits do not depend on its batch.
 //
-// Specialisation: PAGODA_T (float or __nv_bfloat16), the activations' and weights' type.
-typedef PAGODA_T T;
+// Specialisation: PAGODA_T (float or __nv_bfloat16), the activations' and weights' type
+// (`typedef T`, with the shared loads, in moe_common.cu).
 
 namespace moe_detail {
+using namespace moe_common;
 constexpr int MAX_TOP_K = 32;
 constexpr int TILE_ROWS = 8;        // routed entries per tile (moe_route.cu's TILE_ROWS)
 constexpr int WARPS = 8;            // warps per expert-matmul CTA
 constexpr int ROWS = 4;             // weight rows per warp
-constexpr int PIECE = 16 / (int)sizeof(T);  // elements per 16-byte load
 // Pieces per weight row in flight per lane in moe_down (its TILE_ROWS accumulators; 4 took
 // 144 registers, one CTA an SM, 2 keep two).
 constexpr int TILED_UNROLL = 2;
-
-// 16 bytes of weights, read once: no L1 allocation.
-PAGODA_DEVICE uint4 load_stream(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
-// The PIECE values of a 16-byte load as f32 (overloaded on the element type).
-PAGODA_DEVICE void widen(const uint4 v, float* f, const float*) {
-    f[0] = __uint_as_float(v.x);
-    f[1] = __uint_as_float(v.y);
-    f[2] = __uint_as_float(v.z);
-    f[3] = __uint_as_float(v.w);
-}
-PAGODA_DEVICE void widen(const uint4 v, float* f, const __nv_bfloat16*) {
-    const unsigned int words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = __uint_as_float(words[i] << 16);
-        f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-    }
-}
 
 // Tile `tile` of the expert matmuls: its expert, first entry and entry count (0: past the
 // step's tiles).

@@ -12,10 +12,11 @@
 // step's experts are captured in its CUDA graph; a CTA's warps take its (expert, column
 // group) pairs in turn, col_groups <= WARPS (the launcher picks it so top-k pairs fill them).
 //
-// Specialisation: PAGODA_T (float or __nv_bfloat16), the activations' and weights' type.
-typedef PAGODA_T T;
+// Specialisation: PAGODA_T (float or __nv_bfloat16), the activations' and weights' type
+// (`typedef T`, with the shared loads, in moe_common.cu).
 
 namespace moe_rows_detail {
+using namespace moe_common;
 constexpr int MAX_TOP_K = 32;
 constexpr int WARPS = 8;            // warps per CTA
 constexpr int ROWS = 4;             // weight rows (output columns) per warp
@@ -23,30 +24,6 @@ constexpr int ROWS = 4;             // weight rows (output columns) per warp
 // and up: 2 of 8 rows, keeping two CTAs an SM; down: 4 of 4).
 constexpr int GATE_UP_UNROLL = 2;
 constexpr int DOWN_UNROLL = 4;
-constexpr int PIECE = 16 / (int)sizeof(T);  // elements per 16-byte load
-
-// moe_experts.cu's helpers (each source compiles alone).
-PAGODA_DEVICE uint4 load_stream(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-PAGODA_DEVICE void widen(const uint4 v, float* f, const float*) {
-    f[0] = __uint_as_float(v.x);
-    f[1] = __uint_as_float(v.y);
-    f[2] = __uint_as_float(v.z);
-    f[3] = __uint_as_float(v.w);
-}
-PAGODA_DEVICE void widen(const uint4 v, float* f, const __nv_bfloat16*) {
-    const unsigned int words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        f[2 * i] = __uint_as_float(words[i] << 16);
-        f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-    }
-}
 
 // acc[r] += a . w_rows[r] over `pieces` 16-byte pieces, lane l taking pieces l, l + 32, ...
 // in ascending order (moe_experts.cu's order), U pieces of each row loaded before use.

@@ -144,11 +144,9 @@ pub(super) struct DeviceSampler {
     /// Token masks: pinned `[rows..., bits...]` words and their device copy, allocated at
     /// the first masked step (`max_rows * (1 + words)` words).
     mask_staging: Option<(PinnedBuffer<u32>, DeviceBuffer<u32>)>,
-    /// Split counts `pagoda tune --kernels sampling` stored for this vocabulary (none: the
-    /// built-in rules). Any split count samples the same tokens.
+    /// The tuning table's sampler split counts (none: the rules; tokens do not change).
     tuned: Option<TuningTable>,
-    /// Sampler launches (runs of device rows) whose split counts came from the table, and
-    /// those on the rules, since the last [`DeviceSampler::take_split_sources`].
+    /// Launches on tuned and on rule split counts since [`Self::take_split_sources`].
     split_sources: (u64, u64),
 }
 
@@ -190,12 +188,15 @@ impl DeviceSampler {
         static TUNED: std::sync::Once = std::sync::Once::new();
         TUNED.call_once(|| match &tuned {
             Some(table) => tracing::info!(
-                "GPU sampling: split counts from the tuning table where it has the rows' bucket                  ({} Gumbel/row-maximum and {} filtered buckets tuned), the built-in rules                  elsewhere",
+                "GPU sampling: split counts from the tuning table where it has the rows' bucket \
+                 ({} Gumbel/row-maximum and {} filtered buckets tuned), the built-in rules \
+                 elsewhere",
                 table.count_choices(ChoiceFamily::SamplingSplits),
                 table.count_choices(ChoiceFamily::FilterSplits)
             ),
             None => tracing::info!(
-                "GPU sampling: split counts from the built-in rules (no sampler rows tuned:                  `pagoda tune --kernels sampling`)"
+                "GPU sampling: split counts from the built-in rules (no sampler rows tuned: \
+                 `pagoda tune --kernels sampling`)"
             ),
         });
         Ok(DeviceSampler {
@@ -211,20 +212,15 @@ impl DeviceSampler {
         })
     }
 
-    /// The tuned split counts (Gumbel/row maxima, filtered) of `rows` rows of `vocab`
-    /// logits, each `None` where the rules decide; counts the launch's source.
+    /// The tuned (Gumbel, filtered) split counts of `rows` x `vocab` logits, `None`: the rule.
     fn splits_for(&mut self, rows: usize, vocab: usize) -> (Option<usize>, Option<usize>) {
-        let Some(table) = &self.tuned else {
+        use ChoiceFamily::{FilterSplits, SamplingSplits};
+        let tuned = |family| self.tuned.as_ref()?.tuned_splits(family, rows, vocab);
+        let splits = (tuned(SamplingSplits), tuned(FilterSplits));
+        if splits == (None, None) {
             self.split_sources.1 += 1;
-            return (None, None);
-        };
-        let splits = (
-            table.tuned_splits(ChoiceFamily::SamplingSplits, rows, vocab),
-            table.tuned_splits(ChoiceFamily::FilterSplits, rows, vocab),
-        );
-        match splits {
-            (None, None) => self.split_sources.1 += 1,
-            _ => self.split_sources.0 += 1,
+        } else {
+            self.split_sources.0 += 1;
         }
         splits
     }

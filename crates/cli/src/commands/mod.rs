@@ -21,4 +21,5 @@ pub mod inspect;
 pub mod serve;
 mod stats;
 pub mod tune;
+mod tune_race;
 pub mod tune_sampling;

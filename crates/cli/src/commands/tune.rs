@@ -23,8 +23,8 @@ use pagoda_ops::cuda::{
 
 use pagoda_ops::tuned_choices::ChoiceFamily;
 
-use super::decode_rig::{Captured, DecodePath, Geometry, QueryRows, Rig};
-use super::stats::Summary;
+use super::decode_rig::{DecodePath, Geometry, QueryRows, Rig};
+use super::tune_race::{race, winner_label};
 
 /// Flags of `pagoda tune`.
 #[derive(Args, Debug)]
@@ -88,10 +88,6 @@ pub struct TuneArgs {
     #[arg(long)]
     pub dry_run: bool,
 }
-
-/// A candidate replaces the heuristic only when at least this much faster (1%): near-ties
-/// are noise and would flip between runs.
-const MIN_GAIN: f64 = 0.01;
 
 /// A kernel `pagoda tune` tunes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -377,67 +373,4 @@ fn tune_prefill(args: &TuneArgs, rig: &mut Rig, table: &mut TuningTable) -> Resu
         }
     }
     Ok(())
-}
-
-/// The last column of a bucket's line: the heuristic, the stored winner, or a winner within
-/// the margin (not stored).
-pub(super) fn winner_label(best: usize, stored: bool, heuristic: String, winner: String) -> String {
-    match (best, stored) {
-        (0, _) => heuristic,
-        (_, true) => winner,
-        (_, false) => format!("{heuristic}; {winner} less than 1% faster, not stored"),
-    }
-}
-
-/// The outcome of one bucket's race: the fastest candidate, its median, the heuristic's
-/// (candidate 0) median, and whether the winner goes in the table.
-pub(super) struct Race {
-    pub best: usize,
-    pub best_us: f64,
-    pub heuristic_us: f64,
-    pub stored: bool,
-}
-
-/// A captured candidate the race can time: microseconds per call of `count` replays.
-pub(super) trait Timed {
-    fn time(&self, gpu: &Gpu, count: usize) -> Result<Vec<f64>>;
-}
-
-impl Timed for Captured {
-    fn time(&self, gpu: &Gpu, count: usize) -> Result<Vec<f64>> {
-        Captured::time(self, gpu, count)
-    }
-}
-
-/// Replays every captured candidate in `rounds` alternating rounds of `replays` each and
-/// compares the medians; candidate 0 is the heuristic, which a winner must beat by
-/// [`MIN_GAIN`] to be stored.
-pub(super) fn race(
-    gpu: &Gpu,
-    captured: &[impl Timed],
-    rounds: usize,
-    replays: usize,
-) -> Result<Race> {
-    let mut samples = vec![Vec::new(); captured.len()];
-    for _ in 0..rounds {
-        for (graph, times) in captured.iter().zip(&mut samples) {
-            times.extend(graph.time(gpu, replays)?);
-        }
-    }
-    let medians: Vec<f64> = samples
-        .iter()
-        .map(|times| Summary::of(times).map_or(f64::INFINITY, |s| s.median))
-        .collect();
-    let (best, &best_us) = medians
-        .iter()
-        .enumerate()
-        .min_by(|a, b| a.1.total_cmp(b.1))
-        .expect("at least the heuristic");
-    let heuristic_us = medians[0];
-    Ok(Race {
-        best,
-        best_us,
-        heuristic_us,
-        stored: best != 0 && best_us < heuristic_us * (1.0 - MIN_GAIN),
-    })
 }

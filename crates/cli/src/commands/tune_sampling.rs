@@ -21,7 +21,7 @@ use pagoda_ops::tuned_choices::{row_bucket, ChoiceFamily, TunedChoice};
 use super::bench_sampling::randn_rows;
 use super::bench_sampling_gpu::{rotating_sets, LOGIT_SCALE};
 use super::decode_rig::{time_replays, warm_capture};
-use super::tune::{race, Timed};
+use super::tune_race::{race, winner_label, Timed};
 
 /// One candidate's graph over the rotating sets, and its tokens (checked against the rule's).
 struct SplitGraph {
@@ -166,7 +166,7 @@ pub fn tune_sampling(
                 verdict.heuristic_us,
                 verdict.best_us,
                 verdict.heuristic_us / verdict.best_us,
-                super::tune::winner_label(
+                winner_label(
                     verdict.best,
                     verdict.stored,
                     format!("the rule ({})", candidates[0]),

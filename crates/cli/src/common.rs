@@ -215,18 +215,6 @@ pub fn policy_name(policy: AttentionPolicy) -> &'static str {
     }
 }
 
-/// The KV cache's element types for reports: `K f32, V f32`, or `latent f32` for a model
-/// whose cache is one latent pool per layer (DeepSeek's MLA).
-pub fn kv_cache_name(
-    types: pagoda_ops::attention::KvCacheTypes,
-    model: &pagoda_models::config::ModelConfig,
-) -> String {
-    match model.mla {
-        Some(_) => format!("latent {}", types.k),
-        None => types.to_string(),
-    }
-}
-
 /// Loads the model with a progress bar on stderr (hidden when stderr is not a terminal).
 pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
     configure_threads(args.threads)?;

@@ -86,6 +86,23 @@ impl Backend {
         }
     }
 
+    /// The KV cache's element types as this backend stores them, for logs and reports: the
+    /// CPU's pools of `types` (`K f32, V q8_0`), the GPU's in the model's dtype (`K bf16,
+    /// V bf16`) or `K fp8, V fp8`; `latent ...` for a one-pool-per-layer cache (MLA).
+    pub fn kv_cache_name(&self, types: KvCacheTypes) -> String {
+        let latent = self.config().mla.is_some();
+        match self {
+            Backend::Cuda(model) if !types.is_fp8() && latent => {
+                format!("latent {}", model.dtype())
+            }
+            Backend::Cuda(model) if !types.is_fp8() => {
+                format!("K {0}, V {0}", model.dtype())
+            }
+            _ if latent => format!("latent {}", types.k),
+            _ => types.to_string(),
+        }
+    }
+
     /// Bytes of one KV page over all layers (K and V), with the CPU pools of `types` (the GPU
     /// cache is in the model's dtype, or e4m3 bytes plus one f32 scale per token and KV head
     /// with fp8; [`Backend::check_kv_types`] refuses other types there).

@@ -232,10 +232,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let device = backend.device_name();
     let vocab = backend.config().vocab_size;
     let kv_token_bytes = backend.kv_page_bytes(1, common::kv_cache_types()) as f64;
+    let kv_cache = backend.kv_cache_name(common::kv_cache_types());
     let longest_prompt = args.prompt_lengths.iter().copied().max().unwrap_or(0);
     let base_need = longest_prompt.max(max_depth + 1) + args.decode_tokens + 1;
-    // Decode tests also hold the tokens the batch's first sequences decode while the last
-    // ones still prefill.
+    // Decode tests also hold the tokens the first sequences decode while the last prefill.
     let slack = decode_slack(max_batch, max_depth, common::MAX_BATCH_TOKENS);
     let decode_need = if args.decode_tokens > 0 {
         max_depth + 1 + args.decode_tokens + slack + 1
@@ -393,7 +393,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         },
         threads: rayon::current_num_threads(),
         attention: common::policy_name(engine.config().attention).to_string(),
-        kv_cache: common::kv_cache_name(engine.config().kv_types, engine.model_config()),
+        kv_cache,
         cpu_kernels: pagoda_ops::linear::cpu_kernels_name().to_string(),
         f32_decode: pagoda_ops::linear::cpu::f32_decode::F32Decode::selected()
             .name()

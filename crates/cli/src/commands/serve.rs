@@ -281,6 +281,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         kv_types,
     };
     let device_name = loaded.model.device_name();
+    let kv_cache = loaded.model.kv_cache_name(config.kv_types);
     let settings = EngineSettings::from_config(pagoda_config::global());
     let mut engine = Engine::with_settings(loaded.model, config.clone(), settings)
         .map_err(anyhow::Error::msg)?;
@@ -299,7 +300,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         "  kv cache     {} pages x {} tokens, {} ({:.1} MiB)",
         config.num_pages,
         config.page_size,
-        common::kv_cache_name(config.kv_types, engine.model_config()),
+        kv_cache,
         engine.kv_bytes() as f64 / (1 << 20) as f64
     );
     eprintln!("  attention    {}", common::policy_name(config.attention));

@@ -436,6 +436,9 @@ impl<T: HostFloat> TypedRunner<T> {
         if cache.buffers.quant.dense.is_some() {
             if cache.buffers.quant.in_place(shape.num_tokens) {
                 self.counters.steps_cuda_quant_in_place += 1;
+                if cache.buffers.quant.fuses(shape.num_tokens) {
+                    self.counters.steps_cuda_quant_fused_q8 += 1;
+                }
             } else {
                 self.counters.steps_cuda_quant_decoded += 1;
             }

@@ -38,6 +38,10 @@ pub struct CudaKernels {
     pub quant_gemv_rows: usize,
     /// The layout of the in-place quantized kernel (`PAGODA_CUDA_QUANT_GEMV_KERNEL`).
     pub quant_gemv_kernel: ops::QuantGemvKernel,
+    /// In-place steps: the RMSNorm and SiLU x up before a quantized matrix write its q8
+    /// activations in their own launch, the separate quantize launch skipped
+    /// (`PAGODA_CUDA_QUANT_FUSED_Q8`; the same bytes).
+    pub quant_fused_q8: bool,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -123,6 +127,7 @@ impl Default for CudaKernels {
             gemv: false,
             quant_gemv_rows: 8,
             quant_gemv_kernel: ops::QuantGemvKernel::default(),
+            quant_fused_q8: true,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -160,6 +165,7 @@ impl CudaKernels {
                 "units4" => ops::QuantGemvKernel::Units { warp_rows: Some(4) },
                 _ => ops::QuantGemvKernel::Groups,
             },
+            quant_fused_q8: config.on("PAGODA_CUDA_QUANT_FUSED_Q8"),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -262,6 +268,7 @@ mod tests {
             ("PAGODA_CUDA_GEMV", "on"),
             ("PAGODA_CUDA_QUANT_GEMV_ROWS", "3"),
             ("PAGODA_CUDA_QUANT_GEMV_KERNEL", "groups"),
+            ("PAGODA_CUDA_QUANT_FUSED_Q8", "off"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -282,6 +289,7 @@ mod tests {
             gemv: true,
             quant_gemv_rows: 3,
             quant_gemv_kernel: ops::QuantGemvKernel::Groups,
+            quant_fused_q8: false,
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),

@@ -62,6 +62,12 @@ pub struct QuantScratch<T> {
     pub dense: Option<DeviceBuffer<T>>,
     pub gemv_rows: usize,
     pub gemv_kernel: ops::QuantGemvKernel,
+    /// The producers of a quantized layer's input (RMSNorm, SiLU x up) write its q8
+    /// activations in their own launch (`PAGODA_CUDA_QUANT_FUSED_Q8`).
+    pub fused_q8: bool,
+    /// `q8` holds the input of the next linear layer, written by its producer
+    /// ([`QuantScratch::producer_q8`]): the next [`Linear::run`] skips its quantize launch.
+    pub prequantized: bool,
 }
 
 impl<T: Element> QuantScratch<T> {
@@ -71,7 +77,7 @@ impl<T: Element> QuantScratch<T> {
         gpu: &Gpu,
         values: usize,
         width: usize,
-        (gemv_rows, gemv_kernel): (usize, ops::QuantGemvKernel),
+        (gemv_rows, gemv_kernel, fused_q8): (usize, ops::QuantGemvKernel, bool),
     ) -> Result<Self, CudaError> {
         if values == 0 {
             return Ok(QuantScratch {
@@ -79,6 +85,8 @@ impl<T: Element> QuantScratch<T> {
                 dense: None,
                 gemv_rows: 0,
                 gemv_kernel,
+                fused_q8,
+                prequantized: false,
             });
         }
         Ok(QuantScratch {
@@ -90,12 +98,38 @@ impl<T: Element> QuantScratch<T> {
             dense: Some(gpu.alloc::<T>(values)?),
             gemv_rows,
             gemv_kernel,
+            fused_q8,
+            prequantized: false,
         })
     }
 
     /// Whether a step of `rows` rows multiplies quantized matrices in place.
     pub fn in_place(&self, rows: usize) -> bool {
         self.q8.is_some() && rows <= self.gemv_rows
+    }
+
+    /// Whether a step of `rows` rows has the producers of quantized layers' inputs write
+    /// their q8 activations (`PAGODA_CUDA_QUANT_FUSED_Q8`, in place).
+    pub fn fuses(&self, rows: usize) -> bool {
+        self.fused_q8 && self.in_place(rows)
+    }
+
+    /// The q8 activations the producer of `rows` rows of `width` values writes for the
+    /// linear layer that reads them directly after (marked ready for it): `None` (the
+    /// producer writes only its output, the layer quantizes it) unless [`Self::fuses`], that
+    /// layer is quantized (`next_quantized`) and `width` a whole number of 32-value blocks.
+    pub fn producer_q8(
+        &mut self,
+        next_quantized: bool,
+        rows: usize,
+        width: usize,
+    ) -> Option<&mut Q8Rows> {
+        self.prequantized = false;
+        if !self.fuses(rows) || !next_quantized || width % 32 != 0 {
+            return None;
+        }
+        self.prequantized = true;
+        self.q8.as_mut()
     }
 }
 
@@ -118,6 +152,8 @@ impl<T: Element> Linear<'_, T> {
         beta: f32,
     ) -> Result<(), CudaError> {
         let gpu = self.gpu;
+        // Activations its producer quantized (for this layer only: any run clears the mark).
+        let prequantized = std::mem::take(&mut self.quant.prequantized);
         let q = match w {
             Matrix::Dense(w) if self.small && ops::gemv_small_applies(a, w, (m, n, k)) => {
                 return ops::gemv_small(gpu, a, w, out, (m, n, k), beta);
@@ -127,7 +163,9 @@ impl<T: Element> Linear<'_, T> {
         };
         if self.quant.in_place(m) {
             let q8 = self.quant.q8.as_mut().expect("in_place checked it");
-            ops::quantize_rows_q8(gpu, a, q8, (m, k))?;
+            if !prequantized || q8.shape() != (m, k) {
+                ops::quantize_rows_q8(gpu, a, q8, (m, k))?;
+            }
             let mut column = 0;
             for part in &q.parts {
                 let mut slice = view_mut(out, column..m * n)?;

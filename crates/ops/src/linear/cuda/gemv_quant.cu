@@ -306,22 +306,13 @@ extern "C" __global__ void dequant_groups(const unsigned char* __restrict__ w, T
 }
 
 // The activations of gemv_quant: rows of x [m, k] (k a multiple of 32) quantized per 32-value
-// block as ggml's q8_1 and the CPU's Q8Rows: d = amax / 127, q = round(x * (1 / d)) to nearest
-// even within +-127, and (d, d * sum q).
+// block as ggml's q8_1 and the CPU's Q8Rows (`q8_quantize_block`, q8_block.cu).
 // One warp a block, one value a lane. Specialisation: PAGODA_T_IN (float or __nv_bfloat16).
 extern "C" __global__ void quantize_q8_rows(const PAGODA_T_IN* __restrict__ x,
                                             signed char* __restrict__ xq,
                                             float2* __restrict__ xds, unsigned int blocks) {
     const unsigned int block = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (block >= blocks) return;
-    const unsigned int lane = threadIdx.x % 32;
-    const size_t index = (size_t)block * 32 + lane;
-    const float value = to_f32(x[index]);
-    const float amax = warp_max(fabsf(value));
-    const float d = amax / 127.0f;
-    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-    const int q = max(-127, min(127, __float2int_rn(value * inverse)));
-    xq[index] = (signed char)q;
-    const int sum = __reduce_add_sync(0xffffffffu, q);
-    if (lane == 0) xds[block] = make_float2(d, d * (float)sum);
+    const size_t index = (size_t)block * 32 + threadIdx.x % 32;
+    q8_quantize_block(to_f32(x[index]), xq, xds, index);
 }

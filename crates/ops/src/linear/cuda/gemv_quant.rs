@@ -14,6 +14,7 @@ use pagoda_cuda::{
 pub(crate) static GEMV_QUANT: KernelSource = KernelSource::new(
     "gemv_quant.cu",
     concat!(
+        include_str!("q8_block.cu"),
         include_str!("gemv_quant.cu"),
         include_str!("gemv_quant_units.cu")
     ),
@@ -95,6 +96,22 @@ impl Q8Rows {
     pub fn shape(&self) -> (usize, usize) {
         self.shape
     }
+
+    /// The buffers a quantizer of `m` rows of `k` values (a multiple of 32) writes (the bytes,
+    /// the `(d, d * sum)` pairs), the shape recorded for [`gemv_quant`].
+    pub(crate) fn outputs(
+        &mut self,
+        (m, k): (usize, usize),
+    ) -> Result<(&DeviceBuffer<i32>, &DeviceBuffer<f32>), CudaError> {
+        if k % 32 != 0 || m > self.capacity.0 || k > self.capacity.1 {
+            return Err(CudaError::invalid(format!(
+                "q8 activations: [{m}, {k}] needs k a multiple of 32 and at most [{}, {}]",
+                self.capacity.0, self.capacity.1
+            )));
+        }
+        self.shape = (m, k);
+        Ok((&self.values, &self.scales))
+    }
 }
 
 /// The `quantize_q8_rows` specialisation for activations of dtype `input`.
@@ -161,22 +178,16 @@ pub fn quantize_rows_q8<T: Element>(
     (m, k): (usize, usize),
 ) -> Result<(), CudaError> {
     let spec = specialize_quantize_q8(T::DTYPE)?;
-    if k % 32 != 0 || m > q8.capacity.0 || k > q8.capacity.1 {
-        return Err(CudaError::invalid(format!(
-            "q8 activations: [{m}, {k}] needs k a multiple of 32 and at most [{}, {}]",
-            q8.capacity.0, q8.capacity.1
-        )));
-    }
     check_len("q8 activations x [m, k]", m * k, x.len())?;
-    q8.shape = (m, k);
+    let (values, scales) = q8.outputs((m, k))?;
     let blocks = m * k / 32;
     if blocks == 0 {
         return Ok(());
     }
     let args = [
         ptr(x),
-        ptr(&q8.values),
-        ptr(&q8.scales),
+        ptr(values),
+        ptr(scales),
         KernelArg::U32(to_u32("q8 blocks", blocks)?),
     ];
     let grid = (to_u32("q8 CTAs", blocks.div_ceil(8))?, 1);

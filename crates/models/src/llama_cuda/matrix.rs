@@ -125,7 +125,7 @@ impl<T: Element> QuantScratch<T> {
         width: usize,
     ) -> Option<&mut Q8Rows> {
         self.prequantized = false;
-        if !self.fuses(rows) || !next_quantized || width % 32 != 0 {
+        if !self.fuses(rows) || !next_quantized || !width.is_multiple_of(32) {
             return None;
         }
         self.prequantized = true;

@@ -276,6 +276,9 @@ settings! {
     "PAGODA_CUDA_QUANT_FUSED_Q8", None, ON_OFF, "on", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Steps multiplying quantized matrices in place: the RMSNorm before QKV, gate/up and the LM head and the SiLU x up before the down projection write the q8 activations those read in the same launch (the same bytes as the separate quantize launch, one launch fewer each: three a layer); off: a quantize launch before each.";
+    "PAGODA_CUDA_QUANT_PAIR", None, ON_OFF, "on", Cuda,
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
+        "Steps multiplying quantized matrices in place (groups layout): a stacked matrix of two formats, Q4_K or Q5_K then Q6_K (the QKV of a Q4_K_M or Q5_K_M file whose v is Q6_K), in one launch instead of one a part (the same bits).";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Filtered rows on the GPU: fast, or exact (f64, the oracle).";

@@ -38,10 +38,10 @@ pub use crate::attention::cuda::{
 };
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
 pub use crate::linear::cuda::{
-    dequantize, dequantize_fast, gather_dequantized, gemv_quant, gemv_small, gemv_small_applies,
-    quantize_rows_q8, specialize_dequantize, specialize_gemv_quant, specialize_gemv_small,
-    specialize_quantize_q8, Q8Rows, QuantFormat, QuantGemvKernel, GEMV_MAX_ROWS,
-    QUANT_GEMV_MAX_ROWS, QUANT_PADDING,
+    dequantize, dequantize_fast, gather_dequantized, gemv_quant, gemv_quant_pair, gemv_small,
+    gemv_small_applies, quantize_rows_q8, specialize_dequantize, specialize_gemv_quant,
+    specialize_gemv_quant_pair, specialize_gemv_small, specialize_quantize_q8, Q8Rows, QuantFormat,
+    QuantGemvKernel, QuantPartRef, GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS, QUANT_PADDING, QUANT_PAIRS,
 };
 pub use crate::moe::cuda::{
     moe_combine, moe_down, moe_down_combine, moe_experts, moe_gate_up, moe_gate_up_with, moe_route,

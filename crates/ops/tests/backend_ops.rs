@@ -47,6 +47,8 @@ mod linear;
 mod linear_quant;
 #[path = "backend_ops/linear_quant_fused.rs"]
 mod linear_quant_fused;
+#[path = "backend_ops/linear_quant_pair.rs"]
+mod linear_quant_pair;
 #[path = "backend_ops/mla.rs"]
 mod mla;
 #[path = "backend_ops/norm.rs"]
@@ -66,6 +68,7 @@ fn cases() -> Vec<Box<dyn OpCase>> {
     cases.extend(linear::cases());
     cases.extend(linear_quant::cases());
     cases.extend(linear_quant_fused::cases());
+    cases.extend(linear_quant_pair::cases());
     cases.extend(attention::cases());
     cases.extend(mla::cases());
     cases

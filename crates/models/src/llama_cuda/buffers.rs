@@ -135,8 +135,8 @@ impl<T: HostFloat> StepBuffers<T> {
             .max(c.num_attention_heads * c.head_dim)
             .max(shared_experts);
         let kernel = options.kernels.quant_gemv_kernel;
-        let fused_q8 = options.kernels.quant_fused_q8;
-        let scratch_choice = (gemv_rows, kernel, fused_q8);
+        let (fused_q8, pair) = (options.kernels.quant_fused_q8, options.kernels.quant_pair);
+        let scratch_choice = (gemv_rows, kernel, fused_q8, pair);
         let quant = QuantScratch::new(gpu, largest_quantized, width, scratch_choice)?;
         if largest_quantized > 0 {
             static QUANT: std::sync::Once = std::sync::Once::new();
@@ -153,6 +153,14 @@ impl<T: HostFloat> StepBuffers<T> {
                 tracing::info!(
                     "CUDA quantized linear layers' q8 activations: {how} \
                      (PAGODA_CUDA_QUANT_FUSED_Q8)"
+                );
+                let pairs = match pair && gemv_rows > 0 && kernel == ops::QuantGemvKernel::Groups {
+                    true => "one launch",
+                    false => "a launch a part",
+                };
+                tracing::info!(
+                    "CUDA quantized matrices of two formats (Q4_K/Q5_K then Q6_K) in place: \
+                     {pairs} (PAGODA_CUDA_QUANT_PAIR)"
                 )
             });
         }

@@ -42,6 +42,9 @@ pub struct CudaKernels {
     /// activations in their own launch, the separate quantize launch skipped
     /// (`PAGODA_CUDA_QUANT_FUSED_Q8`; the same bytes).
     pub quant_fused_q8: bool,
+    /// A stacked matrix of two quantized formats (a Q4_K_M QKV whose v is Q6_K) multiplies
+    /// in one launch (`PAGODA_CUDA_QUANT_PAIR`; the same bits as two).
+    pub quant_pair: bool,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -128,6 +131,7 @@ impl Default for CudaKernels {
             quant_gemv_rows: 8,
             quant_gemv_kernel: ops::QuantGemvKernel::default(),
             quant_fused_q8: true,
+            quant_pair: true,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -166,6 +170,7 @@ impl CudaKernels {
                 _ => ops::QuantGemvKernel::Groups,
             },
             quant_fused_q8: config.on("PAGODA_CUDA_QUANT_FUSED_Q8"),
+            quant_pair: config.on("PAGODA_CUDA_QUANT_PAIR"),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -269,6 +274,7 @@ mod tests {
             ("PAGODA_CUDA_QUANT_GEMV_ROWS", "3"),
             ("PAGODA_CUDA_QUANT_GEMV_KERNEL", "groups"),
             ("PAGODA_CUDA_QUANT_FUSED_Q8", "off"),
+            ("PAGODA_CUDA_QUANT_PAIR", "off"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -290,6 +296,7 @@ mod tests {
             quant_gemv_rows: 3,
             quant_gemv_kernel: ops::QuantGemvKernel::Groups,
             quant_fused_q8: false,
+            quant_pair: false,
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),

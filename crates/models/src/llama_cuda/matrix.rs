@@ -68,6 +68,11 @@ pub struct QuantScratch<T> {
     /// `q8` holds the input of the next linear layer, written by its producer
     /// ([`QuantScratch::producer_q8`]): the next [`Linear::run`] skips its quantize launch.
     pub prequantized: bool,
+    /// A matrix of two parts of one of [`ops::QUANT_PAIRS`] (a Q4_K_M QKV with a Q6_K v)
+    /// multiplies in one launch (`PAGODA_CUDA_QUANT_PAIR`, the `Groups` layout).
+    pub pair: bool,
+    /// The model's matrices of two such parts (set by the runner, for its counter).
+    pub pair_matrices: usize,
 }
 
 impl<T: Element> QuantScratch<T> {
@@ -77,7 +82,7 @@ impl<T: Element> QuantScratch<T> {
         gpu: &Gpu,
         values: usize,
         width: usize,
-        (gemv_rows, gemv_kernel, fused_q8): (usize, ops::QuantGemvKernel, bool),
+        (gemv_rows, gemv_kernel, fused_q8, pair): (usize, ops::QuantGemvKernel, bool, bool),
     ) -> Result<Self, CudaError> {
         if values == 0 {
             return Ok(QuantScratch {
@@ -87,6 +92,8 @@ impl<T: Element> QuantScratch<T> {
                 gemv_kernel,
                 fused_q8,
                 prequantized: false,
+                pair,
+                pair_matrices: 0,
             });
         }
         Ok(QuantScratch {
@@ -100,12 +107,30 @@ impl<T: Element> QuantScratch<T> {
             gemv_kernel,
             fused_q8,
             prequantized: false,
+            pair,
+            pair_matrices: 0,
         })
     }
 
     /// Whether a step of `rows` rows multiplies quantized matrices in place.
     pub fn in_place(&self, rows: usize) -> bool {
         self.q8.is_some() && rows <= self.gemv_rows
+    }
+
+    /// The two parts of `q` when they multiply in one launch ([`Self::pair`]).
+    pub(crate) fn pair_parts<'q>(&self, q: &'q QuantMatrix) -> Option<[&'q QuantPart; 2]> {
+        let [a, b] = &q.parts[..] else {
+            return None;
+        };
+        let applies = self.pair
+            && self.gemv_kernel == ops::QuantGemvKernel::Groups
+            && ops::QUANT_PAIRS.contains(&(a.format, b.format));
+        applies.then_some([a, b])
+    }
+
+    /// Whether the model's matrices of two parts multiply in one launch each (in place).
+    pub fn pairs_in_one_launch(&self) -> bool {
+        self.pair && self.gemv_kernel == ops::QuantGemvKernel::Groups && self.pair_matrices > 0
     }
 
     /// Whether a step of `rows` rows has the producers of quantized layers' inputs write
@@ -162,9 +187,17 @@ impl<T: Element> Linear<'_, T> {
             Matrix::Quantized(q) => q,
         };
         if self.quant.in_place(m) {
+            let pair = self.quant.pair_parts(q);
             let q8 = self.quant.q8.as_mut().expect("in_place checked it");
             if !prequantized || q8.shape() != (m, k) {
                 ops::quantize_rows_q8(gpu, a, q8, (m, k))?;
+            }
+            if let Some([pa, pb]) = pair {
+                let parts = (
+                    (pa.format, &pa.blocks, pa.rows),
+                    (pb.format, &pb.blocks, pb.rows),
+                );
+                return ops::gemv_quant_pair(gpu, parts.0, parts.1, q8, out, n, beta);
             }
             let mut column = 0;
             for part in &q.parts {

@@ -225,6 +225,12 @@ engine_counters! {
     /// CUDA steps that decoded quantized matrices into a scratch for cuBLAS.
     steps_cuda_quant_decoded: "pagoda_cuda_quant_linear_steps_total" ["path" = "decoded"], Counter,
         "";
+    /// In-place quantized CUDA steps whose norms and SiLU x up wrote the q8 activations.
+    steps_cuda_quant_fused_q8: "pagoda_cuda_quant_fused_q8_steps_total", Counter,
+        "CUDA steps multiplying quantized matrices in place whose RMSNorms and SiLU x up wrote the q8 activations of the next linear layer in their own launch (PAGODA_CUDA_QUANT_FUSED_Q8).";
+    /// In-place quantized CUDA steps whose two-format matrices ran in one launch each.
+    steps_cuda_quant_pair: "pagoda_cuda_quant_pair_steps_total", Counter,
+        "CUDA steps multiplying quantized matrices in place whose matrices of two formats (a Q4_K_M QKV with a Q6_K v) ran in one launch each (PAGODA_CUDA_QUANT_PAIR).";
     /// Streaming prefill steps whose tiling came from the tuning table (`pagoda tune`).
     steps_cuda_prefill_tuned: "pagoda_cuda_prefill_tiling_steps_total" ["source" = "tuned"], Counter,
         "Streaming prefill steps by where their tiling came from (tuned: the tuning table's row for the step's bucket; heuristic: no row, the built-in choice).";

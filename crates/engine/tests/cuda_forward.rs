@@ -448,6 +448,9 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
 /// in-place kernel, prefill chunks decoded for cuBLAS; or every step decoded, `quant_gemv_rows`
 /// 0) against the CPU's exact f32 model
 /// on the ragged workload, beside the GPU with the weights dequantized at load. The in-place
+/// steps run with the producers writing the q8 activations (`quant_fused_q8`) and a QKV of two
+/// formats (a q4_k_m file's Q6_K v) in one launch (`quant_pair`), the defaults, and once
+/// without each, which must give the same logits bit for bit. The in-place
 /// path quantizes activations to 8 bits: its logits stay within 5% of the peak logit (a wrong
 /// decoder moves them by the peak itself), and device memory for weights is the file's size.
 #[test]
@@ -476,12 +479,15 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
         let mut dense_error = 0.0;
         let (groups, units) = (QuantGemvKernel::Groups, QuantGemvKernel::UNITS);
         let runs = [
-            (false, 16, units),
-            (true, 16, groups),
-            (true, 16, units),
-            (true, 0, units),
+            (false, 16, units, (true, true)),
+            (true, 16, groups, (true, true)),
+            (true, 16, groups, (false, true)),
+            (true, 16, groups, (true, false)),
+            (true, 16, units, (true, true)),
+            (true, 0, units, (true, true)),
         ];
-        for (keep, gemv_rows, kernel) in runs {
+        let mut fused_logits: Option<Vec<Vec<f32>>> = None;
+        for (keep, gemv_rows, kernel, (fused_q8, pair)) in runs {
             let loaded = CudaModel::load_with(
                 config.clone(),
                 &file,
@@ -492,9 +498,12 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
             )
             .unwrap();
             let weight_bytes = loaded.weight_bytes();
+            let pair_matrices = loaded.quant_pair_matrices();
             let mut options = cache_options();
             options.kernels.quant_gemv_rows = gemv_rows;
             options.kernels.quant_gemv_kernel = kernel;
+            options.kernels.quant_fused_q8 = fused_q8;
+            options.kernels.quant_pair = pair;
             let mut model = CudaRunner::new(loaded, options).unwrap();
             model.warm_up(&mut |_| {}).unwrap();
             let before = model.counters().clone();
@@ -505,11 +514,30 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
             let counters = model.counters();
             let in_place = counters.steps_cuda_quant_in_place - before.steps_cuda_quant_in_place;
             let decoded = counters.steps_cuda_quant_decoded - before.steps_cuda_quant_decoded;
+            let fused = counters.steps_cuda_quant_fused_q8 - before.steps_cuda_quant_fused_q8;
+            let paired = counters.steps_cuda_quant_pair - before.steps_cuda_quant_pair;
             eprintln!(
-                "{name} keep {keep} rows {gemv_rows} {kernel:?}: weights {weight_bytes} B (file {file_bytes}), \
-                 max relative logit error {relative:.2e}, top-10 logprob error {logprob:.4}, \
-                 steps in place {in_place} decoded {decoded}"
+                "{name} keep {keep} rows {gemv_rows} {kernel:?} fused q8 {fused_q8} pair {pair} \
+                 ({pair_matrices} matrices): weights \
+                 {weight_bytes} B (file {file_bytes}), max relative logit error {relative:.2e}, \
+                 top-10 logprob error {logprob:.4}, steps in place {in_place} decoded {decoded} \
+                 fused {fused} paired {paired}"
             );
+            let fusing = keep && gemv_rows > 0 && fused_q8;
+            assert_eq!(fused, if fusing { in_place } else { 0 }, "{name}");
+            let pairing = keep && pair && kernel == groups && pair_matrices > 0;
+            assert_eq!(paired, if pairing { in_place } else { 0 }, "{name}");
+            if keep && gemv_rows > 0 && kernel == groups {
+                // The defaults first, then each fusion off: the same bits.
+                match &fused_logits {
+                    None => fused_logits = Some(got.clone()),
+                    Some(fused) => assert!(
+                        same_bits(fused, &got),
+                        "{name}: logits with fused q8 {fused_q8} pair {pair} differ from the \
+                         defaults'"
+                    ),
+                }
+            }
             match (keep, gemv_rows) {
                 (false, _) => {
                     dense_error = relative;
@@ -532,4 +560,11 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
         }
         assert!(dense_error < 0.05, "{name}: dense bf16 {dense_error}");
     }
+}
+
+/// Whether two runs' logits are the same bits.
+fn same_bits(a: &[Vec<f32>], b: &[Vec<f32>]) -> bool {
+    let bits =
+        |rows: &[Vec<f32>]| -> Vec<u32> { rows.iter().flatten().map(|v| v.to_bits()).collect() };
+    bits(a) == bits(b)
 }

@@ -10,7 +10,7 @@
 //! Activation dtypes: f32 and bf16 ([`FLOAT_DTYPES`]); math is f32 inside every kernel.
 
 pub use crate::activation::cuda::{
-    add_in_place, argmax_rows, silu_mul, specialize_elementwise, ElementwiseEntry,
+    add_in_place, argmax_rows, silu_mul, silu_mul_q8, specialize_elementwise, ElementwiseEntry,
 };
 pub use crate::attention::cuda::{
     decode_attention_gathered, decode_splits, kernel_name, merge_attention_partials,
@@ -38,10 +38,10 @@ pub use crate::attention::cuda::{
 };
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
 pub use crate::linear::cuda::{
-    dequantize, dequantize_fast, gather_dequantized, gemv_quant, gemv_small, gemv_small_applies,
-    quantize_rows_q8, specialize_dequantize, specialize_gemv_quant, specialize_gemv_small,
-    specialize_quantize_q8, Q8Rows, QuantFormat, QuantGemvKernel, GEMV_MAX_ROWS,
-    QUANT_GEMV_MAX_ROWS, QUANT_PADDING,
+    dequantize, dequantize_fast, gather_dequantized, gemv_quant, gemv_quant_pair, gemv_small,
+    gemv_small_applies, quantize_rows_q8, specialize_dequantize, specialize_gemv_quant,
+    specialize_gemv_quant_pair, specialize_gemv_small, specialize_quantize_q8, Q8Rows, QuantFormat,
+    QuantGemvKernel, QuantPartRef, GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS, QUANT_PADDING, QUANT_PAIRS,
 };
 pub use crate::moe::cuda::{
     moe_combine, moe_down, moe_down_combine, moe_experts, moe_gate_up, moe_gate_up_with, moe_route,
@@ -49,8 +49,8 @@ pub use crate::moe::cuda::{
     MOE_PER_ROW_MAX_ROWS, MOE_TILE_ROWS,
 };
 pub use crate::norm::cuda::{
-    add_bias_rows, add_rms_norm, rms_norm, rms_norm_heads, specialize_norm, specialize_qkv,
-    NormEntry, QkvEntry,
+    add_bias_rows, add_rms_norm, rms_norm, rms_norm_heads, rms_norm_q8, specialize_norm,
+    specialize_qkv, NormEntry, QkvEntry,
 };
 pub use crate::rope::cuda::{
     kv_append, rope, rope_kv_append, specialize_kv_append, specialize_rope,

@@ -45,6 +45,10 @@ mod embedding;
 mod linear;
 #[path = "backend_ops/linear_quant.rs"]
 mod linear_quant;
+#[path = "backend_ops/linear_quant_fused.rs"]
+mod linear_quant_fused;
+#[path = "backend_ops/linear_quant_pair.rs"]
+mod linear_quant_pair;
 #[path = "backend_ops/mla.rs"]
 mod mla;
 #[path = "backend_ops/norm.rs"]
@@ -63,6 +67,8 @@ fn cases() -> Vec<Box<dyn OpCase>> {
     cases.extend(embedding::cases());
     cases.extend(linear::cases());
     cases.extend(linear_quant::cases());
+    cases.extend(linear_quant_fused::cases());
+    cases.extend(linear_quant_pair::cases());
     cases.extend(attention::cases());
     cases.extend(mla::cases());
     cases

@@ -61,7 +61,8 @@ impl<T: HostFloat> TypedRunner<T> {
             });
         }
         let quantized = self.model.largest_quantized();
-        let buffers = StepBuffers::new(gpu, c, &options, &layout, quantized)?;
+        let mut buffers = StepBuffers::new(gpu, c, &options, &layout, quantized)?;
+        buffers.quant.pair_matrices = self.model.quant_pair_matrices();
         let tokens = options.max_batch_tokens.max(1);
         let requests = options.max_batch_requests.max(1);
         let staging = Staging {
@@ -436,6 +437,12 @@ impl<T: HostFloat> TypedRunner<T> {
         if cache.buffers.quant.dense.is_some() {
             if cache.buffers.quant.in_place(shape.num_tokens) {
                 self.counters.steps_cuda_quant_in_place += 1;
+                if cache.buffers.quant.fuses(shape.num_tokens) {
+                    self.counters.steps_cuda_quant_fused_q8 += 1;
+                }
+                if cache.buffers.quant.pairs_in_one_launch() {
+                    self.counters.steps_cuda_quant_pair += 1;
+                }
             } else {
                 self.counters.steps_cuda_quant_decoded += 1;
             }

@@ -135,7 +135,9 @@ impl<T: HostFloat> StepBuffers<T> {
             .max(c.num_attention_heads * c.head_dim)
             .max(shared_experts);
         let kernel = options.kernels.quant_gemv_kernel;
-        let quant = QuantScratch::new(gpu, largest_quantized, width, (gemv_rows, kernel))?;
+        let (fused_q8, pair) = (options.kernels.quant_fused_q8, options.kernels.quant_pair);
+        let scratch_choice = (gemv_rows, kernel, fused_q8, pair);
+        let quant = QuantScratch::new(gpu, largest_quantized, width, scratch_choice)?;
         if largest_quantized > 0 {
             static QUANT: std::sync::Once = std::sync::Once::new();
             QUANT.call_once(|| {
@@ -143,6 +145,22 @@ impl<T: HostFloat> StepBuffers<T> {
                     "CUDA quantized linear layers: 1-{gemv_rows} rows on the in-place kernel \
                      (q8 activations, {kernel:?} layout: PAGODA_CUDA_QUANT_GEMV_KERNEL), more \
                      decoded for cuBLAS (PAGODA_CUDA_QUANT_GEMV_ROWS)"
+                );
+                let how = match fused_q8 && gemv_rows > 0 {
+                    true => "written by their producer (RMSNorm, SiLU x up) in its launch",
+                    false => "quantized by a launch of their own",
+                };
+                tracing::info!(
+                    "CUDA quantized linear layers' q8 activations: {how} \
+                     (PAGODA_CUDA_QUANT_FUSED_Q8)"
+                );
+                let pairs = match pair && gemv_rows > 0 && kernel == ops::QuantGemvKernel::Groups {
+                    true => "one launch",
+                    false => "a launch a part",
+                };
+                tracing::info!(
+                    "CUDA quantized matrices of two formats (Q4_K/Q5_K then Q6_K) in place: \
+                     {pairs} (PAGODA_CUDA_QUANT_PAIR)"
                 )
             });
         }

@@ -38,6 +38,13 @@ pub struct CudaKernels {
     pub quant_gemv_rows: usize,
     /// The layout of the in-place quantized kernel (`PAGODA_CUDA_QUANT_GEMV_KERNEL`).
     pub quant_gemv_kernel: ops::QuantGemvKernel,
+    /// In-place steps: the RMSNorm and SiLU x up before a quantized matrix write its q8
+    /// activations in their own launch, the separate quantize launch skipped
+    /// (`PAGODA_CUDA_QUANT_FUSED_Q8`; the same bytes).
+    pub quant_fused_q8: bool,
+    /// A stacked matrix of two quantized formats (a Q4_K_M QKV whose v is Q6_K) multiplies
+    /// in one launch (`PAGODA_CUDA_QUANT_PAIR`; the same bits as two).
+    pub quant_pair: bool,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -123,6 +130,8 @@ impl Default for CudaKernels {
             gemv: false,
             quant_gemv_rows: 8,
             quant_gemv_kernel: ops::QuantGemvKernel::default(),
+            quant_fused_q8: true,
+            quant_pair: true,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -160,6 +169,8 @@ impl CudaKernels {
                 "units4" => ops::QuantGemvKernel::Units { warp_rows: Some(4) },
                 _ => ops::QuantGemvKernel::Groups,
             },
+            quant_fused_q8: config.on("PAGODA_CUDA_QUANT_FUSED_Q8"),
+            quant_pair: config.on("PAGODA_CUDA_QUANT_PAIR"),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -262,6 +273,8 @@ mod tests {
             ("PAGODA_CUDA_GEMV", "on"),
             ("PAGODA_CUDA_QUANT_GEMV_ROWS", "3"),
             ("PAGODA_CUDA_QUANT_GEMV_KERNEL", "groups"),
+            ("PAGODA_CUDA_QUANT_FUSED_Q8", "off"),
+            ("PAGODA_CUDA_QUANT_PAIR", "off"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -282,6 +295,8 @@ mod tests {
             gemv: true,
             quant_gemv_rows: 3,
             quant_gemv_kernel: ops::QuantGemvKernel::Groups,
+            quant_fused_q8: false,
+            quant_pair: false,
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),

@@ -18,6 +18,7 @@ use super::{GpuLayer, GpuMlp, GpuModel, GqaWeights, HostFloat, LayerAttention, S
 use crate::decoder::{deepseek_layers, llama_layers, llama_moe_layers, DecoderStep, MoeStep};
 
 mod fp8;
+mod fused_q8;
 mod mla;
 
 impl<T: HostFloat> GpuModel<T> {
@@ -123,7 +124,11 @@ impl<T: HostFloat> GpuModel<T> {
             prefill,
             fused_rope_append: *fused_rope_append,
             gemv: *gemv,
-            quant,
+            quant: {
+                quant.prequantized = false;
+                quant
+            },
+            down_quantized: false,
             moe: moe.as_mut(),
             page_table,
             num_tokens,
@@ -171,6 +176,8 @@ pub(super) struct GpuStep<'a, T> {
     gemv: bool,
     /// What linear layers over quantized matrices need.
     quant: &'a mut QuantScratch<T>,
+    /// The down projection after the gate/up one is quantized (`layers/fused_q8.rs`).
+    down_quantized: bool,
     /// A MoE model's expert buffers.
     moe: Option<&'a mut MoeBuffers<T>>,
     page_table: DevicePageTable<'a>,
@@ -241,8 +248,11 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     }
 
     fn attention_norm(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
-        let eps = self.model.config.rms_norm_eps;
-        ops::rms_norm(self.gpu, &self.x, &layer.attn_norm, &mut self.normed, eps)
+        let next =
+            matches!(&layer.attention, LayerAttention::Gqa(w) if fused_q8::quantized(&w.wqkv));
+        let io = (&self.x, &layer.attn_norm, &mut self.normed);
+        let rows = (self.num_tokens, self.model.config.rms_norm_eps);
+        fused_q8::rms_norm_for(self.gpu, self.quant, next, io, rows)
     }
 
     fn qkv_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
@@ -405,12 +415,16 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     }
 
     fn mlp_norm(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
-        let eps = self.model.config.rms_norm_eps;
-        ops::rms_norm(self.gpu, &self.x, &layer.ffn_norm, &mut self.normed, eps)
+        let next =
+            matches!(&layer.mlp, GpuMlp::Dense { w_gate_up, .. } if fused_q8::quantized(w_gate_up));
+        let io = (&self.x, &layer.ffn_norm, &mut self.normed);
+        let rows = (self.num_tokens, self.model.config.rms_norm_eps);
+        fused_q8::rms_norm_for(self.gpu, self.quant, next, io, rows)
     }
 
     fn gate_up_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
-        let (w_gate_up, _) = dense(layer)?;
+        let (w_gate_up, w_down) = dense(layer)?;
+        self.down_quantized = fused_q8::quantized(w_down);
         let c = &self.model.config;
         let shape = (self.num_tokens, 2 * c.intermediate_size, c.hidden_size);
         let mut linear = Linear {
@@ -422,11 +436,7 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     }
 
     fn silu_mul(&mut self) -> Result<(), CudaError> {
-        let (inter, num_tokens) = (self.model.config.intermediate_size, self.num_tokens);
-        let gate = view(&self.gate_up, 0..num_tokens * 2 * inter)?;
-        let up = view(&self.gate_up, inter..num_tokens * 2 * inter)?;
-        let strides = (2 * inter, 2 * inter);
-        ops::silu_mul(self.gpu, &gate, &up, &mut self.act, inter, strides)
+        self.silu_mul_for_down()
     }
 
     fn down_projection(&mut self, layer: &GpuLayer<T>) -> Result<(), CudaError> {
@@ -452,13 +462,18 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
         let (hidden, num_tokens) = (c.hidden_size, self.num_tokens);
         let (x, rows) = (&self.x, &self.logits_rows);
         ops::embedding_gather(gpu, x, rows, &mut self.selected, num_tokens, hidden)?;
-        let norm = &model.output_norm;
-        let eps = c.rms_norm_eps;
-        ops::rms_norm(gpu, &self.selected, norm, &mut self.selected_normed, eps)?;
+        let head = model.lm_head.as_ref().unwrap_or(&model.embedding);
+        let next = !self.hidden_only && fused_q8::quantized(head);
+        let io = (
+            &self.selected,
+            &model.output_norm,
+            &mut self.selected_normed,
+        );
+        let rows = (self.num_logits, c.rms_norm_eps);
+        fused_q8::rms_norm_for(gpu, self.quant, next, io, rows)?;
         if self.hidden_only {
             return Ok(());
         }
-        let head = model.lm_head.as_ref().unwrap_or(&model.embedding);
         let shape = (self.num_logits, c.vocab_size, hidden);
         let mut linear = Linear {
             gpu,

@@ -62,6 +62,17 @@ pub struct QuantScratch<T> {
     pub dense: Option<DeviceBuffer<T>>,
     pub gemv_rows: usize,
     pub gemv_kernel: ops::QuantGemvKernel,
+    /// The producers of a quantized layer's input (RMSNorm, SiLU x up) write its q8
+    /// activations in their own launch (`PAGODA_CUDA_QUANT_FUSED_Q8`).
+    pub fused_q8: bool,
+    /// `q8` holds the input of the next linear layer, written by its producer
+    /// ([`QuantScratch::producer_q8`]): the next [`Linear::run`] skips its quantize launch.
+    pub prequantized: bool,
+    /// A matrix of two parts of one of [`ops::QUANT_PAIRS`] (a Q4_K_M QKV with a Q6_K v)
+    /// multiplies in one launch (`PAGODA_CUDA_QUANT_PAIR`, the `Groups` layout).
+    pub pair: bool,
+    /// The model's matrices of two such parts (set by the runner, for its counter).
+    pub pair_matrices: usize,
 }
 
 impl<T: Element> QuantScratch<T> {
@@ -71,7 +82,7 @@ impl<T: Element> QuantScratch<T> {
         gpu: &Gpu,
         values: usize,
         width: usize,
-        (gemv_rows, gemv_kernel): (usize, ops::QuantGemvKernel),
+        (gemv_rows, gemv_kernel, fused_q8, pair): (usize, ops::QuantGemvKernel, bool, bool),
     ) -> Result<Self, CudaError> {
         if values == 0 {
             return Ok(QuantScratch {
@@ -79,6 +90,10 @@ impl<T: Element> QuantScratch<T> {
                 dense: None,
                 gemv_rows: 0,
                 gemv_kernel,
+                fused_q8,
+                prequantized: false,
+                pair,
+                pair_matrices: 0,
             });
         }
         Ok(QuantScratch {
@@ -90,12 +105,56 @@ impl<T: Element> QuantScratch<T> {
             dense: Some(gpu.alloc::<T>(values)?),
             gemv_rows,
             gemv_kernel,
+            fused_q8,
+            prequantized: false,
+            pair,
+            pair_matrices: 0,
         })
     }
 
     /// Whether a step of `rows` rows multiplies quantized matrices in place.
     pub fn in_place(&self, rows: usize) -> bool {
         self.q8.is_some() && rows <= self.gemv_rows
+    }
+
+    /// The two parts of `q` when they multiply in one launch ([`Self::pair`]).
+    pub(crate) fn pair_parts<'q>(&self, q: &'q QuantMatrix) -> Option<[&'q QuantPart; 2]> {
+        let [a, b] = &q.parts[..] else {
+            return None;
+        };
+        let applies = self.pair
+            && self.gemv_kernel == ops::QuantGemvKernel::Groups
+            && ops::QUANT_PAIRS.contains(&(a.format, b.format));
+        applies.then_some([a, b])
+    }
+
+    /// Whether the model's matrices of two parts multiply in one launch each (in place).
+    pub fn pairs_in_one_launch(&self) -> bool {
+        self.pair && self.gemv_kernel == ops::QuantGemvKernel::Groups && self.pair_matrices > 0
+    }
+
+    /// Whether a step of `rows` rows has the producers of quantized layers' inputs write
+    /// their q8 activations (`PAGODA_CUDA_QUANT_FUSED_Q8`, in place).
+    pub fn fuses(&self, rows: usize) -> bool {
+        self.fused_q8 && self.in_place(rows)
+    }
+
+    /// The q8 activations the producer of `rows` rows of `width` values writes for the
+    /// linear layer that reads them directly after (marked ready for it): `None` (the
+    /// producer writes only its output, the layer quantizes it) unless [`Self::fuses`], that
+    /// layer is quantized (`next_quantized`) and `width` a whole number of 32-value blocks.
+    pub fn producer_q8(
+        &mut self,
+        next_quantized: bool,
+        rows: usize,
+        width: usize,
+    ) -> Option<&mut Q8Rows> {
+        self.prequantized = false;
+        if !self.fuses(rows) || !next_quantized || !width.is_multiple_of(32) {
+            return None;
+        }
+        self.prequantized = true;
+        self.q8.as_mut()
     }
 }
 
@@ -118,6 +177,8 @@ impl<T: Element> Linear<'_, T> {
         beta: f32,
     ) -> Result<(), CudaError> {
         let gpu = self.gpu;
+        // Activations its producer quantized (for this layer only: any run clears the mark).
+        let prequantized = std::mem::take(&mut self.quant.prequantized);
         let q = match w {
             Matrix::Dense(w) if self.small && ops::gemv_small_applies(a, w, (m, n, k)) => {
                 return ops::gemv_small(gpu, a, w, out, (m, n, k), beta);
@@ -126,8 +187,18 @@ impl<T: Element> Linear<'_, T> {
             Matrix::Quantized(q) => q,
         };
         if self.quant.in_place(m) {
+            let pair = self.quant.pair_parts(q);
             let q8 = self.quant.q8.as_mut().expect("in_place checked it");
-            ops::quantize_rows_q8(gpu, a, q8, (m, k))?;
+            if !prequantized || q8.shape() != (m, k) {
+                ops::quantize_rows_q8(gpu, a, q8, (m, k))?;
+            }
+            if let Some([pa, pb]) = pair {
+                let parts = (
+                    (pa.format, &pa.blocks, pa.rows),
+                    (pb.format, &pb.blocks, pb.rows),
+                );
+                return ops::gemv_quant_pair(gpu, parts.0, parts.1, q8, out, n, beta);
+            }
             let mut column = 0;
             for part in &q.parts {
                 let mut slice = view_mut(out, column..m * n)?;

@@ -275,6 +275,14 @@ impl CudaModel {
         }
     }
 
+    /// Matrices of two quantized formats multiplied in one launch (`PAGODA_CUDA_QUANT_PAIR`).
+    pub fn quant_pair_matrices(&self) -> usize {
+        match self {
+            CudaModel::Bf16(model) => model.quant_pair_matrices(),
+            CudaModel::F32(model) => model.quant_pair_matrices(),
+        }
+    }
+
     /// Weight bytes a decode step of `rows` rows reads: [`CudaModel::weight_bytes`] less the
     /// experts no row is routed to, under uniform routing (as the CPU model's
     /// `step_weight_bytes`).

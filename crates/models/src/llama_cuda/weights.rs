@@ -168,6 +168,20 @@ impl<T: HostFloat> GpuModel<T> {
             .unwrap_or(0)
     }
 
+    /// Matrices of two quantized parts of one of `QUANT_PAIRS` (a Q4_K_M QKV whose v is
+    /// Q6_K), which `PAGODA_CUDA_QUANT_PAIR` multiplies in one launch.
+    pub fn quant_pair_matrices(&self) -> usize {
+        self.matrices()
+            .filter(|m| match m {
+                Matrix::Quantized(q) => match &q.parts[..] {
+                    [a, b] => pagoda_ops::cuda::QUANT_PAIRS.contains(&(a.format, b.format)),
+                    _ => false,
+                },
+                Matrix::Dense(_) => false,
+            })
+            .count()
+    }
+
     /// `(format, matrices)` of the quantized matrices' parts, for the load log.
     pub(super) fn quantized_formats(&self) -> Vec<(QuantFormat, usize)> {
         let mut counts: Vec<(QuantFormat, usize)> = Vec::new();

@@ -1,20 +1,29 @@
-//! SiLU-and-multiply, the residual add and greedy argmax.
+//! SiLU-and-multiply (also writing the q8 activations of the quantized linear layer that
+//! reads it), the residual add and greedy argmax.
 
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
+use crate::linear::cuda::Q8Rows;
 use pagoda_cuda::{
     check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceRead, DeviceWrite, Element, Gpu,
     KernelArg, KernelSource, KernelSpec, LaunchDims,
 };
 
 /// The CUDA source of this op's `elementwise.cu` kernels.
-pub(crate) static ELEMENTWISE: KernelSource =
-    KernelSource::new("elementwise.cu", include_str!("cuda/elementwise.cu"));
+pub(crate) static ELEMENTWISE: KernelSource = KernelSource::new(
+    "elementwise.cu",
+    concat!(
+        include_str!("../linear/cuda/q8_block.cu"),
+        include_str!("cuda/elementwise.cu")
+    ),
+);
 
 /// The entry points of `elementwise.cu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ElementwiseEntry {
     /// `silu_mul`.
     SiluMul,
+    /// `silu_mul_q8` (the output quantized besides, for the quantized linear layer).
+    SiluMulQ8,
     /// `add_in_place`.
     AddInPlace,
     /// `argmax_rows` (f32 logits only).
@@ -29,6 +38,7 @@ pub fn specialize_elementwise(
     check_float("elementwise", dtype)?;
     let (name, dtypes) = match entry {
         ElementwiseEntry::SiluMul => ("silu_mul", vec![("T", dtype)]),
+        ElementwiseEntry::SiluMulQ8 => ("silu_mul_q8", vec![("T", dtype)]),
         ElementwiseEntry::AddInPlace => ("add_in_place", vec![("T", dtype)]),
         ElementwiseEntry::ArgmaxRows => {
             if dtype != DType::F32 {
@@ -64,9 +74,38 @@ pub fn silu_mul<T: Element>(
     up: &impl DeviceRead<T>,
     out: &mut impl DeviceWrite<T>,
     width: usize,
+    strides: (usize, usize),
+) -> Result<(), CudaError> {
+    silu_mul_with(gpu, (gate, up), out, None, width, strides)
+}
+
+/// [`silu_mul`] that also quantizes its output into `q8` (`width` a multiple of 32) for
+/// [`crate::linear::cuda::gemv_quant`]: the bytes and scales
+/// [`crate::linear::cuda::quantize_rows_q8`] would write from `out`, in the same launch.
+pub fn silu_mul_q8<T: Element>(
+    gpu: &Gpu,
+    (gate, up): (&impl DeviceRead<T>, &impl DeviceRead<T>),
+    out: &mut impl DeviceWrite<T>,
+    q8: &mut Q8Rows,
+    width: usize,
+    strides: (usize, usize),
+) -> Result<(), CudaError> {
+    silu_mul_with(gpu, (gate, up), out, Some(q8), width, strides)
+}
+
+fn silu_mul_with<T: Element>(
+    gpu: &Gpu,
+    (gate, up): (&impl DeviceRead<T>, &impl DeviceRead<T>),
+    out: &mut impl DeviceWrite<T>,
+    q8: Option<&mut Q8Rows>,
+    width: usize,
     (gate_row_stride, up_row_stride): (usize, usize),
 ) -> Result<(), CudaError> {
-    let spec = specialize_elementwise(ElementwiseEntry::SiluMul, T::DTYPE)?;
+    let entry = match q8 {
+        Some(_) => ElementwiseEntry::SiluMulQ8,
+        None => ElementwiseEntry::SiluMul,
+    };
+    let spec = specialize_elementwise(entry, T::DTYPE)?;
     if width == 0 || out.len() % width != 0 || gate_row_stride < width || up_row_stride < width {
         return Err(CudaError::invalid(format!(
             "silu_mul: width {width}, out {} elements, row strides ({gate_row_stride}, {up_row_stride}): \
@@ -92,16 +131,19 @@ pub fn silu_mul<T: Element>(
             up.len(),
         )?;
     }
-    let args = [
-        ptr(gate),
-        ptr(up),
-        ptr(out),
+    let mut args = vec![ptr(gate), ptr(up), ptr(out)];
+    if let Some(q8) = q8 {
+        let (values, scales) = q8.outputs((num_tokens, width))?;
+        args.extend([ptr(values), ptr(scales)]);
+    }
+    args.extend([
         KernelArg::U32(to_u32("width", width)?),
         KernelArg::U32(to_u32("gate_row_stride", gate_row_stride)?),
         KernelArg::U32(to_u32("up_row_stride", up_row_stride)?),
-    ];
+    ]);
     let grid = (to_u32("blocks", width.div_ceil(256))?, num_tokens as u32);
-    // SAFETY: arguments match `silu_mul`; extents validated.
+    // SAFETY: arguments match `silu_mul` (or `silu_mul_q8`: `q8` holds num_tokens x width
+    // values, width a multiple of 32 checked by `outputs`); extents validated.
     unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }
 }
 
@@ -149,7 +191,11 @@ pub fn argmax_rows(
 pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     let mut specs = Vec::new();
     for &dtype in &FLOAT_DTYPES {
-        for entry in [ElementwiseEntry::SiluMul, ElementwiseEntry::AddInPlace] {
+        for entry in [
+            ElementwiseEntry::SiluMul,
+            ElementwiseEntry::SiluMulQ8,
+            ElementwiseEntry::AddInPlace,
+        ] {
             specs.push(specialize_elementwise(entry, dtype)?);
         }
     }

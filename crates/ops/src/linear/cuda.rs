@@ -8,9 +8,9 @@ mod gemv_quant;
 pub(crate) use gemv::GEMV_SMALL;
 pub use gemv::{gemv_small, gemv_small_applies, specialize_gemv_small, GEMV_MAX_ROWS};
 pub use gemv_quant::{
-    dequantize_fast, gemv_quant, quantize_rows_q8, specialize_dequant_groups,
-    specialize_gemv_quant, specialize_quantize_q8, Q8Rows, QuantGemvKernel, QUANT_GEMV_MAX_ROWS,
-    QUANT_PADDING,
+    dequantize_fast, gemv_quant, gemv_quant_pair, quantize_rows_q8, specialize_dequant_groups,
+    specialize_gemv_quant, specialize_gemv_quant_pair, specialize_quantize_q8, Q8Rows,
+    QuantGemvKernel, QuantPartRef, QUANT_GEMV_MAX_ROWS, QUANT_PADDING, QUANT_PAIRS,
 };
 
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};

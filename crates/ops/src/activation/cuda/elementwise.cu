@@ -59,3 +59,22 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits,
         if (lane == 0) token_ids[blockIdx.x] = best_index == 0xffffffffu ? 0u : best_index;
     }
 }
+
+// silu_mul that also writes its output as the q8_1 activations of the quantized GEMV that
+// reads it next (`q8_quantize_block` of the value rounded to T, the bytes quantize_q8_rows
+// writes from `out`): one launch instead of two. width a multiple of 32, so a warp holds one
+// whole 32-value block (and leaves together past the end).
+extern "C" __global__ void silu_mul_q8(const T* __restrict__ gate, const T* __restrict__ up,
+                                       T* __restrict__ out, signed char* __restrict__ xq,
+                                       float2* __restrict__ xds, unsigned int width,
+                                       unsigned int gate_row_stride, unsigned int up_row_stride) {
+    const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int token = blockIdx.y;
+    if (i >= width) return;
+    const float g = to_f32(gate[(size_t)token * gate_row_stride + i]);
+    const float u = to_f32(up[(size_t)token * up_row_stride + i]);
+    const T y = from_f32<T>(g / (1.0f + expf(-g)) * u);
+    const size_t index = (size_t)token * width + i;
+    out[index] = y;
+    q8_quantize_block(to_f32(y), xq, xds, index);
+}

@@ -15,7 +15,8 @@
 // matrix's shape. Partial sums meet in shared memory. Weights are read through L1 (a K-quant
 // group's neighbours share its header and bytes); the quantized activations come from cache.
 // Requirements (checked by the launcher): k a multiple of the format's block, m <= M_TILE.
-// Specialisation: PAGODA_FORMAT (0-7, below), PAGODA_M_TILE (1, 2, 4 or 8), PAGODA_T_OUT.
+// Specialisation: PAGODA_FORMAT (0-7, below), PAGODA_M_TILE (1, 2, 4 or 8), PAGODA_T_OUT;
+// `gemv_quant_pair` also PAGODA_FORMAT_B, the format of its second part.
 typedef PAGODA_T_OUT TO;
 
 namespace gemv_quant_detail {
@@ -26,18 +27,27 @@ constexpr int M_TILE = PAGODA_M_TILE;
 // raise the registers past 4 CTAs an SM, measured slower on the H200), two otherwise.
 constexpr int ROWS = M_TILE == 1 ? 1 : 2;
 constexpr int WARPS = 4;                    // warps per CTA
-constexpr bool K_QUANT = FORMAT >= Q4_K;
-constexpr int BLOCK_VALUES = K_QUANT ? 256 : 32;
-constexpr int BLOCK_BYTES = FORMAT == Q4_0   ? 18
-                            : FORMAT == Q4_1 ? 20
-                            : FORMAT == Q5_0 ? 22
-                            : FORMAT == Q5_1 ? 24
-                            : FORMAT == Q8_0 ? 34
-                            : FORMAT == Q4_K ? 144
-                            : FORMAT == Q5_K ? 176
-                                             : 210;
-constexpr int GROUPS_PER_BLOCK = BLOCK_VALUES / 32;
-constexpr bool SPLIT16 = FORMAT == Q6_K;
+// A format's block geometry (a template, so one kernel can hold two formats).
+template <int F>
+struct Fmt {
+    static constexpr bool K_QUANT = F >= Q4_K;
+    static constexpr int BLOCK_VALUES = K_QUANT ? 256 : 32;
+    static constexpr int BLOCK_BYTES = F == Q4_0   ? 18
+                                       : F == Q4_1 ? 20
+                                       : F == Q5_0 ? 22
+                                       : F == Q5_1 ? 24
+                                       : F == Q8_0 ? 34
+                                       : F == Q4_K ? 144
+                                       : F == Q5_K ? 176
+                                                   : 210;
+    static constexpr int GROUPS_PER_BLOCK = BLOCK_VALUES / 32;
+    static constexpr bool SPLIT16 = F == Q6_K;
+};
+constexpr bool K_QUANT = Fmt<FORMAT>::K_QUANT;
+constexpr int BLOCK_VALUES = Fmt<FORMAT>::BLOCK_VALUES;
+constexpr int BLOCK_BYTES = Fmt<FORMAT>::BLOCK_BYTES;
+constexpr int GROUPS_PER_BLOCK = Fmt<FORMAT>::GROUPS_PER_BLOCK;
+constexpr bool SPLIT16 = Fmt<FORMAT>::SPLIT16;
 static_assert(M_TILE == 1 || M_TILE == 2 || M_TILE == 4 || M_TILE == 8, "M_TILE: 1, 2, 4 or 8");
 static_assert(FORMAT >= Q4_0 && FORMAT <= Q6_K, "FORMAT: 0-7");
 
@@ -113,15 +123,17 @@ PAGODA_DEVICE void scale_min_k4(unsigned int j, const unsigned int* s, float& sc
     min = (float)mn;
 }
 
-// Decodes group g (0 .. GROUPS_PER_BLOCK - 1) of the weight block at `b`: values 32g .. 32g + 31.
+// Decodes group g (0 .. GROUPS_PER_BLOCK - 1) of the weight block at `b` of format F: values
+// 32g .. 32g + 31.
+template <int F = FORMAT>
 PAGODA_DEVICE void decode(const unsigned char* b, unsigned int g, Group& u) {
-    if (FORMAT == Q4_0 || FORMAT == Q4_1 || FORMAT == Q5_0 || FORMAT == Q5_1) {
+    if constexpr (F == Q4_0 || F == Q4_1 || F == Q5_0 || F == Q5_1) {
         // d [, m] [, qh: 4 bytes] and 16 bytes of nibbles (values j and j + 16 share byte j).
-        constexpr bool MIN = FORMAT == Q4_1 || FORMAT == Q5_1;
-        constexpr bool FIFTH = FORMAT == Q5_0 || FORMAT == Q5_1;
-        constexpr int WORDS = (BLOCK_BYTES + 3) / 4;
+        constexpr bool MIN = F == Q4_1 || F == Q5_1;
+        constexpr bool FIFTH = F == Q5_0 || F == Q5_1;
+        constexpr int WORDS = (Fmt<F>::BLOCK_BYTES + 3) / 4;
         unsigned int w[WORDS], qs[4], qh = 0, dm;
-        if (FORMAT == Q4_1 || FORMAT == Q5_1) {  // 4-byte aligned blocks
+        if (F == Q4_1 || F == Q5_1) {  // 4-byte aligned blocks
             const unsigned int* p = reinterpret_cast<const unsigned int*>(b);
 #pragma unroll
             for (int i = 0; i < WORDS; ++i) w[i] = __ldg(p + i);
@@ -149,22 +161,22 @@ PAGODA_DEVICE void decode(const unsigned char* b, unsigned int g, Group& u) {
         const float d = half_bits(dm);
         u.dw[0] = u.dw[1] = d;
         u.mw = MIN ? half_bits(dm >> 16) : (FIFTH ? -16.0f : -8.0f) * d;
-    } else if (FORMAT == Q8_0) {
+    } else if constexpr (F == Q8_0) {
         unsigned int w[9];
         load_words(b, w);
 #pragma unroll
         for (int i = 0; i < 8; ++i) u.q[i] = (int)__funnelshift_r(w[i], w[i + 1], 16);
         u.dw[0] = u.dw[1] = half_bits(w[0]);
         u.mw = 0.0f;
-    } else if (FORMAT == Q4_K || FORMAT == Q5_K) {
+    } else if constexpr (F == Q4_K || F == Q5_K) {
         // Groups 2c and 2c + 1 are the low and high nibbles of the 32 bytes of chunk c.
         unsigned int head[4], qs[8];
         load_aligned(b, head);
-        load_aligned(b + (FORMAT == Q4_K ? 16 : 48) + 32 * (g / 2), qs);
+        load_aligned(b + (F == Q4_K ? 16 : 48) + 32 * (g / 2), qs);
         const bool high = g % 2;
         nibbles(*reinterpret_cast<const unsigned int(*)[4]>(qs), high, u.q);
         nibbles(*reinterpret_cast<const unsigned int(*)[4]>(qs + 4), high, u.q + 4);
-        if (FORMAT == Q5_K) {  // the fifth bit of value l of group g: bit g of qh[l]
+        if (F == Q5_K) {  // the fifth bit of value l of group g: bit g of qh[l]
             unsigned int qh[8];
             load_aligned(b + 16, qh);
 #pragma unroll
@@ -195,15 +207,18 @@ PAGODA_DEVICE void decode(const unsigned char* b, unsigned int g, Group& u) {
 }
 }  // namespace gemv_quant_detail
 
-extern "C" __global__ void __launch_bounds__(gemv_quant_detail::WARPS * 32)
-    gemv_quant(const unsigned char* __restrict__ w, const int* __restrict__ xq,
-               const float2* __restrict__ xds, TO* __restrict__ out, unsigned int m,
-               unsigned int n, unsigned int k, unsigned int ldo, float beta) {
-    using namespace gemv_quant_detail;
+namespace gemv_quant_detail {
+// The CTA `cta` of the product with the n rows of format F at `w` (the kernels below).
+template <int F>
+PAGODA_DEVICE void gemv_rows(const unsigned char* __restrict__ w, const int* __restrict__ xq,
+                             const float2* __restrict__ xds, TO* __restrict__ out, unsigned int m,
+                             unsigned int n, unsigned int k, unsigned int ldo, float beta,
+                             unsigned int cta) {
     constexpr int THREADS = WARPS * 32;
-    const unsigned int row0 = blockIdx.x * ROWS;
+    constexpr int GROUPS_PER_BLOCK = Fmt<F>::GROUPS_PER_BLOCK, BLOCK_BYTES = Fmt<F>::BLOCK_BYTES;
+    const unsigned int row0 = cta * ROWS;
     const unsigned int groups = k / 32;
-    const size_t row_bytes = (size_t)(k / BLOCK_VALUES) * BLOCK_BYTES;
+    const size_t row_bytes = (size_t)(k / Fmt<F>::BLOCK_VALUES) * BLOCK_BYTES;
     const unsigned char* rows[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) rows[r] = w + (size_t)min(row0 + r, n - 1) * row_bytes;
@@ -217,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(gemv_quant_detail::WARPS * 32)
         const unsigned int block = group / GROUPS_PER_BLOCK, g = group % GROUPS_PER_BLOCK;
         Group u[ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) decode(rows[r] + (size_t)block * BLOCK_BYTES, g, u[r]);
+        for (int r = 0; r < ROWS; ++r) decode<F>(rows[r] + (size_t)block * BLOCK_BYTES, g, u[r]);
 #pragma unroll
         for (int i = 0; i < M_TILE; ++i) {
             if (i >= (int)m) break;
@@ -235,7 +250,7 @@ extern "C" __global__ void __launch_bounds__(gemv_quant_detail::WARPS * 32)
                 hi = __dp4a(q[5], c.y, hi);
                 hi = __dp4a(q[6], c.z, hi);
                 hi = __dp4a(q[7], c.w, hi);
-                const float dot = SPLIT16 ? u[r].dw[0] * (float)lo + u[r].dw[1] * (float)hi
+                const float dot = Fmt<F>::SPLIT16 ? u[r].dw[0] * (float)lo + u[r].dw[1] * (float)hi
                                           : u[r].dw[0] * (float)(lo + hi);
                 acc[i][r] += ds.x * dot + u[r].mw * ds.y;
             }
@@ -262,6 +277,37 @@ extern "C" __global__ void __launch_bounds__(gemv_quant_detail::WARPS * 32)
     const float previous = beta != 0.0f ? beta * to_f32(*o) : 0.0f;
     *o = from_f32<TO>(previous + v);
 }
+}  // namespace gemv_quant_detail
+
+extern "C" __global__ void __launch_bounds__(gemv_quant_detail::WARPS * 32)
+    gemv_quant(const unsigned char* __restrict__ w, const int* __restrict__ xq,
+               const float2* __restrict__ xds, TO* __restrict__ out, unsigned int m,
+               unsigned int n, unsigned int k, unsigned int ldo, float beta) {
+    using namespace gemv_quant_detail;
+    gemv_rows<FORMAT>(w, xq, xds, out, m, n, k, ldo, beta, blockIdx.x);
+}
+
+#ifdef PAGODA_FORMAT_B
+// Two stacked parts of two formats in one launch (a QKV of Q4_K q and k and a Q6_K v): the
+// first ceil(n_a / ROWS) CTAs are gemv_quant's over part A's n_a rows into columns 0..n_a,
+// the others over part B's n_b rows into columns n_a..n_a + n_b. The same arithmetic as two
+// gemv_quant launches, so the same bits.
+extern "C" __global__ void __launch_bounds__(gemv_quant_detail::WARPS * 32)
+    gemv_quant_pair(const unsigned char* __restrict__ w_a, const unsigned char* __restrict__ w_b,
+                    const int* __restrict__ xq, const float2* __restrict__ xds,
+                    TO* __restrict__ out, unsigned int m, unsigned int n_a, unsigned int n_b,
+                    unsigned int k, unsigned int ldo, float beta) {
+    using namespace gemv_quant_detail;
+    static_assert(PAGODA_FORMAT_B >= Q4_0 && PAGODA_FORMAT_B <= Q6_K, "FORMAT_B: 0-7");
+    const unsigned int ctas_a = (n_a + ROWS - 1) / ROWS;
+    if (blockIdx.x < ctas_a) {
+        gemv_rows<FORMAT>(w_a, xq, xds, out, m, n_a, k, ldo, beta, blockIdx.x);
+    } else {
+        gemv_rows<PAGODA_FORMAT_B>(w_b, xq, xds, out + n_a, m, n_b, k, ldo, beta,
+                                   blockIdx.x - ctas_a);
+    }
+}
+#endif
 
 // The dense copy of a quantized matrix for the GEMM of a larger batch: `rows` rows of k
 // values from their blocks into `out` [rows, k] (PAGODA_T_OUT), one thread per 32-value group
@@ -306,22 +352,13 @@ extern "C" __global__ void dequant_groups(const unsigned char* __restrict__ w, T
 }
 
 // The activations of gemv_quant: rows of x [m, k] (k a multiple of 32) quantized per 32-value
-// block as ggml's q8_1 and the CPU's Q8Rows: d = amax / 127, q = round(x * (1 / d)) to nearest
-// even within +-127, and (d, d * sum q).
+// block as ggml's q8_1 and the CPU's Q8Rows (`q8_quantize_block`, q8_block.cu).
 // One warp a block, one value a lane. Specialisation: PAGODA_T_IN (float or __nv_bfloat16).
 extern "C" __global__ void quantize_q8_rows(const PAGODA_T_IN* __restrict__ x,
                                             signed char* __restrict__ xq,
                                             float2* __restrict__ xds, unsigned int blocks) {
     const unsigned int block = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (block >= blocks) return;
-    const unsigned int lane = threadIdx.x % 32;
-    const size_t index = (size_t)block * 32 + lane;
-    const float value = to_f32(x[index]);
-    const float amax = warp_max(fabsf(value));
-    const float d = amax / 127.0f;
-    const float inverse = d != 0.0f ? 1.0f / d : 0.0f;
-    const int q = max(-127, min(127, __float2int_rn(value * inverse)));
-    xq[index] = (signed char)q;
-    const int sum = __reduce_add_sync(0xffffffffu, q);
-    if (lane == 0) xds[block] = make_float2(d, d * (float)sum);
+    const size_t index = (size_t)block * 32 + threadIdx.x % 32;
+    q8_quantize_block(to_f32(x[index]), xq, xds, index);
 }

@@ -14,6 +14,7 @@ use pagoda_cuda::{
 pub(crate) static GEMV_QUANT: KernelSource = KernelSource::new(
     "gemv_quant.cu",
     concat!(
+        include_str!("q8_block.cu"),
         include_str!("gemv_quant.cu"),
         include_str!("gemv_quant_units.cu")
     ),
@@ -95,6 +96,22 @@ impl Q8Rows {
     pub fn shape(&self) -> (usize, usize) {
         self.shape
     }
+
+    /// The buffers a quantizer of `m` rows of `k` values (a multiple of 32) writes (the bytes,
+    /// the `(d, d * sum)` pairs), the shape recorded for [`gemv_quant`].
+    pub(crate) fn outputs(
+        &mut self,
+        (m, k): (usize, usize),
+    ) -> Result<(&DeviceBuffer<i32>, &DeviceBuffer<f32>), CudaError> {
+        if k % 32 != 0 || m > self.capacity.0 || k > self.capacity.1 {
+            return Err(CudaError::invalid(format!(
+                "q8 activations: [{m}, {k}] needs k a multiple of 32 and at most [{}, {}]",
+                self.capacity.0, self.capacity.1
+            )));
+        }
+        self.shape = (m, k);
+        Ok((&self.values, &self.scales))
+    }
 }
 
 /// The `quantize_q8_rows` specialisation for activations of dtype `input`.
@@ -161,22 +178,16 @@ pub fn quantize_rows_q8<T: Element>(
     (m, k): (usize, usize),
 ) -> Result<(), CudaError> {
     let spec = specialize_quantize_q8(T::DTYPE)?;
-    if k % 32 != 0 || m > q8.capacity.0 || k > q8.capacity.1 {
-        return Err(CudaError::invalid(format!(
-            "q8 activations: [{m}, {k}] needs k a multiple of 32 and at most [{}, {}]",
-            q8.capacity.0, q8.capacity.1
-        )));
-    }
     check_len("q8 activations x [m, k]", m * k, x.len())?;
-    q8.shape = (m, k);
+    let (values, scales) = q8.outputs((m, k))?;
     let blocks = m * k / 32;
     if blocks == 0 {
         return Ok(());
     }
     let args = [
         ptr(x),
-        ptr(&q8.values),
-        ptr(&q8.scales),
+        ptr(values),
+        ptr(scales),
         KernelArg::U32(to_u32("q8 blocks", blocks)?),
     ];
     let grid = (to_u32("q8 CTAs", blocks.div_ceil(8))?, 1);
@@ -248,6 +259,103 @@ pub fn gemv_quant<TOut: Element>(
     Ok(())
 }
 
+/// The pairs of formats `gemv_quant_pair` is compiled for (`(first part, second part)`): the
+/// stacked QKV of a Q4_K_M or Q5_K_M file, whose v is Q6_K in the layers llama.cpp gives more
+/// bits.
+pub const QUANT_PAIRS: [(QuantFormat, QuantFormat); 2] = [
+    (QuantFormat::Q4K, QuantFormat::Q6K),
+    (QuantFormat::Q5K, QuantFormat::Q6K),
+];
+
+/// The `gemv_quant_pair` specialisation of parts `(a, b)` (one of [`QUANT_PAIRS`]) for `rows`
+/// activation rows writing `out`, in the `Groups` layout.
+pub fn specialize_gemv_quant_pair(
+    (a, b): (QuantFormat, QuantFormat),
+    out: DType,
+    rows: usize,
+) -> Result<KernelSpec, CudaError> {
+    if !QUANT_PAIRS.contains(&(a, b)) {
+        return Err(CudaError::invalid(format!(
+            "quantized linear: no kernel for the parts {a} then {b} in one launch"
+        )));
+    }
+    let mut spec = specialize_gemv_quant(QuantGemvKernel::Groups, a, out, rows)?;
+    spec.entry = "gemv_quant_pair";
+    spec.params.push(("FORMAT_B", b.code()));
+    Ok(spec)
+}
+
+/// One part of a stacked quantized matrix: its format, its blocks (padded by
+/// [`QUANT_PADDING`] bytes) and its row count.
+pub type QuantPartRef<'a, W> = (QuantFormat, &'a W, usize);
+
+/// [`gemv_quant`] over two stacked parts of the formats of one of [`QUANT_PAIRS`] in one
+/// launch per [`QUANT_GEMV_MAX_ROWS`] rows (`Groups` layout): `a`'s rows into output columns
+/// `0..n_a`, `b`'s into `n_a..n_a + n_b`, row `i` of the output at `i * ldo`; the same bits as
+/// the two launches.
+pub fn gemv_quant_pair<TOut: Element, W: DeviceRead<u8>>(
+    gpu: &Gpu,
+    (format_a, w_a, n_a): QuantPartRef<'_, W>,
+    (format_b, w_b, n_b): QuantPartRef<'_, W>,
+    q8: &Q8Rows,
+    out: &mut impl DeviceWrite<TOut>,
+    ldo: usize,
+    beta: f32,
+) -> Result<(), CudaError> {
+    let (m, k) = q8.shape;
+    let n = n_a + n_b;
+    let blocks = format_a.block_values().max(format_b.block_values());
+    if n_a == 0 || n_b == 0 || m == 0 || k % blocks != 0 || ldo < n {
+        return Err(CudaError::invalid(format!(
+            "quantized linear {format_a} + {format_b}: needs two parts of rows, m >= 1, k a \
+             multiple of {blocks} and ldo >= n (have m {m} n {n_a} + {n_b} k {k} ldo {ldo})"
+        )));
+    }
+    for (what, format, w, rows) in [("a", format_a, w_a, n_a), ("b", format_b, w_b, n_b)] {
+        let bytes = rows * format.row_bytes(k) + QUANT_PADDING;
+        check_len(
+            &format!("quantized linear part {what} (bytes, padded)"),
+            bytes,
+            w.len(),
+        )?;
+    }
+    if out.len() < (m - 1) * ldo + n {
+        return Err(CudaError::invalid(format!(
+            "quantized linear out [{m}, {n}] with row stride {ldo} needs {} elements, has {}",
+            (m - 1) * ldo + n,
+            out.len()
+        )));
+    }
+    for first in (0..m).step_by(QUANT_GEMV_MAX_ROWS) {
+        let rows = (m - first).min(QUANT_GEMV_MAX_ROWS);
+        let spec = specialize_gemv_quant_pair((format_a, format_b), TOut::DTYPE, rows)?;
+        let (cta_rows, threads) =
+            cta_shape(QuantGemvKernel::Groups, format_a, rows.next_power_of_two());
+        let ctas = n_a.div_ceil(cta_rows) + n_b.div_ceil(cta_rows);
+        let grid = (to_u32("quantized linear CTAs", ctas)?, 1);
+        let values = view(&q8.values, first * k / 4..m * k / 4)?;
+        let scales = view(&q8.scales, first * k / 16..m * k / 16)?;
+        let o = view_mut(out, first * ldo..(m - 1) * ldo + n)?;
+        let args = [
+            ptr(w_a),
+            ptr(w_b),
+            ptr(&values),
+            ptr(&scales),
+            ptr(&o),
+            KernelArg::U32(to_u32("m", rows)?),
+            KernelArg::U32(to_u32("n_a", n_a)?),
+            KernelArg::U32(to_u32("n_b", n_b)?),
+            KernelArg::U32(to_u32("k", k)?),
+            KernelArg::U32(to_u32("ldo", ldo)?),
+            KernelArg::F32(beta),
+        ];
+        // SAFETY: arguments match `gemv_quant_pair`; each part holds its padded rows of k
+        // values, the activations `rows` rows of k, the output (rows - 1) * ldo + n values.
+        unsafe { gpu.launch(&spec, LaunchDims::new(grid, threads), &args)? };
+    }
+    Ok(())
+}
+
 /// The `dequant_groups` specialisation of `format` writing `out` (f32 or bf16).
 pub fn specialize_dequant_groups(format: QuantFormat, out: DType) -> Result<KernelSpec, CudaError> {
     let mut spec = specialize_gemv_quant(QuantGemvKernel::Groups, format, out, 1)?;
@@ -314,6 +422,13 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
                 }
             }
             specs.push(specialize_dequant_groups(format, out)?);
+        }
+    }
+    for pair in QUANT_PAIRS {
+        for out in [DType::F32, DType::BF16] {
+            for rows in [1, 2, 4, 8] {
+                specs.push(specialize_gemv_quant_pair(pair, out, rows)?);
+            }
         }
     }
     Ok(specs)

@@ -38,6 +38,9 @@ pub struct CudaKernels {
     pub quant_gemv_rows: usize,
     /// The layout of the in-place quantized kernel (`PAGODA_CUDA_QUANT_GEMV_KERNEL`).
     pub quant_gemv_kernel: ops::QuantGemvKernel,
+    /// MoE steps of `ops::MOE_MMA_MIN_ROWS` or more bf16 rows run the experts on tensor
+    /// cores (`PAGODA_CUDA_MOE_MMA`; never in deterministic mode); off: the CUDA-core tiles.
+    pub moe_mma: bool,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -123,6 +126,7 @@ impl Default for CudaKernels {
             gemv: false,
             quant_gemv_rows: 8,
             quant_gemv_kernel: ops::QuantGemvKernel::default(),
+            moe_mma: true,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -160,6 +164,7 @@ impl CudaKernels {
                 "units4" => ops::QuantGemvKernel::Units { warp_rows: Some(4) },
                 _ => ops::QuantGemvKernel::Groups,
             },
+            moe_mma: config.on("PAGODA_CUDA_MOE_MMA"),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -262,6 +267,7 @@ mod tests {
             ("PAGODA_CUDA_GEMV", "on"),
             ("PAGODA_CUDA_QUANT_GEMV_ROWS", "3"),
             ("PAGODA_CUDA_QUANT_GEMV_KERNEL", "groups"),
+            ("PAGODA_CUDA_MOE_MMA", "off"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -282,6 +288,7 @@ mod tests {
             gemv: true,
             quant_gemv_rows: 3,
             quant_gemv_kernel: ops::QuantGemvKernel::Groups,
+            moe_mma: false,
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),

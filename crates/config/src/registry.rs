@@ -279,6 +279,9 @@ settings! {
     "PAGODA_CUDA_QUANT_PAIR", None, ON_OFF, "on", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Steps multiplying quantized matrices in place (groups layout): a stacked matrix of two formats, Q4_K or Q5_K then Q6_K (the QKV of a Q4_K_M or Q5_K_M file whose v is Q6_K), in one launch instead of one a part (the same bits).";
+    "PAGODA_CUDA_MOE_MMA", None, ON_OFF, "on", Cuda,
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
+        "MoE steps of 32+ bf16 rows run the expert matmuls on tensor cores (mma.sync, up to 32 routed entries of an expert a CTA); off: the CUDA-core tiles (the reference; always in deterministic mode). Same sums in another f32 order, the same bits run to run.";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Filtered rows on the GPU: fast, or exact (f64, the oracle).";

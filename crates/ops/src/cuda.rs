@@ -44,8 +44,9 @@ pub use crate::linear::cuda::{
     QuantGemvKernel, QuantPartRef, GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS, QUANT_PADDING, QUANT_PAIRS,
 };
 pub use crate::moe::cuda::{
-    moe_combine, moe_down, moe_down_combine, moe_experts, moe_gate_up, moe_gate_up_with, moe_route,
-    specialize_moe, DeviceRouter, MoeEntry, MoePath, MoeWorkspace, MOE_MAX_EXPERTS, MOE_MAX_TOP_K,
+    moe_combine, moe_down, moe_down_combine, moe_down_mma, moe_experts, moe_gate_up,
+    moe_gate_up_mma, moe_gate_up_with, moe_mma_launches, moe_route, specialize_moe, DeviceRouter,
+    MoeEntry, MoePath, MoeWorkspace, MOE_MAX_EXPERTS, MOE_MAX_TOP_K, MOE_MMA_MIN_ROWS,
     MOE_PER_ROW_MAX_ROWS, MOE_TILE_ROWS,
 };
 pub use crate::norm::cuda::{

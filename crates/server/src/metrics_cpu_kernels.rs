@@ -1,5 +1,6 @@
 //! The process-wide CPU kernel choices and counters of `/metrics` (`pagoda_cpu_kernels_info`
-//! through `pagoda_cpu_attention_kernel_info`): read from `pagoda_ops`, not from the engine.
+//! through `pagoda_cpu_attention_kernel_info`), and the process-wide CUDA kernel counter
+//! `pagoda_cuda_moe_mma_launches_total`: read from `pagoda_ops`, not from the engine.
 
 use std::fmt::Write;
 
@@ -129,5 +130,12 @@ pub(super) fn render(out: &mut String) {
          # TYPE pagoda_cpu_attention_kernel_info gauge\n\
          pagoda_cpu_attention_kernel_info{{kernel=\"{}\"}} 1",
         pagoda_ops::attention::AttentionKernel::selected().name()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cuda_moe_mma_launches_total MoE expert matmul launches (gate/up or \
+         down) run on tensor cores (PAGODA_CUDA_MOE_MMA, bf16 steps of 32+ rows).\n\
+         # TYPE pagoda_cuda_moe_mma_launches_total counter\npagoda_cuda_moe_mma_launches_total {}",
+        pagoda_ops::cuda::moe_mma_launches()
     );
 }

@@ -4,7 +4,9 @@
 //! as the model with `PAGODA_CUDA_GEMV` on), `moe_route`, `moe_gate_up`, `moe_down`, the
 //! shared experts' dense MLP where the shape has them (GEMM, SiLU-mul, GEMM) and
 //! `moe_combine` (up to `MOE_PER_ROW_MAX_ROWS` rows the model's per-row path:
-//! `moe_gate_up_rows`, and `moe_down_combine` in place of `moe_down` and `moe_combine`); then
+//! `moe_gate_up_rows`, and `moe_down_combine` in place of `moe_down` and `moe_combine`; bf16
+//! from `MOE_MMA_MIN_ROWS` rows the tensor-core path: `moe_gate_up_mma` and `moe_down_mma`,
+//! as the model with `PAGODA_CUDA_MOE_MMA` on); then
 //! the whole block. Each stage is captured in its own CUDA graph over
 //! `--sets` rotating input sets (different activations, so routings; the experts rotate over
 //! as many copies as fit in 32 GB, at most one a set; the router stage over copies of 4x the
@@ -79,8 +81,9 @@ pub struct BenchMoeArgs {
     /// The device copy rate of the floor, TB/s (2.98: the H100's measured copy rate).
     #[arg(long = "copy-tb-s", default_value_t = 2.98)]
     pub copy_tb_s: f64,
-    /// The experts' path: auto (the model's, `MoePath::for_rows`: per row up to 4 rows, tiled
-    /// above), tiled or per-row (either at every batch; the same bits, other speeds).
+    /// The experts' path: auto (the model's with `PAGODA_CUDA_MOE_MMA` on, `MoePath::choose`:
+    /// per row up to 4 rows, tiled above, tensor cores from 32 bf16 rows), tiled, per-row or
+    /// tensor-core (bf16) at every batch (the same sums; per-row and tiled the same bits).
     #[arg(long = "moe-path", default_value = "auto")]
     pub moe_path: String,
     /// Print JSON instead of a table.
@@ -103,7 +106,7 @@ struct Shape {
     selection_bias: bool,
     #[serde(skip)]
     router: DeviceRouter,
-    /// `--moe-path`: auto, tiled or per-row.
+    /// `--moe-path`: auto, tiled, per-row or tensor-core.
     moe_path: &'static str,
 }
 
@@ -113,8 +116,23 @@ impl Shape {
         match self.moe_path {
             "tiled" => ops::MoePath::Tiled,
             "per-row" => ops::MoePath::PerRow,
-            _ => ops::MoePath::for_rows(b),
+            "tensor-core" => ops::MoePath::TensorCore,
+            _ => ops::MoePath::choose(b, self.dtype(), true),
         }
+    }
+
+    /// The activations' dtype.
+    fn dtype(&self) -> pagoda_cuda::DType {
+        match self.dtype {
+            "bf16" => pagoda_cuda::DType::BF16,
+            _ => pagoda_cuda::DType::F32,
+        }
+    }
+
+    /// Whether the path at `b` rows runs the down projection and the combine as two launches
+    /// (tiled and tensor cores; per row: one).
+    fn separate_down(&self, b: usize) -> bool {
+        self.path(b) != ops::MoePath::PerRow
     }
 
     /// The shared experts' width (their intermediates side by side).
@@ -222,7 +240,9 @@ fn resolve(args: &BenchMoeArgs) -> Result<Shape> {
             "auto" => "auto",
             "tiled" => "tiled",
             "per-row" => "per-row",
-            other => bail!("--moe-path takes auto, tiled or per-row, not {other}"),
+            "tensor-core" if dtype == "bf16" => "tensor-core",
+            "tensor-core" => bail!("--moe-path tensor-core needs --dtype bf16"),
+            other => bail!("--moe-path takes auto, tiled, per-row or tensor-core, not {other}"),
         },
     };
     let piece = 16 / element;
@@ -388,7 +408,7 @@ impl<T: HostFloat> Block<T> {
     /// The stages of this shape at `b` rows, the block last, on its path (`Shape::path`;
     /// tiled: down, then combine; per row: down+combine after the shared experts).
     fn stages(&self, b: usize) -> Vec<Stage> {
-        let tiled = self.shape.path(b) == ops::MoePath::Tiled;
+        let tiled = self.shape.separate_down(b);
         let mut stages = vec![Stage::Router, Stage::Route, Stage::GateUp];
         stages.extend(tiled.then_some(Stage::Down));
         stages.extend(self.shared.as_ref().map(|_| Stage::Shared));
@@ -443,7 +463,7 @@ impl<T: HostFloat> Block<T> {
             let set = &mut self.sets[s];
             let w = &self.weights[set.copy];
             let x = view(&set.x, 0..b * h)?;
-            let tiled = shape.path(b) == ops::MoePath::Tiled;
+            let tiled = shape.separate_down(b);
             let in_block = |part: Stage| match part {
                 Stage::Down | Stage::Combine => tiled,
                 Stage::DownCombine => !tiled,
@@ -460,7 +480,11 @@ impl<T: HostFloat> Block<T> {
                 ops::moe_gate_up_with(gpu, path, &x, gate_up, &mut set.workspace, b)?;
             }
             if run(Stage::Down) {
-                ops::moe_down(gpu, &w.down, &mut set.workspace, b)?;
+                if shape.path(b) == ops::MoePath::TensorCore {
+                    ops::moe_down_mma(gpu, &w.down, &mut set.workspace, b)?;
+                } else {
+                    ops::moe_down(gpu, &w.down, &mut set.workspace, b)?;
+                }
             }
             if let (Some(scratch), Some([gate_up, down])) = (&mut self.shared, &w.shared) {
                 let width = shape.shared_width();

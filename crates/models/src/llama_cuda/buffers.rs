@@ -250,7 +250,12 @@ impl<T: HostFloat> StepBuffers<T> {
             fused_rope_append: options.kernels.fused_rope_append,
             gemv: options.kernels.gemv && !options.kernels.deterministic,
             quant,
-            moe: MoeBuffers::new(gpu, c, options.max_batch_tokens)?,
+            moe: MoeBuffers::new(
+                gpu,
+                c,
+                options.max_batch_tokens,
+                options.kernels.moe_mma && !options.kernels.deterministic,
+            )?,
         })
     }
 }

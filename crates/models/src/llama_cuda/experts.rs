@@ -93,6 +93,9 @@ pub struct MoeBuffers<T> {
     /// The shared experts' buffers, where the model has them.
     shared: Option<SharedBuffers<T>>,
     router: DeviceRouter,
+    /// Steps of many bf16 rows run the experts on tensor cores (`PAGODA_CUDA_MOE_MMA`, off in
+    /// deterministic mode): see [`ops::MoePath::choose`].
+    tensor_cores: bool,
 }
 
 /// The shared experts' activations.
@@ -110,8 +113,13 @@ struct SharedBuffers<T> {
 impl<T: HostFloat> MoeBuffers<T> {
     /// The buffers for `c`'s expert blocks and steps of up to `max_tokens` tokens, or `None`
     /// for a model without expert layers (nothing allocated; a DeepSeek configuration may
-    /// list every layer dense).
-    pub fn new(gpu: &Gpu, c: &ModelConfig, max_tokens: usize) -> Result<Option<Self>, CudaError> {
+    /// list every layer dense). `tensor_cores`: [`MoeBuffers::tensor_cores`].
+    pub fn new(
+        gpu: &Gpu,
+        c: &ModelConfig,
+        max_tokens: usize,
+        tensor_cores: bool,
+    ) -> Result<Option<Self>, CudaError> {
         let Some(moe) = c.moe.as_ref().filter(|_| c.has_expert_layers()) else {
             return Ok(None);
         };
@@ -135,9 +143,12 @@ impl<T: HostFloat> MoeBuffers<T> {
             tracing::info!(
                 "CUDA mixture of experts: router, expert lists and grouped expert MLP on the \
                  device (CUDA cores, {} entries per tile; a warp per row and expert up to {} \
-                 rows; no host round trip, graph-capturable)",
+                 rows; no host round trip, graph-capturable); bf16 steps of {}+ rows on tensor \
+                 cores: {} (PAGODA_CUDA_MOE_MMA)",
                 ops::MOE_TILE_ROWS,
-                ops::MOE_PER_ROW_MAX_ROWS
+                ops::MOE_PER_ROW_MAX_ROWS,
+                ops::MOE_MMA_MIN_ROWS,
+                if tensor_cores { "on" } else { "off" }
             )
         });
         Ok(Some(MoeBuffers {
@@ -145,6 +156,7 @@ impl<T: HostFloat> MoeBuffers<T> {
             workspace,
             shared,
             router,
+            tensor_cores,
         }))
     }
 }
@@ -186,7 +198,7 @@ impl<T: HostFloat> ExpertStep<'_, '_, T> {
         x: &mut DeviceViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
         let (gpu, n, hidden) = (self.gpu, self.num_tokens, self.hidden);
-        let path = ops::MoePath::for_rows(n);
+        let path = ops::MoePath::choose(n, T::DTYPE, buffers.tensor_cores);
         let gate_up = [&experts.gate, &experts.up];
         ops::moe_gate_up_with(gpu, path, normed, gate_up, &mut buffers.workspace, n)?;
         let down = &experts.down;

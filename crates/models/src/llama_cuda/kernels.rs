@@ -45,6 +45,9 @@ pub struct CudaKernels {
     /// A stacked matrix of two quantized formats (a Q4_K_M QKV whose v is Q6_K) multiplies
     /// in one launch (`PAGODA_CUDA_QUANT_PAIR`; the same bits as two).
     pub quant_pair: bool,
+    /// MoE steps of `ops::MOE_MMA_MIN_ROWS` or more bf16 rows run the experts on tensor
+    /// cores (`PAGODA_CUDA_MOE_MMA`; never in deterministic mode); off: the CUDA-core tiles.
+    pub moe_mma: bool,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -132,6 +135,7 @@ impl Default for CudaKernels {
             quant_gemv_kernel: ops::QuantGemvKernel::default(),
             quant_fused_q8: true,
             quant_pair: true,
+            moe_mma: true,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -171,6 +175,7 @@ impl CudaKernels {
             },
             quant_fused_q8: config.on("PAGODA_CUDA_QUANT_FUSED_Q8"),
             quant_pair: config.on("PAGODA_CUDA_QUANT_PAIR"),
+            moe_mma: config.on("PAGODA_CUDA_MOE_MMA"),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -275,6 +280,7 @@ mod tests {
             ("PAGODA_CUDA_QUANT_GEMV_KERNEL", "groups"),
             ("PAGODA_CUDA_QUANT_FUSED_Q8", "off"),
             ("PAGODA_CUDA_QUANT_PAIR", "off"),
+            ("PAGODA_CUDA_MOE_MMA", "off"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -297,6 +303,7 @@ mod tests {
             quant_gemv_kernel: ops::QuantGemvKernel::Groups,
             quant_fused_q8: false,
             quant_pair: false,
+            moe_mma: false,
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),

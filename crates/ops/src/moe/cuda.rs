@@ -23,8 +23,10 @@ use pagoda_cuda::{
 
 use super::{GroupLimit, GroupScore, Renormalize, Router, Scoring};
 
+mod mma;
 mod rows;
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
+pub use mma::{moe_down_mma, moe_gate_up_mma, moe_mma_launches, MOE_MMA_MIN_ROWS};
 pub use rows::{moe_down_combine, moe_gate_up_with, MoePath, MOE_PER_ROW_MAX_ROWS};
 
 /// The CUDA source of the router and the CSR lists (one entry point).
@@ -46,6 +48,16 @@ pub(crate) static ROWS: KernelSource = KernelSource::new(
     concat!(
         include_str!("cuda/moe_common.cu"),
         include_str!("cuda/moe_rows.cu")
+    ),
+);
+
+/// The CUDA source of the expert matmuls on tensor cores ([`MoePath::TensorCore`], bf16).
+pub(crate) static MMA: KernelSource = KernelSource::new(
+    "moe_mma.cu",
+    concat!(
+        include_str!("cuda/moe_common.cu"),
+        include_str!("../attention/cuda/tensor_core.cu"),
+        include_str!("cuda/moe_mma.cu")
     ),
 );
 
@@ -80,12 +92,21 @@ pub enum MoeEntry {
     GateUpRows,
     /// `moe_down_combine` ([`MoePath::PerRow`]), activations and weights in the model's dtype.
     DownCombine,
+    /// `moe_gate_up_mma` ([`MoePath::TensorCore`]), bf16 only.
+    GateUpMma,
+    /// `moe_down_mma` ([`MoePath::TensorCore`]), bf16 only.
+    DownMma,
 }
 
 /// The specialisation of `entry` for `dtype` (the dtype-free entries are f32 whatever
 /// `dtype` is).
 pub fn specialize_moe(entry: MoeEntry, dtype: DType) -> Result<KernelSpec, CudaError> {
     check_float("moe", dtype)?;
+    if matches!(entry, MoeEntry::GateUpMma | MoeEntry::DownMma) && !mma::mma_dtype(dtype) {
+        return Err(CudaError::invalid(format!(
+            "the MoE tensor-core kernels take bf16, not {dtype}"
+        )));
+    }
     let indexed = |t| vec![("T", t), ("IDS_T", DType::U32)];
     let (source, name, dtypes) = match entry {
         MoeEntry::Route => (&ROUTE, "moe_route", indexed(DType::F32)),
@@ -94,6 +115,8 @@ pub fn specialize_moe(entry: MoeEntry, dtype: DType) -> Result<KernelSpec, CudaE
         MoeEntry::Combine => (&EXPERTS, "moe_combine", indexed(DType::F32)),
         MoeEntry::GateUpRows => (&ROWS, "moe_gate_up_rows", indexed(dtype)),
         MoeEntry::DownCombine => (&ROWS, "moe_down_combine", indexed(dtype)),
+        MoeEntry::GateUpMma => (&MMA, "moe_gate_up_mma", indexed(dtype)),
+        MoeEntry::DownMma => (&MMA, "moe_down_mma", indexed(dtype)),
     };
     Ok(KernelSpec {
         source,
@@ -118,6 +141,11 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
         ];
         for entry in entries {
             specs.push(specialize_moe(entry, dtype)?);
+        }
+        if mma::mma_dtype(dtype) {
+            for entry in [MoeEntry::GateUpMma, MoeEntry::DownMma] {
+                specs.push(specialize_moe(entry, dtype)?);
+            }
         }
     }
     Ok(specs)

@@ -4,12 +4,15 @@
 //! `moe_down_combine`, the down projection and the combine in one launch). Both give the same
 //! bits: every dot product runs in the same lane split and order and the combine in the same
 //! expert order, so a row's result does not depend on the path, its batch or the run.
+//! [`MoePath::TensorCore`] (bf16, `moe_mma.cu`) runs the tiled path's matmuls on tensor cores:
+//! the same sums in another f32 order, the same bits run to run.
 
 use pagoda_cuda::{
-    check_len, ptr, to_u32, CudaError, DeviceBuffer, DeviceRead, DeviceWrite, Element, Gpu,
+    check_len, ptr, to_u32, CudaError, DType, DeviceBuffer, DeviceRead, DeviceWrite, Element, Gpu,
     KernelArg, LaunchDims,
 };
 
+use super::mma::{mma_dtype, moe_down_mma, moe_gate_up_mma, MOE_MMA_MIN_ROWS};
 use super::{moe_combine, moe_down, moe_gate_up, specialize_moe, MoeEntry, MoeWorkspace};
 
 /// Most rows a step runs through [`MoePath::PerRow`] in [`MoePath::for_rows`]: up to here a
@@ -32,6 +35,9 @@ pub enum MoePath {
     /// A warp per (row, expert, 4 columns): each expert's weights read once per row routed to
     /// it; the down projection and the combine in one launch, no f32 outputs in between.
     PerRow,
+    /// [`Tiled`](Self::Tiled)'s launches with the matmuls on tensor cores (bf16 only), over
+    /// groups of four of an expert's tiles (each expert's weights read once per 32 entries).
+    TensorCore,
 }
 
 impl MoePath {
@@ -43,6 +49,21 @@ impl MoePath {
             MoePath::PerRow
         } else {
             MoePath::Tiled
+        }
+    }
+
+    /// The path for a step of `num_rows` rows of `dtype` activations: [`for_rows`]'s, with
+    /// [`TensorCore`](Self::TensorCore) in place of [`Tiled`](Self::Tiled) from
+    /// [`MOE_MMA_MIN_ROWS`] rows on where `tensor_cores` (`PAGODA_CUDA_MOE_MMA`) and `dtype`
+    /// is bf16. A function of the row count only for a given model and setting.
+    ///
+    /// [`for_rows`]: Self::for_rows
+    pub fn choose(num_rows: usize, dtype: DType, tensor_cores: bool) -> MoePath {
+        match MoePath::for_rows(num_rows) {
+            MoePath::Tiled if tensor_cores && mma_dtype(dtype) && num_rows >= MOE_MMA_MIN_ROWS => {
+                MoePath::TensorCore
+            }
+            path => path,
         }
     }
 }
@@ -64,8 +85,10 @@ pub fn moe_gate_up_with<T: Element>(
     workspace: &mut MoeWorkspace<T>,
     num_rows: usize,
 ) -> Result<(), CudaError> {
-    if path == MoePath::Tiled {
-        return moe_gate_up(gpu, x, [gate, up], workspace, num_rows);
+    match path {
+        MoePath::Tiled => return moe_gate_up(gpu, x, [gate, up], workspace, num_rows),
+        MoePath::TensorCore => return moe_gate_up_mma(gpu, x, [gate, up], workspace, num_rows),
+        MoePath::PerRow => {}
     }
     workspace.check_rows(num_rows)?;
     let w = &*workspace;
@@ -119,7 +142,8 @@ pub fn moe_gate_up_with<T: Element>(
 /// bits either way. `down` is `[num_experts, hidden, inter]`; `x` `[num_rows, hidden]`, the f32
 /// residual stream; the intermediates and routing are [`moe_gate_up_with`]'s and
 /// [`moe_route`](super::moe_route)'s for these rows. [`MoePath::Tiled`] leaves the expert
-/// outputs in `workspace.out`; [`MoePath::PerRow`] does not write it.
+/// outputs in `workspace.out` (so does [`MoePath::TensorCore`]); [`MoePath::PerRow`] does not
+/// write it.
 pub fn moe_down_combine<T: Element>(
     gpu: &Gpu,
     path: MoePath,
@@ -129,9 +153,16 @@ pub fn moe_down_combine<T: Element>(
     x: &mut impl DeviceWrite<f32>,
     num_rows: usize,
 ) -> Result<(), CudaError> {
-    if path == MoePath::Tiled {
-        moe_down(gpu, down, workspace, num_rows)?;
-        return moe_combine(gpu, workspace, shared, x, num_rows);
+    match path {
+        MoePath::Tiled => {
+            moe_down(gpu, down, workspace, num_rows)?;
+            return moe_combine(gpu, workspace, shared, x, num_rows);
+        }
+        MoePath::TensorCore => {
+            moe_down_mma(gpu, down, workspace, num_rows)?;
+            return moe_combine(gpu, workspace, shared, x, num_rows);
+        }
+        MoePath::PerRow => {}
     }
     workspace.check_rows(num_rows)?;
     let w = &*workspace;

@@ -27,8 +27,9 @@ pub use crate::attention::cuda::{
     STREAM_PREFILL_HEAD_DIMS, SUPPORTED_HEAD_DIMS,
 };
 pub use crate::attention::cuda::{
-    fp8_kv_unsupported, paged_decode_attention_fp8, prefill_attention_tiled_fp8,
-    specialize_paged_decode_fp8, specialize_prefill_fp8, Fp8KvLayer, KvScales,
+    fp8_kv_unsupported, paged_decode_attention_fp8, prefill_attention_stream_fp8,
+    prefill_attention_tiled_fp8, specialize_paged_decode_fp8, specialize_paged_decode_fp8_entry,
+    specialize_prefill_fp8, specialize_prefill_stream_fp8, Fp8KvLayer, KvScales,
 };
 pub use crate::attention::cuda::{
     mla_append, mla_decode, mla_head_tiles, mla_prefill, mla_unsupported, specialize_mla,

@@ -311,8 +311,9 @@ impl Rig {
                         }
                         _ => {
                             return Err(pagoda_cuda::CudaError::invalid(
-                                "--kv-dtype fp8 times the fused CUDA-core decode (`fused`, \
-                                 `fused-separate`) and `prefill-tiled` only",
+                                "--kv-dtype fp8 times the fused CUDA-core and streaming \
+                                 decodes (`fused`, `fused-separate`, `stream-*`) and \
+                                 `prefill-tiled` only",
                             ))
                         }
                     }

@@ -45,8 +45,9 @@ pub use mla::{
 };
 pub use paged_decode::{
     fp8_kv_unsupported, mma_decode_stages, paged_decode_attention, paged_decode_attention_fp8,
-    paged_decode_unsupported, specialize_paged_decode, specialize_paged_decode_fp8, MergeMode,
-    PagedDecodeEntry, PagedDecodeKernel, PagedDecodeWorkspace,
+    paged_decode_unsupported, specialize_paged_decode, specialize_paged_decode_fp8,
+    specialize_paged_decode_fp8_entry, MergeMode, PagedDecodeEntry, PagedDecodeKernel,
+    PagedDecodeWorkspace,
 };
 pub use paged_decode_merge::{merge_attention_partials, Partials};
 pub use prefill::{
@@ -57,8 +58,8 @@ pub use prefill_mma::{
     prefill_attention_mma, specialize_prefill_mma, MmaPrefillTiling, MMA_PREFILL_HEAD_DIMS,
 };
 pub use prefill_stream::{
-    prefill_attention_stream, specialize_prefill_stream, PrefillStreamTiling,
-    STREAM_PREFILL_HEAD_DIMS,
+    prefill_attention_stream, prefill_attention_stream_fp8, specialize_prefill_stream,
+    specialize_prefill_stream_fp8, PrefillStreamTiling, STREAM_PREFILL_HEAD_DIMS,
 };
 pub use stream_tiling::{
     StreamTiling, MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
@@ -121,11 +122,12 @@ pub(crate) static PAGED_DECODE_MMA: KernelSource = KernelSource::new(
         include_str!("cuda/paged_decode_mma.cu")
     ),
 );
-/// The streaming paged decode on tensor cores (softmax in registers).
+/// The streaming paged decode on tensor cores (softmax in registers; bf16 or e4m3 pools).
 pub(crate) static PAGED_DECODE_STREAM: KernelSource = KernelSource::new(
     "paged_decode_stream.cu",
     concat!(
         include_str!("cuda/tensor_core.cu"),
+        include_str!("cuda/kv_fp8.cu"),
         include_str!("cuda/paged_decode_common.cu"),
         include_str!("cuda/paged_decode_stream.cu")
     ),
@@ -143,6 +145,8 @@ pub(crate) static PREFILL_STREAM: KernelSource = KernelSource::new(
     "prefill_stream.cu",
     concat!(
         include_str!("cuda/tensor_core.cu"),
+        include_str!("cuda/kv_fp8.cu"),
+        include_str!("cuda/prefill_stream_common.cu"),
         include_str!("cuda/prefill_stream.cu")
     ),
 );
@@ -178,6 +182,15 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
         }
         for group in 1..=MAX_DECODE_GROUP {
             specs.push(specialize_paged_decode_fp8(DType::BF16, head_dim, group)?);
+            for tiling in StreamTiling::ALL.iter().filter(|t| t.fits(head_dim)) {
+                let entry = PagedDecodeEntry::PartialStream(*tiling);
+                specs.push(specialize_paged_decode_fp8_entry(
+                    entry,
+                    DType::BF16,
+                    head_dim,
+                    group,
+                )?);
+            }
         }
     }
     for &head_dim in &PAGED_DECODE_HEAD_DIMS {
@@ -212,6 +225,11 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     for &head_dim in &STREAM_PREFILL_HEAD_DIMS {
         for tiling in PrefillStreamTiling::ALL {
             specs.push(specialize_prefill_stream(DType::BF16, head_dim, tiling)?);
+            specs.push(specialize_prefill_stream_fp8(
+                DType::BF16,
+                head_dim,
+                tiling,
+            )?);
         }
     }
     for &latent_dim in &MLA_LATENT_DIMS {

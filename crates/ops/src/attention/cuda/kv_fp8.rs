@@ -3,13 +3,14 @@
 //! ([`Fp8KvLayer`]) and the scales as the kernels read them ([`KvScales`]). This module is a
 //! leaf: the ops over the cache live with the op they specialise.
 //!
-//! Which kernels read fp8 (each an fp8 build with `PAGODA_KV_FP8=1`): the CUDA-core fused
-//! decode (`paged_decode.cu`, [`super::paged_decode_attention_fp8`], whose
-//! [`super::fp8_kv_unsupported`] says which models can hold the cache) and the query-tiled
-//! prefill (`prefill.cu`, [`super::prefill_attention_tiled_fp8`]). The appends that fill it
-//! live with the plain appends (`crate::rope::cuda`: `kv_append_fp8`, `rope_kv_append_fp8`).
-//! The tensor-core decodes, the WMMA and streaming prefills, the per-token and gather kernels
-//! and MLA's latent kernels do not read fp8; callers choose the two above.
+//! Which kernels read fp8 (each an fp8 build with `PAGODA_KV_FP8=1`): the streaming
+//! tensor-core decode (`paged_decode_stream.cu`) and the CUDA-core fused decode
+//! (`paged_decode.cu`), both through [`super::paged_decode_attention_fp8`] as the workspace's
+//! kernel says ([`super::fp8_kv_unsupported`] says which models can hold the cache), and the
+//! query-tiled prefill (`prefill.cu`, [`super::prefill_attention_tiled_fp8`]). The appends
+//! that fill it live with the plain appends (`crate::rope::cuda`: `kv_append_fp8`,
+//! `rope_kv_append_fp8`). The WMMA decode, the WMMA and streaming prefills, the per-token and
+//! gather kernels and MLA's latent kernels do not read fp8; callers choose the three above.
 
 use super::gathered::{DevicePageTable, PagedKv, PoolLayout};
 use pagoda_cuda::{check_len, whole, CudaError, DType, DeviceBuffer, DeviceRead, DeviceView, Gpu};

@@ -221,8 +221,10 @@ pub fn paged_decode_unsupported(
 }
 
 /// Why this model cannot hold an fp8 KV cache on CUDA (`None`: it can): bf16 activations,
-/// a head size both fp8 kernels (this decode and the tiled prefill) are built for,
-/// grouped-query attention the fused decode serves.
+/// a head size both the CUDA-core fp8 decode and the tiled fp8 prefill are built for,
+/// grouped-query attention the fused decode serves. (The streaming tensor-core decode also
+/// reads fp8, at head_dim 64, 128 and 256; the WMMA decode and the tensor-core prefills do
+/// not.)
 pub fn fp8_kv_unsupported(dtype: DType, layout: &PoolLayout, num_q_heads: usize) -> Option<String> {
     if dtype != DType::BF16 {
         return Some(format!("{dtype} activations (run --dtype bf16)"));
@@ -241,7 +243,26 @@ pub fn specialize_paged_decode_fp8(
     head_dim: usize,
     group: usize,
 ) -> Result<KernelSpec, CudaError> {
-    let mut spec = specialize_paged_decode(PagedDecodeEntry::Partial, dtype, head_dim, group)?;
+    specialize_paged_decode_fp8_entry(PagedDecodeEntry::Partial, dtype, head_dim, group)
+}
+
+/// The fp8-pool build of `entry`: the CUDA-core partial or the streaming tensor-core partial
+/// (the others do not read fp8).
+pub fn specialize_paged_decode_fp8_entry(
+    entry: PagedDecodeEntry,
+    dtype: DType,
+    head_dim: usize,
+    group: usize,
+) -> Result<KernelSpec, CudaError> {
+    if !matches!(
+        entry,
+        PagedDecodeEntry::Partial | PagedDecodeEntry::PartialStream(_)
+    ) {
+        return Err(CudaError::invalid(format!(
+            "the fp8 KV cache is read by the CUDA-core and streaming decodes, not {entry:?}"
+        )));
+    }
+    let mut spec = specialize_paged_decode(entry, dtype, head_dim, group)?;
     spec.params.push(("KV_FP8", 1));
     Ok(spec)
 }
@@ -368,7 +389,7 @@ pub fn paged_decode_attention<T: Element>(
 }
 
 /// [`paged_decode_attention`] over an e4m3 cache: the same contract, with K and V read as
-/// `scale * e4m3(byte)`. The workspace's kernel must be CUDA cores.
+/// `scale * e4m3(byte)`. The workspace's kernel must be CUDA cores or streaming.
 pub fn paged_decode_attention_fp8<T: Element>(
     gpu: &Gpu,
     queries: &Queries<'_, T>,
@@ -390,7 +411,7 @@ pub fn paged_decode_attention_fp8<T: Element>(
 }
 
 /// [`paged_decode_attention`] over pools of `K` (the model's `T`, or e4m3 bytes with their
-/// `fp8` scales: the CUDA-core kernel only, see [`paged_decode_attention_fp8`]).
+/// `fp8` scales: the CUDA-core and streaming kernels, see [`paged_decode_attention_fp8`]).
 fn paged_decode_launch<T: Element, K: Element>(
     gpu: &Gpu,
     queries: &Queries<'_, T>,
@@ -417,17 +438,25 @@ fn paged_decode_launch<T: Element, K: Element>(
     let (partial, shared_bytes) = match workspace.kernel {
         _ if fp8.is_some() || K::DTYPE != T::DTYPE => {
             let scales = fp8.ok_or_else(|| CudaError::invalid("byte KV pools without scales"))?;
-            if workspace.kernel != PagedDecodeKernel::CudaCore {
-                return Err(CudaError::invalid(format!(
-                    "the fp8 KV cache is read by the CUDA-core decode only (asked: {:?})",
-                    workspace.kernel
-                )));
-            }
             scales.check(layout, K::DTYPE)?;
-            (
-                specialize_paged_decode_fp8(T::DTYPE, layout.head_dim, group)?,
-                partial_shared_bytes(1, layout.head_dim, group),
-            )
+            let (entry, shared) = match workspace.kernel {
+                PagedDecodeKernel::CudaCore => (
+                    PagedDecodeEntry::Partial,
+                    partial_shared_bytes(1, layout.head_dim, group),
+                ),
+                PagedDecodeKernel::Streaming(tiling) => (
+                    PagedDecodeEntry::PartialStream(tiling),
+                    tiling.shared_bytes_fp8(layout.head_dim, group),
+                ),
+                PagedDecodeKernel::TensorCore => {
+                    return Err(CudaError::invalid(
+                        "the fp8 KV cache is read by the CUDA-core and streaming decodes, not \
+                         the WMMA one",
+                    ))
+                }
+            };
+            let spec = specialize_paged_decode_fp8_entry(entry, T::DTYPE, layout.head_dim, group)?;
+            (spec, shared)
         }
         PagedDecodeKernel::CudaCore => (
             specialize_paged_decode(PagedDecodeEntry::Partial, T::DTYPE, layout.head_dim, group)?,
@@ -505,7 +534,7 @@ fn paged_decode_launch<T: Element, K: Element>(
         to_u32("grid chunks", workspace.grid_chunks)?,
         layout.num_kv_heads as u32,
     );
-    // SAFETY: arguments match `paged_decode_partial` (its fp8 build takes the two scale
+    // SAFETY: arguments match `paged_decode_partial` / `_stream` (their fp8 builds take the two scale
     // pools last, extents checked by `KvScales::check`); the plan buffer holds the capacity's
     // encoded length, the partials max_chunks x num_q_heads rows, the semaphores
     // max_requests x num_kv_heads; pool, q and out extents validated above.

@@ -27,9 +27,9 @@ pub use crate::attention::cuda::{
     STREAM_PREFILL_HEAD_DIMS, SUPPORTED_HEAD_DIMS,
 };
 pub use crate::attention::cuda::{
-    fp8_kv_unsupported, kv_append_fp8, paged_decode_attention_fp8, prefill_attention_tiled_fp8,
-    rope_kv_append_fp8, specialize_kv_append_fp8, specialize_paged_decode_fp8,
-    specialize_prefill_fp8, specialize_rope_kv_append_fp8, Fp8KvLayer, KvScales,
+    fp8_kv_unsupported, paged_decode_attention_fp8, prefill_attention_stream_fp8,
+    prefill_attention_tiled_fp8, specialize_paged_decode_fp8, specialize_paged_decode_fp8_entry,
+    specialize_prefill_fp8, specialize_prefill_stream_fp8, Fp8KvLayer, KvScales,
 };
 pub use crate::attention::cuda::{
     mla_append, mla_decode, mla_head_tiles, mla_prefill, mla_unsupported, specialize_mla,
@@ -54,8 +54,9 @@ pub use crate::norm::cuda::{
     specialize_qkv, NormEntry, QkvEntry,
 };
 pub use crate::rope::cuda::{
-    kv_append, rope, rope_kv_append, specialize_kv_append, specialize_rope,
-    specialize_rope_kv_append, NewKv, RopeStyle,
+    kv_append, kv_append_fp8, rope, rope_kv_append, rope_kv_append_fp8, specialize_kv_append,
+    specialize_kv_append_fp8, specialize_rope, specialize_rope_kv_append,
+    specialize_rope_kv_append_fp8, NewKv, RopeStyle,
 };
 pub use crate::sampling::cuda::{
     apply_token_masks, decode_row_stats, default_fast_rounds, encode_row_params, filter_splits,

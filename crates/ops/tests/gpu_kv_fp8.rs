@@ -5,7 +5,10 @@
 //! - the CUDA-core fused decode and the tiled prefill over the fp8 cache match an f64
 //!   attention over the dequantized values (tight: the bf16 output's rounding), and the same
 //!   kernels over a bf16 cache of the original values within a looser bound (e4m3's 3
-//!   mantissa bits; the observed error is printed).
+//!   mantissa bits; the observed error is printed);
+//! - the streaming tensor-core decode over the fp8 cache, every tiling, matches the same f64
+//!   attention (batch and context shapes with partial pages, GQA groups 1 to 8, both merges),
+//!   and so does the streaming tensor-core prefill at every tiling (head_dim 64 and 128).
 
 #[path = "gpu_common/mod.rs"]
 mod common;
@@ -19,6 +22,7 @@ use pagoda_ops::attention::fp8;
 use pagoda_ops::cuda::{
     self as ops, DevicePageTable, Fp8KvLayer, MergeMode, PagedDecodeKernel, PagedDecodePlan,
     PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, PoolLayout, Queries, RopeStyle,
+    StreamTiling,
 };
 
 const NUM_KV_HEADS: usize = 2;
@@ -232,9 +236,11 @@ fn fused_rope_append_writes_the_bytes_of_rope_then_append() {
     }
 }
 
-/// Runs the CUDA-core fused decode over `kv` (fp8 with its layer, else the bf16 pools).
+/// Runs the fused decode's `kernel` over `kv` (fp8 with its layer, else the bf16 pools).
+#[allow(clippy::too_many_arguments)]
 fn decode(
     gpu: &Gpu,
+    kernel: PagedDecodeKernel,
     (batch, table, layout): (&Batch, &DevicePageTable<'_>, &PoolLayout),
     q: &pagoda_cuda::DeviceBuffer<bf16>,
     num_q_heads: usize,
@@ -255,7 +261,7 @@ fn decode(
         PagedDecodeWorkspace::new(gpu, capacity, num_q_heads, NUM_KV_HEADS, layout.head_dim)
             .unwrap();
     workspace.upload_plan(gpu, &plan).unwrap();
-    workspace.set_kernel(PagedDecodeKernel::CudaCore);
+    workspace.set_kernel(kernel);
     let mut out = poisoned::<bf16>(gpu, b * num_q_heads * layout.head_dim);
     let queries = Queries::new(q, num_q_heads, num_q_heads * layout.head_dim);
     for _ in 0..2 {
@@ -340,6 +346,7 @@ fn fp8_decode_matches_f64_over_the_dequantized_cache() {
                 let case = (&batch, &table, &layout);
                 let actual = decode(
                     &gpu,
+                    PagedDecodeKernel::CudaCore,
                     case,
                     &qb,
                     num_q_heads,
@@ -352,6 +359,7 @@ fn fp8_decode_matches_f64_over_the_dequantized_cache() {
                 assert!(error <= 1e-2, "{what} vs f64 over dequantized: {error:e}");
                 let bf16_cache = decode(
                     &gpu,
+                    PagedDecodeKernel::CudaCore,
                     case,
                     &qb,
                     num_q_heads,
@@ -376,6 +384,95 @@ fn fp8_decode_matches_f64_over_the_dequantized_cache() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn fp8_streaming_decode_matches_f64_over_the_dequantized_cache() {
+    let gpu = gpu();
+    // (head_dim, group, page_size, batch, longest context): partial pages (random lengths and
+    // first-page offsets), an empty last request, GQA 1..8, a few tiles to many chunks.
+    let shapes: [(usize, usize, usize, usize, usize); 5] = [
+        (128, 4, 16, 5, 600),
+        (128, 1, 16, 1, 3000),
+        (64, 8, 32, 5, 600),
+        (256, 2, 16, 3, 900),
+        (128, 8, 16, 16, 200),
+    ];
+    for (head_dim, group, page_size, requests, context) in shapes {
+        let mut rng = rng((head_dim * 7 + group * 3 + requests) as u64);
+        let layout = PoolLayout {
+            num_pages: (requests * context).div_ceil(page_size) + 2 * requests + 8,
+            page_size,
+            num_kv_heads: NUM_KV_HEADS,
+            head_dim,
+        };
+        let num_q_heads = NUM_KV_HEADS * group;
+        let k = kv_values(&mut rng, layout.pool_len(), head_dim, 4.0);
+        let v = kv_values(&mut rng, layout.pool_len(), head_dim, 40.0);
+        let host = HostFp8::new(&k, &v, head_dim);
+        let batch = Batch::new(
+            &mut rng,
+            requests,
+            context,
+            page_size,
+            layout.num_pages,
+            true,
+        );
+        let q = round::<bf16>(&random_vec(
+            &mut rng,
+            requests * num_q_heads * head_dim,
+            2.0,
+        ));
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let expected = batch.reference(
+            &layout,
+            num_q_heads,
+            &q,
+            &host.k_values,
+            &host.v_values,
+            scale,
+        );
+        let arrays = batch.upload(&gpu);
+        let table = DevicePageTable::new(&arrays[0], &arrays[1], &arrays[2], &arrays[3]).unwrap();
+        let layer = host.upload(&gpu);
+        let qb = upload::<bf16>(&gpu, &q);
+        for tiling in StreamTiling::ALL.iter().filter(|t| t.fits(head_dim)) {
+            for (ppc, merge) in [
+                (None, MergeMode::Separate),
+                (Some(1), MergeMode::InKernel),
+                (Some(4), MergeMode::Separate),
+            ] {
+                let policy = PlanPolicy {
+                    target_ctas: 264,
+                    pages_per_chunk: ppc,
+                    min_pages_per_chunk: 1,
+                    resident_ctas: None,
+                };
+                let actual = decode(
+                    &gpu,
+                    PagedDecodeKernel::Streaming(*tiling),
+                    (&batch, &table, &layout),
+                    &qb,
+                    num_q_heads,
+                    Ok(&layer),
+                    (policy, merge, scale),
+                );
+                let what = format!(
+                    "fp8 {tiling} D{head_dim} G{group} B{requests} L{context} ppc {ppc:?} {merge:?}"
+                );
+                // P in bf16 on the tensor cores and the bf16 output, as the bf16 cache's
+                // streaming test allows.
+                let error = peak_error(&actual, &expected);
+                assert!(error <= 2e-2, "{what} vs f64 over dequantized: {error:e}");
+                let row = num_q_heads * head_dim;
+                assert!(
+                    requests == 1 || actual[(requests - 1) * row..].iter().all(|&x| x == 0.0),
+                    "{what}: empty request"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn fp8_prefill_matches_f64_over_the_dequantized_cache() {
     let gpu = gpu();
     let mut worst_vs_bf16 = 0f32;
@@ -393,44 +490,55 @@ fn fp8_prefill_matches_f64_over_the_dequantized_cache() {
         let bf16_cache = device.run(&gpu, &batch, scale, ops::PrefillKernel::Tiled);
         let host = HostFp8::new(&batch.k_pool, &batch.v_pool, head_dim);
         let layer = host.upload(&gpu);
-        let mut out = poisoned::<bf16>(&gpu, batch.num_rows() * batch.row_elems());
         let queries = Queries::new(&device.qkv, batch.num_q_heads, batch.qkv_width());
         let (kv, scales) = layer.paged(batch.layout, device.page_table());
-        ops::prefill_attention_tiled_fp8(
-            &gpu,
-            &queries,
-            (&kv, &scales),
-            &device.qo_indptr,
-            scale,
-            &mut out,
-        )
-        .unwrap();
-        let actual = download(&gpu, &out);
-        let row = batch.row_elems();
-        let owners = batch.row_owners();
-        let error = peak_error(&actual, &bf16_cache);
-        worst_vs_bf16 = worst_vs_bf16.max(error);
-        assert!(
-            error <= 8e-2,
-            "fp8 prefill D{head_dim} vs the bf16 cache: {error:e}"
-        );
-        // The f64 oracle over the dequantized cache, on a sample of rows.
-        batch.k_pool = host.k_values.clone();
-        batch.v_pool = host.v_values.clone();
-        for (index, owner) in owners.iter().enumerate() {
-            let got = &actual[index * row..][..row];
-            match owner {
-                None => assert!(got.iter().all(|&x| x == 0.0), "padding row {index}"),
-                Some(owner) if index % 11 == 0 => {
-                    let expected = batch.reference_row(index, *owner, scale);
-                    let error = peak_error(got, &expected);
-                    assert!(
-                        error <= 1.6e-2,
-                        "fp8 prefill D{head_dim} row {index}: {error:e}"
-                    );
-                }
-                Some(_) => {}
+        // The tiled kernel, then (at its head sizes) the streaming one at every tiling.
+        let mut kernels = vec![None];
+        if ops::STREAM_PREFILL_HEAD_DIMS.contains(&head_dim) {
+            kernels.extend(ops::PrefillStreamTiling::ALL.map(Some));
+        }
+        let (k_dequantized, v_dequantized) = (host.k_values.clone(), host.v_values.clone());
+        for kernel in kernels {
+            let mut out = poisoned::<bf16>(&gpu, batch.num_rows() * batch.row_elems());
+            let kv = (&kv, &scales);
+            let qo = &device.qo_indptr;
+            match kernel {
+                None => ops::prefill_attention_tiled_fp8(&gpu, &queries, kv, qo, scale, &mut out),
+                Some(tiling) => ops::prefill_attention_stream_fp8(
+                    &gpu, tiling, &queries, kv, qo, scale, &mut out,
+                ),
             }
+            .unwrap();
+            let what = match kernel {
+                None => format!("tiled fp8 prefill D{head_dim}"),
+                Some(tiling) => format!("streaming fp8 prefill {tiling} D{head_dim}"),
+            };
+            let actual = download(&gpu, &out);
+            let row = batch.row_elems();
+            let owners = batch.row_owners();
+            let error = peak_error(&actual, &bf16_cache);
+            worst_vs_bf16 = worst_vs_bf16.max(error);
+            assert!(error <= 8e-2, "{what} vs the bf16 cache: {error:e}");
+            // The f64 oracle over the dequantized cache, on a sample of rows (P in bf16 on
+            // the streaming kernel's tensor cores: its bound is the bf16 streaming test's).
+            let bound = if kernel.is_some() { 2e-2 } else { 1.6e-2 };
+            let (k_original, v_original) = (
+                std::mem::replace(&mut batch.k_pool, k_dequantized.clone()),
+                std::mem::replace(&mut batch.v_pool, v_dequantized.clone()),
+            );
+            for (index, owner) in owners.iter().enumerate() {
+                let got = &actual[index * row..][..row];
+                match owner {
+                    None => assert!(got.iter().all(|&x| x == 0.0), "{what}: padding row {index}"),
+                    Some(owner) if index % 11 == 0 => {
+                        let expected = batch.reference_row(index, *owner, scale);
+                        let error = peak_error(got, &expected);
+                        assert!(error <= bound, "{what} row {index}: {error:e}");
+                    }
+                    Some(_) => {}
+                }
+            }
+            (batch.k_pool, batch.v_pool) = (k_original, v_original);
         }
     }
     println!("fp8 prefill vs the bf16 cache: worst peak-relative error {worst_vs_bf16:e}");

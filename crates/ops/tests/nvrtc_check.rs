@@ -21,11 +21,25 @@ fn every_specialization_compiles_for_sm90a_and_sm80() {
         }
         Err(error) => panic!("PAGODA_NVRTC_CHECK=1 but NVRTC is unavailable: {error}"),
     };
-    // PAGODA_NVRTC_ONLY=<entry substring> compiles a subset (for kernel work; CI sets none).
+    // PAGODA_NVRTC_ONLY=<word>[+<word>...] compiles a subset (for kernel work; CI sets none):
+    // the specs every word of which is part of the entry's name or, case aside, of the name
+    // of a parameter set non-zero, or is `name=value` of a parameter (`fp8`: every KV_FP8
+    // build; `paged_decode_partial_stream+fp8+group=4`).
     let only = std::env::var("PAGODA_NVRTC_ONLY").ok();
+    let matches = |spec: &pagoda_cuda::KernelSpec, word: &str| {
+        let word = word.to_ascii_lowercase();
+        spec.entry.contains(word.as_str())
+            || spec.params.iter().any(|(name, value)| {
+                let name = name.to_ascii_lowercase();
+                (*value != 0 && name.contains(&word)) || word == format!("{name}={value}")
+            })
+    };
     let specs: Vec<_> = all_specializations()
         .into_iter()
-        .filter(|spec| only.as_deref().is_none_or(|only| spec.entry.contains(only)))
+        .filter(|spec| {
+            only.as_deref()
+                .is_none_or(|only| only.split('+').all(|word| matches(spec, word)))
+        })
         .collect();
     // PAGODA_NVRTC_DUMP=<dir> writes each compute_90a PTX there (for `ptxas -v` on kernel work).
     let dump = std::env::var_os("PAGODA_NVRTC_DUMP").map(std::path::PathBuf::from);

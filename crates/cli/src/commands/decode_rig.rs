@@ -309,10 +309,17 @@ impl Rig {
                                 gpu, &queries, kv, qo, scale, &mut out,
                             )?
                         }
+                        (DecodePath::Prefill(PrefillKernel::Stream(tiling)), _) => {
+                            let qo = &case.qo_indptr;
+                            ops::prefill_attention_stream_fp8(
+                                gpu, tiling, &queries, kv, qo, scale, &mut out,
+                            )?
+                        }
                         _ => {
                             return Err(pagoda_cuda::CudaError::invalid(
-                                "--kv-dtype fp8 times the fused CUDA-core decode (`fused`, \
-                                 `fused-separate`) and `prefill-tiled` only",
+                                "--kv-dtype fp8 times the fused CUDA-core and streaming \
+                                 decodes (`fused`, `fused-separate`, `stream-*`) and the \
+                                 tiled and streaming prefills only",
                             ))
                         }
                     }

@@ -194,10 +194,20 @@ impl<T: HostFloat> StepBuffers<T> {
         };
         let prefill = if options.kernels.deterministic {
             ops::PrefillKernel::PerToken
-        } else if latent || kv_fp8 {
-            // A latent attention model attends with the MLA kernels (logged by `MlaDecode`);
-            // the tiled kernel is the prefill that reads an fp8 cache.
+        } else if latent {
+            // A latent attention model attends with the MLA kernels (logged by `MlaDecode`).
             ops::PrefillKernel::Tiled
+        } else if kv_fp8 {
+            // The prefills that read an fp8 cache: the streaming one (where it is built for the
+            // head size and asked for) and the tiled one.
+            match options.kernels.prefill {
+                ops::PrefillKernel::Stream(tiling)
+                    if ops::STREAM_PREFILL_HEAD_DIMS.contains(&c.head_dim) =>
+                {
+                    ops::PrefillKernel::Stream(tiling)
+                }
+                _ => ops::PrefillKernel::Tiled,
+            }
         } else {
             options.kernels.prefill
         };
@@ -234,7 +244,9 @@ impl<T: HostFloat> StepBuffers<T> {
             FP8.call_once(|| {
                 tracing::info!(
                     "CUDA KV cache: fp8 (e4m3, one f32 scale per token and KV head); decode on \
-                     the CUDA-core fused kernel, prefill on the tiled kernel"
+                     the streaming tensor-core or the CUDA-core fused kernel (logged per \
+                     bucket), prefill on the streaming tensor-core or the tiled kernel (logged \
+                     above)"
                 )
             });
         }

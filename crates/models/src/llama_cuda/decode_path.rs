@@ -187,6 +187,12 @@ impl FusedDecode {
                  the tuning table is not used"
             );
             None
+        } else if kernels.kv_fp8 {
+            tracing::info!(
+                "CUDA fused decode over the fp8 KV cache: the built-in heuristic (the tuning \
+                 table times bf16 caches)"
+            );
+            None
         } else {
             table.cloned()
         };

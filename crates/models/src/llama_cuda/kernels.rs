@@ -67,8 +67,9 @@ pub struct CudaKernels {
     /// depends on nothing but the row. `prefill` and the decode choices are then unused.
     pub deterministic: bool,
     /// The KV cache in e4m3 with one f32 scale per (token, KV head) (`-ctk fp8 -ctv fp8`,
-    /// `--kv-cache-dtype fp8`): the fused decode runs on CUDA cores and the prefill on the
-    /// tiled kernel, the two that read it (`StepBuffers::new` refuses the rest).
+    /// `--kv-cache-dtype fp8`): the fused decode runs the streaming tensor-core kernel (or
+    /// CUDA cores, by the heuristic or `PAGODA_PAGED_DECODE_KERNEL`) and the prefill the
+    /// tiled kernel, those that read it (`StepBuffers::new` refuses the rest).
     pub kv_fp8: bool,
 }
 
@@ -222,12 +223,18 @@ impl CudaKernels {
             )))
         };
         if self.kv_fp8 {
+            // The CUDA-core and streaming kernels read fp8; `Auto` takes the heuristic's
+            // (streaming where it is built, the tuning table being bf16's).
             return match self.decode {
-                DecodeKernelChoice::Auto | DecodeKernelChoice::CudaCore => {
-                    Ok(Some(ops::PagedDecodeKernel::CudaCore))
+                DecodeKernelChoice::Auto => Ok(None),
+                DecodeKernelChoice::CudaCore => Ok(Some(ops::PagedDecodeKernel::CudaCore)),
+                DecodeKernelChoice::Streaming if bf16 && tiling.fits(head_dim) => {
+                    Ok(Some(ops::PagedDecodeKernel::Streaming(tiling)))
                 }
-                _ => Err(CudaError::invalid(
-                    "PAGODA_PAGED_DECODE_KERNEL: an fp8 KV cache decodes on cuda-core only",
+                DecodeKernelChoice::Streaming => refuse("stream"),
+                DecodeKernelChoice::TensorCore => Err(CudaError::invalid(
+                    "PAGODA_PAGED_DECODE_KERNEL=mma: an fp8 KV cache decodes on cuda-core or \
+                     stream",
                 )),
             };
         }
@@ -343,12 +350,26 @@ mod tests {
             kv_fp8: true,
             ..auto
         };
+        assert_eq!(fp8.decode_kernel(DType::BF16, 128).unwrap(), None);
         assert_eq!(
-            fp8.decode_kernel(DType::BF16, 128).unwrap(),
+            CudaKernels {
+                decode: DecodeKernelChoice::CudaCore,
+                ..fp8
+            }
+            .decode_kernel(DType::BF16, 128)
+            .unwrap(),
             Some(ops::PagedDecodeKernel::CudaCore)
         );
+        assert!(matches!(
+            CudaKernels {
+                decode: DecodeKernelChoice::Streaming,
+                ..fp8
+            }
+            .decode_kernel(DType::BF16, 128),
+            Ok(Some(ops::PagedDecodeKernel::Streaming(_)))
+        ));
         assert!(CudaKernels {
-            decode: DecodeKernelChoice::Streaming,
+            decode: DecodeKernelChoice::TensorCore,
             ..fp8
         }
         .decode_kernel(DType::BF16, 128)

@@ -5,9 +5,12 @@
 //!   the pages, then attend), the device page table and pool layout every launcher takes.
 //! - `prefill` / `prefill_mma` / `prefill_stream`: the query-tiled prefill kernels (CUDA
 //!   cores, WMMA tensor cores, raw-MMA streaming with its tilings).
-//! - `paged_decode` + `decode_plan`: the fused split-KV paged decode with its work plan and
-//!   the log-sum-exp merge, the production batched decode; `decode_tuning`: the table of
-//!   which kernel, merge and CTA target runs each shape bucket (`pagoda tune`).
+//! - `paged_decode` + `decode_plan` + `paged_decode_merge`: the fused split-KV paged decode
+//!   with its work plan and the log-sum-exp merge, the production batched decode;
+//!   `decode_tuning`: the table of which kernel, merge and CTA target runs each shape bucket
+//!   (`pagoda tune`).
+//! - `kv_fp8`: the e4m3 KV cache's storage and scales (the kernels that read it are fp8 builds
+//!   of the decode and the tiled prefill; its appends are rope's).
 //! - `mla`: DeepSeek's latent attention (absorbed decode and prefill over the latent pool,
 //!   the latent append), on the same plan and merge.
 
@@ -18,6 +21,7 @@ mod kv_fp8;
 mod mla;
 mod mla_decode;
 mod paged_decode;
+mod paged_decode_merge;
 mod prefill;
 mod prefill_mma;
 mod prefill_stream;
@@ -33,31 +37,29 @@ pub use gathered::{
     AttentionEntry, DecodeWorkspace, DevicePageTable, PagedKv, PoolLayout, Queries,
     MAX_DECODE_SPLITS, SUPPORTED_HEAD_DIMS,
 };
-pub use kv_fp8::{
-    fp8_kv_unsupported, kv_append_fp8, paged_decode_attention_fp8, prefill_attention_tiled_fp8,
-    rope_kv_append_fp8, specialize_kv_append_fp8, specialize_paged_decode_fp8,
-    specialize_prefill_fp8, specialize_rope_kv_append_fp8, Fp8KvLayer, KvScales,
-};
+pub use kv_fp8::{Fp8KvLayer, KvScales};
 pub use mla::{
     mla_append, mla_decode, mla_head_tiles, mla_prefill, mla_unsupported, specialize_mla,
     LatentPool, MlaDecodeWorkspace, MlaEntry, MlaKernel, NewLatent, MLA_HEAD_TILE, MLA_LATENT_DIMS,
     MLA_MMA_STAGES, MLA_ROPE_DIM,
 };
 pub use paged_decode::{
-    merge_attention_partials, mma_decode_stages, paged_decode_attention, paged_decode_unsupported,
-    specialize_paged_decode, MergeMode, PagedDecodeEntry, PagedDecodeKernel, PagedDecodeWorkspace,
-    Partials,
+    fp8_kv_unsupported, mma_decode_stages, paged_decode_attention, paged_decode_attention_fp8,
+    paged_decode_unsupported, specialize_paged_decode, specialize_paged_decode_fp8,
+    specialize_paged_decode_fp8_entry, MergeMode, PagedDecodeEntry, PagedDecodeKernel,
+    PagedDecodeWorkspace,
 };
+pub use paged_decode_merge::{merge_attention_partials, Partials};
 pub use prefill::{
-    prefill_attention_tiled, prefill_attention_with, specialize_prefill, PrefillKernel,
-    PrefillTiling,
+    prefill_attention_tiled, prefill_attention_tiled_fp8, prefill_attention_with,
+    specialize_prefill, specialize_prefill_fp8, PrefillKernel, PrefillTiling,
 };
 pub use prefill_mma::{
     prefill_attention_mma, specialize_prefill_mma, MmaPrefillTiling, MMA_PREFILL_HEAD_DIMS,
 };
 pub use prefill_stream::{
-    prefill_attention_stream, specialize_prefill_stream, PrefillStreamTiling,
-    STREAM_PREFILL_HEAD_DIMS,
+    prefill_attention_stream, prefill_attention_stream_fp8, specialize_prefill_stream,
+    specialize_prefill_stream_fp8, PrefillStreamTiling, STREAM_PREFILL_HEAD_DIMS,
 };
 pub use stream_tiling::{
     StreamTiling, MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
@@ -120,11 +122,12 @@ pub(crate) static PAGED_DECODE_MMA: KernelSource = KernelSource::new(
         include_str!("cuda/paged_decode_mma.cu")
     ),
 );
-/// The streaming paged decode on tensor cores (softmax in registers).
+/// The streaming paged decode on tensor cores (softmax in registers; bf16 or e4m3 pools).
 pub(crate) static PAGED_DECODE_STREAM: KernelSource = KernelSource::new(
     "paged_decode_stream.cu",
     concat!(
         include_str!("cuda/tensor_core.cu"),
+        include_str!("cuda/kv_fp8.cu"),
         include_str!("cuda/paged_decode_common.cu"),
         include_str!("cuda/paged_decode_stream.cu")
     ),
@@ -142,6 +145,8 @@ pub(crate) static PREFILL_STREAM: KernelSource = KernelSource::new(
     "prefill_stream.cu",
     concat!(
         include_str!("cuda/tensor_core.cu"),
+        include_str!("cuda/kv_fp8.cu"),
+        include_str!("cuda/prefill_stream_common.cu"),
         include_str!("cuda/prefill_stream.cu")
     ),
 );
@@ -168,6 +173,24 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
                 specs.push(specialize_attention(entry, dtype, head_dim)?);
             }
             specs.push(specialize_prefill(dtype, head_dim)?);
+        }
+    }
+    // The fp8 KV cache's builds (bf16 activations; the appends are rope's).
+    for &head_dim in &PAGED_DECODE_HEAD_DIMS {
+        if SUPPORTED_HEAD_DIMS.contains(&head_dim) {
+            specs.push(specialize_prefill_fp8(DType::BF16, head_dim)?);
+        }
+        for group in 1..=MAX_DECODE_GROUP {
+            specs.push(specialize_paged_decode_fp8(DType::BF16, head_dim, group)?);
+            for tiling in StreamTiling::ALL.iter().filter(|t| t.fits(head_dim)) {
+                let entry = PagedDecodeEntry::PartialStream(*tiling);
+                specs.push(specialize_paged_decode_fp8_entry(
+                    entry,
+                    DType::BF16,
+                    head_dim,
+                    group,
+                )?);
+            }
         }
     }
     for &head_dim in &PAGED_DECODE_HEAD_DIMS {
@@ -202,6 +225,11 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     for &head_dim in &STREAM_PREFILL_HEAD_DIMS {
         for tiling in PrefillStreamTiling::ALL {
             specs.push(specialize_prefill_stream(DType::BF16, head_dim, tiling)?);
+            specs.push(specialize_prefill_stream_fp8(
+                DType::BF16,
+                head_dim,
+                tiling,
+            )?);
         }
     }
     for &latent_dim in &MLA_LATENT_DIMS {
@@ -211,6 +239,5 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
         }
     }
     specs.extend(mla::specializations()?);
-    specs.extend(kv_fp8::specializations()?);
     Ok(specs)
 }

@@ -1,6 +1,8 @@
-//! RoPE and the KV append into the paged pool, apart or in one launch (`rope_kv_append`).
+//! RoPE and the KV append into the paged pool, apart or in one launch (`rope_kv_append`),
+//! into a model-dtype pool or an e4m3 one ([`Fp8KvLayer`]: `kv_append_fp8`,
+//! `rope_kv_append_fp8`, the codec of `crate::attention::fp8`).
 
-use crate::attention::cuda::PoolLayout;
+use crate::attention::cuda::{Fp8KvLayer, PoolLayout};
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
 use pagoda_cuda::{
     check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceRead, DeviceView, DeviceWrite,
@@ -300,6 +302,130 @@ pub fn rope_kv_append<T: Element>(
     }
 }
 
+/// The `kv_append_fp8` specialisation for new rows of `dtype`.
+pub fn specialize_kv_append_fp8(dtype: DType) -> Result<KernelSpec, CudaError> {
+    check_float("kv_append_fp8", dtype)?;
+    Ok(KernelSpec {
+        source: &KV_APPEND,
+        entry: "kv_append_fp8",
+        params: vec![("KV_FP8", 1)],
+        dtypes: vec![("T", dtype), ("SLOTS_T", DType::I32)],
+    })
+}
+
+/// The `rope_kv_append_fp8` specialisation for `dtype` and `style`.
+pub fn specialize_rope_kv_append_fp8(
+    dtype: DType,
+    style: RopeStyle,
+) -> Result<KernelSpec, CudaError> {
+    let mut spec = specialize_rope_kv_append(dtype, style)?;
+    debug_assert!(std::ptr::eq(spec.source, &ROPE_KV_APPEND));
+    spec.entry = "rope_kv_append_fp8";
+    spec.params.push(("KV_FP8", 1));
+    Ok(spec)
+}
+
+/// Block size of the fp8 appends without RoPE: one warp per head, K and V heads together.
+const APPEND_THREADS: u32 = 256;
+
+/// [`kv_append`] into an e4m3 cache: token `t`'s heads are quantized
+/// (the codec of [`crate::attention::fp8`]) into pool row `slots[t]`, bytes and scales.
+pub fn kv_append_fp8<T: Element>(
+    gpu: &Gpu,
+    new: &NewKv<'_, T>,
+    layer: &mut Fp8KvLayer,
+    layout: &PoolLayout,
+) -> Result<(), CudaError> {
+    let spec = specialize_kv_append_fp8(T::DTYPE)?;
+    layout.validate()?;
+    layer.check(layout)?;
+    let (k_row_stride, v_row_stride) = new.row_strides;
+    let token_stride = layout.token_stride();
+    if k_row_stride < token_stride || v_row_stride < token_stride {
+        return Err(CudaError::invalid(format!(
+            "kv_append_fp8 row strides ({k_row_stride}, {v_row_stride}) must be >= \
+             num_kv_heads * head_dim {token_stride}"
+        )));
+    }
+    let num_tokens = new.slots.len();
+    if num_tokens > 0 {
+        let k_end = (num_tokens - 1) * k_row_stride + token_stride;
+        let v_end = (num_tokens - 1) * v_row_stride + token_stride;
+        check_min_len("kv_append_fp8 k_new", k_end, new.k.len())?;
+        check_min_len("kv_append_fp8 v_new", v_end, new.v.len())?;
+    }
+    let args = [
+        ptr(&layer.k),
+        ptr(&layer.v),
+        ptr(&new.k),
+        ptr(&new.v),
+        ptr(&new.slots),
+        KernelArg::U32(to_u32("num_kv_heads", layout.num_kv_heads)?),
+        KernelArg::U32(to_u32("head_dim", layout.head_dim)?),
+        KernelArg::U32(to_u32("k_row_stride", k_row_stride)?),
+        KernelArg::U32(to_u32("v_row_stride", v_row_stride)?),
+        KernelArg::I64((layout.num_pages * layout.page_size) as i64),
+        ptr(&layer.k_scale),
+        ptr(&layer.v_scale),
+    ];
+    let grid = (to_u32("num_tokens", num_tokens)?, 1);
+    // SAFETY: arguments match `kv_append_fp8`; extents validated, slots bounds-checked on
+    // the device.
+    unsafe { gpu.launch(&spec, LaunchDims::new(grid, APPEND_THREADS), &args) }
+}
+
+/// [`rope_kv_append`] into an e4m3 cache: the q and k heads of `qkv`
+/// rotate in place exactly as there, then the rotated k and the v heads are quantized into
+/// pool row `slots[t]` as [`kv_append_fp8`] does (the same bytes as rope then that append).
+pub fn rope_kv_append_fp8<T: Element>(
+    gpu: &Gpu,
+    qkv: &mut impl DeviceWrite<T>,
+    (positions, inv_freq, style): (&impl DeviceRead<u32>, &impl DeviceRead<f32>, RopeStyle),
+    (num_q_heads, row_stride): (usize, usize),
+    (slots, layer): (&impl DeviceRead<i32>, &mut Fp8KvLayer),
+    layout: &PoolLayout,
+) -> Result<(), CudaError> {
+    let spec = specialize_rope_kv_append_fp8(T::DTYPE, style)?;
+    layout.validate()?;
+    layer.check(layout)?;
+    let (num_kv_heads, head_dim) = (layout.num_kv_heads, layout.head_dim);
+    let rope_dim = 2 * inv_freq.len();
+    let width = (num_q_heads + 2 * num_kv_heads) * head_dim;
+    if num_q_heads == 0 || rope_dim == 0 || rope_dim > head_dim || width > row_stride {
+        return Err(CudaError::invalid(format!(
+            "rope_kv_append_fp8 geometry: {num_q_heads} q heads, {num_kv_heads} kv heads, \
+             head_dim {head_dim}, rope_dim {rope_dim}, row_stride {row_stride}"
+        )));
+    }
+    let num_tokens = positions.len();
+    check_len("rope_kv_append_fp8 slots", num_tokens, slots.len())?;
+    if num_tokens > 0 {
+        let end = (num_tokens - 1) * row_stride + width;
+        check_min_len("rope_kv_append_fp8 qkv", end, qkv.len())?;
+    }
+    let args = [
+        ptr(qkv),
+        ptr(positions),
+        ptr(inv_freq),
+        ptr(slots),
+        ptr(&layer.k),
+        ptr(&layer.v),
+        KernelArg::U32(to_u32("num_q_heads", num_q_heads)?),
+        KernelArg::U32(to_u32("num_kv_heads", num_kv_heads)?),
+        KernelArg::U32(to_u32("head_dim", head_dim)?),
+        KernelArg::U32(to_u32("rope_dim", rope_dim)?),
+        KernelArg::U32(to_u32("row_stride", row_stride)?),
+        KernelArg::I64((layout.num_pages * layout.page_size) as i64),
+        ptr(&layer.k_scale),
+        ptr(&layer.v_scale),
+    ];
+    let block = rope_block(rope_dim, num_q_heads + num_kv_heads)?;
+    let grid = (to_u32("num_tokens", num_tokens)?, 1);
+    // SAFETY: arguments match `rope_kv_append_fp8`; extents validated, slots bounds-checked
+    // on the device; the block is whole warps (rope_block rounds to 32).
+    unsafe { gpu.launch(&spec, LaunchDims::new(grid, block), &args) }
+}
+
 /// Every specialisation the RoPE and KV-append launchers can request.
 pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     let mut specs = Vec::new();
@@ -309,6 +435,10 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
             specs.push(specialize_rope_kv_append(dtype, style)?);
         }
         specs.push(specialize_kv_append(dtype)?);
+    }
+    specs.push(specialize_kv_append_fp8(DType::BF16)?);
+    for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
+        specs.push(specialize_rope_kv_append_fp8(DType::BF16, style)?);
     }
     Ok(specs)
 }

@@ -1,7 +1,8 @@
 //! CUDA's KV steps over an e4m3 cache (`-ctk fp8 -ctv fp8`): the appends quantize the new
 //! rows into the layer's byte pools and scales ([`ops::Fp8KvLayer`]), and attention reads
-//! them through the two kernels built for it, the CUDA-core fused decode and the tiled
-//! prefill. `StepBuffers::new` refused every configuration that would need another kernel
+//! them through the kernels built for it: the fused decode (the step's variant: streaming
+//! tensor-core or CUDA-core) and the prefill (the step's kernel: streaming tensor-core or
+//! tiled). `StepBuffers::new` refused every configuration that would need another kernel
 //! (gather decode, deterministic mode, a latent cache), so the other arms are errors.
 
 use pagoda_cuda::{view, view_mut, CudaError, DeviceViewMut, Gpu};
@@ -52,13 +53,13 @@ impl<T: HostFloat> GpuStep<'_, T> {
                 ..
             } => {
                 let kv = layer.paged(*self.layout, self.page_table);
-                let plan = (grid_chunks, variant.merge, scale);
+                let plan = (grid_chunks, variant, scale);
                 fused_decode_fp8(self.fused, gpu, &queries, kv, plan, out)
             }
             Attention::Prefill => {
                 let kv = layer.paged(*self.layout, self.page_table);
                 let (kv, qo) = ((&kv.0, &kv.1), &self.qo_indptr);
-                ops::prefill_attention_tiled_fp8(gpu, &queries, kv, qo, scale, out)
+                prefill_fp8(self.prefill, gpu, &queries, kv, qo, scale, out)
             }
             Attention::Mixed {
                 decode_rows,
@@ -75,30 +76,30 @@ impl<T: HostFloat> GpuStep<'_, T> {
                 );
                 let qo = self.qo_indptr.slice(decode_rows..requests + 1)?;
                 let kv = (&chunks.0, &chunks.1);
-                ops::prefill_attention_tiled_fp8(gpu, &queries, kv, &qo, scale, out)?;
+                prefill_fp8(self.prefill, gpu, &queries, kv, &qo, scale, out)?;
                 let rows = view(&self.qkv, 0..decode_rows * qkv_dim)?;
                 let queries = Queries::new(&rows, heads, qkv_dim);
                 let decodes = layer.paged(*self.layout, self.page_table.requests(0..decode_rows)?);
                 let q_dim = heads * self.model.config.head_dim;
                 let mut out = view_mut(out, 0..decode_rows * q_dim)?;
-                let plan = (grid_chunks, variant.merge, scale);
+                let plan = (grid_chunks, variant, scale);
                 fused_decode_fp8(self.fused, gpu, &queries, decodes, plan, &mut out)
             }
             Attention::Gather { .. } | Attention::Latent { .. } => Err(CudaError::invalid(
-                "the fp8 KV cache is read by the fused decode and the tiled prefill only",
+                "the fp8 KV cache is read by the fused decode and the streaming or tiled prefill",
             )),
         }
     }
 }
 
-/// The CUDA-core fused decode over an e4m3 cache with `plan`'s grid, merge and softmax scale
-/// (the plan staged before the step).
+/// The fused decode over an e4m3 cache with `plan`'s grid, variant (its kernel and merge) and
+/// softmax scale (the plan staged before the step).
 fn fused_decode_fp8<T: HostFloat>(
     fused: &mut Option<FusedDecode>,
     gpu: &Gpu,
     queries: &Queries<'_, T>,
     (kv, scales): (ops::PagedKv<'_, u8>, ops::KvScales<'_>),
-    (grid_chunks, merge, scale): (usize, ops::MergeMode, f32),
+    (grid_chunks, variant, scale): (usize, ops::DecodeVariant, f32),
     out: &mut DeviceViewMut<'_, T>,
 ) -> Result<(), CudaError> {
     let fused = fused
@@ -106,6 +107,26 @@ fn fused_decode_fp8<T: HostFloat>(
         .ok_or_else(|| CudaError::invalid("a fused decode without its workspace"))?;
     let workspace = fused.workspace_mut();
     workspace.set_grid_chunks(grid_chunks)?;
-    workspace.set_kernel(ops::PagedDecodeKernel::CudaCore);
+    workspace.set_kernel(variant.kernel);
+    let merge = variant.merge;
     ops::paged_decode_attention_fp8(gpu, queries, (&kv, &scales), workspace, merge, scale, out)
+}
+
+/// The step's prefill `kernel` over an e4m3 cache: the streaming kernel with its tiling,
+/// else the tiled one (the only other that reads fp8).
+fn prefill_fp8<T: HostFloat>(
+    kernel: ops::PrefillKernel,
+    gpu: &Gpu,
+    queries: &Queries<'_, T>,
+    kv: (&ops::PagedKv<'_, u8>, &ops::KvScales<'_>),
+    qo: &impl pagoda_cuda::DeviceRead<u32>,
+    scale: f32,
+    out: &mut DeviceViewMut<'_, T>,
+) -> Result<(), CudaError> {
+    match kernel {
+        ops::PrefillKernel::Stream(tiling) => {
+            ops::prefill_attention_stream_fp8(gpu, tiling, queries, kv, qo, scale, out)
+        }
+        _ => ops::prefill_attention_tiled_fp8(gpu, queries, kv, qo, scale, out),
+    }
 }

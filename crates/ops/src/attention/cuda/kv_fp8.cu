@@ -19,15 +19,6 @@ PAGODA_DEVICE void cp_async4(void* shared_dst, const void* global_src, bool vali
                  "r"(valid ? 4 : 0));
 }
 
-// e4m3 (bias 7; exponent 0 subnormal, steps of 2^-9) to f32, exactly.
-PAGODA_DEVICE float fp8_e4m3_to_f32(unsigned int byte) {
-    const unsigned int magnitude = byte & 0x7fu;
-    const float normal = __uint_as_float((magnitude << 20) + (120u << 23));
-    const float subnormal = (float)magnitude * (1.0f / 512.0f);
-    const float value = (magnitude >> 3) ? normal : subnormal;
-    return (byte & 0x80u) ? -value : value;
-}
-
 // f32 to e4m3, round to nearest even, saturating to +-448 (NaN saturates too).
 PAGODA_DEVICE unsigned int f32_to_fp8_e4m3(float x) {
     const unsigned int sign = (__float_as_uint(x) >> 24) & 0x80u;
@@ -37,6 +28,29 @@ PAGODA_DEVICE unsigned int f32_to_fp8_e4m3(float x) {
     bits += 0x7ffffu + ((bits >> 20) & 1u);  // round the 20 dropped mantissa bits to even
     const unsigned int magnitude = (bits >> 20) - (120u << 3);
     return sign | min(magnitude, 0x7eu);
+}
+
+// Two e4m3 bytes, in bits 0-7 and 16-23 of x (the rest zero), to a bf16 pair, exactly: e4m3's
+// sign, exponent and mantissa bits moved into a bf16's places make a bf16 whose exponent is
+// biased by 127 instead of 7 (e4m3's subnormals becoming bf16's), so one multiply by 2^120 gives
+// the value (bf16 arithmetic keeps subnormals; every e4m3 value is a bf16 normal or zero).
+PAGODA_DEVICE unsigned int fp8x2_to_bf16x2(unsigned int x) {
+    const unsigned int bits = ((x & 0x00800080u) << 8) | ((x & 0x007f007fu) << 4);
+    const unsigned int two_120 = 0x7b807b80u;  // bf16 2^120, twice
+    const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&two_120));
+    return *reinterpret_cast<const unsigned int*>(&v);
+}
+
+// Eight e4m3 bytes (w, lowest address first) to eight bf16 (16 bytes, same order).
+PAGODA_DEVICE uint4 fp8x8_to_bf16x8(uint2 w) {
+    return make_uint4(fp8x2_to_bf16x2(__byte_perm(w.x, 0u, 0x4140)), fp8x2_to_bf16x2(__byte_perm(w.x, 0u, 0x4342)),
+                      fp8x2_to_bf16x2(__byte_perm(w.y, 0u, 0x4140)), fp8x2_to_bf16x2(__byte_perm(w.y, 0u, 0x4342)));
+}
+
+// The two values of a bf16 pair (fp8x2_to_bf16x2's) as f32: the low one first.
+PAGODA_DEVICE float2 bf16x2_to_float2(unsigned int pair) {
+    return make_float2(__uint_as_float(pair << 16), __uint_as_float(pair & 0xffff0000u));
 }
 
 // The scale of a head whose largest magnitude is amax.

@@ -8,7 +8,7 @@ use super::mla::{
     check_query_rows, cuda_core_shared_bytes, mla_head_tiles, specialize_mla, LatentPool, MlaEntry,
     MlaKernel, CC_THREADS, MLA_HEAD_TILE,
 };
-use super::paged_decode::{merge_attention_partials, Partials};
+use super::paged_decode_merge::{merge_attention_partials, Partials};
 use pagoda_cuda::{
     check_len, ptr, to_u32, whole, CudaError, DeviceBuffer, DeviceRead, DeviceWrite, Element, Gpu,
     KernelArg, LaunchDims,

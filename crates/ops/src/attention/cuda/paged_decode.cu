@@ -23,12 +23,15 @@ static_assert(TX >= 1 && TX <= 32 && (TX & (TX - 1)) == 0, "HEAD_DIM / 8 must be
 static_assert(TILE_KEYS % KEYS_PER_PASS == 0, "tile keys");
 
 #if PAGODA_KV_FP8
+// Eight e4m3 bytes widened two at a time (kv_fp8.cu's exact bf16 pairs, then f32 by shifts).
 PAGODA_DEVICE void load_vec(const unsigned char* row, float (&out)[VEC]) {
-    const uint2 word = *reinterpret_cast<const uint2*>(row);
+    const uint4 wide = fp8x8_to_bf16x8(*reinterpret_cast<const uint2*>(row));
+    const unsigned int pairs[4] = {wide.x, wide.y, wide.z, wide.w};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-        out[j] = fp8_e4m3_to_f32((word.x >> (8 * j)) & 0xffu);
-        out[4 + j] = fp8_e4m3_to_f32((word.y >> (8 * j)) & 0xffu);
+        const float2 two = bf16x2_to_float2(pairs[j]);
+        out[2 * j] = two.x;
+        out[2 * j + 1] = two.y;
     }
 }
 #else

@@ -4,18 +4,19 @@
 //! request merges) or by the generic [`merge_attention_partials`].
 
 use super::decode_plan::{PagedDecodePlan, PlanCapacity};
+use super::gathered::SUPPORTED_HEAD_DIMS;
 use super::gathered::{check_decode_io, PagedKv, PoolLayout, Queries};
-use super::kv_fp8::{specialize_paged_decode_fp8, KvScales};
-use super::mla::MLA_LATENT_DIMS;
+use super::kv_fp8::KvScales;
+use super::paged_decode_merge::{merge_partials_launch, specialize_merge, Partials};
 use super::stream_tiling::StreamTiling;
 pub use super::stream_tiling::{
     MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
 };
-use super::{PAGED_DECODE, PAGED_DECODE_MERGE, PAGED_DECODE_MMA, PAGED_DECODE_STREAM};
+use super::{PAGED_DECODE, PAGED_DECODE_MMA, PAGED_DECODE_STREAM};
 use crate::cuda_dtypes::check_float;
 use pagoda_cuda::{
-    check_len, ptr, to_u32, whole, CudaError, DType, DeviceBuffer, DeviceRead, DeviceView,
-    DeviceWrite, Element, Gpu, KernelArg, KernelSpec, LaunchDims,
+    ptr, to_u32, whole, CudaError, DType, DeviceBuffer, DeviceRead, DeviceWrite, Element, Gpu,
+    KernelArg, KernelSpec, LaunchDims,
 };
 
 /// Threads per CTA of the partial kernel (`THREADS` in `paged_decode.cu`).
@@ -113,7 +114,7 @@ pub enum MergeMode {
 
 /// The specialisation of `entry` for `dtype` (KV, query and output), `head_dim` and `group`
 /// (query heads per KV head; the merge ignores it and uses 1). The merge also serves MLA's
-/// latent widths ([`MLA_LATENT_DIMS`]), from a source without the partial kernels.
+/// latent widths ([`super::MLA_LATENT_DIMS`]), from a source without the partial kernels.
 pub fn specialize_paged_decode(
     entry: PagedDecodeEntry,
     dtype: DType,
@@ -123,13 +124,8 @@ pub fn specialize_paged_decode(
     if dtype != DType::F16 {
         check_float("paged decode", dtype)?;
     }
-    if entry == PagedDecodeEntry::Merge && MLA_LATENT_DIMS.contains(&head_dim) {
-        return Ok(KernelSpec {
-            source: &PAGED_DECODE_MERGE,
-            entry: "merge_attention_partials",
-            params: vec![("HEAD_DIM", head_dim as i64), ("GROUP", 1)],
-            dtypes: vec![("T", dtype)],
-        });
+    if entry == PagedDecodeEntry::Merge {
+        return specialize_merge(dtype, head_dim);
     }
     if !PAGED_DECODE_HEAD_DIMS.contains(&head_dim) {
         return Err(CudaError::invalid(format!(
@@ -185,7 +181,7 @@ pub fn specialize_paged_decode(
                 dtypes: vec![("T", dtype)],
             });
         }
-        PagedDecodeEntry::Merge => ("merge_attention_partials", 1),
+        PagedDecodeEntry::Merge => return specialize_merge(dtype, head_dim),
     };
     Ok(KernelSpec {
         source: &PAGED_DECODE,
@@ -222,6 +218,53 @@ pub fn paged_decode_unsupported(
     } else {
         None
     }
+}
+
+/// Why this model cannot hold an fp8 KV cache on CUDA (`None`: it can): bf16 activations,
+/// a head size both the CUDA-core fp8 decode and the tiled fp8 prefill are built for,
+/// grouped-query attention the fused decode serves. (The streaming tensor-core decode also
+/// reads fp8, at head_dim 64, 128 and 256; the WMMA decode and the tensor-core prefills do
+/// not.)
+pub fn fp8_kv_unsupported(dtype: DType, layout: &PoolLayout, num_q_heads: usize) -> Option<String> {
+    if dtype != DType::BF16 {
+        return Some(format!("{dtype} activations (run --dtype bf16)"));
+    }
+    if !(PAGED_DECODE_HEAD_DIMS.contains(&layout.head_dim)
+        && SUPPORTED_HEAD_DIMS.contains(&layout.head_dim))
+    {
+        return Some(format!("head_dim {}", layout.head_dim));
+    }
+    paged_decode_unsupported(dtype, layout, num_q_heads)
+}
+
+/// The fp8-pool build of `paged_decode_partial` (CUDA cores) for query/output `dtype`.
+pub fn specialize_paged_decode_fp8(
+    dtype: DType,
+    head_dim: usize,
+    group: usize,
+) -> Result<KernelSpec, CudaError> {
+    specialize_paged_decode_fp8_entry(PagedDecodeEntry::Partial, dtype, head_dim, group)
+}
+
+/// The fp8-pool build of `entry`: the CUDA-core partial or the streaming tensor-core partial
+/// (the others do not read fp8).
+pub fn specialize_paged_decode_fp8_entry(
+    entry: PagedDecodeEntry,
+    dtype: DType,
+    head_dim: usize,
+    group: usize,
+) -> Result<KernelSpec, CudaError> {
+    if !matches!(
+        entry,
+        PagedDecodeEntry::Partial | PagedDecodeEntry::PartialStream(_)
+    ) {
+        return Err(CudaError::invalid(format!(
+            "the fp8 KV cache is read by the CUDA-core and streaming decodes, not {entry:?}"
+        )));
+    }
+    let mut spec = specialize_paged_decode(entry, dtype, head_dim, group)?;
+    spec.params.push(("KV_FP8", 1));
+    Ok(spec)
 }
 
 /// Device memory of the fused decode for one plan capacity, allocated once: the encoded plan,
@@ -345,9 +388,31 @@ pub fn paged_decode_attention<T: Element>(
     paged_decode_launch(gpu, queries, kv, None, workspace, (merge, scale), out)
 }
 
+/// [`paged_decode_attention`] over an e4m3 cache: the same contract, with K and V read as
+/// `scale * e4m3(byte)`. The workspace's kernel must be CUDA cores or streaming.
+pub fn paged_decode_attention_fp8<T: Element>(
+    gpu: &Gpu,
+    queries: &Queries<'_, T>,
+    (kv, scales): (&PagedKv<'_, u8>, &KvScales<'_>),
+    workspace: &mut PagedDecodeWorkspace,
+    merge: MergeMode,
+    scale: f32,
+    out: &mut impl DeviceWrite<T>,
+) -> Result<(), CudaError> {
+    paged_decode_launch(
+        gpu,
+        queries,
+        kv,
+        Some(scales),
+        workspace,
+        (merge, scale),
+        out,
+    )
+}
+
 /// [`paged_decode_attention`] over pools of `K` (the model's `T`, or e4m3 bytes with their
-/// `fp8` scales: the CUDA-core kernel only, see [`super::paged_decode_attention_fp8`]).
-pub(super) fn paged_decode_launch<T: Element, K: Element>(
+/// `fp8` scales: the CUDA-core and streaming kernels, see [`paged_decode_attention_fp8`]).
+fn paged_decode_launch<T: Element, K: Element>(
     gpu: &Gpu,
     queries: &Queries<'_, T>,
     kv: &PagedKv<'_, K>,
@@ -373,11 +438,25 @@ pub(super) fn paged_decode_launch<T: Element, K: Element>(
     let (partial, shared_bytes) = match workspace.kernel {
         _ if fp8.is_some() || K::DTYPE != T::DTYPE => {
             let scales = fp8.ok_or_else(|| CudaError::invalid("byte KV pools without scales"))?;
-            scales.check(layout, K::DTYPE, workspace.kernel)?;
-            (
-                specialize_paged_decode_fp8(T::DTYPE, layout.head_dim, group)?,
-                partial_shared_bytes(1, layout.head_dim, group),
-            )
+            scales.check(layout, K::DTYPE)?;
+            let (entry, shared) = match workspace.kernel {
+                PagedDecodeKernel::CudaCore => (
+                    PagedDecodeEntry::Partial,
+                    partial_shared_bytes(1, layout.head_dim, group),
+                ),
+                PagedDecodeKernel::Streaming(tiling) => (
+                    PagedDecodeEntry::PartialStream(tiling),
+                    tiling.shared_bytes_fp8(layout.head_dim, group),
+                ),
+                PagedDecodeKernel::TensorCore => {
+                    return Err(CudaError::invalid(
+                        "the fp8 KV cache is read by the CUDA-core and streaming decodes, not \
+                         the WMMA one",
+                    ))
+                }
+            };
+            let spec = specialize_paged_decode_fp8_entry(entry, T::DTYPE, layout.head_dim, group)?;
+            (spec, shared)
         }
         PagedDecodeKernel::CudaCore => (
             specialize_paged_decode(PagedDecodeEntry::Partial, T::DTYPE, layout.head_dim, group)?,
@@ -455,7 +534,7 @@ pub(super) fn paged_decode_launch<T: Element, K: Element>(
         to_u32("grid chunks", workspace.grid_chunks)?,
         layout.num_kv_heads as u32,
     );
-    // SAFETY: arguments match `paged_decode_partial` (its fp8 build takes the two scale
+    // SAFETY: arguments match `paged_decode_partial` / `_stream` (their fp8 builds take the two scale
     // pools last, extents checked by `KvScales::check`); the plan buffer holds the capacity's
     // encoded length, the partials max_chunks x num_q_heads rows, the semaphores
     // max_requests x num_kv_heads; pool, q and out extents validated above.
@@ -482,108 +561,4 @@ pub(super) fn paged_decode_launch<T: Element, K: Element>(
         head_dim: layout.head_dim,
     };
     merge_partials_launch(gpu, &partials, true, out, None, programmatic)
-}
-
-/// Attention states to merge by log-sum-exp: partial rows `o_indptr[o] .. o_indptr[o + 1]`
-/// of `out [N, num_heads, head_dim]` (f32) with their base-2 log-sum-exps `lse [N,
-/// num_heads]` make output row `o` (of `M = o_indptr.len() - 1`).
-#[derive(Clone, Copy, Debug)]
-pub struct Partials<'a> {
-    /// Partial outputs, `[N, num_heads, head_dim]`.
-    pub out: DeviceView<'a, f32>,
-    /// Their base-2 log-sum-exps, `[N, num_heads]`.
-    pub lse: DeviceView<'a, f32>,
-    /// `[M + 1]`: which partial rows make each output row.
-    pub o_indptr: DeviceView<'a, u32>,
-    /// Heads per row.
-    pub num_heads: usize,
-    /// Elements per head.
-    pub head_dim: usize,
-}
-
-/// The generic merge: output row `o` and head `h` combine the partial rows of `partials`
-/// that `o_indptr` gives it. `-inf` (and NaN) partials are skipped; a row with no finite
-/// partial becomes zeros and `-inf`. `out` is `[M, num_heads, head_dim]`; `lse_out` (`[M,
-/// num_heads]`, optional) gets the merged base-2 log-sum-exps, so merges chain (the
-/// operation is associative). With `skip_single`, rows of exactly one partial are left
-/// untouched (the fused decode wrote them).
-pub fn merge_attention_partials<T: Element>(
-    gpu: &Gpu,
-    partials: &Partials<'_>,
-    skip_single: bool,
-    out: &mut impl DeviceWrite<T>,
-    lse_out: Option<&mut DeviceBuffer<f32>>,
-) -> Result<(), CudaError> {
-    merge_partials_launch(gpu, partials, skip_single, out, lse_out, false)
-}
-
-/// [`merge_attention_partials`], launched programmatically when `programmatic` (the kernel
-/// waits for the previous one with `griddepcontrol.wait`).
-fn merge_partials_launch<T: Element>(
-    gpu: &Gpu,
-    partials: &Partials<'_>,
-    skip_single: bool,
-    out: &mut impl DeviceWrite<T>,
-    lse_out: Option<&mut DeviceBuffer<f32>>,
-    programmatic: bool,
-) -> Result<(), CudaError> {
-    let Partials {
-        out: partial,
-        lse,
-        o_indptr,
-        num_heads,
-        head_dim,
-    } = *partials;
-    let (partial, lse, o_indptr) = (&partial, &lse, &o_indptr);
-    let spec = specialize_paged_decode(PagedDecodeEntry::Merge, T::DTYPE, head_dim, 1)?;
-    if o_indptr.is_empty() || num_heads == 0 || num_heads > 65535 {
-        return Err(CudaError::invalid(format!(
-            "merge: o_indptr needs M + 1 >= 1 entries and 1..=65535 heads (got {} and {num_heads})",
-            o_indptr.len()
-        )));
-    }
-    let rows = o_indptr.len() - 1;
-    if partial.len() % (num_heads * head_dim) != 0 || lse.len() * head_dim != partial.len() {
-        return Err(CudaError::invalid(format!(
-            "merge: partial ({}) and lse ({}) are not [N, {num_heads}, {head_dim}] and [N, {num_heads}]",
-            partial.len(),
-            lse.len()
-        )));
-    }
-    check_len(
-        "merge out [M, num_heads, head_dim]",
-        rows * num_heads * head_dim,
-        out.len(),
-    )?;
-    let lse_arg = match lse_out {
-        Some(buffer) => {
-            check_len(
-                "merge lse_out [M, num_heads]",
-                rows * num_heads,
-                buffer.len(),
-            )?;
-            ptr(&*buffer)
-        }
-        None => KernelArg::Ptr(0),
-    };
-    if rows == 0 {
-        return Ok(());
-    }
-    let args = [
-        ptr(partial),
-        ptr(lse),
-        ptr(o_indptr),
-        ptr(out),
-        lse_arg,
-        KernelArg::U32(u32::from(skip_single)),
-    ];
-    // The partial row ids in o_indptr live on the device: the kernel trusts them to be
-    // < N (the fused decode's plan guarantees it; other callers build them on the host).
-    let grid = (to_u32("merge rows", rows)?, num_heads as u32);
-    let dims = LaunchDims {
-        programmatic,
-        ..LaunchDims::new(grid, 128)
-    };
-    // SAFETY: arguments match `merge_attention_partials`; out and lse_out extents checked.
-    unsafe { gpu.launch(&spec, dims, &args) }
 }

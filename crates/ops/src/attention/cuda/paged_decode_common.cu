@@ -12,7 +12,7 @@
 // finish merges them (merge_in_kernel: one launch, partials never leave L2) or
 // merge_attention_partials does, afterwards.
 typedef PAGODA_T T;
-// The pools' element: T, or e4m3 bytes with PAGODA_KV_FP8 (kv_fp8.cu; CUDA-core kernel only).
+// The pools' element: T, or e4m3 bytes with PAGODA_KV_FP8 (kv_fp8.cu; CUDA-core and streaming kernels).
 #if PAGODA_KV_FP8
 typedef unsigned char KV_T;
 #else

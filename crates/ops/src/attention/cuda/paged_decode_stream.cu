@@ -1,4 +1,5 @@
-// The streaming paged decode on tensor cores (bf16 KV; prepended: paged_decode_common.cu).
+// The streaming paged decode on tensor cores (bf16 or e4m3 KV; prepended: kv_fp8.cu,
+// paged_decode_common.cu).
 //
 // Same plan, grid (max_chunks, num_kv_heads), chunk and epilogue as paged_decode_partial: one
 // CTA of four warps per (chunk, KV head), the KV head's GROUP query heads as the rows of a
@@ -20,21 +21,31 @@
 // The small shared footprint (no S/P/Q scratch, no padding) lets three CTAs of two 64-key
 // stages, or two of three, share an SM at head_dim 128; KEYS_PER_WARP, STAGES and the plan's
 // CTA target are the autotuner's.
+//
+// With PAGODA_KV_FP8 the pools hold e4m3 bytes (kv_fp8.cu): the ring stages the bytes (half a
+// bf16 tile; unswizzled rows, as eight lanes copy or read one row's contiguous bytes), the
+// scales ride along in the same cp.async groups, and each warp widens its own keys of a tile
+// into one bf16 tile (swizzled as above) right before its MMAs, which then run unchanged. K's
+// scale multiplies the key's score column after Q K^T; V's is folded into P (p * scale_v, in
+// f32, before P is packed to bf16), while the softmax sum keeps p.
 static_assert(sizeof(T) == 2, "paged_decode_stream is bf16 only");
 
 namespace stream_decode {
 constexpr int KW = PAGODA_KEYS_PER_WARP;  // 16 or 32 keys per warp per tile
 constexpr int TILE_KEYS = WARPS * KW;
 constexpr int STAGES = PAGODA_STAGES;     // 2 .. 6
-constexpr int ROW_BYTES = HEAD_DIM * 2;
+constexpr int ROW_BYTES = HEAD_DIM * 2;   // a bf16 key row, as the MMAs read it
 constexpr int SIDE_BYTES = TILE_KEYS * ROW_BYTES;
-constexpr int ROW_CHUNKS = HEAD_DIM / 8;  // 16-byte pieces of a key row
+constexpr int STAGE_ROW_BYTES = HEAD_DIM * (int)sizeof(KV_T);  // a pool row, as staged
+constexpr int STAGE_SIDE_BYTES = TILE_KEYS * STAGE_ROW_BYTES;
+constexpr int ROW_CHUNKS = STAGE_ROW_BYTES / 16;  // 16-byte pieces of a staged key row
 constexpr int KEY_STEP = 32 / ROW_CHUNKS;  // keys between a lane's pieces (a warp copies its keys)
 constexpr int KEYS_PER_LANE = KW / KEY_STEP;
 constexpr int N_BLOCKS = KW / 8;          // 8-key column blocks of S per warp
 constexpr int D_BLOCKS = HEAD_DIM / 8;    // 8-wide column blocks of O
 constexpr int EPI_PITCH = HEAD_DIM + 4;   // f32
-constexpr int MAIN_BYTES = 2 * STAGES * SIDE_BYTES;
+// The ring, then (fp8) the widened bf16 K and V tiles.
+constexpr int MAIN_BYTES = 2 * STAGES * STAGE_SIDE_BYTES + (PAGODA_KV_FP8 ? 2 * SIDE_BYTES : 0);
 constexpr int EPI_BYTES = WARPS * GROUP * EPI_PITCH * 4 + 2 * WARPS * GROUP * 4;
 constexpr int SMEM_BYTES = MAX2(MAX2(MAIN_BYTES, EPI_BYTES), WEIGHTS_BYTES);
 // CTAs an SM can hold by shared memory (228 KB on compute capability 9.0, 1 KB reserved per
@@ -51,6 +62,11 @@ static_assert(ROW_CHUNKS <= 32 && 32 % ROW_CHUNKS == 0 && KW % KEY_STEP == 0, "t
 PAGODA_DEVICE unsigned int piece_offset(unsigned int row, unsigned int piece) {
     return row * ROW_BYTES + ((piece ^ (row & 7)) << 4);
 }
+// Where the ring holds piece `piece` of staged key row `row`: a bf16 tile's swizzled layout, or
+// (fp8) plain rows.
+PAGODA_DEVICE unsigned int stage_offset(unsigned int row, unsigned int piece) {
+    return PAGODA_KV_FP8 ? row * STAGE_ROW_BYTES + (piece << 4) : piece_offset(row, piece);
+}
 
 // d += a b with the upper eight rows of a zero.
 PAGODA_DEVICE void mma_upper(float (&d)[4], unsigned int a0, unsigned int a2, unsigned int b0,
@@ -61,17 +77,24 @@ PAGODA_DEVICE void mma_upper(float (&d)[4], unsigned int a0, unsigned int a2, un
 
 // Arguments, grid and outputs as paged_decode_partial (paged_decode.cu); block THREADS.
 extern "C" __global__ void __launch_bounds__(THREADS, stream_decode::MIN_BLOCKS) paged_decode_partial_stream(
-    const T* __restrict__ q, const T* __restrict__ k_pool, const T* __restrict__ v_pool,
+    const T* __restrict__ q, const KV_T* __restrict__ k_pool, const KV_T* __restrict__ v_pool,
     const unsigned int* __restrict__ kv_indptr, const unsigned int* __restrict__ kv_indices,
     const unsigned int* __restrict__ last_page_len, const unsigned int* __restrict__ first_page_offset,
     const unsigned int* __restrict__ plan, T* __restrict__ out, float* __restrict__ partial_out,
     float* __restrict__ partial_lse, unsigned int* __restrict__ semaphores,
     unsigned int num_requests, unsigned int max_chunks, unsigned int num_kv_heads,
     unsigned int page_shift, unsigned int num_pages, unsigned int q_row_stride, float scale_log2,
-    unsigned int merge_in_kernel) {
+    unsigned int merge_in_kernel
+#if PAGODA_KV_FP8
+    , const float* __restrict__ k_scale, const float* __restrict__ v_scale
+#endif
+    ) {
     using namespace stream_decode;
     extern __shared__ __align__(128) unsigned char smem[];
     __shared__ unsigned char tile_valid[STAGES][TILE_KEYS];
+#if PAGODA_KV_FP8
+    __shared__ float tile_scale[2][STAGES][TILE_KEYS];  // K, V scales of each staged key
+#endif
     const unsigned int chunk = blockIdx.x;
     const unsigned int kv_head = blockIdx.y;
     DecodeChunk c;
@@ -109,8 +132,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, stream_decode::MIN_BLOCKS)
     };
     auto issue = [&](int t) {
         const int stage = t % STAGES;
-        unsigned char* k_dst = smem + (size_t)stage * SIDE_BYTES;
-        unsigned char* v_dst = smem + (size_t)(STAGES + stage) * SIDE_BYTES;
+        unsigned char* k_dst = smem + (size_t)stage * STAGE_SIDE_BYTES;
+        unsigned char* v_dst = smem + (size_t)(STAGES + stage) * STAGE_SIDE_BYTES;
 #pragma unroll
         for (int i = 0; i < KEYS_PER_LANE; ++i) {
             const int key_local = first_key + i * KEY_STEP;
@@ -119,12 +142,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, stream_decode::MIN_BLOCKS)
             size_t offset = 0;
             if (readable) {
                 const size_t row = ((size_t)pages[i] << page_shift) + (size_t)((c.fpo + key) & page_mask);
-                offset = (row * row_elems + (size_t)kv_head * HEAD_DIM) * sizeof(T) + part * 16;
+                offset = (row * row_elems + (size_t)kv_head * HEAD_DIM) * sizeof(KV_T) + part * 16;
             }
-            const unsigned int dst = piece_offset(key_local, part);
+            const unsigned int dst = stage_offset(key_local, part);
             cp_async16_line(k_dst + dst, k_bytes + offset, readable);
             cp_async16_line(v_dst + dst, v_bytes + offset, readable);
-            if (part == 0) tile_valid[stage][key_local] = readable;
+            if (part == 0) {
+                tile_valid[stage][key_local] = readable;
+#if PAGODA_KV_FP8
+                // (slot, kv_head)'s scales: one byte a value, so the byte offset / HEAD_DIM.
+                const size_t head_row = offset / HEAD_DIM;
+                cp_async4(&tile_scale[0][stage][key_local], k_scale + head_row, readable);
+                cp_async4(&tile_scale[1][stage][key_local], v_scale + head_row, readable);
+#endif
+            }
         }
     };
     load_pages(0);
@@ -170,8 +201,36 @@ extern "C" __global__ void __launch_bounds__(THREADS, stream_decode::MIN_BLOCKS)
         }
         cp_async_commit();
         const int stage = t % STAGES;
+#if PAGODA_KV_FP8
+        // Widen this warp's keys of the tile into the bf16 tiles: eight bytes a lane at a time
+        // (a row's contiguous bytes across lanes), one 16-byte swizzled bf16 piece out. The
+        // __syncwarp above also ordered the previous tile's ldmatrix before these stores.
+        unsigned char* k_wide = smem + (size_t)2 * STAGES * STAGE_SIDE_BYTES;
+        unsigned char* v_wide = k_wide + SIDE_BYTES;
+        {
+            const unsigned char* k_src = smem + (size_t)stage * STAGE_SIDE_BYTES;
+            const unsigned char* v_src = smem + (size_t)(STAGES + stage) * STAGE_SIDE_BYTES;
+            constexpr int PIECES = KW * HEAD_DIM / 8;
+            static_assert(PIECES % 32 == 0, "whole passes of the warp");
+#pragma unroll
+            for (int i = lane; i < PIECES; i += 32) {
+                const unsigned int key = warp * KW + i / (HEAD_DIM / 8);
+                const unsigned int piece = i % (HEAD_DIM / 8);
+                const unsigned int src = key * STAGE_ROW_BYTES + piece * 8;
+                const unsigned int dst = piece_offset(key, piece);
+                *reinterpret_cast<uint4*>(k_wide + dst) = fp8x8_to_bf16x8(*reinterpret_cast<const uint2*>(k_src + src));
+                *reinterpret_cast<uint4*>(v_wide + dst) = fp8x8_to_bf16x8(*reinterpret_cast<const uint2*>(v_src + src));
+            }
+        }
+        __syncwarp();
+        const unsigned int k_base = shared_address(k_wide);
+        const unsigned int v_base = shared_address(v_wide);
+        const float* k_scales = tile_scale[0][stage] + warp * KW;
+        const float* v_scales = tile_scale[1][stage] + warp * KW;
+#else
         const unsigned int k_base = shared_address(smem + (size_t)stage * SIDE_BYTES);
         const unsigned int v_base = shared_address(smem + (size_t)(STAGES + stage) * SIDE_BYTES);
+#endif
         // 1. S = Q K^T: s[j] is key block j (keys 8j .. 8j + 7 of the warp's KW), summed from
         // two accumulators (even and odd 16-wide steps) to halve the MMA dependency chain.
         float s[N_BLOCKS][4], s_odd[N_BLOCKS][4];
@@ -206,7 +265,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, stream_decode::MIN_BLOCKS)
         for (int j = 0; j < N_BLOCKS; ++j) {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                s[j][e] = valid[8 * j + quad_col + e] ? s[j][e] * scale_log2 : -INFINITY;
+#if PAGODA_KV_FP8
+                const float key_scale = k_scales[8 * j + quad_col + e] * scale_log2;
+#else
+                const float key_scale = scale_log2;
+#endif
+                s[j][e] = valid[8 * j + quad_col + e] ? s[j][e] * key_scale : -INFINITY;
                 tile_max = fmaxf(tile_max, s[j][e]);
             }
         }
@@ -234,8 +298,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, stream_decode::MIN_BLOCKS)
         }
 #pragma unroll
         for (int kk = 0; kk < KW / 16; ++kk) {
+#if PAGODA_KV_FP8
+            // P's columns are keys 16 kk + quad_col + {0, 1} and + 8: each times its V scale.
+            const float* vs = v_scales + 16 * kk + quad_col;
+            const unsigned int p0 = pack_bf16(s[2 * kk][0] * vs[0], s[2 * kk][1] * vs[1]);
+            const unsigned int p2 = pack_bf16(s[2 * kk + 1][0] * vs[8], s[2 * kk + 1][1] * vs[9]);
+#else
             const unsigned int p0 = pack_bf16(s[2 * kk][0], s[2 * kk][1]);
             const unsigned int p2 = pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+#endif
 #pragma unroll
             for (int n = 0; n < D_BLOCKS; n += 2) {
                 // Transposed matrices: (keys 16kk, dims 8n), (16kk + 8, 8n), (16kk, 8n + 8), (16kk + 8, 8n + 8).

@@ -79,8 +79,9 @@ PAGODA_DEVICE float4 load_chunk(const __nv_bfloat16* p) {
 // Four consecutive e4m3 bytes (4-byte aligned), dequantized with `scale`.
 PAGODA_DEVICE float4 load_chunk_fp8(const unsigned char* p, float scale) {
     const unsigned int word = *reinterpret_cast<const unsigned int*>(p);
-    return make_float4(fp8_e4m3_to_f32(word & 0xffu) * scale, fp8_e4m3_to_f32((word >> 8) & 0xffu) * scale,
-                       fp8_e4m3_to_f32((word >> 16) & 0xffu) * scale, fp8_e4m3_to_f32(word >> 24) * scale);
+    const float2 lo = bf16x2_to_float2(fp8x2_to_bf16x2(__byte_perm(word, 0u, 0x4140)));
+    const float2 hi = bf16x2_to_float2(fp8x2_to_bf16x2(__byte_perm(word, 0u, 0x4342)));
+    return make_float4(lo.x * scale, lo.y * scale, hi.x * scale, hi.y * scale);
 }
 
 PAGODA_DEVICE float segment_max(float value) {

@@ -170,7 +170,7 @@ impl QueryTiledKernel<'_> {
     /// for the arguments' contract).
     ///
     /// Pools of `K` other than `T` are e4m3 bytes read with their `fp8` scales (the tiled
-    /// kernel's fp8 build only, [`super::prefill_attention_tiled_fp8`]).
+    /// kernel's fp8 build only, [`prefill_attention_tiled_fp8`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch<T: Element, K: Element>(
         &self,
@@ -229,7 +229,7 @@ impl QueryTiledKernel<'_> {
             )));
         }
         if let Some(scales) = fp8 {
-            scales.check(layout, K::DTYPE, super::PagedDecodeKernel::CudaCore)?;
+            scales.check(layout, K::DTYPE)?;
         }
         if q_row_stride < row {
             return Err(CudaError::invalid(format!(
@@ -289,6 +289,35 @@ impl QueryTiledKernel<'_> {
         // and num_pages.
         unsafe { gpu.launch(self.spec, dims, &args) }
     }
+}
+
+/// The fp8-pool build of `prefill_attention_tiled` for query/output `dtype`.
+pub fn specialize_prefill_fp8(dtype: DType, head_dim: usize) -> Result<KernelSpec, CudaError> {
+    let mut spec = specialize_prefill(dtype, head_dim)?;
+    spec.params.push(("KV_FP8", 1));
+    Ok(spec)
+}
+
+/// [`prefill_attention_tiled`] over an e4m3 cache (same contract; K/V dequantized as they
+/// are staged).
+pub fn prefill_attention_tiled_fp8<T: Element>(
+    gpu: &Gpu,
+    queries: &Queries<'_, T>,
+    (kv, scales): (&PagedKv<'_, u8>, &KvScales<'_>),
+    qo_indptr: &impl DeviceRead<u32>,
+    scale: f32,
+    out: &mut impl DeviceWrite<T>,
+) -> Result<(), CudaError> {
+    let spec = specialize_prefill_fp8(T::DTYPE, kv.layout.head_dim)?;
+    let tiling = PrefillTiling::for_head_dim(kv.layout.head_dim)?;
+    let kernel = QueryTiledKernel {
+        what: "tiled fp8 prefill",
+        spec: &spec,
+        block_rows: tiling.block_rows,
+        threads: tiling.threads,
+        shared_bytes: 0,
+    };
+    kernel.launch(gpu, queries, kv, Some(scales), qo_indptr, scale, out)
 }
 
 #[cfg(test)]

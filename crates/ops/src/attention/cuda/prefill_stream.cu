@@ -24,65 +24,38 @@
 //
 // Specialisation: PAGODA_T (__nv_bfloat16), PAGODA_HEAD_DIM (64 or 128), PAGODA_BLOCK_KEYS
 // (32 or 64), PAGODA_ROW_TILES (1 or 2), PAGODA_STAGES (2 or 3). Dynamic shared memory:
-// SHARED_BYTES below (mirrored by PrefillStreamTiling::shared_bytes). One barrier per tile.
-// Prepended: tensor_core.cu.
-typedef PAGODA_T T;
-static_assert(sizeof(T) == 2, "prefill_attention_stream is bf16 only");
-
-namespace stream_prefill {
-constexpr int HEAD_DIM = PAGODA_HEAD_DIM;
-constexpr int BLOCK_KEYS = PAGODA_BLOCK_KEYS;
-constexpr int ROW_TILES = PAGODA_ROW_TILES;  // 16-row MMA tiles per warp
-constexpr int STAGES = PAGODA_STAGES;
-constexpr int WARPS = 4;
-constexpr int BLOCK_ROWS = WARPS * 16 * ROW_TILES;
-constexpr int THREADS = WARPS * 32;
-constexpr int ROW_BYTES = HEAD_DIM * 2;
-constexpr int ROW_CHUNKS = HEAD_DIM / 8;  // 16-byte pieces of a row
-constexpr int TILE_BYTES = BLOCK_KEYS * ROW_BYTES;
-constexpr int Q_BYTES = BLOCK_ROWS * ROW_BYTES;
-constexpr int KEYS_PER_THREAD = BLOCK_KEYS * ROW_CHUNKS / THREADS;  // pieces a thread copies a tile
-constexpr int Q_PIECES_PER_THREAD = BLOCK_ROWS * ROW_CHUNKS / THREADS;
-constexpr int KEY_STEP = THREADS / ROW_CHUNKS;
-constexpr int N_BLOCKS = BLOCK_KEYS / 8;  // 8-key column blocks of S
-constexpr int D_BLOCKS = HEAD_DIM / 8;    // 8-wide column blocks of O
-constexpr int KEY_LIMIT = 0x7fffffff;    // key positions are clamped to int
-constexpr float RESCALE_SLACK = 8.0f;    // log2 of the largest unnormalised p
-// Q tile, STAGES K tiles, STAGES V tiles, STAGES key flags.
-constexpr int SHARED_BYTES = Q_BYTES + 2 * STAGES * TILE_BYTES + STAGES * BLOCK_KEYS;
-
-static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "HEAD_DIM: 64 or 128");
-static_assert(BLOCK_KEYS == 32 || BLOCK_KEYS == 64, "BLOCK_KEYS: 32 or 64");
-static_assert(ROW_TILES == 1 || ROW_TILES == 2, "ROW_TILES: 1 or 2");
-static_assert(STAGES == 2 || STAGES == 3, "STAGES: 2 or 3");
-static_assert(THREADS % ROW_CHUNKS == 0 && KEY_STEP * KEYS_PER_THREAD == BLOCK_KEYS, "tile copy layout");
-
-PAGODA_DEVICE unsigned int piece_offset(unsigned int row, unsigned int piece) {
-    return row * ROW_BYTES + ((piece ^ (row & 7)) << 4);
-}
-// d += a b (the A fragment's four registers).
-PAGODA_DEVICE void mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
-    mma_bf16(d, a[0], a[1], a[2], a[3], b0, b1);
-}
-}  // namespace stream_prefill
+// SHARED_BYTES (prefill_stream_common.cu; mirrored by PrefillStreamTiling::shared_bytes).
+// One barrier per tile.
+//
+// With PAGODA_KV_FP8 the pools hold e4m3 bytes (kv_fp8.cu): the ring stages the bytes and
+// their per-(token, KV head) scales; after each tile's barrier the block widens the tile into
+// one bf16 K and V tile (a second barrier), on which the MMAs run unchanged; K's scale
+// multiplies the key's score column, V's is folded into P while the row sums keep p.
+// Prepended: tensor_core.cu, kv_fp8.cu, prefill_stream_common.cu.
 
 // Arguments and grid as prefill_attention_mma; block 128 threads; dynamic shared memory
 // stream_prefill::SHARED_BYTES. q must be 16-byte aligned with a row stride of a multiple of
 // 8 elements, like the pools (the launcher falls back to the WMMA kernel otherwise).
 extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill_attention_stream(
-    const T* __restrict__ q, const T* __restrict__ k_pool, const T* __restrict__ v_pool,
+    const T* __restrict__ q, const KV_T* __restrict__ k_pool, const KV_T* __restrict__ v_pool,
     const unsigned int* __restrict__ qo_indptr, const unsigned int* __restrict__ kv_indptr,
     const unsigned int* __restrict__ kv_indices, const unsigned int* __restrict__ last_page_len,
     const unsigned int* __restrict__ first_page_offset, T* __restrict__ out,
     unsigned int num_requests, unsigned int num_tokens, unsigned int num_indices,
     unsigned int num_q_heads, unsigned int num_kv_heads, unsigned int page_size,
-    unsigned int num_pages, unsigned int q_row_stride, unsigned int block_q, float scale_log2) {
+    unsigned int num_pages, unsigned int q_row_stride, unsigned int block_q, float scale_log2
+#if PAGODA_KV_FP8
+    , const float* __restrict__ k_scale, const float* __restrict__ v_scale
+#endif
+    ) {
     using namespace stream_prefill;
     extern __shared__ __align__(128) unsigned char shared[];
     unsigned char* q_tile = shared;
     unsigned char* k_tiles = shared + Q_BYTES;
-    unsigned char* v_tiles = k_tiles + STAGES * TILE_BYTES;
-    unsigned char* key_ok = v_tiles + STAGES * TILE_BYTES;  // [STAGES][BLOCK_KEYS]
+    unsigned char* v_tiles = k_tiles + STAGES * KV_TILE_BYTES;
+    unsigned char *k_wide = v_tiles + STAGES * KV_TILE_BYTES, *v_wide = k_wide + TILE_BYTES;  // fp8
+    float* scales = reinterpret_cast<float*>(k_wide + WIDE_BYTES);  // fp8: [2][STAGES][BLOCK_KEYS]
+    unsigned char* key_ok = k_wide + WIDE_BYTES + SCALE_BYTES;  // [STAGES][BLOCK_KEYS]
 
     const unsigned int tid = threadIdx.x;
     const int warp = (int)(tid / 32);
@@ -134,9 +107,10 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
     // multiples of KEYS_PER_THREAD (pages of 16 or more, the usual case), those keys share one
     // page: one page-table lookup a tile and a fixed stride. Otherwise (pages smaller than that,
     // or an unaligned first offset: rare) one lookup per key.
-    const int key_group = (int)(tid / ROW_CHUNKS);
-    const size_t row_bytes = row_elems * 2;
-    const size_t head_bytes = (size_t)kv_head * ROW_BYTES + part * 16;
+    const int key_group = (int)(tid / KV_CHUNKS);
+    const int kv_part = (int)(tid % KV_CHUNKS);
+    const size_t row_bytes = row_elems * sizeof(KV_T);
+    const size_t head_bytes = (size_t)kv_head * KV_ROW_BYTES + kv_part * 16;
     const bool one_page = page_size % KEYS_PER_THREAD == 0 && first_offset % KEYS_PER_THREAD == 0;
     const int page_shift = (page_size & (page_size - 1)) == 0 ? __ffs((int)page_size) - 1 : -1;
     auto page_row = [&](unsigned long long index, bool& ok) -> unsigned int {
@@ -146,10 +120,19 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
         ok = page < num_pages;
         return page * page_size;
     };
+    // fp8: key `key` of stage `stage` (pool byte offset `offset`, its head's first byte as
+    // kv_part is 0) gets its K and V scales, (slot, KV head) = offset / HEAD_DIM.
+    auto copy_scales = [&](int stage, int key, size_t offset, bool readable) {
+#if PAGODA_KV_FP8
+        float* dst = scales + stage * BLOCK_KEYS + key;
+        cp_async4(dst, k_scale + offset / HEAD_DIM, readable);
+        cp_async4(dst + STAGES * BLOCK_KEYS, v_scale + offset / HEAD_DIM, readable);
+#endif
+    };
     auto issue = [&](int t) {
         const int stage = t % STAGES;
-        unsigned char* k_dst = k_tiles + stage * TILE_BYTES;
-        unsigned char* v_dst = v_tiles + stage * TILE_BYTES;
+        unsigned char* k_dst = k_tiles + stage * KV_TILE_BYTES;
+        unsigned char* v_dst = v_tiles + stage * KV_TILE_BYTES;
         unsigned char* ok_dst = key_ok + stage * BLOCK_KEYS;
         const int key_local0 = key_group * KEYS_PER_THREAD;
         const long long key0 = (long long)t * BLOCK_KEYS + key_local0;
@@ -167,10 +150,11 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
 #pragma unroll
             for (int i = 0; i < KEYS_PER_THREAD; ++i) {
                 const bool readable = ok && i < keys;
-                const unsigned int dst = piece_offset(key_local0 + i, part);
+                const unsigned int dst = kv_offset(key_local0 + i, kv_part);
                 cp_async16(k_dst + dst, k_bytes + first + i * step, readable);
                 cp_async16(v_dst + dst, v_bytes + first + i * step, readable);
-                if (part == 0) ok_dst[key_local0 + i] = readable;
+                if (kv_part == 0) ok_dst[key_local0 + i] = readable;
+                if (PAGODA_KV_FP8 && kv_part == 0) copy_scales(stage, key_local0 + i, first + i * step, readable);
             }
             return;
         }
@@ -184,10 +168,11 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
                 row = page_row(page_base + index, readable) + (logical - index * page_size);
             }
             const size_t offset = readable ? (size_t)row * row_bytes + head_bytes : 0;
-            const unsigned int dst = piece_offset(key_local0 + i, part);
+            const unsigned int dst = kv_offset(key_local0 + i, kv_part);
             cp_async16(k_dst + dst, k_bytes + offset, readable);
             cp_async16(v_dst + dst, v_bytes + offset, readable);
-            if (part == 0) ok_dst[key_local0 + i] = readable;
+            if (kv_part == 0) ok_dst[key_local0 + i] = readable;
+            if (PAGODA_KV_FP8 && kv_part == 0) copy_scales(stage, key_local0 + i, offset, readable);
         }
     };
 #pragma unroll
@@ -239,9 +224,21 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
         if (t + STAGES - 1 < num_tiles) issue(t + STAGES - 1);
         cp_async_commit();
         const int stage = t % STAGES;
+#if PAGODA_KV_FP8
+        // Widen tile t (every warp: the barrier above also ended tile t - 1's reads of the
+        // wide tiles), then the MMAs read the wide tiles.
+        widen_tile(k_tiles + stage * KV_TILE_BYTES, k_wide);
+        widen_tile(v_tiles + stage * KV_TILE_BYTES, v_wide);
+        __syncthreads();
+        const float* k_scales = scales + stage * BLOCK_KEYS;
+        const float* v_scales = k_scales + STAGES * BLOCK_KEYS;
+        const unsigned char *k_read = k_wide, *v_read = v_wide;
+#else
+        const unsigned char *k_read = k_tiles + stage * KV_TILE_BYTES, *v_read = v_tiles + stage * KV_TILE_BYTES;
+        const float* v_scales = nullptr;
+#endif
         if (t < warp_tiles) {
-            const unsigned int k_base = shared_address(k_tiles + stage * TILE_BYTES);
-            const unsigned int v_base = shared_address(v_tiles + stage * TILE_BYTES);
+            const unsigned int k_base = shared_address(k_read), v_base = shared_address(v_read);
             // 1. S = Q K^T.
             float s[ROW_TILES][N_BLOCKS][4];
 #pragma unroll
@@ -268,6 +265,15 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
                     }
                 }
             }
+#if PAGODA_KV_FP8
+            // K's scales on the score columns (keys 8 j + quad_col + e).
+#pragma unroll
+            for (int i = 0; i < ROW_TILES; ++i)
+#pragma unroll
+                for (int j = 0; j < N_BLOCKS; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[i][j][e] *= k_scales[8 * j + quad_col + e % 2];
+#endif
             // 2. Mask where needed, online softmax of each lane's rows.
             const unsigned int ok_word =
                 reinterpret_cast<const unsigned int*>(key_ok + stage * BLOCK_KEYS)[lane % (BLOCK_KEYS / 4)];
@@ -344,12 +350,8 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
             for (int kk = 0; kk < BLOCK_KEYS / 16; ++kk) {
                 unsigned int pa[ROW_TILES][4];
 #pragma unroll
-                for (int i = 0; i < ROW_TILES; ++i) {
-                    pa[i][0] = pack_bf16(s[i][2 * kk][0], s[i][2 * kk][1]);
-                    pa[i][1] = pack_bf16(s[i][2 * kk][2], s[i][2 * kk][3]);
-                    pa[i][2] = pack_bf16(s[i][2 * kk + 1][0], s[i][2 * kk + 1][1]);
-                    pa[i][3] = pack_bf16(s[i][2 * kk + 1][2], s[i][2 * kk + 1][3]);
-                }
+                for (int i = 0; i < ROW_TILES; ++i)
+                    pack_p(pa[i], s[i][2 * kk], s[i][2 * kk + 1], v_scales ? v_scales + 16 * kk + quad_col : nullptr);
 #pragma unroll
                 for (int n = 0; n < D_BLOCKS; n += 2) {
                     unsigned int b[4];

@@ -3,7 +3,8 @@
 //! ring of swizzled K/V tiles in dynamic shared memory. Its tile shapes
 //! ([`PrefillStreamTiling`]) are the candidates `pagoda bench attention --prefill` compares.
 
-use super::prefill::QueryTiledKernel;
+use super::kv_fp8::KvScales;
+use super::prefill::{prefill_attention_tiled_fp8, QueryTiledKernel};
 use super::{PagedKv, Queries, PREFILL_STREAM};
 use pagoda_cuda::{CudaError, DType, DeviceRead, DeviceWrite, Element, Gpu, KernelSpec};
 
@@ -59,6 +60,18 @@ impl PrefillStreamTiling {
     pub fn shared_bytes(&self, head_dim: usize) -> usize {
         let row = head_dim * 2;
         self.rows * row + 2 * self.stages * self.keys * row + self.stages * self.keys
+    }
+
+    /// Dynamic shared memory of the fp8-cache build (`PAGODA_KV_FP8`, as `SHARED_BYTES` in
+    /// `prefill_stream_common.cu`): a ring of byte tiles, the widened bf16 K and V tiles and
+    /// the ring's f32 scales.
+    pub fn shared_bytes_fp8(&self, head_dim: usize) -> usize {
+        let (rows, keys, stages) = (self.rows, self.keys, self.stages);
+        rows * head_dim * 2
+            + 2 * stages * keys * head_dim
+            + 2 * keys * head_dim * 2
+            + 2 * stages * keys * 4
+            + stages * keys
     }
 
     /// The tiling named `name` (`128x64x2`: rows x keys x stages), if it is one of [`ALL`](Self::ALL).
@@ -142,6 +155,48 @@ pub fn prefill_attention_stream<T: Element>(
     kernel.launch(gpu, queries, kv, None, qo_indptr, scale, out)
 }
 
+/// The fp8-pool build of `prefill_attention_stream` (bf16 queries and output).
+pub fn specialize_prefill_stream_fp8(
+    dtype: DType,
+    head_dim: usize,
+    tiling: PrefillStreamTiling,
+) -> Result<KernelSpec, CudaError> {
+    let mut spec = specialize_prefill_stream(dtype, head_dim, tiling)?;
+    spec.params.push(("KV_FP8", 1));
+    Ok(spec)
+}
+
+/// [`prefill_attention_stream`] over an e4m3 cache (same contract; each K/V tile staged as
+/// bytes and widened to bf16 in shared memory, K's scale on the score columns, V's folded
+/// into P). Where the streaming kernel cannot run (unaligned queries or pools, a head size it
+/// is not built for) the tiled fp8 prefill does.
+pub fn prefill_attention_stream_fp8<T: Element>(
+    gpu: &Gpu,
+    tiling: PrefillStreamTiling,
+    queries: &Queries<'_, T>,
+    (kv, scales): (&PagedKv<'_, u8>, &KvScales<'_>),
+    qo_indptr: &impl DeviceRead<u32>,
+    scale: f32,
+    out: &mut impl DeviceWrite<T>,
+) -> Result<(), CudaError> {
+    let pointers = kv.k_pool.device_ptr() | kv.v_pool.device_ptr() | queries.data.device_ptr();
+    let aligned = pointers.is_multiple_of(16) && queries.row_stride.is_multiple_of(8);
+    let head_dim = kv.layout.head_dim;
+    let streams = aligned && scale > 0.0 && scale.is_finite();
+    if !streams || !STREAM_PREFILL_HEAD_DIMS.contains(&head_dim) {
+        return prefill_attention_tiled_fp8(gpu, queries, (kv, scales), qo_indptr, scale, out);
+    }
+    let spec = specialize_prefill_stream_fp8(T::DTYPE, head_dim, tiling)?;
+    let kernel = QueryTiledKernel {
+        what: "streaming fp8 prefill",
+        spec: &spec,
+        block_rows: tiling.rows,
+        threads: 128,
+        shared_bytes: tiling.shared_bytes_fp8(head_dim),
+    };
+    kernel.launch(gpu, queries, kv, Some(scales), qo_indptr, scale, out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,6 +225,8 @@ mod tests {
             for head_dim in STREAM_PREFILL_HEAD_DIMS {
                 let bytes = tiling.shared_bytes(head_dim);
                 assert!(bytes <= 227 * 1024, "{tiling} at {head_dim}: {bytes}");
+                let fp8 = tiling.shared_bytes_fp8(head_dim);
+                assert!(fp8 <= 227 * 1024, "fp8 {tiling} at {head_dim}: {fp8}");
                 // The copy layout: every thread copies whole 16-byte pieces of the tiles.
                 assert_eq!(tiling.keys * head_dim / 8 % 128, 0);
                 assert_eq!(tiling.rows * head_dim / 8 % 128, 0);

@@ -54,6 +54,16 @@ impl StreamTiling {
         main.max(epilogue).max(weights)
     }
 
+    /// Dynamic shared memory of the fp8-cache build (`PAGODA_KV_FP8`): the ring holds bytes,
+    /// and one bf16 K and V tile the warps widen each tile into.
+    pub fn shared_bytes_fp8(&self, head_dim: usize, group: usize) -> usize {
+        let keys = self.tile_keys();
+        let main = 2 * self.stages * keys * head_dim + 2 * keys * head_dim * 2;
+        let epilogue = 4 * group * (head_dim + 4) * 4 + 2 * 4 * group * 4;
+        let weights = group * (256 + 3) * 4;
+        main.max(epilogue).max(weights)
+    }
+
     /// CTAs an SM of `smem_per_sm` bytes of shared memory holds at `head_dim` and `group`
     /// (1 to 4; the kernel's register budget is fitted to the same count, see `MIN_BLOCKS` in
     /// `paged_decode_stream.cu`; 2 KB a CTA for the reserved and static shared memory).

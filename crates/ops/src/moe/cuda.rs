@@ -25,9 +25,11 @@ use super::{GroupLimit, GroupScore, Renormalize, Router, Scoring};
 
 mod mma;
 mod rows;
+mod tiles;
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
 pub use mma::{moe_down_mma, moe_gate_up_mma, moe_mma_launches, MOE_MMA_MIN_ROWS};
 pub use rows::{moe_down_combine, moe_gate_up_with, MoePath, MOE_PER_ROW_MAX_ROWS};
+pub use tiles::{moe_down, moe_experts, moe_gate_up};
 
 /// The CUDA source of the router and the CSR lists (one entry point).
 pub(crate) static ROUTE: KernelSource =
@@ -433,106 +435,6 @@ pub fn moe_route<T: Element>(
     // num_experts values, the workspace max_rows * top_k entries, the most tiles those
     // entries need and a zero counter (the kernel leaves it zero).
     unsafe { gpu.launch(&spec, LaunchDims::new(grid, ROUTE_THREADS), &args) }
-}
-
-/// The routed entries' expert outputs, for the routing [`moe_route`] left in `workspace`:
-/// `workspace.out[p] = down_e(silu(gate_e(x[row_p])) * up_e(x[row_p]))` for every routed
-/// position `p` of expert `e` (the intermediates rounded to `T` in `workspace.act`, as the
-/// dense MLP's). `x` is `[num_rows, hidden]`; `gate` and `up` are `[num_experts, inter,
-/// hidden]`, `down` `[num_experts, hidden, inter]`.
-pub fn moe_experts<T: Element>(
-    gpu: &Gpu,
-    x: &impl DeviceRead<T>,
-    [gate, up, down]: [&DeviceBuffer<T>; 3],
-    workspace: &mut MoeWorkspace<T>,
-    num_rows: usize,
-) -> Result<(), CudaError> {
-    moe_gate_up(gpu, x, [gate, up], workspace, num_rows)?;
-    moe_down(gpu, down, workspace, num_rows)
-}
-
-/// The first half of [`moe_experts`] (one launch): `workspace.act[p] = silu(gate_e(x[row_p]))
-/// * up_e(x[row_p])` for every routed position `p` of expert `e`. Its own function so that
-/// `pagoda bench moe` can time it alone.
-pub fn moe_gate_up<T: Element>(
-    gpu: &Gpu,
-    x: &impl DeviceRead<T>,
-    [gate, up]: [&DeviceBuffer<T>; 2],
-    workspace: &mut MoeWorkspace<T>,
-    num_rows: usize,
-) -> Result<(), CudaError> {
-    workspace.check_rows(num_rows)?;
-    let w = &*workspace;
-    let (experts, hidden, inter) = (w.num_experts, w.hidden, w.inter);
-    check_len("moe x [rows, hidden]", num_rows * hidden, x.len())?;
-    check_len(
-        "moe gate [experts, inter, hidden]",
-        experts * inter * hidden,
-        gate.len(),
-    )?;
-    check_len(
-        "moe up [experts, inter, hidden]",
-        experts * inter * hidden,
-        up.len(),
-    )?;
-    if !x.device_ptr().is_multiple_of(16) {
-        return Err(CudaError::invalid(
-            "the expert matmuls need a 16-byte aligned x",
-        ));
-    }
-    if num_rows == 0 {
-        return Ok(());
-    }
-    let tiles = to_u32("moe tiles", max_tiles(num_rows * w.top_k, experts))?;
-    let spec = specialize_moe(MoeEntry::GateUp, T::DTYPE)?;
-    let mut args = vec![ptr(x), ptr(gate), ptr(up)];
-    args.extend([
-        ptr(&w.expert_offsets),
-        ptr(&w.expert_rows),
-        ptr(&w.tile_offsets),
-        ptr(&w.tile_experts),
-        ptr(&w.tile_starts),
-    ]);
-    args.push(ptr(&w.act));
-    args.extend(w.dims()?);
-    let grid = (to_u32("moe CTAs", inter.div_ceil(COLUMNS_PER_CTA))?, tiles);
-    // SAFETY: arguments match `moe_gate_up`; lengths and alignment validated, the tile list
-    // was written by `moe_route` for at most `tiles` tiles.
-    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }
-}
-
-/// The second half of [`moe_experts`] (one launch): `workspace.out[p] = down_e(act[p])`.
-pub fn moe_down<T: Element>(
-    gpu: &Gpu,
-    down: &DeviceBuffer<T>,
-    workspace: &mut MoeWorkspace<T>,
-    num_rows: usize,
-) -> Result<(), CudaError> {
-    workspace.check_rows(num_rows)?;
-    let w = &*workspace;
-    let (experts, hidden, inter) = (w.num_experts, w.hidden, w.inter);
-    check_len(
-        "moe down [experts, hidden, inter]",
-        experts * hidden * inter,
-        down.len(),
-    )?;
-    if num_rows == 0 {
-        return Ok(());
-    }
-    let tiles = to_u32("moe tiles", max_tiles(num_rows * w.top_k, experts))?;
-    let spec = specialize_moe(MoeEntry::Down, T::DTYPE)?;
-    let mut args = vec![ptr(&w.act), ptr(down), ptr(&w.expert_offsets)];
-    args.extend([
-        ptr(&w.tile_offsets),
-        ptr(&w.tile_experts),
-        ptr(&w.tile_starts),
-        ptr(&w.out),
-    ]);
-    args.extend(w.dims()?);
-    let grid = (to_u32("moe CTAs", hidden.div_ceil(COLUMNS_PER_CTA))?, tiles);
-    // SAFETY: arguments match `moe_down`; the lengths validated, the intermediates and the
-    // tile list written for these rows by `moe_gate_up` and `moe_route`.
-    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }
 }
 
 /// `x[row] += Σ weight · workspace.out[entry]` over each row's routed entries in ascending

@@ -449,7 +449,7 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
 /// 0) against the CPU's exact f32 model
 /// on the ragged workload, beside the GPU with the weights dequantized at load. The in-place
 /// steps run with the producers writing the q8 activations (`quant_fused_q8`) and a QKV of two
-/// formats (a q4_k_m file's Q6_K v) in one launch (`quant_pair`), the defaults, and once
+/// formats (a q4_k_m file's Q6_K v) in one launch (`quant_pair`), both on, and once
 /// without each, which must give the same logits bit for bit. The in-place
 /// path quantizes activations to 8 bits: its logits stay within 5% of the peak logit (a wrong
 /// decoder moves them by the peak itself), and device memory for weights is the file's size.

@@ -1,0 +1,253 @@
+//! Tensor parallelism on the CPU (issue 40): tiny random llama, Qwen2 (q/k/v bias, tied
+//! embedding), Qwen3 (q/k norm), Qwen3-MoE and DeepSeek (latent attention with its experts,
+//! V2 and V3 routing) models split over 2, 4 and 8 ranks of an in-process group
+//! ([`LocalGroup`], one thread per rank) against the same model whole.
+//!
+//! Each run is a ragged prefill of two requests over a paged KV cache, then decode steps fed
+//! with the greedy tokens. Checked at every step:
+//! - the logits (each rank's vocabulary slice, gathered) equal the whole model's within
+//!   `1e-5 * (1 + max |logit|)` of the row: the ranks' partial sums only reassociate the
+//!   whole model's f32 sums;
+//! - the greedy tokens (argmax all-reduce over the slices) are the whole model's;
+//! - the seeded Gumbel-max draws (noise per global id, argmax all-reduce) pick the whole
+//!   model's tokens.
+//!
+//! And a model that does not split (heads or KV heads not divisible) is refused with a clear
+//! error.
+
+use std::sync::Arc;
+
+use pagoda_kv::{BlockPool, BlockTable, PageTable};
+use pagoda_models::config::{Architecture, ModelConfig, RopeStyle};
+use pagoda_models::llama::{AttentionPolicy, ForwardBatch, Model, WeightPrecision};
+use pagoda_models::random::{preset, RandomWeights};
+use pagoda_ops::attention::KvType;
+use pagoda_ops::collective::sampling::{gather_rows, greedy_rows, gumbel_row};
+use pagoda_ops::collective::{run_ranks, Communicator, LocalGroup};
+
+const PAGE_SIZE: usize = 4;
+const DECODE_STEPS: usize = 4;
+/// The logits' bound, relative to the row's largest magnitude (see the module docs).
+const RELATIVE_BOUND: f32 = 1e-5;
+
+/// What one rank saw at each step: the whole rows (gathered), greedy tokens, Gumbel draws.
+#[derive(Debug, Clone, PartialEq)]
+struct StepRecord {
+    logits: Vec<Vec<f32>>,
+    greedy: Vec<u32>,
+    drawn: Vec<Option<u32>>,
+}
+
+fn llama(architecture: Architecture, tie_word_embeddings: bool) -> ModelConfig {
+    ModelConfig {
+        architecture,
+        hidden_size: 64,
+        num_layers: 2,
+        num_attention_heads: 16,
+        num_kv_heads: 8,
+        head_dim: 8,
+        intermediate_size: 128,
+        // Odd: the vocabulary slices are uneven.
+        vocab_size: 203,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_dim: 8,
+        rope_style: RopeStyle::Halves,
+        rope_scaling: None,
+        max_position_embeddings: 512,
+        tie_word_embeddings,
+        moe: None,
+        mla: None,
+    }
+}
+
+/// A tiny preset with 8 attention (and KV) heads, so it splits over 8 ranks.
+fn eight_heads(name: &str) -> ModelConfig {
+    let mut config = preset(name).unwrap();
+    config.num_attention_heads = 8;
+    if config.mla.is_none() {
+        config.num_kv_heads = 8;
+    }
+    config
+}
+
+/// The tokens of the two requests' prompts.
+fn prompts(vocab: usize) -> [Vec<u32>; 2] {
+    let prompt = |seed: usize, len: usize| {
+        (0..len)
+            .map(|i| ((seed * 131 + i * 71 + 7) % vocab) as u32)
+            .collect()
+    };
+    [prompt(1, 7), prompt(2, 5)]
+}
+
+/// One rank's run: the prefill of both prompts in one ragged step, then [`DECODE_STEPS`]
+/// decode steps of both requests fed with their greedy tokens.
+fn run_rank(config: &ModelConfig, weights: &RandomWeights, group: LocalGroup) -> Vec<StepRecord> {
+    let group = Arc::new(group);
+    let comm: Arc<dyn Communicator> = group.clone();
+    let model = Model::load_shard(config.clone(), weights, WeightPrecision::AsStored, comm)
+        .expect("the shard loads");
+    let vocab = config.vocab_size;
+    let start = model.vocab_range().start;
+    let mut pool = BlockPool::new(32, PAGE_SIZE).unwrap();
+    let mut kv = model
+        .new_kv_cache(32, PAGE_SIZE, KvType::F32, KvType::F32)
+        .unwrap();
+    let mut tables = [BlockTable::new(), BlockTable::new()];
+    let mut next: Vec<Vec<u32>> = prompts(vocab).to_vec();
+    let mut records = Vec::new();
+    for step in 0..=DECODE_STEPS {
+        let (mut tokens, mut positions, mut slots, mut qo_indptr) =
+            (Vec::new(), Vec::new(), Vec::new(), vec![0u32]);
+        let mut logits_for = Vec::new();
+        for (table, new_tokens) in tables.iter_mut().zip(&next) {
+            let first = table.num_tokens();
+            slots.extend(table.append_slots(&mut pool, new_tokens.len()).unwrap());
+            tokens.extend_from_slice(new_tokens);
+            positions.extend((first..first + new_tokens.len()).map(|p| p as u32));
+            qo_indptr.push(tokens.len() as u32);
+            logits_for.push(tokens.len() - 1);
+        }
+        let page_table = PageTable::from_block_tables(&[&tables[0], &tables[1]], &pool).unwrap();
+        let batch = ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            slots: &slots,
+            qo_indptr: &qo_indptr,
+            page_table: &page_table,
+            logits_for: &logits_for,
+        };
+        let slices = model
+            .forward(&batch, &mut kv, AttentionPolicy::Auto)
+            .unwrap()
+            .logits;
+        let rows = logits_for.len();
+        let greedy = greedy_rows(&*group, &slices, rows, start).unwrap();
+        let width = slices.len() / rows;
+        let drawn = (0..rows)
+            .map(|row| {
+                let slice = &slices[row * width..(row + 1) * width];
+                gumbel_row(
+                    &*group,
+                    slice,
+                    start,
+                    1.0,
+                    [0xC0FFEE, row as u32],
+                    step as u64,
+                )
+                .unwrap()
+            })
+            .collect();
+        let whole = gather_rows(&*group, &slices, rows, vocab).unwrap();
+        records.push(StepRecord {
+            logits: whole.chunks(vocab).map(<[f32]>::to_vec).collect(),
+            greedy: greedy.clone(),
+            drawn,
+        });
+        next = greedy.iter().map(|&token| vec![token]).collect();
+    }
+    records
+}
+
+/// The model whole and split over 2, 4 and 8 ranks: every rank's record against the whole
+/// model's (see the module docs).
+fn check_splits_match_the_whole_model(name: &str, config: &ModelConfig) {
+    let weights = RandomWeights::new(config, 40, 1 << 30).unwrap();
+    let whole = run_ranks(1, |group| run_rank(config, &weights, group)).remove(0);
+    for world in [2, 4, 8] {
+        let ranks = run_ranks(world, |group| run_rank(config, &weights, group));
+        for (rank, records) in ranks.iter().enumerate() {
+            assert_eq!(
+                records, &ranks[0],
+                "{name}: rank {rank} of {world} disagrees"
+            );
+        }
+        let mut worst = 0f32;
+        for (step, (split, expected)) in ranks[0].iter().zip(&whole).enumerate() {
+            for (row, (actual, wanted)) in split.logits.iter().zip(&expected.logits).enumerate() {
+                let scale = 1.0 + wanted.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let error = actual
+                    .iter()
+                    .zip(wanted)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                worst = worst.max(error / scale);
+                assert!(
+                    error <= RELATIVE_BOUND * scale,
+                    "{name}, {world} ranks, step {step} row {row}: logits differ by {error:e} (scale {scale})"
+                );
+            }
+            assert_eq!(
+                split.greedy, expected.greedy,
+                "{name}, {world} ranks, step {step}: greedy"
+            );
+            assert_eq!(
+                split.drawn, expected.drawn,
+                "{name}, {world} ranks, step {step}: Gumbel"
+            );
+        }
+        eprintln!("{name}: {world} ranks, worst relative logit difference {worst:e}");
+    }
+}
+
+#[test]
+fn llama_splits_match_the_whole_model() {
+    check_splits_match_the_whole_model("llama", &llama(Architecture::Llama, false));
+}
+
+#[test]
+fn qwen2_with_biases_and_a_tied_head_splits_match() {
+    check_splits_match_the_whole_model("qwen2", &llama(Architecture::Qwen2, true));
+}
+
+#[test]
+fn qwen3_with_qk_norms_splits_match() {
+    let mut config = llama(Architecture::Qwen3, false);
+    config.head_dim = 16;
+    config.rope_dim = 16;
+    check_splits_match_the_whole_model("qwen3", &config);
+}
+
+#[test]
+fn qwen3_moe_splits_match() {
+    check_splits_match_the_whole_model("qwen3-moe", &eight_heads("qwen3-moe-tiny"));
+}
+
+#[test]
+fn deepseek_latent_attention_and_experts_split_match() {
+    for name in ["deepseek-v2-tiny", "deepseek-v3-tiny"] {
+        check_splits_match_the_whole_model(name, &eight_heads(name));
+    }
+}
+
+/// The first rank's load error of `config` split over `world` ranks, if any.
+fn load_error(config: &ModelConfig, world: usize) -> Option<String> {
+    let weights = RandomWeights::new(config, 1, 1 << 30).unwrap();
+    run_ranks(world, |group| {
+        let comm: Arc<dyn Communicator> = Arc::new(group);
+        Model::load_shard(config.clone(), &weights, WeightPrecision::AsStored, comm)
+            .err()
+            .map(|e| e.to_string())
+    })
+    .remove(0)
+}
+
+#[test]
+fn a_model_that_does_not_split_is_refused() {
+    let mut config = llama(Architecture::Llama, false);
+    config.num_kv_heads = 4;
+    let kv_heads = load_error(&config, 8).expect("4 KV heads do not split over 8 ranks");
+    assert!(kv_heads.contains("at least 8 KV heads"), "{kv_heads}");
+    assert_eq!(
+        load_error(&config, 4),
+        None,
+        "16 and 4 heads split over 4 ranks"
+    );
+    config.num_attention_heads = 12;
+    config.num_kv_heads = 12;
+    let heads = load_error(&config, 8).expect("12 heads do not split over 8 ranks");
+    assert!(
+        heads.contains("attention heads (12) divisible by 8"),
+        "{heads}"
+    );
+}

@@ -49,8 +49,26 @@ pub fn cuda_graphs() -> bool {
     pagoda_config::global().on("PAGODA_CUDA_GRAPHS")
 }
 
-/// The device the flags ask for, resolved: `auto` probes for a usable GPU.
+/// The device the flags ask for, resolved: `auto` probes for a usable GPU. A tensor-parallel
+/// size over 1 is refused here, saying what runs today.
 pub fn resolve_device(args: &ModelArgs) -> Result<Device> {
+    let device = resolve_one_device(args)?;
+    let ranks = pagoda_config::global()
+        .number("PAGODA_TENSOR_PARALLEL_SIZE")
+        .unwrap_or(1);
+    match device {
+        _ if ranks <= 1 => Ok(device),
+        Device::Cuda { .. } => bail!(
+            "-tp {ranks}: tensor parallelism on CUDA needs the NCCL increment (issue 40); use -tp 1"
+        ),
+        Device::Cpu => bail!(
+            "-tp {ranks}: the CLI runs one rank today (the CPU's tensor-parallel ranks are a library API, Model::load_shard over LocalGroup; issue 40); use -tp 1"
+        ),
+    }
+}
+
+/// [`resolve_device`] before the tensor-parallel check.
+fn resolve_one_device(args: &ModelArgs) -> Result<Device> {
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
         "f32" => DType::F32,

@@ -13,7 +13,7 @@ use super::{fetch, weight_from_bytes, Model, WeightPrecision};
 use crate::config::ModelConfig;
 use crate::shard::{slice_axis, ShardSpec, ShardedSource};
 use crate::weight_plan::ModelPlan;
-use crate::weights::{names, LoadError, TensorSource};
+use crate::weights::{LoadError, TensorSource};
 
 /// A rank's place in its tensor-parallel group.
 pub(super) struct Parallel {
@@ -41,8 +41,10 @@ impl Parallel {
         let rows = slice_axis(&raw, 0, self.vocab.clone())
             .map_err(|why| LoadError(format!("tensor {}: {why}", spec.name)))?;
         let shape = [self.vocab.len(), spec.cols()];
+        // The kernels the whole model's head gets: those of the tensor's own name (a tied
+        // head is the embedding's).
         weight_from_bytes(
-            names::OUTPUT,
+            &spec.name,
             rows.ty,
             shape,
             rows.data.into_owned(),

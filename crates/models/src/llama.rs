@@ -19,6 +19,7 @@ use crate::decoder::{deepseek_layers, llama_layers, llama_moe_layers};
 use crate::weight_plan::{AttentionPlan, MlpPlan, ModelPlan, TensorSpec};
 use crate::weights::TensorSource;
 
+mod group;
 mod load;
 mod mla;
 mod moe;
@@ -390,7 +391,8 @@ impl Model {
         Ok(self.run(batch, kv, policy, step::Head::Hidden)?.logits)
     }
 
-    fn run(
+    /// One rank's step (the whole model's, without a group).
+    fn run_rank(
         &self,
         batch: &ForwardBatch<'_>,
         kv: &mut KvCache,
@@ -424,7 +426,7 @@ impl Model {
         } else {
             llama_layers(&mut step, &self.layers)?;
         }
-        let logits = step.logits;
+        let logits = self.gather_logits(step.logits, batch.logits_for.len(), head)?;
         Ok(ForwardOutput {
             logits,
             attention_path: plan.path(),

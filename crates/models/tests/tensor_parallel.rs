@@ -96,7 +96,13 @@ fn run_rank(
     let comm: Arc<dyn Communicator> = group.clone();
     let model =
         Model::load_shard(config.clone(), weights, precision, comm).expect("the shard loads");
-    let vocab = config.vocab_size;
+    run_model(&model, &*group)
+}
+
+/// [`run_rank`]'s steps on a loaded model, sampling with `group` (its rank's group, or a
+/// group of one for a model that returns whole rows).
+fn run_model(model: &Model, group: &dyn Communicator) -> Vec<StepRecord> {
+    let vocab = model.config().vocab_size;
     let start = model.vocab_range().start;
     let mut pool = BlockPool::new(32, PAGE_SIZE).unwrap();
     let mut kv = model
@@ -131,13 +137,13 @@ fn run_rank(
             .unwrap()
             .logits;
         let rows = logits_for.len();
-        let greedy = greedy_rows(&*group, &slices, rows, start).unwrap();
+        let greedy = greedy_rows(group, &slices, rows, start).unwrap();
         let width = slices.len() / rows;
         let drawn = (0..rows)
             .map(|row| {
                 let slice = &slices[row * width..(row + 1) * width];
                 gumbel_row(
-                    &*group,
+                    group,
                     slice,
                     start,
                     1.0,
@@ -147,7 +153,7 @@ fn run_rank(
                 .unwrap()
             })
             .collect();
-        let whole = gather_rows(&*group, &slices, rows, vocab).unwrap();
+        let whole = gather_rows(group, &slices, rows, vocab).unwrap();
         records.push(StepRecord {
             logits: whole.chunks(vocab).map(<[f32]>::to_vec).collect(),
             greedy: greedy.clone(),
@@ -191,30 +197,66 @@ fn check_splits(
                 "{name}: rank {rank} of {world} disagrees"
             );
         }
-        let mut worst = 0f32;
-        for (step, (split, expected)) in ranks[0].iter().zip(&whole).enumerate() {
-            for (row, (actual, wanted)) in split.logits.iter().zip(&expected.logits).enumerate() {
-                let scale = 1.0 + wanted.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let error = actual
-                    .iter()
-                    .zip(wanted)
-                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-                worst = worst.max(error / scale);
-                assert!(
+        let worst = assert_close(name, world, bound, &ranks[0], &whole);
+        eprintln!("{name}: {world} ranks, worst relative logit difference {worst:e}");
+    }
+}
+
+/// The checks of [`check_splits_match_the_whole_model`] of one split run against the whole
+/// model's; the worst relative logit difference.
+fn assert_close(
+    name: &str,
+    world: usize,
+    bound: f32,
+    split: &[StepRecord],
+    whole: &[StepRecord],
+) -> f32 {
+    let mut worst = 0f32;
+    for (step, (split, expected)) in split.iter().zip(whole).enumerate() {
+        for (row, (actual, wanted)) in split.logits.iter().zip(&expected.logits).enumerate() {
+            let scale = 1.0 + wanted.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let error = actual
+                .iter()
+                .zip(wanted)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            worst = worst.max(error / scale);
+            assert!(
                     error <= bound * scale,
                     "{name}, {world} ranks, step {step} row {row}: logits differ by {error:e} (scale {scale})"
                 );
-            }
-            assert_eq!(
-                split.greedy, expected.greedy,
-                "{name}, {world} ranks, step {step}: greedy"
-            );
-            assert_eq!(
-                split.drawn, expected.drawn,
-                "{name}, {world} ranks, step {step}: Gumbel"
-            );
         }
-        eprintln!("{name}: {world} ranks, worst relative logit difference {worst:e}");
+        assert_eq!(
+            split.greedy, expected.greedy,
+            "{name}, {world} ranks, step {step}: greedy"
+        );
+        assert_eq!(
+            split.drawn, expected.drawn,
+            "{name}, {world} ranks, step {step}: Gumbel"
+        );
+    }
+    worst
+}
+
+/// A group in one process (`Model::load_tensor_parallel`, the CLI's `-tp N` on the CPU): the
+/// leader's forward runs every rank and returns whole rows, equal to the whole model's.
+#[test]
+fn a_group_in_one_process_returns_whole_rows() {
+    let cases = [
+        ("llama", llama(Architecture::Llama, false), 4),
+        ("qwen3-moe", eight_heads("qwen3-moe-tiny"), 8),
+        ("deepseek-v3-tiny", eight_heads("deepseek-v3-tiny"), 2),
+    ];
+    for (name, config, world) in cases {
+        let weights = RandomWeights::new(&config, 40, 1 << 30).unwrap();
+        let precision = WeightPrecision::AsStored;
+        let whole = run_ranks(1, |group| run_rank(&config, &weights, precision, group)).remove(0);
+        let leader = Model::load_tensor_parallel(config.clone(), &weights, precision, world)
+            .expect("the group loads");
+        assert_eq!(leader.vocab_range(), 0..config.vocab_size);
+        let one = LocalGroup::new(1).remove(0);
+        let split = run_model(&leader, &one);
+        let worst = assert_close(name, world, RELATIVE_BOUND, &split, &whole);
+        eprintln!("{name}: a group of {world} in one process, worst {worst:e}");
     }
 }
 

@@ -6,10 +6,15 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use pagoda_ops::collective::sampling::gather_rows;
 use pagoda_ops::collective::{CollectiveError, Communicator};
 use pagoda_ops::linear::Weight;
 
-use super::{fetch, weight_from_bytes, Model, WeightPrecision};
+use super::group::Workers;
+use super::{
+    fetch, step, weight_from_bytes, AttentionPolicy, ForwardBatch, ForwardError, ForwardOutput,
+    KvCache, Model, WeightPrecision,
+};
 use crate::config::ModelConfig;
 use crate::shard::{slice_axis, ShardSpec, ShardedSource};
 use crate::weight_plan::ModelPlan;
@@ -20,6 +25,11 @@ pub(super) struct Parallel {
     comm: Arc<dyn Communicator>,
     /// The vocabulary ids of this rank's LM head rows.
     vocab: Range<usize>,
+    /// The ranks gather the whole logits after the LM head (a group in one process,
+    /// [`Model::load_tensor_parallel`]); otherwise each returns its slice.
+    pub(super) gather_logits: bool,
+    /// The leader's worker ranks, in a group in one process.
+    pub(super) workers: Option<Workers>,
 }
 
 impl Parallel {
@@ -88,7 +98,12 @@ impl Model {
             )));
         }
         let sharded = ShardedSource::new(source, spec);
-        let parallel = Parallel { comm, vocab };
+        let parallel = Parallel {
+            comm,
+            vocab,
+            gather_logits: false,
+            workers: None,
+        };
         Model::load_rank(
             rank_config,
             &sharded,
@@ -100,12 +115,56 @@ impl Model {
     }
 
     /// The vocabulary ids whose logits [`Model::forward`] returns: all of them, or a
-    /// tensor-parallel rank's slice.
+    /// tensor-parallel rank's slice ([`Model::load_shard`]).
     pub fn vocab_range(&self) -> Range<usize> {
         match &self.parallel {
-            Some(parallel) => parallel.vocab.clone(),
-            None => 0..self.config.vocab_size,
+            Some(parallel) if !parallel.gather_logits => parallel.vocab.clone(),
+            _ => 0..self.config.vocab_size,
         }
+    }
+
+    /// The LM head's rows of this rank (all of them for the whole model).
+    pub(super) fn head_rows(&self) -> usize {
+        self.parallel
+            .as_ref()
+            .map_or(self.config.vocab_size, |parallel| parallel.vocab.len())
+    }
+
+    /// The step's logits as [`Model::forward`] returns them: a group in one process gathers
+    /// the ranks' slices into whole rows.
+    pub(super) fn gather_logits(
+        &self,
+        logits: Vec<f32>,
+        rows: usize,
+        head: step::Head,
+    ) -> Result<Vec<f32>, ForwardError> {
+        match &self.parallel {
+            Some(parallel) if parallel.gather_logits && head == step::Head::Logits => Ok(
+                gather_rows(&*parallel.comm, &logits, rows, self.config.vocab_size)?,
+            ),
+            _ => Ok(logits),
+        }
+    }
+
+    /// [`Model::run_rank`] on every rank of a group in one process: the workers get the batch
+    /// first; the leader's result once every rank has finished.
+    pub(super) fn run(
+        &self,
+        batch: &ForwardBatch<'_>,
+        kv: &mut KvCache,
+        policy: AttentionPolicy,
+        head: step::Head,
+    ) -> Result<ForwardOutput, ForwardError> {
+        let workers = self.parallel.as_ref().and_then(|p| p.workers.as_ref());
+        let Some(workers) = workers else {
+            return self.run_rank(batch, kv, policy, head);
+        };
+        workers.dispatch(batch, kv, policy, head, self.split_kv_chunk_tokens);
+        let leader = self.run_rank(batch, kv, policy, head);
+        let others = workers.collect();
+        let output = leader?;
+        others.map_err(ForwardError::Batch)?;
+        Ok(output)
     }
 
     /// The communicator of a tensor-parallel rank (`None` for the whole model).

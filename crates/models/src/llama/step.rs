@@ -18,7 +18,7 @@ mod mla;
 mod mla_index;
 
 /// What the last step computes for the rows of `batch.logits_for`.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Head {
     /// The LM head's logits.
     Logits,
@@ -297,7 +297,7 @@ impl DecoderStep for CpuStep<'_> {
             self.logits = final_normed;
             return Ok(());
         }
-        let mut logits = vec![0f32; rows.len() * model.vocab_range().len()];
+        let mut logits = vec![0f32; rows.len() * model.head_rows()];
         let head = model.lm_head.as_ref().unwrap_or(&model.embedding);
         profile::time(Op::LmHead, || {
             head.matmul(&final_normed, rows.len(), &mut logits)

@@ -18,7 +18,9 @@ struct Shared {
 ///
 /// A rank that stops calling collectives (an error, a panic) leaves the others waiting on
 /// the barrier: the group runs ranks that fail together, which the layer sequence does (its
-/// checks depend on the batch, not on the rank).
+/// checks depend on the batch, not on the rank). Each rank must run on its own OS thread
+/// ([`run_ranks`]), never as a task of a rayon pool: a rank blocked on the barrier would hold
+/// a pool thread the other ranks' kernels may need.
 pub struct LocalGroup {
     rank: usize,
     world: usize,

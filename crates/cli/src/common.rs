@@ -50,20 +50,17 @@ pub fn cuda_graphs() -> bool {
 }
 
 /// The device the flags ask for, resolved: `auto` probes for a usable GPU. A tensor-parallel
-/// size over 1 is refused here, saying what runs today.
+/// size over 1 runs on the CPU only (its ranks as threads); CUDA refuses it here.
 pub fn resolve_device(args: &ModelArgs) -> Result<Device> {
     let device = resolve_one_device(args)?;
     let ranks = pagoda_config::global()
         .number("PAGODA_TENSOR_PARALLEL_SIZE")
         .unwrap_or(1);
     match device {
-        _ if ranks <= 1 => Ok(device),
-        Device::Cuda { .. } => bail!(
-            "-tp {ranks}: tensor parallelism on CUDA needs the NCCL increment (issue 40); use -tp 1"
+        Device::Cuda { .. } if ranks > 1 => bail!(
+            "-tp {ranks}: tensor parallelism on CUDA needs the NCCL increment (issue 40); use --device cpu or -tp 1"
         ),
-        Device::Cpu => bail!(
-            "-tp {ranks}: the CLI runs one rank today (the CPU's tensor-parallel ranks are a library API, Model::load_shard over LocalGroup; issue 40); use -tp 1"
-        ),
+        _ => Ok(device),
     }
 }
 

@@ -51,9 +51,9 @@ pub struct ModelArgs {
     /// CPU, saying why in one line), `cpu` or `cuda`.
     #[arg(long, default_value = "auto")]
     pub device: String,
-    /// Ranks to split the model over (vLLM's spelling; `-tp N`): only 1 runs from the CLI
-    /// today (tensor parallelism, issue 40: the CPU ranks are a library API, CUDA needs the
-    /// NCCL increment). Also $PAGODA_TENSOR_PARALLEL_SIZE.
+    /// Ranks to split the model over (vLLM's spelling; `-tp N`): on the CPU the ranks run as
+    /// threads of this process (tensor parallelism, issue 40); CUDA needs the NCCL increment.
+    /// Also $PAGODA_TENSOR_PARALLEL_SIZE.
     #[arg(long = "tensor-parallel-size", value_name = "N")]
     pub tensor_parallel_size: Option<String>,
     /// Weight and activation dtype on the GPU: `bf16` or `f32` (the CPU parity mode's twin).

@@ -49,6 +49,16 @@ fn greedy_default_mode_matches_reference() {
     greedy_12(&[]);
 }
 
+/// Tensor parallelism on the CPU: the default model's 9 heads and 3 KV heads over three ranks
+/// (threads of the process, `-tp 3`) give the reference's greedy text, in exact mode (with
+/// one thread per rank's pool too) and as stored.
+#[test]
+fn greedy_tensor_parallel_matches_reference() {
+    greedy_12(&["--device", "cpu", "-tp", "3", "--exact"]);
+    greedy_12(&["--device", "cpu", "-tp", "3", "--exact", "-t", "1"]);
+    greedy_12(&["--device", "cpu", "--tensor-parallel-size", "3"]);
+}
+
 #[test]
 fn greedy_gather_attention_matches_reference() {
     greedy_12(&["--attention", "gather"]);

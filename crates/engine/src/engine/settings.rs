@@ -37,8 +37,8 @@ pub struct EngineSettings {
     /// Structured output on CUDA: constrained rows sample on the device
     /// (`PAGODA_CUDA_DEVICE_MASKS`, default on, measured on the H200).
     pub device_masks: bool,
-    /// Ranks the model is split over (`-tp`, `PAGODA_TENSOR_PARALLEL_SIZE`, default 1): the
-    /// engine runs one rank today; a CLI asking for more is refused at device resolution.
+    /// Ranks the model is split over (`-tp`, `PAGODA_TENSOR_PARALLEL_SIZE`, default 1; on the
+    /// CPU `load_backend` starts them as threads, and the engine drives the leader).
     pub tensor_parallel_size: usize,
 }
 

@@ -507,34 +507,6 @@ fn bad_settings_and_llama_short_flags() {
         );
         assert_eq!(line.trim().lines().count(), 1, "{line}");
     }
-    // Tensor parallelism (-tp is vLLM's --tensor-parallel-size): a model whose heads do not
-    // split over the ranks is refused in one line with the numbers.
-    let line = error_of(
-        &[
-            "generate", "-m", m, "-p", "hi", "--device", "cpu", "-tp", "5",
-        ],
-        &["tensor parallelism over 5 ranks needs"],
-    );
-    assert_eq!(line.trim().lines().count(), 1, "{line}");
-    error_of(
-        &[
-            "generate",
-            "-m",
-            m,
-            "-p",
-            "hi",
-            "--tensor-parallel-size",
-            "0",
-        ],
-        &["--tensor-parallel-size"],
-    );
-    pagoda(
-        &[
-            "generate", "-m", m, "-p", "hi", "-n", "2", "--device", "cpu", "-tp", "1",
-        ],
-        None,
-    )
-    .assert_success();
     // q8_0 blocks run along head_dim: tiny-llama's 16 is refused in one line.
     let tiny = tiny_model("tiny-llama-f32.gguf");
     let line = error_of(

@@ -49,8 +49,23 @@ pub fn cuda_graphs() -> bool {
     pagoda_config::global().on("PAGODA_CUDA_GRAPHS")
 }
 
-/// The device the flags ask for, resolved: `auto` probes for a usable GPU.
+/// The device the flags ask for, resolved: `auto` probes for a usable GPU. A tensor-parallel
+/// size over 1 runs on the CPU only (its ranks as threads); CUDA refuses it here.
 pub fn resolve_device(args: &ModelArgs) -> Result<Device> {
+    let device = resolve_one_device(args)?;
+    let ranks = pagoda_config::global()
+        .number("PAGODA_TENSOR_PARALLEL_SIZE")
+        .unwrap_or(1);
+    match device {
+        Device::Cuda { .. } if ranks > 1 => bail!(
+            "-tp {ranks}: tensor parallelism on CUDA needs the NCCL increment (issue 40); use --device cpu or -tp 1"
+        ),
+        _ => Ok(device),
+    }
+}
+
+/// [`resolve_device`] before the tensor-parallel check.
+fn resolve_one_device(args: &ModelArgs) -> Result<Device> {
     let dtype = match args.dtype.as_str() {
         "bf16" => DType::BF16,
         "f32" => DType::F32,

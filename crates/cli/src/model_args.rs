@@ -51,6 +51,11 @@ pub struct ModelArgs {
     /// CPU, saying why in one line), `cpu` or `cuda`.
     #[arg(long, default_value = "auto")]
     pub device: String,
+    /// Ranks to split the model over (vLLM's spelling; `-tp N`): on the CPU the ranks run as
+    /// threads of this process (tensor parallelism, issue 40); CUDA needs the NCCL increment.
+    /// Also $PAGODA_TENSOR_PARALLEL_SIZE.
+    #[arg(long = "tensor-parallel-size", value_name = "N")]
+    pub tensor_parallel_size: Option<String>,
     /// Weight and activation dtype on the GPU: `bf16` or `f32` (the CPU parity mode's twin).
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
@@ -138,6 +143,11 @@ pub fn model_flag_values(args: &ModelArgs) -> Vec<FlagValue> {
         args.model.as_ref().map(|p| p.display().to_string()),
     );
     push("PAGODA_ATTENTION", "--attention", args.attention.clone());
+    push(
+        "PAGODA_TENSOR_PARALLEL_SIZE",
+        "--tensor-parallel-size",
+        args.tensor_parallel_size.clone(),
+    );
     push("PAGODA_SAMPLER", "--sampler", args.sampler.clone());
     push(
         "PAGODA_CACHE_TYPE_K",

@@ -49,6 +49,31 @@ fn greedy_default_mode_matches_reference() {
     greedy_12(&[]);
 }
 
+/// Tensor parallelism on the CPU: the default model's 9 heads and 3 KV heads over three ranks
+/// (threads of the process, `-tp 3`) give the reference's greedy text, in exact mode (with
+/// one thread per rank's pool too) and as stored.
+#[test]
+fn greedy_tensor_parallel_matches_reference() {
+    greedy_12(&["--device", "cpu", "-tp", "3", "--exact"]);
+    greedy_12(&["--device", "cpu", "-tp", "3", "--exact", "-t", "1"]);
+    greedy_12(&["--device", "cpu", "--tensor-parallel-size", "3"]);
+    // A model whose heads do not split over the ranks is refused in one line with the
+    // numbers, and so is a size of 0.
+    let tiny = tiny_model("tiny-qwen2");
+    let m = tiny.to_str().unwrap();
+    for (size, needle) in [
+        ("5", "tensor parallelism over 5 ranks needs"),
+        ("0", "--tensor-parallel-size `0` is not"),
+    ] {
+        let args = [
+            "generate", "-m", m, "-p", "hi", "--device", "cpu", "-tp", size,
+        ];
+        let error = pagoda(&args, None).assert_clean_error();
+        assert!(error.contains(needle), "{error}");
+        assert_eq!(error.trim().lines().count(), 1, "{error}");
+    }
+}
+
 #[test]
 fn greedy_gather_attention_matches_reference() {
     greedy_12(&["--attention", "gather"]);

@@ -131,6 +131,9 @@ settings! {
     "PAGODA_ATTENTION", Some("--attention"), Values::Choice(&["auto", "split-kv", "gather"]), "auto", Engine,
         "cli common::attention_policy",
         "CPU attention per query row: auto is split-KV for rows that see 16+ tokens, gather below.";
+    "PAGODA_TENSOR_PARALLEL_SIZE", Some("-tp/--tensor-parallel-size"), Values::Number { min: 1, max: 64, words: &[] }, "1", Engine,
+        "engine load_backend, EngineSettings::tensor_parallel_size; cli common::resolve_device",
+        "Ranks one model is split over (tensor parallelism, issue 40): on the CPU, threads of this process (Model::load_tensor_parallel); CUDA refuses more than 1 until the NCCL increment.";
     "PAGODA_CACHE_TYPE_K", Some("-ctk/--cache-type-k"), Values::Choice(&["f32", "f16", "q8_0", "fp8"]), "f32", Engine,
         "cli common::kv_cache_types",
         "KV cache type of K: on the CPU f32, f16 (half the bytes) or q8_0 (llama.cpp's blocks, 34 bytes per 32 values); on CUDA the default (the model's dtype) or fp8 (e4m3 with one f32 scale per token and KV head, about half of bf16's bytes; with -ctv fp8, bf16 models).";

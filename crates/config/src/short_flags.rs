@@ -63,8 +63,8 @@ pub static SHORT_FLAGS: &[ShortFlag] = &[
     ShortFlag {
         short: "-tp",
         llama_long: "--tensor-parallel-size",
-        becomes: None,
-        why: "tensor parallelism is not supported yet; one model runs on one device",
+        becomes: Some("--tensor-parallel-size"),
+        why: "",
     },
     ShortFlag {
         short: "-tb",

@@ -221,9 +221,19 @@ pub fn load_backend(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Backend, ModelLoadError> {
     match options.device {
-        Device::Cpu => Model::load_with_progress(config, tensors, options.precision, progress)
-            .map(Backend::Cpu)
-            .map_err(ModelLoadError::Build),
+        Device::Cpu => {
+            // `-tp N`: the ranks as threads of this process (`Model::load_tensor_parallel`).
+            let ranks = pagoda_config::global()
+                .number("PAGODA_TENSOR_PARALLEL_SIZE")
+                .map_or(1, |ranks| ranks as usize);
+            let model = if ranks > 1 {
+                tracing::info!("tensor parallelism: {ranks} CPU ranks in this process");
+                Model::load_tensor_parallel(config, tensors, options.precision, ranks)
+            } else {
+                Model::load_with_progress(config, tensors, options.precision, progress)
+            };
+            model.map(Backend::Cpu).map_err(ModelLoadError::Build)
+        }
         Device::Cuda { dtype } => {
             // Declined before the device is opened, so the reason is the same on any machine.
             if let Some(reason) = CudaModel::unsupported(&config) {

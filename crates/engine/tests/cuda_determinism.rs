@@ -73,6 +73,7 @@ impl Setup<'_> {
             },
             masks_beside: true,
             device_masks: true,
+            tensor_parallel_size: 1,
         };
         Engine::with_settings(model, config, settings).unwrap()
     }

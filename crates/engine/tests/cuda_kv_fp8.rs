@@ -61,6 +61,7 @@ fn engine(
         cuda_kernels: CudaKernels::default(),
         masks_beside: true,
         device_masks: true,
+        tensor_parallel_size: 1,
     };
     Engine::with_settings(model, config, settings).map_err(|e| e.to_string())
 }

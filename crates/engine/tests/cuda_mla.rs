@@ -439,6 +439,7 @@ fn engine(
         },
         masks_beside: true,
         device_masks: true,
+        tensor_parallel_size: 1,
     };
     Engine::with_settings(model, config, settings).unwrap()
 }

@@ -9,6 +9,7 @@ pub mod hf;
 pub mod llama;
 pub mod llama_cuda;
 pub mod random;
+pub mod shard;
 pub mod tokenizer;
 pub mod weight_plan;
 pub mod weights;

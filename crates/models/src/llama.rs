@@ -10,17 +10,23 @@ use pagoda_ops::attention::{
     plan_step, AttentionError, AttentionPath, KvLayout, KvPool, KvType, PagedKv, SplitKvChunking,
     StepAttentionConfig, StepAttentionPlan, DEFAULT_CHUNK_TOKENS,
 };
-use pagoda_ops::linear::{CpuKernelPolicy, Weight};
-use pagoda_ops::rope::{Llama3Scaling, Rope, RopePairing};
-use pagoda_tensor::GgmlType;
+use pagoda_ops::collective::CollectiveError;
+use pagoda_ops::linear::Weight;
+use pagoda_ops::rope::Rope;
 
-use crate::config::{ModelConfig, RopeStyle};
+use crate::config::ModelConfig;
 use crate::decoder::{deepseek_layers, llama_layers, llama_moe_layers};
 use crate::weight_plan::{AttentionPlan, MlpPlan, ModelPlan, TensorSpec};
-use crate::weights::{RawTensor, TensorSource};
+use crate::weights::TensorSource;
 
+mod group;
+mod load;
 mod mla;
 mod moe;
+mod parallel;
+pub(crate) use load::rope_for;
+use load::{fetch, load_matrix, load_vector, weight_from_bytes};
+use parallel::Parallel;
 mod policy;
 mod step;
 use mla::MlaWeights;
@@ -90,6 +96,9 @@ pub struct Model {
     rope: Rope,
     /// Visible tokens per split-KV chunk (a row's bits depend on it).
     split_kv_chunk_tokens: usize,
+    /// The tensor-parallel group this model is one rank of (`config` is then the rank's:
+    /// its share of the heads and widths); `None` for the whole model.
+    parallel: Option<Parallel>,
 }
 
 pub use crate::weights::LoadError;
@@ -208,6 +217,19 @@ impl Model {
         precision: WeightPrecision,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Model, LoadError> {
+        Model::load_rank(config, source, precision, progress, None)
+    }
+
+    /// The loader of [`Model::load_with_progress`] and of one tensor-parallel rank
+    /// ([`Model::load_shard`]: `config` and `source` are then the rank's, and the LM head
+    /// keeps the rank's vocabulary rows).
+    fn load_rank(
+        config: ModelConfig,
+        source: &dyn TensorSource,
+        precision: WeightPrecision,
+        progress: &mut dyn FnMut(usize, usize),
+        parallel: Option<Parallel>,
+    ) -> Result<Model, LoadError> {
         config.validate().map_err(|e| LoadError(e.to_string()))?;
         let c = &config;
         let plan = ModelPlan::new(c, source)?;
@@ -253,7 +275,10 @@ impl Model {
         }
         // The embedding is gathered row by row; keep it as stored unless exact mode asks for f32.
         let embedding = matrix(&plan.embedding)?;
-        let lm_head = plan.lm_head.as_ref().map(matrix).transpose()?;
+        let lm_head = match &parallel {
+            None => plan.lm_head.as_ref().map(matrix).transpose()?,
+            Some(parallel) => Some(parallel.load_head(source, &plan, precision)?),
+        };
         let rope = rope_for(c, source)?;
         progress(c.num_layers + 1, c.num_layers + 1);
         Ok(Model {
@@ -264,6 +289,7 @@ impl Model {
             lm_head,
             rope,
             split_kv_chunk_tokens: DEFAULT_CHUNK_TOKENS,
+            parallel,
         })
     }
 
@@ -339,7 +365,8 @@ impl Model {
     }
 
     /// Runs the batch: writes each new token's K/V into `kv` and returns the logits of the
-    /// tokens listed in `batch.logits_for`, `[logits_for.len(), vocab_size]`.
+    /// tokens listed in `batch.logits_for`, `[logits_for.len(), vocab_size]` (a
+    /// tensor-parallel rank: `[logits_for.len(), vocab_range().len()]`, its vocabulary slice).
     ///
     /// `policy` picks the attention path (see [`AttentionPolicy`]); the path that ran is
     /// returned.
@@ -364,7 +391,8 @@ impl Model {
         Ok(self.run(batch, kv, policy, step::Head::Hidden)?.logits)
     }
 
-    fn run(
+    /// One rank's step (the whole model's, without a group).
+    fn run_rank(
         &self,
         batch: &ForwardBatch<'_>,
         kv: &mut KvCache,
@@ -398,7 +426,7 @@ impl Model {
         } else {
             llama_layers(&mut step, &self.layers)?;
         }
-        let logits = step.logits;
+        let logits = self.gather_logits(step.logits, batch.logits_for.len(), head)?;
         Ok(ForwardOutput {
             logits,
             attention_path: plan.path(),
@@ -484,98 +512,6 @@ pub enum ForwardError {
     Attention(#[from] AttentionError),
     #[error("batch: {0}")]
     Batch(String),
-}
-
-/// The rotary embedding of `config`: llama3 scaling from the config, or the per-pair factors
-/// of GGUF's `rope_freqs.weight` when the file has them.
-pub(crate) fn rope_for(c: &ModelConfig, source: &dyn TensorSource) -> Result<Rope, LoadError> {
-    let yarn = c.mla.as_ref().and_then(|mla| mla.yarn);
-    let frequency_factors = match source.tensor("rope_freqs.weight") {
-        Some(_) => Some(load_vector(source, "rope_freqs.weight", c.rope_dim / 2)?),
-        None if yarn.is_some() => yarn.map(|y| y.frequency_factors(c.rope_theta, c.rope_dim)),
-        None => c.rope_scaling.map(|s| {
-            Llama3Scaling {
-                factor: s.factor,
-                low_freq_factor: s.low_freq_factor,
-                high_freq_factor: s.high_freq_factor,
-                original_max_position_embeddings: s.original_max_position_embeddings,
-            }
-            .frequency_factors(c.rope_theta, c.rope_dim)
-        }),
-    };
-    let pairing = match c.rope_style {
-        RopeStyle::Interleaved => RopePairing::Interleaved,
-        RopeStyle::Halves => RopePairing::Halves,
-    };
-    Ok(Rope::new(
-        c.rope_theta,
-        c.rope_dim,
-        frequency_factors.as_deref(),
-        pairing,
-    ))
-}
-
-fn fetch<'a>(source: &'a dyn TensorSource, name: &str) -> Result<RawTensor<'a>, LoadError> {
-    source
-        .tensor(name)
-        .ok_or_else(|| LoadError(format!("tensor {name} is missing from the model file")))
-}
-
-fn load_matrix(
-    source: &dyn TensorSource,
-    name: &str,
-    rows: usize,
-    cols: usize,
-    precision: WeightPrecision,
-) -> Result<Weight, LoadError> {
-    let raw = fetch(source, name)?;
-    if raw.shape != [rows, cols] {
-        return Err(LoadError(format!(
-            "tensor {name} has shape {:?}, expected [{rows}, {cols}]",
-            raw.shape
-        )));
-    }
-    weight_from_bytes(name, raw.ty, [rows, cols], raw.data.into_owned(), precision)
-        .map_err(|e| LoadError(format!("tensor {name}: {e}")))
-}
-
-/// A `[rows, cols]` matrix of `ty` from its stored bytes, with the kernels the CPU kernel
-/// policy gives the tensor named `name` (an expert gets its dense role's name).
-fn weight_from_bytes(
-    name: &str,
-    ty: GgmlType,
-    [rows, cols]: [usize; 2],
-    data: Vec<u8>,
-    precision: WeightPrecision,
-) -> Result<Weight, String> {
-    // The per-weight kernel policy (`auto`: ffn_down on Q15 or f32 activations, see
-    // `pagoda_ops::linear::cpu::kernels`); exact mode then decodes every weight to f32 anyway.
-    let policy = CpuKernelPolicy::selected();
-    let weight = Weight::with_kernels(ty, rows, cols, data, policy.for_tensor(name))
-        .map_err(|e| e.to_string())?
-        .with_q15_activations(policy.q15_for_tensor(name));
-    Ok(match precision {
-        WeightPrecision::AsStored => weight,
-        WeightPrecision::F32 => weight.to_f32(),
-    })
-}
-
-fn load_vector(source: &dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>, LoadError> {
-    let raw = fetch(source, name)?;
-    if raw.shape.iter().product::<usize>() != len {
-        return Err(LoadError(format!(
-            "tensor {name} has shape {:?}, expected [{len}]",
-            raw.shape
-        )));
-    }
-    let mut out = vec![0f32; len];
-    if !matches!(raw.ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
-        return Err(LoadError(format!(
-            "tensor {name} has type {}, expected a float type",
-            raw.ty
-        )));
-    }
-    pagoda_tensor::quant::dequantize(raw.ty, &raw.data, &mut out)
-        .map_err(|e| LoadError(format!("tensor {name}: {e}")))?;
-    Ok(out)
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
 }

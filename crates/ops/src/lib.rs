@@ -4,6 +4,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod collective;
 pub mod cuda;
 mod cuda_dtypes;
 pub mod embedding;

@@ -40,10 +40,12 @@ pub enum Op {
     Residual,
     /// The LM head.
     LmHead,
+    /// Tensor parallelism's all-reduce of the row-parallel layers' partial sums.
+    AllReduce,
 }
 
 /// Every op, in table order.
-pub const OPS: [Op; 14] = [
+pub const OPS: [Op; 15] = [
     Op::Embed,
     Op::Norm,
     Op::QkvProj,
@@ -58,6 +60,7 @@ pub const OPS: [Op; 14] = [
     Op::ExpertMix,
     Op::Residual,
     Op::LmHead,
+    Op::AllReduce,
 ];
 
 impl Op {
@@ -78,6 +81,7 @@ impl Op {
             Op::ExpertMix => "expert_mix",
             Op::Residual => "residual",
             Op::LmHead => "lm_head",
+            Op::AllReduce => "all_reduce",
         }
     }
 }

@@ -37,6 +37,9 @@ pub struct EngineSettings {
     /// Structured output on CUDA: constrained rows sample on the device
     /// (`PAGODA_CUDA_DEVICE_MASKS`, default on, measured on the H200).
     pub device_masks: bool,
+    /// Ranks the model is split over (`-tp`, `PAGODA_TENSOR_PARALLEL_SIZE`, default 1; on the
+    /// CPU `load_backend` starts them as threads, and the engine drives the leader).
+    pub tensor_parallel_size: usize,
 }
 
 impl EngineSettings {
@@ -51,6 +54,9 @@ impl EngineSettings {
             cuda_kernels: CudaKernels::from_config(config),
             masks_beside: config.on("PAGODA_STRUCTURED_MASKS_BESIDE"),
             device_masks: config.on("PAGODA_CUDA_DEVICE_MASKS"),
+            tensor_parallel_size: config
+                .number("PAGODA_TENSOR_PARALLEL_SIZE")
+                .map_or(1, |size| size as usize),
         }
     }
 }
@@ -171,6 +177,7 @@ mod tests {
             ("PAGODA_SPLIT_KV_CHUNK_TOKENS", "64"),
             ("PAGODA_SPEC", "ngram"),
             ("PAGODA_DRAFT_MAX", "5"),
+            ("PAGODA_TENSOR_PARALLEL_SIZE", "4"),
         ];
         let settings = EngineSettings::from_config(&resolved(&env));
         let expected = EngineSettings {
@@ -186,6 +193,7 @@ mod tests {
             cuda_kernels: CudaKernels::default(),
             masks_beside: true,
             device_masks: true,
+            tensor_parallel_size: 4,
         };
         assert_eq!(settings, expected);
 

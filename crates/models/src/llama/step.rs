@@ -18,7 +18,7 @@ mod mla;
 mod mla_index;
 
 /// What the last step computes for the rows of `batch.logits_for`.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Head {
     /// The LM head's logits.
     Logits,
@@ -116,6 +116,17 @@ impl<'a> CpuStep<'a> {
 
     fn num_tokens(&self) -> usize {
         self.batch.tokens.len()
+    }
+
+    /// A tensor-parallel rank's row-parallel projection left a partial sum in `proj`: the
+    /// ranks' parts are added (in rank order) before the residual add. Nothing on the whole
+    /// model.
+    pub(super) fn reduce_partial_sums(&mut self) -> Result<(), ForwardError> {
+        if let Some(parallel) = &self.model.parallel {
+            let proj = &mut self.proj;
+            profile::time(Op::AllReduce, || parallel.all_reduce_sum(proj))?;
+        }
+        Ok(())
     }
 }
 
@@ -226,6 +237,7 @@ impl DecoderStep for CpuStep<'_> {
         let (attn_out, proj) = (&self.attn_out, &mut self.proj);
         let wo = &gqa(layer)?.wo;
         profile::time(Op::OutProj, || wo.matmul(attn_out, num_tokens, proj));
+        self.reduce_partial_sums()?;
         profile::time(Op::Residual, || add_in_place(&mut self.x, &self.proj));
         Ok(())
     }
@@ -258,6 +270,7 @@ impl DecoderStep for CpuStep<'_> {
         let (_, _, w_down) = dense(layer)?;
         let (gate, proj) = (&self.gate, &mut self.proj);
         profile::time(Op::Down, || w_down.matmul(gate, num_tokens, proj));
+        self.reduce_partial_sums()?;
         profile::time(Op::Residual, || add_in_place(&mut self.x, &self.proj));
         Ok(())
     }
@@ -284,7 +297,7 @@ impl DecoderStep for CpuStep<'_> {
             self.logits = final_normed;
             return Ok(());
         }
-        let mut logits = vec![0f32; rows.len() * c.vocab_size];
+        let mut logits = vec![0f32; rows.len() * model.head_rows()];
         let head = model.lm_head.as_ref().unwrap_or(&model.embedding);
         profile::time(Op::LmHead, || {
             head.matmul(&final_normed, rows.len(), &mut logits)
@@ -312,6 +325,7 @@ impl MoeStep for CpuStep<'_> {
         let (normed, routing) = (&self.normed, &self.routing);
         let (scratch, mix) = (&mut self.expert_scratch, &mut self.proj);
         profile::time(Op::ExpertMix, || experts.mix(normed, routing, scratch, mix));
+        self.reduce_partial_sums()?;
         profile::time(Op::Residual, || add_in_place(&mut self.x, &self.proj));
         Ok(())
     }

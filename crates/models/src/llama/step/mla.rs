@@ -323,6 +323,7 @@ impl MlaStep for CpuStep<'_> {
             }
             weights.wo.matmul(values, num_tokens, proj);
         });
+        self.reduce_partial_sums()?;
         profile::time(Op::Residual, || add_in_place(&mut self.x, &self.proj));
         Ok(())
     }

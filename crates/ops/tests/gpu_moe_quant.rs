@@ -7,7 +7,8 @@
 //! - against the experts dequantized at load (`moe_gate_up_with` and `moe_down_combine`,
 //!   `MoePath::Tiled`, x not quantized): within 5e-2 of the largest output (the q8 activations'
 //!   error, as the dense quantized path's);
-//! - a row alone gives its batched bits.
+//! - a row alone gives its batched bits (alone: the per-entry kernels of steps of up to
+//!   `MOE_PER_ROW_MAX_ROWS` rows, `moe_quant_*_rows`; batched from 8 rows: the tiles).
 //!
 //! Rows 1, 3, 8, 64 and 256; top-8 over 128 experts and top-2 over 8; routings spread and
 //! crowded (every row the same logits: the picked experts hold every row, the others none);

@@ -357,6 +357,15 @@ impl<T: Element> MoeWorkspace<T> {
         ])
     }
 
+    /// The per-entry kernels' dimension arguments: top-k, hidden, inter.
+    fn row_dims(&self) -> Result<[KernelArg; 3], CudaError> {
+        Ok([
+            KernelArg::U32(self.top_k as u32),
+            KernelArg::U32(to_u32("hidden", self.hidden)?),
+            KernelArg::U32(to_u32("inter", self.inter)?),
+        ])
+    }
+
     fn check_rows(&self, num_rows: usize) -> Result<(), CudaError> {
         if num_rows > self.max_rows {
             return Err(CudaError::invalid(format!(

@@ -3,9 +3,11 @@
 //! [`moe_route`](super::moe_route), the weights decoded in registers by the dense quantized
 //! GEMV's decoder (`linear/cuda/quant_decode.cu`) against q8 activations
 //! ([`quantize_rows_q8`]: the step's rows before gate/up, the intermediates before down); the
-//! combine is [`moe_combine`]'s. The q8 activations make it differ from the dequantized
-//! experts by the dense quantized path's error; no atomics, the same bits run to run and a
-//! row's bits whatever its batch.
+//! combine is [`moe_combine`]'s. Steps of up to [`MOE_PER_ROW_MAX_ROWS`] rows run a CTA row
+//! per routed entry (`moe_quant_gate_up_rows`, `moe_quant_down_rows`: no CTAs of empty tiles),
+//! the same sums. The q8 activations make it differ from the dequantized experts by the dense
+//! quantized path's error; no atomics, the same bits run to run and a row's bits whatever its
+//! batch.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -14,7 +16,7 @@ use pagoda_cuda::{
     Element, Gpu, KernelSource, KernelSpec, LaunchDims,
 };
 
-use super::{max_tiles, moe_combine, MoeWorkspace};
+use super::{max_tiles, moe_combine, MoeWorkspace, MOE_PER_ROW_MAX_ROWS};
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
 use crate::linear::cuda::{quantize_rows_q8, Q8Rows, QuantFormat, QUANT_PADDING};
 
@@ -134,6 +136,36 @@ pub enum MoeQuantEntry {
     GateUp(QuantFormat, QuantFormat),
     /// `moe_quant_down`.
     Down(QuantFormat),
+    /// `moe_quant_gate_up_rows` (steps of a few rows).
+    GateUpRows(QuantFormat, QuantFormat),
+    /// `moe_quant_down_rows` (steps of a few rows).
+    DownRows(QuantFormat),
+}
+
+impl MoeQuantEntry {
+    /// The gate/up entry of a step of `num_rows` rows: per routed entry up to
+    /// [`MOE_PER_ROW_MAX_ROWS`] rows, per tile above (a function of the row count only).
+    pub fn gate_up(num_rows: usize, gate: QuantFormat, up: QuantFormat) -> MoeQuantEntry {
+        match num_rows <= MOE_PER_ROW_MAX_ROWS {
+            true => MoeQuantEntry::GateUpRows(gate, up),
+            false => MoeQuantEntry::GateUp(gate, up),
+        }
+    }
+
+    /// The down entry of a step of `num_rows` rows (as [`MoeQuantEntry::gate_up`]).
+    pub fn down(num_rows: usize, down: QuantFormat) -> MoeQuantEntry {
+        match num_rows <= MOE_PER_ROW_MAX_ROWS {
+            true => MoeQuantEntry::DownRows(down),
+            false => MoeQuantEntry::Down(down),
+        }
+    }
+
+    fn per_row(self) -> bool {
+        matches!(
+            self,
+            MoeQuantEntry::GateUpRows(..) | MoeQuantEntry::DownRows(_)
+        )
+    }
 }
 
 /// The specialisation of `entry` writing intermediates of `dtype` (f32 or bf16).
@@ -142,6 +174,8 @@ pub fn specialize_moe_quant(entry: MoeQuantEntry, dtype: DType) -> Result<Kernel
     let (name, a, b) = match entry {
         MoeQuantEntry::GateUp(gate, up) => ("moe_quant_gate_up", gate, up),
         MoeQuantEntry::Down(down) => ("moe_quant_down", down, down),
+        MoeQuantEntry::GateUpRows(gate, up) => ("moe_quant_gate_up_rows", gate, up),
+        MoeQuantEntry::DownRows(down) => ("moe_quant_down_rows", down, down),
     };
     Ok(KernelSpec {
         source: &QUANT,
@@ -158,9 +192,12 @@ pub(super) fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     let mut specs = Vec::new();
     for &dtype in &FLOAT_DTYPES {
         for format in QuantFormat::ALL {
-            specs.push(specialize_moe_quant(MoeQuantEntry::Down(format), dtype)?);
-            let gate_up = MoeQuantEntry::GateUp(format, format);
-            specs.push(specialize_moe_quant(gate_up, dtype)?);
+            for rows in [1, MOE_PER_ROW_MAX_ROWS + 1] {
+                let down = MoeQuantEntry::down(rows, format);
+                specs.push(specialize_moe_quant(down, dtype)?);
+                let gate_up = MoeQuantEntry::gate_up(rows, format, format);
+                specs.push(specialize_moe_quant(gate_up, dtype)?);
+            }
         }
     }
     Ok(specs)
@@ -209,22 +246,30 @@ pub fn moe_quant_gate_up<T: Element>(
     let x = view(x, 0..num_rows * hidden)?;
     quantize_rows_q8(gpu, &x, &mut q8.x, (num_rows, hidden))?;
     let (xq, xds) = q8.x.buffers();
-    let spec = specialize_moe_quant(MoeQuantEntry::GateUp(gate.format, up.format), T::DTYPE)?;
+    let entry = MoeQuantEntry::gate_up(num_rows, gate.format, up.format);
+    let spec = specialize_moe_quant(entry, T::DTYPE)?;
     let mut args = vec![ptr(xq), ptr(xds), ptr(&gate.blocks), ptr(&up.blocks)];
-    args.extend([
-        ptr(&w.expert_offsets),
-        ptr(&w.expert_rows),
-        ptr(&w.tile_offsets),
-        ptr(&w.tile_experts),
-        ptr(&w.tile_starts),
-        ptr(&w.act),
-    ]);
-    args.extend(w.dims()?);
-    let tiles = to_u32("moe tiles", max_tiles(num_rows * w.top_k, experts))?;
-    let grid = (to_u32("moe CTAs", inter.div_ceil(GATE_UP_COLUMNS))?, tiles);
-    // SAFETY: arguments match `moe_quant_gate_up`; the blocks hold [experts, inter, hidden]
-    // values in whole blocks and their padding (checked), x was quantized for num_rows rows of
-    // hidden values, the tile list written by `moe_route` for at most `tiles` tiles.
+    let rows = if entry.per_row() {
+        args.extend([ptr(&w.experts), ptr(&w.entry_slots), ptr(&w.act)]);
+        args.extend(w.row_dims()?);
+        to_u32("moe entries", num_rows * w.top_k)?
+    } else {
+        args.extend([
+            ptr(&w.expert_offsets),
+            ptr(&w.expert_rows),
+            ptr(&w.tile_offsets),
+            ptr(&w.tile_experts),
+            ptr(&w.tile_starts),
+            ptr(&w.act),
+        ]);
+        args.extend(w.dims()?);
+        to_u32("moe tiles", max_tiles(num_rows * w.top_k, experts))?
+    };
+    let grid = (to_u32("moe CTAs", inter.div_ceil(GATE_UP_COLUMNS))?, rows);
+    // SAFETY: arguments match `moe_quant_gate_up` (or `_rows`); the blocks hold [experts,
+    // inter, hidden] values in whole blocks and their padding (checked), x was quantized for
+    // num_rows rows of hidden values, the routing (entries, tile list) written by `moe_route`
+    // for these rows.
     unsafe { gpu.launch(&spec, LaunchDims::new(grid, THREADS), &args)? };
     count_launch();
     Ok(())
@@ -251,20 +296,29 @@ pub fn moe_quant_down<T: Element>(
     let act = view(&w.act, 0..entries * inter)?;
     quantize_rows_q8(gpu, &act, &mut q8.act, (entries, inter))?;
     let (aq, ads) = q8.act.buffers();
-    let spec = specialize_moe_quant(MoeQuantEntry::Down(down.format), T::DTYPE)?;
-    let mut args = vec![ptr(aq), ptr(ads), ptr(&down.blocks), ptr(&w.expert_offsets)];
-    args.extend([
-        ptr(&w.tile_offsets),
-        ptr(&w.tile_experts),
-        ptr(&w.tile_starts),
-        ptr(&w.out),
-    ]);
-    args.extend(w.dims()?);
-    let tiles = to_u32("moe tiles", max_tiles(entries, experts))?;
-    let grid = (to_u32("moe CTAs", hidden.div_ceil(DOWN_COLUMNS))?, tiles);
-    // SAFETY: arguments match `moe_quant_down`; the blocks hold [experts, hidden, inter] values
-    // in whole blocks and their padding (checked), the intermediates were quantized for the
-    // step's entries, the tile list written by `moe_route` for at most `tiles` tiles.
+    let entry = MoeQuantEntry::down(num_rows, down.format);
+    let spec = specialize_moe_quant(entry, T::DTYPE)?;
+    let mut args = vec![ptr(aq), ptr(ads), ptr(&down.blocks)];
+    let rows = if entry.per_row() {
+        args.extend([ptr(&w.experts), ptr(&w.entry_slots), ptr(&w.out)]);
+        args.extend(w.row_dims()?);
+        to_u32("moe entries", entries)?
+    } else {
+        args.extend([
+            ptr(&w.expert_offsets),
+            ptr(&w.tile_offsets),
+            ptr(&w.tile_experts),
+            ptr(&w.tile_starts),
+            ptr(&w.out),
+        ]);
+        args.extend(w.dims()?);
+        to_u32("moe tiles", max_tiles(entries, experts))?
+    };
+    let grid = (to_u32("moe CTAs", hidden.div_ceil(DOWN_COLUMNS))?, rows);
+    // SAFETY: arguments match `moe_quant_down` (or `_rows`); the blocks hold [experts, hidden,
+    // inter] values in whole blocks and their padding (checked), the intermediates were
+    // quantized for the step's entries, the routing (entries, tile list) written by
+    // `moe_route` for these rows.
     unsafe { gpu.launch(&spec, LaunchDims::new(grid, THREADS), &args)? };
     count_launch();
     Ok(())

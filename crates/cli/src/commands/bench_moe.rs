@@ -242,9 +242,7 @@ fn resolve(args: &BenchMoeArgs) -> Result<Shape> {
             "per-row" => "per-row",
             "tensor-core" if dtype == "bf16" => "tensor-core",
             "tensor-core" => bail!("--moe-path tensor-core needs --dtype bf16"),
-            other => {
-                bail!("--moe-path takes auto, tiled, per-row, tensor-core or quant, not {other}")
-            }
+            other => bail!("--moe-path takes auto, tiled, per-row, tensor-core, quant: {other}?"),
         },
     };
     let piece = 16 / element;

@@ -285,6 +285,9 @@ settings! {
     "PAGODA_CUDA_MOE_MMA", None, ON_OFF, "off", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "MoE steps of 32+ bf16 rows run the expert matmuls on tensor cores (mma.sync, up to 32 routed entries of an expert a CTA); off: the CUDA-core tiles (the reference; always in deterministic mode). Same sums in another f32 order, the same bits run to run. Off until it has run and been measured on a GPU (compiled for sm_90a and sm_80, not yet run there).";
+    "PAGODA_CUDA_MOE_QUANT", None, ON_OFF, "off", Cuda,
+        "engine load_backend, EngineSettings (models llama_cuda::CudaModel::load_with_experts, CudaKernels)",
+        "A GGUF mixture-of-experts model's stacked experts (ffn_{gate,up,down}_exps in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K, each projection in its own format) stay in their blocks on the GPU (device memory their file bytes) and run as grouped quantized GEMVs over q8 activations per routing tile (bf16 with PAGODA_CUDA_QUANT_WEIGHTS on; no atomics, so deterministic mode runs it too); off: dequantized to the --dtype at load (the reference). Other formats fall back to the dequantized experts with an INFO line. Off until it has run and been measured on a GPU (compiled for sm_90a and sm_80, not yet run there).";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Filtered rows on the GPU: fast, or exact (f64, the oracle).";

@@ -240,8 +240,12 @@ pub fn load_backend(
                 return Err(ModelLoadError::Build(LoadError(reason)));
             }
             let gpu = Gpu::new(0)?;
-            let keep = pagoda_config::global().on("PAGODA_CUDA_QUANT_WEIGHTS");
-            CudaModel::load_with(config, tensors, Arc::new(gpu), dtype, keep, progress)
+            let settings = pagoda_config::global();
+            let keep = [
+                settings.on("PAGODA_CUDA_QUANT_WEIGHTS"),
+                settings.on("PAGODA_CUDA_MOE_QUANT"),
+            ];
+            CudaModel::load_with_experts(config, tensors, Arc::new(gpu), dtype, keep, progress)
                 .map(Backend::from)
                 .map_err(ModelLoadError::Build)
         }

@@ -1,6 +1,7 @@
 //! The process-wide CPU kernel choices and counters of `/metrics` (`pagoda_cpu_kernels_info`
-//! through `pagoda_cpu_attention_kernel_info`), and the process-wide CUDA kernel counter
-//! `pagoda_cuda_moe_mma_launches_total`: read from `pagoda_ops`, not from the engine.
+//! through `pagoda_cpu_attention_kernel_info`), and the process-wide CUDA kernel counters
+//! `pagoda_cuda_moe_mma_launches_total` and `pagoda_cuda_moe_quant_launches_total`: read from
+//! `pagoda_ops`, not from the engine.
 
 use std::fmt::Write;
 
@@ -137,5 +138,12 @@ pub(super) fn render(out: &mut String) {
          down) run on tensor cores (PAGODA_CUDA_MOE_MMA, bf16 steps of 32+ rows).\n\
          # TYPE pagoda_cuda_moe_mma_launches_total counter\npagoda_cuda_moe_mma_launches_total {}",
         pagoda_ops::cuda::moe_mma_launches()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cuda_moe_quant_launches_total MoE expert matmul launches (gate/up or \
+         down) over experts kept in their GGUF blocks (PAGODA_CUDA_MOE_QUANT).\n\
+         # TYPE pagoda_cuda_moe_quant_launches_total counter\npagoda_cuda_moe_quant_launches_total {}",
+        pagoda_ops::cuda::moe_quant_launches()
     );
 }

@@ -1,27 +1,19 @@
 //! `pagoda bench moe`: one mixture-of-experts block of a decode step at the op level, split
-//! into the launches the CUDA model runs (`llama_cuda/experts.rs`): the router GEMM
-//! (`[batch, hidden] x [hidden, experts]`, f32 logits; the small-batch GEMV where it applies,
-//! as the model with `PAGODA_CUDA_GEMV` on), `moe_route`, `moe_gate_up`, `moe_down`, the
-//! shared experts' dense MLP where the shape has them (GEMM, SiLU-mul, GEMM) and
-//! `moe_combine` (up to `MOE_PER_ROW_MAX_ROWS` rows the model's per-row path:
-//! `moe_gate_up_rows`, and `moe_down_combine` in place of `moe_down` and `moe_combine`; bf16
-//! from `MOE_MMA_MIN_ROWS` rows the tensor-core path: `moe_gate_up_mma` and `moe_down_mma`,
-//! as the model with `PAGODA_CUDA_MOE_MMA` on); then
-//! the whole block. Each stage is captured in its own CUDA graph over
-//! `--sets` rotating input sets (different activations, so routings; the experts rotate over
-//! as many copies as fit in 32 GB, at most one a set; the router stage over copies of 4x the
-//! L2, a call each), the graph replayed `--replays` times, each replay timed with CUDA events:
-//! the median replay time / calls is reported.
+//! into the launches the CUDA model runs (`llama_cuda/experts.rs`): the router GEMM (f32
+//! logits; the small-batch GEMV where it applies, as with `PAGODA_CUDA_GEMV` on), `moe_route`,
+//! `moe_gate_up`, `moe_down`, the shared experts' dense MLP (GEMM, SiLU-mul, GEMM) and
+//! `moe_combine` (up to `MOE_PER_ROW_MAX_ROWS` rows the per-row path: `moe_gate_up_rows`, and
+//! `moe_down_combine` for `moe_down` and `moe_combine`; bf16 from `MOE_MMA_MIN_ROWS` rows the
+//! tensor-core path, as with `PAGODA_CUDA_MOE_MMA` on); then the whole block. Each stage is
+//! captured in its own CUDA graph over `--sets` rotating input sets (so routings; the experts
+//! rotate over as many copies as fit in 32 GB, at most one a set; the router stage over copies
+//! of 4x the L2), replayed `--replays` times, each timed with CUDA events: the median / calls.
 //!
-//! The routing is the device's own (random weights and activations; read back after the warm
-//! run): the weight bytes a stage reads are the distinct experts the set's rows hit times an
-//! expert's bytes (gate and up for `gate_up`, down for `down`), the whole router and the
-//! shared experts; the block's floor is its weight bytes at `--copy-tb-s` (2.98 TB/s: the
-//! H100's measured device copy rate). Activations are left out of the bytes.
-//!
-//! On the GPU machine: `pagoda bench moe` (Qwen3-30B-A3B, batches 1, 8, 64 and 256), `pagoda
-//! bench moe --shape mixtral-8x7b`, `pagoda bench moe --shape deepseek-v2-lite -b 1,64`, each
-//! with `--json` for the machine-readable form.
+//! The routing is the device's own (read back after the warm run): the weight bytes a stage
+//! reads are the distinct experts the set's rows hit times an expert's bytes (gate and up for
+//! `gate_up`, down for `down`), the whole router and the shared experts; the floor is those
+//! bytes at `--copy-tb-s` (2.98 TB/s: the H100's measured copy rate; activations left out).
+//! On the GPU machine: `pagoda bench moe [--shape mixtral-8x7b|deepseek-v2-lite] [--json]`.
 
 use anyhow::{anyhow, bail, Result};
 use clap::Args;
@@ -83,9 +75,14 @@ pub struct BenchMoeArgs {
     pub copy_tb_s: f64,
     /// The experts' path: auto (the model's with `PAGODA_CUDA_MOE_MMA` on, `MoePath::choose`:
     /// per row up to 4 rows, tiled above, tensor cores from 32 bf16 rows), tiled, per-row or
-    /// tensor-core (bf16) at every batch (the same sums; per-row and tiled the same bits).
+    /// tensor-core (bf16) at every batch (the same sums; per-row and tiled the same bits); or
+    /// quant: the experts in GGUF blocks of `--moe-type` (`bench_moe_quant.rs`).
     #[arg(long = "moe-path", default_value = "auto")]
     pub moe_path: String,
+    /// The blocks of `--moe-path quant`: q4_k_m (Q4_K gate/up, Q6_K down), q8_0, q4_0, q4_k,
+    /// q5_k or q6_k.
+    #[arg(long = "moe-type", default_value = "q4_k_m")]
+    pub moe_type: String,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -185,6 +182,9 @@ struct Report {
 
 /// Runs `pagoda bench moe`.
 pub fn run(args: BenchMoeArgs) -> Result<()> {
+    if args.moe_path == "quant" {
+        return super::bench_moe_quant::run(&args);
+    }
     let shape = resolve(&args)?;
     let gpu = Gpu::new(0).map_err(|e| anyhow!("this command needs a CUDA GPU: {e}"))?;
     let dtype = shape.dtype;
@@ -242,7 +242,7 @@ fn resolve(args: &BenchMoeArgs) -> Result<Shape> {
             "per-row" => "per-row",
             "tensor-core" if dtype == "bf16" => "tensor-core",
             "tensor-core" => bail!("--moe-path tensor-core needs --dtype bf16"),
-            other => bail!("--moe-path takes auto, tiled, per-row or tensor-core, not {other}"),
+            other => bail!("--moe-path takes auto, tiled, per-row, tensor-core, quant: {other}?"),
         },
     };
     let piece = 16 / element;

@@ -158,7 +158,7 @@ fn parse_shape(text: &str) -> Result<(usize, usize)> {
 
 /// `blocks` random blocks of `format` (then [`QUANT_PADDING`] bytes) whose f16 scales are
 /// small and finite (the timing depends only on the values being ordinary numbers).
-fn random_blocks(format: QuantFormat, blocks: usize, seed: u64) -> Vec<u8> {
+pub(super) fn random_blocks(format: QuantFormat, blocks: usize, seed: u64) -> Vec<u8> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     let size = format.block_bytes();
     let mut out = vec![0u8; blocks * size + QUANT_PADDING];

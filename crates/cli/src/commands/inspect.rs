@@ -208,6 +208,34 @@ pub fn run(args: InspectArgs) -> Result<()> {
         mib(gpu_bytes),
         mib(parameters * 2)
     );
+    // A MoE file's stacked experts (3-D `ffn_*_exps`): dequantized to bf16 at load unless
+    // PAGODA_CUDA_MOE_QUANT keeps them in their blocks.
+    let (mut experts, mut blocks, mut dequantized, mut other) = (0, 0, 0, 0);
+    for (name, ty, shape, n_bytes) in &tensors {
+        if shape.len() == 3 && name.contains("_exps") {
+            if pagoda_models::weight_plan::gpu_keeps_blocks(*ty, shape[2]) {
+                experts += 1;
+                blocks += n_bytes;
+                dequantized += 2 * shape.iter().product::<usize>();
+            } else {
+                other += 1;
+            }
+        }
+    }
+    if experts + other > 0 {
+        say!(
+            "on CUDA (bf16): {experts} stacked expert tensors stay in their GGUF blocks with \
+             PAGODA_CUDA_MOE_QUANT=on, {:.1} MiB in place of the {:.1} MiB of bf16 the line \
+             above counts (off, the default: dequantized at load){}",
+            mib(blocks),
+            mib(dequantized),
+            if other > 0 {
+                format!("; {other} in other formats are dequantized either way")
+            } else {
+                String::new()
+            }
+        );
+    }
     // A latent cache (DeepSeek) stores one row per token and layer, no separate V.
     let sides = if config.mla.is_some() { 1 } else { 2 };
     let kv_per_token = sides * config.num_layers * config.num_kv_heads * config.head_dim * 4;

@@ -5,6 +5,7 @@ pub mod bench_attention;
 mod bench_attention_mla;
 pub mod bench_kernels;
 mod bench_moe;
+mod bench_moe_quant;
 mod bench_moe_table;
 mod bench_quant_gemv;
 pub mod bench_sampling;

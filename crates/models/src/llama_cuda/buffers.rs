@@ -266,7 +266,10 @@ impl<T: HostFloat> StepBuffers<T> {
                 gpu,
                 c,
                 options.max_batch_tokens,
-                options.kernels.moe_mma && !options.kernels.deterministic,
+                [
+                    options.kernels.moe_mma && !options.kernels.deterministic,
+                    options.kernels.moe_quant,
+                ],
             )?,
         })
     }

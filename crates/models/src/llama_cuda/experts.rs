@@ -1,13 +1,14 @@
 //! Mixture-of-experts MLP blocks on the GPU (Qwen3-MoE, Mixtral, DeepSeek; ADR 0010): a layer's
 //! router, its experts' weights stacked per projection as GGUF stores them (`[num_experts,
 //! out, in]` in the model's dtype, one buffer each, the experts addressed by offset inside
-//! the kernels) and the shared experts' dense MLP; the step buffers a MoE model adds
+//! the kernels; or, with `PAGODA_CUDA_MOE_QUANT`, in the file's blocks, [`ExpertWeights`])
+//! and the shared experts' dense MLP; the step buffers a MoE model adds
 //! ([`MoeBuffers`], allocated only when the configuration has experts); and the two steps
 //! (`route`, `experts`) as functions over them, which `layers.rs` calls from its
 //! [`MoeStep`](crate::decoder::MoeStep) implementation.
 
 use pagoda_cuda::{view, view_mut, CudaError, DeviceBuffer, DeviceRead, DeviceViewMut, Gpu};
-use pagoda_ops::cuda::{self as ops, DeviceRouter, MoeWorkspace};
+use pagoda_ops::cuda::{self as ops, DeviceRouter, MoeQ8, MoeWorkspace, QuantExperts};
 
 use super::matrix::{Linear, Matrix};
 use super::HostFloat;
@@ -21,15 +22,20 @@ pub(super) struct GpuExperts<T> {
     pub router: Matrix<T>,
     /// `[num_experts]`: the sigmoid router's selection bias.
     pub selection_bias: Option<DeviceBuffer<f32>>,
-    /// `[num_experts, expert_intermediate, hidden]`.
-    pub gate: DeviceBuffer<T>,
-    /// `[num_experts, expert_intermediate, hidden]`.
-    pub up: DeviceBuffer<T>,
-    /// `[num_experts, hidden, expert_intermediate]`.
-    pub down: DeviceBuffer<T>,
+    /// The stacked experts.
+    pub weights: ExpertWeights<T>,
     /// The shared experts: gate and up stacked (`[2 * shared_width, hidden]`), then down
     /// (`[hidden, shared_width]`).
     pub shared: Option<[Matrix<T>; 2]>,
+}
+
+/// A layer's stacked experts: gate and up `[num_experts, expert_intermediate, hidden]`, down
+/// `[num_experts, hidden, expert_intermediate]`.
+pub(super) enum ExpertWeights<T> {
+    /// In the model's dtype (dequantized or converted at load).
+    Dense([DeviceBuffer<T>; 3]),
+    /// In the file's GGUF blocks, each projection in its own format (`PAGODA_CUDA_MOE_QUANT`).
+    Quantized([QuantExperts; 3]),
 }
 
 impl<T> GpuExperts<T> {
@@ -40,7 +46,18 @@ impl<T> GpuExperts<T> {
 
     /// Bytes of the stacked experts.
     pub fn expert_bytes(&self) -> usize {
-        (self.gate.len() + self.up.len() + self.down.len()) * std::mem::size_of::<T>()
+        match &self.weights {
+            ExpertWeights::Dense(w) => w.iter().map(|b| b.len()).sum::<usize>() * size_of::<T>(),
+            ExpertWeights::Quantized(w) => w.iter().map(QuantExperts::bytes).sum(),
+        }
+    }
+
+    /// The formats of the stacked experts kept in blocks (gate, up, down), if they are.
+    pub fn quantized_formats(&self) -> Option<[ops::QuantFormat; 3]> {
+        match &self.weights {
+            ExpertWeights::Dense(_) => None,
+            ExpertWeights::Quantized(w) => Some([w[0].format, w[1].format, w[2].format]),
+        }
     }
 
     /// Bytes of the selection bias.
@@ -59,15 +76,22 @@ pub(super) fn device_router(moe: &MoeConfig) -> Result<DeviceRouter, CudaError> 
 type Upload<'a, U> = &'a dyn Fn(&TensorSpec) -> Result<DeviceBuffer<U>, LoadError>;
 /// Builds a linear layer's matrix from its stacked parts.
 type MatrixFrom<'a, T> = &'a dyn Fn(&[&TensorSpec]) -> Result<Matrix<T>, LoadError>;
+/// Puts stacked experts on the device in their blocks, or `None` where their format is not
+/// one the quantized expert kernels read.
+pub(super) type QuantFrom<'a> = &'a dyn Fn(&TensorSpec) -> Result<Option<QuantExperts>, LoadError>;
 
 /// Loads a MoE layer's weights: `upload` puts a tensor on the device in `T` (the stacked
 /// experts dequantized or converted, whatever the file's type), `matrix` builds a linear
-/// layer's matrix from its parts (kept in GGUF blocks where the GPU multiplies them in place).
+/// layer's matrix from its parts (kept in GGUF blocks where the GPU multiplies them in place);
+/// `quantized`, where given (`PAGODA_CUDA_MOE_QUANT`), keeps the stacked experts in their
+/// blocks when all three projections' formats allow (else they are uploaded in `T`, with an
+/// INFO line).
 pub(super) fn load_experts<T: HostFloat>(
     plan: &ExpertsPlan,
     upload: Upload<'_, T>,
     upload_f32: Upload<'_, f32>,
     matrix: MatrixFrom<'_, T>,
+    quantized: Option<QuantFrom<'_>>,
 ) -> Result<GpuExperts<T>, LoadError> {
     let shared = match &plan.shared {
         Some([gate, up, down]) => Some([matrix(&[gate, up])?, matrix(&[down])?]),
@@ -76,11 +100,41 @@ pub(super) fn load_experts<T: HostFloat>(
     Ok(GpuExperts {
         router: matrix(&[&plan.router])?,
         selection_bias: plan.selection_bias.as_ref().map(upload_f32).transpose()?,
-        gate: upload(&plan.gate)?,
-        up: upload(&plan.up)?,
-        down: upload(&plan.down)?,
+        weights: expert_weights(plan, upload, quantized)?,
         shared,
     })
+}
+
+/// The stacked experts of `plan`: in their blocks where `quantized` keeps all three, else in
+/// `T`.
+fn expert_weights<T: HostFloat>(
+    plan: &ExpertsPlan,
+    upload: Upload<'_, T>,
+    quantized: Option<QuantFrom<'_>>,
+) -> Result<ExpertWeights<T>, LoadError> {
+    if let Some(quantized) = quantized {
+        if let (Some(gate), Some(up), Some(down)) = (
+            quantized(&plan.gate)?,
+            quantized(&plan.up)?,
+            quantized(&plan.down)?,
+        ) {
+            return Ok(ExpertWeights::Quantized([gate, up, down]));
+        }
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        LOGGED.call_once(|| {
+            tracing::info!(
+                "CUDA MoE: the stacked experts of {} are in a format the quantized expert \
+                 kernels do not read (they take Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K \
+                 in whole blocks): dequantized at load (PAGODA_CUDA_MOE_QUANT)",
+                plan.gate.name
+            )
+        });
+    }
+    Ok(ExpertWeights::Dense([
+        upload(&plan.gate)?,
+        upload(&plan.up)?,
+        upload(&plan.down)?,
+    ]))
 }
 
 /// The step buffers of a MoE model's expert blocks, for steps of up to the step buffers'
@@ -96,6 +150,8 @@ pub struct MoeBuffers<T> {
     /// Steps of many bf16 rows run the experts on tensor cores (`PAGODA_CUDA_MOE_MMA`, off in
     /// deterministic mode): see [`ops::MoePath::choose`].
     tensor_cores: bool,
+    /// The q8 activations of quantized experts (`PAGODA_CUDA_MOE_QUANT`).
+    q8: Option<MoeQ8>,
 }
 
 /// The shared experts' activations.
@@ -113,12 +169,13 @@ struct SharedBuffers<T> {
 impl<T: HostFloat> MoeBuffers<T> {
     /// The buffers for `c`'s expert blocks and steps of up to `max_tokens` tokens, or `None`
     /// for a model without expert layers (nothing allocated; a DeepSeek configuration may
-    /// list every layer dense). `tensor_cores`: [`MoeBuffers::tensor_cores`].
+    /// list every layer dense). `tensor_cores`: [`MoeBuffers::tensor_cores`]; `quant`: room for
+    /// the q8 activations of experts kept in blocks.
     pub fn new(
         gpu: &Gpu,
         c: &ModelConfig,
         max_tokens: usize,
-        tensor_cores: bool,
+        [tensor_cores, quant]: [bool; 2],
     ) -> Result<Option<Self>, CudaError> {
         let Some(moe) = c.moe.as_ref().filter(|_| c.has_expert_layers()) else {
             return Ok(None);
@@ -153,6 +210,7 @@ impl<T: HostFloat> MoeBuffers<T> {
         });
         Ok(Some(MoeBuffers {
             logits: gpu.zeros(tokens * moe.num_experts)?,
+            q8: quant.then(|| MoeQ8::new(gpu, &workspace)).transpose()?,
             workspace,
             shared,
             router,
@@ -199,13 +257,44 @@ impl<T: HostFloat> ExpertStep<'_, '_, T> {
     ) -> Result<(), CudaError> {
         let (gpu, n, hidden) = (self.gpu, self.num_tokens, self.hidden);
         let path = ops::MoePath::choose(n, T::DTYPE, buffers.tensor_cores);
-        let gate_up = [&experts.gate, &experts.up];
-        ops::moe_gate_up_with(gpu, path, normed, gate_up, &mut buffers.workspace, n)?;
-        let down = &experts.down;
-        let (Some([gate_up, shared_down]), Some(shared)) = (&experts.shared, &mut buffers.shared)
-        else {
-            let none: Option<&DeviceBuffer<f32>> = None;
-            return ops::moe_down_combine(gpu, path, down, &mut buffers.workspace, none, x, n);
+        let workspace = &mut buffers.workspace;
+        match (&experts.weights, buffers.q8.as_mut()) {
+            (ExpertWeights::Dense([gate, up, _]), _) => {
+                ops::moe_gate_up_with(gpu, path, normed, [gate, up], workspace, n)?
+            }
+            (ExpertWeights::Quantized(w), Some(q8)) => {
+                ops::moe_quant_gate_up(gpu, normed, [&w[0], &w[1]], q8, workspace, n)?
+            }
+            (ExpertWeights::Quantized(_), None) => return Err(no_q8()),
+        }
+        let has_shared = self.shared_experts(experts, normed, &mut buffers.shared)?;
+        let shared = match (&buffers.shared, has_shared) {
+            (Some(shared), true) => Some(view(&shared.out, 0..n * hidden)?),
+            _ => None,
+        };
+        let (workspace, q8) = (&mut buffers.workspace, buffers.q8.as_mut());
+        match (&experts.weights, q8) {
+            (ExpertWeights::Quantized(w), Some(q8)) => {
+                ops::moe_quant_down_combine(gpu, &w[2], q8, workspace, shared.as_ref(), x, n)
+            }
+            (ExpertWeights::Dense([_, _, down]), _) => {
+                ops::moe_down_combine(gpu, path, down, workspace, shared.as_ref(), x, n)
+            }
+            (ExpertWeights::Quantized(_), None) => Err(no_q8()),
+        }
+    }
+
+    /// The shared experts' output into `shared.out` (`[num_tokens, hidden]` f32), where the
+    /// layer has them (then `true`): the dense MLP's steps into their own buffers.
+    fn shared_experts(
+        &mut self,
+        experts: &GpuExperts<T>,
+        normed: &impl DeviceRead<T>,
+        shared: &mut Option<SharedBuffers<T>>,
+    ) -> Result<bool, CudaError> {
+        let (gpu, n, hidden) = (self.gpu, self.num_tokens, self.hidden);
+        let (Some([gate_up, shared_down]), Some(shared)) = (&experts.shared, shared) else {
+            return Ok(false);
         };
         // The shared experts: the dense MLP's steps into their own buffers.
         let width = shared.width;
@@ -224,7 +313,13 @@ impl<T: HostFloat> ExpertStep<'_, '_, T> {
         let mut out = view_mut(&mut shared.out, 0..n * hidden)?;
         self.linear
             .run(&act, shared_down, &mut out, (n, hidden, width), 0.0)?;
-        let workspace = &mut buffers.workspace;
-        ops::moe_down_combine(gpu, path, down, workspace, Some(&out), x, n)
+        Ok(true)
     }
+}
+
+/// Quantized experts met step buffers made without their q8 activations.
+fn no_q8() -> CudaError {
+    CudaError::invalid(
+        "experts kept in blocks need step buffers made with PAGODA_CUDA_MOE_QUANT on",
+    )
 }

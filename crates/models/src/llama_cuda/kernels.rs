@@ -48,6 +48,9 @@ pub struct CudaKernels {
     /// MoE steps of `ops::MOE_MMA_MIN_ROWS` or more bf16 rows run the experts on tensor
     /// cores (`PAGODA_CUDA_MOE_MMA`; never in deterministic mode); off: the CUDA-core tiles.
     pub moe_mma: bool,
+    /// A MoE model's step buffers hold the q8 activations of its quantized experts
+    /// (`PAGODA_CUDA_MOE_QUANT`; the loader reads the same setting to keep them in blocks).
+    pub moe_quant: bool,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -137,6 +140,7 @@ impl Default for CudaKernels {
             quant_fused_q8: false,
             quant_pair: false,
             moe_mma: false,
+            moe_quant: false,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -177,6 +181,7 @@ impl CudaKernels {
             quant_fused_q8: config.on("PAGODA_CUDA_QUANT_FUSED_Q8"),
             quant_pair: config.on("PAGODA_CUDA_QUANT_PAIR"),
             moe_mma: config.on("PAGODA_CUDA_MOE_MMA"),
+            moe_quant: config.on("PAGODA_CUDA_MOE_QUANT"),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -288,6 +293,7 @@ mod tests {
             ("PAGODA_CUDA_QUANT_FUSED_Q8", "on"),
             ("PAGODA_CUDA_QUANT_PAIR", "on"),
             ("PAGODA_CUDA_MOE_MMA", "on"),
+            ("PAGODA_CUDA_MOE_QUANT", "on"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -311,6 +317,7 @@ mod tests {
             quant_fused_q8: true,
             quant_pair: true,
             moe_mma: true,
+            moe_quant: true,
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),

@@ -211,11 +211,32 @@ impl CudaModel {
         keep_quantized: bool,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel, LoadError> {
+        CudaModel::load_with_experts(
+            config,
+            source,
+            gpu,
+            dtype,
+            [keep_quantized, false],
+            progress,
+        )
+    }
+
+    /// [`CudaModel::load_with`], a GGUF mixture-of-experts model's stacked experts also kept
+    /// in their blocks where `quant_experts` (`PAGODA_CUDA_MOE_QUANT`; with `keep_quantized`
+    /// and bf16 only): the step buffers then need [`CudaKernels::moe_quant`] on.
+    pub fn load_with_experts(
+        config: ModelConfig,
+        source: &dyn TensorSource,
+        gpu: Arc<Gpu>,
+        dtype: DType,
+        [keep_quantized, quant_experts]: [bool; 2],
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<CudaModel, LoadError> {
         config.validate().map_err(|e| LoadError(e.to_string()))?;
         if let Some(reason) = CudaModel::unsupported(&config) {
             return Err(LoadError(reason));
         }
-        let keep = keep_quantized && dtype == DType::BF16;
+        let keep = [keep_quantized && dtype == DType::BF16, quant_experts];
         let model = match dtype {
             DType::BF16 => CudaModel::Bf16(GpuModel::load(&config, source, gpu, keep, progress)?),
             DType::F32 => CudaModel::F32(GpuModel::load(&config, source, gpu, keep, progress)?),
@@ -238,6 +259,18 @@ impl CudaModel {
                 "CUDA weights: GGUF blocks kept on the device ({}), the rest {dtype}, {gib:.2} GiB \
                  (PAGODA_CUDA_QUANT_WEIGHTS)",
                 list.join(", ")
+            );
+        }
+        let (layers, bytes, formats) = match &model {
+            CudaModel::Bf16(m) => m.quantized_experts(),
+            CudaModel::F32(m) => m.quantized_experts(),
+        };
+        if layers > 0 {
+            tracing::info!(
+                "CUDA MoE: the stacked experts of {layers} layers stay in their GGUF blocks on the \
+                 device ({}, gate/up/down), {:.2} GiB (PAGODA_CUDA_MOE_QUANT)",
+                formats.join(", "),
+                bytes as f64 / (1u64 << 30) as f64
             );
         }
         Ok(model)

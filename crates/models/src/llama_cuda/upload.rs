@@ -99,6 +99,32 @@ pub(super) fn matrix<T: HostFloat>(
     Ok(Matrix::Quantized(quantized))
 }
 
+/// Stacked experts (`[num_experts, rows, cols]`) kept in their GGUF blocks
+/// (`PAGODA_CUDA_MOE_QUANT`), or `None` where their type is not one the quantized expert
+/// kernels read in whole blocks (the caller dequantizes them instead).
+pub(super) fn quant_experts(
+    gpu: &Gpu,
+    source: &dyn TensorSource,
+    spec: &TensorSpec,
+) -> Result<Option<ops::QuantExperts>, LoadError> {
+    let name = &spec.name;
+    let raw = source
+        .tensor(name)
+        .ok_or_else(|| LoadError(format!("tensor {name} is missing from the model file")))?;
+    let Some(format) = quant_format(raw.ty) else {
+        return Ok(None);
+    };
+    let &[experts, rows, cols] = &spec.shape[..] else {
+        return Ok(None);
+    };
+    if raw.shape != spec.shape || !gpu_keeps_blocks(raw.ty, cols) {
+        return Ok(None);
+    }
+    ops::QuantExperts::upload(gpu, format, &raw.data[..], [experts, rows, cols])
+        .map(Some)
+        .map_err(gpu_error(name))
+}
+
 /// Uploads one float or quantized tensor as `T`, checking its shape.
 pub(super) fn upload_tensor<T: HostFloat>(
     gpu: &Gpu,

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use pagoda_cuda::{view_mut, CudaError, DeviceBuffer, DeviceRead, Gpu};
 use pagoda_ops::cuda::{QuantFormat, RopeStyle as GpuRopeStyle};
 
-use super::experts::load_experts;
+use super::experts::{load_experts, QuantFrom};
 use super::matrix::Matrix;
 use super::mla_weights::load_mla;
 use super::upload::{matrix, upload_tensor, upload_tensor_into};
@@ -26,7 +26,7 @@ impl<T: HostFloat> GpuModel<T> {
         config: &ModelConfig,
         source: &dyn TensorSource,
         gpu: Arc<Gpu>,
-        keep_quantized: bool,
+        [keep_quantized, quant_experts]: [bool; 2],
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self, LoadError> {
         let c = config;
@@ -37,6 +37,9 @@ impl<T: HostFloat> GpuModel<T> {
         let matrix = |parts: &[&TensorSpec]| matrix::<T>(g, source, parts, keep_quantized);
         let upload_f32 =
             |spec: &TensorSpec| upload_tensor::<f32>(g, source, &spec.name, &spec.shape);
+        let quantized = |spec: &TensorSpec| super::upload::quant_experts(g, source, spec);
+        let quantized: Option<QuantFrom<'_>> =
+            (keep_quantized && quant_experts).then_some(&quantized);
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, l) in plan.layers.iter().enumerate() {
             let mlp = match &l.mlp {
@@ -49,6 +52,7 @@ impl<T: HostFloat> GpuModel<T> {
                     &upload,
                     &upload_f32,
                     &matrix,
+                    quantized,
                 )?)),
             };
             let attention = match &l.attention {
@@ -180,6 +184,26 @@ impl<T: HostFloat> GpuModel<T> {
                 Matrix::Dense(_) => false,
             })
             .count()
+    }
+
+    /// `(layers, bytes, formats)` of the expert layers whose stacked experts stay in their
+    /// blocks (`PAGODA_CUDA_MOE_QUANT`; formats as `gate/up/down`, each once), for the load
+    /// log.
+    pub(super) fn quantized_experts(&self) -> (usize, usize, Vec<String>) {
+        let (mut layers, mut bytes, mut formats) = (0, 0, Vec::new());
+        for l in &self.layers {
+            if let GpuMlp::Experts(experts) = &l.mlp {
+                if let Some([g, u, d]) = experts.quantized_formats() {
+                    layers += 1;
+                    bytes += experts.expert_bytes();
+                    let name = format!("{g}/{u}/{d}");
+                    if !formats.contains(&name) {
+                        formats.push(name);
+                    }
+                }
+            }
+        }
+        (layers, bytes, formats)
     }
 
     /// `(format, matrices)` of the quantized matrices' parts, for the load log.

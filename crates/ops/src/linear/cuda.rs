@@ -102,8 +102,8 @@ impl QuantFormat {
         }
     }
 
-    /// The format's number in `gemv_quant.cu` (`PAGODA_FORMAT`).
-    fn code(self) -> i64 {
+    /// The format's number in `gemv_quant.cu` (`PAGODA_FORMAT`; `quant_decode.cu`'s `Format`).
+    pub(crate) fn code(self) -> i64 {
         QuantFormat::ALL
             .iter()
             .position(|&f| f == self)

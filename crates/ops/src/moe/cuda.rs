@@ -5,7 +5,8 @@
 //! expert MLP of every routed entry, on CUDA cores) and [`moe_combine`] (each row's experts
 //! summed in ascending expert index into the residual stream); for decode steps
 //! [`moe_gate_up_with`] and [`moe_down_combine`] by [`MoePath`] (a warp per row and expert,
-//! the down projection and the combine in one launch).
+//! the down projection and the combine in one launch); [`moe_quant_gate_up`] and
+//! [`moe_quant_down`] over experts kept in their GGUF blocks ([`QuantExperts`]).
 //!
 //! Plan on the device, no host round trip: every launch's grid depends on the step's row
 //! count only, the tile list is read by the matmul CTAs (those past its end return), so a
@@ -24,10 +25,15 @@ use pagoda_cuda::{
 use super::{GroupLimit, GroupScore, Renormalize, Router, Scoring};
 
 mod mma;
+mod quant;
 mod rows;
 mod tiles;
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
 pub use mma::{moe_down_mma, moe_gate_up_mma, moe_mma_launches, MOE_MMA_MIN_ROWS};
+pub use quant::{
+    moe_quant_down, moe_quant_down_combine, moe_quant_gate_up, moe_quant_launches,
+    specialize_moe_quant, MoeQ8, MoeQuantEntry, QuantExperts,
+};
 pub use rows::{moe_down_combine, moe_gate_up_with, MoePath, MOE_PER_ROW_MAX_ROWS};
 pub use tiles::{moe_down, moe_experts, moe_gate_up};
 
@@ -150,6 +156,7 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
             }
         }
     }
+    specs.extend(quant::specializations()?);
     Ok(specs)
 }
 
@@ -345,6 +352,15 @@ impl<T: Element> MoeWorkspace<T> {
     fn dims(&self) -> Result<[KernelArg; 3], CudaError> {
         Ok([
             KernelArg::U32(self.num_experts as u32),
+            KernelArg::U32(to_u32("hidden", self.hidden)?),
+            KernelArg::U32(to_u32("inter", self.inter)?),
+        ])
+    }
+
+    /// The per-entry kernels' dimension arguments: top-k, hidden, inter.
+    fn row_dims(&self) -> Result<[KernelArg; 3], CudaError> {
+        Ok([
+            KernelArg::U32(self.top_k as u32),
             KernelArg::U32(to_u32("hidden", self.hidden)?),
             KernelArg::U32(to_u32("inter", self.inter)?),
         ])

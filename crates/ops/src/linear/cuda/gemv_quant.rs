@@ -15,6 +15,7 @@ pub(crate) static GEMV_QUANT: KernelSource = KernelSource::new(
     "gemv_quant.cu",
     concat!(
         include_str!("q8_block.cu"),
+        include_str!("quant_decode.cu"),
         include_str!("gemv_quant.cu"),
         include_str!("gemv_quant_units.cu")
     ),
@@ -95,6 +96,13 @@ impl Q8Rows {
     /// `(rows, width)` of the activations quantized last.
     pub fn shape(&self) -> (usize, usize) {
         self.shape
+    }
+
+    /// The bytes (four a word) and the `(d, d * sum)` pairs of the activations quantized
+    /// last, for the kernels that read them besides [`gemv_quant`] (the MoE's quantized
+    /// experts).
+    pub(crate) fn buffers(&self) -> (&DeviceBuffer<i32>, &DeviceBuffer<f32>) {
+        (&self.values, &self.scales)
     }
 
     /// The buffers a quantizer of `m` rows of `k` values (a multiple of 32) writes (the bytes,

@@ -102,7 +102,7 @@ PAGODA_DEVICE void load_unit(const unsigned char* b, unsigned int c, Unit& u) {
         }
     } else {
         Group group;
-        decode(b, 0, group);
+        decode<FORMAT>(b, 0, group);
 #pragma unroll
         for (int i = 0; i < 8; ++i) u.qs[i] = (unsigned int)group.q[i];
         u.dw[0][0] = group.dw[0];

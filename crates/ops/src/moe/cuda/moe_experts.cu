@@ -24,19 +24,6 @@ constexpr int ROWS = 4;             // weight rows per warp
 // 144 registers, one CTA an SM, 2 keep two).
 constexpr int TILED_UNROLL = 2;
 
-// Tile `tile` of the expert matmuls: its expert, first entry and entry count (0: past the
-// step's tiles).
-PAGODA_DEVICE unsigned int tile_entries(const unsigned int* tile_offsets,
-                                        const unsigned int* tile_experts,
-                                        const unsigned int* tile_starts,
-                                        const unsigned int* expert_offsets,
-                                        unsigned int num_experts, unsigned int tile,
-                                        unsigned int& expert, unsigned int& start) {
-    if (tile >= tile_offsets[num_experts]) return 0;
-    expert = tile_experts[tile];
-    start = tile_starts[tile];
-    return min((unsigned int)TILE_ROWS, expert_offsets[expert + 1] - start);
-}
 }  // namespace moe_detail
 
 // The routed entries' gated intermediates: for each tile (blockIdx.y) of an expert's entries,

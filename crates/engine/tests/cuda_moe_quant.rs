@@ -1,0 +1,222 @@
+//! A GGUF mixture-of-experts model on CUDA with its stacked experts kept in their blocks
+//! (`PAGODA_CUDA_MOE_QUANT`: `CudaModel::load_with_experts` and `CudaKernels::moe_quant`)
+//! against the CPU forward of the same file in f32 (the oracle), beside the same GPU model
+//! with the experts dequantized at load. The files come from the folder
+//! `PAGODA_GPU_TEST_MOE_GGUFS` names, written on the GPU machine with
+//! `scripts/random-gguf.py` (tiny Qwen3-MoE and Mixtral, q4_k_m and q8_0). bf16, graphs on,
+//! ragged prefill chunks, mixed steps and batched decode; then again in deterministic mode.
+//! The quantized experts' logits stay within 5% of each row's peak logit (the dense quantized
+//! CUDA test's bound), or within twice the dequantized experts' error where a bf16 near-tied
+//! router already moves those more; the expert launches are counted; device memory for weights
+//! is within 5% of the file's size.
+//!
+//! On the GPU machine only (`--include-ignored`, a build with `--features cuda`); elsewhere
+//! every test shows as ignored.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::gpu;
+use pagoda_engine::cuda_runner::{CudaCacheOptions, CudaModel, CudaRunner, DType};
+use pagoda_kv::{BlockPool, BlockTable, PageTable};
+use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
+use pagoda_models::llama_cuda::CudaKernels;
+
+const PAGE_SIZE: usize = 16;
+const NUM_PAGES: usize = 64;
+
+fn cache_options(moe_quant: bool, deterministic: bool) -> CudaCacheOptions {
+    CudaCacheOptions {
+        num_pages: NUM_PAGES,
+        page_size: PAGE_SIZE,
+        max_batch_tokens: 128,
+        max_batch_requests: 8,
+        max_context: NUM_PAGES * PAGE_SIZE,
+        cuda_graphs: true,
+        paged_decode: Default::default(),
+        kernels: CudaKernels {
+            moe_quant,
+            deterministic,
+            ..CudaKernels::default()
+        },
+    }
+}
+
+/// Per step, how many new tokens each request runs (0: not in the step).
+type Schedule = Vec<Vec<usize>>;
+
+/// Runs `schedule` over `prompts` (a request past its prompt feeds its prompt again, so
+/// every device sees the same tokens), calling `forward` per step; returns each step's
+/// logits (the last token of each request in the step, in request order).
+fn run_schedule(
+    prompts: &[Vec<u32>],
+    schedule: &Schedule,
+    forward: &mut dyn FnMut(&ForwardBatch<'_>) -> Vec<f32>,
+) -> Vec<Vec<f32>> {
+    let mut pool = BlockPool::new(NUM_PAGES, PAGE_SIZE).unwrap();
+    let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::new()).collect();
+    let mut fed = vec![0usize; prompts.len()];
+    let mut steps = Vec::new();
+    for step in schedule {
+        let (mut tokens, mut positions, mut slots) = (vec![], vec![], vec![]);
+        let (mut qo_indptr, mut logits_for, mut active) = (vec![0u32], vec![], vec![]);
+        for (request, &count) in step.iter().enumerate() {
+            if count == 0 {
+                continue;
+            }
+            slots.extend(tables[request].append_slots(&mut pool, count).unwrap());
+            for i in 0..count {
+                let position = fed[request] + i;
+                let prompt = &prompts[request];
+                tokens.push(prompt[position % prompt.len()]);
+                positions.push(position as u32);
+            }
+            fed[request] += count;
+            qo_indptr.push(tokens.len() as u32);
+            logits_for.push(tokens.len() - 1);
+            active.push(request);
+        }
+        let table_refs: Vec<&BlockTable> = active.iter().map(|&r| &tables[r]).collect();
+        let page_table = PageTable::from_block_tables(&table_refs, &pool).unwrap();
+        let batch = ForwardBatch {
+            tokens: &tokens,
+            positions: &positions,
+            slots: &slots,
+            qo_indptr: &qo_indptr,
+            page_table: &page_table,
+            logits_for: &logits_for,
+        };
+        steps.push(forward(&batch));
+    }
+    steps
+}
+
+/// Three prompts; prefill chunks, mixed steps, then batched decode of 3, 2 and 1 rows.
+fn workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|r| {
+            (0..48)
+                .map(|i| ((i * 37 + r * 11 + 5) % vocab) as u32)
+                .collect()
+        })
+        .collect();
+    let mut schedule: Schedule = vec![vec![21, 4, 0], vec![1, 17, 30], vec![1, 1, 9]];
+    schedule.extend((0..6).map(|_| vec![1, 1, 1]));
+    schedule.extend([vec![1, 0, 1], vec![0, 1, 0], vec![1, 1, 1]]);
+    (prompts, schedule)
+}
+
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+    row.iter().map(|&v| v as f64 - max - sum.ln()).collect()
+}
+
+fn argmax(row: &[f32]) -> usize {
+    (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best })
+}
+
+/// (max relative logit error, max top-10 log-probability error, rows whose greedy token
+/// differs) of `got` against `expected`.
+fn errors(expected: &[Vec<f32>], got: &[Vec<f32>], vocab: usize) -> (f64, f64, usize) {
+    let (mut relative, mut logprob, mut greedy) = (0f64, 0f64, 0);
+    for (e, g) in expected.iter().zip(got) {
+        assert_eq!(e.len(), g.len());
+        assert!(g.iter().all(|v| v.is_finite()), "non-finite GPU logits");
+        for (e_row, g_row) in e.chunks(vocab).zip(g.chunks(vocab)) {
+            let peak = e_row.iter().fold(0f32, |a, &b| a.max(b.abs())) as f64;
+            let diff = e_row
+                .iter()
+                .zip(g_row)
+                .fold(0f64, |a, (&x, &y)| a.max((x as f64 - y as f64).abs()));
+            relative = relative.max(diff / peak.max(1e-6));
+            let (le, lg) = (log_softmax(e_row), log_softmax(g_row));
+            let mut order: Vec<usize> = (0..vocab).collect();
+            order.sort_by(|&a, &b| le[b].total_cmp(&le[a]));
+            for &i in &order[..10] {
+                logprob = logprob.max((le[i] - lg[i]).abs());
+            }
+            greedy += usize::from(argmax(e_row) != argmax(g_row));
+        }
+    }
+    (relative, logprob, greedy)
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn quantized_experts_track_the_cpu_exact_model() {
+    let gpu = gpu();
+    let Some(dir) = std::env::var_os("PAGODA_GPU_TEST_MOE_GGUFS") else {
+        eprintln!("SKIP: PAGODA_GPU_TEST_MOE_GGUFS names no folder of quantized MoE GGUF files");
+        return;
+    };
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+        .collect();
+    files.sort();
+    assert!(!files.is_empty(), "no .gguf file in {dir:?}");
+    for path in files {
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let file = pagoda_models::formats::gguf::GgufFile::open(&path).unwrap();
+        let config = pagoda_models::gguf_model::config_from_gguf(&file).unwrap();
+        assert!(
+            config.moe.is_some(),
+            "{name} is not a mixture-of-experts model"
+        );
+        let cpu = Model::load(config.clone(), &file, WeightPrecision::F32).unwrap();
+        let vocab = config.vocab_size;
+        let (prompts, schedule) = workload(vocab);
+        let mut kv = KvCache::new(config.num_layers, cpu.kv_layout(NUM_PAGES, PAGE_SIZE));
+        let expected = run_schedule(&prompts, &schedule, &mut |batch| {
+            cpu.forward(batch, &mut kv, AttentionPolicy::Auto)
+                .unwrap()
+                .logits
+        });
+        let file_bytes = std::fs::metadata(&path).unwrap().len() as usize;
+        let mut dense_relative = 0.0;
+        for (quant, deterministic) in [(false, false), (true, false), (true, true)] {
+            let loaded = CudaModel::load_with_experts(
+                config.clone(),
+                &file,
+                gpu.clone(),
+                DType::BF16,
+                [true, quant],
+                &mut |_, _| {},
+            )
+            .unwrap();
+            let weight_bytes = loaded.weight_bytes();
+            let mut runner = CudaRunner::new(loaded, cache_options(quant, deterministic)).unwrap();
+            runner.warm_up(&mut |_| {}).unwrap();
+            let launches = pagoda_ops::cuda::moe_quant_launches();
+            let got = run_schedule(&prompts, &schedule, &mut |batch| {
+                runner.forward(batch).unwrap()
+            });
+            let launched = pagoda_ops::cuda::moe_quant_launches() - launches;
+            let (relative, logprob, greedy) = errors(&expected, &got, vocab);
+            eprintln!(
+                "{name} quantized experts {quant} deterministic {deterministic}: weights \
+                 {weight_bytes} B (file {file_bytes}), max relative logit error {relative:.2e}, \
+                 top-10 logprob error {logprob:.4}, greedy mismatches {greedy}, quantized \
+                 expert launches {launched}"
+            );
+            if !quant {
+                dense_relative = relative;
+                assert_eq!(launched, 0, "{name}");
+                continue;
+            }
+            assert!(launched > 0, "{name}: no quantized expert launch");
+            assert!(
+                weight_bytes <= file_bytes * 105 / 100,
+                "{name}: {weight_bytes} B of weights for a file of {file_bytes} B"
+            );
+            let bound = 0.05f64.max(2.0 * dense_relative);
+            assert!(
+                relative < bound,
+                "{name} deterministic {deterministic}: {relative} (bound {bound})"
+            );
+        }
+    }
+}

@@ -230,8 +230,12 @@ pub fn load_backend(
                 return Err(ModelLoadError::Build(LoadError(reason)));
             }
             let gpu = Gpu::new(0)?;
-            let keep = pagoda_config::global().on("PAGODA_CUDA_QUANT_WEIGHTS");
-            CudaModel::load_with(config, tensors, Arc::new(gpu), dtype, keep, progress)
+            let settings = pagoda_config::global();
+            let keep = pagoda_models::llama_cuda::KeepOnDevice {
+                gguf_blocks: settings.on("PAGODA_CUDA_QUANT_WEIGHTS"),
+                fp8: settings.on("PAGODA_CUDA_FP8_WEIGHTS"),
+            };
+            CudaModel::load_keeping(config, tensors, Arc::new(gpu), dtype, keep, progress)
                 .map(Backend::from)
                 .map_err(ModelLoadError::Build)
         }

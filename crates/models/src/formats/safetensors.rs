@@ -475,6 +475,10 @@ impl TensorSource for SafetensorsWeights {
         })
     }
 
+    fn fp8_rows(&self, name: &str) -> Option<crate::weights::Fp8Rows<'_>> {
+        self.stored_fp8_rows(name)
+    }
+
     fn tensor_names(&self) -> Vec<String> {
         let mut names: Vec<String> = self
             .tensors

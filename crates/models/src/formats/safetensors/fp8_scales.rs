@@ -6,7 +6,10 @@
 
 use std::path::Path;
 
+use pagoda_tensor::GgmlType;
+
 use super::{fp8, SafetensorsError, SafetensorsWeights};
+use crate::weights::Fp8Rows;
 
 /// The weight whose factors the tensor `hf_name` holds, if it is an FP8 scale:
 /// `x.weight_scale_inv` and `x.weight_scale` both scale `x.weight`. (An `input_scale`, an
@@ -67,6 +70,28 @@ impl SafetensorsWeights {
         self.unmapped
             .extend(scales.into_values().map(|scale| scale.hf_name));
         Ok(())
+    }
+
+    /// A served (not stacked) FP8 matrix whose factors cover whole rows: its codes and one
+    /// factor per row ([`crate::weights::Fp8Rows`]); `None` for block factors narrower
+    /// than a row (DeepSeek's 128 x 128) and for anything not FP8.
+    pub(super) fn stored_fp8_rows(&self, name: &str) -> Option<Fp8Rows<'_>> {
+        let entry = self.tensors.get(name)?;
+        let scales = entry.fp8_scales.as_ref()?;
+        let [rows, cols] = entry.shape[..] else {
+            return None;
+        };
+        let (block_rows, block_cols) = fp8::block_shape(&entry.shape, &scales.shape).ok()?;
+        if block_cols != cols {
+            return None;
+        }
+        let stored = &self.shards[scales.shard].mmap[scales.start..scales.end];
+        let width = if scales.ty == GgmlType::F32 { 4 } else { 2 };
+        let mut factors = vec![0f32; stored.len() / width];
+        pagoda_tensor::quant::dequantize(scales.ty, stored, &mut factors).ok()?;
+        let row_scales = (0..rows).map(|r| factors[r / block_rows]).collect();
+        let codes = &self.shards[entry.shard].mmap[entry.start..entry.end];
+        Some(Fp8Rows { codes, row_scales })
     }
 
     /// Bytes of the stored `F8_E4M3` weights (one per element), as the file holds them.

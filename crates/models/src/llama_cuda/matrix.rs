@@ -94,6 +94,8 @@ pub struct QuantScratch<T> {
     pub pair: bool,
     /// The model's matrices of two such parts (set by the runner, for its counter).
     pub pair_matrices: usize,
+    /// The model keeps FP8 matrices in their codes (set by the runner, for its counter).
+    pub fp8: bool,
 }
 
 impl<T: Element> QuantScratch<T> {
@@ -115,6 +117,7 @@ impl<T: Element> QuantScratch<T> {
                 prequantized: false,
                 pair,
                 pair_matrices: 0,
+                fp8: false,
             });
         }
         Ok(QuantScratch {
@@ -130,7 +133,14 @@ impl<T: Element> QuantScratch<T> {
             prequantized: false,
             pair,
             pair_matrices: 0,
+            fp8: false,
         })
+    }
+
+    /// Whether a step of `rows` rows multiplies FP8 matrices in place (`gemv_fp8`): up to
+    /// [`ops::FP8_GEMV_MAX_ROWS`], unless in place is off (deterministic mode).
+    pub fn fp8_in_place(&self, rows: usize) -> bool {
+        self.gemv_rows > 0 && rows <= ops::FP8_GEMV_MAX_ROWS
     }
 
     /// Whether a step of `rows` rows multiplies quantized matrices in place.
@@ -267,7 +277,7 @@ impl<T: Element> Linear<'_, T> {
     ) -> Result<(), CudaError> {
         let gpu = self.gpu;
         let weights = (&f.codes, &f.scales);
-        if self.quant.gemv_rows > 0 && ops::gemv_fp8_applies(a, &f.codes, (m, n, k)) {
+        if self.quant.fp8_in_place(m) && ops::gemv_fp8_applies(a, &f.codes, (m, n, k)) {
             return ops::gemv_fp8(gpu, a, weights, out, (m, n, k), beta);
         }
         let dense = self

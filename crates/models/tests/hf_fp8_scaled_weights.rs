@@ -11,6 +11,7 @@ use pagoda_kv::{BlockPool, BlockTable, PageTable};
 use pagoda_models::formats::fp8::e4m3_to_f32;
 use pagoda_models::hf::HfModelDir;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
+use pagoda_models::weights::TensorSource;
 use pagoda_ops::attention::AttentionPath;
 use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
@@ -230,6 +231,25 @@ fn per_channel_and_per_tensor_fp8_give_the_logits_of_their_dequantized_weights()
             },
             "{unmapped:?}"
         );
+        // The codes and one factor per row, as the GPU keeps them: the served values.
+        let name = "blk.0.ffn_up.weight";
+        let rows = hf.weights.fp8_rows(name).unwrap();
+        assert_eq!((rows.codes.len(), rows.row_scales.len()), (128 * 64, 128));
+        let served = hf.weights.tensor(name).unwrap();
+        for (i, (&code, value)) in rows
+            .codes
+            .iter()
+            .zip(served.data.chunks_exact(4))
+            .enumerate()
+        {
+            let value = f32::from_le_bytes(value.try_into().unwrap());
+            assert_eq!(
+                e4m3_to_f32(code) * rows.row_scales[i / 64],
+                value,
+                "{layout:?} {i}"
+            );
+        }
+        assert!(hf.weights.fp8_rows("output.weight").is_none());
         let (got, want) = (logits(&fp8_dir, &tokens), logits(&f32_dir, &tokens));
         let worst = got
             .iter()

@@ -71,7 +71,9 @@ impl<T: HostFloat> GpuModel<T> {
             });
             progress(i + 1, c.num_layers + 1);
         }
-        let embedding = matrix(&[&plan.embedding])?;
+        // The gather reads dense rows or GGUF blocks, never FP8 codes.
+        let no_fp8 = KeepOnDevice { fp8: false, ..keep };
+        let embedding = super::upload::matrix::<T>(g, source, &[&plan.embedding], no_fp8)?;
         let lm_head = plan.lm_head.as_ref().map(|h| matrix(&[h])).transpose()?;
         let output_norm = upload(&plan.output_norm)?;
         let inv_freq = upload_inv_freq(g, source, c)?;

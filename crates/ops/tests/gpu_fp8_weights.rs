@@ -168,6 +168,23 @@ fn dequantize_fp8_is_the_hosts_product_and_feeds_the_prefill_gemm() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn dequantize_fp8_takes_more_rows_than_a_grid_column() {
+    // An LM head's rows (here 70000 > 65535) run on the grid's x.
+    let gpu = gpu();
+    let (n, k) = (70_000, 16);
+    let w = Fp8::random(99, n, k);
+    let (codes, scales) = w.upload(&gpu);
+    let mut dense = poisoned::<f32>(&gpu, n * k);
+    ops::dequantize_fp8(&gpu, (&codes, &scales), &mut dense, (n, k)).unwrap();
+    let got = download(&gpu, &dense);
+    for (i, &g) in got.iter().enumerate() {
+        let want = (e4m3(w.codes[i]) as f32) * w.scales[i / k];
+        assert_eq!(g.to_bits(), want.to_bits(), "[{}, {}]", i / k, i % k);
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn gemv_fp8_refuses_what_it_cannot_take() {
     let gpu = gpu();
     let w = Fp8::random(7, 8, 24);

@@ -146,13 +146,14 @@ extern "C" __global__ void __launch_bounds__(gemv_fp8_detail::WARPS * 32)
 #endif
 
 #ifdef PAGODA_T
-// One thread per 4 codes (k a multiple of 4): grid (ceil(k / 4 / 256), n).
+// One thread per 4 codes (k a multiple of 4): grid (n, ceil(k / 4 / 256)), the rows on x (an
+// LM head's 128K rows exceed y's 65535).
 extern "C" __global__ void dequant_fp8(const unsigned char* __restrict__ w,
                                        const float* __restrict__ scales, PAGODA_T* __restrict__ out,
                                        unsigned int n, unsigned int k) {
     using namespace gemv_fp8_detail;
-    const unsigned int row = blockIdx.y;
-    const unsigned int quad = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int row = blockIdx.x;
+    const unsigned int quad = blockIdx.y * blockDim.x + threadIdx.x;
     if (row >= n || quad * 4 >= k) return;
     const size_t at = (size_t)row * k + quad * 4;
     const unsigned int word = *reinterpret_cast<const unsigned int*>(w + at);

@@ -125,8 +125,8 @@ pub fn dequantize_fp8<T: Element>(
         KernelArg::U32(to_u32("k", k)?),
     ];
     let grid = (
-        to_u32("FP8 dequantization CTAs", (k / 4).div_ceil(256))?,
         to_u32("FP8 dequantization rows", n)?,
+        to_u32("FP8 dequantization CTAs", (k / 4).div_ceil(256))?,
     );
     // SAFETY: arguments match `dequant_fp8`; lengths and k validated.
     unsafe { gpu.launch(&spec, LaunchDims::new(grid, 256), &args) }

@@ -270,6 +270,9 @@ settings! {
     "PAGODA_CUDA_QUANT_WEIGHTS", None, ON_OFF, "on", Cuda,
         "engine load_backend (models llama_cuda::CudaModel::load_with)",
         "GGUF matrices in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K stay in their blocks on the GPU (device memory the file's size); off: dequantized to the --dtype at load.";
+    "PAGODA_CUDA_FP8_WEIGHTS", None, ON_OFF, "off", Cuda,
+        "engine load_backend (models llama_cuda::CudaModel::load_keeping)",
+        "FP8 (e4m3) safetensors matrices with one factor per row (compressed-tensors float-quantized per channel or per tensor, vLLM's per-tensor fp8) stay in their bytes on the GPU (device memory the file's size): up to 16 bf16 rows multiplied in place (gemv_fp8), more rows decoded into a bf16 scratch for cuBLAS; off: dequantized to the --dtype at load. Off until it has run on a GPU (compiled for sm_90a and sm_80, not yet run there).";
     "PAGODA_CUDA_QUANT_GEMV_ROWS", None, Values::Number { min: 0, max: 256, words: &[] }, "8", Tuning,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Steps of up to this many rows multiply quantized matrices in place (activations quantized to 8 bits, integer dots); more rows decode each matrix for cuBLAS (8: measured faster than 16 at 16 rows, 8B Q4_K_M on the H200); 0: always decode (as deterministic mode does).";
@@ -286,7 +289,7 @@ settings! {
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "MoE steps of 32+ bf16 rows run the expert matmuls on tensor cores (mma.sync, up to 32 routed entries of an expert a CTA); off: the CUDA-core tiles (the reference; always in deterministic mode). Same sums in another f32 order, the same bits run to run. Off until it has run and been measured on a GPU (compiled for sm_90a and sm_80, not yet run there).";
     "PAGODA_CUDA_MOE_QUANT", None, ON_OFF, "off", Cuda,
-        "engine load_backend, EngineSettings (models llama_cuda::CudaModel::load_with_experts, CudaKernels)",
+        "engine load_backend, EngineSettings (models llama_cuda::CudaModel::load_keeping, CudaKernels)",
         "A GGUF mixture-of-experts model's stacked experts (ffn_{gate,up,down}_exps in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K, each projection in its own format) stay in their blocks on the GPU (device memory their file bytes) and run as grouped quantized GEMVs over q8 activations per routing tile (bf16 with PAGODA_CUDA_QUANT_WEIGHTS on; no atomics, so deterministic mode runs it too); off: dequantized to the --dtype at load (the reference). Other formats fall back to the dequantized experts with an INFO line. Off until it has run and been measured on a GPU (compiled for sm_90a and sm_80, not yet run there).";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",

@@ -225,6 +225,12 @@ engine_counters! {
     /// CUDA steps that decoded quantized matrices into a scratch for cuBLAS.
     steps_cuda_quant_decoded: "pagoda_cuda_quant_linear_steps_total" ["path" = "decoded"], Counter,
         "";
+    /// CUDA steps that multiplied FP8 matrices in place (`gemv_fp8`).
+    steps_cuda_fp8_weights_in_place: "pagoda_cuda_fp8_weight_steps_total" ["path" = "in_place"], Counter,
+        "CUDA steps of a model with FP8 (e4m3) matrices kept on the device (PAGODA_CUDA_FP8_WEIGHTS), by how they ran: in place (gemv_fp8, at most 16 rows) or decoded into a bf16 scratch for cuBLAS.";
+    /// CUDA steps that decoded FP8 matrices into a scratch for cuBLAS.
+    steps_cuda_fp8_weights_decoded: "pagoda_cuda_fp8_weight_steps_total" ["path" = "decoded"], Counter,
+        "";
     /// In-place quantized CUDA steps whose norms and SiLU x up wrote the q8 activations.
     steps_cuda_quant_fused_q8: "pagoda_cuda_quant_fused_q8_steps_total", Counter,
         "CUDA steps multiplying quantized matrices in place whose RMSNorms and SiLU x up wrote the q8 activations of the next linear layer in their own launch (PAGODA_CUDA_QUANT_FUSED_Q8).";

@@ -241,11 +241,12 @@ pub fn load_backend(
             }
             let gpu = Gpu::new(0)?;
             let settings = pagoda_config::global();
-            let keep = [
-                settings.on("PAGODA_CUDA_QUANT_WEIGHTS"),
-                settings.on("PAGODA_CUDA_MOE_QUANT"),
-            ];
-            CudaModel::load_with_experts(config, tensors, Arc::new(gpu), dtype, keep, progress)
+            let keep = pagoda_models::llama_cuda::KeepOnDevice {
+                gguf_blocks: settings.on("PAGODA_CUDA_QUANT_WEIGHTS"),
+                fp8: settings.on("PAGODA_CUDA_FP8_WEIGHTS"),
+                moe_experts: settings.on("PAGODA_CUDA_MOE_QUANT"),
+            };
+            CudaModel::load_keeping(config, tensors, Arc::new(gpu), dtype, keep, progress)
                 .map(Backend::from)
                 .map_err(ModelLoadError::Build)
         }

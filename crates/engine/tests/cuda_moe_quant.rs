@@ -1,5 +1,5 @@
 //! A GGUF mixture-of-experts model on CUDA with its stacked experts kept in their blocks
-//! (`PAGODA_CUDA_MOE_QUANT`: `CudaModel::load_with_experts` and `CudaKernels::moe_quant`)
+//! (`PAGODA_CUDA_MOE_QUANT`: `CudaModel::load_keeping` and `CudaKernels::moe_quant`)
 //! against the CPU forward of the same file in f32 (the oracle), beside the same GPU model
 //! with the experts dequantized at load. The files come from the folder
 //! `PAGODA_GPU_TEST_MOE_GGUFS` names, written on the GPU machine with
@@ -19,12 +19,12 @@ use std::path::PathBuf;
 
 use common::gpu;
 use pagoda_engine::cuda_runner::{CudaCacheOptions, CudaModel, CudaRunner, DType};
-use pagoda_kv::{BlockPool, BlockTable, PageTable};
-use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
-use pagoda_models::llama_cuda::CudaKernels;
+use pagoda_models::llama::{AttentionPolicy, KvCache, Model, WeightPrecision};
+use pagoda_models::llama_cuda::{CudaKernels, KeepOnDevice};
 
-const PAGE_SIZE: usize = 16;
-const NUM_PAGES: usize = 64;
+#[path = "common/schedule.rs"]
+mod schedule;
+use schedule::{log_softmax, run_schedule, Schedule, NUM_PAGES, PAGE_SIZE};
 
 fn cache_options(moe_quant: bool, deterministic: bool) -> CudaCacheOptions {
     CudaCacheOptions {
@@ -43,55 +43,6 @@ fn cache_options(moe_quant: bool, deterministic: bool) -> CudaCacheOptions {
     }
 }
 
-/// Per step, how many new tokens each request runs (0: not in the step).
-type Schedule = Vec<Vec<usize>>;
-
-/// Runs `schedule` over `prompts` (a request past its prompt feeds its prompt again, so
-/// every device sees the same tokens), calling `forward` per step; returns each step's
-/// logits (the last token of each request in the step, in request order).
-fn run_schedule(
-    prompts: &[Vec<u32>],
-    schedule: &Schedule,
-    forward: &mut dyn FnMut(&ForwardBatch<'_>) -> Vec<f32>,
-) -> Vec<Vec<f32>> {
-    let mut pool = BlockPool::new(NUM_PAGES, PAGE_SIZE).unwrap();
-    let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::new()).collect();
-    let mut fed = vec![0usize; prompts.len()];
-    let mut steps = Vec::new();
-    for step in schedule {
-        let (mut tokens, mut positions, mut slots) = (vec![], vec![], vec![]);
-        let (mut qo_indptr, mut logits_for, mut active) = (vec![0u32], vec![], vec![]);
-        for (request, &count) in step.iter().enumerate() {
-            if count == 0 {
-                continue;
-            }
-            slots.extend(tables[request].append_slots(&mut pool, count).unwrap());
-            for i in 0..count {
-                let position = fed[request] + i;
-                let prompt = &prompts[request];
-                tokens.push(prompt[position % prompt.len()]);
-                positions.push(position as u32);
-            }
-            fed[request] += count;
-            qo_indptr.push(tokens.len() as u32);
-            logits_for.push(tokens.len() - 1);
-            active.push(request);
-        }
-        let table_refs: Vec<&BlockTable> = active.iter().map(|&r| &tables[r]).collect();
-        let page_table = PageTable::from_block_tables(&table_refs, &pool).unwrap();
-        let batch = ForwardBatch {
-            tokens: &tokens,
-            positions: &positions,
-            slots: &slots,
-            qo_indptr: &qo_indptr,
-            page_table: &page_table,
-            logits_for: &logits_for,
-        };
-        steps.push(forward(&batch));
-    }
-    steps
-}
-
 /// Three prompts; prefill chunks, mixed steps, then batched decode of 3, 2 and 1 rows.
 fn workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
     let prompts: Vec<Vec<u32>> = (0..3)
@@ -105,12 +56,6 @@ fn workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
     schedule.extend((0..6).map(|_| vec![1, 1, 1]));
     schedule.extend([vec![1, 0, 1], vec![0, 1, 0], vec![1, 1, 1]]);
     (prompts, schedule)
-}
-
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
-    row.iter().map(|&v| v as f64 - max - sum.ln()).collect()
 }
 
 fn argmax(row: &[f32]) -> usize {
@@ -178,12 +123,16 @@ fn quantized_experts_track_the_cpu_exact_model() {
         let file_bytes = std::fs::metadata(&path).unwrap().len() as usize;
         let mut dense_relative = 0.0;
         for (quant, deterministic) in [(false, false), (true, false), (true, true)] {
-            let loaded = CudaModel::load_with_experts(
+            let loaded = CudaModel::load_keeping(
                 config.clone(),
                 &file,
                 gpu.clone(),
                 DType::BF16,
-                [true, quant],
+                KeepOnDevice {
+                    gguf_blocks: true,
+                    fp8: false,
+                    moe_experts: quant,
+                },
                 &mut |_, _| {},
             )
             .unwrap();

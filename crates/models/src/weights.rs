@@ -23,12 +23,26 @@ pub struct RawTensor<'a> {
     pub data: Cow<'a, [u8]>,
 }
 
+/// An FP8 (e4m3) matrix as the file stores it, with one factor per row (per-channel, or a
+/// per-tensor factor repeated): the value at `[r, c]` is `code(codes[r * cols + c]) * row_scales[r]`.
+#[derive(Debug, Clone)]
+pub struct Fp8Rows<'a> {
+    pub codes: &'a [u8],
+    pub row_scales: Vec<f32>,
+}
+
 /// Where an architecture gets its weights from.
 pub trait TensorSource: Send + Sync {
     /// The tensor stored under a canonical name, if present.
     fn tensor(&self, name: &str) -> Option<RawTensor<'_>>;
     /// Every canonical tensor name, for diagnostics.
     fn tensor_names(&self) -> Vec<String>;
+    /// The tensor as stored FP8 codes and one factor per row, where it is stored so (the GPU
+    /// keeps such matrices in their bytes, `PAGODA_CUDA_FP8_WEIGHTS`); `tensor` serves the
+    /// same values dequantized.
+    fn fp8_rows(&self, _name: &str) -> Option<Fp8Rows<'_>> {
+        None
+    }
 }
 
 /// Canonical GGUF names of a decoder layer's tensors.

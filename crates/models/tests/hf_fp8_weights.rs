@@ -92,6 +92,8 @@ fn fp8_projections_are_served_as_f32_products_of_code_and_block_factor() {
         fp8 += 1;
     }
     assert_eq!(fp8, 3);
+    // 16 x 16 blocks are narrower than a row: not served as codes with a factor per row.
+    assert!(hf.weights.fp8_rows("blk.0.ffn_down.weight").is_none());
     // Every projection of the fixture is FP8; its scales are not served as tensors.
     assert!(
         hf.weights.fp8_tensors() > 20,

@@ -72,6 +72,22 @@ pub fn run(args: InspectArgs) -> Result<()> {
             let hf = HfModelDir::open(dir)?;
             say!("format: Hugging Face directory");
             say!("weights: {} file(s)", hf.weights.shard_paths().len());
+            let fp8 = hf.weights.fp8_tensors();
+            if fp8 > 0 {
+                use pagoda_models::weights::TensorSource;
+                let rows: Vec<usize> = (hf.weights.tensor_names().iter())
+                    .filter_map(|name| hf.weights.fp8_rows(name).map(|f| f.codes.len()))
+                    .collect();
+                let mib = |b: usize| b as f64 / (1 << 20) as f64;
+                say!(
+                    "FP8 (e4m3): {fp8} weights, {:.1} MiB in the file, dequantized at load; on \
+                     CUDA (bf16) with PAGODA_CUDA_FP8_WEIGHTS=on {} matrices with a factor per \
+                     row ({:.1} MiB) stay FP8 on the device",
+                    mib(hf.weights.fp8_bytes()),
+                    rows.len(),
+                    mib(rows.iter().sum())
+                );
+            }
             let g = &hf.generation;
             say!(
                 "generation defaults: temperature {}, top_k {}, top_p {}, min_p {}, repetition_penalty {}, eos {:?}",

@@ -63,6 +63,7 @@ impl<T: HostFloat> TypedRunner<T> {
         let quantized = self.model.largest_quantized();
         let mut buffers = StepBuffers::new(gpu, c, &options, &layout, quantized)?;
         buffers.quant.pair_matrices = self.model.quant_pair_matrices();
+        buffers.quant.fp8 = self.model.fp8_bytes() > 0;
         let tokens = options.max_batch_tokens.max(1);
         let requests = options.max_batch_requests.max(1);
         let staging = Staging {
@@ -434,7 +435,13 @@ impl<T: HostFloat> TypedRunner<T> {
         if cache.buffers.gemv && shape.num_tokens <= pagoda_ops::cuda::GEMV_MAX_ROWS {
             self.counters.steps_cuda_gemv += 1;
         }
-        if cache.buffers.quant.dense.is_some() {
+        if cache.buffers.quant.fp8 {
+            if cache.buffers.quant.fp8_in_place(shape.num_tokens) {
+                self.counters.steps_cuda_fp8_weights_in_place += 1;
+            } else {
+                self.counters.steps_cuda_fp8_weights_decoded += 1;
+            }
+        } else if cache.buffers.quant.dense.is_some() {
             if cache.buffers.quant.in_place(shape.num_tokens) {
                 self.counters.steps_cuda_quant_in_place += 1;
                 if cache.buffers.quant.fuses(shape.num_tokens) {

@@ -18,6 +18,7 @@ use safetensors::{Dtype, SafeTensors};
 use super::fp8;
 use crate::weights::{RawTensor, TensorSource};
 
+mod fp8_scales;
 mod hf_names;
 use hf_names::expert_pattern;
 pub use hf_names::{canonical_expert_name, canonical_name};
@@ -137,7 +138,10 @@ impl SafetensorsWeights {
         }?;
         let (fp8, shown) = (weights.fp8_tensors(), dir.display());
         if fp8 > 0 {
-            tracing::info!("{shown}: {fp8} FP8 (e4m3, block-scaled) weights dequantized at load");
+            tracing::info!(
+                "{shown}: {fp8} FP8 (e4m3) weights, {} bytes in the file, dequantized at load",
+                weights.fp8_bytes()
+            );
         }
         Ok(weights)
     }
@@ -262,44 +266,6 @@ impl SafetensorsWeights {
         Ok(())
     }
 
-    /// Gives every `F8_E4M3` weight its `<name>_scale_inv` factors, checking that their
-    /// shape fits a block size; scales of weights that are not served are listed unmapped.
-    /// Errors name `path`.
-    fn pair_fp8_scales(&mut self, path: &Path) -> Result<(), SafetensorsError> {
-        let mut scales = std::mem::take(&mut self.fp8_scales);
-        let entries = self.tensors.values_mut().chain(
-            self.expert_parts
-                .values_mut()
-                .flat_map(|parts| parts.values_mut()),
-        );
-        for entry in entries.filter(|entry| entry.fp8) {
-            let scale = scales.remove(&entry.hf_name).ok_or_else(|| {
-                SafetensorsError::new(
-                    path,
-                    format!(
-                        "FP8 tensor `{}` has no `{}_scale_inv` block factors",
-                        entry.hf_name, entry.hf_name
-                    ),
-                )
-            })?;
-            let bytes = entry.end - entry.start;
-            let fits = entry.shape.iter().product::<usize>() == bytes;
-            fp8::block_shape(&entry.shape, &scale.shape)
-                .map_err(|error| error.to_string())
-                .and_then(|_| {
-                    fits.then_some(())
-                        .ok_or_else(|| "not one byte per element".into())
-                })
-                .map_err(|error| {
-                    SafetensorsError::new(path, format!("FP8 tensor `{}`: {error}", entry.hf_name))
-                })?;
-            entry.fp8_scales = Some(Box::new(scale));
-        }
-        self.unmapped
-            .extend(scales.into_values().map(|scale| scale.hf_name));
-        Ok(())
-    }
-
     /// The row-major shape of a canonical tensor, without reading (or stacking) its bytes.
     pub fn shape(&self, canonical: &str) -> Option<Vec<usize>> {
         match self.tensors.get(canonical) {
@@ -340,8 +306,8 @@ impl SafetensorsWeights {
         for hf_name in hf_names {
             let info = infos[hf_name];
             let (start, end) = info.data_offsets;
-            if let Some(weight) = hf_name.strip_suffix("_scale_inv") {
-                let ty = ggml_type(info.dtype).filter(|ty| *ty != GgmlType::F16);
+            if let Some(weight) = fp8_scales::scaled_weight(hf_name) {
+                let ty = ggml_type(info.dtype);
                 let entry = TensorEntry {
                     hf_name: hf_name.clone(),
                     shard: shard_index,
@@ -349,7 +315,7 @@ impl SafetensorsWeights {
                         SafetensorsError::new(
                             path,
                             format!(
-                                "FP8 scale tensor `{hf_name}` has dtype {}; F32 or BF16 expected",
+                                "FP8 scale tensor `{hf_name}` has dtype {}; F32, F16 or BF16 expected",
                                 info.dtype
                             ),
                         )
@@ -360,7 +326,15 @@ impl SafetensorsWeights {
                     fp8: false,
                     fp8_scales: None,
                 };
-                self.fp8_scales.insert(weight.to_string(), entry);
+                if let Some(twin) = self.fp8_scales.insert(weight.to_string(), entry) {
+                    return Err(SafetensorsError::new(
+                        path,
+                        format!(
+                            "FP8 weight `{weight}` has two scales: `{}` and `{hf_name}`",
+                            twin.hf_name
+                        ),
+                    ));
+                }
                 continue;
             }
             let (canonical, expert) = match canonical_name(hf_name) {
@@ -382,7 +356,7 @@ impl SafetensorsWeights {
                         path,
                         format!(
                             "tensor `{hf_name}` has dtype {}; supported dtypes are F32, F16, BF16 \
-                             and block-scaled F8_E4M3",
+                             and scaled F8_E4M3",
                             info.dtype
                         ),
                     )
@@ -471,12 +445,12 @@ impl TensorSource for SafetensorsWeights {
         let bytes = |entry: &TensorEntry| match &entry.fp8_scales {
             None => Cow::Borrowed(stored(entry)),
             Some(scales) => {
-                // F32 or BF16 (checked when the scales were read).
+                // F32, F16 or BF16 (checked when the scales were read).
                 let stored_scales = stored(scales);
-                let width = if scales.ty == GgmlType::BF16 { 2 } else { 4 };
+                let width = if scales.ty == GgmlType::F32 { 4 } else { 2 };
                 let mut factors = vec![0f32; stored_scales.len() / width];
                 pagoda_tensor::quant::dequantize(scales.ty, stored_scales, &mut factors)
-                    .expect("FP8 scales are F32 or BF16");
+                    .expect("FP8 scales are F32, F16 or BF16");
                 let data = fp8::dequantize(stored(entry), &entry.shape, &factors, &scales.shape);
                 // The shapes were checked when the scales were paired.
                 Cow::Owned(data.expect("FP8 shapes checked at open"))
@@ -499,6 +473,10 @@ impl TensorSource for SafetensorsWeights {
             shape: stacked.shape(),
             data: Cow::Owned(data),
         })
+    }
+
+    fn fp8_rows(&self, name: &str) -> Option<crate::weights::Fp8Rows<'_>> {
+        self.stored_fp8_rows(name)
     }
 
     fn tensor_names(&self) -> Vec<String> {

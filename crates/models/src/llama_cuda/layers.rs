@@ -244,6 +244,7 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                 };
                 ops::gather_dequantized(gpu, part.format, &part.blocks, tokens, x, shape)
             }
+            Matrix::Fp8(_) => Err(CudaError::invalid("an FP8 embedding table")),
         }
     }
 

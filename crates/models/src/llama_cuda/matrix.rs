@@ -11,6 +11,17 @@ use pagoda_ops::cuda::{self as ops, Q8Rows, QuantFormat};
 pub(crate) enum Matrix<T> {
     Dense(DeviceBuffer<T>),
     Quantized(QuantMatrix),
+    /// FP8 (e4m3) codes as the file stores them, one factor per row
+    /// (`PAGODA_CUDA_FP8_WEIGHTS`).
+    Fp8(Box<Fp8Matrix>),
+}
+
+/// `rows * cols` e4m3 codes (row-major) and `rows` f32 factors.
+pub(crate) struct Fp8Matrix {
+    pub codes: DeviceBuffer<u8>,
+    pub scales: DeviceBuffer<f32>,
+    pub rows: usize,
+    pub cols: usize,
 }
 
 /// Rows in GGUF blocks: consecutive parts of one format each (a stacked QKV of Q4_K q and k
@@ -32,6 +43,7 @@ impl<T> Matrix<T> {
         match self {
             Matrix::Dense(buffer) => buffer.len() * std::mem::size_of::<T>(),
             Matrix::Quantized(q) => q.parts.iter().map(|p| p.blocks.len()).sum(),
+            Matrix::Fp8(f) => f.codes.len() + 4 * f.scales.len(),
         }
     }
 
@@ -41,14 +53,23 @@ impl<T> Matrix<T> {
         match self {
             Matrix::Dense(_) => 0,
             Matrix::Quantized(q) => q.parts.iter().map(|p| p.rows).sum::<usize>() * q.cols,
+            Matrix::Fp8(f) => f.rows * f.cols,
         }
     }
 
-    /// The formats of its quantized parts (none when dense).
+    /// The formats of its quantized parts (none when dense or FP8).
     pub fn formats(&self) -> Vec<QuantFormat> {
         match self {
-            Matrix::Dense(_) => Vec::new(),
             Matrix::Quantized(q) => q.parts.iter().map(|p| p.format).collect(),
+            Matrix::Dense(_) | Matrix::Fp8(_) => Vec::new(),
+        }
+    }
+
+    /// Bytes of FP8 codes (0 unless [`Matrix::Fp8`]).
+    pub fn fp8_bytes(&self) -> usize {
+        match self {
+            Matrix::Fp8(f) => f.codes.len(),
+            _ => 0,
         }
     }
 }
@@ -73,6 +94,8 @@ pub struct QuantScratch<T> {
     pub pair: bool,
     /// The model's matrices of two such parts (set by the runner, for its counter).
     pub pair_matrices: usize,
+    /// The model keeps FP8 matrices in their codes (set by the runner, for its counter).
+    pub fp8: bool,
 }
 
 impl<T: Element> QuantScratch<T> {
@@ -94,6 +117,7 @@ impl<T: Element> QuantScratch<T> {
                 prequantized: false,
                 pair,
                 pair_matrices: 0,
+                fp8: false,
             });
         }
         Ok(QuantScratch {
@@ -109,7 +133,14 @@ impl<T: Element> QuantScratch<T> {
             prequantized: false,
             pair,
             pair_matrices: 0,
+            fp8: false,
         })
+    }
+
+    /// Whether a step of `rows` rows multiplies FP8 matrices in place (`gemv_fp8`): up to
+    /// [`ops::FP8_GEMV_MAX_ROWS`], unless in place is off (deterministic mode).
+    pub fn fp8_in_place(&self, rows: usize) -> bool {
+        self.gemv_rows > 0 && rows <= ops::FP8_GEMV_MAX_ROWS
     }
 
     /// Whether a step of `rows` rows multiplies quantized matrices in place.
@@ -184,6 +215,7 @@ impl<T: Element> Linear<'_, T> {
                 return ops::gemv_small(gpu, a, w, out, (m, n, k), beta);
             }
             Matrix::Dense(w) => return gpu.gemm(a, w, out, (m, n, k), beta),
+            Matrix::Fp8(f) => return self.run_fp8(a, f, out, (m, n, k), beta),
             Matrix::Quantized(q) => q,
         };
         if self.quant.in_place(m) {
@@ -227,6 +259,34 @@ impl<T: Element> Linear<'_, T> {
             ops::dequantize_fast(gpu, part.format, &part.blocks, &mut rows, (part.rows, k))?;
             row += part.rows;
         }
+        gpu.gemm(a, &view(dense, 0..n * k)?, out, (m, n, k), beta)
+    }
+}
+
+impl<T: Element> Linear<'_, T> {
+    /// An FP8 matrix: in place (`gemv_fp8`) for up to [`ops::FP8_GEMV_MAX_ROWS`] bf16 rows
+    /// when the model multiplies a few rows in place at all (not in deterministic mode,
+    /// whose GEMMs are batch-invariant), else decoded into the dense scratch for the GEMM.
+    fn run_fp8<TOut: Element>(
+        &mut self,
+        a: &impl DeviceRead<T>,
+        f: &Fp8Matrix,
+        out: &mut impl DeviceWrite<TOut>,
+        (m, n, k): (usize, usize, usize),
+        beta: f32,
+    ) -> Result<(), CudaError> {
+        let gpu = self.gpu;
+        let weights = (&f.codes, &f.scales);
+        if self.quant.fp8_in_place(m) && ops::gemv_fp8_applies(a, &f.codes, (m, n, k)) {
+            return ops::gemv_fp8(gpu, a, weights, out, (m, n, k), beta);
+        }
+        let dense = self
+            .quant
+            .dense
+            .as_mut()
+            .ok_or_else(|| CudaError::invalid("an FP8 matrix without its dense scratch"))?;
+        let mut rows = view_mut(dense, 0..n * k)?;
+        ops::dequantize_fp8(gpu, weights, &mut rows, (n, k))?;
         gpu.gemm(a, &view(dense, 0..n * k)?, out, (m, n, k), beta)
     }
 }

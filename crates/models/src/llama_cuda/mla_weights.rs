@@ -19,7 +19,7 @@
 use pagoda_cuda::{DeviceBuffer, DeviceRead, Gpu};
 use pagoda_ops::cuda::{mla_unsupported, PoolLayout};
 
-use super::upload::{matrix, upload_tensor};
+use super::upload::{matrix, upload_tensor, KeepOnDevice};
 use super::{HostFloat, Matrix};
 use crate::config::{MlaConfig, ModelConfig};
 use crate::llama::LoadError;
@@ -114,7 +114,18 @@ pub(super) fn load_mla<T: HostFloat>(
         .ok_or_else(|| LoadError("a latent attention layer without latent settings".into()))?;
     let heads = config.num_attention_heads;
     let scale = m.rope_scale();
-    let dense = |spec: &TensorSpec| matrix::<T>(gpu, source, &[spec], keep_quantized);
+    let dense = |spec: &TensorSpec| {
+        matrix::<T>(
+            gpu,
+            source,
+            &[spec],
+            KeepOnDevice {
+                gguf_blocks: keep_quantized,
+                fp8: false,
+                moe_experts: false,
+            },
+        )
+    };
     let query_rows = |spec: &TensorSpec| {
         let values =
             head_rows_rope_first(&host_values(source, spec)?, spec.cols(), m, heads, scale);

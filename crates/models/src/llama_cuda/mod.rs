@@ -47,6 +47,7 @@ pub use mla_decode::MlaDecode;
 pub use pagoda_ops::cuda::SamplingRowParams;
 pub use pieces::Pieces;
 pub use prefill_path::PrefillChoice;
+pub use upload::KeepOnDevice;
 
 mod buffers;
 mod decode_path;
@@ -211,32 +212,37 @@ impl CudaModel {
         keep_quantized: bool,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel, LoadError> {
-        CudaModel::load_with_experts(
-            config,
-            source,
-            gpu,
-            dtype,
-            [keep_quantized, false],
-            progress,
-        )
+        let keep = KeepOnDevice {
+            gguf_blocks: keep_quantized,
+            fp8: false,
+            moe_experts: false,
+        };
+        CudaModel::load_keeping(config, source, gpu, dtype, keep, progress)
     }
 
-    /// [`CudaModel::load_with`], a GGUF mixture-of-experts model's stacked experts also kept
-    /// in their blocks where `quant_experts` (`PAGODA_CUDA_MOE_QUANT`; with `keep_quantized`
-    /// and bf16 only): the step buffers then need [`CudaKernels::moe_quant`] on.
-    pub fn load_with_experts(
+    /// [`CudaModel::load_with`], FP8 matrices with one factor per row also kept in their
+    /// bytes where `keep.fp8` (`PAGODA_CUDA_FP8_WEIGHTS`; bf16 only), and a GGUF
+    /// mixture-of-experts model's stacked experts kept in their blocks where
+    /// `keep.moe_experts` (`PAGODA_CUDA_MOE_QUANT`; with `keep.gguf_blocks` and bf16 only):
+    /// the step buffers then need [`CudaKernels::moe_quant`] on.
+    pub fn load_keeping(
         config: ModelConfig,
         source: &dyn TensorSource,
         gpu: Arc<Gpu>,
         dtype: DType,
-        [keep_quantized, quant_experts]: [bool; 2],
+        keep: KeepOnDevice,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<CudaModel, LoadError> {
         config.validate().map_err(|e| LoadError(e.to_string()))?;
         if let Some(reason) = CudaModel::unsupported(&config) {
             return Err(LoadError(reason));
         }
-        let keep = [keep_quantized && dtype == DType::BF16, quant_experts];
+        let bf16 = dtype == DType::BF16;
+        let keep = KeepOnDevice {
+            gguf_blocks: keep.gguf_blocks && bf16,
+            fp8: keep.fp8 && bf16,
+            moe_experts: keep.moe_experts,
+        };
         let model = match dtype {
             DType::BF16 => CudaModel::Bf16(GpuModel::load(&config, source, gpu, keep, progress)?),
             DType::F32 => CudaModel::F32(GpuModel::load(&config, source, gpu, keep, progress)?),
@@ -251,6 +257,14 @@ impl CudaModel {
             CudaModel::F32(m) => m.quantized_formats(),
         };
         let gib = model.weight_bytes() as f64 / (1u64 << 30) as f64;
+        let fp8 = model.fp8_bytes();
+        if fp8 > 0 {
+            tracing::info!(
+                "CUDA weights: {fp8} bytes of FP8 (e4m3) matrices kept on the device with a \
+                 factor per row, multiplied in place up to {} rows (PAGODA_CUDA_FP8_WEIGHTS)",
+                ops::FP8_GEMV_MAX_ROWS
+            );
+        }
         if formats.is_empty() {
             tracing::info!("CUDA weights: {dtype}, {gib:.2} GiB");
         } else {
@@ -305,6 +319,14 @@ impl CudaModel {
         match self {
             CudaModel::Bf16(model) => model.weight_bytes(),
             CudaModel::F32(model) => model.weight_bytes(),
+        }
+    }
+
+    /// Bytes of the FP8 matrices kept in their codes (`PAGODA_CUDA_FP8_WEIGHTS`).
+    pub fn fp8_bytes(&self) -> usize {
+        match self {
+            CudaModel::Bf16(model) => model.fp8_bytes(),
+            CudaModel::F32(model) => model.fp8_bytes(),
         }
     }
 

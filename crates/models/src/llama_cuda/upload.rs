@@ -8,7 +8,7 @@ use pagoda_ops::cuda::{self as ops, QuantFormat};
 use pagoda_tensor::GgmlType;
 use rayon::prelude::*;
 
-use super::matrix::{Matrix, QuantMatrix, QuantPart};
+use super::matrix::{Fp8Matrix, Matrix, QuantMatrix, QuantPart};
 use super::HostFloat;
 use crate::llama::LoadError;
 use crate::weight_plan::{gpu_keeps_blocks, TensorSpec};
@@ -34,16 +34,36 @@ fn quant_format(ty: GgmlType) -> Option<QuantFormat> {
     })
 }
 
-/// `parts` stacked into one matrix: kept in their blocks when `keep_quantized` and every part
-/// is in a format the GPU multiplies in place (consecutive parts of one format share a
-/// buffer), else dense in `T`.
+/// Which stored matrices stay in their file's bytes on the device (the rest are dense in the
+/// model's dtype).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeepOnDevice {
+    /// GGUF blocks the GPU multiplies in place (`PAGODA_CUDA_QUANT_WEIGHTS`).
+    pub gguf_blocks: bool,
+    /// FP8 (e4m3) safetensors matrices with one factor per row (`PAGODA_CUDA_FP8_WEIGHTS`).
+    pub fp8: bool,
+    /// A GGUF mixture-of-experts model's stacked experts in their blocks
+    /// (`PAGODA_CUDA_MOE_QUANT`, with `gguf_blocks`).
+    pub moe_experts: bool,
+}
+
+/// `parts` stacked into one matrix: FP8 codes and row factors when `keep.fp8` and every part
+/// is stored so; kept in their blocks when `keep.gguf_blocks` and every part is in a format
+/// the GPU multiplies in place (consecutive parts of one format share a buffer); else dense
+/// in `T`.
 pub(super) fn matrix<T: HostFloat>(
     gpu: &Gpu,
     source: &dyn TensorSource,
     parts: &[&TensorSpec],
-    keep_quantized: bool,
+    keep: KeepOnDevice,
 ) -> Result<Matrix<T>, LoadError> {
+    let keep_quantized = keep.gguf_blocks;
     let cols = parts[0].cols();
+    if keep.fp8 && cols.is_multiple_of(16) {
+        if let Some(fp8) = fp8_matrix(gpu, source, parts, cols)? {
+            return Ok(Matrix::Fp8(Box::new(fp8)));
+        }
+    }
     let raws = parts
         .iter()
         .map(|spec| {
@@ -123,6 +143,35 @@ pub(super) fn quant_experts(
     ops::QuantExperts::upload(gpu, format, &raw.data[..], [experts, rows, cols])
         .map(Some)
         .map_err(gpu_error(name))
+}
+
+/// `parts` stacked as FP8 codes and row factors, if every part is stored so with the
+/// expected shape ([`TensorSource::fp8_rows`]).
+fn fp8_matrix(
+    gpu: &Gpu,
+    source: &dyn TensorSource,
+    parts: &[&TensorSpec],
+    cols: usize,
+) -> Result<Option<Fp8Matrix>, LoadError> {
+    let (mut codes, mut scales) = (Vec::new(), Vec::new());
+    for spec in parts {
+        let Some(stored) = source.fp8_rows(&spec.name) else {
+            return Ok(None);
+        };
+        let rows = spec.rows();
+        if spec.shape.len() != 2 || stored.codes.len() != rows * cols {
+            return Ok(None);
+        }
+        codes.extend_from_slice(stored.codes);
+        scales.extend_from_slice(&stored.row_scales);
+    }
+    let name = &parts[parts.len() - 1].name;
+    Ok(Some(Fp8Matrix {
+        codes: gpu.upload(&codes).map_err(gpu_error(name))?,
+        scales: gpu.upload(&scales).map_err(gpu_error(name))?,
+        rows: scales.len(),
+        cols,
+    }))
 }
 
 /// Uploads one float or quantized tensor as `T`, checking its shape.

@@ -10,7 +10,7 @@ use pagoda_ops::cuda::{QuantFormat, RopeStyle as GpuRopeStyle};
 use super::experts::{load_experts, QuantFrom};
 use super::matrix::Matrix;
 use super::mla_weights::load_mla;
-use super::upload::{matrix, upload_tensor, upload_tensor_into};
+use super::upload::{matrix, upload_tensor, upload_tensor_into, KeepOnDevice};
 use super::{GpuLayer, GpuMlp, GpuModel, GqaWeights, HostFloat, LayerAttention};
 use crate::config::{ModelConfig, RopeStyle};
 use crate::llama::LoadError;
@@ -26,7 +26,7 @@ impl<T: HostFloat> GpuModel<T> {
         config: &ModelConfig,
         source: &dyn TensorSource,
         gpu: Arc<Gpu>,
-        [keep_quantized, quant_experts]: [bool; 2],
+        keep: KeepOnDevice,
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self, LoadError> {
         let c = config;
@@ -34,12 +34,12 @@ impl<T: HostFloat> GpuModel<T> {
         let g = &gpu;
         let upload = |spec: &TensorSpec| upload_tensor::<T>(g, source, &spec.name, &spec.shape);
         let optional = |spec: &Option<TensorSpec>| spec.as_ref().map(upload).transpose();
-        let matrix = |parts: &[&TensorSpec]| matrix::<T>(g, source, parts, keep_quantized);
+        let matrix = |parts: &[&TensorSpec]| matrix::<T>(g, source, parts, keep);
         let upload_f32 =
             |spec: &TensorSpec| upload_tensor::<f32>(g, source, &spec.name, &spec.shape);
         let quantized = |spec: &TensorSpec| super::upload::quant_experts(g, source, spec);
         let quantized: Option<QuantFrom<'_>> =
-            (keep_quantized && quant_experts).then_some(&quantized);
+            (keep.gguf_blocks && keep.moe_experts).then_some(&quantized);
         let mut layers = Vec::with_capacity(c.num_layers);
         for (i, l) in plan.layers.iter().enumerate() {
             let mlp = match &l.mlp {
@@ -64,7 +64,7 @@ impl<T: HostFloat> GpuModel<T> {
                     wo: matrix(&[&a.attn_output])?,
                 }),
                 AttentionPlan::Mla(a) => {
-                    LayerAttention::Mla(load_mla::<T>(g, source, a, c, keep_quantized)?)
+                    LayerAttention::Mla(load_mla::<T>(g, source, a, c, keep.gguf_blocks)?)
                 }
             };
             layers.push(GpuLayer {
@@ -75,7 +75,9 @@ impl<T: HostFloat> GpuModel<T> {
             });
             progress(i + 1, c.num_layers + 1);
         }
-        let embedding = matrix(&[&plan.embedding])?;
+        // The gather reads dense rows or GGUF blocks, never FP8 codes.
+        let no_fp8 = KeepOnDevice { fp8: false, ..keep };
+        let embedding = super::upload::matrix::<T>(g, source, &[&plan.embedding], no_fp8)?;
         let lm_head = plan.lm_head.as_ref().map(|h| matrix(&[h])).transpose()?;
         let output_norm = upload(&plan.output_norm)?;
         let inv_freq = upload_inv_freq(g, source, c)?;
@@ -163,6 +165,11 @@ impl<T: HostFloat> GpuModel<T> {
         experts as f64 * idle_share
     }
 
+    /// Bytes of FP8 codes kept on the device.
+    pub fn fp8_bytes(&self) -> usize {
+        self.matrices().map(Matrix::fp8_bytes).sum()
+    }
+
     /// The largest dense copy a quantized matrix decodes into (0: none is quantized): what
     /// [`super::StepBuffers::new`] sizes its scratch for.
     pub fn largest_quantized(&self) -> usize {
@@ -181,7 +188,7 @@ impl<T: HostFloat> GpuModel<T> {
                     [a, b] => pagoda_ops::cuda::QUANT_PAIRS.contains(&(a.format, b.format)),
                     _ => false,
                 },
-                Matrix::Dense(_) => false,
+                Matrix::Dense(_) | Matrix::Fp8(_) => false,
             })
             .count()
     }

@@ -3,10 +3,15 @@
 //! a bf16 weight matrix at its read rate) and `gemv_quant` (against GGUF blocks in place).
 
 mod gemv;
+mod gemv_fp8;
 mod gemv_quant;
 
 pub(crate) use gemv::GEMV_SMALL;
 pub use gemv::{gemv_small, gemv_small_applies, specialize_gemv_small, GEMV_MAX_ROWS};
+pub use gemv_fp8::{
+    dequantize_fp8, gemv_fp8, gemv_fp8_applies, specialize_dequant_fp8, specialize_gemv_fp8,
+    FP8_GEMV_MAX_ROWS,
+};
 pub use gemv_quant::{
     dequantize_fast, gemv_quant, gemv_quant_pair, quantize_rows_q8, specialize_dequant_groups,
     specialize_gemv_quant, specialize_gemv_quant_pair, specialize_quantize_q8, Q8Rows,
@@ -225,6 +230,7 @@ pub fn gather_dequantized<T: Element>(
 /// Every specialisation the dequantisation and small-batch launchers can request.
 pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     let mut specs = gemv::specializations()?;
+    specs.extend(gemv_fp8::specializations()?);
     specs.extend(gemv_quant::specializations()?);
     for &dtype in &FLOAT_DTYPES {
         for format in QuantFormat::ALL {

@@ -20,6 +20,7 @@ use pagoda_models::llama::WeightPrecision;
 use pagoda_ops::sampling::SamplingParams;
 use serde::Serialize;
 
+use super::bench_sampling::SamplingDevice;
 use super::host::load_average;
 use super::stats::{self, Summary};
 use crate::common::{self, ModelArgs};
@@ -185,16 +186,14 @@ struct Report {
 pub fn run(args: BenchArgs) -> Result<()> {
     match args.kind {
         Some(BenchKind::Serve(serve_args)) => return super::bench_serve::run(serve_args),
-        Some(BenchKind::Sampling(sampling_args)) => {
-            return if sampling_args.device == super::bench_sampling::SamplingDevice::Cuda {
-                super::bench_sampling_gpu::run(&sampling_args)
-            } else {
-                super::bench_sampling::run(sampling_args)
-            };
+        Some(BenchKind::Sampling(s)) if s.device == SamplingDevice::Cuda => {
+            return super::bench_sampling_gpu::run(&s)
         }
+        Some(BenchKind::Sampling(s)) => return super::bench_sampling::run(s),
         Some(BenchKind::Attention(a)) if a.mla => return super::bench_attention_mla::run_args(&a),
         Some(BenchKind::Attention(a)) => return super::bench_attention::run(a),
         Some(BenchKind::Kernels(kernels_args)) => return super::bench_kernels::run(kernels_args),
+        Some(BenchKind::Moe(m)) if m.moe_path == "quant" => return super::bench_moe_quant::run(&m),
         Some(BenchKind::Moe(moe_args)) => return super::bench_moe::run(moe_args),
         Some(BenchKind::QuantGemv(quant_args)) => return super::bench_quant_gemv::run(quant_args),
         None => {}

@@ -182,9 +182,6 @@ struct Report {
 
 /// Runs `pagoda bench moe`.
 pub fn run(args: BenchMoeArgs) -> Result<()> {
-    if args.moe_path == "quant" {
-        return super::bench_moe_quant::run(&args);
-    }
     let shape = resolve(&args)?;
     let gpu = Gpu::new(0).map_err(|e| anyhow!("this command needs a CUDA GPU: {e}"))?;
     let dtype = shape.dtype;

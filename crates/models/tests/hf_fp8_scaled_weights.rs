@@ -108,8 +108,9 @@ fn write(dir: &Path, tensors: &Tensors, quantization: Option<Value>) {
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
 }
 
-/// Writes `<root>-fp8` (the FP8 checkpoint) and `<root>-f32` (its dequantized twin).
-fn checkpoints(layout: Layout) -> (PathBuf, PathBuf) {
+/// Writes `<tag>-<layout>-fp8` (the FP8 checkpoint) and `<tag>-<layout>-f32` (its dequantized
+/// twin): each test its own folders, so tests running side by side never share one.
+fn checkpoints(layout: Layout, tag: &str) -> (PathBuf, PathBuf) {
     let bytes = std::fs::read(tiny_llama().join("model.safetensors")).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
     let (mut fp8, mut f32s): (Tensors, Tensors) = (Vec::new(), Vec::new());
@@ -170,8 +171,8 @@ fn checkpoints(layout: Layout) -> (PathBuf, PathBuf) {
         }
     }
     let (fp8_dir, f32_dir) = (
-        scratch(&format!("{layout:?}-fp8")),
-        scratch(&format!("{layout:?}-f32")),
+        scratch(&format!("{tag}-{layout:?}-fp8")),
+        scratch(&format!("{tag}-{layout:?}-f32")),
     );
     write(&fp8_dir, &fp8, Some(quantization_config(layout)));
     write(&f32_dir, &f32s, None);
@@ -209,7 +210,7 @@ fn per_channel_and_per_tensor_fp8_give_the_logits_of_their_dequantized_weights()
     let tokens: Vec<u32> = (0..23).map(|i| (i * 37 + 5) % 256).collect();
     let original = logits(&tiny_llama(), &tokens);
     for layout in [Layout::Channel, Layout::Tensor, Layout::Vllm] {
-        let (fp8_dir, f32_dir) = checkpoints(layout);
+        let (fp8_dir, f32_dir) = checkpoints(layout, "logits");
         let hf = HfModelDir::open(&fp8_dir).unwrap();
         // 7 projections in each of 2 layers; lm_head stays BF16.
         assert_eq!(hf.weights.fp8_tensors(), 14, "{layout:?}");
@@ -281,7 +282,7 @@ fn per_channel_and_per_tensor_fp8_give_the_logits_of_their_dequantized_weights()
 
 /// The error of opening an FP8 checkpoint whose config or tensors `edit` changed.
 fn refusal(name: &str, layout: Layout, edit: impl FnOnce(&mut Value, &mut Tensors)) -> String {
-    let (fp8_dir, f32_dir) = checkpoints(layout);
+    let (fp8_dir, f32_dir) = checkpoints(layout, name);
     let bytes = std::fs::read(fp8_dir.join("model.safetensors")).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
     let mut tensors: Tensors = file

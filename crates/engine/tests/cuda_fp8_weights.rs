@@ -55,10 +55,11 @@ impl Fp8Source {
             let projection = ["attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_"]
                 .iter()
                 .any(|p| name.contains(p));
-            if !projection || !name.ends_with(".weight") {
+            let raw = inner.tensor(&name).unwrap();
+            // Projections only: `ffn_` also names the 1-D FFN norm.
+            if !projection || !name.ends_with(".weight") || raw.shape.len() != 2 {
                 continue;
             }
-            let raw = inner.tensor(&name).unwrap();
             // Random weights are F32.
             assert_eq!(raw.data.len(), 4 * raw.shape.iter().product::<usize>());
             let cols = raw.shape[1];

@@ -137,9 +137,11 @@ fn quantized_experts_track_the_cpu_exact_model() {
             )
             .unwrap();
             let weight_bytes = loaded.weight_bytes();
+            // The counter ticks when a launch is issued or captured: warm-up captures the
+            // CUDA graphs that the schedule's steps then replay without counting.
+            let launches = pagoda_ops::cuda::moe_quant_launches();
             let mut runner = CudaRunner::new(loaded, cache_options(quant, deterministic)).unwrap();
             runner.warm_up(&mut |_| {}).unwrap();
-            let launches = pagoda_ops::cuda::moe_quant_launches();
             let got = run_schedule(&prompts, &schedule, &mut |batch| {
                 runner.forward(batch).unwrap()
             });

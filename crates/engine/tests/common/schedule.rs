@@ -115,8 +115,8 @@ pub fn errors(expected: &[Vec<f32>], got: &[Vec<f32>], vocab: usize) -> (f64, f6
 /// Compares CPU and GPU on one geometry; returns (max relative logit error in f32, max
 /// logprob error in bf16 over each row's top 10).
 /// Three prompts of `vocab` ids and a schedule of ragged prefill chunks mixed with decode
-/// tokens (two mixed steps), then batched decode of 3 (graph bucket 4), 2 and 1 rows: 10
-/// decode steps.
+/// tokens (four mixed steps; five steps carry prefill chunks), then batched decode of 3 (graph
+/// bucket 4), 2 and 1 rows: 10 decode-only steps, 15 in all.
 pub fn ragged_workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
     let prompts: Vec<Vec<u32>> = (0..3)
         .map(|r| {

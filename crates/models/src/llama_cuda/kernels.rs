@@ -139,7 +139,7 @@ impl Default for CudaKernels {
             quant_gemv_kernel: ops::QuantGemvKernel::default(),
             quant_fused_q8: false,
             quant_pair: false,
-            moe_mma: false,
+            moe_mma: true,
             moe_quant: false,
             decode: DecodeKernelChoice::Auto,
             merge: None,

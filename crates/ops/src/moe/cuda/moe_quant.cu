@@ -14,7 +14,11 @@
 // tile, so a row's bits do not depend on its batch or the run (deterministic mode may run it).
 // Every grid depends on the step's row count only: graph-capturable. Steps of a few rows
 // (`moe_quant_gate_up_rows`, `moe_quant_down_rows`) take a CTA row per routed entry instead of
-// per tile (no CTAs of empty tiles); each entry's sums run as in the tiles, the same bits.
+// per tile (no CTAs of empty tiles), through the tiles' own instantiation of the entry loop
+// (`*_entries<TILE>` with one live entry): the same instructions, so the same bits. (An
+// instantiation for one entry summed the same values but was not bit-equal on the H100,
+// 2026-12-06: the compiler is free to contract a product into its sum differently per
+// instantiation.)
 //
 // Specialisation: PAGODA_T (float or __nv_bfloat16), the intermediates' type; PAGODA_FORMAT_A
 // (gate's format; down's in moe_quant_down) and PAGODA_FORMAT_B (up's), quant_decode.cu's
@@ -206,9 +210,14 @@ extern "C" __global__ void __launch_bounds__(moe_quant_detail::WARPS * 32)
     const unsigned int entry = blockIdx.y;
     const unsigned int col0 = (blockIdx.x * WARPS + threadIdx.x / 32) * GATE_UP_COLS;
     if (col0 >= inter) return;
-    const size_t x_rows[1] = {entry / top_k}, out_rows[1] = {entry_slots[entry]};
-    gate_up_entries<1>(xq, xds, gate, up, experts[entry], x_rows, out_rows, 1, col0, act, hidden,
-                       inter);
+    size_t x_rows[TILE], out_rows[TILE];
+#pragma unroll
+    for (int i = 0; i < TILE; ++i) {
+        x_rows[i] = entry / top_k;
+        out_rows[i] = entry_slots[entry];
+    }
+    gate_up_entries<TILE>(xq, xds, gate, up, experts[entry], x_rows, out_rows, 1, col0, act,
+                          hidden, inter);
 }
 
 // out[p, h] = act[p] . down_e[h] (f32) for each tile's entries p and this CTA's columns h
@@ -247,6 +256,8 @@ extern "C" __global__ void __launch_bounds__(moe_quant_detail::WARPS * 32)
     const unsigned int entry = blockIdx.y;
     const unsigned int col0 = (blockIdx.x * WARPS + threadIdx.x / 32) * DOWN_COLS;
     if (col0 >= hidden) return;
-    const size_t a_rows[1] = {entry_slots[entry]};
-    down_entries<1>(actq, actds, down, experts[entry], a_rows, 1, col0, out, hidden, inter);
+    size_t a_rows[TILE];
+#pragma unroll
+    for (int i = 0; i < TILE; ++i) a_rows[i] = entry_slots[entry];
+    down_entries<TILE>(actq, actds, down, experts[entry], a_rows, 1, col0, out, hidden, inter);
 }

@@ -23,26 +23,25 @@
 //! through the engine, the same greedy tokens.
 
 mod common;
+#[path = "common/schedule.rs"]
+mod schedule;
 
 use std::sync::Arc;
 
 use common::gpu;
+use schedule::{measure, run_schedule, Schedule, NUM_PAGES, PAGE_SIZE};
 
 use pagoda_cuda::Gpu;
 use pagoda_engine::cuda_runner::{CudaCacheOptions, CudaModel, CudaRunner, DType};
 use pagoda_engine::{CpuThreadsMode, Engine, EngineSettings};
-use pagoda_kv::{BlockPool, BlockTable, PageTable};
 use pagoda_models::config::{
     ExpertGroupLimit, ExpertScoring, GroupScoring, MlaConfig, ModelConfig, MoeConfig, TopKWeights,
 };
-use pagoda_models::llama::{AttentionPolicy, ForwardBatch, Model, WeightPrecision};
+use pagoda_models::llama::{AttentionPolicy, Model, WeightPrecision};
 use pagoda_models::llama_cuda::CudaKernels;
 use pagoda_models::random::{preset, RandomWeights};
 use pagoda_ops::attention::KvType;
 use pagoda_ops::sampling::SamplingParams;
-
-const PAGE_SIZE: usize = 16;
-const NUM_PAGES: usize = 64;
 
 /// The preset, its query compressed (`Some(64)`) or projected directly (`None`).
 fn config(q_lora_rank: Option<usize>) -> ModelConfig {
@@ -99,9 +98,6 @@ fn moe_config(v3: bool) -> ModelConfig {
     }
 }
 
-/// One step of a schedule: for each request, how many new tokens it runs.
-type Schedule = Vec<Vec<usize>>;
-
 /// Three prompts; ragged prefill chunks, mixed steps (one-token rows first), then batched
 /// decode of 3, 2 and 1 rows.
 fn workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
@@ -121,109 +117,6 @@ fn workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
     schedule.extend((0..6).map(|_| vec![1, 1, 1]));
     schedule.extend([vec![1, 0, 1], vec![0, 1, 0], vec![1, 1, 1]]);
     (prompts, schedule)
-}
-
-/// Runs `schedule` over `prompts` (each request's tokens fed in order, cycling), calling
-/// `forward` per step; returns every step's logits (the last token of each active request).
-fn run_schedule(
-    prompts: &[Vec<u32>],
-    schedule: &Schedule,
-    forward: &mut dyn FnMut(&ForwardBatch<'_>) -> Vec<f32>,
-) -> Vec<Vec<f32>> {
-    let mut pool = BlockPool::new(NUM_PAGES, PAGE_SIZE).unwrap();
-    // Burn pages so physical pages are scattered.
-    let _burned: Vec<_> = (0..3).map(|_| pool.allocate().unwrap()).collect();
-    let mut tables: Vec<BlockTable> = prompts.iter().map(|_| BlockTable::new()).collect();
-    let mut fed = vec![0usize; prompts.len()];
-    let mut steps = Vec::new();
-    for step in schedule {
-        let (mut tokens, mut positions, mut slots, mut qo_indptr, mut logits_for) =
-            (vec![], vec![], vec![], vec![0u32], vec![]);
-        let mut active = Vec::new();
-        for (request, &count) in step.iter().enumerate() {
-            if count == 0 {
-                continue;
-            }
-            slots.extend(tables[request].append_slots(&mut pool, count).unwrap());
-            for i in 0..count {
-                let position = fed[request] + i;
-                let prompt = &prompts[request];
-                tokens.push(prompt[position % prompt.len()]);
-                positions.push(position as u32);
-            }
-            fed[request] += count;
-            qo_indptr.push(tokens.len() as u32);
-            logits_for.push(tokens.len() - 1);
-            active.push(request);
-        }
-        let table_refs: Vec<&BlockTable> = active.iter().map(|&r| &tables[r]).collect();
-        let page_table = PageTable::from_block_tables(&table_refs, &pool).unwrap();
-        let batch = ForwardBatch {
-            tokens: &tokens,
-            positions: &positions,
-            slots: &slots,
-            qo_indptr: &qo_indptr,
-            page_table: &page_table,
-            logits_for: &logits_for,
-        };
-        steps.push(forward(&batch));
-    }
-    steps
-}
-
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
-    row.iter().map(|&v| v as f64 - max - sum.ln()).collect()
-}
-
-fn argmax(row: &[f32]) -> usize {
-    (0..row.len())
-        .max_by(|&a, &b| row[a].total_cmp(&row[b]).then(b.cmp(&a)))
-        .unwrap()
-}
-
-/// What one device run gave against the CPU: the largest relative logit error (by each row's
-/// peak), the largest top-10 log-probability error, and the rows whose greedy id differs
-/// although the CPU's top two are further apart than twice the row's largest error.
-struct Errors {
-    relative: f64,
-    logprob: f64,
-    greedy_mismatches: usize,
-}
-
-fn errors(expected: &[Vec<f32>], got: &[Vec<f32>], vocab: usize) -> Errors {
-    let mut errors = Errors {
-        relative: 0.0,
-        logprob: 0.0,
-        greedy_mismatches: 0,
-    };
-    for (step, (e, g)) in expected.iter().zip(got).enumerate() {
-        assert_eq!(e.len(), g.len(), "step {step}");
-        assert!(
-            g.iter().all(|v| v.is_finite()),
-            "non-finite logits, step {step}"
-        );
-        for (e_row, g_row) in e.chunks(vocab).zip(g.chunks(vocab)) {
-            let peak = e_row.iter().fold(0f32, |a, &b| a.max(b.abs())) as f64;
-            let diff = e_row
-                .iter()
-                .zip(g_row)
-                .fold(0f64, |a, (&x, &y)| a.max((x as f64 - y as f64).abs()));
-            errors.relative = errors.relative.max(diff / peak.max(1e-6));
-            let (le, lg) = (log_softmax(e_row), log_softmax(g_row));
-            let mut order: Vec<usize> = (0..vocab).collect();
-            order.sort_by(|&a, &b| le[b].total_cmp(&le[a]));
-            for &i in &order[..10] {
-                errors.logprob = errors.logprob.max((le[i] - lg[i]).abs());
-            }
-            let margin = (e_row[order[0]] - e_row[order[1]]) as f64;
-            if margin > 2.0 * diff && argmax(e_row) != argmax(g_row) {
-                errors.greedy_mismatches += 1;
-            }
-        }
-    }
-    errors
 }
 
 fn cpu_logits(config: &ModelConfig, weights: &RandomWeights) -> Vec<Vec<f32>> {
@@ -311,15 +204,15 @@ fn assert_matches_cpu(
         (DType::BF16, true),
     ] {
         let got = gpu_logits(gpu, config, &weights, dtype, deterministic, true);
-        let e = errors(&expected, &got, config.vocab_size);
+        let e = measure(&expected, &got, config.vocab_size);
         eprintln!(
             "{label} {dtype} deterministic {deterministic}: max relative logit error {:.2e}, \
              max top-10 logprob error {:.4}, greedy mismatches {}",
-            e.relative, e.logprob, e.greedy_mismatches
+            e.relative, e.logprob, e.clear_greedy_mismatches
         );
         if dtype == DType::F32 {
             assert!(e.relative < 2e-3, "f32 relative logit error {}", e.relative);
-            assert_eq!(e.greedy_mismatches, 0, "f32 greedy ids differ");
+            assert_eq!(e.clear_greedy_mismatches, 0, "f32 greedy ids differ");
         } else {
             assert!(
                 e.logprob < bf16_bound,
@@ -377,12 +270,12 @@ fn gpu_mla_decode_graphs_match_eager_steps() {
         ] {
             let eager = gpu_logits(&gpu, &config, &weights, dtype, deterministic, false);
             let graphs = gpu_logits(&gpu, &config, &weights, dtype, deterministic, true);
-            let e = errors(&eager, &graphs, vocab);
+            let e = measure(&eager, &graphs, vocab);
             eprintln!(
                 "{name} {dtype} deterministic {deterministic}, graphs against eager: max \
                  relative logit error {:.2e}, max top-10 logprob error {:.4}, greedy \
                  mismatches {}",
-                e.relative, e.logprob, e.greedy_mismatches
+                e.relative, e.logprob, e.clear_greedy_mismatches
             );
             if deterministic {
                 assert!(
@@ -396,7 +289,10 @@ fn gpu_mla_decode_graphs_match_eager_steps() {
                     "{name}: f32 relative error {}",
                     e.relative
                 );
-                assert_eq!(e.greedy_mismatches, 0, "{name}: f32 greedy ids differ");
+                assert_eq!(
+                    e.clear_greedy_mismatches, 0,
+                    "{name}: f32 greedy ids differ"
+                );
             } else {
                 assert!(e.logprob < bf16_bound, "{name}: bf16 error {}", e.logprob);
             }

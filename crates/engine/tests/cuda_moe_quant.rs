@@ -24,7 +24,7 @@ use pagoda_models::llama_cuda::{CudaKernels, KeepOnDevice};
 
 #[path = "common/schedule.rs"]
 mod schedule;
-use schedule::{log_softmax, run_schedule, Schedule, NUM_PAGES, PAGE_SIZE};
+use schedule::{measure, run_schedule, short_workload, NUM_PAGES, PAGE_SIZE};
 
 fn cache_options(moe_quant: bool, deterministic: bool) -> CudaCacheOptions {
     CudaCacheOptions {
@@ -41,51 +41,6 @@ fn cache_options(moe_quant: bool, deterministic: bool) -> CudaCacheOptions {
             ..CudaKernels::default()
         },
     }
-}
-
-/// Three prompts; prefill chunks, mixed steps, then batched decode of 3, 2 and 1 rows.
-fn workload(vocab: usize) -> (Vec<Vec<u32>>, Schedule) {
-    let prompts: Vec<Vec<u32>> = (0..3)
-        .map(|r| {
-            (0..48)
-                .map(|i| ((i * 37 + r * 11 + 5) % vocab) as u32)
-                .collect()
-        })
-        .collect();
-    let mut schedule: Schedule = vec![vec![21, 4, 0], vec![1, 17, 30], vec![1, 1, 9]];
-    schedule.extend((0..6).map(|_| vec![1, 1, 1]));
-    schedule.extend([vec![1, 0, 1], vec![0, 1, 0], vec![1, 1, 1]]);
-    (prompts, schedule)
-}
-
-fn argmax(row: &[f32]) -> usize {
-    (0..row.len()).fold(0, |best, i| if row[i] > row[best] { i } else { best })
-}
-
-/// (max relative logit error, max top-10 log-probability error, rows whose greedy token
-/// differs) of `got` against `expected`.
-fn errors(expected: &[Vec<f32>], got: &[Vec<f32>], vocab: usize) -> (f64, f64, usize) {
-    let (mut relative, mut logprob, mut greedy) = (0f64, 0f64, 0);
-    for (e, g) in expected.iter().zip(got) {
-        assert_eq!(e.len(), g.len());
-        assert!(g.iter().all(|v| v.is_finite()), "non-finite GPU logits");
-        for (e_row, g_row) in e.chunks(vocab).zip(g.chunks(vocab)) {
-            let peak = e_row.iter().fold(0f32, |a, &b| a.max(b.abs())) as f64;
-            let diff = e_row
-                .iter()
-                .zip(g_row)
-                .fold(0f64, |a, (&x, &y)| a.max((x as f64 - y as f64).abs()));
-            relative = relative.max(diff / peak.max(1e-6));
-            let (le, lg) = (log_softmax(e_row), log_softmax(g_row));
-            let mut order: Vec<usize> = (0..vocab).collect();
-            order.sort_by(|&a, &b| le[b].total_cmp(&le[a]));
-            for &i in &order[..10] {
-                logprob = logprob.max((le[i] - lg[i]).abs());
-            }
-            greedy += usize::from(argmax(e_row) != argmax(g_row));
-        }
-    }
-    (relative, logprob, greedy)
 }
 
 #[test]
@@ -113,7 +68,7 @@ fn quantized_experts_track_the_cpu_exact_model() {
         );
         let cpu = Model::load(config.clone(), &file, WeightPrecision::F32).unwrap();
         let vocab = config.vocab_size;
-        let (prompts, schedule) = workload(vocab);
+        let (prompts, schedule) = short_workload(vocab);
         let mut kv = KvCache::new(config.num_layers, cpu.kv_layout(NUM_PAGES, PAGE_SIZE));
         let expected = run_schedule(&prompts, &schedule, &mut |batch| {
             cpu.forward(batch, &mut kv, AttentionPolicy::Auto)
@@ -146,7 +101,8 @@ fn quantized_experts_track_the_cpu_exact_model() {
                 runner.forward(batch).unwrap()
             });
             let launched = pagoda_ops::cuda::moe_quant_launches() - launches;
-            let (relative, logprob, greedy) = errors(&expected, &got, vocab);
+            let e = measure(&expected, &got, vocab);
+            let (relative, logprob, greedy) = (e.relative, e.logprob, e.greedy_mismatches);
             eprintln!(
                 "{name} quantized experts {quant} deterministic {deterministic}: weights \
                  {weight_bytes} B (file {file_bytes}), max relative logit error {relative:.2e}, \

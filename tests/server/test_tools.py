@@ -50,7 +50,9 @@ def tool_server(request):
 
 
 def check_calls(calls, finish_reason, names=None):
-    assert finish_reason == "tool_calls", f"the answer did not end in a call within {MAX_TOKENS} tokens"
+    made = [call.function.name for call in calls or []]
+    assert finish_reason == "tool_calls", \
+        f"the answer did not end in a call within {MAX_TOKENS} tokens ({len(made)} calls: {made})"
     assert calls, "no tool calls"
     ids = set()
     for call in calls:

@@ -291,6 +291,9 @@ settings! {
     "PAGODA_CUDA_MOE_QUANT", None, ON_OFF, "off", Cuda,
         "engine load_backend, EngineSettings (models llama_cuda::CudaModel::load_keeping, CudaKernels)",
         "A GGUF mixture-of-experts model's stacked experts (ffn_{gate,up,down}_exps in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K, each projection in its own format) stay in their blocks on the GPU (device memory their file bytes) and run as grouped quantized GEMVs over q8 activations per routing tile (bf16 with PAGODA_CUDA_QUANT_WEIGHTS on; no atomics, so deterministic mode runs it too); off: dequantized to the --dtype at load (the reference). Other formats fall back to the dequantized experts with an INFO line. Off until it has run and been measured on a GPU (compiled for sm_90a and sm_80, not yet run there).";
+    "PAGODA_CUDA_MOE_QUANT_DENSE_ROWS", None, Values::Number { min: 0, max: 65536, words: &[] }, "256", Tuning,
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
+        "With PAGODA_CUDA_MOE_QUANT on: steps of at least this many rows (prefill) decode each layer's experts from their blocks into bf16 stacks (two of [experts, expert width, hidden] in device memory) and run the dense expert kernels (tensor cores) instead of the quantized GEMVs; 0: never. Never in deterministic mode. 256: Qwen3-30B-A3B's block took 1410 us quantized at 256 rows against 561 us from bf16 on the H100 (docs/benchmark_results/moe-quant-fp8kv-h100-2026-12-06.md).";
     "PAGODA_GPU_SAMPLING_FILTERED", None, Values::Choice(&["fast", "exact"]), "fast", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Filtered rows on the GPU: fast, or exact (f64, the oracle).";

@@ -4,7 +4,9 @@
 //! with the experts dequantized at load. The files come from the folder
 //! `PAGODA_GPU_TEST_MOE_GGUFS` names, written on the GPU machine with
 //! `scripts/random-gguf.py` (tiny Qwen3-MoE and Mixtral, q4_k_m and q8_0). bf16, graphs on,
-//! ragged prefill chunks, mixed steps and batched decode; then again in deterministic mode.
+//! ragged prefill chunks, mixed steps and batched decode; then again in deterministic mode,
+//! and with steps of 16+ rows run from stacks decoded for the dense expert kernels
+//! (`CudaKernels::moe_quant_dense_rows`).
 //! The quantized experts' logits stay within 5% of each row's peak logit (the dense quantized
 //! CUDA test's bound), or within twice the dequantized experts' error where a bf16 near-tied
 //! router already moves those more; the expert launches are counted; device memory for weights
@@ -26,7 +28,7 @@ use pagoda_models::llama_cuda::{CudaKernels, KeepOnDevice};
 mod schedule;
 use schedule::{measure, run_schedule, short_workload, NUM_PAGES, PAGE_SIZE};
 
-fn cache_options(moe_quant: bool, deterministic: bool) -> CudaCacheOptions {
+fn cache_options(moe_quant: bool, deterministic: bool, dense_rows: usize) -> CudaCacheOptions {
     CudaCacheOptions {
         num_pages: NUM_PAGES,
         page_size: PAGE_SIZE,
@@ -37,6 +39,7 @@ fn cache_options(moe_quant: bool, deterministic: bool) -> CudaCacheOptions {
         paged_decode: Default::default(),
         kernels: CudaKernels {
             moe_quant,
+            moe_quant_dense_rows: dense_rows,
             deterministic,
             ..CudaKernels::default()
         },
@@ -77,7 +80,14 @@ fn quantized_experts_track_the_cpu_exact_model() {
         });
         let file_bytes = std::fs::metadata(&path).unwrap().len() as usize;
         let mut dense_relative = 0.0;
-        for (quant, deterministic) in [(false, false), (true, false), (true, true)] {
+        // Last, steps of 16+ rows (the two first) decode the experts for the dense kernels.
+        let runs = [
+            (false, false, 256),
+            (true, false, 256),
+            (true, true, 256),
+            (true, false, 16),
+        ];
+        for (quant, deterministic, dense_rows) in runs {
             let loaded = CudaModel::load_keeping(
                 config.clone(),
                 &file,
@@ -95,19 +105,23 @@ fn quantized_experts_track_the_cpu_exact_model() {
             // The counter ticks when a launch is issued or captured: warm-up captures the
             // CUDA graphs that the schedule's steps then replay without counting.
             let launches = pagoda_ops::cuda::moe_quant_launches();
-            let mut runner = CudaRunner::new(loaded, cache_options(quant, deterministic)).unwrap();
+            let decodes = pagoda_ops::cuda::moe_quant_dense_decodes();
+            let options = cache_options(quant, deterministic, dense_rows);
+            let mut runner = CudaRunner::new(loaded, options).unwrap();
             runner.warm_up(&mut |_| {}).unwrap();
             let got = run_schedule(&prompts, &schedule, &mut |batch| {
                 runner.forward(batch).unwrap()
             });
             let launched = pagoda_ops::cuda::moe_quant_launches() - launches;
+            let decoded = pagoda_ops::cuda::moe_quant_dense_decodes() - decodes;
             let e = measure(&expected, &got, vocab);
             let (relative, logprob, greedy) = (e.relative, e.logprob, e.greedy_mismatches);
             eprintln!(
-                "{name} quantized experts {quant} deterministic {deterministic}: weights \
-                 {weight_bytes} B (file {file_bytes}), max relative logit error {relative:.2e}, \
-                 top-10 logprob error {logprob:.4}, greedy mismatches {greedy}, quantized \
-                 expert launches {launched}"
+                "{name} quantized experts {quant} deterministic {deterministic} dense from \
+                 {dense_rows} rows: weights {weight_bytes} B (file {file_bytes}), max relative \
+                 logit error {relative:.2e}, top-10 logprob error {logprob:.4}, greedy \
+                 mismatches {greedy}, quantized expert launches {launched}, stacks decoded \
+                 {decoded}"
             );
             if !quant {
                 dense_relative = relative;
@@ -115,6 +129,13 @@ fn quantized_experts_track_the_cpu_exact_model() {
                 continue;
             }
             assert!(launched > 0, "{name}: no quantized expert launch");
+            // Steps of 16+ rows exist only below 128 tokens (max_batch_tokens), so only the
+            // last run decodes stacks.
+            assert_eq!(
+                decoded > 0,
+                dense_rows == 16,
+                "{name}: {decoded} stacks decoded"
+            );
             assert!(
                 weight_bytes <= file_bytes * 105 / 100,
                 "{name}: {weight_bytes} B of weights for a file of {file_bytes} B"

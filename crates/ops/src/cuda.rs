@@ -47,10 +47,11 @@ pub use crate::linear::cuda::{
 };
 pub use crate::moe::cuda::{
     moe_combine, moe_down, moe_down_combine, moe_down_mma, moe_experts, moe_gate_up,
-    moe_gate_up_mma, moe_gate_up_with, moe_mma_launches, moe_quant_down, moe_quant_down_combine,
-    moe_quant_gate_up, moe_quant_launches, moe_route, specialize_moe, specialize_moe_quant,
-    DeviceRouter, MoeEntry, MoePath, MoeQ8, MoeQuantEntry, MoeWorkspace, QuantExperts,
-    MOE_MAX_EXPERTS, MOE_MAX_TOP_K, MOE_MMA_MIN_ROWS, MOE_PER_ROW_MAX_ROWS, MOE_TILE_ROWS,
+    moe_gate_up_mma, moe_gate_up_with, moe_mma_launches, moe_quant_dense_decodes,
+    moe_quant_dequantize, moe_quant_down, moe_quant_down_combine, moe_quant_gate_up,
+    moe_quant_launches, moe_route, specialize_moe, specialize_moe_quant, DeviceRouter, MoeEntry,
+    MoePath, MoeQ8, MoeQuantEntry, MoeWorkspace, QuantExperts, MOE_MAX_EXPERTS, MOE_MAX_TOP_K,
+    MOE_MMA_MIN_ROWS, MOE_PER_ROW_MAX_ROWS, MOE_QUANT_DENSE_MIN_ROWS, MOE_TILE_ROWS,
 };
 pub use crate::norm::cuda::{
     add_bias_rows, add_rms_norm, rms_norm, rms_norm_heads, rms_norm_q8, specialize_norm,

@@ -1,6 +1,7 @@
 //! The process-wide CPU kernel choices and counters of `/metrics` (`pagoda_cpu_kernels_info`
 //! through `pagoda_cpu_attention_kernel_info`), and the process-wide CUDA kernel counters
-//! `pagoda_cuda_moe_mma_launches_total` and `pagoda_cuda_moe_quant_launches_total`: read from
+//! `pagoda_cuda_moe_mma_launches_total`, `pagoda_cuda_moe_quant_launches_total` and
+//! `pagoda_cuda_moe_quant_dense_decodes_total`: read from
 //! `pagoda_ops`, not from the engine.
 
 use std::fmt::Write;
@@ -145,5 +146,14 @@ pub(super) fn render(out: &mut String) {
          down) over experts kept in their GGUF blocks (PAGODA_CUDA_MOE_QUANT).\n\
          # TYPE pagoda_cuda_moe_quant_launches_total counter\npagoda_cuda_moe_quant_launches_total {}",
         pagoda_ops::cuda::moe_quant_launches()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cuda_moe_quant_dense_decodes_total Stacked expert projections decoded \
+         from their GGUF blocks for a large step's dense expert kernels \
+         (PAGODA_CUDA_MOE_QUANT_DENSE_ROWS).\n\
+         # TYPE pagoda_cuda_moe_quant_dense_decodes_total counter\n\
+         pagoda_cuda_moe_quant_dense_decodes_total {}",
+        pagoda_ops::cuda::moe_quant_dense_decodes()
     );
 }

@@ -270,6 +270,10 @@ impl<T: HostFloat> StepBuffers<T> {
                     options.kernels.moe_mma && !options.kernels.deterministic,
                     options.kernels.moe_quant,
                 ],
+                match options.kernels.deterministic {
+                    true => 0,
+                    false => options.kernels.moe_quant_dense_rows,
+                },
             )?,
         })
     }

@@ -152,6 +152,11 @@ pub struct MoeBuffers<T> {
     tensor_cores: bool,
     /// The q8 activations of quantized experts (`PAGODA_CUDA_MOE_QUANT`).
     q8: Option<MoeQ8>,
+    /// Quantized experts, steps of at least `dense_rows` rows: two stacks of
+    /// `[num_experts, expert width, hidden]` their blocks are decoded into (gate and up, then
+    /// down into the first), for the dense expert kernels (`PAGODA_CUDA_MOE_QUANT_DENSE_ROWS`).
+    dense: Option<[DeviceBuffer<T>; 2]>,
+    dense_rows: usize,
 }
 
 /// The shared experts' activations.
@@ -170,12 +175,15 @@ impl<T: HostFloat> MoeBuffers<T> {
     /// The buffers for `c`'s expert blocks and steps of up to `max_tokens` tokens, or `None`
     /// for a model without expert layers (nothing allocated; a DeepSeek configuration may
     /// list every layer dense). `tensor_cores`: [`MoeBuffers::tensor_cores`]; `quant`: room for
-    /// the q8 activations of experts kept in blocks.
+    /// the q8 activations of experts kept in blocks; `dense_rows`: their steps of this many
+    /// rows or more run from decoded stacks (0: never; no stacks unless a step can be that
+    /// large).
     pub fn new(
         gpu: &Gpu,
         c: &ModelConfig,
         max_tokens: usize,
         [tensor_cores, quant]: [bool; 2],
+        dense_rows: usize,
     ) -> Result<Option<Self>, CudaError> {
         let Some(moe) = c.moe.as_ref().filter(|_| c.has_expert_layers()) else {
             return Ok(None);
@@ -208,9 +216,21 @@ impl<T: HostFloat> MoeBuffers<T> {
                 if tensor_cores { "on" } else { "off" }
             )
         });
+        let dense_rows = if quant && dense_rows > 0 && dense_rows <= tokens {
+            dense_rows
+        } else {
+            0
+        };
+        let stack = moe.num_experts * inter * c.hidden_size;
+        let dense = match dense_rows {
+            0 => None,
+            _ => Some([gpu.zeros(stack)?, gpu.zeros(stack)?]),
+        };
         Ok(Some(MoeBuffers {
             logits: gpu.zeros(tokens * moe.num_experts)?,
             q8: quant.then(|| MoeQ8::new(gpu, &workspace)).transpose()?,
+            dense,
+            dense_rows,
             workspace,
             shared,
             router,
@@ -257,6 +277,26 @@ impl<T: HostFloat> ExpertStep<'_, '_, T> {
     ) -> Result<(), CudaError> {
         let (gpu, n, hidden) = (self.gpu, self.num_tokens, self.hidden);
         let path = ops::MoePath::choose(n, T::DTYPE, buffers.tensor_cores);
+        if let (ExpertWeights::Quantized(w), Some([first, second])) =
+            (&experts.weights, buffers.dense.as_mut())
+        {
+            if buffers.dense_rows > 0 && n >= buffers.dense_rows {
+                // A large step: the dense kernels over the decoded stacks beat the
+                // quantized GEMVs by more than the decode costs.
+                ops::moe_quant_dequantize(gpu, &w[0], first)?;
+                ops::moe_quant_dequantize(gpu, &w[1], second)?;
+                let workspace = &mut buffers.workspace;
+                ops::moe_gate_up_with(gpu, path, normed, [&*first, &*second], workspace, n)?;
+                ops::moe_quant_dequantize(gpu, &w[2], first)?;
+                let has_shared = self.shared_experts(experts, normed, &mut buffers.shared)?;
+                let shared = match (&buffers.shared, has_shared) {
+                    (Some(shared), true) => Some(view(&shared.out, 0..n * hidden)?),
+                    _ => None,
+                };
+                let workspace = &mut buffers.workspace;
+                return ops::moe_down_combine(gpu, path, first, workspace, shared.as_ref(), x, n);
+            }
+        }
         let workspace = &mut buffers.workspace;
         match (&experts.weights, buffers.q8.as_mut()) {
             (ExpertWeights::Dense([gate, up, _]), _) => {

@@ -51,6 +51,10 @@ pub struct CudaKernels {
     /// A MoE model's step buffers hold the q8 activations of its quantized experts
     /// (`PAGODA_CUDA_MOE_QUANT`; the loader reads the same setting to keep them in blocks).
     pub moe_quant: bool,
+    /// Steps of at least this many rows decode quantized experts into the dense expert
+    /// kernels' stacks (`PAGODA_CUDA_MOE_QUANT_DENSE_ROWS`; 0: never; never in
+    /// deterministic mode, where a row's sums must not depend on its step's size).
+    pub moe_quant_dense_rows: usize,
     /// The fused decode's partial kernel (`PAGODA_PAGED_DECODE_KERNEL`; `Auto`: the tuning
     /// table's choice for the step's bucket, else the built-in heuristic).
     pub decode: DecodeKernelChoice,
@@ -141,6 +145,7 @@ impl Default for CudaKernels {
             quant_pair: false,
             moe_mma: true,
             moe_quant: false,
+            moe_quant_dense_rows: ops::MOE_QUANT_DENSE_MIN_ROWS,
             decode: DecodeKernelChoice::Auto,
             merge: None,
             target_ctas: None,
@@ -182,6 +187,8 @@ impl CudaKernels {
             quant_pair: config.on("PAGODA_CUDA_QUANT_PAIR"),
             moe_mma: config.on("PAGODA_CUDA_MOE_MMA"),
             moe_quant: config.on("PAGODA_CUDA_MOE_QUANT"),
+            moe_quant_dense_rows: count("PAGODA_CUDA_MOE_QUANT_DENSE_ROWS")
+                .unwrap_or(ops::MOE_QUANT_DENSE_MIN_ROWS),
             decode: match config.word("PAGODA_PAGED_DECODE_KERNEL") {
                 "stream" => DecodeKernelChoice::Streaming,
                 "mma" => DecodeKernelChoice::TensorCore,
@@ -294,6 +301,7 @@ mod tests {
             ("PAGODA_CUDA_QUANT_PAIR", "on"),
             ("PAGODA_CUDA_MOE_MMA", "on"),
             ("PAGODA_CUDA_MOE_QUANT", "on"),
+            ("PAGODA_CUDA_MOE_QUANT_DENSE_ROWS", "64"),
             ("PAGODA_PAGED_DECODE_KERNEL", "cuda-core"),
             ("PAGODA_PAGED_DECODE_MERGE", "kernel"),
             ("PAGODA_PAGED_DECODE_TARGET_CTAS", "100"),
@@ -318,6 +326,7 @@ mod tests {
             quant_pair: true,
             moe_mma: true,
             moe_quant: true,
+            moe_quant_dense_rows: 64,
             decode: DecodeKernelChoice::CudaCore,
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),

@@ -31,8 +31,9 @@ mod tiles;
 use crate::cuda_dtypes::{check_float, FLOAT_DTYPES};
 pub use mma::{moe_down_mma, moe_gate_up_mma, moe_mma_launches, MOE_MMA_MIN_ROWS};
 pub use quant::{
-    moe_quant_down, moe_quant_down_combine, moe_quant_gate_up, moe_quant_launches,
-    specialize_moe_quant, MoeQ8, MoeQuantEntry, QuantExperts,
+    moe_quant_dense_decodes, moe_quant_dequantize, moe_quant_down, moe_quant_down_combine,
+    moe_quant_gate_up, moe_quant_launches, specialize_moe_quant, MoeQ8, MoeQuantEntry,
+    QuantExperts, MOE_QUANT_DENSE_MIN_ROWS,
 };
 pub use rows::{moe_down_combine, moe_gate_up_with, MoePath, MOE_PER_ROW_MAX_ROWS};
 pub use tiles::{moe_down, moe_experts, moe_gate_up};

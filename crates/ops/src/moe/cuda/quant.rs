@@ -203,6 +203,43 @@ pub(super) fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     Ok(specs)
 }
 
+/// Steps of at least this many rows decode quantized experts into bf16/f32 stacks and run the
+/// dense expert path (`PAGODA_CUDA_MOE_QUANT_DENSE_ROWS`'s default): Qwen3-30B-A3B's block on
+/// the H100 (2026-12-06) took 1410 us quantized at 256 rows against 561 us on tensor cores
+/// from bf16, which leaves room for the decode (1.2 GB written); at 64 rows 505 against 455,
+/// which does not.
+pub const MOE_QUANT_DENSE_MIN_ROWS: usize = 256;
+
+/// `out` (`[num_experts, rows, cols]` in `T`) decoded from `experts`' blocks, for a step
+/// large enough that the dense expert kernels (tensor cores) beat the quantized ones by more
+/// than the decode costs. Counted in [`moe_quant_dense_decodes`].
+pub fn moe_quant_dequantize<T: Element>(
+    gpu: &Gpu,
+    experts: &QuantExperts,
+    out: &mut DeviceBuffer<T>,
+) -> Result<(), CudaError> {
+    let (n, k) = (experts.num_experts * experts.rows, experts.cols);
+    let mut out = pagoda_cuda::view_mut(out, 0..n * k)?;
+    crate::linear::cuda::dequantize_fast(gpu, experts.format, &experts.blocks, &mut out, (n, k))?;
+    static LOGGED: std::sync::Once = std::sync::Once::new();
+    LOGGED.call_once(|| {
+        tracing::info!(
+            "MoE experts kept in blocks: steps of {}+ rows decode them for the dense expert              kernels (PAGODA_CUDA_MOE_QUANT_DENSE_ROWS)",
+            MOE_QUANT_DENSE_MIN_ROWS
+        )
+    });
+    DENSE_DECODES.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+static DENSE_DECODES: AtomicU64 = AtomicU64::new(0);
+
+/// How many stacked expert projections have been decoded for a large step in this process
+/// (`pagoda_cuda_moe_quant_dense_decodes_total`).
+pub fn moe_quant_dense_decodes() -> u64 {
+    DENSE_DECODES.load(Ordering::Relaxed)
+}
+
 static QUANT_LAUNCHES: AtomicU64 = AtomicU64::new(0);
 
 /// How many quantized expert matmuls (gate/up or down launches) have run in this process

@@ -198,16 +198,7 @@ impl<T: HostFloat> StepBuffers<T> {
             // A latent attention model attends with the MLA kernels (logged by `MlaDecode`).
             ops::PrefillKernel::Tiled
         } else if kv_fp8 {
-            // The prefills that read an fp8 cache: the streaming one (where it is built for the
-            // head size and asked for) and the tiled one.
-            match options.kernels.prefill {
-                ops::PrefillKernel::Stream(tiling)
-                    if ops::STREAM_PREFILL_HEAD_DIMS.contains(&c.head_dim) =>
-                {
-                    ops::PrefillKernel::Stream(tiling)
-                }
-                _ => ops::PrefillKernel::Tiled,
-            }
+            options.kernels.prefill.reading_fp8(c.head_dim)
         } else {
             options.kernels.prefill
         };

@@ -1,7 +1,7 @@
 //! How a forward pass routes attention: the auto threshold between gather and split-KV, and
 //! the split-KV chunk size.
 
-use pagoda_ops::attention::{AttentionPath, DEFAULT_CHUNK_TOKENS};
+use pagoda_ops::attention::{AttentionPath, CascadeRule, DEFAULT_CHUNK_TOKENS};
 
 /// The environment variable that overrides the split-KV chunk size (a positive number of
 /// tokens; for measurement: a row's bits depend on it).
@@ -14,6 +14,29 @@ pub fn split_kv_chunk_tokens(config: &pagoda_config::Config) -> usize {
     config
         .number(SPLIT_KV_CHUNK_ENV_VAR)
         .map_or(DEFAULT_CHUNK_TOKENS, |tokens| tokens as usize)
+}
+
+/// The environment variable of cascade attention on the CPU: `off`, `on` (any two decode
+/// rows sharing a whole split-KV chunk of leading pages read it once) or `auto`
+/// ([`AUTO_CASCADE_RULE`]).
+pub const CASCADE_ENV_VAR: &str = "PAGODA_CASCADE_ATTENTION";
+
+/// `auto`'s rule: groups of at least this many decode rows sharing at least this many
+/// tokens. Measured: see `docs/benchmark_results/cpu-cascade-attention-epyc-2026-12-06.md`.
+pub const AUTO_CASCADE_RULE: CascadeRule = CascadeRule {
+    min_members: 2,
+    min_shared_tokens: 256,
+};
+
+/// Cascade attention's rule in `config` ([`CASCADE_ENV_VAR`]): `None` for off. Outputs are
+/// the same bits whatever it says (`pagoda_ops::attention::StepAttentionPlan::with_cascade`),
+/// so it is a speed choice only and holds in the reproducible default.
+pub fn cascade_rule(config: &pagoda_config::Config) -> Option<CascadeRule> {
+    match config.word(CASCADE_ENV_VAR) {
+        "on" => Some(CascadeRule::ANY),
+        "auto" => Some(AUTO_CASCADE_RULE),
+        _ => None,
+    }
 }
 
 /// Auto's threshold, in visible tokens: a query row that sees at least this many tokens runs

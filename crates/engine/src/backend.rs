@@ -220,9 +220,11 @@ impl Runner {
                 LOGGED_CASCADE.call_once(|| match cascade {
                     Some(rule) => tracing::info!(
                         "CPU cascade attention: on (decode rows of {}+ requests sharing {}+ \
-                         prompt tokens read each shared chunk once; same bits as off)",
+                         prompt tokens, saving {}+ token reads, read each shared chunk once; \
+                         same bits as off)",
                         rule.min_members.max(2),
-                        rule.min_shared_tokens
+                        rule.min_shared_tokens,
+                        rule.min_saved_tokens
                     ),
                     None => tracing::info!("CPU cascade attention: off"),
                 });

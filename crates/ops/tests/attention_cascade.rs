@@ -100,6 +100,15 @@ impl Case {
     }
 
     fn plan(&self, table: &PageTable, cascade: Option<&PageTable>) -> StepAttentionPlan {
+        self.plan_with(table, cascade, &CascadeRule::ANY)
+    }
+
+    fn plan_with(
+        &self,
+        table: &PageTable,
+        cascade: Option<&PageTable>,
+        rule: &CascadeRule,
+    ) -> StepAttentionPlan {
         let (k, v) = (&self.k, &self.v);
         let kv = PagedKv {
             k_pool: k.into(),
@@ -113,12 +122,9 @@ impl Case {
         };
         let plan = plan_step(&kv, &self.qo_indptr, self.num_q_heads(), &config).unwrap();
         match cascade {
-            Some(groups_of) => plan.with_cascade(
-                groups_of,
-                self.shape.page_size,
-                self.num_q_heads(),
-                &CascadeRule::ANY,
-            ),
+            Some(groups_of) => {
+                plan.with_cascade(groups_of, self.shape.page_size, self.num_q_heads(), rule)
+            }
             None => plan,
         }
     }
@@ -449,4 +455,34 @@ fn a_plan_that_shares_differing_pages_is_caught() {
     let plain = case.run(&table, &case.plan(&table, None), KvType::F32);
     assert_ne!(out, plain);
     assert!(max_error(&out, &case.reference()) > 1e-2);
+}
+
+#[test]
+fn the_rule_keeps_groups_that_save_enough_reads() {
+    // Two rows behind 20 pages (320 tokens, 5 chunks of 64: 320 reads saved) and five
+    // behind 10 others (160 tokens, 2 chunks: 4 x 160 = 640 saved).
+    let shape = SHAPES[0];
+    let ps = shape.page_size;
+    let mut next = 0;
+    let (long, short) = (fresh(&mut next, 20), fresh(&mut next, 10));
+    let mut requests: Vec<Request> = (0..2)
+        .map(|own| behind(&long, &mut next, ps, 3 + own, 1))
+        .collect();
+    requests.extend((0..5).map(|own| behind(&short, &mut next, ps, 9 + own, 1)));
+    let case = Case::new(shape, next as usize, requests, 41);
+    let table = case.table();
+    let groups = |rule: CascadeRule| {
+        let stats = case.plan_with(&table, Some(&table), &rule).cascade_stats();
+        (stats.groups, stats.saved_token_reads)
+    };
+    let rule = |min_members, min_shared_tokens, min_saved_tokens| CascadeRule {
+        min_members,
+        min_shared_tokens,
+        min_saved_tokens,
+    };
+    assert_eq!(groups(CascadeRule::ANY), (2, 5 * 64 + 2 * 64 * 4));
+    assert_eq!(groups(rule(2, 0, 500)), (1, 2 * 64 * 4));
+    assert_eq!(groups(rule(3, 0, 0)), (1, 2 * 64 * 4));
+    assert_eq!(groups(rule(2, 200, 0)), (1, 5 * 64));
+    assert_eq!(groups(rule(2, 0, 1000)), (0, 0));
 }

@@ -175,13 +175,16 @@ mod tests {
         let defaults = EngineSettings::from_config(&resolved(&[]));
         assert!(defaults.prefix_caching && defaults.cuda_warmup);
         assert_eq!(defaults.cpu_threads, CpuThreadsMode::Auto);
-        assert_eq!(defaults.cascade, None);
+        assert_eq!(
+            defaults.cascade,
+            Some(pagoda_models::llama::AUTO_CASCADE_RULE)
+        );
         let env = [
             ("PAGODA_PREFIX_CACHING", "off"),
             ("PAGODA_CUDA_WARMUP", "off"),
             ("PAGODA_CPU_ADAPTIVE_THREADS", "one"),
             ("PAGODA_SPLIT_KV_CHUNK_TOKENS", "64"),
-            ("PAGODA_CASCADE_ATTENTION", "auto"),
+            ("PAGODA_CASCADE_ATTENTION", "off"),
             ("PAGODA_SPEC", "ngram"),
             ("PAGODA_DRAFT_MAX", "5"),
             ("PAGODA_TENSOR_PARALLEL_SIZE", "4"),
@@ -192,7 +195,7 @@ mod tests {
             cuda_warmup: false,
             cpu_threads: CpuThreadsMode::One,
             split_kv_chunk_tokens: 64,
-            cascade: Some(pagoda_models::llama::AUTO_CASCADE_RULE),
+            cascade: None,
             speculation: SpeculationSettings {
                 mode: crate::speculation::SpeculationMode::Ngram,
                 draft_max: 5,

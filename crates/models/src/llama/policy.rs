@@ -21,11 +21,17 @@ pub fn split_kv_chunk_tokens(config: &pagoda_config::Config) -> usize {
 /// ([`AUTO_CASCADE_RULE`]).
 pub const CASCADE_ENV_VAR: &str = "PAGODA_CASCADE_ATTENTION";
 
-/// `auto`'s rule: groups of at least this many decode rows sharing at least this many
-/// tokens. Measured: see `docs/benchmark_results/cpu-cascade-attention-epyc-2026-12-06.md`.
+/// `auto`'s rule: a group's shared chunks run as cascade items when it saves at least 1024
+/// token reads per layer (`(members - 1) * shared tokens`: 2 rows behind 1024 shared
+/// tokens, 5 behind 256). Measured on the 2-core Xeon, default model, f32 KV
+/// (`docs/benchmark_results/cpu-cascade-attention-xeon-2026-12-06.md`): 1.35x at 16 rows
+/// behind 256 tokens, 2.0-2.3x at 4 behind 1024, 1.4-2.1x at 4 behind 4096, 2.6x at 16 behind
+/// 4096; 2 rows behind 256 (256 reads saved) was within the machine's noise, so it is left
+/// out.
 pub const AUTO_CASCADE_RULE: CascadeRule = CascadeRule {
     min_members: 2,
     min_shared_tokens: 256,
+    min_saved_tokens: 1024,
 };
 
 /// Cascade attention's rule in `config` ([`CASCADE_ENV_VAR`]): `None` for off. Outputs are

@@ -38,6 +38,9 @@ pub struct CascadeRule {
     /// Fewest tokens a group must share from the start (its pages' end times the page
     /// size) for its chunks to be shared.
     pub min_shared_tokens: usize,
+    /// Fewest token reads a group must save, `(members - 1) * shared tokens` (members of
+    /// one block of the plan).
+    pub min_saved_tokens: usize,
 }
 
 impl CascadeRule {
@@ -45,6 +48,7 @@ impl CascadeRule {
     pub const ANY: CascadeRule = CascadeRule {
         min_members: 2,
         min_shared_tokens: 0,
+        min_saved_tokens: 0,
     };
 }
 
@@ -179,7 +183,11 @@ fn plan_cascade(
     let mut current_block = 0;
     for ((block, group, begin, end), members) in sets {
         let shared_tokens = groups.groups()[group].pages.end * page_size;
-        if members.len() < min_members || shared_tokens < rule.min_shared_tokens {
+        let saved = (members.len() - 1) * shared_tokens;
+        if members.len() < min_members
+            || shared_tokens < rule.min_shared_tokens
+            || saved < rule.min_saved_tokens
+        {
             continue;
         }
         while current_block < block {

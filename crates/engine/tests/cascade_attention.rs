@@ -27,7 +27,7 @@ fn run(cascade: Option<CascadeRule>, prompts: &[Vec<u32>]) -> Option<Outputs> {
     let mut engine = Engine::with_settings(loaded.model, config, settings).unwrap();
     let mut outputs: Outputs = vec![(Vec::new(), Vec::new()); prompts.len()];
     let mut ids = Vec::new();
-    let mut add = |engine: &mut Engine, index: usize, ids: &mut Vec<_>| {
+    let add = |engine: &mut Engine, index: usize, ids: &mut Vec<_>| {
         let id = engine
             .add_request(
                 prompts[index].clone(),
@@ -73,7 +73,7 @@ fn cascade_gives_the_plain_steps_bits_on_the_default_model() {
     let tokenizer = loaded.tokenizer;
     let system = "You are a careful assistant. Answer briefly and truthfully, cite no sources, \
                   and never invent facts. "
-        .repeat(6);
+        .repeat(8);
     let branch = "The user is a gardener in a dry climate who asks about plants, soil, water \
                   and the seasons; keep answers practical. "
         .repeat(3);

@@ -6,7 +6,7 @@ use crate::cuda_runner::{CudaCacheOptions, CudaModel, CudaRunner, SampledRow, Sa
 use pagoda_cuda::CudaError;
 use pagoda_models::config::ModelConfig;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model};
-use pagoda_ops::attention::{AttentionPath, KvCacheTypes, DEFAULT_CHUNK_TOKENS};
+use pagoda_ops::attention::{AttentionPath, CascadeRule, KvCacheTypes, DEFAULT_CHUNK_TOKENS};
 use pagoda_ops::sampling::AnySampler;
 
 use crate::cpu_pool::{CpuPoolCounters, CpuPools, CpuThreadsMode, StepShape};
@@ -202,6 +202,7 @@ impl Runner {
         kv_types: KvCacheTypes,
         cpu_threads: CpuThreadsMode,
         split_kv_chunk_tokens: usize,
+        cascade: Option<CascadeRule>,
     ) -> Result<Runner, CudaError> {
         match backend {
             Backend::Cpu(mut model) => {
@@ -215,6 +216,19 @@ impl Runner {
                     });
                 }
                 model.set_split_kv_chunk_tokens(tokens);
+                static LOGGED_CASCADE: std::sync::Once = std::sync::Once::new();
+                LOGGED_CASCADE.call_once(|| match cascade {
+                    Some(rule) => tracing::info!(
+                        "CPU cascade attention: on (decode rows of {}+ requests sharing {}+ \
+                         prompt tokens, saving {}+ token reads, read each shared chunk once; \
+                         same bits as off)",
+                        rule.min_members.max(2),
+                        rule.min_shared_tokens,
+                        rule.min_saved_tokens
+                    ),
+                    None => tracing::info!("CPU cascade attention: off"),
+                });
+                model.set_cascade(cascade);
                 let pools = CpuPools::new(cpu_threads);
                 let kv = model
                     .new_kv_cache(cache.num_pages, cache.page_size, kv_types.k, kv_types.v)

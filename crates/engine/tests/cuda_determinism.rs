@@ -66,6 +66,7 @@ impl Setup<'_> {
             cuda_warmup: false,
             cpu_threads: CpuThreadsMode::Auto,
             split_kv_chunk_tokens: 256,
+            cascade: None,
             speculation: Default::default(),
             cuda_kernels: CudaKernels {
                 deterministic: self.deterministic,

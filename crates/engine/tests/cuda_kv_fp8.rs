@@ -57,6 +57,7 @@ fn engine(
         cuda_warmup: true,
         cpu_threads: CpuThreadsMode::Auto,
         split_kv_chunk_tokens: 256,
+        cascade: None,
         speculation: Default::default(),
         cuda_kernels: CudaKernels::default(),
         masks_beside: true,

@@ -328,6 +328,7 @@ fn engine(
         cuda_warmup: true,
         cpu_threads: CpuThreadsMode::Auto,
         split_kv_chunk_tokens: 256,
+        cascade: None,
         speculation: Default::default(),
         cuda_kernels: CudaKernels {
             deterministic,

@@ -68,6 +68,7 @@ fn engine(
         cuda_warmup: false,
         cpu_threads: CpuThreadsMode::Auto,
         split_kv_chunk_tokens: 256,
+        cascade: None,
         speculation: SpeculationSettings {
             mode,
             rule,

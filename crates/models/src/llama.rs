@@ -7,8 +7,8 @@
 
 use pagoda_kv::{PageTable, Slot};
 use pagoda_ops::attention::{
-    plan_step, AttentionError, AttentionPath, KvLayout, KvPool, KvType, PagedKv, SplitKvChunking,
-    StepAttentionConfig, StepAttentionPlan, DEFAULT_CHUNK_TOKENS,
+    plan_step, record_cascade_step, AttentionError, AttentionPath, CascadeRule, KvLayout, KvPool,
+    KvType, PagedKv, SplitKvChunking, StepAttentionConfig, StepAttentionPlan, DEFAULT_CHUNK_TOKENS,
 };
 use pagoda_ops::collective::CollectiveError;
 use pagoda_ops::linear::Weight;
@@ -32,7 +32,8 @@ mod step;
 use mla::MlaWeights;
 use moe::{Experts, Mlp};
 pub use policy::{
-    split_kv_chunk_tokens, AttentionPolicy, AUTO_MIN_SPLIT_KV_TOKENS, SPLIT_KV_CHUNK_ENV_VAR,
+    cascade_rule, split_kv_chunk_tokens, AttentionPolicy, AUTO_CASCADE_RULE,
+    AUTO_MIN_SPLIT_KV_TOKENS, CASCADE_ENV_VAR, SPLIT_KV_CHUNK_ENV_VAR,
 };
 
 /// How weights are held in memory.
@@ -96,6 +97,9 @@ pub struct Model {
     rope: Rope,
     /// Visible tokens per split-KV chunk (a row's bits depend on it).
     split_kv_chunk_tokens: usize,
+    /// Cascade attention's rule (`None`: off): decode rows sharing whole chunks of leading
+    /// pages attend to them in one work item (same bits).
+    cascade: Option<CascadeRule>,
     /// The tensor-parallel group this model is one rank of (`config` is then the rank's:
     /// its share of the heads and widths); `None` for the whole model.
     parallel: Option<Parallel>,
@@ -289,6 +293,7 @@ impl Model {
             lm_head,
             rope,
             split_kv_chunk_tokens: DEFAULT_CHUNK_TOKENS,
+            cascade: None,
             parallel,
         })
     }
@@ -298,6 +303,12 @@ impl Model {
     /// use). `tokens` of 0 counts as 1.
     pub fn set_split_kv_chunk_tokens(&mut self, tokens: usize) {
         self.split_kv_chunk_tokens = tokens.max(1);
+    }
+
+    /// Sets cascade attention's rule (`None`, the default: off; see
+    /// [`cascade_rule`]). Outputs are the same bits either way.
+    pub fn set_cascade(&mut self, rule: Option<CascadeRule>) {
+        self.cascade = rule;
     }
 
     /// The model's configuration.
@@ -482,12 +493,17 @@ impl Model {
                 None => policy.min_split_kv_tokens(),
             },
         };
-        Ok(plan_step(
-            &paged,
-            batch.qo_indptr,
-            self.config.num_attention_heads,
-            &config,
-        )?)
+        let num_q_heads = self.config.num_attention_heads;
+        let plan = plan_step(&paged, batch.qo_indptr, num_q_heads, &config)?;
+        let Some(rule) = self.cascade.filter(|_| self.config.mla.is_none()) else {
+            return Ok(plan);
+        };
+        let plan = plan.with_cascade(batch.page_table, kv.layout.page_size, num_q_heads, &rule);
+        // Counted once per step, by the whole model or the group's leader.
+        if self.parallel.as_ref().is_none_or(|p| p.workers.is_some()) {
+            record_cascade_step(&plan.cascade_stats());
+        }
+        Ok(plan)
     }
 }
 

@@ -1,8 +1,8 @@
 //! The process-wide CPU kernel choices and counters of `/metrics` (`pagoda_cpu_kernels_info`
-//! through `pagoda_cpu_attention_kernel_info`), and the process-wide CUDA kernel counters
-//! `pagoda_cuda_moe_mma_launches_total`, `pagoda_cuda_moe_quant_launches_total` and
-//! `pagoda_cuda_moe_quant_dense_decodes_total`: read from
-//! `pagoda_ops`, not from the engine.
+//! through `pagoda_cpu_attention_kernel_info`, the cascade attention counters), and the
+//! process-wide CUDA kernel counters `pagoda_cuda_moe_mma_launches_total`,
+//! `pagoda_cuda_moe_quant_launches_total` and `pagoda_cuda_moe_quant_dense_decodes_total`: read
+//! from `pagoda_ops`, not from the engine.
 
 use std::fmt::Write;
 
@@ -132,6 +132,25 @@ pub(super) fn render(out: &mut String) {
          # TYPE pagoda_cpu_attention_kernel_info gauge\n\
          pagoda_cpu_attention_kernel_info{{kernel=\"{}\"}} 1",
         pagoda_ops::attention::AttentionKernel::selected().name()
+    );
+    let (steps, groups, shared, saved) = pagoda_ops::attention::cascade_counts();
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_cpu_cascade_steps_total CPU steps in which decode rows of several \
+         requests read shared prompt pages once (PAGODA_CASCADE_ATTENTION).\n\
+         # TYPE pagoda_cpu_cascade_steps_total counter\n\
+         pagoda_cpu_cascade_steps_total {steps}\n\
+         # HELP pagoda_cpu_cascade_groups_total Share groups of those steps (summed per step).\n\
+         # TYPE pagoda_cpu_cascade_groups_total counter\n\
+         pagoda_cpu_cascade_groups_total {groups}\n\
+         # HELP pagoda_cpu_cascade_shared_tokens_total Shared KV tokens read once for a whole \
+         group (per step; every layer reads them).\n\
+         # TYPE pagoda_cpu_cascade_shared_tokens_total counter\n\
+         pagoda_cpu_cascade_shared_tokens_total {shared}\n\
+         # HELP pagoda_cpu_cascade_saved_token_reads_total KV token reads the shared reads \
+         saved, per step and layer.\n\
+         # TYPE pagoda_cpu_cascade_saved_token_reads_total counter\n\
+         pagoda_cpu_cascade_saved_token_reads_total {saved}"
     );
     let _ = writeln!(
         out,

@@ -128,6 +128,15 @@ fn gauges_follow_the_snapshot() {
         .find_map(|line| line.strip_prefix("pagoda_cpu_silu_polynomial_calls_total "))
         .expect("the SiLU polynomial counter line");
     assert!(silu.parse::<u64>().unwrap() <= pagoda_ops::activation::silu_polynomial_calls());
+    let cascade_steps = pagoda_ops::attention::cascade_counts().0;
+    for name in ["steps", "groups", "shared_tokens", "saved_token_reads"] {
+        let value = text
+            .lines()
+            .find_map(|line| line.strip_prefix(&format!("pagoda_cpu_cascade_{name}_total ")))
+            .expect("a cascade counter line");
+        let value = value.parse::<u64>().unwrap();
+        assert!(name != "steps" || value <= cascade_steps);
+    }
     let kernel = pagoda_ops::attention::AttentionKernel::selected().name();
     assert!(text.contains(&format!(
         "pagoda_cpu_attention_kernel_info{{kernel=\"{kernel}\"}} 1\n"

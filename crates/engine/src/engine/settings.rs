@@ -10,8 +10,9 @@ use crate::counters::EngineCounters;
 use crate::cpu_pool::CpuThreadsMode;
 use crate::cuda_runner::CudaCacheOptions;
 use crate::speculation::SpeculationSettings;
-use pagoda_models::llama::split_kv_chunk_tokens;
+use pagoda_models::llama::{cascade_rule, split_kv_chunk_tokens};
 use pagoda_models::llama_cuda::CudaKernels;
+use pagoda_ops::attention::CascadeRule;
 use pagoda_ops::sampling::SamplerKind;
 
 /// Switches of an engine that the configuration sets.
@@ -26,6 +27,8 @@ pub struct EngineSettings {
     /// On the CPU, visible tokens per split-KV chunk (`PAGODA_SPLIT_KV_CHUNK_TOKENS`, default
     /// 256; a row's bits depend on it).
     pub split_kv_chunk_tokens: usize,
+    /// On the CPU, cascade attention's rule (`PAGODA_CASCADE_ATTENTION`; `None`: off).
+    pub cascade: Option<CascadeRule>,
     /// Speculative decoding (`--spec`, `--draft-max`, ...).
     pub speculation: SpeculationSettings,
     /// On CUDA, which kernels run where several do the job (prefill and decode attention,
@@ -50,6 +53,7 @@ impl EngineSettings {
             cuda_warmup: config.on("PAGODA_CUDA_WARMUP"),
             cpu_threads: CpuThreadsMode::from_config(config),
             split_kv_chunk_tokens: split_kv_chunk_tokens(config),
+            cascade: cascade_rule(config),
             speculation: SpeculationSettings::from_config(config),
             cuda_kernels: CudaKernels::from_config(config),
             masks_beside: config.on("PAGODA_STRUCTURED_MASKS_BESIDE"),
@@ -104,6 +108,7 @@ impl Engine {
             config.kv_types,
             settings.cpu_threads,
             settings.split_kv_chunk_tokens,
+            settings.cascade,
         )?;
         runner.log_kv_cache_once(config.kv_types, config.num_pages, config.page_size);
         if runner.is_cuda() {
@@ -170,11 +175,16 @@ mod tests {
         let defaults = EngineSettings::from_config(&resolved(&[]));
         assert!(defaults.prefix_caching && defaults.cuda_warmup);
         assert_eq!(defaults.cpu_threads, CpuThreadsMode::Auto);
+        assert_eq!(
+            defaults.cascade,
+            Some(pagoda_models::llama::AUTO_CASCADE_RULE)
+        );
         let env = [
             ("PAGODA_PREFIX_CACHING", "off"),
             ("PAGODA_CUDA_WARMUP", "off"),
             ("PAGODA_CPU_ADAPTIVE_THREADS", "one"),
             ("PAGODA_SPLIT_KV_CHUNK_TOKENS", "64"),
+            ("PAGODA_CASCADE_ATTENTION", "off"),
             ("PAGODA_SPEC", "ngram"),
             ("PAGODA_DRAFT_MAX", "5"),
             ("PAGODA_TENSOR_PARALLEL_SIZE", "4"),
@@ -185,6 +195,7 @@ mod tests {
             cuda_warmup: false,
             cpu_threads: CpuThreadsMode::One,
             split_kv_chunk_tokens: 64,
+            cascade: None,
             speculation: SpeculationSettings {
                 mode: crate::speculation::SpeculationMode::Ngram,
                 draft_max: 5,

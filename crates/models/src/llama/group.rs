@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use pagoda_kv::{PageTable, Slot};
-use pagoda_ops::attention::KvType;
+use pagoda_ops::attention::{CascadeRule, KvType};
 use pagoda_ops::collective::{Communicator, LocalGroup};
 
 use super::{step, AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
@@ -32,6 +32,7 @@ struct Job {
     /// The leader's KV cache shape: `(num_pages, page_size, k_type, v_type)`.
     kv: (usize, usize, KvType, KvType),
     split_kv_chunk_tokens: usize,
+    cascade: Option<CascadeRule>,
 }
 
 /// The leader's handles on its worker ranks.
@@ -50,6 +51,7 @@ impl Workers {
         policy: AttentionPolicy,
         head: step::Head,
         split_kv_chunk_tokens: usize,
+        cascade: Option<CascadeRule>,
     ) {
         let (k_type, v_type) = kv.types();
         for jobs in &self.jobs {
@@ -64,6 +66,7 @@ impl Workers {
                 head,
                 kv: (kv.layout.num_pages, kv.layout.page_size, k_type, v_type),
                 split_kv_chunk_tokens,
+                cascade,
             };
             // A worker that is gone is reported by `collect`.
             let _ = jobs.send(job);
@@ -171,6 +174,7 @@ fn worker(
         }
         let Some(cache) = kv.as_mut() else { continue };
         model.set_split_kv_chunk_tokens(job.split_kv_chunk_tokens);
+        model.set_cascade(job.cascade);
         let batch = ForwardBatch {
             tokens: &job.tokens,
             positions: &job.positions,

@@ -159,7 +159,8 @@ impl Model {
         let Some(workers) = workers else {
             return self.run_rank(batch, kv, policy, head);
         };
-        workers.dispatch(batch, kv, policy, head, self.split_kv_chunk_tokens);
+        let chunk_tokens = self.split_kv_chunk_tokens;
+        workers.dispatch(batch, kv, policy, head, chunk_tokens, self.cascade);
         let leader = self.run_rank(batch, kv, policy, head);
         let others = workers.collect();
         let output = leader?;

@@ -1,7 +1,7 @@
 //! How a forward pass routes attention: the auto threshold between gather and split-KV, and
 //! the split-KV chunk size.
 
-use pagoda_ops::attention::{AttentionPath, DEFAULT_CHUNK_TOKENS};
+use pagoda_ops::attention::{AttentionPath, CascadeRule, DEFAULT_CHUNK_TOKENS};
 
 /// The environment variable that overrides the split-KV chunk size (a positive number of
 /// tokens; for measurement: a row's bits depend on it).
@@ -14,6 +14,35 @@ pub fn split_kv_chunk_tokens(config: &pagoda_config::Config) -> usize {
     config
         .number(SPLIT_KV_CHUNK_ENV_VAR)
         .map_or(DEFAULT_CHUNK_TOKENS, |tokens| tokens as usize)
+}
+
+/// The environment variable of cascade attention on the CPU: `off`, `on` (any two decode
+/// rows sharing a whole split-KV chunk of leading pages read it once) or `auto`
+/// ([`AUTO_CASCADE_RULE`]).
+pub const CASCADE_ENV_VAR: &str = "PAGODA_CASCADE_ATTENTION";
+
+/// `auto`'s rule: a group's shared chunks run as cascade items when it saves at least 1024
+/// token reads per layer (`(members - 1) * shared tokens`: 2 rows behind 1024 shared
+/// tokens, 5 behind 256). Measured on the 2-core Xeon, default model, f32 KV
+/// (`docs/benchmark_results/cpu-cascade-attention-xeon-2026-12-06.md`): 1.35x at 16 rows
+/// behind 256 tokens, 2.0-2.3x at 4 behind 1024, 1.4-2.1x at 4 behind 4096, 2.6x at 16 behind
+/// 4096; 2 rows behind 256 (256 reads saved) was within the machine's noise, so it is left
+/// out.
+pub const AUTO_CASCADE_RULE: CascadeRule = CascadeRule {
+    min_members: 2,
+    min_shared_tokens: 256,
+    min_saved_tokens: 1024,
+};
+
+/// Cascade attention's rule in `config` ([`CASCADE_ENV_VAR`]): `None` for off. Outputs are
+/// the same bits whatever it says (`pagoda_ops::attention::StepAttentionPlan::with_cascade`),
+/// so it is a speed choice only and holds in the reproducible default.
+pub fn cascade_rule(config: &pagoda_config::Config) -> Option<CascadeRule> {
+    match config.word(CASCADE_ENV_VAR) {
+        "on" => Some(CascadeRule::ANY),
+        "auto" => Some(AUTO_CASCADE_RULE),
+        _ => None,
+    }
 }
 
 /// Auto's threshold, in visible tokens: a query row that sees at least this many tokens runs

@@ -1,8 +1,10 @@
 //! The CPU implementation of attention (f32): K/V append, the gather baseline, split-KV
-//! decode with its LSE merge, the batch-invariant step, and the chunk kernels (scalar,
+//! decode with its LSE merge, the batch-invariant step with its cascade items over shared
+//! prefix pages, and the chunk kernels (scalar,
 //! AVX2, AVX-512, NEON) chosen by [`kernel::AttentionKernel`].
 
 pub(crate) mod append;
+pub(crate) mod cascade;
 mod chunk;
 pub(crate) mod decode;
 pub(crate) mod gather;

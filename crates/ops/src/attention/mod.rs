@@ -40,6 +40,7 @@ mod plan;
 mod validate;
 
 pub use cpu::append::{append_kv, append_kv_pool};
+pub use cpu::cascade::{cascade_counts, record_cascade_step, CascadeRule, CascadeStats};
 pub use cpu::decode::{decode_partial, split_kv_decode, split_kv_decode_into, DecodeWorkspace};
 pub use cpu::gather::gather_attention;
 pub use cpu::kernel::{AttentionKernel, ATTENTION_KERNEL_ENV_VAR};

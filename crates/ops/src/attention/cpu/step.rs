@@ -24,6 +24,7 @@
 
 use rayon::prelude::*;
 
+use super::cascade::CascadePlan;
 use super::chunk::{HeadTask, MAX_ITEM_HEADS};
 use super::gather::attend_rows;
 use super::kernel::{self, AttentionKernel};
@@ -98,8 +99,8 @@ struct GatherSegment {
 
 /// One split-KV row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct SplitRow {
-    request: usize,
+pub(super) struct SplitRow {
+    pub(super) request: usize,
     /// Its query row (index into `[T]`).
     row: usize,
     /// Its visible tokens.
@@ -111,20 +112,23 @@ struct SplitRow {
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepAttentionPlan {
     /// `[B + 1]`, the batch's `qo_indptr` the plan was made for.
-    qo_indptr: Vec<u32>,
+    pub(super) qo_indptr: Vec<u32>,
     /// `[B]`, the page table's `seq_lens` the plan was made for.
     seq_lens: Vec<u32>,
     gather_segments: Vec<GatherSegment>,
-    split_rows: Vec<SplitRow>,
+    pub(super) split_rows: Vec<SplitRow>,
     /// `[num_split_rows + 1]`: chunks of split row `s` are `chunk_indptr[s]..[s + 1]`.
-    chunk_indptr: Vec<u32>,
+    pub(super) chunk_indptr: Vec<u32>,
     /// `[num_chunks]`: visible-token range of each chunk, in tile order per row.
-    chunk_tokens: Vec<(u32, u32)>,
+    pub(super) chunk_tokens: Vec<(u32, u32)>,
     /// Split rows of each block: `block_rows[b]..block_rows[b + 1]`.
-    block_rows: Vec<usize>,
-    num_kv_heads: usize,
+    pub(super) block_rows: Vec<usize>,
+    pub(super) num_kv_heads: usize,
     /// Instruction set of the split-KV chunk kernel.
     kernel: AttentionKernel,
+    /// Chunks shared by decode rows of several requests ([`StepAttentionPlan::with_cascade`];
+    /// empty: none).
+    pub(super) cascade: CascadePlan,
 }
 
 /// Routes every query row of the batch (`qo_indptr [B + 1]` over the page table `kv`) by
@@ -159,6 +163,7 @@ pub fn plan_step(
         block_rows: vec![0],
         num_kv_heads: kv.layout.num_kv_heads,
         kernel: AttentionKernel::selected(),
+        cascade: CascadePlan::default(),
     };
     let mut block_chunks = 0usize;
     for request in 0..table.num_requests() {
@@ -344,8 +349,9 @@ pub fn step_attention(
     )?;
     workspace.fit(plan, num_q_heads, head_dim);
 
-    for block in plan.block_rows.windows(2) {
-        split_block(kv, queries, plan, block[0]..block[1], scale, workspace, out)?;
+    for (index, block) in plan.block_rows.windows(2).enumerate() {
+        let rows = block[0]..block[1];
+        split_block(kv, queries, plan, index, rows, scale, workspace, out)?;
     }
 
     // Gather segments: disjoint row ranges of `out`, in row order.
@@ -387,14 +393,26 @@ struct SharedPartials {
 // outlive the parallel pass that uses them.
 unsafe impl Sync for SharedPartials {}
 
-/// Split-KV rows `rows` of `plan`: the partial pass, the per-row merge in chunk order, then a
-/// copy of each merged row into `out`. A work item is one `(group of rows, chunk, kv_head)`:
-/// up to `MAX_ITEM_HEADS / n_rep` consecutive rows of one request (prefill rows) against
-/// their shared chunk, each row's heads of that KV head ending at the row's own visible end.
+/// One work item of [`split_block`], for one KV head.
+enum Item {
+    /// Consecutive split rows of one request against their chunk `chunk`.
+    Rows(std::ops::Range<usize>, usize),
+    /// A cascade item: shared chunk `index` of the block (every member's heads).
+    Shared(usize),
+}
+
+/// Split-KV rows `rows` (block `block`) of `plan`: the partial pass, the per-row merge in
+/// chunk order, then a copy of each merged row into `out`. A work item is one `(group of
+/// rows, chunk, kv_head)`: up to `MAX_ITEM_HEADS / n_rep` consecutive rows of one request
+/// (prefill rows) against their shared chunk, each row's heads of that KV head ending at the
+/// row's own visible end; or one cascade item, the decode rows of several requests against
+/// a chunk of their shared pages.
+#[allow(clippy::too_many_arguments)]
 fn split_block(
     kv: &PagedKv<'_>,
     queries: &QueryBatch<'_>,
     plan: &StepAttentionPlan,
+    block: usize,
     rows: std::ops::Range<usize>,
     scale: f32,
     workspace: &mut StepWorkspace,
@@ -423,23 +441,43 @@ fn split_block(
         {
             last += 1;
         }
-        let group_chunks = plan.chunk_range(last - 1..last).len();
-        for chunk in 0..group_chunks {
-            items.extend((0..num_kv_heads).map(|kv_head| (first..last, chunk, kv_head)));
+        let last_chunks = plan.chunk_range(last - 1..last);
+        for chunk in 0..last_chunks.len() {
+            // A cascade item computes it (only decode rows, groups of one row, are shared).
+            if plan.cascade.is_shared(last_chunks.start + chunk) {
+                continue;
+            }
+            items
+                .extend((0..num_kv_heads).map(|kv_head| (Item::Rows(first..last, chunk), kv_head)));
         }
         first = last;
+    }
+    let shared = plan.cascade.block(block);
+    for index in 0..shared.len() {
+        items.extend((0..num_kv_heads).map(|kv_head| (Item::Shared(index), kv_head)));
     }
 
     let partials = SharedPartials {
         v: partial_v.as_mut_ptr(),
         lse: lse.as_mut_ptr(),
     };
-    items.par_iter().for_each(|(group, chunk, kv_head)| {
-        let (chunk, kv_head) = (*chunk, *kv_head);
+    items.par_iter().for_each(|(item, kv_head)| {
+        let kv_head = *kv_head;
         let partials = &partials;
-        let mut tasks: Vec<HeadTask<'_>> = Vec::with_capacity(group.len() * n_rep);
+        let rows: Vec<usize>;
+        let (members, chunk, request) = match item {
+            Item::Rows(group, chunk) => {
+                rows = group.clone().collect();
+                (&rows[..], *chunk, None)
+            }
+            Item::Shared(index) => {
+                let shared = &shared[*index];
+                (&shared.members[..], shared.chunk, Some(shared.request))
+            }
+        };
+        let mut tasks: Vec<HeadTask<'_>> = Vec::with_capacity(members.len() * n_rep);
         let mut start = 0;
-        for split in group.clone() {
+        for &split in members {
             let row_chunks = plan.chunk_range(split..split + 1);
             if chunk >= row_chunks.len() {
                 continue;
@@ -467,7 +505,7 @@ fn split_block(
                 });
             }
         }
-        let request = plan.split_rows[group.start].request;
+        let request = request.unwrap_or(plan.split_rows[members[0]].request);
         kernel::attend_heads(plan.kernel, kv, request, kv_head, start, scale, &mut tasks);
     });
     let o_indptr: Vec<u32> = plan.chunk_indptr[rows.start..=rows.end]

@@ -165,6 +165,7 @@ fn run_schedule(
             qo_indptr: &qo_indptr,
             page_table: &page_table,
             logits_for: &logits_for,
+            sparse: &[],
         };
         steps.push(forward(&batch));
     }

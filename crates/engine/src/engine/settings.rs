@@ -12,6 +12,7 @@ use crate::cuda_runner::CudaCacheOptions;
 use crate::speculation::SpeculationSettings;
 use pagoda_models::llama::split_kv_chunk_tokens;
 use pagoda_models::llama_cuda::CudaKernels;
+use pagoda_ops::attention::SparseAttention;
 use pagoda_ops::sampling::SamplerKind;
 
 /// Switches of an engine that the configuration sets.
@@ -40,6 +41,10 @@ pub struct EngineSettings {
     /// Ranks the model is split over (`-tp`, `PAGODA_TENSOR_PARALLEL_SIZE`, default 1; on the
     /// CPU `load_backend` starts them as threads, and the engine drives the leader).
     pub tensor_parallel_size: usize,
+    /// Sparse decode (Quest page selection, `--sparse-attention`, `PAGODA_SPARSE_ATTENTION`,
+    /// default off): every request's settings unless its body says otherwise; `None`: off,
+    /// and no key summaries are kept.
+    pub sparse_attention: Option<SparseAttention>,
 }
 
 impl EngineSettings {
@@ -57,6 +62,10 @@ impl EngineSettings {
             tensor_parallel_size: config
                 .number("PAGODA_TENSOR_PARALLEL_SIZE")
                 .map_or(1, |size| size as usize),
+            // The CLI refuses a bad value at start (`configure`); here it reads as off.
+            sparse_attention: config
+                .text("PAGODA_SPARSE_ATTENTION")
+                .and_then(|text| SparseAttention::parse(text).ok().flatten()),
         }
     }
 }
@@ -105,6 +114,9 @@ impl Engine {
             settings.cpu_threads,
             settings.split_kv_chunk_tokens,
         )?;
+        let mut runner = runner;
+        let mut settings = settings;
+        settings.sparse_attention = super::sparse::enable(&mut runner, &settings);
         runner.log_kv_cache_once(config.kv_types, config.num_pages, config.page_size);
         if runner.is_cuda() {
             static LOGGED_SAMPLING: std::sync::Once = std::sync::Once::new();

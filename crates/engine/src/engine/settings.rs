@@ -181,6 +181,7 @@ mod tests {
     fn the_engine_takes_the_switches_it_is_given() {
         let defaults = EngineSettings::from_config(&resolved(&[]));
         assert!(defaults.prefix_caching && defaults.cuda_warmup);
+        assert_eq!(defaults.sparse_attention, None);
         assert_eq!(defaults.cpu_threads, CpuThreadsMode::Auto);
         let env = [
             ("PAGODA_PREFIX_CACHING", "off"),
@@ -190,6 +191,7 @@ mod tests {
             ("PAGODA_SPEC", "ngram"),
             ("PAGODA_DRAFT_MAX", "5"),
             ("PAGODA_TENSOR_PARALLEL_SIZE", "4"),
+            ("PAGODA_SPARSE_ATTENTION", "budget=512,window=32"),
         ];
         let settings = EngineSettings::from_config(&resolved(&env));
         let expected = EngineSettings {
@@ -206,6 +208,7 @@ mod tests {
             masks_beside: true,
             device_masks: true,
             tensor_parallel_size: 4,
+            sparse_attention: Some(SparseAttention::new(512, 32, 2048).unwrap()),
         };
         assert_eq!(settings, expected);
 

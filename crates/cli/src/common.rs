@@ -30,6 +30,10 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// setting gets a warning.
 pub fn configure(flags: &[FlagValue]) -> Result<()> {
     let config = Config::from_process(flags).map_err(|e| anyhow::anyhow!("{e}"))?;
+    if let Some(text) = config.text("PAGODA_SPARSE_ATTENTION") {
+        pagoda_ops::attention::SparseAttention::parse(text)
+            .map_err(|e| anyhow::anyhow!("--sparse-attention / PAGODA_SPARSE_ATTENTION: {e}"))?;
+    }
     for warning in config.unknown_variable_warnings() {
         tracing::warn!("{warning}");
     }

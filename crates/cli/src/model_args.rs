@@ -47,6 +47,15 @@ pub struct ModelArgs {
     /// (CUDA); `auto` leaves -ctk/-ctv as they are. Also $PAGODA_KV_CACHE_DTYPE.
     #[arg(long = "kv-cache-dtype", value_name = "auto|fp8|fp8_e4m3")]
     pub kv_cache_dtype: Option<String>,
+    /// Sparse decode (CPU): `budget=N,window=W,min-context=C` (any subset; `on`: the defaults
+    /// 1024, 128, 2048). Long decode rows attend to the first page, the recent window and the
+    /// pages whose key summaries promise the highest scores, within the token budget
+    /// (Quest). Requests may override it (`sparse_attention`). Also $PAGODA_SPARSE_ATTENTION.
+    #[arg(
+        long = "sparse-attention",
+        value_name = "budget=N,window=W,min-context=C"
+    )]
+    pub sparse_attention: Option<String>,
     /// Where to run: `auto` (a CUDA GPU when this build has CUDA and one is usable, else the
     /// CPU, saying why in one line), `cpu` or `cuda`.
     #[arg(long, default_value = "auto")]
@@ -173,6 +182,11 @@ pub fn model_flag_values(args: &ModelArgs) -> Vec<FlagValue> {
         "PAGODA_CUDA_GRAPHS",
         "--enforce-eager",
         args.enforce_eager.then(|| "off".to_owned()),
+    );
+    push(
+        "PAGODA_SPARSE_ATTENTION",
+        "--sparse-attention",
+        args.sparse_attention.clone(),
     );
     push("PAGODA_SPEC", "--spec", args.spec.clone());
     push(

@@ -154,6 +154,7 @@ impl LLMEngine for PagodaEngine {
             top_logprobs: None,
             logit_bias: Vec::new(),
             constraint: None,
+            sparse_attention: None,
             events,
         };
         self.handle()?.submit(job).map_err(|e| {

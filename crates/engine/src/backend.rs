@@ -241,6 +241,18 @@ impl Runner {
         }
     }
 
+    /// Keeps the key summaries of sparse decode in the CPU KV cache; their bytes (0 on CUDA).
+    pub(crate) fn enable_key_summaries(&mut self) -> usize {
+        match self {
+            Runner::Cpu { kv, .. } => {
+                let before = kv.size_bytes();
+                kv.enable_key_summaries();
+                kv.size_bytes() - before
+            }
+            Runner::Cuda { .. } => 0,
+        }
+    }
+
     /// Logs the KV cache's types and size once per process (INFO).
     pub(crate) fn log_kv_cache_once(&self, types: KvCacheTypes, pages: usize, page_size: usize) {
         static LOGGED: std::sync::Once = std::sync::Once::new();

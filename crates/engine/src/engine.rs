@@ -21,6 +21,7 @@ mod embed;
 mod masks;
 mod request;
 mod settings;
+mod sparse;
 mod speculate;
 mod warmup;
 
@@ -117,6 +118,8 @@ pub enum EngineError {
     Warmup(pagoda_cuda::CudaError),
     #[error("{0}")]
     KvCacheType(String),
+    #[error("{0}")]
+    SparseAttention(String),
     #[error("internal error (please report): {0}")]
     Internal(String),
 }
@@ -343,6 +346,7 @@ impl Engine {
         let qo_indptr = plan.qo_indptr();
         let logits_for = plan.logits_for();
         let ids = plan.sampling_ids();
+        let sparse = self.step_sparse(&plan);
         let drafts: Vec<usize> = plan
             .sequences
             .iter()
@@ -373,6 +377,7 @@ impl Engine {
                     qo_indptr: &qo_indptr,
                     page_table: &page_table,
                     logits_for: &logits_for,
+                    sparse: &sparse,
                 };
                 let rows = device_rows.as_deref();
                 if !beside {

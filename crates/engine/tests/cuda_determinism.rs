@@ -75,6 +75,7 @@ impl Setup<'_> {
             masks_beside: true,
             device_masks: true,
             tensor_parallel_size: 1,
+            sparse_attention: None,
         };
         Engine::with_settings(model, config, settings).unwrap()
     }

@@ -255,6 +255,7 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
                         qo_indptr: &[0, count as u32],
                         page_table: &page_table,
                         logits_for: &[count - 1],
+                        sparse: &[],
                     };
                     let logits = cpu
                         .forward(&batch, &mut cpu_kv, AttentionPolicy::Auto)

@@ -63,6 +63,7 @@ fn engine(
         masks_beside: true,
         device_masks: true,
         tensor_parallel_size: 1,
+        sparse_attention: None,
     };
     Engine::with_settings(model, config, settings).map_err(|e| e.to_string())
 }

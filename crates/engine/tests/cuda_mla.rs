@@ -337,6 +337,7 @@ fn engine(
         masks_beside: true,
         device_masks: true,
         tensor_parallel_size: 1,
+        sparse_attention: None,
     };
     Engine::with_settings(model, config, settings).unwrap()
 }

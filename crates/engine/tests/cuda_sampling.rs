@@ -217,6 +217,7 @@ impl Step {
             qo_indptr: &self.qo_indptr,
             page_table: &self.page_table,
             logits_for: &self.logits_for,
+            sparse: &[],
         }
     }
 }

@@ -84,6 +84,7 @@ fn engine(
         masks_beside: true,
         device_masks: true,
         tensor_parallel_size: 1,
+        sparse_attention: None,
     };
     let load =
         |dtype| CudaModel::load(config(), weights, gpu.clone(), dtype, &mut |_, _| {}).unwrap();

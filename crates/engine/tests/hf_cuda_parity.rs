@@ -157,6 +157,7 @@ fn run_sequence(
             qo_indptr: &[0, count as u32],
             page_table: &page_table,
             logits_for: &logits_for,
+            sparse: &[],
         };
         rows.extend(forward(&batch)?);
     }

@@ -94,6 +94,7 @@ fn logits(
             qo_indptr: &[0, chunk.len() as u32],
             page_table: &page_table,
             logits_for: &logits_for,
+            sparse: &[],
         };
         let output = model
             .forward(&batch, &mut kv, AttentionPolicy::Force(path))

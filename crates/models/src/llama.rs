@@ -7,8 +7,9 @@
 
 use pagoda_kv::{PageTable, Slot};
 use pagoda_ops::attention::{
-    plan_step, record_cascade_step, AttentionError, AttentionPath, CascadeRule, KvLayout, KvPool,
-    KvType, PagedKv, SplitKvChunking, StepAttentionConfig, StepAttentionPlan, DEFAULT_CHUNK_TOKENS,
+    plan_step, record_cascade_step, AttentionError, AttentionPath, CascadeRule, KeySummaries,
+    KvLayout, KvPool, KvType, PagedKv, SparseAttention, SplitKvChunking, StepAttentionConfig,
+    StepAttentionPlan, DEFAULT_CHUNK_TOKENS,
 };
 use pagoda_ops::collective::CollectiveError;
 use pagoda_ops::linear::Weight;
@@ -113,6 +114,9 @@ pub struct KvCache {
     pub layout: KvLayout,
     k: Vec<KvPool>,
     v: Vec<KvPool>,
+    /// Per layer, the key summaries of sparse decode (empty unless
+    /// [`KvCache::enable_key_summaries`] ran).
+    summaries: Vec<KeySummaries>,
 }
 
 impl KvCache {
@@ -141,6 +145,7 @@ impl KvCache {
             v: (0..num_layers)
                 .map(|_| KvPool::zeros(v_type, elements))
                 .collect(),
+            summaries: Vec::new(),
         })
     }
 
@@ -158,7 +163,27 @@ impl KvCache {
                 .map(|_| KvPool::zeros(k_type, layout.pool_len()))
                 .collect(),
             v: Vec::new(),
+            summaries: Vec::new(),
         })
+    }
+
+    /// Allocates the key summaries of sparse decode (per layer and page, the min and max of
+    /// each KV head's keys; `2 / page_size` of an f32 K pool), kept up to date by every later
+    /// append. A latent cache (no V pools) gets none: sparse decode covers grouped-query
+    /// attention. Keys already written are not summarized: call it before the first step.
+    pub fn enable_key_summaries(&mut self) {
+        if self.summaries.is_empty() && !self.v.is_empty() {
+            self.summaries = self
+                .k
+                .iter()
+                .map(|_| KeySummaries::new(&self.layout))
+                .collect();
+        }
+    }
+
+    /// Whether the key summaries of sparse decode are kept.
+    pub fn has_key_summaries(&self) -> bool {
+        !self.summaries.is_empty()
     }
 
     /// The element types of the K and V pools.
@@ -169,7 +194,16 @@ impl KvCache {
 
     /// Bytes held by the pools.
     pub fn size_bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(KvPool::size_bytes).sum()
+        self.k
+            .iter()
+            .chain(&self.v)
+            .map(KvPool::size_bytes)
+            .sum::<usize>()
+            + self
+                .summaries
+                .iter()
+                .map(KeySummaries::size_bytes)
+                .sum::<usize>()
     }
 
     /// Bytes of `num_layers` layers' K and V pools of `layout` with these element types.
@@ -202,6 +236,9 @@ pub struct ForwardBatch<'a> {
     pub page_table: &'a PageTable,
     /// Indices (into `tokens`) whose logits are returned, in order.
     pub logits_for: &'a [usize],
+    /// `[num_requests]` (or empty: all dense): each request's sparse decode settings, used
+    /// where the KV cache keeps key summaries ([`KvCache::enable_key_summaries`]).
+    pub sparse: &'a [Option<SparseAttention>],
 }
 
 impl Model {
@@ -429,7 +466,9 @@ impl Model {
                 "logits requested for token {t} of {num_tokens}"
             )));
         }
+        let sparse_config = self.sparse_step_config(batch, kv, policy);
         let mut step = step::CpuStep::new(self, batch, kv, &plan, head);
+        step.set_sparse(sparse_config);
         if c.mla.is_some() {
             deepseek_layers(&mut step, &self.layers)?;
         } else if c.moe.is_some() {
@@ -464,6 +503,26 @@ pub fn global_pool_threads() -> usize {
 }
 
 impl Model {
+    /// The routing configuration of a step's sparse layers when any request of `batch` asks
+    /// for sparse decode and `kv` keeps key summaries (grouped-query attention only).
+    fn sparse_step_config(
+        &self,
+        batch: &ForwardBatch<'_>,
+        kv: &KvCache,
+        policy: AttentionPolicy,
+    ) -> Option<StepAttentionConfig> {
+        let wanted = batch.sparse.iter().any(Option::is_some);
+        (wanted && kv.has_key_summaries() && self.config.mla.is_none()).then(|| {
+            StepAttentionConfig {
+                chunking: SplitKvChunking::new(
+                    self.config.num_kv_heads,
+                    self.split_kv_chunk_tokens,
+                ),
+                min_split_kv_tokens: policy.min_split_kv_tokens(),
+            }
+        })
+    }
+
     /// The step's attention routing (made once per step, reused by every layer). A split-KV
     /// row is cut into chunks of [`Model::set_split_kv_chunk_tokens`] visible tokens from its first one,
     /// a function of position only: a row's logits are the same bits whatever the batch and

@@ -111,6 +111,7 @@ fn step(
         qo_indptr: &qo_indptr,
         page_table: &page_table,
         logits_for: &logits_for,
+        sparse: &[],
     };
     let output = model.forward(&batch, kv, policy).unwrap();
     let vocab = model.config().vocab_size;

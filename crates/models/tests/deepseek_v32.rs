@@ -204,6 +204,7 @@ impl<'m> Run<'m> {
             qo_indptr: &qo_indptr,
             page_table: &page_table,
             logits_for: &logits_for,
+            sparse: &[],
         };
         let output = self
             .model

@@ -200,6 +200,7 @@ fn logits(dir: &Path, tokens: &[u32]) -> Vec<f32> {
         qo_indptr: &[0, tokens.len() as u32],
         page_table: &page_table,
         logits_for: &logits_for,
+        sparse: &[],
     };
     let policy = AttentionPolicy::Force(AttentionPath::Gather);
     model.forward(&batch, &mut kv, policy).unwrap().logits

@@ -87,6 +87,7 @@ fn teacher_forced_logprobs(
         qo_indptr: &[0, tokens.len() as u32],
         page_table: &page_table,
         logits_for: &logits_for,
+        sparse: &[],
     };
     let output = model.forward(&batch, &mut kv, policy).unwrap();
     let vocab = model.config().vocab_size;

@@ -131,6 +131,7 @@ fn run_model(model: &Model, group: &dyn Communicator) -> Vec<StepRecord> {
             qo_indptr: &qo_indptr,
             page_table: &page_table,
             logits_for: &logits_for,
+            sparse: &[],
         };
         let slices = model
             .forward(&batch, &mut kv, AttentionPolicy::Auto)

@@ -21,6 +21,7 @@ pub mod readiness;
 pub mod request;
 pub mod routes;
 pub mod session;
+pub mod sparse;
 pub mod stop;
 pub mod structured;
 pub mod tls;

@@ -1,13 +1,27 @@
 //! The process-wide CPU kernel choices and counters of `/metrics` (`pagoda_cpu_kernels_info`
-//! through `pagoda_cpu_attention_kernel_info`, the cascade attention counters), and the
-//! process-wide CUDA kernel counters `pagoda_cuda_moe_mma_launches_total`,
-//! `pagoda_cuda_moe_quant_launches_total` and `pagoda_cuda_moe_quant_dense_decodes_total`: read
-//! from `pagoda_ops`, not from the engine.
+//! through `pagoda_cpu_attention_kernel_info`, the cascade attention counters), sparse
+//! decode's counters (`pagoda_sparse_decode_*_total`), and the process-wide CUDA kernel counters
+//! `pagoda_cuda_moe_mma_launches_total`, `pagoda_cuda_moe_quant_launches_total` and
+//! `pagoda_cuda_moe_quant_dense_decodes_total`: read from `pagoda_ops`, not from the engine.
 
 use std::fmt::Write;
 
 /// Appends the CPU kernel lines to `out`.
 pub(super) fn render(out: &mut String) {
+    let sparse = pagoda_ops::attention::sparse_decode_counts();
+    let _ = writeln!(
+        out,
+        "# HELP pagoda_sparse_decode_steps_total Layer steps in which sparse decode (Quest page \
+         selection, --sparse-attention) shortened at least one request's page list.\n\
+         # TYPE pagoda_sparse_decode_steps_total counter\npagoda_sparse_decode_steps_total {}\n\
+         # HELP pagoda_sparse_decode_pages_scanned_total Pages scored by sparse decode.\n\
+         # TYPE pagoda_sparse_decode_pages_scanned_total counter\n\
+         pagoda_sparse_decode_pages_scanned_total {}\n\
+         # HELP pagoda_sparse_decode_pages_kept_total Pages sparse decode kept.\n\
+         # TYPE pagoda_sparse_decode_pages_kept_total counter\n\
+         pagoda_sparse_decode_pages_kept_total {}",
+        sparse.steps, sparse.pages_scanned, sparse.pages_kept
+    );
     let _ = writeln!(
         out,
         "# HELP pagoda_cpu_kernels_info The CPU matmul kernel set in use (PAGODA_CPU_KERNELS).\n\

@@ -80,6 +80,8 @@ pub struct Options {
     pub grammar: Option<(GrammarSpec, &'static str)>,
     /// Read tool calls out of the answer in this format (chat requests with `tools`).
     pub tool_format: Option<crate::tools::ToolFormat>,
+    /// `sparse_attention` (see `sparse.rs`): `None` the server's setting, `Some(None)` dense.
+    pub sparse_attention: Option<Option<pagoda_ops::attention::SparseAttention>>,
 }
 
 /// A parsed `POST /v1/chat/completions` body.
@@ -373,6 +375,7 @@ fn parse_options(
     })?;
     let logit_bias = parse_logit_bias(object)?;
     let grammar = crate::structured::parse(object)?;
+    let sparse_attention = crate::sparse::parse(object)?;
     Ok(Options {
         model,
         stream,
@@ -388,6 +391,7 @@ fn parse_options(
         best_of: n,
         grammar,
         tool_format: None,
+        sparse_attention,
     })
 }
 

@@ -357,6 +357,7 @@ async fn generate(
             top_logprobs,
             logit_bias: options.logit_bias.clone(),
             constraint,
+            sparse_attention: options.sparse_attention,
             events: sender,
         })?;
         let mut session = Session::new(

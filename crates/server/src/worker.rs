@@ -44,6 +44,9 @@ pub struct Job {
     pub logit_bias: Vec<(u32, f32)>,
     /// Structured output: the grammar the tokens must follow (boxed: a matcher is large).
     pub constraint: Option<Box<pagoda_grammar::Constraint>>,
+    /// Sparse decode for this request (`sparse_attention`): `None` the server's setting,
+    /// `Some(None)` dense.
+    pub sparse_attention: Option<Option<pagoda_ops::attention::SparseAttention>>,
     /// Where the loop sends this request's events; dropping the receiver cancels it.
     pub events: UnboundedSender<WorkerEvent>,
 }
@@ -439,6 +442,10 @@ impl<B: EngineBackend> Worker<B> {
                     self.backend.set_logit_bias(id, job.logit_bias)
                 };
                 biased
+                    .and_then(|()| match job.sparse_attention {
+                        Some(sparse) => self.backend.set_sparse_attention(id, sparse),
+                        None => Ok(()),
+                    })
                     .and_then(|()| match job.constraint {
                         Some(constraint) => self.backend.set_constraint(id, *constraint),
                         None => Ok(()),

@@ -381,6 +381,57 @@ async fn requests_that_can_never_run_are_400s_saying_what_to_change() {
 }
 
 #[tokio::test]
+async fn the_sparse_attention_field_is_accepted_and_bad_values_refused() {
+    let Some(h) = harness("Hello", Mode::Replay, |_| {}) else {
+        return;
+    };
+    for good in [
+        json!({"budget": 512, "window": 64, "min_context": 1024}),
+        json!({"budget": 256, "min-context": 0}),
+        json!(false),
+        json!(true),
+        Value::Null,
+    ] {
+        let body = json!({"prompt": "hi", "max_tokens": 2, "sparse_attention": good});
+        let (s, b) = call(&h.app, "/v1/completions", body.to_string(), None).await;
+        assert_eq!(s, StatusCode::OK, "{good}: {b}");
+    }
+    for bad in [
+        json!({"budget": 0}),
+        json!({"budget": 64, "window": 128}),
+        json!({"budget": "512"}),
+        json!({"depth": 3}),
+        json!("budget=512"),
+    ] {
+        let body =
+            json!({"messages": [{"role": "user", "content": "hi"}], "sparse_attention": bad});
+        let (s, b) = call(&h.app, "/v1/chat/completions", body.to_string(), None).await;
+        assert_eq!(
+            error_of(s, &b, StatusCode::BAD_REQUEST)["param"],
+            "sparse_attention",
+            "{bad}"
+        );
+    }
+    // A server without sparse decode refuses settings (and takes `false`).
+    let Some(plain) = harness("Hello", Mode::SmallPool, |_| {}) else {
+        return;
+    };
+    let body = json!({"prompt": "hi", "max_tokens": 2, "sparse_attention": {"budget": 512}});
+    let (s, b) = call(&plain.app, "/v1/completions", body.to_string(), None).await;
+    let error = error_of(s, &b, StatusCode::BAD_REQUEST);
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("--sparse-attention"),
+        "{b}"
+    );
+    let body = json!({"prompt": "hi", "max_tokens": 2, "sparse_attention": false});
+    let (s, b) = call(&plain.app, "/v1/completions", body.to_string(), None).await;
+    assert_eq!(s, StatusCode::OK, "{b}");
+}
+
+#[tokio::test]
 async fn a_queued_client_that_leaves_frees_its_place() {
     let words = (0..80)
         .map(|i| format!("w{i}"))

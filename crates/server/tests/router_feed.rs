@@ -51,6 +51,7 @@ fn generate(handle: &WorkerHandle, prompt: &[u32]) {
             top_logprobs: None,
             logit_bias: Vec::new(),
             constraint: None,
+            sparse_attention: None,
             events,
         })
         .unwrap();

@@ -525,6 +525,7 @@ mod tests {
             qo_indptr: &[0, 3],
             page_table: &table,
             logits_for: &[1, 2],
+            sparse: &[],
         };
         let greedy = Some(SamplingRowParams::greedy());
         assert!(validate_rows(&batch, &[greedy, None]).is_ok());

@@ -114,6 +114,7 @@ impl<T: HostFloat> TypedRunner<T> {
             qo_indptr: &[0],
             page_table: &empty_table,
             logits_for: &[],
+            sparse: &[],
         };
         let mut outcome = Ok(());
         for bucket in graph_buckets(limit) {

@@ -198,6 +198,7 @@ impl<T: HostFloat> TypedRunner<T> {
             qo_indptr: &qo_indptr,
             page_table: &page_table,
             logits_for: &logits_for,
+            sparse: &[],
         };
         if step == 2 {
             let Some(mut cache) = self.cache.take() else {
@@ -256,6 +257,7 @@ impl<T: HostFloat> TypedRunner<T> {
                 qo_indptr: &[0, bucket as u32],
                 page_table: &page_table,
                 logits_for: &[bucket - 1],
+                sparse: &[],
             };
             let Some(mut cache) = self.cache.take() else {
                 return captured;

@@ -105,6 +105,7 @@ impl Engine {
                 qo_indptr: &[0, (end - start) as u32],
                 page_table: &page_table,
                 logits_for: &rows,
+                sparse: &[],
             };
             let states = self
                 .runner

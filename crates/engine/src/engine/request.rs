@@ -28,6 +28,9 @@ pub(super) struct RequestState {
     pub(super) constraint: Option<Box<Constraint>>,
     /// Why the constraint ended the request early (a grammar that allows no token).
     pub(super) constraint_error: Option<String>,
+    /// Sparse decode's settings for this request ([`Engine::set_sparse_attention`](super::Engine::set_sparse_attention);
+    /// the engine's default at admission).
+    pub(super) sparse: Option<pagoda_ops::attention::SparseAttention>,
 }
 
 impl RequestState {
@@ -180,6 +183,7 @@ impl Engine {
                 guess_q: None,
                 constraint: None,
                 constraint_error: None,
+                sparse: self.settings.sparse_attention,
             },
         )
     }
@@ -208,6 +212,7 @@ impl Engine {
                 guess_q: None,
                 constraint: None,
                 constraint_error: None,
+                sparse: None,
             },
         )
     }

@@ -13,6 +13,7 @@ use crate::speculation::SpeculationSettings;
 use pagoda_models::llama::{cascade_rule, split_kv_chunk_tokens};
 use pagoda_models::llama_cuda::CudaKernels;
 use pagoda_ops::attention::CascadeRule;
+use pagoda_ops::attention::SparseAttention;
 use pagoda_ops::sampling::SamplerKind;
 
 /// Switches of an engine that the configuration sets.
@@ -43,6 +44,10 @@ pub struct EngineSettings {
     /// Ranks the model is split over (`-tp`, `PAGODA_TENSOR_PARALLEL_SIZE`, default 1; on the
     /// CPU `load_backend` starts them as threads, and the engine drives the leader).
     pub tensor_parallel_size: usize,
+    /// Sparse decode (Quest page selection, `--sparse-attention`, `PAGODA_SPARSE_ATTENTION`,
+    /// default off): every request's settings unless its body says otherwise; `None`: off,
+    /// and no key summaries are kept.
+    pub sparse_attention: Option<SparseAttention>,
 }
 
 impl EngineSettings {
@@ -61,6 +66,10 @@ impl EngineSettings {
             tensor_parallel_size: config
                 .number("PAGODA_TENSOR_PARALLEL_SIZE")
                 .map_or(1, |size| size as usize),
+            // The CLI refuses a bad value at start (`configure`); here it reads as off.
+            sparse_attention: config
+                .text("PAGODA_SPARSE_ATTENTION")
+                .and_then(|text| SparseAttention::parse(text).ok().flatten()),
         }
     }
 }
@@ -110,6 +119,9 @@ impl Engine {
             settings.split_kv_chunk_tokens,
             settings.cascade,
         )?;
+        let mut runner = runner;
+        let mut settings = settings;
+        settings.sparse_attention = super::sparse::enable(&mut runner, &settings);
         runner.log_kv_cache_once(config.kv_types, config.num_pages, config.page_size);
         if runner.is_cuda() {
             static LOGGED_SAMPLING: std::sync::Once = std::sync::Once::new();
@@ -146,7 +158,8 @@ impl Engine {
         Ok(engine)
     }
 
-    /// The switches this engine was made with.
+    /// The switches this engine was made with (sparse decode: `None` where the backend
+    /// does not serve it).
     pub fn settings(&self) -> EngineSettings {
         self.settings
     }
@@ -174,6 +187,7 @@ mod tests {
     fn the_engine_takes_the_switches_it_is_given() {
         let defaults = EngineSettings::from_config(&resolved(&[]));
         assert!(defaults.prefix_caching && defaults.cuda_warmup);
+        assert_eq!(defaults.sparse_attention, None);
         assert_eq!(defaults.cpu_threads, CpuThreadsMode::Auto);
         assert_eq!(
             defaults.cascade,
@@ -188,6 +202,7 @@ mod tests {
             ("PAGODA_SPEC", "ngram"),
             ("PAGODA_DRAFT_MAX", "5"),
             ("PAGODA_TENSOR_PARALLEL_SIZE", "4"),
+            ("PAGODA_SPARSE_ATTENTION", "budget=512,window=32"),
         ];
         let settings = EngineSettings::from_config(&resolved(&env));
         let expected = EngineSettings {
@@ -205,6 +220,7 @@ mod tests {
             masks_beside: true,
             device_masks: true,
             tensor_parallel_size: 4,
+            sparse_attention: Some(SparseAttention::new(512, 32, 2048).unwrap()),
         };
         assert_eq!(settings, expected);
 
@@ -227,7 +243,12 @@ mod tests {
             kv_types: Default::default(),
         };
         let engine = Engine::with_settings(model, config, settings).unwrap();
-        assert_eq!(engine.settings(), settings);
+        // Sparse decode is not served with tensor parallelism yet: the engine drops it.
+        let served = EngineSettings {
+            sparse_attention: None,
+            ..settings
+        };
+        assert_eq!(engine.settings(), served);
         assert!(!engine.prefix_caching());
         assert_eq!(engine.cpu_threads_mode(), Some(CpuThreadsMode::One));
         assert!(!engine.needs_warmup(), "the CPU never warms up");

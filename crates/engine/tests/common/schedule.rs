@@ -71,6 +71,7 @@ pub fn run_schedule(
             qo_indptr: &qo_indptr,
             page_table: &page_table,
             logits_for: &logits_for,
+            sparse: &[],
         };
         steps.push(forward(&batch));
     }

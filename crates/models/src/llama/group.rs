@@ -182,6 +182,7 @@ fn worker(
             qo_indptr: &job.qo_indptr,
             page_table: &job.page_table,
             logits_for: &job.logits_for,
+            sparse: &[],
         };
         let model = &model;
         let outcome = pool.install(|| model.run(&batch, cache, job.policy, job.head));

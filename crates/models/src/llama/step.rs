@@ -16,6 +16,7 @@ use crate::decoder::{DecoderStep, MoeStep};
 
 mod mla;
 mod mla_index;
+mod sparse;
 
 /// What the last step computes for the rows of `batch.logits_for`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +56,9 @@ pub(super) struct CpuStep<'a> {
     expert_scratch: ExpertScratch,
     /// Latent attention's buffers (DeepSeek), sized by its first step.
     mla: mla::MlaScratch,
+    /// Sparse decode's per-step state, when a request asked for it and the cache keeps key
+    /// summaries.
+    sparse: Option<sparse::SparseLayers>,
     /// `[logits_for.len(), vocab_size]` (or `hidden_size` with [`Head::Hidden`]), written by
     /// the last step.
     pub(super) logits: Vec<f32>,
@@ -110,8 +114,14 @@ impl<'a> CpuStep<'a> {
             routing: ExpertRouting::default(),
             expert_scratch: ExpertScratch::default(),
             mla: mla::MlaScratch::default(),
+            sparse: None,
             logits: Vec::new(),
         }
+    }
+
+    /// Turns sparse decode on for this step, with the dense step's routing `config`.
+    pub(super) fn set_sparse(&mut self, config: Option<attention::StepAttentionConfig>) {
+        self.sparse = config.map(sparse::SparseLayers::new);
     }
 
     fn num_tokens(&self) -> usize {
@@ -207,7 +217,11 @@ impl DecoderStep for CpuStep<'_> {
         let (k_pool, v_pool) = (&mut kv.k[index], &mut kv.v[index]);
         let (slots, k, v) = (self.batch.slots, &self.k, &self.v);
         profile::time(Op::KvAppend, || {
-            attention::append_kv_pool(k_pool, v_pool, &kv.layout, slots, k, v)
+            attention::append_kv_pool(k_pool, v_pool, &kv.layout, slots, k, v)?;
+            match kv.summaries.get_mut(index) {
+                Some(summaries) => summaries.update(k_pool.as_slice(), &kv.layout, slots),
+                None => Ok(()),
+            }
         })?;
         Ok(())
     }
@@ -226,6 +240,15 @@ impl DecoderStep for CpuStep<'_> {
         };
         let (plan, scale) = (self.plan, self.scale);
         let (workspace, out) = (&mut self.workspace, &mut self.attn_out);
+        if let (Some(sparse), Some(summaries)) = (&mut self.sparse, self.kv.summaries.get(index)) {
+            let params = self.batch.sparse;
+            profile::time(Op::Attention, || {
+                sparse.attention(
+                    &paged, &queries, summaries, params, plan, scale, workspace, out,
+                )
+            })?;
+            return Ok(());
+        }
         profile::time(Op::Attention, || {
             attention::step_attention(&paged, &queries, plan, scale, workspace, out)
         })?;

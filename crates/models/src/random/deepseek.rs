@@ -243,6 +243,7 @@ mod tests {
             qo_indptr: &[0, 5],
             page_table: &page_table,
             logits_for: &[4],
+            sparse: &[],
         };
         let logits = model
             .forward(&batch, &mut kv, AttentionPolicy::Auto)

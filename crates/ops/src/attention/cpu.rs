@@ -16,4 +16,6 @@ pub(crate) mod mla_sparse;
 pub(crate) mod selection;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 mod simd;
+pub(crate) mod sparse;
+pub(crate) mod sparse_params;
 pub(crate) mod step;

@@ -50,6 +50,11 @@ pub use cpu::mla_sparse::{
     index_scores, mla_attention_selected, select_tokens, sparse_selection_counts, top_k_tokens,
     IndexerQuery, SelectionStats, TokenSelection,
 };
+pub use cpu::sparse::{
+    select_pages, sparse_decode_counts, DecodeSelector, KeySummaries, QuestSelector, RequestPages,
+    SparseAttention, SparseDecodeCounts, SparseStepStats,
+};
+pub use cpu::sparse_params::SPARSE_ATTENTION_MAX;
 pub use cpu::step::{
     plan_step, step_attention, SplitKvChunking, StepAttentionConfig, StepAttentionPlan,
     StepWorkspace, DEFAULT_CHUNK_TOKENS,

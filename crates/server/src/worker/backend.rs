@@ -35,6 +35,20 @@ pub trait EngineBackend: Send + 'static {
             "this engine does not constrain output".into(),
         ))
     }
+    /// Sets a running request's sparse decode settings (see
+    /// [`Engine::set_sparse_attention`]); engines without sparse decode refuse settings.
+    fn set_sparse_attention(
+        &mut self,
+        _id: RequestId,
+        sparse: Option<pagoda_ops::attention::SparseAttention>,
+    ) -> Result<(), EngineError> {
+        match sparse {
+            None => Ok(()),
+            Some(_) => Err(EngineError::SparseAttention(
+                "this engine has no sparse decode".into(),
+            )),
+        }
+    }
     /// A snapshot of the engine's gauges and counters.
     fn snapshot(&self) -> EngineSnapshot;
     /// The embedding of `tokens` (see [`Engine::embed`]).
@@ -91,6 +105,13 @@ impl EngineBackend for Engine {
     }
     fn set_logit_bias(&mut self, id: RequestId, bias: Vec<(u32, f32)>) -> Result<(), EngineError> {
         Engine::set_logit_bias(self, id, bias)
+    }
+    fn set_sparse_attention(
+        &mut self,
+        id: RequestId,
+        sparse: Option<pagoda_ops::attention::SparseAttention>,
+    ) -> Result<(), EngineError> {
+        Engine::set_sparse_attention(self, id, sparse)
     }
     fn set_constraint(
         &mut self,

@@ -121,6 +121,20 @@ impl EngineBackend for Scripted {
         }
         Ok(events)
     }
+    /// Sparse decode's settings: accepted in [`Mode::Replay`] (a server started with
+    /// `--sparse-attention`), refused elsewhere as an engine without it refuses them.
+    fn set_sparse_attention(
+        &mut self,
+        _: RequestId,
+        sparse: Option<pagoda_ops::attention::SparseAttention>,
+    ) -> Result<(), EngineError> {
+        match (self.mode, sparse) {
+            (Mode::Replay, _) | (_, None) => Ok(()),
+            _ => Err(EngineError::SparseAttention(
+                "sparse_attention needs a server started with --sparse-attention".into(),
+            )),
+        }
+    }
     fn cancel(&mut self, id: RequestId) {
         if self.running.remove(&id).is_some() {
             self.cancelled.lock().unwrap().push(id);

@@ -285,12 +285,12 @@ settings! {
     "PAGODA_CUDA_QUANT_GEMV_KERNEL", None, Values::Choice(&["groups", "units", "units1", "units2", "units4"]), "groups", Tuning,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Layout of the in-place quantized kernel: units (a warp per 2-4 weight rows sharing each activation load, four from 4 activation rows on except Q6_K; units1/2/4: that many rows a warp; a K-quant lane takes 64 values, both nibbles of the bytes it loads and the header once, a lane of Q4_0-Q8_0 one block) or groups (a CTA per 1-2 rows, a thread per 32-value group: the kernel of 2026-12-04; the default: units measured 1% slower at batch 1 and 10-14% at 4-8 rows, 8B Q4_K_M on the H100, docs/benchmark_results/quant-moe-h100-2026-12-05.md).";
-    "PAGODA_CUDA_QUANT_FUSED_Q8", None, ON_OFF, "off", Cuda,
+    "PAGODA_CUDA_QUANT_FUSED_Q8", None, ON_OFF, "on", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
-        "Steps multiplying quantized matrices in place: the RMSNorm before QKV, gate/up and the LM head and the SiLU x up before the down projection write the q8 activations those read in the same launch (the same bytes as the separate quantize launch, one launch fewer each: three a layer); off: a quantize launch before each. Off until it has run and been measured on a GPU (compiled for sm_90a and sm_80, not yet run there).";
-    "PAGODA_CUDA_QUANT_PAIR", None, ON_OFF, "off", Cuda,
+        "Steps multiplying quantized matrices in place: the RMSNorm before QKV, gate/up and the LM head and the SiLU x up before the down projection write the q8 activations those read in the same launch (the same bytes as the separate quantize launch, one launch fewer each: three a layer); off: a quantize launch before each. On: random Q4_K_M 8B batch 1 1.7% faster with _PAIR (3.24-3.26 -> 3.19-3.20 ms a step), batch 16 level, the same logits bit for bit as off (H100, 2026-12-06; docs/benchmark_results/moe-mma-fp8-stream-h100-2026-12-06.md).";
+    "PAGODA_CUDA_QUANT_PAIR", None, ON_OFF, "on", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
-        "Steps multiplying quantized matrices in place (groups layout): a stacked matrix of two formats, Q4_K or Q5_K then Q6_K (the QKV of a Q4_K_M or Q5_K_M file whose v is Q6_K), in one launch instead of one a part (the same bits). Off until it has run and been measured on a GPU (compiled for sm_90a and sm_80, not yet run there).";
+        "Steps multiplying quantized matrices in place (groups layout): a stacked matrix of two formats, Q4_K or Q5_K then Q6_K (the QKV of a Q4_K_M or Q5_K_M file whose v is Q6_K), in one launch instead of one a part (the same bits; measured with PAGODA_CUDA_QUANT_FUSED_Q8, above).";
     "PAGODA_CUDA_MOE_MMA", None, ON_OFF, "on", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "MoE steps of 32+ bf16 rows run the expert matmuls on tensor cores (mma.sync, up to 32 routed entries of an expert a CTA); off: the CUDA-core tiles (the reference; always in deterministic mode). Same sums in another f32 order, the same bits run to run. On: Qwen3-30B-A3B's block 1.14x faster at 32 rows to 4.92x at 1024, pp512 4.82x end to end (H100, docs/benchmark_results/moe-mma-fp8-stream-h100-2026-12-06.md).";

@@ -178,7 +178,10 @@ PAGODA_DEVICE void decode(const unsigned char* b, unsigned int g, Group& u) {
 
 // A decoded group's dot with one 32-value block of q8 activations (32 bytes as two int4 `a`,
 // `c`, the pair `ds` = (d, d * sum q)): four-byte integer dots, the group's scales once.
-template <int F>
+// FIXED: the float arithmetic spelled out with rounding intrinsics, so the compiler cannot
+// contract a product into a sum differently where the function is inlined (the MoE kernels'
+// per-entry and tiled launches must give a row the same bits).
+template <int F, bool FIXED = false>
 PAGODA_DEVICE float group_dot(const Group& u, const int4 a, const int4 c, const float2 ds) {
     const int* q = u.q;
     int lo = __dp4a(q[0], a.x, 0);
@@ -189,6 +192,12 @@ PAGODA_DEVICE float group_dot(const Group& u, const int4 a, const int4 c, const 
     hi = __dp4a(q[5], c.y, hi);
     hi = __dp4a(q[6], c.z, hi);
     hi = __dp4a(q[7], c.w, hi);
+    if (FIXED) {
+        const float dot = Fmt<F>::SPLIT16
+                              ? __fmaf_rn(u.dw[0], (float)lo, __fmul_rn(u.dw[1], (float)hi))
+                              : __fmul_rn(u.dw[0], (float)(lo + hi));
+        return __fmaf_rn(ds.x, dot, __fmul_rn(u.mw, ds.y));
+    }
     const float dot = Fmt<F>::SPLIT16 ? u.dw[0] * (float)lo + u.dw[1] * (float)hi
                                       : u.dw[0] * (float)(lo + hi);
     return ds.x * dot + u.mw * ds.y;

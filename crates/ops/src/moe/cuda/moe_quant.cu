@@ -14,11 +14,12 @@
 // tile, so a row's bits do not depend on its batch or the run (deterministic mode may run it).
 // Every grid depends on the step's row count only: graph-capturable. Steps of a few rows
 // (`moe_quant_gate_up_rows`, `moe_quant_down_rows`) take a CTA row per routed entry instead of
-// per tile (no CTAs of empty tiles), through the tiles' own instantiation of the entry loop
-// (`*_entries<TILE>` with one live entry): the same instructions, so the same bits. (An
-// instantiation for one entry summed the same values but was not bit-equal on the H100,
-// 2026-12-06: the compiler is free to contract a product into its sum differently per
-// instantiation.)
+// per tile (no CTAs of empty tiles), through the tiles' instantiation of the entry loop
+// (`*_entries<TILE>` with one live entry). Every product and sum is spelled with rounding
+// intrinsics (`group_dot<F, true>`, `__fadd_rn`): the compiler may not contract them
+// differently in the two kernels, so a row gets the same bits alone and batched. (Plain
+// expressions summed the same values but were not bit-equal on the H100, 2026-12-06, with
+// either instantiation.)
 //
 // Specialisation: PAGODA_T (float or __nv_bfloat16), the intermediates' type; PAGODA_FORMAT_A
 // (gate's format; down's in moe_quant_down) and PAGODA_FORMAT_B (up's), quant_decode.cu's
@@ -97,8 +98,8 @@ PAGODA_DEVICE void gate_up_entries(const int* xq, const float2* xds, const unsig
             q8_block(xq, xds, x_rows[i], groups, group, a, c, ds);
 #pragma unroll
             for (int r = 0; r < C; ++r) {
-                acc_g[i][r] += group_dot<FORMAT_A>(ug[r], a, c, ds);
-                acc_u[i][r] += group_dot<FORMAT_B>(uu[r], a, c, ds);
+                acc_g[i][r] = __fadd_rn(acc_g[i][r], group_dot<FORMAT_A, true>(ug[r], a, c, ds));
+                acc_u[i][r] = __fadd_rn(acc_u[i][r], group_dot<FORMAT_B, true>(uu[r], a, c, ds));
             }
         }
     }
@@ -148,7 +149,8 @@ PAGODA_DEVICE void down_entries(const int* actq, const float2* actds, const unsi
             float2 ds;
             q8_block(actq, actds, a_rows[i], groups, group, a, c, ds);
 #pragma unroll
-            for (int r = 0; r < C; ++r) acc[i][r] += group_dot<FORMAT_A>(u[r], a, c, ds);
+            for (int r = 0; r < C; ++r)
+                acc[i][r] = __fadd_rn(acc[i][r], group_dot<FORMAT_A, true>(u[r], a, c, ds));
         }
     }
 #pragma unroll

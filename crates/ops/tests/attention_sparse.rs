@@ -93,19 +93,7 @@ fn fixture(kv_type: KvType, lens: &[usize], starts: &[usize], seed: u64) -> Fixt
             let v_new: Vec<f32> = (0..chunk * stride)
                 .map(|_| rng.random_range(-1.0f32..1.0))
                 .collect();
-            append_kv_pool(
-                &mut fixture.k,
-                &mut fixture.v,
-                &layout,
-                &slots,
-                &k_new,
-                &v_new,
-            )
-            .unwrap();
-            fixture
-                .summaries
-                .update(fixture.k.as_slice(), &layout, &slots)
-                .unwrap();
+            fixture.append(&slots, &k_new, &v_new);
             for slot in &slots {
                 fixture.written[slot.page.index()] = slot.offset as usize + 1;
             }
@@ -117,6 +105,15 @@ fn fixture(kv_type: KvType, lens: &[usize], starts: &[usize], seed: u64) -> Fixt
 }
 
 impl Fixture {
+    /// Appends rows at `slots` to the pools and the key summaries.
+    fn append(&mut self, slots: &[Slot], k_new: &[f32], v_new: &[f32]) {
+        let layout = layout();
+        append_kv_pool(&mut self.k, &mut self.v, &layout, slots, k_new, v_new).unwrap();
+        self.summaries
+            .update(self.k.as_slice(), &layout, slots)
+            .unwrap();
+    }
+
     fn table(&self) -> PageTable {
         let requests: Vec<PageTableRequest<'_>> = self
             .pages
@@ -301,19 +298,7 @@ fn a_reused_page_forgets_its_old_keys() {
     let slots: Vec<Slot> = (0..3).map(|offset| Slot { page, offset }).collect();
     let k_new = vec![0.125f32; 3 * layout.token_stride()];
     let v_new = k_new.clone();
-    append_kv_pool(
-        &mut fixture.k,
-        &mut fixture.v,
-        &layout,
-        &slots,
-        &k_new,
-        &v_new,
-    )
-    .unwrap();
-    fixture
-        .summaries
-        .update(fixture.k.as_slice(), &layout, &slots)
-        .unwrap();
+    fixture.append(&slots, &k_new, &v_new);
     assert!(fixture
         .summaries
         .min(page.index(), 1)

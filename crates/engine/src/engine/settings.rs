@@ -121,7 +121,11 @@ impl Engine {
         )?;
         let mut runner = runner;
         let mut settings = settings;
-        settings.sparse_attention = super::sparse::enable(&mut runner, &settings);
+        settings.sparse_attention = super::sparse::enable(
+            &mut runner,
+            settings.sparse_attention,
+            settings.tensor_parallel_size,
+        );
         runner.log_kv_cache_once(config.kv_types, config.num_pages, config.page_size);
         if runner.is_cuda() {
             static LOGGED_SAMPLING: std::sync::Once = std::sync::Once::new();

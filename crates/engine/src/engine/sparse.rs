@@ -5,18 +5,22 @@
 use pagoda_ops::attention::SparseAttention;
 use pagoda_scheduler::StepPlan;
 
-use super::settings::EngineSettings;
 use super::{Engine, EngineError, RequestId};
 use crate::backend::Runner;
 
-/// Keeps the key summaries when `settings` asks for sparse decode and the runner can serve it
-/// (the CPU backend, one rank, grouped-query attention); says so once at INFO, or why not at
-/// WARN. Returns the engine's effective default (`None`: off).
-pub(super) fn enable(runner: &mut Runner, settings: &EngineSettings) -> Option<SparseAttention> {
-    let sparse = settings.sparse_attention?;
+/// Keeps the key summaries when the settings ask for sparse decode (`wanted`) and the runner
+/// can serve it (the CPU backend, one rank of `tensor_parallel_size`, grouped-query
+/// attention); says so once at INFO, or why not at WARN. Returns the engine's effective
+/// default (`None`: off).
+pub(super) fn enable(
+    runner: &mut Runner,
+    wanted: Option<SparseAttention>,
+    tensor_parallel_size: usize,
+) -> Option<SparseAttention> {
+    let sparse = wanted?;
     let refusal = if runner.is_cuda() {
         Some("not on CUDA yet (the CPU only, this release)")
-    } else if settings.tensor_parallel_size > 1 {
+    } else if tensor_parallel_size > 1 {
         Some("not with tensor parallelism yet")
     } else if runner.config().mla.is_some() {
         Some("not for latent attention (DeepSeek's MLA)")

@@ -19,3 +19,4 @@ mod simd;
 pub(crate) mod sparse;
 pub(crate) mod sparse_params;
 pub(crate) mod step;
+mod step_cascade;

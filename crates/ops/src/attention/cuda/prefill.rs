@@ -128,22 +128,6 @@ pub enum PrefillKernel {
     Stream(super::PrefillStreamTiling),
 }
 
-impl PrefillKernel {
-    /// The kernel that runs in place of `self` over an fp8 (e4m3) KV cache at `head_dim`:
-    /// the streaming kernel where it is built for the head size, else the tiled one (the
-    /// only two that read fp8 pages).
-    pub fn reading_fp8(self, head_dim: usize) -> PrefillKernel {
-        match self {
-            PrefillKernel::Stream(tiling)
-                if super::prefill_stream::STREAM_PREFILL_HEAD_DIMS.contains(&head_dim) =>
-            {
-                PrefillKernel::Stream(tiling)
-            }
-            _ => PrefillKernel::Tiled,
-        }
-    }
-}
-
 /// Runs the prefill attention `kernel` (same contract as [`super::prefill_attention`]).
 pub fn prefill_attention_with<T: Element>(
     kernel: PrefillKernel,

@@ -4,7 +4,7 @@
 //! ([`PrefillStreamTiling`]) are the candidates `pagoda bench attention --prefill` compares.
 
 use super::kv_fp8::KvScales;
-use super::prefill::{prefill_attention_tiled_fp8, QueryTiledKernel};
+use super::prefill::{prefill_attention_tiled_fp8, PrefillKernel, QueryTiledKernel};
 use super::{PagedKv, Queries, PREFILL_STREAM};
 use pagoda_cuda::{CudaError, DType, DeviceRead, DeviceWrite, Element, Gpu, KernelSpec};
 
@@ -195,6 +195,20 @@ pub fn prefill_attention_stream_fp8<T: Element>(
         shared_bytes: tiling.shared_bytes_fp8(head_dim),
     };
     kernel.launch(gpu, queries, kv, Some(scales), qo_indptr, scale, out)
+}
+
+impl PrefillKernel {
+    /// The kernel that runs in place of `self` over an fp8 (e4m3) KV cache at `head_dim`:
+    /// the streaming kernel where it is built for the head size, else the tiled one (the
+    /// only two that read fp8 pages).
+    pub fn reading_fp8(self, head_dim: usize) -> PrefillKernel {
+        match self {
+            PrefillKernel::Stream(tiling) if STREAM_PREFILL_HEAD_DIMS.contains(&head_dim) => {
+                PrefillKernel::Stream(tiling)
+            }
+            _ => PrefillKernel::Tiled,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -13,6 +13,10 @@ pub use crate::activation::cuda::{
     add_in_place, argmax_rows, silu_mul, silu_mul_q8, specialize_elementwise, ElementwiseEntry,
 };
 pub use crate::attention::cuda::{
+    cascade_decode_attention, cascade_unsupported, specialize_cascade_shared, CascadeCapacity,
+    CascadeGeometry, CascadePlan, CascadeWorkspace, SuffixTable, CASCADE_TILINGS, RESERVED_CHUNK,
+};
+pub use crate::attention::cuda::{
     decode_attention_gathered, decode_splits, kernel_name, merge_attention_partials,
     mma_decode_stages, paged_decode_attention, paged_decode_unsupported, parse_kernel,
     prefill_attention, prefill_attention_mma, prefill_attention_stream, prefill_attention_tiled,

@@ -105,6 +105,8 @@ pub enum BenchKind {
     Sampling(super::bench_sampling::BenchSamplingArgs),
     /// Time the decode attention kernels (gather vs fused) on the GPU, graph-replayed.
     Attention(super::bench_attention::BenchAttentionArgs),
+    /// Time cascade decode against the plain fused decode behind a shared prefix, on the GPU.
+    Cascade(super::bench_cascade::BenchCascadeArgs),
     /// Time the CPU kernels (matmul kernel sets, attention kernels) side by side.
     Kernels(super::bench_kernels::BenchKernelsArgs),
     /// Time a mixture-of-experts block's kernels on the GPU, stage by stage, graph-replayed.
@@ -192,6 +194,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Some(BenchKind::Sampling(s)) => return super::bench_sampling::run(s),
         Some(BenchKind::Attention(a)) if a.mla => return super::bench_attention_mla::run_args(&a),
         Some(BenchKind::Attention(a)) => return super::bench_attention::run(a),
+        Some(BenchKind::Cascade(a)) => return super::bench_cascade::run(&a),
         Some(BenchKind::Kernels(kernels_args)) => return super::bench_kernels::run(kernels_args),
         Some(BenchKind::Moe(m)) if m.moe_path == "quant" => return super::bench_moe_quant::run(&m),
         Some(BenchKind::Moe(moe_args)) => return super::bench_moe::run(moe_args),

@@ -190,6 +190,16 @@ impl Rig {
         Ok(())
     }
 
+    /// The bf16 K and V pools and their layout (for rigs of other page tables).
+    pub fn pools(&self) -> (&DeviceBuffer<bf16>, &DeviceBuffer<bf16>, PoolLayout) {
+        (&self.k_pool, &self.v_pool, self.layout)
+    }
+
+    /// The rig's seeded generator.
+    pub fn rng(&mut self) -> &mut rand_chacha::ChaCha8Rng {
+        &mut self.rng
+    }
+
     /// SMs of the device.
     pub fn sm_count(&self) -> usize {
         self.gpu.info().sm_count as usize

@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod bench_attention;
 mod bench_attention_mla;
+pub mod bench_cascade;
 pub mod bench_kernels;
 mod bench_moe;
 mod bench_moe_quant;

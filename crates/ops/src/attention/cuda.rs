@@ -14,6 +14,8 @@
 //! - `mla`: DeepSeek's latent attention (absorbed decode and prefill over the latent pool,
 //!   the latent append), on the same plan and merge.
 
+mod cascade;
+mod cascade_plan;
 mod decode_plan;
 mod decode_tuning;
 mod gathered;
@@ -27,7 +29,14 @@ mod prefill_mma;
 mod prefill_stream;
 mod stream_tiling;
 
-pub use decode_plan::{PagedDecodePlan, PlanCapacity, PlanPolicy, MAX_CHUNKS, PLAN_HEADER_WORDS};
+pub use cascade::{
+    cascade_decode_attention, cascade_unsupported, specialize_cascade_shared, CascadeWorkspace,
+    CASCADE_TILINGS,
+};
+pub use cascade_plan::{CascadeCapacity, CascadeGeometry, CascadePlan, SuffixTable};
+pub use decode_plan::{
+    PagedDecodePlan, PlanCapacity, PlanPolicy, MAX_CHUNKS, PLAN_HEADER_WORDS, RESERVED_CHUNK,
+};
 pub use decode_tuning::{
     kernel_name, parse_kernel, tuned_sources_hash, DecodeBucket, DecodeGeometry, DecodeVariant,
     TableKey, TunedDecode, TunedPrefill, TuningTable, CANDIDATE_WAVES, MIN_CONTEXT_BUCKET,
@@ -230,6 +239,9 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
                 head_dim,
                 tiling,
             )?);
+        }
+        for tiling in CASCADE_TILINGS {
+            specs.push(specialize_cascade_shared(DType::BF16, head_dim, tiling)?);
         }
     }
     for &latent_dim in &MLA_LATENT_DIMS {

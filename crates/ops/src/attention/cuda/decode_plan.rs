@@ -51,6 +51,11 @@ impl PlanCapacity {
     }
 }
 
+/// The request index of a reserved chunk: a slot of the partials that another kernel fills
+/// (cascade's shared level), which the partial kernel skips (`load_chunk` exits on a request
+/// index past the batch) and the merge combines like any other.
+pub const RESERVED_CHUNK: u32 = u32::MAX;
+
 /// Most chunks of one launch (CUDA's grid x limit is far larger; this bounds the workspace).
 pub const MAX_CHUNKS: usize = 1 << 16;
 
@@ -185,6 +190,42 @@ impl PagedDecodePlan {
                 plan.request_indices.push(request as u32);
                 plan.kv_tile_indices.push(tile as u32);
             }
+            plan.o_indptr.push(plan.request_indices.len() as u32);
+        }
+        Ok(plan)
+    }
+
+    /// The same plan with `reserved[r]` [`RESERVED_CHUNK`] slots before request `r`'s
+    /// chunks (`reserved` has one count per request). Errors past [`MAX_CHUNKS`].
+    pub fn with_reserved(self, reserved: &[usize]) -> Result<Self, CudaError> {
+        if reserved.len() != self.num_requests() {
+            return Err(CudaError::invalid(format!(
+                "decode plan: {} reserved counts for {} requests",
+                reserved.len(),
+                self.num_requests()
+            )));
+        }
+        let total = self.num_chunks() + reserved.iter().sum::<usize>();
+        if total > MAX_CHUNKS {
+            return Err(CudaError::invalid(format!(
+                "decode plan: {total} chunks with the reserved slots exceed {MAX_CHUNKS}"
+            )));
+        }
+        let mut plan = PagedDecodePlan {
+            pages_per_chunk: self.pages_per_chunk,
+            request_indices: Vec::with_capacity(total),
+            kv_tile_indices: Vec::with_capacity(total),
+            o_indptr: vec![0],
+        };
+        for (request, &count) in reserved.iter().enumerate() {
+            plan.request_indices
+                .extend(std::iter::repeat_n(RESERVED_CHUNK, count));
+            plan.kv_tile_indices.extend(std::iter::repeat_n(0, count));
+            let own = self.o_indptr[request] as usize..self.o_indptr[request + 1] as usize;
+            plan.request_indices
+                .extend_from_slice(&self.request_indices[own.clone()]);
+            plan.kv_tile_indices
+                .extend_from_slice(&self.kv_tile_indices[own]);
             plan.o_indptr.push(plan.request_indices.len() as u32);
         }
         Ok(plan)

@@ -36,6 +36,25 @@
 // Arguments and grid as prefill_attention_mma; block 128 threads; dynamic shared memory
 // stream_prefill::SHARED_BYTES. q must be 16-byte aligned with a row stride of a multiple of
 // 8 elements, like the pools (the launcher falls back to the WMMA kernel otherwise).
+//
+// With PAGODA_CASCADE the same tiles serve the shared level of cascade decode (cascade.rs):
+// the entry is cascade_shared_attention, one CTA per (plan item, KV head). An item is a run
+// of num_keys keys from page kv_indices[page_begin] on (every page whole, so no first-page
+// offset) and `members` decode queries that all see every one of its keys: the "tokens" of
+// the tile are the members (row = member * group + head_in_group, as token * group + ... in
+// a prefill), nothing is causal, and each row's normalised partial and base-2 log-sum-exp
+// go to its member's reserved slot of the fused decode's partials (the decode's merge then
+// combines them with the member's own chunks). Plan words: [num_items, 0], then per item
+// [page_begin, num_keys, member_begin, members] (max_items of them), then per member
+// [q_row, slot].
+#if PAGODA_CASCADE
+extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) cascade_shared_attention(
+    const T* __restrict__ q, const KV_T* __restrict__ k_pool, const KV_T* __restrict__ v_pool,
+    const unsigned int* __restrict__ kv_indices, const unsigned int* __restrict__ plan,
+    float* __restrict__ partial_out, float* __restrict__ partial_lse, unsigned int max_items,
+    unsigned int num_indices, unsigned int num_q_heads, unsigned int num_kv_heads, unsigned int page_size,
+    unsigned int num_pages, unsigned int q_row_stride, float scale_log2
+#else
 extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill_attention_stream(
     const T* __restrict__ q, const KV_T* __restrict__ k_pool, const KV_T* __restrict__ v_pool,
     const unsigned int* __restrict__ qo_indptr, const unsigned int* __restrict__ kv_indptr,
@@ -44,6 +63,7 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
     unsigned int num_requests, unsigned int num_tokens, unsigned int num_indices,
     unsigned int num_q_heads, unsigned int num_kv_heads, unsigned int page_size,
     unsigned int num_pages, unsigned int q_row_stride, unsigned int block_q, float scale_log2
+#endif
 #if PAGODA_KV_FP8
     , const float* __restrict__ k_scale, const float* __restrict__ v_scale
 #endif
@@ -61,11 +81,21 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
     const int warp = (int)(tid / 32);
     const int lane = (int)(tid % 32);
     const unsigned int kv_head = blockIdx.y;
-    const unsigned int slot = gridDim.x - 1 - blockIdx.x;
     const unsigned int group = num_q_heads / num_kv_heads;
+#if PAGODA_CASCADE
+    const unsigned int* item = plan + 2 + 4 * (size_t)blockIdx.x;
+    if (blockIdx.x >= min(plan[0], max_items)) return;
+    const unsigned long long page_base = item[0];
+    const long long kv_end = item[1], first_offset = 0, token0 = 0, causal_base = KEY_LIMIT;
+    const unsigned int* members = plan + 2 + 4 * (size_t)max_items + 2 * (size_t)item[2];
+    const unsigned int num_tokens = item[3];  // the tile's "tokens" are its members
+    const int active_rows = (int)(num_tokens * group);
+    const bool bad = false;
+    auto q_row_of = [&](long long token) -> size_t { return members[2 * token]; };
+#else
+    const unsigned int slot = gridDim.x - 1 - blockIdx.x;
     const size_t out_token_elems = (size_t)num_q_heads * HEAD_DIM;
     const size_t group_elems = (size_t)group * HEAD_DIM;
-
     prefill_zero_window(out, qo_indptr, num_requests, num_tokens, slot, block_q, kv_head,
                         group_elems, out_token_elems);
     unsigned int r;
@@ -81,10 +111,12 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
     const bool bad = q_len > seq_len;
     const long long causal_base = seq_len - q_len + q_first;  // row token i sees keys 0 ..= base + i
     const long long kv_end = bad ? 0 : causal_base + tile_tokens;
-    const int num_tiles = (int)((kv_end + BLOCK_KEYS - 1) / BLOCK_KEYS);
-    const size_t row_elems = (size_t)num_kv_heads * HEAD_DIM;
     const unsigned long long page_base = kv_indptr[r];
     const long long first_offset = first_page_offset[r];
+    auto q_row_of = [&](long long token) -> size_t { return (size_t)token; };
+#endif
+    const int num_tiles = (int)((kv_end + BLOCK_KEYS - 1) / BLOCK_KEYS);
+    const size_t row_elems = (size_t)num_kv_heads * HEAD_DIM;
     const unsigned char* k_bytes = reinterpret_cast<const unsigned char*>(k_pool);
     const unsigned char* v_bytes = reinterpret_cast<const unsigned char*>(v_pool);
 
@@ -96,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
         const int row = first_key + i * KEY_STEP;
         const long long token = token0 + row / (int)group;
         const bool live = row < active_rows && token < (long long)num_tokens && !bad;
-        const T* src = live ? q + (size_t)token * q_row_stride +
+        const T* src = live ? q + q_row_of(token) * q_row_stride +
                                   (size_t)(kv_head * group + row % group) * HEAD_DIM + part * 8
                             : q;
         cp_async16(q_tile + piece_offset(row, part), src, live);
@@ -278,59 +310,14 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
             const unsigned int ok_word =
                 reinterpret_cast<const unsigned int*>(key_ok + stage * BLOCK_KEYS)[lane % (BLOCK_KEYS / 4)];
             const bool full = __all_sync(0xffffffffu, ok_word == 0x01010101u) && t < full_tiles;
-            // m and the masking are in raw scores (scale_log2 > 0): p = 2^(s scale - m scale),
-            // one FFMA and one EX2 an element.
             float factor[ROW_TILES][2];
             bool rescale = false;
 #pragma unroll
             for (int i = 0; i < ROW_TILES; ++i) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    if (!full) {
-                        const int last = diag[i][h] - t * BLOCK_KEYS;
-                        const unsigned char* ok = key_ok + stage * BLOCK_KEYS;
-#pragma unroll
-                        for (int j = 0; j < N_BLOCKS; ++j) {
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                const int key = 8 * j + quad_col + e;
-                                float& v = s[i][j][2 * h + e];
-                                v = key <= last && ok[key] ? v : -INFINITY;
-                            }
-                        }
-                    }
-                    // Tree reductions (short dependency chains).
-                    float partial[N_BLOCKS];
-#pragma unroll
-                    for (int j = 0; j < N_BLOCKS; ++j) partial[j] = fmaxf(s[i][j][2 * h], s[i][j][2 * h + 1]);
-#pragma unroll
-                    for (int w = N_BLOCKS / 2; w >= 1; w /= 2)
-#pragma unroll
-                        for (int j = 0; j < w; ++j) partial[j] = fmaxf(partial[j], partial[j + w]);
-                    float tile_max = partial[0];
-                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-                    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-                    // The running maximum moves only when the tile's exceeds it by more than
-                    // 2^RESCALE_SLACK (then O and l are rescaled); otherwise p may reach
-                    // 2^RESCALE_SLACK, harmless in f32 sums and bf16 P, and O keeps its scale.
-                    const bool grow = tile_max * scale_log2 > m[i][h] * scale_log2 + RESCALE_SLACK;
-                    const float new_max = grow ? tile_max : m[i][h];
-                    const float base = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
-                    factor[i][h] = grow ? fast_exp2(m[i][h] * scale_log2 - base) : 1.0f;
-                    rescale |= grow;
-#pragma unroll
-                    for (int j = 0; j < N_BLOCKS; ++j) {
-                        s[i][j][2 * h] = fast_exp2(fmaf(s[i][j][2 * h], scale_log2, -base));
-                        s[i][j][2 * h + 1] = fast_exp2(fmaf(s[i][j][2 * h + 1], scale_log2, -base));
-                        partial[j] = s[i][j][2 * h] + s[i][j][2 * h + 1];
-                    }
-#pragma unroll
-                    for (int w = N_BLOCKS / 2; w >= 1; w /= 2)
-#pragma unroll
-                        for (int j = 0; j < w; ++j) partial[j] += partial[j + w];
-                    const float sum = partial[0];
-                    l[i][h] = l[i][h] * factor[i][h] + sum;
-                    m[i][h] = new_max;
+                    rescale |= softmax_row(s[i], h, !full, diag[i][h] - t * BLOCK_KEYS, key_ok + stage * BLOCK_KEYS,
+                                           quad_col, scale_log2, m[i][h], l[i][h], factor[i][h]);
                 }
             }
             // 3. O = O * factor (skipped while no row of the warp moved its maximum) + P V.
@@ -368,7 +355,8 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
     }
     cp_async_wait<0>();
 
-    // Epilogue: normalise by the row sums (reduced over the quad) and store bf16 pairs.
+    // Epilogue: normalise by the row sums (reduced over the quad) and store bf16 pairs (a
+    // prefill) or f32 pairs and the row's log-sum-exp (cascade).
 #pragma unroll
     for (int i = 0; i < ROW_TILES; ++i) {
 #pragma unroll
@@ -380,20 +368,16 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
             const long long token = token0 + row / (int)group;
             if (row >= active_rows || token >= (long long)num_tokens) continue;
             const float inverse = sum > 0.0f ? 1.0f / sum : 0.0f;
-            T* destination = out + (size_t)token * out_token_elems +
-                             (size_t)(kv_head * group + row % group) * HEAD_DIM + quad_col;
-#pragma unroll
-            for (int n = 0; n < D_BLOCKS; ++n) {
-                const float x = bad ? quiet_nan() : o[i][n][2 * h] * inverse;
-                const float y = bad ? quiet_nan() : o[i][n][2 * h + 1] * inverse;
-                T* d = destination + 8 * n;
-                if ((reinterpret_cast<size_t>(d) & 3) == 0) {
-                    *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(x, y);
-                } else {
-                    d[0] = __float2bfloat16_rn(x);
-                    d[1] = __float2bfloat16_rn(y);
-                }
-            }
+            const unsigned int head = kv_head * group + row % group;
+#if PAGODA_CASCADE
+            const size_t slot_row = (size_t)members[2 * token + 1] * num_q_heads + head;
+            store_partial_row(o[i], h, inverse, partial_out + slot_row * HEAD_DIM + quad_col);
+            if (lane % 4 == 0)
+                partial_lse[slot_row] = sum > 0.0f ? m[i][h] * scale_log2 + __log2f(sum) : -INFINITY;
+#else
+            store_bf16_row(o[i], h, inverse, bad,
+                           out + (size_t)token * out_token_elems + (size_t)head * HEAD_DIM + quad_col);
+#endif
         }
     }
 }

@@ -81,4 +81,74 @@ PAGODA_DEVICE void pack_p(unsigned int (&pa)[4], const float (&s0)[4], const flo
 PAGODA_DEVICE void mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
     mma_bf16(d, a[0], a[1], a[2], a[3], b0, b1);
 }
+// With `mask`, masks the keys past `last` or unreadable (`ok`: the tile's key flags); then runs the online softmax over one accumulator row of a tile's scores (half h of a 16-row
+// tile's fragments; a row's values live in the four lanes of a quad): s becomes p, m, l and
+// the row's rescale factor move. m and the masking are in raw scores (scale_log2 > 0):
+// p = 2^(s scale - m scale), one FFMA and one EX2 an element. Returns whether m moved.
+PAGODA_DEVICE bool softmax_row(float (&s)[N_BLOCKS][4], int h, bool mask, int last, const unsigned char* ok,
+                               int quad_col, float scale_log2, float& m, float& l, float& factor) {
+    if (mask) {
+#pragma unroll
+        for (int j = 0; j < N_BLOCKS; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int key = 8 * j + quad_col + e;
+                float& v = s[j][2 * h + e];
+                v = key <= last && ok[key] ? v : -INFINITY;
+            }
+        }
+    }
+    // Tree reductions (short dependency chains).
+    float partial[N_BLOCKS];
+#pragma unroll
+    for (int j = 0; j < N_BLOCKS; ++j) partial[j] = fmaxf(s[j][2 * h], s[j][2 * h + 1]);
+#pragma unroll
+    for (int w = N_BLOCKS / 2; w >= 1; w /= 2)
+#pragma unroll
+        for (int j = 0; j < w; ++j) partial[j] = fmaxf(partial[j], partial[j + w]);
+    float tile_max = partial[0];
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    // The running maximum moves only when the tile's exceeds it by more than 2^RESCALE_SLACK
+    // (then O and l are rescaled); otherwise p may reach 2^RESCALE_SLACK, harmless in f32 sums
+    // and bf16 P, and O keeps its scale.
+    const bool grow = tile_max * scale_log2 > m * scale_log2 + RESCALE_SLACK;
+    const float new_max = grow ? tile_max : m;
+    const float base = new_max == -INFINITY ? 0.0f : new_max * scale_log2;
+    factor = grow ? fast_exp2(m * scale_log2 - base) : 1.0f;
+#pragma unroll
+    for (int j = 0; j < N_BLOCKS; ++j) {
+        s[j][2 * h] = fast_exp2(fmaf(s[j][2 * h], scale_log2, -base));
+        s[j][2 * h + 1] = fast_exp2(fmaf(s[j][2 * h + 1], scale_log2, -base));
+        partial[j] = s[j][2 * h] + s[j][2 * h + 1];
+    }
+#pragma unroll
+    for (int w = N_BLOCKS / 2; w >= 1; w /= 2)
+#pragma unroll
+        for (int j = 0; j < w; ++j) partial[j] += partial[j + w];
+    l = l * factor + partial[0];
+    m = new_max;
+    return grow;
+}
+// Stores this lane's two columns of every 8-wide block of one accumulator row (half h of a
+// 16-row tile's fragments) times `inverse`, as bf16 pairs from `d` on (NaN where `bad`).
+PAGODA_DEVICE void store_bf16_row(const float (&o)[D_BLOCKS][4], int h, float inverse, bool bad, T* d) {
+#pragma unroll
+    for (int n = 0; n < D_BLOCKS; ++n, d += 8) {
+        const float x = bad ? quiet_nan() : o[n][2 * h] * inverse;
+        const float y = bad ? quiet_nan() : o[n][2 * h + 1] * inverse;
+        if ((reinterpret_cast<size_t>(d) & 3) == 0) {
+            *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(x, y);
+        } else {
+            d[0] = __float2bfloat16_rn(x);
+            d[1] = __float2bfloat16_rn(y);
+        }
+    }
+}
+// The same row as f32 pairs (cascade's partials: 8-byte aligned, the column is even).
+PAGODA_DEVICE void store_partial_row(const float (&o)[D_BLOCKS][4], int h, float inverse, float* d) {
+#pragma unroll
+    for (int n = 0; n < D_BLOCKS; ++n)
+        *reinterpret_cast<float2*>(d + 8 * n) = make_float2(o[n][2 * h] * inverse, o[n][2 * h + 1] * inverse);
+}
 }  // namespace stream_prefill

@@ -200,6 +200,18 @@ engine_counters! {
     /// Piecewise captures that failed (the bucket then runs eagerly).
     cuda_piece_capture_failures: "pagoda_cuda_piece_capture_failures_total", Counter,
         "Piecewise graph captures that failed; the step reran eagerly and its token bucket stays eager (the warning names the error).";
+    /// CUDA decode steps run as cascade (shared pages attended once per group).
+    steps_cuda_cascade: "pagoda_cuda_cascade_steps_total", Counter,
+        "CUDA decode steps run as cascade attention: requests sharing a prefix's pages (prefix cache) attend to them once per group on tensor cores, their own pages through the fused decode (PAGODA_CASCADE_ATTENTION).";
+    /// Share groups (levels) of cascade steps.
+    cuda_cascade_groups: "pagoda_cuda_cascade_groups_total", Counter,
+        "Share groups (nested levels count apart) whose pages CUDA cascade steps read once per group.";
+    /// Tokens cascade steps read once per group (per layer).
+    cuda_cascade_shared_tokens: "pagoda_cuda_cascade_shared_tokens_total", Counter,
+        "KV tokens CUDA cascade steps read once for their whole group, per layer.";
+    /// Token reads cascade steps saved (per layer).
+    cuda_cascade_saved_token_reads: "pagoda_cuda_cascade_saved_token_reads_total", Counter,
+        "KV token reads CUDA cascade steps saved against the plain fused decode, per layer: (members - 1) x shared tokens.";
     /// Mixed CUDA steps whose decode rows ran the fused decode and chunks the prefill kernel.
     steps_cuda_mixed_split: "pagoda_cuda_mixed_steps_total" ["path" = "split"], Counter,
         "CUDA steps holding decode rows and prefill chunks, by their attention (split: decode rows on the fused decode, chunks on the prefill kernel; prefill: every row on the prefill kernel, PAGODA_CUDA_MIXED_STEPS).";

@@ -25,6 +25,7 @@ pub use warmup::{WarmupReport, WARMUP_STAGES};
 
 mod announce;
 mod buckets;
+mod cascade;
 mod latent;
 mod pieces;
 mod sampling;

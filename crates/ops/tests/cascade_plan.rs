@@ -27,6 +27,7 @@ fn geometry(rows: usize, group: usize) -> CascadeGeometry {
         rows,
         target_ctas: 264,
         min_chunk_tokens: 64,
+        max_slots: 16,
     }
 }
 
@@ -71,6 +72,14 @@ fn check(batch: &SharedBatch, table: &PageTable, plan: &CascadePlan, geometry: &
     }
     for r in 0..b {
         let range = decode.o_indptr[r] as usize..decode.o_indptr[r + 1] as usize;
+        let reserved = range
+            .clone()
+            .filter(|&c| decode.request_indices[c] == RESERVED_CHUNK)
+            .count();
+        assert!(
+            reserved <= geometry.max_slots,
+            "request {r}: {reserved} shared slots"
+        );
         let mut read = Vec::new();
         for chunk in range.clone() {
             if decode.request_indices[chunk] == RESERVED_CHUNK {

@@ -100,6 +100,7 @@ fn run(
         rows,
         target_ctas: 264,
         min_chunk_tokens: 64,
+        max_slots: 16,
     };
     let plan = CascadePlan::new(
         &table,
@@ -136,7 +137,7 @@ fn run(
     decode.upload_plan(gpu, &plan.decode).unwrap();
     let mut cascade = CascadeWorkspace::new(gpu, shared_capacity, b, table.indices.len()).unwrap();
     cascade.set_tiling(PrefillStreamTiling::new(rows, 64, 2));
-    cascade.upload(gpu, &plan).unwrap();
+    cascade.stage(gpu, &plan).unwrap();
     let mut out = poisoned::<bf16>(gpu, b * s.q_heads * d);
     ops::cascade_decode_attention(gpu, &queries, &kv, (&cascade, &mut decode), 0.1, &mut out)
         .unwrap();
@@ -191,7 +192,7 @@ impl Fixed {
     fn stage(&mut self, gpu: &Gpu, plan: &CascadePlan, batch: &SharedBatch, q_host: &[f32]) {
         let table = batch.table(PAGE);
         self.decode.upload_plan(gpu, &plan.decode).unwrap();
-        self.cascade.upload(gpu, plan).unwrap();
+        self.cascade.stage(gpu, plan).unwrap();
         let mut indices = table.indices.clone();
         indices.resize(self.arrays[1].len(), 0);
         let [indptr, device_indices, last, _] = &mut self.arrays;
@@ -228,6 +229,7 @@ fn a_graph_captured_for_one_plan_replays_another() {
         rows: 64,
         target_ctas: 264,
         min_chunk_tokens: 64,
+        max_slots: 16,
     };
     let batches: Vec<SharedBatch> = (0..2)
         .map(|_| shared_batch(&mut rng, b, (24, 6), (PAGE, POOL_PAGES), false))

@@ -51,6 +51,15 @@ pub struct BenchCascadeArgs {
     /// heads per KV head fit, else 128).
     #[arg(long)]
     pub rows: Option<usize>,
+    /// The shared level's CTA target in waves of one CTA per SM.
+    #[arg(long, default_value_t = 2)]
+    pub shared_waves: usize,
+    /// The shortest key chunk of the shared level, in keys.
+    #[arg(long, default_value_t = 256)]
+    pub min_chunk_keys: usize,
+    /// Most shared-level chunks (partials to merge) per request.
+    #[arg(long, default_value_t = 16)]
+    pub max_slots: usize,
     /// Query heads (Llama-3.1-8B: 32).
     #[arg(long, default_value_t = 32)]
     pub q_heads: usize,
@@ -189,18 +198,17 @@ fn case(
     let (plain_us, _) = super::bench_sampling::median_and_min(&mut times);
     // Cascade: one plan per set (the page ids differ), the same fused-decode plan shape.
     capacity.max_chunks += b * 64;
-    let shared_capacity = CascadeCapacity {
-        max_items: 4096,
-        max_members: 16384,
-    };
     let cascade_geometry = CascadeGeometry {
         page_size: page,
         num_kv_heads: g.kv_heads,
         group,
         rows,
-        target_ctas: 2 * rig.sm_count(),
-        min_chunk_tokens: 256,
+        target_ctas: args.shared_waves * rig.sm_count(),
+        min_chunk_tokens: args.min_chunk_keys,
+        max_slots: args.max_slots,
     };
+    let shared_capacity =
+        CascadeCapacity::for_batch(b, g.kv_heads, cascade_geometry.target_ctas, args.max_slots);
     let mut decode = PagedDecodeWorkspace::new(gpu, capacity, g.q_heads, g.kv_heads, g.head_dim)?;
     decode.set_kernel(variant.kernel);
     let mut levels = Vec::with_capacity(sets.len());
@@ -218,7 +226,8 @@ fn case(
         let mut workspace =
             CascadeWorkspace::new(gpu, shared_capacity, b, set.table.indices.len())?;
         workspace.set_tiling(PrefillStreamTiling::new(rows, 64, 2));
-        workspace.upload(gpu, &plan)?;
+        workspace.stage(gpu, &plan)?;
+        gpu.synchronize()?;
         items = plan.items.len();
         levels.push(workspace);
     }

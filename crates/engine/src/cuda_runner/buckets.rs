@@ -54,6 +54,12 @@ pub(super) fn graph_key(num_requests: usize, num_tokens: usize, attention: &Atte
     };
     match attention {
         Attention::Fused { variant, .. } => rows | ((variant.code() as usize) << 48),
+        // Cascade steps replay their own graphs: the shared level's tile rows pick its kernel.
+        Attention::Cascade {
+            variant,
+            rows: tile,
+            ..
+        } => rows | ((variant.code() as usize) << 48) | (1 << 46) | (usize::from(*tile > 64) << 45),
         _ => rows,
     }
 }
@@ -101,6 +107,15 @@ mod tests {
         };
         assert_ne!(graph_key(4, 4, &fused(2)), graph_key(4, 4, &fused(4)));
         assert_ne!(graph_key(4, 4, &fused(2)), graph_key(4, 4, &prefill));
+        // Cascade steps have graphs of their own, one per shared tile height.
+        let cascade = |rows| Attention::Cascade {
+            source: VariantSource::Heuristic,
+            grid_chunks: 64,
+            variant: pagoda_ops::cuda::DecodeVariant::heuristic(true, 128),
+            rows,
+        };
+        assert_ne!(graph_key(4, 4, &cascade(64)), graph_key(4, 4, &fused(0)));
+        assert_ne!(graph_key(4, 4, &cascade(64)), graph_key(4, 4, &cascade(128)));
         // A latent attention decode's grid follows its bucket: the bucket is the key.
         let latent = Attention::Latent { grid_chunks: 40 };
         assert_eq!(graph_key(4, 4, &latent), 4);

@@ -161,6 +161,15 @@ impl<T: HostFloat> TypedRunner<T> {
             } => Some((decode_rows, grid_chunks, variant)),
             _ => None,
         };
+        if let Attention::Cascade { rows, .. } = shape.attention {
+            let fused = cache
+                .buffers
+                .fused
+                .as_mut()
+                .ok_or_else(|| CudaError::invalid("cascade without the fused decode"))?;
+            fused.stage_cascade(gpu, rows)?;
+            merged = true;
+        }
         if let Some((rows, grid_chunks, variant)) = fused_plan {
             let fused = cache
                 .buffers

@@ -336,7 +336,7 @@ impl<T: HostFloat> TypedRunner<T> {
             && verify_rows.is_none()
             && num_tokens <= kernels.piecewise_tokens)
             .then(|| piece_bucket(num_tokens, options.max_batch_tokens));
-        let shape = match (graph_rows, verify_rows) {
+        let mut shape = match (graph_rows, verify_rows) {
             (Some(padded), _) => StepShape {
                 num_tokens: padded,
                 num_requests: padded,
@@ -363,6 +363,7 @@ impl<T: HostFloat> TypedRunner<T> {
                 },
             },
         };
+        self.cascade_step(cache, batch, &mut shape)?;
         let graph = graph_rows.is_some() || verify_rows.is_some();
         let started = gpu.record_event()?;
         let planned = host_started.elapsed();
@@ -375,7 +376,7 @@ impl<T: HostFloat> TypedRunner<T> {
                 announce("gather");
                 self.counters.steps_cuda_decode_gather += 1;
             }
-            Attention::Fused { source, .. } => {
+            Attention::Fused { source, .. } | Attention::Cascade { source, .. } => {
                 announce("fused");
                 self.counters.steps_cuda_decode_fused += 1;
                 match source {

@@ -30,6 +30,16 @@ pub enum Attention {
         /// Where the variant came from (the step counters read it).
         source: super::VariantSource,
     },
+    /// A fused decode step whose requests share leading pages, run as cascade
+    /// (`cascade_path.rs`): the shared level in tiles of `rows` query rows, the fused decode
+    /// (`variant`) over the requests' own pages on a grid of `grid_chunks` chunks (the plain
+    /// grid plus the shared slots), both merged; the plan is staged per step.
+    Cascade {
+        grid_chunks: usize,
+        variant: pagoda_ops::cuda::DecodeVariant,
+        source: super::VariantSource,
+        rows: usize,
+    },
     /// A latent attention (MLA) decode step: the split-KV MLA decode over a grid of
     /// `grid_chunks` chunks, fixed per batch bucket (the plan is staged per step by
     /// [`MlaDecode::stage`](super::MlaDecode::stage); chunks past it exit at once).

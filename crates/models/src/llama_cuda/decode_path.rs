@@ -12,12 +12,13 @@ use std::collections::HashSet;
 use std::str::FromStr;
 use std::sync::Mutex;
 
-use pagoda_cuda::{CudaError, DType, Gpu, PinnedBuffer};
+use pagoda_cuda::{CudaError, DType, DeviceViewMut, Gpu, PinnedBuffer};
 use pagoda_ops::cuda::{
-    self as ops, PagedDecodePlan, PagedDecodeWorkspace, PlanCapacity, PlanPolicy,
+    self as ops, PagedDecodePlan, PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, Queries,
 };
 
-use super::CudaCacheOptions;
+use super::cascade_path::CascadeLevels;
+use super::{CudaCacheOptions, HostFloat};
 use crate::config::ModelConfig;
 
 /// The decode attention path on CUDA.
@@ -116,6 +117,8 @@ pub struct FusedDecode {
     table: Option<ops::TuningTable>,
     /// Buckets whose choice was logged (once each).
     logged: Mutex<HashSet<ops::DecodeBucket>>,
+    /// Cascade steps' shared level (`None`: off or unavailable).
+    cascade: Option<CascadeLevels>,
 }
 
 impl FusedDecode {
@@ -173,6 +176,20 @@ impl FusedDecode {
                 .max(capacity.max_requests * pages.div_ceil(fixed))
                 .min(ops::MAX_CHUNKS);
         }
+        let cascade = if kernels.kv_fp8 {
+            None
+        } else {
+            let max_pages = options.num_pages.max(1)
+                + capacity.max_requests * options.max_context.div_ceil(options.page_size.max(1));
+            let shape = (dtype, &layout, config.num_attention_heads);
+            let sizes = (capacity.max_requests, max_pages);
+            CascadeLevels::new(gpu, kernels.cascade, shape, sizes)?
+        };
+        if cascade.is_some() {
+            capacity.max_chunks = (capacity.max_chunks
+                + CascadeLevels::extra_chunks(capacity.max_requests))
+            .min(ops::MAX_CHUNKS);
+        }
         let workspace = PagedDecodeWorkspace::new(
             gpu,
             capacity,
@@ -216,6 +233,7 @@ impl FusedDecode {
             geometry,
             table,
             logged: Mutex::new(HashSet::new()),
+            cascade,
         }))
     }
 
@@ -325,6 +343,80 @@ impl FusedDecode {
     pub(super) fn workspace_mut(&mut self) -> &mut PagedDecodeWorkspace {
         &mut self.workspace
     }
+
+    /// Whether cascade steps are on.
+    pub fn cascades(&self) -> bool {
+        self.cascade.is_some()
+    }
+
+    /// Plans a decode step of `rows` (padded) rows over `table` (its real requests) running
+    /// `variant` on a plain grid of `grid_chunks` as a cascade: its shared tile rows, its grid
+    /// (the plain one plus the shared slots) and what it shares; `None`: the plain fused
+    /// decode (cascade off, or no level pays).
+    pub fn plan_cascade(
+        &mut self,
+        table: &pagoda_kv::PageTable,
+        rows: usize,
+        grid_chunks: usize,
+        variant: &ops::DecodeVariant,
+    ) -> Result<Option<(usize, usize, pagoda_ops::attention::CascadeStats)>, CudaError> {
+        let policy = self.policy(variant);
+        let max_requests = self.workspace.capacity().max_requests;
+        let Some(levels) = self.cascade.as_mut() else {
+            return Ok(None);
+        };
+        let grid = (grid_chunks + CascadeLevels::extra_chunks(rows))
+            .min(self.workspace.capacity().max_chunks);
+        let planned = levels.plan(table, rows, (policy, grid_chunks, max_requests))?;
+        Ok(planned.map(|(tile_rows, stats)| (tile_rows, grid, stats)))
+    }
+
+    /// Queues the uploads of the planned cascade step (its fused-decode plan, shared level
+    /// and suffix table), its shared tiles of `rows` rows.
+    pub fn stage_cascade(&mut self, gpu: &Gpu, rows: usize) -> Result<(), CudaError> {
+        let capacity = self.workspace.capacity();
+        let levels = self
+            .cascade
+            .as_mut()
+            .ok_or_else(|| CudaError::invalid("a cascade step without cascade levels"))?;
+        let plan = levels
+            .pending()
+            .ok_or_else(|| CudaError::invalid("a cascade step without its plan"))?;
+        plan.decode
+            .encode_into(capacity, self.staging.as_mut_slice()?)?;
+        gpu.upload_pinned(&self.staging, self.workspace.plan_buffer_mut())?;
+        levels.stage(gpu, rows)
+    }
+
+    /// The cascade levels and the fused decode's workspace, for a cascade step's launch.
+    pub(super) fn cascade_parts(
+        &mut self,
+    ) -> Result<(&CascadeLevels, &mut PagedDecodeWorkspace), CudaError> {
+        let levels = self
+            .cascade
+            .as_ref()
+            .ok_or_else(|| CudaError::invalid("a cascade step without cascade levels"))?;
+        Ok((levels, &mut self.workspace))
+    }
+}
+
+/// The fused split-KV paged decode of `queries` (one row per request of `kv`'s table) with
+/// `plan`'s grid, variant and softmax scale, the plan staged before the step.
+pub(super) fn fused_decode<T: HostFloat>(
+    fused: &mut Option<FusedDecode>,
+    gpu: &Gpu,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, T>,
+    (grid_chunks, variant, scale): (usize, ops::DecodeVariant, f32),
+    out: &mut DeviceViewMut<'_, T>,
+) -> Result<(), CudaError> {
+    let fused = fused
+        .as_mut()
+        .ok_or_else(|| CudaError::invalid("a fused decode without its workspace"))?;
+    let workspace = fused.workspace_mut();
+    workspace.set_grid_chunks(grid_chunks)?;
+    workspace.set_kernel(variant.kernel);
+    ops::paged_decode_attention(gpu, queries, kv, workspace, variant.merge, scale, out)
 }
 
 /// The head geometry, dtype and page size the tuning table's rows are keyed by.

@@ -66,6 +66,10 @@ pub struct CudaKernels {
     pub target_ctas: Option<usize>,
     /// Pages per fused decode chunk (`PAGODA_PAGED_DECODE_CHUNK`; `None`: the plan searches).
     pub pages_per_chunk: Option<usize>,
+    /// Cascade decode steps' rule (`PAGODA_CASCADE_ATTENTION`: `auto` is
+    /// [`CUDA_AUTO_CASCADE_RULE`](super::CUDA_AUTO_CASCADE_RULE), `on` any two requests
+    /// sharing a page, `off` `None`).
+    pub cascade: Option<pagoda_ops::attention::CascadeRule>,
     /// The device sampler's paths.
     pub sampling: SamplingKernels,
     /// Batch-invariant steps (`PAGODA_DETERMINISTIC`, `--deterministic`): GEMMs on one
@@ -150,6 +154,7 @@ impl Default for CudaKernels {
             merge: None,
             target_ctas: None,
             pages_per_chunk: None,
+            cascade: Some(super::CUDA_AUTO_CASCADE_RULE),
             sampling: SamplingKernels::default(),
             deterministic: false,
             kv_fp8: false,
@@ -202,6 +207,11 @@ impl CudaKernels {
             },
             target_ctas: count("PAGODA_PAGED_DECODE_TARGET_CTAS"),
             pages_per_chunk: count("PAGODA_PAGED_DECODE_CHUNK"),
+            cascade: match config.word("PAGODA_CASCADE_ATTENTION") {
+                "on" => Some(pagoda_ops::attention::CascadeRule::ANY),
+                "auto" => Some(super::CUDA_AUTO_CASCADE_RULE),
+                _ => None,
+            },
             sampling: SamplingKernels {
                 filtered: FilteredSampling::parse(config.word("PAGODA_GPU_SAMPLING_FILTERED"))
                     .unwrap_or(FilteredSampling::Fast),
@@ -312,6 +322,7 @@ mod tests {
             ("PAGODA_GPU_SAMPLING_CLUSTER", "off"),
             ("PAGODA_GPU_SAMPLING_PREFETCH", "off"),
             ("PAGODA_DETERMINISTIC", "on"),
+            ("PAGODA_CASCADE_ATTENTION", "off"),
         ]));
         let expected = CudaKernels {
             prefill: PrefillKernel::PerToken,
@@ -331,6 +342,7 @@ mod tests {
             merge: Some(MergeMode::InKernel),
             target_ctas: Some(100),
             pages_per_chunk: Some(4),
+            cascade: None,
             sampling: SamplingKernels {
                 filtered: FilteredSampling::Exact,
                 gumbel_max: false,

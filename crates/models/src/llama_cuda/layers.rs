@@ -11,7 +11,8 @@ use pagoda_ops::cuda::{
 };
 
 use super::buffers::{Attention, StepShape};
-use super::decode_path::FusedDecode;
+use super::cascade_path::cascade_decode;
+use super::decode_path::{fused_decode, FusedDecode};
 use super::experts::{ExpertStep, GpuExperts, MoeBuffers};
 use super::matrix::{Linear, Matrix, QuantScratch};
 use super::{GpuLayer, GpuMlp, GpuModel, GqaWeights, HostFloat, LayerAttention, StepBuffers};
@@ -372,6 +373,18 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                 let plan = (grid_chunks, variant, scale);
                 fused_decode(self.fused, gpu, &queries, &kv, plan, out)
             }
+            Attention::Cascade {
+                grid_chunks,
+                variant,
+                ..
+            } => {
+                let fused = self
+                    .fused
+                    .as_mut()
+                    .ok_or_else(|| CudaError::invalid("a cascade step without the fused decode"))?;
+                let plan = (grid_chunks, variant.kernel, scale);
+                cascade_decode(fused, gpu, (&queries, &kv), plan, out)
+            }
             Attention::Latent { .. } => Err(CudaError::invalid(
                 "a latent attention decode ran on a grouped-query layer",
             )),
@@ -545,25 +558,6 @@ fn expert_parts<'l, 'b, T>(
         .as_deref_mut()
         .ok_or_else(|| CudaError::invalid("a MoE step without its expert buffers"))?;
     Ok((experts, buffers))
-}
-
-/// The fused split-KV paged decode of `queries` (one row per request of `kv`'s table) with
-/// `plan`'s grid, variant and softmax scale, the plan staged before the step.
-fn fused_decode<T: HostFloat>(
-    fused: &mut Option<FusedDecode>,
-    gpu: &Gpu,
-    queries: &Queries<'_, T>,
-    kv: &PagedKv<'_, T>,
-    (grid_chunks, variant, scale): (usize, ops::DecodeVariant, f32),
-    out: &mut DeviceViewMut<'_, T>,
-) -> Result<(), CudaError> {
-    let fused = fused
-        .as_mut()
-        .ok_or_else(|| CudaError::invalid("a fused decode without its workspace"))?;
-    let workspace = fused.workspace_mut();
-    workspace.set_grid_chunks(grid_chunks)?;
-    workspace.set_kernel(variant.kernel);
-    ops::paged_decode_attention(gpu, queries, kv, workspace, variant.merge, scale, out)
 }
 
 /// Whether the tensor-core prefill compiles here (its `<mma.h>` needs the CUDA `crt` headers,

@@ -39,6 +39,7 @@ use crate::weights::TensorSource;
 use matrix::Matrix;
 
 pub use buffers::{Attention, MlaScratch, Scratch, StepBuffers, StepShape};
+pub use cascade_path::{CascadeLevels, CASCADE_SLOTS, CUDA_AUTO_CASCADE_RULE};
 pub use decode_path::{FusedDecode, PagedDecodeMode, VariantSource, PAGED_DECODE_ENV_VAR};
 pub use experts::MoeBuffers;
 pub use kernels::{CudaKernels, DecodeKernelChoice, SamplingKernels};
@@ -50,6 +51,7 @@ pub use prefill_path::PrefillChoice;
 pub use upload::KeepOnDevice;
 
 mod buffers;
+mod cascade_path;
 mod decode_path;
 mod experts;
 mod kernels;

@@ -9,8 +9,8 @@ use super::paged_decode::{paged_decode_attention, MergeMode, PagedDecodeWorkspac
 use super::prefill_stream::{PrefillStreamTiling, STREAM_PREFILL_HEAD_DIMS};
 use super::{DevicePageTable, PagedKv, PoolLayout, Queries};
 use pagoda_cuda::{
-    ptr, to_u32, view, CudaError, DType, DeviceBuffer, DeviceRead, DeviceWrite, Element, Gpu,
-    KernelArg, KernelSpec, LaunchDims,
+    ptr, to_u32, view, view_mut, CudaError, DType, DeviceBuffer, DeviceRead, DeviceWrite, Element,
+    Gpu, KernelArg, KernelSpec, LaunchDims, PinnedBuffer,
 };
 
 /// The shared level's tilings: 64 or 128 query rows a CTA, 64-key tiles, two stages.
@@ -61,16 +61,16 @@ pub fn cascade_unsupported(
 }
 
 /// Device memory of cascade steps for one capacity, allocated once: the shared level's
-/// encoded plan and the unique level's suffix page table (its four CSR arrays).
+/// encoded plan and the unique level's suffix page table (its four CSR arrays), with the
+/// pinned host staging they are uploaded from.
 pub struct CascadeWorkspace {
     plan: DeviceBuffer<u32>,
-    indptr: DeviceBuffer<u32>,
-    indices: DeviceBuffer<u32>,
-    last_page_len: DeviceBuffer<u32>,
-    first_page_offset: DeviceBuffer<u32>,
+    /// The suffix table: indptr, indices, last_page_len, first_page_offset.
+    suffix: [DeviceBuffer<u32>; 4],
+    staging: PinnedBuffer<u32>,
     capacity: CascadeCapacity,
     num_requests: usize,
-    /// One past the largest partial slot the uploaded plan writes.
+    /// One past the largest partial slot the staged plan writes.
     slots: usize,
     tiling: PrefillStreamTiling,
 }
@@ -84,12 +84,23 @@ impl CascadeWorkspace {
         max_requests: usize,
         max_pages: usize,
     ) -> Result<Self, CudaError> {
+        let lengths = [
+            max_requests + 1,
+            max_pages.max(1),
+            max_requests.max(1),
+            max_requests.max(1),
+        ];
+        let suffix = [
+            gpu.zeros(lengths[0])?,
+            gpu.zeros(lengths[1])?,
+            gpu.zeros(lengths[2])?,
+            gpu.zeros(lengths[3])?,
+        ];
+        let staging = gpu.alloc_pinned(capacity.encoded_len() + lengths.iter().sum::<usize>())?;
         Ok(CascadeWorkspace {
             plan: gpu.zeros(capacity.encoded_len())?,
-            indptr: gpu.zeros(max_requests + 1)?,
-            indices: gpu.zeros(max_pages.max(1))?,
-            last_page_len: gpu.zeros(max_requests.max(1))?,
-            first_page_offset: gpu.zeros(max_requests.max(1))?,
+            suffix,
+            staging,
             capacity,
             num_requests: 0,
             slots: 0,
@@ -108,40 +119,57 @@ impl CascadeWorkspace {
         self.tiling = tiling;
     }
 
-    /// Uploads `plan`'s shared level and suffix table (synchronously, from pageable memory:
-    /// not inside a graph capture). The fused decode's plan (`plan.decode`) goes to its own
-    /// workspace.
-    pub fn upload(&mut self, gpu: &Gpu, plan: &CascadePlan) -> Result<(), CudaError> {
-        let words = plan.encode(self.capacity)?;
-        gpu.upload_into(&words, &mut self.plan)?;
+    /// Writes `plan`'s shared level and suffix table into the pinned staging and queues
+    /// their uploads on the stream (so a graph replayed after them reads them; the staging
+    /// is rewritten by the next call, after the stream has passed these copies in the step's
+    /// order). The fused decode's plan (`plan.decode`) goes to its own workspace.
+    pub fn stage(&mut self, gpu: &Gpu, plan: &CascadePlan) -> Result<(), CudaError> {
         let suffix = &plan.suffix;
-        let requests = suffix.last_page_len.len();
-        if requests + 1 > self.indptr.len() || suffix.indices.len() > self.indices.len() {
+        let arrays = [
+            &suffix.indptr,
+            &suffix.indices,
+            &suffix.last_page_len,
+            &suffix.first_page_offset,
+        ];
+        if arrays
+            .iter()
+            .zip(&self.suffix)
+            .any(|(a, d)| a.len() > d.len())
+        {
             return Err(CudaError::invalid(format!(
-                "cascade suffix table of {requests} requests / {} pages exceeds its workspace",
+                "cascade suffix table of {} requests / {} pages exceeds its workspace",
+                suffix.last_page_len.len(),
                 suffix.indices.len()
             )));
         }
-        let put = |values: &[u32], buffer: &mut DeviceBuffer<u32>| {
-            let mut target = pagoda_cuda::view_mut(buffer, 0..values.len())?;
-            gpu.upload_into(values, &mut target)
-        };
-        put(&suffix.indptr, &mut self.indptr)?;
-        put(&suffix.indices, &mut self.indices)?;
-        put(&suffix.last_page_len, &mut self.last_page_len)?;
-        put(&suffix.first_page_offset, &mut self.first_page_offset)?;
-        self.num_requests = requests;
+        let words = self.staging.as_mut_slice()?;
+        let plan_len = self.capacity.encoded_len();
+        plan.encode_into(self.capacity, &mut words[..plan_len])?;
+        let mut at = plan_len;
+        let mut ranges = Vec::with_capacity(4);
+        for array in arrays {
+            words[at..at + array.len()].copy_from_slice(array);
+            ranges.push(at..at + array.len());
+            at += array.len();
+        }
+        gpu.upload_pinned_range(&self.staging, 0..plan_len, &mut self.plan)?;
+        for (range, buffer) in ranges.into_iter().zip(&mut self.suffix) {
+            let mut target = view_mut(buffer, 0..range.len())?;
+            gpu.upload_pinned_range(&self.staging, range, &mut target)?;
+        }
+        self.num_requests = suffix.last_page_len.len();
         self.slots = plan.decode.num_chunks();
         Ok(())
     }
 
-    /// The suffix page table of `num_requests` requests, as uploaded.
+    /// The suffix page table of `num_requests` requests, as staged.
     pub fn suffix_table(&self, num_requests: usize) -> Result<DevicePageTable<'_>, CudaError> {
+        let [indptr, indices, last_page_len, first_page_offset] = &self.suffix;
         Ok(DevicePageTable {
-            indptr: view(&self.indptr, 0..num_requests + 1)?,
-            indices: pagoda_cuda::whole(&self.indices),
-            last_page_len: view(&self.last_page_len, 0..num_requests)?,
-            first_page_offset: view(&self.first_page_offset, 0..num_requests)?,
+            indptr: view(indptr, 0..num_requests + 1)?,
+            indices: pagoda_cuda::whole(indices),
+            last_page_len: view(last_page_len, 0..num_requests)?,
+            first_page_offset: view(first_page_offset, 0..num_requests)?,
         })
     }
 }

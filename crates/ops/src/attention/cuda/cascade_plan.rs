@@ -43,6 +43,24 @@ pub struct CascadeCapacity {
 }
 
 impl CascadeCapacity {
+    /// The capacity of steps of up to `max_requests` requests whose shared level aims at
+    /// `target_ctas` CTAs over `num_kv_heads` heads with at most `max_slots` shared slots a
+    /// request ([`CascadeGeometry::max_slots`]): items for twice the target (a level has one
+    /// chunk at least, so many small groups may pass it) or one a request, whichever is more.
+    pub fn for_batch(
+        max_requests: usize,
+        num_kv_heads: usize,
+        target_ctas: usize,
+        max_slots: usize,
+    ) -> Self {
+        CascadeCapacity {
+            max_items: (2 * target_ctas)
+                .div_ceil(num_kv_heads.max(1))
+                .max(max_requests),
+            max_members: max_requests * max_slots.max(1),
+        }
+    }
+
     /// Length of the encoded plan in `u32` words.
     pub fn encoded_len(&self) -> usize {
         HEADER_WORDS + 4 * self.max_items + 2 * self.max_members
@@ -65,6 +83,9 @@ pub struct CascadeGeometry {
     /// The shortest key chunk, in tokens (a chunk's fixed cost: its pipeline fill and the
     /// partials its members write).
     pub min_chunk_tokens: usize,
+    /// Most shared slots (key chunks over all its levels) of one request: each is a partial
+    /// the request's merge reads.
+    pub max_slots: usize,
 }
 
 /// A request's page list after its shared levels (a CSR page table of its own pages).
@@ -140,7 +161,15 @@ impl CascadePlan {
             groups.groups()[group].members.len().div_ceil(per_tile)
         };
         let base_ctas: usize = chosen.iter().map(|&i| tiles(i)).sum::<usize>() * g.num_kv_heads;
-        let wanted = g.target_ctas.div_ceil(base_ctas.max(1)).max(1);
+        let depth = (0..table.num_requests())
+            .map(|r| groups.path(r).iter().filter(|&&group| used[group]).count())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let wanted = g
+            .target_ctas
+            .div_ceil(base_ctas.max(1))
+            .clamp(1, (g.max_slots / depth).max(1));
         let levels: Vec<Level> = chosen
             .iter()
             .map(|&group| {

@@ -89,7 +89,8 @@ impl CascadeLevels {
     }
 
     /// Plans a decode step over `table` (real requests; padded with empty ones to `rows`)
-    /// whose plain fused decode has `policy` and a grid of `grid_chunks`: the shared level's
+    /// whose fused decode has `policy` and a grid of `grid_chunks` (the plain grid and the
+    /// shared slots, [`Self::extra_chunks`]): the shared level's
     /// tile rows and what it shares when the rule finds a level that pays (the plan is kept
     /// for [`Self::stage`]), else `None` (plain fused decode).
     pub fn plan(
@@ -118,7 +119,7 @@ impl CascadeLevels {
             max_slots: CASCADE_SLOTS,
         };
         let capacity = PlanCapacity {
-            max_chunks: grid_chunks + Self::extra_chunks(rows),
+            max_chunks: grid_chunks,
             max_requests,
         };
         let sizes = (policy, capacity);

@@ -367,7 +367,7 @@ impl FusedDecode {
         };
         let grid = (grid_chunks + CascadeLevels::extra_chunks(rows))
             .min(self.workspace.capacity().max_chunks);
-        let planned = levels.plan(table, rows, (policy, grid_chunks, max_requests))?;
+        let planned = levels.plan(table, rows, (policy, grid, max_requests))?;
         Ok(planned.map(|(tile_rows, stats)| (tile_rows, grid, stats)))
     }
 

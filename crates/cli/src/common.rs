@@ -54,18 +54,36 @@ pub fn cuda_graphs() -> bool {
 }
 
 /// The device the flags ask for, resolved: `auto` probes for a usable GPU. A tensor-parallel
-/// size over 1 runs on the CPU only (its ranks as threads); CUDA refuses it here.
+/// size over 1 runs on the CPU only (its ranks as threads); CUDA refuses it here, and sparse
+/// decode (`--sparse-attention`) is refused with either.
 pub fn resolve_device(args: &ModelArgs) -> Result<Device> {
     let device = resolve_one_device(args)?;
     let ranks = pagoda_config::global()
         .number("PAGODA_TENSOR_PARALLEL_SIZE")
         .unwrap_or(1);
-    match device {
-        Device::Cuda { .. } if ranks > 1 => bail!(
-            "-tp {ranks}: tensor parallelism on CUDA needs the NCCL increment (issue 40); use --device cpu or -tp 1"
-        ),
-        _ => Ok(device),
+    if let Device::Cuda { .. } = device {
+        if ranks > 1 {
+            bail!(
+                "-tp {ranks}: tensor parallelism on CUDA needs the NCCL increment (issue 40); use --device cpu or -tp 1"
+            );
+        }
     }
+    // Sparse decode is refused here, before the model loads, where the flags alone show it
+    // cannot run (the engine checks the model's attention, and again the rest, when made).
+    let sparse = pagoda_config::global()
+        .text("PAGODA_SPARSE_ATTENTION")
+        .is_some_and(|text| {
+            matches!(
+                pagoda_ops::attention::SparseAttention::parse(text),
+                Ok(Some(_))
+            )
+        });
+    if sparse {
+        let cuda = matches!(device, Device::Cuda { .. });
+        pagoda_engine::check_sparse_attention_setup(cuda, ranks as usize, false)
+            .map_err(anyhow::Error::msg)?;
+    }
+    Ok(device)
 }
 
 /// [`resolve_device`] before the tensor-parallel check.

@@ -50,7 +50,8 @@ pub struct ModelArgs {
     /// Sparse decode (CPU): `budget=N,window=W,min-context=C` (any subset; `on`: the defaults
     /// 1024, 128, 2048). Long decode rows attend to the first page, the recent window and the
     /// pages whose key summaries promise the highest scores, within the token budget
-    /// (Quest). Requests may override it (`sparse_attention`). Also $PAGODA_SPARSE_ATTENTION.
+    /// (Quest). Requests may override it (`sparse_attention`; keys they leave out take these
+    /// values). Refused with CUDA, -tp over 1 or an MLA model. Also $PAGODA_SPARSE_ATTENTION.
     #[arg(
         long = "sparse-attention",
         value_name = "budget=N,window=W,min-context=C"

@@ -521,3 +521,66 @@ fn json_schema_and_grammar_constrain_the_output() {
         out.stdout_text()
     );
 }
+
+#[test]
+fn sparse_attention_where_it_cannot_run_is_refused_at_start() {
+    let model = tiny_model("tiny-qwen2");
+    let m = model.to_str().unwrap();
+    // Tensor parallelism: refused from the flags, before the model loads, by every command.
+    for command in [
+        &["generate", "-m", m, "-p", "hi", "-n", "2"][..],
+        &["serve", "-m", m, "--port", "0"],
+        &["bench", "-m", m, "-p", "8", "-n", "2", "-r", "1"],
+    ] {
+        let mut args = command.to_vec();
+        args.extend([
+            "--device",
+            "cpu",
+            "-tp",
+            "2",
+            "--sparse-attention",
+            "budget=64",
+        ]);
+        let error = pagoda(&args, None).assert_clean_error();
+        assert!(
+            error.contains("--sparse-attention") && error.contains("use -tp 1"),
+            "{args:?}: {error}"
+        );
+        assert_eq!(error.trim().lines().count(), 1, "{error}");
+    }
+    // Latent attention (DeepSeek's MLA): refused by the engine, which sees the model.
+    let args = [
+        "bench",
+        "--random-weights",
+        "deepseek-v2-tiny",
+        "--device",
+        "cpu",
+        "-p",
+        "8",
+        "-n",
+        "2",
+        "-r",
+        "1",
+        "--sparse-attention",
+        "on",
+    ];
+    let error = pagoda(&args, None).assert_clean_error();
+    assert!(
+        error.contains("--sparse-attention") && error.contains("latent-attention"),
+        "{error}"
+    );
+    // The same model runs dense, and a grouped-query model runs sparse.
+    let mut dense = args.to_vec();
+    dense.truncate(args.len() - 2);
+    pagoda(&dense, None).assert_success();
+    let out = pagoda(
+        &[
+            "generate", "-m", m, "-p", "hi", "-n", "2", "--device", "cpu",
+        ]
+        .into_iter()
+        .chain(["--sparse-attention", "budget=64"])
+        .collect::<Vec<_>>(),
+        None,
+    );
+    out.assert_success();
+}

@@ -186,8 +186,8 @@ settings! {
         "engine EngineSettings (speculation)",
         "cost: speculate where the measured step costs and acceptance say it pays (probing now and then where it does not); always: in every step under the batch limit.";
     "PAGODA_SPARSE_ATTENTION", Some("--sparse-attention"), TEXT, "off", Engine,
-        "engine EngineSettings (sparse); cli common::configure checks it",
-        "Sparse decode (Quest page selection, CPU): `budget=N,window=W,min-context=C` (any subset; defaults 1024, min(128, budget), 2048; `on` for all defaults). Decode rows of at least min-context and more than budget visible tokens attend to the first page, the pages of the last `window` tokens and the pages whose key summaries (per page and KV head, min and max) bound q.k highest, within `budget` tokens; keeps the summaries (2/page_size of an f32 K pool). Requests may override it (`sparse_attention` in the body). Off until measured for quality.";
+        "engine EngineSettings (sparse); cli common::configure and resolve_device check it",
+        "Sparse decode (Quest page selection, CPU): `budget=N,window=W,min-context=C` (any subset; defaults 1024, min(128, budget), 2048; `on` for all defaults). Decode rows of at least min-context and more than budget visible tokens attend to the first page, the pages of the last `window` tokens and the pages whose key summaries (per page and KV head, min and max) bound q.k highest, within `budget` tokens; keeps the summaries (2/page_size of an f32 K pool). Requests may override it (`sparse_attention` in the body; keys a request leaves out take these values). CPU only: with CUDA, tensor parallelism or a latent-attention (MLA) model the start is refused. Off until measured for quality.";
     "PAGODA_CPU_ADAPTIVE_THREADS", None, Values::Choice(&["auto", "off", "one"]), "auto", Engine,
         "engine EngineSettings (cpu_pool)",
         "CPU thread pool per step: auto picks all threads or one per kind of step; off: all; one: one.";

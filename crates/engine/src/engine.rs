@@ -28,6 +28,7 @@ mod warmup;
 use pagoda_kv::CacheEvent;
 use pagoda_scheduler::{SampledToken, Scheduler, SchedulerError, SchedulerStats};
 pub use settings::EngineSettings;
+pub use sparse::check_sparse_attention_setup;
 
 /// Identifies a request inside one engine.
 pub type RequestId = u64;

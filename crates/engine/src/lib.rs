@@ -22,7 +22,8 @@ pub use cpu_pool::{
     Verdict, CPU_ADAPTIVE_THREADS_ENV,
 };
 pub use engine::{
-    Engine, EngineConfig, EngineError, EngineSettings, FinishReason, RequestId, StepEvent,
+    check_sparse_attention_setup, Engine, EngineConfig, EngineError, EngineSettings, FinishReason,
+    RequestId, StepEvent,
 };
 pub use load::{
     load_backend, load_model, load_random, load_random_served, Device, LoadOptions, LoadedModel,

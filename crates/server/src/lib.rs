@@ -132,6 +132,9 @@ pub struct AppState {
     /// How the model writes tool calls, when its template can show it tools (it reads
     /// `tools`) and the format is known; `None`: requests with tools are a 400.
     pub tool_format: Option<tools::ToolFormat>,
+    /// The engine's sparse decode settings (`--sparse-attention`), which fill the keys a
+    /// request's `sparse_attention` leaves out; `None`: settings are a 400.
+    pub sparse_attention: Option<pagoda_ops::attention::SparseAttention>,
 }
 
 impl AppState {
@@ -152,6 +155,7 @@ impl AppState {
         backend: B,
     ) -> std::io::Result<(Arc<AppState>, std::thread::JoinHandle<()>)> {
         let metrics = Arc::new(Metrics::default());
+        let sparse_attention = backend.sparse_attention();
         let (worker, thread) =
             spawn_worker(backend, config.parallel, config.max_queue, metrics.clone())?;
         let since_epoch = std::time::SystemTime::now()
@@ -171,6 +175,7 @@ impl AppState {
             drain: Arc::new(drain::Drain::default()),
             grammars: structured::LazyGrammars::default(),
             tool_format,
+            sparse_attention,
         });
         Ok((state, thread))
     }

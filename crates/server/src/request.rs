@@ -80,8 +80,9 @@ pub struct Options {
     pub grammar: Option<(GrammarSpec, &'static str)>,
     /// Read tool calls out of the answer in this format (chat requests with `tools`).
     pub tool_format: Option<crate::tools::ToolFormat>,
-    /// `sparse_attention` (see `sparse.rs`): `None` the server's setting, `Some(None)` dense.
-    pub sparse_attention: Option<Option<pagoda_ops::attention::SparseAttention>>,
+    /// `sparse_attention` as given (see `sparse.rs`; the handler fills the keys it leaves
+    /// out from the server's setting).
+    pub sparse_attention: crate::sparse::SparseRequest,
 }
 
 /// A parsed `POST /v1/chat/completions` body.

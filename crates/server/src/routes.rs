@@ -284,6 +284,8 @@ async fn generate(
             return Err(ApiError::model_not_found(model, &state.config.model_name));
         }
     }
+    let sparse_attention =
+        crate::sparse::resolve(&options.sparse_attention, state.sparse_attention)?;
     let in_flight = state.drain.enter()?;
     let prompt_tokens = prompt.len();
     if prompt_tokens == 0 {
@@ -357,7 +359,7 @@ async fn generate(
             top_logprobs,
             logit_bias: options.logit_bias.clone(),
             constraint,
-            sparse_attention: options.sparse_attention,
+            sparse_attention,
             events: sender,
         })?;
         let mut session = Session::new(

@@ -6,6 +6,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use futures::StreamExt;
+use pagoda_ops::attention::SparseAttention;
 use pagoda_server::auth::ApiKeys;
 use serde_json::{json, Value};
 use tower::ServiceExt;
@@ -412,19 +413,53 @@ async fn the_sparse_attention_field_is_accepted_and_bad_values_refused() {
             "{bad}"
         );
     }
-    // A server without sparse decode refuses settings (and takes `false`).
+    // Keys a request leaves out take the server's setting (budget 512, window 64), which also
+    // bounds the keys it gives.
+    h.sparse.lock().unwrap().clear();
+    for (given, expected) in [
+        (json!({"window": 32}), (512, 32, 2048)),
+        (json!({"budget": 2048}), (2048, 64, 2048)),
+        (json!(true), (512, 64, 2048)),
+    ] {
+        let body = json!({"prompt": "hi", "max_tokens": 2, "sparse_attention": given});
+        let (s, b) = call(&h.app, "/v1/completions", body.to_string(), None).await;
+        assert_eq!(s, StatusCode::OK, "{given}: {b}");
+        let (budget, window, min_context) = expected;
+        assert_eq!(
+            h.sparse.lock().unwrap().pop(),
+            Some(Some(
+                SparseAttention::new(budget, window, min_context).unwrap()
+            )),
+            "{given}"
+        );
+    }
+    let body = json!({"prompt": "hi", "max_tokens": 2, "sparse_attention": {"window": 600}});
+    let (s, b) = call(&h.app, "/v1/completions", body.to_string(), None).await;
+    assert_eq!(
+        error_of(s, &b, StatusCode::BAD_REQUEST)["param"],
+        "sparse_attention"
+    );
+    // A server without sparse decode refuses settings in the handler, naming the field (and
+    // takes `false`).
     let Some(plain) = harness("Hello", Mode::SmallPool, |_| {}) else {
         return;
     };
-    let body = json!({"prompt": "hi", "max_tokens": 2, "sparse_attention": {"budget": 512}});
-    let (s, b) = call(&plain.app, "/v1/completions", body.to_string(), None).await;
-    let error = error_of(s, &b, StatusCode::BAD_REQUEST);
+    for given in [json!({"budget": 512}), json!(true)] {
+        let body = json!({"prompt": "hi", "max_tokens": 2, "sparse_attention": given});
+        let (s, b) = call(&plain.app, "/v1/completions", body.to_string(), None).await;
+        let error = error_of(s, &b, StatusCode::BAD_REQUEST);
+        assert_eq!(error["param"], "sparse_attention", "{b}");
+        assert!(
+            error["message"]
+                .as_str()
+                .unwrap()
+                .contains("--sparse-attention"),
+            "{b}"
+        );
+    }
     assert!(
-        error["message"]
-            .as_str()
-            .unwrap()
-            .contains("--sparse-attention"),
-        "{b}"
+        plain.sparse.lock().unwrap().is_empty(),
+        "refused before the engine"
     );
     let body = json!({"prompt": "hi", "max_tokens": 2, "sparse_attention": false});
     let (s, b) = call(&plain.app, "/v1/completions", body.to_string(), None).await;

@@ -125,7 +125,7 @@ impl Engine {
             &mut runner,
             settings.sparse_attention,
             settings.tensor_parallel_size,
-        );
+        )?;
         runner.log_kv_cache_once(config.kv_types, config.num_pages, config.page_size);
         if runner.is_cuda() {
             static LOGGED_SAMPLING: std::sync::Once = std::sync::Once::new();
@@ -162,8 +162,7 @@ impl Engine {
         Ok(engine)
     }
 
-    /// The switches this engine was made with (sparse decode: `None` where the backend
-    /// does not serve it).
+    /// The switches this engine was made with.
     pub fn settings(&self) -> EngineSettings {
         self.settings
     }
@@ -171,6 +170,7 @@ impl Engine {
 
 #[cfg(test)]
 mod tests {
+    use super::super::check_sparse_attention_setup;
     use super::*;
     use pagoda_config::Config;
     use pagoda_models::config::ModelConfig;
@@ -228,14 +228,40 @@ mod tests {
         };
         assert_eq!(settings, expected);
 
+        let config = engine_config();
+        // Sparse decode is not served with tensor parallelism yet: the engine refuses it.
+        let error = Engine::with_settings(tiny("smollm2-135m"), config.clone(), settings)
+            .err()
+            .expect("sparse decode with -tp 4 refused")
+            .to_string();
+        assert!(
+            error.contains("--sparse-attention") && error.contains("-tp 1"),
+            "{error}"
+        );
+        let served = EngineSettings {
+            sparse_attention: None,
+            ..settings
+        };
+        let engine = Engine::with_settings(tiny("smollm2-135m"), config, served).unwrap();
+        assert_eq!(engine.settings(), served);
+        assert!(!engine.prefix_caching());
+        assert_eq!(engine.cpu_threads_mode(), Some(CpuThreadsMode::One));
+        assert!(!engine.needs_warmup(), "the CPU never warms up");
+    }
+
+    /// One layer of `preset` with random weights, on the CPU.
+    fn tiny(preset_name: &str) -> Model {
         let model_config = ModelConfig {
             num_layers: 1,
             vocab_size: 256,
-            ..preset("smollm2-135m").unwrap()
+            ..preset(preset_name).unwrap()
         };
         let weights = RandomWeights::new(&model_config, 3, 1 << 30).unwrap();
-        let model = Model::load(model_config, &weights, WeightPrecision::F32).unwrap();
-        let config = EngineConfig {
+        Model::load(model_config, &weights, WeightPrecision::F32).unwrap()
+    }
+
+    fn engine_config() -> EngineConfig {
+        EngineConfig {
             page_size: 16,
             num_pages: 8,
             max_batch_tokens: 64,
@@ -245,16 +271,34 @@ mod tests {
             cuda_graphs: false,
             paged_decode: Default::default(),
             kv_types: Default::default(),
+        }
+    }
+
+    #[test]
+    fn sparse_decode_on_a_setup_that_cannot_run_it_is_refused_in_one_line() {
+        for (cuda, ranks, mla, fix) in [
+            (true, 1, false, "--device cpu"),
+            (false, 2, false, "-tp 1"),
+            (false, 1, true, "latent-attention"),
+        ] {
+            let error = check_sparse_attention_setup(cuda, ranks, mla).unwrap_err();
+            assert!(error.contains("--sparse-attention"), "{error}");
+            assert!(error.contains(fix) && !error.contains('\n'), "{error}");
+        }
+        assert_eq!(check_sparse_attention_setup(false, 1, false), Ok(()));
+        // The engine asks the runner: a latent-attention model is refused, a grouped-query
+        // one keeps its summaries.
+        let sparse = EngineSettings {
+            sparse_attention: Some(SparseAttention::default()),
+            ..EngineSettings::from_config(&resolved(&[]))
         };
-        let engine = Engine::with_settings(model, config, settings).unwrap();
-        // Sparse decode is not served with tensor parallelism yet: the engine drops it.
-        let served = EngineSettings {
-            sparse_attention: None,
-            ..settings
-        };
-        assert_eq!(engine.settings(), served);
-        assert!(!engine.prefix_caching());
-        assert_eq!(engine.cpu_threads_mode(), Some(CpuThreadsMode::One));
-        assert!(!engine.needs_warmup(), "the CPU never warms up");
+        let error = Engine::with_settings(tiny("deepseek-v2-tiny"), engine_config(), sparse)
+            .err()
+            .expect("sparse decode on MLA refused")
+            .to_string();
+        assert!(error.contains("latent-attention"), "{error}");
+        let engine = Engine::with_settings(tiny("smollm2-135m"), engine_config(), sparse).unwrap();
+        assert!(engine.sparse_attention_available());
+        assert_eq!(engine.settings(), sparse);
     }
 }

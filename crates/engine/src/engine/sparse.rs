@@ -1,6 +1,7 @@
-//! Sparse decode (Quest page selection, `--sparse-attention`): the key summaries switched on
-//! with the KV cache, each request's settings (the server's, or its body's), and the step's
-//! per-request list handed to the forward.
+//! Sparse decode (Quest page selection, `--sparse-attention`): the check that the setup can
+//! run it (the CPU, one rank, grouped-query attention; anything else is refused at start), the
+//! key summaries switched on with the KV cache, each request's settings (the server's, or its
+//! body's), and the step's per-request list handed to the forward.
 
 use pagoda_ops::attention::SparseAttention;
 use pagoda_scheduler::StepPlan;
@@ -8,31 +9,54 @@ use pagoda_scheduler::StepPlan;
 use super::{Engine, EngineError, RequestId};
 use crate::backend::Runner;
 
-/// Keeps the key summaries when the settings ask for sparse decode (`wanted`) and the runner
-/// can serve it (the CPU backend, one rank of `tensor_parallel_size`, grouped-query
-/// attention); says so once at INFO, or why not at WARN. Returns the engine's effective
-/// default (`None`: off).
+/// Checks that sparse decode can run on this setup: the CPU backend (`cuda` false), one rank
+/// (`tensor_parallel_size` 1), grouped-query attention (`mla` false). The error is the
+/// one-line refusal a start prints, naming the switch and the way out.
+pub fn check_sparse_attention_setup(
+    cuda: bool,
+    tensor_parallel_size: usize,
+    mla: bool,
+) -> Result<(), String> {
+    const SWITCH: &str = "--sparse-attention (PAGODA_SPARSE_ATTENTION)";
+    if cuda {
+        return Err(format!(
+            "{SWITCH} is CPU-only for now (not with --device cuda); drop it or use --device cpu"
+        ));
+    }
+    if tensor_parallel_size > 1 {
+        return Err(format!(
+            "{SWITCH} does not run with tensor parallelism yet (-tp {tensor_parallel_size}); \
+             drop it or use -tp 1"
+        ));
+    }
+    if mla {
+        return Err(format!(
+            "{SWITCH} does not run on latent-attention models (DeepSeek's MLA) yet; drop it \
+             for this model"
+        ));
+    }
+    Ok(())
+}
+
+/// Keeps the key summaries when the settings ask for sparse decode (`wanted`) and says so
+/// once at INFO; a runner that cannot serve it (see [`check_sparse_attention_setup`]) is an
+/// error. Returns the engine's default (`None`: off).
 pub(super) fn enable(
     runner: &mut Runner,
     wanted: Option<SparseAttention>,
     tensor_parallel_size: usize,
-) -> Option<SparseAttention> {
-    let sparse = wanted?;
-    let refusal = if runner.is_cuda() {
-        Some("not on CUDA yet (the CPU only, this release)")
-    } else if tensor_parallel_size > 1 {
-        Some("not with tensor parallelism yet")
-    } else if runner.config().mla.is_some() {
-        Some("not for latent attention (DeepSeek's MLA)")
-    } else {
-        None
+) -> Result<Option<SparseAttention>, EngineError> {
+    let Some(sparse) = wanted else {
+        return Ok(None);
     };
-    static LOGGED: std::sync::Once = std::sync::Once::new();
-    if let Some(reason) = refusal {
-        LOGGED.call_once(|| tracing::warn!("--sparse-attention ignored: {reason}"));
-        return None;
-    }
+    check_sparse_attention_setup(
+        runner.is_cuda(),
+        tensor_parallel_size,
+        runner.config().mla.is_some(),
+    )
+    .map_err(EngineError::SparseAttention)?;
     let bytes = runner.enable_key_summaries();
+    static LOGGED: std::sync::Once = std::sync::Once::new();
     LOGGED.call_once(|| {
         tracing::info!(
             "sparse attention: Quest page selection ({sparse}) on decode rows of at least \
@@ -41,12 +65,12 @@ pub(super) fn enable(
             bytes as f64 / (1u64 << 20) as f64
         )
     });
-    Some(sparse)
+    Ok(Some(sparse))
 }
 
 impl Engine {
     /// Whether this engine keeps the key summaries sparse decode needs (started with
-    /// `--sparse-attention` on a backend that serves it).
+    /// `--sparse-attention`).
     pub fn sparse_attention_available(&self) -> bool {
         self.settings.sparse_attention.is_some()
     }

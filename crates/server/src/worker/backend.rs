@@ -49,6 +49,11 @@ pub trait EngineBackend: Send + 'static {
             )),
         }
     }
+    /// The sparse decode settings of requests that do not set theirs (`--sparse-attention`);
+    /// `None`: no sparse decode, so settings are refused.
+    fn sparse_attention(&self) -> Option<pagoda_ops::attention::SparseAttention> {
+        None
+    }
     /// A snapshot of the engine's gauges and counters.
     fn snapshot(&self) -> EngineSnapshot;
     /// The embedding of `tokens` (see [`Engine::embed`]).
@@ -112,6 +117,9 @@ impl EngineBackend for Engine {
         sparse: Option<pagoda_ops::attention::SparseAttention>,
     ) -> Result<(), EngineError> {
         Engine::set_sparse_attention(self, id, sparse)
+    }
+    fn sparse_attention(&self) -> Option<pagoda_ops::attention::SparseAttention> {
+        self.settings().sparse_attention
     }
     fn set_constraint(
         &mut self,

@@ -14,6 +14,7 @@ use pagoda_engine::{EngineError, FinishReason, RequestId, StepEvent};
 use pagoda_models::chat_template::ChatTemplate;
 use pagoda_models::formats::gguf::GgufFile;
 use pagoda_models::tokenizer::Tokenizer;
+use pagoda_ops::attention::SparseAttention;
 use pagoda_ops::sampling::SamplingParams;
 use pagoda_server::auth::ApiKeys;
 use pagoda_server::worker::{EngineBackend, EngineSnapshot};
@@ -53,6 +54,13 @@ pub struct Scripted {
     running: HashMap<RequestId, (usize, usize)>, // (position, max_new_tokens)
     next_id: RequestId,
     cancelled: Arc<Mutex<Vec<RequestId>>>,
+    sparse: Arc<Mutex<Vec<Option<SparseAttention>>>>,
+}
+
+/// The sparse decode setting of a [`Mode::Replay`] engine (as if started with
+/// `--sparse-attention budget=512,window=64`).
+pub fn replay_sparse_attention() -> SparseAttention {
+    SparseAttention::new(512, 64, 2048).unwrap()
 }
 
 impl Scripted {
@@ -64,6 +72,7 @@ impl Scripted {
             running: HashMap::new(),
             next_id: 0,
             cancelled: Arc::new(Mutex::new(Vec::new())),
+            sparse: Arc::new(Mutex::new(Vec::new())),
         }
     }
 }
@@ -121,13 +130,18 @@ impl EngineBackend for Scripted {
         }
         Ok(events)
     }
-    /// Sparse decode's settings: accepted in [`Mode::Replay`] (a server started with
-    /// `--sparse-attention`), refused elsewhere as an engine without it refuses them.
+    /// Sparse decode: [`replay_sparse_attention`] in [`Mode::Replay`], none elsewhere.
+    fn sparse_attention(&self) -> Option<SparseAttention> {
+        (self.mode == Mode::Replay).then(replay_sparse_attention)
+    }
+    /// Sparse decode's settings: recorded and accepted in [`Mode::Replay`], refused
+    /// elsewhere as an engine without it refuses them.
     fn set_sparse_attention(
         &mut self,
         _: RequestId,
-        sparse: Option<pagoda_ops::attention::SparseAttention>,
+        sparse: Option<SparseAttention>,
     ) -> Result<(), EngineError> {
+        self.sparse.lock().unwrap().push(sparse);
         match (self.mode, sparse) {
             (Mode::Replay, _) | (_, None) => Ok(()),
             _ => Err(EngineError::SparseAttention(
@@ -179,6 +193,8 @@ pub struct Harness {
     pub app: axum::Router,
     pub tokenizer: Tokenizer,
     pub cancelled: Arc<Mutex<Vec<RequestId>>>,
+    /// The sparse decode settings each request set, in order.
+    pub sparse: Arc<Mutex<Vec<Option<SparseAttention>>>>,
 }
 
 pub fn harness(text: &str, mode: Mode, tweak: impl FnOnce(&mut ServerConfig)) -> Option<Harness> {
@@ -187,6 +203,7 @@ pub fn harness(text: &str, mode: Mode, tweak: impl FnOnce(&mut ServerConfig)) ->
     script.push(EOS);
     let backend = Scripted::new(script, mode);
     let cancelled = backend.cancelled.clone();
+    let sparse = backend.sparse.clone();
     let mut config = test_config();
     tweak(&mut config);
     let text_model = text_model()?;
@@ -195,6 +212,7 @@ pub fn harness(text: &str, mode: Mode, tweak: impl FnOnce(&mut ServerConfig)) ->
         app: router(state),
         tokenizer,
         cancelled,
+        sparse,
     })
 }
 

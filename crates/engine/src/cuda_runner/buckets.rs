@@ -115,7 +115,10 @@ mod tests {
             rows,
         };
         assert_ne!(graph_key(4, 4, &cascade(64)), graph_key(4, 4, &fused(0)));
-        assert_ne!(graph_key(4, 4, &cascade(64)), graph_key(4, 4, &cascade(128)));
+        assert_ne!(
+            graph_key(4, 4, &cascade(64)),
+            graph_key(4, 4, &cascade(128))
+        );
         // A latent attention decode's grid follows its bucket: the bucket is the key.
         let latent = Attention::Latent { grid_chunks: 40 };
         assert_eq!(graph_key(4, 4, &latent), 4);

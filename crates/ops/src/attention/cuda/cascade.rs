@@ -5,7 +5,7 @@
 
 use super::cascade_plan::{CascadeCapacity, CascadePlan};
 use super::gathered::check_decode_io;
-use super::paged_decode::{paged_decode_attention, MergeMode, PagedDecodeWorkspace};
+use super::paged_decode::{paged_decode_beside, PagedDecodeWorkspace};
 use super::prefill_stream::{PrefillStreamTiling, STREAM_PREFILL_HEAD_DIMS};
 use super::{DevicePageTable, PagedKv, PoolLayout, Queries};
 use pagoda_cuda::{
@@ -262,13 +262,7 @@ pub fn cascade_decode_attention<T: Element>(
         layout,
         page_table: cascade.suffix_table(num_requests)?,
     };
-    paged_decode_attention(
-        gpu,
-        queries,
-        &suffix,
-        decode,
-        MergeMode::Separate,
-        scale,
-        out,
-    )
+    // The unique level does not read the shared one: launched beside it (programmatically,
+    // on compute capability 9.0+), its merge after both.
+    paged_decode_beside(gpu, queries, &suffix, decode, scale, out)
 }

@@ -385,7 +385,31 @@ pub fn paged_decode_attention<T: Element>(
     scale: f32,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
-    paged_decode_launch(gpu, queries, kv, None, workspace, (merge, scale), out)
+    paged_decode_launch(
+        gpu,
+        queries,
+        kv,
+        None,
+        workspace,
+        (merge, scale, false),
+        out,
+    )
+}
+
+/// [`paged_decode_attention`] with the separate merge, launched programmatically after a
+/// kernel it does not depend on (cascade's shared level, which lets it start at once) when
+/// the partial kernel is the streaming one on compute capability 9.0+: its grid then waits
+/// for that kernel before it completes, so the merge reads both.
+pub(super) fn paged_decode_beside<T: Element>(
+    gpu: &Gpu,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, T>,
+    workspace: &mut PagedDecodeWorkspace,
+    scale: f32,
+    out: &mut impl DeviceWrite<T>,
+) -> Result<(), CudaError> {
+    let merge = MergeMode::Separate;
+    paged_decode_launch(gpu, queries, kv, None, workspace, (merge, scale, true), out)
 }
 
 /// [`paged_decode_attention`] over an e4m3 cache: the same contract, with K and V read as
@@ -405,7 +429,7 @@ pub fn paged_decode_attention_fp8<T: Element>(
         kv,
         Some(scales),
         workspace,
-        (merge, scale),
+        (merge, scale, false),
         out,
     )
 }
@@ -418,7 +442,7 @@ fn paged_decode_launch<T: Element, K: Element>(
     kv: &PagedKv<'_, K>,
     fp8: Option<&KvScales<'_>>,
     workspace: &mut PagedDecodeWorkspace,
-    (merge, scale): (MergeMode, f32),
+    (merge, scale, beside): (MergeMode, f32, bool),
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
     let (q, num_q_heads, q_row_stride) = (&queries.data, queries.num_heads, queries.row_stride);
@@ -539,10 +563,13 @@ fn paged_decode_launch<T: Element, K: Element>(
     // encoded length, the partials max_chunks x num_q_heads rows, the semaphores
     // max_requests x num_kv_heads; pool, q and out extents validated above.
     let streaming = matches!(workspace.kernel, PagedDecodeKernel::Streaming(_));
+    let hopper = gpu.info().compute_capability.0 >= 9;
     let dims = LaunchDims {
         shared_mem_bytes: shared_bytes as u32,
         // CTAs per SM are bounded by shared memory: ask for the largest carveout.
         prefer_shared: streaming,
+        // Only the streaming kernel waits for its programmatic primary before it completes.
+        programmatic: beside && streaming && hopper && fp8.is_none(),
         ..LaunchDims::new(grid, PARTIAL_THREADS as u32)
     };
     unsafe { gpu.launch(&partial, dims, &args)? };
@@ -552,7 +579,7 @@ fn paged_decode_launch<T: Element, K: Element>(
     // After the streaming kernel (which lets its dependents launch once its CTAs leave their
     // loops) the merge launches programmatically on compute capability 9.0+ and waits for
     // the partials itself, which hides its launch behind the partial kernel's tail.
-    let programmatic = streaming && gpu.info().compute_capability.0 >= 9;
+    let programmatic = streaming && hopper;
     let partials = Partials {
         out: whole(&workspace.partial_out),
         lse: whole(&workspace.partial_lse),

@@ -344,4 +344,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, stream_decode::MIN_BLOCKS)
     }
     finish_chunk(c, chunk, kv_head, num_kv_heads, s_acc, s_m, s_l, GROUP, EPI_PITCH, s_acc, out, partial_out,
                  partial_lse, semaphores, merge_in_kernel);
+#if __CUDA_ARCH__ >= 900
+    // Launched programmatically beside cascade's shared level (whose partials it does not
+    // read): this grid does not complete before that one, so the merge, which waits for this
+    // grid, reads both levels. Without a programmatic launch the wait returns at once.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }

@@ -83,6 +83,10 @@ extern "C" __global__ void __launch_bounds__(stream_prefill::THREADS, 2) prefill
     const unsigned int kv_head = blockIdx.y;
     const unsigned int group = num_q_heads / num_kv_heads;
 #if PAGODA_CASCADE
+#if __CUDA_ARCH__ >= 900
+    // The unique level's decode reads nothing this grid writes: it may start beside it.
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
     const unsigned int* item = plan + 2 + 4 * (size_t)blockIdx.x;
     if (blockIdx.x >= min(plan[0], max_items)) return;
     const unsigned long long page_base = item[0];

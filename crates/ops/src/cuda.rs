@@ -40,6 +40,11 @@ pub use crate::attention::cuda::{
     LatentPool, MlaDecodeWorkspace, MlaEntry, MlaKernel, NewLatent, MLA_HEAD_TILE, MLA_LATENT_DIMS,
     MLA_MMA_STAGES, MLA_ROPE_DIM,
 };
+pub use crate::attention::cuda::{
+    sparse_select, sparse_summaries_len, sparse_summaries_update, specialize_sparse, SparseEntry,
+    SparseSelectPlan, SparseSelectWorkspace, SPARSE_DENSE, SPARSE_DTYPES, SPARSE_MAX_PAGES,
+    SPARSE_REQUEST_WORDS,
+};
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
 pub use crate::linear::cuda::{
     dequantize, dequantize_fast, dequantize_fp8, gather_dequantized, gemv_fp8, gemv_fp8_applies,

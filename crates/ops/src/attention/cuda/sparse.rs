@@ -23,8 +23,8 @@ pub use super::sparse_plan::{
     SparseSelectPlan, SPARSE_DENSE, SPARSE_MAX_PAGES, SPARSE_REQUEST_WORDS,
 };
 use pagoda_cuda::{
-    check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceBuffer, DeviceRead,
-    DeviceWrite, Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims,
+    check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceBuffer, DeviceRead, DeviceWrite,
+    Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims,
 };
 
 /// The summaries' update and the page scores (typed by the pool's dtype).
@@ -223,7 +223,9 @@ pub fn sparse_select<T: Element>(
         )));
     }
     if queries.row_stride < queries.num_heads * layout.head_dim {
-        return Err(CudaError::invalid("sparse select: query row_stride too small"));
+        return Err(CudaError::invalid(
+            "sparse select: query row_stride too small",
+        ));
     }
     check_min_len(
         "sparse select q",

@@ -121,15 +121,12 @@ impl SparseSelectPlan {
                     let (window_start, keep) = quest_counts(&pages, &settings);
                     let head = usize::from(window_start > 0);
                     let kept = head + keep + (num_pages - window_start);
-                    let window: usize = (window_start..num_pages).map(|i| pages.page_tokens(i)).sum();
+                    let window: usize = (window_start..num_pages)
+                        .map(|i| pages.page_tokens(i))
+                        .sum();
                     let sink = if head == 1 { pages.page_tokens(0) } else { 0 };
                     plan.seq_lens[request] = (sink + keep * page_size + window) as u32;
-                    words = [
-                        qo_indptr[request],
-                        window_start as u32,
-                        keep as u32,
-                        0,
-                    ];
+                    words = [qo_indptr[request], window_start as u32, keep as u32, 0];
                     plan.stats.sparse_requests += 1;
                     plan.stats.pages_scanned += num_pages as u64;
                     plan.stats.pages_kept += kept as u64;
@@ -140,9 +137,11 @@ impl SparseSelectPlan {
             };
             plan.requests.extend_from_slice(&words);
             total += kept;
-            plan.indptr.push(u32::try_from(total).map_err(|_| {
-                CudaError::invalid("sparse select: more than 2^32 selected pages")
-            })?);
+            plan.indptr.push(
+                u32::try_from(total).map_err(|_| {
+                    CudaError::invalid("sparse select: more than 2^32 selected pages")
+                })?,
+            );
         }
         Ok(plan)
     }

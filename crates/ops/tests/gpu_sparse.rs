@@ -184,7 +184,6 @@ fn summaries_case<T: TestFloat>(gpu: &Gpu, layout: PoolLayout, seed: u64) {
         if step == 12 {
             // Request 0 finishes; a new one takes its pages, written from row 0 (two pages'
             // worth in one step, shorter than what the pages held).
-            lens[0] = 0;
             let reuse: Vec<Option<Slot>> = (0..page_size + 3)
                 .map(|token| {
                     Some(Slot {

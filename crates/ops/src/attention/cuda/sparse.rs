@@ -91,8 +91,11 @@ pub fn sparse_summaries_len(layout: &PoolLayout) -> usize {
 
 /// After a step's KV append: every page a slot of `slots` (the append's, `page * page_size +
 /// row`; negative or out-of-pool slots are padding, skipped) wrote gets its summaries entry
-/// recomputed from `k_pool` rows `0..=` the highest row the step wrote to it, which is the
-/// CPU's fold (a page fills from row 0, and its entry restarts at row 0). One CTA per slot;
+/// recomputed from `k_pool` rows `0..=` the highest row the step wrote to it. That is the
+/// CPU's fold (whose entry restarts at row 0) wherever rows `0..=` that row were all written
+/// since the page's last row 0, which holds for the KV append: a page fills from row 0 up and
+/// belongs to one request through a step (a step that wrote row 5 of a page and then restarted
+/// it at row 0 would differ; no append does that). One CTA per slot;
 /// only the last writer of a page writes, so a prefill chunk's many rows of one page do not
 /// race. Pages no slot wrote keep their entries.
 pub fn sparse_summaries_update<T: Element>(

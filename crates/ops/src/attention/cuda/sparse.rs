@@ -10,13 +10,15 @@
 //! and half the bandwidth the selection reads every step (at page 16 a bf16 summary is 1/16
 //! of the page's K and V). e4m3 pools are not covered yet.
 //!
-//! Selection is two launches: [`sparse_page_scores`](self) (one thread per page, the bound
-//! summed serially in the CPU's order, so scores agree to the bit) then one CTA per request
+//! Selection is two launches: `sparse_page_scores` (a warp per page, a lane per query head
+//! summing its bound serially over the dimensions, lane 0 folding the heads and groups in
+//! the CPU's order, so scores agree to the bit) then one CTA per request
 //! that finds its best pages by a bitwise search over `(score, position)` keys in shared
 //! memory and writes them in page order. Fixed grids (from the workspace's capacity) and no
-//! host round trip: graph-capturable once the plan is uploaded. Faster would be a warp per
-//! page with a fixed-order reduction (the CPU oracle in the same order), and the selection
-//! split over several CTAs per long request.
+//! host round trip: graph-capturable once the plan is uploaded. Faster would be a tree
+//! reduction over the dimensions (with the CPU oracle summing in the same tree), vector loads
+//! of the summaries, a radix select of 8-bit digits instead of 64 one-bit rounds, and the
+//! selection split over several CTAs per long request.
 
 use super::gathered::{DevicePageTable, PoolLayout, Queries};
 pub use super::sparse_plan::{
@@ -33,6 +35,11 @@ static SPARSE_SUMMARY: KernelSource =
 /// The per-request page selection.
 static SPARSE_SELECT: KernelSource =
     KernelSource::new("sparse_select.cu", include_str!("sparse_select.cu"));
+
+/// Pages per CTA of `sparse_page_scores` (a warp each).
+const SCORE_WARPS: u32 = 4;
+/// Most query heads `sparse_page_scores` handles.
+const SCORE_MAX_HEADS: usize = 128;
 
 /// Pool dtypes the sparse kernels are built for.
 pub const SPARSE_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
@@ -225,6 +232,12 @@ pub fn sparse_select<T: Element>(
             queries.num_heads, layout.num_kv_heads
         )));
     }
+    if queries.num_heads > SCORE_MAX_HEADS {
+        return Err(CudaError::invalid(format!(
+            "sparse select: {} query heads, at most {SCORE_MAX_HEADS}",
+            queries.num_heads
+        )));
+    }
     if queries.row_stride < queries.num_heads * layout.head_dim {
         return Err(CudaError::invalid(
             "sparse select: query row_stride too small",
@@ -262,10 +275,17 @@ pub fn sparse_select<T: Element>(
         KernelArg::U32(to_u32("n_rep", n_rep)?),
         KernelArg::U32(to_u32("head_dim", layout.head_dim)?),
     ];
-    let score_grid = (max_pages.div_ceil(128), b32);
+    let score_grid = (max_pages.div_ceil(SCORE_WARPS), b32);
+    let score_block = 32 * SCORE_WARPS;
     // SAFETY: arguments match `sparse_page_scores`; scores hold max_requests * max_pages,
     // written at r * max_pages + p with p < max_pages and r < b <= max_requests.
-    unsafe { gpu.launch(&scores_spec, LaunchDims::new(score_grid, 128), &score_args)? };
+    unsafe {
+        gpu.launch(
+            &scores_spec,
+            LaunchDims::new(score_grid, score_block),
+            &score_args,
+        )?
+    };
     let select_args = [
         ptr(&table.indptr),
         ptr(&table.indices),

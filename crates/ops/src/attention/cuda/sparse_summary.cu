@@ -53,14 +53,18 @@ extern "C" __global__ void sparse_summaries_update(const T* __restrict__ k_pool,
     }
 }
 
-// Page scores: grid (ceil(max_pages / blockDim), B), one thread per page POSITION p of
-// request r's page list, scoring only the middle positions 1 .. window_start of a sparse
-// request (requests[4r] = its query row, 0xffffffff for a dense request; requests[4r + 1] =
-// window_start) into scores[r * max_pages + p]. The score is the host's exactly: per KV head
-// and query head of its group, sum_d max(q_d * min_d, q_d * max_d) in ascending d, the heads
-// summed in order, the KV heads summed in order, every sum starting from -0.0 (Rust's f32
-// `Sum`), each product and sum rounded on its own (no FMA contraction). A page id outside
-// the pool scores -inf. Serial per page: the order is what makes ties agree with the host.
+// Page scores: grid (ceil(max_pages / SCORE_WARPS), B), block 32 * SCORE_WARPS, one warp per
+// page POSITION p of request r's page list, scoring only the middle positions
+// 1 .. window_start of a sparse request (requests[4r] = its query row, 0xffffffff for a dense
+// request; requests[4r + 1] = window_start) into scores[r * max_pages + p]. The score is the
+// host's exactly: per query head (lane h, h + 32, ...) sum_d max(q_d * min_d, q_d * max_d) of
+// its KV head's summaries in ascending d; then lane 0 sums the heads of each GQA group in
+// order and the groups in order. Every sum starts from -0.0 (Rust's f32 `Sum`) and every
+// product and sum is rounded on its own (no FMA contraction), so ties agree with the host.
+// A page id outside the pool scores -inf. At most SCORE_MAX_HEADS query heads.
+#define SCORE_WARPS 4
+#define SCORE_MAX_HEADS 128
+
 extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned int q_row_stride,
                                               const T* __restrict__ summaries,
                                               const unsigned int* __restrict__ indptr,
@@ -69,8 +73,11 @@ extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned 
                                               float* __restrict__ scores, unsigned int max_pages,
                                               unsigned int num_pages, unsigned int num_kv_heads,
                                               unsigned int n_rep, unsigned int head_dim) {
+    __shared__ float s_heads[SCORE_WARPS][SCORE_MAX_HEADS];
+    const unsigned int warp = threadIdx.x / 32;
+    const unsigned int lane = threadIdx.x % 32;
     const unsigned int r = blockIdx.y;
-    const unsigned int p = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int p = blockIdx.x * SCORE_WARPS + warp;
     const unsigned int query_row = requests[4 * r];
     if (query_row == 0xffffffffu || p == 0 || p >= max_pages) return;
     const unsigned int begin = indptr[r];
@@ -78,24 +85,32 @@ extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned 
     const unsigned int window_start = min(requests[4 * r + 1], count);
     if (p >= window_start) return;
     const unsigned int page = indices[begin + p];
+    const unsigned int num_q_heads = num_kv_heads * n_rep;
+    float* heads = s_heads[warp];
+    if (page < num_pages) {
+        const T* query = q + (size_t)query_row * q_row_stride;
+        for (unsigned int head = lane; head < num_q_heads; head += 32) {
+            const unsigned int kv_head = head / n_rep;
+            const T* low = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
+            const T* high = low + head_dim;
+            const T* qh = query + (size_t)head * head_dim;
+            float sum = -0.0f;
+            for (unsigned int d = 0; d < head_dim; ++d) {
+                const float qd = to_f32(qh[d]);
+                const float bound = fmaxf(__fmul_rn(qd, to_f32(low[d])), __fmul_rn(qd, to_f32(high[d])));
+                sum = __fadd_rn(sum, bound);
+            }
+            heads[head] = sum;
+        }
+    }
+    __syncwarp();
+    if (lane != 0) return;
     float score = -INFINITY;
     if (page < num_pages) {
         score = -0.0f;
-        const T* query = q + (size_t)query_row * q_row_stride;
         for (unsigned int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-            const T* low = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
-            const T* high = low + head_dim;
             float group = -0.0f;
-            for (unsigned int h = 0; h < n_rep; ++h) {
-                const T* qh = query + (size_t)(kv_head * n_rep + h) * head_dim;
-                float sum = -0.0f;
-                for (unsigned int d = 0; d < head_dim; ++d) {
-                    const float qd = to_f32(qh[d]);
-                    const float bound = fmaxf(__fmul_rn(qd, to_f32(low[d])), __fmul_rn(qd, to_f32(high[d])));
-                    sum = __fadd_rn(sum, bound);
-                }
-                group = __fadd_rn(group, sum);
-            }
+            for (unsigned int h = 0; h < n_rep; ++h) group = __fadd_rn(group, heads[kv_head * n_rep + h]);
             score = __fadd_rn(score, group);
         }
     }

@@ -233,13 +233,23 @@ struct SelectCase {
     params: Vec<Option<SparseAttention>>,
 }
 
-/// Builds the pools, runs the CPU and the device selection, asserts the tables are equal, and
-/// returns the pieces the decode check needs.
-fn select_case<T: TestFloat>(
-    gpu: &Gpu,
-    case: &SelectCase,
-    seed: u64,
-) -> (Pools, PageTable, Vec<f32>, PageTable) {
+/// What a selection case leaves for the decode check.
+struct Selected {
+    pools: Pools,
+    /// The selected table (the device's, equal to the CPU's).
+    table: PageTable,
+    /// The query rows (rounded through `T`).
+    q: Vec<f32>,
+    /// The full table, host and device.
+    full: PageTable,
+    full_device: [DeviceBuffer<u32>; 4],
+    workspace: SparseSelectWorkspace,
+    /// The device-selected page ids.
+    out: DeviceBuffer<u32>,
+}
+
+/// Builds the pools, runs the CPU and the device selection and asserts the tables are equal.
+fn select_case<T: TestFloat>(gpu: &Gpu, case: &SelectCase, seed: u64) -> Selected {
     let layout = case.layout;
     let what = format!(
         "{} {layout:?} n_rep {} lens {:?}",
@@ -353,7 +363,15 @@ fn select_case<T: TestFloat>(
     indices.truncate(plan.selected_pages());
     let selected = plan.table(&table, indices);
     assert_eq!(selected, expected, "{what}: selected table");
-    (pools, selected, q, table)
+    Selected {
+        pools,
+        table: selected,
+        q,
+        full: table,
+        full_device: full,
+        workspace,
+        out,
+    }
 }
 
 fn random_case(
@@ -432,8 +450,8 @@ fn selection_handles_the_longest_request() {
         rows: vec![1, 1],
         params: vec![Some(SparseAttention::new(2048, 128, 1024).unwrap()); 2],
     };
-    let (_, selected, _, _) = select_case::<bf16>(&gpu, &case, 7);
-    assert_eq!(selected.seq_lens[0], 2048);
+    let selected = select_case::<bf16>(&gpu, &case, 7);
+    assert_eq!(selected.table.seq_lens[0], 2048);
 }
 
 #[test]
@@ -453,7 +471,8 @@ fn decode_over_the_selected_table_matches_the_cpu() {
         rows: vec![1, 1, 1],
         params: vec![Some(SparseAttention::new(512, 64, 1000).unwrap()); 3],
     };
-    let (pools, selected, q, full) = select_case::<bf16>(&gpu, &case, 11);
+    let run = select_case::<bf16>(&gpu, &case, 11);
+    let (pools, selected, q, full) = (&run.pools, &run.table, &run.q, &run.full);
     assert!(
         selected.indices.len() < full.indices.len(),
         "nothing was dropped"
@@ -466,7 +485,7 @@ fn decode_over_the_selected_table_matches_the_cpu() {
         k_pool: KvSlice::F32(&pools.k),
         v_pool: KvSlice::F32(&pools.v),
         layout: cpu_layout(&layout),
-        page_table: &selected,
+        page_table: selected,
     };
     let qo_indptr: Vec<u32> = (0..=selected.num_requests() as u32).collect();
     let config = StepAttentionConfig {
@@ -475,26 +494,22 @@ fn decode_over_the_selected_table_matches_the_cpu() {
     };
     let plan = plan_step(&kv, &qo_indptr, num_q_heads, &config).unwrap();
     let queries = QueryBatch {
-        q: &q,
+        q,
         qo_indptr: &qo_indptr,
         num_q_heads,
     };
     let mut expected = vec![0.0; q.len()];
     let mut workspace = StepWorkspace::default();
     step_attention(&kv, &queries, &plan, scale, &mut workspace, &mut expected).unwrap();
-    // Device: the gathered decode over the same selected table.
-    let table = [
-        gpu.upload(&selected.indptr).unwrap(),
-        gpu.upload(&selected.indices).unwrap(),
-        gpu.upload(&selected.last_page_len).unwrap(),
-        gpu.upload(&selected.first_page_offset).unwrap(),
-    ];
-    let device_table = DevicePageTable::new(&table[0], &table[1], &table[2], &table[3]).unwrap();
+    // Device: the gathered decode over the selected table as the device holds it.
+    let [indptr, indices, last, first] = &run.full_device;
+    let full_table = DevicePageTable::new(indptr, indices, last, first).unwrap();
+    let device_table = run.workspace.selected_table(&full_table, &run.out).unwrap();
     let (k, v) = (
         upload::<bf16>(&gpu, &pools.k),
         upload::<bf16>(&gpu, &pools.v),
     );
-    let q_device = upload::<bf16>(&gpu, &q);
+    let q_device = upload::<bf16>(&gpu, q);
     let kv = PagedKv::new(&k, &v, layout, device_table);
     let b = selected.num_requests();
     let mut decode =

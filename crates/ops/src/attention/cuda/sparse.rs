@@ -25,8 +25,8 @@ pub use super::sparse_plan::{
     SparseSelectPlan, SPARSE_DENSE, SPARSE_MAX_PAGES, SPARSE_REQUEST_WORDS,
 };
 use pagoda_cuda::{
-    check_len, check_min_len, ptr, to_u32, CudaError, DType, DeviceBuffer, DeviceRead, DeviceWrite,
-    Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims,
+    check_len, check_min_len, ptr, to_u32, whole, CudaError, DType, DeviceBuffer, DeviceRead,
+    DeviceWrite, Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims,
 };
 
 /// The summaries' update and the page scores (typed by the pool's dtype).
@@ -196,6 +196,23 @@ impl SparseSelectWorkspace {
     /// its [`DevicePageTable`].
     pub fn indptr(&self) -> &DeviceBuffer<u32> {
         &self.indptr
+    }
+
+    /// The selected table on the device, for the decode: the uploaded row pointer,
+    /// `out_indices` (what [`sparse_select`] wrote) and `full`'s last-page lengths and
+    /// first-page offsets (the selection keeps both end pages, so they are unchanged).
+    pub fn selected_table<'a>(
+        &'a self,
+        full: &DevicePageTable<'a>,
+        out_indices: &'a impl DeviceRead<u32>,
+    ) -> Result<DevicePageTable<'a>, CudaError> {
+        let b = full.num_requests();
+        Ok(DevicePageTable {
+            indptr: self.indptr.view(0..b + 1)?,
+            indices: whole(out_indices),
+            last_page_len: full.last_page_len,
+            first_page_offset: full.first_page_offset,
+        })
     }
 }
 

@@ -423,7 +423,7 @@ fn selection_matches_the_quest_selector() {
     let mut rng = rng(38);
     for head_dim in [64, 128] {
         for group in [(2, 1), (2, 4), (1, 8), (4, 2)] {
-            for seed in 0..6u64 {
+            for seed in 0..4u64 {
                 let case = random_case(&mut rng, head_dim, group);
                 select_case::<bf16>(&gpu, &case, seed);
                 select_case::<f32>(&gpu, &case, seed + 1000);

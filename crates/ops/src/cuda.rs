@@ -116,7 +116,11 @@ pub fn model_specializations(dtype: DType, head_dim: usize, group: usize) -> Vec
         // (`PAGODA_CUDA_QUANT_GEMV_KERNEL=units*`): its specialisations would nearly double
         // a model's warm-up.
         // So do the MoE's quantized experts (`PAGODA_CUDA_MOE_QUANT`, opt-in).
-        if spec.entry == "gemv_quant_units" || spec.entry.starts_with("moe_quant_") {
+        // And sparse decode's kernels (`--sparse-attention`, opt-in).
+        if spec.entry == "gemv_quant_units"
+            || spec.entry.starts_with("moe_quant_")
+            || spec.entry.starts_with("sparse_")
+        {
             return false;
         }
         let params = spec.params.iter().all(|&(name, value)| match name {

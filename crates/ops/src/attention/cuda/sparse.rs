@@ -17,7 +17,7 @@
 //! memory and writes them in page order. Fixed grids (from the workspace's capacity) and no
 //! host round trip: graph-capturable once the plan is uploaded. Faster would be a tree
 //! reduction over the dimensions (with the CPU oracle summing in the same tree), vector loads
-//! of the summaries, a radix select of 8-bit digits instead of 64 one-bit rounds, and the
+//! of the summaries, a radix select of 8-bit digits instead of 45 one-bit rounds, and the
 //! selection split over several CTAs per long request.
 
 use super::gathered::{DevicePageTable, PoolLayout, Queries};

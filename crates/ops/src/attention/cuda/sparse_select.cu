@@ -7,12 +7,15 @@
 //   page (Rust's `total_cmp` order on the scores), in ascending position, then the window
 //   pages window_start .. count.
 // The best `keep` are found by a bitwise search for the keep-th largest of the distinct
-// 64-bit keys (ordered score bits << 32 | ~position): 64 block-wide counts over the keys in
-// shared memory. Every write is clamped to the request's output range and every scratch read
+// 45-bit keys (ordered score bits << 13 | (8191 - position)): 45 block-wide counts over the
+// keys in shared memory. Every write is clamped to the request's output range and every scratch read
 // to max_pages, so a plan that does not match the table writes garbage, never out of bounds.
 // Block SELECT_THREADS; PAGODA_MAX_PAGES bounds the middle pages of one request.
 
 #define SELECT_THREADS 256
+#define INDEX_BITS 13
+#define KEY_BITS (32 + INDEX_BITS)
+static_assert(PAGODA_MAX_PAGES <= (1 << INDEX_BITS), "middle positions must fit the key's index bits");
 
 // f32 bits to u32 whose unsigned order is Rust's f32::total_cmp order.
 __device__ __forceinline__ unsigned int total_order_bits(float value) {
@@ -22,7 +25,8 @@ __device__ __forceinline__ unsigned int total_order_bits(float value) {
 
 __device__ __forceinline__ unsigned long long select_key(const unsigned int* ordered,
                                                          unsigned int j) {
-    return ((unsigned long long)ordered[j] << 32) | (unsigned long long)(0xffffffffu - j);
+    return ((unsigned long long)ordered[j] << INDEX_BITS) |
+           (unsigned long long)(((1u << INDEX_BITS) - 1) - j);
 }
 
 extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ indptr,
@@ -66,8 +70,8 @@ extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ 
     unsigned long long threshold = 0;
     if (keep > 0 && keep < middle) {
         unsigned long long prefix = 0;
-        for (int bit = 63; bit >= 0; --bit) {
-            const unsigned int buffer = (unsigned int)(63 - bit) % 3;
+        for (int bit = KEY_BITS - 1; bit >= 0; --bit) {
+            const unsigned int buffer = (unsigned int)(KEY_BITS - 1 - bit) % 3;
             const unsigned long long candidate = prefix | (1ull << bit);
             unsigned int local = 0;
             for (unsigned int j = lo; j < hi; ++j) local += select_key(s_ordered, j) >= candidate;

@@ -40,6 +40,11 @@ pub use crate::attention::cuda::{
     LatentPool, MlaDecodeWorkspace, MlaEntry, MlaKernel, NewLatent, MLA_HEAD_TILE, MLA_LATENT_DIMS,
     MLA_MMA_STAGES, MLA_ROPE_DIM,
 };
+pub use crate::attention::cuda::{
+    sparse_select, sparse_summaries_len, sparse_summaries_update, specialize_sparse, SparseEntry,
+    SparseSelectPlan, SparseSelectWorkspace, SPARSE_DENSE, SPARSE_DTYPES, SPARSE_MAX_PAGES,
+    SPARSE_REQUEST_WORDS,
+};
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
 pub use crate::linear::cuda::{
     dequantize, dequantize_fast, dequantize_fp8, gather_dequantized, gemv_fp8, gemv_fp8_applies,
@@ -111,7 +116,11 @@ pub fn model_specializations(dtype: DType, head_dim: usize, group: usize) -> Vec
         // (`PAGODA_CUDA_QUANT_GEMV_KERNEL=units*`): its specialisations would nearly double
         // a model's warm-up.
         // So do the MoE's quantized experts (`PAGODA_CUDA_MOE_QUANT`, opt-in).
-        if spec.entry == "gemv_quant_units" || spec.entry.starts_with("moe_quant_") {
+        // And sparse decode's kernels (`--sparse-attention`, opt-in).
+        if spec.entry == "gemv_quant_units"
+            || spec.entry.starts_with("moe_quant_")
+            || spec.entry.starts_with("sparse_")
+        {
             return false;
         }
         let params = spec.params.iter().all(|&(name, value)| match name {

@@ -13,6 +13,8 @@
 //!   of the decode and the tiled prefill; its appends are rope's).
 //! - `mla`: DeepSeek's latent attention (absorbed decode and prefill over the latent pool,
 //!   the latent append), on the same plan and merge.
+//! - `sparse` + `sparse_plan`: Quest sparse decode's key summaries and page selection (a
+//!   shorter page table for the fused decode), with the host plan of the selected table.
 
 mod cascade;
 mod cascade_plan;
@@ -27,6 +29,8 @@ mod paged_decode_merge;
 mod prefill;
 mod prefill_mma;
 mod prefill_stream;
+mod sparse;
+mod sparse_plan;
 mod stream_tiling;
 
 pub use cascade::{
@@ -69,6 +73,11 @@ pub use prefill_mma::{
 pub use prefill_stream::{
     prefill_attention_stream, prefill_attention_stream_fp8, specialize_prefill_stream,
     specialize_prefill_stream_fp8, PrefillStreamTiling, STREAM_PREFILL_HEAD_DIMS,
+};
+pub use sparse::{
+    sparse_select, sparse_summaries_len, sparse_summaries_update, specialize_sparse, SparseEntry,
+    SparseSelectPlan, SparseSelectWorkspace, SPARSE_DENSE, SPARSE_DTYPES, SPARSE_MAX_PAGES,
+    SPARSE_REQUEST_WORDS,
 };
 pub use stream_tiling::{
     StreamTiling, MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,
@@ -251,5 +260,6 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
         }
     }
     specs.extend(mla::specializations()?);
+    specs.extend(sparse::specializations()?);
     Ok(specs)
 }

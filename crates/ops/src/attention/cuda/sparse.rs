@@ -1,0 +1,318 @@
+//! Quest sparse decode on the device, the ops-level half: the key summaries kept up to date
+//! after a step's KV append ([`sparse_summaries_update`]) and the per-request page selection
+//! that writes a shorter CSR page table ([`sparse_select`]) for the fused decode to run on
+//! unchanged. The semantics are the CPU's ([`KeySummaries`](crate::attention::KeySummaries),
+//! [`QuestSelector`](crate::attention::QuestSelector)) exactly: the same bounds, the same
+//! scores to the bit, the same pages kept, ties included.
+//!
+//! Summaries are stored in the pool's dtype: a min or max of pool values is a pool value, so
+//! nothing is lost against the CPU's f32, and a bf16 pool's summaries take half the memory
+//! and half the bandwidth the selection reads every step (at page 16 a bf16 summary is 1/16
+//! of the page's K and V). e4m3 pools are not covered yet.
+//!
+//! Selection is two launches: `sparse_page_scores` (a warp per page, a lane per query head
+//! summing its bound serially over the dimensions, lane 0 folding the heads and groups in
+//! the CPU's order, so scores agree to the bit) then one CTA per request
+//! that finds its best pages by a bitwise search over `(score, position)` keys in shared
+//! memory and writes them in page order. Fixed grids (from the workspace's capacity) and no
+//! host round trip: graph-capturable once the plan is uploaded. Faster would be a tree
+//! reduction over the dimensions (with the CPU oracle summing in the same tree), vector loads
+//! of the summaries, a radix select of 8-bit digits instead of 45 one-bit rounds, and the
+//! selection split over several CTAs per long request.
+
+use super::gathered::{DevicePageTable, PoolLayout, Queries};
+pub use super::sparse_plan::{
+    SparseSelectPlan, SPARSE_DENSE, SPARSE_MAX_PAGES, SPARSE_REQUEST_WORDS,
+};
+use pagoda_cuda::{
+    check_len, check_min_len, ptr, to_u32, whole, CudaError, DType, DeviceBuffer, DeviceRead,
+    DeviceWrite, Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims,
+};
+
+/// The summaries' update and the page scores (typed by the pool's dtype).
+static SPARSE_SUMMARY: KernelSource =
+    KernelSource::new("sparse_summary.cu", include_str!("sparse_summary.cu"));
+/// The per-request page selection.
+static SPARSE_SELECT: KernelSource =
+    KernelSource::new("sparse_select.cu", include_str!("sparse_select.cu"));
+
+/// Pages per CTA of `sparse_page_scores` (a warp each).
+const SCORE_WARPS: u32 = 4;
+/// Most query heads `sparse_page_scores` handles.
+const SCORE_MAX_HEADS: usize = 128;
+
+/// Pool dtypes the sparse kernels are built for.
+pub const SPARSE_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+/// The entry points of the sparse decode kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SparseEntry {
+    /// `sparse_summaries_update`.
+    Summaries,
+    /// `sparse_page_scores`.
+    Scores,
+    /// `sparse_select_pages` (untyped).
+    Select,
+}
+
+/// The specialisation of `entry` for a pool of `dtype` (ignored by [`SparseEntry::Select`]).
+pub fn specialize_sparse(entry: SparseEntry, dtype: DType) -> Result<KernelSpec, CudaError> {
+    if entry == SparseEntry::Select {
+        return Ok(KernelSpec {
+            source: &SPARSE_SELECT,
+            entry: "sparse_select_pages",
+            params: vec![("MAX_PAGES", SPARSE_MAX_PAGES as i64)],
+            dtypes: vec![],
+        });
+    }
+    if !SPARSE_DTYPES.contains(&dtype) {
+        return Err(CudaError::invalid(format!(
+            "sparse decode: pool dtype {dtype:?} is not supported (one of {SPARSE_DTYPES:?})"
+        )));
+    }
+    Ok(KernelSpec {
+        source: &SPARSE_SUMMARY,
+        entry: match entry {
+            SparseEntry::Summaries => "sparse_summaries_update",
+            _ => "sparse_page_scores",
+        },
+        params: vec![],
+        dtypes: vec![("T", dtype)],
+    })
+}
+
+/// Every specialisation of the sparse decode kernels.
+pub(super) fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
+    let mut specs = vec![specialize_sparse(SparseEntry::Select, DType::U32)?];
+    for dtype in SPARSE_DTYPES {
+        specs.push(specialize_sparse(SparseEntry::Summaries, dtype)?);
+        specs.push(specialize_sparse(SparseEntry::Scores, dtype)?);
+    }
+    Ok(specs)
+}
+
+/// Elements of one layer's summaries: `[num_pages, num_kv_heads, 2, head_dim]`.
+pub fn sparse_summaries_len(layout: &PoolLayout) -> usize {
+    layout.num_pages * layout.num_kv_heads * 2 * layout.head_dim
+}
+
+/// After a step's KV append: every page a slot of `slots` (the append's, `page * page_size +
+/// row`; negative or out-of-pool slots are padding, skipped) wrote gets its summaries entry
+/// recomputed from `k_pool` rows `0..=` the highest row the step wrote to it. That is the
+/// CPU's fold (whose entry restarts at row 0) wherever rows `0..=` that row were all written
+/// since the page's last row 0, which holds for the KV append: a page fills from row 0 up and
+/// belongs to one request through a step (a step that wrote row 5 of a page and then restarted
+/// it at row 0 would differ; no append does that). One CTA per slot;
+/// only the last writer of a page writes, so a prefill chunk's many rows of one page do not
+/// race. Pages no slot wrote keep their entries.
+pub fn sparse_summaries_update<T: Element>(
+    gpu: &Gpu,
+    k_pool: &impl DeviceRead<T>,
+    layout: &PoolLayout,
+    slots: &impl DeviceRead<i32>,
+    summaries: &mut impl DeviceWrite<T>,
+) -> Result<(), CudaError> {
+    let spec = specialize_sparse(SparseEntry::Summaries, T::DTYPE)?;
+    layout.validate()?;
+    check_len("sparse k_pool", layout.pool_len(), k_pool.len())?;
+    check_len(
+        "sparse summaries [num_pages, num_kv_heads, 2, head_dim]",
+        sparse_summaries_len(layout),
+        summaries.len(),
+    )?;
+    let num_slots = slots.len();
+    if num_slots == 0 {
+        return Ok(());
+    }
+    let args = [
+        ptr(k_pool),
+        ptr(slots),
+        KernelArg::U32(to_u32("sparse step slots", num_slots)?),
+        ptr(summaries),
+        KernelArg::U32(to_u32("page_size", layout.page_size)?),
+        KernelArg::U32(to_u32("num_kv_heads", layout.num_kv_heads)?),
+        KernelArg::U32(to_u32("head_dim", layout.head_dim)?),
+        KernelArg::I64((layout.num_pages * layout.page_size) as i64),
+    ];
+    let grid = (to_u32("sparse step slots", num_slots)?, 1);
+    // SAFETY: arguments match `sparse_summaries_update`; pool and summaries extents checked,
+    // slots outside the pool skipped by the kernel.
+    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 128), &args) }
+}
+
+/// The device side of a [`SparseSelectPlan`]: its per-request words and row pointer, and the
+/// scores scratch, sized for `max_requests` requests of up to `max_pages` pages (the grids
+/// are fixed by them, so a captured graph replays with new plans).
+#[derive(Debug)]
+pub struct SparseSelectWorkspace {
+    requests: DeviceBuffer<u32>,
+    indptr: DeviceBuffer<u32>,
+    scores: DeviceBuffer<f32>,
+    max_requests: usize,
+    max_pages: usize,
+    uploaded: Option<(usize, usize)>,
+}
+
+impl SparseSelectWorkspace {
+    /// Buffers for up to `max_requests` requests of up to `max_pages` (`1..=`
+    /// [`SPARSE_MAX_PAGES`]) pages each.
+    pub fn new(gpu: &Gpu, max_requests: usize, max_pages: usize) -> Result<Self, CudaError> {
+        if max_requests == 0 || max_pages == 0 || max_pages > SPARSE_MAX_PAGES {
+            return Err(CudaError::invalid(format!(
+                "sparse select workspace: {max_requests} requests of {max_pages} pages \
+                 (need >= 1 and pages <= {SPARSE_MAX_PAGES})"
+            )));
+        }
+        Ok(SparseSelectWorkspace {
+            requests: gpu.zeros(max_requests * SPARSE_REQUEST_WORDS)?,
+            indptr: gpu.zeros(max_requests + 1)?,
+            scores: gpu.zeros(max_requests * max_pages)?,
+            max_requests,
+            max_pages,
+            uploaded: None,
+        })
+    }
+
+    /// Copies `plan` to the device (a plain upload, outside any graph).
+    pub fn upload(&mut self, gpu: &Gpu, plan: &SparseSelectPlan) -> Result<(), CudaError> {
+        let b = plan.num_requests();
+        if b > self.max_requests || plan.max_sparse_pages > self.max_pages {
+            return Err(CudaError::invalid(format!(
+                "sparse select: a plan of {b} requests and {} pages exceeds the workspace's {} \
+                 and {}",
+                plan.max_sparse_pages, self.max_requests, self.max_pages
+            )));
+        }
+        gpu.upload_into(
+            &plan.requests,
+            &mut self.requests.view_mut(0..b * SPARSE_REQUEST_WORDS)?,
+        )?;
+        gpu.upload_into(&plan.indptr, &mut self.indptr.view_mut(0..b + 1)?)?;
+        self.uploaded = Some((b, plan.selected_pages()));
+        Ok(())
+    }
+
+    /// The selected table's row pointer on the device (`[B + 1]` of the last upload), for
+    /// its [`DevicePageTable`].
+    pub fn indptr(&self) -> &DeviceBuffer<u32> {
+        &self.indptr
+    }
+
+    /// The selected table on the device, for the decode: the uploaded row pointer,
+    /// `out_indices` (what [`sparse_select`] wrote) and `full`'s last-page lengths and
+    /// first-page offsets (the selection keeps both end pages, so they are unchanged).
+    pub fn selected_table<'a>(
+        &'a self,
+        full: &DevicePageTable<'a>,
+        out_indices: &'a impl DeviceRead<u32>,
+    ) -> Result<DevicePageTable<'a>, CudaError> {
+        let b = full.num_requests();
+        Ok(DevicePageTable {
+            indptr: self.indptr.view(0..b + 1)?,
+            indices: whole(out_indices),
+            last_page_len: full.last_page_len,
+            first_page_offset: full.first_page_offset,
+        })
+    }
+}
+
+/// Writes the selected page ids of the uploaded plan into `out_indices` (at least the plan's
+/// [`selected_pages`](SparseSelectPlan::selected_pages)): per request of `table` (the full
+/// table the plan was made from, device side), its kept pages in page order. `queries` hold
+/// the step's rows (a shortened request's one row is the plan's), `summaries` the layer's
+/// (see [`sparse_summaries_update`]).
+pub fn sparse_select<T: Element>(
+    gpu: &Gpu,
+    queries: &Queries<'_, T>,
+    summaries: &impl DeviceRead<T>,
+    layout: &PoolLayout,
+    table: &DevicePageTable<'_>,
+    workspace: &mut SparseSelectWorkspace,
+    out_indices: &mut impl DeviceWrite<u32>,
+) -> Result<(), CudaError> {
+    let scores_spec = specialize_sparse(SparseEntry::Scores, T::DTYPE)?;
+    let select_spec = specialize_sparse(SparseEntry::Select, T::DTYPE)?;
+    layout.validate()?;
+    let b = table.num_requests();
+    let Some((uploaded, selected)) = workspace.uploaded else {
+        return Err(CudaError::invalid("sparse select: no plan uploaded"));
+    };
+    if uploaded != b {
+        return Err(CudaError::invalid(format!(
+            "sparse select: the uploaded plan has {uploaded} requests, the table {b}"
+        )));
+    }
+    let n_rep = queries.num_heads / layout.num_kv_heads;
+    if n_rep == 0 || n_rep * layout.num_kv_heads != queries.num_heads {
+        return Err(CudaError::invalid(format!(
+            "sparse select: {} query heads are not a multiple of {} KV heads",
+            queries.num_heads, layout.num_kv_heads
+        )));
+    }
+    if queries.num_heads > SCORE_MAX_HEADS {
+        return Err(CudaError::invalid(format!(
+            "sparse select: {} query heads, at most {SCORE_MAX_HEADS}",
+            queries.num_heads
+        )));
+    }
+    if queries.row_stride < queries.num_heads * layout.head_dim {
+        return Err(CudaError::invalid(
+            "sparse select: query row_stride too small",
+        ));
+    }
+    check_min_len(
+        "sparse select q",
+        queries.num_heads * layout.head_dim,
+        queries.data.len(),
+    )?;
+    check_len(
+        "sparse summaries [num_pages, num_kv_heads, 2, head_dim]",
+        sparse_summaries_len(layout),
+        summaries.len(),
+    )?;
+    check_min_len("sparse select out_indices", selected, out_indices.len())?;
+    if b == 0 {
+        return Ok(());
+    }
+    // The query row of each shortened request lives on the device: the kernel trusts the
+    // plan's rows to lie in `queries` (the plan is built from the same step's qo_indptr).
+    let max_pages = to_u32("sparse max pages", workspace.max_pages)?;
+    let b32 = to_u32("sparse requests", b)?;
+    let score_args = [
+        ptr(&queries.data),
+        KernelArg::U32(to_u32("q row stride", queries.row_stride)?),
+        ptr(summaries),
+        ptr(&table.indptr),
+        ptr(&table.indices),
+        ptr(&workspace.requests),
+        ptr(&workspace.scores),
+        KernelArg::U32(max_pages),
+        KernelArg::U32(to_u32("num_pages", layout.num_pages)?),
+        KernelArg::U32(to_u32("num_kv_heads", layout.num_kv_heads)?),
+        KernelArg::U32(to_u32("n_rep", n_rep)?),
+        KernelArg::U32(to_u32("head_dim", layout.head_dim)?),
+    ];
+    let score_grid = (max_pages.div_ceil(SCORE_WARPS), b32);
+    let score_block = 32 * SCORE_WARPS;
+    // SAFETY: arguments match `sparse_page_scores`; scores hold max_requests * max_pages,
+    // written at r * max_pages + p with p < max_pages and r < b <= max_requests.
+    unsafe {
+        gpu.launch(
+            &scores_spec,
+            LaunchDims::new(score_grid, score_block),
+            &score_args,
+        )?
+    };
+    let select_args = [
+        ptr(&table.indptr),
+        ptr(&table.indices),
+        ptr(&workspace.requests),
+        ptr(&workspace.scores),
+        KernelArg::U32(max_pages),
+        ptr(&workspace.indptr),
+        ptr(out_indices),
+    ];
+    // SAFETY: arguments match `sparse_select_pages`; writes are clamped to the uploaded row
+    // pointer, whose total fits out_indices (checked above).
+    unsafe { gpu.launch(&select_spec, LaunchDims::new((b32, 1), 256), &select_args) }
+}

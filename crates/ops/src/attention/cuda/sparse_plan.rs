@@ -1,0 +1,171 @@
+//! The host half of the device Quest selection ([`super::sparse`]): which requests of a step
+//! are shortened and how many pages each keeps. The count never depends on the scores (the
+//! middle pages all hold `page_size` tokens, so the budget admits the same number whichever
+//! they are), so the selected table's row pointer, lengths and offsets are known on the host
+//! before the device scores a page; the device writes only the page ids.
+
+use crate::attention::{RequestPages, SparseAttention, SparseStepStats};
+use pagoda_cuda::CudaError;
+use pagoda_kv::PageTable;
+
+/// Most pages of one shortened request the device selection handles (128K tokens at page
+/// 16); a longer sparse request is an error of [`SparseSelectPlan::new`].
+pub const SPARSE_MAX_PAGES: usize = 8192;
+
+/// Words per request in [`SparseSelectPlan::requests`].
+pub const SPARSE_REQUEST_WORDS: usize = 4;
+
+/// `requests[4r]` of a request the selection leaves dense.
+pub const SPARSE_DENSE: u32 = u32::MAX;
+
+/// A step's selection as far as the host knows it: the selected table without its page ids,
+/// and per request what the device must do.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SparseSelectPlan {
+    /// `[B + 1]`: the selected table's row pointer.
+    pub indptr: Vec<u32>,
+    /// `[B]`: unchanged from the full table (the last page is always kept).
+    pub last_page_len: Vec<u32>,
+    /// `[B]`: unchanged from the full table (page 0 is always kept).
+    pub first_page_offset: Vec<u32>,
+    /// `[B]`: visible tokens of the selected pages.
+    pub seq_lens: Vec<u32>,
+    /// `[B * 4]`: per request its query row ([`SPARSE_DENSE`] keeps every page), the first
+    /// window position, the number of middle pages kept, and 0.
+    pub requests: Vec<u32>,
+    /// What the selection does to the step (the selector's counters).
+    pub stats: SparseStepStats,
+    /// Pages of the longest shortened request (0 when none is).
+    pub max_sparse_pages: usize,
+}
+
+/// The window start and the middle pages kept of one shortened request, as
+/// [`select_pages`](crate::attention::select_pages) chooses them.
+fn quest_counts(pages: &RequestPages, params: &SparseAttention) -> (usize, usize) {
+    let n = pages.num_pages;
+    let mut window_start = n - 1;
+    let mut window_tokens = pages.page_tokens(n - 1);
+    while window_start > 1 && window_tokens < params.window {
+        window_start -= 1;
+        window_tokens += pages.page_tokens(window_start);
+    }
+    let fixed = if window_start == 0 {
+        window_tokens
+    } else {
+        pages.page_tokens(0) + window_tokens
+    };
+    let middle = window_start.saturating_sub(1);
+    let room = params.budget.saturating_sub(fixed);
+    (window_start, middle.min(room / pages.page_size))
+}
+
+impl SparseSelectPlan {
+    /// The plan for `table` (the step's full host table), `qo_indptr` (`[B + 1]`, query rows
+    /// per request) and `params` (`[B]`, or empty: every request dense). A request is shortened
+    /// exactly where [`QuestSelector`](crate::attention::QuestSelector) shortens it: one query
+    /// row, at least `min_context` visible tokens and more than `budget`.
+    pub fn new(
+        table: &PageTable,
+        qo_indptr: &[u32],
+        params: &[Option<SparseAttention>],
+        page_size: usize,
+    ) -> Result<SparseSelectPlan, CudaError> {
+        let num_requests = table.num_requests();
+        if qo_indptr.len() != num_requests + 1 || table.indptr.len() != num_requests + 1 {
+            return Err(CudaError::invalid(format!(
+                "sparse select: qo_indptr ({}) and indptr ({}) need {} entries",
+                qo_indptr.len(),
+                table.indptr.len(),
+                num_requests + 1
+            )));
+        }
+        if !params.is_empty() && params.len() != num_requests {
+            return Err(CudaError::invalid(format!(
+                "sparse select: {} settings for {num_requests} requests",
+                params.len()
+            )));
+        }
+        if page_size == 0 {
+            return Err(CudaError::invalid("sparse select: page_size must be >= 1"));
+        }
+        let mut plan = SparseSelectPlan {
+            indptr: vec![0],
+            last_page_len: table.last_page_len.clone(),
+            first_page_offset: table.first_page_offset.clone(),
+            seq_lens: table.seq_lens.clone(),
+            ..SparseSelectPlan::default()
+        };
+        let mut total = 0usize;
+        for request in 0..num_requests {
+            let num_pages = table.num_pages_of(request);
+            let queries = qo_indptr[request + 1].saturating_sub(qo_indptr[request]);
+            let seq_len = table.seq_lens[request] as usize;
+            let settings = params.get(request).copied().flatten().filter(|p| {
+                queries == 1 && seq_len >= p.min_context && seq_len > p.budget && num_pages > 0
+            });
+            let mut words = [SPARSE_DENSE, 0, 0, 0];
+            let kept = match settings {
+                Some(settings) => {
+                    if num_pages > SPARSE_MAX_PAGES {
+                        return Err(CudaError::invalid(format!(
+                            "sparse select: request {request} has {num_pages} pages, more than \
+                             the {SPARSE_MAX_PAGES} the device selection handles"
+                        )));
+                    }
+                    let pages = RequestPages {
+                        num_pages,
+                        page_size,
+                        first_page_offset: table.first_page_offset[request] as usize,
+                        last_page_len: table.last_page_len[request] as usize,
+                    };
+                    let (window_start, keep) = quest_counts(&pages, &settings);
+                    let head = usize::from(window_start > 0);
+                    let kept = head + keep + (num_pages - window_start);
+                    let window: usize = (window_start..num_pages)
+                        .map(|i| pages.page_tokens(i))
+                        .sum();
+                    let sink = if head == 1 { pages.page_tokens(0) } else { 0 };
+                    plan.seq_lens[request] = (sink + keep * page_size + window) as u32;
+                    words = [qo_indptr[request], window_start as u32, keep as u32, 0];
+                    plan.stats.sparse_requests += 1;
+                    plan.stats.pages_scanned += num_pages as u64;
+                    plan.stats.pages_kept += kept as u64;
+                    plan.max_sparse_pages = plan.max_sparse_pages.max(num_pages);
+                    kept
+                }
+                None => num_pages,
+            };
+            plan.requests.extend_from_slice(&words);
+            total += kept;
+            plan.indptr.push(
+                u32::try_from(total).map_err(|_| {
+                    CudaError::invalid("sparse select: more than 2^32 selected pages")
+                })?,
+            );
+        }
+        Ok(plan)
+    }
+
+    /// Requests `B`.
+    pub fn num_requests(&self) -> usize {
+        self.indptr.len() - 1
+    }
+
+    /// Page ids the selected table holds.
+    pub fn selected_pages(&self) -> usize {
+        *self.indptr.last().unwrap_or(&0) as usize
+    }
+
+    /// The selected host table with `indices` (read back from the device) and `full`'s
+    /// `rope_offsets`.
+    pub fn table(&self, full: &PageTable, indices: Vec<u32>) -> PageTable {
+        PageTable {
+            indices,
+            indptr: self.indptr.clone(),
+            last_page_len: self.last_page_len.clone(),
+            first_page_offset: self.first_page_offset.clone(),
+            seq_lens: self.seq_lens.clone(),
+            rope_offsets: full.rope_offsets.clone(),
+        }
+    }
+}

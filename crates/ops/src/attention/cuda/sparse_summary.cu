@@ -1,0 +1,118 @@
+// Quest sparse decode, the typed half: the key summaries' update after a step's KV append
+// and the page scores of the selection (sparse_select.cu picks the pages from them).
+//
+// Summaries: [num_pages, num_kv_heads, 2, head_dim] in the pool's dtype T, per page and KV
+// head the elementwise minimum then the maximum of the page's keys. A min or max of T values
+// is a T value, so storing them as T loses nothing against the host's f32 summaries.
+typedef PAGODA_T T;
+
+// One CTA per slot of the step (slots[t] = page * page_size + row; negative or >= num_slots:
+// padding, skipped). The CTA of the LAST row a step writes to a page (the highest row; the
+// first such slot if repeated) recomputes the page's whole entry from pool rows 0..=row, so
+// no two CTAs write one page and a page reused from row 0 forgets its old bounds. Rows below
+// `row` were written earlier (a page fills from row 0 up), which makes this the host's fold.
+// Fast exit when the next slot is the next row of the same page (the common run); otherwise
+// the CTA scans the step's slots for a later row of its page.
+extern "C" __global__ void sparse_summaries_update(const T* __restrict__ k_pool,
+                                                   const int* __restrict__ slots,
+                                                   unsigned int num_step_slots,
+                                                   T* __restrict__ summaries,
+                                                   unsigned int page_size, unsigned int num_kv_heads,
+                                                   unsigned int head_dim, long long num_slots) {
+    const unsigned int t = blockIdx.x;
+    const long long slot = slots[t];
+    if (slot < 0 || slot >= num_slots) return;
+    const long long page = slot / page_size;
+    const unsigned int row = (unsigned int)(slot % page_size);
+    if (t + 1 < num_step_slots && (long long)slots[t + 1] == slot + 1 && row + 1 < page_size) {
+        return;
+    }
+    int later = 0;
+    for (unsigned int i = threadIdx.x; i < num_step_slots; i += blockDim.x) {
+        const long long other = slots[i];
+        if (other < 0 || other >= num_slots || other / page_size != page) continue;
+        const unsigned int other_row = (unsigned int)(other % page_size);
+        if (other_row > row || (other_row == row && i < t)) later = 1;
+    }
+    if (__syncthreads_or(later)) return;
+    const unsigned int token_stride = num_kv_heads * head_dim;
+    const T* rows = k_pool + (size_t)page * page_size * token_stride;
+    for (unsigned int e = threadIdx.x; e < token_stride; e += blockDim.x) {
+        float low = INFINITY;
+        float high = -INFINITY;
+        for (unsigned int r = 0; r <= row; ++r) {
+            const float value = to_f32(rows[(size_t)r * token_stride + e]);
+            low = fminf(low, value);
+            high = fmaxf(high, value);
+        }
+        const unsigned int kv_head = e / head_dim;
+        const unsigned int d = e - kv_head * head_dim;
+        T* entry = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
+        entry[d] = from_f32<T>(low);
+        entry[head_dim + d] = from_f32<T>(high);
+    }
+}
+
+// Page scores: grid (ceil(max_pages / SCORE_WARPS), B), block 32 * SCORE_WARPS, one warp per
+// page POSITION p of request r's page list, scoring only the middle positions
+// 1 .. window_start of a sparse request (requests[4r] = its query row, 0xffffffff for a dense
+// request; requests[4r + 1] = window_start) into scores[r * max_pages + p]. The score is the
+// host's exactly: per query head (lane h, h + 32, ...) sum_d max(q_d * min_d, q_d * max_d) of
+// its KV head's summaries in ascending d; then lane 0 sums the heads of each GQA group in
+// order and the groups in order. Every sum starts from -0.0 (Rust's f32 `Sum`) and every
+// product and sum is rounded on its own (no FMA contraction), so ties agree with the host.
+// A page id outside the pool scores -inf. At most SCORE_MAX_HEADS query heads.
+#define SCORE_WARPS 4
+#define SCORE_MAX_HEADS 128
+
+extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned int q_row_stride,
+                                              const T* __restrict__ summaries,
+                                              const unsigned int* __restrict__ indptr,
+                                              const unsigned int* __restrict__ indices,
+                                              const unsigned int* __restrict__ requests,
+                                              float* __restrict__ scores, unsigned int max_pages,
+                                              unsigned int num_pages, unsigned int num_kv_heads,
+                                              unsigned int n_rep, unsigned int head_dim) {
+    __shared__ float s_heads[SCORE_WARPS][SCORE_MAX_HEADS];
+    const unsigned int warp = threadIdx.x / 32;
+    const unsigned int lane = threadIdx.x % 32;
+    const unsigned int r = blockIdx.y;
+    const unsigned int p = blockIdx.x * SCORE_WARPS + warp;
+    const unsigned int query_row = requests[4 * r];
+    if (query_row == 0xffffffffu || p == 0 || p >= max_pages) return;
+    const unsigned int begin = indptr[r];
+    const unsigned int count = max(begin, indptr[r + 1]) - begin;
+    const unsigned int window_start = min(requests[4 * r + 1], count);
+    if (p >= window_start) return;
+    const unsigned int page = indices[begin + p];
+    const unsigned int num_q_heads = num_kv_heads * n_rep;
+    float* heads = s_heads[warp];
+    if (page < num_pages) {
+        const T* query = q + (size_t)query_row * q_row_stride;
+        for (unsigned int head = lane; head < num_q_heads; head += 32) {
+            const unsigned int kv_head = head / n_rep;
+            const T* low = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
+            const T* high = low + head_dim;
+            const T* qh = query + (size_t)head * head_dim;
+            float sum = -0.0f;
+            for (unsigned int d = 0; d < head_dim; ++d) {
+                const float qd = to_f32(qh[d]);
+                const float bound = fmaxf(__fmul_rn(qd, to_f32(low[d])), __fmul_rn(qd, to_f32(high[d])));
+                sum = __fadd_rn(sum, bound);
+            }
+            heads[head] = sum;
+        }
+    }
+    __syncwarp();
+    if (lane != 0) return;
+    float score = -INFINITY;
+    if (page < num_pages) {
+        score = -0.0f;
+        for (unsigned int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+            float group = -0.0f;
+            for (unsigned int h = 0; h < n_rep; ++h) group = __fadd_rn(group, heads[kv_head * n_rep + h]);
+            score = __fadd_rn(score, group);
+        }
+    }
+    scores[(size_t)r * max_pages + p] = score;
+}

@@ -1,0 +1,198 @@
+//! The host plan of the device Quest selection (`SparseSelectPlan`, no GPU needed) against
+//! the CPU selector (`QuestSelector`): on random batches (page sizes 16 and 32, trimmed
+//! fronts, multi-row prefill requests, requests without settings, contexts around
+//! `min_context` and the budget, windows longer than the context), the selected table's row
+//! pointer, lengths, offsets and counters are the CPU's, and the words the device reads name
+//! the pages the CPU keeps around the scored middle.
+
+use pagoda_kv::{PageId, PageTable, PageTableRequest};
+use pagoda_ops::attention::{
+    DecodeSelector, KeySummaries, KvLayout, KvPool, KvType, PagedKv, QueryBatch, QuestSelector,
+    SparseAttention,
+};
+use pagoda_ops::cuda::{SparseSelectPlan, SPARSE_DENSE, SPARSE_MAX_PAGES, SPARSE_REQUEST_WORDS};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const NUM_PAGES: usize = 1 << 13;
+const HEAD_DIM: usize = 4;
+
+struct Batch {
+    table: PageTable,
+    qo_indptr: Vec<u32>,
+    params: Vec<Option<SparseAttention>>,
+}
+
+fn random_batch(rng: &mut ChaCha8Rng, page_size: usize) -> Batch {
+    let num_requests = rng.random_range(1..=6);
+    let mut free: Vec<u32> = (0..NUM_PAGES as u32).collect();
+    for i in (1..free.len()).rev() {
+        free.swap(i, rng.random_range(0..=i));
+    }
+    let mut owned = Vec::new();
+    let mut lens = Vec::new();
+    let mut qo_indptr = vec![0u32];
+    let mut params = Vec::new();
+    for _ in 0..num_requests {
+        let num_tokens = match rng.random_range(0..4) {
+            0 => rng.random_range(1..=3 * page_size),
+            1 => rng.random_range(1..=600),
+            _ => rng.random_range(200..=4000),
+        };
+        let logical_start = if rng.random_bool(0.3) {
+            rng.random_range(0..num_tokens)
+        } else {
+            0
+        };
+        let pages: Vec<PageId> = (0..num_tokens.div_ceil(page_size))
+            .map(|_| PageId(free.pop().unwrap()))
+            .collect();
+        owned.push(pages);
+        lens.push((num_tokens, logical_start));
+        let rows = if rng.random_bool(0.15) {
+            rng.random_range(2..=4)
+        } else {
+            1
+        };
+        qo_indptr.push(qo_indptr.last().unwrap() + rows);
+        params.push(if rng.random_bool(0.15) {
+            None
+        } else {
+            let budget = rng.random_range(1..=2048);
+            let window = rng.random_range(0..=budget);
+            let min_context = rng.random_range(0..=3000);
+            Some(SparseAttention::new(budget, window, min_context).unwrap())
+        });
+    }
+    let requests: Vec<PageTableRequest<'_>> = owned
+        .iter()
+        .zip(&lens)
+        .map(|(pages, &(num_tokens, logical_start))| PageTableRequest {
+            pages,
+            num_tokens,
+            logical_start,
+        })
+        .collect();
+    let table = PageTable::build(&requests, NUM_PAGES, page_size).unwrap();
+    Batch {
+        table,
+        qo_indptr,
+        params,
+    }
+}
+
+/// The CPU selector's table for `batch` (random summaries: the counts do not depend on them).
+fn cpu_select(batch: &Batch, page_size: usize, rng: &mut ChaCha8Rng) -> PageTable {
+    let layout = KvLayout {
+        num_pages: NUM_PAGES,
+        page_size,
+        num_kv_heads: 1,
+        head_dim: HEAD_DIM,
+    };
+    let pool = KvPool::zeros(KvType::F32, layout.pool_len());
+    let summaries = KeySummaries::new(&layout);
+    let kv = PagedKv {
+        k_pool: pool.as_slice(),
+        v_pool: pool.as_slice(),
+        layout,
+        page_table: &batch.table,
+    };
+    let rows = *batch.qo_indptr.last().unwrap() as usize;
+    let q: Vec<f32> = (0..rows * HEAD_DIM)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let queries = QueryBatch {
+        q: &q,
+        qo_indptr: &batch.qo_indptr,
+        num_q_heads: 1,
+    };
+    let selector = QuestSelector {
+        summaries: &summaries,
+        params: &batch.params,
+    };
+    let mut out = PageTable::default();
+    selector.select(&kv, &queries, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn plan_matches_the_cpu_selector_counts() {
+    let mut rng = ChaCha8Rng::seed_from_u64(38);
+    let mut sparse_seen = 0;
+    for case in 0..400 {
+        let page_size = if case % 2 == 0 { 16 } else { 32 };
+        let batch = random_batch(&mut rng, page_size);
+        let cpu = cpu_select(&batch, page_size, &mut rng);
+        let plan = SparseSelectPlan::new(&batch.table, &batch.qo_indptr, &batch.params, page_size)
+            .unwrap();
+        assert_eq!(plan.indptr, cpu.indptr, "case {case}: indptr");
+        assert_eq!(plan.seq_lens, cpu.seq_lens, "case {case}: seq_lens");
+        assert_eq!(plan.last_page_len, cpu.last_page_len, "case {case}");
+        assert_eq!(plan.first_page_offset, cpu.first_page_offset, "case {case}");
+        let selected = plan.table(&batch.table, cpu.indices.clone());
+        assert_eq!(selected, cpu, "case {case}: the whole selected table");
+        let full = &batch.table;
+        for r in 0..full.num_requests() {
+            let words = &plan.requests[r * SPARSE_REQUEST_WORDS..(r + 1) * SPARSE_REQUEST_WORDS];
+            let pages = &full.indices[full.indptr[r] as usize..full.indptr[r + 1] as usize];
+            let kept = &cpu.indices[cpu.indptr[r] as usize..cpu.indptr[r + 1] as usize];
+            if words[0] == SPARSE_DENSE {
+                assert_eq!(kept, pages, "case {case} request {r}: dense");
+                continue;
+            }
+            sparse_seen += 1;
+            assert_eq!(
+                words[0], batch.qo_indptr[r],
+                "case {case} request {r}: query row"
+            );
+            let (window_start, keep) = (words[1] as usize, words[2] as usize);
+            let head = usize::from(window_start > 0);
+            assert_eq!(kept.len(), head + keep + pages.len() - window_start);
+            if head == 1 {
+                assert_eq!(kept[0], pages[0], "case {case} request {r}: sink");
+            }
+            assert_eq!(
+                &kept[head + keep..],
+                &pages[window_start..],
+                "case {case} request {r}: window"
+            );
+            // The middle the device picks from: pages 1 .. window_start.
+            assert!(kept[head..head + keep]
+                .iter()
+                .all(|page| pages[1..window_start.max(1)].contains(page)));
+        }
+        let stats = (
+            plan.stats.sparse_requests,
+            plan.stats.pages_scanned,
+            plan.stats.pages_kept,
+        );
+        let scanned: u64 = (0..full.num_requests())
+            .filter(|&r| plan.requests[r * SPARSE_REQUEST_WORDS] != SPARSE_DENSE)
+            .map(|r| full.num_pages_of(r) as u64)
+            .sum();
+        assert_eq!(stats.1, scanned, "case {case}: pages scanned");
+    }
+    assert!(sparse_seen > 200, "only {sparse_seen} shortened requests");
+}
+
+#[test]
+fn plan_refuses_a_sparse_request_past_the_device_limit() {
+    let page_size = 16;
+    let num_tokens = (SPARSE_MAX_PAGES + 1) * page_size;
+    let pages: Vec<PageId> = (0..SPARSE_MAX_PAGES as u32 + 1).map(PageId).collect();
+    let request = PageTableRequest {
+        pages: &pages,
+        num_tokens,
+        logical_start: 0,
+    };
+    let table = PageTable::build(&[request], SPARSE_MAX_PAGES + 1, page_size).unwrap();
+    let params = [Some(SparseAttention::new(1024, 128, 0).unwrap())];
+    let error = SparseSelectPlan::new(&table, &[0, 1], &params, page_size).unwrap_err();
+    assert!(error.to_string().contains("8192"), "{error}");
+    // Dense, the same request is fine at any length.
+    let plan = SparseSelectPlan::new(&table, &[0, 1], &[None], page_size).unwrap();
+    assert_eq!(plan.selected_pages(), SPARSE_MAX_PAGES + 1);
+    // Bad shapes are errors, not panics.
+    assert!(SparseSelectPlan::new(&table, &[0], &params, page_size).is_err());
+    assert!(SparseSelectPlan::new(&table, &[0, 1], &[None, None], page_size).is_err());
+}

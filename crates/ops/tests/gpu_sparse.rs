@@ -170,7 +170,6 @@ fn summaries_case<T: TestFloat>(gpu: &Gpu, layout: PoolLayout, seed: u64) {
             let chunk = chunk.min(20 * page_size - *len);
             for token in *len..*len + chunk {
                 let page = pages_of(request, token);
-                touched.insert(page);
                 slots.push(Some(Slot {
                     page: PageId(page as u32),
                     offset: (token % page_size) as u32,
@@ -195,6 +194,8 @@ fn summaries_case<T: TestFloat>(gpu: &Gpu, layout: PoolLayout, seed: u64) {
             lens[0] = page_size + 3;
             slots = reuse;
         }
+        // The pages this step writes (step 12's plan above is replaced, not written).
+        touched.extend(slots.iter().flatten().map(|slot| slot.page.index()));
         pools.write::<T>(&mut rng, &slots);
         device_update(gpu, &pools, &slots, &mut device);
         let pages: Vec<usize> = touched.iter().copied().collect();

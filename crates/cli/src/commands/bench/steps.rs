@@ -14,6 +14,8 @@ pub(super) struct StepCounts {
     cuda_decode_gather: u64,
     cuda_decode_fused: u64,
     cuda_decode_tuned: u64,
+    /// Fused decode steps run as cascade (shared prefix pages read once per group).
+    cuda_cascade: u64,
     cuda_prefill_kernel: u64,
     cuda_prefill_tuned: u64,
     /// GPU time of the CUDA steps (CUDA events), microseconds.
@@ -41,6 +43,7 @@ impl std::ops::AddAssign for StepCounts {
         self.cuda_decode_gather += other.cuda_decode_gather;
         self.cuda_decode_fused += other.cuda_decode_fused;
         self.cuda_decode_tuned += other.cuda_decode_tuned;
+        self.cuda_cascade += other.cuda_cascade;
         self.cuda_prefill_kernel += other.cuda_prefill_kernel;
         self.cuda_prefill_tuned += other.cuda_prefill_tuned;
         self.cuda_gpu_us += other.cuda_gpu_us;
@@ -71,12 +74,13 @@ impl std::fmt::Display for StepCounts {
             let steps = self.cuda_graph + self.cuda_eager;
             write!(
                 f,
-                "cuda graph {} eager {} (decode fused {} [{} tuned] gather {} prefill {} [{} \
-                 tuned]), gpu {:.3} ms/step",
+                "cuda graph {} eager {} (decode fused {} [{} tuned, {} cascade] gather {} prefill \
+                 {} [{} tuned]), gpu {:.3} ms/step",
                 self.cuda_graph,
                 self.cuda_eager,
                 self.cuda_decode_fused,
                 self.cuda_decode_tuned,
+                self.cuda_cascade,
                 self.cuda_decode_gather,
                 self.cuda_prefill_kernel,
                 self.cuda_prefill_tuned,
@@ -108,6 +112,7 @@ pub(super) fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCount
         cuda_decode_gather: now.steps_cuda_decode_gather - before.steps_cuda_decode_gather,
         cuda_decode_fused: now.steps_cuda_decode_fused - before.steps_cuda_decode_fused,
         cuda_decode_tuned: now.steps_cuda_decode_tuned - before.steps_cuda_decode_tuned,
+        cuda_cascade: now.steps_cuda_cascade - before.steps_cuda_cascade,
         cuda_prefill_kernel: now.steps_cuda_prefill_kernel - before.steps_cuda_prefill_kernel,
         cuda_prefill_tuned: now.steps_cuda_prefill_tuned - before.steps_cuda_prefill_tuned,
         cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,

@@ -60,18 +60,9 @@ pub struct BenchAttentionArgs {
         default_value = DEFAULT_PATHS
     )]
     pub paths: Vec<String>,
-    /// Query heads (Llama-3.1-8B: 32).
-    #[arg(long, default_value_t = 32)]
-    pub q_heads: usize,
-    /// KV heads (Llama-3.1-8B: 8).
-    #[arg(long, default_value_t = 8)]
-    pub kv_heads: usize,
-    /// Elements per head.
-    #[arg(long, default_value_t = 128)]
-    pub head_dim: usize,
-    /// Tokens per page.
-    #[arg(long, default_value_t = 16)]
-    pub page_size: usize,
+    /// Heads and page size.
+    #[command(flatten)]
+    pub heads: Geometry,
     /// CTAs the fused plan aims for (default: `--waves`, or the tuned variant's).
     #[arg(long)]
     pub target_ctas: Option<usize>,
@@ -162,12 +153,7 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
             }
         }
     }
-    let geometry = Geometry {
-        q_heads: args.q_heads,
-        kv_heads: args.kv_heads,
-        head_dim: args.head_dim,
-        page_size: args.page_size,
-    };
+    let geometry = args.heads;
     let largest = args
         .batch
         .iter()
@@ -216,7 +202,7 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
                     (_, Some(kernel)) => DecodePath::Prefill(kernel),
                     (None, None) => DecodePath::Gather,
                     (Some(variant), None) => {
-                        let min_pages = args.min_chunk_keys.div_ceil(args.page_size);
+                        let min_pages = args.min_chunk_keys.div_ceil(args.heads.page_size);
                         let mut policy = rig.policy(&variant, min_pages);
                         if let Some(target) = args.target_ctas {
                             (policy.target_ctas, policy.resident_ctas) = (target, None);
@@ -232,7 +218,7 @@ pub fn run(args: BenchAttentionArgs) -> Result<()> {
                 let mut times = captured.time(&rig.gpu, args.replays)?;
                 let (median_us, min_us) = super::bench_sampling::median_and_min(&mut times);
                 let pairs = (b * l * (l + 1) / 2) as f64;
-                let flops = 4.0 * pairs * (args.q_heads * args.head_dim) as f64;
+                let flops = 4.0 * pairs * (args.heads.q_heads * args.heads.head_dim) as f64;
                 results_of_case.push(PathResult {
                     path: name.clone(),
                     variant: variant.map(|v| v.to_string()),

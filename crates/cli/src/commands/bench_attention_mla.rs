@@ -93,7 +93,7 @@ fn run(args: &BenchAttentionArgs, paths: &[String]) -> Result<()> {
         .iter()
         .map(|p| mla_kernel(p))
         .collect::<Result<Vec<_>>>()?;
-    let (heads, page_size) = (args.q_heads, args.page_size);
+    let (heads, page_size) = (args.heads.q_heads, args.heads.page_size);
     let row_bytes = ROW_DIM * 2;
     let probe = PoolLayout {
         num_pages: 1,

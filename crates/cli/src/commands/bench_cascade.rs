@@ -60,18 +60,9 @@ pub struct BenchCascadeArgs {
     /// Most shared-level chunks (partials to merge) per request.
     #[arg(long, default_value_t = 16)]
     pub max_slots: usize,
-    /// Query heads (Llama-3.1-8B: 32).
-    #[arg(long, default_value_t = 32)]
-    pub q_heads: usize,
-    /// KV heads (Llama-3.1-8B: 8).
-    #[arg(long, default_value_t = 8)]
-    pub kv_heads: usize,
-    /// Elements per head.
-    #[arg(long, default_value_t = 128)]
-    pub head_dim: usize,
-    /// Tokens per page.
-    #[arg(long, default_value_t = 16)]
-    pub page_size: usize,
+    /// Heads and page size.
+    #[command(flatten)]
+    pub heads: Geometry,
     /// Graph replays per case (the median is reported).
     #[arg(short = 'n', long, default_value_t = 50)]
     pub replays: usize,
@@ -110,19 +101,15 @@ pub fn run(args: &BenchCascadeArgs) -> Result<()> {
     if let Some(rows) = args.rows.filter(|r| ![64, 128].contains(r)) {
         bail!("--rows {rows}: use 64 or 128");
     }
-    let geometry = Geometry {
-        q_heads: args.q_heads,
-        kv_heads: args.kv_heads,
-        head_dim: args.head_dim,
-        page_size: args.page_size,
-    };
-    let page = args.page_size;
+    let geometry = args.heads;
+    let page = args.heads.page_size;
     let largest = (args.batch.iter().max().copied().unwrap_or(1))
         * (args.shared.iter().max().copied().unwrap_or(0)
             + args.unique.iter().max().copied().unwrap_or(0));
     let mut rig = Rig::new(geometry, geometry.kv_bytes(1, largest) * 2)?;
     let (_, _, layout) = rig.pools();
-    if let Some(reason) = ops::cascade_unsupported(pagoda_cuda::DType::BF16, &layout, args.q_heads)
+    if let Some(reason) =
+        ops::cascade_unsupported(pagoda_cuda::DType::BF16, &layout, args.heads.q_heads)
     {
         bail!("cascade decode does not support this shape: {reason}");
     }

@@ -19,12 +19,20 @@ use rand::{Rng, SeedableRng};
 /// The L2 of an H200; rotating inputs add up to at least four times this.
 pub const L2_BYTES: usize = 60 << 20;
 
-/// The head geometry and page size of the rig.
-#[derive(Clone, Copy, Debug)]
+/// The head geometry and page size of the rig (the attention benchmarks' flags).
+#[derive(clap::Args, Clone, Copy, Debug)]
 pub struct Geometry {
+    /// Query heads (Llama-3.1-8B: 32).
+    #[arg(long, default_value_t = 32)]
     pub q_heads: usize,
+    /// KV heads (Llama-3.1-8B: 8).
+    #[arg(long, default_value_t = 8)]
     pub kv_heads: usize,
+    /// Elements per head.
+    #[arg(long, default_value_t = 128)]
     pub head_dim: usize,
+    /// Tokens per page.
+    #[arg(long, default_value_t = 16)]
     pub page_size: usize,
 }
 

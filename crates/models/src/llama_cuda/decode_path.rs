@@ -410,13 +410,23 @@ pub(super) fn fused_decode<T: HostFloat>(
     (grid_chunks, variant, scale): (usize, ops::DecodeVariant, f32),
     out: &mut DeviceViewMut<'_, T>,
 ) -> Result<(), CudaError> {
+    let workspace = launch_workspace(fused, grid_chunks, variant.kernel)?;
+    ops::paged_decode_attention(gpu, queries, kv, workspace, variant.merge, scale, out)
+}
+
+/// The fused decode's workspace set for a launch on a grid of `grid_chunks` with `kernel`.
+pub(super) fn launch_workspace(
+    fused: &mut Option<FusedDecode>,
+    grid_chunks: usize,
+    kernel: ops::PagedDecodeKernel,
+) -> Result<&mut PagedDecodeWorkspace, CudaError> {
     let fused = fused
         .as_mut()
         .ok_or_else(|| CudaError::invalid("a fused decode without its workspace"))?;
     let workspace = fused.workspace_mut();
     workspace.set_grid_chunks(grid_chunks)?;
-    workspace.set_kernel(variant.kernel);
-    ops::paged_decode_attention(gpu, queries, kv, workspace, variant.merge, scale, out)
+    workspace.set_kernel(kernel);
+    Ok(workspace)
 }
 
 /// The head geometry, dtype and page size the tuning table's rows are keyed by.

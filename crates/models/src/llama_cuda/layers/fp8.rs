@@ -9,7 +9,7 @@ use pagoda_cuda::{view, view_mut, CudaError, DeviceViewMut, Gpu};
 use pagoda_ops::cuda::{self as ops, Queries};
 
 use super::super::buffers::Attention;
-use super::super::decode_path::FusedDecode;
+use super::super::decode_path::{launch_workspace, FusedDecode};
 use super::super::HostFloat;
 use super::GpuStep;
 
@@ -102,12 +102,7 @@ fn fused_decode_fp8<T: HostFloat>(
     (grid_chunks, variant, scale): (usize, ops::DecodeVariant, f32),
     out: &mut DeviceViewMut<'_, T>,
 ) -> Result<(), CudaError> {
-    let fused = fused
-        .as_mut()
-        .ok_or_else(|| CudaError::invalid("a fused decode without its workspace"))?;
-    let workspace = fused.workspace_mut();
-    workspace.set_grid_chunks(grid_chunks)?;
-    workspace.set_kernel(variant.kernel);
+    let workspace = launch_workspace(fused, grid_chunks, variant.kernel)?;
     let merge = variant.merge;
     ops::paged_decode_attention_fp8(gpu, queries, (&kv, &scales), workspace, merge, scale, out)
 }

@@ -335,6 +335,24 @@ impl RequestPages {
     }
 }
 
+/// The window of a request of at least one page: its first page (the last pages until they
+/// cover `params.window` tokens, never the sink) and the tokens the sink and the window keep.
+pub(crate) fn window_of(pages: &RequestPages, params: &SparseAttention) -> (usize, usize) {
+    let n = pages.num_pages;
+    let mut window_start = n - 1;
+    let mut window_tokens = pages.page_tokens(n - 1);
+    while window_start > 1 && window_tokens < params.window {
+        window_start -= 1;
+        window_tokens += pages.page_tokens(window_start);
+    }
+    let fixed = if window_start == 0 {
+        window_tokens
+    } else {
+        pages.page_tokens(0) + window_tokens
+    };
+    (window_start, fixed)
+}
+
 /// Quest's choice over one request's pages (indices into its page list, ascending, into
 /// `kept`): page 0 (the sink), the last pages whose tokens cover `params.window` (at least the
 /// last page, which holds the query's own token), then the middle pages by descending
@@ -347,22 +365,10 @@ pub fn select_pages(
     kept: &mut Vec<usize>,
 ) {
     kept.clear();
-    let n = pages.num_pages;
-    if n == 0 {
+    if pages.num_pages == 0 {
         return;
     }
-    // The window: last pages until they cover `window` tokens.
-    let mut window_start = n - 1;
-    let mut window_tokens = pages.page_tokens(n - 1);
-    while window_start > 1 && window_tokens < params.window {
-        window_start -= 1;
-        window_tokens += pages.page_tokens(window_start);
-    }
-    let fixed = if window_start == 0 {
-        window_tokens
-    } else {
-        pages.page_tokens(0) + window_tokens
-    };
+    let (window_start, fixed) = window_of(pages, params);
     let mut middle: Vec<usize> = (1..window_start).collect();
     middle.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
     let mut room = params.budget.saturating_sub(fixed);
@@ -380,5 +386,5 @@ pub fn select_pages(
         kept.push(0);
     }
     kept.extend(chosen);
-    kept.extend(window_start..n);
+    kept.extend(window_start..pages.num_pages);
 }

@@ -42,18 +42,7 @@ pub struct SparseSelectPlan {
 /// The window start and the middle pages kept of one shortened request, as
 /// [`select_pages`](crate::attention::select_pages) chooses them.
 fn quest_counts(pages: &RequestPages, params: &SparseAttention) -> (usize, usize) {
-    let n = pages.num_pages;
-    let mut window_start = n - 1;
-    let mut window_tokens = pages.page_tokens(n - 1);
-    while window_start > 1 && window_tokens < params.window {
-        window_start -= 1;
-        window_tokens += pages.page_tokens(window_start);
-    }
-    let fixed = if window_start == 0 {
-        window_tokens
-    } else {
-        pages.page_tokens(0) + window_tokens
-    };
+    let (window_start, fixed) = crate::attention::cpu::sparse::window_of(pages, params);
     let middle = window_start.saturating_sub(1);
     let room = params.budget.saturating_sub(fixed);
     (window_start, middle.min(room / pages.page_size))

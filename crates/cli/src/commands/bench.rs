@@ -1,14 +1,13 @@
 //! `pagoda bench`: prefill and decode throughput, repeated, with median and spread.
 //!
-//! Prompts are pseudo-random token ids drawn afresh for every run (so no cache flatters a
-//! repeat), sampling is greedy with end-of-generation ignored, and the machine load is read
-//! before and after. The attention path that ran is reported from the engine's counters.
+//! Prompts are pseudo-random token ids drawn afresh for every run (no cache flatters a repeat),
+//! sampling is greedy with end-of-generation ignored, the machine load is read before and
+//! after, and the attention path that ran is reported from the engine's counters.
 //!
 //! Unless `--no-warmup`, the first prefill test and the first decode test each run once
 //! untimed before their timed repetitions, so first-touch page faults, lazily compiled
-//! kernels and graph captures are in no figure. The median of an even count of repetitions is
-//! the mean of the two middle ones, and the report warns when a test's repetitions differ by
-//! more than 2x.
+//! kernels and graph captures are in no figure. An even count's median is the mean of the
+//! two middle ones; the report warns when a test's repetitions differ by more than 2x.
 
 use std::time::Instant;
 
@@ -20,9 +19,8 @@ use pagoda_models::llama::WeightPrecision;
 use pagoda_ops::sampling::SamplingParams;
 use serde::Serialize;
 
-use super::bench_sampling::SamplingDevice;
-use super::host::load_average;
 use super::stats::{self, Summary};
+use super::{bench_sampling::SamplingDevice, host::load_average};
 use crate::common::{self, ModelArgs};
 
 mod report;

@@ -220,7 +220,11 @@ mod tests {
                 draft_max: 5,
                 ..SpeculationSettings::default()
             },
-            cuda_kernels: CudaKernels::default(),
+            // PAGODA_CASCADE_ATTENTION covers CUDA too.
+            cuda_kernels: CudaKernels {
+                cascade: None,
+                ..CudaKernels::default()
+            },
             masks_beside: true,
             device_masks: true,
             tensor_parallel_size: 4,

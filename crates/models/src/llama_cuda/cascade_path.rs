@@ -9,7 +9,7 @@
 //! KV cache (the shared level reads bf16).
 
 use pagoda_cuda::{CudaError, DType, Gpu};
-use pagoda_kv::PageTable;
+use pagoda_kv::{PageTable, ShareGroups};
 use pagoda_ops::attention::{CascadeRule, CascadeStats};
 use pagoda_ops::cuda::{
     self as ops, CascadeCapacity, CascadeGeometry, CascadePlan, CascadeWorkspace, PagedKv,
@@ -124,6 +124,11 @@ impl CascadeLevels {
     ) -> Result<Option<(usize, CascadeStats)>, CudaError> {
         self.pending = None;
         let real = table.num_requests();
+        // Most steps share nothing worth it: decide that before copying and planning.
+        let groups = ShareGroups::build(table, self.page_size, |_| true);
+        if !CascadePlan::used_levels(&groups, self.page_size, &self.rule).contains(&true) {
+            return Ok(None);
+        }
         let mut padded = table.clone();
         let pages = padded.indices.len() as u32;
         padded.indptr.resize(rows + 1, pages);

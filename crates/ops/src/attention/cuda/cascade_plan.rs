@@ -138,18 +138,7 @@ impl CascadePlan {
             )));
         }
         let groups = ShareGroups::build(table, g.page_size, |_| true);
-        let tokens = |group: usize| groups.groups()[group].pages.len() * g.page_size;
-        let pays = |group: usize| {
-            let members = groups.groups()[group].members.len();
-            members >= rule.min_members.max(2)
-                && tokens(group) >= rule.min_shared_tokens
-                && (members - 1) * tokens(group) >= rule.min_saved_tokens
-        };
-        // Used: pays, and so does every enclosing group (parents come first).
-        let mut used = vec![false; groups.groups().len()];
-        for (index, group) in groups.groups().iter().enumerate() {
-            used[index] = pays(index) && group.parent.is_none_or(|p| used[p]);
-        }
+        let used = Self::used_levels(&groups, g.page_size, rule);
         let chosen: Vec<usize> = (0..used.len()).filter(|&i| used[i]).collect();
         if chosen.is_empty() {
             return Ok(None);
@@ -264,6 +253,22 @@ impl CascadePlan {
             return Ok(None); // more than the bucket holds: plain decode
         }
         Ok(Some(plan))
+    }
+
+    /// Which of `groups`' levels cascade under `rule` (per group, in their order): the level
+    /// pays, and so does every enclosing one. No `true`: no cascade (a cheap check before
+    /// planning).
+    pub fn used_levels(groups: &ShareGroups, page_size: usize, rule: &CascadeRule) -> Vec<bool> {
+        let mut used = vec![false; groups.groups().len()];
+        for (index, group) in groups.groups().iter().enumerate() {
+            let (members, tokens) = (group.members.len(), group.pages.len() * page_size);
+            let pays = members >= rule.min_members.max(2)
+                && tokens >= rule.min_shared_tokens
+                && (members - 1) * tokens >= rule.min_saved_tokens;
+            // Parents come first.
+            used[index] = pays && group.parent.is_none_or(|p| used[p]);
+        }
+        used
     }
 
     /// The shared level's words for `capacity` (see the module docs) into `words` (exactly

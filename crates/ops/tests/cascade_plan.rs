@@ -213,3 +213,41 @@ fn the_encoding_holds_items_then_members() {
     };
     assert!(plan.encode(small).is_err());
 }
+
+#[test]
+fn padding_requests_get_no_pages_and_no_shared_slots() {
+    let mut rng = ChaCha8Rng::seed_from_u64(38);
+    let batch = shared_batch(&mut rng, 12, (40, 20), (PAGE, 1_000_003), true);
+    let table = batch.table(PAGE);
+    let b = table.num_requests();
+    let g = geometry(64, 4);
+    let unpadded = plan_of(&table, &g, &CascadeRule::ANY).unwrap();
+    let groups = ShareGroups::build(&table, PAGE, |_| true);
+    let policy = PlanPolicy {
+        target_ctas: 264,
+        pages_per_chunk: None,
+        min_pages_per_chunk: 4,
+        resident_ctas: None,
+    };
+    let mut capacity = PlanCapacity::for_batch(b + 4, KV_HEADS, 264);
+    capacity.max_chunks += (b + 4) * 64;
+    let shared = CascadeCapacity {
+        max_items: 1 << 14,
+        max_members: 1 << 16,
+    };
+    let step = (&table, &groups, b + 4);
+    let padded = CascadePlan::from_groups(step, &g, &CascadeRule::ANY, (policy, capacity), shared)
+        .unwrap()
+        .unwrap();
+    // The real requests as planned without padding; four empty requests after them.
+    assert_eq!(padded.items, unpadded.items);
+    assert_eq!(padded.suffix.indptr.len(), b + 5);
+    assert_eq!(padded.suffix.indptr[b..], [padded.suffix.indptr[b]; 5]);
+    assert_eq!(padded.suffix.last_page_len[b..], [0; 4]);
+    assert_eq!(padded.decode.o_indptr.len(), b + 5);
+    for r in b..b + 4 {
+        let range = padded.decode.o_indptr[r] as usize..padded.decode.o_indptr[r + 1] as usize;
+        assert_eq!(range.len(), 1, "padding request {r}: one empty chunk");
+        assert_eq!(padded.decode.request_indices[range.start] as usize, r);
+    }
+}

@@ -124,18 +124,11 @@ impl CascadeLevels {
     ) -> Result<Option<(usize, CascadeStats)>, CudaError> {
         self.pending = None;
         let real = table.num_requests();
-        // Most steps share nothing worth it: decide that before copying and planning.
+        // Most steps share nothing worth it: decide that from the share groups alone.
         let groups = ShareGroups::build(table, self.page_size, |_| true);
         if !CascadePlan::used_levels(&groups, self.page_size, &self.rule).contains(&true) {
             return Ok(None);
         }
-        let mut padded = table.clone();
-        let pages = padded.indices.len() as u32;
-        padded.indptr.resize(rows + 1, pages);
-        padded.last_page_len.resize(rows, 0);
-        padded.first_page_offset.resize(rows, 0);
-        padded.seq_lens.resize(rows, 0);
-        padded.rope_offsets.resize(rows, 0);
         let tile_rows = if real * self.group <= 64 { 64 } else { 128 };
         let geometry = CascadeGeometry {
             page_size: self.page_size,
@@ -152,7 +145,8 @@ impl CascadeLevels {
         };
         let sizes = (policy, capacity);
         let capacity = self.workspace.capacity();
-        let plan = CascadePlan::new(&padded, &geometry, &self.rule, sizes, capacity)?;
+        let step = (table, &groups, rows);
+        let plan = CascadePlan::from_groups(step, &geometry, &self.rule, sizes, capacity)?;
         let plan = plan.filter(|plan| !self.step_rule || step_pays(plan, self.page_size));
         Ok(plan.map(|plan| {
             let stats = plan.stats;

@@ -128,6 +128,21 @@ impl CascadePlan {
         table: &PageTable,
         geometry: &CascadeGeometry,
         rule: &CascadeRule,
+        sizes: (PlanPolicy, PlanCapacity),
+        shared: CascadeCapacity,
+    ) -> Result<Option<Self>, CudaError> {
+        let groups = ShareGroups::build(table, geometry.page_size, |_| true);
+        let rows = table.num_requests();
+        Self::from_groups((table, &groups, rows), geometry, rule, sizes, shared)
+    }
+
+    /// [`Self::new`] with `table`'s share groups already built (`groups`, over pages of
+    /// `geometry.page_size`), for a step of `rows` requests: those past the table's are
+    /// padding, with no pages.
+    pub fn from_groups(
+        (table, groups, rows): (&PageTable, &ShareGroups, usize),
+        geometry: &CascadeGeometry,
+        rule: &CascadeRule,
         (policy, capacity): (PlanPolicy, PlanCapacity),
         shared: CascadeCapacity,
     ) -> Result<Option<Self>, CudaError> {
@@ -137,8 +152,7 @@ impl CascadePlan {
                 "cascade plan: bad geometry {g:?}"
             )));
         }
-        let groups = ShareGroups::build(table, g.page_size, |_| true);
-        let used = Self::used_levels(&groups, g.page_size, rule);
+        let used = Self::used_levels(groups, g.page_size, rule);
         let chosen: Vec<usize> = (0..used.len()).filter(|&i| used[i]).collect();
         if chosen.is_empty() {
             return Ok(None);
@@ -174,10 +188,14 @@ impl CascadePlan {
             })
             .collect();
         // Each request's used levels (outermost first) and where its own pages start.
-        let num_requests = table.num_requests();
+        let num_requests = rows.max(table.num_requests());
         let mut path_levels: Vec<Vec<usize>> = vec![Vec::new(); num_requests];
-        let mut suffix_start = vec![0usize; num_requests];
-        for (request, levels_of) in path_levels.iter_mut().enumerate() {
+        let mut suffix_start = vec![0usize; table.num_requests()];
+        for (request, levels_of) in path_levels
+            .iter_mut()
+            .enumerate()
+            .take(table.num_requests())
+        {
             for group in groups.path(request) {
                 match levels.iter().position(|l| l.group == group) {
                     Some(level) => {
@@ -192,7 +210,7 @@ impl CascadePlan {
             .iter()
             .map(|ls| ls.iter().map(|&l| levels[l].chunks).sum())
             .collect();
-        let suffix = suffix_table(table, &suffix_start);
+        let suffix = suffix_table(table, &suffix_start, num_requests);
         let total_reserved: usize = reserved.iter().sum();
         let unique_capacity = PlanCapacity {
             max_chunks: capacity.max_chunks.saturating_sub(total_reserved),
@@ -310,8 +328,9 @@ impl CascadePlan {
 }
 
 /// `table` with request `r`'s first `start[r]` pages left out (they are whole, fully
-/// visible pages, so the suffix starts at a page boundary: first offset 0).
-fn suffix_table(table: &PageTable, start: &[usize]) -> SuffixTable {
+/// visible pages, so the suffix starts at a page boundary: first offset 0), padded with
+/// empty requests to `rows`.
+fn suffix_table(table: &PageTable, start: &[usize], rows: usize) -> SuffixTable {
     let mut suffix = SuffixTable {
         indptr: vec![0],
         ..SuffixTable::default()
@@ -335,5 +354,9 @@ fn suffix_table(table: &PageTable, start: &[usize]) -> SuffixTable {
             0
         });
     }
+    let pages = suffix.indices.len() as u32;
+    suffix.indptr.resize(rows + 1, pages);
+    suffix.last_page_len.resize(rows, 0);
+    suffix.first_page_offset.resize(rows, 0);
     suffix
 }

@@ -79,8 +79,7 @@ pub fn resolve_device(args: &ModelArgs) -> Result<Device> {
             )
         });
     if sparse {
-        let cuda = matches!(device, Device::Cuda { .. });
-        pagoda_engine::check_sparse_attention_setup(cuda, ranks as usize, false)
+        pagoda_engine::check_sparse_attention_setup(ranks as usize, false)
             .map_err(anyhow::Error::msg)?;
     }
     Ok(device)

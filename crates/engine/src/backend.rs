@@ -241,15 +241,17 @@ impl Runner {
         }
     }
 
-    /// Keeps the key summaries of sparse decode in the CPU KV cache; their bytes (0 on CUDA).
-    pub(crate) fn enable_key_summaries(&mut self) -> usize {
+    /// Keeps the key summaries of sparse decode (the CPU KV cache's, or those the CUDA step
+    /// buffers hold when started with sparse decode); their bytes, or why this runner cannot
+    /// run sparse decode.
+    pub(crate) fn enable_key_summaries(&mut self) -> Result<usize, String> {
         match self {
             Runner::Cpu { kv, .. } => {
                 let before = kv.size_bytes();
                 kv.enable_key_summaries();
-                kv.size_bytes() - before
+                Ok(kv.size_bytes() - before)
             }
-            Runner::Cuda { .. } => 0,
+            Runner::Cuda { model } => model.sparse_summaries(),
         }
     }
 

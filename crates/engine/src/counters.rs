@@ -203,6 +203,9 @@ engine_counters! {
     /// CUDA decode steps run as cascade (shared pages attended once per group).
     steps_cuda_cascade: "pagoda_cuda_cascade_steps_total", Counter,
         "CUDA decode steps run as cascade attention: requests sharing a prefix's pages (prefix cache) attend to them once per group on tensor cores, their own pages through the fused decode (PAGODA_CASCADE_ATTENTION).";
+    /// CUDA decode steps some of whose requests ran sparse decode.
+    steps_cuda_sparse: "pagoda_cuda_sparse_steps_total", Counter,
+        "CUDA decode steps in which sparse decode (--sparse-attention) shortened at least one request's page list: every layer selects its pages on the device before the fused decode (the pages are counted by pagoda_sparse_decode_*).";
     /// Share groups (levels) of cascade steps.
     cuda_cascade_groups: "pagoda_cuda_cascade_groups_total", Counter,
         "Share groups (nested levels count apart) whose pages CUDA cascade steps read once per group.";

@@ -119,6 +119,12 @@ impl CudaRunner {
         typed!(&self.inner, runner => runner.cache.as_ref().map_or(0, |c| c.buffers.kv_bytes()))
     }
 
+    /// Bytes of sparse decode's key summaries, or why this runner cannot run sparse decode
+    /// (its setup, in words naming the switch to change).
+    pub fn sparse_summaries(&self) -> Result<usize, String> {
+        typed!(&self.inner, runner => runner.sparse_summaries())
+    }
+
     /// Bytes of the weights on the device.
     pub fn weight_bytes(&self) -> usize {
         typed!(&self.inner, runner => runner.model.weight_bytes())

@@ -1,13 +1,100 @@
 //! Whether a CUDA decode step runs as cascade (`pagoda_models::llama_cuda::CascadeLevels`):
-//! a fused decode step whose requests share leading pages that the rule finds worth it.
+//! a fused decode step whose requests share leading pages that the rule finds worth it; or
+//! as sparse decode (`pagoda_models::llama_cuda::SparseDecode`): a fused decode step some of
+//! whose requests ask for it (`--sparse-attention`, a body's `sparse_attention`) and are long
+//! enough. Sparse wins where both would apply.
 
 use pagoda_cuda::CudaError;
+use pagoda_kv::PageTable;
 use pagoda_models::llama::ForwardBatch;
 use pagoda_models::llama_cuda::{Attention, HostFloat, StepShape};
 
 use super::{GpuCache, TypedRunner};
 
 impl<T: HostFloat> TypedRunner<T> {
+    /// Bytes of sparse decode's key summaries, or why this runner cannot run it.
+    pub(super) fn sparse_summaries(&self) -> Result<usize, String> {
+        let Some(cache) = self.cache.as_ref() else {
+            return Err("the KV cache not allocated".into());
+        };
+        match cache.buffers.sparse.as_ref() {
+            Some(sparse) => Ok(sparse.bytes()),
+            None => Err(pagoda_models::llama_cuda::sparse_unsupported(
+                self.model.config(),
+                &cache.options,
+                T::DTYPE,
+            )
+            .unwrap_or_else(|| "a setup without the fused decode".into())),
+        }
+    }
+
+    /// Turns a fused decode step (or a mixed step's decode rows) into sparse decode when
+    /// `batch` asks for it and some request is shortened (the plan is kept for staging): the
+    /// fused decode's variant and grid are chosen again for the shortened context. Counts it.
+    pub(super) fn sparse_step(
+        &mut self,
+        cache: &mut GpuCache<T>,
+        batch: &ForwardBatch<'_>,
+        shape: &mut StepShape,
+    ) -> Result<(), CudaError> {
+        let (rows, mixed) = match shape.attention {
+            Attention::Fused { .. } => (shape.num_requests, None),
+            Attention::Mixed { decode_rows, .. } => (decode_rows, Some(decode_rows)),
+            _ => return Ok(()),
+        };
+        let (Some(sparse), Some(fused)) =
+            (cache.buffers.sparse.as_mut(), cache.buffers.fused.as_ref())
+        else {
+            return Ok(());
+        };
+        if batch.sparse.iter().all(Option::is_none) {
+            return Ok(());
+        }
+        // A mixed step selects for its decode rows only (the chunks attend densely).
+        let leading;
+        let (table, qo, params) = match mixed {
+            None => (batch.page_table, batch.qo_indptr, batch.sparse),
+            Some(d) => {
+                leading = leading_requests(batch.page_table, d);
+                let params = &batch.sparse[..d.min(batch.sparse.len())];
+                (&leading, &batch.qo_indptr[..=d], params)
+            }
+        };
+        let Some((grid_pages, stats, context)) = sparse.plan(table, qo, params, rows)? else {
+            return Ok(());
+        };
+        let (variant, source) = fused.variant(rows, context);
+        let grid_chunks = fused.grid_chunks(rows, &variant);
+        shape.attention = match mixed {
+            None => Attention::Sparse {
+                grid_chunks,
+                variant,
+                source,
+                grid_pages,
+            },
+            Some(decode_rows) => Attention::Mixed {
+                decode_rows,
+                grid_chunks,
+                variant,
+                source,
+                grid_pages,
+            },
+        };
+        self.counters.steps_cuda_sparse += 1;
+        let layers = self.model.config().num_layers as u64;
+        pagoda_ops::attention::record_sparse_layers(&stats, layers);
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        LOGGED.call_once(|| {
+            tracing::info!(
+                "CUDA sparse decode active: {} of {} pages kept a layer in the first sparse \
+                 step (selected on the device per layer)",
+                stats.pages_kept,
+                stats.pages_scanned
+            )
+        });
+        Ok(())
+    }
+
     /// Turns a fused decode step's attention into cascade when the fused decode's levels
     /// plan one for `batch` (the plan is kept for staging), and counts it.
     pub(super) fn cascade_step(
@@ -43,5 +130,21 @@ impl<T: HostFloat> TypedRunner<T> {
             c.cuda_cascade_saved_token_reads += stats.saved_token_reads as u64;
         }
         Ok(())
+    }
+}
+
+/// The first `requests` requests of `table`.
+fn leading_requests(table: &PageTable, requests: usize) -> PageTable {
+    let pages = table.indptr[requests] as usize;
+    PageTable {
+        indices: table.indices[..pages].to_vec(),
+        indptr: table.indptr[..=requests].to_vec(),
+        last_page_len: table.last_page_len[..requests].to_vec(),
+        first_page_offset: table.first_page_offset[..requests].to_vec(),
+        seq_lens: table.seq_lens[..requests].to_vec(),
+        rope_offsets: table
+            .rope_offsets
+            .get(..requests)
+            .map_or_else(Vec::new, <[u32]>::to_vec),
     }
 }

@@ -157,6 +157,22 @@ impl<T: HostFloat> TypedRunner<T> {
                 decode_rows,
                 grid_chunks,
                 variant,
+                grid_pages: 0,
+                ..
+            } => Some((decode_rows, grid_chunks, variant)),
+            _ => None,
+        };
+        let sparse_plan = match shape.attention {
+            Attention::Sparse {
+                grid_chunks,
+                variant,
+                ..
+            } => Some((r, grid_chunks, variant)),
+            Attention::Mixed {
+                decode_rows,
+                grid_chunks,
+                variant,
+                grid_pages: 1..,
                 ..
             } => Some((decode_rows, grid_chunks, variant)),
             _ => None,
@@ -169,6 +185,18 @@ impl<T: HostFloat> TypedRunner<T> {
                 .ok_or_else(|| CudaError::invalid("cascade without the fused decode"))?;
             fused.stage_cascade(gpu, rows)?;
             merged = true;
+        }
+        if let Some((rows, grid_chunks, variant)) = sparse_plan {
+            // The fused decode runs on the shortened table: its plan from the selection's
+            // row pointer.
+            let (sparse, fused) = (&mut cache.buffers.sparse, &mut cache.buffers.fused);
+            let (Some(sparse), Some(fused)) = (sparse.as_mut(), fused.as_mut()) else {
+                return Err(CudaError::invalid("sparse decode without its state"));
+            };
+            let indptr = sparse.stage(gpu)?;
+            merged = fused
+                .stage(gpu, &indptr[..=rows], grid_chunks, &variant)?
+                .needs_merge();
         }
         if let Some((rows, grid_chunks, variant)) = fused_plan {
             let fused = cache

@@ -242,6 +242,7 @@ impl<T: HostFloat> TypedRunner<T> {
                 grid_chunks,
                 variant,
                 source,
+                grid_pages: 0,
             },
             _ => Attention::Prefill,
         }
@@ -363,6 +364,7 @@ impl<T: HostFloat> TypedRunner<T> {
                 },
             },
         };
+        self.sparse_step(cache, batch, &mut shape)?;
         self.cascade_step(cache, batch, &mut shape)?;
         let graph = graph_rows.is_some() || verify_rows.is_some();
         let started = gpu.record_event()?;
@@ -376,7 +378,9 @@ impl<T: HostFloat> TypedRunner<T> {
                 announce("gather");
                 self.counters.steps_cuda_decode_gather += 1;
             }
-            Attention::Fused { source, .. } | Attention::Cascade { source, .. } => {
+            Attention::Fused { source, .. }
+            | Attention::Cascade { source, .. }
+            | Attention::Sparse { source, .. } => {
                 announce("fused");
                 self.counters.steps_cuda_decode_fused += 1;
                 match source {

@@ -104,6 +104,8 @@ impl Engine {
             paged_decode: config.paged_decode,
             kernels: CudaKernels {
                 kv_fp8: config.kv_types.is_fp8(),
+                // The summaries are kept whenever the engine may run sparse decode.
+                sparse_decode: settings.sparse_attention.is_some(),
                 ..settings.cuda_kernels
             },
         };
@@ -223,6 +225,7 @@ mod tests {
             // PAGODA_CASCADE_ATTENTION covers CUDA too.
             cuda_kernels: CudaKernels {
                 cascade: None,
+                sparse_decode: true,
                 ..CudaKernels::default()
             },
             masks_beside: true,
@@ -280,16 +283,12 @@ mod tests {
 
     #[test]
     fn sparse_decode_on_a_setup_that_cannot_run_it_is_refused_in_one_line() {
-        for (cuda, ranks, mla, fix) in [
-            (true, 1, false, "--device cpu"),
-            (false, 2, false, "-tp 1"),
-            (false, 1, true, "latent-attention"),
-        ] {
-            let error = check_sparse_attention_setup(cuda, ranks, mla).unwrap_err();
+        for (ranks, mla, fix) in [(2, false, "-tp 1"), (1, true, "latent-attention")] {
+            let error = check_sparse_attention_setup(ranks, mla).unwrap_err();
             assert!(error.contains("--sparse-attention"), "{error}");
             assert!(error.contains(fix) && !error.contains('\n'), "{error}");
         }
-        assert_eq!(check_sparse_attention_setup(false, 1, false), Ok(()));
+        assert_eq!(check_sparse_attention_setup(1, false), Ok(()));
         // The engine asks the runner: a latent-attention model is refused, a grouped-query
         // one keeps its summaries.
         let sparse = EngineSettings {

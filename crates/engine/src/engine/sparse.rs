@@ -1,7 +1,8 @@
 //! Sparse decode (Quest page selection, `--sparse-attention`): the check that the setup can
-//! run it (the CPU, one rank, grouped-query attention; anything else is refused at start), the
-//! key summaries switched on with the KV cache, each request's settings (the server's, or its
-//! body's), and the step's per-request list handed to the forward.
+//! run it (one rank, grouped-query attention, and on CUDA the fused decode over a bf16/f32
+//! cache; anything else is refused at start), the key summaries switched on with the KV cache,
+//! each request's settings (the server's, or its body's), and the step's per-request list
+//! handed to the forward.
 
 use pagoda_ops::attention::SparseAttention;
 use pagoda_scheduler::StepPlan;
@@ -9,34 +10,27 @@ use pagoda_scheduler::StepPlan;
 use super::{Engine, EngineError, RequestId};
 use crate::backend::Runner;
 
-/// Checks that sparse decode can run on this setup: the CPU backend (`cuda` false), one rank
-/// (`tensor_parallel_size` 1), grouped-query attention (`mla` false). The error is the
-/// one-line refusal a start prints, naming the switch and the way out.
-pub fn check_sparse_attention_setup(
-    cuda: bool,
-    tensor_parallel_size: usize,
-    mla: bool,
-) -> Result<(), String> {
-    const SWITCH: &str = "--sparse-attention (PAGODA_SPARSE_ATTENTION)";
-    if cuda {
-        return Err(format!(
-            "{SWITCH} is CPU-only for now (not with --device cuda); drop it or use --device cpu"
-        ));
-    }
+/// Checks that sparse decode can run on this setup: one rank (`tensor_parallel_size` 1),
+/// grouped-query attention (`mla` false). The error is the one-line refusal a start prints,
+/// naming the switch and the way out (the CUDA runner's own limits are checked when it
+/// keeps the summaries, [`enable`]).
+pub fn check_sparse_attention_setup(tensor_parallel_size: usize, mla: bool) -> Result<(), String> {
     if tensor_parallel_size > 1 {
         return Err(format!(
-            "{SWITCH} does not run with tensor parallelism yet (-tp {tensor_parallel_size}); \
-             drop it or use -tp 1"
+            "{SPARSE_SWITCH} does not run with tensor parallelism yet (-tp \
+             {tensor_parallel_size}); drop it or use -tp 1"
         ));
     }
     if mla {
         return Err(format!(
-            "{SWITCH} does not run on latent-attention models (DeepSeek's MLA) yet; drop it \
-             for this model"
+            "{SPARSE_SWITCH} does not run on latent-attention models (DeepSeek's MLA) yet; \
+             drop it for this model"
         ));
     }
     Ok(())
 }
+
+const SPARSE_SWITCH: &str = "--sparse-attention (PAGODA_SPARSE_ATTENTION)";
 
 /// Keeps the key summaries when the settings ask for sparse decode (`wanted`) and says so
 /// once at INFO; a runner that cannot serve it (see [`check_sparse_attention_setup`]) is an
@@ -49,13 +43,13 @@ pub(super) fn enable(
     let Some(sparse) = wanted else {
         return Ok(None);
     };
-    check_sparse_attention_setup(
-        runner.is_cuda(),
-        tensor_parallel_size,
-        runner.config().mla.is_some(),
-    )
-    .map_err(EngineError::SparseAttention)?;
-    let bytes = runner.enable_key_summaries();
+    check_sparse_attention_setup(tensor_parallel_size, runner.config().mla.is_some())
+        .map_err(EngineError::SparseAttention)?;
+    let bytes = runner.enable_key_summaries().map_err(|reason| {
+        EngineError::SparseAttention(format!(
+            "{SPARSE_SWITCH} does not run on CUDA with {reason} yet; drop it or change that"
+        ))
+    })?;
     static LOGGED: std::sync::Once = std::sync::Once::new();
     LOGGED.call_once(|| {
         tracing::info!(
@@ -85,8 +79,7 @@ impl Engine {
     ) -> Result<(), EngineError> {
         if sparse.is_some() && !self.sparse_attention_available() {
             return Err(EngineError::SparseAttention(
-                "sparse_attention needs a server started with --sparse-attention (CPU backend)"
-                    .into(),
+                "sparse_attention needs a server started with --sparse-attention".into(),
             ));
         }
         let state = self

@@ -12,6 +12,7 @@ use super::experts::MoeBuffers;
 use super::matrix::QuantScratch;
 use super::mla_decode::MlaDecode;
 use super::prefill_path::PrefillChoice;
+use super::sparse_path::SparseDecode;
 use super::{CudaCacheOptions, HostFloat};
 use crate::config::ModelConfig;
 
@@ -40,18 +41,30 @@ pub enum Attention {
         source: super::VariantSource,
         rows: usize,
     },
+    /// A fused decode step some of whose requests attend to a shorter page list that each
+    /// layer selects on the device (`sparse_path.rs`): the selection's grid covers
+    /// `grid_pages` pages a request; the fused decode (`variant`, `grid_chunks`) then runs on
+    /// the shortened table, its plan staged per step.
+    Sparse {
+        grid_chunks: usize,
+        variant: pagoda_ops::cuda::DecodeVariant,
+        source: super::VariantSource,
+        grid_pages: usize,
+    },
     /// A latent attention (MLA) decode step: the split-KV MLA decode over a grid of
     /// `grid_chunks` chunks, fixed per batch bucket (the plan is staged per step by
     /// [`MlaDecode::stage`](super::MlaDecode::stage); chunks past it exit at once).
     Latent { grid_chunks: usize },
     /// A mixed step (`PAGODA_CUDA_MIXED_STEPS=split`): its first `decode_rows` requests hold
     /// one query each and attend through the fused decode (`grid_chunks`, `variant`, as
-    /// [`Attention::Fused`]); the chunks after them through the prefill kernel.
+    /// [`Attention::Fused`]); the chunks after them through the prefill kernel. With
+    /// `grid_pages` > 0 the decode rows attend as [`Attention::Sparse`].
     Mixed {
         decode_rows: usize,
         grid_chunks: usize,
         variant: pagoda_ops::cuda::DecodeVariant,
         source: super::VariantSource,
+        grid_pages: usize,
     },
 }
 
@@ -95,6 +108,8 @@ pub struct StepBuffers<T> {
     /// The mixture-of-experts blocks' router logits, routing and expert activations (`None`
     /// for a dense model).
     pub moe: Option<MoeBuffers<T>>,
+    /// Sparse decode's summaries and selection (`None` unless `--sparse-attention`).
+    pub sparse: Option<SparseDecode<T>>,
 }
 
 impl<T: HostFloat> StepBuffers<T> {
@@ -251,6 +266,12 @@ impl<T: HostFloat> StepBuffers<T> {
                 )
             });
         }
+        let max_indices = pagoda_cuda::DeviceRead::len(&scratch.page_indices);
+        // Sparse decode shortens the fused decode's table (none: the flag is refused).
+        let sparse = match fused.is_some() {
+            true => SparseDecode::new(gpu, c, options, layout, max_indices)?,
+            false => None,
+        };
         Ok(StepBuffers {
             k_pools,
             v_pools,
@@ -262,6 +283,7 @@ impl<T: HostFloat> StepBuffers<T> {
             prefill,
             fused_rope_append: options.kernels.fused_rope_append,
             gemv: options.kernels.gemv && !options.kernels.deterministic,
+            sparse,
             quant,
             moe: MoeBuffers::new(
                 gpu,

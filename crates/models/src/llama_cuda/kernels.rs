@@ -70,6 +70,10 @@ pub struct CudaKernels {
     /// [`CUDA_AUTO_CASCADE_RULE`](super::CUDA_AUTO_CASCADE_RULE), `on` any two requests
     /// sharing a page, `off` `None`).
     pub cascade: Option<pagoda_ops::attention::CascadeRule>,
+    /// Keep the key summaries and the device page selection of sparse decode
+    /// (`--sparse-attention`, `PAGODA_SPARSE_ATTENTION` set to anything but `off`): which
+    /// requests run sparse is the engine's choice per step.
+    pub sparse_decode: bool,
     /// The device sampler's paths.
     pub sampling: SamplingKernels,
     /// Batch-invariant steps (`PAGODA_DETERMINISTIC`, `--deterministic`): GEMMs on one
@@ -155,6 +159,7 @@ impl Default for CudaKernels {
             target_ctas: None,
             pages_per_chunk: None,
             cascade: Some(super::CUDA_AUTO_CASCADE_RULE),
+            sparse_decode: false,
             sampling: SamplingKernels::default(),
             deterministic: false,
             kv_fp8: false,
@@ -212,6 +217,12 @@ impl CudaKernels {
                 "auto" => Some(super::CUDA_AUTO_CASCADE_RULE),
                 _ => None,
             },
+            sparse_decode: config.text("PAGODA_SPARSE_ATTENTION").is_some_and(|text| {
+                matches!(
+                    pagoda_ops::attention::SparseAttention::parse(text),
+                    Ok(Some(_))
+                )
+            }),
             sampling: SamplingKernels {
                 filtered: FilteredSampling::parse(config.word("PAGODA_GPU_SAMPLING_FILTERED"))
                     .unwrap_or(FilteredSampling::Fast),
@@ -343,6 +354,7 @@ mod tests {
             target_ctas: Some(100),
             pages_per_chunk: Some(4),
             cascade: None,
+            sparse_decode: false,
             sampling: SamplingKernels {
                 filtered: FilteredSampling::Exact,
                 gumbel_max: false,

@@ -15,6 +15,7 @@ use super::cascade_path::cascade_decode;
 use super::decode_path::{fused_decode, FusedDecode};
 use super::experts::{ExpertStep, GpuExperts, MoeBuffers};
 use super::matrix::{Linear, Matrix, QuantScratch};
+use super::sparse_path::SparseDecode;
 use super::{GpuLayer, GpuMlp, GpuModel, GqaWeights, HostFloat, LayerAttention, StepBuffers};
 use crate::decoder::{deepseek_layers, llama_layers, llama_moe_layers, DecoderStep, MoeStep};
 
@@ -65,6 +66,7 @@ impl<T: HostFloat> GpuModel<T> {
             gemv,
             quant,
             moe,
+            sparse,
         } = buffers;
         let StepShape {
             num_tokens,
@@ -90,26 +92,10 @@ impl<T: HostFloat> GpuModel<T> {
             &s.first_page_offset,
         )?
         .requests(0..num_requests)?;
-        // The tensor-core kernels run bf16 at their head dims, where they compile: the
-        // streaming kernel falls back to WMMA (head_dim 256), WMMA to the tiled kernel.
-        let bf16 = T::DTYPE == pagoda_cuda::DType::BF16;
-        let mma = bf16
-            && ops::MMA_PREFILL_HEAD_DIMS.contains(&c.head_dim)
-            && mma_compiles(gpu, c.head_dim);
         // A latent attention model attends with its own kernels (`layers/mla.rs`).
-        let asked = match c.mla {
+        let prefill = match c.mla {
             Some(_) => PrefillKernel::Tiled,
-            None => prefill.choose(num_requests, num_tokens).0,
-        };
-        let prefill = match asked {
-            PrefillKernel::Stream(tiling)
-                if bf16 && ops::STREAM_PREFILL_HEAD_DIMS.contains(&c.head_dim) =>
-            {
-                PrefillKernel::Stream(tiling)
-            }
-            PrefillKernel::Stream(_) | PrefillKernel::Mma if mma => PrefillKernel::Mma,
-            PrefillKernel::Stream(_) | PrefillKernel::Mma => PrefillKernel::Tiled,
-            other => other,
+            None => prefill.runnable::<T>(gpu, c.head_dim, num_requests, num_tokens),
         };
         Ok(GpuStep {
             model: self,
@@ -131,6 +117,7 @@ impl<T: HostFloat> GpuModel<T> {
             },
             down_quantized: false,
             moe: moe.as_mut(),
+            sparse: sparse.as_mut(),
             page_table,
             num_tokens,
             num_logits,
@@ -181,6 +168,8 @@ pub(super) struct GpuStep<'a, T> {
     down_quantized: bool,
     /// A MoE model's expert buffers.
     moe: Option<&'a mut MoeBuffers<T>>,
+    /// Sparse decode's summaries and selection (`--sparse-attention`).
+    sparse: Option<&'a mut SparseDecode<T>>,
     page_table: DevicePageTable<'a>,
     num_tokens: usize,
     num_logits: usize,
@@ -325,23 +314,34 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
     }
 
     fn rope_append_kv(&mut self, index: usize) -> Result<(), CudaError> {
-        if !self.fused_rope_append {
-            self.rope()?;
-            return self.append_kv(index);
-        }
-        if !self.fp8.is_empty() {
+        if !self.fp8.is_empty() && self.fused_rope_append {
             return self.rope_append_kv_fp8(index);
         }
-        let c = &self.model.config;
-        let (_, _, qkv_dim) = self.qkv_dims();
-        let rope = (&self.positions, &self.model.inv_freq, self.model.rope_style);
-        let pools = (
-            &self.slots,
-            &mut self.k_pools[index],
-            &mut self.v_pools[index],
-        );
-        let geometry = (c.num_attention_heads, qkv_dim);
-        ops::rope_kv_append(self.gpu, &mut self.qkv, rope, geometry, pools, self.layout)
+        if !self.fused_rope_append {
+            self.rope()?;
+            self.append_kv(index)?;
+        } else {
+            let c = &self.model.config;
+            let (_, _, qkv_dim) = self.qkv_dims();
+            let rope = (&self.positions, &self.model.inv_freq, self.model.rope_style);
+            let pools = (
+                &self.slots,
+                &mut self.k_pools[index],
+                &mut self.v_pools[index],
+            );
+            let geometry = (c.num_attention_heads, qkv_dim);
+            ops::rope_kv_append(self.gpu, &mut self.qkv, rope, geometry, pools, self.layout)?;
+        }
+        match self.sparse.as_deref_mut() {
+            Some(sparse) => sparse.update(
+                self.gpu,
+                index,
+                &self.k_pools[index],
+                self.layout,
+                &self.slots,
+            ),
+            None => Ok(()),
+        }
     }
 
     fn attention(&mut self, index: usize) -> Result<(), CudaError> {
@@ -385,6 +385,27 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                 let plan = (grid_chunks, variant.kernel, scale);
                 cascade_decode(fused, gpu, (&queries, &kv), plan, out)
             }
+            Attention::Sparse {
+                grid_chunks,
+                variant,
+                grid_pages,
+                ..
+            } => {
+                let sparse = self.sparse.as_deref_mut().ok_or_else(|| {
+                    CudaError::invalid("a sparse decode step without its summaries")
+                })?;
+                let grid = (self.layout, grid_pages);
+                let table = sparse.select(gpu, index, &queries, grid, &self.page_table)?;
+                let kv = PagedKv::new(k_pool, v_pool, *self.layout, table);
+                fused_decode(
+                    self.fused,
+                    gpu,
+                    &queries,
+                    &kv,
+                    (grid_chunks, variant, scale),
+                    out,
+                )
+            }
             Attention::Latent { .. } => Err(CudaError::invalid(
                 "a latent attention decode ran on a grouped-query layer",
             )),
@@ -396,6 +417,7 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                 decode_rows,
                 grid_chunks,
                 variant,
+                grid_pages,
                 ..
             } => {
                 // The chunks first: the prefill kernel zeroes the output rows outside its
@@ -407,7 +429,11 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                 ops::prefill_attention_with(self.prefill, gpu, &queries, &kv, &qo, scale, out)?;
                 let rows = view(&self.qkv, 0..decode_rows * qkv_dim)?;
                 let queries = Queries::new(&rows, heads, qkv_dim);
-                let decodes = self.page_table.requests(0..decode_rows)?;
+                let mut decodes = self.page_table.requests(0..decode_rows)?;
+                if let (Some(sparse), 1..) = (self.sparse.as_deref_mut(), grid_pages) {
+                    let grid = (self.layout, grid_pages);
+                    decodes = sparse.select(gpu, index, &queries, grid, &decodes)?;
+                }
                 let kv = PagedKv::new(k_pool, v_pool, *self.layout, decodes);
                 let q_dim = heads * self.model.config.head_dim;
                 let mut out = view_mut(out, 0..decode_rows * q_dim)?;
@@ -558,31 +584,4 @@ fn expert_parts<'l, 'b, T>(
         .as_deref_mut()
         .ok_or_else(|| CudaError::invalid("a MoE step without its expert buffers"))?;
     Ok((experts, buffers))
-}
-
-/// Whether the tensor-core prefill compiles here (its `<mma.h>` needs the CUDA `crt` headers,
-/// which a runtime-only install may lack); a failure is logged once and the tiled kernel runs.
-fn mma_compiles(gpu: &Gpu, head_dim: usize) -> bool {
-    use std::collections::HashMap;
-    use std::sync::Mutex;
-    static CHECKED: Mutex<Option<HashMap<usize, bool>>> = Mutex::new(None);
-    let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
-    *checked
-        .get_or_insert_with(HashMap::new)
-        .entry(head_dim)
-        .or_insert_with(|| {
-            let compiled = ops::specialize_prefill_mma(pagoda_cuda::DType::BF16, head_dim)
-                .and_then(|spec| gpu.prepare(&spec));
-            match compiled {
-                Ok(()) => true,
-                Err(error) => {
-                    tracing::warn!(
-                        "tensor-core prefill unavailable ({error}); using the tiled kernel \
-                         (install the CUDA crt headers, e.g. the nvidia-cuda-crt wheel, and \
-                         point PAGODA_CUDA_INCLUDE at them)"
-                    );
-                    false
-                }
-            }
-        })
 }

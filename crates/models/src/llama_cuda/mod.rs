@@ -17,7 +17,8 @@
 //! weights; `matrix.rs` holds a weight matrix and the linear layer over it; `buffers.rs` sizes the step buffers; `layers.rs` queues one step's kernels;
 //! `pieces.rs` runs a step as piecewise graphs (everything but attention and the LM head);
 //! `decode_path.rs` picks the decode attention (and loads the tuning table);
-//! `prefill_path.rs` picks the streaming prefill's tiling; `kernels.rs` holds the configured
+//! `prefill_path.rs` picks the streaming prefill's tiling; `cascade_path.rs` and
+//! `sparse_path.rs` hold cascade and sparse decode steps; `kernels.rs` holds the configured
 //! kernel choices; `experts.rs` holds the mixture-of-experts blocks.
 //!
 //! Architectures: llama (Llama 2/3, SmolLM2, Mistral), Qwen2 (q/k/v bias, added after the
@@ -48,6 +49,7 @@ pub use mla_decode::MlaDecode;
 pub use pagoda_ops::cuda::SamplingRowParams;
 pub use pieces::Pieces;
 pub use prefill_path::PrefillChoice;
+pub use sparse_path::{sparse_grid_pages, sparse_unsupported, SparseDecode};
 pub use upload::KeepOnDevice;
 
 mod buffers;
@@ -61,6 +63,7 @@ mod mla_decode;
 mod mla_weights;
 mod pieces;
 mod prefill_path;
+mod sparse_path;
 mod upload;
 mod weights;
 

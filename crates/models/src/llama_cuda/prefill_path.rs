@@ -21,6 +21,32 @@ pub struct PrefillChoice {
 }
 
 impl PrefillChoice {
+    /// The kernel a step of `requests` requests and `tokens` tokens runs in `T` at
+    /// `head_dim`: the choice for its bucket, falling back where it does not run (the
+    /// tensor-core kernels run bf16 at their head dims, where they compile: the streaming
+    /// kernel falls back to WMMA, head_dim 256, WMMA to the tiled kernel).
+    pub fn runnable<T: pagoda_cuda::Element>(
+        &self,
+        gpu: &pagoda_cuda::Gpu,
+        head_dim: usize,
+        requests: usize,
+        tokens: usize,
+    ) -> PrefillKernel {
+        let bf16 = T::DTYPE == pagoda_cuda::DType::BF16;
+        let mma =
+            bf16 && ops::MMA_PREFILL_HEAD_DIMS.contains(&head_dim) && mma_compiles(gpu, head_dim);
+        match self.choose(requests, tokens).0 {
+            PrefillKernel::Stream(tiling)
+                if bf16 && ops::STREAM_PREFILL_HEAD_DIMS.contains(&head_dim) =>
+            {
+                PrefillKernel::Stream(tiling)
+            }
+            PrefillKernel::Stream(_) | PrefillKernel::Mma if mma => PrefillKernel::Mma,
+            PrefillKernel::Stream(_) | PrefillKernel::Mma => PrefillKernel::Tiled,
+            other => other,
+        }
+    }
+
     /// `asked` (from the configuration, or the per-token oracle in deterministic mode), the
     /// configured tiling if any, and the tuning table (`None`: none loaded).
     pub fn new(
@@ -83,6 +109,31 @@ impl PrefillChoice {
         chosen.insert(bucket, choice);
         choice
     }
+}
+
+/// Whether the tensor-core prefill compiles here (its `<mma.h>` needs the CUDA `crt` headers,
+/// which a runtime-only install may lack); a failure is logged once and the tiled kernel runs.
+fn mma_compiles(gpu: &pagoda_cuda::Gpu, head_dim: usize) -> bool {
+    static CHECKED: Mutex<Option<HashMap<usize, bool>>> = Mutex::new(None);
+    let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
+    *checked
+        .get_or_insert_with(HashMap::new)
+        .entry(head_dim)
+        .or_insert_with(|| {
+            let compiled = ops::specialize_prefill_mma(pagoda_cuda::DType::BF16, head_dim)
+                .and_then(|spec| gpu.prepare(&spec));
+            match compiled {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::warn!(
+                        "tensor-core prefill unavailable ({error}); using the tiled kernel \
+                         (install the CUDA crt headers, e.g. the nvidia-cuda-crt wheel, and \
+                         point PAGODA_CUDA_INCLUDE at them)"
+                    );
+                    false
+                }
+            }
+        })
 }
 
 #[cfg(test)]

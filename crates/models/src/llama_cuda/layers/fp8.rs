@@ -85,7 +85,10 @@ impl<T: HostFloat> GpuStep<'_, T> {
                 let plan = (grid_chunks, variant, scale);
                 fused_decode_fp8(self.fused, gpu, &queries, decodes, plan, &mut out)
             }
-            Attention::Gather { .. } | Attention::Latent { .. } | Attention::Cascade { .. } => Err(CudaError::invalid(
+            Attention::Gather { .. }
+            | Attention::Latent { .. }
+            | Attention::Cascade { .. }
+            | Attention::Sparse { .. } => Err(CudaError::invalid(
                 "the fp8 KV cache is read by the fused decode and the streaming or tiled prefill",
             )),
         }

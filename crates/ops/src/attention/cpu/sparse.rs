@@ -191,6 +191,18 @@ pub fn sparse_decode_counts() -> SparseDecodeCounts {
     }
 }
 
+/// Adds `layers` selector calls that each did `stats` to the [`SparseDecodeCounts`] (the
+/// CPU selector records each of its calls; a CUDA step records its layers at once, since
+/// every layer of a step shortens the same requests to the same number of pages). Calls
+/// that shortened nothing are not counted.
+pub fn record_sparse_layers(stats: &SparseStepStats, layers: u64) {
+    if stats.sparse_requests > 0 && layers > 0 {
+        STEPS.fetch_add(layers, Ordering::Relaxed);
+        PAGES_SCANNED.fetch_add(stats.pages_scanned * layers, Ordering::Relaxed);
+        PAGES_KEPT.fetch_add(stats.pages_kept * layers, Ordering::Relaxed);
+    }
+}
+
 /// A decode-time KV selector: from one layer's paged KV and the step's queries, the page
 /// table the decode then runs on unchanged (each request's own pages, or a shorter list of
 /// them, in CSR). Quest ([`QuestSelector`]) selects pages; a token-granular selector
@@ -291,11 +303,7 @@ impl DecodeSelector for QuestSelector<'_> {
             }
             out.indptr.push(out.indices.len() as u32);
         }
-        if stats.sparse_requests > 0 {
-            STEPS.fetch_add(1, Ordering::Relaxed);
-            PAGES_SCANNED.fetch_add(stats.pages_scanned, Ordering::Relaxed);
-            PAGES_KEPT.fetch_add(stats.pages_kept, Ordering::Relaxed);
-        }
+        record_sparse_layers(&stats, 1);
         Ok(stats)
     }
 }

@@ -150,7 +150,10 @@ pub struct SparseSelectWorkspace {
     scores: DeviceBuffer<f32>,
     max_requests: usize,
     max_pages: usize,
-    uploaded: Option<(usize, usize)>,
+    /// Pages the next launch's grid covers (at most `max_pages`; see [`Self::set_grid_pages`]).
+    grid_pages: usize,
+    /// The last upload's requests, selected pages and longest shortened request.
+    uploaded: Option<(usize, usize, usize)>,
 }
 
 impl SparseSelectWorkspace {
@@ -169,8 +172,29 @@ impl SparseSelectWorkspace {
             scores: gpu.zeros(max_requests * max_pages)?,
             max_requests,
             max_pages,
+            grid_pages: max_pages,
             uploaded: None,
         })
+    }
+
+    /// Sets the pages the next [`sparse_select`] launches cover per request (`1..=` the
+    /// workspace's pages): its grid and its scores' stride. A captured launch keeps it, so a
+    /// graph of a step whose longest shortened request has `pages` pages replays for any
+    /// other step up to that length. Errors: 0 or past the workspace.
+    pub fn set_grid_pages(&mut self, pages: usize) -> Result<(), CudaError> {
+        if pages == 0 || pages > self.max_pages {
+            return Err(CudaError::invalid(format!(
+                "sparse select: a grid of {pages} pages (the workspace holds 1..={})",
+                self.max_pages
+            )));
+        }
+        self.grid_pages = pages;
+        Ok(())
+    }
+
+    /// Pages a request may hold ([`Self::new`]'s `max_pages`).
+    pub fn max_pages(&self) -> usize {
+        self.max_pages
     }
 
     /// Copies `plan` to the device (a plain upload, outside any graph).
@@ -188,7 +212,7 @@ impl SparseSelectWorkspace {
             &mut self.requests.view_mut(0..b * SPARSE_REQUEST_WORDS)?,
         )?;
         gpu.upload_into(&plan.indptr, &mut self.indptr.view_mut(0..b + 1)?)?;
-        self.uploaded = Some((b, plan.selected_pages()));
+        self.uploaded = Some((b, plan.selected_pages(), plan.max_sparse_pages));
         Ok(())
     }
 
@@ -234,7 +258,7 @@ pub fn sparse_select<T: Element>(
     let select_spec = specialize_sparse(SparseEntry::Select, T::DTYPE)?;
     layout.validate()?;
     let b = table.num_requests();
-    let Some((uploaded, selected)) = workspace.uploaded else {
+    let Some((uploaded, selected, longest)) = workspace.uploaded else {
         return Err(CudaError::invalid("sparse select: no plan uploaded"));
     };
     if uploaded != b {
@@ -276,7 +300,13 @@ pub fn sparse_select<T: Element>(
     }
     // The query row of each shortened request lives on the device: the kernel trusts the
     // plan's rows to lie in `queries` (the plan is built from the same step's qo_indptr).
-    let max_pages = to_u32("sparse max pages", workspace.max_pages)?;
+    if longest > workspace.grid_pages {
+        return Err(CudaError::invalid(format!(
+            "sparse select: a request of {longest} pages on a grid of {}",
+            workspace.grid_pages
+        )));
+    }
+    let max_pages = to_u32("sparse grid pages", workspace.grid_pages)?;
     let b32 = to_u32("sparse requests", b)?;
     let score_args = [
         ptr(&queries.data),
@@ -295,7 +325,8 @@ pub fn sparse_select<T: Element>(
     let score_grid = (max_pages.div_ceil(SCORE_WARPS), b32);
     let score_block = 32 * SCORE_WARPS;
     // SAFETY: arguments match `sparse_page_scores`; scores hold max_requests * max_pages,
-    // written at r * max_pages + p with p < max_pages and r < b <= max_requests.
+    // written at r * grid_pages + p with p < grid_pages <= max_pages and r < b <=
+    // max_requests.
     unsafe {
         gpu.launch(
             &scores_spec,

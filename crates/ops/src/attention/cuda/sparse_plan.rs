@@ -135,6 +135,19 @@ impl SparseSelectPlan {
         Ok(plan)
     }
 
+    /// Pads the plan to `rows` requests with empty dense ones (a graph bucket's padding
+    /// rows, which hold no pages).
+    pub fn pad_to(&mut self, rows: usize) {
+        let total = self.selected_pages() as u32;
+        while self.num_requests() < rows {
+            self.indptr.push(total);
+            self.last_page_len.push(0);
+            self.first_page_offset.push(0);
+            self.seq_lens.push(0);
+            self.requests.extend_from_slice(&[SPARSE_DENSE, 0, 0, 0]);
+        }
+    }
+
     /// Requests `B`.
     pub fn num_requests(&self) -> usize {
         self.indptr.len() - 1

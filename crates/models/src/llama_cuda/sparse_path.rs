@@ -1,0 +1,191 @@
+//! Sparse decode on CUDA (Quest page selection, `--sparse-attention`), the same choice as the
+//! CPU's (`crate::llama::step::sparse`): per layer, the key summaries (min and max of each
+//! page's keys per KV head) follow the KV append on the device, and a decode step whose
+//! requests ask for it scores their pages from the summaries and writes a shorter page list
+//! (`ops::sparse_select`), on which the fused decode then runs unchanged. The host knows the
+//! shortened table's row pointer and lengths before the step (the budget fixes how many pages
+//! a request keeps, not which), so the decode's plan is staged as usual and the step replays
+//! from a graph keyed by its grid; the device writes only the page ids, no host round trip.
+//!
+//! Needs the fused decode and a pool in the model's dtype: not over an fp8 KV cache, not in
+//! deterministic mode (every row then runs the prefill kernel), not with the gather decode, not
+//! on a latent (MLA) cache. The engine refuses `--sparse-attention` at start there
+//! ([`sparse_unsupported`]).
+
+use pagoda_cuda::{CudaError, DeviceBuffer, DeviceRead, Gpu};
+use pagoda_kv::PageTable;
+use pagoda_ops::attention::{SparseAttention, SparseStepStats};
+use pagoda_ops::cuda::{
+    self as ops, DevicePageTable, PoolLayout, Queries, SparseSelectPlan, SparseSelectWorkspace,
+};
+
+use super::{CudaCacheOptions, HostFloat, PagedDecodeMode};
+use crate::config::ModelConfig;
+
+/// Why sparse decode cannot run on this CUDA setup (`None`: it can): the reasons are the
+/// switches that exclude it, so a refusal names the way out.
+pub fn sparse_unsupported(
+    c: &ModelConfig,
+    options: &CudaCacheOptions,
+    dtype: pagoda_cuda::DType,
+) -> Option<String> {
+    let k = &options.kernels;
+    if c.mla.is_some() {
+        Some("a latent attention (MLA) model".into())
+    } else if k.kv_fp8 {
+        Some("an fp8 KV cache (-ctk fp8; use bf16)".into())
+    } else if k.deterministic {
+        Some("--deterministic".into())
+    } else if options.paged_decode == PagedDecodeMode::Gather {
+        Some("--paged-decode gather".into())
+    } else if !ops::SPARSE_DTYPES.contains(&dtype) {
+        Some(format!("{dtype} activations"))
+    } else {
+        None
+    }
+}
+
+/// The grid a sparse step's selection covers for a longest shortened request of `pages`
+/// pages: the next power of two from 64, so a few graphs cover every length.
+pub fn sparse_grid_pages(pages: usize, max_pages: usize) -> usize {
+    pages.max(64).next_power_of_two().min(max_pages)
+}
+
+/// Sparse decode's device state: the summaries per layer, the selection's workspace and
+/// output, and the step's plan.
+pub struct SparseDecode<T> {
+    /// Per layer, `[num_pages, num_kv_heads, 2, head_dim]` in the pool's dtype.
+    summaries: Vec<DeviceBuffer<T>>,
+    workspace: SparseSelectWorkspace,
+    /// The selected page ids (each layer rewrites them before its decode).
+    indices: DeviceBuffer<u32>,
+    /// The plan of the step being staged ([`Self::plan`] to [`Self::stage`]).
+    pending: Option<SparseSelectPlan>,
+    page_size: usize,
+}
+
+impl<T: HostFloat> SparseDecode<T> {
+    /// The state for `options` when they ask for sparse decode and the setup runs it (else
+    /// `None`; the engine refuses the flag where it cannot run), for page tables of up to
+    /// `max_indices` page ids.
+    pub fn new(
+        gpu: &Gpu,
+        c: &ModelConfig,
+        options: &CudaCacheOptions,
+        layout: &PoolLayout,
+        max_indices: usize,
+    ) -> Result<Option<Self>, CudaError> {
+        if !options.kernels.sparse_decode || sparse_unsupported(c, options, T::DTYPE).is_some() {
+            return Ok(None);
+        }
+        // The kernels compile now (or load from the disk cache): the summaries' update runs
+        // in every step, decode graphs captured at start-up included.
+        for entry in [
+            ops::SparseEntry::Summaries,
+            ops::SparseEntry::Scores,
+            ops::SparseEntry::Select,
+        ] {
+            gpu.prepare(&ops::specialize_sparse(entry, T::DTYPE)?)?;
+        }
+        let summaries = (0..c.num_layers)
+            .map(|_| gpu.zeros(ops::sparse_summaries_len(layout)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let pages = options.max_context.div_ceil(layout.page_size.max(1)) + 1;
+        let max_pages = pages.min(ops::SPARSE_MAX_PAGES);
+        let requests = options.max_batch_requests.max(1);
+        Ok(Some(SparseDecode {
+            summaries,
+            workspace: SparseSelectWorkspace::new(gpu, requests, max_pages)?,
+            indices: gpu.zeros(max_indices.max(1))?,
+            pending: None,
+            page_size: layout.page_size,
+        }))
+    }
+
+    /// Bytes of the summaries (what sparse decode adds to the KV cache).
+    pub fn bytes(&self) -> usize {
+        self.summaries.iter().map(|s| s.len()).sum::<usize>() * std::mem::size_of::<T>()
+    }
+
+    /// Plans a decode step over `table` (its real requests, one query row each by
+    /// `qo_indptr`) with each request's settings `params`, padded to `rows` requests: the
+    /// selection's grid pages, what it does to a layer and the longest shortened context,
+    /// or `None` when no request is shortened (the plain fused decode runs).
+    pub fn plan(
+        &mut self,
+        table: &PageTable,
+        qo_indptr: &[u32],
+        params: &[Option<SparseAttention>],
+        rows: usize,
+    ) -> Result<Option<(usize, SparseStepStats, usize)>, CudaError> {
+        self.pending = None;
+        if params.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        let mut plan = SparseSelectPlan::new(table, qo_indptr, params, self.page_size)?;
+        if plan.stats.sparse_requests == 0 {
+            return Ok(None);
+        }
+        if plan.max_sparse_pages > self.workspace.max_pages() {
+            return Err(CudaError::invalid(format!(
+                "sparse decode: a request of {} pages, past the {} the selection was sized for \
+                 (--max-context)",
+                plan.max_sparse_pages,
+                self.workspace.max_pages()
+            )));
+        }
+        plan.pad_to(rows);
+        let grid = sparse_grid_pages(plan.max_sparse_pages, self.workspace.max_pages());
+        let context = plan.seq_lens.iter().max().map_or(0, |&l| l as usize);
+        let stats = plan.stats;
+        self.pending = Some(plan);
+        Ok(Some((grid, stats, context)))
+    }
+
+    /// Uploads the planned step's selection and returns its table's row pointer (padded),
+    /// for the fused decode's plan.
+    pub fn stage(&mut self, gpu: &Gpu) -> Result<&[u32], CudaError> {
+        let plan = self
+            .pending
+            .as_ref()
+            .ok_or_else(|| CudaError::invalid("a sparse step without its plan"))?;
+        self.workspace.upload(gpu, plan)?;
+        Ok(&plan.indptr)
+    }
+
+    /// After layer `layer`'s KV append of `slots` into `k_pool`: the summaries of the pages
+    /// the step wrote.
+    pub fn update(
+        &mut self,
+        gpu: &Gpu,
+        layer: usize,
+        k_pool: &DeviceBuffer<T>,
+        layout: &PoolLayout,
+        slots: &pagoda_cuda::DeviceView<'_, i32>,
+    ) -> Result<(), CudaError> {
+        let summaries = &mut self.summaries[layer];
+        ops::sparse_summaries_update(gpu, k_pool, layout, slots, summaries)
+    }
+
+    /// Layer `layer`'s selection for the staged step over `table` (the full one) on a grid
+    /// of `grid_pages`, then its shortened table for the decode.
+    pub fn select<'a>(
+        &'a mut self,
+        gpu: &Gpu,
+        layer: usize,
+        queries: &Queries<'_, T>,
+        (layout, grid_pages): (&PoolLayout, usize),
+        table: &DevicePageTable<'a>,
+    ) -> Result<DevicePageTable<'a>, CudaError> {
+        let SparseDecode {
+            summaries,
+            workspace,
+            indices,
+            ..
+        } = self;
+        workspace.set_grid_pages(grid_pages)?;
+        let summaries = &summaries[layer];
+        ops::sparse_select(gpu, queries, summaries, layout, table, workspace, indices)?;
+        workspace.selected_table(table, indices)
+    }
+}

@@ -105,6 +105,8 @@ pub enum BenchKind {
     Attention(super::bench_attention::BenchAttentionArgs),
     /// Time cascade decode against the plain fused decode behind a shared prefix, on the GPU.
     Cascade(super::bench_cascade::BenchCascadeArgs),
+    /// Time sparse decode (Quest page selection) against the dense fused decode on the GPU.
+    Sparse(super::bench_sparse::BenchSparseArgs),
     /// Time the CPU kernels (matmul kernel sets, attention kernels) side by side.
     Kernels(super::bench_kernels::BenchKernelsArgs),
     /// Time a mixture-of-experts block's kernels on the GPU, stage by stage, graph-replayed.
@@ -193,6 +195,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         Some(BenchKind::Attention(a)) if a.mla => return super::bench_attention_mla::run_args(&a),
         Some(BenchKind::Attention(a)) => return super::bench_attention::run(a),
         Some(BenchKind::Cascade(a)) => return super::bench_cascade::run(&a),
+        Some(BenchKind::Sparse(a)) => return super::bench_sparse::run(&a),
         Some(BenchKind::Kernels(kernels_args)) => return super::bench_kernels::run(kernels_args),
         Some(BenchKind::Moe(m)) if m.moe_path == "quant" => return super::bench_moe_quant::run(&m),
         Some(BenchKind::Moe(moe_args)) => return super::bench_moe::run(moe_args),

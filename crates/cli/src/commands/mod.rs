@@ -13,6 +13,7 @@ pub mod bench_sampling;
 pub mod bench_sampling_anchors;
 pub mod bench_sampling_gpu;
 pub mod bench_serve;
+mod bench_sparse;
 pub mod chat;
 pub mod config;
 mod decode_rig;

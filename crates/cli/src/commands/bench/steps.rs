@@ -16,6 +16,8 @@ pub(super) struct StepCounts {
     cuda_decode_tuned: u64,
     /// Fused decode steps run as cascade (shared prefix pages read once per group).
     cuda_cascade: u64,
+    /// Fused decode steps some of whose requests ran sparse decode.
+    cuda_sparse: u64,
     cuda_prefill_kernel: u64,
     cuda_prefill_tuned: u64,
     /// GPU time of the CUDA steps (CUDA events), microseconds.
@@ -44,6 +46,7 @@ impl std::ops::AddAssign for StepCounts {
         self.cuda_decode_fused += other.cuda_decode_fused;
         self.cuda_decode_tuned += other.cuda_decode_tuned;
         self.cuda_cascade += other.cuda_cascade;
+        self.cuda_sparse += other.cuda_sparse;
         self.cuda_prefill_kernel += other.cuda_prefill_kernel;
         self.cuda_prefill_tuned += other.cuda_prefill_tuned;
         self.cuda_gpu_us += other.cuda_gpu_us;
@@ -74,13 +77,14 @@ impl std::fmt::Display for StepCounts {
             let steps = self.cuda_graph + self.cuda_eager;
             write!(
                 f,
-                "cuda graph {} eager {} (decode fused {} [{} tuned, {} cascade] gather {} prefill \
+                "cuda graph {} eager {} (decode fused {} [{} tuned, {} cascade, {} sparse] gather {} prefill \
                  {} [{} tuned]), gpu {:.3} ms/step",
                 self.cuda_graph,
                 self.cuda_eager,
                 self.cuda_decode_fused,
                 self.cuda_decode_tuned,
                 self.cuda_cascade,
+                self.cuda_sparse,
                 self.cuda_decode_gather,
                 self.cuda_prefill_kernel,
                 self.cuda_prefill_tuned,
@@ -113,6 +117,7 @@ pub(super) fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCount
         cuda_decode_fused: now.steps_cuda_decode_fused - before.steps_cuda_decode_fused,
         cuda_decode_tuned: now.steps_cuda_decode_tuned - before.steps_cuda_decode_tuned,
         cuda_cascade: now.steps_cuda_cascade - before.steps_cuda_cascade,
+        cuda_sparse: now.steps_cuda_sparse - before.steps_cuda_sparse,
         cuda_prefill_kernel: now.steps_cuda_prefill_kernel - before.steps_cuda_prefill_kernel,
         cuda_prefill_tuned: now.steps_cuda_prefill_tuned - before.steps_cuda_prefill_tuned,
         cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,

@@ -19,13 +19,15 @@ use pagoda_kv::PageTable;
 use pagoda_ops::attention::CascadeRule;
 use pagoda_ops::cuda::{
     self as ops, CascadeCapacity, CascadeGeometry, CascadePlan, CascadeWorkspace, DecodeVariant,
-    DevicePageTable, PagedDecodePlan, PagedDecodeWorkspace, PagedKv, PlanCapacity, PoolLayout,
-    PrefillStreamTiling, Queries,
+    PagedDecodePlan, PagedDecodeWorkspace, PagedKv, PlanCapacity, PoolLayout, PrefillStreamTiling,
+    Queries,
 };
 use rand::Rng;
 use serde::Serialize;
 
-use super::decode_rig::{time_replays, warm_capture, Geometry, Rig, L2_BYTES};
+use super::decode_rig::{
+    device_table, push_request, time_replays, upload_table, warm_capture, Geometry, Rig, L2_BYTES,
+};
 
 /// The H200's measured device copy rate (anchors, table A), bytes per microsecond.
 const COPY_BYTES_PER_US: f64 = 4203e3;
@@ -249,9 +251,12 @@ fn kv_of<'a>(
     set: &'a Set,
     (k_pool, v_pool, layout): (&'a DeviceBuffer<bf16>, &'a DeviceBuffer<bf16>, PoolLayout),
 ) -> Result<PagedKv<'a, bf16>, pagoda_cuda::CudaError> {
-    let [indptr, indices, last, first] = &set.arrays;
-    let table = DevicePageTable::new(indptr, indices, last, first)?;
-    Ok(PagedKv::new(k_pool, v_pool, layout, table))
+    Ok(PagedKv::new(
+        k_pool,
+        v_pool,
+        layout,
+        device_table(&set.arrays)?,
+    ))
 }
 
 /// A set of `b` requests behind `s` shared tokens with `u` of their own each, pages drawn at
@@ -271,27 +276,17 @@ fn make_set(rig: &mut Rig, b: usize, s: usize, u: usize) -> Result<Set> {
         ..PageTable::default()
     };
     for _ in 0..b {
-        table.indices.extend(&shared);
-        table
-            .indices
-            .extend((0..own_pages).map(|_| rng.random_range(0..num_pages) as u32));
-        table.indptr.push(table.indices.len() as u32);
-        table.last_page_len.push(((s + u - 1) % page + 1) as u32);
-        table.first_page_offset.push(0);
-        table.seq_lens.push((s + u) as u32);
-        table.rope_offsets.push((s + u) as u32);
+        let own: Vec<u32> = (0..own_pages)
+            .map(|_| rng.random_range(0..num_pages) as u32)
+            .collect();
+        push_request(&mut table, shared.iter().copied().chain(own), s + u, page);
     }
     let q: Vec<bf16> = (0..b * g.q_heads * g.head_dim)
         .map(|_| bf16::from_f32(rng.random_range(-2.0..2.0)))
         .collect();
     let gpu = &rig.gpu;
     Ok(Set {
-        arrays: [
-            gpu.upload(&table.indptr)?,
-            gpu.upload(&table.indices)?,
-            gpu.upload(&table.last_page_len)?,
-            gpu.upload(&table.first_page_offset)?,
-        ],
+        arrays: upload_table(gpu, &table)?,
         q: gpu.upload(&q)?,
         table,
     })

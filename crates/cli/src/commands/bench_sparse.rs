@@ -24,7 +24,9 @@ use pagoda_ops::cuda::{
 use rand::Rng;
 use serde::Serialize;
 
-use super::decode_rig::{time_replays, warm_capture, Geometry, Rig, L2_BYTES};
+use super::decode_rig::{
+    device_table, push_request, time_replays, upload_table, warm_capture, Geometry, Rig, L2_BYTES,
+};
 
 /// Flags of `pagoda bench sparse`.
 #[derive(Args, Debug)]
@@ -249,8 +251,7 @@ fn queries_of(set: &Set, g: Geometry) -> Queries<'_, bf16> {
 
 /// The device page table of `set`.
 fn table_of(set: &Set) -> Result<DevicePageTable<'_>, pagoda_cuda::CudaError> {
-    let [indptr, indices, last, first] = &set.arrays;
-    DevicePageTable::new(indptr, indices, last, first)
+    device_table(&set.arrays)
 }
 
 /// A set of `b` requests of `l` tokens, pages drawn at random from the rig's pool.
@@ -266,29 +267,17 @@ fn make_set(rig: &mut Rig, b: usize, l: usize) -> Result<Set> {
     };
     let mut slots = Vec::with_capacity(b);
     for _ in 0..b {
-        table
-            .indices
-            .extend((0..l.div_ceil(page)).map(|_| rng.random_range(0..num_pages) as u32));
-        table.indptr.push(table.indices.len() as u32);
-        let last = ((l - 1) % page + 1) as u32;
-        table.last_page_len.push(last);
-        table.first_page_offset.push(0);
-        table.seq_lens.push(l as u32);
-        table.rope_offsets.push(l as u32);
+        let pages = (0..l.div_ceil(page)).map(|_| rng.random_range(0..num_pages) as u32);
+        push_request(&mut table, pages, l, page);
         let last_page = *table.indices.last().unwrap_or(&0) as usize;
-        slots.push((last_page * page + last as usize - 1) as i32);
+        slots.push((last_page * page + (l - 1) % page) as i32);
     }
     let q: Vec<bf16> = (0..b * g.q_heads * g.head_dim)
         .map(|_| bf16::from_f32(rng.random_range(-2.0..2.0)))
         .collect();
     let gpu = &rig.gpu;
     Ok(Set {
-        arrays: [
-            gpu.upload(&table.indptr)?,
-            gpu.upload(&table.indices)?,
-            gpu.upload(&table.last_page_len)?,
-            gpu.upload(&table.first_page_offset)?,
-        ],
+        arrays: upload_table(gpu, &table)?,
         q: gpu.upload(&q)?,
         slots: gpu.upload(&slots)?,
         table,

@@ -9,6 +9,7 @@
 use anyhow::{bail, Result};
 use half::bf16;
 use pagoda_cuda::{view_mut, CapturedGraph, DeviceBuffer, Gpu};
+use pagoda_kv::PageTable;
 use pagoda_models::llama_cuda::HostFloat;
 use pagoda_ops::cuda::{
     self as ops, DecodeVariant, DecodeWorkspace, DevicePageTable, PagedDecodePlan,
@@ -418,4 +419,38 @@ pub fn random_fill<T: HostFloat>(gpu: &Gpu, len: usize, seed: u64) -> Result<Dev
     }
     gpu.synchronize()?;
     Ok(pool)
+}
+
+/// A page table's four device arrays (row pointer, page ids, last-page lengths, first-page
+/// offsets), as the benches' sets hold them.
+pub fn upload_table(gpu: &Gpu, table: &PageTable) -> Result<[DeviceBuffer<u32>; 4]> {
+    Ok([
+        gpu.upload(&table.indptr)?,
+        gpu.upload(&table.indices)?,
+        gpu.upload(&table.last_page_len)?,
+        gpu.upload(&table.first_page_offset)?,
+    ])
+}
+
+/// The device page table over [`upload_table`]'s arrays.
+pub fn device_table(
+    arrays: &[DeviceBuffer<u32>; 4],
+) -> Result<DevicePageTable<'_>, pagoda_cuda::CudaError> {
+    let [indptr, indices, last, first] = arrays;
+    DevicePageTable::new(indptr, indices, last, first)
+}
+
+/// Appends a request of `len` tokens on `pages` (its first page full from row 0) to `table`.
+pub fn push_request(
+    table: &mut PageTable,
+    pages: impl IntoIterator<Item = u32>,
+    len: usize,
+    page: usize,
+) {
+    table.indices.extend(pages);
+    table.indptr.push(table.indices.len() as u32);
+    table.last_page_len.push(((len - 1) % page + 1) as u32);
+    table.first_page_offset.push(0);
+    table.seq_lens.push(len as u32);
+    table.rope_offsets.push(len as u32);
 }

@@ -147,34 +147,26 @@ impl<T: HostFloat> TypedRunner<T> {
             };
             mla.stage(gpu, decode)?;
         }
+        // The fused decode's rows, grid and variant, and whether it runs on the sparse
+        // selection's shortened table.
         let fused_plan = match shape.attention {
             Attention::Fused {
                 grid_chunks,
                 variant,
                 ..
-            } => Some((r, grid_chunks, variant)),
-            Attention::Mixed {
-                decode_rows,
-                grid_chunks,
-                variant,
-                grid_pages: 0,
-                ..
-            } => Some((decode_rows, grid_chunks, variant)),
-            _ => None,
-        };
-        let sparse_plan = match shape.attention {
+            } => Some((r, grid_chunks, variant, false)),
             Attention::Sparse {
                 grid_chunks,
                 variant,
                 ..
-            } => Some((r, grid_chunks, variant)),
+            } => Some((r, grid_chunks, variant, true)),
             Attention::Mixed {
                 decode_rows,
                 grid_chunks,
                 variant,
-                grid_pages: 1..,
+                grid_pages,
                 ..
-            } => Some((decode_rows, grid_chunks, variant)),
+            } => Some((decode_rows, grid_chunks, variant, grid_pages > 0)),
             _ => None,
         };
         if let Attention::Cascade { rows, .. } = shape.attention {
@@ -186,28 +178,20 @@ impl<T: HostFloat> TypedRunner<T> {
             fused.stage_cascade(gpu, rows)?;
             merged = true;
         }
-        if let Some((rows, grid_chunks, variant)) = sparse_plan {
-            // The fused decode runs on the shortened table: its plan from the selection's
-            // row pointer.
-            let (sparse, fused) = (&mut cache.buffers.sparse, &mut cache.buffers.fused);
-            let (Some(sparse), Some(fused)) = (sparse.as_mut(), fused.as_mut()) else {
-                return Err(CudaError::invalid("sparse decode without its state"));
-            };
-            let indptr = sparse.stage(gpu)?;
-            merged = fused
-                .stage(gpu, &indptr[..=rows], grid_chunks, &variant)?
-                .needs_merge();
-        }
-        if let Some((rows, grid_chunks, variant)) = fused_plan {
-            let fused = cache
-                .buffers
-                .fused
+        if let Some((rows, grid_chunks, variant, sparse)) = fused_plan {
+            let buffers = (&mut cache.buffers.fused, &mut cache.buffers.sparse);
+            let fused = buffers
+                .0
                 .as_mut()
                 .ok_or_else(|| CudaError::invalid("fused decode without its workspace"))?;
-            let indptr = &cache.staging.words.as_slice()?[page_indptr_range];
-            let indptr = &indptr[..=rows];
+            // A sparse step's fused decode plans over the selection's row pointer.
+            let indptr = match (sparse, buffers.1.as_mut()) {
+                (false, _) => &cache.staging.words.as_slice()?[page_indptr_range],
+                (true, Some(sparse)) => sparse.stage(gpu)?,
+                (true, None) => return Err(CudaError::invalid("sparse decode without its state")),
+            };
             merged = fused
-                .stage(gpu, indptr, grid_chunks, &variant)?
+                .stage(gpu, &indptr[..=rows], grid_chunks, &variant)?
                 .needs_merge();
         }
         gpu.upload_pinned_range(

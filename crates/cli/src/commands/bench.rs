@@ -23,8 +23,10 @@ use super::stats::{self, Summary};
 use super::{bench_sampling::SamplingDevice, host::load_average};
 use crate::common::{self, ModelArgs};
 
+mod kind;
 mod report;
 mod steps;
+pub use kind::BenchKind;
 use report::{print_profile, print_report};
 use steps::{steps_since, StepCounts};
 
@@ -92,27 +94,6 @@ pub struct BenchArgs {
     /// one token per request and step, so their step_ms is the verification step's.
     #[arg(long, value_delimiter = ',', value_name = "K")]
     pub verify: Vec<usize>,
-}
-
-/// The benchmark subcommands of `pagoda bench`.
-#[derive(clap::Subcommand, Debug)]
-pub enum BenchKind {
-    /// Drive a running OpenAI-compatible server with concurrent streaming clients.
-    Serve(super::bench_serve::BenchServeArgs),
-    /// Time the fused sort-free samplers against the sort-based reference.
-    Sampling(super::bench_sampling::BenchSamplingArgs),
-    /// Time the decode attention kernels (gather vs fused) on the GPU, graph-replayed.
-    Attention(super::bench_attention::BenchAttentionArgs),
-    /// Time cascade decode against the plain fused decode behind a shared prefix, on the GPU.
-    Cascade(super::bench_cascade::BenchCascadeArgs),
-    /// Time sparse decode (Quest page selection) against the dense fused decode on the GPU.
-    Sparse(super::bench_sparse::BenchSparseArgs),
-    /// Time the CPU kernels (matmul kernel sets, attention kernels) side by side.
-    Kernels(super::bench_kernels::BenchKernelsArgs),
-    /// Time a mixture-of-experts block's kernels on the GPU, stage by stage, graph-replayed.
-    Moe(super::bench_moe::BenchMoeArgs),
-    /// Time the in-place quantized linear layer on the GPU per layout, format and rows.
-    QuantGemv(super::bench_quant_gemv::BenchQuantGemvArgs),
 }
 
 #[derive(Serialize)]

@@ -30,10 +30,7 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 /// setting gets a warning.
 pub fn configure(flags: &[FlagValue]) -> Result<()> {
     let config = Config::from_process(flags).map_err(|e| anyhow::anyhow!("{e}"))?;
-    if let Some(text) = config.text("PAGODA_SPARSE_ATTENTION") {
-        pagoda_ops::attention::SparseAttention::parse(text)
-            .map_err(|e| anyhow::anyhow!("--sparse-attention / PAGODA_SPARSE_ATTENTION: {e}"))?;
-    }
+    pagoda_ops::attention::SparseAttention::from_config(&config).map_err(anyhow::Error::msg)?;
     for warning in config.unknown_variable_warnings() {
         tracing::warn!("{warning}");
     }
@@ -70,15 +67,8 @@ pub fn resolve_device(args: &ModelArgs) -> Result<Device> {
     }
     // Sparse decode is refused here, before the model loads, where the flags alone show it
     // cannot run (the engine checks the model's attention, and again the rest, when made).
-    let sparse = pagoda_config::global()
-        .text("PAGODA_SPARSE_ATTENTION")
-        .is_some_and(|text| {
-            matches!(
-                pagoda_ops::attention::SparseAttention::parse(text),
-                Ok(Some(_))
-            )
-        });
-    if sparse {
+    let sparse = pagoda_ops::attention::SparseAttention::from_config(pagoda_config::global());
+    if matches!(sparse, Ok(Some(_))) {
         pagoda_engine::check_sparse_attention_setup(ranks as usize, false)
             .map_err(anyhow::Error::msg)?;
     }

@@ -47,11 +47,12 @@ pub struct ModelArgs {
     /// (CUDA); `auto` leaves -ctk/-ctv as they are. Also $PAGODA_KV_CACHE_DTYPE.
     #[arg(long = "kv-cache-dtype", value_name = "auto|fp8|fp8_e4m3")]
     pub kv_cache_dtype: Option<String>,
-    /// Sparse decode (CPU): `budget=N,window=W,min-context=C` (any subset; `on`: the defaults
+    /// Sparse decode (CPU and CUDA): `budget=N,window=W,min-context=C` (any subset; `on`: the defaults
     /// 1024, 128, 2048). Long decode rows attend to the first page, the recent window and the
     /// pages whose key summaries promise the highest scores, within the token budget
     /// (Quest). Requests may override it (`sparse_attention`; keys they leave out take these
-    /// values). Refused with CUDA, -tp over 1 or an MLA model. Also $PAGODA_SPARSE_ATTENTION.
+    /// values). Refused with -tp over 1, an MLA model, and on CUDA with the fp8 KV cache,
+    /// --deterministic or --paged-decode gather. Also $PAGODA_SPARSE_ATTENTION.
     #[arg(
         long = "sparse-attention",
         value_name = "budget=N,window=W,min-context=C"

@@ -342,7 +342,14 @@ fn select_case<T: TestFloat>(gpu: &Gpu, case: &SelectCase, seed: u64) -> Selecte
             .copy_from_slice(&q[row * q_row..(row + 1) * q_row]);
     }
     let q_device = upload::<T>(gpu, &fused);
-    let plan = SparseSelectPlan::new(&table, &qo_indptr, &case.params, page_size).unwrap();
+    let plan = SparseSelectPlan::new(
+        &table,
+        &qo_indptr,
+        &case.params,
+        page_size,
+        SPARSE_MAX_PAGES,
+    )
+    .unwrap();
     assert_eq!(plan.stats, stats, "{what}: stats");
     let max_pages = plan.max_sparse_pages.max(1);
     let mut workspace = SparseSelectWorkspace::new(gpu, case.lens.len(), max_pages).unwrap();

@@ -123,8 +123,14 @@ fn plan_matches_the_cpu_selector_counts() {
         let page_size = if case % 2 == 0 { 16 } else { 32 };
         let batch = random_batch(&mut rng, page_size);
         let cpu = cpu_select(&batch, page_size, &mut rng);
-        let plan = SparseSelectPlan::new(&batch.table, &batch.qo_indptr, &batch.params, page_size)
-            .unwrap();
+        let plan = SparseSelectPlan::new(
+            &batch.table,
+            &batch.qo_indptr,
+            &batch.params,
+            page_size,
+            SPARSE_MAX_PAGES,
+        )
+        .unwrap();
         assert_eq!(plan.indptr, cpu.indptr, "case {case}: indptr");
         assert_eq!(plan.seq_lens, cpu.seq_lens, "case {case}: seq_lens");
         assert_eq!(plan.last_page_len, cpu.last_page_len, "case {case}");
@@ -176,7 +182,7 @@ fn plan_matches_the_cpu_selector_counts() {
 }
 
 #[test]
-fn plan_refuses_a_sparse_request_past_the_device_limit() {
+fn a_request_past_the_device_limit_decodes_densely() {
     let page_size = 16;
     let num_tokens = (SPARSE_MAX_PAGES + 1) * page_size;
     let pages: Vec<PageId> = (0..SPARSE_MAX_PAGES as u32 + 1).map(PageId).collect();
@@ -187,12 +193,54 @@ fn plan_refuses_a_sparse_request_past_the_device_limit() {
     };
     let table = PageTable::build(&[request], SPARSE_MAX_PAGES + 1, page_size).unwrap();
     let params = [Some(SparseAttention::new(1024, 128, 0).unwrap())];
-    let error = SparseSelectPlan::new(&table, &[0, 1], &params, page_size).unwrap_err();
-    assert!(error.to_string().contains("8192"), "{error}");
-    // Dense, the same request is fine at any length.
-    let plan = SparseSelectPlan::new(&table, &[0, 1], &[None], page_size).unwrap();
-    assert_eq!(plan.selected_pages(), SPARSE_MAX_PAGES + 1);
+    let max = SPARSE_MAX_PAGES;
+    // Past the device's limit (a larger `max_pages` is clamped to it): dense, and counted.
+    for limit in [max, 4 * max] {
+        let plan = SparseSelectPlan::new(&table, &[0, 1], &params, page_size, limit).unwrap();
+        assert_eq!(plan.selected_pages(), max + 1);
+        assert_eq!((plan.stats.sparse_requests, plan.dense_past_limit), (0, 1));
+        assert_eq!(plan.requests[0], SPARSE_DENSE);
+    }
+    // Within a smaller workspace's limit the same holds from its size on.
+    let plan = SparseSelectPlan::new(&table, &[0, 1], &params, page_size, 1024).unwrap();
+    assert_eq!(plan.dense_past_limit, 1);
+    // Dense by its settings, the request is not counted.
+    let plan = SparseSelectPlan::new(&table, &[0, 1], &[None], page_size, max).unwrap();
+    assert_eq!((plan.selected_pages(), plan.dense_past_limit), (max + 1, 0));
     // Bad shapes are errors, not panics.
-    assert!(SparseSelectPlan::new(&table, &[0], &params, page_size).is_err());
-    assert!(SparseSelectPlan::new(&table, &[0, 1], &[None, None], page_size).is_err());
+    assert!(SparseSelectPlan::new(&table, &[0], &params, page_size, max).is_err());
+    assert!(SparseSelectPlan::new(&table, &[0, 1], &[None, None], page_size, max).is_err());
+    assert!(SparseSelectPlan::new(&table, &[0, 1, 2], &[None, None], page_size, max).is_err());
+    assert!(SparseSelectPlan::new(&table, &[], &[], page_size, max).is_err());
+}
+
+/// A mixed step plans its decode rows, which lead its table: the plan over the first `d`
+/// requests equals the plan over a table of only those requests.
+#[test]
+fn a_plan_over_the_leading_requests_equals_one_over_their_table() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3838);
+    for case in 0..100 {
+        let page_size = 16;
+        let batch = random_batch(&mut rng, page_size);
+        let n = batch.table.num_requests();
+        let d = rng.random_range(1..=n);
+        let t = &batch.table;
+        let pages = t.indptr[d] as usize;
+        let leading = PageTable {
+            indices: t.indices[..pages].to_vec(),
+            indptr: t.indptr[..=d].to_vec(),
+            last_page_len: t.last_page_len[..d].to_vec(),
+            first_page_offset: t.first_page_offset[..d].to_vec(),
+            seq_lens: t.seq_lens[..d].to_vec(),
+            rope_offsets: t
+                .rope_offsets
+                .get(..d)
+                .map_or_else(Vec::new, <[u32]>::to_vec),
+        };
+        let (qo, params) = (&batch.qo_indptr[..=d], &batch.params[..d]);
+        let max = SPARSE_MAX_PAGES;
+        let whole = SparseSelectPlan::new(&leading, qo, params, page_size, max).unwrap();
+        let part = SparseSelectPlan::new(t, qo, params, page_size, max).unwrap();
+        assert_eq!(part, whole, "case {case}: {d} of {n} requests");
+    }
 }

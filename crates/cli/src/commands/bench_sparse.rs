@@ -19,7 +19,7 @@ use pagoda_models::llama_cuda::sparse_grid_pages;
 use pagoda_ops::attention::SparseAttention;
 use pagoda_ops::cuda::{
     self as ops, DecodeVariant, DevicePageTable, PagedDecodePlan, PagedDecodeWorkspace, PagedKv,
-    PlanCapacity, Queries, SparseSelectPlan, SparseSelectWorkspace,
+    PlanCapacity, Queries, SparseSelectPlan, SparseSelectWorkspace, SPARSE_MAX_PAGES,
 };
 use rand::Rng;
 use serde::Serialize;
@@ -183,8 +183,11 @@ fn case(
     // Sparse: every set has the same lengths, so one plan serves them all.
     let qo: Vec<u32> = (0..=b as u32).collect();
     let settings = vec![Some(params); b];
-    let plan = SparseSelectPlan::new(&sets[0].table, &qo, &settings, page)?;
-    let max_pages = l.div_ceil(page) + 1;
+    let max_pages = (l.div_ceil(page) + 1).min(SPARSE_MAX_PAGES);
+    let plan = SparseSelectPlan::new(&sets[0].table, &qo, &settings, page, max_pages)?;
+    if plan.dense_past_limit > 0 {
+        bail!("--context {l}: past the device selection's {SPARSE_MAX_PAGES} pages");
+    }
     let mut select = SparseSelectWorkspace::new(gpu, b, max_pages)?;
     select.upload(gpu, &plan)?;
     select.set_grid_pages(sparse_grid_pages(plan.max_sparse_pages, max_pages))?;

@@ -5,7 +5,6 @@
 //! enough. Sparse wins where both would apply.
 
 use pagoda_cuda::CudaError;
-use pagoda_kv::PageTable;
 use pagoda_models::llama::ForwardBatch;
 use pagoda_models::llama_cuda::{Attention, HostFloat, StepShape};
 
@@ -47,20 +46,17 @@ impl<T: HostFloat> TypedRunner<T> {
         else {
             return Ok(());
         };
-        if batch.sparse.iter().all(Option::is_none) {
-            return Ok(());
-        }
-        // A mixed step selects for its decode rows only (the chunks attend densely).
-        let leading;
-        let (table, qo, params) = match mixed {
-            None => (batch.page_table, batch.qo_indptr, batch.sparse),
-            Some(d) => {
-                leading = leading_requests(batch.page_table, d);
-                let params = &batch.sparse[..d.min(batch.sparse.len())];
-                (&leading, &batch.qo_indptr[..=d], params)
-            }
+        // A mixed step selects for its decode rows only, which lead the step (the chunks
+        // attend densely).
+        let (qo, params) = match mixed {
+            None => (batch.qo_indptr, batch.sparse),
+            Some(d) => (
+                &batch.qo_indptr[..=d],
+                &batch.sparse[..d.min(batch.sparse.len())],
+            ),
         };
-        let Some((grid_pages, stats, context)) = sparse.plan(table, qo, params, rows)? else {
+        let planned = sparse.plan(batch.page_table, qo, params, rows)?;
+        let Some((grid_pages, stats, context)) = planned else {
             return Ok(());
         };
         let (variant, source) = fused.variant(rows, context);
@@ -130,21 +126,5 @@ impl<T: HostFloat> TypedRunner<T> {
             c.cuda_cascade_saved_token_reads += stats.saved_token_reads as u64;
         }
         Ok(())
-    }
-}
-
-/// The first `requests` requests of `table`.
-fn leading_requests(table: &PageTable, requests: usize) -> PageTable {
-    let pages = table.indptr[requests] as usize;
-    PageTable {
-        indices: table.indices[..pages].to_vec(),
-        indptr: table.indptr[..=requests].to_vec(),
-        last_page_len: table.last_page_len[..requests].to_vec(),
-        first_page_offset: table.first_page_offset[..requests].to_vec(),
-        seq_lens: table.seq_lens[..requests].to_vec(),
-        rope_offsets: table
-            .rope_offsets
-            .get(..requests)
-            .map_or_else(Vec::new, <[u32]>::to_vec),
     }
 }

@@ -67,9 +67,7 @@ impl EngineSettings {
                 .number("PAGODA_TENSOR_PARALLEL_SIZE")
                 .map_or(1, |size| size as usize),
             // The CLI refuses a bad value at start (`configure`); here it reads as off.
-            sparse_attention: config
-                .text("PAGODA_SPARSE_ATTENTION")
-                .and_then(|text| SparseAttention::parse(text).ok().flatten()),
+            sparse_attention: SparseAttention::from_config(config).ok().flatten(),
         }
     }
 }

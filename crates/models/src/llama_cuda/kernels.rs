@@ -217,12 +217,10 @@ impl CudaKernels {
                 "auto" => Some(super::CUDA_AUTO_CASCADE_RULE),
                 _ => None,
             },
-            sparse_decode: config.text("PAGODA_SPARSE_ATTENTION").is_some_and(|text| {
-                matches!(
-                    pagoda_ops::attention::SparseAttention::parse(text),
-                    Ok(Some(_))
-                )
-            }),
+            sparse_decode: matches!(
+                pagoda_ops::attention::SparseAttention::from_config(config),
+                Ok(Some(_))
+            ),
             sampling: SamplingKernels {
                 filtered: FilteredSampling::parse(config.word("PAGODA_GPU_SAMPLING_FILTERED"))
                     .unwrap_or(FilteredSampling::Fast),

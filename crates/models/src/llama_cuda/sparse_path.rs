@@ -107,8 +107,9 @@ impl<T: HostFloat> SparseDecode<T> {
         self.summaries.iter().map(|s| s.len()).sum::<usize>() * std::mem::size_of::<T>()
     }
 
-    /// Plans a decode step over `table` (its real requests, one query row each by
-    /// `qo_indptr`) with each request's settings `params`, padded to `rows` requests: the
+    /// Plans a decode step over the leading requests of `table` that `qo_indptr` covers (one
+    /// query row each; a mixed step's decode rows) with each request's settings `params`
+    /// (requests past the selection's pages decode densely), padded to `rows` requests: the
     /// selection's grid pages, what it does to a layer and the longest shortened context,
     /// or `None` when no request is shortened (the plain fused decode runs).
     pub fn plan(
@@ -122,17 +123,20 @@ impl<T: HostFloat> SparseDecode<T> {
         if params.iter().all(Option::is_none) {
             return Ok(None);
         }
-        let mut plan = SparseSelectPlan::new(table, qo_indptr, params, self.page_size)?;
+        let max_pages = self.workspace.max_pages();
+        let mut plan = SparseSelectPlan::new(table, qo_indptr, params, self.page_size, max_pages)?;
+        if plan.dense_past_limit > 0 {
+            static LOGGED: std::sync::Once = std::sync::Once::new();
+            LOGGED.call_once(|| {
+                tracing::warn!(
+                    "CUDA sparse decode: requests past {max_pages} pages ({} tokens) decode \
+                     densely (the device selection's limit)",
+                    max_pages * self.page_size
+                )
+            });
+        }
         if plan.stats.sparse_requests == 0 {
             return Ok(None);
-        }
-        if plan.max_sparse_pages > self.workspace.max_pages() {
-            return Err(CudaError::invalid(format!(
-                "sparse decode: a request of {} pages, past the {} the selection was sized for \
-                 (--max-context)",
-                plan.max_sparse_pages,
-                self.workspace.max_pages()
-            )));
         }
         plan.pad_to(rows);
         let grid = sparse_grid_pages(plan.max_sparse_pages, self.workspace.max_pages());

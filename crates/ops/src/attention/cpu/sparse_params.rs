@@ -99,6 +99,18 @@ impl SparseAttention {
         settings.finish(window_given).map(Some)
     }
 
+    /// The server's setting (`--sparse-attention`, `PAGODA_SPARSE_ATTENTION`) as `config`
+    /// resolved it: `Ok(None)` when off; a bad value is an error naming the flag. The one
+    /// reading of the setting (the CLI refuses the error at start; the engine and the CUDA
+    /// kernels' switches read the same).
+    pub fn from_config(config: &pagoda_config::Config) -> Result<Option<SparseAttention>, String> {
+        match config.text("PAGODA_SPARSE_ATTENTION") {
+            None => Ok(None),
+            Some(text) => SparseAttention::parse(text)
+                .map_err(|e| format!("--sparse-attention / PAGODA_SPARSE_ATTENTION: {e}")),
+        }
+    }
+
     /// Checks settings built with [`SparseAttention::set`] from the defaults; a window left
     /// unset shrinks to a budget smaller than the default window.
     pub fn finish(mut self, window_given: bool) -> Result<SparseAttention, String> {

@@ -26,7 +26,7 @@ pub use super::sparse_plan::{
 };
 use pagoda_cuda::{
     check_len, check_min_len, ptr, to_u32, whole, CudaError, DType, DeviceBuffer, DeviceRead,
-    DeviceWrite, Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims,
+    DeviceWrite, Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims, PinnedBuffer,
 };
 
 /// The summaries' update and the page scores (typed by the pool's dtype).
@@ -143,11 +143,12 @@ pub fn sparse_summaries_update<T: Element>(
 /// The device side of a [`SparseSelectPlan`]: its per-request words and row pointer, and the
 /// scores scratch, sized for `max_requests` requests of up to `max_pages` pages (the grids
 /// are fixed by them, so a captured graph replays with new plans).
-#[derive(Debug)]
 pub struct SparseSelectWorkspace {
     requests: DeviceBuffer<u32>,
     indptr: DeviceBuffer<u32>,
     scores: DeviceBuffer<f32>,
+    /// Pinned host staging of the per-request words and the row pointer, uploaded from.
+    staging: PinnedBuffer<u32>,
     max_requests: usize,
     max_pages: usize,
     /// Pages the next launch's grid covers (at most `max_pages`; see [`Self::set_grid_pages`]).
@@ -170,6 +171,7 @@ impl SparseSelectWorkspace {
             requests: gpu.zeros(max_requests * SPARSE_REQUEST_WORDS)?,
             indptr: gpu.zeros(max_requests + 1)?,
             scores: gpu.zeros(max_requests * max_pages)?,
+            staging: gpu.alloc_pinned(max_requests * (SPARSE_REQUEST_WORDS + 1) + 1)?,
             max_requests,
             max_pages,
             grid_pages: max_pages,
@@ -197,7 +199,9 @@ impl SparseSelectWorkspace {
         self.max_pages
     }
 
-    /// Copies `plan` to the device (a plain upload, outside any graph).
+    /// Writes `plan` into the pinned staging and queues its uploads on the stream (outside
+    /// any graph; a graph replayed after them reads them). The staging is rewritten by the
+    /// next call, after the stream has passed these copies in the step's order.
     pub fn upload(&mut self, gpu: &Gpu, plan: &SparseSelectPlan) -> Result<(), CudaError> {
         let b = plan.num_requests();
         if b > self.max_requests || plan.max_sparse_pages > self.max_pages {
@@ -207,11 +211,14 @@ impl SparseSelectWorkspace {
                 plan.max_sparse_pages, self.max_requests, self.max_pages
             )));
         }
-        gpu.upload_into(
-            &plan.requests,
-            &mut self.requests.view_mut(0..b * SPARSE_REQUEST_WORDS)?,
-        )?;
-        gpu.upload_into(&plan.indptr, &mut self.indptr.view_mut(0..b + 1)?)?;
+        let words = b * SPARSE_REQUEST_WORDS;
+        let staging = self.staging.as_mut_slice()?;
+        staging[..words].copy_from_slice(&plan.requests);
+        staging[words..words + b + 1].copy_from_slice(&plan.indptr);
+        let requests = &mut self.requests.view_mut(0..words)?;
+        gpu.upload_pinned_range(&self.staging, 0..words, requests)?;
+        let indptr = &mut self.indptr.view_mut(0..b + 1)?;
+        gpu.upload_pinned_range(&self.staging, words..words + b + 1, indptr)?;
         self.uploaded = Some((b, plan.selected_pages(), plan.max_sparse_pages));
         Ok(())
     }

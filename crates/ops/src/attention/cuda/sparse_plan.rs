@@ -9,7 +9,7 @@ use pagoda_cuda::CudaError;
 use pagoda_kv::PageTable;
 
 /// Most pages of one shortened request the device selection handles (128K tokens at page
-/// 16); a longer sparse request is an error of [`SparseSelectPlan::new`].
+/// 16); [`SparseSelectPlan::new`] leaves a longer request dense.
 pub const SPARSE_MAX_PAGES: usize = 8192;
 
 /// Words per request in [`SparseSelectPlan::requests`].
@@ -37,6 +37,9 @@ pub struct SparseSelectPlan {
     pub stats: SparseStepStats,
     /// Pages of the longest shortened request (0 when none is).
     pub max_sparse_pages: usize,
+    /// Requests that asked to be shortened but hold more pages than the selection handles
+    /// (`max_pages` of [`SparseSelectPlan::new`]): they decode densely.
+    pub dense_past_limit: usize,
 }
 
 /// The window start and the middle pages kept of one shortened request, as
@@ -49,25 +52,29 @@ fn quest_counts(pages: &RequestPages, params: &SparseAttention) -> (usize, usize
 }
 
 impl SparseSelectPlan {
-    /// The plan for `table` (the step's full host table), `qo_indptr` (`[B + 1]`, query rows
-    /// per request) and `params` (`[B]`, or empty: every request dense). A request is shortened
-    /// exactly where [`QuestSelector`](crate::attention::QuestSelector) shortens it: one query
-    /// row, at least `min_context` visible tokens and more than `budget`.
+    /// The plan for the first `B` requests of `table` (the step's full host table; a mixed
+    /// step's decode rows lead it), `qo_indptr` (`[B + 1]`, query rows per request) and
+    /// `params` (`[B]`, or empty: every request dense). A request is shortened exactly where
+    /// [`QuestSelector`](crate::attention::QuestSelector) shortens it: one query row, at least
+    /// `min_context` visible tokens and more than `budget`; and at most `max_pages` pages
+    /// (the selection's workspace, at most [`SPARSE_MAX_PAGES`]; a longer one decodes densely
+    /// and is counted in [`Self::dense_past_limit`]).
     pub fn new(
         table: &PageTable,
         qo_indptr: &[u32],
         params: &[Option<SparseAttention>],
         page_size: usize,
+        max_pages: usize,
     ) -> Result<SparseSelectPlan, CudaError> {
-        let num_requests = table.num_requests();
-        if qo_indptr.len() != num_requests + 1 || table.indptr.len() != num_requests + 1 {
+        let num_requests = qo_indptr.len().saturating_sub(1);
+        if qo_indptr.is_empty() || table.num_requests() < num_requests {
             return Err(CudaError::invalid(format!(
-                "sparse select: qo_indptr ({}) and indptr ({}) need {} entries",
+                "sparse select: qo_indptr of {} entries for a table of {} requests",
                 qo_indptr.len(),
-                table.indptr.len(),
-                num_requests + 1
+                table.num_requests()
             )));
         }
+        let max_pages = max_pages.min(SPARSE_MAX_PAGES);
         if !params.is_empty() && params.len() != num_requests {
             return Err(CudaError::invalid(format!(
                 "sparse select: {} settings for {num_requests} requests",
@@ -79,9 +86,9 @@ impl SparseSelectPlan {
         }
         let mut plan = SparseSelectPlan {
             indptr: vec![0],
-            last_page_len: table.last_page_len.clone(),
-            first_page_offset: table.first_page_offset.clone(),
-            seq_lens: table.seq_lens.clone(),
+            last_page_len: table.last_page_len[..num_requests].to_vec(),
+            first_page_offset: table.first_page_offset[..num_requests].to_vec(),
+            seq_lens: table.seq_lens[..num_requests].to_vec(),
             ..SparseSelectPlan::default()
         };
         let mut total = 0usize;
@@ -89,18 +96,16 @@ impl SparseSelectPlan {
             let num_pages = table.num_pages_of(request);
             let queries = qo_indptr[request + 1].saturating_sub(qo_indptr[request]);
             let seq_len = table.seq_lens[request] as usize;
-            let settings = params.get(request).copied().flatten().filter(|p| {
+            let mut settings = params.get(request).copied().flatten().filter(|p| {
                 queries == 1 && seq_len >= p.min_context && seq_len > p.budget && num_pages > 0
             });
+            if settings.is_some() && num_pages > max_pages {
+                settings = None;
+                plan.dense_past_limit += 1;
+            }
             let mut words = [SPARSE_DENSE, 0, 0, 0];
             let kept = match settings {
                 Some(settings) => {
-                    if num_pages > SPARSE_MAX_PAGES {
-                        return Err(CudaError::invalid(format!(
-                            "sparse select: request {request} has {num_pages} pages, more than \
-                             the {SPARSE_MAX_PAGES} the device selection handles"
-                        )));
-                    }
                     let pages = RequestPages {
                         num_pages,
                         page_size,
@@ -159,7 +164,7 @@ impl SparseSelectPlan {
     }
 
     /// The selected host table with `indices` (read back from the device) and `full`'s
-    /// `rope_offsets`.
+    /// `rope_offsets` of the plan's requests.
     pub fn table(&self, full: &PageTable, indices: Vec<u32>) -> PageTable {
         PageTable {
             indices,
@@ -167,7 +172,10 @@ impl SparseSelectPlan {
             last_page_len: self.last_page_len.clone(),
             first_page_offset: self.first_page_offset.clone(),
             seq_lens: self.seq_lens.clone(),
-            rope_offsets: full.rope_offsets.clone(),
+            rope_offsets: full
+                .rope_offsets
+                .get(..self.num_requests())
+                .map_or_else(Vec::new, <[u32]>::to_vec),
         }
     }
 }

@@ -18,9 +18,8 @@ use pagoda_cuda::{DeviceBuffer, Gpu};
 use pagoda_kv::PageTable;
 use pagoda_ops::attention::CascadeRule;
 use pagoda_ops::cuda::{
-    self as ops, CascadeCapacity, CascadeGeometry, CascadePlan, CascadeWorkspace, DecodeVariant,
-    PagedDecodePlan, PagedDecodeWorkspace, PagedKv, PlanCapacity, PoolLayout, PrefillStreamTiling,
-    Queries,
+    self as ops, CascadeCapacity, CascadeGeometry, CascadePlan, CascadeWorkspace,
+    PagedDecodeWorkspace, PagedKv, PoolLayout, PrefillStreamTiling, Queries,
 };
 use rand::Rng;
 use serde::Serialize;
@@ -157,13 +156,7 @@ fn case(
     let group = g.q_heads / g.kv_heads;
     let rows = args.rows.unwrap_or(if b * group <= 64 { 64 } else { 128 });
     // The plain fused decode (the built-in heuristic's variant and plan).
-    let variant = DecodeVariant::heuristic(true, g.head_dim);
-    let policy = rig.policy(&variant, 64usize.div_ceil(page));
-    let mut capacity = PlanCapacity::for_batch(b, g.kv_heads, policy.target_ctas);
-    let plain_plan = PagedDecodePlan::new(&sets[0].table.indptr, g.kv_heads, policy, capacity)?;
-    let mut plain = PagedDecodeWorkspace::new(gpu, capacity, g.q_heads, g.kv_heads, g.head_dim)?;
-    plain.upload_plan(gpu, &plain_plan)?;
-    plain.set_kernel(variant.kernel);
+    let (variant, policy, mut capacity, mut plain) = rig.plain_decode(b, &sets[0].table.indptr)?;
     let mut out = gpu.zeros::<bf16>(b * g.q_heads * g.head_dim)?;
     let kv_of = |set| kv_of(set, (k_pool, v_pool, layout));
     let mut record_plain = |gpu: &Gpu| {

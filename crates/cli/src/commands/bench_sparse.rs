@@ -18,8 +18,8 @@ use pagoda_kv::PageTable;
 use pagoda_models::llama_cuda::sparse_grid_pages;
 use pagoda_ops::attention::SparseAttention;
 use pagoda_ops::cuda::{
-    self as ops, DecodeVariant, DevicePageTable, PagedDecodePlan, PagedDecodeWorkspace, PagedKv,
-    PlanCapacity, Queries, SparseSelectPlan, SparseSelectWorkspace, SPARSE_MAX_PAGES,
+    self as ops, DevicePageTable, PagedDecodePlan, PagedDecodeWorkspace, PagedKv, Queries,
+    SparseSelectPlan, SparseSelectWorkspace, SPARSE_MAX_PAGES,
 };
 use rand::Rng;
 use serde::Serialize;
@@ -153,13 +153,7 @@ fn case(
     let gpu = &rig.gpu;
     let (k_pool, v_pool, layout) = rig.pools();
     let scale = 1.0 / (g.head_dim as f32).sqrt();
-    let variant = DecodeVariant::heuristic(true, g.head_dim);
-    let policy = rig.policy(&variant, 64usize.div_ceil(page));
-    let capacity = PlanCapacity::for_batch(b, g.kv_heads, policy.target_ctas);
-    let dense_plan = PagedDecodePlan::new(&sets[0].table.indptr, g.kv_heads, policy, capacity)?;
-    let mut dense = PagedDecodeWorkspace::new(gpu, capacity, g.q_heads, g.kv_heads, g.head_dim)?;
-    dense.upload_plan(gpu, &dense_plan)?;
-    dense.set_kernel(variant.kernel);
+    let (variant, policy, capacity, mut dense) = rig.plain_decode(b, &sets[0].table.indptr)?;
     let mut out = gpu.zeros::<bf16>(b * g.q_heads * g.head_dim)?;
     let mut record_dense = |gpu: &Gpu| {
         for set in &sets {

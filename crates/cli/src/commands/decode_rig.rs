@@ -227,6 +227,31 @@ impl Rig {
         )
     }
 
+    /// The plain fused decode of `b` requests over the row pointer `indptr` (the built-in
+    /// heuristic's variant, chunks of at least 64 tokens): its variant, plan policy and
+    /// capacity, and workspace with the plan uploaded and the kernel set.
+    pub fn plain_decode(
+        &self,
+        b: usize,
+        indptr: &[u32],
+    ) -> Result<(
+        DecodeVariant,
+        PlanPolicy,
+        PlanCapacity,
+        PagedDecodeWorkspace,
+    )> {
+        let (g, gpu) = (self.geometry, &self.gpu);
+        let variant = DecodeVariant::heuristic(true, g.head_dim);
+        let policy = self.policy(&variant, 64usize.div_ceil(g.page_size));
+        let capacity = PlanCapacity::for_batch(b, g.kv_heads, policy.target_ctas);
+        let plan = PagedDecodePlan::new(indptr, g.kv_heads, policy, capacity)?;
+        let mut workspace =
+            PagedDecodeWorkspace::new(gpu, capacity, g.q_heads, g.kv_heads, g.head_dim)?;
+        workspace.upload_plan(gpu, &plan)?;
+        workspace.set_kernel(variant.kernel);
+        Ok((variant, policy, capacity, workspace))
+    }
+
     /// The inputs of `b` requests of `l` tokens each, queried as `kind` says.
     pub fn case(&mut self, b: usize, l: usize, kind: QueryRows) -> Result<Case> {
         let g = self.geometry;

@@ -152,6 +152,9 @@ settings! {
     "PAGODA_PREFIX_CACHING", None, ON_OFF, "on", Engine,
         "engine EngineSettings",
         "Reuse the KV pages of a prompt prefix seen before.";
+    "PAGODA_PREFIX_WAIT_TOKENS", None, Values::Number { min: 0, max: 1 << 20, words: &[] }, "64", Engine,
+        "scheduler SchedulerConfig (prefix_wait_tokens) via engine EngineSettings",
+        "Prefix-aware admission: a waiting request that shares at least this many prompt tokens (whole pages) not yet in the prefix cache with a running request still computing them waits for them, keeping its place while requests behind it that share nothing are admitted; a burst behind one system prompt computes it once. 0: plain FIFO admission. Needs PAGODA_PREFIX_CACHING.";
     "PAGODA_STRUCTURED_MASKS_BESIDE", None, ON_OFF, "on", Engine,
         "engine EngineSettings",
         "Structured output: compute the token masks of a step's constrained requests on a thread beside the forward (off: each when its row is sampled).";

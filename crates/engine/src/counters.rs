@@ -89,6 +89,9 @@ engine_counters! {
     /// Prompt (and recompute) tokens served from the prefix cache instead of computed.
     prefix_hit_tokens: "pagoda_prefix_cache_hit_tokens_total", Counter,
         "Prompt tokens served from the prefix cache.";
+    /// Admissions passed over to wait for a running request's prefix pages.
+    prefix_waits: "pagoda_prefix_waits_total", Counter,
+        "Admissions passed over (per request and step) to wait for a running request's prompt pages instead of computing them again.";
     /// Requests preempted by recompute because the KV pool ran out of pages.
     preemptions: "pagoda_preemptions_total", Counter,
         "Requests preempted for recompute when pages ran out.";

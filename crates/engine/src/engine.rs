@@ -587,6 +587,7 @@ impl Engine {
         let stats = self.scheduler.stats();
         self.counters.prefix_hit_tokens = stats.prefix_hit_tokens;
         self.counters.preemptions = stats.preemptions;
+        self.counters.prefix_waits = stats.prefix_waits;
         Ok(events)
     }
 }

@@ -63,6 +63,7 @@ impl Setup<'_> {
             common::engine_config(num_pages, max_batch_tokens, 1024, AttentionPolicy::Auto);
         let settings = EngineSettings {
             prefix_caching,
+            prefix_wait_tokens: 0,
             cuda_warmup: false,
             cpu_threads: CpuThreadsMode::Auto,
             split_kv_chunk_tokens: 256,

@@ -54,6 +54,7 @@ fn engine(
         // Off: a prompt's pages then always come from its own prefill, so two fresh engines
         // run the same steps.
         prefix_caching: false,
+        prefix_wait_tokens: 0,
         cuda_warmup: true,
         cpu_threads: CpuThreadsMode::Auto,
         split_kv_chunk_tokens: 256,

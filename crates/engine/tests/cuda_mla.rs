@@ -325,6 +325,7 @@ fn engine(
     };
     let settings = EngineSettings {
         prefix_caching,
+        prefix_wait_tokens: 0,
         cuda_warmup: true,
         cpu_threads: CpuThreadsMode::Auto,
         split_kv_chunk_tokens: 256,

@@ -65,6 +65,7 @@ fn engine(
 ) -> Engine {
     let settings = |mode| EngineSettings {
         prefix_caching: true,
+        prefix_wait_tokens: 0,
         cuda_warmup: false,
         cpu_threads: CpuThreadsMode::Auto,
         split_kv_chunk_tokens: 256,

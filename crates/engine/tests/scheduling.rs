@@ -331,3 +331,63 @@ fn a_request_larger_than_the_whole_pool_is_refused_with_what_to_change() {
         .add_request(prompt, SamplingParams::greedy(), 16, Vec::new(), false)
         .unwrap();
 }
+
+/// Prefix-aware admission: a cold burst behind one system prompt computes the prompt once
+/// (the others wait for its pages), with the same tokens and log-probabilities as plain FIFO
+/// admission, which computes it per request.
+#[test]
+fn a_cold_burst_behind_one_prompt_computes_it_once_with_the_same_tokens() {
+    let Some(loaded) = default_model() else {
+        return;
+    };
+    // The system prompt twice: 60+ shared tokens, 3 full pages.
+    let prompts: Vec<Vec<u32>> = ["the printing press.", "Charlemagne.", "the Hansa."]
+        .iter()
+        .map(|topic| {
+            let text = format!("{SYSTEM}{SYSTEM}{topic}");
+            loaded.tokenizer.encode(&text, true).unwrap()
+        })
+        .collect();
+    let common = prompts[0]
+        .iter()
+        .zip(&prompts[1])
+        .take_while(|(a, b)| a == b);
+    assert!(common.count() >= 48, "the prompts must share 3 pages");
+    let mut runs = Vec::new();
+    for wait in [0, 32] {
+        let loaded = default_model().unwrap();
+        let config = engine_config(
+            128,
+            512,
+            1024,
+            AttentionPolicy::Force(AttentionPath::SplitKv),
+        );
+        let settings = pagoda_engine::EngineSettings {
+            prefix_wait_tokens: wait,
+            ..pagoda_engine::EngineSettings::from_config(pagoda_config::global())
+        };
+        let mut engine = Engine::with_settings(loaded.model, config, settings).unwrap();
+        let results = run_all(&mut engine, &prompts, &SamplingParams::greedy(), 6);
+        runs.push((results, engine.counters().clone()));
+    }
+    let ((plain, plain_counters), (waited, waited_counters)) = (&runs[0], &runs[1]);
+    for (i, (a, b)) in plain.iter().zip(waited).enumerate() {
+        assert_eq!(a.0, b.0, "prompt {i}: waiting changed the tokens");
+        assert!(worst_difference(&a.1, &b.1) < 1e-3, "prompt {i}: logprobs");
+    }
+    assert_eq!(plain_counters.prefix_waits, 0);
+    assert_eq!(
+        plain_counters.prefix_hit_tokens, 0,
+        "a cold burst shares nothing"
+    );
+    assert!(waited_counters.prefix_waits >= 2, "{waited_counters:?}");
+    // The two later prompts start on the first one's cached pages.
+    assert!(
+        waited_counters.prefix_hit_tokens >= 2 * 48,
+        "{waited_counters:?}"
+    );
+    assert_eq!(
+        plain_counters.tokens_forwarded - waited_counters.tokens_forwarded,
+        waited_counters.prefix_hit_tokens
+    );
+}

@@ -22,10 +22,15 @@ pub struct SchedulerConfig {
     pub max_running: usize,
     /// Share cached full pages between prompts with a common prefix.
     pub prefix_caching: bool,
+    /// Prefix-aware admission: a waiting request that shares at least this many tokens not
+    /// yet cached with a running request still computing them waits for them (0: off, plain
+    /// FIFO; needs `prefix_caching`).
+    pub prefix_wait_tokens: usize,
 }
 
 impl SchedulerConfig {
-    /// A config with `max_running = max_batch_tokens` and prefix caching on.
+    /// A config with `max_running = max_batch_tokens`, prefix caching on and prefix-aware
+    /// admission off.
     pub fn new(page_size: usize, num_pages: usize, max_batch_tokens: usize) -> Self {
         Self {
             page_size,
@@ -33,6 +38,7 @@ impl SchedulerConfig {
             max_batch_tokens,
             max_running: max_batch_tokens,
             prefix_caching: true,
+            prefix_wait_tokens: 0,
         }
     }
 }
@@ -237,6 +243,9 @@ pub struct SchedulerStats {
     pub prefix_hit_tokens: u64,
     /// Preemptions by recompute, cumulative.
     pub preemptions: u64,
+    /// Admissions passed over to wait for a running request's prefix pages (one per request
+    /// and step), cumulative.
+    pub prefix_waits: u64,
     /// Requests waiting for admission (including preempted ones).
     pub num_waiting: usize,
     /// Requests admitted and holding pages.

@@ -4,9 +4,12 @@
 //! 1. every running sequence with one pending token (decodes, and prefills down to their last
 //!    token) gets it: all decodes are batched together;
 //! 2. running sequences still prefilling get chunks from what budget and pages remain;
-//! 3. waiting requests are admitted in FIFO order (no skipping) while budget, the running
-//!    limit and pages allow, each first sharing the longest cached full-page prefix of its
-//!    tokens (capped so that at least the last token is computed, to have logits).
+//! 3. waiting requests are admitted in FIFO order while budget, the running limit and pages
+//!    allow, each first sharing the longest cached full-page prefix of its tokens (capped so
+//!    that at least the last token is computed, to have logits). The one exception to FIFO:
+//!    with `prefix_wait_tokens` set, a request whose prompt shares that many tokens not yet
+//!    cached with a running request that is still computing them waits for them (at the
+//!    front) while the requests behind it are admitted (see `admission`).
 //!
 //! When a running sequence needs a page and none is free or evictable, the youngest running
 //! sequence is preempted by recompute: its pages are released (its full pages stay in the
@@ -14,6 +17,8 @@
 //! generated tokens as its new prefill. A sequence that is itself the youngest preempts
 //! itself. Because [`Scheduler::add`] refuses requests that could not fit the pool alone,
 //! the oldest running sequence can always progress, so every request eventually finishes.
+
+mod admission;
 
 use std::collections::VecDeque;
 
@@ -63,6 +68,8 @@ pub struct Scheduler {
     in_flight: Option<Vec<InFlight>>,
     prefix_hit_tokens: u64,
     preemptions: u64,
+    /// Admissions passed over to wait for a running request's prefix pages, cumulative.
+    prefix_waits: u64,
 }
 
 impl Scheduler {
@@ -88,6 +95,7 @@ impl Scheduler {
             in_flight: None,
             prefix_hit_tokens: 0,
             preemptions: 0,
+            prefix_waits: 0,
         })
     }
 
@@ -231,6 +239,7 @@ impl Scheduler {
             pages_evictable,
             prefix_hit_tokens: self.prefix_hit_tokens,
             preemptions: self.preemptions,
+            prefix_waits: self.prefix_waits,
             num_waiting: self.waiting.len(),
             num_running: self.running.len(),
         }
@@ -282,13 +291,20 @@ impl Scheduler {
             }
             self.schedule_running(id, &mut budget, singles_left, &mut plan)?;
         }
-        // Pass 3: admission, FIFO, never after a preemption in the same step.
+        // Pass 3: admission, FIFO, never after a preemption in the same step; a request that
+        // waits for a running request's prefix pages is passed over (see `admission`).
+        let mut next = 0;
         while plan.preempted.is_empty()
             && budget > 0
             && self.running.len() < self.config.max_running
-            && !self.waiting.is_empty()
+            && next < self.waiting.len()
         {
-            if !self.admit_front(&mut budget, &mut plan)? {
+            if self.waits_for_prefix(next) {
+                self.prefix_waits += 1;
+                next += 1;
+                continue;
+            }
+            if !self.admit_waiting(next, &mut budget, &mut plan)? {
                 break;
             }
         }
@@ -394,64 +410,6 @@ impl Scheduler {
         plan.preempted.push(sequence.id);
         self.waiting.push_front(sequence);
         Ok(())
-    }
-
-    /// Admits the front waiting request with its first chunk; `false` when it does not fit
-    /// (it stays at the front).
-    fn admit_front(
-        &mut self,
-        budget: &mut usize,
-        plan: &mut StepPlan,
-    ) -> Result<bool, SchedulerError> {
-        let page_size = self.config.page_size;
-        let Some(front) = self.waiting.front() else {
-            return Ok(false);
-        };
-        let found = if self.config.prefix_caching {
-            // Never the whole sequence: the last token is recomputed for its logits.
-            self.cache
-                .find(&front.tokens, (front.tokens.len() - 1) / page_size)
-        } else {
-            Default::default()
-        };
-        self.cache.acquire(&mut self.pool, &found.pages)?;
-        let start = found.pages.len() * page_size;
-        let pending = front.tokens.len() - start;
-        let available = self.pool.num_free() + self.cache.num_evictable();
-        let take = pending.min(*budget).min(available * page_size);
-        if take == 0 {
-            self.cache.release_pages(&mut self.pool, &found.pages)?;
-            return Ok(false);
-        }
-        let needed = take.div_ceil(page_size);
-        if !self.cache.ensure_free(&mut self.pool, needed) {
-            self.cache.release_pages(&mut self.pool, &found.pages)?;
-            return Err(SchedulerError::Internal(
-                "pages counted as available but not freed".into(),
-            ));
-        }
-        let mut sequence = self.waiting.pop_front().expect("front checked above");
-        sequence.table = BlockTable::from_owned_pages(found.pages, start, page_size)
-            .map_err(|e| SchedulerError::Internal(e.to_string()))?;
-        sequence.page_keys = found.keys;
-        let slots = sequence
-            .table
-            .append_slots(&mut self.pool, take)
-            .map_err(|e| SchedulerError::Internal(e.to_string()))?;
-        *budget -= take;
-        self.prefix_hit_tokens += start as u64;
-        plan.sequences.push(ScheduledSequence {
-            id: sequence.id,
-            positions: start..start + take,
-            tokens: sequence.tokens[start..start + take].to_vec(),
-            slots,
-            pages: sequence.table.pages().to_vec(),
-            samples: start + take == sequence.tokens.len(),
-            prefix_hit_tokens: start,
-            draft: 0,
-        });
-        self.running.push(sequence);
-        Ok(true)
     }
 
     /// Speculation: proposes `draft` to follow the pending token of running request `id` in

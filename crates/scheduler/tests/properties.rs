@@ -3,7 +3,7 @@
 //! request either finishes with exactly the tokens the fake model gives it alone, or was
 //! aborted. Nothing is lost, nothing leaks. With speculation, random drafts (of random length,
 //! right for a random prefix) change nothing either, and no page of the prefix cache ever
-//! holds a rejected guess.
+//! holds a rejected guess. Prefix-aware admission, on or off, changes nothing either.
 
 mod common;
 
@@ -11,7 +11,7 @@ use std::collections::{HashMap, HashSet};
 
 use common::{check_cache, check_pool, config, draft, reference_generation, ShadowKv};
 use pagoda_kv::CacheEvent;
-use pagoda_scheduler::{Request, Scheduler, SchedulerError};
+use pagoda_scheduler::{Request, Scheduler, SchedulerConfig, SchedulerError};
 use proptest::prelude::*;
 
 #[derive(Clone, Debug)]
@@ -29,6 +29,8 @@ struct Workload {
     /// Speculation: per step, (draft length, how many guesses are right), used in turn by
     /// the decoding requests; empty for none.
     drafts: Vec<(usize, usize)>,
+    /// Prefix-aware admission's threshold in tokens (0: off).
+    prefix_wait: usize,
 }
 
 fn workload() -> impl Strategy<Value = Workload> {
@@ -50,6 +52,7 @@ fn workload() -> impl Strategy<Value = Workload> {
         ),
         proptest::collection::vec((0usize..30, any::<usize>()), 0..3),
         proptest::collection::vec((0usize..6, 0usize..6), 0..8),
+        prop_oneof![Just(0usize), 1usize..9],
     )
         .prop_map(
             |(
@@ -62,6 +65,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                 requests,
                 aborts,
                 drafts,
+                prefix_wait,
             )| {
                 let requests = requests
                     .into_iter()
@@ -79,6 +83,7 @@ fn workload() -> impl Strategy<Value = Workload> {
                     requests,
                     aborts,
                     drafts,
+                    prefix_wait,
                 }
             },
         )
@@ -105,12 +110,15 @@ fn run_workload(workload: &Workload) {
         .max()
         .unwrap();
     let num_pages = largest + workload.extra_pages;
-    let mut scheduler = Scheduler::new(config(
-        workload.page_size,
-        num_pages,
-        workload.budget,
-        workload.caching,
-    ))
+    let mut scheduler = Scheduler::new(SchedulerConfig {
+        prefix_wait_tokens: workload.prefix_wait,
+        ..config(
+            workload.page_size,
+            num_pages,
+            workload.budget,
+            workload.caching,
+        )
+    })
     .unwrap();
     scheduler.record_cache_events(true);
     // What a KV-aware router would know: the registered keys, rebuilt from the events alone.

@@ -21,6 +21,8 @@ use pagoda_ops::sampling::SamplerKind;
 pub struct EngineSettings {
     /// Share full prompt pages between requests (`PAGODA_PREFIX_CACHING`, default on).
     pub prefix_caching: bool,
+    /// Prefix-aware admission's threshold in tokens (`PAGODA_PREFIX_WAIT_TOKENS`; 0: off).
+    pub prefix_wait_tokens: usize,
     /// On CUDA, warm up before the first request (`PAGODA_CUDA_WARMUP`, default on).
     pub cuda_warmup: bool,
     /// How CPU steps pick their thread pool (`PAGODA_CPU_ADAPTIVE_THREADS`).
@@ -55,6 +57,9 @@ impl EngineSettings {
     pub fn from_config(config: &pagoda_config::Config) -> Self {
         EngineSettings {
             prefix_caching: config.on("PAGODA_PREFIX_CACHING"),
+            prefix_wait_tokens: config
+                .number("PAGODA_PREFIX_WAIT_TOKENS")
+                .map_or(0, |tokens| tokens as usize),
             cuda_warmup: config.on("PAGODA_CUDA_WARMUP"),
             cpu_threads: CpuThreadsMode::from_config(config),
             split_kv_chunk_tokens: split_kv_chunk_tokens(config),
@@ -81,15 +86,22 @@ impl Engine {
     ) -> Result<Engine, EngineError> {
         let scheduler_config = SchedulerConfig {
             prefix_caching: settings.prefix_caching,
+            prefix_wait_tokens: settings.prefix_wait_tokens,
             ..SchedulerConfig::new(config.page_size, config.num_pages, config.max_batch_tokens)
         };
         let max_requests = scheduler_config.max_running;
         let scheduler = Scheduler::new(scheduler_config)?;
         static LOGGED: std::sync::Once = std::sync::Once::new();
         LOGGED.call_once(|| {
+            let wait = settings.prefix_wait_tokens;
             tracing::info!(
-                "prefix caching: {}",
-                if settings.prefix_caching { "on" } else { "off" }
+                "prefix caching: {}; prefix-aware admission: {}",
+                if settings.prefix_caching { "on" } else { "off" },
+                if wait > 0 && settings.prefix_caching {
+                    format!("waits for {wait}+ shared tokens")
+                } else {
+                    "off".into()
+                }
             )
         });
         let cache = CudaCacheOptions {
@@ -199,6 +211,7 @@ mod tests {
         );
         let env = [
             ("PAGODA_PREFIX_CACHING", "off"),
+            ("PAGODA_PREFIX_WAIT_TOKENS", "0"),
             ("PAGODA_CUDA_WARMUP", "off"),
             ("PAGODA_CPU_ADAPTIVE_THREADS", "one"),
             ("PAGODA_SPLIT_KV_CHUNK_TOKENS", "64"),
@@ -211,6 +224,7 @@ mod tests {
         let settings = EngineSettings::from_config(&resolved(&env));
         let expected = EngineSettings {
             prefix_caching: false,
+            prefix_wait_tokens: 0,
             cuda_warmup: false,
             cpu_threads: CpuThreadsMode::One,
             split_kv_chunk_tokens: 64,

@@ -2,7 +2,8 @@
 //! one system prompt (and two behind a longer shared branch of it: nested groups), whose
 //! prompts end mid-page, joining while others decode and finishing at different steps, give
 //! the same tokens and the same log-probability bits with cascade on as with it off, and
-//! the cascade did run (its step counter moved).
+//! the cascade did run (its step counter moved); also under a pool so tight that the shared
+//! prefix is evicted and recomputed between steps.
 
 mod common;
 
@@ -14,7 +15,14 @@ use pagoda_ops::sampling::SamplingParams;
 /// Tokens and log-probability bits of each request.
 type Outputs = Vec<(Vec<u32>, Vec<Vec<u32>>)>;
 
-fn run(cascade: Option<CascadeRule>, prompts: &[Vec<u32>]) -> Option<Outputs> {
+/// What a run did to the pool: preemptions and cached pages evicted.
+type Pressure = (u64, usize);
+
+fn run(
+    cascade: Option<CascadeRule>,
+    prompts: &[Vec<u32>],
+    num_pages: usize,
+) -> Option<(Outputs, Pressure)> {
     let loaded = common::default_model()?;
     let settings = EngineSettings {
         cascade,
@@ -23,8 +31,10 @@ fn run(cascade: Option<CascadeRule>, prompts: &[Vec<u32>]) -> Option<Outputs> {
         prefix_caching: true,
         ..EngineSettings::from_config(pagoda_config::global())
     };
-    let config = common::engine_config(512, 256, 2048, AttentionPolicy::Auto);
+    let config = common::engine_config(num_pages, 256, 2048, AttentionPolicy::Auto);
     let mut engine = Engine::with_settings(loaded.model, config, settings).unwrap();
+    engine.record_kv_events(true);
+    let mut evicted = 0;
     let mut outputs: Outputs = vec![(Vec::new(), Vec::new()); prompts.len()];
     let mut ids = Vec::new();
     let add = |engine: &mut Engine, index: usize, ids: &mut Vec<_>| {
@@ -60,16 +70,20 @@ fn run(cascade: Option<CascadeRule>, prompts: &[Vec<u32>]) -> Option<Outputs> {
                 .collect();
             outputs[index].1.push(bits);
         }
+        evicted += engine
+            .take_kv_events()
+            .iter()
+            .filter(|e| matches!(e, pagoda_kv::CacheEvent::Removed { .. }))
+            .count();
         step += 1;
     }
-    Some(outputs)
+    Some((outputs, (engine.counters().preemptions, evicted)))
 }
 
-#[test]
-fn cascade_gives_the_plain_steps_bits_on_the_default_model() {
-    let Some(loaded) = common::default_model() else {
-        return;
-    };
+/// The prompts: a system prompt of 8 sentences ending mid-page, a longer branch of it shared
+/// by three, and one that shares nothing.
+fn prompts() -> Option<Vec<Vec<u32>>> {
+    let loaded = common::default_model()?;
     let tokenizer = loaded.tokenizer;
     let system = "You are a careful assistant. Answer briefly and truthfully, cite no sources, \
                   and never invent facts. "
@@ -94,17 +108,47 @@ fn cascade_gives_the_plain_steps_bits_on_the_default_model() {
         system_tokens >= 128 && system_tokens % 16 != 0,
         "the system prompt ({system_tokens} tokens) must cover two chunks and end mid-page"
     );
-    let before = cascade_counts();
-    let Some(plain) = run(None, &prompts) else {
+    Some(prompts)
+}
+
+#[test]
+fn cascade_gives_the_plain_steps_bits_on_the_default_model() {
+    let Some(prompts) = prompts() else {
         return;
     };
+    let before = cascade_counts();
+    let (plain, _) = run(None, &prompts, 512).unwrap();
     assert_eq!(cascade_counts(), before, "cascade off must not run");
-    let cascade = run(Some(CascadeRule::ANY), &prompts).unwrap();
+    let (cascade, _) = run(Some(CascadeRule::ANY), &prompts, 512).unwrap();
     let after = cascade_counts();
     assert!(
         after.0 > before.0 && after.1 > after.0 && after.3 > 0,
         "the cascade never ran or never nested: {before:?} -> {after:?}"
     );
+    for (index, (a, b)) in plain.iter().zip(&cascade).enumerate() {
+        assert_eq!(a.0, b.0, "request {index}: tokens differ");
+        assert_eq!(a.1, b.1, "request {index}: log-probability bits differ");
+    }
+}
+
+/// A pool too small for every request at once: requests are preempted and the cached pages
+/// of the shared prefix are evicted and computed again between steps, so the groups change
+/// from step to step; cascade still gives the plain steps' bits.
+#[test]
+fn cascade_gives_the_plain_steps_bits_when_the_prefix_is_evicted_between_steps() {
+    let Some(prompts) = prompts() else {
+        return;
+    };
+    let pages = 20;
+    let before = cascade_counts();
+    let (plain, (preempted, evicted)) = run(None, &prompts, pages).unwrap();
+    assert!(
+        preempted > 0 && evicted > 0,
+        "the pool must be tight: {preempted} preemptions, {evicted} pages evicted"
+    );
+    let (cascade, pressure) = run(Some(CascadeRule::ANY), &prompts, pages).unwrap();
+    assert!(cascade_counts().0 > before.0, "the cascade never ran");
+    assert_eq!(pressure, (preempted, evicted), "the same schedule");
     for (index, (a, b)) in plain.iter().zip(&cascade).enumerate() {
         assert_eq!(a.0, b.0, "request {index}: tokens differ");
         assert_eq!(a.1, b.1, "request {index}: log-probability bits differ");

@@ -93,15 +93,19 @@ fn counts_of(before: SparseDecodeCounts) -> SparseDecodeCounts {
     }
 }
 
-/// The largest log-probability difference over the positions both runs share before their
-/// first differing token, which must be a near tie of `a` (gap between its two best below
-/// `tie`); and the tokens compared.
+/// The largest log-probability difference over the positions both runs share up to their
+/// first differing token (included), which must be a near tie of `a` (gap between its two
+/// best below `tie`); and the tokens that agree before it.
 fn compare(a: &Run, b: &Run, tie: f32, what: &str) -> (f32, usize) {
     let (mut worst, mut same) = (0f32, 0);
     for (index, (x, y)) in a.0.iter().zip(&b.0).enumerate() {
         assert_eq!(x.0.len(), y.0.len(), "{what}: request {index} lengths");
         for position in 0..x.0.len() {
             let row = &x.1[position];
+            // The first differing token's row counts too: it is where the runs part.
+            for (p, q) in row.iter().zip(&y.1[position]) {
+                worst = worst.max((p - q).abs());
+            }
             if x.0[position] != y.0[position] {
                 let mut sorted = row.clone();
                 sorted.sort_by(|p, q| q.total_cmp(p));
@@ -112,9 +116,6 @@ fn compare(a: &Run, b: &Run, tie: f32, what: &str) -> (f32, usize) {
                     x.0[position]
                 );
                 break;
-            }
-            for (p, q) in row.iter().zip(&y.1[position]) {
-                worst = worst.max((p - q).abs());
             }
             same += 1;
         }

@@ -42,8 +42,8 @@ pub use crate::attention::cuda::{
 };
 pub use crate::attention::cuda::{
     sparse_select, sparse_summaries_len, sparse_summaries_update, specialize_sparse, SparseEntry,
-    SparseSelectPlan, SparseSelectWorkspace, SPARSE_DENSE, SPARSE_DTYPES, SPARSE_MAX_PAGES,
-    SPARSE_REQUEST_WORDS,
+    SparseSelectPlan, SparseSelectWorkspace, SPARSE_DENSE, SPARSE_DTYPES, SPARSE_MAX_HEAD_DIM,
+    SPARSE_MAX_PAGES, SPARSE_REQUEST_WORDS,
 };
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
 pub use crate::linear::cuda::{

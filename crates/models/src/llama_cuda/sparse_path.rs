@@ -38,6 +38,12 @@ pub fn sparse_unsupported(
         Some("--deterministic".into())
     } else if options.paged_decode == PagedDecodeMode::Gather {
         Some("--paged-decode gather".into())
+    } else if c.head_dim > ops::SPARSE_MAX_HEAD_DIM {
+        Some(format!(
+            "head_dim {} (at most {})",
+            c.head_dim,
+            ops::SPARSE_MAX_HEAD_DIM
+        ))
     } else if !ops::SPARSE_DTYPES.contains(&dtype) {
         Some(format!("{dtype} activations"))
     } else {

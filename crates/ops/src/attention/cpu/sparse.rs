@@ -141,19 +141,40 @@ impl KeySummaries {
     }
 
     /// The upper bound of `q·k` over the keys of `page` for `kv_head`, summed over the query
-    /// heads `q_group [n_rep, head_dim]` of its GQA group.
+    /// heads `q_group [n_rep, head_dim]` of its GQA group (in order). Each head's bound
+    /// `sum_d max(q_d * min_d, q_d * max_d)` is summed in the order the device's warp sums it
+    /// ([`warp_order_sum`]), so the CUDA selection scores bit for bit as this one does.
     pub fn group_bound(&self, page: usize, kv_head: usize, q_group: &[f32]) -> f32 {
         let (min, max) = (self.min(page, kv_head), self.max(page, kv_head));
         q_group
             .chunks_exact(self.head_dim)
             .map(|q| {
-                q.iter()
-                    .zip(min.iter().zip(max))
-                    .map(|(&q, (&low, &high))| (q * low).max(q * high))
-                    .sum::<f32>()
+                warp_order_sum(
+                    q.iter()
+                        .zip(min.iter().zip(max))
+                        .map(|(&q, (&low, &high))| (q * low).max(q * high)),
+                )
             })
             .sum()
     }
+}
+
+/// Sums `values` as a warp of 32 lanes does: lane `l` adds the values `l, l + 32, ...` in
+/// order (from -0.0), then the lanes fold in halves (lane `l` adds lane `l + 16`, then
+/// `l + 8`, ..., `l + 1`: the xor butterfly of `__shfl_xor_sync`).
+pub fn warp_order_sum(values: impl Iterator<Item = f32>) -> f32 {
+    let mut lanes = [-0.0f32; 32];
+    for (index, value) in values.enumerate() {
+        lanes[index % 32] += value;
+    }
+    let mut width = 16;
+    while width > 0 {
+        for lane in 0..width {
+            lanes[lane] += lanes[lane + width];
+        }
+        width /= 2;
+    }
+    lanes[0]
 }
 
 /// What one selector call (one layer of one step) did.

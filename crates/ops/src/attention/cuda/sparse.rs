@@ -37,9 +37,9 @@ static SPARSE_SELECT: KernelSource =
     KernelSource::new("sparse_select.cu", include_str!("sparse_select.cu"));
 
 /// Pages per CTA of `sparse_page_scores` (a warp each).
-const SCORE_WARPS: u32 = 4;
-/// Most query heads `sparse_page_scores` handles.
-const SCORE_MAX_HEADS: usize = 128;
+const SCORE_WARPS: u32 = 8;
+/// Largest head_dim the page scores handle (32 lanes x `SCORE_MAX_CHUNKS`).
+pub const SPARSE_MAX_HEAD_DIM: usize = 256;
 
 /// Pool dtypes the sparse kernels are built for.
 pub const SPARSE_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
@@ -280,10 +280,10 @@ pub fn sparse_select<T: Element>(
             queries.num_heads, layout.num_kv_heads
         )));
     }
-    if queries.num_heads > SCORE_MAX_HEADS {
+    if layout.head_dim > SPARSE_MAX_HEAD_DIM {
         return Err(CudaError::invalid(format!(
-            "sparse select: {} query heads, at most {SCORE_MAX_HEADS}",
-            queries.num_heads
+            "sparse select: head_dim {}, at most {SPARSE_MAX_HEAD_DIM}",
+            layout.head_dim
         )));
     }
     if queries.row_stride < queries.num_heads * layout.head_dim {

@@ -6,16 +6,16 @@
 //   middle pages 1 .. window_start (requests[4r + 1]) by descending score, ties to the earlier
 //   page (Rust's `total_cmp` order on the scores), in ascending position, then the window
 //   pages window_start .. count.
-// The best `keep` are found by a bitwise search for the keep-th largest of the distinct
-// 45-bit keys (ordered score bits << 13 | (8191 - position)): 45 block-wide counts over the
-// keys in shared memory. Every write is clamped to the request's output range and every scratch read
-// to max_pages, so a plan that does not match the table writes garbage, never out of bounds.
-// Block SELECT_THREADS; PAGODA_MAX_PAGES bounds the middle pages of one request.
+// The keep-th largest score is found by a radix select over the scores' order-preserving
+// bits, 8 bits a pass (4 passes, a 256-bin histogram in shared memory, warp-aggregated
+// increments); the kept middle pages are those above it and the earliest of those equal to
+// it, written by an ordered compaction (two block scans). Every write is clamped to the
+// request's output range and every scratch read to max_pages, so a plan that does not match
+// the table writes garbage, never out of bounds. Block SELECT_THREADS (256: one histogram bin
+// a thread); PAGODA_MAX_PAGES bounds the middle pages of one request.
 
 #define SELECT_THREADS 256
-#define INDEX_BITS 13
-#define KEY_BITS (32 + INDEX_BITS)
-static_assert(PAGODA_MAX_PAGES <= (1 << INDEX_BITS), "middle positions must fit the key's index bits");
+#define SELECT_WARPS (SELECT_THREADS / 32)
 
 // f32 bits to u32 whose unsigned order is Rust's f32::total_cmp order.
 __device__ __forceinline__ unsigned int total_order_bits(float value) {
@@ -23,10 +23,23 @@ __device__ __forceinline__ unsigned int total_order_bits(float value) {
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-__device__ __forceinline__ unsigned long long select_key(const unsigned int* ordered,
-                                                         unsigned int j) {
-    return ((unsigned long long)ordered[j] << INDEX_BITS) |
-           (unsigned long long)(((1u << INDEX_BITS) - 1) - j);
+// Exclusive prefix of `value` over the block's threads in order; every thread must call it.
+__device__ __forceinline__ unsigned int block_exclusive_scan(unsigned int value,
+                                                             unsigned int* s_warp) {
+    const unsigned int lane = threadIdx.x % 32;
+    const unsigned int warp = threadIdx.x / 32;
+    unsigned int inclusive = value;
+#pragma unroll
+    for (unsigned int offset = 1; offset < 32; offset *= 2) {
+        const unsigned int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+    }
+    if (lane == 31) s_warp[warp] = inclusive;
+    __syncthreads();
+    unsigned int before = 0;
+    for (unsigned int w = 0; w < warp; ++w) before += s_warp[w];
+    __syncthreads();
+    return before + inclusive - value;
 }
 
 extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ indptr,
@@ -37,10 +50,12 @@ extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ 
                                                const unsigned int* __restrict__ out_indptr,
                                                unsigned int* __restrict__ out_indices) {
     __shared__ unsigned int s_ordered[PAGODA_MAX_PAGES];
-    __shared__ unsigned int s_count[3];
-    __shared__ unsigned int s_offsets[SELECT_THREADS];
+    __shared__ unsigned int s_hist[256];
+    __shared__ unsigned int s_warp[SELECT_WARPS];
+    __shared__ unsigned int s_digit[2];
     const unsigned int r = blockIdx.x;
     const unsigned int tid = threadIdx.x;
+    const unsigned int lane = tid % 32;
     const unsigned int begin = indptr[r];
     const unsigned int count = max(begin, indptr[r + 1]) - begin;
     const unsigned int out_begin = out_indptr[r];
@@ -61,51 +76,95 @@ extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ 
     for (unsigned int j = tid; j < middle; j += SELECT_THREADS) {
         s_ordered[j] = total_order_bits(request_scores[j + 1]);
     }
-    if (tid < 3) s_count[tid] = 0;
     __syncthreads();
-    // Each thread owns the contiguous run [lo, hi) of the middle positions.
+    // The keep-th largest key, and how many keys equal to it are kept (the earliest).
+    unsigned int threshold = 0;
+    unsigned int take_equal = 0;
+    const bool all = keep >= middle;
+    if (keep > 0 && !all) {
+        unsigned int prefix = 0;
+        unsigned int mask = 0;
+        unsigned int remaining = keep;
+        const unsigned int rounds = (middle + SELECT_THREADS - 1) / SELECT_THREADS;
+        for (int shift = 24; shift >= 0; shift -= 8) {
+            s_hist[tid] = 0;
+            __syncthreads();
+            for (unsigned int round = 0; round < rounds; ++round) {
+                const unsigned int j = round * SELECT_THREADS + tid;
+                unsigned int bin = 256;
+                if (j < middle) {
+                    const unsigned int key = s_ordered[j];
+                    if ((key & mask) == prefix) bin = (key >> shift) & 255u;
+                }
+                const unsigned int peers = __match_any_sync(0xffffffffu, bin);
+                if (bin < 256 && lane == (unsigned int)(__ffs(peers) - 1)) {
+                    atomicAdd(&s_hist[bin], __popc(peers));
+                }
+            }
+            __syncthreads();
+            if (tid < 32) {
+                // Lane l holds bins 255 - 8l down to 248 - 8l: the digits in descending order.
+                unsigned int sum = 0;
+                for (unsigned int k = 0; k < 8; ++k) sum += s_hist[255 - 8 * lane - k];
+                unsigned int inclusive = sum;
+#pragma unroll
+                for (unsigned int offset = 1; offset < 32; offset *= 2) {
+                    const unsigned int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
+                    if (lane >= offset) inclusive += other;
+                }
+                unsigned int above = inclusive - sum;
+                if (above < remaining && remaining <= inclusive) {
+                    for (unsigned int k = 0; k < 8; ++k) {
+                        const unsigned int digit = 255 - 8 * lane - k;
+                        const unsigned int c = s_hist[digit];
+                        if (above + c >= remaining) {
+                            s_digit[0] = digit;
+                            s_digit[1] = remaining - above;
+                            break;
+                        }
+                        above += c;
+                    }
+                }
+            }
+            __syncthreads();
+            // Read before the next pass's histogram is complete (two barriers on), so the
+            // next write of s_digit comes after every thread has read this one.
+            prefix |= s_digit[0] << shift;
+            mask |= 255u << shift;
+            remaining = s_digit[1];
+        }
+        threshold = prefix;
+        take_equal = remaining;
+    }
+    // Ordered compaction: each thread owns the contiguous run [lo, hi) of the middle.
     const unsigned int per_thread = (middle + SELECT_THREADS - 1) / SELECT_THREADS;
     const unsigned int lo = min(tid * per_thread, middle);
     const unsigned int hi = min(lo + per_thread, middle);
-    unsigned long long threshold = 0;
-    if (keep > 0 && keep < middle) {
-        unsigned long long prefix = 0;
-        for (int bit = KEY_BITS - 1; bit >= 0; --bit) {
-            const unsigned int buffer = (unsigned int)(KEY_BITS - 1 - bit) % 3;
-            const unsigned long long candidate = prefix | (1ull << bit);
-            unsigned int local = 0;
-            for (unsigned int j = lo; j < hi; ++j) local += select_key(s_ordered, j) >= candidate;
-            if (local) atomicAdd(&s_count[buffer], local);
-            __syncthreads();
-            if (s_count[buffer] >= keep) prefix = candidate;
-            // The buffer of two iterations on: every thread has read the previous one.
-            if (tid == 0) s_count[(buffer + 2) % 3] = 0;
-        }
-        threshold = prefix;
+    unsigned int equal = 0;
+    if (keep > 0 && !all) {
+        for (unsigned int j = lo; j < hi; ++j) equal += s_ordered[j] == threshold;
     }
-    // Ordered compaction of the kept middle positions.
+    const unsigned int equal_before = block_exclusive_scan(equal, s_warp);
     unsigned int kept = 0;
     if (keep > 0) {
-        for (unsigned int j = lo; j < hi; ++j) kept += select_key(s_ordered, j) >= threshold;
-    }
-    s_offsets[tid] = kept;
-    __syncthreads();
-    if (tid == 0) {
-        unsigned int running = 0;
-        for (unsigned int i = 0; i < SELECT_THREADS; ++i) {
-            const unsigned int c = s_offsets[i];
-            s_offsets[i] = running;
-            running += c;
+        unsigned int rank = equal_before;
+        for (unsigned int j = lo; j < hi; ++j) {
+            const unsigned int key = s_ordered[j];
+            kept += all || key > threshold || (key == threshold && rank++ < take_equal);
         }
     }
-    __syncthreads();
+    const unsigned int kept_before = block_exclusive_scan(kept, s_warp);
     const unsigned int head = window_start > 0 ? 1 : 0;
     if (head && tid == 0 && out_begin < out_end) out_indices[out_begin] = pages[0];
-    unsigned int at = out_begin + head + s_offsets[tid];
-    for (unsigned int j = lo; j < hi; ++j) {
-        if (keep > 0 && select_key(s_ordered, j) >= threshold) {
-            if (at < out_end) out_indices[at] = pages[j + 1];
-            ++at;
+    if (keep > 0) {
+        unsigned int at = out_begin + head + kept_before;
+        unsigned int rank = equal_before;
+        for (unsigned int j = lo; j < hi; ++j) {
+            const unsigned int key = s_ordered[j];
+            if (all || key > threshold || (key == threshold && rank++ < take_equal)) {
+                if (at < out_end) out_indices[at] = pages[j + 1];
+                ++at;
+            }
         }
     }
     const unsigned int window_at = out_begin + head + keep;

@@ -57,13 +57,14 @@ extern "C" __global__ void sparse_summaries_update(const T* __restrict__ k_pool,
 // page POSITION p of request r's page list, scoring only the middle positions
 // 1 .. window_start of a sparse request (requests[4r] = its query row, 0xffffffff for a dense
 // request; requests[4r + 1] = window_start) into scores[r * max_pages + p]. The score is the
-// host's exactly: per query head (lane h, h + 32, ...) sum_d max(q_d * min_d, q_d * max_d) of
-// its KV head's summaries in ascending d; then lane 0 sums the heads of each GQA group in
-// order and the groups in order. Every sum starts from -0.0 (Rust's f32 `Sum`) and every
-// product and sum is rounded on its own (no FMA contraction), so ties agree with the host.
-// A page id outside the pool scores -inf. At most SCORE_MAX_HEADS query heads.
-#define SCORE_WARPS 4
-#define SCORE_MAX_HEADS 128
+// host's exactly: per query head sum_d max(q_d * min_d, q_d * max_d), lane l summing
+// d = l, l + 32, ... in order and the lanes folding by the xor butterfly (the host's
+// `warp_order_sum`); the heads of each GQA group summed in order, then the groups in order.
+// Every sum starts from -0.0 and every product and sum is rounded on its own (no FMA
+// contraction), so ties agree with the host. A page id outside the pool scores -inf. The
+// lanes read each summary row and query head coalesced; head_dim <= 32 * SCORE_MAX_CHUNKS.
+#define SCORE_WARPS 8
+#define SCORE_MAX_CHUNKS 8
 
 extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned int q_row_stride,
                                               const T* __restrict__ summaries,
@@ -73,7 +74,6 @@ extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned 
                                               float* __restrict__ scores, unsigned int max_pages,
                                               unsigned int num_pages, unsigned int num_kv_heads,
                                               unsigned int n_rep, unsigned int head_dim) {
-    __shared__ float s_heads[SCORE_WARPS][SCORE_MAX_HEADS];
     const unsigned int warp = threadIdx.x / 32;
     const unsigned int lane = threadIdx.x % 32;
     const unsigned int r = blockIdx.y;
@@ -85,34 +85,41 @@ extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned 
     const unsigned int window_start = min(requests[4 * r + 1], count);
     if (p >= window_start) return;
     const unsigned int page = indices[begin + p];
-    const unsigned int num_q_heads = num_kv_heads * n_rep;
-    float* heads = s_heads[warp];
-    if (page < num_pages) {
-        const T* query = q + (size_t)query_row * q_row_stride;
-        for (unsigned int head = lane; head < num_q_heads; head += 32) {
-            const unsigned int kv_head = head / n_rep;
-            const T* low = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
-            const T* high = low + head_dim;
-            const T* qh = query + (size_t)head * head_dim;
-            float sum = -0.0f;
-            for (unsigned int d = 0; d < head_dim; ++d) {
-                const float qd = to_f32(qh[d]);
-                const float bound = fmaxf(__fmul_rn(qd, to_f32(low[d])), __fmul_rn(qd, to_f32(high[d])));
-                sum = __fadd_rn(sum, bound);
-            }
-            heads[head] = sum;
-        }
-    }
-    __syncwarp();
-    if (lane != 0) return;
     float score = -INFINITY;
     if (page < num_pages) {
+        const T* query = q + (size_t)query_row * q_row_stride;
         score = -0.0f;
         for (unsigned int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+            const T* low = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
+            const T* high = low + head_dim;
+            float lo[SCORE_MAX_CHUNKS];
+            float hi[SCORE_MAX_CHUNKS];
+#pragma unroll
+            for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
+                const unsigned int d = lane + 32 * i;
+                lo[i] = d < head_dim ? to_f32(low[d]) : 0.0f;
+                hi[i] = d < head_dim ? to_f32(high[d]) : 0.0f;
+            }
             float group = -0.0f;
-            for (unsigned int h = 0; h < n_rep; ++h) group = __fadd_rn(group, heads[kv_head * n_rep + h]);
+            for (unsigned int h = 0; h < n_rep; ++h) {
+                const T* qh = query + (size_t)(kv_head * n_rep + h) * head_dim;
+                float part = -0.0f;
+#pragma unroll
+                for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
+                    const unsigned int d = lane + 32 * i;
+                    if (d < head_dim) {
+                        const float qd = to_f32(qh[d]);
+                        part = __fadd_rn(part, fmaxf(__fmul_rn(qd, lo[i]), __fmul_rn(qd, hi[i])));
+                    }
+                }
+#pragma unroll
+                for (unsigned int offset = 16; offset > 0; offset /= 2) {
+                    part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
+                }
+                group = __fadd_rn(group, part);
+            }
             score = __fadd_rn(score, group);
         }
     }
-    scores[(size_t)r * max_pages + p] = score;
+    if (lane == 0) scores[(size_t)r * max_pages + p] = score;
 }

@@ -7,8 +7,11 @@
 //! sparse step runs in each layer: the summaries' update for the step's B new tokens, the
 //! page scores and the selection (keep the first page, the last `window` tokens and the best
 //! pages within `budget` tokens), then the same fused decode over the shortened table with its
-//! own plan. `select us` times the first three alone. The summaries of the whole pool are
-//! computed once before timing (the step keeps them as it appends).
+//! own plan. The breakdown times growing prefixes of the step: the summaries' update alone
+//! (`update us`), then with the page scores (their difference: `scores us`), then with the
+//! selection (`select us`, the difference again); `sparse us` is the whole step. The
+//! summaries of the whole pool are computed once before timing (the step keeps them as it
+//! appends).
 
 use anyhow::{bail, Result};
 use clap::Args;
@@ -72,6 +75,8 @@ struct CaseResult {
     rotating_sets: usize,
     kept_pages: usize,
     dense_us: f64,
+    update_us: f64,
+    scores_us: f64,
     select_us: f64,
     sparse_us: f64,
     speedup: f64,
@@ -192,21 +197,24 @@ fn case(
     decode.set_kernel(variant.kernel);
     // The step's summaries' update rewrites what the pool's already hold (same rows).
     let step_summaries = summaries;
-    let mut record_sparse = |gpu: &Gpu, decode_too: bool| {
+    let mut record_sparse = |gpu: &Gpu, upto: Stage| {
         for set in &sets {
             let full = table_of(set)?;
             ops::sparse_summaries_update(gpu, k_pool, &layout, &set.slots, step_summaries)?;
             let q = queries_of(set, g);
-            ops::sparse_select(
-                gpu,
-                &q,
-                &*step_summaries,
-                &layout,
-                &full,
-                &mut select,
-                &mut indices,
-            )?;
-            if decode_too {
+            let summaries = &*step_summaries;
+            match upto {
+                Stage::Update => continue,
+                Stage::Scores => {
+                    ops::sparse_page_scores(gpu, &q, summaries, &layout, &full, &mut select)?;
+                    continue;
+                }
+                _ => {
+                    let out = &mut indices;
+                    ops::sparse_select(gpu, &q, summaries, &layout, &full, &mut select, out)?;
+                }
+            }
+            if upto == Stage::Decode {
                 let table = select.selected_table(&full, &indices)?;
                 let kv = PagedKv::new(k_pool, v_pool, layout, table);
                 ops::paged_decode_attention(
@@ -222,12 +230,13 @@ fn case(
         }
         Ok(())
     };
-    let graph = warm_capture(gpu, &mut |gpu| record_sparse(gpu, false))?;
-    let mut times = time_replays(gpu, &graph, args.replays, sets.len())?;
-    let (select_us, _) = super::bench_sampling::median_and_min(&mut times);
-    let graph = warm_capture(gpu, &mut |gpu| record_sparse(gpu, true))?;
-    let mut times = time_replays(gpu, &graph, args.replays, sets.len())?;
-    let (sparse_us, _) = super::bench_sampling::median_and_min(&mut times);
+    let mut medians = [0.0; 4];
+    for (median, upto) in medians.iter_mut().zip(Stage::ALL) {
+        let graph = warm_capture(gpu, &mut |gpu| record_sparse(gpu, upto))?;
+        let mut times = time_replays(gpu, &graph, args.replays, sets.len())?;
+        *median = super::bench_sampling::median_and_min(&mut times).0;
+    }
+    let [update_us, with_scores, with_select, sparse_us] = medians;
     Ok(CaseResult {
         batch: b,
         context: l,
@@ -235,10 +244,25 @@ fn case(
         rotating_sets: sets.len(),
         kept_pages: plan.selected_pages(),
         dense_us,
-        select_us,
+        update_us,
+        scores_us: with_scores - update_us,
+        select_us: with_select - with_scores,
         sparse_us,
         speedup: dense_us / sparse_us,
     })
+}
+
+/// How much of the sparse step a timed graph records (each stage includes those before).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Update,
+    Scores,
+    Select,
+    Decode,
+}
+
+impl Stage {
+    const ALL: [Stage; 4] = [Stage::Update, Stage::Scores, Stage::Select, Stage::Decode];
 }
 
 /// The queries of `set` (one row a request).
@@ -284,18 +308,30 @@ fn make_set(rig: &mut Rig, b: usize, l: usize) -> Result<Set> {
 fn print_row(case: &CaseResult, header: bool) {
     if header {
         println!(
-            "{:>3} {:>7} {:>6} {:>2} {:>5} {:>9} {:>9} {:>9} {:>7}",
-            "B", "context", "budget", "R", "kept", "dense us", "select us", "sparse us", "speedup"
+            "{:>3} {:>7} {:>6} {:>2} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
+            "B",
+            "context",
+            "budget",
+            "R",
+            "kept",
+            "dense us",
+            "update us",
+            "scores us",
+            "select us",
+            "sparse us",
+            "speedup"
         );
     }
     println!(
-        "{:>3} {:>7} {:>6} {:>2} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>6.2}x",
+        "{:>3} {:>7} {:>6} {:>2} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>6.2}x",
         case.batch,
         case.context,
         case.budget,
         case.rotating_sets,
         case.kept_pages,
         case.dense_us,
+        case.update_us,
+        case.scores_us,
         case.select_us,
         case.sparse_us,
         case.speedup

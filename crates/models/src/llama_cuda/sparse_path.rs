@@ -44,6 +44,12 @@ pub fn sparse_unsupported(
             c.head_dim,
             ops::SPARSE_MAX_HEAD_DIM
         ))
+    } else if c.num_kv_heads > ops::SPARSE_MAX_KV_HEADS {
+        Some(format!(
+            "{} KV heads (at most {})",
+            c.num_kv_heads,
+            ops::SPARSE_MAX_KV_HEADS
+        ))
     } else if !ops::SPARSE_DTYPES.contains(&dtype) {
         Some(format!("{dtype} activations"))
     } else {

@@ -10,15 +10,14 @@
 //! and half the bandwidth the selection reads every step (at page 16 a bf16 summary is 1/16
 //! of the page's K and V). e4m3 pools are not covered yet.
 //!
-//! Selection is two launches: `sparse_page_scores` (a warp per page, a lane per query head
-//! summing its bound serially over the dimensions, lane 0 folding the heads and groups in
-//! the CPU's order, so scores agree to the bit) then one CTA per request
-//! that finds its best pages by a bitwise search over `(score, position)` keys in shared
-//! memory and writes them in page order. Fixed grids (from the workspace's capacity) and no
-//! host round trip: graph-capturable once the plan is uploaded. Faster would be a tree
-//! reduction over the dimensions (with the CPU oracle summing in the same tree), vector loads
-//! of the summaries, a radix select of 8-bit digits instead of 45 one-bit rounds, and the
-//! selection split over several CTAs per long request.
+//! Selection is two launches: `sparse_page_scores` (a CTA per page, a warp per KV head,
+//! lanes across the dimensions, the groups folded in the CPU's order, so scores agree to the
+//! bit) then `sparse_select_pages`, one CTA per request that finds its best pages by an 8-bit
+//! radix select over the scores' order-preserving bits in shared memory and writes them in
+//! page order. Fixed grids (from the workspace's capacity) and no host round trip:
+//! graph-capturable once the plan is uploaded. [`sparse_page_scores`] alone is public for the
+//! benchmark's breakdown. Faster still would be the selection split over several CTAs per
+//! long request.
 
 use super::gathered::{DevicePageTable, PoolLayout, Queries};
 pub use super::sparse_plan::{
@@ -36,8 +35,12 @@ static SPARSE_SUMMARY: KernelSource =
 static SPARSE_SELECT: KernelSource =
     KernelSource::new("sparse_select.cu", include_str!("sparse_select.cu"));
 
-/// Pages per CTA of `sparse_page_scores` (a warp each).
-const SCORE_WARPS: u32 = 8;
+/// Most warps of a `sparse_page_scores` CTA (a KV head each, striding).
+const SCORE_WARPS: usize = 8;
+/// Threads of a `sparse_summaries_update` CTA (a summary element each).
+const SUMMARY_THREADS: usize = 256;
+/// Most KV heads the page scores handle (their shared-memory groups).
+pub const SPARSE_MAX_KV_HEADS: usize = 256;
 /// Largest head_dim the page scores handle (32 lanes x `SCORE_MAX_CHUNKS`).
 pub const SPARSE_MAX_HEAD_DIM: usize = 256;
 
@@ -134,10 +137,14 @@ pub fn sparse_summaries_update<T: Element>(
         KernelArg::U32(to_u32("head_dim", layout.head_dim)?),
         KernelArg::I64((layout.num_pages * layout.page_size) as i64),
     ];
-    let grid = (to_u32("sparse step slots", num_slots)?, 1);
+    let columns = (layout.num_kv_heads * layout.head_dim).div_ceil(SUMMARY_THREADS);
+    let grid = (
+        to_u32("sparse step slots", num_slots)?,
+        to_u32("sparse summary columns", columns)?,
+    );
     // SAFETY: arguments match `sparse_summaries_update`; pool and summaries extents checked,
-    // slots outside the pool skipped by the kernel.
-    unsafe { gpu.launch(&spec, LaunchDims::new(grid, 128), &args) }
+    // slots outside the pool skipped by the kernel, elements past the row by the kernel.
+    unsafe { gpu.launch(&spec, LaunchDims::new(grid, SUMMARY_THREADS as u32), &args) }
 }
 
 /// The device side of a [`SparseSelectPlan`]: its per-request words and row pointer, and the
@@ -251,7 +258,8 @@ impl SparseSelectWorkspace {
 /// [`selected_pages`](SparseSelectPlan::selected_pages)): per request of `table` (the full
 /// table the plan was made from, device side), its kept pages in page order. `queries` hold
 /// the step's rows (a shortened request's one row is the plan's), `summaries` the layer's
-/// (see [`sparse_summaries_update`]).
+/// (see [`sparse_summaries_update`]). Two launches: [`sparse_page_scores`], then the
+/// per-request selection.
 pub fn sparse_select<T: Element>(
     gpu: &Gpu,
     queries: &Queries<'_, T>,
@@ -261,11 +269,46 @@ pub fn sparse_select<T: Element>(
     workspace: &mut SparseSelectWorkspace,
     out_indices: &mut impl DeviceWrite<u32>,
 ) -> Result<(), CudaError> {
-    let scores_spec = specialize_sparse(SparseEntry::Scores, T::DTYPE)?;
     let select_spec = specialize_sparse(SparseEntry::Select, T::DTYPE)?;
+    let b = table.num_requests();
+    if let Some((_, selected, _)) = workspace.uploaded {
+        check_min_len("sparse select out_indices", selected, out_indices.len())?;
+    }
+    sparse_page_scores(gpu, queries, summaries, layout, table, workspace)?;
+    if b == 0 {
+        return Ok(());
+    }
+    let select_args = [
+        ptr(&table.indptr),
+        ptr(&table.indices),
+        ptr(&workspace.requests),
+        ptr(&workspace.scores),
+        KernelArg::U32(to_u32("sparse grid pages", workspace.grid_pages)?),
+        ptr(&workspace.indptr),
+        ptr(out_indices),
+    ];
+    let b32 = to_u32("sparse requests", b)?;
+    // SAFETY: arguments match `sparse_select_pages`; writes are clamped to the uploaded row
+    // pointer, whose total fits out_indices (checked above); the plan matches the table
+    // (checked by sparse_page_scores).
+    unsafe { gpu.launch(&select_spec, LaunchDims::new((b32, 1), 256), &select_args) }
+}
+
+/// The first half of [`sparse_select`]: every middle page's score of the uploaded plan's
+/// shortened requests into the workspace's scratch (public so the benchmark can time the
+/// halves apart).
+pub fn sparse_page_scores<T: Element>(
+    gpu: &Gpu,
+    queries: &Queries<'_, T>,
+    summaries: &impl DeviceRead<T>,
+    layout: &PoolLayout,
+    table: &DevicePageTable<'_>,
+    workspace: &mut SparseSelectWorkspace,
+) -> Result<(), CudaError> {
+    let scores_spec = specialize_sparse(SparseEntry::Scores, T::DTYPE)?;
     layout.validate()?;
     let b = table.num_requests();
-    let Some((uploaded, selected, longest)) = workspace.uploaded else {
+    let Some((uploaded, _, longest)) = workspace.uploaded else {
         return Err(CudaError::invalid("sparse select: no plan uploaded"));
     };
     if uploaded != b {
@@ -280,10 +323,11 @@ pub fn sparse_select<T: Element>(
             queries.num_heads, layout.num_kv_heads
         )));
     }
-    if layout.head_dim > SPARSE_MAX_HEAD_DIM {
+    if layout.head_dim > SPARSE_MAX_HEAD_DIM || layout.num_kv_heads > SPARSE_MAX_KV_HEADS {
         return Err(CudaError::invalid(format!(
-            "sparse select: head_dim {}, at most {SPARSE_MAX_HEAD_DIM}",
-            layout.head_dim
+            "sparse select: head_dim {} and {} KV heads, at most {SPARSE_MAX_HEAD_DIM} and \
+             {SPARSE_MAX_KV_HEADS}",
+            layout.head_dim, layout.num_kv_heads
         )));
     }
     if queries.row_stride < queries.num_heads * layout.head_dim {
@@ -301,7 +345,6 @@ pub fn sparse_select<T: Element>(
         sparse_summaries_len(layout),
         summaries.len(),
     )?;
-    check_min_len("sparse select out_indices", selected, out_indices.len())?;
     if b == 0 {
         return Ok(());
     }
@@ -314,7 +357,6 @@ pub fn sparse_select<T: Element>(
         )));
     }
     let max_pages = to_u32("sparse grid pages", workspace.grid_pages)?;
-    let b32 = to_u32("sparse requests", b)?;
     let score_args = [
         ptr(&queries.data),
         KernelArg::U32(to_u32("q row stride", queries.row_stride)?),
@@ -329,28 +371,16 @@ pub fn sparse_select<T: Element>(
         KernelArg::U32(to_u32("n_rep", n_rep)?),
         KernelArg::U32(to_u32("head_dim", layout.head_dim)?),
     ];
-    let score_grid = (max_pages.div_ceil(SCORE_WARPS), b32);
-    let score_block = 32 * SCORE_WARPS;
+    let warps = layout.num_kv_heads.min(SCORE_WARPS);
+    let score_grid = (max_pages, to_u32("sparse requests", b)?);
     // SAFETY: arguments match `sparse_page_scores`; scores hold max_requests * max_pages,
     // written at r * grid_pages + p with p < grid_pages <= max_pages and r < b <=
-    // max_requests.
+    // max_requests; KV heads within the kernel's shared groups (checked above).
     unsafe {
         gpu.launch(
             &scores_spec,
-            LaunchDims::new(score_grid, score_block),
+            LaunchDims::new(score_grid, 32 * warps as u32),
             &score_args,
-        )?
-    };
-    let select_args = [
-        ptr(&table.indptr),
-        ptr(&table.indices),
-        ptr(&workspace.requests),
-        ptr(&workspace.scores),
-        KernelArg::U32(max_pages),
-        ptr(&workspace.indptr),
-        ptr(out_indices),
-    ];
-    // SAFETY: arguments match `sparse_select_pages`; writes are clamped to the uploaded row
-    // pointer, whose total fits out_indices (checked above).
-    unsafe { gpu.launch(&select_spec, LaunchDims::new((b32, 1), 256), &select_args) }
+        )
+    }
 }

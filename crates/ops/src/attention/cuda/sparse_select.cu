@@ -7,8 +7,8 @@
 //   page (Rust's `total_cmp` order on the scores), in ascending position, then the window
 //   pages window_start .. count.
 // The keep-th largest score is found by a radix select over the scores' order-preserving
-// bits, 8 bits a pass (4 passes, a 256-bin histogram in shared memory, warp-aggregated
-// increments); the kept middle pages are those above it and the earliest of those equal to
+// bits, 8 bits a pass (4 passes; each warp counts into its own 256-bin histogram in shared
+// memory, then thread `bin` adds the warps' counts); the kept middle pages are those above it and the earliest of those equal to
 // it, written by an ordered compaction (two block scans). Every write is clamped to the
 // request's output range and every scratch read to max_pages, so a plan that does not match
 // the table writes garbage, never out of bounds. Block SELECT_THREADS (256: one histogram bin
@@ -50,6 +50,7 @@ extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ 
                                                const unsigned int* __restrict__ out_indptr,
                                                unsigned int* __restrict__ out_indices) {
     __shared__ unsigned int s_ordered[PAGODA_MAX_PAGES];
+    __shared__ unsigned int s_warp_hist[SELECT_WARPS][256];
     __shared__ unsigned int s_hist[256];
     __shared__ unsigned int s_warp[SELECT_WARPS];
     __shared__ unsigned int s_digit[2];
@@ -62,6 +63,7 @@ extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ 
     const unsigned int out_end = max(out_begin, out_indptr[r + 1]);
     const unsigned int* pages = indices + begin;
     if (requests[4 * r] == 0xffffffffu) {
+#pragma unroll 8
         for (unsigned int i = tid; i < count && out_begin + i < out_end; i += SELECT_THREADS) {
             out_indices[out_begin + i] = pages[i];
         }
@@ -73,6 +75,7 @@ extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ 
     middle = min(middle, min(max_pages > 0 ? max_pages - 1 : 0, (unsigned int)PAGODA_MAX_PAGES));
     const unsigned int keep = min(requests[4 * r + 2], middle);
     const float* request_scores = scores + (size_t)r * max_pages;
+#pragma unroll 8
     for (unsigned int j = tid; j < middle; j += SELECT_THREADS) {
         s_ordered[j] = total_order_bits(request_scores[j + 1]);
     }
@@ -87,20 +90,23 @@ extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ 
         unsigned int remaining = keep;
         const unsigned int rounds = (middle + SELECT_THREADS - 1) / SELECT_THREADS;
         for (int shift = 24; shift >= 0; shift -= 8) {
-            s_hist[tid] = 0;
+#pragma unroll
+            for (unsigned int w = 0; w < SELECT_WARPS; ++w) s_warp_hist[w][tid] = 0;
             __syncthreads();
+            unsigned int* own = s_warp_hist[tid / 32];
+#pragma unroll 4
             for (unsigned int round = 0; round < rounds; ++round) {
                 const unsigned int j = round * SELECT_THREADS + tid;
-                unsigned int bin = 256;
                 if (j < middle) {
                     const unsigned int key = s_ordered[j];
-                    if ((key & mask) == prefix) bin = (key >> shift) & 255u;
-                }
-                const unsigned int peers = __match_any_sync(0xffffffffu, bin);
-                if (bin < 256 && lane == (unsigned int)(__ffs(peers) - 1)) {
-                    atomicAdd(&s_hist[bin], __popc(peers));
+                    if ((key & mask) == prefix) atomicAdd(&own[(key >> shift) & 255u], 1u);
                 }
             }
+            __syncthreads();
+            unsigned int total = 0;
+#pragma unroll
+            for (unsigned int w = 0; w < SELECT_WARPS; ++w) total += s_warp_hist[w][tid];
+            s_hist[tid] = total;
             __syncthreads();
             if (tid < 32) {
                 // Lane l holds bins 255 - 8l down to 248 - 8l: the digits in descending order.

@@ -6,13 +6,17 @@
 // is a T value, so storing them as T loses nothing against the host's f32 summaries.
 typedef PAGODA_T T;
 
-// One CTA per slot of the step (slots[t] = page * page_size + row; negative or >= num_slots:
-// padding, skipped). The CTA of the LAST row a step writes to a page (the highest row; the
-// first such slot if repeated) recomputes the page's whole entry from pool rows 0..=row, so
-// no two CTAs write one page and a page reused from row 0 forgets its old bounds. Rows below
-// `row` were written earlier (a page fills from row 0 up), which makes this the host's fold.
-// Fast exit when the next slot is the next row of the same page (the common run); otherwise
-// the CTA scans the step's slots for a later row of its page.
+// Grid (slots of the step, ceil(num_kv_heads * head_dim / SUMMARY_THREADS)): CTA (t, y)
+// serves slots[t] (= page * page_size + row; negative or >= num_slots: padding, skipped) and
+// the summary elements y * SUMMARY_THREADS .. (one a thread). The CTAs of the LAST row a step
+// writes to a page (the highest row; the first such slot if repeated) recompute the page's
+// entry from pool rows 0..=row, so no two slots write one element and a page reused from row 0
+// forgets its old bounds. Rows below `row` were written earlier (a page fills from row 0 up),
+// which makes this the host's fold; the rows are read SUMMARY_ROWS at a time, all loads in
+// flight, and folded in row order. Fast exit when the next slot is the next row of the same
+// page (the common run); otherwise the CTA scans the step's slots for a later row of its page.
+#define SUMMARY_THREADS 256
+#define SUMMARY_ROWS 16
 extern "C" __global__ void sparse_summaries_update(const T* __restrict__ k_pool,
                                                    const int* __restrict__ slots,
                                                    unsigned int num_step_slots,
@@ -36,36 +40,47 @@ extern "C" __global__ void sparse_summaries_update(const T* __restrict__ k_pool,
     }
     if (__syncthreads_or(later)) return;
     const unsigned int token_stride = num_kv_heads * head_dim;
-    const T* rows = k_pool + (size_t)page * page_size * token_stride;
-    for (unsigned int e = threadIdx.x; e < token_stride; e += blockDim.x) {
-        float low = INFINITY;
-        float high = -INFINITY;
-        for (unsigned int r = 0; r <= row; ++r) {
-            const float value = to_f32(rows[(size_t)r * token_stride + e]);
-            low = fminf(low, value);
-            high = fmaxf(high, value);
+    const unsigned int e = blockIdx.y * blockDim.x + threadIdx.x;
+    if (e >= token_stride) return;
+    const T* column = k_pool + (size_t)page * page_size * token_stride + e;
+    float low = INFINITY;
+    float high = -INFINITY;
+    for (unsigned int base = 0; base <= row; base += SUMMARY_ROWS) {
+        float values[SUMMARY_ROWS];
+#pragma unroll
+        for (unsigned int k = 0; k < SUMMARY_ROWS; ++k) {
+            values[k] = base + k <= row ? to_f32(column[(size_t)(base + k) * token_stride]) : 0.0f;
         }
-        const unsigned int kv_head = e / head_dim;
-        const unsigned int d = e - kv_head * head_dim;
-        T* entry = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
-        entry[d] = from_f32<T>(low);
-        entry[head_dim + d] = from_f32<T>(high);
+#pragma unroll
+        for (unsigned int k = 0; k < SUMMARY_ROWS; ++k) {
+            if (base + k <= row) {
+                low = fminf(low, values[k]);
+                high = fmaxf(high, values[k]);
+            }
+        }
     }
+    const unsigned int kv_head = e / head_dim;
+    const unsigned int d = e - kv_head * head_dim;
+    T* entry = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
+    entry[d] = from_f32<T>(low);
+    entry[head_dim + d] = from_f32<T>(high);
 }
 
-// Page scores: grid (ceil(max_pages / SCORE_WARPS), B), block 32 * SCORE_WARPS, one warp per
-// page POSITION p of request r's page list, scoring only the middle positions
-// 1 .. window_start of a sparse request (requests[4r] = its query row, 0xffffffff for a dense
-// request; requests[4r + 1] = window_start) into scores[r * max_pages + p]. The score is the
-// host's exactly: per query head sum_d max(q_d * min_d, q_d * max_d), lane l summing
-// d = l, l + 32, ... in order and the lanes folding by the xor butterfly (the host's
-// `warp_order_sum`); the heads of each GQA group summed in order, then the groups in order.
-// Every sum starts from -0.0 and every product and sum is rounded on its own (no FMA
-// contraction), so ties agree with the host. A page id outside the pool scores -inf. The
-// lanes read each summary row and query head coalesced; head_dim <= 32 * SCORE_MAX_CHUNKS.
+// Page scores: grid (max_pages, B), block 32 * warps (1..=SCORE_WARPS), one CTA per page
+// POSITION p of request r's page list, scoring only the middle positions 1 .. window_start of
+// a sparse request (requests[4r] = its query row, 0xffffffff for a dense request;
+// requests[4r + 1] = window_start) into scores[r * max_pages + p]. Warp w takes the KV heads
+// w, w + warps, ... (each one summary read, all in flight at once) and parks each GQA group's
+// sum in shared memory; thread 0 then adds the groups in order. The score is the host's
+// exactly: per query head sum_d max(q_d * min_d, q_d * max_d), lane l summing d = l, l + 32,
+// ... in order and the lanes folding by the xor butterfly (the host's `warp_order_sum`); the
+// heads of each GQA group summed in order, then the groups in order. Every sum starts from
+// -0.0 and every product and sum is rounded on its own (no FMA contraction), so ties agree
+// with the host. A page id outside the pool scores -inf. head_dim <= 32 * SCORE_MAX_CHUNKS,
+// num_kv_heads <= SCORE_MAX_KV_HEADS.
 #define SCORE_WARPS 8
 #define SCORE_MAX_CHUNKS 8
-
+#define SCORE_MAX_KV_HEADS 256
 extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned int q_row_stride,
                                               const T* __restrict__ summaries,
                                               const unsigned int* __restrict__ indptr,
@@ -74,10 +89,13 @@ extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned 
                                               float* __restrict__ scores, unsigned int max_pages,
                                               unsigned int num_pages, unsigned int num_kv_heads,
                                               unsigned int n_rep, unsigned int head_dim) {
+    __shared__ float s_group[SCORE_MAX_KV_HEADS];
     const unsigned int warp = threadIdx.x / 32;
+    const unsigned int warps = blockDim.x / 32;
     const unsigned int lane = threadIdx.x % 32;
     const unsigned int r = blockIdx.y;
-    const unsigned int p = blockIdx.x * SCORE_WARPS + warp;
+    const unsigned int p = blockIdx.x;
+    // Every exit below depends on the CTA's (p, r) only, so a CTA leaves whole.
     const unsigned int query_row = requests[4 * r];
     if (query_row == 0xffffffffu || p == 0 || p >= max_pages) return;
     const unsigned int begin = indptr[r];
@@ -85,41 +103,50 @@ extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned 
     const unsigned int window_start = min(requests[4 * r + 1], count);
     if (p >= window_start) return;
     const unsigned int page = indices[begin + p];
-    float score = -INFINITY;
-    if (page < num_pages) {
-        const T* query = q + (size_t)query_row * q_row_stride;
-        score = -0.0f;
-        for (unsigned int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-            const T* low = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
-            const T* high = low + head_dim;
-            float lo[SCORE_MAX_CHUNKS];
-            float hi[SCORE_MAX_CHUNKS];
+    float* out = scores + (size_t)r * max_pages + p;
+    if (page >= num_pages) {
+        if (threadIdx.x == 0) *out = -INFINITY;
+        return;
+    }
+    const T* query = q + (size_t)query_row * q_row_stride;
+    for (unsigned int kv_head = warp; kv_head < num_kv_heads; kv_head += warps) {
+        const T* low = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
+        const T* high = low + head_dim;
+        float lo[SCORE_MAX_CHUNKS];
+        float hi[SCORE_MAX_CHUNKS];
+#pragma unroll
+        for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
+            const unsigned int d = lane + 32 * i;
+            lo[i] = d < head_dim ? to_f32(low[d]) : 0.0f;
+            hi[i] = d < head_dim ? to_f32(high[d]) : 0.0f;
+        }
+        float group = -0.0f;
+#pragma unroll 4
+        for (unsigned int h = 0; h < n_rep; ++h) {
+            const T* qh = query + (size_t)(kv_head * n_rep + h) * head_dim;
+            float part = -0.0f;
 #pragma unroll
             for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
                 const unsigned int d = lane + 32 * i;
-                lo[i] = d < head_dim ? to_f32(low[d]) : 0.0f;
-                hi[i] = d < head_dim ? to_f32(high[d]) : 0.0f;
-            }
-            float group = -0.0f;
-            for (unsigned int h = 0; h < n_rep; ++h) {
-                const T* qh = query + (size_t)(kv_head * n_rep + h) * head_dim;
-                float part = -0.0f;
-#pragma unroll
-                for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
-                    const unsigned int d = lane + 32 * i;
-                    if (d < head_dim) {
-                        const float qd = to_f32(qh[d]);
-                        part = __fadd_rn(part, fmaxf(__fmul_rn(qd, lo[i]), __fmul_rn(qd, hi[i])));
-                    }
+                if (d < head_dim) {
+                    const float qd = to_f32(qh[d]);
+                    part = __fadd_rn(part, fmaxf(__fmul_rn(qd, lo[i]), __fmul_rn(qd, hi[i])));
                 }
-#pragma unroll
-                for (unsigned int offset = 16; offset > 0; offset /= 2) {
-                    part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
-                }
-                group = __fadd_rn(group, part);
             }
-            score = __fadd_rn(score, group);
+#pragma unroll
+            for (unsigned int offset = 16; offset > 0; offset /= 2) {
+                part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
+            }
+            group = __fadd_rn(group, part);
         }
+        if (lane == 0) s_group[kv_head] = group;
     }
-    if (lane == 0) scores[(size_t)r * max_pages + p] = score;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float score = -0.0f;
+        for (unsigned int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+            score = __fadd_rn(score, s_group[kv_head]);
+        }
+        *out = score;
+    }
 }

@@ -90,6 +90,7 @@ fn counts_of(before: SparseDecodeCounts) -> SparseDecodeCounts {
         steps: now.steps - before.steps,
         pages_scanned: now.pages_scanned - before.pages_scanned,
         pages_kept: now.pages_kept - before.pages_kept,
+        dense_past_limit: now.dense_past_limit - before.dense_past_limit,
     }
 }
 

@@ -19,8 +19,12 @@ pub(super) fn render(out: &mut String) {
          pagoda_sparse_decode_pages_scanned_total {}\n\
          # HELP pagoda_sparse_decode_pages_kept_total Pages sparse decode kept.\n\
          # TYPE pagoda_sparse_decode_pages_kept_total counter\n\
-         pagoda_sparse_decode_pages_kept_total {}",
-        sparse.steps, sparse.pages_scanned, sparse.pages_kept
+         pagoda_sparse_decode_pages_kept_total {}\n\
+         # HELP pagoda_sparse_decode_dense_past_limit_total Requests a CUDA sparse step left \
+         dense: longer than the device selection's pages (counted once a step).\n\
+         # TYPE pagoda_sparse_decode_dense_past_limit_total counter\n\
+         pagoda_sparse_decode_dense_past_limit_total {}",
+        sparse.steps, sparse.pages_scanned, sparse.pages_kept, sparse.dense_past_limit
     );
     let _ = writeln!(
         out,

@@ -138,6 +138,7 @@ impl<T: HostFloat> SparseDecode<T> {
         let max_pages = self.workspace.max_pages();
         let mut plan = SparseSelectPlan::new(table, qo_indptr, params, self.page_size, max_pages)?;
         if plan.dense_past_limit > 0 {
+            pagoda_ops::attention::record_sparse_dense_past_limit(plan.dense_past_limit as u64);
             static LOGGED: std::sync::Once = std::sync::Once::new();
             LOGGED.call_once(|| {
                 tracing::warn!(

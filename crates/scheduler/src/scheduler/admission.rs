@@ -36,11 +36,13 @@ impl Scheduler {
         if usable < needed {
             return false;
         }
-        // Only running requests with full pages not yet in the cache can add any.
+        // Only running requests still computing full pages of their prompt can add any (a
+        // decoding request registered its prompt's pages when the prompt was done), so the
+        // scan is over the few prefilling requests, not every decode.
         let shared = self
             .running
             .iter()
-            .filter(|r| (r.page_keys.len() + 1) * page_size <= r.tokens.len())
+            .filter(|r| (r.page_keys.len() + 1) * page_size <= r.prompt_len)
             .map(|r| common_prefix(&waiting.tokens, &r.tokens) / page_size)
             .max()
             .unwrap_or(0)

@@ -197,11 +197,15 @@ pub struct SparseDecodeCounts {
     pub pages_scanned: u64,
     /// Pages they kept.
     pub pages_kept: u64,
+    /// Requests a CUDA step left dense because they are longer than the device selection
+    /// handles ([`SPARSE_MAX_PAGES`](crate::cuda::SPARSE_MAX_PAGES) pages), once a step.
+    pub dense_past_limit: u64,
 }
 
 static STEPS: AtomicU64 = AtomicU64::new(0);
 static PAGES_SCANNED: AtomicU64 = AtomicU64::new(0);
 static PAGES_KEPT: AtomicU64 = AtomicU64::new(0);
+static DENSE_PAST_LIMIT: AtomicU64 = AtomicU64::new(0);
 
 /// The process-wide [`SparseDecodeCounts`].
 pub fn sparse_decode_counts() -> SparseDecodeCounts {
@@ -209,7 +213,14 @@ pub fn sparse_decode_counts() -> SparseDecodeCounts {
         steps: STEPS.load(Ordering::Relaxed),
         pages_scanned: PAGES_SCANNED.load(Ordering::Relaxed),
         pages_kept: PAGES_KEPT.load(Ordering::Relaxed),
+        dense_past_limit: DENSE_PAST_LIMIT.load(Ordering::Relaxed),
     }
+}
+
+/// Adds `requests` to [`SparseDecodeCounts::dense_past_limit`] (a CUDA step's requests too
+/// long for the device selection).
+pub fn record_sparse_dense_past_limit(requests: u64) {
+    DENSE_PAST_LIMIT.fetch_add(requests, Ordering::Relaxed);
 }
 
 /// Adds `layers` selector calls that each did `stats` to the [`SparseDecodeCounts`] (the

@@ -10,9 +10,9 @@
 //! and half the bandwidth the selection reads every step (at page 16 a bf16 summary is 1/16
 //! of the page's K and V). e4m3 pools are not covered yet.
 //!
-//! Selection is two launches: `sparse_page_scores` (a CTA per page, a warp per KV head,
-//! lanes across the dimensions, the groups folded in the CPU's order, so scores agree to the
-//! bit) then `sparse_select_pages`, one CTA per request that finds its best pages by an 8-bit
+//! Selection is two launches: `sparse_page_scores` (a CTA per 4 pages, a warp per KV head
+//! with the tile's summary loads all in flight, lanes across the dimensions, the groups folded
+//! in the CPU's order, so scores agree to the bit) then `sparse_select_pages`, one CTA per request that finds its best pages by an 8-bit
 //! radix select over the scores' order-preserving bits in shared memory and writes them in
 //! page order. Fixed grids (from the workspace's capacity) and no host round trip:
 //! graph-capturable once the plan is uploaded. [`sparse_page_scores`] alone is public for the
@@ -37,6 +37,8 @@ static SPARSE_SELECT: KernelSource =
 
 /// Most warps of a `sparse_page_scores` CTA (a KV head each, striding).
 const SCORE_WARPS: usize = 8;
+/// Page positions per `sparse_page_scores` CTA.
+const SCORE_TILE: u32 = 4;
 /// Threads of a `sparse_summaries_update` CTA (a summary element each).
 const SUMMARY_THREADS: usize = 256;
 /// Most KV heads the page scores handle (their shared-memory groups).
@@ -372,7 +374,10 @@ pub fn sparse_page_scores<T: Element>(
         KernelArg::U32(to_u32("head_dim", layout.head_dim)?),
     ];
     let warps = layout.num_kv_heads.min(SCORE_WARPS);
-    let score_grid = (max_pages, to_u32("sparse requests", b)?);
+    let score_grid = (
+        max_pages.div_ceil(SCORE_TILE),
+        to_u32("sparse requests", b)?,
+    );
     // SAFETY: arguments match `sparse_page_scores`; scores hold max_requests * max_pages,
     // written at r * grid_pages + p with p < grid_pages <= max_pages and r < b <=
     // max_requests; KV heads within the kernel's shared groups (checked above).

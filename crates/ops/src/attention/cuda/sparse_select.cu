@@ -8,7 +8,8 @@
 //   pages window_start .. count.
 // The keep-th largest score is found by a radix select over the scores' order-preserving
 // bits, 8 bits a pass (4 passes; each warp counts into its own 256-bin histogram in shared
-// memory, then thread `bin` adds the warps' counts); the kept middle pages are those above it and the earliest of those equal to
+// memory, the lanes sharing the leading lane's bin with one increment, then thread `bin` adds
+// the warps' counts); the kept middle pages are those above it and the earliest of those equal to
 // it, written by an ordered compaction (two block scans). Every write is clamped to the
 // request's output range and every scratch read to max_pages, so a plan that does not match
 // the table writes garbage, never out of bounds. Block SELECT_THREADS (256: one histogram bin
@@ -97,9 +98,22 @@ extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ 
 #pragma unroll 4
             for (unsigned int round = 0; round < rounds; ++round) {
                 const unsigned int j = round * SELECT_THREADS + tid;
+                unsigned int bin = 256;
                 if (j < middle) {
                     const unsigned int key = s_ordered[j];
-                    if ((key & mask) == prefix) atomicAdd(&own[(key >> shift) & 255u], 1u);
+                    if ((key & mask) == prefix) bin = (key >> shift) & 255u;
+                }
+                // Scores of one request cluster, so many lanes often share a bin (the high
+                // digits above all): the lanes of the first counted lane's bin add once.
+                const unsigned int counted = __ballot_sync(0xffffffffu, bin < 256);
+                if (counted == 0) continue;
+                const unsigned int leader = __ffs(counted) - 1;
+                const unsigned int common = __shfl_sync(0xffffffffu, bin, leader);
+                const unsigned int same = __ballot_sync(0xffffffffu, bin == common);
+                if (lane == leader) {
+                    atomicAdd(&own[common], __popc(same));
+                } else if (bin < 256 && bin != common) {
+                    atomicAdd(&own[bin], 1u);
                 }
             }
             __syncthreads();

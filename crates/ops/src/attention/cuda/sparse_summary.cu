@@ -66,19 +66,22 @@ extern "C" __global__ void sparse_summaries_update(const T* __restrict__ k_pool,
     entry[head_dim + d] = from_f32<T>(high);
 }
 
-// Page scores: grid (max_pages, B), block 32 * warps (1..=SCORE_WARPS), one CTA per page
-// POSITION p of request r's page list, scoring only the middle positions 1 .. window_start of
-// a sparse request (requests[4r] = its query row, 0xffffffff for a dense request;
-// requests[4r + 1] = window_start) into scores[r * max_pages + p]. Warp w takes the KV heads
-// w, w + warps, ... (each one summary read, all in flight at once) and parks each GQA group's
-// sum in shared memory; thread 0 then adds the groups in order. The score is the host's
-// exactly: per query head sum_d max(q_d * min_d, q_d * max_d), lane l summing d = l, l + 32,
-// ... in order and the lanes folding by the xor butterfly (the host's `warp_order_sum`); the
-// heads of each GQA group summed in order, then the groups in order. Every sum starts from
-// -0.0 and every product and sum is rounded on its own (no FMA contraction), so ties agree
-// with the host. A page id outside the pool scores -inf. head_dim <= 32 * SCORE_MAX_CHUNKS,
-// num_kv_heads <= SCORE_MAX_KV_HEADS.
+// Page scores: grid (ceil(max_pages / SCORE_TILE), B), block 32 * warps (1..=SCORE_WARPS).
+// CTA (x, r) scores the page POSITIONS x * SCORE_TILE .. + SCORE_TILE of request r's page
+// list, only the middle positions 1 .. window_start of a sparse request (requests[4r] = its
+// query row, 0xffffffff for a dense request; requests[4r + 1] = window_start), into
+// scores[r * max_pages + p]. Warp w takes the KV heads w, w + warps, ...: it issues the
+// summary loads of all its tile's pages at once (memory parallelism, not a chain of round
+// trips), reads each query head once for the tile, and parks each GQA group's sum in shared
+// memory; thread t then adds page t's groups in order. The score is the host's exactly: per
+// query head sum_d max(q_d * min_d, q_d * max_d), lane l summing d = l, l + 32, ... in order
+// and the lanes folding by the xor butterfly (the host's `warp_order_sum`); the heads of each
+// GQA group summed in order, then the groups in order. Every sum starts from -0.0 and every
+// product and sum is rounded on its own (no FMA contraction), so ties agree with the host. A
+// page id outside the pool scores -inf. head_dim <= 32 * SCORE_MAX_CHUNKS, num_kv_heads <=
+// SCORE_MAX_KV_HEADS.
 #define SCORE_WARPS 8
+#define SCORE_TILE 4
 #define SCORE_MAX_CHUNKS 8
 #define SCORE_MAX_KV_HEADS 256
 extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned int q_row_stride,
@@ -89,64 +92,91 @@ extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned 
                                               float* __restrict__ scores, unsigned int max_pages,
                                               unsigned int num_pages, unsigned int num_kv_heads,
                                               unsigned int n_rep, unsigned int head_dim) {
-    __shared__ float s_group[SCORE_MAX_KV_HEADS];
+    __shared__ float s_group[SCORE_TILE][SCORE_MAX_KV_HEADS];
     const unsigned int warp = threadIdx.x / 32;
     const unsigned int warps = blockDim.x / 32;
     const unsigned int lane = threadIdx.x % 32;
     const unsigned int r = blockIdx.y;
-    const unsigned int p = blockIdx.x;
-    // Every exit below depends on the CTA's (p, r) only, so a CTA leaves whole.
+    const unsigned int first = blockIdx.x * SCORE_TILE;
+    // Every exit below depends on the CTA's (x, r) only, so a CTA leaves whole.
     const unsigned int query_row = requests[4 * r];
-    if (query_row == 0xffffffffu || p == 0 || p >= max_pages) return;
+    const unsigned int window = requests[4 * r + 1];
     const unsigned int begin = indptr[r];
-    const unsigned int count = max(begin, indptr[r + 1]) - begin;
-    const unsigned int window_start = min(requests[4 * r + 1], count);
-    if (p >= window_start) return;
-    const unsigned int page = indices[begin + p];
-    float* out = scores + (size_t)r * max_pages + p;
-    if (page >= num_pages) {
-        if (threadIdx.x == 0) *out = -INFINITY;
-        return;
+    const unsigned int end = indptr[r + 1];
+    if (query_row == 0xffffffffu) return;
+    const unsigned int count = max(begin, end) - begin;
+    const unsigned int limit = min(min(window, count), max_pages);
+    if (first >= limit) return;
+    unsigned int page[SCORE_TILE];
+    bool scored[SCORE_TILE];
+#pragma unroll
+    for (unsigned int t = 0; t < SCORE_TILE; ++t) {
+        const unsigned int p = first + t;
+        const bool middle = p >= 1 && p < limit;
+        page[t] = middle ? indices[begin + p] : 0;
+        scored[t] = middle && page[t] < num_pages;
     }
     const T* query = q + (size_t)query_row * q_row_stride;
     for (unsigned int kv_head = warp; kv_head < num_kv_heads; kv_head += warps) {
-        const T* low = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
-        const T* high = low + head_dim;
-        float lo[SCORE_MAX_CHUNKS];
-        float hi[SCORE_MAX_CHUNKS];
+        float lo[SCORE_TILE][SCORE_MAX_CHUNKS];
+        float hi[SCORE_TILE][SCORE_MAX_CHUNKS];
 #pragma unroll
-        for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
-            const unsigned int d = lane + 32 * i;
-            lo[i] = d < head_dim ? to_f32(low[d]) : 0.0f;
-            hi[i] = d < head_dim ? to_f32(high[d]) : 0.0f;
-        }
-        float group = -0.0f;
-#pragma unroll 4
-        for (unsigned int h = 0; h < n_rep; ++h) {
-            const T* qh = query + (size_t)(kv_head * n_rep + h) * head_dim;
-            float part = -0.0f;
+        for (unsigned int t = 0; t < SCORE_TILE; ++t) {
+            const T* low = summaries + ((size_t)page[t] * num_kv_heads + kv_head) * 2 * head_dim;
 #pragma unroll
             for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
                 const unsigned int d = lane + 32 * i;
-                if (d < head_dim) {
-                    const float qd = to_f32(qh[d]);
-                    part = __fadd_rn(part, fmaxf(__fmul_rn(qd, lo[i]), __fmul_rn(qd, hi[i])));
-                }
+                const bool load = scored[t] && d < head_dim;
+                lo[t][i] = load ? to_f32(low[d]) : 0.0f;
+                hi[t][i] = load ? to_f32(low[head_dim + d]) : 0.0f;
+            }
+        }
+        float group[SCORE_TILE];
+#pragma unroll
+        for (unsigned int t = 0; t < SCORE_TILE; ++t) group[t] = -0.0f;
+        for (unsigned int h = 0; h < n_rep; ++h) {
+            const T* qh = query + (size_t)(kv_head * n_rep + h) * head_dim;
+            float qd[SCORE_MAX_CHUNKS];
+#pragma unroll
+            for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
+                const unsigned int d = lane + 32 * i;
+                qd[i] = d < head_dim ? to_f32(qh[d]) : 0.0f;
             }
 #pragma unroll
-            for (unsigned int offset = 16; offset > 0; offset /= 2) {
-                part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
+            for (unsigned int t = 0; t < SCORE_TILE; ++t) {
+                float part = -0.0f;
+#pragma unroll
+                for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
+                    if (lane + 32 * i < head_dim) {
+                        part = __fadd_rn(part, fmaxf(__fmul_rn(qd[i], lo[t][i]),
+                                                     __fmul_rn(qd[i], hi[t][i])));
+                    }
+                }
+#pragma unroll
+                for (unsigned int offset = 16; offset > 0; offset /= 2) {
+                    part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
+                }
+                group[t] = __fadd_rn(group[t], part);
             }
-            group = __fadd_rn(group, part);
         }
-        if (lane == 0) s_group[kv_head] = group;
+        if (lane == 0) {
+#pragma unroll
+            for (unsigned int t = 0; t < SCORE_TILE; ++t) s_group[t][kv_head] = group[t];
+        }
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-        float score = -0.0f;
-        for (unsigned int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-            score = __fadd_rn(score, s_group[kv_head]);
+    if (threadIdx.x < SCORE_TILE) {
+        const unsigned int t = threadIdx.x;
+        const unsigned int p = first + t;
+        if (p >= 1 && p < limit) {
+            float score = -INFINITY;
+            if (scored[t]) {
+                score = -0.0f;
+                for (unsigned int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+                    score = __fadd_rn(score, s_group[t][kv_head]);
+                }
+            }
+            scores[(size_t)r * max_pages + p] = score;
         }
-        *out = score;
     }
 }

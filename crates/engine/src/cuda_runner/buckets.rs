@@ -60,13 +60,13 @@ pub(super) fn graph_key(num_requests: usize, num_tokens: usize, attention: &Atte
             rows: tile,
             ..
         } => rows | ((variant.code() as usize) << 48) | (1 << 46) | (usize::from(*tile > 64) << 45),
-        // Sparse steps too: the selection's grid (a power of two of pages) is captured.
+        // Sparse steps too: the selection's grid (`sparse_grid_pages`) is captured.
         Attention::Sparse {
             variant,
             grid_pages,
             ..
         } => {
-            let pages = grid_pages.trailing_zeros() as usize;
+            let pages = pagoda_models::llama_cuda::sparse_grid_code(*grid_pages);
             rows | ((variant.code() as usize) << 48) | (1 << 47) | (pages << 40)
         }
         _ => rows,

@@ -49,7 +49,7 @@ pub use mla_decode::MlaDecode;
 pub use pagoda_ops::cuda::SamplingRowParams;
 pub use pieces::Pieces;
 pub use prefill_path::PrefillChoice;
-pub use sparse_path::{sparse_grid_pages, sparse_unsupported, SparseDecode};
+pub use sparse_path::{sparse_grid_code, sparse_grid_pages, sparse_unsupported, SparseDecode};
 pub use upload::KeepOnDevice;
 
 mod buffers;

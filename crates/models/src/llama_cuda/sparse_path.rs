@@ -58,9 +58,27 @@ pub fn sparse_unsupported(
 }
 
 /// The grid a sparse step's selection covers for a longest shortened request of `pages`
-/// pages: the next power of two from 64, so a few graphs cover every length.
+/// pages: from 64, the next of the powers of two and the midpoints `3 * 2^k` between them (at
+/// most a third of the grid idle, against half with powers alone), capped at `max_pages`; a
+/// few graphs cover every length.
 pub fn sparse_grid_pages(pages: usize, max_pages: usize) -> usize {
-    pages.max(64).next_power_of_two().min(max_pages)
+    let pages = pages.max(64);
+    let power = pages.next_power_of_two();
+    let midpoint = power / 4 * 3;
+    (if pages <= midpoint { midpoint } else { power }).min(max_pages)
+}
+
+/// A code of `grid` below 32, distinct for the grids [`sparse_grid_pages`] returns under one
+/// `max_pages`: `2 log2` for a power of two, one more for a midpoint `3 * 2^k`, and 31 for a
+/// grid capped at `max_pages` that is neither (there is only one such grid).
+pub fn sparse_grid_code(grid: usize) -> usize {
+    if grid.is_power_of_two() {
+        2 * grid.trailing_zeros() as usize
+    } else if grid.is_multiple_of(3) && (grid / 3).is_power_of_two() {
+        2 * (grid / 3 * 2).trailing_zeros() as usize + 1
+    } else {
+        31
+    }
 }
 
 /// Sparse decode's device state: the summaries per layer, the selection's workspace and
@@ -204,5 +222,34 @@ impl<T: HostFloat> SparseDecode<T> {
         let summaries = &summaries[layer];
         ops::sparse_select(gpu, queries, summaries, layout, table, workspace, indices)?;
         workspace.selected_table(table, indices)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grids_cover_the_pages_within_a_third_and_their_codes_are_distinct() {
+        for max_pages in [8192, 5000, 96, 64] {
+            let mut by_code = std::collections::HashMap::new();
+            for pages in 1..=max_pages {
+                let grid = sparse_grid_pages(pages, max_pages);
+                assert!(grid >= pages && grid <= max_pages, "{pages} -> {grid}");
+                if pages >= 64 && grid < max_pages {
+                    assert!(
+                        3 * (grid - pages) <= grid,
+                        "{pages} -> {grid}: over a third idle"
+                    );
+                }
+                let code = sparse_grid_code(grid);
+                assert!(code < 32);
+                assert_eq!(*by_code.entry(code).or_insert(grid), grid, "code {code}");
+            }
+        }
+        // 32K tokens at page 16 are 2049 pages with the decoded token: a grid of 3072.
+        assert_eq!(sparse_grid_pages(2049, 8192), 3072);
+        assert_eq!(sparse_grid_pages(2048, 8192), 2048);
+        assert_eq!(sparse_grid_pages(10, 8192), 64);
     }
 }

@@ -9,8 +9,8 @@
 
 use pagoda_kv::{PageId, PageTable, PageTableRequest, Slot};
 use pagoda_ops::attention::{
-    append_kv_pool, plan_step, step_attention, DecodeSelector, KeySummaries, KvLayout, KvPool,
-    KvType, PagedKv, QueryBatch, QuestSelector, SparseAttention, SplitKvChunking,
+    append_kv_pool, octet_order_bound, plan_step, step_attention, DecodeSelector, KeySummaries,
+    KvLayout, KvPool, KvType, PagedKv, QueryBatch, QuestSelector, SparseAttention, SplitKvChunking,
     StepAttentionConfig, StepWorkspace,
 };
 use rand::{Rng, SeedableRng};
@@ -337,6 +337,34 @@ fn the_bound_bounds_every_key_of_the_page() {
             assert!(tight.is_finite());
         }
     }
+}
+
+/// The bound sums as the device's octet does: slices of ceil(head_dim / 8) dimensions, then the
+/// xor butterfly. Values chosen so that another order gives another answer: 1e8 (slice 0) and
+/// -1e8 (slice 4) cancel first in the butterfly, keeping slice 1's 1; a sum in dimension
+/// order would lose the 1 against 1e8.
+#[test]
+fn the_bound_sums_in_the_octet_order() {
+    let mut terms = [0.0f32; 16];
+    terms[0] = 1e8;
+    terms[2] = 1.0;
+    terms[8] = -1e8;
+    let q = [1.0f32; 16];
+    assert_eq!(octet_order_bound(&q, &terms, &terms), 1.0);
+    let in_order = terms.iter().fold(-0.0f32, |sum, &t| sum + t);
+    assert_eq!(
+        in_order, 0.0,
+        "the oracle's case must tell the orders apart"
+    );
+    // max(q * min, q * max) per dimension: a negative q takes the min.
+    let (low, high) = ([-1.0f32, 2.0, 0.5], [3.0f32, 4.0, 0.5]);
+    assert_eq!(
+        octet_order_bound(&[-2.0, 1.0, 4.0], &low, &high),
+        2.0 + 4.0 + 2.0
+    );
+    // A slice past head_dim (3 dimensions: slices of 1) adds nothing.
+    let bound = octet_order_bound(&[1.0; 3], &[1.0, 2.0, 3.0], &[1.0, 2.0, 3.0]);
+    assert_eq!(bound, 6.0);
 }
 
 #[test]

@@ -434,9 +434,11 @@ fn random_case(
 fn selection_matches_the_quest_selector() {
     let gpu = gpu();
     let mut rng = rng(38);
-    for head_dim in [64, 128] {
-        for group in [(2, 1), (2, 4), (1, 8), (4, 2)] {
-            for seed in 0..4u64 {
+    // head_dim 96 takes the scores' scalar path in bf16 (slices of 12) and 16-byte loads in
+    // f32; 20 KV heads put 3 pages (60 pairs) in a CTA, 1 KV head 64 pages.
+    for head_dim in [64, 96, 128] {
+        for group in [(2, 1), (2, 4), (1, 8), (4, 2), (8, 4), (20, 1)] {
+            for seed in 0..3u64 {
                 let case = random_case(&mut rng, head_dim, group);
                 select_case::<bf16>(&gpu, &case, seed);
                 select_case::<f32>(&gpu, &case, seed + 1000);

@@ -52,6 +52,14 @@ pub fn sparse_unsupported(
         ))
     } else if !ops::SPARSE_DTYPES.contains(&dtype) {
         Some(format!("{dtype} activations"))
+    } else if c.num_attention_heads * c.head_dim * dtype.size_bytes() > ops::SPARSE_MAX_QUERY_BYTES
+    {
+        Some(format!(
+            "a query row of {} heads x {} (at most {} bytes)",
+            c.num_attention_heads,
+            c.head_dim,
+            ops::SPARSE_MAX_QUERY_BYTES
+        ))
     } else {
         None
     }

@@ -78,7 +78,7 @@ pub use sparse::{
     sparse_page_scores, sparse_select, sparse_summaries_len, sparse_summaries_update,
     specialize_sparse, SparseEntry, SparseSelectPlan, SparseSelectWorkspace, SPARSE_DENSE,
     SPARSE_DTYPES, SPARSE_MAX_HEAD_DIM, SPARSE_MAX_KV_HEADS, SPARSE_MAX_PAGES,
-    SPARSE_REQUEST_WORDS,
+    SPARSE_MAX_QUERY_BYTES, SPARSE_REQUEST_WORDS,
 };
 pub use stream_tiling::{
     StreamTiling, MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,

@@ -51,9 +51,9 @@ pub use cpu::mla_sparse::{
     IndexerQuery, SelectionStats, TokenSelection,
 };
 pub use cpu::sparse::{
-    record_sparse_dense_past_limit, record_sparse_layers, select_pages, sparse_decode_counts,
-    DecodeSelector, KeySummaries, QuestSelector, RequestPages, SparseAttention, SparseDecodeCounts,
-    SparseStepStats,
+    octet_order_bound, record_sparse_dense_past_limit, record_sparse_layers, select_pages,
+    sparse_decode_counts, DecodeSelector, KeySummaries, QuestSelector, RequestPages,
+    SparseAttention, SparseDecodeCounts, SparseStepStats,
 };
 pub use cpu::sparse_params::SPARSE_ATTENTION_MAX;
 pub use cpu::step::{

@@ -142,37 +142,38 @@ impl KeySummaries {
 
     /// The upper bound of `q·k` over the keys of `page` for `kv_head`, summed over the query
     /// heads `q_group [n_rep, head_dim]` of its GQA group (in order). Each head's bound
-    /// `sum_d max(q_d * min_d, q_d * max_d)` is summed in the order the device's warp sums it
-    /// ([`warp_order_sum`]), so the CUDA selection scores bit for bit as this one does.
+    /// `sum_d max(q_d * min_d, q_d * max_d)` is summed in the order the device's octet sums it
+    /// ([`octet_order_bound`]), so the CUDA selection scores bit for bit as this one does.
     pub fn group_bound(&self, page: usize, kv_head: usize, q_group: &[f32]) -> f32 {
         let (min, max) = (self.min(page, kv_head), self.max(page, kv_head));
         q_group
             .chunks_exact(self.head_dim)
-            .map(|q| {
-                warp_order_sum(
-                    q.iter()
-                        .zip(min.iter().zip(max))
-                        .map(|(&q, (&low, &high))| (q * low).max(q * high)),
-                )
-            })
+            .map(|q| octet_order_bound(q, min, max))
             .sum()
     }
 }
 
-/// Sums `values` as a warp of 32 lanes does: lane `l` adds the values `l, l + 32, ...` in
-/// order (from -0.0), then the lanes fold in halves (lane `l` adds lane `l + 16`, then
-/// `l + 8`, ..., `l + 1`: the xor butterfly of `__shfl_xor_sync`).
-pub fn warp_order_sum(values: impl Iterator<Item = f32>) -> f32 {
-    let mut lanes = [-0.0f32; 32];
-    for (index, value) in values.enumerate() {
-        lanes[index % 32] += value;
+/// One query head's bound `sum_d max(q_d * min_d, q_d * max_d)`, summed as the device's octet
+/// of 8 lanes sums it: lane `l` adds the terms of the slice of `ceil(head_dim / 8)`
+/// consecutive dimensions from `l * ceil(head_dim / 8)` in order (from -0.0), then the lanes
+/// fold in halves (lane `l` adds lane `l + 4`, then `l + 2`, then `l + 1`: the xor butterfly
+/// of `__shfl_xor_sync` over 8 lanes).
+pub fn octet_order_bound(q: &[f32], min: &[f32], max: &[f32]) -> f32 {
+    let slice = q.len().div_ceil(8).max(1);
+    let mut lanes = [-0.0f32; 8];
+    let slices = q
+        .chunks(slice)
+        .zip(min.chunks(slice))
+        .zip(max.chunks(slice));
+    for (lane, ((q, low), high)) in lanes.iter_mut().zip(slices) {
+        for ((&q, &low), &high) in q.iter().zip(low).zip(high) {
+            *lane += (q * low).max(q * high);
+        }
     }
-    let mut width = 16;
-    while width > 0 {
+    for width in [4, 2, 1] {
         for lane in 0..width {
             lanes[lane] += lanes[lane + width];
         }
-        width /= 2;
     }
     lanes[0]
 }

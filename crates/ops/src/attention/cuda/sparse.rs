@@ -10,14 +10,15 @@
 //! and half the bandwidth the selection reads every step (at page 16 a bf16 summary is 1/16
 //! of the page's K and V). e4m3 pools are not covered yet.
 //!
-//! Selection is two launches: `sparse_page_scores` (a CTA per 4 pages, a warp per KV head
-//! with the tile's summary loads all in flight, lanes across the dimensions, the groups folded
-//! in the CPU's order, so scores agree to the bit) then `sparse_select_pages`, one CTA per request that finds its best pages by an 8-bit
-//! radix select over the scores' order-preserving bits in shared memory and writes them in
-//! page order. Fixed grids (from the workspace's capacity) and no host round trip:
-//! graph-capturable once the plan is uploaded. [`sparse_page_scores`] alone is public for the
-//! benchmark's breakdown. Faster still would be the selection split over several CTAs per
-//! long request.
+//! Selection is two launches: `sparse_page_scores` (the query row staged in shared memory, an
+//! octet of 8 lanes per (page, KV head) pair sweeping its min and max in 16-byte loads, the
+//! lanes and heads folded in the CPU's order, so scores agree to the bit) then
+//! `sparse_select_pages`, one CTA of 1024 threads per request holding the scores in registers,
+//! which finds the keep-th best bit by bit from the top (block counts by
+//! `__syncthreads_count`, stopping as soon as exactly `keep` pages lie at or above the prefix)
+//! and writes the kept pages in page order after one block scan. Fixed grids (from the
+//! workspace's capacity) and no host round trip: graph-capturable once the plan is uploaded.
+//! [`sparse_page_scores`] alone is public for the benchmark's breakdown.
 
 use super::gathered::{DevicePageTable, PoolLayout, Queries};
 pub use super::sparse_plan::{
@@ -35,16 +36,21 @@ static SPARSE_SUMMARY: KernelSource =
 static SPARSE_SELECT: KernelSource =
     KernelSource::new("sparse_select.cu", include_str!("sparse_select.cu"));
 
-/// Most warps of a `sparse_page_scores` CTA (a KV head each, striding).
-const SCORE_WARPS: usize = 8;
-/// Page positions per `sparse_page_scores` CTA.
-const SCORE_TILE: u32 = 4;
+/// Threads of a `sparse_page_scores` CTA (32 octets of 8 lanes).
+const SCORE_THREADS: u32 = 256;
+/// (page, KV head) pairs a `sparse_page_scores` CTA aims at: two per octet.
+const SCORE_PAIRS: usize = 64;
+/// Threads of a `sparse_select_pages` CTA.
+const SELECT_THREADS: u32 = 1024;
 /// Threads of a `sparse_summaries_update` CTA (a summary element each).
 const SUMMARY_THREADS: usize = 256;
 /// Most KV heads the page scores handle (their shared-memory groups).
 pub const SPARSE_MAX_KV_HEADS: usize = 256;
-/// Largest head_dim the page scores handle (32 lanes x `SCORE_MAX_CHUNKS`).
+/// Largest head_dim the page scores handle (8 lanes x `SCORE_MAX_SLICE`).
 pub const SPARSE_MAX_HEAD_DIM: usize = 256;
+/// Most bytes of one query row (all heads) the page scores stage in shared memory (with
+/// their static shared memory, under the 48 KiB a launch gets without opting in).
+pub const SPARSE_MAX_QUERY_BYTES: usize = 40 * 1024;
 
 /// Pool dtypes the sparse kernels are built for.
 pub const SPARSE_DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
@@ -293,7 +299,13 @@ pub fn sparse_select<T: Element>(
     // SAFETY: arguments match `sparse_select_pages`; writes are clamped to the uploaded row
     // pointer, whose total fits out_indices (checked above); the plan matches the table
     // (checked by sparse_page_scores).
-    unsafe { gpu.launch(&select_spec, LaunchDims::new((b32, 1), 256), &select_args) }
+    unsafe {
+        gpu.launch(
+            &select_spec,
+            LaunchDims::new((b32, 1), SELECT_THREADS),
+            &select_args,
+        )
+    }
 }
 
 /// The first half of [`sparse_select`]: every middle page's score of the uploaded plan's
@@ -325,10 +337,14 @@ pub fn sparse_page_scores<T: Element>(
             queries.num_heads, layout.num_kv_heads
         )));
     }
-    if layout.head_dim > SPARSE_MAX_HEAD_DIM || layout.num_kv_heads > SPARSE_MAX_KV_HEADS {
+    let query_bytes = queries.num_heads * layout.head_dim * std::mem::size_of::<T>();
+    if layout.head_dim > SPARSE_MAX_HEAD_DIM
+        || layout.num_kv_heads > SPARSE_MAX_KV_HEADS
+        || query_bytes > SPARSE_MAX_QUERY_BYTES
+    {
         return Err(CudaError::invalid(format!(
-            "sparse select: head_dim {} and {} KV heads, at most {SPARSE_MAX_HEAD_DIM} and \
-             {SPARSE_MAX_KV_HEADS}",
+            "sparse select: head_dim {}, {} KV heads and a {query_bytes}-byte query row, at most \
+             {SPARSE_MAX_HEAD_DIM}, {SPARSE_MAX_KV_HEADS} and {SPARSE_MAX_QUERY_BYTES}",
             layout.head_dim, layout.num_kv_heads
         )));
     }
@@ -359,6 +375,8 @@ pub fn sparse_page_scores<T: Element>(
         )));
     }
     let max_pages = to_u32("sparse grid pages", workspace.grid_pages)?;
+    // Two pairs an octet: a page's KV heads together, at least one page a CTA.
+    let pages_per_cta = (SCORE_PAIRS / layout.num_kv_heads).max(1);
     let score_args = [
         ptr(&queries.data),
         KernelArg::U32(to_u32("q row stride", queries.row_stride)?),
@@ -372,20 +390,19 @@ pub fn sparse_page_scores<T: Element>(
         KernelArg::U32(to_u32("num_kv_heads", layout.num_kv_heads)?),
         KernelArg::U32(to_u32("n_rep", n_rep)?),
         KernelArg::U32(to_u32("head_dim", layout.head_dim)?),
+        KernelArg::U32(to_u32("sparse pages per CTA", pages_per_cta)?),
     ];
-    let warps = layout.num_kv_heads.min(SCORE_WARPS);
     let score_grid = (
-        max_pages.div_ceil(SCORE_TILE),
+        max_pages.div_ceil(pages_per_cta as u32),
         to_u32("sparse requests", b)?,
     );
+    let dims = LaunchDims {
+        shared_mem_bytes: to_u32("sparse query bytes", query_bytes.next_multiple_of(16))?,
+        ..LaunchDims::new(score_grid, SCORE_THREADS)
+    };
     // SAFETY: arguments match `sparse_page_scores`; scores hold max_requests * max_pages,
     // written at r * grid_pages + p with p < grid_pages <= max_pages and r < b <=
-    // max_requests; KV heads within the kernel's shared groups (checked above).
-    unsafe {
-        gpu.launch(
-            &scores_spec,
-            LaunchDims::new(score_grid, 32 * warps as u32),
-            &score_args,
-        )
-    }
+    // max_requests; the query row fits the dynamic shared memory, KV heads times pages per
+    // CTA the shared groups (at most max(SCORE_PAIRS, SPARSE_MAX_KV_HEADS)), both checked.
+    unsafe { gpu.launch(&scores_spec, dims, &score_args) }
 }

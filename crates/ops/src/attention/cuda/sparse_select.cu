@@ -6,22 +6,33 @@
 //   middle pages 1 .. window_start (requests[4r + 1]) by descending score, ties to the earlier
 //   page (Rust's `total_cmp` order on the scores), in ascending position, then the window
 //   pages window_start .. count.
-// The keep-th largest score is found by a radix select over the scores' order-preserving
-// bits, 8 bits a pass (4 passes; each warp counts into its own 256-bin histogram in shared
-// memory, the lanes sharing the leading lane's bin with one increment, then thread `bin` adds
-// the warps' counts); the kept middle pages are those above it and the earliest of those equal to
-// it, written by an ordered compaction (two block scans). Every write is clamped to the
-// request's output range and every scratch read to max_pages, so a plan that does not match
-// the table writes garbage, never out of bounds. Block SELECT_THREADS (256: one histogram bin
-// a thread); PAGODA_MAX_PAGES bounds the middle pages of one request.
+// Thread t holds the contiguous run of middle positions t * per .. (per = ceil(middle /
+// SELECT_THREADS) <= SELECT_KEYS) as keys in registers: the scores' order-preserving bits.
+// The keep-th largest key is found bit by bit from the top (is there room for `keep` keys at
+// or above prefix | bit?), each count a few __syncthreads_count (one per bit of a thread's
+// count), stopping early once exactly `keep` keys lie at or above the prefix. The kept middle
+// pages are those above the threshold and the earliest of those equal to it, written in order
+// after one block scan of (above, equal) counts. Every write is clamped to the request's
+// output range and every scratch read to max_pages, so a plan that does not match the table
+// writes garbage, never out of bounds. PAGODA_MAX_PAGES bounds the middle pages of one request.
 
-#define SELECT_THREADS 256
+#define SELECT_THREADS 1024
 #define SELECT_WARPS (SELECT_THREADS / 32)
+#define SELECT_KEYS ((PAGODA_MAX_PAGES + SELECT_THREADS - 1) / SELECT_THREADS)
 
 // f32 bits to u32 whose unsigned order is Rust's f32::total_cmp order.
 __device__ __forceinline__ unsigned int total_order_bits(float value) {
     const unsigned int bits = __float_as_uint(value);
     return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The sum over the block of `value` (< 2^bits), every thread calling with the same `bits`.
+__device__ __forceinline__ unsigned int block_sum_small(unsigned int value, unsigned int bits) {
+    unsigned int total = 0;
+    for (unsigned int b = 0; b < bits; ++b) {
+        total += (unsigned int)__syncthreads_count((value >> b) & 1u) << b;
+    }
+    return total;
 }
 
 // Exclusive prefix of `value` over the block's threads in order; every thread must call it.
@@ -37,34 +48,37 @@ __device__ __forceinline__ unsigned int block_exclusive_scan(unsigned int value,
     }
     if (lane == 31) s_warp[warp] = inclusive;
     __syncthreads();
-    unsigned int before = 0;
-    for (unsigned int w = 0; w < warp; ++w) before += s_warp[w];
+    if (warp == 0) {
+        const unsigned int total = s_warp[lane];
+        unsigned int running = total;
+#pragma unroll
+        for (unsigned int offset = 1; offset < 32; offset *= 2) {
+            const unsigned int other = __shfl_up_sync(0xffffffffu, running, offset);
+            if (lane >= offset) running += other;
+        }
+        s_warp[lane] = running - total;
+    }
     __syncthreads();
-    return before + inclusive - value;
+    return s_warp[warp] + inclusive - value;
 }
 
-extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ indptr,
-                                               const unsigned int* __restrict__ indices,
-                                               const unsigned int* __restrict__ requests,
-                                               const float* __restrict__ scores,
-                                               unsigned int max_pages,
-                                               const unsigned int* __restrict__ out_indptr,
-                                               unsigned int* __restrict__ out_indices) {
-    __shared__ unsigned int s_ordered[PAGODA_MAX_PAGES];
-    __shared__ unsigned int s_warp_hist[SELECT_WARPS][256];
-    __shared__ unsigned int s_hist[256];
+extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
+    sparse_select_pages(const unsigned int* __restrict__ indptr,
+                        const unsigned int* __restrict__ indices,
+                        const unsigned int* __restrict__ requests,
+                        const float* __restrict__ scores, unsigned int max_pages,
+                        const unsigned int* __restrict__ out_indptr,
+                        unsigned int* __restrict__ out_indices) {
     __shared__ unsigned int s_warp[SELECT_WARPS];
-    __shared__ unsigned int s_digit[2];
     const unsigned int r = blockIdx.x;
     const unsigned int tid = threadIdx.x;
-    const unsigned int lane = tid % 32;
     const unsigned int begin = indptr[r];
     const unsigned int count = max(begin, indptr[r + 1]) - begin;
     const unsigned int out_begin = out_indptr[r];
     const unsigned int out_end = max(out_begin, out_indptr[r + 1]);
     const unsigned int* pages = indices + begin;
     if (requests[4 * r] == 0xffffffffu) {
-#pragma unroll 8
+#pragma unroll 4
         for (unsigned int i = tid; i < count && out_begin + i < out_end; i += SELECT_THREADS) {
             out_indices[out_begin + i] = pages[i];
         }
@@ -75,115 +89,77 @@ extern "C" __global__ void sparse_select_pages(const unsigned int* __restrict__ 
     unsigned int middle = window_start > 1 ? window_start - 1 : 0;
     middle = min(middle, min(max_pages > 0 ? max_pages - 1 : 0, (unsigned int)PAGODA_MAX_PAGES));
     const unsigned int keep = min(requests[4 * r + 2], middle);
-    const float* request_scores = scores + (size_t)r * max_pages;
-#pragma unroll 8
-    for (unsigned int j = tid; j < middle; j += SELECT_THREADS) {
-        s_ordered[j] = total_order_bits(request_scores[j + 1]);
+    const bool all = keep >= middle;
+    const float* request_scores = scores + (size_t)r * max_pages + 1;
+    const unsigned int per = (middle + SELECT_THREADS - 1) / SELECT_THREADS;
+    const unsigned int lo = min(tid * per, middle);
+    const unsigned int hi = min(lo + per, middle);
+    // Keys past the run are 0, below every candidate the search counts (each has a bit set).
+    unsigned int keys[SELECT_KEYS];
+#pragma unroll
+    for (unsigned int k = 0; k < SELECT_KEYS; ++k) {
+        keys[k] = lo + k < hi ? total_order_bits(request_scores[lo + k]) : 0u;
     }
-    __syncthreads();
-    // The keep-th largest key, and how many keys equal to it are kept (the earliest).
+    // Kept: key > threshold, or key == threshold among the first take_equal such keys.
     unsigned int threshold = 0;
     unsigned int take_equal = 0;
-    const bool all = keep >= middle;
     if (keep > 0 && !all) {
+        const unsigned int bits = 32 - __clz(per);
         unsigned int prefix = 0;
-        unsigned int mask = 0;
-        unsigned int remaining = keep;
-        const unsigned int rounds = (middle + SELECT_THREADS - 1) / SELECT_THREADS;
-        for (int shift = 24; shift >= 0; shift -= 8) {
+        bool exact = false;
+        for (int bit = 31; bit >= 0; --bit) {
+            const unsigned int candidate = prefix | (1u << bit);
+            unsigned int mine = 0;
 #pragma unroll
-            for (unsigned int w = 0; w < SELECT_WARPS; ++w) s_warp_hist[w][tid] = 0;
-            __syncthreads();
-            unsigned int* own = s_warp_hist[tid / 32];
-#pragma unroll 4
-            for (unsigned int round = 0; round < rounds; ++round) {
-                const unsigned int j = round * SELECT_THREADS + tid;
-                unsigned int bin = 256;
-                if (j < middle) {
-                    const unsigned int key = s_ordered[j];
-                    if ((key & mask) == prefix) bin = (key >> shift) & 255u;
-                }
-                // Scores of one request cluster, so many lanes often share a bin (the high
-                // digits above all): the lanes of the first counted lane's bin add once.
-                const unsigned int counted = __ballot_sync(0xffffffffu, bin < 256);
-                if (counted == 0) continue;
-                const unsigned int leader = __ffs(counted) - 1;
-                const unsigned int common = __shfl_sync(0xffffffffu, bin, leader);
-                const unsigned int same = __ballot_sync(0xffffffffu, bin == common);
-                if (lane == leader) {
-                    atomicAdd(&own[common], __popc(same));
-                } else if (bin < 256 && bin != common) {
-                    atomicAdd(&own[bin], 1u);
+            for (unsigned int k = 0; k < SELECT_KEYS; ++k) mine += keys[k] >= candidate;
+            // Block-uniform, so every thread takes the same branches.
+            const unsigned int at_or_above = block_sum_small(mine, bits);
+            if (at_or_above >= keep) {
+                prefix = candidate;
+                if (at_or_above == keep) {
+                    exact = true;
+                    break;
                 }
             }
-            __syncthreads();
-            unsigned int total = 0;
-#pragma unroll
-            for (unsigned int w = 0; w < SELECT_WARPS; ++w) total += s_warp_hist[w][tid];
-            s_hist[tid] = total;
-            __syncthreads();
-            if (tid < 32) {
-                // Lane l holds bins 255 - 8l down to 248 - 8l: the digits in descending order.
-                unsigned int sum = 0;
-                for (unsigned int k = 0; k < 8; ++k) sum += s_hist[255 - 8 * lane - k];
-                unsigned int inclusive = sum;
-#pragma unroll
-                for (unsigned int offset = 1; offset < 32; offset *= 2) {
-                    const unsigned int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-                    if (lane >= offset) inclusive += other;
-                }
-                unsigned int above = inclusive - sum;
-                if (above < remaining && remaining <= inclusive) {
-                    for (unsigned int k = 0; k < 8; ++k) {
-                        const unsigned int digit = 255 - 8 * lane - k;
-                        const unsigned int c = s_hist[digit];
-                        if (above + c >= remaining) {
-                            s_digit[0] = digit;
-                            s_digit[1] = remaining - above;
-                            break;
-                        }
-                        above += c;
-                    }
-                }
-            }
-            __syncthreads();
-            // Read before the next pass's histogram is complete (two barriers on), so the
-            // next write of s_digit comes after every thread has read this one.
-            prefix |= s_digit[0] << shift;
-            mask |= 255u << shift;
-            remaining = s_digit[1];
         }
-        threshold = prefix;
-        take_equal = remaining;
+        if (exact) {
+            // Exactly `keep` keys at or above prefix (>= 1): keep them all, no tie to break.
+            threshold = prefix - 1;
+        } else {
+            // prefix is the keep-th largest key: those above it, then the earliest equal.
+            unsigned int mine = 0;
+#pragma unroll
+            for (unsigned int k = 0; k < SELECT_KEYS; ++k) mine += keys[k] > prefix;
+            threshold = prefix;
+            take_equal = keep - block_sum_small(mine, bits);
+        }
     }
-    // Ordered compaction: each thread owns the contiguous run [lo, hi) of the middle.
-    const unsigned int per_thread = (middle + SELECT_THREADS - 1) / SELECT_THREADS;
-    const unsigned int lo = min(tid * per_thread, middle);
-    const unsigned int hi = min(lo + per_thread, middle);
+    // Ordered compaction: one scan of (above, equal) counts packed in 16-bit halves.
+    unsigned int above = 0;
     unsigned int equal = 0;
-    if (keep > 0 && !all) {
-        for (unsigned int j = lo; j < hi; ++j) equal += s_ordered[j] == threshold;
-    }
-    const unsigned int equal_before = block_exclusive_scan(equal, s_warp);
-    unsigned int kept = 0;
     if (keep > 0) {
-        unsigned int rank = equal_before;
-        for (unsigned int j = lo; j < hi; ++j) {
-            const unsigned int key = s_ordered[j];
-            kept += all || key > threshold || (key == threshold && rank++ < take_equal);
+#pragma unroll
+        for (unsigned int k = 0; k < SELECT_KEYS; ++k) {
+            if (lo + k < hi) {
+                above += all || keys[k] > threshold;
+                equal += !all && keys[k] == threshold;
+            }
         }
     }
-    const unsigned int kept_before = block_exclusive_scan(kept, s_warp);
+    const unsigned int before = block_exclusive_scan(above | (equal << 16), s_warp);
     const unsigned int head = window_start > 0 ? 1 : 0;
     if (head && tid == 0 && out_begin < out_end) out_indices[out_begin] = pages[0];
     if (keep > 0) {
-        unsigned int at = out_begin + head + kept_before;
-        unsigned int rank = equal_before;
-        for (unsigned int j = lo; j < hi; ++j) {
-            const unsigned int key = s_ordered[j];
-            if (all || key > threshold || (key == threshold && rank++ < take_equal)) {
-                if (at < out_end) out_indices[at] = pages[j + 1];
-                ++at;
+        unsigned int rank = before >> 16;
+        unsigned int at = out_begin + head + (before & 0xffffu) + min(rank, take_equal);
+#pragma unroll
+        for (unsigned int k = 0; k < SELECT_KEYS; ++k) {
+            if (lo + k < hi) {
+                const unsigned int key = keys[k];
+                if (all || key > threshold || (key == threshold && rank++ < take_equal)) {
+                    if (at < out_end) out_indices[at] = pages[lo + k + 1];
+                    ++at;
+                }
             }
         }
     }

@@ -66,38 +66,103 @@ extern "C" __global__ void sparse_summaries_update(const T* __restrict__ k_pool,
     entry[head_dim + d] = from_f32<T>(high);
 }
 
-// Page scores: grid (ceil(max_pages / SCORE_TILE), B), block 32 * warps (1..=SCORE_WARPS).
-// CTA (x, r) scores the page POSITIONS x * SCORE_TILE .. + SCORE_TILE of request r's page
-// list, only the middle positions 1 .. window_start of a sparse request (requests[4r] = its
-// query row, 0xffffffff for a dense request; requests[4r + 1] = window_start), into
-// scores[r * max_pages + p]. Warp w takes the KV heads w, w + warps, ...: it issues the
-// summary loads of all its tile's pages at once (memory parallelism, not a chain of round
-// trips), reads each query head once for the tile, and parks each GQA group's sum in shared
-// memory; thread t then adds page t's groups in order. The score is the host's exactly: per
-// query head sum_d max(q_d * min_d, q_d * max_d), lane l summing d = l, l + 32, ... in order
-// and the lanes folding by the xor butterfly (the host's `warp_order_sum`); the heads of each
-// GQA group summed in order, then the groups in order. Every sum starts from -0.0 and every
-// product and sum is rounded on its own (no FMA contraction), so ties agree with the host. A
-// page id outside the pool scores -inf. head_dim <= 32 * SCORE_MAX_CHUNKS, num_kv_heads <=
-// SCORE_MAX_KV_HEADS.
-#define SCORE_WARPS 8
-#define SCORE_TILE 4
-#define SCORE_MAX_CHUNKS 8
-#define SCORE_MAX_KV_HEADS 256
-extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned int q_row_stride,
-                                              const T* __restrict__ summaries,
-                                              const unsigned int* __restrict__ indptr,
-                                              const unsigned int* __restrict__ indices,
-                                              const unsigned int* __restrict__ requests,
-                                              float* __restrict__ scores, unsigned int max_pages,
-                                              unsigned int num_pages, unsigned int num_kv_heads,
-                                              unsigned int n_rep, unsigned int head_dim) {
-    __shared__ float s_group[SCORE_TILE][SCORE_MAX_KV_HEADS];
-    const unsigned int warp = threadIdx.x / 32;
-    const unsigned int warps = blockDim.x / 32;
-    const unsigned int lane = threadIdx.x % 32;
+// Page scores: grid (ceil(max_pages / pages_per_cta), B), block SCORE_THREADS, dynamic shared
+// memory for one query row (num_kv_heads * n_rep * head_dim T values). CTA (x, r) scores the
+// page POSITIONS x * pages_per_cta .. + pages_per_cta of request r's page list, only the
+// middle positions 1 .. window_start of a sparse request (requests[4r] = its query row,
+// 0xffffffff for a dense request; requests[4r + 1] = window_start), into
+// scores[r * max_pages + p]. The CTA stages the query row and its page ids in shared memory,
+// then each octet (8 lanes) takes one (page, KV head) pair at a time: lane l reads the
+// contiguous slice l * ceil(head_dim / 8) .. of the pair's min and max (16-byte loads where
+// the slices allow), so a pair's 2 * head_dim values come in one coalesced sweep. The score
+// is the host's exactly: per query head, lane l sums max(q_d * min_d, q_d * max_d) over its
+// slice in order from -0.0 and the octet folds by the xor butterfly 4, 2, 1 (the host's
+// `octet_order_sum`); the heads of a GQA group summed in order, then (thread t for page t)
+// the groups in order. Every product and sum is rounded on its own (no FMA contraction), so
+// ties agree with the host. A page id outside the pool scores -inf. head_dim <=
+// 8 * SCORE_MAX_SLICE, num_kv_heads * pages_per_cta <= SCORE_MAX_PAIRS, pages_per_cta <=
+// SCORE_MAX_CTA_PAGES.
+#define SCORE_THREADS 256
+#define SCORE_OCTETS (SCORE_THREADS / 8)
+#define SCORE_MAX_SLICE 32
+#define SCORE_MAX_PAIRS 256
+#define SCORE_MAX_CTA_PAGES 64
+#define SCORE_VEC (16 / sizeof(T))
+#define SCORE_MAX_VECS (SCORE_MAX_SLICE / (16 / sizeof(T)))
+
+// One (page, KV head) pair's group bound, every lane of the octet (`mask`) taking part.
+__device__ __forceinline__ float octet_group_bound(const T* __restrict__ entry, const T* s_qg,
+                                                   unsigned int n_rep, unsigned int head_dim,
+                                                   unsigned int d0, unsigned int d1,
+                                                   bool vectors, unsigned int mask) {
+    float group = -0.0f;
+    if (vectors) {
+        // Slices of whole 16-byte vectors: all of the pair's loads in flight at once.
+        const unsigned int count = (d1 - d0) / SCORE_VEC;
+        uint4 lo[SCORE_MAX_VECS];
+        uint4 hi[SCORE_MAX_VECS];
+#pragma unroll
+        for (unsigned int v = 0; v < SCORE_MAX_VECS; ++v) {
+            if (v < count) {
+                lo[v] = *reinterpret_cast<const uint4*>(entry + d0 + v * SCORE_VEC);
+                hi[v] = *reinterpret_cast<const uint4*>(entry + head_dim + d0 + v * SCORE_VEC);
+            }
+        }
+        for (unsigned int h = 0; h < n_rep; ++h) {
+            const T* qh = s_qg + (size_t)h * head_dim + d0;
+            float part = -0.0f;
+#pragma unroll
+            for (unsigned int v = 0; v < SCORE_MAX_VECS; ++v) {
+                if (v < count) {
+                    const uint4 qv = *reinterpret_cast<const uint4*>(qh + v * SCORE_VEC);
+                    const T* qe = reinterpret_cast<const T*>(&qv);
+                    const T* le = reinterpret_cast<const T*>(&lo[v]);
+                    const T* he = reinterpret_cast<const T*>(&hi[v]);
+#pragma unroll
+                    for (unsigned int e = 0; e < SCORE_VEC; ++e) {
+                        const float qd = to_f32(qe[e]);
+                        part = __fadd_rn(part, fmaxf(__fmul_rn(qd, to_f32(le[e])),
+                                                     __fmul_rn(qd, to_f32(he[e]))));
+                    }
+                }
+            }
+            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 4, 8));
+            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 2, 8));
+            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 1, 8));
+            group = __fadd_rn(group, part);
+        }
+    } else {
+        for (unsigned int h = 0; h < n_rep; ++h) {
+            const T* qh = s_qg + (size_t)h * head_dim;
+            float part = -0.0f;
+            for (unsigned int d = d0; d < d1; ++d) {
+                const float qd = to_f32(qh[d]);
+                part = __fadd_rn(part, fmaxf(__fmul_rn(qd, to_f32(entry[d])),
+                                             __fmul_rn(qd, to_f32(entry[head_dim + d]))));
+            }
+            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 4, 8));
+            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 2, 8));
+            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 1, 8));
+            group = __fadd_rn(group, part);
+        }
+    }
+    return group;
+}
+
+extern "C" __global__ void __launch_bounds__(SCORE_THREADS)
+    sparse_page_scores(const T* __restrict__ q, unsigned int q_row_stride,
+                       const T* __restrict__ summaries, const unsigned int* __restrict__ indptr,
+                       const unsigned int* __restrict__ indices,
+                       const unsigned int* __restrict__ requests, float* __restrict__ scores,
+                       unsigned int max_pages, unsigned int num_pages,
+                       unsigned int num_kv_heads, unsigned int n_rep, unsigned int head_dim,
+                       unsigned int pages_per_cta) {
+    extern __shared__ uint4 s_dynamic[];
+    T* s_q = reinterpret_cast<T*>(s_dynamic);
+    __shared__ float s_group[SCORE_MAX_PAIRS];
+    __shared__ unsigned int s_page[SCORE_MAX_CTA_PAGES];
     const unsigned int r = blockIdx.y;
-    const unsigned int first = blockIdx.x * SCORE_TILE;
+    const unsigned int first = blockIdx.x * pages_per_cta;
     // Every exit below depends on the CTA's (x, r) only, so a CTA leaves whole.
     const unsigned int query_row = requests[4 * r];
     const unsigned int window = requests[4 * r + 1];
@@ -107,73 +172,51 @@ extern "C" __global__ void sparse_page_scores(const T* __restrict__ q, unsigned 
     const unsigned int count = max(begin, end) - begin;
     const unsigned int limit = min(min(window, count), max_pages);
     if (first >= limit) return;
-    unsigned int page[SCORE_TILE];
-    bool scored[SCORE_TILE];
-#pragma unroll
-    for (unsigned int t = 0; t < SCORE_TILE; ++t) {
+    // Stage the page ids and the query row.
+    for (unsigned int t = threadIdx.x; t < pages_per_cta; t += SCORE_THREADS) {
         const unsigned int p = first + t;
-        const bool middle = p >= 1 && p < limit;
-        page[t] = middle ? indices[begin + p] : 0;
-        scored[t] = middle && page[t] < num_pages;
+        s_page[t] = p >= 1 && p < limit ? indices[begin + p] : 0u;
     }
+    const unsigned int q_elems = num_kv_heads * n_rep * head_dim;
     const T* query = q + (size_t)query_row * q_row_stride;
-    for (unsigned int kv_head = warp; kv_head < num_kv_heads; kv_head += warps) {
-        float lo[SCORE_TILE][SCORE_MAX_CHUNKS];
-        float hi[SCORE_TILE][SCORE_MAX_CHUNKS];
-#pragma unroll
-        for (unsigned int t = 0; t < SCORE_TILE; ++t) {
-            const T* low = summaries + ((size_t)page[t] * num_kv_heads + kv_head) * 2 * head_dim;
-#pragma unroll
-            for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
-                const unsigned int d = lane + 32 * i;
-                const bool load = scored[t] && d < head_dim;
-                lo[t][i] = load ? to_f32(low[d]) : 0.0f;
-                hi[t][i] = load ? to_f32(low[head_dim + d]) : 0.0f;
-            }
+    if ((q_elems % SCORE_VEC) == 0 && (reinterpret_cast<size_t>(query) % 16) == 0) {
+        const uint4* source = reinterpret_cast<const uint4*>(query);
+        for (unsigned int i = threadIdx.x; i < q_elems / SCORE_VEC; i += SCORE_THREADS) {
+            s_dynamic[i] = source[i];
         }
-        float group[SCORE_TILE];
-#pragma unroll
-        for (unsigned int t = 0; t < SCORE_TILE; ++t) group[t] = -0.0f;
-        for (unsigned int h = 0; h < n_rep; ++h) {
-            const T* qh = query + (size_t)(kv_head * n_rep + h) * head_dim;
-            float qd[SCORE_MAX_CHUNKS];
-#pragma unroll
-            for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
-                const unsigned int d = lane + 32 * i;
-                qd[i] = d < head_dim ? to_f32(qh[d]) : 0.0f;
-            }
-#pragma unroll
-            for (unsigned int t = 0; t < SCORE_TILE; ++t) {
-                float part = -0.0f;
-#pragma unroll
-                for (unsigned int i = 0; i < SCORE_MAX_CHUNKS; ++i) {
-                    if (lane + 32 * i < head_dim) {
-                        part = __fadd_rn(part, fmaxf(__fmul_rn(qd[i], lo[t][i]),
-                                                     __fmul_rn(qd[i], hi[t][i])));
-                    }
-                }
-#pragma unroll
-                for (unsigned int offset = 16; offset > 0; offset /= 2) {
-                    part = __fadd_rn(part, __shfl_xor_sync(0xffffffffu, part, offset));
-                }
-                group[t] = __fadd_rn(group[t], part);
-            }
-        }
-        if (lane == 0) {
-#pragma unroll
-            for (unsigned int t = 0; t < SCORE_TILE; ++t) s_group[t][kv_head] = group[t];
-        }
+    } else {
+        for (unsigned int i = threadIdx.x; i < q_elems; i += SCORE_THREADS) s_q[i] = query[i];
     }
     __syncthreads();
-    if (threadIdx.x < SCORE_TILE) {
-        const unsigned int t = threadIdx.x;
+    const unsigned int lane = threadIdx.x % 8;
+    const unsigned int mask = 0xffu << (threadIdx.x % 32 / 8 * 8);
+    const unsigned int slice = (head_dim + 7) / 8;
+    const unsigned int d0 = min(lane * slice, head_dim);
+    const unsigned int d1 = min(d0 + slice, head_dim);
+    // 16-byte slices: every slice whole (head_dim a multiple of 8) and a whole number of vectors.
+    const bool vectors = head_dim % 8 == 0 && (slice * sizeof(T)) % 16 == 0;
+    const unsigned int pairs = pages_per_cta * num_kv_heads;
+    for (unsigned int i = threadIdx.x / 8; i < pairs; i += SCORE_OCTETS) {
+        const unsigned int local = i / num_kv_heads;
+        const unsigned int kv_head = i - local * num_kv_heads;
+        const unsigned int p = first + local;
+        const unsigned int page = s_page[local];
+        // Octet-uniform: the octet's lanes share the pair.
+        if (p < 1 || p >= limit || page >= num_pages) continue;
+        const T* entry = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
+        const float group = octet_group_bound(entry, s_q + (size_t)kv_head * n_rep * head_dim,
+                                              n_rep, head_dim, d0, d1, vectors, mask);
+        if (lane == 0) s_group[i] = group;
+    }
+    __syncthreads();
+    for (unsigned int t = threadIdx.x; t < pages_per_cta; t += SCORE_THREADS) {
         const unsigned int p = first + t;
         if (p >= 1 && p < limit) {
             float score = -INFINITY;
-            if (scored[t]) {
+            if (s_page[t] < num_pages) {
                 score = -0.0f;
                 for (unsigned int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
-                    score = __fadd_rn(score, s_group[t][kv_head]);
+                    score = __fadd_rn(score, s_group[t * num_kv_heads + kv_head]);
                 }
             }
             scores[(size_t)r * max_pages + p] = score;

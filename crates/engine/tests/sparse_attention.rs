@@ -196,3 +196,120 @@ fn passkey_quality_table() {
         }
     }
 }
+
+/// Per request (seeded sampling, sparse decode on): tokens and log-probability bits.
+type Seeded = Vec<Trace>;
+
+/// Runs `requests` (prompt and seed; temperature 0.9, top-p 0.95) on a fresh engine of
+/// `num_pages` pages with sparse decode on: `waves` lists which requests join at which step
+/// (a later wave finds an earlier one's prompt pages cached). Returns the traces and the
+/// engine's preemptions.
+fn run_seeded(
+    requests: &[(Vec<u32>, u64)],
+    num_pages: usize,
+    waves: &[(usize, Vec<usize>)],
+) -> (Seeded, u64) {
+    let loaded = default_model().unwrap();
+    let config = engine_config(num_pages, 512, CONTEXT, AttentionPolicy::Auto);
+    let settings = EngineSettings {
+        sparse_attention: Some(SparseAttention::new(256, 32, 512).unwrap()),
+        prefix_caching: true,
+        ..EngineSettings::from_config(pagoda_config::global())
+    };
+    let mut engine = Engine::with_settings(loaded.model, config, settings).unwrap();
+    let mut traces: Seeded = vec![(Vec::new(), Vec::new()); requests.len()];
+    let mut ids: Vec<(RequestId, usize)> = Vec::new();
+    let mut step = 0;
+    let joined = waves.iter().map(|(_, w)| w.len()).sum::<usize>();
+    while engine.num_running() + engine.num_waiting() > 0 || ids.len() < joined {
+        for (at, wave) in waves {
+            if *at != step {
+                continue;
+            }
+            for &index in wave {
+                let params = SamplingParams {
+                    temperature: 0.9,
+                    top_p: 0.95,
+                    seed: Some(requests[index].1),
+                    ..SamplingParams::default()
+                };
+                let id = engine
+                    .add_request(
+                        requests[index].0.clone(),
+                        params,
+                        NEW_TOKENS,
+                        Vec::new(),
+                        true,
+                    )
+                    .unwrap();
+                ids.push((id, index));
+            }
+        }
+        for event in engine.step().unwrap() {
+            let index = ids.iter().find(|(id, _)| *id == event.request).unwrap().1;
+            traces[index].0.push(event.token);
+            let bits = event
+                .logprobs
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect();
+            traces[index].1.push(bits);
+        }
+        step += 1;
+    }
+    (traces, engine.counters().preemptions)
+}
+
+/// Reproducibility with sparse decode on: a seeded request gives the same tokens and
+/// log-probability bits alone on a cold cache, again on a warm one (its prompt pages from
+/// the prefix cache, a second wave), beside other long sparse requests that join while it
+/// decodes, and in a pool so tight that requests are preempted and computed again.
+#[test]
+fn a_seeded_sparse_request_is_reproducible_alone_warm_under_load_and_preempted() {
+    let Some((_, tokenizer)) = engine(None) else {
+        return;
+    };
+    // Three long prompts (about 0.8K-1.3K tokens), the key at different depths, each with
+    // its own seed.
+    let requests: Vec<(Vec<u32>, u64)> = [(20, 40), (10, 30), (30, 10)]
+        .iter()
+        .enumerate()
+        .map(|(i, &(before, after))| {
+            let prompt = tokenizer
+                .encode(&passkey_prompt(before, after), true)
+                .unwrap();
+            (prompt, 100 + i as u64)
+        })
+        .collect();
+    let before = sparse_decode_counts();
+    // Request 0 alone on a cold cache, then again once it has finished: its prompt pages
+    // come from the prefix cache.
+    let twice = [requests[0].clone(), requests[0].clone()];
+    let (warm, _) = run_seeded(&twice, 400, &[(0, vec![0]), (40, vec![1])]);
+    assert!(
+        sparse_decode_counts().steps > before.steps,
+        "sparse decode never ran"
+    );
+    assert_eq!(warm[1], warm[0], "request 0 on a warm cache differs");
+    let mut alone: Seeded = vec![warm[0].clone()];
+    for i in 1..requests.len() {
+        alone.push(run_seeded(&requests, 400, &[(0, vec![i])]).0.swap_remove(i));
+    }
+    // Under load: the others join at different steps while request 0 decodes.
+    let waves = [(0, vec![0]), (3, vec![1]), (6, vec![2])];
+    let (loaded, _) = run_seeded(&requests, 400, &waves);
+    // Preempted: a pool that cannot hold all three as they decode.
+    let (tight, preempted) = run_seeded(&requests, TIGHT_PAGES, &[(0, vec![0, 1, 2])]);
+    assert!(
+        preempted > 0,
+        "the pool of {TIGHT_PAGES} pages must preempt"
+    );
+    for (i, reference) in alone.iter().enumerate() {
+        assert_eq!(&loaded[i], reference, "request {i} under load differs");
+        assert_eq!(&tight[i], reference, "request {i} preempted differs");
+    }
+}
+
+/// Pages of the preempting run: more than the longest request needs, fewer than the three.
+const TIGHT_PAGES: usize = 100;

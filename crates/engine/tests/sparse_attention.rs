@@ -47,6 +47,22 @@ fn engine(
 
 type Trace = (Vec<u32>, Vec<Vec<u32>>);
 
+/// One engine step: each event's token and log-probability bits appended to the trace of
+/// its request (`ids` maps request ids to trace indices).
+fn step_into(engine: &mut Engine, ids: &[(RequestId, usize)], traces: &mut [Trace]) {
+    for event in engine.step().unwrap() {
+        let index = ids.iter().find(|(id, _)| *id == event.request).unwrap().1;
+        traces[index].0.push(event.token);
+        let bits = event
+            .logprobs
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        traces[index].1.push(bits);
+    }
+}
+
 /// Greedy runs of `prompt`, one per entry of `settings` (each request's sparse settings; the
 /// engine's default is replaced), the first alone and the rest together after it, so they
 /// reuse its prompt pages from the prefix cache: tokens and the bits of each log-softmax row.
@@ -69,17 +85,7 @@ fn run(engine: &mut Engine, prompt: &[u32], settings: &[Option<SparseAttention>]
             })
             .collect();
         while engine.num_running() > 0 {
-            for event in engine.step().unwrap() {
-                let index = ids.iter().find(|(id, _)| *id == event.request).unwrap().1;
-                results[index].0.push(event.token);
-                let bits = event
-                    .logprobs
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.to_bits())
-                    .collect();
-                results[index].1.push(bits);
-            }
+            step_into(engine, &ids, &mut results);
         }
     }
     results
@@ -245,17 +251,7 @@ fn run_seeded(
                 ids.push((id, index));
             }
         }
-        for event in engine.step().unwrap() {
-            let index = ids.iter().find(|(id, _)| *id == event.request).unwrap().1;
-            traces[index].0.push(event.token);
-            let bits = event
-                .logprobs
-                .unwrap()
-                .iter()
-                .map(|x| x.to_bits())
-                .collect();
-            traces[index].1.push(bits);
-        }
+        step_into(&mut engine, &ids, &mut traces);
         step += 1;
     }
     (traces, engine.counters().preemptions)

@@ -2,10 +2,11 @@
 //! without `--include-ignored`: they need a GPU): the key summaries after every step of
 //! prefill chunks, decode steps, padding slots and reused pages equal the CPU
 //! `KeySummaries` exactly (f32, bf16, f16 pools); the device-selected page tables equal the
-//! CPU `QuestSelector`'s exactly on random batches (head dims, GQA groups, budgets, windows,
-//! page sizes 16 and 32, contexts around `min_context`, multi-row requests, tied scores, a
-//! request of the most pages the device handles); and the gathered decode over the selected
-//! table matches the CPU decode over the CPU-selected table.
+//! CPU `QuestSelector`'s exactly, with both kernel sets (`PAGODA_CUDA_SPARSE_SELECT`), on
+//! random batches (head dims, GQA groups, budgets, windows, page sizes 16 and 32, contexts
+//! around `min_context`, multi-row requests, tied scores, a request of the most pages the
+//! device handles); and the gathered decode over the selected table matches the CPU decode
+//! over the CPU-selected table.
 
 #[path = "gpu_common/mod.rs"]
 mod common;
@@ -20,7 +21,7 @@ use pagoda_ops::attention::{
 };
 use pagoda_ops::cuda::{
     self as ops, sparse_summaries_len, DevicePageTable, PagedKv, PoolLayout, Queries,
-    SparseSelectPlan, SparseSelectWorkspace, SPARSE_MAX_PAGES,
+    SparseSelectKernels, SparseSelectPlan, SparseSelectWorkspace, SPARSE_MAX_PAGES,
 };
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -361,21 +362,28 @@ fn select_case<T: TestFloat>(gpu: &Gpu, case: &SelectCase, seed: u64) -> Selecte
         gpu.upload(&table.first_page_offset).unwrap(),
     ];
     let device_table = DevicePageTable::new(&full[0], &full[1], &full[2], &full[3]).unwrap();
-    let mut out = poisoned::<u32>(gpu, plan.selected_pages().max(1));
-    ops::sparse_select(
-        gpu,
-        &Queries::new(&q_device, num_q_heads, stride),
-        &summaries,
-        &layout,
-        &device_table,
-        &mut workspace,
-        &mut out,
-    )
-    .unwrap();
-    let mut indices = gpu.download(&out).unwrap();
-    indices.truncate(plan.selected_pages());
-    let selected = plan.table(&table, indices);
-    assert_eq!(selected, expected, "{what}: selected table");
+    // Both kernel sets (PAGODA_CUDA_SPARSE_SELECT) keep the CPU's pages.
+    let mut last = None;
+    for kernels in [SparseSelectKernels::Bitwise, SparseSelectKernels::Radix] {
+        workspace.set_kernels(kernels);
+        let mut out = poisoned::<u32>(gpu, plan.selected_pages().max(1));
+        ops::sparse_select(
+            gpu,
+            &Queries::new(&q_device, num_q_heads, stride),
+            &summaries,
+            &layout,
+            &device_table,
+            &mut workspace,
+            &mut out,
+        )
+        .unwrap();
+        let mut indices = gpu.download(&out).unwrap();
+        indices.truncate(plan.selected_pages());
+        let table = plan.table(&table, indices);
+        assert_eq!(table, expected, "{what}: selected table ({kernels:?})");
+        last = Some((table, out));
+    }
+    let (selected, out) = last.unwrap();
     Selected {
         pools,
         table: selected,

@@ -22,7 +22,7 @@ use pagoda_models::llama_cuda::sparse_grid_pages;
 use pagoda_ops::attention::SparseAttention;
 use pagoda_ops::cuda::{
     self as ops, DevicePageTable, PagedDecodePlan, PagedDecodeWorkspace, PagedKv, Queries,
-    SparseSelectPlan, SparseSelectWorkspace, SPARSE_MAX_PAGES,
+    SparseSelectKernels, SparseSelectPlan, SparseSelectWorkspace, SPARSE_MAX_PAGES,
 };
 use rand::Rng;
 use serde::Serialize;
@@ -59,6 +59,10 @@ pub struct BenchSparseArgs {
     /// Heads and page size.
     #[command(flatten)]
     pub heads: Geometry,
+    /// The page scores' and selection's kernels: bitwise or radix (default:
+    /// $PAGODA_CUDA_SPARSE_SELECT, else bitwise).
+    #[arg(long, value_parser = ["bitwise", "radix"])]
+    pub select: Option<String>,
     /// Graph replays per case (the median is reported).
     #[arg(short = 'n', long, default_value_t = 50)]
     pub replays: usize,
@@ -69,6 +73,8 @@ pub struct BenchSparseArgs {
 
 #[derive(Serialize)]
 struct CaseResult {
+    /// The selection's kernels (`bitwise` or `radix`).
+    select: &'static str,
     batch: usize,
     context: usize,
     budget: usize,
@@ -97,6 +103,14 @@ pub fn run(args: &BenchSparseArgs) -> Result<()> {
     if all.iter().any(|list| list.contains(&0)) || args.replays == 0 {
         bail!("--batch, --context, --budget and --replays must be at least 1");
     }
+    let word = match &args.select {
+        Some(word) => word.clone(),
+        None => pagoda_config::global()
+            .word("PAGODA_CUDA_SPARSE_SELECT")
+            .to_string(),
+    };
+    let kernels = SparseSelectKernels::parse(&word)
+        .ok_or_else(|| anyhow::anyhow!("--select {word}: bitwise or radix"))?;
     let g = args.heads;
     let largest = args.batch.iter().max().copied().unwrap_or(1)
         * args.context.iter().max().copied().unwrap_or(1);
@@ -125,7 +139,7 @@ pub fn run(args: &BenchSparseArgs) -> Result<()> {
                 if l <= budget {
                     bail!("--context {l} must exceed --budget {budget}");
                 }
-                let result = case(&mut rig, args, &mut summaries, (b, l, params))?;
+                let result = case(&mut rig, args, &mut summaries, kernels, (b, l, params))?;
                 if !args.json {
                     print_row(&result, results.is_empty());
                 }
@@ -144,6 +158,7 @@ fn case(
     rig: &mut Rig,
     args: &BenchSparseArgs,
     summaries: &mut DeviceBuffer<bf16>,
+    kernels: SparseSelectKernels,
     (b, l, params): (usize, usize, SparseAttention),
 ) -> Result<CaseResult> {
     let g = rig.geometry;
@@ -188,6 +203,7 @@ fn case(
         bail!("--context {l}: past the device selection's {SPARSE_MAX_PAGES} pages");
     }
     let mut select = SparseSelectWorkspace::new(gpu, b, max_pages)?;
+    select.set_kernels(kernels);
     select.upload(gpu, &plan)?;
     select.set_grid_pages(sparse_grid_pages(plan.max_sparse_pages, max_pages))?;
     let mut indices = gpu.zeros::<u32>(plan.selected_pages().max(1))?;
@@ -238,6 +254,10 @@ fn case(
     }
     let [update_us, with_scores, with_select, sparse_us] = medians;
     Ok(CaseResult {
+        select: match kernels {
+            SparseSelectKernels::Bitwise => "bitwise",
+            SparseSelectKernels::Radix => "radix",
+        },
         batch: b,
         context: l,
         budget: params.budget,
@@ -307,6 +327,7 @@ fn make_set(rig: &mut Rig, b: usize, l: usize) -> Result<Set> {
 
 fn print_row(case: &CaseResult, header: bool) {
     if header {
+        println!("selection kernels: {}", case.select);
         println!(
             "{:>3} {:>7} {:>6} {:>2} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
             "B",

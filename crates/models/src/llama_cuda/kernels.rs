@@ -74,6 +74,9 @@ pub struct CudaKernels {
     /// (`--sparse-attention`, `PAGODA_SPARSE_ATTENTION` set to anything but `off`): which
     /// requests run sparse is the engine's choice per step.
     pub sparse_decode: bool,
+    /// Sparse decode's page scores and selection (`PAGODA_CUDA_SPARSE_SELECT`; the same
+    /// pages either way).
+    pub sparse_select: ops::SparseSelectKernels,
     /// The device sampler's paths.
     pub sampling: SamplingKernels,
     /// Batch-invariant steps (`PAGODA_DETERMINISTIC`, `--deterministic`): GEMMs on one
@@ -160,6 +163,7 @@ impl Default for CudaKernels {
             pages_per_chunk: None,
             cascade: Some(super::CUDA_AUTO_CASCADE_RULE),
             sparse_decode: false,
+            sparse_select: ops::SparseSelectKernels::Bitwise,
             sampling: SamplingKernels::default(),
             deterministic: false,
             kv_fp8: false,
@@ -221,6 +225,10 @@ impl CudaKernels {
                 pagoda_ops::attention::SparseAttention::from_config(config),
                 Ok(Some(_))
             ),
+            sparse_select: ops::SparseSelectKernels::parse(
+                config.word("PAGODA_CUDA_SPARSE_SELECT"),
+            )
+            .unwrap_or_default(),
             sampling: SamplingKernels {
                 filtered: FilteredSampling::parse(config.word("PAGODA_GPU_SAMPLING_FILTERED"))
                     .unwrap_or(FilteredSampling::Fast),
@@ -353,6 +361,7 @@ mod tests {
             pages_per_chunk: Some(4),
             cascade: None,
             sparse_decode: false,
+            sparse_select: ops::SparseSelectKernels::Bitwise,
             sampling: SamplingKernels {
                 filtered: FilteredSampling::Exact,
                 gumbel_max: false,

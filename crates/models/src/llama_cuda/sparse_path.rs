@@ -118,22 +118,27 @@ impl<T: HostFloat> SparseDecode<T> {
         }
         // The kernels compile now (or load from the disk cache): the summaries' update runs
         // in every step, decode graphs captured at start-up included.
-        for entry in [
-            ops::SparseEntry::Summaries,
-            ops::SparseEntry::Scores,
-            ops::SparseEntry::Select,
-        ] {
+        let kernels = options.kernels.sparse_select;
+        let (scores, select) =
+            ops::sparse_select_entries(kernels, layout.head_dim, layout.num_kv_heads, T::DTYPE);
+        for entry in [ops::SparseEntry::Summaries, scores, select] {
             gpu.prepare(&ops::specialize_sparse(entry, T::DTYPE)?)?;
         }
+        tracing::info!(
+            "CUDA sparse decode: page scores {scores:?}, selection {select:?} \
+             (PAGODA_CUDA_SPARSE_SELECT={kernels:?})"
+        );
         let summaries = (0..c.num_layers)
             .map(|_| gpu.zeros(ops::sparse_summaries_len(layout)))
             .collect::<Result<Vec<_>, _>>()?;
         let pages = options.max_context.div_ceil(layout.page_size.max(1)) + 1;
         let max_pages = pages.min(ops::SPARSE_MAX_PAGES);
         let requests = options.max_batch_requests.max(1);
+        let mut workspace = SparseSelectWorkspace::new(gpu, requests, max_pages)?;
+        workspace.set_kernels(kernels);
         Ok(Some(SparseDecode {
             summaries,
-            workspace: SparseSelectWorkspace::new(gpu, requests, max_pages)?,
+            workspace,
             indices: gpu.zeros(max_indices.max(1))?,
             pending: None,
             page_size: layout.page_size,

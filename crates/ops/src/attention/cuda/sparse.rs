@@ -16,7 +16,12 @@
 //! `sparse_select_pages`, one CTA of 1024 threads per request holding the scores in registers,
 //! which finds the keep-th best bit by bit from the top (block counts by
 //! `__syncthreads_count`, stopping as soon as exactly `keep` pages lie at or above the prefix)
-//! and writes the kept pages in page order after one block scan. Fixed grids (from the
+//! and writes the kept pages in page order after one block scan. [`SparseSelectKernels::Radix`]
+//! (`PAGODA_CUDA_SPARSE_SELECT=radix`, not yet measured on a GPU) swaps in
+//! `sparse_page_scores_ahead` (an octet's two pairs loaded before the staging, at three CTAs
+//! an SM, where each lane's slice is one or two vectors) and `sparse_select_pages_radix` (a
+//! byte-at-a-time radix select over one shared histogram a pass); the same pages either way.
+//! Fixed grids (from the
 //! workspace's capacity) and no host round trip: graph-capturable once the plan is uploaded.
 //! [`sparse_page_scores`] alone is public for the benchmark's breakdown.
 
@@ -38,8 +43,11 @@ static SPARSE_SELECT: KernelSource =
 
 /// Threads of a `sparse_page_scores` CTA (32 octets of 8 lanes).
 const SCORE_THREADS: u32 = 256;
-/// (page, KV head) pairs a `sparse_page_scores` CTA aims at: two per octet.
+/// (page, KV head) pairs a `sparse_page_scores` CTA aims at: two per octet (the most
+/// `sparse_page_scores_ahead` takes, the kernel's `2 * SCORE_OCTETS`).
 const SCORE_PAIRS: usize = 64;
+/// 16-byte vectors of a lane's slice `sparse_page_scores_ahead` takes (its `SCORE_CHUNK`).
+const SCORE_AHEAD_VECTORS: usize = 2;
 /// Threads of a `sparse_select_pages` CTA.
 const SELECT_THREADS: u32 = 1024;
 /// Threads of a `sparse_summaries_update` CTA (a summary element each).
@@ -62,16 +70,49 @@ pub enum SparseEntry {
     Summaries,
     /// `sparse_page_scores`.
     Scores,
+    /// `sparse_page_scores_ahead` (see [`sparse_scores_entry`]).
+    ScoresAhead,
     /// `sparse_select_pages` (untyped).
     Select,
+    /// `sparse_select_pages_radix` (untyped).
+    SelectRadix,
+}
+
+/// Which selection kernels run (`PAGODA_CUDA_SPARSE_SELECT`); both keep the same pages, the
+/// CPU's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SparseSelectKernels {
+    /// `sparse_page_scores` (the query row and page ids staged before any summary load) and
+    /// `sparse_select_pages` (the keep-th best found bit by bit): measured on the H100
+    /// (`docs/benchmark_results/sparse-cuda-h100-2026-12-07.md`).
+    #[default]
+    Bitwise,
+    /// `sparse_page_scores_ahead` where the shape allows ([`sparse_scores_entry`]) and
+    /// `sparse_select_pages_radix`: written to be faster, not yet measured on a GPU.
+    Radix,
+}
+
+impl SparseSelectKernels {
+    /// The setting's word (`bitwise` or `radix`); `None` for any other.
+    pub fn parse(word: &str) -> Option<Self> {
+        match word {
+            "bitwise" => Some(SparseSelectKernels::Bitwise),
+            "radix" => Some(SparseSelectKernels::Radix),
+            _ => None,
+        }
+    }
 }
 
 /// The specialisation of `entry` for a pool of `dtype` (ignored by [`SparseEntry::Select`]).
 pub fn specialize_sparse(entry: SparseEntry, dtype: DType) -> Result<KernelSpec, CudaError> {
-    if entry == SparseEntry::Select {
+    if matches!(entry, SparseEntry::Select | SparseEntry::SelectRadix) {
         return Ok(KernelSpec {
             source: &SPARSE_SELECT,
-            entry: "sparse_select_pages",
+            entry: if entry == SparseEntry::Select {
+                "sparse_select_pages"
+            } else {
+                "sparse_select_pages_radix"
+            },
             params: vec![("MAX_PAGES", SPARSE_MAX_PAGES as i64)],
             dtypes: vec![],
         });
@@ -85,6 +126,7 @@ pub fn specialize_sparse(entry: SparseEntry, dtype: DType) -> Result<KernelSpec,
         source: &SPARSE_SUMMARY,
         entry: match entry {
             SparseEntry::Summaries => "sparse_summaries_update",
+            SparseEntry::ScoresAhead => "sparse_page_scores_ahead",
             _ => "sparse_page_scores",
         },
         params: vec![],
@@ -94,12 +136,41 @@ pub fn specialize_sparse(entry: SparseEntry, dtype: DType) -> Result<KernelSpec,
 
 /// Every specialisation of the sparse decode kernels.
 pub(super) fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
-    let mut specs = vec![specialize_sparse(SparseEntry::Select, DType::U32)?];
+    let mut specs = vec![
+        specialize_sparse(SparseEntry::Select, DType::U32)?,
+        specialize_sparse(SparseEntry::SelectRadix, DType::U32)?,
+    ];
     for dtype in SPARSE_DTYPES {
         specs.push(specialize_sparse(SparseEntry::Summaries, dtype)?);
         specs.push(specialize_sparse(SparseEntry::Scores, dtype)?);
+        specs.push(specialize_sparse(SparseEntry::ScoresAhead, dtype)?);
     }
     Ok(specs)
+}
+
+/// The page-scores and selection entries `kernels` run for a pool of `head_dim`,
+/// `num_kv_heads` and `dtype`. With [`SparseSelectKernels::Radix`], the scores load ahead
+/// ([`SparseEntry::ScoresAhead`]) where each lane's slice (`ceil(head_dim / 8)` values) is one
+/// or two whole 16-byte vectors and a CTA's pairs (`pages_per_cta * num_kv_heads`) are at most
+/// `SCORE_PAIRS`; elsewhere they are [`SparseEntry::Scores`].
+pub fn sparse_select_entries(
+    kernels: SparseSelectKernels,
+    head_dim: usize,
+    num_kv_heads: usize,
+    dtype: DType,
+) -> (SparseEntry, SparseEntry) {
+    if kernels == SparseSelectKernels::Bitwise {
+        return (SparseEntry::Scores, SparseEntry::Select);
+    }
+    let slice_bytes = head_dim.div_ceil(8) * dtype.size_bytes();
+    let whole = head_dim.is_multiple_of(8) && slice_bytes.is_multiple_of(16);
+    let ahead = whole && slice_bytes / 16 <= SCORE_AHEAD_VECTORS && num_kv_heads <= SCORE_PAIRS;
+    let scores = if ahead {
+        SparseEntry::ScoresAhead
+    } else {
+        SparseEntry::Scores
+    };
+    (scores, SparseEntry::SelectRadix)
 }
 
 /// Elements of one layer's summaries: `[num_pages, num_kv_heads, 2, head_dim]`.
@@ -170,6 +241,8 @@ pub struct SparseSelectWorkspace {
     grid_pages: usize,
     /// The last upload's requests, selected pages and longest shortened request.
     uploaded: Option<(usize, usize, usize)>,
+    /// The kernels [`sparse_select`] launches.
+    kernels: SparseSelectKernels,
 }
 
 impl SparseSelectWorkspace {
@@ -191,7 +264,19 @@ impl SparseSelectWorkspace {
             max_pages,
             grid_pages: max_pages,
             uploaded: None,
+            kernels: SparseSelectKernels::default(),
         })
+    }
+
+    /// Sets the kernels the next launches run (the default until set:
+    /// [`SparseSelectKernels::Bitwise`]).
+    pub fn set_kernels(&mut self, kernels: SparseSelectKernels) {
+        self.kernels = kernels;
+    }
+
+    /// The kernels the launches run.
+    pub fn kernels(&self) -> SparseSelectKernels {
+        self.kernels
     }
 
     /// Sets the pages the next [`sparse_select`] launches cover per request (`1..=` the
@@ -277,7 +362,13 @@ pub fn sparse_select<T: Element>(
     workspace: &mut SparseSelectWorkspace,
     out_indices: &mut impl DeviceWrite<u32>,
 ) -> Result<(), CudaError> {
-    let select_spec = specialize_sparse(SparseEntry::Select, T::DTYPE)?;
+    let (_, select) = sparse_select_entries(
+        workspace.kernels,
+        layout.head_dim,
+        layout.num_kv_heads,
+        T::DTYPE,
+    );
+    let select_spec = specialize_sparse(select, T::DTYPE)?;
     let b = table.num_requests();
     if let Some((_, selected, _)) = workspace.uploaded {
         check_min_len("sparse select out_indices", selected, out_indices.len())?;
@@ -319,7 +410,13 @@ pub fn sparse_page_scores<T: Element>(
     table: &DevicePageTable<'_>,
     workspace: &mut SparseSelectWorkspace,
 ) -> Result<(), CudaError> {
-    let scores_spec = specialize_sparse(SparseEntry::Scores, T::DTYPE)?;
+    let (scores, _) = sparse_select_entries(
+        workspace.kernels,
+        layout.head_dim,
+        layout.num_kv_heads,
+        T::DTYPE,
+    );
+    let scores_spec = specialize_sparse(scores, T::DTYPE)?;
     layout.validate()?;
     let b = table.num_requests();
     let Some((uploaded, _, longest)) = workspace.uploaded else {

@@ -71,15 +71,17 @@ extern "C" __global__ void sparse_summaries_update(const T* __restrict__ k_pool,
 // page POSITIONS x * pages_per_cta .. + pages_per_cta of request r's page list, only the
 // middle positions 1 .. window_start of a sparse request (requests[4r] = its query row,
 // 0xffffffff for a dense request; requests[4r + 1] = window_start), into
-// scores[r * max_pages + p]. The CTA stages the query row and its page ids in shared memory,
-// then each octet (8 lanes) takes one (page, KV head) pair at a time: lane l reads the
-// contiguous slice l * ceil(head_dim / 8) .. of the pair's min and max (16-byte loads where
-// the slices allow), so a pair's 2 * head_dim values come in one coalesced sweep. The score
-// is the host's exactly: per query head, lane l sums max(q_d * min_d, q_d * max_d) over its
-// slice in order from -0.0 and the octet folds by the xor butterfly 4, 2, 1 (the host's
-// `octet_order_sum`); the heads of a GQA group summed in order, then (thread t for page t)
-// the groups in order. Every product and sum is rounded on its own (no FMA contraction), so
-// ties agree with the host. A page id outside the pool scores -inf. head_dim <=
+// scores[r * max_pages + p]. Each octet (8 lanes) takes one (page, KV head) pair at a time
+// (pair i: page position i / num_kv_heads, KV head i % num_kv_heads; octet o the pairs o,
+// o + SCORE_OCTETS, ..): lane l reads the contiguous slice l * ceil(head_dim / 8) .. of the
+// pair's min and max (16-byte loads where the slices allow), so a pair's 2 * head_dim values
+// come in one coalesced sweep (sparse_page_scores_ahead, below, loads them earlier). The
+// CTA stages the query row and its page ids in shared memory first. The score is the host's
+// exactly: per query head, lane l sums max(q_d * min_d, q_d * max_d) over its slice in order
+// from -0.0 and the octet folds by the xor butterfly 4, 2, 1 (the host's `octet_order_sum`);
+// the heads of a GQA group summed in order, then (thread t for page t) the groups in order.
+// Every product and sum is rounded on its own (no FMA contraction), so ties agree with the
+// host. A page id outside the pool scores -inf (its groups are -inf). head_dim <=
 // 8 * SCORE_MAX_SLICE, num_kv_heads * pages_per_cta <= SCORE_MAX_PAIRS, pages_per_cta <=
 // SCORE_MAX_CTA_PAGES.
 #define SCORE_THREADS 256
@@ -89,64 +91,140 @@ extern "C" __global__ void sparse_summaries_update(const T* __restrict__ k_pool,
 #define SCORE_MAX_CTA_PAGES 64
 #define SCORE_VEC (16 / sizeof(T))
 #define SCORE_MAX_VECS (SCORE_MAX_SLICE / (16 / sizeof(T)))
+#define SCORE_CHUNK 2
+#define SCORE_MIN_CTAS 3
 
-// One (page, KV head) pair's group bound, every lane of the octet (`mask`) taking part.
+// A lane's partial sum folded over its octet (`mask`) by the xor butterfly 4, 2, 1.
+__device__ __forceinline__ float octet_fold(float part, unsigned int mask) {
+    part = __fadd_rn(part, __shfl_xor_sync(mask, part, 4, 8));
+    part = __fadd_rn(part, __shfl_xor_sync(mask, part, 2, 8));
+    return __fadd_rn(part, __shfl_xor_sync(mask, part, 1, 8));
+}
+
+// A lane's `count` (<= N) 16-byte vectors of the pair's min and max.
+template <unsigned int N>
+__device__ __forceinline__ void octet_load(const T* __restrict__ entry, unsigned int head_dim,
+                                           unsigned int d0, unsigned int count, uint4 (&lo)[N],
+                                           uint4 (&hi)[N]) {
+#pragma unroll
+    for (unsigned int v = 0; v < N; ++v) {
+        if (v < count) {
+            lo[v] = *reinterpret_cast<const uint4*>(entry + d0 + v * SCORE_VEC);
+            hi[v] = *reinterpret_cast<const uint4*>(entry + head_dim + d0 + v * SCORE_VEC);
+        }
+    }
+}
+
+// One (page, KV head) pair's group bound from a lane's loaded vectors (`count` <= N of
+// them, slices of whole vectors), every lane of the octet (`mask`) taking part.
+template <unsigned int N>
+__device__ __forceinline__ float octet_vector_bound(const uint4 (&lo)[N], const uint4 (&hi)[N],
+                                                    const T* s_qg, unsigned int n_rep,
+                                                    unsigned int head_dim, unsigned int d0,
+                                                    unsigned int count, unsigned int mask) {
+    float group = -0.0f;
+    for (unsigned int h = 0; h < n_rep; ++h) {
+        const T* qh = s_qg + (size_t)h * head_dim + d0;
+        float part = -0.0f;
+#pragma unroll
+        for (unsigned int v = 0; v < N; ++v) {
+            if (v < count) {
+                const uint4 qv = *reinterpret_cast<const uint4*>(qh + v * SCORE_VEC);
+                const T* qe = reinterpret_cast<const T*>(&qv);
+                const T* le = reinterpret_cast<const T*>(&lo[v]);
+                const T* he = reinterpret_cast<const T*>(&hi[v]);
+#pragma unroll
+                for (unsigned int e = 0; e < SCORE_VEC; ++e) {
+                    const float qd = to_f32(qe[e]);
+                    part = __fadd_rn(part, fmaxf(__fmul_rn(qd, to_f32(le[e])),
+                                                 __fmul_rn(qd, to_f32(he[e]))));
+                }
+            }
+        }
+        group = __fadd_rn(group, octet_fold(part, mask));
+    }
+    return group;
+}
+
+// The same bound read from memory: whole vectors (`vectors`) or element by element.
 __device__ __forceinline__ float octet_group_bound(const T* __restrict__ entry, const T* s_qg,
                                                    unsigned int n_rep, unsigned int head_dim,
                                                    unsigned int d0, unsigned int d1,
                                                    bool vectors, unsigned int mask) {
-    float group = -0.0f;
     if (vectors) {
-        // Slices of whole 16-byte vectors: all of the pair's loads in flight at once.
-        const unsigned int count = (d1 - d0) / SCORE_VEC;
         uint4 lo[SCORE_MAX_VECS];
         uint4 hi[SCORE_MAX_VECS];
-#pragma unroll
-        for (unsigned int v = 0; v < SCORE_MAX_VECS; ++v) {
-            if (v < count) {
-                lo[v] = *reinterpret_cast<const uint4*>(entry + d0 + v * SCORE_VEC);
-                hi[v] = *reinterpret_cast<const uint4*>(entry + head_dim + d0 + v * SCORE_VEC);
-            }
+        const unsigned int count = (d1 - d0) / SCORE_VEC;
+        octet_load<SCORE_MAX_VECS>(entry, head_dim, d0, count, lo, hi);
+        return octet_vector_bound<SCORE_MAX_VECS>(lo, hi, s_qg, n_rep, head_dim, d0, count, mask);
+    }
+    float group = -0.0f;
+    for (unsigned int h = 0; h < n_rep; ++h) {
+        const T* qh = s_qg + (size_t)h * head_dim;
+        float part = -0.0f;
+        for (unsigned int d = d0; d < d1; ++d) {
+            const float qd = to_f32(qh[d]);
+            part = __fadd_rn(part, fmaxf(__fmul_rn(qd, to_f32(entry[d])),
+                                         __fmul_rn(qd, to_f32(entry[head_dim + d]))));
         }
-        for (unsigned int h = 0; h < n_rep; ++h) {
-            const T* qh = s_qg + (size_t)h * head_dim + d0;
-            float part = -0.0f;
-#pragma unroll
-            for (unsigned int v = 0; v < SCORE_MAX_VECS; ++v) {
-                if (v < count) {
-                    const uint4 qv = *reinterpret_cast<const uint4*>(qh + v * SCORE_VEC);
-                    const T* qe = reinterpret_cast<const T*>(&qv);
-                    const T* le = reinterpret_cast<const T*>(&lo[v]);
-                    const T* he = reinterpret_cast<const T*>(&hi[v]);
-#pragma unroll
-                    for (unsigned int e = 0; e < SCORE_VEC; ++e) {
-                        const float qd = to_f32(qe[e]);
-                        part = __fadd_rn(part, fmaxf(__fmul_rn(qd, to_f32(le[e])),
-                                                     __fmul_rn(qd, to_f32(he[e]))));
-                    }
-                }
-            }
-            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 4, 8));
-            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 2, 8));
-            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 1, 8));
-            group = __fadd_rn(group, part);
-        }
-    } else {
-        for (unsigned int h = 0; h < n_rep; ++h) {
-            const T* qh = s_qg + (size_t)h * head_dim;
-            float part = -0.0f;
-            for (unsigned int d = d0; d < d1; ++d) {
-                const float qd = to_f32(qh[d]);
-                part = __fadd_rn(part, fmaxf(__fmul_rn(qd, to_f32(entry[d])),
-                                             __fmul_rn(qd, to_f32(entry[head_dim + d]))));
-            }
-            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 4, 8));
-            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 2, 8));
-            part = __fadd_rn(part, __shfl_xor_sync(mask, part, 1, 8));
-            group = __fadd_rn(group, part);
-        }
+        group = __fadd_rn(group, octet_fold(part, mask));
     }
     return group;
+}
+
+// Request r's page positions the scores cover: 1 .. the returned limit (window start,
+// page count and grid pages, the least).
+__device__ __forceinline__ unsigned int score_limit(const unsigned int* __restrict__ requests,
+                                                    const unsigned int* __restrict__ indptr,
+                                                    unsigned int r, unsigned int max_pages) {
+    const unsigned int window = requests[4 * r + 1];
+    const unsigned int begin = indptr[r];
+    const unsigned int count = max(begin, indptr[r + 1]) - begin;
+    return min(min(window, count), max_pages);
+}
+
+// The CTA copies the query row `query` (`elems` T values) into shared memory, in 16-byte
+// vectors where it is aligned and whole.
+__device__ __forceinline__ void stage_query(const T* __restrict__ query, unsigned int elems,
+                                            uint4* s_dynamic) {
+    if ((elems % SCORE_VEC) == 0 && (reinterpret_cast<size_t>(query) % 16) == 0) {
+        const uint4* source = reinterpret_cast<const uint4*>(query);
+        for (unsigned int i = threadIdx.x; i < elems / SCORE_VEC; i += SCORE_THREADS) {
+            s_dynamic[i] = source[i];
+        }
+    } else {
+        T* s_q = reinterpret_cast<T*>(s_dynamic);
+        for (unsigned int i = threadIdx.x; i < elems; i += SCORE_THREADS) s_q[i] = query[i];
+    }
+}
+
+// Pair i of a CTA: its summaries entry, or null when the pair is not scored (past the CTA's
+// pairs or outside the middle positions); `outside` when its page id lies outside the pool.
+struct ScorePair {
+    const T* entry;
+    bool outside;
+};
+
+__device__ __forceinline__ ScorePair score_pair(unsigned int i, unsigned int pairs,
+                                                unsigned int first, unsigned int limit,
+                                                const unsigned int* __restrict__ pages,
+                                                const T* __restrict__ summaries,
+                                                unsigned int num_pages,
+                                                unsigned int num_kv_heads,
+                                                unsigned int head_dim) {
+    ScorePair pair = {nullptr, false};
+    if (i >= pairs) return pair;
+    const unsigned int local = i / num_kv_heads;
+    const unsigned int kv_head = i - local * num_kv_heads;
+    const unsigned int p = first + local;
+    if (p < 1 || p >= limit) return pair;
+    const unsigned int page = pages[p];
+    if (page >= num_pages) {
+        pair.outside = true;
+        return pair;
+    }
+    pair.entry = summaries + ((size_t)page * num_kv_heads + kv_head) * 2 * head_dim;
+    return pair;
 }
 
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS)
@@ -163,30 +241,17 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS)
     __shared__ unsigned int s_page[SCORE_MAX_CTA_PAGES];
     const unsigned int r = blockIdx.y;
     const unsigned int first = blockIdx.x * pages_per_cta;
-    // Every exit below depends on the CTA's (x, r) only, so a CTA leaves whole.
     const unsigned int query_row = requests[4 * r];
-    const unsigned int window = requests[4 * r + 1];
     const unsigned int begin = indptr[r];
-    const unsigned int end = indptr[r + 1];
-    if (query_row == 0xffffffffu) return;
-    const unsigned int count = max(begin, end) - begin;
-    const unsigned int limit = min(min(window, count), max_pages);
-    if (first >= limit) return;
+    const unsigned int limit = score_limit(requests, indptr, r, max_pages);
+    // Both exits depend on the CTA's (x, r) only, so a CTA leaves whole.
+    if (query_row == 0xffffffffu || first >= limit) return;
     // Stage the page ids and the query row.
     for (unsigned int t = threadIdx.x; t < pages_per_cta; t += SCORE_THREADS) {
         const unsigned int p = first + t;
         s_page[t] = p >= 1 && p < limit ? indices[begin + p] : 0u;
     }
-    const unsigned int q_elems = num_kv_heads * n_rep * head_dim;
-    const T* query = q + (size_t)query_row * q_row_stride;
-    if ((q_elems % SCORE_VEC) == 0 && (reinterpret_cast<size_t>(query) % 16) == 0) {
-        const uint4* source = reinterpret_cast<const uint4*>(query);
-        for (unsigned int i = threadIdx.x; i < q_elems / SCORE_VEC; i += SCORE_THREADS) {
-            s_dynamic[i] = source[i];
-        }
-    } else {
-        for (unsigned int i = threadIdx.x; i < q_elems; i += SCORE_THREADS) s_q[i] = query[i];
-    }
+    stage_query(q + (size_t)query_row * q_row_stride, num_kv_heads * n_rep * head_dim, s_dynamic);
     __syncthreads();
     const unsigned int lane = threadIdx.x % 8;
     const unsigned int mask = 0xffu << (threadIdx.x % 32 / 8 * 8);
@@ -218,6 +283,76 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS)
                 for (unsigned int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
                     score = __fadd_rn(score, s_group[t * num_kv_heads + kv_head]);
                 }
+            }
+            scores[(size_t)r * max_pages + p] = score;
+        }
+    }
+}
+
+// The scores with the loads ahead (`PAGODA_CUDA_SPARSE_SELECT=radix`), for slices of one or
+// two whole vectors (SCORE_CHUNK; head_dim 64 or 128 in bf16) and at most 2 * SCORE_OCTETS
+// pairs a CTA (the host checks both): an octet's two pairs are loaded before the query row is
+// staged, so the page ids, the summary loads and the staging overlap, at SCORE_MIN_CTAS CTAs
+// an SM. The same arguments, grid and scores as sparse_page_scores.
+extern "C" __global__ void __launch_bounds__(SCORE_THREADS, SCORE_MIN_CTAS)
+    sparse_page_scores_ahead(const T* __restrict__ q, unsigned int q_row_stride,
+                             const T* __restrict__ summaries,
+                             const unsigned int* __restrict__ indptr,
+                             const unsigned int* __restrict__ indices,
+                             const unsigned int* __restrict__ requests,
+                             float* __restrict__ scores, unsigned int max_pages,
+                             unsigned int num_pages, unsigned int num_kv_heads,
+                             unsigned int n_rep, unsigned int head_dim,
+                             unsigned int pages_per_cta) {
+    extern __shared__ uint4 s_dynamic[];
+    T* s_q = reinterpret_cast<T*>(s_dynamic);
+    __shared__ float s_group[SCORE_MAX_PAIRS];
+    const unsigned int r = blockIdx.y;
+    const unsigned int first = blockIdx.x * pages_per_cta;
+    const unsigned int query_row = requests[4 * r];
+    const unsigned int begin = indptr[r];
+    const unsigned int limit = score_limit(requests, indptr, r, max_pages);
+    // Both exits depend on the CTA's (x, r) only, so a CTA leaves whole.
+    if (query_row == 0xffffffffu || first >= limit) return;
+    const unsigned int* pages = indices + begin;
+    const unsigned int lane = threadIdx.x % 8;
+    const unsigned int mask = 0xffu << (threadIdx.x % 32 / 8 * 8);
+    const unsigned int slice = (head_dim + 7) / 8;
+    const unsigned int d0 = min(lane * slice, head_dim);
+    const unsigned int d1 = min(d0 + slice, head_dim);
+    // 16-byte slices (checked by the host): every slice whole, 1 or 2 vectors.
+    const unsigned int vecs = (d1 - d0) / SCORE_VEC;
+    const unsigned int pairs = pages_per_cta * num_kv_heads;
+    const unsigned int i0 = threadIdx.x / 8;
+    const ScorePair pair0 = score_pair(i0, pairs, first, limit, pages, summaries, num_pages,
+                                       num_kv_heads, head_dim);
+    const ScorePair pair1 = score_pair(i0 + SCORE_OCTETS, pairs, first, limit, pages, summaries,
+                                       num_pages, num_kv_heads, head_dim);
+    uint4 lo0[SCORE_CHUNK], hi0[SCORE_CHUNK], lo1[SCORE_CHUNK], hi1[SCORE_CHUNK];
+    if (pair0.entry) octet_load<SCORE_CHUNK>(pair0.entry, head_dim, d0, vecs, lo0, hi0);
+    if (pair1.entry) octet_load<SCORE_CHUNK>(pair1.entry, head_dim, d0, vecs, lo1, hi1);
+    stage_query(q + (size_t)query_row * q_row_stride, num_kv_heads * n_rep * head_dim, s_dynamic);
+    __syncthreads();
+    // Octet-uniform below: the octet's lanes share the pair.
+    const size_t group_elems = (size_t)n_rep * head_dim;
+    for (unsigned int k = 0, i = i0; k < 2; ++k, i += SCORE_OCTETS) {
+        const ScorePair& pair = k == 0 ? pair0 : pair1;
+        if (pair.entry) {
+            const float group = octet_vector_bound<SCORE_CHUNK>(
+                k == 0 ? lo0 : lo1, k == 0 ? hi0 : hi1, s_q + (i % num_kv_heads) * group_elems,
+                n_rep, head_dim, d0, vecs, mask);
+            if (lane == 0) s_group[i] = group;
+        } else if (pair.outside && lane == 0) {
+            s_group[i] = -INFINITY;
+        }
+    }
+    __syncthreads();
+    for (unsigned int t = threadIdx.x; t < pages_per_cta; t += SCORE_THREADS) {
+        const unsigned int p = first + t;
+        if (p >= 1 && p < limit) {
+            float score = -0.0f;
+            for (unsigned int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+                score = __fadd_rn(score, s_group[t * num_kv_heads + kv_head]);
             }
             scores[(size_t)r * max_pages + p] = score;
         }

@@ -16,13 +16,13 @@
 //! `sparse_select_pages`, one CTA of 1024 threads per request holding the scores in registers,
 //! which finds the keep-th best bit by bit from the top (block counts by
 //! `__syncthreads_count`, stopping as soon as exactly `keep` pages lie at or above the prefix)
-//! and writes the kept pages in page order after one block scan. [`SparseSelectKernels::Radix`]
-//! (`PAGODA_CUDA_SPARSE_SELECT=radix`, not yet measured on a GPU) swaps in
-//! `sparse_page_scores_ahead` (an octet's two pairs loaded before the staging, at three CTAs
-//! an SM, where each lane's slice is one or two vectors) and `sparse_select_pages_radix` (a
-//! byte-at-a-time radix select over one shared histogram a pass); the same pages either way.
-//! Fixed grids (from the
-//! workspace's capacity) and no host round trip: graph-capturable once the plan is uploaded.
+//! and writes the kept pages in page order after one block scan.
+//! [`SparseSelectKernels::Radix`] (`PAGODA_CUDA_SPARSE_SELECT=radix`, not yet measured on a
+//! GPU) swaps in `sparse_page_scores_ahead` (an octet's two pairs loaded before the staging,
+//! at three CTAs an SM, where each lane's slice is one or two vectors) and
+//! `sparse_select_pages_radix` (a byte-at-a-time radix select over one shared histogram a
+//! pass); the same pages either way. Fixed grids (from the workspace's capacity) and no host
+//! round trip: graph-capturable once the plan is uploaded.
 //! [`sparse_page_scores`] alone is public for the benchmark's breakdown.
 
 use super::gathered::{DevicePageTable, PoolLayout, Queries};
@@ -70,7 +70,7 @@ pub enum SparseEntry {
     Summaries,
     /// `sparse_page_scores`.
     Scores,
-    /// `sparse_page_scores_ahead` (see [`sparse_scores_entry`]).
+    /// `sparse_page_scores_ahead` (see [`sparse_select_entries`]).
     ScoresAhead,
     /// `sparse_select_pages` (untyped).
     Select,
@@ -87,7 +87,7 @@ pub enum SparseSelectKernels {
     /// (`docs/benchmark_results/sparse-cuda-h100-2026-12-07.md`).
     #[default]
     Bitwise,
-    /// `sparse_page_scores_ahead` where the shape allows ([`sparse_scores_entry`]) and
+    /// `sparse_page_scores_ahead` where the shape allows ([`sparse_select_entries`]) and
     /// `sparse_select_pages_radix`: written to be faster, not yet measured on a GPU.
     Radix,
 }

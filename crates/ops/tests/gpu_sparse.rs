@@ -362,10 +362,29 @@ fn select_case<T: TestFloat>(gpu: &Gpu, case: &SelectCase, seed: u64) -> Selecte
         gpu.upload(&table.first_page_offset).unwrap(),
     ];
     let device_table = DevicePageTable::new(&full[0], &full[1], &full[2], &full[3]).unwrap();
-    // Both kernel sets (PAGODA_CUDA_SPARSE_SELECT) keep the CPU's pages.
+    // A decode step's update: each request's last row (its window's, never scored).
+    let last_slots: Vec<i32> = (0..table.num_requests())
+        .filter(|&r| table.indptr[r + 1] > table.indptr[r] && table.last_page_len[r] > 0)
+        .map(|r| {
+            let page = table.indices[table.indptr[r + 1] as usize - 1] as usize;
+            (page * page_size + table.last_page_len[r] as usize - 1) as i32
+        })
+        .collect();
+    let last_slots = (!last_slots.is_empty()).then(|| gpu.upload(&last_slots).unwrap());
+    // Both kernel sets (PAGODA_CUDA_SPARSE_SELECT) keep the CPU's pages; radix also with the
+    // scores beside a step's update (programmatic on Hopper).
     let mut last = None;
-    for kernels in [SparseSelectKernels::Bitwise, SparseSelectKernels::Radix] {
+    let sets = [
+        (SparseSelectKernels::Bitwise, false),
+        (SparseSelectKernels::Radix, false),
+        (SparseSelectKernels::Radix, true),
+    ];
+    for (kernels, after_update) in sets {
         workspace.set_kernels(kernels);
+        workspace.set_after_update(after_update);
+        if let (true, Some(slots)) = (after_update, &last_slots) {
+            ops::sparse_summaries_update(gpu, &k, &layout, slots, &mut summaries).unwrap();
+        }
         let mut out = poisoned::<u32>(gpu, plan.selected_pages().max(1));
         ops::sparse_select(
             gpu,
@@ -380,7 +399,8 @@ fn select_case<T: TestFloat>(gpu: &Gpu, case: &SelectCase, seed: u64) -> Selecte
         let mut indices = gpu.download(&out).unwrap();
         indices.truncate(plan.selected_pages());
         let table = plan.table(&table, indices);
-        assert_eq!(table, expected, "{what}: selected table ({kernels:?})");
+        let set = format!("{kernels:?}, after update {after_update}");
+        assert_eq!(table, expected, "{what}: selected table ({set})");
         last = Some((table, out));
     }
     let (selected, out) = last.unwrap();

@@ -204,6 +204,8 @@ fn case(
     }
     let mut select = SparseSelectWorkspace::new(gpu, b, max_pages)?;
     select.set_kernels(kernels);
+    // As in a step: each set's selection follows its update of the last tokens' pages.
+    select.set_after_update(true);
     select.upload(gpu, &plan)?;
     select.set_grid_pages(sparse_grid_pages(plan.max_sparse_pages, max_pages))?;
     let mut indices = gpu.zeros::<u32>(plan.selected_pages().max(1))?;

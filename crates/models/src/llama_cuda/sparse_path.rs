@@ -136,6 +136,10 @@ impl<T: HostFloat> SparseDecode<T> {
         let requests = options.max_batch_requests.max(1);
         let mut workspace = SparseSelectWorkspace::new(gpu, requests, max_pages)?;
         workspace.set_kernels(kernels);
+        // Each layer's selection follows its summaries' update ([`Self::update`] after the
+        // append), which writes only the step's window pages, or a mixed step's prefill
+        // attention: neither writes what the scores read.
+        workspace.set_after_update(true);
         Ok(Some(SparseDecode {
             summaries,
             workspace,

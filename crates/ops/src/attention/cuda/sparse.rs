@@ -243,6 +243,9 @@ pub struct SparseSelectWorkspace {
     uploaded: Option<(usize, usize, usize)>,
     /// The kernels [`sparse_select`] launches.
     kernels: SparseSelectKernels,
+    /// Whether the kernel launched just before [`sparse_select`] writes nothing the scores
+    /// read ([`Self::set_after_update`]).
+    after_update: bool,
 }
 
 impl SparseSelectWorkspace {
@@ -265,6 +268,7 @@ impl SparseSelectWorkspace {
             grid_pages: max_pages,
             uploaded: None,
             kernels: SparseSelectKernels::default(),
+            after_update: false,
         })
     }
 
@@ -272,6 +276,17 @@ impl SparseSelectWorkspace {
     /// [`SparseSelectKernels::Bitwise`]).
     pub fn set_kernels(&mut self, kernels: SparseSelectKernels) {
         self.kernels = kernels;
+    }
+
+    /// Declares that the kernel launched just before each [`sparse_select`] (or
+    /// [`sparse_page_scores`]) on this workspace writes nothing the scores read: in a step,
+    /// the [`sparse_summaries_update`] of the step's own slots (they lie in the shortened
+    /// requests' windows, never scored) or a mixed step's prefill attention. With
+    /// [`SparseSelectKernels::Radix`] on compute capability 9.0 and up, the scores then
+    /// launch programmatically and run beside that kernel. A caller whose update wrote
+    /// scored pages (a whole pool's summaries, say) must leave this off.
+    pub fn set_after_update(&mut self, after_update: bool) {
+        self.after_update = after_update;
     }
 
     /// The kernels the launches run.
@@ -387,16 +402,16 @@ pub fn sparse_select<T: Element>(
         ptr(out_indices),
     ];
     let b32 = to_u32("sparse requests", b)?;
+    // The radix selection waits for the scores (`griddepcontrol.wait`) before it reads them:
+    // launched programmatically, its prologue overlaps their tail.
+    let dims = LaunchDims {
+        programmatic: workspace.kernels == SparseSelectKernels::Radix && hopper(gpu),
+        ..LaunchDims::new((b32, 1), SELECT_THREADS)
+    };
     // SAFETY: arguments match `sparse_select_pages`; writes are clamped to the uploaded row
     // pointer, whose total fits out_indices (checked above); the plan matches the table
     // (checked by sparse_page_scores).
-    unsafe {
-        gpu.launch(
-            &select_spec,
-            LaunchDims::new((b32, 1), SELECT_THREADS),
-            &select_args,
-        )
-    }
+    unsafe { gpu.launch(&select_spec, dims, &select_args) }
 }
 
 /// The first half of [`sparse_select`]: every middle page's score of the uploaded plan's
@@ -495,6 +510,10 @@ pub fn sparse_page_scores<T: Element>(
     );
     let dims = LaunchDims {
         shared_mem_bytes: to_u32("sparse query bytes", query_bytes.next_multiple_of(16))?,
+        // Beside the step's summaries update, which writes no page scored here.
+        programmatic: workspace.after_update
+            && workspace.kernels == SparseSelectKernels::Radix
+            && hopper(gpu),
         ..LaunchDims::new(score_grid, SCORE_THREADS)
     };
     // SAFETY: arguments match `sparse_page_scores`; scores hold max_requests * max_pages,
@@ -502,4 +521,9 @@ pub fn sparse_page_scores<T: Element>(
     // max_requests; the query row fits the dynamic shared memory, KV heads times pages per
     // CTA the shared groups (at most max(SCORE_PAIRS, SPARSE_MAX_KV_HEADS)), both checked.
     unsafe { gpu.launch(&scores_spec, dims, &score_args) }
+}
+
+/// Programmatic launches (`griddepcontrol`) need compute capability 9.0.
+fn hopper(gpu: &Gpu) -> bool {
+    gpu.info().compute_capability.0 >= 9
 }

@@ -146,6 +146,11 @@ __device__ __forceinline__ void select_pages(const unsigned int* __restrict__ in
     // Keys past the run are 0, below every candidate the bitwise search counts (each has a bit
     // set); the radix search skips them.
     unsigned int keys[SELECT_KEYS];
+#if __CUDA_ARCH__ >= 900
+    // Launched programmatically after the scores (radix): they are complete from here. Without
+    // a programmatic launch the wait returns at once.
+    if (RADIX) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 #pragma unroll
     for (unsigned int k = 0; k < SELECT_KEYS; ++k) {
         keys[k] = lo + k < hi ? total_order_bits(request_scores[lo + k]) : 0u;
@@ -199,6 +204,7 @@ __device__ __forceinline__ void select_pages(const unsigned int* __restrict__ in
             unsigned int* hist = s_hist[pass & 1];
 #pragma unroll
             for (unsigned int k = 0; k < SELECT_KEYS; ++k) {
+                if (k >= per) break;  // block-uniform: the keys a thread holds
                 const bool counted = lo + k < hi && (keys[k] & prefix_mask) == prefix;
                 const unsigned int digit = (keys[k] >> shift) & (RADIX_BINS - 1);
                 const unsigned int counting = __ballot_sync(0xffffffffu, counted);

@@ -23,6 +23,12 @@ extern "C" __global__ void sparse_summaries_update(const T* __restrict__ k_pool,
                                                    T* __restrict__ summaries,
                                                    unsigned int page_size, unsigned int num_kv_heads,
                                                    unsigned int head_dim, long long num_slots) {
+#if __CUDA_ARCH__ >= 900
+    // The page scores read no page a step writes (the window holds them): launched
+    // programmatically after this grid (see SparseSelectWorkspace::set_after_update), they
+    // may start at once.
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
     const unsigned int t = blockIdx.x;
     const long long slot = slots[t];
     if (slot < 0 || slot >= num_slots) return;
@@ -333,6 +339,11 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS, SCORE_MIN_CTAS)
     if (pair1.entry) octet_load<SCORE_CHUNK>(pair1.entry, head_dim, d0, vecs, lo1, hi1);
     stage_query(q + (size_t)query_row * q_row_stride, num_kv_heads * n_rep * head_dim, s_dynamic);
     __syncthreads();
+#if __CUDA_ARCH__ >= 900
+    // The selection, launched programmatically, may start its prologue (it waits for this
+    // grid before it reads the scores).
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
     // Octet-uniform below: the octet's lanes share the pair.
     const size_t group_elems = (size_t)n_rep * head_dim;
     for (unsigned int k = 0, i = i0; k < 2; ++k, i += SCORE_OCTETS) {

@@ -58,6 +58,15 @@ impl Backend {
         }
     }
 
+    /// Bytes of the FP8 (e4m3) codes the GPU keeps and multiplies in place
+    /// (`PAGODA_CUDA_FP8_WEIGHTS`); 0 on the CPU, which dequantizes them at load.
+    pub fn fp8_weight_bytes(&self) -> usize {
+        match self {
+            Backend::Cpu(_) => 0,
+            Backend::Cuda(model) => model.fp8_bytes(),
+        }
+    }
+
     /// Weight bytes a decode step of `rows` rows reads (a mixture-of-experts model's idle
     /// experts left out, under uniform routing: [`Model::step_weight_bytes`],
     /// `CudaModel::step_weight_bytes`).

@@ -13,7 +13,7 @@ use pagoda_models::gguf_model::config_from_gguf;
 use pagoda_models::hf::{GenerationDefaults, HfError, HfModelDir};
 use pagoda_models::llama::{LoadError, Model, WeightPrecision};
 use pagoda_models::llama_cuda::{CudaModel, DType};
-use pagoda_models::random::{random_config, RandomWeights};
+use pagoda_models::random::{random_config, random_format, RandomFormat, RandomWeights};
 use pagoda_models::tokenizer::{Tokenizer, TokenizerError};
 
 use crate::backend::Backend;
@@ -254,7 +254,9 @@ pub fn load_backend(
 }
 
 /// A model of a built-in architecture (`llama-3.1-8b`, ...) or a `config.json`, with random
-/// weights: for benchmarks of shapes whose weights are not on the machine (no tokenizer).
+/// weights: for benchmarks of shapes whose weights are not on the machine (no tokenizer). A
+/// `:fp8` suffix (`llama-3.1-8b:fp8`) makes the dense projections FP8 (e4m3) with a factor
+/// per row ([`RandomFormat::Fp8`]), kept so on CUDA with `PAGODA_CUDA_FP8_WEIGHTS=on`.
 pub fn load_random(
     spec: &str,
     seed: u64,
@@ -319,7 +321,18 @@ fn load_random_config(
         Device::Cpu => 16usize << 30,
         Device::Cuda { .. } => usize::MAX,
     };
-    let weights = RandomWeights::new(&config, seed, limit).map_err(random)?;
+    let format = random_format(spec).map_err(random)?;
+    let weights = RandomWeights::new(&config, seed, limit)
+        .map_err(random)?
+        .with_format(format);
+    if format == RandomFormat::Fp8 {
+        let (matrices, bytes) = weights.fp8_matrices();
+        tracing::info!(
+            "random weights: {matrices} projections FP8 (e4m3) with a factor per row, {:.2} GiB \
+             of codes (the rest f32)",
+            bytes as f64 / (1u64 << 30) as f64
+        );
+    }
     load_backend(config, &weights, options, progress).map_err(|error| match error {
         ModelLoadError::Build(source) => random(source),
         other => other,

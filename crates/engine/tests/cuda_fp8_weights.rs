@@ -105,7 +105,7 @@ impl TensorSource for Fp8Source {
 
     fn fp8_rows(&self, name: &str) -> Option<Fp8Rows<'_>> {
         self.fp8.get(name).map(|(codes, scales, _)| Fp8Rows {
-            codes,
+            codes: Cow::Borrowed(codes),
             row_scales: scales.clone(),
         })
     }

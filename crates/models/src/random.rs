@@ -5,7 +5,8 @@
 //! `smollm2-135m`, the mixture-of-experts `qwen3-30b-a3b` and `mixtral-8x7b`, and the tiny
 //! `qwen3-moe-tiny` and `mixtral-tiny` for tests, DeepSeek's `deepseek-v2-lite` and the tiny
 //! `deepseek-v2-tiny`, `deepseek-v3-tiny` and `deepseek-v32-tiny`); [`random_config`] also accepts the path of a
-//! Hugging Face `config.json`.
+//! Hugging Face `config.json`. A spec may end in a format, `llama-3.1-8b:fp8`
+//! ([`random_format`]): the dense projections as FP8 (e4m3) with a factor per row ([`fp8`]).
 //! [`RandomWeights`] is a [`TensorSource`] with every tensor the llama-family loader asks for,
 //! filled deterministically from a seed, in f32, one tensor at a time as the loader asks.
 
@@ -21,7 +22,7 @@ use crate::config::{
 };
 use crate::hf::{config_from_hf_json, deepseek_layer_tensors};
 use crate::llama::LoadError;
-use crate::weights::{names, RawTensor, TensorSource};
+use crate::weights::{names, Fp8Rows, RawTensor, TensorSource};
 
 /// Names accepted by [`preset`], for error messages and `--help`.
 pub const PRESET_NAMES: &[&str] = &[
@@ -40,6 +41,9 @@ pub const PRESET_NAMES: &[&str] = &[
 ];
 
 mod deepseek;
+pub mod fp8;
+
+pub use fp8::RandomFormat;
 
 /// The configuration of a built-in architecture preset, by name (case-insensitive).
 pub fn preset(name: &str) -> Option<ModelConfig> {
@@ -218,9 +222,24 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
     Some(config)
 }
 
-/// A preset name, or the path of a Hugging Face `config.json`.
+/// A preset name, or the path of a Hugging Face `config.json`, with an optional format suffix
+/// (`:fp8`, [`random_format`]).
 pub fn random_config(spec: &str) -> Result<ModelConfig, LoadError> {
+    let (spec, _) = split_spec(spec).map_err(LoadError)?;
     read_random_config(spec).map_err(LoadError)
+}
+
+/// The format a spec's suffix names: `llama-3.1-8b:fp8` is [`RandomFormat::Fp8`], no suffix
+/// (or `:f32`) [`RandomFormat::F32`]; another suffix is an error that names the fix.
+pub fn random_format(spec: &str) -> Result<RandomFormat, LoadError> {
+    split_spec(spec)
+        .map(|(_, format)| format)
+        .map_err(LoadError)
+}
+
+/// `spec` without its format suffix, and the format.
+fn split_spec(spec: &str) -> Result<(&str, RandomFormat), String> {
+    fp8::split_spec(spec, |s| preset(s).is_some() || Path::new(s).is_file())
 }
 
 fn read_random_config(spec: &str) -> Result<ModelConfig, String> {
@@ -236,7 +255,8 @@ fn read_random_config(spec: &str) -> Result<ModelConfig, String> {
         return Ok(config);
     }
     Err(format!(
-        "'{spec}' is neither a built-in configuration ({}) nor a config.json file",
+        "'{spec}' is neither a built-in configuration ({}) nor a config.json file \
+         (either may end in `:fp8`)",
         PRESET_NAMES.join(", ")
     ))
 }
@@ -312,10 +332,15 @@ pub fn random_weights_bytes(config: &ModelConfig) -> usize {
 /// Values: norm weights are 1 plus noise of 0.1; biases noise of 0.02; matrices uniform in
 /// `±1/sqrt(in_features)`, so activations keep their scale through the layers and logits stay
 /// finite (the text is meaningless; the shapes and the work are real). Element `i` of tensor
-/// `t` is a pure function of `(seed, t, i)`.
+/// `t` is a pure function of `(seed, t, i)`. In [`RandomFormat::Fp8`]
+/// ([`RandomWeights::with_format`]) the dense projections are those values quantized to
+/// e4m3 with a factor per row: [`TensorSource::fp8_rows`] serves the codes and
+/// [`TensorSource::tensor`] the values they stand for, in f32 (as the safetensors loader
+/// serves an FP8 checkpoint).
 pub struct RandomWeights {
     seed: u64,
     shapes: HashMap<String, (usize, Vec<usize>)>,
+    format: RandomFormat,
 }
 
 impl RandomWeights {
@@ -337,7 +362,49 @@ impl RandomWeights {
             .enumerate()
             .map(|(index, (name, shape))| (name, (index, shape)))
             .collect();
-        Ok(RandomWeights { seed, shapes })
+        Ok(RandomWeights {
+            seed,
+            shapes,
+            format: RandomFormat::F32,
+        })
+    }
+
+    /// These weights with the dense projections in `format`.
+    pub fn with_format(self, format: RandomFormat) -> Self {
+        RandomWeights { format, ..self }
+    }
+
+    /// The format of the dense projections.
+    pub fn format(&self) -> RandomFormat {
+        self.format
+    }
+
+    /// The FP8 matrices ([`RandomFormat::Fp8`]): how many, and the bytes of their codes.
+    pub fn fp8_matrices(&self) -> (usize, usize) {
+        self.shapes
+            .iter()
+            .filter(|(name, (_, shape))| self.is_fp8(name, shape))
+            .fold((0, 0), |(n, bytes), (_, (_, shape))| {
+                (n + 1, bytes + shape.iter().product::<usize>())
+            })
+    }
+
+    fn is_fp8(&self, name: &str, shape: &[usize]) -> bool {
+        self.format == RandomFormat::Fp8 && fp8::is_fp8_projection(name, shape)
+    }
+
+    /// An FP8 matrix's codes, row factors and columns, made afresh from its f32 values.
+    fn quantized(&self, name: &str) -> Option<(Vec<u8>, Vec<f32>, usize)> {
+        let (index, shape) = self.shapes.get(name)?;
+        if !self.is_fp8(name, shape) {
+            return None;
+        }
+        let values: Vec<f32> = (self.generate(name, *index, shape))
+            .par_chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let (codes, scales) = fp8::quantize(&values, shape[1]);
+        Some((codes, scales, shape[1]))
     }
 
     fn generate(&self, name: &str, index: usize, shape: &[usize]) -> Vec<u8> {
@@ -378,10 +445,23 @@ fn splitmix64(mut x: u64) -> u64 {
 
 impl TensorSource for RandomWeights {
     fn tensor(&self, name: &str) -> Option<RawTensor<'_>> {
-        self.shapes.get(name).map(|(index, shape)| RawTensor {
+        let (index, shape) = self.shapes.get(name)?;
+        let data = match self.quantized(name) {
+            Some((codes, scales, cols)) => fp8::dequantize(&codes, &scales, cols),
+            None => self.generate(name, *index, shape),
+        };
+        Some(RawTensor {
             ty: GgmlType::F32,
             shape: shape.clone(),
-            data: Cow::Owned(self.generate(name, *index, shape)),
+            data: Cow::Owned(data),
+        })
+    }
+
+    fn fp8_rows(&self, name: &str) -> Option<Fp8Rows<'_>> {
+        let (codes, row_scales, _) = self.quantized(name)?;
+        Some(Fp8Rows {
+            codes: Cow::Owned(codes),
+            row_scales,
         })
     }
 

@@ -25,9 +25,11 @@ pub struct RawTensor<'a> {
 
 /// An FP8 (e4m3) matrix as the file stores it, with one factor per row (per-channel, or a
 /// per-tensor factor repeated): the value at `[r, c]` is `code(codes[r * cols + c]) * row_scales[r]`.
+/// The codes are borrowed from a memory map, or owned where the source makes them
+/// ([`crate::random::RandomWeights`] of the `:fp8` format).
 #[derive(Debug, Clone)]
 pub struct Fp8Rows<'a> {
-    pub codes: &'a [u8],
+    pub codes: Cow<'a, [u8]>,
     pub row_scales: Vec<f32>,
 }
 

@@ -77,8 +77,11 @@ pub struct BenchArgs {
     /// Benchmark random weights of a built-in architecture (llama-3.1-8b, qwen2.5-7b,
     /// smollm2-135m, qwen3-30b-a3b, mixtral-8x7b, qwen3-moe-tiny, mixtral-tiny, deepseek-v2-lite,
     /// deepseek-v2-tiny, deepseek-v3-tiny, deepseek-v32-tiny) or of a
-    /// config.json instead of a model file (no tokenizer needed).
-    #[arg(long, value_name = "ARCH|CONFIG")]
+    /// config.json instead of a model file (no tokenizer needed). A `:fp8` suffix
+    /// (`llama-3.1-8b:fp8`) makes the dense projections FP8 (e4m3) with a factor per row, as
+    /// a per-channel FP8 checkpoint: kept so on CUDA with PAGODA_CUDA_FP8_WEIGHTS=on, else
+    /// decoded at load to the same values.
+    #[arg(long, value_name = "ARCH[:fp8]|CONFIG[:fp8]")]
     pub random_weights: Option<String>,
     /// Decode tests: every sequence of a batch shares its first `depth` tokens (one
     /// sequence prefills them, the others reuse its pages through the prefix cache), as a
@@ -121,6 +124,8 @@ struct Report {
     device: String,
     precision: &'static str,
     threads: usize,
+    /// Bytes of FP8 (e4m3) codes the GPU keeps (`PAGODA_CUDA_FP8_WEIGHTS`; 0: none).
+    fp8_weight_bytes: usize,
     attention: String,
     /// The KV pools' element types (`-ctk`/`-ctv`), e.g. `K f32, V f32`.
     kv_cache: String,
@@ -201,9 +206,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
             let backend = load_random(spec, 1, LoadOptions { precision, device }, &mut |_, _| {})
                 .map_err(anyhow::Error::msg)?;
             eprintln!(
-                "random weights for {spec} on {} in {:.1}s",
+                "random weights for {spec} on {} in {:.1}s{}",
                 backend.device_name(),
-                started.elapsed().as_secs_f64()
+                started.elapsed().as_secs_f64(),
+                report::fp8_note(spec, &backend)
             );
             (backend, format!("random weights: {spec}"), None)
         }
@@ -213,7 +219,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             (loaded.model, path, Some(loaded.tokenizer))
         }
     };
-    let device = backend.device_name();
+    let (device, fp8_weight_bytes) = (backend.device_name(), backend.fp8_weight_bytes());
     let vocab = backend.config().vocab_size;
     let kv_token_bytes = backend.kv_page_bytes(1, common::kv_cache_types()) as f64;
     let kv_cache = backend.kv_cache_name(common::kv_cache_types());
@@ -376,6 +382,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "as stored"
         },
         threads: rayon::current_num_threads(),
+        fp8_weight_bytes,
         attention: common::policy_name(engine.config().attention).to_string(),
         kv_cache,
         cpu_kernels: pagoda_ops::linear::cpu_kernels_name().to_string(),

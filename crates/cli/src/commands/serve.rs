@@ -95,8 +95,9 @@ pub struct ServeArgs {
     /// deepseek-v2-tiny, deepseek-v3-tiny, deepseek-v32-tiny) or of a config.json's shapes instead of the model's weights, with the
     /// model's tokenizer and chat template (`-m`, default the default model) and its
     /// vocabulary in place of the architecture's: serving measured at shapes whose weights are
-    /// not on the machine (vLLM's `--load-format dummy`). The text is noise.
-    #[arg(long, value_name = "ARCH|CONFIG")]
+    /// not on the machine (vLLM's `--load-format dummy`). The text is noise. A `:fp8` suffix
+    /// makes the dense projections FP8 (e4m3) with a factor per row (as `bench`).
+    #[arg(long, value_name = "ARCH[:fp8]|CONFIG[:fp8]")]
     pub random_weights: Option<String>,
     /// Largest request body in bytes (larger: 413).
     #[arg(long, default_value_t = 4 << 20, allow_negative_numbers = true)]
@@ -201,7 +202,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let (file_name, stem) = match &args.random_weights {
         // Named after the architecture (a config.json after its folder), not the tokenizer's file.
         Some(spec) => {
-            let path = std::path::Path::new(spec);
+            // `:fp8` (the format of the projections) stays at the end of the name.
+            let (base, format) = match spec.rsplit_once(':') {
+                Some((base, "fp8")) => (base, ":fp8"),
+                _ => (spec.as_str(), ""),
+            };
+            let path = std::path::Path::new(base);
             // A preset's name as given (`llama-3.1-8b` has no extension to strip).
             let arch = match path.file_name().and_then(|n| n.to_str()) {
                 Some("config.json") => path.parent().and_then(|p| p.file_name()),
@@ -209,8 +215,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
                 _ => None,
             };
             let name = format!(
-                "random-{}",
-                arch.map_or(spec.into(), |a| a.to_string_lossy())
+                "random-{}{format}",
+                arch.map_or(base.into(), |a| a.to_string_lossy())
             );
             (name.clone(), name)
         }

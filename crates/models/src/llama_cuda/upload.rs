@@ -162,7 +162,7 @@ fn fp8_matrix(
         if spec.shape.len() != 2 || stored.codes.len() != rows * cols {
             return Ok(None);
         }
-        codes.extend_from_slice(stored.codes);
+        codes.extend_from_slice(&stored.codes);
         scales.extend_from_slice(&stored.row_scales);
     }
     let name = &parts[parts.len() - 1].name;

@@ -42,17 +42,16 @@ pub fn f32_to_e4m3(x: f32) -> u8 {
         x.abs().min(E4M3_MAX)
     };
     // The finite magnitudes 0x00..=0x7e increase with the code: the nearest one from below
-    // and the next, ties to the even code.
-    let below = (0..=0x7eu8)
-        .rev()
-        .find(|&code| e4m3_to_f32(code) <= target)
-        .unwrap_or(0);
+    // and the next (a binary search of the table), ties to the even code.
+    static MAGNITUDES: std::sync::OnceLock<[f32; 127]> = std::sync::OnceLock::new();
+    let table = MAGNITUDES.get_or_init(|| std::array::from_fn(|code| e4m3_to_f32(code as u8)));
+    let below = table.partition_point(|&v| v <= target).saturating_sub(1) as u8;
     let code = if below == 0x7e {
         below
     } else {
-        let (low, high) = (e4m3_to_f32(below), e4m3_to_f32(below + 1));
+        let (low, high) = (table[usize::from(below)], table[usize::from(below) + 1]);
         let (down, up) = (target - low, high - target);
-        if down < up || (down == up && below % 2 == 0) {
+        if down < up || (down == up && below.is_multiple_of(2)) {
             below
         } else {
             below + 1
@@ -105,6 +104,38 @@ mod tests {
         assert_eq!(e4m3_to_f32(0x07), 7.0 * 2f32.powi(-9));
         assert_eq!(e4m3_to_f32(0x00), 0.0);
         assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+    }
+
+    /// The reference encoder: the nearest of all 127 magnitudes by linear search.
+    fn nearest(x: f32) -> u8 {
+        let table: Vec<f32> = (0..127u8).map(e4m3_to_f32).collect();
+        let target = x.abs().min(E4M3_MAX);
+        let mut best = 0;
+        for (code, &v) in table.iter().enumerate() {
+            let (d, b) = ((v - target).abs(), (table[best] - target).abs());
+            if d < b || (d == b && code % 2 == 0) {
+                best = code;
+            }
+        }
+        (if x < 0.0 { 0x80 } else { 0 }) | best as u8
+    }
+
+    #[test]
+    fn encoding_is_the_nearest_code_by_linear_search() {
+        // Every code, every midpoint between neighbours, and a sweep of the range.
+        for code in 0..127u8 {
+            let v = e4m3_to_f32(code);
+            assert_eq!(f32_to_e4m3(v), code);
+            assert_eq!(f32_to_e4m3(-v) & 0x7f, code);
+        }
+        for code in 0..126u8 {
+            let mid = (e4m3_to_f32(code) + e4m3_to_f32(code + 1)) / 2.0;
+            assert_eq!(f32_to_e4m3(mid), nearest(mid), "midpoint {mid}");
+        }
+        for i in 0..200_000 {
+            let x = (i as f32 - 100_000.0) * 0.0047;
+            assert_eq!(f32_to_e4m3(x) & 0x7f, nearest(x) & 0x7f, "{x}");
+        }
     }
 
     #[test]

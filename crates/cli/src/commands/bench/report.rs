@@ -1,8 +1,26 @@
 //! `pagoda bench`'s printed report: the table (or JSON) and the per-op profile.
 
 use anyhow::Result;
+use pagoda_engine::Backend;
+use pagoda_models::random::{random_format, RandomFormat};
 
 use super::Report;
+
+/// The load line's word on FP8 weights: the bytes of FP8 codes the GPU keeps, or, for a
+/// `:fp8` random spec the GPU did not keep so, what its codes were decoded to.
+pub(super) fn fp8_note(spec: &str, backend: &Backend) -> String {
+    match backend.fp8_weight_bytes() {
+        0 if random_format(spec).ok() != Some(RandomFormat::Fp8) => String::new(),
+        0 if matches!(backend, Backend::Cpu(_)) => {
+            " (FP8 projections dequantized to f32 at load)".to_string()
+        }
+        0 => " (FP8 projections decoded to the dtype at load: PAGODA_CUDA_FP8_WEIGHTS off)".into(),
+        bytes => format!(
+            " ({:.2} GiB of FP8 (e4m3) projections kept on the device: PAGODA_CUDA_FP8_WEIGHTS on)",
+            bytes as f64 / (1u64 << 30) as f64
+        ),
+    }
+}
 
 pub(super) fn print_report(report: &Report, json: bool) -> Result<()> {
     if json {
@@ -31,9 +49,13 @@ pub(super) fn print_report(report: &Report, json: bool) -> Result<()> {
         report.int_wide_prefills
     );
     println!(
-        "weights: {} | threads: {} | attention: {} | kv cache: {} | prefetch: {} bytes ahead ({} matmuls) | \
+        "weights: {}{} | threads: {} | attention: {} | kv cache: {} | prefetch: {} bytes ahead ({} matmuls) | \
          5-6 bit weights: {} ({} matmuls on planes) | load before: {} | load after: {}",
         report.precision,
+        match report.fp8_weight_bytes {
+            0 => String::new(),
+            bytes => format!(", FP8 (e4m3) {:.2} GiB on the device", bytes as f64 / (1u64 << 30) as f64),
+        },
         report.threads,
         report.attention,
         report.kv_cache,

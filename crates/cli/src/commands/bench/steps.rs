@@ -20,6 +20,9 @@ pub(super) struct StepCounts {
     cuda_sparse: u64,
     cuda_prefill_kernel: u64,
     cuda_prefill_tuned: u64,
+    /// CUDA steps that multiplied FP8 weights in place / decoded them for cuBLAS.
+    cuda_fp8_in_place: u64,
+    cuda_fp8_decoded: u64,
     /// GPU time of the CUDA steps (CUDA events), microseconds.
     cuda_gpu_us: u64,
     /// Tokens drawn by the GPU sampler / on the CPU, and GPU sampler fallbacks.
@@ -49,6 +52,8 @@ impl std::ops::AddAssign for StepCounts {
         self.cuda_sparse += other.cuda_sparse;
         self.cuda_prefill_kernel += other.cuda_prefill_kernel;
         self.cuda_prefill_tuned += other.cuda_prefill_tuned;
+        self.cuda_fp8_in_place += other.cuda_fp8_in_place;
+        self.cuda_fp8_decoded += other.cuda_fp8_decoded;
         self.cuda_gpu_us += other.cuda_gpu_us;
         self.sampled_gpu += other.sampled_gpu;
         self.sampled_cpu += other.sampled_cpu;
@@ -90,6 +95,13 @@ impl std::fmt::Display for StepCounts {
                 self.cuda_prefill_tuned,
                 self.cuda_gpu_us as f64 / 1e3 / steps as f64
             )?;
+            if self.cuda_fp8_in_place + self.cuda_fp8_decoded > 0 {
+                write!(
+                    f,
+                    ", fp8 weights in place {} decoded {}",
+                    self.cuda_fp8_in_place, self.cuda_fp8_decoded
+                )?;
+            }
             write!(
                 f,
                 ", sampled gpu {} cpu {} (gpu fallbacks {})",
@@ -120,6 +132,10 @@ pub(super) fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCount
         cuda_sparse: now.steps_cuda_sparse - before.steps_cuda_sparse,
         cuda_prefill_kernel: now.steps_cuda_prefill_kernel - before.steps_cuda_prefill_kernel,
         cuda_prefill_tuned: now.steps_cuda_prefill_tuned - before.steps_cuda_prefill_tuned,
+        cuda_fp8_in_place: now.steps_cuda_fp8_weights_in_place
+            - before.steps_cuda_fp8_weights_in_place,
+        cuda_fp8_decoded: now.steps_cuda_fp8_weights_decoded
+            - before.steps_cuda_fp8_weights_decoded,
         cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,
         sampled_gpu: now.sampled_tokens_gpu - before.sampled_tokens_gpu,
         sampled_cpu: now.sampled_tokens_cpu - before.sampled_tokens_cpu,

@@ -91,7 +91,10 @@ impl SafetensorsWeights {
         pagoda_tensor::quant::dequantize(scales.ty, stored, &mut factors).ok()?;
         let row_scales = (0..rows).map(|r| factors[r / block_rows]).collect();
         let codes = &self.shards[entry.shard].mmap[entry.start..entry.end];
-        Some(Fp8Rows { codes, row_scales })
+        Some(Fp8Rows {
+            codes: codes.into(),
+            row_scales,
+        })
     }
 
     /// Bytes of the stored `F8_E4M3` weights (one per element), as the file holds them.

@@ -60,7 +60,7 @@ pub struct BenchSparseArgs {
     #[command(flatten)]
     pub heads: Geometry,
     /// The page scores' and selection's kernels: bitwise or radix (default:
-    /// $PAGODA_CUDA_SPARSE_SELECT, else bitwise).
+    /// $PAGODA_CUDA_SPARSE_SELECT, else radix).
     #[arg(long, value_parser = ["bitwise", "radix"])]
     pub select: Option<String>,
     /// Graph replays per case (the median is reported).

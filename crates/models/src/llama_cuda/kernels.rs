@@ -163,7 +163,7 @@ impl Default for CudaKernels {
             pages_per_chunk: None,
             cascade: Some(super::CUDA_AUTO_CASCADE_RULE),
             sparse_decode: false,
-            sparse_select: ops::SparseSelectKernels::Bitwise,
+            sparse_select: ops::SparseSelectKernels::Radix,
             sampling: SamplingKernels::default(),
             deterministic: false,
             kv_fp8: false,
@@ -340,6 +340,7 @@ mod tests {
             ("PAGODA_GPU_SAMPLING_PREFETCH", "off"),
             ("PAGODA_DETERMINISTIC", "on"),
             ("PAGODA_CASCADE_ATTENTION", "off"),
+            ("PAGODA_CUDA_SPARSE_SELECT", "bitwise"),
         ]));
         let expected = CudaKernels {
             prefill: PrefillKernel::PerToken,

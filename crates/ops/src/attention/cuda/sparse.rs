@@ -83,12 +83,13 @@ pub enum SparseEntry {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum SparseSelectKernels {
     /// `sparse_page_scores` (the query row and page ids staged before any summary load) and
-    /// `sparse_select_pages` (the keep-th best found bit by bit): measured on the H100
-    /// (`docs/benchmark_results/sparse-cuda-h100-2026-12-07.md`).
-    #[default]
+    /// `sparse_select_pages` (the keep-th best found bit by bit): round 3, the fallback.
     Bitwise,
-    /// `sparse_page_scores_ahead` where the shape allows ([`sparse_select_entries`]) and
-    /// `sparse_select_pages_radix`: written to be faster, not yet measured on a GPU.
+    /// `sparse_page_scores_ahead` where the shape allows ([`sparse_select_entries`]), launched
+    /// beside the step's summaries update ([`SparseSelectWorkspace::set_after_update`]), and
+    /// `sparse_select_pages_radix`: 1.3-1.5x faster sparse attention than [`Self::Bitwise`]
+    /// on the H100 at 32K (`docs/benchmark_results/sparse-cuda-h100-2026-12-07b.md`).
+    #[default]
     Radix,
 }
 

@@ -20,10 +20,19 @@ use pagoda_models::random::{random_config, RandomFormat, RandomWeights};
 use pagoda_models::weights::{Fp8Rows, RawTensor, TensorSource};
 use schedule::{cpu_logits, errors, ragged_workload};
 
-/// The tiny Llama's config.json: 2 layers, hidden 64, 4 heads (2 KV), MLP 128.
+/// The tiny Llama's config.json: 2 layers, hidden 64, 4 heads (2 KV), MLP 128. From the
+/// source tree the binary was built in, else from the working directory's (a packed test
+/// binary runs at the root of a copy of the repository).
 fn tiny_llama_config() -> String {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../models/tests/data/tiny/tiny-llama/config.json");
+    let relative = "crates/models/tests/data/tiny/tiny-llama/config.json";
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(relative);
+    let path = if built.is_file() {
+        built
+    } else {
+        PathBuf::from(relative)
+    };
     path.to_str().unwrap().to_owned()
 }
 
@@ -120,7 +129,13 @@ fn fp8_random_weights_on_the_gpu_hold_the_same_values_kept_or_decoded() {
     use pagoda_engine::cuda_runner::{CudaModel, CudaRunner, DType};
     use pagoda_models::llama_cuda::KeepOnDevice;
     let gpu = common::gpu();
-    let config = random_config(&tiny_llama_config()).unwrap();
+    // The tiny Llama widened to a head_dim the CUDA attention runs (32) and rows of 128
+    // columns (the in-place FP8 GEMV takes multiples of 16).
+    let mut config = random_config(&tiny_llama_config()).unwrap();
+    config.hidden_size = 128;
+    config.head_dim = 32;
+    config.intermediate_size = 256;
+    config.rope_dim = 32;
     let weights = RandomWeights::new(&config, 5, 1 << 30)
         .unwrap()
         .with_format(RandomFormat::Fp8);

@@ -354,19 +354,18 @@ impl Drop for Server {
 
 /// `serve --random-weights`: random weights of a config.json's shapes, served with the model's
 /// tokenizer under the name `random-<folder>` (a wrong name is refused by the server), answer
-/// streamed completions of exactly the tokens asked for.
+/// streamed completions of exactly the tokens asked for; with `:FP8` under `random-<folder>:fp8`.
 #[test]
 fn serve_random_weights_answers_under_its_own_name() {
     let dir = tiny_model("tiny-qwen2");
     let config = dir.join("config.json");
     let server = Server::start_with(&dir, &["--random-weights", config.to_str().unwrap()]);
-    let args = |model: &'static str| {
-        let mut args = vec!["bench", "serve", "--url", &server.url, "--model", model];
-        args.extend(["--scenarios", "single", "-n", "4", "-r", "1"]);
-        args.extend(["--prompt-words", "4", "--json", "--no-warmup"]);
-        args
+    let bench = |url: &str, model: &str| {
+        let mut args = vec!["bench", "serve", "--url", url, "--model", model];
+        args.extend("--scenarios single -n 4 -r 1 --prompt-words 4 --json --no-warmup".split(' '));
+        pagoda(&args, None)
     };
-    let out = pagoda(&args("random-tiny-qwen2"), None);
+    let out = bench(&server.url, "random-tiny-qwen2");
     out.assert_success();
     let stdout = out.stdout_text();
     let report: serde_json::Value =
@@ -376,7 +375,13 @@ fn serve_random_weights_answers_under_its_own_name() {
         "{report}"
     );
     // The tokenizer's file is not the served model.
-    assert_ne!(pagoda(&args("tiny-qwen2"), None).code, Some(0));
+    assert_ne!(bench(&server.url, "tiny-qwen2").code, Some(0));
+    drop(server);
+    // A format suffix in any case the loader takes keeps its canonical name at the end.
+    let spec = format!("{}:FP8", config.to_str().unwrap());
+    let server = Server::start_with(&dir, &["--random-weights", &spec]);
+    bench(&server.url, "random-tiny-qwen2:fp8").assert_success();
+    assert_ne!(bench(&server.url, "random-tiny-qwen2").code, Some(0));
 }
 
 /// `bench serve --request-rate`: a seeded Poisson workload of ShareGPT-like requests against a

@@ -225,21 +225,20 @@ pub fn preset(name: &str) -> Option<ModelConfig> {
 /// A preset name, or the path of a Hugging Face `config.json`, with an optional format suffix
 /// (`:fp8`, [`random_format`]).
 pub fn random_config(spec: &str) -> Result<ModelConfig, LoadError> {
-    let (spec, _) = split_spec(spec).map_err(LoadError)?;
+    let (spec, _) = random_spec(spec)?;
     read_random_config(spec).map_err(LoadError)
 }
 
 /// The format a spec's suffix names: `llama-3.1-8b:fp8` is [`RandomFormat::Fp8`], no suffix
 /// (or `:f32`) [`RandomFormat::F32`]; another suffix is an error that names the fix.
 pub fn random_format(spec: &str) -> Result<RandomFormat, LoadError> {
-    split_spec(spec)
-        .map(|(_, format)| format)
-        .map_err(LoadError)
+    random_spec(spec).map(|(_, format)| format)
 }
 
-/// `spec` without its format suffix, and the format.
-fn split_spec(spec: &str) -> Result<(&str, RandomFormat), String> {
-    fp8::split_spec(spec, |s| preset(s).is_some() || Path::new(s).is_file())
+/// `spec` without its format suffix (any case of `:fp8`, `:fp8_e4m3` or `:f32`), and the
+/// format ([`random_format`]).
+pub fn random_spec(spec: &str) -> Result<(&str, RandomFormat), LoadError> {
+    fp8::split_spec(spec, |s| preset(s).is_some() || Path::new(s).is_file()).map_err(LoadError)
 }
 
 fn read_random_config(spec: &str) -> Result<ModelConfig, String> {

@@ -3,6 +3,7 @@
 use anyhow::{bail, Result};
 use clap::Args;
 use pagoda_engine::{Engine, EngineConfig, EngineSettings};
+use pagoda_models::random::RandomFormat;
 use pagoda_server::auth::ApiKeys;
 use pagoda_server::tls::TlsFiles;
 use pagoda_server::{ConnectionLimits, ServerConfig, TextModel};
@@ -203,9 +204,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
         // Named after the architecture (a config.json after its folder), not the tokenizer's file.
         Some(spec) => {
             // `:fp8` (the format of the projections) stays at the end of the name.
-            let (base, format) = match spec.rsplit_once(':') {
-                Some((base, "fp8")) => (base, ":fp8"),
-                _ => (spec.as_str(), ""),
+            let (base, format) = match pagoda_models::random::random_spec(spec)? {
+                (base, RandomFormat::Fp8) => (base, ":fp8"),
+                (base, RandomFormat::F32) => (base, ""),
             };
             let path = std::path::Path::new(base);
             // A preset's name as given (`llama-3.1-8b` has no extension to strip).

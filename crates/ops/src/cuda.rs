@@ -41,10 +41,11 @@ pub use crate::attention::cuda::{
     MLA_MMA_STAGES, MLA_ROPE_DIM,
 };
 pub use crate::attention::cuda::{
-    sparse_page_scores, sparse_select, sparse_select_entries, sparse_summaries_len,
-    sparse_summaries_update, specialize_sparse, SparseEntry, SparseSelectKernels, SparseSelectPlan,
-    SparseSelectWorkspace, SPARSE_DENSE, SPARSE_DTYPES, SPARSE_MAX_HEAD_DIM, SPARSE_MAX_KV_HEADS,
-    SPARSE_MAX_PAGES, SPARSE_MAX_QUERY_BYTES, SPARSE_REQUEST_WORDS,
+    score_pages_per_cta, sparse_decode, sparse_page_scores, sparse_select, sparse_select_entries,
+    sparse_summaries_len, sparse_summaries_update, specialize_sparse, SparseEntry,
+    SparseSelectKernels, SparseSelectPlan, SparseSelectWorkspace, SPARSE_DENSE, SPARSE_DTYPES,
+    SPARSE_MAX_HEAD_DIM, SPARSE_MAX_KV_HEADS, SPARSE_MAX_PAGES, SPARSE_MAX_QUERY_BYTES,
+    SPARSE_REQUEST_WORDS,
 };
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
 pub use crate::linear::cuda::{

@@ -5,107 +5,31 @@
 //! CPU `QuestSelector`'s exactly, with both kernel sets (`PAGODA_CUDA_SPARSE_SELECT`), on
 //! random batches (head dims, GQA groups, budgets, windows, page sizes 16 and 32, contexts
 //! around `min_context`, multi-row requests, tied scores, a request of the most pages the
-//! device handles); and the gathered decode over the selected table matches the CPU decode
-//! over the CPU-selected table.
+//! device handles); and the gathered decode over the selected table, and the streaming decode
+//! launched right after the selection (programmatic on Hopper), match the CPU decode over the
+//! CPU-selected table.
 
 #[path = "gpu_common/mod.rs"]
 mod common;
+#[path = "gpu_sparse/pools.rs"]
+mod pools;
 
 use common::*;
 use half::{bf16, f16};
 use pagoda_cuda::{DeviceBuffer, Gpu};
 use pagoda_kv::{PageId, PageTable, PageTableRequest, Slot};
 use pagoda_ops::attention::{
-    plan_step, step_attention, DecodeSelector, KeySummaries, KvLayout, KvSlice, QueryBatch,
-    QuestSelector, SparseAttention, SplitKvChunking, StepAttentionConfig, StepWorkspace,
+    plan_step, step_attention, DecodeSelector, KvSlice, QueryBatch, QuestSelector, SparseAttention,
+    SplitKvChunking, StepAttentionConfig, StepWorkspace,
 };
 use pagoda_ops::cuda::{
-    self as ops, sparse_summaries_len, DevicePageTable, PagedKv, PoolLayout, Queries,
-    SparseSelectKernels, SparseSelectPlan, SparseSelectWorkspace, SPARSE_MAX_PAGES,
+    self as ops, sparse_summaries_len, DevicePageTable, MergeMode, PagedDecodeKernel,
+    PagedDecodePlan, PagedDecodeWorkspace, PagedKv, PlanCapacity, PlanPolicy, PoolLayout, Queries,
+    SparseSelectKernels, SparseSelectPlan, SparseSelectWorkspace, StreamTiling, SPARSE_MAX_PAGES,
 };
+use pools::{cpu_layout, device_slots, Pools};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
-
-/// One layer's pools on both sides: host values (rounded through `T`) and the CPU summaries.
-struct Pools {
-    layout: PoolLayout,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    summaries: KeySummaries,
-}
-
-impl Pools {
-    fn new(layout: PoolLayout) -> Pools {
-        let cpu = cpu_layout(&layout);
-        Pools {
-            layout,
-            k: vec![0.0; layout.pool_len()],
-            v: vec![0.0; layout.pool_len()],
-            summaries: KeySummaries::new(&cpu),
-        }
-    }
-
-    /// Writes random rows (rounded through `T`) at `slots` (`None`: padding) and folds them
-    /// into the CPU summaries.
-    fn write<T: TestFloat>(&mut self, rng: &mut ChaCha8Rng, slots: &[Option<Slot>]) {
-        let stride = self.layout.token_stride();
-        let written: Vec<Slot> = slots.iter().flatten().copied().collect();
-        for slot in &written {
-            let at = (slot.page.index() * self.layout.page_size + slot.offset as usize) * stride;
-            let k = round::<T>(&random_vec(rng, stride, 1.0));
-            let v = round::<T>(&random_vec(rng, stride, 1.0));
-            self.k[at..at + stride].copy_from_slice(&k);
-            self.v[at..at + stride].copy_from_slice(&v);
-        }
-        self.fold(&written);
-    }
-
-    /// Copies page `from`'s first `rows` rows into page `to` (written as one step).
-    fn copy_page(&mut self, from: usize, to: usize, rows: usize) -> Vec<Option<Slot>> {
-        let page = self.layout.page_size * self.layout.token_stride();
-        let len = rows * self.layout.token_stride();
-        let (k, v) = (
-            self.k[from * page..from * page + len].to_vec(),
-            self.v[from * page..from * page + len].to_vec(),
-        );
-        self.k[to * page..to * page + len].copy_from_slice(&k);
-        self.v[to * page..to * page + len].copy_from_slice(&v);
-        let slots: Vec<Slot> = (0..rows as u32)
-            .map(|offset| Slot {
-                page: PageId(to as u32),
-                offset,
-            })
-            .collect();
-        self.fold(&slots);
-        slots.into_iter().map(Some).collect()
-    }
-
-    fn fold(&mut self, slots: &[Slot]) {
-        let cpu = cpu_layout(&self.layout);
-        self.summaries
-            .update(KvSlice::F32(&self.k), &cpu, slots)
-            .unwrap();
-    }
-}
-
-fn cpu_layout(layout: &PoolLayout) -> KvLayout {
-    KvLayout {
-        num_pages: layout.num_pages,
-        page_size: layout.page_size,
-        num_kv_heads: layout.num_kv_heads,
-        head_dim: layout.head_dim,
-    }
-}
-
-fn device_slots(slots: &[Option<Slot>], page_size: usize) -> Vec<i32> {
-    slots
-        .iter()
-        .map(|slot| match slot {
-            Some(slot) => (slot.page.index() * page_size + slot.offset as usize) as i32,
-            None => -1,
-        })
-        .collect()
-}
 
 /// Runs the device update for one step (the pool uploaded as the host holds it).
 fn device_update<T: TestFloat>(
@@ -241,7 +165,7 @@ struct SelectCase {
 }
 
 /// What a selection case leaves for the decode check.
-struct Selected {
+struct Selected<T> {
     pools: Pools,
     /// The selected table (the device's, equal to the CPU's).
     table: PageTable,
@@ -253,10 +177,14 @@ struct Selected {
     workspace: SparseSelectWorkspace,
     /// The device-selected page ids.
     out: DeviceBuffer<u32>,
+    /// The device summaries and the query rows (in fused QKV rows of `stride`).
+    summaries: DeviceBuffer<T>,
+    q_device: DeviceBuffer<T>,
+    stride: usize,
 }
 
 /// Builds the pools, runs the CPU and the device selection and asserts the tables are equal.
-fn select_case<T: TestFloat>(gpu: &Gpu, case: &SelectCase, seed: u64) -> Selected {
+fn select_case<T: TestFloat>(gpu: &Gpu, case: &SelectCase, seed: u64) -> Selected<T> {
     let layout = case.layout;
     let what = format!(
         "{} {layout:?} n_rep {} lens {:?}",
@@ -374,14 +302,17 @@ fn select_case<T: TestFloat>(gpu: &Gpu, case: &SelectCase, seed: u64) -> Selecte
     // Both kernel sets (PAGODA_CUDA_SPARSE_SELECT) keep the CPU's pages; radix also with the
     // scores beside a step's update (programmatic on Hopper).
     let mut last = None;
+    // The looped scores also run at one CTA slot: every CTA takes its most rounds.
     let sets = [
-        (SparseSelectKernels::Bitwise, false),
-        (SparseSelectKernels::Radix, false),
-        (SparseSelectKernels::Radix, true),
+        (SparseSelectKernels::Bitwise, false, None),
+        (SparseSelectKernels::Radix, false, None),
+        (SparseSelectKernels::Radix, false, Some(1)),
+        (SparseSelectKernels::Radix, true, None),
     ];
-    for (kernels, after_update) in sets {
+    for (kernels, after_update, score_ctas) in sets {
         workspace.set_kernels(kernels);
         workspace.set_after_update(after_update);
+        workspace.set_score_ctas(score_ctas);
         if let (true, Some(slots)) = (after_update, &last_slots) {
             ops::sparse_summaries_update(gpu, &k, &layout, slots, &mut summaries).unwrap();
         }
@@ -399,7 +330,7 @@ fn select_case<T: TestFloat>(gpu: &Gpu, case: &SelectCase, seed: u64) -> Selecte
         let mut indices = gpu.download(&out).unwrap();
         indices.truncate(plan.selected_pages());
         let table = plan.table(&table, indices);
-        let set = format!("{kernels:?}, after update {after_update}");
+        let set = format!("{kernels:?}, after update {after_update}, CTAs {score_ctas:?}");
         assert_eq!(table, expected, "{what}: selected table ({set})");
         last = Some((table, out));
     }
@@ -412,6 +343,9 @@ fn select_case<T: TestFloat>(gpu: &Gpu, case: &SelectCase, seed: u64) -> Selecte
         full_device: full,
         workspace,
         out,
+        summaries,
+        q_device,
+        stride,
     }
 }
 
@@ -562,4 +496,47 @@ fn decode_over_the_selected_table_matches_the_cpu() {
     ops::decode_attention_gathered(&gpu, &queries, &kv, &mut decode, 1, scale, &mut out).unwrap();
     let actual = download::<bf16>(&gpu, &out);
     assert_close("sparse decode", &actual, &expected, bf16::TOLERANCE);
+
+    // As a step runs it: the radix selection into poisoned ids, then the streaming decode
+    // right after it (programmatic on Hopper, so it must wait for the ids it reads).
+    let policy = PlanPolicy {
+        target_ctas: 264,
+        pages_per_chunk: None,
+        min_pages_per_chunk: 4,
+        resident_ctas: None,
+    };
+    let mut capacity = PlanCapacity::for_batch(b, heads, 264);
+    capacity.max_chunks += b * 64;
+    let plan = PagedDecodePlan::new(&selected.indptr, heads, policy, capacity).unwrap();
+    let mut fused =
+        PagedDecodeWorkspace::new(&gpu, capacity, num_q_heads, heads, head_dim).unwrap();
+    fused.set_kernel(PagedDecodeKernel::Streaming(StreamTiling::ALL[0]));
+    fused.upload_plan(&gpu, &plan).unwrap();
+    let mut select = run.workspace;
+    select.set_kernels(SparseSelectKernels::Radix);
+    let mut ids = poisoned::<u32>(&gpu, selected.indices.len());
+    let mut out = poisoned::<bf16>(&gpu, q.len());
+    let step_q = Queries::new(&run.q_device, num_q_heads, run.stride);
+    let summaries = &run.summaries;
+    ops::sparse_select(
+        &gpu,
+        &step_q,
+        summaries,
+        &layout,
+        &full_table,
+        &mut select,
+        &mut ids,
+    )
+    .unwrap();
+    let table = select.selected_table(&full_table, &ids).unwrap();
+    let kv = PagedKv::new(&k, &v, layout, table);
+    let merge = MergeMode::Separate;
+    ops::sparse_decode(&gpu, &queries, &kv, &mut fused, merge, scale, &mut out).unwrap();
+    let actual = download::<bf16>(&gpu, &out);
+    assert_close(
+        "sparse decode after the selection",
+        &actual,
+        &expected,
+        bf16::TOLERANCE,
+    );
 }

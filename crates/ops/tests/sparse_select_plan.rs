@@ -244,3 +244,31 @@ fn a_plan_over_the_leading_requests_equals_one_over_their_table() {
         assert_eq!(part, whole, "case {case}: {d} of {n} requests");
     }
 }
+
+/// The looped scores' CTA size: within its shared limits (512 pairs, 64 pages), whole rounds
+/// of 64 pairs, one wave where the limits allow, and the unlooped kernel's round unchanged.
+#[test]
+fn the_looped_scores_fill_one_wave_within_their_shared_limits() {
+    use pagoda_ops::cuda::{score_pages_per_cta, SparseEntry};
+    // Random Llama-3.1-8B on an H100 (132 SMs, 3 CTAs each): 8 pages a round.
+    let slots = 396;
+    let one = |b, pages| score_pages_per_cta(SparseEntry::ScoresAhead, 8, (b, pages), slots);
+    assert_eq!(one(1, 2048), 8, "256 CTAs fit one wave");
+    assert_eq!(one(2, 2048), 16, "512 CTAs in two rounds");
+    assert_eq!(one(4, 2048), 24, "1024 CTAs in three rounds (342 CTAs)");
+    assert_eq!(one(4, 8192), 64, "capped at 64 pages");
+    for heads in [1, 2, 3, 8, 20, 64] {
+        let round = (64 / heads).max(1);
+        let plain = score_pages_per_cta(SparseEntry::Scores, heads, (4, 8192), slots);
+        assert_eq!(plain, round, "{heads} heads: the plain kernel's one round");
+        for (b, pages, slots) in [(1, 10, 396), (4, 8192, 396), (64, 8192, 1), (3, 700, 7)] {
+            let n = score_pages_per_cta(SparseEntry::ScoresAhead, heads, (b, pages), slots);
+            assert!(
+                n.is_multiple_of(round) && n * heads <= 512 && n <= 64,
+                "{heads}: {n}"
+            );
+            let ctas = pages.div_ceil(n) * b;
+            assert!(ctas <= slots || n * heads + round * heads > 512 || n + round > 64);
+        }
+    }
+}

@@ -63,6 +63,10 @@ pub struct BenchSparseArgs {
     /// $PAGODA_CUDA_SPARSE_SELECT, else radix).
     #[arg(long, value_parser = ["bitwise", "radix"])]
     pub select: Option<String>,
+    /// CTAs the radix page scores' grid aims at (0: one round of pages a CTA, the unlooped
+    /// grid; default: 3 per SM).
+    #[arg(long)]
+    pub score_ctas: Option<usize>,
     /// Graph replays per case (the median is reported).
     #[arg(short = 'n', long, default_value_t = 50)]
     pub replays: usize,
@@ -204,6 +208,7 @@ fn case(
     }
     let mut select = SparseSelectWorkspace::new(gpu, b, max_pages)?;
     select.set_kernels(kernels);
+    select.set_score_ctas(args.score_ctas.map(|n| if n == 0 { usize::MAX } else { n }));
     // As in a step: each set's selection follows its update of the last tokens' pages.
     select.set_after_update(true);
     select.upload(gpu, &plan)?;
@@ -235,15 +240,13 @@ fn case(
             if upto == Stage::Decode {
                 let table = select.selected_table(&full, &indices)?;
                 let kv = PagedKv::new(k_pool, v_pool, layout, table);
-                ops::paged_decode_attention(
-                    gpu,
-                    &q,
-                    &kv,
-                    &mut decode,
-                    variant.merge,
-                    scale,
-                    &mut out,
-                )?;
+                // As the model's path: after the radix selection, programmatically.
+                let merge = variant.merge;
+                if kernels == SparseSelectKernels::Radix {
+                    ops::sparse_decode(gpu, &q, &kv, &mut decode, merge, scale, &mut out)?;
+                } else {
+                    ops::paged_decode_attention(gpu, &q, &kv, &mut decode, merge, scale, &mut out)?;
+                }
             }
         }
         Ok(())

@@ -15,7 +15,7 @@ use super::cascade_path::cascade_decode;
 use super::decode_path::{fused_decode, FusedDecode};
 use super::experts::{ExpertStep, GpuExperts, MoeBuffers};
 use super::matrix::{Linear, Matrix, QuantScratch};
-use super::sparse_path::SparseDecode;
+use super::sparse_path::{decode_selected, SparseDecode};
 use super::{GpuLayer, GpuMlp, GpuModel, GqaWeights, HostFloat, LayerAttention, StepBuffers};
 use crate::decoder::{deepseek_layers, llama_layers, llama_moe_layers, DecoderStep, MoeStep};
 
@@ -395,16 +395,11 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                     CudaError::invalid("a sparse decode step without its summaries")
                 })?;
                 let grid = (self.layout, grid_pages);
+                let radix = sparse.radix();
                 let table = sparse.select(gpu, index, &queries, grid, &self.page_table)?;
                 let kv = PagedKv::new(k_pool, v_pool, *self.layout, table);
-                fused_decode(
-                    self.fused,
-                    gpu,
-                    &queries,
-                    &kv,
-                    (grid_chunks, variant, scale),
-                    out,
-                )
+                let plan = (grid_chunks, variant, scale);
+                decode_selected(self.fused, gpu, &queries, &kv, (plan, radix), out)
             }
             Attention::Latent { .. } => Err(CudaError::invalid(
                 "a latent attention decode ran on a grouped-query layer",
@@ -430,15 +425,17 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                 let rows = view(&self.qkv, 0..decode_rows * qkv_dim)?;
                 let queries = Queries::new(&rows, heads, qkv_dim);
                 let mut decodes = self.page_table.requests(0..decode_rows)?;
+                let mut radix = false;
                 if let (Some(sparse), 1..) = (self.sparse.as_deref_mut(), grid_pages) {
                     let grid = (self.layout, grid_pages);
+                    radix = sparse.radix();
                     decodes = sparse.select(gpu, index, &queries, grid, &decodes)?;
                 }
                 let kv = PagedKv::new(k_pool, v_pool, *self.layout, decodes);
                 let q_dim = heads * self.model.config.head_dim;
                 let mut out = view_mut(out, 0..decode_rows * q_dim)?;
                 let plan = (grid_chunks, variant, scale);
-                fused_decode(self.fused, gpu, &queries, &kv, plan, &mut out)
+                decode_selected(self.fused, gpu, &queries, &kv, (plan, radix), &mut out)
             }
         }
     }

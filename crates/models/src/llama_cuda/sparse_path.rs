@@ -12,13 +12,15 @@
 //! on a latent (MLA) cache. The engine refuses `--sparse-attention` at start there
 //! ([`sparse_unsupported`]).
 
-use pagoda_cuda::{CudaError, DeviceBuffer, DeviceRead, Gpu};
+use pagoda_cuda::{CudaError, DeviceBuffer, DeviceRead, DeviceViewMut, Gpu};
 use pagoda_kv::PageTable;
 use pagoda_ops::attention::{SparseAttention, SparseStepStats};
 use pagoda_ops::cuda::{
-    self as ops, DevicePageTable, PoolLayout, Queries, SparseSelectPlan, SparseSelectWorkspace,
+    self as ops, DevicePageTable, PagedKv, PoolLayout, Queries, SparseSelectPlan,
+    SparseSelectWorkspace,
 };
 
+use super::decode_path::{fused_decode, launch_workspace, FusedDecode};
 use super::{CudaCacheOptions, HostFloat, PagedDecodeMode};
 use crate::config::ModelConfig;
 
@@ -219,6 +221,12 @@ impl<T: HostFloat> SparseDecode<T> {
         ops::sparse_summaries_update(gpu, k_pool, layout, slots, summaries)
     }
 
+    /// Whether the selection runs the radix kernels, which let the decode after them launch
+    /// programmatically ([`decode_selected`]).
+    pub fn radix(&self) -> bool {
+        self.workspace.kernels() == ops::SparseSelectKernels::Radix
+    }
+
     /// Layer `layer`'s selection for the staged step over `table` (the full one) on a grid
     /// of `grid_pages`, then its shortened table for the decode.
     pub fn select<'a>(
@@ -240,6 +248,24 @@ impl<T: HostFloat> SparseDecode<T> {
         ops::sparse_select(gpu, queries, summaries, layout, table, workspace, indices)?;
         workspace.selected_table(table, indices)
     }
+}
+
+/// The fused decode over `kv`, whose page ids a selection just wrote (or, without `radix`
+/// or a selection, any table): after the radix selection it follows it programmatically
+/// (`ops::sparse_decode`), otherwise it is the plain fused decode.
+pub(super) fn decode_selected<T: HostFloat>(
+    fused: &mut Option<FusedDecode>,
+    gpu: &Gpu,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, T>,
+    ((grid_chunks, variant, scale), radix): ((usize, ops::DecodeVariant, f32), bool),
+    out: &mut DeviceViewMut<'_, T>,
+) -> Result<(), CudaError> {
+    if !radix {
+        return fused_decode(fused, gpu, queries, kv, (grid_chunks, variant, scale), out);
+    }
+    let workspace = launch_workspace(fused, grid_chunks, variant.kernel)?;
+    ops::sparse_decode(gpu, queries, kv, workspace, variant.merge, scale, out)
 }
 
 #[cfg(test)]

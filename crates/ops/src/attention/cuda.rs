@@ -75,10 +75,11 @@ pub use prefill_stream::{
     specialize_prefill_stream_fp8, PrefillStreamTiling, STREAM_PREFILL_HEAD_DIMS,
 };
 pub use sparse::{
-    sparse_page_scores, sparse_select, sparse_select_entries, sparse_summaries_len,
-    sparse_summaries_update, specialize_sparse, SparseEntry, SparseSelectKernels, SparseSelectPlan,
-    SparseSelectWorkspace, SPARSE_DENSE, SPARSE_DTYPES, SPARSE_MAX_HEAD_DIM, SPARSE_MAX_KV_HEADS,
-    SPARSE_MAX_PAGES, SPARSE_MAX_QUERY_BYTES, SPARSE_REQUEST_WORDS,
+    score_pages_per_cta, sparse_decode, sparse_page_scores, sparse_select, sparse_select_entries,
+    sparse_summaries_len, sparse_summaries_update, specialize_sparse, SparseEntry,
+    SparseSelectKernels, SparseSelectPlan, SparseSelectWorkspace, SPARSE_DENSE, SPARSE_DTYPES,
+    SPARSE_MAX_HEAD_DIM, SPARSE_MAX_KV_HEADS, SPARSE_MAX_PAGES, SPARSE_MAX_QUERY_BYTES,
+    SPARSE_REQUEST_WORDS,
 };
 pub use stream_tiling::{
     StreamTiling, MAX_DECODE_GROUP, PAGED_DECODE_HEAD_DIMS, PAGED_DECODE_MMA_HEAD_DIMS,

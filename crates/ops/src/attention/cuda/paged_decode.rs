@@ -385,15 +385,8 @@ pub fn paged_decode_attention<T: Element>(
     scale: f32,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
-    paged_decode_launch(
-        gpu,
-        queries,
-        kv,
-        None,
-        workspace,
-        (merge, scale, false),
-        out,
-    )
+    let launch = (merge, scale, Follows::Any);
+    paged_decode_launch(gpu, queries, kv, None, workspace, launch, out)
 }
 
 /// [`paged_decode_attention`] with the separate merge, launched programmatically after a
@@ -408,8 +401,21 @@ pub(super) fn paged_decode_beside<T: Element>(
     scale: f32,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
-    let merge = MergeMode::Separate;
-    paged_decode_launch(gpu, queries, kv, None, workspace, (merge, scale, true), out)
+    let launch = (MergeMode::Separate, scale, Follows::Independent);
+    paged_decode_launch(gpu, queries, kv, None, workspace, launch, out)
+}
+
+/// What the kernel launched just before a fused decode wrote that the decode reads: on
+/// compute capability 9.0+ with the streaming kernel (bf16 pools), all but `Any` launch it
+/// programmatically.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Follows {
+    /// Anything: an ordinary launch.
+    Any,
+    /// Nothing (cascade's shared level): the grid waits for it before it completes.
+    Independent,
+    /// Only the page ids (a sparse selection): the grid waits for it before reading them.
+    Selection,
 }
 
 /// [`paged_decode_attention`] over an e4m3 cache: the same contract, with K and V read as
@@ -423,26 +429,19 @@ pub fn paged_decode_attention_fp8<T: Element>(
     scale: f32,
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
-    paged_decode_launch(
-        gpu,
-        queries,
-        kv,
-        Some(scales),
-        workspace,
-        (merge, scale, false),
-        out,
-    )
+    let launch = (merge, scale, Follows::Any);
+    paged_decode_launch(gpu, queries, kv, Some(scales), workspace, launch, out)
 }
 
 /// [`paged_decode_attention`] over pools of `K` (the model's `T`, or e4m3 bytes with their
 /// `fp8` scales: the CUDA-core and streaming kernels, see [`paged_decode_attention_fp8`]).
-fn paged_decode_launch<T: Element, K: Element>(
+pub(super) fn paged_decode_launch<T: Element, K: Element>(
     gpu: &Gpu,
     queries: &Queries<'_, T>,
     kv: &PagedKv<'_, K>,
     fp8: Option<&KvScales<'_>>,
     workspace: &mut PagedDecodeWorkspace,
-    (merge, scale, beside): (MergeMode, f32, bool),
+    (merge, scale, follows): (MergeMode, f32, Follows),
     out: &mut impl DeviceWrite<T>,
 ) -> Result<(), CudaError> {
     let (q, num_q_heads, q_row_stride) = (&queries.data, queries.num_heads, queries.row_stride);
@@ -529,6 +528,11 @@ fn paged_decode_launch<T: Element, K: Element>(
         )));
     }
     workspace.num_requests = num_requests;
+    let streaming = matches!(workspace.kernel, PagedDecodeKernel::Streaming(_));
+    let hopper = gpu.info().compute_capability.0 >= 9;
+    // Only the streaming kernel waits for its programmatic primary (flags bit 1: first).
+    let programmatic = follows != Follows::Any && streaming && hopper && fp8.is_none();
+    let wait_first = programmatic && follows == Follows::Selection;
     let mut args = vec![
         ptr(q),
         ptr(k_pool),
@@ -549,7 +553,7 @@ fn paged_decode_launch<T: Element, K: Element>(
         KernelArg::U32(to_u32("num_pages", layout.num_pages)?),
         KernelArg::U32(to_u32("q_row_stride", q_row_stride)?),
         KernelArg::F32(scale * std::f32::consts::LOG2_E),
-        KernelArg::U32(u32::from(merge == MergeMode::InKernel)),
+        KernelArg::U32(u32::from(merge == MergeMode::InKernel) | u32::from(wait_first) << 1),
     ];
     if let Some(scales) = fp8 {
         args.extend([ptr(&scales.k), ptr(&scales.v)]);
@@ -562,14 +566,11 @@ fn paged_decode_launch<T: Element, K: Element>(
     // pools last, extents checked by `KvScales::check`); the plan buffer holds the capacity's
     // encoded length, the partials max_chunks x num_q_heads rows, the semaphores
     // max_requests x num_kv_heads; pool, q and out extents validated above.
-    let streaming = matches!(workspace.kernel, PagedDecodeKernel::Streaming(_));
-    let hopper = gpu.info().compute_capability.0 >= 9;
     let dims = LaunchDims {
         shared_mem_bytes: shared_bytes as u32,
         // CTAs per SM are bounded by shared memory: ask for the largest carveout.
         prefer_shared: streaming,
-        // Only the streaming kernel waits for its programmatic primary before it completes.
-        programmatic: beside && streaming && hopper && fp8.is_none(),
+        programmatic,
         ..LaunchDims::new(grid, PARTIAL_THREADS as u32)
     };
     unsafe { gpu.launch(&partial, dims, &args)? };
@@ -579,7 +580,6 @@ fn paged_decode_launch<T: Element, K: Element>(
     // After the streaming kernel (which lets its dependents launch once its CTAs leave their
     // loops) the merge launches programmatically on compute capability 9.0+ and waits for
     // the partials itself, which hides its launch behind the partial kernel's tail.
-    let programmatic = streaming && hopper;
     let partials = Partials {
         out: whole(&workspace.partial_out),
         lse: whole(&workspace.partial_lse),
@@ -587,5 +587,5 @@ fn paged_decode_launch<T: Element, K: Element>(
         num_heads: num_q_heads,
         head_dim: layout.head_dim,
     };
-    merge_partials_launch(gpu, &partials, true, out, None, programmatic)
+    merge_partials_launch(gpu, &partials, true, out, None, streaming && hopper)
 }

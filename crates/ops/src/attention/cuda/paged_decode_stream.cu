@@ -84,7 +84,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, stream_decode::MIN_BLOCKS)
     float* __restrict__ partial_lse, unsigned int* __restrict__ semaphores,
     unsigned int num_requests, unsigned int max_chunks, unsigned int num_kv_heads,
     unsigned int page_shift, unsigned int num_pages, unsigned int q_row_stride, float scale_log2,
-    unsigned int merge_in_kernel
+    unsigned int flags  // bit 0: merge in the kernel; bit 1: wait for the primary first
 #if PAGODA_KV_FP8
     , const float* __restrict__ k_scale, const float* __restrict__ v_scale
 #endif
@@ -101,6 +101,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, stream_decode::MIN_BLOCKS)
     if (!load_chunk(plan, chunk, max_chunks, num_requests, kv_indptr, last_page_len, first_page_offset,
                     page_shift, c))
         return;
+#if __CUDA_ARCH__ >= 900
+    // Launched programmatically after the kernel that wrote the page ids (a sparse selection):
+    // only the plan and the row pointer, uploaded before the step, are read before it completes.
+    if (flags & 2u) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     require_dynamic_smem(SMEM_BYTES);
     const unsigned int tid = threadIdx.x;
     const unsigned int warp = tid / 32;
@@ -343,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, stream_decode::MIN_BLOCKS)
         }
     }
     finish_chunk(c, chunk, kv_head, num_kv_heads, s_acc, s_m, s_l, GROUP, EPI_PITCH, s_acc, out, partial_out,
-                 partial_lse, semaphores, merge_in_kernel);
+                 partial_lse, semaphores, flags & 1u);
 #if __CUDA_ARCH__ >= 900
     // Launched programmatically beside cascade's shared level (whose partials it does not
     // read): this grid does not complete before that one, so the merge, which waits for this

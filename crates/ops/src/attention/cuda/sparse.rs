@@ -26,9 +26,11 @@
 //! [`sparse_page_scores`] alone is public for the benchmark's breakdown.
 
 use super::gathered::{DevicePageTable, PoolLayout, Queries};
+use super::paged_decode::{paged_decode_launch, Follows, PagedDecodeWorkspace};
 pub use super::sparse_plan::{
     SparseSelectPlan, SPARSE_DENSE, SPARSE_MAX_PAGES, SPARSE_REQUEST_WORDS,
 };
+use super::{MergeMode, PagedKv};
 use pagoda_cuda::{
     check_len, check_min_len, ptr, to_u32, whole, CudaError, DType, DeviceBuffer, DeviceRead,
     DeviceWrite, Element, Gpu, KernelArg, KernelSource, KernelSpec, LaunchDims, PinnedBuffer,
@@ -48,6 +50,12 @@ const SCORE_THREADS: u32 = 256;
 const SCORE_PAIRS: usize = 64;
 /// 16-byte vectors of a lane's slice `sparse_page_scores_ahead` takes (its `SCORE_CHUNK`).
 const SCORE_AHEAD_VECTORS: usize = 2;
+/// (page, KV head) pairs and pages a `sparse_page_scores_ahead` CTA holds at most (its
+/// shared `s_group` and `s_page`: `SCORE_MAX_PAIRS`, `SCORE_MAX_CTA_PAGES`).
+const SCORE_MAX_PAIRS: usize = 512;
+const SCORE_MAX_CTA_PAGES: usize = 64;
+/// `sparse_page_scores_ahead` CTAs an SM holds (its `SCORE_MIN_CTAS`).
+const SCORE_MIN_CTAS: usize = 3;
 /// Threads of a `sparse_select_pages` CTA.
 const SELECT_THREADS: u32 = 1024;
 /// Threads of a `sparse_summaries_update` CTA (a summary element each).
@@ -247,6 +255,8 @@ pub struct SparseSelectWorkspace {
     /// Whether the kernel launched just before [`sparse_select`] writes nothing the scores
     /// read ([`Self::set_after_update`]).
     after_update: bool,
+    /// CTAs the looped scores' grid aims at ([`Self::set_score_ctas`]; `None`: the GPU's).
+    score_ctas: Option<usize>,
 }
 
 impl SparseSelectWorkspace {
@@ -270,6 +280,7 @@ impl SparseSelectWorkspace {
             uploaded: None,
             kernels: SparseSelectKernels::default(),
             after_update: false,
+            score_ctas: None,
         })
     }
 
@@ -288,6 +299,13 @@ impl SparseSelectWorkspace {
     /// scored pages (a whole pool's summaries, say) must leave this off.
     pub fn set_after_update(&mut self, after_update: bool) {
         self.after_update = after_update;
+    }
+
+    /// Sets the CTAs the [`SparseEntry::ScoresAhead`] grid aims at (see
+    /// [`score_pages_per_cta`]); `None` (the default): `SCORE_MIN_CTAS` per SM of the GPU.
+    /// Tests pin a few to run many rounds a CTA, the benchmark `usize::MAX` for one.
+    pub fn set_score_ctas(&mut self, ctas: Option<usize>) {
+        self.score_ctas = ctas;
     }
 
     /// The kernels the launches run.
@@ -488,8 +506,15 @@ pub fn sparse_page_scores<T: Element>(
         )));
     }
     let max_pages = to_u32("sparse grid pages", workspace.grid_pages)?;
-    // Two pairs an octet: a page's KV heads together, at least one page a CTA.
-    let pages_per_cta = (SCORE_PAIRS / layout.num_kv_heads).max(1);
+    let slots = workspace
+        .score_ctas
+        .unwrap_or(gpu.info().sm_count as usize * SCORE_MIN_CTAS);
+    let pages_per_cta = score_pages_per_cta(
+        scores,
+        layout.num_kv_heads,
+        (b, workspace.grid_pages),
+        slots,
+    );
     let score_args = [
         ptr(&queries.data),
         KernelArg::U32(to_u32("q row stride", queries.row_stride)?),
@@ -519,9 +544,48 @@ pub fn sparse_page_scores<T: Element>(
     };
     // SAFETY: arguments match `sparse_page_scores`; scores hold max_requests * max_pages,
     // written at r * grid_pages + p with p < grid_pages <= max_pages and r < b <=
-    // max_requests; the query row fits the dynamic shared memory, KV heads times pages per
-    // CTA the shared groups (at most max(SCORE_PAIRS, SPARSE_MAX_KV_HEADS)), both checked.
+    // max_requests; the query row fits the dynamic shared memory (checked), KV heads times
+    // pages per CTA the shared groups and pages per CTA the staged ids (at most
+    // SCORE_MAX_PAIRS and SCORE_MAX_CTA_PAGES by score_pages_per_cta).
     unsafe { gpu.launch(&scores_spec, dims, &score_args) }
+}
+
+/// The fused decode over the table [`sparse_select`] just wrote
+/// ([`SparseSelectWorkspace::selected_table`]), launched right after it: with the streaming
+/// kernel on compute capability 9.0+ it launches programmatically and waits for the selection
+/// only before it reads the page ids, so its launch and prologue overlap the selection (whose
+/// radix kernel lets it launch once the scores are in). Otherwise as
+/// [`paged_decode_attention`](super::paged_decode::paged_decode_attention).
+pub fn sparse_decode<T: Element>(
+    gpu: &Gpu,
+    queries: &Queries<'_, T>,
+    kv: &PagedKv<'_, T>,
+    workspace: &mut PagedDecodeWorkspace,
+    merge: MergeMode,
+    scale: f32,
+    out: &mut impl DeviceWrite<T>,
+) -> Result<(), CudaError> {
+    let launch = (merge, scale, Follows::Selection);
+    paged_decode_launch(gpu, queries, kv, None, workspace, launch, out)
+}
+
+/// Pages a CTA of `entry` scores for `b` requests on a grid of `grid_pages`: a round of two
+/// pairs an octet (a page's KV heads together, at least one page); for
+/// [`SparseEntry::ScoresAhead`], as many rounds (up to its shared limits) as bring the grid
+/// within `slots` CTAs, so it runs in one wave and each CTA pays its prologue once.
+pub fn score_pages_per_cta(
+    entry: SparseEntry,
+    num_kv_heads: usize,
+    (b, grid_pages): (usize, usize),
+    slots: usize,
+) -> usize {
+    let round = (SCORE_PAIRS / num_kv_heads).max(1);
+    if entry != SparseEntry::ScoresAhead {
+        return round;
+    }
+    let most = (SCORE_MAX_PAIRS / (round * num_kv_heads)).min(SCORE_MAX_CTA_PAGES / round);
+    let ctas = grid_pages.div_ceil(round) * b;
+    round * ctas.div_ceil(slots.max(1)).clamp(1, most.max(1))
 }
 
 /// Programmatic launches (`griddepcontrol`) need compute capability 9.0.

@@ -150,6 +150,8 @@ __device__ __forceinline__ void select_pages(const unsigned int* __restrict__ in
     // Launched programmatically after the scores (radix): they are complete from here. Without
     // a programmatic launch the wait returns at once.
     if (RADIX) asm volatile("griddepcontrol.wait;" ::: "memory");
+    // The decode over the kept pages may launch (it waits for this grid before it reads them).
+    if (RADIX) asm volatile("griddepcontrol.launch_dependents;");
 #endif
 #pragma unroll
     for (unsigned int k = 0; k < SELECT_KEYS; ++k) {

@@ -93,7 +93,7 @@ extern "C" __global__ void sparse_summaries_update(const T* __restrict__ k_pool,
 #define SCORE_THREADS 256
 #define SCORE_OCTETS (SCORE_THREADS / 8)
 #define SCORE_MAX_SLICE 32
-#define SCORE_MAX_PAIRS 256
+#define SCORE_MAX_PAIRS 512
 #define SCORE_MAX_CTA_PAGES 64
 #define SCORE_VEC (16 / sizeof(T))
 #define SCORE_MAX_VECS (SCORE_MAX_SLICE / (16 / sizeof(T)))
@@ -211,9 +211,11 @@ struct ScorePair {
     bool outside;
 };
 
+// Page position p's id is pages[p - offset] (the list from position 0, or a CTA's staged ids
+// from its first).
 __device__ __forceinline__ ScorePair score_pair(unsigned int i, unsigned int pairs,
                                                 unsigned int first, unsigned int limit,
-                                                const unsigned int* __restrict__ pages,
+                                                const unsigned int* pages, unsigned int offset,
                                                 const T* __restrict__ summaries,
                                                 unsigned int num_pages,
                                                 unsigned int num_kv_heads,
@@ -224,7 +226,7 @@ __device__ __forceinline__ ScorePair score_pair(unsigned int i, unsigned int pai
     const unsigned int kv_head = i - local * num_kv_heads;
     const unsigned int p = first + local;
     if (p < 1 || p >= limit) return pair;
-    const unsigned int page = pages[p];
+    const unsigned int page = pages[p - offset];
     if (page >= num_pages) {
         pair.outside = true;
         return pair;
@@ -296,10 +298,13 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS)
 }
 
 // The scores with the loads ahead (`PAGODA_CUDA_SPARSE_SELECT=radix`), for slices of one or
-// two whole vectors (SCORE_CHUNK; head_dim 64 or 128 in bf16) and at most 2 * SCORE_OCTETS
-// pairs a CTA (the host checks both): an octet's two pairs are loaded before the query row is
-// staged, so the page ids, the summary loads and the staging overlap, at SCORE_MIN_CTAS CTAs
-// an SM. The same arguments, grid and scores as sparse_page_scores.
+// two whole vectors (SCORE_CHUNK; head_dim 64 or 128 in bf16), at most SCORE_MAX_PAIRS pairs
+// and SCORE_MAX_CTA_PAGES pages a CTA (the host checks all three and sizes pages_per_cta so
+// the grid fills the GPU's CTA slots once, SCORE_MIN_CTAS an SM). Each octet holds two pairs
+// in flight: its first two are loaded before the page ids and the query row are staged, and
+// each later pair (i + 2 * SCORE_OCTETS) is loaded as soon as its slot's pair is folded, so
+// a CTA of many pages pays its prologue once. The same arguments and scores as
+// sparse_page_scores.
 extern "C" __global__ void __launch_bounds__(SCORE_THREADS, SCORE_MIN_CTAS)
     sparse_page_scores_ahead(const T* __restrict__ q, unsigned int q_row_stride,
                              const T* __restrict__ summaries,
@@ -313,6 +318,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS, SCORE_MIN_CTAS)
     extern __shared__ uint4 s_dynamic[];
     T* s_q = reinterpret_cast<T*>(s_dynamic);
     __shared__ float s_group[SCORE_MAX_PAIRS];
+    __shared__ unsigned int s_page[SCORE_MAX_CTA_PAGES];
     const unsigned int r = blockIdx.y;
     const unsigned int first = blockIdx.x * pages_per_cta;
     const unsigned int query_row = requests[4 * r];
@@ -330,13 +336,18 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS, SCORE_MIN_CTAS)
     const unsigned int vecs = (d1 - d0) / SCORE_VEC;
     const unsigned int pairs = pages_per_cta * num_kv_heads;
     const unsigned int i0 = threadIdx.x / 8;
-    const ScorePair pair0 = score_pair(i0, pairs, first, limit, pages, summaries, num_pages,
-                                       num_kv_heads, head_dim);
-    const ScorePair pair1 = score_pair(i0 + SCORE_OCTETS, pairs, first, limit, pages, summaries,
-                                       num_pages, num_kv_heads, head_dim);
-    uint4 lo0[SCORE_CHUNK], hi0[SCORE_CHUNK], lo1[SCORE_CHUNK], hi1[SCORE_CHUNK];
-    if (pair0.entry) octet_load<SCORE_CHUNK>(pair0.entry, head_dim, d0, vecs, lo0, hi0);
-    if (pair1.entry) octet_load<SCORE_CHUNK>(pair1.entry, head_dim, d0, vecs, lo1, hi1);
+    ScorePair pair[2];
+    uint4 lo[2][SCORE_CHUNK], hi[2][SCORE_CHUNK];
+#pragma unroll
+    for (unsigned int k = 0; k < 2; ++k) {
+        pair[k] = score_pair(i0 + k * SCORE_OCTETS, pairs, first, limit, pages, 0, summaries,
+                             num_pages, num_kv_heads, head_dim);
+        if (pair[k].entry) octet_load<SCORE_CHUNK>(pair[k].entry, head_dim, d0, vecs, lo[k], hi[k]);
+    }
+    for (unsigned int t = threadIdx.x; t < pages_per_cta; t += SCORE_THREADS) {
+        const unsigned int p = first + t;
+        s_page[t] = p >= 1 && p < limit ? pages[p] : 0u;
+    }
     stage_query(q + (size_t)query_row * q_row_stride, num_kv_heads * n_rep * head_dim, s_dynamic);
     __syncthreads();
 #if __CUDA_ARCH__ >= 900
@@ -346,15 +357,23 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS, SCORE_MIN_CTAS)
 #endif
     // Octet-uniform below: the octet's lanes share the pair.
     const size_t group_elems = (size_t)n_rep * head_dim;
-    for (unsigned int k = 0, i = i0; k < 2; ++k, i += SCORE_OCTETS) {
-        const ScorePair& pair = k == 0 ? pair0 : pair1;
-        if (pair.entry) {
-            const float group = octet_vector_bound<SCORE_CHUNK>(
-                k == 0 ? lo0 : lo1, k == 0 ? hi0 : hi1, s_q + (i % num_kv_heads) * group_elems,
-                n_rep, head_dim, d0, vecs, mask);
-            if (lane == 0) s_group[i] = group;
-        } else if (pair.outside && lane == 0) {
-            s_group[i] = -INFINITY;
+    for (unsigned int i = i0; i < pairs; i += 2 * SCORE_OCTETS) {
+#pragma unroll
+        for (unsigned int k = 0; k < 2; ++k) {
+            const unsigned int ik = i + k * SCORE_OCTETS;
+            if (pair[k].entry) {
+                const float group = octet_vector_bound<SCORE_CHUNK>(
+                    lo[k], hi[k], s_q + (ik % num_kv_heads) * group_elems, n_rep, head_dim, d0,
+                    vecs, mask);
+                if (lane == 0) s_group[ik] = group;
+            } else if (pair[k].outside && lane == 0) {
+                s_group[ik] = -INFINITY;
+            }
+            pair[k] = score_pair(ik + 2 * SCORE_OCTETS, pairs, first, limit, s_page, first,
+                                 summaries, num_pages, num_kv_heads, head_dim);
+            if (pair[k].entry) {
+                octet_load<SCORE_CHUNK>(pair[k].entry, head_dim, d0, vecs, lo[k], hi[k]);
+            }
         }
     }
     __syncthreads();

@@ -50,7 +50,8 @@ def test_sigterm_drains_the_running_stream_then_exits(base_url, headers, model):
     assert events[-1] == "[DONE]", events[-3:]
     finishes = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
     assert finishes[-1] == "length", events[-3:]
-    assert all("error" not in e for e in events)
+    # No event is an error object (the generated text may hold the word: "terror").
+    assert all("error" not in json.loads(e) for e in events[:-1]), events[-3:]
 
     for _ in range(200):
         try:

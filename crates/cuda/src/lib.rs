@@ -124,6 +124,12 @@ pub struct DeviceInfo {
 }
 
 impl DeviceInfo {
+    /// Whether kernels may launch programmatically ([`LaunchDims::programmatic`],
+    /// `griddepcontrol`): compute capability 9.0 and up.
+    pub fn programmatic_launches(&self) -> bool {
+        self.compute_capability.0 >= 9
+    }
+
     /// The GPU and driver, as the kernel cache keys a machine's cubins:
     /// `NVIDIA H200 sm_90 driver 13000`.
     pub fn platform(&self) -> String {

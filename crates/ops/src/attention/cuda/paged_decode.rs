@@ -529,7 +529,7 @@ pub(super) fn paged_decode_launch<T: Element, K: Element>(
     }
     workspace.num_requests = num_requests;
     let streaming = matches!(workspace.kernel, PagedDecodeKernel::Streaming(_));
-    let hopper = gpu.info().compute_capability.0 >= 9;
+    let hopper = gpu.info().programmatic_launches();
     // Only the streaming kernel waits for its programmatic primary (flags bit 1: first).
     let programmatic = follows != Follows::Any && streaming && hopper && fp8.is_none();
     let wait_first = programmatic && follows == Follows::Selection;

@@ -424,7 +424,8 @@ pub fn sparse_select<T: Element>(
     // The radix selection waits for the scores (`griddepcontrol.wait`) before it reads them:
     // launched programmatically, its prologue overlaps their tail.
     let dims = LaunchDims {
-        programmatic: workspace.kernels == SparseSelectKernels::Radix && hopper(gpu),
+        programmatic: workspace.kernels == SparseSelectKernels::Radix
+            && gpu.info().programmatic_launches(),
         ..LaunchDims::new((b32, 1), SELECT_THREADS)
     };
     // SAFETY: arguments match `sparse_select_pages`; writes are clamped to the uploaded row
@@ -539,7 +540,7 @@ pub fn sparse_page_scores<T: Element>(
         // Beside the step's summaries update, which writes no page scored here.
         programmatic: workspace.after_update
             && workspace.kernels == SparseSelectKernels::Radix
-            && hopper(gpu),
+            && gpu.info().programmatic_launches(),
         ..LaunchDims::new(score_grid, SCORE_THREADS)
     };
     // SAFETY: arguments match `sparse_page_scores`; scores hold max_requests * max_pages,
@@ -586,9 +587,4 @@ pub fn score_pages_per_cta(
     let most = (SCORE_MAX_PAIRS / (round * num_kv_heads)).min(SCORE_MAX_CTA_PAGES / round);
     let ctas = grid_pages.div_ceil(round) * b;
     round * ctas.div_ceil(slots.max(1)).clamp(1, most.max(1))
-}
-
-/// Programmatic launches (`griddepcontrol`) need compute capability 9.0.
-fn hopper(gpu: &Gpu) -> bool {
-    gpu.info().compute_capability.0 >= 9
 }

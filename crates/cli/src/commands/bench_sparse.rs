@@ -240,13 +240,9 @@ fn case(
             if upto == Stage::Decode {
                 let table = select.selected_table(&full, &indices)?;
                 let kv = PagedKv::new(k_pool, v_pool, layout, table);
-                // As the model's path: after the radix selection, programmatically.
+                // As the model's path: right after the selection, programmatically.
                 let merge = variant.merge;
-                if kernels == SparseSelectKernels::Radix {
-                    ops::sparse_decode(gpu, &q, &kv, &mut decode, merge, scale, &mut out)?;
-                } else {
-                    ops::paged_decode_attention(gpu, &q, &kv, &mut decode, merge, scale, &mut out)?;
-                }
+                ops::sparse_decode(gpu, &q, &kv, &mut decode, merge, scale, &mut out)?;
             }
         }
         Ok(())

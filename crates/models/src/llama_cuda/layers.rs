@@ -395,11 +395,10 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                     CudaError::invalid("a sparse decode step without its summaries")
                 })?;
                 let grid = (self.layout, grid_pages);
-                let radix = sparse.radix();
                 let table = sparse.select(gpu, index, &queries, grid, &self.page_table)?;
                 let kv = PagedKv::new(k_pool, v_pool, *self.layout, table);
                 let plan = (grid_chunks, variant, scale);
-                decode_selected(self.fused, gpu, &queries, &kv, (plan, radix), out)
+                decode_selected(self.fused, gpu, &queries, &kv, plan, out)
             }
             Attention::Latent { .. } => Err(CudaError::invalid(
                 "a latent attention decode ran on a grouped-query layer",
@@ -425,17 +424,21 @@ impl<T: HostFloat> DecoderStep for GpuStep<'_, T> {
                 let rows = view(&self.qkv, 0..decode_rows * qkv_dim)?;
                 let queries = Queries::new(&rows, heads, qkv_dim);
                 let mut decodes = self.page_table.requests(0..decode_rows)?;
-                let mut radix = false;
+                let mut selected = false;
                 if let (Some(sparse), 1..) = (self.sparse.as_deref_mut(), grid_pages) {
                     let grid = (self.layout, grid_pages);
-                    radix = sparse.radix();
                     decodes = sparse.select(gpu, index, &queries, grid, &decodes)?;
+                    selected = true;
                 }
                 let kv = PagedKv::new(k_pool, v_pool, *self.layout, decodes);
                 let q_dim = heads * self.model.config.head_dim;
                 let mut out = view_mut(out, 0..decode_rows * q_dim)?;
                 let plan = (grid_chunks, variant, scale);
-                decode_selected(self.fused, gpu, &queries, &kv, (plan, radix), &mut out)
+                if selected {
+                    decode_selected(self.fused, gpu, &queries, &kv, plan, &mut out)
+                } else {
+                    fused_decode(self.fused, gpu, &queries, &kv, plan, &mut out)
+                }
             }
         }
     }

@@ -20,7 +20,7 @@ use pagoda_ops::cuda::{
     SparseSelectWorkspace,
 };
 
-use super::decode_path::{fused_decode, launch_workspace, FusedDecode};
+use super::decode_path::{launch_workspace, FusedDecode};
 use super::{CudaCacheOptions, HostFloat, PagedDecodeMode};
 use crate::config::ModelConfig;
 
@@ -221,12 +221,6 @@ impl<T: HostFloat> SparseDecode<T> {
         ops::sparse_summaries_update(gpu, k_pool, layout, slots, summaries)
     }
 
-    /// Whether the selection runs the radix kernels, which let the decode after them launch
-    /// programmatically ([`decode_selected`]).
-    pub fn radix(&self) -> bool {
-        self.workspace.kernels() == ops::SparseSelectKernels::Radix
-    }
-
     /// Layer `layer`'s selection for the staged step over `table` (the full one) on a grid
     /// of `grid_pages`, then its shortened table for the decode.
     pub fn select<'a>(
@@ -250,20 +244,17 @@ impl<T: HostFloat> SparseDecode<T> {
     }
 }
 
-/// The fused decode over `kv`, whose page ids a selection just wrote (or, without `radix`
-/// or a selection, any table): after the radix selection it follows it programmatically
-/// (`ops::sparse_decode`), otherwise it is the plain fused decode.
+/// The fused decode over `kv`, whose page ids a selection just wrote: it follows the
+/// selection programmatically (`ops::sparse_decode`; after the bitwise kernels, which let no
+/// dependent launch early, that is at their completion).
 pub(super) fn decode_selected<T: HostFloat>(
     fused: &mut Option<FusedDecode>,
     gpu: &Gpu,
     queries: &Queries<'_, T>,
     kv: &PagedKv<'_, T>,
-    ((grid_chunks, variant, scale), radix): ((usize, ops::DecodeVariant, f32), bool),
+    (grid_chunks, variant, scale): (usize, ops::DecodeVariant, f32),
     out: &mut DeviceViewMut<'_, T>,
 ) -> Result<(), CudaError> {
-    if !radix {
-        return fused_decode(fused, gpu, queries, kv, (grid_chunks, variant, scale), out);
-    }
     let workspace = launch_workspace(fused, grid_chunks, variant.kernel)?;
     ops::sparse_decode(gpu, queries, kv, workspace, variant.merge, scale, out)
 }

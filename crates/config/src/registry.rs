@@ -285,6 +285,9 @@ settings! {
     "PAGODA_CUDA_FP8_WEIGHTS", None, ON_OFF, "off", Cuda,
         "engine load_backend (models llama_cuda::CudaModel::load_keeping)",
         "FP8 (e4m3) safetensors matrices with one factor per row (compressed-tensors float-quantized per channel or per tensor, vLLM's per-tensor fp8) stay in their bytes on the GPU (device memory the file's size): up to 16 bf16 rows multiplied in place (gemv_fp8), more rows decoded into a bf16 scratch for cuBLAS; off: dequantized to the --dtype at load. Off: on the H100 it is 1.46x faster at batch 1 but 0.53x at batch 64 and 0.58x in prefill, where each step decodes the matrices (compiled for sm_90a and sm_80).";
+    "PAGODA_CUDA_FP8_GEMM", None, ON_OFF, "on", Cuda,
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
+        "With PAGODA_CUDA_FP8_WEIGHTS, steps of more than 16 rows multiply the FP8 matrices on cuBLASLt's FP8 GEMM (compute capability 8.9+): each activation row quantized to e4m3 with its own factor (amax / 448, dynamic per token, as vLLM runs these checkpoints), both factors applied in the GEMM's epilogue; a shape cuBLASLt refuses falls back with one warning. Off: each matrix decoded into a bf16 scratch for cuBLAS (bf16 activations). Never in deterministic mode.";
     "PAGODA_CUDA_QUANT_GEMV_ROWS", None, Values::Number { min: 0, max: 256, words: &[] }, "8", Tuning,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Steps of up to this many rows multiply quantized matrices in place (activations quantized to 8 bits, integer dots); more rows decode each matrix for cuBLAS (8: measured faster than 16 at 16 rows, 8B Q4_K_M on the H200); 0: always decode (as deterministic mode does).";

@@ -367,6 +367,21 @@ impl Gpu {
         match self.never {}
     }
     /// Unreachable.
+    pub fn fp8_gemm_supported(&self) -> bool {
+        match self.never {}
+    }
+    /// Unreachable.
+    pub fn gemm_fp8<TOut: Element>(
+        &self,
+        _activations: (&impl DeviceRead<u8>, &impl DeviceRead<f32>),
+        _weights: (&impl DeviceRead<u8>, &impl DeviceRead<f32>),
+        _out: &mut impl DeviceWrite<TOut>,
+        _shape: (usize, usize, usize),
+        _beta: f32,
+    ) -> Result<(), CudaError> {
+        match self.never {}
+    }
+    /// Unreachable.
     pub fn gemm_plans(&self) -> usize {
         match self.never {}
     }

@@ -245,7 +245,10 @@ engine_counters! {
         "";
     /// CUDA steps that multiplied FP8 matrices in place (`gemv_fp8`).
     steps_cuda_fp8_weights_in_place: "pagoda_cuda_fp8_weight_steps_total" ["path" = "in_place"], Counter,
-        "CUDA steps of a model with FP8 (e4m3) matrices kept on the device (PAGODA_CUDA_FP8_WEIGHTS), by how they ran: in place (gemv_fp8, at most 16 rows) or decoded into a bf16 scratch for cuBLAS.";
+        "CUDA steps of a model with FP8 (e4m3) matrices kept on the device (PAGODA_CUDA_FP8_WEIGHTS), by how they ran: in place (gemv_fp8, at most 16 rows), on cuBLASLt's FP8 GEMM (PAGODA_CUDA_FP8_GEMM) or decoded into a bf16 scratch for cuBLAS.";
+    /// CUDA steps that ran FP8 matrices on cuBLASLt's FP8 GEMM.
+    steps_cuda_fp8_weights_gemm: "pagoda_cuda_fp8_weight_steps_total" ["path" = "fp8_gemm"], Counter,
+        "";
     /// CUDA steps that decoded FP8 matrices into a scratch for cuBLAS.
     steps_cuda_fp8_weights_decoded: "pagoda_cuda_fp8_weight_steps_total" ["path" = "decoded"], Counter,
         "";

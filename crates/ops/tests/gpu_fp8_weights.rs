@@ -7,96 +7,10 @@
 #[path = "gpu_common/mod.rs"]
 mod common;
 
+use common::fp8::{check, e4m3, Fp8};
 use common::*;
 use half::bf16;
-use pagoda_cuda::{DeviceBuffer, Gpu};
 use pagoda_ops::cuda as ops;
-use rand::Rng;
-
-/// An independent e4m3 decoder: eight subnormal steps of 2^-9, then eight steps a binade.
-fn e4m3(byte: u8) -> f64 {
-    let code = usize::from(byte & 0x7f);
-    let magnitude = if code < 8 {
-        code as f64 * 2f64.powi(-9)
-    } else {
-        (1.0 + (code % 8) as f64 / 8.0) * 2f64.powi((code / 8) as i32 - 7)
-    };
-    if byte & 0x80 != 0 {
-        -magnitude
-    } else {
-        magnitude
-    }
-}
-
-/// A random `[n, k]` FP8 matrix (no NaN codes) and its row factors.
-struct Fp8 {
-    codes: Vec<u8>,
-    scales: Vec<f32>,
-    n: usize,
-    k: usize,
-}
-
-impl Fp8 {
-    fn random(seed: u64, n: usize, k: usize) -> Fp8 {
-        let mut rng = rng(seed);
-        let codes = (0..n * k)
-            .map(|_| match rng.random::<u8>() {
-                0x7f => 0x7e,
-                0xff => 0xfe,
-                byte => byte,
-            })
-            .collect();
-        let scales = (0..n).map(|_| rng.random_range(1e-3f32..1e-2)).collect();
-        Fp8 {
-            codes,
-            scales,
-            n,
-            k,
-        }
-    }
-
-    fn value(&self, row: usize, col: usize) -> f64 {
-        e4m3(self.codes[row * self.k + col]) * f64::from(self.scales[row])
-    }
-
-    fn upload(&self, gpu: &Gpu) -> (DeviceBuffer<u8>, DeviceBuffer<f32>) {
-        (
-            gpu.upload(&self.codes).unwrap(),
-            gpu.upload(&self.scales).unwrap(),
-        )
-    }
-
-    /// `x [m, k] w^T` in float64, and the sums of |terms| (each output's error scale).
-    fn reference(&self, x: &[f32], m: usize) -> (Vec<f64>, Vec<f64>) {
-        let (mut out, mut magnitude) = (vec![0f64; m * self.n], vec![0f64; m * self.n]);
-        for i in 0..m {
-            for j in 0..self.n {
-                for c in 0..self.k {
-                    let term = f64::from(x[i * self.k + c]) * self.value(j, c);
-                    out[i * self.n + j] += term;
-                    magnitude[i * self.n + j] += term.abs();
-                }
-            }
-        }
-        (out, magnitude)
-    }
-}
-
-/// Every `|got - want| <= relative * magnitude + absolute * |want|`; returns the worst ratio.
-fn check(what: &str, got: &[f32], (want, magnitude): &(Vec<f64>, Vec<f64>), bound: (f64, f64)) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    let mut worst = 0f64;
-    for (index, (&g, (&w, &s))) in got.iter().zip(want.iter().zip(magnitude)).enumerate() {
-        let allowed = bound.0 * s + bound.1 * w.abs() + 1e-30;
-        let ratio = (f64::from(g) - w).abs() / allowed;
-        assert!(
-            ratio <= 1.0,
-            "{what}: [{index}] {g} vs {w} (magnitude {s}, ratio {ratio})"
-        );
-        worst = worst.max(ratio);
-    }
-    eprintln!("{what}: worst error {worst:.3} of the bound");
-}
 
 const SHAPES: [(usize, usize); 5] = [(1, 16), (33, 48), (130, 4112), (257, 1040), (96, 64)];
 

@@ -24,6 +24,7 @@ use crate::memory::{DeviceRead, DeviceWrite};
 use crate::CudaError;
 
 mod batched;
+mod fp8;
 
 /// Identifies a cached GEMM plan: the shape, the dtypes and whether `beta != 0`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -72,6 +73,8 @@ pub(crate) struct Blas {
     plans: HashMap<GemmPlanKey, Plan>,
     /// Strided batched plans ([`Gpu::gemm_batched`]).
     batched: HashMap<batched::BatchedKey, Plan>,
+    /// FP8 plans ([`Gpu::gemm_fp8`]).
+    fp8: HashMap<fp8::Fp8Key, Plan>,
     /// Batch-invariant mode: the one algorithm per weight shape.
     batch_invariant: bool,
     fixed: HashMap<FixedKey, sys::cublasLtMatmulAlgo_t>,
@@ -92,7 +95,9 @@ impl Drop for Blas {
 impl Blas {
     fn clear_plans(&mut self) {
         let batched = self.batched.drain().map(|(_, plan)| plan);
-        for plan in self.plans.drain().map(|(_, plan)| plan).chain(batched) {
+        let fp8 = self.fp8.drain().map(|(_, plan)| plan);
+        let plans = self.plans.drain().map(|(_, plan)| plan);
+        for plan in plans.chain(batched).chain(fp8) {
             // SAFETY: created by us, destroyed once.
             unsafe {
                 let _ = lt::destroy_matrix_layout(plan.weights_layout);
@@ -141,6 +146,7 @@ impl Blas {
             workspace_ptr,
             plans: HashMap::new(),
             batched: HashMap::new(),
+            fp8: HashMap::new(),
             batch_invariant: false,
             fixed: HashMap::new(),
         })

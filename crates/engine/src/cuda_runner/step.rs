@@ -63,7 +63,12 @@ impl<T: HostFloat> TypedRunner<T> {
         let quantized = self.model.largest_quantized();
         let mut buffers = StepBuffers::new(gpu, c, &options, &layout, quantized)?;
         buffers.quant.pair_matrices = self.model.quant_pair_matrices();
-        buffers.quant.fp8 = self.model.fp8_bytes() > 0;
+        if self.model.fp8_bytes() > 0 {
+            let gemm = options.kernels.fp8_gemm && !options.kernels.deterministic;
+            buffers
+                .quant
+                .keep_fp8(gpu, options.max_batch_tokens, gemm)?;
+        }
         let tokens = options.max_batch_tokens.max(1);
         let requests = options.max_batch_requests.max(1);
         let staging = Staging {
@@ -444,6 +449,8 @@ impl<T: HostFloat> TypedRunner<T> {
         if cache.buffers.quant.fp8 {
             if cache.buffers.quant.fp8_in_place(shape.num_tokens) {
                 self.counters.steps_cuda_fp8_weights_in_place += 1;
+            } else if cache.buffers.quant.fp8_gemm_runs(shape.num_tokens) {
+                self.counters.steps_cuda_fp8_weights_gemm += 1;
             } else {
                 self.counters.steps_cuda_fp8_weights_decoded += 1;
             }

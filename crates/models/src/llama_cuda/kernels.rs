@@ -45,6 +45,11 @@ pub struct CudaKernels {
     /// A stacked matrix of two quantized formats (a Q4_K_M QKV whose v is Q6_K) multiplies
     /// in one launch (`PAGODA_CUDA_QUANT_PAIR`; the same bits as two).
     pub quant_pair: bool,
+    /// Steps of more rows than the in-place FP8 kernel takes multiply FP8 matrices on
+    /// cuBLASLt's FP8 GEMM, each activation row quantized to e4m3 with its own factor
+    /// (`PAGODA_CUDA_FP8_GEMM`; never in deterministic mode); off: each matrix decoded into a
+    /// bf16 scratch for cuBLAS.
+    pub fp8_gemm: bool,
     /// MoE steps of `ops::MOE_MMA_MIN_ROWS` or more bf16 rows run the experts on tensor
     /// cores (`PAGODA_CUDA_MOE_MMA`; never in deterministic mode); off: the CUDA-core tiles.
     pub moe_mma: bool,
@@ -154,6 +159,7 @@ impl Default for CudaKernels {
             quant_gemv_kernel: ops::QuantGemvKernel::default(),
             quant_fused_q8: true,
             quant_pair: true,
+            fp8_gemm: true,
             moe_mma: true,
             moe_quant: false,
             moe_quant_dense_rows: ops::MOE_QUANT_DENSE_MIN_ROWS,
@@ -199,6 +205,7 @@ impl CudaKernels {
             },
             quant_fused_q8: config.on("PAGODA_CUDA_QUANT_FUSED_Q8"),
             quant_pair: config.on("PAGODA_CUDA_QUANT_PAIR"),
+            fp8_gemm: config.on("PAGODA_CUDA_FP8_GEMM"),
             moe_mma: config.on("PAGODA_CUDA_MOE_MMA"),
             moe_quant: config.on("PAGODA_CUDA_MOE_QUANT"),
             moe_quant_dense_rows: count("PAGODA_CUDA_MOE_QUANT_DENSE_ROWS")
@@ -341,6 +348,7 @@ mod tests {
             ("PAGODA_DETERMINISTIC", "on"),
             ("PAGODA_CASCADE_ATTENTION", "off"),
             ("PAGODA_CUDA_SPARSE_SELECT", "bitwise"),
+            ("PAGODA_CUDA_FP8_GEMM", "off"),
         ]));
         let expected = CudaKernels {
             prefill: PrefillKernel::PerToken,
@@ -353,6 +361,7 @@ mod tests {
             quant_gemv_kernel: ops::QuantGemvKernel::Groups,
             quant_fused_q8: true,
             quant_pair: true,
+            fp8_gemm: false,
             moe_mma: true,
             moe_quant: true,
             moe_quant_dense_rows: 64,

@@ -7,6 +7,9 @@
 use pagoda_cuda::{view, view_mut, CudaError, DeviceBuffer, DeviceRead, DeviceWrite, Element, Gpu};
 use pagoda_ops::cuda::{self as ops, Q8Rows, QuantFormat};
 
+/// Rows of activations the FP8 GEMM quantizes at a time (a longer step runs in pieces).
+pub const FP8_GEMM_PIECE_ROWS: usize = 2048;
+
 /// A `[rows, cols]` weight matrix on the device.
 pub(crate) enum Matrix<T> {
     Dense(DeviceBuffer<T>),
@@ -96,6 +99,11 @@ pub struct QuantScratch<T> {
     pub pair_matrices: usize,
     /// The model keeps FP8 matrices in their codes (set by the runner, for its counter).
     pub fp8: bool,
+    /// Steps of more rows than [`Self::fp8_in_place`] takes multiply FP8 matrices on
+    /// cuBLASLt's FP8 GEMM through this scratch (`PAGODA_CUDA_FP8_GEMM`; [`Self::keep_fp8`]).
+    pub fp8_gemm: Option<ops::Fp8Activations>,
+    /// The widest input of a linear layer.
+    width: usize,
 }
 
 impl<T: Element> QuantScratch<T> {
@@ -118,6 +126,8 @@ impl<T: Element> QuantScratch<T> {
                 pair,
                 pair_matrices: 0,
                 fp8: false,
+                fp8_gemm: None,
+                width,
             });
         }
         Ok(QuantScratch {
@@ -134,7 +144,42 @@ impl<T: Element> QuantScratch<T> {
             pair,
             pair_matrices: 0,
             fp8: false,
+            fp8_gemm: None,
+            width,
         })
+    }
+
+    /// The model keeps FP8 matrices: with `gemm` (and FP8 tensor cores) its steps of more
+    /// rows than the in-place kernel takes run the FP8 GEMM, activations quantized through
+    /// scratch for `rows` rows at a time (at most [`FP8_GEMM_PIECE_ROWS`]).
+    pub fn keep_fp8(&mut self, gpu: &Gpu, rows: usize, gemm: bool) -> Result<(), CudaError> {
+        self.fp8 = true;
+        if gemm && gpu.fp8_gemm_supported() {
+            let rows = rows.clamp(1, FP8_GEMM_PIECE_ROWS);
+            self.fp8_gemm = Some(ops::Fp8Activations::new(gpu, rows, self.width)?);
+        }
+        static LOGGED: std::sync::Once = std::sync::Once::new();
+        let large = match self.fp8_gemm {
+            Some(_) => "cuBLASLt's FP8 GEMM, activations quantized to e4m3 per token",
+            None => "decoded into a bf16 scratch for cuBLAS",
+        };
+        LOGGED.call_once(|| {
+            tracing::info!(
+                "CUDA FP8 matrices: up to {} rows in place (gemv_fp8), more on {large} \
+                 (PAGODA_CUDA_FP8_GEMM)",
+                if self.gemv_rows > 0 {
+                    ops::FP8_GEMV_MAX_ROWS
+                } else {
+                    0
+                }
+            )
+        });
+        Ok(())
+    }
+
+    /// Whether a step of `rows` rows multiplies FP8 matrices on the FP8 GEMM.
+    pub fn fp8_gemm_runs(&self, rows: usize) -> bool {
+        self.fp8_gemm.is_some() && !self.fp8_in_place(rows)
     }
 
     /// Whether a step of `rows` rows multiplies FP8 matrices in place (`gemv_fp8`): up to
@@ -266,7 +311,8 @@ impl<T: Element> Linear<'_, T> {
 impl<T: Element> Linear<'_, T> {
     /// An FP8 matrix: in place (`gemv_fp8`) for up to [`ops::FP8_GEMV_MAX_ROWS`] bf16 rows
     /// when the model multiplies a few rows in place at all (not in deterministic mode,
-    /// whose GEMMs are batch-invariant), else decoded into the dense scratch for the GEMM.
+    /// whose GEMMs are batch-invariant), else on the FP8 GEMM where the model has its scratch
+    /// and the shape fits, else decoded into the dense scratch for the GEMM.
     fn run_fp8<TOut: Element>(
         &mut self,
         a: &impl DeviceRead<T>,
@@ -279,6 +325,20 @@ impl<T: Element> Linear<'_, T> {
         let weights = (&f.codes, &f.scales);
         if self.quant.fp8_in_place(m) && ops::gemv_fp8_applies(a, &f.codes, (m, n, k)) {
             return ops::gemv_fp8(gpu, a, weights, out, (m, n, k), beta);
+        }
+        if let Some(scratch) = self.quant.fp8_gemm.as_mut() {
+            if ops::fp8_gemm_applies::<TOut>(gpu, scratch, (n, k)) {
+                match ops::fp8_gemm(gpu, a, weights, scratch, out, (m, n, k), beta) {
+                    Err(CudaError::Blas { context, message }) => {
+                        tracing::warn!(
+                            "cuBLASLt refused an FP8 GEMM of [{m}, {k}] x [{n}, {k}] ({context}: \
+                             {message}); FP8 matrices are decoded for cuBLAS from now on"
+                        );
+                        self.quant.fp8_gemm = None;
+                    }
+                    done => return done,
+                }
+            }
         }
         let dense = self
             .quant

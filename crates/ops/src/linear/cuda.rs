@@ -9,7 +9,8 @@ mod gemv_quant;
 pub(crate) use gemv::GEMV_SMALL;
 pub use gemv::{gemv_small, gemv_small_applies, specialize_gemv_small, GEMV_MAX_ROWS};
 pub use gemv_fp8::{
-    dequantize_fp8, gemv_fp8, gemv_fp8_applies, specialize_dequant_fp8, specialize_gemv_fp8,
+    dequantize_fp8, fp8_gemm, fp8_gemm_applies, gemv_fp8, gemv_fp8_applies, quantize_rows_fp8,
+    specialize_dequant_fp8, specialize_gemv_fp8, specialize_quant_rows_fp8, Fp8Activations,
     FP8_GEMV_MAX_ROWS,
 };
 pub use gemv_quant::{

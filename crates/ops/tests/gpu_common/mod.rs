@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod decode_batch;
+pub mod fp8;
 pub mod prefill_batch;
 pub mod sampling;
 

@@ -22,6 +22,7 @@ pub(super) struct StepCounts {
     cuda_prefill_tuned: u64,
     /// CUDA steps that multiplied FP8 weights in place / decoded them for cuBLAS.
     cuda_fp8_in_place: u64,
+    cuda_fp8_gemm: u64,
     cuda_fp8_decoded: u64,
     /// GPU time of the CUDA steps (CUDA events), microseconds.
     cuda_gpu_us: u64,
@@ -53,6 +54,7 @@ impl std::ops::AddAssign for StepCounts {
         self.cuda_prefill_kernel += other.cuda_prefill_kernel;
         self.cuda_prefill_tuned += other.cuda_prefill_tuned;
         self.cuda_fp8_in_place += other.cuda_fp8_in_place;
+        self.cuda_fp8_gemm += other.cuda_fp8_gemm;
         self.cuda_fp8_decoded += other.cuda_fp8_decoded;
         self.cuda_gpu_us += other.cuda_gpu_us;
         self.sampled_gpu += other.sampled_gpu;
@@ -95,11 +97,11 @@ impl std::fmt::Display for StepCounts {
                 self.cuda_prefill_tuned,
                 self.cuda_gpu_us as f64 / 1e3 / steps as f64
             )?;
-            if self.cuda_fp8_in_place + self.cuda_fp8_decoded > 0 {
+            if self.cuda_fp8_in_place + self.cuda_fp8_gemm + self.cuda_fp8_decoded > 0 {
                 write!(
                     f,
-                    ", fp8 weights in place {} decoded {}",
-                    self.cuda_fp8_in_place, self.cuda_fp8_decoded
+                    ", fp8 weights in place {} fp8 gemm {} decoded {}",
+                    self.cuda_fp8_in_place, self.cuda_fp8_gemm, self.cuda_fp8_decoded
                 )?;
             }
             write!(
@@ -134,6 +136,7 @@ pub(super) fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCount
         cuda_prefill_tuned: now.steps_cuda_prefill_tuned - before.steps_cuda_prefill_tuned,
         cuda_fp8_in_place: now.steps_cuda_fp8_weights_in_place
             - before.steps_cuda_fp8_weights_in_place,
+        cuda_fp8_gemm: now.steps_cuda_fp8_weights_gemm - before.steps_cuda_fp8_weights_gemm,
         cuda_fp8_decoded: now.steps_cuda_fp8_weights_decoded
             - before.steps_cuda_fp8_weights_decoded,
         cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,

@@ -166,3 +166,37 @@ extern "C" __global__ void dequant_fp8(const unsigned char* __restrict__ w,
     out[at + 3] = from_f32<PAGODA_T>(factor * hi.y);
 }
 #endif
+
+#ifdef PAGODA_T
+// quant_rows_fp8: a CTA a row of x ([m, k], PAGODA_T), k a multiple of 4: scales[i] = the row's
+// amax / 448 and codes[i, j] = e4m3(x[i, j] / scales[i]), the KV cache's codec (kv_fp8.cu,
+// fp8_head_scale and f32_to_fp8_e4m3), so the host oracle is `attention::fp8::quantize_head`.
+// The activations of cuBLASLt's FP8 GEMM, one factor per token.
+extern "C" __global__ void quant_rows_fp8(const PAGODA_T* __restrict__ x,
+                                          unsigned char* __restrict__ codes,
+                                          float* __restrict__ scales, unsigned int k) {
+    __shared__ unsigned int amax_bits;  // non-negative floats order as their bits
+    const PAGODA_T* row = x + (size_t)blockIdx.x * k;
+    if (threadIdx.x == 0) amax_bits = 0u;
+    __syncthreads();
+    float amax = 0.0f;
+    for (unsigned int j = 4 * threadIdx.x; j < k; j += 4 * blockDim.x) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) amax = fmaxf(amax, fabsf(to_f32(row[j + e])));
+    }
+    amax = warp_max(amax);
+    if ((threadIdx.x & 31) == 0) atomicMax(&amax_bits, __float_as_uint(amax));
+    __syncthreads();
+    const float scale = fp8_head_scale(__uint_as_float(amax_bits));
+    unsigned int* out = reinterpret_cast<unsigned int*>(codes + (size_t)blockIdx.x * k);
+    for (unsigned int j = 4 * threadIdx.x; j < k; j += 4 * blockDim.x) {
+        unsigned int word = 0u;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            word |= f32_to_fp8_e4m3(__fdiv_rn(to_f32(row[j + e]), scale)) << (8 * e);
+        }
+        out[j / 4] = word;
+    }
+    if (threadIdx.x == 0) scales[blockIdx.x] = scale;
+}
+#endif

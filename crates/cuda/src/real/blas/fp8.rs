@@ -45,16 +45,39 @@ fn set_desc<V>(
     .map_err(blas_error("cublasLtMatmulDescSetAttribute (FP8 scales)"))
 }
 
+/// cuBLASLt's A scale (the weights' factors, its A being the weights) and B scale (the
+/// activations').
+fn set_scales(
+    desc: sys::cublasLtMatmulDesc_t,
+    (weights, activations): (u64, u64),
+) -> Result<(), CudaError> {
+    use sys::cublasLtMatmulDescAttributes_t as Attribute;
+    set_desc(
+        desc,
+        Attribute::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+        weights,
+    )?;
+    set_desc(
+        desc,
+        Attribute::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+        activations,
+    )
+}
+
 impl Blas {
-    fn fp8_plan(&mut self, key: Fp8Key) -> Result<&Plan, CudaError> {
+    /// The plan of `key`, its scale pointers set to `scales` (the weights', the activations').
+    fn fp8_plan(&mut self, key: Fp8Key, scales: (u64, u64)) -> Result<&Plan, CudaError> {
         if !self.fp8.contains_key(&key) {
-            let plan = self.create_fp8_plan(key)?;
+            let plan = self.create_fp8_plan(key, scales)?;
             self.fp8.insert(key, plan);
         }
-        Ok(&self.fp8[&key])
+        let plan = &self.fp8[&key];
+        set_scales(plan.desc, scales)?;
+        Ok(plan)
     }
 
-    fn create_fp8_plan(&mut self, key: Fp8Key) -> Result<Plan, CudaError> {
+    /// The heuristic needs the vector scales' pointers set (null ones are an invalid value).
+    fn create_fp8_plan(&mut self, key: Fp8Key, scales: (u64, u64)) -> Result<Plan, CudaError> {
         use sys::cublasLtMatmulDescAttributes_t as Attribute;
         let outer = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
         let e4m3 = sys::cudaDataType::CUDA_R_8F_E4M3;
@@ -73,6 +96,7 @@ impl Blas {
                 outer as i32,
             )
         })
+        .and_then(|()| set_scales(desc, scales))
         .and_then(|()| {
             let output = data_type(key.output)?;
             for (dtype, rows, cols) in [(e4m3, k, n), (e4m3, k, m), (output, n, m)] {
@@ -151,19 +175,8 @@ impl Gpu {
         let blas = guard.as_mut().expect("lock_blas initialises it");
         let (handle, workspace_ptr, workspace_size) =
             (blas.handle, blas.workspace_ptr, blas.workspace.len());
-        let plan = blas.fp8_plan(key)?;
-        use sys::cublasLtMatmulDescAttributes_t as Attribute;
-        // cuBLASLt's A is the weights (its m is our n), its B the activations.
-        set_desc(
-            plan.desc,
-            Attribute::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
-            weight_scales.device_ptr(),
-        )?;
-        set_desc(
-            plan.desc,
-            Attribute::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
-            activation_scales.device_ptr(),
-        )?;
+        let scales = (weight_scales.device_ptr(), activation_scales.device_ptr());
+        let plan = blas.fp8_plan(key, scales)?;
         let alpha = 1.0f32;
         // SAFETY: lengths checked; the plan matches these dtypes and shapes, its scale
         // pointers were just set to the live factors.

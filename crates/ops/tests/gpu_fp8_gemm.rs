@@ -87,17 +87,19 @@ fn fp8_gemm_matches_float64_over_the_codes_both_sides_hold() {
             let want = w.product(&host_codes(&x, m, k));
             let xd = upload::<bf16>(&gpu, &x);
             let weights = (&codes, &scales);
-            // f32 out over a poisoned buffer: the tensor cores' accumulation only.
+            // f32 out over a poisoned buffer: the tensor cores' accumulation only, which
+            // keeps about 14 bits in FP8 (up to 2^-9 of the sum of |terms| here, with the
+            // outlier row's one large term; bf16 products stay within 2^-15).
             let mut out = poisoned::<f32>(&gpu, m * n);
             ops::fp8_gemm(&gpu, &xd, weights, &mut scratch, &mut out, (m, n, k), 0.0).unwrap();
             let what = format!("f32 m {m} n {n} k {k}");
-            check(&what, &download(&gpu, &out), &want, (5e-4, 1e-6));
+            check(&what, &download(&gpu, &out), &want, (2e-3, 1e-6));
             // bf16 out, beta 1 over ones: plus the output's rounding.
             let mut out = upload::<bf16>(&gpu, &vec![1.0; m * n]);
             ops::fp8_gemm(&gpu, &xd, weights, &mut scratch, &mut out, (m, n, k), 1.0).unwrap();
             let plus_one = (want.0.iter().map(|v| v + 1.0).collect(), want.1.clone());
             let what = format!("bf16 beta 1 m {m} n {n} k {k}");
-            check(&what, &download(&gpu, &out), &plus_one, (5e-4, 1.0 / 256.0));
+            check(&what, &download(&gpu, &out), &plus_one, (2e-3, 1.0 / 256.0));
         }
     }
 }

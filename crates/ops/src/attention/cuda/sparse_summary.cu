@@ -297,6 +297,14 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS)
     }
 }
 
+// Last in every CTA of a grid launched beside the summaries update: the grid then completes
+// after the update, so a kernel waiting on any later link of the chain sees its writes.
+PAGODA_DEVICE void wait_for_prerequisites() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // The scores with the loads ahead (`PAGODA_CUDA_SPARSE_SELECT=radix`), for slices of one or
 // two whole vectors (SCORE_CHUNK; head_dim 64 or 128 in bf16), at most SCORE_MAX_PAIRS pairs
 // and SCORE_MAX_CTA_PAGES pages a CTA (the host checks all three and sizes pages_per_cta so
@@ -325,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS, SCORE_MIN_CTAS)
     const unsigned int begin = indptr[r];
     const unsigned int limit = score_limit(requests, indptr, r, max_pages);
     // Both exits depend on the CTA's (x, r) only, so a CTA leaves whole.
-    if (query_row == 0xffffffffu || first >= limit) return;
+    if (query_row == 0xffffffffu || first >= limit) return wait_for_prerequisites();
     const unsigned int* pages = indices + begin;
     const unsigned int lane = threadIdx.x % 8;
     const unsigned int mask = 0xffu << (threadIdx.x % 32 / 8 * 8);
@@ -387,4 +395,5 @@ extern "C" __global__ void __launch_bounds__(SCORE_THREADS, SCORE_MIN_CTAS)
             scores[(size_t)r * max_pages + p] = score;
         }
     }
+    wait_for_prerequisites();
 }

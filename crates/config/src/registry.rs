@@ -282,12 +282,15 @@ settings! {
     "PAGODA_CUDA_QUANT_WEIGHTS", None, ON_OFF, "on", Cuda,
         "engine load_backend (models llama_cuda::CudaModel::load_with)",
         "GGUF matrices in Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K stay in their blocks on the GPU (device memory the file's size); off: dequantized to the --dtype at load.";
-    "PAGODA_CUDA_FP8_WEIGHTS", None, ON_OFF, "off", Cuda,
+    "PAGODA_CUDA_FP8_WEIGHTS", None, ON_OFF, "on", Cuda,
         "engine load_backend (models llama_cuda::CudaModel::load_keeping)",
-        "FP8 (e4m3) safetensors matrices with one factor per row (compressed-tensors float-quantized per channel or per tensor, vLLM's per-tensor fp8) stay in their bytes on the GPU (device memory the file's size): up to 16 bf16 rows multiplied in place (gemv_fp8), more rows decoded into a bf16 scratch for cuBLAS; off: dequantized to the --dtype at load. Off: on the H100 it is 1.46x faster at batch 1 but 0.53x at batch 64 and 0.58x in prefill, where each step decodes the matrices (compiled for sm_90a and sm_80).";
+        "FP8 (e4m3) safetensors matrices with one factor per row (compressed-tensors float-quantized per channel or per tensor, vLLM's per-tensor fp8) stay in their bytes on the GPU (device memory the file's size): steps of a few bf16 rows multiply them in place (gemv_fp8, PAGODA_CUDA_FP8_GEMV_ROWS), more on the FP8 GEMM (PAGODA_CUDA_FP8_GEMM); off: dequantized to the --dtype at load. On: on the H100 (random Llama-3.1-8B:fp8) 1.50x the bf16 path at batch 1, 1.11x at 16, 1.09x at 64 and 1.12x in prefill (docs/benchmark_results/fp8-gemm-cuda-h100-2026-12-07.md; compiled for sm_90a and sm_80).";
     "PAGODA_CUDA_FP8_GEMM", None, ON_OFF, "on", Cuda,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
-        "With PAGODA_CUDA_FP8_WEIGHTS, steps of more than 16 rows multiply the FP8 matrices on cuBLASLt's FP8 GEMM (compute capability 8.9+): each activation row quantized to e4m3 with its own factor (amax / 448, dynamic per token, as vLLM runs these checkpoints), both factors applied in the GEMM's epilogue; a shape cuBLASLt refuses falls back with one warning. Off: each matrix decoded into a bf16 scratch for cuBLAS (bf16 activations). Never in deterministic mode.";
+        "With PAGODA_CUDA_FP8_WEIGHTS, steps of more than PAGODA_CUDA_FP8_GEMV_ROWS rows multiply the FP8 matrices on cuBLASLt's FP8 GEMM (compute capability 8.9+): each activation row quantized to e4m3 with its own factor (amax / 448, dynamic per token, as vLLM runs these checkpoints), both factors applied in the GEMM's epilogue; a shape cuBLASLt refuses falls back with one warning. Off: up to 16 rows in place, more decoding each matrix into a bf16 scratch for cuBLAS (bf16 activations; 0.53x the FP8 GEMM at batch 64 and in prefill on the H100). Never in deterministic mode.";
+    "PAGODA_CUDA_FP8_GEMV_ROWS", None, Values::Number { min: 0, max: 16, words: &[] }, "2", Tuning,
+        "engine EngineSettings (models llama_cuda::CudaKernels)",
+        "With the FP8 GEMM on, steps of up to this many rows multiply FP8 matrices in place (gemv_fp8), more on the FP8 GEMM (2: on the H100, 8B, in place took 4.31/5.09/6.72 ms a step at 1/2/4 rows, the GEMM 6.03/6.17/6.28). Without the GEMM, in place up to 16 rows.";
     "PAGODA_CUDA_QUANT_GEMV_ROWS", None, Values::Number { min: 0, max: 256, words: &[] }, "8", Tuning,
         "engine EngineSettings (models llama_cuda::CudaKernels)",
         "Steps of up to this many rows multiply quantized matrices in place (activations quantized to 8 bits, integer dots); more rows decode each matrix for cuBLAS (8: measured faster than 16 at 16 rows, 8B Q4_K_M on the H200); 0: always decode (as deterministic mode does).";

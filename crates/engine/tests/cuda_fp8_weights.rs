@@ -148,8 +148,10 @@ fn fp8_weights_on_the_gpu_match_the_cpu_on_their_dequantized_values() {
             loaded,
             CudaCacheOptions {
                 cuda_graphs,
+                // Every decode step in place (the default takes 2 rows), as counted below.
                 kernels: CudaKernels {
                     fp8_gemm,
+                    fp8_gemv_rows: 16,
                     ..Default::default()
                 },
                 ..cache_options()

@@ -94,12 +94,13 @@ fn fp8_gemm_matches_float64_over_the_codes_both_sides_hold() {
             ops::fp8_gemm(&gpu, &xd, weights, &mut scratch, &mut out, (m, n, k), 0.0).unwrap();
             let what = format!("f32 m {m} n {n} k {k}");
             check(&what, &download(&gpu, &out), &want, (2e-3, 1e-6));
-            // bf16 out, beta 1 over ones: plus the output's rounding.
+            // bf16 out, beta 1 over ones: plus the output's rounding, twice (the epilogue
+            // rounds the scaled sum to bf16 before it adds the ones).
             let mut out = upload::<bf16>(&gpu, &vec![1.0; m * n]);
             ops::fp8_gemm(&gpu, &xd, weights, &mut scratch, &mut out, (m, n, k), 1.0).unwrap();
             let plus_one = (want.0.iter().map(|v| v + 1.0).collect(), want.1.clone());
             let what = format!("bf16 beta 1 m {m} n {n} k {k}");
-            check(&what, &download(&gpu, &out), &plus_one, (2e-3, 1.0 / 256.0));
+            check(&what, &download(&gpu, &out), &plus_one, (2e-3, 1.0 / 128.0));
         }
     }
 }

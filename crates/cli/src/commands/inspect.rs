@@ -81,9 +81,9 @@ pub fn run(args: InspectArgs) -> Result<()> {
                 let mib = |b: usize| b as f64 / (1 << 20) as f64;
                 say!(
                     "FP8 (e4m3): {fp8} weights, {:.1} MiB in the file, dequantized at load; on \
-                     CUDA (bf16) with PAGODA_CUDA_FP8_WEIGHTS=on {} matrices with a factor per \
-                     row ({:.1} MiB) stay FP8 on the device (steps over 16 rows on the FP8 \
-                     GEMM, activations e4m3 per token: PAGODA_CUDA_FP8_GEMM)",
+                     CUDA (bf16, PAGODA_CUDA_FP8_WEIGHTS on by default) {} matrices with a factor per \
+                     row ({:.1} MiB) stay FP8 on the device (steps over 2 rows on the FP8 GEMM, \
+                     activations e4m3 per token: PAGODA_CUDA_FP8_GEMM)",
                     mib(hf.weights.fp8_bytes()),
                     rows.len(),
                     mib(rows.iter().sum())

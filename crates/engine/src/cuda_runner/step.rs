@@ -65,9 +65,10 @@ impl<T: HostFloat> TypedRunner<T> {
         buffers.quant.pair_matrices = self.model.quant_pair_matrices();
         if self.model.fp8_bytes() > 0 {
             let gemm = options.kernels.fp8_gemm && !options.kernels.deterministic;
+            let choice = (gemm, options.kernels.fp8_gemv_rows);
             buffers
                 .quant
-                .keep_fp8(gpu, options.max_batch_tokens, gemm)?;
+                .keep_fp8(gpu, options.max_batch_tokens, choice)?;
         }
         let tokens = options.max_batch_tokens.max(1);
         let requests = options.max_batch_requests.max(1);

@@ -50,6 +50,9 @@ pub struct CudaKernels {
     /// (`PAGODA_CUDA_FP8_GEMM`; never in deterministic mode); off: each matrix decoded into a
     /// bf16 scratch for cuBLAS.
     pub fp8_gemm: bool,
+    /// With the FP8 GEMM, steps of up to this many rows multiply FP8 matrices in place
+    /// (`PAGODA_CUDA_FP8_GEMV_ROWS`).
+    pub fp8_gemv_rows: usize,
     /// MoE steps of `ops::MOE_MMA_MIN_ROWS` or more bf16 rows run the experts on tensor
     /// cores (`PAGODA_CUDA_MOE_MMA`; never in deterministic mode); off: the CUDA-core tiles.
     pub moe_mma: bool,
@@ -160,6 +163,7 @@ impl Default for CudaKernels {
             quant_fused_q8: true,
             quant_pair: true,
             fp8_gemm: true,
+            fp8_gemv_rows: 2,
             moe_mma: true,
             moe_quant: false,
             moe_quant_dense_rows: ops::MOE_QUANT_DENSE_MIN_ROWS,
@@ -206,6 +210,7 @@ impl CudaKernels {
             quant_fused_q8: config.on("PAGODA_CUDA_QUANT_FUSED_Q8"),
             quant_pair: config.on("PAGODA_CUDA_QUANT_PAIR"),
             fp8_gemm: config.on("PAGODA_CUDA_FP8_GEMM"),
+            fp8_gemv_rows: count("PAGODA_CUDA_FP8_GEMV_ROWS").unwrap_or(2),
             moe_mma: config.on("PAGODA_CUDA_MOE_MMA"),
             moe_quant: config.on("PAGODA_CUDA_MOE_QUANT"),
             moe_quant_dense_rows: count("PAGODA_CUDA_MOE_QUANT_DENSE_ROWS")
@@ -349,6 +354,7 @@ mod tests {
             ("PAGODA_CASCADE_ATTENTION", "off"),
             ("PAGODA_CUDA_SPARSE_SELECT", "bitwise"),
             ("PAGODA_CUDA_FP8_GEMM", "off"),
+            ("PAGODA_CUDA_FP8_GEMV_ROWS", "16"),
         ]));
         let expected = CudaKernels {
             prefill: PrefillKernel::PerToken,
@@ -362,6 +368,7 @@ mod tests {
             quant_fused_q8: true,
             quant_pair: true,
             fp8_gemm: false,
+            fp8_gemv_rows: 16,
             moe_mma: true,
             moe_quant: true,
             moe_quant_dense_rows: 64,

@@ -102,6 +102,9 @@ pub struct QuantScratch<T> {
     /// Steps of more rows than [`Self::fp8_in_place`] takes multiply FP8 matrices on
     /// cuBLASLt's FP8 GEMM through this scratch (`PAGODA_CUDA_FP8_GEMM`; [`Self::keep_fp8`]).
     pub fp8_gemm: Option<ops::Fp8Activations>,
+    /// With the FP8 GEMM, steps of up to this many rows still multiply in place
+    /// (`PAGODA_CUDA_FP8_GEMV_ROWS`); without it, up to [`ops::FP8_GEMV_MAX_ROWS`].
+    fp8_gemv_rows: usize,
     /// The widest input of a linear layer.
     width: usize,
 }
@@ -127,6 +130,7 @@ impl<T: Element> QuantScratch<T> {
                 pair_matrices: 0,
                 fp8: false,
                 fp8_gemm: None,
+                fp8_gemv_rows: ops::FP8_GEMV_MAX_ROWS,
                 width,
             });
         }
@@ -145,15 +149,22 @@ impl<T: Element> QuantScratch<T> {
             pair_matrices: 0,
             fp8: false,
             fp8_gemm: None,
+            fp8_gemv_rows: ops::FP8_GEMV_MAX_ROWS,
             width,
         })
     }
 
     /// The model keeps FP8 matrices: with `gemm` (and FP8 tensor cores) its steps of more
-    /// rows than the in-place kernel takes run the FP8 GEMM, activations quantized through
-    /// scratch for `rows` rows at a time (at most [`FP8_GEMM_PIECE_ROWS`]).
-    pub fn keep_fp8(&mut self, gpu: &Gpu, rows: usize, gemm: bool) -> Result<(), CudaError> {
+    /// than `gemv_rows` rows run the FP8 GEMM, activations quantized through scratch for
+    /// `rows` rows at a time (at most [`FP8_GEMM_PIECE_ROWS`]).
+    pub fn keep_fp8(
+        &mut self,
+        gpu: &Gpu,
+        rows: usize,
+        (gemm, gemv_rows): (bool, usize),
+    ) -> Result<(), CudaError> {
         self.fp8 = true;
+        self.fp8_gemv_rows = gemv_rows.min(ops::FP8_GEMV_MAX_ROWS);
         if gemm && gpu.fp8_gemm_supported() {
             let rows = rows.clamp(1, FP8_GEMM_PIECE_ROWS);
             self.fp8_gemm = Some(ops::Fp8Activations::new(gpu, rows, self.width)?);
@@ -168,7 +179,7 @@ impl<T: Element> QuantScratch<T> {
                 "CUDA FP8 matrices: up to {} rows in place (gemv_fp8), more on {large} \
                  (PAGODA_CUDA_FP8_GEMM)",
                 if self.gemv_rows > 0 {
-                    ops::FP8_GEMV_MAX_ROWS
+                    self.fp8_in_place_rows()
                 } else {
                     0
                 }
@@ -183,9 +194,18 @@ impl<T: Element> QuantScratch<T> {
     }
 
     /// Whether a step of `rows` rows multiplies FP8 matrices in place (`gemv_fp8`): up to
-    /// [`ops::FP8_GEMV_MAX_ROWS`], unless in place is off (deterministic mode).
+    /// `PAGODA_CUDA_FP8_GEMV_ROWS` with the FP8 GEMM, else [`ops::FP8_GEMV_MAX_ROWS`], unless
+    /// in place is off (deterministic mode).
     pub fn fp8_in_place(&self, rows: usize) -> bool {
-        self.gemv_rows > 0 && rows <= ops::FP8_GEMV_MAX_ROWS
+        self.gemv_rows > 0 && rows <= self.fp8_in_place_rows()
+    }
+
+    /// The most rows a step multiplies FP8 matrices in place.
+    fn fp8_in_place_rows(&self) -> usize {
+        match self.fp8_gemm {
+            Some(_) => self.fp8_gemv_rows,
+            None => ops::FP8_GEMV_MAX_ROWS,
+        }
     }
 
     /// Whether a step of `rows` rows multiplies quantized matrices in place.

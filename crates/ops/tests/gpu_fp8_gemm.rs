@@ -102,7 +102,12 @@ fn fp8_gemm_matches_float64_over_the_codes_both_sides_hold() {
             ops::fp8_gemm(&gpu, &xd, weights, &mut scratch, &mut out, (m, n, k), 1.0).unwrap();
             let plus_one = (want.0.iter().map(|v| v + 1.0).collect(), want.1.clone());
             let what = format!("bf16 beta 1 m {m} n {n} k {k}");
-            check(&what, &download(&gpu, &out), &plus_one, (2e-3 + 1.0 / 256.0, 1.0 / 256.0));
+            check(
+                &what,
+                &download(&gpu, &out),
+                &plus_one,
+                (2e-3 + 1.0 / 256.0, 1.0 / 256.0),
+            );
         }
     }
 }

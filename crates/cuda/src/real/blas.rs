@@ -66,6 +66,53 @@ struct Plan {
     algo: sys::cublasLtMatmulAlgo_t,
 }
 
+/// Where a plan runs: the handle, the workspace and the stream.
+#[derive(Clone, Copy)]
+struct Launch {
+    handle: sys::cublasLtHandle_t,
+    workspace: (u64, usize),
+    stream: sys::cudaStream_t,
+}
+
+impl Plan {
+    /// `out = op_T(weights) · activations + beta · out` (device pointers) by this plan, alpha
+    /// 1, on `launch`'s stream; `context` names a failure.
+    ///
+    /// # Safety
+    /// The pointers hold live buffers of the plan's layouts.
+    unsafe fn run(
+        &self,
+        launch: Launch,
+        (weights, activations, out): (u64, u64, u64),
+        beta: f32,
+        context: &str,
+    ) -> Result<(), CudaError> {
+        let alpha = 1.0f32;
+        // SAFETY: the caller's contract; the scalars live across the call.
+        unsafe {
+            lt::matmul(
+                launch.handle,
+                self.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                weights as *const c_void,
+                self.weights_layout,
+                activations as *const c_void,
+                self.activations_layout,
+                out as *const c_void,
+                self.out_layout,
+                out as *mut c_void,
+                self.out_layout,
+                &self.algo,
+                launch.workspace.0 as *mut c_void,
+                launch.workspace.1,
+                launch.stream,
+            )
+        }
+        .map_err(blas_error(context))
+    }
+}
+
 pub(crate) struct Blas {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
@@ -129,6 +176,15 @@ fn data_type(dtype: DType) -> Result<sys::cudaDataType, CudaError> {
 }
 
 impl Blas {
+    /// Where this state's plans run on `gpu`'s stream.
+    fn launch(&self, gpu: &Gpu) -> Launch {
+        Launch {
+            handle: self.handle,
+            workspace: (self.workspace_ptr, self.workspace.len()),
+            stream: gpu.stream.cu_stream() as sys::cudaStream_t,
+        }
+    }
+
     fn new(gpu: &Gpu) -> Result<Blas, CudaError> {
         let handle = lt::create_handle().map_err(blas_error("cublasLtCreate"))?;
         let size = if gpu.info().compute_capability.0 >= 9 {
@@ -449,32 +505,15 @@ impl Gpu {
         };
         let mut guard = self.lock_blas()?;
         let blas = guard.as_mut().expect("lock_blas initialises it");
-        let (handle, workspace_ptr, workspace_size) =
-            (blas.handle, blas.workspace_ptr, blas.workspace.len());
+        let launch = blas.launch(self);
         let plan = blas.plan(key)?;
-        let alpha = 1.0f32;
+        let ptrs = (
+            weights.device_ptr(),
+            activations.device_ptr(),
+            out.device_ptr(),
+        );
         // SAFETY: lengths checked; the plan matches these dtypes and shapes.
-        unsafe {
-            lt::matmul(
-                handle,
-                plan.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                weights.device_ptr() as *const c_void,
-                plan.weights_layout,
-                activations.device_ptr() as *const c_void,
-                plan.activations_layout,
-                out.device_ptr() as *const c_void,
-                plan.out_layout,
-                out.device_ptr() as *mut c_void,
-                plan.out_layout,
-                &plan.algo,
-                workspace_ptr as *mut c_void,
-                workspace_size,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(blas_error("cublasLtMatmul"))
+        unsafe { plan.run(launch, ptrs, beta, "cublasLtMatmul") }
     }
 
     /// Batch-invariant GEMMs (`on`): every `m` of a weight shape runs one algorithm with

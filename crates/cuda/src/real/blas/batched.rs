@@ -301,31 +301,14 @@ impl Gpu {
         };
         let mut guard = self.lock_blas()?;
         let blas = guard.as_mut().expect("lock_blas initialises it");
-        let (handle, workspace_ptr, workspace_size) =
-            (blas.handle, blas.workspace_ptr, blas.workspace.len());
+        let launch = blas.launch(self);
         let plan = blas.batched_plan(key)?;
-        let alpha = 1.0f32;
+        let ptrs = (
+            weights.device_ptr(),
+            activations.device_ptr(),
+            out.device_ptr(),
+        );
         // SAFETY: extents checked; the plan matches these dtypes, shapes and strides.
-        unsafe {
-            lt::matmul(
-                handle,
-                plan.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                weights.device_ptr() as *const c_void,
-                plan.weights_layout,
-                activations.device_ptr() as *const c_void,
-                plan.activations_layout,
-                out.device_ptr() as *const c_void,
-                plan.out_layout,
-                out.device_ptr() as *mut c_void,
-                plan.out_layout,
-                &plan.algo,
-                workspace_ptr as *mut c_void,
-                workspace_size,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(blas_error("cublasLtMatmul (batched)"))
+        unsafe { plan.run(launch, ptrs, beta, "cublasLtMatmul (batched)") }
     }
 }

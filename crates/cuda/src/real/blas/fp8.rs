@@ -173,33 +173,16 @@ impl Gpu {
         };
         let mut guard = self.lock_blas()?;
         let blas = guard.as_mut().expect("lock_blas initialises it");
-        let (handle, workspace_ptr, workspace_size) =
-            (blas.handle, blas.workspace_ptr, blas.workspace.len());
+        let launch = blas.launch(self);
         let scales = (weight_scales.device_ptr(), activation_scales.device_ptr());
         let plan = blas.fp8_plan(key, scales)?;
-        let alpha = 1.0f32;
+        let ptrs = (
+            weights.device_ptr(),
+            activations.device_ptr(),
+            out.device_ptr(),
+        );
         // SAFETY: lengths checked; the plan matches these dtypes and shapes, its scale
         // pointers were just set to the live factors.
-        unsafe {
-            lt::matmul(
-                handle,
-                plan.desc,
-                &alpha as *const f32 as *const c_void,
-                &beta as *const f32 as *const c_void,
-                weights.device_ptr() as *const c_void,
-                plan.weights_layout,
-                activations.device_ptr() as *const c_void,
-                plan.activations_layout,
-                out.device_ptr() as *const c_void,
-                plan.out_layout,
-                out.device_ptr() as *mut c_void,
-                plan.out_layout,
-                &plan.algo,
-                workspace_ptr as *mut c_void,
-                workspace_size,
-                self.stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(blas_error("cublasLtMatmul (FP8)"))
+        unsafe { plan.run(launch, ptrs, beta, "cublasLtMatmul (FP8)") }
     }
 }

@@ -239,7 +239,10 @@ engine_counters! {
         "CUDA steps whose linear layers ran the small-batch kernel instead of cuBLAS (PAGODA_CUDA_GEMV, steps of at most 8 rows).";
     /// CUDA steps that multiplied quantized matrices in place (q8 activations, integer dots).
     steps_cuda_quant_in_place: "pagoda_cuda_quant_linear_steps_total" ["path" = "in_place"], Counter,
-        "CUDA steps of a model with GGUF blocks on the device, by how its quantized matrices ran: in place (at most PAGODA_CUDA_QUANT_GEMV_ROWS rows) or decoded for cuBLAS.";
+        "CUDA steps of a model with GGUF blocks on the device, by how its quantized matrices ran: in place (at most PAGODA_CUDA_QUANT_GEMV_ROWS rows), on the tensor cores in place (at most PAGODA_CUDA_QUANT_MMA_ROWS) or decoded for cuBLAS.";
+    /// CUDA steps that multiplied quantized matrices on the tensor cores (`gemm_quant_mma`).
+    steps_cuda_quant_mma: "pagoda_cuda_quant_linear_steps_total" ["path" = "mma"], Counter,
+        "";
     /// CUDA steps that decoded quantized matrices into a scratch for cuBLAS.
     steps_cuda_quant_decoded: "pagoda_cuda_quant_linear_steps_total" ["path" = "decoded"], Counter,
         "";
@@ -252,9 +255,10 @@ engine_counters! {
     /// CUDA steps that decoded FP8 matrices into a scratch for cuBLAS.
     steps_cuda_fp8_weights_decoded: "pagoda_cuda_fp8_weight_steps_total" ["path" = "decoded"], Counter,
         "";
-    /// In-place quantized CUDA steps whose norms and SiLU x up wrote the q8 activations.
+    /// In-place (or tensor-core) quantized CUDA steps whose norms and SiLU x up wrote the q8
+    /// activations.
     steps_cuda_quant_fused_q8: "pagoda_cuda_quant_fused_q8_steps_total", Counter,
-        "CUDA steps multiplying quantized matrices in place whose RMSNorms and SiLU x up wrote the q8 activations of the next linear layer in their own launch (PAGODA_CUDA_QUANT_FUSED_Q8).";
+        "CUDA steps multiplying quantized matrices in place (gemv_quant or gemm_quant_mma) whose RMSNorms and SiLU x up wrote the q8 activations of the next linear layer in their own launch (PAGODA_CUDA_QUANT_FUSED_Q8).";
     /// In-place quantized CUDA steps whose two-format matrices ran in one launch each.
     steps_cuda_quant_pair: "pagoda_cuda_quant_pair_steps_total", Counter,
         "CUDA steps multiplying quantized matrices in place whose matrices of two formats (a Q4_K_M QKV with a Q6_K v) ran in one launch each (PAGODA_CUDA_QUANT_PAIR).";

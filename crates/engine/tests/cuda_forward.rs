@@ -311,7 +311,8 @@ fn gpu_f32_greedy_ids_equal_cpu_exact_on_the_default_model() {
 /// written on the GPU machine into the folder `PAGODA_GPU_TEST_GGUFS` names): the GPU with the
 /// blocks kept on the device (bf16; decode rows multiplied in place, in both layouts of the
 /// in-place kernel, prefill chunks decoded for cuBLAS; or every step decoded, `quant_gemv_rows`
-/// 0) against the CPU's exact f32 model
+/// 0; or steps of 3 to 32 rows on the tensor-core kernel, `quant_mma_rows`, with all three
+/// routes in one run) against the CPU's exact f32 model
 /// on the ragged workload, beside the GPU with the weights dequantized at load. The in-place
 /// steps run with the producers writing the q8 activations (`quant_fused_q8`) and a QKV of two
 /// formats (a q4_k_m file's Q6_K v) in one launch (`quant_pair`), both on, and once
@@ -343,16 +344,18 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         let mut dense_error = 0.0;
         let (groups, units) = (QuantGemvKernel::Groups, QuantGemvKernel::UNITS);
+        // (keep, rows in place, rows on the tensor cores, layout, (fused q8, pair)).
         let runs = [
-            (false, 16, units, (true, true)),
-            (true, 16, groups, (true, true)),
-            (true, 16, groups, (false, true)),
-            (true, 16, groups, (true, false)),
-            (true, 16, units, (true, true)),
-            (true, 0, units, (true, true)),
+            (false, 16, 0, units, (true, true)),
+            (true, 16, 0, groups, (true, true)),
+            (true, 16, 0, groups, (false, true)),
+            (true, 16, 0, groups, (true, false)),
+            (true, 16, 0, units, (true, true)),
+            (true, 0, 0, units, (true, true)),
+            (true, 2, 32, groups, (true, true)),
         ];
         let mut fused_logits: Option<Vec<Vec<f32>>> = None;
-        for (keep, gemv_rows, kernel, (fused_q8, pair)) in runs {
+        for (keep, gemv_rows, mma_rows, kernel, (fused_q8, pair)) in runs {
             let loaded = CudaModel::load_with(
                 config.clone(),
                 &file,
@@ -366,6 +369,7 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
             let pair_matrices = loaded.quant_pair_matrices();
             let mut options = cache_options();
             options.kernels.quant_gemv_rows = gemv_rows;
+            options.kernels.quant_mma_rows = mma_rows;
             options.kernels.quant_gemv_kernel = kernel;
             options.kernels.quant_fused_q8 = fused_q8;
             options.kernels.quant_pair = pair;
@@ -379,20 +383,23 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
             let counters = model.counters();
             let in_place = counters.steps_cuda_quant_in_place - before.steps_cuda_quant_in_place;
             let decoded = counters.steps_cuda_quant_decoded - before.steps_cuda_quant_decoded;
+            let mma = counters.steps_cuda_quant_mma - before.steps_cuda_quant_mma;
             let fused = counters.steps_cuda_quant_fused_q8 - before.steps_cuda_quant_fused_q8;
             let paired = counters.steps_cuda_quant_pair - before.steps_cuda_quant_pair;
             eprintln!(
-                "{name} keep {keep} rows {gemv_rows} {kernel:?} fused q8 {fused_q8} pair {pair} \
+                "{name} keep {keep} rows {gemv_rows} mma {mma_rows} {kernel:?} fused q8 \
+                 {fused_q8} pair {pair} \
                  ({pair_matrices} matrices): weights \
                  {weight_bytes} B (file {file_bytes}), max relative logit error {relative:.2e}, \
-                 top-10 logprob error {logprob:.4}, steps in place {in_place} decoded {decoded} \
+                 top-10 logprob error {logprob:.4}, steps in place {in_place} mma {mma} \
+                 decoded {decoded} \
                  fused {fused} paired {paired}"
             );
-            let fusing = keep && gemv_rows > 0 && fused_q8;
-            assert_eq!(fused, if fusing { in_place } else { 0 }, "{name}");
+            let fusing = keep && gemv_rows.max(mma_rows) > 0 && fused_q8;
+            assert_eq!(fused, if fusing { in_place + mma } else { 0 }, "{name}");
             let pairing = keep && pair && kernel == groups && pair_matrices > 0;
             assert_eq!(paired, if pairing { in_place } else { 0 }, "{name}");
-            if keep && gemv_rows > 0 && kernel == groups {
+            if keep && gemv_rows == 16 && kernel == groups {
                 // The defaults first, then each fusion off: the same bits.
                 match &fused_logits {
                     None => fused_logits = Some(got.clone()),
@@ -403,12 +410,14 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
                     ),
                 }
             }
-            match (keep, gemv_rows) {
-                (false, _) => {
+            match (keep, gemv_rows, mma_rows) {
+                (false, ..) => {
                     dense_error = relative;
-                    assert_eq!((in_place, decoded), (0, 0));
+                    assert_eq!((in_place, mma, decoded), (0, 0, 0));
                 }
-                (true, 16) => {
+                // 3-row decode steps and the chunks of 32, 22 and 20 rows on the tensor cores.
+                (true, 2, 32) => assert_eq!((in_place, mma, decoded), (2, 11, 2), "{name}"),
+                (true, 16, _) => {
                     assert!(
                         weight_bytes <= file_bytes * 105 / 100,
                         "{name}: {weight_bytes} B"
@@ -416,7 +425,7 @@ fn gpu_quantized_weights_track_the_cpu_exact_model() {
                     // The 10 decode steps in place; the 5 steps with prefill chunks decoded.
                     assert_eq!((in_place, decoded), (10, 5), "{name}");
                 }
-                _ => assert_eq!((in_place, decoded), (0, 15), "{name}"),
+                _ => assert_eq!((in_place, mma, decoded), (0, 0, 15), "{name}"),
             }
             assert!(
                 relative < 0.05,

@@ -50,12 +50,13 @@ pub use crate::attention::cuda::{
 pub use crate::embedding::cuda::{embedding_gather, specialize_embedding};
 pub use crate::linear::cuda::{
     dequantize, dequantize_fast, dequantize_fp8, fp8_gemm, fp8_gemm_applies, gather_dequantized,
-    gemv_fp8, gemv_fp8_applies, gemv_quant, gemv_quant_pair, gemv_small, gemv_small_applies,
-    quantize_rows_fp8, quantize_rows_q8, specialize_dequant_fp8, specialize_dequantize,
+    gemm_quant_mma, gemm_quant_mma_pair, gemv_fp8, gemv_fp8_applies, gemv_quant, gemv_quant_pair,
+    gemv_small, gemv_small_applies, quantize_rows_fp8, quantize_rows_q8, specialize_dequant_fp8,
+    specialize_dequantize, specialize_gemm_quant_mma, specialize_gemm_quant_mma_pair,
     specialize_gemv_fp8, specialize_gemv_quant, specialize_gemv_quant_pair, specialize_gemv_small,
     specialize_quant_rows_fp8, specialize_quantize_q8, Fp8Activations, Q8Rows, QuantFormat,
     QuantGemvKernel, QuantPartRef, FP8_GEMV_MAX_ROWS, GEMV_MAX_ROWS, QUANT_GEMV_MAX_ROWS,
-    QUANT_PADDING, QUANT_PAIRS,
+    QUANT_MMA_MAX_ROWS, QUANT_PADDING, QUANT_PAIRS,
 };
 pub use crate::moe::cuda::{
     moe_combine, moe_down, moe_down_combine, moe_down_mma, moe_experts, moe_gate_up,

@@ -456,14 +456,13 @@ impl<T: HostFloat> TypedRunner<T> {
                 self.counters.steps_cuda_fp8_weights_decoded += 1;
             }
         } else if cache.buffers.quant.dense.is_some() {
-            if cache.buffers.quant.in_place(shape.num_tokens) {
+            let (quant, rows) = (&cache.buffers.quant, shape.num_tokens);
+            self.counters.steps_cuda_quant_fused_q8 += u64::from(quant.fuses(rows));
+            if quant.in_place(rows) {
                 self.counters.steps_cuda_quant_in_place += 1;
-                if cache.buffers.quant.fuses(shape.num_tokens) {
-                    self.counters.steps_cuda_quant_fused_q8 += 1;
-                }
-                if cache.buffers.quant.pairs_in_one_launch() {
-                    self.counters.steps_cuda_quant_pair += 1;
-                }
+                self.counters.steps_cuda_quant_pair += u64::from(quant.pairs_in_one_launch());
+            } else if quant.mma(rows) {
+                self.counters.steps_cuda_quant_mma += 1;
             } else {
                 self.counters.steps_cuda_quant_decoded += 1;
             }

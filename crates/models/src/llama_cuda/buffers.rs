@@ -146,10 +146,13 @@ impl<T: HostFloat> StepBuffers<T> {
         }
         let scratch = Scratch::new(gpu, c, options)?;
         // Deterministic steps decode every quantized matrix for the batch-invariant GEMM.
-        let gemv_rows = if options.kernels.deterministic {
-            0
+        let (gemv_rows, mma_rows) = if options.kernels.deterministic {
+            (0, 0)
         } else {
-            options.kernels.quant_gemv_rows
+            (
+                options.kernels.quant_gemv_rows,
+                options.kernels.quant_mma_rows,
+            )
         };
         let shared_experts = c.moe.as_ref().map_or(0, |moe| {
             moe.num_shared_experts * moe.expert_intermediate_size
@@ -161,17 +164,19 @@ impl<T: HostFloat> StepBuffers<T> {
             .max(shared_experts);
         let kernel = options.kernels.quant_gemv_kernel;
         let (fused_q8, pair) = (options.kernels.quant_fused_q8, options.kernels.quant_pair);
-        let scratch_choice = (gemv_rows, kernel, fused_q8, pair);
-        let quant = QuantScratch::new(gpu, largest_quantized, width, scratch_choice)?;
+        let scratch_choice = (kernel, fused_q8, pair);
+        let rows = (gemv_rows, mma_rows);
+        let quant = QuantScratch::new(gpu, largest_quantized, width, rows, scratch_choice)?;
         if largest_quantized > 0 {
             static QUANT: std::sync::Once = std::sync::Once::new();
             QUANT.call_once(|| {
                 tracing::info!(
                     "CUDA quantized linear layers: 1-{gemv_rows} rows on the in-place kernel \
-                     (q8 activations, {kernel:?} layout: PAGODA_CUDA_QUANT_GEMV_KERNEL), more \
+                     (q8 activations, {kernel:?} layout: PAGODA_CUDA_QUANT_GEMV_KERNEL), up to \
+                     {mma_rows} on the tensor cores in place (PAGODA_CUDA_QUANT_MMA_ROWS), more \
                      decoded for cuBLAS (PAGODA_CUDA_QUANT_GEMV_ROWS)"
                 );
-                let how = match fused_q8 && gemv_rows > 0 {
+                let how = match fused_q8 && gemv_rows.max(mma_rows) > 0 {
                     true => "written by their producer (RMSNorm, SiLU x up) in its launch",
                     false => "quantized by a launch of their own",
                 };

@@ -36,6 +36,10 @@ pub struct CudaKernels {
     /// Rows up to which a step multiplies quantized matrices in place (`gemv_quant`), more
     /// decoding each matrix for cuBLAS (`PAGODA_CUDA_QUANT_GEMV_ROWS`).
     pub quant_gemv_rows: usize,
+    /// Rows up to which a step of more than `quant_gemv_rows` multiplies quantized matrices
+    /// on the tensor cores (`gemm_quant_mma`), more decoding each matrix for cuBLAS
+    /// (`PAGODA_CUDA_QUANT_MMA_ROWS`; 0: off).
+    pub quant_mma_rows: usize,
     /// The layout of the in-place quantized kernel (`PAGODA_CUDA_QUANT_GEMV_KERNEL`).
     pub quant_gemv_kernel: ops::QuantGemvKernel,
     /// In-place steps: the RMSNorm and SiLU x up before a quantized matrix write its q8
@@ -159,6 +163,7 @@ impl Default for CudaKernels {
             piecewise_tokens: 256,
             gemv: false,
             quant_gemv_rows: 8,
+            quant_mma_rows: 0,
             quant_gemv_kernel: ops::QuantGemvKernel::default(),
             quant_fused_q8: true,
             quant_pair: true,
@@ -200,6 +205,7 @@ impl CudaKernels {
             piecewise_tokens: count("PAGODA_CUDA_PIECEWISE_TOKENS").unwrap_or(256),
             gemv: config.on("PAGODA_CUDA_GEMV"),
             quant_gemv_rows: count("PAGODA_CUDA_QUANT_GEMV_ROWS").unwrap_or(8),
+            quant_mma_rows: count("PAGODA_CUDA_QUANT_MMA_ROWS").unwrap_or(0),
             quant_gemv_kernel: match config.word("PAGODA_CUDA_QUANT_GEMV_KERNEL") {
                 "units" => ops::QuantGemvKernel::UNITS,
                 "units1" => ops::QuantGemvKernel::Units { warp_rows: Some(1) },
@@ -335,6 +341,7 @@ mod tests {
             ("PAGODA_CUDA_PIECEWISE_TOKENS", "32"),
             ("PAGODA_CUDA_GEMV", "on"),
             ("PAGODA_CUDA_QUANT_GEMV_ROWS", "3"),
+            ("PAGODA_CUDA_QUANT_MMA_ROWS", "32"),
             ("PAGODA_CUDA_QUANT_GEMV_KERNEL", "groups"),
             ("PAGODA_CUDA_QUANT_FUSED_Q8", "on"),
             ("PAGODA_CUDA_QUANT_PAIR", "on"),
@@ -364,6 +371,7 @@ mod tests {
             piecewise_tokens: 32,
             gemv: true,
             quant_gemv_rows: 3,
+            quant_mma_rows: 32,
             quant_gemv_kernel: ops::QuantGemvKernel::Groups,
             quant_fused_q8: true,
             quant_pair: true,

@@ -1,8 +1,9 @@
 //! A weight matrix on the GPU ([`Matrix`]): dense in the model's dtype, or GGUF blocks kept
 //! as the file stores them (`PAGODA_CUDA_QUANT_WEIGHTS`), so device memory is the file's size.
 //! A quantized matrix multiplies a few rows in place (`gemv_quant`: activations quantized to
-//! 8 bits per 32 values, integer dots against the blocks) and more rows by decoding itself
-//! into a dense scratch for the GEMM ([`Linear`]).
+//! 8 bits per 32 values, integer dots against the blocks), a few dozen on the tensor cores in
+//! place (`gemm_quant_mma`, the same activations) and more rows by decoding itself into a
+//! dense scratch for the GEMM ([`Linear`]).
 
 use pagoda_cuda::{view, view_mut, CudaError, DeviceBuffer, DeviceRead, DeviceWrite, Element, Gpu};
 use pagoda_ops::cuda::{self as ops, Q8Rows, QuantFormat};
@@ -85,6 +86,9 @@ pub struct QuantScratch<T> {
     pub q8: Option<Q8Rows>,
     pub dense: Option<DeviceBuffer<T>>,
     pub gemv_rows: usize,
+    /// Steps of more than `gemv_rows` and up to this many rows run the tensor-core kernel
+    /// (`PAGODA_CUDA_QUANT_MMA_ROWS`; 0 in deterministic mode).
+    pub mma_rows: usize,
     pub gemv_kernel: ops::QuantGemvKernel,
     /// The producers of a quantized layer's input (RMSNorm, SiLU x up) write its q8
     /// activations in their own launch (`PAGODA_CUDA_QUANT_FUSED_Q8`).
@@ -116,13 +120,15 @@ impl<T: Element> QuantScratch<T> {
         gpu: &Gpu,
         values: usize,
         width: usize,
-        (gemv_rows, gemv_kernel, fused_q8, pair): (usize, ops::QuantGemvKernel, bool, bool),
+        (gemv_rows, mma_rows): (usize, usize),
+        (gemv_kernel, fused_q8, pair): (ops::QuantGemvKernel, bool, bool),
     ) -> Result<Self, CudaError> {
         if values == 0 {
             return Ok(QuantScratch {
                 q8: None,
                 dense: None,
                 gemv_rows: 0,
+                mma_rows: 0,
                 gemv_kernel,
                 fused_q8,
                 prequantized: false,
@@ -135,13 +141,14 @@ impl<T: Element> QuantScratch<T> {
             });
         }
         Ok(QuantScratch {
-            q8: if gemv_rows > 0 {
-                Some(Q8Rows::new(gpu, gemv_rows, width)?)
+            q8: if gemv_rows.max(mma_rows) > 0 {
+                Some(Q8Rows::new(gpu, gemv_rows.max(mma_rows), width)?)
             } else {
                 None
             },
             dense: Some(gpu.alloc::<T>(values)?),
             gemv_rows,
+            mma_rows,
             gemv_kernel,
             fused_q8,
             prequantized: false,
@@ -213,13 +220,23 @@ impl<T: Element> QuantScratch<T> {
         self.q8.is_some() && rows <= self.gemv_rows
     }
 
-    /// The two parts of `q` when they multiply in one launch ([`Self::pair`]).
-    pub(crate) fn pair_parts<'q>(&self, q: &'q QuantMatrix) -> Option<[&'q QuantPart; 2]> {
+    /// Whether a step of `rows` rows multiplies quantized matrices on the tensor cores.
+    pub fn mma(&self, rows: usize) -> bool {
+        self.q8.is_some() && !self.in_place(rows) && rows <= self.mma_rows
+    }
+
+    /// The two parts of `q` when they multiply in one launch ([`Self::pair`]; in place only
+    /// in the `Groups` layout, always on the tensor cores).
+    pub(crate) fn pair_parts<'q>(
+        &self,
+        q: &'q QuantMatrix,
+        mma: bool,
+    ) -> Option<[&'q QuantPart; 2]> {
         let [a, b] = &q.parts[..] else {
             return None;
         };
         let applies = self.pair
-            && self.gemv_kernel == ops::QuantGemvKernel::Groups
+            && (mma || self.gemv_kernel == ops::QuantGemvKernel::Groups)
             && ops::QUANT_PAIRS.contains(&(a.format, b.format));
         applies.then_some([a, b])
     }
@@ -230,9 +247,9 @@ impl<T: Element> QuantScratch<T> {
     }
 
     /// Whether a step of `rows` rows has the producers of quantized layers' inputs write
-    /// their q8 activations (`PAGODA_CUDA_QUANT_FUSED_Q8`, in place).
+    /// their q8 activations (`PAGODA_CUDA_QUANT_FUSED_Q8`, in place or on the tensor cores).
     pub fn fuses(&self, rows: usize) -> bool {
-        self.fused_q8 && self.in_place(rows)
+        self.fused_q8 && (self.in_place(rows) || self.mma(rows))
     }
 
     /// The q8 activations the producer of `rows` rows of `width` values writes for the
@@ -283,9 +300,11 @@ impl<T: Element> Linear<'_, T> {
             Matrix::Fp8(f) => return self.run_fp8(a, f, out, (m, n, k), beta),
             Matrix::Quantized(q) => q,
         };
-        if self.quant.in_place(m) {
-            let pair = self.quant.pair_parts(q);
-            let q8 = self.quant.q8.as_mut().expect("in_place checked it");
+        let mma = self.quant.mma(m);
+        if self.quant.in_place(m) || mma {
+            let pair = self.quant.pair_parts(q, mma);
+            let kernel = self.quant.gemv_kernel;
+            let q8 = self.quant.q8.as_mut().expect("in_place and mma checked it");
             if !prequantized || q8.shape() != (m, k) {
                 ops::quantize_rows_q8(gpu, a, q8, (m, k))?;
             }
@@ -294,22 +313,23 @@ impl<T: Element> Linear<'_, T> {
                     (pa.format, &pa.blocks, pa.rows),
                     (pb.format, &pb.blocks, pb.rows),
                 );
-                return ops::gemv_quant_pair(gpu, parts.0, parts.1, q8, out, n, beta);
+                return match mma {
+                    true => ops::gemm_quant_mma_pair(gpu, parts.0, parts.1, q8, out, n, beta),
+                    false => ops::gemv_quant_pair(gpu, parts.0, parts.1, q8, out, n, beta),
+                };
             }
             let mut column = 0;
             for part in &q.parts {
+                let (format, blocks, rows) = (part.format, &part.blocks, part.rows);
                 let mut slice = view_mut(out, column..m * n)?;
-                ops::gemv_quant(
-                    gpu,
-                    self.quant.gemv_kernel,
-                    part.format,
-                    &part.blocks,
-                    q8,
-                    &mut slice,
-                    part.rows,
-                    n,
-                    beta,
-                )?;
+                match mma {
+                    true => {
+                        ops::gemm_quant_mma(gpu, format, blocks, q8, &mut slice, rows, n, beta)?
+                    }
+                    false => {
+                        ops::gemv_quant(gpu, kernel, format, blocks, q8, &mut slice, rows, n, beta)?
+                    }
+                }
                 column += part.rows;
             }
             return Ok(());

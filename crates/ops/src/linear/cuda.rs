@@ -2,10 +2,15 @@
 //! quantized), and the small-batch linear layers: `gemv_small` (a few activation rows against
 //! a bf16 weight matrix at its read rate) and `gemv_quant` (against GGUF blocks in place).
 
+mod gemm_quant_mma;
 mod gemv;
 mod gemv_fp8;
 mod gemv_quant;
 
+pub use gemm_quant_mma::{
+    gemm_quant_mma, gemm_quant_mma_pair, specialize_gemm_quant_mma, specialize_gemm_quant_mma_pair,
+    QUANT_MMA_MAX_ROWS,
+};
 pub(crate) use gemv::GEMV_SMALL;
 pub use gemv::{gemv_small, gemv_small_applies, specialize_gemv_small, GEMV_MAX_ROWS};
 pub use gemv_fp8::{
@@ -233,6 +238,7 @@ pub fn specializations() -> Result<Vec<KernelSpec>, CudaError> {
     let mut specs = gemv::specializations()?;
     specs.extend(gemv_fp8::specializations()?);
     specs.extend(gemv_quant::specializations()?);
+    specs.extend(gemm_quant_mma::specializations()?);
     for &dtype in &FLOAT_DTYPES {
         for format in QuantFormat::ALL {
             for gather in [false, true] {

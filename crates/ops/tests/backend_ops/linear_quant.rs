@@ -6,8 +6,11 @@
 //! Variants: f32 and bf16 outputs, `beta = 1` (the residual fusion), and a column slice of a
 //! wider output (`ldo > n`: the parts of a stacked QKV or gate/up of mixed formats), each in
 //! both layouts (`QuantGemvKernel::Groups`, and `Units` with its rule for a warp's weight rows,
-//! 1 and 4). Shapes cover every
-//! specialisation (1, 2, 3, 4, 6 and 8 rows), two launches (11 rows), weight row counts that
+//! 1 and 4), and the tensor-core kernel of batched decode (`gemm_quant_mma`, "mma"). Shapes
+//! cover every
+//! specialisation (1, 2, 3, 4, 6 and 8 rows; the tensor cores' 8, 16, 32 and 64: 16, 37, 64;
+//! k of 4608 and 1280 split over CTAs),
+//! two launches (11 rows; 70 for the tensor cores), weight row counts that
 //! are not a multiple of a CTA's rows (1, 5, 19, 33, 37, 67, 130), k from one 256-value
 //! super-block to 37 (a K-quant row of 148 units: not a multiple of a warp's 32 lanes) and k
 //! of 3 super-blocks (12 units: most lanes idle). And the decoder of the
@@ -36,11 +39,16 @@ pub fn cases() -> Vec<Box<dyn OpCase>> {
             (4, 1, 9472),
             (6, 130, 1280),
             (1, 19, 9472),
+            (16, 64, 4608),
+            (37, 33, 1280),
+            (64, 130, 256),
+            (70, 19, 768),
         ];
         for (shape_index, shape) in shapes.into_iter().enumerate() {
             let seed = match shape_index {
                 0..4 => 300 + 4 * index as u64 + shape_index as u64,
-                _ => 1000 + 8 * index as u64 + shape_index as u64,
+                4..8 => 1000 + 8 * index as u64 + shape_index as u64,
+                _ => 2000 + 8 * index as u64 + shape_index as u64,
             };
             cases.push(Box::new(QuantLinear(Linear::new(ty, shape, seed))));
         }
@@ -122,12 +130,13 @@ impl OpCase for QuantDecode {
 struct QuantLinear(Linear);
 
 impl QuantLinear {
-    /// `x w^T` through the quantized kernel into `TOut`, with `beta = 1` (twice the product,
-    /// halved exactly) and into the middle columns of a wider output when asked.
+    /// `x w^T` through the quantized kernel (`None`: the tensor-core `gemm_quant_mma`) into
+    /// `TOut`, with `beta = 1` (twice the product, halved exactly) and into the middle columns
+    /// of a wider output when asked.
     fn run_kernel<TIn: TestFloat, TOut: TestFloat>(
         &self,
         gpu: &Gpu,
-        kernel: QuantGemvKernel,
+        kernel: Option<QuantGemvKernel>,
         beta_one: bool,
         slice: bool,
     ) -> Vec<f32> {
@@ -143,7 +152,11 @@ impl QuantLinear {
         let mut out = poisoned::<TOut>(gpu, l.tokens * ldo);
         let mut run = |beta: f32| {
             let mut o = view_mut(&mut out, first..l.tokens * ldo).unwrap();
-            ops::gemv_quant(gpu, kernel, format, &w, &q8, &mut o, n, ldo, beta).unwrap();
+            match kernel {
+                Some(kernel) => ops::gemv_quant(gpu, kernel, format, &w, &q8, &mut o, n, ldo, beta),
+                None => ops::gemm_quant_mma(gpu, format, &w, &q8, &mut o, n, ldo, beta),
+            }
+            .unwrap();
         };
         run(0.0);
         if beta_one {
@@ -186,10 +199,17 @@ impl OpCase for QuantLinear {
         };
         let mut outputs = Vec::new();
         for (name, kernel) in [
-            ("", QuantGemvKernel::Groups),
-            ("units ", QuantGemvKernel::UNITS),
-            ("units1 ", QuantGemvKernel::Units { warp_rows: Some(1) }),
-            ("units4 ", QuantGemvKernel::Units { warp_rows: Some(4) }),
+            ("", Some(QuantGemvKernel::Groups)),
+            ("units ", Some(QuantGemvKernel::UNITS)),
+            (
+                "units1 ",
+                Some(QuantGemvKernel::Units { warp_rows: Some(1) }),
+            ),
+            (
+                "units4 ",
+                Some(QuantGemvKernel::Units { warp_rows: Some(4) }),
+            ),
+            ("mma ", None),
         ] {
             let run = |beta_one, slice, variant: &str| {
                 with_dtype!(*dtype, T => {

@@ -1,10 +1,11 @@
 //! A stacked quantized matrix of two formats (Q4_K or Q5_K rows, then Q6_K rows: the QKV of a
 //! Q4_K_M or Q5_K_M file whose v is Q6_K) multiplied in one launch (`gemv_quant_pair`, the
-//! model's `PAGODA_CUDA_QUANT_PAIR`) against one `gemv_quant` launch a part: the same bits
+//! model's `PAGODA_CUDA_QUANT_PAIR`) against one `gemv_quant` launch a part, and the tensor
+//! cores' `gemm_quant_mma_pair` against one `gemm_quant_mma` a part: the same bits
 //! (asserted in `run`), and `linear_quant`'s tolerances against the f64 dots of the
 //! dequantized weights with the CPU's Q8 rows. Variants: f32 and bf16 outputs, `beta = 1`, and
-//! a column slice of a wider output; 1 to 11 rows (two launches), part row counts that are
-//! not a multiple of a CTA's rows.
+//! a column slice of a wider output; 1 to 64 rows (two in-place launches from 9), part row
+//! counts that are not a multiple of a CTA's rows.
 
 use pagoda_cuda::{view_mut, Gpu};
 use pagoda_ops::cuda::{self as ops, Q8Rows as GpuQ8Rows, QuantGemvKernel, QUANT_PADDING};
@@ -20,6 +21,8 @@ pub fn cases() -> Vec<Box<dyn OpCase>> {
         (3, 67, 5, 768),
         (8, 33, 130, 256),
         (11, 5, 9, 1280),
+        (24, 37, 19, 2560),
+        (64, 33, 130, 256),
     ];
     for (index, (a, b)) in ops::QUANT_PAIRS.into_iter().enumerate() {
         let ty = |format| match format {
@@ -51,8 +54,7 @@ impl QuantPair {
     fn run_kernel<TIn: TestFloat, TOut: TestFloat>(
         &self,
         gpu: &Gpu,
-        beta_one: bool,
-        slice: bool,
+        (beta_one, slice, mma): (bool, bool, bool),
     ) -> Vec<f32> {
         let (a, b) = (&self.first, &self.second);
         let (tokens, cols, n_a, n_b) = (a.tokens, a.cols, a.rows, b.rows);
@@ -77,7 +79,15 @@ impl QuantPair {
                 let mut o = view_mut(&mut out, first..tokens * ldo).unwrap();
                 if one_launch {
                     let (pa, pb) = ((fa, &wa, n_a), (fb, &wb, n_b));
-                    ops::gemv_quant_pair(gpu, pa, pb, &q8, &mut o, ldo, beta).unwrap();
+                    match mma {
+                        true => ops::gemm_quant_mma_pair(gpu, pa, pb, &q8, &mut o, ldo, beta),
+                        false => ops::gemv_quant_pair(gpu, pa, pb, &q8, &mut o, ldo, beta),
+                    }
+                    .unwrap();
+                } else if mma {
+                    ops::gemm_quant_mma(gpu, fa, &wa, &q8, &mut o, n_a, ldo, beta).unwrap();
+                    let mut o = view_mut(&mut out, first + n_a..tokens * ldo).unwrap();
+                    ops::gemm_quant_mma(gpu, fb, &wb, &q8, &mut o, n_b, ldo, beta).unwrap();
                 } else {
                     let groups = QuantGemvKernel::Groups;
                     ops::gemv_quant(gpu, groups, fa, &wa, &q8, &mut o, n_a, ldo, beta).unwrap();
@@ -139,18 +149,21 @@ impl OpCase for QuantPair {
             return None;
         };
         let mut outputs = Vec::new();
-        for (variant, beta_one, slice, out_f32) in [
-            ("", false, false, false),
-            ("beta=1", true, false, false),
-            ("ldo>n", false, true, false),
-            ("out=f32", false, false, true),
-        ] {
-            let values = with_dtype!(*dtype, T => match out_f32 {
-                true => self.run_kernel::<T, f32>(gpu, beta_one, slice),
-                false => self.run_kernel::<T, T>(gpu, beta_one, slice),
-            });
-            let variant = variant.to_string();
-            outputs.push(Output { variant, values });
+        for mma in [false, true] {
+            for (variant, beta_one, slice, out_f32) in [
+                ("", false, false, false),
+                ("beta=1", true, false, false),
+                ("ldo>n", false, true, false),
+                ("out=f32", false, false, true),
+            ] {
+                let how = (beta_one, slice, mma);
+                let values = with_dtype!(*dtype, T => match out_f32 {
+                    true => self.run_kernel::<T, f32>(gpu, how),
+                    false => self.run_kernel::<T, T>(gpu, how),
+                });
+                let variant = format!("{}{variant}", if mma { "mma " } else { "" });
+                outputs.push(Output { variant, values });
+            }
         }
         Some(outputs)
     }

@@ -24,6 +24,9 @@ pub(super) struct StepCounts {
     cuda_fp8_in_place: u64,
     cuda_fp8_gemm: u64,
     cuda_fp8_decoded: u64,
+    /// CUDA steps that multiplied GGUF blocks in place, on the tensor cores, or decoded them
+    /// for cuBLAS.
+    cuda_quant: [u64; 3],
     /// GPU time of the CUDA steps (CUDA events), microseconds.
     cuda_gpu_us: u64,
     /// Tokens drawn by the GPU sampler / on the CPU, and GPU sampler fallbacks.
@@ -56,6 +59,9 @@ impl std::ops::AddAssign for StepCounts {
         self.cuda_fp8_in_place += other.cuda_fp8_in_place;
         self.cuda_fp8_gemm += other.cuda_fp8_gemm;
         self.cuda_fp8_decoded += other.cuda_fp8_decoded;
+        for (sum, steps) in self.cuda_quant.iter_mut().zip(other.cuda_quant) {
+            *sum += steps;
+        }
         self.cuda_gpu_us += other.cuda_gpu_us;
         self.sampled_gpu += other.sampled_gpu;
         self.sampled_cpu += other.sampled_cpu;
@@ -104,6 +110,10 @@ impl std::fmt::Display for StepCounts {
                     self.cuda_fp8_in_place, self.cuda_fp8_gemm, self.cuda_fp8_decoded
                 )?;
             }
+            if self.cuda_quant.iter().sum::<u64>() > 0 {
+                let [in_place, mma, decoded] = self.cuda_quant;
+                write!(f, ", quant in place {in_place} mma {mma} decoded {decoded}")?;
+            }
             write!(
                 f,
                 ", sampled gpu {} cpu {} (gpu fallbacks {})",
@@ -139,6 +149,11 @@ pub(super) fn steps_since(engine: &Engine, before: &EngineCounters) -> StepCount
         cuda_fp8_gemm: now.steps_cuda_fp8_weights_gemm - before.steps_cuda_fp8_weights_gemm,
         cuda_fp8_decoded: now.steps_cuda_fp8_weights_decoded
             - before.steps_cuda_fp8_weights_decoded,
+        cuda_quant: [
+            now.steps_cuda_quant_in_place - before.steps_cuda_quant_in_place,
+            now.steps_cuda_quant_mma - before.steps_cuda_quant_mma,
+            now.steps_cuda_quant_decoded - before.steps_cuda_quant_decoded,
+        ],
         cuda_gpu_us: now.cuda_gpu_time_us - before.cuda_gpu_time_us,
         sampled_gpu: now.sampled_tokens_gpu - before.sampled_tokens_gpu,
         sampled_cpu: now.sampled_tokens_cpu - before.sampled_tokens_cpu,

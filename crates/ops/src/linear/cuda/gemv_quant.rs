@@ -79,6 +79,8 @@ pub struct Q8Rows {
     scales: DeviceBuffer<f32>,
     capacity: (usize, usize),
     shape: (usize, usize),
+    /// The split-k sums and tickets of the tensor-core kernel (`gemm_quant_mma`).
+    pub(super) splits: super::gemm_quant_mma::SplitScratch,
 }
 
 impl Q8Rows {
@@ -90,6 +92,7 @@ impl Q8Rows {
             scales: gpu.zeros::<f32>((rows * width / 16).max(1))?,
             capacity: (rows, width),
             shape: (0, 0),
+            splits: super::gemm_quant_mma::SplitScratch::new(gpu)?,
         })
     }
 
@@ -222,25 +225,7 @@ pub fn gemv_quant<TOut: Element>(
     beta: f32,
 ) -> Result<(), CudaError> {
     let (m, k) = q8.shape;
-    if n == 0 || m == 0 || k % format.block_values() != 0 || ldo < n {
-        return Err(CudaError::invalid(format!(
-            "quantized linear {format}: needs n >= 1, m >= 1, k a multiple of {} and ldo >= n \
-             (have m {m} n {n} k {k} ldo {ldo})",
-            format.block_values()
-        )));
-    }
-    check_len(
-        "quantized linear w (bytes, padded)",
-        n * format.row_bytes(k) + QUANT_PADDING,
-        w.len(),
-    )?;
-    if out.len() < (m - 1) * ldo + n {
-        return Err(CudaError::invalid(format!(
-            "quantized linear out [{m}, {n}] with row stride {ldo} needs {} elements, has {}",
-            (m - 1) * ldo + n,
-            out.len()
-        )));
-    }
+    check_quant_linear(&[(format, w.len(), n)], (m, k), ldo, out.len())?;
     for first in (0..m).step_by(QUANT_GEMV_MAX_ROWS) {
         let rows = (m - first).min(QUANT_GEMV_MAX_ROWS);
         let spec = specialize_gemv_quant(kernel, format, TOut::DTYPE, rows)?;
@@ -263,6 +248,41 @@ pub fn gemv_quant<TOut: Element>(
         // SAFETY: arguments match `gemv_quant`; the weights hold n padded rows of k values,
         // the activations `rows` rows of k, the output (rows - 1) * ldo + n values.
         unsafe { gpu.launch(&spec, LaunchDims::new(grid, threads), &args)? };
+    }
+    Ok(())
+}
+
+/// Checks a quantized linear layer over the stacked `parts` (format, padded bytes, rows) of
+/// `m` activation rows of `k` values into an output of `out_len` values, rows `ldo` apart.
+pub(super) fn check_quant_linear(
+    parts: &[(QuantFormat, usize, usize)],
+    (m, k): (usize, usize),
+    ldo: usize,
+    out_len: usize,
+) -> Result<(), CudaError> {
+    let n: usize = parts.iter().map(|p| p.2).sum();
+    let names: Vec<String> = parts.iter().map(|p| p.0.to_string()).collect();
+    let block = parts.iter().map(|p| p.0.block_values()).max().unwrap_or(32);
+    if parts.iter().any(|p| p.2 == 0) || m == 0 || k % block != 0 || ldo < n {
+        return Err(CudaError::invalid(format!(
+            "quantized linear {}: needs rows in every part, m >= 1, k a multiple of {block} \
+             and ldo >= n (have m {m} n {n} k {k} ldo {ldo})",
+            names.join(" + ")
+        )));
+    }
+    for (index, &(format, bytes, rows)) in parts.iter().enumerate() {
+        check_len(
+            &format!("quantized linear part {index} (bytes, padded)"),
+            rows * format.row_bytes(k) + QUANT_PADDING,
+            bytes,
+        )?;
+    }
+    if out_len < (m - 1) * ldo + n {
+        return Err(CudaError::invalid(format!(
+            "quantized linear out [{m}, {n}] with row stride {ldo} needs {} elements, has \
+             {out_len}",
+            (m - 1) * ldo + n
+        )));
     }
     Ok(())
 }
@@ -312,28 +332,8 @@ pub fn gemv_quant_pair<TOut: Element, W: DeviceRead<u8>>(
 ) -> Result<(), CudaError> {
     let (m, k) = q8.shape;
     let n = n_a + n_b;
-    let blocks = format_a.block_values().max(format_b.block_values());
-    if n_a == 0 || n_b == 0 || m == 0 || k % blocks != 0 || ldo < n {
-        return Err(CudaError::invalid(format!(
-            "quantized linear {format_a} + {format_b}: needs two parts of rows, m >= 1, k a \
-             multiple of {blocks} and ldo >= n (have m {m} n {n_a} + {n_b} k {k} ldo {ldo})"
-        )));
-    }
-    for (what, format, w, rows) in [("a", format_a, w_a, n_a), ("b", format_b, w_b, n_b)] {
-        let bytes = rows * format.row_bytes(k) + QUANT_PADDING;
-        check_len(
-            &format!("quantized linear part {what} (bytes, padded)"),
-            bytes,
-            w.len(),
-        )?;
-    }
-    if out.len() < (m - 1) * ldo + n {
-        return Err(CudaError::invalid(format!(
-            "quantized linear out [{m}, {n}] with row stride {ldo} needs {} elements, has {}",
-            (m - 1) * ldo + n,
-            out.len()
-        )));
-    }
+    let parts = [(format_a, w_a.len(), n_a), (format_b, w_b.len(), n_b)];
+    check_quant_linear(&parts, (m, k), ldo, out.len())?;
     for first in (0..m).step_by(QUANT_GEMV_MAX_ROWS) {
         let rows = (m - first).min(QUANT_GEMV_MAX_ROWS);
         let spec = specialize_gemv_quant_pair((format_a, format_b), TOut::DTYPE, rows)?;

@@ -4,7 +4,7 @@
 //! 32-value group each, every weight byte read once per [`QUANT_MMA_MAX_ROWS`] rows. Between
 //! the in-place kernel of a few rows and the decoded copy's GEMM of prefill.
 
-use super::gemv_quant::{check_quant_linear, QuantPartRef};
+use super::gemv_quant::{check_quant_linear, check_specialization, QuantPartRef};
 use super::{Q8Rows, QuantFormat, QUANT_PAIRS};
 use pagoda_cuda::{
     ptr, to_u32, view, view_mut, CudaError, DType, DeviceBuffer, DeviceRead, DeviceWrite, Element,
@@ -94,16 +94,12 @@ pub fn specialize_gemm_quant_mma(
     out: DType,
     rows: usize,
 ) -> Result<KernelSpec, CudaError> {
-    if !matches!(out, DType::F32 | DType::BF16) {
-        return Err(CudaError::invalid(format!(
-            "quantized linear writes f32 or bf16, not {out}"
-        )));
-    }
-    if !(1..=QUANT_MMA_MAX_ROWS).contains(&rows) {
-        return Err(CudaError::invalid(format!(
-            "quantized tensor-core linear takes 1..={QUANT_MMA_MAX_ROWS} rows a launch, not {rows}"
-        )));
-    }
+    check_specialization(
+        "quantized tensor-core linear",
+        out,
+        rows,
+        QUANT_MMA_MAX_ROWS,
+    )?;
     Ok(KernelSpec {
         source: &GEMM_QUANT_MMA,
         entry: "gemm_quant_mma",

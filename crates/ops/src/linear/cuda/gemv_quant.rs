@@ -148,16 +148,7 @@ pub fn specialize_gemv_quant(
     out: DType,
     rows: usize,
 ) -> Result<KernelSpec, CudaError> {
-    if !matches!(out, DType::F32 | DType::BF16) {
-        return Err(CudaError::invalid(format!(
-            "quantized linear writes f32 or bf16, not {out}"
-        )));
-    }
-    if !(1..=QUANT_GEMV_MAX_ROWS).contains(&rows) {
-        return Err(CudaError::invalid(format!(
-            "quantized linear takes 1..={QUANT_GEMV_MAX_ROWS} rows a launch, not {rows}"
-        )));
-    }
+    check_specialization("quantized linear", out, rows, QUANT_GEMV_MAX_ROWS)?;
     let m_tile = rows.next_power_of_two();
     let mut params = vec![("FORMAT", format.code()), ("M_TILE", m_tile as i64)];
     let entry = match kernel {
@@ -248,6 +239,27 @@ pub fn gemv_quant<TOut: Element>(
         // SAFETY: arguments match `gemv_quant`; the weights hold n padded rows of k values,
         // the activations `rows` rows of k, the output (rows - 1) * ldo + n values.
         unsafe { gpu.launch(&spec, LaunchDims::new(grid, threads), &args)? };
+    }
+    Ok(())
+}
+
+/// Checks that a quantized kernel (`what`) of at most `max_rows` rows a launch can write
+/// `out` (f32 or bf16) for a launch of `rows` rows.
+pub(super) fn check_specialization(
+    what: &str,
+    out: DType,
+    rows: usize,
+    max_rows: usize,
+) -> Result<(), CudaError> {
+    if !matches!(out, DType::F32 | DType::BF16) {
+        return Err(CudaError::invalid(format!(
+            "{what} writes f32 or bf16, not {out}"
+        )));
+    }
+    if !(1..=max_rows).contains(&rows) {
+        return Err(CudaError::invalid(format!(
+            "{what} takes 1..={max_rows} rows a launch, not {rows}"
+        )));
     }
     Ok(())
 }

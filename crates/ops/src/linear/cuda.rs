@@ -6,6 +6,7 @@ mod gemm_quant_mma;
 mod gemv;
 mod gemv_fp8;
 mod gemv_quant;
+mod quant_splits;
 
 pub use gemm_quant_mma::{
     gemm_quant_mma, gemm_quant_mma_pair, specialize_gemm_quant_mma, specialize_gemm_quant_mma_pair,

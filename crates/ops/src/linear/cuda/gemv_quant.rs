@@ -80,7 +80,7 @@ pub struct Q8Rows {
     capacity: (usize, usize),
     shape: (usize, usize),
     /// The split-k sums and tickets of the tensor-core kernel (`gemm_quant_mma`).
-    pub(super) splits: super::gemm_quant_mma::SplitScratch,
+    pub(super) splits: super::quant_splits::SplitScratch,
 }
 
 impl Q8Rows {
@@ -92,7 +92,7 @@ impl Q8Rows {
             scales: gpu.zeros::<f32>((rows * width / 16).max(1))?,
             capacity: (rows, width),
             shape: (0, 0),
-            splits: super::gemm_quant_mma::SplitScratch::new(gpu)?,
+            splits: super::quant_splits::SplitScratch::new(gpu)?,
         })
     }
 

@@ -9,20 +9,27 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 # A clean run gains nothing from incremental caches, and they cost disk (about 1.6 GB).
 export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+# Each step's wall time, so that CI's budget (30 minutes on 2 cores) can be watched step by step.
+began=$SECONDS
+step() {
+  local start=$SECONDS
+  "$@"
+  echo "test.sh: '$*' took $((SECONDS - start)) s"
+}
 if ! bash scripts/fetch-model.sh; then
   echo "warning: the default model could not be fetched; tests that need it will skip" >&2
 fi
-cargo fmt --all -- --check
-cargo clippy --workspace --all-targets -- -D warnings
+step cargo fmt --all -- --check
+step cargo clippy --workspace --all-targets -- -D warnings
 # The CUDA backend's real code (cudarc, loaded at run time) must lint clean too.
-cargo clippy --workspace --all-targets --features pagoda-cli/cuda,pagoda-cuda/cuda,pagoda-models/cuda -- -D warnings
-cargo test --workspace --all-targets
+step cargo clippy --workspace --all-targets --features pagoda-cli/cuda,pagoda-cuda/cuda,pagoda-models/cuda -- -D warnings
+step cargo test --workspace --all-targets
 if [ -f models/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
-  PAGODA_BIN=target/debug/pagoda bash scripts/test-server.sh
+  step env PAGODA_BIN=target/debug/pagoda bash scripts/test-server.sh
 else
   echo "warning: no default model; skipping the live-server tests" >&2
 fi
-bash scripts/nvrtc-check.sh
+step bash scripts/nvrtc-check.sh
 # aarch64 (issue 48): the pagoda-ops tests cross-built and run under qemu-aarch64, `-cpu max`
 # (the `neon_dotprod` set) without the statistical sampling tests, the kernel tests under
 # `-cpu neoverse-n1` and `-cpu cortex-a53` (the plain `neon` set), and a short greedy
@@ -30,5 +37,5 @@ bash scripts/nvrtc-check.sh
 # 8 minutes after the x86 build); scripts/test-aarch64.sh says what and why, and without
 # `--ci` runs every ops test (about 30 minutes). Installs the cross tools if missing; skips
 # with a message where it cannot.
-bash scripts/test-aarch64.sh --ci
-echo "test.sh: done; target/ holds $(du -sh target 2>/dev/null | cut -f1)"
+step bash scripts/test-aarch64.sh --ci
+echo "test.sh: done in $((SECONDS - began)) s; target/ holds $(du -sh target 2>/dev/null | cut -f1)"

@@ -43,34 +43,58 @@ fn every_specialization_compiles_for_sm90a_and_sm80() {
         .collect();
     // PAGODA_NVRTC_DUMP=<dir> writes each compute_90a PTX there (for `ptxas -v` on kernel work).
     let dump = std::env::var_os("PAGODA_NVRTC_DUMP").map(std::path::PathBuf::from);
-    let mut failures = Vec::new();
-    let mut compiled = 0;
-    for arch in [Arch("compute_90a".into()), Arch("compute_80".into())] {
-        for spec in &specs {
-            match compile_for_arch(spec, &arch) {
-                Ok((ptx, key)) => {
-                    let ptx = String::from_utf8(ptx).expect("PTX is text");
-                    assert!(
-                        ptx.contains(spec.entry),
-                        "{}: entry missing from PTX",
-                        key.canonical()
-                    );
-                    if let (Some(dir), "compute_90a") = (&dump, arch.0.as_str()) {
-                        std::fs::create_dir_all(dir).expect("create the PTX dump folder");
-                        let name: String = key
-                            .canonical()
-                            .chars()
-                            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-                            .collect();
-                        let path = dir.join(format!("{name}.ptx"));
-                        std::fs::write(&path, &ptx).expect("write the PTX");
-                    }
-                    compiled += 1;
-                }
-                Err(error) => failures.push(format!("{}: {error}", arch.0)),
-            }
+    // Every (arch, spec) pair, compiled and looked at by one worker a core (NVRTC is thread
+    // safe; a clean CI machine's two cores halve the check); failures listed in catalogue order.
+    let archs = [Arch("compute_90a".into()), Arch("compute_80".into())];
+    let jobs: Vec<(&Arch, &pagoda_cuda::KernelSpec)> = archs
+        .iter()
+        .flat_map(|arch| specs.iter().map(move |spec| (arch, spec)))
+        .collect();
+    let check = |arch: &Arch, spec: &pagoda_cuda::KernelSpec| -> Result<(), String> {
+        let (ptx, key) =
+            compile_for_arch(spec, arch).map_err(|error| format!("{}: {error}", arch.0))?;
+        let ptx = String::from_utf8(ptx).expect("PTX is text");
+        if !ptx.contains(spec.entry) {
+            return Err(format!("{}: entry missing from PTX", key.canonical()));
         }
-    }
+        if let (Some(dir), "compute_90a") = (&dump, arch.0.as_str()) {
+            std::fs::create_dir_all(dir).expect("create the PTX dump folder");
+            let name: String = key
+                .canonical()
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                .collect();
+            std::fs::write(dir.join(format!("{name}.ptx")), &ptx).expect("write the PTX");
+        }
+        Ok(())
+    };
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut failures: Vec<(usize, String)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..workers.clamp(1, jobs.len().max(1)))
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut failed = Vec::new();
+                    loop {
+                        let index = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(arch, spec)) = jobs.get(index) else {
+                            return failed;
+                        };
+                        if let Err(error) = check(arch, spec) {
+                            failed.push((index, error));
+                        }
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|handle| handle.join().expect("an NVRTC worker panicked"))
+            .collect()
+    });
+    failures.sort();
+    let compiled = jobs.len() - failures.len();
+    let failures: Vec<String> = failures.into_iter().map(|(_, error)| error).collect();
     println!(
         "nvrtc {}.{}: compiled {compiled} of {} specialisations ({} per arch)",
         version.0,

@@ -27,6 +27,9 @@ pub const RUNNER_ENV_VAR: &str = "PAGODA_TEST_RUNNER";
 /// configuration's are set, so that a configuration means the same on every machine.
 const SWITCH_PREFIX: &str = "PAGODA_CPU_";
 
+/// The kernel-set switch (`CpuKernelPolicy`'s).
+const KERNELS: &str = "PAGODA_CPU_KERNELS";
+
 /// Whether this process is a re-run under another CPU configuration (a child of
 /// [`rerun_under_every_cpu_configuration`]), for tests that cut work there.
 pub fn is_rerun() -> bool {
@@ -87,7 +90,6 @@ impl CpuConfiguration {
 ///   `vnni`, and `scalar` ([`Kind::Slow`]).
 pub fn cpu_configurations() -> Vec<CpuConfiguration> {
     use Kind::{Auto, Forced, Slow};
-    const KERNELS: &str = "PAGODA_CPU_KERNELS";
     let hardware_tiles = amx::is_available();
     let (tiles, suffix) = if hardware_tiles {
         ((amx::TILES_ENV_VAR, "hardware"), "")
@@ -190,6 +192,17 @@ fn rerun(this_test: &str, tests: &[&str], widest: Kind) {
         if !runs(configuration.kind) {
             summary.push(format!(
                 "{}: not run ({SLOW_ENV_VAR}=1 runs it)",
+                configuration.name
+            ));
+            continue;
+        }
+        // The configuration this process already ran every test under (auto's choice, no
+        // switch set): a child would repeat it.
+        let own = CpuKernelPolicy::selected().name();
+        let untouched = !std::env::vars().any(|(var, _)| var.starts_with(SWITCH_PREFIX));
+        if untouched && configuration.env.as_slice() == [(KERNELS, own)] {
+            summary.push(format!(
+                "{}: this process's own, not re-run",
                 configuration.name
             ));
             continue;

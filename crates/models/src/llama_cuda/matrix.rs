@@ -141,10 +141,10 @@ impl<T: Element> QuantScratch<T> {
             });
         }
         Ok(QuantScratch {
-            q8: if gemv_rows.max(mma_rows) > 0 {
-                Some(Q8Rows::new(gpu, gemv_rows.max(mma_rows), width)?)
-            } else {
-                None
+            q8: match (gemv_rows.max(mma_rows), mma_rows) {
+                (0, _) => None,
+                (rows, 0) => Some(Q8Rows::new(gpu, rows, width)?),
+                (rows, _) => Some(Q8Rows::with_splits(gpu, rows, width)?),
             },
             dense: Some(gpu.alloc::<T>(values)?),
             gemv_rows,

@@ -146,7 +146,7 @@ impl QuantLinear {
         padded.resize(l.bytes.len() + QUANT_PADDING, 0);
         let w = gpu.upload(&padded).unwrap();
         let x = upload::<TIn>(gpu, &l.x);
-        let mut q8 = GpuQ8Rows::new(gpu, l.tokens, l.cols).unwrap();
+        let mut q8 = GpuQ8Rows::with_splits(gpu, l.tokens, l.cols).unwrap();
         ops::quantize_rows_q8(gpu, &x, &mut q8, (l.tokens, l.cols)).unwrap();
         let (n, (ldo, first)) = (l.rows, if slice { (l.rows + 7, 5) } else { (l.rows, 0) });
         let mut out = poisoned::<TOut>(gpu, l.tokens * ldo);

@@ -70,7 +70,7 @@ impl QuantPair {
         };
         let ((fa, wa, _), (fb, wb, _)) = (part(a), part(b));
         let x = upload::<TIn>(gpu, &a.x);
-        let mut q8 = GpuQ8Rows::new(gpu, tokens, cols).unwrap();
+        let mut q8 = GpuQ8Rows::with_splits(gpu, tokens, cols).unwrap();
         ops::quantize_rows_q8(gpu, &x, &mut q8, (tokens, cols)).unwrap();
         let (ldo, first) = if slice { (n + 7, 5) } else { (n, 0) };
         let run = |one_launch: bool| {

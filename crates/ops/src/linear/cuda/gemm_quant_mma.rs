@@ -144,7 +144,10 @@ fn launch<TOut: Element, W: DeviceRead<u8>>(
     let (m, k) = q8.shape();
     let n: usize = part_rows.iter().sum();
     let tiles: Vec<usize> = part_rows.iter().map(|n| n.div_ceil(CTA_ROWS)).collect();
-    let splits = q8.splits.plan(&tiles, k / 32, m_tile(rows));
+    let scratch = q8.splits.as_ref().ok_or_else(|| {
+        CudaError::invalid("gemm_quant_mma: activations quantized into a Q8Rows without the split scratch (build it with Q8Rows::with_splits)".to_string())
+    })?;
+    let splits = scratch.plan(&tiles, k / 32, m_tile(rows));
     let (values, scales) = q8.buffers();
     let values = view(values, first * k / 4..m * k / 4)?;
     let scales = view(scales, first * k / 16..m * k / 16)?;
@@ -159,8 +162,8 @@ fn launch<TOut: Element, W: DeviceRead<u8>>(
         KernelArg::U32(to_u32("k", k)?),
         KernelArg::U32(to_u32("ldo", ldo)?),
         KernelArg::F32(beta),
-        ptr(q8.splits.partials()),
-        ptr(q8.splits.tickets()),
+        ptr(scratch.partials()),
+        ptr(scratch.tickets()),
     ]);
     for &count in &splits {
         args.push(KernelArg::U32(to_u32("splits", count)?));

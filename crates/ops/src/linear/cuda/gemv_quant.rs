@@ -79,12 +79,14 @@ pub struct Q8Rows {
     scales: DeviceBuffer<f32>,
     capacity: (usize, usize),
     shape: (usize, usize),
-    /// The split-k sums and tickets of the tensor-core kernel (`gemm_quant_mma`).
-    pub(super) splits: super::quant_splits::SplitScratch,
+    /// The split-k sums and tickets of the tensor-core kernel (`gemm_quant_mma`), when built
+    /// for it ([`Q8Rows::with_splits`]: about 13 MB on a 132-SM GPU).
+    pub(super) splits: Option<super::quant_splits::SplitScratch>,
 }
 
 impl Q8Rows {
-    /// Room for up to `rows` rows of up to `width` values (a multiple of 32).
+    /// Room for up to `rows` rows of up to `width` values (a multiple of 32), for
+    /// [`gemv_quant`] and the MoE's quantized experts.
     pub fn new(gpu: &Gpu, rows: usize, width: usize) -> Result<Q8Rows, CudaError> {
         let width = width.next_multiple_of(32);
         Ok(Q8Rows {
@@ -92,7 +94,15 @@ impl Q8Rows {
             scales: gpu.zeros::<f32>((rows * width / 16).max(1))?,
             capacity: (rows, width),
             shape: (0, 0),
-            splits: super::quant_splits::SplitScratch::new(gpu)?,
+            splits: None,
+        })
+    }
+
+    /// As [`Q8Rows::new`], with the split-k scratch [`super::gemm_quant_mma`] needs.
+    pub fn with_splits(gpu: &Gpu, rows: usize, width: usize) -> Result<Q8Rows, CudaError> {
+        Ok(Q8Rows {
+            splits: Some(super::quant_splits::SplitScratch::new(gpu)?),
+            ..Q8Rows::new(gpu, rows, width)?
         })
     }
 

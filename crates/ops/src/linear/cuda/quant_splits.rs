@@ -1,6 +1,6 @@
 //! The split-k bookkeeping of the tensor-core quantized kernel (`gemm_quant_mma`): how many
 //! splits of its groups a matrix of few row tiles takes, and the scratch of their sums and
-//! tickets that every [`super::Q8Rows`] carries.
+//! tickets that a [`super::Q8Rows`] built for it ([`super::Q8Rows::with_splits`]) carries.
 
 use pagoda_cuda::{CudaError, DeviceBuffer, DeviceRead, Gpu};
 

@@ -93,14 +93,24 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# A second server on HTTPS, with a self-signed certificate made by rcgen (the example
-# crates/server/examples/self_signed_cert.rs; built by `cargo test --all-targets`).
+# A second server on HTTPS, with a self-signed certificate for localhost and 127.0.0.1: made by
+# the openssl command where there is one (it is on most machines, and a build of the rcgen
+# example, crates/server/examples/self_signed_cert.rs, costs a clean CI run about 2 minutes),
+# else by that example.
+make_cert() { # DIR
+    mkdir -p "$1"
+    openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 \
+        -subj /CN=localhost -addext "subjectAltName=DNS:localhost,IP:127.0.0.1" \
+        -keyout "$1/key.pem" -out "$1/cert.pem" >/dev/null 2>&1
+}
 CERT_MAKER="target/debug/examples/self_signed_cert"
-if [[ ! -x "$CERT_MAKER" ]] && command -v cargo >/dev/null; then
+if command -v openssl >/dev/null; then
+    CERT_MAKER=make_cert
+elif [[ ! -x "$CERT_MAKER" ]] && command -v cargo >/dev/null; then
     cargo build -q -p pagoda-server --example self_signed_cert || true
 fi
 TLS_URL=""
-if [[ -x "$CERT_MAKER" ]] && "$CERT_MAKER" "$WORK/tls"; then
+if { [[ $CERT_MAKER == make_cert ]] || [[ -x "$CERT_MAKER" ]]; } && "$CERT_MAKER" "$WORK/tls"; then
     TLS_PORT="$(free_port)"
     # shellcheck disable=SC2086
     "$BIN" serve --port "$TLS_PORT" -c 256 -np 2 --api-key-file "$WORK/keys.txt" \

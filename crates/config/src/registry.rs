@@ -363,7 +363,7 @@ settings! {
     "PAGODA_TEST_CPU_CONFIGURATION", None, TEXT, "(unset)", Testing,
         "testkit", "Set by pagoda-testkit in the child test run of one CPU kernel configuration.";
     "PAGODA_TEST_SLOW_CPU_CONFIGURATIONS", None, TEXT, "(unset)", Testing,
-        "testkit", "1: re-run the invariance tests under the slow configurations too (scalar).";
+        "testkit", "1: re-run the invariance tests under every CPU configuration (the forced kernel sets and scalar too, not only auto's), every test of each binary.";
     "PAGODA_PARITY_MODEL", None, TEXT, "(the default model)", Testing,
         "models parity test, scripts/llamacpp-top5.py", "Model of the llama.cpp parity test.";
     "PAGODA_PARITY_REFERENCE", None, TEXT, "(the committed reference)", Testing,

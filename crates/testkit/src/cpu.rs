@@ -12,9 +12,9 @@ use pagoda_ops::linear::CpuKernelPolicy;
 /// Set in the child processes: the name of the configuration they run.
 pub const CONFIGURATION_ENV_VAR: &str = "PAGODA_TEST_CPU_CONFIGURATION";
 
-/// Set to 1 for the long suite: every re-run covers every configuration (with the portable
-/// `scalar` set, 20-40 times the others' time on the default model) and every test of its
-/// binary. CI leaves it unset.
+/// Set to 1 for the long suite: every re-run covers every configuration (the forced sets, and
+/// the portable `scalar` set at 20-40 times the others' time on the default model) and every
+/// test of its binary. CI leaves it unset: `auto`'s configurations only.
 pub const SLOW_ENV_VAR: &str = "PAGODA_TEST_SLOW_CPU_CONFIGURATIONS";
 
 /// The command that runs a test binary built for another CPU (Cargo's target runner, such as
@@ -42,7 +42,7 @@ pub fn is_rerun() -> bool {
 pub enum Kind {
     /// What `auto` picks on some CPU family.
     Auto,
-    /// A kernel set forced for every weight.
+    /// A kernel set forced for every weight: re-run only with [`SLOW_ENV_VAR`]`=1`.
     Forced,
     /// Forced and slow (the portable `scalar` set): only with [`SLOW_ENV_VAR`]`=1`.
     Slow,
@@ -147,39 +147,32 @@ pub fn cpu_configurations() -> Vec<CpuConfiguration> {
 }
 
 /// In a test binary's test named `this_test`: runs the binary's other tests once per
-/// [`cpu_configurations`] entry (but [`Kind::Slow`] ones only with [`SLOW_ENV_VAR`]`=1`),
-/// each in a child process with that configuration's environment (and no other
-/// `PAGODA_CPU_*` switch); panics naming the configuration and showing the child's output
-/// tail if any fails. Prints which configurations ran and how many tests passed in each;
-/// the process's own configuration ([`CpuKernelPolicy::selected`]) is the one its other
-/// tests ran under. Returns at once in a child.
+/// [`cpu_configurations`] entry that `auto` picks on some CPU family ([`Kind::Auto`]; the
+/// forced sets and `scalar` too with [`SLOW_ENV_VAR`]`=1`: whole-model runs under every
+/// forced set would take CI past its budget, and the kernel tests cover each set), each in a
+/// child process with that configuration's environment (and no other `PAGODA_CPU_*`
+/// switch); panics naming the configuration and showing the child's output tail if any
+/// fails. Prints which configurations ran and how many tests passed in each; the process's
+/// own configuration ([`CpuKernelPolicy::selected`]) is the one its other tests ran under,
+/// and is not re-run. Returns at once in a child.
 pub fn rerun_under_every_cpu_configuration(this_test: &str) {
-    rerun(this_test, &[], Kind::Forced);
+    rerun(this_test, &[]);
 }
 
-/// [`rerun_under_every_cpu_configuration`] for binaries too long to run under every
-/// configuration in CI: only the configurations [`Kind::Auto`] names, and only the tests
-/// whose names contain one of `tests`; with [`SLOW_ENV_VAR`]`=1`, everything.
+/// [`rerun_under_every_cpu_configuration`] for binaries too long to re-run whole in CI: only
+/// the tests whose names contain one of `tests`; with [`SLOW_ENV_VAR`]`=1`, every test.
 pub fn rerun_under_each_cpus_default(this_test: &str, tests: &[&str]) {
-    rerun(this_test, tests, Kind::Auto);
+    rerun(this_test, tests);
 }
 
-fn rerun(this_test: &str, tests: &[&str], widest: Kind) {
+fn rerun(this_test: &str, tests: &[&str]) {
     if let Ok(name) = std::env::var(CONFIGURATION_ENV_VAR) {
         eprintln!("in the child for {name}: not re-running");
         return;
     }
     let slow = std::env::var(SLOW_ENV_VAR).is_ok_and(|value| value.trim() == "1");
-    let (tests, widest) = if slow {
-        (&[][..], Kind::Slow)
-    } else {
-        (tests, widest)
-    };
-    let runs = |kind: Kind| match widest {
-        Kind::Auto => kind == Kind::Auto,
-        Kind::Forced => kind != Kind::Slow,
-        Kind::Slow => true,
-    };
+    let tests = if slow { &[][..] } else { tests };
+    let runs = |kind: Kind| slow || kind == Kind::Auto;
     let exe = std::env::current_exe().expect("the test binary's path");
     let mut summary = vec![format!(
         "this process: {} (the environment's choice), every test",

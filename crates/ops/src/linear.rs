@@ -24,7 +24,9 @@
 pub mod cpu;
 pub mod cuda;
 
-pub use cpu::kernels::{cpu_kernels_name, CpuKernelPolicy, CpuKernels, FfnDown};
+pub use cpu::kernels::{
+    cpu_kernels_name, CpuKernelPolicy, CpuKernels, FfnDown, CPU_KERNELS_ENV_VAR,
+};
 pub use cpu::shared::matmul_shared;
 use cpu::tasks::by_row_tasks;
 

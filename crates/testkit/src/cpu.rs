@@ -7,7 +7,7 @@ use pagoda_ops::linear::cpu::amx;
 use pagoda_ops::linear::cpu::f32_decode::F32_DECODE_ENV_VAR;
 use pagoda_ops::linear::cpu::int_dot::IntIsa;
 use pagoda_ops::linear::cpu::interleaved::width::{INT_DECODE_ENV_VAR, INT_PREFILL_ENV_VAR};
-use pagoda_ops::linear::CpuKernelPolicy;
+use pagoda_ops::linear::{CpuKernelPolicy, CPU_KERNELS_ENV_VAR as KERNELS};
 
 /// Set in the child processes: the name of the configuration they run.
 pub const CONFIGURATION_ENV_VAR: &str = "PAGODA_TEST_CPU_CONFIGURATION";
@@ -27,9 +27,6 @@ pub const RUNNER_ENV_VAR: &str = "PAGODA_TEST_RUNNER";
 /// configuration's are set, so that a configuration means the same on every machine.
 const SWITCH_PREFIX: &str = "PAGODA_CPU_";
 
-/// The kernel-set switch (`CpuKernelPolicy`'s).
-const KERNELS: &str = "PAGODA_CPU_KERNELS";
-
 /// Whether this process is a re-run under another CPU configuration (a child of
 /// [`rerun_under_every_cpu_configuration`]), for tests that cut work there.
 pub fn is_rerun() -> bool {
@@ -42,10 +39,9 @@ pub fn is_rerun() -> bool {
 pub enum Kind {
     /// What `auto` picks on some CPU family.
     Auto,
-    /// A kernel set forced for every weight: re-run only with [`SLOW_ENV_VAR`]`=1`.
+    /// A kernel set forced for every weight (the portable `scalar` set among them): re-run
+    /// only with [`SLOW_ENV_VAR`]`=1`.
     Forced,
-    /// Forced and slow (the portable `scalar` set): only with [`SLOW_ENV_VAR`]`=1`.
-    Slow,
 }
 
 /// One CPU kernel configuration: the environment that selects it.
@@ -87,9 +83,9 @@ impl CpuConfiguration {
 ///   `neon_dotprod+f32_ffn_down` (aarch64 with dotprod), `neon+f32_ffn_down` (aarch64
 ///   without it), `f32` (none of these);
 /// - each kernel set forced for every weight: `amx` (emulated where needed), `vnni8`,
-///   `vnni`, and `scalar` ([`Kind::Slow`]).
+///   `vnni`, and `scalar` ([`Kind::Forced`]).
 pub fn cpu_configurations() -> Vec<CpuConfiguration> {
-    use Kind::{Auto, Forced, Slow};
+    use Kind::{Auto, Forced};
     let hardware_tiles = amx::is_available();
     let (tiles, suffix) = if hardware_tiles {
         ((amx::TILES_ENV_VAR, "hardware"), "")
@@ -140,7 +136,7 @@ pub fn cpu_configurations() -> Vec<CpuConfiguration> {
     configurations.push(CpuConfiguration::new("f32", Auto, &[(KERNELS, "f32")]));
     configurations.push(CpuConfiguration::new(
         "scalar",
-        Slow,
+        Forced,
         &[(KERNELS, "scalar")],
     ));
     configurations
@@ -173,6 +169,10 @@ fn rerun(this_test: &str, tests: &[&str]) {
     let slow = std::env::var(SLOW_ENV_VAR).is_ok_and(|value| value.trim() == "1");
     let tests = if slow { &[][..] } else { tests };
     let runs = |kind: Kind| slow || kind == Kind::Auto;
+    // The configuration this process already ran every test under (auto's choice, no switch
+    // set): a child would repeat it.
+    let untouched = !std::env::vars().any(|(var, _)| var.starts_with(SWITCH_PREFIX));
+    let own = untouched.then(|| vec![(KERNELS, CpuKernelPolicy::selected().name())]);
     let exe = std::env::current_exe().expect("the test binary's path");
     let mut summary = vec![format!(
         "this process: {} (the environment's choice), every test",
@@ -189,11 +189,7 @@ fn rerun(this_test: &str, tests: &[&str]) {
             ));
             continue;
         }
-        // The configuration this process already ran every test under (auto's choice, no
-        // switch set): a child would repeat it.
-        let own = CpuKernelPolicy::selected().name();
-        let untouched = !std::env::vars().any(|(var, _)| var.starts_with(SWITCH_PREFIX));
-        if untouched && configuration.env.as_slice() == [(KERNELS, own)] {
+        if own.as_ref() == Some(&configuration.env) {
             summary.push(format!(
                 "{}: this process's own, not re-run",
                 configuration.name

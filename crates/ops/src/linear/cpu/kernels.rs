@@ -253,8 +253,11 @@ impl CpuKernelPolicy {
     }
 }
 
+/// The kernel-set switch ([`CpuKernelPolicy::selected`]).
+pub const CPU_KERNELS_ENV_VAR: &str = "PAGODA_CPU_KERNELS";
+
 impl KernelChoice for CpuKernelPolicy {
-    const ENV_VAR: &'static str = "PAGODA_CPU_KERNELS";
+    const ENV_VAR: &'static str = CPU_KERNELS_ENV_VAR;
     const WORDS: &'static [(&'static str, Self)] = &[
         ("amx", CpuKernelPolicy::uniform(CpuKernels::Amx)),
         ("vnni8", CpuKernelPolicy::uniform(CpuKernels::Vnni8)),
@@ -295,7 +298,7 @@ impl KernelChoice for CpuKernelPolicy {
             };
             if !allowed {
                 return Err(crate::UnknownChoice {
-                    setting: "PAGODA_CPU_KERNELS",
+                    setting: CPU_KERNELS_ENV_VAR,
                     value: text.clone(),
                     allowed: if ffn_down == FfnDown::Q15 {
                         "SET+q15_ffn_down with SET amx or vnni8".to_string()

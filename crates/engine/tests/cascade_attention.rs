@@ -12,6 +12,10 @@ use pagoda_models::llama::AttentionPolicy;
 use pagoda_ops::attention::{cascade_counts, CascadeRule};
 use pagoda_ops::sampling::SamplingParams;
 
+/// The cascade counters are process-wide: the two tests run one at a time, so that one's
+/// cascade steps never land between the other's "before" and "after" (a race CI hit).
+static COUNTERS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Tokens and log-probability bits of each request.
 type Outputs = Vec<(Vec<u32>, Vec<Vec<u32>>)>;
 
@@ -113,6 +117,9 @@ fn prompts() -> Option<Vec<Vec<u32>>> {
 
 #[test]
 fn cascade_gives_the_plain_steps_bits_on_the_default_model() {
+    let _counters = COUNTERS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let Some(prompts) = prompts() else {
         return;
     };
@@ -136,6 +143,9 @@ fn cascade_gives_the_plain_steps_bits_on_the_default_model() {
 /// from step to step; cascade still gives the plain steps' bits.
 #[test]
 fn cascade_gives_the_plain_steps_bits_when_the_prefix_is_evicted_between_steps() {
+    let _counters = COUNTERS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let Some(prompts) = prompts() else {
         return;
     };

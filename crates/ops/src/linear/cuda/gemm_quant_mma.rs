@@ -177,7 +177,7 @@ fn launch<TOut: Element, W: DeviceRead<u8>>(
     // SAFETY: arguments match `gemm_quant_mma` (one part) or `gemm_quant_mma_pair` (two);
     // each part holds its padded rows of k values (checked by the caller), the activations
     // `rows` rows of k from `first`, the output (rows - 1) * ldo + n values from row `first`;
-    // the sums take the grid's CTAs times 16 * m_tile floats and the tickets one a row tile,
+    // the sums take the grid's CTAs times CTA_ROWS * m_tile floats and the tickets one a row tile,
     // both within the scratch when split (`SplitScratch::plan`).
     unsafe { gpu.launch(spec, LaunchDims::new(grid, CTA_THREADS), &args) }
 }

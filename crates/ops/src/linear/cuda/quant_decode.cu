@@ -93,26 +93,96 @@ PAGODA_DEVICE void scale_min_k4(unsigned int j, const unsigned int* s, float& sc
     min = (float)mn;
 }
 
-// Decodes group g (0 .. GROUPS_PER_BLOCK - 1) of the weight block at `b` of format F: values
-// 32g .. 32g + 31.
+// The bytes of one group as loaded, before `decode_raw` makes them a Group: a kernel can issue
+// the next group's loads (`load_raw`) before it decodes this one. Words are read aligned; an
+// unaligned run (the 2-byte aligned formats) keeps one word more and its shift.
 template <int F>
-PAGODA_DEVICE void decode(const unsigned char* b, unsigned int g, Group& u) {
+struct Raw {
+    static constexpr int WORDS = F == Q4_0   ? 6    // 5 words of the block, realigned
+                                 : F == Q5_0 ? 7    // 6, realigned
+                                 : F == Q4_1 ? 5
+                                 : F == Q5_1 ? 6
+                                 : F == Q8_0 ? 10   // 9, realigned
+                                 : F == Q4_K ? 12   // header 4, bytes 8
+                                 : F == Q5_K ? 20   // header 4, bytes 8, high bits 8
+                                             : 20;  // Q6_K: low 9, high 9, scales 1, d 1
+    unsigned int v[WORDS];
+    unsigned int shift;  // bits of realignment (0 or 16) of the unaligned formats
+};
+
+// The aligned word holding the 16 bits at the 2-byte aligned p, those bits at the bottom.
+PAGODA_DEVICE unsigned int half_word(const unsigned char* p) {
+    const size_t address = reinterpret_cast<size_t>(p);
+    return __ldg(reinterpret_cast<const unsigned int*>(address & ~(size_t)3)) >>
+           ((unsigned int)(address & 3) * 8);
+}
+
+// The N + 1 aligned words over the N words at the 2-byte aligned p (the last read only when p
+// is not 4-byte aligned: it may lie past the buffer otherwise); realigned by `word`.
+template <int N>
+PAGODA_DEVICE void load_unaligned(const unsigned char* p, unsigned int* raw, unsigned int& shift) {
+    const size_t address = reinterpret_cast<size_t>(p);
+    const unsigned int* base = reinterpret_cast<const unsigned int*>(address & ~(size_t)3);
+    shift = (unsigned int)(address & 3) * 8;
+#pragma unroll
+    for (int i = 0; i < N; ++i) raw[i] = __ldg(base + i);
+    raw[N] = shift != 0 ? __ldg(base + N) : 0u;
+}
+PAGODA_DEVICE unsigned int word(const unsigned int* raw, int i, unsigned int shift) {
+    return __funnelshift_r(raw[i], raw[i + 1], shift);
+}
+
+// Loads what group g (0 .. GROUPS_PER_BLOCK - 1) of the weight block at `b` of format F needs.
+template <int F>
+PAGODA_DEVICE void load_raw(const unsigned char* b, unsigned int g, Raw<F>& r) {
+    if constexpr (F == Q4_1 || F == Q5_1) {  // 4-byte aligned blocks
+        const unsigned int* p = reinterpret_cast<const unsigned int*>(b);
+#pragma unroll
+        for (int i = 0; i < Raw<F>::WORDS; ++i) r.v[i] = __ldg(p + i);
+        r.shift = 0;
+    } else if constexpr (F == Q4_0 || F == Q5_0 || F == Q8_0) {
+        load_unaligned<Raw<F>::WORDS - 1>(b, r.v, r.shift);
+    } else if constexpr (F == Q4_K || F == Q5_K) {
+        unsigned int head[4], qs[8];
+        load_aligned(b, head);
+        load_aligned(b + (F == Q4_K ? 16 : 48) + 32 * (g / 2), qs);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) r.v[i] = head[i];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) r.v[4 + i] = qs[i];
+        if constexpr (F == Q5_K) {
+            unsigned int qh[8];
+            load_aligned(b + 16, qh);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) r.v[12 + i] = qh[i];
+        }
+        r.shift = 0;
+    } else {  // Q6_K (2-byte aligned blocks): ql and qh runs share b's shift
+        const unsigned int h = g / 4, k = g % 4;
+        load_unaligned<8>(b + 64 * h + 32 * (k & 1), r.v, r.shift);
+        load_unaligned<8>(b + 128 + 32 * h, r.v + 9, r.shift);
+        r.v[18] = half_word(b + 192 + 8 * h + 2 * k);  // the two 16-value scales
+        r.v[19] = half_word(b + 208);                  // d
+    }
+}
+
+// Group g of a block from its loaded bytes: values 32g .. 32g + 31.
+template <int F>
+PAGODA_DEVICE void decode_raw(const Raw<F>& r, unsigned int g, Group& u) {
     if constexpr (F == Q4_0 || F == Q4_1 || F == Q5_0 || F == Q5_1) {
         // d [, m] [, qh: 4 bytes] and 16 bytes of nibbles (values j and j + 16 share byte j).
         constexpr bool MIN = F == Q4_1 || F == Q5_1;
         constexpr bool FIFTH = F == Q5_0 || F == Q5_1;
-        constexpr int WORDS = (Fmt<F>::BLOCK_BYTES + 3) / 4;
-        unsigned int w[WORDS], qs[4], qh = 0, dm;
-        if (F == Q4_1 || F == Q5_1) {  // 4-byte aligned blocks
-            const unsigned int* p = reinterpret_cast<const unsigned int*>(b);
+        unsigned int qs[4], qh = 0, dm;
+        if constexpr (F == Q4_1 || F == Q5_1) {
+            dm = r.v[0];
+            if (FIFTH) qh = r.v[1];
 #pragma unroll
-            for (int i = 0; i < WORDS; ++i) w[i] = __ldg(p + i);
-            dm = w[0];
-            if (FIFTH) qh = w[1];
+            for (int i = 0; i < 4; ++i) qs[i] = r.v[(FIFTH ? 2 : 1) + i];
+        } else {  // the words after the f16 scale, realigned
+            unsigned int w[Raw<F>::WORDS - 1];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) qs[i] = w[(FIFTH ? 2 : 1) + i];
-        } else {  // 2-byte aligned: the words after the f16 scale, realigned
-            load_words(b, w);
+            for (int i = 0; i < Raw<F>::WORDS - 1; ++i) w[i] = word(r.v, i, r.shift);
             dm = w[0];
             if (FIFTH) qh = __funnelshift_r(w[0], w[1], 16);
 #pragma unroll
@@ -133,24 +203,21 @@ PAGODA_DEVICE void decode(const unsigned char* b, unsigned int g, Group& u) {
         u.mw = MIN ? half_bits(dm >> 16) : (FIFTH ? -16.0f : -8.0f) * d;
     } else if constexpr (F == Q8_0) {
         unsigned int w[9];
-        load_words(b, w);
+#pragma unroll
+        for (int i = 0; i < 9; ++i) w[i] = word(r.v, i, r.shift);
 #pragma unroll
         for (int i = 0; i < 8; ++i) u.q[i] = (int)__funnelshift_r(w[i], w[i + 1], 16);
         u.dw[0] = u.dw[1] = half_bits(w[0]);
         u.mw = 0.0f;
     } else if constexpr (F == Q4_K || F == Q5_K) {
         // Groups 2c and 2c + 1 are the low and high nibbles of the 32 bytes of chunk c.
-        unsigned int head[4], qs[8];
-        load_aligned(b, head);
-        load_aligned(b + (F == Q4_K ? 16 : 48) + 32 * (g / 2), qs);
+        const unsigned int* head = r.v;
         const bool high = g % 2;
-        nibbles(*reinterpret_cast<const unsigned int(*)[4]>(qs), high, u.q);
-        nibbles(*reinterpret_cast<const unsigned int(*)[4]>(qs + 4), high, u.q + 4);
-        if (F == Q5_K) {  // the fifth bit of value l of group g: bit g of qh[l]
-            unsigned int qh[8];
-            load_aligned(b + 16, qh);
+        nibbles(*reinterpret_cast<const unsigned int(*)[4]>(r.v + 4), high, u.q);
+        nibbles(*reinterpret_cast<const unsigned int(*)[4]>(r.v + 8), high, u.q + 4);
+        if constexpr (F == Q5_K) {  // the fifth bit of value l of group g: bit g of qh[l]
 #pragma unroll
-            for (int i = 0; i < 8; ++i) u.q[i] |= (int)(((qh[i] >> g) & 0x01010101u) << 4);
+            for (int i = 0; i < 8; ++i) u.q[i] |= (int)(((r.v[12 + i] >> g) & 0x01010101u) << 4);
         }
         float scale, min;
         scale_min_k4(g, head + 1, scale, min);
@@ -158,22 +225,27 @@ PAGODA_DEVICE void decode(const unsigned char* b, unsigned int g, Group& u) {
         u.mw = -half_bits(head[0] >> 16) * min;
     } else {  // Q6_K: group g = (half h, k): low nibbles of ql[32 (k & 1)..] when k < 2,
               // high ones when k >= 2; two high bits from qh[l] >> 2k; 16-value scales.
-        const unsigned int h = g / 4, k = g % 4;
-        unsigned int ql[8], qh[8], sc[1];
-        load_words(b + 64 * h + 32 * (k & 1), ql);
-        load_words(b + 128 + 32 * h, qh);
-        load_words(b + 192 + 8 * h + 2 * k, sc);
+        const unsigned int k = g % 4;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            const unsigned int low = (k >= 2 ? ql[i] >> 4 : ql[i]) & 0x0f0f0f0fu;
-            const unsigned int value = low | (((qh[i] >> (2 * k)) & 0x03030303u) << 4);
+            const unsigned int ql = word(r.v, i, r.shift), qh = word(r.v + 9, i, r.shift);
+            const unsigned int low = (k >= 2 ? ql >> 4 : ql) & 0x0f0f0f0fu;
+            const unsigned int value = low | (((qh >> (2 * k)) & 0x03030303u) << 4);
             u.q[i] = (int)__vsub4(value, 0x20202020u);
         }
-        const float d = __half2float(*reinterpret_cast<const __half*>(b + 208));
-        u.dw[0] = d * (float)(signed char)(sc[0] & 0xff);
-        u.dw[1] = d * (float)(signed char)((sc[0] >> 8) & 0xff);
+        const float d = half_bits(r.v[19]);
+        u.dw[0] = d * (float)(signed char)(r.v[18] & 0xff);
+        u.dw[1] = d * (float)(signed char)((r.v[18] >> 8) & 0xff);
         u.mw = 0.0f;
     }
+}
+
+// Decodes group g (0 .. GROUPS_PER_BLOCK - 1) of the weight block at `b` of format F.
+template <int F>
+PAGODA_DEVICE void decode(const unsigned char* b, unsigned int g, Group& u) {
+    Raw<F> r;
+    load_raw<F>(b, g, r);
+    decode_raw<F>(r, g, u);
 }
 
 // A decoded group's dot with one 32-value block of q8 activations (32 bytes as two int4 `a`,

@@ -7,9 +7,9 @@ use pagoda_cuda::{CudaError, DeviceBuffer, DeviceRead, Gpu};
 /// Activation rows one `gemm_quant_mma` launch takes; more rows run in launches of this many.
 pub const QUANT_MMA_MAX_ROWS: usize = 64;
 
-/// Weight rows a CTA of `gemm_quant_mma` owns (`ROWS`).
-pub(super) const CTA_ROWS: usize = 16;
-/// Groups a split takes at least (a warp's `STEP` for each of the CTA's warps).
+/// Weight rows a CTA of `gemm_quant_mma` owns (`ROWS`: 16 a warp).
+pub(super) const CTA_ROWS: usize = 64;
+/// Groups a split takes at least (four of the CTA's iterations of `STEP` groups).
 const SPLIT_MIN_GROUPS: usize = 16;
 /// CTAs per SM a launch aims for: a matrix of fewer row tiles splits its groups.
 const CTAS_PER_SM: usize = 6;
@@ -27,9 +27,10 @@ impl SplitScratch {
         let target_ctas = CTAS_PER_SM * (gpu.info().sm_count as usize).max(1);
         Ok(SplitScratch {
             // A part splits only with fewer tiles than the target, into at most
-            // ceil(target / tiles) splits; a pair's larger count times its tiles fits four
-            // times the target in the models' shapes (else `plan` does not split).
-            partials: gpu.zeros::<f32>(4 * target_ctas * CTA_ROWS * QUANT_MMA_MAX_ROWS)?,
+            // ceil(target / tiles) splits; a pair's larger count times its tiles fits twice
+            // the target in most of the models' shapes (else `plan` does not split): about
+            // 26 MB on a 132-SM GPU.
+            partials: gpu.zeros::<f32>(2 * target_ctas * CTA_ROWS * QUANT_MMA_MAX_ROWS)?,
             tickets: gpu.zeros::<u32>(2 * target_ctas)?,
             target_ctas,
         })
@@ -81,10 +82,10 @@ mod tests {
     fn few_row_tiles_split_their_groups_to_fill_the_gpu() {
         // Six CTAs an SM of the H100's 132; Llama-3.1-8B's shapes (k 4096: 128 groups).
         let target = 6 * 132;
-        assert_eq!(split_count(target, 4096 / 16, 128), 4); // o: 1,024 CTAs
-        assert_eq!(split_count(target, 28672 / 16, 128), 1); // gate/up fill the GPU alone
-        assert_eq!(split_count(target, 1024 / 16, 128), 8); // at least 16 groups a split
-        assert_eq!(split_count(target, 4096 / 16, 448), 4); // down, k 14336
+        assert_eq!(split_count(target, 4096 / 64, 128), 8); // o: at least 16 groups a split
+        assert_eq!(split_count(target, 28672 / 64, 128), 2); // gate/up: 896 CTAs
+        assert_eq!(split_count(target, 1024 / 64, 128), 8);
+        assert_eq!(split_count(target, 4096 / 64, 448), 13); // down, k 14336: 832 CTAs
         assert_eq!(split_count(target, 1, 296), 18);
         assert_eq!(split_count(target, 3, 8), 1); // fewer groups than a split takes
     }

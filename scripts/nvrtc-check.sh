@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # CI (no GPU): compiles every CUDA kernel specialisation pagoda can request through NVRTC
-# for compute_90a and compute_80, and fails on any error.
+# for compute_90a, and for compute_80 those that can differ (every one of the sources with arch
+# conditionals, the first of each other entry; PAGODA_NVRTC_ALL_ARCHS=1: all), and fails on
+# any error.
 #
 # Installs the NVRTC, runtime-headers, CCCL and CRT (crt/mma.h for the tensor-core kernels)
 # wheels (CUDA 13.0) into a private venv,

@@ -380,6 +380,8 @@ settings! {
         "cuda nvrtc_check test, scripts/nvrtc-check.sh", "1: compile every kernel with NVRTC.";
     "PAGODA_NVRTC_ONLY", None, TEXT, "(all)", Testing,
         "cuda nvrtc_check test", "Compile only the entries whose name holds this text.";
+    "PAGODA_NVRTC_ALL_ARCHS", None, TEXT, "(unset)", Testing,
+        "cuda nvrtc_check test", "1: compile every specialisation for compute_80 too (unset: those of the sources with arch conditionals and the first of each other entry; compute_90a compiles all either way).";
     "PAGODA_NVRTC_DUMP", None, TEXT, "(unset)", Testing,
         "cuda nvrtc_check test", "Folder for each kernel's PTX.";
     "PAGODA_NVRTC_VENV", None, TEXT, "(target/nvrtc-venv)", Testing,

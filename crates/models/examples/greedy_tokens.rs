@@ -11,6 +11,7 @@ use pagoda_kv::{BlockPool, BlockTable, PageTable};
 use pagoda_models::formats::gguf::GgufFile;
 use pagoda_models::gguf_model::config_from_gguf;
 use pagoda_models::llama::{AttentionPolicy, ForwardBatch, KvCache, Model, WeightPrecision};
+use pagoda_ops::sampling::argmax;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -54,18 +55,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let logits = model
             .forward(&batch, &mut kv, AttentionPolicy::Auto)?
             .logits;
-        // The first of equal maxima, as the engine's greedy sampler takes.
-        let next = logits
-            .iter()
-            .enumerate()
-            .fold((0, f32::NEG_INFINITY), |best, (i, &v)| {
-                if v > best.1 {
-                    (i, v)
-                } else {
-                    best
-                }
-            })
-            .0 as u32;
+        // The engine's greedy choice: the largest logit, the lowest id on ties.
+        let next = argmax(&logits);
         done = tokens.len();
         tokens.push(next);
         generated.push(next.to_string());
